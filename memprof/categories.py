@@ -1,0 +1,86 @@
+"""The categories a byte can belong to and the phases of a training step."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from .errors import UnknownNameError
+
+__all__ = ["Category", "Phase", "TENSOR_CATEGORIES", "DEVICE_CATEGORIES"]
+
+
+class Category(str, Enum):
+    """What a byte of memory is for. A storage has exactly one category at a time."""
+
+    WEIGHTS = "weights"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATES = "optimizer_states"
+    ACTIVATIONS = "activations"
+    INPUTS = "inputs"
+    TEMPORARIES = "temporaries"
+    ALLOCATOR_OVERHEAD = "allocator_overhead"
+    OUTSIDE_TORCH = "outside_torch"
+
+    def __str__(self) -> str:  # str(Category.WEIGHTS) == "weights", as users print it
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "Category | str") -> "Category":
+        """Accept a Category or its value; raise :class:`UnknownNameError` otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            known = ", ".join(c.value for c in cls)
+            raise UnknownNameError(
+                f"unknown category {value!r}; use one of: {known}"
+            ) from None
+
+
+class Phase(str, Enum):
+    """The part of a training step a moment belongs to.
+
+    ``forward`` runs from the model's first forward call until backward starts
+    (the loss computation belongs to it); ``backward`` is autograd's work;
+    ``optimizer`` is ``optimizer.step()``; ``other`` is everything between
+    (``zero_grad``, data movement, evaluation outside the model's forward).
+    """
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    OTHER = "other"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "Phase | str") -> "Phase":
+        """Accept a Phase or its value; raise :class:`UnknownNameError` otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            known = ", ".join(p.value for p in cls)
+            raise UnknownNameError(f"unknown phase {value!r}; use one of: {known}") from None
+
+
+#: Categories measured from tensors (every mode, every device).
+TENSOR_CATEGORIES: tuple[Category, ...] = (
+    Category.WEIGHTS,
+    Category.BUFFERS,
+    Category.GRADIENTS,
+    Category.OPTIMIZER_STATES,
+    Category.ACTIVATIONS,
+    Category.INPUTS,
+    Category.TEMPORARIES,
+)
+
+#: Categories that only an accelerator's allocator and driver can report.
+DEVICE_CATEGORIES: tuple[Category, ...] = (
+    Category.ALLOCATOR_OVERHEAD,
+    Category.OUTSIDE_TORCH,
+)

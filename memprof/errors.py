@@ -1,0 +1,53 @@
+"""Errors raised by memprof.
+
+Every refusal is a :class:`MemprofError` subclass whose message names the
+problem and the fix, so a user never has to read a traceback from inside torch.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MemprofError",
+    "ProfilerStateError",
+    "InvalidArgumentError",
+    "UnknownNameError",
+    "SizeParseError",
+    "NotMeasuredError",
+    "TraceFormatError",
+    "RegistryError",
+]
+
+
+class MemprofError(Exception):
+    """Base class of every error memprof raises on purpose."""
+
+
+class ProfilerStateError(MemprofError):
+    """The profiler was used out of order (nested, re-entered, read before it ran)."""
+
+
+class InvalidArgumentError(MemprofError, TypeError):
+    """An argument has the wrong type or an impossible value.
+
+    Also a ``TypeError`` so that code catching the builtin keeps working.
+    """
+
+
+class UnknownNameError(MemprofError, ValueError):
+    """A category, phase, mode or similar name is not one memprof knows."""
+
+
+class SizeParseError(MemprofError, ValueError):
+    """A memory size string could not be parsed."""
+
+
+class NotMeasuredError(MemprofError):
+    """A figure was asked for that this run did not measure."""
+
+
+class TraceFormatError(MemprofError, ValueError):
+    """A file is not a memprof trace, or is from a newer schema."""
+
+
+class RegistryError(MemprofError):
+    """A formula registry was used wrongly (for example, registered twice)."""
