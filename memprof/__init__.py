@@ -1,9 +1,44 @@
-"""memprof: where does my training memory go?"""
+"""memprof: where does my training memory go?
 
-from .categories import Category, Phase
-from .errors import MemprofError, ProfilerStateError
-from .units import format_bytes, parse_size
+Wrap a training loop in :func:`profile`; read :meth:`Profiler.report`.
+"""
 
 __version__ = "0.1.0"
 
-__all__ = ["Category", "Phase", "MemprofError", "ProfilerStateError", "format_bytes", "parse_size", "__version__"]
+from .categories import Category, Phase
+from .errors import (
+    InvalidArgumentError,
+    MemprofError,
+    NotMeasuredError,
+    ProfilerStateError,
+    SizeParseError,
+    TraceFormatError,
+    UnknownNameError,
+)
+from .profiler import Profiler, profile
+from .report import Report
+from .trace import Breakdown, ModuleRecord, PhaseRecord, StepRecord, Trace
+from .units import format_bytes, parse_size
+
+__all__ = [
+    "profile",
+    "Profiler",
+    "Report",
+    "Trace",
+    "Breakdown",
+    "StepRecord",
+    "PhaseRecord",
+    "ModuleRecord",
+    "Category",
+    "Phase",
+    "MemprofError",
+    "ProfilerStateError",
+    "InvalidArgumentError",
+    "UnknownNameError",
+    "SizeParseError",
+    "NotMeasuredError",
+    "TraceFormatError",
+    "format_bytes",
+    "parse_size",
+    "__version__",
+]

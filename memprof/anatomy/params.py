@@ -1,0 +1,130 @@
+"""Bytes per parameter by precision regime and optimizer (the "textbook" column).
+
+Every figure is per parameter and comes from ANATOMY.md §1 (HuggingFace
+"Model training anatomy"), §2 (ZeRO) or §6 (mixed precision). These are the
+formulas people quote; :mod:`memprof.anatomy.optimizers` predicts what a real
+``torch.optim`` object holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UnknownNameError
+
+__all__ = [
+    "BytesPerParam",
+    "PRECISIONS",
+    "OPTIMIZERS",
+    "bytes_per_param",
+    "bytes_per_param_breakdown",
+]
+
+# Weights and gradients per regime: (weights, gradients, optimizer-state itemsize, transient weights).
+_REGIMES: dict[str, tuple[float, float, int, float]] = {
+    # ANATOMY §1 (HF): fp32 weights 4, fp32 grads 4; states fp32.
+    "fp32": (4.0, 4.0, 4, 0.0),
+    # ANATOMY §1 (HF): mixed precision keeps fp32 weights + a 16-bit copy = 6; "gradients are always kept in fp32" = 4.
+    "mixed": (6.0, 4.0, 4, 0.0),
+    # ANATOMY §6: torch.autocast keeps fp32 params (4) and fp32 grads (4); the 16-bit weight casts add 2 B/param
+    # while cached or saved for backward (peak 18, steady 16).
+    "amp": (4.0, 4.0, 4, 2.0),
+    # ANATOMY §6 [M]: pure bf16, torch AdamW states are zeros_like(p) so bf16 too.
+    "bf16": (2.0, 2.0, 2, 0.0),
+    # Same accounting as bf16 (ANATOMY §6; states follow the parameter dtype, §5).
+    "fp16": (2.0, 2.0, 2, 0.0),
+    # ANATOMY §2 (ZeRO §3): fp16 params 2 + fp16 grads 2; K holds the fp32 master copy too.
+    "zero": (2.0, 2.0, 4, 0.0),
+}
+
+#: Precision regimes ``bytes_per_param`` knows.
+PRECISIONS: tuple[str, ...] = tuple(_REGIMES)
+
+# Number of full-size state tensors per optimizer, in the state dtype (ANATOMY §1, §5; torch/optim sources).
+_STATES: dict[str | None, float] = {
+    "adamw": 2,  # exp_avg, exp_avg_sq (ANATOMY §1: AdamW 8 B in fp32)
+    "adam": 2,  # same states as AdamW (torch/optim/adam.py)
+    "sgd": 0,  # plain SGD keeps nothing (ANATOMY §5 measured 0)
+    "sgd_momentum": 1,  # momentum_buffer (ANATOMY §1: 4 B)
+    "adagrad": 1,  # sum (ANATOMY §5: 4.00 in fp32)
+    "rmsprop": 1,  # square_avg (ANATOMY §5: 4.00 in fp32)
+    "adafactor": 0,  # factored row/col variances: O(m+n) per m×n matrix, ≈0 per param (ANATOMY §5 measured 0.01)
+    "lion": 1,  # one momentum (ANATOMY §5: Lion 4.00; bnb Optimizer1State)
+    None: 0,  # no optimizer
+}
+# 8-bit AdamW holds two uint8 states = 2 B/param whatever the regime (ANATOMY §1 HF table, §5 bnb);
+# the block absmax (8/blocksize B/param) is ignored here, as HF does.
+_ADAMW_8BIT_BYTES = 2.0
+# ZeRO's K = 12 for mixed-precision Adam: fp32 master params 4 + momentum 4 + variance 4 (ANATOMY §2, ZeRO §3).
+_ZERO_ADAM_K = 12.0
+
+#: Optimizer names ``bytes_per_param`` knows (``None`` means no optimizer).
+OPTIMIZERS: tuple[str | None, ...] = (*_STATES, "adamw_8bit")
+
+
+@dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes per parameter split by category.
+
+    ``transient_weights`` is memory that exists only part of the step (the
+    autocast 16-bit weight copies while cached or saved for backward); it is
+    not part of :attr:`total`, which is the steady state.
+    """
+
+    weights: float
+    gradients: float
+    optimizer_states: float
+    transient_weights: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Steady-state bytes per parameter (weights + gradients + optimizer states)."""
+        return self.weights + self.gradients + self.optimizer_states
+
+    @property
+    def peak(self) -> float:
+        """Bytes per parameter including the transient weight copies."""
+        return self.total + self.transient_weights
+
+
+def _names(values: tuple[str | None, ...]) -> str:
+    return ", ".join(repr(v) for v in values)
+
+
+def bytes_per_param_breakdown(precision: str, optimizer: str | None, *, training: bool = True) -> BytesPerParam:
+    """Bytes per parameter for a precision regime and optimizer, split by category.
+
+    ``precision`` is one of :data:`PRECISIONS`: ``"fp32"``, ``"mixed"`` (HF:
+    fp32 weights plus a 16-bit copy), ``"amp"`` (``torch.autocast`` over fp32
+    parameters), ``"bf16"``/``"fp16"`` (pure 16-bit with torch optimizers, whose
+    states take the parameter dtype) and ``"zero"`` (ZeRO's 2 + 2 + K with the
+    fp32 master copy in K). Optimizer states scale with the regime's state dtype.
+    With ``training=False`` only the weights count (HF: mixed inference = 6).
+    Unknown names raise :class:`~memprof.errors.UnknownNameError`.
+    """
+    if precision not in _REGIMES:
+        raise UnknownNameError(f"unknown precision {precision!r}; use one of: {_names(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise UnknownNameError(f"unknown optimizer {optimizer!r}; use one of: {_names(OPTIMIZERS)}")
+    weights, grads, state_itemsize, transient = _REGIMES[precision]
+    if not training:
+        return BytesPerParam(weights=weights, gradients=0.0, optimizer_states=0.0)
+    if optimizer == "adamw_8bit":
+        states = _ADAMW_8BIT_BYTES
+    elif precision == "zero" and optimizer in ("adam", "adamw"):
+        states = _ZERO_ADAM_K
+    elif precision == "zero":
+        # ZeRO keeps an fp32 master copy (4) beside fp32 states for any optimizer (ZeRO §3's accounting).
+        states = 4.0 + _STATES[optimizer] * state_itemsize if optimizer is not None else 0.0
+    else:
+        states = _STATES[optimizer] * state_itemsize
+    return BytesPerParam(weights=weights, gradients=grads, optimizer_states=float(states), transient_weights=transient)
+
+
+def bytes_per_param(precision: str, optimizer: str | None, *, training: bool = True) -> float:
+    """Steady-state bytes per parameter (the total of :func:`bytes_per_param_breakdown`).
+
+    ``bytes_per_param("mixed", "adamw") == 18`` (HF), ``("fp32", "adamw") == 16``,
+    ``("zero", "adam") == 16`` (ZeRO), ``("mixed", None, training=False) == 6``.
+    """
+    return bytes_per_param_breakdown(precision, optimizer, training=training).total

@@ -1,0 +1,996 @@
+"""The profiler: owns every hook's lifetime and produces the Trace.
+
+``memprof.profile(model, optimizer)`` returns a :class:`Profiler`, a context
+manager. While it is active it sees:
+
+* every storage created (exact mode: a ``TorchDispatchMode``),
+* what autograd saves for backward (``saved_tensors_hooks``),
+* the model's module calls (forward pre/post hooks; backward via
+  ``register_multi_grad_hook`` on each call's outputs and inputs),
+* gradients as they are stored (``register_post_accumulate_grad_hook``),
+* optimizer steps (torch's global optimizer step hooks, filtered to the
+  optimizers that hold this model's parameters).
+
+Everything it installs sits on one ``ExitStack`` that unwinds on exit, also
+when the body raises; the exception propagates unchanged and the record up
+to the failure stays readable through :meth:`Profiler.report`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+import torch
+import torch.optim.optimizer as _optim_mod
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import __version__  # noqa: F401  (defined before submodules import)
+from .categories import Category, Phase
+from .errors import InvalidArgumentError, ProfilerStateError, UnknownNameError
+from .track.device import DeviceProbe
+from .track.ledger import (
+    ACTIVATIONS,
+    BUFFERS,
+    GRADIENTS,
+    INPUTS,
+    N_CATS,
+    OPTIMIZER_STATES,
+    TEMPORARIES,
+    WEIGHTS,
+    Ledger,
+)
+from .trace import Breakdown, DeviceInfo, ModuleRecord, PhaseRecord, Sample, StepRecord, Trace
+
+if TYPE_CHECKING:
+    from .report import Report
+
+__all__ = ["Profiler", "profile"]
+
+_MODES = ("full", "light", "auto")
+_DETACH = torch.ops.aten.detach.default
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_MAX_SAMPLES = 20_000
+
+# Models currently being profiled, so that a second profiler on the same model is refused.
+_ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def profile(
+    model: nn.Module,
+    optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None" = None,
+    *,
+    mode: str = "auto",
+    timeline: bool = True,
+) -> "Profiler":
+    """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
+
+    ``optimizer`` may be one optimizer, several, or ``None``; with ``None``
+    any optimizer that steps the model's parameters is still seen, and until
+    one is, each backward ends a step. ``mode`` is ``"full"`` (exact: every
+    storage, default on CPU), ``"light"`` (allocator counters and hooks only,
+    default on accelerators) or ``"auto"``. ``timeline=False`` skips the
+    per-module samples that plots use.
+
+    The profiler holds no strong reference to the model, its tensors or the
+    optimizer after the block ends.
+    """
+    return Profiler(model, optimizer, mode=mode, timeline=timeline)
+
+
+class _Saved:
+    """What the pack hook hands to autograd: a detached alias of the saved tensor.
+
+    Detaching avoids the reference cycle (output -> grad_fn -> saved output)
+    that returning the tensor itself would create, which would keep a graph
+    that is dropped without backward alive. ``__del__`` tells the profiler
+    that autograd released this slot.
+    """
+
+    __slots__ = ("tensor", "owner", "key")
+
+    def __init__(self, tensor: torch.Tensor, owner: "Profiler | None", key: int) -> None:
+        self.tensor = tensor
+        self.owner = owner
+        self.key = key
+
+    def __del__(self) -> None:
+        owner = self.owner
+        if owner is not None:
+            owner._unsaved(self.key)
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.tensor if type(saved) is _Saved else saved
+
+
+class _DispatchTracker(TorchDispatchMode):
+    """Sees every op; registers each new output storage with the ledger."""
+
+    def __init__(self, prof: "Profiler") -> None:
+        super().__init__()
+        self.prof = prof
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        prof = self.prof
+        if func is not _DETACH:
+            prof._last_op = func
+        if prof._scan_args:
+            prof._scan_inputs(args)
+        out = func(*args, **(kwargs or {}))
+        if func.namespace != "profiler":  # record_function markers are not work
+            prof._ops += 1
+        if prof._recompute_pending:
+            prof._flush_recompute()
+        if _graph_task_id() != -1:
+            if prof._phase is not Phase.BACKWARD:
+                prof._backward_started()
+        elif prof._phase is Phase.OTHER and not prof._other_active:
+            prof._other_active = True
+        if isinstance(out, torch.Tensor):
+            prof._register_output(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    prof._register_output(o)
+        return out
+
+
+class _ModuleInfo:
+    __slots__ = ("path", "type", "calls", "act_step", "act_bytes", "fwd_peak", "bwd_peak", "ops")
+
+    def __init__(self, path: str, type_name: str) -> None:
+        self.path = path
+        self.type = type_name
+        self.calls = 0
+        self.act_step = -1
+        self.act_bytes = 0
+        self.fwd_peak: "int | None" = None
+        self.bwd_peak: "int | None" = None
+
+
+class Profiler:
+    """A profiling session. Create it with :func:`memprof.profile`.
+
+    Use once: ``with prof:`` may be entered a single time. After the block,
+    :attr:`trace` is the frozen record and :meth:`report` its views.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None" = None,
+        *,
+        mode: str = "auto",
+        timeline: bool = True,
+        _allow_meta: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidArgumentError(
+                f"profile() needs a torch.nn.Module as its first argument, got {type(model).__name__}; "
+                "pass the model whose training you want to measure"
+            )
+        optimizers = _as_optimizers(optimizer)
+        if not isinstance(mode, str) or mode not in _MODES:
+            raise UnknownNameError(f"unknown mode {mode!r}; use one of: full, light, auto")
+        model_params = {id(p) for p in model.parameters()}
+        for opt in optimizers:
+            foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in model_params]
+            if foreign:
+                raise InvalidArgumentError(
+                    f"{type(opt).__name__} holds {len(foreign)} parameter(s) that are not the model's; "
+                    "pass the optimizer built from model.parameters(), or profile the module that owns them"
+                )
+        device = _model_device(model)
+        if device.type == "meta" and not _allow_meta:
+            raise InvalidArgumentError(
+                "the model is on the meta device, where nothing can be measured; move it to a real device "
+                "(model.to('cpu') after materialising), or use memprof.estimate() to simulate it"
+            )
+        if mode == "auto":
+            mode = "full" if device.type in ("cpu", "meta") else "light"
+        self.mode = mode
+        self.device = device
+        self._model_ref = weakref.ref(model)
+        self._optimizer_ids = {id(o) for o in optimizers}
+        self._optimizer_refs = [weakref.ref(o) for o in optimizers]
+        self._timeline_enabled = timeline
+        self._state = "new"
+        self._trace: "Trace | None" = None
+        self._probe = DeviceProbe(device)
+        self._ledger = Ledger(rounding=self._probe.rounding)
+        self._stack: "contextlib.ExitStack | None" = None
+        self._notes: list[str] = []
+
+    # ------------------------------------------------------------------ public
+
+    def __enter__(self) -> "Profiler":
+        if self._state != "new":
+            raise ProfilerStateError(
+                "this profiler was already used; profilers are single-use, create a new one with memprof.profile()"
+            )
+        model = self._model_ref()
+        if model is None:  # pragma: no cover - the caller holds the model
+            raise ProfilerStateError("the model was garbage-collected before profiling started")
+        if model in _ACTIVE_MODELS:
+            raise ProfilerStateError(
+                "memprof.profile() is already active on this model; exit that block first "
+                "(one profiler per model at a time)"
+            )
+        # Collect garbage first so that cycles left by earlier code are not freed
+        # mid-step and counted as this step's frees.
+        gc.collect()
+        self._state = "active"
+        _ACTIVE_MODELS.add(model)
+        self._stack = contextlib.ExitStack()
+        try:
+            self._setup(model)
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._state != "active":
+            return None
+        if exc is not None:
+            self._error = f"{exc_type.__name__}: {exc}"
+            # What was live at the failing moment, before anything unwinds further.
+            self._live_at_error = self._breakdown(self._ledger.totals, where="now")
+            self._live_modules_at_error = self._modules_live_now()
+        self._teardown()
+        return None  # never swallow the body's exception
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Mark one step explicitly: ``with prof.step(): ...``.
+
+        Once used, steps are delimited only by these blocks (optimizer steps
+        and backward passes no longer end steps on their own).
+        """
+        if self._state != "active":
+            raise ProfilerStateError("prof.step() is only valid inside the 'with memprof.profile(...)' block")
+        if not self._explicit_steps:
+            self._explicit_steps = True
+            self._end_step(drop_if_empty=True)
+        try:
+            yield
+        finally:
+            if self._state == "active":
+                self._end_step()
+
+    @property
+    def trace(self) -> Trace:
+        """The frozen record. Available after the block ends (also after an exception)."""
+        if self._trace is None:
+            if self._state == "new":
+                raise ProfilerStateError(
+                    "nothing was profiled yet; run your step inside 'with memprof.profile(model, optimizer) as prof:' "
+                    "and read prof.report() after the block"
+                )
+            if self._state == "active":
+                raise ProfilerStateError(
+                    "the profiler is still running; read prof.report() after the 'with' block ends"
+                )
+        assert self._trace is not None
+        return self._trace
+
+    def report(self) -> "Report":
+        """The :class:`memprof.Report` built on :attr:`trace`."""
+        from .report import Report
+
+        return Report(self.trace)
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self, model: nn.Module) -> None:
+        stack = self._stack
+        assert stack is not None
+        led = self._ledger
+        # State of the phase machine.
+        self._phase = Phase.OTHER
+        self._other_active = False
+        self._ops = 0
+        self._phase_ops_start = 0
+        self._step = 0
+        self._step_phases: list[PhaseRecord] = []
+        self._steps: list[StepRecord] = []
+        self._occurrence: dict[Phase, int] = {}
+        self._phase_start: list[int] = led.totals.copy()
+        self._phase_serial_where: dict[int, tuple[int, Phase]] = {}
+        self._explicit_steps = False
+        self._pending_backward_end = False
+        self._optimizer_seen = bool(self._optimizer_ids)
+        self._last_op: Any = None
+        self._scan_args = False
+        self._recompute_depth = 0
+        self._recompute_start = 0
+        self._recompute_pending = False
+        self._error: "str | None" = None
+        self._live_at_error: "Breakdown | None" = None
+        self._live_modules_at_error: tuple[tuple[str, int], ...] = ()
+        self._samples: list[Sample] = []
+        self._sample_seq = 0
+        self._fwd_stack: list[int] = []
+        self._bw_frames: dict[int, Any] = {}
+        self._opt_class: "str | None" = None
+        self._opt_impl: "str | None" = None
+        self._ours_cache: dict[int, bool] = {}
+        self._autocast_dtype: "str | None" = None
+
+        # Modules, by path. Shared modules keep their first path.
+        self._modules: list[_ModuleInfo] = []
+        index_of: dict[int, int] = {}
+        for path, mod in model.named_modules():
+            if id(mod) in index_of:
+                continue
+            index_of[id(mod)] = len(self._modules)
+            self._modules.append(_ModuleInfo(path or "", type(mod).__name__))
+        self._module_params: list[list[weakref.ref]] = []
+        params_by_module: dict[int, list[weakref.ref]] = {}
+        for path, mod in model.named_modules():
+            i = index_of[id(mod)]
+            if i in params_by_module:
+                continue
+            seen: set[int] = set()
+            refs = []
+            for p in mod.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    refs.append(weakref.ref(p))
+            params_by_module[i] = refs
+        self._module_params = [params_by_module[i] for i in range(len(self._modules))]
+        self._params = [weakref.ref(p) for p in _unique_params(model)]
+        self._param_ids = {id(p) for p in _unique_params(model)}
+        self._param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in _unique_params(model)}))
+
+        # What exists already: weights, buffers, gradients, optimizer state.
+        for p in _unique_params(model):
+            self._add_tensor(p, WEIGHTS)
+        for p in _unique_params(model):
+            if p.grad is not None:
+                self._add_grad(p.grad, retro=False)
+        for b in model.buffers():
+            self._add_tensor(b, BUFFERS)
+        for ref in self._optimizer_refs:
+            opt = ref()
+            if opt is not None:
+                self._note_optimizer(opt)
+                self._collect_optimizer_state(opt, retro=False)
+        self._start_totals = led.totals.copy()
+        led.start_phase()
+        self._phase_start = led.totals.copy()
+        self._phase_serial_where[led.phase_serial] = (0, Phase.OTHER)
+
+        # Hooks. Each registration goes on the stack right away so that a
+        # failure half-way still removes what was installed.
+        root = model
+        for path, mod in model.named_modules():
+            i = index_of[id(mod)]
+            pre = mod.register_forward_pre_hook(self._make_pre_hook(i, mod is root), with_kwargs=True)
+            stack.callback(pre.remove)
+            post = mod.register_forward_hook(self._make_post_hook(i, mod is root), with_kwargs=True,
+                                             always_call=True)
+            stack.callback(post.remove)
+        for p in _unique_params(model):
+            if p.requires_grad:
+                h = p.register_post_accumulate_grad_hook(self._grad_hook)
+                stack.callback(h.remove)
+        h = _optim_mod.register_optimizer_step_pre_hook(self._opt_pre_hook)
+        stack.callback(h.remove)
+        h = _optim_mod.register_optimizer_step_post_hook(self._opt_post_hook)
+        stack.callback(h.remove)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        if self.mode == "full":
+            stack.enter_context(_DispatchTracker(self))
+        else:
+            self._probe.start_light()
+            self._notes.extend(self._probe.light_notes())
+        self._sample("start")
+
+    def _teardown(self) -> None:
+        stack, self._stack = self._stack, None
+        model = self._model_ref()
+        try:
+            if stack is not None:
+                stack.close()
+        finally:
+            if model is not None:
+                _ACTIVE_MODELS.discard(model)
+            if self._state == "active":
+                self._state = "done"
+                try:
+                    self._trace = self._build_trace()
+                finally:
+                    self._ledger.close()
+                    self._samples = []
+            else:
+                self._state = "done"
+                self._ledger.close()
+
+    # ------------------------------------------------------------------ registration
+
+    def _add_tensor(self, t: torch.Tensor, cat: int) -> Any:
+        if t.device != self.device:
+            return None
+        if t.layout is not torch.strided:
+            if t.is_sparse:
+                self._add_tensor(t._indices(), cat)
+                return self._add_tensor(t._values(), cat)
+            return None
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        return self._ledger.add(st, cat)
+
+    def _add_grad(self, g: torch.Tensor, *, retro: bool) -> None:
+        entry = self._add_tensor(g, GRADIENTS)
+        if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS, INPUTS):
+            self._ledger.move(entry, GRADIENTS, retro=retro)
+
+    def _register_output(self, t: torch.Tensor) -> None:
+        if t.device != self.device:
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        self._ledger.add(st, TEMPORARIES)
+
+    def _scan_inputs(self, args: Iterable[Any]) -> None:
+        # Tensors that come from outside the profile (targets handed to the
+        # loss, masks) are inputs; known storages are skipped in O(1).
+        entries = self._ledger.entries
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                try:
+                    st = a.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if st._cdata not in entries and a.device == self.device:
+                    self._ledger.add(st, INPUTS)
+
+    def _mark_inputs(self, objs: Any, depth: int = 0) -> None:
+        if depth > 4:
+            return
+        if isinstance(objs, torch.Tensor):
+            entry = self._add_tensor(objs, INPUTS)
+            if entry is not None and entry.cat == TEMPORARIES:
+                self._ledger.move(entry, INPUTS)
+        elif isinstance(objs, (list, tuple)):
+            for o in objs:
+                self._mark_inputs(o, depth + 1)
+        elif isinstance(objs, dict):
+            for o in objs.values():
+                self._mark_inputs(o, depth + 1)
+
+    # ------------------------------------------------------------------ saved tensors
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._state != "active" or t.device != self.device or t.layout is not torch.strided:
+            return t.detach() if isinstance(t, torch.Tensor) else t
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return t.detach()
+        led = self._ledger
+        entry = led.entries.get(st._cdata)
+        if entry is None:
+            # Full mode saw every op output, so an unknown storage came from
+            # outside the profile: an input. Light mode sees no op outputs, so
+            # an unknown storage that autograd saves is an activation.
+            entry = led.add(st, INPUTS if self.mode == "full" else ACTIVATIONS)
+            if entry.cat == ACTIVATIONS:
+                self._attribute_saved(entry)
+        elif entry.cat == TEMPORARIES:
+            led.move(entry, ACTIVATIONS)
+            self._attribute_saved(entry)
+        if entry.cat == ACTIVATIONS:
+            if entry.saved < 0:
+                entry.saved = 0
+            entry.saved += 1
+            return _Saved(t.detach(), self, entry.key)
+        return t.detach()
+
+    def _attribute_saved(self, entry: Any) -> None:
+        if not self._fwd_stack:
+            return
+        info = self._modules[self._fwd_stack[-1]]
+        if info.act_step != self._step:
+            info.act_step = self._step
+            info.act_bytes = 0
+        info.act_bytes += entry.nbytes
+
+    def _unsaved(self, key: int) -> None:
+        if self._state != "active":
+            return
+        entry = self._ledger.entries.get(key)
+        if entry is None or entry.cat != ACTIVATIONS:
+            return
+        entry.saved -= 1
+        if entry.saved == 0:
+            # Autograd released its last reference; whoever still holds the
+            # storage holds an ordinary tensor.
+            self._ledger.move(entry, TEMPORARIES)
+
+    def _flush_recompute(self) -> None:
+        # Storages created while a checkpointed region was recomputed in
+        # backward under checkpoint's own saved-tensor hooks, still alive
+        # now, are what checkpoint saved for this backward.
+        self._recompute_pending = False
+        start = self._recompute_start
+        led = self._ledger
+        for entry in list(led.entries.values()):
+            if entry.created > start and entry.cat == TEMPORARIES:
+                led.move(entry, ACTIVATIONS)
+                entry.saved = -1  # held by checkpoint, released as backward unpacks it
+
+    # ------------------------------------------------------------------ module hooks
+
+    def _make_pre_hook(self, index: int, is_root: bool):
+        def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if self._state != "active":
+                return None
+            info = self._modules[index]
+            in_backward = self._phase is Phase.BACKWARD
+            if is_root and not in_backward:
+                if self._phase is not Phase.FORWARD:
+                    self._begin_phase(Phase.FORWARD)
+                self._mark_inputs(args)
+                self._mark_inputs(kwargs)
+                self._note_autocast()
+            if in_backward:
+                # A module running forward during backward: checkpoint recomputing.
+                if self._recompute_depth == 0:
+                    self._recompute_start = self._ledger.seq
+                    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+                    self._recompute_foreign = top is None or top[0] != self._pack
+                self._recompute_depth += 1
+            info.calls += 1
+            self._fwd_stack.append(index)
+            self._ledger.push_frame(index, backward=False)
+            if self._timeline_enabled:
+                self._sample(info.path or "<model>")
+            if torch.is_grad_enabled() and not in_backward:
+                tensors = [a for a in _tensors(args, kwargs) if a.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(tensors, self._make_bw_exit(index), mode="any")
+            return None
+
+        return pre_hook
+
+    def _make_post_hook(self, index: int, is_root: bool):
+        def post_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if self._state != "active":
+                return None
+            led = self._ledger
+            frame = led.frames[-1] if led.frames and led.frames[-1].module == index else None
+            if frame is not None:
+                for f in led.pop_frame(frame):
+                    self._close_frame(f)
+            if self._fwd_stack and self._fwd_stack[-1] == index:
+                self._fwd_stack.pop()
+            if self._recompute_depth:
+                self._recompute_depth -= 1
+                if self._recompute_depth == 0 and self._recompute_foreign and self.mode == "full":
+                    self._recompute_pending = True
+                return None
+            if self._timeline_enabled:
+                self._sample(self._modules[index].path or "<model>")
+            if torch.is_grad_enabled() and self._phase is Phase.FORWARD:
+                tensors = [t for t in _tensors((output,), None) if t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(tensors, self._make_bw_enter(index), mode="any")
+            return None
+
+        return post_hook
+
+    def _close_frame(self, frame: Any) -> None:
+        info = self._modules[frame.module]
+        rise = frame.max_t - frame.entry_t
+        if self.mode != "full":
+            return  # temporaries are not seen op by op in light mode
+        if frame.backward:
+            info.bwd_peak = rise if info.bwd_peak is None else max(info.bwd_peak, rise)
+        else:
+            info.fwd_peak = rise if info.fwd_peak is None else max(info.fwd_peak, rise)
+
+    def _make_bw_enter(self, index: int):
+        def enter(_grad: Any) -> None:
+            if self._state != "active":
+                return
+            if self._phase is not Phase.BACKWARD:
+                self._backward_started()
+            if index not in self._bw_frames:
+                self._bw_frames[index] = self._ledger.push_frame(index, backward=True)
+                if self._timeline_enabled:
+                    self._sample(self._modules[index].path or "<model>")
+
+        return enter
+
+    def _make_bw_exit(self, index: int):
+        def exit_(_grads: Any) -> None:
+            if self._state != "active":
+                return
+            frame = self._bw_frames.pop(index, None)
+            if frame is not None:
+                for f in self._ledger.pop_frame(frame):
+                    self._bw_frames.pop(f.module, None) if f is not frame else None
+                    self._close_frame(f)
+                if self._timeline_enabled:
+                    self._sample(self._modules[index].path or "<model>")
+
+        return exit_
+
+    # ------------------------------------------------------------------ grads and optimizer
+
+    def _grad_hook(self, param: torch.Tensor) -> None:
+        if self._state != "active":
+            return
+        if self._phase is not Phase.BACKWARD:
+            self._backward_started()
+        g = param.grad
+        if g is not None:
+            self._add_grad(g, retro=True)
+
+    def _is_ours(self, opt: torch.optim.Optimizer) -> bool:
+        if self._optimizer_ids:
+            return id(opt) in self._optimizer_ids
+        known = self._ours_cache.get(id(opt))
+        if known is None:
+            known = any(id(p) in self._param_ids for g in opt.param_groups for p in g["params"])
+            self._ours_cache[id(opt)] = known
+        return known
+
+    def _opt_pre_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._state != "active" or not self._is_ours(opt):
+            return None
+        self._optimizer_seen = True
+        self._note_optimizer(opt)
+        self._walk_grads()
+        if self._phase is not Phase.OPTIMIZER:
+            self._begin_phase(Phase.OPTIMIZER)
+        return None
+
+    def _opt_post_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._state != "active" or not self._is_ours(opt):
+            return None
+        self._collect_optimizer_state(opt, retro=True)
+        if not self._explicit_steps:
+            self._end_step()
+        else:
+            self._begin_phase(Phase.OTHER)
+        return None
+
+    def _collect_optimizer_state(self, opt: torch.optim.Optimizer, *, retro: bool) -> None:
+        led = self._ledger
+        for state in opt.state.values():
+            if not isinstance(state, dict):
+                continue
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    entry = self._add_tensor(value, OPTIMIZER_STATES)
+                    if entry is not None and entry.cat in (TEMPORARIES, INPUTS, ACTIVATIONS):
+                        led.move(entry, OPTIMIZER_STATES, retro=retro)
+
+    def _note_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        if self._opt_class is None:
+            self._opt_class = f"{type(opt).__module__}.{type(opt).__qualname__}"
+            defaults = getattr(opt, "defaults", {})
+            if defaults.get("fused"):
+                self._opt_impl = "fused"
+            elif defaults.get("foreach"):
+                self._opt_impl = "foreach"
+            elif defaults.get("foreach") is False:
+                self._opt_impl = "for-loop"
+            else:
+                # torch picks foreach only when every parameter is on a native
+                # accelerator (torch.optim.optimizer._default_to_fused_or_foreach).
+                self._opt_impl = "foreach" if self.device.type == "cuda" else "for-loop"
+
+    def _note_autocast(self) -> None:
+        if self._autocast_dtype is not None:
+            return
+        dev = self.device.type if self.device.type in ("cpu", "cuda") else None
+        if dev is not None and torch.is_autocast_enabled(dev):
+            self._autocast_dtype = str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+
+    def _walk_grads(self) -> None:
+        for ref in self._params:
+            p = ref()
+            if p is not None and p.grad is not None:
+                self._add_grad(p.grad, retro=False)
+
+    # ------------------------------------------------------------------ phases
+
+    def _backward_started(self) -> None:
+        if self._phase is Phase.BACKWARD:
+            return
+        self._begin_phase(Phase.BACKWARD)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        except RuntimeError:
+            # Not inside the engine (a grad hook called by hand): the next
+            # phase change closes backward instead.
+            pass
+
+    def _backward_done(self) -> None:
+        if self._state != "active" or self._phase is not Phase.BACKWARD:
+            return
+        led = self._ledger
+        for f in list(led.frames):
+            if f.backward:
+                for g in led.pop_frame(f):
+                    self._close_frame(g)
+                break
+        self._bw_frames.clear()
+        self._walk_grads()
+        self._begin_phase(Phase.OTHER)
+        if not self._explicit_steps and not self._optimizer_seen:
+            # Without an optimizer each backward ends a step; decided at the
+            # next forward, so that an optimizer created later still counts.
+            self._pending_backward_end = True
+
+    def _begin_phase(self, phase: Phase) -> None:
+        if phase is Phase.FORWARD and self._pending_backward_end:
+            self._pending_backward_end = False
+            if not self._optimizer_seen and not self._explicit_steps:
+                self._end_step()
+        self._close_phase()
+        self._phase = phase
+        self._other_active = False
+        led = self._ledger
+        led.start_phase()
+        self._phase_start = led.totals.copy()
+        self._phase_ops_start = self._ops
+        self._phase_serial_where[led.phase_serial] = (self._step, phase)
+        self._scan_args = self.mode == "full" and phase in (Phase.FORWARD, Phase.OTHER)
+        self._probe.phase_started()
+        self._sample(phase.value)
+
+    def _close_phase(self) -> None:
+        led = self._ledger
+        phase = self._phase
+        end = led.totals
+        ops = self._ops - self._phase_ops_start
+        if phase is Phase.OTHER and ops == 0 and end == self._phase_start and led.phase_peak == self._phase_start:
+            return  # nothing happened between two phases: no record
+        occ = self._occurrence.get(phase, 0)
+        self._occurrence[phase] = occ + 1
+        device_now = self._probe.phase_ended()
+        record = PhaseRecord(
+            step=self._step,
+            phase=phase,
+            occurrence=occ,
+            start=self._breakdown(self._phase_start, where="start", device=device_now),
+            peak=self._breakdown(led.phase_peak, where="peak", device=device_now),
+            end=self._breakdown(end, where="end", device=device_now),
+            ops=ops,
+        )
+        self._step_phases.append(record)
+
+    def _end_step(self, drop_if_empty: bool = False) -> None:
+        self._close_phase()
+        if self._step_phases:
+            self._steps.append(StepRecord(self._step, tuple(self._step_phases)))
+            self._step += 1
+        self._step_phases = []
+        self._occurrence = {}
+        # Re-open an "other" phase without closing anything again.
+        self._phase = Phase.OTHER
+        self._other_active = False
+        led = self._ledger
+        led.start_phase()
+        self._phase_start = led.totals.copy()
+        self._phase_ops_start = self._ops
+        self._phase_serial_where[led.phase_serial] = (self._step, Phase.OTHER)
+        self._scan_args = self.mode == "full"
+
+    # ------------------------------------------------------------------ records
+
+    def _breakdown(self, totals: list[int], *, where: str, device: Any = None) -> Breakdown:
+        values: list["int | None"] = list(totals)
+        total: "int | None"
+        if self.mode == "light":
+            values[TEMPORARIES] = None
+            total = None
+            if device is not None and where in ("peak", "end", "now") and device.allocated is not None:
+                allocated = device.peak_allocated if where == "peak" else device.allocated
+                known = sum(v for v in totals[:TEMPORARIES])
+                values[TEMPORARIES] = max(0, allocated - known)
+                total = known + values[TEMPORARIES]
+        else:
+            total = sum(totals)
+        overhead = outside = None
+        if device is not None and total is not None:
+            if device.reserved is not None:
+                overhead = max(0, device.reserved - total)
+            if device.nvml_used is not None and device.reserved is not None:
+                outside = max(0, device.nvml_used - max(device.reserved, total))
+        full = values + [overhead, outside]
+        if total is not None:
+            total += (overhead or 0) + (outside or 0)
+        return Breakdown(tuple(full), total)
+
+    def _sample(self, label: str) -> None:
+        if not self._timeline_enabled or len(self._samples) >= _MAX_SAMPLES:
+            return
+        self._sample_seq += 1
+        self._samples.append(
+            Sample(self._sample_seq, self._step, self._phase, label,
+                   self._breakdown(self._ledger.totals, where="sample"))
+        )
+
+    def _modules_live_now(self) -> tuple[tuple[str, int], ...]:
+        # Bytes of live storages created while each module was innermost.
+        by_module: dict[int, int] = {}
+        for entry in self._ledger.entries.values():
+            if entry.cat in (ACTIVATIONS, TEMPORARIES) and entry.module >= 0:
+                by_module[entry.module] = by_module.get(entry.module, 0) + entry.nbytes
+        ranked = sorted(by_module.items(), key=lambda kv: -kv[1])
+        return tuple((self._modules[i].path or "<model>", n) for i, n in ranked[:20])
+
+    def _build_trace(self) -> Trace:
+        led = self._ledger
+        # Close whatever is open; a trailing step holding only "other" joins the previous step.
+        self._close_phase()
+        phases = self._step_phases
+        if phases:
+            if self._steps and all(p.phase is Phase.OTHER for p in phases):
+                last = self._steps[-1]
+                self._steps[-1] = StepRecord(last.index, last.phases + tuple(
+                    PhaseRecord(last.index, p.phase, p.occurrence + sum(1 for q in last.phases if q.phase is p.phase),
+                                p.start, p.peak, p.end, p.ops) for p in phases))
+            else:
+                self._steps.append(StepRecord(self._step, tuple(phases)))
+        self._step_phases = []
+        device_now = self._probe.finish()
+        end = self._breakdown(led.totals, where="end", device=device_now)
+        start = self._breakdown(self._start_totals, where="start")
+        peak_where = self._phase_serial_where.get(led.peak_phase_serial)
+        peak_step = peak_where[0] if peak_where else None
+        if peak_step is not None and self._steps and peak_step > self._steps[-1].index:
+            peak_step = self._steps[-1].index
+        # The global peak's device figures are those of the phase that held it.
+        peak_device = None
+        for s in self._steps:
+            for p in s.phases:
+                if peak_where and s.index == peak_where[0] and p.phase is peak_where[1] and p.peak.total is not None:
+                    peak_device = p.peak
+        peak = self._breakdown(led.peak, where="peak", device=self._probe.global_peak())
+        if peak_device is not None and self.mode == "full":
+            peak = Breakdown(peak.counts[:7] + peak_device.counts[7:],
+                             sum(peak.counts[:7]) + sum(v or 0 for v in peak_device.counts[7:]))
+        modules = []
+        for i, info in enumerate(self._modules):
+            params = 0
+            grads = 0
+            seen: set[int] = set()
+            for ref in self._module_params[i]:
+                p = ref()
+                if p is None:
+                    continue
+                params += _storage_bytes(p, seen, led)
+                if p.grad is not None:
+                    grads += _storage_bytes(p.grad, seen, led)
+            full = self.mode == "full"
+            modules.append(ModuleRecord(
+                path=info.path or "<model>",
+                type=info.type,
+                parameters=params,
+                gradients=grads,
+                activations=info.act_bytes,
+                temporaries_forward=info.fwd_peak if full else None,
+                temporaries_backward=info.bwd_peak if full else None,
+                calls=info.calls,
+            ))
+        # Recursive activation totals: a container holds what its children saved.
+        act = {m.path: m.activations or 0 for m in modules}
+        totals_by_path = dict(act)
+        for m in modules:
+            if m.path == "<model>":
+                continue
+            parts = m.path.split(".")
+            for k in range(len(parts) - 1, -1, -1):
+                parent = ".".join(parts[:k]) if k else "<model>"
+                if parent in totals_by_path:
+                    totals_by_path[parent] += act[m.path]
+        modules = [ModuleRecord(m.path, m.type, m.parameters, m.gradients, totals_by_path[m.path],
+                                m.temporaries_forward, m.temporaries_backward, m.calls) for m in modules]
+        peak_module = None
+        if 0 <= led.peak_module < len(self._modules):
+            peak_module = self._modules[led.peak_module].path or "<model>"
+        notes = list(self._notes) + self._probe.notes()
+        if not self._steps:
+            notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
+        return Trace(
+            mode=self.mode,
+            device=self._probe.info(),
+            torch_version=torch.__version__,
+            memprof_version=__version__,
+            start=start,
+            peak=peak,
+            end=end,
+            peak_step=peak_step,
+            peak_phase=peak_where[1] if peak_where else None,
+            peak_module=peak_module,
+            steps=tuple(self._steps),
+            modules=tuple(modules),
+            timeline=tuple(self._samples),
+            notes=tuple(dict.fromkeys(notes)),
+            error=self._error,
+            live_at_error=self._live_at_error,
+            live_modules_at_error=self._live_modules_at_error,
+            optimizer=self._opt_class,
+            optimizer_implementation=self._opt_impl,
+            param_dtypes=self._param_dtypes,
+            autocast_dtype=self._autocast_dtype,
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        return list(optimizer)
+    raise InvalidArgumentError(
+        f"optimizer must be a torch.optim.Optimizer, a list of them, or None; got {type(optimizer).__name__}"
+    )
+
+
+def _unique_params(model: nn.Module) -> Iterator[nn.Parameter]:
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _collect_tensors(args, out, 0)
+    if kwargs:
+        _collect_tensors(kwargs, out, 0)
+    return out
+
+
+def _collect_tensors(obj: Any, out: list[torch.Tensor], depth: int) -> None:
+    # A module-level function, not a nested closure: a recursive closure is a
+    # reference cycle that would keep the user's tensors alive until gc runs.
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 3 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            _collect_tensors(x, out, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for x in obj.values():
+            _collect_tensors(x, out, depth + 1)
+
+
+def _storage_bytes(t: torch.Tensor, seen: set[int], led: Ledger) -> int:
+    try:
+        st = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return 0
+    if st._cdata in seen:
+        return 0
+    seen.add(st._cdata)
+    return led.size_of(st.nbytes())
+

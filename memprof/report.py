@@ -1,0 +1,254 @@
+"""Views of a Trace: breakdowns, tables (pandas) and a text report.
+
+A :class:`Report` only reads its :class:`~memprof.trace.Trace`; it never
+reaches back into hooks, so a report loaded from JSON behaves exactly like
+the one that measured it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .categories import Category, Phase, TENSOR_CATEGORIES
+from .errors import InvalidArgumentError, NotMeasuredError
+from .trace import Breakdown, PhaseRecord, Trace
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["Report"]
+
+_WHEN = ("peak", "start", "end")
+
+
+class Report:
+    """Everything a user reads about one profiling session.
+
+    Every figure is an ``int`` of bytes or ``None`` where the run could not
+    measure it; text output says "not measured" for ``None``.
+    """
+
+    def __init__(self, trace: Trace) -> None:
+        if not isinstance(trace, Trace):
+            raise InvalidArgumentError(f"Report needs a memprof.Trace, got {type(trace).__name__}")
+        self.trace = trace
+
+    # -- breakdowns -------------------------------------------------------------
+
+    @property
+    def peak(self) -> Breakdown:
+        """Composition at the highest total of the whole session."""
+        return self.trace.peak
+
+    @property
+    def end(self) -> Breakdown:
+        """Composition when profiling ended."""
+        return self.trace.end
+
+    @property
+    def start(self) -> Breakdown:
+        """Composition when profiling began (model states that already existed)."""
+        return self.trace.start
+
+    @property
+    def steps(self) -> int:
+        """Number of steps recorded."""
+        return len(self.trace.steps)
+
+    def at(self, step: int, phase: "Phase | str", when: str = "peak", *, occurrence: "int | None" = None) -> Breakdown:
+        """Composition at the ``"peak"``, ``"start"`` or ``"end"`` of a phase of a step.
+
+        Steps count from 0 (negative indices count from the last step). With
+        gradient accumulation a step holds several phases of one kind:
+        ``occurrence`` picks one (from 0); by default ``"peak"`` is the highest
+        of them, ``"start"`` the first one's start and ``"end"`` the last one's end.
+        """
+        phase = Phase.parse(phase)
+        if when not in _WHEN:
+            raise InvalidArgumentError(f"when must be one of {', '.join(_WHEN)}, got {when!r}")
+        steps = self.trace.steps
+        if not steps:
+            raise NotMeasuredError("no step was recorded; run a forward/backward inside the profile")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise InvalidArgumentError(f"step must be an int, got {type(step).__name__}")
+        if not -len(steps) <= step < len(steps):
+            raise InvalidArgumentError(f"step {step} is out of range: this run recorded {len(steps)} step(s)")
+        record = steps[step]
+        matches = [p for p in record.phases if p.phase is phase]
+        if occurrence is not None:
+            matches = [p for p in matches if p.occurrence == occurrence]
+        if not matches:
+            present = ", ".join(f"{p.phase.value}#{p.occurrence}" for p in record.phases) or "none"
+            raise NotMeasuredError(f"step {record.index} has no {phase.value} phase (phases: {present})")
+        if when == "start":
+            return matches[0].start
+        if when == "end":
+            return matches[-1].end
+        return max(matches, key=lambda p: -1 if p.peak.total is None else p.peak.total).peak
+
+    # -- tables -----------------------------------------------------------------
+
+    def phases(self) -> "pd.DataFrame":
+        """One row per (step, phase, occurrence): start, peak, end and the composition at the peak.
+
+        Columns: ``step``, ``phase``, ``occurrence``, ``start``, ``peak``,
+        ``end``, ``ops`` and one column per category (bytes at the phase's
+        peak). Unmeasured figures are missing values (``<NA>``), not 0.
+        """
+        import pandas as pd
+
+        rows = []
+        for rec in self.trace.phases:
+            row: dict[str, Any] = {
+                "step": rec.step,
+                "phase": rec.phase.value,
+                "occurrence": rec.occurrence,
+                "start": rec.start.total,
+                "peak": rec.peak.total,
+                "end": rec.end.total,
+                "ops": rec.ops,
+            }
+            for cat in Category:
+                row[cat.value] = rec.peak[cat]
+            rows.append(row)
+        columns = ["step", "phase", "occurrence", "start", "peak", "end", "ops"] + [c.value for c in Category]
+        frame = pd.DataFrame(rows, columns=columns)
+        for col in columns:
+            if col != "phase":
+                frame[col] = frame[col].astype("Int64")
+        return frame
+
+    def modules(self) -> "pd.DataFrame":
+        """One row per module path: parameters, gradients, saved activations, temporaries peaks.
+
+        ``activations`` include what submodules saved; ``temporaries_forward``
+        and ``temporaries_backward`` are the highest rise of temporary bytes
+        while the module ran. Indexed by ``path`` (the root is ``"<model>"``).
+        """
+        import pandas as pd
+
+        cols = ["path", "type", "calls", "parameters", "gradients", "activations",
+                "temporaries_forward", "temporaries_backward"]
+        rows = [{c: getattr(m, c) for c in cols} for m in self.trace.modules]
+        frame = pd.DataFrame(rows, columns=cols)
+        for col in cols[2:]:
+            frame[col] = frame[col].astype("Int64")
+        return frame.set_index("path")
+
+    def breakdown_frame(self, which: str = "peak") -> "pd.DataFrame":
+        """The breakdown at ``"peak"``, ``"start"`` or ``"end"`` as a table with bytes and shares."""
+        import pandas as pd
+
+        bd = {"peak": self.peak, "start": self.start, "end": self.end}.get(which)
+        if bd is None:
+            raise InvalidArgumentError(f"which must be peak, start or end, got {which!r}")
+        rows = []
+        for cat in Category:
+            v = bd[cat]
+            share = (v / bd.total) if (v is not None and bd.total) else None
+            rows.append({"category": cat.value, "bytes": v, "share": share})
+        frame = pd.DataFrame(rows).set_index("category")
+        frame["bytes"] = frame["bytes"].astype("Int64")
+        frame["share"] = frame["share"].astype("Float64")
+        return frame
+
+    # -- text -------------------------------------------------------------------
+
+    def to_text(self, *, top_modules: int = 8) -> str:
+        """The readable report that ``print(report)`` shows."""
+        t = self.trace
+        lines: list[str] = []
+        dev = t.device.name if t.device.type == "cuda" else t.device.type
+        lines.append(f"memprof report: {len(t.steps)} step(s), mode {t.mode}, device {dev}, torch {t.torch_version}")
+        if t.error:
+            lines.append(f"profiled code raised {t.error}")
+        where = []
+        if t.peak_step is not None:
+            where.append(f"step {t.peak_step}")
+        if t.peak_phase is not None:
+            where.append(t.peak_phase.value)
+        if t.peak_module:
+            where.append(f"in {t.peak_module}")
+        lines.append("")
+        lines.append(f"Peak {format_bytes(t.peak.total)}" + (f" ({', '.join(where)})" if where else ""))
+        lines.extend(_breakdown_table(t.peak))
+        if t.live_at_error is not None:
+            lines.append("")
+            lines.append(f"Live when the error was raised: {format_bytes(t.live_at_error.total)}")
+            lines.extend(_breakdown_table(t.live_at_error))
+            if t.live_modules_at_error:
+                lines.append("  created by module (activations + temporaries still live):")
+                for path, n in t.live_modules_at_error[:8]:
+                    lines.append(f"    {path:<38}{format_bytes(n):>12}")
+        if t.steps:
+            lines.append("")
+            lines.append("Phases (bytes at the peak of each phase)")
+            header = f"  {'step':>4}  {'phase':<12}{'start':>12}{'peak':>12}{'end':>12}   largest at peak"
+            lines.append(header)
+            for rec in t.phases:
+                label = rec.phase.value + (f" #{rec.occurrence}" if rec.occurrence else "")
+                largest = _largest(rec.peak)
+                lines.append(
+                    f"  {rec.step:>4}  {label:<12}{format_bytes(rec.start.total):>12}"
+                    f"{format_bytes(rec.peak.total):>12}{format_bytes(rec.end.total):>12}   {largest}"
+                )
+        mods = [m for m in t.modules if m.path != "<model>" and (m.activations or m.parameters)]
+        if mods and top_modules > 0:
+            mods.sort(key=lambda m: (-(m.activations or 0), -(m.parameters or 0)))
+            # Show leaves first: a container repeats its children's figures.
+            paths = {m.path for m in mods}
+            leaves = [m for m in mods if not any(p.startswith(m.path + ".") for p in paths)]
+            lines.append("")
+            lines.append("Top modules by saved activations")
+            lines.append(f"  {'module':<30}{'type':<20}{'params':>11}{'saved act':>12}{'tmp fwd':>11}{'tmp bwd':>11}")
+            for m in leaves[:top_modules]:
+                lines.append(
+                    f"  {_clip(m.path, 29):<30}{_clip(m.type, 19):<20}{format_bytes(m.parameters):>11}"
+                    f"{format_bytes(m.activations):>12}{_fmt_opt(m.temporaries_forward):>11}"
+                    f"{_fmt_opt(m.temporaries_backward):>11}"
+                )
+        if t.notes:
+            lines.append("")
+            lines.append("Notes")
+            for note in t.notes:
+                lines.append(f"  - {note}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def __repr__(self) -> str:
+        return f"<memprof.Report steps={len(self.trace.steps)} peak={format_bytes(self.peak.total)} mode={self.trace.mode}>"
+
+
+def _fmt_opt(n: "int | None") -> str:
+    return "n/m" if n is None else format_bytes(n)
+
+
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else "…" + s[-(n - 1):]
+
+
+def _largest(bd: Breakdown) -> str:
+    measured = [(c, v) for c, v in bd.measured().items() if v]
+    if not measured:
+        return "-"
+    c, v = max(measured, key=lambda cv: cv[1])
+    return f"{c.value} {format_bytes(v)}"
+
+
+def _breakdown_table(bd: Breakdown) -> list[str]:
+    lines = []
+    for cat in Category:
+        v = bd[cat]
+        if v is None and cat not in TENSOR_CATEGORIES:
+            # Device-only rows on a device that has none: say so once, below.
+            continue
+        share = f"{100 * v / bd.total:5.1f}%" if (v is not None and bd.total) else "      "
+        lines.append(f"  {cat.value:<20}{format_bytes(v):>14}  {share}")
+    if all(bd[c] is None for c in (Category.ALLOCATOR_OVERHEAD, Category.OUTSIDE_TORCH)):
+        lines.append(f"  {'allocator_overhead':<20}{'not measured':>14}  (no accelerator allocator)")
+        lines.append(f"  {'outside_torch':<20}{'not measured':>14}  (no accelerator driver)")
+    lines.append(f"  {'total':<20}{format_bytes(bd.total):>14}")
+    return lines

@@ -1,0 +1,330 @@
+"""The frozen record in the middle: everything measured, nothing live.
+
+A :class:`Trace` holds plain ints and strings only. It is what every
+renderer, the reconciler and the pytest budgets read; none of them reach
+back into hooks. ``Trace.to_dict()`` / ``Trace.from_dict()`` round-trip
+exactly, which is how reports are saved, loaded and diffed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from .categories import Category, Phase
+from .errors import TraceFormatError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Breakdown",
+    "PhaseRecord",
+    "StepRecord",
+    "ModuleRecord",
+    "Sample",
+    "DeviceInfo",
+    "Trace",
+]
+
+#: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
+SCHEMA_VERSION = 1
+
+_ALL = tuple(Category)
+
+
+@dataclass(frozen=True)
+class Breakdown(Mapping[Category, "int | None"]):
+    """Bytes by category at one moment.
+
+    Indexing with a :class:`Category` (or its value) gives an ``int`` of
+    bytes, or ``None`` when the run could not measure that category (for
+    example the allocator overhead on CPU, or temporaries in light mode on
+    CPU). ``total`` is the sum of the measured categories, or ``None`` when
+    the total itself was not measured. Whenever every tensor category is
+    measured, ``sum(tensor categories) == total`` holds exactly.
+    """
+
+    counts: tuple["int | None", ...]
+    total: "int | None"
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(_ALL):
+            raise TraceFormatError(
+                f"a Breakdown needs {len(_ALL)} values (one per Category), got {len(self.counts)}"
+            )
+
+    @classmethod
+    def from_mapping(cls, values: Mapping["Category | str", "int | None"], total: "int | None" = None,
+                     *, compute_total: bool = True) -> "Breakdown":
+        """Build from a mapping; missing categories are ``None`` (not measured)."""
+        parsed = {Category.parse(k): v for k, v in values.items()}
+        vals = tuple(parsed.get(c) for c in _ALL)
+        if total is None and compute_total:
+            measured = [v for c, v in zip(_ALL, vals) if v is not None]
+            total = sum(measured) if measured else None
+        return cls(vals, total)
+
+    @classmethod
+    def empty(cls) -> "Breakdown":
+        return cls(tuple(None for _ in _ALL), None)
+
+    def __getitem__(self, key: "Category | str") -> "int | None":
+        return self.counts[_ALL.index(Category.parse(key))]
+
+    def __iter__(self) -> Iterator[Category]:
+        return iter(_ALL)
+
+    def __len__(self) -> int:
+        return len(_ALL)
+
+    def measured(self) -> dict[Category, int]:
+        """Only the categories that were measured."""
+        return {c: v for c, v in zip(_ALL, self.counts) if v is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {c.value: v for c, v in zip(_ALL, self.counts)}
+        out["total"] = self.total
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Breakdown":
+        return cls(tuple(data.get(c.value) for c in _ALL), data.get("total"))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{c.value}={v}" for c, v in zip(_ALL, self.counts) if v is not None)
+        return f"Breakdown(total={self.total}, {inner})"
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    """One phase of one step: where it started, where it ended, and its peak.
+
+    ``occurrence`` counts phases of the same kind within a step from 0, so
+    gradient accumulation gives forward 0, backward 0, forward 1, backward 1.
+    ``peak`` is the composition at the moment the phase's total was highest.
+    """
+
+    step: int
+    phase: Phase
+    occurrence: int
+    start: Breakdown
+    peak: Breakdown
+    end: Breakdown
+    ops: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "phase": self.phase.value,
+            "occurrence": self.occurrence,
+            "start": self.start.to_dict(),
+            "peak": self.peak.to_dict(),
+            "end": self.end.to_dict(),
+            "ops": self.ops,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PhaseRecord":
+        return cls(
+            step=int(data["step"]),
+            phase=Phase.parse(data["phase"]),
+            occurrence=int(data["occurrence"]),
+            start=Breakdown.from_dict(data["start"]),
+            peak=Breakdown.from_dict(data["peak"]),
+            end=Breakdown.from_dict(data["end"]),
+            ops=int(data.get("ops", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step (or one ``prof.step()`` block) and its phases, in order."""
+
+    index: int
+    phases: tuple[PhaseRecord, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "phases": [p.to_dict() for p in self.phases]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
+        return cls(int(data["index"]), tuple(PhaseRecord.from_dict(p) for p in data["phases"]))
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    """What one module (by its path in the model) held and caused.
+
+    ``parameters`` / ``gradients`` are the bytes of the module's own and its
+    children's parameters and gradients (tied storages once) at the end of
+    profiling, gradients as last seen after a backward. ``activations`` are the
+    bytes autograd saved while this module or a child ran its forward, counted
+    once per storage and summed over calls, in the last step that ran it.
+    ``temporaries_forward`` / ``temporaries_backward`` are the highest rise of
+    live bytes above the level at the module's entry while it ran (the
+    transient memory the module needs), ``None`` where not measured.
+    """
+
+    path: str
+    type: str
+    parameters: int
+    gradients: "int | None"
+    activations: "int | None"
+    temporaries_forward: "int | None"
+    temporaries_backward: "int | None"
+    calls: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModuleRecord":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One point of the memory timeline, taken at a module or phase boundary."""
+
+    seq: int
+    step: int
+    phase: Phase
+    label: str
+    breakdown: Breakdown
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "step": self.step, "phase": self.phase.value, "label": self.label,
+                "breakdown": self.breakdown.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
+        return cls(int(data["seq"]), int(data["step"]), Phase.parse(data["phase"]), str(data["label"]),
+                   Breakdown.from_dict(data["breakdown"]))
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Where the run happened, and what the device itself reported."""
+
+    type: str
+    name: str
+    index: "int | None" = None
+    total_memory: "int | None" = None
+    #: Sizes are rounded as this allocator rounds (512 on CUDA, 1 on CPU).
+    rounding: int = 1
+    #: Device-level figures at the global peak or at exit (CUDA only), None elsewhere.
+    max_memory_allocated: "int | None" = None
+    memory_reserved: "int | None" = None
+    nvml_used: "int | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Everything one profiling session measured. Immutable; save it with :meth:`to_dict`.
+
+    ``peak`` is the composition at the highest total over the whole session,
+    ``start`` when profiling began and ``end`` when it ended. ``notes`` are
+    sentences a reader must see (what was not measured, what degraded).
+    ``error`` names the exception that ended the profiled body, if any.
+    """
+
+    mode: str
+    device: DeviceInfo
+    torch_version: str
+    memprof_version: str
+    start: Breakdown
+    peak: Breakdown
+    end: Breakdown
+    peak_step: "int | None"
+    peak_phase: "Phase | None"
+    peak_module: "str | None"
+    steps: tuple[StepRecord, ...]
+    modules: tuple[ModuleRecord, ...]
+    timeline: tuple[Sample, ...] = ()
+    notes: tuple[str, ...] = ()
+    error: "str | None" = None
+    live_at_error: "Breakdown | None" = None
+    live_modules_at_error: tuple[tuple[str, int], ...] = ()
+    optimizer: "str | None" = None
+    optimizer_implementation: "str | None" = None
+    param_dtypes: tuple[str, ...] = ()
+    autocast_dtype: "str | None" = None
+    schema_version: int = field(default=SCHEMA_VERSION)
+
+    @property
+    def phases(self) -> tuple[PhaseRecord, ...]:
+        return tuple(p for s in self.steps for p in s.phases)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "memprof.trace",
+            "schema_version": self.schema_version,
+            "mode": self.mode,
+            "device": self.device.to_dict(),
+            "torch_version": self.torch_version,
+            "memprof_version": self.memprof_version,
+            "start": self.start.to_dict(),
+            "peak": self.peak.to_dict(),
+            "end": self.end.to_dict(),
+            "peak_step": self.peak_step,
+            "peak_phase": self.peak_phase.value if self.peak_phase is not None else None,
+            "peak_module": self.peak_module,
+            "steps": [s.to_dict() for s in self.steps],
+            "modules": [m.to_dict() for m in self.modules],
+            "timeline": [s.to_dict() for s in self.timeline],
+            "notes": list(self.notes),
+            "error": self.error,
+            "live_at_error": self.live_at_error.to_dict() if self.live_at_error is not None else None,
+            "live_modules_at_error": [list(x) for x in self.live_modules_at_error],
+            "optimizer": self.optimizer,
+            "optimizer_implementation": self.optimizer_implementation,
+            "param_dtypes": list(self.param_dtypes),
+            "autocast_dtype": self.autocast_dtype,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Trace":
+        if not isinstance(data, Mapping) or data.get("format") != "memprof.trace":
+            raise TraceFormatError(
+                "this is not a memprof trace (no 'format': 'memprof.trace' key); "
+                "save one with report.save(path)"
+            )
+        version = data.get("schema_version")
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise TraceFormatError(
+                f"trace schema version {version!r} is newer than this memprof understands "
+                f"({SCHEMA_VERSION}); upgrade torch-memprof to read it"
+            )
+        try:
+            return cls(
+                mode=str(data["mode"]),
+                device=DeviceInfo.from_dict(data["device"]),
+                torch_version=str(data["torch_version"]),
+                memprof_version=str(data["memprof_version"]),
+                start=Breakdown.from_dict(data["start"]),
+                peak=Breakdown.from_dict(data["peak"]),
+                end=Breakdown.from_dict(data["end"]),
+                peak_step=data.get("peak_step"),
+                peak_phase=Phase.parse(data["peak_phase"]) if data.get("peak_phase") else None,
+                peak_module=data.get("peak_module"),
+                steps=tuple(StepRecord.from_dict(s) for s in data["steps"]),
+                modules=tuple(ModuleRecord.from_dict(m) for m in data["modules"]),
+                timeline=tuple(Sample.from_dict(s) for s in data.get("timeline", ())),
+                notes=tuple(data.get("notes", ())),
+                error=data.get("error"),
+                live_at_error=Breakdown.from_dict(data["live_at_error"]) if data.get("live_at_error") else None,
+                live_modules_at_error=tuple((str(a), int(b)) for a, b in data.get("live_modules_at_error", ())),
+                optimizer=data.get("optimizer"),
+                optimizer_implementation=data.get("optimizer_implementation"),
+                param_dtypes=tuple(data.get("param_dtypes", ())),
+                autocast_dtype=data.get("autocast_dtype"),
+                schema_version=version,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceFormatError(f"corrupt memprof trace: {exc!r}; re-create it with report.save(path)") from None

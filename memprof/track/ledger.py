@@ -1,0 +1,222 @@
+"""The ledger: live storages, their categories, and running totals.
+
+Every storage memprof knows about has one entry here, keyed by the address of
+its C++ ``StorageImpl`` (``untyped_storage()._cdata``), which is unique while
+the storage lives. The entry holds a weak reference to the storage whose
+callback subtracts its bytes when torch frees it; the ledger never holds a
+strong reference to anything the user owns.
+
+Totals per category are updated in O(1) per event. At each new high the
+composition (seven ints) is copied, never a deep structure.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+from ..categories import Category, TENSOR_CATEGORIES
+
+# Index of each tensor category in the running totals.
+WEIGHTS, BUFFERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, INPUTS, TEMPORARIES = range(7)
+N_CATS = 7
+CATEGORY_OF_INDEX: tuple[Category, ...] = TENSOR_CATEGORIES
+assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
+    "weights", "buffers", "gradients", "optimizer_states", "activations", "inputs", "temporaries"
+)
+
+
+class _Ref(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a storage that remembers the storage's ledger key."""
+
+    __slots__ = ("key",)
+
+
+class Entry:
+    """One live storage: its size, category, and where it came from."""
+
+    __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial")
+
+    def __init__(self, key: int, nbytes: int, cat: int, created: int, module: int, phase_serial: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.cat = cat
+        self.created = created
+        self.ref: "_Ref | None" = None
+        # How many autograd saved-tensor slots hold this storage right now.
+        self.saved = 0
+        self.module = module
+        self.phase_serial = phase_serial
+
+
+class Frame:
+    """A module call (forward or backward) in progress, for its temporaries peak."""
+
+    __slots__ = ("module", "entry_t", "max_t", "backward")
+
+    def __init__(self, module: int, entry_t: int, backward: bool) -> None:
+        self.module = module
+        self.entry_t = entry_t
+        self.max_t = entry_t
+        self.backward = backward
+
+
+class Ledger:
+    """Running accounting of live storages by category.
+
+    ``rounding`` is the allocator's granularity (512 on CUDA, 1 on CPU): a
+    storage of n bytes counts as ``ceil(n / rounding) * rounding`` (and 0 stays
+    0), as the CUDA caching allocator rounds every block.
+    """
+
+    def __init__(self, rounding: int = 1) -> None:
+        self.rounding = rounding
+        self.entries: dict[int, Entry] = {}
+        self.totals = [0] * N_CATS
+        self.total = 0
+        self.seq = 0
+        self.closed = False
+        # Phase peak.
+        self.phase_serial = 0
+        self.phase_peak_total = 0
+        self.phase_peak = [0] * N_CATS
+        self.phase_peak_seq = 0
+        self.phase_peak_module = -1
+        # Global peak.
+        self.peak_total = 0
+        self.peak = [0] * N_CATS
+        self.peak_seq = 0
+        self.peak_phase_serial = 0
+        self.peak_module = -1
+        # Module frames (innermost last).
+        self.frames: list[Frame] = []
+        self.top: "Frame | None" = None
+        self.module_of_new = -1
+        # Optional callback for each freed entry (after the totals are updated).
+        self.on_free: "Callable[[Entry], None] | None" = None
+
+    # -- sizes ---------------------------------------------------------------
+
+    def size_of(self, nbytes: int) -> int:
+        r = self.rounding
+        if r <= 1 or nbytes == 0:
+            return nbytes
+        return -(-nbytes // r) * r
+
+    # -- events --------------------------------------------------------------
+
+    def add(self, storage: Any, cat: int) -> Entry:
+        """Register a storage (if new) under ``cat``; return its entry."""
+        key = storage._cdata
+        entry = self.entries.get(key)
+        if entry is not None:
+            return entry
+        nbytes = self.size_of(storage.nbytes())
+        self.seq += 1
+        entry = Entry(key, nbytes, cat, self.seq, self.module_of_new, self.phase_serial)
+        ref = _Ref(storage, self._freed)
+        ref.key = key
+        entry.ref = ref
+        self.entries[key] = entry
+        self.totals[cat] += nbytes
+        self.total += nbytes
+        self.check_peak()
+        return entry
+
+    def _freed(self, ref: _Ref) -> None:
+        # Runs from torch's deallocation path; must never raise.
+        if self.closed:
+            return
+        entry = self.entries.pop(ref.key, None)
+        if entry is None:
+            return
+        self.seq += 1
+        self.totals[entry.cat] -= entry.nbytes
+        self.total -= entry.nbytes
+        if self.on_free is not None:
+            self.on_free(entry)
+
+    def move(self, entry: Entry, cat: int, *, retro: bool = False) -> None:
+        """Move a live storage to another category (the total does not change).
+
+        With ``retro=True`` a storage created in the current phase that only
+        now reveals what it was (optimizer state found after ``step()``, a
+        gradient stored by AccumulateGrad) is also moved in the phase and
+        global peak compositions, if it was alive at those peaks.
+        """
+        old = entry.cat
+        if old == cat:
+            return
+        n = entry.nbytes
+        self.totals[old] -= n
+        self.totals[cat] += n
+        entry.cat = cat
+        if retro and entry.phase_serial == self.phase_serial:
+            if entry.created <= self.phase_peak_seq:
+                self.phase_peak[old] -= n
+                self.phase_peak[cat] += n
+            if self.peak_phase_serial == self.phase_serial and entry.created <= self.peak_seq:
+                self.peak[old] -= n
+                self.peak[cat] += n
+
+    def check_peak(self) -> None:
+        total = self.total
+        top = self.top
+        if top is not None:
+            t = self.totals[TEMPORARIES]
+            if t > top.max_t:
+                top.max_t = t
+        if total > self.phase_peak_total:
+            self.phase_peak_total = total
+            self.phase_peak = self.totals.copy()
+            self.phase_peak_seq = self.seq
+            self.phase_peak_module = top.module if top is not None else -1
+            if total > self.peak_total:
+                self.peak_total = total
+                self.peak = self.phase_peak.copy()
+                self.peak_seq = self.seq
+                self.peak_phase_serial = self.phase_serial
+                self.peak_module = self.phase_peak_module
+
+    # -- phases and frames ---------------------------------------------------
+
+    def start_phase(self) -> None:
+        """Begin a new phase: its peak starts at the current level."""
+        self.phase_serial += 1
+        self.phase_peak_total = self.total
+        self.phase_peak = self.totals.copy()
+        self.phase_peak_seq = self.seq
+        self.phase_peak_module = self.top.module if self.top is not None else -1
+
+    def push_frame(self, module: int, backward: bool) -> Frame:
+        frame = Frame(module, self.totals[TEMPORARIES], backward)
+        self.frames.append(frame)
+        self.top = frame
+        self.module_of_new = module
+        return frame
+
+    def pop_frame(self, frame: Frame) -> list[Frame]:
+        """Pop ``frame`` and any frames above it; return them, innermost first."""
+        popped: list[Frame] = []
+        frames = self.frames
+        if frame not in frames:
+            return popped
+        while frames:
+            f = frames.pop()
+            popped.append(f)
+            if frames:
+                parent = frames[-1]
+                if f.max_t > parent.max_t:
+                    parent.max_t = f.max_t
+            if f is frame:
+                break
+        self.top = frames[-1] if frames else None
+        self.module_of_new = self.top.module if self.top is not None else -1
+        return popped
+
+    def close(self) -> None:
+        """Stop accounting; drop every weak reference so no callback runs later."""
+        self.closed = True
+        self.entries.clear()
+        self.frames.clear()
+        self.top = None
