@@ -16,7 +16,7 @@ from .errors import (
     UnknownNameError,
 )
 from .profiler import Profiler, profile
-from .report import Report
+from .report import Report, load
 from .trace import Breakdown, ModuleRecord, PhaseRecord, StepRecord, Trace
 from .units import format_bytes, parse_size
 
@@ -24,6 +24,7 @@ __all__ = [
     "profile",
     "Profiler",
     "Report",
+    "load",
     "Trace",
     "Breakdown",
     "StepRecord",

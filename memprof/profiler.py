@@ -19,6 +19,7 @@ to the failure stays readable through :meth:`Profiler.report`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
@@ -140,7 +141,7 @@ class _DispatchTracker(TorchDispatchMode):
 
 
 class _ModuleInfo:
-    __slots__ = ("path", "type", "calls", "act_step", "act_bytes", "fwd_peak", "bwd_peak", "ops")
+    __slots__ = ("path", "type", "calls", "act_step", "act_bytes", "fwd_peak", "bwd_peak", "fwd_tmp", "bwd_tmp")
 
     def __init__(self, path: str, type_name: str) -> None:
         self.path = path
@@ -150,6 +151,8 @@ class _ModuleInfo:
         self.act_bytes = 0
         self.fwd_peak: "int | None" = None
         self.bwd_peak: "int | None" = None
+        self.fwd_tmp: "int | None" = None
+        self.bwd_tmp: "int | None" = None
 
 
 class Profiler:
@@ -590,14 +593,18 @@ class Profiler:
         return post_hook
 
     def _close_frame(self, frame: Any) -> None:
-        info = self._modules[frame.module]
-        rise = frame.max_t - frame.entry_t
         if self.mode != "full":
-            return  # temporaries are not seen op by op in light mode
+            return  # op-level memory is not seen in light mode
+        info = self._modules[frame.module]
+        total = self._ledger.total
+        rise = frame.max - frame.entry  # what the call added at its worst
+        scratch = max(0, frame.max - max(total, frame.entry))  # what it needed but released by its end
         if frame.backward:
             info.bwd_peak = rise if info.bwd_peak is None else max(info.bwd_peak, rise)
+            info.bwd_tmp = scratch if info.bwd_tmp is None else max(info.bwd_tmp, scratch)
         else:
             info.fwd_peak = rise if info.fwd_peak is None else max(info.fwd_peak, rise)
+            info.fwd_tmp = scratch if info.fwd_tmp is None else max(info.fwd_tmp, scratch)
 
     def _make_bw_enter(self, index: int):
         def enter(_grad: Any) -> None:
@@ -884,8 +891,10 @@ class Profiler:
                 parameters=params,
                 gradients=grads,
                 activations=info.act_bytes,
-                temporaries_forward=info.fwd_peak if full else None,
-                temporaries_backward=info.bwd_peak if full else None,
+                peak_forward=info.fwd_peak if full else None,
+                peak_backward=info.bwd_peak if full else None,
+                temporaries_forward=info.fwd_tmp if full else None,
+                temporaries_backward=info.bwd_tmp if full else None,
                 calls=info.calls,
             ))
         # Recursive activation totals: a container holds what its children saved.
@@ -899,8 +908,7 @@ class Profiler:
                 parent = ".".join(parts[:k]) if k else "<model>"
                 if parent in totals_by_path:
                     totals_by_path[parent] += act[m.path]
-        modules = [ModuleRecord(m.path, m.type, m.parameters, m.gradients, totals_by_path[m.path],
-                                m.temporaries_forward, m.temporaries_backward, m.calls) for m in modules]
+        modules = [dataclasses.replace(m, activations=totals_by_path[m.path]) for m in modules]
         peak_module = None
         if 0 <= led.peak_module < len(self._modules):
             peak_module = self._modules[led.peak_module].path or "<model>"

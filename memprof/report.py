@@ -7,6 +7,8 @@ the one that measured it.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import TYPE_CHECKING, Any
 
 from .categories import Category, Phase, TENSOR_CATEGORIES
@@ -17,7 +19,7 @@ from .units import format_bytes
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Report"]
+__all__ = ["Report", "load"]
 
 _WHEN = ("peak", "start", "end")
 
@@ -122,14 +124,16 @@ class Report:
     def modules(self) -> "pd.DataFrame":
         """One row per module path: parameters, gradients, saved activations, temporaries peaks.
 
-        ``activations`` include what submodules saved; ``temporaries_forward``
-        and ``temporaries_backward`` are the highest rise of temporary bytes
-        while the module ran. Indexed by ``path`` (the root is ``"<model>"``).
+        ``activations`` include what submodules saved. ``peak_forward`` /
+        ``peak_backward``: the most live bytes a call added above its starting
+        level; ``temporaries_forward`` / ``temporaries_backward``: the part of
+        that released again by the call's end. Indexed by ``path`` (the root
+        is ``"<model>"``); ``<NA>`` where not measured.
         """
         import pandas as pd
 
         cols = ["path", "type", "calls", "parameters", "gradients", "activations",
-                "temporaries_forward", "temporaries_backward"]
+                "peak_forward", "temporaries_forward", "peak_backward", "temporaries_backward"]
         rows = [{c: getattr(m, c) for c in cols} for m in self.trace.modules]
         frame = pd.DataFrame(rows, columns=cols)
         for col in cols[2:]:
@@ -152,6 +156,18 @@ class Report:
         frame["bytes"] = frame["bytes"].astype("Int64")
         frame["share"] = frame["share"].astype("Float64")
         return frame
+
+    # -- files ------------------------------------------------------------------
+
+    def save(self, path: "str | os.PathLike[str]") -> None:
+        """Write the trace as JSON (with its schema version); :func:`memprof.load` reads it back."""
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.trace.to_dict(), fh, indent=1)
+            fh.write("\n")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The trace as plain JSON-ready data."""
+        return self.trace.to_dict()
 
     # -- text -------------------------------------------------------------------
 
@@ -201,12 +217,12 @@ class Report:
             leaves = [m for m in mods if not any(p.startswith(m.path + ".") for p in paths)]
             lines.append("")
             lines.append("Top modules by saved activations")
-            lines.append(f"  {'module':<30}{'type':<20}{'params':>11}{'saved act':>12}{'tmp fwd':>11}{'tmp bwd':>11}")
+            lines.append(f"  {'module':<30}{'type':<20}{'params':>11}{'saved act':>12}{'peak fwd':>11}{'peak bwd':>11}")
             for m in leaves[:top_modules]:
                 lines.append(
                     f"  {_clip(m.path, 29):<30}{_clip(m.type, 19):<20}{format_bytes(m.parameters):>11}"
-                    f"{format_bytes(m.activations):>12}{_fmt_opt(m.temporaries_forward):>11}"
-                    f"{_fmt_opt(m.temporaries_backward):>11}"
+                    f"{format_bytes(m.activations):>12}{_fmt_opt(m.peak_forward):>11}"
+                    f"{_fmt_opt(m.peak_backward):>11}"
                 )
         if t.notes:
             lines.append("")
@@ -252,3 +268,22 @@ def _breakdown_table(bd: Breakdown) -> list[str]:
         lines.append(f"  {'outside_torch':<20}{'not measured':>14}  (no accelerator driver)")
     lines.append(f"  {'total':<20}{format_bytes(bd.total):>14}")
     return lines
+
+
+def load(path: "str | os.PathLike[str]") -> Report:
+    """Read a trace saved by :meth:`Report.save` and return its Report.
+
+    Raises :class:`~memprof.errors.TraceFormatError` for a file that is not
+    JSON, not a memprof trace, or from a newer schema.
+    """
+    from .errors import TraceFormatError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{os.fspath(path)!s} is not valid JSON ({exc.msg} at line {exc.lineno}); "
+                               "give a file written by report.save()") from None
+    except UnicodeDecodeError:
+        raise TraceFormatError(f"{os.fspath(path)!s} is not a text file; give a file written by report.save()") from None
+    return Report(Trace.from_dict(data))

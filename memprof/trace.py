@@ -159,9 +159,13 @@ class ModuleRecord:
     profiling, gradients as last seen after a backward. ``activations`` are the
     bytes autograd saved while this module or a child ran its forward, counted
     once per storage and summed over calls, in the last step that ran it.
-    ``temporaries_forward`` / ``temporaries_backward`` are the highest rise of
-    live bytes above the level at the module's entry while it ran (the
-    transient memory the module needs), ``None`` where not measured.
+    ``peak_forward`` / ``peak_backward`` are the highest rise of live bytes
+    above the level at the call's start while the module ran (what the call
+    adds at its worst, its outputs and saved tensors included);
+    ``temporaries_forward`` / ``temporaries_backward`` are the part of that
+    high point released again by the call's end (scratch memory the module
+    needs only while it runs). Maxima over calls; ``None`` where not measured
+    (light mode) or never run.
     """
 
     path: str
@@ -169,6 +173,8 @@ class ModuleRecord:
     parameters: int
     gradients: "int | None"
     activations: "int | None"
+    peak_forward: "int | None"
+    peak_backward: "int | None"
     temporaries_forward: "int | None"
     temporaries_backward: "int | None"
     calls: int

@@ -52,12 +52,12 @@ class Entry:
 class Frame:
     """A module call (forward or backward) in progress, for its temporaries peak."""
 
-    __slots__ = ("module", "entry_t", "max_t", "backward")
+    __slots__ = ("module", "entry", "max", "backward")
 
-    def __init__(self, module: int, entry_t: int, backward: bool) -> None:
+    def __init__(self, module: int, entry: int, backward: bool) -> None:
         self.module = module
-        self.entry_t = entry_t
-        self.max_t = entry_t
+        self.entry = entry  # live bytes when the call began
+        self.max = entry  # highest live bytes while it ran
         self.backward = backward
 
 
@@ -162,10 +162,8 @@ class Ledger:
     def check_peak(self) -> None:
         total = self.total
         top = self.top
-        if top is not None:
-            t = self.totals[TEMPORARIES]
-            if t > top.max_t:
-                top.max_t = t
+        if top is not None and total > top.max:
+            top.max = total
         if total > self.phase_peak_total:
             self.phase_peak_total = total
             self.phase_peak = self.totals.copy()
@@ -189,7 +187,7 @@ class Ledger:
         self.phase_peak_module = self.top.module if self.top is not None else -1
 
     def push_frame(self, module: int, backward: bool) -> Frame:
-        frame = Frame(module, self.totals[TEMPORARIES], backward)
+        frame = Frame(module, self.total, backward)
         self.frames.append(frame)
         self.top = frame
         self.module_of_new = module
@@ -206,8 +204,8 @@ class Ledger:
             popped.append(f)
             if frames:
                 parent = frames[-1]
-                if f.max_t > parent.max_t:
-                    parent.max_t = f.max_t
+                if f.max > parent.max:
+                    parent.max = f.max
             if f is frame:
                 break
         self.top = frames[-1] if frames else None

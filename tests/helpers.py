@@ -1,0 +1,125 @@
+"""Independent counters the tests compare memprof against.
+
+Nothing here imports memprof: each figure is a plain sum of
+numel() * element_size() over storages deduplicated by their StorageImpl.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def unique_bytes(tensors) -> int:
+    """Sum of storage sizes, each storage once (tied weights, views)."""
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return unique_bytes(model.parameters())
+
+
+def buffer_bytes(model: nn.Module) -> int:
+    return unique_bytes(model.buffers())
+
+
+def grad_bytes(model: nn.Module) -> int:
+    return unique_bytes(p.grad for p in model.parameters())
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    return unique_bytes(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def saved_activation_bytes(fn, exclude) -> int:
+    """Bytes autograd saves while ``fn()`` runs, deduplicated by storage, minus
+    the storages of ``exclude`` (parameters, buffers, inputs). The graph is kept
+    alive until the count is taken, then dropped."""
+    excluded = {storage_key(t) for t in exclude}
+    saved = {}
+
+    def pack(t):
+        k = storage_key(t)
+        if k not in excluded:
+            saved[k] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    total = sum(saved.values())
+    del out
+    return total
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts live bytes of every op output storage and of pre-registered
+    tensors; remembers the highest total. Written independently of memprof."""
+
+    def __init__(self, preexisting=()):
+        super().__init__()
+        self.live = {}
+        self.total = 0
+        self.peak = 0
+        for t in preexisting:
+            self._add(t)
+
+    def _add(self, t):
+        st = t.untyped_storage()
+        k = st._cdata
+        if k in self.live:
+            return
+        n = st.nbytes()
+
+        def gone(_, k=k, n=n):
+            if self.live.pop(k, None) is not None:
+                self.total -= n
+
+        self.live[k] = weakref.ref(st, gone)
+        self.total += n
+        self.peak = max(self.peak, self.total)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.layout is torch.strided:
+                self._add(a)
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for o in outs:
+            if isinstance(o, torch.Tensor) and o.layout is torch.strided:
+                self._add(o)
+        return out
+
+    def close(self):
+        self.live.clear()
+
+
+def hooks_left(model: nn.Module) -> list[str]:
+    """Every place a memprof hook could have been left behind."""
+    left = []
+    for name, mod in model.named_modules():
+        if mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks:
+            left.append(f"module hooks on {name or '<model>'}")
+    for name, p in model.named_parameters():
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            left.append(f"grad hook on {name}")
+    import torch.optim.optimizer as optmod
+
+    if optmod._global_optimizer_pre_hooks or optmod._global_optimizer_post_hooks:
+        left.append("global optimizer hooks")
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        left.append("saved tensor hooks")
+    if torch._C._len_torch_dispatch_stack() != 0:
+        left.append("dispatch mode")
+    return left

@@ -1,0 +1,161 @@
+"""Exact mode on CPU: every figure equals an independent count.
+
+Independent counts come from tests/helpers.py, which never imports memprof:
+sums of storage sizes (numel * element_size, each storage once).
+"""
+
+import pytest
+import torch
+
+import memprof
+from memprof import Category as C, Phase
+
+from helpers import (
+    LiveBytes,
+    buffer_bytes,
+    grad_bytes,
+    optimizer_state_bytes,
+    saved_activation_bytes,
+    weight_bytes,
+)
+from models import MODEL_NAMES, MLP, make
+
+TENSOR_CATS = [C.WEIGHTS, C.BUFFERS, C.GRADIENTS, C.OPTIMIZER_STATES, C.ACTIVATIONS, C.INPUTS, C.TEMPORARIES]
+
+
+def assert_sums(bd):
+    """sum(categories) == total, exactly, whenever the total is measured."""
+    assert bd.total == sum(v for v in bd.counts if v is not None)
+
+
+def train(model, opt, batch, loss_fn, steps=2):
+    x, y = batch
+    for _ in range(steps):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_model_states_equal_independent_sums(name):
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = batch
+    with memprof.profile(model, opt) as prof:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        grads_after_backward = grad_bytes(model)
+        opt.step()
+        states = optimizer_state_bytes(opt)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+    rep = prof.report()
+    w = weight_bytes(model)  # tied weights once: the head shares the embedding's storage
+    b = buffer_bytes(model)
+    for step in (0, 1):
+        for phase in ("forward", "backward", "optimizer"):
+            bd = rep.at(step, phase, "end")
+            assert bd[C.WEIGHTS] == w
+            assert bd[C.BUFFERS] == b
+            assert_sums(bd)
+            assert_sums(rep.at(step, phase, "peak"))
+    # Gradients: all of them after backward (fp32 grads = fp32 weights here).
+    assert rep.at(0, "backward", "end")[C.GRADIENTS] == grads_after_backward == w
+    assert rep.at(0, "forward", "end")[C.GRADIENTS] == 0
+    # AdamW: exp_avg + exp_avg_sq in the parameter dtype (2 * 4 B/param) + a 4-byte step per parameter.
+    n_params = len({p.untyped_storage()._cdata for p in model.parameters()})
+    assert states == 2 * w + 4 * n_params
+    assert rep.at(0, "optimizer", "end")[C.OPTIMIZER_STATES] == states
+    assert rep.at(1, "forward", "end")[C.OPTIMIZER_STATES] == states
+    assert rep.at(0, "forward", "end")[C.OPTIMIZER_STATES] == 0  # created lazily by the first step
+    assert_sums(rep.peak)
+    assert_sums(rep.end)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_saved_activations_equal_independent_hook_count(name):
+    model, batch, loss_fn = make(name)
+    x, y = batch
+    exclude = list(model.parameters()) + list(model.buffers()) + [x, y]
+    # Independent count on an identical forward (the models are deterministic).
+    expected = saved_activation_bytes(lambda: loss_fn(model(x), y), exclude)
+    assert expected > 0
+    with memprof.profile(model) as prof:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+    rep = prof.report()
+    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == expected
+    # After backward every saved tensor is released.
+    assert rep.at(0, "backward", "end")[C.ACTIVATIONS] == 0
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_peak_total_equals_independent_live_bytes(name):
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = batch
+    pre = list(model.parameters()) + list(model.buffers()) + [x, y]
+    counter = LiveBytes(pre)
+    with counter:  # the independent counter sits outside memprof's dispatch mode and sees the same ops
+        with memprof.profile(model, opt) as prof:
+            train(model, opt, batch, loss_fn, steps=2)
+        peak = counter.peak
+    counter.close()
+    rep = prof.report()
+    assert rep.peak.total == peak
+    assert_sums(rep.peak)
+
+
+def test_mlp_arithmetic_by_hand():
+    # MLP 32 -> 64 -> 64 -> 10, batch 16, fp32, SGD without momentum (no state).
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 32)
+    y = torch.randint(0, 10, (16,))
+    with memprof.profile(model, opt) as prof:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    rep = prof.report()
+    # weights: (32*64 + 64) + (64*64 + 64) + (64*10 + 10) = 2112 + 4160 + 650 = 6922 params * 4 B = 27688
+    assert rep.at(0, "forward", "end")[C.WEIGHTS] == 27688
+    # inputs: x 16*32*4 = 2048 B, y 16 int64 = 128 B
+    assert rep.at(0, "forward", "end")[C.INPUTS] == 2048 + 128
+    # saved: fc1 out (relu result, 16*64*4=4096), fc2 input = relu out (same storage as relu result,
+    # relu is not in-place here: ReLU saves its result 4096 and fc2 saves it as mat1 - one storage),
+    # fc2 out relu result 4096 (saved by relu and by fc3 as mat1), log_softmax result 16*10*4 = 640,
+    # nll total_weight 0-dim 4 B. Linear fc1 saves x (an input: excluded).
+    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == 4096 + 4096 + 640 + 4
+    assert rep.at(0, "backward", "end")[C.GRADIENTS] == 27688
+    assert rep.at(0, "optimizer", "end")[C.OPTIMIZER_STATES] == 0
+
+
+def test_tied_weights_and_views_count_once():
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, head)
+    with memprof.profile(model) as prof:
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+    rep = prof.report()
+    assert rep.at(0, "forward", "end")[C.WEIGHTS] == 10 * 4 * 4  # one 10x4 fp32 storage, not two
+    assert rep.at(0, "backward", "end")[C.GRADIENTS] == 10 * 4 * 4
+
+
+def test_every_breakdown_sums_to_its_total():
+    model, batch, loss_fn = make("transformer")
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.profile(model, opt) as prof:
+        train(model, opt, batch, loss_fn, steps=3)
+    tr = prof.trace
+    for rec in tr.phases:
+        for bd in (rec.start, rec.peak, rec.end):
+            assert_sums(bd)
+            assert all(v >= 0 for v in bd.counts[:7])
+            assert bd[C.ALLOCATOR_OVERHEAD] is None and bd[C.OUTSIDE_TORCH] is None  # CPU: not measured
+        assert rec.peak.total >= rec.start.total and rec.peak.total >= rec.end.total
+        assert tr.peak.total >= rec.peak.total
+    for s in tr.timeline:
+        assert_sums(s.breakdown)

@@ -1,0 +1,205 @@
+"""Training set-ups: steps, phases and categories stay exact."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import memprof
+from memprof import Category as C, Phase
+
+from helpers import grad_bytes, optimizer_state_bytes, saved_activation_bytes, weight_bytes
+from models import MLP
+
+
+def phase_names(step):
+    return [(p.phase.value, p.occurrence) for p in step.phases if p.phase is not Phase.OTHER]
+
+
+def data(n=16):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def test_multi_step_records_each_step():
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters())
+    x, y = data()
+    with memprof.profile(model, opt) as prof:
+        for _ in range(3):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    tr = prof.trace
+    assert [s.index for s in tr.steps] == [0, 1, 2]
+    for s in tr.steps:
+        assert phase_names(s) == [("forward", 0), ("backward", 0), ("optimizer", 0)]
+    # The zero_grad after the last step frees the gradients: end has none, states remain.
+    assert tr.end[C.GRADIENTS] == 0
+    assert tr.end[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt)
+
+
+def test_gradient_accumulation_is_one_step_with_several_passes():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data()
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            for micro in range(3):
+                F.cross_entropy(model(x[micro::3]), y[micro::3]).backward()
+            opt.step()
+            opt.zero_grad()
+    rep = prof.report()
+    assert rep.steps == 2
+    for s in prof.trace.steps:
+        assert phase_names(s) == [
+            ("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1),
+            ("forward", 2), ("backward", 2), ("optimizer", 0),
+        ]
+    w = weight_bytes(model)
+    # Gradients accumulate in place: one fp32 grad per parameter, after every micro-batch.
+    assert rep.at(0, "backward", "end", occurrence=0)[C.GRADIENTS] == w
+    assert rep.at(0, "backward", "end", occurrence=2)[C.GRADIENTS] == w
+    assert rep.at(0, "forward", "start", occurrence=1)[C.GRADIENTS] == w
+
+
+def test_zero_grad_set_to_none_false_keeps_gradients():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data()
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    rep = prof.report()
+    w = weight_bytes(model)
+    assert rep.end[C.GRADIENTS] == w  # zeroed, not freed
+    assert rep.at(1, "forward", "peak")[C.GRADIENTS] == w
+
+
+def test_frozen_layers_have_no_gradients_or_state():
+    model = MLP()
+    for p in model.fc1.parameters():
+        p.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable)
+    x, y = data()
+    with memprof.profile(model, opt) as prof:
+        F.cross_entropy(model(x), y).backward()
+        g = grad_bytes(model)
+        opt.step()
+    rep = prof.report()
+    # fc2 + fc3 only: (64*64+64 + 64*10+10) * 4 B = (4160 + 650) * 4 = 19240
+    assert g == 19240
+    assert rep.at(0, "backward", "end")[C.GRADIENTS] == 19240
+    # AdamW: 2 * 19240 B of moments + 4 parameters * 4-byte step
+    assert rep.at(0, "optimizer", "end")[C.OPTIMIZER_STATES] == 2 * 19240 + 4 * 4
+    assert rep.at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+
+
+def test_no_grad_evaluation_saves_nothing():
+    model = MLP()
+    x, _ = data()
+    with memprof.profile(model) as prof:
+        with torch.no_grad():
+            out = model(x)
+    rep = prof.report()
+    bd = rep.at(0, "forward", "end")
+    assert bd[C.ACTIVATIONS] == 0
+    assert bd[C.GRADIENTS] == 0
+    # The output 16 x 10 fp32 is alive at the end, as a temporary.
+    assert bd[C.TEMPORARIES] >= 16 * 10 * 4
+    del out
+
+
+def test_optimizer_created_after_first_forward():
+    model = MLP()
+    x, y = data()
+    with memprof.profile(model) as prof:  # no optimizer given: found through torch's global step hooks
+        loss = F.cross_entropy(model(x), y)
+        opt = torch.optim.AdamW(model.parameters())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    tr = prof.trace
+    assert len(tr.steps) == 2
+    assert phase_names(tr.steps[0]) == [("forward", 0), ("backward", 0), ("optimizer", 0)]
+    assert prof.report().at(1, "optimizer", "end")[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt)
+    assert tr.optimizer == "torch.optim.adamw.AdamW"
+
+
+def test_without_optimizer_each_backward_ends_a_step():
+    model = MLP()
+    x, y = data()
+    with memprof.profile(model) as prof:
+        for _ in range(3):
+            F.cross_entropy(model(x), y).backward()
+    assert len(prof.trace.steps) == 3
+
+
+def test_explicit_steps():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data()
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            with prof.step():
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    model(x)  # evaluation in the same step
+    tr = prof.trace
+    assert len(tr.steps) == 2
+    assert [p.phase.value for p in tr.steps[0].phases if p.phase is not Phase.OTHER] == [
+        "forward", "backward", "optimizer", "forward"]
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self, reentrant, width=64, hidden=1024):
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, width))
+            for _ in range(3)
+        )
+
+    def forward(self, x, use_checkpoint=True):
+        for b in self.blocks:
+            if use_checkpoint:
+                x = checkpoint(b, x, use_reentrant=self.reentrant)
+            else:
+                x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    # Batch 512, width 64, hidden 1024: a block's activations (4 MiB) outweigh all gradients (1.5 MiB),
+    # so backward's peak falls while a block is recomputed.
+    model = Blocks(reentrant)
+    x = torch.randn(512, 64, requires_grad=True)
+    exclude = list(model.parameters()) + [x]
+    # Independent count: what autograd holds at the end of forward under checkpointing.
+    expected_ckpt = saved_activation_bytes(lambda: model(x).sum(), exclude)
+    expected_full = saved_activation_bytes(lambda: model(x, use_checkpoint=False).sum(), exclude)
+    block_input = 512 * 64 * 4  # 131072
+    block_inner = 2 * 512 * 1024 * 4  # GELU input + GELU output (saved by Linear 2) = 4194304
+    # Checkpointed: only block inputs stay saved; block 1's input is x (an input, excluded).
+    assert expected_ckpt == 2 * block_input
+    # Without checkpointing: Linear-1 inputs of blocks 2 and 3, and every block's inner tensors.
+    assert expected_full == 2 * block_input + 3 * block_inner
+    with memprof.profile(model) as prof:
+        model(x).sum().backward()
+    rep = prof.report()
+    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == expected_ckpt
+    # In backward, recomputed tensors count as activations of that backward, one block at a time.
+    # Backward's peak comes while the first block is recomputed (all other gradients exist by then
+    # and every other block's tensors are freed): exactly that block's inner tensors.
+    bw_peak = rep.at(0, "backward", "peak")
+    assert bw_peak[C.ACTIVATIONS] == block_inner
+    assert rep.at(0, "backward", "end")[C.ACTIVATIONS] == 0
+    assert rep.at(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
