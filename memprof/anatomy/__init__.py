@@ -1,0 +1,75 @@
+"""The analytic model of training memory: pure functions of shapes, dtypes and configuration.
+
+No hooks and no profiler here. Every constant cites ANATOMY.md or its source:
+
+* :mod:`.params` -- bytes per parameter by precision regime and optimizer (HF, ZeRO).
+* :mod:`.optimizers` -- state and step-temporary bytes of real optimizer objects.
+* :mod:`.activations` -- Korthikanti's transformer closed forms and per-module saved-bytes rules.
+* :mod:`.zero` -- ZeRO stage formulas and the DeepSpeed estimators.
+* :mod:`.allocator` -- the CUDA caching allocator, cuBLAS workspace and CUDA context.
+"""
+
+from __future__ import annotations
+
+from .activations import (
+    TensorMeta,
+    cross_entropy_saved_bytes,
+    module_saved_bytes,
+    register_saved_rule,
+    saved_bytes_rule,
+    transformer_activations_total,
+    transformer_layer_activations,
+    transformer_layer_terms,
+)
+from .allocator import (
+    CUDA_CONTEXT_RANGE,
+    CachingAllocatorModel,
+    cublas_workspace_bytes,
+    pool_of,
+    round_size,
+    segment_size,
+)
+from .optimizers import (
+    OptimizerFormula,
+    bitsandbytes_formula,
+    optimizer_formula,
+    optimizer_implementation,
+    param_group_implementations,
+    predict_optimizer_state_bytes,
+    predict_optimizer_step_transient_bytes,
+    register_optimizer_formula,
+)
+from .params import BytesPerParam, bytes_per_param, bytes_per_param_breakdown
+from .zero import DeepSpeedEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate, zero_model_states
+
+__all__ = [
+    "BytesPerParam",
+    "bytes_per_param",
+    "bytes_per_param_breakdown",
+    "OptimizerFormula",
+    "register_optimizer_formula",
+    "optimizer_formula",
+    "optimizer_implementation",
+    "param_group_implementations",
+    "predict_optimizer_state_bytes",
+    "predict_optimizer_step_transient_bytes",
+    "bitsandbytes_formula",
+    "TensorMeta",
+    "transformer_layer_terms",
+    "transformer_layer_activations",
+    "transformer_activations_total",
+    "register_saved_rule",
+    "saved_bytes_rule",
+    "module_saved_bytes",
+    "cross_entropy_saved_bytes",
+    "zero_model_states",
+    "DeepSpeedEstimate",
+    "deepspeed_zero2_estimate",
+    "deepspeed_zero3_estimate",
+    "round_size",
+    "pool_of",
+    "segment_size",
+    "cublas_workspace_bytes",
+    "CUDA_CONTEXT_RANGE",
+    "CachingAllocatorModel",
+]

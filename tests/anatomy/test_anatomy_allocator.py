@@ -1,0 +1,96 @@
+"""CUDA caching-allocator model vs. the snapshot oracle and constants of ANATOMY §7."""
+
+from __future__ import annotations
+
+import pytest
+
+from memprof.anatomy.allocator import (
+    CUDA_CONTEXT_EAGER_BYTES,
+    CUDA_CONTEXT_LAZY_BYTES,
+    CUDA_CONTEXT_RANGE,
+    CachingAllocatorModel,
+    cublas_workspace_bytes,
+    pool_of,
+    round_size,
+    segment_size,
+)
+from memprof.errors import InvalidArgumentError
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize(
+    "n,rounded",
+    [(0, 512), (1, 512), (40, 512), (512, 512), (513, 1024), (4_000, 4_096), (40_000, 40_448), (8_519_680, 8_519_680)],
+)
+def test_round_size(n, rounded):
+    # ceil(40,000 / 512) = 79 blocks -> 79 * 512 = 40,448; 4,000 -> 8 * 512 = 4,096
+    assert round_size(n) == rounded
+
+
+def test_pools_and_segments():
+    assert pool_of(MiB) == "small" and pool_of(MiB + 1) == "large"
+    assert segment_size(40_000) == 2 * MiB  # small requests get a 2 MiB segment
+    assert segment_size(8_519_680) == 20 * MiB  # < 10 MiB -> 20 MiB segment
+    assert segment_size(10 * MiB) == 10 * MiB  # >= 10 MiB -> rounded to 2 MiB
+    assert segment_size(11 * MiB) == 12 * MiB
+    with pytest.raises(InvalidArgumentError):
+        round_size(-1)
+
+
+def test_snapshot_oracle():
+    alloc = CachingAllocatorModel()
+    w = alloc.malloc(40_000)
+    b = alloc.malloc(40)
+    x = alloc.malloc(4_000)
+    # W -> 40,448, b -> 512, X -> 4,096, all in one 2,097,152 B small segment (rest 2,052,096 free)
+    assert alloc.segments() == [(2_097_152, [(40_448, True), (512, True), (4_096, True), (2_097_152 - 45_056, False)])]
+    ws = alloc.malloc(8_519_680)
+    # the cuBLAS workspace: a 20,971,520 B segment with the 8,519,680 B block and 12,451,840 B inactive
+    assert alloc.segments()[1] == (20_971_520, [(8_519_680, True), (12_451_840, False)])
+    assert alloc.reserved == 2_097_152 + 20_971_520
+    assert alloc.allocated == 40_448 + 512 + 4_096 + 8_519_680
+    assert alloc.inactive_split_bytes == 2_052_096 + 12_451_840
+    for h in (w, b, x, ws):
+        alloc.free(h)
+    assert alloc.allocated == 0 and alloc.reserved == 2_097_152 + 20_971_520  # nothing returned to the device
+    assert alloc.peak_allocated == 8_564_736
+
+
+def test_reuse_split_rules_and_best_fit():
+    alloc = CachingAllocatorModel()
+    big = alloc.malloc(12 * MiB)  # a 12 MiB segment, exact fit
+    alloc.free(big)
+    again = alloc.malloc(11 * MiB + 600 * 1024)  # rest 424 KiB <= 1 MiB: large pool does not split
+    assert alloc.reserved == 12 * MiB and alloc.allocated == 12 * MiB
+    alloc.free(again)
+    smaller = alloc.malloc(10 * MiB)  # rest 2 MiB > 1 MiB: split, 2 MiB stays cached
+    assert alloc.allocated == 10 * MiB and alloc.segments() == [(12 * MiB, [(10 * MiB, True), (2 * MiB, False)])]
+    alloc.free(smaller)
+    # small pool: best fit among free small blocks, split when the remainder >= 512
+    a = alloc.malloc(1_000)
+    bb = alloc.malloc(3_000)
+    alloc.malloc(512)
+    alloc.free(a)
+    alloc.free(bb)  # merges with a: one free 4,096 block before the 512 one
+    c = alloc.malloc(600)
+    assert alloc.segments()[1][1][0] == (1_024, True)
+    with pytest.raises(InvalidArgumentError):
+        alloc.free(a)
+    alloc.free(c)
+    assert alloc.peak_reserved == 12 * MiB + 2 * MiB
+
+
+@pytest.mark.parametrize(
+    "cc,expected", [((7, 0), 8_519_680), ((8, 0), 8_519_680), ((8, 9), 8_519_680), ((9, 0), 33_554_432), ((10, 0), 33_554_432), ((12, 0), 33_554_432)]
+)
+def test_cublas_workspace(cc, expected):
+    # ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB = 8,519,680 B; Hopper and newer majors 9/10/12: 32 MiB
+    assert cublas_workspace_bytes(cc) == expected
+
+
+def test_context_constants():
+    low, high = CUDA_CONTEXT_RANGE
+    assert (low, high) == (300_000_000, 1_500_000_000)
+    # the lazy-loading measurement (287 MB) sits at the low end; eager (667 MB) and HF's 1343 MiB inside/above
+    assert CUDA_CONTEXT_LAZY_BYTES < low < CUDA_CONTEXT_EAGER_BYTES < 1343 * MiB < high
