@@ -187,6 +187,8 @@ class Report:
         if t.peak_module:
             where.append(f"in {t.peak_module}")
         lines.append("")
+        if t.peak.total is None:
+            where.insert(0, "categories at the highest measured level")
         lines.append(f"Peak {format_bytes(t.peak.total)}" + (f" ({', '.join(where)})" if where else ""))
         lines.extend(_breakdown_table(t.peak))
         if t.live_at_error is not None:
@@ -200,14 +202,14 @@ class Report:
         if t.steps:
             lines.append("")
             lines.append("Phases (bytes at the peak of each phase)")
-            header = f"  {'step':>4}  {'phase':<12}{'start':>12}{'peak':>12}{'end':>12}   largest at peak"
+            header = f"  {'step':>4}  {'phase':<12}{'start':>14}{'peak':>14}{'end':>14}   largest at peak"
             lines.append(header)
             for rec in t.phases:
                 label = rec.phase.value + (f" #{rec.occurrence}" if rec.occurrence else "")
                 largest = _largest(rec.peak)
                 lines.append(
-                    f"  {rec.step:>4}  {label:<12}{format_bytes(rec.start.total):>12}"
-                    f"{format_bytes(rec.peak.total):>12}{format_bytes(rec.end.total):>12}   {largest}"
+                    f"  {rec.step:>4}  {label:<12}{format_bytes(rec.start.total):>14}"
+                    f"{format_bytes(rec.peak.total):>14}{format_bytes(rec.end.total):>14}   {largest}"
                 )
         mods = [m for m in t.modules if m.path != "<model>" and (m.activations or m.parameters)]
         if mods and top_modules > 0:
