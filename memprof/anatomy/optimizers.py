@@ -392,6 +392,14 @@ def _sgd_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.Tenso
     return sim.peak
 
 
+def _grad_copy(sim: "_ListSim", nbytes: int, *, maximize: bool, weight_decay: bool) -> None:
+    # Adagrad and RMSprop foreach: the grads list is rebound per group; maximize
+    # (_foreach_neg) or weight decay (_foreach_add) makes one copy of it.
+    sim.rebind("grads")
+    if maximize or weight_decay:
+        sim.new("grads", nbytes)
+
+
 def _adagrad_state(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor]) -> int:
     # adagrad.py __init__: step + sum = full_like(p) for every parameter, grads or not.
     return _bytes(params) + _steps(group, params)
@@ -408,11 +416,7 @@ def _adagrad_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.T
     sim = _ListSim()
     for sub in _device_dtype_groups(params):  # adagrad.py::_multi_tensor_adagrad
         c = _bytes(sub)
-        sim.rebind("grads")
-        if maximize:
-            sim.new("grads", c)
-        if wd and not maximize:
-            sim.new("grads", c)
+        _grad_copy(sim, c, maximize=maximize, weight_decay=wd)
         sim.new("std", c)  # _foreach_sqrt(state_sums)
         if wd or maximize:
             sim.alias("numerator", "grads")  # reuses device_grads
@@ -436,11 +440,7 @@ def _rmsprop_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.T
     sim = _ListSim()
     for sub in _device_dtype_groups(params):  # rmsprop.py::_multi_tensor_rmsprop
         c = _bytes(sub)
-        sim.rebind("grads")
-        if maximize:
-            sim.new("grads", c)
-        if wd and not maximize:
-            sim.new("grads", c)
+        _grad_copy(sim, c, maximize=maximize, weight_decay=wd)
         sim.new("avg", c)  # _foreach_addcmul (centered) or _foreach_sqrt
     return sim.peak
 
