@@ -31,9 +31,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__  # noqa: F401  (defined before submodules import)
 from .categories import Category, Phase
+from .anatomy.activations import TensorMeta
 from .errors import InvalidArgumentError, ProfilerStateError, UnknownNameError
 from .track.device import DeviceProbe
 from .track.ledger import (
+    TAGS,
     ACTIVATIONS,
     BUFFERS,
     GRADIENTS,
@@ -44,7 +46,7 @@ from .track.ledger import (
     WEIGHTS,
     Ledger,
 )
-from .trace import Breakdown, DeviceInfo, ModuleRecord, PhaseRecord, Sample, StepRecord, Trace
+from .trace import Breakdown, DeviceInfo, ModelFacts, ModuleRecord, PhaseRecord, Sample, StepRecord, Trace
 
 if TYPE_CHECKING:
     from .report import Report
@@ -55,6 +57,80 @@ _MODES = ("full", "light", "auto")
 _DETACH = torch.ops.aten.detach.default
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _MAX_SAMPLES = 20_000
+
+_aten = torch.ops.aten
+_TAG = {name: i for i, name in enumerate(TAGS)}
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _op(name: str, overload: str = "default") -> Any:
+    # Ops differ between torch versions; a missing one simply gets no rule.
+    packet = getattr(_aten, name, None)
+    return getattr(packet, overload, None) if packet is not None else None
+
+
+def _tag_outputs(indices: tuple[int, ...], tag: str):
+    def rule(prof: "Profiler", func: Any, args: Any, out: Any) -> None:
+        if isinstance(out, (tuple, list)):
+            for i in indices:
+                if i < len(out) and isinstance(out[i], torch.Tensor):
+                    prof._tag(out[i], _TAG[tag])
+    return rule
+
+
+def _tag_dropout_inplace(prof: "Profiler", func: Any, args: Any, out: Any) -> None:
+    # F.dropout's CPU path: empty_like -> bernoulli_ -> div_ -> mul; the mask is bernoulli_'s target.
+    if args and isinstance(args[0], torch.Tensor):
+        prof._tag(args[0], _TAG["dropout_mask"])
+
+
+def _tag_weight_cast(prof: "Profiler", func: Any, args: Any, out: Any) -> None:
+    # autocast casts an fp32 parameter to 16 bits with _to_copy.
+    if isinstance(out, torch.Tensor) and out.dtype in _LOW_PRECISION and args and isinstance(args[0], torch.Tensor):
+        entry = prof._entry_of(args[0])
+        if entry is not None and entry.cat == WEIGHTS:
+            prof._tag(out, _TAG["autocast_weight_copy"])
+
+
+def _tag_fp32_under_autocast(index: "int | None"):
+    def rule(prof: "Profiler", func: Any, args: Any, out: Any) -> None:
+        if prof._autocast_dtype not in ("bfloat16", "float16"):
+            return
+        t = out[index] if index is not None and isinstance(out, (tuple, list)) else out
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and torch.is_autocast_enabled(prof.device.type):
+            prof._tag(t, _TAG["autocast_fp32_output"])
+    return rule
+
+
+def _both(*rules: Any):
+    def rule(prof: "Profiler", func: Any, args: Any, out: Any) -> None:
+        for r in rules:
+            r(prof, func, args, out)
+    return rule
+
+
+_NORM = _tag_outputs((1, 2), "norm_statistics")
+_LSE = _tag_outputs((1,), "attention_logsumexp")
+_TAG_RULES: dict[Any, Any] = {
+    k: v for k, v in {
+        _op("_to_copy"): _tag_weight_cast,
+        _op("native_dropout"): _tag_outputs((1,), "dropout_mask"),
+        _op("bernoulli_", "float"): _tag_dropout_inplace,
+        _op("bernoulli_", "Tensor"): _tag_dropout_inplace,
+        _op("native_layer_norm"): _both(_NORM, _tag_fp32_under_autocast(0)),
+        _op("native_batch_norm"): _NORM,
+        _op("_native_batch_norm_legit"): _NORM,
+        _op("_native_batch_norm_legit", "no_stats"): _NORM,
+        _op("native_group_norm"): _NORM,
+        _op("_fused_rms_norm"): _tag_outputs((1,), "norm_statistics"),
+        _op("_scaled_dot_product_flash_attention_for_cpu"): _LSE,
+        _op("_scaled_dot_product_flash_attention"): _LSE,
+        _op("_scaled_dot_product_efficient_attention"): _LSE,
+        _op("_scaled_dot_product_cudnn_attention"): _LSE,
+        _op("_softmax"): _tag_fp32_under_autocast(None),
+        _op("_log_softmax"): _tag_fp32_under_autocast(None),
+    }.items() if k is not None
+}
 
 # Models currently being profiled, so that a second profiler on the same model is refused.
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -137,6 +213,9 @@ class _DispatchTracker(TorchDispatchMode):
             for o in out:
                 if isinstance(o, torch.Tensor):
                     prof._register_output(o)
+        rule = _TAG_RULES.get(func)
+        if rule is not None:
+            rule(prof, func, args, out)
         return out
 
 
@@ -322,7 +401,15 @@ class Profiler:
         self._opt_class: "str | None" = None
         self._opt_impl: "str | None" = None
         self._ours_cache: dict[int, bool] = {}
+        self._discovered: list[weakref.ref] = []
         self._autocast_dtype: "str | None" = None
+        # Input/output shapes of every module call in the first grad-enabled forward, for the formulas.
+        self._capture_metas = False
+        self._metas_done = False
+        self._pending_meta: dict[int, Any] = {}
+        self._metas: list[tuple[int, Any, Any, bool]] = []
+        self._modules_ref = [weakref.ref(m) for m in _dedup_modules(model)]
+        self._zero_grad_keeps: "bool | None" = None
 
         # Modules, by path. Shared modules keep their first path.
         self._modules: list[_ModuleInfo] = []
@@ -444,6 +531,17 @@ class Profiler:
             return
         self._ledger.add(st, TEMPORARIES)
 
+    def _entry_of(self, t: torch.Tensor) -> Any:
+        try:
+            return self._ledger.entries.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def _tag(self, t: torch.Tensor, tag: int) -> None:
+        entry = self._entry_of(t)
+        if entry is not None:
+            self._ledger.set_tag(entry, tag)
+
     def _scan_inputs(self, args: Iterable[Any]) -> None:
         # Tensors that come from outside the profile (targets handed to the
         # loss, masks) are inputs; known storages are skipped in O(1).
@@ -554,6 +652,9 @@ class Profiler:
                     self._recompute_foreign = top is None or top[0] != self._pack
                 self._recompute_depth += 1
             info.calls += 1
+            if self._capture_metas and not in_backward:
+                self._pending_meta[index] = [TensorMeta.of(t) for t in _tensors(args, kwargs)
+                                             if t.is_floating_point() or not t.is_complex()]
             self._fwd_stack.append(index)
             self._ledger.push_frame(index, backward=False)
             if self._timeline_enabled:
@@ -577,6 +678,12 @@ class Profiler:
                     self._close_frame(f)
             if self._fwd_stack and self._fwd_stack[-1] == index:
                 self._fwd_stack.pop()
+            metas = self._pending_meta.pop(index, None) if self._capture_metas else None
+            if metas is not None:
+                outs = [TensorMeta.of(t) for t in _tensors((output,), None)]
+                grad = any(t.requires_grad for t in _tensors(args, kwargs)) or any(
+                    p.requires_grad for p in module.parameters(recurse=False))
+                self._metas.append((index, metas, outs[0] if outs else None, grad and torch.is_grad_enabled()))
             if self._recompute_depth:
                 self._recompute_depth -= 1
                 if self._recompute_depth == 0 and self._recompute_foreign and self.mode == "full":
@@ -657,6 +764,8 @@ class Profiler:
         if self._state != "active" or not self._is_ours(opt):
             return None
         self._optimizer_seen = True
+        if id(opt) not in self._optimizer_ids and all(r() is not opt for r in self._discovered):
+            self._discovered.append(weakref.ref(opt))
         self._note_optimizer(opt)
         self._walk_grads()
         if self._phase is not Phase.OPTIMIZER:
@@ -748,6 +857,12 @@ class Profiler:
             if not self._optimizer_seen and not self._explicit_steps:
                 self._end_step()
         self._close_phase()
+        if self._capture_metas:
+            self._capture_metas = False
+            self._metas_done = True
+        if phase is Phase.FORWARD and not self._metas_done and torch.is_grad_enabled():
+            self._capture_metas = True
+            self._pending_meta = {}
         self._phase = phase
         self._other_active = False
         led = self._ledger
@@ -777,6 +892,8 @@ class Profiler:
             peak=self._breakdown(led.phase_peak, where="peak", device=device_now),
             end=self._breakdown(end, where="end", device=device_now),
             ops=ops,
+            tags_peak=_tag_pairs(led.phase_peak_tags),
+            tags_end=_tag_pairs(led.tag_act),
         )
         self._step_phases.append(record)
 
@@ -850,8 +967,8 @@ class Profiler:
             if self._steps and all(p.phase is Phase.OTHER for p in phases):
                 last = self._steps[-1]
                 self._steps[-1] = StepRecord(last.index, last.phases + tuple(
-                    PhaseRecord(last.index, p.phase, p.occurrence + sum(1 for q in last.phases if q.phase is p.phase),
-                                p.start, p.peak, p.end, p.ops) for p in phases))
+                    dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
+                        1 for q in last.phases if q.phase is p.phase)) for p in phases))
             else:
                 self._steps.append(StepRecord(self._step, tuple(phases)))
         self._step_phases = []
@@ -937,7 +1054,72 @@ class Profiler:
             optimizer_implementation=self._opt_impl,
             param_dtypes=self._param_dtypes,
             autocast_dtype=self._autocast_dtype,
+            peak_tags=_tag_pairs(led.peak_tags),
+            facts=self._facts(),
         )
+
+    def _facts(self) -> ModelFacts:
+        """Model and optimizer figures the reconciler needs, from the live objects at exit."""
+        from .anatomy.activations import module_saved_bytes
+        from .anatomy.optimizers import predict_optimizer_state_bytes, predict_optimizer_step_transient_bytes
+
+        params = [p for p in (r() for r in self._params) if p is not None]
+        trainable = [p for p in params if p.requires_grad]
+        model = self._model_ref()
+        buffers = 0
+        if model is not None:
+            seen: set[int] = set()
+            for b in model.buffers():
+                buffers += _storage_bytes(b, seen, self._ledger)
+        seen = set()
+        weight_bytes = sum(_storage_bytes(p, seen, self._ledger) for p in params)
+        seen = set()
+        trainable_bytes = sum(_storage_bytes(p, seen, self._ledger) for p in trainable)
+        state = transient = None
+        opts = [o for o in (r() for r in self._optimizer_refs) if o is not None] or list(self._seen_optimizers())
+        if opts:
+            try:
+                states = [predict_optimizer_state_bytes(o, trainable) for o in opts]
+                transients = [predict_optimizer_step_transient_bytes(o, trainable) for o in opts]
+                state = None if any(v is None for v in states) else sum(states)  # type: ignore[misc]
+                transient = None if any(v is None for v in transients) else max(transients)  # type: ignore[type-var]
+            except Exception as exc:  # a formula must never break a measurement
+                self._notes.append(f"optimizer formula failed: {exc!r}")
+        activation: "int | None" = None
+        without: set[str] = set()
+        if self._metas:
+            device = "cuda" if self.device.type == "cuda" else "cpu"
+            activation = 0
+            for index, metas, out, grad in self._metas:
+                module = self._modules_ref[index]()
+                if module is None or not grad or any(True for _ in module.children()):
+                    continue  # containers: their children carry the rules
+                try:
+                    value = module_saved_bytes(module, metas, out, device=device, requires_input_grad=grad)
+                except Exception:
+                    value = None
+                if value is None:
+                    without.add(type(module).__name__)
+                else:
+                    activation += value
+        return ModelFacts(
+            num_params=sum(p.numel() for p in params),
+            num_trainable=sum(p.numel() for p in trainable),
+            trainable_tensors=len(trainable),
+            weight_bytes=weight_bytes,
+            trainable_bytes=trainable_bytes,
+            buffer_bytes=buffers,
+            optimizer_state_formula=state,
+            optimizer_transient_formula=transient,
+            activation_formula=activation,
+            modules_without_rule=tuple(sorted(without)),
+        )
+
+    def _seen_optimizers(self) -> Iterator[torch.optim.Optimizer]:
+        for ref in self._discovered:
+            opt = ref()
+            if opt is not None:
+                yield opt
 
 
 # ---------------------------------------------------------------------- helpers
@@ -990,6 +1172,20 @@ def _collect_tensors(obj: Any, out: list[torch.Tensor], depth: int) -> None:
     elif depth < 3 and isinstance(obj, dict):
         for x in obj.values():
             _collect_tensors(x, out, depth + 1)
+
+
+def _tag_pairs(values: list[int]) -> tuple[tuple[str, int], ...]:
+    return tuple((name, v) for name, v in zip(TAGS, values) if v)
+
+
+def _dedup_modules(model: nn.Module) -> list[nn.Module]:
+    seen: set[int] = set()
+    out = []
+    for _, m in model.named_modules():
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+    return out
 
 
 def _storage_bytes(t: torch.Tensor, seen: set[int], led: Ledger) -> int:

@@ -22,6 +22,7 @@ __all__ = [
     "ModuleRecord",
     "Sample",
     "DeviceInfo",
+    "ModelFacts",
     "Trace",
 ]
 
@@ -110,6 +111,9 @@ class PhaseRecord:
     peak: Breakdown
     end: Breakdown
     ops: int = 0
+    #: Bytes of named kinds of saved tensors (dropout masks, norm statistics, ...) at the peak and end.
+    tags_peak: tuple[tuple[str, int], ...] = ()
+    tags_end: tuple[tuple[str, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +124,8 @@ class PhaseRecord:
             "peak": self.peak.to_dict(),
             "end": self.end.to_dict(),
             "ops": self.ops,
+            "tags_peak": [list(t) for t in self.tags_peak],
+            "tags_end": [list(t) for t in self.tags_end],
         }
 
     @classmethod
@@ -132,7 +138,47 @@ class PhaseRecord:
             peak=Breakdown.from_dict(data["peak"]),
             end=Breakdown.from_dict(data["end"]),
             ops=int(data.get("ops", 0)),
+            tags_peak=_pairs(data.get("tags_peak", ())),
+            tags_end=_pairs(data.get("tags_end", ())),
         )
+
+
+def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
+    return tuple((str(a), int(b)) for a, b in items)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the reconciler needs to know about the model and optimizer, read at exit.
+
+    Counts are of unique parameters (tied weights once). The ``*_formula``
+    figures come from :mod:`memprof.anatomy` applied to the real objects;
+    ``None`` means no formula applies (an optimizer memprof has no rule for).
+    """
+
+    num_params: int = 0
+    num_trainable: int = 0
+    trainable_tensors: int = 0
+    weight_bytes: int = 0
+    trainable_bytes: int = 0
+    buffer_bytes: int = 0
+    optimizer_state_formula: "int | None" = None
+    optimizer_transient_formula: "int | None" = None
+    activation_formula: "int | None" = None
+    modules_without_rule: tuple[str, ...] = ()
+    zero_grad_keeps_grads: "bool | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["modules_without_rule"] = list(self.modules_without_rule)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelFacts":
+        kw = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        if "modules_without_rule" in kw:
+            kw["modules_without_rule"] = tuple(kw["modules_without_rule"])
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -261,6 +307,8 @@ class Trace:
     optimizer_implementation: "str | None" = None
     param_dtypes: tuple[str, ...] = ()
     autocast_dtype: "str | None" = None
+    peak_tags: tuple[tuple[str, int], ...] = ()
+    facts: ModelFacts = field(default_factory=ModelFacts)
     schema_version: int = field(default=SCHEMA_VERSION)
 
     @property
@@ -292,6 +340,8 @@ class Trace:
             "optimizer_implementation": self.optimizer_implementation,
             "param_dtypes": list(self.param_dtypes),
             "autocast_dtype": self.autocast_dtype,
+            "peak_tags": [list(t) for t in self.peak_tags],
+            "facts": self.facts.to_dict(),
         }
 
     @classmethod
@@ -330,6 +380,8 @@ class Trace:
                 optimizer_implementation=data.get("optimizer_implementation"),
                 param_dtypes=tuple(data.get("param_dtypes", ())),
                 autocast_dtype=data.get("autocast_dtype"),
+                peak_tags=_pairs(data.get("peak_tags", ())),
+                facts=ModelFacts.from_dict(data.get("facts", {})),
                 schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -21,6 +21,17 @@ from ..categories import Category, TENSOR_CATEGORIES
 WEIGHTS, BUFFERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, INPUTS, TEMPORARIES = range(7)
 N_CATS = 7
 CATEGORY_OF_INDEX: tuple[Category, ...] = TENSOR_CATEGORIES
+
+# Tags name what a saved storage is, for the reconciler's named causes. Their
+# live bytes are tracked only while the storage is an activation (saved).
+TAGS: tuple[str, ...] = (
+    "autocast_weight_copy",  # 16-bit copy of a parameter made by autocast
+    "dropout_mask",  # the mask dropout keeps for backward
+    "norm_statistics",  # mean / rstd of layer, batch, group and RMS norms
+    "attention_logsumexp",  # fused attention's fp32 logsumexp
+    "autocast_fp32_output",  # outputs of ops autocast runs in fp32 (softmax, layer_norm, ...)
+)
+N_TAGS = len(TAGS)
 assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
     "weights", "buffers", "gradients", "optimizer_states", "activations", "inputs", "temporaries"
 )
@@ -35,7 +46,7 @@ class _Ref(weakref.ref):  # type: ignore[type-arg]
 class Entry:
     """One live storage: its size, category, and where it came from."""
 
-    __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial")
+    __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial", "tag")
 
     def __init__(self, key: int, nbytes: int, cat: int, created: int, module: int, phase_serial: int) -> None:
         self.key = key
@@ -47,6 +58,7 @@ class Entry:
         self.saved = 0
         self.module = module
         self.phase_serial = phase_serial
+        self.tag = -1
 
 
 class Frame:
@@ -76,6 +88,9 @@ class Ledger:
         self.total = 0
         self.seq = 0
         self.closed = False
+        self.tag_act = [0] * N_TAGS
+        self.phase_peak_tags = [0] * N_TAGS
+        self.peak_tags = [0] * N_TAGS
         # Phase peak.
         self.phase_serial = 0
         self.phase_peak_total = 0
@@ -133,6 +148,8 @@ class Ledger:
         self.seq += 1
         self.totals[entry.cat] -= entry.nbytes
         self.total -= entry.nbytes
+        if entry.tag >= 0 and entry.cat == ACTIVATIONS:
+            self.tag_act[entry.tag] -= entry.nbytes
         if self.on_free is not None:
             self.on_free(entry)
 
@@ -151,6 +168,11 @@ class Ledger:
         self.totals[old] -= n
         self.totals[cat] += n
         entry.cat = cat
+        if entry.tag >= 0:
+            if old == ACTIVATIONS:
+                self.tag_act[entry.tag] -= n
+            elif cat == ACTIVATIONS:
+                self.tag_act[entry.tag] += n
         if retro and entry.phase_serial == self.phase_serial:
             if entry.created <= self.phase_peak_seq:
                 self.phase_peak[old] -= n
@@ -158,6 +180,15 @@ class Ledger:
             if self.peak_phase_serial == self.phase_serial and entry.created <= self.peak_seq:
                 self.peak[old] -= n
                 self.peak[cat] += n
+
+    def set_tag(self, entry: Entry, tag: int) -> None:
+        if entry.tag == tag:
+            return
+        if entry.cat == ACTIVATIONS:
+            if entry.tag >= 0:
+                self.tag_act[entry.tag] -= entry.nbytes
+            self.tag_act[tag] += entry.nbytes
+        entry.tag = tag
 
     def check_peak(self) -> None:
         total = self.total
@@ -167,11 +198,13 @@ class Ledger:
         if total > self.phase_peak_total:
             self.phase_peak_total = total
             self.phase_peak = self.totals.copy()
+            self.phase_peak_tags = self.tag_act.copy()
             self.phase_peak_seq = self.seq
             self.phase_peak_module = top.module if top is not None else -1
             if total > self.peak_total:
                 self.peak_total = total
                 self.peak = self.phase_peak.copy()
+                self.peak_tags = self.phase_peak_tags
                 self.peak_seq = self.seq
                 self.peak_phase_serial = self.phase_serial
                 self.peak_module = self.phase_peak_module
@@ -183,6 +216,7 @@ class Ledger:
         self.phase_serial += 1
         self.phase_peak_total = self.total
         self.phase_peak = self.totals.copy()
+        self.phase_peak_tags = self.tag_act.copy()
         self.phase_peak_seq = self.seq
         self.phase_peak_module = self.top.module if self.top is not None else -1
 
