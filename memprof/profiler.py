@@ -192,31 +192,55 @@ class _DispatchTracker(TorchDispatchMode):
         self.prof = prof
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func is _DETACH:
+            # A detach only aliases (memprof's own pack hook issues many): nothing to count.
+            return func(*args, **(kwargs or {}))
         prof = self.prof
-        if func is not _DETACH:
-            prof._last_op = func
+        prof._last_op = func
         if prof._scan_args:
             prof._scan_inputs(args)
         out = func(*args, **(kwargs or {}))
-        if func.namespace != "profiler":  # record_function markers are not work
+        kind = _OP_KIND.get(func)
+        if kind is None:
+            kind = _op_kind(func)
+        if kind != _NOT_WORK:
             prof._ops += 1
         if prof._recompute_pending:
             prof._flush_recompute()
         if _graph_task_id() != -1:
             if prof._phase is not Phase.BACKWARD:
                 prof._backward_started()
-        elif prof._phase is Phase.OTHER and not prof._other_active:
-            prof._other_active = True
-        if isinstance(out, torch.Tensor):
-            prof._register_output(out)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    prof._register_output(o)
+        if kind == _NEW_OUTPUTS:
+            if isinstance(out, torch.Tensor):
+                prof._register_output(out)
+            elif isinstance(out, (tuple, list)):
+                for o in out:
+                    if isinstance(o, torch.Tensor):
+                        prof._register_output(o)
         rule = _TAG_RULES.get(func)
         if rule is not None:
             rule(prof, func, args, out)
         return out
+
+
+# What an op's outputs are, decided once per op from its schema.
+_NEW_OUTPUTS, _ALIASES, _NOT_WORK = 0, 1, 2
+_OP_KIND: dict[Any, int] = {}
+
+
+def _op_kind(func: Any) -> int:
+    if func.namespace == "profiler":  # record_function markers are not work
+        kind = _NOT_WORK
+    else:
+        try:
+            returns = func._schema.returns
+            # Views and in-place ops return storages they were given: no new memory.
+            aliases = bool(returns) and all(r.alias_info is not None for r in returns)
+        except Exception:
+            aliases = False
+        kind = _ALIASES if aliases else _NEW_OUTPUTS
+    _OP_KIND[func] = kind
+    return kind
 
 
 class _ModuleInfo:
@@ -276,6 +300,7 @@ class Profiler:
             mode = "full" if device.type in ("cpu", "meta") else "light"
         self.mode = mode
         self.device = device
+        self._on_cpu = device.type == "cpu"
         self._model_ref = weakref.ref(model)
         self._optimizer_ids = {id(o) for o in optimizers}
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
@@ -394,7 +419,7 @@ class Profiler:
         self._error: "str | None" = None
         self._live_at_error: "Breakdown | None" = None
         self._live_modules_at_error: tuple[tuple[str, int], ...] = ()
-        self._samples: list[Sample] = []
+        self._samples: list[tuple[int, int, Phase, str, tuple[int, ...]]] = []
         self._sample_seq = 0
         self._fwd_stack: list[int] = []
         self._bw_frames: dict[int, Any] = {}
@@ -523,7 +548,10 @@ class Profiler:
             self._ledger.move(entry, GRADIENTS, retro=retro)
 
     def _register_output(self, t: torch.Tensor) -> None:
-        if t.device != self.device:
+        if self._on_cpu:
+            if not t.is_cpu:
+                return
+        elif t.device != self.device:
             return
         try:
             st = t.untyped_storage()
@@ -595,7 +623,8 @@ class Profiler:
                 entry.saved = 0
             entry.saved += 1
             return _Saved(t.detach(), self, entry.key)
-        return t.detach()
+        # Weights, inputs, buffers: a tensor without grad_fn cannot close a reference cycle.
+        return t if t.grad_fn is None else t.detach()
 
     def _attribute_saved(self, entry: Any) -> None:
         if not self._fwd_stack:
@@ -660,9 +689,12 @@ class Profiler:
             if self._timeline_enabled:
                 self._sample(info.path or "<model>")
             if torch.is_grad_enabled() and not in_backward:
-                tensors = [a for a in _tensors(args, kwargs) if a.requires_grad]
-                if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(tensors, self._make_bw_exit(index), mode="any")
+                hook = None
+                for a in _tensors(args, kwargs):
+                    if a.requires_grad:
+                        # Plain tensor hooks: register_multi_grad_hook costs several times more per call.
+                        hook = hook or self._make_bw_exit(index)
+                        a.register_hook(hook)
             return None
 
         return pre_hook
@@ -692,9 +724,11 @@ class Profiler:
             if self._timeline_enabled:
                 self._sample(self._modules[index].path or "<model>")
             if torch.is_grad_enabled() and self._phase is Phase.FORWARD:
-                tensors = [t for t in _tensors((output,), None) if t.requires_grad]
-                if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(tensors, self._make_bw_enter(index), mode="any")
+                hook = None
+                for t in _tensors((output,), None):
+                    if t.requires_grad:
+                        hook = hook or self._make_bw_enter(index)
+                        t.register_hook(hook)
             return None
 
         return post_hook
@@ -944,10 +978,8 @@ class Profiler:
         if not self._timeline_enabled or len(self._samples) >= _MAX_SAMPLES:
             return
         self._sample_seq += 1
-        self._samples.append(
-            Sample(self._sample_seq, self._step, self._phase, label,
-                   self._breakdown(self._ledger.totals, where="sample"))
-        )
+        # Raw ints now; Breakdown objects are built once, when the trace is.
+        self._samples.append((self._sample_seq, self._step, self._phase, label, tuple(self._ledger.totals)))
 
     def _modules_live_now(self) -> tuple[tuple[str, int], ...]:
         # Bytes of live storages created while each module was innermost.
@@ -1045,7 +1077,8 @@ class Profiler:
             peak_module=peak_module,
             steps=tuple(self._steps),
             modules=tuple(modules),
-            timeline=tuple(self._samples),
+            timeline=tuple(Sample(seq, step, phase, label, self._breakdown(list(totals), where="sample"))
+                           for seq, step, phase, label, totals in self._samples),
             notes=tuple(dict.fromkeys(notes)),
             error=self._error,
             live_at_error=self._live_at_error,
