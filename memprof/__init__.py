@@ -16,6 +16,8 @@ from .errors import (
     UnknownNameError,
 )
 from .profiler import Profiler, profile
+from .estimate import Estimate, estimate
+from .reconcile import Reconciliation, reconcile
 from .report import Report, load
 from .trace import Breakdown, ModuleRecord, PhaseRecord, StepRecord, Trace
 from .units import format_bytes, parse_size
@@ -25,6 +27,10 @@ __all__ = [
     "Profiler",
     "Report",
     "load",
+    "estimate",
+    "Estimate",
+    "reconcile",
+    "Reconciliation",
     "Trace",
     "Breakdown",
     "StepRecord",

@@ -81,7 +81,9 @@ def _tag_outputs(indices: tuple[int, ...], tag: str):
 def _tag_dropout_inplace(prof: "Profiler", func: Any, args: Any, out: Any) -> None:
     # F.dropout's CPU path: empty_like -> bernoulli_ -> div_ -> mul; the mask is bernoulli_'s target.
     if args and isinstance(args[0], torch.Tensor):
-        prof._tag(args[0], _TAG["dropout_mask"])
+        size = args[0].element_size()
+        prof._tag(args[0], _TAG["dropout_mask_4byte" if size >= 4 else "dropout_mask_2byte" if size == 2
+                                else "dropout_mask"])
 
 
 def _tag_weight_cast(prof: "Profiler", func: Any, args: Any, out: Any) -> None:
@@ -273,6 +275,8 @@ class Profiler:
         mode: str = "auto",
         timeline: bool = True,
         _allow_meta: bool = False,
+        _rounding: "int | None" = None,
+        _host_state: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(
@@ -301,6 +305,9 @@ class Profiler:
         self.mode = mode
         self.device = device
         self._on_cpu = device.type == "cpu"
+        # Simulating a CPU run on meta tensors: torch keeps optimizer `step`
+        # counters on the CPU (not meta), yet a real CPU run holds them in memory.
+        self._host_state = _host_state
         self._model_ref = weakref.ref(model)
         self._optimizer_ids = {id(o) for o in optimizers}
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
@@ -308,7 +315,7 @@ class Profiler:
         self._state = "new"
         self._trace: "Trace | None" = None
         self._probe = DeviceProbe(device)
-        self._ledger = Ledger(rounding=self._probe.rounding)
+        self._ledger = Ledger(rounding=_rounding if _rounding is not None else self._probe.rounding)
         self._stack: "contextlib.ExitStack | None" = None
         self._notes: list[str] = []
 
@@ -823,6 +830,9 @@ class Profiler:
                 continue
             for value in state.values():
                 if isinstance(value, torch.Tensor):
+                    if self._host_state and value.device.type == "cpu":
+                        entry = self._ledger.add(value.untyped_storage(), OPTIMIZER_STATES)
+                        continue
                     entry = self._add_tensor(value, OPTIMIZER_STATES)
                     if entry is not None and entry.cat in (TEMPORARIES, INPUTS, ACTIVATIONS):
                         led.move(entry, OPTIMIZER_STATES, retro=retro)
@@ -1057,7 +1067,12 @@ class Profiler:
                 parent = ".".join(parts[:k]) if k else "<model>"
                 if parent in totals_by_path:
                     totals_by_path[parent] += act[m.path]
-        modules = [dataclasses.replace(m, activations=totals_by_path[m.path]) for m in modules]
+        first_inputs: dict[int, int] = {}
+        for index, metas, _out, _grad in self._metas:
+            first_inputs.setdefault(index, sum(m.nbytes for m in metas))
+        path_index = {(info.path or "<model>"): i for i, info in enumerate(self._modules)}
+        modules = [dataclasses.replace(m, activations=totals_by_path[m.path], own_activations=m.activations,
+                                       input_bytes=first_inputs.get(path_index[m.path])) for m in modules]
         peak_module = None
         if 0 <= led.peak_module < len(self._modules):
             peak_module = self._modules[led.peak_module].path or "<model>"
@@ -1135,7 +1150,21 @@ class Profiler:
                     without.add(type(module).__name__)
                 else:
                     activation += value
+        dims: list[tuple[str, str, int]] = []
+        for i, info in enumerate(self._modules):
+            module = self._modules_ref[i]()
+            for attr in ("in_features", "out_features", "in_channels", "out_channels",
+                         "num_embeddings", "embedding_dim"):
+                value = getattr(module, attr, None)
+                if isinstance(value, int) and isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)):
+                    dims.append((info.path or "<model>", attr, value))
+        batch = None
+        root_metas = next((m for i, m, _o, _g in self._metas if i == 0), None)
+        if root_metas and root_metas[0].shape:
+            batch = root_metas[0].shape[0]
         return ModelFacts(
+            dims=tuple(dims),
+            batch_size=batch,
             num_params=sum(p.numel() for p in params),
             num_trainable=sum(p.numel() for p in trainable),
             trainable_tensors=len(trainable),

@@ -19,6 +19,8 @@ from .units import format_bytes
 if TYPE_CHECKING:
     import pandas as pd
 
+    from .reconcile import Reconciliation
+
 __all__ = ["Report", "load"]
 
 _WHEN = ("peak", "start", "end")
@@ -156,6 +158,16 @@ class Report:
         frame["bytes"] = frame["bytes"].astype("Int64")
         frame["share"] = frame["share"].astype("Float64")
         return frame
+
+    # -- reconciliation ---------------------------------------------------------
+
+    def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: str = "peak",
+                  estimate: Any = None, transformer: Any = None) -> "Reconciliation":
+        """Hold this run against the formulas (and a simulation): see :func:`memprof.reconcile`."""
+        from .reconcile import reconcile
+
+        return reconcile(self.trace, precision=precision, optimizer=optimizer, at=at, estimate=estimate,
+                         transformer=transformer)
 
     # -- files ------------------------------------------------------------------
 

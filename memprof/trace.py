@@ -166,11 +166,15 @@ class ModelFacts:
     optimizer_transient_formula: "int | None" = None
     activation_formula: "int | None" = None
     modules_without_rule: tuple[str, ...] = ()
-    zero_grad_keeps_grads: "bool | None" = None
+    #: (module path, attribute, value) of Linear/Conv/Embedding dimensions, for the alignment advice.
+    dims: tuple[tuple[str, str, int], ...] = ()
+    #: First dimension of the model's first input in the first forward.
+    batch_size: "int | None" = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out["modules_without_rule"] = list(self.modules_without_rule)
+        out["dims"] = [list(d) for d in self.dims]
         return out
 
     @classmethod
@@ -178,6 +182,8 @@ class ModelFacts:
         kw = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         if "modules_without_rule" in kw:
             kw["modules_without_rule"] = tuple(kw["modules_without_rule"])
+        if "dims" in kw:
+            kw["dims"] = tuple((str(a), str(b), int(c)) for a, b, c in kw["dims"])
         return cls(**kw)
 
 
@@ -224,13 +230,17 @@ class ModuleRecord:
     temporaries_forward: "int | None"
     temporaries_backward: "int | None"
     calls: int
+    #: Bytes of the tensors handed to the module's first call in the first forward (None if not seen).
+    input_bytes: "int | None" = None
+    #: Saved bytes attributed to this module itself, not its children (last step that ran it).
+    own_activations: "int | None" = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModuleRecord":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 @dataclass(frozen=True)

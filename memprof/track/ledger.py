@@ -26,7 +26,9 @@ CATEGORY_OF_INDEX: tuple[Category, ...] = TENSOR_CATEGORIES
 # live bytes are tracked only while the storage is an activation (saved).
 TAGS: tuple[str, ...] = (
     "autocast_weight_copy",  # 16-bit copy of a parameter made by autocast
-    "dropout_mask",  # the mask dropout keeps for backward
+    "dropout_mask",  # a 1-byte mask (CUDA's native_dropout)
+    "dropout_mask_2byte",  # a mask kept in a 16-bit input dtype (the CPU path: bernoulli_ noise)
+    "dropout_mask_4byte",  # a mask kept in fp32
     "norm_statistics",  # mean / rstd of layer, batch, group and RMS norms
     "attention_logsumexp",  # fused attention's fp32 logsumexp
     "autocast_fp32_output",  # outputs of ops autocast runs in fp32 (softmax, layer_norm, ...)

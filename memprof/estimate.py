@@ -1,0 +1,254 @@
+"""Simulation: the same training step on meta tensors, through the same trackers.
+
+``memprof.estimate(model, optimizer, inputs=..., loss_fn=...)`` copies the
+model onto the ``meta`` device (no data is copied, so a 7-billion-parameter
+configuration costs no real memory), rebuilds the optimizer on the copy,
+and runs a few steps under :func:`memprof.profile` in full mode. Autograd
+saves exactly what it would save for real and every op output has its real
+size, so saved activations and op-level temporaries are exact for this
+PyTorch version. What a meta run cannot show: kernels that differ by device
+(on CUDA dropout keeps 1-byte masks, the meta/CPU path keeps masks in the
+input dtype; fused attention kernels), and autocast, which does not apply to
+meta tensors. The user's model, optimizer and tensors are never modified.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .categories import Category
+from .errors import InvalidArgumentError, UnknownNameError
+from .trace import Breakdown, Trace
+
+__all__ = ["Estimate", "estimate"]
+
+_PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A simulated run: its :class:`~memprof.Trace` and the formula breakdown beside it.
+
+    ``simulated`` is the composition at the simulated peak; ``formula`` is the
+    textbook breakdown for the same model and optimizer (``None`` for
+    categories without a formula); ``notes`` say what the simulation could not
+    reproduce.
+    """
+
+    trace: Trace
+    precision: str
+    device: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def simulated(self) -> Breakdown:
+        return self.trace.peak
+
+    @property
+    def peak_bytes(self) -> int:
+        """Simulated peak bytes (rounded as the target device's allocator rounds)."""
+        assert self.trace.peak.total is not None
+        return self.trace.peak.total
+
+    @property
+    def formula(self) -> Breakdown:
+        from .reconcile import formula_breakdown
+
+        return formula_breakdown(self.trace, precision=self.precision)
+
+    def report(self) -> "Any":
+        """The :class:`~memprof.Report` of the simulated run."""
+        from .report import Report
+
+        return Report(self.trace)
+
+    def __str__(self) -> str:
+        from .units import format_bytes
+
+        lines = [f"memprof estimate ({self.precision}, simulated for {self.device}): peak {format_bytes(self.peak_bytes)}",
+                 f"  {'category':<20}{'formula':>14}{'simulated':>14}"]
+        formula = self.formula
+        for cat in Category:
+            f, s = formula[cat], self.simulated[cat]
+            if f is None and s is None:
+                continue
+            lines.append(f"  {cat.value:<20}{format_bytes(f):>14}{format_bytes(s):>14}")
+        lines.append(f"  {'total':<20}{format_bytes(formula.total):>14}{format_bytes(self.simulated.total):>14}")
+        for note in self.notes:
+            lines.append(f"  - {note}")
+        return "\n".join(lines)
+
+
+def estimate(
+    model: nn.Module,
+    optimizer: "torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None" = None,
+    *,
+    inputs: Any,
+    targets: Any = None,
+    loss_fn: "Callable[..., torch.Tensor] | None" = None,
+    precision: "str | None" = None,
+    device: "str | torch.device | None" = None,
+    steps: int = 2,
+) -> Estimate:
+    """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
+
+    ``optimizer`` is an optimizer built on ``model`` (its class and parameter
+    groups are rebuilt on the meta copy), or a factory called with the meta
+    copy's parameters (``lambda params: torch.optim.AdamW(params)``), or
+    ``None``. ``inputs`` is what ``model`` is called with: a tensor, a tuple
+    (unpacked as positional arguments) or a dict (keyword arguments); only
+    shapes and dtypes matter. The loss is ``loss_fn(output, targets)`` (or
+    ``loss_fn(output)`` without targets); without ``loss_fn`` it is the sum of
+    the first output tensor. ``precision`` ``"bf16"``/``"fp16"``/``"fp32"``
+    casts the copy's parameters; by default they keep their dtypes.
+    ``device`` is the device the figures are for: ``"cuda"`` rounds every
+    allocation to 512 bytes as the caching allocator does.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(steps, int) or steps < 1:
+        raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
+    if precision is not None and precision not in _PRECISION_DTYPES and precision not in ("amp", "mixed"):
+        raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, amp, mixed")
+    target = torch.device(device) if device is not None else _model_device(model)
+    if target.type == "meta":
+        target = torch.device("cpu")
+    notes: list[str] = []
+
+    meta_model, mapping = _meta_copy(model)
+    if precision in ("bf16", "fp16"):
+        meta_model.to(_PRECISION_DTYPES[precision])
+        mapping = {k: v for k, v in mapping.items()}  # parameters were converted in place (same objects)
+    if precision in ("amp", "mixed"):
+        notes.append("autocast does not apply to meta tensors: the simulation runs in the parameters' dtype; "
+                     "the reconciliation adds the 16-bit weight copies from the formula")
+    meta_opt = _meta_optimizer(optimizer, meta_model, mapping, notes)
+    meta_inputs = _to_meta(inputs)
+    meta_targets = _to_meta(targets)
+    if target.type == "cuda":
+        notes.append("simulated with meta kernels: dropout masks as on CPU (input dtype) where CUDA keeps 1-byte masks")
+
+    from .profiler import Profiler
+
+    prof = Profiler(meta_model, meta_opt, mode="full", timeline=False, _allow_meta=True,
+                    _rounding=512 if target.type == "cuda" else 1, _host_state=target.type == "cpu")
+    with prof:
+        for _ in range(steps):
+            # The output is not kept in a variable, as in a usual training loop: the loss
+            # function's saved tensors keep what backward needs and the rest is freed.
+            loss = _loss(_call(meta_model, meta_inputs), meta_targets, loss_fn)
+            loss.backward()
+            del loss
+            if meta_opt is not None:
+                meta_opt.step()
+                meta_opt.zero_grad()
+    resolved = precision or _infer_precision(prof.trace)
+    return Estimate(trace=prof.trace, precision=resolved, device=target.type, notes=tuple(notes))
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _meta_copy(model: nn.Module) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+    # deepcopy with a memo that maps every parameter and buffer to a fresh meta
+    # tensor: structure and tying are kept, no data is copied.
+    memo: dict[int, Any] = {}
+    mapping: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            meta = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            memo[id(p)] = meta
+            mapping[id(p)] = meta
+    for b in model.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = torch.empty_like(b, device="meta")
+    try:
+        clone = copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise InvalidArgumentError(
+            f"could not copy {type(model).__name__} onto the meta device ({exc}); build the model under "
+            "'with torch.device(\"meta\"):' and pass that instead"
+        ) from None
+    return clone, mapping
+
+
+def _meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
+                    notes: list[str]) -> "torch.optim.Optimizer | None":
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = []
+        for g in optimizer.param_groups:
+            params = [mapping[id(p)] for p in g["params"] if id(p) in mapping]
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            if hyper.get("fused"):
+                # Fused kernels do not run on meta tensors; their step keeps no temporaries (ANATOMY.md section 5).
+                hyper["fused"] = None
+                notes.append("fused optimizer simulated unfused: its real step keeps no temporaries")
+            groups.append({**hyper, "params": params})
+        try:
+            return type(optimizer)(groups)
+        except Exception as exc:
+            notes.append(f"{type(optimizer).__name__} could not be rebuilt on meta tensors ({exc}); "
+                         "optimizer state is from the formula only")
+            return None
+    if callable(optimizer):
+        opt = optimizer(meta_model.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise InvalidArgumentError("the optimizer factory must return a torch.optim.Optimizer")
+        return opt
+    raise InvalidArgumentError(
+        f"optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; got {type(optimizer).__name__}"
+    )
+
+
+def _to_meta(obj: Any) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device.type == "meta" else torch.empty_like(obj, device="meta")
+    if isinstance(obj, tuple):
+        return tuple(_to_meta(o) for o in obj)
+    if isinstance(obj, list):
+        return [_to_meta(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to_meta(v) for k, v in obj.items()}
+    return obj
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _loss(out: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(out, targets) if targets is not None else loss_fn(out)
+    first = out
+    while isinstance(first, (tuple, list)) and first:
+        first = first[0]
+    if isinstance(first, dict):
+        first = next(v for v in first.values() if isinstance(v, torch.Tensor))
+    if not isinstance(first, torch.Tensor):
+        raise InvalidArgumentError("the model returned no tensor; pass loss_fn= to build the loss")
+    return first.sum()
+
+
+def _infer_precision(trace: Trace) -> str:
+    from .reconcile import infer_precision
+
+    return infer_precision(trace)

@@ -1,0 +1,353 @@
+"""pytest integration: the ``memory_profile`` fixture and the ``memory_budget`` marker.
+
+Registered through the ``pytest11`` entry point, so installing torch-memprof
+is enough::
+
+    @pytest.mark.memory_budget(peak="1.5 GiB", activations="600 MiB")
+    def test_train_step(memory_profile):
+        with memory_profile(model, optimizer) as prof:
+            train_step()
+
+After the test body, every report recorded through the fixture is judged
+with :func:`memprof.budget.check_budget`; an overrun, an unmeasured budget,
+a bad size or a marked test that measured nothing fails the test.
+
+Command-line options (group "memprof"):
+
+``--memprof-save-dir DIR``
+    write every recorded report as JSON (``memprof.load`` reads it back).
+``--memprof-baseline DIR``
+    compare each report's peak figures with the file of the same name in DIR
+    and fail when any grew beyond ``--memprof-tolerance`` (default ``5%``).
+
+This module imports nothing from torch at import time; memprof's own modules
+are imported inside the hooks that need them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .profiler import Profiler
+    from .report import Report
+
+__all__ = ["MemoryProfileFixture", "BaselineMissingWarning", "reports", "report_file_names"]
+
+MARKER = "memory_budget"
+DEFAULT_TOLERANCE = "5%"
+
+# What the fixture handed out or was given, in order: Profiler or Report objects.
+_ENTRIES = pytest.StashKey[list]()
+# The reports of a finished test (Profilers resolved to their Reports).
+_REPORTS = pytest.StashKey[list]()
+# Paths written by --memprof-save-dir in this session (for the summary line).
+_SAVED = pytest.StashKey[list]()
+
+
+class BaselineMissingWarning(UserWarning):
+    """``--memprof-baseline`` has no file for a report; it was not compared."""
+
+
+class MemoryProfileFixture:
+    """What the ``memory_profile`` fixture gives a test.
+
+    Call it like :func:`memprof.profile` (``with memory_profile(model,
+    optimizer, mode="full") as prof:``); every profile made through it is
+    kept and, after the test body, judged against the test's
+    ``memory_budget`` marker and the command-line options. :meth:`record`
+    adds a report made elsewhere (for example with ``memprof.profile``
+    directly, or loaded from a file).
+    """
+
+    def __init__(self, item: pytest.Item) -> None:
+        self._item = item
+
+    def __call__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> "Profiler":
+        from .profiler import profile
+
+        prof = profile(model, optimizer, **kwargs)
+        self._item.stash.setdefault(_ENTRIES, []).append(prof)
+        return prof
+
+    def record(self, report: "Report") -> "Report":
+        """Keep ``report`` with this test's reports (judged like the fixture's own)."""
+        from .errors import InvalidArgumentError
+        from .report import Report
+
+        if not isinstance(report, Report):
+            raise InvalidArgumentError(
+                f"memory_profile.record() needs a memprof.Report, got {type(report).__name__}; "
+                "pass prof.report()"
+            )
+        self._item.stash.setdefault(_ENTRIES, []).append(report)
+        return report
+
+    @property
+    def reports(self) -> "list[Report]":
+        """Reports of the profiles that have finished so far, in creation order."""
+        return _resolve(self._item.stash.get(_ENTRIES, []))
+
+    def __repr__(self) -> str:
+        return f"<memory_profile fixture of {self._item.nodeid}: {len(self._item.stash.get(_ENTRIES, []))} profile(s)>"
+
+
+def reports(item: pytest.Item) -> "list[Report]":
+    """The reports a test recorded through ``memory_profile`` (after its call phase, all of them).
+
+    For use in ``conftest.py`` hooks, e.g. ``pytest_runtest_makereport``.
+    """
+    if _REPORTS in item.stash:
+        return list(item.stash[_REPORTS])
+    return _resolve(item.stash.get(_ENTRIES, []))
+
+
+def _resolve(entries: list) -> "list[Report]":
+    from .errors import ProfilerStateError
+    from .report import Report
+
+    out = []
+    for entry in entries:
+        if isinstance(entry, Report):
+            out.append(entry)
+            continue
+        try:
+            out.append(entry.report())
+        except ProfilerStateError:
+            # Created but never entered (or still running): nothing to judge.
+            continue
+    return out
+
+
+# -- options and marker -------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("memprof", "memprof: memory budgets and baselines")
+    group.addoption(
+        "--memprof-save-dir",
+        metavar="DIR",
+        default=None,
+        help="write every report recorded through the memory_profile fixture to DIR as JSON "
+        "(file name from the test id; memprof.load() reads it).",
+    )
+    group.addoption(
+        "--memprof-baseline",
+        metavar="DIR",
+        default=None,
+        help="compare each recorded report's peak figures with the JSON of the same name in DIR "
+        "(as written by --memprof-save-dir) and fail tests whose memory grew beyond --memprof-tolerance.",
+    )
+    group.addoption(
+        "--memprof-tolerance",
+        metavar="TOL",
+        default=DEFAULT_TOLERANCE,
+        help="relative growth allowed against --memprof-baseline: '5%%' or 0.05 (default %(default)s).",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(peak=None, at='peak', **categories): fail the test when a report recorded through "
+        "the memory_profile fixture exceeds these sizes ('1.5 GiB', '600 MB', bytes); categories: "
+        "weights, buffers, gradients, optimizer_states, activations, inputs, temporaries, "
+        "allocator_overhead, outside_torch.",
+    )
+    config.stash[_SAVED] = []
+    base = config.invocation_params.dir
+    save_dir = config.getoption("memprof_save_dir", None)
+    if save_dir is not None:
+        config.option.memprof_save_dir = str(base / save_dir)
+    baseline = config.getoption("memprof_baseline", None)
+    if baseline is not None:
+        path = base / baseline
+        if not path.is_dir():
+            raise pytest.UsageError(
+                f"--memprof-baseline {baseline}: no such directory; give the folder a run with "
+                "--memprof-save-dir wrote"
+            )
+        config.option.memprof_baseline = str(path)
+    tolerance = config.getoption("memprof_tolerance", DEFAULT_TOLERANCE)
+    if tolerance != DEFAULT_TOLERANCE:
+        from .budget import parse_tolerance
+        from .errors import MemprofError
+
+        try:
+            parse_tolerance(tolerance)
+        except MemprofError as exc:
+            raise pytest.UsageError(f"--memprof-tolerance: {exc}") from None
+
+
+@pytest.fixture
+def memory_profile(request: pytest.FixtureRequest) -> MemoryProfileFixture:
+    """Profile like ``memprof.profile``; every report is kept and judged after the test.
+
+    ``with memory_profile(model, optimizer, mode="full") as prof: ...``
+    """
+    return MemoryProfileFixture(request.node)
+
+
+# -- judging after the test body ------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    try:
+        result = yield
+    except BaseException:
+        # The body failed (or skipped): keep what was measured, judge nothing,
+        # and never mask the body's own exception.
+        try:
+            _collect_and_save(item)
+        except Exception as exc:  # pragma: no cover - defensive
+            warnings.warn(f"memprof could not save this test's reports: {exc!r}", stacklevel=1)
+        raise
+    reports_ = _collect_and_save(item)
+    failures = _budget_failures(item, reports_) + _baseline_failures(item, reports_)
+    if failures:
+        pytest.fail("\n\n".join(failures), pytrace=False)
+    return result
+
+
+def _collect_and_save(item: pytest.Item) -> "list[Report]":
+    entries = item.stash.get(_ENTRIES, [])
+    reports_ = _resolve(entries)
+    item.stash[_REPORTS] = reports_
+    entries.clear()  # drop the Profilers; the reports are all that is kept
+    save_dir = item.config.getoption("memprof_save_dir", None)
+    if save_dir and reports_:
+        os.makedirs(save_dir, exist_ok=True)
+        for name, rep in zip(report_file_names(item.nodeid, len(reports_)), reports_):
+            path = os.path.join(save_dir, name)
+            rep.save(path)
+            item.config.stash.setdefault(_SAVED, []).append(path)
+    return reports_
+
+
+def _marker_budgets(item: pytest.Item) -> "dict[str, Any] | None":
+    """The test's budgets, the closest marker winning per name; None when unmarked."""
+    merged: dict[str, Any] = {}
+    found = False
+    for mark in item.iter_markers(MARKER):
+        found = True
+        if mark.args:
+            raise _MarkerError(
+                f"@pytest.mark.{MARKER} takes keyword arguments only (peak=..., activations=..., at=...), "
+                f"got positional {mark.args!r}"
+            )
+        for key, value in mark.kwargs.items():
+            merged.setdefault(key, value)
+    return merged if found else None
+
+
+class _MarkerError(Exception):
+    pass
+
+
+def _budget_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]:
+    try:
+        budgets = _marker_budgets(item)
+    except _MarkerError as exc:
+        return [str(exc)]
+    if budgets is None:
+        return []
+    from .budget import BudgetNotMeasured, MemoryBudgetExceeded, check_budget, parse_budgets
+    from .errors import MemprofError
+
+    at = budgets.pop("at", "peak")
+    if at not in ("peak", "end"):
+        return [f"@pytest.mark.{MARKER}: at must be 'peak' or 'end', got {at!r}"]
+    try:
+        parse_budgets(**budgets)
+    except MemprofError as exc:
+        return [f"@pytest.mark.{MARKER}: {exc}"]
+    if not reports_:
+        return [
+            f"@pytest.mark.{MARKER}: nothing was measured in this test, so its memory budget cannot be "
+            "judged; profile the step with the memory_profile fixture: "
+            "'with memory_profile(model, optimizer) as prof: ...'"
+        ]
+    failures = []
+    for i, rep in enumerate(reports_):
+        where = f" (profile {i + 1} of {len(reports_)})" if len(reports_) > 1 else ""
+        try:
+            check_budget(rep, at=at, **budgets)
+        except MemoryBudgetExceeded as exc:
+            failures.append(f"MemoryBudgetExceeded{where}: {exc}")
+        except BudgetNotMeasured as exc:
+            if rep.steps == 0:
+                failures.append(
+                    f"@pytest.mark.{MARKER}{where}: nothing was measured: the profile recorded no step; "
+                    "run the step inside 'with memory_profile(model, optimizer) as prof:'"
+                )
+            else:
+                failures.append(f"BudgetNotMeasured{where}: {exc}")
+    return failures
+
+
+def _baseline_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]:
+    baseline_dir = item.config.getoption("memprof_baseline", None)
+    if not baseline_dir or not reports_:
+        return []
+    from .budget import compare_to_baseline, describe_growth
+    from .errors import MemprofError
+    from .report import load
+
+    tolerance = item.config.getoption("memprof_tolerance", DEFAULT_TOLERANCE)
+    failures = []
+    for name, rep in zip(report_file_names(item.nodeid, len(reports_)), reports_):
+        path = os.path.join(baseline_dir, name)
+        if not os.path.exists(path):
+            warnings.warn(
+                BaselineMissingWarning(
+                    f"memprof: no baseline {name} in {baseline_dir}; this report was not compared "
+                    "(write baselines with --memprof-save-dir)"
+                ),
+                stacklevel=1,
+            )
+            continue
+        try:
+            base = load(path)
+        except MemprofError as exc:
+            failures.append(f"memprof baseline {path} cannot be read: {exc}")
+            continue
+        growths = compare_to_baseline(rep, base, tolerance)
+        if growths:
+            failures.append(f"MemoryGrewError against {path}: {describe_growth(growths, tolerance)}")
+    return failures
+
+
+# -- file names ---------------------------------------------------------------------
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_MAX_STEM = 120
+
+
+def report_file_names(nodeid: str, count: int) -> list[str]:
+    """File names for a test's ``count`` reports: ``<stem>.json``, ``<stem>-2.json``, ...
+
+    The stem is the test id with every run of characters other than letters,
+    digits, ``.``, ``_`` and ``-`` replaced by ``_``; over-long stems are
+    cut and given a short hash of the full id so they stay unique. The first
+    report never carries an index, so a test that later records a second
+    profile keeps its first baseline.
+    """
+    stem = _UNSAFE.sub("_", nodeid).strip("_.") or "test"
+    if len(stem) > _MAX_STEM:
+        digest = hashlib.sha1(nodeid.encode("utf-8")).hexdigest()[:10]
+        stem = f"{stem[:_MAX_STEM]}-{digest}"
+    return [f"{stem}.json" if i == 0 else f"{stem}-{i + 1}.json" for i in range(count)]
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    saved = config.stash.get(_SAVED, [])
+    if saved:
+        folder = config.getoption("memprof_save_dir", None)
+        terminalreporter.write_line(f"memprof: wrote {len(saved)} report(s) to {folder}")
