@@ -1,11 +1,21 @@
 """memprof: where does my training memory go?
 
 Wrap a training loop in :func:`profile`; read :meth:`Profiler.report`.
+
+Importing memprof does not import torch: the names that need it
+(``profile``, ``estimate``, ``reconcile`` ...) load on first use, so the
+pytest plugin costs nothing in projects that do not use it.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+from .budget import BudgetNotMeasured, MemoryBudgetExceeded, MemoryGrewError, check_budget
 from .categories import Category, Phase
+from .compare import Diff, diff
 from .errors import (
     InvalidArgumentError,
     MemprofError,
@@ -15,12 +25,37 @@ from .errors import (
     TraceFormatError,
     UnknownNameError,
 )
-from .profiler import Profiler, profile
-from .estimate import Estimate, estimate
-from .reconcile import Reconciliation, reconcile
 from .report import Report, load
 from .trace import Breakdown, ModuleRecord, PhaseRecord, StepRecord, Trace
 from .units import format_bytes, parse_size
+
+if TYPE_CHECKING:
+    from .simulation import Estimate, estimate
+    from .profiler import Profiler, profile
+    from .reconciliation import Reconciliation, reconcile
+
+_LAZY = {
+    "profile": "profiler",
+    "Profiler": "profiler",
+    "estimate": "simulation",
+    "Estimate": "simulation",
+    "reconcile": "reconciliation",
+    "Reconciliation": "reconciliation",
+    "max_batch_size": "planner",
+    "BatchSizePlan": "planner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memprof' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "profile",
@@ -31,6 +66,14 @@ __all__ = [
     "Estimate",
     "reconcile",
     "Reconciliation",
+    "max_batch_size",
+    "BatchSizePlan",
+    "diff",
+    "Diff",
+    "check_budget",
+    "MemoryBudgetExceeded",
+    "BudgetNotMeasured",
+    "MemoryGrewError",
     "Trace",
     "Breakdown",
     "StepRecord",

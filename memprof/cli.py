@@ -1,4 +1,4 @@
-"""The ``memprof`` command: ``demo``, ``report``.
+"""The ``memprof`` command: ``demo``, ``report``, ``diff``, ``estimate``.
 
 Exit codes: 0 success, 1 a memprof error (bad file, failed check), 2 bad usage
 (argparse's own convention). Errors are one line on stderr, no traceback.
@@ -7,9 +7,10 @@ Exit codes: 0 success, 1 a memprof error (bad file, failed check), 2 bad usage
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import MemprofError
 
@@ -63,6 +64,65 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from .compare import diff
+
+    print(diff(args.a, args.b, labels=(args.a, args.b)))
+    return 0
+
+
+def _load_factory(spec: str) -> Any:
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise MemprofError(f"expected MODULE:FACTORY (for example mypkg.models:build), got {spec!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise MemprofError(f"cannot import module {module_name!r}: {exc}") from None
+    finally:
+        sys.path.pop(0)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise MemprofError(f"{module_name} has no callable {attr!r}")
+    return factory
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    import torch
+
+    import memprof
+
+    factory = _load_factory(args.factory)
+    # Built on the meta device: a 7B configuration costs no memory here.
+    with torch.device("meta"):
+        spec = factory(batch_size=args.batch_size)
+    if isinstance(spec, torch.nn.Module):
+        raise MemprofError(f"{args.factory} returned a model only; return a dict with 'model' and 'inputs' "
+                           "(and optionally 'targets', 'loss_fn', 'optimizer')")
+    if not isinstance(spec, dict) or "model" not in spec or "inputs" not in spec:
+        raise MemprofError(f"{args.factory} must return a dict with 'model' and 'inputs' keys")
+    optimizer = spec.get("optimizer")
+    if optimizer is None and args.optimizer != "none":
+        name = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[args.optimizer]
+        kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {}
+        optimizer = lambda ps: getattr(torch.optim, name)(ps, **kwargs)  # noqa: E731
+    est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
+                           loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision)
+    print(est)
+    if args.budget:
+        from .units import format_bytes, parse_size
+
+        budget = parse_size(args.budget)
+        verdict = "fits" if est.peak_bytes <= budget else "does NOT fit"
+        print(f"\nbatch size {args.batch_size}: simulated peak {format_bytes(est.peak_bytes)} {verdict} "
+              f"in {format_bytes(budget)}")
+        return 0 if est.peak_bytes <= budget else 1
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memprof", description="Where does my PyTorch training memory go?")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -90,6 +150,25 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("file", help="a JSON file written by report.save() or 'memprof demo --save'")
     rep.add_argument("--top", type=int, default=8, help="modules to list (default 8)")
     rep.set_defaults(func=_cmd_report)
+
+    dif = sub.add_parser("diff", help="compare two saved traces: what grew and shrank, per category and phase")
+    dif.add_argument("a", help="the baseline trace (JSON)")
+    dif.add_argument("b", help="the trace to compare with it (JSON)")
+    dif.set_defaults(func=_cmd_diff)
+
+    est = sub.add_parser("estimate", help="simulate a training step of a model from your factory (meta tensors)",
+                         description="Call FACTORY(batch_size=N) from MODULE under torch.device('meta') and "
+                                     "simulate two training steps without real memory. The factory returns a "
+                                     "dict: model, inputs, and optionally targets, loss_fn, optimizer.")
+    est.add_argument("factory", metavar="MODULE:FACTORY", help="for example mypkg.models:build")
+    est.add_argument("--batch-size", type=int, required=True, help="batch size handed to the factory")
+    est.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
+                     help="optimizer when the factory gives none (default adamw)")
+    est.add_argument("--device", default="cuda", help="device the figures are for (default cuda: 512-byte blocks)")
+    est.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                     help="cast the parameters (default: as built)")
+    est.add_argument("--budget", help="exit 1 if the simulated peak exceeds this size (e.g. '80 GiB')")
+    est.set_defaults(func=_cmd_estimate)
     return parser
 
 

@@ -276,7 +276,6 @@ class Profiler:
         timeline: bool = True,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
-        _host_state: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidArgumentError(
@@ -305,9 +304,6 @@ class Profiler:
         self.mode = mode
         self.device = device
         self._on_cpu = device.type == "cpu"
-        # Simulating a CPU run on meta tensors: torch keeps optimizer `step`
-        # counters on the CPU (not meta), yet a real CPU run holds them in memory.
-        self._host_state = _host_state
         self._model_ref = weakref.ref(model)
         self._optimizer_ids = {id(o) for o in optimizers}
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
@@ -830,9 +826,6 @@ class Profiler:
                 continue
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    if self._host_state and value.device.type == "cpu":
-                        entry = self._ledger.add(value.untyped_storage(), OPTIMIZER_STATES)
-                        continue
                     entry = self._add_tensor(value, OPTIMIZER_STATES)
                     if entry is not None and entry.cat in (TEMPORARIES, INPUTS, ACTIVATIONS):
                         led.move(entry, OPTIMIZER_STATES, retro=retro)

@@ -19,7 +19,7 @@ from .units import format_bytes
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .reconcile import Reconciliation
+    from .reconciliation import Reconciliation
 
 __all__ = ["Report", "load"]
 
@@ -159,12 +159,40 @@ class Report:
         frame["share"] = frame["share"].astype("Float64")
         return frame
 
+    # -- notebooks, plots, comparison ------------------------------------------------
+
+    def _repr_html_(self) -> str:
+        from .html import report_html
+
+        return report_html(self)
+
+    def plot(self, ax: Any = None) -> Any:
+        """The memory timeline stacked by category, phases shaded, the peak marked (a matplotlib Figure).
+
+        Needs the ``plot`` extra (``pip install 'torch-memprof[plot]'``).
+        """
+        from .plot import plot_timeline
+
+        return plot_timeline(self, ax=ax)
+
+    def plot_modules(self, top: int = 15, ax: Any = None) -> Any:
+        """Saved activations and parameters of the top modules (a matplotlib Figure)."""
+        from .plot import plot_modules
+
+        return plot_modules(self, top=top, ax=ax)
+
+    def diff(self, other: Any, **kwargs: Any) -> Any:
+        """What grew and shrank from this run to ``other``: see :func:`memprof.diff`."""
+        from .compare import diff
+
+        return diff(self, other, **kwargs)
+
     # -- reconciliation ---------------------------------------------------------
 
     def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: str = "peak",
                   estimate: Any = None, transformer: Any = None) -> "Reconciliation":
         """Hold this run against the formulas (and a simulation): see :func:`memprof.reconcile`."""
-        from .reconcile import reconcile
+        from .reconciliation import reconcile
 
         return reconcile(self.trace, precision=precision, optimizer=optimizer, at=at, estimate=estimate,
                          transformer=transformer)

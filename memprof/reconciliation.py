@@ -25,7 +25,7 @@ from .units import format_bytes
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .estimate import Estimate
+    from .simulation import Estimate
 
 __all__ = ["Cause", "Reconciliation", "reconcile", "formula_breakdown", "infer_precision"]
 

@@ -14,6 +14,7 @@ meta tensors. The user's model, optimizer and tensors are never modified.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -57,7 +58,7 @@ class Estimate:
 
     @property
     def formula(self) -> Breakdown:
-        from .reconcile import formula_breakdown
+        from .reconciliation import formula_breakdown
 
         return formula_breakdown(self.trace, precision=self.precision)
 
@@ -120,7 +121,15 @@ def estimate(
         target = torch.device("cpu")
     notes: list[str] = []
 
-    meta_model, mapping = _meta_copy(model)
+    fake_mode: Any = None
+    if target.type == "cpu":
+        # Fake CPU tensors: shapes only, like meta, but kernels are chosen as on the CPU
+        # (fused attention, dropout), so the simulation matches a real CPU run op for op.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    shadow = _fake_maker(fake_mode) if fake_mode is not None else _meta_maker
+    meta_model, mapping = _shadow_copy(model, shadow)
     if precision in ("bf16", "fp16"):
         meta_model.to(_PRECISION_DTYPES[precision])
         mapping = {k: v for k, v in mapping.items()}  # parameters were converted in place (same objects)
@@ -128,16 +137,22 @@ def estimate(
         notes.append("autocast does not apply to meta tensors: the simulation runs in the parameters' dtype; "
                      "the reconciliation adds the 16-bit weight copies from the formula")
     meta_opt = _meta_optimizer(optimizer, meta_model, mapping, notes)
-    meta_inputs = _to_meta(inputs)
-    meta_targets = _to_meta(targets)
+    meta_inputs = _convert(inputs, shadow)
+    meta_targets = _convert(targets, shadow)
+    if target.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        notes.append("LSTM/GRU/RNN: on a real CPU, oneDNN's RNN kernel also keeps a workspace for backward that "
+                     "the shape-only kernels do not; their saved activations are underestimated")
     if target.type == "cuda":
         notes.append("simulated with meta kernels: dropout masks as on CPU (input dtype) where CUDA keeps 1-byte masks")
 
     from .profiler import Profiler
 
     prof = Profiler(meta_model, meta_opt, mode="full", timeline=False, _allow_meta=True,
-                    _rounding=512 if target.type == "cuda" else 1, _host_state=target.type == "cpu")
-    with prof:
+                    _rounding=512 if target.type == "cuda" else 1)
+    if target.type != "cpu":
+        notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
+                     "runs its math path (saves the s x s scores) where CUDA may use flash or memory-efficient kernels")
+    with (fake_mode if fake_mode is not None else contextlib.nullcontext()), prof:
         for _ in range(steps):
             # The output is not kept in a variable, as in a usual training loop: the loss
             # function's saved tensors keep what backward needs and the rest is freed.
@@ -160,24 +175,36 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _meta_copy(model: nn.Module) -> tuple[nn.Module, dict[int, torch.Tensor]]:
-    # deepcopy with a memo that maps every parameter and buffer to a fresh meta
-    # tensor: structure and tying are kept, no data is copied.
+def _meta_maker(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _fake_maker(mode: Any) -> Any:
+    def make(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            # Same shape, dtype and strides as the original, on the CPU, with no data.
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return make
+
+
+def _shadow_copy(model: nn.Module, make: Any) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+    # deepcopy with a memo that maps every parameter and buffer to a data-less
+    # twin (meta or fake): structure and tying are kept, no data is copied.
     memo: dict[int, Any] = {}
     mapping: dict[int, torch.Tensor] = {}
     for p in model.parameters():
         if id(p) not in memo:
-            meta = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-            memo[id(p)] = meta
-            mapping[id(p)] = meta
+            twin = nn.Parameter(make(p.detach()), requires_grad=p.requires_grad)
+            memo[id(p)] = twin
+            mapping[id(p)] = twin
     for b in model.buffers():
         if id(b) not in memo:
-            memo[id(b)] = torch.empty_like(b, device="meta")
+            memo[id(b)] = make(b)
     try:
         clone = copy.deepcopy(model, memo)
     except Exception as exc:
         raise InvalidArgumentError(
-            f"could not copy {type(model).__name__} onto the meta device ({exc}); build the model under "
+            f"could not copy {type(model).__name__} without its data ({exc}); build the model under "
             "'with torch.device(\"meta\"):' and pass that instead"
         ) from None
     return clone, mapping
@@ -213,17 +240,17 @@ def _meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, to
     )
 
 
-def _to_meta(obj: Any) -> Any:
+def _convert(obj: Any, make: Any) -> Any:
     if obj is None:
         return None
     if isinstance(obj, torch.Tensor):
-        return obj if obj.device.type == "meta" else torch.empty_like(obj, device="meta")
+        return make(obj)
     if isinstance(obj, tuple):
-        return tuple(_to_meta(o) for o in obj)
+        return tuple(_convert(o, make) for o in obj)
     if isinstance(obj, list):
-        return [_to_meta(o) for o in obj]
+        return [_convert(o, make) for o in obj]
     if isinstance(obj, dict):
-        return {k: _to_meta(v) for k, v in obj.items()}
+        return {k: _convert(v, make) for k, v in obj.items()}
     return obj
 
 
@@ -249,6 +276,6 @@ def _loss(out: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
 
 
 def _infer_precision(trace: Trace) -> str:
-    from .reconcile import infer_precision
+    from .reconciliation import infer_precision
 
     return infer_precision(trace)

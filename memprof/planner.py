@@ -1,0 +1,117 @@
+"""The batch-size planner: the largest batch that fits a memory budget.
+
+Peak memory of a training step is, to a very good approximation, an affine
+function of the batch size: model states do not depend on it, activations,
+inputs and most temporaries grow with it. :func:`max_batch_size` simulates
+the step (meta tensors, no real memory) at a few batch sizes, fits
+``peak(b) = fixed + per_sample * b``, solves for the budget, rounds down to a
+multiple of 8 (tensor-core guidance, ANATOMY.md section 8), and simulates
+the answer and the next multiple to confirm it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import InvalidArgumentError
+from .units import format_bytes, parse_size
+
+__all__ = ["BatchSizePlan", "max_batch_size"]
+
+
+@dataclass(frozen=True)
+class BatchSizePlan:
+    """The answer of :func:`max_batch_size` and how it was found.
+
+    ``batch_size`` is 0 when not even ``multiple_of`` samples fit.
+    ``points`` are the simulated (batch size, peak bytes) pairs; ``verified``
+    says the simulated peak at ``batch_size`` is within the budget and the
+    next multiple's is not.
+    """
+
+    batch_size: int
+    budget: int
+    fixed_bytes: int
+    per_sample_bytes: float
+    predicted_peak: "int | None"
+    points: tuple[tuple[int, int], ...]
+    verified: bool
+    multiple_of: int
+
+    def __str__(self) -> str:
+        lines = [f"largest batch size within {format_bytes(self.budget)}: {self.batch_size} "
+                 f"(multiple of {self.multiple_of})",
+                 f"  peak(b) = {format_bytes(self.fixed_bytes)} + {format_bytes(int(round(self.per_sample_bytes)))}"
+                 " x b",
+                 "  simulated: " + ", ".join(f"b={b}: {format_bytes(p)}" for b, p in self.points)]
+        if not self.verified:
+            lines.append("  not confirmed by simulation at the answer (see points)")
+        return "\n".join(lines)
+
+
+def max_batch_size(
+    model: Any,
+    optimizer: Any,
+    make_batch: Callable[[int], Any],
+    budget: "int | str",
+    *,
+    loss_fn: "Callable[..., Any] | None" = None,
+    multiple_of: int = 8,
+    device: "str | None" = None,
+) -> BatchSizePlan:
+    """The largest batch size (a multiple of ``multiple_of``) whose simulated peak fits ``budget``.
+
+    ``make_batch(b)`` returns the model's inputs for batch size ``b``, or an
+    ``(inputs, targets)`` pair used with ``loss_fn(output, targets)``; only
+    shapes and dtypes matter (build them on the meta device to stay cheap).
+    ``budget`` is bytes or a size string (``"24 GiB"``). ``optimizer`` is as
+    in :func:`memprof.estimate`. ``device="cuda"`` sizes blocks as the CUDA
+    caching allocator does; allocator caching, fragmentation and the CUDA
+    context are not included: leave headroom for them.
+    """
+    from .simulation import estimate
+
+    limit = parse_size(budget)
+    if not isinstance(multiple_of, int) or multiple_of < 1:
+        raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
+    cache: dict[int, int] = {}
+
+    def peak(b: int) -> int:
+        if b not in cache:
+            batch = make_batch(b)
+            if isinstance(batch, tuple) and len(batch) == 2 and loss_fn is not None:
+                inputs, targets = batch
+            else:
+                inputs, targets = batch, None
+            est = estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device)
+            cache[b] = est.peak_bytes
+        return cache[b]
+
+    b1, b2 = multiple_of, 2 * multiple_of
+    p1, p2 = peak(b1), peak(b2)
+    per_sample = (p2 - p1) / (b2 - b1)
+    fixed = int(round(p1 - per_sample * b1))
+    if per_sample <= 0:
+        raise InvalidArgumentError("peak memory does not grow with the batch size here; check make_batch(b)")
+    guess = int((limit - fixed) // per_sample)
+    best = max(0, guess // multiple_of * multiple_of)
+    # Confirm by simulation, walking down (or up) by one multiple if the straight line was off.
+    while best >= multiple_of and peak(best) > limit:
+        best -= multiple_of
+    while best + multiple_of <= max(best, 1) * 4 and peak(best + multiple_of) <= limit:
+        best += multiple_of
+    verified = (best == 0 or peak(best) <= limit) and (best + multiple_of in cache and cache[best + multiple_of] > limit)
+    if not verified and best + multiple_of not in cache:
+        verified = peak(best + multiple_of) > limit and (best == 0 or peak(best) <= limit)
+    points = tuple(sorted(cache.items()))
+    return BatchSizePlan(
+        batch_size=best,
+        budget=limit,
+        fixed_bytes=fixed,
+        per_sample_bytes=per_sample,
+        predicted_peak=cache.get(best) if best else None,
+        points=points,
+        verified=verified,
+        multiple_of=multiple_of,
+    )

@@ -1,0 +1,239 @@
+"""The reconciler, the simulation and the planner, against measurements on CPU."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memprof
+from memprof import Category as C
+from memprof.anatomy import transformer_layer_activations
+
+from blocks import Block
+from helpers import optimizer_state_bytes, weight_bytes
+from models import MODEL_NAMES, MLP, make
+
+MODEL_STATES = (C.WEIGHTS, C.GRADIENTS, C.OPTIMIZER_STATES)
+
+
+def run(model, opt, batch, loss_fn, steps=2):
+    x, y = batch
+    with memprof.profile(model, opt) as prof:
+        for _ in range(steps):
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.report()
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps),
+    "adam_l2": lambda ps: torch.optim.Adam(ps, weight_decay=0.1),
+    "adamw_forloop": lambda ps: torch.optim.AdamW(ps, foreach=False),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, fused=True),
+    "adamw_amsgrad": lambda ps: torch.optim.AdamW(ps, amsgrad=True),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, momentum=0.9, centered=True),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fp32_model_states_close_exactly(name):
+    model, batch, loss_fn = make("mlp")
+    opt = OPTIMIZERS[name](model.parameters())
+    x, y = batch
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            loss_fn(model(x), y).backward()
+            opt.step()
+        states = optimizer_state_bytes(opt)
+    rec = prof.report().reconcile(at="steady")
+    for cat in MODEL_STATES:
+        row = rec.row(cat)
+        assert row.gap == 0, (cat, row)
+    # The formula is not the measurement copied: it is computed from parameter counts and the optimizer.
+    assert rec.row(C.WEIGHTS).formula == 4 * sum(p.numel() for p in model.parameters())
+    assert rec.row(C.OPTIMIZER_STATES).formula == states
+    assert rec.unexplained(C.OPTIMIZER_STATES) == 0
+
+
+def test_frame_and_text():
+    model, batch, loss_fn = make("transformer")
+    rep = run(model, torch.optim.AdamW(model.parameters()), batch, loss_fn)
+    rec = rep.reconcile()
+    frame = rec.to_frame()
+    assert list(frame.columns) == ["formula", "simulated", "measured", "gap", "gap_pct"]
+    assert list(frame.index) == [c.value for c in C] + ["total"]
+    assert frame.loc["allocator_overhead"].isna().all()  # CPU: no device rows
+    assert frame.loc["weights", "measured"] == weight_bytes(model)
+    text = str(rec)
+    assert "Why the measurement differs" in text or rec.explanations == []
+    assert "formula" in text and "measured" in text
+    # Every gap is fully split: causes + unexplained == gap, per category.
+    for row in rec.rows:
+        if row.gap is not None:
+            assert sum(c.bytes for c in rec.explanations if c.category is row.category) == row.gap
+
+
+def test_lazy_optimizer_state_is_named_when_the_peak_precedes_the_first_step():
+    # Batch 4096 through 2048-wide layers: activations (2 x 4096 x 2048 x 4 B = 64 MiB) outweigh the
+    # AdamW state (about 34 MiB), so the global peak falls in step 0's backward, before state exists.
+    model = MLP(32, 2048, 10)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    x, y = torch.randn(4096, 32), torch.randint(0, 10, (4096,))
+    with memprof.profile(model, opt) as prof:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        states = optimizer_state_bytes(opt)
+    rep = prof.report()
+    assert rep.trace.peak_step == 0 and rep.trace.peak_phase.value in ("forward", "backward")
+    rec = memprof.reconcile(rep.trace, at="peak")
+    row = rec.row(C.OPTIMIZER_STATES)
+    assert (row.formula, row.measured) == (states, 0)
+    lazy = [c for c in rec.causes if c.name == "state created lazily"]
+    assert len(lazy) == 1 and lazy[0].bytes == -states
+    assert rec.unexplained(C.OPTIMIZER_STATES) == 0
+    assert rep.reconcile(at="steady").row(C.OPTIMIZER_STATES).gap == 0
+
+
+def test_megatron_block_activations_within_one_percent():
+    # bf16 block with 1-byte dropout masks (native_dropout), s=128, b=2, h=256, a=4.
+    s, b, h, a = 128, 2, 256, 4
+    torch.manual_seed(0)
+    block = Block(h, a).to(torch.bfloat16)
+
+    class Layer(torch.nn.Module):
+        # The block's input must be a previous op's output, as in a real stack of layers, not the
+        # model's own input (which memprof counts as an input): x * 1.0 saves nothing itself.
+        def __init__(self):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return self.block(x * 1.0)
+
+    x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
+    with memprof.profile(layer := Layer()) as prof:
+        layer(x).float().sum().backward()
+    rep = prof.report()
+    measured = rep.at(0, "forward", "end")[C.ACTIVATIONS]
+    formula = transformer_layer_activations(s, b, h, a)  # sbh(34 + 5as/h) = 65,536 * 44 = 2,883,584
+    assert formula == 2_883_584
+    # Exactly ANATOMY.md Table 3b's measurement (the .float() cast and sum() save nothing).
+    assert measured == 2_885_632
+    assert abs(measured - formula) / formula < 0.01
+    rec = rep.reconcile(at="peak", transformer=dict(seq_len=s, batch=b, hidden=h, heads=a, layers=1))
+    causes = {c.name: c.bytes for c in rec.causes}
+    # 2 LayerNorms x (mean + rstd) x s*b elements x 2 bytes (bf16 on CPU) = 2,048: named, not unexplained.
+    assert causes.get("normalisation statistics") == 2 * 2 * s * b * 2
+
+
+def test_autocast_weight_copies_are_named_with_exact_bytes():
+    model = MLP()  # fc1 32->64, fc2 64->64, fc3 64->10, fp32 parameters
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    with memprof.profile(model) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        F.cross_entropy(out.float(), y).backward()
+    rep = prof.report()
+    assert rep.trace.autocast_dtype == "bfloat16"
+    rec = rep.reconcile(at="peak")
+    assert rec.precision == "amp"
+    tags = dict(rep.trace.phases[0].tags_end)
+    # mm saves the bf16 weight copy only where the input needs a gradient: fc2 and fc3, not fc1 (x has no grad).
+    # (64*64 + 10*64) * 2 bytes = 9,472
+    assert tags["autocast_weight_copy"] == (64 * 64 + 10 * 64) * 2
+
+
+@pytest.mark.parametrize("name", [n for n in MODEL_NAMES if n != "lstm"])
+def test_estimate_matches_measurement(name):
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = batch
+    est = memprof.estimate(model, opt, inputs=x, targets=y, loss_fn=loss_fn, device="cpu")
+    assert not any(p.grad is not None for p in model.parameters())  # the user's model is untouched
+    assert opt.state == {}
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    measured = prof.report().peak
+    sim = est.simulated
+    assert abs(sim.total - measured.total) / measured.total < 0.01
+    for cat in (C.WEIGHTS, C.OPTIMIZER_STATES, C.ACTIVATIONS):
+        assert sim[cat] == measured[cat], cat
+
+
+def test_estimate_says_when_a_cpu_kernel_keeps_more_than_the_simulation():
+    # oneDNN's LSTM kernel keeps a workspace on a real CPU; shape-only kernels cannot know it.
+    model, (x, y), loss_fn = make("lstm")
+    est = memprof.estimate(model, None, inputs=x, targets=y, loss_fn=loss_fn, device="cpu")
+    assert any("oneDNN" in n for n in est.notes)
+    with memprof.profile(model) as prof:
+        loss_fn(model(x), y).backward()
+    measured = prof.report().at(0, "forward", "end")[C.ACTIVATIONS]
+    simulated = est.report().at(0, "forward", "end")[C.ACTIVATIONS]
+    assert simulated < measured  # the note is needed: the gap is real, and in this direction
+
+
+def test_meta_estimate_of_a_large_model_uses_no_real_memory():
+    from memprof.examples import TinyGPT
+
+    def rss():
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    with torch.device("meta"):
+        model = TinyGPT(vocab=32000, hidden=2048, layers=16, heads=16, max_seq=1024)  # ~0.87 B parameters
+        x = torch.empty(4, 1024, dtype=torch.long)
+    n = sum(p.numel() for p in model.parameters())
+    assert n > 800_000_000
+    before = rss()
+    est = memprof.estimate(model, lambda ps: torch.optim.AdamW(ps), inputs=x, targets=x, loss_fn=TinyGPT.loss,
+                           device="cuda")
+    grown = rss() - before
+    # fp32 weights alone would be 3.5 GB; the process grew by less than 200 MB.
+    assert grown < 200 * 2**20
+    assert est.simulated[C.WEIGHTS] == 4 * n  # 4 B/param; every block rounds to 512 B and these are multiples of it
+    assert est.simulated[C.OPTIMIZER_STATES] == 8 * n  # exp_avg + exp_avg_sq; step counters live on the host
+
+
+def test_max_batch_size_is_verified_by_simulation():
+    model = MLP(256, 1024, 10)
+
+    def make_batch(b):
+        return torch.empty(b, 256, device="meta"), torch.empty(b, dtype=torch.long, device="meta")
+
+    loss = lambda out, y: F.cross_entropy(out, y)  # noqa: E731
+    small = memprof.estimate(model, None, inputs=torch.empty(8, 256), targets=torch.empty(8, dtype=torch.long),
+                             loss_fn=loss)
+    budget = small.peak_bytes + 40 * 1024 * 4 * 4  # room for about 40 more samples of activations
+    plan = memprof.max_batch_size(model, None, make_batch, budget, loss_fn=loss)
+    assert plan.batch_size % 8 == 0 and plan.batch_size >= 8
+    assert plan.verified
+    points = dict(plan.points)
+    assert points[plan.batch_size] <= budget < points[plan.batch_size + 8]
+    assert "largest batch size" in str(plan)
+    none = memprof.max_batch_size(model, None, make_batch, 1000, loss_fn=loss)
+    assert none.batch_size == 0
+
+
+def test_advice_names_levers_and_misaligned_dimensions():
+    model = torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.ReLU(), torch.nn.Linear(50, 16)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(12, 30, dtype=torch.bfloat16)
+    with memprof.profile(model, opt) as prof:
+        model(x).float().sum().backward()
+        opt.step()
+    advice = prof.report().reconcile().advice()
+    joined = "\n".join(advice)
+    assert advice[0].startswith("largest category:")
+    assert "not divisible by 8" in joined and "0.in_features=30" in joined and "0.out_features=50" in joined
+    assert "batch size 12 is not a multiple of 8" in joined
+    assert "8-bit AdamW" in joined
