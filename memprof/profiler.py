@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
@@ -56,6 +57,7 @@ __all__ = ["Profiler", "profile"]
 _MODES = ("full", "light", "auto")
 _DETACH = torch.ops.aten.detach.default
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
 _MAX_SAMPLES = 20_000
 
 _aten = torch.ops.aten
@@ -136,6 +138,9 @@ _TAG_RULES: dict[Any, Any] = {
 
 # Models currently being profiled, so that a second profiler on the same model is refused.
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# Profiles active in this thread: dispatch modes and saved-tensor hooks are per
+# thread, and an inner profile's hooks would hide every saved tensor from the outer one.
+_THREAD = threading.local()
 
 
 def profile(
@@ -182,8 +187,6 @@ class _Saved:
             owner._unsaved(self.key)
 
 
-def _unpack(saved: Any) -> torch.Tensor:
-    return saved.tensor if type(saved) is _Saved else saved
 
 
 class _DispatchTracker(TorchDispatchMode):
@@ -201,14 +204,14 @@ class _DispatchTracker(TorchDispatchMode):
         prof._last_op = func
         if prof._scan_args:
             prof._scan_inputs(args)
+        if prof._phase is Phase.BACKWARD:
+            prof._watch_recompute()
         out = func(*args, **(kwargs or {}))
         kind = _OP_KIND.get(func)
         if kind is None:
             kind = _op_kind(func)
         if kind != _NOT_WORK:
             prof._ops += 1
-        if prof._recompute_pending:
-            prof._flush_recompute()
         if _graph_task_id() != -1:
             if prof._phase is not Phase.BACKWARD:
                 prof._backward_started()
@@ -330,11 +333,19 @@ class Profiler:
                 "memprof.profile() is already active on this model; exit that block first "
                 "(one profiler per model at a time)"
             )
+        if getattr(_THREAD, "active", 0):
+            raise ProfilerStateError(
+                "another memprof.profile() is active in this thread; profiles cannot nest (the inner one would "
+                "hide saved tensors from the outer); profile the outer model once and read report.modules() "
+                "for its submodules"
+            )
         # Collect garbage first so that cycles left by earlier code are not freed
         # mid-step and counted as this step's frees.
         gc.collect()
         self._state = "active"
         _ACTIVE_MODELS.add(model)
+        _THREAD.active = getattr(_THREAD, "active", 0) + 1
+        self._thread_counted = True
         self._stack = contextlib.ExitStack()
         try:
             self._setup(model)
@@ -355,7 +366,7 @@ class Profiler:
         return None  # never swallow the body's exception
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> Iterator[None]:  # noqa: C901
         """Mark one step explicitly: ``with prof.step(): ...``.
 
         Once used, steps are delimited only by these blocks (optimizer steps
@@ -365,6 +376,7 @@ class Profiler:
             raise ProfilerStateError("prof.step() is only valid inside the 'with memprof.profile(...)' block")
         if not self._explicit_steps:
             self._explicit_steps = True
+            self._pending_step_end = False
             self._end_step(drop_if_empty=True)
         try:
             yield
@@ -413,12 +425,13 @@ class Profiler:
         self._phase_serial_where: dict[int, tuple[int, Phase]] = {}
         self._explicit_steps = False
         self._pending_backward_end = False
+        self._pending_step_end = False
+        self._grad_keys: set[int] = set()
         self._optimizer_seen = bool(self._optimizer_ids)
         self._last_op: Any = None
         self._scan_args = False
-        self._recompute_depth = 0
+        self._recomputing = False
         self._recompute_start = 0
-        self._recompute_pending = False
         self._error: "str | None" = None
         self._live_at_error: "Breakdown | None" = None
         self._live_modules_at_error: tuple[tuple[str, int], ...] = ()
@@ -501,7 +514,7 @@ class Profiler:
         stack.callback(h.remove)
         h = _optim_mod.register_optimizer_step_post_hook(self._opt_post_hook)
         stack.callback(h.remove)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
         if self.mode == "full":
             stack.enter_context(_DispatchTracker(self))
         else:
@@ -518,6 +531,9 @@ class Profiler:
         finally:
             if model is not None:
                 _ACTIVE_MODELS.discard(model)
+            if getattr(self, "_thread_counted", False):
+                self._thread_counted = False
+                _THREAD.active = max(0, getattr(_THREAD, "active", 1) - 1)
             if self._state == "active":
                 self._state = "done"
                 try:
@@ -549,6 +565,31 @@ class Profiler:
         entry = self._add_tensor(g, GRADIENTS)
         if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS, INPUTS):
             self._ledger.move(entry, GRADIENTS, retro=retro)
+        if entry is not None and entry.cat == GRADIENTS:
+            self._grad_keys.add(entry.key)
+
+    def _release_stale_grads(self) -> None:
+        """A storage that is no parameter's .grad any more (zero_grad(set_to_none=True)
+        while the user still holds it) is an ordinary tensor again."""
+        if not self._grad_keys:
+            return
+        current: set[int] = set()
+        for ref in self._params:
+            p = ref()
+            g = p.grad if p is not None else None
+            if g is not None and g.layout is torch.strided:
+                current.add(g.untyped_storage()._cdata)
+            elif g is not None and g.is_sparse:
+                current.add(g._values().untyped_storage()._cdata)
+                current.add(g._indices().untyped_storage()._cdata)
+        led = self._ledger
+        for key in list(self._grad_keys):
+            if key in current:
+                continue
+            self._grad_keys.discard(key)
+            entry = led.entries.get(key)
+            if entry is not None and entry.cat == GRADIENTS:
+                led.move(entry, TEMPORARIES)
 
     def _register_output(self, t: torch.Tensor) -> None:
         if self._on_cpu:
@@ -629,6 +670,13 @@ class Profiler:
         # Weights, inputs, buffers: a tensor without grad_fn cannot close a reference cycle.
         return t if t.grad_fn is None else t.detach()
 
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        # The first unpack of a backward pass can come before any gradient hook
+        # (the loss's own backward): it starts the backward phase in light mode.
+        if self._phase is not Phase.BACKWARD and self._state == "active" and _graph_task_id() != -1:
+            self._backward_started()
+        return saved.tensor if type(saved) is _Saved else saved
+
     def _attribute_saved(self, entry: Any) -> None:
         if not self._fwd_stack:
             return
@@ -649,6 +697,19 @@ class Profiler:
             # Autograd released its last reference; whoever still holds the
             # storage holds an ordinary tensor.
             self._ledger.move(entry, TEMPORARIES)
+
+    def _watch_recompute(self) -> None:
+        # During backward, saved-tensor hooks other than ours on top of the
+        # stack mean a checkpointed region is being recomputed under
+        # checkpoint's own hooks (which store what it saves out of our sight).
+        top = _top_saved_hooks(False)
+        foreign = top is not None and top[0] != self._pack
+        if foreign and not self._recomputing:
+            self._recomputing = True
+            self._recompute_start = self._ledger.seq
+        elif not foreign and self._recomputing:
+            self._recomputing = False
+            self._flush_recompute()
 
     def _flush_recompute(self) -> None:
         # Storages created while a checkpointed region was recomputed in
@@ -676,13 +737,6 @@ class Profiler:
                 self._mark_inputs(args)
                 self._mark_inputs(kwargs)
                 self._note_autocast()
-            if in_backward:
-                # A module running forward during backward: checkpoint recomputing.
-                if self._recompute_depth == 0:
-                    self._recompute_start = self._ledger.seq
-                    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-                    self._recompute_foreign = top is None or top[0] != self._pack
-                self._recompute_depth += 1
             info.calls += 1
             if self._capture_metas and not in_backward:
                 self._pending_meta[index] = [TensorMeta.of(t) for t in _tensors(args, kwargs)
@@ -719,11 +773,8 @@ class Profiler:
                 grad = any(t.requires_grad for t in _tensors(args, kwargs)) or any(
                     p.requires_grad for p in module.parameters(recurse=False))
                 self._metas.append((index, metas, outs[0] if outs else None, grad and torch.is_grad_enabled()))
-            if self._recompute_depth:
-                self._recompute_depth -= 1
-                if self._recompute_depth == 0 and self._recompute_foreign and self.mode == "full":
-                    self._recompute_pending = True
-                return None
+            if self._phase is Phase.BACKWARD:
+                return None  # a checkpointed module recomputing: no backward hooks for the recompute
             if self._timeline_enabled:
                 self._sample(self._modules[index].path or "<model>")
             if torch.is_grad_enabled() and self._phase is Phase.FORWARD:
@@ -756,10 +807,18 @@ class Profiler:
                 return
             if self._phase is not Phase.BACKWARD:
                 self._backward_started()
-            if index not in self._bw_frames:
-                self._bw_frames[index] = self._ledger.push_frame(index, backward=True)
-                if self._timeline_enabled:
-                    self._sample(self._modules[index].path or "<model>")
+            if index in self._bw_frames:
+                return
+            led = self._ledger
+            top = led.top
+            if top is not None and top.backward and self._is_ancestor(index, top.module):
+                # A parent's output gradient can arrive after its last child's (same tensor,
+                # hooks in registration order): keep the child innermost.
+                self._bw_frames[index] = led.push_frame_below(index, True, top)
+            else:
+                self._bw_frames[index] = led.push_frame(index, backward=True)
+            if self._timeline_enabled:
+                self._sample(self._modules[index].path or "<model>")
 
         return enter
 
@@ -768,14 +827,19 @@ class Profiler:
             if self._state != "active":
                 return
             frame = self._bw_frames.pop(index, None)
-            if frame is not None:
-                for f in self._ledger.pop_frame(frame):
-                    self._bw_frames.pop(f.module, None) if f is not frame else None
-                    self._close_frame(f)
+            # Only this module's frame ends: a successor's gradient is often this
+            # module's output gradient, which also starts the successor's frame.
+            if frame is not None and self._ledger.remove_frame(frame):
+                self._close_frame(frame)
                 if self._timeline_enabled:
                     self._sample(self._modules[index].path or "<model>")
 
         return exit_
+
+    def _is_ancestor(self, parent: int, child: int) -> bool:
+        p = self._modules[parent].path
+        c = self._modules[child].path
+        return p == "" or c.startswith(p + ".")
 
     # ------------------------------------------------------------------ grads and optimizer
 
@@ -813,10 +877,12 @@ class Profiler:
         if self._state != "active" or not self._is_ours(opt):
             return None
         self._collect_optimizer_state(opt, retro=True)
+        self._release_stale_grads()
+        self._begin_phase(Phase.OTHER)
         if not self._explicit_steps:
-            self._end_step()
-        else:
-            self._begin_phase(Phase.OTHER)
+            # The step ends here; it is closed when the next forward (or the end) comes,
+            # so that several optimizers stepping one after another stay one step.
+            self._pending_step_end = True
         return None
 
     def _collect_optimizer_state(self, opt: torch.optim.Optimizer, *, retro: bool) -> None:
@@ -889,6 +955,13 @@ class Profiler:
             self._pending_backward_end = True
 
     def _begin_phase(self, phase: Phase) -> None:
+        if phase is Phase.FORWARD and self._pending_step_end:
+            self._pending_step_end = False
+            self._pending_backward_end = False
+            self._release_stale_grads()
+            self._end_step()
+        if phase is Phase.FORWARD and self._grad_keys:
+            self._release_stale_grads()
         if phase is Phase.FORWARD and self._pending_backward_end:
             self._pending_backward_end = False
             if not self._optimizer_seen and not self._explicit_steps:

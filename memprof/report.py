@@ -35,7 +35,10 @@ class Report:
 
     def __init__(self, trace: Trace) -> None:
         if not isinstance(trace, Trace):
-            raise InvalidArgumentError(f"Report needs a memprof.Trace, got {type(trace).__name__}")
+            raise InvalidArgumentError(
+                f"Report needs a memprof.Trace, got {type(trace).__name__}; get a report from prof.report() "
+                "after a 'with memprof.profile(...)' block, or memprof.load(path) for a saved one"
+            )
         self.trace = trace
 
     # -- breakdowns -------------------------------------------------------------

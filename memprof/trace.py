@@ -88,11 +88,22 @@ class Breakdown(Mapping[Category, "int | None"]):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Breakdown":
-        return cls(tuple(data.get(c.value) for c in _ALL), data.get("total"))
+        if not isinstance(data, Mapping):
+            raise TraceFormatError(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
+        values = tuple(_bytes_or_none(data.get(c.value), c.value) for c in _ALL)
+        return cls(values, _bytes_or_none(data.get("total"), "total"))
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{c.value}={v}" for c, v in zip(_ALL, self.counts) if v is not None)
         return f"Breakdown(total={self.total}, {inner})"
+
+
+def _bytes_or_none(value: Any, name: str) -> "int | None":
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceFormatError(f"{name} must be an int of bytes or null, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -362,7 +373,12 @@ class Trace:
                 "save one with report.save(path)"
             )
         version = data.get("schema_version")
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise TraceFormatError(
+                f"corrupt memprof trace: schema_version {version!r} is not a positive int; "
+                "re-create it with report.save(path)"
+            )
+        if version > SCHEMA_VERSION:
             raise TraceFormatError(
                 f"trace schema version {version!r} is newer than this memprof understands "
                 f"({SCHEMA_VERSION}); upgrade torch-memprof to read it"
@@ -394,5 +410,5 @@ class Trace:
                 facts=ModelFacts.from_dict(data.get("facts", {})),
                 schema_version=version,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TraceFormatError(f"corrupt memprof trace: {exc!r}; re-create it with report.save(path)") from None

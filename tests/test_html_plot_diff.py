@@ -323,7 +323,7 @@ def test_diff_unmatched_phases_paths_and_notes(mlp8, light8, tmp_path):
     assert [p.key for p in d.phases] == [k for k in keys_a if k in keys_b]
     # Every phase of step 1 exists only in the two-step run.
     assert {k for k in keys_a if k[0] == 1} <= set(d.only_in_a)
-    assert "Only in a: step 1 other" in str(d)
+    assert "Only in a: step 1 forward" in str(d)
     # Paths of saved traces and Traces work like Reports.
     path = tmp_path / "run.json"
     mlp8.save(path)

@@ -248,6 +248,27 @@ class Ledger:
         self.module_of_new = self.top.module if self.top is not None else -1
         return popped
 
+    def push_frame_below(self, module: int, backward: bool, below: Frame) -> Frame:
+        """Push a frame under ``below`` (a parent entering after its child, as in backward)."""
+        frame = Frame(module, self.total, backward)
+        frame.max = max(frame.max, below.max)
+        self.frames.insert(self.frames.index(below), frame)
+        return frame
+
+    def remove_frame(self, frame: Frame) -> bool:
+        """Remove one frame wherever it is (backward calls need not nest); keep the others."""
+        frames = self.frames
+        try:
+            i = frames.index(frame)
+        except ValueError:
+            return False
+        frames.pop(i)
+        if i > 0 and frame.max > frames[i - 1].max:
+            frames[i - 1].max = frame.max
+        self.top = frames[-1] if frames else None
+        self.module_of_new = self.top.module if self.top is not None else -1
+        return True
+
     def close(self) -> None:
         """Stop accounting; drop every weak reference so no callback runs later."""
         self.closed = True
