@@ -35,6 +35,7 @@ from .categories import Category, Phase
 from .anatomy.activations import TensorMeta
 from .errors import InvalidArgumentError, ProfilerStateError, UnknownNameError
 from .track.device import DeviceProbe
+from .track.operations import OperationLog
 from .track.ledger import (
     TAGS,
     ACTIVATIONS,
@@ -47,7 +48,17 @@ from .track.ledger import (
     WEIGHTS,
     Ledger,
 )
-from .trace import Breakdown, DeviceInfo, ModelFacts, ModuleRecord, PhaseRecord, Sample, StepRecord, Trace
+from .trace import (
+    Breakdown,
+    DeviceInfo,
+    ModelFacts,
+    ModuleRecord,
+    OperationRecord,
+    PhaseRecord,
+    Sample,
+    StepRecord,
+    Trace,
+)
 
 if TYPE_CHECKING:
     from .report import Report
@@ -149,6 +160,7 @@ def profile(
     *,
     mode: str = "auto",
     timeline: bool = True,
+    operations: bool = False,
 ) -> "Profiler":
     """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
 
@@ -157,12 +169,14 @@ def profile(
     one is, each backward ends a step. ``mode`` is ``"full"`` (exact: every
     storage, default on CPU), ``"light"`` (allocator counters and hooks only,
     default on accelerators) or ``"auto"``. ``timeline=False`` skips the
-    per-module samples that plots use.
+    per-module samples that plots use. ``operations=True`` (full mode) also
+    records every op's class, flops and bytes moved, for
+    :meth:`Report.operations` (it costs a few microseconds per op).
 
     The profiler holds no strong reference to the model, its tensors or the
     optimizer after the block ends.
     """
-    return Profiler(model, optimizer, mode=mode, timeline=timeline)
+    return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations)
 
 
 class _Saved:
@@ -210,6 +224,8 @@ class _DispatchTracker(TorchDispatchMode):
         kind = _OP_KIND.get(func)
         if kind is None:
             kind = _op_kind(func)
+        if prof._operations is not None and kind != _NOT_WORK and kind != _VIEW:
+            prof._operations.record(prof._phase.value, func, args, kwargs, out)
         if kind != _NOT_WORK:
             prof._ops += 1
         if _graph_task_id() != -1:
@@ -229,7 +245,7 @@ class _DispatchTracker(TorchDispatchMode):
 
 
 # What an op's outputs are, decided once per op from its schema.
-_NEW_OUTPUTS, _ALIASES, _NOT_WORK = 0, 1, 2
+_NEW_OUTPUTS, _ALIASES, _NOT_WORK, _VIEW = 0, 1, 2, 3
 _OP_KIND: dict[Any, int] = {}
 
 
@@ -241,9 +257,11 @@ def _op_kind(func: Any) -> int:
             returns = func._schema.returns
             # Views and in-place ops return storages they were given: no new memory.
             aliases = bool(returns) and all(r.alias_info is not None for r in returns)
+            writes = aliases and any(r.alias_info.is_write for r in returns)
         except Exception:
-            aliases = False
-        kind = _ALIASES if aliases else _NEW_OUTPUTS
+            aliases = writes = False
+        # In-place ops (_ALIASES) write their result; views (_VIEW) move no data at all.
+        kind = (_ALIASES if writes else _VIEW) if aliases else _NEW_OUTPUTS
     _OP_KIND[func] = kind
     return kind
 
@@ -277,6 +295,7 @@ class Profiler:
         *,
         mode: str = "auto",
         timeline: bool = True,
+        operations: bool = False,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
     ) -> None:
@@ -310,7 +329,9 @@ class Profiler:
         self._model_ref = weakref.ref(model)
         self._optimizer_ids = {id(o) for o in optimizers}
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
-        self._timeline_enabled = timeline
+        self._timeline_enabled = bool(timeline)
+        self._want_operations = bool(operations)
+        self._operations: "OperationLog | None" = None
         self._state = "new"
         self._trace: "Trace | None" = None
         self._probe = DeviceProbe(device)
@@ -515,7 +536,11 @@ class Profiler:
         h = _optim_mod.register_optimizer_step_post_hook(self._opt_post_hook)
         stack.callback(h.remove)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        if self._want_operations and self.mode != "full":
+            self._notes.append("operations=True needs mode='full' (it sees ops through the dispatch mode)")
         if self.mode == "full":
+            if self._want_operations:
+                self._operations = OperationLog()
             stack.enter_context(_DispatchTracker(self))
         else:
             self._probe.start_light()
@@ -1170,6 +1195,10 @@ class Profiler:
             autocast_dtype=self._autocast_dtype,
             peak_tags=_tag_pairs(led.peak_tags),
             facts=self._facts(),
+            operations=tuple(
+                OperationRecord(phase, cls, op, *vals)
+                for (phase, cls, op), vals in sorted(self._operations.rows.items())
+            ) if self._operations is not None else None,
         )
 
     def _facts(self) -> ModelFacts:

@@ -145,6 +145,30 @@ class Report:
             frame[col] = frame[col].astype("Int64")
         return frame.set_index("path")
 
+    def operations(self, by: str = "op") -> "pd.DataFrame":
+        """Operator anatomy (profile with ``operations=True``): Ivanov et al.'s classes with counts,
+        flops and bytes read and written, split by phase.
+
+        ``by="op"`` gives one row per (phase, class, op); ``by="class"`` sums
+        them per (phase, class). Raises :class:`NotMeasuredError` when the run
+        did not record operations.
+        """
+        import pandas as pd
+
+        ops = self.trace.operations
+        if ops is None:
+            raise NotMeasuredError(
+                "operations were not recorded; profile with memprof.profile(model, optimizer, operations=True)"
+            )
+        cols = ["phase", "class", "op", "count", "flops", "bytes_read", "bytes_written"]
+        frame = pd.DataFrame([(o.phase, o.cls, o.op, o.count, o.flops, o.bytes_read, o.bytes_written)
+                              for o in ops], columns=cols)
+        if by == "class":
+            return frame.groupby(["phase", "class"], as_index=False)[cols[3:]].sum()
+        if by != "op":
+            raise InvalidArgumentError(f"by must be 'op' or 'class', got {by!r}")
+        return frame
+
     def breakdown_frame(self, which: str = "peak") -> "pd.DataFrame":
         """The breakdown at ``"peak"``, ``"start"`` or ``"end"`` as a table with bytes and shares."""
         import pandas as pd

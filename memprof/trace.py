@@ -23,6 +23,7 @@ __all__ = [
     "Sample",
     "DeviceInfo",
     "ModelFacts",
+    "OperationRecord",
     "Trace",
 ]
 
@@ -199,6 +200,26 @@ class ModelFacts:
 
 
 @dataclass(frozen=True)
+class OperationRecord:
+    """All calls of one op in one phase: Ivanov et al.'s class, count, flops and bytes moved."""
+
+    phase: str
+    cls: str
+    op: str
+    count: int
+    flops: int
+    bytes_read: int
+    bytes_written: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OperationRecord":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One optimizer step (or one ``prof.step()`` block) and its phases, in order."""
 
@@ -330,6 +351,8 @@ class Trace:
     autocast_dtype: "str | None" = None
     peak_tags: tuple[tuple[str, int], ...] = ()
     facts: ModelFacts = field(default_factory=ModelFacts)
+    #: Per-op records when profiled with operations=True; None when not recorded.
+    operations: "tuple[OperationRecord, ...] | None" = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     @property
@@ -363,6 +386,7 @@ class Trace:
             "autocast_dtype": self.autocast_dtype,
             "peak_tags": [list(t) for t in self.peak_tags],
             "facts": self.facts.to_dict(),
+            "operations": [o.to_dict() for o in self.operations] if self.operations is not None else None,
         }
 
     @classmethod
@@ -408,6 +432,8 @@ class Trace:
                 autocast_dtype=data.get("autocast_dtype"),
                 peak_tags=_pairs(data.get("peak_tags", ())),
                 facts=ModelFacts.from_dict(data.get("facts", {})),
+                operations=tuple(OperationRecord.from_dict(o) for o in data["operations"])
+                if data.get("operations") is not None else None,
                 schema_version=version,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
