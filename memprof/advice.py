@@ -57,6 +57,9 @@ def levers(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
         if saving > 0:
             out.append((saving, f"activation checkpointing of {blocks} keeps only their inputs (recomputing one "
                                 f"block at a time in backward): saves about {format_bytes(saving)}"))
+    if grads and measured is trace.peak and _grads_kept_into(trace):
+        out.append((grads, f"zero_grad(set_to_none=True) frees the gradients between steps: up to "
+                           f"{format_bytes(grads)} of this peak are gradients kept from the previous step"))
     impl = trace.optimizer_implementation
     if impl in ("foreach", "for-loop") and facts.optimizer_transient_formula:
         saving = facts.optimizer_transient_formula
@@ -66,6 +69,16 @@ def levers(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
         pass
     out.sort(key=lambda x: -x[0])
     return out
+
+
+def _grads_kept_into(trace: Trace) -> bool:
+    """Did the peak step's forward start with gradients already allocated (set_to_none=False)?"""
+    if trace.peak_step is None or trace.peak_phase is None or trace.peak_phase.value not in ("forward", "backward"):
+        return False
+    for p in trace.phases:
+        if p.step == trace.peak_step and p.phase.value == "forward":
+            return bool(p.start[Category.GRADIENTS])
+    return False
 
 
 def _checkpoint_saving(trace: Trace) -> "tuple[int, str] | None":

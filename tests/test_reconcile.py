@@ -237,3 +237,28 @@ def test_advice_names_levers_and_misaligned_dimensions():
     assert "not divisible by 8" in joined and "0.in_features=30" in joined and "0.out_features=50" in joined
     assert "batch size 12 is not a multiple of 8" in joined
     assert "8-bit AdamW" in joined
+
+
+def test_advice_frees_gradients_kept_between_steps():
+    # set_to_none=False keeps every gradient through the next forward and backward, so they are
+    # part of step 1's peak; set_to_none=True would free them.
+    model = MLP(32, 1024, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(2048, 32), torch.randint(0, 10, (2048,))
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    rep = prof.report()
+    assert rep.trace.peak_step == 1 and rep.peak[C.GRADIENTS] == weight_bytes(model)
+    assert any("set_to_none=True" in a for a in rep.reconcile().advice())
+    # With set_to_none=True (the default) there is nothing to free, and no such advice.
+    model2 = MLP(32, 1024, 10)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    with memprof.profile(model2, opt2) as prof2:
+        for _ in range(2):
+            F.cross_entropy(model2(x), y).backward()
+            opt2.step()
+            opt2.zero_grad()
+    assert not any("set_to_none=True" in a for a in prof2.report().reconcile().advice())
