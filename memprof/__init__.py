@@ -47,6 +47,10 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "anatomy":
+        import importlib
+
+        return importlib.import_module(".anatomy", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'memprof' has no attribute {name!r}")

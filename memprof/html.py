@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from .categories import Category, DEVICE_CATEGORIES
 from .errors import InvalidArgumentError
 from .plot import CATEGORY_COLORS
-from .trace import Breakdown, ModuleRecord
+from .trace import Breakdown, ModuleRecord, as_trace
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -54,17 +54,6 @@ PERCENT_COLUMNS = frozenset(["delta_pct"])
 
 def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
-
-
-def _trace(obj: "Report | Trace") -> "Trace":
-    from .report import Report
-    from .trace import Trace
-
-    if isinstance(obj, Report):
-        return obj.trace
-    if isinstance(obj, Trace):
-        return obj
-    raise InvalidArgumentError(f"expected a memprof Report or Trace, got {type(obj).__name__}")
 
 
 def _bytes(n: "int | None") -> str:
@@ -211,7 +200,7 @@ def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: i
     the notes. Runs with more than ``max_phases`` phases show the first and
     last ones.
     """
-    t = _trace(report)
+    t = as_trace(report)
     dev = t.device.name if t.device.type == "cuda" else t.device.type
     n = len(t.steps)
     parts = [f'<div class="memprof-report" style="{_ROOT}">']
@@ -220,15 +209,7 @@ def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: i
                  f'<span style="font-weight:400;{_MUTED}"> · torch {_e(t.torch_version)}</span></div>')
     if t.error:
         parts.append(f'<div style="margin:4px 0;color:#C44E52;font-weight:600">profiled code raised {_e(t.error)}</div>')
-    where = []
-    if t.peak_step is not None:
-        where.append(f"step {t.peak_step}")
-    if t.peak_phase is not None:
-        where.append(t.peak_phase.value)
-    if t.peak_module:
-        where.append(f"in {t.peak_module}")
-    if t.peak.total is None:
-        where.insert(0, "categories at the highest measured level")
+    where = t.peak_location()
     parts.append(f'<div style="{_H}">Peak {_bytes(t.peak.total)}'
                  + (f'<span style="font-weight:400"> ({_e(", ".join(where))})</span>' if where else "") + "</div>")
     parts.append(breakdown_html(t.peak, device_type=t.device.type))

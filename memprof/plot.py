@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .categories import Category, Phase
 from .errors import InvalidArgumentError, MemprofError, NotMeasuredError
+from .trace import as_trace
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -99,17 +100,6 @@ def _unit(largest: "int | float") -> tuple[str, int]:
     return "B", 1
 
 
-def _trace(obj: "Report | Trace") -> "Trace":
-    from .report import Report
-    from .trace import Trace
-
-    if isinstance(obj, Report):
-        return obj.trace
-    if isinstance(obj, Trace):
-        return obj
-    raise InvalidArgumentError(f"expected a memprof Report or Trace, got {type(obj).__name__}")
-
-
 def _where(trace: "Trace") -> str:
     parts = []
     if trace.peak_step is not None:
@@ -129,7 +119,7 @@ def plot_timeline(report: "Report | Trace", ax: "Axes | None" = None) -> "Figure
     session's peak total, which can lie above every sample because the peak
     may fall between two boundaries.
     """
-    trace = _trace(report)
+    trace = as_trace(report)
     samples = trace.timeline
     if not samples:
         raise NotMeasuredError(
@@ -285,7 +275,7 @@ def plot_modules(report: "Report | Trace", top: int = 15, ax: "Axes | None" = No
     "own ops"), so that no byte is drawn twice. The ``top`` rows by saved
     activations (then parameters) are shown, largest at the top.
     """
-    trace = _trace(report)
+    trace = as_trace(report)
     if not isinstance(top, int) or isinstance(top, bool) or top < 1:
         raise InvalidArgumentError(f"top must be a positive int, got {top!r}")
     rows = _own_rows(trace, include_own)

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__  # noqa: F401  (defined before submodules import)
-from .categories import Category, Phase
+from .categories import Phase
 from .anatomy.activations import TensorMeta
 from .errors import InvalidArgumentError, ProfilerStateError, UnknownNameError
 from .track.device import DeviceProbe
@@ -42,7 +42,6 @@ from .track.ledger import (
     BUFFERS,
     GRADIENTS,
     INPUTS,
-    N_CATS,
     OPTIMIZER_STATES,
     TEMPORARIES,
     WEIGHTS,
@@ -50,7 +49,6 @@ from .track.ledger import (
 )
 from .trace import (
     Breakdown,
-    DeviceInfo,
     ModelFacts,
     ModuleRecord,
     OperationRecord,
@@ -483,7 +481,7 @@ class Profiler:
             self._modules.append(_ModuleInfo(path or "", type(mod).__name__))
         self._module_params: list[list[weakref.ref]] = []
         params_by_module: dict[int, list[weakref.ref]] = {}
-        for path, mod in model.named_modules():
+        for _path, mod in model.named_modules():
             i = index_of[id(mod)]
             if i in params_by_module:
                 continue
@@ -495,6 +493,9 @@ class Profiler:
                     refs.append(weakref.ref(p))
             params_by_module[i] = refs
         self._module_params = [params_by_module[i] for i in range(len(self._modules))]
+        self._is_container = [False] * len(self._modules)
+        for _path, mod in model.named_modules():
+            self._is_container[index_of[id(mod)]] = any(True for _ in mod.children())
         self._params = [weakref.ref(p) for p in _unique_params(model)]
         self._param_ids = {id(p) for p in _unique_params(model)}
         self._param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in _unique_params(model)}))
@@ -520,7 +521,7 @@ class Profiler:
         # Hooks. Each registration goes on the stack right away so that a
         # failure half-way still removes what was installed.
         root = model
-        for path, mod in model.named_modules():
+        for _path, mod in model.named_modules():
             i = index_of[id(mod)]
             pre = mod.register_forward_pre_hook(self._make_pre_hook(i, mod is root), with_kwargs=True)
             stack.callback(pre.remove)
@@ -704,8 +705,13 @@ class Profiler:
 
     def _attribute_saved(self, entry: Any) -> None:
         if not self._fwd_stack:
+            if entry.tag < 0 and self._phase is Phase.FORWARD:
+                self._ledger.set_tag(entry, _TAG["saved_outside_modules"])
             return
-        info = self._modules[self._fwd_stack[-1]]
+        index = self._fwd_stack[-1]
+        if entry.tag < 0 and self._is_container[index]:
+            self._ledger.set_tag(entry, _TAG["saved_in_container_code"])
+        info = self._modules[index]
         if info.act_step != self._step:
             info.act_step = self._step
             info.act_bytes = 0

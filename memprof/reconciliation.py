@@ -456,25 +456,23 @@ def _causes(ctx: _Context) -> list[Cause]:
                 out.append(Cause(A, "attention logsumexp", lse,
                                  "fused attention keeps an fp32 logsumexp per head and position"))
         if ctx.transformer is None:
-            functional = sum(mod.own_activations or 0 for mod in trace.modules
-                             if mod.path != "<model>" and _has_children(trace, mod.path))
+            functional = ctx.tags.get("saved_in_container_code", 0)
             if functional and facts.activation_formula is not None:
                 out.append(Cause(A, "functional code in container modules", functional,
                                  "tensors saved by torch functions called directly in a forward() that has "
-                                 "submodules (attention math, residual adds): per-module rules do not see them "
-                                 "(last step's forward)"))
+                                 "submodules (attention math, residual adds): per-module rules do not see them"))
+            outside = ctx.tags.get("saved_outside_modules", 0)
+            if outside:
+                out.append(Cause(A, "saved outside the model", outside,
+                                 "tensors saved by code outside the model's modules (the loss function: its "
+                                 "log-softmax output and targets), which no module formula covers"))
         else:
             layers = _repeated_block_activations(trace)
             fwd_end = _last_forward_end(trace)
-            if layers is not None and fwd_end is not None and fwd_end > layers:
+            if phase is Phase.FORWARD and layers is not None and fwd_end is not None and fwd_end > layers:
                 out.append(Cause(A, "outside the transformer layers", fwd_end - layers,
                                  "embeddings, final norm, LM head and loss save tensors too; the per-layer formula "
                                  "covers the layers only (measured at the end of the last forward)"))
-        outside = _outside_modules(trace, ctx)
-        if outside and ctx.transformer is None:
-            out.append(Cause(A, "saved outside the model", outside,
-                             "tensors saved by code outside the model's modules (the loss function: log-softmax "
-                             "output and targets), which no module formula covers"))
 
     # Temporaries inside the optimizer step.
     if phase is Phase.OPTIMIZER and m[T] is not None and f[T] is not None and m[T] != f[T]:
@@ -499,11 +497,6 @@ def _causes(ctx: _Context) -> list[Cause]:
     return out
 
 
-def _has_children(trace: Trace, path: str) -> bool:
-    prefix = path + "."
-    return any(m.path.startswith(prefix) for m in trace.modules)
-
-
 def _last_forward_end(trace: Trace) -> "int | None":
     fwd = [p for p in trace.phases if p.phase is Phase.FORWARD]
     return fwd[-1].end[Category.ACTIVATIONS] if fwd else None
@@ -526,20 +519,6 @@ def _repeated_block_activations(trace: Trace) -> "int | None":
 
 def _order(rec: PhaseRecord) -> int:
     return {Phase.OTHER: 0, Phase.FORWARD: 1, Phase.BACKWARD: 2, Phase.OPTIMIZER: 3}[rec.phase] * 100 + rec.occurrence
-
-
-def _outside_modules(trace: Trace, ctx: _Context) -> int:
-    """Saved bytes at the end of the last forward that no module of the model saved."""
-    root = next((m for m in trace.modules if m.path == "<model>"), None)
-    fwd = [p for p in trace.phases if p.phase is Phase.FORWARD]
-    if root is None or root.activations is None or not fwd:
-        return 0
-    if ctx.rec is None or ctx.rec.phase is not Phase.FORWARD:
-        return 0
-    end = fwd[-1].end[Category.ACTIVATIONS]
-    if end is None:
-        return 0
-    return max(0, end - root.activations)
 
 
 def _advice(ctx: _Context) -> list[str]:

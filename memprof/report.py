@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .categories import Category, Phase, TENSOR_CATEGORIES
 from .errors import InvalidArgumentError, NotMeasuredError
-from .trace import Breakdown, PhaseRecord, Trace
+from .trace import Breakdown, Trace
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -246,16 +246,8 @@ class Report:
         lines.append(f"memprof report: {len(t.steps)} step(s), mode {t.mode}, device {dev}, torch {t.torch_version}")
         if t.error:
             lines.append(f"profiled code raised {t.error}")
-        where = []
-        if t.peak_step is not None:
-            where.append(f"step {t.peak_step}")
-        if t.peak_phase is not None:
-            where.append(t.peak_phase.value)
-        if t.peak_module:
-            where.append(f"in {t.peak_module}")
+        where = t.peak_location()
         lines.append("")
-        if t.peak.total is None:
-            where.insert(0, "categories at the highest measured level")
         lines.append(f"Peak {format_bytes(t.peak.total)}" + (f" ({', '.join(where)})" if where else ""))
         lines.extend(_breakdown_table(t.peak))
         if t.live_at_error is not None:

@@ -359,6 +359,19 @@ class Trace:
     def phases(self) -> tuple[PhaseRecord, ...]:
         return tuple(p for s in self.steps for p in s.phases)
 
+    def peak_location(self) -> list[str]:
+        """Where the peak was, in words: step, phase and module (for headings)."""
+        where = []
+        if self.peak.total is None:
+            where.append("categories at the highest measured level")
+        if self.peak_step is not None:
+            where.append(f"step {self.peak_step}")
+        if self.peak_phase is not None:
+            where.append(self.peak_phase.value)
+        if self.peak_module:
+            where.append(f"in {self.peak_module}")
+        return where
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": "memprof.trace",
@@ -438,3 +451,15 @@ class Trace:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TraceFormatError(f"corrupt memprof trace: {exc!r}; re-create it with report.save(path)") from None
+
+
+def as_trace(obj: Any) -> Trace:
+    """The Trace of a Report, or the Trace itself; anything else is refused with a clear error."""
+    from .errors import InvalidArgumentError
+
+    trace = getattr(obj, "trace", obj)
+    if not isinstance(trace, Trace):
+        raise InvalidArgumentError(
+            f"expected a memprof Report or Trace, got {type(obj).__name__}; use prof.report() or memprof.load(path)"
+        )
+    return trace

@@ -32,6 +32,8 @@ TAGS: tuple[str, ...] = (
     "norm_statistics",  # mean / rstd of layer, batch, group and RMS norms
     "attention_logsumexp",  # fused attention's fp32 logsumexp
     "autocast_fp32_output",  # outputs of ops autocast runs in fp32 (softmax, layer_norm, ...)
+    "saved_outside_modules",  # saved while no module of the model ran (the loss function)
+    "saved_in_container_code",  # saved by functional code in a forward() that has submodules
 )
 N_TAGS = len(TAGS)
 assert tuple(c.value for c in CATEGORY_OF_INDEX) == (

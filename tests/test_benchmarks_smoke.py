@@ -1,0 +1,61 @@
+"""The benchmark scripts run end to end with tiny sizes and write their outputs.
+
+Each runs as a subprocess, as a user runs it (``python benchmarks/<script>.py``),
+with the --quick sizes; together they take about half a minute on 2 CPU cores.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _run(args, timeout=120):
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_accuracy_quick(tmp_path):
+    out_json, out_md = tmp_path / "acc.json", tmp_path / "acc.md"
+    _run([BENCH / "accuracy.py", "--quick", "--models", "mlp,gpt", "--precisions", "fp32,bf16",
+          "--optimizers", "adamw", "--json", out_json, "--markdown", out_md])
+    data = json.loads(out_json.read_text())
+    assert [(r["model"], r["precision"]) for r in data["results"]] == [
+        ("mlp", "fp32"), ("mlp", "bf16"), ("gpt", "fp32"), ("gpt", "bf16")]
+    for r in data["results"]:
+        assert r["measured_peak"] > 0 and r["simulated_peak"] > 0
+        steady = r["reconcile"]["steady"]["categories"]
+        # Model states at the end of an optimizer step are exactly the formula (fp32 and bf16 alike).
+        assert [steady[c]["gap"] for c in ("weights", "gradients", "optimizer_states")] == [0, 0, 0]
+    assert "| model | precision | optimizer |" in out_md.read_text()
+
+
+def test_estimate_scale_quick(tmp_path):
+    out_json = tmp_path / "scale.json"
+    _run([BENCH / "estimate_scale.py", "--quick", "--json", out_json])
+    data = json.loads(out_json.read_text())
+    assert not data["failures"]
+    (r,) = data["results"]
+    assert r["config"] == "tiny" and r["parameters"] > 0
+    assert r["predicted_peak_bytes"] > 0 and r["ru_maxrss_kib"] > 0
+    assert r["bytes_per_param_bf16_adamw"] == 8.0
+    # Steady model states of a bf16 AdamW run: at least the textbook 8 B/param; more by the `step`
+    # counters and the 512-byte rounding of each tensor the estimate applies for a CUDA target.
+    steady = sum(r["simulated_steady"][c] for c in ("weights", "gradients", "optimizer_states"))
+    assert steady >= r["textbook_model_states_bytes"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-CUDA path")
+def test_gpu_validate_without_cuda(tmp_path):
+    proc = _run([BENCH / "gpu_validate.py", "--out", tmp_path / "gv"], timeout=60)
+    assert "no CUDA device; nothing to validate" in proc.stdout
+    data = json.loads((tmp_path / "gv" / "gpu-validate.json").read_text())
+    assert data["status"] == "no CUDA device; nothing to validate"
