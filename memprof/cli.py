@@ -95,6 +95,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
     import memprof
 
+    from .units import parse_size
+
+    budget = parse_size(args.budget) if args.budget else None  # refuse a bad size before simulating
     factory = _load_factory(args.factory)
     # Built on the meta device: a 7B configuration costs no memory here.
     with torch.device("meta"):
@@ -112,10 +115,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
                            loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision)
     print(est)
-    if args.budget:
-        from .units import format_bytes, parse_size
+    if budget is not None:
+        from .units import format_bytes
 
-        budget = parse_size(args.budget)
         verdict = "fits" if est.peak_bytes <= budget else "does NOT fit"
         print(f"\nbatch size {args.batch_size}: simulated peak {format_bytes(est.peak_bytes)} {verdict} "
               f"in {format_bytes(budget)}")
@@ -144,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     demo.add_argument("--top", type=int, default=8, help="modules to list (default 8)")
     demo.add_argument("--save", metavar="PATH", help="also save the trace as JSON")
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_demo, parser=demo)
 
     rep = sub.add_parser("report", help="print the report of a saved trace (JSON)")
     rep.add_argument("file", help="a JSON file written by report.save() or 'memprof demo --save'")
@@ -168,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                      help="cast the parameters (default: as built)")
     est.add_argument("--budget", help="exit 1 if the simulated peak exceeds this size (e.g. '80 GiB')")
-    est.set_defaults(func=_cmd_estimate)
+    est.set_defaults(func=_cmd_estimate, parser=est)
     return parser
 
 
@@ -179,7 +181,7 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     for name in ("steps", "batch_size", "seq_len", "layers", "hidden", "heads", "vocab", "threads"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            getattr(args, "parser", parser).error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
         return int(args.func(args))
     except MemprofError as exc:

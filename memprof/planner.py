@@ -94,16 +94,31 @@ def max_batch_size(
     fixed = int(round(p1 - per_sample * b1))
     if per_sample <= 0:
         raise InvalidArgumentError("peak memory does not grow with the batch size here; check make_batch(b)")
-    guess = int((limit - fixed) // per_sample)
-    best = max(0, guess // multiple_of * multiple_of)
-    # Confirm by simulation, walking down (or up) by one multiple if the straight line was off.
-    while best >= multiple_of and peak(best) > limit:
-        best -= multiple_of
-    while best + multiple_of <= max(best, 1) * 4 and peak(best + multiple_of) <= limit:
-        best += multiple_of
-    verified = (best == 0 or peak(best) <= limit) and (best + multiple_of in cache and cache[best + multiple_of] > limit)
-    if not verified and best + multiple_of not in cache:
-        verified = peak(best + multiple_of) > limit and (best == 0 or peak(best) <= limit)
+    # The straight line gives a first guess; bisection on simulated peaks then finds the exact
+    # largest multiple (the line can be far off when the optimizer step dominates small batches).
+    guess = max(1, int((limit - fixed) // per_sample) // multiple_of)
+    lo, hi = 0, None  # multiples known to fit (lo) and not to fit (hi)
+    if peak(guess * multiple_of) <= limit:
+        lo = guess
+        step = max(1, guess)
+        while hi is None:
+            probe = lo + step
+            if peak(probe * multiple_of) <= limit:
+                lo, step = probe, step * 2
+            else:
+                hi = probe
+    else:
+        hi = guess
+        if peak(multiple_of) <= limit:
+            lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if peak(mid * multiple_of) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    best = lo * multiple_of
+    verified = (best == 0 or cache.get(best, limit + 1) <= limit) and cache.get((lo + 1) * multiple_of, 0) > limit
     points = tuple(sorted(cache.items()))
     return BatchSizePlan(
         batch_size=best,

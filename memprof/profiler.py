@@ -325,6 +325,8 @@ class Profiler:
         self.device = device
         self._on_cpu = device.type == "cpu"
         self._model_ref = weakref.ref(model)
+        # Held strongly only until the block ends (a model built inline must survive until then).
+        self._model_hold: "nn.Module | None" = model
         self._optimizer_ids = {id(o) for o in optimizers}
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
         self._timeline_enabled = bool(timeline)
@@ -345,8 +347,7 @@ class Profiler:
                 "this profiler was already used; profilers are single-use, create a new one with memprof.profile()"
             )
         model = self._model_ref()
-        if model is None:  # pragma: no cover - the caller holds the model
-            raise ProfilerStateError("the model was garbage-collected before profiling started")
+        assert model is not None  # held by self._model_hold until the block ends
         if model in _ACTIVE_MODELS:
             raise ProfilerStateError(
                 "memprof.profile() is already active on this model; exit that block first "
@@ -550,6 +551,7 @@ class Profiler:
 
     def _teardown(self) -> None:
         stack, self._stack = self._stack, None
+        self._model_hold = None
         model = self._model_ref()
         try:
             if stack is not None:
@@ -708,6 +710,8 @@ class Profiler:
             if entry.tag < 0 and self._phase is Phase.FORWARD:
                 self._ledger.set_tag(entry, _TAG["saved_outside_modules"])
             return
+        if self._phase is not Phase.FORWARD:
+            return  # recomputation in backward (reentrant checkpoint) is not the module's forward saving
         index = self._fwd_stack[-1]
         if entry.tag < 0 and self._is_container[index]:
             self._ledger.set_tag(entry, _TAG["saved_in_container_code"])
@@ -1171,7 +1175,7 @@ class Profiler:
         modules = [dataclasses.replace(m, activations=totals_by_path[m.path], own_activations=m.activations,
                                        input_bytes=first_inputs.get(path_index[m.path])) for m in modules]
         peak_module = None
-        if 0 <= led.peak_module < len(self._modules):
+        if self.mode == "full" and 0 <= led.peak_module < len(self._modules):
             peak_module = self._modules[led.peak_module].path or "<model>"
         notes = list(self._notes) + self._probe.notes()
         if not self._steps:

@@ -469,7 +469,8 @@ def _causes(ctx: _Context) -> list[Cause]:
         else:
             layers = _repeated_block_activations(trace)
             fwd_end = _last_forward_end(trace)
-            if phase is Phase.FORWARD and layers is not None and fwd_end is not None and fwd_end > layers:
+            if (phase in (Phase.FORWARD, Phase.BACKWARD) and layers is not None and fwd_end is not None
+                    and fwd_end > layers):
                 out.append(Cause(A, "outside the transformer layers", fwd_end - layers,
                                  "embeddings, final norm, LM head and loss save tensors too; the per-layer formula "
                                  "covers the layers only (measured at the end of the last forward)"))

@@ -78,11 +78,17 @@ class Estimate:
             f, s = formula[cat], self.simulated[cat]
             if f is None and s is None:
                 continue
-            lines.append(f"  {cat.value:<20}{format_bytes(f):>14}{format_bytes(s):>14}")
-        lines.append(f"  {'total':<20}{format_bytes(formula.total):>14}{format_bytes(self.simulated.total):>14}")
+            lines.append(f"  {cat.value:<20}{_fmt(f):>14}{_fmt(s):>14}")
+        lines.append(f"  {'total':<20}{_fmt(formula.total):>14}{_fmt(self.simulated.total):>14}")
         for note in self.notes:
             lines.append(f"  - {note}")
         return "\n".join(lines)
+
+
+def _fmt(n: "int | None") -> str:
+    from .units import format_bytes
+
+    return "n/a" if n is None else format_bytes(n)  # no formula (or not simulated), not a zero
 
 
 def estimate(
@@ -137,8 +143,9 @@ def estimate(
         notes.append("autocast does not apply to meta tensors: the simulation runs in the parameters' dtype; "
                      "the reconciliation adds the 16-bit weight copies from the formula")
     meta_opt = _meta_optimizer(optimizer, meta_model, mapping, notes)
-    meta_inputs = _convert(inputs, shadow)
-    meta_targets = _convert(targets, shadow)
+    seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
+    meta_inputs = _convert(inputs, shadow, seen)
+    meta_targets = _convert(targets, shadow, seen)
     if target.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in model.modules()):
         notes.append("LSTM/GRU/RNN: on a real CPU, oneDNN's RNN kernel also keeps a workspace for backward that "
                      "the shape-only kernels do not; their saved activations are underestimated")
@@ -240,17 +247,19 @@ def _meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, to
     )
 
 
-def _convert(obj: Any, make: Any) -> Any:
+def _convert(obj: Any, make: Any, seen: dict[int, torch.Tensor]) -> Any:
     if obj is None:
         return None
     if isinstance(obj, torch.Tensor):
-        return make(obj)
+        if id(obj) not in seen:
+            seen[id(obj)] = make(obj)
+        return seen[id(obj)]
     if isinstance(obj, tuple):
-        return tuple(_convert(o, make) for o in obj)
+        return tuple(_convert(o, make, seen) for o in obj)
     if isinstance(obj, list):
-        return [_convert(o, make) for o in obj]
+        return [_convert(o, make, seen) for o in obj]
     if isinstance(obj, dict):
-        return {k: _convert(v, make) for k, v in obj.items()}
+        return {k: _convert(v, make, seen) for k, v in obj.items()}
     return obj
 
 
