@@ -214,7 +214,9 @@ class _DispatchTracker(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         prof = self.prof
         prof._last_op = func
-        if prof._scan_args:
+        if prof._scan_args and not prof._fwd_stack:
+            # Only outside the model's modules (the loss, data movement): inside them every tensor
+            # was either handed to the model (marked by the root hook) or made by an op already.
             prof._scan_inputs(args)
         if prof._phase is Phase.BACKWARD:
             prof._watch_recompute()
@@ -537,7 +539,9 @@ class Profiler:
         stack.callback(h.remove)
         h = _optim_mod.register_optimizer_step_post_hook(self._opt_post_hook)
         stack.callback(h.remove)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        # One bound-method object, so that the recompute check can compare by identity.
+        self._pack_hook = self._pack
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack))
         if self._want_operations and self.mode != "full":
             self._notes.append("operations=True needs mode='full' (it sees ops through the dispatch mode)")
         if self.mode == "full":
@@ -738,7 +742,7 @@ class Profiler:
         # stack mean a checkpointed region is being recomputed under
         # checkpoint's own hooks (which store what it saves out of our sight).
         top = _top_saved_hooks(False)
-        foreign = top is not None and top[0] != self._pack
+        foreign = top is not None and top[0] is not self._pack_hook
         if foreign and not self._recomputing:
             self._recomputing = True
             self._recompute_start = self._ledger.seq
