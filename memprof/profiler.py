@@ -70,6 +70,7 @@ _top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks
 _MAX_SAMPLES = 20_000
 
 _aten = torch.ops.aten
+_BACKWARD = Phase.BACKWARD
 _TAG = {name: i for i, name in enumerate(TAGS)}
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -209,35 +210,52 @@ class _DispatchTracker(TorchDispatchMode):
         self.prof = prof
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can.
         if func is _DETACH:
             # A detach only aliases (memprof's own pack hook issues many): nothing to count.
             return func(*args, **(kwargs or {}))
         prof = self.prof
         prof._last_op = func
-        if prof._scan_args and not prof._fwd_stack:
+        phase = prof._phase
+        if phase is _BACKWARD:
+            prof._watch_recompute()
+        elif prof._scan_args and not prof._fwd_stack:
             # Only outside the model's modules (the loss, data movement): inside them every tensor
             # was either handed to the model (marked by the root hook) or made by an op already.
             prof._scan_inputs(args)
-        if prof._phase is Phase.BACKWARD:
-            prof._watch_recompute()
         out = func(*args, **(kwargs or {}))
         kind = _OP_KIND.get(func)
         if kind is None:
             kind = _op_kind(func)
-        if prof._operations is not None and kind != _NOT_WORK and kind != _VIEW:
-            prof._operations.record(prof._phase.value, func, args, kwargs, out)
-        if kind != _NOT_WORK:
-            prof._ops += 1
-        if _graph_task_id() != -1:
-            if prof._phase is not Phase.BACKWARD:
-                prof._backward_started()
+        if kind == _VIEW:
+            return out
+        if kind == _NOT_WORK:
+            return out
+        prof._ops += 1
+        if prof._operations is not None:
+            prof._operations.record(phase.value, func, args, kwargs, out)
+        if phase is not _BACKWARD and _graph_task_id() != -1:
+            prof._backward_started()
         if kind == _NEW_OUTPUTS:
-            if isinstance(out, torch.Tensor):
-                prof._register_output(out)
-            elif isinstance(out, (tuple, list)):
-                for o in out:
-                    if isinstance(o, torch.Tensor):
-                        prof._register_output(o)
+            led = prof._ledger
+            entries = led.entries
+            on_cpu = prof._on_cpu
+            for o in (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ():
+                if not isinstance(o, torch.Tensor):
+                    continue
+                if on_cpu:
+                    if not o.is_cpu:
+                        continue
+                elif o.device != prof.device:
+                    continue
+                try:
+                    st = o.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if st._cdata not in entries:
+                    led.add(st, TEMPORARIES)
+            if type(out) is not torch.Tensor and isinstance(out, torch.Tensor):
+                prof._register_output(out)  # a tensor subclass result (e.g. a Parameter)
         rule = _TAG_RULES.get(func)
         if rule is not None:
             rule(prof, func, args, out)
@@ -326,6 +344,9 @@ class Profiler:
         self.mode = mode
         self.device = device
         self._on_cpu = device.type == "cpu"
+        # Per-module backward frames measure op-level memory, which only full mode sees;
+        # light mode skips their tensor hooks (backward itself is found by grad and unpack hooks).
+        self._track_backward_modules = mode == "full"
         self._model_ref = weakref.ref(model)
         # Held strongly only until the block ends (a model built inline must survive until then).
         self._model_hold: "nn.Module | None" = model
@@ -784,7 +805,7 @@ class Profiler:
             self._ledger.push_frame(index, backward=False)
             if self._timeline_enabled:
                 self._sample(info.path or "<model>")
-            if torch.is_grad_enabled() and not in_backward:
+            if self._track_backward_modules and torch.is_grad_enabled() and not in_backward:
                 hook = None
                 for a in _tensors(args, kwargs):
                     if a.requires_grad:
@@ -816,7 +837,7 @@ class Profiler:
                 return None  # a checkpointed module recomputing: no backward hooks for the recompute
             if self._timeline_enabled:
                 self._sample(self._modules[index].path or "<model>")
-            if torch.is_grad_enabled() and self._phase is Phase.FORWARD:
+            if self._track_backward_modules and torch.is_grad_enabled() and self._phase is Phase.FORWARD:
                 hook = None
                 for t in _tensors((output,), None):
                     if t.requires_grad:
