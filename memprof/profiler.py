@@ -333,6 +333,7 @@ class Profiler:
                     f"{type(opt).__name__} holds {len(foreign)} parameter(s) that are not the model's; "
                     "pass the optimizer built from model.parameters(), or profile the module that owns them"
                 )
+        compiled = hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod", None), nn.Module)
         device = _model_device(model)
         if device.type == "meta" and not _allow_meta:
             raise InvalidArgumentError(
@@ -361,6 +362,12 @@ class Profiler:
         self._ledger = Ledger(rounding=_rounding if _rounding is not None else self._probe.rounding)
         self._stack: "contextlib.ExitStack | None" = None
         self._notes: list[str] = []
+        if compiled:
+            self._notes.append(
+                "the model is compiled with torch.compile: whole-step figures are measured, but ops fused into "
+                "compiled graphs are seen as single ops and module hooks inside them may not run, so per-module "
+                "figures can be incomplete"
+            )
 
     # ------------------------------------------------------------------ public
 

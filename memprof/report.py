@@ -126,6 +126,10 @@ class Report:
                 frame[col] = frame[col].astype("Int64")
         return frame
 
+    def to_frame(self) -> "pd.DataFrame":
+        """The flat table to log to any tracker: :meth:`phases` (one row per phase, stable columns)."""
+        return self.phases()
+
     def modules(self) -> "pd.DataFrame":
         """One row per module path: parameters, gradients, saved activations, temporaries peaks.
 

@@ -273,3 +273,27 @@ def test_tables_have_stable_columns():
     # The loss adds its log-softmax 8*10*4 = 320, total_weight 4, and the int64 targets 8*8 = 64
     # (created inside the profile, so saved activations rather than inputs).
     assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == 4096 + 320 + 4 + 64
+
+
+def test_to_frame_is_the_phase_table():
+    model = MLP()
+    with memprof.profile(model) as prof:
+        run_step(model)
+    rep = prof.report()
+    assert rep.to_frame().equals(rep.phases())
+
+
+def test_compiled_model_is_named_in_the_notes():
+    # A stand-in with the attribute torch.compile's wrapper has: no compilation needed to test the note.
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+        def forward(self, x):
+            return self._orig_mod(x)
+
+    model = Wrapper(MLP())
+    with memprof.profile(model) as prof:
+        model(torch.randn(2, 32)).sum().backward()
+    assert any("torch.compile" in n for n in prof.trace.notes)
