@@ -524,9 +524,13 @@ class Profiler:
                     refs.append(weakref.ref(p))
             params_by_module[i] = refs
         self._module_params = [params_by_module[i] for i in range(len(self._modules))]
+        from .anatomy.activations import saved_bytes_rule
+
         self._is_container = [False] * len(self._modules)
+        self._has_rule = [True] * len(self._modules)
         for _path, mod in model.named_modules():
             self._is_container[index_of[id(mod)]] = any(True for _ in mod.children())
+            self._has_rule[index_of[id(mod)]] = saved_bytes_rule(mod) is not None
         self._params = [weakref.ref(p) for p in _unique_params(model)]
         self._param_ids = {id(p) for p in _unique_params(model)}
         self._param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in _unique_params(model)}))
@@ -745,8 +749,11 @@ class Profiler:
         if self._phase is not Phase.FORWARD:
             return  # recomputation in backward (reentrant checkpoint) is not the module's forward saving
         index = self._fwd_stack[-1]
-        if entry.tag < 0 and self._is_container[index]:
-            self._ledger.set_tag(entry, _TAG["saved_in_container_code"])
+        if entry.tag < 0:
+            if self._is_container[index]:
+                self._ledger.set_tag(entry, _TAG["saved_in_container_code"])
+            elif not self._has_rule[index]:
+                self._ledger.set_tag(entry, _TAG["saved_in_module_without_rule"])
         info = self._modules[index]
         if info.act_step != self._step:
             info.act_step = self._step

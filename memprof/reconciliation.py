@@ -427,6 +427,13 @@ def _causes(ctx: _Context) -> list[Cause]:
                              "the first step() was still creating the state at this moment"))
 
     # Activations.
+    if m[A] is not None and f[A] is not None and phase is Phase.BACKWARD and ctx.rec is not None:
+        fwd_end = next((p.end[A] for p in reversed(trace.phases)
+                        if p.phase is Phase.FORWARD and p.step == ctx.rec.step), None)
+        if fwd_end is not None and m[A] < fwd_end:
+            out.append(Cause(A, "released by backward", m[A] - fwd_end,
+                             "backward frees each saved tensor once its node has run; at this moment it had "
+                             "released this much of what the forward saved"))
     if m[A] is not None and f[A] is not None:
         wcopy = ctx.tags.get("autocast_weight_copy", 0)
         if wcopy:
@@ -461,6 +468,12 @@ def _causes(ctx: _Context) -> list[Cause]:
                 out.append(Cause(A, "functional code in container modules", functional,
                                  "tensors saved by torch functions called directly in a forward() that has "
                                  "submodules (attention math, residual adds): per-module rules do not see them"))
+            norule = ctx.tags.get("saved_in_module_without_rule", 0)
+            if norule and facts.activation_formula is not None:
+                out.append(Cause(A, "modules without a formula", norule,
+                                 "saved by module types memprof has no saved-bytes rule for ("
+                                 + (", ".join(facts.modules_without_rule) or "see the notes")
+                                 + "): measured, not predicted"))
             outside = ctx.tags.get("saved_outside_modules", 0)
             if outside:
                 out.append(Cause(A, "saved outside the model", outside,

@@ -34,6 +34,7 @@ TAGS: tuple[str, ...] = (
     "autocast_fp32_output",  # outputs of ops autocast runs in fp32 (softmax, layer_norm, ...)
     "saved_outside_modules",  # saved while no module of the model ran (the loss function)
     "saved_in_container_code",  # saved by functional code in a forward() that has submodules
+    "saved_in_module_without_rule",  # saved by a leaf module memprof has no saved-bytes rule for
 )
 N_TAGS = len(TAGS)
 assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
