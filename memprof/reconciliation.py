@@ -268,7 +268,7 @@ class Reconciliation:
             lines.append("Advice")
             for a in self._advice:
                 lines.append(f"  - {a}")
-        return "\n".join(lines)
+        return "\n".join(line.rstrip() for line in lines)
 
     def __str__(self) -> str:
         return self.to_text()
