@@ -53,6 +53,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from _machine import cpu_model  # noqa: E402  (benchmarks run as scripts from this folder)
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -474,15 +476,7 @@ def detail_tables(results: list[dict[str, Any]]) -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "cpu": cpu,
         "logical_cpus": os.cpu_count(),

@@ -45,6 +45,8 @@ import sys
 import time
 from typing import Any
 
+from _machine import cpu_model  # noqa: E402  (benchmarks run as scripts from this folder)
+
 CONFIGS: dict[str, dict[str, int]] = {
     # TinyLlama-1.1B (config.json of TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T).
     "1b": dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000),
@@ -319,12 +321,7 @@ def main(argv: "list[str] | None" = None) -> int:
     except ImportError:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         import memprof
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     info = {
         "cpu": cpu, "logical_cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
         "memprof": memprof.__version__, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

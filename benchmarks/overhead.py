@@ -60,7 +60,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -70,6 +69,8 @@ import tracemalloc
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from _machine import cpu_model  # noqa: E402  (benchmarks run as scripts from this folder)
 
 # Silence kineto's per-session "profiler_start/stop" lines (must precede importing torch).
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -471,15 +472,7 @@ def _cpu_jiffies() -> "tuple[int, int] | None":
 
 
 def machine_info(threads: int) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpu_model()
     info = {
         "cpu": cpu,
         "logical_cpus": os.cpu_count(),
