@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import __version__  # noqa: F401  (defined before submodules import)
 from .categories import Phase
 from .anatomy.activations import TensorMeta
+from .anatomy.optimizers import param_group_implementations
 from .errors import InvalidArgumentError, ProfilerStateError, UnknownNameError
 from .track.device import DeviceProbe
 from .track.operations import OperationLog
@@ -427,7 +428,7 @@ class Profiler:
         if not self._explicit_steps:
             self._explicit_steps = True
             self._pending_step_end = False
-            self._end_step(drop_if_empty=True)
+            self._end_step()
         try:
             yield
         finally:
@@ -464,7 +465,6 @@ class Profiler:
         led = self._ledger
         # State of the phase machine.
         self._phase = Phase.OTHER
-        self._other_active = False
         self._ops = 0
         self._phase_ops_start = 0
         self._step = 0
@@ -499,46 +499,31 @@ class Profiler:
         self._metas_done = False
         self._pending_meta: dict[int, Any] = {}
         self._metas: list[tuple[int, Any, Any, bool]] = []
-        self._modules_ref = [weakref.ref(m) for m in _dedup_modules(model)]
-        self._zero_grad_keeps: "bool | None" = None
 
-        # Modules, by path. Shared modules keep their first path.
-        self._modules: list[_ModuleInfo] = []
-        index_of: dict[int, int] = {}
-        for path, mod in model.named_modules():
-            if id(mod) in index_of:
-                continue
-            index_of[id(mod)] = len(self._modules)
-            self._modules.append(_ModuleInfo(path or "", type(mod).__name__))
-        self._module_params: list[list[weakref.ref]] = []
-        params_by_module: dict[int, list[weakref.ref]] = {}
-        for _path, mod in model.named_modules():
-            i = index_of[id(mod)]
-            if i in params_by_module:
-                continue
-            seen: set[int] = set()
-            refs = []
-            for p in mod.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    refs.append(weakref.ref(p))
-            params_by_module[i] = refs
-        self._module_params = [params_by_module[i] for i in range(len(self._modules))]
+        # One table of the model's modules, by path (named_modules() yields a shared module once,
+        # under its first path): what each one is and which parameters it holds.
         from .anatomy.activations import saved_bytes_rule
 
-        self._is_container = [False] * len(self._modules)
-        self._has_rule = [True] * len(self._modules)
-        for _path, mod in model.named_modules():
-            self._is_container[index_of[id(mod)]] = any(True for _ in mod.children())
-            self._has_rule[index_of[id(mod)]] = saved_bytes_rule(mod) is not None
-        self._params = [weakref.ref(p) for p in _unique_params(model)]
-        self._param_ids = {id(p) for p in _unique_params(model)}
-        self._param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in _unique_params(model)}))
+        self._modules: list[_ModuleInfo] = []
+        self._modules_ref: list[weakref.ref] = []
+        self._module_params: list[list[weakref.ref]] = []
+        self._is_container: list[bool] = []
+        self._has_rule: list[bool] = []
+        for path, mod in model.named_modules():
+            self._modules.append(_ModuleInfo(path or "", type(mod).__name__))
+            self._modules_ref.append(weakref.ref(mod))
+            self._module_params.append([weakref.ref(p) for p in _unique_params(mod)])
+            self._is_container.append(any(True for _ in mod.children()))
+            self._has_rule.append(saved_bytes_rule(mod) is not None)
+        params = list(_unique_params(model))
+        self._params = [weakref.ref(p) for p in params]
+        self._param_ids = {id(p) for p in params}
+        self._param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params}))
 
         # What exists already: weights, buffers, gradients, optimizer state.
-        for p in _unique_params(model):
+        for p in params:
             self._add_tensor(p, WEIGHTS)
-        for p in _unique_params(model):
+        for p in params:
             if p.grad is not None:
                 self._add_grad(p.grad, retro=False)
         for b in model.buffers():
@@ -556,14 +541,13 @@ class Profiler:
         # Hooks. Each registration goes on the stack right away so that a
         # failure half-way still removes what was installed.
         root = model
-        for _path, mod in model.named_modules():
-            i = index_of[id(mod)]
+        for i, (_path, mod) in enumerate(model.named_modules()):
             pre = mod.register_forward_pre_hook(self._make_pre_hook(i, mod is root), with_kwargs=True)
             stack.callback(pre.remove)
             post = mod.register_forward_hook(self._make_post_hook(i, mod is root), with_kwargs=True,
                                              always_call=True)
             stack.callback(post.remove)
-        for p in _unique_params(model):
+        for p in params:
             if p.requires_grad:
                 h = p.register_post_accumulate_grad_hook(self._grad_hook)
                 stack.callback(h.remove)
@@ -973,17 +957,12 @@ class Profiler:
     def _note_optimizer(self, opt: torch.optim.Optimizer) -> None:
         if self._opt_class is None:
             self._opt_class = f"{type(opt).__module__}.{type(opt).__qualname__}"
-            defaults = getattr(opt, "defaults", {})
-            if defaults.get("fused"):
-                self._opt_impl = "fused"
-            elif defaults.get("foreach"):
-                self._opt_impl = "foreach"
-            elif defaults.get("foreach") is False:
-                self._opt_impl = "for-loop"
-            else:
-                # torch picks foreach only when every parameter is on a native
-                # accelerator (torch.optim.optimizer._default_to_fused_or_foreach).
-                self._opt_impl = "foreach" if self.device.type == "cuda" else "for-loop"
+            try:
+                # Decided as torch decides it (foreach defaults, per-class rules), group by group.
+                impls = set(param_group_implementations(opt))
+                self._opt_impl = impls.pop() if len(impls) == 1 else "mixed"
+            except Exception:  # an unusual optimizer must never break the measurement
+                self._opt_impl = None
 
     def _note_autocast(self) -> None:
         if self._autocast_dtype is not None:
@@ -1048,7 +1027,6 @@ class Profiler:
             self._capture_metas = True
             self._pending_meta = {}
         self._phase = phase
-        self._other_active = False
         led = self._ledger
         led.start_phase()
         self._phase_start = led.totals.copy()
@@ -1081,7 +1059,7 @@ class Profiler:
         )
         self._step_phases.append(record)
 
-    def _end_step(self, drop_if_empty: bool = False) -> None:
+    def _end_step(self) -> None:
         self._close_phase()
         if self._step_phases:
             self._steps.append(StepRecord(self._step, tuple(self._step_phases)))
@@ -1090,7 +1068,6 @@ class Profiler:
         self._occurrence = {}
         # Re-open an "other" phase without closing anything again.
         self._phase = Phase.OTHER
-        self._other_active = False
         led = self._ledger
         led.start_phase()
         self._phase_start = led.totals.copy()
@@ -1382,16 +1359,6 @@ def _collect_tensors(obj: Any, out: list[torch.Tensor], depth: int) -> None:
 
 def _tag_pairs(values: list[int]) -> tuple[tuple[str, int], ...]:
     return tuple((name, v) for name, v in zip(TAGS, values) if v)
-
-
-def _dedup_modules(model: nn.Module) -> list[nn.Module]:
-    seen: set[int] = set()
-    out = []
-    for _, m in model.named_modules():
-        if id(m) not in seen:
-            seen.add(id(m))
-            out.append(m)
-    return out
 
 
 def _storage_bytes(t: torch.Tensor, seen: set[int], led: Ledger) -> int:

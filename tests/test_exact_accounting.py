@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memprof
-from memprof import Category as C, Phase
+from memprof import Category as C
 
 from helpers import (
     LiveBytes,

@@ -9,12 +9,9 @@ names the bug, and the fix removes the marker.
 
 from __future__ import annotations
 
-import copy
-import gc
 import json
 import os
 import threading
-import weakref
 
 import pytest
 import torch

@@ -42,33 +42,6 @@ def test_hundred_sessions_leave_nothing_behind():
     assert len(memprof.profiler._ACTIVE_MODELS) == 0
 
 
-def _plain_session(refs, mode):
-    model = MLP(8, 16, 4)
-    opt = torch.optim.AdamW(model.parameters())
-    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _growth(session, n):
-    refs: list = []
-    for i in range(5):  # warm-up: lazy imports, per-op caches
-        session(refs, "full")
-    gc.collect()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.take_snapshot()
-        for i in range(n):
-            session(refs, "full")
-        refs.clear()
-        gc.collect()
-        after = tracemalloc.take_snapshot()
-    finally:
-        tracemalloc.stop()
-    return sum(s.size_diff for s in after.compare_to(before, "filename"))
-
-
 class _NullMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))

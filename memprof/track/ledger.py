@@ -13,7 +13,7 @@ composition (seven ints) is copied, never a deep structure.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 from ..categories import Category, TENSOR_CATEGORIES
 
@@ -112,8 +112,6 @@ class Ledger:
         self.frames: list[Frame] = []
         self.top: "Frame | None" = None
         self.module_of_new = -1
-        # Optional callback for each freed entry (after the totals are updated).
-        self.on_free: "Callable[[Entry], None] | None" = None
 
     # -- sizes ---------------------------------------------------------------
 
@@ -155,8 +153,6 @@ class Ledger:
         self.total -= entry.nbytes
         if entry.tag >= 0 and entry.cat == ACTIVATIONS:
             self.tag_act[entry.tag] -= entry.nbytes
-        if self.on_free is not None:
-            self.on_free(entry)
 
     def move(self, entry: Entry, cat: int, *, retro: bool = False) -> None:
         """Move a live storage to another category (the total does not change).

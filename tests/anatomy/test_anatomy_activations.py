@@ -7,7 +7,6 @@ deduplicated by storage, parameters and buffers excluded) on CPU.
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 import pytest
