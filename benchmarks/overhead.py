@@ -406,31 +406,27 @@ def _fmt_bytes(n: float) -> str:
 
 
 def markdown_table(results: list[dict[str, Any]], variants: tuple[str, ...]) -> str:
-    head = "| workload | device | bare ms/step | " + " | ".join(v for v in variants if v != "bare") + " |"
-    sep = "| --- | --- | ---: | " + " | ".join("---:" for v in variants if v != "bare") + " |"
-    lines = [head, sep]
-    for r in results:
-        vs = r["variants"]
-        cells = [f"{vs[v]['ratio_to_bare']:.2f}x" for v in variants if v != "bare"]
-        lines.append(f"| {r['workload']} | {r['device']} | {vs['bare']['median_step_ms']:.2f} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("Same, ratio of the best (fastest) rounds, min(variant) / min(bare), less sensitive to other load:")
-    lines.append("")
-    lines.append("| workload | device | " + " | ".join(v for v in variants if v != "bare") + " |")
-    lines.append("| --- | --- | " + " | ".join("---:" for v in variants if v != "bare") + " |")
-    for r in results:
-        vs = r["variants"]
-        cells = [f"{vs[v]['ratio_of_best_rounds']:.2f}x" for v in variants if v != "bare"]
-        lines.append(f"| {r['workload']} | {r['device']} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("One-off cost per profiling block (enter + exit + building the report / key_averages), median ms:")
-    lines.append("")
-    lines.append("| workload | device | " + " | ".join(v for v in variants if v != "bare") + " |")
-    lines.append("| --- | --- | " + " | ".join("---:" for v in variants if v != "bare") + " |")
-    for r in results:
-        vs = r["variants"]
-        cells = [f"{vs[v]['enter_exit_ms']:.1f}" for v in variants if v != "bare"]
-        lines.append(f"| {r['workload']} | {r['device']} | " + " | ".join(cells) + " |")
+    others = [v for v in variants if v != "bare"]
+    # (title, key per variant, cell format); the first table also shows the bare step's time.
+    tables = [
+        (None, "ratio_to_bare", "{:.2f}x"),
+        ("Same, ratio of the best (fastest) rounds, min(variant) / min(bare), less sensitive to other load:",
+         "ratio_of_best_rounds", "{:.2f}x"),
+        ("One-off cost per profiling block (enter + exit + building the report / key_averages), median ms:",
+         "enter_exit_ms", "{:.1f}"),
+    ]
+    lines: list[str] = []
+    for title, key, fmt in tables:
+        with_bare = title is None
+        if title is not None:
+            lines += ["", title, ""]
+        lines.append("| workload | device | " + ("bare ms/step | " if with_bare else "") + " | ".join(others) + " |")
+        lines.append("| --- | --- | " + ("---: | " if with_bare else "") + " | ".join("---:" for _ in others) + " |")
+        for r in results:
+            vs = r["variants"]
+            bare = f"{vs['bare']['median_step_ms']:.2f} | " if with_bare else ""
+            cells = [fmt.format(vs[v][key]) for v in others]
+            lines.append(f"| {r['workload']} | {r['device']} | " + bare + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
