@@ -205,6 +205,11 @@ class Reconciliation:
         frame["gap_pct"] = frame["gap_pct"].astype("Float64")
         return frame
 
+    def _compared_totals(self) -> tuple[int, int]:
+        """Formula and measured totals over the categories that have both: the gap's own basis."""
+        both = [r for r in self.rows if r.formula is not None and r.measured is not None]
+        return sum(r.formula for r in both), sum(r.measured for r in both)  # type: ignore[misc]
+
     def _total_row(self) -> dict[str, Any]:
         def total(attr: str) -> "int | None":
             vals = [getattr(r, attr) for r in self.rows if r.category not in (Category.ALLOCATOR_OVERHEAD,
@@ -212,10 +217,9 @@ class Reconciliation:
             vals = [v for v in vals if v is not None]
             return sum(vals) if vals else None
 
-        f = sum(r.formula for r in self.rows if r.formula is not None and r.measured is not None) \
-            if any(r.formula is not None for r in self.rows) else None
-        m = sum(r.measured for r in self.rows if r.formula is not None and r.measured is not None) \
-            if f is not None else None
+        f = m = None
+        if any(r.formula is not None for r in self.rows):
+            f, m = self._compared_totals()
         gap = None if f is None or m is None else m - f
         return {"category": "total", "formula": total("formula"), "simulated": total("simulated"),
                 "measured": total("measured"), "gap": gap, "gap_pct": (100.0 * gap / f) if gap is not None and f else None}
@@ -228,8 +232,7 @@ class Reconciliation:
         """A waterfall from the formula total to the measured total through the named causes (matplotlib)."""
         from .plot import plot_waterfall
 
-        formula_total = sum(r.formula for r in self.rows if r.formula is not None and r.measured is not None)
-        measured_total = sum(r.measured for r in self.rows if r.formula is not None and r.measured is not None)
+        formula_total, measured_total = self._compared_totals()
         steps: list[tuple[str, int]] = [("formula", formula_total)]
         for c in self.explanations:
             steps.append((f"{c.category.value}: {c.name}", c.bytes))
