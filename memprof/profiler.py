@@ -68,11 +68,15 @@ _MODES = ("full", "light", "auto")
 _DETACH = torch.ops.aten.detach.default
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: -1)
+_NoPythonDispatch = getattr(torch._C, "_DisableTorchDispatch", contextlib.nullcontext)
 _MAX_SAMPLES = 20_000
 
 _aten = torch.ops.aten
 _BACKWARD = Phase.BACKWARD
+_FORWARD = Phase.FORWARD
 _TAG = {name: i for i, name in enumerate(TAGS)}
+_TAG_SAVED_OUTSIDE = _TAG["saved_outside_modules"]
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -213,10 +217,9 @@ class _DispatchTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can.
         if func is _DETACH:
-            # A detach only aliases (memprof's own pack hook issues many): nothing to count.
+            # A detach only aliases (the engine and saved-tensor packing issue many): nothing to count.
             return func(*args, **(kwargs or {}))
         prof = self.prof
-        prof._last_op = func
         phase = prof._phase
         if phase is _BACKWARD:
             prof._watch_recompute()
@@ -225,12 +228,12 @@ class _DispatchTracker(TorchDispatchMode):
             # was either handed to the model (marked by the root hook) or made by an op already.
             prof._scan_inputs(args)
         out = func(*args, **(kwargs or {}))
-        kind = _OP_KIND.get(func)
-        if kind is None:
-            kind = _op_kind(func)
-        if kind == _VIEW:
-            return out
-        if kind == _NOT_WORK:
+        # Keyed by id(): OpOverload.__hash__ is a Python method, a second call per op.
+        info = _OP_INFO.get(id(func))
+        if info is None:
+            info = _op_info(func)
+        kind = info[0]
+        if kind >= _NOT_WORK:  # views and profiler markers
             return out
         prof._ops += 1
         if prof._operations is not None:
@@ -257,7 +260,7 @@ class _DispatchTracker(TorchDispatchMode):
                     led.add(st, TEMPORARIES)
             if type(out) is not torch.Tensor and isinstance(out, torch.Tensor):
                 prof._register_output(out)  # a tensor subclass result (e.g. a Parameter)
-        rule = _TAG_RULES.get(func)
+        rule = info[1]
         if rule is not None:
             rule(prof, func, args, out)
         return out
@@ -265,10 +268,11 @@ class _DispatchTracker(TorchDispatchMode):
 
 # What an op's outputs are, decided once per op from its schema.
 _NEW_OUTPUTS, _ALIASES, _NOT_WORK, _VIEW = 0, 1, 2, 3
-_OP_KIND: dict[Any, int] = {}
+# id(op) -> (kind, tag rule or None, op). The op itself is kept so that its id stays its own.
+_OP_INFO: dict[int, tuple[int, Any, Any]] = {}
 
 
-def _op_kind(func: Any) -> int:
+def _op_info(func: Any) -> tuple[int, Any, Any]:
     if func.namespace == "profiler":  # record_function markers are not work
         kind = _NOT_WORK
     else:
@@ -281,8 +285,9 @@ def _op_kind(func: Any) -> int:
             aliases = writes = False
         # In-place ops (_ALIASES) write their result; views (_VIEW) move no data at all.
         kind = (_ALIASES if writes else _VIEW) if aliases else _NEW_OUTPUTS
-    _OP_KIND[func] = kind
-    return kind
+    info = (kind, _TAG_RULES.get(func), func)
+    _OP_INFO[id(func)] = info
+    return info
 
 
 class _ModuleInfo:
@@ -349,6 +354,7 @@ class Profiler:
         # Per-module backward frames measure op-level memory, which only full mode sees;
         # light mode skips their tensor hooks (backward itself is found by grad and unpack hooks).
         self._track_backward_modules = mode == "full"
+        self._own_mode_only = mode == "full"
         self._model_ref = weakref.ref(model)
         # Held strongly only until the block ends (a model built inline must survive until then).
         self._model_hold: "nn.Module | None" = model
@@ -478,7 +484,6 @@ class Profiler:
         self._pending_step_end = False
         self._grad_keys: set[int] = set()
         self._optimizer_seen = bool(self._optimizer_ids)
-        self._last_op: Any = None
         self._scan_args = False
         self._recomputing = False
         self._recompute_start = 0
@@ -507,14 +512,18 @@ class Profiler:
         self._modules: list[_ModuleInfo] = []
         self._modules_ref: list[weakref.ref] = []
         self._module_params: list[list[weakref.ref]] = []
-        self._is_container: list[bool] = []
-        self._has_rule: list[bool] = []
+        # The tag a storage saved while this module is innermost gets when no op rule named it.
+        self._saved_tag: list[int] = []
         for path, mod in model.named_modules():
             self._modules.append(_ModuleInfo(path or "", type(mod).__name__))
             self._modules_ref.append(weakref.ref(mod))
             self._module_params.append([weakref.ref(p) for p in _unique_params(mod)])
-            self._is_container.append(any(True for _ in mod.children()))
-            self._has_rule.append(saved_bytes_rule(mod) is not None)
+            if any(True for _ in mod.children()):
+                self._saved_tag.append(_TAG["saved_in_container_code"])
+            elif saved_bytes_rule(mod) is None:
+                self._saved_tag.append(_TAG["saved_in_module_without_rule"])
+            else:
+                self._saved_tag.append(-1)
         params = list(_unique_params(model))
         self._params = [weakref.ref(p) for p in params]
         self._param_ids = {id(p) for p in params}
@@ -692,7 +701,9 @@ class Profiler:
     # ------------------------------------------------------------------ saved tensors
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if self._state != "active" or t.device != self.device or t.layout is not torch.strided:
+        # Runs for every tensor autograd saves: kept to attribute reads and one dict lookup.
+        if self._state != "active" or t.layout is not torch.strided or (
+                not t.is_cpu if self._on_cpu else t.device != self.device):
             return t.detach() if isinstance(t, torch.Tensor) else t
         try:
             st = t.untyped_storage()
@@ -714,30 +725,40 @@ class Profiler:
             if entry.saved < 0:
                 entry.saved = 0
             entry.saved += 1
-            return _Saved(t.detach(), self, entry.key)
+            return _Saved(self._detached(t), self, entry.key)
         # Weights, inputs, buffers: a tensor without grad_fn cannot close a reference cycle.
-        return t if t.grad_fn is None else t.detach()
+        return t if t.grad_fn is None else self._detached(t)
+
+    def _detached(self, t: torch.Tensor) -> torch.Tensor:
+        # In full mode this detach would go through memprof's own dispatch mode, which does
+        # nothing with it but costs the Python dispatch round trip (~5 us, a saved tensor or
+        # more per op). When that mode is the only one and ``t`` a plain tensor, no Python
+        # code wants to see it; a subclass or another mode still gets its detach.
+        if self._own_mode_only and type(t) is torch.Tensor and _dispatch_stack_len() == 1:
+            with _NoPythonDispatch():
+                return t.detach()
+        return t.detach()
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         # The first unpack of a backward pass can come before any gradient hook
         # (the loss's own backward): it starts the backward phase in light mode.
-        if self._phase is not Phase.BACKWARD and self._state == "active" and _graph_task_id() != -1:
+        if self._phase is not _BACKWARD and self._state == "active" and _graph_task_id() != -1:
             self._backward_started()
         return saved.tensor if type(saved) is _Saved else saved
 
     def _attribute_saved(self, entry: Any) -> None:
-        if not self._fwd_stack:
-            if entry.tag < 0 and self._phase is Phase.FORWARD:
-                self._ledger.set_tag(entry, _TAG["saved_outside_modules"])
+        stack = self._fwd_stack
+        if not stack:
+            if entry.tag < 0 and self._phase is _FORWARD:
+                self._ledger.set_tag(entry, _TAG_SAVED_OUTSIDE)
             return
-        if self._phase is not Phase.FORWARD:
+        if self._phase is not _FORWARD:
             return  # recomputation in backward (reentrant checkpoint) is not the module's forward saving
-        index = self._fwd_stack[-1]
+        index = stack[-1]
         if entry.tag < 0:
-            if self._is_container[index]:
-                self._ledger.set_tag(entry, _TAG["saved_in_container_code"])
-            elif not self._has_rule[index]:
-                self._ledger.set_tag(entry, _TAG["saved_in_module_without_rule"])
+            tag = self._saved_tag[index]
+            if tag >= 0:
+                self._ledger.set_tag(entry, tag)
         info = self._modules[index]
         if info.act_step != self._step:
             info.act_step = self._step
@@ -807,9 +828,8 @@ class Profiler:
                 hook = None
                 for a in _tensors(args, kwargs):
                     if a.requires_grad:
-                        # Plain tensor hooks: register_multi_grad_hook costs several times more per call.
                         hook = hook or self._make_bw_exit(index)
-                        a.register_hook(hook)
+                        _on_gradient(a, hook)
             return None
 
         return pre_hook
@@ -840,7 +860,7 @@ class Profiler:
                 for t in _tensors((output,), None):
                     if t.requires_grad:
                         hook = hook or self._make_bw_enter(index)
-                        t.register_hook(hook)
+                        _on_gradient(t, hook)
             return None
 
         return post_hook
@@ -1334,6 +1354,24 @@ def _model_device(model: nn.Module) -> torch.device:
     for t in model.buffers():
         return t.device
     return torch.device("cpu")
+
+
+def _on_gradient(t: torch.Tensor, hook: Any) -> None:
+    """Call ``hook`` when the gradient with respect to ``t`` has been computed.
+
+    For a tensor made by an op this is a pre-hook on its ``grad_fn``: the
+    engine runs a node once every gradient flowing into it is complete, and
+    runs the node's pre-hooks right then, the same moment a tensor hook on
+    ``t`` would fire. ``Tensor.register_hook`` does the same through Python
+    bookkeeping that costs about 9 times more per call (19 us against 2 us
+    here), paid twice per module call. A leaf has no ``grad_fn``: it keeps
+    the tensor hook.
+    """
+    fn = t.grad_fn
+    if fn is not None:
+        fn.register_prehook(hook)
+    else:
+        t.register_hook(hook)
 
 
 def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
