@@ -41,7 +41,9 @@ around the loop. The per-step ratio therefore excludes the one-off enter/exit
 cost, which is reported separately (``enter_exit_ms``: median wall time of
 entering + leaving the context + building the report / key_averages, per
 round). Ratios are ``median(round time of variant) / median(round time of bare)``
-over ``--rounds`` rounds after one warm-up round of every variant.
+over ``--rounds`` rounds (15) after one warm-up round of every variant; the
+paired ratio is the median over rounds of ``variant / bare`` within each
+round, and the best-rounds ratio ``min(variant) / min(bare)``.
 
 Memory of memprof itself: a 100-step exact-mode run of the MLP workload
 (shrunk under ``--quick``) with tracemalloc: Python heap retained by the
@@ -317,6 +319,9 @@ def bench_workload(name: str, device: torch.device, rounds: int, steps: int, qui
             "max_round_s": max(times[v]),
             "ratio_to_bare": med / bare_med,
             "ratio_of_best_rounds": min(times[v]) / min(times["bare"]),
+            # Each round's variant against the bare run of the same round: a drift of the machine's
+            # speed over the minutes of the run (seen here as +-25 %) cancels within a round.
+            "paired_ratio": statistics.median(t / b for t, b in zip(times[v], times["bare"])),
             "enter_exit_ms": statistics.median(once[v]) * 1e3,
             "round_times_s": times[v],
         }
@@ -410,6 +415,8 @@ def markdown_table(results: list[dict[str, Any]], variants: tuple[str, ...]) -> 
     # (title, key per variant, cell format); the first table also shows the bare step's time.
     tables = [
         (None, "ratio_to_bare", "{:.2f}x"),
+        ("Same, median over rounds of (variant / bare of the same round), insensitive to slow drift:",
+         "paired_ratio", "{:.2f}x"),
         ("Same, ratio of the best (fastest) rounds, min(variant) / min(bare), less sensitive to other load:",
          "ratio_of_best_rounds", "{:.2f}x"),
         ("One-off cost per profiling block (enter + exit + building the report / key_averages), median ms:",
@@ -487,7 +494,7 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 def main(argv: "list[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per workload (default 9; quick 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per workload (default 15; quick 2)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per round (default 5; quick 1)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of gpt,cnn,mlp")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list; bare is always included")
@@ -500,7 +507,7 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
     args = ap.parse_args(argv)
 
-    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 9)
+    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 15)
     steps = args.steps if args.steps is not None else (1 if args.quick else 5)
     mem_steps = args.memory_steps if args.memory_steps is not None else (20 if args.quick else 100)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]

@@ -59,3 +59,29 @@ def test_gpu_validate_without_cuda(tmp_path):
     assert "no CUDA device; nothing to validate" in proc.stdout
     data = json.loads((tmp_path / "gv" / "gpu-validate.json").read_text())
     assert data["status"] == "no CUDA device; nothing to validate"
+
+
+def test_overhead_quick(tmp_path):
+    out_json, out_md = tmp_path / "oh.json", tmp_path / "oh.md"
+    _run([BENCH / "overhead.py", "--quick", "--workloads", "gpt", "--variants", "memprof_exact,null_dispatch",
+          "--no-memory", "--json", out_json, "--markdown", out_md])
+    (r,) = json.loads(out_json.read_text())["results"]
+    assert r["workload"] == "gpt" and set(r["variants"]) == {"bare", "memprof_exact", "null_dispatch"}
+    for v in r["variants"].values():
+        # Three estimates of the same ratio, each from the timed rounds.
+        assert len(v["round_times_s"]) == 2 and all(t > 0 for t in v["round_times_s"])
+        assert v["ratio_to_bare"] > 0 and v["paired_ratio"] > 0 and v["ratio_of_best_rounds"] > 0
+    assert r["variants"]["bare"]["paired_ratio"] == 1.0
+    assert "median over rounds of (variant / bare of the same round)" in out_md.read_text()
+
+
+def test_overhead_breakdown_quick(tmp_path):
+    out_json = tmp_path / "bd.json"
+    _run([BENCH / "overhead_breakdown.py", "--quick", "--json", out_json])
+    data = json.loads(out_json.read_text())
+    counts = data["machine"]["dispatched_ops_per_step"]
+    # Every phase of the step runs ops; the for-loop AdamW step alone dispatches several per parameter.
+    assert set(counts) == {"forward", "backward", "optimizer"} and min(counts.values()) > 0
+    assert counts["optimizer"] > 4 * 52  # 52 parameter tensors in the 4-layer model (tied embedding once)
+    assert set(data["variants"]) >= {"bare", "exact", "light", "null_dispatch", "hooks_only"}
+    assert len(data["costs_ms"]) == 5

@@ -446,6 +446,44 @@ def test_backward_peaks_of_a_chain():
         assert mods.loc["<model>", "peak_backward"] >= mods.loc[child, "peak_backward"]
 
 
+def test_backward_peak_of_a_module_whose_input_is_a_leaf():
+    # The input requires grad and has no grad_fn: the module's backward ends at a tensor hook on it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU())
+    x = torch.randn(64, 32, requires_grad=True)
+    with memprof.profile(model) as prof:
+        model(x).sum().backward()
+    mods = prof.report().modules()
+    # Linear's backward (AddmmBackward) makes grad_input 64*32*4 = 8192 B, grad_weight
+    # 256*32*4 = 32768 B and grad_bias 256*4 = 1024 B while its frame is open: 41984 B.
+    assert mods.loc["0", "peak_backward"] == 8192 + 32768 + 1024
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
+class _Halves(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.proj(x).chunk(2, dim=-1)  # two outputs of one autograd node
+        return a, b
+
+
+def test_backward_frame_of_a_module_with_outputs_of_one_node():
+    torch.manual_seed(0)
+    model = _Halves()
+    x = torch.randn(8, 16)
+    with memprof.profile(model) as prof:
+        a, b = model(x)
+        (a * 2 + b).sum().backward()
+    mods = prof.report().modules()
+    # The model's backward starts once, when the split node's gradients are complete: both halves
+    # (8*32*4 = 1024 B each) are then joined into the proj output's gradient, 8*64*4 = 2048 B.
+    assert mods.loc["<model>", "peak_backward"] >= 2048
+    assert mods.loc["<model>", "peak_backward"] >= mods.loc["proj", "peak_backward"] > 0
+
+
 # ---------------------------------------------------------------- training set-ups
 
 
