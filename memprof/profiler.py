@@ -77,6 +77,7 @@ _BACKWARD = Phase.BACKWARD
 _FORWARD = Phase.FORWARD
 _TAG = {name: i for i, name in enumerate(TAGS)}
 _TAG_SAVED_OUTSIDE = _TAG["saved_outside_modules"]
+_TAG_SAVED_TWICE = _TAG["saved_by_two_modules"]
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -504,6 +505,8 @@ class Profiler:
         self._metas_done = False
         self._pending_meta: dict[int, Any] = {}
         self._metas: list[tuple[int, Any, Any, bool]] = []
+        # Input storages saved by modules with a rule during that forward: key -> bytes.
+        self._saved_inputs: dict[int, int] = {}
 
         # One table of the model's modules, by path (named_modules() yields a shared module once,
         # under its first path): what each one is and which parameters it holds.
@@ -721,6 +724,16 @@ class Profiler:
         elif entry.cat == TEMPORARIES:
             led.move(entry, ACTIVATIONS)
             self._attribute_saved(entry)
+        elif entry.tag < 0 and entry.cat == ACTIVATIONS and self._phase is _FORWARD and self._fwd_stack:
+            # Saved again, by another module: one storage, which the per-module formula counts once
+            # per module that saves it (when both modules have a rule).
+            index = self._fwd_stack[-1]
+            saver = entry.saver
+            if saver >= 0 and index != saver and self._saved_tag[index] < 0 and self._saved_tag[saver] < 0:
+                led.set_tag(entry, _TAG_SAVED_TWICE)
+        if entry.cat == INPUTS and self._capture_metas and self._fwd_stack and self._saved_tag[self._fwd_stack[-1]] < 0:
+            # The model's inputs that a module with a rule saves: its rule counts them as activations.
+            self._saved_inputs[entry.key] = entry.nbytes
         if entry.cat == ACTIVATIONS:
             if entry.saved < 0:
                 entry.saved = 0
@@ -755,6 +768,7 @@ class Profiler:
         if self._phase is not _FORWARD:
             return  # recomputation in backward (reentrant checkpoint) is not the module's forward saving
         index = stack[-1]
+        entry.saver = index
         if entry.tag < 0:
             tag = self._saved_tag[index]
             if tag >= 0:
@@ -1315,6 +1329,7 @@ class Profiler:
             optimizer_state_formula=state,
             optimizer_transient_formula=transient,
             activation_formula=activation,
+            activation_inputs_saved=sum(self._saved_inputs.values()) if self._metas else None,
             modules_without_rule=tuple(sorted(without)),
         )
 

@@ -438,46 +438,63 @@ def _causes(ctx: _Context) -> list[Cause]:
                              "backward frees each saved tensor once its node has run; at this moment it had "
                              "released this much of what the forward saved"))
     if m[A] is not None and f[A] is not None:
-        wcopy = ctx.tags.get("autocast_weight_copy", 0)
+        # In backward, "released by backward" counts from the end of the forward, so what the tags
+        # name is taken there too: a tensor backward already released is that cause's, not theirs.
+        def tag(name: str) -> int:
+            return _forward_end_tag(trace, ctx, name)
+
+        wcopy = tag("autocast_weight_copy")
         if wcopy:
             out.append(Cause(A, "autocast weight copies", wcopy,
                              "torch.autocast's 16-bit casts of the weights are saved for backward by the matmuls "
                              "(2 B per parameter used under autocast)"))
         if ctx.transformer is not None:
             # Korthikanti: 1-byte masks, 16-bit activations, norm statistics ignored.
-            stats = ctx.tags.get("norm_statistics", 0)
+            stats = tag("norm_statistics")
             if stats:
                 out.append(Cause(A, "normalisation statistics", stats,
                                  "mean and rstd kept by layer/RMS/batch norms, which Korthikanti et al. ignore"))
-            wide4 = ctx.tags.get("dropout_mask_4byte", 0)
-            wide2 = ctx.tags.get("dropout_mask_2byte", 0)
+            wide4 = tag("dropout_mask_4byte")
+            wide2 = tag("dropout_mask_2byte")
             if wide4 or wide2:
                 out.append(Cause(A, "dropout masks in the input dtype", wide4 * 3 // 4 + wide2 // 2,
                                  "this dropout path keeps its mask in the input dtype (CPU: bernoulli_ noise), "
                                  "not as the 1-byte masks CUDA's native_dropout keeps"))
-            fp32 = ctx.tags.get("autocast_fp32_output", 0)
+            fp32 = tag("autocast_fp32_output")
             if fp32:
                 out.append(Cause(A, "ops autocast runs in fp32", fp32 // 2,
                                  "softmax, layer_norm and log_softmax run in fp32 under autocast, so their saved "
                                  "outputs take 4 bytes per element instead of 2"))
-            lse = ctx.tags.get("attention_logsumexp", 0)
+            lse = tag("attention_logsumexp")
             attention = ctx.transformer.get("attention", "eager")
             if lse and attention != "flash":
                 out.append(Cause(A, "attention logsumexp", lse,
                                  "fused attention keeps an fp32 logsumexp per head and position"))
         if ctx.transformer is None:
-            functional = ctx.tags.get("saved_in_container_code", 0)
+            functional = tag("saved_in_container_code")
             if functional and facts.activation_formula is not None:
                 out.append(Cause(A, "functional code in container modules", functional,
                                  "tensors saved by torch functions called directly in a forward() that has "
                                  "submodules (attention math, residual adds): per-module rules do not see them"))
-            norule = ctx.tags.get("saved_in_module_without_rule", 0)
+            norule = tag("saved_in_module_without_rule")
             if norule and facts.activation_formula is not None:
                 out.append(Cause(A, "modules without a formula", norule,
                                  "saved by module types memprof has no saved-bytes rule for ("
                                  + (", ".join(facts.modules_without_rule) or "see the notes")
                                  + "): measured, not predicted"))
-            outside = ctx.tags.get("saved_outside_modules", 0)
+            if facts.activation_formula is not None and phase in (Phase.FORWARD, Phase.BACKWARD):
+                twice = tag("saved_by_two_modules")
+                if twice:
+                    out.append(Cause(A, "saved by two modules", -twice,
+                                     "one storage saved by two neighbouring modules (ReLU's output is the next "
+                                     "Linear's input): the per-module formula counts it once for each"))
+                model_inputs = facts.activation_inputs_saved
+                if model_inputs:
+                    out.append(Cause(A, "model inputs saved by modules", -model_inputs,
+                                     "the model's inputs that its modules save for backward (the first layer's "
+                                     "input, an embedding's indices): the per-module formula counts them as "
+                                     "activations, memprof as inputs"))
+            outside = tag("saved_outside_modules")
             if outside:
                 out.append(Cause(A, "saved outside the model", outside,
                                  "tensors saved by code outside the model's modules (the loss function: its "
@@ -512,6 +529,20 @@ def _causes(ctx: _Context) -> list[Cause]:
                          f"the CUDA context, kernels and cuBLAS/cuDNN workspaces, typically "
                          f"{format_bytes(lo)} to {format_bytes(hi)} per process"))
     return out
+
+
+def _forward_end_tag(trace: Trace, ctx: _Context, tag: str) -> int:
+    """Live bytes of a tag at the end of the forward of the moment's step.
+
+    The formula counts the whole forward; in backward, what backward already
+    released is its own cause ("released by backward", measured from the
+    forward's end), so a tag is taken where that cause starts from.
+    """
+    if ctx.rec is not None and ctx.rec.phase is Phase.BACKWARD:
+        fwd = [p for p in trace.phases if p.phase is Phase.FORWARD and p.step == ctx.rec.step]
+        if fwd:
+            return dict(fwd[-1].tags_end).get(tag, 0)
+    return ctx.tags.get(tag, 0)
 
 
 def _last_forward_end(trace: Trace) -> "int | None":

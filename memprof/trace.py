@@ -177,6 +177,10 @@ class ModelFacts:
     optimizer_state_formula: "int | None" = None
     optimizer_transient_formula: "int | None" = None
     activation_formula: "int | None" = None
+    #: Bytes of the model's inputs (storages made before the profile: the batch, token ids) that modules
+    #: with a saved-bytes rule saved in that same forward. Their rules count them in ``activation_formula``;
+    #: the measurement counts them as inputs. ``None`` when no forward was seen.
+    activation_inputs_saved: "int | None" = None
     modules_without_rule: tuple[str, ...] = ()
     #: (module path, attribute, value) of Linear/Conv/Embedding dimensions, for the alignment advice.
     dims: tuple[tuple[str, str, int], ...] = ()

@@ -150,6 +150,55 @@ def test_autocast_weight_copies_are_named_with_exact_bytes():
     assert tags["autocast_weight_copy"] == (64 * 64 + 10 * 64) * 2
 
 
+def _chain_reconciliation():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(32, 256), torch.randn(32, 256)
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return prof.report()
+
+
+def test_per_module_formula_gaps_are_all_named_for_a_chain():
+    rep = _chain_reconciliation()
+    rec = rep.reconcile(at="peak")
+    assert rec.where.endswith("backward)")
+    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    x = 32 * 256 * 4  # every activation of this chain is one 32x256 fp32 tensor: 32,768 B
+    # Rules: each Linear saves its input, each ReLU its output: 5 x. Measured at the end of forward:
+    # the two ReLU outputs (each saved by its ReLU and by the next Linear) and mse_loss's saved prediction.
+    assert rep.trace.facts.activation_formula == 5 * x
+    assert causes["saved by two modules"] == -2 * x
+    # The first Linear's input is the batch: an input here, an activation in its rule.
+    assert rep.trace.facts.activation_inputs_saved == x
+    assert causes["model inputs saved by modules"] == -x
+    assert causes["saved outside the model"] == x  # the prediction mse_loss keeps: taken at the forward's end
+    # Backward had released all three saved tensors (3x, counted from the end of forward) at its peak.
+    assert causes["released by backward"] == -3 * x
+    assert rec.unexplained(C.ACTIVATIONS) == 0
+
+
+def test_a_tensor_also_saved_by_a_module_without_a_rule_is_not_counted_as_shared():
+    class Square(torch.nn.Module):  # no saved-bytes rule; t * t saves t (twice)
+        def forward(self, t):
+            return t * t
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), Square())
+    with memprof.profile(model) as prof:
+        model(torch.randn(4, 16)).sum().backward()
+    fwd = next(p for p in prof.trace.phases if p.phase is memprof.Phase.FORWARD)
+    # ReLU's output (4*16*4 = 256 B) is saved by ReLU and by Square; only ReLU's rule counts it, so the
+    # formula counts it once, as the measurement does: not a double count.
+    assert "saved_by_two_modules" not in dict(fwd.tags_end)
+    assert fwd.end[C.ACTIVATIONS] == 4 * 16 * 4
+
+
 @pytest.mark.parametrize("name", [n for n in MODEL_NAMES if n != "lstm"])
 def test_estimate_matches_measurement(name):
     model, batch, loss_fn = make(name)

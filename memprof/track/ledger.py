@@ -35,6 +35,7 @@ TAGS: tuple[str, ...] = (
     "saved_outside_modules",  # saved while no module of the model ran (the loss function)
     "saved_in_container_code",  # saved by functional code in a forward() that has submodules
     "saved_in_module_without_rule",  # saved by a leaf module memprof has no saved-bytes rule for
+    "saved_by_two_modules",  # also saved by a second leaf module with a rule (ReLU's output, next Linear's input)
 )
 N_TAGS = len(TAGS)
 assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
@@ -51,7 +52,7 @@ class _Ref(weakref.ref):  # type: ignore[type-arg]
 class Entry:
     """One live storage: its size, category, and where it came from."""
 
-    __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial", "tag")
+    __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial", "tag", "saver")
 
     def __init__(self, key: int, nbytes: int, cat: int, created: int, module: int, phase_serial: int) -> None:
         self.key = key
@@ -64,6 +65,8 @@ class Entry:
         self.module = module
         self.phase_serial = phase_serial
         self.tag = -1
+        # The module innermost when autograd first saved it (-1: none, or not saved in a forward).
+        self.saver = -1
 
 
 class Frame:
