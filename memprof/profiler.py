@@ -687,19 +687,22 @@ class Profiler:
                 if st._cdata not in entries and a.device == self.device:
                     self._ledger.add(st, INPUTS)
 
-    def _mark_inputs(self, objs: Any, depth: int = 0) -> None:
+    def _mark_inputs(self, objs: Any, depth: int = 0, *, from_model_too: bool = True) -> None:
+        # Tensors handed to the model are its inputs: unknown ones, and temporaries made in the
+        # block (the batch built inside it). With from_model_too=False a temporary that one of
+        # the model's modules made stays what it is (an encoder's output handed to the decoder).
         if depth > 4:
             return
         if isinstance(objs, torch.Tensor):
             entry = self._add_tensor(objs, INPUTS)
-            if entry is not None and entry.cat == TEMPORARIES:
+            if entry is not None and entry.cat == TEMPORARIES and (from_model_too or entry.module < 0):
                 self._ledger.move(entry, INPUTS)
         elif isinstance(objs, (list, tuple)):
             for o in objs:
-                self._mark_inputs(o, depth + 1)
+                self._mark_inputs(o, depth + 1, from_model_too=from_model_too)
         elif isinstance(objs, dict):
             for o in objs.values():
-                self._mark_inputs(o, depth + 1)
+                self._mark_inputs(o, depth + 1, from_model_too=from_model_too)
 
     # ------------------------------------------------------------------ saved tensors
 
@@ -824,11 +827,13 @@ class Profiler:
                 return None
             info = self._modules[index]
             in_backward = self._phase is Phase.BACKWARD
-            if is_root and not in_backward:
+            # A forward is any outermost call of the model's modules: the root, or submodules called
+            # directly (model.encoder(x), then model.decoder(h); a ModuleDict's members).
+            if (is_root or not self._fwd_stack) and not in_backward:
                 if self._phase is not Phase.FORWARD:
                     self._begin_phase(Phase.FORWARD)
-                self._mark_inputs(args)
-                self._mark_inputs(kwargs)
+                self._mark_inputs(args, from_model_too=is_root)
+                self._mark_inputs(kwargs, from_model_too=is_root)
                 self._note_autocast()
             info.calls += 1
             if self._capture_metas and not in_backward:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memprof
@@ -203,3 +204,23 @@ def test_activation_checkpointing(reentrant):
     assert bw_peak[C.ACTIVATIONS] == block_inner
     assert rep.at(0, "backward", "end")[C.ACTIVATIONS] == 0
     assert rep.at(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
+
+
+def test_submodules_called_directly_make_a_forward():
+    # A ModuleDict is never called itself: its members are. Each outermost call is the model's forward.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"enc": nn.Linear(16, 32), "dec": nn.Linear(32, 8)})
+    x = torch.randn(4, 16)
+    with memprof.profile(model) as prof:
+        h = model["enc"](x)
+        model["dec"](h).sum().backward()
+    trace = prof.trace
+    fwd = next(p for p in trace.phases if p.phase is Phase.FORWARD)
+    # x, made before the profile, is the model's input: 4*16*4 = 256 B. h (4*32*4 = 512 B) is made by enc
+    # and saved by dec: an activation, not an input, although it is handed to the outermost call of dec.
+    assert fwd.end[C.INPUTS] == 4 * 16 * 4
+    assert fwd.end[C.ACTIVATIONS] == 4 * 32 * 4
+    mods = prof.report().modules()
+    assert mods.loc["dec", "activations"] == 4 * 32 * 4
+    assert mods.loc["enc", "activations"] == 0  # enc saved x, which is an input
+    assert any(p.phase is Phase.BACKWARD for p in trace.phases)
