@@ -1,8 +1,11 @@
-"""What machine a benchmark ran on (shared by the benchmark scripts)."""
+"""What machine a benchmark ran on, and writing its results (shared by the benchmark scripts)."""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+from typing import Any
 
 
 def cpu_model() -> str:
@@ -15,3 +18,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def write_results(json_path: "str | None", data: Any, markdown_path: "str | None", markdown: str,
+                  indent: int = 2) -> None:
+    """Write ``data`` as JSON and ``markdown`` as text to the paths given (either may be None)."""
+    for path in (json_path, markdown_path):
+        if path and os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(data, f, indent=indent)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(markdown)

@@ -45,7 +45,6 @@ import argparse
 import contextlib
 import datetime
 import gc
-import json
 import os
 import platform
 import sys
@@ -53,7 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from _machine import cpu_model  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 import torch
 import torch.nn.functional as F
@@ -540,16 +539,9 @@ def main(argv: "list[str] | None" = None) -> int:
     if args.quick or len(results) <= 6:
         print()
         print(summary_table(results))
-    for path in (args.json, args.markdown):
-        if path and os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "results": results}, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(f"Command: `{info['command']}`; {info['cpu']}, torch {info['torch']}, {info['date']}, "
-                    f"{info['seconds_total']} s.\n\n" + md)
+    write_results(args.json, {"machine": info, "results": results}, args.markdown,
+                  f"Command: `{info['command']}`; {info['cpu']}, torch {info['torch']}, {info['date']}, "
+                  f"{info['seconds_total']} s.\n\n" + md, indent=1)
     print(f"# done in {info['seconds_total']} s", flush=True)
     return 0
 

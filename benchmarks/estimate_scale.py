@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-from _machine import cpu_model  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 CONFIGS: dict[str, dict[str, int]] = {
     # TinyLlama-1.1B (config.json of TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T).
@@ -357,15 +357,8 @@ def main(argv: "list[str] | None" = None) -> int:
     md = markdown(results) if results else "no configuration finished\n"
     print()
     print(md)
-    for path in (args.json, args.markdown):
-        if path and os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "results": results, "failures": failures}, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(f"Command: `{info['command']}`; {cpu}, torch {info['torch']}, {info['date']}.\n\n" + md)
+    write_results(args.json, {"machine": info, "results": results, "failures": failures}, args.markdown,
+                  f"Command: `{info['command']}`; {cpu}, torch {info['torch']}, {info['date']}.\n\n" + md, indent=1)
     return 1 if failures else 0
 
 

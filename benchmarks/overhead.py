@@ -72,7 +72,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from _machine import cpu_model  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 # Silence kineto's per-session "profiler_start/stop" lines (must precede importing torch).
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -565,15 +565,7 @@ def main(argv: "list[str] | None" = None) -> int:
     print(md)
     if mem is not None:
         md += "\n" + markdown_memory(mem)
-    for path in (args.json, args.markdown):
-        if path and os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "results": results, "memprof_memory": mem}, f, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
+    write_results(args.json, {"machine": info, "results": results, "memprof_memory": mem}, args.markdown, md)
     return 0
 
 

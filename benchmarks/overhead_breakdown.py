@@ -38,14 +38,13 @@ import argparse
 import collections
 import contextlib
 import datetime
-import json
 import os
 import statistics
 import sys
 import time
 from typing import Any
 
-from _machine import cpu_model  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -189,15 +188,7 @@ def main(argv: "list[str] | None" = None) -> int:
     lines += [f"| {k} | {c:.2f} | {c / exact:.0%} |" for k, c in costs.items()]
     md = "\n".join(lines) + "\n"
     print(md)
-    for path in (args.json, args.markdown):
-        if path and os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "variants": rows, "costs_ms": costs}, f, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
+    write_results(args.json, {"machine": info, "variants": rows, "costs_ms": costs}, args.markdown, md)
     return 0
 
 
