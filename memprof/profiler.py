@@ -505,8 +505,8 @@ class Profiler:
         self._metas_done = False
         self._pending_meta: dict[int, Any] = {}
         self._metas: list[tuple[int, Any, Any, bool]] = []
-        # Input storages saved by modules with a rule during that forward: key -> bytes.
-        self._saved_inputs: dict[int, int] = {}
+        # Inputs saved by modules with a rule during that forward: (module, storage key) -> bytes saved.
+        self._saved_inputs: dict[tuple[int, int], int] = {}
 
         # One table of the model's modules, by path (named_modules() yields a shared module once,
         # under its first path): what each one is and which parameters it holds.
@@ -727,16 +727,8 @@ class Profiler:
         elif entry.cat == TEMPORARIES:
             led.move(entry, ACTIVATIONS)
             self._attribute_saved(entry)
-        elif entry.tag < 0 and entry.cat == ACTIVATIONS and self._phase is _FORWARD and self._fwd_stack:
-            # Saved again, by another module: one storage, which the per-module formula counts once
-            # per module that saves it (when both modules have a rule).
-            index = self._fwd_stack[-1]
-            saver = entry.saver
-            if saver >= 0 and index != saver and self._saved_tag[index] < 0 and self._saved_tag[saver] < 0:
-                led.set_tag(entry, _TAG_SAVED_TWICE)
-        if entry.cat == INPUTS and self._capture_metas and self._fwd_stack and self._saved_tag[self._fwd_stack[-1]] < 0:
-            # The model's inputs that a module with a rule saves: its rule counts them as activations.
-            self._saved_inputs[entry.key] = entry.nbytes
+        if self._phase is _FORWARD and self._fwd_stack and self._saved_tag[self._fwd_stack[-1]] < 0:
+            self._saved_by_rule_module(entry, self._fwd_stack[-1], t.numel() * t.element_size())
         if entry.cat == ACTIVATIONS:
             if entry.saved < 0:
                 entry.saved = 0
@@ -744,6 +736,31 @@ class Profiler:
             return _Saved(self._detached(t), self, entry.key)
         # Weights, inputs, buffers: a tensor without grad_fn cannot close a reference cycle.
         return t if t.grad_fn is None else self._detached(t)
+
+    def _saved_by_rule_module(self, entry: Any, index: int, view_bytes: int) -> None:
+        """Account for what the per-module formula counts: each rule counts the tensor its module
+        saves (a view's bytes), once per module, whatever storage it shares."""
+        if entry.cat == INPUTS:
+            if self._capture_metas:
+                # The model's inputs that a module with a rule saves: its rule counts them as activations.
+                key = (index, entry.key)
+                self._saved_inputs[key] = max(view_bytes, self._saved_inputs.get(key, 0))
+            return
+        if entry.cat != ACTIVATIONS:
+            return
+        savers = entry.savers
+        if savers is None:
+            entry.savers = {index: view_bytes}
+            return
+        if savers.get(index, 0) >= view_bytes:
+            return
+        savers[index] = view_bytes
+        if len(savers) > 1 and entry.tag in (-1, _TAG_SAVED_TWICE):
+            # One storage saved by several modules (ReLU's output, the next Linear's input; q, k and v
+            # projections of one tensor): their rules count it more than once.
+            extra = sum(savers.values()) - entry.nbytes
+            if extra > 0:
+                self._ledger.set_tag(entry, _TAG_SAVED_TWICE, extra)
 
     def _detached(self, t: torch.Tensor) -> torch.Tensor:
         # In full mode this detach would go through memprof's own dispatch mode, which does
@@ -771,7 +788,6 @@ class Profiler:
         if self._phase is not _FORWARD:
             return  # recomputation in backward (reentrant checkpoint) is not the module's forward saving
         index = stack[-1]
-        entry.saver = index
         if entry.tag < 0:
             tag = self._saved_tag[index]
             if tag >= 0:
@@ -827,11 +843,19 @@ class Profiler:
                 return None
             info = self._modules[index]
             in_backward = self._phase is Phase.BACKWARD
-            # A forward is any outermost call of the model's modules: the root, or submodules called
-            # directly (model.encoder(x), then model.decoder(h); a ModuleDict's members).
-            if (is_root or not self._fwd_stack) and not in_backward:
-                if self._phase is not Phase.FORWARD:
+            # A forward is a call of the root, or an outermost call of its submodules with autograd on
+            # (model.encoder(x), then model.decoder(h); a ModuleDict's members). A submodule run under
+            # no_grad outside the model's forward (a frozen encoder, a probe) is not one.
+            outermost = is_root or not self._fwd_stack
+            if outermost and not in_backward:
+                grad = torch.is_grad_enabled()
+                if self._phase is not Phase.FORWARD and (is_root or grad):
                     self._begin_phase(Phase.FORWARD)
+                if grad and not self._capture_metas and not self._metas_done and self._phase is Phase.FORWARD:
+                    # The first grad-enabled forward gives the formula its shapes, also when a no_grad
+                    # call of the model began this forward.
+                    self._capture_metas = True
+                    self._pending_meta = {}
                 self._mark_inputs(args, from_model_too=is_root)
                 self._mark_inputs(kwargs, from_model_too=is_root)
                 self._note_autocast()
@@ -847,8 +871,10 @@ class Profiler:
                 hook = None
                 for a in _tensors(args, kwargs):
                     if a.requires_grad:
+                        # A tensor hook, not a pre-hook on a.grad_fn: torch.autograd.grad(out, [a])
+                        # captures a's gradient without running a.grad_fn, and only tensor hooks fire then.
                         hook = hook or self._make_bw_exit(index)
-                        _on_gradient(a, hook)
+                        a.register_hook(hook)
             return None
 
         return pre_hook
@@ -1377,15 +1403,16 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _on_gradient(t: torch.Tensor, hook: Any) -> None:
-    """Call ``hook`` when the gradient with respect to ``t`` has been computed.
+    """Call ``hook`` before ``t.grad_fn`` runs in backward (a module's backward starts).
 
-    For a tensor made by an op this is a pre-hook on its ``grad_fn``: the
-    engine runs a node once every gradient flowing into it is complete, and
-    runs the node's pre-hooks right then, the same moment a tensor hook on
-    ``t`` would fire. ``Tensor.register_hook`` does the same through Python
-    bookkeeping that costs about 9 times more per call (19 us against 2 us
-    here), paid twice per module call. A leaf has no ``grad_fn``: it keeps
-    the tensor hook.
+    A pre-hook on the node fires when the engine runs it, once every gradient
+    flowing into it is complete: the moment a tensor hook on ``t`` fires too.
+    ``Tensor.register_hook`` does the same through Python bookkeeping that
+    costs about 9 times more per call (19 us against 2 us here). The two
+    differ when ``torch.autograd.grad`` stops at ``t`` (the node never runs,
+    only tensor hooks fire); a module whose output that is has no backward
+    in that pass, so its frame need not open. A leaf has no ``grad_fn``: it
+    keeps the tensor hook.
     """
     fn = t.grad_fn
     if fn is not None:

@@ -431,8 +431,8 @@ def _causes(ctx: _Context) -> list[Cause]:
 
     # Activations.
     if m[A] is not None and f[A] is not None and phase is Phase.BACKWARD and ctx.rec is not None:
-        fwd_end = next((p.end[A] for p in reversed(trace.phases)
-                        if p.phase is Phase.FORWARD and p.step == ctx.rec.step), None)
+        fwd = _forward_before(trace, ctx.rec)
+        fwd_end = fwd.end[A] if fwd is not None else None
         if fwd_end is not None and m[A] < fwd_end:
             out.append(Cause(A, "released by backward", m[A] - fwd_end,
                              "backward frees each saved tensor once its node has run; at this moment it had "
@@ -539,10 +539,18 @@ def _forward_end_tag(trace: Trace, ctx: _Context, tag: str) -> int:
     forward's end), so a tag is taken where that cause starts from.
     """
     if ctx.rec is not None and ctx.rec.phase is Phase.BACKWARD:
-        fwd = [p for p in trace.phases if p.phase is Phase.FORWARD and p.step == ctx.rec.step]
-        if fwd:
-            return dict(fwd[-1].tags_end).get(tag, 0)
+        fwd = _forward_before(trace, ctx.rec)
+        if fwd is not None:
+            return dict(fwd.tags_end).get(tag, 0)
     return ctx.tags.get(tag, 0)
+
+
+def _forward_before(trace: Trace, rec: PhaseRecord) -> "PhaseRecord | None":
+    """The forward that a backward record follows: the last forward of its step before it
+    (a forward after it, such as a no_grad evaluation before optimizer.step(), is not it)."""
+    phases = trace.phases
+    at = next((i for i, p in enumerate(phases) if p is rec), len(phases))
+    return next((p for p in reversed(phases[:at]) if p.phase is Phase.FORWARD and p.step == rec.step), None)
 
 
 def _last_forward_end(trace: Trace) -> "int | None":

@@ -460,6 +460,35 @@ def test_backward_peak_of_a_module_whose_input_is_a_leaf():
     assert x.grad is not None and x.grad.shape == x.shape
 
 
+class _SideBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.side = nn.Linear(64, 8192)  # its weight's gradient is 8192*64*4 = 2 MiB
+        self.body = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x, x2):
+        a = self.side(x2)  # made first: its backward runs last
+        f = self.body(x)
+        return self.head(f).sum() + a.sum(), f
+
+
+def test_autograd_grad_stopping_at_a_module_input_closes_that_module_backward():
+    # torch.autograd.grad(out, [f, ...]) captures f's gradient without running f.grad_fn; head's backward
+    # must still end there, or the side branch's work would be charged to it.
+    torch.manual_seed(0)
+    model = _SideBranch()
+    x, x2 = torch.randn(32, 64), torch.randn(32, 64)
+    with memprof.profile(model) as prof:
+        out, f = model(x, x2)
+        torch.autograd.grad(out, [f, model.side.weight])
+    rows = {m.path: m for m in prof.trace.modules}
+    # head's backward makes only the gradient w.r.t. f, 32*64*4 = 8,192 B (its own weight and bias are
+    # not asked for); the side branch's 8192*64*4 = 2,097,152 B weight gradient is side's.
+    assert rows["head"].peak_backward == 32 * 64 * 4
+    assert rows["side"].peak_backward == 8192 * 64 * 4
+
+
 class _Halves(nn.Module):
     def __init__(self) -> None:
         super().__init__()

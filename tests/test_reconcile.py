@@ -311,3 +311,84 @@ def test_advice_frees_gradients_kept_between_steps():
             opt2.step()
             opt2.zero_grad()
     assert not any("set_to_none=True" in a for a in prof2.report().reconcile().advice())
+
+
+class _Split(torch.nn.Module):  # two Linears each save one half (a view) of one storage
+    def __init__(self, d):
+        super().__init__()
+        self.fc0, self.fa, self.fb = torch.nn.Linear(d, 2 * d), torch.nn.Linear(d, 1), torch.nn.Linear(d, 1)
+
+    def forward(self, x):
+        a, b = self.fc0(x).chunk(2, dim=-1)
+        return self.fa(a) + self.fb(b)
+
+
+class _QKV(torch.nn.Module):  # three Linears save the same tensor
+    def __init__(self, d):
+        super().__init__()
+        self.fc0 = torch.nn.Linear(d, d)
+        self.q, self.k, self.v = torch.nn.Linear(d, 1), torch.nn.Linear(d, 1), torch.nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.fc0(x)
+        return self.q(h) + self.k(h) + self.v(h)
+
+
+@pytest.mark.parametrize("cls", [_Split, _QKV])
+def test_saved_by_two_modules_is_what_the_rules_count_beyond_the_storage(cls):
+    torch.manual_seed(0)
+    b, d = 64, 256
+    model = cls(d)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.profile(model, opt) as prof:
+        model(torch.randn(b, d)).square().mean().backward()
+        opt.step()
+    rec = prof.report().reconcile(at="peak")
+    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    h = b * d * 4  # one 64x256 fp32 tensor: 65,536 B
+    if cls is _Split:
+        # fc0's output (2h) is one storage; fa and fb each save a half (h): the rules count 2h, as measured.
+        assert "saved by two modules" not in causes
+    else:
+        # q, k and v each save h: the rules count 3h of a storage of h, 2h too many.
+        assert causes["saved by two modules"] == -2 * h
+    assert rec.unexplained(C.ACTIVATIONS) == 0
+
+
+def test_model_inputs_saved_count_the_saved_view_not_the_dataset():
+    torch.manual_seed(0)
+    data = torch.randn(20000, 64)  # a dataset in memory; each batch is a 32-row view of it
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.profile(model, opt) as prof:
+        for i in range(2):
+            model(data[i * 32:(i + 1) * 32]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    # The first Linear's rule counts its input, 32*64*4 = 8,192 B, not the 5,120,000 B storage under it.
+    assert prof.trace.facts.activation_inputs_saved == 32 * 64 * 4
+    rec = prof.report().reconcile(at="peak")
+    assert {c.name: c.bytes for c in rec.causes}["model inputs saved by modules"] == -32 * 64 * 4
+    assert rec.unexplained(C.ACTIVATIONS) == 0
+
+
+def test_a_no_grad_forward_after_backward_is_not_the_forward_backward_counts_from():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(64, 256)
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            with torch.no_grad():
+                model(torch.randn(4, 256))  # a look at the outputs before the step: a second forward
+            opt.step()
+            opt.zero_grad()
+    phases = [p.phase for p in prof.trace.phases if p.step == 1 and p.phase is not memprof.Phase.OTHER]
+    assert phases[:3] == [memprof.Phase.FORWARD, memprof.Phase.BACKWARD, memprof.Phase.FORWARD]
+    rec = prof.report().reconcile(at="peak")
+    assert rec.where.endswith("backward)")
+    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    # Counted from the training forward's end, not from the no_grad one (which saved nothing).
+    assert causes["released by backward"] < 0
+    assert rec.unexplained(C.ACTIVATIONS) == 0

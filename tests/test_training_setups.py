@@ -224,3 +224,34 @@ def test_submodules_called_directly_make_a_forward():
     assert mods.loc["dec", "activations"] == 4 * 32 * 4
     assert mods.loc["enc", "activations"] == 0  # enc saved x, which is an input
     assert any(p.phase is Phase.BACKWARD for p in trace.phases)
+
+
+def test_a_frozen_submodule_called_under_no_grad_first_is_not_the_forward():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cond_encoder = nn.Linear(16, 64)  # frozen, called by the training loop under no_grad
+            self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+        def forward(self, x, cond):
+            return self.body(x + cond)
+
+    torch.manual_seed(0)
+    model = Net()
+    model.cond_encoder.requires_grad_(False)
+    opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
+    x, c = torch.randn(128, 64), torch.randn(128, 16)
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            with torch.no_grad():
+                cond = model.cond_encoder(c)
+            model(x, cond).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    facts = prof.trace.facts
+    # The formula comes from the model's own (grad-enabled) forward: the body's Linear inputs
+    # (128*64*4 + 128*256*4) and ReLU's output (128*256*4).
+    assert facts.batch_size == 128
+    assert facts.activation_formula == 128 * 64 * 4 + 2 * 128 * 256 * 4
+    first = [p.phase for p in prof.trace.phases if p.step == 0][:2]
+    assert first == [Phase.OTHER, Phase.FORWARD]  # the encoder ran in "other", then the forward

@@ -35,7 +35,8 @@ TAGS: tuple[str, ...] = (
     "saved_outside_modules",  # saved while no module of the model ran (the loss function)
     "saved_in_container_code",  # saved by functional code in a forward() that has submodules
     "saved_in_module_without_rule",  # saved by a leaf module memprof has no saved-bytes rule for
-    "saved_by_two_modules",  # also saved by a second leaf module with a rule (ReLU's output, next Linear's input)
+    "saved_by_two_modules",  # saved by 2+ leaf modules with a rule (ReLU's output, next Linear's input): the extra
+    # bytes their rules count beyond the storage
 )
 N_TAGS = len(TAGS)
 assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
@@ -52,7 +53,8 @@ class _Ref(weakref.ref):  # type: ignore[type-arg]
 class Entry:
     """One live storage: its size, category, and where it came from."""
 
-    __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial", "tag", "saver")
+    __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial", "tag", "tag_bytes",
+                 "savers")
 
     def __init__(self, key: int, nbytes: int, cat: int, created: int, module: int, phase_serial: int) -> None:
         self.key = key
@@ -65,8 +67,11 @@ class Entry:
         self.module = module
         self.phase_serial = phase_serial
         self.tag = -1
-        # The module innermost when autograd first saved it (-1: none, or not saved in a forward).
-        self.saver = -1
+        # What the tag counts while this is an activation: the storage's bytes, or for
+        # "saved_by_two_modules" the bytes the per-module formula counts beyond them.
+        self.tag_bytes = 0
+        # Leaf modules with a saved-bytes rule that saved a view of it in a forward: index -> view bytes.
+        self.savers: "dict[int, int] | None" = None
 
 
 class Frame:
@@ -155,7 +160,7 @@ class Ledger:
         self.totals[entry.cat] -= entry.nbytes
         self.total -= entry.nbytes
         if entry.tag >= 0 and entry.cat == ACTIVATIONS:
-            self.tag_act[entry.tag] -= entry.nbytes
+            self.tag_act[entry.tag] -= entry.tag_bytes
 
     def move(self, entry: Entry, cat: int, *, retro: bool = False) -> None:
         """Move a live storage to another category (the total does not change).
@@ -174,9 +179,9 @@ class Ledger:
         entry.cat = cat
         if entry.tag >= 0:
             if old == ACTIVATIONS:
-                self.tag_act[entry.tag] -= n
+                self.tag_act[entry.tag] -= entry.tag_bytes
             elif cat == ACTIVATIONS:
-                self.tag_act[entry.tag] += n
+                self.tag_act[entry.tag] += entry.tag_bytes
         if retro and entry.phase_serial == self.phase_serial:
             if entry.created <= self.phase_peak_seq:
                 self.phase_peak[old] -= n
@@ -185,14 +190,17 @@ class Ledger:
                 self.peak[old] -= n
                 self.peak[cat] += n
 
-    def set_tag(self, entry: Entry, tag: int) -> None:
-        if entry.tag == tag:
+    def set_tag(self, entry: Entry, tag: int, nbytes: "int | None" = None) -> None:
+        """Name what a storage is; the tag counts ``nbytes`` (default: the storage's bytes)."""
+        n = entry.nbytes if nbytes is None else nbytes
+        if entry.tag == tag and entry.tag_bytes == n:
             return
         if entry.cat == ACTIVATIONS:
             if entry.tag >= 0:
-                self.tag_act[entry.tag] -= entry.nbytes
-            self.tag_act[tag] += entry.nbytes
+                self.tag_act[entry.tag] -= entry.tag_bytes
+            self.tag_act[tag] += n
         entry.tag = tag
+        entry.tag_bytes = n
 
     def check_peak(self) -> None:
         total = self.total
