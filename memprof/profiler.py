@@ -78,6 +78,7 @@ _FORWARD = Phase.FORWARD
 _TAG = {name: i for i, name in enumerate(TAGS)}
 _TAG_SAVED_OUTSIDE = _TAG["saved_outside_modules"]
 _TAG_SAVED_TWICE = _TAG["saved_by_two_modules"]
+_TAG_WEIGHT_COPY = _TAG["autocast_weight_copy"]
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -755,7 +756,7 @@ class Profiler:
         if savers.get(index, 0) >= view_bytes:
             return
         savers[index] = view_bytes
-        if len(savers) > 1 and entry.tag in (-1, _TAG_SAVED_TWICE):
+        if len(savers) > 1 and entry.where in (-1, _TAG_SAVED_TWICE):
             # One storage saved by several modules (ReLU's output, the next Linear's input; q, k and v
             # projections of one tensor): their rules count it more than once.
             extra = sum(savers.values()) - entry.nbytes
@@ -780,15 +781,18 @@ class Profiler:
         return saved.tensor if type(saved) is _Saved else saved
 
     def _attribute_saved(self, entry: Any) -> None:
+        # Where it was saved from, for the per-module formula's causes. An autocast weight copy has a
+        # cause of its own in every comparison, so it gets no "where" that would name it twice.
+        where = entry.where < 0 and entry.tag != _TAG_WEIGHT_COPY
         stack = self._fwd_stack
         if not stack:
-            if entry.tag < 0 and self._phase is _FORWARD:
+            if where and self._phase is _FORWARD:
                 self._ledger.set_tag(entry, _TAG_SAVED_OUTSIDE)
             return
         if self._phase is not _FORWARD:
             return  # recomputation in backward (reentrant checkpoint) is not the module's forward saving
         index = stack[-1]
-        if entry.tag < 0:
+        if where:
             tag = self._saved_tag[index]
             if tag >= 0:
                 self._ledger.set_tag(entry, tag)

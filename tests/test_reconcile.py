@@ -392,3 +392,28 @@ def test_a_no_grad_forward_after_backward_is_not_the_forward_backward_counts_fro
     # Counted from the training forward's end, not from the no_grad one (which saved nothing).
     assert causes["released by backward"] < 0
     assert rec.unexplained(C.ACTIVATIONS) == 0
+
+
+def test_a_dropout_mask_saved_in_container_code_is_functional_code_for_the_per_module_formula():
+    class Block(torch.nn.Module):  # has a submodule, and calls dropout itself
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return F.dropout(self.lin(x), p=0.5, training=True)
+
+    torch.manual_seed(0)
+    model = Block()
+    with memprof.profile(model) as prof:
+        model(torch.randn(32, 64)).sum().backward()
+    fwd = next(p for p in prof.trace.phases if p.phase is memprof.Phase.FORWARD)
+    tags = dict(fwd.tags_end)
+    mask = 32 * 64 * 4  # the CPU path keeps an fp32 noise mask the size of the input: 8,192 B
+    # One storage, two tags: what it is (for Korthikanti's dropout cause) and where it was saved from.
+    assert tags["dropout_mask_4byte"] == mask
+    assert tags["saved_in_container_code"] == mask
+    rec = prof.report().reconcile(at="peak")
+    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    assert causes["functional code in container modules"] == mask
+    assert rec.unexplained(C.ACTIVATIONS) == 0

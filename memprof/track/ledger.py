@@ -22,8 +22,11 @@ WEIGHTS, BUFFERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, INPUTS, TEMPORARIES 
 N_CATS = 7
 CATEGORY_OF_INDEX: tuple[Category, ...] = TENSOR_CATEGORIES
 
-# Tags name what a saved storage is, for the reconciler's named causes. Their
-# live bytes are tracked only while the storage is an activation (saved).
+# Tags name a saved storage for the reconciler's named causes. Their live bytes
+# are tracked only while the storage is an activation (saved). An entry holds
+# one tag of each kind: what it is (the first seven, from the op that made it)
+# and where it was saved from (the last four, against the per-module formula),
+# so a dropout mask saved in a container's own code counts for both causes.
 TAGS: tuple[str, ...] = (
     "autocast_weight_copy",  # 16-bit copy of a parameter made by autocast
     "dropout_mask",  # a 1-byte mask (CUDA's native_dropout)
@@ -39,6 +42,7 @@ TAGS: tuple[str, ...] = (
     # bytes their rules count beyond the storage
 )
 N_TAGS = len(TAGS)
+FIRST_WHERE_TAG = TAGS.index("saved_outside_modules")
 assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
     "weights", "buffers", "gradients", "optimizer_states", "activations", "inputs", "temporaries"
 )
@@ -54,7 +58,7 @@ class Entry:
     """One live storage: its size, category, and where it came from."""
 
     __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial", "tag", "tag_bytes",
-                 "savers")
+                 "where", "where_bytes", "savers")
 
     def __init__(self, key: int, nbytes: int, cat: int, created: int, module: int, phase_serial: int) -> None:
         self.key = key
@@ -66,10 +70,13 @@ class Entry:
         self.saved = 0
         self.module = module
         self.phase_serial = phase_serial
+        # What it is (a tag index below FIRST_WHERE_TAG, or -1) and the bytes that tag counts.
         self.tag = -1
-        # What the tag counts while this is an activation: the storage's bytes, or for
-        # "saved_by_two_modules" the bytes the per-module formula counts beyond them.
         self.tag_bytes = 0
+        # Where it was saved from (a tag index from FIRST_WHERE_TAG, or -1) and the bytes that counts:
+        # the storage's, or for "saved_by_two_modules" what the per-module formula counts beyond them.
+        self.where = -1
+        self.where_bytes = 0
         # Leaf modules with a saved-bytes rule that saved a view of it in a forward: index -> view bytes.
         self.savers: "dict[int, int] | None" = None
 
@@ -159,8 +166,11 @@ class Ledger:
         self.seq += 1
         self.totals[entry.cat] -= entry.nbytes
         self.total -= entry.nbytes
-        if entry.tag >= 0 and entry.cat == ACTIVATIONS:
-            self.tag_act[entry.tag] -= entry.tag_bytes
+        if entry.cat == ACTIVATIONS:
+            if entry.tag >= 0:
+                self.tag_act[entry.tag] -= entry.tag_bytes
+            if entry.where >= 0:
+                self.tag_act[entry.where] -= entry.where_bytes
 
     def move(self, entry: Entry, cat: int, *, retro: bool = False) -> None:
         """Move a live storage to another category (the total does not change).
@@ -177,11 +187,12 @@ class Ledger:
         self.totals[old] -= n
         self.totals[cat] += n
         entry.cat = cat
-        if entry.tag >= 0:
-            if old == ACTIVATIONS:
-                self.tag_act[entry.tag] -= entry.tag_bytes
-            elif cat == ACTIVATIONS:
-                self.tag_act[entry.tag] += entry.tag_bytes
+        if old == ACTIVATIONS or cat == ACTIVATIONS:
+            sign = -1 if old == ACTIVATIONS else 1
+            if entry.tag >= 0:
+                self.tag_act[entry.tag] += sign * entry.tag_bytes
+            if entry.where >= 0:
+                self.tag_act[entry.where] += sign * entry.where_bytes
         if retro and entry.phase_serial == self.phase_serial:
             if entry.created <= self.phase_peak_seq:
                 self.phase_peak[old] -= n
@@ -191,16 +202,19 @@ class Ledger:
                 self.peak[cat] += n
 
     def set_tag(self, entry: Entry, tag: int, nbytes: "int | None" = None) -> None:
-        """Name what a storage is; the tag counts ``nbytes`` (default: the storage's bytes)."""
+        """Tag a storage (what it is, or where it was saved from: each kind has its own slot);
+        the tag counts ``nbytes`` (default: the storage's bytes)."""
         n = entry.nbytes if nbytes is None else nbytes
-        if entry.tag == tag and entry.tag_bytes == n:
-            return
+        if tag >= FIRST_WHERE_TAG:
+            old, old_n = entry.where, entry.where_bytes
+            entry.where, entry.where_bytes = tag, n
+        else:
+            old, old_n = entry.tag, entry.tag_bytes
+            entry.tag, entry.tag_bytes = tag, n
         if entry.cat == ACTIVATIONS:
-            if entry.tag >= 0:
-                self.tag_act[entry.tag] -= entry.tag_bytes
+            if old >= 0:
+                self.tag_act[old] -= old_n
             self.tag_act[tag] += n
-        entry.tag = tag
-        entry.tag_bytes = n
 
     def check_peak(self) -> None:
         total = self.total
