@@ -79,6 +79,9 @@ _TAG = {name: i for i, name in enumerate(TAGS)}
 _TAG_SAVED_OUTSIDE = _TAG["saved_outside_modules"]
 _TAG_SAVED_TWICE = _TAG["saved_by_two_modules"]
 _TAG_WEIGHT_COPY = _TAG["autocast_weight_copy"]
+_TAG_SAVED_AS_VIEW = _TAG["saved_as_view_of_larger"]
+# "Where" tags that describe what the rule modules saving a storage count (or no tag yet).
+_WHERE_BY_RULES = (-1, _TAG_SAVED_TWICE, _TAG_SAVED_AS_VIEW)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -751,17 +754,28 @@ class Profiler:
             return
         savers = entry.savers
         if savers is None:
-            entry.savers = {index: view_bytes}
-            return
-        if savers.get(index, 0) >= view_bytes:
+            savers = entry.savers = {}
+        elif savers.get(index, 0) >= view_bytes:
             return
         savers[index] = view_bytes
-        if len(savers) > 1 and entry.where in (-1, _TAG_SAVED_TWICE):
-            # One storage saved by several modules (ReLU's output, the next Linear's input; q, k and v
-            # projections of one tensor): their rules count it more than once.
-            extra = sum(savers.values()) - entry.nbytes
-            if extra > 0:
-                self._ledger.set_tag(entry, _TAG_SAVED_TWICE, extra)
+        # What the rules of the modules that saved it count, against the storage memprof counts once.
+        covered = sum(savers.values())
+        where = entry.where
+        led = self._ledger
+        if where in _WHERE_BY_RULES:
+            if covered > entry.nbytes and len(savers) > 1:
+                # One storage saved by several modules (ReLU's output, the next Linear's input; q, k and v
+                # projections of one tensor): their rules count it more than once.
+                led.set_tag(entry, _TAG_SAVED_TWICE, covered - entry.nbytes)
+            elif covered < entry.nbytes:
+                # Rules count the views their modules saved (x[:, 0]); memprof, the whole storage.
+                led.set_tag(entry, _TAG_SAVED_AS_VIEW, entry.nbytes - covered)
+            elif where >= 0:
+                led.set_tag(entry, where, 0)
+        else:
+            # First saved where no rule sees it (container code, a module without a rule, outside the
+            # model): that cause names only what the rules of later savers do not count.
+            led.set_tag(entry, where, max(0, entry.nbytes - covered))
 
     def _detached(self, t: torch.Tensor) -> torch.Tensor:
         # In full mode this detach would go through memprof's own dispatch mode, which does

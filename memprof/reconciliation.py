@@ -488,6 +488,11 @@ def _causes(ctx: _Context) -> list[Cause]:
                     out.append(Cause(A, "saved by two modules", -twice,
                                      "one storage saved by two neighbouring modules (ReLU's output is the next "
                                      "Linear's input): the per-module formula counts it once for each"))
+                views = tag("saved_as_view_of_larger")
+                if views:
+                    out.append(Cause(A, "saved views of larger storages", views,
+                                     "modules saved views of larger tensors (x[:, 0] of a sequence): their rules "
+                                     "count the view, memprof the storage under it, which autograd keeps whole"))
                 model_inputs = facts.activation_inputs_saved
                 if model_inputs:
                     out.append(Cause(A, "model inputs saved by modules", -model_inputs,

@@ -417,3 +417,50 @@ def test_a_dropout_mask_saved_in_container_code_is_functional_code_for_the_per_m
     causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
     assert causes["functional code in container modules"] == mask
     assert rec.unexplained(C.ACTIVATIONS) == 0
+
+
+class _FirstToken(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.ln, self.head = torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):  # x: (batch, seq, 32)
+        return self.head(self.ln(self.lin(x)[:, 0]))
+
+
+def test_a_module_saving_a_view_of_a_larger_storage_is_named():
+    torch.manual_seed(0)
+    model = _FirstToken()
+    with memprof.profile(model) as prof:
+        model(torch.randn(8, 16, 32)).sum().backward()
+    rec = prof.report().reconcile(at="peak")
+    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    # LayerNorm saves lin's output[:, 0] (8*32*4 = 1,024 B, what its rule counts); autograd keeps the
+    # whole 8*16*32*4 = 16,384 B storage under it, which memprof counts: 15,360 B more.
+    assert causes["saved views of larger storages"] == 8 * 16 * 32 * 4 - 8 * 32 * 4
+    assert rec.unexplained(C.ACTIVATIONS) == 0
+
+
+class _SquareThenLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = torch.nn.Linear(32, 64), torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        s = h * h  # the container's own code saves h first...
+        return self.out(h) + s.sum()  # ...then out, whose rule counts it
+
+
+def test_container_code_cause_leaves_out_what_a_later_rule_counts():
+    torch.manual_seed(0)
+    model = _SquareThenLinear()
+    x = torch.randn(16, 32)
+    with memprof.profile(model) as prof:
+        model(x).sum().backward()
+    rec = prof.report().reconcile(at="peak")
+    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    # h (16*64*4 = 4,096 B) is in the formula through out's rule: not functional code as well.
+    assert "functional code in container modules" not in causes
+    assert causes["model inputs saved by modules"] == -16 * 32 * 4  # lin's rule counts the batch
+    assert rec.unexplained(C.ACTIVATIONS) == 0
