@@ -80,8 +80,9 @@ _TAG_SAVED_OUTSIDE = _TAG["saved_outside_modules"]
 _TAG_SAVED_TWICE = _TAG["saved_by_two_modules"]
 _TAG_WEIGHT_COPY = _TAG["autocast_weight_copy"]
 _TAG_SAVED_AS_VIEW = _TAG["saved_as_view_of_larger"]
+_TAG_SAVED_EXPANDED = _TAG["saved_as_expanded_view"]
 # "Where" tags that describe what the rule modules saving a storage count (or no tag yet).
-_WHERE_BY_RULES = (-1, _TAG_SAVED_TWICE, _TAG_SAVED_AS_VIEW)
+_WHERE_BY_RULES = (-1, _TAG_SAVED_TWICE, _TAG_SAVED_AS_VIEW, _TAG_SAVED_EXPANDED)
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -762,12 +763,13 @@ class Profiler:
         covered = sum(savers.values())
         where = entry.where
         led = self._ledger
-        if where in _WHERE_BY_RULES:
-            if covered > entry.nbytes and len(savers) > 1:
-                # One storage saved by several modules (ReLU's output, the next Linear's input; q, k and v
-                # projections of one tensor): their rules count it more than once.
-                led.set_tag(entry, _TAG_SAVED_TWICE, covered - entry.nbytes)
-            elif covered < entry.nbytes:
+        if covered > entry.nbytes:
+            # Rules count more than the storage holds: several modules saved it (ReLU's output, the next
+            # Linear's input; q, k and v projections of one tensor), or one saved an expanded view of it.
+            tag = _TAG_SAVED_TWICE if len(savers) > 1 else _TAG_SAVED_EXPANDED
+            led.set_tag(entry, tag, covered - entry.nbytes)
+        elif where in _WHERE_BY_RULES:
+            if covered < entry.nbytes:
                 # Rules count the views their modules saved (x[:, 0]); memprof, the whole storage.
                 led.set_tag(entry, _TAG_SAVED_AS_VIEW, entry.nbytes - covered)
             elif where >= 0:
@@ -775,7 +777,7 @@ class Profiler:
         else:
             # First saved where no rule sees it (container code, a module without a rule, outside the
             # model): that cause names only what the rules of later savers do not count.
-            led.set_tag(entry, where, max(0, entry.nbytes - covered))
+            led.set_tag(entry, where, entry.nbytes - covered)
 
     def _detached(self, t: torch.Tensor) -> torch.Tensor:
         # In full mode this detach would go through memprof's own dispatch mode, which does

@@ -488,6 +488,11 @@ def _causes(ctx: _Context) -> list[Cause]:
                     out.append(Cause(A, "saved by two modules", -twice,
                                      "one storage saved by two neighbouring modules (ReLU's output is the next "
                                      "Linear's input): the per-module formula counts it once for each"))
+                expanded = tag("saved_as_expanded_view")
+                if expanded:
+                    out.append(Cause(A, "saved expanded views", -expanded,
+                                     "a module saved an expanded view (x[:, None].expand(...)): its rule counts "
+                                     "the expanded size, autograd keeps only the storage under it"))
                 views = tag("saved_as_view_of_larger")
                 if views:
                     out.append(Cause(A, "saved views of larger storages", views,

@@ -464,3 +464,38 @@ def test_container_code_cause_leaves_out_what_a_later_rule_counts():
     assert "functional code in container modules" not in causes
     assert causes["model inputs saved by modules"] == -16 * 32 * 4  # lin's rule counts the batch
     assert rec.unexplained(C.ACTIVATIONS) == 0
+
+
+class _ExpandThenNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)
+
+    def forward(self, x):  # x: (4, 32)
+        return self.ln(self.fc(x)[:, None, :].expand(-1, 8, -1)).sum(1)
+
+
+class _TanhFanout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc0, self.fc1, self.fc2 = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc0(x))  # the container's code saves h first
+        return self.fc1(h) + self.fc2(h)  # then two Linears save it
+
+
+@pytest.mark.parametrize("cls, cause, nbytes", [
+    # LayerNorm saves an expanded view of fc's 4*32*4 = 512 B output: its rule counts 4*8*32*4 = 4,096 B.
+    (_ExpandThenNorm, "saved expanded views", -(4096 - 512)),
+    # fc1's and fc2's rules each count h (512 B) that tanh's container code saved first: one 512 B too many.
+    (_TanhFanout, "saved by two modules", -512),
+])
+def test_rules_counting_more_than_a_storage_is_named(cls, cause, nbytes):
+    torch.manual_seed(0)
+    model = cls()
+    with memprof.profile(model) as prof:
+        F.mse_loss(model(torch.randn(4, 32)), torch.randn(4, 32)).backward()
+    rec = prof.report().reconcile(at="peak")
+    assert {c.name: c.bytes for c in rec.causes}[cause] == nbytes
+    assert rec.unexplained(C.ACTIVATIONS) == 0

@@ -25,7 +25,7 @@ CATEGORY_OF_INDEX: tuple[Category, ...] = TENSOR_CATEGORIES
 # Tags name a saved storage for the reconciler's named causes. Their live bytes
 # are tracked only while the storage is an activation (saved). An entry holds
 # one tag of each kind: what it is (the first seven, from the op that made it)
-# and where it was saved from (the last five, against the per-module formula),
+# and where it was saved from (the last six, against the per-module formula),
 # so a dropout mask saved in a container's own code counts for both causes.
 TAGS: tuple[str, ...] = (
     "autocast_weight_copy",  # 16-bit copy of a parameter made by autocast
@@ -41,6 +41,7 @@ TAGS: tuple[str, ...] = (
     "saved_by_two_modules",  # saved by 2+ leaf modules with a rule (ReLU's output, next Linear's input): the extra
     # bytes their rules count beyond the storage
     "saved_as_view_of_larger",  # rule modules saved only views of it (x[:, 0]): the bytes their rules do not count
+    "saved_as_expanded_view",  # one rule module saved an expanded view of it: the bytes its rule counts beyond it
 )
 N_TAGS = len(TAGS)
 FIRST_WHERE_TAG = TAGS.index("saved_outside_modules")
