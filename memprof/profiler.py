@@ -732,8 +732,13 @@ class Profiler:
         elif entry.cat == TEMPORARIES:
             led.move(entry, ACTIVATIONS)
             self._attribute_saved(entry)
-        if self._phase is _FORWARD and self._fwd_stack and self._saved_tag[self._fwd_stack[-1]] < 0:
-            self._saved_by_rule_module(entry, self._fwd_stack[-1], t.numel() * t.element_size())
+        stack = self._fwd_stack
+        if stack and self._phase is _FORWARD and self._saved_tag[stack[-1]] < 0:
+            view = t.nbytes
+            if entry.savers is None and view == entry.nbytes and entry.where < 0 and entry.cat == ACTIVATIONS:
+                entry.savers = {stack[-1]: view}  # the common case: first saved whole, by a rule module
+            else:
+                self._saved_by_rule_module(entry, stack[-1], view)
         if entry.cat == ACTIVATIONS:
             if entry.saved < 0:
                 entry.saved = 0
