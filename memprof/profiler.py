@@ -692,22 +692,23 @@ class Profiler:
                 if st._cdata not in entries and a.device == self.device:
                     self._ledger.add(st, INPUTS)
 
-    def _mark_inputs(self, objs: Any, depth: int = 0, *, from_model_too: bool = True) -> None:
-        # Tensors handed to the model are its inputs: unknown ones, and temporaries made in the
-        # block (the batch built inside it). With from_model_too=False a temporary that one of
-        # the model's modules made stays what it is (an encoder's output handed to the decoder).
+    def _mark_inputs(self, objs: Any, depth: int = 0, *, made_in_block_too: bool = True) -> None:
+        # Tensors handed to the model's forward are its inputs: unknown ones (made before the
+        # profile), and temporaries made in the block (the batch built inside it). Handed to a
+        # submodule called directly (made_in_block_too=False), only the unknown ones are: a
+        # temporary there may be the encoder's output, or the loop's F.gelu of it.
         if depth > 4:
             return
         if isinstance(objs, torch.Tensor):
             entry = self._add_tensor(objs, INPUTS)
-            if entry is not None and entry.cat == TEMPORARIES and (from_model_too or entry.module < 0):
+            if entry is not None and entry.cat == TEMPORARIES and made_in_block_too:
                 self._ledger.move(entry, INPUTS)
         elif isinstance(objs, (list, tuple)):
             for o in objs:
-                self._mark_inputs(o, depth + 1, from_model_too=from_model_too)
+                self._mark_inputs(o, depth + 1, made_in_block_too=made_in_block_too)
         elif isinstance(objs, dict):
             for o in objs.values():
-                self._mark_inputs(o, depth + 1, from_model_too=from_model_too)
+                self._mark_inputs(o, depth + 1, made_in_block_too=made_in_block_too)
 
     # ------------------------------------------------------------------ saved tensors
 
@@ -881,8 +882,8 @@ class Profiler:
                     # call of the model began this forward.
                     self._capture_metas = True
                     self._pending_meta = {}
-                self._mark_inputs(args, from_model_too=is_root)
-                self._mark_inputs(kwargs, from_model_too=is_root)
+                self._mark_inputs(args, made_in_block_too=is_root)
+                self._mark_inputs(kwargs, made_in_block_too=is_root)
                 self._note_autocast()
             info.calls += 1
             if self._capture_metas and not in_backward:

@@ -255,3 +255,18 @@ def test_a_frozen_submodule_called_under_no_grad_first_is_not_the_forward():
     assert facts.activation_formula == 128 * 64 * 4 + 2 * 128 * 256 * 4
     first = [p.phase for p in prof.trace.phases if p.step == 0][:2]
     assert first == [Phase.OTHER, Phase.FORWARD]  # the encoder ran in "other", then the forward
+
+
+def test_a_tensor_the_loop_makes_between_submodule_calls_is_not_an_input():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"enc": nn.Linear(16, 32), "head": nn.Linear(32, 4)})
+    x = torch.randn(4, 16)
+    with memprof.profile(model) as prof:
+        h = model["enc"](x)
+        model["head"](F.gelu(h)).sum().backward()  # F.gelu runs in the loop, outside every module
+    fwd = next(p for p in prof.trace.phases if p.phase is Phase.FORWARD)
+    # Inputs: x only (4*16*4 = 256 B). Activations: h, saved by gelu (4*32*4 = 512 B), and gelu's output,
+    # saved by head (512 B).
+    assert fwd.end[C.INPUTS] == 4 * 16 * 4
+    assert fwd.end[C.ACTIVATIONS] == 2 * 4 * 32 * 4
+    assert prof.trace.facts.activation_inputs_saved == 4 * 16 * 4
