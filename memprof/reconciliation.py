@@ -392,6 +392,21 @@ class _Context:
     transformer: "Mapping[str, Any] | None"
 
 
+# Where the rules of the modules that saved a storage count more or less than the storage:
+# (tag, sign of the gap measured - formula, cause, sentence).
+_RULE_VIEW_CAUSES = (
+    ("saved_by_two_modules", -1, "saved by two modules",
+     "one storage saved by two neighbouring modules (ReLU's output is the next Linear's input): the "
+     "per-module formula counts it once for each"),
+    ("saved_as_expanded_view", -1, "saved expanded views",
+     "a module saved an expanded view (x[:, None].expand(...)): its rule counts the expanded size, "
+     "autograd keeps only the storage under it"),
+    ("saved_as_view_of_larger", 1, "saved views of larger storages",
+     "modules saved views of larger tensors (x[:, 0] of a sequence): their rules count the view, memprof "
+     "the storage under it, which autograd keeps whole"),
+)
+
+
 def _causes(ctx: _Context) -> list[Cause]:
     out: list[Cause] = []
     m, f, facts, trace = ctx.measured, ctx.formula, ctx.trace.facts, ctx.trace
@@ -429,19 +444,18 @@ def _causes(ctx: _Context) -> list[Cause]:
             out.append(Cause(O, "state created lazily", m[O] - f[O],
                              "the first step() was still creating the state at this moment"))
 
-    # Activations.
-    if m[A] is not None and f[A] is not None and phase is Phase.BACKWARD and ctx.rec is not None:
-        fwd = _forward_before(trace, ctx.rec)
-        fwd_end = fwd.end[A] if fwd is not None else None
-        if fwd_end is not None and m[A] < fwd_end:
-            out.append(Cause(A, "released by backward", m[A] - fwd_end,
-                             "backward frees each saved tensor once its node has run; at this moment it had "
-                             "released this much of what the forward saved"))
+    # Activations. In backward, "released by backward" counts from the end of the forward that
+    # backward follows, so what the tags name is read there too: a tensor backward already
+    # released is that cause's, not theirs.
+    fwd = _forward_before(trace, ctx.rec) if phase is Phase.BACKWARD and ctx.rec is not None else None
+    tags = dict(fwd.tags_end) if fwd is not None else ctx.tags
+    if m[A] is not None and f[A] is not None and fwd is not None and m[A] < fwd.end[A]:
+        out.append(Cause(A, "released by backward", m[A] - fwd.end[A],
+                         "backward frees each saved tensor once its node has run; at this moment it had "
+                         "released this much of what the forward saved"))
     if m[A] is not None and f[A] is not None:
-        # In backward, "released by backward" counts from the end of the forward, so what the tags
-        # name is taken there too: a tensor backward already released is that cause's, not theirs.
         def tag(name: str) -> int:
-            return _forward_end_tag(trace, ctx, name)
+            return tags.get(name, 0)
 
         wcopy = tag("autocast_weight_copy")
         if wcopy:
@@ -483,21 +497,10 @@ def _causes(ctx: _Context) -> list[Cause]:
                                  + (", ".join(facts.modules_without_rule) or "see the notes")
                                  + "): measured, not predicted"))
             if facts.activation_formula is not None and phase in (Phase.FORWARD, Phase.BACKWARD):
-                twice = tag("saved_by_two_modules")
-                if twice:
-                    out.append(Cause(A, "saved by two modules", -twice,
-                                     "one storage saved by two neighbouring modules (ReLU's output is the next "
-                                     "Linear's input): the per-module formula counts it once for each"))
-                expanded = tag("saved_as_expanded_view")
-                if expanded:
-                    out.append(Cause(A, "saved expanded views", -expanded,
-                                     "a module saved an expanded view (x[:, None].expand(...)): its rule counts "
-                                     "the expanded size, autograd keeps only the storage under it"))
-                views = tag("saved_as_view_of_larger")
-                if views:
-                    out.append(Cause(A, "saved views of larger storages", views,
-                                     "modules saved views of larger tensors (x[:, 0] of a sequence): their rules "
-                                     "count the view, memprof the storage under it, which autograd keeps whole"))
+                for tag_name, sign, name, sentence in _RULE_VIEW_CAUSES:
+                    amount = tag(tag_name)
+                    if amount:
+                        out.append(Cause(A, name, sign * amount, sentence))
                 model_inputs = facts.activation_inputs_saved
                 if model_inputs:
                     out.append(Cause(A, "model inputs saved by modules", -model_inputs,
@@ -539,20 +542,6 @@ def _causes(ctx: _Context) -> list[Cause]:
                          f"the CUDA context, kernels and cuBLAS/cuDNN workspaces, typically "
                          f"{format_bytes(lo)} to {format_bytes(hi)} per process"))
     return out
-
-
-def _forward_end_tag(trace: Trace, ctx: _Context, tag: str) -> int:
-    """Live bytes of a tag at the end of the forward of the moment's step.
-
-    The formula counts the whole forward; in backward, what backward already
-    released is its own cause ("released by backward", measured from the
-    forward's end), so a tag is taken where that cause starts from.
-    """
-    if ctx.rec is not None and ctx.rec.phase is Phase.BACKWARD:
-        fwd = _forward_before(trace, ctx.rec)
-        if fwd is not None:
-            return dict(fwd.tags_end).get(tag, 0)
-    return ctx.tags.get(tag, 0)
 
 
 def _forward_before(trace: Trace, rec: PhaseRecord) -> "PhaseRecord | None":
