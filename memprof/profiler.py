@@ -360,7 +360,7 @@ class Profiler:
         # Per-module backward frames measure op-level memory, which only full mode sees;
         # light mode skips their tensor hooks (backward itself is found by grad and unpack hooks).
         self._track_backward_modules = mode == "full"
-        self._own_mode_only = mode == "full"
+        self._dispatching = mode == "full"  # memprof's dispatch mode is installed
         self._model_ref = weakref.ref(model)
         # Held strongly only until the block ends (a model built inline must survive until then).
         self._model_hold: "nn.Module | None" = model
@@ -790,7 +790,7 @@ class Profiler:
         # nothing with it but costs the Python dispatch round trip (~5 us, a saved tensor or
         # more per op). When that mode is the only one and ``t`` a plain tensor, no Python
         # code wants to see it; a subclass or another mode still gets its detach.
-        if self._own_mode_only and type(t) is torch.Tensor and _dispatch_stack_len() == 1:
+        if self._dispatching and type(t) is torch.Tensor and _dispatch_stack_len() == 1:
             with _NoPythonDispatch():
                 return t.detach()
         return t.detach()
