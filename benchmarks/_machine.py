@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 from typing import Any
 
 
@@ -18,6 +19,11 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def command_line(script: str, argv: "list[str] | None") -> str:
+    """The command that ran ``script`` (its ``__file__``), as a user would type it from the repository root."""
+    return " ".join(["python", os.path.relpath(script)] + (sys.argv[1:] if argv is None else argv))
 
 
 def write_results(json_path: "str | None", data: Any, markdown_path: "str | None", markdown: str,

@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from _machine import cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import command_line, cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 import torch
 import torch.nn.functional as F
@@ -518,7 +518,7 @@ def main(argv: "list[str] | None" = None) -> int:
     torch.set_num_threads(args.threads)
 
     info = machine_info()
-    info["command"] = " ".join(["python", os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else argv))
+    info["command"] = command_line(__file__, argv)
     print(f"# {info['cpu']}, torch {info['torch']}, {args.threads} threads; {len(models)} models x "
           f"{len(precisions)} precisions x {len(optimizers)} optimizers", flush=True)
     t_all = time.perf_counter()

@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-from _machine import cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import command_line, cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 CONFIGS: dict[str, dict[str, int]] = {
     # TinyLlama-1.1B (config.json of TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T).
@@ -325,7 +325,7 @@ def main(argv: "list[str] | None" = None) -> int:
     info = {
         "cpu": cpu, "logical_cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
         "memprof": memprof.__version__, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(["python", os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else argv)),
+        "command": command_line(__file__, argv),
     }
     print(f"# {cpu}, torch {torch.__version__}; configs {', '.join(configs)}, seq {seq}, batch {args.batch}", flush=True)
     results, failures = [], []

@@ -72,7 +72,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from _machine import cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import command_line, cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 # Silence kineto's per-session "profiler_start/stop" lines (must precede importing torch).
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -532,7 +532,7 @@ def main(argv: "list[str] | None" = None) -> int:
             print("CUDA not available: CUDA workloads skipped", file=sys.stderr)
 
     info = machine_info(args.threads)
-    info["command"] = " ".join(["python", os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else argv))
+    info["command"] = command_line(__file__, argv)
     print(f"# {info['cpu']}, torch {info['torch']}, {args.threads} threads; "
           f"{rounds} rounds x {steps} steps; variants {', '.join(variants)}", flush=True)
 

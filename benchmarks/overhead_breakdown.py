@@ -38,13 +38,12 @@ import argparse
 import collections
 import contextlib
 import datetime
-import os
 import statistics
 import sys
 import time
 from typing import Any
 
-from _machine import cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import command_line, cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -58,12 +57,11 @@ VARIANTS = ("bare", "null_dispatch", "light", "exact", "no_backward_module_hooks
             "no_saved_tensor_hooks", "hooks_only")
 
 
-class _DoNothingHandler(TorchDispatchMode):
+class _DoNothingHandler(overhead.NullDispatchMode):
+    """overhead.py's do-nothing mode, constructible as memprof constructs its handler (with the profiler)."""
+
     def __init__(self, prof: Any = None) -> None:
         super().__init__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        return func(*args, **(kwargs or {}))
 
 
 def build(width: int, seq: int, batch: int) -> overhead.Workload:
@@ -174,7 +172,7 @@ def main(argv: "list[str] | None" = None) -> int:
     }
     info = {"cpu": cpu_model(), "torch": torch.__version__, "threads": args.threads,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join(["python", os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else argv)),
+            "command": command_line(__file__, argv),
             "workload": wl.description, "rounds": rounds, "steps_per_round": steps,
             "dispatched_ops_per_step": counts}
 
