@@ -42,6 +42,11 @@ OPTIMIZERS = {
 }
 
 
+def _causes(rec, category=None):
+    """Named causes of a reconciliation, by name: bytes (of one category, if given)."""
+    return {c.name: c.bytes for c in rec.causes if category is None or c.category is category}
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_fp32_model_states_close_exactly(name):
     model, batch, loss_fn = make("mlp")
@@ -128,7 +133,7 @@ def test_megatron_block_activations_within_one_percent():
     assert measured == 2_885_632
     assert abs(measured - formula) / formula < 0.01
     rec = rep.reconcile(at="peak", transformer=dict(seq_len=s, batch=b, hidden=h, heads=a, layers=1))
-    causes = {c.name: c.bytes for c in rec.causes}
+    causes = _causes(rec)
     # 2 LayerNorms x (mean + rstd) x s*b elements x 2 bytes (bf16 on CPU) = 2,048: named, not unexplained.
     assert causes.get("normalisation statistics") == 2 * 2 * s * b * 2
 
@@ -168,7 +173,7 @@ def test_per_module_formula_gaps_are_all_named_for_a_chain():
     rep = _chain_reconciliation()
     rec = rep.reconcile(at="peak")
     assert rec.where.endswith("backward)")
-    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    causes = _causes(rec, C.ACTIVATIONS)
     x = 32 * 256 * 4  # every activation of this chain is one 32x256 fp32 tensor: 32,768 B
     # Rules: each Linear saves its input, each ReLU its output: 5 x. Measured at the end of forward:
     # the two ReLU outputs (each saved by its ReLU and by the next Linear) and mse_loss's saved prediction.
@@ -344,7 +349,7 @@ def test_saved_by_two_modules_is_what_the_rules_count_beyond_the_storage(cls):
         model(torch.randn(b, d)).square().mean().backward()
         opt.step()
     rec = prof.report().reconcile(at="peak")
-    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    causes = _causes(rec, C.ACTIVATIONS)
     h = b * d * 4  # one 64x256 fp32 tensor: 65,536 B
     if cls is _Split:
         # fc0's output (2h) is one storage; fa and fb each save a half (h): the rules count 2h, as measured.
@@ -368,7 +373,7 @@ def test_model_inputs_saved_count_the_saved_view_not_the_dataset():
     # The first Linear's rule counts its input, 32*64*4 = 8,192 B, not the 5,120,000 B storage under it.
     assert prof.trace.facts.activation_inputs_saved == 32 * 64 * 4
     rec = prof.report().reconcile(at="peak")
-    assert {c.name: c.bytes for c in rec.causes}["model inputs saved by modules"] == -32 * 64 * 4
+    assert _causes(rec)["model inputs saved by modules"] == -32 * 64 * 4
     assert rec.unexplained(C.ACTIVATIONS) == 0
 
 
@@ -388,7 +393,7 @@ def test_a_no_grad_forward_after_backward_is_not_the_forward_backward_counts_fro
     assert phases[:3] == [memprof.Phase.FORWARD, memprof.Phase.BACKWARD, memprof.Phase.FORWARD]
     rec = prof.report().reconcile(at="peak")
     assert rec.where.endswith("backward)")
-    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    causes = _causes(rec, C.ACTIVATIONS)
     # Counted from the training forward's end, not from the no_grad one (which saved nothing).
     assert causes["released by backward"] < 0
     assert rec.unexplained(C.ACTIVATIONS) == 0
@@ -414,7 +419,7 @@ def test_a_dropout_mask_saved_in_container_code_is_functional_code_for_the_per_m
     assert tags["dropout_mask_4byte"] == mask
     assert tags["saved_in_container_code"] == mask
     rec = prof.report().reconcile(at="peak")
-    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    causes = _causes(rec, C.ACTIVATIONS)
     assert causes["functional code in container modules"] == mask
     assert rec.unexplained(C.ACTIVATIONS) == 0
 
@@ -434,7 +439,7 @@ def test_a_module_saving_a_view_of_a_larger_storage_is_named():
     with memprof.profile(model) as prof:
         model(torch.randn(8, 16, 32)).sum().backward()
     rec = prof.report().reconcile(at="peak")
-    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    causes = _causes(rec, C.ACTIVATIONS)
     # LayerNorm saves lin's output[:, 0] (8*32*4 = 1,024 B, what its rule counts); autograd keeps the
     # whole 8*16*32*4 = 16,384 B storage under it, which memprof counts: 15,360 B more.
     assert causes["saved views of larger storages"] == 8 * 16 * 32 * 4 - 8 * 32 * 4
@@ -459,7 +464,7 @@ def test_container_code_cause_leaves_out_what_a_later_rule_counts():
     with memprof.profile(model) as prof:
         model(x).sum().backward()
     rec = prof.report().reconcile(at="peak")
-    causes = {c.name: c.bytes for c in rec.causes if c.category is C.ACTIVATIONS}
+    causes = _causes(rec, C.ACTIVATIONS)
     # h (16*64*4 = 4,096 B) is in the formula through out's rule: not functional code as well.
     assert "functional code in container modules" not in causes
     assert causes["model inputs saved by modules"] == -16 * 32 * 4  # lin's rule counts the batch
@@ -497,5 +502,5 @@ def test_rules_counting_more_than_a_storage_is_named(cls, cause, nbytes):
     with memprof.profile(model) as prof:
         F.mse_loss(model(torch.randn(4, 32)), torch.randn(4, 32)).backward()
     rec = prof.report().reconcile(at="peak")
-    assert {c.name: c.bytes for c in rec.causes}[cause] == nbytes
+    assert _causes(rec)[cause] == nbytes
     assert rec.unexplained(C.ACTIVATIONS) == 0
