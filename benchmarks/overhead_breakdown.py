@@ -52,6 +52,7 @@ import overhead  # noqa: E402  (the workload's model and loss, and memprof itsel
 
 memprof = overhead.memprof
 from memprof import profiler as _profiler  # noqa: E402
+from memprof.track.saved import SavedHooks  # noqa: E402
 
 VARIANTS = ("bare", "null_dispatch", "light", "exact", "no_backward_module_hooks", "no_op_handler",
             "no_saved_tensor_hooks", "hooks_only")
@@ -78,16 +79,16 @@ def build(width: int, seq: int, batch: int) -> overhead.Workload:
 def _ablated(variant: str):
     """Patch memprof's mechanisms off for one variant; restore them afterwards."""
     real_handler = _profiler._DispatchTracker
-    real_hooks = torch.autograd.graph.saved_tensors_hooks
+    real_cover = SavedHooks.cover
     try:
         if variant in ("no_op_handler", "hooks_only"):
             _profiler._DispatchTracker = _DoNothingHandler
         if variant in ("no_saved_tensor_hooks", "hooks_only"):
-            torch.autograd.graph.saved_tensors_hooks = lambda pack, unpack: contextlib.nullcontext()
+            SavedHooks.cover = lambda self: False  # memprof never pushes its saved-tensor pair
         yield
     finally:
         _profiler._DispatchTracker = real_handler
-        torch.autograd.graph.saved_tensors_hooks = real_hooks
+        SavedHooks.cover = real_cover
 
 
 def run_variant(variant: str, wl: overhead.Workload, steps: int) -> float:

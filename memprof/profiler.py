@@ -35,8 +35,11 @@ from .categories import Phase
 from .anatomy.activations import TensorMeta
 from .anatomy.optimizers import param_group_implementations
 from .errors import InvalidArgumentError, ProfilerStateError, UnknownNameError
+from .units import format_bytes
 from .track.device import DeviceProbe
 from .track.operations import OperationLog
+from .track.saved import Saved, SavedHooks, is_checkpoint_pair, pop_orphans
+from .track.saved import unpack as unpack_saved
 from .track.ledger import (
     TAGS,
     ACTIVATIONS,
@@ -68,9 +71,13 @@ _MODES = ("full", "light", "auto")
 _DETACH = torch.ops.aten.detach.default
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
+_get_ident = threading.get_ident
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: -1)
 _NoPythonDispatch = getattr(torch._C, "_DisableTorchDispatch", contextlib.nullcontext)
 _MAX_SAMPLES = 20_000
+# torch 2.9 added TorchDispatchMode.ignore_compile_internals; before it, any dispatch mode makes
+# torch.compile fall back to eager (torch/_dynamo/convert_frame.py).
+_DISPATCH_KEEPS_COMPILE = hasattr(TorchDispatchMode, "ignore_compile_internals")
 
 _aten = torch.ops.aten
 _BACKWARD = Phase.BACKWARD
@@ -159,9 +166,13 @@ _TAG_RULES: dict[Any, Any] = {
 
 # Models currently being profiled, so that a second profiler on the same model is refused.
 _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-# Profiles active in this thread: dispatch modes and saved-tensor hooks are per
-# thread, and an inner profile's hooks would hide every saved tensor from the outer one.
-_THREAD = threading.local()
+# Profiles active per thread id: dispatch modes and saved-tensor hooks are per thread, and an
+# inner profile's hooks would hide every saved tensor from the outer one. A dict rather than a
+# threading.local, so that a profile ended from another thread still frees its thread's slot.
+_ACTIVE_THREADS: dict[int, int] = {}
+# Dispatch trackers that could not be popped because their profile ended in another thread:
+# (thread id, tracker). The next profile started in that thread pops those on top of its stack.
+_ORPHAN_MODES: list[tuple[int, Any]] = []
 
 
 def profile(
@@ -189,43 +200,28 @@ def profile(
     return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations)
 
 
-class _Saved:
-    """What the pack hook hands to autograd: a detached alias of the saved tensor.
-
-    Detaching avoids the reference cycle (output -> grad_fn -> saved output)
-    that returning the tensor itself would create, which would keep a graph
-    that is dropped without backward alive. ``__del__`` tells the profiler
-    that autograd released this slot.
-    """
-
-    __slots__ = ("tensor", "owner", "key")
-
-    def __init__(self, tensor: torch.Tensor, owner: "Profiler | None", key: int) -> None:
-        self.tensor = tensor
-        self.owner = owner
-        self.key = key
-
-    def __del__(self) -> None:
-        owner = self.owner
-        if owner is not None:
-            owner._unsaved(self.key)
-
-
-
-
 class _DispatchTracker(TorchDispatchMode):
     """Sees every op; registers each new output storage with the ledger."""
 
     def __init__(self, prof: "Profiler") -> None:
         super().__init__()
-        self.prof = prof
+        self.prof: "Profiler | None" = prof
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Any other dispatch mode makes torch.compile run the model eagerly, and the code
+        # object stays eager for the rest of the process (torch/_dynamo/convert_frame.py skips
+        # frames while a mode without this flag is on the stack). With it, compiled code stays
+        # compiled and this mode sees the ops the compiled artifact dispatches at run time.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can.
-        if func is _DETACH:
-            # A detach only aliases (the engine and saved-tensor packing issue many): nothing to count.
-            return func(*args, **(kwargs or {}))
         prof = self.prof
+        if func is _DETACH or prof is None:
+            # A detach only aliases (the engine and saved-tensor packing issue many): nothing to count.
+            # No owner: the profile ended in another thread and this mode is waiting to be popped.
+            return func(*args, **(kwargs or {}))
         phase = prof._phase
         if phase is _BACKWARD:
             prof._watch_recompute()
@@ -241,6 +237,11 @@ class _DispatchTracker(TorchDispatchMode):
         kind = info[0]
         if kind >= _NOT_WORK:  # views and profiler markers
             return out
+        if kind == _WRITES_OUT:
+            # An out= op writes into a buffer it was handed. A buffer memprof never saw was
+            # allocated where no op reaches dispatch: inside compiled code (torch.compile's
+            # generated kernels allocate directly) or by the caller before the profile.
+            prof._register_unseen(args, kwargs)
         prof._ops += 1
         if prof._operations is not None:
             prof._operations.record(phase.value, func, args, kwargs, out)
@@ -273,7 +274,11 @@ class _DispatchTracker(TorchDispatchMode):
 
 
 # What an op's outputs are, decided once per op from its schema.
-_NEW_OUTPUTS, _ALIASES, _NOT_WORK, _VIEW = 0, 1, 2, 3
+_NEW_OUTPUTS, _ALIASES, _WRITES_OUT, _NOT_WORK, _VIEW = 0, 1, 2, 3, 4
+# Ops whose schema says "returns an alias of the input" but which hand out a storage made outside
+# dispatch: torch.tensor(...), torch.as_tensor(list) and from_numpy build the tensor in C++ and only
+# then pass it through lift_fresh (torch/csrc/utils/tensor_new.cpp). The output is a new storage.
+_LIFTS = frozenset(o for o in (_op("lift_fresh"), _op("lift_fresh_copy"), _op("lift")) if o is not None)
 # id(op) -> (kind, tag rule or None, op). The op itself is kept so that its id stays its own.
 _OP_INFO: dict[int, tuple[int, Any, Any]] = {}
 
@@ -291,6 +296,10 @@ def _op_info(func: Any) -> tuple[int, Any, Any]:
             aliases = writes = False
         # In-place ops (_ALIASES) write their result; views (_VIEW) move no data at all.
         kind = (_ALIASES if writes else _VIEW) if aliases else _NEW_OUTPUTS
+        if kind == _ALIASES and func._overloadname == "out":
+            kind = _WRITES_OUT
+        if func in _LIFTS:
+            kind = _NEW_OUTPUTS
     info = (kind, _TAG_RULES.get(func), func)
     _OP_INFO[id(func)] = info
     return info
@@ -345,13 +354,22 @@ class Profiler:
                     f"{type(opt).__name__} holds {len(foreign)} parameter(s) that are not the model's; "
                     "pass the optimizer built from model.parameters(), or profile the module that owns them"
                 )
-        compiled = hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod", None), nn.Module)
+        if getattr(model, "_compiled_call_impl", None) is not None:
+            # nn.Module.compile() compiles the module's own __call__, hooks included: memprof's hooks
+            # would be traced into the graph (splitting it) or, added after compilation, never run.
+            raise InvalidArgumentError(
+                f"{type(model).__name__} was compiled in place with model.compile(), so memprof's hooks on it "
+                "would run inside the compiled code; profile the wrapper torch.compile(model) returns instead "
+                "(memprof.profile(torch.compile(model), optimizer)), or compile its blocks in place and "
+                "profile the model that holds them"
+            )
         device = _model_device(model)
         if device.type == "meta" and not _allow_meta:
             raise InvalidArgumentError(
                 "the model is on the meta device, where nothing can be measured; move it to a real device "
                 "(model.to('cpu') after materialising), or use memprof.estimate() to simulate it"
             )
+        self._mode_requested = mode
         if mode == "auto":
             mode = "full" if device.type in ("cpu", "meta") else "light"
         self.mode = mode
@@ -375,12 +393,8 @@ class Profiler:
         self._ledger = Ledger(rounding=_rounding if _rounding is not None else self._probe.rounding)
         self._stack: "contextlib.ExitStack | None" = None
         self._notes: list[str] = []
-        if compiled:
-            self._notes.append(
-                "the model is compiled with torch.compile: whole-step figures are measured, but ops fused into "
-                "compiled graphs are seen as single ops and module hooks inside them may not run, so per-module "
-                "figures can be incomplete"
-            )
+        self._thread = 0
+        self._setup_error: "str | None" = None
 
     # ------------------------------------------------------------------ public
 
@@ -396,23 +410,29 @@ class Profiler:
                 "memprof.profile() is already active on this model; exit that block first "
                 "(one profiler per model at a time)"
             )
-        if getattr(_THREAD, "active", 0):
+        thread = _get_ident()
+        if _ACTIVE_THREADS.get(thread, 0):
             raise ProfilerStateError(
                 "another memprof.profile() is active in this thread; profiles cannot nest (the inner one would "
                 "hide saved tensors from the outer); profile the outer model once and read report.modules() "
                 "for its submodules"
             )
+        _pop_orphans()
         # Collect garbage first so that cycles left by earlier code are not freed
         # mid-step and counted as this step's frees.
         gc.collect()
         self._state = "active"
+        self._thread = thread
         _ACTIVE_MODELS.add(model)
-        _THREAD.active = getattr(_THREAD, "active", 0) + 1
-        self._thread_counted = True
+        _ACTIVE_THREADS[thread] = 1
         self._stack = contextlib.ExitStack()
         try:
             self._setup(model)
-        except BaseException:
+        except BaseException as exc:
+            # The user's own error comes through unchanged (a lazy module, a hook that raises);
+            # nothing memprof installed stays behind, and no partial record is made of it.
+            self._setup_error = f"{type(exc).__name__}: {exc}"
+            self._state = "failed"
             self._teardown()
             raise
         return self
@@ -425,7 +445,14 @@ class Profiler:
             # What was live at the failing moment, before anything unwinds further.
             self._live_at_error = self._breakdown(self._ledger.totals, where="now")
             self._live_modules_at_error = self._modules_live_now()
+        elsewhere = _get_ident() != self._thread
         self._teardown()
+        if elsewhere and exc is None:
+            raise ProfilerStateError(
+                "this profile was ended in another thread than the one that started it; its hooks are removed "
+                "and prof.report() holds what was measured, but the starting thread keeps memprof's per-thread "
+                "hooks, inert, until a profile starts there again: end a profile in the thread that started it"
+            )
         return None  # never swallow the body's exception
 
     @contextlib.contextmanager
@@ -446,6 +473,8 @@ class Profiler:
         finally:
             if self._state == "active":
                 self._end_step()
+                if _get_ident() == self._thread:
+                    self._saved.release()
 
     @property
     def trace(self) -> Trace:
@@ -459,6 +488,11 @@ class Profiler:
             if self._state == "active":
                 raise ProfilerStateError(
                     "the profiler is still running; read prof.report() after the 'with' block ends"
+                )
+            if self._state == "failed":
+                raise ProfilerStateError(
+                    f"profiling never started: setting it up raised {self._setup_error}; fix that error "
+                    "(it was raised to your code too) and profile again"
                 )
         assert self._trace is not None
         return self._trace
@@ -513,28 +547,34 @@ class Profiler:
         # Inputs saved by modules with a rule during that forward: (module, storage key) -> bytes saved.
         self._saved_inputs: dict[tuple[int, int], int] = {}
 
+        # Per-thread and per-tensor hooks: memprof's saved-tensor pushes, tensor and node hooks.
+        self._saved = SavedHooks(self)
+        self._scoped: list[int] = []  # module calls whose forward holds a scoped saved-tensor push
+        self._tensor_hooks: dict[tuple[int, int], tuple[weakref.ref, Any]] = {}
+        self._node_hooks: list[Any] = []
+        self._foreign_threads: set[int] = set()
+        self._compiled_calls = 0
+        self._compiled_depth = 0
+        self._model_changed = False
+        self._changes: list[str] = []
+        stack.callback(self._close_thread_hooks)
+
         # One table of the model's modules, by path (named_modules() yields a shared module once,
         # under its first path): what each one is and which parameters it holds.
-        from .anatomy.activations import saved_bytes_rule
-
         self._modules: list[_ModuleInfo] = []
         self._modules_ref: list[weakref.ref] = []
+        self._module_index: dict[int, int] = {}  # id(module) -> its row in the tables below
         self._module_params: list[list[weakref.ref]] = []
         # The tag a storage saved while this module is innermost gets when no op rule named it.
         self._saved_tag: list[int] = []
-        for path, mod in model.named_modules():
-            self._modules.append(_ModuleInfo(path or "", type(mod).__name__))
-            self._modules_ref.append(weakref.ref(mod))
-            self._module_params.append([weakref.ref(p) for p in _unique_params(mod)])
-            if any(True for _ in mod.children()):
-                self._saved_tag.append(_TAG["saved_in_container_code"])
-            elif saved_bytes_rule(mod) is None:
-                self._saved_tag.append(_TAG["saved_in_module_without_rule"])
-            else:
-                self._saved_tag.append(-1)
-        params = list(_unique_params(model))
-        self._params = [weakref.ref(p) for p in params]
-        self._param_ids = {id(p) for p in params}
+        self._brackets: set[int] = set()  # modules whose calls run compiled code memprof cannot see into
+        self._compiled_paths: list[str] = []
+        self._unhooked: set[int] = set()  # modules inside compiled code: no hooks, no per-module figures
+        self._params: list[weakref.ref] = []
+        self._param_ids: set[int] = set()
+        self._pending_params: list[weakref.ref] = []  # lazy parameters not materialised yet
+        self._root_ref = weakref.ref(model)
+        params = [p for p in _unique_params(model) if not _is_lazy(p)]
         self._param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params}))
 
         # What exists already: weights, buffers, gradients, optimizer state.
@@ -557,34 +597,182 @@ class Profiler:
 
         # Hooks. Each registration goes on the stack right away so that a
         # failure half-way still removes what was installed.
-        root = model
-        for i, (_path, mod) in enumerate(model.named_modules()):
-            pre = mod.register_forward_pre_hook(self._make_pre_hook(i, mod is root), with_kwargs=True)
-            stack.callback(pre.remove)
-            post = mod.register_forward_hook(self._make_post_hook(i, mod is root), with_kwargs=True,
-                                             always_call=True)
-            stack.callback(post.remove)
-        for p in params:
-            if p.requires_grad:
-                h = p.register_post_accumulate_grad_hook(self._grad_hook)
-                stack.callback(h.remove)
+        self._adopt_modules(model)
+        if self._compiled_paths and self.mode == "full" and not _DISPATCH_KEEPS_COMPILE:
+            # With this torch any dispatch mode makes compiled code run eagerly, and for the rest of
+            # the process: full mode would change the user's training.
+            if self._mode_requested == "full":
+                raise InvalidArgumentError(
+                    f"{self._compiled_paths[0]} runs torch.compile'd code, and with torch {torch.__version__} "
+                    "full mode's dispatch mode would make it run eagerly for the rest of the process; profile "
+                    "it with mode='light', or upgrade torch (2.9 and later keep compiled code compiled)"
+                )
+            self.mode = "light"
+            self._dispatching = self._track_backward_modules = False
+            self._notes.append(
+                f"light mode: the model runs torch.compile'd code, which full mode's dispatch mode would make "
+                f"run eagerly with torch {torch.__version__}"
+            )
         h = _optim_mod.register_optimizer_step_pre_hook(self._opt_pre_hook)
         stack.callback(h.remove)
         h = _optim_mod.register_optimizer_step_post_hook(self._opt_post_hook)
         stack.callback(h.remove)
-        # One bound-method object, so that the recompute check can compare by identity.
-        self._pack_hook = self._pack
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack))
+        # The model may gain parameters or submodules inside the block (a new head, lazy modules).
+        from torch.nn.modules import module as _module_mod
+
+        for name in ("register_module_parameter_registration_hook", "register_module_module_registration_hook"):
+            register = getattr(_module_mod, name, None)
+            if register is not None:
+                stack.callback(register(self._registration_hook).remove)
         if self._want_operations and self.mode != "full":
             self._notes.append("operations=True needs mode='full' (it sees ops through the dispatch mode)")
         if self.mode == "full":
             if self._want_operations:
                 self._operations = OperationLog()
-            stack.enter_context(_DispatchTracker(self))
+            tracker = _DispatchTracker(self)
+            tracker.__enter__()
+            stack.callback(self._close_tracker, tracker)
         else:
             self._probe.start_light()
             self._notes.extend(self._probe.light_notes())
         self._sample("start")
+
+    def _adopt_modules(self, model: nn.Module) -> None:
+        """Add the model's modules not in the table yet (all of them at the start) and hook them.
+
+        Modules inside compiled code get no hooks: torch.compile would trace memprof's hooks into
+        its graph (splitting it) or, for hooks added after compilation, never run them. The call
+        that enters compiled code (the torch.compile wrapper, or the nearest hooked ancestor of a
+        module compiled in place) is hooked and marks where memprof cannot see inside.
+        """
+        stack = self._stack
+        assert stack is not None
+        from .anatomy.activations import saved_bytes_rule
+
+        inside: list[str] = []  # path prefixes of compiled code
+        parents: dict[str, int] = {}
+        root = self._root_ref()
+        for path, mod in model.named_modules():
+            compiled_here = any(path == p or path.startswith(p + ".") for p in inside)
+            known = self._module_index.get(id(mod))
+            if known is not None and self._modules_ref[known]() is mod:
+                parents[path] = known
+                if not compiled_here and getattr(mod, "_compiled_call_impl", None) is not None:
+                    inside.append(path)
+                elif not compiled_here and _is_compile_wrapper(mod):
+                    inside.append(f"{path}._orig_mod" if path else "_orig_mod")
+                continue
+            index = len(self._modules)
+            parents[path] = index
+            self._modules.append(_ModuleInfo(path or "", type(mod).__name__))
+            self._modules_ref.append(weakref.ref(mod))
+            self._module_index[id(mod)] = index
+            self._module_params.append([weakref.ref(p) for p in _unique_params(mod)])
+            if any(True for _ in mod.children()):
+                self._saved_tag.append(_TAG["saved_in_container_code"])
+            elif saved_bytes_rule(mod) is None:
+                self._saved_tag.append(_TAG["saved_in_module_without_rule"])
+            else:
+                self._saved_tag.append(-1)
+            if compiled_here:
+                self._unhooked.add(index)
+                continue
+            if getattr(mod, "_compiled_call_impl", None) is not None:
+                # Compiled in place: its own hooks would run inside the compiled code.
+                self._unhooked.add(index)
+                inside.append(path)
+                parent = path.rsplit(".", 1)[0] if "." in path else ""
+                if parent in parents:
+                    self._brackets.add(parents[parent])
+                self._note_compiled(path or "<model>")
+                continue
+            if _is_compile_wrapper(mod):
+                inside.append(f"{path}._orig_mod" if path else "_orig_mod")
+                self._brackets.add(index)
+                self._note_compiled(path or "<model>")
+            is_root = mod is root
+            pre = mod.register_forward_pre_hook(self._make_pre_hook(index, is_root), with_kwargs=True)
+            stack.callback(pre.remove)
+            post = mod.register_forward_hook(self._make_post_hook(index, is_root), with_kwargs=True,
+                                             always_call=True)
+            stack.callback(post.remove)
+        for p in _unique_params(model):
+            if id(p) not in self._param_ids:
+                self._adopt_param(p)
+
+    def _adopt_param(self, p: nn.Parameter) -> None:
+        """A parameter of the model: its storage is a weight and its gradient is watched."""
+        if _is_lazy(p):
+            if all(r() is not p for r in self._pending_params):
+                self._pending_params.append(weakref.ref(p))
+            return
+        self._params.append(weakref.ref(p))
+        self._param_ids.add(id(p))
+        # Already a weight for the parameters that existed at the start; one made inside the block
+        # (a new head, a materialised lazy parameter) was a temporary until now.
+        entry = self._add_tensor(p, WEIGHTS)
+        if entry is not None and entry.cat != WEIGHTS:
+            self._ledger.move(entry, WEIGHTS, retro=True)
+        if p.requires_grad:
+            assert self._stack is not None
+            self._stack.callback(p.register_post_accumulate_grad_hook(self._grad_hook).remove)
+
+    def _note_compiled(self, path: str) -> None:
+        self._compiled_paths.append(path)
+
+    def _registration_hook(self, module: nn.Module, name: str, value: Any) -> None:
+        # Global: fires for every module in the process. Only the model's matter; what changed
+        # is adopted at the next point where the model is not running (a forward's start, a step).
+        if self._state == "active" and id(module) in self._module_index and value is not None:
+            self._model_changed = True
+
+    def _sync_model(self) -> None:
+        """Adopt parameters and modules the model gained since the last look, and lazy parameters."""
+        model = self._root_ref()
+        if model is None:
+            return
+        before_params, before_mods = len(self._params), len(self._modules)
+        if self._pending_params:
+            pending = [r() for r in self._pending_params]
+            self._pending_params = []
+            for p in pending:
+                if p is not None:
+                    self._adopt_param(p)
+        if self._model_changed:
+            self._model_changed = False
+            self._adopt_modules(model)
+        new_params = self._params[before_params:]
+        new_mods = len(self._modules) - before_mods
+        if new_params and self._ops == self._phase_ops_start:
+            self._phase_start = self._ledger.totals.copy()  # the phase has just begun: it starts with them
+        if new_params or new_mods:
+            nbytes = sum(self._ledger.size_of(p.untyped_storage().nbytes()) for p in
+                         (r() for r in new_params) if p is not None)
+            what = [f"{len(new_params)} parameter(s) ({format_bytes(nbytes)})"] if new_params else []
+            if new_mods:
+                what.append(f"{new_mods} module(s)")
+            self._changes.append(f"step {self._step}: " + " and ".join(what))
+
+    def _close_thread_hooks(self) -> None:
+        """Undo memprof's per-thread saved-tensor pushes and remove its tensor and node hooks."""
+        for _ref, handle in self._tensor_hooks.values():
+            handle.remove()
+        self._tensor_hooks.clear()
+        for handle in self._node_hooks:
+            handle.remove()
+        self._node_hooks.clear()
+        if not self._saved.close() and _get_ident() == self._thread:
+            self._notes.append(
+                "saved_tensors_hooks entered inside the profile were still active when it ended (above "
+                "memprof's own pair), so memprof's pair is left inert beneath them until they exit"
+            )
+
+    def _close_tracker(self, tracker: "_DispatchTracker") -> None:
+        tracker.prof = None  # inert from now on, wherever it still sits
+        if _get_ident() == self._thread:
+            tracker.__exit__(None, None, None)
+        else:
+            _ORPHAN_MODES.append((self._thread, tracker))
 
     def _teardown(self) -> None:
         stack, self._stack = self._stack, None
@@ -596,9 +784,8 @@ class Profiler:
         finally:
             if model is not None:
                 _ACTIVE_MODELS.discard(model)
-            if getattr(self, "_thread_counted", False):
-                self._thread_counted = False
-                _THREAD.active = max(0, getattr(_THREAD, "active", 1) - 1)
+            if self._thread:
+                _ACTIVE_THREADS.pop(self._thread, None)
             if self._state == "active":
                 self._state = "done"
                 try:
@@ -607,7 +794,8 @@ class Profiler:
                     self._ledger.close()
                     self._samples = []
             else:
-                self._state = "done"
+                if self._state != "failed":
+                    self._state = "done"
                 self._ledger.close()
 
     # ------------------------------------------------------------------ registration
@@ -668,6 +856,13 @@ class Profiler:
             return
         self._ledger.add(st, TEMPORARIES)
 
+    def _register_unseen(self, args: Any, kwargs: Any) -> None:
+        # out= tensors are keyword-only in the schemas of .out overloads.
+        for value in (kwargs or {}).values():
+            for t in (value,) if isinstance(value, torch.Tensor) else value if isinstance(value, (tuple, list)) else ():
+                if isinstance(t, torch.Tensor):
+                    self._register_output(t)
+
     def _entry_of(self, t: torch.Tensor) -> Any:
         try:
             return self._ledger.entries.get(t.untyped_storage()._cdata)
@@ -713,21 +908,31 @@ class Profiler:
     # ------------------------------------------------------------------ saved tensors
 
     def _pack(self, t: torch.Tensor) -> Any:
-        # Runs for every tensor autograd saves: kept to attribute reads and one dict lookup.
+        # memprof's own pack (no user pair beneath): runs for every tensor autograd saves.
+        key = self._account_saved(t)
+        if key is not None:
+            return Saved(self._detached(t), self, key, t._version)
+        # Weights, inputs, buffers: a tensor without grad_fn cannot close a reference cycle.
+        return Saved(t if t.grad_fn is None else self._detached(t), None, 0, t._version)
+
+    def _account_saved(self, t: torch.Tensor) -> "int | None":
+        """Ledger work for a tensor autograd now holds: returns its storage's key when that is
+        a counted activation (the caller's slot must release it through ``_unsaved``)."""
         if self._state != "active" or t.layout is not torch.strided or (
                 not t.is_cpu if self._on_cpu else t.device != self.device):
-            return t.detach() if isinstance(t, torch.Tensor) else t
+            return None
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return t.detach()
+            return None
         led = self._ledger
         entry = led.entries.get(st._cdata)
         if entry is None:
-            # Full mode saw every op output, so an unknown storage came from
-            # outside the profile: an input. Light mode sees no op outputs, so
-            # an unknown storage that autograd saves is an activation.
-            entry = led.add(st, INPUTS if self.mode == "full" else ACTIVATIONS)
+            # Full mode saw every op output, so an unknown storage came from outside the profile
+            # (an input) or from compiled code, which allocates out of dispatch's sight. Light mode
+            # sees no op outputs, so an unknown storage that autograd saves is an activation.
+            made_here = self.mode != "full" or self._compiled_depth > 0
+            entry = led.add(st, ACTIVATIONS if made_here else INPUTS)
             if entry.cat == ACTIVATIONS:
                 self._attribute_saved(entry)
         elif entry.cat == TEMPORARIES:
@@ -744,9 +949,8 @@ class Profiler:
             if entry.saved < 0:
                 entry.saved = 0
             entry.saved += 1
-            return _Saved(self._detached(t), self, entry.key)
-        # Weights, inputs, buffers: a tensor without grad_fn cannot close a reference cycle.
-        return t if t.grad_fn is None else self._detached(t)
+            return entry.key
+        return None
 
     def _saved_by_rule_module(self, entry: Any, index: int, view_bytes: int) -> None:
         """Account for what the per-module formula counts: each rule counts the tensor its module
@@ -800,7 +1004,13 @@ class Profiler:
         # (the loss's own backward): it starts the backward phase in light mode.
         if self._phase is not _BACKWARD and self._state == "active" and _graph_task_id() != -1:
             self._backward_started()
-        return saved.tensor if type(saved) is _Saved else saved
+        return unpack_saved(saved)
+
+    def _unpacking(self) -> None:
+        # The first unpack of a backward pass can come before any gradient hook
+        # (the loss's own backward): it starts the backward phase in light mode.
+        if self._phase is not _BACKWARD and self._state == "active" and _graph_task_id() != -1:
+            self._backward_started()
 
     def _attribute_saved(self, entry: Any) -> None:
         # Where it was saved from, for the per-module formula's causes. An autocast weight copy has a
@@ -837,11 +1047,9 @@ class Profiler:
             self._ledger.move(entry, TEMPORARIES)
 
     def _watch_recompute(self) -> None:
-        # During backward, saved-tensor hooks other than ours on top of the
-        # stack mean a checkpointed region is being recomputed under
-        # checkpoint's own hooks (which store what it saves out of our sight).
-        top = _top_saved_hooks(False)
-        foreign = top is not None and top[0] is not self._pack_hook
+        # During backward, torch.utils.checkpoint's pair on top of the stack means a checkpointed
+        # region is being recomputed under its hooks (which store what it saves out of our sight).
+        foreign = is_checkpoint_pair(_top_saved_hooks(False))
         if foreign and not self._recomputing:
             self._recomputing = True
             self._recompute_start = self._ledger.seq
@@ -867,16 +1075,23 @@ class Profiler:
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
             if self._state != "active":
                 return None
+            if _get_ident() != self._thread and _graph_task_id() == -1:
+                # The model runs in a thread other than the one that started the profile, where
+                # memprof's dispatch mode and saved-tensor hooks are not installed (both are per thread).
+                self._foreign_threads.add(_get_ident())
+                return None
             info = self._modules[index]
             in_backward = self._phase is Phase.BACKWARD
+            grad = torch.is_grad_enabled()
             # A forward is a call of the root, or an outermost call of its submodules with autograd on
             # (model.encoder(x), then model.decoder(h); a ModuleDict's members). A submodule run under
             # no_grad outside the model's forward (a frozen encoder, a probe) is not one.
             outermost = is_root or not self._fwd_stack
             if outermost and not in_backward:
-                grad = torch.is_grad_enabled()
                 if self._phase is not Phase.FORWARD and (is_root or grad):
                     self._begin_phase(Phase.FORWARD)
+                if self._model_changed or self._pending_params:
+                    self._sync_model()
                 if grad and not self._capture_metas and not self._metas_done and self._phase is Phase.FORWARD:
                     # The first grad-enabled forward gives the formula its shapes, also when a no_grad
                     # call of the model began this forward.
@@ -886,6 +1101,14 @@ class Profiler:
                 self._mark_inputs(kwargs, made_in_block_too=is_root)
                 self._note_autocast()
             info.calls += 1
+            if grad and not in_backward:
+                top = _top_saved_hooks(False)
+                # The common case first: memprof's own pair is already the innermost one.
+                if (top is None or top[0] is not self._saved.own_pack) and self._saved.cover():
+                    self._scoped.append(index)
+            if index in self._brackets:
+                self._compiled_depth += 1
+                self._compiled_calls += 1
             if self._capture_metas and not in_backward:
                 self._pending_meta[index] = [TensorMeta.of(t) for t in _tensors(args, kwargs)
                                              if t.is_floating_point() or not t.is_complex()]
@@ -893,22 +1116,31 @@ class Profiler:
             self._ledger.push_frame(index, backward=False)
             if self._timeline_enabled:
                 self._sample(info.path or "<model>")
-            if self._track_backward_modules and torch.is_grad_enabled() and not in_backward:
+            if self._track_backward_modules and grad and not in_backward:
                 hook = None
                 for a in _tensors(args, kwargs):
                     if a.requires_grad:
                         # A tensor hook, not a pre-hook on a.grad_fn: torch.autograd.grad(out, [a])
                         # captures a's gradient without running a.grad_fn, and only tensor hooks fire then.
                         hook = hook or self._make_bw_exit(index)
-                        a.register_hook(hook)
+                        self._hook_tensor(a, index, hook)
             return None
 
         return pre_hook
 
     def _make_post_hook(self, index: int, is_root: bool):
         def post_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if self._state != "active":
+            if self._state != "active" or (_get_ident() != self._thread and _graph_task_id() == -1):
                 return None
+            if self._scoped and self._scoped[-1] == index:
+                self._scoped.pop()
+                self._saved.uncover()
+            if index in self._brackets and self._compiled_depth > 0:
+                self._compiled_depth -= 1
+                if self.mode == "full":
+                    # What compiled code returns was allocated out of dispatch's sight.
+                    for t in _tensors((output,), None):
+                        self._register_output(t)
             led = self._ledger
             frame = led.frames[-1] if led.frames and led.frames[-1].module == index else None
             if frame is not None:
@@ -916,6 +1148,8 @@ class Profiler:
                     self._close_frame(f)
             if self._fwd_stack and self._fwd_stack[-1] == index:
                 self._fwd_stack.pop()
+            if is_root and self._pending_params:
+                self._sync_model()  # lazy modules took their shapes in this forward
             metas = self._pending_meta.pop(index, None) if self._capture_metas else None
             if metas is not None:
                 outs = [TensorMeta.of(t) for t in _tensors((output,), None)]
@@ -931,10 +1165,38 @@ class Profiler:
                 for t in _tensors((output,), None):
                     if t.requires_grad:
                         hook = hook or self._make_bw_enter(index)
-                        _on_gradient(t, hook)
+                        if t.grad_fn is not None:
+                            # A pre-hook on the node fires when the engine runs it, once every gradient
+                            # flowing into it is complete: when a tensor hook on t would, at a ninth of
+                            # the cost (2 us against 19). They differ when torch.autograd.grad stops at t
+                            # (the node never runs); then the module has no backward in that pass.
+                            # Removed when the step ends (its backward has run) or with the profile.
+                            self._node_hooks.append(t.grad_fn.register_prehook(hook))
+                        else:
+                            self._hook_tensor(t, index, hook)
             return None
 
         return post_hook
+
+    def _hook_tensor(self, t: torch.Tensor, index: int, hook: Any) -> None:
+        """A tensor hook for module ``index``, once per tensor (a parameter handed to a submodule
+        every forward keeps one hook, not one per call); every one is removed with the profile."""
+        key = (id(t), index)
+        known = self._tensor_hooks.get(key)
+        if known is not None and known[0]() is t:
+            return
+        self._tensor_hooks[key] = (weakref.ref(t), t.register_hook(hook))
+
+    def _prune_hooks(self) -> None:
+        """At a step's end its backward has run: drop the node and non-leaf hooks made for it."""
+        for handle in self._node_hooks:
+            handle.remove()
+        self._node_hooks.clear()
+        for key, (ref, handle) in list(self._tensor_hooks.items()):
+            t = ref()
+            if t is None or t.grad_fn is not None:
+                handle.remove()
+                del self._tensor_hooks[key]
 
     def _close_frame(self, frame: Any) -> None:
         if self.mode != "full":
@@ -1002,20 +1264,33 @@ class Profiler:
             self._add_grad(g, retro=True)
 
     def _is_ours(self, opt: torch.optim.Optimizer) -> bool:
-        if self._optimizer_ids:
-            return id(opt) in self._optimizer_ids
-        known = self._ours_cache.get(id(opt))
-        if known is None:
-            known = any(id(p) in self._param_ids for g in opt.param_groups for p in g["params"])
-            self._ours_cache[id(opt)] = known
+        """Does ``opt`` step the model: one passed to profile(), or any other holding its parameters
+        (created inside the block, re-created, or not passed at all)?"""
+        if id(opt) in self._optimizer_ids:
+            return True
+        cached = self._ours_cache.get(id(opt))
+        if cached is not None and cached[0]() is opt:
+            return cached[1]
+        known = any(id(p) in self._param_ids for g in opt.param_groups for p in g["params"])
+        self._ours_cache[id(opt)] = (weakref.ref(opt), known)
         return known
 
     def _opt_pre_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._state != "active" or not self._is_ours(opt):
+        if self._state != "active":
+            return None
+        if _get_ident() == self._thread:
+            # Between the loss and the next forward: memprof's saved-tensor pair can leave the stack.
+            self._saved.release()
+            if self._model_changed or self._pending_params:
+                self._sync_model()
+        if not self._is_ours(opt):
             return None
         self._optimizer_seen = True
         if id(opt) not in self._optimizer_ids and all(r() is not opt for r in self._discovered):
             self._discovered.append(weakref.ref(opt))
+            if self._optimizer_ids:
+                self._changes.append(f"step {self._step}: {type(opt).__name__} not passed to profile() stepped "
+                                     "the model's parameters (its state is measured from its first step)")
         self._note_optimizer(opt)
         self._walk_grads()
         if self._phase is not Phase.OPTIMIZER:
@@ -1151,6 +1426,7 @@ class Profiler:
         self._step_phases.append(record)
 
     def _end_step(self) -> None:
+        self._prune_hooks()
         self._close_phase()
         if self._step_phases:
             self._steps.append(StepRecord(self._step, tuple(self._step_phases)))
@@ -1251,13 +1527,13 @@ class Profiler:
                 params += _storage_bytes(p, seen, led)
                 if p.grad is not None:
                     grads += _storage_bytes(p.grad, seen, led)
-            full = self.mode == "full"
+            full = self.mode == "full" and i not in self._unhooked
             modules.append(ModuleRecord(
                 path=info.path or "<model>",
                 type=info.type,
                 parameters=params,
                 gradients=grads,
-                activations=info.act_bytes,
+                activations=None if i in self._unhooked else info.act_bytes,
                 peak_forward=info.fwd_peak if full else None,
                 peak_backward=info.bwd_peak if full else None,
                 temporaries_forward=info.fwd_tmp if full else None,
@@ -1266,15 +1542,16 @@ class Profiler:
             ))
         # Recursive activation totals: a container holds what its children saved.
         act = {m.path: m.activations or 0 for m in modules}
-        totals_by_path = dict(act)
+        totals_by_path: dict[str, "int | None"] = {m.path: m.activations for m in modules}
         for m in modules:
-            if m.path == "<model>":
+            if m.path == "<model>" or m.activations is None:
                 continue
             parts = m.path.split(".")
             for k in range(len(parts) - 1, -1, -1):
                 parent = ".".join(parts[:k]) if k else "<model>"
-                if parent in totals_by_path:
-                    totals_by_path[parent] += act[m.path]
+                total = totals_by_path.get(parent)
+                if total is not None:
+                    totals_by_path[parent] = total + act[m.path]
         first_inputs: dict[int, int] = {}
         for index, metas, _out, _grad in self._metas:
             first_inputs.setdefault(index, sum(m.nbytes for m in metas))
@@ -1284,12 +1561,25 @@ class Profiler:
         peak_module = None
         if self.mode == "full" and 0 <= led.peak_module < len(self._modules):
             peak_module = self._modules[led.peak_module].path or "<model>"
-        notes = list(self._notes) + self._probe.notes()
+        notes = list(self._notes) + self._probe.notes() + self._coverage_notes()
         if not self._steps:
             notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
+        blank = self._unmeasured()
+        steps = self._steps
+        timeline = tuple(Sample(seq, step, phase, label, self._breakdown(list(totals), where="sample"))
+                         for seq, step, phase, label, totals in self._samples)
+        live_at_error = self._live_at_error
+        if blank is not None:
+            start, peak, end = (_blank(b, *blank) for b in (start, peak, end))
+            steps = [StepRecord(s.index, tuple(
+                dataclasses.replace(p, start=_blank(p.start, *blank), peak=_blank(p.peak, *blank),
+                                    end=_blank(p.end, *blank)) for p in s.phases)) for s in steps]
+            timeline = tuple(dataclasses.replace(x, breakdown=_blank(x.breakdown, *blank)) for x in timeline)
+            if live_at_error is not None:
+                live_at_error = _blank(live_at_error, *blank)
         return Trace(
             mode=self.mode,
-            device=self._probe.info(),
+            device=dataclasses.replace(self._probe.info(), rounding=self._ledger.rounding),
             torch_version=torch.__version__,
             memprof_version=__version__,
             start=start,
@@ -1298,13 +1588,12 @@ class Profiler:
             peak_step=peak_step,
             peak_phase=peak_where[1] if peak_where else None,
             peak_module=peak_module,
-            steps=tuple(self._steps),
+            steps=tuple(steps),
             modules=tuple(modules),
-            timeline=tuple(Sample(seq, step, phase, label, self._breakdown(list(totals), where="sample"))
-                           for seq, step, phase, label, totals in self._samples),
+            timeline=timeline,
             notes=tuple(dict.fromkeys(notes)),
             error=self._error,
-            live_at_error=self._live_at_error,
+            live_at_error=live_at_error,
             live_modules_at_error=self._live_modules_at_error,
             optimizer=self._opt_class,
             optimizer_implementation=self._opt_impl,
@@ -1317,6 +1606,52 @@ class Profiler:
                 for (phase, cls, op), vals in sorted(self._operations.rows.items())
             ) if self._operations is not None else None,
         )
+
+    def _unmeasured(self) -> "tuple[frozenset[int], bool] | None":
+        """Categories (and whether the total) this run could not measure, or None when it measured all."""
+        cats: set[int] = set()
+        total = False
+        if self._foreign_threads:
+            # The dispatch mode and saved-tensor hooks are per thread: ops and saves there were not seen.
+            cats |= {ACTIVATIONS, INPUTS, TEMPORARIES}
+            total = self.mode == "full"
+        if self._saved.in_transform:
+            # Saved there or not cannot be told apart: torch.func allows no saved-tensor hooks.
+            cats |= {ACTIVATIONS, TEMPORARIES}
+        return (frozenset(cats), total) if cats else None
+
+    def _coverage_notes(self) -> list[str]:
+        """What this run could not see, or saw only in part, in the words the report prints."""
+        notes = []
+        if self._foreign_threads:
+            notes.append(
+                f"the model ran in {len(self._foreign_threads)} thread(s) other than the one that started the "
+                "profile, where memprof's dispatch mode and saved-tensor hooks (both per thread) are not "
+                "installed: activations, inputs and temporaries" + (" and the total" if self.mode == "full"
+                                                                   else "") + " are not measured; start the "
+                "profile in the thread that trains")
+        if self._saved.in_transform:
+            notes.append(
+                f"the model ran {self._saved.in_transform} time(s) inside torch.func transforms (grad, vjp, "
+                "jacrev, hessian), where torch allows no saved-tensor hooks: what autograd saved there cannot "
+                "be told from temporaries, so activations and temporaries are not measured")
+        if self._saved.chained_to:
+            names = ", ".join(sorted(self._saved.chained_to))
+            notes.append(
+                f"saved_tensors_hooks of your own were active ({names}): memprof ran them as without it and "
+                f"counted as activations the tensors on {self.device.type} that their pack returned; tensors "
+                "saved under them outside the model's modules (a loss computed inside such a block) are not seen")
+        if self._compiled_paths:
+            where = ", ".join(self._compiled_paths[:3]) + (" ..." if len(self._compiled_paths) > 3 else "")
+            notes.append(
+                f"{self._compiled_calls} call(s) ran torch.compile'd code ({where}): memprof saw what the "
+                "compiled code returned and what autograd saved from it, not the scratch memory its kernels "
+                "use inside, so temporaries and peaks inside those calls are lower bounds and per-module "
+                "figures stop at the compiled module")
+        if self._changes:
+            notes.append("the model or its optimizer changed during profiling (" + "; ".join(self._changes)
+                         + "): figures before that count what existed then")
+        return notes
 
     def _facts(self) -> ModelFacts:
         """Model and optimizer figures the reconciler needs, from the live objects at exit."""
@@ -1359,7 +1694,8 @@ class Profiler:
                 except Exception:
                     value = None
                 if value is None:
-                    without.add(type(module).__name__)
+                    if self._modules[index].act_bytes:  # a module that saved nothing needs no rule (Identity)
+                        without.add(type(module).__name__)
                 else:
                     activation += value
         dims: list[tuple[str, str, int]] = []
@@ -1403,13 +1739,54 @@ class Profiler:
 def _as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     if optimizer is None:
         return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    if isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
-        return list(optimizer)
-    raise InvalidArgumentError(
-        f"optimizer must be a torch.optim.Optimizer, a list of them, or None; got {type(optimizer).__name__}"
-    )
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    out = []
+    for item in items:
+        inner = _unwrap_optimizer(item)
+        if inner is None:
+            raise InvalidArgumentError(
+                f"optimizer must be a torch.optim.Optimizer (or a wrapper of one, such as accelerate's "
+                f"AcceleratedOptimizer), a list of them, or None; got {type(item).__name__}"
+            )
+        out.append(inner)
+    return out
+
+
+def _unwrap_optimizer(opt: Any) -> "torch.optim.Optimizer | None":
+    """The torch optimizer a wrapper drives: accelerate's AcceleratedOptimizer and DeepSpeed's wrap
+    it as ``.optimizer``, Lightning's LightningOptimizer as ``._optimizer``. torch's step hooks fire
+    for the optimizer whose step() runs, the innermost one, so that is the one memprof must follow."""
+    chain = [opt]
+    while len(chain) < 8:  # wrappers of wrappers; a cycle ends here too
+        inner = next((c for c in (getattr(chain[-1], a, None) for a in ("optimizer", "_optimizer"))
+                      if c is not None and all(c is not o for o in chain)), None)
+        if inner is None:
+            break
+        chain.append(inner)
+    # The innermost torch optimizer: an Optimizer subclass whose `optimizer` attribute is something
+    # else (not an optimizer) is itself the one that steps.
+    return next((o for o in reversed(chain) if isinstance(o, torch.optim.Optimizer)), None)
+
+
+def _is_lazy(p: torch.Tensor) -> bool:
+    """A parameter of a lazy module (nn.LazyLinear ...) before its first forward gives it a shape."""
+    return isinstance(p, nn.parameter.UninitializedTensorMixin)
+
+
+def _is_compile_wrapper(mod: nn.Module) -> bool:
+    """The module torch.compile(model) returns (torch._dynamo.eval_frame.OptimizedModule)."""
+    return type(mod).__name__ == "OptimizedModule" and isinstance(getattr(mod, "_orig_mod", None), nn.Module)
+
+
+def _pop_orphans() -> None:
+    """Pop what profiles ended in another thread left on this thread's stacks, where it is on top."""
+    pop_orphans()
+    me = _get_ident()
+    for entry in [e for e in _ORPHAN_MODES if e[0] == me]:
+        tracker = entry[1]
+        if _dispatch_stack_len() > 0 and torch._C._get_dispatch_stack_at(_dispatch_stack_len() - 1) is tracker:
+            tracker.__exit__(None, None, None)
+            _ORPHAN_MODES.remove(entry)
 
 
 def _unique_params(model: nn.Module) -> Iterator[nn.Parameter]:
@@ -1426,25 +1803,6 @@ def _model_device(model: nn.Module) -> torch.device:
     for t in model.buffers():
         return t.device
     return torch.device("cpu")
-
-
-def _on_gradient(t: torch.Tensor, hook: Any) -> None:
-    """Call ``hook`` before ``t.grad_fn`` runs in backward (a module's backward starts).
-
-    A pre-hook on the node fires when the engine runs it, once every gradient
-    flowing into it is complete: the moment a tensor hook on ``t`` fires too.
-    ``Tensor.register_hook`` does the same through Python bookkeeping that
-    costs about 9 times more per call (19 us against 2 us here). The two
-    differ when ``torch.autograd.grad`` stops at ``t`` (the node never runs,
-    only tensor hooks fire); a module whose output that is has no backward
-    in that pass, so its frame need not open. A leaf has no ``grad_fn``: it
-    keeps the tensor hook.
-    """
-    fn = t.grad_fn
-    if fn is not None:
-        fn.register_prehook(hook)
-    else:
-        t.register_hook(hook)
 
 
 def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -1466,6 +1824,12 @@ def _collect_tensors(obj: Any, out: list[torch.Tensor], depth: int) -> None:
     elif depth < 3 and isinstance(obj, dict):
         for x in obj.values():
             _collect_tensors(x, out, depth + 1)
+
+
+def _blank(bd: Breakdown, cats: frozenset[int], total: bool) -> Breakdown:
+    """``bd`` with the categories a run could not measure (and maybe its total) as None."""
+    counts = tuple(None if i in cats else v for i, v in enumerate(bd.counts))
+    return Breakdown(counts, None if total else bd.total)
 
 
 def _tag_pairs(values: list[int]) -> tuple[tuple[str, int], ...]:

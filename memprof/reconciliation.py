@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any, Mapping
 from .anatomy.activations import transformer_layer_activations
 from .anatomy.allocator import CUDA_CONTEXT_RANGE
 from .anatomy.params import bytes_per_param_breakdown
-from .categories import Category, Phase
+from .categories import TENSOR_CATEGORIES, Category, Phase
 from .errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
 from .trace import Breakdown, PhaseRecord, Trace
-from .units import format_bytes
+from .units import format_bytes, printable
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from .simulation import Estimate
 
-__all__ = ["Cause", "Reconciliation", "reconcile", "formula_breakdown", "infer_precision"]
+__all__ = ["Cause", "Reconciliation", "reconcile", "formula_at", "formula_breakdown", "infer_precision"]
 
 _MOMENTS = ("peak", "steady")
 
@@ -145,6 +145,21 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
     return Breakdown.from_mapping(values)
 
 
+def formula_at(trace: Trace, at: str = "peak", *, precision: "str | None" = None, optimizer: "str | None" = None,
+               transformer: "Mapping[str, Any] | None" = None) -> Breakdown:
+    """The textbook breakdown for the moment ``at`` (``"peak"`` or ``"steady"``) of a run: the one
+    formula every view of that moment shows (a reconciliation, an estimate's table).
+
+    The moment matters: outside forward and backward no graph is alive, so the formula for
+    activations there is 0, and inside the optimizer step temporaries have a formula.
+    """
+    if at not in _MOMENTS:
+        raise InvalidArgumentError(f"at must be 'peak' or 'steady', got {at!r}")
+    _measured, rec, _where, _tags = _moment(trace, at)
+    return formula_breakdown(trace, precision=precision, optimizer=optimizer, moment=rec,
+                             transformer=transformer, at_peak=at == "peak")
+
+
 @dataclass(frozen=True)
 class Reconciliation:
     """Formula vs simulated vs measured, per category, with the causes of every gap.
@@ -170,7 +185,10 @@ class Reconciliation:
 
     @property
     def explanations(self) -> list[Cause]:
-        """Every named cause, then per category the unexplained remainder of its gap (if any)."""
+        """Every named cause, then per category the unexplained remainder of its gap (if any).
+
+        Together they add up to the total row's gap: measured total minus formula total.
+        """
         out = list(self.causes)
         for r in self.rows:
             gap = r.gap
@@ -206,23 +224,20 @@ class Reconciliation:
         return frame
 
     def _compared_totals(self) -> tuple[int, int]:
-        """Formula and measured totals over the categories that have both: the gap's own basis."""
-        both = [r for r in self.rows if r.formula is not None and r.measured is not None]
-        return sum(r.formula for r in both), sum(r.measured for r in both)  # type: ignore[misc]
+        """The formula total and the measured total (every measured category: the report's total at
+        this moment). A category without a formula adds its measured bytes to the gap, under a cause."""
+        formula = sum(r.formula for r in self.rows if r.formula is not None)
+        measured = sum(r.measured for r in self.rows if r.measured is not None)
+        return formula, measured
 
     def _total_row(self) -> dict[str, Any]:
-        def total(attr: str) -> "int | None":
-            vals = [getattr(r, attr) for r in self.rows if r.category not in (Category.ALLOCATOR_OVERHEAD,
-                                                                                Category.OUTSIDE_TORCH)]
-            vals = [v for v in vals if v is not None]
-            return sum(vals) if vals else None
-
+        simulated = [r.simulated for r in self.rows if r.simulated is not None]
         f = m = None
         if any(r.formula is not None for r in self.rows):
             f, m = self._compared_totals()
         gap = None if f is None or m is None else m - f
-        return {"category": "total", "formula": total("formula"), "simulated": total("simulated"),
-                "measured": total("measured"), "gap": gap, "gap_pct": (100.0 * gap / f) if gap is not None and f else None}
+        return {"category": "total", "formula": f, "simulated": sum(simulated) if simulated else None,
+                "measured": m, "gap": gap, "gap_pct": (100.0 * gap / f) if gap is not None and f else None}
 
     def advice(self) -> list[str]:
         """Levers that shrink the largest categories, with predicted savings, and alignment warnings."""
@@ -259,9 +274,19 @@ class Reconciliation:
         if expl:
             lines.append("")
             lines.append("Why the measurement differs")
+            # Causes under 0.5 % of the measured total are folded into one line: rec.causes lists them all.
+            floor = self._compared_totals()[1] // 200
+            small = [c for c in expl if abs(c.bytes) < floor and c.name != "unexplained"]
             for c in expl:
+                if c in small:
+                    continue
                 sign = "+" if c.bytes >= 0 else "-"
                 lines.append(f"  {c.category.value:<17}{sign}{format_bytes(abs(c.bytes)):>11}  {c.name}: {c.sentence}")
+            if small:
+                net = sum(c.bytes for c in small)
+                sign = "+" if net >= 0 else "-"
+                lines.append(f"  {'(smaller)':<17}{sign}{format_bytes(abs(net)):>11}  {len(small)} cause(s) under 0.5% "
+                             "of the total each: " + ", ".join(sorted({c.name for c in small})) + " (rec.causes)")
         if self.notes:
             lines.append("")
             for n in self.notes:
@@ -271,7 +296,7 @@ class Reconciliation:
             lines.append("Advice")
             for a in self._advice:
                 lines.append(f"  - {a}")
-        return "\n".join(line.rstrip() for line in lines)
+        return printable("\n".join(line.rstrip() for line in lines))
 
     def __str__(self) -> str:
         return self.to_text()
@@ -354,8 +379,7 @@ def reconcile(
         raise NotMeasuredError("no step was recorded; nothing to reconcile")
     precision_used = precision or infer_precision(trace)
     measured, rec, where, tags = _moment(trace, at)
-    formula = formula_breakdown(trace, precision=precision_used, optimizer=optimizer, moment=rec,
-                                transformer=transformer, at_peak=at == "peak")
+    formula = formula_at(trace, at, precision=precision_used, optimizer=optimizer, transformer=transformer)
     simulated: "Breakdown | None" = None
     if estimate is not None:
         simulated, _, _, _ = _moment(estimate.trace, at)
@@ -541,7 +565,21 @@ def _causes(ctx: _Context) -> list[Cause]:
         out.append(Cause(Category.OUTSIDE_TORCH, "CUDA context and libraries", ot,
                          f"the CUDA context, kernels and cuBLAS/cuDNN workspaces, typically "
                          f"{format_bytes(lo)} to {format_bytes(hi)} per process"))
+
+    # Tensor categories without a formula at this moment count in the total's gap as measured.
+    for cat in TENSOR_CATEGORIES:
+        if f[cat] is None and m[cat]:
+            out.append(Cause(cat, "no formula", m[cat], _NO_FORMULA.get(cat, "the textbook has no formula for "
+                                                                         "this category: measured, not predicted")))
     return out
+
+
+_NO_FORMULA = {
+    Category.INPUTS: "the batch and targets handed to the model and the loss; the textbook's model-state and "
+                     "activation formulas leave them out",
+    Category.TEMPORARIES: "op outputs nobody saved for backward and scratch memory live at this moment; the textbook "
+                          "has a formula for them only inside the optimizer step",
+}
 
 
 def _forward_before(trace: Trace, rec: PhaseRecord) -> "PhaseRecord | None":

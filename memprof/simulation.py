@@ -58,9 +58,10 @@ class Estimate:
 
     @property
     def formula(self) -> Breakdown:
-        from .reconciliation import formula_breakdown
+        """The textbook breakdown at the simulated peak: the formula ``reconcile()`` shows there too."""
+        from .reconciliation import formula_at
 
-        return formula_breakdown(self.trace, precision=self.precision)
+        return formula_at(self.trace, "peak", precision=self.precision)
 
     def report(self) -> "Any":
         """The :class:`~memprof.Report` of the simulated run."""
@@ -69,7 +70,7 @@ class Estimate:
         return Report(self.trace)
 
     def __str__(self) -> str:
-        from .units import format_bytes
+        from .units import format_bytes, printable
 
         lines = [f"memprof estimate ({self.precision}, simulated for {self.device}): peak {format_bytes(self.peak_bytes)}",
                  f"  {'category':<20}{'formula':>14}{'simulated':>14}"]
@@ -82,7 +83,7 @@ class Estimate:
         lines.append(f"  {'total':<20}{_fmt(formula.total):>14}{_fmt(self.simulated.total):>14}")
         for note in self.notes:
             lines.append(f"  - {note}")
-        return "\n".join(lines)
+        return printable("\n".join(lines))
 
 
 def _fmt(n: "int | None") -> str:
@@ -122,7 +123,10 @@ def estimate(
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
     if precision is not None and precision not in _PRECISION_DTYPES and precision not in ("amp", "mixed"):
         raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, amp, mixed")
-    target = torch.device(device) if device is not None else _model_device(model)
+    try:
+        target = torch.device(device) if device is not None else _model_device(model)
+    except (RuntimeError, ValueError, TypeError):
+        raise InvalidArgumentError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:1', 'mps' ...") from None
     if target.type == "meta":
         target = torch.device("cpu")
     notes: list[str] = []

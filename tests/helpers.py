@@ -123,3 +123,38 @@ def hooks_left(model: nn.Module) -> list[str]:
     if torch._C._len_torch_dispatch_stack() != 0:
         left.append("dispatch mode")
     return left
+
+
+def hook_registry(model: nn.Module, optimizers=(), tensors=()) -> dict:
+    """Every hook torch keeps where memprof could install one, as counts: the model's modules, its
+    parameters, buffers and gradients, the optimizers (their own and the global step hooks), the
+    given tensors (inputs, targets), the global module hooks, the saved-tensor hooks stack and the
+    dispatch-mode stack. Compare a snapshot taken before a profile with one taken after it."""
+    from torch.nn.modules import module as module_mod
+    import torch.optim.optimizer as optmod
+
+    snap = {}
+    for name, mod in model.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_always_called", "_state_dict_hooks", "_load_state_dict_pre_hooks"):
+            snap[(f"module {name or '<model>'}", attr)] = len(getattr(mod, attr, None) or {})
+    named = [(f"param {n}", p) for n, p in model.named_parameters(remove_duplicate=False)]
+    named += [(f"grad {n}", p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    named += [(f"buffer {n}", b) for n, b in model.named_buffers()]
+    named += [(f"tensor {i}", t) for i, t in enumerate(tensors)]
+    for opt in optimizers:
+        snap[("optimizer", "pre")] = len(opt._optimizer_step_pre_hooks)
+        snap[("optimizer", "post")] = len(opt._optimizer_step_post_hooks)
+        named += [(f"state {i}", v) for i, s in enumerate(opt.state.values()) for v in s.values()
+                  if isinstance(v, torch.Tensor)]
+    for name, t in named:
+        snap[(name, "tensor hooks")] = len(t._backward_hooks or {})
+        snap[(name, "post-accumulate hooks")] = len(getattr(t, "_post_accumulate_grad_hooks", None) or {})
+    snap[("global", "optimizer")] = (len(optmod._global_optimizer_pre_hooks), len(optmod._global_optimizer_post_hooks))
+    snap[("global", "module")] = tuple(len(getattr(module_mod, a, None) or {}) for a in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks",
+        "_global_module_registration_hooks", "_global_parameter_registration_hooks",
+        "_global_buffer_registration_hooks"))
+    snap[("global", "saved tensor hooks")] = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    snap[("global", "dispatch modes")] = torch._C._len_torch_dispatch_stack()
+    return snap
