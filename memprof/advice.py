@@ -118,7 +118,10 @@ def advice(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
 
 
 def alignment(trace: Trace, precision: str) -> list[str]:
-    """Dimensions and batch size that are not multiples of 8 (16-bit) or 4 (tf32)."""
+    """Dimensions and batch size that are not multiples of 8 (16-bit) or 4 (tf32), for runs on (or
+    simulated for) a GPU; a CPU has no tensor cores, so CPU runs get none."""
+    if trace.device.type != "cuda" and trace.device.rounding <= 1:
+        return []
     sixteen = precision in ("bf16", "fp16", "amp", "mixed")
     multiple = 8 if sixteen else 4
     kind = "fp16/bf16 tensor cores want multiples of 8" if sixteen else "tf32 tensor cores want multiples of 4"

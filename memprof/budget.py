@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
 
 from .categories import DEVICE_CATEGORIES, Category
 from .errors import InvalidArgumentError, MemprofError, NotMeasuredError, SizeParseError, UnknownNameError
-from .units import format_bytes, parse_size
+from .units import format_bytes, parse_size, printable
 
 if TYPE_CHECKING:
     from .report import Report
@@ -357,7 +357,7 @@ def describe_growth(growths: "tuple[Growth, ...]", tolerance: "str | float | Fra
     tol = parse_tolerance(tolerance)
     lines = [f"memory grew beyond the {_pct(tol)} tolerance against the baseline:"]
     lines += [f"  {g.describe()}" for g in growths]
-    return "\n".join(lines)
+    return printable("\n".join(lines))
 
 
 def _pct(frac: Fraction) -> str:

@@ -27,7 +27,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
-        device = args.device
+        device = str(_device(args.device))
     if device == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), args.threads)))
     torch.manual_seed(0)
@@ -90,6 +90,15 @@ def _load_factory(spec: str) -> Any:
     return factory
 
 
+def _device(spec: str) -> Any:
+    import torch
+
+    try:
+        return torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        raise MemprofError(f"unknown device {spec!r}; use cpu, cuda, cuda:1, mps ...") from None
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     import torch
 
@@ -97,11 +106,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 
     from .units import parse_size
 
-    budget = parse_size(args.budget) if args.budget else None  # refuse a bad size before simulating
+    budget = parse_size(args.budget) if args.budget is not None else None  # refuse a bad size before simulating
+    _device(args.device)
     factory = _load_factory(args.factory)
     # Built on the meta device: a 7B configuration costs no memory here.
-    with torch.device("meta"):
-        spec = factory(batch_size=args.batch_size)
+    try:
+        with torch.device("meta"):
+            spec = factory(batch_size=args.batch_size)
+    except Exception as exc:
+        raise MemprofError(f"{args.factory}(batch_size={args.batch_size}) raised {type(exc).__name__}: {exc}") from None
     if isinstance(spec, torch.nn.Module):
         raise MemprofError(f"{args.factory} returned a model only; return a dict with 'model' and 'inputs' "
                            "(and optionally 'targets', 'loss_fn', 'optimizer')")
@@ -184,12 +197,27 @@ def main(argv: "Sequence[str] | None" = None) -> int:
             getattr(args, "parser", parser).error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (memprof report run.json | head): stop quietly, as a Unix tool killed by
+        # SIGPIPE does, and keep Python from complaining about stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
     except MemprofError as exc:
-        print(f"memprof: error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return 1
     except FileNotFoundError as exc:
-        print(f"memprof: error: no such file: {exc.filename}", file=sys.stderr)
+        _error(f"no such file: {exc.filename}")
         return 1
+    except OSError as exc:
+        _error(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
+        return 1
+
+
+def _error(message: str) -> None:
+    from .units import printable
+
+    print(f"memprof: error: {printable(message)}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

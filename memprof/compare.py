@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .categories import Category, Phase
 from .errors import InvalidArgumentError
 from .trace import Breakdown, Trace
-from .units import format_bytes, parse_size
+from .units import format_bytes, parse_size, printable
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -218,7 +218,7 @@ class Diff:
             lines.append("")
             lines.append("Notes")
             lines.extend(f"  - {n}" for n in self.notes)
-        return "\n".join(lines)
+        return printable("\n".join(lines))
 
     def __str__(self) -> str:
         return self.to_text()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import InvalidArgumentError
-from .units import format_bytes, parse_size
+from .units import format_bytes, parse_size, printable
 
 __all__ = ["BatchSizePlan", "max_batch_size"]
 
@@ -47,7 +47,7 @@ class BatchSizePlan:
                  "  simulated: " + ", ".join(f"b={b}: {format_bytes(p)}" for b, p in self.points)]
         if not self.verified:
             lines.append("  not confirmed by simulation at the answer (see points)")
-        return "\n".join(lines)
+        return printable("\n".join(lines))
 
 
 def max_batch_size(

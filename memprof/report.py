@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .categories import Category, Phase, TENSOR_CATEGORIES
 from .errors import InvalidArgumentError, NotMeasuredError
 from .trace import Breakdown, Trace
-from .units import format_bytes
+from .units import format_bytes, printable
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -231,10 +231,13 @@ class Report:
     # -- files ------------------------------------------------------------------
 
     def save(self, path: "str | os.PathLike[str]") -> None:
-        """Write the trace as JSON (with its schema version); :func:`memprof.load` reads it back."""
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.trace.to_dict(), fh, indent=1)
-            fh.write("\n")
+        """Write the trace as JSON (with its schema version); :func:`memprof.load` reads it back.
+
+        Written atomically: a failed write leaves an existing file at ``path`` as it was.
+        """
+        from .files import write_text_atomic
+
+        write_text_atomic(path, json.dumps(self.trace.to_dict(), indent=1) + "\n")
 
     def to_dict(self) -> dict[str, Any]:
         """The trace as plain JSON-ready data."""
@@ -282,11 +285,11 @@ class Report:
             leaves = [m for m in mods if not any(p.startswith(m.path + ".") for p in paths)]
             lines.append("")
             lines.append("Top modules by saved activations")
-            lines.append(f"  {'module':<30}{'type':<20}{'params':>11}{'saved act':>12}{'peak fwd':>11}{'peak bwd':>11}")
+            lines.append(f"  {'module':<30}{'type':<20}{'params':>11}{'saved act':>13}{'peak fwd':>11}{'peak bwd':>11}")
             for m in leaves[:top_modules]:
                 lines.append(
                     f"  {_clip(m.path, 29):<30}{_clip(m.type, 19):<20}{format_bytes(m.parameters):>11}"
-                    f"{format_bytes(m.activations):>12}{_fmt_opt(m.peak_forward):>11}"
+                    f"{format_bytes(m.activations):>13}{_fmt_opt(m.peak_forward):>11}"
                     f"{_fmt_opt(m.peak_backward):>11}"
                 )
         if t.notes:
@@ -294,7 +297,7 @@ class Report:
             lines.append("Notes")
             for note in t.notes:
                 lines.append(f"  - {note}")
-        return "\n".join(lines)
+        return printable("\n".join(lines))
 
     def __str__(self) -> str:
         return self.to_text()
@@ -308,7 +311,27 @@ def _fmt_opt(n: "int | None") -> str:
 
 
 def _clip(s: str, n: int) -> str:
-    return s if len(s) <= n else "…" + s[-(n - 1):]
+    """``s`` in at most ``n`` characters: a dotted module path keeps its first parts and its last one
+    (``encoder.block.3…wo``), which tell blocks apart; anything else keeps its start."""
+    if len(s) <= n:
+        return s
+    parts = s.split(".")
+    if len(parts) < 2 or len(parts[-1]) + 2 > n:
+        return s[: n - 1] + "…"
+    head, tail = "", parts[-1]
+    for part in parts[:-1]:
+        candidate = f"{head}.{part}" if head else part
+        if len(candidate) + 1 + len(tail) > n:
+            break
+        head = candidate
+    for part in reversed(parts[len(head.split(".")) if head else 0:-1]):
+        candidate = f"{part}.{tail}"
+        if len(head) + 1 + len(candidate) > n:
+            break
+        tail = candidate
+    if not head:
+        return (parts[0][: n - len(tail) - 2] + "…" + tail) if n - len(tail) - 2 > 0 else "…" + tail[-(n - 1):]
+    return f"{head}…{tail}"
 
 
 def _largest(bd: Breakdown) -> str:
@@ -339,16 +362,10 @@ def load(path: "str | os.PathLike[str]") -> Report:
     """Read a trace saved by :meth:`Report.save` and return its Report.
 
     Raises :class:`~memprof.errors.TraceFormatError` for a file that is not
-    JSON, not a memprof trace, or from a newer schema.
+    JSON, not a memprof trace, from a newer schema, or holds impossible values
+    (negative or absurdly large byte counts); ``FileNotFoundError`` when there
+    is no such file.
     """
-    from .errors import TraceFormatError
+    from .files import read_json
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{os.fspath(path)!s} is not valid JSON ({exc.msg} at line {exc.lineno}); "
-                               "give a file written by report.save()") from None
-    except UnicodeDecodeError:
-        raise TraceFormatError(f"{os.fspath(path)!s} is not a text file; give a file written by report.save()") from None
-    return Report(Trace.from_dict(data))
+    return Report(Trace.from_dict(read_json(path)))

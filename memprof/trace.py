@@ -90,7 +90,7 @@ class Breakdown(Mapping[Category, "int | None"]):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Breakdown":
         if not isinstance(data, Mapping):
-            raise TraceFormatError(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
+            raise _corrupt(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
         values = tuple(_bytes_or_none(data.get(c.value), c.value) for c in _ALL)
         return cls(values, _bytes_or_none(data.get("total"), "total"))
 
@@ -99,12 +99,62 @@ class Breakdown(Mapping[Category, "int | None"]):
         return f"Breakdown(total={self.total}, {inner})"
 
 
+# The largest count a trace may hold (16 EiB, or as many ops): a real run is far below it, and a
+# crafted 10**400 would otherwise load and break arithmetic and display downstream.
+_MAX_COUNT = 2**64
+
+
 def _bytes_or_none(value: Any, name: str) -> "int | None":
     if value is None:
         return None
+    return _count(value, name)
+
+
+def _count(value: Any, name: str) -> int:
+    """A non-negative int from a file (bytes, an index, a count); anything else is a TraceFormatError."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceFormatError(f"{name} must be an int of bytes or null, got {value!r}")
+        raise _corrupt(f"{name} must be an int, got {_shown(value)}")
+    if not 0 <= value <= _MAX_COUNT:
+        raise _corrupt(f"{name} must be between 0 and 2**64, got {_shown(value)}")
     return value
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise _corrupt(f"{name} must be a string, got {_shown(value)}")
+    return value
+
+
+def _corrupt(problem: str) -> TraceFormatError:
+    return TraceFormatError(f"corrupt memprof trace: {problem}; re-create it with report.save(path)")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _fields(cls: Any, data: Any) -> dict[str, Any]:
+    """The keyword arguments of a flat record's dataclass from a file, each checked against its annotation."""
+    if not isinstance(data, Mapping):
+        raise _corrupt(f"a {cls.__name__} must be a mapping, got {_shown(data)}")
+    out: dict[str, Any] = {}
+    for name, f in cls.__dataclass_fields__.items():
+        if name not in data:
+            continue
+        value, kind = data[name], str(f.type).replace('"', "")
+        where = f"{cls.__name__}.{name}"
+        if kind == "int":
+            out[name] = _count(value, where)
+        elif kind == "int | None":
+            out[name] = None if value is None else _count(value, where)
+        elif kind == "str":
+            out[name] = _text(value, where)
+        elif kind == "str | None":
+            out[name] = None if value is None else _text(value, where)
+        else:
+            out[name] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -143,20 +193,20 @@ class PhaseRecord:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PhaseRecord":
         return cls(
-            step=int(data["step"]),
+            step=_count(data["step"], "step"),
             phase=Phase.parse(data["phase"]),
-            occurrence=int(data["occurrence"]),
+            occurrence=_count(data["occurrence"], "occurrence"),
             start=Breakdown.from_dict(data["start"]),
             peak=Breakdown.from_dict(data["peak"]),
             end=Breakdown.from_dict(data["end"]),
-            ops=int(data.get("ops", 0)),
+            ops=_count(data.get("ops", 0), "ops"),
             tags_peak=_pairs(data.get("tags_peak", ())),
             tags_end=_pairs(data.get("tags_end", ())),
         )
 
 
 def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
-    return tuple((str(a), int(b)) for a, b in items)
+    return tuple((_text(a, "a tag name"), _count(b, "a tag's bytes")) for a, b in items)
 
 
 @dataclass(frozen=True)
@@ -195,11 +245,12 @@ class ModelFacts:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelFacts":
-        kw = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        kw = _fields(cls, data)
         if "modules_without_rule" in kw:
-            kw["modules_without_rule"] = tuple(kw["modules_without_rule"])
+            kw["modules_without_rule"] = tuple(_text(n, "a module type") for n in kw["modules_without_rule"])
         if "dims" in kw:
-            kw["dims"] = tuple((str(a), str(b), int(c)) for a, b, c in kw["dims"])
+            kw["dims"] = tuple((_text(a, "a module path"), _text(b, "a dimension"), _count(c, "a dimension"))
+                               for a, b, c in kw["dims"])
         return cls(**kw)
 
 
@@ -220,7 +271,11 @@ class OperationRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "OperationRecord":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        kw = _fields(cls, data)
+        missing = set(cls.__dataclass_fields__) - set(kw)
+        if missing:
+            raise _corrupt(f"an operation record lacks {sorted(missing)}")
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -235,7 +290,7 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
-        return cls(int(data["index"]), tuple(PhaseRecord.from_dict(p) for p in data["phases"]))
+        return cls(_count(data["index"], "a step's index"), tuple(PhaseRecord.from_dict(p) for p in data["phases"]))
 
 
 @dataclass(frozen=True)
@@ -276,7 +331,7 @@ class ModuleRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModuleRecord":
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        return cls(**_fields(cls, data))
 
 
 @dataclass(frozen=True)
@@ -295,7 +350,8 @@ class Sample:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
-        return cls(int(data["seq"]), int(data["step"]), Phase.parse(data["phase"]), str(data["label"]),
+        return cls(_count(data["seq"], "a sample's seq"), _count(data["step"], "a sample's step"),
+                   Phase.parse(data["phase"]), _text(data["label"], "a sample's label"),
                    Breakdown.from_dict(data["breakdown"]))
 
 
@@ -319,7 +375,7 @@ class DeviceInfo:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__ if k in data})
+        return cls(**_fields(cls, data))
 
 
 @dataclass(frozen=True)
@@ -426,35 +482,43 @@ class Trace:
             )
         try:
             return cls(
-                mode=str(data["mode"]),
+                mode=_text(data["mode"], "mode"),
                 device=DeviceInfo.from_dict(data["device"]),
-                torch_version=str(data["torch_version"]),
-                memprof_version=str(data["memprof_version"]),
+                torch_version=_text(data["torch_version"], "torch_version"),
+                memprof_version=_text(data["memprof_version"], "memprof_version"),
                 start=Breakdown.from_dict(data["start"]),
                 peak=Breakdown.from_dict(data["peak"]),
                 end=Breakdown.from_dict(data["end"]),
-                peak_step=data.get("peak_step"),
+                peak_step=_bytes_or_none(data.get("peak_step"), "peak_step"),
                 peak_phase=Phase.parse(data["peak_phase"]) if data.get("peak_phase") else None,
-                peak_module=data.get("peak_module"),
+                peak_module=_optional_text(data.get("peak_module"), "peak_module"),
                 steps=tuple(StepRecord.from_dict(s) for s in data["steps"]),
                 modules=tuple(ModuleRecord.from_dict(m) for m in data["modules"]),
                 timeline=tuple(Sample.from_dict(s) for s in data.get("timeline", ())),
-                notes=tuple(data.get("notes", ())),
-                error=data.get("error"),
+                notes=tuple(_text(n, "a note") for n in data.get("notes", ())),
+                error=_optional_text(data.get("error"), "error"),
                 live_at_error=Breakdown.from_dict(data["live_at_error"]) if data.get("live_at_error") else None,
-                live_modules_at_error=tuple((str(a), int(b)) for a, b in data.get("live_modules_at_error", ())),
-                optimizer=data.get("optimizer"),
-                optimizer_implementation=data.get("optimizer_implementation"),
-                param_dtypes=tuple(data.get("param_dtypes", ())),
-                autocast_dtype=data.get("autocast_dtype"),
+                live_modules_at_error=tuple((_text(a, "a module path"), _count(b, "a module's bytes"))
+                                            for a, b in data.get("live_modules_at_error", ())),
+                optimizer=_optional_text(data.get("optimizer"), "optimizer"),
+                optimizer_implementation=_optional_text(data.get("optimizer_implementation"),
+                                                        "optimizer_implementation"),
+                param_dtypes=tuple(_text(d, "a dtype") for d in data.get("param_dtypes", ())),
+                autocast_dtype=_optional_text(data.get("autocast_dtype"), "autocast_dtype"),
                 peak_tags=_pairs(data.get("peak_tags", ())),
                 facts=ModelFacts.from_dict(data.get("facts", {})),
                 operations=tuple(OperationRecord.from_dict(o) for o in data["operations"])
                 if data.get("operations") is not None else None,
                 schema_version=version,
             )
+        except TraceFormatError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise TraceFormatError(f"corrupt memprof trace: {exc!r}; re-create it with report.save(path)") from None
+            raise _corrupt(repr(exc)) from None
+
+
+def _optional_text(value: Any, name: str) -> "str | None":
+    return None if value is None else _text(value, name)
 
 
 def as_trace(obj: Any) -> Trace:

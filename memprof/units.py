@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal, InvalidOperation
 
 from .errors import SizeParseError
 
-__all__ = ["format_bytes", "parse_size"]
+__all__ = ["format_bytes", "parse_size", "printable", "as_count"]
 
-_IEC = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_IEC = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 _UNITS: dict[str, int] = {
     "b": 1,
@@ -26,11 +27,13 @@ _UNITS: dict[str, int] = {
     "gib": 2**30,
     "tib": 2**40,
     "pib": 2**50,
+    "eib": 2**60,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
     "tb": 10**12,
     "pb": 10**15,
+    "eb": 10**18,
 }
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([A-Za-z]*)\s*$")
@@ -45,13 +48,15 @@ def format_bytes(n: int | None, *, precision: int = 1) -> str:
     if n is None:
         return "not measured"
     sign = "-" if n < 0 else ""
-    value = float(abs(n))
-    if value < 1024:
-        return f"{sign}{int(value)} B"
+    magnitude = abs(int(n))
+    if magnitude < 1024:
+        return f"{sign}{magnitude} B"
     unit = 0
-    while value >= 1024 and unit < len(_IEC) - 1:
-        value /= 1024
+    while magnitude >= 1024 ** (unit + 1) and unit < len(_IEC) - 1:
         unit += 1
+    # Integer division first: a count too large for a float (10**400 from a crafted file) still formats.
+    whole, rest = divmod(magnitude, 1024 ** unit)
+    value = Decimal(whole) + Decimal(rest) / Decimal(1024 ** unit)
     return f"{sign}{value:.{precision}f} {_IEC[unit]}"
 
 
@@ -68,13 +73,13 @@ def parse_size(value: int | float | str) -> int:
     if isinstance(value, int):
         if value < 0:
             raise SizeParseError(f"size {value!r} is negative; sizes are byte counts >= 0")
-        return value
+        return _bounded(value, value)
     if isinstance(value, float):
         if math.isnan(value) or math.isinf(value):
             raise SizeParseError(f"size {value!r} is not a finite number of bytes")
         if value < 0:
             raise SizeParseError(f"size {value!r} is negative; sizes are byte counts >= 0")
-        return int(round(value))
+        return _bounded(int(round(value)), value)
     if not isinstance(value, str):
         raise SizeParseError(
             f"size {value!r} has type {type(value).__name__}; give an int of bytes or a string like '2 GiB'"
@@ -88,10 +93,49 @@ def parse_size(value: int | float | str) -> int:
     key = unit.lower() if unit else "b"
     if key not in _UNITS:
         raise SizeParseError(
-            f"unknown unit {unit!r} in size {value!r}; use B, KiB, MiB, GiB, TiB (powers of 1024) "
-            "or kB, MB, GB, TB (powers of 1000)"
+            f"unknown unit {unit!r} in size {value!r}; use B, KiB, MiB, GiB, TiB, PiB, EiB (powers of 1024) "
+            "or kB, MB, GB, TB, PB, EB (powers of 1000)"
         )
-    amount = float(number) * (10 ** int(exponent) if exponent else 1)
-    if math.isinf(amount):
-        raise SizeParseError(f"size {value!r} is too large")
-    return int(round(amount * _UNITS[key]))
+    # Decimal arithmetic: exact for "0.1 GB", and no float overflow for "1e400 B".
+    try:
+        amount = Decimal(number).scaleb(int(exponent) if exponent else 0) * _UNITS[key]
+        if amount > MAX_SIZE:
+            raise SizeParseError(f"size {value!r} is too large: memprof sizes stop at 16 EiB (2**64 bytes)")
+        return int(amount.to_integral_value())
+    except (InvalidOperation, OverflowError, ValueError):
+        raise SizeParseError(f"size {value!r} is too large: memprof sizes stop at 16 EiB (2**64 bytes)") from None
+
+
+#: The largest size memprof accepts from people and files (16 EiB): any real device is far below it.
+MAX_SIZE = 2**64
+
+
+def _bounded(n: int, shown: object) -> int:
+    if n > MAX_SIZE:
+        raise SizeParseError(f"size {shown!r} is too large: memprof sizes stop at 16 EiB (2**64 bytes)")
+    return n
+
+
+def as_count(name: str, value: object, minimum: int = 0) -> int:
+    """A count people write (parameters, layers, GPUs) as an int: ints, and floats that are whole
+    numbers (``7.5e9`` parameters), are accepted; anything else raises InvalidArgumentError."""
+    from .errors import InvalidArgumentError
+
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    elif not isinstance(value, bool) and hasattr(value, "__index__"):
+        value = value.__index__()  # numpy and torch integer scalars
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(
+            f"{name} must be a whole number >= {minimum} (an int, or a float such as 7.5e9), got {value!r}")
+    return value
+
+
+# C0 and C1 control characters (and DEL): in a module name or note read from a file they could move
+# the cursor, clear the screen or forge report lines. Newlines are the renderers' own.
+_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters shown as escapes (``\\x1b``), so a crafted name prints inert."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)

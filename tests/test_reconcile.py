@@ -288,9 +288,14 @@ def test_advice_names_levers_and_misaligned_dimensions():
     advice = prof.report().reconcile().advice()
     joined = "\n".join(advice)
     assert advice[0].startswith("largest category:")
+    assert "8-bit AdamW" in joined
+    # A CPU has no tensor cores: no alignment advice for a CPU run ...
+    assert "tensor cores" not in joined and "not divisible" not in joined
+    # ... but for the same step simulated for a GPU.
+    est = memprof.estimate(model, opt, inputs=x, loss_fn=lambda out: out.float().sum(), device="cuda")
+    joined = "\n".join(est.report().reconcile().advice())
     assert "not divisible by 8" in joined and "0.in_features=30" in joined and "0.out_features=50" in joined
     assert "batch size 12 is not a multiple of 8" in joined
-    assert "8-bit AdamW" in joined
 
 
 def test_advice_frees_gradients_kept_between_steps():

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, RegistryError, UnknownNameError
+from ..units import as_count
 
 __all__ = [
     "MASK_BYTES",
@@ -47,9 +48,9 @@ _MLP = ("gelu", "swiglu")
 _RECOMPUTE = (None, "selective", "full")
 
 
-def _check_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+    # Whole-number floats are counts too (seq_len=2048.0 from a config).
+    return as_count(name, value, minimum)
 
 
 def _round_half_up(value: Fraction) -> int:
@@ -99,10 +100,10 @@ def transformer_layer_terms(
     ``recompute="selective"`` drops the s² attention terms; ``"full"`` keeps only
     the layer input ``e·sbh`` (Table 2, "Full recompute 2sbh").
     """
-    for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden), ("heads", heads)):
-        _check_int(name, value)
-    _check_int("bytes_per_element", bytes_per_element)
-    _check_int("tensor_parallel", tensor_parallel)
+    seq_len, batch, hidden, heads = (_check_int(name, value) for name, value in (
+        ("seq_len", seq_len), ("batch", batch), ("hidden", hidden), ("heads", heads)))
+    bytes_per_element = _check_int("bytes_per_element", bytes_per_element)
+    tensor_parallel = _check_int("tensor_parallel", tensor_parallel)
     if attention not in _ATTENTION:
         raise UnknownNameError(f"unknown attention {attention!r}; use one of: {', '.join(_ATTENTION)}")
     if mlp not in _MLP:
@@ -208,13 +209,13 @@ def transformer_activations_total(
     layer input ``2sbh/t`` and fp32 logits ``4sbv/t`` (needs ``vocab_size``).
     ``layer_kwargs`` go to :func:`transformer_layer_terms`.
     """
-    _check_int("num_layers", num_layers)
-    _check_int("pipeline_parallel", pipeline_parallel)
+    num_layers = _check_int("num_layers", num_layers)
+    pipeline_parallel = _check_int("pipeline_parallel", pipeline_parallel)
     terms = transformer_layer_terms(seq_len, batch, hidden, heads, **layer_kwargs)
     total = num_layers * sum(terms.values(), Fraction(0))
     p = pipeline_parallel
     if interleave_stages is not None:
-        _check_int("interleave_stages", interleave_stages)
+        interleave_stages = _check_int("interleave_stages", interleave_stages)
         total *= 1 + Fraction(p - 1, p * interleave_stages)
     if outside_layers:
         t = Fraction(layer_kwargs.get("tensor_parallel", 1))

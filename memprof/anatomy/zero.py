@@ -9,9 +9,11 @@ and ``runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 from fractions import Fraction
 
 from ..errors import InvalidArgumentError
+from ..units import as_count
 
 __all__ = [
     "ZERO_OPTIMIZER_BYTES",
@@ -36,10 +38,10 @@ def _round_half_up(value: Fraction) -> int:
     return int((value + Fraction(1, 2)) // 1)
 
 
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
+def _counts(**values: Any) -> list[int]:
+    # Whole-number floats are counts too: people write 7.5e9 parameters. GPUs and nodes start at 1.
+    return [as_count(name, value, 1 if name.startswith("num_") and name != "num_params" else 0)
+            for name, value in values.items()]
 
 
 def zero_model_states(num_params: int, world_size: int, stage: int, *, optimizer_bytes: int = ZERO_OPTIMIZER_BYTES) -> int:
@@ -49,9 +51,8 @@ def zero_model_states(num_params: int, world_size: int, stage: int, *, optimizer
     2 (P_os+g) ``2Ψ + (2+K)Ψ/N_d``; 3 (P_os+g+p) ``(2+2+K)Ψ/N_d``. Fractions of
     a byte are rounded half up at the end.
     """
-    _check_positive(num_params=num_params, optimizer_bytes=optimizer_bytes)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise InvalidArgumentError(f"world_size must be an int >= 1, got {world_size!r}")
+    num_params, optimizer_bytes = _counts(num_params=num_params, optimizer_bytes=optimizer_bytes)
+    world_size = as_count("world_size", world_size, 1)
     psi, k, nd = Fraction(num_params), Fraction(optimizer_bytes), world_size
     p, g = _FP16_PARAM_BYTES, _FP16_GRAD_BYTES
     if stage == 0:
@@ -89,7 +90,8 @@ def deepspeed_zero2_estimate(
     CPU: ``Ψ·max(4·gpus_per_node, 16)·1.5`` offloaded, else
     ``Ψ·4·gpus_per_node·1.5`` (needed at initialisation only).
     """
-    _check_positive(num_params=num_params, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes)
+    num_params, num_gpus_per_node, num_nodes = _counts(
+        num_params=num_params, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes)
     total_gpus = num_nodes * num_gpus_per_node
     psi = num_params
     if offload_optimizer:
@@ -120,7 +122,7 @@ def deepspeed_zero3_estimate(
     CPU uses ``gpus_factor = 1/num_nodes`` and 1.5 headroom (ANATOMY §2). Offloading
     parameters without the optimizer is not a DeepSpeed configuration and raises.
     """
-    _check_positive(
+    num_params, largest_layer_params, num_gpus_per_node, num_nodes = _counts(
         num_params=num_params,
         largest_layer_params=largest_layer_params,
         num_gpus_per_node=num_gpus_per_node,

@@ -1,0 +1,84 @@
+"""Files memprof writes and reads: atomically written, strictly read.
+
+A trace is written to a temporary file in the same folder, flushed to disk
+and renamed over the target, so a failed write (disk full, quota, a size
+limit) leaves the previous file intact. A file is read with every failure
+(not a file, unreadable, not UTF-8, not JSON, nested too deep) turned into
+a :class:`~memprof.errors.TraceFormatError` that names the file and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+from .errors import TraceFormatError
+
+__all__ = ["write_text_atomic", "read_json"]
+
+
+def write_text_atomic(path: "str | os.PathLike[str]", text: str) -> None:
+    """Write ``text`` to ``path`` so that ``path`` holds either its old content or all of the new."""
+    target = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(target))
+    try:
+        mode = os.stat(target).st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _sync_folder(folder)
+
+
+def _sync_folder(folder: str) -> None:
+    # The rename itself is durable only once the folder's entry is on disk (POSIX; a no-op elsewhere).
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_json(path: "str | os.PathLike[str]") -> Any:
+    """The JSON value in ``path``. A missing file raises ``FileNotFoundError``; any other failure
+    to read it as JSON raises :class:`TraceFormatError`."""
+    name = os.fspath(path)
+    fix = "give a file written by report.save()"
+    try:
+        with open(name, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise TraceFormatError(f"{name} is a directory, not a trace file; {fix}") from None
+    except PermissionError:
+        raise TraceFormatError(f"{name} cannot be read (permission denied); {fix} that you can read") from None
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{name} is not valid JSON ({exc.msg} at line {exc.lineno}); {fix}") from None
+    except UnicodeDecodeError:
+        raise TraceFormatError(f"{name} is not a text file; {fix}") from None
+    except RecursionError:
+        raise TraceFormatError(f"{name} is nested too deeply to be a memprof trace; {fix}") from None
+    except (OSError, ValueError) as exc:
+        raise TraceFormatError(f"{name} cannot be read ({exc}); {fix}") from None

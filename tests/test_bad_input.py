@@ -1,0 +1,265 @@
+"""Errors, files and output: every bad file, size or option gets one clear line, every write is
+atomic, and nothing read from a file can forge the report a terminal shows."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof import Category as C
+from memprof.cli import main
+from memprof.errors import InvalidArgumentError, SizeParseError, TraceFormatError
+
+from models import MLP
+
+
+@pytest.fixture(scope="module")
+def saved():
+    """A trace of two steps of a small MLP, as a dict."""
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(8, 32)
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.report()
+
+
+# ------------------------------------------------------------------ 12. atomic writes
+
+
+def test_a_failed_save_leaves_the_previous_file_intact(saved, tmp_path, monkeypatch):
+    path = tmp_path / "run.json"
+    saved.save(path)
+    good = path.read_bytes()
+
+    def disk_full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        saved.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no temporary file left
+    assert memprof.load(path).trace == saved.trace
+
+
+def test_save_keeps_the_files_permissions(saved, tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text("old")
+    os.chmod(path, 0o640)
+    saved.save(path)
+    assert os.stat(path).st_mode & 0o777 == 0o640
+
+
+# ------------------------------------------------------------------ 13. bad files
+
+
+def _write(tmp_path, data, name="t.json"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("where,value", [
+    (("peak", "weights"), -5),
+    (("peak", "total"), 10**400),
+    (("steps", 0, "phases", 0, "peak", "activations"), 2**70),
+    (("modules", 0, "calls"), -1),
+    (("modules", 0, "path"), 7),
+    (("steps", 0, "index"), "3"),
+    (("peak_step",), 1.5),
+    (("facts", "num_params"), -10),
+    (("notes",), [["nested"]]),
+])
+def test_impossible_values_are_refused(saved, tmp_path, where, value):
+    data = saved.to_dict()
+    node = data
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    path = _write(tmp_path, data)
+    with pytest.raises(TraceFormatError, match="corrupt memprof trace.*re-create it with report.save"):
+        memprof.load(path)
+    assert main(["report", str(path)]) == 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: _write(p, "[" * 100_000 + "]" * 100_000),  # deeper than json can recurse
+    lambda p: p,  # a directory
+    lambda p: _write(p, "\udcff".encode("utf-8", "surrogateescape").decode("latin-1")),
+])
+def test_files_that_cannot_be_read_as_a_trace_are_one_error_line(tmp_path, capsys, make):
+    path = make(tmp_path)
+    with pytest.raises(TraceFormatError):
+        memprof.load(path)
+    assert main(["report", str(path)]) == 1
+    assert main(["diff", str(path), str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and err.startswith("memprof: error: ") and "Traceback" not in err
+
+
+def test_an_unreadable_file_is_one_error_line(tmp_path, monkeypatch, capsys):
+    import memprof.files
+
+    path = _write(tmp_path, "{}")
+
+    def denied(*_a, **_k):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(memprof.files, "open", denied, raising=False)
+    with pytest.raises(TraceFormatError, match="permission denied"):
+        memprof.load(path)
+    assert main(["report", str(path)]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+# ------------------------------------------------------------------ 14. sizes, options, counts
+
+
+@pytest.mark.parametrize("text", ["1e400 B", "1e20 B", "99999999999 TiB", "1" + "0" * 400, "17 EiB"])
+def test_absurd_sizes_are_refused(text):
+    with pytest.raises(SizeParseError, match="too large"):
+        memprof.parse_size(text)
+
+
+def test_sizes_keep_their_exact_value():
+    assert memprof.parse_size("0.1 GB") == 100_000_000
+    assert memprof.parse_size("1e9 B") == 10**9
+    assert memprof.parse_size("16 EiB") == 2**64
+
+
+def _factory_module(tmp_path, body):
+    (tmp_path / "factories_for_cli.py").write_text(body)
+    return "factories_for_cli:build"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budget", ""], "cannot parse size ''"),
+    (["--budget", "1e400 GB"], "too large"),
+    (["--device", "banana"], "unknown device 'banana'"),
+])
+def test_estimate_options_are_checked_in_one_line(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
+    spec = _factory_module(tmp_path, "import torch\n"
+                                     "def build(batch_size):\n"
+                                     "    return {'model': torch.nn.Linear(4, 4), 'inputs': torch.randn(batch_size, 4)}\n")
+    assert main(["estimate", spec, "--batch-size", "2", *args]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_factory_that_raises_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    spec = _factory_module(tmp_path, "def build(batch_size):\n    raise KeyError('vocab_size')\n")
+    assert main(["estimate", spec, "--batch-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "factories_for_cli:build(batch_size=2) raised KeyError: 'vocab_size'" in err and err.count("\n") == 1
+
+
+def test_demo_with_an_unknown_device_is_one_line(capsys):
+    assert main(["demo", "--device", "banana"]) == 1
+    assert "unknown device 'banana'" in capsys.readouterr().err
+
+
+def test_estimate_refuses_an_unknown_device():
+    with pytest.raises(InvalidArgumentError, match="unknown device"):
+        memprof.estimate(nn.Linear(2, 2), inputs=torch.randn(1, 2), device="banana")
+
+
+def test_counts_accept_the_floats_people_write():
+    from memprof import anatomy
+
+    assert anatomy.zero_model_states(7.5e9, 64, 3) == anatomy.zero_model_states(7_500_000_000, 64, 3)
+    assert anatomy.transformer_layer_activations(2048.0, 1, 12288, 96) == \
+        anatomy.transformer_layer_activations(2048, 1, 12288, 96)
+    with pytest.raises(InvalidArgumentError, match="whole number"):
+        anatomy.zero_model_states(7.5e9 + 0.5, 64, 3)
+    with pytest.raises(InvalidArgumentError, match="world_size"):
+        anatomy.zero_model_states(10, 0, 3)
+
+
+# ------------------------------------------------------------------ 16. and 17. text output
+
+
+def test_control_characters_from_a_file_print_inert(saved, tmp_path, capsys):
+    data = saved.to_dict()
+    data["modules"][1]["path"] = "fc1\x1b[2J\x1b[H"
+    data["notes"] = ["\x1b[1APeak 0 B\x07"]
+    path = _write(tmp_path, data)
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "\\x1b[1APeak 0 B\\x07" in out
+    text = str(memprof.load(path)) + str(memprof.load(path).reconcile())
+    assert "\x1b" not in text
+
+
+def test_a_closed_pipe_ends_the_command_quietly(saved, tmp_path):
+    path = tmp_path / "run.json"
+    saved.save(path)
+    proc = subprocess.run(f"{sys.executable} -m memprof report {path} | head -1", shell=True,
+                          capture_output=True, text=True)
+    assert proc.stdout.startswith("memprof report:")
+    assert proc.stderr == ""
+
+
+def test_long_module_paths_keep_their_first_and_last_parts():
+    from memprof.report import _clip
+
+    assert _clip("encoder.block.3.layer.1.DenseReluDense.wo", 29) == "encoder.block.3.layer.1…wo"
+    assert _clip("model.layers.11.self_attn.q_proj", 29) == "model.layers.11…q_proj"
+    assert _clip("encoder.block.3.layer.1.DenseReluDense.wo", 20) == "encoder.block.3…wo"
+    assert _clip("transformer.h.0.attn.c_attn", 29) == "transformer.h.0.attn.c_attn"
+    for n in (5, 12, 20, 29):
+        assert len(_clip("encoder.block.3.layer.1.DenseReluDense.wo", n)) <= n
+
+
+def test_modules_that_save_nothing_need_no_rule():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Identity(), nn.Flatten(), nn.Linear(8, 2))
+    with memprof.profile(model) as prof:
+        model(torch.randn(4, 8)).sum().backward()
+    rep = prof.report()
+    assert rep.trace.facts.modules_without_rule == ()
+    assert "no saved-bytes rule" not in str(rep.reconcile())
+
+
+def test_small_causes_are_folded_into_one_line(saved):
+    rec = saved.reconcile()
+    total = rec.to_frame().loc["total", "measured"]
+    small = [c for c in rec.explanations if abs(c.bytes) < total // 200 and c.name != "unexplained"]
+    text = str(rec)
+    if small:
+        assert f"{len(small)} cause(s) under 0.5% of the total each" in text
+    for c in rec.explanations:
+        if abs(c.bytes) >= total // 200 or c.name == "unexplained":
+            assert f"{c.name}: " in text
+
+
+# ------------------------------------------------------------------ 18. the total row
+
+
+@pytest.mark.parametrize("at", ["peak", "steady"])
+def test_the_total_row_is_the_reports_total_and_the_causes_add_up_to_its_gap(saved, at):
+    rec = saved.reconcile(at=at)
+    frame = rec.to_frame()
+    measured = saved.peak if at == "peak" else saved.at(-1, "optimizer", "end")
+    assert frame.loc["total", "measured"] == measured.total
+    assert frame.loc["total", "formula"] == sum(r.formula for r in rec.rows if r.formula is not None)
+    gap = frame.loc["total", "gap"]
+    assert gap == measured.total - frame.loc["total", "formula"]
+    assert sum(c.bytes for c in rec.explanations) == gap
+    # The inputs (the batch: 8 x 32 fp32 = 1,024 B) have no formula: named, with their bytes.
+    inputs = [c for c in rec.causes if c.category is C.INPUTS]
+    assert [(c.name, c.bytes) for c in inputs] == [("no formula", 8 * 32 * 4)]
