@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import warnings
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import pytest
 
@@ -164,9 +164,19 @@ def pytest_configure(config: pytest.Config) -> None:
     base = config.invocation_params.dir
     save_dir = config.getoption("memprof_save_dir", None)
     if save_dir is not None:
-        config.option.memprof_save_dir = str(base / save_dir)
+        if not save_dir.strip():
+            raise pytest.UsageError("--memprof-save-dir is empty; give the folder to write reports to")
+        path = base / save_dir
+        if path.exists() and not path.is_dir():
+            raise pytest.UsageError(
+                f"--memprof-save-dir {save_dir}: this is a file, not a folder; give a folder (it is created "
+                "if missing)"
+            )
+        config.option.memprof_save_dir = str(path)
     baseline = config.getoption("memprof_baseline", None)
     if baseline is not None:
+        if not baseline.strip():
+            raise pytest.UsageError("--memprof-baseline is empty; give the folder a run with --memprof-save-dir wrote")
         path = base / baseline
         if not path.is_dir():
             raise pytest.UsageError(
@@ -326,24 +336,43 @@ def _baseline_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]
 
 # -- file names ---------------------------------------------------------------------
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_MAX_STEM = 120
+_MAX_STEM = 180
 
 
 def report_file_names(nodeid: str, count: int) -> list[str]:
-    """File names for a test's ``count`` reports: ``<stem>.json``, ``<stem>-2.json``, ...
+    """File names for a test's ``count`` reports: ``<stem>.json``, ``<stem>~2.json``, ...
 
-    The stem is the test id with every run of characters other than letters,
-    digits, ``.``, ``_`` and ``-`` replaced by ``_``; over-long stems are
-    cut and given a short hash of the full id so they stay unique. The first
-    report never carries an index, so a test that later records a second
-    profile keeps its first baseline.
+    The stem is the test id percent-encoded (``urllib.parse.quote`` with only
+    letters, digits, ``.``, ``_`` and ``-`` kept), so two ids never share a
+    name and ``urllib.parse.unquote(stem)`` gives the id back:
+    ``t.py::test[fp32/large]`` and ``t.py::test[fp32_large]`` stay apart. A
+    stem over 180 characters is cut and given a hash of the full id (unique,
+    no longer reversible). The first report never carries an index, so a test
+    that later records a second profile keeps its first baseline; the index
+    follows ``~``, which an encoded id never holds.
     """
-    stem = _UNSAFE.sub("_", nodeid).strip("_.") or "test"
+    stem = quote(nodeid, safe="") or "test"
+    stem = stem.replace("~", "%7E")  # quote keeps "~"; encode it, so "~" can mark a second report
+    if stem.startswith("."):
+        stem = "%2E" + stem[1:]  # no hidden files
     if len(stem) > _MAX_STEM:
-        digest = hashlib.sha1(nodeid.encode("utf-8")).hexdigest()[:10]
+        digest = hashlib.sha1(nodeid.encode("utf-8")).hexdigest()[:16]
         stem = f"{stem[:_MAX_STEM]}-{digest}"
-    return [f"{stem}.json" if i == 0 else f"{stem}-{i + 1}.json" for i in range(count)]
+    return [f"{stem}.json" if i == 0 else f"{stem}~{i + 1}.json" for i in range(count)]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Under pytest-xdist each worker writes its own reports; it hands their paths to the controller.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["memprof_saved"] = list(session.config.stash.get(_SAVED, []))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist: a worker finished; add the reports it wrote to the controller's summary."""
+    saved = getattr(node, "workeroutput", {}).get("memprof_saved", [])
+    node.config.stash.setdefault(_SAVED, []).extend(saved)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
