@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
@@ -557,6 +558,12 @@ class Profiler:
         self._compiled_depth = 0
         self._model_changed = False
         self._changes: list[str] = []
+        self._forward_seen = False  # a forward began in this step
+        self._calls = 0  # module forward calls seen
+        self._marks: list[tuple[int, int, int]] = []  # per open call: module, _calls and _unseen_saves at entry
+        self._unseen_saves: list[int] = []  # unknown storages saved as inputs in the current outermost call
+        self._skipped_paths: list[str] = []  # modules whose calls ran none of their children's hooks
+        self._invisible_forwards = 0  # gradients of the model from forwards memprof did not see
         stack.callback(self._close_thread_hooks)
 
         # One table of the model's modules, by path (named_modules() yields a shared module once,
@@ -570,6 +577,7 @@ class Profiler:
         self._brackets: set[int] = set()  # modules whose calls run compiled code memprof cannot see into
         self._compiled_paths: list[str] = []
         self._unhooked: set[int] = set()  # modules inside compiled code: no hooks, no per-module figures
+        self._parents: set[int] = set()  # modules with hooked children
         self._params: list[weakref.ref] = []
         self._param_ids: set[int] = set()
         self._pending_params: list[weakref.ref] = []  # lazy parameters not materialised yet
@@ -690,11 +698,17 @@ class Profiler:
                 inside.append(f"{path}._orig_mod" if path else "_orig_mod")
                 self._brackets.add(index)
                 self._note_compiled(path or "<model>")
+            if path and path.rpartition(".")[0] in parents:
+                self._parents.add(parents[path.rpartition(".")[0]])
             is_root = mod is root
-            pre = mod.register_forward_pre_hook(self._make_pre_hook(index, is_root), with_kwargs=True)
+            pre_hook, post_hook = self._make_pre_hook(index, is_root), self._make_post_hook(index, is_root)
+            if is_root and "torch._dynamo" in sys.modules and not _is_compile_wrapper(mod):
+                # A torch.compile wrapper of the model, called by the user, runs the model's own hooks
+                # inside its compiled frame: keep dynamo from tracing memprof's code into the graph.
+                pre_hook, post_hook = torch.compiler.disable(pre_hook), torch.compiler.disable(post_hook)
+            pre = mod.register_forward_pre_hook(pre_hook, with_kwargs=True)
             stack.callback(pre.remove)
-            post = mod.register_forward_hook(self._make_post_hook(index, is_root), with_kwargs=True,
-                                             always_call=True)
+            post = mod.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
             stack.callback(post.remove)
         for p in _unique_params(model):
             if id(p) not in self._param_ids:
@@ -935,6 +949,8 @@ class Profiler:
             entry = led.add(st, ACTIVATIONS if made_here else INPUTS)
             if entry.cat == ACTIVATIONS:
                 self._attribute_saved(entry)
+            elif self._fwd_stack:
+                self._unseen_saves.append(entry.key)  # an input, unless its call turns out compiled
         elif entry.cat == TEMPORARIES:
             led.move(entry, ACTIVATIONS)
             self._attribute_saved(entry)
@@ -1113,6 +1129,8 @@ class Profiler:
                 self._pending_meta[index] = [TensorMeta.of(t) for t in _tensors(args, kwargs)
                                              if t.is_floating_point() or not t.is_complex()]
             self._fwd_stack.append(index)
+            self._calls += 1
+            self._marks.append((index, self._calls, len(self._unseen_saves)))
             self._ledger.push_frame(index, backward=False)
             if self._timeline_enabled:
                 self._sample(info.path or "<model>")
@@ -1148,6 +1166,12 @@ class Profiler:
                     self._close_frame(f)
             if self._fwd_stack and self._fwd_stack[-1] == index:
                 self._fwd_stack.pop()
+            if self._marks and self._marks[-1][0] == index:
+                _index, calls, unseen = self._marks.pop()
+                if calls == self._calls and index in self._parents and self._phase is Phase.FORWARD:
+                    self._children_skipped(index, unseen)
+            if not self._fwd_stack:
+                self._unseen_saves.clear()
             if is_root and self._pending_params:
                 self._sync_model()  # lazy modules took their shapes in this forward
             metas = self._pending_meta.pop(index, None) if self._capture_metas else None
@@ -1177,6 +1201,23 @@ class Profiler:
             return None
 
         return post_hook
+
+    def _children_skipped(self, index: int, unseen: int) -> None:
+        """A call of a module with hooked children ran none of their hooks: compiled code ran it (a
+        torch.compile wrapper of the model calls it from compiled code, which skips hooks added after
+        compilation), or its forward called them through .forward(). What it saved out of dispatch's
+        sight is an activation, not an input; its later calls are treated the same way."""
+        led = self._ledger
+        for key in self._unseen_saves[unseen:]:
+            entry = led.entries.get(key)
+            if entry is not None and entry.cat == INPUTS:
+                led.move(entry, ACTIVATIONS, retro=True)
+                if entry.saved < 0:
+                    entry.saved = 0
+                self._attribute_saved(entry)
+        if index not in self._brackets:
+            self._brackets.add(index)
+            self._skipped_paths.append(self._modules[index].path or "<model>")
 
     def _hook_tensor(self, t: torch.Tensor, index: int, hook: Any) -> None:
         """A tensor hook for module ``index``, once per tensor (a parameter handed to a submodule
@@ -1257,6 +1298,11 @@ class Profiler:
     def _grad_hook(self, param: torch.Tensor) -> None:
         if self._state != "active":
             return
+        if not self._forward_seen:
+            # A gradient of the model from a forward memprof's module hooks never saw: a torch.compile
+            # wrapper of this model ran (its hooks are inside compiled code), or the forward ran
+            # before the profile. What that forward saved was never seen.
+            self._invisible_forwards += 1
         if self._phase is not Phase.BACKWARD:
             self._backward_started()
         g = param.grad
@@ -1304,9 +1350,12 @@ class Profiler:
         self._release_stale_grads()
         self._begin_phase(Phase.OTHER)
         if not self._explicit_steps:
-            # The step ends here; it is closed when the next forward (or the end) comes,
-            # so that several optimizers stepping one after another stay one step.
-            self._pending_step_end = True
+            if self._forward_seen:
+                # The step ends here; it is closed when the next forward (or the end) comes,
+                # so that several optimizers stepping one after another stay one step.
+                self._pending_step_end = True
+            else:
+                self._end_step()  # no forward to wait for: the model's forward runs unseen
         return None
 
     def _collect_optimizer_state(self, opt: torch.optim.Optimizer, *, retro: bool) -> None:
@@ -1393,6 +1442,8 @@ class Profiler:
             self._capture_metas = True
             self._pending_meta = {}
         self._phase = phase
+        if phase is Phase.FORWARD:
+            self._forward_seen = True
         led = self._ledger
         led.start_phase()
         self._phase_start = led.totals.copy()
@@ -1427,6 +1478,7 @@ class Profiler:
 
     def _end_step(self) -> None:
         self._prune_hooks()
+        self._forward_seen = False
         self._close_phase()
         if self._step_phases:
             self._steps.append(StepRecord(self._step, tuple(self._step_phases)))
@@ -1618,6 +1670,8 @@ class Profiler:
         if self._saved.in_transform:
             # Saved there or not cannot be told apart: torch.func allows no saved-tensor hooks.
             cats |= {ACTIVATIONS, TEMPORARIES}
+        if self._invisible_forwards:
+            cats |= {ACTIVATIONS}
         return (frozenset(cats), total) if cats else None
 
     def _coverage_notes(self) -> list[str]:
@@ -1635,12 +1689,25 @@ class Profiler:
                 f"the model ran {self._saved.in_transform} time(s) inside torch.func transforms (grad, vjp, "
                 "jacrev, hessian), where torch allows no saved-tensor hooks: what autograd saved there cannot "
                 "be told from temporaries, so activations and temporaries are not measured")
+        if self._invisible_forwards:
+            notes.append(
+                "the model's parameters got gradients from a forward memprof's module hooks did not see (a "
+                "torch.compile wrapper of this model was called, whose compiled code skips the hooks of the "
+                "module it wraps, or the forward ran before the profile): activations are not measured; profile "
+                "the module you call, memprof.profile(compiled_model, optimizer)")
         if self._saved.chained_to:
             names = ", ".join(sorted(self._saved.chained_to))
             notes.append(
                 f"saved_tensors_hooks of your own were active ({names}): memprof ran them as without it and "
                 f"counted as activations the tensors on {self.device.type} that their pack returned; tensors "
                 "saved under them outside the model's modules (a loss computed inside such a block) are not seen")
+        if self._skipped_paths:
+            where = ", ".join(self._skipped_paths[:3]) + (" ..." if len(self._skipped_paths) > 3 else "")
+            notes.append(
+                f"calls of {where} ran none of their submodules' hooks (a torch.compile wrapper of the model "
+                "ran them from compiled code, or they called submodules through .forward()): those submodules "
+                "have no per-module figures, and what the calls saved counts as their activations; to see "
+                "inside, profile the compiled wrapper itself (memprof.profile(compiled_model, optimizer))")
         if self._compiled_paths:
             where = ", ".join(self._compiled_paths[:3]) + (" ..." if len(self._compiled_paths) > 3 else "")
             notes.append(

@@ -243,11 +243,11 @@ def compiled_runs():
     backend, calls = _counting_backend()
     x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
 
-    def run(model, wrapped):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with memprof.profile(wrapped, opt) as prof:
+    def run(profiled, called):
+        opt = torch.optim.SGD(profiled.parameters(), lr=0.1)
+        with memprof.profile(profiled, opt) as prof:
             for _ in range(2):
-                F.cross_entropy(wrapped(x), y).backward()
+                F.cross_entropy(called(x), y).backward()
                 opt.step()
                 opt.zero_grad()
         return prof.report()
@@ -261,10 +261,13 @@ def compiled_runs():
     F.cross_entropy(compiled(x), y).backward()  # compiled before the profile
     model.zero_grad(set_to_none=True)
     before = dict(calls)
-    whole = run(model, compiled)
+    whole = run(compiled, compiled)
     inside = {k: calls[k] - before[k] for k in calls}
+    before = dict(calls)
     F.cross_entropy(compiled(x), y).backward()
-    after = {k: calls[k] - before[k] - inside[k] for k in calls}
+    after = {k: calls[k] - before[k] for k in calls}
+    model.zero_grad(set_to_none=True)
+    wrapped_inner = run(model, compiled)  # profiled: the inner model; called: its compiled wrapper
     torch.manual_seed(0)
     part = MLP()
     part.fc2 = torch.compile(part.fc2, backend=backend)  # a compiled block inside an eager model
@@ -272,7 +275,7 @@ def compiled_runs():
     block = run(part, part)
     block_calls = {k: calls[k] - before[k] for k in calls}
     return {"eager": eager, "whole": whole, "inside": inside, "after": after, "block": block,
-            "block_calls": block_calls, "model": model}
+            "block_calls": block_calls, "model": model, "inner": wrapped_inner}
 
 
 def test_a_compiled_model_stays_compiled_inside_and_after_the_block(compiled_runs):
@@ -301,6 +304,30 @@ def pd_na():
     import pandas as pd
 
     return pd.NA
+
+
+def test_profiling_the_model_inside_a_compiled_wrapper_says_what_it_missed(compiled_runs):
+    # The wrapper's compiled code calls the model, whose own hooks run, but skips its submodules' hooks:
+    # what it saves still counts as activations (not inputs), and the note says the submodules are unseen.
+    rep = compiled_runs["inner"]
+    assert rep.steps == 2
+    assert rep.at(1, "forward", "end") == compiled_runs["eager"].at(1, "forward", "end")
+    assert any("ran none of their submodules' hooks" in n and "memprof.profile(compiled_model, optimizer)" in n
+               for n in rep.trace.notes)
+
+
+def test_gradients_from_an_unseen_forward_leave_activations_not_measured():
+    model, x = _mlp(), torch.randn(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(x).sum()  # the forward ran before the profile
+    with memprof.profile(model, opt) as prof:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    rep = prof.report()
+    assert rep.steps == 1 and rep.peak[C.ACTIVATIONS] is None
+    assert rep.end[C.WEIGHTS] == weight_bytes(model)
+    assert any("forward memprof's module hooks did not see" in n for n in rep.trace.notes)
 
 
 def test_a_model_compiled_in_place_is_refused_with_the_fix():

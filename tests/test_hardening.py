@@ -969,7 +969,7 @@ def test_torch_compile_model():
     opt.zero_grad()
     eager = {}
     for name, m in (("eager", model), ("compiled", compiled)):
-        with memprof.profile(model, opt) as prof:
+        with memprof.profile(m, opt) as prof:  # the module the loop calls: the compiled wrapper
             for _ in range(2):
                 F.cross_entropy(m(x), y).backward()
                 opt.step()
