@@ -523,10 +523,16 @@ def main(argv: "list[str] | None" = None) -> int:
           f"{len(precisions)} precisions x {len(optimizers)} optimizers", flush=True)
     t_all = time.perf_counter()
     results = []
+    failed = []
     for m in models:
         for p in precisions:
             for o in optimizers:
-                r = run_config(m, p, o, args.quick, args.steps)
+                try:
+                    r = run_config(m, p, o, args.quick, args.steps)
+                except Exception as exc:  # e.g. a kernel this CPU's oneDNN cannot build: the same without memprof
+                    failed.append({"model": m, "precision": p, "optimizer": o, "error": f"{type(exc).__name__}: {exc}"})
+                    print(f"{m:5s} {p:5s} {o:6s} did not run: {type(exc).__name__}: {exc}", flush=True)
+                    continue
                 results.append(r)
                 print(f"{m:5s} {p:5s} {o:6s} peak measured {fmt_bytes(r['measured_peak']):>11} simulated "
                       f"{fmt_bytes(r['simulated_peak']):>11} ({_pct(r['simulated_peak'], r['measured_peak'])}); "
@@ -536,6 +542,10 @@ def main(argv: "list[str] | None" = None) -> int:
     info["seconds_total"] = round(time.perf_counter() - t_all, 1)
 
     md = "### Summary\n\n" + summary_table(results) + "\n### Per model\n\n" + detail_tables(results)
+    if failed:
+        md += "\n### Configurations that did not run\n\n" + "".join(
+            f"- {f['model']} {f['precision']} {f['optimizer']}: {f['error'].splitlines()[0]}\n" for f in failed)
+    info["failed"] = failed
     if args.quick or len(results) <= 6:
         print()
         print(summary_table(results))
