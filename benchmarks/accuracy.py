@@ -63,6 +63,7 @@ try:
 except ImportError:  # running from a checkout without installation
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import memprof
+from memprof.anatomy import predict_activations
 from memprof.examples import TinyGPT
 
 MODELS = ("mlp", "cnn", "lstm", "bert", "gpt", "vit")
@@ -360,10 +361,10 @@ def run_config(model: str, precision: str, optimizer: str, quick: bool, steps: i
         "simulated_peak_breakdown": {c: est.simulated[c] for c in TENSOR_CATEGORIES},
         "simulated_vs_measured_peak_pct": 100.0 * (peak_s - peak_m) / peak_m if peak_m else None,
         "formula_peak_breakdown": {c: est.formula[c] for c in TENSOR_CATEGORIES},
-        "activations_formula": rep.trace.facts.activation_formula,
+        "activations_formula": predict_activations(rep.trace).saved_bytes,
         "activations_measured_end_of_forward": _activations_end_of_forward(rep.trace),
         "activations_simulated_end_of_forward": _activations_end_of_forward(sim_tr),
-        "modules_without_rule": list(rep.trace.facts.modules_without_rule),
+        "modules_without_rule": list(predict_activations(rep.trace).modules_without_rule),
         "estimate_notes": list(est.notes),
         "reconcile": {at: _rec_dict(r) for at, r in recs.items()},
         "seconds_measure": t_measure,

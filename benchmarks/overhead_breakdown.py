@@ -51,8 +51,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import overhead  # noqa: E402  (the workload's model and loss, and memprof itself)
 
 memprof = overhead.memprof
-from memprof import profiler as _profiler  # noqa: E402
-from memprof.track.saved import SavedHooks  # noqa: E402
+from memprof.track.saved_hooks import SavedHooks  # noqa: E402
+from memprof.track.storages import StorageTracker  # noqa: E402
 
 VARIANTS = ("bare", "null_dispatch", "light", "exact", "no_backward_module_hooks", "no_op_handler",
             "no_saved_tensor_hooks", "hooks_only")
@@ -78,16 +78,20 @@ def build(width: int, seq: int, batch: int) -> overhead.Workload:
 @contextlib.contextmanager
 def _ablated(variant: str):
     """Patch memprof's mechanisms off for one variant; restore them afterwards."""
-    real_handler = _profiler._DispatchTracker
+    real_install = StorageTracker.install
     real_cover = SavedHooks.cover
     try:
         if variant in ("no_op_handler", "hooks_only"):
-            _profiler._DispatchTracker = _DoNothingHandler
+            def install(self: Any) -> None:  # the do-nothing mode in place of memprof's handler
+                self.mode = _DoNothingHandler()
+                self.mode.__enter__()
+
+            StorageTracker.install = install  # type: ignore[method-assign]
         if variant in ("no_saved_tensor_hooks", "hooks_only"):
             SavedHooks.cover = lambda self: False  # memprof never pushes its saved-tensor pair
         yield
     finally:
-        _profiler._DispatchTracker = real_handler
+        StorageTracker.install = real_install  # type: ignore[method-assign]
         SavedHooks.cover = real_cover
 
 
@@ -102,7 +106,7 @@ def run_variant(variant: str, wl: overhead.Workload, steps: int) -> float:
         if ctx is not None:
             ctx.__enter__()
         if variant in ("no_backward_module_hooks", "hooks_only"):
-            ctx._track_backward_modules = False
+            ctx.backward_frames = False
         try:
             t0 = time.perf_counter()
             for _ in range(steps):

@@ -18,7 +18,7 @@ import torch
 import memprof
 from memprof.categories import Category
 from memprof.examples import TinyGPT, synthetic_tokens
-from memprof.plot import plot_modules, plot_timeline, plot_waterfall
+from memprof.render.plot import plot_modules, plot_timeline, plot_waterfall
 
 OUT = pathlib.Path(__file__).resolve().parent / "images"
 

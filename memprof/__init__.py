@@ -32,15 +32,15 @@ from .units import format_bytes, parse_size
 if TYPE_CHECKING:
     from .simulation import Estimate, estimate
     from .profiler import Profiler, profile
-    from .reconciliation import Reconciliation, reconcile
+    from .reconciler import Reconciliation, reconcile
 
 _LAZY = {
     "profile": "profiler",
     "Profiler": "profiler",
     "estimate": "simulation",
     "Estimate": "simulation",
-    "reconcile": "reconciliation",
-    "Reconciliation": "reconciliation",
+    "reconcile": "reconciler",
+    "Reconciliation": "reconciler",
     "max_batch_size": "planner",
     "BatchSizePlan": "planner",
 }

@@ -213,7 +213,7 @@ def check_budget(report: "Report", peak: "int | str | None" = None, *, at: str =
 
     budgets = parse_budgets(peak, **categories)
 
-    if report.steps == 0:
+    if report.num_steps == 0:
         raise BudgetNotMeasured(
             "the profile recorded no step, so nothing was measured and the budget cannot be judged; "
             "run the training (or inference) step inside 'with memprof.profile(...)'",

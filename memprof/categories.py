@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 from .errors import UnknownNameError
 
@@ -28,15 +29,7 @@ class Category(str, Enum):
     @classmethod
     def parse(cls, value: "Category | str") -> "Category":
         """Accept a Category or its value; raise :class:`UnknownNameError` otherwise."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).strip().lower())
-        except ValueError:
-            known = ", ".join(c.value for c in cls)
-            raise UnknownNameError(
-                f"unknown category {value!r}; use one of: {known}"
-            ) from None
+        return _parse(cls, value, "category")
 
 
 class Phase(str, Enum):
@@ -59,13 +52,18 @@ class Phase(str, Enum):
     @classmethod
     def parse(cls, value: "Phase | str") -> "Phase":
         """Accept a Phase or its value; raise :class:`UnknownNameError` otherwise."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).strip().lower())
-        except ValueError:
-            known = ", ".join(p.value for p in cls)
-            raise UnknownNameError(f"unknown phase {value!r}; use one of: {known}") from None
+        return _parse(cls, value, "phase")
+
+
+def _parse(cls: Any, value: Any, what: str) -> Any:
+    """The member of ``cls`` named by ``value`` (any case, spaces around ignored), or an error listing them."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value).strip().lower())
+    except ValueError:
+        known = ", ".join(m.value for m in cls)
+        raise UnknownNameError(f"unknown {what} {value!r}; use one of: {known}") from None
 
 
 #: Categories measured from tensors (every mode, every device).

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .categories import Category, Phase
-from .errors import InvalidArgumentError
-from .trace import Breakdown, Trace
-from .units import format_bytes, parse_size, printable
+from .errors import InvalidArgumentError, warn_renamed
+from .render.common import signed
+from .trace import PHASE_MOMENTS, Breakdown, Trace, as_trace, parse_moment
+from .units import parse_size
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -24,8 +25,6 @@ if TYPE_CHECKING:
     from .report import Report
 
 __all__ = ["diff", "Diff", "CategoryDelta", "PhaseDelta"]
-
-_WHEN = ("peak", "start", "end")
 
 
 def _delta(a: "int | None", b: "int | None") -> tuple["int | None", "float | None"]:
@@ -37,24 +36,6 @@ def _delta(a: "int | None", b: "int | None") -> tuple["int | None", "float | Non
         # From nothing: 0 % when nothing changed, otherwise no finite percentage.
         return d, (0.0 if d == 0 else None)
     return d, 100.0 * d / a
-
-
-def _word(delta: "int | None") -> str:
-    if delta is None:
-        return ""
-    return "grew" if delta > 0 else "shrank" if delta < 0 else "same"
-
-
-def _signed(n: "int | None") -> str:
-    if n is None:
-        return "not measured"
-    return ("+" if n > 0 else "") + format_bytes(n)
-
-
-def _pct(p: "float | None", delta: "int | None") -> str:
-    if p is None:
-        return "new" if delta else ""
-    return "0.0%" if p == 0 else f"{p:+.1f}%"
 
 
 @dataclass(frozen=True)
@@ -94,7 +75,7 @@ class Diff:
     """What changed from run ``a`` to run ``b``.
 
     ``categories`` has one entry per :class:`Category` (in enum order) for the
-    breakdown at ``when`` (the global ``"peak"`` by default); ``total`` is the
+    breakdown at ``at`` (the global ``"peak"`` by default); ``total`` is the
     same for the totals. ``phases`` are the phases found in both runs, in
     ``a``'s order; ``only_in_a`` / ``only_in_b`` name the ``(step, phase,
     occurrence)`` keys found in one run only. ``notes`` say where the two runs
@@ -102,7 +83,7 @@ class Diff:
     meaningless.
     """
 
-    when: str
+    at: str
     categories: tuple[CategoryDelta, ...]
     total: CategoryDelta
     phases: tuple[PhaseDelta, ...]
@@ -144,6 +125,12 @@ class Diff:
                 and all(p.delta in (0, None) for p in self.phases)
                 and not self.only_in_a and not self.only_in_b)
 
+    @property
+    def when(self) -> str:
+        """Deprecated: the compared moment, now :attr:`at`."""
+        warn_renamed("Diff.when", "Diff.at")
+        return self.at
+
     def to_frame(self) -> "pd.DataFrame":
         """Categories as rows (index ``category``), columns ``a``, ``b``, ``delta``, ``delta_pct``.
 
@@ -151,106 +138,32 @@ class Diff:
         ``delta_pct`` is ``Float64`` percent of ``a``. The total is not a row
         (summing the column stays honest); it is :attr:`total`.
         """
-        import pandas as pd
+        from .render.frames import diff_frame
 
-        frame = pd.DataFrame(
-            [{"category": c.name, "a": c.a, "b": c.b, "delta": c.delta, "delta_pct": c.delta_pct}
-             for c in self.categories],
-            columns=["category", "a", "b", "delta", "delta_pct"],
-        ).set_index("category")
-        for col in ("a", "b", "delta"):
-            frame[col] = frame[col].astype("Int64")
-        frame["delta_pct"] = frame["delta_pct"].astype("Float64")
-        return frame
+        return diff_frame(self)
 
     def phases_frame(self) -> "pd.DataFrame":
         """Matched phases as rows: ``step``, ``phase``, ``occurrence``, ``a``, ``b``, ``delta``, ``delta_pct`` (peak totals)."""
-        import pandas as pd
+        from .render.frames import diff_phases_frame
 
-        cols = ["step", "phase", "occurrence", "a", "b", "delta", "delta_pct"]
-        frame = pd.DataFrame(
-            [{"step": p.step, "phase": p.phase.value, "occurrence": p.occurrence, "a": p.a, "b": p.b,
-              "delta": p.delta, "delta_pct": p.delta_pct} for p in self.phases],
-            columns=cols,
-        )
-        for col in ("step", "occurrence", "a", "b", "delta"):
-            frame[col] = frame[col].astype("Int64")
-        frame["delta_pct"] = frame["delta_pct"].astype("Float64")
-        return frame
+        return diff_phases_frame(self)
 
     def to_text(self, *, max_phases: int = 20) -> str:
-        la, lb = self.labels
-        wa = max(14, len(la) + 2)
-        wb = max(14, len(lb) + 2)
-        lines = [f"memprof diff: {la} -> {lb} (breakdown at the {self.when})"]
-        lines.append(f"  {'category':<20}{la:>{wa}}{lb:>{wb}}{'delta':>14}{'%':>9}")
-        for c in (*self.categories, self.total):
-            if c.category is None:
-                lines.append("  " + "-" * (20 + wa + wb + 14 + 9))
-            if c.a is None and c.b is None:
-                lines.append(f"  {c.name:<20}{'not measured':>{wa}}{'not measured':>{wb}}")
-                continue
-            delta = "" if c.delta is None else _signed(c.delta)
-            lines.append(
-                f"  {c.name:<20}{format_bytes(c.a):>{wa}}{format_bytes(c.b):>{wb}}{delta:>14}"
-                f"{_pct(c.delta_pct, c.delta):>9}  {_word(c.delta)}".rstrip()
-            )
-        if self.phases:
-            lines.append("")
-            lines.append("Phases (peak total of each phase, matched by step, phase and occurrence)")
-            lines.append(f"  {'step':>4}  {'phase':<12}{la:>{wa}}{lb:>{wb}}{'delta':>14}{'%':>9}")
-            shown = self.phases if len(self.phases) <= max_phases else self.phases[:max_phases]
-            for p in shown:
-                label = p.phase.value + (f" #{p.occurrence}" if p.occurrence else "")
-                delta = "" if p.delta is None else _signed(p.delta)
-                lines.append(
-                    f"  {p.step:>4}  {label:<12}{format_bytes(p.a):>{wa}}{format_bytes(p.b):>{wb}}{delta:>14}"
-                    f"{_pct(p.delta_pct, p.delta):>9}  {_word(p.delta)}".rstrip()
-                )
-            if len(self.phases) > len(shown):
-                lines.append(f"  … {len(self.phases) - len(shown)} more (diff.phases_frame() has all)")
-        for label, keys in ((la, self.only_in_a), (lb, self.only_in_b)):
-            if keys:
-                names = ", ".join(f"step {s} {ph.value}" + (f" #{o}" if o else "") for s, ph, o in keys[:12])
-                more = f" and {len(keys) - 12} more" if len(keys) > 12 else ""
-                lines.append(f"Only in {label}: {names}{more}")
-        if self.notes:
-            lines.append("")
-            lines.append("Notes")
-            lines.extend(f"  - {n}" for n in self.notes)
-        return printable("\n".join(lines))
+        from .render.text import diff_text
+
+        return diff_text(self, max_phases=max_phases)
 
     def __str__(self) -> str:
         return self.to_text()
 
     def _repr_html_(self) -> str:
-        from .html import frame_html
+        from .render.html import diff_html
 
-        la, lb = self.labels
-        frame = self.to_frame()
-        frame.loc["total"] = [self.total.a, self.total.b, self.total.delta, self.total.delta_pct]
-        parts = [f"<div><b>memprof diff</b>: {_esc(la)} → {_esc(lb)} (breakdown at the {_esc(self.when)})</div>",
-                 frame_html(frame)]
-        if self.phases:
-            parts.append("<div><b>Phases</b> (peak total of each phase)</div>")
-            parts.append(frame_html(self.phases_frame()))
-        for label, keys in ((la, self.only_in_a), (lb, self.only_in_b)):
-            if keys:
-                names = ", ".join(f"step {s} {ph.value}" + (f" #{o}" if o else "") for s, ph, o in keys)
-                parts.append(f"<div>Only in {_esc(label)}: {_esc(names)}</div>")
-        if self.notes:
-            parts.append("<ul>" + "".join(f"<li>{_esc(n)}</li>" for n in self.notes) + "</ul>")
-        return "".join(parts)
+        return diff_html(self)
 
     def __repr__(self) -> str:
-        return (f"<memprof.Diff {self.labels[0]} -> {self.labels[1]} {self.when} total "
-                f"{_signed(self.total.delta) if self.total.delta is not None else 'not measured'}>")
-
-
-def _esc(s: Any) -> str:
-    import html
-
-    return html.escape(str(s), quote=True)
+        return (f"<memprof.Diff {self.labels[0]} -> {self.labels[1]} {self.at} total "
+                f"{signed(self.total.delta, 'not measured')}>")
 
 
 def _tolerance(value: "int | float | str") -> float:
@@ -262,38 +175,40 @@ def _tolerance(value: "int | float | str") -> float:
 
 
 def _as_trace(obj: Any, name: str) -> Trace:
-    from .report import Report, load
-
-    if isinstance(obj, Report):
-        return obj.trace
-    if isinstance(obj, Trace):
-        return obj
     if isinstance(obj, (str, os.PathLike)):
-        return load(obj).trace
-    raise InvalidArgumentError(
-        f"diff() compares memprof Reports, Traces or saved trace files; {name} is a {type(obj).__name__}"
-    )
+        from .files import load_trace
+
+        return load_trace(obj)
+    try:
+        return as_trace(obj)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(
+            f"diff() compares memprof Reports, Traces or saved trace files; {name} is a {type(obj).__name__}"
+        ) from None
 
 
-def _pick(trace: Trace, when: str) -> Breakdown:
-    return {"peak": trace.peak, "start": trace.start, "end": trace.end}[when]
+def _pick(trace: Trace, at: str) -> Breakdown:
+    return {"peak": trace.peak, "start": trace.start, "end": trace.end}[at]
 
 
 def diff(a: "Report | Trace | str | os.PathLike[str]", b: "Report | Trace | str | os.PathLike[str]", *,
-         when: str = "peak", labels: "tuple[str, str]" = ("a", "b")) -> Diff:
+         at: str = "peak", labels: "tuple[str, str]" = ("a", "b"), when: "str | None" = None) -> Diff:
     """Compare run ``b`` against run ``a`` (deltas are ``b - a``).
 
     ``a`` and ``b`` are Reports, Traces or paths of traces saved with
-    ``report.save()``. ``when`` picks the breakdown compared per category:
+    ``report.save()``. ``at`` picks the breakdown compared per category:
     the global ``"peak"`` (default), or the ``"start"`` / ``"end"`` of
-    profiling. ``labels`` name the runs in the text output.
+    profiling. ``labels`` name the runs in the text output. (``when=`` is the
+    deprecated name of ``at=``.)
     """
-    if when not in _WHEN:
-        raise InvalidArgumentError(f"when must be one of {', '.join(_WHEN)}, got {when!r}")
+    if when is not None:
+        warn_renamed("diff(when=...)", "diff(at=...)")
+        at = when
+    at = parse_moment(at, PHASE_MOMENTS)
     if (not isinstance(labels, tuple) or len(labels) != 2 or not all(isinstance(x, str) for x in labels)):
         raise InvalidArgumentError(f"labels must be a tuple of two strings, got {labels!r}")
     ta, tb = _as_trace(a, "a"), _as_trace(b, "b")
-    ba, bb = _pick(ta, when), _pick(tb, when)
+    ba, bb = _pick(ta, at), _pick(tb, at)
 
     cats = tuple(CategoryDelta(c, ba[c], bb[c], *_delta(ba[c], bb[c])) for c in Category)
     total = CategoryDelta(None, ba.total, bb.total, *_delta(ba.total, bb.total))
@@ -322,4 +237,4 @@ def diff(a: "Report | Trace | str | os.PathLike[str]", b: "Report | Trace | str 
     for t, label in ((ta, labels[0]), (tb, labels[1])):
         if t.error:
             notes.append(f"{label} ended with an error ({t.error}); its figures are partial")
-    return Diff(when, cats, total, phases, only_a, only_b, labels, tuple(notes))
+    return Diff(at, cats, total, phases, only_a, only_b, labels, tuple(notes))

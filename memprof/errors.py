@@ -15,6 +15,7 @@ __all__ = [
     "NotMeasuredError",
     "TraceFormatError",
     "RegistryError",
+    "MissingExtraError",
 ]
 
 
@@ -51,3 +52,14 @@ class TraceFormatError(MemprofError, ValueError):
 
 class RegistryError(MemprofError):
     """A formula registry was used wrongly (for example, registered twice)."""
+
+
+class MissingExtraError(MemprofError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """A public name changed: the old one still works, and says which name to use."""
+    import warnings
+
+    warnings.warn(f"{old} is deprecated; use {new} (see docs/changelog.md)", DeprecationWarning, stacklevel=3)

@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import TraceFormatError
 
-__all__ = ["write_text_atomic", "read_json"]
+if TYPE_CHECKING:
+    from .trace import Trace
+
+__all__ = ["write_text_atomic", "read_json", "load_trace"]
 
 
 def write_text_atomic(path: "str | os.PathLike[str]", text: str) -> None:
@@ -82,3 +85,10 @@ def read_json(path: "str | os.PathLike[str]") -> Any:
         raise TraceFormatError(f"{name} is nested too deeply to be a memprof trace; {fix}") from None
     except (OSError, ValueError) as exc:
         raise TraceFormatError(f"{name} cannot be read ({exc}); {fix}") from None
+
+
+def load_trace(path: "str | os.PathLike[str]") -> "Trace":
+    """The Trace saved in ``path`` (see :func:`read_json` for the errors)."""
+    from .trace import Trace
+
+    return Trace.from_dict(read_json(path))

@@ -292,7 +292,7 @@ def _budget_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]:
         except MemoryBudgetExceeded as exc:
             failures.append(f"MemoryBudgetExceeded{where}: {exc}")
         except BudgetNotMeasured as exc:
-            if rep.steps == 0:
+            if rep.num_steps == 0:
                 failures.append(
                     f"@pytest.mark.{MARKER}{where}: nothing was measured: the profile recorded no step; "
                     "run the step inside 'with memory_profile(model, optimizer) as prof:'"

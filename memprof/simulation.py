@@ -22,7 +22,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .categories import Category
 from .errors import InvalidArgumentError, UnknownNameError
 from .trace import Breakdown, Trace
 
@@ -59,7 +58,7 @@ class Estimate:
     @property
     def formula(self) -> Breakdown:
         """The textbook breakdown at the simulated peak: the formula ``reconcile()`` shows there too."""
-        from .reconciliation import formula_at
+        from .reconciler import formula_at
 
         return formula_at(self.trace, "peak", precision=self.precision)
 
@@ -70,26 +69,9 @@ class Estimate:
         return Report(self.trace)
 
     def __str__(self) -> str:
-        from .units import format_bytes, printable
+        from .render.text import estimate_text
 
-        lines = [f"memprof estimate ({self.precision}, simulated for {self.device}): peak {format_bytes(self.peak_bytes)}",
-                 f"  {'category':<20}{'formula':>14}{'simulated':>14}"]
-        formula = self.formula
-        for cat in Category:
-            f, s = formula[cat], self.simulated[cat]
-            if f is None and s is None:
-                continue
-            lines.append(f"  {cat.value:<20}{_fmt(f):>14}{_fmt(s):>14}")
-        lines.append(f"  {'total':<20}{_fmt(formula.total):>14}{_fmt(self.simulated.total):>14}")
-        for note in self.notes:
-            lines.append(f"  - {note}")
-        return printable("\n".join(lines))
-
-
-def _fmt(n: "int | None") -> str:
-    from .units import format_bytes
-
-    return "n/a" if n is None else format_bytes(n)  # no formula (or not simulated), not a zero
+        return estimate_text(self)
 
 
 def estimate(
@@ -231,7 +213,8 @@ def _meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, to
             params = [mapping[id(p)] for p in g["params"] if id(p) in mapping]
             hyper = {k: v for k, v in g.items() if k != "params"}
             if hyper.get("fused"):
-                # Fused kernels do not run on meta tensors; their step keeps no temporaries (ANATOMY.md section 5).
+                # Fused kernels do not run on meta tensors; their step keeps no temporaries (measured with torch 2.13,
+                # see docs/anatomy.md#measured-optimizer-state-and-step-transients).
                 hyper["fused"] = None
                 notes.append("fused optimizer simulated unfused: its real step keeps no temporaries")
             groups.append({**hyper, "params": params})
@@ -289,6 +272,6 @@ def _loss(out: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
 
 
 def _infer_precision(trace: Trace) -> str:
-    from .reconciliation import infer_precision
+    from .reconciler import infer_precision
 
     return infer_precision(trace)

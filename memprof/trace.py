@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from .categories import Category, Phase
+from .checks import corrupt, count, fields, optional_count, optional_text, pairs, text
 from .errors import TraceFormatError
+from .specs import ModuleCall, OptimizerSpec
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -25,10 +27,16 @@ __all__ = [
     "ModelFacts",
     "OperationRecord",
     "Trace",
+    "as_trace",
+    "parent_path",
+    "parse_moment",
+    "PHASE_MOMENTS",
+    "BUDGET_MOMENTS",
+    "RECONCILE_MOMENTS",
 ]
 
 #: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _ALL = tuple(Category)
 
@@ -90,71 +98,13 @@ class Breakdown(Mapping[Category, "int | None"]):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Breakdown":
         if not isinstance(data, Mapping):
-            raise _corrupt(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
-        values = tuple(_bytes_or_none(data.get(c.value), c.value) for c in _ALL)
-        return cls(values, _bytes_or_none(data.get("total"), "total"))
+            raise corrupt(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
+        values = tuple(optional_count(data.get(c.value), c.value) for c in _ALL)
+        return cls(values, optional_count(data.get("total"), "total"))
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{c.value}={v}" for c, v in zip(_ALL, self.counts) if v is not None)
         return f"Breakdown(total={self.total}, {inner})"
-
-
-# The largest count a trace may hold (16 EiB, or as many ops): a real run is far below it, and a
-# crafted 10**400 would otherwise load and break arithmetic and display downstream.
-_MAX_COUNT = 2**64
-
-
-def _bytes_or_none(value: Any, name: str) -> "int | None":
-    if value is None:
-        return None
-    return _count(value, name)
-
-
-def _count(value: Any, name: str) -> int:
-    """A non-negative int from a file (bytes, an index, a count); anything else is a TraceFormatError."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _corrupt(f"{name} must be an int, got {_shown(value)}")
-    if not 0 <= value <= _MAX_COUNT:
-        raise _corrupt(f"{name} must be between 0 and 2**64, got {_shown(value)}")
-    return value
-
-
-def _text(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise _corrupt(f"{name} must be a string, got {_shown(value)}")
-    return value
-
-
-def _corrupt(problem: str) -> TraceFormatError:
-    return TraceFormatError(f"corrupt memprof trace: {problem}; re-create it with report.save(path)")
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _fields(cls: Any, data: Any) -> dict[str, Any]:
-    """The keyword arguments of a flat record's dataclass from a file, each checked against its annotation."""
-    if not isinstance(data, Mapping):
-        raise _corrupt(f"a {cls.__name__} must be a mapping, got {_shown(data)}")
-    out: dict[str, Any] = {}
-    for name, f in cls.__dataclass_fields__.items():
-        if name not in data:
-            continue
-        value, kind = data[name], str(f.type).replace('"', "")
-        where = f"{cls.__name__}.{name}"
-        if kind == "int":
-            out[name] = _count(value, where)
-        elif kind == "int | None":
-            out[name] = None if value is None else _count(value, where)
-        elif kind == "str":
-            out[name] = _text(value, where)
-        elif kind == "str | None":
-            out[name] = None if value is None else _text(value, where)
-        else:
-            out[name] = value
-    return out
 
 
 @dataclass(frozen=True)
@@ -193,29 +143,27 @@ class PhaseRecord:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PhaseRecord":
         return cls(
-            step=_count(data["step"], "step"),
+            step=count(data["step"], "step"),
             phase=Phase.parse(data["phase"]),
-            occurrence=_count(data["occurrence"], "occurrence"),
+            occurrence=count(data["occurrence"], "occurrence"),
             start=Breakdown.from_dict(data["start"]),
             peak=Breakdown.from_dict(data["peak"]),
             end=Breakdown.from_dict(data["end"]),
-            ops=_count(data.get("ops", 0), "ops"),
-            tags_peak=_pairs(data.get("tags_peak", ())),
-            tags_end=_pairs(data.get("tags_end", ())),
+            ops=count(data.get("ops", 0), "ops"),
+            tags_peak=pairs(data.get("tags_peak", ())),
+            tags_end=pairs(data.get("tags_end", ())),
         )
-
-
-def _pairs(items: Any) -> tuple[tuple[str, int], ...]:
-    return tuple((_text(a, "a tag name"), _count(b, "a tag's bytes")) for a, b in items)
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the reconciler needs to know about the model and optimizer, read at exit.
+    """What the reconciler needs to know about the model, measured on the live objects at exit.
 
     Counts are of unique parameters (tied weights once). The ``*_formula``
-    figures come from :mod:`memprof.anatomy` applied to the real objects;
-    ``None`` means no formula applies (an optimizer memprof has no rule for).
+    fields and ``modules_without_rule`` are read from traces of schema 1 only,
+    where the collector computed formulas; newer traces record what a formula
+    needs (:attr:`Trace.module_calls`, :attr:`Trace.optimizers`) and
+    :mod:`memprof.anatomy.predict` computes them downstream.
     """
 
     num_params: int = 0
@@ -228,8 +176,8 @@ class ModelFacts:
     optimizer_transient_formula: "int | None" = None
     activation_formula: "int | None" = None
     #: Bytes of the model's inputs (storages made before the profile: the batch, token ids) that modules
-    #: with a saved-bytes rule saved in that same forward. Their rules count them in ``activation_formula``;
-    #: the measurement counts them as inputs. ``None`` when no forward was seen.
+    #: with a saved-bytes rule saved in the first forward. Their rules count them as activations; the
+    #: measurement counts them as inputs. ``None`` when no forward was seen.
     activation_inputs_saved: "int | None" = None
     modules_without_rule: tuple[str, ...] = ()
     #: (module path, attribute, value) of Linear/Conv/Embedding dimensions, for the alignment advice.
@@ -245,11 +193,11 @@ class ModelFacts:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelFacts":
-        kw = _fields(cls, data)
+        kw = fields(cls, data)
         if "modules_without_rule" in kw:
-            kw["modules_without_rule"] = tuple(_text(n, "a module type") for n in kw["modules_without_rule"])
+            kw["modules_without_rule"] = tuple(text(n, "a module type") for n in kw["modules_without_rule"])
         if "dims" in kw:
-            kw["dims"] = tuple((_text(a, "a module path"), _text(b, "a dimension"), _count(c, "a dimension"))
+            kw["dims"] = tuple((text(a, "a module path"), text(b, "a dimension"), count(c, "a dimension"))
                                for a, b, c in kw["dims"])
         return cls(**kw)
 
@@ -271,10 +219,10 @@ class OperationRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "OperationRecord":
-        kw = _fields(cls, data)
+        kw = fields(cls, data)
         missing = set(cls.__dataclass_fields__) - set(kw)
         if missing:
-            raise _corrupt(f"an operation record lacks {sorted(missing)}")
+            raise corrupt(f"an operation record lacks {sorted(missing)}")
         return cls(**kw)
 
 
@@ -290,7 +238,7 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
-        return cls(_count(data["index"], "a step's index"), tuple(PhaseRecord.from_dict(p) for p in data["phases"]))
+        return cls(count(data["index"], "a step's index"), tuple(PhaseRecord.from_dict(p) for p in data["phases"]))
 
 
 @dataclass(frozen=True)
@@ -331,7 +279,7 @@ class ModuleRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModuleRecord":
-        return cls(**_fields(cls, data))
+        return cls(**fields(cls, data))
 
 
 @dataclass(frozen=True)
@@ -350,8 +298,8 @@ class Sample:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
-        return cls(_count(data["seq"], "a sample's seq"), _count(data["step"], "a sample's step"),
-                   Phase.parse(data["phase"]), _text(data["label"], "a sample's label"),
+        return cls(count(data["seq"], "a sample's seq"), count(data["step"], "a sample's step"),
+                   Phase.parse(data["phase"]), text(data["label"], "a sample's label"),
                    Breakdown.from_dict(data["breakdown"]))
 
 
@@ -375,7 +323,7 @@ class DeviceInfo:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
-        return cls(**_fields(cls, data))
+        return cls(**fields(cls, data))
 
 
 @dataclass(frozen=True)
@@ -413,6 +361,10 @@ class Trace:
     facts: ModelFacts = field(default_factory=ModelFacts)
     #: Per-op records when profiled with operations=True; None when not recorded.
     operations: "tuple[OperationRecord, ...] | None" = None
+    #: The first grad-enabled forward's module calls, for the per-module formula (schema 2 and later).
+    module_calls: tuple[ModuleCall, ...] = ()
+    #: The optimizers that stepped the model, for the optimizer formulas (schema 2 and later).
+    optimizers: tuple[OptimizerSpec, ...] = ()
     schema_version: int = field(default=SCHEMA_VERSION)
 
     @property
@@ -460,6 +412,8 @@ class Trace:
             "peak_tags": [list(t) for t in self.peak_tags],
             "facts": self.facts.to_dict(),
             "operations": [o.to_dict() for o in self.operations] if self.operations is not None else None,
+            "module_calls": [c.to_dict() for c in self.module_calls],
+            "optimizers": [o.to_dict() for o in self.optimizers],
         }
 
     @classmethod
@@ -482,43 +436,69 @@ class Trace:
             )
         try:
             return cls(
-                mode=_text(data["mode"], "mode"),
+                mode=text(data["mode"], "mode"),
                 device=DeviceInfo.from_dict(data["device"]),
-                torch_version=_text(data["torch_version"], "torch_version"),
-                memprof_version=_text(data["memprof_version"], "memprof_version"),
+                torch_version=text(data["torch_version"], "torch_version"),
+                memprof_version=text(data["memprof_version"], "memprof_version"),
                 start=Breakdown.from_dict(data["start"]),
                 peak=Breakdown.from_dict(data["peak"]),
                 end=Breakdown.from_dict(data["end"]),
-                peak_step=_bytes_or_none(data.get("peak_step"), "peak_step"),
+                peak_step=optional_count(data.get("peak_step"), "peak_step"),
                 peak_phase=Phase.parse(data["peak_phase"]) if data.get("peak_phase") else None,
-                peak_module=_optional_text(data.get("peak_module"), "peak_module"),
+                peak_module=optional_text(data.get("peak_module"), "peak_module"),
                 steps=tuple(StepRecord.from_dict(s) for s in data["steps"]),
                 modules=tuple(ModuleRecord.from_dict(m) for m in data["modules"]),
                 timeline=tuple(Sample.from_dict(s) for s in data.get("timeline", ())),
-                notes=tuple(_text(n, "a note") for n in data.get("notes", ())),
-                error=_optional_text(data.get("error"), "error"),
+                notes=tuple(text(n, "a note") for n in data.get("notes", ())),
+                error=optional_text(data.get("error"), "error"),
                 live_at_error=Breakdown.from_dict(data["live_at_error"]) if data.get("live_at_error") else None,
-                live_modules_at_error=tuple((_text(a, "a module path"), _count(b, "a module's bytes"))
+                live_modules_at_error=tuple((text(a, "a module path"), count(b, "a module's bytes"))
                                             for a, b in data.get("live_modules_at_error", ())),
-                optimizer=_optional_text(data.get("optimizer"), "optimizer"),
-                optimizer_implementation=_optional_text(data.get("optimizer_implementation"),
+                optimizer=optional_text(data.get("optimizer"), "optimizer"),
+                optimizer_implementation=optional_text(data.get("optimizer_implementation"),
                                                         "optimizer_implementation"),
-                param_dtypes=tuple(_text(d, "a dtype") for d in data.get("param_dtypes", ())),
-                autocast_dtype=_optional_text(data.get("autocast_dtype"), "autocast_dtype"),
-                peak_tags=_pairs(data.get("peak_tags", ())),
+                param_dtypes=tuple(text(d, "a dtype") for d in data.get("param_dtypes", ())),
+                autocast_dtype=optional_text(data.get("autocast_dtype"), "autocast_dtype"),
+                peak_tags=pairs(data.get("peak_tags", ())),
                 facts=ModelFacts.from_dict(data.get("facts", {})),
                 operations=tuple(OperationRecord.from_dict(o) for o in data["operations"])
                 if data.get("operations") is not None else None,
+                module_calls=tuple(ModuleCall.from_dict(c) for c in data.get("module_calls", ())),
+                optimizers=tuple(OptimizerSpec.from_dict(o) for o in data.get("optimizers", ())),
                 schema_version=version,
             )
         except TraceFormatError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise _corrupt(repr(exc)) from None
+            raise corrupt(repr(exc)) from None
 
 
-def _optional_text(value: Any, name: str) -> "str | None":
-    return None if value is None else _text(value, name)
+# -- moments: one vocabulary for "at which instant", the ``at=`` of every API -----------------------
+
+#: A phase's (or the run's) highest total, its first and its last moment.
+PEAK, START, END = "peak", "start", "end"
+#: The end of the last optimizer step: every model state exists (reconciliation only).
+STEADY = "steady"
+#: Where each API reads its figures: a phase or the run (Report.at, breakdown_frame, diff), a budget
+#: (check_budget, the memory_budget marker), a reconciliation.
+PHASE_MOMENTS = (PEAK, START, END)
+BUDGET_MOMENTS = (PEAK, END)
+RECONCILE_MOMENTS = (PEAK, STEADY)
+
+
+def parse_moment(value: Any, allowed: tuple[str, ...], name: str = "at") -> str:
+    """``value`` if it is one of ``allowed`` moments; else an InvalidArgumentError that lists them."""
+    from .errors import InvalidArgumentError
+
+    if isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    natural = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+    raise InvalidArgumentError(f"{name} must be {natural} (one of {', '.join(allowed)}), got {value!r}")
+
+
+def parent_path(path: str) -> str:
+    """The path of a module's parent in the model's tree ("" for the root's children and the root)."""
+    return path.rpartition(".")[0]
 
 
 def as_trace(obj: Any) -> Trace:

@@ -13,6 +13,24 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+def assert_sums(bd):
+    """sum(categories) == total, exactly, whenever the total is measured."""
+    assert bd.total == sum(v for v in bd.counts if v is not None)
+
+
+def non_other(step):
+    """A step's phases other than "other", as (phase, occurrence) pairs."""
+    return [(p.phase.value, p.occurrence) for p in step.phases if p.phase.value != "other"]
+
+
+def train(model, opt, x, y, loss_fn, steps=2):
+    """The plain loop: forward, loss, backward, step, zero_grad (set_to_none), ``steps`` times."""
+    for _ in range(steps):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -145,6 +163,7 @@ def hook_registry(model: nn.Module, optimizers=(), tensors=()) -> dict:
     for opt in optimizers:
         snap[("optimizer", "pre")] = len(opt._optimizer_step_pre_hooks)
         snap[("optimizer", "post")] = len(opt._optimizer_step_post_hooks)
+        snap[("optimizer", "load")] = len(getattr(opt, "_optimizer_load_state_dict_post_hooks", None) or {})
         named += [(f"state {i}", v) for i, s in enumerate(opt.state.values()) for v in s.values()
                   if isinstance(v, torch.Tensor)]
     for name, t in named:

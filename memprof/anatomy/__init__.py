@@ -1,12 +1,15 @@
 """The analytic model of training memory: pure functions of shapes, dtypes and configuration.
 
-No hooks and no profiler here. Every constant cites ANATOMY.md or its source:
+No hooks and no profiler here. Every constant cites its primary source (a paper
+and section, a documentation page or a source file); the derivations are collected
+in ``docs/anatomy.md``:
 
 * :mod:`.params` -- bytes per parameter by precision regime and optimizer (HF, ZeRO).
 * :mod:`.optimizers` -- state and step-temporary bytes of real optimizer objects.
 * :mod:`.activations` -- Korthikanti's transformer closed forms and per-module saved-bytes rules.
 * :mod:`.zero` -- ZeRO stage formulas and the DeepSpeed estimators.
 * :mod:`.allocator` -- the CUDA caching allocator, cuBLAS workspace and CUDA context.
+* :mod:`.predict` -- the per-module and optimizer formulas applied to a recorded run.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .optimizers import (
     register_optimizer_formula,
 )
 from .params import BytesPerParam, bytes_per_param, bytes_per_param_breakdown
+from .predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from .zero import DeepSpeedEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate, zero_model_states
 
 __all__ = [
@@ -72,4 +76,8 @@ __all__ = [
     "cublas_workspace_bytes",
     "CUDA_CONTEXT_RANGE",
     "CachingAllocatorModel",
+    "predict_activations",
+    "predict_optimizers",
+    "ActivationPrediction",
+    "OptimizerPrediction",
 ]

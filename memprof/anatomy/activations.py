@@ -1,14 +1,17 @@
 """Saved-activation formulas: transformer closed forms and per-module rules.
 
 Closed forms follow Korthikanti et al. 2022, "Reducing Activation Recomputation
-in Large Transformer Models" (arXiv 2205.05198), §4 and Table 2, generalised
-term by term as in ANATOMY.md §3 so the variants compose (dropout on or off,
-eager or flash attention, element size, GELU or SwiGLU, GQA, tensor and
-sequence parallelism, recomputation).
+in Large Transformer Models" (arXiv 2205.05198), §4, §4.1 (Eq. 1) and Table 2,
+generalised term by term so the variants compose (dropout on or off, eager or
+flash attention, element size, GELU or SwiGLU, GQA, tensor and sequence
+parallelism, recomputation); the derivations are in
+``docs/anatomy.md#korthikanti-per-layer-terms`` and
+``docs/anatomy.md#variants-memprof-uses``.
 
 Per-module rules give the bytes autograd saves for backward that are not
 parameters or buffers, from the saved fields of the autograd nodes
-(ANATOMY.md §4a) and the measured table §4b (torch 2.13).
+(``torch._C._functions`` in torch 2.13) and per-op measurements with torch 2.13
+(CPU), see ``docs/anatomy.md#per-module-saved-tensors``.
 """
 
 from __future__ import annotations
@@ -36,13 +39,18 @@ __all__ = [
     "register_saved_rule",
     "saved_bytes_rule",
     "module_saved_bytes",
+    "rule_for_classes",
     "cross_entropy_saved_bytes",
 ]
 
-#: Dropout masks are 1 byte per element (bool) on the CUDA path (Korthikanti §4; ANATOMY §3, §4b).
+#: Dropout masks are 1 byte per element (bool) on the CUDA path (Korthikanti et al. 2022, §4;
+#: ``native_dropout`` in aten/src/ATen/native/Dropout.cpp).
 MASK_BYTES = 1
-#: Flash / fused attention saves a logsumexp in fp32 (ANATOMY §3 variants, §4a).
+#: Flash / fused attention saves a logsumexp in fp32 (the logsumexp field of torch's ScaledDotProductFlashAttention /
+#: EfficientAttention autograd nodes; docs/anatomy.md#variants-memprof-uses).
 LOGSUMEXP_BYTES = 4
+# Options of transformer_layer_terms: attention and MLP variants (derived in docs/anatomy.md#variants-memprof-uses)
+# and the recomputation rows of Korthikanti et al. 2022, Table 2.
 _ATTENTION = ("eager", "flash")
 _MLP = ("gelu", "swiglu")
 _RECOMPUTE = (None, "selective", "full")
@@ -76,7 +84,8 @@ def transformer_layer_terms(
     """The per-layer saved bytes term by term (exact ``Fraction`` s); see :func:`transformer_layer_activations`.
 
     With ``e = bytes_per_element``, masks 1 B, ``g = kv_heads/heads``, ``F = ffn_hidden``
-    (default 4h), ``t = tensor_parallel`` (Korthikanti §4.1, ANATOMY §3):
+    (default 4h), ``t = tensor_parallel`` (Korthikanti et al. 2022, §4.1 and Table 2; the
+    variants are derived in ``docs/anatomy.md#variants-memprof-uses``):
 
     ========================  ================  ==========================================
     term                      bytes             sharded by t
@@ -278,6 +287,16 @@ def saved_bytes_rule(module: nn.Module | type) -> SavedRule | None:
     return None
 
 
+def rule_for_classes(names: Sequence[str]) -> SavedRule | None:
+    """The rule for a module recorded by its classes' ``module.QualName`` (most specific first)."""
+    by_name = {f"{k.__module__}.{k.__qualname__}": rule for k, rule in _RULES.items()}
+    for name in names:
+        rule = by_name.get(name)
+        if rule is not None:
+            return rule
+    return None
+
+
 def module_saved_bytes(
     module: nn.Module,
     inputs: Sequence[TensorMeta] | TensorMeta,
@@ -295,8 +314,9 @@ def module_saved_bytes(
 
 
 def _weight_grad(module: nn.Module) -> bool:
+    # Duck-typed: a live module's weight, or a recorded one (memprof.anatomy.predict.ModuleView).
     w = getattr(module, "weight", None)
-    return isinstance(w, torch.Tensor) and w.requires_grad
+    return w is not None and getattr(w, "requires_grad", False) is True
 
 
 def _any_param_grad(module: nn.Module) -> bool:
@@ -304,23 +324,25 @@ def _any_param_grad(module: nn.Module) -> bool:
 
 
 def _input_saving(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
-    # Linear (Addmm/Mm saves mat1 for dW), Conv (input for dW), when the weight needs a grad (§4a, §4b).
+    # Linear (Addmm/Mm saves mat1 for dW), Conv (input for dW), when the weight needs a grad (autograd node fields and
+    # measured with torch 2.13, see docs/anatomy.md#per-module-saved-tensors).
     return inputs[0].nbytes if _weight_grad(module) else 0
 
 
 def _saves_input(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
-    # Gelu / Silu save self (§4a).
+    # Gelu / Silu save self (autograd node fields, docs/anatomy.md#per-module-saved-tensors).
     return inputs[0].nbytes if grad else 0
 
 
 def _saves_output(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
-    # Relu / Tanh / Sigmoid / Softmax / LogSoftmax save result (§4a); the output has the input's shape/dtype.
+    # Relu / Tanh / Sigmoid / Softmax / LogSoftmax save result (autograd node fields,
+    # docs/anatomy.md#per-module-saved-tensors); the output has the input's shape/dtype.
     return inputs[0].nbytes if grad else 0
 
 
 def _stat_dtype(meta: TensorMeta, device: str) -> torch.dtype:
-    # CPU keeps norm statistics in the input dtype [M, ANATOMY §3 Table 3b]; CUDA uses fp32 accumulators for
-    # 16-bit inputs [U].
+    # CPU keeps norm statistics in the input dtype (measured with torch 2.13, see
+    # docs/anatomy.md#measured-saved-tensors-per-block); CUDA uses fp32 accumulators for 16-bit inputs (unverified).
     if device != "cpu" and meta.itemsize < 4:
         return torch.float32
     return meta.dtype
@@ -341,17 +363,19 @@ def _rms_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, devi
         return 0
     rows = x.numel // math.prod(module.normalized_shape)  # type: ignore[arg-type]
     if device == "cpu":
-        # torch 2.13 CPU composite [M, §4b]: x upcast to fp32 (the input itself when fp32), the fp32 rsqrt per row,
-        # and the normalised fp32 x saved by the weight multiply.
+        # torch 2.13 CPU composite (measured, docs/anatomy.md#per-module-saved-tensors): x upcast to fp32 (the input
+        # itself when fp32), the fp32 rsqrt per row, and the normalised fp32 x saved by the weight multiply.
         item = max(x.itemsize, 4)
         return 2 * x.numel * item + rows * item
-    # FusedRmsNorm (§4a): input + fp32 rstd per row [U on GPU].
+    # FusedRmsNorm (autograd node fields, docs/anatomy.md#per-module-saved-tensors): input + fp32 rstd per row
+    # (unverified on GPU).
     return x.nbytes + rows * 4
 
 
 def _batch_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
     # NativeBatchNorm saves input, weight, running stats (buffers), save_mean, save_invstd (C each, training);
-    # in eval mode with running stats save_mean/save_invstd are empty [M].
+    # in eval mode with running stats save_mean/save_invstd are empty (measured with torch 2.13, CPU).
+    # fp32 statistics for 16-bit inputs are unverified.
     x = inputs[0]
     if not (grad or _any_param_grad(module)):
         return 0
@@ -361,7 +385,7 @@ def _batch_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, de
 
 
 def _group_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
-    # NativeGroupNorm saves input, weight, mean, rstd ((N, G) each, input dtype on CPU) [M].
+    # NativeGroupNorm saves input, weight, mean, rstd ((N, G) each, input dtype on CPU; measured with torch 2.13).
     x = inputs[0]
     if not (grad or _any_param_grad(module)):
         return 0
@@ -369,7 +393,8 @@ def _group_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, de
 
 
 def _dropout(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
-    # CPU F.dropout: a float noise mask in the input dtype; CUDA native_dropout: a bool mask, 1 B/element (§4b).
+    # CPU F.dropout: a float noise mask in the input dtype; CUDA native_dropout: a bool mask, 1 B/element
+    # (aten/src/ATen/native/Dropout.cpp; measured with torch 2.13, docs/anatomy.md#per-module-saved-tensors).
     x = inputs[0]
     if not grad or not module.training or module.p == 0:
         return 0
@@ -377,12 +402,14 @@ def _dropout(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, devic
 
 
 def _embedding(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
-    # Embedding saves the int64 indices only (§4a, §4b).
+    # Embedding saves the int64 indices only (autograd node fields and measured with torch 2.13,
+    # docs/anatomy.md#per-module-saved-tensors).
     return inputs[0].nbytes if _weight_grad(module) else 0
 
 
 def _max_pool(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
-    # MaxPool2DWithIndices saves self and int64 indices shaped like the output (§4a, §4b: 1.50x for fp32 k=2).
+    # MaxPool2DWithIndices saves self and int64 indices shaped like the output (measured with torch 2.13: 1.50x for
+    # fp32 k=2, docs/anatomy.md#per-module-saved-tensors).
     x = inputs[0]
     if not grad:
         return 0
@@ -430,11 +457,13 @@ def _multihead_attention(module: nn.Module, inputs: Sequence[TensorMeta], output
 def cross_entropy_saved_bytes(
     logits: TensorMeta, target: TensorMeta, *, autocast: bool = False, device: str = "cpu"
 ) -> int:
-    """Bytes ``F.cross_entropy(logits, target)`` saves (§4b).
+    """Bytes ``F.cross_entropy(logits, target)`` saves.
 
     The log-softmax output (fp32 under autocast, since log_softmax autocasts to
     fp32; else the logits' dtype), the integer target and a 0-dim total_weight
-    in the log-softmax dtype (NllLoss node, §4a).
+    in the log-softmax dtype (NllLoss node). Measured with torch 2.13 (CPU), see
+    ``docs/anatomy.md#per-module-saved-tensors``; log_softmax autocasting to
+    fp32 is from the PyTorch AMP docs, "CUDA Ops that can autocast to float32".
     """
     dtype = torch.float32 if autocast else logits.dtype
     item = TensorMeta((), dtype).itemsize

@@ -1,7 +1,7 @@
 """A model of PyTorch's CUDA caching allocator, cuBLAS workspaces and the CUDA context.
 
 Constants and rules from ``c10/cuda/CUDACachingAllocator.cpp`` and
-``c10/core/AllocatorConfig.h`` (ANATOMY.md §7). The simulator covers the
+``c10/core/AllocatorConfig.h`` (see ``docs/anatomy.md#cuda-caching-allocator``). The simulator covers the
 default configuration: one stream, no ``expandable_segments``, no
 ``roundup_power2_divisions``, ``max_split_size`` unlimited, and cached blocks
 are never released to the device (no ``empty_cache``, no OOM retry).
@@ -32,25 +32,30 @@ __all__ = [
     "CachingAllocatorModel",
 ]
 
-K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes round up to multiples of 512 (ANATOMY §7)
-K_SMALL_SIZE = 1_048_576  # kSmallSize: largest "small" request, 1 MiB (ANATOMY §7)
-K_SMALL_BUFFER = 2_097_152  # kSmallBuffer: small-pool segment size, 2 MiB (ANATOMY §7)
-K_MIN_LARGE_ALLOC = 10_485_760  # kMinLargeAlloc: 10 MiB (ANATOMY §7)
-K_LARGE_BUFFER = 20_971_520  # kLargeBuffer / large_segment_size default, 20 MiB (ANATOMY §7)
-K_ROUND_LARGE = 2_097_152  # kRoundLarge: large segments round to 2 MiB (ANATOMY §7)
+# Allocator constants: c10/cuda/CUDACachingAllocator.cpp; in torch 2.13 they live in c10/core/AllocatorConfig.h.
+K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes round up to multiples of 512
+K_SMALL_SIZE = 1_048_576  # kSmallSize: largest "small" request, 1 MiB
+K_SMALL_BUFFER = 2_097_152  # kSmallBuffer: small-pool segment size, 2 MiB
+K_MIN_LARGE_ALLOC = 10_485_760  # kMinLargeAlloc: requests below 10 MiB get a kLargeBuffer segment
+# kLargeBuffer / AllocatorConfig large_segment_size_ default (20971520), 20 MiB; large_segment_size_mb changes it.
+K_LARGE_BUFFER = 20_971_520
+K_ROUND_LARGE = 2_097_152  # kRoundLarge: large segments round to 2 MiB
 
-# CublasHandlePool.cpp: default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8" = 2 x 4096 KiB + 8 x 16 KiB (ANATOMY §7).
+# aten/src/ATen/cuda/CublasHandlePool.cpp: default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
+# = 2 x 4096 KiB + 8 x 16 KiB.
 CUBLAS_WORKSPACE_DEFAULT = 2 * 4096 * 1024 + 8 * 16 * 1024  # 8,519,680 B
-# 32 MiB on Hopper (sm 9.0 in older code; majors 9, 10, 12 in newer code) (ANATOMY §7).
+# 32 MiB on Hopper (sm 9.0 in older code; majors 9, 10, 12 in newer code) (aten/src/ATen/cuda/CublasHandlePool.cpp).
 CUBLAS_WORKSPACE_HOPPER = 32 * 1024 * 1024  # 33,554,432 B
-_CUBLAS_BIG_MAJORS = (9, 10, 12)
+_CUBLAS_BIG_MAJORS = (9, 10, 12)  # the newer CublasHandlePool.cpp rule
 
-# CUDA context + kernels, per process, outside PyTorch's allocator (ANATOMY §7):
+# CUDA context + kernels, per process, outside PyTorch's allocator (docs/anatomy.md#cuda-context):
 # 287,047,680 B with CUDA_MODULE_LOADING=LAZY vs 666,632,192 B eager (PyTorch PR #85692);
-# 1343 MiB on a V100 with CUDA 11.2, eager (HF anatomy); "~300MB" lazy, ">1000MB" before 11.7 (ptrblck).
+# 1343 MiB on a V100 with CUDA 11.2, eager (HF docs, "Model training anatomy"); "~300MB" lazy, ">1000MB" before
+# 11.7 (ptrblck, PyTorch issues #109888 and #107667).
 CUDA_CONTEXT_LAZY_BYTES = 287_047_680
 CUDA_CONTEXT_EAGER_BYTES = 666_632_192
-#: A per-model budget for the context: 0.3-1.5 GB (GB = 1e9), depending on driver, libraries and lazy loading.
+#: A per-model budget for the context: 0.3-1.5 GB (GB = 1e9), depending on driver, libraries and lazy loading;
+#: derived from the measurements above (docs/anatomy.md#cuda-context).
 CUDA_CONTEXT_RANGE: tuple[int, int] = (300_000_000, 1_500_000_000)
 
 

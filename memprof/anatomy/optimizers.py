@@ -4,7 +4,8 @@ Given a constructed optimizer (``torch.optim`` or a registered third-party
 class), predict
 
 * the persistent state bytes after its first step, exactly, as torch 2.13
-  creates them (``torch/optim/*.py``; ANATOMY.md §5), and
+  creates them (``torch/optim/*.py``; see
+  ``docs/anatomy.md#how-torch-optimizers-allocate-state``), and
 * the transient bytes that ``optimizer.step()`` allocates on top of that in a
   steady-state step: exact for the foreach implementation, an upper bound for
   the for-loop one, zero for fused kernels.
@@ -133,7 +134,15 @@ def register_optimizer_formula(cls: type | str, formula: OptimizerFormula) -> No
 
 
 def optimizer_formula(optimizer: Any) -> OptimizerFormula | None:
-    """The formula for ``optimizer``'s class: the exact class first, then its MRO; ``None`` if none."""
+    """The formula for ``optimizer``'s class: the exact class first, then its MRO; ``None`` if none.
+
+    A recorded optimizer (:class:`memprof.anatomy.predict.OptimizerView`) is looked up by the
+    ``module.QualName`` of its classes.
+    """
+    names = getattr(optimizer, "class_names", None)
+    if names is not None:
+        by_name = {(_class_key(k) if isinstance(k, type) else k): f for k, f in _REGISTRY.items()}
+        return next((by_name[n] for n in names if n in by_name), None)
     for klass in type(optimizer).__mro__:
         if klass in _REGISTRY:
             return _REGISTRY[klass]
@@ -174,6 +183,9 @@ def param_group_implementations(optimizer: Any, params_with_grad: Iterable[torch
 
 
 def _resolve(optimizer: Any, group: dict[str, Any], none_rule: str, params: Sequence[torch.Tensor]) -> str:
+    recorded = group.get("memprof_implementation")
+    if recorded is not None:
+        return recorded  # a recorded group: torch decided when the run happened
     if group.get("fused"):
         return "fused"
     foreach = group.get("foreach")
@@ -343,12 +355,13 @@ def _adam_state(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor])
 
 def _adam_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor], impl: str) -> int:
     if impl == "fused":
-        return 0  # ANATOMY §5: AdamW fused 0.00
+        return 0  # fused kernels keep no temporaries (AdamW fused measured 0.00 B/param with torch 2.13)
     maximize = bool(group.get("maximize"))
     l2 = group.get("weight_decay", 0) != 0 and not group.get("decoupled_weight_decay", False)
     if impl == "for-loop":
-        # Upper bound (ANATOMY §5 [M], 8 equal tensors: 3x the largest = sqrt + div + the previous
-        # iteration's denom; +1 for the grad copy of maximize or L2 weight decay, measured 4x).
+        # Upper bound (measured with torch 2.13, see docs/anatomy.md#measured-optimizer-state-and-step-transients:
+        # 8 equal tensors, 3x the largest = sqrt + div + the previous iteration's denom; +1 for the grad copy of
+        # maximize or L2 weight decay, measured 4x).
         return (3 + (1 if maximize or l2 else 0)) * _largest(params)
     sim = _ListSim()
     for sub in _device_dtype_groups(params):  # adam.py::_multi_tensor_adam
@@ -504,7 +517,7 @@ def _adafactor_transient(opt: Any, group: dict[str, Any], params: Sequence[torch
 
 def _register_torch() -> None:
     optim = torch.optim
-    src = "torch 2.13 torch/optim/{}.py; ANATOMY.md §5"
+    src = "torch 2.13 torch/optim/{}.py"
     adam = OptimizerFormula("Adam", src.format("adam"), _adam_state, _adam_transient)
     register_optimizer_formula(optim.Adam, adam)
     # AdamW is Adam with decoupled_weight_decay=True in torch 2.13 (adamw.py subclasses Adam).
@@ -537,9 +550,9 @@ def _register_torch() -> None:
 # --------------------------------------------------------------------------- bitsandbytes (not imported)
 
 #: bitsandbytes block size for block-wise 8-bit states: 256 in current code (commit 51294d9…), 2048 in older
-#: releases (commit 06029dd…) (ANATOMY §5, bnb optim/optimizer.py).
+#: releases (commit 06029dd…) (bitsandbytes ``bitsandbytes/optim/optimizer.py``, ``init_state``).
 BNB_BLOCKSIZE = 256
-#: Tensors with fewer elements keep fp32 states (bnb ``min_8bit_size`` default, ANATOMY §5).
+#: Tensors with fewer elements keep fp32 states (bitsandbytes ``optim/optimizer.py``, ``min_8bit_size`` default).
 BNB_MIN_8BIT_SIZE = 4096
 
 
@@ -568,12 +581,14 @@ def bitsandbytes_formula(name: str, n_states: int, *, blocksize: int = BNB_BLOCK
     def shared(opt: Any, params: Sequence[torch.Tensor]) -> int:
         min_size = getattr(getattr(opt, "args", None), "min_8bit_size", BNB_MIN_8BIT_SIZE)
         if any(p.numel() >= min_size for p in params):
-            return n_states * 256 * 4  # qmap1 ("dynamic") and qmap2 ("udynamic"): 256 fp32 each, shared
+            # qmap1 ("dynamic") and qmap2 ("udynamic"): 256 fp32 each, shared (bitsandbytes optim/optimizer.py,
+            # fill_qmap / init_state; a 1-state optimizer moves only "dynamic" to the device)
+            return n_states * 256 * 4
         return 0
 
     return OptimizerFormula(
         name,
-        "bitsandbytes optim/optimizer.py (Optimizer2State/Optimizer1State); ANATOMY.md §5",
+        "bitsandbytes optim/optimizer.py (Optimizer2State/Optimizer1State)",
         state,
         None,
         shared_state_bytes=shared,

@@ -1,9 +1,11 @@
 """Bytes per parameter by precision regime and optimizer (the "textbook" column).
 
-Every figure is per parameter and comes from ANATOMY.md §1 (HuggingFace
-"Model training anatomy"), §2 (ZeRO) or §6 (mixed precision). These are the
-formulas people quote; :mod:`memprof.anatomy.optimizers` predicts what a real
-``torch.optim`` object holds.
+Every figure is per parameter and comes from the HF Transformers docs, "Model
+training anatomy" ("Anatomy of Model's Memory"), from Rajbhandari et al. 2019
+(ZeRO), §3.1, or from torch's optimizer and autocast sources (``torch/optim/*.py``,
+``aten/src/ATen/autocast_mode.cpp``); derivations and measurements are in
+``docs/anatomy.md#bytes-per-parameter``. These are the formulas people quote;
+:mod:`memprof.anatomy.optimizers` predicts what a real ``torch.optim`` object holds.
 """
 
 from __future__ import annotations
@@ -21,41 +23,50 @@ __all__ = [
 ]
 
 # Weights and gradients per regime: (weights, gradients, optimizer-state itemsize, transient weights).
+# Derivations: docs/anatomy.md#bytes-per-parameter and #mixed-precision-regimes.
 _REGIMES: dict[str, tuple[float, float, int, float]] = {
-    # ANATOMY §1 (HF): fp32 weights 4, fp32 grads 4; states fp32.
+    # HF docs, "Model training anatomy" ("Anatomy of Model's Memory"): fp32 weights 4, fp32 grads 4; states fp32.
     "fp32": (4.0, 4.0, 4, 0.0),
-    # ANATOMY §1 (HF): mixed precision keeps fp32 weights + a 16-bit copy = 6; "gradients are always kept in fp32" = 4.
+    # HF docs, "Model training anatomy": mixed precision keeps fp32 weights + a 16-bit copy = 6;
+    # "gradients are always kept in fp32" = 4.
     "mixed": (6.0, 4.0, 4, 0.0),
-    # ANATOMY §6: torch.autocast keeps fp32 params (4) and fp32 grads (4); the 16-bit weight casts add 2 B/param
-    # while cached or saved for backward (peak 18, steady 16).
+    # torch.autocast keeps fp32 params (4) and fp32 grads (4); the 16-bit weight casts add 2 B/param while cached
+    # (aten/src/ATen/autocast_mode.cpp) or saved for backward (peak 18, steady 16; measured with torch 2.13,
+    # see docs/anatomy.md#mixed-precision-regimes).
     "amp": (4.0, 4.0, 4, 2.0),
-    # ANATOMY §6 [M]: pure bf16, torch AdamW states are zeros_like(p) so bf16 too.
+    # Pure bf16: torch AdamW states are zeros_like(p) (torch/optim/adam.py), so bf16 too; measured with
+    # torch 2.13, see docs/anatomy.md#mixed-precision-regimes.
     "bf16": (2.0, 2.0, 2, 0.0),
-    # Same accounting as bf16 (ANATOMY §6; states follow the parameter dtype, §5).
+    # Same accounting as bf16: states follow the parameter dtype (zeros_like(p), torch/optim/adam.py); not measured.
     "fp16": (2.0, 2.0, 2, 0.0),
-    # ANATOMY §2 (ZeRO §3): fp16 params 2 + fp16 grads 2; K holds the fp32 master copy too.
+    # Rajbhandari et al. 2019 (ZeRO), §3.1: fp16 params 2 + fp16 grads 2; K holds the fp32 master copy too.
     "zero": (2.0, 2.0, 4, 0.0),
 }
 
 #: Precision regimes ``bytes_per_param`` knows.
 PRECISIONS: tuple[str, ...] = tuple(_REGIMES)
 
-# Number of full-size state tensors per optimizer, in the state dtype (ANATOMY §1, §5; torch/optim sources).
+# Number of full-size state tensors per optimizer, in the state dtype (HF "Model training anatomy" table and
+# torch 2.13 torch/optim/*.py; measured figures in docs/anatomy.md#measured-optimizer-state-and-step-transients).
 _STATES: dict[str | None, float] = {
-    "adamw": 2,  # exp_avg, exp_avg_sq (ANATOMY §1: AdamW 8 B in fp32)
+    "adamw": 2,  # exp_avg, exp_avg_sq (torch/optim/adam.py; HF anatomy: AdamW 8 B in fp32)
     "adam": 2,  # same states as AdamW (torch/optim/adam.py)
-    "sgd": 0,  # plain SGD keeps nothing (ANATOMY §5 measured 0)
-    "sgd_momentum": 1,  # momentum_buffer (ANATOMY §1: 4 B)
-    "adagrad": 1,  # sum (ANATOMY §5: 4.00 in fp32)
-    "rmsprop": 1,  # square_avg (ANATOMY §5: 4.00 in fp32)
-    "adafactor": 0,  # factored row/col variances: O(m+n) per m×n matrix, ≈0 per param (ANATOMY §5 measured 0.01)
-    "lion": 1,  # one momentum (ANATOMY §5: Lion 4.00; bnb Optimizer1State)
+    "sgd": 0,  # plain SGD keeps nothing (torch/optim/sgd.py: momentum_buffer only if momentum != 0; measured 0)
+    "sgd_momentum": 1,  # momentum_buffer (torch/optim/sgd.py; HF anatomy: 4 B)
+    "adagrad": 1,  # sum (torch/optim/adagrad.py; measured 4.00 B/param in fp32 with torch 2.13)
+    "rmsprop": 1,  # square_avg (torch/optim/rmsprop.py; measured 4.00 B/param in fp32 with torch 2.13)
+    # factored row/col variances: O(m+n) per m×n matrix, ≈0 per param (torch/optim/_adafactor.py;
+    # measured 0.01 B/param with torch 2.13)
+    "adafactor": 0,
+    "lion": 1,  # one momentum (lion-pytorch measured 4.00 B/param in fp32; bitsandbytes Optimizer1State)
     None: 0,  # no optimizer
 }
-# 8-bit AdamW holds two uint8 states = 2 B/param whatever the regime (ANATOMY §1 HF table, §5 bnb);
-# the block absmax (8/blocksize B/param) is ignored here, as HF does.
+# 8-bit AdamW holds two uint8 states = 2 B/param whatever the regime (HF "Model training anatomy" table;
+# bitsandbytes optim/optimizer.py Optimizer2State); the block absmax (8/blocksize B/param) is ignored here, as HF
+# does (docs/anatomy.md#bitsandbytes-8-bit-optimizers).
 _ADAMW_8BIT_BYTES = 2.0
-# ZeRO's K = 12 for mixed-precision Adam: fp32 master params 4 + momentum 4 + variance 4 (ANATOMY §2, ZeRO §3).
+# ZeRO's K = 12 for mixed-precision Adam: fp32 master params 4 + momentum 4 + variance 4
+# (Rajbhandari et al. 2019 (ZeRO), §3.1).
 _ZERO_ADAM_K = 12.0
 
 #: Optimizer names ``bytes_per_param`` knows (``None`` means no optimizer).
@@ -114,7 +125,8 @@ def bytes_per_param_breakdown(precision: str, optimizer: str | None, *, training
     elif precision == "zero" and optimizer in ("adam", "adamw"):
         states = _ZERO_ADAM_K
     elif precision == "zero":
-        # ZeRO keeps an fp32 master copy (4) beside fp32 states for any optimizer (ZeRO §3's accounting).
+        # An fp32 master copy (4) beside fp32 states for any optimizer: memprof's extension of the Adam accounting
+        # in Rajbhandari et al. 2019 (ZeRO), §3.1 (the paper gives K only for Adam).
         states = 4.0 + _STATES[optimizer] * state_itemsize if optimizer is not None else 0.0
     else:
         states = _STATES[optimizer] * state_itemsize

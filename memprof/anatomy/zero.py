@@ -1,9 +1,11 @@
 """ZeRO model-state formulas and the DeepSpeed memory estimators.
 
-Sources: Rajbhandari et al., "ZeRO" (arXiv 1910.02054), §3 and Table I;
-DeepSpeed ``runtime/zero/stage_1_and_2.py::estimate_zero2_model_states_mem_needs``
+Sources: Rajbhandari et al. 2019, "ZeRO" (arXiv 1910.02054), §3.1 (model
+states), §5 (ZeRO-DP stages), Fig. 1 and Table I; DeepSpeed
+``runtime/zero/stage_1_and_2.py::estimate_zero2_model_states_mem_needs``
 and ``runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs``
-(``docs/code-docs/source/memory.rst``). See ANATOMY.md §2.
+(``docs/code-docs/source/memory.rst``). Derivations and oracles:
+``docs/anatomy.md#zero-and-deepspeed``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ __all__ = [
     "deepspeed_zero3_estimate",
 ]
 
-#: K for mixed-precision Adam: fp32 params + momentum + variance, 4 B each (ZeRO §3; ANATOMY §2).
+#: K for mixed-precision Adam: fp32 params + momentum + variance, 4 B each (Rajbhandari et al. 2019 (ZeRO), §3.1).
 ZERO_OPTIMIZER_BYTES = 12
-#: DeepSpeed's ``additional_buffer_factor`` default on CPU memory (stage_1_and_2.py, stage3.py).
+#: DeepSpeed's ``additional_buffer_factor`` default on CPU memory, 1.5 (DeepSpeed runtime/zero/stage_1_and_2.py,
+#: runtime/zero/stage3.py; docs/code-docs/source/memory.rst).
 DEEPSPEED_BUFFER_FACTOR = Fraction(3, 2)
 
-# 16-bit parameters and 16-bit gradients, 2 B each (ZeRO §3).
+# 16-bit parameters and 16-bit gradients, 2 B each (Rajbhandari et al. 2019 (ZeRO), §3.1).
 _FP16_PARAM_BYTES = 2
 _FP16_GRAD_BYTES = 2
 
@@ -119,7 +122,7 @@ def deepspeed_zero3_estimate(
     ``largest_layer_memory = 4·largest_layer_params`` (gathered fp16 params and
     fp16 grads). GPU: no offload ``LLM + int(18Ψ/total_gpus)``; params and
     optimizer offloaded ``LLM``; optimizer only ``LLM + int(2Ψ/total_gpus)``.
-    CPU uses ``gpus_factor = 1/num_nodes`` and 1.5 headroom (ANATOMY §2). Offloading
+    CPU uses ``gpus_factor = 1/num_nodes`` and 1.5 headroom (DeepSpeed stage3.py). Offloading
     parameters without the optimizer is not a DeepSpeed configuration and raises.
     """
     num_params, largest_layer_params, num_gpus_per_node, num_nodes = _counts(
@@ -138,7 +141,8 @@ def deepspeed_zero3_estimate(
     llm = 4 * largest_layer_params
     n = num_gpus_per_node
     if offload_optimizer:
-        # 18 = fp32 params, grads, m, v (16) + 2 B fp16 params; 16 without the fp16 copy (ANATOMY §2)
+        # 18 = fp32 params, grads, m, v (16) + 2 B fp16 params; 16 without the fp16 copy (DeepSpeed stage3.py,
+        # docs/code-docs/source/memory.rst)
         per_param = 18 if offload_params else 16
         gpu = llm if offload_params else llm + int(2 * psi / total_gpus)
         if zero_init:

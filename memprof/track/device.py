@@ -20,7 +20,7 @@ import torch
 from ..trace import DeviceInfo
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes
-# (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp; ANATOMY.md section 7).
+# (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp; c10/core/AllocatorConfig.h in torch 2.13).
 CUDA_BLOCK = 512
 
 

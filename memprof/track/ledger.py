@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 from ..categories import Category, TENSOR_CATEGORIES
+from ..trace import Breakdown
 
 # Index of each tensor category in the running totals.
 WEIGHTS, BUFFERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, INPUTS, TEMPORARIES = range(7)
@@ -48,6 +49,15 @@ FIRST_WHERE_TAG = TAGS.index("saved_outside_modules")
 assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
     "weights", "buffers", "gradients", "optimizer_states", "activations", "inputs", "temporaries"
 )
+
+
+def storage_of(t: Any) -> Any:
+    """The untyped storage under tensor ``t``, or None where there is none to count (sparse and
+    nested layouts, tensor subclasses without storage, functorch wrappers)."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class _Ref(weakref.ref):  # type: ignore[type-arg]
@@ -203,6 +213,18 @@ class Ledger:
                 self.peak[old] -= n
                 self.peak[cat] += n
 
+    def resize(self, entry: Entry, nbytes: int) -> None:
+        """A live storage changed size in place (``resize_``, an ``out=`` op growing its buffer)."""
+        new = self.size_of(nbytes)
+        delta = new - entry.nbytes
+        if not delta:
+            return
+        self.seq += 1
+        entry.nbytes = new
+        self.totals[entry.cat] += delta
+        self.total += delta
+        self.check_peak()
+
     def set_tag(self, entry: Entry, tag: int, nbytes: "int | None" = None) -> None:
         """Tag a storage (what it is, or where it was saved from: each kind has its own slot);
         the tag counts ``nbytes`` (default: the storage's bytes)."""
@@ -301,3 +323,35 @@ class Ledger:
         self.entries.clear()
         self.frames.clear()
         self.top = None
+
+
+def breakdown(totals: list[int], *, light: bool, where: str, device: Any = None) -> Breakdown:
+    """The ledger's totals as a Breakdown, with what the device reported (``where``: start, peak,
+    end, now or sample). In light mode temporaries come from the allocator, where there is one."""
+    values: list["int | None"] = list(totals)
+    total: "int | None"
+    if light:
+        values[TEMPORARIES] = None
+        total = None
+        if device is not None and where in ("peak", "end", "now") and device.allocated is not None:
+            allocated = device.peak_allocated if where == "peak" else device.allocated
+            known = sum(v for v in totals[:TEMPORARIES])
+            values[TEMPORARIES] = max(0, allocated - known)
+            total = known + values[TEMPORARIES]
+    else:
+        total = sum(totals)
+    overhead = outside = None
+    if device is not None and total is not None:
+        if device.reserved is not None:
+            overhead = max(0, device.reserved - total)
+        if device.nvml_used is not None and device.reserved is not None:
+            outside = max(0, device.nvml_used - max(device.reserved, total))
+    full = values + [overhead, outside]
+    if total is not None:
+        total += (overhead or 0) + (outside or 0)
+    return Breakdown(tuple(full), total)
+
+
+def tag_pairs(values: list[int]) -> tuple[tuple[str, int], ...]:
+    """The ledger's live bytes per tag as (name, bytes) pairs, the empty ones left out."""
+    return tuple((name, v) for name, v in zip(TAGS, values) if v)

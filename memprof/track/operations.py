@@ -1,6 +1,7 @@
 """Operator anatomy: each op classed as Ivanov et al. class them, with flops and bytes moved.
 
-"Data Movement Is All You Need" (Ivanov et al. 2020; ANATOMY.md section 1)
+"Data Movement Is All You Need" (Ivanov et al. 2020, arXiv 2007.00072; as
+summarised in the HF Transformers docs, "Model training anatomy")
 sorts a transformer's operators into tensor contractions (matmuls,
 convolutions: most of the flops), statistical normalisations (softmax,
 layer norm: a reduction then a map) and element-wise ops (bias, dropout,

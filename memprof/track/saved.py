@@ -1,271 +1,363 @@
-"""memprof's saved-tensor hooks: pushed in balanced scopes, chained to the pair beneath.
+"""Saved tensors: what autograd holds for backward becomes an activation, and where it was saved.
 
-torch calls only the innermost pair of ``saved_tensors_hooks``. A pair that
-memprof kept on the stack for a whole profile would therefore switch off a
-user's own pair (activation offloading, compression) and would make
-``torch.func.grad`` refuse to run (it refuses whenever any pair is on the
-stack: ``torch/_functorch/vmap.py``, ``doesnt_support_saved_tensors_hooks``).
+memprof's pack hook (pushed and chained as :mod:`.saved_hooks` explains) hands
+each tensor autograd keeps to :meth:`SavedTracker.account`: its storage moves
+from temporaries to activations, and carries two tags for the reconciler's
+causes, *what* it is (set by the op that made it) and *where* it was saved
+from: outside the model, in a container's own code, in a leaf module without
+a saved-bytes rule, or by rule modules that count more or less than the
+storage (two modules saving it, an expanded view, a view of a larger
+storage). When autograd releases its last slot the storage is an ordinary
+temporary again.
 
-So memprof pushes its pair only where it needs it and only where the push
-nests inside whatever the user does:
-
-* at a module call of the model in forward, when the innermost pair is not
-  memprof's. If no pair, or only the pair that was active when the profile
-  started, is beneath, the push is *long-lived*: it stays through the loss
-  and backward and is popped at the next optimizer step (or the end of the
-  profile); else it is *scoped* to that module call, popped by its
-  forward post-hook, so a pair the user entered inside the profile keeps
-  its place on the stack;
-* never inside a ``torch.func`` transform (saved-tensor hooks are disabled
-  there) and never over ``torch.utils.checkpoint``'s own pair (in forward it
-  keeps nothing; in backward it recomputes, which memprof follows apart).
-
-A pair pushed over another one is *chained*: memprof's pack calls the outer
-pack with the original tensor, exactly as torch would have, and hands
-autograd the outer pack's result; memprof's unpack calls the outer unpack.
-What autograd then holds is what the outer pack returned, so memprof counts
-the tensors it finds in that result as activations.
-
-torch skips its in-place modification check for tensors saved through hooks
-(``torch/csrc/autograd/saved_variable.cpp``); memprof's own unchained pair
-restores it, so "modified by an inplace operation" is raised as without
-memprof. Through a chained pair torch would not check either, and memprof
-does not.
+Activation checkpointing saves nothing in forward; in backward, torch's own
+pair stores what a non-reentrant region recomputes out of sight, so what is
+created while that pair is on top and still alive when it leaves is what
+checkpoint keeps for this backward.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import TYPE_CHECKING, Any, Callable
+import contextlib
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ..categories import Phase
+from .ledger import ACTIVATIONS, INPUTS, TAGS, TEMPORARIES, Entry, storage_of
+from .saved_hooks import Saved, SavedHooks, is_checkpoint_pair
+from .saved_hooks import unpack as unpack_saved
 
 if TYPE_CHECKING:
     from ..profiler import Profiler
 
-__all__ = ["Saved", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pair"]
+__all__ = ["SavedTracker"]
 
-_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
-_push = torch._C._autograd._push_saved_tensors_default_hooks
-_pop = torch._C._autograd._pop_saved_tensors_default_hooks
-_disabled_message: Callable[[], "str | None"] = getattr(
-    torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None)
-
-
-class Saved:
-    """What memprof's own (unchained) pack hands autograd: a tensor and its version at the save.
-
-    ``tensor`` is a detached alias of an activation (returning the tensor itself would
-    close the cycle output -> grad_fn -> saved output, keeping a dropped graph alive) or
-    the saved tensor itself (weights, inputs: no ``grad_fn``, no cycle). ``owner`` is set
-    for activations only: ``__del__`` tells it that autograd released this slot.
-    """
-
-    __slots__ = ("tensor", "owner", "key", "version")
-
-    def __init__(self, tensor: torch.Tensor, owner: "Profiler | None", key: int, version: int) -> None:
-        self.tensor = tensor
-        self.owner = owner
-        self.key = key
-        self.version = version
-
-    def __del__(self) -> None:
-        owner = self.owner
-        if owner is not None:
-            owner._unsaved(self.key)
+_FORWARD = Phase.FORWARD
+_BACKWARD = Phase.BACKWARD
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: -1)
+_NoPythonDispatch = getattr(torch._C, "_DisableTorchDispatch", contextlib.nullcontext)
+_TAG = {name: i for i, name in enumerate(TAGS)}
+_TAG_SAVED_OUTSIDE = _TAG["saved_outside_modules"]
+_TAG_SAVED_TWICE = _TAG["saved_by_two_modules"]
+_TAG_WEIGHT_COPY = _TAG["autocast_weight_copy"]
+_TAG_SAVED_AS_VIEW = _TAG["saved_as_view_of_larger"]
+_TAG_SAVED_EXPANDED = _TAG["saved_as_expanded_view"]
+# "Where" tags that describe what the rule modules saving a storage count (or no tag yet).
+_WHERE_BY_RULES = (-1, _TAG_SAVED_TWICE, _TAG_SAVED_AS_VIEW, _TAG_SAVED_EXPANDED)
 
 
-class Packed:
-    """What a chained pack hands autograd: the outer pack's result and the activations found in it."""
+class SavedTracker:
+    """Accounts for what autograd saves; owns memprof's saved-tensor pushes."""
 
-    __slots__ = ("packed", "owner", "keys")
+    def __init__(self, prof: "Profiler") -> None:
+        self.prof = prof
+        self.ledger = prof.ledger
+        self.device = prof.device
+        self.on_cpu = prof.device.type == "cpu"
+        self.full = prof.mode == "full"
+        self.hooks = SavedHooks(self)
+        self.scoped: list[int] = []  # module calls whose forward holds a scoped push
+        self.recomputing = False
+        self.recompute_start = 0
+        # The model's inputs saved by modules with a rule in the formula's forward:
+        # (module, storage key) -> bytes saved.
+        self.saved_inputs: dict[tuple[int, int], int] = {}
+        # Storages the graph holds that were saved outside memprof's pushes: key -> nodes holding it.
+        self.graph_saved: dict[int, int] = {}
+        self.walked_tasks: set[int] = set()  # graph tasks whose graph was searched
 
-    def __init__(self, packed: Any, owner: "Profiler | None", keys: tuple[int, ...]) -> None:
-        self.packed = packed
-        self.owner = owner
-        self.keys = keys
-
-    def __del__(self) -> None:
-        owner = self.owner
-        if owner is not None:
-            for key in self.keys:
-                owner._unsaved(key)
-
-
-def unpack(saved: Any) -> torch.Tensor:
-    """memprof's unchained unpack, with torch's in-place modification check."""
-    if type(saved) is not Saved:
-        return saved
-    t = saved.tensor
-    if t._version != saved.version:
-        raise RuntimeError(_modified_message(t, saved.version))
-    return t
-
-
-def _modified_message(t: torch.Tensor, expected: int) -> str:
-    # torch's own wording (torch/csrc/autograd/saved_variable.cpp), so that code and people
-    # that recognise the error still do. The node is the one unpacking, i.e. the one that needs it.
-    node = torch._C._current_autograd_node()
-    needed_by = f", which is needed by {type(node).__name__}," if node is not None else ""
-    return (
-        "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{t.type()} {list(t.shape)}]{needed_by} is at version {t._version}; expected version {expected} "
-        "instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
-        "with torch.autograd.set_detect_anomaly(True)."
-    )
-
-
-def tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
-    """Tensors an outer pack's result holds: itself, in tuples, lists, dicts or object attributes."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif depth >= 3 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-        return
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            tensors_in(x, out, depth + 1)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            tensors_in(x, out, depth + 1)
-    else:
-        attrs = getattr(obj, "__dict__", None)
-        if isinstance(attrs, dict):
-            for x in attrs.values():
-                tensors_in(x, out, depth + 1)
-
-
-def is_checkpoint_pair(pair: Any) -> bool:
-    """Is this torch.utils.checkpoint's own pair (it keeps nothing in forward; recomputes in backward)?"""
-    return pair is not None and getattr(pair[0], "__module__", None) == "torch.utils.checkpoint"
-
-
-class _Chain:
-    """memprof's pair over an outer one: the outer pack runs as without memprof."""
-
-    __slots__ = ("owner", "outer_pack", "outer_unpack")
-
-    def __init__(self, owner: "Profiler", outer: tuple[Any, Any]) -> None:
-        self.owner: "Profiler | None" = owner
-        self.outer_pack, self.outer_unpack = outer
+    # -- memprof's own pair ---------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        packed = self.outer_pack(t)
-        owner = self.owner
-        if owner is None:
-            return packed
-        found: list[torch.Tensor] = []
-        tensors_in(packed, found)
-        keys = tuple(k for k in (owner._account_saved(x) for x in found) if k is not None)
-        return Packed(packed, owner if keys else None, keys)
+        # memprof's own pack (no user pair beneath): runs for every tensor autograd saves.
+        if _is_compiling():
+            return t  # dynamo tracing through autograd: its fake tensors are not memory
+        key = self.account(t)
+        origin = weakref.ref(t) if t.grad_fn is not None else None
+        if key is not None:
+            return Saved(self.detached(t), self, key, t._version, origin)
+        # Weights, inputs, buffers: a tensor without grad_fn cannot close a reference cycle.
+        return Saved(t if origin is None else self.detached(t), None, 0, t._version, origin)
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        owner = self.owner
-        if owner is not None:
-            owner._unpacking()
-        return self.outer_unpack(saved.packed if type(saved) is Packed else saved)
+        self.unpacking()
+        return unpack_saved(saved)
 
+    def unpacking(self) -> None:
+        # The first unpack of a backward pass can come before any gradient hook
+        # (the loss's own backward): it starts the backward phase in light mode.
+        phases = self.prof.phases
+        if phases.current is not _BACKWARD and self.prof.active and _graph_task_id() != -1:
+            phases.backward_started()
 
-class SavedHooks:
-    """The pushes memprof made on one thread's saved-tensor hooks stack, and their undoing."""
+    def detached(self, t: torch.Tensor) -> torch.Tensor:
+        # In full mode this detach would go through memprof's own dispatch mode, which does
+        # nothing with it but costs the Python dispatch round trip (~5 us, a saved tensor or
+        # more per op). When that mode is the only one and ``t`` a plain tensor, no Python
+        # code wants to see it; a subclass or another mode still gets its detach.
+        if self.full and type(t) is torch.Tensor and _dispatch_stack_len() == 1:
+            with _NoPythonDispatch():
+                return t.detach()
+        return t.detach()
 
-    def __init__(self, owner: "Profiler") -> None:
-        self.owner = owner
-        self.thread = threading.get_ident()
-        # The pair active when the profile started: a push over it (or over nothing) is long-lived.
-        self.outer = _top(False)
-        self.own_pack = owner._pack  # bound once: the identity that says "ours" on the stack
-        self.own_unpack = owner._unpack
-        # What memprof pushed and has not popped yet: (pack function, chain or None, long-lived).
-        self.pushed: list[tuple[Any, "_Chain | None", bool]] = []
-        # Packs of outer pairs memprof chained to or could not cover (for the report's notes).
-        self.chained_to: set[str] = set()
-        self.in_transform = 0
+    # -- accounting -------------------------------------------------------------------
 
-    def is_ours(self, pair: Any) -> bool:
-        if pair is None:
-            return False
-        pack = pair[0]
-        if pack is self.own_pack:
-            return True
-        chain = getattr(pack, "__self__", None)
-        return type(chain) is _Chain and chain.owner is self.owner
+    def account(self, t: torch.Tensor) -> "int | None":
+        """Ledger work for a tensor autograd now holds: returns its storage's key when that is
+        a counted activation (the caller's slot must release it through :meth:`unsaved`)."""
+        prof = self.prof
+        if not prof.active or t.layout is not torch.strided or (
+                not t.is_cpu if self.on_cpu else t.device != self.device):
+            return None
+        st = storage_of(t)
+        if st is None:
+            return None
+        led = self.ledger
+        modules = prof.modules
+        entry = led.entries.get(st._cdata)
+        if entry is None:
+            # Full mode saw every op output, so an unknown storage came from outside the profile
+            # (an input) or from compiled code, which allocates out of dispatch's sight. Light mode
+            # sees no op outputs, so an unknown storage that autograd saves is an activation.
+            made_here = not self.full or modules.compiled_depth > 0
+            entry = led.add(st, ACTIVATIONS if made_here else INPUTS)
+            if entry.cat == ACTIVATIONS:
+                self.attribute(entry)
+            elif modules.stack:
+                modules.unseen_saves.append(entry.key)  # an input, unless its call turns out compiled
+        elif entry.cat == TEMPORARIES:
+            led.move(entry, ACTIVATIONS)
+            self.attribute(entry)
+        stack = modules.stack
+        if stack and prof.phases.current is _FORWARD and modules.saved_tag[stack[-1]] < 0:
+            view = t.nbytes
+            if entry.savers is None and view == entry.nbytes and entry.where < 0 and entry.cat == ACTIVATIONS:
+                entry.savers = {stack[-1]: view}  # the common case: first saved whole, by a rule module
+            else:
+                self.saved_by_rule_module(entry, stack[-1], view)
+        if entry.cat == ACTIVATIONS:
+            if entry.saved < 0:
+                entry.saved = 0
+            entry.saved += 1
+            return entry.key
+        return None
 
-    def cover(self) -> bool:
-        """Make memprof's pack the one autograd calls now (a module call in forward).
-
-        Returns True when the push is scoped to this call: the caller pops it with
-        :meth:`uncover` in the call's forward post-hook.
-        """
-        top = _top(False)
-        if self.is_ours(top):
-            return False
-        if _disabled_message() is not None:
-            # Inside a torch.func transform: torch refuses saved-tensor hooks there.
-            self.in_transform += 1
-            return False
-        if is_checkpoint_pair(top):
-            return False
-        long_lived = top is None or top == self.outer
-        if top is None:
-            pack, unpack_, chain = self.own_pack, self.own_unpack, None
+    def saved_by_rule_module(self, entry: Entry, index: int, view_bytes: int) -> None:
+        """Account for what the per-module formula counts: each rule counts the tensor its module
+        saves (a view's bytes), once per module, whatever storage it shares."""
+        if entry.cat == INPUTS:
+            if self.prof.modules.capture:
+                # The model's inputs that a module with a rule saves: its rule counts them as activations.
+                key = (index, entry.key)
+                self.saved_inputs[key] = max(view_bytes, self.saved_inputs.get(key, 0))
+            return
+        if entry.cat != ACTIVATIONS:
+            return
+        savers = entry.savers
+        if savers is None:
+            savers = entry.savers = {}
+        elif savers.get(index, 0) >= view_bytes:
+            return
+        savers[index] = view_bytes
+        # What the rules of the modules that saved it count, against the storage memprof counts once.
+        covered = sum(savers.values())
+        where = entry.where
+        led = self.ledger
+        if covered > entry.nbytes:
+            # Rules count more than the storage holds: several modules saved it (ReLU's output, the next
+            # Linear's input; q, k and v projections of one tensor), or one saved an expanded view of it.
+            tag = _TAG_SAVED_TWICE if len(savers) > 1 else _TAG_SAVED_EXPANDED
+            led.set_tag(entry, tag, covered - entry.nbytes)
+        elif where in _WHERE_BY_RULES:
+            if covered < entry.nbytes:
+                # Rules count the views their modules saved (x[:, 0]); memprof, the whole storage.
+                led.set_tag(entry, _TAG_SAVED_AS_VIEW, entry.nbytes - covered)
+            elif where >= 0:
+                led.set_tag(entry, where, 0)
         else:
-            chain = _Chain(self.owner, top)
-            pack, unpack_ = chain.pack, chain.unpack
-            self.chained_to.add(getattr(top[0], "__qualname__", type(top[0]).__name__))
-        _push(pack, unpack_)
-        self.pushed.append((pack, chain, long_lived))
-        return not long_lived
+            # First saved where no rule sees it (container code, a module without a rule, outside the
+            # model): that cause names only what the rules of later savers do not count.
+            led.set_tag(entry, where, entry.nbytes - covered)
 
-    def uncover(self) -> None:
-        """Pop the push of this module call (it is on top: module calls nest)."""
-        if self.pushed and not self.pushed[-1][2] and self._on_top(self.pushed[-1][0]):
-            _pop()
-            self.pushed.pop()
+    def attribute(self, entry: Entry) -> None:
+        """Where a new activation was saved from, for the per-module formula's causes and the module table.
 
-    def release(self) -> None:
-        """Pop long-lived pushes that are on top (between steps, in the thread that pushed them)."""
-        while self.pushed and self.pushed[-1][2] and self._on_top(self.pushed[-1][0]):
-            _pop()
-            self.pushed.pop()
-
-    def close(self) -> bool:
-        """Undo every push; True when all could be popped.
-
-        A push that cannot be popped (the user left a pair of their own above it, or the
-        profile ends in another thread) is made inert: it passes through to the pair beneath.
+        An autocast weight copy has a cause of its own in every comparison, so it gets no "where"
+        that would name it twice.
         """
-        clean = True
-        here = threading.get_ident() == self.thread
-        while self.pushed:
-            pack, chain, _long = self.pushed.pop()
-            if here and self._on_top(pack):
-                _pop()
+        where = entry.where < 0 and entry.tag != _TAG_WEIGHT_COPY
+        prof = self.prof
+        modules = prof.modules
+        stack = modules.stack
+        phase = prof.phases.current
+        if not stack:
+            if where and phase is _FORWARD:
+                self.ledger.set_tag(entry, _TAG_SAVED_OUTSIDE)
+            return
+        if phase is not _FORWARD:
+            return  # recomputation in backward (reentrant checkpoint) is not the module's forward saving
+        index = stack[-1]
+        if where:
+            tag = modules.saved_tag[index]
+            if tag >= 0:
+                self.ledger.set_tag(entry, tag)
+        modules.saved_in(index, entry.nbytes, prof.phases.step)
+
+    def unsaved(self, key: int) -> None:
+        if not self.prof.active:
+            return
+        entry = self.ledger.entries.get(key)
+        if entry is None or entry.cat != ACTIVATIONS:
+            return
+        entry.saved -= 1
+        if entry.saved == 0:
+            # Autograd released its last reference; whoever still holds the
+            # storage holds an ordinary tensor.
+            self.ledger.move(entry, TEMPORARIES)
+
+    def adopt_unseen(self, keys: list[int]) -> None:
+        """Storages saved as inputs that turn out to come from compiled code: activations after all."""
+        led = self.ledger
+        for key in keys:
+            entry = led.entries.get(key)
+            if entry is not None and entry.cat == INPUTS:
+                led.move(entry, ACTIVATIONS, retro=True)
+                if entry.saved < 0:
+                    entry.saved = 0
+                self.attribute(entry)
+
+    # -- checkpoint recomputation in backward ------------------------------------------------
+
+    def watch_recompute(self) -> None:
+        """Every op in backward (exact mode). A graph task not seen before (a nested backward, such as a
+        reentrant checkpoint's over its recomputed block) gets its outside saves found; torch.utils.
+        checkpoint's pair on top of the stack means a checkpointed region is being recomputed under its
+        hooks (which store what it saves out of our sight)."""
+        task = _graph_task_id()
+        if task != -1 and task not in self.walked_tasks:
+            self.find_outside_saves()
+        foreign = is_checkpoint_pair(_top_saved_hooks(False))
+        if foreign and not self.recomputing:
+            self.recomputing = True
+            self.recompute_start = self.ledger.seq
+        elif not foreign and self.recomputing:
+            self.recomputing = False
+            self.flush_recompute()
+
+    def flush_recompute(self) -> None:
+        # Storages created while a checkpointed region was recomputed in
+        # backward under checkpoint's own saved-tensor hooks, still alive
+        # now, are what checkpoint saved for this backward.
+        start = self.recompute_start
+        led = self.ledger
+        for entry in list(led.entries.values()):
+            if entry.created > start and entry.cat == TEMPORARIES:
+                led.move(entry, ACTIVATIONS)
+                entry.saved = -1  # held by checkpoint, released as backward unpacks it
+
+    # -- what code outside the model saved ------------------------------------------------------
+
+    def find_outside_saves(self) -> None:
+        """Backward is starting (exact mode): what autograd saved outside memprof's pushes, the loss
+        above all, becomes activations before the forward's record closes.
+
+        From the node the engine runs first, every node of the graph is visited once; a saved
+        tensor without an unpack hook was saved with no pair on the stack, i.e. outside the
+        model's calls. Only storages memprof made a temporary move; storages from before the
+        profile, and anything packed by a pair, are left as they are.
+        """
+        node = _current_node()
+        task = _graph_task_id()
+        if node is None or task in self.walked_tasks:
+            return
+        self.walked_tasks.add(task)
+        led = self.ledger
+        found: list[int] = []
+        seen: set[int] = set()
+        todo = [node]
+        while todo and len(seen) < _MAX_NODES:
+            n = todo.pop()
+            if n is None or id(n) in seen:
                 continue
-            clean = False
-            if chain is not None:
-                chain.owner = None
-            _ORPHANS.append((self.thread, pack))
-        return clean
+            seen.add(id(n))
+            keys = []
+            for name in _saved_names(type(n)):
+                try:
+                    value = getattr(n, name)
+                except RuntimeError:  # released already
+                    continue
+                for raw in value if isinstance(value, (list, tuple)) else (value,):
+                    if raw is None or getattr(raw, "unpack_hook", None) is not None:
+                        continue
+                    try:
+                        data = raw.data
+                    except RuntimeError:
+                        continue
+                    st = storage_of(data) if isinstance(data, torch.Tensor) else None
+                    entry = led.entries.get(st._cdata) if st is not None else None
+                    if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS) and entry.saved <= 0:
+                        if entry.cat == TEMPORARIES:
+                            led.move(entry, ACTIVATIONS, retro=True)
+                            if entry.where < 0 and entry.tag != _TAG_WEIGHT_COPY:
+                                led.set_tag(entry, _TAG_SAVED_OUTSIDE)
+                        entry.saved = -1  # held by the graph; released when its node has run
+                        self.graph_saved[entry.key] = self.graph_saved.get(entry.key, 0) + 1
+                        keys.append(entry.key)
+            if keys:
+                found.extend(keys)
+                # When the node has run, the engine releases what it saved (unless retain_graph).
+                self.prof.modules.node_hooks.append(n.register_hook(_released(self, tuple(keys))))
+            todo.extend(nxt for nxt, _i in n.next_functions)
 
-    @staticmethod
-    def _on_top(pack: Any) -> bool:
-        top = _top(False)
-        return top is not None and top[0] is pack
+    def graph_released(self, keys: tuple[int, ...]) -> None:
+        if not self.prof.active:
+            return
+        led = self.ledger
+        for key in keys:
+            left = self.graph_saved.get(key, 0) - 1
+            if left > 0:
+                self.graph_saved[key] = left
+                continue
+            self.graph_saved.pop(key, None)
+            entry = led.entries.get(key)
+            if entry is not None and entry.cat == ACTIVATIONS and entry.saved < 0:
+                led.move(entry, TEMPORARIES)  # someone else still holds it (the model's output, say)
+
+    # -- the pushes, per module call ----------------------------------------------------------
+
+    def cover(self, index: int) -> None:
+        """A module call: make memprof's pack the one autograd calls during it (see saved_hooks)."""
+        top = _top_saved_hooks(False)
+        # The common case first: memprof's own pair is already the innermost one.
+        if (top is None or top[0] is not self.hooks.own_pack) and self.hooks.cover():
+            self.scoped.append(index)
+
+    def uncover(self, index: int) -> None:
+        if self.scoped and self.scoped[-1] == index:
+            self.scoped.pop()
+            self.hooks.uncover()
 
 
-# Pushes that could not be popped when their profile ended: (thread id, pack function).
-# The next profile started in that thread pops those that are on top of its stack.
-_ORPHANS: list[tuple[int, Any]] = []
+# The graph walk stops after this many nodes (a safety bound far above real graphs).
+_MAX_NODES = 1_000_000
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def pop_orphans() -> None:
-    """Pop orphaned memprof pushes on top of this thread's stack (left by a profile ended elsewhere)."""
-    me = threading.get_ident()
-    mine = [pack for thread, pack in _ORPHANS if thread == me]
-    while mine:
-        top = _top(False)
-        if top is None or top[0] not in mine:
-            break
-        _pop()
-        mine.remove(top[0])
-        _ORPHANS.remove((me, top[0]))
+def _saved_names(cls: type) -> tuple[str, ...]:
+    """The attributes of an autograd node class that give its raw saved tensors (no unpacking)."""
+    names = _SAVED_NAMES.get(cls)
+    if names is None:
+        names = _SAVED_NAMES[cls] = tuple(a for a in dir(cls) if a.startswith("_raw_saved_"))
+    return names
+
+
+def _released(tracker: SavedTracker, keys: tuple[int, ...]) -> Any:
+    def hook(_grad_inputs: Any, _grad_outputs: Any) -> None:
+        tracker.graph_released(keys)
+    return hook

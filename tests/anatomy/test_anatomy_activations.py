@@ -49,7 +49,8 @@ def saved_bytes(fn, *args, exclude=()):
 
 
 def test_eq1_small_block():
-    # s=128, b=2, h=256, a=4: sbh = 65,536; 5as/h = 5*4*128/256 = 10; (34 + 10) * 65,536 = 2,883,584 (Table 3b)
+    # Korthikanti et al. 2022, Eq. 1. s=128, b=2, h=256, a=4: sbh = 65,536; 5as/h = 5*4*128/256 = 10;
+    # (34 + 10) * 65,536 = 2,883,584 ("Table 3b" here and below: docs/anatomy.md#measured-saved-tensors-per-block)
     assert transformer_layer_activations(128, 2, 256, 4) == 2_883_584
 
 
@@ -62,7 +63,8 @@ def test_variants_small_block():
     assert transformer_layer_activations(128, 2, 256, 4, attention="flash", dropout=False) == 32 * sbh + 4096
     # fp32: sbh(66 + 9as/h) = 65,536 * (66 + 18) = 5,505,024 (Table 3b)
     assert transformer_layer_activations(128, 2, 256, 4, bytes_per_element=4) == 5_505_024
-    # SwiGLU F=688, flash, no dropout: 16sbh + 8sbF + 4asb = 1,048,576 + 1,409,024 + 4,096 (Table 3b: 2,457,600 + lse)
+    # SwiGLU F=688, flash, no dropout: 16sbh + 8sbF + 4asb = 1,048,576 + 1,409,024 + 4,096
+    # (Table 3b: 2,457,600 + lse)
     assert (
         transformer_layer_activations(128, 2, 256, 4, attention="flash", dropout=False, mlp="swiglu", ffn_hidden=688)
         == 16 * sbh + 8 * 128 * 2 * 688 + 4096
@@ -72,14 +74,16 @@ def test_variants_small_block():
 def test_gelu_mlp_is_18sbh_and_gqa_term():
     terms = transformer_layer_terms(128, 2, 256, 4, dropout=False)
     sbh = 128 * 2 * 256
-    # GELU MLP = input 2sbh + 4sbF = 2sbh + 16sbh = 18sbh at F = 4h (ANATOMY §3)
+    # GELU MLP = input 2sbh + 4sbF = 2sbh + 16sbh = 18sbh at F = 4h (Korthikanti et al. 2022, §4.1;
+    # docs/anatomy.md#variants-memprof-uses)
     assert terms["mlp_input"] + terms["mlp_hidden"] == 18 * sbh
     # GQA g = 1/4: Q,K,V = 2sbh(1 + 2g) = 3sbh
     gqa = transformer_layer_terms(128, 2, 256, 4, kv_heads=1)
     assert gqa["query_key"] + gqa["value"] == 2 * sbh * (1 + Fraction(2, 4))
 
 
-# Korthikanti Table 3 configurations: s = 2048, t = 8 (ANATOMY §3 derived table)
+# Korthikanti et al. 2022, Table 3 configurations: s = 2048, t = 8
+# (docs/anatomy.md#derived-memory-of-the-korthikanti-table-3-models)
 MODELS = {
     "22B": dict(heads=64, hidden=6144, layers=48, batch=4, p=1),
     "175B": dict(heads=96, hidden=12288, layers=96, batch=1, p=8),
@@ -96,7 +100,8 @@ def _layer(model, **kw):
 @pytest.mark.parametrize(
     "model,eq1,eq2,eq4,sel,full",
     [
-        # GiB, 2-3 decimals, from ANATOMY §3 "Derived per-layer and total memory"
+        # GiB, 2-3 decimals, derived from Korthikanti et al. 2022 Eqs. 1, 2, 4 and Table 2
+        # (docs/anatomy.md#derived-memory-of-the-korthikanti-table-3-models)
         ("22B", 6.59, 1.234, 0.824, 0.199, 0.094),
         ("175B", 2.67, 0.539, 0.334, 0.100, 0.047),
         ("530B", 3.83, 0.820, 0.479, 0.166, 0.078),
@@ -191,7 +196,8 @@ def _measure_block(dtype, **kw):
     return n
 
 
-# (config kwargs, dtype, formula kwargs, Table 3b measured bytes)
+# (config kwargs, dtype, formula kwargs, Table 3b measured bytes: measured with torch 2.13 (CPU), see
+# docs/anatomy.md#measured-saved-tensors-per-block)
 BLOCKS = [
     (dict(), torch.bfloat16, dict(), 2_885_632),
     (dict(p=0.0), torch.bfloat16, dict(dropout=False), 2_361_344),
@@ -287,13 +293,14 @@ def test_module_rule_matches_autograd(name, make):
 
 
 def test_module_rule_spot_values():
-    # Linear on x[4,128,256] fp32 saves x: 4*128*256*4 = 524,288 B (§4b)
+    # Linear on x[4,128,256] fp32 saves x: 4*128*256*4 = 524,288 B (measured with torch 2.13, see
+    # docs/anatomy.md#per-module-saved-tensors)
     assert module_saved_bytes(nn.Linear(256, 1024), TensorMeta((4, 128, 256), torch.float32)) == 524_288
-    # LayerNorm fp32 x[4,128,256] + mean, rstd [4,128,1]: 524,288 + 2*512*4 = 528,384 (1.008x, §4b)
+    # LayerNorm fp32 x[4,128,256] + mean, rstd [4,128,1]: 524,288 + 2*512*4 = 528,384 (1.008x, measured)
     assert module_saved_bytes(nn.LayerNorm(256), TensorMeta((4, 128, 256), torch.float32)) == 528_384
     # Dropout on CUDA: bool mask, 1 B/element: 4*128*256 = 131,072 (0.25x fp32)
     assert module_saved_bytes(nn.Dropout(0.1), TensorMeta((4, 128, 256), torch.float32), device="cuda") == 131_072
-    # Embedding: 512 int64 ids = 4,096 B (§4b)
+    # Embedding: 512 int64 ids = 4,096 B (measured)
     assert module_saved_bytes(nn.Embedding(1000, 8), TensorMeta((512,), torch.int64)) == 4_096
     # A frozen Linear whose input needs grad saves only W (a parameter): 0
     frozen = nn.Linear(8, 8).requires_grad_(False)
@@ -304,7 +311,7 @@ def test_cross_entropy_rule():
     logits = torch.randn(512, 1000, requires_grad=True)
     target = torch.randint(0, 1000, (512,))
     measured, _ = saved_bytes(lambda z: F.cross_entropy(z, target), logits)
-    # 512*1000*4 log-softmax + 512*8 target + 4 total_weight = 2,052,100 (1.002x, §4b)
+    # 512*1000*4 log-softmax + 512*8 target + 4 total_weight = 2,052,100 (1.002x, measured with torch 2.13)
     assert measured == 2_052_100
     assert cross_entropy_saved_bytes(TensorMeta.of(logits), TensorMeta.of(target)) == 2_052_100
     # bf16 logits under autocast: fp32 log-softmax = 512*1000*4 + 4096 + 4 = 2.004x the bf16 logits' bytes

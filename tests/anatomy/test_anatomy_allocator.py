@@ -1,4 +1,5 @@
-"""CUDA caching-allocator model vs. the snapshot oracle and constants of ANATOMY §7."""
+"""CUDA caching-allocator model vs. the snapshot oracle (discuss.pytorch.org, "unexpected 8519680B memory
+allocation") and the constants of c10/cuda/CUDACachingAllocator.cpp; see docs/anatomy.md#cuda-caching-allocator."""
 
 from __future__ import annotations
 

@@ -202,7 +202,8 @@ def test_foreach_transient_exact(name, cls, kwargs, dtype):
 
 
 def test_foreach_adamw_is_one_copy_of_the_params():
-    # ANATOMY §5: AdamW foreach transient = one fp32 copy of all params (4.00 B/param).
+    # AdamW foreach transient = one fp32 copy of all params (4.00 B/param): torch/optim/adam.py _foreach_sqrt;
+    # measured with torch 2.13, see docs/anatomy.md#measured-optimizer-state-and-step-transients.
     params = make_params()
     n = sum(p.numel() for p in params)
     opt = O.AdamW(params, foreach=True)
@@ -275,7 +276,8 @@ def test_for_loop_transient_is_an_upper_bound(name, cls, kwargs, shapes):
 
 
 def test_for_loop_adamw_bound_is_reached_with_equal_tensors():
-    # ANATOMY §5: 8 equal tensors, steady-step transient = 3 x the largest (sqrt + div + previous denom).
+    # 8 equal tensors, steady-step transient = 3 x the largest (sqrt + div + previous denom); measured with
+    # torch 2.13, see docs/anatomy.md#measured-optimizer-state-and-step-transients.
     params = make_params(torch.float32, ((4096,),) * 8)
     opt = O.AdamW(params)
     assert predict_optimizer_step_transient_bytes(opt) == 3 * 4096 * 4

@@ -1,4 +1,5 @@
-"""bytes_per_param against HF / ZeRO / ANATOMY §6 figures."""
+"""bytes_per_param against the HF "Model training anatomy" and ZeRO (Rajbhandari et al. 2019, §3.1) figures and
+the mixed-precision regimes of docs/anatomy.md#mixed-precision-regimes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from memprof.errors import UnknownNameError
         ("mixed", "adamw", False, 6),  # inference ignores the optimizer
         ("zero", "adam", True, 16),  # ZeRO: 2 + 2 + K=12
         ("zero", "adamw", True, 16),
-        ("bf16", "adamw", True, 8),  # ANATOMY §6 [M]: 2 + 2 + 2x2 bf16 states
+        ("bf16", "adamw", True, 8),  # 2 + 2 + 2x2 bf16 states (measured with torch 2.13, see docs/anatomy.md)
         ("fp16", "adam", True, 8),
         ("amp", "adamw", True, 16),  # steady 16, peak 18 with the 2 B/param casts
         ("fp32", "sgd", True, 8),
@@ -40,7 +41,8 @@ def test_breakdowns():
     mixed = bytes_per_param_breakdown("mixed", "adamw")
     assert (mixed.weights, mixed.gradients, mixed.optimizer_states) == (6, 4, 8)
     amp = bytes_per_param_breakdown("amp", "adamw")
-    assert amp.total == 16 and amp.transient_weights == 2 and amp.peak == 18  # ANATOMY §6: "16 steady, 18 peak"
+    # "16 steady, 18 peak" (docs/anatomy.md#mixed-precision-regimes)
+    assert amp.total == 16 and amp.transient_weights == 2 and amp.peak == 18
     # state bytes scale with the state dtype: bf16 AdamW states 2 x 2 B, fp32 2 x 4 B
     assert bytes_per_param_breakdown("bf16", "adamw").optimizer_states == 4
     assert bytes_per_param_breakdown("fp32", "adamw").optimizer_states == 8

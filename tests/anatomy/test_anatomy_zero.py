@@ -1,4 +1,5 @@
-"""ZeRO Table I and the DeepSpeed estimator oracles (ANATOMY §2)."""
+"""ZeRO Table I (Rajbhandari et al. 2019, §5) and the DeepSpeed estimator oracles (DeepSpeed
+docs/code-docs/source/memory.rst); derivations in docs/anatomy.md#zero-and-deepspeed."""
 
 from __future__ import annotations
 

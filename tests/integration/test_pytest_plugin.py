@@ -36,7 +36,7 @@ from memprof.trace import Breakdown
 
 pytest_plugins = ["pytester"]
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The step every inner test profiles. Sequential(Linear(8, 16), ReLU, Linear(16, 4)) has
 # 8*16 + 16 + 16*4 + 4 = 212 fp32 parameters = 848 B of weights.

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import memprof
+from memprof.anatomy import predict_activations
 from memprof import Category as C
 from memprof.cli import main
 from memprof.errors import InvalidArgumentError, SizeParseError, TraceFormatError
@@ -216,7 +217,7 @@ def test_a_closed_pipe_ends_the_command_quietly(saved, tmp_path):
 
 
 def test_long_module_paths_keep_their_first_and_last_parts():
-    from memprof.report import _clip
+    from memprof.render.common import clip_path as _clip
 
     assert _clip("encoder.block.3.layer.1.DenseReluDense.wo", 29) == "encoder.block.3.layer.1…wo"
     assert _clip("model.layers.11.self_attn.q_proj", 29) == "model.layers.11…q_proj"
@@ -231,7 +232,7 @@ def test_modules_that_save_nothing_need_no_rule():
     with memprof.profile(model) as prof:
         model(torch.randn(4, 8)).sum().backward()
     rep = prof.report()
-    assert rep.trace.facts.modules_without_rule == ()
+    assert predict_activations(rep.trace).modules_without_rule == ()
     assert "no saved-bytes rule" not in str(rep.reconcile())
 
 

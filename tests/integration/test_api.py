@@ -135,7 +135,7 @@ def test_exception_propagates_unchanged_and_partial_trace_survives():
     assert info.value is err
     assert hooks_left(model) == []
     rep = prof.report()
-    assert rep.steps == 2  # the finished step and the interrupted forward
+    assert rep.num_steps == 2  # the finished step and the interrupted forward
     assert rep.trace.error == "Boom: CUDA out of memory (simulated)"
     live = rep.trace.live_at_error
     assert live[C.WEIGHTS] == weight_bytes(model)

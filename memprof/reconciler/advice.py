@@ -2,19 +2,24 @@
 
 Savings are computed from the run's own figures and the formulas in
 :mod:`memprof.anatomy`; each sentence says what it assumes. Alignment
-warnings follow NVIDIA's tensor-core guidance (ANATOMY.md section 8):
-dimensions that are multiples of 8 for fp16/bf16 and of 4 for tf32.
+warnings follow NVIDIA's tensor-core guidance (NVIDIA Deep Learning Performance
+documentation, "Matrix Multiplication Background User's Guide", Table 1):
+dimensions that are multiples of 8 for fp16/bf16 and of 4 for tf32 (the table
+has no bf16 row; bf16 is treated like fp16). See
+``docs/anatomy.md#tensor-core-alignment``.
 """
 
 from __future__ import annotations
 
-from .categories import Category
-from .trace import Breakdown, Trace
-from .units import format_bytes
+from ..categories import Category
+from ..trace import Breakdown, Trace, parent_path
+from ..units import format_bytes
+from .formula import predictions
 
 __all__ = ["advice", "levers"]
 
-# bitsandbytes 8-bit Adam keeps two uint8 states: 2 B/param (ANATOMY.md section 1, HF table; section 5).
+# bitsandbytes 8-bit Adam keeps two uint8 states: 2 B/param (HF docs, "Model training anatomy";
+# bitsandbytes optim/optimizer.py Optimizer2State; docs/anatomy.md#bitsandbytes-8-bit-optimizers).
 _ADAM_8BIT_BYTES_PER_PARAM = 2
 # A world size for the ZeRO what-if when the user gives none.
 _DEFAULT_WORLD = 8
@@ -24,13 +29,13 @@ def levers(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
            world_size: int = _DEFAULT_WORLD) -> list[tuple[int, str]]:
     """(predicted saving in bytes, sentence) for each applicable lever, largest saving first."""
     facts = trace.facts
+    opts = predictions(trace)[1]
     out: list[tuple[int, str]] = []
     states = measured[Category.OPTIMIZER_STATES] or 0
-    steady_states = facts.optimizer_state_formula or states
+    steady_states = opts.state_bytes or states
     acts = measured[Category.ACTIVATIONS] or 0
     weights = measured[Category.WEIGHTS] or 0
     grads = measured[Category.GRADIENTS] or 0
-    temps = measured[Category.TEMPORARIES] or 0
 
     if optimizer in ("adam", "adamw") and steady_states:
         eight_bit = _ADAM_8BIT_BYTES_PER_PARAM * facts.num_trainable
@@ -61,12 +66,10 @@ def levers(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
         out.append((grads, f"zero_grad(set_to_none=True) frees the gradients between steps: up to "
                            f"{format_bytes(grads)} of this peak are gradients kept from the previous step"))
     impl = trace.optimizer_implementation
-    if impl in ("foreach", "for-loop") and facts.optimizer_transient_formula:
-        saving = facts.optimizer_transient_formula
+    if impl in ("foreach", "for-loop") and opts.transient_bytes:
+        saving = opts.transient_bytes
         out.append((saving, f"fused=True in the optimizer removes the {impl} step's temporaries "
                             f"({format_bytes(saving)} predicted)"))
-    elif temps and impl == "fused":
-        pass
     out.sort(key=lambda x: -x[0])
     return out
 
@@ -87,7 +90,7 @@ def _checkpoint_saving(trace: Trace) -> "tuple[int, str] | None":
     for m in trace.modules:
         if m.path == "<model>" or "." not in m.path and not m.path:
             continue
-        parent = m.path.rsplit(".", 1)[0] if "." in m.path else "<model>"
+        parent = parent_path(m.path) or "<model>"
         by_parent.setdefault((parent, m.type), []).append(m)
     best = None
     for (parent, typ), mods in by_parent.items():

@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memprof
+from memprof.anatomy import predict_activations
 from memprof import Category as C, Phase
 
 from helpers import grad_bytes, optimizer_state_bytes, saved_activation_bytes, weight_bytes
@@ -51,7 +52,7 @@ def test_gradient_accumulation_is_one_step_with_several_passes():
             opt.step()
             opt.zero_grad()
     rep = prof.report()
-    assert rep.steps == 2
+    assert rep.num_steps == 2
     for s in prof.trace.steps:
         assert phase_names(s) == [
             ("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1),
@@ -252,7 +253,7 @@ def test_a_frozen_submodule_called_under_no_grad_first_is_not_the_forward():
     # The formula comes from the model's own (grad-enabled) forward: the body's Linear inputs
     # (128*64*4 + 128*256*4) and ReLU's output (128*256*4).
     assert facts.batch_size == 128
-    assert facts.activation_formula == 128 * 64 * 4 + 2 * 128 * 256 * 4
+    assert predict_activations(prof.trace).saved_bytes == 128 * 64 * 4 + 2 * 128 * 256 * 4
     first = [p.phase for p in prof.trace.phases if p.step == 0][:2]
     assert first == [Phase.OTHER, Phase.FORWARD]  # the encoder ran in "other", then the forward
 

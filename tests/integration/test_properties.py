@@ -175,7 +175,7 @@ def test_random_stacks_are_exact_and_change_nothing(spec):
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
 
     tr = rep.trace
-    assert rep.steps == 2
+    assert rep.num_steps == 2
     # Breakdowns sum to their totals; the global peak is the highest of everything.
     for bd in (tr.start, tr.peak, tr.end):
         assert_sums(bd)

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = sorted(p for p in (ROOT / "docs").glob("*.md") if "```python" in p.read_text())
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 

@@ -12,29 +12,17 @@ from memprof import Category as C
 
 from helpers import (
     LiveBytes,
+    assert_sums,
     buffer_bytes,
     grad_bytes,
     optimizer_state_bytes,
     saved_activation_bytes,
+    train,
     weight_bytes,
 )
 from models import MODEL_NAMES, MLP, make
 
 TENSOR_CATS = [C.WEIGHTS, C.BUFFERS, C.GRADIENTS, C.OPTIMIZER_STATES, C.ACTIVATIONS, C.INPUTS, C.TEMPORARIES]
-
-
-def assert_sums(bd):
-    """sum(categories) == total, exactly, whenever the total is measured."""
-    assert bd.total == sum(v for v in bd.counts if v is not None)
-
-
-def train(model, opt, batch, loss_fn, steps=2):
-    x, y = batch
-    for _ in range(steps):
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -101,7 +89,7 @@ def test_peak_total_equals_independent_live_bytes(name):
     counter = LiveBytes(pre)
     with counter:  # the independent counter sits outside memprof's dispatch mode and sees the same ops
         with memprof.profile(model, opt) as prof:
-            train(model, opt, batch, loss_fn, steps=2)
+            train(model, opt, *batch, loss_fn, steps=2)
         peak = counter.peak
     counter.close()
     rep = prof.report()
@@ -148,7 +136,7 @@ def test_every_breakdown_sums_to_its_total():
     model, batch, loss_fn = make("transformer")
     opt = torch.optim.AdamW(model.parameters())
     with memprof.profile(model, opt) as prof:
-        train(model, opt, batch, loss_fn, steps=3)
+        train(model, opt, *batch, loss_fn, steps=3)
     tr = prof.trace
     for rec in tr.phases:
         for bd in (rec.start, rec.peak, rec.end):

@@ -18,8 +18,10 @@ import memprof
 from memprof.categories import Category
 from memprof.compare import Diff, diff
 from memprof.errors import InvalidArgumentError, MemprofError, NotMeasuredError
-from memprof.html import frame_html, report_html
-from memprof.plot import CATEGORY_COLORS, MissingExtraError, plot_modules, plot_timeline, plot_waterfall
+from memprof.render.html import frame_html, report_html
+from memprof.errors import MissingExtraError
+from memprof.render.common import CATEGORY_COLORS
+from memprof.render.plot import plot_modules, plot_timeline, plot_waterfall
 
 from models import MLP
 

@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 import memprof
+from memprof.anatomy import predict_activations
 from memprof import Category as C
 from memprof.anatomy import transformer_layer_activations
 
 from blocks import Block
-from helpers import optimizer_state_bytes, weight_bytes
+from helpers import optimizer_state_bytes, train, weight_bytes
 from models import MODEL_NAMES, MLP, make
 
 MODEL_STATES = (C.WEIGHTS, C.GRADIENTS, C.OPTIMIZER_STATES)
@@ -20,10 +21,7 @@ MODEL_STATES = (C.WEIGHTS, C.GRADIENTS, C.OPTIMIZER_STATES)
 def run(model, opt, batch, loss_fn, steps=2):
     x, y = batch
     with memprof.profile(model, opt) as prof:
-        for _ in range(steps):
-            loss_fn(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, x, y, loss_fn, steps)
     return prof.report()
 
 
@@ -129,7 +127,8 @@ def test_megatron_block_activations_within_one_percent():
     measured = rep.at(0, "forward", "end")[C.ACTIVATIONS]
     formula = transformer_layer_activations(s, b, h, a)  # sbh(34 + 5as/h) = 65,536 * 44 = 2,883,584
     assert formula == 2_883_584
-    # Exactly ANATOMY.md Table 3b's measurement (the .float() cast and sum() save nothing).
+    # Exactly the measurement in docs/anatomy.md#measured-saved-tensors-per-block (torch 2.13, CPU; the .float()
+    # cast and sum() save nothing).
     assert measured == 2_885_632
     assert abs(measured - formula) / formula < 0.01
     rec = rep.reconcile(at="peak", transformer=dict(seq_len=s, batch=b, hidden=h, heads=a, layers=1))
@@ -177,7 +176,7 @@ def test_per_module_formula_gaps_are_all_named_for_a_chain():
     x = 32 * 256 * 4  # every activation of this chain is one 32x256 fp32 tensor: 32,768 B
     # Rules: each Linear saves its input, each ReLU its output: 5 x. Measured at the end of forward:
     # the two ReLU outputs (each saved by its ReLU and by the next Linear) and mse_loss's saved prediction.
-    assert rep.trace.facts.activation_formula == 5 * x
+    assert predict_activations(rep.trace).saved_bytes == 5 * x
     assert causes["saved by two modules"] == -2 * x
     # The first Linear's input is the batch: an input here, an activation in its rule.
     assert rep.trace.facts.activation_inputs_saved == x
@@ -213,10 +212,7 @@ def test_estimate_matches_measurement(name):
     assert not any(p.grad is not None for p in model.parameters())  # the user's model is untouched
     assert opt.state == {}
     with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            loss_fn(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, x, y, loss_fn)
     measured = prof.report().peak
     sim = est.simulated
     assert abs(sim.total - measured.total) / measured.total < 0.01
@@ -276,6 +272,7 @@ def test_max_batch_size_is_verified_by_simulation():
     assert "largest batch size" in str(plan)
     none = memprof.max_batch_size(model, None, make_batch, 1000, loss_fn=loss)
     assert none.batch_size == 0
+
 
 
 def test_advice_names_levers_and_misaligned_dimensions():

@@ -1,0 +1,80 @@
+"""Values read from a trace file, checked one by one: a bad value is a TraceFormatError naming it.
+
+Every check ends its message with the fix (re-create the trace), so a corrupt,
+crafted or truncated file never reaches arithmetic or display downstream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .errors import TraceFormatError
+
+__all__ = ["count", "optional_count", "text", "optional_text", "corrupt", "fields", "pairs"]
+
+# The largest count a trace may hold (16 EiB, or as many ops): a real run is far below it, and a
+# crafted 10**400 would otherwise load and break arithmetic and display downstream.
+_MAX_COUNT = 2**64
+
+
+def optional_count(value: Any, name: str) -> "int | None":
+    if value is None:
+        return None
+    return count(value, name)
+
+
+def count(value: Any, name: str) -> int:
+    """A non-negative int from a file (bytes, an index, a count); anything else is a TraceFormatError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise corrupt(f"{name} must be an int, got {_shown(value)}")
+    if not 0 <= value <= _MAX_COUNT:
+        raise corrupt(f"{name} must be between 0 and 2**64, got {_shown(value)}")
+    return value
+
+
+def text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise corrupt(f"{name} must be a string, got {_shown(value)}")
+    return value
+
+
+def corrupt(problem: str) -> TraceFormatError:
+    """The error for a bad value, with the fix."""
+    return TraceFormatError(f"corrupt memprof trace: {problem}; re-create it with report.save(path)")
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+def fields(cls: Any, data: Any) -> dict[str, Any]:
+    """The keyword arguments of a flat record's dataclass from a file, each checked against its annotation."""
+    if not isinstance(data, Mapping):
+        raise corrupt(f"a {cls.__name__} must be a mapping, got {_shown(data)}")
+    out: dict[str, Any] = {}
+    for name, f in cls.__dataclass_fields__.items():
+        if name not in data:
+            continue
+        value, kind = data[name], str(f.type).replace('"', "")
+        where = f"{cls.__name__}.{name}"
+        if kind == "int":
+            out[name] = count(value, where)
+        elif kind == "int | None":
+            out[name] = None if value is None else count(value, where)
+        elif kind == "str":
+            out[name] = text(value, where)
+        elif kind == "str | None":
+            out[name] = None if value is None else text(value, where)
+        else:
+            out[name] = value
+    return out
+
+
+def optional_text(value: Any, name: str) -> "str | None":
+    return None if value is None else text(value, name)
+
+
+def pairs(items: Any) -> tuple[tuple[str, int], ...]:
+    """(name, bytes) pairs, such as the tags' live bytes."""
+    return tuple((text(a, "a tag name"), count(b, "a tag's bytes")) for a, b in items)

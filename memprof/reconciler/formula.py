@@ -1,0 +1,153 @@
+"""The formula side of a reconciliation: the textbook breakdown of a recorded run at one moment.
+
+Weights and gradients are bytes/param (HF's model anatomy; ZeRO §3) times the
+recorded parameter counts; optimizer state and the optimizer step's
+temporaries come from the optimizer formulas applied to the recorded
+optimizers; activations from Korthikanti et al.'s per-layer form when a
+transformer configuration is given, else from the per-module rules applied to
+the recorded first forward (:mod:`memprof.anatomy.predict`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..anatomy.activations import transformer_layer_activations
+from ..anatomy.params import bytes_per_param_breakdown
+from ..anatomy.predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
+from ..categories import Category, Phase
+from ..errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
+from ..trace import RECONCILE_MOMENTS, Breakdown, PhaseRecord, Trace, parse_moment
+
+__all__ = ["infer_precision", "optimizer_name", "formula_breakdown", "formula_at", "moment_of", "predictions"]
+
+
+def infer_precision(trace: Trace) -> str:
+    """The precision regime a run used: ``fp32``, ``amp`` (fp32 parameters under 16-bit autocast), ``bf16``, ``fp16``."""
+    dtypes = set(trace.param_dtypes)
+    if dtypes <= {"float32"} and trace.autocast_dtype in ("bfloat16", "float16"):
+        return "amp"
+    if dtypes == {"bfloat16"}:
+        return "bf16"
+    if dtypes == {"float16"}:
+        return "fp16"
+    return "fp32"
+
+
+def optimizer_name(trace: Trace) -> "str | None":
+    """The bytes/param table's name for the run's optimizer class (``None``: not in the table)."""
+    if trace.optimizer is None:
+        return None
+    cls = trace.optimizer.rsplit(".", 1)[-1].lower()
+    names = {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "adagrad": "adagrad", "rmsprop": "rmsprop",
+             "adafactor": "adafactor", "lion": "lion", "adamw8bit": "adamw_8bit", "pagedadamw8bit": "adamw_8bit"}
+    return names.get(cls)
+
+
+_PREDICTIONS: "dict[int, tuple[Trace, ActivationPrediction, OptimizerPrediction]]" = {}
+
+
+def predictions(trace: Trace) -> tuple[ActivationPrediction, OptimizerPrediction]:
+    """The per-module and optimizer formulas of a trace (computed once per trace object)."""
+    cached = _PREDICTIONS.get(id(trace))
+    if cached is not None and cached[0] is trace:
+        return cached[1], cached[2]
+    if len(_PREDICTIONS) > 64:
+        _PREDICTIONS.clear()
+    result = (trace, predict_activations(trace), predict_optimizers(trace))
+    _PREDICTIONS[id(trace)] = result
+    return result[1], result[2]
+
+
+def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer: "str | None" = None,
+                      moment: "PhaseRecord | None" = None, transformer: "Mapping[str, Any] | None" = None,
+                      at_peak: bool = True) -> Breakdown:
+    """The textbook breakdown for the run's model and optimizer.
+
+    Weights and gradients are bytes/param (HF, ZeRO; see
+    :func:`memprof.anatomy.bytes_per_param`) times the parameter counts.
+    Optimizer state is predicted from the recorded optimizer when memprof has a
+    formula for it (exact, ``step`` counters included), else from
+    ``optimizer``'s bytes/param. Activations are Korthikanti et al.'s
+    per-layer form when ``transformer`` gives the configuration
+    (``seq_len, batch, hidden, heads, layers`` and any keyword of
+    :func:`~memprof.anatomy.transformer_layer_activations`), else the sum of
+    the per-module saved-bytes rules over the first forward. Temporaries have
+    a formula only inside the optimizer step (its step temporaries).
+    """
+    facts = trace.facts
+    acts, opts = predictions(trace)
+    precision = precision or infer_precision(trace)
+    opt_name = optimizer if optimizer is not None else optimizer_name(trace)
+    try:
+        bpp = bytes_per_param_breakdown(precision, opt_name if opt_name is not None else None)
+    except UnknownNameError:
+        bpp = bytes_per_param_breakdown(precision, None)
+    values: dict[Category, "int | None"] = {c: None for c in Category}
+    values[Category.WEIGHTS] = int(round(bpp.weights * facts.num_params))
+    values[Category.BUFFERS] = facts.buffer_bytes
+    if trace.steps and any(p.phase is Phase.BACKWARD for p in trace.phases):
+        values[Category.GRADIENTS] = int(round(bpp.gradients * facts.num_trainable))
+    elif trace.steps:
+        values[Category.GRADIENTS] = 0  # evaluation only: no backward, no gradients
+    if opts.state_bytes is not None and optimizer is None:
+        values[Category.OPTIMIZER_STATES] = opts.state_bytes
+    elif opt_name is not None:
+        values[Category.OPTIMIZER_STATES] = int(round(bpp.optimizer_states * facts.num_trainable))
+    elif trace.optimizer is None:
+        values[Category.OPTIMIZER_STATES] = 0
+    if transformer is not None:
+        cfg = dict(transformer)
+        try:
+            layers = int(cfg.pop("layers"))
+            per_layer = transformer_layer_activations(
+                cfg.pop("seq_len"), cfg.pop("batch"), cfg.pop("hidden"), cfg.pop("heads"), **cfg)
+        except (KeyError, TypeError) as exc:
+            raise InvalidArgumentError(
+                f"transformer= needs seq_len, batch, hidden, heads and layers (and keywords of "
+                f"transformer_layer_activations); {exc}") from None
+        values[Category.ACTIVATIONS] = layers * per_layer
+    else:
+        values[Category.ACTIVATIONS] = acts.saved_bytes
+    if moment is not None and moment.phase in (Phase.OPTIMIZER, Phase.OTHER):
+        values[Category.ACTIVATIONS] = 0  # no graph is alive outside forward and backward
+    if moment is not None and moment.phase is Phase.OPTIMIZER and at_peak and opts.transient_bytes is not None:
+        values[Category.TEMPORARIES] = opts.transient_bytes
+    return Breakdown.from_mapping(values)
+
+
+def formula_at(trace: Trace, at: str = "peak", *, precision: "str | None" = None, optimizer: "str | None" = None,
+               transformer: "Mapping[str, Any] | None" = None) -> Breakdown:
+    """The textbook breakdown for the moment ``at`` (``"peak"`` or ``"steady"``) of a run: the one
+    formula every view of that moment shows (a reconciliation, an estimate's table).
+
+    The moment matters: outside forward and backward no graph is alive, so the formula for
+    activations there is 0, and inside the optimizer step temporaries have a formula.
+    """
+    at = parse_moment(at, RECONCILE_MOMENTS)
+    _measured, rec, _where, _tags = moment_of(trace, at)
+    return formula_breakdown(trace, precision=precision, optimizer=optimizer, moment=rec,
+                             transformer=transformer, at_peak=at == "peak")
+
+
+def moment_of(trace: Trace, at: str) -> tuple[Breakdown, "PhaseRecord | None", str, dict[str, int]]:
+    """The measured breakdown at a reconciliation moment, the phase record it belongs to, the moment
+    in words and the tags' live bytes then.
+
+    ``"peak"`` is the global peak; ``"steady"`` the end of the last optimizer phase (every model
+    state exists), else of the last backward or forward.
+    """
+    if at == "peak":
+        rec = None
+        for p in trace.phases:
+            if trace.peak_step == p.step and trace.peak_phase is p.phase and (
+                    rec is None or (p.peak.total or 0) > (rec.peak.total or 0)):
+                rec = p
+        where = "peak" + (f" (step {trace.peak_step}, {trace.peak_phase.value})" if trace.peak_phase else "")
+        return trace.peak, rec, where, dict(trace.peak_tags)
+    for phase in (Phase.OPTIMIZER, Phase.BACKWARD, Phase.FORWARD):
+        recs = [p for p in trace.phases if p.phase is phase]
+        if recs:
+            rec = recs[-1]
+            return rec.end, rec, f"end of {phase.value} (step {rec.step})", dict(rec.tags_end)
+    raise NotMeasuredError("no step was recorded; nothing to reconcile")

@@ -1,0 +1,136 @@
+"""What every renderer shares: one spelling for a missing figure, one palette, one module table.
+
+Renderers take a Trace, a Report (through ``as_trace``), a Reconciliation or
+a Diff and return output; none of them reaches back into a profile.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..categories import Category, Phase
+from ..trace import Breakdown, parent_path
+from ..units import format_bytes
+
+if TYPE_CHECKING:
+    from ..trace import Trace
+
+__all__ = ["NOT_MEASURED", "NO_FORMULA", "NOT_SIMULATED", "size", "signed", "CATEGORY_COLORS", "PHASE_COLORS",
+           "WATERFALL_COLORS", "own_rows", "clip_path", "largest"]
+
+#: A figure the run did not measure: never printed as 0.
+NOT_MEASURED = "not measured"
+#: A category the textbook has no formula for at that moment.
+NO_FORMULA = "no formula"
+#: A category the estimate did not simulate (or no estimate was given).
+NOT_SIMULATED = "not simulated"
+
+#: One color per category, used by every plot and by the HTML report. Mid-tone
+#: colors (seaborn's "deep" palette) that keep their contrast on light and dark backgrounds.
+CATEGORY_COLORS: dict[Category, str] = {
+    Category.WEIGHTS: "#4C72B0",
+    Category.BUFFERS: "#8172B3",
+    Category.GRADIENTS: "#DD8452",
+    Category.OPTIMIZER_STATES: "#C44E52",
+    Category.ACTIVATIONS: "#55A868",
+    Category.INPUTS: "#937860",
+    Category.TEMPORARIES: "#CCB974",
+    Category.ALLOCATOR_OVERHEAD: "#64B5CD",
+    Category.OUTSIDE_TORCH: "#DA8BC3",
+}
+
+#: Background bands of the timeline, one color per phase.
+PHASE_COLORS: dict[Phase, str] = {
+    Phase.FORWARD: "#4C72B0",
+    Phase.BACKWARD: "#DD8452",
+    Phase.OPTIMIZER: "#C44E52",
+    Phase.OTHER: "#8C8C8C",
+}
+
+#: Waterfall colors: increases, decreases, and the start / end totals.
+WATERFALL_COLORS = {"up": "#C44E52", "down": "#55A868", "total": "#4C72B0", "unexplained": "#8C8C8C"}
+
+
+def size(n: "int | None", missing: str = NOT_MEASURED) -> str:
+    """Bytes in IEC units, or ``missing`` for a figure that does not exist (never "0")."""
+    return missing if n is None else format_bytes(n)
+
+
+def signed(n: "int | None", missing: str = "") -> str:
+    """A signed delta: ``+1.5 KiB``, ``-3 B``, ``0 B``."""
+    if n is None:
+        return missing
+    return ("+" if n > 0 else "") + format_bytes(n)
+
+
+def largest(bd: Breakdown) -> str:
+    """The largest measured category of a breakdown, in words (``activations 4.5 MiB``)."""
+    measured = [(c, v) for c, v in bd.measured().items() if v]
+    if not measured:
+        return "-"
+    c, v = max(measured, key=lambda cv: cv[1])
+    return f"{c.value} {format_bytes(v)}"
+
+
+def clip_path(s: str, n: int) -> str:
+    """``s`` in at most ``n`` characters: a dotted module path keeps its first parts and its last one
+    (``encoder.block.3…wo``), which tell blocks apart; anything else keeps its start."""
+    if len(s) <= n:
+        return s
+    parts = s.split(".")
+    if len(parts) < 2 or len(parts[-1]) + 2 > n:
+        return s[: n - 1] + "…"
+    head, tail = "", parts[-1]
+    for part in parts[:-1]:
+        candidate = f"{head}.{part}" if head else part
+        if len(candidate) + 1 + len(tail) > n:
+            break
+        head = candidate
+    for part in reversed(parts[len(head.split(".")) if head else 0:-1]):
+        candidate = f"{part}.{tail}"
+        if len(head) + 1 + len(candidate) > n:
+            break
+        tail = candidate
+    if not head:
+        return (parts[0][: n - len(tail) - 2] + "…" + tail) if n - len(tail) - 2 > 0 else "…" + tail[-(n - 1):]
+    return f"{head}…{tail}"
+
+
+def own_rows(trace: "Trace", include_own: bool) -> list[dict[str, Any]]:
+    """Leaf modules, plus the part of each container that its own ops hold.
+
+    A container's figures include its children's, so showing both would count
+    bytes twice. Its *own* share (its figure minus its direct children's, never
+    below 0) is what ops written in its ``forward`` saved, such as the
+    attention scores of a hand-written attention block.
+    """
+    mods = {m.path: m for m in trace.modules}
+    children: dict[str, list[str]] = {p: [] for p in mods}
+    for path in mods:
+        if path == "<model>":
+            continue
+        parent = parent_path(path) or "<model>"
+        while parent not in mods and parent != "<model>":
+            parent = parent_path(parent) or "<model>"
+        if parent in children:
+            children[parent].append(path)
+    rows = []
+    for path, m in mods.items():
+        kids = children.get(path, [])
+        if not kids:
+            if path == "<model>":
+                continue
+            rows.append({"path": path, "type": m.type, "own": False, "label": f"{path} ({m.type})",
+                         "activations": m.activations, "parameters": m.parameters,
+                         "peak_forward": m.peak_forward})
+            continue
+        if not include_own:
+            continue
+        act = None
+        if m.activations is not None:
+            act = max(0, m.activations - sum(mods[k].activations or 0 for k in kids))
+        params = max(0, (m.parameters or 0) - sum(mods[k].parameters or 0 for k in kids))
+        if act or params:
+            rows.append({"path": path, "type": m.type, "own": True, "label": f"{path} ({m.type}, own ops)",
+                         "activations": act, "parameters": params, "peak_forward": None})
+    return rows

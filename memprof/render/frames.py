@@ -1,0 +1,141 @@
+"""pandas DataFrames: phases, modules, operations, a breakdown, a reconciliation, a diff.
+
+Byte columns are nullable ``Int64``: a figure that was not measured is
+``<NA>``, never 0. pandas is imported inside each function.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..categories import Category
+from ..errors import InvalidArgumentError, NotMeasuredError
+from ..trace import PHASE_MOMENTS, as_trace, parse_moment
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from ..compare import Diff
+    from ..reconciler import Reconciliation
+    from ..report import Report
+    from ..trace import Trace
+
+__all__ = ["phases_frame", "modules_frame", "operations_frame", "breakdown_frame", "reconciliation_frame",
+           "diff_frame", "diff_phases_frame"]
+
+
+def phases_frame(report: "Report | Trace") -> "pd.DataFrame":
+    """One row per (step, phase, occurrence): start, peak, end, ops and the composition at the peak."""
+    import pandas as pd
+
+    rows = []
+    for rec in as_trace(report).phases:
+        row: dict[str, Any] = {"step": rec.step, "phase": rec.phase.value, "occurrence": rec.occurrence,
+                               "start": rec.start.total, "peak": rec.peak.total, "end": rec.end.total,
+                               "ops": rec.ops}
+        for cat in Category:
+            row[cat.value] = rec.peak[cat]
+        rows.append(row)
+    columns = ["step", "phase", "occurrence", "start", "peak", "end", "ops"] + [c.value for c in Category]
+    frame = pd.DataFrame(rows, columns=columns)
+    for col in columns:
+        if col != "phase":
+            frame[col] = frame[col].astype("Int64")
+    return frame
+
+
+def modules_frame(report: "Report | Trace") -> "pd.DataFrame":
+    """One row per module path (the index; the root is ``"<model>"``)."""
+    import pandas as pd
+
+    cols = ["path", "type", "calls", "parameters", "gradients", "activations",
+            "peak_forward", "temporaries_forward", "peak_backward", "temporaries_backward"]
+    rows = [{c: getattr(m, c) for c in cols} for m in as_trace(report).modules]
+    frame = pd.DataFrame(rows, columns=cols)
+    for col in cols[2:]:
+        frame[col] = frame[col].astype("Int64")
+    return frame.set_index("path")
+
+
+def operations_frame(report: "Report | Trace", by: str = "op") -> "pd.DataFrame":
+    """Per (phase, class, op), or per (phase, class) with ``by="class"``: counts, flops, bytes moved."""
+    import pandas as pd
+
+    ops = as_trace(report).operations
+    if ops is None:
+        raise NotMeasuredError(
+            "operations were not recorded; profile with memprof.profile(model, optimizer, operations=True)"
+        )
+    cols = ["phase", "class", "op", "count", "flops", "bytes_read", "bytes_written"]
+    frame = pd.DataFrame([(o.phase, o.cls, o.op, o.count, o.flops, o.bytes_read, o.bytes_written)
+                          for o in ops], columns=cols)
+    if by == "class":
+        return frame.groupby(["phase", "class"], as_index=False)[cols[3:]].sum()
+    if by != "op":
+        raise InvalidArgumentError(f"by must be 'op' or 'class', got {by!r}")
+    return frame
+
+
+def breakdown_frame(report: "Report | Trace", at: str = "peak") -> "pd.DataFrame":
+    """The run's breakdown at ``at`` (``"peak"``, ``"start"``, ``"end"``): bytes and share per category."""
+    import pandas as pd
+
+    trace = as_trace(report)
+    at = parse_moment(at, PHASE_MOMENTS)
+    bd = {"peak": trace.peak, "start": trace.start, "end": trace.end}[at]
+    rows = []
+    for cat in Category:
+        v = bd[cat]
+        share = (v / bd.total) if (v is not None and bd.total) else None
+        rows.append({"category": cat.value, "bytes": v, "share": share})
+    frame = pd.DataFrame(rows).set_index("category")
+    frame["bytes"] = frame["bytes"].astype("Int64")
+    frame["share"] = frame["share"].astype("Float64")
+    return frame
+
+
+def reconciliation_frame(rec: "Reconciliation") -> "pd.DataFrame":
+    """Indexed by category value plus ``total``: formula, simulated, measured, gap, gap_pct."""
+    import pandas as pd
+
+    records = [{"category": r.category.value, "formula": r.formula, "simulated": r.simulated,
+                "measured": r.measured, "gap": r.gap, "gap_pct": r.gap_pct} for r in rec.rows]
+    t = rec.total
+    records.append({"category": "total", "formula": t.formula, "simulated": t.simulated, "measured": t.measured,
+                    "gap": t.gap, "gap_pct": t.gap_pct})
+    frame = pd.DataFrame(records).set_index("category")
+    for col in ("formula", "simulated", "measured", "gap"):
+        frame[col] = frame[col].astype("Int64")
+    frame["gap_pct"] = frame["gap_pct"].astype("Float64")
+    return frame
+
+
+def diff_frame(diff: "Diff") -> "pd.DataFrame":
+    """Categories as rows (index ``category``): ``a``, ``b``, ``delta``, ``delta_pct``; no total row."""
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        [{"category": c.name, "a": c.a, "b": c.b, "delta": c.delta, "delta_pct": c.delta_pct}
+         for c in diff.categories],
+        columns=["category", "a", "b", "delta", "delta_pct"],
+    ).set_index("category")
+    for col in ("a", "b", "delta"):
+        frame[col] = frame[col].astype("Int64")
+    frame["delta_pct"] = frame["delta_pct"].astype("Float64")
+    return frame
+
+
+def diff_phases_frame(diff: "Diff") -> "pd.DataFrame":
+    """Matched phases as rows: step, phase, occurrence, a, b, delta, delta_pct (peak totals)."""
+    import pandas as pd
+
+    cols = ["step", "phase", "occurrence", "a", "b", "delta", "delta_pct"]
+    frame = pd.DataFrame(
+        [{"step": p.step, "phase": p.phase.value, "occurrence": p.occurrence, "a": p.a, "b": p.b,
+          "delta": p.delta, "delta_pct": p.delta_pct} for p in diff.phases],
+        columns=cols,
+    )
+    for col in ("step", "occurrence", "a", "b", "delta"):
+        frame[col] = frame[col].astype("Int64")
+    frame["delta_pct"] = frame["delta_pct"].astype("Float64")
+    return frame

@@ -1,0 +1,229 @@
+"""Text for terminals: the report, a reconciliation, a diff, an estimate, a batch-size plan.
+
+Every renderer returns a string and prints nothing. A figure that was not
+measured reads "not measured"; a formula that does not exist "no formula".
+Text from a trace (module paths, notes, error messages) may come from a file:
+control characters are shown escaped, so a crafted name cannot move the
+cursor or forge a line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..categories import Category, TENSOR_CATEGORIES
+from ..trace import Breakdown, as_trace
+from ..units import format_bytes, printable
+from .common import NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, signed, size
+
+if TYPE_CHECKING:
+    from ..compare import Diff
+    from ..planner import BatchSizePlan
+    from ..reconciler import Reconciliation
+    from ..report import Report
+    from ..simulation import Estimate
+    from ..trace import Trace
+
+__all__ = ["report_text", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text", "plan_text"]
+
+
+def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
+    """The readable report that ``print(report)`` shows."""
+    t = as_trace(report)
+    lines: list[str] = []
+    dev = t.device.name if t.device.type == "cuda" else t.device.type
+    lines.append(f"memprof report: {len(t.steps)} step(s), mode {t.mode}, device {dev}, torch {t.torch_version}")
+    if t.error:
+        lines.append(f"profiled code raised {t.error}")
+    where = t.peak_location()
+    lines.append("")
+    lines.append(f"Peak {size(t.peak.total)}" + (f" ({', '.join(where)})" if where else ""))
+    lines.extend(breakdown_lines(t.peak))
+    if t.live_at_error is not None:
+        lines.append("")
+        lines.append(f"Live when the error was raised: {size(t.live_at_error.total)}")
+        lines.extend(breakdown_lines(t.live_at_error))
+        if t.live_modules_at_error:
+            lines.append("  created by module (activations + temporaries still live):")
+            for path, n in t.live_modules_at_error[:8]:
+                lines.append(f"    {path:<38}{format_bytes(n):>12}")
+    if t.steps:
+        lines.append("")
+        lines.append("Phases (bytes at the peak of each phase)")
+        lines.append(f"  {'step':>4}  {'phase':<12}{'start':>14}{'peak':>14}{'end':>14}   largest at peak")
+        for rec in t.phases:
+            label = rec.phase.value + (f" #{rec.occurrence}" if rec.occurrence else "")
+            lines.append(
+                f"  {rec.step:>4}  {label:<12}{size(rec.start.total):>14}"
+                f"{size(rec.peak.total):>14}{size(rec.end.total):>14}   {largest(rec.peak)}"
+            )
+    mods = [m for m in t.modules if m.path != "<model>" and (m.activations or m.parameters)]
+    if mods and top_modules > 0:
+        mods.sort(key=lambda m: (-(m.activations or 0), -(m.parameters or 0)))
+        # Show leaves first: a container repeats its children's figures.
+        paths = {m.path for m in mods}
+        leaves = [m for m in mods if not any(p.startswith(m.path + ".") for p in paths)]
+        lines.append("")
+        lines.append("Top modules by saved activations")
+        # 14 wide: "not measured" (12) keeps two blanks before it.
+        lines.append(f"  {'module':<30}{'type':<20}{'params':>11}{'saved act':>14}{'peak fwd':>14}{'peak bwd':>14}")
+        for m in leaves[:top_modules]:
+            lines.append(
+                f"  {clip_path(m.path, 29):<30}{clip_path(m.type, 19):<20}{size(m.parameters):>11}"
+                f"{size(m.activations):>14}{size(m.peak_forward):>14}{size(m.peak_backward):>14}"
+            )
+    if t.notes:
+        lines.append("")
+        lines.append("Notes")
+        for note in t.notes:
+            lines.append(f"  - {note}")
+    return printable("\n".join(lines))
+
+
+def breakdown_lines(bd: Breakdown) -> list[str]:
+    """One line per category (bytes and share of the total), then the total."""
+    lines = []
+    for cat in Category:
+        v = bd[cat]
+        if v is None and cat not in TENSOR_CATEGORIES:
+            # Device-only rows on a device that has none: say so once, below.
+            continue
+        share = f"{100 * v / bd.total:5.1f}%" if (v is not None and bd.total) else "      "
+        lines.append(f"  {cat.value:<20}{size(v):>14}  {share}")
+    if all(bd[c] is None for c in (Category.ALLOCATOR_OVERHEAD, Category.OUTSIDE_TORCH)):
+        lines.append(f"  {'allocator_overhead':<20}{NOT_MEASURED:>14}  (no accelerator allocator)")
+        lines.append(f"  {'outside_torch':<20}{NOT_MEASURED:>14}  (no accelerator driver)")
+    lines.append(f"  {'total':<20}{size(bd.total):>14}")
+    return lines
+
+
+def reconciliation_text(rec: "Reconciliation") -> str:
+    lines = [f"memprof reconciliation at the {rec.where} ({rec.precision}"
+             + (f", {rec.optimizer}" if rec.optimizer else "") + ")"]
+    # The simulated column only when an estimate was given.
+    simulated = any(r.simulated is not None for r in rec.rows)
+
+    def sim(v: "int | None") -> str:
+        return f"{size(v, NOT_SIMULATED):>14}" if simulated else ""
+
+    lines.append(f"  {'category':<20}{'formula':>14}" + (f"{'simulated':>14}" if simulated else "")
+                 + f"{'measured':>14}{'gap':>13}{'gap %':>9}")
+    for r in rec.rows:
+        if r.formula is None and r.measured is None and r.simulated is None:
+            continue
+        pct = f"{r.gap_pct:+8.1f}%" if r.gap_pct is not None else f"{'':>9}"
+        lines.append(f"  {r.category.value:<20}{size(r.formula, NO_FORMULA):>14}{sim(r.simulated)}"
+                     f"{size(r.measured):>14}{signed(r.gap):>13}{pct}")
+    t = rec.total
+    pct = f"{t.gap_pct:+8.1f}%" if t.gap_pct is not None else ""
+    lines.append(f"  {'total':<20}{size(t.formula, NO_FORMULA):>14}{sim(t.simulated)}"
+                 f"{size(t.measured):>14}{signed(t.gap):>13}{pct}")
+    if rec.textbook_bytes_per_param is not None:
+        lines.append(f"  (textbook model states: {rec.textbook_bytes_per_param:g} bytes/param)")
+    expl = rec.explanations
+    if expl:
+        lines.append("")
+        lines.append("Why the measurement differs")
+        # Causes under 0.5 % of the measured total are folded into one line: rec.causes lists them all.
+        floor = (t.measured or 0) // 200
+        small = [c for c in expl if abs(c.bytes) < floor and c.name != "unexplained"]
+        for c in expl:
+            if c in small:
+                continue
+            sign = "+" if c.bytes >= 0 else "-"
+            lines.append(f"  {c.category.value:<17}{sign}{format_bytes(abs(c.bytes)):>11}  {c.name}: {c.sentence}")
+        if small:
+            net = sum(c.bytes for c in small)
+            sign = "+" if net >= 0 else "-"
+            lines.append(f"  {'(smaller)':<17}{sign}{format_bytes(abs(net)):>11}  {len(small)} cause(s) under 0.5% "
+                         "of the total each: " + ", ".join(sorted({c.name for c in small})) + " (rec.causes)")
+    if rec.notes:
+        lines.append("")
+        for n in rec.notes:
+            lines.append(f"  - {n}")
+    advice = rec.advice()
+    if advice:
+        lines.append("")
+        lines.append("Advice")
+        for a in advice:
+            lines.append(f"  - {a}")
+    return printable("\n".join(line.rstrip() for line in lines))
+
+
+def diff_text(diff: "Diff", *, max_phases: int = 20) -> str:
+    la, lb = diff.labels
+    wa = max(14, len(la) + 2)
+    wb = max(14, len(lb) + 2)
+    lines = [f"memprof diff: {la} -> {lb} (breakdown at the {diff.at})"]
+    lines.append(f"  {'category':<20}{la:>{wa}}{lb:>{wb}}{'delta':>14}{'%':>9}")
+    for c in (*diff.categories, diff.total):
+        if c.category is None:
+            lines.append("  " + "-" * (20 + wa + wb + 14 + 9))
+        if c.a is None and c.b is None:
+            lines.append(f"  {c.name:<20}{NOT_MEASURED:>{wa}}{NOT_MEASURED:>{wb}}")
+            continue
+        lines.append(
+            f"  {c.name:<20}{size(c.a):>{wa}}{size(c.b):>{wb}}{signed(c.delta):>14}"
+            f"{_pct(c.delta_pct, c.delta):>9}  {_word(c.delta)}".rstrip()
+        )
+    if diff.phases:
+        lines.append("")
+        lines.append("Phases (peak total of each phase, matched by step, phase and occurrence)")
+        lines.append(f"  {'step':>4}  {'phase':<12}{la:>{wa}}{lb:>{wb}}{'delta':>14}{'%':>9}")
+        shown = diff.phases if len(diff.phases) <= max_phases else diff.phases[:max_phases]
+        for p in shown:
+            label = p.phase.value + (f" #{p.occurrence}" if p.occurrence else "")
+            lines.append(
+                f"  {p.step:>4}  {label:<12}{size(p.a):>{wa}}{size(p.b):>{wb}}{signed(p.delta):>14}"
+                f"{_pct(p.delta_pct, p.delta):>9}  {_word(p.delta)}".rstrip()
+            )
+        if len(diff.phases) > len(shown):
+            lines.append(f"  … {len(diff.phases) - len(shown)} more (diff.phases_frame() has all)")
+    for label, keys in ((la, diff.only_in_a), (lb, diff.only_in_b)):
+        if keys:
+            names = ", ".join(f"step {s} {ph.value}" + (f" #{o}" if o else "") for s, ph, o in keys[:12])
+            more = f" and {len(keys) - 12} more" if len(keys) > 12 else ""
+            lines.append(f"Only in {label}: {names}{more}")
+    if diff.notes:
+        lines.append("")
+        lines.append("Notes")
+        lines.extend(f"  - {n}" for n in diff.notes)
+    return printable("\n".join(lines))
+
+
+def _word(delta: "int | None") -> str:
+    if delta is None:
+        return ""
+    return "grew" if delta > 0 else "shrank" if delta < 0 else "same"
+
+
+def _pct(p: "float | None", delta: "int | None") -> str:
+    if p is None:
+        return "new" if delta else ""
+    return "0.0%" if p == 0 else f"{p:+.1f}%"
+
+
+def estimate_text(est: "Estimate") -> str:
+    lines = [f"memprof estimate ({est.precision}, simulated for {est.device}): peak {size(est.peak_bytes)}",
+             f"  {'category':<20}{'formula':>14}{'simulated':>14}"]
+    formula, simulated = est.formula, est.simulated
+    for cat in Category:
+        f, s = formula[cat], simulated[cat]
+        if f is None and s is None:
+            continue
+        lines.append(f"  {cat.value:<20}{size(f, NO_FORMULA):>14}{size(s, NOT_SIMULATED):>14}")
+    lines.append(f"  {'total':<20}{size(formula.total, NO_FORMULA):>14}{size(simulated.total, NOT_SIMULATED):>14}")
+    for note in est.notes:
+        lines.append(f"  - {note}")
+    return printable("\n".join(lines))
+
+
+def plan_text(plan: "BatchSizePlan") -> str:
+    lines = [f"largest batch size within {format_bytes(plan.budget)}: {plan.batch_size} "
+             f"(multiple of {plan.multiple_of})",
+             f"  peak(b) = {format_bytes(plan.fixed_bytes)} + {format_bytes(int(round(plan.per_sample_bytes)))}"
+             " x b",
+             "  simulated: " + ", ".join(f"b={b}: {format_bytes(p)}" for b, p in plan.points)]
+    if not plan.verified:
+        lines.append("  not confirmed by simulation at the answer (see points)")
+    return printable("\n".join(lines))

@@ -1,0 +1,199 @@
+"""Steps and phases: which part of a training step is running, and one record per phase.
+
+A forward begins at the model's outermost grad-enabled call, backward at the
+engine's first work for the model, the optimizer phase at ``optimizer.step()``;
+everything between is "other". A step ends at an optimizer step (closed when
+the next forward comes, so several optimizers stepping in a row stay one
+step), at the end of a ``prof.step()`` block, or, with no optimizer, after
+each backward. For each phase the ledger's start, peak and end are recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..categories import Phase
+from ..trace import PhaseRecord, StepRecord
+from .ledger import breakdown, tag_pairs
+
+if TYPE_CHECKING:
+    from ..profiler import Profiler
+
+__all__ = ["PhaseTracker"]
+
+_MAX_SAMPLES = 20_000
+
+
+class PhaseTracker:
+    """The phase machine and the step records it closes."""
+
+    def __init__(self, prof: "Profiler") -> None:
+        self.prof = prof
+        self.ledger = prof.ledger
+        self.current = Phase.OTHER
+        self.ops = 0  # ops dispatched (full mode)
+        self.phase_ops_start = 0
+        self.step = 0
+        self.step_phases: list[PhaseRecord] = []
+        self.steps: list[StepRecord] = []
+        self.occurrence: dict[Phase, int] = {}
+        self.phase_start: list[int] = self.ledger.totals.copy()
+        self.where: dict[int, tuple[int, Phase]] = {}  # ledger phase serial -> (step, phase)
+        self.explicit = False  # prof.step() blocks delimit the steps
+        self.pending_backward_end = False
+        self.pending_step_end = False
+        self.forward_seen = False  # a forward began in this step
+        self.optimizer_seen = False
+        # Ops outside the model's modules are scanned for tensors made before the profile (full mode).
+        self.scan_args = False
+        self.samples: list[tuple[int, int, Phase, str, tuple[int, ...]]] = []
+        self.sample_seq = 0
+
+    def start(self) -> None:
+        """The profile's first phase ("other") begins now."""
+        led = self.ledger
+        led.start_phase()
+        self.phase_start = led.totals.copy()
+        self.where[led.phase_serial] = (0, Phase.OTHER)
+
+    # -- transitions ------------------------------------------------------------
+
+    def begin(self, phase: Phase) -> None:
+        prof = self.prof
+        if phase is Phase.FORWARD and self.pending_step_end:
+            self.pending_step_end = False
+            self.pending_backward_end = False
+            prof.params.release_stale_grads()
+            self.end_step()
+        if phase is Phase.FORWARD and prof.params.grad_keys:
+            prof.params.release_stale_grads()
+        if phase is Phase.FORWARD and self.pending_backward_end:
+            self.pending_backward_end = False
+            if not self.optimizer_seen and not self.explicit:
+                self.end_step()
+        self.close()
+        prof.modules.phase_began(phase)
+        self.current = phase
+        if phase is Phase.FORWARD:
+            self.forward_seen = True
+        led = self.ledger
+        led.start_phase()
+        self.phase_start = led.totals.copy()
+        self.phase_ops_start = self.ops
+        self.where[led.phase_serial] = (self.step, phase)
+        self.scan_args = prof.mode == "full" and phase in (Phase.FORWARD, Phase.OTHER)
+        prof.probe.phase_started()
+        self.sample(phase.value)
+
+    def close(self) -> None:
+        """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
+        led = self.ledger
+        phase = self.current
+        end = led.totals
+        ops = self.ops - self.phase_ops_start
+        if phase is Phase.OTHER and ops == 0 and end == self.phase_start and led.phase_peak == self.phase_start:
+            return
+        occ = self.occurrence.get(phase, 0)
+        self.occurrence[phase] = occ + 1
+        device_now = self.prof.probe.phase_ended()
+        light = self.prof.mode == "light"
+        self.step_phases.append(PhaseRecord(
+            step=self.step,
+            phase=phase,
+            occurrence=occ,
+            start=breakdown(self.phase_start, light=light, where="start", device=device_now),
+            peak=breakdown(led.phase_peak, light=light, where="peak", device=device_now),
+            end=breakdown(end, light=light, where="end", device=device_now),
+            ops=ops,
+            tags_peak=tag_pairs(led.phase_peak_tags),
+            tags_end=tag_pairs(led.tag_act),
+        ))
+
+    def end_step(self) -> None:
+        self.prof.modules.prune_hooks()
+        self.forward_seen = False
+        self.close()
+        if self.step_phases:
+            self.steps.append(StepRecord(self.step, tuple(self.step_phases)))
+            self.step += 1
+        self.step_phases = []
+        self.occurrence = {}
+        # Re-open an "other" phase without closing anything again.
+        self.current = Phase.OTHER
+        led = self.ledger
+        led.start_phase()
+        self.phase_start = led.totals.copy()
+        self.phase_ops_start = self.ops
+        self.where[led.phase_serial] = (self.step, Phase.OTHER)
+        self.scan_args = self.prof.mode == "full"
+
+    def optimizer_stepped(self) -> None:
+        """An optimizer of the model finished its step."""
+        self.begin(Phase.OTHER)
+        if self.explicit:
+            return
+        if self.forward_seen:
+            # The step ends here; it is closed when the next forward (or the end) comes,
+            # so that several optimizers stepping one after another stay one step.
+            self.pending_step_end = True
+        else:
+            self.end_step()  # no forward to wait for: the model's forward runs unseen
+
+    def backward_started(self) -> None:
+        if self.current is Phase.BACKWARD:
+            return
+        if self.prof.mode == "full":
+            self.prof.saved.find_outside_saves()  # while the forward's record is still open
+        self.begin(Phase.BACKWARD)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+        except RuntimeError:
+            # Not inside the engine (a grad hook called by hand): the next
+            # phase change closes backward instead.
+            pass
+
+    def backward_done(self) -> None:
+        prof = self.prof
+        if not prof.active or self.current is not Phase.BACKWARD:
+            return
+        prof.modules.close_backward_frames()
+        prof.params.walk_grads()
+        self.begin(Phase.OTHER)
+        if not self.explicit and not self.optimizer_seen:
+            # Without an optimizer each backward ends a step; decided at the
+            # next forward, so that an optimizer created later still counts.
+            self.pending_backward_end = True
+
+    def explicit_steps(self) -> None:
+        """From now on only prof.step() blocks end steps."""
+        if not self.explicit:
+            self.explicit = True
+            self.pending_step_end = False
+            self.end_step()
+
+    # -- samples and the end ----------------------------------------------------
+
+    def sample(self, label: str) -> None:
+        if not self.prof.timeline or len(self.samples) >= _MAX_SAMPLES:
+            return
+        self.sample_seq += 1
+        # Raw ints now; Breakdown objects are built once, when the trace is.
+        self.samples.append((self.sample_seq, self.step, self.current, label, tuple(self.ledger.totals)))
+
+    def finish(self) -> list[StepRecord]:
+        """Close whatever is open; a trailing step holding only "other" joins the previous step."""
+        self.close()
+        phases = self.step_phases
+        if phases:
+            if self.steps and all(p.phase is Phase.OTHER for p in phases):
+                last = self.steps[-1]
+                self.steps[-1] = StepRecord(last.index, last.phases + tuple(
+                    dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
+                        1 for q in last.phases if q.phase is p.phase)) for p in phases))
+            else:
+                self.steps.append(StepRecord(self.step, tuple(phases)))
+        self.step_phases = []
+        return self.steps

@@ -1,0 +1,373 @@
+"""Storages: every op output, seen through a thin dispatch mode, and the tensors handed in.
+
+Exact mode installs :class:`DispatchMode`, whose ``__torch_dispatch__`` only
+calls :meth:`StorageTracker.on_op` (the shape of ``torch/utils/flop_counter.py``).
+Each op is classified once from its schema: ops that return new storages
+register them as temporaries; views and in-place ops are skipped (they return
+storages they were given), ``out=`` ops register a buffer memprof never saw
+(allocated inside compiled code), and ``lift_fresh`` (how ``torch.tensor``
+hands a C++-built tensor to dispatch) counts as a new storage. A few ops carry
+a tag rule that names what they produced (dropout masks, norm statistics,
+autocast weight copies ...) for the reconciler's causes.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..categories import Phase
+from .ledger import INPUTS, TAGS, TEMPORARIES, WEIGHTS, storage_of
+
+if TYPE_CHECKING:
+    from ..profiler import Profiler
+    from .ledger import Entry
+
+__all__ = ["DispatchMode", "StorageTracker", "KEEPS_COMPILE", "pop_orphan_modes"]
+
+_aten = torch.ops.aten
+_DETACH = _aten.detach.default
+_BACKWARD = Phase.BACKWARD
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: -1)
+_TAG = {name: i for i, name in enumerate(TAGS)}
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# torch 2.9 added TorchDispatchMode.ignore_compile_internals; before it, any dispatch mode makes
+# torch.compile fall back to eager (torch/_dynamo/convert_frame.py).
+KEEPS_COMPILE = hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
+class DispatchMode(TorchDispatchMode):
+    """Hands every op to its tracker; passes ops through once the profile has ended."""
+
+    def __init__(self, tracker: "StorageTracker") -> None:
+        super().__init__()
+        self.tracker: "StorageTracker | None" = tracker
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Any other dispatch mode makes torch.compile run the model eagerly, and the code
+        # object stays eager for the rest of the process (torch/_dynamo/convert_frame.py skips
+        # frames while a mode without this flag is on the stack). With it, compiled code stays
+        # compiled and this mode sees the ops the compiled artifact dispatches at run time.
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        tracker = self.tracker
+        if func is _DETACH or tracker is None:
+            # A detach only aliases (the engine and saved-tensor packing issue many): nothing to count.
+            # No tracker: the profile ended in another thread and this mode is waiting to be popped.
+            return func(*args, **(kwargs or {}))
+        return tracker.on_op(func, args, kwargs or {})
+
+
+# What an op's outputs are, decided once per op from its schema.
+_NEW_OUTPUTS, _ALIASES, _WRITES_OUT, _RESIZES, _NOT_WORK, _VIEW = 0, 1, 2, 3, 4, 5
+
+
+def _op(name: str, overload: str = "default") -> Any:
+    # Ops differ between torch versions; a missing one simply gets no rule.
+    packet = getattr(_aten, name, None)
+    return getattr(packet, overload, None) if packet is not None else None
+
+
+# Ops whose schema says "returns an alias of the input" but which hand out a storage made outside
+# dispatch: torch.tensor(...), torch.as_tensor(list) and from_numpy build the tensor in C++ and only
+# then pass it through lift_fresh (torch/csrc/utils/tensor_new.cpp). The output is a new storage.
+_LIFTS = frozenset(o for o in (_op("lift_fresh"), _op("lift_fresh_copy"), _op("lift")) if o is not None)
+# In-place ops that change the size of the storage they write.
+_RESIZE_OPS = frozenset(o for o in (_op("resize_"), _op("resize_as_"), _op("set_", "source_Storage"),
+                                    _op("set_", "source_Storage_storage_offset"), _op("set_", "source_Tensor"))
+                        if o is not None)
+
+
+class StorageTracker:
+    """Registers what ops make and what the model is handed; tags what some ops make."""
+
+    def __init__(self, prof: "Profiler") -> None:
+        self.prof = prof
+        self.ledger = prof.ledger
+        self.device = prof.device
+        self.on_cpu = prof.device.type == "cpu"
+        self.operations: Any = None  # an OperationLog with operations=True
+        self.autocast_dtype: "str | None" = None
+        self.mode: "DispatchMode | None" = None
+
+    # -- the dispatch mode -----------------------------------------------------
+
+    def install(self) -> None:
+        mode = DispatchMode(self)
+        mode.__enter__()
+        self.mode = mode
+
+    def uninstall(self, thread: int) -> None:
+        mode, self.mode = self.mode, None
+        if mode is None:
+            return
+        mode.tracker = None  # inert from now on, wherever it still sits
+        if threading.get_ident() == thread and _on_top(mode):
+            mode.__exit__(None, None, None)
+        else:
+            # Another thread's stack, or a mode of the user's entered inside the block is still above
+            # it (exiting would pop theirs): popped when it is on top, at the next profile in that thread.
+            _ORPHAN_MODES.append((thread, mode))
+
+    def on_op(self, func: Any, args: Any, kwargs: Any) -> Any:
+        # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can.
+        prof = self.prof
+        phases = prof.phases
+        phase = phases.current
+        if phase is _BACKWARD:
+            prof.saved.watch_recompute()
+        elif phases.scan_args and not prof.modules.stack:
+            # Only outside the model's modules (the loss, data movement): inside them every tensor
+            # was either handed to the model (marked by the root hook) or made by an op already.
+            self.scan_inputs(args)
+        out = func(*args, **kwargs)
+        # Keyed by id(): OpOverload.__hash__ is a Python method, a second call per op.
+        info = _OP_INFO.get(id(func))
+        if info is None:
+            info = _op_info(func)
+        kind = info[0]
+        if kind >= _NOT_WORK:  # views and profiler markers
+            return out
+        if kind == _WRITES_OUT:
+            # An out= op writes into a buffer it was handed (and may grow it). A buffer memprof never
+            # saw was allocated where no op reaches dispatch: inside compiled code (torch.compile's
+            # generated kernels allocate directly) or by the caller before the profile.
+            self.register_unseen(kwargs)
+        elif kind == _RESIZES and args and isinstance(args[0], torch.Tensor):
+            self.register_unseen({"self": args[0]})
+        phases.ops += 1
+        if self.operations is not None:
+            self.operations.record(phase.value, func, args, kwargs, out)
+        if phase is not _BACKWARD and _graph_task_id() != -1:
+            phases.backward_started()
+        if kind == _NEW_OUTPUTS:
+            led = self.ledger
+            entries = led.entries
+            on_cpu = self.on_cpu
+            for o in (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ():
+                if not isinstance(o, torch.Tensor):
+                    continue
+                if on_cpu:
+                    if not o.is_cpu:
+                        continue
+                elif o.device != self.device:
+                    continue
+                try:  # storage_of() inlined: this runs for every op output
+                    st = o.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if st._cdata not in entries:
+                    led.add(st, TEMPORARIES)
+            if type(out) is not torch.Tensor and isinstance(out, torch.Tensor):
+                self.register_output(out)  # a tensor subclass result (e.g. a Parameter)
+        rule = info[1]
+        if rule is not None:
+            rule(self, func, args, out)
+        return out
+
+    # -- registration ------------------------------------------------------------
+
+    def add_tensor(self, t: torch.Tensor, cat: int) -> "Entry | None":
+        """Register ``t``'s storage (if new) under ``cat``; its entry, or None off this device."""
+        if t.device != self.device:
+            return None
+        if t.layout is not torch.strided:
+            if t.is_sparse:
+                self.add_tensor(t._indices(), cat)
+                return self.add_tensor(t._values(), cat)
+            return None
+        st = storage_of(t)
+        return self.ledger.add(st, cat) if st is not None else None
+
+    def register_output(self, t: torch.Tensor) -> None:
+        """A tensor that came out of code memprof sees only from outside: a temporary if new, and a
+        known storage at its current size."""
+        if self.on_cpu:
+            if not t.is_cpu:
+                return
+        elif t.device != self.device:
+            return
+        st = storage_of(t)
+        if st is None:
+            return
+        led = self.ledger
+        entry = led.entries.get(st._cdata)
+        if entry is None:
+            led.add(st, TEMPORARIES)
+        elif entry.nbytes != led.size_of(st.nbytes()):
+            led.resize(entry, st.nbytes())
+
+    def register_unseen(self, kwargs: Any) -> None:
+        # out= tensors are keyword-only in the schemas of .out overloads.
+        for value in kwargs.values():
+            for t in (value,) if isinstance(value, torch.Tensor) else value if isinstance(value, (tuple, list)) else ():
+                if isinstance(t, torch.Tensor):
+                    self.register_output(t)
+
+    def entry_of(self, t: torch.Tensor) -> "Entry | None":
+        st = storage_of(t)
+        return self.ledger.entries.get(st._cdata) if st is not None else None
+
+    def tag(self, t: torch.Tensor, tag: int) -> None:
+        entry = self.entry_of(t)
+        if entry is not None:
+            self.ledger.set_tag(entry, tag)
+
+    def scan_inputs(self, args: Iterable[Any]) -> None:
+        # Tensors that come from outside the profile (targets handed to the
+        # loss, masks) are inputs; known storages are skipped in O(1).
+        entries = self.ledger.entries
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                try:  # storage_of() inlined: this runs for every op argument
+                    st = a.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if st._cdata not in entries and a.device == self.device:
+                    self.ledger.add(st, INPUTS)
+
+    def mark_inputs(self, objs: Any, depth: int = 0, *, made_in_block_too: bool = True) -> None:
+        # Tensors handed to the model's forward are its inputs: unknown ones (made before the
+        # profile), and temporaries made in the block (the batch built inside it). Handed to a
+        # submodule called directly (made_in_block_too=False), only the unknown ones are: a
+        # temporary there may be the encoder's output, or the loop's F.gelu of it.
+        if depth > 4:
+            return
+        if isinstance(objs, torch.Tensor):
+            entry = self.add_tensor(objs, INPUTS)
+            if entry is not None and entry.cat == TEMPORARIES and made_in_block_too:
+                self.ledger.move(entry, INPUTS)
+        elif isinstance(objs, (list, tuple)):
+            for o in objs:
+                self.mark_inputs(o, depth + 1, made_in_block_too=made_in_block_too)
+        elif isinstance(objs, dict):
+            for o in objs.values():
+                self.mark_inputs(o, depth + 1, made_in_block_too=made_in_block_too)
+
+    def note_autocast(self) -> None:
+        if self.autocast_dtype is not None:
+            return
+        dev = self.device.type if self.device.type in ("cpu", "cuda") else None
+        if dev is not None and torch.is_autocast_enabled(dev):
+            self.autocast_dtype = str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+
+
+# ---------------------------------------------------------------------- tag rules: what some ops make
+
+
+def _tag_outputs(indices: tuple[int, ...], tag: str):
+    def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+        if isinstance(out, (tuple, list)):
+            for i in indices:
+                if i < len(out) and isinstance(out[i], torch.Tensor):
+                    storages.tag(out[i], _TAG[tag])
+    return rule
+
+
+def _tag_dropout_inplace(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+    # F.dropout's CPU path: empty_like -> bernoulli_ -> div_ -> mul; the mask is bernoulli_'s target.
+    if args and isinstance(args[0], torch.Tensor):
+        size = args[0].element_size()
+        storages.tag(args[0], _TAG["dropout_mask_4byte" if size >= 4 else "dropout_mask_2byte" if size == 2
+                                    else "dropout_mask"])
+
+
+def _tag_weight_cast(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+    # autocast casts an fp32 parameter to 16 bits with _to_copy.
+    if isinstance(out, torch.Tensor) and out.dtype in _LOW_PRECISION and args and isinstance(args[0], torch.Tensor):
+        entry = storages.entry_of(args[0])
+        if entry is not None and entry.cat == WEIGHTS:
+            storages.tag(out, _TAG["autocast_weight_copy"])
+
+
+def _tag_fp32_under_autocast(index: "int | None"):
+    def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+        if storages.autocast_dtype not in ("bfloat16", "float16"):
+            return
+        t = out[index] if index is not None and isinstance(out, (tuple, list)) else out
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and torch.is_autocast_enabled(
+                storages.device.type):
+            storages.tag(t, _TAG["autocast_fp32_output"])
+    return rule
+
+
+def _both(*rules: Any):
+    def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+        for r in rules:
+            r(storages, func, args, out)
+    return rule
+
+
+_NORM = _tag_outputs((1, 2), "norm_statistics")
+_LSE = _tag_outputs((1,), "attention_logsumexp")
+_TAG_RULES: dict[Any, Any] = {
+    k: v for k, v in {
+        _op("_to_copy"): _tag_weight_cast,
+        _op("native_dropout"): _tag_outputs((1,), "dropout_mask"),
+        _op("bernoulli_", "float"): _tag_dropout_inplace,
+        _op("bernoulli_", "Tensor"): _tag_dropout_inplace,
+        _op("native_layer_norm"): _both(_NORM, _tag_fp32_under_autocast(0)),
+        _op("native_batch_norm"): _NORM,
+        _op("_native_batch_norm_legit"): _NORM,
+        _op("_native_batch_norm_legit", "no_stats"): _NORM,
+        _op("native_group_norm"): _NORM,
+        _op("_fused_rms_norm"): _tag_outputs((1,), "norm_statistics"),
+        _op("_scaled_dot_product_flash_attention_for_cpu"): _LSE,
+        _op("_scaled_dot_product_flash_attention"): _LSE,
+        _op("_scaled_dot_product_efficient_attention"): _LSE,
+        _op("_scaled_dot_product_cudnn_attention"): _LSE,
+        _op("_softmax"): _tag_fp32_under_autocast(None),
+        _op("_log_softmax"): _tag_fp32_under_autocast(None),
+    }.items() if k is not None
+}
+
+# id(op) -> (kind, tag rule or None, op). The op itself is kept so that its id stays its own.
+_OP_INFO: dict[int, tuple[int, Any, Any]] = {}
+
+
+def _op_info(func: Any) -> tuple[int, Any, Any]:
+    if func.namespace == "profiler":  # record_function markers are not work
+        kind = _NOT_WORK
+    else:
+        try:
+            returns = func._schema.returns
+            # Views and in-place ops return storages they were given: no new memory.
+            aliases = bool(returns) and all(r.alias_info is not None for r in returns)
+            writes = aliases and any(r.alias_info.is_write for r in returns)
+        except Exception:
+            aliases = writes = False
+        # In-place ops (_ALIASES) write their result; views (_VIEW) move no data at all.
+        kind = (_ALIASES if writes else _VIEW) if aliases else _NEW_OUTPUTS
+        if kind == _ALIASES and func._overloadname == "out":
+            kind = _WRITES_OUT
+        if func in _LIFTS:
+            kind = _NEW_OUTPUTS
+        elif func in _RESIZE_OPS:
+            kind = _RESIZES
+    info = (kind, _TAG_RULES.get(func), func)
+    _OP_INFO[id(func)] = info
+    return info
+
+
+# Dispatch modes that could not be popped because their profile ended in another thread:
+# (thread id, mode). The next profile started in that thread pops those on top of its stack.
+_ORPHAN_MODES: list[tuple[int, DispatchMode]] = []
+
+
+def _on_top(mode: DispatchMode) -> bool:
+    depth = _dispatch_stack_len()
+    return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
+
+
+def pop_orphan_modes() -> None:
+    me = threading.get_ident()
+    for entry in [e for e in _ORPHAN_MODES if e[0] == me]:
+        if _on_top(entry[1]):
+            entry[1].__exit__(None, None, None)
+            _ORPHAN_MODES.remove(entry)
