@@ -1,0 +1,177 @@
+"""The ledger on its own: real storages, no model, no hooks. Every figure is numel x element size."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from memprof import Category as C
+from memprof.track.ledger import (ACTIVATIONS, GRADIENTS, TAGS, TEMPORARIES, WEIGHTS, Ledger, breakdown,
+                                  storage_of, tag_pairs)
+
+
+def _storage(n: int, dtype=torch.float32):
+    t = torch.empty(n, dtype=dtype)
+    return t, t.untyped_storage()
+
+
+def test_a_storage_counts_once_whatever_views_reach_it():
+    led = Ledger()
+    t, st = _storage(100)  # 100 fp32 = 400 bytes
+    led.add(st, TEMPORARIES)
+    led.add(t[10:20].untyped_storage(), TEMPORARIES)  # a view: the same StorageImpl
+    led.add(t.view(10, 10).untyped_storage(), WEIGHTS)  # already known: keeps its category
+    assert led.totals[TEMPORARIES] == led.total == 400
+    assert led.totals[WEIGHTS] == 0
+
+
+def test_a_freed_storage_leaves_the_totals_and_the_peak_stays():
+    led = Ledger()
+    a, sa = _storage(100)  # 400 bytes
+    b, sb = _storage(50, torch.float64)  # 400 bytes
+    led.add(sa, ACTIVATIONS)
+    led.add(sb, TEMPORARIES)
+    del b, sb
+    gc.collect()
+    assert (led.total, led.totals[TEMPORARIES], led.totals[ACTIVATIONS]) == (400, 0, 400)
+    assert led.peak_total == 800 and led.peak[TEMPORARIES] == 400 and led.peak[ACTIVATIONS] == 400
+    assert len(led.entries) == 1
+
+
+def test_rounding_counts_each_block_as_the_caching_allocator_does():
+    led = Ledger(rounding=512)
+    assert [led.size_of(n) for n in (0, 1, 512, 513, 4000)] == [0, 512, 512, 1024, 4096]
+    t, st = _storage(1000)  # 4,000 bytes -> 8 blocks of 512 = 4,096
+    led.add(st, WEIGHTS)
+    assert led.total == 4096
+
+
+def test_moving_a_storage_keeps_the_total_and_retro_moves_fix_the_peaks():
+    led = Ledger()
+    led.start_phase()
+    g, sg = _storage(25)  # 100 bytes, made as a temporary, later found to be a gradient
+    entry = led.add(sg, TEMPORARIES)
+    led.move(entry, GRADIENTS)
+    assert (led.total, led.totals[GRADIENTS], led.totals[TEMPORARIES]) == (100, 100, 0)
+    assert led.phase_peak[TEMPORARIES] == 100  # without retro the peak keeps what it was then
+    led2 = Ledger()
+    led2.start_phase()
+    g2, sg2 = _storage(25)
+    e2 = led2.add(sg2, TEMPORARIES)
+    led2.move(e2, GRADIENTS, retro=True)
+    assert led2.phase_peak[GRADIENTS] == led2.peak[GRADIENTS] == 100
+    assert led2.phase_peak[TEMPORARIES] == led2.peak[TEMPORARIES] == 0
+
+
+def test_a_retro_move_leaves_earlier_phases_alone():
+    led = Ledger()
+    led.start_phase()
+    keep, sk = _storage(100)  # 400 bytes: phase 1's peak
+    e = led.add(sk, TEMPORARIES)
+    led.start_phase()
+    led.move(e, GRADIENTS, retro=True)  # created in phase 1: phase 2 may not rewrite phase 1's peak
+    assert led.peak[TEMPORARIES] == 400 and led.peak[GRADIENTS] == 0
+
+
+def test_resize_changes_the_bytes_in_place():
+    led = Ledger()
+    t, st = _storage(0)
+    entry = led.add(st, TEMPORARIES)
+    t.resize_(1000)  # 4,000 bytes in the same StorageImpl
+    led.resize(entry, storage_of(t).nbytes())
+    assert led.total == led.totals[TEMPORARIES] == led.peak_total == 4000
+    del t, st
+    gc.collect()
+    assert led.total == 0  # the freed entry takes its new size with it
+
+
+def test_tags_count_while_their_storage_is_an_activation():
+    led = Ledger()
+    mask, sm = _storage(64, torch.bool)  # 64 bytes
+    entry = led.add(sm, TEMPORARIES)
+    tag = TAGS.index("dropout_mask")
+    led.set_tag(entry, tag)
+    assert led.tag_act[tag] == 0  # a temporary's tag counts for nothing yet
+    led.move(entry, ACTIVATIONS)
+    assert led.tag_act[tag] == 64
+    where = TAGS.index("saved_by_two_modules")
+    led.set_tag(entry, where, 16)  # the other kind of tag: both count, each its own bytes
+    assert (led.tag_act[tag], led.tag_act[where]) == (64, 16)
+    assert tag_pairs(led.tag_act) == (("dropout_mask", 64), ("saved_by_two_modules", 16))
+    del mask, sm
+    gc.collect()
+    assert tag_pairs(led.tag_act) == ()
+
+
+def test_frames_carry_the_highest_level_to_their_parents():
+    led = Ledger()
+    outer = led.push_frame(0, backward=False)
+    inner = led.push_frame(1, backward=False)
+    t, st = _storage(100)  # 400 bytes while the inner call runs
+    led.add(st, TEMPORARIES)
+    assert led.entries[st._cdata].module == 1
+    del t, st
+    gc.collect()
+    popped = led.pop_frame(inner)
+    assert popped == [inner] and inner.max == 400 and outer.max == 400 and led.top is outer
+    assert led.pop_frame(inner) == []  # popping twice is harmless
+    led.pop_frame(outer)
+    assert led.top is None and led.module_of_new == -1
+
+
+def test_frames_entered_out_of_order_in_backward():
+    led = Ledger()
+    child = led.push_frame(2, backward=True)
+    parent = led.push_frame_below(1, backward=True, below=child)
+    assert led.frames == [parent, child] and led.top is child
+    assert led.remove_frame(parent) and led.frames == [child]
+    assert not led.remove_frame(parent)
+
+
+def test_closing_stops_every_callback():
+    led = Ledger()
+    t, st = _storage(100)
+    led.add(st, WEIGHTS)
+    led.close()
+    del t, st
+    gc.collect()  # the weakref callback runs after close and must change nothing
+    assert led.entries == {} and led.total == 400
+
+
+def test_storage_of_gives_up_on_layouts_without_one():
+    assert storage_of(torch.zeros(3).to_sparse()) is None
+    assert storage_of(torch.zeros(3)).nbytes() == 12
+
+
+# -------------------------------------------------------------- from totals to a Breakdown
+
+
+def test_full_mode_totals_become_a_breakdown_that_sums():
+    totals = [100, 20, 100, 200, 50, 10, 5]
+    bd = breakdown(totals, light=False, where="end")
+    assert [bd[c] for c in list(C)[:7]] == totals
+    assert bd.total == 485
+    assert bd[C.ALLOCATOR_OVERHEAD] is None and bd[C.OUTSIDE_TORCH] is None  # no device: not measured
+
+
+class _Device:
+    """What the device probe reports, by hand."""
+
+    def __init__(self, allocated=None, peak_allocated=None, reserved=None, nvml_used=None):
+        self.allocated, self.peak_allocated = allocated, peak_allocated
+        self.reserved, self.nvml_used = reserved, nvml_used
+
+
+def test_light_mode_temporaries_are_what_the_allocator_holds_beyond_the_known_categories():
+    totals = [100, 0, 100, 200, 50, 10, 0]  # known: 460
+    device = _Device(allocated=1000, peak_allocated=1500, reserved=2048, nvml_used=3000)
+    end = breakdown(totals, light=True, where="end", device=device)
+    assert end[C.TEMPORARIES] == 1000 - 460 and end.total == 1000 + (2048 - 1000) + (3000 - 2048)
+    assert end[C.ALLOCATOR_OVERHEAD] == 1048 and end[C.OUTSIDE_TORCH] == 952
+    peak = breakdown(totals, light=True, where="peak", device=device)
+    assert peak[C.TEMPORARIES] == 1500 - 460
+    start = breakdown(totals, light=True, where="start", device=device)
+    assert start[C.TEMPORARIES] is None and start.total is None  # nothing read at start: not measured
+    cpu = breakdown(totals, light=True, where="end")
+    assert cpu[C.TEMPORARIES] is None and cpu.total is None
