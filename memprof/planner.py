@@ -5,7 +5,8 @@ function of the batch size: model states do not depend on it, activations,
 inputs and most temporaries grow with it. :func:`max_batch_size` simulates
 the step (meta tensors, no real memory) at a few batch sizes, fits
 ``peak(b) = fixed + per_sample * b``, solves for the budget, rounds down to a
-multiple of 8 (tensor-core guidance, ANATOMY.md section 8), and simulates
+multiple of 8 (NVIDIA's tensor-core guidance, "Matrix Multiplication Background
+User's Guide", Table 1: fp16 dimensions in multiples of 8), and simulates
 the answer and the next multiple to confirm it.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import InvalidArgumentError
-from .units import format_bytes, parse_size, printable
+from .units import parse_size
 
 __all__ = ["BatchSizePlan", "max_batch_size"]
 
@@ -40,14 +41,9 @@ class BatchSizePlan:
     multiple_of: int
 
     def __str__(self) -> str:
-        lines = [f"largest batch size within {format_bytes(self.budget)}: {self.batch_size} "
-                 f"(multiple of {self.multiple_of})",
-                 f"  peak(b) = {format_bytes(self.fixed_bytes)} + {format_bytes(int(round(self.per_sample_bytes)))}"
-                 " x b",
-                 "  simulated: " + ", ".join(f"b={b}: {format_bytes(p)}" for b, p in self.points)]
-        if not self.verified:
-            lines.append("  not confirmed by simulation at the answer (see points)")
-        return printable("\n".join(lines))
+        from .render.text import plan_text
+
+        return plan_text(self)
 
 
 def max_batch_size(
@@ -94,13 +90,15 @@ def max_batch_size(
     fixed = int(round(p1 - per_sample * b1))
     if per_sample <= 0:
         raise InvalidArgumentError("peak memory does not grow with the batch size here; check make_batch(b)")
-    # The straight line gives a first guess; bisection on simulated peaks then finds the exact
-    # largest multiple (the line can be far off when the optimizer step dominates small batches).
+    # The straight line gives a first guess. From it, steps of 1, 2, 4 ... multiples (up while they
+    # fit, down while they do not) bracket the answer, and bisection finds it: when the line is exact
+    # that is two simulations, and when it is far off (the optimizer step dominating small batches)
+    # the steps grow until they reach the answer.
     guess = max(1, int((limit - fixed) // per_sample) // multiple_of)
     lo, hi = 0, None  # multiples known to fit (lo) and not to fit (hi)
+    step = 1
     if peak(guess * multiple_of) <= limit:
         lo = guess
-        step = max(1, guess)
         while hi is None:
             probe = lo + step
             if peak(probe * multiple_of) <= limit:
@@ -109,8 +107,12 @@ def max_batch_size(
                 hi = probe
     else:
         hi = guess
-        if peak(multiple_of) <= limit:
-            lo = 1
+        while lo == 0 and hi > 1:
+            probe = max(1, hi - step)
+            if peak(probe * multiple_of) <= limit:
+                lo = probe
+            else:
+                hi, step = probe, step * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if peak(mid * multiple_of) <= limit:

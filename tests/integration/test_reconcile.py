@@ -274,6 +274,14 @@ def test_max_batch_size_is_verified_by_simulation():
     assert none.batch_size == 0
 
 
+def test_max_batch_size_needs_two_simulations_beyond_an_exact_line():
+    # An MLP's peak grows exactly linearly with the batch: the line through b=8 and b=16 gives the
+    # answer, and two more simulations (the answer fits, the next multiple does not) verify it.
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    adamw = torch.optim.AdamW(mlp.parameters(), lr=1e-3)
+    plan = memprof.max_batch_size(mlp, adamw, lambda b: torch.randn(b, 128, 256, device="meta"), "256 MiB")
+    assert plan.verified and [b for b, _ in plan.points] == [8, 16, plan.batch_size, plan.batch_size + 8]
+
 
 def test_advice_names_levers_and_misaligned_dimensions():
     model = torch.nn.Sequential(torch.nn.Linear(30, 50), torch.nn.ReLU(), torch.nn.Linear(50, 16)).to(torch.bfloat16)
