@@ -4,6 +4,7 @@ that names the fix, never a TypeError from deep inside, and never a report that 
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
@@ -56,3 +57,17 @@ def test_load_refuses_foreign_json_shapes(tmp_path):
         p.write_bytes(raw)
         with pytest.raises(TraceFormatError, match="report.save"):
             memprof.load(p)
+
+
+def test_a_schema_1_file_written_by_memprof_0_1_still_loads_and_reconciles():
+    # Written by the previous version (schema 1: formula results stored in the facts) for
+    # Linear(16, 32) + ReLU + Linear(32, 4), 676 fp32 parameters, AdamW, two steps.
+    path = pathlib.Path(__file__).parents[1] / "data" / "trace-schema1.json"
+    rep = memprof.load(path)
+    assert rep.trace.schema_version == 1 and rep.num_steps == 2
+    rec = rep.reconcile(at="steady")
+    formula = {r.category.value: r.formula for r in rec.rows}
+    # weights and gradients: 676 x 4 B = 2,704; AdamW state: 2 x 2,704 + four 4-byte step counters = 5,424
+    assert (formula["weights"], formula["gradients"], formula["optimizer_states"]) == (2704, 2704, 5424)
+    assert all(rec.unexplained(c) in (0, None) for c in memprof.Category)
+    assert "no formula" in str(rec) and "n/a" not in str(rec)
