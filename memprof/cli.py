@@ -24,10 +24,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from .examples import TinyGPT, synthetic_tokens
 
+    if args.hidden % args.heads:
+        raise MemprofError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads} (each head gets "
+                           "hidden / heads dimensions)")
+    if args.save:
+        _writable(args.save)  # refuse before the run, not after it
     if args.device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
         device = str(_device(args.device))
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise MemprofError(f"--device {args.device}: this torch sees no CUDA device; use --device cpu")
     if device == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), args.threads)))
     torch.manual_seed(0)
@@ -40,12 +47,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
           f"{args.layers} layers, hidden {args.hidden}) on {device}, batch {args.batch_size}, "
           f"sequence {args.seq_len}, AdamW, {args.steps} steps, mode {args.mode}")
     began = time.perf_counter()
-    with memprof.profile(model, optimizer, mode=args.mode) as prof:
-        for x, y in batches:
-            loss = TinyGPT.loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    try:
+        with memprof.profile(model, optimizer, mode=args.mode) as prof:
+            for x, y in batches:
+                loss = TinyGPT.loss(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    except (RuntimeError, MemoryError) as exc:  # an out-of-memory above all: a smaller demo fits
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise MemprofError(f"the demo's training raised {type(exc).__name__}: {first}; try a smaller "
+                           "--batch-size, --seq-len or --hidden") from None
     elapsed = time.perf_counter() - began
     report = prof.report()
     print(f"({elapsed:.1f} s)\n")
@@ -90,6 +102,14 @@ def _load_factory(spec: str) -> Any:
     return factory
 
 
+def _writable(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise MemprofError(f"cannot save to {path}: the folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise MemprofError(f"cannot save to {path}: it is a folder; give a file name such as run.json")
+
+
 def _device(spec: str) -> Any:
     import torch
 
@@ -125,8 +145,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         name = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[args.optimizer]
         kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {}
         optimizer = lambda ps: getattr(torch.optim, name)(ps, **kwargs)  # noqa: E731
-    est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
-                           loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision)
+    try:
+        est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
+                               loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision)
+    except MemprofError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise MemprofError(f"simulating a step of what {args.factory} returned raised {type(exc).__name__}: "
+                           f"{first}; check that the model runs on its inputs (and loss_fn on its output)") from None
     print(est)
     if budget is not None:
         from .units import format_bytes
@@ -191,7 +218,7 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     """Entry point of the ``memprof`` console script."""
     parser = _parser()
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "layers", "hidden", "heads", "vocab", "threads"):
+    for name in ("steps", "batch_size", "seq_len", "layers", "hidden", "heads", "vocab", "threads", "top"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             getattr(args, "parser", parser).error(f"--{name.replace('_', '-')} must be at least 1, got {value}")

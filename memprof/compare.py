@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .categories import Category, Phase
-from .errors import InvalidArgumentError, warn_renamed
+from .errors import InvalidArgumentError, renamed_argument, warn_renamed
 from .render.common import signed
 from .trace import PHASE_MOMENTS, Breakdown, Trace, as_trace, parse_moment
 from .units import parse_size
@@ -192,7 +192,7 @@ def _pick(trace: Trace, at: str) -> Breakdown:
 
 
 def diff(a: "Report | Trace | str | os.PathLike[str]", b: "Report | Trace | str | os.PathLike[str]", *,
-         at: str = "peak", labels: "tuple[str, str]" = ("a", "b"), when: "str | None" = None) -> Diff:
+         at: "str | None" = None, labels: "tuple[str, str]" = ("a", "b"), when: "str | None" = None) -> Diff:
     """Compare run ``b`` against run ``a`` (deltas are ``b - a``).
 
     ``a`` and ``b`` are Reports, Traces or paths of traces saved with
@@ -201,10 +201,8 @@ def diff(a: "Report | Trace | str | os.PathLike[str]", b: "Report | Trace | str 
     profiling. ``labels`` name the runs in the text output. (``when=`` is the
     deprecated name of ``at=``.)
     """
-    if when is not None:
-        warn_renamed("diff(when=...)", "diff(at=...)")
-        at = when
-    at = parse_moment(at, PHASE_MOMENTS)
+    at = renamed_argument("at", at, "when", when, "diff")
+    at = parse_moment("peak" if at is None else at, PHASE_MOMENTS)
     if (not isinstance(labels, tuple) or len(labels) != 2 or not all(isinstance(x, str) for x in labels)):
         raise InvalidArgumentError(f"labels must be a tuple of two strings, got {labels!r}")
     ta, tb = _as_trace(a, "a"), _as_trace(b, "b")

@@ -6,6 +6,8 @@ problem and the fix, so a user never has to read a traceback from inside torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "MemprofError",
     "ProfilerStateError",
@@ -16,6 +18,7 @@ __all__ = [
     "TraceFormatError",
     "RegistryError",
     "MissingExtraError",
+    "TraceNotFoundError",
 ]
 
 
@@ -54,12 +57,32 @@ class RegistryError(MemprofError):
     """A formula registry was used wrongly (for example, registered twice)."""
 
 
+class TraceNotFoundError(MemprofError, FileNotFoundError):
+    """No trace file at the path given (also a ``FileNotFoundError``)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class MissingExtraError(MemprofError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
 
-def warn_renamed(old: str, new: str) -> None:
+def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
     """A public name changed: the old one still works, and says which name to use."""
     import warnings
 
-    warnings.warn(f"{old} is deprecated; use {new} (see docs/changelog.md)", DeprecationWarning, stacklevel=3)
+    warnings.warn(f"{old} is deprecated; use {new} (see docs/changelog.md)", DeprecationWarning,
+                  stacklevel=stacklevel)
+
+
+def renamed_argument(new: str, new_value: Any, old: str, old_value: Any, where: str, *, stacklevel: int = 4) -> Any:
+    """The value of an argument renamed from ``old`` to ``new`` in ``where``: the new one, or the old
+    one with a DeprecationWarning pointing at the caller; both at once is an error."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise InvalidArgumentError(f"{where}() got both {new}= and {old}=; give {new}= only ({old}= is its "
+                                   "deprecated name)")
+    warn_renamed(f"{where}({old}=...)", f"{where}({new}=...)", stacklevel=stacklevel)
+    return old_value

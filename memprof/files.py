@@ -14,7 +14,7 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from .errors import TraceFormatError
+from .errors import InvalidArgumentError, TraceFormatError, TraceNotFoundError
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -22,17 +22,33 @@ if TYPE_CHECKING:
 __all__ = ["write_text_atomic", "read_json", "load_trace"]
 
 
+def _path(path: Any, what: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"{what} needs a file path (a str or pathlib.Path), got {type(path).__name__}")
+    name = os.fspath(path)
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"{what} needs a file path, got {path!r}")
+    return name
+
+
 def write_text_atomic(path: "str | os.PathLike[str]", text: str) -> None:
     """Write ``text`` to ``path`` so that ``path`` holds either its old content or all of the new."""
-    target = os.fspath(path)
+    target = _path(path, "saving")
     folder = os.path.dirname(os.path.abspath(target))
+    if os.path.isdir(target):
+        raise InvalidArgumentError(f"cannot save to {target}: it is a folder; give a file name such as run.json")
+    if not os.path.isdir(folder):
+        raise InvalidArgumentError(f"cannot save to {target}: the folder {folder} does not exist; create it first")
     try:
         mode = os.stat(target).st_mode & 0o7777
     except FileNotFoundError:
         umask = os.umask(0)
         os.umask(umask)
         mode = 0o666 & ~umask
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write in {folder} ({exc.strerror})", target) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -64,15 +80,16 @@ def _sync_folder(folder: str) -> None:
 
 
 def read_json(path: "str | os.PathLike[str]") -> Any:
-    """The JSON value in ``path``. A missing file raises ``FileNotFoundError``; any other failure
-    to read it as JSON raises :class:`TraceFormatError`."""
-    name = os.fspath(path)
+    """The JSON value in ``path``. A missing file raises :class:`TraceNotFoundError` (a
+    ``FileNotFoundError`` too); any other failure to read it as JSON raises :class:`TraceFormatError`."""
+    name = _path(path, "loading a trace")
     fix = "give a file written by report.save()"
     try:
         with open(name, encoding="utf-8") as fh:
             return json.load(fh)
     except FileNotFoundError:
-        raise
+        raise TraceNotFoundError(2, f"no such file: {name}; give the path of a trace written by report.save()",
+                                 name) from None
     except IsADirectoryError:
         raise TraceFormatError(f"{name} is a directory, not a trace file; {fix}") from None
     except PermissionError:

@@ -68,6 +68,9 @@ def max_batch_size(
     """
     from .simulation import estimate
 
+    if not callable(make_batch):
+        raise InvalidArgumentError(f"make_batch must be a function of the batch size returning the inputs (or "
+                                   f"(inputs, targets)), got {type(make_batch).__name__}")
     limit = parse_size(budget)
     if not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")

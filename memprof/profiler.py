@@ -134,6 +134,9 @@ class Profiler:
                 "the model is on the meta device, where nothing can be measured; move it to a real device "
                 "(model.to('cpu') after materialising), or use memprof.estimate() to simulate it"
             )
+        for name, value in (("timeline", timeline), ("operations", operations)):
+            if not isinstance(value, bool):
+                raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
         self.mode_requested = mode
         if mode == "auto":
             mode = "full" if device.type in ("cpu", "meta") else "light"

@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .categories import Phase
-from .errors import InvalidArgumentError, NotMeasuredError, warn_renamed
+from .errors import InvalidArgumentError, NotMeasuredError, renamed_argument, warn_renamed
 from .trace import PHASE_MOMENTS, Breakdown, Trace, parse_moment
 from .units import format_bytes
 
@@ -69,7 +69,7 @@ class Report:
         warn_renamed("Report.steps", "Report.num_steps")
         return len(self.trace.steps)
 
-    def at(self, step: int, phase: "Phase | str", at: str = "peak", *, occurrence: "int | None" = None,
+    def at(self, step: int, phase: "Phase | str", at: "str | None" = None, *, occurrence: "int | None" = None,
            when: "str | None" = None) -> Breakdown:
         """Composition at the ``"peak"``, ``"start"`` or ``"end"`` of a phase of a step.
 
@@ -79,11 +79,9 @@ class Report:
         of them, ``"start"`` the first one's start and ``"end"`` the last one's end.
         (``when=`` is the deprecated name of ``at=``.)
         """
-        if when is not None:
-            warn_renamed("Report.at(when=...)", "Report.at(at=...)")
-            at = when
+        at = renamed_argument("at", at, "when", when, "Report.at")
         phase = Phase.parse(phase)
-        at = parse_moment(at, PHASE_MOMENTS)
+        at = parse_moment("peak" if at is None else at, PHASE_MOMENTS)
         steps = self.trace.steps
         if not steps:
             raise NotMeasuredError("no step was recorded; run a forward/backward inside the profile")
@@ -93,6 +91,9 @@ class Report:
             raise InvalidArgumentError(f"step {step} is out of range: this run recorded {len(steps)} step(s)")
         record = steps[step]
         matches = [p for p in record.phases if p.phase is phase]
+        if occurrence is not None and (isinstance(occurrence, bool) or not isinstance(occurrence, int)):
+            raise InvalidArgumentError(f"occurrence must be an int (0 for the first {phase.value} of the step), "
+                                       f"got {occurrence!r}")
         if occurrence is not None:
             matches = [p for p in matches if p.occurrence == occurrence]
         if not matches:
@@ -146,15 +147,13 @@ class Report:
 
         return operations_frame(self.trace, by)
 
-    def breakdown_frame(self, at: str = "peak", *, which: "str | None" = None) -> "pd.DataFrame":
-        """The breakdown at ``"peak"``, ``"start"`` or ``"end"`` as a table with bytes and shares
+    def breakdown_frame(self, at: "str | None" = None, *, which: "str | None" = None) -> "pd.DataFrame":
+        """The breakdown at ``"peak"`` (default), ``"start"`` or ``"end"`` as a table with bytes and shares
         (``which=`` is the deprecated name of ``at=``)."""
         from .render.frames import breakdown_frame
 
-        if which is not None:
-            warn_renamed("Report.breakdown_frame(which=...)", "Report.breakdown_frame(at=...)")
-            at = which
-        return breakdown_frame(self.trace, at)
+        at = renamed_argument("at", at, "which", which, "Report.breakdown_frame")
+        return breakdown_frame(self.trace, "peak" if at is None else at)
 
     # -- notebooks, plots, comparison ------------------------------------------------
 
@@ -178,11 +177,13 @@ class Report:
 
         return plot_modules(self.trace, top=top, ax=ax)
 
-    def diff(self, other: Any, **kwargs: Any) -> "Diff":
+    def diff(self, other: Any, *, at: "str | None" = None, labels: "tuple[str, str]" = ("a", "b"),
+             when: "str | None" = None) -> "Diff":
         """What grew and shrank from this run to ``other``: see :func:`memprof.diff`."""
         from .compare import diff
 
-        return diff(self, other, **kwargs)
+        at = renamed_argument("at", at, "when", when, "Report.diff")
+        return diff(self, other, at="peak" if at is None else at, labels=labels)
 
     def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: str = "peak",
                   estimate: Any = None, transformer: Any = None) -> "Reconciliation":

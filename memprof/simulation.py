@@ -101,8 +101,17 @@ def estimate(
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
+                                   f"{type(loss_fn).__name__}")
+    held: list[torch.Tensor] = []
+    _tensors(inputs, held)
+    if not held:
+        raise InvalidArgumentError(
+            f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
+            f"arguments), got {type(inputs).__name__} without a tensor")
     if precision is not None and precision not in _PRECISION_DTYPES and precision not in ("amp", "mixed"):
         raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, amp, mixed")
     try:
@@ -150,6 +159,10 @@ def estimate(
             # The output is not kept in a variable, as in a usual training loop: the loss
             # function's saved tensors keep what backward needs and the rest is freed.
             loss = _loss(_call(meta_model, meta_inputs), meta_targets, loss_fn)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise InvalidArgumentError(f"the loss must be a scalar tensor to call backward() on, got {shape}; "
+                                           "reduce it in loss_fn (for example .mean())")
             loss.backward()
             del loss
             if meta_opt is not None:
@@ -248,6 +261,17 @@ def _convert(obj: Any, make: Any, seen: dict[int, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         return {k: _convert(v, make, seen) for k, v in obj.items()}
     return obj
+
+
+def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 3 and isinstance(obj, (tuple, list)):
+        for o in obj:
+            _tensors(o, out, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for o in obj.values():
+            _tensors(o, out, depth + 1)
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:

@@ -436,14 +436,14 @@ class Trace:
             )
         try:
             return cls(
-                mode=text(data["mode"], "mode"),
+                mode=_mode(data["mode"]),
                 device=DeviceInfo.from_dict(data["device"]),
                 torch_version=text(data["torch_version"], "torch_version"),
                 memprof_version=text(data["memprof_version"], "memprof_version"),
                 start=Breakdown.from_dict(data["start"]),
                 peak=Breakdown.from_dict(data["peak"]),
                 end=Breakdown.from_dict(data["end"]),
-                peak_step=optional_count(data.get("peak_step"), "peak_step"),
+                peak_step=_peak_step(data),
                 peak_phase=Phase.parse(data["peak_phase"]) if data.get("peak_phase") else None,
                 peak_module=optional_text(data.get("peak_module"), "peak_module"),
                 steps=tuple(StepRecord.from_dict(s) for s in data["steps"]),
@@ -471,6 +471,20 @@ class Trace:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise corrupt(repr(exc)) from None
+
+
+def _mode(value: Any) -> str:
+    if value not in ("full", "light"):
+        raise corrupt(f"mode must be 'full' or 'light', got {text(value, 'mode')[:20]!r}")
+    return value
+
+
+def _peak_step(data: Mapping[str, Any]) -> "int | None":
+    step = optional_count(data.get("peak_step"), "peak_step")
+    indices = [s.get("index") for s in data.get("steps", ()) if isinstance(s, Mapping)]
+    if step is not None and indices and all(isinstance(i, int) for i in indices) and step > max(indices):
+        raise corrupt(f"peak_step {step} is after the last step recorded ({max(indices)})")
+    return step
 
 
 # -- moments: one vocabulary for "at which instant", the ``at=`` of every API -----------------------

@@ -12,7 +12,7 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-from .errors import SizeParseError
+from .errors import InvalidArgumentError, SizeParseError
 
 __all__ = ["format_bytes", "parse_size", "printable", "as_count"]
 
@@ -47,6 +47,8 @@ def format_bytes(n: int | None, *, precision: int = 1) -> str:
     """
     if n is None:
         return "not measured"
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        raise InvalidArgumentError(f"format_bytes() needs a number of bytes, got {type(n).__name__}")
     sign = "-" if n < 0 else ""
     magnitude = abs(int(n))
     if magnitude < 1024:

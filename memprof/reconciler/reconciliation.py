@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from ..anatomy.params import bytes_per_param_breakdown
 from ..categories import Category
-from ..errors import NotMeasuredError, UnknownNameError
+from ..errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
 from ..trace import RECONCILE_MOMENTS, Breakdown, as_trace, parse_moment
 from .causes import Cause, Context, causes
 from .formula import formula_at, infer_precision, moment_of, optimizer_name, predictions
@@ -181,6 +181,16 @@ def reconcile(
     """
     trace = as_trace(trace)
     at = parse_moment(at, RECONCILE_MOMENTS)
+    if optimizer is not None:
+        # A name given by the user must exist (a misspelling would silently give a formula of 0 bytes).
+        bytes_per_param_breakdown(precision or "fp32", optimizer)
+    if estimate is not None and type(estimate).__name__ != "Estimate":
+        raise InvalidArgumentError(
+            f"estimate must be what memprof.estimate(...) returns, got {type(estimate).__name__}; "
+            "simulate the same step with memprof.estimate(model, optimizer, inputs=..., ...)")
+    if transformer is not None and not isinstance(transformer, Mapping):
+        raise InvalidArgumentError(
+            f"transformer must be a dict of seq_len, batch, hidden, heads and layers, got {type(transformer).__name__}")
     if not trace.steps:
         raise NotMeasuredError("no step was recorded; nothing to reconcile")
     precision_used = precision or infer_precision(trace)

@@ -61,8 +61,13 @@ def operations_frame(report: "Report | Trace", by: str = "op") -> "pd.DataFrame"
     """Per (phase, class, op), or per (phase, class) with ``by="class"``: counts, flops, bytes moved."""
     import pandas as pd
 
-    ops = as_trace(report).operations
+    trace = as_trace(report)
+    ops = trace.operations
     if ops is None:
+        if trace.mode == "light":
+            raise NotMeasuredError(
+                "operations were not recorded: this run was in light mode, which sees no ops; profile with "
+                "memprof.profile(model, optimizer, mode='full', operations=True)")
         raise NotMeasuredError(
             "operations were not recorded; profile with memprof.profile(model, optimizer, operations=True)"
         )

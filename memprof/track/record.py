@@ -158,8 +158,9 @@ def coverage_notes(prof: "Profiler") -> list[str]:
         names = ", ".join(sorted(hooks.chained_to))
         notes.append(
             f"saved_tensors_hooks of your own were active ({names}): memprof ran them as without it and "
-            f"counted as activations the tensors on {prof.device.type} that their pack returned; tensors "
-            "saved under them outside the model's modules (a loss computed inside such a block) are not seen")
+            f"counted as activations the tensors on {prof.device.type} that their pack returned"
+            + ("" if prof.mode == "full" else "; tensors saved under them outside the model's modules (a loss "
+               "computed inside such a block) are not seen in light mode"))
     if modules.skipped_paths:
         where = ", ".join(modules.skipped_paths[:3]) + (" ..." if len(modules.skipped_paths) > 3 else "")
         notes.append(

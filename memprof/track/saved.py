@@ -26,7 +26,7 @@ import torch
 
 from ..categories import Phase
 from .ledger import ACTIVATIONS, INPUTS, TAGS, TEMPORARIES, Entry, storage_of
-from .saved_hooks import Saved, SavedHooks, is_checkpoint_pair
+from .saved_hooks import Saved, SavedHooks, _Chain, is_checkpoint_pair, tensors_in
 from .saved_hooks import unpack as unpack_saved
 
 if TYPE_CHECKING:
@@ -291,27 +291,40 @@ class SavedTracker:
                 except RuntimeError:  # released already
                     continue
                 for raw in value if isinstance(value, (list, tuple)) else (value,):
-                    if raw is None or getattr(raw, "unpack_hook", None) is not None:
+                    if raw is None or self._packed_by_us(raw):
                         continue
                     try:
+                        # With no pair, the tensor itself; under a pair of the user's, what its pack
+                        # returned, which the graph keeps (memprof counts the tensors in it).
                         data = raw.data
                     except RuntimeError:
                         continue
-                    st = storage_of(data) if isinstance(data, torch.Tensor) else None
-                    entry = led.entries.get(st._cdata) if st is not None else None
-                    if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS) and entry.saved <= 0:
-                        if entry.cat == TEMPORARIES:
-                            led.move(entry, ACTIVATIONS, retro=True)
-                            if entry.where < 0 and entry.tag != _TAG_WEIGHT_COPY:
-                                led.set_tag(entry, _TAG_SAVED_OUTSIDE)
-                        entry.saved = -1  # held by the graph; released when its node has run
-                        self.graph_saved[entry.key] = self.graph_saved.get(entry.key, 0) + 1
-                        keys.append(entry.key)
+                    held: list[torch.Tensor] = []
+                    tensors_in(data, held)
+                    for t in held:
+                        st = storage_of(t) if (t.is_cpu if self.on_cpu else t.device == self.device) else None
+                        entry = led.entries.get(st._cdata) if st is not None else None
+                        if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS) and entry.saved <= 0:
+                            if entry.cat == TEMPORARIES:
+                                led.move(entry, ACTIVATIONS, retro=True)
+                                if entry.where < 0 and entry.tag != _TAG_WEIGHT_COPY:
+                                    led.set_tag(entry, _TAG_SAVED_OUTSIDE)
+                            entry.saved = -1  # held by the graph; released when its node has run
+                            self.graph_saved[entry.key] = self.graph_saved.get(entry.key, 0) + 1
+                            keys.append(entry.key)
             if keys:
                 found.extend(keys)
                 # When the node has run, the engine releases what it saved (unless retain_graph).
                 self.prof.modules.node_hooks.append(n.register_hook(_released(self, tuple(keys))))
             todo.extend(nxt for nxt, _i in n.next_functions)
+
+    def _packed_by_us(self, raw: Any) -> bool:
+        """Whether a saved tensor went through one of memprof's pairs (counted when it was packed)."""
+        hook = getattr(raw, "unpack_hook", None)
+        if hook is None:
+            return False
+        owner = getattr(hook, "__self__", None)
+        return owner is self or (type(owner) is _Chain and owner.owner is self)
 
     def graph_released(self, keys: tuple[int, ...]) -> None:
         if not self.prof.active:

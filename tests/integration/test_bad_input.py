@@ -264,3 +264,105 @@ def test_the_total_row_is_the_reports_total_and_the_causes_add_up_to_its_gap(sav
     # The inputs (the batch: 8 x 32 fp32 = 1,024 B) have no formula: named, with their bytes.
     inputs = [c for c in rec.causes if c.category is C.INPUTS]
     assert [(c.name, c.bytes) for c in inputs] == [("no formula", 8 * 32 * 4)]
+
+
+# ------------------------------------------------------------------ arguments a hostile review tried
+
+
+def test_paths_that_are_not_files_are_refused_before_anything_is_written(saved, tmp_path):
+    from memprof.errors import TraceNotFoundError
+
+    with pytest.raises(TraceNotFoundError, match="no such file") as info:
+        memprof.load(tmp_path / "missing.json")
+    assert isinstance(info.value, FileNotFoundError)  # code catching the built-in error keeps working
+    for bad in (None, 3):
+        with pytest.raises(InvalidArgumentError, match="file path"):
+            memprof.load(bad)
+        with pytest.raises(InvalidArgumentError, match="file path"):
+            saved.save(bad)
+    with pytest.raises(InvalidArgumentError, match="it is a folder"):
+        saved.save(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        saved.save(tmp_path / "no" / "run.json")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_misspelt_optimizer_or_a_foreign_estimate_is_refused(saved):
+    from memprof.errors import UnknownNameError
+
+    with pytest.raises(UnknownNameError, match="unknown optimizer 'AdamW'"):
+        saved.reconcile(optimizer="AdamW")  # the class name, not the formula's name: would give 0 bytes
+    with pytest.raises(InvalidArgumentError, match="memprof.estimate"):
+        saved.reconcile(estimate=saved)
+    with pytest.raises(InvalidArgumentError, match="transformer must be a dict"):
+        saved.reconcile(transformer=3)
+
+
+def test_estimate_and_max_batch_size_refuse_what_they_cannot_run():
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with pytest.raises(InvalidArgumentError, match="loss_fn must be a function"):
+        memprof.estimate(model, None, inputs=x, loss_fn=3)
+    with pytest.raises(InvalidArgumentError, match="inputs must hold"):
+        memprof.estimate(model, None, inputs=3)
+    with pytest.raises(InvalidArgumentError, match="loss must be a scalar"):
+        memprof.estimate(model, None, inputs=x, loss_fn=lambda out: out * 2)
+    with pytest.raises(InvalidArgumentError, match="steps must be a positive int"):
+        memprof.estimate(model, None, inputs=x, steps=True)
+    with pytest.raises(InvalidArgumentError, match="make_batch must be a function"):
+        memprof.max_batch_size(model, None, 3, "1 GiB")
+
+
+def test_profile_options_must_be_booleans():
+    for option in ("timeline", "operations"):
+        with pytest.raises(InvalidArgumentError, match=f"{option} must be True or False"):
+            memprof.profile(nn.Linear(2, 2), **{option: "yes"})
+
+
+def test_a_new_name_and_its_deprecated_alias_together_are_refused(saved):
+    with pytest.raises(InvalidArgumentError, match="both at= and when="):
+        saved.at(0, "backward", at="start", when="end")
+    with pytest.raises(InvalidArgumentError, match="both at= and when="):
+        saved.diff(saved, at="end", when="start")
+    with pytest.raises(InvalidArgumentError, match="both at= and which="):
+        saved.breakdown_frame(at="end", which="start")
+
+
+def test_a_deprecated_alias_warns_at_the_callers_line(saved):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        saved.diff(saved, when="end")  # Report.diff hands on to memprof.diff: the warning must still be ours
+    assert [w.filename for w in caught] == [__file__]
+
+
+def test_trace_files_with_impossible_values_are_refused(saved, tmp_path):
+    for key, value, problem in (("mode", "bogus", "mode must be"), ("peak_step", 99, "after the last step")):
+        data = saved.to_dict()
+        data[key] = value
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(TraceFormatError, match=problem):
+            memprof.load(path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--hidden", "63", "--heads", "4"], "must be a multiple of --heads"),
+    (["demo", "--steps", "1", "--save", "/nonexistent-folder/x.json"], "does not exist"),
+])
+def test_demo_mistakes_are_one_line_before_the_run(capsys, argv, message):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("memprof: error:") and message in err and err.count("\n") == 1
+
+
+def test_moved_modules_still_import_and_say_where_they_went():
+    import importlib
+    import sys as _sys
+
+    for old, new in (("memprof.advice", "memprof.reconciler.advice"), ("memprof.reconciliation", "memprof.reconciler"),
+                     ("memprof.html", "memprof.render.html"), ("memprof.plot", "memprof.render.plot")):
+        _sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+            importlib.import_module(old)

@@ -304,3 +304,29 @@ def test_a_plain_tensor_attribute_of_a_module_is_counted_as_a_buffer():
         model(torch.randn(2, 128, 256)).sum().backward()
     rep = prof.report()
     assert rep.peak[C.BUFFERS] == model.table.untyped_storage().nbytes() == 512 * 256 * 4
+
+
+def _loss_saved(hooks):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 10))
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    with memprof.profile(model, mode="full") as prof:
+        out = model(x)
+        with hooks():
+            # Outside the model: log_softmax and nll_loss both save the 8 x 10 fp32 log-softmax output
+            # (one 320-byte storage); nll_loss also saves the targets (inputs: made before the profile).
+            loss = F.cross_entropy(out, y)
+        loss.backward()
+    return prof.report().at(0, "backward", "start")
+
+
+def test_what_the_loss_saves_under_the_users_hooks_is_an_activation():
+    plain = _loss_saved(contextlib.nullcontext)
+    identity = _loss_saved(lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    assert identity == plain
+    # A pack that clones: each node holds its own copy of the log-softmax output (2 x 320 bytes) and the
+    # shared original is freed (+320), and the graph holds a clone of the targets (8 int64 = 64 bytes)
+    # while the targets themselves stay inputs.
+    cloned = _loss_saved(lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t))
+    assert cloned[C.ACTIVATIONS] == plain[C.ACTIVATIONS] + 320 + 64
+    assert cloned[C.INPUTS] == plain[C.INPUTS]
