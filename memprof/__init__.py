@@ -26,6 +26,7 @@ from .errors import (
     UnknownNameError,
 )
 from .report import Report, load
+from .schedule import Schedule, schedule
 from .trace import Breakdown, ModuleRecord, PhaseRecord, StepRecord, Trace
 from .units import format_bytes, parse_size
 
@@ -74,6 +75,8 @@ __all__ = [
     "BatchSizePlan",
     "diff",
     "Diff",
+    "schedule",
+    "Schedule",
     "check_budget",
     "MemoryBudgetExceeded",
     "BudgetNotMeasured",

@@ -20,18 +20,17 @@ is built by :mod:`.track.record`.
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.optim.optimizer as _optim_mod
 from torch import nn
 
 from .errors import InvalidArgumentError, ProfilerStateError, UnknownNameError
-from .trace import Breakdown, Trace
+from .trace import Breakdown, StepRecord, Trace
 from .track.device import DeviceProbe
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
 from .track.modules import ModuleTracker, attribute_tensors, unique_params
@@ -39,6 +38,7 @@ from .track.operations import OperationLog
 from .track.optimizer import OptimizerTracker, as_optimizers
 from .track.params import ParamTracker, is_lazy
 from .track.phases import PhaseTracker
+from .track.windows import Windows
 from .track.record import build_trace, live_modules
 from .track.saved import SavedTracker
 from .track.saved_hooks import pop_orphans
@@ -46,6 +46,7 @@ from .track.storages import KEEPS_COMPILE, StorageTracker, pop_orphan_modes
 
 if TYPE_CHECKING:
     from .report import Report
+    from .schedule import Schedule
 
 __all__ = ["Profiler", "profile"]
 
@@ -67,6 +68,8 @@ def profile(
     mode: str = "auto",
     timeline: bool = True,
     operations: bool = False,
+    schedule: "Schedule | None" = None,
+    on_trace_ready: "Callable[[Profiler], Any] | None" = None,
 ) -> "Profiler":
     """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
 
@@ -78,18 +81,29 @@ def profile(
     ``timeline=False`` skips the per-module samples that plots use.
     ``operations=True`` (full mode) also records every op's class, flops and
     bytes moved, for :meth:`Report.operations` (a few microseconds per op).
+    ``schedule=memprof.schedule(...)`` records only the steps it selects, and
+    turns memprof off between them; ``on_trace_ready(prof)`` is called at the
+    end of each recorded window (``prof.report()`` then reads the run so far,
+    ``prof.window`` is the window's first and last step).
+
+    However long the run, the record stays bounded: every step is summarised
+    per phase (:meth:`Report.phase_stats`), and full detail is kept for the
+    first steps, the peak's step, the last step and the steps a schedule
+    records.
 
     The profiler holds no strong reference to the model, its tensors or the
     optimizer after the block ends.
     """
-    return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations)
+    return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations, schedule=schedule,
+                    on_trace_ready=on_trace_ready)
 
 
 class Profiler:
-    """A profiling session. Create it with :func:`memprof.profile`.
+    """A profiling session: ``memprof.Profiler(model, optimizer, ...)`` takes the arguments of
+    :func:`memprof.profile`.
 
-    Use once: ``with prof:`` may be entered a single time. After the block,
-    :attr:`trace` is the frozen record and :meth:`report` its views.
+    Use once: either ``with prof:`` or ``prof.start()`` ... ``prof.stop()``, a single time. After
+    it, :attr:`trace` is the frozen record and :meth:`report` its views.
     """
 
     def __init__(
@@ -100,43 +114,18 @@ class Profiler:
         mode: str = "auto",
         timeline: bool = True,
         operations: bool = False,
+        schedule: "Schedule | None" = None,
+        on_trace_ready: "Callable[[Profiler], Any] | None" = None,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise InvalidArgumentError(
-                f"profile() needs a torch.nn.Module as its first argument, got {type(model).__name__}; "
-                "pass the model whose training you want to measure"
-            )
-        optimizers = as_optimizers(optimizer)
-        if not isinstance(mode, str) or mode not in _MODES:
-            raise UnknownNameError(f"unknown mode {mode!r}; use one of: full, light, auto")
-        model_params = {id(p) for p in model.parameters()}
-        for opt in optimizers:
-            foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in model_params]
-            if foreign:
-                raise InvalidArgumentError(
-                    f"{type(opt).__name__} holds {len(foreign)} parameter(s) that are not the model's; "
-                    "pass the optimizer built from model.parameters(), or profile the module that owns them"
-                )
-        if getattr(model, "_compiled_call_impl", None) is not None:
-            # nn.Module.compile() compiles the module's own __call__, hooks included: memprof's hooks
-            # would be traced into the graph (splitting it) or, added after compilation, never run.
-            raise InvalidArgumentError(
-                f"{type(model).__name__} was compiled in place with model.compile(), so memprof's hooks on it "
-                "would run inside the compiled code; profile the wrapper torch.compile(model) returns instead "
-                "(memprof.profile(torch.compile(model), optimizer)), or compile its blocks in place and "
-                "profile the model that holds them"
-            )
-        device = _model_device(model)
-        if device.type == "meta" and not _allow_meta:
-            raise InvalidArgumentError(
-                "the model is on the meta device, where nothing can be measured; move it to a real device "
-                "(model.to('cpu') after materialising), or use memprof.estimate() to simulate it"
-            )
-        for name, value in (("timeline", timeline), ("operations", operations)):
-            if not isinstance(value, bool):
-                raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+        optimizers, device = _checked(model, optimizer, mode, timeline, operations, schedule, on_trace_ready,
+                                      _allow_meta)
+        self.schedule = schedule
+        self._on_trace_ready = on_trace_ready
+        self.windows: "Windows | None" = None
+        #: Inside on_trace_ready: prof.report() reads the run so far.
+        self.in_callback = False
         self.mode_requested = mode
         if mode == "auto":
             mode = "full" if device.type in ("cpu", "meta") else "light"
@@ -168,10 +157,59 @@ class Profiler:
 
     # ------------------------------------------------------------------ public
 
+    def start(self) -> "Profiler":
+        """Begin profiling: install every hook (what entering ``with prof:`` does). Pair it with
+        :meth:`stop`, for callbacks and loops that cannot hold a ``with`` block."""
+        return self.__enter__()
+
+    def stop(self) -> None:
+        """End profiling: remove every hook and freeze the record (what leaving ``with prof:`` does).
+        :meth:`report` is readable afterwards."""
+        if self._state != "active":
+            raise ProfilerStateError(
+                "stop() was called on a profiler that is not running (" + self._state_words() + "); call "
+                "prof.start() first, and stop() once"
+            )
+        self.__exit__(None, None, None)
+
+    @property
+    def running(self) -> bool:
+        """Between :meth:`start` (or entering ``with``) and :meth:`stop` (or leaving it)."""
+        return self._state == "active"
+
+    def end_step(self) -> None:
+        """The current step is over (all its optimizers have stepped): close its record now instead of
+        at the next forward, so that :meth:`latest_step` reads it. For callbacks at a step's end."""
+        if self._state != "active":
+            raise ProfilerStateError("end_step() is only valid while the profiler runs; call prof.start() first")
+        phases = self.phases
+        if self.windows is not None and self.windows.paused:
+            return  # a step the schedule does not watch: counted at the next forward
+        if phases.pending_step_end or (phases.pending_backward_end and not phases.optimizer_seen
+                                       and not phases.explicit):
+            phases.pending_step_end = phases.pending_backward_end = False
+            self.params.release_stale_grads()
+            phases.end_step()
+
+    def latest_step(self) -> "StepRecord | None":
+        """The record of the last step that ended and was recorded (``None`` before the first), while the
+        profiler runs or after: what callbacks log each step."""
+        if self._state == "new":
+            return None
+        if self._trace is not None:
+            return self._trace.steps[-1] if self._trace.steps else None
+        kept = self.phases.retention.kept
+        return kept[max(kept)] if kept else None
+
+    def _state_words(self) -> str:
+        return {"new": "it was never started", "done": "it was already stopped",
+                "failed": "its start failed"}.get(self._state, self._state)
+
     def __enter__(self) -> "Profiler":
         if self._state != "new":
             raise ProfilerStateError(
-                "this profiler was already used; profilers are single-use, create a new one with memprof.profile()"
+                "this profiler was already used (" + self._state_words() + "); profilers are single-use, "
+                "create a new one with memprof.profile() or memprof.Profiler()"
             )
         model = self._model_ref()
         assert model is not None  # held by self._model_hold until the block ends
@@ -190,9 +228,9 @@ class Profiler:
         # What profiles ended from another thread left on this thread's stacks, where it is on top.
         pop_orphans()
         pop_orphan_modes()
-        # Collect garbage first so that cycles left by earlier code are not freed
-        # mid-step and counted as this step's frees.
-        gc.collect()
+        # No gc.collect() here (it cost 130-270 ms per block): the ledger counts only storages it
+        # registered, so garbage from before the profile never enters its totals, and a parameter,
+        # gradient or state tensor that garbage still holds is memory the process really holds.
         self._state = "active"
         self.active = True
         self.thread = thread
@@ -248,6 +286,8 @@ class Profiler:
     @property
     def trace(self) -> Trace:
         """The frozen record. Available after the block ends (also after an exception)."""
+        if self.in_callback and self._state == "active":
+            return build_trace(self)  # the run so far, at the end of a window
         if self._trace is None:
             if self._state == "new":
                 raise ProfilerStateError(
@@ -289,19 +329,9 @@ class Profiler:
         self.saved = SavedTracker(self)
         stack.callback(self._close_thread_hooks)
 
-        # What exists already: weights, buffers, gradients, optimizer state.
         params = [p for p in unique_params(model) if not is_lazy(p)]
         self.param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params}))
-        for p in params:
-            self.storages.add_tensor(p, WEIGHTS)
-        for p in params:
-            if p.grad is not None:
-                self.params.add_grad(p.grad, retro=False)
-        for b in model.buffers():
-            self.storages.add_tensor(b, BUFFERS)
-        for mod in model.modules():
-            for t in attribute_tensors(mod):  # module state kept as plain attributes, like buffers
-                self.storages.add_tensor(t, BUFFERS)
+        self.register_existing()
         self.optimizers.start()
         self.start_totals = led.totals.copy()
         self.phases.start()
@@ -353,6 +383,9 @@ class Profiler:
                 "light mode: what autograd saves outside the model's modules (the loss function's tensors) is "
                 "not seen as activations; on an accelerator it is among temporaries (full mode finds it)")
         self.phases.sample("start")
+        if self.schedule is not None:
+            self.windows = Windows(self, self.schedule, self._on_trace_ready)
+            self.windows.start()
 
     def _close_thread_hooks(self) -> None:
         """Undo memprof's per-thread saved-tensor pushes and remove its tensor and node hooks."""
@@ -362,6 +395,31 @@ class Profiler:
                 "saved_tensors_hooks entered inside the profile were still active when it ended (above "
                 "memprof's own pair), so memprof's pair is left inert beneath them until they exit"
             )
+
+    def register_existing(self) -> None:
+        """What exists now: weights, buffers, gradients, optimizer state (at the start, and when a
+        schedule resumes)."""
+        model = self._model_ref()
+        if model is None:
+            return
+        params = [p for p in unique_params(model) if not is_lazy(p)]
+        for p in params:
+            self.storages.add_tensor(p, WEIGHTS)
+        for p in params:
+            if p.grad is not None:
+                self.params.add_grad(p.grad, retro=False)
+        for b in model.buffers():
+            self.storages.add_tensor(b, BUFFERS)
+        for mod in model.modules():
+            for t in attribute_tensors(mod):  # module state kept as plain attributes, like buffers
+                self.storages.add_tensor(t, BUFFERS)
+        for opt in self.optimizers.all():
+            self.optimizers.collect_state(opt, retro=False)
+
+    @property
+    def window(self) -> "tuple[int, int] | None":
+        """The first and last step of the recorded window that just ended (in ``on_trace_ready``)."""
+        return self.windows.window if self.windows is not None else None
 
     def _teardown(self) -> None:
         stack, self.stack = self.stack, None
@@ -383,10 +441,66 @@ class Profiler:
                 finally:
                     self.ledger.close()
                     self.phases.samples = []
+                if self.windows is not None:
+                    self.windows.window_ended()  # the last window, if on_trace_ready has not had it
             else:
                 if self._state != "failed":
                     self._state = "done"
                 self.ledger.close()
+
+
+def _checked(model: Any, optimizer: Any, mode: Any, timeline: Any, operations: Any, schedule: Any,
+             on_trace_ready: Any, allow_meta: bool) -> "tuple[list[torch.optim.Optimizer], torch.device]":
+    """What profile() was given, checked: the optimizers (unwrapped) and the model's device, or a
+    MemprofError that names the fix."""
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(
+            f"profile() needs a torch.nn.Module as its first argument, got {type(model).__name__}; "
+            "pass the model whose training you want to measure"
+        )
+    optimizers = as_optimizers(optimizer)
+    if not isinstance(mode, str) or mode not in _MODES:
+        raise UnknownNameError(f"unknown mode {mode!r}; use one of: full, light, auto")
+    model_params = {id(p) for p in model.parameters()}
+    for opt in optimizers:
+        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in model_params]
+        if foreign:
+            raise InvalidArgumentError(
+                f"{type(opt).__name__} holds {len(foreign)} parameter(s) that are not the model's; "
+                "pass the optimizer built from model.parameters(), or profile the module that owns them"
+            )
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        # nn.Module.compile() compiles the module's own __call__, hooks included: memprof's hooks
+        # would be traced into the graph (splitting it) or, added after compilation, never run.
+        raise InvalidArgumentError(
+            f"{type(model).__name__} was compiled in place with model.compile(), so memprof's hooks on it "
+            "would run inside the compiled code; profile the wrapper torch.compile(model) returns instead "
+            "(memprof.profile(torch.compile(model), optimizer)), or compile its blocks in place and "
+            "profile the model that holds them"
+        )
+    device = _model_device(model)
+    if device.type == "meta" and not allow_meta:
+        raise InvalidArgumentError(
+            "the model is on the meta device, where nothing can be measured; move it to a real device "
+            "(model.to('cpu') after materialising), or use memprof.estimate() to simulate it"
+        )
+    for name, value in (("timeline", timeline), ("operations", operations)):
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+    from .schedule import Schedule
+
+    if schedule is not None and not isinstance(schedule, Schedule):
+        raise InvalidArgumentError(
+            f"schedule must come from memprof.schedule(wait=, warmup=, active=, repeat=, skip_first=), got "
+            f"{type(schedule).__name__}")
+    if on_trace_ready is not None and not callable(on_trace_ready):
+        raise InvalidArgumentError(
+            f"on_trace_ready must be a function taking the profiler, got {type(on_trace_ready).__name__}")
+    if on_trace_ready is not None and schedule is None:
+        raise InvalidArgumentError(
+            "on_trace_ready is called at the end of each window of a schedule; pass schedule=memprof.schedule(...) "
+            "too, or read prof.report() after the block")
+    return optimizers, device
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -60,14 +60,16 @@ class Report:
 
     @property
     def num_steps(self) -> int:
-        """Number of steps recorded (their records are ``report.trace.steps``)."""
-        return len(self.trace.steps)
+        """Number of steps the run had. ``report.trace.steps`` holds those kept in full (in a long run,
+        the first ones, the peak's, the last and those a schedule selected); :meth:`phase_stats`
+        summarises all of them."""
+        return self.trace.num_steps
 
     @property
     def steps(self) -> int:
         """Deprecated: the number of steps, now :attr:`num_steps` (``trace.steps`` holds the records)."""
         warn_renamed("Report.steps", "Report.num_steps")
-        return len(self.trace.steps)
+        return self.num_steps
 
     def at(self, step: int, phase: "Phase | str", at: "str | None" = None, *, occurrence: "int | None" = None,
            when: "str | None" = None) -> Breakdown:
@@ -87,9 +89,16 @@ class Report:
             raise NotMeasuredError("no step was recorded; run a forward/backward inside the profile")
         if not isinstance(step, int) or isinstance(step, bool):
             raise InvalidArgumentError(f"step must be an int, got {type(step).__name__}")
-        if not -len(steps) <= step < len(steps):
-            raise InvalidArgumentError(f"step {step} is out of range: this run recorded {len(steps)} step(s)")
-        record = steps[step]
+        total = self.num_steps
+        if not -total <= step < total:
+            raise InvalidArgumentError(f"step {step} is out of range: this run had {total} step(s)")
+        index = step + total if step < 0 else step
+        record = next((s for s in steps if s.index == index), None)
+        if record is None:
+            kept = ", ".join(str(s.index) for s in steps)
+            raise NotMeasuredError(
+                f"step {index} is not kept in full (kept: {kept}); report.phase_stats() summarises every step, "
+                "and memprof.schedule() selects steps to keep")
         matches = [p for p in record.phases if p.phase is phase]
         if occurrence is not None and (isinstance(occurrence, bool) or not isinstance(occurrence, int)):
             raise InvalidArgumentError(f"occurrence must be an int (0 for the first {phase.value} of the step), "
@@ -117,6 +126,15 @@ class Report:
         from .render.frames import phases_frame
 
         return phases_frame(self.trace)
+
+    def phase_stats(self) -> "pd.DataFrame":
+        """Every step of the run summarised, kept in full or not: one row per (phase, occurrence,
+        moment, category) with ``count``, ``min``, ``median`` and ``max`` bytes at the phase's
+        ``"peak"`` and ``"end"``. ``median_exact`` is False where the values were too varied to keep
+        them all (the median of an evenly thinned sample). ``<NA>`` where not measured."""
+        from .render.frames import phase_stats_frame
+
+        return phase_stats_frame(self.trace)
 
     def to_frame(self) -> "pd.DataFrame":
         """The flat table to log to any tracker: :meth:`phases` (one row per phase, stable columns)."""
@@ -218,7 +236,7 @@ class Report:
         return self.to_text()
 
     def __repr__(self) -> str:
-        return (f"<memprof.Report steps={len(self.trace.steps)} peak={format_bytes(self.peak.total)} "
+        return (f"<memprof.Report steps={self.num_steps} peak={format_bytes(self.peak.total)} "
                 f"mode={self.trace.mode}>")
 
 

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Mapping
 from .categories import Category, Phase
 from .checks import corrupt, count, fields, optional_count, optional_text, pairs, text
 from .errors import TraceFormatError
+from .phase_stats import PhaseStats
 from .specs import ModuleCall, OptimizerSpec
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 #: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _ALL = tuple(Category)
 
@@ -365,7 +366,19 @@ class Trace:
     module_calls: tuple[ModuleCall, ...] = ()
     #: The optimizers that stepped the model, for the optimizer formulas (schema 2 and later).
     optimizers: tuple[OptimizerSpec, ...] = ()
+    #: Steps the run had; ``steps`` holds those kept in full (schema 3 and later; older files kept all).
+    num_steps: "int | None" = None
+    #: Every recorded step's phases summarised per (phase, occurrence), kept in full or not (schema 3).
+    phase_stats: tuple[PhaseStats, ...] = ()
+    #: The schedule that chose the steps to record (``memprof.schedule(...)`` in words), if one did.
+    schedule: "str | None" = None
+    #: With a schedule: the (first, last) step of each stretch of recorded steps.
+    recorded_steps: tuple[tuple[int, int], ...] = ()
     schema_version: int = field(default=SCHEMA_VERSION)
+
+    def __post_init__(self) -> None:
+        if self.num_steps is None:
+            object.__setattr__(self, "num_steps", len(self.steps))
 
     @property
     def phases(self) -> tuple[PhaseRecord, ...]:
@@ -414,6 +427,10 @@ class Trace:
             "operations": [o.to_dict() for o in self.operations] if self.operations is not None else None,
             "module_calls": [c.to_dict() for c in self.module_calls],
             "optimizers": [o.to_dict() for o in self.optimizers],
+            "num_steps": self.num_steps,
+            "phase_stats": [p.to_dict() for p in self.phase_stats],
+            "schedule": self.schedule,
+            "recorded_steps": [list(r) for r in self.recorded_steps],
         }
 
     @classmethod
@@ -465,6 +482,11 @@ class Trace:
                 if data.get("operations") is not None else None,
                 module_calls=tuple(ModuleCall.from_dict(c) for c in data.get("module_calls", ())),
                 optimizers=tuple(OptimizerSpec.from_dict(o) for o in data.get("optimizers", ())),
+                num_steps=optional_count(data.get("num_steps"), "num_steps"),
+                phase_stats=tuple(PhaseStats.from_dict(p) for p in data.get("phase_stats", ())),
+                schedule=optional_text(data.get("schedule"), "schedule"),
+                recorded_steps=tuple((count(a, "a recorded step"), count(b, "a recorded step"))
+                                     for a, b in data.get("recorded_steps", ())),
                 schema_version=version,
             )
         except TraceFormatError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from memprof import Category, Phase
+from memprof.phase_stats import STAT_KEYS, PhaseStats, Stat
 from memprof.specs import ModuleCall, OptimizerSpec, ParamSpec, TensorSpec
 from memprof.trace import (Breakdown, DeviceInfo, ModelFacts, ModuleRecord, OperationRecord, PhaseRecord,
                            Sample, StepRecord, Trace)
@@ -133,4 +134,8 @@ def full_trace() -> Trace:
         operations=(OperationRecord("forward", "Linear", "aten.addmm", 1, 192, 288, 48),),
         module_calls=(linear_call("fc", 8, 4, 3),),
         optimizers=(adamw_spec((4, 8), (4,)),),
+        num_steps=5,  # five steps ran; step 0 is kept in full, the others are in the statistics
+        phase_stats=(PhaseStats(Phase.FORWARD, 0, 5, tuple((k, Stat(96, 96, 100) if k == "activations" else None)
+                                                          for k in STAT_KEYS),
+                                tuple((k, None) for k in STAT_KEYS), median_exact=True),),
     )

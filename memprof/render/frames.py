@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..report import Report
     from ..trace import Trace
 
-__all__ = ["phases_frame", "modules_frame", "operations_frame", "breakdown_frame", "reconciliation_frame",
+__all__ = ["phases_frame", "phase_stats_frame", "modules_frame", "operations_frame", "breakdown_frame", "reconciliation_frame",
            "diff_frame", "diff_phases_frame"]
 
 
@@ -41,6 +41,28 @@ def phases_frame(report: "Report | Trace") -> "pd.DataFrame":
     for col in columns:
         if col != "phase":
             frame[col] = frame[col].astype("Int64")
+    return frame
+
+
+def phase_stats_frame(report: "Report | Trace") -> "pd.DataFrame":
+    """One row per (phase, occurrence, moment, category or total) over every step of the run."""
+    import pandas as pd
+
+    from ..phase_stats import STAT_KEYS
+
+    rows = []
+    for ps in as_trace(report).phase_stats:
+        for moment in ("peak", "end"):
+            for key in STAT_KEYS:
+                st = ps.at(moment, key)
+                rows.append({"phase": ps.phase.value, "occurrence": ps.occurrence, "moment": moment,
+                             "category": key, "count": ps.count, "min": st.min if st else None,
+                             "median": st.median if st else None, "max": st.max if st else None,
+                             "median_exact": ps.median_exact})
+    cols = ["phase", "occurrence", "moment", "category", "count", "min", "median", "max", "median_exact"]
+    frame = pd.DataFrame(rows, columns=cols)
+    for col in ("occurrence", "count", "min", "median", "max"):
+        frame[col] = frame[col].astype("Int64")
     return frame
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..categories import Category, TENSOR_CATEGORIES
-from ..trace import Breakdown, as_trace
+from ..trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, printable
 from .common import NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, signed, size
 
@@ -27,14 +27,27 @@ if TYPE_CHECKING:
 __all__ = ["report_text", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text", "plan_text"]
 
 
+#: Bounds that keep ``print(report)`` short for any run: phase rows, per-phase statistics rows, notes.
+MAX_PHASE_ROWS = 12
+MAX_STAT_ROWS = 6
+MAX_NOTES = 6
+
+
 def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
-    """The readable report that ``print(report)`` shows."""
+    """The readable report that ``print(report)`` shows, at most about 80 lines for any run: the peak,
+    the phases of the first steps, the peak's step and the last one, every step summarised per phase,
+    the top modules and the notes (``report.phases()``, ``report.phase_stats()`` and
+    ``report.modules()`` hold the rest)."""
     t = as_trace(report)
     lines: list[str] = []
     dev = t.device.name if t.device.type == "cuda" else t.device.type
-    lines.append(f"memprof report: {len(t.steps)} step(s), mode {t.mode}, device {dev}, torch {t.torch_version}")
+    lines.append(f"memprof report: {t.num_steps} step(s), mode {t.mode}, device {dev}, torch {t.torch_version}")
+    if t.schedule is not None:
+        spans = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in t.recorded_steps[:6])
+        more = f" and {len(t.recorded_steps) - 6} more windows" if len(t.recorded_steps) > 6 else ""
+        lines.append(f"recorded steps {spans or 'none'}{more} ({t.schedule})")
     if t.error:
-        lines.append(f"profiled code raised {t.error}")
+        lines.append(f"profiled code raised {_one_line(t.error)}")
     where = t.peak_location()
     lines.append("")
     lines.append(f"Peak {size(t.peak.total)}" + (f" ({', '.join(where)})" if where else ""))
@@ -45,24 +58,22 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
         lines.extend(breakdown_lines(t.live_at_error))
         if t.live_modules_at_error:
             lines.append("  created by module (activations + temporaries still live):")
-            for path, n in t.live_modules_at_error[:8]:
-                lines.append(f"    {path:<38}{format_bytes(n):>12}")
+            for path, n in t.live_modules_at_error[:3]:
+                lines.append(f"    {clip_path(path, 37):<38}{format_bytes(n):>12}")
+    shown = 0
     if t.steps:
         lines.append("")
-        lines.append("Phases (bytes at the peak of each phase)")
-        lines.append(f"  {'step':>4}  {'phase':<12}{'start':>14}{'peak':>14}{'end':>14}   largest at peak")
-        for rec in t.phases:
-            label = rec.phase.value + (f" #{rec.occurrence}" if rec.occurrence else "")
-            lines.append(
-                f"  {rec.step:>4}  {label:<12}{size(rec.start.total):>14}"
-                f"{size(rec.peak.total):>14}{size(rec.end.total):>14}   {largest(rec.peak)}"
-            )
+        phase_lines, shown = _phase_lines(t)
+        lines.extend(phase_lines)
+    if t.phase_stats and t.num_steps > shown:
+        lines.append("")
+        lines.extend(_stat_lines(t))
     mods = [m for m in t.modules if m.path != "<model>" and (m.activations or m.parameters)]
     if mods and top_modules > 0:
         mods.sort(key=lambda m: (-(m.activations or 0), -(m.parameters or 0)))
         # Show leaves first: a container repeats its children's figures.
-        paths = {m.path for m in mods}
-        leaves = [m for m in mods if not any(p.startswith(m.path + ".") for p in paths)]
+        parents = {parent_path(m.path) for m in t.modules}
+        leaves = [m for m in mods if m.path not in parents]
         lines.append("")
         lines.append("Top modules by saved activations")
         # 14 wide: "not measured" (12) keeps two blanks before it.
@@ -75,9 +86,61 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
     if t.notes:
         lines.append("")
         lines.append("Notes")
-        for note in t.notes:
-            lines.append(f"  - {note}")
+        for note in t.notes[:MAX_NOTES]:
+            lines.append(f"  - {_one_line(note)}")
+        if len(t.notes) > MAX_NOTES:
+            lines.append(f"  ... {len(t.notes) - MAX_NOTES} more in report.trace.notes")
     return printable("\n".join(lines))
+
+
+def _one_line(text: str) -> str:
+    """Text from a trace (a note, an error message) on one line of the report."""
+    return text.replace("\n", " ")
+
+
+def _phase_lines(t: "Trace") -> tuple[list[str], int]:
+    """The phase table of the steps kept in full, bounded (the first steps, the peak's and the last),
+    and how many steps it shows."""
+    steps = list(t.steps)
+    rows = sum(len(s.phases) for s in steps)
+    if rows > MAX_PHASE_ROWS:
+        wanted = {steps[0].index, steps[-1].index, t.peak_step}
+        wanted |= {s.index for s in steps[:2]}
+        steps = [s for s in steps if s.index in wanted]
+    kept = ", ".join(str(s.index) for s in t.steps) if len(t.steps) <= 12 else f"{len(t.steps)} steps"
+    title = "Phases (bytes at the peak of each phase)"
+    if t.num_steps > len(steps):
+        title = f"Phases of steps {', '.join(str(s.index) for s in steps)} of {t.num_steps} (bytes at each phase's peak)"
+    lines = [title, f"  {'step':>4}  {'phase':<12}{'start':>14}{'peak':>14}{'end':>14}   largest at peak"]
+    shown = 0
+    for s in steps:
+        for rec in s.phases:
+            if shown == MAX_PHASE_ROWS:
+                lines.append(f"  ... more phases in report.phases() (steps kept in full: {kept})")
+                return lines, len(steps)
+            shown += 1
+            label = rec.phase.value + (f" #{rec.occurrence}" if rec.occurrence else "")
+            lines.append(
+                f"  {rec.step:>4}  {label:<12}{size(rec.start.total):>14}"
+                f"{size(rec.peak.total):>14}{size(rec.end.total):>14}   {largest(rec.peak)}"
+            )
+    return lines, len(steps)
+
+
+def _stat_lines(t: "Trace") -> list[str]:
+    """Every step, per phase: how many, and the total at the phase's peak (min, median, max)."""
+    recorded = sum(b - a + 1 for a, b in t.recorded_steps) if t.schedule is not None else t.num_steps
+    lines = [f"All {recorded} {'recorded ' if t.schedule is not None else ''}steps per phase (total at each "
+             "phase's peak)",
+             f"  {'phase':<16}{'count':>8}{'min':>14}{'median':>14}{'max':>14}"]
+    for ps in t.phase_stats[:MAX_STAT_ROWS]:
+        label = ps.phase.value + (f" #{ps.occurrence}" if ps.occurrence else "")
+        st = ps.at("peak", "total")
+        lo, mid, hi = (size(v) for v in (st if st is not None else (None, None, None)))
+        lines.append(f"  {label:<16}{ps.count:>8}{lo:>14}{mid:>14}{hi:>14}")
+    if len(t.phase_stats) > MAX_STAT_ROWS:
+        lines.append(f"  ... {len(t.phase_stats) - MAX_STAT_ROWS} more in report.phase_stats()")
+    return lines
 
 
 def breakdown_lines(bd: Breakdown) -> list[str]:

@@ -259,6 +259,15 @@ class Ledger:
                 self.peak_phase_serial = self.phase_serial
                 self.peak_module = self.phase_peak_module
 
+    def peak_state(self) -> tuple:
+        """The global peak as it stands (to restore after steps that must not count, a schedule's warmup)."""
+        return (self.peak_total, self.peak.copy(), self.peak_tags, self.peak_seq, self.peak_phase_serial,
+                self.peak_module)
+
+    def restore_peak(self, state: tuple) -> None:
+        (self.peak_total, peak, self.peak_tags, self.peak_seq, self.peak_phase_serial, self.peak_module) = state
+        self.peak = peak.copy()
+
     # -- phases and frames ---------------------------------------------------
 
     def start_phase(self) -> None:

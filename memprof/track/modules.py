@@ -160,6 +160,13 @@ class ModuleTracker:
         prof = self.prof
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            windows = prof.windows
+            if windows is not None and (is_root or not self.stack) and not _is_compiling() and (
+                    prof.active or windows.paused) and _get_ident() == prof.thread and (
+                    prof.phases.current is not Phase.BACKWARD) and _graph_task_id() == -1:
+                # A schedule: a forward is where a step that ended closes, and memprof pauses or resumes.
+                if not windows.at_forward():
+                    return None
             if not prof.active or _is_compiling():
                 # Under dynamo's tracing (a model compiled inside the block) memprof's code must not
                 # enter the graph: the compiled call is then measured from outside, as compiled code.

@@ -98,14 +98,42 @@ class OptimizerTracker:
                 prof.changes.append(f"step {phases.step}: {type(opt).__name__} not passed to profile() stepped "
                                     "the model's parameters (its state is measured from its first step)")
         self.note(opt)
+        # args[0] is the optimizer itself (torch passes the step's own arguments through).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # step(closure) runs forward and backward inside the step (Lightning's automatic optimisation,
+            # LBFGS): the optimizer phase begins when the closure returns. The wrapper returns what the
+            # closure returns; the step computes exactly as without it.
+            kwargs = dict(kwargs)
+            kwargs["closure"] = self._after(closure)
+            return tuple(args[:1]), kwargs
         prof.params.walk_grads()
         if phases.current is not Phase.OPTIMIZER:
             phases.begin(Phase.OPTIMIZER)
         return None
 
+    def _after(self, closure: Any) -> Any:
+        prof = self.prof
+
+        def closure_then_step() -> Any:
+            result = closure()
+            if prof.active and not _is_compiling():
+                prof.params.walk_grads()
+                if prof.phases.current is not Phase.OPTIMIZER:
+                    prof.phases.begin(Phase.OPTIMIZER)
+            return result
+
+        return closure_then_step
+
     def post_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         prof = self.prof
-        if not prof.active or _is_compiling() or not self.is_ours(opt):
+        if not prof.active:
+            windows = prof.windows
+            if windows is not None and windows.paused and not _is_compiling() and self.is_ours(opt):
+                prof.phases.optimizer_seen = True
+                windows.optimizer_stepped_while_paused()  # a step the schedule does not watch ended
+            return None
+        if _is_compiling() or not self.is_ours(opt):
             return None
         self.collect_state(opt, retro=True)
         prof.params.release_stale_grads()

@@ -106,7 +106,11 @@ class ParamTracker:
 
     def grad_hook(self, param: torch.Tensor) -> None:
         prof = self.prof
-        if not prof.active or _is_compiling():
+        if not prof.active:
+            if prof.windows is not None and prof.windows.paused:
+                prof.windows.backward_ran_while_paused()
+            return
+        if _is_compiling():
             return
         if not prof.phases.forward_seen:
             # A gradient of the model from a forward memprof's module hooks never saw: a torch.compile

@@ -18,6 +18,7 @@ import torch
 from ..categories import Phase
 from ..trace import PhaseRecord, StepRecord
 from .ledger import breakdown, tag_pairs
+from .retention import Retention
 
 if TYPE_CHECKING:
     from ..profiler import Profiler
@@ -38,7 +39,8 @@ class PhaseTracker:
         self.phase_ops_start = 0
         self.step = 0
         self.step_phases: list[PhaseRecord] = []
-        self.steps: list[StepRecord] = []
+        # Steps kept in full and statistics of all of them: memory that does not grow with the run.
+        self.retention = Retention()
         self.occurrence: dict[Phase, int] = {}
         self.phase_start: list[int] = self.ledger.totals.copy()
         self.where: dict[int, tuple[int, Phase]] = {}  # ledger phase serial -> (step, phase)
@@ -116,8 +118,14 @@ class PhaseTracker:
         self.prof.modules.prune_hooks()
         self.forward_seen = False
         self.close()
+        closed = None
         if self.step_phases:
-            self.steps.append(StepRecord(self.step, tuple(self.step_phases)))
+            closed = self.step
+            windows = self.prof.windows
+            if windows is None or windows.records_now():
+                self.keep(StepRecord(self.step, tuple(self.step_phases)), selected=windows is not None)
+            else:
+                self.retention.steps_run += 1  # a warmup step: watched, counted, not kept
             self.step += 1
         self.step_phases = []
         self.occurrence = {}
@@ -129,6 +137,8 @@ class PhaseTracker:
         self.phase_ops_start = self.ops
         self.where[led.phase_serial] = (self.step, Phase.OTHER)
         self.scan_args = self.prof.mode == "full"
+        if closed is not None and self.prof.windows is not None:
+            self.prof.windows.step_closed(closed)  # may pause: the next step may be one not watched
 
     def optimizer_stepped(self) -> None:
         """An optimizer of the model finished its step."""
@@ -183,17 +193,46 @@ class PhaseTracker:
         # Raw ints now; Breakdown objects are built once, when the trace is.
         self.samples.append((self.sample_seq, self.step, self.current, label, tuple(self.ledger.totals)))
 
+    def peak_step(self) -> "int | None":
+        where = self.where.get(self.ledger.peak_phase_serial)
+        return where[0] if where else None
+
+    def keep(self, rec: StepRecord, *, selected: bool = False) -> None:
+        """A step ended: into the statistics, and into the detail while retention keeps it (``selected``:
+        a schedule recorded it)."""
+        dropped = self.retention.add(rec, peak_step=self.peak_step(), selected=selected)
+        if dropped:
+            gone = set(dropped)
+            if self.samples:
+                self.samples = [s for s in self.samples if s[1] not in gone]
+            peak_serial = self.ledger.peak_phase_serial
+            self.where = {serial: w for serial, w in self.where.items()
+                          if w[0] not in gone or serial == peak_serial}
+
     def finish(self) -> list[StepRecord]:
         """Close whatever is open; a trailing step holding only "other" joins the previous step."""
+        windows = self.prof.windows
+        if windows is not None and windows.paused:
+            # Nothing was watched since the pause: what the ledger saw then (frees) is no phase's.
+            self.step_phases = []
+            if windows.step_ended or windows.backward_ended:
+                self.retention.steps_run += 1
+                windows.step_ended = windows.backward_ended = False
+            return self.retention.records()
         self.close()
         phases = self.step_phases
+        last = self.retention.kept.get(self.step - 1)
         if phases:
-            if self.steps and all(p.phase is Phase.OTHER for p in phases):
-                last = self.steps[-1]
-                self.steps[-1] = StepRecord(last.index, last.phases + tuple(
-                    dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
-                        1 for q in last.phases if q.phase is p.phase)) for p in phases))
+            if last is not None and all(p.phase is Phase.OTHER for p in phases):
+                extra = tuple(dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
+                    1 for q in last.phases if q.phase is p.phase)) for p in phases)
+                self.retention.replace_last(StepRecord(last.index, last.phases + extra))
+                self.retention.add_phases(extra)
+            elif windows is None or windows.records_now():
+                self.keep(StepRecord(self.step, tuple(phases)), selected=windows is not None)
+                if windows is not None:
+                    windows.note_recorded(self.step)
             else:
-                self.steps.append(StepRecord(self.step, tuple(phases)))
+                self.retention.steps_run += 1
         self.step_phases = []
-        return self.steps
+        return self.retention.records()

@@ -113,6 +113,10 @@ def build_trace(prof: "Profiler") -> Trace:
         ) if operations is not None else None,
         module_calls=tuple(call for _index, call in prof.modules.module_calls),
         optimizers=prof.optimizers.specs(),
+        num_steps=prof.phases.retention.steps_run,
+        phase_stats=prof.phases.retention.phase_stats(),
+        schedule=prof.schedule.describe() if prof.schedule is not None else None,
+        recorded_steps=prof.windows.recorded_steps() if prof.windows is not None else (),
     )
 
 

@@ -68,7 +68,9 @@ class SavedTracker:
         self.saved_inputs: dict[tuple[int, int], int] = {}
         # Storages the graph holds that were saved outside memprof's pushes: key -> nodes holding it.
         self.graph_saved: dict[int, int] = {}
-        self.walked_tasks: set[int] = set()  # graph tasks whose graph was searched
+        # Graph tasks whose graph was searched, the most recent few (a task id is not reused while
+        # its backward runs, and a run has millions of them).
+        self.walked_tasks: dict[int, None] = {}
 
     # -- memprof's own pair ---------------------------------------------------------
 
@@ -274,7 +276,9 @@ class SavedTracker:
         task = _graph_task_id()
         if node is None or task in self.walked_tasks:
             return
-        self.walked_tasks.add(task)
+        self.walked_tasks[task] = None
+        if len(self.walked_tasks) > 16:
+            del self.walked_tasks[next(iter(self.walked_tasks))]
         led = self.ledger
         found: list[int] = []
         seen: set[int] = set()

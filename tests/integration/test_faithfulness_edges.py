@@ -330,3 +330,33 @@ def test_what_the_loss_saves_under_the_users_hooks_is_an_activation():
     cloned = _loss_saved(lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t))
     assert cloned[C.ACTIVATIONS] == plain[C.ACTIVATIONS] + 320 + 64
     assert cloned[C.INPUTS] == plain[C.INPUTS]
+
+
+def _closure_steps(mode, optimizer_cls):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = optimizer_cls(model.parameters())
+    x = torch.randn(4, 8)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with _profile(model, opt, mode) as prof:
+        losses = [opt.step(closure).item() for _ in range(3)]
+    return losses, [p.detach().clone() for p in model.parameters()], prof
+
+
+@pytest.mark.parametrize("optimizer_cls", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                           lambda ps: torch.optim.LBFGS(ps, max_iter=3)])
+def test_a_step_with_a_closure_trains_identically_and_its_phases_are_in_order(optimizer_cls):
+    plain = _closure_steps(None, optimizer_cls)
+    losses, params, prof = _closure_steps("full", optimizer_cls)
+    assert losses == plain[0] and all(torch.equal(a, b) for a, b in zip(plain[1], params))
+    for step in prof.trace.steps:
+        kinds = [p.phase.value for p in step.phases if p.phase.value != "other"]
+        # Forward and backward run inside step(closure) (LBFGS calls it several times); the optimizer's
+        # own work comes after each closure, never before the first forward.
+        assert kinds[:2] == ["forward", "backward"] and kinds[-1] == "optimizer"

@@ -104,3 +104,23 @@ def test_the_reconciliation_names_each_gap_and_gives_levers():
       - ZeRO stage 1 over 8 ranks shards optimizer state: saves 259 B per rank
       - 8-bit AdamW (bitsandbytes) keeps 2 B/param of optimizer state instead of 8.2: saves about 224 B
     """)
+
+
+def test_the_report_is_at_most_80_lines_whatever_the_run_holds():
+    from memprof import Phase
+    from memprof.phase_stats import STAT_KEYS, PhaseStats, Stat
+
+    kinds = ["forward", "backward", "other", "optimizer"]
+    phases = tuple(phase(s, kinds[k % 4], occurrence=k // 4, start=cpu(weights=10), peak=cpu(weights=10 + k),
+                         end=cpu(weights=10)) for s in range(100) for k in range(12))
+    stats = tuple(PhaseStats(Phase.FORWARD, occ, 1000, tuple((key, Stat(1, 2, 3)) for key in STAT_KEYS),
+                             tuple((key, Stat(1, 2, 3)) for key in STAT_KEYS)) for occ in range(30))
+    mods = tuple(module(f"layers.{i}.sub", "Linear", parameters=64, activations=i) for i in range(500))
+    t = trace(phases=phases, modules=mods, notes=tuple(f"note {i}\nwith a second line" for i in range(30)),
+              error="RuntimeError: out of memory\nat line 2", live_at_error=cpu(weights=10, temporaries=5),
+              live_modules_at_error=tuple((f"m{i}", i) for i in range(20)), num_steps=10_000, phase_stats=stats,
+              schedule="schedule(wait=0, warmup=0, active=1, repeat=0, skip_first=0)",
+              recorded_steps=tuple((i, i) for i in range(0, 200, 2)))
+    lines = report_text(t).splitlines()
+    assert len(lines) <= 80, len(lines)
+    assert "... 24 more in report.trace.notes" in lines[-1]

@@ -1,0 +1,106 @@
+"""What a long run keeps, on hand-built step records: the first steps, the peak's, the last and the
+scheduled ones in full; every step in the per-phase statistics; memory bounded whatever the count."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from memprof import Phase
+from memprof.errors import InvalidArgumentError
+from memprof.schedule import ACTIVE, DONE, SKIP, WAIT, WARMUP, schedule
+from memprof.trace import StepRecord
+from memprof.track.retention import FIRST_STEPS, MAX_SELECTED, Retention, _Series
+
+from factories import cpu, phase
+
+
+def _step(index: int, peak: int) -> StepRecord:
+    return StepRecord(index, (phase(index, "forward", start=cpu(weights=100), peak=cpu(weights=100, activations=peak),
+                                    end=cpu(weights=100, activations=peak // 2)),))
+
+
+def test_a_series_knows_its_exact_median_while_its_values_are_few():
+    s = _Series()
+    values = [5, 1, 9, 1, 1, 7]
+    for v in values:
+        s.add(v)
+    assert s.stat() == (1, 1, 9)  # lower median of 1 1 1 5 7 9
+    s.add(None)
+    assert s.stat() is None  # one phase that did not measure it: not measured, never a number
+
+
+def test_a_series_of_many_distinct_values_keeps_a_thinned_sample_with_exact_min_and_max():
+    s = _Series()
+    values = list(range(10_000))
+    for v in values:
+        s.add(v)
+    lo, mid, hi = s.stat()
+    assert (lo, hi) == (0, 9_999)
+    assert abs(mid - statistics.median(values)) <= 200  # an evenly thinned sample: within 2 % here
+    assert s.counts is None and len(s.sample) < 2 * 64
+
+
+def test_retention_keeps_the_first_steps_the_peak_and_the_last():
+    r = Retention()
+    peaks = [10, 20, 30, 40, 500, 60, 70, 80]
+    for i, p in enumerate(peaks):
+        r.add(_step(i, p), peak_step=4 if i >= 4 else i)
+    assert [s.index for s in r.records()] == [0, 1, 2, 4, 7]
+    assert r.steps_run == 8
+    (fwd,) = r.phase_stats()
+    assert fwd.count == 8
+    # activations at the forward's peak over all 8 steps: min 10, lower median of the sorted eight 40, max 500
+    assert fwd.at("peak", "activations") == (10, 40, 500)
+    assert fwd.at("peak", "total") == (110, 140, 600)
+    assert fwd.at("peak", "allocator_overhead") is None
+
+
+def test_scheduled_steps_stay_in_full_up_to_a_bound():
+    r = Retention()
+    for i in range(MAX_SELECTED + 50):
+        r.add(_step(i, 10), peak_step=0, selected=i >= FIRST_STEPS)
+    # Steps 3 .. 305 were selected; the most recent MAX_SELECTED (256) of them, 50 .. 305, stay.
+    assert [s.index for s in r.records()] == list(range(FIRST_STEPS)) + list(range(50, MAX_SELECTED + 50))
+
+
+def test_memory_of_a_million_steps_is_that_of_a_few():
+    r = Retention()
+    for i in range(20_000):
+        r.add(_step(i, 10 + i % 1000), peak_step=0)
+    assert len(r.kept) == FIRST_STEPS + 1
+    (fwd,) = r.phase_stats()
+    assert fwd.count == 20_000 and not fwd.median_exact
+
+
+# ---------------------------------------------------------------------- the schedule
+
+
+def test_the_schedule_reads_like_torch_profilers():
+    plan = schedule(skip_first=1, wait=1, warmup=1, active=2, repeat=2)
+    assert [plan(i) for i in range(11)] == [SKIP, WAIT, WARMUP, ACTIVE, ACTIVE, WAIT, WARMUP, ACTIVE, ACTIVE, DONE, DONE]
+    forever = schedule(wait=1, active=1)
+    assert [forever(i) for i in range(5)] == [WAIT, ACTIVE, WAIT, ACTIVE, WAIT]
+
+
+@pytest.mark.parametrize("kwargs, problem", [
+    ({"wait": -1}, "negative"), ({"active": 0}, "records nothing"), ({"repeat": 1.5}, "must be an int"),
+    ({"skip_first": True}, "must be an int"),
+])
+def test_a_schedule_that_cannot_work_is_refused(kwargs, problem):
+    with pytest.raises(InvalidArgumentError, match=problem):
+        schedule(**kwargs)
+
+
+def test_phase_stats_of_two_kinds_of_phase_are_kept_apart():
+    r = Retention()
+    for i in range(4):
+        rec = StepRecord(i, (
+            phase(i, "forward", start=cpu(), peak=cpu(activations=100), end=cpu(activations=50)),
+            phase(i, "forward", occurrence=1, start=cpu(), peak=cpu(activations=300), end=cpu()),
+        ))
+        r.add(rec, peak_step=0)
+    stats = {(s.phase, s.occurrence): s for s in r.phase_stats()}
+    assert stats[(Phase.FORWARD, 0)].at("end", "activations") == (50, 50, 50)
+    assert stats[(Phase.FORWARD, 1)].at("peak", "activations") == (300, 300, 300)
