@@ -1,0 +1,108 @@
+"""memprof in Lightning: a ``lightning.pytorch.Callback`` that profiles ``trainer.fit()``.
+
+    from memprof.integrations.lightning import MemprofCallback
+
+    cb = MemprofCallback(schedule=memprof.schedule(wait=10, active=2))
+    trainer = L.Trainer(max_steps=100, callbacks=[cb])
+    trainer.fit(module, data)
+    print(cb.report)
+
+Phases are right under automatic optimisation (where forward and backward run inside
+``optimizer.step(closure)``), manual optimisation and gradient accumulation. After each training
+batch whose step was recorded, ``memprof/peak_bytes`` and ``memprof/<category>_bytes`` go to the
+Trainer's loggers at the step's global step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..errors import MissingExtraError
+from . import require, step_metrics
+
+try:
+    import lightning
+    from lightning.pytorch import Callback
+except ImportError:  # pragma: no cover - the extra is missing
+    raise MissingExtraError(
+        "memprof.integrations.lightning needs lightning; install it with pip install 'torch-memprof[lightning]'"
+    ) from None
+
+if TYPE_CHECKING:
+    from ..profiler import Profiler
+    from ..report import Report
+    from ..schedule import Schedule
+
+__all__ = ["MemprofCallback"]
+
+require("lightning", "lightning", (2, 0), lightning.__version__)
+
+
+class MemprofCallback(Callback):  # type: ignore[misc]
+    """Profile ``trainer.fit()``: the LightningModule and the Trainer's optimizers, from the start of
+    training to its end (also when it raises). ``mode`` and ``schedule`` are those of
+    :func:`memprof.profile`; with ``save_dir`` the report is saved there at the end
+    (``memprof-rank<N>.json``) and, with a schedule, after each recorded window. :attr:`report`
+    holds the report after training."""
+
+    def __init__(self, *, mode: str = "auto", schedule: "Schedule | None" = None,
+                 save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False) -> None:
+        super().__init__()
+        self.mode = mode
+        self.schedule = schedule
+        self.save_dir = os.fspath(save_dir) if save_dir is not None else None
+        self.timeline = timeline
+        self.profiler: "Profiler | None" = None
+        self.report: "Report | None" = None
+        self._logged: "int | None" = None
+        self._rank = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from ..profiler import Profiler
+
+        self.stop()
+        self._rank = int(getattr(trainer, "global_rank", 0) or 0)
+        if self.save_dir is not None:
+            os.makedirs(self.save_dir, exist_ok=True)
+        on_ready = self._save_window if (self.save_dir is not None and self.schedule is not None) else None
+        self.report = None
+        self._logged = None
+        self.profiler = Profiler(pl_module, list(trainer.optimizers), mode=self.mode, timeline=self.timeline,
+                                 schedule=self.schedule, on_trace_ready=on_ready)
+        self.profiler.start()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        prof = self.profiler
+        if prof is None or not prof.running:
+            return
+        prof.end_step()  # closes the step if its optimizer stepped in this batch (not mid-accumulation)
+        last = prof.latest_step()
+        if last is None or last.index == self._logged:
+            return
+        self._logged = last.index
+        metrics = step_metrics(last)
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(dict(metrics), step=max(0, trainer.global_step - 1))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.stop()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.stop()  # every hook is removed; the report holds what was measured until then
+
+    def stop(self) -> None:
+        """End the profile if it runs; keep its report."""
+        prof, self.profiler = self.profiler, None
+        if prof is None or not prof.running:
+            return
+        prof.stop()
+        self.report = prof.report()
+        if self.save_dir is not None:
+            self.report.save(os.path.join(self.save_dir, f"memprof-rank{self._rank}.json"))
+
+    def _save_window(self, prof: "Profiler") -> None:
+        assert self.save_dir is not None and prof.window is not None
+        a, b = prof.window
+        prof.report().save(os.path.join(self.save_dir, f"memprof-rank{self._rank}-steps-{a}-{b}.json"))

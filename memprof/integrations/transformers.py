@@ -1,0 +1,128 @@
+"""memprof in the HF ``Trainer``: a ``TrainerCallback`` that profiles the whole ``trainer.train()``.
+
+    from memprof.integrations.transformers import MemprofCallback
+
+    cb = MemprofCallback(schedule=memprof.schedule(wait=10, active=2), save_dir="memprof")
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    trainer.train()
+    print(cb.report)
+
+Each logged step gets ``memprof/peak_bytes`` and ``memprof/<category>_bytes`` in the Trainer's logs,
+so they reach TensorBoard, W&B or whatever ``report_to`` chose.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ..errors import MissingExtraError
+from . import require, step_metrics
+
+try:
+    import transformers
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - the extra is missing
+    raise MissingExtraError(
+        "memprof.integrations.transformers needs transformers; install it with "
+        "pip install 'torch-memprof[transformers]'") from None
+
+if TYPE_CHECKING:
+    from ..profiler import Profiler
+    from ..report import Report
+    from ..schedule import Schedule
+
+__all__ = ["MemprofCallback"]
+
+require("transformers", "transformers", (4, 36), transformers.__version__)
+
+
+class MemprofCallback(TrainerCallback):  # type: ignore[misc]
+    """Profile ``trainer.train()``: the Trainer's model and optimizer (followed through accelerate's
+    wrapper), from ``on_train_begin`` to ``on_train_end``.
+
+    ``mode`` and ``schedule`` are those of :func:`memprof.profile`. With ``save_dir`` the report is
+    saved there at the end (``memprof-rank<N>.json``) and, with a schedule, after each recorded
+    window (``memprof-rank<N>-steps-<a>-<b>.json``). :attr:`report` holds the report after training.
+    If ``train()`` raises, call :meth:`stop` (the Trainer has no event for it).
+    """
+
+    def __init__(self, *, mode: str = "auto", schedule: "Schedule | None" = None,
+                 save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False) -> None:
+        self.mode = mode
+        self.schedule = schedule
+        self.save_dir = os.fspath(save_dir) if save_dir is not None else None
+        self.timeline = timeline
+        self.profiler: "Profiler | None" = None
+        self.report: "Report | None" = None
+        self._metrics: dict[str, int] = {}
+        self._logged: "int | None" = None
+        self._rank = 0
+
+    # -- the Trainer's events -------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        from ..profiler import Profiler
+
+        self.stop()  # a second train() on the same callback: the first profile ends here
+        self._log_first(sys._getframe(1))
+        self._rank = int(getattr(args, "process_index", 0) or 0)
+        if self.save_dir is not None:
+            os.makedirs(self.save_dir, exist_ok=True)
+        on_ready = self._save_window if (self.save_dir is not None and self.schedule is not None) else None
+        self.report = None
+        self._logged = None
+        self.profiler = Profiler(model, optimizer, mode=self.mode, timeline=self.timeline, schedule=self.schedule,
+                                 on_trace_ready=on_ready)
+        self.profiler.start()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        prof = self.profiler
+        if prof is None or not prof.running:
+            return
+        prof.end_step()  # every optimizer of this step has stepped: its record closes now
+        last = prof.latest_step()
+        # Only a step recorded since the last one logged (a schedule leaves the others out).
+        fresh = last is not None and last.index != self._logged
+        self._metrics = step_metrics(last) if fresh else {}
+        if fresh:
+            self._logged = last.index
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: "dict[str, Any] | None" = None,
+               **kwargs: Any) -> None:
+        if logs is not None and self._metrics and "loss" in logs:
+            logs.update(self._metrics)  # a training log line: this step's memory beside its loss
+            history = getattr(state, "log_history", None)
+            if history and history[-1].get("step") == state.global_step and "loss" in history[-1]:
+                history[-1].update(self._metrics)  # and in trainer.state.log_history (trainer_state.json)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.stop()
+
+    # -- ending -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """End the profile if it runs (the Trainer calls this through ``on_train_end``); keep its report."""
+        prof, self.profiler = self.profiler, None
+        if prof is None or not prof.running:
+            return
+        prof.stop()
+        self.report = prof.report()
+        if self.save_dir is not None:
+            self.report.save(os.path.join(self.save_dir, f"memprof-rank{self._rank}.json"))
+
+    def _save_window(self, prof: "Profiler") -> None:
+        assert self.save_dir is not None and prof.window is not None
+        a, b = prof.window
+        prof.report().save(os.path.join(self.save_dir, f"memprof-rank{self._rank}-steps-{a}-{b}.json"))
+
+    def _log_first(self, frame: Any) -> None:
+        """Run this callback's ``on_log`` before the reporting callbacks', which read the same ``logs``:
+        the Trainer calls callbacks in the order they were added, and user callbacks come last."""
+        handler = frame.f_locals.get("self") if frame is not None else None
+        callbacks = getattr(handler, "callbacks", None)
+        if isinstance(callbacks, list) and self in callbacks and callbacks[0] is not self:
+            callbacks.remove(self)
+            callbacks.insert(0, self)
