@@ -88,7 +88,8 @@ except ImportError:  # running from a checkout without installation
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import memprof
 
-VARIANTS = ("bare", "memprof_exact", "memprof_light", "memtracker", "torch_profiler", "null_dispatch")
+VARIANTS = ("bare", "memprof_exact", "memprof_light", "memprof_paused", "memtracker", "torch_profiler",
+            "null_dispatch")
 WORKLOADS = ("gpt", "cnn", "mlp")
 
 
@@ -236,6 +237,9 @@ def run_variant(variant: str, wl: Workload, steps: int, device: torch.device) ->
         ctx = memprof.profile(model, opt, mode="full")
     elif variant == "memprof_light":
         ctx = memprof.profile(model, opt, mode="light")
+    elif variant == "memprof_paused":
+        # Exact mode with a schedule whose window never comes: what a step outside the window costs.
+        ctx = memprof.profile(model, opt, mode="full", schedule=memprof.schedule(skip_first=10**9))
     elif variant == "memtracker":
         from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -328,6 +332,46 @@ def bench_workload(name: str, device: torch.device, rounds: int, steps: int, qui
     del wl
     gc.collect()
     return out
+
+
+# ---------------------------------------------------------------------------- one profiling block
+
+
+def session_cost(rounds: int, quick: bool) -> dict[str, Any]:
+    """Entering and leaving an empty profiling block (and building its report), against one bare step
+    of the demo's TinyGPT (its default sizes: batch 8, sequence 128, 4 layers, hidden 256)."""
+    from memprof.examples import TinyGPT, synthetic_tokens
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=1000, hidden=64 if quick else 256, layers=1 if quick else 4, heads=4, max_seq=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = synthetic_tokens(8, 32 if quick else 128, 1000, seed=0)
+
+    def step() -> None:
+        TinyGPT.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    bare, empty = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        step()
+        bare.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with memprof.profile(model, opt) as prof:
+            pass
+        prof.report()
+        empty.append(time.perf_counter() - t0)
+    b, e = statistics.median(bare), statistics.median(empty)
+    return {"bare_step_ms": b * 1e3, "empty_block_ms": e * 1e3, "ratio": e / b, "rounds": rounds}
+
+
+def markdown_session(s: dict[str, Any]) -> str:
+    return ("| empty profiling block (enter, exit, report) | bare TinyGPT step (demo sizes) | ratio |\n"
+            "| ---: | ---: | ---: |\n"
+            f"| {s['empty_block_ms']:.1f} ms | {s['bare_step_ms']:.1f} ms | {100 * s['ratio']:.1f} % |\n")
 
 
 # ---------------------------------------------------------------------------- memory of memprof
@@ -555,17 +599,21 @@ def main(argv: "list[str] | None" = None) -> int:
         info["other_processes_cpu_cores_during_timing"] = round(others, 2)
         print(f"# other processes used on average {others:.2f} CPU cores during the timed part", flush=True)
 
+    session = session_cost(3 if args.quick else 9, args.quick)
+    print(markdown_session(session))
+
     mem = None
     if not args.no_memory:
         mem = memprof_memory(mem_steps, args.quick)
         print(markdown_memory(mem))
 
-    md = markdown_table(results, variants)
+    md = markdown_table(results, variants) + "\n" + markdown_session(session)
     print()
     print(md)
     if mem is not None:
         md += "\n" + markdown_memory(mem)
-    write_results(args.json, {"machine": info, "results": results, "memprof_memory": mem}, args.markdown, md)
+    write_results(args.json, {"machine": info, "results": results, "session": session, "memprof_memory": mem},
+                  args.markdown, md)
     return 0
 
 

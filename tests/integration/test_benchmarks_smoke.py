@@ -63,10 +63,13 @@ def test_gpu_validate_without_cuda(tmp_path):
 
 def test_overhead_quick(tmp_path):
     out_json, out_md = tmp_path / "oh.json", tmp_path / "oh.md"
-    _run([BENCH / "overhead.py", "--quick", "--workloads", "gpt", "--variants", "memprof_exact,null_dispatch",
-          "--no-memory", "--json", out_json, "--markdown", out_md])
-    (r,) = json.loads(out_json.read_text())["results"]
-    assert r["workload"] == "gpt" and set(r["variants"]) == {"bare", "memprof_exact", "null_dispatch"}
+    _run([BENCH / "overhead.py", "--quick", "--workloads", "gpt", "--variants",
+          "memprof_exact,memprof_paused,null_dispatch", "--no-memory", "--json", out_json, "--markdown", out_md])
+    data = json.loads(out_json.read_text())
+    (r,) = data["results"]
+    assert r["workload"] == "gpt" and set(r["variants"]) == {"bare", "memprof_exact", "memprof_paused", "null_dispatch"}
+    # The cost of an empty profiling block, against one bare step of the demo's model.
+    assert data["session"]["empty_block_ms"] > 0 and data["session"]["bare_step_ms"] > 0
     for v in r["variants"].values():
         # Three estimates of the same ratio, each from the timed rounds.
         assert len(v["round_times_s"]) == 2 and all(t > 0 for t in v["round_times_s"])
@@ -85,3 +88,12 @@ def test_overhead_breakdown_quick(tmp_path):
     assert counts["optimizer"] > 4 * 52  # 52 parameter tensors in the 4-layer model (tied embedding once)
     assert set(data["variants"]) >= {"bare", "exact", "light", "null_dispatch", "hooks_only"}
     assert len(data["costs_ms"]) == 5
+
+
+def test_long_run_quick(tmp_path):
+    out_json = tmp_path / "lr.json"
+    _run([BENCH / "long_run.py", "--quick", "--steps", "600", "--light-steps", "800", "--json", out_json], timeout=300)
+    r = json.loads(out_json.read_text())["results"]
+    assert r["exact"]["steps"] == 600 and r["exact"]["report_lines"] <= 80
+    assert r["exact"]["steps_kept_in_full"] <= 5 and r["exact"]["trace_bytes"] > 0
+    assert [run["steps"] for run in r["light"]] == [500, 800]
