@@ -202,7 +202,7 @@ def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: i
     """
     t = as_trace(report)
     dev = t.device.name if t.device.type == "cuda" else t.device.type
-    n = len(t.steps)
+    n = t.num_steps
     parts = [f'<div class="memprof-report" style="{_ROOT}">']
     parts.append(f'<div style="font-size:14px;font-weight:600;margin-bottom:4px">memprof report: '
                  f'{n} step{"s" if n != 1 else ""}, mode {_e(t.mode)}, device {_e(dev)}'
