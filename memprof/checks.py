@@ -32,6 +32,15 @@ def count(value: Any, name: str) -> int:
     return value
 
 
+def optional_time(value: Any, name: str) -> "float | None":
+    """Microseconds since a profile started (schema 4), or None (older files, or not recorded)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e15:
+        raise corrupt(f"{name} must be a number of microseconds between 0 and 1e15, got {_shown(value)}")
+    return float(value)
+
+
 def text(value: Any, name: str) -> str:
     if not isinstance(value, str):
         raise corrupt(f"{name} must be a string, got {_shown(value)}")

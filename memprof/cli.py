@@ -1,4 +1,4 @@
-"""The ``memprof`` command: ``demo``, ``report``, ``diff``, ``estimate``.
+"""The ``memprof`` command: ``demo``, ``report``, ``export``, ``diff``, ``estimate``.
 
 Exit codes: 0 success, 1 a memprof error (bad file, failed check), 2 bad usage
 (argparse's own convention). Errors are one line on stderr, no traceback.
@@ -72,7 +72,28 @@ def _cmd_report(args: argparse.Namespace) -> int:
     import memprof
 
     report = memprof.load(args.file)
+    if args.html:
+        _writable(args.html)
+        report.to_html(args.html)
     print(report.to_text(top_modules=args.top))
+    if args.html:
+        print(f"\nHTML report written to {args.html}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import memprof
+
+    wanted = [(path, how) for path, how in ((args.chrome, "export_chrome_trace"), (args.memory_viz, "export_memory_viz"),
+                                            (args.html, "to_html")) if path]
+    if not wanted:
+        raise MemprofError("say what to write: --chrome trace.json, --memory-viz snapshot.pickle and/or --html out.html")
+    for path, _ in wanted:
+        _writable(path)  # all refused before any is written
+    report = memprof.load(args.file)
+    for path, how in wanted:
+        getattr(report, how)(path)
+        print(f"wrote {path}")
     return 0
 
 
@@ -191,7 +212,18 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="print the report of a saved trace (JSON)")
     rep.add_argument("file", help="a JSON file written by report.save() or 'memprof demo --save'")
     rep.add_argument("--top", type=int, default=8, help="modules to list (default 8)")
+    rep.add_argument("--html", metavar="PATH", help="also write the report as one self-contained HTML file")
     rep.set_defaults(func=_cmd_report)
+
+    exp = sub.add_parser("export", help="write a saved trace for other viewers: Perfetto, memory_viz, HTML",
+                         description="Write a saved trace as a Chrome trace (ui.perfetto.dev, chrome://tracing), "
+                                     "a memory_viz snapshot (pytorch.org/memory_viz) and/or a standalone HTML "
+                                     "report.")
+    exp.add_argument("file", help="a JSON file written by report.save(), 'memprof demo --save' or an OOM dump")
+    exp.add_argument("--chrome", metavar="PATH", help="Chrome/Perfetto trace (JSON)")
+    exp.add_argument("--memory-viz", metavar="PATH", help="memory_viz snapshot (pickle)")
+    exp.add_argument("--html", metavar="PATH", help="standalone HTML report")
+    exp.set_defaults(func=_cmd_export)
 
     dif = sub.add_parser("diff", help="compare two saved traces: what grew and shrank, per category and phase")
     dif.add_argument("a", help="the baseline trace (JSON)")

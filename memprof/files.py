@@ -19,7 +19,7 @@ from .errors import InvalidArgumentError, TraceFormatError, TraceNotFoundError
 if TYPE_CHECKING:
     from .trace import Trace
 
-__all__ = ["write_text_atomic", "read_json", "load_trace"]
+__all__ = ["write_text_atomic", "write_bytes_atomic", "read_json", "load_trace"]
 
 
 def _path(path: Any, what: str) -> str:
@@ -33,6 +33,11 @@ def _path(path: Any, what: str) -> str:
 
 def write_text_atomic(path: "str | os.PathLike[str]", text: str) -> None:
     """Write ``text`` to ``path`` so that ``path`` holds either its old content or all of the new."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: "str | os.PathLike[str]", data: bytes) -> None:
+    """Write ``data`` to ``path`` so that ``path`` holds either its old content or all of the new."""
     target = _path(path, "saving")
     folder = os.path.dirname(os.path.abspath(target))
     if os.path.isdir(target):
@@ -50,8 +55,8 @@ def write_text_atomic(path: "str | os.PathLike[str]", text: str) -> None:
     except OSError as exc:
         raise OSError(exc.errno, f"cannot write in {folder} ({exc.strerror})", target) from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, mode)

@@ -20,6 +20,7 @@ is built by :mod:`.track.record`.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import weakref
@@ -30,9 +31,10 @@ import torch.optim.optimizer as _optim_mod
 from torch import nn
 
 from .errors import InvalidArgumentError, ProfilerStateError, UnknownNameError
-from .trace import Breakdown, StepRecord, Trace
+from .trace import Breakdown, OomRecord, StepRecord, Trace
 from .track.device import DeviceProbe
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
+from .track.oom import OomDump, checked_folder, is_oom
 from .track.modules import ModuleTracker, attribute_tensors, unique_params
 from .track.operations import OperationLog
 from .track.optimizer import OptimizerTracker, as_optimizers
@@ -70,6 +72,7 @@ def profile(
     operations: bool = False,
     schedule: "Schedule | None" = None,
     on_trace_ready: "Callable[[Profiler], Any] | None" = None,
+    oom_dump: "str | os.PathLike[str] | None" = None,
 ) -> "Profiler":
     """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
 
@@ -85,6 +88,10 @@ def profile(
     turns memprof off between them; ``on_trace_ready(prof)`` is called at the
     end of each recorded window (``prof.report()`` then reads the run so far,
     ``prof.window`` is the window's first and last step).
+    ``oom_dump="dir/"``: when an out-of-memory error leaves the block, the
+    trace up to it is written there as ``memprof-oom-<rank>-<pid>-<time>.json``
+    (on CUDA with a memory_viz snapshot beside it); the folder is created and
+    checked now, the exception propagates unchanged.
 
     However long the run, the record stays bounded: every step is summarised
     per phase (:meth:`Report.phase_stats`), and full detail is kept for the
@@ -95,7 +102,7 @@ def profile(
     optimizer after the block ends.
     """
     return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations, schedule=schedule,
-                    on_trace_ready=on_trace_ready)
+                    on_trace_ready=on_trace_ready, oom_dump=oom_dump)
 
 
 class Profiler:
@@ -116,6 +123,7 @@ class Profiler:
         operations: bool = False,
         schedule: "Schedule | None" = None,
         on_trace_ready: "Callable[[Profiler], Any] | None" = None,
+        oom_dump: "str | os.PathLike[str] | None" = None,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
     ) -> None:
@@ -154,6 +162,10 @@ class Profiler:
         self.error: "str | None" = None
         self.live_at_error: "Breakdown | None" = None
         self.live_modules_at_error: tuple[tuple[str, int], ...] = ()
+        self.oom: "OomRecord | None" = None
+        self.oom_dump = OomDump(self, checked_folder(oom_dump)) if oom_dump is not None else None
+        #: Where the OOM dump was written, after an out-of-memory error ended the block.
+        self.oom_dump_path: "str | None" = None
 
     # ------------------------------------------------------------------ public
 
@@ -162,15 +174,18 @@ class Profiler:
         :meth:`stop`, for callbacks and loops that cannot hold a ``with`` block."""
         return self.__enter__()
 
-    def stop(self) -> None:
+    def stop(self, error: "BaseException | None" = None) -> None:
         """End profiling: remove every hook and freeze the record (what leaving ``with prof:`` does).
-        :meth:`report` is readable afterwards."""
+        :meth:`report` is readable afterwards. ``error``: the exception that ended the run, recorded as
+        a ``with`` block records one (what was live, an OOM and its dump); it is not raised."""
         if self._state != "active":
             raise ProfilerStateError(
                 "stop() was called on a profiler that is not running (" + self._state_words() + "); call "
                 "prof.start() first, and stop() once"
             )
-        self.__exit__(None, None, None)
+        if error is not None and not isinstance(error, BaseException):
+            raise InvalidArgumentError(f"stop(error=...) takes the exception that ended the run, got {type(error).__name__}")
+        self.__exit__(type(error) if error is not None else None, error, None)
 
     @property
     def running(self) -> bool:
@@ -254,11 +269,13 @@ class Profiler:
             return None
         if exc is not None:
             self.error = f"{exc_type.__name__}: {exc}"
-            # What was live at the failing moment, before anything unwinds further.
-            self.live_at_error = breakdown(self.ledger.totals, light=self.mode == "light", where="now")
-            self.live_modules_at_error = live_modules(self)
+            self.capture_live()
+            if is_oom(exc):
+                self.oom = (self.oom_dump or OomDump(self, "")).record(exc, self.device)
         elsewhere = _get_ident() != self.thread
         self._teardown()
+        if self.oom is not None and self.oom_dump is not None and self._trace is not None:
+            self.oom_dump_path = self.oom_dump.write(self._trace)
         if elsewhere and exc is None:
             raise ProfilerStateError(
                 "this profile was ended in another thread than the one that started it; its hooks are removed "
@@ -266,6 +283,13 @@ class Profiler:
                 "hooks, inert, until a profile starts there again: end a profile in the thread that started it"
             )
         return None  # never swallow the body's exception
+
+    def capture_live(self) -> None:
+        """What is live now, by category and module: the failing moment of an error (kept once: the CUDA
+        OOM observer takes it at the failing allocation, before anything unwinds)."""
+        if self.live_at_error is None:
+            self.live_at_error = breakdown(self.ledger.totals, light=self.mode == "light", where="now")
+            self.live_modules_at_error = live_modules(self)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -382,10 +406,13 @@ class Profiler:
             self.notes.append(
                 "light mode: what autograd saves outside the model's modules (the loss function's tensors) is "
                 "not seen as activations; on an accelerator it is among temporaries (full mode finds it)")
-        self.phases.sample("start")
+        self.phases.sample("start", "start")
         if self.schedule is not None:
             self.windows = Windows(self, self.schedule, self._on_trace_ready)
             self.windows.start()
+        if self.oom_dump is not None:
+            self.oom_dump.start()
+            stack.callback(self.oom_dump.stop)
 
     def _close_thread_hooks(self) -> None:
         """Undo memprof's per-thread saved-tensor pushes and remove its tensor and node hooks."""

@@ -222,6 +222,26 @@ class Report:
 
         write_text_atomic(path, json.dumps(self.trace.to_dict(), indent=1) + "\n")
 
+    def export_chrome_trace(self, path: "str | os.PathLike[str]") -> None:
+        """Write a Chrome trace (JSON) to open in ui.perfetto.dev or chrome://tracing: a counter track per
+        category, spans for steps, phases and modules, each phase's peak with its composition."""
+        from .export import export_chrome_trace
+
+        export_chrome_trace(self.trace, path)
+
+    def export_memory_viz(self, path: "str | os.PathLike[str]") -> None:
+        """Write a pickled snapshot in ``torch.cuda.memory._snapshot()``'s format for pytorch.org/memory_viz;
+        each block's frames name its category, module and phase."""
+        from .export import export_memory_viz
+
+        export_memory_viz(self.trace, path)
+
+    def to_html(self, path: "str | os.PathLike[str]") -> None:
+        """Write the report as one self-contained HTML file, readable offline (no script, no network)."""
+        from .export import write_html
+
+        write_html(self.trace, path)
+
     def to_dict(self) -> dict[str, Any]:
         """The trace as plain JSON-ready data."""
         return self.trace.to_dict()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from .categories import Category, Phase
-from .checks import corrupt, count, fields, optional_count, optional_text, pairs, text
+from .checks import corrupt, count, fields, optional_count, optional_text, optional_time, pairs, text
 from .errors import TraceFormatError
 from .phase_stats import PhaseStats
 from .specs import ModuleCall, OptimizerSpec
@@ -24,6 +24,7 @@ __all__ = [
     "StepRecord",
     "ModuleRecord",
     "Sample",
+    "OomRecord",
     "DeviceInfo",
     "ModelFacts",
     "OperationRecord",
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 #: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _ALL = tuple(Category)
 
@@ -127,6 +128,12 @@ class PhaseRecord:
     #: Bytes of named kinds of saved tensors (dropout masks, norm statistics, ...) at the peak and end.
     tags_peak: tuple[tuple[str, int], ...] = ()
     tags_end: tuple[tuple[str, int], ...] = ()
+    #: When the phase began, reached its peak and ended: microseconds since the profile started
+    #: (schema 4; None in older files). The time axis of the Chrome/Perfetto and memory_viz exports.
+    #: Not compared: two records of the same memory are equal however long they took.
+    start_us: "float | None" = field(default=None, compare=False)
+    peak_us: "float | None" = field(default=None, compare=False)
+    end_us: "float | None" = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -139,6 +146,9 @@ class PhaseRecord:
             "ops": self.ops,
             "tags_peak": [list(t) for t in self.tags_peak],
             "tags_end": [list(t) for t in self.tags_end],
+            "start_us": self.start_us,
+            "peak_us": self.peak_us,
+            "end_us": self.end_us,
         }
 
     @classmethod
@@ -153,6 +163,9 @@ class PhaseRecord:
             ops=count(data.get("ops", 0), "ops"),
             tags_peak=pairs(data.get("tags_peak", ())),
             tags_end=pairs(data.get("tags_end", ())),
+            start_us=optional_time(data.get("start_us"), "a phase's start_us"),
+            peak_us=optional_time(data.get("peak_us"), "a phase's peak_us"),
+            end_us=optional_time(data.get("end_us"), "a phase's end_us"),
         )
 
 
@@ -285,23 +298,66 @@ class ModuleRecord:
 
 @dataclass(frozen=True)
 class Sample:
-    """One point of the memory timeline, taken at a module or phase boundary."""
+    """One point of the memory timeline, taken at a module or phase boundary.
+
+    ``event`` says which boundary: "start" (the profile's), "phase" (``label`` is the phase that
+    began), "enter" or "exit" (``label`` is a module's path; in backward, its gradient's computation);
+    "" in files older than schema 4, which also have no ``time_us``.
+    """
 
     seq: int
     step: int
     phase: Phase
     label: str
     breakdown: Breakdown
+    #: Microseconds since the profile started (not compared, as a phase's times).
+    time_us: "float | None" = field(default=None, compare=False)
+    event: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"seq": self.seq, "step": self.step, "phase": self.phase.value, "label": self.label,
-                "breakdown": self.breakdown.to_dict()}
+                "breakdown": self.breakdown.to_dict(), "time_us": self.time_us, "event": self.event}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
+        event = text(data.get("event", ""), "a sample's event")
+        if event not in SAMPLE_EVENTS:
+            raise corrupt(f"a sample's event must be one of {', '.join(map(repr, SAMPLE_EVENTS))}, got {event[:20]!r}")
         return cls(count(data["seq"], "a sample's seq"), count(data["step"], "a sample's step"),
                    Phase.parse(data["phase"]), text(data["label"], "a sample's label"),
-                   Breakdown.from_dict(data["breakdown"]))
+                   Breakdown.from_dict(data["breakdown"]), optional_time(data.get("time_us"), "a sample's time_us"),
+                   event)
+
+
+#: What a timeline sample marks (see :class:`Sample`).
+SAMPLE_EVENTS = ("", "start", "phase", "enter", "exit")
+
+
+@dataclass(frozen=True)
+class OomRecord:
+    """An out-of-memory error that ended the profile (``profile(..., oom_dump=...)`` writes the trace).
+
+    ``requested`` is the allocation that failed, ``device_free`` and ``device_total`` what the device
+    reported at that moment (None where unknown: CPU, or a message that did not say). ``snapshot`` is
+    the memory_viz snapshot written beside the dump (CUDA with memory history recorded), if any.
+    """
+
+    message: str
+    requested: "int | None" = None
+    device_free: "int | None" = None
+    device_total: "int | None" = None
+    snapshot: "str | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message": self.message, "requested": self.requested, "device_free": self.device_free,
+                "device_total": self.device_total, "snapshot": self.snapshot}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OomRecord":
+        return cls(text(data["message"], "the OOM message"), optional_count(data.get("requested"), "requested"),
+                   optional_count(data.get("device_free"), "device_free"),
+                   optional_count(data.get("device_total"), "device_total"),
+                   optional_text(data.get("snapshot"), "the OOM snapshot"))
 
 
 @dataclass(frozen=True)
@@ -374,6 +430,8 @@ class Trace:
     schedule: "str | None" = None
     #: With a schedule: the (first, last) step of each stretch of recorded steps.
     recorded_steps: tuple[tuple[int, int], ...] = ()
+    #: The out-of-memory error that ended the run, if one did (schema 4).
+    oom: "OomRecord | None" = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -431,6 +489,7 @@ class Trace:
             "phase_stats": [p.to_dict() for p in self.phase_stats],
             "schedule": self.schedule,
             "recorded_steps": [list(r) for r in self.recorded_steps],
+            "oom": self.oom.to_dict() if self.oom is not None else None,
         }
 
     @classmethod
@@ -487,6 +546,7 @@ class Trace:
                 schedule=optional_text(data.get("schedule"), "schedule"),
                 recorded_steps=tuple((count(a, "a recorded step"), count(b, "a recorded step"))
                                      for a, b in data.get("recorded_steps", ())),
+                oom=OomRecord.from_dict(data["oom"]) if data.get("oom") is not None else None,
                 schema_version=version,
             )
         except TraceFormatError:

@@ -47,12 +47,14 @@ class MemprofCallback(Callback):  # type: ignore[misc]
     holds the report after training."""
 
     def __init__(self, *, mode: str = "auto", schedule: "Schedule | None" = None,
-                 save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False) -> None:
+                 save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False,
+                 oom_dump: "str | os.PathLike[str] | None" = None) -> None:
         super().__init__()
         self.mode = mode
         self.schedule = schedule
         self.save_dir = os.fspath(save_dir) if save_dir is not None else None
         self.timeline = timeline
+        self.oom_dump = oom_dump
         self.profiler: "Profiler | None" = None
         self.report: "Report | None" = None
         self._logged: "int | None" = None
@@ -69,7 +71,7 @@ class MemprofCallback(Callback):  # type: ignore[misc]
         self.report = None
         self._logged = None
         self.profiler = Profiler(pl_module, list(trainer.optimizers), mode=self.mode, timeline=self.timeline,
-                                 schedule=self.schedule, on_trace_ready=on_ready)
+                                 schedule=self.schedule, on_trace_ready=on_ready, oom_dump=self.oom_dump)
         self.profiler.start()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -90,14 +92,15 @@ class MemprofCallback(Callback):  # type: ignore[misc]
         self.stop()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.stop()  # every hook is removed; the report holds what was measured until then
+        self.stop(exception)  # every hook is removed; the report holds what was measured until then
 
-    def stop(self) -> None:
-        """End the profile if it runs; keep its report."""
+    def stop(self, error: "BaseException | None" = None) -> None:
+        """End the profile if it runs; keep its report (``error``: the exception that ended training,
+        recorded in it, and written as an OOM dump with ``oom_dump=``)."""
         prof, self.profiler = self.profiler, None
         if prof is None or not prof.running:
             return
-        prof.stop()
+        prof.stop(error)
         self.report = prof.report()
         if self.save_dir is not None:
             self.report.save(os.path.join(self.save_dir, f"memprof-rank{self._rank}.json"))

@@ -49,11 +49,13 @@ class MemprofCallback(TrainerCallback):  # type: ignore[misc]
     """
 
     def __init__(self, *, mode: str = "auto", schedule: "Schedule | None" = None,
-                 save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False) -> None:
+                 save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False,
+                 oom_dump: "str | os.PathLike[str] | None" = None) -> None:
         self.mode = mode
         self.schedule = schedule
         self.save_dir = os.fspath(save_dir) if save_dir is not None else None
         self.timeline = timeline
+        self.oom_dump = oom_dump
         self.profiler: "Profiler | None" = None
         self.report: "Report | None" = None
         self._metrics: dict[str, int] = {}
@@ -75,7 +77,7 @@ class MemprofCallback(TrainerCallback):  # type: ignore[misc]
         self.report = None
         self._logged = None
         self.profiler = Profiler(model, optimizer, mode=self.mode, timeline=self.timeline, schedule=self.schedule,
-                                 on_trace_ready=on_ready)
+                                 on_trace_ready=on_ready, oom_dump=self.oom_dump)
         self.profiler.start()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -103,12 +105,14 @@ class MemprofCallback(TrainerCallback):  # type: ignore[misc]
 
     # -- ending -------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """End the profile if it runs (the Trainer calls this through ``on_train_end``); keep its report."""
+    def stop(self, error: "BaseException | None" = None) -> None:
+        """End the profile if it runs (the Trainer calls this through ``on_train_end``); keep its report.
+        The Trainer calls no callback when ``train()`` raises: call ``cb.stop(exc)`` in your ``except``,
+        which records the exception (and writes the OOM dump with ``oom_dump=``)."""
         prof, self.profiler = self.profiler, None
         if prof is None or not prof.running:
             return
-        prof.stop()
+        prof.stop(error)
         self.report = prof.report()
         if self.save_dir is not None:
             self.report.save(os.path.join(self.save_dir, f"memprof-rank{self._rank}.json"))

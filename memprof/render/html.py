@@ -20,6 +20,8 @@ from ..errors import InvalidArgumentError
 from ..trace import Breakdown, ModuleRecord, as_trace
 from ..units import format_bytes
 from .common import CATEGORY_COLORS, NOT_MEASURED, own_rows, signed, size
+from .svg import timeline_svg
+from .text import oom_lines
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -204,6 +206,11 @@ def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: i
     dev = t.device.name if t.device.type == "cuda" else t.device.type
     n = t.num_steps
     parts = [f'<div class="memprof-report" style="{_ROOT}">']
+    if t.oom is not None:  # an OOM dump leads with what was live then, and the levers
+        parts.append(f'<div style="{_H}">What was live at the out-of-memory error</div>'
+                     f'<pre style="white-space:pre-wrap;font-size:12px;margin:2px 0 12px 0;padding:6px 10px;'
+                     f'border-left:3px solid #C44E52;background:rgba(196,78,82,0.08)">'
+                     f'{_e(chr(10).join(oom_lines(t)))}</pre>')
     parts.append(f'<div style="font-size:14px;font-weight:600;margin-bottom:4px">memprof report: '
                  f'{n} step{"s" if n != 1 else ""}, mode {_e(t.mode)}, device {_e(dev)}'
                  f'<span style="font-weight:400;{_MUTED}"> · torch {_e(t.torch_version)}</span></div>')
@@ -213,12 +220,19 @@ def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: i
     parts.append(f'<div style="{_H}">Peak {_bytes(t.peak.total)}'
                  + (f'<span style="font-weight:400"> ({_e(", ".join(where))})</span>' if where else "") + "</div>")
     parts.append(breakdown_html(t.peak, device_type=t.device.type))
-    if t.live_at_error is not None:
+    if t.live_at_error is not None and t.oom is None:  # an OOM's page leads with it already
         parts.append(f'<div style="{_H}">Live when the error was raised: {_bytes(t.live_at_error.total)}</div>')
         parts.append(breakdown_html(t.live_at_error, device_type=t.device.type))
         if t.live_modules_at_error:
             rows = [[_e(p), _e(format_bytes(b))] for p, b in t.live_modules_at_error[:8]]
             parts.append(_table([("created by module", "left"), ("still live", "right")], rows))
+    svg = timeline_svg(t)
+    if svg:
+        legend = " ".join(f'<span style="white-space:nowrap;margin-right:0.8em">{_swatch(c)}{_e(c.value)}</span>'
+                          for c in Category if t.peak[c] is not None)
+        parts.append(f'<div style="{_H}">Memory over time <span style="font-weight:400">(phases shaded: forward '
+                     f'blue, backward orange, optimizer red)</span></div><div>{svg}</div>'
+                     f'<div style="font-size:11px;margin-bottom:8px">{legend}</div>')
     if t.steps:
         parts.append(f'<div style="{_H}">Phases <span style="font-weight:400">(bytes at the peak of each phase)</span></div>')
         parts.append(_phases_html(t, max_phases))

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..simulation import Estimate
     from ..trace import Trace
 
-__all__ = ["report_text", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text", "plan_text"]
+__all__ = ["report_text", "oom_lines", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text", "plan_text"]
 
 
 #: Bounds that keep ``print(report)`` short for any run: phase rows, per-phase statistics rows, notes.
@@ -41,6 +41,9 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
     t = as_trace(report)
     lines: list[str] = []
     dev = t.device.name if t.device.type == "cuda" else t.device.type
+    if t.oom is not None:  # an OOM dump: what was live then comes first
+        lines.extend(oom_lines(t))
+        lines.append("")
     lines.append(f"memprof report: {t.num_steps} step(s), mode {t.mode}, device {dev}, torch {t.torch_version}")
     if t.schedule is not None:
         spans = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in t.recorded_steps[:6])
@@ -52,7 +55,7 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
     lines.append("")
     lines.append(f"Peak {size(t.peak.total)}" + (f" ({', '.join(where)})" if where else ""))
     lines.extend(breakdown_lines(t.peak))
-    if t.live_at_error is not None:
+    if t.live_at_error is not None and t.oom is None:
         lines.append("")
         lines.append(f"Live when the error was raised: {size(t.live_at_error.total)}")
         lines.extend(breakdown_lines(t.live_at_error))
@@ -91,6 +94,49 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
         if len(t.notes) > MAX_NOTES:
             lines.append(f"  ... {len(t.notes) - MAX_NOTES} more in report.trace.notes")
     return printable("\n".join(lines))
+
+
+def oom_lines(t: "Trace") -> list[str]:
+    """What was live at the out-of-memory error, by category and module, and the largest levers."""
+    oom = t.oom
+    assert oom is not None
+    lines = [f"OUT OF MEMORY: {_one_line(oom.message)[:200]}"]
+    facts = []
+    if oom.requested is not None:
+        facts.append(f"requested {format_bytes(oom.requested)}")
+    if oom.device_free is not None:
+        facts.append(f"device free {format_bytes(oom.device_free)}")
+    if oom.device_total is not None:
+        facts.append(f"of {format_bytes(oom.device_total)}")
+    if facts:
+        lines.append("  " + ", ".join(facts))
+    if oom.snapshot:
+        lines.append(f"  memory_viz snapshot: {oom.snapshot}")
+    live = t.live_at_error
+    if live is not None:
+        lines.append(f"What was live at the OOM: {size(live.total)}")
+        lines.extend(breakdown_lines(live))
+    if t.live_modules_at_error:
+        lines.append("  created by module (activations + temporaries still live):")
+        for path, n in t.live_modules_at_error[:5]:
+            lines.append(f"    {clip_path(path, 37):<38}{format_bytes(n):>12}")
+    levers = _levers(t)
+    if levers:
+        lines.append("Largest levers:")
+        lines.extend(f"  - {_one_line(s)}" for s in levers[:4])
+    return lines
+
+
+def _levers(t: "Trace") -> list[str]:
+    from ..errors import MemprofError
+    from ..reconciler.advice import advice
+    from ..reconciler.formula import infer_precision
+
+    measured = t.live_at_error if t.live_at_error is not None else t.peak
+    try:
+        return advice(t, measured, infer_precision(t), t.optimizer)
+    except MemprofError:
+        return []
 
 
 def _one_line(text: str) -> str:

@@ -13,6 +13,7 @@ composition (seven ints) is copied, never a deep structure.
 from __future__ import annotations
 
 import weakref
+from time import perf_counter_ns
 from typing import Any
 
 from ..categories import Category, TENSOR_CATEGORIES
@@ -129,6 +130,7 @@ class Ledger:
         self.phase_peak = [0] * N_CATS
         self.phase_peak_seq = 0
         self.phase_peak_module = -1
+        self.phase_peak_ns = perf_counter_ns()  # when the phase's peak was reached (exports' time axis)
         # Global peak.
         self.peak_total = 0
         self.peak = [0] * N_CATS
@@ -251,6 +253,7 @@ class Ledger:
             self.phase_peak_tags = self.tag_act.copy()
             self.phase_peak_seq = self.seq
             self.phase_peak_module = top.module if top is not None else -1
+            self.phase_peak_ns = perf_counter_ns()
             if total > self.peak_total:
                 self.peak_total = total
                 self.peak = self.phase_peak.copy()
@@ -278,6 +281,7 @@ class Ledger:
         self.phase_peak_tags = self.tag_act.copy()
         self.phase_peak_seq = self.seq
         self.phase_peak_module = self.top.module if self.top is not None else -1
+        self.phase_peak_ns = perf_counter_ns()
 
     def push_frame(self, module: int, backward: bool) -> Frame:
         frame = Frame(module, self.total, backward)

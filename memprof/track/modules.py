@@ -212,7 +212,7 @@ class ModuleTracker:
             self.marks.append((index, self.calls, len(self.unseen_saves)))
             self.ledger.push_frame(index, backward=False)
             if prof.timeline:
-                phases.sample(info.path or "<model>")
+                phases.sample(info.path or "<model>", "enter")
             if prof.backward_frames and grad and not in_backward:
                 hook = None
                 for a in tensors_in_args(args, kwargs):
@@ -260,7 +260,7 @@ class ModuleTracker:
             if phases.current is Phase.BACKWARD:
                 return None  # a checkpointed module recomputing: no backward hooks for the recompute
             if prof.timeline:
-                phases.sample(self.info[index].path or "<model>")
+                phases.sample(self.info[index].path or "<model>", "exit")
             if prof.backward_frames and torch.is_grad_enabled() and phases.current is Phase.FORWARD:
                 hook = None
                 for t in tensors_in_args((output,), None):
@@ -397,7 +397,7 @@ class ModuleTracker:
             else:
                 self.bw_frames[index] = led.push_frame(index, backward=True)
             if prof.timeline:
-                prof.phases.sample(self.info[index].path or "<model>")
+                prof.phases.sample(self.info[index].path or "<model>", "enter")
 
         return enter
 
@@ -413,7 +413,7 @@ class ModuleTracker:
             if frame is not None and self.ledger.remove_frame(frame):
                 self.close_frame(frame)
                 if prof.timeline:
-                    prof.phases.sample(self.info[index].path or "<model>")
+                    prof.phases.sample(self.info[index].path or "<model>", "exit")
 
         return exit_
 

@@ -11,6 +11,7 @@ each backward. For each phase the ledger's start, peak and end are recorded.
 from __future__ import annotations
 
 import dataclasses
+from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,14 +52,19 @@ class PhaseTracker:
         self.optimizer_seen = False
         # Ops outside the model's modules are scanned for tensors made before the profile (full mode).
         self.scan_args = False
-        self.samples: list[tuple[int, int, Phase, str, tuple[int, ...]]] = []
+        # (seq, step, phase, label, totals, time in ns, event): raw values, Samples built at the end.
+        self.samples: list[tuple[int, int, Phase, str, tuple[int, ...], int, str]] = []
         self.sample_seq = 0
+        # The time axis of exports: nanoseconds of perf_counter, kept relative to the profile's start.
+        self.t0_ns = perf_counter_ns()
+        self.phase_start_ns = self.t0_ns
 
     def start(self) -> None:
         """The profile's first phase ("other") begins now."""
         led = self.ledger
         led.start_phase()
         self.phase_start = led.totals.copy()
+        self.t0_ns = self.phase_start_ns = led.phase_peak_ns
         self.where[led.phase_serial] = (0, Phase.OTHER)
 
     # -- transitions ------------------------------------------------------------
@@ -84,11 +90,12 @@ class PhaseTracker:
         led = self.ledger
         led.start_phase()
         self.phase_start = led.totals.copy()
+        self.phase_start_ns = led.phase_peak_ns
         self.phase_ops_start = self.ops
         self.where[led.phase_serial] = (self.step, phase)
         self.scan_args = prof.mode == "full" and phase in (Phase.FORWARD, Phase.OTHER)
         prof.probe.phase_started()
-        self.sample(phase.value)
+        self.sample(phase.value, "phase")
 
     def close(self) -> None:
         """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
@@ -112,6 +119,9 @@ class PhaseTracker:
             ops=ops,
             tags_peak=tag_pairs(led.phase_peak_tags),
             tags_end=tag_pairs(led.tag_act),
+            start_us=self.micros(self.phase_start_ns),
+            peak_us=self.micros(led.phase_peak_ns),
+            end_us=self.micros(perf_counter_ns()),
         ))
 
     def end_step(self) -> None:
@@ -134,6 +144,7 @@ class PhaseTracker:
         led = self.ledger
         led.start_phase()
         self.phase_start = led.totals.copy()
+        self.phase_start_ns = led.phase_peak_ns
         self.phase_ops_start = self.ops
         self.where[led.phase_serial] = (self.step, Phase.OTHER)
         self.scan_args = self.prof.mode == "full"
@@ -186,12 +197,18 @@ class PhaseTracker:
 
     # -- samples and the end ----------------------------------------------------
 
-    def sample(self, label: str) -> None:
+    def sample(self, label: str, event: str) -> None:
+        """A timeline point; ``event`` is "start", "phase" (a phase began), "enter" or "exit" (a module)."""
         if not self.prof.timeline or len(self.samples) >= _MAX_SAMPLES:
             return
         self.sample_seq += 1
         # Raw ints now; Breakdown objects are built once, when the trace is.
-        self.samples.append((self.sample_seq, self.step, self.current, label, tuple(self.ledger.totals)))
+        self.samples.append((self.sample_seq, self.step, self.current, label, tuple(self.ledger.totals),
+                             perf_counter_ns(), event))
+
+    def micros(self, ns: int) -> float:
+        """Microseconds since the profile started, to 0.1 µs (the unit of Chrome's trace format)."""
+        return round((ns - self.t0_ns) / 1000, 1)
 
     def peak_step(self) -> "int | None":
         where = self.where.get(self.ledger.peak_phase_serial)

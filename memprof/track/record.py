@@ -70,8 +70,10 @@ def build_trace(prof: "Profiler") -> Trace:
     notes = list(prof.notes) + prof.probe.notes() + coverage_notes(prof)
     if not steps:
         notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
-    timeline = tuple(Sample(seq, step, phase, label, breakdown(list(totals), light=light, where="sample"))
-                     for seq, step, phase, label, totals in prof.phases.samples)
+    micros = prof.phases.micros
+    timeline = tuple(Sample(seq, step, phase, label, breakdown(list(totals), light=light, where="sample"),
+                            micros(ns), event)
+                     for seq, step, phase, label, totals, ns, event in prof.phases.samples)
     live_at_error = prof.live_at_error
     missing = unmeasured(prof)
     if missing is not None:
@@ -117,6 +119,7 @@ def build_trace(prof: "Profiler") -> Trace:
         phase_stats=prof.phases.retention.phase_stats(),
         schedule=prof.schedule.describe() if prof.schedule is not None else None,
         recorded_steps=prof.windows.recorded_steps() if prof.windows is not None else (),
+        oom=prof.oom,
     )
 
 

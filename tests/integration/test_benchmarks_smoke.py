@@ -97,3 +97,12 @@ def test_long_run_quick(tmp_path):
     assert r["exact"]["steps"] == 600 and r["exact"]["report_lines"] <= 80
     assert r["exact"]["steps_kept_in_full"] <= 5 and r["exact"]["trace_bytes"] > 0
     assert [run["steps"] for run in r["light"]] == [500, 800]
+
+
+def test_exports_quick(tmp_path):
+    out_json = tmp_path / "ex.json"
+    _run([BENCH / "exports.py", "--quick", "--json", out_json], timeout=300)
+    r = json.loads(out_json.read_text())["results"]
+    assert r["plain"]["steps"] == 300 and r["scheduled"]["steps_kept"] > r["plain"]["steps_kept"]
+    assert all(r["plain"][f"{k}_bytes"] > 0 for k in ("chrome", "memory_viz", "html"))
+    assert r["oom"]["dumps"] == 1 and r["oom"]["seconds"] > 0

@@ -50,3 +50,22 @@ def test_light_mode_measures_temporaries_on_cuda():
     peak = prof.report().at(1, "backward", "peak")
     assert peak[C.TEMPORARIES] is not None
     assert peak.total is not None and peak.total > 0
+
+
+def test_a_cuda_oom_is_caught_at_the_failing_allocation(tmp_path):
+    model = MLP(64, 64, 10).cuda()
+    free, total = torch.cuda.mem_get_info()
+    too_much = total + (1 << 30)  # more than the device has: the allocator's OOM observer fires
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            with memprof.profile(model, oom_dump=tmp_path) as prof:
+                model(torch.randn(8, 64, device="cuda")).sum().backward()
+                torch.empty(too_much, dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    oom = memprof.load(prof.oom_dump_path).trace.oom
+    # The observer reports the allocator's request (the size rounded up to its block granularity).
+    assert too_much <= oom.requested < too_much + (2 << 20)
+    assert oom.device_free is not None and oom.device_total == torch.cuda.get_device_properties(0).total_memory
+    assert oom.snapshot and (tmp_path / oom.snapshot).exists()

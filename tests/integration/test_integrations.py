@@ -104,15 +104,16 @@ L = pytest.importorskip("lightning.pytorch")
 
 
 class _Regression(L.LightningModule):
-    def __init__(self, manual=False, fail_at=None):
+    def __init__(self, manual=False, fail_at=None, error=None):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
         self.automatic_optimization = not manual
         self.fail_at = fail_at
+        self.error = error or RuntimeError("boom")
 
     def training_step(self, batch, batch_idx):
         if batch_idx == self.fail_at:
-            raise RuntimeError("boom")
+            raise self.error
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         if not self.automatic_optimization:
@@ -190,3 +191,19 @@ def test_lightning_removes_every_hook_when_training_raises(tmp_path):
     # Gradients exist now and were not there before: they must carry no hook either.
     assert {k: v for k, v in after.items() if k in before} == before
     assert all(v == 0 for k, v in after.items() if k not in before)
+
+
+def test_lightning_writes_an_oom_dump_when_training_runs_out_of_memory(tmp_path):
+    from memprof.integrations.lightning import MemprofCallback
+
+    err = torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    module = _Regression(fail_at=2, error=err)
+    cb = MemprofCallback(oom_dump=tmp_path / "dumps")
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        _fit(tmp_path, module, [cb])
+    assert info.value is err
+    (dump,) = glob.glob(str(tmp_path / "dumps" / "memprof-oom-0-*.json"))
+    trace = memprof.load(dump).trace
+    assert trace.oom.message == "OutOfMemoryError: CUDA out of memory (simulated)"
+    assert trace.live_at_error[C.WEIGHTS] == weight_bytes(module)
+    assert cb.report.trace.oom == trace.oom

@@ -1,0 +1,144 @@
+"""A run as a Chrome trace (Trace Event Format), for ui.perfetto.dev and chrome://tracing.
+
+What the file holds, all on one process ("memprof"):
+
+* a counter track per measured category and one for the total (``ph: "C"``), bytes over time;
+  a value is written when it changes, so a flat category costs nothing;
+* duration spans (``ph: "X"``) for steps, phases and module calls (forward and backward on
+  their own tracks, each properly nested, as both viewers require);
+* an instant event (``ph: "i"``) at each phase's peak, and one at the run's peak, with the
+  composition in ``args``;
+* ``otherData``: the versions, the device, the notes, and what the time axis is.
+
+Times are microseconds since the profile started (the format's unit). A category that was not
+measured has no track: it is never drawn as 0. Format reference: "Trace Event Format", Google,
+https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..categories import Category
+from ..trace import Breakdown, as_trace
+from ..units import format_bytes
+from .curve import curve, phase_times
+
+if TYPE_CHECKING:
+    from ..report import Report
+    from ..trace import Trace
+
+__all__ = ["chrome_trace", "TRACKS"]
+
+_PID = 1
+#: Thread ids of the span tracks, with their names.
+TRACKS = {1: "steps", 2: "phases", 3: "modules (forward)", 4: "modules (backward)", 5: "modules (overlapping)"}
+
+
+def _composition(bd: Breakdown) -> dict[str, Any]:
+    out: dict[str, Any] = {c.value: v for c, v in bd.measured().items()}
+    out["total"] = bd.total
+    out["readable"] = ", ".join(f"{c.value} {format_bytes(v)}" for c, v in bd.measured().items() if v)
+    return out
+
+
+def chrome_trace(report: "Report | Trace") -> dict[str, Any]:
+    """The run as a Trace Event Format document (a dict ready for ``json.dump``)."""
+    t = as_trace(report)
+    cv = curve(t)
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "pid": _PID, "name": "process_name",
+         "args": {"name": f"memprof: {t.device.name or t.device.type} ({t.mode} mode)"}},
+    ]
+    events += [{"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": name}}
+               for tid, name in TRACKS.items()]
+    events += [{"ph": "M", "pid": _PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}}
+               for tid in TRACKS]
+    events += _counters(cv.points)
+    events += _steps_and_phases(t)
+    events += _modules(cv.points)
+    last = max((p.time_us for p in cv.points), default=0.0)
+    if t.error:
+        events.append({"ph": "i", "s": "g", "pid": _PID, "tid": 2, "ts": last, "name": "error",
+                       "args": {"error": t.error}})
+    measured = {c.value for c in Category if t.peak[c] is not None}
+    other: dict[str, Any] = {
+        "memprof_version": t.memprof_version,
+        "torch_version": t.torch_version,
+        "mode": t.mode,
+        "device": t.device.name or t.device.type,
+        "steps": t.num_steps,
+        "steps_kept": [s.index for s in t.steps],
+        "not_measured": [c.value for c in Category if c.value not in measured],
+        "time_axis": ("microseconds since the profile started" if cv.timed else
+                      "no clock in this trace (saved before memprof recorded times): each phase is drawn "
+                      "1 ms long, one after another, and the module samples are left out"),
+        "notes": list(t.notes),
+    }
+    if t.schedule is not None:
+        other["schedule"] = t.schedule
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _counters(points: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    last: dict[str, "int | None"] = {}
+    for pt in points:
+        values = {c.value: v for c, v in pt.breakdown.measured().items()}
+        if pt.breakdown.total is not None:
+            values["total"] = pt.breakdown.total
+        for name, v in values.items():
+            if last.get(name) != v:
+                last[name] = v
+                out.append({"ph": "C", "pid": _PID, "name": name, "ts": pt.time_us, "args": {"bytes": v}})
+    return out
+
+
+def _steps_and_phases(t: "Trace") -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    spans: dict[int, list[float]] = {}
+    for p, start, peak, end in phase_times(t):
+        span = spans.setdefault(p.step, [start, end])
+        span[0], span[1] = min(span[0], start), max(span[1], end)
+        name = p.phase.value if p.occurrence == 0 else f"{p.phase.value} #{p.occurrence}"
+        out.append({"ph": "X", "pid": _PID, "tid": 2, "ts": start, "dur": max(end - start, 0.0), "name": name,
+                    "args": {"step": p.step, "start": p.start.total, "peak": p.peak.total, "end": p.end.total,
+                             "ops": p.ops}})
+        out.append({"ph": "i", "s": "t", "pid": _PID, "tid": 2, "ts": peak,
+                    "name": f"peak of {name} (step {p.step})", "args": _composition(p.peak)})
+        if t.peak_step == p.step and t.peak_phase is p.phase and t.peak.total is not None \
+                and p.peak.total == t.peak.total:
+            out.append({"ph": "i", "s": "g", "pid": _PID, "tid": 2, "ts": peak, "name": "peak of the run",
+                        "args": dict(_composition(t.peak), module=t.peak_module)})
+    for step, (start, end) in spans.items():
+        out.append({"ph": "X", "pid": _PID, "tid": 1, "ts": start, "dur": max(end - start, 0.0),
+                    "name": f"step {step}", "args": {"step": step}})
+    return out
+
+
+def _modules(points: Any) -> list[dict[str, Any]]:
+    """Module calls from the timeline's enter/exit samples, each track kept properly nested."""
+    open_calls: dict[tuple[int, str, str], list[float]] = {}
+    spans: list[tuple[float, float, str, str, int]] = []
+    for pt in points:
+        if pt.module is None:
+            continue
+        key = (pt.step, pt.phase.value, pt.module)
+        if pt.kind == "enter":
+            open_calls.setdefault(key, []).append(pt.time_us)
+        elif pt.kind == "exit" and open_calls.get(key):
+            spans.append((open_calls[key].pop(), pt.time_us, pt.module, pt.phase.value, pt.step))
+    out: list[dict[str, Any]] = []
+    stacks: dict[int, list[float]] = {3: [], 4: []}
+    for start, end, module, phase, step in sorted(spans, key=lambda s: (s[0], -(s[1] - s[0]))):
+        tid = 4 if phase == "backward" else 3
+        stack = stacks[tid]
+        while stack and stack[-1] <= start:
+            stack.pop()
+        if stack and end > stack[-1]:
+            tid = 5  # crosses its enclosing span's end (a backward frame closed late): a track of its own
+        else:
+            stack.append(end)
+        out.append({"ph": "X", "pid": _PID, "tid": tid, "ts": start, "dur": max(end - start, 0.0),
+                    "name": module, "args": {"step": step, "phase": phase}})
+    return out

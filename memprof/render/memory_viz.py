@@ -1,0 +1,109 @@
+"""A run as a memory snapshot in the format of ``torch.cuda.memory._snapshot()``, for memory_viz.
+
+pytorch.org/memory_viz and ``torch.cuda._memory_viz`` (``trace_plot``, ``segment_plot``, ``segments``,
+``memory``, ``trace``) read a pickled dict with ``segments`` (what is allocated at the end) and
+``device_traces`` (one list of ``alloc`` / ``free_requested`` / ``free_completed`` events per device).
+Each event's ``frames`` are what the viewer shows when a block is selected; here they name memprof's
+category, the module and the phase (``category: activations``, ``module: layers.0.attn``,
+``phase: forward (step 1)``).
+
+What a block is: memprof records categories over time, not each allocation's address. Between two
+moments of the memory curve (:mod:`memprof.render.curve`), the growth of a category becomes one block
+and its shrinking frees that category's latest blocks (a partly freed block is freed and its remainder
+allocated again, with its frames). So the stacked plot's height and colors by category are exact at
+every recorded moment, and a block is "what this category gained during this module or phase", not
+one tensor. Addresses are synthetic and never reused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..trace import as_trace
+from .curve import curve
+
+if TYPE_CHECKING:
+    from ..report import Report
+    from ..trace import Trace
+
+__all__ = ["memory_viz_snapshot"]
+
+#: Where synthetic addresses start (any nonzero base; the viewers print addresses in hex).
+_BASE = 0x7F0000000000
+
+
+def _frames(category: str, module: "str | None", phase: str, step: int) -> list[dict[str, Any]]:
+    return [
+        {"filename": "memprof", "line": 0, "name": f"category: {category}"},
+        {"filename": "memprof", "line": 0, "name": f"module: {module or '(no module running)'}"},
+        {"filename": "memprof", "line": step, "name": f"phase: {phase} (step {step})"},
+    ]
+
+
+def memory_viz_snapshot(report: "Report | Trace") -> dict[str, Any]:
+    """The snapshot dict (pickle it, or use :meth:`memprof.Report.export_memory_viz`)."""
+    t = as_trace(report)
+    cv = curve(t)
+    device = t.device.index or 0 if t.device.type == "cuda" else 0
+    events: list[dict[str, Any]] = []
+    live: dict[str, list[list[Any]]] = {}  # category -> blocks [addr, size, frames], oldest first
+    level: dict[str, int] = {}
+    next_addr = _BASE
+    stack: list[str] = []  # the modules running, innermost last
+    for pt in cv.points:
+        # Growth seen at a module's exit happened inside it; at an entry, in whatever ran before.
+        where = pt.module if pt.kind == "exit" else (stack[-1] if stack else None)
+        if pt.kind == "enter" and pt.module is not None:
+            stack.append(pt.module)
+        elif pt.kind == "exit" and pt.module in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(pt.module):]
+        elif pt.kind in ("start", "phase"):
+            stack.clear()
+        for cat, value in pt.breakdown.measured().items():
+            name = cat.value
+            delta = value - level.get(name, 0)
+            level[name] = value
+            blocks = live.setdefault(name, [])
+            frames = None
+            while delta < 0 and blocks:
+                addr, size, frames = blocks.pop()
+                events.append(_event("free_requested", addr, size, frames, pt.time_us))
+                events.append(_event("free_completed", addr, size, frames, pt.time_us))
+                if size > -delta:  # only part of it went: the rest stays, as a block of its own
+                    delta = size + delta
+                    break
+                delta += size
+            if delta > 0:
+                frames = frames or _frames(name, where, pt.phase.value, pt.step)
+                blocks.append([next_addr, delta, frames])
+                events.append(_event("alloc", next_addr, delta, frames, pt.time_us))
+                next_addr += delta
+    segment_blocks: list[dict[str, Any]] = []
+    cursor = _BASE
+    for addr, size, frames in sorted(b for blocks in live.values() for b in blocks):
+        if addr > cursor:
+            segment_blocks.append({"address": cursor, "size": addr - cursor, "requested_size": 0,
+                                   "state": "inactive", "frames": []})
+        segment_blocks.append({"address": addr, "size": size, "requested_size": size,
+                               "state": "active_allocated", "frames": frames})
+        cursor = addr + size
+    if next_addr > cursor:
+        segment_blocks.append({"address": cursor, "size": next_addr - cursor, "requested_size": 0,
+                               "state": "inactive", "frames": []})
+    segments = []
+    if segment_blocks:
+        segments.append({"device": device, "address": _BASE, "total_size": next_addr - _BASE, "stream": 0,
+                         "segment_type": "large", "allocated_size": sum(b[1] for bl in live.values() for b in bl),
+                         "active_size": sum(b[1] for bl in live.values() for b in bl),
+                         "requested_size": sum(b[1] for bl in live.values() for b in bl),
+                         "blocks": segment_blocks})
+    traces: list[list[dict[str, Any]]] = [[] for _ in range(device + 1)]
+    traces[device] = events
+    return {"segments": segments, "device_traces": traces, "memprof": {
+        "what": "blocks are memprof categories' growth between recorded moments, not single tensors",
+        "memprof_version": t.memprof_version, "timed": cv.timed}}
+
+
+def _event(action: str, addr: int, size: int, frames: Any, time_us: float) -> dict[str, Any]:
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": frames,
+            "time_us": int(time_us)}

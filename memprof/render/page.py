@@ -1,0 +1,58 @@
+"""The report as one standalone HTML file: readable offline, attachable to a bug report.
+
+Everything is inline (CSS in one ``<style>`` block, the timeline as SVG); no script, no font, no
+network request. The body is the notebook view (:func:`memprof.render.html.report_html`: peak
+composition, timeline, phases, modules, notes) plus the reconciliation against the formulas; a run
+that ended in an out-of-memory error leads with what was live then.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+from ..errors import MemprofError
+from ..trace import as_trace
+from .html import reconciliation_html, report_html
+
+if TYPE_CHECKING:
+    from ..report import Report
+    from ..trace import Trace
+
+__all__ = ["report_page"]
+
+_CSS = """
+body { font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; margin: 24px auto;
+       max-width: 64em; padding: 0 16px; color: #1f1f1f; background: #ffffff; }
+@media (prefers-color-scheme: dark) { body { color: #e6e6e6; background: #1e1e1e; } }
+h1 { font-size: 18px; margin: 0 0 4px 0; }
+h2 { font-size: 14px; margin: 18px 0 4px 0; }
+table { border-collapse: collapse; font-size: 12px; }
+td, th { padding: 2px 10px; border-bottom: 1px solid rgba(128,128,128,0.25); }
+footer { margin-top: 24px; font-size: 11px; opacity: 0.7; }
+"""
+
+
+def report_page(report: "Report | Trace") -> str:
+    """The whole HTML document (a str); :meth:`memprof.Report.to_html` writes it to a file. Its body is
+    exactly what a notebook shows for the report (``Report._repr_html_``), then the reconciliation."""
+    t = as_trace(report)
+    parts = ['<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
+             '<meta name="viewport" content="width=device-width, initial-scale=1">',
+             f"<title>memprof report ({html.escape(t.device.name or t.device.type)})</title>",
+             f"<style>{_CSS}</style></head><body>",
+             "<h1>memprof report</h1>"]
+    parts.append(report_html(t))
+    parts.append(_reconciliation(t))
+    parts.append(f"<footer>memprof {html.escape(t.memprof_version)} · torch {html.escape(t.torch_version)} · "
+                 f"trace schema {t.schema_version}</footer></body></html>\n")
+    return "".join(parts)
+
+
+def _reconciliation(t: "Trace") -> str:
+    from ..reconciler import reconcile
+
+    try:
+        return reconciliation_html(reconcile(t))
+    except MemprofError as exc:  # e.g. a run whose precision or optimizer the formulas do not know
+        return f"<p>No reconciliation for this run: {html.escape(str(exc))}</p>"

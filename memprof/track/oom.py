@@ -1,0 +1,178 @@
+"""Out-of-memory forensics: ``profile(..., oom_dump="dir/")``.
+
+When an out-of-memory error leaves the block (``torch.OutOfMemoryError``, a CUDA OOM surfaced as
+``RuntimeError``, the CPU allocator's "can't allocate memory", Python's ``MemoryError``), the trace up
+to that moment is written to ``dir/memprof-oom-<rank>-<pid>-<time>.json``, with what was live by
+category and module and, where known, the failed request and the device's free and total memory.
+
+On CUDA torch's allocator calls an observer at the failing allocation itself
+(``torch._C._cuda_attach_out_of_memory_observer``, the hook behind torch's documented "snapshot on
+OOM" recipe; c10/cuda/CUDACachingAllocator.cpp): memprof reads the exact request and free bytes
+there, takes the live breakdown before anything unwinds, and writes a memory_viz snapshot
+(``torch.cuda.memory._snapshot()``) beside the dump. torch has no call to detach an observer, so one
+observer is attached once per process and forwards to the profiles running.
+
+The user's exception always propagates unchanged: writing the dump never raises, a failure to write
+is a warning. The folder is checked (created if needed, and written to) when the block starts, so an
+unwritable one is an error then, not at the OOM.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import tempfile
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidArgumentError
+from ..trace import OomRecord
+
+if TYPE_CHECKING:
+    from ..profiler import Profiler
+
+__all__ = ["OomDump", "is_oom", "checked_folder"]
+
+# The CPU allocator says how many bytes it was asked for, to the byte (c10/core/impl/alloc_cpu.cpp).
+_CPU_REQUEST = re.compile(r"tried to allocate (\d+) bytes")
+_WATCHING: "weakref.WeakSet[OomDump]" = weakref.WeakSet()
+_OBSERVER_ATTACHED = False
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error of torch, the CPU allocator, or Python."""
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc).lower()
+        return "out of memory" in text or "can't allocate memory" in text
+    return False
+
+
+def checked_folder(folder: Any) -> str:
+    """``folder`` as a path memprof can write dumps into (created if missing), or a clear error now."""
+    if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
+        raise InvalidArgumentError(f"oom_dump must be a folder path (a str or pathlib.Path), got {folder!r}")
+    path = os.path.abspath(os.fspath(folder))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InvalidArgumentError(f"oom_dump={folder!r} is a file, not a folder; give a folder for the dumps")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".memprof-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"oom_dump={folder!r}: memprof cannot write there ({exc.strerror or exc}); give a writable folder"
+        ) from None
+    return path
+
+
+class OomDump:
+    """Watches one profile for an out-of-memory error and writes its dump."""
+
+    def __init__(self, prof: "Profiler", folder: str) -> None:
+        self._prof = weakref.ref(prof)
+        self.folder = folder
+        self.observed: "tuple[int, int, int] | None" = None  # (device, requested, device free) from CUDA
+        self.snapshot: "str | None" = None
+
+    def start(self) -> None:
+        prof = self._prof()
+        if prof is not None and prof.device.type == "cuda":
+            _attach_observer()
+            _WATCHING.add(self)
+
+    def stop(self) -> None:
+        _WATCHING.discard(self)
+
+    # -- at the failing allocation (CUDA) ------------------------------------------------------
+
+    def on_cuda_oom(self, device: int, requested: int, device_free: int) -> None:
+        prof = self._prof()
+        if prof is None or not prof.active or self.observed is not None:
+            return
+        self.observed = (device, requested, device_free)
+        prof.capture_live()  # before the exception unwinds anything
+        try:
+            import pickle
+
+            import torch
+
+            snapshot = torch.cuda.memory._snapshot()
+            name = os.path.join(self.folder, _file_name("pickle"))
+            with open(name, "wb") as fh:
+                pickle.dump(snapshot, fh)
+            self.snapshot = name
+        except Exception as exc:  # never a second exception inside the allocator's failure path
+            warnings.warn(f"memprof could not write the memory_viz snapshot at the OOM: {exc}", stacklevel=2)
+
+    # -- when the error leaves the block -------------------------------------------------------
+
+    def record(self, exc: BaseException, device: Any) -> OomRecord:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        requested = free = total = None
+        if self.observed is not None:
+            _, requested, free = self.observed
+        else:
+            found = _CPU_REQUEST.search(str(exc))
+            requested = int(found.group(1)) if found else None
+        if device.type == "cuda":
+            try:
+                import torch
+
+                total = torch.cuda.get_device_properties(device).total_memory
+            except Exception:
+                total = None
+        return OomRecord(f"{type(exc).__name__}: {message}", requested, free, total,
+                         os.path.basename(self.snapshot) if self.snapshot else None)
+
+    def write(self, trace: Any) -> "str | None":
+        """Write the dump; a failure is a warning, never an exception."""
+        try:
+            from ..files import write_text_atomic
+
+            path = os.path.join(self.folder, _file_name("json"))
+            write_text_atomic(path, json.dumps(trace.to_dict(), indent=1) + "\n")
+            return path
+        except Exception as exc:
+            warnings.warn(f"memprof could not write its OOM dump into {self.folder}: {exc}", stacklevel=3)
+            return None
+
+
+def _file_name(ext: str) -> str:
+    rank = 0
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+    except Exception:
+        rank = 0
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    return f"memprof-oom-{rank}-{os.getpid()}-{stamp}.{ext}"
+
+
+def _observer(device: int, requested: int, device_allocated: int, device_free: int) -> None:
+    for dump in list(_WATCHING):
+        try:
+            dump.on_cuda_oom(device, requested, device_free)
+        except Exception:
+            pass  # the allocator's failure path must see no exception of ours
+
+
+def _attach_observer() -> None:
+    global _OBSERVER_ATTACHED
+    if _OBSERVER_ATTACHED:
+        return
+    import torch
+
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is not None:
+        attach(_observer)
+        _OBSERVER_ATTACHED = True

@@ -1,0 +1,284 @@
+"""Chrome/Perfetto, memory_viz and standalone HTML exports, checked against the trace and against
+independent sums of the model's tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof.categories import Category
+from memprof.errors import NotMeasuredError
+from memprof.examples import TinyGPT, synthetic_tokens
+from tests.helpers import optimizer_state_bytes, weight_bytes
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "data")
+
+
+def _gpt_run(steps=3, mode="full", **kwargs):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=100, hidden=32, layers=2, heads=2, max_seq=16)
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.profile(model, opt, mode=mode, **kwargs) as prof:
+        for i in range(steps):
+            x, y = synthetic_tokens(2, 16, 100, seed=i)
+            TinyGPT.loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.report(), model, opt
+
+
+@pytest.fixture(scope="module")
+def run():
+    return _gpt_run()
+
+
+# -- Chrome / Perfetto ----------------------------------------------------------------------------
+
+
+def _chrome(report, tmp_path):
+    path = tmp_path / "trace.json"
+    report.export_chrome_trace(path)
+    return json.loads(path.read_text())
+
+
+def test_chrome_trace_follows_the_trace_event_format(run, tmp_path):
+    report = run[0]
+    doc = _chrome(report, tmp_path)
+    assert set(doc) == {"traceEvents", "displayTimeUnit", "otherData"}
+    for e in doc["traceEvents"]:
+        assert e["ph"] in {"M", "C", "X", "i"} and e["pid"] == 1
+        if e["ph"] != "M":
+            assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["tid"] in (1, 2, 3, 4, 5)
+        if e["ph"] == "C":
+            assert set(e["args"]) == {"bytes"} and isinstance(e["args"]["bytes"], int)
+        if e["ph"] == "i":
+            assert e["s"] in ("t", "g")
+    steps = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == 1]
+    phases = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == 2]
+    assert [e["name"] for e in steps] == [f"step {s.index}" for s in report.trace.steps]
+    assert len(phases) == len(report.trace.phases)
+    assert doc["otherData"]["time_axis"] == "microseconds since the profile started"
+
+
+def test_chrome_counters_hold_the_exact_bytes(run, tmp_path):
+    report, model, opt = run
+    doc = _chrome(report, tmp_path)
+    series: dict[str, list[int]] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "C":
+            series.setdefault(e["name"], []).append(e["args"]["bytes"])
+    assert set(series) == {c.value for c in Category if report.peak[c] is not None} | {"total"}
+    # The run's highest total is the trace's peak, to the byte.
+    assert max(series["total"]) == report.peak.total
+    # Weights: 2 layers of TinyGPT, every parameter's numel * element_size, tied storages once.
+    assert series["weights"][-1] == weight_bytes(model)
+    assert series["optimizer_states"][-1] == optimizer_state_bytes(opt)
+    # Each phase's peak instant carries that phase's composition.
+    peaks = [e for e in doc["traceEvents"] if e["ph"] == "i" and e["name"].startswith("peak of ")
+             and e["name"] != "peak of the run"]
+    assert len(peaks) == len(report.trace.phases)
+    for e, p in zip(peaks, report.trace.phases):
+        assert e["args"]["total"] == p.peak.total
+        assert {k: v for k, v in e["args"].items() if k in {c.value for c in Category}} == \
+            {c.value: v for c, v in p.peak.measured().items()}
+    top = [e for e in doc["traceEvents"] if e["name"] == "peak of the run"]
+    assert len(top) == 1 and top[0]["args"]["total"] == report.peak.total
+
+
+def test_chrome_module_spans_are_nested_per_track(run, tmp_path):
+    doc = _chrome(run[0], tmp_path)
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] in (3, 4)]
+    names = {e["name"] for e in spans if e["tid"] == 3}
+    assert {"blocks.0", "blocks.1", "<model>"} <= names
+    assert any(e["tid"] == 4 for e in spans)  # backward has module spans too
+    for tid in (3, 4):
+        stack: list[float] = []
+        for e in sorted((e for e in spans if e["tid"] == tid), key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1] <= e["ts"]:
+                stack.pop()
+            assert not stack or e["ts"] + e["dur"] <= stack[-1] + 1e-6, e
+            stack.append(e["ts"] + e["dur"])
+
+
+def test_light_mode_has_no_track_for_what_it_does_not_measure(tmp_path):
+    report, _, _ = _gpt_run(steps=2, mode="light")
+    doc = _chrome(report, tmp_path)
+    names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "C"}
+    # Light mode on CPU has no allocator counter: no temporaries and no total, so no track for them.
+    assert report.peak[Category.TEMPORARIES] is None and report.peak.total is None
+    assert "temporaries" not in names and "total" not in names
+    assert "weights" in names and "temporaries" in doc["otherData"]["not_measured"]
+
+
+def test_a_trace_without_times_exports_with_its_phases_in_order(tmp_path):
+    report = memprof.load(os.path.join(DATA, "trace-schema1.json"))
+    doc = _chrome(report, tmp_path)
+    assert "no clock" in doc["otherData"]["time_axis"]
+    phases = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == 2]
+    assert len(phases) == len(report.trace.phases)
+    assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(phases, phases[1:]))
+
+
+def test_exports_of_a_long_run_stay_bounded(tmp_path):
+    sizes = {}
+    for steps in (20, 400):
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with memprof.profile(model, opt) as prof:
+            for _ in range(steps):
+                model(torch.randn(8, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        report = prof.report()
+        report.export_chrome_trace(tmp_path / f"c{steps}.json")
+        report.export_memory_viz(tmp_path / f"m{steps}.pickle")
+        sizes[steps] = (os.path.getsize(tmp_path / f"c{steps}.json"), os.path.getsize(tmp_path / f"m{steps}.pickle"))
+        assert report.num_steps == steps
+    # Only the steps kept in full are drawn: 20x the steps, about the same files.
+    assert sizes[400][0] < 2 * sizes[20][0] and sizes[400][1] < 2 * sizes[20][1]
+
+
+# -- memory_viz ------------------------------------------------------------------------------------
+
+
+def _snapshot(report, tmp_path):
+    path = tmp_path / "snap.pickle"
+    report.export_memory_viz(path)
+    with open(path, "rb") as fh:
+        return pickle.load(fh)
+
+
+def test_memory_viz_blocks_replay_to_the_categories(run, tmp_path):
+    report, model, _ = run
+    snap = _snapshot(report, tmp_path)
+    events = snap["device_traces"][0]
+    live: dict[int, tuple[int, str]] = {}
+    by_cat: dict[str, int] = {}
+    for e in events:
+        cat = e["frames"][0]["name"].removeprefix("category: ")
+        if e["action"] == "alloc":
+            assert e["addr"] not in live  # synthetic addresses are never reused
+            live[e["addr"]] = (e["size"], cat)
+            by_cat[cat] = by_cat.get(cat, 0) + e["size"]
+        elif e["action"] == "free_completed":
+            size, was = live.pop(e["addr"])
+            assert size == e["size"] and was == cat
+            by_cat[cat] -= size
+    # What is live after the last event is the run's end, category by category.
+    assert {c: v for c, v in by_cat.items() if v} == {c.value: v for c, v in report.end.measured().items() if v}
+    assert by_cat["weights"] == weight_bytes(model)
+    # The final segment lists exactly the live blocks, laid out without overlap.
+    blocks = snap["segments"][0]["blocks"]
+    active = [b for b in blocks if b["state"] == "active_allocated"]
+    assert sum(b["size"] for b in active) == sum(size for size, _ in live.values())
+    assert sum(b["size"] for b in blocks) == snap["segments"][0]["total_size"]
+    names = [f["name"] for e in events for f in e["frames"]]
+    assert any(n.startswith("module: blocks.") for n in names)
+    assert any(n.startswith("phase: backward (step ") for n in names)
+
+
+def test_torch_memory_viz_reads_the_snapshot(run, tmp_path):
+    from torch.cuda import _memory_viz as viz
+
+    snap = _snapshot(run[0], tmp_path)
+    page = viz.trace_plot(snap)
+    assert "Active Memory Timeline" in page
+    assert "Active Cached Memory Timeline" in viz.segment_plot(snap) or viz.segment_plot(snap)
+    assert "segments: 1" in viz.segsum(snap)
+    assert "TOTAL MEM" in viz.trace(snap)
+    lines = viz.segments(snap, format_flamegraph=lambda text: text)
+    assert "category: weights" in lines
+    assert "category: weights" in viz.memory(snap, format_flamegraph=lambda text: text)
+
+
+# -- standalone HTML --------------------------------------------------------------------------------
+
+
+def test_html_report_is_self_contained(run, tmp_path):
+    report = run[0]
+    path = tmp_path / "report.html"
+    report.to_html(path)
+    page = path.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "<script" not in page and " src=" not in page and " href=" not in page and "@import" not in page
+    assert "<svg" in page and "memprof reconciliation" in page
+    for c in Category:
+        assert c.value in page
+    # The notebook view is the same body.
+    assert report._repr_html_() in page
+
+
+def test_html_report_of_a_large_model_stays_under_2_mb(tmp_path):
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(500)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.profile(model, opt) as prof:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    path = tmp_path / "big.html"
+    prof.report().to_html(path)
+    assert len(prof.report().trace.timeline) > 5000  # many more moments than the SVG draws
+    assert os.path.getsize(path) < 2 * 1024 * 1024
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no chromium here: install Debian's chromium package "
+                    "(apt-get install -y chromium) to run the browser test")
+def test_html_report_renders_in_a_real_browser(run, tmp_path):
+    path = tmp_path / "report.html"
+    run[0].to_html(path)
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", path.as_uri()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dom = out.stdout
+    assert "memprof report" in dom and "<svg" in dom
+    for c in Category:
+        assert c.value in dom
+    console = [line for line in out.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert console == []
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+
+
+def test_nothing_measured_is_refused_and_no_file_is_written(tmp_path):
+    model = nn.Linear(2, 2)
+    with memprof.profile(model) as prof:
+        pass
+    report = prof.report()
+    for how, name in (("export_chrome_trace", "c.json"), ("export_memory_viz", "m.pickle"), ("to_html", "r.html")):
+        with pytest.raises(NotMeasuredError, match="nothing to export"):
+            getattr(report, how)(tmp_path / name)
+        assert not (tmp_path / name).exists()
+
+
+def test_times_survive_a_save_and_load(run, tmp_path):
+    report = run[0]
+    report.save(tmp_path / "run.json")
+    again = memprof.load(tmp_path / "run.json")
+    assert again.trace == report.trace
+    times = [(p.start_us, p.peak_us, p.end_us) for p in report.trace.phases]
+    assert [(p.start_us, p.peak_us, p.end_us) for p in again.trace.phases] == times
+    assert [s.time_us for s in again.trace.timeline] == [s.time_us for s in report.trace.timeline]
+    phases = again.trace.phases
+    assert all(p.start_us <= p.peak_us <= p.end_us for p in phases)
+    assert all(a.end_us <= b.start_us for a, b in zip(phases, phases[1:]))
+    assert {s.event for s in again.trace.timeline} == {"start", "phase", "enter", "exit"}

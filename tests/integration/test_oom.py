@@ -1,0 +1,121 @@
+"""OOM forensics: profile(..., oom_dump=...) on CPU, a raised torch.OutOfMemoryError standing in for
+the device; the CUDA observer path runs only where a GPU is (tests/integration/test_gpu.py)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof.categories import Category as C
+from memprof.cli import main
+from memprof.errors import InvalidArgumentError
+from tests.helpers import hooks_left, weight_bytes
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def _oom_run(tmp_path, err):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(type(err)) as info:
+        with memprof.profile(model, opt, oom_dump=tmp_path / "dumps") as prof:
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            out = model(torch.randn(4, 32))  # noqa: F841 - live at the OOM, as a real forward's are
+            raise err
+    return info.value, prof, model
+
+
+def test_an_oom_writes_a_dump_and_propagates_unchanged(tmp_path):
+    err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                 "of 79.15 GiB of which 1.23 GiB is free.")
+    raised, prof, model = _oom_run(tmp_path, err)
+    assert raised is err
+    assert hooks_left(model) == []
+    files = glob.glob(str(tmp_path / "dumps" / "*"))
+    assert len(files) == 1 and files[0] == prof.oom_dump_path
+    assert re.fullmatch(rf"memprof-oom-0-{os.getpid()}-\d{{8}}-\d{{6}}-\d{{6}}\.json", os.path.basename(files[0]))
+    dumped = memprof.load(files[0]).trace
+    assert dumped.oom is not None and dumped.oom.message.startswith("OutOfMemoryError: CUDA out of memory")
+    # Rounded sizes in a message are not exact: memprof keeps none of them rather than a wrong figure.
+    assert dumped.oom.requested is None and dumped.oom.device_free is None
+    live = dumped.live_at_error
+    assert live[C.WEIGHTS] == weight_bytes(model)  # (32*64 + 64 + 64*8 + 8) * 4 bytes
+    assert live[C.ACTIVATIONS] > 0 and dumped.live_modules_at_error
+
+
+def test_the_cpu_allocators_request_is_read_to_the_byte(tmp_path):
+    model = _model()
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        with memprof.profile(model, oom_dump=tmp_path) as prof:
+            model(torch.randn(4, 32)).sum().backward()
+            torch.empty(2**60, dtype=torch.uint8)  # more than any machine has
+    oom = memprof.load(prof.oom_dump_path).trace.oom
+    assert oom.requested == 2**60
+
+
+def test_memprof_report_leads_with_what_was_live(tmp_path, capsys):
+    _, prof, _ = _oom_run(tmp_path, torch.OutOfMemoryError("CUDA out of memory (simulated)"))
+    assert main(["report", prof.oom_dump_path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "OUT OF MEMORY: OutOfMemoryError: CUDA out of memory (simulated)"
+    assert out[1].startswith("What was live at the OOM: ")
+    assert "Largest levers:" in out and any(line.startswith("  - largest category: ") for line in out)
+
+
+def test_an_error_that_is_not_an_oom_writes_nothing(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError):
+        with memprof.profile(model, oom_dump=tmp_path / "d") as prof:
+            model(torch.randn(4, 32))
+            raise ValueError("not memory")
+    assert os.listdir(tmp_path / "d") == [] and prof.oom_dump_path is None
+    assert prof.report().trace.oom is None
+
+
+def test_without_oom_dump_the_report_still_names_the_oom(tmp_path):
+    model = _model()
+    with pytest.raises(MemoryError):
+        with memprof.profile(model) as prof:
+            model(torch.randn(4, 32))
+            raise MemoryError()
+    assert prof.report().trace.oom.message == "MemoryError: MemoryError"
+    assert str(prof.report()).startswith("OUT OF MEMORY")
+
+
+def test_an_unwritable_dump_folder_is_refused_at_block_entry(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    model = _model()
+    with pytest.raises(InvalidArgumentError, match="is a file, not a folder"):
+        memprof.profile(model, oom_dump=blocker)
+    with pytest.raises(InvalidArgumentError, match="cannot write there"):
+        memprof.profile(model, oom_dump=blocker / "below")
+    with pytest.raises(InvalidArgumentError, match="folder path"):
+        memprof.profile(model, oom_dump=3)
+    assert hooks_left(model) == []
+
+
+def test_a_failed_write_is_a_warning_and_the_oom_still_propagates(tmp_path, monkeypatch):
+    from memprof import files
+
+    def fail(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "write_text_atomic", fail)
+    err = torch.OutOfMemoryError("out of memory")
+    with pytest.warns(UserWarning, match="could not write its OOM dump"):
+        raised, prof, model = _oom_run(tmp_path, err)
+    assert raised is err and prof.oom_dump_path is None
+    assert prof.report().trace.oom is not None
+    assert hooks_left(model) == []
