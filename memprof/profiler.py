@@ -41,7 +41,7 @@ from .track.optimizer import OptimizerTracker, as_optimizers
 from .track.params import ParamTracker, is_lazy
 from .track.phases import PhaseTracker
 from .track.windows import Windows
-from .track.record import build_trace, live_modules
+from .track.record import build_trace, live_modules, live_storages
 from .track.saved import SavedTracker
 from .track.saved_hooks import pop_orphans
 from .track.storages import KEEPS_COMPILE, StorageTracker, pop_orphan_modes
@@ -162,6 +162,7 @@ class Profiler:
         self.error: "str | None" = None
         self.live_at_error: "Breakdown | None" = None
         self.live_modules_at_error: tuple[tuple[str, int], ...] = ()
+        self.live_storages_at_error: tuple[tuple[int, int, str, str], ...] = ()
         self.oom: "OomRecord | None" = None
         self.oom_dump = OomDump(self, checked_folder(oom_dump)) if oom_dump is not None else None
         #: Where the OOM dump was written, after an out-of-memory error ended the block.
@@ -290,6 +291,7 @@ class Profiler:
         if self.live_at_error is None:
             self.live_at_error = breakdown(self.ledger.totals, light=self.mode == "light", where="now")
             self.live_modules_at_error = live_modules(self)
+            self.live_storages_at_error = live_storages(self)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

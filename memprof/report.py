@@ -236,6 +236,23 @@ class Report:
 
         export_memory_viz(self.trace, path)
 
+    def attribute_snapshot(self, snapshot: Any) -> "pd.DataFrame":
+        """A real CUDA memory snapshot's active blocks with memprof's category and module, one row each
+        (address, size, requested_size, category, module, device). ``snapshot``: the dict of
+        ``torch.cuda.memory._snapshot()`` or its pickle's path, taken while this run's storages were
+        live, as the one written beside an OOM dump; see :func:`memprof.render.memory_viz.attribute_snapshot`."""
+        import pickle
+
+        import pandas as pd
+
+        from .render.memory_viz import attribute_snapshot
+
+        if isinstance(snapshot, (str, os.PathLike)):
+            with open(snapshot, "rb") as fh:
+                snapshot = pickle.load(fh)
+        columns = ["address", "size", "requested_size", "category", "module", "device"]
+        return pd.DataFrame(attribute_snapshot(self.trace, snapshot), columns=columns)
+
     def to_html(self, path: "str | os.PathLike[str]") -> None:
         """Write the report as one self-contained HTML file, readable offline (no script, no network)."""
         from .export import write_html

@@ -432,6 +432,9 @@ class Trace:
     recorded_steps: tuple[tuple[int, int], ...] = ()
     #: The out-of-memory error that ended the run, if one did (schema 4).
     oom: "OomRecord | None" = None
+    #: At an error: each live storage memprof knew, as (address, bytes, category, module path or ""),
+    #: largest first, at most 100,000 (schema 4). What attributes a memory_viz snapshot's blocks.
+    live_storages_at_error: tuple[tuple[int, int, str, str], ...] = ()
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -490,6 +493,7 @@ class Trace:
             "schedule": self.schedule,
             "recorded_steps": [list(r) for r in self.recorded_steps],
             "oom": self.oom.to_dict() if self.oom is not None else None,
+            "live_storages_at_error": [list(s) for s in self.live_storages_at_error],
         }
 
     @classmethod
@@ -547,6 +551,10 @@ class Trace:
                 recorded_steps=tuple((count(a, "a recorded step"), count(b, "a recorded step"))
                                      for a, b in data.get("recorded_steps", ())),
                 oom=OomRecord.from_dict(data["oom"]) if data.get("oom") is not None else None,
+                live_storages_at_error=tuple(
+                    (count(a, "a storage's address"), count(n, "a storage's bytes"),
+                     Category.parse(text(c, "a storage's category")).value, text(m, "a storage's module"))
+                    for a, n, c, m in data.get("live_storages_at_error", ())),
                 schema_version=version,
             )
         except TraceFormatError:

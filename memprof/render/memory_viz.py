@@ -1,4 +1,5 @@
-"""A run as a memory snapshot in the format of ``torch.cuda.memory._snapshot()``, for memory_viz.
+"""A run as a memory snapshot in the format of ``torch.cuda.memory._snapshot()``, for memory_viz; and
+the reverse, a real snapshot's blocks attributed to memprof's categories (:func:`attribute_snapshot`).
 
 pytorch.org/memory_viz and ``torch.cuda._memory_viz`` (``trace_plot``, ``segment_plot``, ``segments``,
 ``memory``, ``trace``) read a pickled dict with ``segments`` (what is allocated at the end) and
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from ..report import Report
     from ..trace import Trace
 
-__all__ = ["memory_viz_snapshot"]
+__all__ = ["memory_viz_snapshot", "attribute_snapshot", "UNSEEN"]
 
 #: Where synthetic addresses start (any nonzero base; the viewers print addresses in hex).
 _BASE = 0x7F0000000000
@@ -107,3 +108,43 @@ def memory_viz_snapshot(report: "Report | Trace") -> dict[str, Any]:
 def _event(action: str, addr: int, size: int, frames: Any, time_us: float) -> dict[str, Any]:
     return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": frames,
             "time_us": int(time_us)}
+
+
+#: What an active block that matches no storage memprof knew is called.
+UNSEEN = "not seen by memprof"
+
+
+def attribute_snapshot(report: "Report | Trace", snapshot: Any) -> list[dict[str, Any]]:
+    """The active blocks of a real ``torch.cuda.memory._snapshot()`` with memprof's category and module.
+
+    The snapshot must be taken while the storages memprof recorded were live: the one written beside an
+    OOM dump, or one taken at the moment of an error inside the profile. A block is attributed when its
+    address is the address of a storage memprof knew then; the others (cuBLAS and NCCL workspaces,
+    tensors made outside the model's run, blocks freed and reused since) are :data:`UNSEEN`.
+    """
+    from ..errors import InvalidArgumentError, NotMeasuredError
+
+    t = as_trace(report)
+    if not t.live_storages_at_error:
+        raise NotMeasuredError(
+            "this trace records no live storages to attribute a snapshot with: only a profile that ended in an "
+            "error (an OOM dump) records them; profile with oom_dump= and use the snapshot written beside the dump")
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
+        raise InvalidArgumentError(
+            "expected a memory snapshot: the dict torch.cuda.memory._snapshot() returns, or the path of its pickle")
+    known = {ptr: (nbytes, cat, module) for ptr, nbytes, cat, module in t.live_storages_at_error}
+    rows = []
+    for seg in snapshot["segments"]:
+        addr = seg.get("address", 0)
+        for block in seg.get("blocks", ()):
+            here = block.get("address", addr)
+            addr = here + block.get("size", 0)
+            if block.get("state") != "active_allocated":
+                continue
+            cat, module = UNSEEN, None
+            if here in known:
+                _, cat, module = known[here]
+            rows.append({"address": here, "size": block.get("size", 0),
+                         "requested_size": block.get("requested_size", block.get("size", 0)),
+                         "category": cat, "module": module or None, "device": seg.get("device")})
+    return rows

@@ -17,13 +17,16 @@ from torch import nn
 
 from .. import __version__
 from ..trace import Breakdown, ModelFacts, ModuleRecord, OperationRecord, Sample, Trace, parent_path
-from .ledger import ACTIVATIONS, INPUTS, TEMPORARIES, Ledger, breakdown, storage_of, tag_pairs
+from .ledger import ACTIVATIONS, CATEGORY_OF_INDEX, INPUTS, TEMPORARIES, Ledger, breakdown, storage_of, tag_pairs
 from .modules import attribute_tensors
 
 if TYPE_CHECKING:
     from ..profiler import Profiler
 
-__all__ = ["breakdown", "blank", "build_trace", "live_modules"]
+__all__ = ["breakdown", "blank", "build_trace", "live_modules", "live_storages"]
+
+#: Most live storages an error's record lists (the largest): bounds a dump of a model of any size.
+MAX_LIVE_STORAGES = 100_000
 
 
 def blank(bd: Breakdown, cats: frozenset[int], total: bool) -> Breakdown:
@@ -40,6 +43,27 @@ def live_modules(prof: "Profiler") -> tuple[tuple[str, int], ...]:
             by_module[entry.module] = by_module.get(entry.module, 0) + entry.nbytes
     ranked = sorted(by_module.items(), key=lambda kv: -kv[1])
     return tuple((prof.modules.info[i].path or "<model>", n) for i, n in ranked[:20])
+
+
+def live_storages(prof: "Profiler") -> tuple[tuple[int, int, str, str], ...]:
+    """Each live storage's address, bytes, category and creating module (at an error), largest first:
+    a memory_viz snapshot taken then is attributed by these addresses."""
+    info = prof.modules.info
+    out = []
+    for entry in prof.ledger.entries.values():
+        storage = entry.ref() if entry.ref is not None else None
+        if storage is None:
+            continue
+        try:
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if not ptr:
+            continue
+        module = (info[entry.module].path or "<model>") if 0 <= entry.module < len(info) else ""
+        out.append((ptr, entry.nbytes, CATEGORY_OF_INDEX[entry.cat].value, module))
+    out.sort(key=lambda s: -s[1])
+    return tuple(out[:MAX_LIVE_STORAGES])
 
 
 def build_trace(prof: "Profiler") -> Trace:
@@ -120,6 +144,7 @@ def build_trace(prof: "Profiler") -> Trace:
         schedule=prof.schedule.describe() if prof.schedule is not None else None,
         recorded_steps=prof.windows.recorded_steps() if prof.windows is not None else (),
         oom=prof.oom,
+        live_storages_at_error=prof.live_storages_at_error,
     )
 
 

@@ -69,3 +69,7 @@ def test_a_cuda_oom_is_caught_at_the_failing_allocation(tmp_path):
     assert too_much <= oom.requested < too_much + (2 << 20)
     assert oom.device_free is not None and oom.device_total == torch.cuda.get_device_properties(0).total_memory
     assert oom.snapshot and (tmp_path / oom.snapshot).exists()
+    # The snapshot's blocks at the parameters' addresses are the weights, each rounded to 512 bytes.
+    frame = memprof.load(prof.oom_dump_path).attribute_snapshot(tmp_path / oom.snapshot)
+    weights = frame[frame.category == "weights"]["size"].sum()
+    assert weights >= sum(-(-p.untyped_storage().nbytes() // 512) * 512 for p in model.parameters())

@@ -119,3 +119,39 @@ def test_a_failed_write_is_a_warning_and_the_oom_still_propagates(tmp_path, monk
     assert raised is err and prof.oom_dump_path is None
     assert prof.report().trace.oom is not None
     assert hooks_left(model) == []
+
+
+def test_a_snapshot_taken_at_the_oom_is_attributed_by_address(tmp_path):
+    """A CPU stand-in for torch.cuda.memory._snapshot(): blocks at the addresses of the model's
+    parameters, of the optimizer's state and of a workspace memprof never saw."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(torch.OutOfMemoryError):
+        with memprof.profile(model, opt, oom_dump=tmp_path) as prof:
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    params = [p.untyped_storage() for p in model.parameters()]
+    states = [v.untyped_storage() for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    workspace = torch.empty(1000, dtype=torch.uint8).untyped_storage()
+    blocks = [{"address": s.data_ptr(), "size": s.nbytes(), "requested_size": s.nbytes(),
+               "state": "active_allocated", "frames": []} for s in params + states + [workspace]]
+    blocks.append({"address": 1, "size": 64, "state": "inactive"})
+    snapshot = {"segments": [{"device": 0, "address": 0, "total_size": 0, "blocks": blocks}], "device_traces": [[]]}
+    frame = memprof.load(prof.oom_dump_path).attribute_snapshot(snapshot)
+    assert len(frame) == len(params) + len(states) + 1  # inactive blocks are not listed
+    by_cat = frame.groupby("category")["size"].sum().to_dict()
+    # weights: (32*64 + 64 + 64*8 + 8) * 4 = 2,632 * 4 = 10,528 bytes; AdamW's exp_avg and exp_avg_sq:
+    # twice that (its scalar step counters are 0-dim tensors, left out of the stand-in)
+    assert by_cat == {"weights": 10_528, "optimizer_states": 2 * 10_528, "not seen by memprof": 1000}
+    assert frame[frame.category == "weights"].module.isna().all()  # weights existed before any module ran
+
+
+def test_attributing_needs_a_trace_taken_at_an_error(tmp_path):
+    from memprof.errors import NotMeasuredError
+
+    model = _model()
+    with memprof.profile(model) as prof:
+        model(torch.randn(4, 32))
+    with pytest.raises(NotMeasuredError, match="oom_dump="):
+        prof.report().attribute_snapshot({"segments": []})
