@@ -288,6 +288,13 @@ class Profiler:
     def capture_live(self) -> None:
         """What is live now, by category and module: the failing moment of an error (kept once: the CUDA
         OOM observer takes it at the failing allocation, before anything unwinds)."""
+        if self.windows is not None and self.windows.paused:
+            # memprof saw none of what the unwatched step made: a breakdown now would be wrong, not partial.
+            msg = ("the error was raised in a step the schedule did not watch: what was live then is not measured "
+                   "(profile without a schedule, or with one that records that step, to see it)")
+            if msg not in self.notes:
+                self.notes.append(msg)
+            return
         if self.live_at_error is None:
             self.live_at_error = breakdown(self.ledger.totals, light=self.mode == "light", where="now")
             self.live_modules_at_error = live_modules(self)
@@ -307,7 +314,10 @@ class Profiler:
             yield
         finally:
             if self._state == "active":
-                self.phases.end_step()
+                if self.windows is not None and self.windows.paused:
+                    self.windows.blocks_ended += 1  # a step the schedule does not watch ended
+                else:
+                    self.phases.end_step()
 
     @property
     def trace(self) -> Trace:

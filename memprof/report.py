@@ -95,9 +95,10 @@ class Report:
         index = step + total if step < 0 else step
         record = next((s for s in steps if s.index == index), None)
         if record is None:
-            kept = ", ".join(str(s.index) for s in steps)
+            kept = ", ".join(str(s.index) for s in steps[:8]) + (f" and {len(steps) - 8} more" if len(steps) > 8 else "")
+            every = "every recorded step" if self.trace.schedule is not None else "every step"
             raise NotMeasuredError(
-                f"step {index} is not kept in full (kept: {kept}); report.phase_stats() summarises every step, "
+                f"step {index} is not kept in full (kept: {kept}); report.phase_stats() summarises {every}, "
                 "and memprof.schedule() selects steps to keep")
         matches = [p for p in record.phases if p.phase is phase]
         if occurrence is not None and (isinstance(occurrence, bool) or not isinstance(occurrence, int)):

@@ -45,6 +45,26 @@ class Schedule:
             return WARMUP
         return ACTIVE
 
+    def __post_init__(self) -> None:
+        # Checked here, not only in schedule(): the class is public, and a zero-length cycle would
+        # otherwise fail inside a forward hook.
+        for name in ("wait", "warmup", "active", "repeat", "skip_first"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"schedule({name}=...) must be an int number of steps, got {_shown(value)}")
+            if value < 0:
+                raise InvalidArgumentError(f"schedule({name}={value}) is negative; give 0 or more steps")
+        if self.active < 1:
+            raise InvalidArgumentError(
+                f"schedule(active={self.active}) records nothing; give active=1 or more (the steps each window records)")
+
+    def ends_window(self, step: int) -> bool:
+        """Whether ``step`` is the last recorded step of its cycle (where on_trace_ready is called)."""
+        if self(step) != ACTIVE:
+            return False
+        cycle = self.wait + self.warmup + self.active
+        return (step - self.skip_first) % cycle == cycle - 1
+
     def records(self, step: int) -> bool:
         """Whether ``step`` is recorded (kept in the statistics and in full)."""
         return self(step) == ACTIVE
@@ -66,16 +86,7 @@ def schedule(*, wait: int = 0, warmup: int = 0, active: int = 1, repeat: int = 0
     least 1. A step is what memprof calls a step: one optimizer step (several forwards and backwards with
     gradient accumulation), each backward without an optimizer, or one ``prof.step()`` block.
     """
-    values = {"wait": wait, "warmup": warmup, "active": active, "repeat": repeat, "skip_first": skip_first}
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidArgumentError(f"schedule({name}=...) must be an int number of steps, got {_shown(value)}")
-        if value < 0:
-            raise InvalidArgumentError(f"schedule({name}={value}) is negative; give 0 or more steps")
-    if active < 1:
-        raise InvalidArgumentError(
-            f"schedule(active={active}) records nothing; give active=1 or more (the steps each window records)")
-    return Schedule(wait, warmup, active, repeat, skip_first)
+    return Schedule(wait, warmup, active, repeat, skip_first)  # checked in Schedule.__post_init__
 
 
 def _shown(value: Any) -> str:

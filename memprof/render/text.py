@@ -116,6 +116,8 @@ def oom_lines(t: "Trace") -> list[str]:
     if live is not None:
         lines.append(f"What was live at the OOM: {size(live.total)}")
         lines.extend(breakdown_lines(live))
+    else:
+        lines.append(f"What was live at the OOM: {NOT_MEASURED} (see the notes)")
     if t.live_modules_at_error:
         lines.append("  created by module (activations + temporaries still live):")
         for path, n in t.live_modules_at_error[:5]:
@@ -148,29 +150,34 @@ def _phase_lines(t: "Trace") -> tuple[list[str], int]:
     """The phase table of the steps kept in full, bounded (the first steps, the peak's and the last),
     and how many steps it shows."""
     steps = list(t.steps)
-    rows = sum(len(s.phases) for s in steps)
-    if rows > MAX_PHASE_ROWS:
+    if sum(len(s.phases) for s in steps) > MAX_PHASE_ROWS:
         wanted = {steps[0].index, steps[-1].index, t.peak_step}
         wanted |= {s.index for s in steps[:2]}
         steps = [s for s in steps if s.index in wanted]
     kept = ", ".join(str(s.index) for s in t.steps) if len(t.steps) <= 12 else f"{len(t.steps)} steps"
-    title = "Phases (bytes at the peak of each phase)"
-    if t.num_steps > len(steps):
-        title = f"Phases of steps {', '.join(str(s.index) for s in steps)} of {t.num_steps} (bytes at each phase's peak)"
-    lines = [title, f"  {'step':>4}  {'phase':<12}{'start':>14}{'peak':>14}{'end':>14}   largest at peak"]
-    shown = 0
+    rows: list[str] = []
+    shown: list[int] = []  # the steps whose rows fit
+    truncated = False
     for s in steps:
         for rec in s.phases:
-            if shown == MAX_PHASE_ROWS:
-                lines.append(f"  ... more phases in report.phases() (steps kept in full: {kept})")
-                return lines, len(steps)
-            shown += 1
+            if len(rows) == MAX_PHASE_ROWS:
+                truncated = True
+                break
+            if not shown or shown[-1] != s.index:
+                shown.append(s.index)
             label = rec.phase.value + (f" #{rec.occurrence}" if rec.occurrence else "")
-            lines.append(
+            rows.append(
                 f"  {rec.step:>4}  {label:<12}{size(rec.start.total):>14}"
                 f"{size(rec.peak.total):>14}{size(rec.end.total):>14}   {largest(rec.peak)}"
             )
-    return lines, len(steps)
+        if truncated:
+            break
+    title = "Phases (bytes at the peak of each phase)"
+    if t.num_steps > len(shown):
+        title = f"Phases of steps {', '.join(map(str, shown))} of {t.num_steps} (bytes at each phase's peak)"
+    if truncated:
+        rows.append(f"  ... more phases in report.phases() (steps kept in full: {kept})")
+    return [title, f"  {'step':>4}  {'phase':<12}{'start':>14}{'peak':>14}{'end':>14}   largest at peak"] + rows, len(shown)
 
 
 def _stat_lines(t: "Trace") -> list[str]:

@@ -80,10 +80,18 @@ class OptimizerTracker:
 
     # -- torch's global step hooks ----------------------------------------------------------
 
-    def pre_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def pre_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         prof = self.prof
-        if not prof.active or _is_compiling():
+        if _is_compiling():
             return None
+        if not prof.active:
+            windows = prof.windows
+            if windows is None or not windows.paused or not self.is_ours(opt):
+                return None
+            # A step the schedule does not watch: its window may begin inside the closure's forward,
+            # and an optimizer not passed to profile() must be known when a window begins.
+            self.discover(opt)
+            return self._wrapped(args, kwargs)
         if threading.get_ident() == prof.thread:
             if prof.params.changed or prof.params.pending:
                 prof.params.sync()
@@ -92,25 +100,36 @@ class OptimizerTracker:
             return None
         phases = prof.phases
         phases.optimizer_seen = True
-        if id(opt) not in self.given_ids and all(r() is not opt for r in self.discovered):
-            self.discovered.append(weakref.ref(opt))
-            if self.given_ids:
-                prof.changes.append(f"step {phases.step}: {type(opt).__name__} not passed to profile() stepped "
-                                    "the model's parameters (its state is measured from its first step)")
+        self.discover(opt)
         self.note(opt)
-        # args[0] is the optimizer itself (torch passes the step's own arguments through).
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if callable(closure):
-            # step(closure) runs forward and backward inside the step (Lightning's automatic optimisation,
-            # LBFGS): the optimizer phase begins when the closure returns. The wrapper returns what the
-            # closure returns; the step computes exactly as without it.
-            kwargs = dict(kwargs)
-            kwargs["closure"] = self._after(closure)
-            return tuple(args[:1]), kwargs
+        wrapped = self._wrapped(args, kwargs)
+        if wrapped is not None:
+            return wrapped
         prof.params.walk_grads()
         if phases.current is not Phase.OPTIMIZER:
             phases.begin(Phase.OPTIMIZER)
         return None
+
+    def discover(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer of the model stepped: measured from now on, also when not passed to profile()."""
+        if id(opt) not in self.given_ids and all(r() is not opt for r in self.discovered):
+            self.discovered.append(weakref.ref(opt))
+            if self.given_ids:
+                self.prof.changes.append(
+                    f"step {self.prof.phases.step}: {type(opt).__name__} not passed to profile() stepped the "
+                    "model's parameters (its state is measured from its first step)")
+
+    def _wrapped(self, args: Any, kwargs: Any) -> Any:
+        """``step(closure)`` runs forward and backward inside the step (Lightning's automatic optimisation,
+        LBFGS): the optimizer phase begins when the closure returns. The wrapper returns what the closure
+        returns; the step computes exactly as without it. None when there is no closure."""
+        # args[0] is the optimizer itself (torch passes the step's own arguments through).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            return None
+        kwargs = dict(kwargs)
+        kwargs["closure"] = self._after(closure)
+        return tuple(args[:1]), kwargs
 
     def _after(self, closure: Any) -> Any:
         prof = self.prof

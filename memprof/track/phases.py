@@ -193,7 +193,8 @@ class PhaseTracker:
         if not self.explicit:
             self.explicit = True
             self.pending_step_end = False
-            self.end_step()
+            if self.prof.windows is None or not self.prof.windows.paused:
+                self.end_step()
 
     # -- samples and the end ----------------------------------------------------
 

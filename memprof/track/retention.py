@@ -65,9 +65,17 @@ class _Series:
                 self.every *= 2
 
     def _thin_from_counts(self) -> None:
+        # Every ``every``-th element of the sorted multiset the counts describe: an even sample of the
+        # values so far, in which each value keeps its share (a rare one may drop out, as it should).
         counts, self.counts = self.counts or {}, None
-        self.every = max(1, -(-self.n // _SAMPLE))
-        self.sample = [v for v, c in sorted(counts.items()) for _ in range(max(1, round(c / self.every)))]
+        every = self.every = max(1, -(-self.n // _SAMPLE))
+        offset, start, sample = every // 2, 0, []
+        for value, c in sorted(counts.items()):
+            first = start + (offset - start) % every
+            if first < start + c:
+                sample.extend([value] * ((start + c - 1 - first) // every + 1))
+            start += c
+        self.sample = sample
 
     def stat(self) -> "Stat | None":
         if self.n == 0 or self.missing:  # any phase that did not measure it: the figure is not measured

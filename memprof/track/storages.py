@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..categories import Phase
 from .ledger import INPUTS, TAGS, TEMPORARIES, WEIGHTS, storage_of
+from .mode_stack import pop_from_beneath, push_beneath
 
 if TYPE_CHECKING:
     from ..profiler import Profiler
@@ -95,12 +96,24 @@ class StorageTracker:
         self.operations: Any = None  # an OperationLog with operations=True
         self.autocast_dtype: "str | None" = None
         self.mode: "DispatchMode | None" = None
+        self.base_depth: "int | None" = None  # the dispatch stack's depth when the profile began
 
     # -- the dispatch mode -----------------------------------------------------
 
     def install(self) -> None:
+        mode = _reusable_orphan()
+        if mode is not None:
+            # A mode of ours left beneath one that could not be moved (a fake or proxy mode): it is
+            # still on the stack, so it takes the ops again rather than a new one on every window.
+            mode.tracker = self
+            self.mode = mode
+            return
         mode = DispatchMode(self)
-        mode.__enter__()
+        if self.base_depth is None:  # the profile's start: whatever is on the stack was there before it
+            self.base_depth = _dispatch_stack_len()
+            mode.__enter__()
+        else:  # a schedule's window: beneath the modes the user entered since (mode_stack.py says why)
+            push_beneath(mode, self.base_depth)
         self.mode = mode
 
     def uninstall(self, thread: int) -> None:
@@ -108,12 +121,11 @@ class StorageTracker:
         if mode is None:
             return
         mode.tracker = None  # inert from now on, wherever it still sits
-        if threading.get_ident() == thread and _on_top(mode):
-            mode.__exit__(None, None, None)
-        else:
-            # Another thread's stack, or a mode of the user's entered inside the block is still above
-            # it (exiting would pop theirs): popped when it is on top, at the next profile in that thread.
-            _ORPHAN_MODES.append((thread, mode))
+        if threading.get_ident() == thread and pop_from_beneath(mode):
+            return  # taken out, also from beneath modes the user entered inside the block and left open
+        # Another thread's stack, or beneath a mode torch keeps apart (fake, proxy): popped when it is on
+        # top, at the next profile in that thread.
+        _ORPHAN_MODES.append((thread, mode))
 
     def on_op(self, func: Any, args: Any, kwargs: Any) -> Any:
         # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can.
@@ -363,6 +375,20 @@ _ORPHAN_MODES: list[tuple[int, DispatchMode]] = []
 def _on_top(mode: DispatchMode) -> bool:
     depth = _dispatch_stack_len()
     return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
+
+
+def _reusable_orphan() -> "DispatchMode | None":
+    """An inert mode of ours still on this thread's dispatch stack, taken off the orphan list."""
+    me = threading.get_ident()
+    depth = _dispatch_stack_len()
+    if depth <= 0:
+        return None
+    on_stack = {id(torch._C._get_dispatch_stack_at(i)) for i in range(depth)}
+    for entry in _ORPHAN_MODES:
+        if entry[0] == me and id(entry[1]) in on_stack:
+            _ORPHAN_MODES.remove(entry)
+            return entry[1]
+    return None
 
 
 def pop_orphan_modes() -> None:

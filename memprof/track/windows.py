@@ -34,8 +34,10 @@ class Windows:
         self.paused = False
         self.step_ended = False  # while paused: an optimizer stepped (or, without one, a backward ran)
         self.backward_ended = False
+        self.blocks_ended = 0  # while paused: prof.step() blocks that ended (with explicit steps)
         self.recorded: list[list[int]] = []  # [first, last] of each stretch of recorded steps
         self.window: "tuple[int, int] | None" = None  # the last window handed to on_ready
+        self.current: "list[int] | None" = None  # [first, last] recorded step of the window now open
         self.callbacks = 0
         # The ledger's global peak before a warmup began: warmup steps are watched, never counted.
         self.peak_before_warmup: "tuple | None" = None
@@ -64,12 +66,16 @@ class Windows:
         prof = self.prof
         phases = prof.phases
         if self.paused:
-            ended = self.step_ended or (self.backward_ended and not phases.optimizer_seen and not phases.explicit)
+            if phases.explicit:  # only prof.step() blocks end steps
+                ended = self.blocks_ended
+            else:
+                ended = int(self.step_ended or (self.backward_ended and not phases.optimizer_seen))
             self.step_ended = self.backward_ended = False
+            self.blocks_ended = 0
             if not ended:
                 return False
-            self.step += 1
-            phases.retention.steps_run += 1  # a step memprof did not watch: counted, not recorded
+            self.step += ended
+            phases.retention.steps_run += ended  # steps memprof did not watch: counted, not recorded
             if self.plan.watches(self.step):
                 self.resume()
                 return True
@@ -82,14 +88,18 @@ class Windows:
         return True
 
     def step_closed(self, index: int) -> None:
-        """PhaseTracker closed step ``index`` (watched): the next one runs now; pause if not watched."""
+        """PhaseTracker closed step ``index`` (watched): the next one runs now; pause if not watched.
+        A cycle's last active step ends its window (also when the next cycle's steps follow at once)."""
         self.note_recorded(index)
         if self.plan(index) == WARMUP:
             self.forget(index)
         self.step = index + 1
-        if not self.plan.watches(self.step):
-            self.window_ended()
-            self.pause()
+        try:
+            if self.plan.ends_window(index):
+                self.window_ended()
+        finally:  # a callback that raises still leaves the unwatched steps unwatched
+            if not self.plan.watches(self.step):
+                self.pause()
 
     def forget(self, index: int) -> None:
         """A warmup step closed: its peak, samples and phases leave no trace in the record."""
@@ -106,12 +116,17 @@ class Windows:
                 self.recorded[-1][1] = index
             else:
                 self.recorded.append([index, index])
+            if self.current is None:
+                self.current = [index, index]
+            else:
+                self.current[1] = index
 
     def window_ended(self) -> None:
         """An active window closed: hand the profiler to on_trace_ready (prof.report() reads it so far)."""
-        if self.on_ready is None or not self.recorded or self.window == tuple(self.recorded[-1]):
+        current, self.current = self.current, None
+        if self.on_ready is None or current is None:
             return
-        self.window = (self.recorded[-1][0], self.recorded[-1][1])
+        self.window = (current[0], current[1])
         self.callbacks += 1
         prof = self.prof
         prof.in_callback = True
@@ -127,6 +142,7 @@ class Windows:
         self.paused = True
         prof.active = False
         self.step_ended = self.backward_ended = False
+        self.blocks_ended = 0
         if prof.mode == "full":
             prof.storages.uninstall(prof.thread)
 

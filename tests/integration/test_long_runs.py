@@ -188,4 +188,126 @@ def test_the_text_report_stays_short_for_any_run():
     text = str(rep)
     assert len(rep.trace.steps) == 40  # all kept in full (scheduled), not all printed
     assert len(text.splitlines()) <= 80
-    assert "Phases of steps 0, 1, 39 of 40" in text and "All 40 recorded steps per phase" in text
+    # The title names the steps whose rows fit in the 12 rows (0 and 1, which holds the peak), no more.
+    assert "Phases of steps 0, 1 of 40" in text and "All 40 recorded steps per phase" in text
+
+
+# ---------------------------------------------------------------------- what a hostile review found
+
+
+def test_a_users_mode_entered_every_step_leaves_no_mode_of_memprofs_behind():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, opt, x, y = _setup()
+    depths = []
+    with memprof.profile(model, opt, schedule=memprof.schedule(wait=1, active=1)):
+        for _ in range(12):
+            with FlopCounterMode(display=False):
+                ((model(x) - y) ** 2).mean().backward()
+                depths.append(torch._C._len_torch_dispatch_stack())
+                opt.step()
+                opt.zero_grad()
+    # At most the user's mode and one of memprof's, however many windows; nothing left after the block,
+    # and torch's "a mode is in" flags are down again.
+    assert max(depths) <= 2
+    assert torch._C._len_torch_dispatch_stack() == 0
+    from torch.utils import _python_dispatch as pd
+
+    assert not pd.is_in_torch_dispatch_mode()
+
+
+def test_a_closure_step_has_its_optimizer_phase_in_every_window():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+
+    def closure():
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    with memprof.profile(model, opt, schedule=memprof.schedule(wait=1, active=1)) as prof:
+        for _ in range(6):
+            opt.step(closure)
+    steps = prof.report().trace.steps
+    assert [s.index for s in steps] == [1, 3, 5]
+    for s in steps:
+        assert [p.phase.value for p in s.phases if p.phase.value != "other"] == ["forward", "backward", "optimizer"]
+
+
+def test_explicit_steps_follow_the_schedule_without_an_optimizer():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    with memprof.profile(model, schedule=memprof.schedule(wait=2, active=1)) as prof:
+        for _ in range(9):
+            with prof.step(), torch.no_grad():
+                model(torch.randn(4, 8))
+    rep = prof.report()
+    assert rep.num_steps == 9 and rep.trace.recorded_steps == ((2, 2), (5, 5), (8, 8))
+
+
+def test_an_optimizer_not_passed_is_measured_from_the_first_window():
+    model, opt, x, y = _setup()
+    with memprof.profile(model, schedule=memprof.schedule(skip_first=3, active=2)) as prof:
+        _train(model, opt, x, y, 5)
+    rep = prof.report()
+    assert [s.index for s in rep.trace.steps] == [3, 4]
+    # At the first recorded forward, AdamW's state from the three unwatched steps is already counted.
+    start = rep.at(3, "forward", "start")
+    assert start[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt)
+
+
+def test_on_trace_ready_is_called_once_per_window_also_when_windows_touch():
+    seen = []
+    _scheduled(memprof.schedule(wait=0, warmup=1, active=2), steps=12, on_ready=lambda p: seen.append(p.window))
+    assert seen == [(1, 2), (4, 5), (7, 8), (10, 11)]
+    seen.clear()
+    _scheduled(memprof.schedule(active=2, repeat=3), steps=8, on_ready=lambda p: seen.append(p.window))
+    assert seen == [(0, 1), (2, 3), (4, 5)]
+
+
+def test_a_failing_on_trace_ready_still_pauses_memprof():
+    model, opt, x, y = _setup()
+
+    def ready(prof):
+        raise RuntimeError("callback failed")
+
+    with pytest.raises(RuntimeError, match="callback failed"):
+        with memprof.profile(model, opt, schedule=memprof.schedule(wait=1, active=1), on_trace_ready=ready) as prof:
+            _train(model, opt, x, y, 3)
+            assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._len_torch_dispatch_stack() == 0 and prof.report().trace.error
+
+
+def test_an_error_in_an_unwatched_step_is_not_given_a_false_breakdown():
+    model, opt, x, y = _setup()
+    with pytest.raises(ValueError):
+        with memprof.profile(model, opt, schedule=memprof.schedule(wait=1, active=1)) as prof:
+            _train(model, opt, x, y, 2)
+            ((model(x) - y) ** 2).mean().backward()  # step 2: not watched, its gradients unseen
+            raise ValueError("in an unwatched step")
+    trace = prof.report().trace
+    assert trace.live_at_error is None
+    assert any("did not watch" in n for n in trace.notes)
+
+
+def test_stop_with_the_exception_records_it():
+    model, opt, x, y = _setup()
+    prof = memprof.Profiler(model, opt)
+    prof.start()
+    try:
+        _train(model, opt, x, y, 1)
+        raise KeyError("boom")
+    except KeyError as exc:
+        prof.stop(exc)
+    assert prof.report().trace.error == "KeyError: 'boom'"
+    assert prof.report().trace.live_at_error[C.WEIGHTS] == weight_bytes(model)
+
+
+def test_a_schedule_built_directly_is_checked():
+    with pytest.raises(InvalidArgumentError, match="active=0"):
+        memprof.Schedule(active=0)
+    with pytest.raises(InvalidArgumentError, match="negative"):
+        memprof.Schedule(wait=-3)

@@ -104,3 +104,21 @@ def test_phase_stats_of_two_kinds_of_phase_are_kept_apart():
     stats = {(s.phase, s.occurrence): s for s in r.phase_stats()}
     assert stats[(Phase.FORWARD, 0)].at("end", "activations") == (50, 50, 50)
     assert stats[(Phase.FORWARD, 1)].at("peak", "activations") == (300, 300, 300)
+
+
+def test_a_thinned_median_keeps_each_values_share():
+    # 1,000 steps at 5 bytes and 65 rare outliers: past 64 distinct values the series is thinned,
+    # and the median must stay 5 (each outlier keeps its share, not one slot each).
+    series = _Series()
+    for _ in range(1000):
+        series.add(5)
+    for v in range(100, 165):
+        series.add(v)
+    assert series.stat().median == 5
+    # 180 at one size, then 70 distinct larger ones: the true median is still the common size.
+    series = _Series()
+    for _ in range(180):
+        series.add(53_536)
+    for i in range(70):
+        series.add(60_000 + i)
+    assert series.stat().median == 53_536

@@ -1,0 +1,122 @@
+"""memprof's dispatch mode beneath modes the user entered after it, and taken out from beneath them.
+
+A schedule installs memprof's mode at the start of each recorded window, often inside a mode the user
+enters every step (``with FlopCounterMode(): ...``). Pushed on top, it would be what the user's
+``__exit__`` pops (torch pops the top of the stack, c10/core/impl/TorchDispatchModeTLS.cpp), leaving
+the user's mode on the stack for good. So memprof's mode goes where it would be had it stayed
+installed: beneath the modes entered since the profile began. The same when it leaves while a mode of
+the user's is still open above it.
+
+torch keeps three "is a mode in" flags in torch/utils/_python_dispatch.py, saved by each mode on
+entry and restored on exit, in stack order. Moving a mode under others swaps which mode restores
+what, so the saved values are exchanged to match the new order and the current values are left as
+they were. Modes torch keeps outside the plain stack (fake, proxy, functional, pre-dispatch) are never
+moved: with one of those above, this returns False and the caller falls back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _python_dispatch as _pd
+
+__all__ = ["push_beneath", "pop_from_beneath"]
+
+_SAVED = ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
+          "old_without_ignore_compile_internals_dispatch_mode_flags")
+_CURRENT = ("_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode",
+            "_is_in_any_mode_without_ignore_compile_internals")
+
+
+def _stack() -> list[Any]:
+    return [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+
+
+def _plain(mode: Any) -> bool:
+    return getattr(mode, "_mode_key", None) is None and getattr(mode, "_dispatch_key", None) is None
+
+
+def _current() -> tuple[Any, ...]:
+    return tuple(getattr(_pd, name, None) for name in _CURRENT)
+
+
+def _restore(values: tuple[Any, ...]) -> None:
+    for name, value in zip(_CURRENT, values):
+        if hasattr(_pd, name):
+            setattr(_pd, name, value)
+    setter = getattr(_pd, "set_is_in_mode_without_ignore_compile_internals", None)
+    if setter is not None and values[2] is not None:
+        setter(values[2])
+
+
+def _saved(mode: Any) -> "list[Any] | None":
+    try:
+        return [getattr(mode, name)[-1] for name in _SAVED]
+    except (AttributeError, IndexError):  # an older torch, or a mode entered without torch's __enter__
+        return None
+
+
+def _set_saved(mode: Any, values: "list[Any] | None") -> None:
+    if values is None:
+        return
+    try:
+        for name, value in zip(_SAVED, values):
+            getattr(mode, name)[-1] = value
+    except (AttributeError, IndexError):
+        pass
+
+
+def _lift(count: int) -> list[Any]:
+    return [torch._C._pop_torch_dispatch_stack(None) for _ in range(count)]  # top first
+
+
+def _put_back(lifted: list[Any]) -> None:
+    for mode in reversed(lifted):
+        torch._C._push_on_torch_dispatch_stack(mode)
+
+
+def push_beneath(mode: Any, depth: int) -> None:
+    """Enter ``mode`` at position ``depth`` of this thread's stack, beneath the modes above it (on top
+    when there are none, or when one of them cannot be moved)."""
+    stack = _stack()
+    above = stack[depth:] if 0 <= depth < len(stack) else []
+    if not above or not all(_plain(m) for m in above):
+        mode.__enter__()
+        return
+    before = _current()
+    lifted = _lift(len(above))
+    bottom = _saved(lifted[-1])
+    mode.__enter__()
+    # As if entered before them: it restores what the lowest of them had saved, and they saved "a
+    # (non-infra) mode is in"; whether a mode ignores compile internals is unchanged by memprof's.
+    _set_saved(mode, bottom)
+    for m in lifted:
+        saved = _saved(m)
+        if saved is not None:
+            _set_saved(m, [True, True, saved[2]])
+    _put_back(lifted)
+    _restore(before)
+
+
+def pop_from_beneath(mode: Any) -> bool:
+    """Exit ``mode`` from wherever it is in this thread's stack; False when it is not there, or when a
+    mode above it cannot be moved."""
+    stack = _stack()
+    where = next((i for i, m in enumerate(stack) if m is mode), None)
+    if where is None:
+        return False
+    above = stack[where + 1:]
+    if not above:
+        mode.__exit__(None, None, None)
+        return True
+    if not all(_plain(m) for m in above):
+        return False
+    before = _current()
+    lifted = _lift(len(above))
+    ours = _saved(mode)
+    mode.__exit__(None, None, None)
+    _set_saved(lifted[-1], ours)  # the lowest of them now restores what memprof's mode would have
+    _put_back(lifted)
+    _restore(before)
+    return True
