@@ -71,14 +71,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     import memprof
 
-    report = memprof.load(args.file)
     if args.html:
         _writable(args.html)
-        report.to_html(args.html)
-    print(report.to_text(top_modules=args.top))
+        _not_the_input(args.html, args.file)
+    report = memprof.load(args.file)
+    print(report.to_text(top_modules=args.top))  # first: a refused HTML file still leaves the text
     if args.html:
+        report.to_html(args.html)
         print(f"\nHTML report written to {args.html}")
     return 0
+
+
+def _not_the_input(path: str, source: str) -> None:
+    if os.path.abspath(path) == os.path.abspath(source) or (
+            os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source)):
+        raise MemprofError(f"{path} is the trace being read; write the output to another file")
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -90,6 +97,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
         raise MemprofError("say what to write: --chrome trace.json, --memory-viz snapshot.pickle and/or --html out.html")
     for path, _ in wanted:
         _writable(path)  # all refused before any is written
+        _not_the_input(path, args.file)
+    outputs = [os.path.abspath(path) for path, _ in wanted]
+    if len(set(outputs)) < len(outputs):
+        raise MemprofError("two outputs name the same file; give each export its own file")
     report = memprof.load(args.file)
     for path, how in wanted:
         getattr(report, how)(path)

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["export_chrome_trace", "export_memory_viz", "write_html"]
 
 
-def _measured(report: "Report | Trace", what: str) -> "Trace":
+def _measured(report: "Report | Trace", what: str, *, live_is_enough: bool = False) -> "Trace":
     t = as_trace(report)
-    if not t.phases:
+    if not t.phases and not (live_is_enough and t.live_at_error is not None):
         raise NotMeasuredError(
             f"nothing to export as {what}: the run recorded no phase (nothing ran inside the profile, or a "
             "schedule recorded no step); profile at least one forward, backward or optimizer step")
@@ -57,4 +57,5 @@ def write_html(report: "Report | Trace", path: "str | os.PathLike[str]") -> None
     timeline, phases, modules, reconciliation; an OOM dump leads with what was live then."""
     from .render.page import report_page
 
-    write_text_atomic(path, report_page(_measured(report, "an HTML report")))
+    # An OOM dump taken before any phase closed still holds what was live: a page worth writing.
+    write_text_atomic(path, report_page(_measured(report, "an HTML report", live_is_enough=True)))

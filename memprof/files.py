@@ -43,6 +43,8 @@ def write_bytes_atomic(path: "str | os.PathLike[str]", data: bytes) -> None:
     if os.path.isdir(target):
         raise InvalidArgumentError(f"cannot save to {target}: it is a folder; give a file name such as run.json")
     if not os.path.isdir(folder):
+        if os.path.exists(folder):
+            raise InvalidArgumentError(f"cannot save to {target}: {folder} is a file, not a folder")
         raise InvalidArgumentError(f"cannot save to {target}: the folder {folder} does not exist; create it first")
     try:
         mode = os.stat(target).st_mode & 0o7777

@@ -30,14 +30,15 @@ import torch
 import torch.optim.optimizer as _optim_mod
 from torch import nn
 
-from .errors import InvalidArgumentError, ProfilerStateError, UnknownNameError
+from .errors import InvalidArgumentError, ProfilerStateError
 from .trace import Breakdown, OomRecord, StepRecord, Trace
 from .track.device import DeviceProbe
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
+from .arguments import checked
 from .track.oom import OomDump, checked_folder, is_oom
 from .track.modules import ModuleTracker, attribute_tensors, unique_params
 from .track.operations import OperationLog
-from .track.optimizer import OptimizerTracker, as_optimizers
+from .track.optimizer import OptimizerTracker
 from .track.params import ParamTracker, is_lazy
 from .track.phases import PhaseTracker
 from .track.windows import Windows
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Profiler", "profile"]
 
-_MODES = ("full", "light", "auto")
 _get_ident = threading.get_ident
 
 # Models currently being profiled, so that a second profiler on the same model is refused.
@@ -127,7 +127,7 @@ class Profiler:
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
     ) -> None:
-        optimizers, device = _checked(model, optimizer, mode, timeline, operations, schedule, on_trace_ready,
+        optimizers, device = checked(model, optimizer, mode, timeline, operations, schedule, on_trace_ready,
                                       _allow_meta)
         self.schedule = schedule
         self._on_trace_ready = on_trace_ready
@@ -270,13 +270,20 @@ class Profiler:
             return None
         if exc is not None:
             self.error = f"{exc_type.__name__}: {exc}"
-            self.capture_live()
-            if is_oom(exc):
+            oom = is_oom(exc)
+            # At a CUDA OOM the allocator's observer took what was live at the failing allocation itself.
+            live = self.oom_dump.live if oom and self.oom_dump is not None and self.oom_dump.observed else None
+            live = live or self.live_now()
+            if live is not None:
+                self.live_at_error, self.live_modules_at_error, self.live_storages_at_error = live
+            if oom:
                 self.oom = (self.oom_dump or OomDump(self, "")).record(exc, self.device)
         elsewhere = _get_ident() != self.thread
         self._teardown()
         if self.oom is not None and self.oom_dump is not None and self._trace is not None:
             self.oom_dump_path = self.oom_dump.write(self._trace)
+        elif self.oom_dump is not None:
+            self.oom_dump.discard()
         if elsewhere and exc is None:
             raise ProfilerStateError(
                 "this profile was ended in another thread than the one that started it; its hooks are removed "
@@ -285,20 +292,17 @@ class Profiler:
             )
         return None  # never swallow the body's exception
 
-    def capture_live(self) -> None:
-        """What is live now, by category and module: the failing moment of an error (kept once: the CUDA
-        OOM observer takes it at the failing allocation, before anything unwinds)."""
+    def live_now(self) -> "tuple[Breakdown, tuple[tuple[str, int], ...], tuple[tuple[int, int, str, str], ...]] | None":
+        """What is live now, by category, by creating module, and storage by storage; None in a step a
+        schedule does not watch, where memprof saw none of what the step made (wrong, not partial)."""
         if self.windows is not None and self.windows.paused:
-            # memprof saw none of what the unwatched step made: a breakdown now would be wrong, not partial.
             msg = ("the error was raised in a step the schedule did not watch: what was live then is not measured "
                    "(profile without a schedule, or with one that records that step, to see it)")
             if msg not in self.notes:
                 self.notes.append(msg)
-            return
-        if self.live_at_error is None:
-            self.live_at_error = breakdown(self.ledger.totals, light=self.mode == "light", where="now")
-            self.live_modules_at_error = live_modules(self)
-            self.live_storages_at_error = live_storages(self)
+            return None
+        return (breakdown(self.ledger.totals, light=self.mode == "light", where="now"), live_modules(self),
+                live_storages(self))
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -486,65 +490,3 @@ class Profiler:
                 if self._state != "failed":
                     self._state = "done"
                 self.ledger.close()
-
-
-def _checked(model: Any, optimizer: Any, mode: Any, timeline: Any, operations: Any, schedule: Any,
-             on_trace_ready: Any, allow_meta: bool) -> "tuple[list[torch.optim.Optimizer], torch.device]":
-    """What profile() was given, checked: the optimizers (unwrapped) and the model's device, or a
-    MemprofError that names the fix."""
-    if not isinstance(model, nn.Module):
-        raise InvalidArgumentError(
-            f"profile() needs a torch.nn.Module as its first argument, got {type(model).__name__}; "
-            "pass the model whose training you want to measure"
-        )
-    optimizers = as_optimizers(optimizer)
-    if not isinstance(mode, str) or mode not in _MODES:
-        raise UnknownNameError(f"unknown mode {mode!r}; use one of: full, light, auto")
-    model_params = {id(p) for p in model.parameters()}
-    for opt in optimizers:
-        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in model_params]
-        if foreign:
-            raise InvalidArgumentError(
-                f"{type(opt).__name__} holds {len(foreign)} parameter(s) that are not the model's; "
-                "pass the optimizer built from model.parameters(), or profile the module that owns them"
-            )
-    if getattr(model, "_compiled_call_impl", None) is not None:
-        # nn.Module.compile() compiles the module's own __call__, hooks included: memprof's hooks
-        # would be traced into the graph (splitting it) or, added after compilation, never run.
-        raise InvalidArgumentError(
-            f"{type(model).__name__} was compiled in place with model.compile(), so memprof's hooks on it "
-            "would run inside the compiled code; profile the wrapper torch.compile(model) returns instead "
-            "(memprof.profile(torch.compile(model), optimizer)), or compile its blocks in place and "
-            "profile the model that holds them"
-        )
-    device = _model_device(model)
-    if device.type == "meta" and not allow_meta:
-        raise InvalidArgumentError(
-            "the model is on the meta device, where nothing can be measured; move it to a real device "
-            "(model.to('cpu') after materialising), or use memprof.estimate() to simulate it"
-        )
-    for name, value in (("timeline", timeline), ("operations", operations)):
-        if not isinstance(value, bool):
-            raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
-    from .schedule import Schedule
-
-    if schedule is not None and not isinstance(schedule, Schedule):
-        raise InvalidArgumentError(
-            f"schedule must come from memprof.schedule(wait=, warmup=, active=, repeat=, skip_first=), got "
-            f"{type(schedule).__name__}")
-    if on_trace_ready is not None and not callable(on_trace_ready):
-        raise InvalidArgumentError(
-            f"on_trace_ready must be a function taking the profiler, got {type(on_trace_ready).__name__}")
-    if on_trace_ready is not None and schedule is None:
-        raise InvalidArgumentError(
-            "on_trace_ready is called at the end of each window of a schedule; pass schedule=memprof.schedule(...) "
-            "too, or read prof.report() after the block")
-    return optimizers, device
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device("cpu")

@@ -249,8 +249,15 @@ class Report:
         from .render.memory_viz import attribute_snapshot
 
         if isinstance(snapshot, (str, os.PathLike)):
-            with open(snapshot, "rb") as fh:
-                snapshot = pickle.load(fh)
+            try:
+                with open(snapshot, "rb") as fh:
+                    snapshot = pickle.load(fh)
+            except FileNotFoundError:
+                raise InvalidArgumentError(f"no snapshot at {os.fspath(snapshot)}") from None
+            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as exc:
+                raise InvalidArgumentError(
+                    f"{os.fspath(snapshot)} is not a pickled memory snapshot ({type(exc).__name__}); give the file "
+                    "torch.cuda.memory._snapshot() was pickled to (memprof writes one beside an OOM dump)") from None
         columns = ["address", "size", "requested_size", "category", "module", "device"]
         return pd.DataFrame(attribute_snapshot(self.trace, snapshot), columns=columns)
 

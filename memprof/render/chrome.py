@@ -28,11 +28,13 @@ if TYPE_CHECKING:
     from ..report import Report
     from ..trace import Trace
 
-__all__ = ["chrome_trace", "TRACKS"]
+__all__ = ["chrome_trace", "TRACKS", "BACKWARD_TID"]
 
 _PID = 1
 #: Thread ids of the span tracks, with their names.
-TRACKS = {1: "steps", 2: "phases", 3: "modules (forward)", 4: "modules (backward)", 5: "modules (overlapping)"}
+TRACKS = {1: "steps", 2: "phases", 3: "modules (forward)", 5: "modules (overlapping)"}
+#: Backward module calls: one track per depth of the module tree, from this thread id on.
+BACKWARD_TID = 10
 
 
 def _composition(bd: Breakdown) -> dict[str, Any]:
@@ -40,6 +42,12 @@ def _composition(bd: Breakdown) -> dict[str, Any]:
     out["total"] = bd.total
     out["readable"] = ", ".join(f"{c.value} {format_bytes(v)}" for c, v in bd.measured().items() if v)
     return out
+
+
+def _level(bd: Breakdown) -> int:
+    """A breakdown's height: its total, or where none was measured (light mode on a CPU), the sum of
+    what was."""
+    return bd.total if bd.total is not None else sum(bd.measured().values())
 
 
 def chrome_trace(report: "Report | Trace") -> dict[str, Any]:
@@ -50,13 +58,17 @@ def chrome_trace(report: "Report | Trace") -> dict[str, Any]:
         {"ph": "M", "pid": _PID, "name": "process_name",
          "args": {"name": f"memprof: {t.device.name or t.device.type} ({t.mode} mode)"}},
     ]
+    modules = _modules(cv.points)
+    tracks = dict(TRACKS)
+    for tid in sorted({e["tid"] for e in modules if e["tid"] >= BACKWARD_TID}):
+        tracks[tid] = f"modules (backward, depth {tid - BACKWARD_TID})"
     events += [{"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": name}}
-               for tid, name in TRACKS.items()]
+               for tid, name in tracks.items()]
     events += [{"ph": "M", "pid": _PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}}
-               for tid in TRACKS]
+               for tid in tracks]
     events += _counters(cv.points)
     events += _steps_and_phases(t)
-    events += _modules(cv.points)
+    events += modules
     last = max((p.time_us for p in cv.points), default=0.0)
     if t.error:
         events.append({"ph": "i", "s": "g", "pid": _PID, "tid": 2, "ts": last, "name": "error",
@@ -106,39 +118,65 @@ def _steps_and_phases(t: "Trace") -> list[dict[str, Any]]:
                              "ops": p.ops}})
         out.append({"ph": "i", "s": "t", "pid": _PID, "tid": 2, "ts": peak,
                     "name": f"peak of {name} (step {p.step})", "args": _composition(p.peak)})
-        if t.peak_step == p.step and t.peak_phase is p.phase and t.peak.total is not None \
-                and p.peak.total == t.peak.total:
-            out.append({"ph": "i", "s": "g", "pid": _PID, "tid": 2, "ts": peak, "name": "peak of the run",
-                        "args": dict(_composition(t.peak), module=t.peak_module)})
+
+    # The run's peak: the highest phase peak of the peak's step and phase (the first, when gradient
+    # accumulation gives several equal ones).
+    candidates = [(p, peak) for p, _, peak, _ in phase_times(t) if p.step == t.peak_step and p.phase is t.peak_phase]
+    if candidates:
+        p, peak = max(candidates, key=lambda c: _level(c[0].peak))  # max keeps the first of equals
+        out.append({"ph": "i", "s": "g", "pid": _PID, "tid": 2, "ts": peak, "name": "peak of the run",
+                    "args": dict(_composition(t.peak), module=t.peak_module)})
     for step, (start, end) in spans.items():
         out.append({"ph": "X", "pid": _PID, "tid": 1, "ts": start, "dur": max(end - start, 0.0),
                     "name": f"step {step}", "args": {"step": step}})
     return out
 
 
+def _depth(path: str) -> int:
+    return 0 if path == "<model>" else path.count(".") + 1
+
+
 def _modules(points: Any) -> list[dict[str, Any]]:
-    """Module calls from the timeline's enter/exit samples, each track kept properly nested."""
+    """Module calls from the timeline's enter/exit samples.
+
+    Forward calls nest, so they share one track (a call that would cross its parent's end goes to
+    the overlapping track). In backward a module's frame closes when the gradient of its input is
+    computed, which can come a few microseconds before its first child's closes: so each depth of the
+    module tree has its own backward track, where calls never overlap. A call whose exit was never
+    recorded (in backward: no gradient flowed to its inputs, as for the first layer and the root; or an
+    error mid-forward) is drawn to the end of its phase, and its ``args`` say so.
+    """
     open_calls: dict[tuple[int, str, str], list[float]] = {}
-    spans: list[tuple[float, float, str, str, int]] = []
+    spans: list[tuple[float, float, str, str, int, bool]] = []
     for pt in points:
+        if pt.kind == "end":  # the phase is over: whatever is still open ends here, unrecorded
+            for key in [k for k in open_calls if k[0] == pt.step and k[1] == pt.phase.value]:
+                for start in open_calls.pop(key):
+                    spans.append((start, pt.time_us, key[2], key[1], key[0], False))
+            continue
         if pt.module is None:
             continue
         key = (pt.step, pt.phase.value, pt.module)
         if pt.kind == "enter":
             open_calls.setdefault(key, []).append(pt.time_us)
         elif pt.kind == "exit" and open_calls.get(key):
-            spans.append((open_calls[key].pop(), pt.time_us, pt.module, pt.phase.value, pt.step))
+            spans.append((open_calls[key].pop(), pt.time_us, pt.module, pt.phase.value, pt.step, True))
     out: list[dict[str, Any]] = []
-    stacks: dict[int, list[float]] = {3: [], 4: []}
-    for start, end, module, phase, step in sorted(spans, key=lambda s: (s[0], -(s[1] - s[0]))):
-        tid = 4 if phase == "backward" else 3
-        stack = stacks[tid]
-        while stack and stack[-1] <= start:
-            stack.pop()
-        if stack and end > stack[-1]:
-            tid = 5  # crosses its enclosing span's end (a backward frame closed late): a track of its own
+    forward: list[float] = []
+    for start, end, module, phase, step, closed in sorted(spans, key=lambda s: (s[0], -(s[1] - s[0]))):
+        if phase == "backward":
+            tid = BACKWARD_TID + _depth(module)
         else:
-            stack.append(end)
+            tid = 3
+            while forward and forward[-1] <= start:
+                forward.pop()
+            if forward and end > forward[-1]:
+                tid = 5  # crosses its enclosing call's end: a track of its own
+            else:
+                forward.append(end)
+        args: dict[str, Any] = {"step": step, "phase": phase}
+        if not closed:
+            args["end"] = "not recorded: drawn to the end of the phase"
         out.append({"ph": "X", "pid": _PID, "tid": tid, "ts": start, "dur": max(end - start, 0.0),
-                    "name": module, "args": {"step": step, "phase": phase}})
+                    "name": module, "args": args})
     return out

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from ..categories import Category, DEVICE_CATEGORIES
 from ..errors import InvalidArgumentError
 from ..trace import Breakdown, ModuleRecord, as_trace
-from ..units import format_bytes
+from ..units import format_bytes, printable
 from .common import CATEGORY_COLORS, NOT_MEASURED, own_rows, signed, size
 from .svg import timeline_svg
 from .text import oom_lines
@@ -57,7 +57,8 @@ PERCENT_COLUMNS = frozenset(["delta_pct"])
 
 
 def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    # Control characters (a NUL in an exception message) are shown as escapes, as in the text report.
+    return html.escape(printable(str(value)), quote=True)
 
 
 def _bytes(n: "int | None") -> str:

@@ -13,11 +13,13 @@ moments of the memory curve (:mod:`memprof.render.curve`), the growth of a categ
 and its shrinking frees that category's latest blocks (a partly freed block is freed and its remainder
 allocated again, with its frames). So the stacked plot's height and colors by category are exact at
 every recorded moment, and a block is "what this category gained during this module or phase", not
-one tensor. Addresses are synthetic and never reused.
+one tensor. Addresses are synthetic; a freed range is reused first-fit, so the segment is about the
+size of the run's peak, not of everything ever allocated.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING, Any
 
 from ..trace import as_trace
@@ -33,6 +35,38 @@ __all__ = ["memory_viz_snapshot", "attribute_snapshot", "UNSEEN"]
 _BASE = 0x7F0000000000
 
 
+class _Space:
+    """Synthetic addresses: a freed range is reused first-fit, so the segment's size is a footprint
+    (the run's high-water mark, plus what this layout fragments), not the sum of every allocation."""
+
+    def __init__(self) -> None:
+        self.free: list[list[int]] = []  # [addr, size], by address
+        self.end = _BASE
+
+    def take(self, size: int) -> int:
+        for i, (addr, room) in enumerate(self.free):
+            if room >= size:
+                if room == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = [addr + size, room - size]
+                return addr
+        if self.free and self.free[-1][0] + self.free[-1][1] == self.end:  # grow the free tail
+            addr = self.free.pop()[0]
+        else:
+            addr = self.end
+        self.end = max(self.end, addr + size)
+        return addr
+
+    def give(self, addr: int, size: int) -> None:
+        i = bisect.bisect(self.free, [addr, size])
+        self.free.insert(i, [addr, size])
+        if i + 1 < len(self.free) and addr + size == self.free[i + 1][0]:  # merge with the next
+            self.free[i][1] += self.free.pop(i + 1)[1]
+        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == addr:  # and with the previous
+            self.free[i - 1][1] += self.free.pop(i)[1]
+
+
 def _frames(category: str, module: "str | None", phase: str, step: int) -> list[dict[str, Any]]:
     return [
         {"filename": "memprof", "line": 0, "name": f"category: {category}"},
@@ -45,11 +79,11 @@ def memory_viz_snapshot(report: "Report | Trace") -> dict[str, Any]:
     """The snapshot dict (pickle it, or use :meth:`memprof.Report.export_memory_viz`)."""
     t = as_trace(report)
     cv = curve(t)
-    device = t.device.index or 0 if t.device.type == "cuda" else 0
+    device = (t.device.index or 0) if t.device.type == "cuda" else 0
     events: list[dict[str, Any]] = []
     live: dict[str, list[list[Any]]] = {}  # category -> blocks [addr, size, frames], oldest first
     level: dict[str, int] = {}
-    next_addr = _BASE
+    space = _Space()
     stack: list[str] = []  # the modules running, innermost last
     for pt in cv.points:
         # Growth seen at a module's exit happened inside it; at an entry, in whatever ran before.
@@ -70,15 +104,16 @@ def memory_viz_snapshot(report: "Report | Trace") -> dict[str, Any]:
                 addr, size, frames = blocks.pop()
                 events.append(_event("free_requested", addr, size, frames, pt.time_us))
                 events.append(_event("free_completed", addr, size, frames, pt.time_us))
+                space.give(addr, size)
                 if size > -delta:  # only part of it went: the rest stays, as a block of its own
                     delta = size + delta
                     break
                 delta += size
             if delta > 0:
                 frames = frames or _frames(name, where, pt.phase.value, pt.step)
-                blocks.append([next_addr, delta, frames])
-                events.append(_event("alloc", next_addr, delta, frames, pt.time_us))
-                next_addr += delta
+                addr = space.take(delta)
+                blocks.append([addr, delta, frames])
+                events.append(_event("alloc", addr, delta, frames, pt.time_us))
     segment_blocks: list[dict[str, Any]] = []
     cursor = _BASE
     for addr, size, frames in sorted(b for blocks in live.values() for b in blocks):
@@ -88,12 +123,12 @@ def memory_viz_snapshot(report: "Report | Trace") -> dict[str, Any]:
         segment_blocks.append({"address": addr, "size": size, "requested_size": size,
                                "state": "active_allocated", "frames": frames})
         cursor = addr + size
-    if next_addr > cursor:
-        segment_blocks.append({"address": cursor, "size": next_addr - cursor, "requested_size": 0,
+    if space.end > cursor:
+        segment_blocks.append({"address": cursor, "size": space.end - cursor, "requested_size": 0,
                                "state": "inactive", "frames": []})
     segments = []
     if segment_blocks:
-        segments.append({"device": device, "address": _BASE, "total_size": next_addr - _BASE, "stream": 0,
+        segments.append({"device": device, "address": _BASE, "total_size": space.end - _BASE, "stream": 0,
                          "segment_type": "large", "allocated_size": sum(b[1] for bl in live.values() for b in bl),
                          "active_size": sum(b[1] for bl in live.values() for b in bl),
                          "requested_size": sum(b[1] for bl in live.values() for b in bl),
@@ -129,22 +164,30 @@ def attribute_snapshot(report: "Report | Trace", snapshot: Any) -> list[dict[str
         raise NotMeasuredError(
             "this trace records no live storages to attribute a snapshot with: only a profile that ended in an "
             "error (an OOM dump) records them; profile with oom_dump= and use the snapshot written beside the dump")
+    bad = InvalidArgumentError(
+        "expected a memory snapshot: the dict torch.cuda.memory._snapshot() returns (segments of blocks with "
+        "int addresses and sizes), or the path of its pickle")
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
-        raise InvalidArgumentError(
-            "expected a memory snapshot: the dict torch.cuda.memory._snapshot() returns, or the path of its pickle")
+        raise bad
     known = {ptr: (nbytes, cat, module) for ptr, nbytes, cat, module in t.live_storages_at_error}
     rows = []
     for seg in snapshot["segments"]:
+        if not isinstance(seg, dict) or not isinstance(seg.get("blocks", []), list):
+            raise bad
         addr = seg.get("address", 0)
         for block in seg.get("blocks", ()):
-            here = block.get("address", addr)
-            addr = here + block.get("size", 0)
+            if not isinstance(block, dict):
+                raise bad
+            here, size = block.get("address", addr), block.get("size", 0)
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (here, size)):
+                raise bad
+            addr = here + size
             if block.get("state") != "active_allocated":
                 continue
             cat, module = UNSEEN, None
             if here in known:
                 _, cat, module = known[here]
-            rows.append({"address": here, "size": block.get("size", 0),
+            rows.append({"address": here, "size": size,
                          "requested_size": block.get("requested_size", block.get("size", 0)),
                          "category": cat, "module": module or None, "device": seg.get("device")})
     return rows

@@ -9,7 +9,7 @@ peak is never thinned away and the file stays small for any run.
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..categories import Category, Phase
 from ..trace import as_trace
@@ -28,6 +28,11 @@ MAX_POINTS = 1400
 _W, _H, _LEFT, _BOTTOM, _TOP = 720, 220, 64, 28, 8
 
 
+def _level(pt: Point) -> int:
+    """The height drawn: the sum of the measured categories (light mode on a CPU has no total)."""
+    return sum(pt.breakdown.measured().values())
+
+
 def _thin(points: Sequence[Point], x0: float, span: float, plot_w: float) -> list[Point]:
     if len(points) <= MAX_POINTS:
         return list(points)
@@ -35,9 +40,31 @@ def _thin(points: Sequence[Point], x0: float, span: float, plot_w: float) -> lis
     for pt in points:
         col = int((pt.time_us - x0) / span * plot_w)
         best = columns.get(col)
-        if best is None or (pt.breakdown.total or 0) > (best.breakdown.total or 0):
+        if best is None or _level(pt) > _level(best):
             columns[col] = pt
     return [columns[c] for c in sorted(columns)]
+
+
+#: Most phase bands drawn with a tooltip; past it, bands under a pixel are left out and neighbours of
+#: the same phase merged, so that any number of phases costs a bounded page.
+MAX_BANDS = 600
+
+
+def _bands(t: "Trace", x: "Callable[[float], float]") -> list[tuple[float, float, Phase, str]]:
+    bands: list[tuple[float, float, Phase, str]] = []
+    timed = phase_times(t)
+    many = len(timed) > MAX_BANDS
+    for p, start, _, end in timed:
+        if p.phase is Phase.OTHER:
+            continue
+        a, b = x(start), x(end)
+        if many and bands and bands[-1][2] is p.phase and a - bands[-1][1] < 1:
+            bands[-1] = (bands[-1][0], b, p.phase, "")
+            continue
+        if many and b - a < 1:
+            continue
+        bands.append((a, b, p.phase, "" if many else f"{p.phase.value} (step {p.step})"))
+    return bands
 
 
 def timeline_svg(report: "Report | Trace") -> str:
@@ -63,12 +90,10 @@ def timeline_svg(report: "Report | Trace") -> str:
     out = [f'<svg viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" '
            f'role="img" aria-label="memory over time by category" style="max-width:100%;height:auto;'
            f'font-family:inherit;font-size:10px">']
-    for p, start, _, end in phase_times(t):
-        if p.phase is Phase.OTHER:
-            continue
-        out.append(f'<rect x="{x(start):.1f}" y="{_TOP}" width="{max(x(end) - x(start), 0.5):.1f}" height="{plot_h}" '
-                   f'fill="{PHASE_COLORS[p.phase]}" fill-opacity="0.10"><title>{p.phase.value} (step {p.step})'
-                   f'</title></rect>')
+    for a, b, phase, title in _bands(t, x):
+        tip = f"<title>{html.escape(title)}</title>" if title else ""
+        out.append(f'<rect x="{a:.1f}" y="{_TOP}" width="{max(b - a, 0.5):.1f}" height="{plot_h}" '
+                   f'fill="{PHASE_COLORS[phase]}" fill-opacity="0.10">{tip}</rect>')
     base = [0.0] * len(points)
     for c in cats:
         upper = [b + (pt.breakdown[c] or 0) for b, pt in zip(base, points)]
@@ -79,8 +104,8 @@ def timeline_svg(report: "Report | Trace") -> str:
             out.append(f'<polygon class="memprof-category" data-category="{c.value}" points="{path} {back}" '
                        f'fill="{CATEGORY_COLORS[c]}" fill-opacity="0.85"><title>{c.value}</title></polygon>')
         base = upper
-    peak = max(points, key=lambda pt: sum(pt.breakdown[c] or 0 for c in cats))
-    peak_v = sum(peak.breakdown[c] or 0 for c in cats)
+    peak = max(points, key=_level)
+    peak_v = _level(peak)
     out.append(f'<line x1="{x(peak.time_us):.1f}" x2="{x(peak.time_us):.1f}" y1="{_TOP}" y2="{_TOP + plot_h}" '
                f'stroke="currentColor" stroke-dasharray="3,3" stroke-opacity="0.7"/>')
     out.append(f'<text x="{min(x(peak.time_us) + 4, _W - 120):.1f}" y="{_TOP + 10}" fill="currentColor">'

@@ -211,7 +211,7 @@ class ModuleTracker:
             self.calls += 1
             self.marks.append((index, self.calls, len(self.unseen_saves)))
             self.ledger.push_frame(index, backward=False)
-            if prof.timeline:
+            if prof.timeline and not in_backward:  # a checkpointed module recomputing records no exit either
                 phases.sample(info.path or "<model>", "enter")
             if prof.backward_frames and grad and not in_backward:
                 hook = None

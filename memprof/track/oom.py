@@ -43,14 +43,21 @@ _OBSERVER_ATTACHED = False
 
 
 def is_oom(exc: BaseException) -> bool:
-    """Whether ``exc`` is an out-of-memory error of torch, the CPU allocator, or Python."""
+    """Whether ``exc`` is an out-of-memory error of torch, the CPU allocator, or Python, or was raised
+    from one (a framework that wraps the OOM in its own exception: ``raise X from oom``, or in ``except``)."""
     import torch
 
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    if isinstance(exc, RuntimeError):
-        text = str(exc).lower()
-        return "out of memory" in text or "can't allocate memory" in text
+    seen = 0
+    current: "BaseException | None" = exc
+    while current is not None and seen < 8:
+        if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(current, RuntimeError):
+            text = str(current).lower()
+            if "out of memory" in text or "can't allocate memory" in text:
+                return True
+        current = current.__cause__ or current.__context__
+        seen += 1
     return False
 
 
@@ -79,7 +86,10 @@ class OomDump:
     def __init__(self, prof: "Profiler", folder: str) -> None:
         self._prof = weakref.ref(prof)
         self.folder = folder
-        self.observed: "tuple[int, int, int] | None" = None  # (device, requested, device free) from CUDA
+        # The latest OOM the CUDA allocator reported: (device, requested, device free), what was live then
+        # (Profiler.live_now) and the snapshot written. An OOM the user caught is replaced by the next.
+        self.observed: "tuple[int, int, int] | None" = None
+        self.live: Any = None
         self.snapshot: "str | None" = None
 
     def start(self) -> None:
@@ -91,14 +101,28 @@ class OomDump:
     def stop(self) -> None:
         _WATCHING.discard(self)
 
+    def discard(self) -> None:
+        """The block ended without an OOM: an OOM caught inside it leaves no snapshot behind."""
+        self._remove_snapshot()
+        self.observed = self.live = None
+
+    def _remove_snapshot(self) -> None:
+        if self.snapshot is not None:
+            try:
+                os.unlink(self.snapshot)
+            except OSError:
+                pass
+            self.snapshot = None
+
     # -- at the failing allocation (CUDA) ------------------------------------------------------
 
     def on_cuda_oom(self, device: int, requested: int, device_free: int) -> None:
         prof = self._prof()
-        if prof is None or not prof.active or self.observed is not None:
+        if prof is None or prof._state != "active":
             return
         self.observed = (device, requested, device_free)
-        prof.capture_live()  # before the exception unwinds anything
+        self.live = prof.live_now()  # before the exception unwinds anything
+        self._remove_snapshot()  # an earlier OOM, caught by the user: this one is what a dump would show
         try:
             import pickle
 

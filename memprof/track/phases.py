@@ -55,6 +55,7 @@ class PhaseTracker:
         # (seq, step, phase, label, totals, time in ns, event): raw values, Samples built at the end.
         self.samples: list[tuple[int, int, Phase, str, tuple[int, ...], int, str]] = []
         self.sample_seq = 0
+        self.samples_capped = False
         # The time axis of exports: nanoseconds of perf_counter, kept relative to the profile's start.
         self.t0_ns = perf_counter_ns()
         self.phase_start_ns = self.t0_ns
@@ -200,7 +201,14 @@ class PhaseTracker:
 
     def sample(self, label: str, event: str) -> None:
         """A timeline point; ``event`` is "start", "phase" (a phase began), "enter" or "exit" (a module)."""
-        if not self.prof.timeline or len(self.samples) >= _MAX_SAMPLES:
+        if not self.prof.timeline:
+            return
+        if len(self.samples) >= _MAX_SAMPLES:
+            if not self.samples_capped:
+                self.samples_capped = True
+                self.prof.notes.append(
+                    f"the timeline stopped at {_MAX_SAMPLES:,} samples in step {self.step}: later module boundaries "
+                    "are not in the timeline, plots or exports (phases and their peaks still are)")
             return
         self.sample_seq += 1
         # Raw ints now; Breakdown objects are built once, when the trace is.

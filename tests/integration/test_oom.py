@@ -4,6 +4,7 @@ the device; the CUDA observer path runs only where a GPU is (tests/integration/t
 from __future__ import annotations
 
 import glob
+import warnings
 import os
 import re
 
@@ -155,3 +156,88 @@ def test_attributing_needs_a_trace_taken_at_an_error(tmp_path):
         model(torch.randn(4, 32))
     with pytest.raises(NotMeasuredError, match="oom_dump="):
         prof.report().attribute_snapshot({"segments": []})
+
+
+def test_an_oom_raised_from_another_exception_is_an_oom(tmp_path):
+    model = _model()
+    with pytest.raises(RuntimeError, match="the framework's wrapper"):
+        with memprof.profile(model, oom_dump=tmp_path) as prof:
+            model(torch.randn(4, 32))
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            except torch.OutOfMemoryError as oom:
+                raise RuntimeError("the framework's wrapper") from oom
+    assert prof.oom_dump_path is not None and prof.report().trace.oom is not None
+
+
+def test_an_oom_in_a_step_the_schedule_does_not_watch_is_not_given_false_figures(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(torch.OutOfMemoryError):
+        with memprof.profile(model, opt, oom_dump=tmp_path, schedule=memprof.schedule(active=1, repeat=1)) as prof:
+            for step in range(3):
+                if step == 2:
+                    raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+                model(torch.randn(4, 32)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    trace = memprof.load(prof.oom_dump_path).trace
+    assert trace.live_at_error is None and trace.live_storages_at_error == ()
+    text = str(memprof.load(prof.oom_dump_path)).splitlines()
+    assert text[1] == "What was live at the OOM: not measured (see the notes)"
+    assert any("did not watch" in n for n in trace.notes)
+
+
+def test_an_oom_caught_inside_the_block_leaves_nothing_behind(tmp_path):
+    """The CUDA observer's path, driven by hand as torch's allocator would call it (no GPU here)."""
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no CUDA snapshot can be taken on this machine
+        with memprof.profile(model, oom_dump=tmp_path) as prof:
+            model(torch.randn(4, 32))
+            prof.oom_dump.on_cuda_oom(0, 123_456, 789)  # an OOM the user catches and recovers from
+            model(torch.randn(4, 32))
+    assert prof.report().trace.oom is None and prof.report().trace.live_at_error is None
+    assert os.listdir(tmp_path) == []
+    # A later OOM that leaves the block is reported with its own figures, not the caught one's.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(torch.OutOfMemoryError):
+            with memprof.profile(model, oom_dump=tmp_path) as prof:
+                prof.oom_dump.on_cuda_oom(0, 111, 1)
+                model(torch.randn(4, 32))
+                prof.oom_dump.on_cuda_oom(0, 222, 2)
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    oom = memprof.load(prof.oom_dump_path).trace.oom
+    assert (oom.requested, oom.device_free) == (222, 2)
+
+
+def test_bad_snapshots_are_refused_with_the_fix(tmp_path):
+    _, prof, _ = _oom_run(tmp_path, torch.OutOfMemoryError("out of memory"))
+    report = memprof.load(prof.oom_dump_path)
+    for bad in ({"segments": [1]}, {"segments": [{"blocks": [None]}]},
+                {"segments": [{"address": "x", "blocks": [{"size": "y", "state": "active_allocated"}]}]}, [1]):
+        with pytest.raises(InvalidArgumentError, match="expected a memory snapshot"):
+            report.attribute_snapshot(bad)
+    with pytest.raises(InvalidArgumentError, match="no snapshot at"):
+        report.attribute_snapshot(tmp_path / "missing.pickle")
+    (tmp_path / "junk.pickle").write_bytes(b"not a pickle")
+    with pytest.raises(InvalidArgumentError, match="not a pickled memory snapshot"):
+        report.attribute_snapshot(tmp_path / "junk.pickle")
+
+
+def test_the_cli_keeps_the_text_and_never_overwrites_its_input(tmp_path, capsys):
+    model = _model()
+    with pytest.raises(torch.OutOfMemoryError):
+        with memprof.profile(model, oom_dump=tmp_path / "d") as prof:
+            raise torch.OutOfMemoryError("CUDA out of memory (before any phase)")
+    dump = prof.oom_dump_path
+    # An OOM before any phase still holds what was live: the text and the HTML page are written.
+    assert main(["report", dump, "--html", str(tmp_path / "oom.html")]) == 0
+    assert capsys.readouterr().out.startswith("OUT OF MEMORY")
+    assert (tmp_path / "oom.html").exists()
+    before = open(dump).read()
+    assert main(["export", dump, "--chrome", dump]) == 1
+    assert "is the trace being read" in capsys.readouterr().err and open(dump).read() == before
+    assert main(["export", dump, "--chrome", str(tmp_path / "x"), "--html", str(tmp_path / "x")]) == 1
+    assert "same file" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -1,0 +1,358 @@
+"""The pieces of the record: a breakdown by category, and the records of phases, steps, modules,
+timeline samples, the device and an out-of-memory error. :mod:`memprof.trace` assembles them into the
+Trace (and re-exports them: import them from there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from .categories import Category, Phase
+from .checks import corrupt, count, fields, optional_count, optional_text, optional_time, pairs, text
+from .errors import TraceFormatError
+
+__all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "SAMPLE_EVENTS", "OomRecord",
+           "DeviceInfo", "ModelFacts", "OperationRecord"]
+
+_ALL = tuple(Category)
+
+
+@dataclass(frozen=True)
+class Breakdown(Mapping[Category, "int | None"]):
+    """Bytes by category at one moment.
+
+    Indexing with a :class:`Category` (or its value) gives an ``int`` of
+    bytes, or ``None`` when the run could not measure that category (for
+    example the allocator overhead on CPU, or temporaries in light mode on
+    CPU). ``total`` is the sum of the measured categories, or ``None`` when
+    the total itself was not measured. Whenever every tensor category is
+    measured, ``sum(tensor categories) == total`` holds exactly.
+    """
+
+    counts: tuple["int | None", ...]
+    total: "int | None"
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(_ALL):
+            raise TraceFormatError(
+                f"a Breakdown needs {len(_ALL)} values (one per Category), got {len(self.counts)}"
+            )
+
+    @classmethod
+    def from_mapping(cls, values: Mapping["Category | str", "int | None"], total: "int | None" = None,
+                     *, compute_total: bool = True) -> "Breakdown":
+        """Build from a mapping; missing categories are ``None`` (not measured)."""
+        parsed = {Category.parse(k): v for k, v in values.items()}
+        vals = tuple(parsed.get(c) for c in _ALL)
+        if total is None and compute_total:
+            measured = [v for c, v in zip(_ALL, vals) if v is not None]
+            total = sum(measured) if measured else None
+        return cls(vals, total)
+
+    @classmethod
+    def empty(cls) -> "Breakdown":
+        return cls(tuple(None for _ in _ALL), None)
+
+    def __getitem__(self, key: "Category | str") -> "int | None":
+        return self.counts[_ALL.index(Category.parse(key))]
+
+    def __iter__(self) -> Iterator[Category]:
+        return iter(_ALL)
+
+    def __len__(self) -> int:
+        return len(_ALL)
+
+    def measured(self) -> dict[Category, int]:
+        """Only the categories that were measured."""
+        return {c: v for c, v in zip(_ALL, self.counts) if v is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {c.value: v for c, v in zip(_ALL, self.counts)}
+        out["total"] = self.total
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Breakdown":
+        if not isinstance(data, Mapping):
+            raise corrupt(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
+        values = tuple(optional_count(data.get(c.value), c.value) for c in _ALL)
+        return cls(values, optional_count(data.get("total"), "total"))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{c.value}={v}" for c, v in zip(_ALL, self.counts) if v is not None)
+        return f"Breakdown(total={self.total}, {inner})"
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    """One phase of one step: where it started, where it ended, and its peak.
+
+    ``occurrence`` counts phases of the same kind within a step from 0, so
+    gradient accumulation gives forward 0, backward 0, forward 1, backward 1.
+    ``peak`` is the composition at the moment the phase's total was highest.
+    """
+
+    step: int
+    phase: Phase
+    occurrence: int
+    start: Breakdown
+    peak: Breakdown
+    end: Breakdown
+    ops: int = 0
+    #: Bytes of named kinds of saved tensors (dropout masks, norm statistics, ...) at the peak and end.
+    tags_peak: tuple[tuple[str, int], ...] = ()
+    tags_end: tuple[tuple[str, int], ...] = ()
+    #: When the phase began, reached its peak and ended: microseconds since the profile started
+    #: (schema 4; None in older files). The time axis of the Chrome/Perfetto and memory_viz exports.
+    #: Not compared: two records of the same memory are equal however long they took.
+    start_us: "float | None" = field(default=None, compare=False)
+    peak_us: "float | None" = field(default=None, compare=False)
+    end_us: "float | None" = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "phase": self.phase.value,
+            "occurrence": self.occurrence,
+            "start": self.start.to_dict(),
+            "peak": self.peak.to_dict(),
+            "end": self.end.to_dict(),
+            "ops": self.ops,
+            "tags_peak": [list(t) for t in self.tags_peak],
+            "tags_end": [list(t) for t in self.tags_end],
+            "start_us": self.start_us,
+            "peak_us": self.peak_us,
+            "end_us": self.end_us,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PhaseRecord":
+        return cls(
+            step=count(data["step"], "step"),
+            phase=Phase.parse(data["phase"]),
+            occurrence=count(data["occurrence"], "occurrence"),
+            start=Breakdown.from_dict(data["start"]),
+            peak=Breakdown.from_dict(data["peak"]),
+            end=Breakdown.from_dict(data["end"]),
+            ops=count(data.get("ops", 0), "ops"),
+            tags_peak=pairs(data.get("tags_peak", ())),
+            tags_end=pairs(data.get("tags_end", ())),
+            start_us=optional_time(data.get("start_us"), "a phase's start_us"),
+            peak_us=optional_time(data.get("peak_us"), "a phase's peak_us"),
+            end_us=optional_time(data.get("end_us"), "a phase's end_us"),
+        )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the reconciler needs to know about the model, measured on the live objects at exit.
+
+    Counts are of unique parameters (tied weights once). The ``*_formula``
+    fields and ``modules_without_rule`` are read from traces of schema 1 only,
+    where the collector computed formulas; newer traces record what a formula
+    needs (:attr:`Trace.module_calls`, :attr:`Trace.optimizers`) and
+    :mod:`memprof.anatomy.predict` computes them downstream.
+    """
+
+    num_params: int = 0
+    num_trainable: int = 0
+    trainable_tensors: int = 0
+    weight_bytes: int = 0
+    trainable_bytes: int = 0
+    buffer_bytes: int = 0
+    optimizer_state_formula: "int | None" = None
+    optimizer_transient_formula: "int | None" = None
+    activation_formula: "int | None" = None
+    #: Bytes of the model's inputs (storages made before the profile: the batch, token ids) that modules
+    #: with a saved-bytes rule saved in the first forward. Their rules count them as activations; the
+    #: measurement counts them as inputs. ``None`` when no forward was seen.
+    activation_inputs_saved: "int | None" = None
+    modules_without_rule: tuple[str, ...] = ()
+    #: (module path, attribute, value) of Linear/Conv/Embedding dimensions, for the alignment advice.
+    dims: tuple[tuple[str, str, int], ...] = ()
+    #: First dimension of the model's first input in the first forward.
+    batch_size: "int | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["modules_without_rule"] = list(self.modules_without_rule)
+        out["dims"] = [list(d) for d in self.dims]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelFacts":
+        kw = fields(cls, data)
+        if "modules_without_rule" in kw:
+            kw["modules_without_rule"] = tuple(text(n, "a module type") for n in kw["modules_without_rule"])
+        if "dims" in kw:
+            kw["dims"] = tuple((text(a, "a module path"), text(b, "a dimension"), count(c, "a dimension"))
+                               for a, b, c in kw["dims"])
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class OperationRecord:
+    """All calls of one op in one phase: Ivanov et al.'s class, count, flops and bytes moved."""
+
+    phase: str
+    cls: str
+    op: str
+    count: int
+    flops: int
+    bytes_read: int
+    bytes_written: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OperationRecord":
+        kw = fields(cls, data)
+        missing = set(cls.__dataclass_fields__) - set(kw)
+        if missing:
+            raise corrupt(f"an operation record lacks {sorted(missing)}")
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step (or one ``prof.step()`` block) and its phases, in order."""
+
+    index: int
+    phases: tuple[PhaseRecord, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "phases": [p.to_dict() for p in self.phases]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
+        return cls(count(data["index"], "a step's index"), tuple(PhaseRecord.from_dict(p) for p in data["phases"]))
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    """What one module (by its path in the model) held and caused.
+
+    ``parameters`` / ``gradients`` are the bytes of the module's own and its
+    children's parameters and gradients (tied storages once) at the end of
+    profiling, gradients as last seen after a backward. ``activations`` are the
+    bytes autograd saved while this module or a child ran its forward, counted
+    once per storage and summed over calls, in the last step that ran it.
+    ``peak_forward`` / ``peak_backward`` are the highest rise of live bytes
+    above the level at the call's start while the module ran (what the call
+    adds at its worst, its outputs and saved tensors included);
+    ``temporaries_forward`` / ``temporaries_backward`` are the part of that
+    high point released again by the call's end (scratch memory the module
+    needs only while it runs). Maxima over calls; ``None`` where not measured
+    (light mode) or never run.
+    """
+
+    path: str
+    type: str
+    parameters: int
+    gradients: "int | None"
+    activations: "int | None"
+    peak_forward: "int | None"
+    peak_backward: "int | None"
+    temporaries_forward: "int | None"
+    temporaries_backward: "int | None"
+    calls: int
+    #: Bytes of the tensors handed to the module's first call in the first forward (None if not seen).
+    input_bytes: "int | None" = None
+    #: Saved bytes attributed to this module itself, not its children (last step that ran it).
+    own_activations: "int | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModuleRecord":
+        return cls(**fields(cls, data))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One point of the memory timeline, taken at a module or phase boundary.
+
+    ``event`` says which boundary: "start" (the profile's), "phase" (``label`` is the phase that
+    began), "enter" or "exit" (``label`` is a module's path; in backward, its gradient's computation);
+    "" in files older than schema 4, which also have no ``time_us``.
+    """
+
+    seq: int
+    step: int
+    phase: Phase
+    label: str
+    breakdown: Breakdown
+    #: Microseconds since the profile started (not compared, as a phase's times).
+    time_us: "float | None" = field(default=None, compare=False)
+    event: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "step": self.step, "phase": self.phase.value, "label": self.label,
+                "breakdown": self.breakdown.to_dict(), "time_us": self.time_us, "event": self.event}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
+        event = text(data.get("event", ""), "a sample's event")
+        if event not in SAMPLE_EVENTS:
+            raise corrupt(f"a sample's event must be one of {', '.join(map(repr, SAMPLE_EVENTS))}, got {event[:20]!r}")
+        return cls(count(data["seq"], "a sample's seq"), count(data["step"], "a sample's step"),
+                   Phase.parse(data["phase"]), text(data["label"], "a sample's label"),
+                   Breakdown.from_dict(data["breakdown"]), optional_time(data.get("time_us"), "a sample's time_us"),
+                   event)
+
+
+#: What a timeline sample marks (see :class:`Sample`).
+SAMPLE_EVENTS = ("", "start", "phase", "enter", "exit")
+
+
+@dataclass(frozen=True)
+class OomRecord:
+    """An out-of-memory error that ended the profile (``profile(..., oom_dump=...)`` writes the trace).
+
+    ``requested`` is the allocation that failed, ``device_free`` and ``device_total`` what the device
+    reported at that moment (None where unknown: CPU, or a message that did not say). ``snapshot`` is
+    the memory_viz snapshot written beside the dump (CUDA with memory history recorded), if any.
+    """
+
+    message: str
+    requested: "int | None" = None
+    device_free: "int | None" = None
+    device_total: "int | None" = None
+    snapshot: "str | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message": self.message, "requested": self.requested, "device_free": self.device_free,
+                "device_total": self.device_total, "snapshot": self.snapshot}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OomRecord":
+        return cls(text(data["message"], "the OOM message"), optional_count(data.get("requested"), "requested"),
+                   optional_count(data.get("device_free"), "device_free"),
+                   optional_count(data.get("device_total"), "device_total"),
+                   optional_text(data.get("snapshot"), "the OOM snapshot"))
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Where the run happened, and what the device itself reported."""
+
+    type: str
+    name: str
+    index: "int | None" = None
+    total_memory: "int | None" = None
+    #: Sizes are rounded as this allocator rounds (512 on CUDA, 1 on CPU).
+    rounding: int = 1
+    #: Device-level figures at the global peak or at exit (CUDA only), None elsewhere.
+    max_memory_allocated: "int | None" = None
+    memory_reserved: "int | None" = None
+    nvml_used: "int | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
+        return cls(**fields(cls, data))
