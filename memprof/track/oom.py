@@ -162,7 +162,8 @@ class OomDump:
             from ..files import write_text_atomic
 
             path = os.path.join(self.folder, _file_name("json"))
-            write_text_atomic(path, json.dumps(trace.to_dict(), indent=1) + "\n")
+            # Compact: the C encoder, several times faster than an indented dump (the OOM is waiting).
+            write_text_atomic(path, json.dumps(trace.to_dict(), separators=(",", ":")) + "\n")
             return path
         except Exception as exc:
             warnings.warn(f"memprof could not write its OOM dump into {self.folder}: {exc}", stacklevel=3)
