@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import MissingExtraError
-from . import require, step_metrics
+from . import Session, require, step_metrics
 
 try:
     import lightning
@@ -30,8 +30,6 @@ except ImportError:  # pragma: no cover - the extra is missing
     ) from None
 
 if TYPE_CHECKING:
-    from ..profiler import Profiler
-    from ..report import Report
     from ..schedule import Schedule
 
 __all__ = ["MemprofCallback"]
@@ -39,7 +37,7 @@ __all__ = ["MemprofCallback"]
 require("lightning", "lightning", (2, 0), lightning.__version__)
 
 
-class MemprofCallback(Callback):  # type: ignore[misc]
+class MemprofCallback(Session, Callback):  # type: ignore[misc]
     """Profile ``trainer.fit()``: the LightningModule and the Trainer's optimizers, from the start of
     training to its end (also when it raises). ``mode`` and ``schedule`` are those of
     :func:`memprof.profile`; with ``save_dir`` the report is saved there at the end
@@ -49,30 +47,12 @@ class MemprofCallback(Callback):  # type: ignore[misc]
     def __init__(self, *, mode: str = "auto", schedule: "Schedule | None" = None,
                  save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False,
                  oom_dump: "str | os.PathLike[str] | None" = None) -> None:
-        super().__init__()
-        self.mode = mode
-        self.schedule = schedule
-        self.save_dir = os.fspath(save_dir) if save_dir is not None else None
-        self.timeline = timeline
-        self.oom_dump = oom_dump
-        self.profiler: "Profiler | None" = None
-        self.report: "Report | None" = None
-        self._logged: "int | None" = None
-        self._rank = 0
+        Callback.__init__(self)
+        Session.__init__(self, mode=mode, schedule=schedule, save_dir=save_dir, timeline=timeline,
+                         oom_dump=oom_dump)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        from ..profiler import Profiler
-
-        self.stop()
-        self._rank = int(getattr(trainer, "global_rank", 0) or 0)
-        if self.save_dir is not None:
-            os.makedirs(self.save_dir, exist_ok=True)
-        on_ready = self._save_window if (self.save_dir is not None and self.schedule is not None) else None
-        self.report = None
-        self._logged = None
-        self.profiler = Profiler(pl_module, list(trainer.optimizers), mode=self.mode, timeline=self.timeline,
-                                 schedule=self.schedule, on_trace_ready=on_ready, oom_dump=self.oom_dump)
-        self.profiler.start()
+        self.begin(pl_module, list(trainer.optimizers), int(getattr(trainer, "global_rank", 0) or 0))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         prof = self.profiler
@@ -94,18 +74,3 @@ class MemprofCallback(Callback):  # type: ignore[misc]
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.stop(exception)  # every hook is removed; the report holds what was measured until then
 
-    def stop(self, error: "BaseException | None" = None) -> None:
-        """End the profile if it runs; keep its report (``error``: the exception that ended training,
-        recorded in it, and written as an OOM dump with ``oom_dump=``)."""
-        prof, self.profiler = self.profiler, None
-        if prof is None or not prof.running:
-            return
-        prof.stop(error)
-        self.report = prof.report()
-        if self.save_dir is not None:
-            self.report.save(os.path.join(self.save_dir, f"memprof-rank{self._rank}.json"))
-
-    def _save_window(self, prof: "Profiler") -> None:
-        assert self.save_dir is not None and prof.window is not None
-        a, b = prof.window
-        prof.report().save(os.path.join(self.save_dir, f"memprof-rank{self._rank}-steps-{a}-{b}.json"))

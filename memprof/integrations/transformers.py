@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ..errors import MissingExtraError
-from . import require, step_metrics
+from . import Session, require, step_metrics
 
 try:
     import transformers
@@ -29,8 +29,6 @@ except ImportError:  # pragma: no cover - the extra is missing
         "pip install 'torch-memprof[transformers]'") from None
 
 if TYPE_CHECKING:
-    from ..profiler import Profiler
-    from ..report import Report
     from ..schedule import Schedule
 
 __all__ = ["MemprofCallback"]
@@ -38,7 +36,7 @@ __all__ = ["MemprofCallback"]
 require("transformers", "transformers", (4, 36), transformers.__version__)
 
 
-class MemprofCallback(TrainerCallback):  # type: ignore[misc]
+class MemprofCallback(Session, TrainerCallback):  # type: ignore[misc]
     """Profile ``trainer.train()``: the Trainer's model and optimizer (followed through accelerate's
     wrapper), from ``on_train_begin`` to ``on_train_end``.
 
@@ -51,34 +49,17 @@ class MemprofCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(self, *, mode: str = "auto", schedule: "Schedule | None" = None,
                  save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False,
                  oom_dump: "str | os.PathLike[str] | None" = None) -> None:
-        self.mode = mode
-        self.schedule = schedule
-        self.save_dir = os.fspath(save_dir) if save_dir is not None else None
-        self.timeline = timeline
-        self.oom_dump = oom_dump
-        self.profiler: "Profiler | None" = None
-        self.report: "Report | None" = None
+        Session.__init__(self, mode=mode, schedule=schedule, save_dir=save_dir, timeline=timeline,
+                         oom_dump=oom_dump)
         self._metrics: dict[str, int] = {}
-        self._logged: "int | None" = None
-        self._rank = 0
 
     # -- the Trainer's events -------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
-        from ..profiler import Profiler
-
-        self.stop()  # a second train() on the same callback: the first profile ends here
         self._log_first(sys._getframe(1))
-        self._rank = int(getattr(args, "process_index", 0) or 0)
-        if self.save_dir is not None:
-            os.makedirs(self.save_dir, exist_ok=True)
-        on_ready = self._save_window if (self.save_dir is not None and self.schedule is not None) else None
-        self.report = None
-        self._logged = None
-        self.profiler = Profiler(model, optimizer, mode=self.mode, timeline=self.timeline, schedule=self.schedule,
-                                 on_trace_ready=on_ready, oom_dump=self.oom_dump)
-        self.profiler.start()
+        # A second train() on the same callback: the first profile ends here.
+        self.begin(model, optimizer, int(getattr(args, "process_index", 0) or 0))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         prof = self.profiler
@@ -109,18 +90,7 @@ class MemprofCallback(TrainerCallback):  # type: ignore[misc]
         """End the profile if it runs (the Trainer calls this through ``on_train_end``); keep its report.
         The Trainer calls no callback when ``train()`` raises: call ``cb.stop(exc)`` in your ``except``,
         which records the exception (and writes the OOM dump with ``oom_dump=``)."""
-        prof, self.profiler = self.profiler, None
-        if prof is None or not prof.running:
-            return
-        prof.stop(error)
-        self.report = prof.report()
-        if self.save_dir is not None:
-            self.report.save(os.path.join(self.save_dir, f"memprof-rank{self._rank}.json"))
-
-    def _save_window(self, prof: "Profiler") -> None:
-        assert self.save_dir is not None and prof.window is not None
-        a, b = prof.window
-        prof.report().save(os.path.join(self.save_dir, f"memprof-rank{self._rank}-steps-{a}-{b}.json"))
+        Session.stop(self, error)
 
     def _log_first(self, frame: Any) -> None:
         """Run this callback's ``on_log`` before the reporting callbacks', which read the same ``logs``:
