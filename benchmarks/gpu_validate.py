@@ -283,6 +283,48 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def oom_check(device: torch.device) -> dict[str, Any]:
+    """The OOM forensics path on the device itself: ``oom_dump=`` with torch's OOM observer. A request
+    larger than the device is made inside a profile with memory history on; the dump must hold the
+    allocator's exact request, the free and total memory, a snapshot beside it, and the snapshot's
+    blocks at the parameters' addresses must be attributed to weights."""
+    import tempfile
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    too_much = total + (1 << 30)
+    out: dict[str, Any] = {"requested": too_much}
+    folder = tempfile.mkdtemp(prefix="memprof-oom-check-")
+    torch.cuda.memory._record_memory_history(max_entries=10000)
+    began = time.perf_counter()
+    prof = None
+    try:
+        with memprof.profile(model, oom_dump=folder) as prof:
+            model(torch.randn(64, 256, device=device)).sum().backward()
+            torch.empty(too_much, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        out["seconds_to_leave_block"] = round(time.perf_counter() - began, 3)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    if prof is None or prof.oom_dump_path is None:
+        out["error"] = "no dump written"
+        return out
+    report = memprof.load(prof.oom_dump_path)
+    oom = report.trace.oom
+    out.update({"dump": os.path.basename(prof.oom_dump_path), "observer_requested": oom.requested,
+                "device_free": oom.device_free, "device_total": oom.device_total, "snapshot": oom.snapshot})
+    weights_truth = sum(_round512(p.untyped_storage().nbytes()) for p in model.parameters())
+    if oom.snapshot:
+        frame = report.attribute_snapshot(os.path.join(folder, oom.snapshot))
+        by_cat = frame.groupby("category")["size"].sum().to_dict() if len(frame) else {}
+        out["snapshot_bytes_by_category"] = {k: int(v) for k, v in by_cat.items()}
+        out["weights_truth_rounded"] = weights_truth
+    out["ok"] = bool(oom.requested and oom.requested >= too_much and oom.device_total == total and oom.snapshot
+                     and out.get("snapshot_bytes_by_category", {}).get("weights", 0) >= weights_truth)
+    return out
+
+
 def main(argv: "list[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="results", help="folder for gpu-validate.json and gpu-validate.md (default results/)")
@@ -292,6 +334,7 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="training steps per run (default 3)")
     ap.add_argument("--scale", type=int, default=4, help="multiply accuracy.py's batch sizes (default 4)")
     ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--only-oom", action="store_true", help="run only the OOM forensics check (seconds)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -328,6 +371,11 @@ def main(argv: "list[str] | None" = None) -> int:
     print(f"# {info['gpu']}, CUDA {info['cuda']}, torch {info['torch']}; {nvml.note or 'NVML available'}", flush=True)
     t_all = time.perf_counter()
     results = []
+    oom = oom_check(device)
+    info["oom_check"] = oom
+    print(f"OOM forensics: {'ok' if oom.get('ok') else 'FAILED'} {json.dumps(oom)}", flush=True)
+    if args.only_oom:
+        models = []
     for m in models:
         for p in precisions:
             for o in optimizers:
@@ -347,7 +395,8 @@ def main(argv: "list[str] | None" = None) -> int:
         json.dump({"machine": info, "results": results}, fh, indent=1)
     with open(os.path.join(args.out, "gpu-validate.md"), "w") as fh:
         fh.write(f"Command: `{info['command']}`; {info['gpu']}, CUDA {info['cuda']}, torch {info['torch']}, "
-                 f"{info['date']}, {info['seconds_total']} s.\n\n" + md)
+                 f"{info['date']}, {info['seconds_total']} s.\n\n" + md
+                 + f"\nOOM forensics ({'ok' if oom.get('ok') else 'FAILED'}): `{json.dumps(oom)}`\n")
     return 0
 
 
