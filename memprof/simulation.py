@@ -130,17 +130,21 @@ def estimate(
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     shadow = _fake_maker(fake_mode) if fake_mode is not None else _meta_maker
-    meta_model, mapping = _shadow_copy(model, shadow)
-    if precision in ("bf16", "fp16"):
-        meta_model.to(_PRECISION_DTYPES[precision])
-        mapping = {k: v for k, v in mapping.items()}  # parameters were converted in place (same objects)
+    # bf16/fp16: the twins are made in that dtype, as model.to(dtype) would cast floating parameters and
+    # buffers. (Casting the twins afterwards fails for fake CPU tensors: nn.Module._apply swaps tensor
+    # subclasses, which FakeTensors refuse outside their mode.)
+    cast = _PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
+    meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
     if precision in ("amp", "mixed"):
         notes.append("autocast does not apply to meta tensors: the simulation runs in the parameters' dtype; "
                      "the reconciliation adds the 16-bit weight copies from the formula")
     meta_opt = _meta_optimizer(optimizer, meta_model, mapping, notes)
     seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
-    meta_inputs = _convert(inputs, shadow, seen)
-    meta_targets = _convert(targets, shadow, seen)
+    # Floating inputs and targets in the same dtype, as a run at that precision feeds them (integer
+    # token ids and class labels stay as they are).
+    data_maker = shadow if cast is None else _casting(shadow, cast)
+    meta_inputs = _convert(inputs, data_maker, seen)
+    meta_targets = _convert(targets, data_maker, seen)
     if target.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in model.modules()):
         notes.append("LSTM/GRU/RNN: on a real CPU, oneDNN's RNN kernel also keeps a workspace for backward that "
                      "the shape-only kernels do not; their saved activations are underestimated")
@@ -183,6 +187,15 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def _meta_maker(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta")
+
+
+def _casting(make: Any, dtype: torch.dtype) -> Any:
+    """``make``, with floating tensors made in ``dtype`` (same shape and strides)."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dtype != dtype:
+            t = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+        return make(t)
+    return cast
 
 
 def _fake_maker(mode: Any) -> Any:
