@@ -84,6 +84,7 @@ def estimate(
     precision: "str | None" = None,
     device: "str | torch.device | None" = None,
     steps: int = 2,
+    attention: str = "auto",
 ) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
 
@@ -97,7 +98,11 @@ def estimate(
     the first output tensor. ``precision`` ``"bf16"``/``"fp16"``/``"fp32"``
     casts the copy's parameters; by default they keep their dtypes.
     ``device`` is the device the figures are for: ``"cuda"`` rounds every
-    allocation to 512 bytes as the caching allocator does.
+    allocation to 512 bytes as the caching allocator does, and runs attention
+    and dropout as a CUDA device does (the fused attention kernel torch would
+    pick, saving its output and logsumexp rather than the s x s scores; 1-byte
+    dropout masks): :mod:`memprof.sim_kernels`. ``attention`` forces the
+    kernel on a CUDA target: ``"flash"``, ``"efficient"`` or ``"math"``.
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
@@ -120,6 +125,15 @@ def estimate(
         raise InvalidArgumentError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:1', 'mps' ...") from None
     if target.type == "meta":
         target = torch.device("cpu")
+    from .sim_kernels import ATTENTION_KERNELS, CudaKernels
+
+    if attention not in ATTENTION_KERNELS:
+        raise UnknownNameError(f"unknown attention kernel {attention!r}; use one of: {', '.join(ATTENTION_KERNELS)}")
+    if attention != "auto" and target.type != "cuda":
+        raise InvalidArgumentError(
+            f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
+            "the simulation runs; leave attention='auto' or give device='cuda'")
+    kernels = CudaKernels(attention) if target.type == "cuda" else None
     notes: list[str] = []
 
     fake_mode: Any = None
@@ -148,17 +162,16 @@ def estimate(
     if target.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in model.modules()):
         notes.append("LSTM/GRU/RNN: on a real CPU, oneDNN's RNN kernel also keeps a workspace for backward that "
                      "the shape-only kernels do not; their saved activations are underestimated")
-    if target.type == "cuda":
-        notes.append("simulated with meta kernels: dropout masks as on CPU (input dtype) where CUDA keeps 1-byte masks")
 
     from .profiler import Profiler
 
     prof = Profiler(meta_model, meta_opt, mode="full", timeline=False, _allow_meta=True,
                     _rounding=512 if target.type == "cuda" else 1)
-    if target.type != "cpu":
+    if target.type not in ("cpu", "cuda"):
         notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
-                     "runs its math path (saves the s x s scores) where CUDA may use flash or memory-efficient kernels")
-    with (fake_mode if fake_mode is not None else contextlib.nullcontext()), prof:
+                     f"runs its math path (saves the s x s scores), where a {target.type} device may not")
+    with (fake_mode if fake_mode is not None else contextlib.nullcontext()), prof, \
+            (kernels if kernels is not None else contextlib.nullcontext()):
         for _ in range(steps):
             # The output is not kept in a variable, as in a usual training loop: the loss
             # function's saved tensors keep what backward needs and the rest is freed.
@@ -172,6 +185,8 @@ def estimate(
             if meta_opt is not None:
                 meta_opt.step()
                 meta_opt.zero_grad()
+    if kernels is not None:
+        notes.extend(kernels.notes())
     resolved = precision or _infer_precision(prof.trace)
     return Estimate(trace=prof.trace, precision=resolved, device=target.type, notes=tuple(notes))
 
