@@ -179,7 +179,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         optimizer = lambda ps: getattr(torch.optim, name)(ps, **kwargs)  # noqa: E731
     try:
         est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
-                               loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision)
+                               loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision,
+                               attention=args.attention)
     except MemprofError:
         raise
     except Exception as exc:
@@ -252,6 +253,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--device", default="cuda", help="device the figures are for (default cuda: 512-byte blocks)")
     est.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                      help="cast the parameters (default: as built)")
+    est.add_argument("--attention", choices=("auto", "flash", "efficient", "math"), default="auto",
+                     help="attention kernel of a CUDA target (default auto: the one torch's CUDA dispatcher picks)")
     est.add_argument("--budget", help="exit 1 if the simulated peak exceeds this size (e.g. '80 GiB')")
     est.set_defaults(func=_cmd_estimate, parser=est)
     return parser

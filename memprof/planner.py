@@ -55,6 +55,7 @@ def max_batch_size(
     loss_fn: "Callable[..., Any] | None" = None,
     multiple_of: int = 8,
     device: "str | None" = None,
+    attention: str = "auto",
 ) -> BatchSizePlan:
     """The largest batch size (a multiple of ``multiple_of``) whose simulated peak fits ``budget``.
 
@@ -64,7 +65,8 @@ def max_batch_size(
     ``budget`` is bytes or a size string (``"24 GiB"``). ``optimizer`` is as
     in :func:`memprof.estimate`. ``device="cuda"`` sizes blocks as the CUDA
     caching allocator does; allocator caching, fragmentation and the CUDA
-    context are not included: leave headroom for them.
+    context are not included: leave headroom for them. ``attention`` is
+    :func:`memprof.estimate`'s (the attention kernel of a CUDA target).
     """
     from .simulation import estimate
 
@@ -83,7 +85,8 @@ def max_batch_size(
                 inputs, targets = batch
             else:
                 inputs, targets = batch, None
-            est = estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device)
+            est = estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device,
+                           attention=attention)
             cache[b] = est.peak_bytes
         return cache[b]
 

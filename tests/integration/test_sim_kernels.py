@@ -98,3 +98,24 @@ def test_attention_overrides_are_checked():
         memprof.estimate(model, None, inputs=torch.empty(2, 4), device="cuda", attention="fastest")
     with pytest.raises(InvalidArgumentError, match="chooses a CUDA kernel"):
         memprof.estimate(model, None, inputs=torch.empty(2, 4), device="cpu", attention="flash")
+
+
+def test_the_planner_and_the_cli_take_the_attention_kernel(tmp_path, monkeypatch, capsys):
+    from memprof.cli import main
+
+    with torch.device("meta"):
+        block = _Block(64, 4)
+    make = lambda b: torch.empty(b, 128, 64)  # noqa: E731
+    flash = memprof.max_batch_size(block, None, make, "64 MiB", device="cuda", multiple_of=1)
+    math = memprof.max_batch_size(block, None, make, "64 MiB", device="cuda", multiple_of=1, attention="math")
+    assert math.batch_size < flash.batch_size  # the scores the math path keeps cost room
+    (tmp_path / "blk.py").write_text(
+        "import torch\n"
+        "from tests.integration.test_sim_kernels import _Block\n"
+        "def build(batch_size):\n"
+        "    return {'model': _Block(64, 4), 'inputs': torch.empty(batch_size, 128, 64)}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert main(["estimate", "blk:build", "--batch-size", "2", "--precision", "bf16", "--optimizer", "none",
+                 "--attention", "math"]) == 0
+    assert "math x2" in capsys.readouterr().out
