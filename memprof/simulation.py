@@ -149,7 +149,14 @@ def estimate(
     # subclasses, which FakeTensors refuse outside their mode.)
     cast = _PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
     meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
-    if precision in ("amp", "mixed"):
+    autocast: Any = None
+    if precision in ("amp", "mixed") and target.type == "cpu":
+        # Fake CPU tensors are CPU tensors to autocast: torch's own CPU policy (which ops run in bf16,
+        # which in fp32, the weight casts it caches within a forward) applies as in a real run.
+        autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+        notes.append("mixed precision: the forward and the loss ran under CPU autocast (bf16) over the "
+                     "parameters' dtype, as in a real CPU run")
+    elif precision in ("amp", "mixed"):
         notes.append("autocast does not apply to meta tensors: the simulation runs in the parameters' dtype; "
                      "the reconciliation adds the 16-bit weight copies from the formula")
     meta_opt = _meta_optimizer(optimizer, meta_model, mapping, notes)
@@ -175,7 +182,8 @@ def estimate(
         for _ in range(steps):
             # The output is not kept in a variable, as in a usual training loop: the loss
             # function's saved tensors keep what backward needs and the rest is freed.
-            loss = _loss(_call(meta_model, meta_inputs), meta_targets, loss_fn)
+            with (autocast() if autocast is not None else contextlib.nullcontext()):
+                loss = _loss(_call(meta_model, meta_inputs), meta_targets, loss_fn)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise InvalidArgumentError(f"the loss must be a scalar tensor to call backward() on, got {shape}; "

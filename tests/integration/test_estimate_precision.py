@@ -51,3 +51,36 @@ def test_the_cli_estimates_in_16_bits(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["estimate", "zoo16:build", "--batch-size", "4", "--device", "cpu", "--precision", "bf16"]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision", ["mixed", "amp"])
+def test_mixed_precision_on_a_cpu_target_equals_a_real_autocast_run(precision):
+    from memprof.examples import TinyGPT, synthetic_tokens
+
+    def build():
+        torch.manual_seed(0)
+        return TinyGPT(vocab=100, hidden=64, layers=2, heads=2, max_seq=32, dropout=0.1)
+
+    x, y = synthetic_tokens(4, 32, 100, seed=0)
+    est = memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=x, targets=y, loss_fn=TinyGPT.loss,
+                           device="cpu", precision=precision)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = TinyGPT.loss(model(x), y)
+            loss.backward()
+            del loss  # as the estimate's loop does: the loss's 4 bytes are not held through the step
+            opt.step()
+            opt.zero_grad()
+    # Every category at the peak, to the byte: bf16 activations, the cached bf16 weight copies, fp32 states.
+    assert est.trace.peak == prof.report().trace.peak
+    assert any("CPU autocast" in n for n in est.notes)
+    # Phase by phase too, not only at the peak.
+    assert [p.peak for p in est.trace.phases] == [p.peak for p in prof.report().trace.phases]
+
+
+def test_mixed_precision_on_a_cuda_target_says_it_is_not_simulated():
+    est = memprof.estimate(_build(), None, inputs=torch.randn(8, 16), device="cuda", precision="mixed")
+    assert any("autocast does not apply to meta tensors" in n for n in est.notes)
