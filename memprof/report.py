@@ -204,7 +204,7 @@ class Report:
         at = renamed_argument("at", at, "when", when, "Report.diff")
         return diff(self, other, at="peak" if at is None else at, labels=labels)
 
-    def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: str = "peak",
+    def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: Any = "peak",
                   estimate: Any = None, transformer: Any = None) -> "Reconciliation":
         """Hold this run against the formulas (and a simulation): see :func:`memprof.reconcile`."""
         from .reconciler import reconcile

@@ -17,7 +17,7 @@ from ..anatomy.params import bytes_per_param_breakdown
 from ..anatomy.predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from ..categories import Category, Phase
 from ..errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
-from ..trace import RECONCILE_MOMENTS, Breakdown, PhaseRecord, Trace, parse_moment
+from ..trace import PHASE_MOMENTS, RECONCILE_MOMENTS, Breakdown, PhaseRecord, Trace, parse_moment
 
 __all__ = ["infer_precision", "optimizer_name", "formula_breakdown", "formula_at", "moment_of", "predictions"]
 
@@ -116,27 +116,73 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
     return Breakdown.from_mapping(values)
 
 
-def formula_at(trace: Trace, at: str = "peak", *, precision: "str | None" = None, optimizer: "str | None" = None,
+#: A moment of one phase: (step, phase, "start" | "peak" | "end", occurrence).
+PhaseMoment = tuple  # (int, Phase, str, int)
+
+
+def parse_at(at: Any) -> "str | PhaseMoment":
+    """``"peak"``, ``"steady"``, or a phase's moment ``(step, phase, "start"|"peak"|"end"[, occurrence])``,
+    the vocabulary of :meth:`memprof.Report.at` (a negative step counts from the end)."""
+    if isinstance(at, tuple):
+        if len(at) not in (3, 4):
+            raise InvalidArgumentError(
+                f"at=(step, phase, moment[, occurrence]) takes 3 or 4 values, got {len(at)}; for example "
+                "at=(1, 'forward', 'end')")
+        step, phase, moment = at[0], Phase.parse(at[1]), parse_moment(at[2], PHASE_MOMENTS, "the moment in at")
+        occurrence = at[3] if len(at) == 4 else 0
+        for name, value in (("step", step), ("occurrence", occurrence)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"the {name} in at=(step, phase, moment) must be an int, got {value!r}")
+        if occurrence < 0:
+            raise InvalidArgumentError(f"the occurrence in at=(...) counts from 0, got {occurrence}")
+        return (step, phase, moment, occurrence)
+    if isinstance(at, str) and at.strip().lower() in RECONCILE_MOMENTS:
+        return at.strip().lower()
+    raise InvalidArgumentError(
+        f"at must be 'peak', 'steady' or a phase's moment (step, phase, 'start'|'peak'|'end'[, occurrence]), "
+        f"for example at=(1, 'forward', 'end'); got {at!r}")
+
+
+def formula_at(trace: Trace, at: Any = "peak", *, precision: "str | None" = None, optimizer: "str | None" = None,
                transformer: "Mapping[str, Any] | None" = None) -> Breakdown:
-    """The textbook breakdown for the moment ``at`` (``"peak"`` or ``"steady"``) of a run: the one
-    formula every view of that moment shows (a reconciliation, an estimate's table).
+    """The textbook breakdown for the moment ``at`` of a run (``"peak"``, ``"steady"`` or a phase's
+    moment, see :func:`parse_at`): the one formula every view of that moment shows (a
+    reconciliation, an estimate's table).
 
     The moment matters: outside forward and backward no graph is alive, so the formula for
     activations there is 0, and inside the optimizer step temporaries have a formula.
     """
-    at = parse_moment(at, RECONCILE_MOMENTS)
+    at = parse_at(at)
     _measured, rec, _where, _tags = moment_of(trace, at)
+    at_peak = at == "peak" or (isinstance(at, tuple) and at[2] == "peak")
     return formula_breakdown(trace, precision=precision, optimizer=optimizer, moment=rec,
-                             transformer=transformer, at_peak=at == "peak")
+                             transformer=transformer, at_peak=at_peak)
 
 
-def moment_of(trace: Trace, at: str) -> tuple[Breakdown, "PhaseRecord | None", str, dict[str, int]]:
+def moment_of(trace: Trace, at: Any) -> tuple[Breakdown, "PhaseRecord | None", str, dict[str, int]]:
     """The measured breakdown at a reconciliation moment, the phase record it belongs to, the moment
     in words and the tags' live bytes then.
 
     ``"peak"`` is the global peak; ``"steady"`` the end of the last optimizer phase (every model
-    state exists), else of the last backward or forward.
+    state exists), else of the last backward or forward; a tuple, that moment of that phase.
     """
+    if isinstance(at, tuple):
+        step, phase, moment, occurrence = at
+        total = trace.num_steps
+        index = step + total if step < 0 else step
+        record = next((s for s in trace.steps if s.index == index), None)
+        if record is None:
+            kept = ", ".join(str(s.index) for s in trace.steps[:8])
+            raise NotMeasuredError(f"step {step} is not among the steps kept in full (kept: {kept}); reconcile "
+                                   "one of those, or at='peak' / 'steady'")
+        matches = [p for p in record.phases if p.phase is phase]
+        if occurrence >= len(matches):
+            raise NotMeasuredError(f"step {index} has {len(matches)} {phase.value} phase(s); occurrence "
+                                   f"{occurrence} does not exist")
+        rec = matches[occurrence]
+        tags = dict(rec.tags_peak) if moment == "peak" else dict(rec.tags_end) if moment == "end" else {}
+        label = phase.value + (f" #{occurrence}" if occurrence else "")
+        return getattr(rec, moment), rec, f"{moment} of {label} (step {index})", tags
     if at == "peak":
         rec = None
         for p in trace.phases:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..anatomy.params import bytes_per_param_breakdown
 from ..categories import Category
 from ..errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
-from ..trace import RECONCILE_MOMENTS, Breakdown, as_trace, parse_moment
+from ..trace import Breakdown, as_trace
 from .causes import Cause, Context, causes
-from .formula import formula_at, infer_precision, moment_of, optimizer_name, predictions
+from .formula import formula_at, infer_precision, moment_of, optimizer_name, parse_at, predictions
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -165,7 +165,7 @@ def reconcile(
     *,
     precision: "str | None" = None,
     optimizer: "str | None" = None,
-    at: str = "peak",
+    at: Any = "peak",
     estimate: "Estimate | None" = None,
     transformer: "Mapping[str, Any] | None" = None,
 ) -> Reconciliation:
@@ -173,14 +173,18 @@ def reconcile(
 
     ``at="peak"`` compares the composition at the global peak (what decides an
     OOM); ``at="steady"`` the end of the last optimizer step, when every model
-    state exists. ``precision`` (``fp32``, ``mixed``, ``amp``, ``bf16``,
+    state exists; ``at=(step, phase, moment)`` (``moment`` ``"start"``,
+    ``"peak"`` or ``"end"``, an optional fourth value the occurrence, a negative
+    step counting from the end) that moment of one phase, as
+    :meth:`memprof.Report.at` names it: ``at=(-1, "forward", "end")`` holds
+    the activations against the closed form when the run peaks elsewhere. ``precision`` (``fp32``, ``mixed``, ``amp``, ``bf16``,
     ``fp16``, ``zero``) and ``optimizer`` (a name as in
     :func:`memprof.anatomy.bytes_per_param`) override what is inferred from
     the run: giving ``optimizer`` switches optimizer state to the textbook
     bytes/param instead of the prediction from the recorded optimizer.
     """
     trace = as_trace(trace)
-    at = parse_moment(at, RECONCILE_MOMENTS)
+    at = parse_at(at)
     if optimizer is not None:
         # A name given by the user must exist (a misspelling would silently give a formula of 0 bytes).
         bytes_per_param_breakdown(precision or "fp32", optimizer)
@@ -220,5 +224,6 @@ def reconcile(
         textbook = None
     from .advice import advice
 
-    return Reconciliation(at, where, precision_used, opt_name, rows, causes(ctx), textbook, tuple(notes),
+    moment = at if isinstance(at, str) else where
+    return Reconciliation(moment, where, precision_used, opt_name, rows, causes(ctx), textbook, tuple(notes),
                           tuple(advice(trace, measured, precision_used, opt_name)))
