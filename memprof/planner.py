@@ -77,9 +77,13 @@ def max_batch_size(
     if not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
     cache: dict[int, int] = {}
+    from .progress import Progress
+
+    bar = Progress(None, "max_batch_size").__enter__()  # closed in the finally below
 
     def peak(b: int) -> int:
         if b not in cache:
+            bar.step(f"batch size {b}")
             batch = make_batch(b)
             if isinstance(batch, tuple) and len(batch) == 2 and loss_fn is not None:
                 inputs, targets = batch
@@ -90,6 +94,14 @@ def max_batch_size(
             cache[b] = est.peak_bytes
         return cache[b]
 
+    try:
+        return _search(peak, cache, limit, multiple_of)
+    finally:
+        bar.__exit__(None, None, None)
+
+
+def _search(peak: Callable[[int], int], cache: dict[int, int], limit: int, multiple_of: int) -> BatchSizePlan:
+    """The largest multiple of ``multiple_of`` whose ``peak`` fits ``limit`` (``peak`` fills ``cache``)."""
     b1, b2 = multiple_of, 2 * multiple_of
     p1, p2 = peak(b1), peak(b2)
     per_sample = (p2 - p1) / (b2 - b1)

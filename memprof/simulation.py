@@ -177,9 +177,16 @@ def estimate(
     if target.type not in ("cpu", "cuda"):
         notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
                      f"runs its math path (saves the s x s scores), where a {target.type} device may not")
-    with (fake_mode if fake_mode is not None else contextlib.nullcontext()), prof, \
+    from .progress import Progress
+
+    # A very large model takes seconds per simulated step: worth a bar in a terminal.
+    big = sum(p.numel() for p in model.parameters()) >= 1_000_000_000
+    with (Progress(steps, "estimate") if big else contextlib.nullcontext()) as bar, \
+            (fake_mode if fake_mode is not None else contextlib.nullcontext()), prof, \
             (kernels if kernels is not None else contextlib.nullcontext()):
-        for _ in range(steps):
+        for i in range(steps):
+            if bar is not None:
+                bar.step(f"step {i + 1} of {steps}")
             # The output is not kept in a variable, as in a usual training loop: the loss
             # function's saved tensors keep what backward needs and the rest is freed.
             with (autocast() if autocast is not None else contextlib.nullcontext()):
