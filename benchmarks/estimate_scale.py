@@ -53,6 +53,8 @@ CONFIGS: dict[str, dict[str, int]] = {
     # Llama-2-7B and -13B (Touvron et al. 2023, Table 1; HF config.json).
     "7b": dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000),
     "13b": dict(hidden=5120, layers=40, heads=40, kv_heads=40, ffn=13824, vocab=32000),
+    # Llama-2-70B (Touvron et al. 2023, Table 1; HF config.json): grouped-query attention, 8 KV heads.
+    "70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000),
     # Smoke test only.
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=172, vocab=256),
 }
@@ -295,7 +297,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 def main(argv: "list[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default="1b,7b,13b", help="comma list of " + ",".join(CONFIGS))
+    ap.add_argument("--configs", default="1b,7b,13b,70b", help="comma list of " + ",".join(CONFIGS))
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; --quick 32)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2, help="simulated training steps (default 2, as estimate())")
