@@ -49,6 +49,8 @@ _ENTRIES = pytest.StashKey[list]()
 _REPORTS = pytest.StashKey[list]()
 # Paths written by --memprof-save-dir in this session (for the summary line).
 _SAVED = pytest.StashKey[list]()
+# id() of each simulated report -> the device it was simulated for.
+_SIMULATED = pytest.StashKey[dict]()
 
 
 class BaselineMissingWarning(UserWarning):
@@ -88,6 +90,31 @@ class MemoryProfileFixture:
             )
         self._item.stash.setdefault(_ENTRIES, []).append(report)
         return report
+
+    def simulate(self, model: Any, optimizer: Any = None, **kwargs: Any) -> Any:
+        """Simulate the step with :func:`memprof.estimate` (same arguments) and keep its record with this
+        test's reports. The device is the marker's ``simulate=`` (``"cuda"`` by default): a CPU-only CI
+        then guards a GPU budget (``@pytest.mark.memory_budget(peak="70 GiB", simulate="cuda")``).
+        Returns the Estimate."""
+        from .errors import InvalidArgumentError
+        from .report import Report
+        from .simulation import estimate
+
+        wanted = _marker_budgets(self._item) or {}
+        if wanted.get("simulate") not in (None, "cuda", "cpu"):
+            raise InvalidArgumentError(
+                f"@pytest.mark.{MARKER}: simulate must be 'cuda' or 'cpu' (the device the step is simulated "
+                f"for), got {wanted['simulate']!r}")
+        device = kwargs.pop("device", None) or wanted.get("simulate") or "cuda"
+        if wanted.get("simulate") not in (None, device):
+            raise InvalidArgumentError(
+                f"memory_profile.simulate(device={device!r}) in a test whose budget is for simulate="
+                f"{wanted['simulate']!r}; leave device= out, or change the marker")
+        est = estimate(model, optimizer, device=device, **kwargs)
+        report = Report(est.trace)
+        self._item.stash.setdefault(_ENTRIES, []).append(report)
+        self._item.stash.setdefault(_SIMULATED, {})[id(report)] = str(device).split(":")[0]
+        return est
 
     @property
     def reports(self) -> "list[Report]":
@@ -155,8 +182,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{MARKER}(peak=None, at='peak', **categories): fail the test when a report recorded through "
-        "the memory_profile fixture exceeds these sizes ('1.5 GiB', '600 MB', bytes); categories: "
+        f"{MARKER}(peak=None, at='peak', simulate=None, **categories): fail the test when a report recorded "
+        "through the memory_profile fixture exceeds these sizes ('1.5 GiB', '600 MB', bytes); with "
+        "simulate='cuda', the step simulated by memory_profile.simulate(...) for that device; categories: "
         "weights, buffers, gradients, optimizer_states, activations, inputs, temporaries, "
         "allocator_overhead, outside_torch.",
     )
@@ -274,6 +302,17 @@ def _budget_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]:
     at = budgets.pop("at", "peak")
     if at not in ("peak", "end"):
         return [f"@pytest.mark.{MARKER}: at must be 'peak' or 'end', got {at!r}"]
+    simulate = budgets.pop("simulate", None)
+    if simulate not in (None, "cuda", "cpu"):
+        return [f"@pytest.mark.{MARKER}: simulate must be 'cuda' or 'cpu' (the device the step is simulated "
+                f"for), got {simulate!r}"]
+    if simulate is not None:
+        simulated = item.stash.get(_SIMULATED, {})
+        real = [r for r in reports_ if id(r) not in simulated]
+        if real or not reports_:
+            return [f"@pytest.mark.{MARKER}(simulate={simulate!r}): the budget is for the step simulated for "
+                    f"{simulate}; run it with memory_profile.simulate(model, optimizer, inputs=...) "
+                    + ("instead of measuring it" if real else "(nothing was simulated)")]
     try:
         parse_budgets(**budgets)
     except MemprofError as exc:

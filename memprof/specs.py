@@ -117,12 +117,15 @@ class ModuleCall:
     output: "TensorSpec | None"
     grad: bool
     leaf: bool
+    #: The call ran inside torch.utils.checkpoint (non-reentrant): it keeps nothing for backward in
+    #: forward, and is recomputed in backward (schema 4; False in older files).
+    checkpointed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "classes": list(self.classes), "config": [[k, v] for k, v in self.config],
                 "params": [list(p) for p in self.params], "inputs": [t.to_dict() for t in self.inputs],
                 "output": self.output.to_dict() if self.output is not None else None, "grad": self.grad,
-                "leaf": self.leaf}
+                "leaf": self.leaf, "checkpointed": self.checkpointed}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModuleCall":
@@ -135,6 +138,7 @@ class ModuleCall:
             output=TensorSpec.from_dict(data["output"]) if data.get("output") is not None else None,
             grad=bool(data.get("grad")),
             leaf=bool(data.get("leaf", True)),
+            checkpointed=bool(data.get("checkpointed", False)),
         )
 
 

@@ -37,6 +37,8 @@ class ActivationPrediction:
     modules_without_rule: tuple[str, ...] = ()
     #: Rules that raised, as "Type: error" (their modules are left out of the formula).
     failed_rules: tuple[str, ...] = ()
+    #: Of ``saved_bytes``, what modules under torch.utils.checkpoint would save (they keep nothing).
+    checkpointed_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ def predict_activations(trace: "Trace") -> ActivationPrediction:
         return ActivationPrediction(facts.activation_formula, facts.modules_without_rule)
     device = "cuda" if trace.device.type == "cuda" else "cpu"
     own = {m.path: m.own_activations for m in trace.modules}
-    total = 0
+    total = checkpointed = 0
     without: set[str] = set()
     failed: list[str] = []
     for call in trace.module_calls:
@@ -75,7 +77,9 @@ def predict_activations(trace: "Trace") -> ActivationPrediction:
             failed.append(f"{name}: {exc!r}")
             continue
         total += value
-    return ActivationPrediction(total, tuple(sorted(without)), tuple(dict.fromkeys(failed)))
+        if call.checkpointed:
+            checkpointed += value
+    return ActivationPrediction(total, tuple(sorted(without)), tuple(dict.fromkeys(failed)), checkpointed)
 
 
 def predict_optimizers(trace: "Trace") -> OptimizerPrediction:

@@ -128,8 +128,10 @@ def lazy_optimizer_state(ctx: Context) -> list[Cause]:
 def released_by_backward(ctx: Context) -> list[Cause]:
     fwd = ctx.forward
     m = ctx.measured
-    if fwd is not None and ctx.both(A) and m[A] < fwd.end[A]:
-        return [Cause(A, "released by backward", m[A] - fwd.end[A],
+    # What checkpointed regions saved when backward recomputed them is new, not the forward's: apart.
+    now = (m[A] or 0) - ctx.tags.get("recomputed_for_backward", 0)
+    if fwd is not None and ctx.both(A) and now < fwd.end[A]:
+        return [Cause(A, "released by backward", now - fwd.end[A],
                       "backward frees each saved tensor once its node has run; at this moment it had "
                       "released this much of what the forward saved")]
     return []
@@ -236,6 +238,29 @@ def per_module_rules(ctx: Context) -> list[Cause]:
     return out
 
 
+def activation_checkpointing(ctx: Context) -> list[Cause]:
+    """torch.utils.checkpoint: what checkpointed regions would have saved, what they keep instead, and
+    what their recomputation in backward holds."""
+    if ctx.transformer is not None or not ctx.both(A):
+        return []
+    tag = ctx.activation_tags
+    out = []
+    skipped = ctx.activations.checkpointed_bytes
+    if skipped and ctx.phase in (Phase.FORWARD, Phase.BACKWARD):
+        out.append(Cause(A, "activation checkpointing: saves not kept", -skipped,
+                         "modules under torch.utils.checkpoint keep nothing for backward in forward; the "
+                         "per-module formula counts what they would have saved"))
+    kept = tag.get("kept_by_checkpoint", 0)
+    if kept:
+        out.append(Cause(A, "activation checkpointing: region inputs", kept,
+                         "the inputs of checkpointed regions, kept to recompute them in backward"))
+    recomputed = ctx.tags.get("recomputed_for_backward", 0)  # backward's own: read at this moment
+    if recomputed:
+        out.append(Cause(A, "activation checkpointing: recomputed in backward", recomputed,
+                         "what a checkpointed region saved when backward recomputed it, alive at this moment"))
+    return out
+
+
 def saved_outside_the_model(ctx: Context) -> list[Cause]:
     outside = ctx.activation_tags.get("saved_outside_modules", 0)
     if ctx.transformer is None and outside and ctx.both(A):
@@ -297,6 +322,7 @@ CAUSES: tuple[Callable[[Context], list[Cause]], ...] = (
     autocast_weight_copies,
     korthikanti_assumptions,
     per_module_rules,
+    activation_checkpointing,
     saved_outside_the_model,
     outside_transformer_layers,
     for_loop_step_bound,

@@ -44,6 +44,8 @@ TAGS: tuple[str, ...] = (
     # bytes their rules count beyond the storage
     "saved_as_view_of_larger",  # rule modules saved only views of it (x[:, 0]): the bytes their rules do not count
     "saved_as_expanded_view",  # one rule module saved an expanded view of it: the bytes its rule counts beyond it
+    "kept_by_checkpoint",  # a checkpointed region's input, kept to recompute the region in backward
+    "recomputed_for_backward",  # saved by a checkpointed region recomputed in backward
 )
 N_TAGS = len(TAGS)
 FIRST_WHERE_TAG = TAGS.index("saved_outside_modules")

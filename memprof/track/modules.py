@@ -28,6 +28,9 @@ from ..categories import Phase
 from ..specs import ModuleCall, TensorSpec, plain_config
 from ..trace import parent_path
 from .ledger import BUFFERS, TAGS, Frame
+from .saved_hooks import under_checkpoint
+
+_KEPT_BY_CHECKPOINT = TAGS.index("kept_by_checkpoint")
 
 if TYPE_CHECKING:
     from ..profiler import Profiler
@@ -257,6 +260,8 @@ class ModuleTracker:
             inputs = self.pending.pop(index, None) if self.capture else None
             if inputs is not None:
                 self.record_call(index, module, inputs, output, args, kwargs)
+            if phases.current is Phase.FORWARD and prof.mode == "full" and under_checkpoint():
+                self.kept_by_checkpoint(args, kwargs)
             if phases.current is Phase.BACKWARD:
                 return None  # a checkpointed module recomputing: no backward hooks for the recompute
             if prof.timeline:
@@ -284,6 +289,7 @@ class ModuleTracker:
         """The call's shapes and the module's configuration: what the per-module formula will need."""
         outs = [TensorSpec.of(t) for t in tensors_in_args((output,), None)]
         own = list(module.named_parameters(recurse=False))
+        checkpointed = under_checkpoint()
         grad = any(t.requires_grad for t in tensors_in_args(args, kwargs)) or any(p.requires_grad for _n, p in own)
         self.module_calls.append((index, ModuleCall(
             path=self.info[index].path or "<model>",
@@ -294,7 +300,17 @@ class ModuleTracker:
             output=outs[0] if outs else None,
             grad=grad and torch.is_grad_enabled(),
             leaf=not any(True for _ in module.children()),
+            checkpointed=checkpointed,
         )))
+
+    def kept_by_checkpoint(self, args: Any, kwargs: Any) -> None:
+        """A module ran inside a checkpointed region: its inputs, if they outlive the forward, are what
+        the region keeps instead of its saves (inside the region inputs are intermediates, freed after
+        the forward, so only the region's own inputs stay counted)."""
+        for t in tensors_in_args(args, kwargs):
+            entry = self.prof.storages.entry_of(t)
+            if entry is not None:
+                self.ledger.set_tag(entry, _KEPT_BY_CHECKPOINT)
 
     def phase_began(self, phase: Phase) -> None:
         """Capturing the formula's shapes ends with the forward that began it."""

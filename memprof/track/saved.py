@@ -26,6 +26,8 @@ import torch
 
 from ..categories import Phase
 from .ledger import ACTIVATIONS, INPUTS, TAGS, TEMPORARIES, Entry, storage_of
+
+_RECOMPUTED = TAGS.index("recomputed_for_backward")
 from .saved_hooks import Saved, SavedHooks, _Chain, is_checkpoint_pair, tensors_in
 from .saved_hooks import unpack as unpack_saved
 
@@ -201,7 +203,11 @@ class SavedTracker:
                 self.ledger.set_tag(entry, _TAG_SAVED_OUTSIDE)
             return
         if phase is not _FORWARD:
-            return  # recomputation in backward (reentrant checkpoint) is not the module's forward saving
+            # Recomputation in backward (a reentrant checkpoint's block): not the module's forward saving,
+            # but what the recomputed block keeps for its part of backward.
+            if where:
+                self.ledger.set_tag(entry, _RECOMPUTED)
+            return
         index = stack[-1]
         if where:
             tag = modules.saved_tag[index]
@@ -259,6 +265,7 @@ class SavedTracker:
         for entry in list(led.entries.values()):
             if entry.created > start and entry.cat == TEMPORARIES:
                 led.move(entry, ACTIVATIONS)
+                led.set_tag(entry, _RECOMPUTED)
                 entry.saved = -1  # held by checkpoint, released as backward unpacks it
 
     # -- what code outside the model saved ------------------------------------------------------

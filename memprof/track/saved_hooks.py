@@ -41,7 +41,7 @@ import torch
 if TYPE_CHECKING:
     from .saved import SavedTracker
 
-__all__ = ["Saved", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pair"]
+__all__ = ["Saved", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pair", "under_checkpoint"]
 
 _top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
 _push = torch._C._autograd._push_saved_tensors_default_hooks
@@ -148,6 +148,20 @@ def tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
 def is_checkpoint_pair(pair: Any) -> bool:
     """Is this torch.utils.checkpoint's own pair (it keeps nothing in forward; recomputes in backward)?"""
     return pair is not None and getattr(pair[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+def under_checkpoint() -> bool:
+    """Does code run inside a torch.utils.checkpoint region now (its pair on the stack, directly or
+    beneath memprof's own chained pairs)?"""
+    pair = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if pair is None:
+        return False
+    pack = pair[0]
+    owner = getattr(pack, "__self__", None)
+    while isinstance(owner, _Chain):
+        pack = owner.outer_pack
+        owner = getattr(pack, "__self__", None)
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint"
 
 
 class _Chain:

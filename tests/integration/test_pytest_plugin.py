@@ -587,3 +587,46 @@ def test_compare_to_baseline_exact_boundary(rep):
 def test_compare_to_baseline_skips_unmeasured(rep, light_rep):
     # light_rep lacks temporaries and the total; the measured categories are equal.
     assert compare_to_baseline(light_rep, rep) == ()
+
+
+def test_a_gpu_budget_is_guarded_by_a_simulation_on_the_cpu(pytester):
+    # The same step simulated for a CUDA target: 4 parameter tensors, each rounded up to the caching
+    # allocator's 512-byte blocks, so weights are 4 * 512 = 2,048 B there (848 B on the CPU).
+    est = memprof.estimate(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+                           lambda ps: torch.optim.Adam(ps, lr=1e-3), inputs=torch.randn(4, 8), device="cuda")
+    peak = est.peak_bytes
+    assert est.trace.peak["weights"] == 4 * 512
+    sim = (
+        "    model, _ = make()\n"
+        "    memory_profile.simulate(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), inputs=torch.randn(4, 8))\n"
+    )
+    pytester.makepyfile(test_inner="import pytest\n" + STEP + f'''
+@pytest.mark.memory_budget(peak={peak}, simulate="cuda")
+def test_fits(memory_profile):
+{sim}
+
+@pytest.mark.memory_budget(peak={peak - 1}, simulate="cuda")
+def test_one_byte_over(memory_profile):
+{sim}
+
+@pytest.mark.memory_budget(weights="2 KiB", simulate="cuda")
+def test_weights_in_cuda_blocks(memory_profile):
+{sim}
+
+@pytest.mark.memory_budget(peak="1 GiB", simulate="cuda")
+def test_measured_instead(memory_profile):
+    model, opt = make()
+    with memory_profile(model, opt):
+        run_step(model, opt)
+
+@pytest.mark.memory_budget(peak="1 GiB", simulate="tpu")
+def test_unknown_device(memory_profile):
+{sim}
+''')
+    out = _outcomes(pytester.inline_run("-p", "no:cacheprovider"))
+    assert {k: v[0] for k, v in out.items()} == {
+        "test_fits": "passed", "test_one_byte_over": "failed", "test_weights_in_cuda_blocks": "passed",
+        "test_measured_instead": "failed", "test_unknown_device": "failed"}
+    assert "over by 1 B" in out["test_one_byte_over"][1]
+    assert "memory_profile.simulate(model, optimizer, inputs=...) instead of measuring it" in out["test_measured_instead"][1]
+    assert "simulate must be 'cuda' or 'cpu'" in out["test_unknown_device"][1]

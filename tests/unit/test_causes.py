@@ -166,6 +166,29 @@ def test_saved_outside_the_model_is_the_loss_functions_saves():
     assert _named(found) == {(C.ACTIVATIONS, "saved outside the model"): 100}
 
 
+def test_activation_checkpointing_names_what_regions_skip_keep_and_recompute():
+    from memprof.anatomy.predict import ActivationPrediction
+    from memprof.reconciler.causes import activation_checkpointing
+
+    fwd, bwd, _ = _step(fwd_end_act=150, bwd_act=400)
+    t = trace(phases=(fwd, bwd))
+    # Forward end: the formula counts 1,000 bytes of saves, 900 of them by modules under checkpoint;
+    # the regions keep 50 bytes of inputs instead.
+    c = Context(t, cpu(activations=150), fwd, {"kept_by_checkpoint": 50}, cpu(activations=1000), "fp32", "adamw",
+                None, ActivationPrediction(1000, (), (), 900))
+    assert _named(activation_checkpointing(c)) == {
+        (C.ACTIVATIONS, "activation checkpointing: saves not kept"): -900,
+        (C.ACTIVATIONS, "activation checkpointing: region inputs"): 50}
+    # In backward: the recomputed region's 300 bytes are read at this moment, not at forward's end.
+    c = Context(t, cpu(activations=400), bwd, {"recomputed_for_backward": 300}, cpu(activations=1000), "fp32",
+                "adamw", None, ActivationPrediction(1000, (), (), 900))
+    assert _named(activation_checkpointing(c))[(C.ACTIVATIONS, "activation checkpointing: recomputed in backward")] == 300
+    # No checkpointing: nothing.
+    c = Context(t, cpu(activations=150), fwd, {}, cpu(activations=1000), "fp32", "adamw", None,
+                ActivationPrediction(1000))
+    assert activation_checkpointing(c) == []
+
+
 # ---------------------------------------------------------------------- temporaries, device, the rest
 
 
@@ -196,7 +219,7 @@ def test_categories_without_a_formula_count_as_measured():
 
 
 def test_the_table_holds_every_cause_once_and_zero_bytes_are_dropped():
-    assert len(set(CAUSES)) == len(CAUSES) == 12
+    assert len(set(CAUSES)) == len(CAUSES) == 13
     fwd, _, _ = _step()
     t = trace(phases=(fwd,))
     found = causes(ctx(t, cpu(activations=600), cpu(activations=600), rec=fwd, tags={"saved_outside_modules": 0}))
