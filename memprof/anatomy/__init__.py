@@ -24,6 +24,7 @@ from .activations import (
     transformer_layer_activations,
     transformer_layer_terms,
 )
+from . import hf_rules  # noqa: F401  (the transformers layer rules, registered by name)
 from .allocator import (
     CUDA_CONTEXT_RANGE,
     CachingAllocatorModel,

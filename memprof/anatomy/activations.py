@@ -269,6 +269,16 @@ class TensorMeta:
 SavedRule = Callable[[nn.Module, Sequence[TensorMeta], Any, str, bool], int]
 
 _RULES: dict[type, SavedRule] = {}
+#: Rules of classes known by their qualified name (``module.QualName``), for libraries memprof does not
+#: import (transformers): :mod:`memprof.anatomy.hf_rules`.
+_NAMED_RULES: dict[str, SavedRule] = {}
+
+
+def register_saved_rule_by_name(qualname: str, rule: SavedRule) -> None:
+    """Register the rule of a class by its ``module.QualName``, without importing it."""
+    if qualname in _NAMED_RULES:
+        raise RegistryError(f"a saved-bytes rule for {qualname} is already registered; register once")
+    _NAMED_RULES[qualname] = rule
 
 
 def register_saved_rule(module_cls: type, rule: SavedRule) -> None:
@@ -284,12 +294,16 @@ def saved_bytes_rule(module: nn.Module | type) -> SavedRule | None:
     for klass in cls.__mro__:
         if klass in _RULES:
             return _RULES[klass]
+        named = _NAMED_RULES.get(f"{klass.__module__}.{klass.__qualname__}")
+        if named is not None:
+            return named
     return None
 
 
 def rule_for_classes(names: Sequence[str]) -> SavedRule | None:
     """The rule for a module recorded by its classes' ``module.QualName`` (most specific first)."""
     by_name = {f"{k.__module__}.{k.__qualname__}": rule for k, rule in _RULES.items()}
+    by_name.update(_NAMED_RULES)
     for name in names:
         rule = by_name.get(name)
         if rule is not None:
