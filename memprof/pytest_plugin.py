@@ -106,14 +106,15 @@ class MemoryProfileFixture:
                 f"@pytest.mark.{MARKER}: simulate must be 'cuda' or 'cpu' (the device the step is simulated "
                 f"for), got {wanted['simulate']!r}")
         device = kwargs.pop("device", None) or wanted.get("simulate") or "cuda"
-        if wanted.get("simulate") not in (None, device):
+        kind = str(device).split(":")[0]  # "cuda:1" and torch.device("cuda") are a CUDA target too
+        if wanted.get("simulate") not in (None, kind):
             raise InvalidArgumentError(
                 f"memory_profile.simulate(device={device!r}) in a test whose budget is for simulate="
                 f"{wanted['simulate']!r}; leave device= out, or change the marker")
         est = estimate(model, optimizer, device=device, **kwargs)
         report = Report(est.trace)
         self._item.stash.setdefault(_ENTRIES, []).append(report)
-        self._item.stash.setdefault(_SIMULATED, {})[id(report)] = str(device).split(":")[0]
+        self._item.stash.setdefault(_SIMULATED, {})[id(report)] = kind
         return est
 
     @property

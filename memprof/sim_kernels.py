@@ -9,9 +9,11 @@ them): ``aten._scaled_dot_product_flash_attention``, ``aten._scaled_dot_product_
 and ``aten.native_dropout``, whose autograd formulas save exactly what the device's kernels save.
 
 Which attention kernel, as torch's CUDA dispatcher decides (aten/src/ATen/native/transformers/cuda/
-sdp_utils.cpp): flash for fp16/bf16 inputs without an attention mask and a head dimension that is a
-multiple of 8 up to 256; memory-efficient for fp16/bf16/fp32 inputs whose head dimension is a multiple
-of 8 (4 for fp32), with or without a mask; the math path otherwise. ``attention=`` forces one.
+sdp_utils.cpp): flash for 4-D fp16/bf16 inputs without an attention mask, a head dimension up to 256
+(padded to a multiple of 8, attention.cpp) and a causal mask only on square attention, grouped-query
+attention natively; memory-efficient for 4-D fp16/bf16/fp32 inputs, with or without a mask, but not
+grouped-query attention; the math path otherwise. ``attention=`` forces one, and is refused where the
+device could not run it.
 """
 
 from __future__ import annotations
@@ -29,18 +31,27 @@ __all__ = ["CudaKernels", "ATTENTION_KERNELS"]
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math")
 
 
-def _choose(q: torch.Tensor, attn_mask: Any, wanted: str) -> str:
-    if wanted != "auto":
-        return wanted
-    head_dim = q.shape[-1]
-    if q.dim() != 4:
-        return "math"
-    if q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and head_dim % 8 == 0 and head_dim <= 256:
-        return "flash"
-    multiple = 4 if q.dtype == torch.float32 else 8
-    if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim % multiple == 0:
-        return "efficient"
-    return "math"
+def _choose(q: torch.Tensor, k: torch.Tensor, attn_mask: Any, is_causal: bool, gqa: bool, wanted: str) -> str:
+    """The kernel torch's CUDA dispatcher picks (sdp_utils.cpp), or the one ``wanted`` forces, after
+    checking that the device could run it."""
+    from .errors import InvalidArgumentError
+
+    four_d = q.dim() == 4
+    low = q.dtype in (torch.float16, torch.bfloat16)
+    square = q.shape[-2] == k.shape[-2]
+    # Flash: fp16/bf16, no mask, head dim up to 256 (padded to a multiple of 8), a causal mask only on
+    # square attention; grouped-query attention natively.
+    flash = four_d and low and attn_mask is None and q.shape[-1] <= 256 and (square or not is_causal)
+    # Memory-efficient: fp16/bf16/fp32, masks allowed, no grouped-query attention.
+    efficient = four_d and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and not gqa
+    if wanted == "auto":
+        return "flash" if flash else "efficient" if efficient else "math"
+    if wanted == "flash" and not flash or wanted == "efficient" and not efficient:
+        raise InvalidArgumentError(
+            f"attention={wanted!r}: a CUDA device could not run this attention with that kernel (query "
+            f"{tuple(q.shape)} {str(q.dtype).replace('torch.', '')}, mask {'given' if attn_mask is not None else 'none'}"
+            f"{', grouped-query' if gqa else ''}); torch would raise 'No available kernel'. Use attention='auto'")
+    return wanted
 
 
 class CudaKernels(TorchFunctionMode):
@@ -62,35 +73,37 @@ class CudaKernels(TorchFunctionMode):
     def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: "float | None" = None,
                    enable_gqa: bool = False) -> torch.Tensor:
-        kernel = _choose(query, attn_mask, self.attention)
-        if kernel != "math" and query.dim() == 4 and key.shape[-3] != query.shape[-3]:
-            # Grouped-query attention: the fused kernels are given key and value expanded to the query's
-            # heads here (the device's kernel may read them in place: an overestimate of their size).
-            groups = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
-            self.used["grouped-query attention expanded"] += 1
-        if kernel == "flash" and attn_mask is None:
-            self.used["flash"] += 1
-            out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                                     scale=scale)
-            return out[0]
-        if kernel in ("efficient", "flash"):
-            self.used["memory-efficient"] += 1
-            if is_causal and attn_mask is None:
-                out = torch.ops.aten._scaled_dot_product_efficient_attention(
-                    query, key, value, None, True, dropout_p, True, scale=scale)
-            else:
-                bias = attn_mask
-                if bias is not None and bias.dtype == torch.bool:  # the kernel takes an additive bias
-                    bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill(
-                        ~bias, float("-inf"))
-                if bias is not None:
-                    bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-                out = torch.ops.aten._scaled_dot_product_efficient_attention(
-                    query, key, value, bias, True, dropout_p, is_causal, scale=scale)
-            return out[0]
-        self.used["math"] += 1
         extra = {"enable_gqa": True} if enable_gqa else {}  # a keyword torch 2.5 added
+        gqa = query.dim() == 4 and key.shape[-3] != query.shape[-3]
+        if gqa and not enable_gqa:
+            # torch refuses unequal head counts without enable_gqa=True: its own path raises the same.
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale)
+        kernel = _choose(query, key, attn_mask, is_causal, gqa, self.attention)
+        if kernel == "flash":
+            self.used["flash"] += 1
+            head = query.shape[-1]
+            if scale is None:
+                scale = head ** -0.5  # of the head dimension before padding, as torch's dispatcher keeps it
+            if head % 8:
+                # torch pads the head dimension to a multiple of 8 for flash (attention.cpp, pad_last_dim)
+                # and slices the output back: the padded copies are what the kernel saves.
+                pad = 8 - head % 8
+                query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
+                self.used["flash head dim padded to a multiple of 8"] += 1
+            out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                                     scale=scale)[0]
+            return out[..., :head] if out.shape[-1] != head else out
+        if kernel == "efficient":
+            self.used["memory-efficient"] += 1
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:  # the kernel takes an additive bias
+                bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill(~bias, float("-inf"))
+            if bias is not None:
+                bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, True, dropout_p, is_causal and bias is None, scale=scale)[0]
+        self.used["math"] += 1
         # Inside its own handler the mode is off: this runs torch's own (math) path.
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, **extra)
@@ -98,6 +111,8 @@ class CudaKernels(TorchFunctionMode):
     def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
         if not training or p == 0.0:
             return input
+        if inplace:  # dropout_ on CUDA keeps a mask in the input's dtype, as the shape-only path does
+            return F.dropout(input, p, training, inplace)
         self.used["dropout, 1-byte masks"] += 1
         out, _ = torch.ops.aten.native_dropout(input, p, True)
         return out

@@ -211,6 +211,8 @@ def per_module_rules(ctx: Context) -> list[Cause]:
     """What the per-module formula does not see, or counts differently from autograd."""
     if ctx.transformer is not None or not ctx.both(A) or ctx.activations.saved_bytes is None:
         return []
+    if ctx.phase is Phase.FORWARD and ctx.rec is not None and ctx.measured is ctx.rec.start:
+        return []  # a forward's start: nothing saved yet, and no per-module count to correct
     tag = ctx.activation_tags
     out = []
     functional = tag.get("saved_in_container_code", 0)

@@ -155,8 +155,12 @@ def formula_at(trace: Trace, at: Any = "peak", *, precision: "str | None" = None
     at = parse_at(at)
     _measured, rec, _where, _tags = moment_of(trace, at)
     at_peak = at == "peak" or (isinstance(at, tuple) and at[2] == "peak")
-    return formula_breakdown(trace, precision=precision, optimizer=optimizer, moment=rec,
-                             transformer=transformer, at_peak=at_peak)
+    formula = formula_breakdown(trace, precision=precision, optimizer=optimizer, moment=rec,
+                                transformer=transformer, at_peak=at_peak)
+    if isinstance(at, tuple) and at[1] is Phase.FORWARD and at[2] == "start" and formula[Category.ACTIVATIONS]:
+        # Nothing is saved yet when a forward begins: the textbook's activations are 0 there.
+        formula = Breakdown.from_mapping({**{c: formula[c] for c in Category}, Category.ACTIVATIONS: 0})
+    return formula
 
 
 def moment_of(trace: Trace, at: Any) -> tuple[Breakdown, "PhaseRecord | None", str, dict[str, int]]:
@@ -169,6 +173,8 @@ def moment_of(trace: Trace, at: Any) -> tuple[Breakdown, "PhaseRecord | None", s
     if isinstance(at, tuple):
         step, phase, moment, occurrence = at
         total = trace.num_steps
+        if not -total <= step < total:
+            raise InvalidArgumentError(f"step {step} is out of range: this run had {total} step(s)")
         index = step + total if step < 0 else step
         record = next((s for s in trace.steps if s.index == index), None)
         if record is None:

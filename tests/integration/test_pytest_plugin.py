@@ -630,3 +630,14 @@ def test_unknown_device(memory_profile):
     assert "over by 1 B" in out["test_one_byte_over"][1]
     assert "memory_profile.simulate(model, optimizer, inputs=...) instead of measuring it" in out["test_measured_instead"][1]
     assert "simulate must be 'cuda' or 'cpu'" in out["test_unknown_device"][1]
+
+
+def test_a_simulated_device_may_be_spelled_with_its_index(pytester):
+    pytester.makepyfile(test_inner="import pytest\n" + STEP + '''
+@pytest.mark.memory_budget(peak="1 GiB", simulate="cuda")
+def test_cuda_1(memory_profile):
+    model, _ = make()
+    memory_profile.simulate(model, None, inputs=torch.randn(4, 8), device="cuda:1")
+''')
+    out = _outcomes(pytester.inline_run("-p", "no:cacheprovider"))
+    assert out["test_cuda_1"][0] == "passed", out["test_cuda_1"][1]

@@ -35,6 +35,12 @@ def test_the_end_of_forward_is_held_against_the_activation_formula(report):
     assert report.reconcile(at=(-1, "optimizer", "end")).row("activations").formula == 0
 
 
+def test_nothing_is_saved_when_a_forward_begins(report):
+    rec = report.reconcile(at=(1, "forward", "start"))
+    assert rec.row("activations").formula == 0
+    assert not any(c.name == "unexplained" and c.category.value == "activations" for c in rec.explanations)
+
+
 def test_every_moment_of_a_phase_and_its_occurrence(report):
     for moment in ("start", "peak", "end"):
         rec = report.reconcile(at=(0, "backward", moment, 0))
@@ -43,7 +49,8 @@ def test_every_moment_of_a_phase_and_its_occurrence(report):
 
 @pytest.mark.parametrize("bad, error, words", [
     ((0, "forward"), InvalidArgumentError, "3 or 4 values"),
-    ((9, "forward", "end"), NotMeasuredError, "not among the steps kept"),
+    ((9, "forward", "end"), InvalidArgumentError, "out of range"),
+    ((-5, "forward", "end"), InvalidArgumentError, "out of range"),
     ((0, "fwd", "end"), UnknownNameError, "unknown phase"),
     ((0, "forward", "middle"), InvalidArgumentError, "peak, start or end"),
     ((0, "forward", "end", 3), NotMeasuredError, "occurrence 3"),

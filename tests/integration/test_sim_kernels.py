@@ -119,3 +119,49 @@ def test_the_planner_and_the_cli_take_the_attention_kernel(tmp_path, monkeypatch
     assert main(["estimate", "blk:build", "--batch-size", "2", "--precision", "bf16", "--optimizer", "none",
                  "--attention", "math"]) == 0
     assert "math x2" in capsys.readouterr().out
+
+
+class _Attend(nn.Module):
+    """q from a projection; k and v with ``kv`` heads (grouped-query attention when fewer)."""
+
+    def __init__(self, heads=8, kv=8, head_dim=16):
+        super().__init__()
+        self.heads, self.kv, self.d = heads, kv, head_dim
+        self.q = nn.Linear(64, heads * head_dim)
+        self.kv_proj = nn.Linear(64, 2 * kv * head_dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.d).transpose(1, 2)
+        k, v = (t.view(b, s, self.kv, self.d).transpose(1, 2) for t in self.kv_proj(x).chunk(2, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv != self.heads).sum()
+
+
+def _kernel_estimate(precision=None, attention="auto", **kwargs):
+    with torch.device("meta"):
+        model = _Attend(**kwargs)
+    return memprof.estimate(model, None, inputs=torch.empty(2, 64, 64), device="cuda", precision=precision,
+                            loss_fn=lambda out: out, attention=attention)
+
+
+def test_grouped_query_attention_takes_flash_natively_or_falls_back_to_math():
+    flash = _kernel_estimate("bf16", kv=2)
+    assert any("flash x2" in n for n in flash.notes) and not any("expanded" in n for n in flash.notes)
+    # fp32 rules flash out, and the memory-efficient kernel takes no grouped-query attention: math.
+    fp32 = _kernel_estimate(kv=2)
+    assert any("math x2" in n for n in fp32.notes)
+    assert fp32.peak_bytes == _kernel_estimate(kv=2, attention="math").peak_bytes
+    with pytest.raises(InvalidArgumentError, match="could not run this attention"):
+        _kernel_estimate(kv=2, attention="efficient")
+
+
+def test_a_head_dim_off_the_multiple_of_8_is_padded_for_flash():
+    est = _kernel_estimate("bf16", head_dim=12)
+    assert any("flash head dim padded to a multiple of 8 x2" in n for n in est.notes)
+    # Far below the math path, which keeps the 64 x 64 scores of every head.
+    assert est.peak_bytes < _kernel_estimate("bf16", head_dim=12, attention="math").peak_bytes
+
+
+def test_a_kernel_the_device_could_not_run_is_refused():
+    with pytest.raises(InvalidArgumentError, match="torch would raise 'No available kernel'"):
+        _kernel_estimate(attention="flash")  # fp32: flash takes fp16/bf16 only
