@@ -18,6 +18,7 @@ device could not run it.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaKernels", "ATTENTION_KERNELS"]
+__all__ = ["CudaKernels", "ATTENTION_KERNELS", "ValueDependentCode", "VALUE_DEPENDENT_CODE"]
 
 #: What ``estimate(..., attention=)`` accepts.
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math")
@@ -124,3 +125,46 @@ class CudaKernels(TorchFunctionMode):
         parts = ", ".join(f"{kind} x{n}" for kind, n in sorted(self.used.items()))
         return [f"kernels assumed for the CUDA target (as torch's CUDA dispatcher picks them; attention="
                 f"{self.attention!r}): {parts}"]
+
+
+#: Library code that decides what to build from tensor values, which shape-only tensors do not have:
+#: transformers' attention-mask helpers skip building a mask when its values make it unnecessary, and
+#: build it in full on fake and meta tensors.
+VALUE_DEPENDENT_CODE = ("transformers.masking_utils", "transformers.modeling_attn_mask_utils")
+
+
+class ValueDependentCode(TorchFunctionMode):
+    """Count what code in :data:`VALUE_DEPENDENT_CODE` builds during a simulation: bytes a real run may
+    not hold, named in the estimate's notes instead of drifting silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.calls = 0
+        self.where: set[str] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        frame = sys._getframe(1)
+        for _ in range(6):  # the helpers call torch directly, a few frames up at most
+            if frame is None:
+                break
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith(VALUE_DEPENDENT_CODE):
+                self.calls += 1
+                self.where.add(module)
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                        self.bytes += t.numel() * t.element_size()
+                break
+            frame = frame.f_back
+        return out
+
+    def notes(self) -> list[str]:
+        if not self.calls:
+            return []
+        from .units import format_bytes
+
+        return [f"{', '.join(sorted(self.where))} built {format_bytes(self.bytes)} of tensors in {self.calls} op(s) "
+                "on shape-only tensors; a real run may skip some of them (it checks the mask's values, which a "
+                f"simulation does not have): up to that much of the simulated figures may not exist on the device"]

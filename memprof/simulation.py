@@ -125,7 +125,7 @@ def estimate(
         raise InvalidArgumentError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:1', 'mps' ...") from None
     if target.type == "meta":
         target = torch.device("cpu")
-    from .sim_kernels import ATTENTION_KERNELS, CudaKernels
+    from .sim_kernels import ATTENTION_KERNELS, CudaKernels, ValueDependentCode
 
     if attention not in ATTENTION_KERNELS:
         raise UnknownNameError(f"unknown attention kernel {attention!r}; use one of: {', '.join(ATTENTION_KERNELS)}")
@@ -134,6 +134,9 @@ def estimate(
             f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
             "the simulation runs; leave attention='auto' or give device='cuda'")
     kernels = CudaKernels(attention) if target.type == "cuda" else None
+    # Only models built from transformers can reach its mask helpers: no cost for the others.
+    watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
+                                          for m in model.modules()) else None
     notes: list[str] = []
 
     fake_mode: Any = None
@@ -183,7 +186,8 @@ def estimate(
     big = sum(p.numel() for p in model.parameters()) >= 1_000_000_000
     with (Progress(steps, "estimate") if big else contextlib.nullcontext()) as bar, \
             (fake_mode if fake_mode is not None else contextlib.nullcontext()), prof, \
-            (kernels if kernels is not None else contextlib.nullcontext()):
+            (kernels if kernels is not None else contextlib.nullcontext()), \
+            (watched if watched is not None else contextlib.nullcontext()):
         for i in range(steps):
             if bar is not None:
                 bar.step(f"step {i + 1} of {steps}")
@@ -202,6 +206,8 @@ def estimate(
                 meta_opt.zero_grad()
     if kernels is not None:
         notes.extend(kernels.notes())
+    if watched is not None:
+        notes.extend(watched.notes())
     resolved = precision or _infer_precision(prof.trace)
     return Estimate(trace=prof.trace, precision=resolved, device=target.type, notes=tuple(notes))
 
