@@ -76,10 +76,10 @@ def max_batch_size(
     limit = parse_size(budget)
     if not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
-    cache: dict[int, int] = {}
     from .progress import Progress
 
-    bar = Progress(None, "max_batch_size").__enter__()  # closed in the finally below
+    cache: dict[int, int] = {}
+    bar = Progress(None, "max_batch_size")
 
     def peak(b: int) -> int:
         if b not in cache:
@@ -94,10 +94,8 @@ def max_batch_size(
             cache[b] = est.peak_bytes
         return cache[b]
 
-    try:
+    with bar:
         return _search(peak, cache, limit, multiple_of)
-    finally:
-        bar.__exit__(None, None, None)
 
 
 def _search(peak: Callable[[int], int], cache: dict[int, int], limit: int, multiple_of: int) -> BatchSizePlan:

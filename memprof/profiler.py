@@ -35,7 +35,7 @@ from .trace import Breakdown, OomRecord, StepRecord, Trace
 from .track.device import DeviceProbe
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
 from .arguments import checked
-from .track.oom import OomDump, checked_folder, is_oom
+from .track.oom import OomDump, checked_folder, is_oom, oom_record
 from .track.modules import ModuleTracker, attribute_tensors, unique_params
 from .track.operations import OperationLog
 from .track.optimizer import OptimizerTracker
@@ -277,7 +277,8 @@ class Profiler:
             if live is not None:
                 self.live_at_error, self.live_modules_at_error, self.live_storages_at_error = live
             if oom:
-                self.oom = (self.oom_dump or OomDump(self, "")).record(exc, self.device)
+                self.oom = (self.oom_dump.record(exc, self.device) if self.oom_dump is not None
+                            else oom_record(exc, self.device))
         elsewhere = _get_ident() != self.thread
         self._teardown()
         if self.oom is not None and self.oom_dump is not None and self._trace is not None:

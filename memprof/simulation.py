@@ -111,9 +111,9 @@ def estimate(
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
                                    f"{type(loss_fn).__name__}")
-    held: list[torch.Tensor] = []
-    _tensors(inputs, held)
-    if not held:
+    from .track.modules import tensors_in_args
+
+    if not tensors_in_args(inputs, None):
         raise InvalidArgumentError(
             f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
             f"arguments), got {type(inputs).__name__} without a tensor")
@@ -311,16 +311,6 @@ def _convert(obj: Any, make: Any, seen: dict[int, torch.Tensor]) -> Any:
         return {k: _convert(v, make, seen) for k, v in obj.items()}
     return obj
 
-
-def _tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif depth < 3 and isinstance(obj, (tuple, list)):
-        for o in obj:
-            _tensors(o, out, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for o in obj.values():
-            _tensors(o, out, depth + 1)
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:

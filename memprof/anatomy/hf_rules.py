@@ -22,13 +22,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .activations import TensorMeta, _input_saving, _saves_input, register_saved_rule_by_name
+from .activations import TensorMeta, _any_param_grad, _input_saving, _saves_input, register_saved_rule_by_name
 
 __all__: list[str] = []
-
-
-def _param_grad(module: Any) -> bool:
-    return any(getattr(p, "requires_grad", False) for p in getattr(module, "parameters", lambda **_: ())(recurse=False))
 
 
 def _new_gelu(module: Any, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
@@ -41,14 +37,14 @@ def _rows(x: TensorMeta) -> int:
 
 def _llama_rms_norm(module: Any, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
     x = inputs[0]
-    if not (grad or _param_grad(module)):
+    if not (grad or _any_param_grad(module)):
         return 0
     return 4 * x.numel + 4 * _rows(x) + x.nbytes
 
 
 def _t5_layer_norm(module: Any, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
     x = inputs[0]
-    if not (grad or _param_grad(module)):
+    if not (grad or _any_param_grad(module)):
         return 0
     if x.itemsize == 4:  # the fp32 "copy" is the input; the product is fp32
         return 8 * x.numel + 4 * _rows(x)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..categories import Category
 from ..trace import Breakdown, as_trace
 from ..units import format_bytes
-from .curve import curve, phase_times
+from .curve import curve, level, phase_times
 
 if TYPE_CHECKING:
     from ..report import Report
@@ -42,12 +42,6 @@ def _composition(bd: Breakdown) -> dict[str, Any]:
     out["total"] = bd.total
     out["readable"] = ", ".join(f"{c.value} {format_bytes(v)}" for c, v in bd.measured().items() if v)
     return out
-
-
-def _level(bd: Breakdown) -> int:
-    """A breakdown's height: its total, or where none was measured (light mode on a CPU), the sum of
-    what was."""
-    return bd.total if bd.total is not None else sum(bd.measured().values())
 
 
 def chrome_trace(report: "Report | Trace") -> dict[str, Any]:
@@ -109,7 +103,8 @@ def _counters(points: Any) -> list[dict[str, Any]]:
 def _steps_and_phases(t: "Trace") -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     spans: dict[int, list[float]] = {}
-    for p, start, peak, end in phase_times(t):
+    times = phase_times(t)
+    for p, start, peak, end in times:
         span = spans.setdefault(p.step, [start, end])
         span[0], span[1] = min(span[0], start), max(span[1], end)
         name = p.phase.value if p.occurrence == 0 else f"{p.phase.value} #{p.occurrence}"
@@ -121,9 +116,9 @@ def _steps_and_phases(t: "Trace") -> list[dict[str, Any]]:
 
     # The run's peak: the highest phase peak of the peak's step and phase (the first, when gradient
     # accumulation gives several equal ones).
-    candidates = [(p, peak) for p, _, peak, _ in phase_times(t) if p.step == t.peak_step and p.phase is t.peak_phase]
+    candidates = [(p, peak) for p, _, peak, _ in times if p.step == t.peak_step and p.phase is t.peak_phase]
     if candidates:
-        p, peak = max(candidates, key=lambda c: _level(c[0].peak))  # max keeps the first of equals
+        p, peak = max(candidates, key=lambda c: level(c[0].peak))  # max keeps the first of equals
         out.append({"ph": "i", "s": "g", "pid": _PID, "tid": 2, "ts": peak, "name": "peak of the run",
                     "args": dict(_composition(t.peak), module=t.peak_module)})
     for step, (start, end) in spans.items():

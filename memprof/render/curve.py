@@ -21,7 +21,7 @@ from ..trace import Breakdown, PhaseRecord
 if TYPE_CHECKING:
     from ..trace import Trace
 
-__all__ = ["Point", "Curve", "curve", "phase_times"]
+__all__ = ["Point", "Curve", "curve", "phase_times", "level"]
 
 #: Microseconds given to each phase of a trace without times.
 _UNTIMED_PHASE_US = 1000.0
@@ -46,6 +46,12 @@ class Curve:
     points: tuple[Point, ...]
     #: Whether the times come from the clock (schema 4 and later) or from the order of phases.
     timed: bool
+
+
+def level(bd: Breakdown) -> int:
+    """A moment's height: what was measured of it, summed (its total where there is one; light mode on a
+    CPU measures no total, and its height is then the categories it did measure)."""
+    return sum(bd.measured().values())
 
 
 def phase_times(trace: "Trace") -> list[tuple[PhaseRecord, float, float, float]]:

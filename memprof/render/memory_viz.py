@@ -128,11 +128,10 @@ def memory_viz_snapshot(report: "Report | Trace") -> dict[str, Any]:
                                "state": "inactive", "frames": []})
     segments = []
     if segment_blocks:
+        allocated = sum(b[1] for bl in live.values() for b in bl)
         segments.append({"device": device, "address": _BASE, "total_size": space.end - _BASE, "stream": 0,
-                         "segment_type": "large", "allocated_size": sum(b[1] for bl in live.values() for b in bl),
-                         "active_size": sum(b[1] for bl in live.values() for b in bl),
-                         "requested_size": sum(b[1] for bl in live.values() for b in bl),
-                         "blocks": segment_blocks})
+                         "segment_type": "large", "allocated_size": allocated, "active_size": allocated,
+                         "requested_size": allocated, "blocks": segment_blocks})
     traces: list[list[dict[str, Any]]] = [[] for _ in range(device + 1)]
     traces[device] = events
     return {"segments": segments, "device_traces": traces, "memprof": {

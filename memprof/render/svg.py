@@ -15,7 +15,7 @@ from ..categories import Category, Phase
 from ..trace import as_trace
 from ..units import format_bytes
 from .common import CATEGORY_COLORS, PHASE_COLORS
-from .curve import Point, curve, phase_times
+from .curve import Point, curve, level, phase_times
 
 if TYPE_CHECKING:
     from ..report import Report
@@ -28,11 +28,6 @@ MAX_POINTS = 1400
 _W, _H, _LEFT, _BOTTOM, _TOP = 720, 220, 64, 28, 8
 
 
-def _level(pt: Point) -> int:
-    """The height drawn: the sum of the measured categories (light mode on a CPU has no total)."""
-    return sum(pt.breakdown.measured().values())
-
-
 def _thin(points: Sequence[Point], x0: float, span: float, plot_w: float) -> list[Point]:
     if len(points) <= MAX_POINTS:
         return list(points)
@@ -40,7 +35,7 @@ def _thin(points: Sequence[Point], x0: float, span: float, plot_w: float) -> lis
     for pt in points:
         col = int((pt.time_us - x0) / span * plot_w)
         best = columns.get(col)
-        if best is None or _level(pt) > _level(best):
+        if best is None or level(pt.breakdown) > level(best.breakdown):
             columns[col] = pt
     return [columns[c] for c in sorted(columns)]
 
@@ -78,7 +73,7 @@ def timeline_svg(report: "Report | Trace") -> str:
     span = max(cv.points[-1].time_us - x0, 1e-9)
     plot_w, plot_h = _W - _LEFT - 8, _H - _BOTTOM - _TOP
     points = _thin(cv.points, x0, span, plot_w)
-    top = max(sum(pt.breakdown[c] or 0 for c in cats) for pt in points) or 1
+    top = max(level(pt.breakdown) for pt in points) or 1
 
     def x(time_us: float) -> float:
         return _LEFT + (time_us - x0) / span * plot_w
@@ -104,8 +99,8 @@ def timeline_svg(report: "Report | Trace") -> str:
             out.append(f'<polygon class="memprof-category" data-category="{c.value}" points="{path} {back}" '
                        f'fill="{CATEGORY_COLORS[c]}" fill-opacity="0.85"><title>{c.value}</title></polygon>')
         base = upper
-    peak = max(points, key=_level)
-    peak_v = _level(peak)
+    peak = max(points, key=lambda pt: level(pt.breakdown))
+    peak_v = level(peak.breakdown)
     out.append(f'<line x1="{x(peak.time_us):.1f}" x2="{x(peak.time_us):.1f}" y1="{_TOP}" y2="{_TOP + plot_h}" '
                f'stroke="currentColor" stroke-dasharray="3,3" stroke-opacity="0.7"/>')
     out.append(f'<text x="{min(x(peak.time_us) + 4, _W - 120):.1f}" y="{_TOP + 10}" fill="currentColor">'

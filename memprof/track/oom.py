@@ -34,7 +34,7 @@ from ..trace import OomRecord
 if TYPE_CHECKING:
     from ..profiler import Profiler
 
-__all__ = ["OomDump", "is_oom", "checked_folder"]
+__all__ = ["OomDump", "is_oom", "checked_folder", "oom_record"]
 
 # The CPU allocator says how many bytes it was asked for, to the byte (c10/core/impl/alloc_cpu.cpp).
 _CPU_REQUEST = re.compile(r"tried to allocate (\d+) bytes")
@@ -139,22 +139,8 @@ class OomDump:
     # -- when the error leaves the block -------------------------------------------------------
 
     def record(self, exc: BaseException, device: Any) -> OomRecord:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        requested = free = total = None
-        if self.observed is not None:
-            _, requested, free = self.observed
-        else:
-            found = _CPU_REQUEST.search(str(exc))
-            requested = int(found.group(1)) if found else None
-        if device.type == "cuda":
-            try:
-                import torch
-
-                total = torch.cuda.get_device_properties(device).total_memory
-            except Exception:
-                total = None
-        return OomRecord(f"{type(exc).__name__}: {message}", requested, free, total,
-                         os.path.basename(self.snapshot) if self.snapshot else None)
+        """The record of ``exc``, with what the CUDA observer saw of it."""
+        return oom_record(exc, device, self.observed, self.snapshot)
 
     def write(self, trace: Any) -> "str | None":
         """Write the dump; a failure is a warning, never an exception."""
@@ -168,6 +154,28 @@ class OomDump:
         except Exception as exc:
             warnings.warn(f"memprof could not write its OOM dump into {self.folder}: {exc}", stacklevel=3)
             return None
+
+
+def oom_record(exc: BaseException, device: Any, observed: "tuple[int, int, int] | None" = None,
+               snapshot: "str | None" = None) -> OomRecord:
+    """What an out-of-memory error says of itself: its message, the request (exact from the CUDA
+    observer's ``(device, requested, free)``, or from the CPU allocator's message), the device's memory."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    requested = free = total = None
+    if observed is not None:
+        _, requested, free = observed
+    else:
+        found = _CPU_REQUEST.search(str(exc))
+        requested = int(found.group(1)) if found else None
+    if device.type == "cuda":
+        try:
+            import torch
+
+            total = torch.cuda.get_device_properties(device).total_memory
+        except Exception:
+            total = None
+    return OomRecord(f"{type(exc).__name__}: {message}", requested, free, total,
+                     os.path.basename(snapshot) if snapshot else None)
 
 
 def _file_name(ext: str) -> str:
