@@ -57,12 +57,7 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
     lines.extend(breakdown_lines(t.peak))
     if t.live_at_error is not None and t.oom is None:
         lines.append("")
-        lines.append(f"Live when the error was raised: {size(t.live_at_error.total)}")
-        lines.extend(breakdown_lines(t.live_at_error))
-        if t.live_modules_at_error:
-            lines.append("  created by module (activations + temporaries still live):")
-            for path, n in t.live_modules_at_error[:3]:
-                lines.append(f"    {clip_path(path, 37):<38}{format_bytes(n):>12}")
+        lines.extend(_live_lines(t, "Live when the error was raised", top=3))
     shown = 0
     if t.steps:
         lines.append("")
@@ -112,20 +107,25 @@ def oom_lines(t: "Trace") -> list[str]:
         lines.append("  " + ", ".join(facts))
     if oom.snapshot:
         lines.append(f"  memory_viz snapshot: {oom.snapshot}")
-    live = t.live_at_error
-    if live is not None:
-        lines.append(f"What was live at the OOM: {size(live.total)}")
-        lines.extend(breakdown_lines(live))
-    else:
-        lines.append(f"What was live at the OOM: {NOT_MEASURED} (see the notes)")
-    if t.live_modules_at_error:
-        lines.append("  created by module (activations + temporaries still live):")
-        for path, n in t.live_modules_at_error[:5]:
-            lines.append(f"    {clip_path(path, 37):<38}{format_bytes(n):>12}")
+    lines.extend(_live_lines(t, "What was live at the OOM", top=5))
     levers = _levers(t)
     if levers:
         lines.append("Largest levers:")
         lines.extend(f"  - {_one_line(s)}" for s in levers[:4])
+    return lines
+
+
+def _live_lines(t: "Trace", title: str, *, top: int) -> list[str]:
+    """What was live when the run ended in an error, by category and by the ``top`` creating modules."""
+    live = t.live_at_error
+    if live is None:
+        lines = [f"{title}: {NOT_MEASURED} (see the notes)"]
+    else:
+        lines = [f"{title}: {size(live.total)}"] + breakdown_lines(live)
+    if t.live_modules_at_error:
+        lines.append("  created by module (activations + temporaries still live):")
+        for path, n in t.live_modules_at_error[:top]:
+            lines.append(f"    {clip_path(path, 37):<38}{format_bytes(n):>12}")
     return lines
 
 
