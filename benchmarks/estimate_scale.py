@@ -74,7 +74,7 @@ def _status_kib(field: str) -> "int | None":
 # ---------------------------------------------------------------------------- the model (worker side)
 
 
-def build_llama(cfg: dict[str, int], seq: int) -> Any:
+def build_llama(cfg: dict[str, int], seq: int, dtype: Any = None) -> Any:
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -148,11 +148,11 @@ def build_llama(cfg: dict[str, int], seq: int) -> Any:
             return self.lm_head(self.norm(x))
 
     with torch.device("meta"):
-        model = Llama(cfg, seq).to(torch.bfloat16)
+        model = Llama(cfg, seq).to(dtype or torch.bfloat16)
     return model
 
 
-def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool) -> dict[str, Any]:
+def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precision: str = "bf16") -> dict[str, Any]:
     rss_start_kib = _status_kib("VmRSS")
     t0 = time.perf_counter()
     import torch
@@ -171,7 +171,8 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool) -> dict[
     cfg = CONFIGS[name]
 
     t0 = time.perf_counter()
-    model = build_llama(cfg, seq)
+    # Mixed precision keeps fp32 parameters (autocast casts them per use); bf16 casts them.
+    model = build_llama(cfg, seq, torch.float32 if precision.startswith("mixed") else torch.bfloat16)
     t_build = time.perf_counter() - t0
     n_params = sum(p.numel() for p in model.parameters())
     n_buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -193,7 +194,7 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool) -> dict[
         pr = cProfile.Profile()
         pr.enable()
     est = memprof.estimate(model, opt_factory, inputs=ids, targets=ids, loss_fn=loss_fn, device="cuda",
-                           precision="bf16", steps=steps)
+                           precision=precision, steps=steps)
     if cprofile:
         pr.disable()
         buf = io.StringIO()
@@ -203,14 +204,16 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool) -> dict[
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
     cats = [c.value for c in memprof.Category]
-    bpp = anatomy.bytes_per_param("bf16", "adamw")
-    bpp_split = anatomy.bytes_per_param_breakdown("bf16", "adamw")
+    regime = "mixed" if precision.startswith("mixed") else precision
+    bpp = anatomy.bytes_per_param(regime, "adamw")
+    bpp_split = anatomy.bytes_per_param_breakdown(regime, "adamw")
     korthikanti_layer = anatomy.transformer_layer_activations(
         seq, batch, cfg["hidden"], cfg["heads"], dropout=False, attention="flash", bytes_per_element=2,
         mlp="swiglu", ffn_hidden=cfg["ffn"], kv_heads=cfg["kv_heads"])
     trace = est.trace
     out = {
         "config": name,
+        "precision": precision,
         "dims": cfg,
         "seq": seq,
         "batch": batch,
@@ -231,7 +234,7 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool) -> dict[
                                  "module": trace.peak_module},
         "simulated_at_peak": {c: est.simulated[c] for c in cats},
         "formula_at_peak": {c: est.formula[c] for c in cats},
-        "bytes_per_param_bf16_adamw": bpp,
+        "bytes_per_param_adamw": bpp,
         "bytes_per_param_split": {"weights": bpp_split.weights, "gradients": bpp_split.gradients,
                                   "optimizer_states": bpp_split.optimizer_states},
         "textbook_model_states_bytes": int(bpp * n_params),
@@ -239,6 +242,8 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool) -> dict[
         # What the forward saved, at its end (the peak may come later, in backward or the optimizer step).
         "simulated_forward_end_activations": max(
             (p.end[memprof.Category.ACTIVATIONS] or 0) for p in trace.phases if p.phase.value == "forward"),
+        # Named kinds of saved tensors at the forward's end (autocast's weight copies, norm statistics ...).
+        "forward_end_tags": dict(next(p for p in trace.phases if p.phase.value == "forward").tags_end),
         "notes": list(est.notes),
         "cprofile_top": prof_stats,
     }
@@ -276,10 +281,11 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"| {r['config']} | {r['parameters'] / 1e9:.3f} B | {r['seq']} × {r['batch']} | {r['seconds_estimate']:.1f} s "
             f"| {r['ops_dispatched']:,} | {r['ru_maxrss_kib'] / 2**20:.2f} GiB | "
             f"{_gib((r['vmhwm_kib'] or 0) * 1024)} | {_gib((r['rss_after_import_kib'] or 0) * 1024)} |")
-    lines += ["", "Predicted for a CUDA target (bf16 parameters, AdamW foreach), at the simulated peak "
+    prec = results[0].get("precision", "bf16") if results else "bf16"
+    lines += ["", f"Predicted for a CUDA target ({prec}, AdamW foreach), at the simulated peak "
               "and at the end of the last optimizer step (steady), next to the textbook:", "",
               "| config | simulated peak (where) | weights | gradients | optimizer states | activations "
-              "| temporaries | steady: W + G + O | textbook 8 B/param × N | activations at forward's end "
+              "| temporaries | steady: W + G + O | textbook B/param × N | activations at forward's end "
               "| Korthikanti, flash (all layers) |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
@@ -301,6 +307,8 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; --quick 32)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2, help="simulated training steps (default 2, as estimate())")
+    ap.add_argument("--precision", choices=("bf16", "mixed", "mixed-fp16"), default="bf16",
+                    help="bf16 parameters (default), or fp32 parameters under emulated CUDA autocast")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the estimate; top functions in the JSON")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per configuration (default 900)")
     ap.add_argument("--quick", action="store_true", help="the tiny configuration only: a smoke test")
@@ -310,7 +318,7 @@ def main(argv: "list[str] | None" = None) -> int:
     args = ap.parse_args(argv)
 
     if args.worker:  # child process: one configuration, JSON on the last line of stdout
-        res = worker(args.worker, args.seq, args.batch, args.steps, args.cprofile)
+        res = worker(args.worker, args.seq, args.batch, args.steps, args.cprofile, args.precision)
         print(json.dumps(res))
         return 0
 
@@ -337,7 +345,7 @@ def main(argv: "list[str] | None" = None) -> int:
     results, failures = [], []
     for c in configs:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", c, "--seq", str(seq), "--batch", str(args.batch),
-               "--steps", str(args.steps)] + (["--cprofile"] if args.cprofile else [])
+               "--steps", str(args.steps), "--precision", args.precision] + (["--cprofile"] if args.cprofile else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -355,7 +363,7 @@ def main(argv: "list[str] | None" = None) -> int:
         results.append(r)
         print(f"{c}: {r['parameters'] / 1e9:.4f} B params; estimate {r['seconds_estimate']:.1f} s; "
               f"peak RSS {r['ru_maxrss_kib'] / 2**20:.2f} GiB (VmHWM {(r['vmhwm_kib'] or 0) / 2**20:.2f} GiB); "
-              f"predicted peak {_gib(r['predicted_peak_bytes'])}; textbook 8 B/param × N = "
+              f"predicted peak {_gib(r['predicted_peak_bytes'])}; textbook {r['bytes_per_param_adamw']:g} B/param × N = "
               f"{_gib(r['textbook_model_states_bytes'])}", flush=True)
         if r.get("cprofile_top"):
             print(r["cprofile_top"], flush=True)

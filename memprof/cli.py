@@ -251,8 +251,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
                      help="optimizer when the factory gives none (default adamw)")
     est.add_argument("--device", default="cuda", help="device the figures are for (default cuda: 512-byte blocks)")
-    est.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                     help="cast the parameters (default: as built)")
+    est.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed", "mixed-fp16"), default=None,
+                     help="cast the parameters (fp32, bf16, fp16), or keep them fp32 and run the forward under "
+                          "autocast (mixed: bf16; mixed-fp16: fp16 with a GradScaler); default: as built")
     est.add_argument("--attention", choices=("auto", "flash", "efficient", "math"), default="auto",
                      help="attention kernel of a CUDA target (default auto: the one torch's CUDA dispatcher picks)")
     est.add_argument("--budget", help="exit 1 if the simulated peak exceeds this size (e.g. '80 GiB')")

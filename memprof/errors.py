@@ -18,6 +18,7 @@ __all__ = [
     "TraceFormatError",
     "RegistryError",
     "MissingExtraError",
+    "SimulationError",
     "TraceNotFoundError",
 ]
 
@@ -62,6 +63,14 @@ class TraceNotFoundError(MemprofError, FileNotFoundError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+class SimulationError(MemprofError, RuntimeError):
+    """A simulated step (``estimate``, ``max_batch_size``) could not run the model on shape-only tensors.
+
+    The message names what failed (an op without a fake kernel, code that reads tensor values) and the
+    fix; the error torch raised is chained as ``__cause__``. Also a ``RuntimeError``.
+    """
 
 
 class MissingExtraError(MemprofError, ImportError):

@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaKernels", "ATTENTION_KERNELS", "ValueDependentCode", "VALUE_DEPENDENT_CODE"]
+from .sim_modes import Next, Rule
+
+__all__ = ["CudaKernels", "ATTENTION_KERNELS", "ValueDependentCode", "VALUE_DEPENDENT_CODE", "CustomOps"]
 
 #: What ``estimate(..., attention=)`` accepts.
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math")
@@ -55,7 +56,7 @@ def _choose(q: torch.Tensor, k: torch.Tensor, attn_mask: Any, is_causal: bool, g
     return wanted
 
 
-class CudaKernels(TorchFunctionMode):
+class CudaKernels(Rule):
     """Route attention and dropout to the kernels a CUDA device runs; :attr:`used` counts the choices."""
 
     def __init__(self, attention: str = "auto") -> None:
@@ -63,13 +64,12 @@ class CudaKernels(TorchFunctionMode):
         self.attention = attention
         self.used: Counter[str] = Counter()
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
         if func is F.dropout:
             return self._dropout(*args, **kwargs)
-        return func(*args, **kwargs)
+        return next(func, args, kwargs)
 
     def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: "float | None" = None,
@@ -133,7 +133,22 @@ class CudaKernels(TorchFunctionMode):
 VALUE_DEPENDENT_CODE = ("transformers.masking_utils", "transformers.modeling_attn_mask_utils")
 
 
-class ValueDependentCode(TorchFunctionMode):
+def _user_frame(frame: Any) -> Any:
+    """The first frame outside memprof's and torch's own code (other modes on the stack call in between)."""
+    for _ in range(32):
+        if frame is None or not frame.f_globals.get("__name__", "").startswith(("memprof.", "torch.")):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _shape_only(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, torch.Tensor) and (t.is_meta or isinstance(t, FakeTensor))
+
+
+class ValueDependentCode(Rule):
     """Count what code in :data:`VALUE_DEPENDENT_CODE` builds during a simulation: bytes a real run may
     not hold, named in the estimate's notes instead of drifting silently."""
 
@@ -142,11 +157,20 @@ class ValueDependentCode(TorchFunctionMode):
         self.bytes = 0
         self.calls = 0
         self.where: set[str] = set()
+        self.assumed: set[str] = set()
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        frame = sys._getframe(1)
-        for _ in range(6):  # the helpers call torch directly, a few frames up at most
+    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+        if func is torch.Tensor.__bool__ and args and _shape_only(args[0]):
+            caller = _user_frame(sys._getframe(1))
+            module = caller.f_globals.get("__name__", "") if caller is not None else ""
+            if caller is not None and module.startswith(VALUE_DEPENDENT_CODE):
+                # A check of the values (are these sequences packed? is this mask all ones?) that shape-only
+                # tensors cannot answer: take the plain case, where the check is true, and say so.
+                self.assumed.add(f"{module}.{caller.f_code.co_name}")
+                return True
+        out = next(func, args, kwargs)
+        frame = _user_frame(sys._getframe(1))
+        for _ in range(4):  # the helpers call torch directly, or through a helper of their own
             if frame is None:
                 break
             module = frame.f_globals.get("__name__", "")
@@ -161,10 +185,54 @@ class ValueDependentCode(TorchFunctionMode):
         return out
 
     def notes(self) -> list[str]:
+        out = []
+        if self.assumed:
+            out.append(f"{', '.join(sorted(self.assumed))} checked tensor values a simulation does not have; it was "
+                       "taken to find the plain case (unpacked sequences, masks of all ones), which a real run with "
+                       "packed sequences or padding would not")
+        if not self.bytes:  # views and shape checks only: nothing a real run could skip
+            return out
+        from .units import format_bytes
+
+        return out + [f"{', '.join(sorted(self.where))} built {format_bytes(self.bytes)} of tensors in {self.calls} op(s) "
+                "on shape-only tensors; a real run may skip some of them (it checks the mask's values, which a "
+                f"simulation does not have): up to that much of the simulated figures may not exist on the device"]
+
+
+# Namespaces of torch's own ops, whose meta kernels are torch's statement of what the device allocates.
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "c10d", "profiler", "higher_order"})
+
+
+class CustomOps(Rule):
+    """Count the ops from outside torch (``torch.library`` custom ops, extension kernels) a simulation ran:
+    they run through the fake kernel their author registered, which gives the outputs' shapes but not
+    whatever workspace the real kernel allocates, so the estimate's notes name them and their bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+        out = next(func, args, kwargs)
+        if isinstance(func, torch._ops.OpOverload):
+            name = func._schema.name
+        elif isinstance(func, torch._ops.OpOverloadPacket):
+            name = func._qualified_op_name
+        else:
+            return out
+        if name.split("::")[0] not in _TORCH_NAMESPACES:
+            self.calls[name] += 1
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    self.bytes[name] += t.numel() * t.element_size()
+        return out
+
+    def notes(self) -> list[str]:
         if not self.calls:
             return []
         from .units import format_bytes
 
-        return [f"{', '.join(sorted(self.where))} built {format_bytes(self.bytes)} of tensors in {self.calls} op(s) "
-                "on shape-only tensors; a real run may skip some of them (it checks the mask's values, which a "
-                f"simulation does not have): up to that much of the simulated figures may not exist on the device"]
+        what = "; ".join(f"{n} x{c} ({format_bytes(self.bytes[n])} of outputs)" for n, c in sorted(self.calls.items()))
+        return [f"custom ops ran through their registered fake kernels: {what}. Their outputs are counted; "
+                "any workspace their real kernels allocate is not"]

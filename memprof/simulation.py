@@ -6,10 +6,11 @@ configuration costs no real memory), rebuilds the optimizer on the copy,
 and runs a few steps under :func:`memprof.profile` in full mode. Autograd
 saves exactly what it would save for real and every op output has its real
 size, so saved activations and op-level temporaries are exact for this
-PyTorch version. What a meta run cannot show: kernels that differ by device
-(on CUDA dropout keeps 1-byte masks, the meta/CPU path keeps masks in the
-input dtype; fused attention kernels), and autocast, which does not apply to
-meta tensors. The user's model, optimizer and tensors are never modified.
+PyTorch version. A CPU target runs on fake CPU tensors, whose kernels and
+autocast are the CPU's; a CUDA target runs on meta tensors with CUDA's kernel
+choices (:mod:`memprof.sim_kernels`) and CUDA's autocast policy
+(:mod:`memprof.sim_autocast`) applied above them. The user's model, optimizer
+and tensors are never modified.
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import InvalidArgumentError, UnknownNameError
+from .errors import InvalidArgumentError, MemprofError, SimulationError, UnknownNameError
+from .sim_autocast import CudaAutocast
+from .sim_modes import Rules
 from .trace import Breakdown, Trace
 
 __all__ = ["Estimate", "estimate"]
 
 _PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Mixed precision: fp32 parameters, the forward under autocast in this dtype ("amp": the older word).
+_MIXED = {"mixed": torch.bfloat16, "amp": torch.bfloat16, "mixed-fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,8 @@ class Estimate:
         """The textbook breakdown at the simulated peak: the formula ``reconcile()`` shows there too."""
         from .reconciler import formula_at
 
-        return formula_at(self.trace, "peak", precision=self.precision)
+        # The formula's regimes count bytes: fp16 autocast keeps what bf16 autocast keeps.
+        return formula_at(self.trace, "peak", precision="mixed" if self.precision == "mixed-fp16" else self.precision)
 
     def report(self) -> "Any":
         """The :class:`~memprof.Report` of the simulated run."""
@@ -97,6 +103,9 @@ def estimate(
     ``loss_fn(output)`` without targets); without ``loss_fn`` it is the sum of
     the first output tensor. ``precision`` ``"bf16"``/``"fp16"``/``"fp32"``
     casts the copy's parameters; by default they keep their dtypes.
+    ``"mixed"`` (``"amp"``) keeps them and runs the forward and the loss
+    under bf16 autocast with the target device's policy, ``"mixed-fp16"``
+    under fp16 autocast with a GradScaler around each step.
     ``device`` is the device the figures are for: ``"cuda"`` rounds every
     allocation to 512 bytes as the caching allocator does, and runs attention
     and dropout as a CUDA device does (the fused attention kernel torch would
@@ -117,15 +126,16 @@ def estimate(
         raise InvalidArgumentError(
             f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
             f"arguments), got {type(inputs).__name__} without a tensor")
-    if precision is not None and precision not in _PRECISION_DTYPES and precision not in ("amp", "mixed"):
-        raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, amp, mixed")
+    if precision is not None and precision not in _PRECISION_DTYPES and precision not in _MIXED:
+        raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
+                               "(amp is mixed)")
     try:
         target = torch.device(device) if device is not None else _model_device(model)
     except (RuntimeError, ValueError, TypeError):
         raise InvalidArgumentError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:1', 'mps' ...") from None
     if target.type == "meta":
         target = torch.device("cpu")
-    from .sim_kernels import ATTENTION_KERNELS, CudaKernels, ValueDependentCode
+    from .sim_kernels import ATTENTION_KERNELS, CudaKernels, CustomOps, ValueDependentCode
 
     if attention not in ATTENTION_KERNELS:
         raise UnknownNameError(f"unknown attention kernel {attention!r}; use one of: {', '.join(ATTENTION_KERNELS)}")
@@ -134,6 +144,7 @@ def estimate(
             f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
             "the simulation runs; leave attention='auto' or give device='cuda'")
     kernels = CudaKernels(attention) if target.type == "cuda" else None
+    custom = CustomOps()
     # Only models built from transformers can reach its mask helpers: no cost for the others.
     watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
                                           for m in model.modules()) else None
@@ -153,15 +164,20 @@ def estimate(
     cast = _PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
     meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
     autocast: Any = None
-    if precision in ("amp", "mixed") and target.type == "cpu":
-        # Fake CPU tensors are CPU tensors to autocast: torch's own CPU policy (which ops run in bf16,
+    emulated: "CudaAutocast | None" = None
+    low = _MIXED.get(precision or "")
+    if low is not None and target.type == "cpu":
+        # Fake CPU tensors are CPU tensors to autocast: torch's own CPU policy (which ops run in 16 bits,
         # which in fp32, the weight casts it caches within a forward) applies as in a real run.
-        autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
-        notes.append("mixed precision: the forward and the loss ran under CPU autocast (bf16) over the "
+        autocast = lambda: torch.autocast("cpu", dtype=low)  # noqa: E731
+        notes.append(f"mixed precision: the forward and the loss ran under CPU autocast ({_short(low)}) over the "
                      "parameters' dtype, as in a real CPU run")
-    elif precision in ("amp", "mixed"):
-        notes.append("autocast does not apply to meta tensors: the simulation runs in the parameters' dtype; "
-                     "the reconciliation adds the 16-bit weight copies from the formula")
+    elif low is not None:
+        # Autocast does not reach meta tensors: its CUDA policy is applied one level up (memprof.sim_autocast).
+        emulated = CudaAutocast(low)
+        if target.type != "cuda":
+            notes.append(f"autocast on {target.type} was simulated with CUDA's op lists")
+    scaler = _ScalerSteps() if precision == "mixed-fp16" else None
     meta_opt = _meta_optimizer(optimizer, meta_model, mapping, notes)
     seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
     # Floating inputs and targets in the same dtype, as a run at that precision feeds them (integer
@@ -182,32 +198,37 @@ def estimate(
                      f"runs its math path (saves the s x s scores), where a {target.type} device may not")
     from .progress import Progress
 
+    step = _Step(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
+    # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors.
+    rules = Rules(*(r for r in (emulated, kernels, watched, custom) if r is not None))
     # A very large model takes seconds per simulated step: worth a bar in a terminal.
     big = sum(p.numel() for p in model.parameters()) >= 1_000_000_000
-    with (Progress(steps, "estimate") if big else contextlib.nullcontext()) as bar, \
-            (fake_mode if fake_mode is not None else contextlib.nullcontext()), prof, \
-            (kernels if kernels is not None else contextlib.nullcontext()), \
-            (watched if watched is not None else contextlib.nullcontext()):
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(Progress(steps, "estimate")) if big else None
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
+        stack.enter_context(prof)
+        stack.enter_context(rules)
         for i in range(steps):
             if bar is not None:
                 bar.step(f"step {i + 1} of {steps}")
-            # The output is not kept in a variable, as in a usual training loop: the loss
-            # function's saved tensors keep what backward needs and the rest is freed.
-            with (autocast() if autocast is not None else contextlib.nullcontext()):
-                loss = _loss(_call(meta_model, meta_inputs), meta_targets, loss_fn)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise InvalidArgumentError(f"the loss must be a scalar tensor to call backward() on, got {shape}; "
-                                           "reduce it in loss_fn (for example .mean())")
-            loss.backward()
-            del loss
-            if meta_opt is not None:
-                meta_opt.step()
-                meta_opt.zero_grad()
+            try:
+                step.run()
+            except MemprofError:
+                raise
+            except Exception as exc:
+                raise _simulation_error(exc, i) from exc
     if kernels is not None:
         notes.extend(kernels.notes())
     if watched is not None:
         notes.extend(watched.notes())
+    notes.extend(custom.notes())
+    if emulated is not None:
+        notes.extend(emulated.notes())
+    if scaler is not None:
+        notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
+                     "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
+                     "skip on overflow are taken")
     resolved = precision or _infer_precision(prof.trace)
     return Estimate(trace=prof.trace, precision=resolved, device=target.type, notes=tuple(notes))
 
@@ -332,6 +353,95 @@ def _loss(out: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
     if not isinstance(first, torch.Tensor):
         raise InvalidArgumentError("the model returned no tensor; pass loss_fn= to build the loss")
     return first.sum()
+
+
+class _Step:
+    """One simulated training step: forward and loss (under autocast for mixed precision), backward
+    (through a GradScaler for mixed-fp16), the optimizer step."""
+
+    def __init__(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, optimizer: Any, autocast: Any,
+                 emulated: "CudaAutocast | None", scaler: "_ScalerSteps | None") -> None:
+        self.model, self.inputs, self.targets, self.loss_fn = model, inputs, targets, loss_fn
+        self.optimizer, self.autocast, self.emulated, self.scaler = optimizer, autocast, emulated, scaler
+
+    def run(self) -> None:
+        # The output is not kept in a variable, as in a usual training loop: the loss
+        # function's saved tensors keep what backward needs and the rest is freed.
+        if self.emulated is not None:
+            self.emulated.begin_forward()
+        with (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
+            loss = _loss(_call(self.model, self.inputs), self.targets, self.loss_fn)
+        if self.emulated is not None:
+            self.emulated.end_forward()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise InvalidArgumentError(f"the loss must be a scalar tensor to call backward() on, got {shape}; "
+                                       "reduce it in loss_fn (for example .mean())")
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        del loss
+        if self.optimizer is not None:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad()
+
+
+def _simulation_error(exc: BaseException, step: int) -> SimulationError:
+    """What failed in a simulated step, in words a user can act on."""
+    text = str(exc).strip()
+    first = (text.splitlines()[0] if text else type(exc).__name__).rstrip(".")
+    low = text.lower()
+    if "no fake impl" in low or "fake impl" in low and "register" in low or (
+            isinstance(exc, NotImplementedError) and "meta" in low):
+        fix = ("an op of the model has no fake (meta) kernel, so it cannot run on shape-only tensors; register one "
+               "with torch.library.register_fake, returning empty tensors of the output shapes")
+    elif "item()" in low or "data-dependent" in low or "datadependent" in type(exc).__name__.lower() or \
+            "cannot be called on meta tensors" in low:
+        fix = ("the model reads tensor values (.item(), .tolist(), a tensor in an if), which shape-only tensors do "
+               "not have; pass such values as Python numbers, or keep that code out of the training step")
+    else:
+        fix = ("the model must run on shape-only tensors (meta or fake): the same call with real tensors of these "
+               "shapes is the way to check it")
+    return SimulationError(f"the simulated training step {step} failed: {type(exc).__name__}: {first}. {fix[0].upper()}"
+                           f"{fix[1:]}")
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+class _ScalerSteps:
+    """What ``torch.amp.GradScaler`` allocates and does around a step (torch/amp/grad_scaler.py), on
+    shape-only tensors: a 4-byte scale and growth tracker made at the first ``scale``, the loss times the
+    scale, and before the optimizer step an inf flag, the inverse scale and the in-place unscale of the
+    gradients. Its ``found_inf.item()`` cannot run without data: every step is taken."""
+
+    def __init__(self) -> None:
+        self._scale: "torch.Tensor | None" = None
+        self._growth: "torch.Tensor | None" = None
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        if self._scale is None:
+            self._scale = torch.full((), 65536.0, dtype=torch.float32, device=loss.device)
+            self._growth = torch.full((), 0, dtype=torch.int32, device=loss.device)
+        return loss * self._scale
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self._scale is not None and self._growth is not None
+        inv_scale = self._scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        del by_dtype, inv_scale
+        optimizer.step()
+        torch._amp_update_scale_(self._scale, self._growth, found_inf, 2.0, 0.5, 2000)
 
 
 def _infer_precision(trace: Trace) -> str:

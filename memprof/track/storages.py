@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..categories import Phase
+from ..sim_autocast import emulated_autocast_dtype
 from .ledger import INPUTS, TAGS, TEMPORARIES, WEIGHTS, storage_of
 from .mode_stack import pop_from_beneath, push_beneath
 
@@ -263,11 +264,18 @@ class StorageTracker:
                 self.mark_inputs(o, depth + 1, made_in_block_too=made_in_block_too)
 
     def note_autocast(self) -> None:
-        if self.autocast_dtype is not None:
-            return
-        dev = self.device.type if self.device.type in ("cpu", "cuda") else None
-        if dev is not None and torch.is_autocast_enabled(dev):
-            self.autocast_dtype = str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+        if self.autocast_dtype is None:
+            dtype = autocast_dtype(self.device)
+            self.autocast_dtype = str(dtype).replace("torch.", "") if dtype is not None else None
+
+
+def autocast_dtype(device: torch.device) -> "torch.dtype | None":
+    """The dtype autocast casts to for ops on ``device`` now, or ``None`` outside autocast; a simulation's
+    emulated CUDA autocast (memprof.sim_autocast) counts too."""
+    dev = device.type if device.type in ("cpu", "cuda") else None
+    if dev is not None and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return emulated_autocast_dtype()
 
 
 # ---------------------------------------------------------------------- tag rules: what some ops make
@@ -303,8 +311,7 @@ def _tag_fp32_under_autocast(index: "int | None"):
         if storages.autocast_dtype not in ("bfloat16", "float16"):
             return
         t = out[index] if index is not None and isinstance(out, (tuple, list)) else out
-        if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and torch.is_autocast_enabled(
-                storages.device.type):
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and autocast_dtype(storages.device) is not None:
             storages.tag(t, _TAG["autocast_fp32_output"])
     return rule
 

@@ -46,7 +46,7 @@ def test_estimate_scale_quick(tmp_path):
     (r,) = data["results"]
     assert r["config"] == "tiny" and r["parameters"] > 0
     assert r["predicted_peak_bytes"] > 0 and r["ru_maxrss_kib"] > 0
-    assert r["bytes_per_param_bf16_adamw"] == 8.0
+    assert r["bytes_per_param_adamw"] == 8.0
     # Steady model states of a bf16 AdamW run: at least the textbook 8 B/param; more by the `step`
     # counters and the 512-byte rounding of each tensor the estimate applies for a CUDA target.
     steady = sum(r["simulated_steady"][c] for c in ("weights", "gradients", "optimizer_states"))

@@ -53,34 +53,60 @@ def test_the_cli_estimates_in_16_bits(tmp_path, monkeypatch, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("precision", ["mixed", "amp"])
-def test_mixed_precision_on_a_cpu_target_equals_a_real_autocast_run(precision):
+def _tiny_gpt():
+    from memprof.examples import TinyGPT
+
+    torch.manual_seed(0)
+    return TinyGPT(vocab=100, hidden=64, layers=2, heads=2, max_seq=32, dropout=0.1)
+
+
+@pytest.mark.parametrize("precision, dtype", [("mixed", torch.bfloat16), ("amp", torch.bfloat16),
+                                              ("mixed-fp16", torch.float16)])
+def test_mixed_precision_on_a_cpu_target_equals_a_real_autocast_run(precision, dtype):
     from memprof.examples import TinyGPT, synthetic_tokens
 
-    def build():
-        torch.manual_seed(0)
-        return TinyGPT(vocab=100, hidden=64, layers=2, heads=2, max_seq=32, dropout=0.1)
-
     x, y = synthetic_tokens(4, 32, 100, seed=0)
-    est = memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=x, targets=y, loss_fn=TinyGPT.loss,
+    est = memprof.estimate(_tiny_gpt(), lambda ps: torch.optim.AdamW(ps), inputs=x, targets=y, loss_fn=TinyGPT.loss,
                            device="cpu", precision=precision)
-    model = build()
+    model = _tiny_gpt()
     opt = torch.optim.AdamW(model.parameters())
+    # mixed-fp16 is the fp16 recipe: torch.amp.GradScaler scales the loss and unscales the gradients in place.
+    scaler = torch.amp.GradScaler("cpu") if precision == "mixed-fp16" else None
     with memprof.profile(model, opt) as prof:
         for _ in range(2):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=dtype):
                 loss = TinyGPT.loss(model(x), y)
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             del loss  # as the estimate's loop does: the loss's 4 bytes are not held through the step
-            opt.step()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
             opt.zero_grad()
-    # Every category at the peak, to the byte: bf16 activations, the cached bf16 weight copies, fp32 states.
+    # Every category at the peak, to the byte: 16-bit activations, the cached 16-bit weight copies, fp32 states
+    # (and for mixed-fp16 the scaler's scale, growth tracker and inf flag).
     assert est.trace.peak == prof.report().trace.peak
     assert any("CPU autocast" in n for n in est.notes)
     # Phase by phase too, not only at the peak.
     assert [p.peak for p in est.trace.phases] == [p.peak for p in prof.report().trace.phases]
-
-
-def test_mixed_precision_on_a_cuda_target_says_it_is_not_simulated():
-    est = memprof.estimate(_build(), None, inputs=torch.randn(8, 16), device="cuda", precision="mixed")
-    assert any("autocast does not apply to meta tensors" in n for n in est.notes)
+    assert est.trace.autocast_dtype == str(dtype).replace("torch.", "")
+def test_mixed_precision_on_a_cuda_target_runs_cudas_autocast_policy():
+    # Linear(16,16) -> LayerNorm(16) -> ReLU -> Linear(16,4), batch 4096; every size below is a multiple of 512,
+    # so the CUDA target's rounding changes nothing.
+    est = memprof.estimate(_build(), None, inputs=torch.randn(4096, 16), device="cuda", precision="mixed")
+    assert any("CUDA's autocast policy in bfloat16" in n for n in est.notes)
+    assert est.trace.autocast_dtype == "bfloat16"
+    forward = est.trace.phases[0]
+    # Saved by the end of the forward, by CUDA's lists (aten/src/ATen/autocast_mode.h):
+    #   linear 1 (16-bit): the bf16 cast of x for the weight's gradient      4096*16*2 = 131,072
+    #   layer_norm (fp32 list): its input cast back to fp32                  4096*16*4 = 262,144
+    #                           mean and rstd                              2*4096*4   =  32,768
+    #   relu: its fp32 output                                                4096*16*4 = 262,144
+    #   linear 2 (16-bit): the bf16 cast of relu's output                    4096*16*2 = 131,072
+    #                      its bf16 weight copy (16*4*2 = 128 B -> a 512-byte block)        512
+    # 819,712 B: more than the fp32 run's 557,056 at peak, as on a GPU, where autocast's fp32 LayerNorm keeps
+    # an fp32 copy of its bf16 input.
+    assert forward.end["activations"] == 131072 + 262144 + 32768 + 262144 + 131072 + 512
+    assert dict(forward.tags_end)["norm_statistics"] == 32768
+    assert dict(forward.tags_end)["autocast_weight_copy"] == 512

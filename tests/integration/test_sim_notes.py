@@ -1,0 +1,78 @@
+"""What a simulation cannot follow is said: custom ops through their fake kernels are named in the notes with
+their bytes, and a model that cannot run on shape-only tensors gets a SimulationError that names why and the
+fix, not a traceback from inside torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof import SimulationError
+
+
+@torch.library.custom_op("memprof_tests::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@torch.library.custom_op("memprof_tests::unfaked", mutates_args=())
+def _unfaked(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_double.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class _WithOp(nn.Module):
+    def __init__(self, op_name):
+        super().__init__()
+        self.op_name, self.lin = op_name, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return getattr(torch.ops.memprof_tests, self.op_name)(self.lin(x))
+
+
+class _ReadsValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if y.sum().item() > 0 else y
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_custom_ops_are_named_with_the_bytes_of_their_outputs(device):
+    est = memprof.estimate(_WithOp("double"), None, inputs=torch.randn(4, 8), device=device, steps=2)
+    note = next(n for n in est.notes if "custom ops" in n)
+    # One call per simulated step; each output 4 x 8 fp32 = 128 B, 256 B over two steps.
+    assert "memprof_tests::double x2 (256 B of outputs)" in note
+    assert "workspace" in note
+    assert "prim::" not in note and "aten::" not in note
+
+
+def test_a_model_of_torch_ops_only_has_no_custom_op_note():
+    est = memprof.estimate(nn.Linear(8, 8), None, inputs=torch.randn(4, 8), device="cpu")
+    assert not any("custom ops" in n for n in est.notes)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_op_without_a_fake_kernel_names_the_fix(device):
+    with pytest.raises(SimulationError, match="register_fake") as info:
+        memprof.estimate(_WithOp("unfaked"), None, inputs=torch.randn(4, 8), device=device)
+    assert "memprof_tests::unfaked" in str(info.value) or "unfaked" in str(info.value)
+    assert isinstance(info.value, RuntimeError) and info.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_model_that_reads_tensor_values_names_the_fix(device):
+    with pytest.raises(SimulationError, match="reads tensor values"):
+        memprof.estimate(_ReadsValues(), None, inputs=torch.randn(4, 8), device=device)
