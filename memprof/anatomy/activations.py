@@ -297,6 +297,11 @@ def saved_bytes_rule(module: nn.Module | type) -> SavedRule | None:
         named = _NAMED_RULES.get(f"{klass.__module__}.{klass.__qualname__}")
         if named is not None:
             return named
+    if cls.__module__.startswith("transformers."):
+        from .hf_rules import computes_like  # a copy of a transformers layer under another name
+
+        for name in computes_like(cls):
+            return _NAMED_RULES[name]
     return None
 
 

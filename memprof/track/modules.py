@@ -443,9 +443,16 @@ class ModuleTracker:
 
 
 def class_names(cls: type, base: type = nn.Module) -> tuple[str, ...]:
-    """``module.QualName`` of a class and its bases, most specific first, up to ``base`` (excluded)."""
-    return tuple(f"{k.__module__}.{k.__qualname__}" for k in cls.__mro__
-                 if isinstance(k, type) and issubclass(k, base) and k is not base)
+    """``module.QualName`` of a class and its bases, most specific first, up to ``base`` (excluded); then
+    the transformers layers it is a copy of (:func:`memprof.anatomy.hf_rules.computes_like`), so that
+    the formula finds their rule."""
+    names = tuple(f"{k.__module__}.{k.__qualname__}" for k in cls.__mro__
+                  if isinstance(k, type) and issubclass(k, base) and k is not base)
+    if cls.__module__.startswith("transformers."):
+        from ..anatomy.hf_rules import computes_like
+
+        names += tuple(n for n in computes_like(cls) if n not in names)
+    return names
 
 
 def is_compile_wrapper(mod: nn.Module) -> bool:

@@ -114,3 +114,36 @@ def test_an_estimate_names_the_mask_bytes_a_real_run_may_skip():
 def test_a_model_without_transformers_gets_no_such_note():
     est = memprof.estimate(torch.nn.Linear(4, 4), None, inputs=torch.empty(2, 4), device="cpu")
     assert not any("masking" in n for n in est.notes)
+
+
+def test_llama_silu_activation():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    report, model = _measured(transformers.LlamaForCausalLM(cfg), dict(input_ids=IDS, labels=IDS))
+    # F.silu saves its input, the gate projection's output: 2 x 16 x 64 fp32 = 8,192 bytes.
+    _check(report, model, "SiLUActivation", (2, 16, 64), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_copy_of_llama_rms_norm_under_another_name_takes_its_rule(dtype):
+    # MistralRMSNorm is LlamaRMSNorm's code under Mistral's name ("Copied from"): found by its compiled forward.
+    from memprof.anatomy.hf_rules import computes_like
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    report, model = _measured(transformers.MistralForCausalLM(cfg), dict(input_ids=IDS, labels=IDS), dtype)
+    norm = type(model.model.norm)
+    assert norm.__name__ == "MistralRMSNorm"
+    assert computes_like(norm) == ("transformers.models.llama.modeling_llama.LlamaRMSNorm",)
+    # Same bytes as LlamaRMSNorm: fp32 8,320; bf16 6,272.
+    _check(report, model, "MistralRMSNorm", (2, 16, 32), dtype)
+
+
+def test_a_layer_that_computes_differently_is_not_taken_for_a_copy():
+    # Gemma's RMSNorm scales by (1 + weight) in fp32: different code, so no borrowed rule.
+    from memprof.anatomy.hf_rules import computes_like
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    assert computes_like(GemmaRMSNorm) == ()
