@@ -19,6 +19,7 @@ class Category(str, Enum):
     OPTIMIZER_STATES = "optimizer_states"
     ACTIVATIONS = "activations"
     INPUTS = "inputs"
+    KV_CACHE = "kv_cache"
     TEMPORARIES = "temporaries"
     ALLOCATOR_OVERHEAD = "allocator_overhead"
     OUTSIDE_TORCH = "outside_torch"
@@ -39,12 +40,17 @@ class Phase(str, Enum):
     (the loss computation belongs to it); ``backward`` is autograd's work;
     ``optimizer`` is ``optimizer.step()``; ``other`` is everything between
     (``zero_grad``, data movement, evaluation outside the model's forward).
+    In inference with a KV cache, ``prefill`` is the forward that fills the cache
+    from the prompt and ``decode`` each forward that reads it back and appends a
+    token; a generation has no backward and no optimizer phase.
     """
 
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
     OTHER = "other"
+    PREFILL = "prefill"
+    DECODE = "decode"
 
     def __str__(self) -> str:
         return self.value
@@ -74,6 +80,7 @@ TENSOR_CATEGORIES: tuple[Category, ...] = (
     Category.OPTIMIZER_STATES,
     Category.ACTIVATIONS,
     Category.INPUTS,
+    Category.KV_CACHE,
     Category.TEMPORARIES,
 )
 

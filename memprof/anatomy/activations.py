@@ -274,6 +274,11 @@ _RULES: dict[type, SavedRule] = {}
 _NAMED_RULES: dict[str, SavedRule] = {}
 
 
+#: Functions from a class to the names of classes it computes like (copies under another name), consulted
+#: when neither the class nor its bases have a rule: :func:`memprof.anatomy.hf_rules.computes_like`.
+_ALIASES: list[Callable[[type], Sequence[str]]] = []
+
+
 def register_saved_rule_by_name(qualname: str, rule: SavedRule) -> None:
     """Register the rule of a class by its ``module.QualName``, without importing it."""
     if qualname in _NAMED_RULES:
@@ -297,11 +302,10 @@ def saved_bytes_rule(module: nn.Module | type) -> SavedRule | None:
         named = _NAMED_RULES.get(f"{klass.__module__}.{klass.__qualname__}")
         if named is not None:
             return named
-    if cls.__module__.startswith("transformers."):
-        from .hf_rules import computes_like  # a copy of a transformers layer under another name
-
-        for name in computes_like(cls):
-            return _NAMED_RULES[name]
+    for alias in _ALIASES:  # a class that computes what a class with a rule computes
+        for name in alias(cls):
+            if name in _NAMED_RULES:
+                return _NAMED_RULES[name]
     return None
 
 

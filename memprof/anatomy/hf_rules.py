@@ -30,7 +30,7 @@ import importlib
 import sys
 from typing import Any, Sequence
 
-from .activations import TensorMeta, _any_param_grad, _input_saving, _saves_input, register_saved_rule_by_name
+from .activations import _ALIASES, TensorMeta, _any_param_grad, _input_saving, _saves_input, register_saved_rule_by_name
 
 __all__: list[str] = []
 
@@ -96,3 +96,5 @@ def _same_code(cls: type, qualname: str) -> bool:
         return False
     return (a.co_code, a.co_consts, a.co_names, a.co_varnames) == (b.co_code, b.co_consts, b.co_names, b.co_varnames)
 
+
+_ALIASES.append(computes_like)

@@ -364,4 +364,5 @@ def repeated_block_activations(trace: Trace) -> "int | None":
 
 
 def _order(rec: PhaseRecord) -> int:
-    return {Phase.OTHER: 0, Phase.FORWARD: 1, Phase.BACKWARD: 2, Phase.OPTIMIZER: 3}[rec.phase] * 100 + rec.occurrence
+    return {Phase.OTHER: 0, Phase.FORWARD: 1, Phase.PREFILL: 1, Phase.DECODE: 1, Phase.BACKWARD: 2,
+            Phase.OPTIMIZER: 3}[rec.phase] * 100 + rec.occurrence

@@ -15,7 +15,7 @@ from ..units import format_bytes
 if TYPE_CHECKING:
     from ..trace import Trace
 
-__all__ = ["NOT_MEASURED", "NO_FORMULA", "NOT_SIMULATED", "size", "signed", "CATEGORY_COLORS", "PHASE_COLORS",
+__all__ = ["NOT_MEASURED", "NO_FORMULA", "NOT_SIMULATED", "quiet", "size", "signed", "CATEGORY_COLORS", "PHASE_COLORS",
            "WATERFALL_COLORS", "own_rows", "clip_path", "largest"]
 
 #: A figure the run did not measure: never printed as 0.
@@ -34,10 +34,17 @@ CATEGORY_COLORS: dict[Category, str] = {
     Category.OPTIMIZER_STATES: "#C44E52",
     Category.ACTIVATIONS: "#55A868",
     Category.INPUTS: "#937860",
+    Category.KV_CACHE: "#2F8F8F",
     Category.TEMPORARIES: "#CCB974",
     Category.ALLOCATOR_OVERHEAD: "#64B5CD",
     Category.OUTSIDE_TORCH: "#DA8BC3",
 }
+
+def quiet(cat: Category, *values: "int | None") -> bool:
+    """A row a table leaves out: the KV cache of a run that kept none (training; files from before the
+    category existed). Every other category is shown, "not measured" included."""
+    return cat is Category.KV_CACHE and not any(values)
+
 
 #: Background bands of the timeline, one color per phase.
 PHASE_COLORS: dict[Phase, str] = {
@@ -45,6 +52,8 @@ PHASE_COLORS: dict[Phase, str] = {
     Phase.BACKWARD: "#DD8452",
     Phase.OPTIMIZER: "#C44E52",
     Phase.OTHER: "#8C8C8C",
+    Phase.PREFILL: "#4C72B0",
+    Phase.DECODE: "#2F8F8F",
 }
 
 #: Waterfall colors: increases, decreases, and the start / end totals.

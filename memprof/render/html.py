@@ -19,7 +19,7 @@ from ..categories import Category, DEVICE_CATEGORIES
 from ..errors import InvalidArgumentError
 from ..trace import Breakdown, ModuleRecord, as_trace
 from ..units import format_bytes, printable
-from .common import CATEGORY_COLORS, NOT_MEASURED, own_rows, signed, size
+from .common import CATEGORY_COLORS, NOT_MEASURED, own_rows, quiet, signed, size
 from .svg import timeline_svg
 from .text import oom_lines
 
@@ -101,6 +101,8 @@ def breakdown_html(bd: Breakdown, *, device_type: str = "cpu") -> str:
     rows = []
     for cat in Category:
         v = bd[cat]
+        if quiet(cat, v):
+            continue
         if v is None:
             why = ""
             if cat in DEVICE_CATEGORIES and device_type != "cuda":
@@ -328,7 +330,8 @@ def reconciliation_html(rec: "Reconciliation") -> str:
     """A reconciliation as HTML: the table (gaps colored) and the explanations."""
     rows = []
     for r in rec.rows:
-        if r.formula is None and r.measured is None and r.simulated is None:
+        if r.formula is None and r.measured is None and r.simulated is None or \
+                quiet(r.category, r.formula, r.measured, r.simulated):
             continue
         gap = r.gap
         color = "" if not gap else ("color:#b00020" if gap > 0 else "color:#1b7f3b")

@@ -18,7 +18,7 @@ from ..categories import Category, Phase
 from ..errors import InvalidArgumentError, MissingExtraError, NotMeasuredError
 from ..trace import as_trace
 from ..units import format_bytes
-from .common import CATEGORY_COLORS, PHASE_COLORS, WATERFALL_COLORS, clip_path, own_rows
+from .common import CATEGORY_COLORS, PHASE_COLORS, WATERFALL_COLORS, clip_path, own_rows, quiet
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -96,8 +96,9 @@ def plot_timeline(report: "Report | Trace", ax: "Axes | None" = None) -> "Figure
         )
     fig, ax = _new_axes(ax, (11, 5))
 
-    measured = [c for c in Category if any(s.breakdown[c] is not None for s in samples)]
-    missing = [c for c in Category if c not in measured]
+    measured = [c for c in Category if any(s.breakdown[c] is not None for s in samples)
+                and not quiet(c, *(s.breakdown[c] for s in samples))]
+    missing = [c for c in Category if c not in measured and not quiet(c, *(s.breakdown[c] for s in samples))]
     partly = [c for c in measured if any(s.breakdown[c] is None for s in samples)]
 
     totals = [sum(v for v in s.breakdown.measured().values()) for s in samples]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from ..categories import Category, Phase
 from ..trace import as_trace
 from ..units import format_bytes
-from .common import CATEGORY_COLORS, PHASE_COLORS
+from .common import CATEGORY_COLORS, PHASE_COLORS, quiet
 from .curve import Point, curve, level, phase_times
 
 if TYPE_CHECKING:
@@ -68,7 +68,8 @@ def timeline_svg(report: "Report | Trace") -> str:
     cv = curve(t)
     if not cv.points:
         return ""
-    cats = [c for c in Category if any(pt.breakdown[c] is not None for pt in cv.points)]
+    cats = [c for c in Category if any(pt.breakdown[c] is not None for pt in cv.points)
+            and not quiet(c, *(pt.breakdown[c] for pt in cv.points))]
     x0 = cv.points[0].time_us
     span = max(cv.points[-1].time_us - x0, 1e-9)
     plot_w, plot_h = _W - _LEFT - 8, _H - _BOTTOM - _TOP

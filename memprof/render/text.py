@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..categories import Category, TENSOR_CATEGORIES
 from ..trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, printable
-from .common import NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, signed, size
+from .common import NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, quiet, signed, size
 
 if TYPE_CHECKING:
     from ..compare import Diff
@@ -204,6 +204,8 @@ def breakdown_lines(bd: Breakdown) -> list[str]:
         if v is None and cat not in TENSOR_CATEGORIES:
             # Device-only rows on a device that has none: say so once, below.
             continue
+        if quiet(cat, v):
+            continue
         share = f"{100 * v / bd.total:5.1f}%" if (v is not None and bd.total) else "      "
         lines.append(f"  {cat.value:<20}{size(v):>14}  {share}")
     if all(bd[c] is None for c in (Category.ALLOCATOR_OVERHEAD, Category.OUTSIDE_TORCH)):
@@ -225,7 +227,8 @@ def reconciliation_text(rec: "Reconciliation") -> str:
     lines.append(f"  {'category':<20}{'formula':>14}" + (f"{'simulated':>14}" if simulated else "")
                  + f"{'measured':>14}{'gap':>13}{'gap %':>9}")
     for r in rec.rows:
-        if r.formula is None and r.measured is None and r.simulated is None:
+        if r.formula is None and r.measured is None and r.simulated is None or \
+                quiet(r.category, r.formula, r.measured, r.simulated):
             continue
         pct = f"{r.gap_pct:+8.1f}%" if r.gap_pct is not None else f"{'':>9}"
         lines.append(f"  {r.category.value:<20}{size(r.formula, NO_FORMULA):>14}{sim(r.simulated)}"
@@ -325,7 +328,7 @@ def estimate_text(est: "Estimate") -> str:
     formula, simulated = est.formula, est.simulated
     for cat in Category:
         f, s = formula[cat], simulated[cat]
-        if f is None and s is None:
+        if f is None and s is None or quiet(cat, f, s):
             continue
         lines.append(f"  {cat.value:<20}{size(f, NO_FORMULA):>14}{size(s, NOT_SIMULATED):>14}")
     lines.append(f"  {'total':<20}{size(formula.total, NO_FORMULA):>14}{size(simulated.total, NOT_SIMULATED):>14}")

@@ -86,8 +86,9 @@ def build_trace(prof: "Profiler") -> Trace:
                 peak_device = p.peak
     peak = breakdown(led.peak, light=light, where="peak", device=prof.probe.global_peak())
     if peak_device is not None and not light:
-        peak = Breakdown(peak.counts[:7] + peak_device.counts[7:],
-                         sum(peak.counts[:7]) + sum(v or 0 for v in peak_device.counts[7:]))
+        n = len(CATEGORY_OF_INDEX)
+        peak = Breakdown(peak.counts[:n] + peak_device.counts[n:],
+                         sum(peak.counts[:n]) + sum(v or 0 for v in peak_device.counts[n:]))
     peak_module = None
     if not light and 0 <= led.peak_module < len(prof.modules.info):
         peak_module = prof.modules.info[led.peak_module].path or "<model>"

@@ -308,7 +308,7 @@ def test_diff_text_and_frames(mlp8, mlp16):
 def test_diff_with_itself_is_all_zero(mlp8):
     d = diff(mlp8, mlp8)
     assert all(c.delta in (0, None) for c in d.categories)
-    assert [c.delta for c in d.categories if c.a is not None] == [0] * 7
+    assert [c.delta for c in d.categories if c.a is not None] == [0] * 8
     assert d.total.delta == 0 and d.total.delta_pct == 0.0
     assert all(p.delta == 0 for p in d.phases) and d.unchanged
     assert d.grew() == [] and d.shrank() == []
