@@ -159,8 +159,11 @@ def test_plot_timeline_full_mode(mlp8):
     fig = plot_timeline(mlp8)
     assert isinstance(fig, Figure)
     ax = fig.axes[0]
-    measured = [c for c in Category if any(s.breakdown[c] is not None for s in mlp8.trace.timeline)]
-    assert len(measured) == 7  # the tensor categories; CPU has no allocator or driver rows
+    # The tensor categories but the KV cache, which training never holds; CPU has no allocator or driver rows.
+    measured = [c for c in Category if any(s.breakdown[c] is not None for s in mlp8.trace.timeline)
+                and c is not Category.KV_CACHE]
+    assert all(s.breakdown[Category.KV_CACHE] == 0 for s in mlp8.trace.timeline)
+    assert len(measured) == 7
     stacks = _stacks(ax)
     assert [s.get_gid() for s in stacks] == [f"memprof-stack-{c.value}" for c in measured]
     peak_lines = [ln for ln in ax.lines if ln.get_gid() == "memprof-peak"]
