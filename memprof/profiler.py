@@ -33,6 +33,7 @@ from torch import nn
 from .errors import InvalidArgumentError, ProfilerStateError
 from .trace import Breakdown, OomRecord, StepRecord, Trace
 from .track.device import DeviceProbe
+from .track.kv_cache import CacheTracker
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
 from .arguments import checked
 from .track.oom import OomDump, checked_folder, is_oom, oom_record
@@ -368,6 +369,7 @@ class Profiler:
         self.phases.optimizer_seen = bool(optimizers)
         self.modules = ModuleTracker(self, model)
         self.saved = SavedTracker(self)
+        self.kv = CacheTracker(self)
         stack.callback(self._close_thread_hooks)
 
         params = [p for p in unique_params(model) if not is_lazy(p)]

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["PhaseTracker"]
 
 _MAX_SAMPLES = 20_000
+#: Decode phases kept one per token; later tokens of the same generation share the last one.
+MAX_DECODE_PHASES = 64
 
 
 class PhaseTracker:
@@ -46,6 +48,7 @@ class PhaseTracker:
         self.phase_start: list[int] = self.ledger.totals.copy()
         self.where: dict[int, tuple[int, Phase]] = {}  # ledger phase serial -> (step, phase)
         self.explicit = False  # prof.step() blocks delimit the steps
+        self.merged_decodes = 0  # decode calls folded into the last decode phase of their step
         self.pending_backward_end = False
         self.pending_step_end = False
         self.forward_seen = False  # a forward began in this step
@@ -72,6 +75,10 @@ class PhaseTracker:
 
     def begin(self, phase: Phase) -> None:
         prof = self.prof
+        if phase is Phase.DECODE and self.merging():
+            # A long generation: the tokens after the first MAX_DECODE_PHASES - 1 share one phase.
+            self.merged_decodes += 1
+            return
         if phase is Phase.FORWARD and self.pending_step_end:
             self.pending_step_end = False
             self.pending_backward_end = False
@@ -97,6 +104,15 @@ class PhaseTracker:
         self.scan_args = prof.mode == "full" and phase in (Phase.FORWARD, Phase.OTHER)
         prof.probe.phase_started()
         self.sample(phase.value, "phase")
+
+    def merging(self) -> bool:
+        """The decode phase running now is the last one kept per token: later calls join it."""
+        return self.current is Phase.DECODE and self.occurrence.get(Phase.DECODE, 0) >= MAX_DECODE_PHASES - 1
+
+    def relabel(self, phase: Phase) -> None:
+        """The phase running now turns out to be ``phase`` (a forward that filled a KV cache: prefill)."""
+        self.current = phase
+        self.where[self.ledger.phase_serial] = (self.step, phase)
 
     def close(self) -> None:
         """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""

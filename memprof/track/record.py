@@ -93,6 +93,11 @@ def build_trace(prof: "Profiler") -> Trace:
     if not light and 0 <= led.peak_module < len(prof.modules.info):
         peak_module = prof.modules.info[led.peak_module].path or "<model>"
     notes = list(prof.notes) + prof.probe.notes() + coverage_notes(prof)
+    if prof.phases.merged_decodes:
+        from .phases import MAX_DECODE_PHASES
+
+        notes.append(f"{prof.phases.merged_decodes} decode calls after the first {MAX_DECODE_PHASES - 1} of a "
+                     "generation share its last decode phase (its peak is theirs)")
     if not steps:
         notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
     micros = prof.phases.micros
