@@ -99,17 +99,30 @@ class CudaAutocast(Rule):
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._caching = False
         self._active = False
+        self._backward = False
+        self._flag: "tuple[bool, torch.dtype] | None" = None
         self.composites: Counter[str] = Counter()
 
     def begin_forward(self) -> None:
         self._caching = self._active = True
         _current.dtype = self.dtype
+        # torch's own CUDA autocast flag, on for the forward (it changes nothing on meta tensors): a region the
+        # model runs under torch.autocast("cuda", enabled=False), or torch.amp.custom_fwd, turns it off, and
+        # the policy follows it there.
+        self._flag = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", self.dtype)
 
     def end_forward(self) -> None:
         # autocast_mode.cpp clear_cache(): the casts live until the outermost autocast region exits.
         self._cache.clear()
         self._caching = self._active = False
         _current.dtype = None
+        flag = getattr(self, "_flag", None)
+        if flag is not None:
+            torch.set_autocast_enabled("cuda", flag[0])
+            torch.set_autocast_dtype("cuda", flag[1])
+            self._flag = None
 
     # ------------------------------------------------------------------ the policy
 
@@ -117,12 +130,13 @@ class CudaAutocast(Rule):
         if func in _BACKWARD:
             # Backward runs outside autocast, but torch.utils.checkpoint re-enters it to recompute a region
             # (with a cache of its own): the policy applies to what backward runs in Python, uncached.
-            active, self._active = self._active, True
+            active, self._active, self._backward = self._active, True, True
             try:
                 return next(func, args, kwargs)
             finally:
-                self._active = active
-        if not self._active:  # the optimizer step and anything else outside the forward
+                self._active, self._backward = active, False
+        if not self._active or not (self._backward or torch.is_autocast_enabled("cuda")):
+            # The optimizer step, anything else outside the forward, and regions the model runs without autocast.
             return next(func, args, kwargs)
         name = _name(func)
         if name in LOWER_PRECISION:

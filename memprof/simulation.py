@@ -216,7 +216,7 @@ def estimate(
                 step.run()
             except MemprofError:
                 raise
-            except Exception as exc:
+            except (RuntimeError, NotImplementedError) as exc:  # torch's errors; the model's own pass as they are
                 raise _simulation_error(exc, i) from exc
     if kernels is not None:
         notes.extend(kernels.notes())
@@ -369,10 +369,12 @@ class _Step:
         # function's saved tensors keep what backward needs and the rest is freed.
         if self.emulated is not None:
             self.emulated.begin_forward()
-        with (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
-            loss = _loss(_call(self.model, self.inputs), self.targets, self.loss_fn)
-        if self.emulated is not None:
-            self.emulated.end_forward()
+        try:
+            with (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
+                loss = _loss(_call(self.model, self.inputs), self.targets, self.loss_fn)
+        finally:  # also when the model raises: the emulated autocast must not outlive the forward
+            if self.emulated is not None:
+                self.emulated.end_forward()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise InvalidArgumentError(f"the loss must be a scalar tensor to call backward() on, got {shape}; "
@@ -392,7 +394,13 @@ def _simulation_error(exc: BaseException, step: int) -> SimulationError:
     text = str(exc).strip()
     first = (text.splitlines()[0] if text else type(exc).__name__).rstrip(".")
     low = text.lower()
-    if "no fake impl" in low or "fake impl" in low and "register" in low or (
+    frames = [f.filename.replace("\\", "/") for f in __import__("traceback").extract_tb(exc.__traceback__)]
+    if any("/torch/optim/" in f for f in frames) and ("item()" in low or "data-dependent" in low
+                                                      or "cannot be called on meta tensors" in low):
+        fix = ("the optimizer's step reads tensor values (torch's own code does for this optimizer), which "
+               "shape-only tensors do not have; simulate without it (optimizer=None) and add its state from the "
+               "formula, or with an optimizer that does not")
+    elif "no fake impl" in low or "fake impl" in low and "register" in low or (
             isinstance(exc, NotImplementedError) and "meta" in low):
         fix = ("an op of the model has no fake (meta) kernel, so it cannot run on shape-only tensors; register one "
                "with torch.library.register_fake, returning empty tensors of the output shapes")

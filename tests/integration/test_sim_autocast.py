@@ -300,3 +300,47 @@ def test_torchs_own_attention_layer_gets_cast_then_flash_on_a_cuda_target():
     fp32 = memprof.estimate(model, None, inputs=torch.empty(2, 128, 64), device="cuda")
     # In fp32 flash cannot run: the memory-efficient kernel takes it.
     assert any("memory-efficient x2" in n for n in fp32.notes)
+
+
+def test_a_failed_estimate_leaves_no_emulated_autocast_behind():
+    from memprof.sim_autocast import emulated_autocast_dtype
+
+    class ReadsValues(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * 2 if y.sum() > 0 else y
+
+    with pytest.raises(memprof.SimulationError):
+        memprof.estimate(ReadsValues(), None, inputs=torch.randn(4, 16), device="cuda", precision="mixed")
+    assert emulated_autocast_dtype() is None
+    assert not torch.is_autocast_enabled("cuda")
+    # A real profile on the same thread afterwards is not taken for an autocast run.
+    model = nn.Linear(16, 16)
+    with memprof.profile(model) as prof:
+        model(torch.randn(4, 16)).sum().backward()
+    assert prof.report().trace.autocast_dtype is None
+
+
+def test_a_region_the_model_runs_without_autocast_stays_fp32():
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.body(x)
+            with torch.autocast("cuda", enabled=False):  # the usual way to keep a head in fp32
+                return self.head(h.float())
+
+    with torch.device("meta"):
+        model = Head()
+    est = memprof.estimate(model, None, inputs=torch.empty(512, 64), device="cuda", precision="mixed")
+    forward = est.trace.phases[0]
+    # body runs in bf16 (its input cast for the weight's gradient, 512*64*2 = 65,536 B); the head in fp32 saves
+    # the fp32 h (512*64*4 = 131,072 B) and no bf16 weight copy.
+    assert dict(forward.tags_end).get("autocast_weight_copy", 0) == 0
+    assert forward.end["activations"] == 512 * 64 * 2 + 512 * 64 * 4
