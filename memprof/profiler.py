@@ -369,7 +369,7 @@ class Profiler:
         self.phases.optimizer_seen = bool(optimizers)
         self.modules = ModuleTracker(self, model)
         self.saved = SavedTracker(self)
-        self.kv = CacheTracker(self)
+        self.kv = CacheTracker(self, model)
         stack.callback(self._close_thread_hooks)
 
         params = [p for p in unique_params(model) if not is_lazy(p)]

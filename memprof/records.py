@@ -13,7 +13,7 @@ from .checks import corrupt, count, fields, optional_count, optional_text, optio
 from .errors import TraceFormatError
 
 __all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "SAMPLE_EVENTS", "OomRecord",
-           "DeviceInfo", "ModelFacts", "OperationRecord"]
+           "DeviceInfo", "ModelFacts", "OperationRecord", "GenerationFacts"]
 
 _ALL = tuple(Category)
 
@@ -356,3 +356,41 @@ class DeviceInfo:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
         return cls(**fields(cls, data))
+
+
+@dataclass(frozen=True)
+class GenerationFacts:
+    """What the KV-cache formula needs of a run that decoded with a cache (schema 5).
+
+    The model's shape (from its transformers-style ``config``: layers, key/value heads, head dimension,
+    a sliding window if any; ``None`` where it has no such config), the cache's element size and batch
+    as the run had them, and the tokens in the cache after each prefill and decode phase, as
+    ``(step, phase, occurrence, tokens)``.
+    """
+
+    layers: "int | None" = None
+    kv_heads: "int | None" = None
+    head_dim: "int | None" = None
+    sliding_window: "int | None" = None
+    itemsize: "int | None" = None
+    batch: "int | None" = None
+    tokens: tuple[tuple[int, str, int, int], ...] = ()
+
+    def tokens_at(self, step: int, phase: str, occurrence: int) -> "int | None":
+        """Tokens in the cache at the end of that phase; after the last per-token decode phase, its count."""
+        for s, p, o, n in self.tokens:
+            if (s, p, o) == (step, phase, occurrence):
+                return n
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "sliding_window": self.sliding_window, "itemsize": self.itemsize, "batch": self.batch,
+                "tokens": [list(t) for t in self.tokens]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "GenerationFacts":
+        return cls(*(optional_count(data.get(k), k) for k in
+                     ("layers", "kv_heads", "head_dim", "sliding_window", "itemsize", "batch")),
+                   tokens=tuple((count(s, "a step"), text(p, "a phase"), count(o, "an occurrence"),
+                                 count(n, "a token count")) for s, p, o, n in data.get("tokens", ())))

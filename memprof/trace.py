@@ -15,8 +15,8 @@ from .categories import Category, Phase
 from .checks import corrupt, count, optional_count, optional_text, pairs, text
 from .errors import TraceFormatError
 from .phase_stats import PhaseStats
-from .records import (Breakdown, DeviceInfo, ModelFacts, ModuleRecord, OomRecord, OperationRecord,
-                      PhaseRecord, Sample, StepRecord)
+from .records import (Breakdown, DeviceInfo, GenerationFacts, ModelFacts, ModuleRecord, OomRecord,
+                      OperationRecord, PhaseRecord, Sample, StepRecord)
 from .specs import ModuleCall, OptimizerSpec
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 #: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,8 @@ class Trace:
     #: At an error: each live storage memprof knew, as (address, bytes, category, module path or ""),
     #: largest first, at most 100,000 (schema 4). What attributes a memory_viz snapshot's blocks.
     live_storages_at_error: tuple[tuple[int, int, str, str], ...] = ()
+    #: A run that decoded with a KV cache: what the cache formula needs (schema 5).
+    generation: "GenerationFacts | None" = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -154,6 +156,7 @@ class Trace:
             "recorded_steps": [list(r) for r in self.recorded_steps],
             "oom": self.oom.to_dict() if self.oom is not None else None,
             "live_storages_at_error": [list(s) for s in self.live_storages_at_error],
+            "generation": self.generation.to_dict() if self.generation is not None else None,
         }
 
     @classmethod
@@ -215,6 +218,7 @@ class Trace:
                     (count(a, "a storage's address"), count(n, "a storage's bytes"),
                      Category.parse(text(c, "a storage's category")).value, text(m, "a storage's module"))
                     for a, n, c, m in data.get("live_storages_at_error", ())),
+                generation=GenerationFacts.from_dict(data["generation"]) if data.get("generation") else None,
                 schema_version=version,
             )
         except TraceFormatError:

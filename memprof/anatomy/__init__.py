@@ -43,11 +43,13 @@ from .optimizers import (
     predict_optimizer_step_transient_bytes,
     register_optimizer_formula,
 )
+from .inference import kv_cache_bytes
 from .params import BytesPerParam, bytes_per_param, bytes_per_param_breakdown
 from .predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from .zero import DeepSpeedEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate, zero_model_states
 
 __all__ = [
+    "kv_cache_bytes",
     "BytesPerParam",
     "bytes_per_param",
     "bytes_per_param_breakdown",

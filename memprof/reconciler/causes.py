@@ -310,9 +310,15 @@ _NO_FORMULA = {
 
 def no_formula(ctx: Context) -> list[Cause]:
     """Tensor categories without a formula at this moment count in the total's gap as measured."""
-    return [Cause(cat, "no formula", ctx.measured[cat], _NO_FORMULA.get(
-        cat, "the textbook has no formula for this category: measured, not predicted"))
+    inference = ctx.phase in (Phase.PREFILL, Phase.DECODE)
+    return [Cause(cat, "no formula", ctx.measured[cat], (_DECODING if inference and cat is T else _NO_FORMULA.get(
+        cat, "the textbook has no formula for this category: measured, not predicted")))
         for cat in TENSOR_CATEGORIES if ctx.formula[cat] is None and ctx.measured[cat]]
+
+
+_DECODING = ("the call's logits (batch x vocabulary per position it keeps) and scratch; a cache that grows by "
+             "concatenation (transformers' DynamicCache) also holds a layer's old keys and values next to the new "
+             "ones for a moment")
 
 
 #: The causes, in the order the reconciliation lists them.

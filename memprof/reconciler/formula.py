@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..anatomy.activations import transformer_layer_activations
+from ..anatomy.inference import kv_cache_bytes
 from ..anatomy.params import bytes_per_param_breakdown
 from ..anatomy.predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from ..categories import Category, Phase
@@ -111,9 +112,40 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
         values[Category.ACTIVATIONS] = acts.saved_bytes
     if moment is not None and moment.phase in (Phase.OPTIMIZER, Phase.OTHER):
         values[Category.ACTIVATIONS] = 0  # no graph is alive outside forward and backward
+    if trace.generation is not None and moment is not None:
+        _inference(values, trace, moment, precision, bpp_inference=bytes_per_param_breakdown(precision, None,
+                                                                                             training=False))
     if moment is not None and moment.phase is Phase.OPTIMIZER and at_peak and opts.transient_bytes is not None:
         values[Category.TEMPORARIES] = opts.transient_bytes
     return Breakdown.from_mapping(values)
+
+
+def _inference(values: dict, trace: Trace, moment: PhaseRecord, precision: str, bpp_inference: Any) -> None:
+    """A run that decoded with a KV cache: inference bytes/param (HF: mixed 6, fp32 4, bf16 2), nothing for
+    gradients, optimizer or saved activations (no graph is built), and the cache's formula at the tokens it
+    held at the end of the moment's phase (or the last phase before it)."""
+    gen = trace.generation
+    assert gen is not None
+    values[Category.WEIGHTS] = int(round(bpp_inference.weights * trace.facts.num_params))
+    values[Category.GRADIENTS] = 0
+    values[Category.OPTIMIZER_STATES] = 0 if trace.optimizer is None else values[Category.OPTIMIZER_STATES]
+    values[Category.ACTIVATIONS] = 0
+    tokens = _tokens_by(gen, trace, moment)
+    if None not in (gen.layers, gen.kv_heads, gen.head_dim, gen.batch, gen.itemsize) and tokens is not None:
+        values[Category.KV_CACHE] = kv_cache_bytes(gen.layers, gen.batch, tokens, gen.kv_heads, gen.head_dim,
+                                                   bytes_per_element=gen.itemsize, sliding_window=gen.sliding_window)
+
+
+def _tokens_by(gen: Any, trace: Trace, moment: PhaseRecord) -> "int | None":
+    # The tokens after the last cache phase that ended by this moment (phases in run order).
+    tokens = None
+    for p in trace.phases:
+        n = gen.tokens_at(p.step, p.phase.value, p.occurrence)
+        if n is not None:
+            tokens = n
+        if p is moment or (p.step, p.phase, p.occurrence) == (moment.step, moment.phase, moment.occurrence):
+            return tokens if p.phase in (Phase.PREFILL, Phase.DECODE, Phase.OTHER) else None
+    return None
 
 
 #: A moment of one phase: (step, phase, "start" | "peak" | "end", occurrence).

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..anatomy.params import bytes_per_param_breakdown
-from ..categories import Category
+from ..categories import Category, Phase
 from ..errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
 from ..trace import Breakdown, as_trace
 from .causes import Cause, Context, causes
@@ -219,7 +219,9 @@ def reconcile(
     ctx = Context(trace, measured, rec, tags, formula, precision_used, opt_name, transformer, acts)
     textbook = None
     try:
-        textbook = bytes_per_param_breakdown(precision_used, opt_name).total
+        # A generation keeps the weights only (HF: 6 B/param for mixed-precision inference).
+        decoding = trace.generation is not None and not any(p.phase is Phase.BACKWARD for p in trace.phases)
+        textbook = bytes_per_param_breakdown(precision_used, opt_name, training=not decoding).total
     except UnknownNameError:
         textbook = None
     from .advice import advice

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from ..categories import Phase
+from ..records import GenerationFacts
 from .ledger import KV_CACHE, TEMPORARIES
 
 if TYPE_CHECKING:
@@ -35,11 +37,16 @@ _MAX_NODES = 20_000  # a walk stops here: a cache of a thousand layers has a few
 class CacheTracker:
     """Finds the cache among what a root forward is given and gives back, and counts it as ``kv_cache``."""
 
-    def __init__(self, prof: "Profiler") -> None:
+    def __init__(self, prof: "Profiler", model: nn.Module) -> None:
         self.prof = prof
         self.names: set[str] = {CACHE_NAME}  # where caches were seen: argument and output names
         self.calls_with_cache = 0
-        self.tokens: "tuple[int, int] | None" = None  # (batch, prompt length) of the last prefill
+        self.shape = _cache_shape(getattr(model, "config", None))
+        self.batch: "int | None" = None
+        self.itemsize: "int | None" = None
+        self.in_cache = 0  # tokens in the cache now
+        self.incoming = 0  # tokens handed to the call running now
+        self.tokens: dict[tuple[int, str, int], int] = {}  # (step, phase, occurrence) -> tokens after it
 
     def before_call(self, args: tuple, kwargs: dict) -> bool:
         """Claim the cache handed to this call; True if one holding tensors was."""
@@ -50,7 +57,24 @@ class CacheTracker:
                 self.names.add(name)
         if found:
             self.calls_with_cache += 1
+        self.incoming, batch = _new_tokens(args, kwargs)
+        if batch is not None:
+            self.batch = batch
+        if not found:
+            self.in_cache = 0  # a prefill, if this call fills a cache
         return found
+
+    def add_tokens(self, n: int) -> None:
+        """``n`` tokens joined the cache outside the model's forward (a simulation growing it directly)."""
+        self.in_cache += n
+
+    def facts(self) -> "GenerationFacts | None":
+        if not self.tokens:
+            return None
+        layers, kv_heads, head_dim, window = self.shape
+        return GenerationFacts(layers=layers, kv_heads=kv_heads, head_dim=head_dim, sliding_window=window,
+                               itemsize=self.itemsize, batch=self.batch,
+                               tokens=tuple((s, p, o, n) for (s, p, o), n in self.tokens.items()))
 
     def after_call(self, args: tuple, kwargs: dict, output: Any) -> bool:
         """Claim what the call added to the cache it was given (filled in place) or returned under a cache's
@@ -63,17 +87,24 @@ class CacheTracker:
             obj = _field(output, name)
             if obj is not None and self._claim(obj, named=True):
                 made = True
+        if made and not torch.is_grad_enabled():  # decoding (a training forward that returns a cache is not)
+            self.in_cache += self.incoming
+            phases = self.prof.phases
+            phase = phases.current if phases.current is not Phase.FORWARD else Phase.PREFILL
+            key = (phases.step, phase.value, phases.occurrence.get(phase, 0))
+            self.tokens[key] = self.in_cache
         return made
 
     def _claim(self, obj: Any, *, named: bool) -> bool:
         storages = self.prof.storages
         led = self.prof.ledger
-        full = self.prof.mode == "full"
         claimed = False
         for t in _tensors(obj):
+            if self.itemsize is None and t.is_floating_point():
+                self.itemsize = t.element_size()
             entry = storages.entry_of(t)
             if entry is None:
-                if named and not full:  # light mode: an op's output memprof did not see made
+                if named:  # made where memprof did not see it (light mode, before the profile): the cache's name says
                     entry = storages.add_tensor(t, KV_CACHE)
                     claimed = claimed or entry is not None
                 continue
@@ -126,3 +157,46 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
                 continue
             children = list(attrs.values())
         stack.extend((c, depth + 1) for c in reversed(children))
+
+
+def _new_tokens(args: tuple, kwargs: dict) -> "tuple[int, int | None]":
+    """Tokens (and batch) handed to a call: its ``input_ids`` or ``inputs_embeds``, or its first
+    two-dimensional integer tensor."""
+    t = kwargs.get("input_ids")
+    if not isinstance(t, torch.Tensor):
+        t = kwargs.get("inputs_embeds")
+    if not isinstance(t, torch.Tensor):
+        t = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2 and not a.is_floating_point()),
+                 None)
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        return 0, None
+    return int(t.shape[1]), int(t.shape[0])
+
+
+def _cache_shape(config: Any) -> "tuple[int | None, int | None, int | None, int | None]":
+    """(layers, key/value heads, head dimension, sliding window) from a transformers-style config."""
+    if config is None:
+        return None, None, None, None
+    get = getattr(config, "get_text_config", None)
+    if callable(get):
+        try:
+            config = get()
+        except Exception:  # a config that cannot say: read it as it is
+            pass
+
+    def first(*names: str) -> "int | None":
+        for n in names:
+            v = getattr(config, n, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+        return None
+
+    layers = first("num_hidden_layers", "n_layer", "num_layers")
+    heads = first("num_attention_heads", "n_head", "num_heads")
+    kv_heads = first("num_key_value_heads", "multi_query_group_num") or heads
+    head_dim = first("head_dim")
+    hidden = first("hidden_size", "n_embd", "d_model")
+    if head_dim is None and hidden is not None and heads:
+        head_dim = hidden // heads
+    window = first("sliding_window")
+    return layers, kv_heads, head_dim, window

@@ -138,6 +138,7 @@ def build_trace(prof: "Profiler") -> Trace:
         optimizer_implementation=prof.optimizers.implementation,
         param_dtypes=prof.param_dtypes,
         autocast_dtype=prof.storages.autocast_dtype,
+        generation=prof.kv.facts(),
         peak_tags=tag_pairs(led.peak_tags),
         facts=model_facts(prof),
         operations=tuple(
