@@ -58,6 +58,9 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
     if t.live_at_error is not None and t.oom is None:
         lines.append("")
         lines.extend(_live_lines(t, "Live when the error was raised", top=3))
+    if t.generation is not None:
+        lines.append("")
+        lines.extend(generation_lines(t))
     shown = 0
     if t.steps:
         lines.append("")
@@ -89,6 +92,33 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
         if len(t.notes) > MAX_NOTES:
             lines.append(f"  ... {len(t.notes) - MAX_NOTES} more in report.trace.notes")
     return printable("\n".join(lines))
+
+
+def generation_lines(t: "Trace") -> list[str]:
+    """A generation in a few lines: the prompt, the decode calls, the cache at the end and how it and the
+    temporaries grew per token."""
+    from ..categories import Category, Phase
+
+    gen = t.generation
+    assert gen is not None
+    cache_phases = [p for p in t.phases if p.phase in (Phase.PREFILL, Phase.DECODE)]
+    prefill = [p for p in cache_phases if p.phase is Phase.PREFILL]
+    decode = [p for p in cache_phases if p.phase is Phase.DECODE]
+    tokens = [n for *_k, n in gen.tokens]
+    head = f"Generation: batch {gen.batch if gen.batch is not None else '?'}"
+    if prefill:
+        head += f", prompt {gen.tokens_at(prefill[0].step, 'prefill', prefill[0].occurrence)} tokens"
+    head += f", {len(decode)} decode phase(s), {tokens[-1] if tokens else '?'} tokens in the cache at the end"
+    lines = [head]
+    kv = [p.end[Category.KV_CACHE] for p in cache_phases]
+    if cache_phases and kv[-1] is not None:
+        lines.append(f"  kv_cache at the end of the last decode: {size(kv[-1])}")
+    growth = [b - a for a, b in zip(kv, kv[1:]) if a is not None and b is not None]
+    if len(decode) >= 2 and growth:
+        lines.append(f"  per token: kv_cache +{size(growth[-1])}; temporaries at the decode peaks "
+                     f"{size(decode[0].peak[Category.TEMPORARIES])} (first) to "
+                     f"{size(decode[-1].peak[Category.TEMPORARIES])} (last)")
+    return lines
 
 
 def oom_lines(t: "Trace") -> list[str]:

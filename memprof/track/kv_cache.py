@@ -5,7 +5,7 @@ forward that comes back into a later call is carried state: a KV cache. That cov
 (a tuple of key/value tensors handed back), and transformers' ``Cache`` objects (``DynamicCache``,
 ``StaticCache``, sliding-window and encoder-decoder caches), which the model fills in place: tensors the
 call made and left inside an object it was given are the cache too, as are those it returns under the
-name it was given a cache by (or ``past_key_values``, transformers' name for it).
+name it was given a cache by (or ``past_key_values`` and ``cache``, transformers' names for it).
 
 In full mode, where memprof sees every storage made, only tensors made inside the model's forward
 count, so the attention mask or position ids a decoding loop builds between calls stay inputs. In light
@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CacheTracker"]
 
-#: transformers' name for the cache, in its models' arguments and outputs.
-CACHE_NAME = "past_key_values"
+#: transformers' names for the cache, in its models' arguments and outputs (``cache`` from version 5).
+CACHE_NAMES = ("past_key_values", "cache")
 _MAX_DEPTH = 6
 _MAX_NODES = 20_000  # a walk stops here: a cache of a thousand layers has a few thousand objects
 
@@ -39,7 +39,7 @@ class CacheTracker:
 
     def __init__(self, prof: "Profiler", model: nn.Module) -> None:
         self.prof = prof
-        self.names: set[str] = {CACHE_NAME}  # where caches were seen: argument and output names
+        self.names: set[str] = set(CACHE_NAMES)  # where caches were seen: argument and output names
         self.calls_with_cache = 0
         self.shape = _cache_shape(getattr(model, "config", None))
         self.batch: "int | None" = None
@@ -47,14 +47,19 @@ class CacheTracker:
         self.in_cache = 0  # tokens in the cache now
         self.incoming = 0  # tokens handed to the call running now
         self.tokens: dict[tuple[int, str, int], int] = {}  # (step, phase, occurrence) -> tokens after it
+        # The cache object (not a tensor) the running root call was handed, filled as its layers run.
+        self.active: Any = None
 
     def before_call(self, args: tuple, kwargs: dict) -> bool:
         """Claim the cache handed to this call; True if one holding tensors was."""
         found = False
+        self.active = None
         for name, obj in _arguments(args, kwargs):
             if self._claim(obj, named=name in self.names):
                 found = True
                 self.names.add(name)
+            if name in self.names and obj is not None and not isinstance(obj, (torch.Tensor, tuple, list, dict)):
+                self.active = obj
         if found:
             self.calls_with_cache += 1
         self.incoming, batch = _new_tokens(args, kwargs)
@@ -63,6 +68,15 @@ class CacheTracker:
         if not found:
             self.in_cache = 0  # a prefill, if this call fills a cache
         return found
+
+    def layer_done(self, args: tuple, kwargs: dict) -> None:
+        """A module handed the running call's cache object returned: what it added there is the cache from
+        now on, not at the end of the whole call (the prefill's peak is reached with half the layers filled)."""
+        active = self.active
+        if active is None:
+            return
+        if any(v is active for v in kwargs.values()) or any(a is active for a in args):
+            self._claim(active, named=True)
 
     def add_tokens(self, n: int) -> None:
         """``n`` tokens joined the cache outside the model's forward (a simulation growing it directly)."""
@@ -87,6 +101,7 @@ class CacheTracker:
             obj = _field(output, name)
             if obj is not None and self._claim(obj, named=True):
                 made = True
+        self.active = None
         if made and not torch.is_grad_enabled():  # decoding (a training forward that returns a cache is not)
             self.in_cache += self.incoming
             phases = self.prof.phases

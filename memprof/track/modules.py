@@ -260,6 +260,8 @@ class ModuleTracker:
                 self.unseen_saves.clear()
             if is_root and prof.params.pending:
                 prof.params.sync()  # lazy modules took their shapes in this forward
+            if not is_root and prof.kv.active is not None:
+                prof.kv.layer_done(args, kwargs)
             if is_root and not self.stack and phases.current in (Phase.FORWARD, Phase.DECODE):
                 made = prof.kv.after_call(args, kwargs, output)
                 if made and phases.current is Phase.FORWARD and not torch.is_grad_enabled():
