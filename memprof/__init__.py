@@ -32,6 +32,7 @@ from .trace import Breakdown, ModuleRecord, PhaseRecord, StepRecord, Trace
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:
+    from .generation import estimate_generation
     from .simulation import Estimate, estimate
     from .profiler import Profiler, profile
     from .reconciler import Reconciliation, reconcile
@@ -40,6 +41,7 @@ _LAZY = {
     "profile": "profiler",
     "Profiler": "profiler",
     "estimate": "simulation",
+    "estimate_generation": "generation",
     "Estimate": "simulation",
     "reconcile": "reconciler",
     "Reconciliation": "reconciler",
@@ -69,6 +71,7 @@ __all__ = [
     "Report",
     "load",
     "estimate",
+    "estimate_generation",
     "Estimate",
     "reconcile",
     "Reconciliation",

@@ -126,57 +126,10 @@ def estimate(
         raise InvalidArgumentError(
             f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
             f"arguments), got {type(inputs).__name__} without a tensor")
-    if precision is not None and precision not in _PRECISION_DTYPES and precision not in _MIXED:
-        raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
-                               "(amp is mixed)")
-    try:
-        target = torch.device(device) if device is not None else _model_device(model)
-    except (RuntimeError, ValueError, TypeError):
-        raise InvalidArgumentError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:1', 'mps' ...") from None
-    if target.type == "meta":
-        target = torch.device("cpu")
-    from .sim_kernels import ATTENTION_KERNELS, CudaKernels, CustomOps, ValueDependentCode
-
-    if attention not in ATTENTION_KERNELS:
-        raise UnknownNameError(f"unknown attention kernel {attention!r}; use one of: {', '.join(ATTENTION_KERNELS)}")
-    if attention != "auto" and target.type != "cuda":
-        raise InvalidArgumentError(
-            f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
-            "the simulation runs; leave attention='auto' or give device='cuda'")
-    kernels = CudaKernels(attention) if target.type == "cuda" else None
-    custom = CustomOps()
-    # Only models built from transformers can reach its mask helpers: no cost for the others.
-    watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
-                                          for m in model.modules()) else None
-    notes: list[str] = []
-
-    fake_mode: Any = None
-    if target.type == "cpu":
-        # Fake CPU tensors: shapes only, like meta, but kernels are chosen as on the CPU
-        # (fused attention, dropout), so the simulation matches a real CPU run op for op.
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    shadow = _fake_maker(fake_mode) if fake_mode is not None else _meta_maker
-    # bf16/fp16: the twins are made in that dtype, as model.to(dtype) would cast floating parameters and
-    # buffers. (Casting the twins afterwards fails for fake CPU tensors: nn.Module._apply swaps tensor
-    # subclasses, which FakeTensors refuse outside their mode.)
-    cast = _PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
-    meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
-    autocast: Any = None
-    emulated: "CudaAutocast | None" = None
-    low = _MIXED.get(precision or "")
-    if low is not None and target.type == "cpu":
-        # Fake CPU tensors are CPU tensors to autocast: torch's own CPU policy (which ops run in 16 bits,
-        # which in fp32, the weight casts it caches within a forward) applies as in a real run.
-        autocast = lambda: torch.autocast("cpu", dtype=low)  # noqa: E731
-        notes.append(f"mixed precision: the forward and the loss ran under CPU autocast ({_short(low)}) over the "
-                     "parameters' dtype, as in a real CPU run")
-    elif low is not None:
-        # Autocast does not reach meta tensors: its CUDA policy is applied one level up (memprof.sim_autocast).
-        emulated = CudaAutocast(low)
-        if target.type != "cuda":
-            notes.append(f"autocast on {target.type} was simulated with CUDA's op lists")
+    setup = _Target(model, precision, device, attention)
+    target, notes, meta_model, mapping = setup.target, setup.notes, setup.model, setup.mapping
+    fake_mode, autocast, emulated = setup.fake_mode, setup.autocast, setup.emulated
+    shadow, cast = setup.shadow, setup.cast
     scaler = _ScalerSteps() if precision == "mixed-fp16" else None
     meta_opt = _meta_optimizer(optimizer, meta_model, mapping, notes)
     seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
@@ -199,8 +152,7 @@ def estimate(
     from .progress import Progress
 
     step = _Step(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
-    # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors.
-    rules = Rules(*(r for r in (emulated, kernels, watched, custom) if r is not None))
+    rules = setup.rules()
     # A very large model takes seconds per simulated step: worth a bar in a terminal.
     big = sum(p.numel() for p in model.parameters()) >= 1_000_000_000
     with contextlib.ExitStack() as stack:
@@ -218,13 +170,7 @@ def estimate(
                 raise
             except (RuntimeError, NotImplementedError) as exc:  # torch's errors; the model's own pass as they are
                 raise _simulation_error(exc, i) from exc
-    if kernels is not None:
-        notes.extend(kernels.notes())
-    if watched is not None:
-        notes.extend(watched.notes())
-    notes.extend(custom.notes())
-    if emulated is not None:
-        notes.extend(emulated.notes())
+    notes.extend(setup.rule_notes())
     if scaler is not None:
         notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
                      "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
@@ -353,6 +299,80 @@ def _loss(out: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
     if not isinstance(first, torch.Tensor):
         raise InvalidArgumentError("the model returned no tensor; pass loss_fn= to build the loss")
     return first.sum()
+
+
+class _Target:
+    """What a simulation for one target device and precision runs with: the model's data-less twin, the
+    fake-tensor mode (CPU) or meta tensors (other devices), autocast, and the rules of
+    :mod:`memprof.sim_kernels` / :mod:`memprof.sim_autocast`. Shared by :func:`estimate` and
+    :func:`memprof.estimate_generation`."""
+
+    def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str) -> None:
+        if precision is not None and precision not in _PRECISION_DTYPES and precision not in _MIXED:
+            raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
+                                   "(amp is mixed)")
+        try:
+            target = torch.device(device) if device is not None else _model_device(model)
+        except (RuntimeError, ValueError, TypeError):
+            raise InvalidArgumentError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:1', 'mps' ...") from None
+        if target.type == "meta":
+            target = torch.device("cpu")
+        from .sim_kernels import ATTENTION_KERNELS, CudaKernels, CustomOps, ValueDependentCode
+
+        if attention not in ATTENTION_KERNELS:
+            raise UnknownNameError(f"unknown attention kernel {attention!r}; use one of: {', '.join(ATTENTION_KERNELS)}")
+        if attention != "auto" and target.type != "cuda":
+            raise InvalidArgumentError(
+                f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
+                "the simulation runs; leave attention='auto' or give device='cuda'")
+        kernels = CudaKernels(attention) if target.type == "cuda" else None
+        custom = CustomOps()
+        # Only models built from transformers can reach its mask helpers: no cost for the others.
+        watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
+                                              for m in model.modules()) else None
+        notes: list[str] = []
+
+        fake_mode: Any = None
+        if target.type == "cpu":
+            # Fake CPU tensors: shapes only, like meta, but kernels are chosen as on the CPU
+            # (fused attention, dropout), so the simulation matches a real CPU run op for op.
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        shadow = _fake_maker(fake_mode) if fake_mode is not None else _meta_maker
+        # bf16/fp16: the twins are made in that dtype, as model.to(dtype) would cast floating parameters and
+        # buffers. (Casting the twins afterwards fails for fake CPU tensors: nn.Module._apply swaps tensor
+        # subclasses, which FakeTensors refuse outside their mode.)
+        cast = _PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
+        meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
+        autocast: Any = None
+        emulated: "CudaAutocast | None" = None
+        low = _MIXED.get(precision or "")
+        if low is not None and target.type == "cpu":
+            # Fake CPU tensors are CPU tensors to autocast: torch's own CPU policy (which ops run in 16 bits,
+            # which in fp32, the weight casts it caches within a forward) applies as in a real run.
+            autocast = lambda: torch.autocast("cpu", dtype=low)  # noqa: E731
+            notes.append(f"mixed precision: the forward and the loss ran under CPU autocast ({_short(low)}) over the "
+                         "parameters' dtype, as in a real CPU run")
+        elif low is not None:
+            # Autocast does not reach meta tensors: its CUDA policy is applied one level up (memprof.sim_autocast).
+            emulated = CudaAutocast(low)
+            if target.type != "cuda":
+                notes.append(f"autocast on {target.type} was simulated with CUDA's op lists")
+        self.target, self.notes, self.model, self.mapping = target, notes, meta_model, mapping
+        self.fake_mode, self.autocast, self.emulated = fake_mode, autocast, emulated
+        self.kernels, self.watched, self.custom, self.shadow, self.cast = kernels, watched, custom, shadow, cast
+
+    def rules(self) -> Rules:
+        # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors.
+        return Rules(*(r for r in (self.emulated, self.kernels, self.watched, self.custom) if r is not None))
+
+    def rule_notes(self) -> list[str]:
+        out = []
+        for rule in (self.kernels, self.watched, self.custom, self.emulated):
+            if rule is not None:
+                out.extend(rule.notes())
+        return out
 
 
 class _Step:
