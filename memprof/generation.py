@@ -76,11 +76,10 @@ def estimate_generation(
 
     prof = Profiler(twin, None, mode="full", timeline=False, _allow_meta=True,
                     _rounding=512 if setup.target.type == "cuda" else 1)
-    keep_last = "logits_to_keep" in inspect.signature(twin.forward).parameters
     decodes = max_new_tokens - 1
     jump = decodes > _RUN_ALL
     device_of = torch.device("meta") if setup.fake_mode is None else torch.device("cpu")
-    loop = _Loop(twin, setup, batch_size, device_of, keep_last)
+    loop = _Loop(twin, batch_size, device_of, autocast=setup.autocast, emulated=setup.emulated)
     with (setup.fake_mode if setup.fake_mode is not None else contextlib.nullcontext()):
         loop.prompt(prompt_len)
     with contextlib.ExitStack() as stack:
@@ -115,9 +114,12 @@ def estimate_generation(
 class _Loop:
     """The calls of a greedy generate(): ids, a growing attention mask, the cache handed back."""
 
-    def __init__(self, model: nn.Module, setup: _Target, batch: int, device: torch.device, keep_last: bool) -> None:
-        self.model, self.setup, self.batch, self.device, self.keep_last = model, setup, batch, device, keep_last
+    def __init__(self, model: nn.Module, batch: int, device: torch.device, *, autocast: Any = None,
+                 emulated: Any = None) -> None:
+        self.model, self.batch, self.device = model, batch, device
+        self.autocast, self.emulated = autocast, emulated
         params = inspect.signature(model.forward).parameters
+        self.keep_last = "logits_to_keep" in params
         # transformers 5 calls it "cache", earlier versions "past_key_values".
         self.cache_name = "cache" if "cache" in params else "past_key_values"
         self.positions = "position_ids" in params
@@ -137,7 +139,6 @@ class _Loop:
         self.prompt_ids = self.ids = torch.zeros((self.batch, tokens), dtype=torch.long, device=self.device)
 
     def call(self, tokens: int) -> None:
-        setup = self.setup
         assert self.ids is not None
         if self.unfinished is None:
             self.unfinished = torch.ones(self.batch, dtype=torch.long, device=self.device)
@@ -157,11 +158,11 @@ class _Loop:
             kwargs[self.cache_name] = self.cache
         if self.keep_last:
             kwargs["logits_to_keep"] = 1
-        emulated = setup.emulated
+        emulated = self.emulated
         if emulated is not None:
             emulated.begin_forward()
         try:
-            with (setup.autocast() if setup.autocast is not None else contextlib.nullcontext()):
+            with (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
                 out = self.model(**kwargs)
         finally:
             if emulated is not None:
@@ -209,6 +210,8 @@ class _Loop:
         ones = torch.ones((self.batch, tokens), dtype=torch.long, device=self.device)
         assert self.mask is not None and (self.position is not None or not self.positions)
         self.mask = torch.cat([self.mask, ones], dim=-1)
+        assert self.ids is not None
+        self.ids = torch.cat([self.ids, torch.zeros_like(ones)], dim=-1)  # the tokens generate() would have
         if self.position is not None:
             self.position = self.position[:, -1:] + tokens
         self.seen += tokens

@@ -52,7 +52,7 @@ def test_the_cache_at_the_end_of_generation_equals_the_formula_and_its_tensors(n
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with memprof.profile(model) as prof:
-                model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+                model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     finally:
         handle.remove()
     trace = prof.report().trace
