@@ -46,6 +46,7 @@ _LAZY = {
     "reconcile": "reconciler",
     "Reconciliation": "reconciler",
     "max_batch_size": "planner",
+    "max_generation_batch_size": "planner",
     "BatchSizePlan": "planner",
 }
 
@@ -76,6 +77,7 @@ __all__ = [
     "reconcile",
     "Reconciliation",
     "max_batch_size",
+    "max_generation_batch_size",
     "BatchSizePlan",
     "diff",
     "Diff",

@@ -167,9 +167,12 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
             spec = factory(batch_size=args.batch_size)
     except Exception as exc:
         raise MemprofError(f"{args.factory}(batch_size={args.batch_size}) raised {type(exc).__name__}: {exc}") from None
+    if args.generate:
+        return _estimate_generation(args, spec, budget)
     if isinstance(spec, torch.nn.Module):
         raise MemprofError(f"{args.factory} returned a model only; return a dict with 'model' and 'inputs' "
-                           "(and optionally 'targets', 'loss_fn', 'optimizer')")
+                           "(and optionally 'targets', 'loss_fn', 'optimizer'), or pass --generate to simulate "
+                           "a generation with it")
     if not isinstance(spec, dict) or "model" not in spec or "inputs" not in spec:
         raise MemprofError(f"{args.factory} must return a dict with 'model' and 'inputs' keys")
     optimizer = spec.get("optimizer")
@@ -187,12 +190,34 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise MemprofError(f"simulating a step of what {args.factory} returned raised {type(exc).__name__}: "
                            f"{first}; check that the model runs on its inputs (and loss_fn on its output)") from None
+    return _verdict(est, args.batch_size, budget)
+
+
+def _estimate_generation(args: argparse.Namespace, spec: Any, budget: "int | None") -> int:
+    """``memprof estimate --generate``: prefill and decoding of the factory's model."""
+    import torch
+
+    import memprof
+
+    if args.prompt_len is None or args.new_tokens is None:
+        raise MemprofError("--generate needs --prompt-len N (the prompt's tokens) and --new-tokens M (tokens to "
+                           "generate)")
+    model = spec.get("model") if isinstance(spec, dict) else spec
+    if not isinstance(model, torch.nn.Module):
+        raise MemprofError(f"{args.factory} must return a model (or a dict with 'model') for --generate")
+    est = memprof.estimate_generation(model, batch_size=args.batch_size, prompt_len=args.prompt_len,
+                                      max_new_tokens=args.new_tokens, precision=args.precision, device=args.device,
+                                      attention=args.attention)
+    return _verdict(est, args.batch_size, budget)
+
+
+def _verdict(est: Any, batch_size: int, budget: "int | None") -> int:
     print(est)
     if budget is not None:
         from .units import format_bytes
 
         verdict = "fits" if est.peak_bytes <= budget else "does NOT fit"
-        print(f"\nbatch size {args.batch_size}: simulated peak {format_bytes(est.peak_bytes)} {verdict} "
+        print(f"\nbatch size {batch_size}: simulated peak {format_bytes(est.peak_bytes)} {verdict} "
               f"in {format_bytes(budget)}")
         return 0 if est.peak_bytes <= budget else 1
     return 0
@@ -257,6 +282,10 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--attention", choices=("auto", "flash", "efficient", "math"), default="auto",
                      help="attention kernel of a CUDA target (default auto: the one torch's CUDA dispatcher picks)")
     est.add_argument("--budget", help="exit 1 if the simulated peak exceeds this size (e.g. '80 GiB')")
+    est.add_argument("--generate", action="store_true",
+                     help="simulate a generation (prefill and decoding, the KV cache) instead of a training step")
+    est.add_argument("--prompt-len", type=int, help="with --generate: tokens in the prompt")
+    est.add_argument("--new-tokens", type=int, help="with --generate: tokens to generate")
     est.set_defaults(func=_cmd_estimate, parser=est)
     return parser
 

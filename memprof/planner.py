@@ -18,7 +18,7 @@ from typing import Any, Callable
 from .errors import InvalidArgumentError
 from .units import parse_size
 
-__all__ = ["BatchSizePlan", "max_batch_size"]
+__all__ = ["BatchSizePlan", "max_batch_size", "max_generation_batch_size"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,44 @@ def max_batch_size(
                 inputs, targets = batch, None
             est = estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device,
                            attention=attention)
+            cache[b] = est.peak_bytes
+        return cache[b]
+
+    with bar:
+        return _search(peak, cache, limit, multiple_of)
+
+
+def max_generation_batch_size(
+    model: Any,
+    budget: "int | str",
+    *,
+    prompt_len: int,
+    max_new_tokens: int,
+    precision: "str | None" = None,
+    device: "str | None" = None,
+    multiple_of: int = 1,
+    attention: str = "auto",
+) -> BatchSizePlan:
+    """The largest number of sequences (a multiple of ``multiple_of``) that generate ``max_new_tokens`` tokens
+    after a ``prompt_len``-token prompt within ``budget``, by :func:`memprof.estimate_generation`: the KV cache
+    and the decode temporaries grow with the batch, the weights do not. The arguments are
+    :func:`memprof.estimate_generation`'s; the answer is a :class:`BatchSizePlan`.
+    """
+    from .generation import estimate_generation
+
+    limit = parse_size(budget)
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+        raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
+    from .progress import Progress
+
+    cache: dict[int, int] = {}
+    bar = Progress(None, "max_generation_batch_size")
+
+    def peak(b: int) -> int:
+        if b not in cache:
+            bar.step(f"batch size {b}")
+            est = estimate_generation(model, batch_size=b, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                                      precision=precision, device=device, attention=attention)
             cache[b] = est.peak_bytes
         return cache[b]
 

@@ -106,3 +106,12 @@ def test_exports_quick(tmp_path):
     assert r["plain"]["steps"] == 300 and r["scheduled"]["steps_kept"] > r["plain"]["steps_kept"]
     assert all(r["plain"][f"{k}_bytes"] > 0 for k in ("chrome", "memory_viz", "html"))
     assert r["oom"]["dumps"] == 1 and r["oom"]["seconds"] > 0
+
+
+def test_generation_scale_quick(tmp_path):
+    out_json = tmp_path / "generation.json"
+    _run([BENCH / "generation_scale.py", "--quick", "--json", out_json])
+    (r,) = json.loads(out_json.read_text())["results"]
+    assert r["config"] == "tiny" and r["prompt_len"] == 32 and r["max_new_tokens"] == 32
+    # The simulated cache at the end of generation is the formula's: 2 x 2 layers x 8 x 63 tokens x 2 x 16 x 2 B.
+    assert r["kv_cache_end_bytes"] == r["kv_cache_formula_bytes"] == 2 * 2 * 8 * 63 * 2 * 16 * 2
