@@ -37,8 +37,9 @@ def _storage_sum(tensors):
     return total
 
 
+@pytest.mark.parametrize("mode", ["full", "light"])
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
-def test_the_cache_at_the_end_of_generation_equals_the_formula_and_its_tensors(name):
+def test_the_cache_at_the_end_of_generation_equals_the_formula_and_its_tensors(name, mode):
     model, kv_heads, head_dim = _models()[name]
     model.eval()
     ids = torch.randint(0, 64, (3, 7))  # batch 3, prompt 7
@@ -51,7 +52,7 @@ def test_the_cache_at_the_end_of_generation_equals_the_formula_and_its_tensors(n
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with memprof.profile(model) as prof:
+            with memprof.profile(model, mode=mode) as prof:
                 model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     finally:
         handle.remove()
