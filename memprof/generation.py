@@ -218,19 +218,10 @@ class _Loop:
 
 
 def _positions(config: Any) -> "int | None":
-    if config is None:
-        return None
-    get = getattr(config, "get_text_config", None)
-    if callable(get):
-        try:
-            config = get()
-        except Exception:  # a config that cannot say: read it as it is
-            pass
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        v = getattr(config, name, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
+    from .track.kv_cache import config_int
+
+    limit = config_int(config, "max_position_embeddings", "n_positions", "max_sequence_length")
+    return limit if limit is not None and limit > 0 else None
 
 
 def _empty_cache(model: nn.Module) -> Any:

@@ -188,23 +188,30 @@ def _new_tokens(args: tuple, kwargs: dict) -> "tuple[int, int | None]":
     return int(t.shape[1]), int(t.shape[0])
 
 
-def _cache_shape(config: Any) -> "tuple[int | None, int | None, int | None, int | None]":
-    """(layers, key/value heads, head dimension, sliding window) from a transformers-style config."""
+def config_int(config: Any, *names: str) -> "int | None":
+    """The first of ``names`` a transformers-style config (its text part, for multimodal ones) has as an int."""
     if config is None:
-        return None, None, None, None
+        return None
     get = getattr(config, "get_text_config", None)
     if callable(get):
         try:
             config = get()
         except Exception:  # a config that cannot say: read it as it is
             pass
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _cache_shape(config: Any) -> "tuple[int | None, int | None, int | None, int | None]":
+    """(layers, key/value heads, head dimension, sliding window) from a transformers-style config."""
+    if config is None:
+        return None, None, None, None
 
     def first(*names: str) -> "int | None":
-        for n in names:
-            v = getattr(config, n, None)
-            if isinstance(v, int) and not isinstance(v, bool):
-                return v
-        return None
+        return config_int(config, *names)
 
     layers = first("num_hidden_layers", "n_layer", "num_layers")
     heads = first("num_attention_heads", "n_head", "num_heads")
