@@ -54,14 +54,19 @@ def estimate_generation(
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate_generation() needs a torch.nn.Module, got {type(model).__name__}")
-    for name, value in (("batch_size", batch_size), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgumentError(f"{name} must be an int of at least 1, got {value!r}")
+    from .units import as_count
+
+    batch_size, prompt_len, max_new_tokens = (as_count(name, value, minimum=1) for name, value in (
+        ("batch_size", batch_size), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)))
     if not callable(getattr(model, "generate", None)) or not callable(
             getattr(model, "prepare_inputs_for_generation", None)):
         raise InvalidArgumentError(
             f"{type(model).__name__} has no generation interface (generate() and prepare_inputs_for_generation(), "
             "as transformers' generative models have); estimate a training step of it with memprof.estimate")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise InvalidArgumentError(
+            f"{type(model).__name__} is an encoder-decoder model; estimate_generation simulates decoder-only "
+            "generation (profile a real generate() of it to measure its caches)")
     limit = _positions(getattr(model, "config", None))
     if limit is not None and prompt_len + max_new_tokens > limit:
         raise InvalidArgumentError(

@@ -112,7 +112,7 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
         values[Category.ACTIVATIONS] = acts.saved_bytes
     if moment is not None and moment.phase in (Phase.OPTIMIZER, Phase.OTHER):
         values[Category.ACTIVATIONS] = 0  # no graph is alive outside forward and backward
-    if trace.generation is not None and moment is not None:
+    if trace.generation is not None and moment is not None and _decoding(trace, moment):
         _inference(values, trace, moment, precision, bpp_inference=bytes_per_param_breakdown(precision, None,
                                                                                              training=False))
     if moment is not None and moment.phase is Phase.OPTIMIZER and at_peak and opts.transient_bytes is not None:
@@ -134,6 +134,14 @@ def _inference(values: dict, trace: Trace, moment: PhaseRecord, precision: str, 
     if None not in (gen.layers, gen.kv_heads, gen.head_dim, gen.batch, gen.itemsize) and tokens is not None:
         values[Category.KV_CACHE] = kv_cache_bytes(gen.layers, gen.batch, tokens, gen.kv_heads, gen.head_dim,
                                                    bytes_per_element=gen.itemsize, sliding_window=gen.sliding_window)
+
+
+def _decoding(trace: Trace, moment: PhaseRecord) -> bool:
+    """A moment of a generation: a prefill or decode phase, or the loop's work between them in a run that
+    never trains (a training run's own moments keep the training formula)."""
+    if moment.phase in (Phase.PREFILL, Phase.DECODE):
+        return True
+    return moment.phase is Phase.OTHER and not any(p.phase in (Phase.BACKWARD, Phase.OPTIMIZER) for p in trace.phases)
 
 
 def _tokens_by(gen: Any, trace: Trace, moment: PhaseRecord) -> "int | None":

@@ -14,7 +14,8 @@ mode storages made by ops are not seen: tensors under a cache's name are counted
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -31,43 +32,71 @@ __all__ = ["CacheTracker"]
 #: transformers' names for the cache, in its models' arguments and outputs (``cache`` from version 5).
 CACHE_NAMES = ("past_key_values", "cache")
 _MAX_DEPTH = 6
-_MAX_NODES = 20_000  # a walk stops here: a cache of a thousand layers has a few thousand objects
+_MAX_NODES = 5_000  # a walk stops here: a cache of a thousand layers has a few thousand objects
 
 
 class CacheTracker:
-    """Finds the cache among what a root forward is given and gives back, and counts it as ``kv_cache``."""
+    """Finds the cache among what a root forward is given and gives back, and counts it as ``kv_cache``.
+
+    Only calls under ``no_grad`` (inference) are looked at: a training forward that returns a cache never
+    gets it back. A call is a *decode* when tensors an earlier call made come back into it (then that
+    earlier call, if it was not labelled yet, was the *prefill*), or when the cache object of a generation
+    already under way is handed in; a call handed an empty cache object (transformers' ``generate()``
+    hands the first call one to fill) is a prefill. Anything else is an ordinary forward, so an evaluation
+    loop whose outputs carry a cache nobody hands back stays a forward.
+    """
 
     def __init__(self, prof: "Profiler", model: nn.Module) -> None:
         self.prof = prof
         self.names: set[str] = set(CACHE_NAMES)  # where caches were seen: argument and output names
-        self.calls_with_cache = 0
         self.shape = _cache_shape(getattr(model, "config", None))
         self.batch: "int | None" = None
-        self.itemsize: "int | None" = None
+        self.itemsizes: set[int] = set()
         self.in_cache = 0  # tokens in the cache now
         self.incoming = 0  # tokens handed to the call running now
         self.tokens: dict[tuple[int, str, int], int] = {}  # (step, phase, occurrence) -> tokens after it
+        self.call_tokens: dict[int, int] = {}  # phase serial of an ordinary no-grad call -> its tokens
         # The cache object (not a tensor) the running root call was handed, filled as its layers run.
         self.active: Any = None
+        self.kind: "Phase | None" = None  # what the running root call is: PREFILL, DECODE or None
+        self.prefill_serials: set[int] = set()  # earlier calls found to have been prefills
+        self._last: "Callable[[], Any] | None" = None  # the cache object of the last prefill or decode call
+        self._handed: Any = None
 
-    def before_call(self, args: tuple, kwargs: dict) -> bool:
-        """Claim the cache handed to this call; True if one holding tensors was."""
-        found = False
-        self.active = None
-        for name, obj in _arguments(args, kwargs):
-            if self._claim(obj, named=name in self.names):
-                found = True
-                self.names.add(name)
-            if name in self.names and obj is not None and not isinstance(obj, (torch.Tensor, tuple, list, dict)):
-                self.active = obj
-        if found:
-            self.calls_with_cache += 1
+    def before_call(self, args: tuple, kwargs: dict) -> "Phase | None":
+        """What this root call is (``Phase.PREFILL``, ``Phase.DECODE`` or ``None``); claims the cache handed in."""
+        self.active, self.kind, self.prefill_serials = None, None, set()
+        if torch.is_grad_enabled():
+            return None
         self.incoming, batch = _new_tokens(args, kwargs)
-        if batch is not None:
+        handed: Any = None
+        inside: set[int] = set()  # phase serials of earlier calls that made what comes back
+        back = False
+        for name, obj in _arguments(args, kwargs):
+            named = name in self.names
+            if named and obj is not None and not isinstance(obj, (torch.Tensor, tuple, list, dict)):
+                handed = obj
+            claimed, made_in = self._claim(obj, named=named)
+            if claimed:
+                self.names.add(name)
+            if made_in is not None:
+                back = True
+                inside |= made_in
+        self.active = handed
+        # The cache object of the generation under way, handed in again: a decode call even when every
+        # tensor in it was replaced outside the model (a cache grown directly).
+        again = handed is not None and self.in_cache > 0 and self._last is not None and self._last() is handed
+        if back or again:
+            self.kind = Phase.DECODE
+            if self.in_cache == 0:  # the call that made it was a prefill nobody could name then
+                self.prefill_serials = {s for s in inside if s in self.call_tokens}
+                self.in_cache = sum(self.call_tokens[s] for s in self.prefill_serials)
+        elif handed is not None:
+            self.kind = Phase.PREFILL
+            self.in_cache = 0
+        if self.kind is not None and batch is not None:
             self.batch = batch
-        if not found:
-            self.in_cache = 0  # a prefill, if this call fills a cache
-        return found
+        return self.kind
 
     def layer_done(self, args: tuple, kwargs: dict) -> None:
         """A module handed the running call's cache object returned: what it added there is the cache from
@@ -78,6 +107,49 @@ class CacheTracker:
         if any(v is active for v in kwargs.values()) or any(a is active for a in args):
             self._claim(active, named=True)
 
+    def after_call(self, args: tuple, kwargs: dict, output: Any) -> None:
+        """Claim what a prefill or decode call added to the cache it was given (filled in place) or returned:
+        under a cache's name, or, from a decode call, any container in its output (a tuple of key and value
+        tensors; the logits are a plain tensor)."""
+        phases = self.prof.phases
+        kind, self._handed, self.active = self.kind, self.active, None
+        if kind is None:
+            if not torch.is_grad_enabled():  # an ordinary call: a prefill if what it made comes back
+                self.call_tokens[self.prof.ledger.phase_serial] = self.incoming
+                while len(self.call_tokens) > 64:  # only the latest calls can still turn out to be prefills
+                    del self.call_tokens[next(iter(self.call_tokens))]
+            return
+        for name, obj in _arguments(args, kwargs):
+            if not isinstance(obj, torch.Tensor):
+                self._claim(obj, named=name in self.names)
+        for name in self.names:
+            obj = _field(output, name)
+            if obj is not None:
+                self._claim(obj, named=True)
+        if kind is Phase.DECODE and isinstance(output, (tuple, list)):
+            for item in output:
+                if not isinstance(item, torch.Tensor):
+                    self._claim(item, named=True)
+        self.in_cache += self.incoming
+        self.tokens[(phases.step, kind.value, phases.occurrence.get(kind, 0))] = self.in_cache
+        handed, self._handed = self._handed, None
+        self._last = None
+        if handed is not None:
+            try:  # a weak reference: memprof keeps nothing of the user's alive
+                self._last = weakref.ref(handed)
+            except TypeError:
+                self._last = None
+
+    def relabel_prefills(self) -> None:
+        """The earlier calls that made what this decode call got back were prefills: their (closed) phases
+        are relabelled so, with the tokens they put in the cache."""
+        phases = self.prof.phases
+        for serial in sorted(self.prefill_serials):
+            key = phases.relabel_closed(serial, Phase.PREFILL)
+            if key is not None:
+                self.tokens[key] = self.call_tokens.get(serial, 0)
+        self.prefill_serials = set()
+
     def add_tokens(self, n: int) -> None:
         """``n`` tokens joined the cache outside the model's forward (a simulation growing it directly)."""
         self.in_cache += n
@@ -86,50 +158,42 @@ class CacheTracker:
         if not self.tokens:
             return None
         layers, kv_heads, head_dim, window = self.shape
+        # Keys and values of different dtypes (autocast) have no one element size: the formula then says so.
+        itemsize = next(iter(self.itemsizes)) if len(self.itemsizes) == 1 else None
         return GenerationFacts(layers=layers, kv_heads=kv_heads, head_dim=head_dim, sliding_window=window,
-                               itemsize=self.itemsize, batch=self.batch,
+                               itemsize=itemsize, batch=self.batch,
                                tokens=tuple((s, p, o, n) for (s, p, o), n in self.tokens.items()))
 
-    def after_call(self, args: tuple, kwargs: dict, output: Any) -> bool:
-        """Claim what the call added to the cache it was given (filled in place) or returned under a cache's
-        name; True if anything was."""
-        made = False
-        for name, obj in _arguments(args, kwargs):
-            if not isinstance(obj, torch.Tensor) and self._claim(obj, named=name in self.names):
-                made = True
-        for name in self.names:
-            obj = _field(output, name)
-            if obj is not None and self._claim(obj, named=True):
-                made = True
-        self.active = None
-        if made and not torch.is_grad_enabled():  # decoding (a training forward that returns a cache is not)
-            self.in_cache += self.incoming
-            phases = self.prof.phases
-            phase = phases.current if phases.current is not Phase.FORWARD else Phase.PREFILL
-            key = (phases.step, phase.value, phases.occurrence.get(phase, 0))
-            self.tokens[key] = self.in_cache
-        return made
-
-    def _claim(self, obj: Any, *, named: bool) -> bool:
+    def _claim(self, obj: Any, *, named: bool) -> "tuple[bool, set[int] | None]":
+        """Count the floating tensors under ``obj`` as the cache: those made inside the model (or already the
+        cache), and with ``named`` any tensor there. Returns whether any was claimed, and the phase serials of
+        the calls that made those that come back (``None`` when none does)."""
         storages = self.prof.storages
         led = self.prof.ledger
         claimed = False
+        made_in: "set[int] | None" = None
         for t in _tensors(obj):
-            if self.itemsize is None and t.is_floating_point():
-                self.itemsize = t.element_size()
+            if not t.is_floating_point():  # positions, lengths, counters: bookkeeping, not keys and values
+                continue
             entry = storages.entry_of(t)
             if entry is None:
-                if named:  # made where memprof did not see it (light mode, before the profile): the cache's name says
+                if named:  # made where memprof did not see it (light mode, before the profile): the name says
                     entry = storages.add_tensor(t, KV_CACHE)
-                    claimed = claimed or entry is not None
+                    if entry is not None:
+                        claimed = True
+                        self.itemsizes.add(t.element_size())
                 continue
             if entry.cat == KV_CACHE:
                 claimed = True
+                made_in = made_in if made_in is not None else set()
             elif entry.cat == TEMPORARIES and (entry.module >= 0 or named):
                 # Made inside the model (or handed over under a cache's name), kept past the call.
+                if entry.module >= 0:
+                    made_in = (made_in if made_in is not None else set()) | {entry.phase_serial}
                 led.move(entry, KV_CACHE)
                 claimed = True
-        return claimed
+                self.itemsizes.add(t.element_size())
+        return claimed, made_in
 
 
 def _arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
@@ -175,14 +239,13 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _new_tokens(args: tuple, kwargs: dict) -> "tuple[int, int | None]":
-    """Tokens (and batch) handed to a call: its ``input_ids`` or ``inputs_embeds``, or its first
-    two-dimensional integer tensor."""
+    """Tokens (and batch) handed to a call: its ``input_ids`` or ``inputs_embeds``, else the second dimension
+    of its first tensor argument of two or more (batch, tokens, ...)."""
     t = kwargs.get("input_ids")
     if not isinstance(t, torch.Tensor):
         t = kwargs.get("inputs_embeds")
     if not isinstance(t, torch.Tensor):
-        t = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2 and not a.is_floating_point()),
-                 None)
+        t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() >= 2), None)
     if not isinstance(t, torch.Tensor) or t.dim() < 2:
         return 0, None
     return int(t.shape[1]), int(t.shape[0])
@@ -215,7 +278,9 @@ def _cache_shape(config: Any) -> "tuple[int | None, int | None, int | None, int 
 
     layers = first("num_hidden_layers", "n_layer", "num_layers")
     heads = first("num_attention_heads", "n_head", "num_heads")
-    kv_heads = first("num_key_value_heads", "multi_query_group_num") or heads
+    kv_heads = first("num_key_value_heads", "num_kv_heads", "multi_query_group_num") or heads
+    if getattr(config, "multi_query", False) is True and not getattr(config, "new_decoder_architecture", False):
+        kv_heads = 1  # Falcon's multi-query attention: one key/value head whatever num_kv_heads says
     head_dim = first("head_dim")
     hidden = first("hidden_size", "n_embd", "d_model")
     if head_dim is None and hidden is not None and heads:

@@ -187,9 +187,11 @@ class ModuleTracker:
             # (model.encoder(x), then model.decoder(h); a ModuleDict's members). A submodule run under
             # no_grad outside the model's forward (a frozen encoder, a probe) is not one.
             if (is_root or not self.stack) and not in_backward:
-                # A call handed the cache an earlier call made decodes: a phase per call.
-                if is_root and not self.stack and prof.kv.before_call(args, kwargs) and not grad:
-                    phases.begin(Phase.DECODE)
+                # Inference with a KV cache: a phase per prefill and decode call (memprof.track.kv_cache).
+                kind = prof.kv.before_call(args, kwargs) if is_root and not self.stack else None
+                if kind is not None:
+                    phases.begin(kind)
+                    prof.kv.relabel_prefills()
                 elif phases.current is not Phase.FORWARD and (is_root or grad):
                     phases.begin(Phase.FORWARD)
                 if prof.params.changed or prof.params.pending:
@@ -262,14 +264,15 @@ class ModuleTracker:
                 prof.params.sync()  # lazy modules took their shapes in this forward
             if not is_root and prof.kv.active is not None:
                 prof.kv.layer_done(args, kwargs)
-            if is_root and not self.stack and phases.current in (Phase.FORWARD, Phase.DECODE):
-                made = prof.kv.after_call(args, kwargs, output)
-                if made and phases.current is Phase.FORWARD and not torch.is_grad_enabled():
-                    phases.relabel(Phase.PREFILL)  # the forward that filled a cache from the prompt
-                if phases.current in (Phase.PREFILL, Phase.DECODE) and not phases.merging():
-                    # The call is over: its end is the cache as the call left it; what the decoding loop
-                    # does until the next call (sampling, the growing mask) is "other".
-                    phases.begin(Phase.OTHER)
+            if is_root and not self.stack:
+                prof.kv.after_call(args, kwargs, output)
+                if phases.current in (Phase.PREFILL, Phase.DECODE):
+                    if phases.merging():
+                        phases.mark_end()  # the merged phase ends where its last call does
+                    else:
+                        # The call is over: its end is the cache as the call left it; what the decoding loop
+                        # does until the next call (sampling, the growing ids) is "other".
+                        phases.begin(Phase.OTHER)
             inputs = self.pending.pop(index, None) if self.capture else None
             if inputs is not None:
                 self.record_call(index, module, inputs, output, args, kwargs)

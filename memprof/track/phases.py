@@ -48,7 +48,10 @@ class PhaseTracker:
         self.phase_start: list[int] = self.ledger.totals.copy()
         self.where: dict[int, tuple[int, Phase]] = {}  # ledger phase serial -> (step, phase)
         self.explicit = False  # prof.step() blocks delimit the steps
-        self.merged_decodes = 0  # decode calls folded into the last decode phase of their step
+        self.merged_decodes = 0  # decode calls folded into the last decode phase of their generation
+        self.decodes = 0  # decode phases of the generation under way
+        self.end_mark: "list[int] | None" = None  # where a merged decode phase's last call ended
+        self.closed: dict[int, int] = {}  # ledger serial of each closed phase of this step -> its index
         self.pending_backward_end = False
         self.pending_step_end = False
         self.forward_seen = False  # a forward began in this step
@@ -76,9 +79,14 @@ class PhaseTracker:
     def begin(self, phase: Phase) -> None:
         prof = self.prof
         if phase is Phase.DECODE and self.merging():
-            # A long generation: the tokens after the first MAX_DECODE_PHASES - 1 share one phase.
+            # A long generation: the calls after the first MAX_DECODE_PHASES - 1 share one phase.
             self.merged_decodes += 1
+            self.end_mark = None
             return
+        if phase is Phase.DECODE:
+            self.decodes += 1
+        elif phase in (Phase.PREFILL, Phase.FORWARD):
+            self.decodes = 0
         if phase is Phase.FORWARD and self.pending_step_end:
             self.pending_step_end = False
             self.pending_backward_end = False
@@ -106,13 +114,31 @@ class PhaseTracker:
         self.sample(phase.value, "phase")
 
     def merging(self) -> bool:
-        """The decode phase running now is the last one kept per token: later calls join it."""
-        return self.current is Phase.DECODE and self.occurrence.get(Phase.DECODE, 0) >= MAX_DECODE_PHASES - 1
+        """The decode phase running now is the last one of its generation kept per token: later calls join it."""
+        return self.current is Phase.DECODE and self.decodes >= MAX_DECODE_PHASES
 
-    def relabel(self, phase: Phase) -> None:
-        """The phase running now turns out to be ``phase`` (a forward that filled a KV cache: prefill)."""
-        self.current = phase
-        self.where[self.ledger.phase_serial] = (self.step, phase)
+    def mark_end(self) -> None:
+        """A merged decode phase's call ended: what it holds now is the phase's end, unless another call joins."""
+        self.end_mark = self.ledger.totals.copy()
+
+    def relabel_closed(self, serial: int, phase: Phase) -> "tuple[int, str, int] | None":
+        """A closed forward phase of this step (by its ledger serial) turns out to be ``phase`` (a prefill, once
+        its cache came back); later forwards are renumbered. Returns its (step, phase, occurrence)."""
+        i = self.closed.get(serial)
+        if i is None or self.step_phases[i].phase is not Phase.FORWARD:
+            return None
+        old = self.step_phases[i]
+        occ = self.occurrence.get(phase, 0)
+        self.occurrence[phase] = occ + 1
+        self.occurrence[Phase.FORWARD] -= 1
+        self.step_phases[i] = dataclasses.replace(old, phase=phase, occurrence=occ)
+        for j in range(i + 1, len(self.step_phases)):
+            rec = self.step_phases[j]
+            if rec.phase is Phase.FORWARD:
+                self.step_phases[j] = dataclasses.replace(rec, occurrence=rec.occurrence - 1)
+        self.where[serial] = (self.step, phase)
+        self.decodes = 0
+        return (self.step, phase.value, occ)
 
     def close(self) -> None:
         """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
@@ -124,6 +150,10 @@ class PhaseTracker:
             return
         occ = self.occurrence.get(phase, 0)
         self.occurrence[phase] = occ + 1
+        if self.end_mark is not None and phase is Phase.DECODE:
+            end = self.end_mark  # a merged decode phase ends where its last call did
+        self.end_mark = None
+        self.closed[led.phase_serial] = len(self.step_phases)
         device_now = self.prof.probe.phase_ended()
         light = self.prof.mode == "light"
         self.step_phases.append(PhaseRecord(
@@ -156,6 +186,7 @@ class PhaseTracker:
             self.step += 1
         self.step_phases = []
         self.occurrence = {}
+        self.closed = {}
         # Re-open an "other" phase without closing anything again.
         self.current = Phase.OTHER
         led = self.ledger

@@ -96,8 +96,8 @@ def build_trace(prof: "Profiler") -> Trace:
     if prof.phases.merged_decodes:
         from .phases import MAX_DECODE_PHASES
 
-        notes.append(f"{prof.phases.merged_decodes} decode calls after the first {MAX_DECODE_PHASES - 1} of a "
-                     "generation share its last decode phase (its peak is theirs)")
+        notes.append(f"{prof.phases.merged_decodes} further decode calls joined the {MAX_DECODE_PHASES}th decode "
+                     "phase of their generation (its peak is theirs, its end the last one's)")
     if not steps:
         notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
     micros = prof.phases.micros

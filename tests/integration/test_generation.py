@@ -103,9 +103,9 @@ def test_a_cuda_target_in_bf16_keeps_a_bf16_cache():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(max_new_tokens=0), "max_new_tokens must be an int of at least 1"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a whole number >= 1"),
     (dict(prompt_len=100, max_new_tokens=29), "positions for 128"),
-    (dict(batch_size=True), "batch_size must be an int"),
+    (dict(batch_size=True), "batch_size must be a whole number"),
 ])
 def test_bad_arguments_are_refused_in_one_sentence(kwargs, message):
     args = dict(batch_size=1, prompt_len=4, max_new_tokens=2)

@@ -109,3 +109,113 @@ def test_training_runs_keep_no_cache_and_say_nothing_of_it(tmp_path):
     rep = prof.report()
     assert rep.trace.peak[C.KV_CACHE] == 0 and rep.trace.generation is None
     assert "kv_cache" not in str(rep)
+
+
+def test_an_evaluation_loop_whose_outputs_carry_a_cache_stays_a_forward():
+    model = _models()["llama-gqa"][0]  # transformers' default use_cache=True: every output holds a cache
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with memprof.profile(model, opt) as prof:
+            for _ in range(2):
+                model(ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    for _ in range(5):
+                        model(ids, labels=ids)
+    rep = prof.report()
+    assert {p.phase.value for p in rep.trace.phases} <= {"forward", "backward", "optimizer", "other"}
+    assert rep.trace.generation is None and rep.trace.peak[C.KV_CACHE] == 0
+    # The training formula is untouched: the forward's activations have their per-module formula, and the
+    # textbook counts training bytes/param (fp32 AdamW: 16).
+    rec = rep.reconcile(at=(0, "forward", "end"))
+    assert rec.row("activations").formula > 0 and rec.textbook_bytes_per_param == 16.0
+
+
+def test_a_long_generation_ends_with_its_cache():
+    model, kv_heads, head_dim = _models()["llama-gqa"]
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with memprof.profile(model) as prof:
+            model.generate(torch.zeros(2, 5, dtype=torch.long), max_new_tokens=100, min_new_tokens=100,
+                           do_sample=False, pad_token_id=0)
+    trace = prof.report().trace
+    decode = [p for p in trace.phases if p.phase.value == "decode"]
+    assert len(decode) == 64  # 63 of their own, the other 36 calls in the 64th
+    assert any("35 further decode calls joined" in n for n in trace.notes)
+    # 5 + 99 tokens at the end of the last call, also in the folded phase.
+    assert decode[-1].end[C.KV_CACHE] == kv_cache_bytes(2, 2, 104, kv_heads, head_dim, bytes_per_element=4)
+    assert trace.generation.tokens[-1][-1] == 104
+
+
+def test_a_sliding_window_model_has_a_prefill_and_a_capped_formula():
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, sliding_window=8)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with memprof.profile(model) as prof:
+            model.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=3, min_new_tokens=3,
+                           do_sample=False, pad_token_id=0)
+    trace = prof.report().trace
+    kinds = [p.phase.value for p in trace.phases if p.phase.value in ("prefill", "decode")]
+    assert kinds == ["prefill", "decode", "decode"]
+    assert trace.generation.sliding_window == 8
+    # 4 + 2 tokens, under the window: 2 x 2 layers x 1 x 6 x 2 kv heads x head dim 8 x 4 bytes.
+    last = [p for p in trace.phases if p.phase.value == "decode"][-1]
+    assert last.end[C.KV_CACHE] == kv_cache_bytes(2, 1, 6, 2, 8, bytes_per_element=4, sliding_window=8)
+    assert kv_cache_bytes(2, 1, 100, 2, 8, bytes_per_element=4, sliding_window=8) == \
+        kv_cache_bytes(2, 1, 8, 2, 8, bytes_per_element=4)
+
+
+def test_a_users_tuple_cache_labels_the_prefill_once_it_comes_back():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x, cache=None):
+            k = self.proj(x)
+            cache = (k,) if cache is None else (torch.cat([cache[0], k], dim=1),)
+            return k.sum(), cache
+
+    model = Tiny().eval()
+    with torch.no_grad(), memprof.profile(model) as prof:
+        _, cache = model(torch.randn(2, 4, 8))
+        for _ in range(3):
+            _, cache = model(torch.randn(2, 1, 8), cache)
+    trace = prof.report().trace
+    assert [(p.phase.value, p.occurrence) for p in trace.phases if p.phase.value != "other"] == \
+        [("prefill", 0), ("decode", 0), ("decode", 1), ("decode", 2)]
+    last = [p for p in trace.phases if p.phase.value == "decode"][-1]
+    # At the end of the last call the loop's variable still holds the cache it handed in (6 tokens) beside the
+    # one returned (7 tokens): a cache grown by concatenation is two copies for a moment. (6 + 7) x 2 x 8 x 4 B.
+    assert last.end[C.KV_CACHE] == (6 + 7) * 2 * 8 * 4
+    assert trace.generation.tokens[-1][-1] == 7 and trace.generation.tokens[0] == (0, "prefill", 0, 4)
+
+
+def test_a_training_forward_that_stores_into_its_input_keeps_no_cache():
+    model = nn.Linear(16, 16)
+    batch = {"x": torch.randn(4, 16)}
+
+    def step():
+        h = model(batch["x"])
+        batch["features"] = h.detach() * 1.0  # kept in the caller's dict, as some pipelines do
+        h.sum().backward()
+
+    with memprof.profile(model) as prof:
+        step()
+        step()
+    assert prof.report().trace.peak[C.KV_CACHE] == 0
+
+
+def test_falcon_multi_query_has_one_key_value_head_in_the_formula():
+    from memprof.track.kv_cache import _cache_shape
+
+    cfg = transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, vocab_size=64,
+                                    multi_query=True, new_decoder_architecture=False)
+    assert _cache_shape(cfg) == (2, 1, 8, None)
