@@ -115,6 +115,13 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from .merging import merge
+
+    print(merge(args.files))
+    return 0
+
+
 def _load_factory(spec: str) -> Any:
     import importlib
 
@@ -266,6 +273,10 @@ def _parser() -> argparse.ArgumentParser:
     dif.add_argument("a", help="the baseline trace (JSON)")
     dif.add_argument("b", help="the trace to compare with it (JSON)")
     dif.set_defaults(func=_cmd_diff)
+
+    mer = sub.add_parser("merge", help="the saved traces of the ranks of one distributed run, side by side")
+    mer.add_argument("files", nargs="+", help="one trace (JSON) per rank")
+    mer.set_defaults(func=_cmd_merge)
 
     est = sub.add_parser("estimate", help="simulate a training step of a model from your factory (meta tensors)",
                          description="Call FACTORY(batch_size=N) from MODULE under torch.device('meta') and "

@@ -19,6 +19,7 @@ __all__ = [
     "RegistryError",
     "MissingExtraError",
     "SimulationError",
+    "MergeError",
     "TraceNotFoundError",
 ]
 
@@ -71,6 +72,11 @@ class SimulationError(MemprofError, RuntimeError):
     The message names what failed (an op without a fake kernel, code that reads tensor values) and the
     fix; the error torch raised is chained as ``__cause__``. Also a ``RuntimeError``.
     """
+
+
+class MergeError(MemprofError, ValueError):
+    """The reports given to :func:`memprof.merge` are not the ranks of one run (duplicate ranks, different
+    world sizes or models, a report without a rank). Also a ``ValueError``."""
 
 
 class MissingExtraError(MemprofError, ImportError):

@@ -34,6 +34,7 @@ from .errors import InvalidArgumentError, ProfilerStateError
 from .trace import Breakdown, OomRecord, StepRecord, Trace
 from .track.device import DeviceProbe
 from .track.kv_cache import CacheTracker
+from .track.ranks import rank_info
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
 from .arguments import checked
 from .track.oom import OomDump, checked_folder, is_oom, oom_record
@@ -370,6 +371,7 @@ class Profiler:
         self.modules = ModuleTracker(self, model)
         self.saved = SavedTracker(self)
         self.kv = CacheTracker(self, model)
+        self.rank = rank_info(model)
         stack.callback(self._close_thread_hooks)
 
         params = [p for p in unique_params(model) if not is_lazy(p)]

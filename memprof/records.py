@@ -13,7 +13,8 @@ from .checks import corrupt, count, fields, optional_count, optional_text, optio
 from .errors import TraceFormatError
 
 __all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "SAMPLE_EVENTS", "OomRecord",
-           "DeviceInfo", "ModelFacts", "OperationRecord", "GenerationFacts"]
+           "DeviceInfo", "ModelFacts", "OperationRecord", "GenerationFacts",
+           "RankInfo"]
 
 _ALL = tuple(Category)
 
@@ -356,6 +357,26 @@ class DeviceInfo:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
         return cls(**fields(cls, data))
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """The rank a run was in a torch.distributed job (schema 5): its rank, the world size, the backend and
+    the parallel layout of the model (``ddp``, ``fsdp2``, ``fsdp1``, ``deepspeed``; None when unwrapped)."""
+
+    rank: int
+    world_size: int
+    backend: "str | None" = None
+    layout: "str | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RankInfo":
+        return cls(rank=count(data["rank"], "a rank"), world_size=count(data["world_size"], "a world size"),
+                   backend=optional_text(data.get("backend"), "backend"),
+                   layout=optional_text(data.get("layout"), "layout"))
 
 
 @dataclass(frozen=True)

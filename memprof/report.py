@@ -59,6 +59,16 @@ class Report:
         return self.trace.start
 
     @property
+    def rank(self) -> "int | None":
+        """This process's rank in the torch.distributed job it ran in; None outside a process group."""
+        return self.trace.distributed.rank if self.trace.distributed is not None else None
+
+    @property
+    def world_size(self) -> "int | None":
+        """The number of ranks of that job; None outside a process group."""
+        return self.trace.distributed.world_size if self.trace.distributed is not None else None
+
+    @property
     def num_steps(self) -> int:
         """Number of steps the run had. ``report.trace.steps`` holds those kept in full (in a long run,
         the first ones, the peak's, the last and those a schedule selected); :meth:`phase_stats`

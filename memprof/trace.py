@@ -16,7 +16,7 @@ from .checks import corrupt, count, optional_count, optional_text, pairs, text
 from .errors import TraceFormatError
 from .phase_stats import PhaseStats
 from .records import (Breakdown, DeviceInfo, GenerationFacts, ModelFacts, ModuleRecord, OomRecord,
-                      OperationRecord, PhaseRecord, Sample, StepRecord)
+                      OperationRecord, PhaseRecord, RankInfo, Sample, StepRecord)
 from .specs import ModuleCall, OptimizerSpec
 
 __all__ = [
@@ -97,6 +97,8 @@ class Trace:
     live_storages_at_error: tuple[tuple[int, int, str, str], ...] = ()
     #: A run that decoded with a KV cache: what the cache formula needs (schema 5).
     generation: "GenerationFacts | None" = None
+    #: The rank of a torch.distributed job the run was (schema 5); None outside a process group.
+    distributed: "RankInfo | None" = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -157,6 +159,7 @@ class Trace:
             "oom": self.oom.to_dict() if self.oom is not None else None,
             "live_storages_at_error": [list(s) for s in self.live_storages_at_error],
             "generation": self.generation.to_dict() if self.generation is not None else None,
+            "distributed": self.distributed.to_dict() if self.distributed is not None else None,
         }
 
     @classmethod
@@ -219,6 +222,7 @@ class Trace:
                      Category.parse(text(c, "a storage's category")).value, text(m, "a storage's module"))
                     for a, n, c, m in data.get("live_storages_at_error", ())),
                 generation=GenerationFacts.from_dict(data["generation"]) if data.get("generation") else None,
+                distributed=RankInfo.from_dict(data["distributed"]) if data.get("distributed") else None,
                 schema_version=version,
             )
         except TraceFormatError:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..report import Report
     from ..trace import Trace
 
-__all__ = ["report_html", "frame_html", "breakdown_html", "reconciliation_html", "diff_html"]
+__all__ = ["report_html", "frame_html", "breakdown_html", "reconciliation_html", "diff_html", "merged_html"]
 
 _ROOT = ("font-family:var(--jp-ui-font-family, -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif);"
          "font-size:13px;line-height:1.45;color:inherit;background:transparent;max-width:60em")
@@ -365,3 +365,13 @@ def diff_html(diff: "Diff") -> str:
     if diff.notes:
         parts.append("<ul>" + "".join(f"<li>{_e(n)}</li>" for n in diff.notes) + "</ul>")
     return "".join(parts)
+
+
+def merged_html(merged: Any) -> str:
+    """The ranks of one run as HTML: the worst rank and the spread, then one row per rank."""
+    spread = merged.spread
+    head = (f"<div><b>memprof merge</b>: {len(merged.ranks)} of {merged.world_size} rank(s); worst rank "
+            f"{merged.worst}" + (f"; spread {_e(size(spread[0]))}, max/mean {spread[1]:.3f}" if spread else "")
+            + "</div>")
+    notes = "".join(f"<div>{_e(n)}</div>" for n in merged.notes)
+    return head + frame_html(merged.to_frame()) + notes

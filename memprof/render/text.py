@@ -18,13 +18,15 @@ from .common import NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest,
 
 if TYPE_CHECKING:
     from ..compare import Diff
+    from ..merging import Merged
     from ..planner import BatchSizePlan
     from ..reconciler import Reconciliation
     from ..report import Report
     from ..simulation import Estimate
     from ..trace import Trace
 
-__all__ = ["report_text", "oom_lines", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text", "plan_text"]
+__all__ = ["report_text", "oom_lines", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text", "plan_text",
+           "merged_text"]
 
 
 #: Bounds that keep ``print(report)`` short for any run: phase rows, per-phase statistics rows, notes.
@@ -375,4 +377,22 @@ def plan_text(plan: "BatchSizePlan") -> str:
              "  simulated: " + ", ".join(f"b={b}: {format_bytes(p)}" for b, p in plan.points)]
     if not plan.verified:
         lines.append("  not confirmed by simulation at the answer (see points)")
+    return printable("\n".join(lines))
+
+
+def merged_text(merged: "Merged") -> str:
+    """The ranks of one run in a table: each rank's peak (where), the largest categories there, the spread."""
+    lines = [f"memprof merge: {len(merged.ranks)} of {merged.world_size} rank(s); worst rank {merged.worst}"]
+    spread = merged.spread
+    if spread is not None:
+        lines.append(f"  spread of the peaks: {size(spread[0])} (max - min), max/mean {spread[1]:.3f}")
+    lines.append(f"  {'rank':>4}  {'peak':>12}  {'where':<22}{'largest at the peak'}")
+    for rank, rep in merged.ranks.items():
+        t = rep.trace
+        where = f"step {t.peak_step} {t.peak_phase.value}" if t.peak_phase is not None else ""
+        top = largest(t.peak)
+        mark = " *" if rank == merged.worst else ""
+        lines.append(f"  {rank:>4}  {size(t.peak.total):>12}  {where:<22}{top}{mark}")
+    for note in merged.notes:
+        lines.append(f"  - {note}")
     return printable("\n".join(lines))

@@ -139,6 +139,7 @@ def build_trace(prof: "Profiler") -> Trace:
         param_dtypes=prof.param_dtypes,
         autocast_dtype=prof.storages.autocast_dtype,
         generation=prof.kv.facts(),
+        distributed=prof.rank,
         peak_tags=tag_pairs(led.peak_tags),
         facts=model_facts(prof),
         operations=tuple(

@@ -1,0 +1,102 @@
+"""Runs inside a torch.distributed process group record their rank; memprof.merge puts the ranks of one run
+side by side."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memprof
+from memprof.cli import main
+from memprof import MergeError
+from memprof.records import RankInfo
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.profile(model, opt) as prof:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    return prof.report()
+
+
+def test_a_rank_records_where_it_ran(gloo_world_of_one, tmp_path):
+    rep = _run(nn.parallel.DistributedDataParallel(nn.Linear(8, 8)))
+    assert rep.trace.distributed == RankInfo(rank=0, world_size=1, backend="gloo", layout="ddp")
+    assert (rep.rank, rep.world_size) == (0, 1)
+    rep.save(tmp_path / "rank0.json")
+    assert memprof.load(tmp_path / "rank0.json").trace.distributed == rep.trace.distributed
+
+
+def test_outside_a_process_group_there_is_no_rank():
+    rep = _run(nn.Linear(8, 8))
+    assert rep.trace.distributed is None and rep.rank is None and rep.world_size is None
+
+
+def _ranks(peaks, world=None):
+    """Reports of the same run as ranks with the given peak totals (weights scaled: the peak moves with them)."""
+    base = _run(nn.Linear(8, 8)).trace
+    out = []
+    for rank, extra in enumerate(peaks):
+        peak = dataclasses.replace(base.peak, total=base.peak.total + extra)
+        t = dataclasses.replace(base, peak=peak, distributed=RankInfo(rank, world or len(peaks), "gloo", "ddp"))
+        out.append(memprof.Report(t))
+    return out
+
+
+def test_merge_names_the_worst_rank_and_the_spread(tmp_path):
+    reports = _ranks([0, 3000, 1000])
+    merged = memprof.merge(reports)
+    assert merged.worst == 1 and sorted(merged.ranks) == [0, 1, 2] and merged.missing == ()
+    base = reports[0].peak.total
+    spread, ratio = merged.spread
+    assert spread == 3000
+    assert ratio == pytest.approx((base + 3000) / ((3 * base + 4000) / 3))
+    frame = merged.to_frame()
+    assert list(frame.index) == [0, 1, 2] and list(frame["peak"]) == [base, base + 3000, base + 1000]
+    assert "worst rank 1" in str(merged) and "rank(s)" in merged._repr_html_()
+    # Paths work as well as reports, and so does the command line.
+    paths = []
+    for r in reports:
+        path = tmp_path / f"rank{r.rank}.json"
+        r.save(path)
+        paths.append(str(path))
+    assert memprof.merge(paths).worst == 1
+    assert main(["merge", *paths]) == 0
+
+
+def test_missing_ranks_are_named_not_refused():
+    merged = memprof.merge(_ranks([0, 10], world=4))
+    assert merged.missing == (2, 3)
+    assert any("ranks 2, 3 of 4 were not given" in n for n in merged.notes)
+
+
+def test_reports_that_are_not_one_run_are_refused():
+    two = _ranks([0, 0])
+    with pytest.raises(MergeError, match="rank 0 is given twice"):
+        memprof.merge([two[0], two[0]])
+    other_world = _ranks([0, 0, 0])
+    with pytest.raises(MergeError, match="different world sizes"):
+        memprof.merge([two[0], other_world[1]])
+    with pytest.raises(MergeError, match="not profiled inside a torch.distributed process group"):
+        memprof.merge([_run(nn.Linear(8, 8))])
+    bigger = dataclasses.replace(two[1].trace, facts=dataclasses.replace(two[1].trace.facts, num_params=1))
+    with pytest.raises(MergeError, match="models of different sizes"):
+        memprof.merge([two[0], memprof.Report(bigger)])
+    with pytest.raises(MergeError, match="at least one report"):
+        memprof.merge([])
+    with pytest.raises(MergeError, match=r"do not exist in a world of 2"):
+        memprof.merge([memprof.Report(dataclasses.replace(two[0].trace, distributed=RankInfo(5, 2)))])
