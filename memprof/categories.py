@@ -20,6 +20,7 @@ class Category(str, Enum):
     ACTIVATIONS = "activations"
     INPUTS = "inputs"
     KV_CACHE = "kv_cache"
+    COMMUNICATION = "communication"
     TEMPORARIES = "temporaries"
     ALLOCATOR_OVERHEAD = "allocator_overhead"
     OUTSIDE_TORCH = "outside_torch"
@@ -81,6 +82,7 @@ TENSOR_CATEGORIES: tuple[Category, ...] = (
     Category.ACTIVATIONS,
     Category.INPUTS,
     Category.KV_CACHE,
+    Category.COMMUNICATION,
     Category.TEMPORARIES,
 )
 

@@ -303,6 +303,8 @@ def device_rows(ctx: Context) -> list[Cause]:
 _NO_FORMULA = {
     Category.INPUTS: "the batch and targets handed to the model and the loss; the textbook's model-state and "
                      "activation formulas leave them out",
+    Category.COMMUNICATION: "buffers handed to collectives (DDP's gradient buckets, all-gather and reduce-scatter "
+                            "staging); the formula side does not model the parallel layout yet",
     Category.TEMPORARIES: "op outputs nobody saved for backward and scratch memory live at this moment; the textbook "
                           "has a formula for them only inside the optimizer step",
 }

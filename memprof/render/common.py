@@ -35,15 +35,17 @@ CATEGORY_COLORS: dict[Category, str] = {
     Category.ACTIVATIONS: "#55A868",
     Category.INPUTS: "#937860",
     Category.KV_CACHE: "#2F8F8F",
+    Category.COMMUNICATION: "#7F7F3F",
     Category.TEMPORARIES: "#CCB974",
     Category.ALLOCATOR_OVERHEAD: "#64B5CD",
     Category.OUTSIDE_TORCH: "#DA8BC3",
 }
 
 def quiet(cat: Category, *values: "int | None") -> bool:
-    """A row a table leaves out: the KV cache of a run that kept none (training; files from before the
-    category existed). Every other category is shown, "not measured" included."""
-    return cat is Category.KV_CACHE and not any(values)
+    """A row a table leaves out: the KV cache of a run that kept none (training), collective buffers of a run
+    on one process, and either in files from before the category existed. Every other category is shown,
+    "not measured" included."""
+    return cat in (Category.KV_CACHE, Category.COMMUNICATION) and not any(values)
 
 
 #: Background bands of the timeline, one color per phase.

@@ -20,8 +20,8 @@ from ..categories import Category, TENSOR_CATEGORIES
 from ..trace import Breakdown
 
 # Index of each tensor category in the running totals.
-WEIGHTS, BUFFERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, INPUTS, KV_CACHE, TEMPORARIES = range(8)
-N_CATS = 8
+WEIGHTS, BUFFERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, INPUTS, KV_CACHE, COMMUNICATION, TEMPORARIES = range(9)
+N_CATS = 9
 CATEGORY_OF_INDEX: tuple[Category, ...] = TENSOR_CATEGORIES
 
 # Tags name a saved storage for the reconciler's named causes. Their live bytes
@@ -50,7 +50,8 @@ TAGS: tuple[str, ...] = (
 N_TAGS = len(TAGS)
 FIRST_WHERE_TAG = TAGS.index("saved_outside_modules")
 assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
-    "weights", "buffers", "gradients", "optimizer_states", "activations", "inputs", "kv_cache", "temporaries"
+    "weights", "buffers", "gradients", "optimizer_states", "activations", "inputs", "kv_cache", "communication",
+    "temporaries"
 )
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..categories import Phase
 from ..units import format_bytes
-from .ledger import ACTIVATIONS, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, storage_of
+from .ledger import ACTIVATIONS, COMMUNICATION, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, storage_of
 
 if TYPE_CHECKING:
     from ..profiler import Profiler
@@ -125,7 +125,8 @@ class ParamTracker:
 
     def add_grad(self, g: torch.Tensor, *, retro: bool) -> None:
         entry = self.prof.storages.add_tensor(g, GRADIENTS)
-        if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS, INPUTS):
+        # A gradient that lives in a collective's buffer (DDP's gradient_as_bucket_view) is a gradient.
+        if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS, INPUTS, COMMUNICATION):
             self.ledger.move(entry, GRADIENTS, retro=retro)
         if entry is not None and entry.cat == GRADIENTS:
             self.grad_keys.add(entry.key)

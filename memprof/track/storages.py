@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..categories import Phase
 from ..sim_autocast import emulated_autocast_dtype
-from .ledger import INPUTS, TAGS, TEMPORARIES, WEIGHTS, storage_of
+from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, storage_of
 from .mode_stack import pop_from_beneath, push_beneath
 
 if TYPE_CHECKING:
@@ -316,6 +316,31 @@ def _tag_fp32_under_autocast(index: "int | None"):
     return rule
 
 
+# torch.distributed's collectives (c10d: DDP's allreduce of its buckets, FSDP's all-gather and reduce-scatter;
+# _c10d_functional: the traceable collectives torch.compile and DTensor use).
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
+
+
+def _communication(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+    # What a collective is handed and gives back is a communication buffer, unless it is a model state
+    # (gradient_as_bucket_view makes the gradients the buckets; FSDP reduce-scatters into gradients).
+    led = storages.ledger
+    for t in _flat_tensors((args, out)):
+        entry = storages.entry_of(t)
+        if entry is None:
+            storages.add_tensor(t, COMMUNICATION)
+        elif entry.cat in (TEMPORARIES, INPUTS):
+            led.move(entry, COMMUNICATION)
+
+
+def _flat_tensors(obj: Any, depth: int = 0) -> Any:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)) and depth < 3:
+        for o in obj:
+            yield from _flat_tensors(o, depth + 1)
+
+
 def _both(*rules: Any):
     def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
         for r in rules:
@@ -369,7 +394,10 @@ def _op_info(func: Any) -> tuple[int, Any, Any]:
             kind = _NEW_OUTPUTS
         elif func in _RESIZE_OPS:
             kind = _RESIZES
-    info = (kind, _TAG_RULES.get(func), func)
+    rule = _TAG_RULES.get(func)
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        rule = _communication
+    info = (kind, rule, func)
     _OP_INFO[id(func)] = info
     return info
 

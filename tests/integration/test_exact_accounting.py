@@ -141,7 +141,7 @@ def test_every_breakdown_sums_to_its_total():
     for rec in tr.phases:
         for bd in (rec.start, rec.peak, rec.end):
             assert_sums(bd)
-            assert all(v >= 0 for v in bd.counts[:8])
+            assert all(v >= 0 for v in bd.counts[:9])
             assert bd[C.ALLOCATOR_OVERHEAD] is None and bd[C.OUTSIDE_TORCH] is None  # CPU: not measured
         assert rec.peak.total >= rec.start.total and rec.peak.total >= rec.end.total
         assert tr.peak.total >= rec.peak.total

@@ -182,7 +182,7 @@ def test_random_stacks_are_exact_and_change_nothing(spec):
     for rec in tr.phases:
         for bd in (rec.start, rec.peak, rec.end):
             assert_sums(bd)
-            assert all(v >= 0 for v in bd.counts[:8])
+            assert all(v >= 0 for v in bd.counts[:9])
         assert tr.peak.total >= rec.peak.total >= max(rec.start.total, rec.end.total)
     for s in tr.timeline:
         assert_sums(s.breakdown)

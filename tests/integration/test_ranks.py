@@ -100,3 +100,54 @@ def test_reports_that_are_not_one_run_are_refused():
         memprof.merge([])
     with pytest.raises(MergeError, match=r"do not exist in a world of 2"):
         memprof.merge([memprof.Report(dataclasses.replace(two[0].trace, distributed=RankInfo(5, 2)))])
+
+
+def _ddp_step(gabv):
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)),
+                                                gradient_as_bucket_view=gabv)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.profile(model, opt) as prof:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    buckets = [int(b) for b in str(model._get_ddp_logging_data()["bucket_sizes"]).split(",")]
+    return prof.report(), model, buckets
+
+
+@pytest.mark.parametrize("gabv", [False, True], ids=["buckets", "gradient_as_bucket_view"])
+def test_ddp_buckets_are_communication_unless_they_are_the_gradients(gloo_world_of_one, gabv):
+    from memprof import Category as C
+
+    rep, model, buckets = _ddp_step(gabv)
+    backward = next(p for p in rep.trace.phases if p.phase.value == "backward")
+    # The gradients: (8*8 + 8 + 4*8 + 4) fp32 = 108 * 4 = 432 bytes; DDP's one bucket holds the same 432 bytes.
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    assert grads == 432 and buckets == [432]
+    if gabv:  # the gradients are views of the bucket: one storage, counted once, as gradients
+        assert (backward.end[C.GRADIENTS], backward.end[C.COMMUNICATION]) == (432, 0)
+    else:  # the bucket is its own storage, handed to the allreduce
+        assert (backward.end[C.GRADIENTS], backward.end[C.COMMUNICATION]) == (432, sum(buckets))
+    assert backward.end[C.INPUTS] == 0  # no longer taken for inputs
+
+
+def _rank_worker(rank, world, store, out):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        rep, _model, _buckets = _ddp_step(False)
+        rep.save(f"{out}/memprof-rank{rank}.json")
+        dist.barrier()  # no rank leaves (and tears gloo down) before the others are done
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_of_ddp_merge(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    merged = memprof.merge(sorted(str(p) for p in tmp_path.glob("memprof-rank*.json")))
+    assert sorted(merged.ranks) == [0, 1] and merged.world_size == 2 and merged.missing == ()
+    for rank, rep in merged.ranks.items():
+        assert rep.trace.distributed == RankInfo(rank=rank, world_size=2, backend="gloo", layout="ddp")
+        backward = next(p for p in rep.trace.phases if p.phase.value == "backward")
+        assert backward.end["communication"] == 432  # the one bucket, on each rank
+    assert merged.spread[0] == 0  # the same model and batch on both ranks: the same peak

@@ -148,10 +148,10 @@ def test_storage_of_gives_up_on_layouts_without_one():
 
 
 def test_full_mode_totals_become_a_breakdown_that_sums():
-    totals = [100, 20, 100, 200, 50, 10, 7, 5]  # the eight tensor categories, kv_cache 7
+    totals = [100, 20, 100, 200, 50, 10, 7, 3, 5]  # the nine tensor categories, kv_cache 7, communication 3
     bd = breakdown(totals, light=False, where="end")
-    assert [bd[c] for c in list(C)[:8]] == totals
-    assert bd.total == 492
+    assert [bd[c] for c in list(C)[:9]] == totals
+    assert bd.total == 495
     assert bd[C.ALLOCATOR_OVERHEAD] is None and bd[C.OUTSIDE_TORCH] is None  # no device: not measured
 
 
@@ -164,7 +164,7 @@ class _Device:
 
 
 def test_light_mode_temporaries_are_what_the_allocator_holds_beyond_the_known_categories():
-    totals = [100, 0, 100, 200, 50, 10, 0, 0]  # known: 460
+    totals = [100, 0, 100, 200, 50, 10, 0, 0, 0]  # known: 460
     device = _Device(allocated=1000, peak_allocated=1500, reserved=2048, nvml_used=3000)
     end = breakdown(totals, light=True, where="end", device=device)
     assert end[C.TEMPORARIES] == 1000 - 460 and end.total == 1000 + (2048 - 1000) + (3000 - 2048)

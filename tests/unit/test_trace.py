@@ -27,7 +27,7 @@ def test_a_category_not_given_is_not_measured_never_zero():
 
 
 def test_a_breakdown_with_the_wrong_number_of_values_is_refused():
-    with pytest.raises(TraceFormatError, match="needs 10 values"):
+    with pytest.raises(TraceFormatError, match="needs 11 values"):
         Breakdown((1, 2, 3), 6)
 
 
