@@ -47,7 +47,7 @@ class Merged:
 
     def to_frame(self) -> Any:
         """One row per rank: the peak total, the step and phase of the peak, and each category at the peak."""
-        import pandas as pd  # an optional dependency, as for Report.to_frame
+        import pandas as pd
 
         rows = []
         for rank in sorted(self.ranks):
@@ -78,21 +78,25 @@ def merge(reports: Iterable["Report | str | os.PathLike[str]"]) -> Merged:
     are missing are listed in ``missing`` and in the notes, not refused: a job's surviving ranks are
     worth reading. Raises :class:`MergeError` otherwise.
     """
-    if isinstance(reports, (str, os.PathLike, Report)):
+    if isinstance(reports, (str, bytes, os.PathLike, Report, dict)):
         raise InvalidArgumentError("merge() takes a list of reports or paths, one per rank")
-    given = [r if isinstance(r, Report) else _load(r) for r in reports]
+    items = list(reports)
+    given = [r if isinstance(r, Report) else _load(r) for r in items]
+    names = [f"report {i}" if isinstance(r, Report) else os.fspath(r) for i, r in enumerate(items)]
     if not given:
         raise MergeError("merge() needs at least one report (one per rank)")
     ranks: dict[int, Report] = {}
     worlds: set[int] = set()
     params: set[int] = set()
-    for i, rep in enumerate(given):
+    layouts: set[tuple[Any, Any]] = set()
+    for name, rep in zip(names, given):
         info = rep.trace.distributed
         if info is None:
-            raise MergeError(f"report {i} was not profiled inside a torch.distributed process group (its trace "
+            raise MergeError(f"{name} was not profiled inside a torch.distributed process group (its trace "
                              "records no rank); profile each rank after init_process_group")
         if info.rank in ranks:
-            raise MergeError(f"rank {info.rank} is given twice; give each rank's report once")
+            raise MergeError(f"rank {info.rank} is given twice ({name} is one); give each rank's report once")
+        layouts.add((info.layout, info.backend))
         ranks[info.rank] = rep
         worlds.add(info.world_size)
         params.add(rep.trace.facts.num_params)
@@ -107,12 +111,16 @@ def merge(reports: Iterable["Report | str | os.PathLike[str]"]) -> Merged:
         raise MergeError(f"rank(s) {outside} do not exist in a world of {world}")
     missing = tuple(r for r in range(world) if r not in ranks)
     notes = [f"ranks {', '.join(map(str, missing))} of {world} were not given"] if missing else []
+    if len(layouts) > 1:
+        notes.append("the ranks report different layouts or backends (" + "; ".join(
+            f"{lay or 'unwrapped'} over {be}" for lay, be in sorted(layouts, key=str)) + "): check they are one run")
+    if any(r.peak.total is None for r in ranks.values()):
+        notes.append("a rank's peak total was not measured (light mode on CPU): the worst rank and the spread "
+                     "compare what was measured only")
     return Merged(ranks=dict(sorted(ranks.items())), world_size=world, missing=missing, notes=tuple(notes))
 
 
 def _load(path: Any) -> Report:
-    try:
-        return load(path)
-    except TypeError:
-        raise InvalidArgumentError(f"merge() takes reports or paths of saved traces, got {type(path).__name__}") \
-            from None
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"merge() takes reports or paths of saved traces, got {type(path).__name__}")
+    return load(path)

@@ -382,7 +382,9 @@ def plan_text(plan: "BatchSizePlan") -> str:
 
 def merged_text(merged: "Merged") -> str:
     """The ranks of one run in a table: each rank's peak (where), the largest categories there, the spread."""
-    lines = [f"memprof merge: {len(merged.ranks)} of {merged.world_size} rank(s); worst rank {merged.worst}"]
+    measured = all(r.peak.total is not None for r in merged.ranks.values())
+    worst = f"worst rank {merged.worst}" if measured else "peaks not measured on every rank"
+    lines = [f"memprof merge: {len(merged.ranks)} of {merged.world_size} rank(s); {worst}"]
     spread = merged.spread
     if spread is not None:
         lines.append(f"  spread of the peaks: {size(spread[0])} (max - min), max/mean {spread[1]:.3f}")
@@ -391,7 +393,7 @@ def merged_text(merged: "Merged") -> str:
         t = rep.trace
         where = f"step {t.peak_step} {t.peak_phase.value}" if t.peak_phase is not None else ""
         top = largest(t.peak)
-        mark = " *" if rank == merged.worst else ""
+        mark = " *" if measured and rank == merged.worst else ""
         lines.append(f"  {rank:>4}  {size(t.peak.total):>12}  {where:<22}{top}{mark}")
     for note in merged.notes:
         lines.append(f"  - {note}")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..categories import Phase
-from .ledger import ACTIVATIONS, INPUTS, TAGS, TEMPORARIES, Entry, storage_of
+from .ledger import ACTIVATIONS, COMMUNICATION, INPUTS, TAGS, TEMPORARIES, Entry, storage_of
 
 _RECOMPUTED = TAGS.index("recomputed_for_backward")
 from .saved_hooks import Saved, SavedHooks, _Chain, is_checkpoint_pair, tensors_in
@@ -133,7 +133,9 @@ class SavedTracker:
                 self.attribute(entry)
             elif modules.stack:
                 modules.unseen_saves.append(entry.key)  # an input, unless its call turns out compiled
-        elif entry.cat == TEMPORARIES:
+        elif entry.cat == TEMPORARIES or entry.cat == COMMUNICATION:
+            # A collective's output that the next layer saves (tensor parallelism's all-reduce) is an
+            # activation from then on, as any op output autograd keeps.
             led.move(entry, ACTIVATIONS)
             self.attribute(entry)
         stack = modules.stack

@@ -325,7 +325,9 @@ def _communication(storages: StorageTracker, func: Any, args: Any, out: Any) -> 
     # What a collective is handed and gives back is a communication buffer, unless it is a model state
     # (gradient_as_bucket_view makes the gradients the buckets; FSDP reduce-scatters into gradients).
     led = storages.ledger
-    for t in _flat_tensors((args, out)):
+    # In-place collectives (c10d: DDP's allreduce_ of its buckets) work in the buffers they are handed;
+    # functional ones (_c10d_functional) return new buffers and only read their inputs.
+    for t in _flat_tensors(out if func.namespace == "_c10d_functional" else (args, out)):
         entry = storages.entry_of(t)
         if entry is None:
             storages.add_tensor(t, COMMUNICATION)

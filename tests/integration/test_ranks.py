@@ -151,3 +151,51 @@ def test_two_ranks_of_ddp_merge(tmp_path):
         backward = next(p for p in rep.trace.phases if p.phase.value == "backward")
         assert backward.end["communication"] == 432  # the one bucket, on each rank
     assert merged.spread[0] == 0  # the same model and batch on both ranks: the same peak
+
+
+def test_a_collective_output_that_autograd_saves_is_an_activation(gloo_world_of_one):
+    from memprof import Category as C
+
+    class RowParallel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 8)
+
+        def forward(self, x):
+            h = self.a(x).detach()
+            dist.all_reduce(h)  # in place: h is the collective's buffer, then b saves it for its gradient
+            return self.b(h)
+
+    model = RowParallel()
+    with memprof.profile(model) as prof:
+        out = model(torch.randn(512, 256))
+        out.sum().backward()
+    forward = prof.report().trace.phases[1]
+    assert forward.phase.value == "forward"
+    # h: 512 x 256 fp32 = 524,288 bytes, saved by b: an activation, not a communication buffer.
+    assert forward.end[C.ACTIVATIONS] >= 512 * 256 * 4
+    assert forward.end[C.COMMUNICATION] == 0
+
+
+def test_merge_refuses_what_is_not_a_list_of_ranks(tmp_path):
+    from memprof.errors import InvalidArgumentError
+
+    for bad in ("rank0.json", b"rank0.json", {0: "rank0.json"}):
+        with pytest.raises(InvalidArgumentError, match="a list of reports or paths"):
+            memprof.merge(bad)
+    with pytest.raises(InvalidArgumentError, match="got int"):
+        memprof.merge([3])
+    plain = _run(nn.Linear(8, 8))
+    path = tmp_path / "plain.json"
+    plain.save(path)
+    with pytest.raises(MergeError, match="plain.json was not profiled inside"):
+        memprof.merge([str(path)])
+
+
+def test_a_merge_of_unmeasured_peaks_names_no_worst_rank():
+    reports = _ranks([0, 10])
+    blank = [memprof.Report(dataclasses.replace(r.trace, peak=dataclasses.replace(r.trace.peak, total=None)))
+             for r in reports]
+    merged = memprof.merge(blank)
+    assert "peaks not measured on every rank" in str(merged) and merged.spread is None
+    assert any("was not measured" in n for n in merged.notes)
