@@ -200,9 +200,15 @@ def check_budget(report: "Report", peak: "int | str | None" = None, *, at: str =
     measure or the profile recorded no step; ``UnknownNameError`` for a name
     that is neither ``peak`` nor a category; ``SizeParseError`` for a size
     that is negative, NaN, infinite, a bool or unparseable.
+
+    ``report`` may also be a :class:`~memprof.Merged` (the ranks of one distributed run): every rank is
+    judged, the error names each rank over budget, and the result is the worst rank's.
     """
+    from .merging import Merged
     from .report import Report
 
+    if isinstance(report, Merged):
+        return _check_ranks(report, peak, at, categories)
     if not isinstance(report, Report):
         raise InvalidArgumentError(
             f"check_budget() needs a memprof.Report, got {type(report).__name__}; "
@@ -363,3 +369,20 @@ def describe_growth(growths: "tuple[Growth, ...]", tolerance: "str | float | Fra
 def _pct(frac: Fraction) -> str:
     value = float(frac * 100)
     return f"{value:g}%"
+
+
+def _check_ranks(merged: Any, peak: Any, at: str, categories: dict) -> BudgetResult:
+    """Each rank against the budgets: one error naming every rank over them, or the worst rank's result."""
+    results: dict[int, BudgetResult] = {}
+    failed: list[tuple[int, MemoryBudgetExceeded]] = []
+    for rank, rep in merged.ranks.items():
+        try:
+            results[rank] = check_budget(rep, peak, at=at, **categories)
+        except MemoryBudgetExceeded as exc:
+            failed.append((rank, exc))
+    if failed:
+        first = str(failed[0][1]).splitlines()[0]
+        ranks = ", ".join(str(r) for r, _ in failed)
+        raise MemoryBudgetExceeded(f"rank(s) {ranks} of {merged.world_size} over budget; rank {failed[0][0]}: {first}",
+                                   failed[0][1].overruns)
+    return results[merged.worst]

@@ -199,3 +199,15 @@ def test_a_merge_of_unmeasured_peaks_names_no_worst_rank():
     merged = memprof.merge(blank)
     assert "peaks not measured on every rank" in str(merged) and merged.spread is None
     assert any("was not measured" in n for n in merged.notes)
+
+
+def test_a_budget_is_judged_on_every_rank():
+    from memprof import MemoryBudgetExceeded, check_budget
+
+    reports = _ranks([0, 5000, 1000])
+    merged = memprof.merge(reports)
+    base = reports[0].peak.total
+    # Within budget on every rank: the result is the worst rank's (rank 1, base + 5000 bytes).
+    assert check_budget(merged, peak=base + 5000)["peak"].measured == base + 5000
+    with pytest.raises(MemoryBudgetExceeded, match=r"rank\(s\) 1, 2 of 3 over budget"):
+        check_budget(merged, peak=base + 500)
