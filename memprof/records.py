@@ -368,15 +368,20 @@ class RankInfo:
     world_size: int
     backend: "str | None" = None
     layout: "str | None" = None
+    #: DDP's gradient_as_bucket_view: the gradients are the buckets (no copy); None for other layouts.
+    bucket_view: "bool | None" = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RankInfo":
+        view = data.get("bucket_view")
+        if view is not None and not isinstance(view, bool):
+            raise corrupt(f"bucket_view must be true, false or null, got {view!r}")
         return cls(rank=count(data["rank"], "a rank"), world_size=count(data["world_size"], "a world size"),
                    backend=optional_text(data.get("backend"), "backend"),
-                   layout=optional_text(data.get("layout"), "layout"))
+                   layout=optional_text(data.get("layout"), "layout"), bucket_view=view)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,13 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
         values[Category.ACTIVATIONS] = acts.saved_bytes
     if moment is not None and moment.phase in (Phase.OPTIMIZER, Phase.OTHER):
         values[Category.ACTIVATIONS] = 0  # no graph is alive outside forward and backward
+    dist = trace.distributed
+    if dist is not None and dist.layout == "ddp" and moment is not None and moment.phase in (
+            Phase.BACKWARD, Phase.OPTIMIZER, Phase.OTHER) and values[Category.GRADIENTS] is not None:
+        # DDP's buckets hold a copy of every gradient for the allreduce (Li et al. 2020, "PyTorch Distributed",
+        # section 3.2.3), unless gradient_as_bucket_view makes the gradients views of them
+        # (torch/nn/parallel/distributed.py). Before the first backward they are not used, so not seen.
+        values[Category.COMMUNICATION] = 0 if dist.bucket_view else int(round(bpp.gradients * facts.num_trainable))
     if trace.generation is not None and moment is not None and _decoding(trace, moment):
         _inference(values, trace, moment, precision, bpp_inference=bytes_per_param_breakdown(precision, None,
                                                                                              training=False))

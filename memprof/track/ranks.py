@@ -26,7 +26,12 @@ def rank_info(model: nn.Module) -> "RankInfo | None":
         backend = str(dist.get_backend())
     except Exception:  # a process group memprof cannot read: say nothing rather than guess
         return None
-    return RankInfo(rank=rank, world_size=world, backend=backend, layout=_layout(model))
+    layout = _layout(model)
+    view = None
+    if layout == "ddp":
+        ddp = next((m for m in model.modules() if type(m).__name__ == "DistributedDataParallel"), None)
+        view = bool(getattr(ddp, "gradient_as_bucket_view", False)) if ddp is not None else None
+    return RankInfo(rank=rank, world_size=world, backend=backend, layout=layout, bucket_view=view)
 
 
 def _layout(model: nn.Module) -> "str | None":

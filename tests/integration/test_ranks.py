@@ -35,7 +35,7 @@ def _run(model):
 
 def test_a_rank_records_where_it_ran(gloo_world_of_one, tmp_path):
     rep = _run(nn.parallel.DistributedDataParallel(nn.Linear(8, 8)))
-    assert rep.trace.distributed == RankInfo(rank=0, world_size=1, backend="gloo", layout="ddp")
+    assert rep.trace.distributed == RankInfo(rank=0, world_size=1, backend="gloo", layout="ddp", bucket_view=False)
     assert (rep.rank, rep.world_size) == (0, 1)
     rep.save(tmp_path / "rank0.json")
     assert memprof.load(tmp_path / "rank0.json").trace.distributed == rep.trace.distributed
@@ -147,7 +147,8 @@ def test_two_ranks_of_ddp_merge(tmp_path):
     merged = memprof.merge(sorted(str(p) for p in tmp_path.glob("memprof-rank*.json")))
     assert sorted(merged.ranks) == [0, 1] and merged.world_size == 2 and merged.missing == ()
     for rank, rep in merged.ranks.items():
-        assert rep.trace.distributed == RankInfo(rank=rank, world_size=2, backend="gloo", layout="ddp")
+        assert rep.trace.distributed == RankInfo(rank=rank, world_size=2, backend="gloo", layout="ddp",
+                                                 bucket_view=False)
         backward = next(p for p in rep.trace.phases if p.phase.value == "backward")
         assert backward.end["communication"] == 432  # the one bucket, on each rank
     assert merged.spread[0] == 0  # the same model and batch on both ranks: the same peak
@@ -211,3 +212,13 @@ def test_a_budget_is_judged_on_every_rank():
     assert check_budget(merged, peak=base + 5000)["peak"].measured == base + 5000
     with pytest.raises(MemoryBudgetExceeded, match=r"rank\(s\) 1, 2 of 3 over budget"):
         check_budget(merged, peak=base + 500)
+
+
+@pytest.mark.parametrize("gabv", [False, True], ids=["buckets", "gradient_as_bucket_view"])
+def test_a_ddp_rank_reconciles_its_buckets(gloo_world_of_one, gabv):
+    rep, _model, buckets = _ddp_step(gabv)
+    assert rep.trace.distributed.bucket_view is gabv
+    rec = rep.reconcile(at=(0, "backward", "end"))
+    row = rec.row("communication")
+    # DDP's buckets copy every gradient: 432 bytes (108 fp32 gradients); none with gradient_as_bucket_view.
+    assert row.formula == row.measured == (0 if gabv else 432)
