@@ -78,19 +78,20 @@ def test_the_cache_at_the_end_of_generation_equals_the_formula_and_its_tensors(n
     assert rec.row("kv_cache").formula == rec.row("kv_cache").measured == formula
 
 
+class _OwnCache(nn.Module):
+    """A cache of this model's own design: a list (or tuple) of key tensors it returns and is given back."""
+
+    def __init__(self, container=list):
+        super().__init__()
+        self.proj, self.container = nn.Linear(8, 8), container
+
+    def forward(self, x, cache=None):
+        k = self.proj(x)
+        return k.sum(), self.container([k] if cache is None else [torch.cat([cache[0], k], dim=1)])
+
+
 def test_a_users_own_cache_handed_back_is_the_cache():
-    class Tiny(nn.Module):
-        # A cache of this model's own design: a list of key tensors it returns and is given back.
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(8, 8)
-
-        def forward(self, x, cache=None):
-            k = self.proj(x)
-            cache = [k] if cache is None else [torch.cat([cache[0], k], dim=1)]
-            return k.sum(), cache
-
-    model = Tiny().eval()
+    model = _OwnCache(list).eval()
     with torch.no_grad(), memprof.profile(model) as prof:
         _, cache = model(torch.randn(2, 4, 8))
         for _ in range(3):
@@ -173,17 +174,7 @@ def test_a_sliding_window_model_has_a_prefill_and_a_capped_formula():
 
 
 def test_a_users_tuple_cache_labels_the_prefill_once_it_comes_back():
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(8, 8)
-
-        def forward(self, x, cache=None):
-            k = self.proj(x)
-            cache = (k,) if cache is None else (torch.cat([cache[0], k], dim=1),)
-            return k.sum(), cache
-
-    model = Tiny().eval()
+    model = _OwnCache(tuple).eval()
     with torch.no_grad(), memprof.profile(model) as prof:
         _, cache = model(torch.randn(2, 4, 8))
         for _ in range(3):
