@@ -38,3 +38,13 @@ def write_results(json_path: "str | None", data: Any, markdown_path: "str | None
     if markdown_path:
         with open(markdown_path, "w") as f:
             f.write(markdown)
+
+
+def import_memprof() -> Any:
+    """memprof as installed, else from the repository these scripts sit in."""
+    try:
+        import memprof
+    except ImportError:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        import memprof
+    return memprof

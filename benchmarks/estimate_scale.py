@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-from _machine import command_line, cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import command_line, cpu_model, import_memprof, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 CONFIGS: dict[str, dict[str, int]] = {
     # TinyLlama-1.1B (config.json of TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T).
@@ -158,11 +158,7 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precisio
     import torch
     import torch.nn.functional as F
 
-    try:
-        import memprof
-    except ImportError:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        import memprof
+    memprof = import_memprof()
     import memprof.anatomy as anatomy
 
     torch.set_num_threads(2)
@@ -330,11 +326,7 @@ def main(argv: "list[str] | None" = None) -> int:
 
     import torch
 
-    try:
-        import memprof
-    except ImportError:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        import memprof
+    memprof = import_memprof()
     cpu = cpu_model()
     info = {
         "cpu": cpu, "logical_cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from _machine import command_line, cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import command_line, cpu_model, import_memprof, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
 
 CONFIGS: dict[str, dict[str, int]] = {
     "70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000, positions=8192),
@@ -40,11 +40,7 @@ def worker(name: str, batch: int, prompt: int, new: int) -> dict[str, Any]:
     import torch
     import transformers
 
-    try:
-        import memprof
-    except ImportError:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        import memprof
+    memprof = import_memprof()
     from memprof.anatomy import kv_cache_bytes
 
     torch.set_num_threads(2)

@@ -130,7 +130,6 @@ class _Loop:
         self.positions = "position_ids" in params
         # generate() hands the prefill an empty cache to fill, as transformers' generate does.
         self.cache: Any = _empty_cache(model)
-        self.seen = 0
         self.mask: "torch.Tensor | None" = None
         self.position: "torch.Tensor | None" = None
         # What generate() keeps between calls: every token so far, the last logits in fp32, the sequences
@@ -180,7 +179,6 @@ class _Loop:
                 f"{type(self.model).__name__} returned no past_key_values with use_cache=True: it keeps no KV cache "
                 "to simulate")
         self.cache = cache
-        self.seen += tokens
         logits = getattr(out, "logits", None)
         if isinstance(logits, torch.Tensor):
             # generate(): the last position's logits copied to fp32 (kept until the next call's are), the next
@@ -219,7 +217,6 @@ class _Loop:
         self.ids = torch.cat([self.ids, torch.zeros_like(ones)], dim=-1)  # the tokens generate() would have
         if self.position is not None:
             self.position = self.position[:, -1:] + tokens
-        self.seen += tokens
 
 
 def _positions(config: Any) -> "int | None":

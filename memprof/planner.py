@@ -76,26 +76,17 @@ def max_batch_size(
     limit = parse_size(budget)
     if not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
-    from .progress import Progress
 
-    cache: dict[int, int] = {}
-    bar = Progress(None, "max_batch_size")
+    def simulated_peak(b: int) -> int:
+        batch = make_batch(b)
+        if isinstance(batch, tuple) and len(batch) == 2 and loss_fn is not None:
+            inputs, targets = batch
+        else:
+            inputs, targets = batch, None
+        return estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device,
+                        attention=attention).peak_bytes
 
-    def peak(b: int) -> int:
-        if b not in cache:
-            bar.step(f"batch size {b}")
-            batch = make_batch(b)
-            if isinstance(batch, tuple) and len(batch) == 2 and loss_fn is not None:
-                inputs, targets = batch
-            else:
-                inputs, targets = batch, None
-            est = estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device,
-                           attention=attention)
-            cache[b] = est.peak_bytes
-        return cache[b]
-
-    with bar:
-        return _search(peak, cache, limit, multiple_of)
+    return _plan("max_batch_size", simulated_peak, limit, multiple_of)
 
 
 def max_generation_batch_size(
@@ -119,17 +110,25 @@ def max_generation_batch_size(
     limit = parse_size(budget)
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
+
+    def simulated_peak(b: int) -> int:
+        return estimate_generation(model, batch_size=b, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                                   precision=precision, device=device, attention=attention).peak_bytes
+
+    return _plan("max_generation_batch_size", simulated_peak, limit, multiple_of)
+
+
+def _plan(label: str, simulated_peak: Callable[[int], int], limit: int, multiple_of: int) -> BatchSizePlan:
+    """The search, each batch size simulated once, with a progress bar named ``label``."""
     from .progress import Progress
 
     cache: dict[int, int] = {}
-    bar = Progress(None, "max_generation_batch_size")
+    bar = Progress(None, label)
 
     def peak(b: int) -> int:
         if b not in cache:
             bar.step(f"batch size {b}")
-            est = estimate_generation(model, batch_size=b, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                                      precision=precision, device=device, attention=attention)
-            cache[b] = est.peak_bytes
+            cache[b] = simulated_peak(b)
         return cache[b]
 
     with bar:

@@ -142,6 +142,12 @@ def _user_frame(frame: Any) -> Any:
     return None
 
 
+def _output_bytes(out: Any) -> int:
+    """Bytes of the dense tensors an op returned (one, or a tuple or list of them)."""
+    return sum(t.numel() * t.element_size() for t in (out if isinstance(out, (tuple, list)) else (out,))
+               if isinstance(t, torch.Tensor) and t.layout == torch.strided)
+
+
 def _shape_only(t: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -177,9 +183,7 @@ class ValueDependentCode(Rule):
             if module.startswith(VALUE_DEPENDENT_CODE):
                 self.calls += 1
                 self.where.add(module)
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                        self.bytes += t.numel() * t.element_size()
+                self.bytes += _output_bytes(out)
                 break
             frame = frame.f_back
         return out
@@ -223,9 +227,7 @@ class CustomOps(Rule):
             return out
         if name.split("::")[0] not in _TORCH_NAMESPACES:
             self.calls[name] += 1
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                    self.bytes[name] += t.numel() * t.element_size()
+            self.bytes[name] += _output_bytes(out)
         return out
 
     def notes(self) -> list[str]:

@@ -414,7 +414,9 @@ def _simulation_error(exc: BaseException, step: int) -> SimulationError:
     text = str(exc).strip()
     first = (text.splitlines()[0] if text else type(exc).__name__).rstrip(".")
     low = text.lower()
-    frames = [f.filename.replace("\\", "/") for f in __import__("traceback").extract_tb(exc.__traceback__)]
+    import traceback
+
+    frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
     if any("/torch/optim/" in f for f in frames) and ("item()" in low or "data-dependent" in low
                                                       or "cannot be called on meta tensors" in low):
         fix = ("the optimizer's step reads tensor values (torch's own code does for this optimizer), which "

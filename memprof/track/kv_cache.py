@@ -61,7 +61,6 @@ class CacheTracker:
         self.kind: "Phase | None" = None  # what the running root call is: PREFILL, DECODE or None
         self.prefill_serials: set[int] = set()  # earlier calls found to have been prefills
         self._last: "Callable[[], Any] | None" = None  # the cache object of the last prefill or decode call
-        self._handed: Any = None
 
     def before_call(self, args: tuple, kwargs: dict) -> "Phase | None":
         """What this root call is (``Phase.PREFILL``, ``Phase.DECODE`` or ``None``); claims the cache handed in."""
@@ -112,7 +111,7 @@ class CacheTracker:
         under a cache's name, or, from a decode call, any container in its output (a tuple of key and value
         tensors; the logits are a plain tensor)."""
         phases = self.prof.phases
-        kind, self._handed, self.active = self.kind, self.active, None
+        kind, handed, self.active = self.kind, self.active, None
         if kind is None:
             if not torch.is_grad_enabled():  # an ordinary call: a prefill if what it made comes back
                 self.call_tokens[self.prof.ledger.phase_serial] = self.incoming
@@ -132,7 +131,6 @@ class CacheTracker:
                     self._claim(item, named=True)
         self.in_cache += self.incoming
         self.tokens[(phases.step, kind.value, phases.occurrence.get(kind, 0))] = self.in_cache
-        handed, self._handed = self._handed, None
         self._last = None
         if handed is not None:
             try:  # a weak reference: memprof keeps nothing of the user's alive
