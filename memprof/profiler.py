@@ -35,6 +35,7 @@ from .trace import Breakdown, OomRecord, StepRecord, Trace
 from .track.device import DeviceProbe
 from .track.kv_cache import CacheTracker
 from .track.ranks import rank_info
+from .track.shards import ShardTracker, sharding
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
 from .arguments import checked
 from .track.oom import OomDump, checked_folder, is_oom, oom_record
@@ -157,6 +158,7 @@ class Profiler:
         self.probe = DeviceProbe(device)
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
         self.stack: "contextlib.ExitStack | None" = None
+        self.shards: "ShardTracker | None" = None  # FSDP2's parameters, when the model is sharded with it
         self.notes: list[str] = []
         self.changes: list[str] = []  # how the model or its optimizers changed inside the block
         self.thread = 0
@@ -372,6 +374,7 @@ class Profiler:
         self.saved = SavedTracker(self)
         self.kv = CacheTracker(self, model)
         self.rank = rank_info(model)
+        self.shards = sharding(self, model)
         stack.callback(self._close_thread_hooks)
 
         params = [p for p in unique_params(model) if not is_lazy(p)]

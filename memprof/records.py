@@ -370,6 +370,12 @@ class RankInfo:
     layout: "str | None" = None
     #: DDP's gradient_as_bucket_view: the gradients are the buckets (no copy); None for other layouts.
     bucket_view: "bool | None" = None
+    #: FSDP2: this rank's shards of every parameter, with the padding FSDP adds so that dim 0 divides by
+    #: the world size; the bytes of that padding; and the parameters' full (unsharded) bytes in the dtype
+    #: they are gathered in. None for other layouts.
+    sharded_bytes: "int | None" = None
+    padding_bytes: "int | None" = None
+    unsharded_bytes: "int | None" = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -379,9 +385,11 @@ class RankInfo:
         view = data.get("bucket_view")
         if view is not None and not isinstance(view, bool):
             raise corrupt(f"bucket_view must be true, false or null, got {view!r}")
+        sizes = {k: optional_count(data.get(k), k.replace("_", " "))
+                 for k in ("sharded_bytes", "padding_bytes", "unsharded_bytes")}
         return cls(rank=count(data["rank"], "a rank"), world_size=count(data["world_size"], "a world size"),
                    backend=optional_text(data.get("backend"), "backend"),
-                   layout=optional_text(data.get("layout"), "layout"), bucket_view=view)
+                   layout=optional_text(data.get("layout"), "layout"), bucket_view=view, **sizes)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from ..categories import Category
 from ..trace import Breakdown, Trace, parent_path
 from ..units import format_bytes
 from .formula import predictions
+from .sharding import zero_stage
 
 __all__ = ["advice", "levers"]
 
@@ -43,11 +44,14 @@ def levers(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
         if saving:
             out.append((saving, f"8-bit AdamW (bitsandbytes) keeps 2 B/param of optimizer state instead of "
                                 f"{steady_states / max(1, facts.num_trainable):.1f}: saves about {format_bytes(saving)}"))
-    if steady_states:
+    stage = zero_stage(trace.distributed) or 0  # what the run already shards
+    if trace.distributed is not None and trace.distributed.world_size > 1:
+        world_size = trace.distributed.world_size
+    if steady_states and stage < 1:
         saving = steady_states - steady_states // world_size
         out.append((saving, f"ZeRO stage 1 over {world_size} ranks shards optimizer state: saves "
                             f"{format_bytes(saving)} per rank"))
-    if grads:
+    if grads and stage < 2:
         saving = grads - grads // world_size
         out.append((saving, f"ZeRO stage 2 over {world_size} ranks also shards gradients: a further "
                             f"{format_bytes(saving)} per rank"))

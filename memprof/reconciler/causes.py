@@ -11,12 +11,14 @@ shown as "unexplained" by the reconciliation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..anatomy.allocator import CUDA_CONTEXT_RANGE
 from ..categories import TENSOR_CATEGORIES, Category, Phase
 from ..trace import Breakdown, PhaseRecord, Trace, parent_path
 from ..units import format_bytes
+from .sharding import sharding_gaps
 
 if TYPE_CHECKING:
     from ..anatomy.predict import ActivationPrediction
@@ -88,6 +90,21 @@ def no_persistent_16bit_copy(ctx: Context) -> list[Cause]:
                       "HF's mixed precision counts a 16-bit copy of each weight (2 B/param); torch.autocast "
                       "casts per use instead, and the casts saved for backward appear among activations")]
     return []
+
+
+def sharded_rank(ctx: Context) -> list[Cause]:
+    """A rank of FSDP / ZeRO-3: padding, gathered parameters, uneven shards (memprof.reconciler.sharding)."""
+    from ..anatomy.params import bytes_per_param_breakdown
+    from .formula import optimizer_name
+
+    k = None
+    name = ctx.optimizer if ctx.optimizer is not None else optimizer_name(ctx.trace)
+    if name is not None:
+        try:
+            k = Fraction(bytes_per_param_breakdown(ctx.precision, name).optimizer_states).limit_denominator(1000)
+        except Exception:  # an optimizer without a bytes/param row: no cause rather than a wrong one
+            k = None
+    return [Cause(*gap) for gap in sharding_gaps(ctx, k)]
 
 
 def gradients_missing(ctx: Context) -> list[Cause]:
@@ -303,8 +320,9 @@ def device_rows(ctx: Context) -> list[Cause]:
 _NO_FORMULA = {
     Category.INPUTS: "the batch and targets handed to the model and the loss; the textbook's model-state and "
                      "activation formulas leave them out",
-    Category.COMMUNICATION: "buffers handed to collectives (DDP's gradient buckets, all-gather and reduce-scatter "
-                            "staging); the formula side does not model the parallel layout yet",
+    Category.COMMUNICATION: "buffers handed to collectives: FSDP's all-gather and reduce-scatter staging, whose size "
+                            "depends on how the model is wrapped and what is prefetched, and other collectives' "
+                            "buffers",
     Category.TEMPORARIES: "op outputs nobody saved for backward and scratch memory live at this moment; the textbook "
                           "has a formula for them only inside the optimizer step",
 }
@@ -325,6 +343,7 @@ _DECODING = ("the call's logits (batch x vocabulary per position it keeps) and s
 
 #: The causes, in the order the reconciliation lists them.
 CAUSES: tuple[Callable[[Context], list[Cause]], ...] = (
+    sharded_rank,
     no_persistent_16bit_copy,
     gradients_missing,
     lazy_optimizer_state,

@@ -17,6 +17,7 @@ from ..anatomy.inference import kv_cache_bytes
 from ..anatomy.params import bytes_per_param_breakdown
 from ..anatomy.predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from ..categories import Category, Phase
+from .sharding import shard_formula
 from ..errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
 from ..trace import PHASE_MOMENTS, RECONCILE_MOMENTS, Breakdown, PhaseRecord, Trace, parse_moment
 
@@ -113,6 +114,8 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
     if moment is not None and moment.phase in (Phase.OPTIMIZER, Phase.OTHER):
         values[Category.ACTIVATIONS] = 0  # no graph is alive outside forward and backward
     dist = trace.distributed
+    if dist is not None:
+        shard_formula(values, dist)  # ZeRO Table I at the rank's world size (nothing for DDP)
     if dist is not None and dist.layout == "ddp" and moment is not None and moment.phase in (
             Phase.BACKWARD, Phase.OPTIMIZER, Phase.OTHER) and values[Category.GRADIENTS] is not None:
         # DDP's buckets hold a copy of every gradient for the allreduce (Li et al. 2020, "PyTorch Distributed",

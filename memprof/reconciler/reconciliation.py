@@ -20,6 +20,7 @@ from ..categories import Category, Phase
 from ..errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
 from ..trace import Breakdown, as_trace
 from .causes import Cause, Context, causes
+from .sharding import zero_stage
 from .formula import formula_at, infer_precision, moment_of, optimizer_name, parse_at, predictions
 
 if TYPE_CHECKING:
@@ -207,6 +208,12 @@ def reconcile(
     opt_name = optimizer if optimizer is not None else optimizer_name(trace)
     acts, opts = predictions(trace)
     notes: list[str] = []
+    stage = zero_stage(trace.distributed)
+    if stage and trace.distributed is not None:
+        sharded = {1: "optimizer states", 2: "gradients and optimizer states",
+                   3: "weights, gradients and optimizer states"}[stage]
+        notes.append(f"one rank of {trace.distributed.world_size} ({trace.distributed.layout}, ZeRO stage {stage}): the "
+                     f"formula's {sharded} are 1/{trace.distributed.world_size} of the model's (ZeRO, Table I)")
     if trace.optimizer is not None and opts.state_bytes is None and optimizer is None:
         notes.append(f"no formula for {trace.optimizer}: its state is measured, not predicted")
     if acts.modules_without_rule and transformer is None:

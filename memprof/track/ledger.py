@@ -16,6 +16,8 @@ import weakref
 from time import perf_counter_ns
 from typing import Any
 
+import torch
+
 from ..categories import Category, TENSOR_CATEGORIES
 from ..trace import Breakdown
 
@@ -57,11 +59,44 @@ assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
 
 def storage_of(t: Any) -> Any:
     """The untyped storage under tensor ``t``, or None where there is none to count (sparse and
-    nested layouts, tensor subclasses without storage, functorch wrappers)."""
+    nested layouts, tensor subclasses without storage, functorch wrappers). A wrapper subclass
+    (DTensor, FSDP's and quantisation libraries' tensors) has a storage of its own that holds no data
+    and, for DTensor, has the global size: the storage counted is that of the tensor it wraps."""
+    if type(t) is not torch.Tensor and is_wrapper(type(t)):
+        inner = inner_tensors(t)
+        return storage_of(inner[0]) if inner else None
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+_WRAPPERS: dict[type, bool] = {}
+
+
+def is_wrapper(klass: type) -> bool:
+    """Is ``klass`` a traceable wrapper subclass (``__tensor_flatten__``, torch/utils/_python_dispatch.py)
+    whose data lives in inner tensors? Fake and functional tensors are torch's own machinery, not data."""
+    known = _WRAPPERS.get(klass)
+    if known is None:
+        known = hasattr(klass, "__tensor_flatten__") and klass.__name__ not in ("FakeTensor", "FunctionalTensor")
+        _WRAPPERS[klass] = known
+    return known
+
+
+def inner_tensors(t: Any) -> list[Any]:
+    """The plain tensors a wrapper subclass holds (recursively), the largest first; [] when unreadable."""
+    try:
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]
+    except Exception:  # a subclass that cannot flatten now: nothing memprof can count
+        return []
+    out: list[Any] = []
+    for x in inner:
+        if isinstance(x, torch.Tensor):
+            out.extend(inner_tensors(x) if type(x) is not torch.Tensor and is_wrapper(type(x)) else [x])
+    out.sort(key=lambda x: -x.numel() * x.element_size())
+    return out
 
 
 class _Ref(weakref.ref):  # type: ignore[type-arg]

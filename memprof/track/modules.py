@@ -154,7 +154,13 @@ class ModuleTracker:
             # compiled frame: they do nothing under dynamo's tracing (is_compiling), so the graph stays
             # whole and the forward is reported as unseen rather than split by memprof's code.
             pre_hook, post_hook = self._pre_hook(index, is_root), self._post_hook(index, is_root)
-            stack.callback(mod.register_forward_pre_hook(pre_hook, with_kwargs=True).remove)
+            shards = prof.shards
+            sharded = shards is not None and id(mod) in shards.groups
+            # FSDP2 gathers a module's parameters in a pre-hook it puts first: memprof's goes before it, so
+            # that the gathering belongs to the forward, and a second one after it finds what was gathered.
+            stack.callback(mod.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=sharded).remove)
+            if sharded:
+                stack.callback(mod.register_forward_pre_hook(lambda m, _a: shards.unsharded(m)).remove)
             stack.callback(mod.register_forward_hook(post_hook, with_kwargs=True, always_call=True).remove)
         for p in unique_params(model):
             prof.params.adopt(p)

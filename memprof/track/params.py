@@ -123,12 +123,15 @@ class ParamTracker:
         if g is not None:
             self.add_grad(g, retro=True)
 
-    def add_grad(self, g: torch.Tensor, *, retro: bool) -> None:
+    def add_grad(self, g: torch.Tensor, *, retro: bool, follow: bool = True) -> None:
+        """``g`` is a gradient now. ``follow``: it is a followed parameter's ``.grad``, an ordinary
+        tensor again once it stops being one (release_stale_grads); FSDP's unsharded gradients are not."""
         entry = self.prof.storages.add_tensor(g, GRADIENTS)
-        # A gradient that lives in a collective's buffer (DDP's gradient_as_bucket_view) is a gradient.
+        # A gradient that lives in a collective's buffer (DDP's gradient_as_bucket_view, FSDP's
+        # reduce-scatter output) is a gradient.
         if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS, INPUTS, COMMUNICATION):
             self.ledger.move(entry, GRADIENTS, retro=retro)
-        if entry is not None and entry.cat == GRADIENTS:
+        if follow and entry is not None and entry.cat == GRADIENTS:
             self.grad_keys.add(entry.key)
 
     def walk_grads(self) -> None:

@@ -229,6 +229,8 @@ class PhaseTracker:
         if not prof.active or self.current is not Phase.BACKWARD:
             return
         prof.modules.close_backward_frames()
+        if prof.shards is not None:
+            prof.shards.grads()  # in this phase still: the reduce-scatter outputs were gradients at its peak
         prof.params.walk_grads()
         self.begin(Phase.OTHER)
         if not self.explicit and not self.optimizer_seen:

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..categories import Phase
 from ..sim_autocast import emulated_autocast_dtype
-from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, storage_of
+from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, inner_tensors, is_wrapper, storage_of
 from .mode_stack import pop_from_beneath, push_beneath
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["DispatchMode", "StorageTracker", "KEEPS_COMPILE", "pop_orphan_modes"]
 
 _aten = torch.ops.aten
+_PLAIN = torch.Tensor
 _DETACH = _aten.detach.default
 _BACKWARD = Phase.BACKWARD
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -63,6 +64,11 @@ class DispatchMode(TorchDispatchMode):
             # A detach only aliases (the engine and saved-tensor packing issue many): nothing to count.
             # No tracker: the profile ended in another thread and this mode is waiting to be popped.
             return func(*args, **(kwargs or {}))
+        for t in types:
+            if t is not _PLAIN and is_wrapper(t):
+                # A wrapper subclass (DTensor ...): let it run first. It desugars into ops on the tensors
+                # it wraps, which come back through this mode with real storages and local sizes.
+                return NotImplemented
         return tracker.on_op(func, args, kwargs or {})
 
 
@@ -195,6 +201,10 @@ class StorageTracker:
                 self.add_tensor(t._indices(), cat)
                 return self.add_tensor(t._values(), cat)
             return None
+        if type(t) is not _PLAIN and is_wrapper(type(t)):
+            # A wrapper subclass: what it wraps (a DTensor's local shard; a quantised tensor's data and scales).
+            entries = [self.add_tensor(x, cat) for x in inner_tensors(t)]
+            return entries[0] if entries else None
         st = storage_of(t)
         return self.ledger.add(st, cat) if st is not None else None
 
@@ -333,6 +343,10 @@ def _communication(storages: StorageTracker, func: Any, args: Any, out: Any) -> 
             storages.add_tensor(t, COMMUNICATION)
         elif entry.cat in (TEMPORARIES, INPUTS):
             led.move(entry, COMMUNICATION)
+    shards = storages.prof.shards
+    if shards is not None:
+        # FSDP2 stores a group's sharded gradients after its reduce-scatter; by the next collective they are there.
+        shards.grads()
 
 
 def _flat_tensors(obj: Any, depth: int = 0) -> Any:

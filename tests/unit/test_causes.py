@@ -219,7 +219,7 @@ def test_categories_without_a_formula_count_as_measured():
 
 
 def test_the_table_holds_every_cause_once_and_zero_bytes_are_dropped():
-    assert len(set(CAUSES)) == len(CAUSES) == 13
+    assert len(set(CAUSES)) == len(CAUSES) == 14
     fwd, _, _ = _step()
     t = trace(phases=(fwd,))
     found = causes(ctx(t, cpu(activations=600), cpu(activations=600), rec=fwd, tags={"saved_outside_modules": 0}))

@@ -1,0 +1,112 @@
+"""The formula side of a sharded rank, and the causes of its gaps.
+
+ZeRO (Rajbhandari et al. 2020, §5.1, Table I) gives each data-parallel rank ``1/N`` of what it shards:
+stage 1 the optimizer states, stage 2 also the gradients, stage 3 also the parameters. FSDP (``fully_shard``
+and FSDP1's FULL_SHARD) is stage 3: Zhao et al. 2023, "PyTorch FSDP", §3.2. The formula is Table I's at the
+rank's real world size over the model's parameter count; what a real rank holds beyond it is named:
+
+- the padding FSDP adds so that every parameter's dim 0 divides by the world size (each rank stores
+  ``ceil(rows / N)`` rows of every parameter: ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``);
+- the full parameters it gathers for the module(s) running (forward, and backward's recomputation of them);
+- the gradients autograd produced for them before their reduce-scatter;
+- per-parameter scalars an optimizer keeps whole on every rank (Adam's ``step``).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from ..categories import Category, Phase
+
+if TYPE_CHECKING:
+    from ..records import RankInfo
+    from .causes import Context
+
+__all__ = ["STAGES", "zero_stage", "shard_formula", "sharding_gaps"]
+
+W, G, O = Category.WEIGHTS, Category.GRADIENTS, Category.OPTIMIZER_STATES
+
+#: The ZeRO stage of each parallel layout memprof measures or simulates.
+STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "fsdp2": 3, "fsdp1": 3}
+
+
+def zero_stage(dist: "RankInfo | None") -> "int | None":
+    """What the rank shards, as a ZeRO stage (0: nothing, DDP); None where memprof cannot tell."""
+    if dist is None or dist.layout is None:
+        return None
+    return STAGES.get(dist.layout)
+
+
+def shard_formula(values: dict, dist: "RankInfo") -> None:
+    """Divide what the rank's layout shards by its world size (ZeRO Table I), in place."""
+    stage = zero_stage(dist)
+    if not stage:
+        return
+    n = dist.world_size
+    sharded = (O,) if stage == 1 else (G, O) if stage == 2 else (W, G, O)
+    for cat in sharded:
+        if values.get(cat) is not None:
+            values[cat] = _half_up(Fraction(values[cat], n))
+
+
+def _half_up(x: Fraction) -> int:
+    return int(x + Fraction(1, 2)) if x >= 0 else -int(-x + Fraction(1, 2))
+
+
+def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category, str, int, str]]":
+    """The named parts of a ZeRO-3 / FSDP rank's gaps, as (category, name, bytes, sentence); ``k``: the
+    optimizer's state bytes per parameter (None: no optimizer cause)."""
+    trace = ctx.trace
+    dist = trace.distributed
+    if dist is None or zero_stage(dist) != 3 or dist.sharded_bytes is None or len(trace.param_dtypes) != 1:
+        return []
+    m, f = ctx.measured, ctx.formula
+    if not ctx.both(W) or not f[W]:
+        return []
+    n = dist.world_size
+    itemsize = _ITEMSIZE.get(trace.param_dtypes[0])
+    if itemsize is None:
+        return []
+    out: list[tuple[Category, str, int, str]] = []
+    share = Fraction(trace.facts.num_params, n)  # the formula's parameters per rank
+    padded = Fraction(dist.sharded_bytes, itemsize)  # what the rank stores: its padded shards
+    own = Fraction(dist.sharded_bytes - (dist.padding_bytes or 0), itemsize)  # of which real rows
+    pad = dist.sharded_bytes - f[W]
+    if pad and m[W] >= dist.sharded_bytes:
+        out.append((W, "padding to the world size", pad,
+                         f"FSDP pads each parameter's first dimension to a multiple of the world size ({n}); "
+                         "every rank stores ceil(rows / world size) rows of each"))
+    gathered = m[W] - dist.sharded_bytes
+    if gathered > 0:
+        out.append((W, "unsharded parameters", gathered,
+                         "full parameters all-gathered for the module(s) running at this moment; FSDP frees them "
+                         "after the module's forward (reshard_after_forward) and gathers them again in backward"))
+    if ctx.both(G) and f[G]:
+        per = Fraction(f[G]) / share  # gradient bytes per parameter in the formula
+        gpad = _half_up((padded - share) * per)
+        if ctx.phase in (Phase.OPTIMIZER, Phase.OTHER) and gpad and m[G] >= f[G]:
+            out.append((G, "padding to the world size", gpad,
+                             "the reduce-scatter gives every rank a padded shard of each gradient"))
+        elif ctx.phase is Phase.BACKWARD and m[G] > f[G] + gpad:
+            out.append((G, "unsharded gradients", m[G] - f[G] - gpad,
+                             "gradients of the gathered parameters, held until FSDP reduce-scatters them"))
+    if ctx.both(O) and f[O] and m[O] and k is not None:
+        # Optimizer state is made like its parameter's local shard (zeros_like): real rows, no padding. With
+        # rows that do not divide by the world size, lower ranks hold one row more of a parameter than higher ones.
+        uneven = _half_up((own - share) * k)
+        if uneven:
+            out.append((O, "uneven shards", uneven,
+                             "this rank's real rows differ from an even 1/world size share: the first ranks hold "
+                             "ceil(rows / world size) rows of a parameter, the last ones fewer"))
+        rest = m[O] - f[O] - uneven
+        # Per-parameter scalars (Adam's 4-byte step, one per parameter tensor) are whole on every rank: the formula
+        # shared them out. Named only within that bound (8 bytes a tensor); anything else stays unexplained.
+        if 0 < rest <= 8 * trace.facts.trainable_tensors:
+            out.append((O, "unsharded step counters", rest,
+                             "scalars the optimizer keeps per parameter tensor (Adam's step) exist whole on every "
+                             "rank; the formula divided them by the world size too"))
+    return out
+
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}

@@ -1,0 +1,157 @@
+"""Two real ranks of FSDP2 (``fully_shard``) on gloo: each rank's shards, gathered parameters, gradients and
+collective buffers against sums taken on that rank's own tensors; the two traces merged and reconciled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memprof
+from memprof import Category as C
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+
+WORLD = 2
+
+
+def _model(reshard: bool) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    # 33 output rows do not divide by 2: FSDP pads the second Linear's weight and bias to 34 rows.
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 33))
+    for m in (model[0], model[2]):
+        fully_shard(m, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model
+
+
+def _storages_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (DTensors by their local shards)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        st = local.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def _padded_full_bytes(model: nn.Module) -> int:
+    """What FSDP gathers: each parameter with dim 0 padded to a multiple of the world size, in fp32."""
+    total = 0
+    for p in model.parameters():
+        rows = -(-p.shape[0] // WORLD) * WORLD
+        total += rows * (p.numel() // p.shape[0]) * 4
+    return total
+
+
+def _hooks(model: nn.Module) -> list[int]:
+    return [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        facts = {}
+        for reshard in (True, False):
+            model = _model(reshard)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            hooks_before = _hooks(model)
+            with memprof.profile(model, opt) as prof:
+                for _ in range(2):
+                    model(torch.randn(16, 64)).sum().backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=False)
+            prof.report().save(f"{out}/reshard{int(reshard)}-rank{rank}.json")
+            params = list(model.parameters())
+            facts[str(int(reshard))] = {
+                "sharded": _storages_bytes(params),
+                "unpadded": sum(p.to_local().numel() * 4 for p in params),
+                "grads": _storages_bytes([p.grad for p in params]),
+                "states": _storages_bytes([t for s in opt.state.values() for t in s.values()]),
+                "full": _padded_full_bytes(model),
+                "hooks": [hooks_before, _hooks(model)],
+                "resize_patched": "resize_" in torch.UntypedStorage.__dict__,
+            }
+        with open(f"{out}/facts-rank{rank}.json", "w") as f:
+            json.dump(facts, f)
+        dist.barrier()  # no rank tears gloo down before the other is done
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("fsdp2")
+    mp.spawn(_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
+    facts = {r: json.loads((out / f"facts-rank{r}.json").read_text()) for r in range(WORLD)}
+    return out, facts
+
+
+def _phase(rep, step, phase):
+    return next(p for p in rep.trace.phases if p.step == step and p.phase.value == phase)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard_after_forward", "kept_unsharded"])
+def test_each_rank_counts_its_shards_and_what_it_gathers(ranks, reshard):
+    out, facts = ranks
+    for rank in range(WORLD):
+        rep = memprof.load(out / f"reshard{int(reshard)}-rank{rank}.json")
+        f = facts[rank][str(int(reshard))]
+        d = rep.trace.distributed
+        assert (d.rank, d.world_size, d.layout) == (rank, WORLD, "fsdp2")
+        # Local shards: (32x64 + 32 + 17x64 + 17) fp32 = 12,740 bytes on both ranks; rank 1's second Linear holds
+        # 16 real rows of its 17 (256 + 4 bytes of padding).
+        assert d.sharded_bytes == f["sharded"] == 12_740
+        assert d.padding_bytes == f["sharded"] - f["unpadded"] == (0 if rank == 0 else 260)
+        # Gathered: (64 + 34) rows x (64 + 1) fp32 = 25,480 bytes.
+        assert d.unsharded_bytes == f["full"] == 25_480
+        fwd, bwd, opt = (_phase(rep, 1, p) for p in ("forward", "backward", "optimizer"))
+        # After the forward FSDP frees the gathered parameters, or keeps them all (reshard_after_forward=False).
+        assert fwd.end[C.WEIGHTS] == f["sharded"] + (0 if reshard else f["full"])
+        # While a module runs its gathered parameters are weights: more than the shards, never temporaries.
+        assert f["sharded"] < fwd.peak[C.WEIGHTS] <= f["sharded"] + f["full"]
+        assert fwd.peak[C.COMMUNICATION] > 0  # the all-gather's staging buffer
+        # After backward: the sharded gradients, each rank's padded shard of the reduce-scatter output.
+        assert bwd.end[C.GRADIENTS] == f["grads"] == 12_740
+        assert bwd.end[C.WEIGHTS] == f["sharded"] and bwd.end[C.COMMUNICATION] == 0
+        # AdamW's exp_avg and exp_avg_sq, made like each local shard without its padding (2 x 12,740 on rank 0,
+        # 2 x 12,480 on rank 1), and four 4-byte step counters.
+        assert opt.end[C.OPTIMIZER_STATES] == f["states"] == 2 * f["unpadded"] + 4 * 4
+        assert opt.end[C.TEMPORARIES] == 0
+        # memprof's hooks are gone (FSDP's own stay) and torch's storage class is as it was.
+        assert f["hooks"][0] == f["hooks"][1] and not f["resize_patched"]
+
+
+def test_merged_and_reconciled_per_rank(ranks):
+    out, facts = ranks
+    merged = memprof.merge([out / f"reshard1-rank{r}.json" for r in range(WORLD)])
+    assert sorted(merged.ranks) == [0, 1] and merged.world_size == WORLD
+    for rank, rep in merged.ranks.items():
+        rec = rep.reconcile(at=(1, "optimizer", "end"))
+        # ZeRO-3 (Table I) at N = 2 over the model's 6,305 parameters.
+        psi = 64 * 64 + 64 + 33 * 64 + 33
+        assert rep.trace.facts.num_params == psi
+        weights = rec.row("weights")
+        assert weights.formula == (4 * psi + 1) // 2  # 4 bytes each, half per rank: 12,610 bytes
+        assert weights.measured == 12_740
+        causes = {(c.category.value, c.name): c.bytes for c in rec.explanations}
+        # Every rank stores ceil(rows / 2) rows: 12,740 - 12,610 = 130 bytes of padding, named.
+        assert causes[("weights", "padding to the world size")] == 130
+        assert rec.unexplained("weights") == 0
+        assert rec.row("gradients").formula == 12_610 and rec.unexplained("gradients") == 0
+        # AdamW: 8 bytes per parameter, + 4 step counters of 4 bytes, shared out: (8 x 6,305 + 16) / 2 = 25,228.
+        states = rec.row("optimizer_states")
+        assert states.formula == 25_228
+        # Rank 0 holds all 33 rows of nothing uneven but 17 of 33 rows of the second Linear (+ 0.5 row x 65 x 8 =
+        # +260 bytes), rank 1 16 of them (-260 bytes); each holds its 4 step counters whole (+8 bytes).
+        assert causes[("optimizer_states", "uneven shards")] == (260 if rank == 0 else -260)
+        assert causes[("optimizer_states", "unsharded step counters")] == 8
+        assert rec.unexplained("optimizer_states") == 0
+        print(rec)
