@@ -152,7 +152,8 @@ def build_llama(cfg: dict[str, int], seq: int, dtype: Any = None) -> Any:
     return model
 
 
-def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precision: str = "bf16") -> dict[str, Any]:
+def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precision: str = "bf16",
+           world_size: int = 1, parallel: "str | None" = None) -> dict[str, Any]:
     rss_start_kib = _status_kib("VmRSS")
     t0 = time.perf_counter()
     import torch
@@ -190,7 +191,7 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precisio
         pr = cProfile.Profile()
         pr.enable()
     est = memprof.estimate(model, opt_factory, inputs=ids, targets=ids, loss_fn=loss_fn, device="cuda",
-                           precision=precision, steps=steps)
+                           precision=precision, steps=steps, world_size=world_size, parallel=parallel)
     if cprofile:
         pr.disable()
         buf = io.StringIO()
@@ -210,6 +211,8 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precisio
     out = {
         "config": name,
         "precision": precision,
+        "world_size": world_size,
+        "parallel": parallel,
         "dims": cfg,
         "seq": seq,
         "batch": batch,
@@ -278,6 +281,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"| {r['ops_dispatched']:,} | {r['ru_maxrss_kib'] / 2**20:.2f} GiB | "
             f"{_gib((r['vmhwm_kib'] or 0) * 1024)} | {_gib((r['rss_after_import_kib'] or 0) * 1024)} |")
     prec = results[0].get("precision", "bf16") if results else "bf16"
+    ws, par = (results[0].get("world_size", 1), results[0].get("parallel")) if results else (1, None)
+    if par:
+        prec += f"; one rank of {ws} under {par}, communication {', '.join(_gib(r['simulated_at_peak'].get('communication')) for r in results)} at the peak"
     lines += ["", f"Predicted for a CUDA target ({prec}, AdamW foreach), at the simulated peak "
               "and at the end of the last optimizer step (steady), next to the textbook:", "",
               "| config | simulated peak (where) | weights | gradients | optimizer states | activations "
@@ -305,6 +311,9 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="simulated training steps (default 2, as estimate())")
     ap.add_argument("--precision", choices=("bf16", "mixed", "mixed-fp16"), default="bf16",
                     help="bf16 parameters (default), or fp32 parameters under emulated CUDA autocast")
+    ap.add_argument("--world-size", type=int, default=1, help="ranks: the estimate is one rank's (default 1)")
+    ap.add_argument("--parallel", choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None,
+                    help="how the ranks share the model (with --world-size above 1)")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the estimate; top functions in the JSON")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per configuration (default 900)")
     ap.add_argument("--quick", action="store_true", help="the tiny configuration only: a smoke test")
@@ -314,7 +323,8 @@ def main(argv: "list[str] | None" = None) -> int:
     args = ap.parse_args(argv)
 
     if args.worker:  # child process: one configuration, JSON on the last line of stdout
-        res = worker(args.worker, args.seq, args.batch, args.steps, args.cprofile, args.precision)
+        res = worker(args.worker, args.seq, args.batch, args.steps, args.cprofile, args.precision,
+                     args.world_size, args.parallel)
         print(json.dumps(res))
         return 0
 
@@ -337,7 +347,8 @@ def main(argv: "list[str] | None" = None) -> int:
     results, failures = [], []
     for c in configs:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", c, "--seq", str(seq), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--precision", args.precision] + (["--cprofile"] if args.cprofile else [])
+               "--steps", str(args.steps), "--precision", args.precision, "--world-size", str(args.world_size)]
+        cmd += (["--parallel", args.parallel] if args.parallel else []) + (["--cprofile"] if args.cprofile else [])
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

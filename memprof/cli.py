@@ -166,6 +166,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from .units import parse_size
 
     budget = parse_size(args.budget) if args.budget is not None else None  # refuse a bad size before simulating
+    from .sim_ranks import check_parallel
+
+    world_size, parallel = check_parallel(args.world_size, args.parallel)
     _device(args.device)
     factory = _load_factory(args.factory)
     # Built on the meta device: a 7B configuration costs no memory here.
@@ -175,6 +178,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise MemprofError(f"{args.factory}(batch_size={args.batch_size}) raised {type(exc).__name__}: {exc}") from None
     if args.generate:
+        if parallel is not None:
+            raise MemprofError("--parallel and --world-size size a training step's ranks; a generation is "
+                               "estimated for one device: leave them out with --generate")
         return _estimate_generation(args, spec, budget)
     if isinstance(spec, torch.nn.Module):
         raise MemprofError(f"{args.factory} returned a model only; return a dict with 'model' and 'inputs' "
@@ -190,7 +196,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     try:
         est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
                                loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision,
-                               attention=args.attention)
+                               attention=args.attention, world_size=world_size, parallel=parallel)
     except MemprofError:
         raise
     except Exception as exc:
@@ -292,6 +298,10 @@ def _parser() -> argparse.ArgumentParser:
                           "autocast (mixed: bf16; mixed-fp16: fp16 with a GradScaler); default: as built")
     est.add_argument("--attention", choices=("auto", "flash", "efficient", "math"), default="auto",
                      help="attention kernel of a CUDA target (default auto: the one torch's CUDA dispatcher picks)")
+    est.add_argument("--world-size", type=int, default=1,
+                     help="ranks of a data-parallel job: the figures are one rank's, --batch-size its batch")
+    est.add_argument("--parallel", choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None,
+                     help="how the ranks share the model (needed with --world-size above 1)")
     est.add_argument("--budget", help="exit 1 if the simulated peak exceeds this size (e.g. '80 GiB')")
     est.add_argument("--generate", action="store_true",
                      help="simulate a generation (prefill and decoding, the KV cache) instead of a training step")

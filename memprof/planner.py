@@ -56,6 +56,8 @@ def max_batch_size(
     multiple_of: int = 8,
     device: "str | None" = None,
     attention: str = "auto",
+    world_size: int = 1,
+    parallel: "str | None" = None,
 ) -> BatchSizePlan:
     """The largest batch size (a multiple of ``multiple_of``) whose simulated peak fits ``budget``.
 
@@ -66,9 +68,13 @@ def max_batch_size(
     in :func:`memprof.estimate`. ``device="cuda"`` sizes blocks as the CUDA
     caching allocator does; allocator caching, fragmentation and the CUDA
     context are not included: leave headroom for them. ``attention`` is
-    :func:`memprof.estimate`'s (the attention kernel of a CUDA target).
+    :func:`memprof.estimate`'s (the attention kernel of a CUDA target). With ``world_size`` and ``parallel``
+    (:func:`memprof.estimate`'s) the batch is one rank's and the budget one rank's device.
     """
+    from .sim_ranks import check_parallel
     from .simulation import estimate
+
+    world_size, parallel = check_parallel(world_size, parallel)
 
     if not callable(make_batch):
         raise InvalidArgumentError(f"make_batch must be a function of the batch size returning the inputs (or "
@@ -84,7 +90,7 @@ def max_batch_size(
         else:
             inputs, targets = batch, None
         return estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device,
-                        attention=attention).peak_bytes
+                        attention=attention, world_size=world_size, parallel=parallel).peak_bytes
 
     return _plan("max_batch_size", simulated_peak, limit, multiple_of)
 

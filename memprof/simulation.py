@@ -26,6 +26,7 @@ from torch import nn
 from .errors import InvalidArgumentError, MemprofError, SimulationError, UnknownNameError
 from .sim_autocast import CudaAutocast
 from .sim_modes import Rules
+from .sim_ranks import RankLayout, check_parallel
 from .trace import Breakdown, Trace
 
 __all__ = ["Estimate", "estimate"]
@@ -91,6 +92,8 @@ def estimate(
     device: "str | torch.device | None" = None,
     steps: int = 2,
     attention: str = "auto",
+    world_size: int = 1,
+    parallel: "str | None" = None,
 ) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
 
@@ -112,11 +115,15 @@ def estimate(
     pick, saving its output and logsumexp rather than the s x s scores; 1-byte
     dropout masks): :mod:`memprof.sim_kernels`. ``attention`` forces the
     kernel on a CUDA target: ``"flash"``, ``"efficient"`` or ``"math"``.
+    ``world_size`` and ``parallel`` (``"ddp"``, ``"fsdp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``) make
+    the figures one rank's of a data-parallel job, in this one process: ``inputs`` is that rank's batch,
+    and the model states and collective buffers are sharded as the layout does (:mod:`memprof.sim_ranks`).
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
+    world_size, parallel = check_parallel(world_size, parallel)
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
                                    f"{type(loss_fn).__name__}")
@@ -176,7 +183,12 @@ def estimate(
                      "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
                      "skip on overflow are taken")
     resolved = precision or _infer_precision(prof.trace)
-    return Estimate(trace=prof.trace, precision=resolved, device=target.type, notes=tuple(notes))
+    trace = prof.trace
+    if parallel is not None:
+        layout = RankLayout(meta_model, meta_opt, world_size, parallel, 512 if target.type == "cuda" else 1)
+        trace = layout.apply(trace)
+        notes.extend(layout.notes())
+    return Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes))
 
 
 # ---------------------------------------------------------------------- helpers

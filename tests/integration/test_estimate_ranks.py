@@ -1,0 +1,138 @@
+"""estimate(world_size=N, parallel=...): one rank of a data-parallel job, simulated in this process, held to
+ZeRO's Table I and FSDP's per-parameter padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof import Category as C
+from memprof.cli import main
+from memprof.errors import InvalidArgumentError, UnknownNameError
+
+# 64x64 + 64 + 33x64 + 33 = 6,305 fp32 parameters in 4 tensors; AdamW keeps exp_avg and exp_avg_sq like each
+# parameter (8 bytes a parameter) and a 4-byte step counter per tensor.
+PSI = 64 * 64 + 64 + 33 * 64 + 33
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 33))
+
+
+def _steady(est) -> dict:
+    end = [p for p in est.trace.phases if p.phase.value == "optimizer"][-1].end
+    return {c: end[c] for c in (C.WEIGHTS, C.GRADIENTS, C.OPTIMIZER_STATES, C.COMMUNICATION)}
+
+
+def _estimate(world, parallel, **kw):
+    model = _model()
+    return memprof.estimate(model, torch.optim.AdamW(model.parameters()), inputs=torch.randn(16, 64),
+                            world_size=world, parallel=parallel, **kw)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_zero_stages_hold_table_one(world):
+    # ZeRO Table I with fp32 AdamW: parameters 4 B, gradients 4 B, optimizer states 8 B a parameter; stage 1
+    # partitions the states, stage 2 also the gradients, stage 3 also the parameters, each rank holding
+    # ceil(bytes / N) of the flattened whole. The step counters (4 x 4 bytes) are whole on every rank.
+    whole_w, whole_g, states = 4 * PSI, 4 * PSI, _ceil(8 * PSI, world) + 16
+    expect = {
+        "zero1": (whole_w, whole_g, states),
+        "zero2": (whole_w, _ceil(4 * PSI, world), states),
+        "zero3": (_ceil(4 * PSI, world), _ceil(4 * PSI, world), states),
+    }
+    for parallel, (w, g, o) in expect.items():
+        s = _steady(_estimate(world, parallel))
+        assert (s[C.WEIGHTS], s[C.GRADIENTS], s[C.OPTIMIZER_STATES]) == (w, g, o), parallel
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_fsdp_shards_each_parameter_with_its_padding(world):
+    est = _estimate(world, "fsdp")
+    # Rank 0 holds ceil(rows / N) rows of each parameter: 64 rows -> 64/N; 33 rows -> ceil(33/N) (17 at N=2,
+    # 5 at N=8), every rank storing that many (padding), times 65 columns (weight + bias) x 4 bytes.
+    rows = 64 // world + _ceil(33, world)
+    sharded = rows * 65 * 4
+    full = (64 + _ceil(33, world) * world) * 65 * 4  # gathered: every rank's padded shard
+    d = est.trace.distributed
+    assert (d.layout, d.world_size, d.sharded_bytes, d.unsharded_bytes) == ("fsdp", world, sharded, full)
+    # The optimizer's state is made like the real rows of rank 0's shards (no padding): at N = 2 and 8 rank 0's
+    # rows are all real.
+    s = _steady(est)
+    assert (s[C.WEIGHTS], s[C.GRADIENTS], s[C.OPTIMIZER_STATES]) == (sharded, sharded, 2 * sharded + 16)
+    fwd = next(p for p in est.trace.phases if p.phase.value == "forward" and p.step == 1)
+    assert fwd.end[C.WEIGHTS] == sharded  # the root holds no parameters: nothing stays gathered
+    # At the forward's peak the largest block (64x64 + 64 = 16,640 bytes) is gathered, through one all-gather buffer.
+    assert fwd.peak[C.WEIGHTS] == sharded + 64 * 65 * 4 and fwd.peak[C.COMMUNICATION] == 64 * 65 * 4
+    # The formula beside it is Table I's per rank; the padding is named when reconciled.
+    # 4 x 6,305 / N rounded half up: 12,610 at N = 2, 3,152.5 -> 3,153 at N = 8.
+    assert est.formula[C.WEIGHTS] == {2: 12_610, 8: 3_153}[world]
+
+
+def test_ddp_keeps_everything_and_copies_the_gradients_into_buckets():
+    est = _estimate(4, "ddp")
+    s = _steady(est)
+    # Nothing sharded; DDP's buckets hold a copy of every gradient (4 x 6,305 bytes) once backward has run.
+    assert (s[C.WEIGHTS], s[C.GRADIENTS], s[C.OPTIMIZER_STATES], s[C.COMMUNICATION]) == (
+        4 * PSI, 4 * PSI, 8 * PSI + 16, 4 * PSI)
+    first = est.trace.phases[0]
+    assert first.phase.value in ("other", "forward") and first.end[C.COMMUNICATION] == 0
+    assert est.trace.distributed.bucket_view is False
+
+
+def test_deepspeed_buckets_are_not_estimated_rather_than_zero():
+    est = _estimate(2, "zero2")
+    assert est.simulated[C.COMMUNICATION] is None
+    assert any("reduce_bucket_size" in n for n in est.notes)
+
+
+def test_bad_world_sizes_and_layouts_are_refused():
+    model = _model()
+    x = torch.randn(2, 64)
+    for bad in (0, -1, 2.0, True, "8"):
+        with pytest.raises(InvalidArgumentError, match="world_size must be a positive int"):
+            memprof.estimate(model, inputs=x, world_size=bad, parallel="ddp")
+    with pytest.raises(UnknownNameError, match="unknown parallel layout 'tp'; use one of ddp, fsdp"):
+        memprof.estimate(model, inputs=x, world_size=2, parallel="tp")
+    with pytest.raises(InvalidArgumentError, match="world_size=4 needs parallel="):
+        memprof.estimate(model, inputs=x, world_size=4)
+    with pytest.raises(InvalidArgumentError, match="world_size must be a positive int"):
+        memprof.max_batch_size(model, None, lambda b: torch.randn(b, 64), "1 MiB", world_size=0, parallel="fsdp")
+
+
+def test_the_planner_sizes_one_rank():
+    model = _model()
+    kw = dict(multiple_of=8)
+    one = memprof.max_batch_size(model, lambda ps: torch.optim.AdamW(ps), lambda b: torch.randn(b, 64), "300 KiB", **kw)
+    sharded = memprof.max_batch_size(model, lambda ps: torch.optim.AdamW(ps), lambda b: torch.randn(b, 64),
+                                     "300 KiB", world_size=8, parallel="zero1", **kw)
+    # Sharding the optimizer state 8 ways frees (8 x 6,305 x 7/8 =) 44 KiB of the budget for activations.
+    assert sharded.batch_size > one.batch_size
+
+
+def test_the_command_line_takes_a_world_size(tmp_path, capsys, monkeypatch):
+    mod = tmp_path / "rank_models.py"
+    mod.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build(batch_size):\n"
+        "    return {'model': nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 33)),\n"
+        "            'inputs': torch.randn(batch_size, 64)}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["estimate", "rank_models:build", "--batch-size", "16", "--device", "cpu", "--world-size", "2",
+                 "--parallel", "fsdp"]) == 0
+    assert "one rank of 2 under fsdp" in capsys.readouterr().out
+    assert main(["estimate", "rank_models:build", "--batch-size", "16", "--world-size", "0", "--parallel",
+                 "fsdp"]) == 1
+    assert "world_size must be a positive int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["estimate", "rank_models:build", "--batch-size", "16", "--parallel", "tp"])
+    assert main(["estimate", "rank_models:build", "--batch-size", "16", "--world-size", "2", "--parallel", "fsdp",
+                 "--generate", "--prompt-len", "4", "--new-tokens", "2"]) == 1
+    assert "leave them out with --generate" in capsys.readouterr().err
