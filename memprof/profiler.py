@@ -129,6 +129,7 @@ class Profiler:
         oom_dump: "str | os.PathLike[str] | None" = None,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
+        _fake_mode: Any = None,
     ) -> None:
         optimizers, device = checked(model, optimizer, mode, timeline, operations, schedule, on_trace_ready,
                                       _allow_meta)
@@ -158,6 +159,7 @@ class Profiler:
         self.probe = DeviceProbe(device)
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
         self.stack: "contextlib.ExitStack | None" = None
+        self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)
         self.shards: "ShardTracker | None" = None  # FSDP2's parameters, when the model is sharded with it
         self.notes: list[str] = []
         self.changes: list[str] = []  # how the model or its optimizers changed inside the block
@@ -365,6 +367,7 @@ class Profiler:
         led = self.ledger
         # The collectors: each owns one concern; they reach each other through this hub.
         self.storages = StorageTracker(self)
+        self.storages.fake_mode = self._fake_mode
         self.phases = PhaseTracker(self)
         self.params = ParamTracker(self)
         optimizers = [o for o in (r() for r in self._optimizer_refs) if o is not None]

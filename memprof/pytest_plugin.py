@@ -264,7 +264,7 @@ def _collect_and_save(item: pytest.Item) -> "list[Report]":
     if save_dir and reports_:
         os.makedirs(save_dir, exist_ok=True)
         for name, rep in zip(report_file_names(item.nodeid, len(reports_)), reports_):
-            path = os.path.join(save_dir, name)
+            path = os.path.join(save_dir, _with_rank(name, rep))
             rep.save(path)
             item.config.stash.setdefault(_SAVED, []).append(path)
     return reports_
@@ -353,6 +353,7 @@ def _baseline_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]
     tolerance = item.config.getoption("memprof_tolerance", DEFAULT_TOLERANCE)
     failures = []
     for name, rep in zip(report_file_names(item.nodeid, len(reports_)), reports_):
+        name = _with_rank(name, rep)
         path = os.path.join(baseline_dir, name)
         if not os.path.exists(path):
             warnings.warn(
@@ -377,6 +378,13 @@ def _baseline_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]
 # -- file names ---------------------------------------------------------------------
 
 _MAX_STEM = 180
+
+
+def _with_rank(name: str, rep: "Report") -> str:
+    """A report of one rank of a torch.distributed run (pytest under torchrun: every rank runs the test) is
+    ``<stem>@rank<N>.json``, so ranks neither overwrite each other nor compare against another's baseline.
+    An encoded test id never holds ``@``."""
+    return name if rep.rank is None else f"{name[:-len('.json')]}@rank{rep.rank}.json"
 
 
 def report_file_names(nodeid: str, count: int) -> list[str]:

@@ -17,10 +17,10 @@ rules, for rank 0 (the rank that holds the most rows when a dimension does not d
   full gradients wait for one flat reduce-scatter buffer. The root's parameters stay gathered from its
   forward to its backward (FSDP2 does not reshard the root after forward).
 
-Moments are transformed phase by phase: at a forward's or backward's peak the largest unit is gathered;
-at phase ends nothing is, except the root after a forward. This is an upper bound on how much of one
-unit is live at a peak, not a schedule: prefetching the next unit (FSDP2's default in backward) can hold
-two at once, which the note says.
+Moments are transformed phase by phase: at a forward's or backward's peak the largest unit is gathered,
+with FSDP2's buffers for it (in forward it keeps the previous all-gather's buffer until the next one is
+copied out, so two); at phase ends nothing is, except the root after a forward. Phase ends are exact
+(tests hold them to real ranks); peaks are an upper bound for the unit running then.
 """
 
 from __future__ import annotations
@@ -189,8 +189,11 @@ class RankLayout:
             elif gathers and phase in (Phase.FORWARD, Phase.BACKWARD):
                 if where == "peak":
                     v[W] = (v[W] or 0) + root + unit
-                    comm = unit + (unit_grads if phase is Phase.BACKWARD else 0)
-                    if phase is Phase.BACKWARD:
+                    if phase is Phase.FORWARD:
+                        # FSDP2 keeps the previous all-gather's buffer until the next one is copied out: two.
+                        comm = 2 * unit
+                    else:  # the block's all-gather, and its full gradients with their reduce-scatter buffer
+                        comm = unit + unit_grads
                         v[G] = (v[G] or 0) + unit_grads
                 elif phase is Phase.FORWARD and where == "end":
                     v[W] = (v[W] or 0) + root
@@ -222,10 +225,11 @@ class RankLayout:
         out = [f"one rank of {n} under {self.parallel}: the simulated batch is this rank's; model states and "
                "collective buffers are rank 0's as the layout shards them (rank 0 holds the most rows)"]
         if self.stage >= 3:
-            out.append("gathered parameters: the root's (kept from its forward to its backward) and the largest "
-                       "wrapped block's at each forward and backward peak, with one all-gather buffer of that block "
-                       "(and in backward its full gradients and one reduce-scatter buffer); FSDP2's backward "
-                       "prefetch can hold the next block's too")
+            out.append("gathered parameters at each forward and backward peak: the root's (kept from its forward to "
+                       "its backward) and the largest wrapped block's; in forward two all-gather buffers of that size "
+                       "(FSDP2 keeps the previous one until the next is copied out), in backward one, with the "
+                       "block's full gradients and their reduce-scatter buffer. An upper bound for the block "
+                       "running at the peak; the ends of phases are exact")
         if self.parallel in ("zero1", "zero2"):
             out.append("DeepSpeed's reduce and all-gather buckets (reduce_bucket_size, allgather_bucket_size) depend "
                        "on its config: communication is not estimated")

@@ -151,7 +151,7 @@ def estimate(
 
     from .profiler import Profiler
 
-    prof = Profiler(meta_model, meta_opt, mode="full", timeline=False, _allow_meta=True,
+    prof = Profiler(meta_model, meta_opt, mode="full", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if target.type == "cuda" else 1)
     if target.type not in ("cpu", "cuda"):
         notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "

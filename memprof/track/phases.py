@@ -58,6 +58,7 @@ class PhaseTracker:
         self.optimizer_seen = False
         # Ops outside the model's modules are scanned for tensors made before the profile (full mode).
         self.scan_args = False
+        self.requeued = False  # backward_done went to the back of the engine's queue once (FSDP2)
         # (seq, step, phase, label, totals, time in ns, event): raw values, Samples built at the end.
         self.samples: list[tuple[int, int, Phase, str, tuple[int, ...], int, str]] = []
         self.sample_seq = 0
@@ -228,6 +229,16 @@ class PhaseTracker:
         prof = self.prof
         if not prof.active or self.current is not Phase.BACKWARD:
             return
+        if prof.shards is not None and not self.requeued:
+            # FSDP2 reduce-scatters the last gradients in a callback of its own, queued after this one when
+            # its first backward hook ran after backward's first op: go to the back of the queue, once.
+            self.requeued = True
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+                return
+            except RuntimeError:
+                pass
+        self.requeued = False
         prof.modules.close_backward_frames()
         if prof.shards is not None:
             prof.shards.grads()  # in this phase still: the reduce-scatter outputs were gradients at its peak

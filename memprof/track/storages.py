@@ -17,6 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..categories import Phase
@@ -104,6 +105,7 @@ class StorageTracker:
         self.autocast_dtype: "str | None" = None
         self.mode: "DispatchMode | None" = None
         self.base_depth: "int | None" = None  # the dispatch stack's depth when the profile began
+        self.fake_mode: Any = None  # a simulation's fake-tensor mode: its tensors are the ones counted
 
     # -- the dispatch mode -----------------------------------------------------
 
@@ -172,6 +174,8 @@ class StorageTracker:
             for o in (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ():
                 if not isinstance(o, torch.Tensor):
                     continue
+                if type(o) is not _PLAIN and self.foreign_fake(o):
+                    continue
                 if on_cpu:
                     if not o.is_cpu:
                         continue
@@ -208,9 +212,16 @@ class StorageTracker:
         st = storage_of(t)
         return self.ledger.add(st, cat) if st is not None else None
 
+    def foreign_fake(self, t: torch.Tensor) -> bool:
+        """A fake tensor that is not the simulation's: metadata torch computes on the side (DTensor's sharding
+        propagation runs ops on fake tensors of the global shape), which holds no memory."""
+        return isinstance(t, _FakeTensor) and t.fake_mode is not self.fake_mode
+
     def register_output(self, t: torch.Tensor) -> None:
         """A tensor that came out of code memprof sees only from outside: a temporary if new, and a
         known storage at its current size."""
+        if type(t) is not _PLAIN and self.foreign_fake(t):
+            return
         if self.on_cpu:
             if not t.is_cpu:
                 return

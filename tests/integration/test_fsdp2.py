@@ -61,17 +61,18 @@ def _worker(rank: int, store: str, out: str) -> None:
             model = _model(reshard)
             opt = torch.optim.AdamW(model.parameters(), lr=0.1)
             hooks_before = _hooks(model)
+            params = list(model.parameters())
             with memprof.profile(model, opt) as prof:
                 for _ in range(2):
                     model(torch.randn(16, 64)).sum().backward()
+                    grads = _storages_bytes([p.grad for p in params])  # the sharded gradients FSDP stored
                     opt.step()
-                    opt.zero_grad(set_to_none=False)
+                    opt.zero_grad()
             prof.report().save(f"{out}/reshard{int(reshard)}-rank{rank}.json")
-            params = list(model.parameters())
             facts[str(int(reshard))] = {
                 "sharded": _storages_bytes(params),
                 "unpadded": sum(p.to_local().numel() * 4 for p in params),
-                "grads": _storages_bytes([p.grad for p in params]),
+                "grads": grads,
                 "states": _storages_bytes([t for s in opt.state.values() for t in s.values()]),
                 "full": _padded_full_bytes(model),
                 "hooks": [hooks_before, _hooks(model)],
@@ -125,6 +126,9 @@ def test_each_rank_counts_its_shards_and_what_it_gathers(ranks, reshard):
         # 2 x 12,480 on rank 1), and four 4-byte step counters.
         assert opt.end[C.OPTIMIZER_STATES] == f["states"] == 2 * f["unpadded"] + 4 * 4
         assert opt.end[C.TEMPORARIES] == 0
+        # DTensor works out each op's output shape on fake tensors of the global shape; they hold no memory and
+        # are not counted (AdamW's for-each intermediates over three 25,220-byte global shapes would be).
+        assert opt.peak[C.TEMPORARIES] < 2 * f["sharded"]
         # memprof's hooks are gone (FSDP's own stay) and torch's storage class is as it was.
         assert f["hooks"][0] == f["hooks"][1] and not f["resize_patched"]
 
@@ -155,3 +159,63 @@ def test_merged_and_reconciled_per_rank(ranks):
         assert causes[("optimizer_states", "unsharded step counters")] == 8
         assert rec.unexplained("optimizer_states") == 0
         print(rec)
+
+
+def _estimate(world: int):
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 33))  # the same shapes, not sharded
+    return memprof.estimate(model, torch.optim.AdamW(model.parameters(), lr=0.1), inputs=torch.randn(16, 64),
+                            world_size=world, parallel="fsdp")
+
+
+def _against(est, rep) -> None:
+    """The estimate of rank 0 against a measured rank 0: phase ends to the byte, peaks bounded from above."""
+    for phase in ("forward", "backward", "optimizer"):
+        e, m = _phase(est.report(), 1, phase), _phase(rep, 1, phase)
+        for cat in (C.WEIGHTS, C.GRADIENTS, C.OPTIMIZER_STATES, C.ACTIVATIONS, C.COMMUNICATION):
+            assert e.end[cat] == m.end[cat], (phase, cat)
+        if phase != "optimizer":  # the peaks of forward and backward: the largest block gathered, an upper bound
+            assert e.peak.total >= m.peak.total, phase
+            assert e.peak[C.WEIGHTS] >= m.peak[C.WEIGHTS] > e.end[C.WEIGHTS] - 1, phase
+    d, md = est.trace.distributed, rep.trace.distributed
+    assert (d.sharded_bytes, d.padding_bytes, d.unsharded_bytes) == (md.sharded_bytes, md.padding_bytes,
+                                                                    md.unsharded_bytes)
+
+
+def test_the_estimate_of_two_ranks_matches_rank_zero_measured(ranks):
+    out, _facts = ranks
+    _against(_estimate(2), memprof.load(out / "reshard1-rank0.json"))
+
+
+@pytest.fixture
+def fake_world_of_eight():
+    # torch's fake process group: collectives return at once without moving data, so one process runs rank 0 of
+    # eight with FSDP2's own code, on real (tiny) tensors.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_estimate_of_eight_ranks_matches_fsdp2_on_a_fake_world(fake_world_of_eight):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (8,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 33))
+    for m in (model[0], model[2], model):
+        fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            model(torch.randn(16, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    rep = prof.report()
+    # Rank 0 of 8: 8 of 64 rows and 5 of 33 (ceil), x 65 columns x 4 bytes = 3,380 bytes; gathered 64 + 40 rows.
+    d = rep.trace.distributed
+    assert (d.world_size, d.layout, d.sharded_bytes, d.unsharded_bytes) == (8, "fsdp2", 3_380, 104 * 65 * 4)
+    _against(_estimate(8), rep)

@@ -641,3 +641,40 @@ def test_cuda_1(memory_profile):
 ''')
     out = _outcomes(pytester.inline_run("-p", "no:cacheprovider"))
     assert out["test_cuda_1"][0] == "passed", out["test_cuda_1"][1]
+
+
+RANKED = '''
+import os
+import torch.distributed as dist
+
+
+def test_on_a_rank(memory_profile, tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model, opt = make()
+        with memory_profile(model, opt):
+            run_step(model, opt)
+    finally:
+        dist.destroy_process_group()
+'''
+
+
+def test_a_rank_saves_and_compares_under_its_own_name(pytester, rep):
+    # Under torchrun every rank runs the test: rank N's report is <test id>@rank<N>.json, written and compared
+    # per rank. A world of one gloo rank stands for each of them.
+    import torch.distributed as dist
+
+    # What a process group and a profile import lazily is imported here (and by the rep fixture), outside
+    # pytester's runs: pytester forgets modules a run imported, and torch's operator libraries refuse to
+    # register twice.
+    dist.init_process_group("gloo", init_method=f"file://{pytester.path / 'warm'}", rank=0, world_size=1)
+    dist.destroy_process_group()
+    pytester.makepyfile(test_ranked="import pytest\n" + STEP + RANKED)
+    result = pytester.runpytest("--memprof-save-dir", "reports")
+    result.assert_outcomes(passed=1)
+    names = [p.name for p in (pytester.path / "reports").iterdir()]
+    assert names == ["test_ranked.py%3A%3Atest_on_a_rank@rank0.json"]
+    assert memprof.load(pytester.path / "reports" / names[0]).rank == 0
+    result = pytester.runpytest("--memprof-baseline", "reports")
+    result.assert_outcomes(passed=1)
+    assert "no baseline" not in result.stdout.str()
