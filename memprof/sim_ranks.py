@@ -18,8 +18,8 @@ rules, for rank 0 (the rank that holds the most rows when a dimension does not d
   forward to its backward (FSDP2 does not reshard the root after forward).
 
 Moments are transformed phase by phase: at a forward's or backward's peak the largest unit is gathered,
-with FSDP2's buffers for it (in forward it keeps the previous all-gather's buffer until the next one is
-copied out, so two); at phase ends nothing is, except the root after a forward. Phase ends are exact
+with FSDP2's buffers for it (it keeps the previous all-gather's buffer until the next one is copied out,
+so two buffers); at phase ends nothing is, except the root after a forward. Phase ends are exact
 (tests hold them to real ranks); peaks are an upper bound for the unit running then.
 """
 
@@ -140,19 +140,11 @@ class RankLayout:
             return sum(self.rnd(self._rows0(p) * self.n * (p.numel // max(p.rows, 1)) * p.itemsize) for p in ps)
         return sum(self.rnd(p.numel * p.itemsize) for p in ps)
 
-    def unit_bytes(self) -> "tuple[int, int, int]":
-        """(root unit's gathered bytes, the largest other unit's, the largest unit's full gradients)."""
+    def unit_bytes(self) -> "tuple[int, int]":
+        """(the root unit's gathered bytes, the largest other unit's)."""
         units = {p.unit for p in self.params}
         root = self.gathered(0) if 0 in units else 0
-        others = [self.gathered(u) for u in units if u != 0] or [0]
-        grads = [self._unit_grads(u) for u in units] or [0]
-        return root, max(others), max(grads)
-
-    def _unit_grads(self, unit: int) -> int:
-        ps = [p for p in self.params if p.unit == unit and p.trainable]
-        if self.parallel == "fsdp":
-            return self.rnd(sum(self._rows0(p) * self.n * (p.numel // max(p.rows, 1)) * p.itemsize for p in ps))
-        return self.rnd(sum(p.numel * p.itemsize for p in ps))
+        return root, max([self.gathered(u) for u in units if u != 0] or [0])
 
     def rank_info(self) -> RankInfo:
         info = RankInfo(rank=0, world_size=self.n, backend=None, layout=self.parallel,
@@ -171,7 +163,7 @@ class RankLayout:
         """``trace`` (one process, nothing sharded) as rank 0 of the layout would hold it."""
         full = {c: self.full(c) for c in (W, G, O)}
         shard = {c: self.shard(c) for c in (W, G, O)}
-        root, unit, unit_grads = self.unit_bytes()
+        root, unit = self.unit_bytes()
         gathers = self.stage >= 3
         first_backward = next((i for i, p in enumerate(trace.phases) if p.phase is Phase.BACKWARD), None)
 
@@ -188,13 +180,12 @@ class RankLayout:
                 comm = full[G] if first_backward is not None and index >= first_backward else 0
             elif gathers and phase in (Phase.FORWARD, Phase.BACKWARD):
                 if where == "peak":
+                    # The block running is gathered (the root stays so throughout); FSDP2 keeps the previous
+                    # all-gather's buffer until the next one is copied out, so two buffers of a block's size. In
+                    # backward the block's full gradients, copied into the reduce-scatter buffer, take the place
+                    # of the second buffer, so the same bound holds.
                     v[W] = (v[W] or 0) + root + unit
-                    if phase is Phase.FORWARD:
-                        # FSDP2 keeps the previous all-gather's buffer until the next one is copied out: two.
-                        comm = 2 * unit
-                    else:  # the block's all-gather, and its full gradients with their reduce-scatter buffer
-                        comm = unit + unit_grads
-                        v[G] = (v[G] or 0) + unit_grads
+                    comm = 2 * unit
                 elif phase is Phase.FORWARD and where == "end":
                     v[W] = (v[W] or 0) + root
             v[COMM] = comm if self.parallel in ("ddp", "fsdp", "zero3") else None
@@ -226,10 +217,9 @@ class RankLayout:
                "collective buffers are rank 0's as the layout shards them (rank 0 holds the most rows)"]
         if self.stage >= 3:
             out.append("gathered parameters at each forward and backward peak: the root's (kept from its forward to "
-                       "its backward) and the largest wrapped block's; in forward two all-gather buffers of that size "
-                       "(FSDP2 keeps the previous one until the next is copied out), in backward one, with the "
-                       "block's full gradients and their reduce-scatter buffer. An upper bound for the block "
-                       "running at the peak; the ends of phases are exact")
+                       "its backward) and the largest wrapped block's, with two collective buffers of that block's "
+                       "size (FSDP2 keeps the previous all-gather's until the next is copied out; in backward the "
+                       "reduce-scatter's). A bound for the block running at the peak; the ends of phases are exact")
         if self.parallel in ("zero1", "zero2"):
             out.append("DeepSpeed's reduce and all-gather buckets (reduce_bucket_size, allgather_bucket_size) depend "
                        "on its config: communication is not estimated")
