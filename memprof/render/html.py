@@ -21,7 +21,7 @@ from ..trace import Breakdown, ModuleRecord, as_trace
 from ..units import format_bytes, printable
 from .common import CATEGORY_COLORS, NOT_MEASURED, own_rows, quiet, signed, size
 from .svg import timeline_svg
-from .text import oom_lines
+from .text import oom_lines, rank_line
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -217,6 +217,8 @@ def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: i
     parts.append(f'<div style="font-size:14px;font-weight:600;margin-bottom:4px">memprof report: '
                  f'{n} step{"s" if n != 1 else ""}, mode {_e(t.mode)}, device {_e(dev)}'
                  f'<span style="font-weight:400;{_MUTED}"> · torch {_e(t.torch_version)}</span></div>')
+    if t.distributed is not None:
+        parts.append(f'<div style="margin:2px 0;{_MUTED}">{_e(rank_line(t.distributed))}</div>')
     if t.error:
         parts.append(f'<div style="margin:4px 0;color:#C44E52;font-weight:600">profiled code raised {_e(t.error)}</div>')
     where = t.peak_location()

@@ -17,6 +17,7 @@ from ..units import format_bytes, printable
 from .common import NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, quiet, signed, size
 
 if TYPE_CHECKING:
+    from ..records import RankInfo
     from ..compare import Diff
     from ..merging import Merged
     from ..planner import BatchSizePlan
@@ -35,6 +36,16 @@ MAX_STAT_ROWS = 6
 MAX_NOTES = 6
 
 
+def rank_line(d: "RankInfo") -> str:
+    """Which rank of which job, and for FSDP what it shards: one line under a report's header."""
+    how = ", ".join(x for x in (d.backend, d.layout) if x)
+    line = f"rank {d.rank} of {d.world_size}" + (f" ({how})" if how else "")
+    if d.sharded_bytes is not None:
+        line += (f": parameters {size(d.sharded_bytes)} as shards (padding {size(d.padding_bytes)}), "
+                 f"{size(d.unsharded_bytes)} when all gathered")
+    return line
+
+
 def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
     """The readable report that ``print(report)`` shows, at most about 80 lines for any run: the peak,
     the phases of the first steps, the peak's step and the last one, every step summarised per phase,
@@ -51,6 +62,8 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
         spans = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in t.recorded_steps[:6])
         more = f" and {len(t.recorded_steps) - 6} more windows" if len(t.recorded_steps) > 6 else ""
         lines.append(f"recorded steps {spans or 'none'}{more} ({t.schedule})")
+    if t.distributed is not None:
+        lines.append(rank_line(t.distributed))
     if t.error:
         lines.append(f"profiled code raised {_one_line(t.error)}")
     where = t.peak_location()

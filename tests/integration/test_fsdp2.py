@@ -129,6 +129,8 @@ def test_each_rank_counts_its_shards_and_what_it_gathers(ranks, reshard):
         # DTensor works out each op's output shape on fake tensors of the global shape; they hold no memory and
         # are not counted (AdamW's for-each intermediates over three 25,220-byte global shapes would be).
         assert opt.peak[C.TEMPORARIES] < 2 * f["sharded"]
+        assert f"rank {rank} of 2 (gloo, fsdp2): parameters 12.4 KiB as shards" in str(rep)
+        assert "24.9 KiB when all gathered" in rep._repr_html_()
         # memprof's hooks are gone (FSDP's own stay) and torch's storage class is as it was.
         assert f["hooks"][0] == f["hooks"][1] and not f["resize_patched"]
 
