@@ -114,8 +114,6 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
     if moment is not None and moment.phase in (Phase.OPTIMIZER, Phase.OTHER):
         values[Category.ACTIVATIONS] = 0  # no graph is alive outside forward and backward
     dist = trace.distributed
-    if dist is not None:
-        shard_formula(values, dist)  # ZeRO Table I at the rank's world size (nothing for DDP)
     if dist is not None and dist.layout == "ddp" and moment is not None and moment.phase in (
             Phase.BACKWARD, Phase.OPTIMIZER, Phase.OTHER) and values[Category.GRADIENTS] is not None:
         # DDP's buckets hold a copy of every gradient for the allreduce (Li et al. 2020, "PyTorch Distributed",
@@ -127,6 +125,8 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
                                                                                              training=False))
     if moment is not None and moment.phase is Phase.OPTIMIZER and at_peak and opts.transient_bytes is not None:
         values[Category.TEMPORARIES] = opts.transient_bytes
+    if dist is not None:
+        shard_formula(values, dist)  # ZeRO Table I at the rank's world size (nothing for DDP)
     return Breakdown.from_mapping(values)
 
 

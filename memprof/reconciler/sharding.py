@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STAGES", "zero_stage", "shard_formula", "sharding_gaps"]
 
-W, G, O = Category.WEIGHTS, Category.GRADIENTS, Category.OPTIMIZER_STATES
+W, G, O, T = Category.WEIGHTS, Category.GRADIENTS, Category.OPTIMIZER_STATES, Category.TEMPORARIES
 
 #: The ZeRO stage of each parallel layout memprof measures or simulates.
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "fsdp2": 3, "fsdp1": 3}
@@ -39,12 +39,14 @@ def zero_stage(dist: "RankInfo | None") -> "int | None":
 
 
 def shard_formula(values: dict, dist: "RankInfo") -> None:
-    """Divide what the rank's layout shards by its world size (ZeRO Table I), in place."""
+    """Divide what the rank's layout shards by its world size (ZeRO Table I), in place; the optimizer step's
+    temporaries with the state they work on."""
     stage = zero_stage(dist)
     if not stage:
         return
     n = dist.world_size
-    sharded = (O,) if stage == 1 else (G, O) if stage == 2 else (W, G, O)
+    # The optimizer step's temporaries (their only formula) work on the rank's shard of the state.
+    sharded = (O, T) if stage == 1 else (G, O, T) if stage == 2 else (W, G, O, T)
     for cat in sharded:
         if values.get(cat) is not None:
             values[cat] = _half_up(Fraction(values[cat], n))

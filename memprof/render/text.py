@@ -371,9 +371,14 @@ def estimate_text(est: "Estimate") -> str:
     lines = [f"memprof estimate ({est.precision}, simulated for {est.device}): peak {size(est.peak_bytes)}",
              f"  {'category':<20}{'formula':>14}{'simulated':>14}"]
     formula, simulated = est.formula, est.simulated
+    ranks = est.trace.distributed
+    if ranks is not None:
+        lines.insert(1, f"  {rank_line(ranks)}")
     for cat in Category:
         f, s = formula[cat], simulated[cat]
-        if f is None and s is None or quiet(cat, f, s):
+        # A rank's collective buffers are shown also when the layout's are not estimated ("not simulated").
+        shown = ranks is not None and cat is Category.COMMUNICATION
+        if not shown and (f is None and s is None or quiet(cat, f, s)):
             continue
         lines.append(f"  {cat.value:<20}{size(f, NO_FORMULA):>14}{size(s, NOT_SIMULATED):>14}")
     lines.append(f"  {'total':<20}{size(formula.total, NO_FORMULA):>14}{size(simulated.total, NOT_SIMULATED):>14}")
