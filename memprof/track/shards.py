@@ -172,39 +172,53 @@ def _numel(shape: Any) -> int:
 
 
 class ResizeWatch:
-    """Follows ``UntypedStorage.resize_`` on storages the ledger knows, while a profile runs."""
+    """Follows ``UntypedStorage.resize_`` on storages the ledger knows, while a profile runs.
+
+    One wrapper serves every profile running at once (in several threads): installed by the first, put back
+    by the last, so profiles that end in any order leave torch's method as it was."""
+
+    _active: "list[ResizeWatch]" = []
+    _original: Any = None
+    _wrapper: Any = None
+    _had_own = False
 
     def __init__(self, prof: "Profiler") -> None:
         self.ledger: Any = prof.ledger
-        self.original: Any = None
-        self.wrapper: Any = None
-        self.had_own = False
 
     def install(self) -> None:
-        original = torch.UntypedStorage.resize_
-        me = weakref.ref(self)
+        cls = ResizeWatch
+        if cls._wrapper is None or torch.UntypedStorage.__dict__.get("resize_") is not cls._wrapper:
+            original = torch.UntypedStorage.resize_
+            active = cls._active
 
-        def resize_(storage: Any, size: int) -> Any:
-            out = original(storage, size)
-            watch = me()
-            led = watch.ledger if watch is not None else None
-            if led is not None and not led.closed:
-                entry = led.entries.get(storage._cdata)
-                if entry is not None:
-                    led.resize(entry, storage.nbytes())
-            return out
+            def resize_(storage: Any, size: int) -> Any:
+                out = original(storage, size)
+                for watch in active:
+                    led = watch.ledger
+                    if led is not None and not led.closed:
+                        entry = led.entries.get(storage._cdata)
+                        if entry is not None:
+                            led.resize(entry, storage.nbytes())
+                return out
 
-        resize_.__doc__ = getattr(original, "__doc__", None)
-        # Whether the class itself defined it (someone wrapped it before) or inherited torch's C method.
-        self.had_own = "resize_" in torch.UntypedStorage.__dict__
-        self.original, self.wrapper = original, resize_
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+            resize_.__doc__ = getattr(original, "__doc__", None)
+            # Whether the class itself defined it (someone wrapped it before) or inherited torch's C method.
+            cls._had_own = "resize_" in torch.UntypedStorage.__dict__
+            cls._original, cls._wrapper = original, resize_
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        cls._active.append(self)
 
     def uninstall(self) -> None:
-        self.ledger = None  # inert from now on, also if someone wrapped it on top of memprof
-        if self.wrapper is not None and torch.UntypedStorage.__dict__.get("resize_") is self.wrapper:
-            if self.had_own:
-                torch.UntypedStorage.resize_ = self.original  # type: ignore[method-assign]
+        cls = ResizeWatch
+        self.ledger = None
+        if self in cls._active:
+            cls._active.remove(self)
+        if cls._active or cls._wrapper is None:
+            return
+        if torch.UntypedStorage.__dict__.get("resize_") is cls._wrapper:
+            if cls._had_own:
+                torch.UntypedStorage.resize_ = cls._original  # type: ignore[method-assign]
             else:
                 del torch.UntypedStorage.resize_  # the class is as torch made it again
-        self.wrapper = None
+            cls._wrapper = None
+        # Else someone wrapped it on top of memprof's: theirs calls ours, which does nothing with no profile.
