@@ -109,6 +109,7 @@ class Entry:
     """One live storage: its size, category, and where it came from."""
 
     __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial", "tag", "tag_bytes",
+                 "moved", "before",
                  "where", "where_bytes", "savers")
 
     def __init__(self, key: int, nbytes: int, cat: int, created: int, module: int, phase_serial: int) -> None:
@@ -130,6 +131,9 @@ class Entry:
         self.where_bytes = 0
         # Leaf modules with a saved-bytes rule that saved a view of it in a forward: index -> view bytes.
         self.savers: "dict[int, int] | None" = None
+        # The event count of its last change of category (0: none yet), and its category before that change.
+        self.moved = 0
+        self.before = cat
 
 
 class Frame:
@@ -239,6 +243,10 @@ class Ledger:
         self.totals[old] -= n
         self.totals[cat] += n
         entry.cat = cat
+        # When it became ``old`` and what it was before: at a peak before that, it was still that.
+        moved, before = entry.moved, entry.before
+        self.seq += 1  # an event of its own: a peak reached before it is told apart from one after it
+        entry.moved, entry.before = self.seq, old
         if old == ACTIVATIONS or cat == ACTIVATIONS:
             sign = -1 if old == ACTIVATIONS else 1
             if entry.tag >= 0:
@@ -247,11 +255,13 @@ class Ledger:
                 self.tag_act[entry.where] += sign * entry.where_bytes
         if retro and entry.phase_serial == self.phase_serial:
             if entry.created <= self.phase_peak_seq:
-                self.phase_peak[old] -= n
+                self.phase_peak[old if moved <= self.phase_peak_seq else before] -= n
                 self.phase_peak[cat] += n
             if self.peak_phase_serial == self.phase_serial and entry.created <= self.peak_seq:
-                self.peak[old] -= n
+                self.peak[old if moved <= self.peak_seq else before] -= n
                 self.peak[cat] += n
+            # The peaks now hold it as ``cat`` since its creation: a later move starts from there.
+            entry.moved, entry.before = 0, cat
 
     def resize(self, entry: Entry, nbytes: int) -> None:
         """A live storage changed size in place (``resize_``, an ``out=`` op growing its buffer)."""

@@ -353,7 +353,9 @@ def _communication(storages: StorageTracker, func: Any, args: Any, out: Any) -> 
         if entry is None:
             storages.add_tensor(t, COMMUNICATION)
         elif entry.cat in (TEMPORARIES, INPUTS):
-            led.move(entry, COMMUNICATION)
+            # Made for this collective (FSDP's staging buffers are filled before it runs): it was one at a
+            # peak reached while it was being filled, too.
+            led.move(entry, COMMUNICATION, retro=True)
     shards = storages.prof.shards
     if shards is not None:
         # FSDP2 stores a group's sharded gradients after its reduce-scatter; by the next collective they are there.
