@@ -161,6 +161,7 @@ class Profiler:
         self.stack: "contextlib.ExitStack | None" = None
         self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)
         self.shards: "ShardTracker | None" = None  # FSDP2's parameters, when the model is sharded with it
+        self.backward_waits = False  # something queues end-of-backward work that the backward phase must include
         self.notes: list[str] = []
         self.changes: list[str] = []  # how the model or its optimizers changed inside the block
         self.thread = 0

@@ -162,11 +162,16 @@ def estimate(
     rules = setup.rules()
     # A very large model takes seconds per simulated step: worth a bar in a terminal.
     big = sum(p.numel() for p in model.parameters()) >= 1_000_000_000
+    layout = RankLayout(meta_model, meta_opt, world_size, parallel, 512 if target.type == "cuda" else 1) if (
+        parallel is not None) else None
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(Progress(steps, "estimate")) if big else None
         if fake_mode is not None:
             stack.enter_context(fake_mode)
         stack.enter_context(prof)
+        if layout is not None:  # one rank's shards and buffers, played on the run as it goes
+            layout.attach(prof)
+            stack.callback(layout.detach)
         stack.enter_context(rules)
         for i in range(steps):
             if bar is not None:
@@ -184,9 +189,8 @@ def estimate(
                      "skip on overflow are taken")
     resolved = precision or _infer_precision(prof.trace)
     trace = prof.trace
-    if parallel is not None:
-        layout = RankLayout(meta_model, meta_opt, world_size, parallel, 512 if target.type == "cuda" else 1)
-        trace = layout.apply(trace)
+    if layout is not None:
+        trace = layout.finish(trace)
         notes.extend(layout.notes())
     return Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes))
 

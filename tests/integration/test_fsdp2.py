@@ -169,15 +169,19 @@ def _estimate(world: int):
                             world_size=world, parallel="fsdp")
 
 
+_STATES = (C.WEIGHTS, C.GRADIENTS, C.OPTIMIZER_STATES, C.ACTIVATIONS, C.COMMUNICATION)
+
+
 def _against(est, rep) -> None:
-    """The estimate of rank 0 against a measured rank 0: phase ends to the byte, peaks bounded from above."""
+    """The estimate of rank 0 against a measured rank 0, phase by phase, to the byte: the ends, and the peaks of
+    forward and backward (the estimate replays FSDP2's gathers, buffers and reduce-scatters on the simulated run).
+    The batch itself is left out: the simulation holds it, the measured loop lets it go."""
     for phase in ("forward", "backward", "optimizer"):
         e, m = _phase(est.report(), 1, phase), _phase(rep, 1, phase)
-        for cat in (C.WEIGHTS, C.GRADIENTS, C.OPTIMIZER_STATES, C.ACTIVATIONS, C.COMMUNICATION):
-            assert e.end[cat] == m.end[cat], (phase, cat)
-        if phase != "optimizer":  # the peaks of forward and backward: the largest block gathered, an upper bound
-            assert e.peak.total >= m.peak.total, phase
-            assert e.peak[C.WEIGHTS] >= m.peak[C.WEIGHTS] > e.end[C.WEIGHTS] - 1, phase
+        for cat in _STATES:
+            assert e.end[cat] == m.end[cat], (phase, "end", cat)
+            if phase != "optimizer":
+                assert e.peak[cat] == m.peak[cat], (phase, "peak", cat)
     d, md = est.trace.distributed, rep.trace.distributed
     assert (d.sharded_bytes, d.padding_bytes, d.unsharded_bytes) == (md.sharded_bytes, md.padding_bytes,
                                                                     md.unsharded_bytes)
@@ -229,7 +233,7 @@ def _stack() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), blocks, nn.Linear(256, 10))
 
 
-def test_a_stack_of_blocks_is_estimated_within_a_few_percent_of_fsdp2(fake_world_of_eight):
+def test_a_stack_of_blocks_is_estimated_as_fsdp2_holds_it(fake_world_of_eight):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -248,11 +252,7 @@ def test_a_stack_of_blocks_is_estimated_within_a_few_percent_of_fsdp2(fake_world
     plain = _stack()
     est = memprof.estimate(plain, torch.optim.AdamW(plain.parameters()), inputs=torch.randn(512, 64),
                            world_size=8, parallel="fsdp")
-    # The peak: one block gathered and two buffers of its size, a bound for what FSDP2 holds while the block runs
-    # (measured 52,186,776 bytes, estimated 53,361,701: +2.3%).
-    assert measured.peak.total <= est.peak_bytes <= 1.05 * measured.peak.total
-    for phase in ("forward", "backward", "optimizer"):
-        m = _phase(measured, 1, phase).end
-        e = _phase(est.report(), 1, phase).end
-        for cat in (C.WEIGHTS, C.GRADIENTS, C.OPTIMIZER_STATES, C.ACTIVATIONS, C.COMMUNICATION):
-            assert e[cat] == m[cat], (phase, cat)
+    # The peak, in backward: a block's full gradients, the next block's all-gather prefetched, the last
+    # reduce-scatter's buffer kept; 52,186,776 bytes measured and estimated.
+    assert est.peak_bytes == measured.peak.total == 52_186_776
+    _against(est, measured)
