@@ -376,6 +376,16 @@ class RankInfo:
     sharded_bytes: "int | None" = None
     padding_bytes: "int | None" = None
     unsharded_bytes: "int | None" = None
+    #: FSDP2: the bytes an even split of its parameters would give each rank (no padding, no uneven rows).
+    even_bytes: "int | None" = None
+    #: The rank's share of the model's parameters (and of the trainable ones), in elements: each DTensor
+    #: parameter counts its global size over the number of shards its placements make (FSDP, HSDP's shard
+    #: dimension, tensor parallelism), any other parameter whole. None when no parameter is a DTensor.
+    params_per_rank: "int | None" = None
+    trainable_per_rank: "int | None" = None
+    #: Into how many shards every parameter is cut, when that is the same for all (FSDP: the world size;
+    #: HSDP: its shard dimension); None when it differs or no parameter is a DTensor.
+    shards: "int | None" = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -386,7 +396,8 @@ class RankInfo:
         if view is not None and not isinstance(view, bool):
             raise corrupt(f"bucket_view must be true, false or null, got {view!r}")
         sizes = {k: optional_count(data.get(k), k.replace("_", " "))
-                 for k in ("sharded_bytes", "padding_bytes", "unsharded_bytes")}
+                 for k in ("sharded_bytes", "padding_bytes", "unsharded_bytes", "even_bytes", "params_per_rank",
+                           "trainable_per_rank", "shards")}
         return cls(rank=count(data["rank"], "a rank"), world_size=count(data["world_size"], "a world size"),
                    backend=optional_text(data.get("backend"), "backend"),
                    layout=optional_text(data.get("layout"), "layout"), bucket_view=view, **sizes)

@@ -351,7 +351,13 @@ class RankLayout:
                 if best is None or total > best[0]:
                     best = (total, rec.peak, step.index, rec.phase)
             steps.append(dataclasses.replace(step, phases=tuple(phases)))
-        out = dataclasses.replace(trace, steps=tuple(steps), distributed=self.rank_info())
+        # Between steps the rank keeps its shards: what its reconciliation takes for the parameters at rest.
+        facts = trace.facts
+        if self.stage >= 3:
+            facts = dataclasses.replace(facts, weight_bytes=sum(i.shard for i in self.by_id.values()),
+                                        trainable_bytes=sum(i.shard for i in self.by_id.values()
+                                                            if i.ref.requires_grad))
+        out = dataclasses.replace(trace, steps=tuple(steps), distributed=self.rank_info(), facts=facts)
         if best is not None:
             out = dataclasses.replace(out, peak=best[1], peak_step=best[2], peak_phase=best[3])
         return out
@@ -369,8 +375,10 @@ class RankLayout:
             return info
         sharded = sum(i.shard for i in self.by_id.values())
         real = sum(i.real for i in self.by_id.values())
+        even = sum(Fraction(i.ref.numel() * i.ref.element_size(), self.n) for i in self.by_id.values())
         return dataclasses.replace(info, sharded_bytes=sharded, padding_bytes=sharded - real,
-                                   unsharded_bytes=sum(i.full for i in self.by_id.values()))
+                                   unsharded_bytes=sum(i.full for i in self.by_id.values()),
+                                   even_bytes=int(even + Fraction(1, 2)))
 
     def notes(self) -> list[str]:
         out = [f"one rank of {self.n} under {self.parallel}: the simulated batch is this rank's; model states and "

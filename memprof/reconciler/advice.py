@@ -11,6 +11,8 @@ has no bf16 row; bf16 is treated like fp16). See
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from ..categories import Category
 from ..trace import Breakdown, Trace, parent_path
 from ..units import format_bytes
@@ -33,18 +35,22 @@ def levers(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
     opts = predictions(trace)[1]
     out: list[tuple[int, str]] = []
     states = measured[Category.OPTIMIZER_STATES] or 0
-    steady_states = opts.state_bytes or states
+    share = rank_share(trace)  # a sharded rank holds part of the state the formulas predict for the model
+    steady_states = int(opts.state_bytes * share) if opts.state_bytes else states
     acts = measured[Category.ACTIVATIONS] or 0
     weights = measured[Category.WEIGHTS] or 0
     grads = measured[Category.GRADIENTS] or 0
 
     if optimizer in ("adam", "adamw") and steady_states:
-        eight_bit = _ADAM_8BIT_BYTES_PER_PARAM * facts.num_trainable
+        eight_bit = int(_ADAM_8BIT_BYTES_PER_PARAM * facts.num_trainable * share)
         saving = max(0, steady_states - eight_bit)
         if saving:
+            per = float(steady_states / max(1, facts.num_trainable * share))
             out.append((saving, f"8-bit AdamW (bitsandbytes) keeps 2 B/param of optimizer state instead of "
-                                f"{steady_states / max(1, facts.num_trainable):.1f}: saves about {format_bytes(saving)}"))
+                                f"{per:.1f}: saves about {format_bytes(saving)}"))
     stage = zero_stage(trace.distributed) or 0  # what the run already shards
+    if share < 1:
+        stage = 3  # its parameters are sharded already: ZeRO's levers are not this rank's to pull
     if trace.distributed is not None and trace.distributed.world_size > 1:
         world_size = trace.distributed.world_size
     if steady_states and stage < 1:
@@ -71,11 +77,24 @@ def levers(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
                            f"{format_bytes(grads)} of this peak are gradients kept from the previous step"))
     impl = trace.optimizer_implementation
     if impl in ("foreach", "for-loop") and opts.transient_bytes:
-        saving = opts.transient_bytes
+        saving = int(opts.transient_bytes * share)
         out.append((saving, f"fused=True in the optimizer removes the {impl} step's temporaries "
                             f"({format_bytes(saving)} predicted)"))
     out.sort(key=lambda x: -x[0])
     return out
+
+
+def rank_share(trace: Trace) -> Fraction:
+    """The part of the model's optimizer state one rank holds: its share of the trainable parameters when they
+    are DTensors, 1/N under a ZeRO stage that shards the state, else 1."""
+    dist = trace.distributed
+    if dist is None:
+        return Fraction(1)
+    if dist.trainable_per_rank is not None and trace.facts.num_trainable:
+        return Fraction(dist.trainable_per_rank, trace.facts.num_trainable)
+    if (zero_stage(dist) or 0) >= 1:
+        return Fraction(1, dist.world_size)
+    return Fraction(1)
 
 
 def _grads_kept_into(trace: Trace) -> bool:

@@ -126,7 +126,7 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
     if moment is not None and moment.phase is Phase.OPTIMIZER and at_peak and opts.transient_bytes is not None:
         values[Category.TEMPORARIES] = opts.transient_bytes
     if dist is not None:
-        shard_formula(values, dist)  # ZeRO Table I at the rank's world size (nothing for DDP)
+        shard_formula(values, dist, facts)  # the rank's share (nothing for DDP)
     return Breakdown.from_mapping(values)
 
 

@@ -208,12 +208,17 @@ def reconcile(
     opt_name = optimizer if optimizer is not None else optimizer_name(trace)
     acts, opts = predictions(trace)
     notes: list[str] = []
-    stage = zero_stage(trace.distributed)
-    if stage and trace.distributed is not None:
+    dist = trace.distributed
+    stage = zero_stage(dist)
+    if dist is not None and dist.params_per_rank is not None:
+        notes.append(f"one rank of {dist.world_size} ({dist.layout}): the formula's model states are this rank's "
+                     f"share of each parameter, {dist.params_per_rank:,} of {trace.facts.num_params:,} elements, as "
+                     "the parameters' placements shard them")
+    elif stage and dist is not None:
         sharded = {1: "optimizer states", 2: "gradients and optimizer states",
                    3: "weights, gradients and optimizer states"}[stage]
-        notes.append(f"one rank of {trace.distributed.world_size} ({trace.distributed.layout}, ZeRO stage {stage}): the "
-                     f"formula's {sharded} are 1/{trace.distributed.world_size} of the model's (ZeRO, Table I)")
+        notes.append(f"one rank of {dist.world_size} ({dist.layout}, ZeRO stage {stage}): the "
+                     f"formula's {sharded} are 1/{dist.world_size} of the model's (ZeRO, Table I)")
     if trace.optimizer is not None and opts.state_bytes is None and optimizer is None:
         notes.append(f"no formula for {trace.optimizer}: its state is measured, not predicted")
     if acts.modules_without_rule and transformer is None:

@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING
 from ..categories import Category, Phase
 
 if TYPE_CHECKING:
-    from ..records import RankInfo
+    from ..records import ModelFacts, RankInfo
     from .causes import Context
 
 __all__ = ["STAGES", "zero_stage", "shard_formula", "sharding_gaps"]
 
 W, G, O, T = Category.WEIGHTS, Category.GRADIENTS, Category.OPTIMIZER_STATES, Category.TEMPORARIES
 
-#: The ZeRO stage of each parallel layout memprof measures or simulates.
+#: The ZeRO stage of each parallel layout memprof measures or simulates ("tp": tensor parallelism without a
+#: data-parallel wrapper shards by placements, not by stage).
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "fsdp2": 3, "fsdp1": 3}
 
 
@@ -38,9 +39,27 @@ def zero_stage(dist: "RankInfo | None") -> "int | None":
     return STAGES.get(dist.layout)
 
 
-def shard_formula(values: dict, dist: "RankInfo") -> None:
-    """Divide what the rank's layout shards by its world size (ZeRO Table I), in place; the optimizer step's
-    temporaries with the state they work on."""
+def shard_formula(values: dict, dist: "RankInfo", facts: "ModelFacts | None" = None) -> None:
+    """The rank's part of what its layout shards, in place; the optimizer step's temporaries with the state
+    they work on.
+
+    A measured run whose parameters are DTensors says how much of each this rank holds
+    (``dist.params_per_rank``: FSDP's shards, HSDP's shard dimension only, tensor parallelism, parameters left
+    whole): that share. Otherwise ZeRO's Table I at the world size.
+    """
+    if dist.shards is not None and dist.shards > 1:
+        # Every parameter cut into the same number of shards: Table I at that count (FSDP: the world size).
+        for cat in (W, G, O, T):
+            if values.get(cat) is not None:
+                values[cat] = _half_up(Fraction(values[cat], dist.shards))
+        return
+    if dist.params_per_rank is not None and facts is not None and facts.num_params:
+        trainable = Fraction(dist.trainable_per_rank or 0, facts.num_trainable) if facts.num_trainable else None
+        shares = {W: Fraction(dist.params_per_rank, facts.num_params), G: trainable, O: trainable, T: trainable}
+        for cat, share in shares.items():
+            if values.get(cat) is not None and share is not None:
+                values[cat] = _half_up(values[cat] * share)
+        return
     stage = zero_stage(dist)
     if not stage:
         return
@@ -57,58 +76,60 @@ def _half_up(x: Fraction) -> int:
 
 
 def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category, str, int, str]]":
-    """The named parts of a ZeRO-3 / FSDP rank's gaps, as (category, name, bytes, sentence); ``k``: the
-    optimizer's state bytes per parameter (None: no optimizer cause)."""
+    """The named parts of a sharded rank's gaps, as (category, name, bytes, sentence); ``k``: the optimizer's
+    state bytes per parameter (None: no optimizer cause)."""
     trace = ctx.trace
     dist = trace.distributed
-    if dist is None or zero_stage(dist) != 3 or dist.sharded_bytes is None or len(trace.param_dtypes) != 1:
+    if dist is None or len(trace.param_dtypes) != 1 or (dist.params_per_rank is None and not zero_stage(dist)):
         return []
-    m, f = ctx.measured, ctx.formula
-    if not ctx.both(W) or not f[W]:
-        return []
-    n = dist.world_size
     itemsize = _ITEMSIZE.get(trace.param_dtypes[0])
-    if itemsize is None:
+    m, f = ctx.measured, ctx.formula
+    if itemsize is None or not ctx.both(W):
         return []
     out: list[tuple[Category, str, int, str]] = []
-    share = Fraction(trace.facts.num_params, n)  # the formula's parameters per rank
-    padded = Fraction(dist.sharded_bytes, itemsize)  # what the rank stores: its padded shards
-    own = Fraction(dist.sharded_bytes - (dist.padding_bytes or 0), itemsize)  # of which real rows
-    pad = dist.sharded_bytes - f[W]
-    if pad and m[W] >= dist.sharded_bytes:
+    if dist.sharded_bytes is None:  # sharded by placements (tensor parallelism) or a ZeRO stage: no padding
+        return out + _step_counters(ctx, m[O] - f[O] if ctx.both(O) and f[O] and m[O] else 0)
+    # FSDP stores every parameter padded to a multiple of the shard count: what it holds beyond an even split.
+    pad = max(0, dist.sharded_bytes - (dist.even_bytes if dist.even_bytes is not None else dist.sharded_bytes))
+    at_rest = trace.facts.weight_bytes  # every parameter as the rank keeps it between steps
+    if pad and m[W] >= at_rest:
         out.append((W, "padding to the world size", pad,
-                         f"FSDP pads each parameter's first dimension to a multiple of the world size ({n}); "
-                         "every rank stores ceil(rows / world size) rows of each"))
-    gathered = m[W] - dist.sharded_bytes
+                    "FSDP pads each parameter's first dimension to a multiple of the number of shards; every rank "
+                    "stores ceil(rows / shards) rows of each"))
+    gathered = m[W] - at_rest
     if gathered > 0:
         out.append((W, "unsharded parameters", gathered,
-                         "full parameters all-gathered for the module(s) running at this moment; FSDP frees them "
-                         "after the module's forward (reshard_after_forward) and gathers them again in backward"))
-    if ctx.both(G) and f[G]:
-        per = Fraction(f[G]) / share  # gradient bytes per parameter in the formula
-        gpad = _half_up((padded - share) * per)
-        if ctx.phase in (Phase.OPTIMIZER, Phase.OTHER) and gpad and m[G] >= f[G]:
+                    "full parameters all-gathered for the module(s) running at this moment; FSDP frees them "
+                    "after the module's forward (reshard_after_forward) and gathers them again in backward"))
+    if ctx.both(G) and f[G] is not None and m[G] > f[G]:
+        gpad = min(m[G] - f[G], pad)  # the reduce-scatter's padded shards, at most the parameters' padding
+        if ctx.phase in (Phase.OPTIMIZER, Phase.OTHER) and gpad:
             out.append((G, "padding to the world size", gpad,
-                             "the reduce-scatter gives every rank a padded shard of each gradient"))
-        elif ctx.phase is Phase.BACKWARD and m[G] > f[G] + gpad:
+                        "the reduce-scatter gives every rank a padded shard of each gradient"))
+        elif ctx.phase is Phase.BACKWARD and m[G] - f[G] - gpad > 0:
             out.append((G, "unsharded gradients", m[G] - f[G] - gpad,
-                             "gradients of the gathered parameters, held until FSDP reduce-scatters them"))
-    if ctx.both(O) and f[O] and m[O] and k is not None:
+                        "gradients of the gathered parameters, held until FSDP reduce-scatters them"))
+    if ctx.both(O) and f[O] and m[O] and k is not None and dist.even_bytes is not None:
         # Optimizer state is made like its parameter's local shard (zeros_like): real rows, no padding. With
-        # rows that do not divide by the world size, lower ranks hold one row more of a parameter than higher ones.
-        uneven = _half_up((own - share) * k)
+        # rows that do not divide, lower ranks hold one row more of a parameter than higher ones.
+        own = dist.sharded_bytes - (dist.padding_bytes or 0)
+        uneven = _half_up(Fraction(own - dist.even_bytes, itemsize) * k)
         if uneven:
             out.append((O, "uneven shards", uneven,
-                             "this rank's real rows differ from an even 1/world size share: the first ranks hold "
-                             "ceil(rows / world size) rows of a parameter, the last ones fewer"))
-        rest = m[O] - f[O] - uneven
-        # Per-parameter scalars (Adam's 4-byte step, one per parameter tensor) are whole on every rank: the formula
-        # shared them out. Named only within that bound (8 bytes a tensor); anything else stays unexplained.
-        if 0 < rest <= 8 * trace.facts.trainable_tensors:
-            out.append((O, "unsharded step counters", rest,
-                             "scalars the optimizer keeps per parameter tensor (Adam's step) exist whole on every "
-                             "rank; the formula divided them by the world size too"))
+                        "this rank's real rows differ from an even share: the first ranks hold ceil(rows / shards) "
+                        "rows of a parameter, the last ones fewer"))
+        out += _step_counters(ctx, m[O] - f[O] - uneven)
     return out
+
+
+def _step_counters(ctx: "Context", rest: int) -> "list[tuple[Category, str, int, str]]":
+    # Per-parameter scalars (Adam's 4-byte step, one per parameter tensor) are whole on every rank: the formula
+    # shared them out. Named only within that bound (8 bytes a tensor); anything else stays unexplained.
+    if 0 < rest <= 8 * ctx.trace.facts.trainable_tensors:
+        return [(O, "unsharded step counters", rest,
+                 "scalars the optimizer keeps per parameter tensor (Adam's step) exist whole on every rank; the "
+                 "formula divided them among the ranks too")]
+    return []
 
 
 _ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}

@@ -7,6 +7,9 @@ the model is wrapped in (read from the model's own classes, so frameworks need n
 
 from __future__ import annotations
 
+import dataclasses
+from fractions import Fraction
+from typing import Any
 
 from torch import nn
 
@@ -31,7 +34,52 @@ def rank_info(model: nn.Module) -> "RankInfo | None":
     if layout == "ddp":
         ddp = next((m for m in model.modules() if type(m).__name__ == "DistributedDataParallel"), None)
         view = bool(getattr(ddp, "gradient_as_bucket_view", False)) if ddp is not None else None
-    return RankInfo(rank=rank, world_size=world, backend=backend, layout=layout, bucket_view=view)
+    shares = _shares(model)
+    if shares is not None and layout is None:
+        layout = "tp"  # DTensor parameters without a data-parallel wrapper: tensor (or sequence) parallelism
+    info = RankInfo(rank=rank, world_size=world, backend=backend, layout=layout, bucket_view=view)
+    if shares is not None:
+        info = dataclasses.replace(info, params_per_rank=shares[0], trainable_per_rank=shares[1], shards=shares[2])
+    return info
+
+
+def _shares(model: nn.Module) -> "tuple[int, int, int | None] | None":
+    """This rank's share of the model's parameters and of the trainable ones, in elements (half up), and the
+    shard count every parameter shares (None if they differ), when some are DTensors; None otherwise."""
+    total = trainable = Fraction(0)
+    found = False
+    counts: set[int] = set()
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = shards_of(p)
+        counts.add(n)
+        share = Fraction(p.numel(), n)
+        found = found or hasattr(p, "placements")
+        total += share
+        if p.requires_grad:
+            trainable += share
+    if not found:
+        return None
+    return int(total + Fraction(1, 2)), int(trainable + Fraction(1, 2)), counts.pop() if len(counts) == 1 else None
+
+
+def shards_of(p: Any) -> int:
+    """Into how many pieces a DTensor's placements cut it (1 for a plain tensor, or a replicated one)."""
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return 1
+    n = 1
+    try:
+        mesh = p.device_mesh
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():
+                n *= mesh.size(dim)
+    except Exception:  # a DTensor memprof cannot read: counted whole
+        return 1
+    return n
 
 
 def _layout(model: nn.Module) -> "str | None":

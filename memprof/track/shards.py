@@ -20,7 +20,7 @@ so in a note and counts what it can see (the unsharded copies are then temporari
 from __future__ import annotations
 
 import dataclasses
-import weakref
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -91,17 +91,21 @@ class ShardTracker:
     def close(self) -> None:
         prof = self.prof
         if prof.rank is not None:
-            sharded, unsharded, padding = self.sizes()
+            sharded, unsharded, padding, even = self.sizes()
             prof.rank = dataclasses.replace(prof.rank, sharded_bytes=sharded, unsharded_bytes=unsharded,
-                                            padding_bytes=padding)
+                                            padding_bytes=padding, even_bytes=even)
         self.groups = {}
         self.params = []
 
     # -- what the trace records -------------------------------------------------------------
 
-    def sizes(self) -> "tuple[int, int, int]":
-        """(sharded bytes with padding, unsharded bytes, padding bytes) over every FSDP2 parameter."""
+    def sizes(self) -> "tuple[int, int, int, int]":
+        """(sharded bytes with padding, unsharded bytes, padding bytes, bytes of an even split) over every
+        FSDP2 parameter."""
+        from .ranks import shards_of
+
         sharded = unsharded = padding = 0
+        even = Fraction(0)
         world = self.prof.rank.world_size if self.prof.rank is not None else 1
         for fp in self.params:
             local = fp.sharded_param.to_local() if hasattr(fp.sharded_param, "to_local") else fp.sharded_param
@@ -109,6 +113,7 @@ class ShardTracker:
             padded = _numel(fp.padded_sharded_param_size) * size
             sharded += padded
             padding += padded - local.numel() * size
+            even += Fraction(fp.sharded_param.numel() * size, shards_of(fp.sharded_param))
             # Gathered into storages of world size x the padded shard, in the dtype of the all-gather.
             gathered = list(getattr(fp, "all_gather_outputs", ()) or ())
             if gathered:
@@ -116,7 +121,7 @@ class ShardTracker:
             else:  # never gathered in the block: what it would gather
                 dtype = getattr(fp, "param_dtype", None) or local.dtype
                 unsharded += padded // size * world * torch.empty((), dtype=dtype).element_size()
-        return sharded, unsharded, padding
+        return sharded, unsharded, padding, int(even + Fraction(1, 2))
 
     # -- following FSDP -------------------------------------------------------------------------
 

@@ -256,3 +256,43 @@ def test_a_stack_of_blocks_is_estimated_as_fsdp2_holds_it(fake_world_of_eight):
     # reduce-scatter's buffer kept; 52,186,776 bytes measured and estimated.
     assert est.peak_bytes == measured.peak.total == 52_186_776
     _against(est, measured)
+
+
+def _reconciled_at_rest(model, opt):
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            model(torch.randn(16, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.report().reconcile(at=(1, "optimizer", "end"))
+
+
+@pytest.mark.parametrize("how", ["hsdp", "partial", "tensor_parallel"])
+def test_a_rank_sharded_any_way_reconciles_by_its_own_share(fake_world_of_eight, how):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    if how == "hsdp":  # replicated over 2, sharded over 4: each rank holds a quarter of each parameter
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+        for m in (model[0], model[2], model):
+            fully_shard(m, mesh=mesh)
+    elif how == "partial":  # only the first Linear sharded (eight ways); the rest whole on every rank
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (8,)))
+    else:  # Megatron-style column then row parallel Linears: weights in eighths, the last bias whole
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(model, init_device_mesh("cpu", (8,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    rec = _reconciled_at_rest(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    # Whatever the placements, the formula is this rank's share of each parameter (64 x 128 + 128 + 128 x 64 + 64
+    # elements, each over its shard count) and nothing is left unexplained but Adam's whole step counters.
+    # 16,576 parameters: under HSDP a quarter each, 4,144 x 4 bytes.
+    expected = {"hsdp": 16_576 // 4 * 4, "partial": (64 * 128 + 128) // 8 * 4 + (128 * 64 + 64) * 4,
+                "tensor_parallel": (64 * 128 + 128 + 128 * 64) // 8 * 4 + 64 * 4}[how]
+    for cat in ("weights", "gradients"):
+        row = rec.row(cat)
+        assert row.formula == row.measured == expected and rec.unexplained(cat) == 0, cat
+    assert rec.unexplained("optimizer_states") == 0
+    causes = {c.name for c in rec.causes if c.category.value == "optimizer_states"}
+    assert causes <= {"unsharded step counters"}
