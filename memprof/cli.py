@@ -168,6 +168,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     budget = parse_size(args.budget) if args.budget is not None else None  # refuse a bad size before simulating
     from .sim_ranks import check_parallel
 
+    if args.generate and (args.parallel is not None or args.world_size != 1):
+        raise MemprofError("--parallel and --world-size size a training step's ranks; a generation is "
+                           "estimated for one device: leave them out with --generate")
     world_size, parallel = check_parallel(args.world_size, args.parallel)
     _device(args.device)
     factory = _load_factory(args.factory)
@@ -178,9 +181,6 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise MemprofError(f"{args.factory}(batch_size={args.batch_size}) raised {type(exc).__name__}: {exc}") from None
     if args.generate:
-        if parallel is not None:
-            raise MemprofError("--parallel and --world-size size a training step's ranks; a generation is "
-                               "estimated for one device: leave them out with --generate")
         return _estimate_generation(args, spec, budget)
     if isinstance(spec, torch.nn.Module):
         raise MemprofError(f"{args.factory} returned a model only; return a dict with 'model' and 'inputs' "
@@ -300,7 +300,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="attention kernel of a CUDA target (default auto: the one torch's CUDA dispatcher picks)")
     est.add_argument("--world-size", type=int, default=1,
                      help="ranks of a data-parallel job: the figures are one rank's, --batch-size its batch")
-    est.add_argument("--parallel", choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None,
+    est.add_argument("--parallel", type=str.lower, choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None,
                      help="how the ranks share the model (needed with --world-size above 1)")
     est.add_argument("--budget", help="exit 1 if the simulated peak exceeds this size (e.g. '80 GiB')")
     est.add_argument("--generate", action="store_true",

@@ -161,6 +161,7 @@ class ModuleTracker:
             stack.callback(mod.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=sharded).remove)
             if sharded:
                 stack.callback(mod.register_forward_pre_hook(lambda m, _a: shards.unsharded(m)).remove)
+                stack.callback(mod.register_forward_hook(lambda m, _a, _o: shards.resharded(m)).remove)
             stack.callback(mod.register_forward_hook(post_hook, with_kwargs=True, always_call=True).remove)
         for p in unique_params(model):
             prof.params.adopt(p)

@@ -132,6 +132,18 @@ class ShardTracker:
         for fp in self.groups.get(id(module), ()):
             self._weigh(fp)
 
+    def resharded(self, module: nn.Module) -> None:
+        """After FSDP's post-forward of ``module``: with ``reshard_after_forward`` an int, what it keeps until
+        backward (a larger shard of each parameter) is weights too."""
+        if not self.prof.active:
+            return
+        for fp in self.groups.get(id(module), ()):
+            kept = getattr(fp, "_sharded_post_forward_param_data", None)
+            if isinstance(kept, torch.Tensor):
+                entry = self.prof.storages.add_tensor(kept, WEIGHTS)
+                if entry is not None and entry.cat != WEIGHTS:
+                    self.prof.ledger.move(entry, WEIGHTS, retro=True)
+
     def _weigh(self, fp: Any) -> None:
         prof = self.prof
         tensors = list(getattr(fp, "all_gather_outputs", ()) or ()) + list(getattr(fp, "_unsharded_inner_tensors", ()) or ())

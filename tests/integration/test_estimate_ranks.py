@@ -140,3 +140,30 @@ def test_the_command_line_takes_a_world_size(tmp_path, capsys, monkeypatch):
     assert main(["estimate", "rank_models:build", "--batch-size", "16", "--world-size", "2", "--parallel", "fsdp",
                  "--generate", "--prompt-len", "4", "--new-tokens", "2"]) == 1
     assert "leave them out with --generate" in capsys.readouterr().err
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.ModuleList([nn.Linear(32, 8) for _ in range(4)])  # a stack inside the block: not units
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, x):
+        return x + self.mlp(x) + torch.cat([h(x) for h in self.attn], -1)
+
+
+def test_units_are_the_outermost_repeated_blocks():
+    from memprof.sim_ranks import _units
+
+    flat = nn.Sequential(nn.Embedding(100, 32), *[_Block() for _ in range(3)], nn.Linear(32, 100))
+    blocks, units = _units(flat)
+    # The three blocks, whatever sits beside them in the container; the embedding and head are the root's.
+    assert [b for b, _ in blocks] == list(flat)[1:4]
+    assert {units.get(id(p)) for p in flat[0].parameters()} == {None}
+    assert len({units[id(p)] for b in list(flat)[1:4] for p in b.parameters()}) == 3
+    # Without any block of submodules, a stack of leaf layers is wrapped layer by layer.
+    leaves, _ = _units(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    assert len(leaves) == 2
+    est = memprof.estimate(flat, torch.optim.AdamW(flat.parameters()), inputs=torch.randint(0, 100, (2, 5)),
+                           world_size=4, parallel="fsdp")
+    assert any("3 block(s) (_Block)" in n for n in est.notes)
