@@ -296,3 +296,41 @@ def test_a_rank_sharded_any_way_reconciles_by_its_own_share(fake_world_of_eight,
     assert rec.unexplained("optimizer_states") == 0
     causes = {c.name for c in rec.causes if c.category.value == "optimizer_states"}
     assert causes <= {"unsharded step counters"}
+
+
+def test_a_llama_shape_is_estimated_as_fsdp2_holds_it(fake_world_of_eight, monkeypatch):
+    # The Llama-style model of benchmarks/estimate_scale.py (rotary attention with grouped keys and values, SwiGLU,
+    # RMSNorm, untied head), tiny, wrapped as its 70B benchmark assumes: each layer, then the root.
+    import pathlib
+
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    from estimate_scale import build_llama
+
+    cfg = dict(hidden=128, layers=4, heads=4, kv_heads=2, ffn=344, vocab=512)
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    mesh = init_device_mesh("cpu", (8,))
+    torch.manual_seed(0)
+    model = build_llama(cfg, 64, torch.float32).to_empty(device="cpu")  # built on meta; values do not matter here
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    ids = torch.randint(0, 512, (2, 64))
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            loss_fn(model(ids), ids).backward()
+            opt.step()
+            opt.zero_grad()
+    measured = prof.report()
+    est = memprof.estimate(build_llama(cfg, 64, torch.float32), lambda ps: torch.optim.AdamW(ps, foreach=True),
+                           inputs=ids, targets=ids, loss_fn=loss_fn, device="cpu", world_size=8, parallel="fsdp")
+    for phase in ("forward", "backward", "optimizer"):
+        m, e = _phase(measured, 1, phase), _phase(est.report(), 1, phase)
+        assert (e.peak, e.end) == (m.peak, m.end), phase  # every category, to the byte
