@@ -95,6 +95,17 @@ def ranks(tmp_path_factory):
     return out, facts
 
 
+def _profiled(model, opt, make_batch, loss=lambda out, _x: out.sum()):
+    """Two training steps of ``model`` under memprof (zero_grad frees the gradients); the report."""
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            x = make_batch()
+            loss(model(x), x).backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.report()
+
+
 def _phase(rep, step, phase):
     return next(p for p in rep.trace.phases if p.step == step and p.phase.value == phase)
 
@@ -214,13 +225,7 @@ def test_the_estimate_of_eight_ranks_matches_fsdp2_on_a_fake_world(fake_world_of
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 33))
     for m in (model[0], model[2], model):
         fully_shard(m, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            model(torch.randn(16, 64)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    rep = prof.report()
+    rep = _profiled(model, torch.optim.AdamW(model.parameters(), lr=0.1), lambda: torch.randn(16, 64))
     # Rank 0 of 8: 8 of 64 rows and 5 of 33 (ceil), x 65 columns x 4 bytes = 3,380 bytes; gathered 64 + 40 rows.
     d = rep.trace.distributed
     assert (d.world_size, d.layout, d.sharded_bytes, d.unsharded_bytes) == (8, "fsdp2", 3_380, 104 * 65 * 4)
@@ -242,13 +247,7 @@ def test_a_stack_of_blocks_is_estimated_as_fsdp2_holds_it(fake_world_of_eight):
     for block in model[1]:
         fully_shard(block, mesh=mesh)  # the usual wrapping: each block, then the root for the rest
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters())
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            model(torch.randn(512, 64)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    measured = prof.report()
+    measured = _profiled(model, torch.optim.AdamW(model.parameters()), lambda: torch.randn(512, 64))
     plain = _stack()
     est = memprof.estimate(plain, torch.optim.AdamW(plain.parameters()), inputs=torch.randn(512, 64),
                            world_size=8, parallel="fsdp")
@@ -259,12 +258,7 @@ def test_a_stack_of_blocks_is_estimated_as_fsdp2_holds_it(fake_world_of_eight):
 
 
 def _reconciled_at_rest(model, opt):
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            model(torch.randn(16, 64)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    return prof.report().reconcile(at=(1, "optimizer", "end"))
+    return _profiled(model, opt, lambda: torch.randn(16, 64)).reconcile(at=(1, "optimizer", "end"))
 
 
 @pytest.mark.parametrize("how", ["hsdp", "partial", "tensor_parallel"])
@@ -321,14 +315,8 @@ def test_a_llama_shape_is_estimated_as_fsdp2_holds_it(fake_world_of_eight, monke
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), foreach=True)
     ids = torch.randint(0, 512, (2, 64))
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            loss_fn(model(ids), ids).backward()
-            opt.step()
-            opt.zero_grad()
-    measured = prof.report()
+    measured = _profiled(model, torch.optim.AdamW(model.parameters(), foreach=True), lambda: ids, loss_fn)
     est = memprof.estimate(build_llama(cfg, 64, torch.float32), lambda ps: torch.optim.AdamW(ps, foreach=True),
                            inputs=ids, targets=ids, loss_fn=loss_fn, device="cpu", world_size=8, parallel="fsdp")
     for phase in ("forward", "backward", "optimizer"):
