@@ -188,17 +188,22 @@ class RankLayout:
         return buf
 
     def _gather(self, unit: int) -> None:
+        backward = _graph_task_id() != -1
         if unit in self.gathered:
+            if unit == 0 and backward and len(self.order) > 1:
+                # The root, gathered since its forward, prefetches the last unit as its backward begins.
+                self._prefetch(self.order[-1])
             return
         self.gathered.add(unit)
         params = self.units.get(unit, [])
-        backward = _graph_task_id() != -1
         if not backward:
             if unit == 0:
                 self.order = []  # a new forward: the units' order, which backward prefetches in reverse
             self.order.append(unit)
         prefetched = self.kept.get("prefetch")
-        if backward and prefetched is not None and prefetched[0] == unit:
+        hit = backward and prefetched is not None and prefetched[0] == unit
+        del prefetched  # no reference of this frame may keep a buffer alive past its time
+        if hit:
             new = self.kept.pop("prefetch")[1]  # gathered ahead while the unit after it ran backward
         else:
             new = self._buffer(sum(i.full for i in params))
@@ -212,9 +217,12 @@ class RankLayout:
         # FSDP2 prefetches the unit that ran before this one in forward: its all-gather is in flight while this
         # unit's backward runs, and copied out when its own backward begins.
         i = self.order.index(unit) if unit in self.order else -1
-        ahead = self.order[i - 1] if i > 0 else None
-        if ahead is not None and ahead not in self.gathered and "prefetch" not in self.kept:
-            self.kept["prefetch"] = (ahead, self._buffer(sum(i.full for i in self.units.get(ahead, []))))
+        if i > 0:
+            self._prefetch(self.order[i - 1])
+
+    def _prefetch(self, unit: int) -> None:
+        if unit not in self.gathered and "prefetch" not in self.kept:
+            self.kept["prefetch"] = (unit, self._buffer(sum(i.full for i in self.units.get(unit, []))))
 
     def _reshard(self, unit: int) -> None:
         if unit not in self.gathered:
@@ -224,9 +232,20 @@ class RankLayout:
             self._resize(info.ref, info.shard)
 
     def _pre_forward(self, unit: int) -> Any:
-        def hook(_module: nn.Module, _args: Any) -> None:
-            if self.prof is not None and self.prof.active:
-                self._gather(unit)
+        frozen = unit != 0 and not any(i.ref.requires_grad for i in self.units.get(unit, []))
+
+        def hook(_module: nn.Module, args: Any) -> None:
+            if self.prof is None or not self.prof.active:
+                return
+            self._gather(unit)
+            if frozen and _graph_task_id() == -1:
+                from .track.modules import tensors_in_args
+
+                # No gradient of its own tells when its backward is over: FSDP2 learns it from the gradient of
+                # its inputs, and reshards then.
+                for t in tensors_in_args(args, None):
+                    if t.requires_grad:
+                        t.register_hook(lambda _g: self._reduce_scatter(unit) if unit not in self.reduced else None)
         return hook
 
     def _post_forward(self, unit: int) -> Any:
@@ -285,12 +304,15 @@ class RankLayout:
             # FSDP2 keeps one reduce-scatter input (reduce_scatter_max_input_buffers = 1): the last is freed first.
             self.kept.pop("reduce_scatter", None)
             self.kept["reduce_scatter"] = self._buffer(sum(i.full for i in params))  # the full gradients copied in
-            for info in params:  # the reduce-scatter's output (the rank's shards) before the full gradients go
+            # The output (the rank's shards) is made, then the full gradients go. foreach_reduce means to free them
+            # first, and does on some models; on others (a root-only embedding over 7 ranks) they outlive the
+            # output's allocation. Counting both for that moment errs high by the shards, never low.
+            for info in params:
                 entry = self.prof.storages.entry_of(info.ref.grad)
                 if entry is not None:
                     self.prof.ledger.resize(entry, entry.nbytes + info.grad_shard)
             for info in params:
-                self._resize(info.ref.grad, info.grad_shard)  # the full gradient freed, the rank's shard kept
+                self._resize(info.ref.grad, info.grad_shard)
 
     def _backward_done(self) -> None:
         self.flushing = False
@@ -371,7 +393,7 @@ class RankLayout:
     def rank_info(self) -> RankInfo:
         info = RankInfo(rank=0, world_size=self.n, backend=None, layout=self.parallel,
                         bucket_view=False if self.parallel == "ddp" else None)
-        if self.parallel != "fsdp":
+        if self.stage < 3:
             return info
         sharded = sum(i.shard for i in self.by_id.values())
         real = sum(i.real for i in self.by_id.values())

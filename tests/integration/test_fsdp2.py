@@ -322,3 +322,27 @@ def test_a_llama_shape_is_estimated_as_fsdp2_holds_it(fake_world_of_eight, monke
     for phase in ("forward", "backward", "optimizer"):
         m, e = _phase(measured, 1, phase), _phase(est.report(), 1, phase)
         assert (e.peak, e.end) == (m.peak, m.end), phase  # every category, to the byte
+
+
+def test_a_frozen_last_block_is_resharded_when_its_backward_ends(fake_world_of_eight):
+    # A block without trainable parameters has no gradient to say its backward is over: FSDP2 learns it from its
+    # inputs' gradient and reshards it then; the estimate does the same.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def frozen_stack():
+        model = _stack()
+        model[1][7].requires_grad_(False)
+        return model
+
+    mesh = init_device_mesh("cpu", (8,))
+    model = frozen_stack()
+    for block in model[1]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    measured = _profiled(model, torch.optim.AdamW(trainable, foreach=True), lambda: torch.randn(64, 64))
+    plain = frozen_stack()
+    est = memprof.estimate(plain, torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], foreach=True),
+                           inputs=torch.randn(64, 64), world_size=8, parallel="fsdp")
+    _against(est, measured)
