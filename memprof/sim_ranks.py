@@ -146,8 +146,7 @@ class RankLayout:
             self.kept["buckets"] = self._buffer(grads)
         # The run starts from here: what the profiler saw of the whole model is not this rank's.
         prof.phases.start()
-        led.peak_total, led.peak, led.peak_seq = led.phase_peak_total, led.phase_peak.copy(), led.phase_peak_seq
-        led.peak_phase_serial, led.peak_module, led.peak_tags = led.phase_serial, -1, led.phase_peak_tags
+        led.restart_peak()
         prof.start_totals = led.totals.copy()
         if self.stage >= 3:
             for module, unit in self.unit_modules:

@@ -310,6 +310,12 @@ class Ledger:
                 self.peak_phase_serial = self.phase_serial
                 self.peak_module = self.phase_peak_module
 
+    def restart_peak(self) -> None:
+        """The global peak starts over from the current phase's (a simulated rank resizes what the profiler
+        registered before its run begins)."""
+        self.peak_total, self.peak, self.peak_seq = self.phase_peak_total, self.phase_peak.copy(), self.phase_peak_seq
+        self.peak_phase_serial, self.peak_module, self.peak_tags = self.phase_serial, -1, self.phase_peak_tags
+
     def peak_state(self) -> tuple:
         """The global peak as it stands (to restore after steps that must not count, a schedule's warmup)."""
         return (self.peak_total, self.peak.copy(), self.peak_tags, self.peak_seq, self.peak_phase_serial,
