@@ -350,7 +350,7 @@ class RankLayout:
 
     def finish(self, trace: Any) -> Any:
         """The optimizer steps' peaks on the rank's shards, the peak again, and the rank's record."""
-        share = self._state_share()
+        share = self._state_share(trace.optimizer_implementation == "for-loop")
         steps = []
         best: "tuple[int, Breakdown, int, Phase] | None" = None
         for step in trace.steps:
@@ -383,11 +383,17 @@ class RankLayout:
             out = dataclasses.replace(out, peak=best[1], peak_step=best[2], peak_phase=best[3])
         return out
 
-    def _state_share(self) -> "Fraction | None":
-        if self.parallel == "fsdp":  # rank 0's real rows, of the whole
-            whole = sum(i.ref.numel() * i.ref.element_size() for i in self.by_id.values())
-            return Fraction(sum(i.real for i in self.by_id.values()), whole) if whole else None
-        return Fraction(1, self.n)
+    def _state_share(self, one_at_a_time: bool) -> "Fraction | None":
+        """The rank's part of the optimizer step's temporaries. A for-each step's are all the parameters' at once:
+        the rank's share of all of them; a for-loop step's are the largest parameter's: its shard's part."""
+        if self.parallel != "fsdp":
+            return Fraction(1, self.n)
+        params = [i for i in self.by_id.values() if i.ref.requires_grad] or list(self.by_id.values())
+        if one_at_a_time:  # the largest shard's temporaries, where the simulation had the largest parameter's
+            whole = max(i.ref.numel() * i.ref.element_size() for i in params)
+            return Fraction(max(i.real for i in params), whole) if whole else None
+        whole = sum(i.ref.numel() * i.ref.element_size() for i in params)
+        return Fraction(sum(i.real for i in params), whole) if whole else None
 
     def rank_info(self) -> RankInfo:
         info = RankInfo(rank=0, world_size=self.n, backend=None, layout=self.parallel,
