@@ -38,6 +38,7 @@ from .categories import Category, Phase
 from .errors import InvalidArgumentError, UnknownNameError
 from .records import Breakdown, RankInfo
 from .reconciler.sharding import STAGES
+from .units import round_half_away
 
 __all__ = ["PARALLEL", "check_parallel", "RankLayout"]
 
@@ -405,7 +406,7 @@ class RankLayout:
         even = sum(Fraction(i.ref.numel() * i.ref.element_size(), self.n) for i in self.by_id.values())
         return dataclasses.replace(info, sharded_bytes=sharded, padding_bytes=sharded - real,
                                    unsharded_bytes=sum(i.full for i in self.by_id.values()),
-                                   even_bytes=int(even + Fraction(1, 2)))
+                                   even_bytes=round_half_away(even))
 
     def notes(self) -> list[str]:
         out = [f"one rank of {self.n} under {self.parallel}: the simulated batch is this rank's; model states and "

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 from .errors import InvalidArgumentError, SizeParseError
 
-__all__ = ["format_bytes", "parse_size", "printable", "as_count"]
+__all__ = ["format_bytes", "parse_size", "printable", "as_count", "round_half_away"]
 
 _IEC = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
@@ -116,6 +117,14 @@ def _bounded(n: int, shown: object) -> int:
     if n > MAX_SIZE:
         raise SizeParseError(f"size {shown!r} is too large: memprof sizes stop at 16 EiB (2**64 bytes)")
     return n
+
+
+def round_half_away(value: "Fraction | int") -> int:
+    """The nearest int, halves away from zero: half up for the sizes formulas give (never negative), and
+    symmetric for a signed gap."""
+    if value < 0:
+        return -int(-value + Fraction(1, 2))
+    return int(value + Fraction(1, 2))
 
 
 def as_count(name: str, value: object, minimum: int = 0) -> int:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, RegistryError, UnknownNameError
-from ..units import as_count
+from ..units import as_count, round_half_away
 
 __all__ = [
     "MASK_BYTES",
@@ -59,10 +59,6 @@ _RECOMPUTE = (None, "selective", "full")
 def _check_int(name: str, value: Any, minimum: int = 1) -> int:
     # Whole-number floats are counts too (seq_len=2048.0 from a config).
     return as_count(name, value, minimum)
-
-
-def _round_half_up(value: Fraction) -> int:
-    return int((value + Fraction(1, 2)) // 1)
 
 
 def transformer_layer_terms(
@@ -193,7 +189,7 @@ def transformer_layer_activations(
         sequence_parallel=sequence_parallel,
         recompute=recompute,
     )
-    return _round_half_up(sum(terms.values(), Fraction(0)))
+    return round_half_away(sum(terms.values(), Fraction(0)))
 
 
 def transformer_activations_total(
@@ -235,7 +231,7 @@ def transformer_activations_total(
                 raise InvalidArgumentError("outside_layers=True with pipeline_parallel=1 needs vocab_size (the logits)")
             e = layer_kwargs.get("bytes_per_element", 2)
             total += (2 * e * sbh + 4 * Fraction(seq_len * batch * vocab_size)) / t  # final LN, output input, fp32 logits
-    return _round_half_up(total)
+    return round_half_away(total)
 
 
 # --------------------------------------------------------------------------- per-module rules

@@ -15,7 +15,7 @@ from typing import Any
 from fractions import Fraction
 
 from ..errors import InvalidArgumentError
-from ..units import as_count
+from ..units import as_count, round_half_away
 
 __all__ = [
     "ZERO_OPTIMIZER_BYTES",
@@ -35,10 +35,6 @@ DEEPSPEED_BUFFER_FACTOR = Fraction(3, 2)
 # 16-bit parameters and 16-bit gradients, 2 B each (Rajbhandari et al. 2019 (ZeRO), §3.1).
 _FP16_PARAM_BYTES = 2
 _FP16_GRAD_BYTES = 2
-
-
-def _round_half_up(value: Fraction) -> int:
-    return int((value + Fraction(1, 2)) // 1)
 
 
 def _counts(**values: Any) -> list[int]:
@@ -68,7 +64,7 @@ def zero_model_states(num_params: int, world_size: int, stage: int, *, optimizer
         value = (p + g + k) * psi / nd
     else:
         raise InvalidArgumentError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    return _round_half_up(value)
+    return round_half_away(value)
 
 
 @dataclass(frozen=True)
@@ -103,7 +99,7 @@ def deepspeed_zero2_estimate(
     else:
         gpu = 4 * psi + int(16 * psi / total_gpus)
         cpu = psi * 4 * num_gpus_per_node * buffer_factor
-    return DeepSpeedEstimate(per_gpu=gpu, per_cpu=_round_half_up(Fraction(cpu)))
+    return DeepSpeedEstimate(per_gpu=gpu, per_cpu=round_half_away(Fraction(cpu)))
 
 
 def deepspeed_zero3_estimate(
@@ -152,4 +148,4 @@ def deepspeed_zero3_estimate(
     else:
         gpu = llm + int(18 * psi / total_gpus)
         cpu = (largest_layer_params if zero_init else psi) * 4 * n * buffer_factor
-    return DeepSpeedEstimate(per_gpu=gpu, per_cpu=_round_half_up(Fraction(cpu)))
+    return DeepSpeedEstimate(per_gpu=gpu, per_cpu=round_half_away(Fraction(cpu)))

@@ -18,6 +18,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from ..categories import Category, Phase
+from ..units import round_half_away
 
 if TYPE_CHECKING:
     from ..records import ModelFacts, RankInfo
@@ -51,14 +52,14 @@ def shard_formula(values: dict, dist: "RankInfo", facts: "ModelFacts | None" = N
         # Every parameter cut into the same number of shards: Table I at that count (FSDP: the world size).
         for cat in (W, G, O, T):
             if values.get(cat) is not None:
-                values[cat] = _half_up(Fraction(values[cat], dist.shards))
+                values[cat] = round_half_away(Fraction(values[cat], dist.shards))
         return
     if dist.params_per_rank is not None and facts is not None and facts.num_params:
         trainable = Fraction(dist.trainable_per_rank or 0, facts.num_trainable) if facts.num_trainable else None
         shares = {W: Fraction(dist.params_per_rank, facts.num_params), G: trainable, O: trainable, T: trainable}
         for cat, share in shares.items():
             if values.get(cat) is not None and share is not None:
-                values[cat] = _half_up(values[cat] * share)
+                values[cat] = round_half_away(values[cat] * share)
         return
     stage = zero_stage(dist)
     if not stage:
@@ -68,11 +69,7 @@ def shard_formula(values: dict, dist: "RankInfo", facts: "ModelFacts | None" = N
     sharded = (O, T) if stage == 1 else (G, O, T) if stage == 2 else (W, G, O, T)
     for cat in sharded:
         if values.get(cat) is not None:
-            values[cat] = _half_up(Fraction(values[cat], n))
-
-
-def _half_up(x: Fraction) -> int:
-    return int(x + Fraction(1, 2)) if x >= 0 else -int(-x + Fraction(1, 2))
+            values[cat] = round_half_away(Fraction(values[cat], n))
 
 
 def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category, str, int, str]]":
@@ -113,7 +110,7 @@ def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category,
         # Optimizer state is made like its parameter's local shard (zeros_like): real rows, no padding. With
         # rows that do not divide, lower ranks hold one row more of a parameter than higher ones.
         own = dist.sharded_bytes - (dist.padding_bytes or 0)
-        uneven = _half_up(Fraction(own - dist.even_bytes, itemsize) * k)
+        uneven = round_half_away(Fraction(own - dist.even_bytes, itemsize) * k)
         if uneven:
             out.append((O, "uneven shards", uneven,
                         "this rank's real rows differ from an even share: the first ranks hold ceil(rows / shards) "

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from ..records import RankInfo
+from ..units import round_half_away
 
 __all__ = ["rank_info"]
 
@@ -63,7 +64,7 @@ def _shares(model: nn.Module) -> "tuple[int, int, int | None] | None":
             trainable += share
     if not found:
         return None
-    return int(total + Fraction(1, 2)), int(trainable + Fraction(1, 2)), counts.pop() if len(counts) == 1 else None
+    return round_half_away(total), round_half_away(trainable), counts.pop() if len(counts) == 1 else None
 
 
 def shards_of(p: Any) -> int:

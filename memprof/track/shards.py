@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..units import round_half_away
 from .ledger import ACTIVATIONS, COMMUNICATION, INPUTS, TEMPORARIES, WEIGHTS, storage_of
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class ShardTracker:
             else:  # never gathered in the block: what it would gather
                 dtype = getattr(fp, "param_dtype", None) or local.dtype
                 unsharded += padded // size * world * torch.empty((), dtype=dtype).element_size()
-        return sharded, unsharded, padding, int(even + Fraction(1, 2))
+        return sharded, unsharded, padding, round_half_away(even)
 
     # -- following FSDP -------------------------------------------------------------------------
 
