@@ -66,13 +66,15 @@ class ParamTracker:
         self.by_id[id(p)] = ref
         # Already a weight for the parameters that existed at the start; one made inside the block
         # (a new head, a materialised lazy parameter) was a temporary until now.
-        self.storage_keys.append(self._weigh(p))
+        self.storage_keys.append(self.weigh(p))
         if p.requires_grad:
             stack = self.prof.stack
             assert stack is not None
             stack.callback(p.register_post_accumulate_grad_hook(self.grad_hook).remove)
 
-    def _weigh(self, p: torch.Tensor) -> "int | None":
+    def weigh(self, p: torch.Tensor) -> "int | None":
+        """``p``'s storage is a weight from now on (also at the peaks of this phase, if it was made in it); its
+        ledger key, or None off this device."""
         entry = self.prof.storages.add_tensor(p, WEIGHTS)
         if entry is None:
             return None
@@ -93,7 +95,7 @@ class ParamTracker:
                 continue
             changed = True
             old = led.entries.get(self.storage_keys[i]) if self.storage_keys[i] is not None else None
-            self.storage_keys[i] = self._weigh(p)
+            self.storage_keys[i] = self.weigh(p)
             if old is not None and old.cat == WEIGHTS and old.key not in self.storage_keys:
                 led.move(old, TEMPORARIES)
         if changed and self.moved_at is None:

@@ -16,7 +16,7 @@ from torch import nn
 from ..records import RankInfo
 from ..units import round_half_away
 
-__all__ = ["rank_info"]
+__all__ = ["rank_info", "is_fsdp2_module", "shards_of"]
 
 
 def rank_info(model: nn.Module) -> "RankInfo | None":
@@ -83,6 +83,12 @@ def shards_of(p: Any) -> int:
     return n
 
 
+def is_fsdp2_module(m: nn.Module) -> bool:
+    """Did ``fully_shard`` make ``m`` an ``FSDPModule`` (read from its classes, without importing FSDP)?"""
+    return any(k.__name__ == "FSDPModule" and k.__module__.startswith("torch.distributed.fsdp")
+               for k in type(m).__mro__)
+
+
 def _layout(model: nn.Module) -> "str | None":
     """The data-parallel wrapping of ``model``: ``ddp``, ``fsdp2`` (``fully_shard``), ``fsdp1`` or
     ``deepspeed``; None when there is none."""
@@ -92,7 +98,7 @@ def _layout(model: nn.Module) -> "str | None":
             names.add(f"{klass.__module__}.{klass.__qualname__}")
     if any(n.endswith(".DistributedDataParallel") for n in names):
         return "ddp"
-    if any(n.startswith("torch.distributed.fsdp") and n.rsplit(".", 1)[-1] == "FSDPModule" for n in names):
+    if any(is_fsdp2_module(m) for m in model.modules()):
         return "fsdp2"
     if any(n.endswith(".FullyShardedDataParallel") for n in names):
         return "fsdp1"

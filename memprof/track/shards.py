@@ -20,6 +20,7 @@ so in a note and counts what it can see (the unsharded copies are then temporari
 from __future__ import annotations
 
 import dataclasses
+import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -27,15 +28,12 @@ import torch
 from torch import nn
 
 from ..units import round_half_away
-from .ledger import ACTIVATIONS, COMMUNICATION, INPUTS, TEMPORARIES, WEIGHTS, storage_of
+from .ranks import is_fsdp2_module, shards_of
 
 if TYPE_CHECKING:
     from ..profiler import Profiler
 
 __all__ = ["ShardTracker", "ResizeWatch", "fsdp2_params", "sharding"]
-
-_MOVABLE = (TEMPORARIES, ACTIVATIONS, INPUTS, COMMUNICATION)
-
 
 def sharding(prof: "Profiler", model: nn.Module) -> "ShardTracker | None":
     """Follow resized storages for this profile, and FSDP2's parameters when the model is sharded with it
@@ -64,8 +62,7 @@ def fsdp2_params(model: nn.Module) -> "dict[int, list[Any]] | None":
     internals cannot be read (a torch whose FSDP2 differs)."""
     groups: dict[int, list[Any]] = {}
     for m in model.modules():
-        if not any(k.__name__ == "FSDPModule" and k.__module__.startswith("torch.distributed.fsdp")
-                   for k in type(m).__mro__):
+        if not is_fsdp2_module(m):
             continue
         try:
             group = m._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
@@ -87,7 +84,6 @@ class ShardTracker:
         self.groups = groups
         self.params = [fp for ps in groups.values() for fp in ps]
         self.hooked: set[int] = set()  # id() of unsharded parameters carrying memprof's gradient hook
-        self.unsharded_keys: set[int] = set()
 
     def close(self) -> None:
         prof = self.prof
@@ -103,15 +99,13 @@ class ShardTracker:
     def sizes(self) -> "tuple[int, int, int, int]":
         """(sharded bytes with padding, unsharded bytes, padding bytes, bytes of an even split) over every
         FSDP2 parameter."""
-        from .ranks import shards_of
-
         sharded = unsharded = padding = 0
         even = Fraction(0)
         world = self.prof.rank.world_size if self.prof.rank is not None else 1
         for fp in self.params:
             local = fp.sharded_param.to_local() if hasattr(fp.sharded_param, "to_local") else fp.sharded_param
             size = local.element_size()
-            padded = _numel(fp.padded_sharded_param_size) * size
+            padded = math.prod(fp.padded_sharded_param_size) * size
             sharded += padded
             padding += padded - local.numel() * size
             even += Fraction(fp.sharded_param.numel() * size, shards_of(fp.sharded_param))
@@ -141,9 +135,7 @@ class ShardTracker:
         for fp in self.groups.get(id(module), ()):
             kept = getattr(fp, "_sharded_post_forward_param_data", None)
             if isinstance(kept, torch.Tensor):
-                entry = self.prof.storages.add_tensor(kept, WEIGHTS)
-                if entry is not None and entry.cat != WEIGHTS:
-                    self.prof.ledger.move(entry, WEIGHTS, retro=True)
+                self.prof.params.weigh(kept)
 
     def _weigh(self, fp: Any) -> None:
         prof = self.prof
@@ -152,14 +144,7 @@ class ShardTracker:
         if not tensors and param is not None:
             tensors = [param]
         for t in tensors:
-            st = storage_of(t)
-            if st is None:
-                continue
-            entry = prof.storages.add_tensor(t, WEIGHTS)
-            if entry is not None and entry.cat != WEIGHTS:
-                prof.ledger.move(entry, WEIGHTS, retro=True)
-            if entry is not None:
-                self.unsharded_keys.add(entry.key)
+            prof.params.weigh(t)
         if param is not None and param.requires_grad and id(param) not in self.hooked:
             self.hooked.add(id(param))
             assert prof.stack is not None
@@ -180,13 +165,6 @@ class ShardTracker:
             acc = getattr(fp, "unsharded_accumulated_grad", None)  # no gradient sync: kept unsharded
             if acc is not None:
                 params.add_grad(acc, retro=True, follow=False)
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 class ResizeWatch:
