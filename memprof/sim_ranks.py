@@ -37,6 +37,8 @@ from torch import nn
 from .categories import Category, Phase
 from .errors import InvalidArgumentError, UnknownNameError
 from .records import Breakdown, RankInfo
+from .track.ledger import COMMUNICATION
+from .track.modules import tensors_in_args
 from .reconciler.sharding import STAGES
 from .units import round_half_away
 
@@ -81,12 +83,17 @@ class _Param:
     rows0: int = 0  # rank 0's rows (FSDP)
     grad_shard: int = 0  # rank 0's bytes of its gradient
 
+    @property
+    def whole(self) -> int:
+        """Its bytes, unsharded and unpadded."""
+        return self.ref.numel() * self.ref.element_size()
+
 
 class RankLayout:
     """Plays one layout's memory moves on a simulated run, for rank 0 of ``world_size``."""
 
     def __init__(self, model: nn.Module, optimizer: "torch.optim.Optimizer | None", world_size: int,
-                 parallel: str, rounding: int) -> None:
+                 parallel: str) -> None:
         self.n, self.parallel, self.stage = world_size, parallel, STAGES[parallel]
         self.optimizer = optimizer
         self.model = model
@@ -125,7 +132,7 @@ class RankLayout:
         # carries it, the others none.
         params = list(self.by_id.values())
         for info in params:
-            info.full = info.ref.numel() * info.ref.element_size()
+            info.full = info.whole
         for field, members in (("shard", params), ("grad_shard", [i for i in params if i.ref.requires_grad])):
             for flat in _flat_shares(members, n).items():
                 setattr(flat[0], field, flat[1])
@@ -143,7 +150,7 @@ class RankLayout:
             for info in self.by_id.values():
                 self._resize(info.ref, info.shard)
         if self.parallel == "ddp":
-            grads = sum(i.ref.numel() * i.ref.element_size() for i in self.by_id.values() if i.ref.requires_grad)
+            grads = sum(i.whole for i in self.by_id.values() if i.ref.requires_grad)
             self.kept["buckets"] = self._buffer(grads)
         # The run starts from here: what the profiler saw of the whole model is not this rank's.
         prof.phases.start()
@@ -178,8 +185,6 @@ class RankLayout:
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """A collective's buffer of ``nbytes`` (a shape-only tensor the ledger counts as communication)."""
-        from .track.ledger import COMMUNICATION
-
         buf = torch.empty(nbytes, dtype=torch.uint8, device="meta")
         led = self.prof.ledger
         entry = led.add(buf.untyped_storage(), COMMUNICATION)
@@ -239,8 +244,6 @@ class RankLayout:
                 return
             self._gather(unit)
             if frozen and _graph_task_id() == -1:
-                from .track.modules import tensors_in_args
-
                 # No gradient of its own tells when its backward is over: FSDP2 learns it from the gradient of
                 # its inputs, and reshards then.
                 for t in tensors_in_args(args, None):
@@ -256,8 +259,6 @@ class RankLayout:
                 self._reshard(unit)
             if unit == 0:  # the root's forward ends: FSDP2 frees the all-gather buffer it kept
                 self.kept.pop("all_gather", None)
-            from .track.modules import tensors_in_args
-
             # Backward gathers the unit again when the gradient of its output arrives.
             for t in tensors_in_args(output, None):
                 if t.requires_grad:
@@ -391,9 +392,9 @@ class RankLayout:
             return Fraction(1, self.n)
         params = [i for i in self.by_id.values() if i.ref.requires_grad] or list(self.by_id.values())
         if one_at_a_time:  # the largest shard's temporaries, where the simulation had the largest parameter's
-            whole = max(i.ref.numel() * i.ref.element_size() for i in params)
+            whole = max(i.whole for i in params)
             return Fraction(max(i.real for i in params), whole) if whole else None
-        whole = sum(i.ref.numel() * i.ref.element_size() for i in params)
+        whole = sum(i.whole for i in params)
         return Fraction(sum(i.real for i in params), whole) if whole else None
 
     def rank_info(self) -> RankInfo:
@@ -403,7 +404,7 @@ class RankLayout:
             return info
         sharded = sum(i.shard for i in self.by_id.values())
         real = sum(i.real for i in self.by_id.values())
-        even = sum(Fraction(i.ref.numel() * i.ref.element_size(), self.n) for i in self.by_id.values())
+        even = sum(Fraction(i.whole, self.n) for i in self.by_id.values())
         return dataclasses.replace(info, sharded_bytes=sharded, padding_bytes=sharded - real,
                                    unsharded_bytes=sum(i.full for i in self.by_id.values()),
                                    even_bytes=round_half_away(even))

@@ -162,8 +162,7 @@ def estimate(
     rules = setup.rules()
     # A very large model takes seconds per simulated step: worth a bar in a terminal.
     big = sum(p.numel() for p in model.parameters()) >= 1_000_000_000
-    layout = RankLayout(meta_model, meta_opt, world_size, parallel, 512 if target.type == "cuda" else 1) if (
-        parallel is not None) else None
+    layout = RankLayout(meta_model, meta_opt, world_size, parallel) if parallel is not None else None
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(Progress(steps, "estimate")) if big else None
         if fake_mode is not None:
