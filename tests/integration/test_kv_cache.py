@@ -27,6 +27,16 @@ def _models():
     return {"gpt2": (gpt2, 2, 16), "llama-gqa": (llama, 2, 8)}  # model, kv heads, head dim
 
 
+def _generated(model, ids, new_tokens, mode="full"):
+    """The trace of a greedy generation of exactly ``new_tokens`` tokens after ``ids``, profiled."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with memprof.profile(model, mode=mode) as prof:
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0)
+    return prof.report().trace
+
+
 def _storage_sum(tensors):
     seen, total = set(), 0
     for t in tensors:
@@ -50,13 +60,9 @@ def test_the_cache_at_the_end_of_generation_equals_the_formula_and_its_tensors(n
 
     handle = model.register_forward_hook(keep, with_kwargs=True)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with memprof.profile(model, mode=mode) as prof:
-                model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+        trace = _generated(model, ids, 5, mode)
     finally:
         handle.remove()
-    trace = prof.report().trace
     phases = [(p.phase.value, p.occurrence) for p in trace.phases if p.phase.value in ("prefill", "decode")]
     assert phases == [("prefill", 0), ("decode", 0), ("decode", 1), ("decode", 2), ("decode", 3)]
     last = [p for p in trace.phases if p.phase.value == "decode"][-1]
@@ -74,7 +80,7 @@ def test_the_cache_at_the_end_of_generation_equals_the_formula_and_its_tensors(n
     assert [b - a for a, b in zip(ends, ends[1:])] == [per_token] * 4
     # The attention mask and position ids the loop builds between calls are not the cache.
     assert trace.generation.tokens[-1][-1] == 11 and trace.generation.batch == 3
-    rec = prof.report().reconcile(at=(0, "decode", "end", 3))
+    rec = memprof.Report(trace).reconcile(at=(0, "decode", "end", 3))
     assert rec.row("kv_cache").formula == rec.row("kv_cache").measured == formula
 
 
@@ -138,12 +144,7 @@ def test_an_evaluation_loop_whose_outputs_carry_a_cache_stays_a_forward():
 def test_a_long_generation_ends_with_its_cache():
     model, kv_heads, head_dim = _models()["llama-gqa"]
     model.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with memprof.profile(model) as prof:
-            model.generate(torch.zeros(2, 5, dtype=torch.long), max_new_tokens=100, min_new_tokens=100,
-                           do_sample=False, pad_token_id=0)
-    trace = prof.report().trace
+    trace = _generated(model, torch.zeros(2, 5, dtype=torch.long), 100)
     decode = [p for p in trace.phases if p.phase.value == "decode"]
     assert len(decode) == 64  # 63 of their own, the other 36 calls in the 64th
     assert any("35 further decode calls joined" in n for n in trace.notes)
@@ -157,12 +158,7 @@ def test_a_sliding_window_model_has_a_prefill_and_a_capped_formula():
     model = transformers.MistralForCausalLM(transformers.MistralConfig(
         num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=64, sliding_window=8)).eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with memprof.profile(model) as prof:
-            model.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=3, min_new_tokens=3,
-                           do_sample=False, pad_token_id=0)
-    trace = prof.report().trace
+    trace = _generated(model, torch.zeros(1, 4, dtype=torch.long), 3)
     kinds = [p.phase.value for p in trace.phases if p.phase.value in ("prefill", "decode")]
     assert kinds == ["prefill", "decode", "decode"]
     assert trace.generation.sliding_window == 8
