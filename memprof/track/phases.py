@@ -229,7 +229,7 @@ class PhaseTracker:
         prof = self.prof
         if not prof.active or self.current is not Phase.BACKWARD:
             return
-        if (prof.shards is not None or prof.backward_waits) and not self.requeued:
+        if prof.backward_waits and not self.requeued:
             # FSDP2 (or a simulated rank's layout) reduce-scatters the last gradients in a callback of its own,
             # queued after this one when its first backward hook ran after backward's first op: go to the back
             # of the queue, once.

@@ -53,6 +53,7 @@ def sharding(prof: "Profiler", model: nn.Module) -> "ShardTracker | None":
             "full parameters are counted as temporaries, not weights, and the trace has no sharded bytes")
         return None
     tracker = ShardTracker(prof, groups)
+    prof.backward_waits = True  # FSDP2's last reduce-scatter runs in a backward callback of its own
     stack.callback(tracker.close)  # runs after the hooks are gone: the record keeps the sizes, not FSDP's objects
     return tracker
 
