@@ -17,7 +17,7 @@ from ..categories import Category
 from ..trace import Breakdown, Trace, parent_path
 from ..units import format_bytes
 from .formula import predictions
-from .sharding import zero_stage
+from .sharding import rank_shares, zero_stage
 
 __all__ = ["advice", "levers"]
 
@@ -85,16 +85,8 @@ def levers(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
 
 
 def rank_share(trace: Trace) -> Fraction:
-    """The part of the model's optimizer state one rank holds: its share of the trainable parameters when they
-    are DTensors, 1/N under a ZeRO stage that shards the state, else 1."""
-    dist = trace.distributed
-    if dist is None:
-        return Fraction(1)
-    if dist.trainable_per_rank is not None and trace.facts.num_trainable:
-        return Fraction(dist.trainable_per_rank, trace.facts.num_trainable)
-    if (zero_stage(dist) or 0) >= 1:
-        return Fraction(1, dist.world_size)
-    return Fraction(1)
+    """The part of the model's optimizer state one rank holds (1 outside a sharded layout)."""
+    return rank_shares(trace.distributed, trace.facts).get(Category.OPTIMIZER_STATES, Fraction(1))
 
 
 def _grads_kept_into(trace: Trace) -> bool:

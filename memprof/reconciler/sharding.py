@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..records import ModelFacts, RankInfo
     from .causes import Context
 
-__all__ = ["STAGES", "zero_stage", "shard_formula", "sharding_gaps"]
+__all__ = ["STAGES", "zero_stage", "rank_shares", "shard_formula", "sharding_gaps"]
 
 W, G, O, T = Category.WEIGHTS, Category.GRADIENTS, Category.OPTIMIZER_STATES, Category.TEMPORARIES
 
@@ -40,36 +40,36 @@ def zero_stage(dist: "RankInfo | None") -> "int | None":
     return STAGES.get(dist.layout)
 
 
-def shard_formula(values: dict, dist: "RankInfo", facts: "ModelFacts | None" = None) -> None:
-    """The rank's part of what its layout shards, in place; the optimizer step's temporaries with the state
-    they work on.
+def rank_shares(dist: "RankInfo | None", facts: "ModelFacts | None" = None) -> "dict[Category, Fraction]":
+    """The part of each model state a rank holds, for the categories its layout shards (the optimizer step's
+    temporaries go with the state they work on); empty when it shards nothing.
 
-    A measured run whose parameters are DTensors says how much of each this rank holds
-    (``dist.params_per_rank``: FSDP's shards, HSDP's shard dimension only, tensor parallelism, parameters left
-    whole): that share. Otherwise ZeRO's Table I at the world size.
+    Every parameter cut into the same number of shards (FSDP: the world size; HSDP: its shard dimension):
+    Table I at that count. Otherwise, a measured run whose parameters are DTensors says how much of each this
+    rank holds (``dist.params_per_rank``: tensor parallelism, parameters left whole): that share. Otherwise
+    ZeRO's Table I at the world size.
     """
+    if dist is None:
+        return {}
     if dist.shards is not None and dist.shards > 1:
-        # Every parameter cut into the same number of shards: Table I at that count (FSDP: the world size).
-        for cat in (W, G, O, T):
-            if values.get(cat) is not None:
-                values[cat] = round_half_away(Fraction(values[cat], dist.shards))
-        return
+        return dict.fromkeys((W, G, O, T), Fraction(1, dist.shards))
     if dist.params_per_rank is not None and facts is not None and facts.num_params:
-        trainable = Fraction(dist.trainable_per_rank or 0, facts.num_trainable) if facts.num_trainable else None
-        shares = {W: Fraction(dist.params_per_rank, facts.num_params), G: trainable, O: trainable, T: trainable}
-        for cat, share in shares.items():
-            if values.get(cat) is not None and share is not None:
-                values[cat] = round_half_away(values[cat] * share)
-        return
+        out = {W: Fraction(dist.params_per_rank, facts.num_params)}
+        if facts.num_trainable:
+            out.update(dict.fromkeys((G, O, T), Fraction(dist.trainable_per_rank or 0, facts.num_trainable)))
+        return out
     stage = zero_stage(dist)
     if not stage:
-        return
-    n = dist.world_size
-    # The optimizer step's temporaries (their only formula) work on the rank's shard of the state.
+        return {}
     sharded = (O, T) if stage == 1 else (G, O, T) if stage == 2 else (W, G, O, T)
-    for cat in sharded:
+    return dict.fromkeys(sharded, Fraction(1, dist.world_size))
+
+
+def shard_formula(values: dict, dist: "RankInfo", facts: "ModelFacts | None" = None) -> None:
+    """The rank's part (:func:`rank_shares`) of what its layout shards, in place."""
+    for cat, share in rank_shares(dist, facts).items():
         if values.get(cat) is not None:
-            values[cat] = round_half_away(Fraction(values[cat], n))
+            values[cat] = round_half_away(values[cat] * share)
 
 
 def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category, str, int, str]]":
