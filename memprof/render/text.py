@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..categories import Category, TENSOR_CATEGORIES
+from ..categories import Category, Phase, TENSOR_CATEGORIES
 from ..trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, printable
 from .common import NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, quiet, signed, size
@@ -112,8 +112,6 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
 def generation_lines(t: "Trace") -> list[str]:
     """A generation in a few lines: the prompt, the decode calls, the cache at the end and how it and the
     temporaries grew per token."""
-    from ..categories import Category, Phase
-
     gen = t.generation
     assert gen is not None
     cache_phases = [p for p in t.phases if p.phase in (Phase.PREFILL, Phase.DECODE)]
