@@ -131,6 +131,8 @@ def differences(formula: Breakdown, book: Breakdown, regime: str, quoted: str, c
 def _per_param(trace: Trace, regime: str, opt_name: "str | None") -> "BytesPerParam | None":
     # A run that only generated keeps the weights only (HF: 6 B/param for mixed-precision inference).
     decoding = trace.generation is not None and not any(p.phase is Phase.BACKWARD for p in trace.phases)
+    if opt_name is None and trace.optimizer is not None and not decoding:
+        return None  # an optimizer without a row: its states per parameter are unknown, not 0
     try:
         return bytes_per_param_breakdown(regime, opt_name, training=not decoding)
     except UnknownNameError:

@@ -316,17 +316,15 @@ def textbook_lines(tb: "Textbook") -> list[str]:
     textbook's; else both figures in exact bytes and each cause of their difference (formula − textbook)."""
     from ..reconciler.textbook import REGIME_WORDS
 
-    if tb.bytes_per_param is None:
-        return []
     if not tb.differs:
-        return [f"  (textbook model states: {tb.bytes_per_param:g} bytes/param)"]
+        return [] if tb.bytes_per_param is None else [f"  (textbook model states: {tb.bytes_per_param:g} bytes/param)"]
     lines = []
     for label, bpp, regime, states in (("textbook", tb.per_param, tb.regime, tb.model_states),
                                        ("formula", tb.formula_per_param, tb.formula_regime, tb.formula_model_states)):
-        assert bpp is not None  # a regime differs only where the optimizer has a row
-        lines.append(f"  {label} model states: {bpp.total:g} bytes/param = {bpp.weights:g} weights + "
-                     f"{bpp.gradients:g} gradients + {bpp.optimizer_states:g} optimizer states ({regime}: "
-                     f"{REGIME_WORDS.get(regime, regime)})" + (f", {states:,} B" if states is not None else ""))
+        per = ("" if bpp is None else f": {bpp.total:g} bytes/param = {bpp.weights:g} weights + {bpp.gradients:g} "
+               f"gradients + {bpp.optimizer_states:g} optimizer states")
+        lines.append(f"  {label} model states{per} ({regime}: {REGIME_WORDS.get(regime, regime)})"
+                     + (f", {states:,} B" if states is not None else ""))
     for c in tb.causes:
         lines.append(f"    {c.category.value:<17}{c.bytes:+,} B ({format_bytes(abs(c.bytes))})  {c.name}: {c.sentence}")
     return lines

@@ -3,6 +3,8 @@ of the difference named, and the lines both tables print for it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import memprof
@@ -90,3 +92,18 @@ def test_the_textbook_lines_give_both_figures_and_the_cause_in_exact_bytes():
         "over fp32 parameters), 584 B"]
     assert lines[2].startswith("    weights          -72 B (72 B)  no persistent 16-bit copy: HF's mixed precision")
     assert len(lines) == 3
+
+
+def test_an_optimizer_without_a_bytes_per_param_row_gives_no_figure_rather_than_one_without_its_states():
+    # An optimizer class the bytes/param table does not know: its states per parameter are unknown. Counting
+    # weights and gradients alone (4 + 4 = 8 in fp32) would print a textbook figure with the states left out.
+    fp32 = _autocast_run(autocast=None)
+    custom = memprof.reconcile(replace(fp32, optimizer="mypkg.optim.Shampoo"))
+    assert (custom.textbook_bytes_per_param, custom.formula_bytes_per_param) == (None, None)
+    assert "textbook model states" not in str(custom)
+    # Under autocast the weights' difference is still known to the byte, and still named.
+    amp = _autocast_run()
+    lines = textbook_lines(textbook_at(replace(amp, optimizer="mypkg.optim.Shampoo"), "steady"))
+    # The states come from the recorded optimizer's tensors (2 x 144 + 8 = 296): 216 + 144 + 296 = 656 B.
+    assert lines[0] == "  textbook model states (mixed: HF's mixed precision, fp32 weights and a 16-bit copy), 656 B"
+    assert lines[2].startswith("    weights          -72 B (72 B)  no persistent 16-bit copy")
