@@ -74,6 +74,16 @@ class Textbook:
         return self.formula_per_param.total if self.formula_per_param is not None else None
 
     @property
+    def regime_words(self) -> str:
+        """The textbook's regime in words ("HF's mixed precision, fp32 weights and a 16-bit copy")."""
+        return REGIME_WORDS.get(self.regime, self.regime)
+
+    @property
+    def formula_regime_words(self) -> str:
+        """The run's regime in words ("torch.autocast over fp32 parameters")."""
+        return REGIME_WORDS.get(self.formula_regime, self.formula_regime)
+
+    @property
     def differs(self) -> bool:
         """Does the literature quote another regime than the run's?"""
         return self.regime != self.formula_regime
@@ -111,11 +121,11 @@ def textbook_at(trace: Trace, at: Any = "peak", *, precision: "str | None" = Non
 
 
 def differences(formula: Breakdown, book: Breakdown, regime: str, quoted: str, casts: int = 0) -> tuple[Cause, ...]:
-    """formula − textbook per model-state category, each with its named cause (``"unexplained"`` where the
-    table of causes has none for the two regimes); ``casts`` is the bytes of autocast's 16-bit weight
-    casts live at the moment, which the sentence of the persistent copy's cause gives."""
+    """formula − textbook per category, each with its named cause (``"unexplained"`` where the table of
+    causes has none for the two regimes); ``casts`` is the bytes of autocast's 16-bit weight casts live
+    at the moment, which the sentence of the persistent copy's cause gives."""
     out = []
-    for cat in _MODEL_STATES:
+    for cat in Category:  # every category, so that no difference goes unshown (the regimes differ in weights)
         f, b = formula[cat], book[cat]
         if f is None or b is None or f == b:
             continue

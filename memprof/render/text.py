@@ -314,16 +314,15 @@ def reconciliation_text(rec: "Reconciliation") -> str:
 def textbook_lines(tb: "Textbook") -> list[str]:
     """The literature's model states under a formula column: one line where the run's regime is the
     textbook's; else both figures in exact bytes and each cause of their difference (formula − textbook)."""
-    from ..reconciler.textbook import REGIME_WORDS
-
     if not tb.differs:
         return [] if tb.bytes_per_param is None else [f"  (textbook model states: {tb.bytes_per_param:g} bytes/param)"]
     lines = []
-    for label, bpp, regime, states in (("textbook", tb.per_param, tb.regime, tb.model_states),
-                                       ("formula", tb.formula_per_param, tb.formula_regime, tb.formula_model_states)):
+    for label, bpp, regime, words, states in (
+            ("textbook", tb.per_param, tb.regime, tb.regime_words, tb.model_states),
+            ("formula", tb.formula_per_param, tb.formula_regime, tb.formula_regime_words, tb.formula_model_states)):
         per = ("" if bpp is None else f": {bpp.total:g} bytes/param = {bpp.weights:g} weights + {bpp.gradients:g} "
                f"gradients + {bpp.optimizer_states:g} optimizer states")
-        lines.append(f"  {label} model states{per} ({regime}: {REGIME_WORDS.get(regime, regime)})"
+        lines.append(f"  {label} model states{per} ({regime}: {words})"
                      + (f", {states:,} B" if states is not None else ""))
     for c in tb.causes:
         lines.append(f"    {c.category.value:<17}{c.bytes:+,} B ({format_bytes(abs(c.bytes))})  {c.name}: {c.sentence}")
