@@ -41,9 +41,10 @@ class Estimate:
     """A simulated run: its :class:`~memprof.Trace` and the formula breakdown beside it.
 
     ``simulated`` is the composition at the simulated peak; ``formula`` is the
-    textbook breakdown for the same model and optimizer (``None`` for
-    categories without a formula); ``notes`` say what the simulation could not
-    reproduce.
+    formula breakdown for the same model and optimizer at that moment (``None``
+    for categories without a formula), the one a reconciliation of the run shows;
+    ``textbook`` the literature's figure beside it; ``notes`` say what the
+    simulation could not reproduce.
     """
 
     trace: Trace
@@ -63,11 +64,26 @@ class Estimate:
 
     @property
     def formula(self) -> Breakdown:
-        """The textbook breakdown at the simulated peak: the formula ``reconcile()`` shows there too."""
+        """The formula breakdown at the simulated peak: the one ``est.report().reconcile()`` shows there.
+
+        Its regime is read from the simulated run, as the reconciliation reads it: under ``"mixed"``
+        (torch.autocast over fp32 parameters) that is 4 B/param of weights, as torch holds them;
+        :attr:`textbook` gives the figure the literature quotes beside it.
+        """
         from .reconciler import formula_at
 
-        # The formula's regimes count bytes: fp16 autocast keeps what bf16 autocast keeps.
-        return formula_at(self.trace, "peak", precision="mixed" if self.precision == "mixed-fp16" else self.precision)
+        # No precision of its own: `precision` is the user's word for the configuration ("mixed", "amp",
+        # "mixed-fp16" are one regime of bytes), and any choice here could differ from the reconciliation's.
+        return formula_at(self.trace, "peak")
+
+    @property
+    def textbook(self) -> "Any":
+        """The :class:`~memprof.reconciler.Textbook` at the simulated peak: the literature's model states for
+        this configuration (HF's 18 B/param for mixed-precision AdamW) beside :attr:`formula`, and the named
+        causes of their difference in bytes."""
+        from .reconciler import textbook_at
+
+        return textbook_at(self.trace, "peak")
 
     def report(self) -> "Any":
         """The :class:`~memprof.Report` of the simulated run."""

@@ -44,7 +44,7 @@ from .optimizers import (
     register_optimizer_formula,
 )
 from .inference import kv_cache_bytes
-from .params import BytesPerParam, bytes_per_param, bytes_per_param_breakdown
+from .params import BytesPerParam, bytes_per_param, bytes_per_param_breakdown, textbook_regime
 from .predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from .zero import DeepSpeedEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate, zero_model_states
 
@@ -53,6 +53,7 @@ __all__ = [
     "BytesPerParam",
     "bytes_per_param",
     "bytes_per_param_breakdown",
+    "textbook_regime",
     "OptimizerFormula",
     "register_optimizer_formula",
     "optimizer_formula",

@@ -20,6 +20,7 @@ __all__ = [
     "OPTIMIZERS",
     "bytes_per_param",
     "bytes_per_param_breakdown",
+    "textbook_regime",
 ]
 
 # Weights and gradients per regime: (weights, gradients, optimizer-state itemsize, transient weights).
@@ -45,6 +46,13 @@ _REGIMES: dict[str, tuple[float, float, int, float]] = {
 
 #: Precision regimes ``bytes_per_param`` knows.
 PRECISIONS: tuple[str, ...] = tuple(_REGIMES)
+
+# The regime the literature quotes for a run configured as the key, where torch holds something else. A run under
+# torch.autocast over fp32 parameters is what people call mixed precision, and the figure quoted for it is HF's
+# (fp32 weights plus a 16-bit copy; the scheme of Micikevicius et al. 2018, "Mixed Precision Training", which keeps an
+# fp32 master copy beside 16-bit weights). torch.autocast keeps no such copy: it casts per op
+# (aten/src/ATen/autocast_mode.cpp), so the run itself is "amp".
+_QUOTED: dict[str, str] = {"amp": "mixed"}
 
 # Number of full-size state tensors per optimizer, in the state dtype (HF "Model training anatomy" table and
 # torch 2.13 torch/optim/*.py; measured figures in docs/anatomy.md#measured-optimizer-state-and-step-transients).
@@ -131,6 +139,15 @@ def bytes_per_param_breakdown(precision: str, optimizer: str | None, *, training
     else:
         states = _STATES[optimizer] * state_itemsize
     return BytesPerParam(weights=weights, gradients=grads, optimizer_states=float(states), transient_weights=transient)
+
+
+def textbook_regime(precision: str) -> str:
+    """The regime whose figure the literature quotes for a run in ``precision``: ``"mixed"`` (HF, 18 B/param with
+    AdamW) for ``"amp"`` (torch.autocast over fp32 parameters, 16 B/param of model states), else ``precision``
+    itself. Unknown names raise :class:`~memprof.errors.UnknownNameError`."""
+    if precision not in _REGIMES:
+        raise UnknownNameError(f"unknown precision {precision!r}; use one of: {_names(PRECISIONS)}")
+    return _QUOTED.get(precision, precision)
 
 
 def bytes_per_param(precision: str, optimizer: str | None, *, training: bool = True) -> float:

@@ -23,7 +23,7 @@ from .sharding import sharding_gaps
 if TYPE_CHECKING:
     from ..anatomy.predict import ActivationPrediction
 
-__all__ = ["Cause", "Context", "CAUSES", "causes", "forward_before"]
+__all__ = ["Cause", "Context", "CAUSES", "NO_PERSISTENT_COPY", "causes", "forward_before"]
 
 W, G, O, A, T = (Category.WEIGHTS, Category.GRADIENTS, Category.OPTIMIZER_STATES, Category.ACTIVATIONS,
                  Category.TEMPORARIES)
@@ -82,13 +82,21 @@ class Context:
 # ---------------------------------------------------------------------- model states
 
 
+#: The cause that separates HF's mixed precision (a persistent 16-bit copy of every weight) from torch.autocast
+#: (none): one name and sentence wherever it is shown (a reconciliation with precision="mixed", the textbook line
+#: of every table, :mod:`.textbook`).
+NO_PERSISTENT_COPY = ("no persistent 16-bit copy",
+                      "HF's mixed precision counts a 16-bit copy of each weight (2 B/param); torch.autocast "
+                      "casts per use instead, and the casts saved for backward appear among activations "
+                      "(autocast weight copies)")
+
+
 def no_persistent_16bit_copy(ctx: Context) -> list[Cause]:
     m, f = ctx.measured, ctx.formula
     # HF's "mixed precision" keeps a 16-bit copy of every weight; torch.autocast does not.
     if ctx.precision == "mixed" and ctx.both(W) and m[W] < f[W]:
-        return [Cause(W, "no persistent 16-bit copy", -min(f[W] - m[W], 2 * ctx.trace.facts.num_params),
-                      "HF's mixed precision counts a 16-bit copy of each weight (2 B/param); torch.autocast "
-                      "casts per use instead, and the casts saved for backward appear among activations")]
+        return [Cause(W, NO_PERSISTENT_COPY[0], -min(f[W] - m[W], 2 * ctx.trace.facts.num_params),
+                      NO_PERSISTENT_COPY[1])]
     return []
 
 

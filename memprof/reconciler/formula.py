@@ -197,7 +197,12 @@ def formula_at(trace: Trace, at: Any = "peak", *, precision: "str | None" = None
                transformer: "Mapping[str, Any] | None" = None) -> Breakdown:
     """The textbook breakdown for the moment ``at`` of a run (``"peak"``, ``"steady"`` or a phase's
     moment, see :func:`parse_at`): the one formula every view of that moment shows (a
-    reconciliation, an estimate's table).
+    reconciliation, an estimate's table, the CLI's estimate).
+
+    The regime is the run's own (:func:`infer_precision`) unless ``precision`` names another: a
+    view leaves it out, or passes what the user asked for, and never picks one of its own, so that
+    one run shows one formula. Under torch.autocast over fp32 parameters that is ``"amp"``; the
+    figure the literature quotes for such a run is :func:`memprof.reconciler.textbook_at`'s.
 
     The moment matters: outside forward and backward no graph is alive, so the formula for
     activations there is 0, and inside the optimizer step temporaries have a formula.

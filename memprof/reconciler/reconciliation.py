@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..anatomy.params import bytes_per_param_breakdown
-from ..categories import Category, Phase
-from ..errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
+from ..categories import Category
+from ..errors import InvalidArgumentError, NotMeasuredError
 from ..trace import Breakdown, as_trace
 from .causes import Cause, Context, causes
 from .sharding import zero_stage
 from .formula import formula_at, infer_precision, moment_of, optimizer_name, parse_at, predictions
+from .textbook import Textbook, textbook_at
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -79,7 +80,9 @@ class Reconciliation:
 
     ``rows`` hold the figures; ``causes`` the named parts of the gaps;
     :attr:`explanations` adds one "unexplained" entry per category for what the
-    causes leave. Print it for a table, ``to_frame()`` for pandas.
+    causes leave; ``textbook`` the literature's figure for this run beside the
+    formula column, with the causes of their difference. Print it for a table,
+    ``to_frame()`` for pandas.
     """
 
     moment: str
@@ -88,9 +91,21 @@ class Reconciliation:
     optimizer: "str | None"
     rows: tuple[Row, ...]
     causes: tuple[Cause, ...]
-    textbook_bytes_per_param: "float | None"
+    textbook: Textbook
     notes: tuple[str, ...] = ()
     _advice: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def textbook_bytes_per_param(self) -> "float | None":
+        """Model states per parameter as the literature quotes them for this run (18 for AdamW under
+        torch.autocast: HF's mixed precision); ``None`` without a bytes/param row for the optimizer."""
+        return self.textbook.bytes_per_param
+
+    @property
+    def formula_bytes_per_param(self) -> "float | None":
+        """Model states per parameter in the formula column (16 for AdamW under torch.autocast, which keeps
+        no persistent 16-bit weights); :attr:`textbook` names what separates the two."""
+        return self.textbook.formula_bytes_per_param
 
     def row(self, category: "Category | str") -> Row:
         cat = Category.parse(category)
@@ -229,13 +244,7 @@ def reconcile(
     if trace.mode == "light" and trace.device.type != "cuda":
         notes.append("light mode on CPU: temporaries and totals were not measured")
     ctx = Context(trace, measured, rec, tags, formula, precision_used, opt_name, transformer, acts)
-    textbook = None
-    try:
-        # A generation keeps the weights only (HF: 6 B/param for mixed-precision inference).
-        decoding = trace.generation is not None and not any(p.phase is Phase.BACKWARD for p in trace.phases)
-        textbook = bytes_per_param_breakdown(precision_used, opt_name, training=not decoding).total
-    except UnknownNameError:
-        textbook = None
+    textbook = textbook_at(trace, at, precision=precision_used, optimizer=optimizer, transformer=transformer)
     from .advice import advice
 
     moment = at if isinstance(at, str) else where

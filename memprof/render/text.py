@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ..compare import Diff
     from ..merging import Merged
     from ..planner import BatchSizePlan
-    from ..reconciler import Reconciliation
+    from ..reconciler import Reconciliation, Textbook
     from ..report import Report
     from ..simulation import Estimate
     from ..trace import Trace
@@ -280,8 +280,7 @@ def reconciliation_text(rec: "Reconciliation") -> str:
     pct = f"{t.gap_pct:+8.1f}%" if t.gap_pct is not None else ""
     lines.append(f"  {'total':<20}{size(t.formula, NO_FORMULA):>14}{sim(t.simulated)}"
                  f"{size(t.measured):>14}{signed(t.gap):>13}{pct}")
-    if rec.textbook_bytes_per_param is not None:
-        lines.append(f"  (textbook model states: {rec.textbook_bytes_per_param:g} bytes/param)")
+    lines.extend(textbook_lines(rec.textbook))
     expl = rec.explanations
     if expl:
         lines.append("")
@@ -310,6 +309,24 @@ def reconciliation_text(rec: "Reconciliation") -> str:
         for a in advice:
             lines.append(f"  - {a}")
     return printable("\n".join(line.rstrip() for line in lines))
+
+
+def textbook_lines(tb: "Textbook") -> list[str]:
+    """The literature's model states under a formula column: one line where the run's regime is the
+    textbook's; else both figures in exact bytes and each cause of their difference (formula − textbook)."""
+    if not tb.differs:
+        return [] if tb.bytes_per_param is None else [f"  (textbook model states: {tb.bytes_per_param:g} bytes/param)"]
+    lines = []
+    for label, bpp, regime, words, states in (
+            ("textbook", tb.per_param, tb.regime, tb.regime_words, tb.model_states),
+            ("formula", tb.formula_per_param, tb.formula_regime, tb.formula_regime_words, tb.formula_model_states)):
+        per = ("" if bpp is None else f": {bpp.total:g} bytes/param = {bpp.weights:g} weights + {bpp.gradients:g} "
+               f"gradients + {bpp.optimizer_states:g} optimizer states")
+        lines.append(f"  {label} model states{per} ({regime}: {words})"
+                     + (f", {states:,} B" if states is not None else ""))
+    for c in tb.causes:
+        lines.append(f"    {c.category.value:<17}{c.bytes:+,} B ({format_bytes(abs(c.bytes))})  {c.name}: {c.sentence}")
+    return lines
 
 
 def diff_text(diff: "Diff", *, max_phases: int = 20) -> str:
@@ -380,6 +397,7 @@ def estimate_text(est: "Estimate") -> str:
             continue
         lines.append(f"  {cat.value:<20}{size(f, NO_FORMULA):>14}{size(s, NOT_SIMULATED):>14}")
     lines.append(f"  {'total':<20}{size(formula.total, NO_FORMULA):>14}{size(simulated.total, NOT_SIMULATED):>14}")
+    lines.extend(textbook_lines(est.textbook))
     for note in est.notes:
         lines.append(f"  - {note}")
     return printable("\n".join(lines))
