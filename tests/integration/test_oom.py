@@ -30,10 +30,15 @@ def _model():
 
 
 def _oom_run(tmp_path, err):
+    return _oom_run_into(tmp_path / "dumps", err)
+
+
+def _oom_run_into(folder, err=None):
+    err = err if err is not None else torch.OutOfMemoryError("CUDA out of memory (simulated)")
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(type(err)) as info:
-        with memprof.profile(model, opt, oom_dump=tmp_path / "dumps") as prof:
+        with memprof.profile(model, opt, oom_dump=folder) as prof:
             model(torch.randn(4, 32)).sum().backward()
             opt.step()
             opt.zero_grad()
@@ -394,3 +399,12 @@ def test_every_oom_dump_loads_whatever_the_exception_says(exc, name, where):
         assert_sums(bd)
     assert trace.live_at_error[C.WEIGHTS] == weight_bytes(model)  # (4*4 + 4) * 4 = 80 bytes
     str(report)  # and it prints
+
+
+def test_a_dump_folder_given_as_a_link_is_written_through_it(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "dumps").symlink_to("real")
+    _, prof, _ = _oom_run_into(tmp_path / "dumps")
+    assert (tmp_path / "dumps").is_symlink()
+    [name] = os.listdir(tmp_path / "real")
+    assert memprof.load(tmp_path / "real" / name).trace.oom is not None
