@@ -158,8 +158,17 @@ class OomDump:
             write_json_atomic(path, trace.to_dict())
             return path
         except Exception as exc:
-            warnings.warn(f"memprof could not write its OOM dump into {self.folder}: {exc}", stacklevel=3)
+            _warn(f"memprof could not write its OOM dump into {self.folder}: {exc}")
             return None
+
+
+def _warn(message: str) -> None:
+    # Called in the profile's exit while the user's OOM propagates: with warnings made errors
+    # (-W error, pytest's filterwarnings) the warning would replace that OOM, so it is dropped instead.
+    try:
+        warnings.warn(message, stacklevel=4)
+    except Warning:
+        pass
 
 
 def error_text(exc: BaseException, *, first_line: bool = False) -> str:

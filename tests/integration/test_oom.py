@@ -408,3 +408,17 @@ def test_a_dump_folder_given_as_a_link_is_written_through_it(tmp_path):
     assert (tmp_path / "dumps").is_symlink()
     [name] = os.listdir(tmp_path / "real")
     assert memprof.load(tmp_path / "real" / name).trace.oom is not None
+
+
+def test_a_failed_write_under_warnings_as_errors_still_lets_the_oom_through(tmp_path, monkeypatch):
+    from memprof import files
+
+    def fail(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "write_text_atomic", fail)
+    err = torch.OutOfMemoryError("out of memory")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # -W error: a warning is raised
+        raised, prof, model = _oom_run(tmp_path, err)
+    assert raised is err and prof.oom_dump_path is None and hooks_left(model) == []
