@@ -98,7 +98,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     for path, _ in wanted:
         _writable(path)  # all refused before any is written
         _not_the_input(path, args.file)
-    outputs = [os.path.abspath(path) for path, _ in wanted]
+    outputs = [os.path.realpath(path) for path, _ in wanted]  # two links to one file are one output
     if len(set(outputs)) < len(outputs):
         raise MemprofError("two outputs name the same file; give each export its own file")
     report = memprof.load(args.file)
@@ -142,11 +142,10 @@ def _load_factory(spec: str) -> Any:
 
 
 def _writable(path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise MemprofError(f"cannot save to {path}: the folder {folder} does not exist")
-    if os.path.isdir(path):
-        raise MemprofError(f"cannot save to {path}: it is a folder; give a file name such as run.json")
+    """Refuse, before anything runs or is written, an output memprof's writer would refuse."""
+    from .files import check_writable
+
+    check_writable(path)
 
 
 def _device(spec: str) -> Any:

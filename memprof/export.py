@@ -7,13 +7,12 @@ than write an empty file) and writes atomically. :class:`memprof.Report` has the
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 from typing import TYPE_CHECKING
 
 from .errors import NotMeasuredError
-from .files import write_bytes_atomic, write_text_atomic
+from .files import write_bytes_atomic, write_json_atomic, write_text_atomic
 from .trace import as_trace
 
 if TYPE_CHECKING:
@@ -39,7 +38,7 @@ def export_chrome_trace(report: "Report | Trace", path: "str | os.PathLike[str]"
     from .render.chrome import chrome_trace
 
     doc = chrome_trace(_measured(report, "a Chrome trace"))
-    write_text_atomic(path, json.dumps(doc, separators=(",", ":")) + "\n")
+    write_json_atomic(path, doc)
 
 
 def export_memory_viz(report: "Report | Trace", path: "str | os.PathLike[str]") -> None:

@@ -38,7 +38,7 @@ from .track.ranks import rank_info
 from .track.shards import ShardTracker, sharding
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
 from .arguments import checked
-from .track.oom import OomDump, checked_folder, is_oom, oom_record
+from .track.oom import OomDump, checked_folder, error_text, is_oom, oom_record
 from .track.modules import ModuleTracker, attribute_tensors, unique_params
 from .track.operations import OperationLog
 from .track.optimizer import OptimizerTracker
@@ -265,7 +265,7 @@ class Profiler:
         except BaseException as exc:
             # The user's own error comes through unchanged (a lazy module, a hook that raises);
             # nothing memprof installed stays behind, and no partial record is made of it.
-            self._setup_error = f"{type(exc).__name__}: {exc}"
+            self._setup_error = error_text(exc)
             self._state = "failed"
             self.active = False
             self._teardown()
@@ -276,7 +276,7 @@ class Profiler:
         if self._state != "active":
             return None
         if exc is not None:
-            self.error = f"{exc_type.__name__}: {exc}"
+            self.error = error_text(exc)
             oom = is_oom(exc)
             # At a CUDA OOM the allocator's observer took what was live at the failing allocation itself.
             live = self.oom_dump.live if oom and self.oom_dump is not None and self.oom_dump.observed else None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import warnings
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -213,6 +214,16 @@ def pytest_configure(config: pytest.Config) -> None:
                 "--memprof-save-dir wrote"
             )
         config.option.memprof_baseline = str(path)
+        if save_dir is not None and os.path.exists(config.option.memprof_save_dir) and os.path.samefile(
+                config.option.memprof_save_dir, path):
+            raise pytest.UsageError(
+                f"--memprof-save-dir {save_dir} and --memprof-baseline {baseline} are one folder: every report "
+                "would be saved over the baseline it is compared with, so growth would never be seen and the "
+                "baseline would take the new figures; save to another folder, and copy it over the baseline "
+                "once the run has passed"
+            )
+    if save_dir is not None:
+        _prepare_save_dir(save_dir, config.option.memprof_save_dir)
     tolerance = config.getoption("memprof_tolerance", DEFAULT_TOLERANCE)
     if tolerance != DEFAULT_TOLERANCE:
         from .budget import parse_tolerance
@@ -222,6 +233,21 @@ def pytest_configure(config: pytest.Config) -> None:
             parse_tolerance(tolerance)
         except MemprofError as exc:
             raise pytest.UsageError(f"--memprof-tolerance: {exc}") from None
+
+
+def _prepare_save_dir(option: str, path: str) -> None:
+    """Create the save folder and write in it once, at start-up: a folder that cannot be made (a file on
+    the way, no permission, a read-only disk) is one usage error, not the same error in every test."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".memprof-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise pytest.UsageError(
+            f"--memprof-save-dir {option}: memprof cannot create or write this folder ({exc.strerror or exc}); "
+            "give a folder it can write (it is created if missing)"
+        ) from None
 
 
 @pytest.fixture
@@ -244,30 +270,45 @@ def pytest_runtest_call(item: pytest.Item):
         # The body failed (or skipped): keep what was measured, judge nothing,
         # and never mask the body's own exception.
         try:
-            _collect_and_save(item)
+            problems = _collect_and_save(item)[1]
         except Exception as exc:  # pragma: no cover - defensive
-            warnings.warn(f"memprof could not save this test's reports: {exc!r}", stacklevel=1)
+            problems = [f"memprof could not save this test's reports: {exc!r}"]
+        for problem in problems:
+            try:
+                warnings.warn(problem, stacklevel=1)
+            except Warning:
+                pass  # warnings made errors (-W error): the body's own failure is what the test reports
         raise
-    reports_ = _collect_and_save(item)
-    failures = _budget_failures(item, reports_) + _baseline_failures(item, reports_)
+    reports_, unsaved = _collect_and_save(item)
+    failures = unsaved + _budget_failures(item, reports_) + _baseline_failures(item, reports_)
     if failures:
         pytest.fail("\n\n".join(failures), pytrace=False)
     return result
 
 
-def _collect_and_save(item: pytest.Item) -> "list[Report]":
+def _collect_and_save(item: pytest.Item) -> "tuple[list[Report], list[str]]":
+    """The test's reports, each saved under --memprof-save-dir; and a line for each that could not be
+    (a folder standing at its name, a full disk): the test fails with it rather than a traceback, as a
+    report asked for and not written would later go uncompared."""
     entries = item.stash.get(_ENTRIES, [])
     reports_ = _resolve(entries)
     item.stash[_REPORTS] = reports_
     entries.clear()  # drop the Profilers; the reports are all that is kept
     save_dir = item.config.getoption("memprof_save_dir", None)
+    unsaved: list[str] = []
     if save_dir and reports_:
-        os.makedirs(save_dir, exist_ok=True)
+        from .errors import MemprofError
+
         for name, rep in zip(report_file_names(item.nodeid, len(reports_)), reports_):
             path = os.path.join(save_dir, _with_rank(name, rep))
-            rep.save(path)
+            try:
+                os.makedirs(save_dir, exist_ok=True)  # again: something may have removed it since start-up
+                rep.save(path)
+            except (MemprofError, OSError) as exc:
+                unsaved.append(f"memprof could not save this test's report to {path}: {exc}")
+                continue
             item.config.stash.setdefault(_SAVED, []).append(path)
-    return reports_
+    return reports_, unsaved
 
 
 def _marker_budgets(item: pytest.Item) -> "dict[str, Any] | None":

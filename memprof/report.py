@@ -8,7 +8,6 @@ the one that measured it. Its text, tables, HTML and figures are
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -229,9 +228,9 @@ class Report:
 
         Written atomically: a failed write leaves an existing file at ``path`` as it was.
         """
-        from .files import write_text_atomic
+        from .files import write_json_atomic
 
-        write_text_atomic(path, json.dumps(self.trace.to_dict(), indent=1) + "\n")
+        write_json_atomic(path, self.trace.to_dict(), indent=1)
 
     def export_chrome_trace(self, path: "str | os.PathLike[str]") -> None:
         """Write a Chrome trace (JSON) to open in ui.perfetto.dev or chrome://tracing: a counter track per

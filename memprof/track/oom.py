@@ -20,7 +20,6 @@ unwritable one is an error then, not at the OOM.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import tempfile
@@ -34,10 +33,16 @@ from ..trace import OomRecord
 if TYPE_CHECKING:
     from ..profiler import Profiler
 
-__all__ = ["OomDump", "is_oom", "checked_folder", "oom_record"]
+__all__ = ["OomDump", "is_oom", "checked_folder", "oom_record", "error_text"]
 
 # The CPU allocator says how many bytes it was asked for, to the byte (c10/core/impl/alloc_cpu.cpp).
-_CPU_REQUEST = re.compile(r"tried to allocate (\d+) bytes")
+# ASCII digits only (``\d`` takes any script's), and no more than a count of bytes can have: a message
+# quoting a longer number is not the allocator's, and int() refuses numbers of over 4,300 digits.
+_CPU_REQUEST = re.compile(r"tried to allocate ([0-9]{1,20}) bytes")
+_MAX_REQUEST = 2**64  # the most bytes a trace may hold (memprof.checks)
+# Longest exception text a record keeps: a message of megabytes would be most of the dump.
+_MAX_TEXT = 4000
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _WATCHING: "weakref.WeakSet[OomDump]" = weakref.WeakSet()
 _OBSERVER_ATTACHED = False
 
@@ -53,7 +58,7 @@ def is_oom(exc: BaseException) -> bool:
         if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
             return True
         if isinstance(current, RuntimeError):
-            text = str(current).lower()
+            text = _str(current).lower()
             if "out of memory" in text or "can't allocate memory" in text:
                 return True
         current = current.__cause__ or current.__context__
@@ -128,10 +133,11 @@ class OomDump:
 
             import torch
 
+            from ..files import write_bytes_atomic
+
             snapshot = torch.cuda.memory._snapshot()
             name = os.path.join(self.folder, _file_name("pickle"))
-            with open(name, "wb") as fh:
-                pickle.dump(snapshot, fh)
+            write_bytes_atomic(name, pickle.dumps(snapshot))  # whole or not at all: no truncated pickle left
             self.snapshot = name
         except Exception as exc:  # never a second exception inside the allocator's failure path
             warnings.warn(f"memprof could not write the memory_viz snapshot at the OOM: {exc}", stacklevel=2)
@@ -145,28 +151,62 @@ class OomDump:
     def write(self, trace: Any) -> "str | None":
         """Write the dump; a failure is a warning, never an exception."""
         try:
-            from ..files import write_text_atomic
+            from ..files import write_json_atomic
 
             path = os.path.join(self.folder, _file_name("json"))
             # Compact: the C encoder, several times faster than an indented dump (the OOM is waiting).
-            write_text_atomic(path, json.dumps(trace.to_dict(), separators=(",", ":")) + "\n")
+            write_json_atomic(path, trace.to_dict())
             return path
         except Exception as exc:
-            warnings.warn(f"memprof could not write its OOM dump into {self.folder}: {exc}", stacklevel=3)
+            _warn(f"memprof could not write its OOM dump into {self.folder}: {exc}")
             return None
+
+
+def _warn(message: str) -> None:
+    # Called in the profile's exit while the user's OOM propagates: with warnings made errors
+    # (-W error, pytest's filterwarnings) the warning would replace that OOM, so it is dropped instead.
+    try:
+        warnings.warn(message, stacklevel=4)
+    except Warning:
+        pass
+
+
+def error_text(exc: BaseException, *, first_line: bool = False) -> str:
+    """``"TypeName: message"`` for a record, whatever the exception: its ``__str__`` may raise or return a
+    non-string (then the text says so), the message may be megabytes long (cut to 4,000 characters)
+    or hold lone surrogates, which no UTF-8 file can hold (each becomes U+FFFD). ``first_line``: the
+    message's first non-blank line only, the type's name when it has none."""
+    text = _str(exc).strip()
+    if first_line:
+        text = text.splitlines()[0].strip() if text else type(exc).__name__
+    if len(text) > _MAX_TEXT:
+        text = f"{text[:_MAX_TEXT]}... ({len(text) - _MAX_TEXT:,} more characters)"
+    return _SURROGATE.sub("\ufffd", f"{type(exc).__name__}: {text}")
+
+
+def _str(exc: BaseException) -> str:
+    # An exception whose __str__ fails must not turn into a second exception in the profile's exit,
+    # which would replace the user's own.
+    try:
+        text = str(exc)
+    except Exception as failure:
+        return f"<str() of the exception raised {type(failure).__name__}>"
+    return text if type(text) is str else str.__str__(text)
 
 
 def oom_record(exc: BaseException, device: Any, observed: "tuple[int, int, int] | None" = None,
                snapshot: "str | None" = None) -> OomRecord:
-    """What an out-of-memory error says of itself: its message, the request (exact from the CUDA
-    observer's ``(device, requested, free)``, or from the CPU allocator's message), the device's memory."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """What an out-of-memory error says of itself: its message (:func:`error_text`, first line), the
+    request (exact from the CUDA observer's ``(device, requested, free)``, or from the CPU allocator's
+    message), the device's memory."""
     requested = free = total = None
     if observed is not None:
         _, requested, free = observed
     else:
-        found = _CPU_REQUEST.search(str(exc))
+        found = _CPU_REQUEST.search(_str(exc))
         requested = int(found.group(1)) if found else None
+        if requested is not None and requested > _MAX_REQUEST:
+            requested = None  # no allocator was asked for more than 16 EiB: not a figure to record
     if device.type == "cuda":
         try:
             import torch
@@ -174,7 +214,7 @@ def oom_record(exc: BaseException, device: Any, observed: "tuple[int, int, int] 
             total = torch.cuda.get_device_properties(device).total_memory
         except Exception:
             total = None
-    return OomRecord(f"{type(exc).__name__}: {message}", requested, free, total,
+    return OomRecord(error_text(exc, first_line=True), requested, free, total,
                      os.path.basename(snapshot) if snapshot else None)
 
 

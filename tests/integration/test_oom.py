@@ -3,20 +3,25 @@ the device; the CUDA observer path runs only where a GPU is (tests/integration/t
 
 from __future__ import annotations
 
+import dataclasses
 import glob
-import warnings
+import json
 import os
 import re
+import tempfile
+import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import memprof
 from memprof.categories import Category as C
 from memprof.cli import main
 from memprof.errors import InvalidArgumentError
-from tests.helpers import hooks_left, weight_bytes
+from tests.helpers import assert_sums, hooks_left, weight_bytes
 
 
 def _model():
@@ -25,10 +30,15 @@ def _model():
 
 
 def _oom_run(tmp_path, err):
+    return _oom_run_into(tmp_path / "dumps", err)
+
+
+def _oom_run_into(folder, err=None):
+    err = err if err is not None else torch.OutOfMemoryError("CUDA out of memory (simulated)")
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(type(err)) as info:
-        with memprof.profile(model, opt, oom_dump=tmp_path / "dumps") as prof:
+        with memprof.profile(model, opt, oom_dump=folder) as prof:
             model(torch.randn(4, 32)).sum().backward()
             opt.step()
             opt.zero_grad()
@@ -82,6 +92,22 @@ def test_an_error_that_is_not_an_oom_writes_nothing(tmp_path):
             raise ValueError("not memory")
     assert os.listdir(tmp_path / "d") == [] and prof.oom_dump_path is None
     assert prof.report().trace.oom is None
+
+
+def test_an_error_whose_str_raises_propagates_unchanged_and_is_named(tmp_path):
+    class Unprintable(ValueError):
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    model = _model()
+    err = Unprintable()
+    with pytest.raises(Unprintable) as info:
+        with memprof.profile(model, oom_dump=tmp_path / "d") as prof:
+            model(torch.randn(4, 32))
+            raise err
+    assert info.value is err and hooks_left(model) == []
+    assert prof.report().trace.error == "Unprintable: <str() of the exception raised RuntimeError>"
+    assert os.listdir(tmp_path / "d") == []  # not an out-of-memory error
 
 
 def test_without_oom_dump_the_report_still_names_the_oom(tmp_path):
@@ -241,3 +267,158 @@ def test_the_cli_keeps_the_text_and_never_overwrites_its_input(tmp_path, capsys)
     assert "is the trace being read" in capsys.readouterr().err and open(dump).read() == before
     assert main(["export", dump, "--chrome", str(tmp_path / "x"), "--html", str(tmp_path / "x")]) == 1
     assert "same file" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------- every dump loads
+
+
+class _StrGives(MemoryError):
+    """An OOM whose ``__str__`` returns ``value`` (a non-string, a str subclass), or raises it."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def __str__(self):
+        if isinstance(self.value, BaseException):
+            raise self.value
+        return self.value
+
+
+class _OddStr(str):
+    def strip(self, *args):
+        raise AssertionError("memprof used the subclass's own methods")
+
+
+def _framework_wrapper(message):
+    try:
+        raise torch.OutOfMemoryError(message)
+    except torch.OutOfMemoryError as oom:
+        try:
+            raise RuntimeError(f"the framework's wrapper: {message}") from oom
+        except RuntimeError as wrapper:
+            return wrapper
+
+
+# Characters an exception's text can hold that a file or a reader may choke on: lone surrogates (no
+# UTF-8 form), NUL and other controls, a terminal escape, bidi overrides, a byte order mark, astral ones.
+_ODD = ["\ud800", "\udcff", "\udfff\ud800", "\x00", "\x1b[2J", "\x07", "\r", "\n", "\u202e", "\ufeff",
+        "\U0001f600", "\uffff", "\x85"]
+_pieces = st.one_of(
+    st.text(max_size=12), st.sampled_from(_ODD),
+    # The CPU allocator's phrase, with numbers no allocation can have, and past int()'s 4,300 digits.
+    st.integers(0, 10**30).map(lambda n: f" you tried to allocate {n} bytes "),
+    st.integers(4000, 6000).map(lambda n: f" tried to allocate {'9' * n} bytes"),
+    st.sampled_from([5_000, 300_000]).map(lambda n: "x" * n),
+)
+_messages = st.lists(_pieces, max_size=5).map("".join)
+_odd_exceptions = st.one_of(
+    _messages.map(torch.OutOfMemoryError),
+    _messages.map(MemoryError),
+    _messages.map(lambda m: RuntimeError(f"CUDA out of memory. {m}")),
+    _messages.map(lambda m: RuntimeError(f"DefaultCPUAllocator: can't allocate memory: {m}")),
+    _messages.map(_framework_wrapper),
+    st.sampled_from([5, None, b"bytes", 2.5, ["a list"]]).map(_StrGives),
+    _messages.map(lambda m: _StrGives(_OddStr(m))),
+    st.sampled_from([ValueError("in __str__"), RecursionError(), UnicodeEncodeError("utf-8", "\ud800", 0, 1, "x"),
+                     KeyError("k")]).map(_StrGives),
+)
+_module_names = st.lists(st.one_of(st.sampled_from(_ODD), st.characters()), min_size=1, max_size=8).map(
+    "".join).filter(lambda n: "." not in n)
+
+
+def _breakdowns(value):
+    """Every Breakdown inside a record."""
+    if isinstance(value, memprof.Breakdown):
+        yield value
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from _breakdowns(getattr(value, f.name))
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _breakdowns(v)
+
+
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _no_constant(name):
+    raise AssertionError(f"{name} in a dump: not JSON")
+
+
+_ALLOCATOR = "DefaultCPUAllocator: can't allocate memory: you tried to allocate {} bytes"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The cases that broke it, each run every time: __str__ raising or returning an int (the profile's exit
+# raised that error instead of the OOM), a request over 2**64 bytes (written, then refused by load), a
+# number int() refuses (raised in the exit), a lone surrogate (escaped, a string no strict reader takes).
+@example(exc=_StrGives(ValueError("in __str__")), name="lin", where="forward")
+@example(exc=_StrGives(5), name="lin", where="backward")
+@example(exc=RuntimeError(_ALLOCATOR.format(10**23)), name="lin", where="step")
+@example(exc=RuntimeError(_ALLOCATOR.format("9" * 5000)), name="lin", where="forward")
+@example(exc=torch.OutOfMemoryError("CUDA out of memory \ud800"), name="lin\udcff", where="forward")
+@given(exc=_odd_exceptions, name=_module_names, where=st.sampled_from(["forward", "backward", "step"]))
+def test_every_oom_dump_loads_whatever_the_exception_says(exc, name, where):
+    model = nn.Sequential()
+    model.add_module(name, nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with tempfile.TemporaryDirectory() as folder:
+        with pytest.raises(BaseException) as info:
+            with memprof.profile(model, opt, oom_dump=folder) as prof:
+                out = model(torch.randn(2, 4))
+                if where != "forward":
+                    out.sum().backward()
+                if where == "step":
+                    opt.step()
+                raise exc
+        assert info.value is exc and hooks_left(model) == []  # the user's own exception, nothing left behind
+        [dump] = os.listdir(folder)
+        path = os.path.join(folder, dump)
+        assert path == prof.oom_dump_path
+        text = open(path, "rb").read().decode("utf-8")  # strict: valid UTF-8
+        data = json.loads(text, parse_constant=_no_constant)
+        assert not [s for s in _strings(data) if any("\ud800" <= c <= "\udfff" for c in s)]
+        report = memprof.load(path)
+    trace = report.trace
+    assert trace.oom.message.startswith(f"{type(exc).__name__}: ") and len(trace.oom.message) < 4100
+    assert "\n" not in trace.oom.message and len(trace.error) < 4100
+    assert trace.oom.requested is None or trace.oom.requested <= 2**64
+    found = list(_breakdowns(trace))
+    assert len(found) > 3  # start, peak, end, what was live, and each phase's
+    for bd in found:
+        assert_sums(bd)
+    assert trace.live_at_error[C.WEIGHTS] == weight_bytes(model)  # (4*4 + 4) * 4 = 80 bytes
+    str(report)  # and it prints
+
+
+def test_a_dump_folder_given_as_a_link_is_written_through_it(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "dumps").symlink_to("real")
+    _, prof, _ = _oom_run_into(tmp_path / "dumps")
+    assert (tmp_path / "dumps").is_symlink()
+    [name] = os.listdir(tmp_path / "real")
+    assert memprof.load(tmp_path / "real" / name).trace.oom is not None
+
+
+def test_a_failed_write_under_warnings_as_errors_still_lets_the_oom_through(tmp_path, monkeypatch):
+    from memprof import files
+
+    def fail(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "write_text_atomic", fail)
+    err = torch.OutOfMemoryError("out of memory")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # -W error: a warning is raised
+        raised, prof, model = _oom_run(tmp_path, err)
+    assert raised is err and prof.oom_dump_path is None and hooks_left(model) == []

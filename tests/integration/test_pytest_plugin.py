@@ -376,6 +376,77 @@ def test_option_mistakes_are_usage_errors_at_start_up(pytester, args, message):
     assert not (pytester.path / "test_inner.py%3A%3Atest_step.json").exists()  # not the current directory
 
 
+def test_a_save_folder_that_cannot_be_made_is_one_usage_error_at_start_up(pytester):
+    _write(pytester, "test_inner", _inner_test("test_one", None), _inner_test("test_two", None))
+    (pytester.path / "afile").write_text("not a folder")
+    result = pytester.runpytest("--memprof-save-dir", "afile/reports")  # a file on the way
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--memprof-save-dir afile/reports: memprof cannot create or write this folder*"])
+    assert "collected" not in result.stdout.str()  # refused before any test ran
+
+
+GROWN = """
+import torch
+from torch import nn
+
+WIDTH = {width}
+
+
+def test_step(memory_profile):
+    model = nn.Linear(8, WIDTH, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memory_profile(model, opt):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+"""
+
+
+def test_saving_over_the_baseline_being_compared_with_is_refused(pytester, rep):
+    # (rep: what a profile imports lazily is imported here, outside pytester's runs, which forget it)
+    # The baseline: Linear(8, 16) without bias, 8 * 16 * 4 = 512 B of weights.
+    pytester.makepyfile(test_grown=GROWN.format(width=16))
+    pytester.runpytest("--memprof-save-dir", "base").assert_outcomes(passed=1)
+    baseline = (pytester.path / "base" / "test_grown.py%3A%3Atest_step.json").read_bytes()
+    # The model grows 64 times: 8 * 1024 * 4 = 32 KiB of weights. Saving into the folder being compared
+    # with would replace each baseline by the grown report before (or after) comparing: refused, in
+    # every spelling of that folder.
+    pytester.makepyfile(test_grown=GROWN.format(width=1024))
+    (pytester.path / "alias").symlink_to("base")
+    for spelling in ("base", "./base/", "alias"):
+        result = pytester.runpytest("--memprof-save-dir", spelling, "--memprof-baseline", "base")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, spelling
+        result.stderr.fnmatch_lines(["*--memprof-save-dir * and --memprof-baseline base are one folder*"])
+    assert (pytester.path / "base" / "test_grown.py%3A%3Atest_step.json").read_bytes() == baseline
+    result = pytester.runpytest("--memprof-baseline", "base", "--memprof-save-dir", "new")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*MemoryGrewError*", "*weights: 512 B -> 32.0 KiB (32768 B)*"])
+
+
+def test_a_report_that_cannot_be_saved_fails_its_test_with_one_line(pytester, rep):
+    _write(pytester, "test_inner", _inner_test("test_step", None),
+           _inner_test("test_fails", None, body="run_step(model, opt)\n        assert False, 'the body'"))
+    blocked = pytester.path / "reports" / "test_inner.py%3A%3Atest_step.json"
+    blocked.mkdir(parents=True)  # a folder where the report goes
+    (pytester.path / "reports" / "test_inner.py%3A%3Atest_fails.json").mkdir()
+    out = _outcomes(pytester.inline_run("--memprof-save-dir", "reports", "-W", "error", "-p", "no:cacheprovider"))
+    outcome, text = out["test_step"]
+    assert outcome == "failed"
+    assert text == (f"memprof could not save this test's report to {blocked}: cannot save to {blocked}: it is a "
+                    "folder; give a file name such as run.json")
+    # A test whose body failed reports its own failure, even with warnings made errors.
+    assert out["test_fails"][0] == "failed" and "AssertionError: the body" in out["test_fails"][1]
+
+
+def test_a_saved_report_follows_a_link_at_its_name(pytester, rep):
+    _write(pytester, "test_inner", _inner_test("test_step", None))
+    (pytester.path / "reports").mkdir()
+    (pytester.path / "kept").mkdir()
+    link = pytester.path / "reports" / "test_inner.py%3A%3Atest_step.json"
+    link.symlink_to("../kept/step.json")
+    pytester.runpytest("--memprof-save-dir", "reports").assert_outcomes(passed=1)
+    assert link.is_symlink() and memprof.load(pytester.path / "kept" / "step.json").num_steps == 1
+
+
 def test_the_summary_counts_reports_written_by_xdist_workers(pytester):
     pytest.importorskip("xdist")
     _write(pytester, "test_inner", _inner_test("test_one", None), _inner_test("test_two", None, body=TWO),
