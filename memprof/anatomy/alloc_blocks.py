@@ -55,16 +55,13 @@ class BlockPools:
         # the garbage collector's block ages.
         self._gc_calls = {True: 0, False: 0}
 
-    def _free_list(self, small: bool, stream: int) -> list:
-        free = self._free.get((small, stream))
-        if free is None:
-            free = self._free[(small, stream)] = []
-        return free
-
     def _insert(self, block: Block) -> None:
         """``BlockPool::insert_into_blocks``: a free block starts a new age."""
         block.gc_base = self._gc_calls[block.small]
-        insort(self._free_list(block.small, block.stream), (block.size, block.reg, block.addr, block))
+        free = self._free.get((block.small, block.stream))
+        if free is None:
+            free = self._free[(block.small, block.stream)] = []
+        insort(free, (block.size, block.reg, block.addr, block))
 
     def _remove(self, block: Block) -> None:
         free = self._free[(block.small, block.stream)]

@@ -143,8 +143,8 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
         self.config = config
         self.capacity = capacity
         self.device_total = device_total if device_total is not None else capacity
-        self.allocated = self.reserved = self.active = self.requested = 0
-        self.peak_allocated = self.peak_reserved = self.peak_active = self.peak_requested = 0
+        self.allocated = self.reserved = self.requested = 0
+        self.peak_allocated = self.peak_reserved = self.peak_requested = 0
         self.num_alloc_retries = self.num_ooms = self.num_oom_rejections = 0
         self.num_device_alloc = self.num_device_free = 0
         self.segment_count = self.oversize_allocations = self.oversize_segments = 0
@@ -155,6 +155,9 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
         self._rejected = False
         self._allowed_max: int | None = None
         self._plain_rounding = not any(d > 1 for d in config.roundup_power2_divisions)
+        self._limit = config.max_split_size  # the config is frozen: its hot fields are read once
+        self._expandable = config.expandable_segments
+        self._gc_on = False
         self.set_memory_fraction(config.per_process_memory_fraction)
 
     # ----------------------------------------------------------------- public operations
@@ -168,6 +171,7 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
             raise InvalidArgumentError("a memory fraction below 1 needs the device size: pass device_total= (or "
                                        "capacity=) to CachingAllocator")
         self._allowed_max = None if fraction >= 1 else round(fraction * self.device_total)
+        self._gc_on = self._allowed_max is not None and self.config.garbage_collection_threshold > 0
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """``DeviceCachingAllocator::malloc`` on ``stream``; returns a handle for :meth:`free`.
@@ -182,21 +186,44 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
         if nbytes == 0:
             self._live[self._next_handle] = None
             return self._next_handle
-        if self._plain_rounding or nbytes < K_MIN_BLOCK_SIZE:
-            size = K_MIN_BLOCK_SIZE if nbytes < K_MIN_BLOCK_SIZE else -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
+        if nbytes < K_MIN_BLOCK_SIZE:
+            size = K_MIN_BLOCK_SIZE
+        elif self._plain_rounding:
+            size = -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
         else:
             size = round_size(nbytes, self.config)
         small = size <= K_SMALL_SIZE
         block = self._get_free_block(small, stream, size)
         if block is None:
             block = self._new_block(small, stream, size, nbytes)
-        config = self.config
         remaining = block.size - size
-        if small or config.expandable_segments:
+        limit = self._limit
+        if small or self._expandable:
             split = remaining >= K_MIN_BLOCK_SIZE
         else:  # should_split: large blocks split above 1 MiB of rest, and only below max_split_size
-            split = remaining > K_SMALL_SIZE and (config.max_split_size is None or size < config.max_split_size)
-        self._live[self._next_handle] = self._found(block, size, nbytes, split)
+            split = remaining > K_SMALL_SIZE and (limit is None or size < limit)
+        if split:  # alloc_found_block: the rest goes back to the free list
+            head = Block(block.addr, size, stream, small, block.reg, block.segment)
+            head.prev, head.next = block.prev, block
+            if block.prev is not None:
+                block.prev.next = head
+            block.prev = head
+            block.addr += size
+            block.size = remaining
+            self._insert(block)
+            block = head
+        block.allocated = True
+        block.requested = nbytes
+        size = block.size
+        self.allocated += size
+        self.requested += nbytes
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        if self.requested > self.peak_requested:
+            self.peak_requested = self.requested
+        if limit is not None and size >= limit:
+            self.oversize_allocations += 1
+        self._live[self._next_handle] = block
         return self._next_handle
 
     def free(self, handle: int) -> None:
@@ -209,13 +236,15 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
         if block is None:
             return
         block.allocated = False
-        self.allocated -= block.size
-        self.active -= block.size
+        size = block.size
+        self.allocated -= size
         self.requested -= block.requested
-        if self.config.max_split_size is not None and block.size >= self.config.max_split_size:
+        if self._limit is not None and size >= self._limit:
             self.oversize_allocations -= 1
-        self._merge(block, block.prev)
-        self._merge(block, block.next)
+        if block.prev is not None and not block.prev.allocated:
+            self._merge(block, block.prev)
+        if block.next is not None and not block.next.allocated:
+            self._merge(block, block.next)
         self._insert(block)
 
     def empty_cache(self) -> None:
@@ -225,16 +254,24 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
 
     def reset_peak_stats(self) -> None:
         """``resetPeakStats``: every peak restarts at the current value."""
-        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
-        self.peak_active, self.peak_requested = self.active, self.requested
+        self.peak_allocated, self.peak_reserved, self.peak_requested = self.allocated, self.reserved, self.requested
+
+    @property
+    def active(self) -> int:
+        """``active_bytes``: allocated blocks plus freed ones still awaiting other streams' events; the model
+        has no ``record_stream`` events, so it equals ``allocated``."""
+        return self.allocated
+
+    @property
+    def peak_active(self) -> int:
+        return self.peak_allocated
 
     # ----------------------------------------------------------------- malloc's steps
 
     def _get_free_block(self, small: bool, stream: int, size: int) -> Block | None:
         """``get_free_block``: the smallest cached block of the pool and stream that fits, under the
         ``max_split_size`` rules; it comes out of the free list."""
-        config = self.config
-        if self._allowed_max is not None and config.garbage_collection_threshold > 0:
+        if self._gc_on:
             self._gc_calls[small] += 1  # block ages are counted only while collection is on
         free = self._free.get((small, stream))
         if not free:
@@ -243,7 +280,7 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
         if i == len(free):
             return None
         if free[i][3].segment is not None:
-            if config.expandable_segments:
+            if self._expandable:
                 # Best fit counts an expandable block with the unmapped space behind it, so it loses to any
                 # other block that fits with less.
                 def reach(b: Block) -> int:
@@ -257,11 +294,11 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
                 if i == len(free):
                     return None
         block = free[i][3]
-        limit = config.max_split_size
+        limit = self._limit
         if limit is not None:
             if size < limit <= block.size:
                 return None  # an oversize block never serves a smaller request
-            if size >= limit and block.size >= size + config.max_non_split_rounding:
+            if size >= limit and block.size >= size + self.config.max_non_split_rounding:
                 return None  # nor a larger one it would waste max_non_split_rounding_mb or more of
         del free[i]
         return block
@@ -270,7 +307,7 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
         """The part of ``malloc`` after a cache miss: garbage collection, a new segment, then the frees and
         retries torch tries before raising ``OutOfMemoryError``."""
         alloc_size = _allocation_size(size, self.config.large_segment_size)
-        if self._allowed_max is not None and self.config.garbage_collection_threshold > 0:
+        if self._gc_on:
             self._garbage_collect()
         block = self._alloc_block(small, stream, size, alloc_size, retry=False)
         if block is None and not self._rejected:
@@ -313,34 +350,6 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
         self.num_device_alloc += 1
         if self.reserved > self.peak_reserved:
             self.peak_reserved = self.reserved
-
-    def _found(self, block: Block, size: int, nbytes: int, split: bool) -> Block:
-        """``alloc_found_block``: split off the rest (which goes back to the free list) and count."""
-        if split:
-            head = Block(block.addr, size, block.stream, block.small, block.reg, block.segment)
-            head.prev, head.next = block.prev, block
-            if block.prev is not None:
-                block.prev.next = head
-            block.prev = head
-            block.addr += size
-            block.size -= size
-            self._insert(block)
-            block = head
-        block.allocated = True
-        block.requested = nbytes
-        size = block.size
-        self.allocated += size
-        self.active += size
-        self.requested += nbytes
-        if self.allocated > self.peak_allocated:
-            self.peak_allocated = self.allocated
-        if self.active > self.peak_active:
-            self.peak_active = self.active
-        if self.requested > self.peak_requested:
-            self.peak_requested = self.requested
-        if self.config.max_split_size is not None and size >= self.config.max_split_size:
-            self.oversize_allocations += 1
-        return block
 
     def _out_of_memory(self, nbytes: int, alloc_size: int) -> None:
         if not self._rejected:
