@@ -12,7 +12,7 @@ order blocks inside a segment).
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 
 from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
 from .alloc_blocks import Block, BlockPools
@@ -26,6 +26,7 @@ from .alloc_config import (
     AllocatorConfig,
 )
 from .alloc_expandable import ExpandableMixin
+from .alloc_release import ReleaseMixin
 from .alloc_snapshot import SnapshotMixin
 from .outside import (
     CUBLAS_WORKSPACE_DEFAULT,
@@ -115,7 +116,7 @@ def segment_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
     return _allocation_size(round_size(nbytes, config), config.large_segment_size)
 
 
-class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
+class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools):
     """The caching allocator of one device, replaying ``malloc``/``free`` byte for byte.
 
     ``capacity`` is what ``cudaMalloc`` can hand this process in total (the device's free memory once the
@@ -241,11 +242,31 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
         self.requested -= block.requested
         if self._limit is not None and size >= self._limit:
             self.oversize_allocations -= 1
-        if block.prev is not None and not block.prev.allocated:
-            self._merge(block, block.prev)
-        if block.next is not None and not block.next.allocated:
-            self._merge(block, block.next)
-        self._insert(block)
+        # free_block: merge with free neighbours of the segment (try_merge_blocks), then back to the free
+        # list (insert_into_blocks). Written out here, the hottest path of a replay.
+        frees = self._free
+        prev = block.prev
+        if prev is not None and not prev.allocated and prev.mapped:
+            free = frees[(prev.small, prev.stream)]
+            del free[bisect_left(free, (prev.size, prev.reg, prev.addr))]
+            block.addr = prev.addr
+            block.size += prev.size
+            block.prev = prev = prev.prev
+            if prev is not None:
+                prev.next = block
+        after = block.next
+        if after is not None and not after.allocated and after.mapped:
+            free = frees[(after.small, after.stream)]
+            del free[bisect_left(free, (after.size, after.reg, after.addr))]
+            block.size += after.size
+            block.next = after = after.next
+            if after is not None:
+                after.prev = block
+        block.gc_base = self._gc_calls[block.small]
+        free = frees.get((block.small, block.stream))
+        if free is None:
+            free = frees[(block.small, block.stream)] = []
+        insort(free, (block.size, block.reg, block.addr, block))
 
     def empty_cache(self) -> None:
         """``emptyCache`` -> ``release_cached_blocks``: every whole free segment goes back to the device
@@ -364,88 +385,6 @@ class CachingAllocator(SnapshotMixin, ExpandableMixin, BlockPools):
             + ("; or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, since much reserved memory is unallocated"
                if cached > alloc_size and not self.config.expandable_segments else ""),
             requested=nbytes, allocated=self.allocated, reserved=self.reserved, capacity=self.capacity)
-
-    # ----------------------------------------------------------------- giving memory back
-
-    def _release_block(self, block: Block) -> None:
-        """``release_block``: ``cudaFree`` of a whole free segment (already out of the free list)."""
-        self.reserved -= block.size
-        self.segment_count -= 1
-        self.num_device_free += 1
-        if self.config.max_split_size is not None and block.size >= self.config.max_split_size:
-            self.oversize_segments -= 1
-
-    def _release_available(self, small: bool, stream: int, size: int) -> bool:
-        """``release_available_cached_blocks``: with a ``max_split_size``, free the smallest oversize block
-        of the stream that covers the request, else oversize blocks from the largest down until enough."""
-        limit = self.config.max_split_size
-        if limit is None:
-            return False
-        free = self._free.get((small, stream), [])
-        target = max(size, limit)
-        i = bisect_left(free, (target,))
-        if i < len(free) and free[i][3].segment is None:
-            self._release_block(free.pop(i)[3])
-            return True
-        released = 0
-        i -= 1
-        while i >= 0 and released < target and free[i][0] >= limit:
-            block = free[i][3]
-            if block.segment is None:
-                del free[i]
-                released += block.size
-                self._release_block(block)
-            i -= 1
-        return released >= target
-
-    def _release_cached(self) -> None:
-        """``release_cached_blocks`` -> ``release_blocks`` of the large then the small pool: whole free
-        segments are freed; expandable blocks are unmapped, and their segment freed once fully unmapped."""
-        for small in (False, True):
-            to_unmap = []
-            for stream in self._streams(small):
-                free = self._free[(small, stream)]
-                kept = []
-                for entry in free:
-                    block = entry[3]
-                    if block.segment is not None:
-                        kept.append(entry)
-                        to_unmap.append(block)
-                    elif block.prev is None and block.next is None:
-                        self._release_block(block)
-                    else:
-                        kept.append(entry)
-                free[:] = kept
-            for block in to_unmap:
-                self._unmap(block)
-                if not block.mapped and block.prev is None and block.next is None:
-                    self._release_expandable(block)
-
-    def _garbage_collect(self) -> None:
-        """``garbage_collect_cached_blocks``: above ``threshold * allowed memory``, free unsplit large
-        blocks at least as old (in ``get_free_block`` calls) as the average, until the excess is freed."""
-        threshold = int(self.config.garbage_collection_threshold * self._allowed_max)
-        if self.reserved <= threshold:
-            return
-        target = self.reserved - threshold
-        clock = self._gc_calls[False]
-        unsplit = [b for b in self._free_blocks(False) if not b.is_split]
-        total_age, count = sum(clock - b.gc_base for b in unsplit), len(unsplit)
-        reclaimed, freed = 0, True
-        while reclaimed < target and freed and count > 0:
-            average = total_age / count
-            freed = False
-            # Every block of the pass is freed once it is old enough, even past the target, so that the
-            # collection does not run again at once.
-            for block in self._free_blocks(False):
-                age = clock - block.gc_base
-                if not block.is_split and block.segment is None and age >= average:
-                    freed = True
-                    reclaimed += block.size
-                    total_age -= age
-                    count -= 1
-                    self._remove(block)
-                    self._release_block(block)
 
 
 #: The name of the first, default-configuration version of the model; the same class.

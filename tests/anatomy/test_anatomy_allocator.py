@@ -136,3 +136,24 @@ def test_zero_byte_request_takes_no_block():
         alloc.malloc(-1)
     with pytest.raises(InvalidArgumentError, match="stream"):
         alloc.malloc(10, stream="default")
+
+
+def test_the_model_modules_need_no_torch():
+    # pure Python: none of the allocator, config, replay, GPU or outside-torch modules imports torch
+    import ast
+    import pathlib
+
+    import memprof.anatomy as anatomy
+
+    folder = pathlib.Path(anatomy.__file__).parent
+    names = ["allocator", "alloc_config", "alloc_blocks", "alloc_expandable", "alloc_release", "alloc_snapshot",
+             "alloc_replay", "gpus", "outside"]
+    imported = set()
+    for name in names:
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                imported.add(node.module.split(".")[0])
+    assert "torch" not in imported and imported <= {"__future__", "bisect", "re", "collections", "dataclasses", "array",
+                                                    "os"}
