@@ -21,6 +21,8 @@ __all__ = [
     "SimulationError",
     "MergeError",
     "TraceNotFoundError",
+    "AllocatorConfigError",
+    "SimulatedOutOfMemoryError",
 ]
 
 
@@ -77,6 +79,29 @@ class SimulationError(MemprofError, RuntimeError):
 class MergeError(MemprofError, ValueError):
     """The reports given to :func:`memprof.merge` are not the ranks of one run (duplicate ranks, different
     world sizes or models, a report without a rank). Also a ``ValueError``."""
+
+
+class AllocatorConfigError(MemprofError, ValueError):
+    """A ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` string that torch would refuse at start-up
+    (an unknown key, a missing value, a value out of range); the message names the key and the fix.
+    Also a ``ValueError``."""
+
+
+class SimulatedOutOfMemoryError(MemprofError, RuntimeError):
+    """The model of the CUDA caching allocator could not serve a request within the device capacity it
+    was given, after the same frees and retries torch tries before raising ``OutOfMemoryError``.
+
+    ``requested``, ``allocated``, ``reserved`` and ``capacity`` (bytes) say where it stopped. Also a
+    ``RuntimeError``.
+    """
+
+    def __init__(self, message: str, *, requested: int, allocated: int, reserved: int,
+                 capacity: int | None) -> None:
+        super().__init__(message)
+        self.requested = requested
+        self.allocated = allocated
+        self.reserved = reserved
+        self.capacity = capacity
 
 
 class MissingExtraError(MemprofError, ImportError):

@@ -8,7 +8,10 @@ in ``docs/anatomy.md``:
 * :mod:`.optimizers` -- state and step-temporary bytes of real optimizer objects.
 * :mod:`.activations` -- Korthikanti's transformer closed forms and per-module saved-bytes rules.
 * :mod:`.zero` -- ZeRO stage formulas and the DeepSpeed estimators.
-* :mod:`.allocator` -- the CUDA caching allocator, cuBLAS workspace and CUDA context.
+* :mod:`.allocator` -- a model of torch's CUDA caching allocator (:mod:`.alloc_config` parses
+  ``PYTORCH_CUDA_ALLOC_CONF``; :mod:`.alloc_replay` replays an allocation stream through it).
+* :mod:`.outside` -- the CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers, CUDA-graph pools.
+* :mod:`.gpus` -- GPUs by name: memory as the driver reports it, compute capability.
 * :mod:`.predict` -- the per-module and optimizer formulas applied to a recorded run.
 """
 
@@ -25,13 +28,27 @@ from .activations import (
     transformer_layer_terms,
 )
 from . import hf_rules  # noqa: F401  (the transformers layer rules, registered by name)
+from .alloc_config import AllocatorConfig
+from .alloc_replay import ReplayResult, replay
 from .allocator import (
     CUDA_CONTEXT_RANGE,
+    CachingAllocator,
     CachingAllocatorModel,
     cublas_workspace_bytes,
     pool_of,
     round_size,
     segment_size,
+)
+from .gpus import GpuSpec, gpu, known_gpus
+from .outside import (
+    OutsideTerm,
+    cublas_workspaces,
+    cublaslt_workspace_bytes,
+    cuda_context,
+    cuda_graph_pool,
+    cudnn_workspace,
+    nccl_buffer_sizes,
+    nccl_communicator,
 )
 from .optimizers import (
     OptimizerFormula,
@@ -80,6 +97,21 @@ __all__ = [
     "cublas_workspace_bytes",
     "CUDA_CONTEXT_RANGE",
     "CachingAllocatorModel",
+    "CachingAllocator",
+    "AllocatorConfig",
+    "replay",
+    "ReplayResult",
+    "GpuSpec",
+    "gpu",
+    "known_gpus",
+    "OutsideTerm",
+    "cuda_context",
+    "cublaslt_workspace_bytes",
+    "cublas_workspaces",
+    "cudnn_workspace",
+    "nccl_buffer_sizes",
+    "nccl_communicator",
+    "cuda_graph_pool",
     "predict_activations",
     "predict_optimizers",
     "ActivationPrediction",

@@ -1,17 +1,41 @@
-"""A model of PyTorch's CUDA caching allocator, cuBLAS workspaces and the CUDA context.
+"""A model of torch 2.13's CUDA caching allocator, in pure Python (no torch needed).
 
-Constants and rules from ``c10/cuda/CUDACachingAllocator.cpp`` and
-``c10/core/AllocatorConfig.h`` (see ``docs/anatomy.md#cuda-caching-allocator``). The simulator covers the
-default configuration: one stream, no ``expandable_segments``, no
-``roundup_power2_divisions``, ``max_split_size`` unlimited, and cached blocks
-are never released to the device (no ``empty_cache``, no OOM retry).
+``CachingAllocator`` follows ``DeviceCachingAllocator`` in ``c10/cuda/CUDACachingAllocator.cpp`` rule by
+rule (each method names the function it follows): rounding (with ``roundup_power2_divisions``), the small
+and large pools per stream, segment sizes, best fit, splitting, ``max_split_size_mb``, merging of freed
+neighbours, ``empty_cache``, the free-and-retry before an out-of-memory error, the memory fraction,
+``garbage_collection_threshold`` and ``expandable_segments``. What it leaves out is listed in
+``docs/anatomy.md#cuda-caching-allocator``: cross-stream use (``record_stream`` events), CUDA-graph private
+pools, ``MemPool``, IPC, and the driver's own placement of segments (addresses are synthetic and only
+order blocks inside a segment).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left, insort
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
+from .alloc_blocks import Block, BlockPools
+from .alloc_config import (
+    K_LARGE_BUFFER,
+    K_MIN_BLOCK_SIZE,
+    K_MIN_LARGE_ALLOC,
+    K_ROUND_LARGE,
+    K_SMALL_BUFFER,
+    K_SMALL_SIZE,
+    AllocatorConfig,
+)
+from .alloc_expandable import ExpandableMixin
+from .alloc_release import ReleaseMixin
+from .alloc_snapshot import SnapshotMixin
+from .outside import (
+    CUBLAS_WORKSPACE_DEFAULT,
+    CUBLAS_WORKSPACE_HOPPER,
+    CUDA_CONTEXT_EAGER_BYTES,
+    CUDA_CONTEXT_LAZY_BYTES,
+    CUDA_CONTEXT_RANGE,
+    cublas_workspace_bytes,
+)
 
 __all__ = [
     "K_MIN_BLOCK_SIZE",
@@ -25,38 +49,16 @@ __all__ = [
     "CUDA_CONTEXT_RANGE",
     "CUDA_CONTEXT_LAZY_BYTES",
     "CUDA_CONTEXT_EAGER_BYTES",
+    "AllocatorConfig",
     "round_size",
     "pool_of",
     "segment_size",
     "cublas_workspace_bytes",
+    "CachingAllocator",
     "CachingAllocatorModel",
 ]
 
-# Allocator constants: c10/cuda/CUDACachingAllocator.cpp; in torch 2.13 they live in c10/core/AllocatorConfig.h.
-K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes round up to multiples of 512
-K_SMALL_SIZE = 1_048_576  # kSmallSize: largest "small" request, 1 MiB
-K_SMALL_BUFFER = 2_097_152  # kSmallBuffer: small-pool segment size, 2 MiB
-K_MIN_LARGE_ALLOC = 10_485_760  # kMinLargeAlloc: requests below 10 MiB get a kLargeBuffer segment
-# kLargeBuffer / AllocatorConfig large_segment_size_ default (20971520), 20 MiB; large_segment_size_mb changes it.
-K_LARGE_BUFFER = 20_971_520
-K_ROUND_LARGE = 2_097_152  # kRoundLarge: large segments round to 2 MiB
-
-# aten/src/ATen/cuda/CublasHandlePool.cpp: default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
-# = 2 x 4096 KiB + 8 x 16 KiB.
-CUBLAS_WORKSPACE_DEFAULT = 2 * 4096 * 1024 + 8 * 16 * 1024  # 8,519,680 B
-# 32 MiB on Hopper (sm 9.0 in older code; majors 9, 10, 12 in newer code) (aten/src/ATen/cuda/CublasHandlePool.cpp).
-CUBLAS_WORKSPACE_HOPPER = 32 * 1024 * 1024  # 33,554,432 B
-_CUBLAS_BIG_MAJORS = (9, 10, 12)  # the newer CublasHandlePool.cpp rule
-
-# CUDA context + kernels, per process, outside PyTorch's allocator (docs/anatomy.md#cuda-context):
-# 287,047,680 B with CUDA_MODULE_LOADING=LAZY vs 666,632,192 B eager (PyTorch PR #85692);
-# 1343 MiB on a V100 with CUDA 11.2, eager (HF docs, "Model training anatomy"); "~300MB" lazy, ">1000MB" before
-# 11.7 (ptrblck, PyTorch issues #109888 and #107667).
-CUDA_CONTEXT_LAZY_BYTES = 287_047_680
-CUDA_CONTEXT_EAGER_BYTES = 666_632_192
-#: A per-model budget for the context: 0.3-1.5 GB (GB = 1e9), depending on driver, libraries and lazy loading;
-#: derived from the measurements above (docs/anatomy.md#cuda-context).
-CUDA_CONTEXT_RANGE: tuple[int, int] = (300_000_000, 1_500_000_000)
+_DEFAULT = AllocatorConfig()
 
 
 def _check_size(nbytes: int) -> None:
@@ -64,130 +66,326 @@ def _check_size(nbytes: int) -> None:
         raise InvalidArgumentError(f"nbytes must be a non-negative int, got {nbytes!r}")
 
 
-def round_size(nbytes: int) -> int:
-    """``max(512, ceil(n/512)·512)``: the block size the allocator hands out for ``nbytes``."""
+def _power2_division(size: int, divisions: int) -> int:
+    """``roundup_power2_next_division``: round up to the next of ``divisions`` equal steps between the
+    powers of two around ``size`` (1200 with 4 divisions: steps 1024, 1280, 1536, 1792 -> 1280)."""
+    if size & (size - 1) == 0:
+        return size
+    floor = 1 << (size.bit_length() - 1)
+    step = floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return floor << 1
+    rounded = size & ~(step - 1)
+    return size if rounded == size else rounded + step
+
+
+def round_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
+    """``DeviceCachingAllocator::round_size``: the block size torch hands out for ``nbytes``.
+
+    ``max(512, ceil(n / 512) * 512)``; with ``roundup_power2_divisions`` of d > 1 for the size's interval
+    and n > 512 * d, the next of d equal steps between powers of two instead.
+    """
     _check_size(nbytes)
     if nbytes < K_MIN_BLOCK_SIZE:
         return K_MIN_BLOCK_SIZE
+    divisions = (config or _DEFAULT).divisions_for(nbytes)
+    if divisions > 1 and nbytes > K_MIN_BLOCK_SIZE * divisions:
+        return _power2_division(nbytes, divisions)
     return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
 
 
-def pool_of(nbytes: int) -> str:
-    """``"small"`` if the rounded size is ≤ 1 MiB, else ``"large"``."""
-    return "small" if round_size(nbytes) <= K_SMALL_SIZE else "large"
+def pool_of(nbytes: int, config: AllocatorConfig | None = None) -> str:
+    """``get_pool``: ``"small"`` if the rounded size is <= 1 MiB (``kSmallSize``), else ``"large"``."""
+    return "small" if round_size(nbytes, config) <= K_SMALL_SIZE else "large"
 
 
-def segment_size(nbytes: int) -> int:
-    """Size of the new segment (``cudaMalloc``) made when no cached block fits ``nbytes``.
-
-    ≤ 1 MiB → 2 MiB; < 10 MiB → 20 MiB; otherwise rounded up to 2 MiB.
-    """
-    size = round_size(nbytes)
+def _allocation_size(size: int, large_segment: int) -> int:
     if size <= K_SMALL_SIZE:
         return K_SMALL_BUFFER
     if size < K_MIN_LARGE_ALLOC:
-        return K_LARGE_BUFFER
+        return large_segment
     return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
 
 
-def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
-    """Default cuBLAS workspace per (handle, stream): 32 MiB for majors 9/10/12, else 8,519,680 B.
+def segment_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
+    """``get_allocation_size``: the ``cudaMalloc`` made when no cached block fits ``nbytes``.
 
-    A ``CUBLAS_WORKSPACE_CONFIG`` environment variable overrides this in torch; it is not read here.
+    <= 1 MiB -> 2 MiB; < 10 MiB -> ``large_segment_size`` (20 MiB); otherwise rounded up to 2 MiB.
     """
-    major = compute_capability[0]
-    return CUBLAS_WORKSPACE_HOPPER if major in _CUBLAS_BIG_MAJORS else CUBLAS_WORKSPACE_DEFAULT
+    config = config or _DEFAULT
+    return _allocation_size(round_size(nbytes, config), config.large_segment_size)
 
 
-@dataclass
-class _Block:
-    segment: int
-    offset: int
-    size: int
-    pool: str
-    allocated: bool = False
-    requested: int = 0
+class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools):
+    """The caching allocator of one device, replaying ``malloc``/``free`` byte for byte.
 
-
-class CachingAllocatorModel:
-    """Simulates allocated/reserved bytes of the CUDA caching allocator.
-
-    ``malloc`` takes the best-fitting (smallest, then lowest address) free block
-    of the request's pool, or makes a new segment; blocks split when the rest is
-    ≥ 512 B (small pool) or > 1 MiB (large pool); freed blocks merge with free
-    neighbours of the same segment and stay cached (reserved never shrinks).
+    ``capacity`` is what ``cudaMalloc`` can hand this process in total (the device's free memory once the
+    CUDA context and libraries are loaded); ``None`` means unlimited. ``device_total`` is the device's
+    ``totalGlobalMem`` (memory fraction, ``throw_on_cudamalloc_oom``, the address range of an expandable
+    segment); it defaults to ``capacity``. Counters follow ``torch.cuda.memory_stats``: ``allocated``,
+    ``reserved``, ``active``, ``requested`` and their ``peak_*``, ``num_alloc_retries``, ``num_ooms``.
+    A request that fails after torch's frees and retries raises
+    :class:`~memprof.errors.SimulatedOutOfMemoryError`.
     """
 
-    def __init__(self) -> None:
-        self._blocks: list[_Block] = []
-        self._handles: dict[int, _Block] = {}
+    def __init__(self, config: AllocatorConfig | None = None, capacity: int | None = None,
+                 device_total: int | None = None) -> None:
+        config = AllocatorConfig() if config is None else config
+        if not isinstance(config, AllocatorConfig):
+            raise InvalidArgumentError(f"config must be an AllocatorConfig (AllocatorConfig.parse(...)), got "
+                                       f"{type(config).__name__}")
+        if config.backend != "native":
+            raise InvalidArgumentError("backend:cudaMallocAsync hands memory to the driver's own pool, which memprof "
+                                       "does not model; drop backend:cudaMallocAsync to predict the native allocator")
+        for name, value in (("capacity", capacity), ("device_total", device_total)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise InvalidArgumentError(f"{name} must be a positive int of bytes or None, got {value!r}")
+        super().__init__()
+        self.config = config
+        self.capacity = capacity
+        self.device_total = device_total if device_total is not None else capacity
+        self.allocated = self.reserved = self.requested = 0
+        self.peak_allocated = self.peak_reserved = self.peak_requested = 0
+        self.num_alloc_retries = self.num_ooms = self.num_oom_rejections = 0
+        self.num_device_alloc = self.num_device_free = 0
+        self.segment_count = self.oversize_allocations = self.oversize_segments = 0
+        self._live: dict[int, Block | None] = {}
         self._next_handle = 0
-        self._next_segment = 0
-        self.allocated = 0
-        self.reserved = 0
-        self.peak_allocated = 0
-        self.peak_reserved = 0
+        self._next_addr = 1 << 32  # synthetic addresses: they only order blocks inside one segment
+        self._next_reg = 0
+        self._rejected = False
+        self._allowed_max: int | None = None
+        self._plain_rounding = not any(d > 1 for d in config.roundup_power2_divisions)
+        self._limit = config.max_split_size  # the config is frozen: its hot fields are read once
+        self._expandable = config.expandable_segments
+        self._gc_on = False
+        self.set_memory_fraction(config.per_process_memory_fraction)
 
-    @property
-    def inactive_split_bytes(self) -> int:
-        """Free bytes inside segments that also hold allocated blocks (the allocator's inactive_split)."""
-        busy = {b.segment for b in self._blocks if b.allocated}
-        return sum(b.size for b in self._blocks if not b.allocated and b.segment in busy)
+    # ----------------------------------------------------------------- public operations
 
-    def segments(self) -> list[tuple[int, list[tuple[int, bool]]]]:
-        """``[(segment_bytes, [(block_bytes, allocated), ...]), ...]`` in address order."""
-        out: dict[int, list[_Block]] = {}
-        for b in self._blocks:
-            out.setdefault(b.segment, []).append(b)
-        return [
-            (sum(b.size for b in blocks), [(b.size, b.allocated) for b in sorted(blocks, key=lambda b: b.offset)])
-            for _, blocks in sorted(out.items())
-        ]
+    def set_memory_fraction(self, fraction: float) -> None:
+        """``setMemoryFraction`` (``torch.cuda.set_per_process_memory_fraction``): below 1, reserved memory
+        may not pass ``round(fraction * device_total)``, and the garbage collector can run."""
+        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 <= fraction <= 1:
+            raise InvalidArgumentError(f"fraction must be in [0, 1], got {fraction!r}")
+        if fraction < 1 and self.device_total is None:
+            raise InvalidArgumentError("a memory fraction below 1 needs the device size: pass device_total= (or "
+                                       "capacity=) to CachingAllocator")
+        self._allowed_max = None if fraction >= 1 else round(fraction * self.device_total)
+        self._gc_on = self._allowed_max is not None and self.config.garbage_collection_threshold > 0
 
-    def malloc(self, nbytes: int) -> int:
-        """Allocate ``nbytes``; returns a handle for :meth:`free`."""
-        size = round_size(nbytes)
-        pool = pool_of(nbytes)
-        free = [b for b in self._blocks if not b.allocated and b.pool == pool and b.size >= size]
-        if free:
-            block = min(free, key=lambda b: (b.size, b.segment, b.offset))
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        """``DeviceCachingAllocator::malloc`` on ``stream``; returns a handle for :meth:`free`.
+
+        A zero-byte request takes no block (``NativeCachingAllocator::allocate`` skips ``malloc``).
+        """
+        if type(nbytes) is not int or nbytes < 0:
+            _check_size(nbytes)
+        if type(stream) is not int:
+            raise InvalidArgumentError(f"stream must be an int id, got {stream!r}")
+        self._next_handle += 1
+        if nbytes == 0:
+            self._live[self._next_handle] = None
+            return self._next_handle
+        if nbytes < K_MIN_BLOCK_SIZE:
+            size = K_MIN_BLOCK_SIZE
+        elif self._plain_rounding:
+            size = -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
         else:
-            seg = segment_size(nbytes)
-            block = _Block(segment=self._next_segment, offset=0, size=seg, pool=pool)
-            self._next_segment += 1
-            self._blocks.append(block)
-            self.reserved += seg
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
+            size = round_size(nbytes, self.config)
+        small = size <= K_SMALL_SIZE
+        block = self._get_free_block(small, stream, size)
+        if block is None:
+            block = self._new_block(small, stream, size, nbytes)
         remaining = block.size - size
-        split = remaining >= K_MIN_BLOCK_SIZE if pool == "small" else remaining > K_SMALL_SIZE
-        if split:
-            rest = _Block(segment=block.segment, offset=block.offset + size, size=remaining, pool=pool)
-            block.size = size
-            self._blocks.append(rest)
+        limit = self._limit
+        if small or self._expandable:
+            split = remaining >= K_MIN_BLOCK_SIZE
+        else:  # should_split: large blocks split above 1 MiB of rest, and only below max_split_size
+            split = remaining > K_SMALL_SIZE and (limit is None or size < limit)
+        if split:  # alloc_found_block: the rest goes back to the free list
+            head = Block(block.addr, size, stream, small, block.reg, block.segment)
+            head.prev, head.next = block.prev, block
+            if block.prev is not None:
+                block.prev.next = head
+            block.prev = head
+            block.addr += size
+            block.size = remaining
+            self._insert(block)
+            block = head
         block.allocated = True
         block.requested = nbytes
-        self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self._next_handle += 1
-        self._handles[self._next_handle] = block
+        size = block.size
+        self.allocated += size
+        self.requested += nbytes
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        if self.requested > self.peak_requested:
+            self.peak_requested = self.requested
+        if limit is not None and size >= limit:
+            self.oversize_allocations += 1
+        self._live[self._next_handle] = block
         return self._next_handle
 
     def free(self, handle: int) -> None:
-        """Return a block to the cache, merging it with free neighbours in its segment."""
-        block = self._handles.pop(handle, None)
+        """``free_locked`` then ``free_block``: the block merges with free neighbours and stays cached."""
+        try:
+            block = self._live.pop(handle)
+        except (KeyError, TypeError):
+            raise InvalidArgumentError(f"handle {handle!r} is not allocated (freed twice or never returned by "
+                                       "malloc)") from None
         if block is None:
-            raise InvalidArgumentError(f"handle {handle!r} is not allocated (freed twice or never returned by malloc)")
+            return
         block.allocated = False
-        self.allocated -= block.size
-        merged = True
-        while merged:
-            merged = False
-            for other in self._blocks:
-                if other is block or other.allocated or other.segment != block.segment:
-                    continue
-                if other.offset + other.size == block.offset or block.offset + block.size == other.offset:
-                    block.offset = min(block.offset, other.offset)
-                    block.size += other.size
-                    self._blocks.remove(other)
-                    merged = True
-                    break
+        size = block.size
+        self.allocated -= size
+        self.requested -= block.requested
+        if self._limit is not None and size >= self._limit:
+            self.oversize_allocations -= 1
+        # free_block: merge with free neighbours of the segment (try_merge_blocks), then back to the free
+        # list (insert_into_blocks). Written out here, the hottest path of a replay.
+        frees = self._free
+        prev = block.prev
+        if prev is not None and not prev.allocated and prev.mapped:
+            free = frees[(prev.small, prev.stream)]
+            del free[bisect_left(free, (prev.size, prev.reg, prev.addr))]
+            block.addr = prev.addr
+            block.size += prev.size
+            block.prev = prev = prev.prev
+            if prev is not None:
+                prev.next = block
+        after = block.next
+        if after is not None and not after.allocated and after.mapped:
+            free = frees[(after.small, after.stream)]
+            del free[bisect_left(free, (after.size, after.reg, after.addr))]
+            block.size += after.size
+            block.next = after = after.next
+            if after is not None:
+                after.prev = block
+        block.gc_base = self._gc_calls[block.small]
+        free = frees.get((block.small, block.stream))
+        if free is None:
+            free = frees[(block.small, block.stream)] = []
+        insort(free, (block.size, block.reg, block.addr, block))
+
+    def empty_cache(self) -> None:
+        """``emptyCache`` -> ``release_cached_blocks``: every whole free segment goes back to the device
+        (large pool, then small); free pages of expandable segments are unmapped."""
+        self._release_cached()
+
+    def reset_peak_stats(self) -> None:
+        """``resetPeakStats``: every peak restarts at the current value."""
+        self.peak_allocated, self.peak_reserved, self.peak_requested = self.allocated, self.reserved, self.requested
+
+    @property
+    def active(self) -> int:
+        """``active_bytes``: allocated blocks plus freed ones still awaiting other streams' events; the model
+        has no ``record_stream`` events, so it equals ``allocated``."""
+        return self.allocated
+
+    @property
+    def peak_active(self) -> int:
+        return self.peak_allocated
+
+    # ----------------------------------------------------------------- malloc's steps
+
+    def _get_free_block(self, small: bool, stream: int, size: int) -> Block | None:
+        """``get_free_block``: the smallest cached block of the pool and stream that fits, under the
+        ``max_split_size`` rules; it comes out of the free list."""
+        if self._gc_on:
+            self._gc_calls[small] += 1  # block ages are counted only while collection is on
+        free = self._free.get((small, stream))
+        if not free:
+            return None
+        i = bisect_left(free, (size,))
+        if i == len(free):
+            return None
+        if free[i][3].segment is not None:
+            if self._expandable:
+                # Best fit counts an expandable block with the unmapped space behind it, so it loses to any
+                # other block that fits with less.
+                def reach(b: Block) -> int:
+                    return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+                while free[i][3].segment is not None and i + 1 < len(free) and reach(free[i + 1][3]) < reach(free[i][3]):
+                    i += 1
+            else:  # expandable segments were turned off: only ordinary blocks may serve
+                i += 1
+                while i < len(free) and free[i][3].segment is not None:
+                    i += 1
+                if i == len(free):
+                    return None
+        block = free[i][3]
+        limit = self._limit
+        if limit is not None:
+            if size < limit <= block.size:
+                return None  # an oversize block never serves a smaller request
+            if size >= limit and block.size >= size + self.config.max_non_split_rounding:
+                return None  # nor a larger one it would waste max_non_split_rounding_mb or more of
+        del free[i]
+        return block
+
+    def _new_block(self, small: bool, stream: int, size: int, nbytes: int) -> Block:
+        """The part of ``malloc`` after a cache miss: garbage collection, a new segment, then the frees and
+        retries torch tries before raising ``OutOfMemoryError``."""
+        alloc_size = _allocation_size(size, self.config.large_segment_size)
+        if self._gc_on:
+            self._garbage_collect()
+        block = self._alloc_block(small, stream, size, alloc_size, retry=False)
+        if block is None and not self._rejected:
+            if self._release_available(small, stream, size):
+                block = self._alloc_block(small, stream, size, alloc_size, retry=False)
+            if block is None:
+                self._release_cached()
+                block = self._alloc_block(small, stream, size, alloc_size, retry=True)
+        if block is None:
+            self._out_of_memory(nbytes, alloc_size)
+        return block
+
+    def _alloc_block(self, small: bool, stream: int, size: int, alloc_size: int, retry: bool) -> Block | None:
+        """``alloc_block``: a new segment of ``alloc_size`` bytes (or pages of an expandable one)."""
+        if retry:
+            self.num_alloc_retries += 1
+        self._rejected = False
+        if self._allowed_max is not None and self.reserved + alloc_size > self._allowed_max:
+            return None
+        if self.config.throw_on_cudamalloc_oom and self.device_total is not None:
+            if self.reserved + alloc_size > int(self.config.per_process_memory_fraction * self.device_total):
+                self.num_oom_rejections += 1
+                self._rejected = True
+                return None
+        if self.config.expandable_segments:
+            return self._allocate_expandable(small, stream, size)
+        if self.capacity is not None and self.reserved + alloc_size > self.capacity:
+            return None  # cudaMalloc fails
+        block = Block(self._next_addr, alloc_size, stream, small, self._next_reg)
+        self._next_reg += 1
+        self._next_addr += -(-alloc_size // K_ROUND_LARGE) * K_ROUND_LARGE
+        self.segment_count += 1
+        if self.config.max_split_size is not None and alloc_size >= self.config.max_split_size:
+            self.oversize_segments += 1
+        self._grow_reserved(alloc_size)
+        return block
+
+    def _grow_reserved(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        self.num_device_alloc += 1
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
+
+    def _out_of_memory(self, nbytes: int, alloc_size: int) -> None:
+        if not self._rejected:
+            self.num_ooms += 1
+        cached = self.reserved - self.allocated
+        raise SimulatedOutOfMemoryError(
+            f"predicted CUDA out of memory: tried to allocate {alloc_size} B for a {nbytes} B request with "
+            f"{self.allocated} B allocated and {cached} B reserved but unallocated, capacity "
+            f"{self.capacity if self.capacity is not None else 'unlimited'} B"
+            + (" (rejected by throw_on_cudamalloc_oom)" if self._rejected else "")
+            + ". Fix: a smaller batch or sequence, activation checkpointing, a sharded optimizer"
+            + ("; or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, since much reserved memory is unallocated"
+               if cached > alloc_size and not self.config.expandable_segments else ""),
+            requested=nbytes, allocated=self.allocated, reserved=self.reserved, capacity=self.capacity)
+
+
+#: The name of the first, default-configuration version of the model; the same class.
+CachingAllocatorModel = CachingAllocator

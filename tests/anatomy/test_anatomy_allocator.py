@@ -95,3 +95,65 @@ def test_context_constants():
     assert (low, high) == (300_000_000, 1_500_000_000)
     # the lazy-loading measurement (287 MB) sits at the low end; eager (667 MB) and HF's 1343 MiB inside/above
     assert CUDA_CONTEXT_LAZY_BYTES < low < CUDA_CONTEXT_EAGER_BYTES < 1343 * MiB < high
+
+
+def test_power2_rounding():
+    from memprof.anatomy.alloc_config import AllocatorConfig
+    from memprof.anatomy.allocator import _power2_division
+
+    # roundup_power2_next_division's own example: 1200 between 1024 and 2048 in 4 steps of 256 -> 1280
+    assert _power2_division(1200, 4) == 1280
+    four = AllocatorConfig(roundup_power2_divisions=(4,) * 16)
+    # round_size only uses the divisions above 512 * divisions = 2048 B: 1200 -> ceil(1200/512)*512 = 1536
+    assert round_size(1200, four) == 1536
+    # 5000: steps of 4096/4 = 1024 above 4096 -> 5120 (plain rounding would give 5120 too); 9000 -> 10240
+    assert (round_size(5000, four), round_size(9000, four)) == (5120, 10240)
+    # a power of two stays; 1.1 GiB with 2 divisions rounds to 1.5 GiB (steps of 512 MiB above 1 GiB)
+    two = AllocatorConfig(roundup_power2_divisions=(2,) * 16)
+    assert round_size(2**30, two) == 2**30 and round_size(1_181_116_006, two) == 1536 * MiB
+    # 8 divisions between 8 and 16 MiB: steps of 1 MiB, 9.2 MiB -> 10 MiB, and so a 10 MiB segment
+    eight = AllocatorConfig(roundup_power2_divisions=(8,) * 16)
+    assert round_size(9_646_899, eight) == 10 * MiB and segment_size(9_646_899, eight) == 10 * MiB
+
+
+def test_large_segment_size_changes_the_mid_size_segments():
+    from memprof.anatomy.alloc_config import AllocatorConfig
+
+    config = AllocatorConfig.parse("large_segment_size_mb:64")
+    # requests between 1 and 10 MiB get large_segment_size; 10 MiB and above still round to 2 MiB
+    assert segment_size(3 * MiB, config) == 64 * MiB and segment_size(11 * MiB, config) == 12 * MiB
+    assert pool_of(MiB, config) == "small"
+
+
+def test_zero_byte_request_takes_no_block():
+    alloc = CachingAllocatorModel()
+    handle = alloc.malloc(0)
+    assert (alloc.allocated, alloc.reserved, alloc.segments()) == (0, 0, [])
+    alloc.free(handle)
+    with pytest.raises(InvalidArgumentError):
+        alloc.free(handle)
+    with pytest.raises(InvalidArgumentError, match="non-negative int"):
+        alloc.malloc(-1)
+    with pytest.raises(InvalidArgumentError, match="stream"):
+        alloc.malloc(10, stream="default")
+
+
+def test_the_model_modules_need_no_torch():
+    # pure Python: none of the allocator, config, replay, GPU or outside-torch modules imports torch
+    import ast
+    import pathlib
+
+    import memprof.anatomy as anatomy
+
+    folder = pathlib.Path(anatomy.__file__).parent
+    names = ["allocator", "alloc_config", "alloc_blocks", "alloc_expandable", "alloc_release", "alloc_snapshot",
+             "alloc_replay", "gpus", "outside"]
+    imported = set()
+    for name in names:
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                imported.add(node.module.split(".")[0])
+    assert "torch" not in imported and imported <= {"__future__", "bisect", "re", "collections", "dataclasses", "array",
+                                                    "os"}
