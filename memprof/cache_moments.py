@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .checks import corrupt, count, text
 
-__all__ = ["CacheMoment", "MOMENTS", "spec_data"]
+__all__ = ["CacheMoment", "MOMENTS", "spec_data", "frozen_spec"]
 
 #: The moments of a phase a :class:`CacheMoment` describes.
 MOMENTS = ("peak", "end")
@@ -81,3 +81,10 @@ def spec_data(data: Any) -> "dict[str, Any] | None":
             raise corrupt(f"the cache field {name} must be a number, string, boolean or list, got {str(v)[:40]}")
         out[name] = v
     return out
+
+
+def frozen_spec(data: "Mapping[str, Any] | None") -> "tuple[tuple[str, Any], ...] | None":
+    """A cache spec as the frozen record keeps it: (name, value) pairs, lists as tuples."""
+    if data is None:
+        return None
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in data.items())

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from .categories import Category, Phase
-from .cache_moments import CacheMoment, spec_data
+from .cache_moments import CacheMoment, frozen_spec, spec_data
 from .checks import corrupt, count, fields, optional_count, optional_text, optional_time, pairs, text
 from .errors import TraceFormatError
 
@@ -421,9 +421,10 @@ class GenerationFacts:
     itemsize: "int | None" = None
     batch: "int | None" = None
     tokens: tuple[tuple[int, str, int, int], ...] = ()
-    #: The model's cache per layer (``memprof.anatomy.CacheSpec.to_dict()``, from its config); None when
-    #: memprof could not read one (older files: the fields above describe a uniform attention cache).
-    cache: "Mapping[str, Any] | None" = None
+    #: The model's cache per layer (``memprof.anatomy.CacheSpec.to_dict()``, from its config, kept as
+    #: (name, value) pairs: ``dict(cache)``); None when memprof could not read one (older files: the
+    #: fields above describe a uniform attention cache).
+    cache: "tuple[tuple[str, Any], ...] | None" = None
     #: The encoder's tokens of an encoder-decoder model; the length a static cache was allocated at.
     encoder_tokens: "int | None" = None
     max_cache_len: "int | None" = None
@@ -437,6 +438,10 @@ class GenerationFacts:
                 return n
         return None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, Mapping):  # given as CacheSpec.to_dict() gives it
+            object.__setattr__(self, "cache", frozen_spec(self.cache))
+
     def moment(self, step: int, phase: str, occurrence: int, moment: str) -> "CacheMoment | None":
         """The cache's record at the ``"peak"`` or ``"end"`` of that phase, if the run made one."""
         return next((m for m in self.moments if m.key() == (step, phase, occurrence, moment)), None)
@@ -445,7 +450,9 @@ class GenerationFacts:
         return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "sliding_window": self.sliding_window, "itemsize": self.itemsize, "batch": self.batch,
                 "tokens": [list(t) for t in self.tokens],
-                "cache": None if self.cache is None else dict(self.cache), "encoder_tokens": self.encoder_tokens,
+                "cache": None if self.cache is None else {k: list(v) if isinstance(v, tuple) else v
+                                                          for k, v in self.cache},
+                "encoder_tokens": self.encoder_tokens,
                 "max_cache_len": self.max_cache_len, "moments": [m.to_list() for m in self.moments]}
 
     @classmethod
@@ -454,7 +461,7 @@ class GenerationFacts:
                      ("layers", "kv_heads", "head_dim", "sliding_window", "itemsize", "batch")),
                    tokens=tuple((count(s, "a step"), text(p, "a phase"), count(o, "an occurrence"),
                                  count(n, "a token count")) for s, p, o, n in data.get("tokens", ())),
-                   cache=spec_data(data.get("cache")),
+                   cache=frozen_spec(spec_data(data.get("cache"))),
                    encoder_tokens=optional_count(data.get("encoder_tokens"), "encoder_tokens"),
                    max_cache_len=optional_count(data.get("max_cache_len"), "max_cache_len"),
                    moments=tuple(CacheMoment.from_list(m) for m in data.get("moments", ())))

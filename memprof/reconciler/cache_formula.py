@@ -28,7 +28,7 @@ def cache_spec_of(gen: "GenerationFacts") -> "CacheSpec | None":
     shape fields describe (every layer full attention, or sliding-window attention with a window)."""
     try:
         if gen.cache is not None:
-            return CacheSpec.from_dict(gen.cache)
+            return CacheSpec.from_dict(dict(gen.cache))
         if None in (gen.layers, gen.kv_heads, gen.head_dim):
             return None
         kind = "sliding_attention" if gen.sliding_window else "full_attention"
