@@ -26,12 +26,12 @@ _KINDS = {"full_attention": "full_attention", "attention": "full_attention", "sl
           "hybrid": "hybrid", "hybrid_sliding": "hybrid_sliding", "moe": "none", "mlp": "none", "dummy": "none"}
 # The convolution and recurrent state of each family's mixer, as transformers 5 allocates them.
 _MAMBA1 = ("the convolution state (d_inner, d_conv) and SSM state (d_inner, d_state) of each sequence: Gu & Dao "
-           "2023, 'Mamba', section 3; transformers models/mamba/modeling_mamba.py MambaMixer")
+           "2023, 'Mamba' (arXiv 2312.00752); transformers models/mamba/modeling_mamba.py MambaMixer")
 _MAMBA2 = ("the convolution state (d_inner + 2 n_groups d_state, d_conv) and SSM state (n_heads, head_dim, d_state) "
-           "of each sequence: Dao & Gu 2024, 'Transformers are SSMs', section 7; transformers "
+           "of each sequence: Dao & Gu 2024, 'Transformers are SSMs' (arXiv 2405.21060); transformers "
            "models/mamba2/modeling_mamba2.py Mamba2Mixer")
 _DELTA = ("the convolution state (2 n_k d_k + n_v d_v, d_conv) and state (n_v, d_k, d_v) of each sequence: Yang et al. "
-          "2024, 'Gated Delta Networks'; transformers models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet")
+          "2024, 'Gated Delta Networks' (arXiv 2412.06464); transformers models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet")
 _FP32_STATE = 4  # the scans compute the state in float32 (mamba_selective_scan, mamba2_chunk_scan, the delta rule)
 
 

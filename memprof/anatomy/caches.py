@@ -6,7 +6,7 @@ below), which every model of transformers 5 fills:
 
 * **full attention** (``DynamicLayer``): a key and a value per token and key/value head, grown by
   ``torch.cat`` on the token dimension in every call, so while a layer is updated its old keys and its new
-  ones both live (Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2, count the cache;
+  ones both live (Pope et al. 2022, "Efficiently Scaling Transformer Inference", count the cache this way;
   grouped- and multi-query attention keep fewer key/value heads);
 * **sliding-window attention** (``DynamicSlidingWindowLayer``, also chunked attention): after each call the
   layer keeps the last ``window - 1`` tokens as a *view* of that call's concatenation, so the storage it holds
