@@ -149,6 +149,8 @@ def _attention(read: Callable[[str], Any]) -> "dict[str, Any] | None":
 
 
 def _states(read: Callable[[str], Any]) -> "dict[str, Any] | None":
+    if (_int(read, "number_of_conv_states") or 1) > 1:
+        return None  # several states per layer (LinearAttentionLayer's number_of_states): not sized here
     hidden = _int(read, "hidden_size", "d_model")
     if _int(read, "linear_key_head_dim") is not None:  # gated delta rule (Qwen3-Next)
         nk, dk, nv, dv, conv = (_int(read, n) for n in ("linear_num_key_heads", "linear_key_head_dim",
