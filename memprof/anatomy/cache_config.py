@@ -30,8 +30,9 @@ _MAMBA1 = ("the convolution state (d_inner, d_conv) and SSM state (d_inner, d_st
 _MAMBA2 = ("the convolution state (d_inner + 2 n_groups d_state, d_conv) and SSM state (n_heads, head_dim, d_state) "
            "of each sequence: Dao & Gu 2024, 'Transformers are SSMs' (arXiv 2405.21060); transformers "
            "models/mamba2/modeling_mamba2.py Mamba2Mixer")
-_DELTA = ("the convolution state (2 n_k d_k + n_v d_v, d_conv) and state (n_v, d_k, d_v) of each sequence: Yang et al. "
-          "2024, 'Gated Delta Networks' (arXiv 2412.06464); transformers models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet")
+_DELTA = ("the convolution state (2 n_k d_k + n_v d_v, d_conv) and state (n_v, d_k, d_v) of each sequence: Yang, "
+          "Kautz, Hatamizadeh 2024, 'Gated Delta Networks' (arXiv 2412.06464); transformers "
+          "models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet")
 _FP32_STATE = 4  # the scans compute the state in float32 (mamba_selective_scan, mamba2_chunk_scan, the delta rule)
 
 

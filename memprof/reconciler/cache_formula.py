@@ -47,11 +47,17 @@ def cache_formula(trace: "Trace", moment: "PhaseRecord", which: str) -> "int | N
     the caller still holds the cache then is not the model's to say).
     """
     gen = trace.generation
-    if gen is None:
+    spec = cache_spec_of(gen) if gen is not None else None
+    if gen is None or spec is None or gen.batch is None or gen.itemsize is None:
         return None
-    spec = cache_spec_of(gen)
-    if spec is None or gen.batch is None or gen.itemsize is None:
+    try:
+        return _formula(trace, gen, spec, moment, which)
+    except MemprofError:  # token counts that contradict each other (a hand-edited file): no formula
         return None
+
+
+def _formula(trace: "Trace", gen: "GenerationFacts", spec: CacheSpec, moment: "PhaseRecord", which: str
+             ) -> "int | None":
     calls = [p for p in trace.phases if p.phase in _CALLS and gen.tokens_at(p.step, p.phase.value, p.occurrence)
              is not None]
     here = next((i for i, p in enumerate(trace.phases) if _same(p, moment)), None)
@@ -61,7 +67,7 @@ def cache_formula(trace: "Trace", moment: "PhaseRecord", which: str) -> "int | N
     is_call = any(_same(c, moment) for c in calls)
     if not is_call and not before:
         if which == "end" and here + 1 < len(trace.phases) and any(trace.phases[here + 1] is c for c in calls):
-            return _first_start(spec, gen)  # what the first call is handed is the cache from where it is handed
+            return _first_start(spec, gen)  # the encoder's output, claimed as the first call begins
         return None  # before the first call: no cache yet
     if not is_call and which != "start" and not any(any(p is c for c in calls) for p in trace.phases[here:]):
         return None  # after the last call the cache lives as long as the caller holds it (generate() drops it)
