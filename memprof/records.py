@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from .categories import Category, Phase
+from .cache_moments import CacheMoment, frozen_spec, spec_data
 from .checks import corrupt, count, fields, optional_count, optional_text, optional_time, pairs, text
 from .errors import TraceFormatError
 
@@ -405,12 +406,12 @@ class RankInfo:
 
 @dataclass(frozen=True)
 class GenerationFacts:
-    """What the KV-cache formula needs of a run that decoded with a cache (schema 5).
+    """What the cache formulas need of a run that decoded with a cache (schema 5).
 
     The model's shape (from its transformers-style ``config``: layers, key/value heads, head dimension,
-    a sliding window if any; ``None`` where it has no such config), the cache's element size and batch
-    as the run had them, and the tokens in the cache after each prefill and decode phase, as
-    ``(step, phase, occurrence, tokens)``.
+    a sliding window if any; ``None`` where it has no such config) and its cache per layer (``cache``),
+    the element size of its keys and values and the batch as the run had them, and the tokens in the
+    cache after each prefill and decode phase, as ``(step, phase, occurrence, tokens)``.
     """
 
     layers: "int | None" = None
@@ -420,6 +421,15 @@ class GenerationFacts:
     itemsize: "int | None" = None
     batch: "int | None" = None
     tokens: tuple[tuple[int, str, int, int], ...] = ()
+    #: The model's cache per layer (``memprof.anatomy.CacheSpec.to_dict()``, from its config, kept as
+    #: (name, value) pairs: ``dict(cache)``); None when memprof could not read one (older files: the
+    #: fields above describe a uniform attention cache).
+    cache: "tuple[tuple[str, Any], ...] | None" = None
+    #: The encoder's tokens of an encoder-decoder model; the length a static cache was allocated at.
+    encoder_tokens: "int | None" = None
+    max_cache_len: "int | None" = None
+    #: The cache at each prefill and decode phase's peak and end (older files: none).
+    moments: tuple[CacheMoment, ...] = ()
 
     def tokens_at(self, step: int, phase: str, occurrence: int) -> "int | None":
         """Tokens in the cache at the end of that phase; after the last per-token decode phase, its count."""
@@ -428,14 +438,30 @@ class GenerationFacts:
                 return n
         return None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, Mapping):  # given as CacheSpec.to_dict() gives it
+            object.__setattr__(self, "cache", frozen_spec(self.cache))
+
+    def moment(self, step: int, phase: str, occurrence: int, moment: str) -> "CacheMoment | None":
+        """The cache's record at the ``"peak"`` or ``"end"`` of that phase, if the run made one."""
+        return next((m for m in self.moments if m.key() == (step, phase, occurrence, moment)), None)
+
     def to_dict(self) -> dict[str, Any]:
         return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
                 "sliding_window": self.sliding_window, "itemsize": self.itemsize, "batch": self.batch,
-                "tokens": [list(t) for t in self.tokens]}
+                "tokens": [list(t) for t in self.tokens],
+                "cache": None if self.cache is None else {k: list(v) if isinstance(v, tuple) else v
+                                                          for k, v in self.cache},
+                "encoder_tokens": self.encoder_tokens,
+                "max_cache_len": self.max_cache_len, "moments": [m.to_list() for m in self.moments]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GenerationFacts":
         return cls(*(optional_count(data.get(k), k) for k in
                      ("layers", "kv_heads", "head_dim", "sliding_window", "itemsize", "batch")),
                    tokens=tuple((count(s, "a step"), text(p, "a phase"), count(o, "an occurrence"),
-                                 count(n, "a token count")) for s, p, o, n in data.get("tokens", ())))
+                                 count(n, "a token count")) for s, p, o, n in data.get("tokens", ())),
+                   cache=frozen_spec(spec_data(data.get("cache"))),
+                   encoder_tokens=optional_count(data.get("encoder_tokens"), "encoder_tokens"),
+                   max_cache_len=optional_count(data.get("max_cache_len"), "max_cache_len"),
+                   moments=tuple(CacheMoment.from_list(m) for m in data.get("moments", ())))

@@ -177,3 +177,83 @@ def hook_registry(model: nn.Module, optimizers=(), tensors=()) -> dict:
     snap[("global", "saved tensor hooks")] = torch._C._autograd._top_saved_tensors_default_hooks(False)
     snap[("global", "dispatch modes")] = torch._C._len_torch_dispatch_stack()
     return snap
+
+
+def tensors_under(obj, depth: int = 8):
+    """The tensors reachable from ``obj`` through lists, tuples, dicts and objects' attributes."""
+    seen, out, stack = set(), [], [(obj, 0)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+            continue
+        if o is None or d >= depth or id(o) in seen or isinstance(o, (str, bytes, int, float, bool, type, nn.Module)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend((v, d + 1) for v in o)
+        elif isinstance(getattr(o, "__dict__", None), dict):
+            stack.extend((v, d + 1) for v in vars(o).values())
+    return out
+
+
+class CacheOracle(TorchDispatchMode):
+    """The cache of each call of ``model``, op by op, counted from the cache object the call is handed.
+
+    After every op of a call: the floating storages the cache object (and an encoder output handed in)
+    holds, plus the storages the call made that are still alive and that the cache holds when the call
+    ends: a layer's new keys are its cache from the op that makes them. ``values[i]`` lists those bytes
+    after each op of call ``i``, ``ends[i]`` the bytes held when it returns. Independent of memprof.
+    """
+
+    NAMES = ("cache", "past_key_values", "encoder_outputs")
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.values, self.ends = [], []
+        self.objs = None
+        self.handles = [model.register_forward_pre_hook(self._begin, with_kwargs=True),
+                        model.register_forward_hook(self._end, with_kwargs=True)]
+
+    def _held(self, *extra):
+        held = {}
+        for t in tensors_under([*self.objs, *extra]):
+            if t.is_floating_point():
+                st = t.untyped_storage()
+                held[st._cdata] = st.nbytes()
+        return held
+
+    def _begin(self, module, args, kwargs):
+        self.objs = [kwargs.get(n) for n in self.NAMES]
+        # Storages the call made: address -> (weak reference, bytes, serial). An address is reused once its
+        # storage is freed, so a storage is told apart by its serial.
+        self.made, self.trail, self.serial = {}, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.objs is not None:
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and o.layout is torch.strided:
+                    st = o.untyped_storage()
+                    known = self.made.get(st._cdata)
+                    if known is None or known[0]() is None:
+                        self.serial += 1
+                        self.made[st._cdata] = (weakref.ref(st), st.nbytes(), self.serial)
+            self.made = {k: v for k, v in self.made.items() if v[0]() is not None}
+            self.trail.append((self._held(), {k: (serial, n) for k, (_, n, serial) in self.made.items()}))
+        return out
+
+    def _end(self, module, args, kwargs, output):
+        final = self._held(getattr(output, "past_key_values", None))
+        kept = {self.made[k][2] for k in final if k in self.made}
+        self.values.append([sum(held.values()) + sum(n for k, (serial, n) in alive.items()
+                                                     if serial in kept and k not in held)
+                            for held, alive in self.trail])
+        self.ends.append(sum(final.values()))
+        self.objs = None
+
+    def close(self):
+        for h in self.handles:
+            h.remove()

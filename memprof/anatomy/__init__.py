@@ -13,6 +13,8 @@ in ``docs/anatomy.md``:
 * :mod:`.outside` -- the CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers, CUDA-graph pools.
 * :mod:`.gpus` -- GPUs by name: memory as the driver reports it, compute capability.
 * :mod:`.predict` -- the per-module and optimizer formulas applied to a recorded run.
+* :mod:`.inference`, :mod:`.caches`, :mod:`.cache_config` -- inference caches per layer, as implementations
+  keep them, and the cache a transformers config describes.
 """
 
 from __future__ import annotations
@@ -61,12 +63,22 @@ from .optimizers import (
     register_optimizer_formula,
 )
 from .inference import kv_cache_bytes
+from .caches import CacheSpec, Slot, bytes_at, cache_bytes, call_slots, latent_attention_dims, sliding_kept_tokens
+from .cache_config import cache_spec
 from .params import BytesPerParam, bytes_per_param, bytes_per_param_breakdown, textbook_regime
 from .predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from .zero import DeepSpeedEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate, zero_model_states
 
 __all__ = [
     "kv_cache_bytes",
+    "CacheSpec",
+    "Slot",
+    "cache_spec",
+    "call_slots",
+    "cache_bytes",
+    "bytes_at",
+    "sliding_kept_tokens",
+    "latent_attention_dims",
     "BytesPerParam",
     "bytes_per_param",
     "bytes_per_param_breakdown",

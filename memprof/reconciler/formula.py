@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..anatomy.activations import transformer_layer_activations
-from ..anatomy.inference import kv_cache_bytes
 from ..anatomy.params import bytes_per_param_breakdown
 from ..anatomy.predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from ..categories import Category, Phase
+from .cache_formula import cache_formula
 from .sharding import shard_formula
 from ..errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
 from ..trace import PHASE_MOMENTS, RECONCILE_MOMENTS, Breakdown, PhaseRecord, Trace, parse_moment
@@ -122,7 +122,8 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
         values[Category.COMMUNICATION] = 0 if dist.bucket_view else int(round(bpp.gradients * facts.num_trainable))
     if trace.generation is not None and moment is not None and _decoding(trace, moment):
         _inference(values, trace, moment, precision, bpp_inference=bytes_per_param_breakdown(precision, None,
-                                                                                             training=False))
+                                                                                             training=False),
+                   which="peak" if at_peak else "end")
     if moment is not None and moment.phase is Phase.OPTIMIZER and at_peak and opts.transient_bytes is not None:
         values[Category.TEMPORARIES] = opts.transient_bytes
     if dist is not None:
@@ -130,20 +131,18 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
     return Breakdown.from_mapping(values)
 
 
-def _inference(values: dict, trace: Trace, moment: PhaseRecord, precision: str, bpp_inference: Any) -> None:
+def _inference(values: dict, trace: Trace, moment: PhaseRecord, precision: str, bpp_inference: Any,
+               which: str = "end") -> None:
     """A run that decoded with a KV cache: inference bytes/param (HF: mixed 6, fp32 4, bf16 2), nothing for
-    gradients, optimizer or saved activations (no graph is built), and the cache's formula at the tokens it
-    held at the end of the moment's phase (or the last phase before it)."""
+    gradients, optimizer or saved activations (no graph is built), and the cache's formula at ``which``
+    moment of the phase (:mod:`.cache_formula`: per layer, as the implementation keeps it)."""
     gen = trace.generation
     assert gen is not None
     values[Category.WEIGHTS] = int(round(bpp_inference.weights * trace.facts.num_params))
     values[Category.GRADIENTS] = 0
     values[Category.OPTIMIZER_STATES] = 0 if trace.optimizer is None else values[Category.OPTIMIZER_STATES]
     values[Category.ACTIVATIONS] = 0
-    tokens = _tokens_by(gen, trace, moment)
-    if None not in (gen.layers, gen.kv_heads, gen.head_dim, gen.batch, gen.itemsize) and tokens is not None:
-        values[Category.KV_CACHE] = kv_cache_bytes(gen.layers, gen.batch, tokens, gen.kv_heads, gen.head_dim,
-                                                   bytes_per_element=gen.itemsize, sliding_window=gen.sliding_window)
+    values[Category.KV_CACHE] = cache_formula(trace, moment, which)
 
 
 def _decoding(trace: Trace, moment: PhaseRecord) -> bool:
@@ -152,18 +151,6 @@ def _decoding(trace: Trace, moment: PhaseRecord) -> bool:
     if moment.phase in (Phase.PREFILL, Phase.DECODE):
         return True
     return moment.phase is Phase.OTHER and not any(p.phase in (Phase.BACKWARD, Phase.OPTIMIZER) for p in trace.phases)
-
-
-def _tokens_by(gen: Any, trace: Trace, moment: PhaseRecord) -> "int | None":
-    # The tokens after the last cache phase that ended by this moment (phases in run order).
-    tokens = None
-    for p in trace.phases:
-        n = gen.tokens_at(p.step, p.phase.value, p.occurrence)
-        if n is not None:
-            tokens = n
-        if p is moment or (p.step, p.phase, p.occurrence) == (moment.step, moment.phase, moment.occurrence):
-            return tokens if p.phase in (Phase.PREFILL, Phase.DECODE, Phase.OTHER) else None
-    return None
 
 
 #: A moment of one phase: (step, phase, "start" | "peak" | "end", occurrence).
@@ -215,6 +202,11 @@ def formula_at(trace: Trace, at: Any = "peak", *, precision: "str | None" = None
     if isinstance(at, tuple) and at[1] is Phase.FORWARD and at[2] == "start" and formula[Category.ACTIVATIONS]:
         # Nothing is saved yet when a forward begins: the textbook's activations are 0 there.
         formula = Breakdown.from_mapping({**{c: formula[c] for c in Category}, Category.ACTIVATIONS: 0})
+    if isinstance(at, tuple) and at[2] == "start" and rec is not None and trace.generation is not None \
+            and _decoding(trace, rec):
+        # A call begins with what the call before it left in the cache.
+        formula = Breakdown.from_mapping({**{c: formula[c] for c in Category},
+                                          Category.KV_CACHE: cache_formula(trace, rec, "start")})
     return formula
 
 

@@ -20,7 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..anatomy.cache_config import cache_spec
+from ..cache_moments import CacheMoment
 from ..categories import Phase
+from ..errors import MemprofError
 from ..records import GenerationFacts
 from .ledger import KV_CACHE, TEMPORARIES
 
@@ -49,7 +52,21 @@ class CacheTracker:
     def __init__(self, prof: "Profiler", model: nn.Module) -> None:
         self.prof = prof
         self.names: set[str] = set(CACHE_NAMES)  # where caches were seen: argument and output names
-        self.shape = _cache_shape(getattr(model, "config", None))
+        config = getattr(model, "config", None)
+        self.shape = _cache_shape(config)
+        try:
+            spec = cache_spec(config)
+        except MemprofError:  # a config whose numbers make no cache (a head count of 0): no formula
+            spec = None
+        self.spec = spec.to_dict() if spec is not None else None
+        self.encoder_tokens: "int | None" = None
+        self.max_cache_len: "int | None" = None
+        # The running call: the ledger's event count and the cache's tokens when it began, and the tokens
+        # when the call before it began (what a sliding-window layer holds depends on that call).
+        self.call_seq = 0
+        self.call_before = 0
+        self.call_earlier = 0
+        self.moments: dict[tuple[int, str, int, str], CacheMoment] = {}
         self.batch: "int | None" = None
         self.itemsizes: set[int] = set()
         self.in_cache = 0  # tokens in the cache now
@@ -85,16 +102,25 @@ class CacheTracker:
         # The cache object of the generation under way, handed in again: a decode call even when every
         # tensor in it was replaced outside the model (a cache grown directly).
         again = handed is not None and self.in_cache > 0 and self._last is not None and self._last() is handed
-        if back or again:
+        # An empty cache object is filled by a prefill, also when what comes back with it was made earlier
+        # (an encoder-decoder's encoder output, handed to every decoder call).
+        fresh = handed is not None and not again and not any(
+            t.is_floating_point() and t.numel() for t in _tensors(handed))
+        previous = self.call_before
+        if (back and not fresh) or again:
             self.kind = Phase.DECODE
             if self.in_cache == 0:  # the call that made it was a prefill nobody could name then
                 self.prefill_serials = {s for s in inside if s in self.call_tokens}
                 self.in_cache = sum(self.call_tokens[s] for s in self.prefill_serials)
+                previous = 0
         elif handed is not None:
             self.kind = Phase.PREFILL
             self.in_cache = 0
-        if self.kind is not None and batch is not None:
-            self.batch = batch
+            previous = 0
+        if self.kind is not None:
+            self.batch = batch if batch is not None else self.batch
+            self.call_seq, self.call_earlier, self.call_before = self.prof.ledger.seq, previous, self.in_cache
+            self._note_shapes(handed, kwargs)
         return self.kind
 
     def layer_done(self, args: tuple, kwargs: dict) -> None:
@@ -104,7 +130,7 @@ class CacheTracker:
         if active is None:
             return
         if any(v is active for v in kwargs.values()) or any(a is active for a in args):
-            self._claim(active, named=True)
+            self._claim(active, named=True, retro=True)
 
     def after_call(self, args: tuple, kwargs: dict, output: Any) -> None:
         """Claim what a prefill or decode call added to the cache it was given (filled in place) or returned:
@@ -118,19 +144,25 @@ class CacheTracker:
                 while len(self.call_tokens) > 64:  # only the latest calls can still turn out to be prefills
                     del self.call_tokens[next(iter(self.call_tokens))]
             return
+        kept: list[Any] = []  # what holds the cache now, for where the call had got at its peak
         for name, obj in _arguments(args, kwargs):
             if not isinstance(obj, torch.Tensor):
-                self._claim(obj, named=name in self.names)
+                if self._claim(obj, named=name in self.names, retro=True)[0]:
+                    kept.append(obj)
         for name in self.names:
             obj = _field(output, name)
             if obj is not None:
-                self._claim(obj, named=True)
+                self._claim(obj, named=True, retro=True)
+                kept.append(obj)
         if kind is Phase.DECODE and isinstance(output, (tuple, list)):
             for item in output:
                 if not isinstance(item, torch.Tensor):
-                    self._claim(item, named=True)
+                    self._claim(item, named=True, retro=True)
+                    kept.append(item)
         self.in_cache += self.incoming
-        self.tokens[(phases.step, kind.value, phases.occurrence.get(kind, 0))] = self.in_cache
+        key = (phases.step, kind.value, phases.occurrence.get(kind, 0))
+        self.tokens[key] = self.in_cache
+        self._note_moments(key, kept)
         self._last = None
         if handed is not None:
             try:  # a weak reference: memprof keeps nothing of the user's alive
@@ -156,16 +188,64 @@ class CacheTracker:
         if not self.tokens:
             return None
         layers, kv_heads, head_dim, window = self.shape
+        sizes = set(self.itemsizes)
+        state = (self.spec or {}).get("recurrent_itemsize")
+        if state is not None and len(sizes) == 2 and state in sizes:
+            sizes.discard(state)  # states the implementation keeps in a dtype of their own say nothing of the rest
         # Keys and values of different dtypes (autocast) have no one element size: the formula then says so.
-        itemsize = next(iter(self.itemsizes)) if len(self.itemsizes) == 1 else None
+        itemsize = next(iter(sizes)) if len(sizes) == 1 else None
         return GenerationFacts(layers=layers, kv_heads=kv_heads, head_dim=head_dim, sliding_window=window,
                                itemsize=itemsize, batch=self.batch,
-                               tokens=tuple((s, p, o, n) for (s, p, o), n in self.tokens.items()))
+                               tokens=tuple((s, p, o, n) for (s, p, o), n in self.tokens.items()),
+                               cache=self.spec, encoder_tokens=self.encoder_tokens, max_cache_len=self.max_cache_len,
+                               moments=tuple(self.moments.values()))
 
-    def _claim(self, obj: Any, *, named: bool) -> "tuple[bool, set[int] | None]":
+    def _note_shapes(self, handed: Any, kwargs: dict) -> None:
+        """The encoder's tokens (an encoder-decoder call's ``encoder_outputs``) and the length a static cache
+        was allocated at (its layers' ``max_cache_len``): what the formula needs beside the config."""
+        enc = kwargs.get("encoder_outputs")
+        if isinstance(enc, (tuple, list)):  # the legacy tuple form: the last hidden state first
+            enc = enc[0] if enc else None
+        elif enc is not None:
+            enc = _field(enc, "last_hidden_state")
+        else:
+            enc = kwargs.get("encoder_hidden_states")
+        if isinstance(enc, torch.Tensor) and enc.dim() >= 2:
+            self.encoder_tokens = int(enc.shape[1])
+        inner = getattr(handed, "self_attention_cache", handed)  # an EncoderDecoderCache's decoder side
+        lengths = [getattr(layer, "max_cache_len", None) for layer in getattr(inner, "layers", None) or ()]
+        lengths = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool)]
+        if lengths:
+            self.max_cache_len = max(lengths)
+
+    def _note_moments(self, key: tuple[int, str, int], kept: list[Any]) -> None:
+        """The cache at the end of the call that just ended, and at the phase's peak if the call reached it:
+        how many of the storages the call put in the cache existed then (full mode sees them being made)."""
+        led = self.prof.ledger
+        tokens = (self.call_earlier, self.call_before, self.in_cache)
+        self.moments[(*key, "end")] = CacheMoment(*key, "end", *tokens)
+        peak = (*key, "peak")
+        if peak in self.moments and led.phase_peak_seq <= self.call_seq:
+            return  # a folded decode phase whose peak an earlier call reached
+        written, overlap = None, False
+        if self.prof.mode == "full":
+            made: dict[int, int] = {}
+            for obj in kept:
+                for t in _tensors(obj):
+                    entry = self.prof.storages.entry_of(t) if t.is_floating_point() else None
+                    if entry is not None and entry.cat == KV_CACHE and entry.phase_serial == led.phase_serial \
+                            and self.call_seq < entry.created <= led.phase_peak_seq:
+                        made[entry.key] = entry.created
+            written, overlap = len(made), led.phase_peak_seq in made.values()
+        self.moments[peak] = CacheMoment(*key, "peak", *tokens, written=written, overlap=overlap)
+
+    def _claim(self, obj: Any, *, named: bool, retro: bool = False) -> "tuple[bool, set[int] | None]":
         """Count the floating tensors under ``obj`` as the cache: those made inside the model (or already the
         cache), and with ``named`` any tensor there. Returns whether any was claimed, and the phase serials of
-        the calls that made those that come back (``None`` when none does)."""
+        the calls that made those that come back (``None`` when none does). With ``retro`` (claims as a call
+        runs or ends) what the running call made counts as the cache since it was made, at the phase's peak
+        too: transformers' caches keep a layer's new keys from the op that makes them (``torch.cat``), and the
+        peak can fall inside the layer, before memprof sees them there."""
         storages = self.prof.storages
         led = self.prof.ledger
         claimed = False
@@ -188,7 +268,7 @@ class CacheTracker:
                 # Made inside the model (or handed over under a cache's name), kept past the call.
                 if entry.module >= 0:
                     made_in = (made_in if made_in is not None else set()) | {entry.phase_serial}
-                led.move(entry, KV_CACHE)
+                led.move(entry, KV_CACHE, retro=retro)
                 claimed = True
                 self.itemsizes.add(t.element_size())
         return claimed, made_in
@@ -237,11 +317,11 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _new_tokens(args: tuple, kwargs: dict) -> "tuple[int, int | None]":
-    """Tokens (and batch) handed to a call: its ``input_ids`` or ``inputs_embeds``, else the second dimension
-    of its first tensor argument of two or more (batch, tokens, ...)."""
-    t = kwargs.get("input_ids")
-    if not isinstance(t, torch.Tensor):
-        t = kwargs.get("inputs_embeds")
+    """Tokens (and batch) handed to a call: its ``input_ids`` or ``inputs_embeds`` (an encoder-decoder's
+    ``decoder_`` ones first: the cache holds the decoder's tokens), else the second dimension of its first
+    tensor argument of two or more (batch, tokens, ...)."""
+    t = next((kwargs[k] for k in ("decoder_input_ids", "input_ids", "decoder_inputs_embeds", "inputs_embeds")
+              if isinstance(kwargs.get(k), torch.Tensor)), None)
     if not isinstance(t, torch.Tensor):
         t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() >= 2), None)
     if not isinstance(t, torch.Tensor) or t.dim() < 2:
