@@ -11,15 +11,17 @@ manager. While it is active, the collectors in :mod:`memprof.track` see:
 * steps and phases (:mod:`.track.phases`), and on accelerators the device's
   own counters (:mod:`.track.device`).
 
-Everything it installs sits on one ``ExitStack`` that unwinds on exit, also
-when the body raises; the exception propagates unchanged and the record up to
-the failure stays readable through :meth:`Profiler.report`. The record itself
-is built by :mod:`.track.record`.
+Everything it installs sits on one undo stack (:mod:`.track.undo`) that unwinds
+on exit, also when the body raises, and whatever any step of leaving raises (a
+second Ctrl-C, a user exception whose ``__str__`` fails): the exception
+propagates unchanged and the record up to the failure stays readable through
+:meth:`Profiler.report`. The record itself is built by :mod:`.track.record`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -49,6 +51,7 @@ from .track.record import build_trace, live_modules, live_storages
 from .track.saved import SavedTracker
 from .track.saved_hooks import pop_orphans
 from .track.storages import KEEPS_COMPILE, StorageTracker, pop_orphan_modes
+from .track.undo import Failure, Failures, UndoStack, attempt, describe, undo
 
 if TYPE_CHECKING:
     from .report import Report
@@ -158,7 +161,7 @@ class Profiler:
         self._trace: "Trace | None" = None
         self.probe = DeviceProbe(device)
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
-        self.stack: "contextlib.ExitStack | None" = None
+        self.stack: "UndoStack | None" = None
         self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)
         self.shards: "ShardTracker | None" = None  # FSDP2's parameters, when the model is sharded with it
         self.backward_waits = False  # something queues end-of-backward work that the backward phase must include
@@ -166,6 +169,8 @@ class Profiler:
         self.changes: list[str] = []  # how the model or its optimizers changed inside the block
         self.thread = 0
         self._setup_error: "str | None" = None
+        self._freeze_error: "str | None" = None
+        self._windows_closed = False
         self.error: "str | None" = None
         self.live_at_error: "Breakdown | None" = None
         self.live_modules_at_error: tuple[tuple[str, int], ...] = ()
@@ -185,7 +190,13 @@ class Profiler:
     def stop(self, error: "BaseException | None" = None) -> None:
         """End profiling: remove every hook and freeze the record (what leaving ``with prof:`` does).
         :meth:`report` is readable afterwards. ``error``: the exception that ended the run, recorded as
-        a ``with`` block records one (what was live, an OOM and its dump); it is not raised."""
+        a ``with`` block records one (what was live, an OOM and its dump); it is not raised, and nothing
+        else is either (what failed while closing is a warning and a note).
+
+        Called in another thread than the one that started the profile, it removes everything as well
+        and the record says so; then, as leaving the ``with`` block there does, a plain ``stop()``
+        raises :class:`ProfilerStateError` (profiles are per thread), while ``stop(error)`` does not
+        raise over the error it records."""
         if self._state != "active":
             raise ProfilerStateError(
                 "stop() was called on a profiler that is not running (" + self._state_words() + "); call "
@@ -217,7 +228,7 @@ class Profiler:
     def latest_step(self) -> "StepRecord | None":
         """The record of the last step that ended and was recorded (``None`` before the first), while the
         profiler runs or after: what callbacks log each step."""
-        if self._state == "new":
+        if self._state in ("new", "failed"):
             return None
         if self._trace is not None:
             return self._trace.steps[-1] if self._trace.steps else None
@@ -257,48 +268,116 @@ class Profiler:
         self._state = "active"
         self.active = True
         self.thread = thread
-        _ACTIVE_MODELS.add(model)
-        _ACTIVE_THREADS[thread] = 1
-        self.stack = contextlib.ExitStack()
         try:
+            # Inside the try: an interrupt right after a slot is taken must still free it.
+            _ACTIVE_MODELS.add(model)
+            _ACTIVE_THREADS[thread] = 1
+            self.stack = UndoStack()
             self._setup(model)
         except BaseException as exc:
             # The user's own error comes through unchanged (a lazy module, a hook that raises);
             # nothing memprof installed stays behind, and no partial record is made of it.
-            self._setup_error = f"{type(exc).__name__}: {exc}"
             self._state = "failed"
             self.active = False
-            self._teardown()
+            self._setup_error = type(exc).__name__
+            failures: Failures = []
+            self._close(failures, freeze=False)
+            attempt(failures, "describing the error", self._describe_setup_error, exc)
+            attempt([], "saying what failed", _warn, failures, "while its start was being undone")
             raise
         return self
 
+    def _describe_setup_error(self, exc: BaseException) -> None:
+        self._setup_error = describe(exc)
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Record ``exc``, remove everything, freeze the record; never swallows the body's exception.
+
+        Every step runs whatever the others raise (:mod:`.track.undo`). With ``exc`` (the body's
+        exception, or ``stop(error)``'s) nothing is raised: it propagates unchanged, and what failed
+        here is a warning and a note. Without one, once everything is removed: a ``KeyboardInterrupt``
+        that landed here is raised again, then an exception of ``on_trace_ready``, then the
+        ProfilerStateError of a profile ended in another thread; memprof's own failures are a warning
+        and a note, and the record stays readable.
+        """
         if self._state != "active":
             return None
-        if exc is not None:
-            self.error = f"{exc_type.__name__}: {exc}"
-            oom = is_oom(exc)
-            # At a CUDA OOM the allocator's observer took what was live at the failing allocation itself.
-            live = self.oom_dump.live if oom and self.oom_dump is not None and self.oom_dump.observed else None
-            live = live or self.live_now()
-            if live is not None:
-                self.live_at_error, self.live_modules_at_error, self.live_storages_at_error = live
-            if oom:
-                self.oom = (self.oom_dump.record(exc, self.device) if self.oom_dump is not None
-                            else oom_record(exc, self.device))
+        failures: Failures = []
         elsewhere = _get_ident() != self.thread
-        self._teardown()
+        if elsewhere:
+            self.notes.append(_ENDED_ELSEWHERE)
+        if exc is not None:
+            attempt(failures, "recording the error", self._record_error, exc, failures)
+        self._close(failures, freeze=True)
         if self.oom is not None and self.oom_dump is not None and self._trace is not None:
-            self.oom_dump_path = self.oom_dump.write(self._trace)
+            attempt(failures, "writing the OOM dump", self._write_oom_dump)
         elif self.oom_dump is not None:
-            self.oom_dump.discard()
-        if elsewhere and exc is None:
+            attempt(failures, "discarding the OOM snapshot", self.oom_dump.discard)
+        callback = [f.exc for f in failures if f.what == _CALLBACK and exc is None]
+        own = [f for f in failures if not (f.what == _CALLBACK and exc is None)]
+        said: Failures = []
+        attempt(said, "saying what failed", self._say, own, exc is not None)
+        if exc is not None:
+            return None  # nothing raises over the body's exception
+        interrupts = [f.exc for f in own + said if not isinstance(f.exc, Exception)]
+        if interrupts:
+            raise interrupts[0]  # the user's Ctrl-C, now that nothing of memprof's is left installed
+        if callback:
+            raise callback[0]  # the user's on_trace_ready: its exception as it raised it
+        if elsewhere:
             raise ProfilerStateError(
-                "this profile was ended in another thread than the one that started it; its hooks are removed "
-                "and prof.report() holds what was measured, but the starting thread keeps memprof's per-thread "
-                "hooks, inert, until a profile starts there again: end a profile in the thread that started it"
+                "this profile was ended in another thread than the one that started it; everything it "
+                "installed is removed (its dispatch mode stays inert in the starting thread until a profile starts there) "
+                "and prof.report() holds what was measured, but ops that thread ran meanwhile may be counted "
+                "in part: end a profile in the thread that started it"
             )
-        return None  # never swallow the body's exception
+        return None
+
+    def _record_error(self, exc: BaseException, failures: Failures) -> None:
+        """What the error left: its description, what was live, an OOM's record. Each part on its own; an
+        interrupt (a second Ctrl-C) skips the rest, which the notes then say."""
+        if not attempt(failures, "describing the error", self._describe_error, exc) and _interrupted(failures):
+            return
+        try:
+            oom = is_oom(exc)
+        except Exception:  # the exception's own __str__ raised: it cannot be told to be an OOM
+            oom = False
+        if not attempt(failures, "recording what was live at the error", self._record_live, oom) and _interrupted(
+                failures):
+            return
+        if oom:
+            attempt(failures, "recording the out-of-memory error", self._record_oom, exc)
+
+    def _describe_error(self, exc: BaseException) -> None:
+        self.error = type(exc).__name__  # what stays if describing is interrupted
+        self.error = describe(exc)
+
+    def _record_live(self, oom: bool) -> None:
+        # At a CUDA OOM the allocator's observer took what was live at the failing allocation itself.
+        live = self.oom_dump.live if oom and self.oom_dump is not None and self.oom_dump.observed else None
+        live = live or self.live_now()
+        if live is not None:
+            self.live_at_error, self.live_modules_at_error, self.live_storages_at_error = live
+
+    def _record_oom(self, exc: BaseException) -> None:
+        self.oom = (self.oom_dump.record(exc, self.device) if self.oom_dump is not None
+                    else oom_record(exc, self.device))
+
+    def _write_oom_dump(self) -> None:
+        assert self.oom_dump is not None
+        self.oom_dump_path = self.oom_dump.write(self._trace)
+
+    def _say(self, failures: Failures, raised: bool) -> None:
+        """What failed while the profile was closed: a note in the record (which lacks that part) and a
+        warning for memprof's own failures (an interrupt is only a note: the user asked for it, and it is
+        raised, or the body's exception is)."""
+        notes = [_failure_note(f) for f in failures if not f.done]
+        if notes:
+            self.notes.extend(notes)
+            if self._trace is not None:
+                notes = list(dict.fromkeys(self._trace.notes + tuple(notes)))
+                self._trace = dataclasses.replace(self._trace, notes=tuple(notes))
+        _warn([f for f in failures if raised or isinstance(f.exc, Exception)], "while the profile was closed")
 
     def live_now(self) -> "tuple[Breakdown, tuple[tuple[str, int], ...], tuple[tuple[int, int, str, str], ...]] | None":
         """What is live now, by category, by creating module, and storage by storage; None in a step a
@@ -351,6 +430,11 @@ class Profiler:
                     f"profiling never started: setting it up raised {self._setup_error}; fix that error "
                     "(it was raised to your code too) and profile again"
                 )
+            raise ProfilerStateError(
+                f"memprof could not build the record of this profile: {self._freeze_error or 'it was interrupted'} "
+                "(everything it installed was removed, and your code ran unchanged); profile again, and report "
+                "the error to memprof if it recurs"
+            )
         assert self._trace is not None
         return self._trace
 
@@ -379,7 +463,9 @@ class Profiler:
         self.kv = CacheTracker(self, model)
         self.rank = rank_info(model)
         self.shards = sharding(self, model)
-        stack.callback(self._close_thread_hooks)
+        # Two steps, so that a failure in one still runs the other.
+        stack.callback(self._close_saved_hooks)
+        stack.callback(self.modules.remove_hooks)
 
         params = [p for p in unique_params(model) if not is_lazy(p)]
         self.param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params}))
@@ -442,9 +528,8 @@ class Profiler:
             self.oom_dump.start()
             stack.callback(self.oom_dump.stop)
 
-    def _close_thread_hooks(self) -> None:
-        """Undo memprof's per-thread saved-tensor pushes and remove its tensor and node hooks."""
-        self.modules.remove_hooks()
+    def _close_saved_hooks(self) -> None:
+        """Undo memprof's per-thread saved-tensor pushes."""
         if not self.saved.hooks.close() and _get_ident() == self.thread:
             self.notes.append(
                 "saved_tensors_hooks entered inside the profile were still active when it ended (above "
@@ -476,29 +561,92 @@ class Profiler:
         """The first and last step of the recorded window that just ended (in ``on_trace_ready``)."""
         return self.windows.window if self.windows is not None else None
 
-    def _teardown(self) -> None:
-        stack, self.stack = self.stack, None
+    def _close(self, failures: Failures, *, freeze: bool) -> None:
+        """Tear down, once more if that was cut short (every part of it is safe to run again)."""
+        for _ in range(2):
+            try:
+                failures += self._teardown(freeze)
+                return
+            except BaseException as exc:  # between two of its guarded parts: a second Ctrl-C
+                failures.append(Failure("closing the profile", exc))
+
+    def _teardown(self, freeze: bool) -> Failures:
+        """Remove everything the profile installed, free its slots and (``freeze``) build its record;
+        each part runs whatever the others raise, and running it again finishes what an interrupt cut
+        short. What failed, in order (an exception of ``on_trace_ready`` as _CALLBACK)."""
+        failures: Failures = []
+        stack = self.stack
+        if stack is not None:
+            failures += stack.close()
+            self.stack = None
         self._model_hold = None
+        undo(failures, "freeing its slot", self._release)
+        self.active = False
+        if self._state != "failed":
+            self._state = "done"
+        if freeze and self._trace is None and self._freeze_error is None:
+            attempt(failures, "building the record", self._freeze)
+        undo(failures, "closing its ledger", self._close_ledger)
+        windows = self.windows
+        if freeze and windows is not None and not self._windows_closed:
+            self._windows_closed = True
+            # The last window, if on_trace_ready has not had it.
+            if not attempt(failures, "closing the last window", windows.window_ended):
+                if failures[-1].exc is windows.callback_error:
+                    failures[-1] = Failure(_CALLBACK, failures[-1].exc)
+        return failures
+
+    def _release(self) -> None:
+        """The model and the thread may be profiled again."""
         model = self._model_ref()
+        if model is not None:
+            _ACTIVE_MODELS.discard(model)
+        if self.thread:
+            _ACTIVE_THREADS.pop(self.thread, None)
+
+    def _freeze(self) -> None:
         try:
-            if stack is not None:
-                stack.close()
-        finally:
-            if model is not None:
-                _ACTIVE_MODELS.discard(model)
-            if self.thread:
-                _ACTIVE_THREADS.pop(self.thread, None)
-            if self._state == "active":
-                self._state = "done"
-                self.active = False
-                try:
-                    self._trace = build_trace(self)
-                finally:
-                    self.ledger.close()
-                    self.phases.samples = []
-                if self.windows is not None:
-                    self.windows.window_ended()  # the last window, if on_trace_ready has not had it
-            else:
-                if self._state != "failed":
-                    self._state = "done"
-                self.ledger.close()
+            self._trace = build_trace(self)
+        except BaseException as exc:
+            self._freeze_error = describe(exc)
+            raise
+
+    def _close_ledger(self) -> None:
+        self.ledger.close()
+        phases = getattr(self, "phases", None)
+        if phases is not None:
+            phases.samples = []
+
+
+_CALLBACK = "on_trace_ready"
+_ENDED_ELSEWHERE = (
+    "this profile was ended in another thread than the one that started it: ops the starting thread ran "
+    "while it was being closed may be counted in part")
+
+
+def _failure_note(failure: "Failure") -> str:
+    what, exc = failure.what, failure.exc
+    if what == _CALLBACK:
+        return f"on_trace_ready raised {describe(exc)} at the end of the profile, while an error was leaving it"
+    if not isinstance(exc, Exception):
+        return f"the profile's closing was interrupted ({type(exc).__name__}) while {what}: the record lacks that part"
+    return f"memprof failed while {what} ({describe(exc)}): the record lacks that part"
+
+
+def _interrupted(failures: Failures) -> bool:
+    """Was the last failure an interrupt (a second Ctrl-C), after which only undoing goes on?"""
+    return not isinstance(failures[-1].exc, Exception)
+
+
+def _warn(failures: Failures, when: str) -> None:
+    """One warning for what failed while a profile was closed (it never raises over the user's code)."""
+    if not failures:
+        return
+    import warnings
+
+    what = "; ".join(f"{f.what}: {describe(f.exc)}" for f in failures)
+    try:
+        warnings.warn(f"memprof: {len(failures)} step(s) failed {when} ({what}); everything it installed was "
+                      "removed", RuntimeWarning, stacklevel=4)
+    except Exception:  # warnings turned into errors: the user's code must still not see memprof's failure
+        pass

@@ -22,6 +22,7 @@ from ..categories import Phase
 from ..errors import InvalidArgumentError
 from ..specs import OptimizerSpec, ParamSpec, plain_config
 from .ledger import ACTIVATIONS, INPUTS, OPTIMIZER_STATES, TEMPORARIES
+from .undo import describe
 
 if TYPE_CHECKING:
     from ..profiler import Profiler
@@ -192,7 +193,8 @@ class OptimizerTracker:
             try:
                 out.append(optimizer_spec(opt))
             except Exception as exc:  # an unusual optimizer must never break the measurement
-                self.prof.notes.append(f"could not record {type(opt).__name__} for its formula: {exc!r}")
+                # describe(): the exception's own __str__ may fail too, and this runs while the profile closes.
+                self.prof.notes.append(f"could not record {type(opt).__name__} for its formula: {describe(exc)}")
         return tuple(out)
 
 

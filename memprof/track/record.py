@@ -92,6 +92,7 @@ def build_trace(prof: "Profiler") -> Trace:
     peak_module = None
     if not light and 0 <= led.peak_module < len(prof.modules.info):
         peak_module = prof.modules.info[led.peak_module].path or "<model>"
+    optimizers = prof.optimizers.specs()  # before the notes are read: it notes an optimizer it cannot record
     notes = list(prof.notes) + prof.probe.notes() + coverage_notes(prof)
     if prof.phases.merged_decodes:
         from .phases import MAX_DECODE_PHASES
@@ -146,7 +147,7 @@ def build_trace(prof: "Profiler") -> Trace:
             OperationRecord(phase, cls, op, *vals) for (phase, cls, op), vals in sorted(operations.rows.items())
         ) if operations is not None else None,
         module_calls=tuple(call for _index, call in prof.modules.module_calls),
-        optimizers=prof.optimizers.specs(),
+        optimizers=optimizers,
         num_steps=prof.phases.retention.steps_run,
         phase_stats=prof.phases.retention.phase_stats(),
         schedule=prof.schedule.describe() if prof.schedule is not None else None,

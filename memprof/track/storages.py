@@ -126,15 +126,19 @@ class StorageTracker:
         self.mode = mode
 
     def uninstall(self, thread: int) -> None:
-        mode, self.mode = self.mode, None
+        """Take the mode off ``thread``'s stack, or leave it there inert. Safe to run again when cut short
+        (the mode is forgotten only once it is out or listed as an orphan)."""
+        mode = self.mode
         if mode is None:
             return
         mode.tracker = None  # inert from now on, wherever it still sits
-        if threading.get_ident() == thread and pop_from_beneath(mode):
-            return  # taken out, also from beneath modes the user entered inside the block and left open
-        # Another thread's stack, or beneath a mode torch keeps apart (fake, proxy): popped when it is on
-        # top, at the next profile in that thread.
-        _ORPHAN_MODES.append((thread, mode))
+        # Taken out, also from beneath modes the user entered inside the block and left open. Otherwise (another
+        # thread's stack, or beneath a mode torch keeps apart: fake, proxy) it is popped when it is on top, at
+        # the next profile in that thread.
+        if not (threading.get_ident() == thread and pop_from_beneath(mode)):
+            if (thread, mode) not in _ORPHAN_MODES:
+                _ORPHAN_MODES.append((thread, mode))
+        self.mode = None
 
     def on_op(self, func: Any, args: Any, kwargs: Any) -> Any:
         # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can.
