@@ -327,7 +327,7 @@ class Profiler:
         if elsewhere:
             raise ProfilerStateError(
                 "this profile was ended in another thread than the one that started it; everything it "
-                "installed is removed (its dispatch mode stays inert in the starting thread until a profile starts there) "
+                "installed is removed (its dispatch mode leaves the starting thread at that thread's next op) "
                 "and prof.report() holds what was measured, but ops that thread ran meanwhile may be counted "
                 "in part: end a profile in the thread that started it"
             )

@@ -185,6 +185,7 @@ class ModuleTracker:
                 # The model runs in a thread other than the one that started the profile, where
                 # memprof's dispatch mode and saved-tensor hooks are not installed (both are per thread).
                 self.foreign_threads.add(_get_ident())
+                self.info[index].calls += 1  # the call is seen, what it does is not
                 return None
             phases = prof.phases
             info = self.info[index]
