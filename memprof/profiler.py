@@ -517,9 +517,13 @@ class Profiler:
         else:
             self.probe.start_light()
             self.notes.extend(self.probe.light_notes())
+            # Light mode has no dispatch mode: code outside the model's modules runs unseen.
             self.notes.append(
-                "light mode: what autograd saves outside the model's modules (the loss function's tensors) is "
-                "not seen as activations; on an accelerator it is among temporaries (full mode finds it)")
+                "light mode sees no op outside the model's modules: what autograd saves there (the loss "
+                "function's tensors) is not counted as activations, nor as inputs the tensors made before the "
+                "profile that only code there uses (targets handed to the loss function, a metric accumulator "
+                "such as acc += loss.detach()); on an accelerator both are among temporaries (full mode counts "
+                "them)")
         self.phases.sample("start", "start")
         if self.schedule is not None:
             self.windows = Windows(self, self.schedule, self._on_trace_ready)
