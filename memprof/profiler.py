@@ -11,17 +11,17 @@ manager. While it is active, the collectors in :mod:`memprof.track` see:
 * steps and phases (:mod:`.track.phases`), and on accelerators the device's
   own counters (:mod:`.track.device`).
 
-Everything it installs sits on one undo stack (:mod:`.track.undo`) that unwinds
-on exit, also when the body raises, and whatever any step of leaving raises (a
-second Ctrl-C, a user exception whose ``__str__`` fails): the exception
-propagates unchanged and the record up to the failure stays readable through
-:meth:`Profiler.report`. The record itself is built by :mod:`.track.record`.
+Everything it installs sits on one undo stack (:mod:`.track.undo`) that
+:mod:`.track.closing` unwinds on exit, also when the body raises, and whatever
+any step of leaving raises (a second Ctrl-C, a user exception whose
+``__str__`` fails): the exception propagates unchanged and the record up to
+the failure stays readable through :meth:`Profiler.report`. The record itself
+is built by :mod:`.track.record`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 import threading
@@ -40,7 +40,7 @@ from .track.ranks import rank_info
 from .track.shards import ShardTracker, sharding
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
 from .arguments import checked
-from .track.oom import OomDump, checked_folder, is_oom, oom_record
+from .track.oom import OomDump, checked_folder
 from .track.modules import ModuleTracker, attribute_tensors, unique_params
 from .track.operations import OperationLog
 from .track.optimizer import OptimizerTracker
@@ -51,7 +51,8 @@ from .track.record import build_trace, live_modules, live_storages
 from .track.saved import SavedTracker
 from .track.saved_hooks import pop_orphans
 from .track.storages import KEEPS_COMPILE, StorageTracker, pop_orphan_modes
-from .track.undo import Failure, Failures, UndoStack, attempt, describe, undo
+from .track.closing import Closing
+from .track.undo import UndoStack
 
 if TYPE_CHECKING:
     from .report import Report
@@ -280,104 +281,17 @@ class Profiler:
             self._state = "failed"
             self.active = False
             self._setup_error = type(exc).__name__
-            failures: Failures = []
-            self._close(failures, freeze=False)
-            attempt(failures, "describing the error", self._describe_setup_error, exc)
-            attempt([], "saying what failed", _warn, failures, "while its start was being undone")
+            Closing(self).abandon_start(exc)
             raise
         return self
 
-    def _describe_setup_error(self, exc: BaseException) -> None:
-        self._setup_error = describe(exc)
-
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """Record ``exc``, remove everything, freeze the record; never swallows the body's exception.
-
-        Every step runs whatever the others raise (:mod:`.track.undo`). With ``exc`` (the body's
-        exception, or ``stop(error)``'s) nothing is raised: it propagates unchanged, and what failed
-        here is a warning and a note. Without one, once everything is removed: a ``KeyboardInterrupt``
-        that landed here is raised again, then an exception of ``on_trace_ready``, then the
-        ProfilerStateError of a profile ended in another thread; memprof's own failures are a warning
-        and a note, and the record stays readable.
-        """
+        """Record ``exc``, remove everything, freeze the record (:mod:`.track.closing` says what it raises:
+        never over ``exc``, the body's exception, which propagates unchanged)."""
         if self._state != "active":
             return None
-        failures: Failures = []
-        elsewhere = _get_ident() != self.thread
-        if elsewhere:
-            self.notes.append(_ENDED_ELSEWHERE)
-        if exc is not None:
-            attempt(failures, "recording the error", self._record_error, exc, failures)
-        self._close(failures, freeze=True)
-        if self.oom is not None and self.oom_dump is not None and self._trace is not None:
-            attempt(failures, "writing the OOM dump", self._write_oom_dump)
-        elif self.oom_dump is not None:
-            attempt(failures, "discarding the OOM snapshot", self.oom_dump.discard)
-        callback = [f.exc for f in failures if f.what == _CALLBACK and exc is None]
-        own = [f for f in failures if not (f.what == _CALLBACK and exc is None)]
-        said: Failures = []
-        attempt(said, "saying what failed", self._say, own, exc is not None)
-        if exc is not None:
-            return None  # nothing raises over the body's exception
-        interrupts = [f.exc for f in own + said if not isinstance(f.exc, Exception)]
-        if interrupts:
-            raise interrupts[0]  # the user's Ctrl-C, now that nothing of memprof's is left installed
-        if callback:
-            raise callback[0]  # the user's on_trace_ready: its exception as it raised it
-        if elsewhere:
-            raise ProfilerStateError(
-                "this profile was ended in another thread than the one that started it; everything it "
-                "installed is removed (its dispatch mode leaves the starting thread at that thread's next op) "
-                "and prof.report() holds what was measured, but ops that thread ran meanwhile may be counted "
-                "in part: end a profile in the thread that started it"
-            )
+        Closing(self).leave(exc, elsewhere=_get_ident() != self.thread)
         return None
-
-    def _record_error(self, exc: BaseException, failures: Failures) -> None:
-        """What the error left: its description, what was live, an OOM's record. Each part on its own; an
-        interrupt (a second Ctrl-C) skips the rest, which the notes then say."""
-        if not attempt(failures, "describing the error", self._describe_error, exc) and _interrupted(failures):
-            return
-        try:
-            oom = is_oom(exc)
-        except Exception:  # the exception's own __str__ raised: it cannot be told to be an OOM
-            oom = False
-        if not attempt(failures, "recording what was live at the error", self._record_live, oom) and _interrupted(
-                failures):
-            return
-        if oom:
-            attempt(failures, "recording the out-of-memory error", self._record_oom, exc)
-
-    def _describe_error(self, exc: BaseException) -> None:
-        self.error = type(exc).__name__  # what stays if describing is interrupted
-        self.error = describe(exc)
-
-    def _record_live(self, oom: bool) -> None:
-        # At a CUDA OOM the allocator's observer took what was live at the failing allocation itself.
-        live = self.oom_dump.live if oom and self.oom_dump is not None and self.oom_dump.observed else None
-        live = live or self.live_now()
-        if live is not None:
-            self.live_at_error, self.live_modules_at_error, self.live_storages_at_error = live
-
-    def _record_oom(self, exc: BaseException) -> None:
-        self.oom = (self.oom_dump.record(exc, self.device) if self.oom_dump is not None
-                    else oom_record(exc, self.device))
-
-    def _write_oom_dump(self) -> None:
-        assert self.oom_dump is not None
-        self.oom_dump_path = self.oom_dump.write(self._trace)
-
-    def _say(self, failures: Failures, raised: bool) -> None:
-        """What failed while the profile was closed: a note in the record (which lacks that part) and a
-        warning for memprof's own failures (an interrupt is only a note: the user asked for it, and it is
-        raised, or the body's exception is)."""
-        notes = [_failure_note(f) for f in failures if not f.done]
-        if notes:
-            self.notes.extend(notes)
-            if self._trace is not None:
-                notes = list(dict.fromkeys(self._trace.notes + tuple(notes)))
-                self._trace = dataclasses.replace(self._trace, notes=tuple(notes))
-        _warn([f for f in failures if raised or isinstance(f.exc, Exception)], "while the profile was closed")
 
     def live_now(self) -> "tuple[Breakdown, tuple[tuple[str, int], ...], tuple[tuple[int, int, str, str], ...]] | None":
         """What is live now, by category, by creating module, and storage by storage; None in a step a
@@ -565,41 +479,6 @@ class Profiler:
         """The first and last step of the recorded window that just ended (in ``on_trace_ready``)."""
         return self.windows.window if self.windows is not None else None
 
-    def _close(self, failures: Failures, *, freeze: bool) -> None:
-        """Tear down, once more if that was cut short (every part of it is safe to run again)."""
-        for _ in range(2):
-            try:
-                failures += self._teardown(freeze)
-                return
-            except BaseException as exc:  # between two of its guarded parts: a second Ctrl-C
-                failures.append(Failure("closing the profile", exc))
-
-    def _teardown(self, freeze: bool) -> Failures:
-        """Remove everything the profile installed, free its slots and (``freeze``) build its record;
-        each part runs whatever the others raise, and running it again finishes what an interrupt cut
-        short. What failed, in order (an exception of ``on_trace_ready`` as _CALLBACK)."""
-        failures: Failures = []
-        stack = self.stack
-        if stack is not None:
-            failures += stack.close()
-            self.stack = None
-        self._model_hold = None
-        undo(failures, "freeing its slot", self._release)
-        self.active = False
-        if self._state != "failed":
-            self._state = "done"
-        if freeze and self._trace is None and self._freeze_error is None:
-            attempt(failures, "building the record", self._freeze)
-        undo(failures, "closing its ledger", self._close_ledger)
-        windows = self.windows
-        if freeze and windows is not None and not self._windows_closed:
-            self._windows_closed = True
-            # The last window, if on_trace_ready has not had it.
-            if not attempt(failures, "closing the last window", windows.window_ended):
-                if failures[-1].exc is windows.callback_error:
-                    failures[-1] = Failure(_CALLBACK, failures[-1].exc)
-        return failures
-
     def _release(self) -> None:
         """The model and the thread may be profiled again."""
         model = self._model_ref()
@@ -607,50 +486,3 @@ class Profiler:
             _ACTIVE_MODELS.discard(model)
         if self.thread:
             _ACTIVE_THREADS.pop(self.thread, None)
-
-    def _freeze(self) -> None:
-        try:
-            self._trace = build_trace(self)
-        except BaseException as exc:
-            self._freeze_error = describe(exc)
-            raise
-
-    def _close_ledger(self) -> None:
-        self.ledger.close()
-        phases = getattr(self, "phases", None)
-        if phases is not None:
-            phases.samples = []
-
-
-_CALLBACK = "on_trace_ready"
-_ENDED_ELSEWHERE = (
-    "this profile was ended in another thread than the one that started it: ops the starting thread ran "
-    "while it was being closed may be counted in part")
-
-
-def _failure_note(failure: "Failure") -> str:
-    what, exc = failure.what, failure.exc
-    if what == _CALLBACK:
-        return f"on_trace_ready raised {describe(exc)} at the end of the profile, while an error was leaving it"
-    if not isinstance(exc, Exception):
-        return f"the profile's closing was interrupted ({type(exc).__name__}) while {what}: the record lacks that part"
-    return f"memprof failed while {what} ({describe(exc)}): the record lacks that part"
-
-
-def _interrupted(failures: Failures) -> bool:
-    """Was the last failure an interrupt (a second Ctrl-C), after which only undoing goes on?"""
-    return not isinstance(failures[-1].exc, Exception)
-
-
-def _warn(failures: Failures, when: str) -> None:
-    """One warning for what failed while a profile was closed (it never raises over the user's code)."""
-    if not failures:
-        return
-    import warnings
-
-    what = "; ".join(f"{f.what}: {describe(f.exc)}" for f in failures)
-    try:
-        warnings.warn(f"memprof: {len(failures)} step(s) failed {when} ({what}); everything it installed was "
-                      "removed", RuntimeWarning, stacklevel=4)
-    except Exception:  # warnings turned into errors: the user's code must still not see memprof's failure
-        pass

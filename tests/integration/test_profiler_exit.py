@@ -25,7 +25,9 @@ from memprof import Category as C
 from memprof import profiler as profiler_mod
 from memprof.errors import ProfilerStateError
 from memprof.profiler import Profiler
+from memprof.track import closing as closing_mod
 from memprof.track import storages as storages_mod
+from memprof.track.closing import Closing
 from memprof.track.device import DeviceProbe
 from memprof.track.ledger import Ledger
 from memprof.track.modules import ModuleTracker
@@ -71,17 +73,15 @@ ENTER_STEPS = [
 UNDO_STEPS = [
     (RemovableHandle, "remove"), (ModuleTracker, "remove_hooks"), (Profiler, "_close_saved_hooks"),
     (SavedHooks, "close"), (StorageTracker, "uninstall"), (storages_mod, "pop_from_beneath"), (OomDump, "stop"),
-    (UndoStack, "close"), (Profiler, "_teardown"), (Profiler, "_release"), (Ledger, "close"),
-    (Profiler, "_close_ledger"),
+    (UndoStack, "close"), (Closing, "teardown"), (Profiler, "_release"), (Ledger, "close"), (Closing, "close_ledger"),
 ]
 # Steps that record: made to raise once, and also every time.
 RECORD_STEPS = [
-    (profiler_mod, "describe"), (profiler_mod, "is_oom"), (profiler_mod, "build_trace"),
-    (profiler_mod, "live_modules"), (profiler_mod, "live_storages"), (Profiler, "live_now"),
-    (Profiler, "_record_error"), (Profiler, "_describe_error"), (Profiler, "_record_live"),
-    (Profiler, "_record_oom"), (Profiler, "_freeze"), (Profiler, "_say"), (Profiler, "_write_oom_dump"),
-    (profiler_mod, "_warn"), (OomDump, "record"), (OomDump, "write"), (OomDump, "discard"),
-    (Windows, "window_ended"),
+    (closing_mod, "describe"), (closing_mod, "is_oom"), (closing_mod, "build_trace"), (profiler_mod, "live_modules"),
+    (profiler_mod, "live_storages"), (Profiler, "live_now"), (Closing, "record_error"), (Closing, "describe_error"),
+    (Closing, "record_live"), (Closing, "record_oom"), (Closing, "freeze"), (Closing, "say"),
+    (Closing, "write_oom_dump"), (closing_mod, "warn"), (OomDump, "record"), (OomDump, "write"),
+    (OomDump, "discard"), (Windows, "window_ended"),
 ]
 
 
@@ -214,8 +214,8 @@ def _variants(step, phase):
 
 
 # Light mode starts and ends differently in these (no dispatch mode, the allocator's counters).
-LIGHT_TOO = {(DeviceProbe, "start_light"), (Profiler, "_setup"), (Profiler, "_teardown"), (UndoStack, "close"),
-             (profiler_mod, "build_trace"), (Profiler, "live_now"), (ModuleTracker, "remove_hooks")}
+LIGHT_TOO = {(DeviceProbe, "start_light"), (Profiler, "_setup"), (Closing, "teardown"), (UndoStack, "close"),
+             (closing_mod, "build_trace"), (Profiler, "live_now"), (ModuleTracker, "remove_hooks")}
 CASES = [("full", "enter", s) for s in ENTER_STEPS] + [("full", "exit", s) for s in UNDO_STEPS + RECORD_STEPS]
 CASES += [("light", phase, s) for _m, phase, s in CASES if s in LIGHT_TOO]
 
@@ -326,7 +326,7 @@ def test_a_saved_tensor_pack_whose_name_cannot_be_read_still_trains():
 
 def test_a_failure_of_memprof_at_exit_is_a_warning_and_a_note_and_the_record_stays(monkeypatch):
     model, x = MLP(), torch.randn(4, 32)
-    fired = _patch(monkeypatch, profiler_mod, "live_storages", Injected, 1)
+    fired = _patch(monkeypatch, profiler_mod, "live_storages", Injected, 1)  # read by live_now
     err = ValueError("the user's")
     with pytest.warns(RuntimeWarning, match="recording what was live at the error"):
         with pytest.raises(ValueError) as info:
@@ -340,7 +340,7 @@ def test_a_failure_of_memprof_at_exit_is_a_warning_and_a_note_and_the_record_sta
 
 def test_a_failure_to_build_the_record_says_so_when_it_is_read(monkeypatch):
     model, x = MLP(), torch.randn(4, 32)
-    _patch(monkeypatch, profiler_mod, "build_trace", Injected, 1)
+    _patch(monkeypatch, closing_mod, "build_trace", Injected, 1)
     with pytest.warns(RuntimeWarning, match="building the record"):
         with memprof.profile(model) as prof:
             model(x).sum().backward()
@@ -383,3 +383,36 @@ def test_an_interrupt_while_closing_is_raised_after_everything_is_removed(monkey
     model.zero_grad(set_to_none=True)
     assert hook_registry(model, tensors=[x]) == before
     assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+
+
+@pytest.mark.parametrize("step", UNDO_STEPS + RECORD_STEPS, ids=lambda s: f"{getattr(s[0], '__name__', s[0])}.{s[1]}")
+def test_stop_closes_as_leaving_the_block_does_when_a_step_is_interrupted(monkeypatch, tmp_path, step):
+    """prof.stop(error) records the error and raises nothing; a plain prof.stop() raises the interrupt, once
+    everything is removed. Either way nothing stays installed and the thread can profile again."""
+    fired = 0
+    for error in (None, UsersOom("the user's")):
+        model, opt, x, y, prof = _world("full", tmp_path)
+        before = hook_registry(model, [opt], [x, y])
+        armed = _arm_at_exit(monkeypatch)
+        # Patched before the start: the undo stack holds the methods it was given then.
+        count = _patch(monkeypatch, *step, KeyboardInterrupt, 1, armed)
+        raised = None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # what failed is a warning where nothing is raised
+                prof.start()
+                _train(model, opt, x, y)
+                prof.stop(error)
+        except BaseException as exc:
+            raised = exc
+        finally:
+            monkeypatch.undo()
+        fired += count[0]
+        if error is None and count[0]:
+            assert isinstance(raised, KeyboardInterrupt), (step, raised)
+        else:
+            assert raised is None, (step, raised)
+        assert hook_registry(model, [opt], [x, y]) == before, step
+        with memprof.profile(model, opt):
+            pass
+    assert fired > 0, f"{step} never ran: this case tests nothing"
