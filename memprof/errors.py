@@ -6,6 +6,7 @@ problem and the fix, so a user never has to read a traceback from inside torch.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 __all__ = [
@@ -126,3 +127,30 @@ def renamed_argument(new: str, new_value: Any, old: str, old_value: Any, where: 
                                    "deprecated name)")
     warn_renamed(f"{where}({old}=...)", f"{where}({new}=...)", stacklevel=stacklevel)
     return old_value
+
+
+_MAX_TEXT = 4000
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def error_text(exc: BaseException, *, first_line: bool = False) -> str:
+    """``"TypeName: message"`` for a record, whatever the exception: its ``__str__`` may raise or return a
+    non-string (then the text says so), the message may be megabytes long (cut to 4,000 characters)
+    or hold lone surrogates, which no UTF-8 file can hold (each becomes U+FFFD). ``first_line``: the
+    message's first non-blank line only, the type's name when it has none."""
+    text = _str(exc).strip()
+    if first_line:
+        text = text.splitlines()[0].strip() if text else type(exc).__name__
+    if len(text) > _MAX_TEXT:
+        text = f"{text[:_MAX_TEXT]}... ({len(text) - _MAX_TEXT:,} more characters)"
+    return _SURROGATE.sub("\ufffd", f"{type(exc).__name__}: {text}")
+
+
+def _str(exc: BaseException) -> str:
+    # An exception whose __str__ fails must not turn into a second exception in the profile's exit,
+    # which would replace the user's own.
+    try:
+        text = str(exc)
+    except Exception as failure:
+        return f"<its message could not be read: str() raised {type(failure).__name__}>"
+    return text if type(text) is str else str.__str__(text)

@@ -11,8 +11,10 @@ manager. While it is active, the collectors in :mod:`memprof.track` see:
 * steps and phases (:mod:`.track.phases`), and on accelerators the device's
   own counters (:mod:`.track.device`).
 
-Everything it installs sits on one ``ExitStack`` that unwinds on exit, also
-when the body raises; the exception propagates unchanged and the record up to
+Everything it installs sits on one undo stack (:mod:`.track.undo`) that
+:mod:`.track.closing` unwinds on exit, also when the body raises, and whatever
+any step of leaving raises (a second Ctrl-C, a user exception whose
+``__str__`` fails): the exception propagates unchanged and the record up to
 the failure stays readable through :meth:`Profiler.report`. The record itself
 is built by :mod:`.track.record`.
 """
@@ -38,7 +40,7 @@ from .track.ranks import rank_info
 from .track.shards import ShardTracker, sharding
 from .track.ledger import BUFFERS, WEIGHTS, Ledger, breakdown
 from .arguments import checked
-from .track.oom import OomDump, checked_folder, error_text, is_oom, oom_record
+from .track.oom import OomDump, checked_folder
 from .track.modules import ModuleTracker, attribute_tensors, unique_params
 from .track.operations import OperationLog
 from .track.optimizer import OptimizerTracker
@@ -49,6 +51,8 @@ from .track.record import build_trace, live_modules, live_storages
 from .track.saved import SavedTracker
 from .track.saved_hooks import pop_orphans
 from .track.storages import KEEPS_COMPILE, StorageTracker, pop_orphan_modes
+from .track.closing import Closing
+from .track.undo import UndoStack
 
 if TYPE_CHECKING:
     from .report import Report
@@ -158,7 +162,7 @@ class Profiler:
         self._trace: "Trace | None" = None
         self.probe = DeviceProbe(device)
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
-        self.stack: "contextlib.ExitStack | None" = None
+        self.stack: "UndoStack | None" = None
         self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)
         self.shards: "ShardTracker | None" = None  # FSDP2's parameters, when the model is sharded with it
         self.backward_waits = False  # something queues end-of-backward work that the backward phase must include
@@ -166,6 +170,8 @@ class Profiler:
         self.changes: list[str] = []  # how the model or its optimizers changed inside the block
         self.thread = 0
         self._setup_error: "str | None" = None
+        self._freeze_error: "str | None" = None
+        self._windows_closed = False
         self.error: "str | None" = None
         self.live_at_error: "Breakdown | None" = None
         self.live_modules_at_error: tuple[tuple[str, int], ...] = ()
@@ -185,7 +191,13 @@ class Profiler:
     def stop(self, error: "BaseException | None" = None) -> None:
         """End profiling: remove every hook and freeze the record (what leaving ``with prof:`` does).
         :meth:`report` is readable afterwards. ``error``: the exception that ended the run, recorded as
-        a ``with`` block records one (what was live, an OOM and its dump); it is not raised."""
+        a ``with`` block records one (what was live, an OOM and its dump); it is not raised, and nothing
+        else is either (what failed while closing is a warning and a note).
+
+        Called in another thread than the one that started the profile, it removes everything as well
+        and the record says so; then, as leaving the ``with`` block there does, a plain ``stop()``
+        raises :class:`ProfilerStateError` (profiles are per thread), while ``stop(error)`` does not
+        raise over the error it records."""
         if self._state != "active":
             raise ProfilerStateError(
                 "stop() was called on a profiler that is not running (" + self._state_words() + "); call "
@@ -217,7 +229,7 @@ class Profiler:
     def latest_step(self) -> "StepRecord | None":
         """The record of the last step that ended and was recorded (``None`` before the first), while the
         profiler runs or after: what callbacks log each step."""
-        if self._state == "new":
+        if self._state in ("new", "failed"):
             return None
         if self._trace is not None:
             return self._trace.steps[-1] if self._trace.steps else None
@@ -257,48 +269,29 @@ class Profiler:
         self._state = "active"
         self.active = True
         self.thread = thread
-        _ACTIVE_MODELS.add(model)
-        _ACTIVE_THREADS[thread] = 1
-        self.stack = contextlib.ExitStack()
         try:
+            # Inside the try: an interrupt right after a slot is taken must still free it.
+            _ACTIVE_MODELS.add(model)
+            _ACTIVE_THREADS[thread] = 1
+            self.stack = UndoStack()
             self._setup(model)
         except BaseException as exc:
             # The user's own error comes through unchanged (a lazy module, a hook that raises);
             # nothing memprof installed stays behind, and no partial record is made of it.
-            self._setup_error = error_text(exc)
             self._state = "failed"
             self.active = False
-            self._teardown()
+            self._setup_error = type(exc).__name__
+            Closing(self).abandon_start(exc)
             raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Record ``exc``, remove everything, freeze the record (:mod:`.track.closing` says what it raises:
+        never over ``exc``, the body's exception, which propagates unchanged)."""
         if self._state != "active":
             return None
-        if exc is not None:
-            self.error = error_text(exc)
-            oom = is_oom(exc)
-            # At a CUDA OOM the allocator's observer took what was live at the failing allocation itself.
-            live = self.oom_dump.live if oom and self.oom_dump is not None and self.oom_dump.observed else None
-            live = live or self.live_now()
-            if live is not None:
-                self.live_at_error, self.live_modules_at_error, self.live_storages_at_error = live
-            if oom:
-                self.oom = (self.oom_dump.record(exc, self.device) if self.oom_dump is not None
-                            else oom_record(exc, self.device))
-        elsewhere = _get_ident() != self.thread
-        self._teardown()
-        if self.oom is not None and self.oom_dump is not None and self._trace is not None:
-            self.oom_dump_path = self.oom_dump.write(self._trace)
-        elif self.oom_dump is not None:
-            self.oom_dump.discard()
-        if elsewhere and exc is None:
-            raise ProfilerStateError(
-                "this profile was ended in another thread than the one that started it; its hooks are removed "
-                "and prof.report() holds what was measured, but the starting thread keeps memprof's per-thread "
-                "hooks, inert, until a profile starts there again: end a profile in the thread that started it"
-            )
-        return None  # never swallow the body's exception
+        Closing(self).leave(exc, elsewhere=_get_ident() != self.thread)
+        return None
 
     def live_now(self) -> "tuple[Breakdown, tuple[tuple[str, int], ...], tuple[tuple[int, int, str, str], ...]] | None":
         """What is live now, by category, by creating module, and storage by storage; None in a step a
@@ -351,6 +344,11 @@ class Profiler:
                     f"profiling never started: setting it up raised {self._setup_error}; fix that error "
                     "(it was raised to your code too) and profile again"
                 )
+            raise ProfilerStateError(
+                f"memprof could not build the record of this profile: {self._freeze_error or 'it was interrupted'} "
+                "(everything it installed was removed, and your code ran unchanged); profile again, and report "
+                "the error to memprof if it recurs"
+            )
         assert self._trace is not None
         return self._trace
 
@@ -379,7 +377,9 @@ class Profiler:
         self.kv = CacheTracker(self, model)
         self.rank = rank_info(model)
         self.shards = sharding(self, model)
-        stack.callback(self._close_thread_hooks)
+        # Two steps, so that a failure in one still runs the other.
+        stack.callback(self._close_saved_hooks)
+        stack.callback(self.modules.remove_hooks)
 
         params = [p for p in unique_params(model) if not is_lazy(p)]
         self.param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params}))
@@ -431,9 +431,13 @@ class Profiler:
         else:
             self.probe.start_light()
             self.notes.extend(self.probe.light_notes())
+            # Light mode has no dispatch mode: code outside the model's modules runs unseen.
             self.notes.append(
-                "light mode: what autograd saves outside the model's modules (the loss function's tensors) is "
-                "not seen as activations; on an accelerator it is among temporaries (full mode finds it)")
+                "light mode sees no op outside the model's modules: what autograd saves there (the loss "
+                "function's tensors) is not counted as activations, nor as inputs the tensors made before the "
+                "profile that only code there uses (targets handed to the loss function, a metric accumulator "
+                "such as acc += loss.detach()); on an accelerator both are among temporaries (full mode counts "
+                "them)")
         self.phases.sample("start", "start")
         if self.schedule is not None:
             self.windows = Windows(self, self.schedule, self._on_trace_ready)
@@ -442,9 +446,8 @@ class Profiler:
             self.oom_dump.start()
             stack.callback(self.oom_dump.stop)
 
-    def _close_thread_hooks(self) -> None:
-        """Undo memprof's per-thread saved-tensor pushes and remove its tensor and node hooks."""
-        self.modules.remove_hooks()
+    def _close_saved_hooks(self) -> None:
+        """Undo memprof's per-thread saved-tensor pushes."""
         if not self.saved.hooks.close() and _get_ident() == self.thread:
             self.notes.append(
                 "saved_tensors_hooks entered inside the profile were still active when it ended (above "
@@ -476,29 +479,10 @@ class Profiler:
         """The first and last step of the recorded window that just ended (in ``on_trace_ready``)."""
         return self.windows.window if self.windows is not None else None
 
-    def _teardown(self) -> None:
-        stack, self.stack = self.stack, None
-        self._model_hold = None
+    def _release(self) -> None:
+        """The model and the thread may be profiled again."""
         model = self._model_ref()
-        try:
-            if stack is not None:
-                stack.close()
-        finally:
-            if model is not None:
-                _ACTIVE_MODELS.discard(model)
-            if self.thread:
-                _ACTIVE_THREADS.pop(self.thread, None)
-            if self._state == "active":
-                self._state = "done"
-                self.active = False
-                try:
-                    self._trace = build_trace(self)
-                finally:
-                    self.ledger.close()
-                    self.phases.samples = []
-                if self.windows is not None:
-                    self.windows.window_ended()  # the last window, if on_trace_ready has not had it
-            else:
-                if self._state != "failed":
-                    self._state = "done"
-                self.ledger.close()
+        if model is not None:
+            _ACTIVE_MODELS.discard(model)
+        if self.thread:
+            _ACTIVE_THREADS.pop(self.thread, None)

@@ -182,9 +182,9 @@ class ModuleTracker:
                 # enter the graph: the compiled call is then measured from outside, as compiled code.
                 return None
             if _get_ident() != prof.thread and _graph_task_id() == -1:
-                # The model runs in a thread other than the one that started the profile, where
-                # memprof's dispatch mode and saved-tensor hooks are not installed (both are per thread).
+                # Another thread, without memprof's per-thread hooks: the call is seen, what it does is not.
                 self.foreign_threads.add(_get_ident())
+                self.info[index].calls += 1
                 return None
             phases = prof.phases
             info = self.info[index]

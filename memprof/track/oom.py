@@ -27,7 +27,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, error_text
 from ..trace import OomRecord
 
 if TYPE_CHECKING:
@@ -41,8 +41,6 @@ __all__ = ["OomDump", "is_oom", "checked_folder", "oom_record", "error_text"]
 _CPU_REQUEST = re.compile(r"tried to allocate ([0-9]{1,20}) bytes")
 _MAX_REQUEST = 2**64  # the most bytes a trace may hold (memprof.checks)
 # Longest exception text a record keeps: a message of megabytes would be most of the dump.
-_MAX_TEXT = 4000
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _WATCHING: "weakref.WeakSet[OomDump]" = weakref.WeakSet()
 _OBSERVER_ATTACHED = False
 
@@ -58,7 +56,7 @@ def is_oom(exc: BaseException) -> bool:
         if isinstance(current, (torch.OutOfMemoryError, MemoryError)):
             return True
         if isinstance(current, RuntimeError):
-            text = _str(current).lower()
+            text = error_text(current).lower()
             if "out of memory" in text or "can't allocate memory" in text:
                 return True
         current = current.__cause__ or current.__context__
@@ -171,29 +169,6 @@ def _warn(message: str) -> None:
         pass
 
 
-def error_text(exc: BaseException, *, first_line: bool = False) -> str:
-    """``"TypeName: message"`` for a record, whatever the exception: its ``__str__`` may raise or return a
-    non-string (then the text says so), the message may be megabytes long (cut to 4,000 characters)
-    or hold lone surrogates, which no UTF-8 file can hold (each becomes U+FFFD). ``first_line``: the
-    message's first non-blank line only, the type's name when it has none."""
-    text = _str(exc).strip()
-    if first_line:
-        text = text.splitlines()[0].strip() if text else type(exc).__name__
-    if len(text) > _MAX_TEXT:
-        text = f"{text[:_MAX_TEXT]}... ({len(text) - _MAX_TEXT:,} more characters)"
-    return _SURROGATE.sub("\ufffd", f"{type(exc).__name__}: {text}")
-
-
-def _str(exc: BaseException) -> str:
-    # An exception whose __str__ fails must not turn into a second exception in the profile's exit,
-    # which would replace the user's own.
-    try:
-        text = str(exc)
-    except Exception as failure:
-        return f"<str() of the exception raised {type(failure).__name__}>"
-    return text if type(text) is str else str.__str__(text)
-
-
 def oom_record(exc: BaseException, device: Any, observed: "tuple[int, int, int] | None" = None,
                snapshot: "str | None" = None) -> OomRecord:
     """What an out-of-memory error says of itself: its message (:func:`error_text`, first line), the
@@ -203,7 +178,7 @@ def oom_record(exc: BaseException, device: Any, observed: "tuple[int, int, int] 
     if observed is not None:
         _, requested, free = observed
     else:
-        found = _CPU_REQUEST.search(_str(exc))
+        found = _CPU_REQUEST.search(error_text(exc))
         requested = int(found.group(1)) if found else None
         if requested is not None and requested > _MAX_REQUEST:
             requested = None  # no allocator was asked for more than 16 EiB: not a figure to record

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ..categories import Phase
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, error_text
 from ..specs import OptimizerSpec, ParamSpec, plain_config
 from .ledger import ACTIVATIONS, INPUTS, OPTIMIZER_STATES, TEMPORARIES
 
@@ -192,7 +192,8 @@ class OptimizerTracker:
             try:
                 out.append(optimizer_spec(opt))
             except Exception as exc:  # an unusual optimizer must never break the measurement
-                self.prof.notes.append(f"could not record {type(opt).__name__} for its formula: {exc!r}")
+                # error_text(): the exception's own __str__ may fail too, and this runs while the profile closes.
+                self.prof.notes.append(f"could not record {type(opt).__name__} for its formula: {error_text(exc)}")
         return tuple(out)
 
 

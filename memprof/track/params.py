@@ -114,10 +114,11 @@ class ParamTracker:
             return
         if _is_compiling():
             return
-        if not prof.phases.forward_seen:
+        if not prof.phases.forward_seen and not prof.modules.foreign_threads:
             # A gradient of the model from a forward memprof's module hooks never saw: a torch.compile
             # wrapper of this model ran (its hooks are inside compiled code), or the forward ran
-            # before the profile. What that forward saved was never seen.
+            # before the profile. What that forward saved was never seen. (A forward in another thread
+            # was seen, from outside: its own note says why what it saved is not measured.)
             self.invisible_forwards += 1
         if prof.phases.current is not _BACKWARD:
             prof.phases.backward_started()

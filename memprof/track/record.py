@@ -92,6 +92,7 @@ def build_trace(prof: "Profiler") -> Trace:
     peak_module = None
     if not light and 0 <= led.peak_module < len(prof.modules.info):
         peak_module = prof.modules.info[led.peak_module].path or "<model>"
+    optimizers = prof.optimizers.specs()  # before the notes are read: it notes an optimizer it cannot record
     notes = list(prof.notes) + prof.probe.notes() + coverage_notes(prof)
     if prof.phases.merged_decodes:
         from .phases import MAX_DECODE_PHASES
@@ -146,7 +147,7 @@ def build_trace(prof: "Profiler") -> Trace:
             OperationRecord(phase, cls, op, *vals) for (phase, cls, op), vals in sorted(operations.rows.items())
         ) if operations is not None else None,
         module_calls=tuple(call for _index, call in prof.modules.module_calls),
-        optimizers=prof.optimizers.specs(),
+        optimizers=optimizers,
         num_steps=prof.phases.retention.steps_run,
         phase_stats=prof.phases.retention.phase_stats(),
         schedule=prof.schedule.describe() if prof.schedule is not None else None,
@@ -180,8 +181,8 @@ def coverage_notes(prof: "Profiler") -> list[str]:
         notes.append(
             f"the model ran in {len(modules.foreign_threads)} thread(s) other than the one that started the "
             "profile, where memprof's dispatch mode and saved-tensor hooks (both per thread) are not "
-            "installed: activations, inputs and temporaries" + (" and the total" if prof.mode == "full" else "")
-            + " are not measured; start the profile in the thread that trains")
+            "installed: activations, inputs, temporaries" + (" and the total" if prof.mode == "full" else "")
+            + " are not measured, in the breakdowns and per module; start the profile in the thread that trains")
     hooks = prof.saved.hooks
     if hooks.in_transform:
         notes.append(
@@ -222,8 +223,14 @@ def coverage_notes(prof: "Profiler") -> list[str]:
 
 
 def module_records(prof: "Profiler") -> tuple[ModuleRecord, ...]:
+    """Each module's row. A figure the run could not measure is None in every row, as in the breakdowns:
+    saved activations when activations are not measured, peaks and scratch memory when the total is not
+    (ops of another thread, say, were not seen: a maximum over the calls that were would be a lower bound)."""
     led = prof.ledger
     modules = prof.modules
+    missing = unmeasured(prof)
+    no_activations = missing is not None and ACTIVATIONS in missing[0]
+    no_peaks = missing is not None and missing[1]
     records = []
     for i, info in enumerate(modules.info):
         params = 0
@@ -236,13 +243,13 @@ def module_records(prof: "Profiler") -> tuple[ModuleRecord, ...]:
             params += _storage_bytes(p, seen, led)
             if p.grad is not None:
                 grads += _storage_bytes(p.grad, seen, led)
-        full = prof.mode == "full" and i not in modules.unhooked
+        full = prof.mode == "full" and i not in modules.unhooked and not no_peaks
         records.append(ModuleRecord(
             path=info.path or "<model>",
             type=info.type,
             parameters=params,
             gradients=grads,
-            activations=None if i in modules.unhooked else info.act_bytes,
+            activations=None if i in modules.unhooked or no_activations else info.act_bytes,
             peak_forward=info.fwd_peak if full else None,
             peak_backward=info.bwd_peak if full else None,
             temporaries_forward=info.fwd_tmp if full else None,

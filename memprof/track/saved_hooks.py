@@ -230,7 +230,7 @@ class SavedHooks:
         else:
             chain = _Chain(self.owner, top)
             pack, unpack_ = chain.pack, chain.unpack
-            self.chained_to.add(getattr(top[0], "__qualname__", type(top[0]).__name__))
+            self.chained_to.add(_name_of(top[0]))
         _push(pack, unpack_)
         self.pushed.append((pack, chain))
         return True
@@ -250,20 +250,33 @@ class SavedHooks:
         clean = True
         here = threading.get_ident() == self.thread
         while self.pushed:
-            pack, chain = self.pushed.pop()
+            # Forgotten only once handled: run again after an interrupt, this finishes the job.
+            pack, chain = self.pushed[-1]
             if here and self._on_top(pack):
                 _pop()
-                continue
-            clean = False
-            if chain is not None:
-                chain.owner = None
-            _ORPHANS.append((self.thread, pack))
+            else:
+                clean = False
+                if chain is not None:
+                    chain.owner = None
+                if (self.thread, pack) not in _ORPHANS:
+                    _ORPHANS.append((self.thread, pack))
+            self.pushed.pop()
         return clean
 
     @staticmethod
     def _on_top(pack: Any) -> bool:
         top = _top(False)
         return top is not None and top[0] is pack
+
+
+def _name_of(pack: Any) -> str:
+    """The user's pack function's name, for a note; its type's name when reading it fails (a callable
+    object's ``__qualname__`` is the user's code, and this runs inside the model's forward)."""
+    try:
+        name = getattr(pack, "__qualname__", None)
+    except Exception:
+        name = None
+    return name if isinstance(name, str) else type(pack).__name__
 
 
 # Pushes that could not be popped when their profile ended: (thread id, pack function).

@@ -14,6 +14,7 @@ autocast weight copies ...) for the reconciler's causes.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
@@ -50,6 +51,8 @@ class DispatchMode(TorchDispatchMode):
     def __init__(self, tracker: "StorageTracker") -> None:
         super().__init__()
         self.tracker: "StorageTracker | None" = tracker
+        self.home = threading.get_ident()  # the thread whose stack holds it
+        self.exits: list[weakref.finalize] = []  # armed while inert: see inert()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -61,9 +64,11 @@ class DispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         tracker = self.tracker
-        if func is _DETACH or tracker is None:
+        if tracker is None:
+            # The profile ended (in another thread, or beneath a mode that could not be moved).
+            return self.inert(func, args, kwargs or {})
+        if func is _DETACH:
             # A detach only aliases (the engine and saved-tensor packing issue many): nothing to count.
-            # No tracker: the profile ended in another thread and this mode is waiting to be popped.
             return func(*args, **(kwargs or {}))
         for t in types:
             if t is not _PLAIN and is_wrapper(t):
@@ -71,6 +76,38 @@ class DispatchMode(TorchDispatchMode):
                 # it wraps, which come back through this mode with real storages and local sizes.
                 return NotImplemented
         return tracker.on_op(func, args, kwargs or {})
+
+    def inert(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Pass an op through, and arrange for this mode to leave its thread's stack.
+
+        It cannot leave from here: while a mode handles an op torch has taken it off the stack, and
+        puts it back when the handler returns (``StashTorchDispatchModeGuard``,
+        torch/csrc/utils/torch_dispatch_mode.h). So it leaves when the op's output is released,
+        which is outside dispatch in the common case (the end of the user's statement), if it is
+        then on top of the stack. Only this path pays for it; a running profile's ops never come here.
+        """
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and threading.get_ident() == self.home:
+            exits = self.exits = [f for f in self.exits if f.alive]
+            if len(exits) < 4:  # a few outputs, in case the first ones live on
+                leave = weakref.finalize(out, _leave_stack, weakref.ref(self))
+                leave.atexit = False
+                exits.append(leave)
+        return out
+
+
+def _leave_stack(ref: "weakref.ref[DispatchMode]") -> None:
+    """An inert mode's armed output was released: leave the stack if the mode is on top of it here."""
+    mode = ref()
+    if mode is None or mode.tracker is not None or threading.get_ident() != mode.home:
+        return
+    try:
+        if not _on_top(mode):
+            return  # inside another op's dispatch, or beneath a mode of the user's: a later output tries again
+        mode.__exit__(None, None, None)
+    except Exception:  # a finaliser must not raise into the user's code; the next profile here pops it
+        return
+    _forget_orphan(mode)
 
 
 # What an op's outputs are, decided once per op from its schema.
@@ -126,15 +163,19 @@ class StorageTracker:
         self.mode = mode
 
     def uninstall(self, thread: int) -> None:
-        mode, self.mode = self.mode, None
+        """Take the mode off ``thread``'s stack, or leave it there inert. Safe to run again when cut short
+        (the mode is forgotten only once it is out or listed as an orphan)."""
+        mode = self.mode
         if mode is None:
             return
         mode.tracker = None  # inert from now on, wherever it still sits
-        if threading.get_ident() == thread and pop_from_beneath(mode):
-            return  # taken out, also from beneath modes the user entered inside the block and left open
-        # Another thread's stack, or beneath a mode torch keeps apart (fake, proxy): popped when it is on
-        # top, at the next profile in that thread.
-        _ORPHAN_MODES.append((thread, mode))
+        # Taken out, also from beneath modes the user entered inside the block and left open. Otherwise (another
+        # thread's stack, or beneath a mode torch keeps apart: fake, proxy) it leaves by itself once on top
+        # (DispatchMode.inert), or at the next profile in that thread.
+        if not (threading.get_ident() == thread and pop_from_beneath(mode)):
+            if (thread, mode) not in _ORPHAN_MODES:
+                _ORPHAN_MODES.append((thread, mode))
+        self.mode = None
 
     def on_op(self, func: Any, args: Any, kwargs: Any) -> Any:
         # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can.
@@ -448,16 +489,25 @@ def _reusable_orphan() -> "DispatchMode | None":
     if depth <= 0:
         return None
     on_stack = {id(torch._C._get_dispatch_stack_at(i)) for i in range(depth)}
-    for entry in _ORPHAN_MODES:
-        if entry[0] == me and id(entry[1]) in on_stack:
-            _ORPHAN_MODES.remove(entry)
-            return entry[1]
+    for thread, mode in list(_ORPHAN_MODES):
+        if thread == me and id(mode) in on_stack:
+            _forget_orphan(mode)
+            return mode
     return None
 
 
 def pop_orphan_modes() -> None:
+    """Pop this thread's inert modes that are on top of its stack (a profile starts here)."""
     me = threading.get_ident()
     for entry in [e for e in _ORPHAN_MODES if e[0] == me]:
         if _on_top(entry[1]):
             entry[1].__exit__(None, None, None)
-            _ORPHAN_MODES.remove(entry)
+            _forget_orphan(entry[1])
+
+
+def _forget_orphan(mode: DispatchMode) -> None:
+    for leave in mode.exits:
+        leave.detach()
+    mode.exits = []
+    # Rebuilt rather than removed from: another thread may change the list meanwhile.
+    _ORPHAN_MODES[:] = [e for e in _ORPHAN_MODES if e[1] is not mode]

@@ -39,6 +39,7 @@ class Windows:
         self.window: "tuple[int, int] | None" = None  # the last window handed to on_ready
         self.current: "list[int] | None" = None  # [first, last] recorded step of the window now open
         self.callbacks = 0
+        self.callback_error: "BaseException | None" = None  # what on_trace_ready raised last
         # The ledger's global peak before a warmup began: warmup steps are watched, never counted.
         self.peak_before_warmup: "tuple | None" = None
 
@@ -132,6 +133,9 @@ class Windows:
         prof.in_callback = True
         try:
             self.on_ready(prof)
+        except BaseException as exc:
+            self.callback_error = exc  # the user's, not memprof's: the profiler raises it as it is
+            raise
         finally:
             prof.in_callback = False
 

@@ -1,0 +1,140 @@
+"""A profile and threads: the model trained in another thread, the profile ended in another thread.
+
+Dispatch modes and saved-tensor hooks are per thread, so what another thread runs is not seen: every
+figure that depends on it says "not measured" (per module too), and the note names the thread, once.
+A profile ended from another thread removes everything it installed, the starting thread's dispatch
+mode included, and raises as leaving its block there does, except over an error it records.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memprof
+from memprof import Category as C
+from memprof.errors import ProfilerStateError
+from memprof.track.storages import DispatchMode
+
+from helpers import hook_registry, weight_bytes
+from models import MLP
+
+
+# ------------------------------------------------------------------ the model trained in another thread
+
+
+@pytest.mark.parametrize("mode", ["full", "light"])
+def test_a_model_trained_in_another_thread_has_no_per_module_figures_and_one_note(mode):
+    model, x, y = MLP(), torch.randn(8, 32), torch.randint(0, 10, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with memprof.profile(model, opt, mode=mode) as prof:
+        worker = threading.Thread(target=train)
+        worker.start()
+        worker.join()
+    rep = prof.report()
+    assert rep.peak[C.ACTIVATIONS] is None
+    table = rep.modules()
+    # What the modules saved, and their peaks, are not measured (not 0); their calls were seen.
+    assert table["activations"].isna().all()
+    assert all(m.own_activations is None for m in rep.trace.modules)
+    for column in ("peak_forward", "peak_backward", "temporaries_forward", "temporaries_backward"):
+        assert table[column].isna().all(), column
+    assert table["calls"].to_dict() == {"<model>": 1, "fc1": 1, "act": 2, "fc2": 1, "fc3": 1}  # act runs twice
+    assert table.loc["fc1", "parameters"] == 32 * 64 * 4 + 64 * 4
+    # The text's module table says so too.
+    text = str(rep)
+    rows = [r for r in text[text.index("Top modules by saved activations"):text.index("Notes")].splitlines()[2:] if r]
+    # Columns: 2 + module 30 + type 20 + params 11, then saved act 14 wide.
+    assert len(rows) == 3 and all(row[63:77].strip() == "not measured" for row in rows), rows
+    # One note, naming the thread; none blaming torch.compile.
+    notes = rep.trace.notes
+    assert sum("thread" in n for n in notes) == 1
+    assert not any("torch.compile" in n for n in notes), notes
+
+
+# ------------------------------------------------------------------ a profile ended in another thread
+
+
+def _started_elsewhere_ended_here(end):
+    """Start a profile in this thread, train, and end it with ``end(prof)`` in another thread; what that
+    raised, and the profiler."""
+    model, x = MLP(), torch.randn(8, 32)
+    prof = memprof.profile(model)
+    prof.__enter__()
+    model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    raised = []
+
+    def run():
+        try:
+            end(prof)
+        except BaseException as exc:
+            raised.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return model, x, prof, raised
+
+
+def _memprof_modes():
+    return [m for m in (torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack()))
+            if isinstance(m, DispatchMode)]
+
+
+def test_after_a_profile_ended_elsewhere_this_threads_ops_no_longer_pass_through_memprof(monkeypatch):
+    depth = torch._C._len_torch_dispatch_stack()
+    model, x, prof, raised = _started_elsewhere_ended_here(lambda p: p.stop())
+    assert len(raised) == 1 and isinstance(raised[0], ProfilerStateError)
+    seen = []
+    passing = DispatchMode.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return passing(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(DispatchMode, "__torch_dispatch__", counting)
+    y = torch.ones(3) + 1  # the first ops still reach the inert mode; it leaves when their outputs go
+    del y
+    seen.clear()
+    z = (torch.ones(3) * 2).sum()
+    assert seen == [] and _memprof_modes() == []
+    assert torch._C._len_torch_dispatch_stack() == depth
+    assert z.item() == 6.0
+    assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+
+
+def test_stop_from_another_thread_raises_as_leaving_the_block_there_does_and_never_over_an_error():
+    depth = torch._C._len_torch_dispatch_stack()
+    # A plain stop() there: ProfilerStateError, as __exit__ without an exception.
+    for end in (lambda p: p.stop(), lambda p: p.__exit__(None, None, None)):
+        model, x, prof, raised = _started_elsewhere_ended_here(end)
+        assert len(raised) == 1 and isinstance(raised[0], ProfilerStateError)
+        assert "ended in another thread" in str(raised[0])
+        assert any("ended in another thread" in n for n in prof.trace.notes)
+    # Recording the user's exception there: nothing raised over it, and the record says where it ended.
+    err = ValueError("the user's")
+    for end in (lambda p: p.stop(err), lambda p: p.__exit__(ValueError, err, None)):
+        model, x, prof, raised = _started_elsewhere_ended_here(end)
+        assert raised == []
+        assert prof.trace.error == "ValueError: the user's"
+        assert any("ended in another thread" in n for n in prof.trace.notes)
+    before = hook_registry(model, tensors=[x])
+    with memprof.profile(model) as again:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    assert again.report().at(0, "forward", "end")[C.ACTIVATIONS] > 0
+    after = hook_registry(model, tensors=[x])
+    # The inert modes the ends in other threads left here are gone (the new profile's start pops them).
+    assert after.pop(("global", "dispatch modes")) == depth
+    before.pop(("global", "dispatch modes"))
+    assert after == before
