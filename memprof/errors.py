@@ -21,6 +21,7 @@ __all__ = [
     "SimulationError",
     "MergeError",
     "TraceNotFoundError",
+    "MemprofWarning",
 ]
 
 
@@ -81,6 +82,11 @@ class MergeError(MemprofError, ValueError):
 
 class MissingExtraError(MemprofError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class MemprofWarning(UserWarning):
+    """Something memprof does on the side failed (a side file could not be written) and the run went on:
+    a profiler must never end the run it measures. The message names what failed and where."""
 
 
 def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:

@@ -14,6 +14,7 @@ An integration drives the public API only (``memprof.Profiler``, ``start``, ``en
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -60,16 +61,27 @@ def require(module: str, extra: str, minimum: "tuple[int, ...]", installed: Any)
 class Session:
     """What every callback does with its profile: hold the arguments, start it at the start of training
     (ending one still running from an earlier run), save each window and the whole run under
-    ``save_dir``, and end it, with the exception that ended training if one did."""
+    ``save_dir``, and end it, with the exception that ended training if one did.
+
+    Nothing here raises into the training loop once training runs: a file that cannot be written (disk
+    full, a quota, the folder removed), or a report that cannot be built, is a :class:`MemprofWarning`
+    naming the file and the error, the report stays in memory, and an exception that ended training
+    stays the one the framework raises. A folder that cannot be written at all is refused up front."""
 
     def __init__(self, *, mode: str = "auto", schedule: "Schedule | None" = None,
                  save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False,
                  oom_dump: "str | os.PathLike[str] | None" = None) -> None:
+        from ..track.oom import checked_folder
+
         self.mode = mode
         self.schedule = schedule
-        self.save_dir = os.fspath(save_dir) if save_dir is not None else None
+        # Checked now, as oom_dump= is: a file, or a folder that cannot be made or written, is an error
+        # before training rather than a failure at its first save.
+        self.save_dir = checked_folder(save_dir, "save_dir") if save_dir is not None else None
         self.timeline = timeline
         self.oom_dump = oom_dump
+        if oom_dump is not None:
+            checked_folder(oom_dump, "oom_dump")  # the profiler checks it again when training starts
         self.profiler: "Profiler | None" = None
         self.report: "Report | None" = None
         self._logged: "int | None" = None
@@ -78,11 +90,12 @@ class Session:
     def begin(self, model: Any, optimizers: Any, rank: int) -> None:
         """Start profiling ``model`` (what the framework trains) and its ``optimizers``."""
         from ..profiler import Profiler
+        from ..track.oom import checked_folder
 
         self.stop()
         self._rank = rank
         if self.save_dir is not None:
-            os.makedirs(self.save_dir, exist_ok=True)
+            checked_folder(self.save_dir, "save_dir")  # made again if removed since; refused if now unwritable
         on_ready = self._save_window if (self.save_dir is not None and self.schedule is not None) else None
         self.report = None
         self._logged = None
@@ -92,16 +105,48 @@ class Session:
 
     def stop(self, error: "BaseException | None" = None) -> None:
         """End the profile if it runs and keep its report; ``error``: the exception that ended training,
-        recorded in the report (and written as an OOM dump with ``oom_dump=``)."""
+        recorded in the report (and written as an OOM dump with ``oom_dump=``). Never raises: what fails
+        here is a warning (memprof's hooks are removed whatever fails)."""
         prof, self.profiler = self.profiler, None
         if prof is None or not prof.running:
             return
-        prof.stop(error)
-        self.report = prof.report()
+        try:
+            prof.stop(error)
+        except Exception as exc:  # the hooks are gone by now: ending them comes before anything that can fail
+            _warn(f"memprof's profile ended with an error ({type(exc).__name__}: {exc})")
+        try:
+            self.report = prof.report()
+        except Exception as exc:
+            _warn(f"memprof could not build its report ({type(exc).__name__}: {exc}); training is not affected")
+            return
         if self.save_dir is not None:
-            self.report.save(os.path.join(self.save_dir, f"memprof-rank{self._rank}.json"))
+            self._save(self.report, f"memprof-rank{self._rank}.json")
 
     def _save_window(self, prof: "Profiler") -> None:
-        assert self.save_dir is not None and prof.window is not None
-        a, b = prof.window
-        prof.report().save(os.path.join(self.save_dir, f"memprof-rank{self._rank}-steps-{a}-{b}.json"))
+        """``on_trace_ready``: save the window that just ended. Runs inside the training step (at its end,
+        or at the next forward), so nothing may raise from here."""
+        try:
+            a, b = prof.window or (None, None)
+            name = f"memprof-rank{self._rank}-steps-{a}-{b}.json"
+            report = prof.report()
+        except Exception as exc:
+            _warn(f"memprof could not build the report of the window that ended ({type(exc).__name__}: {exc}); "
+                  "training goes on, and the report at the end of training holds its steps")
+            return
+        self._save(report, name)
+
+    def _save(self, report: "Report", name: str) -> None:
+        assert self.save_dir is not None
+        path = os.path.join(self.save_dir, name)
+        try:
+            report.save(path)
+        except Exception as exc:  # disk full, a quota, the folder removed or made read-only mid-run
+            _warn(f"memprof could not save {path} ({type(exc).__name__}: {exc}); training goes on, and the "
+                  "callback's report keeps the profile in memory (cb.report.save(path) writes it elsewhere)")
+
+
+def _warn(message: str) -> None:
+    from ..errors import MemprofWarning
+
+    # stacklevel 3: the callback method that called into memprof, not this helper.
+    warnings.warn(message, MemprofWarning, stacklevel=3)

@@ -61,13 +61,14 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
-def checked_folder(folder: Any) -> str:
-    """``folder`` as a path memprof can write dumps into (created if missing), or a clear error now."""
+def checked_folder(folder: Any, argument: str = "oom_dump") -> str:
+    """``folder`` as a path memprof can write files into (created if missing), or a clear error now;
+    ``argument`` is the name the error gives it (the integrations' ``save_dir`` is checked here too)."""
     if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
-        raise InvalidArgumentError(f"oom_dump must be a folder path (a str or pathlib.Path), got {folder!r}")
+        raise InvalidArgumentError(f"{argument} must be a folder path (a str or pathlib.Path), got {folder!r}")
     path = os.path.abspath(os.fspath(folder))
     if os.path.exists(path) and not os.path.isdir(path):
-        raise InvalidArgumentError(f"oom_dump={folder!r} is a file, not a folder; give a folder for the dumps")
+        raise InvalidArgumentError(f"{argument}={folder!r} is a file, not a folder; give a folder for memprof's files")
     try:
         os.makedirs(path, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".memprof-probe-", dir=path)
@@ -75,7 +76,7 @@ def checked_folder(folder: Any) -> str:
         os.unlink(probe)
     except OSError as exc:
         raise InvalidArgumentError(
-            f"oom_dump={folder!r}: memprof cannot write there ({exc.strerror or exc}); give a writable folder"
+            f"{argument}={folder!r}: memprof cannot write there ({exc.strerror or exc}); give a writable folder"
         ) from None
     return path
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import memprof
 from memprof import Category as C
-from memprof.errors import InvalidArgumentError
+from memprof.errors import InvalidArgumentError, MemprofWarning
 
 from helpers import hook_registry, optimizer_state_bytes, weight_bytes
 
@@ -136,7 +136,8 @@ def _fit(tmp_path, module, callbacks, accumulate=1, steps=4):
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         accumulate_grad_batches=accumulate, log_every_n_steps=1)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # Lightning's advice on workers and logging intervals
+        warnings.simplefilter("always", MemprofWarning)  # memprof's own reach the test
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
     return trainer
 
