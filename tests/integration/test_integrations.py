@@ -97,6 +97,35 @@ def test_the_trainer_with_a_schedule_saves_each_window(tmp_path):
     assert cb.report.trace.recorded_steps == ((1, 2), (4, 5))
 
 
+# A schedule whose step after the last one (6) would be recorded, after a warmup step (5): the callback
+# closes step 5 at its end, and what the Trainer does after it (zero_grad) must not become a step 6.
+WARMUP_LAST = [
+    (dict(skip_first=1, warmup=1, active=1), ((2, 2), (4, 4))),  # 0 skip, 1 W, 2 A, 3 W, 4 A, 5 W
+    (dict(wait=1, warmup=1, active=2), ((2, 3),)),  # 0 wait, 1 W, 2-3 A, 4 wait, 5 W
+]
+
+
+def _ran_as_scheduled(rep, folder, recorded):
+    assert rep.num_steps == 6
+    assert rep.trace.recorded_steps == recorded
+    assert [s.index for s in rep.trace.steps] == [i for a, b in recorded for i in range(a, b + 1)]
+    # The run's peak lies in a recorded step (a warmup step's peak is forgotten, the steps before it are not).
+    assert any(a <= rep.trace.peak_step <= b for a, b in recorded)
+    assert rep.peak.total == max(p.peak.total for s in rep.trace.steps for p in s.phases)
+    assert sorted(os.listdir(folder)) == sorted([f"memprof-rank0-steps-{a}-{b}.json" for a, b in recorded]
+                                                + ["memprof-rank0.json"])
+
+
+@pytest.mark.parametrize("plan, recorded", WARMUP_LAST)
+def test_the_trainer_with_a_schedule_counts_only_the_steps_that_ran(tmp_path, plan, recorded):
+    from memprof.integrations.transformers import MemprofCallback
+
+    cb = MemprofCallback(schedule=memprof.schedule(**plan), save_dir=tmp_path / "mp")
+    trainer = _hf_train(tmp_path, [cb], steps=6)
+    assert trainer.state.global_step == 6
+    _ran_as_scheduled(cb.report, tmp_path / "mp", recorded)
+
+
 # ---------------------------------------------------------------------- Lightning
 
 
@@ -208,3 +237,13 @@ def test_lightning_writes_an_oom_dump_when_training_runs_out_of_memory(tmp_path)
     assert trace.oom.message == "OutOfMemoryError: CUDA out of memory (simulated)"
     assert trace.live_at_error[C.WEIGHTS] == weight_bytes(module)
     assert cb.report.trace.oom == trace.oom
+
+
+@pytest.mark.parametrize("plan, recorded", WARMUP_LAST)
+def test_lightning_with_a_schedule_counts_only_the_steps_that_ran(tmp_path, plan, recorded):
+    from memprof.integrations.lightning import MemprofCallback
+
+    cb = MemprofCallback(schedule=memprof.schedule(**plan), save_dir=tmp_path / "mp")
+    trainer = _fit(tmp_path, _Regression(), [cb], steps=6)
+    assert trainer.global_step == 6
+    _ran_as_scheduled(cb.report, tmp_path / "mp", recorded)
