@@ -54,6 +54,14 @@ class MemprofCallback(Session, Callback):  # type: ignore[misc]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.begin(pl_module, list(trainer.optimizers), int(getattr(trainer, "global_rank", 0) or 0))
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        prof = self.profiler
+        if prof is not None and prof.running:
+            # The batch training_step gets, on its device: its inputs. memprof sees no call of the module
+            # with it (training_step calls submodules, or is compiled when fit() was given torch.compile's
+            # wrapper), so without this the batch would count as temporaries.
+            prof.mark_inputs(batch)
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         prof = self.profiler
         if prof is None or not prof.running:
