@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..schedule import Schedule
     from ..trace import StepRecord
 
-__all__ = ["step_metrics", "require", "Session"]
+__all__ = ["step_metrics", "require", "Session", "warn"]
 
 #: Prefix of every metric an integration logs.
 PREFIX = "memprof/"
@@ -103,6 +103,32 @@ class Session:
                                  on_trace_ready=on_ready, oom_dump=self.oom_dump)
         self.profiler.start()
 
+    def step_ended(self) -> dict[str, int]:
+        """The framework's optimizer step is over: close memprof's step, and return its metrics when it is
+        a step recorded since the last one returned (empty otherwise: a step the schedule leaves out, the
+        middle of gradient accumulation). Never raises: an error of memprof's own ends the profile with a
+        warning, and training goes on without it."""
+        prof = self.profiler
+        if prof is None or not prof.running:
+            return {}
+        try:
+            prof.end_step()
+            last = prof.latest_step()
+            if last is None or last.index == self._logged:
+                return {}
+            self._logged = last.index
+            return step_metrics(last)
+        except Exception as exc:
+            self.give_up(exc)
+            return {}
+
+    def give_up(self, exc: Exception) -> None:
+        """An error of memprof's own inside training: warn, end the profile (every hook removed, the report
+        kept of what ran until then) and let training go on."""
+        warn(f"memprof stopped profiling after an error of its own ({type(exc).__name__}: {exc}); training goes "
+              "on without it, and the report holds what was measured until then")
+        self.stop()
+
     def stop(self, error: "BaseException | None" = None) -> None:
         """End the profile if it runs and keep its report; ``error``: the exception that ended training,
         recorded in the report (and written as an OOM dump with ``oom_dump=``). Never raises: what fails
@@ -113,11 +139,11 @@ class Session:
         try:
             prof.stop(error)
         except Exception as exc:  # the hooks are gone by now: ending them comes before anything that can fail
-            _warn(f"memprof's profile ended with an error ({type(exc).__name__}: {exc})")
+            warn(f"memprof's profile ended with an error ({type(exc).__name__}: {exc})")
         try:
             self.report = prof.report()
         except Exception as exc:
-            _warn(f"memprof could not build its report ({type(exc).__name__}: {exc}); training is not affected")
+            warn(f"memprof could not build its report ({type(exc).__name__}: {exc}); training is not affected")
             return
         if self.save_dir is not None:
             self._save(self.report, f"memprof-rank{self._rank}.json")
@@ -130,7 +156,7 @@ class Session:
             name = f"memprof-rank{self._rank}-steps-{a}-{b}.json"
             report = prof.report()
         except Exception as exc:
-            _warn(f"memprof could not build the report of the window that ended ({type(exc).__name__}: {exc}); "
+            warn(f"memprof could not build the report of the window that ended ({type(exc).__name__}: {exc}); "
                   "training goes on, and the report at the end of training holds its steps")
             return
         self._save(report, name)
@@ -141,11 +167,12 @@ class Session:
         try:
             report.save(path)
         except Exception as exc:  # disk full, a quota, the folder removed or made read-only mid-run
-            _warn(f"memprof could not save {path} ({type(exc).__name__}: {exc}); training goes on, and the "
+            warn(f"memprof could not save {path} ({type(exc).__name__}: {exc}); training goes on, and the "
                   "callback's report keeps the profile in memory (cb.report.save(path) writes it elsewhere)")
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
+    """A :class:`MemprofWarning`: what memprof does on the side failed, and training goes on."""
     from ..errors import MemprofWarning
 
     # stacklevel 3: the callback method that called into memprof, not this helper.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import MissingExtraError
-from . import Session, require, step_metrics
+from . import Session, require
 
 try:
     import transformers
@@ -66,16 +66,9 @@ class MemprofCallback(Session, TrainerCallback):  # type: ignore[misc]
         self.begin(_called_model(caller, model), optimizer, int(getattr(args, "process_index", 0) or 0))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        prof = self.profiler
-        if prof is None or not prof.running:
-            return
-        prof.end_step()  # every optimizer of this step has stepped: its record closes now
-        last = prof.latest_step()
-        # Only a step recorded since the last one logged (a schedule leaves the others out).
-        fresh = last is not None and last.index != self._logged
-        self._metrics = step_metrics(last) if fresh else {}
-        if fresh:
-            self._logged = last.index
+        # Every optimizer of this step has stepped: its record closes now. Only a step recorded since the
+        # last one logged has metrics (a schedule leaves the others out).
+        self._metrics = self.step_ended()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: "dict[str, Any] | None" = None,
                **kwargs: Any) -> None:

@@ -168,3 +168,80 @@ def test_lightning_lets_the_users_exception_through_when_the_save_fails(tmp_path
     assert cb.report.num_steps == 2 and cb.report.trace.error == "RuntimeError: boom"
     after = hook_registry(module)
     assert {k: v for k, v in after.items() if k in before} == before
+
+
+# ------------------------------------------------------------------ memprof's own errors inside training
+
+
+def _end_step_fails_at(monkeypatch, step):
+    """memprof's own code fails when closing ``step`` (a stand-in for any bug of memprof's inside a step)."""
+    from memprof.profiler import Profiler
+
+    real = Profiler.end_step
+
+    def end_step(self):
+        if self.phases.step == step:
+            raise RuntimeError("memprof's own failure")
+        real(self)
+
+    monkeypatch.setattr(Profiler, "end_step", end_step)
+
+
+def test_an_error_of_memprofs_own_in_a_trainer_step_ends_the_profile_not_training(tmp_path, monkeypatch):
+    from memprof.integrations.transformers import MemprofCallback
+
+    plain = _hf_train(tmp_path / "plain", [])
+    _end_step_fails_at(monkeypatch, 2)
+    cb = MemprofCallback()
+    with pytest.warns(MemprofWarning, match=r"stopped profiling after an error of its own \(RuntimeError: memprof's"):
+        trainer = _hf_train(tmp_path / "profiled", [cb])
+    assert trainer.state.global_step == 6 and _same_params(plain.model, trainer.model)
+    # Steps 0 and 1 closed at their ends; step 2 had run in full when closing it failed, and stop() closed it.
+    assert cb.profiler is None and cb.report.num_steps == 3
+    assert hook_registry(trainer.model) == hook_registry(plain.model)
+
+
+def test_an_error_of_memprofs_own_in_a_lightning_step_ends_the_profile_not_training(tmp_path, monkeypatch):
+    from memprof.integrations.lightning import MemprofCallback
+
+    torch.manual_seed(0)
+    plain = _Regression()
+    _fit(tmp_path / "plain", plain, [])
+    _end_step_fails_at(monkeypatch, 2)
+    torch.manual_seed(0)
+    module = _Regression()
+    cb = MemprofCallback()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = _fit(tmp_path / "profiled", module, [cb])
+    assert trainer.global_step == 4 and _same_params(plain, module)
+    said = _memprof_warnings(record)
+    assert len(said) == 1 and "stopped profiling after an error of its own" in said[0]
+    assert cb.profiler is None and cb.report.num_steps == 3  # as for the Trainer: 0, 1 and the failed 2
+
+
+def test_a_logger_that_refuses_memprofs_metrics_ends_nothing(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from memprof.integrations.lightning import MemprofCallback
+
+    class Refuses(CSVLogger):
+        def log_metrics(self, metrics, step=None):
+            if any(k.startswith("memprof/") for k in metrics):
+                raise ValueError("unknown metric names")
+            super().log_metrics(metrics, step)
+
+    torch.manual_seed(0)
+    module = _Regression()
+    cb = MemprofCallback()
+    trainer = L.Trainer(max_steps=4, callbacks=[cb], logger=Refuses(str(tmp_path)), accelerator="cpu",
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        log_every_n_steps=1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 1))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    assert trainer.global_step == 4 and cb.report.num_steps == 4
+    said = _memprof_warnings(record)
+    assert len(said) == 4 and all("could not log its metrics to Refuses (ValueError: unknown metric names)" in s
+                                  for s in said)
