@@ -8,7 +8,8 @@ extra (``pip install 'torch-memprof[transformers]'``, ``[lightning]``):
 
 accelerate needs none: profile what ``accelerator.prepare`` returns (see docs/integrations/accelerate.md).
 An integration drives the public API only (``memprof.Profiler``, ``start``, ``end_step``,
-``latest_step``, ``stop``).
+``latest_step``, ``mark_inputs``, ``stop``), and nothing it does raises into the training loop once
+training runs: what fails is a :class:`memprof.errors.MemprofWarning`.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class Session:
         """An error of memprof's own inside training: warn, end the profile (every hook removed, the report
         kept of what ran until then) and let training go on."""
         warn(f"memprof stopped profiling after an error of its own ({type(exc).__name__}: {exc}); training goes "
-              "on without it, and the report holds what was measured until then")
+             "on without it, and the report holds what was measured until then")
         self.stop()
 
     def stop(self, error: "BaseException | None" = None) -> None:
@@ -157,7 +158,7 @@ class Session:
             report = prof.report()
         except Exception as exc:
             warn(f"memprof could not build the report of the window that ended ({type(exc).__name__}: {exc}); "
-                  "training goes on, and the report at the end of training holds its steps")
+                 "training goes on, and the report at the end of training holds its steps")
             return
         self._save(report, name)
 
@@ -168,7 +169,7 @@ class Session:
             report.save(path)
         except Exception as exc:  # disk full, a quota, the folder removed or made read-only mid-run
             warn(f"memprof could not save {path} ({type(exc).__name__}: {exc}); training goes on, and the "
-                  "callback's report keeps the profile in memory (cb.report.save(path) writes it elsewhere)")
+                 "callback's report keeps the profile in memory (cb.report.save(path) writes it elsewhere)")
 
 
 def warn(message: str) -> None:
