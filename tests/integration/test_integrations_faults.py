@@ -17,8 +17,6 @@ from memprof.errors import InvalidArgumentError, MemprofWarning
 from helpers import hook_registry
 from test_integrations import L, _fit, _hf_train, _Regression
 
-ENOSPC = OSError(errno.ENOSPC, "No space left on device")
-
 
 def _disk_full(monkeypatch):
     """Every file memprof writes fails as on a full disk (the one function all its writers end in)."""
