@@ -45,7 +45,7 @@ from .track.optimizer import OptimizerTracker
 from .track.params import ParamTracker, is_lazy
 from .track.phases import PhaseTracker
 from .track.windows import Windows
-from .track.record import blank_step, build_trace, live_modules, live_storages, unmeasured
+from .track.record import build_trace, latest_recorded, live_modules, live_storages
 from .track.saved import SavedTracker
 from .track.saved_hooks import pop_orphans
 from .track.storages import KEEPS_COMPILE, StorageTracker, pop_orphan_modes
@@ -215,34 +215,18 @@ class Profiler:
             phases.end_step()
 
     def mark_inputs(self, *objs: Any) -> None:
-        """Count the tensors in ``objs`` (and in the lists, tuples and dicts among them) as inputs: what a
-        framework's loop hands the model where memprof sees no call of it (Lightning hands the batch to
-        ``training_step``, which may call submodules or compiled code). A call of the model marks its own
-        arguments without this. For callbacks; a step a schedule does not watch is left alone."""
+        """The tensors in ``objs`` (in lists, tuples, dicts too) are inputs: the batch a framework hands a model
+        whose call memprof does not see (Lightning's ``training_step``). Paused by a schedule: nothing."""
         if self._state != "active":
             raise ProfilerStateError("mark_inputs() is only valid while the profiler runs; call prof.start() first")
-        if not self.active or _get_ident() != self.thread:
-            return  # paused by the schedule, or a thread memprof does not watch
-        for obj in objs:
-            self.storages.mark_inputs(obj)
+        if self.active and _get_ident() == self.thread:
+            self.storages.mark_inputs(objs)
 
     def latest_step(self) -> "StepRecord | None":
         """The record of the last step that ended and was recorded (``None`` before the first), while the
-        profiler runs or after: what callbacks log each step. A figure the run could not measure so far
-        (activations behind a torch.compile wrapper it was not given, a forward in another thread) is
-        ``None`` here as in the report."""
-        if self._state == "new":
-            return None
-        if self._trace is not None:
-            return self._trace.steps[-1] if self._trace.steps else None
-        kept = self.phases.retention.kept
-        if not kept:
-            return None
-        last = kept[max(kept)]
-        # As the record will have it: what this run cannot measure (so far) is None, never a figure a
-        # callback would log while the report says "not measured".
-        missing = unmeasured(self)
-        return blank_step(last, *missing) if missing is not None else last
+        profiler runs or after: what callbacks log each step. What the run could not measure (so far) is
+        ``None`` in it, as in the report."""
+        return latest_recorded(self)
 
     def _state_words(self) -> str:
         return {"new": "it was never started", "done": "it was already stopped",

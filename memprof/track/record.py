@@ -23,7 +23,8 @@ from .modules import attribute_tensors
 if TYPE_CHECKING:
     from ..profiler import Profiler
 
-__all__ = ["breakdown", "blank", "blank_step", "build_trace", "unmeasured", "live_modules", "live_storages"]
+__all__ = ["breakdown", "blank", "blank_step", "build_trace", "latest_recorded", "unmeasured", "live_modules",
+           "live_storages"]
 
 #: Most live storages an error's record lists (the largest): bounds a dump of a model of any size.
 MAX_LIVE_STORAGES = 100_000
@@ -40,6 +41,22 @@ def blank_step(step: StepRecord, cats: frozenset[int], total: bool) -> StepRecor
     return dataclasses.replace(step, phases=tuple(
         dataclasses.replace(p, start=blank(p.start, cats, total), peak=blank(p.peak, cats, total),
                             end=blank(p.end, cats, total)) for p in step.phases))
+
+
+def latest_recorded(prof: "Profiler") -> "StepRecord | None":
+    """The last step recorded so far (``None`` before the first; the trace's last after the end), with what
+    the run cannot measure as None, as the trace will have it: a callback never logs a figure the report
+    calls not measured."""
+    if prof._state == "new":
+        return None
+    if prof._trace is not None:
+        return prof._trace.steps[-1] if prof._trace.steps else None
+    kept = prof.phases.retention.kept
+    if not kept:
+        return None
+    missing = unmeasured(prof)
+    last = kept[max(kept)]
+    return blank_step(last, *missing) if missing is not None else last
 
 
 def live_modules(prof: "Profiler") -> tuple[tuple[str, int], ...]:
