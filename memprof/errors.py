@@ -24,6 +24,7 @@ __all__ = [
     "TraceNotFoundError",
     "AllocatorConfigError",
     "SimulatedOutOfMemoryError",
+    "MemprofWarning",
 ]
 
 
@@ -107,6 +108,11 @@ class SimulatedOutOfMemoryError(MemprofError, RuntimeError):
 
 class MissingExtraError(MemprofError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
+
+
+class MemprofWarning(UserWarning):
+    """Something memprof does on the side failed (a side file could not be written) and the run went on:
+    a profiler must never end the run it measures. The message names what failed and where."""
 
 
 def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:

@@ -47,7 +47,7 @@ from .track.optimizer import OptimizerTracker
 from .track.params import ParamTracker, is_lazy
 from .track.phases import PhaseTracker
 from .track.windows import Windows
-from .track.record import build_trace, live_modules, live_storages
+from .track.record import build_trace, latest_recorded, live_modules, live_storages
 from .track.saved import SavedTracker
 from .track.saved_hooks import pop_orphans
 from .track.storages import KEEPS_COMPILE, StorageTracker, pop_orphan_modes
@@ -226,15 +226,19 @@ class Profiler:
             self.params.release_stale_grads()
             phases.end_step()
 
+    def mark_inputs(self, *objs: Any) -> None:
+        """The tensors in ``objs`` (in lists, tuples, dicts too) are inputs: the batch a framework hands a model
+        whose call memprof does not see (Lightning's ``training_step``). Paused by a schedule: nothing."""
+        if self._state != "active":
+            raise ProfilerStateError("mark_inputs() is only valid while the profiler runs; call prof.start() first")
+        if self.active and _get_ident() == self.thread:
+            self.storages.mark_inputs(objs)
+
     def latest_step(self) -> "StepRecord | None":
         """The record of the last step that ended and was recorded (``None`` before the first), while the
-        profiler runs or after: what callbacks log each step."""
-        if self._state in ("new", "failed"):
-            return None
-        if self._trace is not None:
-            return self._trace.steps[-1] if self._trace.steps else None
-        kept = self.phases.retention.kept
-        return kept[max(kept)] if kept else None
+        profiler runs or after: what callbacks log each step. What the run could not measure (so far) is
+        ``None`` in it, as in the report."""
+        return latest_recorded(self)
 
     def _state_words(self) -> str:
         return {"new": "it was never started", "done": "it was already stopped",

@@ -273,9 +273,11 @@ def pytest_runtest_call(item: pytest.Item):
             problems = _collect_and_save(item)[1]
         except Exception as exc:  # pragma: no cover - defensive
             problems = [f"memprof could not save this test's reports: {exc!r}"]
+        from .errors import MemprofWarning
+
         for problem in problems:
             try:
-                warnings.warn(problem, stacklevel=1)
+                warnings.warn(problem, MemprofWarning, stacklevel=1)
             except Warning:
                 pass  # warnings made errors (-W error): the body's own failure is what the test reports
         raise

@@ -8,12 +8,14 @@ extra (``pip install 'torch-memprof[transformers]'``, ``[lightning]``):
 
 accelerate needs none: profile what ``accelerator.prepare`` returns (see docs/integrations/accelerate.md).
 An integration drives the public API only (``memprof.Profiler``, ``start``, ``end_step``,
-``latest_step``, ``stop``).
+``latest_step``, ``mark_inputs``, ``stop``), and nothing it does raises into the training loop once
+training runs: what fails is a :class:`memprof.errors.MemprofWarning`.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from ..schedule import Schedule
     from ..trace import StepRecord
 
-__all__ = ["step_metrics", "require", "Session"]
+__all__ = ["step_metrics", "require", "Session", "warn"]
 
 #: Prefix of every metric an integration logs.
 PREFIX = "memprof/"
@@ -60,16 +62,27 @@ def require(module: str, extra: str, minimum: "tuple[int, ...]", installed: Any)
 class Session:
     """What every callback does with its profile: hold the arguments, start it at the start of training
     (ending one still running from an earlier run), save each window and the whole run under
-    ``save_dir``, and end it, with the exception that ended training if one did."""
+    ``save_dir``, and end it, with the exception that ended training if one did.
+
+    Nothing here raises into the training loop once training runs: a file that cannot be written (disk
+    full, a quota, the folder removed), or a report that cannot be built, is a :class:`MemprofWarning`
+    naming the file and the error, the report stays in memory, and an exception that ended training
+    stays the one the framework raises. A folder that cannot be written at all is refused up front."""
 
     def __init__(self, *, mode: str = "auto", schedule: "Schedule | None" = None,
                  save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False,
                  oom_dump: "str | os.PathLike[str] | None" = None) -> None:
+        from ..track.oom import checked_folder
+
         self.mode = mode
         self.schedule = schedule
-        self.save_dir = os.fspath(save_dir) if save_dir is not None else None
+        # Checked now, as oom_dump= is: a file, or a folder that cannot be made or written, is an error
+        # before training rather than a failure at its first save.
+        self.save_dir = checked_folder(save_dir, "save_dir") if save_dir is not None else None
         self.timeline = timeline
         self.oom_dump = oom_dump
+        if oom_dump is not None:
+            checked_folder(oom_dump, "oom_dump")  # the profiler checks it again when training starts
         self.profiler: "Profiler | None" = None
         self.report: "Report | None" = None
         self._logged: "int | None" = None
@@ -78,11 +91,12 @@ class Session:
     def begin(self, model: Any, optimizers: Any, rank: int) -> None:
         """Start profiling ``model`` (what the framework trains) and its ``optimizers``."""
         from ..profiler import Profiler
+        from ..track.oom import checked_folder
 
         self.stop()
         self._rank = rank
         if self.save_dir is not None:
-            os.makedirs(self.save_dir, exist_ok=True)
+            checked_folder(self.save_dir, "save_dir")  # made again if removed since; refused if now unwritable
         on_ready = self._save_window if (self.save_dir is not None and self.schedule is not None) else None
         self.report = None
         self._logged = None
@@ -90,18 +104,77 @@ class Session:
                                  on_trace_ready=on_ready, oom_dump=self.oom_dump)
         self.profiler.start()
 
+    def step_ended(self) -> dict[str, int]:
+        """The framework's optimizer step is over: close memprof's step, and return its metrics when it is
+        a step recorded since the last one returned (empty otherwise: a step the schedule leaves out, the
+        middle of gradient accumulation). Never raises: an error of memprof's own ends the profile with a
+        warning, and training goes on without it."""
+        prof = self.profiler
+        if prof is None or not prof.running:
+            return {}
+        try:
+            prof.end_step()
+            last = prof.latest_step()
+            if last is None or last.index == self._logged:
+                return {}
+            self._logged = last.index
+            return step_metrics(last)
+        except Exception as exc:
+            self.give_up(exc)
+            return {}
+
+    def give_up(self, exc: Exception) -> None:
+        """An error of memprof's own inside training: warn, end the profile (every hook removed, the report
+        kept of what ran until then) and let training go on."""
+        warn(f"memprof stopped profiling after an error of its own ({type(exc).__name__}: {exc}); training goes "
+             "on without it, and the report holds what was measured until then")
+        self.stop()
+
     def stop(self, error: "BaseException | None" = None) -> None:
         """End the profile if it runs and keep its report; ``error``: the exception that ended training,
-        recorded in the report (and written as an OOM dump with ``oom_dump=``)."""
+        recorded in the report (and written as an OOM dump with ``oom_dump=``). Never raises: what fails
+        here is a warning (memprof's hooks are removed whatever fails)."""
         prof, self.profiler = self.profiler, None
         if prof is None or not prof.running:
             return
-        prof.stop(error)
-        self.report = prof.report()
+        try:
+            prof.stop(error)
+        except Exception as exc:  # the hooks are gone by now: ending them comes before anything that can fail
+            warn(f"memprof's profile ended with an error ({type(exc).__name__}: {exc})")
+        try:
+            self.report = prof.report()
+        except Exception as exc:
+            warn(f"memprof could not build its report ({type(exc).__name__}: {exc}); training is not affected")
+            return
         if self.save_dir is not None:
-            self.report.save(os.path.join(self.save_dir, f"memprof-rank{self._rank}.json"))
+            self._save(self.report, f"memprof-rank{self._rank}.json")
 
     def _save_window(self, prof: "Profiler") -> None:
-        assert self.save_dir is not None and prof.window is not None
-        a, b = prof.window
-        prof.report().save(os.path.join(self.save_dir, f"memprof-rank{self._rank}-steps-{a}-{b}.json"))
+        """``on_trace_ready``: save the window that just ended. Runs inside the training step (at its end,
+        or at the next forward), so nothing may raise from here."""
+        try:
+            a, b = prof.window or (None, None)
+            name = f"memprof-rank{self._rank}-steps-{a}-{b}.json"
+            report = prof.report()
+        except Exception as exc:
+            warn(f"memprof could not build the report of the window that ended ({type(exc).__name__}: {exc}); "
+                 "training goes on, and the report at the end of training holds its steps")
+            return
+        self._save(report, name)
+
+    def _save(self, report: "Report", name: str) -> None:
+        assert self.save_dir is not None
+        path = os.path.join(self.save_dir, name)
+        try:
+            report.save(path)
+        except Exception as exc:  # disk full, a quota, the folder removed or made read-only mid-run
+            warn(f"memprof could not save {path} ({type(exc).__name__}: {exc}); training goes on, and the "
+                 "callback's report keeps the profile in memory (cb.report.save(path) writes it elsewhere)")
+
+
+def warn(message: str) -> None:
+    """A :class:`MemprofWarning`: what memprof does on the side failed, and training goes on."""
+    from ..errors import MemprofWarning
+
+    # stacklevel 3: the callback method that called into memprof, not this helper.
+    warnings.warn(message, MemprofWarning, stacklevel=3)

@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import MissingExtraError
-from . import Session, require, step_metrics
+from . import Session, require, warn
 
 try:
     import lightning
@@ -54,19 +54,29 @@ class MemprofCallback(Session, Callback):  # type: ignore[misc]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.begin(pl_module, list(trainer.optimizers), int(getattr(trainer, "global_rank", 0) or 0))
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         prof = self.profiler
         if prof is None or not prof.running:
             return
-        prof.end_step()  # closes the step if its optimizer stepped in this batch (not mid-accumulation)
-        last = prof.latest_step()
-        if last is None or last.index == self._logged:
+        try:
+            # The batch training_step gets, on its device: its inputs. memprof sees no call of the module
+            # with it (training_step calls submodules, or is compiled when fit() was given torch.compile's
+            # wrapper), so without this the batch would count as temporaries.
+            prof.mark_inputs(batch)
+        except Exception as exc:
+            self.give_up(exc)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Closes the step if its optimizer stepped in this batch (not mid-accumulation).
+        metrics = self.step_ended()
+        if not metrics:
             return
-        self._logged = last.index
-        metrics = step_metrics(last)
-        if metrics:
-            for logger in trainer.loggers:
+        for logger in trainer.loggers:
+            try:
                 logger.log_metrics(dict(metrics), step=max(0, trainer.global_step - 1))
+            except Exception as exc:  # memprof's figures are a side output: a logger refusing them ends nothing
+                warn(f"memprof could not log its metrics to {type(logger).__name__} ({type(exc).__name__}: {exc}); "
+                     "training goes on")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.stop()

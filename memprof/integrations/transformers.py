@@ -17,8 +17,10 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..errors import MissingExtraError
-from . import Session, require, step_metrics
+from . import Session, require
 
 try:
     import transformers
@@ -37,8 +39,9 @@ require("transformers", "transformers", (4, 36), transformers.__version__)
 
 
 class MemprofCallback(Session, TrainerCallback):  # type: ignore[misc]
-    """Profile ``trainer.train()``: the Trainer's model and optimizer (followed through accelerate's
-    wrapper), from ``on_train_begin`` to ``on_train_end``.
+    """Profile ``trainer.train()``: the model the Trainer calls (``trainer.model_wrapped``, the
+    ``torch.compile`` wrapper with ``torch_compile=True``) and its optimizer (followed through
+    accelerate's wrapper), from ``on_train_begin`` to ``on_train_end``.
 
     ``mode`` and ``schedule`` are those of :func:`memprof.profile`. With ``save_dir`` the report is
     saved there at the end (``memprof-rank<N>.json``) and, with a schedule, after each recorded
@@ -57,21 +60,15 @@ class MemprofCallback(Session, TrainerCallback):  # type: ignore[misc]
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
-        self._log_first(sys._getframe(1))
+        caller = sys._getframe(1)
+        self._log_first(caller)
         # A second train() on the same callback: the first profile ends here.
-        self.begin(model, optimizer, int(getattr(args, "process_index", 0) or 0))
+        self.begin(_called_model(caller, model), optimizer, int(getattr(args, "process_index", 0) or 0))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        prof = self.profiler
-        if prof is None or not prof.running:
-            return
-        prof.end_step()  # every optimizer of this step has stepped: its record closes now
-        last = prof.latest_step()
-        # Only a step recorded since the last one logged (a schedule leaves the others out).
-        fresh = last is not None and last.index != self._logged
-        self._metrics = step_metrics(last) if fresh else {}
-        if fresh:
-            self._logged = last.index
+        # Every optimizer of this step has stepped: its record closes now. Only a step recorded since the
+        # last one logged has metrics (a schedule leaves the others out).
+        self._metrics = self.step_ended()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: "dict[str, Any] | None" = None,
                **kwargs: Any) -> None:
@@ -100,3 +97,20 @@ class MemprofCallback(Session, TrainerCallback):  # type: ignore[misc]
         if isinstance(callbacks, list) and self in callbacks and callbacks[0] is not self:
             callbacks.remove(self)
             callbacks.insert(0, self)
+
+
+def _called_model(frame: Any, model: Any) -> Any:
+    """The module the Trainer's loop calls: ``trainer.model_wrapped``, what accelerate's ``prepare`` returned
+    (the ``torch.compile`` wrapper with ``torch_compile=True``, DDP across processes), of the Trainer whose
+    ``train()`` runs this event; ``model`` (the Trainer's own, which callbacks are handed) where there is
+    none. The unwrapped model runs inside the wrapper's compiled code, where its hooks are skipped: profiled
+    alone, its forward would be unseen."""
+    for _ in range(8):  # the Trainer's loop, then CallbackHandler.on_train_begin and call_event
+        if frame is None:
+            break
+        trainer = frame.f_locals.get("self")
+        if isinstance(trainer, transformers.Trainer):
+            called = getattr(trainer, "model_wrapped", None)
+            return called if isinstance(called, torch.nn.Module) else model
+        frame = frame.f_back
+    return model

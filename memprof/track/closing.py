@@ -14,7 +14,7 @@ import dataclasses
 import warnings
 from typing import TYPE_CHECKING
 
-from ..errors import ProfilerStateError, error_text
+from ..errors import MemprofWarning, ProfilerStateError, error_text
 from .oom import is_oom, oom_record
 from .record import build_trace
 from .undo import Failure, Failures, attempt, undo
@@ -205,6 +205,6 @@ def warn(failures: Failures, when: str) -> None:
     what = "; ".join(f"{f.what}: {error_text(f.exc)}" for f in failures)
     try:
         warnings.warn(f"memprof: {len(failures)} step(s) failed {when} ({what}); everything it installed was "
-                      "removed", RuntimeWarning, stacklevel=4)
+                      "removed", MemprofWarning, stacklevel=4)
     except Exception:  # warnings turned into errors: the user's code must still not see memprof's failure
         pass

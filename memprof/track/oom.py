@@ -27,7 +27,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgumentError, error_text
+from ..errors import InvalidArgumentError, MemprofWarning, error_text
 from ..trace import OomRecord
 
 if TYPE_CHECKING:
@@ -64,13 +64,14 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
-def checked_folder(folder: Any) -> str:
-    """``folder`` as a path memprof can write dumps into (created if missing), or a clear error now."""
+def checked_folder(folder: Any, argument: str = "oom_dump") -> str:
+    """``folder`` as a path memprof can write files into (created if missing), or a clear error now;
+    ``argument`` is the name the error gives it (the integrations' ``save_dir`` is checked here too)."""
     if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
-        raise InvalidArgumentError(f"oom_dump must be a folder path (a str or pathlib.Path), got {folder!r}")
+        raise InvalidArgumentError(f"{argument} must be a folder path (a str or pathlib.Path), got {folder!r}")
     path = os.path.abspath(os.fspath(folder))
     if os.path.exists(path) and not os.path.isdir(path):
-        raise InvalidArgumentError(f"oom_dump={folder!r} is a file, not a folder; give a folder for the dumps")
+        raise InvalidArgumentError(f"{argument}={folder!r} is a file, not a folder; give a folder for memprof's files")
     try:
         os.makedirs(path, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".memprof-probe-", dir=path)
@@ -78,7 +79,7 @@ def checked_folder(folder: Any) -> str:
         os.unlink(probe)
     except OSError as exc:
         raise InvalidArgumentError(
-            f"oom_dump={folder!r}: memprof cannot write there ({exc.strerror or exc}); give a writable folder"
+            f"{argument}={folder!r}: memprof cannot write there ({exc.strerror or exc}); give a writable folder"
         ) from None
     return path
 
@@ -138,7 +139,8 @@ class OomDump:
             write_bytes_atomic(name, pickle.dumps(snapshot))  # whole or not at all: no truncated pickle left
             self.snapshot = name
         except Exception as exc:  # never a second exception inside the allocator's failure path
-            warnings.warn(f"memprof could not write the memory_viz snapshot at the OOM: {exc}", stacklevel=2)
+            warnings.warn(f"memprof could not write the memory_viz snapshot at the OOM: {exc}", MemprofWarning,
+                          stacklevel=2)
 
     # -- when the error leaves the block -------------------------------------------------------
 
@@ -164,7 +166,7 @@ def _warn(message: str) -> None:
     # Called in the profile's exit while the user's OOM propagates: with warnings made errors
     # (-W error, pytest's filterwarnings) the warning would replace that OOM, so it is dropped instead.
     try:
-        warnings.warn(message, stacklevel=4)
+        warnings.warn(message, MemprofWarning, stacklevel=4)
     except Warning:
         pass
 

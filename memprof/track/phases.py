@@ -310,11 +310,16 @@ class PhaseTracker:
         phases = self.step_phases
         last = self.retention.kept.get(self.step - 1)
         if phases:
-            if last is not None and all(p.phase is Phase.OTHER for p in phases):
+            tail = all(p.phase is Phase.OTHER for p in phases)
+            if tail and last is not None:
                 extra = tuple(dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
                     1 for q in last.phases if q.phase is p.phase)) for p in phases)
                 self.retention.replace_last(StepRecord(last.index, last.phases + extra))
                 self.retention.add_phases(extra)
+            elif tail and self.step > 0 and windows is not None:
+                # The tail of a schedule's warmup step, closed early by end_step() (a callback at the step's
+                # end): forgotten with that step, never a step of its own that did not run.
+                windows.forget(self.step)
             elif windows is None or windows.records_now():
                 self.keep(StepRecord(self.step, tuple(phases)), selected=windows is not None)
                 if windows is not None:

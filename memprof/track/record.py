@@ -16,14 +16,15 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..trace import Breakdown, ModelFacts, ModuleRecord, OperationRecord, Sample, Trace, parent_path
+from ..trace import Breakdown, ModelFacts, ModuleRecord, OperationRecord, Sample, StepRecord, Trace, parent_path
 from .ledger import ACTIVATIONS, CATEGORY_OF_INDEX, INPUTS, TEMPORARIES, Ledger, breakdown, storage_of, tag_pairs
 from .modules import attribute_tensors
 
 if TYPE_CHECKING:
     from ..profiler import Profiler
 
-__all__ = ["breakdown", "blank", "build_trace", "live_modules", "live_storages"]
+__all__ = ["breakdown", "blank", "blank_step", "build_trace", "latest_recorded", "unmeasured", "live_modules",
+           "live_storages"]
 
 #: Most live storages an error's record lists (the largest): bounds a dump of a model of any size.
 MAX_LIVE_STORAGES = 100_000
@@ -33,6 +34,29 @@ def blank(bd: Breakdown, cats: frozenset[int], total: bool) -> Breakdown:
     """``bd`` with the categories a run could not measure (and maybe its total) as None."""
     counts = tuple(None if i in cats else v for i, v in enumerate(bd.counts))
     return Breakdown(counts, None if total else bd.total)
+
+
+def blank_step(step: StepRecord, cats: frozenset[int], total: bool) -> StepRecord:
+    """``step`` with what the run could not measure as None in each phase's start, peak and end."""
+    return dataclasses.replace(step, phases=tuple(
+        dataclasses.replace(p, start=blank(p.start, cats, total), peak=blank(p.peak, cats, total),
+                            end=blank(p.end, cats, total)) for p in step.phases))
+
+
+def latest_recorded(prof: "Profiler") -> "StepRecord | None":
+    """The last step recorded so far (``None`` before the first; the trace's last after the end), with what
+    the run cannot measure as None, as the trace will have it: a callback never logs a figure the report
+    calls not measured."""
+    if prof._state in ("new", "failed"):
+        return None
+    if prof._trace is not None:
+        return prof._trace.steps[-1] if prof._trace.steps else None
+    kept = prof.phases.retention.kept
+    if not kept:
+        return None
+    missing = unmeasured(prof)
+    last = kept[max(kept)]
+    return blank_step(last, *missing) if missing is not None else last
 
 
 def live_modules(prof: "Profiler") -> tuple[tuple[str, int], ...]:
@@ -109,9 +133,7 @@ def build_trace(prof: "Profiler") -> Trace:
     missing = unmeasured(prof)
     if missing is not None:
         start, peak, end = (blank(b, *missing) for b in (start, peak, end))
-        steps = [dataclasses.replace(s, phases=tuple(
-            dataclasses.replace(p, start=blank(p.start, *missing), peak=blank(p.peak, *missing),
-                                end=blank(p.end, *missing)) for p in s.phases)) for s in steps]
+        steps = [blank_step(s, *missing) for s in steps]
         timeline = tuple(dataclasses.replace(x, breakdown=blank(x.breakdown, *missing)) for x in timeline)
         if live_at_error is not None:
             live_at_error = blank(live_at_error, *missing)

@@ -101,6 +101,10 @@ class Windows:
         finally:  # a callback that raises still leaves the unwatched steps unwatched
             if not self.plan.watches(self.step):
                 self.pause()
+            elif self.plan(self.step) == WARMUP:
+                # A warmup step right after a watched one (no pause, so no resume() to note it): the peak
+                # to return to is the one now, with the steps just recorded in it.
+                self.peak_before_warmup = self.prof.ledger.peak_state()
 
     def forget(self, index: int) -> None:
         """A warmup step closed: its peak, samples and phases leave no trace in the record."""

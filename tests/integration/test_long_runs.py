@@ -268,6 +268,39 @@ def test_on_trace_ready_is_called_once_per_window_also_when_windows_touch():
     assert seen == [(0, 1), (2, 3), (4, 5)]
 
 
+def test_a_warmup_step_right_after_a_recorded_one_keeps_that_steps_peak():
+    # warmup=1, active=1: steps 0 W, 1 A, 2 W, 3 A. Step 1 trains on a batch 32 times larger, so its peak is the
+    # run's; forgetting warmup step 2 returns to the peak as it stood after step 1, not to before step 0.
+    model, opt, x, y = _setup()
+    big_x, big_y = torch.randn(512, 32), torch.randn(512, 8)
+    with memprof.profile(model, opt, schedule=memprof.schedule(warmup=1, active=1)) as prof:
+        for i in range(4):
+            _train(model, opt, big_x if i == 1 else x, big_y if i == 1 else y, 1)
+    tr = prof.trace
+    assert tr.recorded_steps == ((1, 1), (3, 3)) and tr.num_steps == 4
+    step1, step3 = (max(p.peak.total for p in s.phases) for s in tr.steps)
+    assert tr.peak_step == 1 and tr.peak.total == step1 > step3
+
+
+def test_end_step_on_a_last_warmup_step_adds_no_step_that_never_ran():
+    # skip_first=1, warmup=1, active=1 over 6 steps: 0 skip, 1 W, 2 A, 3 W, 4 A, 5 W (6 would be active).
+    # end_step() closes each step before zero_grad, which then runs after the last step, in no step.
+    model, opt, x, y = _setup()
+    seen = []
+    prof = memprof.Profiler(model, opt, schedule=memprof.schedule(skip_first=1, warmup=1, active=1),
+                            on_trace_ready=lambda p: seen.append(p.window))
+    prof.start()
+    for _ in range(6):
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        prof.end_step()
+        opt.zero_grad()
+    prof.stop()
+    tr = prof.trace
+    assert tr.num_steps == 6 and tr.recorded_steps == ((2, 2), (4, 4)) and seen == [(2, 2), (4, 4)]
+    assert [s.index for s in tr.steps] == [2, 4] and tr.peak_step in (2, 4)
+
+
 def test_a_failing_on_trace_ready_still_pauses_memprof():
     model, opt, x, y = _setup()
 

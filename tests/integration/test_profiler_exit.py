@@ -328,7 +328,7 @@ def test_a_failure_of_memprof_at_exit_is_a_warning_and_a_note_and_the_record_sta
     model, x = MLP(), torch.randn(4, 32)
     fired = _patch(monkeypatch, profiler_mod, "live_storages", Injected, 1)  # read by live_now
     err = ValueError("the user's")
-    with pytest.warns(RuntimeWarning, match="recording what was live at the error"):
+    with pytest.warns(memprof.errors.MemprofWarning, match="recording what was live at the error"):
         with pytest.raises(ValueError) as info:
             with memprof.profile(model) as prof:
                 model(x).sum().backward()
@@ -341,7 +341,7 @@ def test_a_failure_of_memprof_at_exit_is_a_warning_and_a_note_and_the_record_sta
 def test_a_failure_to_build_the_record_says_so_when_it_is_read(monkeypatch):
     model, x = MLP(), torch.randn(4, 32)
     _patch(monkeypatch, closing_mod, "build_trace", Injected, 1)
-    with pytest.warns(RuntimeWarning, match="building the record"):
+    with pytest.warns(memprof.errors.MemprofWarning, match="building the record"):
         with memprof.profile(model) as prof:
             model(x).sum().backward()
     with pytest.raises(ProfilerStateError, match="could not build the record of this profile: Injected: injected"):
