@@ -6,11 +6,13 @@ crafted or truncated file never reaches arithmetic or display downstream.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import re
+from typing import Any, Mapping, Sequence
 
 from .errors import TraceFormatError
 
-__all__ = ["count", "optional_count", "text", "optional_text", "corrupt", "fields", "pairs"]
+__all__ = ["count", "optional_count", "text", "optional_text", "corrupt", "fields", "pairs", "seq", "mapping",
+           "flag"]
 
 # The largest count a trace may hold (16 EiB, or as many ops): a real run is far below it, and a
 # crafted 10**400 would otherwise load and break arithmetic and display downstream.
@@ -41,9 +43,39 @@ def optional_time(value: Any, name: str) -> "float | None":
     return float(value)
 
 
+# Half of a UTF-16 surrogate pair on its own: valid in JSON (written "\ud800") and in a Python str, but no
+# encoding can write it, so printing or saving it would raise UnicodeEncodeError.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def text(value: Any, name: str) -> str:
+    """A string from a file, with any lone surrogate replaced by U+FFFD (the replacement character)."""
     if not isinstance(value, str):
         raise corrupt(f"{name} must be a string, got {_shown(value)}")
+    return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
+
+
+def seq(value: Any, name: str, length: "int | None" = None) -> Sequence[Any]:
+    """A JSON array from a file (of exactly ``length`` items, if given). A string is refused too:
+    iterated or unpacked, ``"abc"`` would pass for three items."""
+    if not isinstance(value, (list, tuple)):
+        raise corrupt(f"{name} must be a list, got {_shown(value)}")
+    if length is not None and len(value) != length:
+        raise corrupt(f"{name} must be a list of {length} values, got {_shown(value)}")
+    return value
+
+
+def mapping(value: Any, name: str) -> Mapping[str, Any]:
+    """A JSON object from a file."""
+    if not isinstance(value, Mapping):
+        raise corrupt(f"{name} must be a mapping, got {_shown(value)}")
+    return value
+
+
+def flag(value: Any, name: str) -> bool:
+    """A JSON true or false from a file (a string such as "no" would otherwise read as True)."""
+    if not isinstance(value, bool):
+        raise corrupt(f"{name} must be true or false, got {_shown(value)}")
     return value
 
 
@@ -84,6 +116,7 @@ def optional_text(value: Any, name: str) -> "str | None":
     return None if value is None else text(value, name)
 
 
-def pairs(items: Any) -> tuple[tuple[str, int], ...]:
+def pairs(items: Any, name: str = "tags") -> tuple[tuple[str, int], ...]:
     """(name, bytes) pairs, such as the tags' live bytes."""
-    return tuple((text(a, "a tag name"), count(b, "a tag's bytes")) for a, b in items)
+    return tuple((text(a, "a tag name"), count(b, "a tag's bytes"))
+                 for a, b in (seq(item, f"an entry of {name}", 2) for item in seq(items, name)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .checks import corrupt, count, text
+from .checks import corrupt, count, flag, mapping, seq, text
 
 __all__ = ["TensorSpec", "ModuleCall", "ParamSpec", "OptimizerSpec", "plain_config", "itemsize"]
 
@@ -61,8 +61,8 @@ class TensorSpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> "TensorSpec":
-        shape, dtype = data
-        return cls(tuple(count(n, "a dimension") for n in shape), text(dtype, "a dtype"))
+        shape, dtype = seq(data, "a tensor's shape and dtype", 2)
+        return cls(tuple(count(n, "a dimension") for n in seq(shape, "a shape")), text(dtype, "a dtype"))
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -87,7 +87,7 @@ def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 def _config(items: Any) -> tuple[tuple[str, Any], ...]:
     out = []
-    for key, value in items:
+    for key, value in (seq(item, "a setting", 2) for item in seq(items, "settings")):
         key = text(key, "a setting's name")
         if isinstance(value, list):
             value = tuple(value)
@@ -129,16 +129,18 @@ class ModuleCall:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModuleCall":
+        data = mapping(data, "a module call")
         return cls(
             path=text(data["path"], "a module call's path"),
-            classes=tuple(text(c, "a class name") for c in data["classes"]),
+            classes=tuple(text(c, "a class name") for c in seq(data["classes"], "a module call's classes")),
             config=_config(data.get("config", ())),
-            params=tuple((text(n, "a parameter name"), bool(g)) for n, g in data.get("params", ())),
-            inputs=tuple(TensorSpec.from_dict(t) for t in data.get("inputs", ())),
+            params=tuple((text(n, "a parameter name"), flag(g, "requires_grad"))
+                         for n, g in (seq(p, "a parameter", 2) for p in seq(data.get("params", ()), "parameters"))),
+            inputs=tuple(TensorSpec.from_dict(t) for t in seq(data.get("inputs", ()), "a module call's inputs")),
             output=TensorSpec.from_dict(data["output"]) if data.get("output") is not None else None,
-            grad=bool(data.get("grad")),
-            leaf=bool(data.get("leaf", True)),
-            checkpointed=bool(data.get("checkpointed", False)),
+            grad=flag(data.get("grad", False), "a module call's grad"),
+            leaf=flag(data.get("leaf", True), "a module call's leaf"),
+            checkpointed=flag(data.get("checkpointed", False), "a module call's checkpointed"),
         )
 
 
@@ -159,8 +161,10 @@ class ParamSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ParamSpec":
-        return cls(tuple(count(n, "a dimension") for n in data["shape"]), text(data["dtype"], "a dtype"),
-                   text(data["device"], "a device"), bool(data["requires_grad"]), bool(data.get("plain", True)))
+        data = mapping(data, "an optimizer's parameter")
+        return cls(tuple(count(n, "a dimension") for n in seq(data["shape"], "a shape")),
+                   text(data["dtype"], "a dtype"), text(data["device"], "a device"),
+                   flag(data["requires_grad"], "requires_grad"), flag(data.get("plain", True), "plain"))
 
 
 @dataclass(frozen=True)
@@ -182,12 +186,14 @@ class OptimizerSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "OptimizerSpec":
-        params = tuple(ParamSpec.from_dict(p) for p in data["params"])
+        data = mapping(data, "an optimizer")
+        params = tuple(ParamSpec.from_dict(p) for p in seq(data["params"], "an optimizer's parameters"))
         groups = []
-        for g in data["groups"]:
-            idx = tuple(count(i, "a parameter index") for i in g["params"])
+        for g in seq(data["groups"], "an optimizer's groups"):
+            g = mapping(g, "a parameter group")
+            idx = tuple(count(i, "a parameter index") for i in seq(g["params"], "a group's parameters"))
             if any(i >= len(params) for i in idx):
                 raise corrupt("an optimizer group names a parameter the record does not hold")
             groups.append((_config(g.get("config", ())), idx, text(g["implementation"], "an implementation")))
-        return cls(tuple(text(c, "a class name") for c in data["classes"]), tuple(groups), params,
-                   _config(data.get("args", ())))
+        return cls(tuple(text(c, "a class name") for c in seq(data["classes"], "an optimizer's classes")),
+                   tuple(groups), params, _config(data.get("args", ())))
