@@ -366,3 +366,20 @@ def test_moved_modules_still_import_and_say_where_they_went():
         _sys.modules.pop(old, None)
         with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
             importlib.import_module(old)
+
+
+@pytest.mark.parametrize("bad, got", [(None, "got NoneType"), (5, "got int"), ([None], "got NoneType in the list"),
+                                      (memprof.Report, "got type in the list"), ("rank0.json", "got one str")])
+def test_merge_names_what_it_takes(bad, got):
+    with pytest.raises(InvalidArgumentError, match=f"merge\\(\\) takes a list of reports or paths .*{got}"):
+        memprof.merge([bad] if bad is memprof.Report else bad)
+
+
+def test_merge_takes_traces_and_any_iterable(saved):
+    import dataclasses
+
+    from memprof.records import RankInfo
+
+    ranks = [dataclasses.replace(saved.trace, distributed=RankInfo(r, 2)) for r in (1, 0)]
+    merged = memprof.merge(t for t in ranks)  # a generator of Traces
+    assert sorted(merged.ranks) == [0, 1] and merged.ranks[1].trace is ranks[0]
