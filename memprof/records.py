@@ -19,6 +19,8 @@ __all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "
 
 _ALL = tuple(Category)
 _TENSOR = tuple(_ALL.index(c) for c in TENSOR_CATEGORIES)
+# A category's place in a breakdown, by member or by value (a str enum's member and its value are one key).
+_INDEX = {c: i for i, c in enumerate(_ALL)}
 
 #: The most ranks a job may have, in a record or an estimate: larger worlds than any job runs, so a
 #: typo (or a crafted file) more likely than a plan; what is sized per rank stays bounded.
@@ -62,7 +64,8 @@ class Breakdown(Mapping[Category, "int | None"]):
         return cls(tuple(None for _ in _ALL), None)
 
     def __getitem__(self, key: "Category | str") -> "int | None":
-        return self.counts[_ALL.index(Category.parse(key))]
+        i = _INDEX.get(key) if isinstance(key, str) else None
+        return self.counts[i if i is not None else _ALL.index(Category.parse(key))]
 
     def __iter__(self) -> Iterator[Category]:
         return iter(_ALL)
