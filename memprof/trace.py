@@ -109,17 +109,39 @@ class Trace:
     def phases(self) -> tuple[PhaseRecord, ...]:
         return tuple(p for s in self.steps for p in s.phases)
 
+    def peak_record(self) -> "PhaseRecord | None":
+        """The kept phase that holds the run's peak: of the phases of the peak's step and kind, the one
+        with the highest peak (the first of equals, where the total first reached it). None when that
+        step is not kept in full."""
+        best = None
+        for p in self.phases:
+            if p.step == self.peak_step and p.phase is self.peak_phase and (
+                    best is None or sum(p.peak.measured().values()) > sum(best.peak.measured().values())):
+                best = p
+        return best
+
+    def peak_phase_label(self) -> "str | None":
+        """The peak's phase as the phase tables name it: ``backward``, or ``backward #1`` for the second
+        backward of its step (gradient accumulation's second micro-batch)."""
+        if self.peak_phase is None:
+            return None
+        rec = self.peak_record()
+        return self.peak_phase.value + (f" #{rec.occurrence}" if rec is not None and rec.occurrence else "")
+
     def peak_location(self) -> list[str]:
-        """Where the peak was, in words: step, phase and module (for headings)."""
+        """Where the peak was, in words: step, phase and module as the tables name them (for headings:
+        ``["step 1", "backward #1", "in 1 (ReLU)"]``)."""
         where = []
         if self.peak.total is None:
             where.append("categories at the highest measured level")
         if self.peak_step is not None:
             where.append(f"step {self.peak_step}")
-        if self.peak_phase is not None:
-            where.append(self.peak_phase.value)
+        label = self.peak_phase_label()
+        if label is not None:
+            where.append(label)
         if self.peak_module:
-            where.append(f"in {self.peak_module}")
+            kind = next((m.type for m in self.modules if m.path == self.peak_module), None)
+            where.append(f"in {self.peak_module}" + (f" ({kind})" if kind else ""))
         return where
 
     def to_dict(self) -> dict[str, Any]:
