@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from .categories import TENSOR_CATEGORIES, Category, Phase
-from .checks import (corrupt, count, fields, mapping, optional_count, optional_text, optional_time, pairs, seq,
+from .checks import (corrupt, count, fields, mapping, member, optional_count, optional_text, optional_time, pairs, seq,
                      text)
 from .errors import TraceFormatError
 
@@ -150,7 +150,7 @@ class PhaseRecord:
         data = mapping(data, "a phase")
         rec = cls(
             step=count(data["step"], "step"),
-            phase=Phase.parse(data["phase"]),
+            phase=member(data["phase"], Phase, "a phase"),
             occurrence=count(data["occurrence"], "occurrence"),
             start=Breakdown.from_dict(data["start"]),
             peak=Breakdown.from_dict(data["peak"]),
@@ -213,7 +213,7 @@ class ModelFacts:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelFacts":
-        kw = fields(cls, data)
+        kw = fields(cls, data, own=("modules_without_rule", "dims"))
         if "modules_without_rule" in kw:
             kw["modules_without_rule"] = tuple(text(n, "a module type")
                                                for n in seq(kw["modules_without_rule"], "modules_without_rule"))
@@ -343,7 +343,7 @@ class Sample:
         if event not in SAMPLE_EVENTS:
             raise corrupt(f"a sample's event must be one of {', '.join(map(repr, SAMPLE_EVENTS))}, got {event[:20]!r}")
         return cls(count(data["seq"], "a sample's seq"), count(data["step"], "a sample's step"),
-                   Phase.parse(data["phase"]), text(data["label"], "a sample's label"),
+                   member(data["phase"], Phase, "a sample's phase"), text(data["label"], "a sample's label"),
                    Breakdown.from_dict(data["breakdown"]), optional_time(data.get("time_us"), "a sample's time_us"),
                    event)
 

@@ -24,6 +24,32 @@ _ITEMSIZE = {
 }
 
 
+#: torch's limit on a tensor's bytes (and elements): an int64 byte count.
+_TORCH_MAX_BYTES = 2**63 - 1
+
+
+def _dtype(value: Any) -> str:
+    """A dtype's name from a file: one this table or torch knows (formulas make meta tensors of it)."""
+    name = text(value, "a dtype")
+    if name not in _ITEMSIZE:
+        import torch  # a newer torch's dtype, or none: only torch can tell
+
+        if not isinstance(getattr(torch, name, None) if name.isidentifier() else None, torch.dtype):
+            raise corrupt(f"{name[:40]!r} is not a dtype torch knows")
+    return name
+
+
+def _shape(value: Any, dtype: str) -> tuple[int, ...]:
+    """A tensor's shape from a file: one torch can hold, as the formulas make a meta tensor of it."""
+    shape = tuple(count(n, "a dimension") for n in seq(value, "a shape"))
+    size = itemsize(dtype)
+    for n in shape:
+        size *= n
+    if size > _TORCH_MAX_BYTES:
+        raise corrupt(f"a tensor of shape {list(shape)[:8]} and dtype {dtype} is larger than torch can hold")
+    return shape
+
+
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype named as a record names it (``"bfloat16"``)."""
     size = _ITEMSIZE.get(dtype)
@@ -62,7 +88,8 @@ class TensorSpec:
     @classmethod
     def from_dict(cls, data: Any) -> "TensorSpec":
         shape, dtype = seq(data, "a tensor's shape and dtype", 2)
-        return cls(tuple(count(n, "a dimension") for n in seq(shape, "a shape")), text(dtype, "a dtype"))
+        dtype = _dtype(dtype)
+        return cls(_shape(shape, dtype), dtype)
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -86,16 +113,23 @@ def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def _config(items: Any) -> tuple[tuple[str, Any], ...]:
+    """Plain settings from a file: (name, value) pairs whose values are numbers, strings, null or lists
+    of them (strings read as :func:`~memprof.checks.text` reads them)."""
     out = []
     for key, value in (seq(item, "a setting", 2) for item in seq(items, "settings")):
         key = text(key, "a setting's name")
-        if isinstance(value, list):
-            value = tuple(value)
-        if isinstance(value, tuple) and not all(isinstance(v, _PLAIN) for v in value) or not isinstance(
-                value, _PLAIN + (tuple,)):
-            raise corrupt(f"setting {key!r} must be a number, string, null or a list of them")
+        if isinstance(value, (list, tuple)):
+            value = tuple(_setting(key, v) for v in value)
+        else:
+            value = _setting(key, value)
         out.append((key, value))
     return tuple(out)
+
+
+def _setting(key: str, value: Any) -> Any:
+    if not isinstance(value, _PLAIN):
+        raise corrupt(f"setting {key[:40]!r} must be a number, string, null or a list of them")
+    return text(value, f"setting {key[:40]!r}") if isinstance(value, str) else value
 
 
 @dataclass(frozen=True)
@@ -162,8 +196,8 @@ class ParamSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ParamSpec":
         data = mapping(data, "an optimizer's parameter")
-        return cls(tuple(count(n, "a dimension") for n in seq(data["shape"], "a shape")),
-                   text(data["dtype"], "a dtype"), text(data["device"], "a device"),
+        dtype = _dtype(data["dtype"])
+        return cls(_shape(data["shape"], dtype), dtype, text(data["device"], "a device"),
                    flag(data["requires_grad"], "requires_grad"), flag(data.get("plain", True), "plain"))
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .categories import Category, Phase
-from .checks import corrupt, count, optional_count, optional_text, pairs, seq, text
+from .checks import corrupt, count, member, optional_count, optional_text, pairs, seq, text
 from .errors import TraceFormatError
 from .phase_stats import PhaseStats
 from .records import (Breakdown, DeviceInfo, GenerationFacts, ModelFacts, ModuleRecord, OomRecord,
@@ -212,14 +212,14 @@ class Trace:
                 peak=Breakdown.from_dict(data["peak"]),
                 end=Breakdown.from_dict(data["end"]),
                 peak_step=_peak_step(data),
-                peak_phase=Phase.parse(data["peak_phase"]) if data.get("peak_phase") else None,
+                peak_phase=_optional(data, "peak_phase", lambda v: member(v, Phase, "peak_phase")),
                 peak_module=optional_text(data.get("peak_module"), "peak_module"),
                 steps=_steps(data["steps"]),
                 modules=tuple(ModuleRecord.from_dict(m) for m in seq(data["modules"], "modules")),
                 timeline=tuple(Sample.from_dict(s) for s in _list(data, "timeline")),
                 notes=tuple(text(n, "a note") for n in _list(data, "notes")),
                 error=optional_text(data.get("error"), "error"),
-                live_at_error=Breakdown.from_dict(data["live_at_error"]) if data.get("live_at_error") else None,
+                live_at_error=_optional(data, "live_at_error", Breakdown.from_dict),
                 live_modules_at_error=tuple((text(a, "a module path"), count(b, "a module's bytes"))
                                             for a, b in _rows(data, "live_modules_at_error", 2)),
                 optimizer=optional_text(data.get("optimizer"), "optimizer"),
@@ -237,13 +237,13 @@ class Trace:
                 phase_stats=tuple(PhaseStats.from_dict(p) for p in _list(data, "phase_stats")),
                 schedule=optional_text(data.get("schedule"), "schedule"),
                 recorded_steps=tuple(_span(a, b) for a, b in _rows(data, "recorded_steps", 2)),
-                oom=OomRecord.from_dict(data["oom"]) if data.get("oom") is not None else None,
+                oom=_optional(data, "oom", OomRecord.from_dict),
                 live_storages_at_error=tuple(
                     (count(a, "a storage's address"), count(n, "a storage's bytes"),
-                     Category.parse(text(c, "a storage's category")).value, text(m, "a storage's module"))
+                     member(c, Category, "a storage's category").value, text(m, "a storage's module"))
                     for a, n, c, m in _rows(data, "live_storages_at_error", 4)),
-                generation=GenerationFacts.from_dict(data["generation"]) if data.get("generation") else None,
-                distributed=RankInfo.from_dict(data["distributed"]) if data.get("distributed") else None,
+                generation=_optional(data, "generation", GenerationFacts.from_dict),
+                distributed=_optional(data, "distributed", RankInfo.from_dict),
                 schema_version=version,
             )
         except TraceFormatError:
@@ -258,6 +258,13 @@ def _mode(value: Any) -> str:
     if value not in ("full", "light"):
         raise corrupt(f"mode must be 'full' or 'light', got {text(value, 'mode')[:20]!r}")
     return value
+
+
+def _optional(data: Mapping[str, Any], key: str, read: Any) -> Any:
+    """An optional part of a trace: absent or null is None; anything else is read, so a 0, "" or [] in
+    its place is refused rather than taken for "none"."""
+    value = data.get(key)
+    return None if value is None else read(value)
 
 
 def _list(data: Mapping[str, Any], key: str) -> Any:

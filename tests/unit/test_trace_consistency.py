@@ -164,3 +164,31 @@ def test_a_lone_surrogate_is_replaced_and_the_report_prints(data, tmp_path, caps
 
 def test_the_shipped_files_still_load(data):
     assert Trace.from_dict(data) == full_trace()
+
+
+@pytest.mark.parametrize("where, value, match", [
+    # Every optional figure of a module, a device and the facts is checked, not only the required ones.
+    (("modules", 1, "gradients"), "lots", "ModuleRecord.gradients must be an int"),
+    (("device", "total_memory"), -1, "DeviceInfo.total_memory must be between 0"),
+    (("facts", "batch_size"), [3], "ModelFacts.batch_size must be an int"),
+    # A count is an int64, as torch's sizes and the frames' Int64 columns are.
+    (("peak", "weights"), 2**63, "weights must be between 0 and 2\\*\\*63 - 1"),
+    # Shapes and dtypes are ones torch can make a tensor of: the formulas do.
+    (("module_calls", 0, "output", 1), "float33", "'float33' is not a dtype torch knows"),
+    (("optimizers", 0, "params", 0, "dtype"), "Tensor", "'Tensor' is not a dtype torch knows"),
+    (("optimizers", 0, "params", 0, "shape"), [2**40, 2**40], "larger than torch can hold"),
+    # An optional part is absent or null, never a 0, "" or [] taken for "none".
+    (("generation",), 0, "the generation record must be a mapping, got 0"),
+    (("peak_phase",), "", "peak_phase must be one of forward, backward"),
+    (("live_at_error",), [], "a breakdown must be a mapping"),
+    # Names are exactly as memprof writes them.
+    (("steps", 0, "phases", 0, "phase"), "Forward", "a phase must be one of forward"),
+    (("timeline", 0, "phase"), "forward ", "a sample's phase must be one of"),
+])
+def test_a_value_the_loader_once_let_through_is_refused(data, where, value, match):
+    _refused(_set(data, where, value), match)
+
+
+def test_strings_in_settings_are_read_as_every_string_is(data):
+    _set(data, ("module_calls", 0, "config", 0), ["mode", "a\ud800"])
+    assert dict(Trace.from_dict(data).module_calls[0].config)["mode"] == "a\ufffd"
