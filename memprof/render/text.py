@@ -210,9 +210,17 @@ def _levers(t: "Trace") -> list[str]:
         return []
 
 
+#: Most characters of a note or an error message the report prints (a tensor printed into an exception
+#: can make megabytes); the rest is counted, and is in the trace.
+MAX_PROSE = 1000
+
+
 def _prose(text: str) -> str:
     """Prose from a trace (a note, an error message) on one line of the report: its lines joined by
-    blanks (a traceback's lines read on), where a name's newline is shown as an escape."""
+    blanks (a traceback's lines read on), where a name's newline is shown as an escape; at most
+    :data:`MAX_PROSE` characters of it."""
+    if len(text) > MAX_PROSE:
+        text = f"{text[:MAX_PROSE]}… ({len(text) - MAX_PROSE:,} more characters)"
     return " ".join(text.splitlines())
 
 

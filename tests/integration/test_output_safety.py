@@ -128,6 +128,9 @@ def test_a_long_exception_message_is_cut_with_a_marker(tmp_path):
     page = path.read_text(encoding="utf-8")
     # 3,000,014 characters, 2,000 shown: the marker says how many more there are.
     assert page.count("RuntimeError: xxx") >= 2 and "… (2,998,014 more characters)" in page
+    # The text report too: 1,000 characters of the error and of the note, the rest counted.
+    text = str(memprof.Report(t))
+    assert len(text) < 10_000 and text.count("… (2,999,014 more characters)") == 2
 
 
 def test_a_trace_of_20000_kept_steps_makes_a_bounded_page():
