@@ -338,9 +338,10 @@ def main(argv: "Sequence[str] | None" = None) -> int:
 
 
 def _error(message: str) -> None:
-    from .units import printable
+    from .units import one_line
 
-    print(f"memprof: error: {printable(message)}", file=sys.stderr)
+    # One line, whatever the message quotes (a file name, a module's name with a newline in it).
+    print(f"memprof: error: {one_line(message)}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 from .categories import Category
 from .errors import InvalidArgumentError, MergeError
 from .report import Report, load
+from .trace import Trace
 
 __all__ = ["Merged", "merge", "MergeError"]
 
@@ -72,17 +73,16 @@ class Merged:
 def merge(reports: Iterable["Report | str | os.PathLike[str]"]) -> Merged:
     """Put the reports of the ranks of one run side by side.
 
-    ``reports`` are :class:`~memprof.Report` objects or paths of saved traces. Each must come from a
+    ``reports`` is a list (any iterable) of :class:`~memprof.Report` objects, Traces or paths of saved
+    traces, one per rank. Each must come from a
     profile inside a torch.distributed process group (its trace records its rank); together they must
     be distinct ranks of one world size and one model (same parameter count). Ranks of the world that
     are missing are listed in ``missing`` and in the notes, not refused: a job's surviving ranks are
     worth reading. Raises :class:`MergeError` otherwise.
     """
-    if isinstance(reports, (str, bytes, os.PathLike, Report, dict)):
-        raise InvalidArgumentError("merge() takes a list of reports or paths, one per rank")
-    items = list(reports)
-    given = [r if isinstance(r, Report) else _load(r) for r in items]
-    names = [f"report {i}" if isinstance(r, Report) else os.fspath(r) for i, r in enumerate(items)]
+    items = _items(reports)
+    given = [_report(r) for r in items]
+    names = [os.fspath(r) if isinstance(r, (str, os.PathLike)) else f"report {i}" for i, r in enumerate(items)]
     if not given:
         raise MergeError("merge() needs at least one report (one per rank)")
     ranks: dict[int, Report] = {}
@@ -110,7 +110,7 @@ def merge(reports: Iterable["Report | str | os.PathLike[str]"]) -> Merged:
     if outside:
         raise MergeError(f"rank(s) {outside} do not exist in a world of {world}")
     missing = tuple(r for r in range(world) if r not in ranks)
-    notes = [f"ranks {', '.join(map(str, missing))} of {world} were not given"] if missing else []
+    notes = [f"ranks {_spans(missing)} of {world} were not given"] if missing else []
     if len(layouts) > 1:
         notes.append("the ranks report different layouts or backends (" + "; ".join(
             f"{lay or 'unwrapped'} over {be}" for lay, be in sorted(layouts, key=str)) + "): check they are one run")
@@ -120,7 +120,42 @@ def merge(reports: Iterable["Report | str | os.PathLike[str]"]) -> Merged:
     return Merged(ranks=dict(sorted(ranks.items())), world_size=world, missing=missing, notes=tuple(notes))
 
 
-def _load(path: Any) -> Report:
-    if not isinstance(path, (str, os.PathLike)):
-        raise InvalidArgumentError(f"merge() takes reports or paths of saved traces, got {type(path).__name__}")
-    return load(path)
+_TAKES = "merge() takes a list of reports or paths of saved traces (Traces too), one per rank"
+
+
+def _items(reports: Any) -> list[Any]:
+    """The ranks' reports as a list: one report, one path or anything that is not a list is refused."""
+    if isinstance(reports, (str, bytes, os.PathLike, Report, Trace, dict)):
+        raise InvalidArgumentError(f"{_TAKES}; got one {type(reports).__name__}: put it in a list")
+    try:
+        return list(reports)
+    except TypeError:
+        raise InvalidArgumentError(f"{_TAKES}, got {type(reports).__name__}") from None
+
+
+def _report(item: Any) -> Report:
+    if isinstance(item, Report):
+        return item
+    if isinstance(item, Trace):
+        return Report(item)
+    if not isinstance(item, (str, os.PathLike)):
+        raise InvalidArgumentError(f"{_TAKES}, got {type(item).__name__} in the list")
+    return load(item)
+
+
+#: Stretches of missing ranks a note names before it counts the rest.
+_MAX_SPANS = 12
+
+
+def _spans(ranks: tuple[int, ...]) -> str:
+    """Ranks in increasing order as stretches ("1-3, 7"), the first :data:`_MAX_SPANS` of them: a world
+    of a million ranks with one given is one short line."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    shown = ", ".join(f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in spans[:_MAX_SPANS])
+    rest = len(spans) - _MAX_SPANS
+    return shown + (f" and {sum(b - a + 1 for a, b in spans[_MAX_SPANS:])} more" if rest > 0 else "")

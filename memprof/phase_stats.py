@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
 
 from .categories import Category, Phase
-from .checks import corrupt, count, optional_count
+from .checks import corrupt, count, flag, member, optional_count
 
 __all__ = ["Stat", "PhaseStats", "STAT_KEYS"]
 
@@ -60,9 +60,9 @@ class PhaseStats:
     def from_dict(cls, data: Mapping[str, Any]) -> "PhaseStats":
         if not isinstance(data, Mapping):
             raise corrupt("a phase statistic must be a mapping")
-        return cls(Phase.parse(data["phase"]), count(data["occurrence"], "occurrence"),
+        return cls(member(data["phase"], Phase, "a phase statistic's phase"), count(data["occurrence"], "occurrence"),
                    count(data["count"], "a phase count"), _stats(data["peak"]), _stats(data["end"]),
-                   bool(data.get("median_exact", True)))
+                   flag(data.get("median_exact", True), "median_exact"))
 
 
 def _stats(data: Any) -> tuple[tuple[str, "Stat | None"], ...]:

@@ -16,9 +16,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import InvalidArgumentError
-from .units import parse_size
+from .units import format_bytes, parse_size
 
-__all__ = ["BatchSizePlan", "max_batch_size", "max_generation_batch_size"]
+__all__ = ["BatchSizePlan", "max_batch_size", "max_generation_batch_size", "MAX_BUDGET"]
+
+#: The largest budget the search takes (1 PiB). Its probes simulate peaks up to a few times the
+#: budget (the search doubles its steps, and its first guess is a straight line that may be low), and a
+#: simulated tensor cannot exceed torch's size limit (2**63 bytes): far above any device's memory,
+#: 1 PiB keeps every probe well inside it. Above it torch's own errors ("Storage size calculation
+#: overflowed") would end the search.
+MAX_BUDGET = 2**50
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ def max_batch_size(
     ``make_batch(b)`` returns the model's inputs for batch size ``b``, or an
     ``(inputs, targets)`` pair used with ``loss_fn(output, targets)``; only
     shapes and dtypes matter (build them on the meta device to stay cheap).
-    ``budget`` is bytes or a size string (``"24 GiB"``). ``optimizer`` is as
+    ``budget`` is bytes or a size string (``"24 GiB"``), one device's memory: at most
+    :data:`MAX_BUDGET` (1 PiB). ``optimizer`` is as
     in :func:`memprof.estimate`. ``device="cuda"`` sizes blocks as the CUDA
     caching allocator does; allocator caching, fragmentation and the CUDA
     context are not included: leave headroom for them. ``attention`` is
@@ -79,7 +87,7 @@ def max_batch_size(
     if not callable(make_batch):
         raise InvalidArgumentError(f"make_batch must be a function of the batch size returning the inputs (or "
                                    f"(inputs, targets)), got {type(make_batch).__name__}")
-    limit = parse_size(budget)
+    limit = _budget(budget)
     if not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
 
@@ -113,7 +121,7 @@ def max_generation_batch_size(
     """
     from .generation import estimate_generation
 
-    limit = parse_size(budget)
+    limit = _budget(budget)
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
 
@@ -122,6 +130,17 @@ def max_generation_batch_size(
                                    precision=precision, device=device, attention=attention).peak_bytes
 
     return _plan("max_generation_batch_size", simulated_peak, limit, multiple_of)
+
+
+def _budget(budget: "int | str") -> int:
+    """The budget in bytes, at most :data:`MAX_BUDGET`."""
+    limit = parse_size(budget)
+    if limit > MAX_BUDGET:
+        raise InvalidArgumentError(
+            f"budget {budget!r} ({format_bytes(limit)}) is more than the planner can search: it stops at "
+            f"{format_bytes(MAX_BUDGET)} per device, where torch's tensor sizes still hold for its probes; give "
+            "one device's memory (e.g. '80 GiB')")
+    return limit
 
 
 def _plan(label: str, simulated_peak: Callable[[int], int], limit: int, multiple_of: int) -> BatchSizePlan:

@@ -8,16 +8,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from .categories import Category, Phase
+from .categories import TENSOR_CATEGORIES, Category, Phase
 from .cache_moments import CacheMoment, frozen_spec, spec_data
-from .checks import corrupt, count, fields, optional_count, optional_text, optional_time, pairs, text
+from .checks import (corrupt, count, fields, mapping, member, optional_count, optional_text, optional_time, pairs, seq,
+                     text)
 from .errors import TraceFormatError
 
 __all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "SAMPLE_EVENTS", "OomRecord",
            "DeviceInfo", "ModelFacts", "OperationRecord", "GenerationFacts",
-           "RankInfo"]
+           "RankInfo", "MAX_WORLD"]
 
 _ALL = tuple(Category)
+_TENSOR = tuple(_ALL.index(c) for c in TENSOR_CATEGORIES)
+# A category's place in a breakdown, by member or by value (a str enum's member and its value are one key).
+_INDEX = {c: i for i, c in enumerate(_ALL)}
+
+#: The most ranks a job may have, in a record or an estimate: larger worlds than any job runs, so a
+#: typo (or a crafted file) more likely than a plan; what is sized per rank stays bounded.
+MAX_WORLD = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,8 @@ class Breakdown(Mapping[Category, "int | None"]):
         return cls(tuple(None for _ in _ALL), None)
 
     def __getitem__(self, key: "Category | str") -> "int | None":
-        return self.counts[_ALL.index(Category.parse(key))]
+        i = _INDEX.get(key) if isinstance(key, str) else None
+        return self.counts[i if i is not None else _ALL.index(Category.parse(key))]
 
     def __iter__(self) -> Iterator[Category]:
         return iter(_ALL)
@@ -76,10 +85,19 @@ class Breakdown(Mapping[Category, "int | None"]):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Breakdown":
+        """Read from a file: bytes per category and the total, which must agree as a measurement does
+        (the measured categories sum to the total when every tensor category is measured, and never
+        exceed it when some are not)."""
         if not isinstance(data, Mapping):
             raise corrupt(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
         values = tuple(optional_count(data.get(c.value), c.value) for c in _ALL)
-        return cls(values, optional_count(data.get("total"), "total"))
+        total = optional_count(data.get("total"), "total")
+        if total is not None:
+            known = sum(v for v in values if v is not None)
+            complete = all(values[i] is not None for i in _TENSOR)
+            if known > total or complete and known != total:
+                raise corrupt(f"a breakdown's categories sum to {known} bytes but its total is {total}")
+        return cls(values, total)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{c.value}={v}" for c, v in zip(_ALL, self.counts) if v is not None)
@@ -130,9 +148,10 @@ class PhaseRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PhaseRecord":
-        return cls(
+        data = mapping(data, "a phase")
+        rec = cls(
             step=count(data["step"], "step"),
-            phase=Phase.parse(data["phase"]),
+            phase=member(data["phase"], Phase, "a phase"),
             occurrence=count(data["occurrence"], "occurrence"),
             start=Breakdown.from_dict(data["start"]),
             peak=Breakdown.from_dict(data["peak"]),
@@ -144,6 +163,17 @@ class PhaseRecord:
             peak_us=optional_time(data.get("peak_us"), "a phase's peak_us"),
             end_us=optional_time(data.get("end_us"), "a phase's end_us"),
         )
+        _peak_is_highest(rec.peak, (rec.start, rec.end), f"step {rec.step}'s {rec.phase.value} phase")
+        return rec
+
+
+def _peak_is_highest(peak: Breakdown, others: tuple[Breakdown, ...], where: str) -> None:
+    """A peak is the highest total of its span, so no moment of it (its start, its end) is higher."""
+    if peak.total is None:
+        return
+    higher = [b.total for b in others if b.total is not None and b.total > peak.total]
+    if higher:
+        raise corrupt(f"{where} peaks at {peak.total} bytes, below its own start or end ({max(higher)})")
 
 
 @dataclass(frozen=True)
@@ -184,12 +214,13 @@ class ModelFacts:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelFacts":
-        kw = fields(cls, data)
+        kw = fields(cls, data, own=("modules_without_rule", "dims"))
         if "modules_without_rule" in kw:
-            kw["modules_without_rule"] = tuple(text(n, "a module type") for n in kw["modules_without_rule"])
+            kw["modules_without_rule"] = tuple(text(n, "a module type")
+                                               for n in seq(kw["modules_without_rule"], "modules_without_rule"))
         if "dims" in kw:
             kw["dims"] = tuple((text(a, "a module path"), text(b, "a dimension"), count(c, "a dimension"))
-                               for a, b, c in kw["dims"])
+                               for a, b, c in (seq(d, "a dimension", 3) for d in seq(kw["dims"], "dims")))
         return cls(**kw)
 
 
@@ -229,7 +260,18 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
-        return cls(count(data["index"], "a step's index"), tuple(PhaseRecord.from_dict(p) for p in data["phases"]))
+        """Read from a file: its phases belong to it, each (phase, occurrence) once."""
+        data = mapping(data, "a step")
+        index = count(data["index"], "a step's index")
+        phases = tuple(PhaseRecord.from_dict(p) for p in seq(data["phases"], "a step's phases"))
+        seen: set[tuple[Phase, int]] = set()
+        for p in phases:
+            if p.step != index:
+                raise corrupt(f"step {index} holds a phase of step {p.step}")
+            if (p.phase, p.occurrence) in seen:
+                raise corrupt(f"step {index} holds {p.phase.value} #{p.occurrence} twice")
+            seen.add((p.phase, p.occurrence))
+        return cls(index, phases)
 
 
 @dataclass(frozen=True)
@@ -297,11 +339,12 @@ class Sample:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
+        data = mapping(data, "a timeline sample")
         event = text(data.get("event", ""), "a sample's event")
         if event not in SAMPLE_EVENTS:
             raise corrupt(f"a sample's event must be one of {', '.join(map(repr, SAMPLE_EVENTS))}, got {event[:20]!r}")
         return cls(count(data["seq"], "a sample's seq"), count(data["step"], "a sample's step"),
-                   Phase.parse(data["phase"]), text(data["label"], "a sample's label"),
+                   member(data["phase"], Phase, "a sample's phase"), text(data["label"], "a sample's label"),
                    Breakdown.from_dict(data["breakdown"]), optional_time(data.get("time_us"), "a sample's time_us"),
                    event)
 
@@ -331,6 +374,7 @@ class OomRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "OomRecord":
+        data = mapping(data, "the OOM record")
         return cls(text(data["message"], "the OOM message"), optional_count(data.get("requested"), "requested"),
                    optional_count(data.get("device_free"), "device_free"),
                    optional_count(data.get("device_total"), "device_total"),
@@ -393,14 +437,19 @@ class RankInfo:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RankInfo":
+        data = mapping(data, "the rank record")
         view = data.get("bucket_view")
         if view is not None and not isinstance(view, bool):
             raise corrupt(f"bucket_view must be true, false or null, got {view!r}")
         sizes = {k: optional_count(data.get(k), k.replace("_", " "))
                  for k in ("sharded_bytes", "padding_bytes", "unsharded_bytes", "even_bytes", "params_per_rank",
                            "trainable_per_rank", "shards")}
-        return cls(rank=count(data["rank"], "a rank"), world_size=count(data["world_size"], "a world size"),
-                   backend=optional_text(data.get("backend"), "backend"),
+        rank, world = count(data["rank"], "a rank"), count(data["world_size"], "a world size")
+        if not 1 <= world <= MAX_WORLD:
+            raise corrupt(f"a world size must be between 1 and {MAX_WORLD:,} ranks, got {world}")
+        if rank >= world:
+            raise corrupt(f"rank {rank} does not exist in a world of {world}")
+        return cls(rank=rank, world_size=world, backend=optional_text(data.get("backend"), "backend"),
                    layout=optional_text(data.get("layout"), "layout"), bucket_view=view, **sizes)
 
 
@@ -457,11 +506,14 @@ class GenerationFacts:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GenerationFacts":
+        data = mapping(data, "the generation record")
         return cls(*(optional_count(data.get(k), k) for k in
                      ("layers", "kv_heads", "head_dim", "sliding_window", "itemsize", "batch")),
                    tokens=tuple((count(s, "a step"), text(p, "a phase"), count(o, "an occurrence"),
-                                 count(n, "a token count")) for s, p, o, n in data.get("tokens", ())),
+                                 count(n, "a token count"))
+                                for s, p, o, n in (seq(t, "a token count", 4)
+                                                   for t in seq(data.get("tokens", ()), "tokens"))),
                    cache=frozen_spec(spec_data(data.get("cache"))),
                    encoder_tokens=optional_count(data.get("encoder_tokens"), "encoder_tokens"),
                    max_cache_len=optional_count(data.get("max_cache_len"), "max_cache_len"),
-                   moments=tuple(CacheMoment.from_list(m) for m in data.get("moments", ())))
+                   moments=tuple(CacheMoment.from_list(m) for m in seq(data.get("moments", ()), "moments")))

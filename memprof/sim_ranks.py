@@ -36,7 +36,7 @@ from torch import nn
 
 from .categories import Category, Phase
 from .errors import InvalidArgumentError, UnknownNameError
-from .records import Breakdown, RankInfo
+from .records import MAX_WORLD, Breakdown, RankInfo
 from .track.ledger import COMMUNICATION
 from .track.modules import tensors_in_args
 from .reconciler.sharding import STAGES
@@ -46,8 +46,6 @@ __all__ = ["PARALLEL", "check_parallel", "RankLayout"]
 
 #: The layouts ``estimate(parallel=...)`` simulates.
 PARALLEL = ("ddp", "fsdp", "zero1", "zero2", "zero3")
-#: Larger worlds than any job runs: a typo more likely than a plan.
-MAX_WORLD = 1 << 20
 
 O, T = Category.OPTIMIZER_STATES, Category.TEMPORARIES
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)

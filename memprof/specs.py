@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .checks import corrupt, count, text
+from .checks import corrupt, count, flag, mapping, seq, text
 
 __all__ = ["TensorSpec", "ModuleCall", "ParamSpec", "OptimizerSpec", "plain_config", "itemsize"]
 
@@ -22,6 +22,32 @@ _ITEMSIZE = {
     "float8_e5m2fnuz": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2, "complex32": 4, "int32": 4,
     "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
 }
+
+
+#: torch's limit on a tensor's bytes (and elements): an int64 byte count.
+_TORCH_MAX_BYTES = 2**63 - 1
+
+
+def _dtype(value: Any) -> str:
+    """A dtype's name from a file: one this table or torch knows (formulas make meta tensors of it)."""
+    name = text(value, "a dtype")
+    if name not in _ITEMSIZE:
+        import torch  # a newer torch's dtype, or none: only torch can tell
+
+        if not isinstance(getattr(torch, name, None) if name.isidentifier() else None, torch.dtype):
+            raise corrupt(f"{name[:40]!r} is not a dtype torch knows")
+    return name
+
+
+def _shape(value: Any, dtype: str) -> tuple[int, ...]:
+    """A tensor's shape from a file: one torch can hold, as the formulas make a meta tensor of it."""
+    shape = tuple(count(n, "a dimension") for n in seq(value, "a shape"))
+    size = itemsize(dtype)
+    for n in shape:
+        size *= n
+    if size > _TORCH_MAX_BYTES:
+        raise corrupt(f"a tensor of shape {list(shape)[:8]} and dtype {dtype} is larger than torch can hold")
+    return shape
 
 
 def itemsize(dtype: str) -> int:
@@ -61,8 +87,9 @@ class TensorSpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> "TensorSpec":
-        shape, dtype = data
-        return cls(tuple(count(n, "a dimension") for n in shape), text(dtype, "a dtype"))
+        shape, dtype = seq(data, "a tensor's shape and dtype", 2)
+        dtype = _dtype(dtype)
+        return cls(_shape(shape, dtype), dtype)
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -86,16 +113,23 @@ def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def _config(items: Any) -> tuple[tuple[str, Any], ...]:
+    """Plain settings from a file: (name, value) pairs whose values are numbers, strings, null or lists
+    of them (strings read as :func:`~memprof.checks.text` reads them)."""
     out = []
-    for key, value in items:
+    for key, value in (seq(item, "a setting", 2) for item in seq(items, "settings")):
         key = text(key, "a setting's name")
-        if isinstance(value, list):
-            value = tuple(value)
-        if isinstance(value, tuple) and not all(isinstance(v, _PLAIN) for v in value) or not isinstance(
-                value, _PLAIN + (tuple,)):
-            raise corrupt(f"setting {key!r} must be a number, string, null or a list of them")
+        if isinstance(value, (list, tuple)):
+            value = tuple(_setting(key, v) for v in value)
+        else:
+            value = _setting(key, value)
         out.append((key, value))
     return tuple(out)
+
+
+def _setting(key: str, value: Any) -> Any:
+    if not isinstance(value, _PLAIN):
+        raise corrupt(f"setting {key[:40]!r} must be a number, string, null or a list of them")
+    return text(value, f"setting {key[:40]!r}") if isinstance(value, str) else value
 
 
 @dataclass(frozen=True)
@@ -129,16 +163,18 @@ class ModuleCall:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModuleCall":
+        data = mapping(data, "a module call")
         return cls(
             path=text(data["path"], "a module call's path"),
-            classes=tuple(text(c, "a class name") for c in data["classes"]),
+            classes=tuple(text(c, "a class name") for c in seq(data["classes"], "a module call's classes")),
             config=_config(data.get("config", ())),
-            params=tuple((text(n, "a parameter name"), bool(g)) for n, g in data.get("params", ())),
-            inputs=tuple(TensorSpec.from_dict(t) for t in data.get("inputs", ())),
+            params=tuple((text(n, "a parameter name"), flag(g, "requires_grad"))
+                         for n, g in (seq(p, "a parameter", 2) for p in seq(data.get("params", ()), "parameters"))),
+            inputs=tuple(TensorSpec.from_dict(t) for t in seq(data.get("inputs", ()), "a module call's inputs")),
             output=TensorSpec.from_dict(data["output"]) if data.get("output") is not None else None,
-            grad=bool(data.get("grad")),
-            leaf=bool(data.get("leaf", True)),
-            checkpointed=bool(data.get("checkpointed", False)),
+            grad=flag(data.get("grad", False), "a module call's grad"),
+            leaf=flag(data.get("leaf", True), "a module call's leaf"),
+            checkpointed=flag(data.get("checkpointed", False), "a module call's checkpointed"),
         )
 
 
@@ -159,8 +195,10 @@ class ParamSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ParamSpec":
-        return cls(tuple(count(n, "a dimension") for n in data["shape"]), text(data["dtype"], "a dtype"),
-                   text(data["device"], "a device"), bool(data["requires_grad"]), bool(data.get("plain", True)))
+        data = mapping(data, "an optimizer's parameter")
+        dtype = _dtype(data["dtype"])
+        return cls(_shape(data["shape"], dtype), dtype, text(data["device"], "a device"),
+                   flag(data["requires_grad"], "requires_grad"), flag(data.get("plain", True), "plain"))
 
 
 @dataclass(frozen=True)
@@ -182,12 +220,14 @@ class OptimizerSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "OptimizerSpec":
-        params = tuple(ParamSpec.from_dict(p) for p in data["params"])
+        data = mapping(data, "an optimizer")
+        params = tuple(ParamSpec.from_dict(p) for p in seq(data["params"], "an optimizer's parameters"))
         groups = []
-        for g in data["groups"]:
-            idx = tuple(count(i, "a parameter index") for i in g["params"])
+        for g in seq(data["groups"], "an optimizer's groups"):
+            g = mapping(g, "a parameter group")
+            idx = tuple(count(i, "a parameter index") for i in seq(g["params"], "a group's parameters"))
             if any(i >= len(params) for i in idx):
                 raise corrupt("an optimizer group names a parameter the record does not hold")
             groups.append((_config(g.get("config", ())), idx, text(g["implementation"], "an implementation")))
-        return cls(tuple(text(c, "a class name") for c in data["classes"]), tuple(groups), params,
-                   _config(data.get("args", ())))
+        return cls(tuple(text(c, "a class name") for c in seq(data["classes"], "an optimizer's classes")),
+                   tuple(groups), params, _config(data.get("args", ())))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .categories import Category, Phase
-from .checks import corrupt, count, optional_count, optional_text, pairs, text
+from .checks import corrupt, count, member, optional_count, optional_text, pairs, seq, text
 from .errors import TraceFormatError
 from .phase_stats import PhaseStats
 from .records import (Breakdown, DeviceInfo, GenerationFacts, ModelFacts, ModuleRecord, OomRecord,
@@ -109,17 +109,39 @@ class Trace:
     def phases(self) -> tuple[PhaseRecord, ...]:
         return tuple(p for s in self.steps for p in s.phases)
 
+    def peak_record(self) -> "PhaseRecord | None":
+        """The kept phase that holds the run's peak: of the phases of the peak's step and kind, the one
+        with the highest peak (the first of equals, where the total first reached it). None when that
+        step is not kept in full."""
+        best = None
+        for p in self.phases:
+            if p.step == self.peak_step and p.phase is self.peak_phase and (
+                    best is None or sum(p.peak.measured().values()) > sum(best.peak.measured().values())):
+                best = p
+        return best
+
+    def peak_phase_label(self) -> "str | None":
+        """The peak's phase as the phase tables name it: ``backward``, or ``backward #1`` for the second
+        backward of its step (gradient accumulation's second micro-batch)."""
+        if self.peak_phase is None:
+            return None
+        rec = self.peak_record()
+        return self.peak_phase.value + (f" #{rec.occurrence}" if rec is not None and rec.occurrence else "")
+
     def peak_location(self) -> list[str]:
-        """Where the peak was, in words: step, phase and module (for headings)."""
+        """Where the peak was, in words: step, phase and module as the tables name them (for headings:
+        ``["step 1", "backward #1", "in 1 (ReLU)"]``)."""
         where = []
         if self.peak.total is None:
             where.append("categories at the highest measured level")
         if self.peak_step is not None:
             where.append(f"step {self.peak_step}")
-        if self.peak_phase is not None:
-            where.append(self.peak_phase.value)
+        label = self.peak_phase_label()
+        if label is not None:
+            where.append(label)
         if self.peak_module:
-            where.append(f"in {self.peak_module}")
+            kind = next((m.type for m in self.modules if m.path == self.peak_module), None)
+            where.append(f"in {self.peak_module}" + (f" ({kind})" if kind else ""))
         return where
 
     def to_dict(self) -> dict[str, Any]:
@@ -181,7 +203,7 @@ class Trace:
                 f"({SCHEMA_VERSION}); upgrade torch-memprof to read it"
             )
         try:
-            return cls(
+            trace = cls(
                 mode=_mode(data["mode"]),
                 device=DeviceInfo.from_dict(data["device"]),
                 torch_version=text(data["torch_version"], "torch_version"),
@@ -190,51 +212,97 @@ class Trace:
                 peak=Breakdown.from_dict(data["peak"]),
                 end=Breakdown.from_dict(data["end"]),
                 peak_step=_peak_step(data),
-                peak_phase=Phase.parse(data["peak_phase"]) if data.get("peak_phase") else None,
+                peak_phase=_optional(data, "peak_phase", lambda v: member(v, Phase, "peak_phase")),
                 peak_module=optional_text(data.get("peak_module"), "peak_module"),
-                steps=tuple(StepRecord.from_dict(s) for s in data["steps"]),
-                modules=tuple(ModuleRecord.from_dict(m) for m in data["modules"]),
-                timeline=tuple(Sample.from_dict(s) for s in data.get("timeline", ())),
-                notes=tuple(text(n, "a note") for n in data.get("notes", ())),
+                steps=_steps(data["steps"]),
+                modules=tuple(ModuleRecord.from_dict(m) for m in seq(data["modules"], "modules")),
+                timeline=tuple(Sample.from_dict(s) for s in _list(data, "timeline")),
+                notes=tuple(text(n, "a note") for n in _list(data, "notes")),
                 error=optional_text(data.get("error"), "error"),
-                live_at_error=Breakdown.from_dict(data["live_at_error"]) if data.get("live_at_error") else None,
+                live_at_error=_optional(data, "live_at_error", Breakdown.from_dict),
                 live_modules_at_error=tuple((text(a, "a module path"), count(b, "a module's bytes"))
-                                            for a, b in data.get("live_modules_at_error", ())),
+                                            for a, b in _rows(data, "live_modules_at_error", 2)),
                 optimizer=optional_text(data.get("optimizer"), "optimizer"),
                 optimizer_implementation=optional_text(data.get("optimizer_implementation"),
                                                         "optimizer_implementation"),
-                param_dtypes=tuple(text(d, "a dtype") for d in data.get("param_dtypes", ())),
+                param_dtypes=tuple(text(d, "a dtype") for d in _list(data, "param_dtypes")),
                 autocast_dtype=optional_text(data.get("autocast_dtype"), "autocast_dtype"),
-                peak_tags=pairs(data.get("peak_tags", ())),
+                peak_tags=pairs(data.get("peak_tags", ()), "peak_tags"),
                 facts=ModelFacts.from_dict(data.get("facts", {})),
-                operations=tuple(OperationRecord.from_dict(o) for o in data["operations"])
+                operations=tuple(OperationRecord.from_dict(o) for o in seq(data["operations"], "operations"))
                 if data.get("operations") is not None else None,
-                module_calls=tuple(ModuleCall.from_dict(c) for c in data.get("module_calls", ())),
-                optimizers=tuple(OptimizerSpec.from_dict(o) for o in data.get("optimizers", ())),
+                module_calls=tuple(ModuleCall.from_dict(c) for c in _list(data, "module_calls")),
+                optimizers=tuple(OptimizerSpec.from_dict(o) for o in _list(data, "optimizers")),
                 num_steps=optional_count(data.get("num_steps"), "num_steps"),
-                phase_stats=tuple(PhaseStats.from_dict(p) for p in data.get("phase_stats", ())),
+                phase_stats=tuple(PhaseStats.from_dict(p) for p in _list(data, "phase_stats")),
                 schedule=optional_text(data.get("schedule"), "schedule"),
-                recorded_steps=tuple((count(a, "a recorded step"), count(b, "a recorded step"))
-                                     for a, b in data.get("recorded_steps", ())),
-                oom=OomRecord.from_dict(data["oom"]) if data.get("oom") is not None else None,
+                recorded_steps=tuple(_span(a, b) for a, b in _rows(data, "recorded_steps", 2)),
+                oom=_optional(data, "oom", OomRecord.from_dict),
                 live_storages_at_error=tuple(
                     (count(a, "a storage's address"), count(n, "a storage's bytes"),
-                     Category.parse(text(c, "a storage's category")).value, text(m, "a storage's module"))
-                    for a, n, c, m in data.get("live_storages_at_error", ())),
-                generation=GenerationFacts.from_dict(data["generation"]) if data.get("generation") else None,
-                distributed=RankInfo.from_dict(data["distributed"]) if data.get("distributed") else None,
+                     member(c, Category, "a storage's category").value, text(m, "a storage's module"))
+                    for a, n, c, m in _rows(data, "live_storages_at_error", 4)),
+                generation=_optional(data, "generation", GenerationFacts.from_dict),
+                distributed=_optional(data, "distributed", RankInfo.from_dict),
                 schema_version=version,
             )
         except TraceFormatError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise corrupt(repr(exc)) from None
+        _consistent(trace, stated_steps=data.get("num_steps") is not None)
+        return trace
 
 
 def _mode(value: Any) -> str:
     if value not in ("full", "light"):
         raise corrupt(f"mode must be 'full' or 'light', got {text(value, 'mode')[:20]!r}")
     return value
+
+
+def _optional(data: Mapping[str, Any], key: str, read: Any) -> Any:
+    """An optional part of a trace: absent or null is None; anything else is read, so a 0, "" or [] in
+    its place is refused rather than taken for "none"."""
+    value = data.get(key)
+    return None if value is None else read(value)
+
+
+def _list(data: Mapping[str, Any], key: str) -> Any:
+    """An optional list of a trace (absent in older files: empty)."""
+    return seq(data.get(key, ()), key)
+
+
+def _rows(data: Mapping[str, Any], key: str, width: int) -> Any:
+    """An optional list of fixed-width rows, each checked to be a list of ``width`` values."""
+    return (seq(row, f"an entry of {key}", width) for row in _list(data, key))
+
+
+def _span(first: Any, last: Any) -> tuple[int, int]:
+    a, b = count(first, "a recorded step"), count(last, "a recorded step")
+    if a > b:
+        raise corrupt(f"a stretch of recorded steps ends ({b}) before it starts ({a})")
+    return a, b
+
+
+def _steps(items: Any) -> tuple[StepRecord, ...]:
+    """The steps kept in full, in the order they ran (each index once)."""
+    steps = tuple(StepRecord.from_dict(s) for s in seq(items, "steps"))
+    for a, b in zip(steps, steps[1:]):
+        if b.index <= a.index:
+            raise corrupt(f"step {b.index} is recorded after step {a.index}")
+    return steps
+
+
+def _consistent(t: "Trace", *, stated_steps: bool) -> None:
+    """What ties a trace's parts together: its steps are among those that ran (where the file says how
+    many ran: schema 3 and later), and its peak is the highest total of the run (its start and end are
+    moments of the run too)."""
+    if stated_steps and t.steps and t.num_steps is not None and t.steps[-1].index >= t.num_steps:
+        raise corrupt(f"step {t.steps[-1].index} is recorded but the run had {t.num_steps} steps")
+    if t.peak.total is not None:
+        higher = [b.total for b in (t.start, t.end) if b.total is not None and b.total > t.peak.total]
+        if higher:
+            raise corrupt(f"the run's peak ({t.peak.total} bytes) is below its start or end ({max(higher)})")
 
 
 def _peak_step(data: Mapping[str, Any]) -> "int | None":

@@ -15,7 +15,7 @@ from fractions import Fraction
 
 from .errors import InvalidArgumentError, SizeParseError
 
-__all__ = ["format_bytes", "parse_size", "printable", "as_count", "round_half_away"]
+__all__ = ["format_bytes", "parse_size", "printable", "one_line", "as_count", "round_half_away"]
 
 _IEC = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
@@ -142,11 +142,28 @@ def as_count(name: str, value: object, minimum: int = 0) -> int:
     return value
 
 
-# C0 and C1 control characters (and DEL): in a module name or note read from a file they could move
-# the cursor, clear the screen or forge report lines. Newlines are the renderers' own.
-_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+# What a string from a trace (a module's name, a note, an error, a version) must not carry into a
+# report: C0 and C1 control characters and DEL (they move the cursor, clear the screen, start a line),
+# the line and paragraph separators (a new line in editors and browsers), the bidirectional formatting
+# characters (U+061C, U+200E-U+200F, U+202A-U+202E, U+2066-U+2069: they reorder the text that follows,
+# so a name can read as something else; Unicode's UAX #9 lists them) and lone surrogates (no encoding
+# can write them: printing one raises). Newlines are the renderers' own in a whole output.
+_UNSAFE = r"\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff"
+_CONTROL = re.compile(f"[{_UNSAFE}]")
+_CONTROL_OR_NEWLINE = re.compile(rf"[\n{_UNSAFE}]")
+
+
+def _escape(match: "re.Match[str]") -> str:
+    return ascii(match.group())[1:-1]
 
 
 def printable(text: str) -> str:
-    """``text`` with control characters shown as escapes (``\\x1b``), so a crafted name prints inert."""
-    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
+    """``text`` with control, bidirectional-formatting and separator characters and lone surrogates shown
+    as escapes (``\\x1b``, ``\\u202e``), so a crafted name prints inert; newlines are kept."""
+    return _CONTROL.sub(_escape, text)
+
+
+def one_line(text: str) -> str:
+    """``text`` as :func:`printable` shows it, newlines escaped too (``\\n``): one line of a report, which
+    a string from a trace cannot break into two."""
+    return _CONTROL_OR_NEWLINE.sub(_escape, text)

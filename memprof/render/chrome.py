@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..categories import Category
 from ..trace import Breakdown, as_trace
 from ..units import format_bytes
-from .curve import curve, level, phase_times
+from .curve import curve, phase_times
 
 if TYPE_CHECKING:
     from ..report import Report
@@ -114,11 +114,11 @@ def _steps_and_phases(t: "Trace") -> list[dict[str, Any]]:
         out.append({"ph": "i", "s": "t", "pid": _PID, "tid": 2, "ts": peak,
                     "name": f"peak of {name} (step {p.step})", "args": _composition(p.peak)})
 
-    # The run's peak: the highest phase peak of the peak's step and phase (the first, when gradient
-    # accumulation gives several equal ones).
-    candidates = [(p, peak) for p, _, peak, _ in times if p.step == t.peak_step and p.phase is t.peak_phase]
-    if candidates:
-        p, peak = max(candidates, key=lambda c: level(c[0].peak))  # max keeps the first of equals
+    # The run's peak: at the peak of the phase that holds it.
+    held = t.peak_record()
+    for p, _, peak, _ in times:
+        if p is not held:
+            continue
         out.append({"ph": "i", "s": "g", "pid": _PID, "tid": 2, "ts": peak, "name": "peak of the run",
                     "args": dict(_composition(t.peak), module=t.peak_module)})
     for step, (start, end) in spans.items():

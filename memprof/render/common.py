@@ -6,7 +6,7 @@ a Diff and return output; none of them reaches back into a profile.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..categories import Category, Phase
 from ..trace import Breakdown, parent_path
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..trace import Trace
 
 __all__ = ["NOT_MEASURED", "NO_FORMULA", "NOT_SIMULATED", "quiet", "size", "signed", "CATEGORY_COLORS", "PHASE_COLORS",
-           "WATERFALL_COLORS", "own_rows", "clip_path", "largest"]
+           "WATERFALL_COLORS", "own_rows", "clip_path", "largest", "ModuleColumns", "module_columns"]
 
 #: A figure the run did not measure: never printed as 0.
 NOT_MEASURED = "not measured"
@@ -105,6 +105,29 @@ def clip_path(s: str, n: int) -> str:
     if not head:
         return (parts[0][: n - len(tail) - 2] + "…" + tail) if n - len(tail) - 2 > 0 else "…" + tail[-(n - 1):]
     return f"{head}…{tail}"
+
+
+class ModuleColumns(NamedTuple):
+    """What a module table of a run shows: the saved activations (and ranks by them), the backward peaks,
+    and its title."""
+
+    saved: bool
+    backward: bool
+    title: str
+
+
+def module_columns(trace: "Trace") -> ModuleColumns:
+    """The module table's columns for ``trace``. A run in which no backward ran (inference) has no
+    backward peak to show, and, unless a forward under autograd kept tensors all the same (or what was
+    saved is not measured), no saved activations either: its table ranks the modules by the peak of
+    their forward calls instead of showing columns of 0 B and "not measured"."""
+    backward = (any(p.phase is Phase.BACKWARD for p in trace.phases)
+                or any(s.phase is Phase.BACKWARD for s in trace.phase_stats)
+                or any(m.peak_backward is not None for m in trace.modules))
+    saved = backward or any(m.activations is None or m.activations > 0 for m in trace.modules)
+    if saved:
+        return ModuleColumns(True, backward, "Top modules by saved activations")
+    return ModuleColumns(False, False, "Top modules by peak forward (no backward ran: nothing was saved for one)")
 
 
 def own_rows(trace: "Trace", include_own: bool) -> list[dict[str, Any]]:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from ..categories import Category, DEVICE_CATEGORIES
 from ..errors import InvalidArgumentError
 from ..trace import Breakdown, ModuleRecord, as_trace
-from ..units import format_bytes, printable
-from .common import CATEGORY_COLORS, NOT_MEASURED, own_rows, quiet, signed, size
+from ..units import format_bytes, one_line, printable
+from .common import CATEGORY_COLORS, NOT_MEASURED, module_columns, own_rows, quiet, signed, size
 from .svg import timeline_svg
 from .text import oom_lines, rank_line
 
@@ -56,9 +56,25 @@ FRACTION_COLUMNS = frozenset(["share"])
 PERCENT_COLUMNS = frozenset(["delta_pct"])
 
 
+#: Most notes a page lists (a run writes a few; a file may hold any number).
+MAX_NOTES = 50
+#: Most characters of one piece of text a page shows (an exception message, a note, a module's path):
+#: longer ones end in a marker that says how much was left out, so that no text makes the page large.
+MAX_TEXT = 2000
+
+
 def _e(value: Any) -> str:
-    # Control characters (a NUL in an exception message) are shown as escapes, as in the text report.
-    return html.escape(printable(str(value)), quote=True)
+    """Text for the page: bounded (see :data:`MAX_TEXT`), with control characters (a NUL in an exception
+    message), bidirectional overrides and lone surrogates shown as escapes, as in the text report."""
+    text = str(value)
+    if len(text) > MAX_TEXT:
+        text = f"{text[:MAX_TEXT]}… ({len(text) - MAX_TEXT:,} more characters)"
+    return html.escape(printable(text), quote=True)
+
+
+def _title(text: str) -> str:
+    return f'<div style="{_H}">{_e(text)}</div>'
+
 
 
 def _bytes(n: "int | None") -> str:
@@ -146,6 +162,7 @@ def _phases_html(trace: "Trace", max_phases: int) -> str:
         hidden = len(recs) - 2 * half
         shown = recs[:half] + [None] + recs[-half:]
     rows, bold = [], set()
+    peak = trace.peak_record()
     for rec in shown:
         if rec is None:
             rows.append([f'<span style="{_MUTED}">… {hidden} more (report.phases() has all)</span>', "", "", "", "", "", ""])
@@ -154,8 +171,7 @@ def _phases_html(trace: "Trace", max_phases: int) -> str:
         level = rec.peak.total if rec.peak.total is not None else sum(rec.peak.measured().values())
         largest = [(c, v) for c, v in rec.peak.measured().items() if v]
         big = max(largest, key=lambda cv: cv[1]) if largest else None
-        if (trace.peak.total is not None and rec.peak.total == trace.peak.total
-                and rec.step == trace.peak_step and rec.phase is trace.peak_phase):
+        if rec is peak:
             bold.add(len(rows))
         rows.append([
             _e(rec.step), _e(label), _bytes(rec.start.total), _bytes(rec.peak.total), _bytes(rec.end.total),
@@ -167,31 +183,38 @@ def _phases_html(trace: "Trace", max_phases: int) -> str:
     return _table(headers, rows, bold_rows=bold)
 
 
-def _module_rows(trace: "Trace", top: int) -> list[tuple[str, ModuleRecord | None, dict[str, Any]]]:
+def _module_rows(trace: "Trace", top: int, by: str) -> list[tuple[str, ModuleRecord | None, dict[str, Any]]]:
     mods = {m.path: m for m in trace.modules}
     rows = []
     for r in own_rows(trace, include_own=True):  # the same rows the module plot draws
         path = r["path"]
         rows.append((path, mods[path] if not r["own"] else None, r))
-    rows.sort(key=lambda x: (-(x[2]["activations"] or 0), -(x[2]["parameters"] or 0), x[0]))
+    rows.sort(key=lambda x: (-(x[2][by] or 0), -(x[2]["parameters"] or 0), x[0]))
     return rows[:top]
 
 
 def _modules_html(trace: "Trace", top: int) -> str:
-    rows = _module_rows(trace, top)
+    """The top modules' table, with the columns the text report shows for the run (see
+    :func:`~memprof.render.common.module_columns`)."""
+    cols = module_columns(trace)
+    rows = _module_rows(trace, top, "activations" if cols.saved else "peak_forward")
     if not rows:
         return ""
     dash = f'<span style="{_MUTED}" title="not defined for a container\'s own ops">–</span>'
     out = []
     for path, rec, r in rows:
         typ = r["type"] + (" (own ops)" if r["own"] else "")
-        out.append([
-            _e(path), _e(typ), _bytes(r["parameters"]), _bytes(r["activations"]),
-            _bytes(rec.peak_forward) if rec else dash, _bytes(rec.peak_backward) if rec else dash,
-        ])
-    headers = [("module", "left"), ("type", "left"), ("params", "right"), ("saved act", "right"),
-               ("peak fwd", "right"), ("peak bwd", "right")]
-    return _table(headers, out)
+        row = [_e(path), _e(typ), _bytes(r["parameters"])]
+        if cols.saved:
+            row.append(_bytes(r["activations"]))
+        row.append(_bytes(rec.peak_forward) if rec else dash)
+        if cols.backward:
+            row.append(_bytes(rec.peak_backward) if rec else dash)
+        out.append(row)
+    headers = [("module", "left"), ("type", "left"), ("params", "right")] + (
+        [("saved act", "right")] if cols.saved else []) + [("peak fwd", "right")] + (
+        [("peak bwd", "right")] if cols.backward else [])
+    return _title(cols.title) + _table(headers, out)
 
 
 def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: int = 40) -> str:
@@ -213,7 +236,7 @@ def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: i
         parts.append(f'<div style="{_H}">What was live at the out-of-memory error</div>'
                      f'<pre style="white-space:pre-wrap;font-size:12px;margin:2px 0 12px 0;padding:6px 10px;'
                      f'border-left:3px solid #C44E52;background:rgba(196,78,82,0.08)">'
-                     f'{_e(chr(10).join(oom_lines(t)))}</pre>')
+                     + "\n".join(_e(one_line(line)) for line in oom_lines(t)) + "</pre>")
     parts.append(f'<div style="font-size:14px;font-weight:600;margin-bottom:4px">memprof report: '
                  f'{n} step{"s" if n != 1 else ""}, mode {_e(t.mode)}, device {_e(dev)}'
                  f'<span style="font-weight:400;{_MUTED}"> · torch {_e(t.torch_version)}</span></div>')
@@ -242,13 +265,12 @@ def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: i
         parts.append(f'<div style="{_H}">Phases <span style="font-weight:400">(bytes at the peak of each phase)</span></div>')
         parts.append(_phases_html(t, max_phases))
     if top_modules > 0:
-        mods = _modules_html(t, top_modules)
-        if mods:
-            parts.append(f'<div style="{_H}">Top modules by saved activations</div>')
-            parts.append(mods)
+        parts.append(_modules_html(t, top_modules))
     if t.notes:
         parts.append(f'<div style="{_H}">Notes</div><ul style="margin:2px 0 8px 1.2em;padding:0">')
-        parts.extend(f"<li>{_e(note)}</li>" for note in t.notes)
+        parts.extend(f"<li>{_e(note)}</li>" for note in t.notes[:MAX_NOTES])
+        if len(t.notes) > MAX_NOTES:
+            parts.append(f'<li style="{_MUTED}">… {len(t.notes) - MAX_NOTES:,} more in report.trace.notes</li>')
         parts.append("</ul>")
     parts.append("</div>")
     return "".join(parts)

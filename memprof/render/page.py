@@ -8,12 +8,11 @@ that ended in an out-of-memory error leads with what was live then.
 
 from __future__ import annotations
 
-import html
 from typing import TYPE_CHECKING
 
 from ..errors import MemprofError
 from ..trace import as_trace
-from .html import reconciliation_html, report_html
+from .html import _e, reconciliation_html, report_html
 
 if TYPE_CHECKING:
     from ..report import Report
@@ -39,12 +38,12 @@ def report_page(report: "Report | Trace") -> str:
     t = as_trace(report)
     parts = ['<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             f"<title>memprof report ({html.escape(t.device.name or t.device.type)})</title>",
+             f"<title>memprof report ({_e(t.device.name or t.device.type)})</title>",
              f"<style>{_CSS}</style></head><body>",
              "<h1>memprof report</h1>"]
     parts.append(report_html(t))
     parts.append(_reconciliation(t))
-    parts.append(f"<footer>memprof {html.escape(t.memprof_version)} · torch {html.escape(t.torch_version)} · "
+    parts.append(f"<footer>memprof {_e(t.memprof_version)} · torch {_e(t.torch_version)} · "
                  f"trace schema {t.schema_version}</footer></body></html>\n")
     return "".join(parts)
 
@@ -55,4 +54,4 @@ def _reconciliation(t: "Trace") -> str:
     try:
         return reconciliation_html(reconcile(t))
     except MemprofError as exc:  # e.g. a run whose precision or optimizer the formulas do not know
-        return f"<p>No reconciliation for this run: {html.escape(str(exc))}</p>"
+        return f"<p>No reconciliation for this run: {_e(exc)}</p>"

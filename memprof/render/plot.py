@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..categories import Category, Phase
 from ..errors import InvalidArgumentError, MissingExtraError, NotMeasuredError
 from ..trace import as_trace
-from ..units import format_bytes
+from ..units import format_bytes, one_line
 from .common import CATEGORY_COLORS, PHASE_COLORS, WATERFALL_COLORS, clip_path, own_rows, quiet
 
 if TYPE_CHECKING:
@@ -72,8 +72,9 @@ def _where(trace: "Trace") -> str:
     parts = []
     if trace.peak_step is not None:
         parts.append(f"step {trace.peak_step}")
-    if trace.peak_phase is not None:
-        parts.append(trace.peak_phase.value)
+    label = trace.peak_phase_label()
+    if label is not None:
+        parts.append(label)
     return ", ".join(parts)
 
 
@@ -224,7 +225,7 @@ def plot_modules(report: "Report | Trace", top: int = 15, ax: "Axes | None" = No
         ax.barh([p[0] for p in pts], [p[1] for p in pts], height=height, color=color, label=label,
                 gid=f"memprof-modules-{key}")
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([clip_path(r["label"], 48) for r in rows], fontsize=8)
+    ax.set_yticklabels([clip_path(one_line(r["label"]), 48) for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(f"memory ({unit})")
     ax.grid(axis="x", alpha=0.3)

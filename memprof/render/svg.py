@@ -62,14 +62,25 @@ def _bands(t: "Trace", x: "Callable[[float], float]") -> list[tuple[float, float
     return bands
 
 
+def _drawn(points: Sequence[Point]) -> list[Category]:
+    """The categories measured at some moment, less those a table leaves out (:func:`quiet`): one pass
+    over the moments, which a long run has by the hundred thousand."""
+    measured, nonzero = [False] * len(Category), [False] * len(Category)
+    for pt in points:
+        for i, v in enumerate(pt.breakdown.counts):
+            if v is not None:
+                measured[i] = True
+                nonzero[i] = nonzero[i] or v != 0
+    return [c for i, c in enumerate(Category) if measured[i] and not quiet(c, int(nonzero[i]))]
+
+
 def timeline_svg(report: "Report | Trace") -> str:
     """The timeline as an ``<svg>`` element ("" when the run recorded no moment)."""
     t = as_trace(report)
     cv = curve(t)
     if not cv.points:
         return ""
-    cats = [c for c in Category if any(pt.breakdown[c] is not None for pt in cv.points)
-            and not quiet(c, *(pt.breakdown[c] for pt in cv.points))]
+    cats = _drawn(cv.points)
     x0 = cv.points[0].time_us
     span = max(cv.points[-1].time_us - x0, 1e-9)
     plot_w, plot_h = _W - _LEFT - 8, _H - _BOTTOM - _TOP

@@ -2,9 +2,11 @@
 
 Every renderer returns a string and prints nothing. A figure that was not
 measured reads "not measured"; a formula that does not exist "no formula".
-Text from a trace (module paths, notes, error messages) may come from a file:
-control characters are shown escaped, so a crafted name cannot move the
-cursor or forge a line.
+Text from a trace (module paths, notes, error messages, versions) may come
+from a file or from a model's own names: every line a renderer builds is
+passed through :func:`~memprof.units.one_line`, so control characters,
+bidirectional overrides and newlines inside such text show as escapes and
+cannot move the cursor, reorder what is read or forge a line.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from ..categories import Category, Phase, TENSOR_CATEGORIES
 from ..trace import Breakdown, as_trace, parent_path
-from ..units import format_bytes, printable
-from .common import NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, quiet, signed, size
+from ..units import format_bytes, one_line
+from .common import (NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, module_columns, quiet, signed,
+                     size)
 
 if TYPE_CHECKING:
     from ..records import RankInfo
@@ -34,6 +37,16 @@ __all__ = ["report_text", "oom_lines", "breakdown_lines", "reconciliation_text",
 MAX_PHASE_ROWS = 12
 MAX_STAT_ROWS = 6
 MAX_NOTES = 6
+
+
+def _text(lines: "list[str]") -> str:
+    """The renderer's lines as its output: each one line, whatever the text from the trace in it holds."""
+    return "\n".join(one_line(line) for line in lines)
+
+
+def _clipped(text: str, width: int) -> str:
+    """Text from a trace in a table's column: escaped first, so that the clipping counts what is shown."""
+    return clip_path(one_line(text), width)
 
 
 def rank_line(d: "RankInfo") -> str:
@@ -65,7 +78,7 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
     if t.distributed is not None:
         lines.append(rank_line(t.distributed))
     if t.error:
-        lines.append(f"profiled code raised {_one_line(t.error)}")
+        lines.append(f"profiled code raised {_prose(t.error)}")
     where = t.peak_location()
     lines.append("")
     lines.append(f"Peak {size(t.peak.total)}" + (f" ({', '.join(where)})" if where else ""))
@@ -84,29 +97,42 @@ def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
     if t.phase_stats and t.num_steps > shown:
         lines.append("")
         lines.extend(_stat_lines(t))
-    mods = [m for m in t.modules if m.path != "<model>" and (m.activations or m.parameters)]
-    if mods and top_modules > 0:
-        mods.sort(key=lambda m: (-(m.activations or 0), -(m.parameters or 0)))
-        # Show leaves first: a container repeats its children's figures.
-        parents = {parent_path(m.path) for m in t.modules}
-        leaves = [m for m in mods if m.path not in parents]
-        lines.append("")
-        lines.append("Top modules by saved activations")
-        # 14 wide: "not measured" (12) keeps two blanks before it.
-        lines.append(f"  {'module':<30}{'type':<20}{'params':>11}{'saved act':>14}{'peak fwd':>14}{'peak bwd':>14}")
-        for m in leaves[:top_modules]:
-            lines.append(
-                f"  {clip_path(m.path, 29):<30}{clip_path(m.type, 19):<20}{size(m.parameters):>11}"
-                f"{size(m.activations):>14}{size(m.peak_forward):>14}{size(m.peak_backward):>14}"
-            )
+    if top_modules > 0:
+        lines.extend(_module_lines(t, top_modules))
     if t.notes:
         lines.append("")
         lines.append("Notes")
         for note in t.notes[:MAX_NOTES]:
-            lines.append(f"  - {_one_line(note)}")
+            lines.append(f"  - {_prose(note)}")
         if len(t.notes) > MAX_NOTES:
             lines.append(f"  ... {len(t.notes) - MAX_NOTES} more in report.trace.notes")
-    return printable("\n".join(lines))
+    return _text(lines)
+
+
+def _module_lines(t: "Trace", top: int) -> list[str]:
+    """The ``top`` leaf modules (a container repeats its children's figures) by saved activations, or, in a
+    run that kept nothing for a backward (inference), by the peak of their forward calls, without the
+    saved-bytes and backward columns that such a run cannot fill."""
+    cols = module_columns(t)
+    if cols.saved:
+        mods = [m for m in t.modules if m.path != "<model>" and (m.activations or m.parameters)]
+        mods.sort(key=lambda m: (-(m.activations or 0), -(m.parameters or 0)))
+    else:
+        mods = [m for m in t.modules if m.path != "<model>" and (m.peak_forward or m.parameters)]
+        mods.sort(key=lambda m: (-(m.peak_forward or 0), -(m.parameters or 0)))
+    parents = {parent_path(m.path) for m in t.modules}
+    leaves = [m for m in mods if m.path not in parents]
+    if not leaves:
+        return []
+    # 14 wide: "not measured" (12) keeps two blanks before it.
+    head = f"  {'module':<30}{'type':<20}{'params':>11}" + (f"{'saved act':>14}" if cols.saved else "") \
+        + f"{'peak fwd':>14}" + (f"{'peak bwd':>14}" if cols.backward else "")
+    lines = ["", cols.title, head]
+    for m in leaves[:top]:
+        lines.append(f"  {_clipped(m.path, 29):<30}{_clipped(m.type, 19):<20}{size(m.parameters):>11}"
+                     + (f"{size(m.activations):>14}" if cols.saved else "") + f"{size(m.peak_forward):>14}"
+                     + (f"{size(m.peak_backward):>14}" if cols.backward else ""))
+    return lines
 
 
 def generation_lines(t: "Trace") -> list[str]:
@@ -138,7 +164,7 @@ def oom_lines(t: "Trace") -> list[str]:
     """What was live at the out-of-memory error, by category and module, and the largest levers."""
     oom = t.oom
     assert oom is not None
-    lines = [f"OUT OF MEMORY: {_one_line(oom.message)[:200]}"]
+    lines = [f"OUT OF MEMORY: {_prose(oom.message)[:200]}"]
     facts = []
     if oom.requested is not None:
         facts.append(f"requested {format_bytes(oom.requested)}")
@@ -149,12 +175,12 @@ def oom_lines(t: "Trace") -> list[str]:
     if facts:
         lines.append("  " + ", ".join(facts))
     if oom.snapshot:
-        lines.append(f"  memory_viz snapshot: {oom.snapshot}")
+        lines.append(f"  memory_viz snapshot: {one_line(oom.snapshot)}")
     lines.extend(_live_lines(t, "What was live at the OOM", top=5))
     levers = _levers(t)
     if levers:
         lines.append("Largest levers:")
-        lines.extend(f"  - {_one_line(s)}" for s in levers[:4])
+        lines.extend(f"  - {_prose(s)}" for s in levers[:4])
     return lines
 
 
@@ -168,7 +194,7 @@ def _live_lines(t: "Trace", title: str, *, top: int) -> list[str]:
     if t.live_modules_at_error:
         lines.append("  created by module (activations + temporaries still live):")
         for path, n in t.live_modules_at_error[:top]:
-            lines.append(f"    {clip_path(path, 37):<38}{format_bytes(n):>12}")
+            lines.append(f"    {_clipped(path, 37):<38}{format_bytes(n):>12}")
     return lines
 
 
@@ -184,9 +210,18 @@ def _levers(t: "Trace") -> list[str]:
         return []
 
 
-def _one_line(text: str) -> str:
-    """Text from a trace (a note, an error message) on one line of the report."""
-    return text.replace("\n", " ")
+#: Most characters of a note or an error message the report prints (a tensor printed into an exception
+#: can make megabytes); the rest is counted, and is in the trace.
+MAX_PROSE = 1000
+
+
+def _prose(text: str) -> str:
+    """Prose from a trace (a note, an error message) on one line of the report: its lines joined by
+    blanks (a traceback's lines read on), where a name's newline is shown as an escape; at most
+    :data:`MAX_PROSE` characters of it."""
+    if len(text) > MAX_PROSE:
+        text = f"{text[:MAX_PROSE]}… ({len(text) - MAX_PROSE:,} more characters)"
+    return " ".join(text.splitlines())
 
 
 def _phase_lines(t: "Trace") -> tuple[list[str], int]:
@@ -308,7 +343,7 @@ def reconciliation_text(rec: "Reconciliation") -> str:
         lines.append("Advice")
         for a in advice:
             lines.append(f"  - {a}")
-    return printable("\n".join(line.rstrip() for line in lines))
+    return _text([line.rstrip() for line in lines])
 
 
 def textbook_lines(tb: "Textbook") -> list[str]:
@@ -330,7 +365,7 @@ def textbook_lines(tb: "Textbook") -> list[str]:
 
 
 def diff_text(diff: "Diff", *, max_phases: int = 20) -> str:
-    la, lb = diff.labels
+    la, lb = (one_line(label) for label in diff.labels)  # escaped first: the widths count what is shown
     wa = max(14, len(la) + 2)
     wb = max(14, len(lb) + 2)
     lines = [f"memprof diff: {la} -> {lb} (breakdown at the {diff.at})"]
@@ -367,7 +402,7 @@ def diff_text(diff: "Diff", *, max_phases: int = 20) -> str:
         lines.append("")
         lines.append("Notes")
         lines.extend(f"  - {n}" for n in diff.notes)
-    return printable("\n".join(lines))
+    return _text(lines)
 
 
 def _word(delta: "int | None") -> str:
@@ -400,7 +435,7 @@ def estimate_text(est: "Estimate") -> str:
     lines.extend(textbook_lines(est.textbook))
     for note in est.notes:
         lines.append(f"  - {note}")
-    return printable("\n".join(lines))
+    return _text(lines)
 
 
 def plan_text(plan: "BatchSizePlan") -> str:
@@ -411,7 +446,7 @@ def plan_text(plan: "BatchSizePlan") -> str:
              "  simulated: " + ", ".join(f"b={b}: {format_bytes(p)}" for b, p in plan.points)]
     if not plan.verified:
         lines.append("  not confirmed by simulation at the answer (see points)")
-    return printable("\n".join(lines))
+    return _text(lines)
 
 
 def merged_text(merged: "Merged") -> str:
@@ -431,4 +466,4 @@ def merged_text(merged: "Merged") -> str:
         lines.append(f"  {rank:>4}  {size(t.peak.total):>12}  {where:<22}{top}{mark}")
     for note in merged.notes:
         lines.append(f"  - {note}")
-    return printable("\n".join(lines))
+    return _text(lines)

@@ -313,6 +313,29 @@ def test_estimate_and_max_batch_size_refuse_what_they_cannot_run():
         memprof.max_batch_size(model, None, 3, "1 GiB")
 
 
+def test_a_budget_beyond_what_the_planner_can_search_is_refused_before_simulating():
+    limit = 2**50  # 1 PiB
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    calls = []
+
+    def batch(b):
+        calls.append(b)
+        return torch.randn(b, 64, device="meta"), torch.zeros(b, dtype=torch.long, device="meta")
+
+    # 1 EiB: the search's probes would reach tensors beyond torch's 2**63-byte limit (its own
+    # "Storage size calculation overflowed" ended the search). Refused, and nothing simulated.
+    for budget in ("1 EiB", limit + 1):
+        with pytest.raises(InvalidArgumentError, match=r"more than the planner can search: it stops at 1\.0 PiB"):
+            memprof.max_batch_size(model, None, batch, budget, loss_fn=nn.functional.cross_entropy)
+        with pytest.raises(InvalidArgumentError, match="it stops at 1.0 PiB"):
+            memprof.max_generation_batch_size(model, budget, prompt_len=4, max_new_tokens=2)
+    assert calls == []
+    # At the limit the search runs to its end: the answer fits, the next multiple does not.
+    plan = memprof.max_batch_size(model, None, batch, limit, loss_fn=nn.functional.cross_entropy)
+    assert plan.verified and plan.predicted_peak <= limit < dict(plan.points)[plan.batch_size + 8]
+    assert memprof.planner.MAX_BUDGET == limit
+
+
 def test_profile_options_must_be_booleans():
     for option in ("timeline", "operations"):
         with pytest.raises(InvalidArgumentError, match=f"{option} must be True or False"):
@@ -366,3 +389,20 @@ def test_moved_modules_still_import_and_say_where_they_went():
         _sys.modules.pop(old, None)
         with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
             importlib.import_module(old)
+
+
+@pytest.mark.parametrize("bad, got", [(None, "got NoneType"), (5, "got int"), ([None], "got NoneType in the list"),
+                                      (memprof.Report, "got type in the list"), ("rank0.json", "got one str")])
+def test_merge_names_what_it_takes(bad, got):
+    with pytest.raises(InvalidArgumentError, match=f"merge\\(\\) takes a list of reports or paths .*{got}"):
+        memprof.merge([bad] if bad is memprof.Report else bad)
+
+
+def test_merge_takes_traces_and_any_iterable(saved):
+    import dataclasses
+
+    from memprof.records import RankInfo
+
+    ranks = [dataclasses.replace(saved.trace, distributed=RankInfo(r, 2)) for r in (1, 0)]
+    merged = memprof.merge(t for t in ranks)  # a generator of Traces
+    assert sorted(merged.ranks) == [0, 1] and merged.ranks[1].trace is ranks[0]

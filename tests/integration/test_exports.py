@@ -70,6 +70,41 @@ def test_chrome_trace_follows_the_trace_event_format(run, tmp_path):
     assert doc["otherData"]["time_axis"] == "microseconds since the profile started"
 
 
+def test_the_docs_name_every_track_and_event_as_the_file_does(tmp_path):
+    # An error mid-run, so that every kind of instant event is written; TinyGPT nests two levels deep.
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=100, hidden=32, layers=2, heads=2, max_seq=16)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(RuntimeError, match="stop"):
+        with memprof.profile(model, opt) as prof:
+            x, y = synthetic_tokens(2, 16, 100, seed=0)
+            TinyGPT.loss(model(x), y).backward()
+            opt.step()
+            raise RuntimeError("stop")
+    report = prof.report()
+    doc = _chrome(report, tmp_path)
+    meta = {e["name"]: set() for e in doc["traceEvents"] if e["ph"] == "M"}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "M" and "name" in e["args"]:
+            meta[e["name"]].add(e["args"]["name"])
+    assert meta["process_name"] == {f"memprof: {report.trace.device.name} (full mode)"}
+    tracks = meta["thread_name"]
+    assert {"steps", "phases", "modules (forward)", "modules (backward, depth 0)",
+            "modules (backward, depth 1)"} <= tracks
+    instants = {e["name"] for e in doc["traceEvents"] if e["ph"] == "i"}
+    assert {"peak of the run", "error", "peak of forward (step 0)", "peak of backward (step 0)"} <= instants
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "viewers.md")).read()
+    docs = " ".join(docs.split())  # a name may be written across a line break
+    assert "`memprof: <device> (<mode> mode)`" in docs
+    # Every track by its name; the backward ones, one per depth, by the first two and the pattern.
+    for name in sorted(tracks | {"peak of the run", "error", "total"}):
+        if name.startswith("modules (backward, depth ") and name not in ("modules (backward, depth 0)",
+                                                                          "modules (backward, depth 1)"):
+            continue
+        assert f"`{name}`" in docs, name
+    assert "`peak of forward (step 1)`" in docs
+
+
 def test_chrome_counters_hold_the_exact_bytes(run, tmp_path):
     report, model, opt = run
     doc = _chrome(report, tmp_path)

@@ -13,7 +13,7 @@ from torch import nn
 import memprof
 from memprof.cli import main
 from memprof import MergeError
-from memprof.records import RankInfo
+from memprof.records import Breakdown, RankInfo
 
 
 @pytest.fixture
@@ -51,7 +51,9 @@ def _ranks(peaks, world=None):
     base = _run(nn.Linear(8, 8)).trace
     out = []
     for rank, extra in enumerate(peaks):
-        peak = dataclasses.replace(base.peak, total=base.peak.total + extra)
+        values = {c: base.peak[c] for c in memprof.Category}
+        values[memprof.Category.WEIGHTS] += extra  # the total is their sum: it moves with them
+        peak = Breakdown.from_mapping(values)
         t = dataclasses.replace(base, peak=peak, distributed=RankInfo(rank, world or len(peaks), "gloo", "ddp"))
         out.append(memprof.Report(t))
     return out

@@ -33,6 +33,7 @@ def _light_trace():
 
 
 def test_the_report_says_not_measured_and_clips_long_paths_in_the_middle():
+    # A forward only: no backward column; the saved bytes were not measured, which is not "none saved".
     assert _lines(report_text(_light_trace())) == _expected("""
     memprof report: 1 step(s), mode light, device cpu, torch 2.13.0
 
@@ -53,8 +54,8 @@ def test_the_report_says_not_measured_and_clips_long_paths_in_the_middle():
          0  forward       not measured  not measured  not measured   weights 4.0 KiB
 
     Top modules by saved activations
-      module                        type                     params     saved act      peak fwd      peak bwd
-      encoder.layers.11…dense       Linear                  4.0 KiB  not measured  not measured  not measured
+      module                        type                     params     saved act      peak fwd
+      encoder.layers.11…dense       Linear                  4.0 KiB  not measured  not measured
 
     Notes
       - light mode on CPU: temporaries are not measured
@@ -124,3 +125,54 @@ def test_the_report_is_at_most_80_lines_whatever_the_run_holds():
     lines = report_text(t).splitlines()
     assert len(lines) <= 80, len(lines)
     assert "... 24 more in report.trace.notes" in lines[-1]
+
+
+def test_the_peak_header_names_the_occurrence_and_the_module_as_the_tables_do():
+    # Gradient accumulation: the second micro-batch's backward (backward #1) holds the run's peak,
+    # 100 + 100 + 400 = 600 B, inside the ReLU at path "1" of an nn.Sequential.
+    f0 = phase(1, "forward", start=cpu(weights=100), peak=cpu(weights=100, activations=300),
+               end=cpu(weights=100, activations=300))
+    b0 = phase(1, "backward", start=cpu(weights=100, activations=300),
+               peak=cpu(weights=100, gradients=100, activations=300), end=cpu(weights=100, gradients=100))
+    f1 = phase(1, "forward", occurrence=1, start=cpu(weights=100, gradients=100),
+               peak=cpu(weights=100, gradients=100, activations=300), end=cpu(weights=100, gradients=100, activations=300))
+    b1 = phase(1, "backward", occurrence=1, start=cpu(weights=100, gradients=100, activations=300),
+               peak=cpu(weights=100, gradients=100, activations=300, temporaries=100),
+               end=cpu(weights=100, gradients=100))
+    t = trace(phases=(f0, b0, f1, b1), peak_module="1",
+              modules=(module("<model>", "Sequential", parameters=100), module("0", "Linear", parameters=100),
+                       module("1", "ReLU", activations=300)))
+    assert t.peak_record() is t.phases[3] and t.peak.total == 600
+    lines = _lines(report_text(t))
+    assert lines[2] == "Peak 600 B (step 1, backward #1, in 1 (ReLU))"
+    assert lines[19] == "     1  backward #1          500 B         600 B         200 B   activations 300 B"
+    # A module the record does not list is named by its path alone.
+    assert _lines(report_text(trace(phases=(f0,), peak_module="x")))[2] == "Peak 400 B (step 1, forward, in x)"
+
+
+def test_a_run_without_backward_ranks_modules_by_their_forward_peak():
+    # Inference: nothing saved for a backward, none ran. The table leaves out the saved bytes (all 0 B)
+    # and the backward peaks (none), and says why.
+    f = phase(0, "forward", start=cpu(weights=2704), peak=cpu(weights=2704, temporaries=1024), end=cpu(weights=2704))
+    t = trace(phases=(f,), modules=(
+        module("<model>", "Sequential", parameters=2704, activations=0, gradients=None, peak_forward=2048),
+        module("0", "Linear", parameters=2176, activations=0, gradients=None, peak_forward=1024),
+        module("1", "ReLU", activations=0, gradients=None, peak_forward=1024),
+        module("2", "Linear", parameters=528, activations=0, gradients=None, peak_forward=128)))
+    text = report_text(t)
+    assert _lines(text)[-5:] == _expected("""
+    Top modules by peak forward (no backward ran: nothing was saved for one)
+      module                        type                     params      peak fwd
+      0                             Linear                  2.1 KiB       1.0 KiB
+      1                             ReLU                        0 B       1.0 KiB
+      2                             Linear                    528 B         128 B
+    """)
+    html = memprof.Report(t)._repr_html_()
+    assert "Top modules by peak forward" in html and "saved act" not in html and "peak bwd" not in html
+    # A forward under autograd whose backward never came still saved tensors: they are shown.
+    saved = trace(phases=(f,), modules=(module("0", "Linear", parameters=2176, activations=512, peak_forward=1024),))
+    assert _lines(report_text(saved))[-3:] == _expected("""
+    Top modules by saved activations
+      module                        type                     params     saved act      peak fwd
+      0                             Linear                  2.1 KiB         512 B       1.0 KiB
+    """)

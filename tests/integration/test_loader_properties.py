@@ -1,0 +1,225 @@
+"""Whatever file the trace loader accepts renders (the text report, the HTML views, the command line,
+the Chrome export, a diff) and re-saves identically; anything else it refuses with a TraceFormatError. Checked on real saved traces, mutated by hypothesis: keys dropped, values of
+other types, huge ints, lone surrogates and control characters in strings, sums nudged off by a few
+bytes, list items duplicated."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memprof
+from memprof.cli import main
+from memprof.errors import TraceFormatError
+from memprof.render.chrome import chrome_trace
+from memprof.render.html import report_html
+from memprof.render.page import report_page
+from memprof.trace import OomRecord, Trace
+
+from factories import full_trace
+from models import MLP
+
+DATA = pathlib.Path(__file__).parents[1] / "data"
+
+
+def _training(mode: str) -> Trace:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.profile(model, opt, mode=mode) as prof:
+        for _ in range(2):
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.report().trace
+
+
+def _failed() -> Trace:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    def boom(module, args):
+        raise RuntimeError("out of memory (simulated)\nat the second layer")
+
+    model[2].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError):
+        with memprof.profile(model) as prof:
+            model(torch.randn(4, 8))
+    return prof.report().trace
+
+
+def _rank() -> Trace:
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    return memprof.estimate(model, lambda ps: torch.optim.AdamW(ps), inputs=torch.randn(4, 16, device="meta"),
+                            world_size=2, parallel="fsdp").trace
+
+
+@pytest.fixture(scope="module")
+def bases() -> dict[str, dict]:
+    """Traces as their files hold them: real runs (full and light mode, one that raised, one simulated rank
+    of FSDP), a file of schema 1, and a hand-built trace with one of everything and an OOM record."""
+    traces = {"full": _training("full"), "light": _training("light"), "failed": _failed(), "rank": _rank(),
+              "factory": dataclasses.replace(full_trace(), oom=OomRecord("CUDA out of memory", 512, 0, 1024))}
+    out = {name: json.loads(json.dumps(t.to_dict())) for name, t in traces.items()}
+    out["schema1"] = json.loads((DATA / "trace-schema1.json").read_text())
+    for name, data in out.items():
+        Trace.from_dict(copy.deepcopy(data))  # every base loads as it is
+    return out
+
+
+VALUES = [None, True, False, 0, 1, -1, 7, 2**31, 2**63, 2**64, 2**64 + 1, 10**30, 0.5, 1e300, math.nan, math.inf, "",
+          "abc", "forward", "\ud800", "a\nPeak 0 B (all clear)\u202e", [], {}, [0, 1], ["x", 1], {"total": 1}]
+SUFFIXES = ["\ud800", "\n", "\u202e", "\x1b[2J", "\udfff\u2066", "x" * 5000]
+
+
+def _places(node, out):
+    """Every (container, key) of a JSON value."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        out.append((node, key))
+        _places(value, out)
+    return out
+
+
+@st.composite
+def mutated(draw, bases):
+    name = draw(st.sampled_from(sorted(bases)))
+    data = copy.deepcopy(bases[name])
+    for _ in range(draw(st.integers(1, 3))):
+        if not data:
+            break
+        # A part of the trace first (the timeline would otherwise take most draws), then a place in it.
+        part = draw(st.sampled_from(sorted(data)))
+        node, key = draw(st.sampled_from([(data, part)] + _places(data[part], [])))
+        value = node[key]
+        kind = draw(st.sampled_from(["drop", "value", "nudge", "text", "repeat", "alike"]))
+        if kind == "alike":  # a value of the same type: what a loader that checks types only lets through
+            node[key] = (not value if isinstance(value, bool)
+                         else draw(st.integers(0, 2**64)) if isinstance(value, int)
+                         else draw(st.floats()) if isinstance(value, float)
+                         else draw(st.text(max_size=20)) if isinstance(value, str)
+                         else value[:-1] if isinstance(value, list)
+                         else copy.deepcopy(draw(st.sampled_from(VALUES))))
+        elif kind == "drop":
+            del node[key]
+        elif kind == "nudge" and isinstance(value, int) and not isinstance(value, bool):
+            node[key] = value + draw(st.integers(-3, 3))
+        elif kind == "text" and isinstance(value, str):
+            node[key] = value + draw(st.sampled_from(SUFFIXES))
+        elif kind == "repeat" and isinstance(value, list) and value:
+            value.append(copy.deepcopy(value[draw(st.integers(0, len(value) - 1))]))
+        else:
+            node[key] = copy.deepcopy(draw(st.sampled_from(VALUES)))
+    return data
+
+
+def _saved(data) -> str:
+    # What a file holds: report.save writes JSON with non-ASCII escaped, NaN and Infinity as Python does.
+    return json.dumps(data)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("mutated")
+
+
+def test_every_base_renders_and_round_trips(bases, folder, capsys):
+    for name, data in bases.items():
+        trace = Trace.from_dict(copy.deepcopy(data))
+        _faithful(data, json.loads(_saved(trace.to_dict())))
+        _consistent(trace)
+        _renders_and_round_trips(trace, folder / f"{name}.json", capsys)
+
+
+def _renders_and_round_trips(trace: Trace, path: pathlib.Path, capsys) -> None:
+    report = memprof.Report(trace)
+    # Encoded as they are written and printed (UTF-8, strict): no text may be unencodable.
+    assert str(report).encode("utf-8") and report_html(trace).encode("utf-8") and report_page(trace).encode("utf-8")
+    assert json.dumps(chrome_trace(trace)) and str(memprof.diff(trace, trace)).encode("utf-8")
+    report.save(path)
+    again = memprof.load(path).trace
+    assert _saved(again.to_dict()) == _saved(trace.to_dict())  # JSON text: NaN compares equal to itself
+    capsys.readouterr()
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(("memprof report:", "OUT OF MEMORY:")) and out.encode("utf-8")
+
+
+def _faithful(given, held, where="trace"):
+    """What a file says is what the loaded trace holds: each value the file gives comes back from
+    ``to_dict()`` (lone surrogates as U+FFFD), so no value was silently reinterpreted on the way in
+    (a string read as a list of letters, "no" read as true)."""
+    if where == "trace.num_steps" and given is None:
+        return  # null: a file from before it was recorded, which kept every step (documented)
+    if isinstance(given, dict):
+        assert isinstance(held, dict), where
+        for key, value in given.items():
+            if key in held:  # a key this memprof does not know is left out, as a newer file's extras are
+                _faithful(value, held[key], f"{where}.{key}")
+    elif isinstance(given, list):
+        assert isinstance(held, list) and len(held) == len(given), where
+        for i, (a, b) in enumerate(zip(given, held)):
+            _faithful(a, b, f"{where}[{i}]")
+    elif isinstance(given, str):
+        assert held == given.encode("utf-16", "surrogatepass").decode("utf-16", "replace"), where
+    elif isinstance(given, float) and math.isnan(given):
+        assert isinstance(held, float) and math.isnan(held), where
+    else:
+        assert held == given and isinstance(held, bool) == isinstance(given, bool), where
+
+
+def _consistent(t: Trace) -> None:
+    """The record's own invariants, checked apart from the loader: each breakdown's categories sum to its
+    total (every tensor category measured) or stay within it; each peak is its span's highest total."""
+    def sums(bd):
+        if bd.total is None:
+            return
+        known = sum(v for v in bd.counts if v is not None)
+        tensor = [bd[c] for c in memprof.categories.TENSOR_CATEGORIES]
+        assert known == bd.total if all(v is not None for v in tensor) else known <= bd.total
+
+    def highest(peak, *others):
+        assert peak.total is None or all(o.total is None or o.total <= peak.total for o in others)
+
+    for bd in (t.start, t.peak, t.end, *(s.breakdown for s in t.timeline),
+               *([t.live_at_error] if t.live_at_error is not None else [])):
+        sums(bd)
+    highest(t.peak, t.start, t.end)
+    for p in t.phases:
+        for bd in (p.start, p.peak, p.end):
+            sums(bd)
+        highest(p.peak, p.start, p.end)
+    assert [s.index for s in t.steps] == sorted({s.index for s in t.steps})
+    assert all(p.step == s.index for s in t.steps for p in s.phases)
+    if t.distributed is not None:
+        assert 0 <= t.distributed.rank < t.distributed.world_size <= 2**20
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_mutated_trace_is_refused_or_renders(bases, folder, capsys, data):
+    mutant = data.draw(mutated(bases))
+    path = folder / "mutant.json"
+    path.write_text(_saved(mutant))
+    try:
+        trace = memprof.load(path).trace
+    except TraceFormatError:
+        event("refused")
+        capsys.readouterr()
+        assert main(["report", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("memprof: error: ") and err.count("\n") == 1
+        return
+    event("accepted")
+    _faithful(mutant, json.loads(_saved(trace.to_dict())))
+    _consistent(trace)
+    _renders_and_round_trips(trace, folder / "resaved.json", capsys)
