@@ -167,6 +167,7 @@ def estimate(
         bar = stack.enter_context(Progress(steps, "estimate")) if big else None
         if fake_mode is not None:
             stack.enter_context(fake_mode)
+        stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
         stack.enter_context(prof)
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
             layout.attach(prof)
@@ -341,6 +342,10 @@ class _Target:
                 f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
                 "the simulation runs; leave attention='auto' or give device='cuda'")
         kernels = CudaKernels(attention) if target.type == "cuda" else None
+        from .sim_cpu_kernels import CpuKernels
+
+        # The CPU's kernels where their outputs keep another storage than the fake kernels give them.
+        cpu_kernels = CpuKernels() if target.type == "cpu" else None
         custom = CustomOps()
         # Only models built from transformers can reach its mask helpers: no cost for the others.
         watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
@@ -377,6 +382,12 @@ class _Target:
         self.target, self.notes, self.model, self.mapping = target, notes, meta_model, mapping
         self.fake_mode, self.autocast, self.emulated = fake_mode, autocast, emulated
         self.kernels, self.watched, self.custom, self.shadow, self.cast = kernels, watched, custom, shadow, cast
+        self.cpu_kernels = cpu_kernels
+
+    def op_rules(self) -> Any:
+        """The rules applied to aten ops (:mod:`memprof.sim_cpu_kernels`), a dispatch mode to enter after the
+        fake-tensor mode and before the profiler; a context that does nothing for other targets."""
+        return self.cpu_kernels if self.cpu_kernels is not None else contextlib.nullcontext()
 
     def rules(self) -> Rules:
         # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors.
@@ -384,7 +395,7 @@ class _Target:
 
     def rule_notes(self) -> list[str]:
         out = []
-        for rule in (self.kernels, self.watched, self.custom, self.emulated):
+        for rule in (self.kernels, self.cpu_kernels, self.watched, self.custom, self.emulated):
             if rule is not None:
                 out.extend(rule.notes())
         return out
