@@ -126,6 +126,44 @@ def _max_unpool2d(args: tuple, kwargs: dict, outs: tuple) -> tuple:
     return (torch.empty_like(outs[0], memory_format=fmt),)
 
 
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _mixed_norm(params_at: tuple[int, ...]) -> Rule:
+    """The rule of a normalisation whose parameters (weight, bias, running statistics) are its arguments
+    ``params_at``: with a 16-bit input and fp32 parameters (a "mixed type" to the CPU kernels,
+    aten/src/ATen/native/mixed_type.h; what CPU autocast hands BatchNorm after a bf16 convolution, and a
+    model that keeps its norms in fp32 hands them all) the CPU kernel keeps the statistics it returns
+    (mean and inverse deviation) in fp32, where the meta kernel keeps them in the input's dtype."""
+
+    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+        if args[0].dtype not in _LOW or not any(isinstance(args[i], torch.Tensor) and args[i].dtype == torch.float32
+                                                for i in params_at if i < len(args)):
+            return (None,) * len(outs)
+        stats = tuple(torch.empty_like(t, dtype=torch.float32) if t.dtype in _LOW else None for t in outs[1:])
+        return (None, *stats)
+
+    return rule
+
+
+def _group_norm_backward(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    """``native_group_norm_backward``: the CPU kernel returns the input's gradient in the input's dtype; with
+    a 16-bit input and fp32 statistics the meta kernel returns it in fp32."""
+    grad_input, x = outs[0], args[1]
+    if grad_input.dtype == x.dtype:
+        return (None,) * len(outs)
+    return (torch.empty_like(grad_input, dtype=x.dtype), *(None,) * (len(outs) - 1))
+
+
+def _layer_norm_backward(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    """``native_layer_norm_backward``: the CPU kernel returns the weight's and the bias's gradients in their
+    dtypes; with a 16-bit input, fp32 parameters and no rows the meta kernel returns them in the input's
+    dtype, and autograd then adds a cast."""
+    params = (None, args[5], args[6])  # (grad_out, input, normalized_shape, mean, rstd, weight, bias, mask)
+    return tuple(torch.empty_like(g, dtype=p.dtype) if isinstance(g, torch.Tensor) and isinstance(p, torch.Tensor)
+                 and g.dtype != p.dtype else None for g, p in zip(outs, params))
+
+
 #: aten op -> its rule. Found by ``benchmarks/cpu_kernel_sweep.py``; docs/accuracy.md has the table.
 RULES: dict[Any, Rule] = {
     _aten.mse_loss.default: _reduced_loss(2),  # (self, target, reduction)
@@ -138,6 +176,11 @@ RULES: dict[Any, Rule] = {
     _aten._embedding_bag_forward_only.default: _embedding_bag(forward_only=True),
     _aten._sparse_mm_reduce_impl.default: _sparse_mm_reduce,
     _aten.max_unpool2d.default: _max_unpool2d,
+    _aten.native_batch_norm.default: _mixed_norm((1, 2, 3, 4)),  # (input, weight, bias, running_mean, running_var, ...)
+    _aten.native_layer_norm.default: _mixed_norm((2, 3)),  # (input, normalized_shape, weight, bias, eps)
+    _aten.native_group_norm.default: _mixed_norm((1, 2)),  # (input, weight, bias, N, C, HxW, group, eps)
+    _aten.native_group_norm_backward.default: _group_norm_backward,
+    _aten.native_layer_norm_backward.default: _layer_norm_backward,
 }
 
 #: The OpInfos of torch's operator database that reach the ops in :data:`RULES`: the sweep over them
@@ -167,24 +210,23 @@ class CpuKernels(TorchDispatchMode):
 
     def _apply(self, func: Any, rule: Rule, args: tuple, kwargs: dict, out: Any) -> Any:
         outs = out if isinstance(out, tuple) else (out,)
-        if not all(isinstance(t, FakeTensor) for t in outs):
+        if any(t is not None and not isinstance(t, FakeTensor) for t in outs):
             return out  # only data-less tensors are changed: a real tensor's storage would really grow
-        fixed = list(outs)
+        fixed, added = list(outs), 0
         for i, (t, real) in enumerate(zip(outs, rule(args, kwargs, outs))):
-            if real is None:
+            if real is None or t is None:  # (an output a backward was not asked for is None)
                 continue
             have = t.untyped_storage().nbytes()
             if isinstance(real, torch.Tensor):
                 fixed[i] = real
-                now = real.untyped_storage().nbytes()
+                added += real.untyped_storage().nbytes() - have
             elif real > have:
                 t.untyped_storage().resize_(real)  # the same tensor, on the storage the CPU kernel leaves
-                now = real
-            else:
-                continue
+                added += real - have
+        if added or any(a is not b for a, b in zip(fixed, outs)):
             name = str(func.overloadpacket)
             self.used[name] += 1
-            self.bytes[name] += now - have
+            self.bytes[name] += added
         return tuple(fixed) if isinstance(out, tuple) else fixed[0]
 
     def notes(self) -> list[str]:

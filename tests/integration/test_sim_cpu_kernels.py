@@ -92,6 +92,33 @@ def test_a_pre_ln_stack_with_mse_loss_equals_a_real_cpu_run_at_every_phase_momen
     assert any("aten.mse_loss x2 (+256.0 KiB)" in n for n in est.notes), est.notes  # 2 * (131,072 - 4) B
 
 
+def test_a_cnn_under_cpu_autocast_equals_a_real_run_at_every_phase_moment():
+    # Under CPU autocast a convolution returns bf16, and BatchNorm meets it with fp32 parameters.
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 16, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.Conv2d(16, 32, 3, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    est = memprof.estimate(build(), lambda ps: torch.optim.SGD(ps, lr=0.1), inputs=x, targets=y,
+                           loss_fn=F.cross_entropy, device="cpu", precision="mixed")
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad()
+    assert _moments(est.trace) == _moments(prof.report().trace)
+    # Each BatchNorm's mean and inverse deviation in fp32, not bf16: two steps of two BatchNorms, each with
+    # two statistics, 2 * 2 * (16 + 32) * (4 - 2) B = 384 B.
+    assert any("aten.native_batch_norm x4 (+384 B)" in n for n in est.notes), est.notes
+
+
 # ---------------------------------------------------------------- each rule against the real kernel
 
 
@@ -182,6 +209,17 @@ def _cases():
         ("max_unpool2d channels-last", lambda x, i: F.max_unpool2d(x, i, 2, output_size=(6, 8)),
          [_leaf(2, 3, 3, 4).contiguous(memory_format=torch.channels_last).detach().requires_grad_(),
           torch.zeros(2, 3, 3, 4, dtype=torch.long).contiguous(memory_format=torch.channels_last)], True),
+        # A bf16 input with fp32 parameters: the CPU keeps the statistics in fp32, the meta kernels in bf16; group
+        # norm's backward returns the input's gradient in bf16, its meta kernel in fp32.
+        ("batch_norm, bf16 input, fp32 parameters",
+         lambda x, w, b: F.batch_norm(x, torch.zeros(8), torch.ones(8), w, b, training=True),
+         [_leaf(4, 8, 5, 5, dtype=torch.bfloat16), _leaf(8), _leaf(8)], True),
+        ("group_norm, bf16 input, fp32 parameters", lambda x, w, b: F.group_norm(x, 4, w, b),
+         [_leaf(4, 8, 5, 5, dtype=torch.bfloat16), _leaf(8), _leaf(8)], True),
+        ("layer_norm, bf16 input, fp32 weight", lambda x, w: F.layer_norm(x, (8,), w),
+         [_leaf(4, 5, 8, dtype=torch.bfloat16), _leaf(8)], True),
+        ("layer_norm, no rows", lambda x, w, b: F.layer_norm(x, (8,), w, b),
+         [_leaf(0, 8, dtype=torch.bfloat16), _leaf(8), _leaf(8)], True),
     ]
 
 
@@ -229,3 +267,14 @@ def test_every_cpu_rule_matches_the_real_kernel_over_torchs_samples():
         if op.name() != "aten::max_unpool2d":  # a layout rule: no output differs in bytes, only in strides
             assert f"`{op}" in table, op  # the samples reach every rule ...
     assert "still differ" not in table and "Outputs laid out otherwise" not in table  # ... and the rules hold
+
+
+def test_the_rules_leave_with_the_estimate_also_when_the_step_raises():
+    def bad_loss(out, target):
+        F.mse_loss(out, target)  # a rule runs ...
+        raise ValueError("the user's loss fails")  # ... and then the step raises
+
+    with pytest.raises(ValueError, match="the user's loss fails"):
+        memprof.estimate(nn.Linear(4, 4), None, inputs=torch.randn(2, 4), targets=torch.randn(2, 4),
+                         loss_fn=bad_loss, device="cpu")
+    assert torch._C._len_torch_dispatch_stack() == 0
