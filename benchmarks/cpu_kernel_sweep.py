@@ -10,6 +10,7 @@ Run from the repository root::
     python benchmarks/cpu_kernel_sweep.py                               # every OpInfo, fp32 and bf16
     python benchmarks/cpu_kernel_sweep.py --ops nn.functional.mse_loss  # some OpInfos (names as in op_db)
     python benchmarks/cpu_kernel_sweep.py --ops ... --max-samples 12    # a few samples of each, spread out
+    python benchmarks/cpu_kernel_sweep.py --mixed                       # bf16 inputs, fp32 parameters
     python benchmarks/cpu_kernel_sweep.py --json benchmarks/results/cpu-kernel-sweep.json \\
         --markdown benchmarks/results/cpu-kernel-sweep.md
 
@@ -17,12 +18,16 @@ What is compared
 ----------------
 For each OpInfo of ``torch.testing._internal.common_methods_invocations.op_db``, each dtype asked for
 that the OpInfo supports on CPU, and each of its ``sample_inputs(device="cpu", dtype=...)``: the sample
-runs forward, then backward (``torch.autograd.grad`` of its floating outputs, with gradients of ones,
-where the OpInfo supports autograd in that dtype), once on real CPU tensors and once on fake CPU tensors
-(``FakeTensorMode``, as ``memprof.estimate`` runs them), each under a dispatch mode that records every
-aten op and the ``untyped_storage().nbytes()`` of each tensor it returns: what memprof's exact mode
-sees and counts. The two records are compared op by op. They are compared a second time with memprof's
-CPU rules applied to the fake run; the exit status is 1 when any output still differs there.
+runs forward without gradients, and, where the OpInfo supports autograd in that dtype, forward and
+backward with them (``torch.autograd.grad`` of its floating outputs, with gradients of ones); each once
+on real CPU tensors and once on fake CPU tensors (``FakeTensorMode``, as ``memprof.estimate`` runs them),
+under a dispatch mode that records every aten op and, for each tensor it returns, the
+``untyped_storage().nbytes()`` memprof's exact mode counts and the strides (a layout that makes a later
+op copy on one side only changes the bytes too). The two records are compared op by op, and a second
+time with memprof's CPU rules (:mod:`memprof.sim_cpu_kernels`) applied to the fake run. ``--mixed``
+runs the float32 samples with their input in bfloat16 instead: the mixed dtypes CPU kernels meet under
+autocast. The exit status is 1 when, with the rules, an output still differs in bytes, a rule breaks a
+fake kernel, or a sample calls other ops and allocates other bytes.
 
 A sample whose fake run fails (data-dependent output shapes, ops without fake kernels) cannot be
 simulated at all and is counted apart; so is a sample whose real and fake runs call different ops.
@@ -241,8 +246,19 @@ def _spread(samples: list, most: "int | None") -> list:
     return [samples[i * len(samples) // most] for i in range(most)]
 
 
+def _mixed(sample: Any) -> Any:
+    """``sample`` with its input in bf16 and every other tensor as it is (fp32): what a bf16 activation meets
+    in fp32 parameters, under CPU autocast (BatchNorm after a bf16 convolution) or in a model that keeps its
+    norms in fp32. None where the input is not a floating tensor."""
+    x = sample.input
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        return None
+    low = x.detach().to(torch.bfloat16).requires_grad_(x.requires_grad)
+    return types.SimpleNamespace(input=low, args=sample.args, kwargs=sample.kwargs)
+
+
 def sweep(names: "set[str] | None", dtypes: list[torch.dtype], backward: bool, rules: Any,
-          progress: bool, most: "int | None" = None) -> _Sweep:
+          progress: bool, most: "int | None" = None, mixed: bool = False) -> _Sweep:
     result = _Sweep()
     ops = [op for op in _load_op_db() if names is None or _name(op) in names or op.name in names]
     for i, op in enumerate(ops):
@@ -262,11 +278,16 @@ def sweep(names: "set[str] | None", dtypes: list[torch.dtype], backward: bool, r
                     result.real_failed[name] += 1
                     continue
                 for sample in _spread(samples, most):
-                    _one(result, op, name, dtype, sample, with_grad, rules)
+                    if mixed:
+                        sample = _mixed(sample)
+                        if sample is None:
+                            continue
+                    _one(result, op, name, dtype, sample, with_grad, rules, "bf16 input, " if mixed else "")
     return result
 
 
-def _one(result: _Sweep, op: Any, name: str, dtype: torch.dtype, sample: Any, grad: bool, rules: Any) -> None:
+def _one(result: _Sweep, op: Any, name: str, dtype: torch.dtype, sample: Any, grad: bool, rules: Any,
+         label: str = "") -> None:
     """One sample, really and on fake tensors (with and without the rules), into ``result``."""
     try:
         real = _record_real(op, sample, grad)
@@ -288,7 +309,7 @@ def _one(result: _Sweep, op: Any, name: str, dtype: torch.dtype, sample: Any, gr
             return
     elif rules is not None:
         ruled = fake
-    result.add(name, str(dtype).replace("torch.", "") + (" grad" if grad else ""), sample, real, fake, ruled)
+    result.add(name, label + str(dtype).replace("torch.", "") + (" grad" if grad else ""), sample, real, fake, ruled)
     return result
 
 
@@ -332,6 +353,8 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: " + ", ".join(_DTYPES))
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--no-rules", action="store_true", help="do not check memprof's CPU rules")
+    parser.add_argument("--mixed", action="store_true",
+                        help="the float32 samples with their input in bfloat16 (mixed dtypes), instead of --dtypes")
     parser.add_argument("--max-samples", type=int, default=None,
                         help="at most this many samples per OpInfo, dtype and gradient mode, spread over its list")
     parser.add_argument("--json", default=None)
@@ -346,9 +369,9 @@ def main(argv: "list[str] | None" = None) -> int:
 
         rules = types.SimpleNamespace(mode=CpuKernels, ops=frozenset(RULES))
     names = set(args.ops.split(",")) if args.ops else None
-    dtypes = [_DTYPES[d] for d in args.dtypes.split(",")]
+    dtypes = [torch.float32] if args.mixed else [_DTYPES[d] for d in args.dtypes.split(",")]
     start = time.perf_counter()
-    result = sweep(names, dtypes, not args.no_backward, rules, not args.quiet, args.max_samples)
+    result = sweep(names, dtypes, not args.no_backward, rules, not args.quiet, args.max_samples, args.mixed)
     seconds = time.perf_counter() - start
     command = command_line(__file__, argv)
     text = _markdown(result, command, seconds)
