@@ -7,7 +7,9 @@ and runs a few steps under :func:`memprof.profile` in full mode. Autograd
 saves exactly what it would save for real and every op output has its real
 size, so saved activations and op-level temporaries are exact for this
 PyTorch version. A CPU target runs on fake CPU tensors, whose kernels and
-autocast are the CPU's; a CUDA target runs on meta tensors with CUDA's kernel
+autocast are the CPU's, and gives the outputs of the few CPU kernels that keep
+another storage than their shape that storage (:mod:`memprof.sim_cpu_kernels`);
+a CUDA target runs on meta tensors with CUDA's kernel
 choices (:mod:`memprof.sim_kernels`) and CUDA's autocast policy
 (:mod:`memprof.sim_autocast`) applied above them. The user's model, optimizer
 and tensors are never modified.
