@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CpuKernels", "RULES", "SWEPT_OPINFOS"]
+__all__ = ["CpuKernels", "RULES", "SWEPT_OPINFOS", "MIXED_OPINFOS"]
 
 _aten = torch.ops.aten
 # at::Reduction (aten/src/ATen/core/Reduction.h): 0 none, 1 mean, 2 sum.
@@ -42,19 +42,43 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
     return args[i] if len(args) > i else kwargs.get(name, default)
 
 
-def _reduced_loss(reduction_at: int) -> Rule:
+def _reduced_loss(reduction_at: int, input_dtype: bool = False) -> Rule:
     """The rule of an elementwise loss whose ``reduction`` is its argument number ``reduction_at``.
 
     ``mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss`` and ``binary_cross_entropy`` with a reduction:
     the CPU kernel writes the elementwise losses into a buffer of the broadcast shape, reduces it, and
     resizes that buffer to the 0-dim result (``resize_`` keeps the storage), so the loss holds the whole
-    buffer in the result's dtype; an empty input still leaves one element."""
+    buffer; an empty input still leaves one element. The buffer is in the promoted dtype of input and
+    target, or with ``input_dtype`` in the input's (``soft_margin_loss`` and ``binary_cross_entropy`` make
+    it ``like`` the input; for a bf16 input and an fp32 target the meta kernel promotes)."""
 
     def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+        out = outs[0]
+        dtype = args[0].dtype if input_dtype else out.dtype
         if _arg(args, kwargs, reduction_at, "reduction", _MEAN) == _NONE:
-            return (None,)
-        shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
-        return (max(shape.numel(), 1) * outs[0].element_size(),)
+            return (None,) if dtype == out.dtype else (torch.empty_like(out, dtype=dtype),)
+        nbytes = max(torch.broadcast_shapes(args[0].shape, args[1].shape).numel(), 1) * dtype.itemsize
+        if dtype == out.dtype:
+            return (nbytes,)
+        loss = torch.empty_like(out, dtype=dtype)
+        loss.untyped_storage().resize_(nbytes)
+        return (loss,)
+
+    return rule
+
+
+def _in_dtype_of(at: int, output: int = 0) -> Rule:
+    """The rule of an op whose CPU kernel makes output ``output`` like its argument ``at`` (``empty_like`` or
+    ``zeros_like``), in that argument's dtype, where the meta kernel promotes a 16-bit argument with an fp32
+    one: ``huber_loss`` (its reduced result too), ``normal(mean, std)``, and the losses' backwards, whose
+    input gradient the CPU returns in the input's dtype and the meta kernel in fp32 (autograd then casts)."""
+
+    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+        got, like = outs[output], args[at]
+        fixed: list[Any] = [None] * len(outs)
+        if isinstance(got, torch.Tensor) and got.dtype != like.dtype:
+            fixed[output] = torch.empty_like(got, dtype=like.dtype)
+        return tuple(fixed)
 
     return rule
 
@@ -146,15 +170,6 @@ def _mixed_norm(params_at: tuple[int, ...]) -> Rule:
     return rule
 
 
-def _group_norm_backward(args: tuple, kwargs: dict, outs: tuple) -> tuple:
-    """``native_group_norm_backward``: the CPU kernel returns the input's gradient in the input's dtype; with
-    a 16-bit input and fp32 statistics the meta kernel returns it in fp32."""
-    grad_input, x = outs[0], args[1]
-    if grad_input.dtype == x.dtype:
-        return (None,) * len(outs)
-    return (torch.empty_like(grad_input, dtype=x.dtype), *(None,) * (len(outs) - 1))
-
-
 def _layer_norm_backward(args: tuple, kwargs: dict, outs: tuple) -> tuple:
     """``native_layer_norm_backward``: the CPU kernel returns the weight's and the bias's gradients in their
     dtypes; with a 16-bit input, fp32 parameters and no rows the meta kernel returns them in the input's
@@ -168,26 +183,39 @@ def _layer_norm_backward(args: tuple, kwargs: dict, outs: tuple) -> tuple:
 RULES: dict[Any, Rule] = {
     _aten.mse_loss.default: _reduced_loss(2),  # (self, target, reduction)
     _aten.smooth_l1_loss.default: _reduced_loss(2),  # (self, target, reduction, beta)
-    _aten.soft_margin_loss.default: _reduced_loss(2),  # (self, target, reduction)
-    _aten.binary_cross_entropy.default: _reduced_loss(3),  # (self, target, weight, reduction)
+    _aten.soft_margin_loss.default: _reduced_loss(2, input_dtype=True),  # (self, target, reduction)
+    _aten.binary_cross_entropy.default: _reduced_loss(3, input_dtype=True),  # (self, target, weight, reduction)
+    _aten.huber_loss.default: _in_dtype_of(0),
+    _aten.normal.Tensor_Tensor: _in_dtype_of(0),  # (mean, std)
+    # (grad_output, self, target, ...): the input gradient in the input's dtype
+    _aten.mse_loss_backward.default: _in_dtype_of(1),
+    _aten.smooth_l1_loss_backward.default: _in_dtype_of(1),
+    _aten.soft_margin_loss_backward.default: _in_dtype_of(1),
+    _aten.huber_loss_backward.default: _in_dtype_of(1),
     _aten.im2col.default: _keeps_input_storage,
     _aten.col2im.default: _keeps_input_storage,
     _aten._embedding_bag.default: _embedding_bag(forward_only=False),
     _aten._embedding_bag_forward_only.default: _embedding_bag(forward_only=True),
     _aten._sparse_mm_reduce_impl.default: _sparse_mm_reduce,
     _aten.max_unpool2d.default: _max_unpool2d,
-    _aten.native_batch_norm.default: _mixed_norm((1, 2, 3, 4)),  # (input, weight, bias, running_mean, running_var, ...)
+    # (input, weight, bias, running_mean, running_var, ...), and the variants torch's decompositions call
+    _aten.native_batch_norm.default: _mixed_norm((1, 2, 3, 4)),
+    _aten._native_batch_norm_legit.default: _mixed_norm((1, 2, 3, 4)),
+    _aten._native_batch_norm_legit.no_stats: _mixed_norm((1, 2)),
+    _aten._batch_norm_with_update.default: _mixed_norm((1, 2, 3, 4)),
     _aten.native_layer_norm.default: _mixed_norm((2, 3)),  # (input, normalized_shape, weight, bias, eps)
     _aten.native_group_norm.default: _mixed_norm((1, 2)),  # (input, weight, bias, N, C, HxW, group, eps)
-    _aten.native_group_norm_backward.default: _group_norm_backward,
+    _aten.native_group_norm_backward.default: _in_dtype_of(1),  # (grad_out, input, mean, rstd, weight, ...)
     _aten.native_layer_norm_backward.default: _layer_norm_backward,
 }
 
-#: The OpInfos of torch's operator database that reach the ops in :data:`RULES`: the sweep over them
-#: checks every rule (tests/integration/test_sim_cpu_kernels.py runs it).
+#: The OpInfos of torch's operator database that reach the ops in :data:`RULES`, in their own dtypes and with
+#: a bf16 input among fp32 parameters (the sweep's ``--mixed``): the sweep over them checks every rule
+#: (tests/integration/test_sim_cpu_kernels.py runs it).
 SWEPT_OPINFOS = ("nn.functional.mse_loss", "nn.functional.smooth_l1_loss", "nn.functional.soft_margin_loss",
                  "nn.functional.binary_cross_entropy", "nn.functional.unfold", "nn.functional.embedding_bag",
                  "sparse.mm.reduce", "nn.functional.max_unpool2d")
+MIXED_OPINFOS = ("nn.functional.batch_norm", "nn.functional.group_norm", "nn.functional.layer_norm")
 
 
 class CpuKernels(TorchDispatchMode):
