@@ -215,7 +215,8 @@ RULES: dict[Any, Rule] = {
 SWEPT_OPINFOS = ("nn.functional.mse_loss", "nn.functional.smooth_l1_loss", "nn.functional.soft_margin_loss",
                  "nn.functional.binary_cross_entropy", "nn.functional.unfold", "nn.functional.embedding_bag",
                  "sparse.mm.reduce", "nn.functional.max_unpool2d")
-MIXED_OPINFOS = ("nn.functional.batch_norm", "nn.functional.group_norm", "nn.functional.layer_norm")
+MIXED_OPINFOS = ("nn.functional.batch_norm", "nn.functional.group_norm", "nn.functional.layer_norm",
+                 "nn.functional.mse_loss", "nn.functional.soft_margin_loss", "nn.functional.huber_loss")
 
 
 class CpuKernels(TorchDispatchMode):
