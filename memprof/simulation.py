@@ -7,7 +7,9 @@ and runs a few steps under :func:`memprof.profile` in full mode. Autograd
 saves exactly what it would save for real and every op output has its real
 size, so saved activations and op-level temporaries are exact for this
 PyTorch version. A CPU target runs on fake CPU tensors, whose kernels and
-autocast are the CPU's; a CUDA target runs on meta tensors with CUDA's kernel
+autocast are the CPU's, and gives the outputs of the few CPU kernels that keep
+another storage than their shape that storage (:mod:`memprof.sim_cpu_kernels`);
+a CUDA target runs on meta tensors with CUDA's kernel
 choices (:mod:`memprof.sim_kernels`) and CUDA's autocast policy
 (:mod:`memprof.sim_autocast`) applied above them. The user's model, optimizer
 and tensors are never modified.
@@ -183,6 +185,7 @@ def estimate(
         bar = stack.enter_context(Progress(steps, "estimate")) if big else None
         if fake_mode is not None:
             stack.enter_context(fake_mode)
+        stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
         stack.enter_context(prof)
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
             layout.attach(prof)
@@ -357,6 +360,10 @@ class _Target:
                 f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
                 "the simulation runs; leave attention='auto' or give device='cuda'")
         kernels = CudaKernels(attention) if target.type == "cuda" else None
+        from .sim_cpu_kernels import CpuKernels
+
+        # The CPU's kernels where their outputs keep another storage than the fake kernels give them.
+        cpu_kernels = CpuKernels() if target.type == "cpu" else None
         custom = CustomOps()
         # Only models built from transformers can reach its mask helpers: no cost for the others.
         watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
@@ -393,6 +400,12 @@ class _Target:
         self.target, self.notes, self.model, self.mapping = target, notes, meta_model, mapping
         self.fake_mode, self.autocast, self.emulated = fake_mode, autocast, emulated
         self.kernels, self.watched, self.custom, self.shadow, self.cast = kernels, watched, custom, shadow, cast
+        self.cpu_kernels = cpu_kernels
+
+    def op_rules(self) -> Any:
+        """The rules applied to aten ops (:mod:`memprof.sim_cpu_kernels`), a dispatch mode to enter after the
+        fake-tensor mode and before the profiler; a context that does nothing for other targets."""
+        return self.cpu_kernels if self.cpu_kernels is not None else contextlib.nullcontext()
 
     def rules(self) -> Rules:
         # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors.
@@ -400,7 +413,7 @@ class _Target:
 
     def rule_notes(self) -> list[str]:
         out = []
-        for rule in (self.kernels, self.watched, self.custom, self.emulated):
+        for rule in (self.kernels, self.cpu_kernels, self.watched, self.custom, self.emulated):
             if rule is not None:
                 out.extend(rule.notes())
         return out
