@@ -16,7 +16,7 @@ Six models, built here (no downloads), small enough for a CPU:
 * ``lstm``: Embedding + 2-layer LSTM + Linear over the last time step, cross-entropy.
 * ``bert``: BERT-style encoder: token + position embeddings, ``nn.TransformerEncoder``
   (post-LN, GELU, dropout 0.1), token-level head over the vocabulary (MLM-like), cross-entropy.
-* ``gpt``: ``memprof.examples.TinyGPT`` (pre-LN, eager causal attention, dropout 0.1,
+* ``gpt``: ``memprof.demo.TinyGPT`` (pre-LN, eager causal attention, dropout 0.1,
   tied input/output embeddings), next-token cross-entropy.
 * ``vit``: ViT-style: conv patch embedding, class token, position embedding, pre-LN
   blocks with ``F.scaled_dot_product_attention``, class head, cross-entropy.
@@ -64,7 +64,7 @@ except ImportError:  # running from a checkout without installation
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import memprof
 from memprof.anatomy import predict_activations
-from memprof.examples import TinyGPT
+from memprof.demo import TinyGPT
 
 MODELS = ("mlp", "cnn", "lstm", "bert", "gpt", "vit")
 PRECISIONS = ("fp32", "bf16", "amp")
@@ -228,7 +228,7 @@ def build_case(name: str, quick: bool = False, device: "str | torch.device" = "c
         model = TinyGPT(vocab=vocab, hidden=hidden, layers=layers, heads=heads, max_seq=seq, dropout=0.1)
         data = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-        desc = (f"memprof.examples.TinyGPT, {layers} layers, hidden {hidden}, {heads} heads, eager causal attention, "
+        desc = (f"memprof.demo.TinyGPT, {layers} layers, hidden {hidden}, {heads} heads, eager causal attention, "
                 f"dropout 0.1, tied embeddings, seq {seq}, batch {batch}, vocab {vocab}")
         case = Case(name, desc, model, x, y, TinyGPT.loss,
                     dict(seq_len=seq, batch=batch, hidden=hidden, heads=heads, layers=layers))

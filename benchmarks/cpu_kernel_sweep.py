@@ -3,7 +3,7 @@
 A simulation for a CPU target runs every op on fake CPU tensors: torch's meta kernels and decompositions,
 which allocate exactly the output's shape. A real CPU kernel may keep more: ``F.mse_loss`` returns a
 0-dim loss whose storage is the whole elementwise buffer. This sweep finds every such op in torch's own
-operator samples and checks memprof's CPU rules (:mod:`memprof.sim_cpu_kernels`) against them.
+operator samples and checks memprof's CPU rules (:mod:`memprof.simulate.cpu_kernels`) against them.
 
 Run from the repository root::
 
@@ -24,7 +24,7 @@ on real CPU tensors and once on fake CPU tensors (``FakeTensorMode``, as ``mempr
 under a dispatch mode that records every aten op and, for each tensor it returns, the
 ``untyped_storage().nbytes()`` memprof's exact mode counts and the strides (a layout that makes a later
 op copy on one side only changes the bytes too). The two records are compared op by op, and a second
-time with memprof's CPU rules (:mod:`memprof.sim_cpu_kernels`) applied to the fake run. ``--mixed``
+time with memprof's CPU rules (:mod:`memprof.simulate.cpu_kernels`) applied to the fake run. ``--mixed``
 runs the float32 samples with their input in bfloat16 instead: the mixed dtypes CPU kernels meet under
 autocast. The exit status is 1 when, with the rules, an output still differs in bytes, a rule breaks a
 fake kernel, or a sample calls other ops and allocates other bytes.
@@ -365,7 +365,7 @@ def main(argv: "list[str] | None" = None) -> int:
     rules = None
     if not args.no_rules:
         import_memprof()
-        from memprof.sim_cpu_kernels import RULES, CpuKernels
+        from memprof.simulate.cpu_kernels import RULES, CpuKernels
 
         rules = types.SimpleNamespace(mode=CpuKernels, ops=frozenset(RULES))
     names = set(args.ops.split(",")) if args.ops else None

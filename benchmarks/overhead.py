@@ -340,7 +340,7 @@ def bench_workload(name: str, device: torch.device, rounds: int, steps: int, qui
 def session_cost(rounds: int, quick: bool) -> dict[str, Any]:
     """Entering and leaving an empty profiling block (and building its report), against one bare step
     of the demo's TinyGPT (its default sizes: batch 8, sequence 128, 4 layers, hidden 256)."""
-    from memprof.examples import TinyGPT, synthetic_tokens
+    from memprof.demo import TinyGPT, synthetic_tokens
 
     torch.manual_seed(0)
     model = TinyGPT(vocab=1000, hidden=64 if quick else 256, layers=1 if quick else 4, heads=4, max_seq=128)

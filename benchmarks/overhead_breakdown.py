@@ -51,8 +51,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import overhead  # noqa: E402  (the workload's model and loss, and memprof itself)
 
 memprof = overhead.memprof
-from memprof.track.saved_hooks import SavedHooks  # noqa: E402
-from memprof.track.storages import StorageTracker  # noqa: E402
+from memprof.collect.saved_hooks import SavedHooks  # noqa: E402
+from memprof.collect.dispatch import StorageTracker  # noqa: E402
 
 VARIANTS = ("bare", "null_dispatch", "light", "exact", "no_backward_module_hooks", "no_op_handler",
             "no_saved_tensor_hooks", "hooks_only")

@@ -21,8 +21,8 @@ matplotlib.use("Agg")
 import torch
 
 import memprof
-from memprof.categories import Category
-from memprof.examples import TinyGPT, synthetic_tokens
+from memprof.vocabulary import Category
+from memprof.demo import TinyGPT, synthetic_tokens
 from memprof.render.plot import plot_modules, plot_timeline, plot_waterfall
 
 OUT = pathlib.Path(__file__).resolve().parent / "images"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
-from .budget import BudgetNotMeasured, MemoryBudgetExceeded, MemoryGrewError, check_budget
-from .categories import Category, Phase
-from .compare import Diff, diff
+from .analyse.budget import BudgetNotMeasured, MemoryBudgetExceeded, MemoryGrewError, check_budget
+from .vocabulary import Category, Phase
+from .analyse.compare import Diff, diff
 from .errors import (
     InvalidArgumentError,
     MemprofError,
@@ -28,29 +28,29 @@ from .errors import (
     UnknownNameError,
 )
 from .report import Report, load
-from .schedule import Schedule, schedule
-from .trace import Breakdown, ModuleRecord, PhaseRecord, StepRecord, Trace
+from .collect.schedule import Schedule, schedule
+from .record.trace import Breakdown, ModuleRecord, PhaseRecord, StepRecord, Trace
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:
-    from .generation import estimate_generation
-    from .simulation import Estimate, estimate
-    from .profiler import Profiler, profile
-    from .reconciler import Reconciliation, reconcile
+    from .simulate.generation import estimate_generation
+    from .simulate.estimate import Estimate, estimate
+    from .collect.profiler import Profiler, profile
+    from .analyse.reconciler import Reconciliation, reconcile
 
 _LAZY = {
-    "profile": "profiler",
-    "Profiler": "profiler",
-    "estimate": "simulation",
-    "estimate_generation": "generation",
-    "Estimate": "simulation",
-    "reconcile": "reconciler",
-    "Reconciliation": "reconciler",
-    "max_batch_size": "planner",
-    "merge": "merging",
-    "Merged": "merging",
-    "max_generation_batch_size": "planner",
-    "BatchSizePlan": "planner",
+    "profile": "collect.profiler",
+    "Profiler": "collect.profiler",
+    "estimate": "simulate.estimate",
+    "estimate_generation": "simulate.generation",
+    "Estimate": "simulate.estimate",
+    "reconcile": "analyse.reconciler",
+    "Reconciliation": "analyse.reconciler",
+    "max_batch_size": "simulate.planner",
+    "merge": "analyse.merge",
+    "Merged": "analyse.merge",
+    "max_generation_batch_size": "simulate.planner",
+    "BatchSizePlan": "simulate.planner",
 }
 
 

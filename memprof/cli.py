@@ -22,7 +22,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     import memprof
 
-    from .examples import TinyGPT, synthetic_tokens
+    from .demo import TinyGPT, synthetic_tokens
 
     if args.hidden % args.heads:
         raise MemprofError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads} (each head gets "
@@ -109,14 +109,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from .compare import diff
+    from .analyse.compare import diff
 
     print(diff(args.a, args.b, labels=(args.a, args.b)))
     return 0
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from .merging import merge
+    from .analyse.merge import merge
 
     print(merge(args.files))
     return 0
@@ -143,7 +143,7 @@ def _load_factory(spec: str) -> Any:
 
 def _writable(path: str) -> None:
     """Refuse, before anything runs or is written, an output memprof's writer would refuse."""
-    from .files import check_writable
+    from .record.files import check_writable
 
     check_writable(path)
 
@@ -165,7 +165,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from .units import parse_size
 
     budget = parse_size(args.budget) if args.budget is not None else None  # refuse a bad size before simulating
-    from .sim_ranks import check_parallel
+    from .simulate.ranks import check_parallel
 
     if args.generate and (args.parallel is not None or args.world_size != 1):
         raise MemprofError("--parallel and --world-size size a training step's ranks; a generation is "

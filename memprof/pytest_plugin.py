@@ -9,7 +9,7 @@ is enough::
             train_step()
 
 After the test body, every report recorded through the fixture is judged
-with :func:`memprof.budget.check_budget`; an overrun, an unmeasured budget,
+with :func:`memprof.analyse.budget.check_budget`; an overrun, an unmeasured budget,
 a bad size or a marked test that measured nothing fails the test.
 
 Command-line options (group "memprof"):
@@ -36,7 +36,7 @@ from urllib.parse import quote
 import pytest
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from .collect.profiler import Profiler
     from .report import Report
 
 __all__ = ["MemoryProfileFixture", "BaselineMissingWarning", "reports", "report_file_names"]
@@ -73,7 +73,7 @@ class MemoryProfileFixture:
         self._item = item
 
     def __call__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> "Profiler":
-        from .profiler import profile
+        from .collect.profiler import profile
 
         prof = profile(model, optimizer, **kwargs)
         self._item.stash.setdefault(_ENTRIES, []).append(prof)
@@ -99,7 +99,7 @@ class MemoryProfileFixture:
         Returns the Estimate."""
         from .errors import InvalidArgumentError
         from .report import Report
-        from .simulation import estimate
+        from .simulate.estimate import estimate
 
         wanted = _marker_budgets(self._item) or {}
         if wanted.get("simulate") not in (None, "cuda", "cpu"):
@@ -226,7 +226,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _prepare_save_dir(save_dir, config.option.memprof_save_dir)
     tolerance = config.getoption("memprof_tolerance", DEFAULT_TOLERANCE)
     if tolerance != DEFAULT_TOLERANCE:
-        from .budget import parse_tolerance
+        from .analyse.budget import parse_tolerance
         from .errors import MemprofError
 
         try:
@@ -340,7 +340,7 @@ def _budget_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]:
         return [str(exc)]
     if budgets is None:
         return []
-    from .budget import BudgetNotMeasured, MemoryBudgetExceeded, check_budget, parse_budgets
+    from .analyse.budget import BudgetNotMeasured, MemoryBudgetExceeded, check_budget, parse_budgets
     from .errors import MemprofError
 
     at = budgets.pop("at", "peak")
@@ -389,7 +389,7 @@ def _baseline_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]
     baseline_dir = item.config.getoption("memprof_baseline", None)
     if not baseline_dir or not reports_:
         return []
-    from .budget import compare_to_baseline, describe_growth
+    from .analyse.budget import compare_to_baseline, describe_growth
     from .errors import MemprofError
     from .report import load
 

@@ -1,9 +1,9 @@
 """The Report: the one object a user reads, a thin facade over a Trace and its renderers.
 
-A :class:`Report` only reads its :class:`~memprof.trace.Trace`; it never
+A :class:`Report` only reads its :class:`~memprof.record.trace.Trace`; it never
 reaches back into hooks, so a report loaded from JSON behaves exactly like
 the one that measured it. Its text, tables, HTML and figures are
-:mod:`memprof.render`'s; its reconciliation is :mod:`memprof.reconciler`'s.
+:mod:`memprof.render`'s; its reconciliation is :mod:`memprof.analyse.reconciler`'s.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from .categories import Phase
+from .vocabulary import Phase
 from .errors import InvalidArgumentError, NotMeasuredError, renamed_argument, warn_renamed
-from .trace import PHASE_MOMENTS, Breakdown, Trace, parse_moment
+from .record.trace import PHASE_MOMENTS, Breakdown, Trace, parse_moment
 from .units import format_bytes
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .compare import Diff
-    from .reconciler import Reconciliation
+    from .analyse.compare import Diff
+    from .analyse.reconciler import Reconciliation
 
 __all__ = ["Report", "load"]
 
@@ -208,7 +208,7 @@ class Report:
     def diff(self, other: Any, *, at: "str | None" = None, labels: "tuple[str, str]" = ("a", "b"),
              when: "str | None" = None) -> "Diff":
         """What grew and shrank from this run to ``other``: see :func:`memprof.diff`."""
-        from .compare import diff
+        from .analyse.compare import diff
 
         at = renamed_argument("at", at, "when", when, "Report.diff")
         return diff(self, other, at="peak" if at is None else at, labels=labels)
@@ -216,7 +216,7 @@ class Report:
     def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: Any = "peak",
                   estimate: Any = None, transformer: Any = None) -> "Reconciliation":
         """Hold this run against the formulas (and a simulation): see :func:`memprof.reconcile`."""
-        from .reconciler import reconcile
+        from .analyse.reconciler import reconcile
 
         return reconcile(self.trace, precision=precision, optimizer=optimizer, at=at, estimate=estimate,
                          transformer=transformer)
@@ -228,21 +228,21 @@ class Report:
 
         Written atomically: a failed write leaves an existing file at ``path`` as it was.
         """
-        from .files import write_json_atomic
+        from .record.files import write_json_atomic
 
         write_json_atomic(path, self.trace.to_dict(), indent=1)
 
     def export_chrome_trace(self, path: "str | os.PathLike[str]") -> None:
         """Write a Chrome trace (JSON) to open in ui.perfetto.dev or chrome://tracing: a counter track per
         category, spans for steps, phases and modules, each phase's peak with its composition."""
-        from .export import export_chrome_trace
+        from .render.export import export_chrome_trace
 
         export_chrome_trace(self.trace, path)
 
     def export_memory_viz(self, path: "str | os.PathLike[str]") -> None:
         """Write a pickled snapshot in ``torch.cuda.memory._snapshot()``'s format for pytorch.org/memory_viz;
         each block's frames name its category, module and phase."""
-        from .export import export_memory_viz
+        from .render.export import export_memory_viz
 
         export_memory_viz(self.trace, path)
 
@@ -272,7 +272,7 @@ class Report:
 
     def to_html(self, path: "str | os.PathLike[str]") -> None:
         """Write the report as one self-contained HTML file, readable offline (no script, no network)."""
-        from .export import write_html
+        from .render.export import write_html
 
         write_html(self.trace, path)
 
@@ -302,6 +302,6 @@ def load(path: "str | os.PathLike[str]") -> Report:
     (negative or absurdly large byte counts); ``FileNotFoundError`` when there
     is no such file.
     """
-    from .files import load_trace
+    from .record.files import load_trace
 
     return Report(load_trace(path))

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from memprof import Category, Phase
-from memprof.phase_stats import STAT_KEYS, PhaseStats, Stat
-from memprof.specs import ModuleCall, OptimizerSpec, ParamSpec, TensorSpec
-from memprof.trace import (Breakdown, DeviceInfo, ModelFacts, ModuleRecord, OperationRecord, PhaseRecord,
+from memprof.record.stats import STAT_KEYS, PhaseStats, Stat
+from memprof.record.specs import ModuleCall, OptimizerSpec, ParamSpec, TensorSpec
+from memprof.record.trace import (Breakdown, DeviceInfo, ModelFacts, ModuleRecord, OperationRecord, PhaseRecord,
                            Sample, StepRecord, Trace)
 
 TENSOR = ("weights", "buffers", "gradients", "optimizer_states", "activations", "inputs", "temporaries")

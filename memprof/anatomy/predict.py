@@ -21,8 +21,8 @@ from .activations import TensorMeta, rule_for_classes
 from .optimizers import predict_optimizer_state_bytes, predict_optimizer_step_transient_bytes
 
 if TYPE_CHECKING:
-    from ..specs import ModuleCall, OptimizerSpec, TensorSpec
-    from ..trace import Trace
+    from ..record.specs import ModuleCall, OptimizerSpec, TensorSpec
+    from ..record.trace import Trace
 
 __all__ = ["ActivationPrediction", "OptimizerPrediction", "predict_activations", "predict_optimizers",
            "ModuleView", "OptimizerView"]

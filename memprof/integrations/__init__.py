@@ -19,10 +19,10 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..profiler import Profiler
+    from ..collect.profiler import Profiler
     from ..report import Report
-    from ..schedule import Schedule
-    from ..trace import StepRecord
+    from ..collect.schedule import Schedule
+    from ..record.trace import StepRecord
 
 __all__ = ["step_metrics", "require", "Session", "warn"]
 
@@ -72,7 +72,7 @@ class Session:
     def __init__(self, *, mode: str = "auto", schedule: "Schedule | None" = None,
                  save_dir: "str | os.PathLike[str] | None" = None, timeline: bool = False,
                  oom_dump: "str | os.PathLike[str] | None" = None) -> None:
-        from ..track.oom import checked_folder
+        from ..collect.oom import checked_folder
 
         self.mode = mode
         self.schedule = schedule
@@ -90,8 +90,8 @@ class Session:
 
     def begin(self, model: Any, optimizers: Any, rank: int) -> None:
         """Start profiling ``model`` (what the framework trains) and its ``optimizers``."""
-        from ..profiler import Profiler
-        from ..track.oom import checked_folder
+        from ..collect.profiler import Profiler
+        from ..collect.oom import checked_folder
 
         self.stop()
         self._rank = rank

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - the extra is missing
     ) from None
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..collect.schedule import Schedule
 
 __all__ = ["MemprofCallback"]
 

@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - the extra is missing
         "pip install 'torch-memprof[transformers]'") from None
 
 if TYPE_CHECKING:
-    from ..schedule import Schedule
+    from ..collect.schedule import Schedule
 
 __all__ = ["MemprofCallback"]
 

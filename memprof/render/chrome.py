@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..categories import Category
-from ..trace import Breakdown, as_trace
+from ..vocabulary import Category
+from ..record.trace import Breakdown, as_trace
 from ..units import format_bytes
 from .curve import curve, phase_times
 
 if TYPE_CHECKING:
     from ..report import Report
-    from ..trace import Trace
+    from ..record.trace import Trace
 
 __all__ = ["chrome_trace", "TRACKS", "BACKWARD_TID"]
 

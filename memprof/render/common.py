@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..categories import Category, Phase
-from ..trace import Breakdown, parent_path
+from ..vocabulary import Category, Phase
+from ..record.trace import Breakdown, parent_path
 from ..units import format_bytes
 
 if TYPE_CHECKING:
-    from ..trace import Trace
+    from ..record.trace import Trace
 
 __all__ = ["NOT_MEASURED", "NO_FORMULA", "NOT_SIMULATED", "quiet", "size", "signed", "CATEGORY_COLORS", "PHASE_COLORS",
            "WATERFALL_COLORS", "own_rows", "clip_path", "largest", "ModuleColumns", "module_columns"]

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..categories import Phase
-from ..trace import Breakdown, PhaseRecord
+from ..vocabulary import Phase
+from ..record.trace import Breakdown, PhaseRecord
 
 if TYPE_CHECKING:
-    from ..trace import Trace
+    from ..record.trace import Trace
 
 __all__ = ["Point", "Curve", "curve", "phase_times", "level"]
 

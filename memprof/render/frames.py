@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..categories import Category
+from ..vocabulary import Category
 from ..errors import InvalidArgumentError, NotMeasuredError
-from ..trace import PHASE_MOMENTS, as_trace, parse_moment
+from ..record.trace import PHASE_MOMENTS, as_trace, parse_moment
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..compare import Diff
-    from ..reconciler import Reconciliation
+    from ..analyse.compare import Diff
+    from ..analyse.reconciler import Reconciliation
     from ..report import Report
-    from ..trace import Trace
+    from ..record.trace import Trace
 
 __all__ = ["phases_frame", "phase_stats_frame", "modules_frame", "operations_frame", "breakdown_frame", "reconciliation_frame",
            "diff_frame", "diff_phases_frame"]
@@ -48,7 +48,7 @@ def phase_stats_frame(report: "Report | Trace") -> "pd.DataFrame":
     """One row per (phase, occurrence, moment, category or total) over every step of the run."""
     import pandas as pd
 
-    from ..phase_stats import STAT_KEYS
+    from ..record.stats import STAT_KEYS
 
     rows = []
     for ps in as_trace(report).phase_stats:

@@ -15,9 +15,9 @@ import html
 import math
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from ..categories import Category, DEVICE_CATEGORIES
+from ..vocabulary import Category, DEVICE_CATEGORIES
 from ..errors import InvalidArgumentError
-from ..trace import Breakdown, ModuleRecord, as_trace
+from ..record.trace import Breakdown, ModuleRecord, as_trace
 from ..units import format_bytes, one_line, printable
 from .common import CATEGORY_COLORS, NOT_MEASURED, module_columns, own_rows, quiet, signed, size
 from .svg import timeline_svg
@@ -26,10 +26,10 @@ from .text import oom_lines, rank_line
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..compare import Diff
-    from ..reconciler import Reconciliation
+    from ..analyse.compare import Diff
+    from ..analyse.reconciler import Reconciliation
     from ..report import Report
-    from ..trace import Trace
+    from ..record.trace import Trace
 
 __all__ = ["report_html", "frame_html", "breakdown_html", "reconciliation_html", "diff_html", "merged_html"]
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Any
 
-from ..trace import as_trace
+from ..record.trace import as_trace
 from .curve import curve
 
 if TYPE_CHECKING:
     from ..report import Report
-    from ..trace import Trace
+    from ..record.trace import Trace
 
 __all__ = ["memory_viz_snapshot", "attribute_snapshot", "UNSEEN"]
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import MemprofError
-from ..trace import as_trace
+from ..record.trace import as_trace
 from .html import _e, reconciliation_html, report_html
 
 if TYPE_CHECKING:
     from ..report import Report
-    from ..trace import Trace
+    from ..record.trace import Trace
 
 __all__ = ["report_page"]
 
@@ -49,7 +49,7 @@ def report_page(report: "Report | Trace") -> str:
 
 
 def _reconciliation(t: "Trace") -> str:
-    from ..reconciler import reconcile
+    from ..analyse.reconciler import reconcile
 
     try:
         return reconciliation_html(reconcile(t))

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..categories import Category, Phase
+from ..vocabulary import Category, Phase
 from ..errors import InvalidArgumentError, MissingExtraError, NotMeasuredError
-from ..trace import as_trace
+from ..record.trace import as_trace
 from ..units import format_bytes, one_line
 from .common import CATEGORY_COLORS, PHASE_COLORS, WATERFALL_COLORS, clip_path, own_rows, quiet
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from ..report import Report
-    from ..trace import Trace
+    from ..record.trace import Trace
 
 __all__ = [
     "plot_timeline",

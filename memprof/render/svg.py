@@ -11,15 +11,15 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..categories import Category, Phase
-from ..trace import as_trace
+from ..vocabulary import Category, Phase
+from ..record.trace import as_trace
 from ..units import format_bytes
 from .common import CATEGORY_COLORS, PHASE_COLORS, quiet
 from .curve import Point, curve, level, phase_times
 
 if TYPE_CHECKING:
     from ..report import Report
-    from ..trace import Trace
+    from ..record.trace import Trace
 
 __all__ = ["timeline_svg", "MAX_POINTS"]
 

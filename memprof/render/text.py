@@ -13,21 +13,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..categories import Category, Phase, TENSOR_CATEGORIES
-from ..trace import Breakdown, as_trace, parent_path
+from ..vocabulary import Category, Phase, TENSOR_CATEGORIES
+from ..record.trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, one_line
 from .common import (NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, module_columns, quiet, signed,
                      size)
 
 if TYPE_CHECKING:
-    from ..records import RankInfo
-    from ..compare import Diff
-    from ..merging import Merged
-    from ..planner import BatchSizePlan
-    from ..reconciler import Reconciliation, Textbook
+    from ..record.parts import RankInfo
+    from ..analyse.compare import Diff
+    from ..analyse.merge import Merged
+    from ..simulate.planner import BatchSizePlan
+    from ..analyse.reconciler import Reconciliation, Textbook
     from ..report import Report
-    from ..simulation import Estimate
-    from ..trace import Trace
+    from ..simulate.estimate import Estimate
+    from ..record.trace import Trace
 
 __all__ = ["report_text", "oom_lines", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text", "plan_text",
            "merged_text"]
@@ -200,8 +200,8 @@ def _live_lines(t: "Trace", title: str, *, top: int) -> list[str]:
 
 def _levers(t: "Trace") -> list[str]:
     from ..errors import MemprofError
-    from ..reconciler.advice import advice
-    from ..reconciler.formula import infer_precision
+    from ..analyse.reconciler.advice import advice
+    from ..analyse.reconciler.formula import infer_precision
 
     measured = t.live_at_error if t.live_at_error is not None else t.peak
     try:

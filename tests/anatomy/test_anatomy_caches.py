@@ -11,9 +11,9 @@ import pytest
 
 from memprof.anatomy import (CacheSpec, bytes_at, cache_bytes, cache_spec, call_slots, kv_cache_bytes,
                              latent_attention_dims, sliding_kept_tokens)
-from memprof.cache_moments import CacheMoment
+from memprof.record.cache import CacheMoment
 from memprof.errors import InvalidArgumentError, TraceFormatError
-from memprof.records import GenerationFacts
+from memprof.record.parts import GenerationFacts
 
 GiB = 2**30
 

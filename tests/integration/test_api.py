@@ -237,7 +237,7 @@ def test_trace_is_frozen_and_round_trips_through_json(tmp_path):
     loaded = memprof.load(path)
     assert loaded.trace == rep.trace
     assert str(loaded) == str(rep)
-    assert json.loads(path.read_text())["schema_version"] == memprof.trace.SCHEMA_VERSION
+    assert json.loads(path.read_text())["schema_version"] == memprof.record.trace.SCHEMA_VERSION
 
 
 def test_load_refuses_foreign_newer_and_corrupt_files(tmp_path):

@@ -112,14 +112,14 @@ def test_files_that_cannot_be_read_as_a_trace_are_one_error_line(tmp_path, capsy
 
 
 def test_an_unreadable_file_is_one_error_line(tmp_path, monkeypatch, capsys):
-    import memprof.files
+    import memprof.record.files
 
     path = _write(tmp_path, "{}")
 
     def denied(*_a, **_k):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(memprof.files, "open", denied, raising=False)
+    monkeypatch.setattr(memprof.record.files, "open", denied, raising=False)
     with pytest.raises(TraceFormatError, match="permission denied"):
         memprof.load(path)
     assert main(["report", str(path)]) == 1
@@ -333,7 +333,7 @@ def test_a_budget_beyond_what_the_planner_can_search_is_refused_before_simulatin
     # At the limit the search runs to its end: the answer fits, the next multiple does not.
     plan = memprof.max_batch_size(model, None, batch, limit, loss_fn=nn.functional.cross_entropy)
     assert plan.verified and plan.predicted_peak <= limit < dict(plan.points)[plan.batch_size + 8]
-    assert memprof.planner.MAX_BUDGET == limit
+    assert memprof.simulate.planner.MAX_BUDGET == limit
 
 
 def test_profile_options_must_be_booleans():
@@ -380,17 +380,6 @@ def test_demo_mistakes_are_one_line_before_the_run(capsys, argv, message):
     assert err.startswith("memprof: error:") and message in err and err.count("\n") == 1
 
 
-def test_moved_modules_still_import_and_say_where_they_went():
-    import importlib
-    import sys as _sys
-
-    for old, new in (("memprof.advice", "memprof.reconciler.advice"), ("memprof.reconciliation", "memprof.reconciler"),
-                     ("memprof.html", "memprof.render.html"), ("memprof.plot", "memprof.render.plot")):
-        _sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-            importlib.import_module(old)
-
-
 @pytest.mark.parametrize("bad, got", [(None, "got NoneType"), (5, "got int"), ([None], "got NoneType in the list"),
                                       (memprof.Report, "got type in the list"), ("rank0.json", "got one str")])
 def test_merge_names_what_it_takes(bad, got):
@@ -401,7 +390,7 @@ def test_merge_names_what_it_takes(bad, got):
 def test_merge_takes_traces_and_any_iterable(saved):
     import dataclasses
 
-    from memprof.records import RankInfo
+    from memprof.record.parts import RankInfo
 
     ranks = [dataclasses.replace(saved.trace, distributed=RankInfo(r, 2)) for r in (1, 0)]
     merged = memprof.merge(t for t in ranks)  # a generator of Traces

@@ -16,8 +16,8 @@ import torch
 
 import memprof
 from memprof import Category as C
-from memprof.categories import Phase
-from memprof.reconciler.formula import formula_at
+from memprof.vocabulary import Phase
+from memprof.analyse.reconciler.formula import formula_at
 
 from helpers import CacheOracle
 

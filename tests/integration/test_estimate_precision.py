@@ -54,7 +54,7 @@ def test_the_cli_estimates_in_16_bits(tmp_path, monkeypatch, capsys):
 
 
 def _tiny_gpt():
-    from memprof.examples import TinyGPT
+    from memprof.demo import TinyGPT
 
     torch.manual_seed(0)
     return TinyGPT(vocab=100, hidden=64, layers=2, heads=2, max_seq=32, dropout=0.1)
@@ -63,7 +63,7 @@ def _tiny_gpt():
 @pytest.mark.parametrize("precision, dtype", [("mixed", torch.bfloat16), ("amp", torch.bfloat16),
                                               ("mixed-fp16", torch.float16)])
 def test_mixed_precision_on_a_cpu_target_equals_a_real_autocast_run(precision, dtype):
-    from memprof.examples import TinyGPT, synthetic_tokens
+    from memprof.demo import TinyGPT, synthetic_tokens
 
     x, y = synthetic_tokens(4, 32, 100, seed=0)
     est = memprof.estimate(_tiny_gpt(), lambda ps: torch.optim.AdamW(ps), inputs=x, targets=y, loss_fn=TinyGPT.loss,

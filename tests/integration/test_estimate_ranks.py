@@ -153,7 +153,7 @@ class _Block(nn.Module):
 
 
 def test_units_are_the_outermost_repeated_blocks():
-    from memprof.sim_ranks import _units
+    from memprof.simulate.ranks import _units
 
     flat = nn.Sequential(nn.Embedding(100, 32), *[_Block() for _ in range(3)], nn.Linear(32, 100))
     blocks, units = _units(flat)

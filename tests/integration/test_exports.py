@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import memprof
-from memprof.categories import Category
+from memprof.vocabulary import Category
 from memprof.errors import NotMeasuredError
-from memprof.examples import TinyGPT, synthetic_tokens
+from memprof.demo import TinyGPT, synthetic_tokens
 from tests.helpers import optimizer_state_bytes, weight_bytes
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
@@ -383,7 +383,7 @@ def test_a_run_of_many_phases_stays_a_small_page(tmp_path):
 
 
 def test_a_capped_timeline_says_so(monkeypatch):
-    from memprof.track import phases
+    from memprof.collect import phases
 
     monkeypatch.setattr(phases, "_MAX_SAMPLES", 50)
     report, _, _ = _gpt_run(steps=2)

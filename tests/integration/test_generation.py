@@ -33,7 +33,7 @@ def _gpt2():
 
 @pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama-gqa", "gpt2"])
 def test_a_simulated_generation_equals_a_real_run_of_the_same_calls(build):
-    from memprof.generation import _Loop
+    from memprof.simulate.generation import _Loop
 
     model = build()
     est = memprof.estimate_generation(model, batch_size=3, prompt_len=7, max_new_tokens=5, device="cpu")
@@ -73,7 +73,7 @@ def test_the_cache_equals_the_formula_and_a_real_generate():
 
 
 def test_a_long_generation_grows_the_cache_directly_and_ends_as_the_full_run():
-    from memprof import generation
+    from memprof.simulate import generation
 
     model = _llama()
     jumped = memprof.estimate_generation(model, batch_size=2, prompt_len=5, max_new_tokens=40, device="cpu")

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import memprof
-from memprof.categories import Category
-from memprof.compare import Diff, diff
+from memprof.vocabulary import Category
+from memprof.analyse.compare import Diff, diff
 from memprof.errors import InvalidArgumentError, MemprofError, NotMeasuredError
 from memprof.render.html import frame_html, report_html
 from memprof.errors import MissingExtraError

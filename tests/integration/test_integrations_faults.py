@@ -20,12 +20,12 @@ from test_integrations import L, _fit, _hf_train, _Regression
 
 def _disk_full(monkeypatch):
     """Every file memprof writes fails as on a full disk (the one function all its writers end in)."""
-    import memprof.files
+    import memprof.record.files
 
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(memprof.files, "write_bytes_atomic", full)
+    monkeypatch.setattr(memprof.record.files, "write_bytes_atomic", full)
 
 
 def _memprof_warnings(record):
@@ -99,7 +99,7 @@ def test_cb_stop_after_a_failed_train_never_raises_when_the_save_fails(tmp_path,
 
 def test_a_report_that_cannot_be_built_is_a_warning_not_the_end_of_training(tmp_path, monkeypatch):
     from memprof.integrations.transformers import MemprofCallback
-    from memprof.profiler import Profiler
+    from memprof.collect.profiler import Profiler
 
     plain = _hf_train(tmp_path / "plain", [])
 
@@ -173,7 +173,7 @@ def test_lightning_lets_the_users_exception_through_when_the_save_fails(tmp_path
 
 def _end_step_fails_at(monkeypatch, step):
     """memprof's own code fails when closing ``step`` (a stand-in for any bug of memprof's inside a step)."""
-    from memprof.profiler import Profiler
+    from memprof.collect.profiler import Profiler
 
     real = Profiler.end_step
 

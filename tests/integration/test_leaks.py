@@ -39,7 +39,7 @@ def test_hundred_sessions_leave_nothing_behind():
     assert not optmod._global_optimizer_pre_hooks and not optmod._global_optimizer_post_hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert torch._C._len_torch_dispatch_stack() == 0
-    assert len(memprof.profiler._ACTIVE_MODELS) == 0
+    assert len(memprof.collect.profiler._ACTIVE_MODELS) == 0
 
 
 class _NullMode(TorchDispatchMode):

@@ -23,7 +23,7 @@ from memprof.errors import TraceFormatError
 from memprof.render.chrome import chrome_trace
 from memprof.render.html import report_html
 from memprof.render.page import report_page
-from memprof.trace import OomRecord, Trace
+from memprof.record.trace import OomRecord, Trace
 
 from factories import full_trace
 from models import MLP
@@ -183,7 +183,7 @@ def _consistent(t: Trace) -> None:
         if bd.total is None:
             return
         known = sum(v for v in bd.counts if v is not None)
-        tensor = [bd[c] for c in memprof.categories.TENSOR_CATEGORIES]
+        tensor = [bd[c] for c in memprof.vocabulary.TENSOR_CATEGORIES]
         assert known == bd.total if all(v is not None for v in tensor) else known <= bd.total
 
     def highest(peak, *others):

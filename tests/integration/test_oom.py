@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memprof
-from memprof.categories import Category as C
+from memprof.vocabulary import Category as C
 from memprof.cli import main
 from memprof.errors import InvalidArgumentError
 from tests.helpers import assert_sums, hooks_left, weight_bytes
@@ -134,7 +134,7 @@ def test_an_unwritable_dump_folder_is_refused_at_block_entry(tmp_path):
 
 
 def test_a_failed_write_is_a_warning_and_the_oom_still_propagates(tmp_path, monkeypatch):
-    from memprof import files
+    from memprof.record import files
 
     def fail(path, text):
         raise OSError(28, "No space left on device")
@@ -411,7 +411,7 @@ def test_a_dump_folder_given_as_a_link_is_written_through_it(tmp_path):
 
 
 def test_a_failed_write_under_warnings_as_errors_still_lets_the_oom_through(tmp_path, monkeypatch):
-    from memprof import files
+    from memprof.record import files
 
     def fail(path, text):
         raise OSError(28, "No space left on device")

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import memprof
 from memprof.errors import NotMeasuredError
-from memprof.track.operations import CONTRACTION, ELEMENTWISE, NORMALIZATION, classify
+from memprof.collect.operations import CONTRACTION, ELEMENTWISE, NORMALIZATION, classify
 
 
 def test_linear_flops_and_bytes_by_hand():

@@ -103,7 +103,7 @@ def test_notes_errors_and_versions_cannot_forge_lines_of_a_report_or_a_diff(tmp_
 
 def test_an_oom_block_keeps_its_lines_in_the_html_page():
     # The page shows what was live at an OOM in a <pre> block, where a newline is a line.
-    t = dataclasses.replace(full_trace(), oom=memprof.trace.OomRecord("CUDA out of memory\nPeak 0 B"),
+    t = dataclasses.replace(full_trace(), oom=memprof.record.trace.OomRecord("CUDA out of memory\nPeak 0 B"),
                             live_at_error=cpu(weights=144), live_modules_at_error=((FORGED, 96),))
     page = report_html(t)
     pre = page[page.index("<pre"):page.index("</pre>")]
@@ -121,7 +121,7 @@ def test_a_long_exception_message_is_cut_with_a_marker(tmp_path):
     # A 3 MB message (a tensor printed into an exception) as the run's error, in a note and as an OOM.
     message = "RuntimeError: " + "x" * 3_000_000
     t = dataclasses.replace(full_trace(), error=message, notes=(message,), live_at_error=cpu(weights=144),
-                            oom=memprof.trace.OomRecord(message))
+                            oom=memprof.record.trace.OomRecord(message))
     path = tmp_path / "report.html"
     memprof.Report(t).to_html(path)
     assert path.stat().st_size < 2 * 2**20
@@ -146,7 +146,7 @@ def test_a_trace_of_20000_kept_steps_makes_a_bounded_page():
                          peak=cpu(weights=144, gradients=144, temporaries=144), end=cpu(weights=144, gradients=144))]
     timed = tuple(dataclasses.replace(p, start_us=3.0 * i, peak_us=3.0 * i + 1, end_us=3.0 * i + 2)
                   for i, p in enumerate(phases))
-    samples = tuple(memprof.trace.Sample(i, s, memprof.Phase.FORWARD, f"layers.{s}", cpu(weights=144), 9.0 * s + 1,
+    samples = tuple(memprof.record.trace.Sample(i, s, memprof.Phase.FORWARD, f"layers.{s}", cpu(weights=144), 9.0 * s + 1,
                                          "enter") for i, s in enumerate(range(20_000)))
     t = trace(phases=timed, timeline=samples, notes=tuple(f"step {s}: " + "n" * 100 for s in range(20_000)))
     assert len(t.steps) == 20_000

@@ -22,23 +22,23 @@ from torch.utils.hooks import RemovableHandle
 
 import memprof
 from memprof import Category as C
-from memprof import profiler as profiler_mod
+from memprof.collect import profiler as profiler_mod
 from memprof.errors import ProfilerStateError
-from memprof.profiler import Profiler
-from memprof.track import closing as closing_mod
-from memprof.track import storages as storages_mod
-from memprof.track.closing import Closing
-from memprof.track.device import DeviceProbe
-from memprof.track.ledger import Ledger
-from memprof.track.modules import ModuleTracker
-from memprof.track.oom import OomDump
-from memprof.track.optimizer import OptimizerTracker
-from memprof.track.params import ParamTracker
-from memprof.track.phases import PhaseTracker
-from memprof.track.saved_hooks import SavedHooks
-from memprof.track.storages import DispatchMode, StorageTracker
-from memprof.track.undo import UndoStack
-from memprof.track.windows import Windows
+from memprof.collect.profiler import Profiler
+from memprof.collect import closing as closing_mod
+from memprof.collect import dispatch as storages_mod
+from memprof.collect.closing import Closing
+from memprof.collect.device import DeviceProbe
+from memprof.collect.ledger import Ledger
+from memprof.collect.modules import ModuleTracker
+from memprof.collect.oom import OomDump
+from memprof.collect.optimizer import OptimizerTracker
+from memprof.collect.params import ParamTracker
+from memprof.collect.phases import PhaseTracker
+from memprof.collect.saved_hooks import SavedHooks
+from memprof.collect.dispatch import DispatchMode, StorageTracker
+from memprof.collect.undo import UndoStack
+from memprof.collect.windows import Windows
 
 from helpers import hook_registry, weight_bytes
 from models import MLP

@@ -23,7 +23,7 @@ import torch
 import torch._dynamo  # noqa: F401
 
 import memprof
-from memprof.budget import (
+from memprof.analyse.budget import (
     BudgetNotMeasured,
     BudgetResult,
     Judged,
@@ -36,7 +36,7 @@ from memprof.budget import (
 )
 from memprof.errors import InvalidArgumentError, MemprofError, SizeParseError, UnknownNameError
 from memprof.pytest_plugin import report_file_names
-from memprof.trace import Breakdown
+from memprof.record.trace import Breakdown
 
 pytest_plugins = ["pytester"]
 

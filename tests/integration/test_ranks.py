@@ -13,7 +13,7 @@ from torch import nn
 import memprof
 from memprof.cli import main
 from memprof import MergeError
-from memprof.records import Breakdown, RankInfo
+from memprof.record.parts import Breakdown, RankInfo
 
 
 @pytest.fixture

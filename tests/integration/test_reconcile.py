@@ -233,7 +233,7 @@ def test_estimate_says_when_a_cpu_kernel_keeps_more_than_the_simulation():
 
 
 def test_meta_estimate_of_a_large_model_uses_no_real_memory():
-    from memprof.examples import TinyGPT
+    from memprof.demo import TinyGPT
 
     def rss():
         with open("/proc/self/statm") as fh:

@@ -8,7 +8,7 @@ import torch
 import memprof
 from memprof import Category as C
 from memprof.errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
-from memprof.examples import TinyGPT, synthetic_tokens
+from memprof.demo import TinyGPT, synthetic_tokens
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """One run, one formula: an estimate's printed table, its reconciliation, the CLI and a generation show the same
-formula bytes for every category at a moment (memprof.reconciler.formula_at, in the run's own regime), and
+formula bytes for every category at a moment (memprof.analyse.reconciler.formula_at, in the run's own regime), and
 beside it the textbook's figure (HF's 18 B/param for mixed-precision AdamW) with the cause of its difference in
 exact bytes."""
 
@@ -11,7 +11,7 @@ from torch import nn
 
 import memprof
 from memprof import Category as C
-from memprof.reconciler import formula_at
+from memprof.analyse.reconciler import formula_at
 
 MIXED = ("mixed", "amp", "mixed-fp16")  # the user's words for fp32 parameters under torch.autocast
 

@@ -1,4 +1,4 @@
-"""CUDA's autocast policy on shape-only tensors (memprof.sim_autocast) against torch's own.
+"""CUDA's autocast policy on shape-only tensors (memprof.simulate.autocast) against torch's own.
 
 The oracle: torch's real ``AutocastCUDA`` kernels run forward-only on fake CUDA tensors even on a
 CPU-only build (autograd is what needs a CUDA device, so parameters do not require grad there). The
@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memprof
-from memprof.sim_autocast import CudaAutocast
-from memprof.sim_kernels import CudaKernels
+from memprof.simulate.autocast import CudaAutocast
+from memprof.simulate.kernels import CudaKernels
 
 
 class _OpLog(TorchDispatchMode):
@@ -175,7 +175,7 @@ def _measured(model, x, autocast):
 
 
 def test_weight_casts_are_cached_and_saved_as_a_real_autocast_run_keeps_them():
-    from memprof.profiler import Profiler
+    from memprof.collect.profiler import Profiler
 
     torch.manual_seed(0)
     real = _measured(_MLP(), torch.randn(16, 32), lambda: torch.autocast("cpu", dtype=torch.bfloat16))
@@ -303,7 +303,7 @@ def test_torchs_own_attention_layer_gets_cast_then_flash_on_a_cuda_target():
 
 
 def test_a_failed_estimate_leaves_no_emulated_autocast_behind():
-    from memprof.sim_autocast import emulated_autocast_dtype
+    from memprof.simulate.autocast import emulated_autocast_dtype
 
     class ReadsValues(nn.Module):
         def __init__(self):

@@ -2,7 +2,7 @@
 
 On a real CPU some kernels return an output whose storage is not its shape's: ``F.mse_loss`` with a
 reduction returns a 0-dim loss that keeps the whole elementwise buffer. Fake tensors give it 4 bytes;
-:mod:`memprof.sim_cpu_kernels` gives it what the CPU kernel keeps. Which ops differ was found by
+:mod:`memprof.simulate.cpu_kernels` gives it what the CPU kernel keeps. Which ops differ was found by
 ``benchmarks/cpu_kernel_sweep.py`` over torch's own operator samples; the last test runs that sweep on the
 ops with rules and requires every output to match the real kernel.
 """
@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 import memprof
 from memprof import Category as C
-from memprof.sim_cpu_kernels import MIXED_OPINFOS, RULES, SWEPT_OPINFOS, CpuKernels
+from memprof.simulate.cpu_kernels import MIXED_OPINFOS, RULES, SWEPT_OPINFOS, CpuKernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import memprof
 from memprof import Category as C
 from memprof.errors import ProfilerStateError
-from memprof.track.storages import DispatchMode
+from memprof.collect.dispatch import DispatchMode
 
 from helpers import hook_registry, weight_bytes
 from models import MLP

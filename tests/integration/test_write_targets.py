@@ -25,7 +25,7 @@ import pytest
 import memprof
 from memprof.cli import main
 from memprof.errors import InvalidArgumentError
-from memprof.files import check_writable, write_bytes_atomic, write_json_atomic, write_text_atomic
+from memprof.record.files import check_writable, write_bytes_atomic, write_json_atomic, write_text_atomic
 
 from factories import full_trace
 

@@ -1,4 +1,4 @@
-"""The kv_cache formula of a recorded generation (memprof.reconciler.cache_formula) on hand-built traces: a trace
+"""The kv_cache formula of a recorded generation (memprof.analyse.reconciler.cache_formula) on hand-built traces: a trace
 that records where each call had got at its peak, and one saved before memprof recorded cache moments."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 from factories import bd, phase, trace
 
 from memprof.anatomy import CacheSpec
-from memprof.cache_moments import CacheMoment
-from memprof.reconciler.formula import formula_at
-from memprof.records import GenerationFacts
+from memprof.record.cache import CacheMoment
+from memprof.analyse.reconciler.formula import formula_at
+from memprof.record.parts import GenerationFacts
 
 # One layer's K or V per token: 2 key/value heads x 8 x 4 B, batch 1.
 PER = 2 * 8 * 4

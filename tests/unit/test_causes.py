@@ -8,7 +8,7 @@ import pytest
 import memprof
 from memprof import Category as C
 from memprof.anatomy.predict import ActivationPrediction
-from memprof.reconciler.causes import (CAUSES, Context, autocast_weight_copies, causes, device_rows,
+from memprof.analyse.reconciler.causes import (CAUSES, Context, autocast_weight_copies, causes, device_rows,
                                        for_loop_step_bound, gradients_missing, korthikanti_assumptions,
                                        lazy_optimizer_state, no_formula, no_persistent_16bit_copy, per_module_rules,
                                        released_by_backward, saved_outside_the_model, outside_transformer_layers)
@@ -168,7 +168,7 @@ def test_saved_outside_the_model_is_the_loss_functions_saves():
 
 def test_activation_checkpointing_names_what_regions_skip_keep_and_recompute():
     from memprof.anatomy.predict import ActivationPrediction
-    from memprof.reconciler.causes import activation_checkpointing
+    from memprof.analyse.reconciler.causes import activation_checkpointing
 
     fwd, bwd, _ = _step(fwd_end_act=150, bwd_act=400)
     t = trace(phases=(fwd, bwd))

@@ -83,15 +83,15 @@ def test_no_import_cycle_at_run_time():
 
 def test_analyses_and_renderers_never_reach_back_into_the_collectors():
     modules = _modules()
-    downstream = [n for n in modules if n.startswith(("memprof.anatomy", "memprof.reconciler", "memprof.render"))
-                  or n in ("memprof.trace", "memprof.report", "memprof.compare", "memprof.budget")]
+    downstream = [n for n in modules if n.startswith(("memprof.anatomy", "memprof.analyse.reconciler", "memprof.render"))
+                  or n in ("memprof.record.trace", "memprof.report", "memprof.analyse.compare", "memprof.analyse.budget")]
     reaching = {n: sorted(t for t in _runtime_imports(n, modules[n], set(modules))
-                          if t.startswith("memprof.track") or t == "memprof.profiler") for n in downstream}
+                          if t.startswith("memprof.collect") or t == "memprof.collect.profiler") for n in downstream}
     assert {n: t for n, t in reaching.items() if t} == {}
 
 
 def test_importing_memprof_imports_no_torch():
-    code = "import sys, memprof, memprof.trace, memprof.report; print('torch' in sys.modules)"
+    code = "import sys, memprof, memprof.record.trace, memprof.report; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent)
     assert out.stdout.strip() == "False"

@@ -7,7 +7,7 @@ import gc
 import torch
 
 from memprof import Category as C
-from memprof.track.ledger import (ACTIVATIONS, GRADIENTS, TAGS, TEMPORARIES, WEIGHTS, Ledger, breakdown,
+from memprof.collect.ledger import (ACTIVATIONS, GRADIENTS, TAGS, TEMPORARIES, WEIGHTS, Ledger, breakdown,
                                   storage_of, tag_pairs)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from memprof.track.ledger import COMMUNICATION, GRADIENTS, TEMPORARIES, Ledger
+from memprof.collect.ledger import COMMUNICATION, GRADIENTS, TEMPORARIES, Ledger
 
 
 def _storage(n: int):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import memprof
-from memprof import progress
+from memprof.simulate import progress
 
 
 class _FakeTqdm:

@@ -109,7 +109,7 @@ def test_the_reconciliation_names_each_gap_and_gives_levers():
 
 def test_the_report_is_at_most_80_lines_whatever_the_run_holds():
     from memprof import Phase
-    from memprof.phase_stats import STAT_KEYS, PhaseStats, Stat
+    from memprof.record.stats import STAT_KEYS, PhaseStats, Stat
 
     kinds = ["forward", "backward", "other", "optimizer"]
     phases = tuple(phase(s, kinds[k % 4], occurrence=k // 4, start=cpu(weights=10), peak=cpu(weights=10 + k),

@@ -9,9 +9,9 @@ import pytest
 
 from memprof import Phase
 from memprof.errors import InvalidArgumentError
-from memprof.schedule import ACTIVE, DONE, SKIP, WAIT, WARMUP, schedule
-from memprof.trace import StepRecord
-from memprof.track.retention import FIRST_STEPS, MAX_SELECTED, Retention, _Series
+from memprof.collect.schedule import ACTIVE, DONE, SKIP, WAIT, WARMUP, schedule
+from memprof.record.trace import StepRecord
+from memprof.collect.retention import FIRST_STEPS, MAX_SELECTED, Retention, _Series
 
 from factories import cpu, phase
 

@@ -1,12 +1,12 @@
-"""ZeRO's Table I per rank: what each layout divides by the world size (memprof.reconciler.sharding)."""
+"""ZeRO's Table I per rank: what each layout divides by the world size (memprof.analyse.reconciler.sharding)."""
 
 from __future__ import annotations
 
 import pytest
 
 from memprof import Category as C
-from memprof.records import RankInfo
-from memprof.reconciler.sharding import shard_formula, zero_stage
+from memprof.record.parts import RankInfo
+from memprof.analyse.reconciler.sharding import shard_formula, zero_stage
 
 
 def _values():

@@ -11,8 +11,8 @@ import memprof
 from memprof import Category as C
 from memprof.anatomy import textbook_regime
 from memprof.errors import UnknownNameError
-from memprof.reconciler import textbook_at
-from memprof.reconciler.textbook import differences
+from memprof.analyse.reconciler import textbook_at
+from memprof.analyse.reconciler.textbook import differences
 from memprof.render.text import textbook_lines
 
 from factories import adamw_spec, cpu, facts, linear_call, phase, trace

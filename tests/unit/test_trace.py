@@ -11,8 +11,8 @@ import memprof
 from memprof import Category as C, Phase
 from memprof.errors import InvalidArgumentError, TraceFormatError
 from memprof.render.common import own_rows
-from memprof.specs import TensorSpec
-from memprof.trace import (SCHEMA_VERSION, Breakdown, Trace, as_trace, parent_path, parse_moment, PHASE_MOMENTS, RECONCILE_MOMENTS)
+from memprof.record.specs import TensorSpec
+from memprof.record.trace import (SCHEMA_VERSION, Breakdown, Trace, as_trace, parent_path, parse_moment, PHASE_MOMENTS, RECONCILE_MOMENTS)
 
 from factories import bd, full_trace, module, trace
 

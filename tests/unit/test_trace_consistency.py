@@ -12,7 +12,7 @@ import pytest
 import memprof
 from memprof.cli import main
 from memprof.errors import TraceFormatError
-from memprof.trace import Trace
+from memprof.record.trace import Trace
 
 from factories import full_trace
 

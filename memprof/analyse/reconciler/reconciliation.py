@@ -1,0 +1,252 @@
+"""Reconciliation: formula vs simulated vs measured, every gap split into named causes.
+
+For each category the table holds what the literature predicts (the
+*formula*, from :mod:`memprof.anatomy` applied to the run's recorded model and
+optimizer), what a simulated run of the same step shows (*simulated*, when an
+:class:`~memprof.Estimate` is given) and what was *measured*. The gap
+(measured − formula) is split into causes (:mod:`.causes`), each with its
+bytes and one sentence; whatever no cause accounts for is shown as
+"unexplained". Nothing here reads hooks: a reconciliation is a pure function
+of a Trace. Its text, HTML, table and waterfall are :mod:`memprof.render`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ...anatomy.params import bytes_per_param_breakdown
+from ...vocabulary import Category
+from ...errors import InvalidArgumentError, NotMeasuredError
+from ...record.trace import Breakdown, as_trace
+from .causes import Cause, Context, causes
+from .sharding import zero_stage
+from .formula import formula_at, infer_precision, moment_of, optimizer_name, parse_at, predictions
+from .textbook import Textbook, textbook_at
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from ...simulate.estimate import Estimate
+
+__all__ = ["Row", "Total", "Reconciliation", "reconcile"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One category: the formula's, the simulation's and the measurement's bytes (``None``: none)."""
+
+    category: Category
+    formula: "int | None"
+    simulated: "int | None"
+    measured: "int | None"
+
+    @property
+    def gap(self) -> "int | None":
+        if self.formula is None or self.measured is None:
+            return None
+        return self.measured - self.formula
+
+    @property
+    def gap_pct(self) -> "float | None":
+        gap = self.gap
+        if gap is None or not self.formula:
+            return None
+        return 100.0 * gap / self.formula
+
+
+@dataclass(frozen=True)
+class Total:
+    """The total row: formula total, measured total (the report's total at this moment) and their gap,
+    which the named causes and the unexplained remainders add up to."""
+
+    formula: "int | None"
+    simulated: "int | None"
+    measured: "int | None"
+
+    @property
+    def gap(self) -> "int | None":
+        return None if self.formula is None or self.measured is None else self.measured - self.formula
+
+    @property
+    def gap_pct(self) -> "float | None":
+        gap = self.gap
+        return 100.0 * gap / self.formula if gap is not None and self.formula else None
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    """Formula vs simulated vs measured, per category, with the causes of every gap.
+
+    ``rows`` hold the figures; ``causes`` the named parts of the gaps;
+    :attr:`explanations` adds one "unexplained" entry per category for what the
+    causes leave; ``textbook`` the literature's figure for this run beside the
+    formula column, with the causes of their difference. Print it for a table,
+    ``to_frame()`` for pandas.
+    """
+
+    moment: str
+    where: str
+    precision: str
+    optimizer: "str | None"
+    rows: tuple[Row, ...]
+    causes: tuple[Cause, ...]
+    textbook: Textbook
+    notes: tuple[str, ...] = ()
+    _advice: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def textbook_bytes_per_param(self) -> "float | None":
+        """Model states per parameter as the literature quotes them for this run (18 for AdamW under
+        torch.autocast: HF's mixed precision); ``None`` without a bytes/param row for the optimizer."""
+        return self.textbook.bytes_per_param
+
+    @property
+    def formula_bytes_per_param(self) -> "float | None":
+        """Model states per parameter in the formula column (16 for AdamW under torch.autocast, which keeps
+        no persistent 16-bit weights); :attr:`textbook` names what separates the two."""
+        return self.textbook.formula_bytes_per_param
+
+    def row(self, category: "Category | str") -> Row:
+        cat = Category.parse(category)
+        return next(r for r in self.rows if r.category is cat)
+
+    @property
+    def total(self) -> Total:
+        formula = [r.formula for r in self.rows if r.formula is not None]
+        simulated = [r.simulated for r in self.rows if r.simulated is not None]
+        measured = [r.measured for r in self.rows if r.measured is not None]
+        return Total(sum(formula) if formula else None, sum(simulated) if simulated else None,
+                     sum(measured) if formula else None)
+
+    @property
+    def explanations(self) -> list[Cause]:
+        """Every named cause, then per category the unexplained remainder of its gap (if any).
+
+        Together they add up to the total row's gap: measured total minus formula total.
+        """
+        out = list(self.causes)
+        for r in self.rows:
+            rest = self.unexplained(r.category)
+            if rest:
+                out.append(Cause(r.category, "unexplained", rest,
+                                 "no named cause accounts for this part of the gap"))
+        return out
+
+    def unexplained(self, category: "Category | str") -> "int | None":
+        """Bytes of a category's gap that no named cause accounts for (``None`` without a formula)."""
+        r = self.row(category)
+        if r.gap is None:
+            return None
+        return r.gap - sum(c.bytes for c in self.causes if c.category is r.category)
+
+    def advice(self) -> list[str]:
+        """Levers that shrink the largest categories, with predicted savings, and alignment warnings."""
+        return list(self._advice)
+
+    # -- views (memprof.render) --------------------------------------------------------
+
+    def to_frame(self) -> "pd.DataFrame":
+        """DataFrame indexed by category value (plus ``total``): formula, simulated, measured, gap, gap_pct."""
+        from ...render.frames import reconciliation_frame
+
+        return reconciliation_frame(self)
+
+    def to_text(self) -> str:
+        from ...render.text import reconciliation_text
+
+        return reconciliation_text(self)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def _repr_html_(self) -> str:
+        from ...render.html import reconciliation_html
+
+        return reconciliation_html(self)
+
+    def plot(self, ax: Any = None) -> Any:
+        """A waterfall from the formula total to the measured total through the named causes (matplotlib)."""
+        from ...render.plot import plot_waterfall
+
+        total = self.total
+        steps: list[tuple[str, "int | None"]] = [("formula", total.formula)]
+        steps += [(f"{c.category.value}: {c.name}", c.bytes) for c in self.explanations]
+        steps.append(("measured", total.measured))
+        return plot_waterfall(steps, ax=ax)
+
+
+def reconcile(
+    trace: Any,
+    *,
+    precision: "str | None" = None,
+    optimizer: "str | None" = None,
+    at: Any = "peak",
+    estimate: "Estimate | None" = None,
+    transformer: "Mapping[str, Any] | None" = None,
+) -> Reconciliation:
+    """Reconcile a measured run (a Trace or Report) with the formulas and, optionally, a simulation.
+
+    ``at="peak"`` compares the composition at the global peak (what decides an
+    OOM); ``at="steady"`` the end of the last optimizer step, when every model
+    state exists; ``at=(step, phase, moment)`` (``moment`` ``"start"``,
+    ``"peak"`` or ``"end"``, an optional fourth value the occurrence, a negative
+    step counting from the end) that moment of one phase, as
+    :meth:`memprof.Report.at` names it: ``at=(-1, "forward", "end")`` holds
+    the activations against the closed form when the run peaks elsewhere. ``precision`` (``fp32``, ``mixed``, ``amp``, ``bf16``,
+    ``fp16``, ``zero``) and ``optimizer`` (a name as in
+    :func:`memprof.anatomy.bytes_per_param`) override what is inferred from
+    the run: giving ``optimizer`` switches optimizer state to the textbook
+    bytes/param instead of the prediction from the recorded optimizer.
+    """
+    trace = as_trace(trace)
+    at = parse_at(at)
+    if optimizer is not None:
+        # A name given by the user must exist (a misspelling would silently give a formula of 0 bytes).
+        bytes_per_param_breakdown(precision or "fp32", optimizer)
+    if estimate is not None and type(estimate).__name__ != "Estimate":
+        raise InvalidArgumentError(
+            f"estimate must be what memprof.estimate(...) returns, got {type(estimate).__name__}; "
+            "simulate the same step with memprof.estimate(model, optimizer, inputs=..., ...)")
+    if transformer is not None and not isinstance(transformer, Mapping):
+        raise InvalidArgumentError(
+            f"transformer must be a dict of seq_len, batch, hidden, heads and layers, got {type(transformer).__name__}")
+    if not trace.steps:
+        raise NotMeasuredError("no step was recorded; nothing to reconcile")
+    precision_used = precision or infer_precision(trace)
+    measured, rec, where, tags = moment_of(trace, at)
+    formula = formula_at(trace, at, precision=precision_used, optimizer=optimizer, transformer=transformer)
+    simulated: "Breakdown | None" = None
+    if estimate is not None:
+        simulated, _, _, _ = moment_of(estimate.trace, at)
+    rows = tuple(Row(c, formula[c], simulated[c] if simulated is not None else None, measured[c]) for c in Category)
+    opt_name = optimizer if optimizer is not None else optimizer_name(trace)
+    acts, opts = predictions(trace)
+    notes: list[str] = []
+    dist = trace.distributed
+    stage = zero_stage(dist)
+    if dist is not None and dist.params_per_rank is not None:
+        notes.append(f"one rank of {dist.world_size} ({dist.layout}): the formula's model states are this rank's "
+                     f"share of each parameter, {dist.params_per_rank:,} of {trace.facts.num_params:,} elements, as "
+                     "the parameters' placements shard them")
+    elif stage and dist is not None:
+        sharded = {1: "optimizer states", 2: "gradients and optimizer states",
+                   3: "weights, gradients and optimizer states"}[stage]
+        notes.append(f"one rank of {dist.world_size} ({dist.layout}, ZeRO stage {stage}): the "
+                     f"formula's {sharded} are 1/{dist.world_size} of the model's (ZeRO, Table I)")
+    if trace.optimizer is not None and opts.state_bytes is None and optimizer is None:
+        notes.append(f"no formula for {trace.optimizer}: its state is measured, not predicted")
+    if acts.modules_without_rule and transformer is None:
+        notes.append("no saved-bytes rule for module types " + ", ".join(acts.modules_without_rule)
+                     + ": their activations are not in the formula")
+    for failure in acts.failed_rules + opts.failed:
+        notes.append(f"a formula raised and is left out: {failure}")
+    if trace.mode == "light" and trace.device.type != "cuda":
+        notes.append("light mode on CPU: temporaries and totals were not measured")
+    ctx = Context(trace, measured, rec, tags, formula, precision_used, opt_name, transformer, acts)
+    textbook = textbook_at(trace, at, precision=precision_used, optimizer=optimizer, transformer=transformer)
+    from .advice import advice
+
+    moment = at if isinstance(at, str) else where
+    return Reconciliation(moment, where, precision_used, opt_name, rows, causes(ctx), textbook, tuple(notes),
+                          tuple(advice(trace, measured, precision_used, opt_name)))

@@ -1,0 +1,513 @@
+"""Storages: every op output, seen through a thin dispatch mode, and the tensors handed in.
+
+Exact mode installs :class:`DispatchMode`, whose ``__torch_dispatch__`` only
+calls :meth:`StorageTracker.on_op` (the shape of ``torch/utils/flop_counter.py``).
+Each op is classified once from its schema: ops that return new storages
+register them as temporaries; views and in-place ops are skipped (they return
+storages they were given), ``out=`` ops register a buffer memprof never saw
+(allocated inside compiled code), and ``lift_fresh`` (how ``torch.tensor``
+hands a C++-built tensor to dispatch) counts as a new storage. A few ops carry
+a tag rule that names what they produced (dropout masks, norm statistics,
+autocast weight copies ...) for the reconciler's causes.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..vocabulary import Phase
+from ..simulate.autocast import emulated_autocast_dtype
+from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, inner_tensors, is_wrapper, storage_of
+from .mode_stack import pop_from_beneath, push_beneath
+
+if TYPE_CHECKING:
+    from .profiler import Profiler
+    from .ledger import Entry
+
+__all__ = ["DispatchMode", "StorageTracker", "KEEPS_COMPILE", "pop_orphan_modes"]
+
+_aten = torch.ops.aten
+_PLAIN = torch.Tensor
+_DETACH = _aten.detach.default
+_BACKWARD = Phase.BACKWARD
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: -1)
+_TAG = {name: i for i, name in enumerate(TAGS)}
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# torch 2.9 added TorchDispatchMode.ignore_compile_internals; before it, any dispatch mode makes
+# torch.compile fall back to eager (torch/_dynamo/convert_frame.py).
+KEEPS_COMPILE = hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
+class DispatchMode(TorchDispatchMode):
+    """Hands every op to its tracker; passes ops through once the profile has ended."""
+
+    def __init__(self, tracker: "StorageTracker") -> None:
+        super().__init__()
+        self.tracker: "StorageTracker | None" = tracker
+        self.home = threading.get_ident()  # the thread whose stack holds it
+        self.exits: list[weakref.finalize] = []  # armed while inert: see inert()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Any other dispatch mode makes torch.compile run the model eagerly, and the code
+        # object stays eager for the rest of the process (torch/_dynamo/convert_frame.py skips
+        # frames while a mode without this flag is on the stack). With it, compiled code stays
+        # compiled and this mode sees the ops the compiled artifact dispatches at run time.
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        tracker = self.tracker
+        if tracker is None:
+            # The profile ended (in another thread, or beneath a mode that could not be moved).
+            return self.inert(func, args, kwargs or {})
+        if func is _DETACH:
+            # A detach only aliases (the engine and saved-tensor packing issue many): nothing to count.
+            return func(*args, **(kwargs or {}))
+        for t in types:
+            if t is not _PLAIN and is_wrapper(t):
+                # A wrapper subclass (DTensor ...): let it run first. It desugars into ops on the tensors
+                # it wraps, which come back through this mode with real storages and local sizes.
+                return NotImplemented
+        return tracker.on_op(func, args, kwargs or {})
+
+    def inert(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """Pass an op through, and arrange for this mode to leave its thread's stack.
+
+        It cannot leave from here: while a mode handles an op torch has taken it off the stack, and
+        puts it back when the handler returns (``StashTorchDispatchModeGuard``,
+        torch/csrc/utils/torch_dispatch_mode.h). So it leaves when the op's output is released,
+        which is outside dispatch in the common case (the end of the user's statement), if it is
+        then on top of the stack. Only this path pays for it; a running profile's ops never come here.
+        """
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and threading.get_ident() == self.home:
+            exits = self.exits = [f for f in self.exits if f.alive]
+            if len(exits) < 4:  # a few outputs, in case the first ones live on
+                leave = weakref.finalize(out, _leave_stack, weakref.ref(self))
+                leave.atexit = False
+                exits.append(leave)
+        return out
+
+
+def _leave_stack(ref: "weakref.ref[DispatchMode]") -> None:
+    """An inert mode's armed output was released: leave the stack if the mode is on top of it here."""
+    mode = ref()
+    if mode is None or mode.tracker is not None or threading.get_ident() != mode.home:
+        return
+    try:
+        if not _on_top(mode):
+            return  # inside another op's dispatch, or beneath a mode of the user's: a later output tries again
+        mode.__exit__(None, None, None)
+    except Exception:  # a finaliser must not raise into the user's code; the next profile here pops it
+        return
+    _forget_orphan(mode)
+
+
+# What an op's outputs are, decided once per op from its schema.
+_NEW_OUTPUTS, _ALIASES, _WRITES_OUT, _RESIZES, _NOT_WORK, _VIEW = 0, 1, 2, 3, 4, 5
+
+
+def _op(name: str, overload: str = "default") -> Any:
+    # Ops differ between torch versions; a missing one simply gets no rule.
+    packet = getattr(_aten, name, None)
+    return getattr(packet, overload, None) if packet is not None else None
+
+
+# Ops whose schema says "returns an alias of the input" but which hand out a storage made outside
+# dispatch: torch.tensor(...), torch.as_tensor(list) and from_numpy build the tensor in C++ and only
+# then pass it through lift_fresh (torch/csrc/utils/tensor_new.cpp). The output is a new storage.
+_LIFTS = frozenset(o for o in (_op("lift_fresh"), _op("lift_fresh_copy"), _op("lift")) if o is not None)
+# In-place ops that change the size of the storage they write.
+_RESIZE_OPS = frozenset(o for o in (_op("resize_"), _op("resize_as_"), _op("set_", "source_Storage"),
+                                    _op("set_", "source_Storage_storage_offset"), _op("set_", "source_Tensor"))
+                        if o is not None)
+
+
+class StorageTracker:
+    """Registers what ops make and what the model is handed; tags what some ops make."""
+
+    def __init__(self, prof: "Profiler") -> None:
+        self.prof = prof
+        self.ledger = prof.ledger
+        self.device = prof.device
+        self.on_cpu = prof.device.type == "cpu"
+        self.operations: Any = None  # an OperationLog with operations=True
+        self.autocast_dtype: "str | None" = None
+        self.mode: "DispatchMode | None" = None
+        self.base_depth: "int | None" = None  # the dispatch stack's depth when the profile began
+        self.fake_mode: Any = None  # a simulation's fake-tensor mode: its tensors are the ones counted
+
+    # -- the dispatch mode -----------------------------------------------------
+
+    def install(self) -> None:
+        mode = _reusable_orphan()
+        if mode is not None:
+            # A mode of ours left beneath one that could not be moved (a fake or proxy mode): it is
+            # still on the stack, so it takes the ops again rather than a new one on every window.
+            mode.tracker = self
+            self.mode = mode
+            return
+        mode = DispatchMode(self)
+        if self.base_depth is None:  # the profile's start: whatever is on the stack was there before it
+            self.base_depth = _dispatch_stack_len()
+            mode.__enter__()
+        else:  # a schedule's window: beneath the modes the user entered since (mode_stack.py says why)
+            push_beneath(mode, self.base_depth)
+        self.mode = mode
+
+    def uninstall(self, thread: int) -> None:
+        """Take the mode off ``thread``'s stack, or leave it there inert. Safe to run again when cut short
+        (the mode is forgotten only once it is out or listed as an orphan)."""
+        mode = self.mode
+        if mode is None:
+            return
+        mode.tracker = None  # inert from now on, wherever it still sits
+        # Taken out, also from beneath modes the user entered inside the block and left open. Otherwise (another
+        # thread's stack, or beneath a mode torch keeps apart: fake, proxy) it leaves by itself once on top
+        # (DispatchMode.inert), or at the next profile in that thread.
+        if not (threading.get_ident() == thread and pop_from_beneath(mode)):
+            if (thread, mode) not in _ORPHAN_MODES:
+                _ORPHAN_MODES.append((thread, mode))
+        self.mode = None
+
+    def on_op(self, func: Any, args: Any, kwargs: Any) -> Any:
+        # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can.
+        prof = self.prof
+        phases = prof.phases
+        phase = phases.current
+        if phase is _BACKWARD:
+            prof.saved.watch_recompute()
+        elif phases.scan_args and not prof.modules.stack:
+            # Only outside the model's modules (the loss, data movement): inside them every tensor
+            # was either handed to the model (marked by the root hook) or made by an op already.
+            self.scan_inputs(args)
+        out = func(*args, **kwargs)
+        # Keyed by id(): OpOverload.__hash__ is a Python method, a second call per op.
+        info = _OP_INFO.get(id(func))
+        if info is None:
+            info = _op_info(func)
+        kind = info[0]
+        if kind >= _NOT_WORK:  # views and profiler markers
+            return out
+        if kind == _WRITES_OUT:
+            # An out= op writes into a buffer it was handed (and may grow it). A buffer memprof never
+            # saw was allocated where no op reaches dispatch: inside compiled code (torch.compile's
+            # generated kernels allocate directly) or by the caller before the profile.
+            self.register_unseen(kwargs)
+        elif kind == _RESIZES and args and isinstance(args[0], torch.Tensor):
+            self.register_unseen({"self": args[0]})
+        phases.ops += 1
+        if self.operations is not None:
+            self.operations.record(phase.value, func, args, kwargs, out)
+        if phase is not _BACKWARD and _graph_task_id() != -1:
+            phases.backward_started()
+        if kind == _NEW_OUTPUTS:
+            led = self.ledger
+            entries = led.entries
+            on_cpu = self.on_cpu
+            for o in (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ():
+                if not isinstance(o, torch.Tensor):
+                    continue
+                if type(o) is not _PLAIN and self.foreign_fake(o):
+                    continue
+                if on_cpu:
+                    if not o.is_cpu:
+                        continue
+                elif o.device != self.device:
+                    continue
+                try:  # storage_of() inlined: this runs for every op output
+                    st = o.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if st._cdata not in entries:
+                    led.add(st, TEMPORARIES)
+            if type(out) is not torch.Tensor and isinstance(out, torch.Tensor):
+                self.register_output(out)  # a tensor subclass result (e.g. a Parameter)
+        rule = info[1]
+        if rule is not None:
+            rule(self, func, args, out)
+        return out
+
+    # -- registration ------------------------------------------------------------
+
+    def add_tensor(self, t: torch.Tensor, cat: int) -> "Entry | None":
+        """Register ``t``'s storage (if new) under ``cat``; its entry, or None off this device."""
+        if t.device != self.device:
+            return None
+        if t.layout is not torch.strided:
+            if t.is_sparse:
+                self.add_tensor(t._indices(), cat)
+                return self.add_tensor(t._values(), cat)
+            return None
+        if type(t) is not _PLAIN and is_wrapper(type(t)):
+            # A wrapper subclass: what it wraps (a DTensor's local shard; a quantised tensor's data and scales).
+            entries = [self.add_tensor(x, cat) for x in inner_tensors(t)]
+            return entries[0] if entries else None
+        st = storage_of(t)
+        return self.ledger.add(st, cat) if st is not None else None
+
+    def foreign_fake(self, t: torch.Tensor) -> bool:
+        """A fake tensor that is not the simulation's: metadata torch computes on the side (DTensor's sharding
+        propagation runs ops on fake tensors of the global shape), which holds no memory."""
+        return isinstance(t, _FakeTensor) and t.fake_mode is not self.fake_mode
+
+    def register_output(self, t: torch.Tensor) -> None:
+        """A tensor that came out of code memprof sees only from outside: a temporary if new, and a
+        known storage at its current size."""
+        if type(t) is not _PLAIN and self.foreign_fake(t):
+            return
+        if self.on_cpu:
+            if not t.is_cpu:
+                return
+        elif t.device != self.device:
+            return
+        st = storage_of(t)
+        if st is None:
+            return
+        led = self.ledger
+        entry = led.entries.get(st._cdata)
+        if entry is None:
+            led.add(st, TEMPORARIES)
+        elif entry.nbytes != led.size_of(st.nbytes()):
+            led.resize(entry, st.nbytes())
+
+    def register_unseen(self, kwargs: Any) -> None:
+        # out= tensors are keyword-only in the schemas of .out overloads.
+        for value in kwargs.values():
+            for t in (value,) if isinstance(value, torch.Tensor) else value if isinstance(value, (tuple, list)) else ():
+                if isinstance(t, torch.Tensor):
+                    self.register_output(t)
+
+    def entry_of(self, t: torch.Tensor) -> "Entry | None":
+        st = storage_of(t)
+        return self.ledger.entries.get(st._cdata) if st is not None else None
+
+    def tag(self, t: torch.Tensor, tag: int) -> None:
+        entry = self.entry_of(t)
+        if entry is not None:
+            self.ledger.set_tag(entry, tag)
+
+    def scan_inputs(self, args: Iterable[Any]) -> None:
+        # Tensors that come from outside the profile (targets handed to the
+        # loss, masks) are inputs; known storages are skipped in O(1).
+        entries = self.ledger.entries
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                try:  # storage_of() inlined: this runs for every op argument
+                    st = a.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if st._cdata not in entries and a.device == self.device:
+                    self.ledger.add(st, INPUTS)
+
+    def mark_inputs(self, objs: Any, depth: int = 0, *, made_in_block_too: bool = True) -> None:
+        # Tensors handed to the model's forward are its inputs: unknown ones (made before the
+        # profile), and temporaries made in the block (the batch built inside it). Handed to a
+        # submodule called directly (made_in_block_too=False), only the unknown ones are: a
+        # temporary there may be the encoder's output, or the loop's F.gelu of it.
+        if depth > 4:
+            return
+        if isinstance(objs, torch.Tensor):
+            entry = self.add_tensor(objs, INPUTS)
+            if entry is not None and entry.cat == TEMPORARIES and made_in_block_too:
+                self.ledger.move(entry, INPUTS)
+        elif isinstance(objs, (list, tuple)):
+            for o in objs:
+                self.mark_inputs(o, depth + 1, made_in_block_too=made_in_block_too)
+        elif isinstance(objs, dict):
+            for o in objs.values():
+                self.mark_inputs(o, depth + 1, made_in_block_too=made_in_block_too)
+
+    def note_autocast(self) -> None:
+        if self.autocast_dtype is None:
+            dtype = autocast_dtype(self.device)
+            self.autocast_dtype = str(dtype).replace("torch.", "") if dtype is not None else None
+
+
+def autocast_dtype(device: torch.device) -> "torch.dtype | None":
+    """The dtype autocast casts to for ops on ``device`` now, or ``None`` outside autocast; a simulation's
+    emulated CUDA autocast (memprof.simulate.autocast) counts too."""
+    dev = device.type if device.type in ("cpu", "cuda") else None
+    if dev is not None and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return emulated_autocast_dtype()
+
+
+# ---------------------------------------------------------------------- tag rules: what some ops make
+
+
+def _tag_outputs(indices: tuple[int, ...], tag: str):
+    def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+        if isinstance(out, (tuple, list)):
+            for i in indices:
+                if i < len(out) and isinstance(out[i], torch.Tensor):
+                    storages.tag(out[i], _TAG[tag])
+    return rule
+
+
+def _tag_dropout_inplace(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+    # F.dropout's CPU path: empty_like -> bernoulli_ -> div_ -> mul; the mask is bernoulli_'s target.
+    if args and isinstance(args[0], torch.Tensor):
+        size = args[0].element_size()
+        storages.tag(args[0], _TAG["dropout_mask_4byte" if size >= 4 else "dropout_mask_2byte" if size == 2
+                                    else "dropout_mask"])
+
+
+def _tag_weight_cast(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+    # autocast casts an fp32 parameter to 16 bits with _to_copy.
+    if isinstance(out, torch.Tensor) and out.dtype in _LOW_PRECISION and args and isinstance(args[0], torch.Tensor):
+        entry = storages.entry_of(args[0])
+        if entry is not None and entry.cat == WEIGHTS:
+            storages.tag(out, _TAG["autocast_weight_copy"])
+
+
+def _tag_fp32_under_autocast(index: "int | None"):
+    def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+        if storages.autocast_dtype not in ("bfloat16", "float16"):
+            return
+        t = out[index] if index is not None and isinstance(out, (tuple, list)) else out
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and autocast_dtype(storages.device) is not None:
+            storages.tag(t, _TAG["autocast_fp32_output"])
+    return rule
+
+
+# torch.distributed's collectives (c10d: DDP's allreduce of its buckets, FSDP's all-gather and reduce-scatter;
+# _c10d_functional: the traceable collectives torch.compile and DTensor use).
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
+
+
+def _communication(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+    # What a collective is handed and gives back is a communication buffer, unless it is a model state
+    # (gradient_as_bucket_view makes the gradients the buckets; FSDP reduce-scatters into gradients).
+    led = storages.ledger
+    # In-place collectives (c10d: DDP's allreduce_ of its buckets) work in the buffers they are handed;
+    # functional ones (_c10d_functional) return new buffers and only read their inputs.
+    for t in _flat_tensors(out if func.namespace == "_c10d_functional" else (args, out)):
+        entry = storages.entry_of(t)
+        if entry is None:
+            storages.add_tensor(t, COMMUNICATION)
+        elif entry.cat in (TEMPORARIES, INPUTS):
+            # Made for this collective (FSDP's staging buffers are filled before it runs): it was one at a
+            # peak reached while it was being filled, too.
+            led.move(entry, COMMUNICATION, retro=True)
+    shards = storages.prof.shards
+    if shards is not None:
+        # FSDP2 stores a group's sharded gradients after its reduce-scatter; by the next collective they are there.
+        shards.grads()
+
+
+def _flat_tensors(obj: Any, depth: int = 0) -> Any:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)) and depth < 3:
+        for o in obj:
+            yield from _flat_tensors(o, depth + 1)
+
+
+def _both(*rules: Any):
+    def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+        for r in rules:
+            r(storages, func, args, out)
+    return rule
+
+
+_NORM = _tag_outputs((1, 2), "norm_statistics")
+_LSE = _tag_outputs((1,), "attention_logsumexp")
+_TAG_RULES: dict[Any, Any] = {
+    k: v for k, v in {
+        _op("_to_copy"): _tag_weight_cast,
+        _op("native_dropout"): _tag_outputs((1,), "dropout_mask"),
+        _op("bernoulli_", "float"): _tag_dropout_inplace,
+        _op("bernoulli_", "Tensor"): _tag_dropout_inplace,
+        _op("native_layer_norm"): _both(_NORM, _tag_fp32_under_autocast(0)),
+        _op("native_batch_norm"): _NORM,
+        _op("_native_batch_norm_legit"): _NORM,
+        _op("_native_batch_norm_legit", "no_stats"): _NORM,
+        _op("native_group_norm"): _NORM,
+        _op("_fused_rms_norm"): _tag_outputs((1,), "norm_statistics"),
+        _op("_scaled_dot_product_flash_attention_for_cpu"): _LSE,
+        _op("_scaled_dot_product_flash_attention"): _LSE,
+        _op("_scaled_dot_product_efficient_attention"): _LSE,
+        _op("_scaled_dot_product_cudnn_attention"): _LSE,
+        _op("_softmax"): _tag_fp32_under_autocast(None),
+        _op("_log_softmax"): _tag_fp32_under_autocast(None),
+    }.items() if k is not None
+}
+
+# id(op) -> (kind, tag rule or None, op). The op itself is kept so that its id stays its own.
+_OP_INFO: dict[int, tuple[int, Any, Any]] = {}
+
+
+def _op_info(func: Any) -> tuple[int, Any, Any]:
+    if func.namespace == "profiler":  # record_function markers are not work
+        kind = _NOT_WORK
+    else:
+        try:
+            returns = func._schema.returns
+            # Views and in-place ops return storages they were given: no new memory.
+            aliases = bool(returns) and all(r.alias_info is not None for r in returns)
+            writes = aliases and any(r.alias_info.is_write for r in returns)
+        except Exception:
+            aliases = writes = False
+        # In-place ops (_ALIASES) write their result; views (_VIEW) move no data at all.
+        kind = (_ALIASES if writes else _VIEW) if aliases else _NEW_OUTPUTS
+        if kind == _ALIASES and func._overloadname == "out":
+            kind = _WRITES_OUT
+        if func in _LIFTS:
+            kind = _NEW_OUTPUTS
+        elif func in _RESIZE_OPS:
+            kind = _RESIZES
+    rule = _TAG_RULES.get(func)
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        rule = _communication
+    info = (kind, rule, func)
+    _OP_INFO[id(func)] = info
+    return info
+
+
+# Dispatch modes that could not be popped because their profile ended in another thread:
+# (thread id, mode). The next profile started in that thread pops those on top of its stack.
+_ORPHAN_MODES: list[tuple[int, DispatchMode]] = []
+
+
+def _on_top(mode: DispatchMode) -> bool:
+    depth = _dispatch_stack_len()
+    return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
+
+
+def _reusable_orphan() -> "DispatchMode | None":
+    """An inert mode of ours still on this thread's dispatch stack, taken off the orphan list."""
+    me = threading.get_ident()
+    depth = _dispatch_stack_len()
+    if depth <= 0:
+        return None
+    on_stack = {id(torch._C._get_dispatch_stack_at(i)) for i in range(depth)}
+    for thread, mode in list(_ORPHAN_MODES):
+        if thread == me and id(mode) in on_stack:
+            _forget_orphan(mode)
+            return mode
+    return None
+
+
+def pop_orphan_modes() -> None:
+    """Pop this thread's inert modes that are on top of its stack (a profile starts here)."""
+    me = threading.get_ident()
+    for entry in [e for e in _ORPHAN_MODES if e[0] == me]:
+        if _on_top(entry[1]):
+            entry[1].__exit__(None, None, None)
+            _forget_orphan(entry[1])
+
+
+def _forget_orphan(mode: DispatchMode) -> None:
+    for leave in mode.exits:
+        leave.detach()
+    mode.exits = []
+    # Rebuilt rather than removed from: another thread may change the list meanwhile.
+    _ORPHAN_MODES[:] = [e for e in _ORPHAN_MODES if e[1] is not mode]

@@ -1,0 +1,367 @@
+"""The KV cache: tensors a model keeps from one forward to the next.
+
+The rule is about what happens to a tensor, not its class. A tensor the model made in one call of its
+forward that comes back into a later call is carried state: a KV cache. That covers a user's own cache
+(a tuple of key/value tensors handed back), and transformers' ``Cache`` objects (``DynamicCache``,
+``StaticCache``, sliding-window and encoder-decoder caches), which the model fills in place: tensors the
+call made and left inside an object it was given are the cache too, as are those it returns under the
+name it was given a cache by (or ``past_key_values`` and ``cache``, transformers' names for it).
+
+In full mode, where memprof sees every storage made, only tensors made inside the model's forward
+count, so the attention mask or position ids a decoding loop builds between calls stay inputs. In light
+mode storages made by ops are not seen: tensors under a cache's name are counted as the cache.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..anatomy.cache_config import cache_spec
+from ..record.cache import CacheMoment
+from ..vocabulary import Phase
+from ..errors import MemprofError
+from ..record.parts import GenerationFacts
+from .ledger import KV_CACHE, TEMPORARIES
+
+if TYPE_CHECKING:
+    from .profiler import Profiler
+
+__all__ = ["CacheTracker"]
+
+#: transformers' names for the cache, in its models' arguments and outputs (``cache`` from version 5).
+CACHE_NAMES = ("past_key_values", "cache")
+_MAX_DEPTH = 6
+_MAX_NODES = 5_000  # a walk stops here: a cache of a thousand layers has a few thousand objects
+
+
+class CacheTracker:
+    """Finds the cache among what a root forward is given and gives back, and counts it as ``kv_cache``.
+
+    Only calls under ``no_grad`` (inference) are looked at: a training forward that returns a cache never
+    gets it back. A call is a *decode* when tensors an earlier call made come back into it (then that
+    earlier call, if it was not labelled yet, was the *prefill*), or when the cache object of a generation
+    already under way is handed in; a call handed an empty cache object (transformers' ``generate()``
+    hands the first call one to fill) is a prefill. Anything else is an ordinary forward, so an evaluation
+    loop whose outputs carry a cache nobody hands back stays a forward.
+    """
+
+    def __init__(self, prof: "Profiler", model: nn.Module) -> None:
+        self.prof = prof
+        self.names: set[str] = set(CACHE_NAMES)  # where caches were seen: argument and output names
+        config = getattr(model, "config", None)
+        self.shape = _cache_shape(config)
+        try:
+            spec = cache_spec(config)
+        except MemprofError:  # a config whose numbers make no cache (a head count of 0): no formula
+            spec = None
+        self.spec = spec.to_dict() if spec is not None else None
+        self.encoder_tokens: "int | None" = None
+        self.max_cache_len: "int | None" = None
+        # The running call: the ledger's event count and the cache's tokens when it began, and the tokens
+        # when the call before it began (what a sliding-window layer holds depends on that call).
+        self.call_seq = 0
+        self.call_before = 0
+        self.call_earlier = 0
+        self.moments: dict[tuple[int, str, int, str], CacheMoment] = {}
+        self.batch: "int | None" = None
+        self.itemsizes: set[int] = set()
+        self.in_cache = 0  # tokens in the cache now
+        self.incoming = 0  # tokens handed to the call running now
+        self.tokens: dict[tuple[int, str, int], int] = {}  # (step, phase, occurrence) -> tokens after it
+        self.call_tokens: dict[int, int] = {}  # phase serial of an ordinary no-grad call -> its tokens
+        # The cache object (not a tensor) the running root call was handed, filled as its layers run.
+        self.active: Any = None
+        self.kind: "Phase | None" = None  # what the running root call is: PREFILL, DECODE or None
+        self.prefill_serials: set[int] = set()  # earlier calls found to have been prefills
+        self._last: "Callable[[], Any] | None" = None  # the cache object of the last prefill or decode call
+
+    def before_call(self, args: tuple, kwargs: dict) -> "Phase | None":
+        """What this root call is (``Phase.PREFILL``, ``Phase.DECODE`` or ``None``); claims the cache handed in."""
+        self.active, self.kind, self.prefill_serials = None, None, set()
+        if torch.is_grad_enabled():
+            return None
+        self.incoming, batch = _new_tokens(args, kwargs)
+        handed: Any = None
+        inside: set[int] = set()  # phase serials of earlier calls that made what comes back
+        back = False
+        for name, obj in _arguments(args, kwargs):
+            named = name in self.names
+            if named and obj is not None and not isinstance(obj, (torch.Tensor, tuple, list, dict)):
+                handed = obj
+            claimed, made_in = self._claim(obj, named=named)
+            if claimed:
+                self.names.add(name)
+            if made_in is not None:
+                back = True
+                inside |= made_in
+        self.active = handed
+        # The cache object of the generation under way, handed in again: a decode call even when every
+        # tensor in it was replaced outside the model (a cache grown directly).
+        again = handed is not None and self.in_cache > 0 and self._last is not None and self._last() is handed
+        # An empty cache object is filled by a prefill, also when what comes back with it was made earlier
+        # (an encoder-decoder's encoder output, handed to every decoder call).
+        fresh = handed is not None and not again and not any(
+            t.is_floating_point() and t.numel() for t in _tensors(handed))
+        previous = self.call_before
+        if (back and not fresh) or again:
+            self.kind = Phase.DECODE
+            if self.in_cache == 0:  # the call that made it was a prefill nobody could name then
+                self.prefill_serials = {s for s in inside if s in self.call_tokens}
+                self.in_cache = sum(self.call_tokens[s] for s in self.prefill_serials)
+                previous = 0
+        elif handed is not None:
+            self.kind = Phase.PREFILL
+            self.in_cache = 0
+            previous = 0
+        if self.kind is not None:
+            self.batch = batch if batch is not None else self.batch
+            self.call_seq, self.call_earlier, self.call_before = self.prof.ledger.seq, previous, self.in_cache
+            self._note_shapes(handed, kwargs)
+        return self.kind
+
+    def layer_done(self, args: tuple, kwargs: dict) -> None:
+        """A module handed the running call's cache object returned: what it added there is the cache from
+        now on, not at the end of the whole call (the prefill's peak is reached with half the layers filled)."""
+        active = self.active
+        if active is None:
+            return
+        if any(v is active for v in kwargs.values()) or any(a is active for a in args):
+            self._claim(active, named=True, retro=True)
+
+    def after_call(self, args: tuple, kwargs: dict, output: Any) -> None:
+        """Claim what a prefill or decode call added to the cache it was given (filled in place) or returned:
+        under a cache's name, or, from a decode call, any container in its output (a tuple of key and value
+        tensors; the logits are a plain tensor)."""
+        phases = self.prof.phases
+        kind, handed, self.active = self.kind, self.active, None
+        if kind is None:
+            if not torch.is_grad_enabled():  # an ordinary call: a prefill if what it made comes back
+                self.call_tokens[self.prof.ledger.phase_serial] = self.incoming
+                while len(self.call_tokens) > 64:  # only the latest calls can still turn out to be prefills
+                    del self.call_tokens[next(iter(self.call_tokens))]
+            return
+        kept: list[Any] = []  # what holds the cache now, for where the call had got at its peak
+        for name, obj in _arguments(args, kwargs):
+            if not isinstance(obj, torch.Tensor):
+                if self._claim(obj, named=name in self.names, retro=True)[0]:
+                    kept.append(obj)
+        for name in self.names:
+            obj = _field(output, name)
+            if obj is not None:
+                self._claim(obj, named=True, retro=True)
+                kept.append(obj)
+        if kind is Phase.DECODE and isinstance(output, (tuple, list)):
+            for item in output:
+                if not isinstance(item, torch.Tensor):
+                    self._claim(item, named=True, retro=True)
+                    kept.append(item)
+        self.in_cache += self.incoming
+        key = (phases.step, kind.value, phases.occurrence.get(kind, 0))
+        self.tokens[key] = self.in_cache
+        self._note_moments(key, kept)
+        self._last = None
+        if handed is not None:
+            try:  # a weak reference: memprof keeps nothing of the user's alive
+                self._last = weakref.ref(handed)
+            except TypeError:
+                self._last = None
+
+    def relabel_prefills(self) -> None:
+        """The earlier calls that made what this decode call got back were prefills: their (closed) phases
+        are relabelled so, with the tokens they put in the cache."""
+        phases = self.prof.phases
+        for serial in sorted(self.prefill_serials):
+            key = phases.relabel_closed(serial, Phase.PREFILL)
+            if key is not None:
+                self.tokens[key] = self.call_tokens.get(serial, 0)
+        self.prefill_serials = set()
+
+    def add_tokens(self, n: int) -> None:
+        """``n`` tokens joined the cache outside the model's forward (a simulation growing it directly)."""
+        self.in_cache += n
+
+    def facts(self) -> "GenerationFacts | None":
+        if not self.tokens:
+            return None
+        layers, kv_heads, head_dim, window = self.shape
+        sizes = set(self.itemsizes)
+        state = (self.spec or {}).get("recurrent_itemsize")
+        if state is not None and len(sizes) == 2 and state in sizes:
+            sizes.discard(state)  # states the implementation keeps in a dtype of their own say nothing of the rest
+        # Keys and values of different dtypes (autocast) have no one element size: the formula then says so.
+        itemsize = next(iter(sizes)) if len(sizes) == 1 else None
+        return GenerationFacts(layers=layers, kv_heads=kv_heads, head_dim=head_dim, sliding_window=window,
+                               itemsize=itemsize, batch=self.batch,
+                               tokens=tuple((s, p, o, n) for (s, p, o), n in self.tokens.items()),
+                               cache=self.spec, encoder_tokens=self.encoder_tokens, max_cache_len=self.max_cache_len,
+                               moments=tuple(self.moments.values()))
+
+    def _note_shapes(self, handed: Any, kwargs: dict) -> None:
+        """The encoder's tokens (an encoder-decoder call's ``encoder_outputs``) and the length a static cache
+        was allocated at (its layers' ``max_cache_len``): what the formula needs beside the config."""
+        enc = kwargs.get("encoder_outputs")
+        if isinstance(enc, (tuple, list)):  # the legacy tuple form: the last hidden state first
+            enc = enc[0] if enc else None
+        elif enc is not None:
+            enc = _field(enc, "last_hidden_state")
+        else:
+            enc = kwargs.get("encoder_hidden_states")
+        if isinstance(enc, torch.Tensor) and enc.dim() >= 2:
+            self.encoder_tokens = int(enc.shape[1])
+        inner = getattr(handed, "self_attention_cache", handed)  # an EncoderDecoderCache's decoder side
+        lengths = [getattr(layer, "max_cache_len", None) for layer in getattr(inner, "layers", None) or ()]
+        lengths = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool)]
+        if lengths:
+            self.max_cache_len = max(lengths)
+
+    def _note_moments(self, key: tuple[int, str, int], kept: list[Any]) -> None:
+        """The cache at the end of the call that just ended, and at the phase's peak if the call reached it:
+        how many of the storages the call put in the cache existed then (full mode sees them being made)."""
+        led = self.prof.ledger
+        tokens = (self.call_earlier, self.call_before, self.in_cache)
+        self.moments[(*key, "end")] = CacheMoment(*key, "end", *tokens)
+        peak = (*key, "peak")
+        if peak in self.moments and led.phase_peak_seq <= self.call_seq:
+            return  # a folded decode phase whose peak an earlier call reached
+        written, overlap = None, False
+        if self.prof.mode == "full":
+            made: dict[int, int] = {}
+            for obj in kept:
+                for t in _tensors(obj):
+                    entry = self.prof.storages.entry_of(t) if t.is_floating_point() else None
+                    if entry is not None and entry.cat == KV_CACHE and entry.phase_serial == led.phase_serial \
+                            and self.call_seq < entry.created <= led.phase_peak_seq:
+                        made[entry.key] = entry.created
+            written, overlap = len(made), led.phase_peak_seq in made.values()
+        self.moments[peak] = CacheMoment(*key, "peak", *tokens, written=written, overlap=overlap)
+
+    def _claim(self, obj: Any, *, named: bool, retro: bool = False) -> "tuple[bool, set[int] | None]":
+        """Count the floating tensors under ``obj`` as the cache: those made inside the model (or already the
+        cache), and with ``named`` any tensor there. Returns whether any was claimed, and the phase serials of
+        the calls that made those that come back (``None`` when none does). With ``retro`` (claims as a call
+        runs or ends) what the running call made counts as the cache since it was made, at the phase's peak
+        too: transformers' caches keep a layer's new keys from the op that makes them (``torch.cat``), and the
+        peak can fall inside the layer, before memprof sees them there."""
+        storages = self.prof.storages
+        led = self.prof.ledger
+        claimed = False
+        made_in: "set[int] | None" = None
+        for t in _tensors(obj):
+            if not t.is_floating_point():  # positions, lengths, counters: bookkeeping, not keys and values
+                continue
+            entry = storages.entry_of(t)
+            if entry is None:
+                if named:  # made where memprof did not see it (light mode, before the profile): the name says
+                    entry = storages.add_tensor(t, KV_CACHE)
+                    if entry is not None:
+                        claimed = True
+                        self.itemsizes.add(t.element_size())
+                continue
+            if entry.cat == KV_CACHE:
+                claimed = True
+                made_in = made_in if made_in is not None else set()
+            elif entry.cat == TEMPORARIES and (entry.module >= 0 or named):
+                # Made inside the model (or handed over under a cache's name), kept past the call.
+                if entry.module >= 0:
+                    made_in = (made_in if made_in is not None else set()) | {entry.phase_serial}
+                led.move(entry, KV_CACHE, retro=retro)
+                claimed = True
+                self.itemsizes.add(t.element_size())
+        return claimed, made_in
+
+
+def _arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    for i, a in enumerate(args):
+        yield f"#{i}", a
+    yield from kwargs.items()
+
+
+def _field(output: Any, name: str) -> Any:
+    if isinstance(output, dict):  # transformers' ModelOutput is an OrderedDict
+        return output.get(name)
+    return getattr(output, name, None) if not isinstance(output, (torch.Tensor, tuple, list)) else None
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors reachable from ``obj`` through sequences, mappings and plain objects' attributes."""
+    seen: set[int] = set()
+    stack = [(obj, 0)]
+    nodes = 0
+    while stack and nodes < _MAX_NODES:
+        o, depth = stack.pop()
+        nodes += 1
+        if isinstance(o, torch.Tensor):
+            if id(o) not in seen:
+                seen.add(id(o))
+                yield o
+            continue
+        if depth >= _MAX_DEPTH or o is None or isinstance(o, (str, bytes, int, float, bool, nn.Module, type)):
+            continue
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, dict):
+            children = list(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            children = list(o)
+        else:
+            attrs = getattr(o, "__dict__", None)
+            if not isinstance(attrs, dict):
+                continue
+            children = list(attrs.values())
+        stack.extend((c, depth + 1) for c in reversed(children))
+
+
+def _new_tokens(args: tuple, kwargs: dict) -> "tuple[int, int | None]":
+    """Tokens (and batch) handed to a call: its ``input_ids`` or ``inputs_embeds`` (an encoder-decoder's
+    ``decoder_`` ones first: the cache holds the decoder's tokens), else the second dimension of its first
+    tensor argument of two or more (batch, tokens, ...)."""
+    t = next((kwargs[k] for k in ("decoder_input_ids", "input_ids", "decoder_inputs_embeds", "inputs_embeds")
+              if isinstance(kwargs.get(k), torch.Tensor)), None)
+    if not isinstance(t, torch.Tensor):
+        t = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() >= 2), None)
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        return 0, None
+    return int(t.shape[1]), int(t.shape[0])
+
+
+def config_int(config: Any, *names: str) -> "int | None":
+    """The first of ``names`` a transformers-style config (its text part, for multimodal ones) has as an int."""
+    if config is None:
+        return None
+    get = getattr(config, "get_text_config", None)
+    if callable(get):
+        try:
+            config = get()
+        except Exception:  # a config that cannot say: read it as it is
+            pass
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _cache_shape(config: Any) -> "tuple[int | None, int | None, int | None, int | None]":
+    """(layers, key/value heads, head dimension, sliding window) from a transformers-style config."""
+    if config is None:
+        return None, None, None, None
+
+    def first(*names: str) -> "int | None":
+        return config_int(config, *names)
+
+    layers = first("num_hidden_layers", "n_layer", "num_layers")
+    heads = first("num_attention_heads", "n_head", "num_heads")
+    kv_heads = first("num_key_value_heads", "num_kv_heads", "multi_query_group_num") or heads
+    if getattr(config, "multi_query", False) is True and not getattr(config, "new_decoder_architecture", False):
+        kv_heads = 1  # Falcon's multi-query attention: one key/value head whatever num_kv_heads says
+    head_dim = first("head_dim")
+    hidden = first("hidden_size", "n_embd", "d_model")
+    if head_dim is None and hidden is not None and heads:
+        head_dim = hidden // heads
+    window = first("sliding_window")
+    return layers, kv_heads, head_dim, window

@@ -1,0 +1,424 @@
+"""The ledger: live storages, their categories, and running totals.
+
+Every storage memprof knows about has one entry here, keyed by the address of
+its C++ ``StorageImpl`` (``untyped_storage()._cdata``), which is unique while
+the storage lives. The entry holds a weak reference to the storage whose
+callback subtracts its bytes when torch frees it; the ledger never holds a
+strong reference to anything the user owns.
+
+Totals per category are updated in O(1) per event. At each new high the
+composition (seven ints) is copied, never a deep structure.
+"""
+
+from __future__ import annotations
+
+import weakref
+from time import perf_counter_ns
+from typing import Any
+
+import torch
+
+from ..vocabulary import Category, TENSOR_CATEGORIES
+from ..record.trace import Breakdown
+
+# Index of each tensor category in the running totals.
+WEIGHTS, BUFFERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, INPUTS, KV_CACHE, COMMUNICATION, TEMPORARIES = range(9)
+N_CATS = 9
+CATEGORY_OF_INDEX: tuple[Category, ...] = TENSOR_CATEGORIES
+
+# Tags name a saved storage for the reconciler's named causes. Their live bytes
+# are tracked only while the storage is an activation (saved). An entry holds
+# one tag of each kind: what it is (the first seven, from the op that made it)
+# and where it was saved from (the last six, against the per-module formula),
+# so a dropout mask saved in a container's own code counts for both causes.
+TAGS: tuple[str, ...] = (
+    "autocast_weight_copy",  # 16-bit copy of a parameter made by autocast
+    "dropout_mask",  # a 1-byte mask (CUDA's native_dropout)
+    "dropout_mask_2byte",  # a mask kept in a 16-bit input dtype (the CPU path: bernoulli_ noise)
+    "dropout_mask_4byte",  # a mask kept in fp32
+    "norm_statistics",  # mean / rstd of layer, batch, group and RMS norms
+    "attention_logsumexp",  # fused attention's fp32 logsumexp
+    "autocast_fp32_output",  # outputs of ops autocast runs in fp32 (softmax, layer_norm, ...)
+    "saved_outside_modules",  # saved while no module of the model ran (the loss function)
+    "saved_in_container_code",  # saved by functional code in a forward() that has submodules
+    "saved_in_module_without_rule",  # saved by a leaf module memprof has no saved-bytes rule for
+    "saved_by_two_modules",  # saved by 2+ leaf modules with a rule (ReLU's output, next Linear's input): the extra
+    # bytes their rules count beyond the storage
+    "saved_as_view_of_larger",  # rule modules saved only views of it (x[:, 0]): the bytes their rules do not count
+    "saved_as_expanded_view",  # one rule module saved an expanded view of it: the bytes its rule counts beyond it
+    "kept_by_checkpoint",  # a checkpointed region's input, kept to recompute the region in backward
+    "recomputed_for_backward",  # saved by a checkpointed region recomputed in backward
+)
+N_TAGS = len(TAGS)
+FIRST_WHERE_TAG = TAGS.index("saved_outside_modules")
+assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
+    "weights", "buffers", "gradients", "optimizer_states", "activations", "inputs", "kv_cache", "communication",
+    "temporaries"
+)
+
+
+def storage_of(t: Any) -> Any:
+    """The untyped storage under tensor ``t``, or None where there is none to count (sparse and
+    nested layouts, tensor subclasses without storage, functorch wrappers). A wrapper subclass
+    (DTensor, FSDP's and quantisation libraries' tensors) has a storage of its own that holds no data
+    and, for DTensor, has the global size: the storage counted is that of the tensor it wraps."""
+    if type(t) is not torch.Tensor and is_wrapper(type(t)):
+        inner = inner_tensors(t)
+        return storage_of(inner[0]) if inner else None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+_WRAPPERS: dict[type, bool] = {}
+
+
+def is_wrapper(klass: type) -> bool:
+    """Is ``klass`` a traceable wrapper subclass (``__tensor_flatten__``, torch/utils/_python_dispatch.py)
+    whose data lives in inner tensors? Fake and functional tensors are torch's own machinery, not data."""
+    known = _WRAPPERS.get(klass)
+    if known is None:
+        known = hasattr(klass, "__tensor_flatten__") and klass.__name__ not in ("FakeTensor", "FunctionalTensor")
+        _WRAPPERS[klass] = known
+    return known
+
+
+def inner_tensors(t: Any) -> list[Any]:
+    """The plain tensors a wrapper subclass holds (recursively), the largest first; [] when unreadable."""
+    try:
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]
+    except Exception:  # a subclass that cannot flatten now: nothing memprof can count
+        return []
+    out: list[Any] = []
+    for x in inner:
+        if isinstance(x, torch.Tensor):
+            out.extend(inner_tensors(x) if type(x) is not torch.Tensor and is_wrapper(type(x)) else [x])
+    out.sort(key=lambda x: -x.numel() * x.element_size())
+    return out
+
+
+class _Ref(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a storage that remembers the storage's ledger key."""
+
+    __slots__ = ("key",)
+
+
+class Entry:
+    """One live storage: its size, category, and where it came from."""
+
+    __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial", "tag", "tag_bytes",
+                 "moved", "before",
+                 "where", "where_bytes", "savers")
+
+    def __init__(self, key: int, nbytes: int, cat: int, created: int, module: int, phase_serial: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.cat = cat
+        self.created = created
+        self.ref: "_Ref | None" = None
+        # How many autograd saved-tensor slots hold this storage right now.
+        self.saved = 0
+        self.module = module
+        self.phase_serial = phase_serial
+        # What it is (a tag index below FIRST_WHERE_TAG, or -1) and the bytes that tag counts.
+        self.tag = -1
+        self.tag_bytes = 0
+        # Where it was saved from (a tag index from FIRST_WHERE_TAG, or -1) and the bytes that counts:
+        # the storage's, or for "saved_by_two_modules" what the per-module formula counts beyond them.
+        self.where = -1
+        self.where_bytes = 0
+        # Leaf modules with a saved-bytes rule that saved a view of it in a forward: index -> view bytes.
+        self.savers: "dict[int, int] | None" = None
+        # The event count of its last change of category (0: none yet), and its category before that change.
+        self.moved = 0
+        self.before = cat
+
+
+class Frame:
+    """A module call (forward or backward) in progress, for its temporaries peak."""
+
+    __slots__ = ("module", "entry", "max", "backward")
+
+    def __init__(self, module: int, entry: int, backward: bool) -> None:
+        self.module = module
+        self.entry = entry  # live bytes when the call began
+        self.max = entry  # highest live bytes while it ran
+        self.backward = backward
+
+
+class Ledger:
+    """Running accounting of live storages by category.
+
+    ``rounding`` is the allocator's granularity (512 on CUDA, 1 on CPU): a
+    storage of n bytes counts as ``ceil(n / rounding) * rounding`` (and 0 stays
+    0), as the CUDA caching allocator rounds every block.
+    """
+
+    def __init__(self, rounding: int = 1) -> None:
+        self.rounding = rounding
+        self.entries: dict[int, Entry] = {}
+        self.totals = [0] * N_CATS
+        self.total = 0
+        self.seq = 0
+        self.closed = False
+        self.tag_act = [0] * N_TAGS
+        self.phase_peak_tags = [0] * N_TAGS
+        self.peak_tags = [0] * N_TAGS
+        # Phase peak.
+        self.phase_serial = 0
+        self.phase_peak_total = 0
+        self.phase_peak = [0] * N_CATS
+        self.phase_peak_seq = 0
+        self.phase_peak_module = -1
+        self.phase_peak_ns = perf_counter_ns()  # when the phase's peak was reached (exports' time axis)
+        # Global peak.
+        self.peak_total = 0
+        self.peak = [0] * N_CATS
+        self.peak_seq = 0
+        self.peak_phase_serial = 0
+        self.peak_module = -1
+        # Module frames (innermost last).
+        self.frames: list[Frame] = []
+        self.top: "Frame | None" = None
+        self.module_of_new = -1
+
+    # -- sizes ---------------------------------------------------------------
+
+    def size_of(self, nbytes: int) -> int:
+        r = self.rounding
+        if r <= 1 or nbytes == 0:
+            return nbytes
+        return -(-nbytes // r) * r
+
+    # -- events --------------------------------------------------------------
+
+    def add(self, storage: Any, cat: int) -> Entry:
+        """Register a storage (if new) under ``cat``; return its entry."""
+        key = storage._cdata
+        entry = self.entries.get(key)
+        if entry is not None:
+            return entry
+        nbytes = self.size_of(storage.nbytes())
+        self.seq += 1
+        entry = Entry(key, nbytes, cat, self.seq, self.module_of_new, self.phase_serial)
+        ref = _Ref(storage, self._freed)
+        ref.key = key
+        entry.ref = ref
+        self.entries[key] = entry
+        self.totals[cat] += nbytes
+        self.total += nbytes
+        self.check_peak()
+        return entry
+
+    def _freed(self, ref: _Ref) -> None:
+        # Runs from torch's deallocation path; must never raise.
+        if self.closed:
+            return
+        entry = self.entries.pop(ref.key, None)
+        if entry is None:
+            return
+        self.seq += 1
+        self.totals[entry.cat] -= entry.nbytes
+        self.total -= entry.nbytes
+        if entry.cat == ACTIVATIONS:
+            if entry.tag >= 0:
+                self.tag_act[entry.tag] -= entry.tag_bytes
+            if entry.where >= 0:
+                self.tag_act[entry.where] -= entry.where_bytes
+
+    def move(self, entry: Entry, cat: int, *, retro: bool = False) -> None:
+        """Move a live storage to another category (the total does not change).
+
+        With ``retro=True`` a storage created in the current phase that only
+        now reveals what it was (optimizer state found after ``step()``, a
+        gradient stored by AccumulateGrad) is also moved in the phase and
+        global peak compositions, if it was alive at those peaks.
+        """
+        old = entry.cat
+        if old == cat:
+            return
+        n = entry.nbytes
+        self.totals[old] -= n
+        self.totals[cat] += n
+        entry.cat = cat
+        # When it became ``old`` and what it was before: at a peak before that, it was still that.
+        moved, before = entry.moved, entry.before
+        self.seq += 1  # an event of its own: a peak reached before it is told apart from one after it
+        entry.moved, entry.before = self.seq, old
+        if old == ACTIVATIONS or cat == ACTIVATIONS:
+            sign = -1 if old == ACTIVATIONS else 1
+            if entry.tag >= 0:
+                self.tag_act[entry.tag] += sign * entry.tag_bytes
+            if entry.where >= 0:
+                self.tag_act[entry.where] += sign * entry.where_bytes
+        if retro and entry.phase_serial == self.phase_serial:
+            if entry.created <= self.phase_peak_seq:
+                self.phase_peak[old if moved <= self.phase_peak_seq else before] -= n
+                self.phase_peak[cat] += n
+            if self.peak_phase_serial == self.phase_serial and entry.created <= self.peak_seq:
+                self.peak[old if moved <= self.peak_seq else before] -= n
+                self.peak[cat] += n
+            # The peaks now hold it as ``cat`` since its creation: a later move starts from there.
+            entry.moved, entry.before = 0, cat
+
+    def resize(self, entry: Entry, nbytes: int) -> None:
+        """A live storage changed size in place (``resize_``, an ``out=`` op growing its buffer)."""
+        new = self.size_of(nbytes)
+        delta = new - entry.nbytes
+        if not delta:
+            return
+        self.seq += 1
+        entry.nbytes = new
+        self.totals[entry.cat] += delta
+        self.total += delta
+        self.check_peak()
+
+    def set_tag(self, entry: Entry, tag: int, nbytes: "int | None" = None) -> None:
+        """Tag a storage (what it is, or where it was saved from: each kind has its own slot);
+        the tag counts ``nbytes`` (default: the storage's bytes)."""
+        n = entry.nbytes if nbytes is None else nbytes
+        if tag >= FIRST_WHERE_TAG:
+            old, old_n = entry.where, entry.where_bytes
+            entry.where, entry.where_bytes = tag, n
+        else:
+            old, old_n = entry.tag, entry.tag_bytes
+            entry.tag, entry.tag_bytes = tag, n
+        if entry.cat == ACTIVATIONS:
+            if old >= 0:
+                self.tag_act[old] -= old_n
+            self.tag_act[tag] += n
+
+    def check_peak(self) -> None:
+        total = self.total
+        top = self.top
+        if top is not None and total > top.max:
+            top.max = total
+        if total > self.phase_peak_total:
+            self.phase_peak_total = total
+            self.phase_peak = self.totals.copy()
+            self.phase_peak_tags = self.tag_act.copy()
+            self.phase_peak_seq = self.seq
+            self.phase_peak_module = top.module if top is not None else -1
+            self.phase_peak_ns = perf_counter_ns()
+            if total > self.peak_total:
+                self.peak_total = total
+                self.peak = self.phase_peak.copy()
+                self.peak_tags = self.phase_peak_tags
+                self.peak_seq = self.seq
+                self.peak_phase_serial = self.phase_serial
+                self.peak_module = self.phase_peak_module
+
+    def restart_peak(self) -> None:
+        """The global peak starts over from the current phase's (a simulated rank resizes what the profiler
+        registered before its run begins)."""
+        self.peak_total, self.peak, self.peak_seq = self.phase_peak_total, self.phase_peak.copy(), self.phase_peak_seq
+        self.peak_phase_serial, self.peak_module, self.peak_tags = self.phase_serial, -1, self.phase_peak_tags
+
+    def peak_state(self) -> tuple:
+        """The global peak as it stands (to restore after steps that must not count, a schedule's warmup)."""
+        return (self.peak_total, self.peak.copy(), self.peak_tags, self.peak_seq, self.peak_phase_serial,
+                self.peak_module)
+
+    def restore_peak(self, state: tuple) -> None:
+        (self.peak_total, peak, self.peak_tags, self.peak_seq, self.peak_phase_serial, self.peak_module) = state
+        self.peak = peak.copy()
+
+    # -- phases and frames ---------------------------------------------------
+
+    def start_phase(self) -> None:
+        """Begin a new phase: its peak starts at the current level."""
+        self.phase_serial += 1
+        self.phase_peak_total = self.total
+        self.phase_peak = self.totals.copy()
+        self.phase_peak_tags = self.tag_act.copy()
+        self.phase_peak_seq = self.seq
+        self.phase_peak_module = self.top.module if self.top is not None else -1
+        self.phase_peak_ns = perf_counter_ns()
+
+    def push_frame(self, module: int, backward: bool) -> Frame:
+        frame = Frame(module, self.total, backward)
+        self.frames.append(frame)
+        self.top = frame
+        self.module_of_new = module
+        return frame
+
+    def pop_frame(self, frame: Frame) -> list[Frame]:
+        """Pop ``frame`` and any frames above it; return them, innermost first."""
+        popped: list[Frame] = []
+        frames = self.frames
+        if frame not in frames:
+            return popped
+        while frames:
+            f = frames.pop()
+            popped.append(f)
+            if frames:
+                parent = frames[-1]
+                if f.max > parent.max:
+                    parent.max = f.max
+            if f is frame:
+                break
+        self.top = frames[-1] if frames else None
+        self.module_of_new = self.top.module if self.top is not None else -1
+        return popped
+
+    def push_frame_below(self, module: int, backward: bool, below: Frame) -> Frame:
+        """Push a frame under ``below`` (a parent entering after its child, as in backward)."""
+        frame = Frame(module, self.total, backward)
+        frame.max = max(frame.max, below.max)
+        self.frames.insert(self.frames.index(below), frame)
+        return frame
+
+    def remove_frame(self, frame: Frame) -> bool:
+        """Remove one frame wherever it is (backward calls need not nest); keep the others."""
+        frames = self.frames
+        try:
+            i = frames.index(frame)
+        except ValueError:
+            return False
+        frames.pop(i)
+        if i > 0 and frame.max > frames[i - 1].max:
+            frames[i - 1].max = frame.max
+        self.top = frames[-1] if frames else None
+        self.module_of_new = self.top.module if self.top is not None else -1
+        return True
+
+    def close(self) -> None:
+        """Stop accounting; drop every weak reference so no callback runs later."""
+        self.closed = True
+        self.entries.clear()
+        self.frames.clear()
+        self.top = None
+
+
+def breakdown(totals: list[int], *, light: bool, where: str, device: Any = None) -> Breakdown:
+    """The ledger's totals as a Breakdown, with what the device reported (``where``: start, peak,
+    end, now or sample). In light mode temporaries come from the allocator, where there is one."""
+    values: list["int | None"] = list(totals)
+    total: "int | None"
+    if light:
+        values[TEMPORARIES] = None
+        total = None
+        if device is not None and where in ("peak", "end", "now") and device.allocated is not None:
+            allocated = device.peak_allocated if where == "peak" else device.allocated
+            known = sum(v for v in totals[:TEMPORARIES])
+            values[TEMPORARIES] = max(0, allocated - known)
+            total = known + values[TEMPORARIES]
+    else:
+        total = sum(totals)
+    overhead = outside = None
+    if device is not None and total is not None:
+        if device.reserved is not None:
+            overhead = max(0, device.reserved - total)
+        if device.nvml_used is not None and device.reserved is not None:
+            outside = max(0, device.nvml_used - max(device.reserved, total))
+    full = values + [overhead, outside]
+    if total is not None:
+        total += (overhead or 0) + (outside or 0)
+    return Breakdown(tuple(full), total)
+
+
+def tag_pairs(values: list[int]) -> tuple[tuple[str, int], ...]:
+    """The ledger's live bytes per tag as (name, bytes) pairs, the empty ones left out."""
+    return tuple((name, v) for name, v in zip(TAGS, values) if v)

@@ -1,0 +1,253 @@
+"""Optimizers: the optimizer phase, optimizer state, and the optimizers a training loop really steps.
+
+torch's global step hooks fire for every optimizer whose ``step()`` runs, the
+innermost one of a wrapper. memprof follows wrappers to that optimizer
+(accelerate's ``AcceleratedOptimizer`` and DeepSpeed's keep it as
+``.optimizer``, Lightning's ``LightningOptimizer`` as ``._optimizer``), and
+also measures any other optimizer that steps the model's parameters (created
+inside the block, re-created, or never passed), naming it in a note. State
+tensors become optimizer states when ``step()`` returns, moved back into the
+step's peak if they were created during it (lazily created state).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from ..vocabulary import Phase
+from ..errors import InvalidArgumentError, error_text
+from ..record.specs import OptimizerSpec, ParamSpec, plain_config
+from .ledger import ACTIVATIONS, INPUTS, OPTIMIZER_STATES, TEMPORARIES
+
+if TYPE_CHECKING:
+    from .profiler import Profiler
+
+__all__ = ["OptimizerTracker", "as_optimizers"]
+
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+class OptimizerTracker:
+    """The optimizers of the model and their state."""
+
+    def __init__(self, prof: "Profiler", optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.prof = prof
+        self.ledger = prof.ledger
+        self.given_ids = {id(o) for o in optimizers}
+        self.given = [weakref.ref(o) for o in optimizers]
+        self.discovered: list[weakref.ref] = []
+        self.cache: dict[int, tuple[weakref.ref, bool]] = {}
+        self.class_name: "str | None" = None
+        self.implementation: "str | None" = None
+
+    def all(self) -> list[torch.optim.Optimizer]:
+        """The optimizers passed to profile(), else those seen stepping the model."""
+        given = [o for o in (r() for r in self.given) if o is not None]
+        return given or [o for o in (r() for r in self.discovered) if o is not None]
+
+    def start(self) -> None:
+        stack = self.prof.stack
+        assert stack is not None
+        for opt in (r() for r in self.given):
+            if opt is not None:
+                self.note(opt)
+                self.collect_state(opt, retro=False)
+                register = getattr(opt, "register_load_state_dict_post_hook", None)
+                if register is not None:
+                    # State loaded inside the block (resuming from a checkpoint) is state before any step.
+                    stack.callback(register(self.loaded).remove)
+
+    def loaded(self, opt: torch.optim.Optimizer) -> None:
+        if self.prof.active:
+            self.collect_state(opt, retro=False)
+
+    def is_ours(self, opt: torch.optim.Optimizer) -> bool:
+        """Does ``opt`` step the model: one passed to profile(), or any other holding its parameters
+        (created inside the block, re-created, or not passed at all)?"""
+        if id(opt) in self.given_ids:
+            return True
+        cached = self.cache.get(id(opt))
+        if cached is not None and cached[0]() is opt:
+            return cached[1]
+        params = self.prof.params
+        known = any(params.holds(p) for g in opt.param_groups for p in g["params"])
+        self.cache[id(opt)] = (weakref.ref(opt), known)
+        return known
+
+    # -- torch's global step hooks ----------------------------------------------------------
+
+    def pre_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        prof = self.prof
+        if _is_compiling():
+            return None
+        if not prof.active:
+            windows = prof.windows
+            if windows is None or not windows.paused or not self.is_ours(opt):
+                return None
+            # A step the schedule does not watch: its window may begin inside the closure's forward,
+            # and an optimizer not passed to profile() must be known when a window begins.
+            self.discover(opt)
+            return self._wrapped(args, kwargs)
+        if threading.get_ident() == prof.thread:
+            if prof.params.changed or prof.params.pending:
+                prof.params.sync()
+            prof.params.resync_storages()
+        if not self.is_ours(opt):
+            return None
+        phases = prof.phases
+        phases.optimizer_seen = True
+        self.discover(opt)
+        self.note(opt)
+        wrapped = self._wrapped(args, kwargs)
+        if wrapped is not None:
+            return wrapped
+        prof.params.walk_grads()
+        if phases.current is not Phase.OPTIMIZER:
+            phases.begin(Phase.OPTIMIZER)
+        return None
+
+    def discover(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer of the model stepped: measured from now on, also when not passed to profile()."""
+        if id(opt) not in self.given_ids and all(r() is not opt for r in self.discovered):
+            self.discovered.append(weakref.ref(opt))
+            if self.given_ids:
+                self.prof.changes.append(
+                    f"step {self.prof.phases.step}: {type(opt).__name__} not passed to profile() stepped the "
+                    "model's parameters (its state is measured from its first step)")
+
+    def _wrapped(self, args: Any, kwargs: Any) -> Any:
+        """``step(closure)`` runs forward and backward inside the step (Lightning's automatic optimisation,
+        LBFGS): the optimizer phase begins when the closure returns. The wrapper returns what the closure
+        returns; the step computes exactly as without it. None when there is no closure."""
+        # args[0] is the optimizer itself (torch passes the step's own arguments through).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            return None
+        kwargs = dict(kwargs)
+        kwargs["closure"] = self._after(closure)
+        return tuple(args[:1]), kwargs
+
+    def _after(self, closure: Any) -> Any:
+        prof = self.prof
+
+        def closure_then_step() -> Any:
+            result = closure()
+            if prof.active and not _is_compiling():
+                prof.params.walk_grads()
+                if prof.phases.current is not Phase.OPTIMIZER:
+                    prof.phases.begin(Phase.OPTIMIZER)
+            return result
+
+        return closure_then_step
+
+    def post_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        prof = self.prof
+        if not prof.active:
+            windows = prof.windows
+            if windows is not None and windows.paused and not _is_compiling() and self.is_ours(opt):
+                prof.phases.optimizer_seen = True
+                windows.optimizer_stepped_while_paused()  # a step the schedule does not watch ended
+            return None
+        if _is_compiling() or not self.is_ours(opt):
+            return None
+        self.collect_state(opt, retro=True)
+        prof.params.release_stale_grads()
+        prof.phases.optimizer_stepped()
+        return None
+
+    def collect_state(self, opt: torch.optim.Optimizer, *, retro: bool) -> None:
+        led = self.ledger
+        storages = self.prof.storages
+        for state in opt.state.values():
+            if not isinstance(state, dict):
+                continue
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    entry = storages.add_tensor(value, OPTIMIZER_STATES)
+                    if entry is not None and entry.cat in (TEMPORARIES, INPUTS, ACTIVATIONS):
+                        led.move(entry, OPTIMIZER_STATES, retro=retro)
+
+    def note(self, opt: torch.optim.Optimizer) -> None:
+        """The first optimizer's class and implementation, for the report."""
+        if self.class_name is not None:
+            return
+        from ..anatomy.optimizers import param_group_implementations
+
+        self.class_name = f"{type(opt).__module__}.{type(opt).__qualname__}"
+        try:
+            # Decided as torch decides it (foreach defaults, per-class rules), group by group.
+            impls = set(param_group_implementations(opt))
+            self.implementation = impls.pop() if len(impls) == 1 else "mixed"
+        except Exception:  # an unusual optimizer must never break the measurement
+            self.implementation = None
+
+    def specs(self) -> tuple[OptimizerSpec, ...]:
+        """What the optimizer formulas need of each optimizer: class, groups, parameters."""
+        out = []
+        for opt in self.all():
+            try:
+                out.append(optimizer_spec(opt))
+            except Exception as exc:  # an unusual optimizer must never break the measurement
+                # error_text(): the exception's own __str__ may fail too, and this runs while the profile closes.
+                self.prof.notes.append(f"could not record {type(opt).__name__} for its formula: {error_text(exc)}")
+        return tuple(out)
+
+
+def optimizer_spec(opt: torch.optim.Optimizer) -> OptimizerSpec:
+    """What the optimizer formulas need of ``opt``: its classes, groups and parameters (facts, no formula)."""
+    from ..anatomy.optimizers import param_group_implementations
+    from .modules import class_names
+
+    params: list[ParamSpec] = []
+    index: dict[int, int] = {}
+    groups = []
+    impls = param_group_implementations(opt)
+    for group, impl in zip(opt.param_groups, impls):
+        rows = []
+        for p in group["params"]:
+            if id(p) not in index:
+                index[id(p)] = len(params)
+                params.append(ParamSpec(tuple(p.shape), str(p.dtype).replace("torch.", ""), p.device.type,
+                                        bool(p.requires_grad), type(p) in (torch.Tensor, torch.nn.Parameter)))
+            rows.append(index[id(p)])
+        groups.append((plain_config(group), tuple(rows), impl))
+    args = getattr(opt, "args", None)
+    return OptimizerSpec(class_names(type(opt), torch.optim.Optimizer), tuple(groups), tuple(params),
+                         plain_config(vars(args)) if args is not None and hasattr(args, "__dict__") else ())
+
+
+def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """What profile() was given as optimizer(s), unwrapped; a clear error for anything else."""
+    if optimizer is None:
+        return []
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    out = []
+    for item in items:
+        inner = unwrap_optimizer(item)
+        if inner is None:
+            raise InvalidArgumentError(
+                f"optimizer must be a torch.optim.Optimizer (or a wrapper of one, such as accelerate's "
+                f"AcceleratedOptimizer), a list of them, or None; got {type(item).__name__}"
+            )
+        out.append(inner)
+    return out
+
+
+def unwrap_optimizer(opt: Any) -> "torch.optim.Optimizer | None":
+    """The torch optimizer a wrapper drives: accelerate's AcceleratedOptimizer and DeepSpeed's wrap
+    it as ``.optimizer``, Lightning's LightningOptimizer as ``._optimizer``. torch's step hooks fire
+    for the optimizer whose step() runs, the innermost one, so that is the one memprof must follow."""
+    chain = [opt]
+    while len(chain) < 8:  # wrappers of wrappers; a cycle ends here too
+        inner = next((c for c in (getattr(chain[-1], a, None) for a in ("optimizer", "_optimizer"))
+                      if c is not None and all(c is not o for o in chain)), None)
+        if inner is None:
+            break
+        chain.append(inner)
+    # The innermost torch optimizer: an Optimizer subclass whose `optimizer` attribute is something
+    # else (not an optimizer) is itself the one that steps.
+    return next((o for o in reversed(chain) if isinstance(o, torch.optim.Optimizer)), None)

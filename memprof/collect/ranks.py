@@ -1,0 +1,107 @@
+"""Which rank of which parallel job a profile ran on: torch.distributed's view, read once at the start.
+
+memprof launches and coordinates nothing: inside an initialised process group each process profiles
+itself, and its trace says which rank it was, of how many, over which backend, and the parallel layout
+the model is wrapped in (read from the model's own classes, so frameworks need not be imported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import Any
+
+from torch import nn
+
+from ..record.parts import RankInfo
+from ..units import round_half_away
+
+__all__ = ["rank_info", "is_fsdp2_module", "shards_of"]
+
+
+def rank_info(model: nn.Module) -> "RankInfo | None":
+    """The rank this process is in an initialised default process group, or None outside one."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        backend = str(dist.get_backend())
+    except Exception:  # a process group memprof cannot read: say nothing rather than guess
+        return None
+    layout = _layout(model)
+    view = None
+    if layout == "ddp":
+        ddp = next((m for m in model.modules() if type(m).__name__ == "DistributedDataParallel"), None)
+        view = bool(getattr(ddp, "gradient_as_bucket_view", False)) if ddp is not None else None
+    shares = _shares(model)
+    if shares is not None and layout is None:
+        layout = "tp"  # DTensor parameters without a data-parallel wrapper: tensor (or sequence) parallelism
+    info = RankInfo(rank=rank, world_size=world, backend=backend, layout=layout, bucket_view=view)
+    if shares is not None:
+        info = dataclasses.replace(info, params_per_rank=shares[0], trainable_per_rank=shares[1], shards=shares[2])
+    return info
+
+
+def _shares(model: nn.Module) -> "tuple[int, int, int | None] | None":
+    """This rank's share of the model's parameters and of the trainable ones, in elements (half up), and the
+    shard count every parameter shares (None if they differ), when some are DTensors; None otherwise."""
+    total = trainable = Fraction(0)
+    found = False
+    counts: set[int] = set()
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = shards_of(p)
+        counts.add(n)
+        share = Fraction(p.numel(), n)
+        found = found or hasattr(p, "placements")
+        total += share
+        if p.requires_grad:
+            trainable += share
+    if not found:
+        return None
+    return round_half_away(total), round_half_away(trainable), counts.pop() if len(counts) == 1 else None
+
+
+def shards_of(p: Any) -> int:
+    """Into how many pieces a DTensor's placements cut it (1 for a plain tensor, or a replicated one)."""
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return 1
+    n = 1
+    try:
+        mesh = p.device_mesh
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():
+                n *= mesh.size(dim)
+    except Exception:  # a DTensor memprof cannot read: counted whole
+        return 1
+    return n
+
+
+def is_fsdp2_module(m: nn.Module) -> bool:
+    """Did ``fully_shard`` make ``m`` an ``FSDPModule`` (read from its classes, without importing FSDP)?"""
+    return any(k.__name__ == "FSDPModule" and k.__module__.startswith("torch.distributed.fsdp")
+               for k in type(m).__mro__)
+
+
+def _layout(model: nn.Module) -> "str | None":
+    """The data-parallel wrapping of ``model``: ``ddp``, ``fsdp2`` (``fully_shard``), ``fsdp1`` or
+    ``deepspeed``; None when there is none."""
+    names: set[str] = set()
+    for m in model.modules():
+        for klass in type(m).__mro__:
+            names.add(f"{klass.__module__}.{klass.__qualname__}")
+    if any(n.endswith(".DistributedDataParallel") for n in names):
+        return "ddp"
+    if any(is_fsdp2_module(m) for m in model.modules()):
+        return "fsdp2"
+    if any(n.endswith(".FullyShardedDataParallel") for n in names):
+        return "fsdp1"
+    if any(n.startswith("deepspeed.") for n in names):
+        return "deepspeed"
+    return None

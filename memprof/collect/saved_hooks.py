@@ -1,0 +1,297 @@
+"""memprof's saved-tensor hooks: pushed in balanced scopes, chained to the pair beneath.
+
+torch calls only the innermost pair of ``saved_tensors_hooks``. A pair that
+memprof kept on the stack for a whole profile would therefore switch off a
+user's own pair (activation offloading, compression) and would make
+``torch.func.grad`` refuse to run (it refuses whenever any pair is on the
+stack: ``torch/_functorch/vmap.py``, ``doesnt_support_saved_tensors_hooks``).
+
+So memprof pushes its pair only around a module call of the model (a forward,
+or a checkpointed block recomputed in backward), and pops it in that call's
+forward post-hook: the push nests inside whatever the user does, and outside
+the model's calls no pair of memprof's is on the stack (``torch.func`` runs,
+and so does ``disable_saved_tensors_hooks``). It never pushes inside a
+``torch.func`` transform (hooks are disabled there) nor over
+``torch.utils.checkpoint``'s own pair (in forward it keeps nothing; in
+backward it recomputes, which memprof follows apart). What code outside the
+model saves (the loss) is found on the autograd graph when backward starts
+(:meth:`memprof.collect.saved.SavedTracker.find_outside_saves`).
+
+A pair pushed over another one is *chained*: memprof's pack calls the outer
+pack with the original tensor, exactly as torch would have, and hands
+autograd the outer pack's result; memprof's unpack calls the outer unpack.
+What autograd then holds is what the outer pack returned, so memprof counts
+the tensors it finds in that result as activations.
+
+torch skips its in-place modification check for tensors saved through hooks
+(``torch/csrc/autograd/saved_variable.cpp``); memprof's own unchained pair
+restores it, so "modified by an inplace operation" is raised as without
+memprof. Through a chained pair torch would not check either, and memprof
+does not.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from .saved import SavedTracker
+
+__all__ = ["Saved", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pair", "under_checkpoint"]
+
+_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
+_push = torch._C._autograd._push_saved_tensors_default_hooks
+_pop = torch._C._autograd._pop_saved_tensors_default_hooks
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_disabled_message: Callable[[], "str | None"] = getattr(
+    torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None)
+
+
+class Saved:
+    """What memprof's own (unchained) pack hands autograd: a tensor and its version at the save.
+
+    ``tensor`` is a detached alias of an activation (returning the tensor itself would
+    close the cycle output -> grad_fn -> saved output, keeping a dropped graph alive) or
+    the saved tensor itself (weights, inputs: no ``grad_fn``, no cycle). ``owner`` is set
+    for activations only: ``__del__`` tells it that autograd released this slot.
+    """
+
+    __slots__ = ("tensor", "owner", "key", "version", "origin")
+
+    def __init__(self, tensor: torch.Tensor, owner: "SavedTracker | None", key: int, version: int,
+                 origin: "weakref.ref | None" = None) -> None:
+        self.tensor = tensor
+        self.owner = owner
+        self.key = key
+        self.version = version
+        # The saved tensor itself when it had a grad_fn (``tensor`` is a detached alias of it): torch
+        # refuses to use a saved tensor that was detached in place since, and so must memprof.
+        self.origin = origin
+
+    def __del__(self) -> None:
+        owner = self.owner
+        if owner is not None:
+            owner.unsaved(self.key)
+
+
+class Packed:
+    """What a chained pack hands autograd: the outer pack's result and the activations found in it."""
+
+    __slots__ = ("packed", "owner", "keys")
+
+    def __init__(self, packed: Any, owner: "SavedTracker | None", keys: tuple[int, ...]) -> None:
+        self.packed = packed
+        self.owner = owner
+        self.keys = keys
+
+    def __del__(self) -> None:
+        owner = self.owner
+        if owner is not None:
+            for key in self.keys:
+                owner.unsaved(key)
+
+
+def unpack(saved: Any) -> torch.Tensor:
+    """memprof's unchained unpack, with torch's in-place modification check."""
+    if type(saved) is not Saved:
+        return saved
+    t = saved.tensor
+    origin = saved.origin
+    if origin is not None:
+        o = origin()
+        if o is not None and o.grad_fn is None:
+            # torch's wording (torch/csrc/autograd/saved_variable.cpp).
+            raise RuntimeError(
+                "Trying to use a saved tensor that has been detached in-place, i.e. with .detach_().This is "
+                "not supported, please use out-of-place `.detach()` instead")
+    if t._version != saved.version:
+        raise RuntimeError(_modified_message(t, saved.version))
+    return t
+
+
+def _modified_message(t: torch.Tensor, expected: int) -> str:
+    # torch's own wording (torch/csrc/autograd/saved_variable.cpp), so that code and people
+    # that recognise the error still do. The node is the one unpacking, i.e. the one that needs it.
+    node = torch._C._current_autograd_node()
+    needed_by = f", which is needed by {type(node).__name__}," if node is not None else ""
+    return (
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{t.type()} {list(t.shape)}]{needed_by} is at version {t._version}; expected version {expected} "
+        "instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+        "with torch.autograd.set_detect_anomaly(True)."
+    )
+
+
+def tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
+    """Tensors an outer pack's result holds: itself, in tuples, lists, dicts or object attributes."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth >= 3 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            tensors_in(x, out, depth + 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            tensors_in(x, out, depth + 1)
+    else:
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict):
+            for x in attrs.values():
+                tensors_in(x, out, depth + 1)
+
+
+def is_checkpoint_pair(pair: Any) -> bool:
+    """Is this torch.utils.checkpoint's own pair (it keeps nothing in forward; recomputes in backward)?"""
+    return pair is not None and getattr(pair[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+def under_checkpoint() -> bool:
+    """Does code run inside a torch.utils.checkpoint region now (its pair on the stack, directly or
+    beneath memprof's own chained pairs)?"""
+    pair = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if pair is None:
+        return False
+    pack = pair[0]
+    owner = getattr(pack, "__self__", None)
+    while isinstance(owner, _Chain):
+        pack = owner.outer_pack
+        owner = getattr(pack, "__self__", None)
+    return getattr(pack, "__module__", None) == "torch.utils.checkpoint"
+
+
+class _Chain:
+    """memprof's pair over an outer one: the outer pack runs as without memprof."""
+
+    __slots__ = ("owner", "outer_pack", "outer_unpack")
+
+    def __init__(self, owner: "SavedTracker", outer: tuple[Any, Any]) -> None:
+        self.owner: "SavedTracker | None" = owner
+        self.outer_pack, self.outer_unpack = outer
+
+    def pack(self, t: torch.Tensor) -> Any:
+        packed = self.outer_pack(t)
+        owner = self.owner
+        if owner is None or _is_compiling():
+            return packed
+        found: list[torch.Tensor] = []
+        tensors_in(packed, found)
+        keys = tuple(k for k in (owner.account(x) for x in found) if k is not None)
+        return Packed(packed, owner if keys else None, keys)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        owner = self.owner
+        if owner is not None:
+            owner.unpacking()
+        return self.outer_unpack(saved.packed if type(saved) is Packed else saved)
+
+
+class SavedHooks:
+    """The pushes memprof made on one thread's saved-tensor hooks stack, and their undoing."""
+
+    def __init__(self, owner: "SavedTracker") -> None:
+        self.owner = owner
+        self.thread = threading.get_ident()
+        self.own_pack = owner.pack  # bound once: the identity that says "ours" on the stack
+        self.own_unpack = owner.unpack
+        # What memprof pushed and has not popped yet: (pack function, chain or None).
+        self.pushed: list[tuple[Any, "_Chain | None"]] = []
+        # Packs of outer pairs memprof chained to (for the report's notes).
+        self.chained_to: set[str] = set()
+        self.in_transform = 0
+
+    def is_ours(self, pair: Any) -> bool:
+        if pair is None:
+            return False
+        pack = pair[0]
+        if pack is self.own_pack:
+            return True
+        chain = getattr(pack, "__self__", None)
+        return type(chain) is _Chain and chain.owner is self.owner
+
+    def cover(self) -> bool:
+        """Make memprof's pack the one autograd calls during this module call; True when it pushed
+        (the caller pops with :meth:`uncover` in the call's forward post-hook)."""
+        top = _top(False)
+        if self.is_ours(top):
+            return False
+        if _disabled_message() is not None:
+            # Inside a torch.func transform: torch refuses saved-tensor hooks there.
+            self.in_transform += 1
+            return False
+        if is_checkpoint_pair(top):
+            return False
+        if top is None:
+            pack, unpack_, chain = self.own_pack, self.own_unpack, None
+        else:
+            chain = _Chain(self.owner, top)
+            pack, unpack_ = chain.pack, chain.unpack
+            self.chained_to.add(_name_of(top[0]))
+        _push(pack, unpack_)
+        self.pushed.append((pack, chain))
+        return True
+
+    def uncover(self) -> None:
+        """Pop the push of this module call (it is on top: module calls nest)."""
+        if self.pushed and self._on_top(self.pushed[-1][0]):
+            _pop()
+            self.pushed.pop()
+
+    def close(self) -> bool:
+        """Undo every push; True when all could be popped.
+
+        A push that cannot be popped (a forward that raised past a pair of the user's, or the
+        profile ending in another thread) is made inert: it passes through to the pair beneath.
+        """
+        clean = True
+        here = threading.get_ident() == self.thread
+        while self.pushed:
+            # Forgotten only once handled: run again after an interrupt, this finishes the job.
+            pack, chain = self.pushed[-1]
+            if here and self._on_top(pack):
+                _pop()
+            else:
+                clean = False
+                if chain is not None:
+                    chain.owner = None
+                if (self.thread, pack) not in _ORPHANS:
+                    _ORPHANS.append((self.thread, pack))
+            self.pushed.pop()
+        return clean
+
+    @staticmethod
+    def _on_top(pack: Any) -> bool:
+        top = _top(False)
+        return top is not None and top[0] is pack
+
+
+def _name_of(pack: Any) -> str:
+    """The user's pack function's name, for a note; its type's name when reading it fails (a callable
+    object's ``__qualname__`` is the user's code, and this runs inside the model's forward)."""
+    try:
+        name = getattr(pack, "__qualname__", None)
+    except Exception:
+        name = None
+    return name if isinstance(name, str) else type(pack).__name__
+
+
+# Pushes that could not be popped when their profile ended: (thread id, pack function).
+# The next profile started in that thread pops those that are on top of its stack.
+_ORPHANS: list[tuple[int, Any]] = []
+
+
+def pop_orphans() -> None:
+    """Pop orphaned memprof pushes on top of this thread's stack (left by a profile ended elsewhere)."""
+    me = threading.get_ident()
+    mine = [pack for thread, pack in _ORPHANS if thread == me]
+    while mine:
+        top = _top(False)
+        if top is None or top[0] not in mine:
+            break
+        _pop()
+        mine.remove(top[0])
+        _ORPHANS.remove((me, top[0]))

@@ -1,0 +1,179 @@
+"""Recording windows: a schedule turns memprof off between the steps it records.
+
+Outside its warmup and active steps the profiler is paused: ``prof.active`` is
+False, so every hook returns at once, and full mode's dispatch mode is off the
+stack. Only what counts steps still runs: the optimizer's step hook and the
+gradient hooks note that a step ended, and the model's next forward decides,
+from the schedule, whether to resume. Resuming registers what exists then
+(parameters, gradients, optimizer state, buffers), as the start of a profile
+does. Decisions are taken at a forward's start, where no op of memprof's is in
+flight and a step's optimizers have all stepped.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..vocabulary import Phase
+from .schedule import ACTIVE, WARMUP, Schedule
+
+if TYPE_CHECKING:
+    from .profiler import Profiler
+
+__all__ = ["Windows"]
+
+
+class Windows:
+    """The schedule's state over the run: the step now running, and whether memprof watches it."""
+
+    def __init__(self, prof: "Profiler", plan: Schedule, on_ready: "Callable[[Profiler], Any] | None") -> None:
+        self.prof = prof
+        self.plan = plan
+        self.on_ready = on_ready
+        self.step = 0  # the run's step now running
+        self.paused = False
+        self.step_ended = False  # while paused: an optimizer stepped (or, without one, a backward ran)
+        self.backward_ended = False
+        self.blocks_ended = 0  # while paused: prof.step() blocks that ended (with explicit steps)
+        self.recorded: list[list[int]] = []  # [first, last] of each stretch of recorded steps
+        self.window: "tuple[int, int] | None" = None  # the last window handed to on_ready
+        self.current: "list[int] | None" = None  # [first, last] recorded step of the window now open
+        self.callbacks = 0
+        self.callback_error: "BaseException | None" = None  # what on_trace_ready raised last
+        # The ledger's global peak before a warmup began: warmup steps are watched, never counted.
+        self.peak_before_warmup: "tuple | None" = None
+
+    # -- what the run does ------------------------------------------------------------
+
+    def start(self) -> None:
+        """The profile begins: pause at once when step 0 is not watched."""
+        if not self.plan.watches(0):
+            self.pause()
+        elif self.plan(0) == WARMUP:
+            self.peak_before_warmup = self.prof.ledger.peak_state()
+
+    def records_now(self) -> bool:
+        return self.plan(self.step) == ACTIVE
+
+    def optimizer_stepped_while_paused(self) -> None:
+        self.step_ended = True
+
+    def backward_ran_while_paused(self) -> None:
+        self.backward_ended = True
+
+    def at_forward(self) -> bool:
+        """A forward of the model begins (outside backward, in the profiling thread): close a step that
+        ended, pause or resume by the schedule. True when memprof records this forward."""
+        prof = self.prof
+        phases = prof.phases
+        if self.paused:
+            if phases.explicit:  # only prof.step() blocks end steps
+                ended = self.blocks_ended
+            else:
+                ended = int(self.step_ended or (self.backward_ended and not phases.optimizer_seen))
+            self.step_ended = self.backward_ended = False
+            self.blocks_ended = 0
+            if not ended:
+                return False
+            self.step += ended
+            phases.retention.steps_run += ended  # steps memprof did not watch: counted, not recorded
+            if self.plan.watches(self.step):
+                self.resume()
+                return True
+            return False
+        if phases.pending_step_end or (phases.pending_backward_end and not phases.optimizer_seen
+                                       and not phases.explicit):
+            phases.pending_step_end = phases.pending_backward_end = False
+            prof.params.release_stale_grads()
+            phases.end_step()  # numbers the next step self.step + 1 through step_closed()
+        return True
+
+    def step_closed(self, index: int) -> None:
+        """PhaseTracker closed step ``index`` (watched): the next one runs now; pause if not watched.
+        A cycle's last active step ends its window (also when the next cycle's steps follow at once)."""
+        self.note_recorded(index)
+        if self.plan(index) == WARMUP:
+            self.forget(index)
+        self.step = index + 1
+        try:
+            if self.plan.ends_window(index):
+                self.window_ended()
+        finally:  # a callback that raises still leaves the unwatched steps unwatched
+            if not self.plan.watches(self.step):
+                self.pause()
+            elif self.plan(self.step) == WARMUP:
+                # A warmup step right after a watched one (no pause, so no resume() to note it): the peak
+                # to return to is the one now, with the steps just recorded in it.
+                self.peak_before_warmup = self.prof.ledger.peak_state()
+
+    def forget(self, index: int) -> None:
+        """A warmup step closed: its peak, samples and phases leave no trace in the record."""
+        phases = self.prof.phases
+        if self.peak_before_warmup is not None:
+            self.prof.ledger.restore_peak(self.peak_before_warmup)
+        peak_serial = self.prof.ledger.peak_phase_serial
+        phases.samples = [s for s in phases.samples if s[1] != index]
+        phases.where = {serial: w for serial, w in phases.where.items() if w[0] != index or serial == peak_serial}
+
+    def note_recorded(self, index: int) -> None:
+        if self.plan(index) == ACTIVE:
+            if self.recorded and self.recorded[-1][1] == index - 1:
+                self.recorded[-1][1] = index
+            else:
+                self.recorded.append([index, index])
+            if self.current is None:
+                self.current = [index, index]
+            else:
+                self.current[1] = index
+
+    def window_ended(self) -> None:
+        """An active window closed: hand the profiler to on_trace_ready (prof.report() reads it so far)."""
+        current, self.current = self.current, None
+        if self.on_ready is None or current is None:
+            return
+        self.window = (current[0], current[1])
+        self.callbacks += 1
+        prof = self.prof
+        prof.in_callback = True
+        try:
+            self.on_ready(prof)
+        except BaseException as exc:
+            self.callback_error = exc  # the user's, not memprof's: the profiler raises it as it is
+            raise
+        finally:
+            prof.in_callback = False
+
+    # -- pausing and resuming -----------------------------------------------------------
+
+    def pause(self) -> None:
+        prof = self.prof
+        self.paused = True
+        prof.active = False
+        self.step_ended = self.backward_ended = False
+        self.blocks_ended = 0
+        if prof.mode == "full":
+            prof.storages.uninstall(prof.thread)
+
+    def resume(self) -> None:
+        prof = self.prof
+        self.paused = False
+        phases = prof.phases
+        phases.step = self.step
+        if self.plan(self.step) == WARMUP:
+            self.peak_before_warmup = prof.ledger.peak_state()
+        prof.register_existing()  # what the unwatched steps made: gradients, state, new parameters
+        if prof.mode == "full":
+            prof.storages.install()
+        prof.active = True
+        led = prof.ledger
+        # A fresh "other" phase: nothing from the unwatched steps belongs to the step that starts now.
+        phases.step_phases = []
+        phases.occurrence = {}
+        phases.current = Phase.OTHER
+        led.start_phase()
+        phases.phase_start = led.totals.copy()
+        phases.phase_ops_start = phases.ops
+        phases.where[led.phase_serial] = (self.step, Phase.OTHER)
+
+    def recorded_steps(self) -> tuple[tuple[int, int], ...]:
+        return tuple((a, b) for a, b in self.recorded)

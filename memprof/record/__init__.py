@@ -1,0 +1,1 @@
+"""memprof.record"""

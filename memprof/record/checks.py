@@ -1,0 +1,134 @@
+"""Values read from a trace file, checked one by one: a bad value is a TraceFormatError naming it.
+
+Every check ends its message with the fix (re-create the trace), so a corrupt,
+crafted or truncated file never reaches arithmetic or display downstream.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+from ..errors import TraceFormatError
+
+__all__ = ["count", "optional_count", "text", "optional_text", "corrupt", "fields", "pairs", "seq", "mapping",
+           "flag", "member"]
+
+# The largest count a trace may hold: an int64 (8 EiB, or as many ops), as torch's sizes and the
+# DataFrames' Int64 columns are. A real run is far below it; a crafted 2**64 or 10**400 would otherwise
+# load and break arithmetic, frames and display downstream.
+_MAX_COUNT = 2**63 - 1
+
+
+def optional_count(value: Any, name: str) -> "int | None":
+    if value is None:
+        return None
+    return count(value, name)
+
+
+def count(value: Any, name: str) -> int:
+    """A non-negative int from a file (bytes, an index, a count); anything else is a TraceFormatError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise corrupt(f"{name} must be an int, got {_shown(value)}")
+    if not 0 <= value <= _MAX_COUNT:
+        raise corrupt(f"{name} must be between 0 and 2**63 - 1, got {_shown(value)}")
+    return value
+
+
+def optional_time(value: Any, name: str) -> "float | None":
+    """Microseconds since a profile started (schema 4), or None (older files, or not recorded)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e15:
+        raise corrupt(f"{name} must be a number of microseconds between 0 and 1e15, got {_shown(value)}")
+    return float(value)
+
+
+# Half of a UTF-16 surrogate pair on its own: valid in JSON (written "\ud800") and in a Python str, but no
+# encoding can write it, so printing or saving it would raise UnicodeEncodeError.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text(value: Any, name: str) -> str:
+    """A string from a file, with any lone surrogate replaced by U+FFFD (the replacement character)."""
+    if not isinstance(value, str):
+        raise corrupt(f"{name} must be a string, got {_shown(value)}")
+    return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
+
+
+def member(value: Any, kind: Any, name: str) -> Any:
+    """The member of the enum ``kind`` (Phase, Category) whose value a file gives, exactly as memprof
+    writes it: " Forward" is no phase a file holds."""
+    for m in kind:
+        if m.value == value and isinstance(value, str):
+            return m
+    raise corrupt(f"{name} must be one of {', '.join(m.value for m in kind)}, got {_shown(value)}")
+
+
+def seq(value: Any, name: str, length: "int | None" = None) -> Sequence[Any]:
+    """A JSON array from a file (of exactly ``length`` items, if given). A string is refused too:
+    iterated or unpacked, ``"abc"`` would pass for three items."""
+    if not isinstance(value, (list, tuple)):
+        raise corrupt(f"{name} must be a list, got {_shown(value)}")
+    if length is not None and len(value) != length:
+        raise corrupt(f"{name} must be a list of {length} values, got {_shown(value)}")
+    return value
+
+
+def mapping(value: Any, name: str) -> Mapping[str, Any]:
+    """A JSON object from a file."""
+    if not isinstance(value, Mapping):
+        raise corrupt(f"{name} must be a mapping, got {_shown(value)}")
+    return value
+
+
+def flag(value: Any, name: str) -> bool:
+    """A JSON true or false from a file (a string such as "no" would otherwise read as True)."""
+    if not isinstance(value, bool):
+        raise corrupt(f"{name} must be true or false, got {_shown(value)}")
+    return value
+
+
+def corrupt(problem: str) -> TraceFormatError:
+    """The error for a bad value, with the fix."""
+    return TraceFormatError(f"corrupt memprof trace: {problem}; re-create it with report.save(path)")
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+def fields(cls: Any, data: Any, *, own: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The keyword arguments of a flat record's dataclass from a file, each checked against its annotation
+    (an int, a str, or either or None). Fields of any other type are named in ``own``: the caller checks
+    them; any other field is a mistake in memprof, raised as such, never let through unchecked."""
+    if not isinstance(data, Mapping):
+        raise corrupt(f"a {cls.__name__} must be a mapping, got {_shown(data)}")
+    out: dict[str, Any] = {}
+    for name, f in cls.__dataclass_fields__.items():
+        if name not in data:
+            continue
+        # Under ``from __future__ import annotations`` a quoted annotation keeps its quotes.
+        kind = str(f.type).replace('"', "").replace("'", "")
+        check = _CHECKS.get(kind)
+        if check is not None:
+            out[name] = check(data[name], f"{cls.__name__}.{name}")
+        elif name in own:
+            out[name] = data[name]
+        else:
+            raise RuntimeError(f"memprof cannot check {cls.__name__}.{name} ({kind}) read from a file")
+    return out
+
+
+def optional_text(value: Any, name: str) -> "str | None":
+    return None if value is None else text(value, name)
+
+
+_CHECKS = {"int": count, "int | None": optional_count, "str": text, "str | None": optional_text}
+
+
+def pairs(items: Any, name: str = "tags") -> tuple[tuple[str, int], ...]:
+    """(name, bytes) pairs, such as the tags' live bytes."""
+    return tuple((text(a, "a tag name"), count(b, "a tag's bytes"))
+                 for a, b in (seq(item, f"an entry of {name}", 2) for item in seq(items, name)))

@@ -1,0 +1,519 @@
+"""The pieces of the record: a breakdown by category, and the records of phases, steps, modules,
+timeline samples, the device and an out-of-memory error. :mod:`memprof.record.trace` assembles them into the
+Trace (and re-exports them: import them from there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
+from .cache import CacheMoment, frozen_spec, spec_data
+from .checks import (corrupt, count, fields, mapping, member, optional_count, optional_text, optional_time, pairs, seq,
+                     text)
+from ..errors import TraceFormatError
+
+__all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "SAMPLE_EVENTS", "OomRecord",
+           "DeviceInfo", "ModelFacts", "OperationRecord", "GenerationFacts",
+           "RankInfo", "MAX_WORLD"]
+
+_ALL = tuple(Category)
+_TENSOR = tuple(_ALL.index(c) for c in TENSOR_CATEGORIES)
+# A category's place in a breakdown, by member or by value (a str enum's member and its value are one key).
+_INDEX = {c: i for i, c in enumerate(_ALL)}
+
+#: The most ranks a job may have, in a record or an estimate: larger worlds than any job runs, so a
+#: typo (or a crafted file) more likely than a plan; what is sized per rank stays bounded.
+MAX_WORLD = 1 << 20
+
+
+@dataclass(frozen=True)
+class Breakdown(Mapping[Category, "int | None"]):
+    """Bytes by category at one moment.
+
+    Indexing with a :class:`Category` (or its value) gives an ``int`` of
+    bytes, or ``None`` when the run could not measure that category (for
+    example the allocator overhead on CPU, or temporaries in light mode on
+    CPU). ``total`` is the sum of the measured categories, or ``None`` when
+    the total itself was not measured. Whenever every tensor category is
+    measured, ``sum(tensor categories) == total`` holds exactly.
+    """
+
+    counts: tuple["int | None", ...]
+    total: "int | None"
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(_ALL):
+            raise TraceFormatError(
+                f"a Breakdown needs {len(_ALL)} values (one per Category), got {len(self.counts)}"
+            )
+
+    @classmethod
+    def from_mapping(cls, values: Mapping["Category | str", "int | None"], total: "int | None" = None,
+                     *, compute_total: bool = True) -> "Breakdown":
+        """Build from a mapping; missing categories are ``None`` (not measured)."""
+        parsed = {Category.parse(k): v for k, v in values.items()}
+        vals = tuple(parsed.get(c) for c in _ALL)
+        if total is None and compute_total:
+            measured = [v for c, v in zip(_ALL, vals) if v is not None]
+            total = sum(measured) if measured else None
+        return cls(vals, total)
+
+    @classmethod
+    def empty(cls) -> "Breakdown":
+        return cls(tuple(None for _ in _ALL), None)
+
+    def __getitem__(self, key: "Category | str") -> "int | None":
+        i = _INDEX.get(key) if isinstance(key, str) else None
+        return self.counts[i if i is not None else _ALL.index(Category.parse(key))]
+
+    def __iter__(self) -> Iterator[Category]:
+        return iter(_ALL)
+
+    def __len__(self) -> int:
+        return len(_ALL)
+
+    def measured(self) -> dict[Category, int]:
+        """Only the categories that were measured."""
+        return {c: v for c, v in zip(_ALL, self.counts) if v is not None}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {c.value: v for c, v in zip(_ALL, self.counts)}
+        out["total"] = self.total
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Breakdown":
+        """Read from a file: bytes per category and the total, which must agree as a measurement does
+        (the measured categories sum to the total when every tensor category is measured, and never
+        exceed it when some are not)."""
+        if not isinstance(data, Mapping):
+            raise corrupt(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
+        values = tuple(optional_count(data.get(c.value), c.value) for c in _ALL)
+        total = optional_count(data.get("total"), "total")
+        if total is not None:
+            known = sum(v for v in values if v is not None)
+            complete = all(values[i] is not None for i in _TENSOR)
+            if known > total or complete and known != total:
+                raise corrupt(f"a breakdown's categories sum to {known} bytes but its total is {total}")
+        return cls(values, total)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{c.value}={v}" for c, v in zip(_ALL, self.counts) if v is not None)
+        return f"Breakdown(total={self.total}, {inner})"
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    """One phase of one step: where it started, where it ended, and its peak.
+
+    ``occurrence`` counts phases of the same kind within a step from 0, so
+    gradient accumulation gives forward 0, backward 0, forward 1, backward 1.
+    ``peak`` is the composition at the moment the phase's total was highest.
+    """
+
+    step: int
+    phase: Phase
+    occurrence: int
+    start: Breakdown
+    peak: Breakdown
+    end: Breakdown
+    ops: int = 0
+    #: Bytes of named kinds of saved tensors (dropout masks, norm statistics, ...) at the peak and end.
+    tags_peak: tuple[tuple[str, int], ...] = ()
+    tags_end: tuple[tuple[str, int], ...] = ()
+    #: When the phase began, reached its peak and ended: microseconds since the profile started
+    #: (schema 4; None in older files). The time axis of the Chrome/Perfetto and memory_viz exports.
+    #: Not compared: two records of the same memory are equal however long they took.
+    start_us: "float | None" = field(default=None, compare=False)
+    peak_us: "float | None" = field(default=None, compare=False)
+    end_us: "float | None" = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "phase": self.phase.value,
+            "occurrence": self.occurrence,
+            "start": self.start.to_dict(),
+            "peak": self.peak.to_dict(),
+            "end": self.end.to_dict(),
+            "ops": self.ops,
+            "tags_peak": [list(t) for t in self.tags_peak],
+            "tags_end": [list(t) for t in self.tags_end],
+            "start_us": self.start_us,
+            "peak_us": self.peak_us,
+            "end_us": self.end_us,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PhaseRecord":
+        data = mapping(data, "a phase")
+        rec = cls(
+            step=count(data["step"], "step"),
+            phase=member(data["phase"], Phase, "a phase"),
+            occurrence=count(data["occurrence"], "occurrence"),
+            start=Breakdown.from_dict(data["start"]),
+            peak=Breakdown.from_dict(data["peak"]),
+            end=Breakdown.from_dict(data["end"]),
+            ops=count(data.get("ops", 0), "ops"),
+            tags_peak=pairs(data.get("tags_peak", ())),
+            tags_end=pairs(data.get("tags_end", ())),
+            start_us=optional_time(data.get("start_us"), "a phase's start_us"),
+            peak_us=optional_time(data.get("peak_us"), "a phase's peak_us"),
+            end_us=optional_time(data.get("end_us"), "a phase's end_us"),
+        )
+        _peak_is_highest(rec.peak, (rec.start, rec.end), f"step {rec.step}'s {rec.phase.value} phase")
+        return rec
+
+
+def _peak_is_highest(peak: Breakdown, others: tuple[Breakdown, ...], where: str) -> None:
+    """A peak is the highest total of its span, so no moment of it (its start, its end) is higher."""
+    if peak.total is None:
+        return
+    higher = [b.total for b in others if b.total is not None and b.total > peak.total]
+    if higher:
+        raise corrupt(f"{where} peaks at {peak.total} bytes, below its own start or end ({max(higher)})")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the reconciler needs to know about the model, measured on the live objects at exit.
+
+    Counts are of unique parameters (tied weights once). The ``*_formula``
+    fields and ``modules_without_rule`` are read from traces of schema 1 only,
+    where the collector computed formulas; newer traces record what a formula
+    needs (:attr:`Trace.module_calls`, :attr:`Trace.optimizers`) and
+    :mod:`memprof.anatomy.predict` computes them downstream.
+    """
+
+    num_params: int = 0
+    num_trainable: int = 0
+    trainable_tensors: int = 0
+    weight_bytes: int = 0
+    trainable_bytes: int = 0
+    buffer_bytes: int = 0
+    optimizer_state_formula: "int | None" = None
+    optimizer_transient_formula: "int | None" = None
+    activation_formula: "int | None" = None
+    #: Bytes of the model's inputs (storages made before the profile: the batch, token ids) that modules
+    #: with a saved-bytes rule saved in the first forward. Their rules count them as activations; the
+    #: measurement counts them as inputs. ``None`` when no forward was seen.
+    activation_inputs_saved: "int | None" = None
+    modules_without_rule: tuple[str, ...] = ()
+    #: (module path, attribute, value) of Linear/Conv/Embedding dimensions, for the alignment advice.
+    dims: tuple[tuple[str, str, int], ...] = ()
+    #: First dimension of the model's first input in the first forward.
+    batch_size: "int | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["modules_without_rule"] = list(self.modules_without_rule)
+        out["dims"] = [list(d) for d in self.dims]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelFacts":
+        kw = fields(cls, data, own=("modules_without_rule", "dims"))
+        if "modules_without_rule" in kw:
+            kw["modules_without_rule"] = tuple(text(n, "a module type")
+                                               for n in seq(kw["modules_without_rule"], "modules_without_rule"))
+        if "dims" in kw:
+            kw["dims"] = tuple((text(a, "a module path"), text(b, "a dimension"), count(c, "a dimension"))
+                               for a, b, c in (seq(d, "a dimension", 3) for d in seq(kw["dims"], "dims")))
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class OperationRecord:
+    """All calls of one op in one phase: Ivanov et al.'s class, count, flops and bytes moved."""
+
+    phase: str
+    cls: str
+    op: str
+    count: int
+    flops: int
+    bytes_read: int
+    bytes_written: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OperationRecord":
+        kw = fields(cls, data)
+        missing = set(cls.__dataclass_fields__) - set(kw)
+        if missing:
+            raise corrupt(f"an operation record lacks {sorted(missing)}")
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step (or one ``prof.step()`` block) and its phases, in order."""
+
+    index: int
+    phases: tuple[PhaseRecord, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "phases": [p.to_dict() for p in self.phases]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
+        """Read from a file: its phases belong to it, each (phase, occurrence) once."""
+        data = mapping(data, "a step")
+        index = count(data["index"], "a step's index")
+        phases = tuple(PhaseRecord.from_dict(p) for p in seq(data["phases"], "a step's phases"))
+        seen: set[tuple[Phase, int]] = set()
+        for p in phases:
+            if p.step != index:
+                raise corrupt(f"step {index} holds a phase of step {p.step}")
+            if (p.phase, p.occurrence) in seen:
+                raise corrupt(f"step {index} holds {p.phase.value} #{p.occurrence} twice")
+            seen.add((p.phase, p.occurrence))
+        return cls(index, phases)
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    """What one module (by its path in the model) held and caused.
+
+    ``parameters`` / ``gradients`` are the bytes of the module's own and its
+    children's parameters and gradients (tied storages once) at the end of
+    profiling, gradients as last seen after a backward. ``activations`` are the
+    bytes autograd saved while this module or a child ran its forward, counted
+    once per storage and summed over calls, in the last step that ran it.
+    ``peak_forward`` / ``peak_backward`` are the highest rise of live bytes
+    above the level at the call's start while the module ran (what the call
+    adds at its worst, its outputs and saved tensors included);
+    ``temporaries_forward`` / ``temporaries_backward`` are the part of that
+    high point released again by the call's end (scratch memory the module
+    needs only while it runs). Maxima over calls; ``None`` where not measured
+    (light mode) or never run.
+    """
+
+    path: str
+    type: str
+    parameters: int
+    gradients: "int | None"
+    activations: "int | None"
+    peak_forward: "int | None"
+    peak_backward: "int | None"
+    temporaries_forward: "int | None"
+    temporaries_backward: "int | None"
+    calls: int
+    #: Bytes of the tensors handed to the module's first call in the first forward (None if not seen).
+    input_bytes: "int | None" = None
+    #: Saved bytes attributed to this module itself, not its children (last step that ran it).
+    own_activations: "int | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModuleRecord":
+        return cls(**fields(cls, data))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One point of the memory timeline, taken at a module or phase boundary.
+
+    ``event`` says which boundary: "start" (the profile's), "phase" (``label`` is the phase that
+    began), "enter" or "exit" (``label`` is a module's path; in backward, its gradient's computation);
+    "" in files older than schema 4, which also have no ``time_us``.
+    """
+
+    seq: int
+    step: int
+    phase: Phase
+    label: str
+    breakdown: Breakdown
+    #: Microseconds since the profile started (not compared, as a phase's times).
+    time_us: "float | None" = field(default=None, compare=False)
+    event: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "step": self.step, "phase": self.phase.value, "label": self.label,
+                "breakdown": self.breakdown.to_dict(), "time_us": self.time_us, "event": self.event}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
+        data = mapping(data, "a timeline sample")
+        event = text(data.get("event", ""), "a sample's event")
+        if event not in SAMPLE_EVENTS:
+            raise corrupt(f"a sample's event must be one of {', '.join(map(repr, SAMPLE_EVENTS))}, got {event[:20]!r}")
+        return cls(count(data["seq"], "a sample's seq"), count(data["step"], "a sample's step"),
+                   member(data["phase"], Phase, "a sample's phase"), text(data["label"], "a sample's label"),
+                   Breakdown.from_dict(data["breakdown"]), optional_time(data.get("time_us"), "a sample's time_us"),
+                   event)
+
+
+#: What a timeline sample marks (see :class:`Sample`).
+SAMPLE_EVENTS = ("", "start", "phase", "enter", "exit")
+
+
+@dataclass(frozen=True)
+class OomRecord:
+    """An out-of-memory error that ended the profile (``profile(..., oom_dump=...)`` writes the trace).
+
+    ``requested`` is the allocation that failed, ``device_free`` and ``device_total`` what the device
+    reported at that moment (None where unknown: CPU, or a message that did not say). ``snapshot`` is
+    the memory_viz snapshot written beside the dump (CUDA with memory history recorded), if any.
+    """
+
+    message: str
+    requested: "int | None" = None
+    device_free: "int | None" = None
+    device_total: "int | None" = None
+    snapshot: "str | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message": self.message, "requested": self.requested, "device_free": self.device_free,
+                "device_total": self.device_total, "snapshot": self.snapshot}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OomRecord":
+        data = mapping(data, "the OOM record")
+        return cls(text(data["message"], "the OOM message"), optional_count(data.get("requested"), "requested"),
+                   optional_count(data.get("device_free"), "device_free"),
+                   optional_count(data.get("device_total"), "device_total"),
+                   optional_text(data.get("snapshot"), "the OOM snapshot"))
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Where the run happened, and what the device itself reported."""
+
+    type: str
+    name: str
+    index: "int | None" = None
+    total_memory: "int | None" = None
+    #: Sizes are rounded as this allocator rounds (512 on CUDA, 1 on CPU).
+    rounding: int = 1
+    #: Device-level figures at the global peak or at exit (CUDA only), None elsewhere.
+    max_memory_allocated: "int | None" = None
+    memory_reserved: "int | None" = None
+    nvml_used: "int | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
+        return cls(**fields(cls, data))
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """The rank a run was in a torch.distributed job (schema 5): its rank, the world size, the backend and
+    the parallel layout of the model (``ddp``, ``fsdp2``, ``fsdp1``, ``deepspeed``; None when unwrapped)."""
+
+    rank: int
+    world_size: int
+    backend: "str | None" = None
+    layout: "str | None" = None
+    #: DDP's gradient_as_bucket_view: the gradients are the buckets (no copy); None for other layouts.
+    bucket_view: "bool | None" = None
+    #: FSDP2: this rank's shards of every parameter, with the padding FSDP adds so that dim 0 divides by
+    #: the world size; the bytes of that padding; and the parameters' full (unsharded) bytes in the dtype
+    #: they are gathered in. None for other layouts.
+    sharded_bytes: "int | None" = None
+    padding_bytes: "int | None" = None
+    unsharded_bytes: "int | None" = None
+    #: FSDP2: the bytes an even split of its parameters would give each rank (no padding, no uneven rows).
+    even_bytes: "int | None" = None
+    #: The rank's share of the model's parameters (and of the trainable ones), in elements: each DTensor
+    #: parameter counts its global size over the number of shards its placements make (FSDP, HSDP's shard
+    #: dimension, tensor parallelism), any other parameter whole. None when no parameter is a DTensor.
+    params_per_rank: "int | None" = None
+    trainable_per_rank: "int | None" = None
+    #: Into how many shards every parameter is cut, when that is the same for all (FSDP: the world size;
+    #: HSDP: its shard dimension); None when it differs or no parameter is a DTensor.
+    shards: "int | None" = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RankInfo":
+        data = mapping(data, "the rank record")
+        view = data.get("bucket_view")
+        if view is not None and not isinstance(view, bool):
+            raise corrupt(f"bucket_view must be true, false or null, got {view!r}")
+        sizes = {k: optional_count(data.get(k), k.replace("_", " "))
+                 for k in ("sharded_bytes", "padding_bytes", "unsharded_bytes", "even_bytes", "params_per_rank",
+                           "trainable_per_rank", "shards")}
+        rank, world = count(data["rank"], "a rank"), count(data["world_size"], "a world size")
+        if not 1 <= world <= MAX_WORLD:
+            raise corrupt(f"a world size must be between 1 and {MAX_WORLD:,} ranks, got {world}")
+        if rank >= world:
+            raise corrupt(f"rank {rank} does not exist in a world of {world}")
+        return cls(rank=rank, world_size=world, backend=optional_text(data.get("backend"), "backend"),
+                   layout=optional_text(data.get("layout"), "layout"), bucket_view=view, **sizes)
+
+
+@dataclass(frozen=True)
+class GenerationFacts:
+    """What the cache formulas need of a run that decoded with a cache (schema 5).
+
+    The model's shape (from its transformers-style ``config``: layers, key/value heads, head dimension,
+    a sliding window if any; ``None`` where it has no such config) and its cache per layer (``cache``),
+    the element size of its keys and values and the batch as the run had them, and the tokens in the
+    cache after each prefill and decode phase, as ``(step, phase, occurrence, tokens)``.
+    """
+
+    layers: "int | None" = None
+    kv_heads: "int | None" = None
+    head_dim: "int | None" = None
+    sliding_window: "int | None" = None
+    itemsize: "int | None" = None
+    batch: "int | None" = None
+    tokens: tuple[tuple[int, str, int, int], ...] = ()
+    #: The model's cache per layer (``memprof.anatomy.CacheSpec.to_dict()``, from its config, kept as
+    #: (name, value) pairs: ``dict(cache)``); None when memprof could not read one (older files: the
+    #: fields above describe a uniform attention cache).
+    cache: "tuple[tuple[str, Any], ...] | None" = None
+    #: The encoder's tokens of an encoder-decoder model; the length a static cache was allocated at.
+    encoder_tokens: "int | None" = None
+    max_cache_len: "int | None" = None
+    #: The cache at each prefill and decode phase's peak and end (older files: none).
+    moments: tuple[CacheMoment, ...] = ()
+
+    def tokens_at(self, step: int, phase: str, occurrence: int) -> "int | None":
+        """Tokens in the cache at the end of that phase; after the last per-token decode phase, its count."""
+        for s, p, o, n in self.tokens:
+            if (s, p, o) == (step, phase, occurrence):
+                return n
+        return None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, Mapping):  # given as CacheSpec.to_dict() gives it
+            object.__setattr__(self, "cache", frozen_spec(self.cache))
+
+    def moment(self, step: int, phase: str, occurrence: int, moment: str) -> "CacheMoment | None":
+        """The cache's record at the ``"peak"`` or ``"end"`` of that phase, if the run made one."""
+        return next((m for m in self.moments if m.key() == (step, phase, occurrence, moment)), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "sliding_window": self.sliding_window, "itemsize": self.itemsize, "batch": self.batch,
+                "tokens": [list(t) for t in self.tokens],
+                "cache": None if self.cache is None else {k: list(v) if isinstance(v, tuple) else v
+                                                          for k, v in self.cache},
+                "encoder_tokens": self.encoder_tokens,
+                "max_cache_len": self.max_cache_len, "moments": [m.to_list() for m in self.moments]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "GenerationFacts":
+        data = mapping(data, "the generation record")
+        return cls(*(optional_count(data.get(k), k) for k in
+                     ("layers", "kv_heads", "head_dim", "sliding_window", "itemsize", "batch")),
+                   tokens=tuple((count(s, "a step"), text(p, "a phase"), count(o, "an occurrence"),
+                                 count(n, "a token count"))
+                                for s, p, o, n in (seq(t, "a token count", 4)
+                                                   for t in seq(data.get("tokens", ()), "tokens"))),
+                   cache=frozen_spec(spec_data(data.get("cache"))),
+                   encoder_tokens=optional_count(data.get("encoder_tokens"), "encoder_tokens"),
+                   max_cache_len=optional_count(data.get("max_cache_len"), "max_cache_len"),
+                   moments=tuple(CacheMoment.from_list(m) for m in seq(data.get("moments", ()), "moments")))

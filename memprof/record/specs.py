@@ -1,0 +1,233 @@
+"""What formulas need to know about a run, recorded with it: module calls and optimizers.
+
+The collector records facts, never a formula's result: each module call of
+the first grad-enabled forward (its classes, plain configuration, parameters'
+``requires_grad`` and tensor shapes) and each optimizer (class, groups,
+parameter shapes). :mod:`memprof.anatomy.predict` applies the formulas to
+these records, so a saved trace can be predicted again by a newer memprof.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .checks import corrupt, count, flag, mapping, seq, text
+
+__all__ = ["TensorSpec", "ModuleCall", "ParamSpec", "OptimizerSpec", "plain_config", "itemsize"]
+
+# Bytes per element of the dtypes a record can name (torch's names without "torch.").
+_ITEMSIZE = {
+    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2, "complex32": 4, "int32": 4,
+    "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
+}
+
+
+#: torch's limit on a tensor's bytes (and elements): an int64 byte count.
+_TORCH_MAX_BYTES = 2**63 - 1
+
+
+def _dtype(value: Any) -> str:
+    """A dtype's name from a file: one this table or torch knows (formulas make meta tensors of it)."""
+    name = text(value, "a dtype")
+    if name not in _ITEMSIZE:
+        import torch  # a newer torch's dtype, or none: only torch can tell
+
+        if not isinstance(getattr(torch, name, None) if name.isidentifier() else None, torch.dtype):
+            raise corrupt(f"{name[:40]!r} is not a dtype torch knows")
+    return name
+
+
+def _shape(value: Any, dtype: str) -> tuple[int, ...]:
+    """A tensor's shape from a file: one torch can hold, as the formulas make a meta tensor of it."""
+    shape = tuple(count(n, "a dimension") for n in seq(value, "a shape"))
+    size = itemsize(dtype)
+    for n in shape:
+        size *= n
+    if size > _TORCH_MAX_BYTES:
+        raise corrupt(f"a tensor of shape {list(shape)[:8]} and dtype {dtype} is larger than torch can hold")
+    return shape
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as a record names it (``"bfloat16"``)."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        import torch  # a dtype this table does not know (a newer torch's): ask torch
+
+        size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return size
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor: enough to size it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, t: Any) -> "TensorSpec":
+        return cls(tuple(int(n) for n in t.shape), str(t.dtype).replace("torch.", ""))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+    def to_dict(self) -> list[Any]:
+        return [list(self.shape), self.dtype]
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "TensorSpec":
+        shape, dtype = seq(data, "a tensor's shape and dtype", 2)
+        dtype = _dtype(dtype)
+        return cls(_shape(shape, dtype), dtype)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A module's or an optimizer group's configuration: its public attributes whose values are plain
+    (numbers, strings, None, and tuples of those), sorted by name. Tensors, submodules and callables
+    are left out; a tensor-valued setting is recorded as a float with its key prefixed ``"tensor:"``."""
+    out = []
+    for key, value in attrs.items():
+        if not isinstance(key, str) or key.startswith("_") or key == "params":
+            continue
+        if isinstance(value, _PLAIN):
+            out.append((key, value))
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
+            out.append((key, tuple(value)))
+        elif type(value).__name__ == "Tensor" and getattr(value, "numel", lambda: 0)() == 1:
+            out.append((f"tensor:{key}", float(value.item())))
+    return tuple(sorted(out))
+
+
+def _config(items: Any) -> tuple[tuple[str, Any], ...]:
+    """Plain settings from a file: (name, value) pairs whose values are numbers, strings, null or lists
+    of them (strings read as :func:`~memprof.record.checks.text` reads them)."""
+    out = []
+    for key, value in (seq(item, "a setting", 2) for item in seq(items, "settings")):
+        key = text(key, "a setting's name")
+        if isinstance(value, (list, tuple)):
+            value = tuple(_setting(key, v) for v in value)
+        else:
+            value = _setting(key, value)
+        out.append((key, value))
+    return tuple(out)
+
+
+def _setting(key: str, value: Any) -> Any:
+    if not isinstance(value, _PLAIN):
+        raise corrupt(f"setting {key[:40]!r} must be a number, string, null or a list of them")
+    return text(value, f"setting {key[:40]!r}") if isinstance(value, str) else value
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One module call of the first grad-enabled forward: what the per-module formula needs.
+
+    ``classes`` are the module's class and its bases as ``module.QualName``
+    (rules registered for a base class apply), ``config`` its plain attributes
+    (``training``, ``p``, ``normalized_shape`` ...), ``params`` its own
+    parameters with whether each needs a gradient, ``grad`` whether autograd
+    recorded the call (an input or a parameter needed a gradient).
+    """
+
+    path: str
+    classes: tuple[str, ...]
+    config: tuple[tuple[str, Any], ...]
+    params: tuple[tuple[str, bool], ...]
+    inputs: tuple[TensorSpec, ...]
+    output: "TensorSpec | None"
+    grad: bool
+    leaf: bool
+    #: The call ran inside torch.utils.checkpoint (non-reentrant): it keeps nothing for backward in
+    #: forward, and is recomputed in backward (schema 4; False in older files).
+    checkpointed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "classes": list(self.classes), "config": [[k, v] for k, v in self.config],
+                "params": [list(p) for p in self.params], "inputs": [t.to_dict() for t in self.inputs],
+                "output": self.output.to_dict() if self.output is not None else None, "grad": self.grad,
+                "leaf": self.leaf, "checkpointed": self.checkpointed}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModuleCall":
+        data = mapping(data, "a module call")
+        return cls(
+            path=text(data["path"], "a module call's path"),
+            classes=tuple(text(c, "a class name") for c in seq(data["classes"], "a module call's classes")),
+            config=_config(data.get("config", ())),
+            params=tuple((text(n, "a parameter name"), flag(g, "requires_grad"))
+                         for n, g in (seq(p, "a parameter", 2) for p in seq(data.get("params", ()), "parameters"))),
+            inputs=tuple(TensorSpec.from_dict(t) for t in seq(data.get("inputs", ()), "a module call's inputs")),
+            output=TensorSpec.from_dict(data["output"]) if data.get("output") is not None else None,
+            grad=flag(data.get("grad", False), "a module call's grad"),
+            leaf=flag(data.get("leaf", True), "a module call's leaf"),
+            checkpointed=flag(data.get("checkpointed", False), "a module call's checkpointed"),
+        )
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """An optimizer's parameter as its formulas see it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    requires_grad: bool
+    #: A plain tensor or Parameter (torch's foreach default treats subclasses apart).
+    plain: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype, "device": self.device,
+                "requires_grad": self.requires_grad, "plain": self.plain}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ParamSpec":
+        data = mapping(data, "an optimizer's parameter")
+        dtype = _dtype(data["dtype"])
+        return cls(_shape(data["shape"], dtype), dtype, text(data["device"], "a device"),
+                   flag(data["requires_grad"], "requires_grad"), flag(data.get("plain", True), "plain"))
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer as its formulas see it: class, parameter groups (plain settings, which parameters,
+    the implementation torch chose for the group) and parameters."""
+
+    classes: tuple[str, ...]
+    groups: tuple[tuple[tuple[tuple[str, Any], ...], tuple[int, ...], str], ...]
+    params: tuple[ParamSpec, ...]
+    #: Plain attributes of ``optimizer.args`` (bitsandbytes keeps min_8bit_size there), if it has one.
+    args: tuple[tuple[str, Any], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"classes": list(self.classes),
+                "groups": [{"config": [[k, v] for k, v in cfg], "params": list(idx), "implementation": impl}
+                           for cfg, idx, impl in self.groups],
+                "params": [p.to_dict() for p in self.params], "args": [[k, v] for k, v in self.args]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OptimizerSpec":
+        data = mapping(data, "an optimizer")
+        params = tuple(ParamSpec.from_dict(p) for p in seq(data["params"], "an optimizer's parameters"))
+        groups = []
+        for g in seq(data["groups"], "an optimizer's groups"):
+            g = mapping(g, "a parameter group")
+            idx = tuple(count(i, "a parameter index") for i in seq(g["params"], "a group's parameters"))
+            if any(i >= len(params) for i in idx):
+                raise corrupt("an optimizer group names a parameter the record does not hold")
+            groups.append((_config(g.get("config", ())), idx, text(g["implementation"], "an implementation")))
+        return cls(tuple(text(c, "a class name") for c in seq(data["classes"], "an optimizer's classes")),
+                   tuple(groups), params, _config(data.get("args", ())))

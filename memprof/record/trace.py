@@ -1,0 +1,353 @@
+"""The frozen record in the middle: everything measured, nothing live.
+
+A :class:`Trace` holds plain ints and strings only. It is what every
+renderer, the reconciler and the pytest budgets read; none of them reach
+back into hooks. ``Trace.to_dict()`` / ``Trace.from_dict()`` round-trip
+exactly, which is how reports are saved, loaded and diffed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..vocabulary import Category, Phase
+from .checks import corrupt, count, member, optional_count, optional_text, pairs, seq, text
+from ..errors import TraceFormatError
+from .stats import PhaseStats
+from .parts import (Breakdown, DeviceInfo, GenerationFacts, ModelFacts, ModuleRecord, OomRecord,
+                      OperationRecord, PhaseRecord, RankInfo, Sample, StepRecord)
+from .specs import ModuleCall, OptimizerSpec
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Breakdown",
+    "PhaseRecord",
+    "StepRecord",
+    "ModuleRecord",
+    "Sample",
+    "OomRecord",
+    "DeviceInfo",
+    "ModelFacts",
+    "OperationRecord",
+    "Trace",
+    "as_trace",
+    "parent_path",
+    "parse_moment",
+    "PHASE_MOMENTS",
+    "BUDGET_MOMENTS",
+    "RECONCILE_MOMENTS",
+]
+
+#: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
+SCHEMA_VERSION = 5
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Everything one profiling session measured. Immutable; save it with :meth:`to_dict`.
+
+    ``peak`` is the composition at the highest total over the whole session,
+    ``start`` when profiling began and ``end`` when it ended. ``notes`` are
+    sentences a reader must see (what was not measured, what degraded).
+    ``error`` names the exception that ended the profiled body, if any.
+    """
+
+    mode: str
+    device: DeviceInfo
+    torch_version: str
+    memprof_version: str
+    start: Breakdown
+    peak: Breakdown
+    end: Breakdown
+    peak_step: "int | None"
+    peak_phase: "Phase | None"
+    peak_module: "str | None"
+    steps: tuple[StepRecord, ...]
+    modules: tuple[ModuleRecord, ...]
+    timeline: tuple[Sample, ...] = ()
+    notes: tuple[str, ...] = ()
+    error: "str | None" = None
+    live_at_error: "Breakdown | None" = None
+    live_modules_at_error: tuple[tuple[str, int], ...] = ()
+    optimizer: "str | None" = None
+    optimizer_implementation: "str | None" = None
+    param_dtypes: tuple[str, ...] = ()
+    autocast_dtype: "str | None" = None
+    peak_tags: tuple[tuple[str, int], ...] = ()
+    facts: ModelFacts = field(default_factory=ModelFacts)
+    #: Per-op records when profiled with operations=True; None when not recorded.
+    operations: "tuple[OperationRecord, ...] | None" = None
+    #: The first grad-enabled forward's module calls, for the per-module formula (schema 2 and later).
+    module_calls: tuple[ModuleCall, ...] = ()
+    #: The optimizers that stepped the model, for the optimizer formulas (schema 2 and later).
+    optimizers: tuple[OptimizerSpec, ...] = ()
+    #: Steps the run had; ``steps`` holds those kept in full (schema 3 and later; older files kept all).
+    num_steps: "int | None" = None
+    #: Every recorded step's phases summarised per (phase, occurrence), kept in full or not (schema 3).
+    phase_stats: tuple[PhaseStats, ...] = ()
+    #: The schedule that chose the steps to record (``memprof.schedule(...)`` in words), if one did.
+    schedule: "str | None" = None
+    #: With a schedule: the (first, last) step of each stretch of recorded steps.
+    recorded_steps: tuple[tuple[int, int], ...] = ()
+    #: The out-of-memory error that ended the run, if one did (schema 4).
+    oom: "OomRecord | None" = None
+    #: At an error: each live storage memprof knew, as (address, bytes, category, module path or ""),
+    #: largest first, at most 100,000 (schema 4). What attributes a memory_viz snapshot's blocks.
+    live_storages_at_error: tuple[tuple[int, int, str, str], ...] = ()
+    #: A run that decoded with a KV cache: what the cache formula needs (schema 5).
+    generation: "GenerationFacts | None" = None
+    #: The rank of a torch.distributed job the run was (schema 5); None outside a process group.
+    distributed: "RankInfo | None" = None
+    schema_version: int = field(default=SCHEMA_VERSION)
+
+    def __post_init__(self) -> None:
+        if self.num_steps is None:
+            object.__setattr__(self, "num_steps", len(self.steps))
+
+    @property
+    def phases(self) -> tuple[PhaseRecord, ...]:
+        return tuple(p for s in self.steps for p in s.phases)
+
+    def peak_record(self) -> "PhaseRecord | None":
+        """The kept phase that holds the run's peak: of the phases of the peak's step and kind, the one
+        with the highest peak (the first of equals, where the total first reached it). None when that
+        step is not kept in full."""
+        best = None
+        for p in self.phases:
+            if p.step == self.peak_step and p.phase is self.peak_phase and (
+                    best is None or sum(p.peak.measured().values()) > sum(best.peak.measured().values())):
+                best = p
+        return best
+
+    def peak_phase_label(self) -> "str | None":
+        """The peak's phase as the phase tables name it: ``backward``, or ``backward #1`` for the second
+        backward of its step (gradient accumulation's second micro-batch)."""
+        if self.peak_phase is None:
+            return None
+        rec = self.peak_record()
+        return self.peak_phase.value + (f" #{rec.occurrence}" if rec is not None and rec.occurrence else "")
+
+    def peak_location(self) -> list[str]:
+        """Where the peak was, in words: step, phase and module as the tables name them (for headings:
+        ``["step 1", "backward #1", "in 1 (ReLU)"]``)."""
+        where = []
+        if self.peak.total is None:
+            where.append("categories at the highest measured level")
+        if self.peak_step is not None:
+            where.append(f"step {self.peak_step}")
+        label = self.peak_phase_label()
+        if label is not None:
+            where.append(label)
+        if self.peak_module:
+            kind = next((m.type for m in self.modules if m.path == self.peak_module), None)
+            where.append(f"in {self.peak_module}" + (f" ({kind})" if kind else ""))
+        return where
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "memprof.trace",
+            "schema_version": self.schema_version,
+            "mode": self.mode,
+            "device": self.device.to_dict(),
+            "torch_version": self.torch_version,
+            "memprof_version": self.memprof_version,
+            "start": self.start.to_dict(),
+            "peak": self.peak.to_dict(),
+            "end": self.end.to_dict(),
+            "peak_step": self.peak_step,
+            "peak_phase": self.peak_phase.value if self.peak_phase is not None else None,
+            "peak_module": self.peak_module,
+            "steps": [s.to_dict() for s in self.steps],
+            "modules": [m.to_dict() for m in self.modules],
+            "timeline": [s.to_dict() for s in self.timeline],
+            "notes": list(self.notes),
+            "error": self.error,
+            "live_at_error": self.live_at_error.to_dict() if self.live_at_error is not None else None,
+            "live_modules_at_error": [list(x) for x in self.live_modules_at_error],
+            "optimizer": self.optimizer,
+            "optimizer_implementation": self.optimizer_implementation,
+            "param_dtypes": list(self.param_dtypes),
+            "autocast_dtype": self.autocast_dtype,
+            "peak_tags": [list(t) for t in self.peak_tags],
+            "facts": self.facts.to_dict(),
+            "operations": [o.to_dict() for o in self.operations] if self.operations is not None else None,
+            "module_calls": [c.to_dict() for c in self.module_calls],
+            "optimizers": [o.to_dict() for o in self.optimizers],
+            "num_steps": self.num_steps,
+            "phase_stats": [p.to_dict() for p in self.phase_stats],
+            "schedule": self.schedule,
+            "recorded_steps": [list(r) for r in self.recorded_steps],
+            "oom": self.oom.to_dict() if self.oom is not None else None,
+            "live_storages_at_error": [list(s) for s in self.live_storages_at_error],
+            "generation": self.generation.to_dict() if self.generation is not None else None,
+            "distributed": self.distributed.to_dict() if self.distributed is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Trace":
+        if not isinstance(data, Mapping) or data.get("format") != "memprof.trace":
+            raise TraceFormatError(
+                "this is not a memprof trace (no 'format': 'memprof.trace' key); "
+                "save one with report.save(path)"
+            )
+        version = data.get("schema_version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise TraceFormatError(
+                f"corrupt memprof trace: schema_version {version!r} is not a positive int; "
+                "re-create it with report.save(path)"
+            )
+        if version > SCHEMA_VERSION:
+            raise TraceFormatError(
+                f"trace schema version {version!r} is newer than this memprof understands "
+                f"({SCHEMA_VERSION}); upgrade torch-memprof to read it"
+            )
+        try:
+            trace = cls(
+                mode=_mode(data["mode"]),
+                device=DeviceInfo.from_dict(data["device"]),
+                torch_version=text(data["torch_version"], "torch_version"),
+                memprof_version=text(data["memprof_version"], "memprof_version"),
+                start=Breakdown.from_dict(data["start"]),
+                peak=Breakdown.from_dict(data["peak"]),
+                end=Breakdown.from_dict(data["end"]),
+                peak_step=_peak_step(data),
+                peak_phase=_optional(data, "peak_phase", lambda v: member(v, Phase, "peak_phase")),
+                peak_module=optional_text(data.get("peak_module"), "peak_module"),
+                steps=_steps(data["steps"]),
+                modules=tuple(ModuleRecord.from_dict(m) for m in seq(data["modules"], "modules")),
+                timeline=tuple(Sample.from_dict(s) for s in _list(data, "timeline")),
+                notes=tuple(text(n, "a note") for n in _list(data, "notes")),
+                error=optional_text(data.get("error"), "error"),
+                live_at_error=_optional(data, "live_at_error", Breakdown.from_dict),
+                live_modules_at_error=tuple((text(a, "a module path"), count(b, "a module's bytes"))
+                                            for a, b in _rows(data, "live_modules_at_error", 2)),
+                optimizer=optional_text(data.get("optimizer"), "optimizer"),
+                optimizer_implementation=optional_text(data.get("optimizer_implementation"),
+                                                        "optimizer_implementation"),
+                param_dtypes=tuple(text(d, "a dtype") for d in _list(data, "param_dtypes")),
+                autocast_dtype=optional_text(data.get("autocast_dtype"), "autocast_dtype"),
+                peak_tags=pairs(data.get("peak_tags", ()), "peak_tags"),
+                facts=ModelFacts.from_dict(data.get("facts", {})),
+                operations=tuple(OperationRecord.from_dict(o) for o in seq(data["operations"], "operations"))
+                if data.get("operations") is not None else None,
+                module_calls=tuple(ModuleCall.from_dict(c) for c in _list(data, "module_calls")),
+                optimizers=tuple(OptimizerSpec.from_dict(o) for o in _list(data, "optimizers")),
+                num_steps=optional_count(data.get("num_steps"), "num_steps"),
+                phase_stats=tuple(PhaseStats.from_dict(p) for p in _list(data, "phase_stats")),
+                schedule=optional_text(data.get("schedule"), "schedule"),
+                recorded_steps=tuple(_span(a, b) for a, b in _rows(data, "recorded_steps", 2)),
+                oom=_optional(data, "oom", OomRecord.from_dict),
+                live_storages_at_error=tuple(
+                    (count(a, "a storage's address"), count(n, "a storage's bytes"),
+                     member(c, Category, "a storage's category").value, text(m, "a storage's module"))
+                    for a, n, c, m in _rows(data, "live_storages_at_error", 4)),
+                generation=_optional(data, "generation", GenerationFacts.from_dict),
+                distributed=_optional(data, "distributed", RankInfo.from_dict),
+                schema_version=version,
+            )
+        except TraceFormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise corrupt(repr(exc)) from None
+        _consistent(trace, stated_steps=data.get("num_steps") is not None)
+        return trace
+
+
+def _mode(value: Any) -> str:
+    if value not in ("full", "light"):
+        raise corrupt(f"mode must be 'full' or 'light', got {text(value, 'mode')[:20]!r}")
+    return value
+
+
+def _optional(data: Mapping[str, Any], key: str, read: Any) -> Any:
+    """An optional part of a trace: absent or null is None; anything else is read, so a 0, "" or [] in
+    its place is refused rather than taken for "none"."""
+    value = data.get(key)
+    return None if value is None else read(value)
+
+
+def _list(data: Mapping[str, Any], key: str) -> Any:
+    """An optional list of a trace (absent in older files: empty)."""
+    return seq(data.get(key, ()), key)
+
+
+def _rows(data: Mapping[str, Any], key: str, width: int) -> Any:
+    """An optional list of fixed-width rows, each checked to be a list of ``width`` values."""
+    return (seq(row, f"an entry of {key}", width) for row in _list(data, key))
+
+
+def _span(first: Any, last: Any) -> tuple[int, int]:
+    a, b = count(first, "a recorded step"), count(last, "a recorded step")
+    if a > b:
+        raise corrupt(f"a stretch of recorded steps ends ({b}) before it starts ({a})")
+    return a, b
+
+
+def _steps(items: Any) -> tuple[StepRecord, ...]:
+    """The steps kept in full, in the order they ran (each index once)."""
+    steps = tuple(StepRecord.from_dict(s) for s in seq(items, "steps"))
+    for a, b in zip(steps, steps[1:]):
+        if b.index <= a.index:
+            raise corrupt(f"step {b.index} is recorded after step {a.index}")
+    return steps
+
+
+def _consistent(t: "Trace", *, stated_steps: bool) -> None:
+    """What ties a trace's parts together: its steps are among those that ran (where the file says how
+    many ran: schema 3 and later), and its peak is the highest total of the run (its start and end are
+    moments of the run too)."""
+    if stated_steps and t.steps and t.num_steps is not None and t.steps[-1].index >= t.num_steps:
+        raise corrupt(f"step {t.steps[-1].index} is recorded but the run had {t.num_steps} steps")
+    if t.peak.total is not None:
+        higher = [b.total for b in (t.start, t.end) if b.total is not None and b.total > t.peak.total]
+        if higher:
+            raise corrupt(f"the run's peak ({t.peak.total} bytes) is below its start or end ({max(higher)})")
+
+
+def _peak_step(data: Mapping[str, Any]) -> "int | None":
+    step = optional_count(data.get("peak_step"), "peak_step")
+    indices = [s.get("index") for s in data.get("steps", ()) if isinstance(s, Mapping)]
+    if step is not None and indices and all(isinstance(i, int) for i in indices) and step > max(indices):
+        raise corrupt(f"peak_step {step} is after the last step recorded ({max(indices)})")
+    return step
+
+
+# -- moments: one vocabulary for "at which instant", the ``at=`` of every API -----------------------
+
+#: A phase's (or the run's) highest total, its first and its last moment.
+PEAK, START, END = "peak", "start", "end"
+#: The end of the last optimizer step: every model state exists (reconciliation only).
+STEADY = "steady"
+#: Where each API reads its figures: a phase or the run (Report.at, breakdown_frame, diff), a budget
+#: (check_budget, the memory_budget marker), a reconciliation.
+PHASE_MOMENTS = (PEAK, START, END)
+BUDGET_MOMENTS = (PEAK, END)
+RECONCILE_MOMENTS = (PEAK, STEADY)
+
+
+def parse_moment(value: Any, allowed: tuple[str, ...], name: str = "at") -> str:
+    """``value`` if it is one of ``allowed`` moments; else an InvalidArgumentError that lists them."""
+    from ..errors import InvalidArgumentError
+
+    if isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    natural = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+    raise InvalidArgumentError(f"{name} must be {natural} (one of {', '.join(allowed)}), got {value!r}")
+
+
+def parent_path(path: str) -> str:
+    """The path of a module's parent in the model's tree ("" for the root's children and the root)."""
+    return path.rpartition(".")[0]
+
+
+def as_trace(obj: Any) -> Trace:
+    """The Trace of a Report, or the Trace itself; anything else is refused with a clear error."""
+    from ..errors import InvalidArgumentError
+
+    trace = getattr(obj, "trace", obj)
+    if not isinstance(trace, Trace):
+        raise InvalidArgumentError(
+            f"expected a memprof Report or Trace, got {type(obj).__name__}; use prof.report() or memprof.load(path)"
+        )
+    return trace

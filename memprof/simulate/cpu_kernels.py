@@ -1,0 +1,273 @@
+"""Kernels as a CPU runs them, for simulations that target the CPU on fake tensors.
+
+A simulation for a CPU target runs every op on fake CPU tensors, whose kernels are torch's meta kernels:
+each output gets a storage of exactly its shape. A few CPU kernels return outputs whose storage is not
+their shape's, and memprof's exact mode counts storages: ``F.mse_loss`` with a reduction computes the
+elementwise losses into a buffer, reduces it in place and returns the 0-dim loss *on that buffer*, so
+the loss holds ``numel * itemsize`` bytes (131,072 B for a 4 x 64 x 128 fp32 input) where its shape says
+4. :class:`CpuKernels`, a dispatch mode beneath memprof's profiler, gives each such output the storage
+the CPU kernel gives it, computed from the op's arguments, before the profiler counts it.
+
+Which ops: ``benchmarks/cpu_kernel_sweep.py`` runs every sample of torch's operator database
+(``op_db``) on real and on fake CPU tensors, without gradients and forward and backward with them, and
+compares the storage of every output; the ops in :data:`RULES` are the ones that differ (torch 2.13):
+in bytes, or in layout where the layout makes a later op copy on one side only (``max_unpool2d``). The
+sweep checks each rule against the real kernel. None depends on tensor values: each is exact.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CpuKernels", "RULES", "SWEPT_OPINFOS", "MIXED_OPINFOS"]
+
+_aten = torch.ops.aten
+# at::Reduction (aten/src/ATen/core/Reduction.h): 0 none, 1 mean, 2 sum.
+_NONE, _MEAN = 0, 1
+# EmbeddingBag modes (aten/src/ATen/native/EmbeddingBag.cpp): 0 sum, 1 mean, 2 max.
+_SUM, _MAX = 0, 2
+
+#: A rule: the op's arguments and its fake outputs -> for each output, the storage bytes it has on a real
+#: CPU (an int, never less than the fake storage's), a tensor to return in its place (where the CPU kernel
+#: returns another shape or layout), or ``None``: as the fake kernel made it.
+Rule = Callable[[tuple, dict, tuple], tuple]
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _reduced_loss(reduction_at: int, input_dtype: bool = False) -> Rule:
+    """The rule of an elementwise loss whose ``reduction`` is its argument number ``reduction_at``.
+
+    ``mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss`` and ``binary_cross_entropy`` with a reduction:
+    the CPU kernel writes the elementwise losses into a buffer of the broadcast shape, reduces it, and
+    resizes that buffer to the 0-dim result (``resize_`` keeps the storage), so the loss holds the whole
+    buffer; an empty input still leaves one element. The buffer is in the promoted dtype of input and
+    target, or with ``input_dtype`` in the input's (``soft_margin_loss`` and ``binary_cross_entropy`` make
+    it ``like`` the input; for a bf16 input and an fp32 target the meta kernel promotes)."""
+
+    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+        out = outs[0]
+        dtype = args[0].dtype if input_dtype else out.dtype
+        if _arg(args, kwargs, reduction_at, "reduction", _MEAN) == _NONE:
+            return (None,) if dtype == out.dtype else (torch.empty_like(out, dtype=dtype),)
+        nbytes = max(torch.broadcast_shapes(args[0].shape, args[1].shape).numel(), 1) * dtype.itemsize
+        if dtype == out.dtype:
+            return (nbytes,)
+        loss = torch.empty_like(out, dtype=dtype)
+        loss.untyped_storage().resize_(nbytes)
+        return (loss,)
+
+    return rule
+
+
+def _in_dtype_of(at: int, output: int = 0) -> Rule:
+    """The rule of an op whose CPU kernel makes output ``output`` like its argument ``at`` (``empty_like`` or
+    ``zeros_like``), in that argument's dtype, where the meta kernel promotes a 16-bit argument with an fp32
+    one: ``huber_loss`` (its reduced result too), ``normal(mean, std)``, and the losses' backwards, whose
+    input gradient the CPU returns in the input's dtype and the meta kernel in fp32 (autograd then casts)."""
+
+    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+        got, like = outs[output], args[at]
+        fixed: list[Any] = [None] * len(outs)
+        if isinstance(got, torch.Tensor) and got.dtype != like.dtype:
+            fixed[output] = torch.empty_like(got, dtype=like.dtype)
+        return tuple(fixed)
+
+    return rule
+
+
+def _keeps_input_storage(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    """``im2col`` and ``col2im`` (``F.unfold``, ``F.fold`` and their backwards): the CPU kernel makes its
+    output with ``empty_like(input)`` and resizes it to the output shape, which grows the storage but
+    never shrinks it."""
+    out = outs[0]
+    return (max(args[0].numel(), out.numel()) * out.element_size(),)
+
+
+def _embedding_bag(forward_only: bool) -> Rule:
+    """The rule of ``_embedding_bag`` (``forward_only=False``) or ``_embedding_bag_forward_only``.
+
+    ``_embedding_bag`` and ``_embedding_bag_forward_only`` (``F.embedding_bag``, ``nn.EmbeddingBag``),
+    whose index outputs the CPU kernel sizes by resizing (aten/src/ATen/native/EmbeddingBag.cpp):
+
+    * ``offset2bag`` is computed at one element more than it keeps (``n + 1``, then resized to ``n``),
+      except on the fast path of mode sum, where it is left empty: the fast path takes fp32, fp16 and bf16
+      weights (the meta kernel leaves bf16 out);
+    * ``bag_size`` is made at the length of ``offsets`` and resized to the number of bags (one less with
+      ``include_last_offset``); without gradients in mode sum it keeps that length;
+    * ``max_indices`` is made at ``bag_size``'s length, and resized to bags x embedding dim in mode max.
+
+    The index dtype is that of ``indices`` and ``offsets`` promoted together."""
+
+    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+        weight, indices, offsets = args[0], args[1], args[2]
+        mode = _arg(args, kwargs, 4, "mode", _SUM)
+        per_sample = _arg(args, kwargs, 6, "per_sample_weights", None)
+        last = _arg(args, kwargs, 7, "include_last_offset", False)
+        padding_idx = _arg(args, kwargs, 8, "padding_idx", -1)
+        item = torch.promote_types(indices.dtype, offsets.dtype).itemsize
+        fast = (weight.dtype in (torch.float32, torch.float16, torch.bfloat16) and weight.stride(1) == 1
+                and outs[0].stride(1) == 1 and padding_idx < 0
+                and (per_sample is None or per_sample.stride(0) == 1))
+        # The real kernel returns offset2bag empty on the fast path: so does the simulation.
+        offset2bag = outs[1].new_empty((0,)) if mode == _SUM and fast else (indices.size(0) + 1) * item
+        bags = offsets.size(0) - (1 if last else 0)
+        kept = offsets.size(0) if forward_only and mode == _SUM else bags  # bag_size's final length
+        max_indices = max(kept, bags * weight.size(1)) if mode == _MAX else kept
+        return (None, offset2bag, offsets.size(0) * item, max_indices * item)
+
+    return rule
+
+
+def _sparse_mm_reduce(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    """``_sparse_mm_reduce_impl`` (``torch.sparse.mm(a, b, reduce)``): for ``amax`` and ``amin``, when a
+    gradient will be asked for, the CPU kernel returns the int64 arg indices at the output's shape, where
+    the meta kernel returns them empty."""
+    reduce = _arg(args, kwargs, 2, "reduce", "sum")
+    if reduce not in ("amax", "amin") or not (torch.is_grad_enabled() and (args[0].requires_grad
+                                                                          or args[1].requires_grad)):
+        return (None, None)
+    return (None, outs[0].numel() * torch.int64.itemsize)
+
+
+def _max_unpool2d(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    """``max_unpool2d``: the CPU kernel lays its output out in the input's memory format (channels-last in,
+    channels-last out), the meta kernel always contiguously; a later ``reshape`` or ``contiguous`` then
+    copies in one and not in the other."""
+    # torch's Python twin of Tensor::suggest_memory_format (c10/core/TensorImpl.h), which the kernel asks.
+    from torch._prims_common import suggest_memory_format
+
+    fmt = suggest_memory_format(args[0])
+    if fmt == torch.contiguous_format or outs[0].is_contiguous(memory_format=fmt):
+        return (None,)
+    return (torch.empty_like(outs[0], memory_format=fmt),)
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def _mixed_norm(params_at: tuple[int, ...]) -> Rule:
+    """The rule of a normalisation whose parameters (weight, bias, running statistics) are its arguments
+    ``params_at``: with a 16-bit input and fp32 parameters (a "mixed type" to the CPU kernels,
+    aten/src/ATen/native/mixed_type.h; what CPU autocast hands BatchNorm after a bf16 convolution, and a
+    model that keeps its norms in fp32 hands them all) the CPU kernel keeps the statistics it returns
+    (mean and inverse deviation) in fp32, where the meta kernel keeps them in the input's dtype."""
+
+    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+        if args[0].dtype not in _LOW or not any(isinstance(args[i], torch.Tensor) and args[i].dtype == torch.float32
+                                                for i in params_at if i < len(args)):
+            return (None,) * len(outs)
+        stats = tuple(torch.empty_like(t, dtype=torch.float32) if t.dtype in _LOW else None for t in outs[1:])
+        return (None, *stats)
+
+    return rule
+
+
+def _layer_norm_backward(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    """``native_layer_norm_backward``: the CPU kernel returns the weight's and the bias's gradients in their
+    dtypes; with a 16-bit input, fp32 parameters and no rows the meta kernel returns them in the input's
+    dtype, and autograd then adds a cast."""
+    params = (None, args[5], args[6])  # (grad_out, input, normalized_shape, mean, rstd, weight, bias, mask)
+    return tuple(torch.empty_like(g, dtype=p.dtype) if isinstance(g, torch.Tensor) and isinstance(p, torch.Tensor)
+                 and g.dtype != p.dtype else None for g, p in zip(outs, params))
+
+
+#: aten op -> its rule. Found by ``benchmarks/cpu_kernel_sweep.py``; docs/accuracy.md has the table.
+RULES: dict[Any, Rule] = {
+    _aten.mse_loss.default: _reduced_loss(2),  # (self, target, reduction)
+    _aten.smooth_l1_loss.default: _reduced_loss(2),  # (self, target, reduction, beta)
+    _aten.soft_margin_loss.default: _reduced_loss(2, input_dtype=True),  # (self, target, reduction)
+    _aten.binary_cross_entropy.default: _reduced_loss(3, input_dtype=True),  # (self, target, weight, reduction)
+    _aten.huber_loss.default: _in_dtype_of(0),
+    _aten.normal.Tensor_Tensor: _in_dtype_of(0),  # (mean, std)
+    # (grad_output, self, target, ...): the input gradient in the input's dtype
+    _aten.mse_loss_backward.default: _in_dtype_of(1),
+    _aten.smooth_l1_loss_backward.default: _in_dtype_of(1),
+    _aten.soft_margin_loss_backward.default: _in_dtype_of(1),
+    _aten.huber_loss_backward.default: _in_dtype_of(1),
+    _aten.im2col.default: _keeps_input_storage,
+    _aten.col2im.default: _keeps_input_storage,
+    _aten._embedding_bag.default: _embedding_bag(forward_only=False),
+    _aten._embedding_bag_forward_only.default: _embedding_bag(forward_only=True),
+    _aten._sparse_mm_reduce_impl.default: _sparse_mm_reduce,
+    _aten.max_unpool2d.default: _max_unpool2d,
+    # (input, weight, bias, running_mean, running_var, ...), and the variants torch's decompositions call
+    _aten.native_batch_norm.default: _mixed_norm((1, 2, 3, 4)),
+    _aten._native_batch_norm_legit.default: _mixed_norm((1, 2, 3, 4)),
+    _aten._native_batch_norm_legit.no_stats: _mixed_norm((1, 2)),
+    _aten._batch_norm_with_update.default: _mixed_norm((1, 2, 3, 4)),
+    _aten.native_layer_norm.default: _mixed_norm((2, 3)),  # (input, normalized_shape, weight, bias, eps)
+    _aten.native_group_norm.default: _mixed_norm((1, 2)),  # (input, weight, bias, N, C, HxW, group, eps)
+    _aten.native_group_norm_backward.default: _in_dtype_of(1),  # (grad_out, input, mean, rstd, weight, ...)
+    _aten.native_layer_norm_backward.default: _layer_norm_backward,
+}
+
+#: The OpInfos of torch's operator database that reach the ops in :data:`RULES`, in their own dtypes and with
+#: a bf16 input among fp32 parameters (the sweep's ``--mixed``): the sweep over them checks every rule
+#: (tests/integration/test_sim_cpu_kernels.py runs it).
+SWEPT_OPINFOS = ("nn.functional.mse_loss", "nn.functional.smooth_l1_loss", "nn.functional.soft_margin_loss",
+                 "nn.functional.binary_cross_entropy", "nn.functional.unfold", "nn.functional.embedding_bag",
+                 "sparse.mm.reduce", "nn.functional.max_unpool2d")
+MIXED_OPINFOS = ("nn.functional.batch_norm", "nn.functional.group_norm", "nn.functional.layer_norm",
+                 "nn.functional.mse_loss", "nn.functional.soft_margin_loss", "nn.functional.huber_loss")
+
+
+class CpuKernels(TorchDispatchMode):
+    """Give the outputs of the ops in :data:`RULES` the storage a CPU kernel gives them. Entered beneath
+    memprof's profiler (so the profiler counts the corrected storage) and above the fake-tensor mode;
+    :attr:`used` counts the ops it corrected, :attr:`bytes` the bytes it added (or took off) for each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rule = RULES.get(func)
+        if rule is None:
+            return out
+        return self._apply(func, rule, tuple(args), kwargs, out)
+
+    def _apply(self, func: Any, rule: Rule, args: tuple, kwargs: dict, out: Any) -> Any:
+        outs = out if isinstance(out, tuple) else (out,)
+        if any(t is not None and not isinstance(t, FakeTensor) for t in outs):
+            return out  # only data-less tensors are changed: a real tensor's storage would really grow
+        fixed, added = list(outs), 0
+        for i, (t, real) in enumerate(zip(outs, rule(args, kwargs, outs))):
+            if real is None or t is None:  # (an output a backward was not asked for is None)
+                continue
+            have = t.untyped_storage().nbytes()
+            if isinstance(real, torch.Tensor):
+                fixed[i] = real
+                added += real.untyped_storage().nbytes() - have
+            elif real > have:
+                t.untyped_storage().resize_(real)  # the same tensor, on the storage the CPU kernel leaves
+                added += real - have
+        if added or any(a is not b for a, b in zip(fixed, outs)):
+            name = str(func.overloadpacket)
+            self.used[name] += 1
+            self.bytes[name] += added
+        return tuple(fixed) if isinstance(out, tuple) else fixed[0]
+
+    def notes(self) -> list[str]:
+        """What the simulation assumed, in words, for the estimate's notes."""
+        if not self.used:
+            return []
+        from ..units import format_bytes
+
+        def change(name: str) -> str:
+            n = self.bytes[name]
+            return f" ({'+' if n > 0 else '-'}{format_bytes(abs(n))})" if n else " (laid out as the CPU lays it out)"
+
+        parts = ", ".join(f"{name} x{n}{change(name)}" for name, n in sorted(self.used.items()))
+        return [f"CPU kernels whose outputs keep another storage than their shape's fake one, simulated as the "
+                f"CPU runs them: {parts}"]

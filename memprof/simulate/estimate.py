@@ -1,0 +1,524 @@
+"""Simulation: the same training step on meta tensors, through the same trackers.
+
+``memprof.estimate(model, optimizer, inputs=..., loss_fn=...)`` copies the
+model onto the ``meta`` device (no data is copied, so a 7-billion-parameter
+configuration costs no real memory), rebuilds the optimizer on the copy,
+and runs a few steps under :func:`memprof.profile` in full mode. Autograd
+saves exactly what it would save for real and every op output has its real
+size, so saved activations and op-level temporaries are exact for this
+PyTorch version. A CPU target runs on fake CPU tensors, whose kernels and
+autocast are the CPU's, and gives the outputs of the few CPU kernels that keep
+another storage than their shape that storage (:mod:`memprof.simulate.cpu_kernels`);
+a CUDA target runs on meta tensors with CUDA's kernel
+choices (:mod:`memprof.simulate.kernels`) and CUDA's autocast policy
+(:mod:`memprof.simulate.autocast`) applied above them. The user's model, optimizer
+and tensors are never modified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError, MemprofError, SimulationError, UnknownNameError
+from .autocast import CudaAutocast
+from .modes import Rules
+from .ranks import RankLayout, check_parallel
+from ..record.trace import Breakdown, Trace
+
+__all__ = ["Estimate", "estimate"]
+
+_PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Mixed precision: fp32 parameters, the forward under autocast in this dtype ("amp": the older word).
+_MIXED = {"mixed": torch.bfloat16, "amp": torch.bfloat16, "mixed-fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A simulated run: its :class:`~memprof.Trace` and the formula breakdown beside it.
+
+    ``simulated`` is the composition at the simulated peak; ``formula`` is the
+    formula breakdown for the same model and optimizer at that moment (``None``
+    for categories without a formula), the one a reconciliation of the run shows;
+    ``textbook`` the literature's figure beside it; ``notes`` say what the
+    simulation could not reproduce.
+    """
+
+    trace: Trace
+    precision: str
+    device: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def simulated(self) -> Breakdown:
+        return self.trace.peak
+
+    @property
+    def peak_bytes(self) -> int:
+        """Simulated peak bytes (rounded as the target device's allocator rounds)."""
+        assert self.trace.peak.total is not None
+        return self.trace.peak.total
+
+    @property
+    def formula(self) -> Breakdown:
+        """The formula breakdown at the simulated peak: the one ``est.report().reconcile()`` shows there.
+
+        Its regime is read from the simulated run, as the reconciliation reads it: under ``"mixed"``
+        (torch.autocast over fp32 parameters) that is 4 B/param of weights, as torch holds them;
+        :attr:`textbook` gives the figure the literature quotes beside it.
+        """
+        from ..analyse.reconciler import formula_at
+
+        # No precision of its own: `precision` is the user's word for the configuration ("mixed", "amp",
+        # "mixed-fp16" are one regime of bytes), and any choice here could differ from the reconciliation's.
+        return formula_at(self.trace, "peak")
+
+    @property
+    def textbook(self) -> "Any":
+        """The :class:`~memprof.analyse.reconciler.Textbook` at the simulated peak: the literature's model states for
+        this configuration (HF's 18 B/param for mixed-precision AdamW) beside :attr:`formula`, and the named
+        causes of their difference in bytes."""
+        from ..analyse.reconciler import textbook_at
+
+        return textbook_at(self.trace, "peak")
+
+    def report(self) -> "Any":
+        """The :class:`~memprof.Report` of the simulated run."""
+        from ..report import Report
+
+        return Report(self.trace)
+
+    def __str__(self) -> str:
+        from ..render.text import estimate_text
+
+        return estimate_text(self)
+
+
+def estimate(
+    model: nn.Module,
+    optimizer: "torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None" = None,
+    *,
+    inputs: Any,
+    targets: Any = None,
+    loss_fn: "Callable[..., torch.Tensor] | None" = None,
+    precision: "str | None" = None,
+    device: "str | torch.device | None" = None,
+    steps: int = 2,
+    attention: str = "auto",
+    world_size: int = 1,
+    parallel: "str | None" = None,
+) -> Estimate:
+    """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
+
+    ``optimizer`` is an optimizer built on ``model`` (its class and parameter
+    groups are rebuilt on the meta copy), or a factory called with the meta
+    copy's parameters (``lambda params: torch.optim.AdamW(params)``), or
+    ``None``. ``inputs`` is what ``model`` is called with: a tensor, a tuple
+    (unpacked as positional arguments) or a dict (keyword arguments); only
+    shapes and dtypes matter. The loss is ``loss_fn(output, targets)`` (or
+    ``loss_fn(output)`` without targets); without ``loss_fn`` it is the sum of
+    the first output tensor. ``precision`` ``"bf16"``/``"fp16"``/``"fp32"``
+    casts the copy's parameters; by default they keep their dtypes.
+    ``"mixed"`` (``"amp"``) keeps them and runs the forward and the loss
+    under bf16 autocast with the target device's policy, ``"mixed-fp16"``
+    under fp16 autocast with a GradScaler around each step.
+    ``device`` is the device the figures are for: ``"cuda"`` rounds every
+    allocation to 512 bytes as the caching allocator does, and runs attention
+    and dropout as a CUDA device does (the fused attention kernel torch would
+    pick, saving its output and logsumexp rather than the s x s scores; 1-byte
+    dropout masks): :mod:`memprof.simulate.kernels`. ``attention`` forces the
+    kernel on a CUDA target: ``"flash"``, ``"efficient"`` or ``"math"``.
+    ``world_size`` and ``parallel`` (``"ddp"``, ``"fsdp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``) make
+    the figures one rank's of a data-parallel job, in this one process: ``inputs`` is that rank's batch,
+    and the model states and collective buffers are sharded as the layout does (:mod:`memprof.simulate.ranks`).
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
+    world_size, parallel = check_parallel(world_size, parallel)
+    if loss_fn is not None and not callable(loss_fn):
+        raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
+                                   f"{type(loss_fn).__name__}")
+    from ..collect.modules import tensors_in_args
+
+    if not tensors_in_args(inputs, None):
+        raise InvalidArgumentError(
+            f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
+            f"arguments), got {type(inputs).__name__} without a tensor")
+    setup = _Target(model, precision, device, attention)
+    target, notes, meta_model, mapping = setup.target, setup.notes, setup.model, setup.mapping
+    fake_mode, autocast, emulated = setup.fake_mode, setup.autocast, setup.emulated
+    shadow, cast = setup.shadow, setup.cast
+    scaler = _ScalerSteps() if precision == "mixed-fp16" else None
+    meta_opt = _meta_optimizer(optimizer, meta_model, mapping, notes)
+    seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
+    # Floating inputs and targets in the same dtype, as a run at that precision feeds them (integer
+    # token ids and class labels stay as they are).
+    data_maker = shadow if cast is None else _casting(shadow, cast)
+    meta_inputs = _convert(inputs, data_maker, seen)
+    meta_targets = _convert(targets, data_maker, seen)
+    if target.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        notes.append("LSTM/GRU/RNN: on a real CPU, oneDNN's RNN kernel also keeps a workspace for backward that "
+                     "the shape-only kernels do not; their saved activations are underestimated")
+
+    from ..collect.profiler import Profiler
+
+    prof = Profiler(meta_model, meta_opt, mode="full", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
+                    _rounding=512 if target.type == "cuda" else 1)
+    if target.type not in ("cpu", "cuda"):
+        notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
+                     f"runs its math path (saves the s x s scores), where a {target.type} device may not")
+    from .progress import Progress
+
+    step = _Step(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
+    rules = setup.rules()
+    # A very large model takes seconds per simulated step: worth a bar in a terminal.
+    big = sum(p.numel() for p in model.parameters()) >= 1_000_000_000
+    layout = RankLayout(meta_model, meta_opt, world_size, parallel) if parallel is not None else None
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(Progress(steps, "estimate")) if big else None
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
+        stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
+        stack.enter_context(prof)
+        if layout is not None:  # one rank's shards and buffers, played on the run as it goes
+            layout.attach(prof)
+            stack.callback(layout.detach)
+        stack.enter_context(rules)
+        for i in range(steps):
+            if bar is not None:
+                bar.step(f"step {i + 1} of {steps}")
+            try:
+                step.run()
+            except MemprofError:
+                raise
+            except (RuntimeError, NotImplementedError) as exc:  # torch's errors; the model's own pass as they are
+                raise _simulation_error(exc, i) from exc
+    notes.extend(setup.rule_notes())
+    if scaler is not None:
+        notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
+                     "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
+                     "skip on overflow are taken")
+    resolved = precision or _infer_precision(prof.trace)
+    trace = prof.trace
+    if layout is not None:
+        trace = layout.finish(trace)
+        notes.extend(layout.notes())
+    return Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes))
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _meta_maker(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _casting(make: Any, dtype: torch.dtype) -> Any:
+    """``make``, with floating tensors made in ``dtype`` (same shape and strides)."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dtype != dtype:
+            t = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+        return make(t)
+    return cast
+
+
+def _fake_maker(mode: Any) -> Any:
+    def make(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            # Same shape, dtype and strides as the original, on the CPU, with no data.
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return make
+
+
+def _shadow_copy(model: nn.Module, make: Any) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+    # deepcopy with a memo that maps every parameter and buffer to a data-less
+    # twin (meta or fake): structure and tying are kept, no data is copied.
+    memo: dict[int, Any] = {}
+    mapping: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            twin = nn.Parameter(make(p.detach()), requires_grad=p.requires_grad)
+            memo[id(p)] = twin
+            mapping[id(p)] = twin
+    for b in model.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = make(b)
+    try:
+        clone = copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise InvalidArgumentError(
+            f"could not copy {type(model).__name__} without its data ({exc}); build the model under "
+            "'with torch.device(\"meta\"):' and pass that instead"
+        ) from None
+    return clone, mapping
+
+
+def _meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
+                    notes: list[str]) -> "torch.optim.Optimizer | None":
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = []
+        for g in optimizer.param_groups:
+            params = [mapping[id(p)] for p in g["params"] if id(p) in mapping]
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            if hyper.get("fused"):
+                # Fused kernels do not run on meta tensors; their step keeps no temporaries (measured with torch 2.13,
+                # see docs/anatomy.md#measured-optimizer-state-and-step-transients).
+                hyper["fused"] = None
+                notes.append("fused optimizer simulated unfused: its real step keeps no temporaries")
+            groups.append({**hyper, "params": params})
+        try:
+            return type(optimizer)(groups)
+        except Exception as exc:
+            notes.append(f"{type(optimizer).__name__} could not be rebuilt on meta tensors ({exc}); "
+                         "optimizer state is from the formula only")
+            return None
+    if callable(optimizer):
+        opt = optimizer(meta_model.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise InvalidArgumentError("the optimizer factory must return a torch.optim.Optimizer")
+        return opt
+    raise InvalidArgumentError(
+        f"optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; got {type(optimizer).__name__}"
+    )
+
+
+def _convert(obj: Any, make: Any, seen: dict[int, torch.Tensor]) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in seen:
+            seen[id(obj)] = make(obj)
+        return seen[id(obj)]
+    if isinstance(obj, tuple):
+        return tuple(_convert(o, make, seen) for o in obj)
+    if isinstance(obj, list):
+        return [_convert(o, make, seen) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _convert(v, make, seen) for k, v in obj.items()}
+    return obj
+
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _loss(out: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(out, targets) if targets is not None else loss_fn(out)
+    first = out
+    while isinstance(first, (tuple, list)) and first:
+        first = first[0]
+    if isinstance(first, dict):
+        first = next(v for v in first.values() if isinstance(v, torch.Tensor))
+    if not isinstance(first, torch.Tensor):
+        raise InvalidArgumentError("the model returned no tensor; pass loss_fn= to build the loss")
+    return first.sum()
+
+
+class _Target:
+    """What a simulation for one target device and precision runs with: the model's data-less twin, the
+    fake-tensor mode (CPU) or meta tensors (other devices), autocast, and the rules of
+    :mod:`memprof.simulate.kernels` / :mod:`memprof.simulate.autocast`. Shared by :func:`estimate` and
+    :func:`memprof.estimate_generation`."""
+
+    def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str) -> None:
+        if precision is not None and precision not in _PRECISION_DTYPES and precision not in _MIXED:
+            raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
+                                   "(amp is mixed)")
+        try:
+            target = torch.device(device) if device is not None else _model_device(model)
+        except (RuntimeError, ValueError, TypeError):
+            raise InvalidArgumentError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:1', 'mps' ...") from None
+        if target.type == "meta":
+            target = torch.device("cpu")
+        from .kernels import ATTENTION_KERNELS, CudaKernels, CustomOps, ValueDependentCode
+
+        if attention not in ATTENTION_KERNELS:
+            raise UnknownNameError(f"unknown attention kernel {attention!r}; use one of: {', '.join(ATTENTION_KERNELS)}")
+        if attention != "auto" and target.type != "cuda":
+            raise InvalidArgumentError(
+                f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
+                "the simulation runs; leave attention='auto' or give device='cuda'")
+        kernels = CudaKernels(attention) if target.type == "cuda" else None
+        from .cpu_kernels import CpuKernels
+
+        # The CPU's kernels where their outputs keep another storage than the fake kernels give them.
+        cpu_kernels = CpuKernels() if target.type == "cpu" else None
+        custom = CustomOps()
+        # Only models built from transformers can reach its mask helpers: no cost for the others.
+        watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
+                                              for m in model.modules()) else None
+        notes: list[str] = []
+
+        fake_mode: Any = None
+        if target.type == "cpu":
+            # Fake CPU tensors: shapes only, like meta, but kernels are chosen as on the CPU
+            # (fused attention, dropout), so the simulation matches a real CPU run op for op.
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        shadow = _fake_maker(fake_mode) if fake_mode is not None else _meta_maker
+        # bf16/fp16: the twins are made in that dtype, as model.to(dtype) would cast floating parameters and
+        # buffers. (Casting the twins afterwards fails for fake CPU tensors: nn.Module._apply swaps tensor
+        # subclasses, which FakeTensors refuse outside their mode.)
+        cast = _PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
+        meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
+        autocast: Any = None
+        emulated: "CudaAutocast | None" = None
+        low = _MIXED.get(precision or "")
+        if low is not None and target.type == "cpu":
+            # Fake CPU tensors are CPU tensors to autocast: torch's own CPU policy (which ops run in 16 bits,
+            # which in fp32, the weight casts it caches within a forward) applies as in a real run.
+            autocast = lambda: torch.autocast("cpu", dtype=low)  # noqa: E731
+            notes.append(f"mixed precision: the forward and the loss ran under CPU autocast ({_short(low)}) over the "
+                         "parameters' dtype, as in a real CPU run")
+        elif low is not None:
+            # Autocast does not reach meta tensors: its CUDA policy is applied one level up (memprof.simulate.autocast).
+            emulated = CudaAutocast(low)
+            if target.type != "cuda":
+                notes.append(f"autocast on {target.type} was simulated with CUDA's op lists")
+        self.target, self.notes, self.model, self.mapping = target, notes, meta_model, mapping
+        self.fake_mode, self.autocast, self.emulated = fake_mode, autocast, emulated
+        self.kernels, self.watched, self.custom, self.shadow, self.cast = kernels, watched, custom, shadow, cast
+        self.cpu_kernels = cpu_kernels
+
+    def op_rules(self) -> Any:
+        """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels`), a dispatch mode to enter after the
+        fake-tensor mode and before the profiler; a context that does nothing for other targets."""
+        return self.cpu_kernels if self.cpu_kernels is not None else contextlib.nullcontext()
+
+    def rules(self) -> Rules:
+        # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors.
+        return Rules(*(r for r in (self.emulated, self.kernels, self.watched, self.custom) if r is not None))
+
+    def rule_notes(self) -> list[str]:
+        out = []
+        for rule in (self.kernels, self.cpu_kernels, self.watched, self.custom, self.emulated):
+            if rule is not None:
+                out.extend(rule.notes())
+        return out
+
+
+class _Step:
+    """One simulated training step: forward and loss (under autocast for mixed precision), backward
+    (through a GradScaler for mixed-fp16), the optimizer step."""
+
+    def __init__(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, optimizer: Any, autocast: Any,
+                 emulated: "CudaAutocast | None", scaler: "_ScalerSteps | None") -> None:
+        self.model, self.inputs, self.targets, self.loss_fn = model, inputs, targets, loss_fn
+        self.optimizer, self.autocast, self.emulated, self.scaler = optimizer, autocast, emulated, scaler
+
+    def run(self) -> None:
+        # The output is not kept in a variable, as in a usual training loop: the loss
+        # function's saved tensors keep what backward needs and the rest is freed.
+        if self.emulated is not None:
+            self.emulated.begin_forward()
+        try:
+            with (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
+                loss = _loss(_call(self.model, self.inputs), self.targets, self.loss_fn)
+        finally:  # also when the model raises: the emulated autocast must not outlive the forward
+            if self.emulated is not None:
+                self.emulated.end_forward()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise InvalidArgumentError(f"the loss must be a scalar tensor to call backward() on, got {shape}; "
+                                       "reduce it in loss_fn (for example .mean())")
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        del loss
+        if self.optimizer is not None:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad()
+
+
+def _simulation_error(exc: BaseException, step: int) -> SimulationError:
+    """What failed in a simulated step, in words a user can act on."""
+    text = str(exc).strip()
+    first = (text.splitlines()[0] if text else type(exc).__name__).rstrip(".")
+    low = text.lower()
+    import traceback
+
+    frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
+    if any("/torch/optim/" in f for f in frames) and ("item()" in low or "data-dependent" in low
+                                                      or "cannot be called on meta tensors" in low):
+        fix = ("the optimizer's step reads tensor values (torch's own code does for this optimizer), which "
+               "shape-only tensors do not have; simulate without it (optimizer=None) and add its state from the "
+               "formula, or with an optimizer that does not")
+    elif "no fake impl" in low or "fake impl" in low and "register" in low or (
+            isinstance(exc, NotImplementedError) and "meta" in low):
+        fix = ("an op of the model has no fake (meta) kernel, so it cannot run on shape-only tensors; register one "
+               "with torch.library.register_fake, returning empty tensors of the output shapes")
+    elif "item()" in low or "data-dependent" in low or "datadependent" in type(exc).__name__.lower() or \
+            "cannot be called on meta tensors" in low:
+        fix = ("the model reads tensor values (.item(), .tolist(), a tensor in an if), which shape-only tensors do "
+               "not have; pass such values as Python numbers, or keep that code out of the training step")
+    else:
+        fix = ("the model must run on shape-only tensors (meta or fake): the same call with real tensors of these "
+               "shapes is the way to check it")
+    return SimulationError(f"the simulated training step {step} failed: {type(exc).__name__}: {first}. {fix[0].upper()}"
+                           f"{fix[1:]}")
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+class _ScalerSteps:
+    """What ``torch.amp.GradScaler`` allocates and does around a step (torch/amp/grad_scaler.py), on
+    shape-only tensors: a 4-byte scale and growth tracker made at the first ``scale``, the loss times the
+    scale, and before the optimizer step an inf flag, the inverse scale and the in-place unscale of the
+    gradients. Its ``found_inf.item()`` cannot run without data: every step is taken."""
+
+    def __init__(self) -> None:
+        self._scale: "torch.Tensor | None" = None
+        self._growth: "torch.Tensor | None" = None
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        if self._scale is None:
+            self._scale = torch.full((), 65536.0, dtype=torch.float32, device=loss.device)
+            self._growth = torch.full((), 0, dtype=torch.int32, device=loss.device)
+        return loss * self._scale
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self._scale is not None and self._growth is not None
+        inv_scale = self._scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        del by_dtype, inv_scale
+        optimizer.step()
+        torch._amp_update_scale_(self._scale, self._growth, found_inf, 2.0, 0.5, 2000)
+
+
+def _infer_precision(trace: Trace) -> str:
+    from ..analyse.reconciler import infer_precision
+
+    return infer_precision(trace)

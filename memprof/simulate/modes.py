@@ -1,0 +1,69 @@
+"""One torch function mode for everything a simulation changes or watches above the ops.
+
+A simulation applies several rules to the torch functions a model calls: CUDA's autocast policy
+(:mod:`memprof.simulate.autocast`), CUDA's kernel choices and the watchers of value-dependent code and
+custom ops (:mod:`memprof.simulate.kernels`). Stacked as separate modes they would hide calls from each
+other: re-entering a mode so that it sees the calls inside a Python composite
+(``F.multi_head_attention_forward``) or inside backward (checkpoint recomputation) skips every mode
+beneath it for that call. So each rule is a :class:`Rule`, and :class:`Rules` runs them as one mode,
+in order, each handing the call on to the next.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Rule", "Rules", "Next"]
+
+#: What a rule calls to hand a call on: ``next(func, args, kwargs)``.
+Next = Callable[[Any, tuple, dict], Any]
+
+# Python modules whose functions are compositions of other torch functions.
+_COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
+# Calls during which the rules must stay on: backward recomputes checkpointed regions, which must run their
+# forward as the first pass ran it (torch.utils.checkpoint checks what they save).
+_FOLLOWED = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+
+
+class Rule(TorchFunctionMode):
+    """A rule about torch function calls. Alone it is a mode of its own; within :class:`Rules` it is
+    one link of a chain. Subclasses implement :meth:`handle`."""
+
+    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+        return next(func, args, kwargs)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return self.handle(func, tuple(args), dict(kwargs or {}),
+                           lambda f, a, k: follow(self, f, types, a, k))
+
+
+class Rules(TorchFunctionMode):
+    """Several :class:`Rule` objects as one mode, applied in the order given."""
+
+    def __init__(self, *rules: Rule) -> None:
+        super().__init__()
+        self.rules = rules
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def link(i: int) -> Next:
+            if i == len(self.rules):
+                return lambda f, a, k: follow(self, f, types, a, k)
+            return lambda f, a, k: self.rules[i].handle(f, a, k, link(i + 1))
+
+        return link(0)(func, tuple(args), dict(kwargs or {}))
+
+
+def follow(mode: TorchFunctionMode, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """Call ``func`` from ``mode``'s handler. A Python composite of ``torch.nn.functional`` runs with
+    ``mode`` still on for the functions it calls, as a dispatch key would see them, and so does backward,
+    for the recomputation of checkpointed regions. (Tensor methods written in Python call back into the
+    same method through ``super()``: following them would recurse, and they call nothing a rule changes.)"""
+    skip = getattr(torch._C, "_skip_one_hop_torch_function", None)
+    if skip is None or (func not in _FOLLOWED and getattr(func, "__module__", None) not in _COMPOSITE_MODULES):
+        # Older torch has no way to re-enter: the functions inside a Python composite are not seen.
+        return func(*args, **kwargs)
+    with mode:
+        return skip(func, types, args, kwargs)
