@@ -1,5 +1,6 @@
-"""The code's shape, held: small modules and classes, no import cycle at run time, imports one way
-(collectors upstream of the record, analyses and renderers downstream of it), no torch on import."""
+"""The code's shape, held: small modules and classes, a tree whose top level tells the data flow,
+imports that run one way (every import counted: at top level, inside functions, under TYPE_CHECKING),
+no import circle, and no torch on import."""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ import subprocess
 import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "memprof"
+
+# The floors, bottom to top: a module may import modules of its own floor or of a floor below, never
+# one above. (docs/architecture.md draws the same order.)
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("memprof.vocabulary", "memprof.units", "memprof.errors", "memprof.version"),
+    ("memprof.record",),
+    ("memprof.anatomy",),
+    ("memprof.collect",),
+    ("memprof.simulate",),
+    ("memprof.analyse",),
+    ("memprof.render",),
+    ("memprof.report",),
+    ("memprof.cli", "memprof.pytest_plugin", "memprof.integrations", "memprof.demo", "memprof.__main__", "memprof"),
+)
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -20,17 +35,12 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
-def _runtime_imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
-    """memprof modules ``name`` imports when it runs: at top level or inside functions, but not under
-    ``if TYPE_CHECKING:``."""
+def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """Every memprof module ``name`` imports, wherever the import statement stands."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -39,55 +49,90 @@ def _runtime_imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            targets = [module] + [f"{module}.{a.name}" for a in node.names]
+            # ``from .pkg import name``: the submodule ``pkg.name`` if there is one, else the package itself.
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
         else:
             continue
-        found |= {t for t in targets if t in known and t != name}
+        for t in targets:
+            while t not in known and "." in t:
+                t = t.rpartition(".")[0]
+            if t in known and t != name:
+                found.add(t)
     return found
 
 
-def test_no_module_over_700_lines_and_no_class_over_400():
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def _floor(name: str) -> int:
+    best = None
+    for i, floor in enumerate(FLOORS):
+        for prefix in floor:
+            if name == prefix or (prefix != "memprof" and name.startswith(prefix + ".")):
+                best = i
+    assert best is not None, f"{name} belongs to no floor: add it to FLOORS and docs/architecture.md"
+    return best
+
+
+def test_every_module_has_a_floor_and_imports_only_its_floor_or_below():
+    upward = sorted(f"{a} ({FLOORS[_floor(a)][0]}) imports {b} ({FLOORS[_floor(b)][0]})"
+                    for a, targets in _graph().items() for b in targets if _floor(b) > _floor(a))
+    assert upward == []
+
+
+def test_no_import_circle_counting_every_import():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_at_most_twelve_modules_at_the_package_top():
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= 12, top
+
+
+def test_no_module_over_600_lines_and_no_class_over_300():
     too_long = []
     for name, path in _modules().items():
         text = path.read_text()
-        if text.count("\n") > 700:
+        if text.count("\n") > 600:
             too_long.append(f"{name}: {text.count(chr(10))} lines")
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400:
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
                 too_long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert too_long == []
-
-
-def test_no_import_cycle_at_run_time():
-    modules = _modules()
-    graph = {name: _runtime_imports(name, path, set(modules)) for name, path in modules.items()}
-    cycles = []
-
-    def visit(node, trail):
-        for nxt in graph[node]:
-            if nxt in trail:
-                cycles.append(trail[trail.index(nxt):] + [nxt])
-            elif nxt not in done:
-                visit(nxt, trail + [nxt])
-        done.add(node)
-
-    done: set[str] = set()
-    for start in graph:
-        if start not in done:
-            visit(start, [start])
-    # The package __init__ re-exports names; a submodule importing a sibling through it is not a cycle
-    # of code, so only cycles between submodules count.
-    cycles = [c for c in cycles if "memprof" not in c]
-    assert cycles == []
-
-
-def test_analyses_and_renderers_never_reach_back_into_the_collectors():
-    modules = _modules()
-    downstream = [n for n in modules if n.startswith(("memprof.anatomy", "memprof.analyse.reconciler", "memprof.render"))
-                  or n in ("memprof.record.trace", "memprof.report", "memprof.analyse.compare", "memprof.analyse.budget")]
-    reaching = {n: sorted(t for t in _runtime_imports(n, modules[n], set(modules))
-                          if t.startswith("memprof.collect") or t == "memprof.collect.profiler") for n in downstream}
-    assert {n: t for n, t in reaching.items() if t} == {}
 
 
 def test_importing_memprof_imports_no_torch():
