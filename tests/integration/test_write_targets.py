@@ -214,13 +214,17 @@ def _through_pipe(fifo, write):
         # up early would fail the test for nothing. The loop ends once write() has returned and the pipe is
         # empty; write() itself cannot block, since this read end stays open.
         while True:
+            # Whether write() had returned is read before the pipe is: an empty read after that moment means
+            # everything written has been read. Read after, the writer could open, write, close and return
+            # between an empty read and the check, and its bytes would be left in the pipe.
+            finished = done.is_set()
             try:
                 chunk = os.read(fd, 1 << 16)
             except BlockingIOError:  # a writer is there, nothing to read yet
                 chunk = None
             if chunk:
                 got.append(chunk)
-            elif chunk == b"" and done.is_set():
+            elif chunk == b"" and finished:
                 return
             else:
                 time.sleep(0.001)
