@@ -188,7 +188,7 @@ def estimate(
         stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
         stack.enter_context(prof)
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
-            layout.attach(prof)
+            layout.attach(prof.collectors)
             stack.callback(layout.detach)
         stack.enter_context(rules)
         for i in range(steps):

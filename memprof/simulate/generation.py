@@ -101,7 +101,7 @@ def estimate_generation(
             if jump:
                 grown = decodes - ran - 1
                 loop.grow(grown)
-                prof.kv.add_tokens(grown)
+                prof.collectors.kv.add_tokens(grown)
                 loop.call(1)  # the last decode call, on the cache it would find
         except MemprofError:
             raise

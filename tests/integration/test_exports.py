@@ -383,9 +383,9 @@ def test_a_run_of_many_phases_stays_a_small_page(tmp_path):
 
 
 def test_a_capped_timeline_says_so(monkeypatch):
-    from memprof.collect import phases
+    from memprof.collect import timeline
 
-    monkeypatch.setattr(phases, "_MAX_SAMPLES", 50)
+    monkeypatch.setattr(timeline, "_MAX_SAMPLES", 50)
     report, _, _ = _gpt_run(steps=2)
     assert len(report.trace.timeline) == 50
     assert any("timeline stopped at 50 samples" in n for n in report.trace.notes)
