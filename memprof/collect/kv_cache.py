@@ -7,7 +7,7 @@ forward that comes back into a later call is carried state: a KV cache. That cov
 call made and left inside an object it was given are the cache too, as are those it returns under the
 name it was given a cache by (or ``past_key_values`` and ``cache``, transformers' names for it).
 
-In full mode, where memprof sees every storage made, only tensors made inside the model's forward
+In exact mode, where memprof sees every storage made, only tensors made inside the model's forward
 count, so the attention mask or position ids a decoding loop builds between calls stay inputs. In light
 mode storages made by ops are not seen: tensors under a cache's name are counted as the cache.
 """
@@ -228,7 +228,7 @@ class CacheTracker:
 
     def _note_moments(self, key: tuple[int, str, int], kept: list[Any]) -> None:
         """The cache at the end of the call that just ended, and at the phase's peak if the call reached it:
-        how many of the storages the call put in the cache existed then (full mode sees them being made)."""
+        how many of the storages the call put in the cache existed then (exact mode sees them being made)."""
         led = self.ledger
         tokens = (self.call_earlier, self.call_before, self.in_cache)
         self.moments[(*key, "end")] = CacheMoment(*key, "end", *tokens)

@@ -77,10 +77,10 @@ def profile(
     ``optimizer`` may be one optimizer, several, a wrapper of one (accelerate's,
     Lightning's), or ``None``; any other optimizer that steps the model's
     parameters is measured too, and until one is, each backward ends a step.
-    ``mode`` is ``"full"`` (exact: every storage, default on CPU), ``"light"``
+    ``mode`` is ``"exact"`` (every storage, to the byte; default on CPU), ``"light"``
     (allocator counters and hooks only, default on accelerators) or ``"auto"``.
     ``timeline=False`` skips the per-module samples that plots use.
-    ``operations=True`` (full mode) also records every op's class, flops and
+    ``operations=True`` (exact mode) also records every op's class, flops and
     bytes moved, for :meth:`Report.operations` (a few microseconds per op).
     ``schedule=memprof.schedule(...)`` records only the steps it selects, and
     turns memprof off between them; ``on_trace_ready(prof)`` is called at the
@@ -156,7 +156,7 @@ class Profiler:
 
     @property
     def mode(self) -> str:
-        """``"full"`` or ``"light"``: how this profile measures (``"auto"`` decided by the device; a model
+        """``"exact"`` or ``"light"``: how this profile measures (``"auto"`` decided by the device; a model
         running compiled code may turn exact mode light at the start)."""
         return self.run.mode
 

@@ -95,7 +95,7 @@ class SavedTracker:
             self.backward_started()
 
     def detached(self, t: torch.Tensor) -> torch.Tensor:
-        # In full mode this detach would go through memprof's own dispatch mode, which does
+        # In exact mode this detach would go through memprof's own dispatch mode, which does
         # nothing with it but costs the Python dispatch round trip (~5 us, a saved tensor or
         # more per op). When that mode is the only one and ``t`` a plain tensor, no Python
         # code wants to see it; a subclass or another mode still gets its detach.
@@ -120,7 +120,7 @@ class SavedTracker:
         table = self.table
         entry = led.entries.get(st._cdata)
         if entry is None:
-            # Full mode saw every op output, so an unknown storage came from outside the profile
+            # Exact mode saw every op output, so an unknown storage came from outside the profile
             # (an input) or from compiled code, which allocates out of dispatch's sight. Light mode
             # sees no op outputs, so an unknown storage that autograd saves is an activation.
             made_here = not self.full or table.compiled_depth > 0

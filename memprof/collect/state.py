@@ -3,9 +3,11 @@
 One :class:`Run` per profile. Its fields are plain attributes (no properties: a property is a Python call,
 and the dispatch mode's handler reads them for every op), each written by one owner:
 
-- the profiler: ``active`` (the block is running and not paused), ``thread``, ``mode`` and what follows from it;
-- the schedule's windows, through the profiler: ``paused``;
-- the phase tracker: ``phase``, ``step``, ``ops``, ``scan_args``, ``forward_seen``;
+- the profiler: ``active`` (the block is running and not paused; a schedule's pauses go through the
+  ``suspend`` and ``wake`` it wires), ``thread``, ``mode`` and what follows from it;
+- the schedule's windows: ``paused``;
+- the phase tracker: ``phase``, ``step``, ``scan_args``, ``forward_seen``;
+- the dispatch mode's handler: ``ops``;
 - the module hooks: ``calls`` (the forward calls in progress) and ``foreign_threads``;
 - a layout that finishes its work in a backward callback of its own: ``backward_waits``.
 
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["Run", "EXACT", "LIGHT"]
 
 #: The two ways of measuring: every storage through a dispatch mode, or the allocator's counters and hooks.
-EXACT, LIGHT = "full", "light"
+EXACT, LIGHT = "exact", "light"
 
 
 class Run:

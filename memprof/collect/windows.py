@@ -157,7 +157,6 @@ class Windows:
 
     def resume(self) -> None:
         self.run.paused = False
-        self.run.step = self.step
         if self.plan(self.step) == WARMUP:
             self.peak_before_warmup = self.ledger.peak_state()
         self.wake()  # what the unwatched steps made (gradients, state, new parameters), and the hooks on again

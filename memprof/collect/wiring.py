@@ -202,17 +202,17 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
     compiled = c.table.compiled_paths
     if compiled and run.mode == EXACT and not KEEPS_COMPILE:
         # With this torch any dispatch mode makes compiled code run eagerly, and for the rest of
-        # the process: full mode would change the user's training.
+        # the process: exact mode would change the user's training.
         if mode_requested == EXACT:
             raise InvalidArgumentError(
-                f"{compiled[0]} runs torch.compile'd code, and with torch {torch.__version__} full mode's "
+                f"{compiled[0]} runs torch.compile'd code, and with torch {torch.__version__} exact mode's "
                 "dispatch mode would make it run eagerly for the rest of the process; profile it with "
                 "mode='light', or upgrade torch (2.9 and later keep compiled code compiled)"
             )
         run.mode = LIGHT
         run.backward_frames = c.saved.full = False
         run.notes.append(
-            f"light mode: the model runs torch.compile'd code, which full mode's dispatch mode would make "
+            f"light mode: the model runs torch.compile'd code, which exact mode's dispatch mode would make "
             f"run eagerly with torch {torch.__version__}"
         )
     pre, post = c.optimizers.pre_hook, c.optimizers.post_hook
@@ -230,7 +230,7 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
         if register is not None:
             stack.callback(register(c.modules.registration_hook).remove)
     if operations and run.mode != EXACT:
-        run.notes.append("operations=True needs mode='full' (it sees ops through the dispatch mode)")
+        run.notes.append("operations=True needs mode='exact' (it sees ops through the dispatch mode)")
     if run.mode == EXACT:
         # What code outside the model's calls saved is found on the graph when backward starts.
         c.phases.on_backward_start.append(c.graph.find_outside_saves)
@@ -246,7 +246,7 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
             "light mode sees no op outside the model's modules: what autograd saves there (the loss "
             "function's tensors) is not counted as activations, nor as inputs the tensors made before the "
             "profile that only code there uses (targets handed to the loss function, a metric accumulator "
-            "such as acc += loss.detach()); on an accelerator both are among temporaries (full mode counts "
+            "such as acc += loss.detach()); on an accelerator both are among temporaries (exact mode counts "
             "them)")
     c.timeline.sample("start", "start")
 

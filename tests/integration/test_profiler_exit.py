@@ -92,7 +92,7 @@ RECORD_STEPS = [
 
 
 # Steps one mode never runs.
-NOT_IN_MODE = {("full", (DeviceProbe, "start_light"))} | {
+NOT_IN_MODE = {("exact", (DeviceProbe, "start_light"))} | {
     ("light", s) for s in ((StorageTracker, "install"), (storages_mod, "DispatchMode"), (StorageTracker, "uninstall"),
                            (storages_mod, "pop_from_beneath"))}
 
@@ -222,7 +222,7 @@ def _variants(step, phase):
 # Light mode starts and ends differently in these (no dispatch mode, the allocator's counters).
 LIGHT_TOO = {(DeviceProbe, "start_light"), (Profiler, "_setup"), (Closing, "teardown"), (UndoStack, "close"),
              (closing_mod, "build_trace"), (Profiler, "live_now"), (Frames, "remove_hooks")}
-CASES = [("full", "enter", s) for s in ENTER_STEPS] + [("full", "exit", s) for s in UNDO_STEPS + RECORD_STEPS]
+CASES = [("exact", "enter", s) for s in ENTER_STEPS] + [("exact", "exit", s) for s in UNDO_STEPS + RECORD_STEPS]
 CASES += [("light", phase, s) for _m, phase, s in CASES if s in LIGHT_TOO]
 
 
@@ -269,7 +269,7 @@ def test_an_exception_that_cannot_be_printed_comes_through_unchanged(error_type)
     assert prof.trace.error == f"{error_type.__name__}: <its message could not be read: str() raised ValueError>"
     assert prof.trace.live_at_error[C.WEIGHTS] == weight_bytes(model)
     _a_new_profile_measures(model, torch.optim.SGD(model.parameters(), lr=0.1), x, torch.randint(0, 10, (4,)),
-                            "full")
+                            "exact")
 
 
 def test_a_setup_error_that_cannot_be_printed_comes_through_unchanged():
@@ -397,7 +397,7 @@ def test_stop_closes_as_leaving_the_block_does_when_a_step_is_interrupted(monkey
     everything is removed. Either way nothing stays installed and the thread can profile again."""
     fired = 0
     for error in (None, UsersOom("the user's")):
-        model, opt, x, y, prof = _world("full", tmp_path)
+        model, opt, x, y, prof = _world("exact", tmp_path)
         before = hook_registry(model, [opt], [x, y])
         armed = _arm_at_exit(monkeypatch)
         # Patched before the start: the undo stack holds the methods it was given then.
