@@ -27,7 +27,7 @@ floating inputs cast to bf16); ``amp`` (fp32 parameters under
 with momentum 0.9. For each (model, precision, optimizer):
 
 1. measured: 2 training steps (forward, loss, backward, step,
-   ``zero_grad(set_to_none=True)``) under ``memprof.profile(model, opt, mode="full")``;
+   ``zero_grad(set_to_none=True)``) under ``memprof.profile(model, opt, mode="exact")``;
 2. simulated: ``memprof.estimate(model, opt, inputs=..., targets=..., loss_fn=..., device="cpu",
    precision=...)`` (fake CPU tensors, no real memory);
 3. reconciled: ``report.reconcile(at="peak", estimate=est)`` and ``at="steady"``:
@@ -325,7 +325,7 @@ def run_config(model: str, precision: str, optimizer: str, quick: bool, steps: i
 
     gc.collect()
     t0 = time.perf_counter()
-    with memprof.profile(case.model, opt, mode="full") as prof:
+    with memprof.profile(case.model, opt, mode="exact") as prof:
         train_steps(case, opt, steps, precision)
     rep = prof.report()
     t_measure = time.perf_counter() - t0

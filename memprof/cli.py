@@ -250,8 +250,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
     demo.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     demo.add_argument("--vocab", type=int, default=1000, help="vocabulary size (default 1000)")
-    demo.add_argument("--mode", choices=("auto", "full", "light"), default="auto",
-                      help="full: exact, every storage; light: counters only; auto: full on CPU, light on GPU")
+    demo.add_argument("--mode", choices=("auto", "exact", "light"), default="auto",
+                      help="exact: every storage, to the byte; light: counters only; auto: exact on CPU, light on GPU")
     demo.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1 ...")
     demo.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     demo.add_argument("--top", type=int, default=8, help="modules to list (default 8)")

@@ -62,7 +62,7 @@ class MemoryProfileFixture:
     """What the ``memory_profile`` fixture gives a test.
 
     Call it like :func:`memprof.profile` (``with memory_profile(model,
-    optimizer, mode="full") as prof:``); every profile made through it is
+    optimizer, mode="exact") as prof:``); every profile made through it is
     kept and, after the test body, judged against the test's
     ``memory_budget`` marker and the command-line options. :meth:`record`
     adds a report made elsewhere (for example with ``memprof.profile``
@@ -254,7 +254,7 @@ def _prepare_save_dir(option: str, path: str) -> None:
 def memory_profile(request: pytest.FixtureRequest) -> MemoryProfileFixture:
     """Profile like ``memprof.profile``; every report is kept and judged after the test.
 
-    ``with memory_profile(model, optimizer, mode="full") as prof: ...``
+    ``with memory_profile(model, optimizer, mode="exact") as prof: ...``
     """
     return MemoryProfileFixture(request.node)
 

@@ -7,7 +7,7 @@ an ``AssertionError``, naming every overrun with exact bytes.
 Budgets judge memprof's own accounting of what was created and categorised
 inside the profile, never process-wide counters, so memory left behind by
 earlier tests or freed late by the garbage collector does not move them. On
-CPU in full mode the figures are exact and repeatable to the byte.
+CPU in exact mode the figures are exact and repeatable to the byte.
 
 A budget on a figure the run did not measure (``None`` in the breakdown, for
 example temporaries in light mode on CPU) raises :class:`BudgetNotMeasured`:
@@ -238,7 +238,7 @@ def check_budget(report: "Report", peak: "int | str | None" = None, *, at: str =
         if all(n in device_only for n in unmeasured):
             fix = "those figures exist only on an accelerator (CUDA); drop the budget where none is used"
         else:
-            fix = "profile with mode='full' (exact on any device) or drop that budget"
+            fix = "profile with mode='exact' (exact on any device) or drop that budget"
         raise BudgetNotMeasured(
             f"memory budget cannot be judged: {what} not measured in this run "
             f"(mode {report.trace.mode}, device {report.trace.device.type}); "

@@ -255,8 +255,10 @@ class Trace:
 
 
 def _mode(value: Any) -> str:
-    if value not in ("full", "light"):
-        raise corrupt(f"mode must be 'full' or 'light', got {text(value, 'mode')[:20]!r}")
+    if value == "full":
+        return "exact"  # the word files written before the mode's rename use (any schema version)
+    if value not in ("exact", "light"):
+        raise corrupt(f"mode must be 'exact' or 'light', got {text(value, 'mode')[:20]!r}")
     return value
 
 

@@ -89,7 +89,7 @@ def operations_frame(report: "Report | Trace", by: str = "op") -> "pd.DataFrame"
         if trace.mode == "light":
             raise NotMeasuredError(
                 "operations were not recorded: this run was in light mode, which sees no ops; profile with "
-                "memprof.profile(model, optimizer, mode='full', operations=True)")
+                "memprof.profile(model, optimizer, mode='exact', operations=True)")
         raise NotMeasuredError(
             "operations were not recorded; profile with memprof.profile(model, optimizer, operations=True)"
         )

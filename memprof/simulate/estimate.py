@@ -3,7 +3,7 @@
 ``memprof.estimate(model, optimizer, inputs=..., loss_fn=...)`` copies the
 model onto the ``meta`` device (no data is copied, so a 7-billion-parameter
 configuration costs no real memory), rebuilds the optimizer on the copy,
-and runs a few steps under :func:`memprof.profile` in full mode. Autograd
+and runs a few steps under :func:`memprof.profile` in exact mode. Autograd
 saves exactly what it would save for real and every op output has its real
 size, so saved activations and op-level temporaries are exact for this
 PyTorch version. A CPU target runs on fake CPU tensors, whose kernels and
@@ -169,7 +169,7 @@ def estimate(
 
     from ..collect.profiler import Profiler
 
-    prof = Profiler(meta_model, meta_opt, mode="full", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
+    prof = Profiler(meta_model, meta_opt, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if target.type == "cuda" else 1)
     if target.type not in ("cpu", "cuda"):
         notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
@@ -188,7 +188,7 @@ def estimate(
         stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
         stack.enter_context(prof)
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
-            layout.attach(prof)
+            layout.attach(prof.collectors)
             stack.callback(layout.detach)
         stack.enter_context(rules)
         for i in range(steps):

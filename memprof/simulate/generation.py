@@ -79,7 +79,7 @@ def estimate_generation(
     notes = setup.notes
     from ..collect.profiler import Profiler
 
-    prof = Profiler(twin, None, mode="full", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
+    prof = Profiler(twin, None, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if setup.target.type == "cuda" else 1)
     decodes = max_new_tokens - 1
     jump = decodes > _RUN_ALL
@@ -101,7 +101,7 @@ def estimate_generation(
             if jump:
                 grown = decodes - ran - 1
                 loop.grow(grown)
-                prof.kv.add_tokens(grown)
+                prof.collectors.kv.add_tokens(grown)
                 loop.call(1)  # the last decode call, on the cache it would find
         except MemprofError:
             raise

@@ -52,8 +52,13 @@ def test_optimizer_of_another_model():
 
 
 def test_unknown_mode():
-    with pytest.raises(UnknownNameError, match="full, light, auto"):
-        memprof.profile(MLP(), mode="exact")
+    with pytest.raises(UnknownNameError, match="exact, light, auto"):
+        memprof.profile(MLP(), mode="precise")
+
+
+def test_the_former_word_full_is_refused_with_its_new_name():
+    with pytest.raises(UnknownNameError, match=r"mode 'full' is now called 'exact'.*mode='exact'"):
+        memprof.profile(MLP(), mode="full")
 
 
 def test_meta_model_refused():

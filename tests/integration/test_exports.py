@@ -22,7 +22,7 @@ from tests.helpers import optimizer_state_bytes, weight_bytes
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 
 
-def _gpt_run(steps=3, mode="full", **kwargs):
+def _gpt_run(steps=3, mode="exact", **kwargs):
     torch.manual_seed(0)
     model = TinyGPT(vocab=100, hidden=32, layers=2, heads=2, max_seq=16)
     opt = torch.optim.AdamW(model.parameters())
@@ -87,7 +87,7 @@ def test_the_docs_name_every_track_and_event_as_the_file_does(tmp_path):
     for e in doc["traceEvents"]:
         if e["ph"] == "M" and "name" in e["args"]:
             meta[e["name"]].add(e["args"]["name"])
-    assert meta["process_name"] == {f"memprof: {report.trace.device.name} (full mode)"}
+    assert meta["process_name"] == {f"memprof: {report.trace.device.name} (exact mode)"}
     tracks = meta["thread_name"]
     assert {"steps", "phases", "modules (forward)", "modules (backward, depth 0)",
             "modules (backward, depth 1)"} <= tracks
@@ -176,7 +176,7 @@ def test_one_run_peak_instant_also_without_a_total(tmp_path):
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(8, 16)
-    for mode in ("full", "light"):
+    for mode in ("exact", "light"):
         with memprof.profile(model, opt, mode=mode) as prof:
             for _ in range(2):
                 for _ in range(3):  # gradient accumulation: equal peaks in each backward
@@ -383,9 +383,9 @@ def test_a_run_of_many_phases_stays_a_small_page(tmp_path):
 
 
 def test_a_capped_timeline_says_so(monkeypatch):
-    from memprof.collect import phases
+    from memprof.collect import timeline
 
-    monkeypatch.setattr(phases, "_MAX_SAMPLES", 50)
+    monkeypatch.setattr(timeline, "_MAX_SAMPLES", 50)
     report, _, _ = _gpt_run(steps=2)
     assert len(report.trace.timeline) == 50
     assert any("timeline stopped at 50 samples" in n for n in report.trace.notes)

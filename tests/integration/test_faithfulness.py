@@ -24,7 +24,7 @@ from memprof.errors import InvalidArgumentError, ProfilerStateError
 from helpers import hook_registry, optimizer_state_bytes, unique_bytes, weight_bytes
 from models import MLP
 
-MODES = ("full", "light")
+MODES = ("exact", "light")
 
 
 def _mlp():

@@ -455,7 +455,7 @@ def test_another_thread_is_not_attributed():
     assert together.trace.optimizer is None  # the other thread's Adam is not ours
 
 
-def test_light_mode_sees_what_the_model_saves_full_mode_also_the_loss():
+def test_light_mode_sees_what_the_model_saves_exact_mode_also_the_loss():
     model = MLP()
     x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
     # 2 ReLU results 16*64*4, log-softmax 16*10*4 = 640, total_weight 4
@@ -463,15 +463,15 @@ def test_light_mode_sees_what_the_model_saves_full_mode_also_the_loss():
     assert expected == 2 * 4096 + 640 + 4
     out = {}
     notes = {}
-    for mode in ("full", "light"):
+    for mode in ("exact", "light"):
         with memprof.profile(model, mode=mode) as prof:
             F.cross_entropy(model(x), y).backward()
         out[mode] = prof.report().at(0, "forward", "end")
         notes[mode] = prof.trace.notes
-    assert out["full"][C.ACTIVATIONS] == expected
-    assert out["full"][C.INPUTS] == 16 * 32 * 4 + 16 * 8
+    assert out["exact"][C.ACTIVATIONS] == expected
+    assert out["exact"][C.INPUTS] == 16 * 32 * 4 + 16 * 8
     # memprof's saved-tensor pair is on the stack only inside the model's calls (so that torch.func
-    # and the user's own pairs work outside them). Full mode finds what the loss saved on the graph when
+    # and the user's own pairs work outside them). Exact mode finds what the loss saved on the graph when
     # backward starts; light mode sees no op and no graph, so it counts what the model saved: the two
     # ReLU results. It says so in a note.
     assert out["light"][C.ACTIVATIONS] == 2 * 4096

@@ -178,7 +178,7 @@ def _end_step_fails_at(monkeypatch, step):
     real = Profiler.end_step
 
     def end_step(self):
-        if self.phases.step == step:
+        if self.run.step == step:
             raise RuntimeError("memprof's own failure")
         real(self)
 

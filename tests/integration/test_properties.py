@@ -147,7 +147,7 @@ def run(spec, profiled):
         raise AssertionError("every generated stack has parameters")
     counter = LiveBytes(list(model.parameters()) + list(model.buffers()) + [x, target])
     with counter:
-        with memprof.profile(model, opt, mode="full") as prof:
+        with memprof.profile(model, opt, mode="exact") as prof:
             losses = body(prof)
     counter.close()
     figures["live_peak"] = counter.peak

@@ -2,7 +2,7 @@
 
 Budgets are tested just under and just over the limit: the limit is first
 measured here, in the outer test, with the same code the inner test runs. On
-CPU in full mode every figure is exact and repeatable, so "measured" passes
+CPU in exact mode every figure is exact and repeatable, so "measured" passes
 and "measured - 1 byte" fails, with no tolerance.
 """
 
@@ -67,7 +67,7 @@ WEIGHTS = (8 * 16 + 16 + 16 * 4 + 4) * 4  # 848 B
 ADAM_STATES = 2 * WEIGHTS + 4 * 4  # 1712 B
 
 
-def _measure(mode="full"):
+def _measure(mode="exact"):
     ns: dict = {}
     exec(STEP, ns)
     model, opt = ns["make"]()
@@ -95,7 +95,7 @@ def _outcomes(rec):
     return out
 
 
-def _inner_test(name, marker, body="run_step(model, opt)", mode="full"):
+def _inner_test(name, marker, body="run_step(model, opt)", mode="exact"):
     marker_line = f"@pytest.mark.memory_budget({marker})\n" if marker is not None else ""
     return (
         f"\n{marker_line}def {name}(memory_profile):\n"
@@ -609,7 +609,7 @@ def test_check_budget_refuses_what_was_not_measured(rep, light_rep):
 
 def test_check_budget_refuses_a_profile_without_steps():
     model = torch.nn.Linear(2, 2)
-    with memprof.profile(model, mode="full") as prof:
+    with memprof.profile(model, mode="exact") as prof:
         pass
     with pytest.raises(BudgetNotMeasured, match="recorded no step"):
         check_budget(prof.report(), peak="1 GiB")

@@ -26,7 +26,7 @@ from models import MLP
 # ------------------------------------------------------------------ the model trained in another thread
 
 
-@pytest.mark.parametrize("mode", ["full", "light"])
+@pytest.mark.parametrize("mode", ["exact", "light"])
 def test_a_model_trained_in_another_thread_has_no_per_module_figures_and_one_note(mode):
     model, x, y = MLP(), torch.randn(8, 32), torch.randint(0, 10, (8,))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
