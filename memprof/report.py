@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from .vocabulary import Phase
+from .vocabulary import PHASE_MOMENTS, Phase, parse_moment
 from .errors import InvalidArgumentError, NotMeasuredError, renamed_argument, warn_renamed
-from .record.trace import PHASE_MOMENTS, Breakdown, Trace, parse_moment
+from .record.trace import Breakdown, Trace
 from .units import format_bytes
 
 if TYPE_CHECKING:

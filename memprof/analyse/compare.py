@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..vocabulary import Category, Phase
+from ..vocabulary import PHASE_MOMENTS, Category, Phase, parse_moment
 from ..errors import InvalidArgumentError, renamed_argument, warn_renamed
 from ..render.common import signed
-from ..record.trace import PHASE_MOMENTS, Breakdown, Trace, as_trace, parse_moment
+from ..record.trace import Breakdown, Trace, as_trace
 from ..units import parse_size
 
 if TYPE_CHECKING:

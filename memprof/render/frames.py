@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..vocabulary import Category
+from ..vocabulary import PHASE_MOMENTS, Category, parse_moment
 from ..errors import InvalidArgumentError, NotMeasuredError
-from ..record.trace import PHASE_MOMENTS, as_trace, parse_moment
+from ..record.trace import as_trace
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -15,11 +15,11 @@ from typing import Any, Mapping
 from ...anatomy.activations import transformer_layer_activations
 from ...anatomy.params import bytes_per_param_breakdown
 from ...anatomy.predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
-from ...vocabulary import Category, Phase
+from ...vocabulary import PHASE_MOMENTS, RECONCILE_MOMENTS, Category, Phase, parse_moment
 from .cache_formula import cache_formula
 from .sharding import shard_formula
 from ...errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
-from ...record.trace import PHASE_MOMENTS, RECONCILE_MOMENTS, Breakdown, PhaseRecord, Trace, parse_moment
+from ...record.trace import Breakdown, PhaseRecord, Trace
 
 __all__ = ["infer_precision", "optimizer_name", "formula_breakdown", "formula_at", "moment_of", "predictions"]
 
