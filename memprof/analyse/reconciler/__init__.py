@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from .causes import Cause
+from .context import Cause
 from .formula import formula_at, formula_breakdown, infer_precision
 from .reconciliation import Reconciliation, Row, Total, reconcile
 from .textbook import Textbook, textbook_at

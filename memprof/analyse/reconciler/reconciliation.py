@@ -19,7 +19,8 @@ from ...anatomy.params import bytes_per_param_breakdown
 from ...vocabulary import Category
 from ...errors import InvalidArgumentError, NotMeasuredError
 from ...record.trace import Breakdown, as_trace
-from .causes import Cause, Context, causes
+from .causes import causes
+from .context import Cause, Context
 from .sharding import zero_stage
 from .formula import formula_at, infer_precision, moment_of, optimizer_name, parse_at, predictions
 from .textbook import Textbook, textbook_at

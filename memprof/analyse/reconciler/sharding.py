@@ -22,7 +22,7 @@ from ...units import round_half_away
 
 if TYPE_CHECKING:
     from ...record.parts import ModelFacts, RankInfo
-    from .causes import Context
+    from .context import Context
 
 __all__ = ["STAGES", "zero_stage", "rank_shares", "shard_formula", "sharding_gaps"]
 

@@ -21,7 +21,8 @@ from ...vocabulary import Category, Phase
 from ...errors import UnknownNameError
 from ...record.trace import Breakdown, Trace
 from ...units import format_bytes
-from .causes import NO_PERSISTENT_COPY, Cause
+from .causes import NO_PERSISTENT_COPY
+from .context import Cause
 from .formula import formula_at, infer_precision, moment_of, optimizer_name, parse_at
 
 __all__ = ["Textbook", "textbook_at", "differences", "REGIME_WORDS"]
