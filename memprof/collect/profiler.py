@@ -55,7 +55,6 @@ from .closing import Closing
 from .undo import UndoStack
 
 if TYPE_CHECKING:
-    from ..report import Report
     from .schedule import Schedule
 
 __all__ = ["Profiler", "profile"]
@@ -355,12 +354,6 @@ class Profiler:
             )
         assert self._trace is not None
         return self._trace
-
-    def report(self) -> "Report":
-        """The :class:`memprof.Report` built on :attr:`trace`."""
-        from ..report import Report
-
-        return Report(self.trace)
 
     # ------------------------------------------------------------------ wiring
 

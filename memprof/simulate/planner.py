@@ -35,7 +35,7 @@ class BatchSizePlan:
     ``batch_size`` is 0 when not even ``multiple_of`` samples fit.
     ``points`` are the simulated (batch size, peak bytes) pairs; ``verified``
     says the simulated peak at ``batch_size`` is within the budget and the
-    next multiple's is not.
+    next multiple's is not. Plain data: :class:`memprof.BatchSizePlan` adds its text.
     """
 
     batch_size: int
@@ -46,11 +46,6 @@ class BatchSizePlan:
     points: tuple[tuple[int, int], ...]
     verified: bool
     multiple_of: int
-
-    def __str__(self) -> str:
-        from ..render.text import plan_text
-
-        return plan_text(self)
 
 
 def max_batch_size(
