@@ -5,7 +5,8 @@ and section, a documentation page or a source file); the derivations are collect
 in ``docs/anatomy.md``:
 
 * :mod:`.params` -- bytes per parameter by precision regime and optimizer (HF, ZeRO).
-* :mod:`.optimizers` -- state and step-temporary bytes of real optimizer objects.
+* :mod:`.optimizers` -- state and step-temporary bytes of real optimizer objects (the formulas of
+  torch.optim's and bitsandbytes' classes: :mod:`.optimizer_rules`).
 * :mod:`.activations` -- Korthikanti's transformer closed forms and per-module saved-bytes rules.
 * :mod:`.zero` -- ZeRO stage formulas and the DeepSpeed estimators.
 * :mod:`.allocator` -- a model of torch's CUDA caching allocator (:mod:`.alloc_config` parses
@@ -54,7 +55,6 @@ from .outside import (
 )
 from .optimizers import (
     OptimizerFormula,
-    bitsandbytes_formula,
     optimizer_formula,
     optimizer_implementation,
     param_group_implementations,
@@ -62,6 +62,7 @@ from .optimizers import (
     predict_optimizer_step_transient_bytes,
     register_optimizer_formula,
 )
+from .optimizer_rules import bitsandbytes_formula  # and torch.optim's formulas, registered on import
 from .inference import kv_cache_bytes
 from .caches import CacheSpec, Slot, bytes_at, cache_bytes, call_slots, latent_attention_dims, sliding_kept_tokens
 from .cache_config import cache_spec
