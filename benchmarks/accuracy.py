@@ -301,7 +301,7 @@ def _rec_dict(rec: Any) -> dict[str, Any]:
         "where": rec.where,
         "precision": rec.precision,
         "optimizer": rec.optimizer,
-        "textbook_bytes_per_param": rec.textbook_bytes_per_param,
+        "textbook_bytes_per_param": rec.textbook.bytes_per_param,
         "categories": _rows(rec),
         "causes": [{"category": c.category.value, "name": c.name, "bytes": c.bytes, "sentence": c.sentence}
                    for c in rec.causes],

@@ -55,19 +55,28 @@ class Estimate(estimating.Estimate):
         """The :class:`~memprof.Report` of the simulated run."""
         return Report(self.trace)
 
-    def __str__(self) -> str:
+    def to_text(self) -> str:
+        """The formula and estimate columns at the simulated peak, the textbook line and the notes: what
+        ``print()`` shows."""
         from ..render.text import estimate_text
 
         return estimate_text(self, self.formula, self.textbook)
+
+    def __str__(self) -> str:
+        return self.to_text()
 
 
 class BatchSizePlan(planner.BatchSizePlan):
     __doc__ = planner.BatchSizePlan.__doc__
 
-    def __str__(self) -> str:
+    def to_text(self) -> str:
+        """The answer, the straight line it started from and the batch sizes simulated: what ``print()`` shows."""
         from ..render.text import plan_text
 
         return plan_text(self)
+
+    def __str__(self) -> str:
+        return self.to_text()
 
 
 @same_as(estimating.estimate)

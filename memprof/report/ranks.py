@@ -27,10 +27,14 @@ class Merged(merging.Merged):
 
         return merged_frame(self)
 
-    def __str__(self) -> str:
+    def to_text(self) -> str:
+        """Each rank's peak, where it was and its largest categories, and the spread: what ``print()`` shows."""
         from ..render.text import merged_text
 
         return merged_text(self)
+
+    def __str__(self) -> str:
+        return self.to_text()
 
     def _repr_html_(self) -> str:
         from ..render.html import merged_html

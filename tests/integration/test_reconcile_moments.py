@@ -1,4 +1,4 @@
-"""reconcile(at=...) takes any moment Report.at names: (step, phase, "start"|"peak"|"end"[, occurrence])."""
+"""reconcile(at=...) takes any moment Report.breakdown names: (step, phase, "start"|"peak"|"end"[, occurrence])."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def report():
 
 def test_the_end_of_forward_is_held_against_the_activation_formula(report):
     rec = report.reconcile(at=(-1, "forward", "end"))
-    # The measured side is exactly what Report.at reads for that moment.
+    # The measured side is exactly what Report.breakdown reads for that moment.
     assert rec.row("activations").measured == report.breakdown(-1, "forward", "end")[C.ACTIVATIONS]
     assert rec.where == "end of forward (step 1)"
     # Inside forward the activation formula applies; in the optimizer step no graph is alive.

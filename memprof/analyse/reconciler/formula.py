@@ -147,7 +147,7 @@ PhaseMoment = tuple  # (int, Phase, str, int)
 
 def parse_at(at: Any) -> "str | PhaseMoment":
     """``"peak"``, ``"steady"``, or a phase's moment ``(step, phase, "start"|"peak"|"end"[, occurrence])``,
-    the vocabulary of :meth:`memprof.Report.at` (a negative step counts from the end)."""
+    the vocabulary of :meth:`memprof.Report.breakdown` (a negative step counts from the end)."""
     if isinstance(at, tuple):
         if len(at) not in (3, 4):
             raise InvalidArgumentError(

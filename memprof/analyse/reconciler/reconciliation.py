@@ -82,11 +82,12 @@ class Reconciliation:
     ``rows`` hold the figures; ``causes`` the named parts of the gaps;
     :attr:`explanations` adds one "unexplained" entry per category for what the
     causes leave; ``textbook`` the literature's figure for this run beside the
-    formula column, with the causes of their difference. Plain data:
+    formula column, with the causes of their difference. ``at`` is the moment compared (``"peak"``,
+    ``"steady"``, or a phase's moment in words), ``where`` that moment in the run's words. Plain data:
     :class:`memprof.Reconciliation` prints it as a table and gives ``to_frame()``.
     """
 
-    moment: str
+    at: str
     where: str
     precision: str
     optimizer: "str | None"
@@ -95,18 +96,6 @@ class Reconciliation:
     textbook: Textbook
     notes: tuple[str, ...] = ()
     _advice: tuple[str, ...] = field(default=(), repr=False)
-
-    @property
-    def textbook_bytes_per_param(self) -> "float | None":
-        """Model states per parameter as the literature quotes them for this run (18 for AdamW under
-        torch.autocast: HF's mixed precision); ``None`` without a bytes/param row for the optimizer."""
-        return self.textbook.bytes_per_param
-
-    @property
-    def formula_bytes_per_param(self) -> "float | None":
-        """Model states per parameter in the formula column (16 for AdamW under torch.autocast, which keeps
-        no persistent 16-bit weights); :attr:`textbook` names what separates the two."""
-        return self.textbook.formula_bytes_per_param
 
     def row(self, category: "Category | str") -> Row:
         cat = Category.parse(category)
@@ -162,7 +151,7 @@ def reconcile(
     state exists; ``at=(step, phase, moment)`` (``moment`` ``"start"``,
     ``"peak"`` or ``"end"``, an optional fourth value the occurrence, a negative
     step counting from the end) that moment of one phase, as
-    :meth:`memprof.Report.at` names it: ``at=(-1, "forward", "end")`` holds
+    :meth:`memprof.Report.breakdown` names it: ``at=(-1, "forward", "end")`` holds
     the activations against the closed form when the run peaks elsewhere. ``precision`` (``fp32``, ``mixed``, ``amp``, ``bf16``,
     ``fp16``, ``zero``) and ``optimizer`` (a name as in
     :func:`memprof.anatomy.bytes_per_param`) override what is inferred from
@@ -217,6 +206,5 @@ def reconcile(
     textbook = textbook_at(trace, at, precision=precision_used, optimizer=optimizer, transformer=transformer)
     from .advice import advice
 
-    moment = at if isinstance(at, str) else where
-    return Reconciliation(moment, where, precision_used, opt_name, rows, causes(ctx), textbook, tuple(notes),
-                          tuple(advice(trace, measured, precision_used, opt_name)))
+    return Reconciliation(at if isinstance(at, str) else where, where, precision_used, opt_name, rows, causes(ctx),
+                          textbook, tuple(notes), tuple(advice(trace, measured, precision_used, opt_name)))
