@@ -332,7 +332,7 @@ def test_a_budget_beyond_what_the_planner_can_search_is_refused_before_simulatin
     assert calls == []
     # At the limit the search runs to its end: the answer fits, the next multiple does not.
     plan = memprof.max_batch_size(model, None, batch, limit, loss_fn=nn.functional.cross_entropy)
-    assert plan.verified and plan.predicted_peak <= limit < dict(plan.points)[plan.batch_size + 8]
+    assert plan.verified and plan.peak_bytes <= limit < dict(plan.points)[plan.batch_size + 8]
     assert memprof.simulate.planner.MAX_BUDGET == limit
 
 
