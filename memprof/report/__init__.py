@@ -1,9 +1,10 @@
 """The facade, top floor: the only place that pairs results with their renderers.
 
 The floors below return plain data (a :class:`~memprof.record.trace.Trace`, a reconciliation, a diff, an
-estimate); each class here is that data's subclass with the views a user reads added as one-line
-delegations to :mod:`memprof.render` and :mod:`memprof.analyse` (``print()``, ``_repr_html_``,
-``to_frame()``, ``plot()``, ``report()`` ...), and each public function returns one of them:
+estimate). :class:`Report` wraps a Trace, and each result class here is its data class's subclass; both add
+the views a user reads as one-line delegations to :mod:`memprof.render` and :mod:`memprof.analyse`
+(``print()``, ``_repr_html_``, ``to_frame()``, ``plot()``, ``report()`` ...), and each public function
+returns one of them:
 
 * :mod:`.reports` -- :class:`Report` and :func:`load`;
 * :mod:`.comparison` -- :func:`diff` and :class:`Diff`;
