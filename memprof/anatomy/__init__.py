@@ -36,7 +36,6 @@ from .alloc_replay import ReplayResult, replay
 from .allocator import (
     CUDA_CONTEXT_RANGE,
     CachingAllocator,
-    CachingAllocatorModel,
     cublas_workspace_bytes,
     pool_of,
     round_size,
@@ -109,7 +108,6 @@ __all__ = [
     "segment_size",
     "cublas_workspace_bytes",
     "CUDA_CONTEXT_RANGE",
-    "CachingAllocatorModel",
     "CachingAllocator",
     "AllocatorConfig",
     "replay",
