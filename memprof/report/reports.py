@@ -239,7 +239,7 @@ class Report:
         return self.to_text()
 
     def __repr__(self) -> str:
-        return (f"<memprof.Report steps={self.num_steps} peak={format_bytes(self.peak.total)} "
+        return (f"<memprof.Report num_steps={self.num_steps} peak={format_bytes(self.peak.total)} "
                 f"mode={self.trace.mode}>")
 
 
