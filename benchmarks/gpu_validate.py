@@ -210,7 +210,7 @@ def validate_case(acc: Any, model_name: str, precision: str, optimizer: str, ste
                                targets=case.targets, loss_fn=case.loss_fn, device="cuda",
                                precision="amp" if precision == "amp" else None, steps=steps)
         res["estimate_cuda"] = {"peak_bytes": est.peak_bytes,
-                                "simulated": {c.value: est.simulated[c] for c in memprof.Category},
+                                "simulated": {c.value: est.peak[c] for c in memprof.Category},
                                 "notes": list(est.notes)}
     except Exception as exc:
         res["estimate_cuda"] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -346,10 +346,7 @@ class PhaseTracker:
         if phases:
             tail = all(p.phase is Phase.OTHER for p in phases)
             if tail and last is not None:
-                extra = tuple(dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
-                    1 for q in last.phases if q.phase is p.phase)) for p in phases)
-                self.retention.replace_last(StepRecord(last.index, last.phases + extra))
-                self.retention.add_phases(extra)
+                _join_last(self.retention, last, phases)
             elif tail and step > 0 and gate is not None:
                 # The tail of a schedule's warmup step, closed early by end_step() (a callback at the step's
                 # end): forgotten with that step, never a step of its own that did not run.
@@ -363,3 +360,10 @@ class PhaseTracker:
         self.step_phases = []
         return self.retention.records()
 
+
+def _join_last(retention: Retention, last: StepRecord, phases: "list[PhaseRecord]") -> None:
+    """A trailing step holding only "other" phases: they join the last kept step, numbered after its own."""
+    extra = tuple(dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
+        1 for q in last.phases if q.phase is p.phase)) for p in phases)
+    retention.replace_last(StepRecord(last.index, last.phases + extra))
+    retention.add_phases(extra)

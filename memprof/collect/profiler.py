@@ -46,7 +46,6 @@ from .undo import UndoStack
 from .wiring import Collectors, wire
 
 if TYPE_CHECKING:
-    from ..report import Report
     from .schedule import Schedule
 
 __all__ = ["Profiler", "profile"]
@@ -372,12 +371,6 @@ class Profiler:
                 "the error to memprof if it recurs"
             )
         return closing.trace
-
-    def report(self) -> "Report":
-        """The :class:`memprof.Report` built on :attr:`trace`."""
-        from ..report import Report
-
-        return Report(self.trace)
 
     @property
     def window(self) -> "tuple[int, int] | None":

@@ -315,29 +315,6 @@ def _peak_step(data: Mapping[str, Any]) -> "int | None":
     return step
 
 
-# -- moments: one vocabulary for "at which instant", the ``at=`` of every API -----------------------
-
-#: A phase's (or the run's) highest total, its first and its last moment.
-PEAK, START, END = "peak", "start", "end"
-#: The end of the last optimizer step: every model state exists (reconciliation only).
-STEADY = "steady"
-#: Where each API reads its figures: a phase or the run (Report.at, breakdown_frame, diff), a budget
-#: (check_budget, the memory_budget marker), a reconciliation.
-PHASE_MOMENTS = (PEAK, START, END)
-BUDGET_MOMENTS = (PEAK, END)
-RECONCILE_MOMENTS = (PEAK, STEADY)
-
-
-def parse_moment(value: Any, allowed: tuple[str, ...], name: str = "at") -> str:
-    """``value`` if it is one of ``allowed`` moments; else an InvalidArgumentError that lists them."""
-    from ..errors import InvalidArgumentError
-
-    if isinstance(value, str) and value.strip().lower() in allowed:
-        return value.strip().lower()
-    natural = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
-    raise InvalidArgumentError(f"{name} must be {natural} (one of {', '.join(allowed)}), got {value!r}")
-
-
 def parent_path(path: str) -> str:
     """The path of a module's parent in the model's tree ("" for the root's children and the root)."""
     return path.rpartition(".")[0]

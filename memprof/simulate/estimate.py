@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..anatomy.params import infer_precision
 from ..errors import InvalidArgumentError, MemprofError, SimulationError, UnknownNameError
 from .autocast import CudaAutocast
 from .modes import Rules
@@ -40,14 +41,9 @@ _MIXED = {"mixed": torch.bfloat16, "amp": torch.bfloat16, "mixed-fp16": torch.fl
 
 @dataclass(frozen=True)
 class Estimate:
-    """A simulated run: its :class:`~memprof.Trace` and the formula breakdown beside it.
-
-    ``simulated`` is the composition at the simulated peak; ``formula`` is the
-    formula breakdown for the same model and optimizer at that moment (``None``
-    for categories without a formula), the one a reconciliation of the run shows;
-    ``textbook`` the literature's figure beside it; ``notes`` say what the
-    simulation could not reproduce.
-    """
+    """A simulated run: its :class:`~memprof.record.trace.Trace`, the precision and device it was simulated
+    for, and ``notes`` that say what the simulation could not reproduce. Plain data: ``memprof.estimate``
+    returns it with its formula column, text and report (:mod:`memprof.report`)."""
 
     trace: Trace
     precision: str
@@ -55,7 +51,8 @@ class Estimate:
     notes: tuple[str, ...] = ()
 
     @property
-    def simulated(self) -> Breakdown:
+    def peak(self) -> Breakdown:
+        """The composition at the simulated peak (as :attr:`memprof.Report.peak` is a run's)."""
         return self.trace.peak
 
     @property
@@ -63,40 +60,6 @@ class Estimate:
         """Simulated peak bytes (rounded as the target device's allocator rounds)."""
         assert self.trace.peak.total is not None
         return self.trace.peak.total
-
-    @property
-    def formula(self) -> Breakdown:
-        """The formula breakdown at the simulated peak: the one ``est.report().reconcile()`` shows there.
-
-        Its regime is read from the simulated run, as the reconciliation reads it: under ``"mixed"``
-        (torch.autocast over fp32 parameters) that is 4 B/param of weights, as torch holds them;
-        :attr:`textbook` gives the figure the literature quotes beside it.
-        """
-        from ..analyse.reconciler import formula_at
-
-        # No precision of its own: `precision` is the user's word for the configuration ("mixed", "amp",
-        # "mixed-fp16" are one regime of bytes), and any choice here could differ from the reconciliation's.
-        return formula_at(self.trace, "peak")
-
-    @property
-    def textbook(self) -> "Any":
-        """The :class:`~memprof.analyse.reconciler.Textbook` at the simulated peak: the literature's model states for
-        this configuration (HF's 18 B/param for mixed-precision AdamW) beside :attr:`formula`, and the named
-        causes of their difference in bytes."""
-        from ..analyse.reconciler import textbook_at
-
-        return textbook_at(self.trace, "peak")
-
-    def report(self) -> "Any":
-        """The :class:`~memprof.Report` of the simulated run."""
-        from ..report import Report
-
-        return Report(self.trace)
-
-    def __str__(self) -> str:
-        from ..render.text import estimate_text
-
-        return estimate_text(self)
 
 
 def estimate(
@@ -205,7 +168,7 @@ def estimate(
         notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
                      "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
                      "skip on overflow are taken")
-    resolved = precision or _infer_precision(prof.trace)
+    resolved = precision or infer_precision(prof.trace)
     trace = prof.trace
     if layout is not None:
         trace = layout.finish(trace)
@@ -516,9 +479,3 @@ class _ScalerSteps:
         del by_dtype, inv_scale
         optimizer.step()
         torch._amp_update_scale_(self._scale, self._growth, found_inf, 2.0, 0.5, 2000)
-
-
-def _infer_precision(trace: Trace) -> str:
-    from ..analyse.reconciler import infer_precision
-
-    return infer_precision(trace)

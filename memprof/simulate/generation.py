@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, MemprofError
-from .estimate import Estimate, _infer_precision, _simulation_error, _Target
+from ..anatomy.params import infer_precision
+from .estimate import Estimate, _simulation_error, _Target
 
 __all__ = ["estimate_generation"]
 
@@ -112,7 +113,7 @@ def estimate_generation(
                      f"to their length directly, and the last call ran on it (each decode call is the same "
                      f"computation on a cache one token longer)")
     notes.extend(setup.rule_notes())
-    resolved = precision or _infer_precision(prof.trace)
+    resolved = precision or infer_precision(prof.trace)
     return Estimate(trace=prof.trace, precision=resolved, device=setup.target.type, notes=tuple(notes))
 
 

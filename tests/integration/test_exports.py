@@ -287,7 +287,7 @@ def test_torch_memory_viz_reads_the_snapshot(run, tmp_path):
 def test_html_report_is_self_contained(run, tmp_path):
     report = run[0]
     path = tmp_path / "report.html"
-    report.to_html(path)
+    report.export_html(path)
     page = path.read_text()
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     assert "<script" not in page and " src=" not in page and " href=" not in page and "@import" not in page
@@ -307,7 +307,7 @@ def test_html_report_of_a_large_model_stays_under_2_mb(tmp_path):
             opt.step()
             opt.zero_grad()
     path = tmp_path / "big.html"
-    prof.report().to_html(path)
+    prof.report().export_html(path)
     assert len(prof.report().trace.timeline) > 5000  # many more moments than the SVG draws
     assert os.path.getsize(path) < 2 * 1024 * 1024
 
@@ -323,7 +323,7 @@ def _chromium():
                     "(apt-get install -y chromium) to run the browser test")
 def test_html_report_renders_in_a_real_browser(run, tmp_path):
     path = tmp_path / "report.html"
-    run[0].to_html(path)
+    run[0].export_html(path)
     cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
            f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", path.as_uri()]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
@@ -344,7 +344,7 @@ def test_nothing_measured_is_refused_and_no_file_is_written(tmp_path):
     with memprof.profile(model) as prof:
         pass
     report = prof.report()
-    for how, name in (("export_chrome_trace", "c.json"), ("export_memory_viz", "m.pickle"), ("to_html", "r.html")):
+    for how, name in (("export_chrome_trace", "c.json"), ("export_memory_viz", "m.pickle"), ("export_html", "r.html")):
         with pytest.raises(NotMeasuredError, match="nothing to export"):
             getattr(report, how)(tmp_path / name)
         assert not (tmp_path / name).exists()
@@ -376,7 +376,7 @@ def test_a_run_of_many_phases_stays_a_small_page(tmp_path):
     report = prof.report()
     assert len(report.trace.phases) > 1800
     page = (tmp_path / "r.html")
-    report.to_html(page)
+    report.export_html(page)
     text = page.read_text()
     # Phase bands under a pixel are merged or left out: at most about one per pixel column.
     assert text.count('fill-opacity="0.10"') <= 720 and os.path.getsize(page) < 2 * 1024 * 1024

@@ -273,7 +273,7 @@ def _temporaries_holding(make):
         held = make()  # alive across the backward
         loss.backward()
     assert held.untyped_storage().nbytes() == 4000
-    return prof.report().at(0, "backward", "end")
+    return prof.report().breakdown(0, "backward", "end")
 
 
 @pytest.mark.parametrize("grow", ["resize_", "out="])
@@ -317,7 +317,7 @@ def _loss_saved(hooks):
             # (one 320-byte storage); nll_loss also saves the targets (inputs: made before the profile).
             loss = F.cross_entropy(out, y)
         loss.backward()
-    return prof.report().at(0, "backward", "start")
+    return prof.report().breakdown(0, "backward", "start")
 
 
 def test_what_the_loss_saves_under_the_users_hooks_is_an_activation():

@@ -47,7 +47,7 @@ def test_light_mode_measures_temporaries_on_cuda():
     with memprof.profile(model, opt, mode="light") as prof:
         _step(model, opt, x, y)
         _step(model, opt, x, y)
-    peak = prof.report().at(1, "backward", "peak")
+    peak = prof.report().breakdown(1, "backward", "peak")
     assert peak[C.TEMPORARIES] is not None
     assert peak.total is not None and peak.total > 0
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import memprof
 from memprof.vocabulary import Category
-from memprof.analyse.compare import Diff, diff
+from memprof import Diff, diff
 from memprof.errors import InvalidArgumentError, MemprofError, NotMeasuredError
 from memprof.render.html import frame_html, report_html
 from memprof.errors import MissingExtraError
@@ -344,7 +344,7 @@ def test_diff_unmatched_phases_paths_and_notes(mlp8, light8, tmp_path):
     with pytest.raises(InvalidArgumentError):
         diff(mlp8, 3)
     with pytest.raises(InvalidArgumentError):
-        diff(mlp8, mlp8, when="middle")
+        diff(mlp8, mlp8, at="middle")
     with pytest.raises(InvalidArgumentError):
         d.grew(tolerance=-1)
 

@@ -99,7 +99,7 @@ def test_cb_stop_after_a_failed_train_never_raises_when_the_save_fails(tmp_path,
 
 def test_a_report_that_cannot_be_built_is_a_warning_not_the_end_of_training(tmp_path, monkeypatch):
     from memprof.integrations.transformers import MemprofCallback
-    from memprof.collect.profiler import Profiler
+    from memprof.report.profiling import Profiler
 
     plain = _hf_train(tmp_path / "plain", [])
 

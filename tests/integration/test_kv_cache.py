@@ -138,7 +138,7 @@ def test_an_evaluation_loop_whose_outputs_carry_a_cache_stays_a_forward():
     # The training formula is untouched: the forward's activations have their per-module formula, and the
     # textbook counts training bytes/param (fp32 AdamW: 16).
     rec = rep.reconcile(at=(0, "forward", "end"))
-    assert rec.row("activations").formula > 0 and rec.textbook_bytes_per_param == 16.0
+    assert rec.row("activations").formula > 0 and rec.textbook.bytes_per_param == 16.0
 
 
 def test_a_long_generation_ends_with_its_cache():

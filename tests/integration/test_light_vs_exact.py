@@ -44,11 +44,11 @@ def test_light_mode_matches_exact_mode_except_what_only_code_outside_the_model_u
     for step in (0, 1):
         for phase in ("forward", "backward", "optimizer"):
             for moment in ("start", "end"):
-                f, li = exact.at(step, phase, moment), light.at(step, phase, moment)
+                f, li = exact.breakdown(step, phase, moment), light.breakdown(step, phase, moment)
                 for cat in SHARED:
                     assert li[cat] == f[cat], (step, phase, moment, cat)
                 assert li[C.TEMPORARIES] is None and li.total is None  # no allocator counter on CPU
-    f, li = exact.at(1, "forward", "end"), light.at(1, "forward", "end")
+    f, li = exact.breakdown(1, "forward", "end"), light.breakdown(1, "forward", "end")
     # Inputs. Exact mode: x handed to the model, y handed to the loss, acc used by `acc +=` after step 0:
     # 16*32*4 + 16*8 + 4. Light mode: what is handed to the model's modules, x.
     assert f[C.INPUTS] == x.nbytes + y.nbytes + 4 == 2048 + 128 + 4

@@ -154,8 +154,8 @@ def _a_new_profile_measures(model, opt, x, y, mode):
     before = hook_registry(model, [opt], [x, y])
     with memprof.profile(model, opt, mode=mode) as again:
         _train(model, opt, x, y)
-    assert again.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
-    assert again.report().at(0, "forward", "end")[C.ACTIVATIONS] > 0
+    assert again.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert again.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] > 0
     assert hook_registry(model, [opt], [x, y]) == before
 
 
@@ -304,7 +304,7 @@ def test_an_optimizer_that_fails_to_describe_itself_with_an_unprintable_error_le
         model(x).sum().backward()
         opt.step()
     rep = prof.report()
-    assert rep.at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert rep.breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
     assert "could not record Odd for its formula: Unprintable: <its message could not be read: str() raised " \
            "ValueError>" in rep.trace.notes
 
@@ -324,7 +324,7 @@ def test_a_saved_tensor_pack_whose_name_cannot_be_read_still_trains():
         with torch.autograd.graph.saved_tensors_hooks(Pack(), lambda t: t):
             model(x).sum().backward()
     assert any("saved_tensors_hooks of your own were active (Pack)" in n for n in prof.trace.notes)
-    assert prof.report().at(0, "forward", "end")[C.ACTIVATIONS] == 2 * 4 * 64 * 4  # the two ReLU outputs
+    assert prof.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] == 2 * 4 * 64 * 4  # the two ReLU outputs
 
 
 # ------------------------------------------------------------------ memprof's own failures, the user's callback
@@ -341,7 +341,7 @@ def test_a_failure_of_memprof_at_exit_is_a_warning_and_a_note_and_the_record_sta
                 raise err
     assert fired == [1] and info.value is err
     assert any("memprof failed while recording what was live at the error" in n for n in prof.trace.notes)
-    assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
 
 
 def test_a_failure_to_build_the_record_says_so_when_it_is_read(monkeypatch):
@@ -374,7 +374,7 @@ def test_on_trace_ready_raising_at_the_end(body_raises):
     assert info.value is (body if body_raises else theirs)
     model.zero_grad(set_to_none=True)
     assert hook_registry(model, tensors=[x]) == before
-    assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
     assert body_raises == any("on_trace_ready" in str(w.message) for w in caught)
 
 
@@ -388,7 +388,7 @@ def test_an_interrupt_while_closing_is_raised_after_everything_is_removed(monkey
     assert fired == [1]
     model.zero_grad(set_to_none=True)
     assert hook_registry(model, tensors=[x]) == before
-    assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
 
 
 @pytest.mark.parametrize("step", UNDO_STEPS + RECORD_STEPS, ids=lambda s: f"{getattr(s[0], '__name__', s[0])}.{s[1]}")

@@ -314,7 +314,7 @@ def test_a_failed_estimate_leaves_no_emulated_autocast_behind():
             y = self.lin(x)
             return y * 2 if y.sum() > 0 else y
 
-    with pytest.raises(memprof.SimulationError):
+    with pytest.raises(memprof.errors.SimulationError):
         memprof.estimate(ReadsValues(), None, inputs=torch.randn(4, 16), device="cuda", precision="mixed")
     assert emulated_autocast_dtype() is None
     assert not torch.is_autocast_enabled("cuda")

@@ -23,7 +23,7 @@ from ...anatomy.zero import STAGES
 
 if TYPE_CHECKING:
     from ...record.parts import ModelFacts, RankInfo
-    from .causes import Context
+    from .context import Context
 
 __all__ = ["zero_stage", "rank_shares", "shard_formula", "sharding_gaps"]
 
