@@ -33,10 +33,6 @@ __all__ = [
     "Trace",
     "as_trace",
     "parent_path",
-    "parse_moment",
-    "PHASE_MOMENTS",
-    "BUDGET_MOMENTS",
-    "RECONCILE_MOMENTS",
 ]
 
 #: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
