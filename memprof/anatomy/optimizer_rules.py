@@ -293,7 +293,8 @@ def _register_torch() -> None:
     register_optimizer_formula(optim.SGD, OptimizerFormula("SGD", src.format("sgd"), _sgd_state, _sgd_transient))
     register_optimizer_formula(
         optim.Adagrad,
-        OptimizerFormula("Adagrad", src.format("adagrad"), _adagrad_state, _adagrad_transient, state_for_all_params=True),
+        OptimizerFormula("Adagrad", src.format("adagrad"), _adagrad_state, _adagrad_transient,
+                         state_for_all_params=True),
     )
     register_optimizer_formula(
         optim.RMSprop, OptimizerFormula("RMSprop", src.format("rmsprop"), _rmsprop_state, _rmsprop_transient)
