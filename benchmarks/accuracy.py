@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from _machine import command_line, cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import command_line, cpu_model, write_results  # benchmarks run as scripts from this folder
 
 import torch
 import torch.nn.functional as F
@@ -201,7 +201,8 @@ def build_case(name: str, quick: bool = False, device: "str | torch.device" = "c
         model = _cnn(channels)
         x = torch.randn(batch, 3, hw, hw, generator=g)
         y = torch.randint(0, 10, (batch,), generator=g)
-        desc = f"3 x (conv3x3 + BatchNorm2d + ReLU), channels {channels}, input 3x{hw}x{hw}, batch {batch}, cross-entropy"
+        desc = (f"3 x (conv3x3 + BatchNorm2d + ReLU), channels {channels}, input 3x{hw}x{hw}, batch {batch}, "
+                "cross-entropy")
         case = Case(name, desc, model, x, y, F.cross_entropy)
     elif name == "lstm":
         vocab, emb, hidden, layers, seq, batch = (1000, 64, 128, 2, 32, 8) if not quick else (50, 8, 16, 2, 8, 2)
@@ -415,7 +416,8 @@ def _unexplained_total(r: dict[str, Any], at: str) -> int:
 
 def summary_table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | precision | optimizer | measured peak | simulated peak | sim. vs meas. | W / G / O formula gap, steady "
+        "| model | precision | optimizer | measured peak | simulated peak | sim. vs meas. "
+        "| W / G / O formula gap, steady "
         "| activations: formula vs measured (end of forward) | unexplained at peak | unexplained at steady |",
         "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
@@ -435,8 +437,8 @@ def detail_tables(results: list[dict[str, Any]]) -> str:
         rs = [r for r in results if r["model"] == model]
         out.append(f"#### {model}: {rs[0]['description']}, {rs[0]['parameters']:,} parameters")
         out.append("")
-        out.append("At the peak, per category: formula / simulated / measured (unexplained part of the gap in brackets, "
-                   "when not 0).")
+        out.append("At the peak, per category: formula / simulated / measured "
+                   "(unexplained part of the gap in brackets, when not 0).")
         out.append("")
         out.append("| precision | optimizer | peak at | " + " | ".join(TENSOR_CATEGORIES) + " |")
         out.append("| --- | --- | --- | " + " | ".join("---" for _ in TENSOR_CATEGORIES) + " |")
@@ -450,7 +452,8 @@ def detail_tables(results: list[dict[str, Any]]) -> str:
                 if v["unexplained"]:
                     cell += f" ({_gap_cell(v['unexplained'])})"
                 cells.append(cell)
-            out.append(f"| {r['precision']} | {r['optimizer']} | step {w['step']} {w['phase']} | " + " | ".join(cells) + " |")
+            out.append(f"| {r['precision']} | {r['optimizer']} | step {w['step']} {w['phase']} | "
+                       + " | ".join(cells) + " |")
         out.append("")
         out.append("Named causes at the peak (bytes, as they add to measured − formula):")
         out.append("")

@@ -29,7 +29,7 @@ import random
 import sys
 import time
 
-from _machine import command_line, cpu_model, import_memprof, write_results  # noqa: E402  (run as a script)
+from _machine import command_line, cpu_model, import_memprof, write_results  # run as a script
 
 HIDDEN, LAYERS, FFN, BYTES = 4096, 32, 11008, 2
 
@@ -71,7 +71,8 @@ def transformer_events(n_events: int, seed: int = 0) -> list[tuple]:
                 free(k)
             free(grad_in)
         if not grads:
-            grads = [alloc(n * BYTES) for _ in range(LAYERS) for n in (4 * HIDDEN * HIDDEN, 3 * HIDDEN * FFN, HIDDEN, HIDDEN)]
+            grads = [alloc(n * BYTES) for _ in range(LAYERS)
+                     for n in (4 * HIDDEN * HIDDEN, 3 * HIDDEN * FFN, HIDDEN, HIDDEN)]
         step_tmp = alloc(sum(4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN for _ in range(LAYERS)) * BYTES // 8)
         free(step_tmp)
     del weights
@@ -106,7 +107,8 @@ def main(argv: "list[str] | None" = None) -> None:
     lines = ["| config | events | seconds (wall) | seconds (CPU) | events/s (wall) | peak allocated (GiB) | "
              "peak reserved (GiB) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['events']:,} | {r['seconds']} | {r['cpu_seconds']} | {r['events_per_second']:,} | "
+        lines.append(f"| {r['config']} | {r['events']:,} | {r['seconds']} | {r['cpu_seconds']} "
+                     f"| {r['events_per_second']:,} | "
                      f"{r['peak_allocated'] / 2**30:.2f} | {r['peak_reserved'] / 2**30:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)

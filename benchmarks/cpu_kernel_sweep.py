@@ -44,7 +44,7 @@ import unittest
 import warnings
 from typing import Any
 
-from _machine import command_line, import_memprof, write_results  # noqa: E402  (run as a script from this folder)
+from _machine import command_line, import_memprof, write_results  # run as a script from this folder
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -274,7 +274,7 @@ def sweep(names: "set[str] | None", dtypes: list[torch.dtype], backward: bool, r
             for with_grad in (False, True) if grad else (False,):
                 try:
                     samples = list(op.sample_inputs("cpu", dtype, requires_grad=with_grad))
-                except Exception:  # noqa: BLE001  (a sample generator torch's own tests skip on this build)
+                except Exception:  # a sample generator torch's own tests skip on this build
                     result.real_failed[name] += 1
                     continue
                 for sample in _spread(samples, most):
@@ -291,12 +291,12 @@ def _one(result: _Sweep, op: Any, name: str, dtype: torch.dtype, sample: Any, gr
     """One sample, really and on fake tensors (with and without the rules), into ``result``."""
     try:
         real = _record_real(op, sample, grad)
-    except Exception:  # noqa: BLE001  (a sample this kernel refuses: nothing to compare)
+    except Exception:  # a sample this kernel refuses: nothing to compare
         result.real_failed[name] += 1
         return
     try:
         fake = _record_fake(op, sample, grad, None)
-    except Exception:  # noqa: BLE001  (no fake kernel, data-dependent shapes: not simulable)
+    except Exception:  # no fake kernel, data-dependent shapes: not simulable
         result.fake_failed[name] += 1
         return
     ruled = None
@@ -304,7 +304,7 @@ def _one(result: _Sweep, op: Any, name: str, dtype: torch.dtype, sample: Any, gr
     if rules is not None and any(func in rules.ops for func, _ in real + fake):
         try:
             ruled = _record_fake(op, sample, grad, rules.mode)
-        except Exception:  # noqa: BLE001  (a rule that breaks a fake kernel: reported, and the exit status is 1)
+        except Exception:  # a rule that breaks a fake kernel: reported, and the exit status is 1
             result.ruled_failed[name] += 1
             return
     elif rules is not None:
@@ -314,7 +314,7 @@ def _one(result: _Sweep, op: Any, name: str, dtype: torch.dtype, sample: Any, gr
 
 
 def _markdown(result: _Sweep, command: str, seconds: float) -> str:
-    lines = [f"# CPU kernels against shape-only kernels: output storage bytes", "",
+    lines = ["# CPU kernels against shape-only kernels: output storage bytes", "",
              f"`{command}`, torch {torch.__version__}, {seconds:.0f} s; {result.samples} samples compared "
              f"({sum(result.fake_failed.values())} not runnable on fake tensors, "
              f"{sum(n for n, _ in result.diverged.values())} calling other ops on fake tensors).", "",

@@ -45,7 +45,8 @@ import sys
 import time
 from typing import Any
 
-from _machine import command_line, cpu_model, import_memprof, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+# benchmarks run as scripts from this folder
+from _machine import command_line, cpu_model, import_memprof, write_results
 
 CONFIGS: dict[str, dict[str, int]] = {
     # TinyLlama-1.1B (config.json of TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T).
@@ -277,13 +278,15 @@ def markdown(results: list[dict[str, Any]]) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {r['config']} | {r['parameters'] / 1e9:.3f} B | {r['seq']} × {r['batch']} | {r['seconds_estimate']:.1f} s "
+            f"| {r['config']} | {r['parameters'] / 1e9:.3f} B | {r['seq']} × {r['batch']} "
+            f"| {r['seconds_estimate']:.1f} s "
             f"| {r['ops_dispatched']:,} | {r['ru_maxrss_kib'] / 2**20:.2f} GiB | "
             f"{_gib((r['vmhwm_kib'] or 0) * 1024)} | {_gib((r['rss_after_import_kib'] or 0) * 1024)} |")
     prec = results[0].get("precision", "bf16") if results else "bf16"
     ws, par = (results[0].get("world_size", 1), results[0].get("parallel")) if results else (1, None)
     if par:
-        prec += f"; one rank of {ws} under {par}, communication {', '.join(_gib(r['simulated_at_peak'].get('communication')) for r in results)} at the peak"
+        communication = ", ".join(_gib(r["simulated_at_peak"].get("communication")) for r in results)
+        prec += f"; one rank of {ws} under {par}, communication {communication} at the peak"
     lines += ["", f"Predicted for a CUDA target ({prec}, AdamW foreach), at the simulated peak "
               "and at the end of the last optimizer step (steady), next to the textbook:", "",
               "| config | simulated peak (where) | weights | gradients | optimizer states | activations "
@@ -296,8 +299,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
         steady = sum(st.get(c) or 0 for c in ("weights", "gradients", "optimizer_states")) if st else None
         w = r["predicted_peak_where"]
         lines.append(
-            f"| {r['config']} | {_gib(r['predicted_peak_bytes'])} (step {w['step']} {w['phase']}) | {_gib(s['weights'])} "
-            f"| {_gib(s['gradients'])} | {_gib(s['optimizer_states'])} | {_gib(s['activations'])} "
+            f"| {r['config']} | {_gib(r['predicted_peak_bytes'])} (step {w['step']} {w['phase']}) "
+            f"| {_gib(s['weights'])} | {_gib(s['gradients'])} | {_gib(s['optimizer_states'])} "
+            f"| {_gib(s['activations'])} "
             f"| {_gib(s['temporaries'])} | {_gib(steady)} | {_gib(r['textbook_model_states_bytes'])} "
             f"| {_gib(r.get('simulated_forward_end_activations'))} | {_gib(r['korthikanti_activations_bytes'])} |")
     return "\n".join(lines) + "\n"
@@ -343,7 +347,8 @@ def main(argv: "list[str] | None" = None) -> int:
         "memprof": memprof.__version__, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command_line(__file__, argv),
     }
-    print(f"# {cpu}, torch {torch.__version__}; configs {', '.join(configs)}, seq {seq}, batch {args.batch}", flush=True)
+    print(f"# {cpu}, torch {torch.__version__}; configs {', '.join(configs)}, seq {seq}, batch {args.batch}",
+          flush=True)
     results, failures = [], []
     for c in configs:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", c, "--seq", str(seq), "--batch", str(args.batch),
@@ -366,8 +371,9 @@ def main(argv: "list[str] | None" = None) -> int:
         results.append(r)
         print(f"{c}: {r['parameters'] / 1e9:.4f} B params; estimate {r['seconds_estimate']:.1f} s; "
               f"peak RSS {r['ru_maxrss_kib'] / 2**20:.2f} GiB (VmHWM {(r['vmhwm_kib'] or 0) / 2**20:.2f} GiB); "
-              f"predicted peak {_gib(r['predicted_peak_bytes'])}; textbook {r['bytes_per_param_adamw']:g} B/param × N = "
-              f"{_gib(r['textbook_model_states_bytes'])}", flush=True)
+              f"predicted peak {_gib(r['predicted_peak_bytes'])}; "
+              f"textbook {r['bytes_per_param_adamw']:g} B/param × N = {_gib(r['textbook_model_states_bytes'])}",
+              flush=True)
         if r.get("cprofile_top"):
             print(r["cprofile_top"], flush=True)
 

@@ -27,7 +27,8 @@ import sys
 import time
 from typing import Any
 
-from _machine import command_line, cpu_model, import_memprof, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+# benchmarks run as scripts from this folder
+from _machine import command_line, cpu_model, import_memprof, write_results
 
 CONFIGS: dict[str, dict[str, int]] = {
     "70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=32000, positions=8192),
@@ -84,13 +85,15 @@ def _gib(n: float) -> str:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    lines = ["| config | batch × (prompt + new) | `estimate_generation()` wall time | peak RSS | simulated peak (phase) "
-             "| weights | KV cache at the end (simulated) | KV cache formula | last decode's temporaries |",
+    lines = ["| config | batch × (prompt + new) | `estimate_generation()` wall time | peak RSS "
+             "| simulated peak (phase) | weights | KV cache at the end (simulated) | KV cache formula "
+             "| last decode's temporaries |",
              "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in results:
         lines.append(
-            f"| {r['config']} | {r['batch']} × ({r['prompt_len']} + {r['max_new_tokens']}) | {r['seconds_estimate']:.1f} s "
-            f"| {r['ru_maxrss_kib'] / 2**20:.2f} GiB | {_gib(r['predicted_peak_bytes'])} ({r['peak_phase']}) "
+            f"| {r['config']} | {r['batch']} × ({r['prompt_len']} + {r['max_new_tokens']}) "
+            f"| {r['seconds_estimate']:.1f} s | {r['ru_maxrss_kib'] / 2**20:.2f} GiB "
+            f"| {_gib(r['predicted_peak_bytes'])} ({r['peak_phase']}) "
             f"| {_gib(r['weights_bytes'])} | {_gib(r['kv_cache_end_bytes'])} | {_gib(r['kv_cache_formula_bytes'])} "
             f"| {_gib(r['decode_peak_temporaries_bytes'])} |")
     return "\n".join(lines) + "\n"

@@ -227,7 +227,8 @@ def validate_case(acc: Any, model_name: str, precision: str, optimizer: str, ste
             checks[f"{mode}_model_states_equal_tensor_sums"] = all(end.get(k) == v for k, v in sums.items())
             if r.get("nvml_minus_reserved") is not None and end.get("outside_torch") is not None:
                 checks[f"{mode}_outside_torch_vs_nvml_minus_reserved"] = end["outside_torch"] - r["nvml_minus_reserved"]
-            oh, res_end, alloc_end = end.get("allocator_overhead"), r.get("memory_reserved_end"), r.get("memory_allocated_end")
+            oh = end.get("allocator_overhead")
+            res_end, alloc_end = r.get("memory_reserved_end"), r.get("memory_allocated_end")
             if oh is not None and res_end is not None:
                 checks[f"{mode}_overhead_end_vs_reserved_minus_allocated"] = oh - (res_end - alloc_end)
     est_peak = res.get("estimate_cuda", {}).get("peak_bytes")
@@ -255,7 +256,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
         "",
         "| model | precision | optimizer | bare max_allocated | bare max_reserved | inactive split (end) "
         "| NVML used | NVML − reserved | exact peak | exact vs bare | light peak | light vs bare "
-        "| memprof outside_torch (exact, end) | estimate(cuda) peak | estimate vs bare | model states = tensor sums (exact/light) |",
+        "| memprof outside_torch (exact, end) | estimate(cuda) peak | estimate vs bare "
+        "| model states = tensor sums (exact/light) |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
@@ -327,7 +329,8 @@ def oom_check(device: torch.device) -> dict[str, Any]:
 
 def main(argv: "list[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results", help="folder for gpu-validate.json and gpu-validate.md (default results/)")
+    ap.add_argument("--out", default="results",
+                    help="folder for gpu-validate.json and gpu-validate.md (default results/)")
     ap.add_argument("--models", default=None, help="comma list (default: the whole zoo of accuracy.py)")
     ap.add_argument("--precisions", default="fp32,bf16,amp")
     ap.add_argument("--optimizers", default="adamw,sgd")

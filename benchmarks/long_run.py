@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import memprof  # noqa: E402
-from _machine import command_line, cpu_model, write_results  # noqa: E402
+import memprof
+from _machine import command_line, cpu_model, write_results
 
 
 def _mlp() -> "tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]":
@@ -98,7 +98,8 @@ def _kib(n: float) -> str:
 def markdown(r: dict[str, Any]) -> str:
     g, b, s = r["exact"], r["bare"], r["scheduled"]
     lines = [
-        "| run | steps | heap held since step 500 | memprof's share | saved trace | `str(report)` lines | steps kept in full |",
+        "| run | steps | heap held since step 500 | memprof's share | saved trace | `str(report)` lines "
+        "| steps kept in full |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         f"| bare loop | {b['steps']:,} | {_kib(b['held_since_500_bytes'])} | | | | |",
         f"| exact mode | {g['steps']:,} | {_kib(g['held_since_500_bytes'])} | "

@@ -3,7 +3,8 @@
 Run from the repository root::
 
     python benchmarks/overhead.py                       # full settings (several minutes on 2 cores)
-    python benchmarks/overhead.py --quick               # smoke test, about 15 s (import torch, ~130 ms gc.collect per memprof block)
+    python benchmarks/overhead.py --quick               # smoke test, about 15 s
+                                                        # (import torch, ~130 ms gc.collect per memprof block)
     python benchmarks/overhead.py --json out.json --markdown out.md
 
 What is measured
@@ -72,15 +73,15 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from _machine import command_line, cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import command_line, cpu_model, write_results  # benchmarks run as scripts from this folder
 
 # Silence kineto's per-session "profiler_start/stop" lines (must precede importing torch).
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     import memprof
@@ -431,11 +432,12 @@ def memprof_memory(steps: int, quick: bool) -> dict[str, Any]:
         "steps": steps,
         "steps_recorded": n_steps_in_trace,
         "python_heap_retained_bytes": retained,
-        "python_heap_retained_bytes_at_%d_steps" % small_steps: retained_small,
-        "python_heap_per_step_bytes": (retained - retained_small) / (steps - small_steps) if steps > small_steps else None,
+        f"python_heap_retained_bytes_at_{small_steps}_steps": retained_small,
+        "python_heap_per_step_bytes": ((retained - retained_small) / (steps - small_steps)
+                                       if steps > small_steps else None),
         "python_heap_peak_during_run_bytes": peak,
         "trace_json_bytes": json_bytes,
-        "trace_json_bytes_at_%d_steps" % small_steps: json_small,
+        f"trace_json_bytes_at_{small_steps}_steps": json_small,
         "freed_by_refcount_after_del": freed_refcount,
         "freed_after_gc_collect": freed_gc,
         "all_freed_by_refcount": all(freed_refcount.values()),

@@ -43,15 +43,15 @@ import sys
 import time
 from typing import Any
 
-from _machine import command_line, cpu_model, write_results  # noqa: E402  (benchmarks run as scripts from this folder)
+from _machine import command_line, cpu_model, write_results  # benchmarks run as scripts from this folder
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import overhead  # noqa: E402  (the workload's model and loss, and memprof itself)
+import overhead  # the workload's model and loss, and memprof itself
 
 memprof = overhead.memprof
-from memprof.collect.saved_hooks import SavedHooks  # noqa: E402
+from memprof.collect.saved_hooks import SavedHooks  # noqa: E402  (after overhead, which puts memprof on the path)
 from memprof.collect.dispatch import StorageTracker  # noqa: E402
 
 VARIANTS = ("bare", "null_dispatch", "light", "exact", "no_backward_module_hooks", "no_op_handler",
@@ -173,7 +173,8 @@ def main(argv: "list[str] | None" = None) -> int:
         "memprof's op handler": exact - rows["no_op_handler"]["overhead_ms"],
         "saved-tensor hooks": exact - rows["no_saved_tensor_hooks"]["overhead_ms"],
         "per-module backward hooks": exact - rows["no_backward_module_hooks"]["overhead_ms"],
-        "module, gradient and optimizer hooks": rows["hooks_only"]["overhead_ms"] - rows["null_dispatch"]["overhead_ms"],
+        "module, gradient and optimizer hooks": (rows["hooks_only"]["overhead_ms"]
+                                                 - rows["null_dispatch"]["overhead_ms"]),
     }
     info = {"cpu": cpu_model(), "torch": torch.__version__, "threads": args.threads,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -91,10 +91,12 @@ def _not_the_input(path: str, source: str) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import memprof
 
-    wanted = [(path, how) for path, how in ((args.chrome, "export_chrome_trace"), (args.memory_viz, "export_memory_viz"),
+    wanted = [(path, how) for path, how in ((args.chrome, "export_chrome_trace"),
+                                            (args.memory_viz, "export_memory_viz"),
                                             (args.html, "export_html")) if path]
     if not wanted:
-        raise MemprofError("say what to write: --chrome trace.json, --memory-viz snapshot.pickle and/or --html out.html")
+        raise MemprofError(
+            "say what to write: --chrome trace.json, --memory-viz snapshot.pickle and/or --html out.html")
     for path, _ in wanted:
         _writable(path)  # all refused before any is written
         _not_the_input(path, args.file)

@@ -333,7 +333,7 @@ def _pct(frac: Fraction) -> str:
     return f"{value:g}%"
 
 
-def _check_ranks(merged: Any, total: Any, at: str, categories: dict) -> BudgetResult:
+def _check_ranks(merged: Any, total: Any, at: str, categories: dict[str, int | str]) -> BudgetResult:
     """Each rank against the budgets: one error naming every rank over them, or the worst rank's result."""
     results: dict[int, BudgetResult] = {}
     failed: list[tuple[int, MemoryBudgetExceeded]] = []

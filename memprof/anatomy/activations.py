@@ -230,7 +230,8 @@ def transformer_activations_total(
             if vocab_size is None:
                 raise InvalidArgumentError("outside_layers=True with pipeline_parallel=1 needs vocab_size (the logits)")
             e = layer_kwargs.get("bytes_per_element", 2)
-            total += (2 * e * sbh + 4 * Fraction(seq_len * batch * vocab_size)) / t  # final LN, output input, fp32 logits
+            # final LN, output input, fp32 logits
+            total += (2 * e * sbh + 4 * Fraction(seq_len * batch * vocab_size)) / t
     return round_half_away(total)
 
 

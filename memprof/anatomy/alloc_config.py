@@ -106,9 +106,10 @@ class AllocatorConfig:
                                        f"got {self.per_process_memory_fraction!r}")
         divisions = self.roundup_power2_divisions
         if (len(divisions) != ROUNDUP_INTERVALS
-                or any(isinstance(d, bool) or not isinstance(d, int) or (d and not _power_of_two(d)) for d in divisions)):
-            raise InvalidArgumentError(f"AllocatorConfig.roundup_power2_divisions must be {ROUNDUP_INTERVALS} ints, each 0 "
-                                       f"or a power of two, got {divisions!r}")
+                or any(isinstance(d, bool) or not isinstance(d, int) or (d and not _power_of_two(d))
+                       for d in divisions)):
+            raise InvalidArgumentError(f"AllocatorConfig.roundup_power2_divisions must be {ROUNDUP_INTERVALS} "
+                                       f"ints, each 0 or a power of two, got {divisions!r}")
 
     @property
     def split_limit(self) -> int:

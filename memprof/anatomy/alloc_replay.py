@@ -102,7 +102,8 @@ def replay(events: Iterable, config: AllocatorConfig | None = None, *, capacity:
         elif op == "empty_cache":
             allocator.empty_cache()
         else:
-            raise InvalidArgumentError(f"event {index}: unknown op {op!r}; the ops are 'alloc', 'free' and 'empty_cache'")
+            raise InvalidArgumentError(
+                f"event {index}: unknown op {op!r}; the ops are 'alloc', 'free' and 'empty_cache'")
         if timeline:
             allocated_line.append(allocator.allocated)
             reserved_line.append(allocator.reserved)

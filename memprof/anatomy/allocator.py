@@ -305,7 +305,8 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
                 # other block that fits with less.
                 def reach(b: Block) -> int:
                     return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
-                while free[i][3].segment is not None and i + 1 < len(free) and reach(free[i + 1][3]) < reach(free[i][3]):
+                while (free[i][3].segment is not None and i + 1 < len(free)
+                       and reach(free[i + 1][3]) < reach(free[i][3])):
                     i += 1
             else:  # expandable segments were turned off: only ordinary blocks may serve
                 i += 1

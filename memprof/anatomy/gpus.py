@@ -42,16 +42,20 @@ class GpuSpec:
     source: str = "given by the user"
 
     def __post_init__(self) -> None:
-        if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+        if (isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int)
+                or self.capacity_bytes <= 0):
             raise InvalidArgumentError(f"GpuSpec.capacity_bytes must be a positive int, got {self.capacity_bytes!r}")
         cc = self.compute_capability
-        if not (isinstance(cc, tuple) and len(cc) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in cc)):
+        if not (isinstance(cc, tuple) and len(cc) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in cc)):
             raise InvalidArgumentError(f"GpuSpec.compute_capability must be a (major, minor) tuple, got {cc!r}")
-        if self.context_bytes is not None and (isinstance(self.context_bytes, bool) or not isinstance(self.context_bytes, int)
-                                               or self.context_bytes < 0):
-            raise InvalidArgumentError(f"GpuSpec.context_bytes must be a non-negative int or None, got {self.context_bytes!r}")
+        if self.context_bytes is not None and (isinstance(self.context_bytes, bool)
+                                               or not isinstance(self.context_bytes, int) or self.context_bytes < 0):
+            raise InvalidArgumentError(
+                f"GpuSpec.context_bytes must be a non-negative int or None, got {self.context_bytes!r}")
         if self.capacity_kind not in _KINDS:
-            raise InvalidArgumentError(f"GpuSpec.capacity_kind must be one of {', '.join(_KINDS)}, got {self.capacity_kind!r}")
+            raise InvalidArgumentError(
+                f"GpuSpec.capacity_kind must be one of {', '.join(_KINDS)}, got {self.capacity_kind!r}")
 
     @property
     def allocatable_bytes(self) -> int:
@@ -107,7 +111,8 @@ GPUS: dict[str, GpuSpec] = {spec.name: spec for spec in [
     _spec("a100-80gb-sxm", 81_920 * MiB, (8, 0), "nvidia-smi",
           f"{_MODAL} ('A100 80GB: 81920MiB', form factor not stated); {_CC}"),
     _spec("a100-80gb-pcie", 81_049 * MiB, (8, 0), "cudaMemGetInfo",
-          f"'NVIDIA A100 80GB PCIe ... Total global mem: 81049 MB' (totalGlobalMem in MiB, ekondis/mixbench #47); {_CC}"),
+          f"'NVIDIA A100 80GB PCIe ... Total global mem: 81049 MB' (totalGlobalMem in MiB, "
+          f"ekondis/mixbench #47); {_CC}"),
     _spec("h100-80gb-sxm", 81_559 * MiB, (9, 0), "nvidia-smi",
           f"'NVIDIA H100 80GB HBM3 ... 81559MiB' (NVIDIA/nccl #1264; {_MODAL}); {_CC}"),
     _spec("h100-80gb-pcie", 80 * 10**9, (9, 0), "marketed", f"{_MARKETED} (80 GB); {_CC}"),

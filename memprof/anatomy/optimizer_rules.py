@@ -95,7 +95,8 @@ class _ListSim:
 def _device_dtype_groups(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Parameters split by (device, dtype) in the order torch's foreach functions visit them."""
     grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype([list(params)])
-    return [list(tensors[0]) for tensors, _ in grouped.values()]  # type: ignore[misc]
+    # torch types the grouped lists as list[Tensor | None]; the parameters hold no None
+    return [list(tensors[0]) for tensors, _ in grouped.values()]  # type: ignore[arg-type]
 
 
 def _bytes(params: Iterable[torch.Tensor]) -> int:
@@ -293,7 +294,8 @@ def _register_torch() -> None:
     register_optimizer_formula(optim.SGD, OptimizerFormula("SGD", src.format("sgd"), _sgd_state, _sgd_transient))
     register_optimizer_formula(
         optim.Adagrad,
-        OptimizerFormula("Adagrad", src.format("adagrad"), _adagrad_state, _adagrad_transient, state_for_all_params=True),
+        OptimizerFormula("Adagrad", src.format("adagrad"), _adagrad_state, _adagrad_transient,
+                         state_for_all_params=True),
     )
     register_optimizer_formula(
         optim.RMSprop, OptimizerFormula("RMSprop", src.format("rmsprop"), _rmsprop_state, _rmsprop_transient)

@@ -129,9 +129,9 @@ def optimizer_formula(optimizer: Any) -> OptimizerFormula | None:
     for klass in type(optimizer).__mro__:
         if klass in _REGISTRY:
             return _REGISTRY[klass]
-        by_name = _REGISTRY.get(_class_key(klass))
-        if by_name is not None:
-            return by_name
+        found = _REGISTRY.get(_class_key(klass))
+        if found is not None:
+            return found
     return None
 
 

@@ -125,7 +125,8 @@ def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
 def _check_cc(compute_capability) -> tuple[int, int]:
     if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in compute_capability)):
-        raise InvalidArgumentError(f"compute_capability must be a (major, minor) tuple of ints, got {compute_capability!r}")
+        raise InvalidArgumentError(
+            f"compute_capability must be a (major, minor) tuple of ints, got {compute_capability!r}")
     return compute_capability
 
 
@@ -253,7 +254,8 @@ def nccl_communicator(world_size: int, *, nodes: int = 1, channels: int | None =
     NCCL also keeps work queues and proxy state: what the measurements (#964, #1685) hold beyond the
     default buffers is added as a fixed overhead, and ``low`` leaves it out.
     """
-    for name, value, least in (("world_size", world_size, 1), ("nodes", nodes, 1), ("send_recv_peers", send_recv_peers, 0)):
+    for name, value, least in (("world_size", world_size, 1), ("nodes", nodes, 1),
+                               ("send_recv_peers", send_recv_peers, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidArgumentError(f"{name} must be an int >= {least}, got {value!r}")
     if nodes > world_size:
@@ -269,7 +271,8 @@ def nccl_communicator(world_size: int, *, nodes: int = 1, channels: int | None =
     per_connection = -(-sum(sizes.values()) // _NCCL_GRANULE) * _NCCL_GRANULE
     connections = 2 + (2 if nodes > 1 else 0)
     collective = channels * connections * per_connection
-    chunk_name, chunk = (("NCCL_P2P_NET_CHUNKSIZE", 128 * 1024) if nodes > 1 else ("NCCL_P2P_NVL_CHUNKSIZE", 512 * 1024))
+    chunk_name, chunk = (("NCCL_P2P_NET_CHUNKSIZE", 128 * 1024) if nodes > 1
+                         else ("NCCL_P2P_NVL_CHUNKSIZE", 512 * 1024))
     chunk = _env_int(env, chunk_name, chunk)
     chunk = min(chunk, sizes["Simple"] // NCCL_STEPS)  # computeBuffSizes caps the P2P chunk at Simple / NCCL_STEPS
     # A send/recv connection holds LL and LL128 buffers and a Simple one of NCCL_STEPS chunks, in granules,

@@ -50,7 +50,8 @@ def _counts(**values: Any) -> list[int]:
             for name, value in values.items()]
 
 
-def zero_model_states(num_params: int, world_size: int, stage: int, *, optimizer_bytes: int = ZERO_OPTIMIZER_BYTES) -> int:
+def zero_model_states(num_params: int, world_size: int, stage: int, *,
+                      optimizer_bytes: int = ZERO_OPTIMIZER_BYTES) -> int:
     """Model-state bytes per GPU under ZeRO data parallelism (ZeRO §5, Fig. 1, Table I).
 
     ``stage`` 0 is the DP baseline ``(2+2+K)Ψ``; 1 (P_os) ``4Ψ + KΨ/N_d``;

@@ -114,7 +114,7 @@ class ModuleTracker:
             self.params.adopt(p)
 
     def _pre_hook(self, index: int, is_root: bool) -> Any:
-        run, table, phases = self.run, self.table, self.phases
+        run, table = self.run, self.table
         calls = run.calls
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:

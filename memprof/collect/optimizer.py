@@ -44,7 +44,8 @@ class OptimizerTracker:
     """The optimizers of the model and their state.
 
     Two slots the profiler wires: ``sync_model`` adopts what the model gained (when the parameter tracker
-    says it changed) before a step reads its parameters, ``while_paused`` is told of a step that ended while a schedule paused the profile.
+    says it changed) before a step reads its parameters, ``while_paused`` is told of a step that ended
+    while a schedule paused the profile.
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], ledger: "Ledger", run: "Run",

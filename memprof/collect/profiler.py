@@ -185,7 +185,8 @@ class Profiler:
                 "prof.start() first, and stop() once"
             )
         if error is not None and not isinstance(error, BaseException):
-            raise InvalidArgumentError(f"stop(error=...) takes the exception that ended the run, got {type(error).__name__}")
+            raise InvalidArgumentError(
+                f"stop(error=...) takes the exception that ended the run, got {type(error).__name__}")
         self.__exit__(type(error) if error is not None else None, error, None)
 
     @property

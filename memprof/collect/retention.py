@@ -147,7 +147,8 @@ class Retention:
         return [self.kept[i] for i in sorted(self.kept)]
 
     def phase_stats(self) -> tuple[PhaseStats, ...]:
-        order = {Phase.PREFILL: 0, Phase.DECODE: 1, Phase.FORWARD: 2, Phase.BACKWARD: 3, Phase.OPTIMIZER: 4, Phase.OTHER: 5}
+        order = {Phase.PREFILL: 0, Phase.DECODE: 1, Phase.FORWARD: 2, Phase.BACKWARD: 3, Phase.OPTIMIZER: 4,
+                 Phase.OTHER: 5}
         out = []
         for (phase, occ), s in sorted(self._stats.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
             peak = tuple(zip(STAT_KEYS, (x.stat() for x in s.peak)))

@@ -56,7 +56,8 @@ class Schedule:
                 raise InvalidArgumentError(f"schedule({name}={value}) is negative; give 0 or more steps")
         if self.active < 1:
             raise InvalidArgumentError(
-                f"schedule(active={self.active}) records nothing; give active=1 or more (the steps each window records)")
+                f"schedule(active={self.active}) records nothing; "
+                "give active=1 or more (the steps each window records)")
 
     def ends_window(self, step: int) -> bool:
         """Whether ``step`` is the last recorded step of its cycle (where on_trace_ready is called)."""

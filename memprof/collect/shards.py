@@ -145,7 +145,8 @@ class ShardTracker:
                 self.params.weigh(kept)
 
     def _weigh(self, fp: Any) -> None:
-        tensors = list(getattr(fp, "all_gather_outputs", ()) or ()) + list(getattr(fp, "_unsharded_inner_tensors", ()) or ())
+        tensors = (list(getattr(fp, "all_gather_outputs", ()) or ())
+                   + list(getattr(fp, "_unsharded_inner_tensors", ()) or ()))
         param = getattr(fp, "_unsharded_param", None)
         if not tensors and param is not None:
             tensors = [param]

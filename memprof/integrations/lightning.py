@@ -37,7 +37,7 @@ __all__ = ["MemprofCallback"]
 require("lightning", "lightning", (2, 0), lightning.__version__)
 
 
-class MemprofCallback(Session, Callback):  # type: ignore[misc]
+class MemprofCallback(Session, Callback):
     """Profile ``trainer.fit()``: the LightningModule and the Trainer's optimizers, from the start of
     training to its end (also when it raises). ``mode`` and ``schedule`` are those of
     :func:`memprof.profile`; with ``save_dir`` the report is saved there at the end

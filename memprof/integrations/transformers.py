@@ -38,7 +38,7 @@ __all__ = ["MemprofCallback"]
 require("transformers", "transformers", (4, 36), transformers.__version__)
 
 
-class MemprofCallback(Session, TrainerCallback):  # type: ignore[misc]
+class MemprofCallback(Session, TrainerCallback):
     """Profile ``trainer.train()``: the model the Trainer calls (``trainer.model_wrapped``, the
     ``torch.compile`` wrapper with ``torch_compile=True``) and its optimizer (followed through
     accelerate's wrapper), from ``on_train_begin`` to ``on_train_end``.

@@ -57,9 +57,9 @@ class CacheMoment:
             raise corrupt(f"a cache moment must be one of {MOMENTS}, got {moment!r}")
         if not isinstance(overlap, bool):
             raise corrupt(f"a cache moment's overlap must be true or false, got {overlap!r}")
-        tokens = [count(v, "a token count") for v in (earlier, before, after)]
+        earlier, before, after = (count(v, "a token count") for v in (earlier, before, after))
         return cls(count(step, "a step"), text(phase, "a phase"), count(occurrence, "an occurrence"), moment,
-                   *tokens, written=None if written is None else count(written, "a written count"),
+                   earlier, before, after, written=None if written is None else count(written, "a written count"),
                    overlap=overlap)
 
 

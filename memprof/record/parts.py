@@ -21,7 +21,7 @@ __all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "
 _ALL = tuple(Category)
 _TENSOR = tuple(_ALL.index(c) for c in TENSOR_CATEGORIES)
 # A category's place in a breakdown, by member or by value (a str enum's member and its value are one key).
-_INDEX = {c: i for i, c in enumerate(_ALL)}
+_INDEX: dict[str, int] = {c: i for i, c in enumerate(_ALL)}  # by Category, which is a str, and by value
 
 #: The most ranks a job may have, in a record or an estimate: larger worlds than any job runs, so a
 #: typo (or a crafted file) more likely than a plan; what is sized per rank stays bounded.
@@ -50,8 +50,8 @@ class Breakdown(Mapping[Category, "int | None"]):
             )
 
     @classmethod
-    def from_mapping(cls, values: Mapping["Category | str", "int | None"], total: "int | None" = None,
-                     *, compute_total: bool = True) -> "Breakdown":
+    def from_mapping(cls, values: "Mapping[Category, int | None] | Mapping[str, int | None]",
+                     total: "int | None" = None, *, compute_total: bool = True) -> "Breakdown":
         """Build from a mapping; missing categories are ``None`` (not measured)."""
         parsed = {Category.parse(k): v for k, v in values.items()}
         vals = tuple(parsed.get(c) for c in _ALL)
@@ -507,8 +507,10 @@ class GenerationFacts:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GenerationFacts":
         data = mapping(data, "the generation record")
-        return cls(*(optional_count(data.get(k), k) for k in
-                     ("layers", "kv_heads", "head_dim", "sliding_window", "itemsize", "batch")),
+        layers, kv_heads, head_dim, sliding_window, itemsize, batch = (
+            optional_count(data.get(k), k)
+            for k in ("layers", "kv_heads", "head_dim", "sliding_window", "itemsize", "batch"))
+        return cls(layers, kv_heads, head_dim, sliding_window, itemsize, batch,
                    tokens=tuple((count(s, "a step"), text(p, "a phase"), count(o, "an occurrence"),
                                  count(n, "a token count"))
                                 for s, p, o, n in (seq(t, "a token count", 4)

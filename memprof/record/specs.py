@@ -99,7 +99,7 @@ def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """A module's or an optimizer group's configuration: its public attributes whose values are plain
     (numbers, strings, None, and tuples of those), sorted by name. Tensors, submodules and callables
     are left out; a tensor-valued setting is recorded as a float with its key prefixed ``"tensor:"``."""
-    out = []
+    out: list[tuple[str, Any]] = []
     for key, value in attrs.items():
         if not isinstance(key, str) or key.startswith("_") or key == "params":
             continue

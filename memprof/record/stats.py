@@ -68,7 +68,7 @@ class PhaseStats:
 def _stats(data: Any) -> tuple[tuple[str, "Stat | None"], ...]:
     if not isinstance(data, Mapping):
         raise corrupt("phase statistics must map categories to [min, median, max]")
-    out = []
+    out: list[tuple[str, Stat | None]] = []
     for key in STAT_KEYS:
         value = data.get(key)
         if value is None:

@@ -9,7 +9,7 @@ exactly, which is how reports are saved, loaded and diffed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from ..vocabulary import Category, Phase
 from .checks import corrupt, count, member, optional_count, optional_text, pairs, seq, text
@@ -33,10 +33,6 @@ __all__ = [
     "Trace",
     "as_trace",
     "parent_path",
-    "parse_moment",
-    "PHASE_MOMENTS",
-    "BUDGET_MOMENTS",
-    "RECONCILE_MOMENTS",
 ]
 
 #: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
@@ -259,7 +255,7 @@ def _mode(value: Any) -> str:
         return "exact"  # the word files written before the mode's rename use (any schema version)
     if value not in ("exact", "light"):
         raise corrupt(f"mode must be 'exact' or 'light', got {text(value, 'mode')[:20]!r}")
-    return value
+    return cast(str, value)
 
 
 def _optional(data: Mapping[str, Any], key: str, read: Any) -> Any:
@@ -309,7 +305,7 @@ def _consistent(t: "Trace", *, stated_steps: bool) -> None:
 
 def _peak_step(data: Mapping[str, Any]) -> "int | None":
     step = optional_count(data.get("peak_step"), "peak_step")
-    indices = [s.get("index") for s in data.get("steps", ()) if isinstance(s, Mapping)]
+    indices: list[Any] = [s.get("index") for s in data.get("steps", ()) if isinstance(s, Mapping)]
     if step is not None and indices and all(isinstance(i, int) for i in indices) and step > max(indices):
         raise corrupt(f"peak_step {step} is after the last step recorded ({max(indices)})")
     return step

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from ..analyse.reconciler import Reconciliation
     from ..record.trace import Trace
 
-__all__ = ["phases_frame", "phase_stats_frame", "modules_frame", "operations_frame", "breakdown_frame", "reconciliation_frame",
-           "diff_frame", "diff_phases_frame", "merged_frame", "snapshot_frame"]
+__all__ = ["phases_frame", "phase_stats_frame", "modules_frame", "operations_frame", "breakdown_frame",
+           "reconciliation_frame", "diff_frame", "diff_phases_frame", "merged_frame", "snapshot_frame"]
 
 
 def phases_frame(trace: "Trace") -> "pd.DataFrame":

@@ -43,7 +43,8 @@ _TD = ("padding:2px 10px;text-align:{align};border-bottom:1px solid rgba(128,128
        "background:transparent;color:inherit;white-space:nowrap;font-variant-numeric:tabular-nums")
 _H = "font-size:13px;font-weight:600;margin:10px 0 2px 0"
 _MUTED = "opacity:0.7;font-style:italic"
-_TRACK = "display:inline-block;width:12em;height:0.75em;background:rgba(128,128,128,0.2);border-radius:2px;vertical-align:middle"
+_TRACK = ("display:inline-block;width:12em;height:0.75em;background:rgba(128,128,128,0.2);border-radius:2px;"
+          "vertical-align:middle")
 _NOT_MEASURED = f'<span style="{_MUTED}">{NOT_MEASURED}</span>'
 
 #: Columns :func:`frame_html` formats as byte counts when they hold integers.
@@ -87,7 +88,8 @@ def _swatch(cat: Category) -> str:
             f'margin-right:0.45em;vertical-align:middle;background:{CATEGORY_COLORS[cat]}"></span>')
 
 
-def _table(headers: Sequence[tuple[str, str]], rows: Iterable[Sequence[str]], *, bold_rows: "set[int] | None" = None) -> str:
+def _table(headers: Sequence[tuple[str, str]], rows: Iterable[Sequence[str]], *,
+           bold_rows: "set[int] | None" = None) -> str:
     """``headers``: (escaped label, align); ``rows``: cells as ready HTML."""
     out = [f'<table style="{_TABLE}"><thead><tr>']
     for label, align in headers:
@@ -123,8 +125,10 @@ def breakdown_html(bd: Breakdown, *, device_type: str = "cpu") -> str:
         if v is None:
             why = ""
             if cat in DEVICE_CATEGORIES and device_type != "cuda":
-                why = " (no accelerator allocator)" if cat is Category.ALLOCATOR_OVERHEAD else " (no accelerator driver)"
-            rows.append([_swatch(cat) + _e(cat.value), _NOT_MEASURED + f'<span style="{_MUTED}">{_e(why)}</span>', "", ""])
+                why = (" (no accelerator allocator)" if cat is Category.ALLOCATOR_OVERHEAD
+                       else " (no accelerator driver)")
+            rows.append([_swatch(cat) + _e(cat.value), _NOT_MEASURED + f'<span style="{_MUTED}">{_e(why)}</span>',
+                         "", ""])
             continue
         if bd.total:
             frac = v / bd.total
@@ -166,7 +170,8 @@ def _phases_html(trace: "Trace", max_phases: int) -> str:
     peak = trace.peak_record()
     for rec in shown:
         if rec is None:
-            rows.append([f'<span style="{_MUTED}">… {hidden} more (report.phases() has all)</span>', "", "", "", "", "", ""])
+            rows.append([f'<span style="{_MUTED}">… {hidden} more (report.phases() has all)</span>',
+                         "", "", "", "", "", ""])
             continue
         label = rec.phase.value + (f" #{rec.occurrence}" if rec.occurrence else "")
         level = rec.peak.total if rec.peak.total is not None else sum(rec.peak.measured().values())
@@ -244,7 +249,8 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -
     if t.distributed is not None:
         parts.append(f'<div style="margin:2px 0;{_MUTED}">{_e(rank_line(t.distributed))}</div>')
     if t.error:
-        parts.append(f'<div style="margin:4px 0;color:#C44E52;font-weight:600">profiled code raised {_e(t.error)}</div>')
+        parts.append(f'<div style="margin:4px 0;color:#C44E52;font-weight:600">'
+                     f'profiled code raised {_e(t.error)}</div>')
     where = t.peak_location()
     parts.append(f'<div style="{_H}">Peak {_bytes(t.peak.total)}'
                  + (f'<span style="font-weight:400"> ({_e(", ".join(where))})</span>' if where else "") + "</div>")
@@ -263,7 +269,8 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -
                      f'blue, backward orange, optimizer red)</span></div><div>{svg}</div>'
                      f'<div style="font-size:11px;margin-bottom:8px">{legend}</div>')
     if t.steps:
-        parts.append(f'<div style="{_H}">Phases <span style="font-weight:400">(bytes at the peak of each phase)</span></div>')
+        parts.append(f'<div style="{_H}">Phases '
+                     '<span style="font-weight:400">(bytes at the peak of each phase)</span></div>')
         parts.append(_phases_html(t, max_phases))
     if top_modules > 0:
         parts.append(_modules_html(t, top_modules))

@@ -262,7 +262,8 @@ def plot_waterfall(steps: Sequence[tuple[str, "int | None"]], ax: "Axes | None" 
     """
     steps = list(steps)
     if len(steps) < 2:
-        raise InvalidArgumentError("plot_waterfall needs at least a start and an end: [(label, bytes), ..., (label, bytes)]")
+        raise InvalidArgumentError(
+            "plot_waterfall needs at least a start and an end: [(label, bytes), ..., (label, bytes)]")
     for item in steps:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
                 and (item[1] is None or (isinstance(item[1], (int, float)) and not isinstance(item[1], bool)))):

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from ..simulate.estimate import Estimate
     from ..record.trace import Trace
 
-__all__ = ["report_text", "oom_lines", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text", "plan_text",
-           "merged_text"]
+__all__ = ["report_text", "oom_lines", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text",
+           "plan_text", "merged_text"]
 
 
 #: Bounds that keep ``print(report)`` short for any run: phase rows, per-phase statistics rows, notes.
@@ -254,7 +254,8 @@ def _phase_lines(t: "Trace") -> tuple[list[str], int]:
         title = f"Phases of steps {', '.join(map(str, shown))} of {t.num_steps} (bytes at each phase's peak)"
     if truncated:
         rows.append(f"  ... more phases in report.phases() (steps kept in full: {kept})")
-    return [title, f"  {'step':>4}  {'phase':<12}{'start':>14}{'peak':>14}{'end':>14}   largest at peak"] + rows, len(shown)
+    header = f"  {'step':>4}  {'phase':<12}{'start':>14}{'peak':>14}{'end':>14}   largest at peak"
+    return [title, header] + rows, len(shown)
 
 
 def _stat_lines(t: "Trace") -> list[str]:

@@ -256,7 +256,8 @@ def _meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, to
             raise InvalidArgumentError("the optimizer factory must return a torch.optim.Optimizer")
         return opt
     raise InvalidArgumentError(
-        f"optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; got {type(optimizer).__name__}"
+        "optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; "
+        f"got {type(optimizer).__name__}"
     )
 
 
@@ -317,7 +318,8 @@ class _Target:
         from .kernels import ATTENTION_KERNELS, CudaKernels, CustomOps, ValueDependentCode
 
         if attention not in ATTENTION_KERNELS:
-            raise UnknownNameError(f"unknown attention kernel {attention!r}; use one of: {', '.join(ATTENTION_KERNELS)}")
+            raise UnknownNameError(
+                f"unknown attention kernel {attention!r}; use one of: {', '.join(ATTENTION_KERNELS)}")
         if attention != "auto" and target.type != "cuda":
             raise InvalidArgumentError(
                 f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "

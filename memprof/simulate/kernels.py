@@ -51,7 +51,8 @@ def _choose(q: torch.Tensor, k: torch.Tensor, attn_mask: Any, is_causal: bool, g
     if wanted == "flash" and not flash or wanted == "efficient" and not efficient:
         raise InvalidArgumentError(
             f"attention={wanted!r}: a CUDA device could not run this attention with that kernel (query "
-            f"{tuple(q.shape)} {str(q.dtype).replace('torch.', '')}, mask {'given' if attn_mask is not None else 'none'}"
+            f"{tuple(q.shape)} {str(q.dtype).replace('torch.', '')}, "
+            f"mask {'given' if attn_mask is not None else 'none'}"
             f"{', grouped-query' if gqa else ''}); torch would raise 'No available kernel'. Use attention='auto'")
     return wanted
 
@@ -198,7 +199,8 @@ class ValueDependentCode(Rule):
             return out
         from ..units import format_bytes
 
-        return out + [f"{', '.join(sorted(self.where))} built {format_bytes(self.bytes)} of tensors in {self.calls} op(s) "
+        return out + [f"{', '.join(sorted(self.where))} built {format_bytes(self.bytes)} of tensors in "
+                f"{self.calls} op(s) "
                 "on shape-only tensors; a real run may skip some of them (it checks the mask's values, which a "
                 f"simulation does not have): up to that much of the simulated figures may not exist on the device"]
 

@@ -449,7 +449,8 @@ class RankLayout:
                     rank = nbytes * min(info.rows0, info.rows) // info.rows if info.rows else 0
                 else:  # one flat buffer per state and dtype: its first tensor carries ceil(elements / N)
                     group = (key, t.dtype)
-                    rank = 0 if first.get(group) else -(-self._state_numel(state, key, t.dtype) // self.n) * t.element_size()
+                    rank = (0 if first.get(group)
+                            else -(-self._state_numel(state, key, t.dtype) // self.n) * t.element_size())
                     first[group] = True
                 self._resize(t, rank)
 

@@ -70,7 +70,7 @@ def bases() -> dict[str, dict]:
               "factory": dataclasses.replace(full_trace(), oom=OomRecord("CUDA out of memory", 512, 0, 1024))}
     out = {name: json.loads(json.dumps(t.to_dict())) for name, t in traces.items()}
     out["schema1"] = json.loads((DATA / "trace-schema1.json").read_text())
-    for name, data in out.items():
+    for data in out.values():
         Trace.from_dict(copy.deepcopy(data))  # every base loads as it is
     return out
 

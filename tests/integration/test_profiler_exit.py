@@ -9,7 +9,6 @@ starts and measures in the same thread.
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 
 import pytest
@@ -37,7 +36,7 @@ from memprof.collect.optimizer import OptimizerTracker
 from memprof.collect.params import ParamTracker
 from memprof.collect.phases import PhaseTracker
 from memprof.collect.saved_hooks import SavedHooks
-from memprof.collect.dispatch import DispatchMode, StorageTracker
+from memprof.collect.dispatch import StorageTracker
 from memprof.collect.undo import UndoStack
 from memprof.collect.timeline import Timeline
 from memprof.collect.windows import Windows

@@ -20,7 +20,7 @@ import torch
 # Imported here, before any pytester.inline_run: an inline run restores sys.modules when it ends, and a
 # torch._dynamo imported inside one (torch.compile, memprof's step hooks) registers a torch library
 # that cannot be registered twice when the next inline run imports it again.
-import torch._dynamo  # noqa: F401
+import torch._dynamo
 
 import memprof
 from memprof.analyse.budget import (

@@ -23,7 +23,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import memprof
-from memprof import Category as C
 from memprof.simulate.cpu_kernels import MIXED_OPINFOS, RULES, SWEPT_OPINFOS, CpuKernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

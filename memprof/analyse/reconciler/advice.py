@@ -14,7 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ...vocabulary import Category
-from ...record.trace import Breakdown, Trace, parent_path
+from ...record.trace import Breakdown, ModuleRecord, Trace, parent_path
 from ...units import format_bytes
 from .formula import predictions
 from .sharding import rank_shares, zero_stage
@@ -45,7 +45,7 @@ def levers(trace: Trace, measured: Breakdown, precision: str, optimizer: "str | 
         eight_bit = int(_ADAM_8BIT_BYTES_PER_PARAM * facts.num_trainable * share)
         saving = max(0, steady_states - eight_bit)
         if saving:
-            per = float(steady_states / max(1, facts.num_trainable * share))
+            per = float(steady_states / max(Fraction(1), facts.num_trainable * share))
             out.append((saving, f"8-bit AdamW (bitsandbytes) keeps 2 B/param of optimizer state instead of "
                                 f"{per:.1f}: saves about {format_bytes(saving)}"))
     stage = zero_stage(trace.distributed) or 0  # what the run already shards
@@ -101,7 +101,7 @@ def _grads_kept_into(trace: Trace) -> bool:
 
 def _checkpoint_saving(trace: Trace) -> "tuple[int, str] | None":
     """Saving from checkpointing the model's repeated blocks (siblings of one type, two or more)."""
-    by_parent: dict[tuple[str, str], list] = {}
+    by_parent: dict[tuple[str, str], list[ModuleRecord]] = {}
     for m in trace.modules:
         if m.path == "<model>" or "." not in m.path and not m.path:
             continue
@@ -111,9 +111,9 @@ def _checkpoint_saving(trace: Trace) -> "tuple[int, str] | None":
     for (parent, typ), mods in by_parent.items():
         if len(mods) < 2 or any(m.activations is None or m.input_bytes is None for m in mods):
             continue
-        saved = sum(m.activations for m in mods)  # type: ignore[misc]
-        kept = sum(m.input_bytes for m in mods)  # type: ignore[misc]
-        recompute = max(m.activations for m in mods)  # type: ignore[type-var]
+        saved = sum(m.activations or 0 for m in mods)  # none is None: checked above
+        kept = sum(m.input_bytes or 0 for m in mods)
+        recompute = max(m.activations or 0 for m in mods)
         saving = saved - kept - recompute
         if best is None or saving > best[0]:
             best = (saving, f"the {len(mods)} {typ} blocks under {parent}")

@@ -90,7 +90,7 @@ def _same(a: "PhaseRecord", b: "PhaseRecord") -> bool:
     return a is b or (a.step, a.phase, a.occurrence) == (b.step, b.phase, b.occurrence)
 
 
-def _at(spec: CacheSpec, gen: "GenerationFacts", calls: list, phase: "PhaseRecord", which: str) -> int:
+def _at(spec: CacheSpec, gen: "GenerationFacts", calls: list[PhaseRecord], phase: "PhaseRecord", which: str) -> int:
     key = (phase.step, phase.phase.value, phase.occurrence)
     m = gen.moment(*key, which)
     if which == "peak" and (m is None or m.written is None):

@@ -249,7 +249,8 @@ def saved_outside_the_model(ctx: Context) -> list[Cause]:
 
 def for_loop_step_bound(ctx: Context) -> list[Cause]:
     m, f = ctx.measured, ctx.formula
-    if ctx.phase is Phase.OPTIMIZER and ctx.both(T) and m[T] < f[T] and ctx.trace.optimizer_implementation == "for-loop":
+    if (ctx.phase is Phase.OPTIMIZER and ctx.both(T) and m[T] < f[T]
+            and ctx.trace.optimizer_implementation == "for-loop"):
         return [Cause(T, "for-loop step is below its bound", m[T] - f[T],
                       "the for-loop step's formula is an upper bound (a few times the largest parameter); "
                       "this step needed less")]

@@ -10,7 +10,7 @@ the recorded first forward (:mod:`memprof.anatomy.predict`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from ...anatomy.activations import transformer_layer_activations
 from ...anatomy.params import bytes_per_param_breakdown, infer_precision
@@ -119,8 +119,8 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
     return Breakdown.from_mapping(values)
 
 
-def _inference(values: dict, trace: Trace, moment: PhaseRecord, precision: str, bpp_inference: Any,
-               which: str = "end") -> None:
+def _inference(values: dict[Category, int | None], trace: Trace, moment: PhaseRecord, precision: str,
+               bpp_inference: Any, which: str = "end") -> None:
     """A run that decoded with a KV cache: inference bytes/param (HF: mixed 6, fp32 4, bf16 2), nothing for
     gradients, optimizer or saved activations (no graph is built), and the cache's formula at ``which``
     moment of the phase (:mod:`.cache_formula`: per layer, as the implementation keeps it)."""
@@ -142,7 +142,7 @@ def _decoding(trace: Trace, moment: PhaseRecord) -> bool:
 
 
 #: A moment of one phase: (step, phase, "start" | "peak" | "end", occurrence).
-PhaseMoment = tuple  # (int, Phase, str, int)
+PhaseMoment = tuple[int, Phase, str, int]
 
 
 def parse_at(at: Any) -> "str | PhaseMoment":
@@ -205,9 +205,10 @@ def moment_of(trace: Trace, at: Any) -> tuple[Breakdown, "PhaseRecord | None", s
     ``"peak"`` is the global peak; ``"steady"`` the end of the last optimizer phase (every model
     state exists), else of the last backward or forward; a tuple, that moment of that phase.
     """
+    rec: PhaseRecord | None
     if isinstance(at, tuple):
         step, phase, moment, occurrence = at
-        total = trace.num_steps
+        total = cast(int, trace.num_steps)  # None only until Trace.__post_init__ counts the steps
         if not -total <= step < total:
             raise InvalidArgumentError(f"step {step} is out of range: this run had {total} step(s)")
         index = step + total if step < 0 else step

@@ -152,8 +152,9 @@ def reconcile(
     ``"peak"`` or ``"end"``, an optional fourth value the occurrence, a negative
     step counting from the end) that moment of one phase, as
     :meth:`memprof.Report.breakdown` names it: ``at=(-1, "forward", "end")`` holds
-    the activations against the closed form when the run peaks elsewhere. ``precision`` (``fp32``, ``mixed``, ``amp``, ``bf16``,
-    ``fp16``, ``zero``) and ``optimizer`` (a name as in
+    the activations against the closed form when the run peaks elsewhere.
+    ``precision`` (``fp32``, ``mixed``, ``amp``, ``bf16``, ``fp16``, ``zero``)
+    and ``optimizer`` (a name as in
     :func:`memprof.anatomy.bytes_per_param`) override what is inferred from
     the run: giving ``optimizer`` switches optimizer state to the textbook
     bytes/param instead of the prediction from the recorded optimizer.

@@ -63,7 +63,7 @@ def rank_shares(dist: "RankInfo | None", facts: "ModelFacts | None" = None) -> "
     return dict.fromkeys(sharded, Fraction(1, dist.world_size))
 
 
-def shard_formula(values: dict, dist: "RankInfo", facts: "ModelFacts | None" = None) -> None:
+def shard_formula(values: dict[Category, int | None], dist: "RankInfo", facts: "ModelFacts | None" = None) -> None:
     """The rank's part (:func:`rank_shares`) of what its layout shards, in place."""
     for cat, share in rank_shares(dist, facts).items():
         if values.get(cat) is not None:
