@@ -41,6 +41,7 @@ def estimate_generation(
     precision: "str | None" = None,
     device: "str | torch.device | None" = None,
     attention: str = "auto",
+    routing: Any = None,
 ) -> Estimate:
     """Simulate generating ``max_new_tokens`` tokens after a ``prompt_len``-token prompt for ``batch_size``
     sequences, and return an :class:`~memprof.Estimate` whose trace has a prefill phase, decode phases and
@@ -50,7 +51,8 @@ def estimate_generation(
     any device (a configuration built under ``torch.device("meta")`` costs no memory). ``precision``,
     ``device`` and ``attention`` are :func:`memprof.estimate`'s: ``"bf16"`` casts the parameters,
     ``"mixed"`` runs under autocast, ``device="cuda"`` rounds to CUDA's 512-byte blocks and picks CUDA's
-    attention kernels.
+    attention kernels. ``routing`` is :func:`memprof.estimate`'s: what a mixture-of-experts model's routers
+    choose (``"balanced"`` by default).
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate_generation() needs a torch.nn.Module, got {type(model).__name__}")
@@ -73,7 +75,7 @@ def estimate_generation(
             f"prompt_len + max_new_tokens = {prompt_len + max_new_tokens} tokens, but {type(model).__name__} has "
             f"positions for {limit} (its config's max_position_embeddings); shorten the prompt or the generation")
 
-    setup = _Target(model, precision, device, attention)
+    setup = _Target(model, precision, device, attention, routing)
     twin = setup.model
     twin.eval()
     notes = setup.notes
@@ -81,6 +83,7 @@ def estimate_generation(
 
     prof = Profiler(twin, None, mode="full", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if setup.target.type == "cuda" else 1)
+    setup.moe.attach(prof)
     decodes = max_new_tokens - 1
     jump = decodes > _RUN_ALL
     device_of = torch.device("meta") if setup.fake_mode is None else torch.device("cpu")
@@ -90,6 +93,7 @@ def estimate_generation(
     with contextlib.ExitStack() as stack:
         if setup.fake_mode is not None:
             stack.enter_context(setup.fake_mode)
+        stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
         stack.enter_context(prof)
         stack.enter_context(setup.rules())
         stack.enter_context(torch.no_grad())
@@ -106,7 +110,7 @@ def estimate_generation(
         except MemprofError:
             raise
         except (RuntimeError, NotImplementedError) as exc:
-            raise _simulation_error(exc, 0) from exc
+            raise _simulation_error(exc, "generation") from exc
     if jump:
         notes.append(f"decode calls 3 to {decodes - 1} of {decodes} were not run one by one: the cache was grown "
                      f"to their length directly, and the last call ran on it (each decode call is the same "
