@@ -163,6 +163,7 @@ def build_trace(prof: "Profiler") -> Trace:
         autocast_dtype=prof.storages.autocast_dtype,
         generation=prof.kv.facts(),
         distributed=prof.rank,
+        routing=prof.routing.record() if prof.routing is not None else None,
         peak_tags=tag_pairs(led.peak_tags),
         facts=model_facts(prof),
         operations=tuple(

@@ -80,6 +80,7 @@ def profile(
     schedule: "Schedule | None" = None,
     on_trace_ready: "Callable[[Profiler], Any] | None" = None,
     oom_dump: "str | os.PathLike[str] | None" = None,
+    record_routing: bool = False,
 ) -> "Profiler":
     """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
 
@@ -99,6 +100,9 @@ def profile(
     trace up to it is written there as ``memprof-oom-<rank>-<pid>-<time>.json``
     (on CUDA with a memory_viz snapshot beside it); the folder is created and
     checked now, the exception propagates unchanged.
+    ``record_routing=True`` also records, for a mixture-of-experts model, how many tokens each router call
+    sent to each expert (``report.trace.routing``), for a simulation to replay:
+    ``memprof.estimate(..., routing=report)``.
 
     However long the run, the record stays bounded: every step is summarised
     per phase (:meth:`Report.phase_stats`), and full detail is kept for the
@@ -109,7 +113,7 @@ def profile(
     optimizer after the block ends.
     """
     return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations, schedule=schedule,
-                    on_trace_ready=on_trace_ready, oom_dump=oom_dump)
+                    on_trace_ready=on_trace_ready, oom_dump=oom_dump, record_routing=record_routing)
 
 
 class Profiler:
@@ -131,12 +135,17 @@ class Profiler:
         schedule: "Schedule | None" = None,
         on_trace_ready: "Callable[[Profiler], Any] | None" = None,
         oom_dump: "str | os.PathLike[str] | None" = None,
+        record_routing: bool = False,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
         _fake_mode: Any = None,
     ) -> None:
         optimizers, device = checked(model, optimizer, mode, timeline, operations, schedule, on_trace_ready,
                                       _allow_meta)
+        if not isinstance(record_routing, bool):
+            raise InvalidArgumentError(f"record_routing must be True or False, got {record_routing!r}")
+        self._record_routing = record_routing
+        self.routing: Any = None  # a RoutingRecorder with record_routing=True
         self.schedule = schedule
         self._on_trace_ready = on_trace_ready
         self.windows: "Windows | None" = None
@@ -449,6 +458,12 @@ class Profiler:
         if self.oom_dump is not None:
             self.oom_dump.start()
             stack.callback(self.oom_dump.stop)
+        if self._record_routing:
+            from .routing import RoutingRecorder
+
+            self.routing = RoutingRecorder(self)
+            self.routing.__enter__()
+            stack.callback(self.routing.__exit__, None, None, None)
 
     def _close_saved_hooks(self) -> None:
         """Undo memprof's per-thread saved-tensor pushes."""

@@ -22,41 +22,12 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..collect.routing import ROUTER_FUNCTIONS, innermost_module, router_call
 from .modes import Next, Rule
 from .routing import RoutingPlan
 from .shadows import ShadowStore, shape_only
 
 __all__ = ["Router", "OneHot", "innermost_module"]
-
-_TOPK = (torch.topk, torch.Tensor.topk)
-_ARGMAX = (torch.argmax, torch.Tensor.argmax)
-
-
-def innermost_module(prof: Any) -> "str | None":
-    """The path of the innermost module whose forward is running under profiler ``prof``; None outside."""
-    modules = getattr(prof, "modules", None)
-    stack = getattr(modules, "stack", None)
-    if not stack:
-        return None
-    return modules.info[stack[-1]].path
-
-
-def router_call(func: Any, args: tuple, kwargs: dict, out: Any) -> "tuple[torch.Tensor, torch.Tensor, int, bool] | None":
-    """``(scores, indices, dim, keepdim)`` when ``func(*args, **kwargs) -> out`` chose indices from floating
-    scores (a ``topk``, or an ``argmax`` along a dimension); None otherwise."""
-    if func in _TOPK:
-        x = args[0]
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-        return (x, out[1], dim % max(x.dim(), 1), True) if x.is_floating_point() else None
-    if func in _ARGMAX:
-        x = args[0]
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        if dim is None or not x.is_floating_point():
-            return None
-        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-        return x, out, dim % max(x.dim(), 1), bool(keepdim)
-    return None
-
 
 class Router(Rule):
     """Router calls answered from a :class:`~memprof.simulate.routing.RoutingPlan`. ``where`` gives the
@@ -70,7 +41,7 @@ class Router(Rule):
 
     def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
         out = next(func, args, kwargs)
-        if func not in _TOPK and func not in _ARGMAX:
+        if func not in ROUTER_FUNCTIONS:
             return out
         call = router_call(func, args, kwargs, out)
         if call is None:
