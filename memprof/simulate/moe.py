@@ -71,10 +71,14 @@ class MoeRules:
         answered = self.shadows.answered
         if answered:
             ops = ", ".join(f"{name} x{n}" for name, n in sorted(answered.items()))
-            text += (f". The experts' code read the chosen experts ({ops}), as transformers' per-expert loop does: "
-                     "its allocations follow how many tokens each expert got, so these figures are for this routing. "
-                     "Another routing can be higher or lower; every token on the same k experts is not an upper "
-                     "bound (fewer experts hit keep fewer per-expert buffers live)")
+            text += (f". The experts' code read which experts were chosen ({ops}), as transformers' per-expert loop "
+                     "('eager') does: its allocations follow each expert's token count, so these figures are for this "
+                     "routing. A model's own routing differs: against real runs (docs/accuracy.md) balanced was "
+                     "within 1 % of a training step but up to 8 % below a generation, whose few tokens per decode "
+                     "call route unevenly; every token on the same k experts ('worst') gave the highest generation "
+                     "peaks and the lowest training peaks, so no assumption bounds both. For firm figures replay a "
+                     "recorded routing (memprof.profile(..., record_routing=True)), or run the experts as grouped_mm, "
+                     "whose allocations do not depend on routing")
         else:
             text += (". No op read which experts were chosen (grouped_mm and batched_mm allocate by tokens x k): "
                      "the figures hold for any routing")

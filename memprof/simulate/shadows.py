@@ -203,8 +203,18 @@ class ValueShadows(TorchDispatchMode):
             return out
         swap = {id(t): v for t, v in zip(tensors, values)}
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: swap[id(t)], (args, kwargs))
-        with _no_dispatch():
-            real_out = func(*real_args, **real_kwargs)
+        try:
+            with _no_dispatch():
+                real_out = func(*real_args, **real_kwargs)
+        except (RuntimeError, NotImplementedError):
+            # The shadows are CPU tensors; a CUDA target's code may ask what the CPU has no kernel for (histc of
+            # ints, transformers' CUDA path). Values are lost there, never the shape-only op.
+            if func in VALUE_DEPENDENT:
+                raise
+            out = func(*args, **kwargs)
+            for t in _written(func, args, kwargs):
+                store.drop(t)
+            return out
         if func in VALUE_DEPENDENT:
             name = _WORDS.get(func, str(func.overloadpacket).replace("aten.", ""))
             self.answered[name] = self.answered.get(name, 0) + 1
