@@ -1,8 +1,9 @@
 """Tiny mixture-of-experts, state-space and encoder-decoder configurations (no downloads), and what the tests
 run on them for real: a training loop as ``memprof.estimate`` runs it, and a routing forced to a plan.
 
-Every configuration has hidden size 32 and a vocabulary of 64, 2 layers, 4 experts with top-2 routing
-where it has experts: small enough that a real step and its simulation take well under a second.
+Every configuration has hidden size 32, a vocabulary of 64 and 4 experts with top-2 routing (Llama 4: top-1);
+one decoder layer, or two where the architecture mixes kinds (gpt-oss's sliding and full attention, Jamba's
+Mamba and attention layers): small enough that a real step and its simulation take well under a second.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 transformers = __import__("pytest").importorskip("transformers")
 T = transformers
 
-_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=64)
+_TWO = {**_COMMON, "num_hidden_layers": 2}
 
 
 def moe_configs():
@@ -32,17 +34,17 @@ def moe_configs():
             **c, intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=8)),
         "deepseek_v3": (T.DeepseekV3ForCausalLM, lambda: T.DeepseekV3Config(
             **{**c, "num_key_value_heads": 4}, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
-            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16,
             q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)),
         "gpt_oss": (T.GptOssForCausalLM, lambda: T.GptOssConfig(
-            **c, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+            **_TWO, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
             layer_types=["sliding_attention", "full_attention"])),
         "olmoe": (T.OlmoeForCausalLM, lambda: T.OlmoeConfig(**c, intermediate_size=32, num_experts=4,
                                                             num_experts_per_tok=2)),
         "granitemoe": (T.GraniteMoeForCausalLM, lambda: T.GraniteMoeConfig(
             **c, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
         "jamba": (T.JambaForCausalLM, lambda: T.JambaConfig(
-            **c, intermediate_size=64, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+            **_TWO, intermediate_size=64, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
             expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0, mamba_d_state=4, mamba_dt_rank=4,
             mamba_expand=2, use_mamba_kernels=False)),
         "llama4": (T.Llama4ForCausalLM, lambda: T.Llama4TextConfig(
