@@ -27,7 +27,7 @@ floating inputs cast to bf16); ``amp`` (fp32 parameters under
 with momentum 0.9. For each (model, precision, optimizer):
 
 1. measured: 2 training steps (forward, loss, backward, step,
-   ``zero_grad(set_to_none=True)``) under ``memprof.profile(model, opt, mode="full")``;
+   ``zero_grad(set_to_none=True)``) under ``memprof.profile(model, opt, mode="exact")``;
 2. simulated: ``memprof.estimate(model, opt, inputs=..., targets=..., loss_fn=..., device="cpu",
    precision=...)`` (fake CPU tensors, no real memory);
 3. reconciled: ``report.reconcile(at="peak", estimate=est)`` and ``at="steady"``:
@@ -291,7 +291,7 @@ def _rows(rec: Any) -> dict[str, dict[str, Any]]:
     out = {}
     for r in rec.rows:
         cat = r.category.value
-        out[cat] = {"formula": r.formula, "simulated": r.simulated, "measured": r.measured,
+        out[cat] = {"formula": r.formula, "simulated": r.estimate, "measured": r.measured,
                     "gap": r.gap, "gap_pct": r.gap_pct, "unexplained": rec.unexplained(r.category)}
     return out
 
@@ -301,7 +301,7 @@ def _rec_dict(rec: Any) -> dict[str, Any]:
         "where": rec.where,
         "precision": rec.precision,
         "optimizer": rec.optimizer,
-        "textbook_bytes_per_param": rec.textbook_bytes_per_param,
+        "textbook_bytes_per_param": rec.textbook.bytes_per_param,
         "categories": _rows(rec),
         "causes": [{"category": c.category.value, "name": c.name, "bytes": c.bytes, "sentence": c.sentence}
                    for c in rec.causes],
@@ -325,7 +325,7 @@ def run_config(model: str, precision: str, optimizer: str, quick: bool, steps: i
 
     gc.collect()
     t0 = time.perf_counter()
-    with memprof.profile(case.model, opt, mode="full") as prof:
+    with memprof.profile(case.model, opt, mode="exact") as prof:
         train_steps(case, opt, steps, precision)
     rep = prof.report()
     t_measure = time.perf_counter() - t0
@@ -358,7 +358,7 @@ def run_config(model: str, precision: str, optimizer: str, quick: bool, steps: i
         "simulated_peak_where": {"step": sim_tr.peak_step,
                                  "phase": sim_tr.peak_phase.value if sim_tr.peak_phase else None,
                                  "module": sim_tr.peak_module},
-        "simulated_peak_breakdown": {c: est.simulated[c] for c in TENSOR_CATEGORIES},
+        "simulated_peak_breakdown": {c: est.peak[c] for c in TENSOR_CATEGORIES},
         "simulated_vs_measured_peak_pct": 100.0 * (peak_s - peak_m) / peak_m if peak_m else None,
         "formula_peak_breakdown": {c: est.formula[c] for c in TENSOR_CATEGORIES},
         "activations_formula": predict_activations(rep.trace).saved_bytes,

@@ -231,7 +231,7 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precisio
         "predicted_peak_where": {"step": trace.peak_step,
                                  "phase": trace.peak_phase.value if trace.peak_phase else None,
                                  "module": trace.peak_module},
-        "simulated_at_peak": {c: est.simulated[c] for c in cats},
+        "simulated_at_peak": {c: est.peak[c] for c in cats},
         "formula_at_peak": {c: est.formula[c] for c in cats},
         "bytes_per_param_adamw": bpp,
         "bytes_per_param_split": {"weights": bpp_split.weights, "gradients": bpp_split.gradients,

@@ -56,7 +56,7 @@ def exports(report: memprof.Report, repeats: int, folder: str) -> dict[str, Any]
     out: dict[str, Any] = {"steps": report.num_steps, "steps_kept": len(report.trace.steps),
                            "moments": len(report.trace.timeline)}
     for name, how, ext in (("chrome", "export_chrome_trace", "json"), ("memory_viz", "export_memory_viz", "pickle"),
-                           ("html", "to_html", "html")):
+                           ("html", "export_html", "html")):
         path = os.path.join(folder, f"{name}.{ext}")
         out[f"{name}_seconds"] = _timed(lambda: getattr(report, how)(path), repeats)
         out[f"{name}_bytes"] = os.path.getsize(path)
@@ -78,7 +78,7 @@ def big_html(modules: int, folder: str) -> dict[str, Any]:
             opt.zero_grad()
     path = os.path.join(folder, "big.html")
     began = time.perf_counter()
-    prof.report().to_html(path)
+    prof.report().export_html(path)
     return {"modules": modules, "html_seconds": time.perf_counter() - began, "html_bytes": os.path.getsize(path)}
 
 

@@ -23,7 +23,7 @@ model, each after ``gc.collect()`` + ``torch.cuda.empty_cache()``:
    ``reserved_bytes.all.current``, ``inactive_split_bytes.all.current``) after;
    NVML's figure for this process (or the device, if NVML does not list
    processes), and ``context = NVML used − reserved``. This is the truth.
-2. ``full``: under ``memprof.profile(model, opt, mode="full")``.
+2. ``exact``: under ``memprof.profile(model, opt, mode="exact")``.
 3. ``light``: under ``memprof.profile(model, opt, mode="light")`` (light mode
    resets torch's peak counters at phase boundaries, which is why the truth
    comes from the bare run, not from the counters after a memprof run).
@@ -197,7 +197,7 @@ def run_once(acc: Any, model_name: str, precision: str, optimizer: str, mode: st
 def validate_case(acc: Any, model_name: str, precision: str, optimizer: str, steps: int, scale: int,
                   device: torch.device, nvml: Nvml) -> dict[str, Any]:
     res: dict[str, Any] = {"model": model_name, "precision": precision, "optimizer": optimizer}
-    for mode in ("bare", "full", "light"):
+    for mode in ("bare", "exact", "light"):
         try:
             res[mode] = run_once(acc, model_name, precision, optimizer, mode, steps, scale, device, nvml)
         except Exception as exc:
@@ -210,14 +210,14 @@ def validate_case(acc: Any, model_name: str, precision: str, optimizer: str, ste
                                targets=case.targets, loss_fn=case.loss_fn, device="cuda",
                                precision="amp" if precision == "amp" else None, steps=steps)
         res["estimate_cuda"] = {"peak_bytes": est.peak_bytes,
-                                "simulated": {c.value: est.simulated[c] for c in memprof.Category},
+                                "simulated": {c.value: est.peak[c] for c in memprof.Category},
                                 "notes": list(est.notes)}
     except Exception as exc:
         res["estimate_cuda"] = {"error": f"{type(exc).__name__}: {exc}"}
     bare = res.get("bare", {})
     truth = bare.get("max_memory_allocated")
     checks: dict[str, Any] = {}
-    for mode in ("full", "light"):
+    for mode in ("exact", "light"):
         r = res.get(mode, {})
         if "memprof_peak_total" in r and truth:
             checks[f"{mode}_peak_vs_max_allocated_pct"] = 100.0 * (r["memprof_peak_total"] - truth) / truth
@@ -251,15 +251,15 @@ def _pct(v: "float | None") -> str:
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "All sizes MiB. *bare*: torch's counters in a run without memprof (the truth). "
-        "*full*, *light*: memprof's peak total and its difference from bare max_memory_allocated.",
+        "*exact*, *light*: memprof's peak total and its difference from bare max_memory_allocated.",
         "",
         "| model | precision | optimizer | bare max_allocated | bare max_reserved | inactive split (end) "
-        "| NVML used | NVML − reserved | full peak | full vs bare | light peak | light vs bare "
-        "| memprof outside_torch (full, end) | estimate(cuda) peak | estimate vs bare | model states = tensor sums (full/light) |",
+        "| NVML used | NVML − reserved | exact peak | exact vs bare | light peak | light vs bare "
+        "| memprof outside_torch (exact, end) | estimate(cuda) peak | estimate vs bare | model states = tensor sums (exact/light) |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
-        b, f, li, ch = r.get("bare", {}), r.get("full", {}), r.get("light", {}), r.get("checks", {})
+        b, f, li, ch = r.get("bare", {}), r.get("exact", {}), r.get("light", {}), r.get("checks", {})
         if "error" in b:
             lines.append(f"| {r['model']} | {r['precision']} | {r['optimizer']} | error: {b['error'][:80]} |")
             continue
@@ -269,13 +269,13 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f"| {_mib(b.get('max_memory_reserved'))} | {_mib(b.get('inactive_split_bytes.all.current'))} "
             f"| {_mib(b.get('nvml_used'))} ({b.get('nvml_source')}) | {_mib(b.get('nvml_minus_reserved'))} "
             f"| {_mib(f.get('memprof_peak_total')) if 'error' not in f else 'error'} "
-            f"| {_pct(ch.get('full_peak_vs_max_allocated_pct'))} "
+            f"| {_pct(ch.get('exact_peak_vs_max_allocated_pct'))} "
             f"| {_mib(li.get('memprof_peak_total')) if 'error' not in li else 'error'} "
             f"| {_pct(ch.get('light_peak_vs_max_allocated_pct'))} "
             f"| {_mib((f.get('memprof_end') or {}).get('outside_torch'))} | {_mib(est.get('peak_bytes'))} "
             f"| {_pct(ch.get('estimate_vs_max_allocated_pct'))} "
-            f"| {ch.get('full_model_states_equal_tensor_sums')}/{ch.get('light_model_states_equal_tensor_sums')} |")
-    errors = [(r, m) for r in results for m in ("bare", "full", "light", "estimate_cuda")
+            f"| {ch.get('exact_model_states_equal_tensor_sums')}/{ch.get('light_model_states_equal_tensor_sums')} |")
+    errors = [(r, m) for r in results for m in ("bare", "exact", "light", "estimate_cuda")
               if isinstance(r.get(m), dict) and "error" in r[m]]
     if errors:
         lines += ["", "Errors:", ""]
@@ -383,7 +383,7 @@ def main(argv: "list[str] | None" = None) -> int:
                 results.append(r)
                 ch = r["checks"]
                 print(f"{m:5s} {p:5s} {o:6s} bare max_alloc {_mib(r.get('bare', {}).get('max_memory_allocated'))} MiB; "
-                      f"full {_pct(ch.get('full_peak_vs_max_allocated_pct'))}, light "
+                      f"exact {_pct(ch.get('exact_peak_vs_max_allocated_pct'))}, light "
                       f"{_pct(ch.get('light_peak_vs_max_allocated_pct'))}, estimate "
                       f"{_pct(ch.get('estimate_vs_max_allocated_pct'))}", flush=True)
     info["seconds_total"] = round(time.perf_counter() - t_all, 1)

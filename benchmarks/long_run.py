@@ -47,7 +47,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torc
 def growth(steps: int, profiled: bool, schedule: Any = None) -> dict[str, Any]:
     """Bytes allocated after step 500 and still held at the end (tracemalloc, one frame)."""
     model, opt, x, y = _mlp()
-    ctx = memprof.profile(model, opt, mode="full", schedule=schedule) if profiled else contextlib.nullcontext()
+    ctx = memprof.profile(model, opt, mode="exact", schedule=schedule) if profiled else contextlib.nullcontext()
     began = time.perf_counter()
     with ctx as prof:
         for i in range(steps):

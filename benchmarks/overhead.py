@@ -22,7 +22,7 @@ Variants, interleaved within each round (bare, exact, light, memtracker,
 torch_profiler, bare, exact, ...):
 
 * ``bare``: the step with nothing around it.
-* ``memprof_exact``: ``memprof.profile(model, opt, mode="full")``.
+* ``memprof_exact``: ``memprof.profile(model, opt, mode="exact")``.
 * ``memprof_light``: ``memprof.profile(model, opt, mode="light")``.
 * ``memtracker``: torch's private ``torch.distributed._tools.mem_tracker.MemTracker``
   (``mt.track_external(model, opt)`` then ``with mt:``); it raises on the second
@@ -234,12 +234,12 @@ def run_variant(variant: str, wl: Workload, steps: int, device: torch.device) ->
     if variant == "bare":
         ctx: Any = None
     elif variant == "memprof_exact":
-        ctx = memprof.profile(model, opt, mode="full")
+        ctx = memprof.profile(model, opt, mode="exact")
     elif variant == "memprof_light":
         ctx = memprof.profile(model, opt, mode="light")
     elif variant == "memprof_paused":
         # Exact mode with a schedule whose window never comes: what a step outside the window costs.
-        ctx = memprof.profile(model, opt, mode="full", schedule=memprof.schedule(skip_first=10**9))
+        ctx = memprof.profile(model, opt, mode="exact", schedule=memprof.schedule(skip_first=10**9))
     elif variant == "memtracker":
         from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -389,7 +389,7 @@ def memprof_memory(steps: int, quick: bool) -> dict[str, Any]:
         before = tracemalloc.take_snapshot()
         tracemalloc.reset_peak()
         base_cur, _ = tracemalloc.get_traced_memory()
-        prof = memprof.profile(wl.model, wl.optimizer, mode="full")
+        prof = memprof.profile(wl.model, wl.optimizer, mode="exact")
         with prof:
             for _ in range(n_steps):
                 wl.step()

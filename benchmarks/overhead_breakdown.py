@@ -102,7 +102,7 @@ def run_variant(variant: str, wl: overhead.Workload, steps: int) -> float:
         elif variant == "null_dispatch":
             ctx = _DoNothingHandler()
         else:
-            ctx = memprof.profile(wl.model, wl.optimizer, mode="light" if variant == "light" else "full")
+            ctx = memprof.profile(wl.model, wl.optimizer, mode="light" if variant == "light" else "exact")
         if ctx is not None:
             ctx.__enter__()
         if variant in ("no_backward_module_hooks", "hooks_only"):

@@ -85,7 +85,7 @@ def screenshot(report: memprof.Report, name: str, height: int) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         page = pathlib.Path(tmp) / "report.html"
-        report.to_html(page)
+        report.export_html(page)
         subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                         f"--user-data-dir={tmp}/profile", f"--window-size=1000,{height}",
                         f"--screenshot={OUT / name}", page.as_uri()], check=True, capture_output=True, timeout=120)

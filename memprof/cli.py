@@ -77,7 +77,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     report = memprof.load(args.file)
     print(report.to_text(top_modules=args.top))  # first: a refused HTML file still leaves the text
     if args.html:
-        report.to_html(args.html)
+        report.export_html(args.html)
         print(f"\nHTML report written to {args.html}")
     return 0
 
@@ -92,7 +92,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     import memprof
 
     wanted = [(path, how) for path, how in ((args.chrome, "export_chrome_trace"), (args.memory_viz, "export_memory_viz"),
-                                            (args.html, "to_html")) if path]
+                                            (args.html, "export_html")) if path]
     if not wanted:
         raise MemprofError("say what to write: --chrome trace.json, --memory-viz snapshot.pickle and/or --html out.html")
     for path, _ in wanted:
@@ -109,14 +109,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from .analyse.compare import diff
+    from .report import diff
 
     print(diff(args.a, args.b, labels=(args.a, args.b)))
     return 0
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from .analyse.merge import merge
+    from .report import merge
 
     print(merge(args.files))
     return 0
@@ -229,7 +229,7 @@ def _verdict(est: Any, batch_size: int, budget: "int | None") -> int:
         from .units import format_bytes
 
         verdict = "fits" if est.peak_bytes <= budget else "does NOT fit"
-        print(f"\nbatch size {batch_size}: simulated peak {format_bytes(est.peak_bytes)} {verdict} "
+        print(f"\nbatch size {batch_size}: estimated peak {format_bytes(est.peak_bytes)} {verdict} "
               f"in {format_bytes(budget)}")
         return 0 if est.peak_bytes <= budget else 1
     return 0
@@ -250,8 +250,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
     demo.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     demo.add_argument("--vocab", type=int, default=1000, help="vocabulary size (default 1000)")
-    demo.add_argument("--mode", choices=("auto", "full", "light"), default="auto",
-                      help="full: exact, every storage; light: counters only; auto: full on CPU, light on GPU")
+    demo.add_argument("--mode", choices=("auto", "exact", "light"), default="auto",
+                      help="exact: every storage, to the byte; light: counters only; auto: exact on CPU, light on GPU")
     demo.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1 ...")
     demo.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     demo.add_argument("--top", type=int, default=8, help="modules to list (default 8)")
@@ -301,7 +301,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="ranks of a data-parallel job: the figures are one rank's, --batch-size its batch")
     est.add_argument("--parallel", type=str.lower, choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None,
                      help="how the ranks share the model (needed with --world-size above 1)")
-    est.add_argument("--budget", help="exit 1 if the simulated peak exceeds this size (e.g. '80 GiB')")
+    est.add_argument("--budget", help="exit 1 if the estimated peak exceeds this size (e.g. '80 GiB')")
     est.add_argument("--generate", action="store_true",
                      help="simulate a generation (prefill and decoding, the KV cache) instead of a training step")
     est.add_argument("--prompt-len", type=int, help="with --generate: tokens in the prompt")

@@ -7,7 +7,7 @@ problem and the fix, so a user never has to read a traceback from inside torch.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Mapping
 
 __all__ = [
     "MemprofError",
@@ -25,6 +25,9 @@ __all__ = [
     "AllocatorConfigError",
     "SimulatedOutOfMemoryError",
     "MemprofWarning",
+    "MemoryBudgetExceeded",
+    "BudgetNotMeasured",
+    "MemoryGrewError",
 ]
 
 
@@ -110,29 +113,44 @@ class MissingExtraError(MemprofError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
 
+class MemoryBudgetExceeded(MemprofError, AssertionError):
+    """A measured figure is above its budget (:func:`memprof.check_budget`, the ``memory_budget`` marker).
+
+    An ``AssertionError`` so that test frameworks report it as a failed
+    assertion. ``overruns`` holds one :class:`~memprof.analyse.budget.Judged` (budget, measured) per
+    exceeded budget, keyed by name (``"total"`` or a category value).
+    """
+
+    def __init__(self, message: str, overruns: "Mapping[str, Any] | None" = None) -> None:
+        super().__init__(message)
+        self.overruns: dict[str, Any] = dict(overruns or {})
+
+
+class BudgetNotMeasured(NotMeasuredError):
+    """A budget names a figure this run did not measure, so it cannot be judged.
+
+    ``names`` lists the budgets concerned (``"total"`` or category values).
+    """
+
+    def __init__(self, message: str, names: "tuple[str, ...]" = ()) -> None:
+        super().__init__(message)
+        self.names = tuple(names)
+
+
+class MemoryGrewError(MemprofError, AssertionError):
+    """Figures grew beyond the tolerance compared with a baseline report.
+
+    ``growths`` holds one :class:`~memprof.analyse.budget.Growth` per figure that grew too much.
+    """
+
+    def __init__(self, message: str, growths: "tuple[Any, ...]" = ()) -> None:
+        super().__init__(message)
+        self.growths = tuple(growths)
+
+
 class MemprofWarning(UserWarning):
     """Something memprof does on the side failed (a side file could not be written) and the run went on:
     a profiler must never end the run it measures. The message names what failed and where."""
-
-
-def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """A public name changed: the old one still works, and says which name to use."""
-    import warnings
-
-    warnings.warn(f"{old} is deprecated; use {new} (see docs/changelog.md)", DeprecationWarning,
-                  stacklevel=stacklevel)
-
-
-def renamed_argument(new: str, new_value: Any, old: str, old_value: Any, where: str, *, stacklevel: int = 4) -> Any:
-    """The value of an argument renamed from ``old`` to ``new`` in ``where``: the new one, or the old
-    one with a DeprecationWarning pointing at the caller; both at once is an error."""
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise InvalidArgumentError(f"{where}() got both {new}= and {old}=; give {new}= only ({old}= is its "
-                                   "deprecated name)")
-    warn_renamed(f"{where}({old}=...)", f"{where}({new}=...)", stacklevel=stacklevel)
-    return old_value
 
 
 _MAX_TEXT = 4000

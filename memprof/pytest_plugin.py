@@ -3,13 +3,13 @@
 Registered through the ``pytest11`` entry point, so installing torch-memprof
 is enough::
 
-    @pytest.mark.memory_budget(peak="1.5 GiB", activations="600 MiB")
+    @pytest.mark.memory_budget(total="1.5 GiB", activations="600 MiB")
     def test_train_step(memory_profile):
         with memory_profile(model, optimizer) as prof:
             train_step()
 
 After the test body, every report recorded through the fixture is judged
-with :func:`memprof.analyse.budget.check_budget`; an overrun, an unmeasured budget,
+with :func:`memprof.check_budget`; an overrun, an unmeasured budget,
 a bad size or a marked test that measured nothing fails the test.
 
 Command-line options (group "memprof"):
@@ -36,8 +36,9 @@ from urllib.parse import quote
 import pytest
 
 if TYPE_CHECKING:
-    from .collect.profiler import Profiler
     from .report import Report
+    from .report.estimates import Estimate
+    from .report.profiling import Profiler
 
 __all__ = ["MemoryProfileFixture", "BaselineMissingWarning", "reports", "report_file_names"]
 
@@ -50,8 +51,8 @@ _ENTRIES = pytest.StashKey[list]()
 _REPORTS = pytest.StashKey[list]()
 # Paths written by --memprof-save-dir in this session (for the summary line).
 _SAVED = pytest.StashKey[list]()
-# id() of each simulated report -> the device it was simulated for.
-_SIMULATED = pytest.StashKey[dict]()
+# id() of each estimated report -> the device it was estimated for.
+_ESTIMATED = pytest.StashKey[dict]()
 
 
 class BaselineMissingWarning(UserWarning):
@@ -62,7 +63,7 @@ class MemoryProfileFixture:
     """What the ``memory_profile`` fixture gives a test.
 
     Call it like :func:`memprof.profile` (``with memory_profile(model,
-    optimizer, mode="full") as prof:``); every profile made through it is
+    optimizer, mode="exact") as prof:``); every profile made through it is
     kept and, after the test body, judged against the test's
     ``memory_budget`` marker and the command-line options. :meth:`record`
     adds a report made elsewhere (for example with ``memprof.profile``
@@ -73,7 +74,7 @@ class MemoryProfileFixture:
         self._item = item
 
     def __call__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> "Profiler":
-        from .collect.profiler import profile
+        from .report.profiling import profile
 
         prof = profile(model, optimizer, **kwargs)
         self._item.stash.setdefault(_ENTRIES, []).append(prof)
@@ -92,30 +93,29 @@ class MemoryProfileFixture:
         self._item.stash.setdefault(_ENTRIES, []).append(report)
         return report
 
-    def simulate(self, model: Any, optimizer: Any = None, **kwargs: Any) -> Any:
-        """Simulate the step with :func:`memprof.estimate` (same arguments) and keep its record with this
-        test's reports. The device is the marker's ``simulate=`` (``"cuda"`` by default): a CPU-only CI
-        then guards a GPU budget (``@pytest.mark.memory_budget(peak="70 GiB", simulate="cuda")``).
+    def estimate(self, model: Any, optimizer: Any = None, **kwargs: Any) -> "Estimate":
+        """Estimate the step with :func:`memprof.estimate` (same arguments) and keep its record with this
+        test's reports. The device is the marker's ``estimate=`` (``"cuda"`` by default): a CPU-only CI
+        then guards a GPU budget (``@pytest.mark.memory_budget(total="70 GiB", estimate="cuda")``).
         Returns the Estimate."""
         from .errors import InvalidArgumentError
-        from .report import Report
-        from .simulate.estimate import estimate
+        from .report.estimates import estimate
 
         wanted = _marker_budgets(self._item) or {}
-        if wanted.get("simulate") not in (None, "cuda", "cpu"):
+        if wanted.get("estimate") not in (None, "cuda", "cpu"):
             raise InvalidArgumentError(
-                f"@pytest.mark.{MARKER}: simulate must be 'cuda' or 'cpu' (the device the step is simulated "
-                f"for), got {wanted['simulate']!r}")
-        device = kwargs.pop("device", None) or wanted.get("simulate") or "cuda"
+                f"@pytest.mark.{MARKER}: estimate must be 'cuda' or 'cpu' (the device the step is estimated "
+                f"for), got {wanted['estimate']!r}")
+        device = kwargs.pop("device", None) or wanted.get("estimate") or "cuda"
         kind = str(device).split(":")[0]  # "cuda:1" and torch.device("cuda") are a CUDA target too
-        if wanted.get("simulate") not in (None, kind):
+        if wanted.get("estimate") not in (None, kind):
             raise InvalidArgumentError(
-                f"memory_profile.simulate(device={device!r}) in a test whose budget is for simulate="
-                f"{wanted['simulate']!r}; leave device= out, or change the marker")
+                f"memory_profile.estimate(device={device!r}) in a test whose budget is for estimate="
+                f"{wanted['estimate']!r}; leave device= out, or change the marker")
         est = estimate(model, optimizer, device=device, **kwargs)
-        report = Report(est.trace)
+        report = est.report()
         self._item.stash.setdefault(_ENTRIES, []).append(report)
-        self._item.stash.setdefault(_SIMULATED, {})[id(report)] = kind
+        self._item.stash.setdefault(_ESTIMATED, {})[id(report)] = kind
         return est
 
     @property
@@ -184,9 +184,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{MARKER}(peak=None, at='peak', simulate=None, **categories): fail the test when a report recorded "
+        f"{MARKER}(total=None, at='peak', estimate=None, **categories): fail the test when a report recorded "
         "through the memory_profile fixture exceeds these sizes ('1.5 GiB', '600 MB', bytes); with "
-        "simulate='cuda', the step simulated by memory_profile.simulate(...) for that device; categories: "
+        "estimate='cuda', the step estimated by memory_profile.estimate(...) for that device; categories: "
         "weights, buffers, gradients, optimizer_states, activations, inputs, temporaries, "
         "allocator_overhead, outside_torch.",
     )
@@ -254,7 +254,7 @@ def _prepare_save_dir(option: str, path: str) -> None:
 def memory_profile(request: pytest.FixtureRequest) -> MemoryProfileFixture:
     """Profile like ``memprof.profile``; every report is kept and judged after the test.
 
-    ``with memory_profile(model, optimizer, mode="full") as prof: ...``
+    ``with memory_profile(model, optimizer, mode="exact") as prof: ...``
     """
     return MemoryProfileFixture(request.node)
 
@@ -321,7 +321,7 @@ def _marker_budgets(item: pytest.Item) -> "dict[str, Any] | None":
         found = True
         if mark.args:
             raise _MarkerError(
-                f"@pytest.mark.{MARKER} takes keyword arguments only (peak=..., activations=..., at=...), "
+                f"@pytest.mark.{MARKER} takes keyword arguments only (total=..., activations=..., at=...), "
                 f"got positional {mark.args!r}"
             )
         for key, value in mark.kwargs.items():
@@ -340,23 +340,24 @@ def _budget_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]:
         return [str(exc)]
     if budgets is None:
         return []
-    from .analyse.budget import BudgetNotMeasured, MemoryBudgetExceeded, check_budget, parse_budgets
-    from .errors import MemprofError
+    from .analyse.budget import check_budget, parse_budgets
+    from .errors import BudgetNotMeasured, MemoryBudgetExceeded, MemprofError
+    from .vocabulary import BUDGET_MOMENTS
 
     at = budgets.pop("at", "peak")
-    if at not in ("peak", "end"):
+    if at not in BUDGET_MOMENTS:
         return [f"@pytest.mark.{MARKER}: at must be 'peak' or 'end', got {at!r}"]
-    simulate = budgets.pop("simulate", None)
-    if simulate not in (None, "cuda", "cpu"):
-        return [f"@pytest.mark.{MARKER}: simulate must be 'cuda' or 'cpu' (the device the step is simulated "
-                f"for), got {simulate!r}"]
-    if simulate is not None:
-        simulated = item.stash.get(_SIMULATED, {})
-        real = [r for r in reports_ if id(r) not in simulated]
+    estimate = budgets.pop("estimate", None)
+    if estimate not in (None, "cuda", "cpu"):
+        return [f"@pytest.mark.{MARKER}: estimate must be 'cuda' or 'cpu' (the device the step is estimated "
+                f"for), got {estimate!r}"]
+    if estimate is not None:
+        estimated = item.stash.get(_ESTIMATED, {})
+        real = [r for r in reports_ if id(r) not in estimated]
         if real or not reports_:
-            return [f"@pytest.mark.{MARKER}(simulate={simulate!r}): the budget is for the step simulated for "
-                    f"{simulate}; run it with memory_profile.simulate(model, optimizer, inputs=...) "
-                    + ("instead of measuring it" if real else "(nothing was simulated)")]
+            return [f"@pytest.mark.{MARKER}(estimate={estimate!r}): the budget is for the step estimated for "
+                    f"{estimate}; run it with memory_profile.estimate(model, optimizer, inputs=...) "
+                    + ("instead of measuring it" if real else "(nothing was estimated)")]
     try:
         parse_budgets(**budgets)
     except MemprofError as exc:

@@ -1,13 +1,15 @@
-"""The categories a byte can belong to and the phases of a training step."""
+"""The words every floor shares: the categories a byte can belong to, the phases of a training step, and
+the moments a breakdown is read at (the ``at=`` of every API)."""
 
 from __future__ import annotations
 
 from enum import Enum
 from typing import Any
 
-from .errors import UnknownNameError
+from .errors import InvalidArgumentError, UnknownNameError
 
-__all__ = ["Category", "Phase", "TENSOR_CATEGORIES", "DEVICE_CATEGORIES"]
+__all__ = ["Category", "Phase", "TENSOR_CATEGORIES", "DEVICE_CATEGORIES", "PEAK", "START", "END", "STEADY",
+           "PHASE_MOMENTS", "BUDGET_MOMENTS", "RECONCILE_MOMENTS", "parse_moment"]
 
 
 class Category(str, Enum):
@@ -91,3 +93,24 @@ DEVICE_CATEGORIES: tuple[Category, ...] = (
     Category.ALLOCATOR_OVERHEAD,
     Category.OUTSIDE_TORCH,
 )
+
+
+# -- moments: one vocabulary for "at which instant", the ``at=`` of every API -----------------------
+
+#: A phase's (or the run's) highest total, its first and its last moment.
+PEAK, START, END = "peak", "start", "end"
+#: The end of the last optimizer step: every model state exists (reconciliation only).
+STEADY = "steady"
+#: Where each API reads its figures: a phase or the run (Report.breakdown, breakdown_frame, diff), a budget
+#: (check_budget, the memory_budget marker), a reconciliation.
+PHASE_MOMENTS = (PEAK, START, END)
+BUDGET_MOMENTS = (PEAK, END)
+RECONCILE_MOMENTS = (PEAK, STEADY)
+
+
+def parse_moment(value: Any, allowed: tuple[str, ...], name: str = "at") -> str:
+    """``value`` if it is one of ``allowed`` moments; else an InvalidArgumentError that lists them."""
+    if isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    natural = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+    raise InvalidArgumentError(f"{name} must be {natural} (one of {', '.join(allowed)}), got {value!r}")

@@ -28,7 +28,7 @@ def bd(total: "int | None | str" = "sum", **bytes_by_category: "int | None") -> 
 
 
 def cpu(**bytes_by_category: int) -> Breakdown:
-    """A CPU full-mode Breakdown: every tensor category measured (0 unless given), device rows not."""
+    """A CPU exact-mode Breakdown: every tensor category measured (0 unless given), device rows not."""
     values = {name: bytes_by_category.pop(name, 0) for name in TENSOR}
     if bytes_by_category:
         raise TypeError(f"not tensor categories: {sorted(bytes_by_category)}")
@@ -75,7 +75,7 @@ def trace(*, phases: tuple[PhaseRecord, ...] = (), peak: "Breakdown | None" = No
         fields.setdefault("peak_step", best.step)
         fields.setdefault("peak_phase", best.phase)
     values: dict[str, Any] = dict(
-        mode="full", device=DeviceInfo(type=device, name=device, rounding=512 if device == "cuda" else 1),
+        mode="exact", device=DeviceInfo(type=device, name=device, rounding=512 if device == "cuda" else 1),
         torch_version="2.13.0", memprof_version="0.0.0",
         start=ordered[0].start if ordered else empty, peak=peak or empty,
         end=ordered[-1].end if ordered else empty, peak_step=None, peak_phase=None, peak_module=None,

@@ -1,16 +1,16 @@
-"""Memory budgets: judge a measured Report against limits per category.
+"""Memory budgets: judge a measured run against limits per category.
 
-``check_budget(report, peak="1.5 GiB", activations="600 MiB")`` passes
-quietly (returning what it judged) or raises :class:`MemoryBudgetExceeded`,
+``check_budget(report, total="1.5 GiB", activations="600 MiB")`` passes
+quietly (returning what it judged) or raises :class:`~memprof.errors.MemoryBudgetExceeded`,
 an ``AssertionError``, naming every overrun with exact bytes.
 
 Budgets judge memprof's own accounting of what was created and categorised
 inside the profile, never process-wide counters, so memory left behind by
 earlier tests or freed late by the garbage collector does not move them. On
-CPU in full mode the figures are exact and repeatable to the byte.
+CPU in exact mode the figures are exact and repeatable to the byte.
 
 A budget on a figure the run did not measure (``None`` in the breakdown, for
-example temporaries in light mode on CPU) raises :class:`BudgetNotMeasured`:
+example temporaries in light mode on CPU) raises :class:`~memprof.errors.BudgetNotMeasured`:
 an unjudgeable budget never passes.
 
 This module imports neither torch nor pandas.
@@ -22,12 +22,13 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
 
-from ..vocabulary import DEVICE_CATEGORIES, Category
-from ..errors import InvalidArgumentError, MemprofError, NotMeasuredError, SizeParseError, UnknownNameError
+from ..vocabulary import BUDGET_MOMENTS, DEVICE_CATEGORIES, Category
+from ..errors import (BudgetNotMeasured, InvalidArgumentError, MemoryBudgetExceeded, MemoryGrewError,
+                      SizeParseError, UnknownNameError)
+from ..record.trace import Trace
 from ..units import format_bytes, parse_size, printable
 
 if TYPE_CHECKING:
-    from ..report import Report
     from ..record.trace import Breakdown
 
 __all__ = [
@@ -39,49 +40,10 @@ __all__ = [
     "BudgetResult",
     "Judged",
     "Growth",
-    "MemoryBudgetExceeded",
-    "BudgetNotMeasured",
-    "MemoryGrewError",
 ]
 
 #: The budget name for the session's highest total (a computed figure, not a category).
-PEAK = "peak"
-_AT = ("peak", "end")
-
-
-class MemoryBudgetExceeded(MemprofError, AssertionError):
-    """A measured figure is above its budget.
-
-    An ``AssertionError`` so that test frameworks report it as a failed
-    assertion. ``overruns`` holds one :class:`Judged` per exceeded budget,
-    keyed by name (``"peak"`` or a category value).
-    """
-
-    def __init__(self, message: str, overruns: "Mapping[str, Judged] | None" = None) -> None:
-        super().__init__(message)
-        self.overruns: dict[str, Judged] = dict(overruns or {})
-
-
-class BudgetNotMeasured(NotMeasuredError):
-    """A budget names a figure this run did not measure, so it cannot be judged.
-
-    ``names`` lists the budgets concerned (``"peak"`` or category values).
-    """
-
-    def __init__(self, message: str, names: "tuple[str, ...]" = ()) -> None:
-        super().__init__(message)
-        self.names = tuple(names)
-
-
-class MemoryGrewError(MemprofError, AssertionError):
-    """Figures grew beyond the tolerance compared with a baseline report.
-
-    ``growths`` holds one :class:`Growth` per figure that grew too much.
-    """
-
-    def __init__(self, message: str, growths: "tuple[Growth, ...]" = ()) -> None:
-        super().__init__(message)
-        self.growths = tuple(growths)
+TOTAL = "total"
 
 
 class Judged(NamedTuple):
@@ -99,7 +61,7 @@ class Judged(NamedTuple):
 class BudgetResult(Mapping[str, Judged]):
     """What :func:`check_budget` judged: name -> :class:`Judged` (all within budget).
 
-    Keys are ``"peak"`` and category values (``"activations"``, ...), in
+    Keys are ``"total"`` and category values (``"activations"``, ...), in
     the order the budgets were given. ``at`` says which breakdown the
     categories were judged on.
     """
@@ -152,18 +114,18 @@ def _budget_bytes(name: str, value: Any) -> int:
 
 
 def _names_known() -> str:
-    return ", ".join([PEAK] + [c.value for c in Category])
+    return ", ".join([TOTAL] + [c.value for c in Category])
 
 
-def parse_budgets(peak: "int | str | None" = None, **categories: "int | str") -> dict[str, int]:
-    """Validate budgets without a report: name (``"peak"`` or a category value) -> bytes.
+def parse_budgets(total: "int | str | None" = None, **categories: "int | str") -> dict[str, int]:
+    """Validate budgets without a report: name (``"total"`` or a category value) -> bytes.
 
     Raises what :func:`check_budget` raises for bad input: ``UnknownNameError``,
     ``SizeParseError`` (quoting the value), ``InvalidArgumentError`` when empty.
     """
     budgets: dict[str, int] = {}
-    if peak is not None:
-        budgets[PEAK] = _budget_bytes(PEAK, peak)
+    if total is not None:
+        budgets[TOTAL] = _budget_bytes(TOTAL, total)
     for name, value in categories.items():
         try:
             cat = Category.parse(name)
@@ -174,16 +136,16 @@ def parse_budgets(peak: "int | str | None" = None, **categories: "int | str") ->
         budgets[cat.value] = _budget_bytes(cat.value, value)
     if not budgets:
         raise InvalidArgumentError(
-            f"no budget was given; name at least one, e.g. peak='1 GiB' (names: {_names_known()})"
+            f"no budget was given; name at least one, e.g. total='1 GiB' (names: {_names_known()})"
         )
     return budgets
 
 
-def check_budget(report: "Report", peak: "int | str | None" = None, *, at: str = "peak",
+def check_budget(report: Any, total: "int | str | None" = None, *, at: str = "peak",
                  **categories: "int | str") -> BudgetResult:
-    """Judge ``report`` against memory budgets; raise if any is exceeded.
+    """Judge ``report`` (a :class:`memprof.Report`) against memory budgets; raise if any is exceeded.
 
-    ``peak`` limits the session's highest total (``report.peak.total``,
+    ``total`` limits the session's highest total (``report.peak.total``,
     whatever ``at`` says). Keyword arguments named after categories
     (``activations="600 MiB"``, ``optimizer_states=4096``) limit that
     category in the breakdown at the session's peak (``at="peak"``, the
@@ -193,43 +155,43 @@ def check_budget(report: "Report", peak: "int | str | None" = None, *, at: str =
     A figure passes when it is at most its budget (equal passes).
 
     Returns a :class:`BudgetResult` (name -> ``(budget, measured)``) when
-    every budget holds. Raises :class:`MemoryBudgetExceeded` (an
+    every budget holds. Raises :class:`~memprof.errors.MemoryBudgetExceeded` (an
     ``AssertionError``) naming each overrun, its budget, the measured figure
     and the excess, followed by the breakdown at the peak (and at the end with ``at="end"``);
-    :class:`BudgetNotMeasured` when a budget names a figure the run did not
+    :class:`~memprof.errors.BudgetNotMeasured` when a budget names a figure the run did not
     measure or the profile recorded no step; ``UnknownNameError`` for a name
-    that is neither ``peak`` nor a category; ``SizeParseError`` for a size
+    that is neither ``total`` nor a category; ``SizeParseError`` for a size
     that is negative, NaN, infinite, a bool or unparseable.
 
     ``report`` may also be a :class:`~memprof.Merged` (the ranks of one distributed run): every rank is
     judged, the error names each rank over budget, and the result is the worst rank's.
     """
     from .merge import Merged
-    from ..report import Report
 
     if isinstance(report, Merged):
-        return _check_ranks(report, peak, at, categories)
-    if not isinstance(report, Report):
+        return _check_ranks(report, total, at, categories)
+    trace = getattr(report, "trace", None)
+    if not isinstance(trace, Trace):
         raise InvalidArgumentError(
             f"check_budget() needs a memprof.Report, got {type(report).__name__}; "
             "pass prof.report() or memprof.load(path)"
         )
-    if at not in _AT:
+    if at not in BUDGET_MOMENTS:
         raise InvalidArgumentError(f"at must be 'peak' or 'end', got {at!r}")
 
-    budgets = parse_budgets(peak, **categories)
+    budgets = parse_budgets(total, **categories)
 
-    if report.num_steps == 0:
+    if trace.num_steps == 0:
         raise BudgetNotMeasured(
             "the profile recorded no step, so nothing was measured and the budget cannot be judged; "
             "run the training (or inference) step inside 'with memprof.profile(...)'",
             tuple(budgets),
         )
 
-    breakdown = report.peak if at == "peak" else report.end
+    breakdown = trace.peak if at == "peak" else trace.end
     measured: dict[str, "int | None"] = {}
     for name in budgets:
-        measured[name] = report.peak.total if name == PEAK else breakdown[name]
+        measured[name] = trace.peak.total if name == TOTAL else breakdown[name]
 
     unmeasured = tuple(n for n, v in measured.items() if v is None)
     if unmeasured:
@@ -238,10 +200,10 @@ def check_budget(report: "Report", peak: "int | str | None" = None, *, at: str =
         if all(n in device_only for n in unmeasured):
             fix = "those figures exist only on an accelerator (CUDA); drop the budget where none is used"
         else:
-            fix = "profile with mode='full' (exact on any device) or drop that budget"
+            fix = "profile with mode='exact' (exact on any device) or drop that budget"
         raise BudgetNotMeasured(
             f"memory budget cannot be judged: {what} not measured in this run "
-            f"(mode {report.trace.mode}, device {report.trace.device.type}); "
+            f"(mode {trace.mode}, device {trace.device.type}); "
             f"a budget on an unmeasured figure never passes: {fix}",
             unmeasured,
         )
@@ -257,7 +219,7 @@ def check_budget(report: "Report", peak: "int | str | None" = None, *, at: str =
                 f"over by {_exact(excess)}"
             )
         lines.append("")
-        lines.extend(_table(report, at))
+        lines.extend(_table(trace, at))
         raise MemoryBudgetExceeded("\n".join(lines), over)
     return BudgetResult(judged, at)
 
@@ -269,21 +231,21 @@ def _exact(n: int) -> str:
 
 
 def _label(name: str, at: str) -> str:
-    if name == PEAK:
+    if name == TOTAL:
         return "peak total"
     return f"{name} at {'the peak' if at == 'peak' else 'the end'}"
 
 
-def _table(report: "Report", at: str) -> list[str]:
+def _table(trace: Trace, at: str) -> list[str]:
     """The breakdown(s) the budgets were judged on, one line per category."""
-    blocks = [("peak", report.peak)]
+    blocks = [("peak", trace.peak)]
     if at == "end":
-        blocks.append(("end", report.end))
+        blocks.append(("end", trace.end))
     lines: list[str] = []
     for title, bd in blocks:
         if lines:
             lines.append("")
-        lines.append(f"Breakdown at the {title} ({report.trace.mode} mode, {report.trace.device.type}):")
+        lines.append(f"Breakdown at the {title} ({trace.mode} mode, {trace.device.type}):")
         lines.extend(_rows(bd))
     return lines
 
@@ -335,15 +297,15 @@ def parse_tolerance(value: "str | float | int | Fraction") -> Fraction:
     return frac
 
 
-def compare_to_baseline(report: "Report", baseline: "Report", tolerance: "str | float | Fraction" = "5%",
+def compare_to_baseline(report: Any, baseline: Any, tolerance: "str | float | Fraction" = "5%",
                         *, raise_on_growth: bool = False) -> tuple[Growth, ...]:
-    """The peak figures of ``report`` that grew beyond ``tolerance`` over ``baseline``.
+    """The peak figures of ``report`` that grew beyond ``tolerance`` over ``baseline`` (Reports or Traces).
 
     Compares the peak total and every category of the peak breakdown.
     A figure grows too much when ``measured > baseline * (1 + tolerance)``,
     computed exactly; from a baseline of 0 any growth counts. Figures that
     either report did not measure are skipped. With ``raise_on_growth``,
-    raises :class:`MemoryGrewError` listing the growths instead of returning them.
+    raises :class:`~memprof.errors.MemoryGrewError` listing the growths instead of returning them.
     """
     tol = parse_tolerance(tolerance)
     pairs: list[tuple[str, "int | None", "int | None"]] = [("peak total", baseline.peak.total, report.peak.total)]
@@ -371,13 +333,13 @@ def _pct(frac: Fraction) -> str:
     return f"{value:g}%"
 
 
-def _check_ranks(merged: Any, peak: Any, at: str, categories: dict) -> BudgetResult:
+def _check_ranks(merged: Any, total: Any, at: str, categories: dict) -> BudgetResult:
     """Each rank against the budgets: one error naming every rank over them, or the worst rank's result."""
     results: dict[int, BudgetResult] = {}
     failed: list[tuple[int, MemoryBudgetExceeded]] = []
     for rank, rep in merged.ranks.items():
         try:
-            results[rank] = check_budget(rep, peak, at=at, **categories)
+            results[rank] = check_budget(rep, total, at=at, **categories)
         except MemoryBudgetExceeded as exc:
             failed.append((rank, exc))
     if failed:

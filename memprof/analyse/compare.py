@@ -1,6 +1,6 @@
 """Compare two runs: what grew, what shrank, by how many bytes.
 
-``diff(a, b)`` reads two Reports (or Traces, or paths of saved traces) and
+``diff(a, b)`` reads two Traces (or Reports, or paths of saved traces) and
 returns a frozen :class:`Diff`: the breakdown at the global peak category by
 category, and the peak total of every phase present in both runs, matched by
 ``(step, phase, occurrence)``. Deltas are ``b - a`` in bytes; a figure that
@@ -11,18 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..vocabulary import Category, Phase
-from ..errors import InvalidArgumentError, renamed_argument, warn_renamed
-from ..render.common import signed
-from ..record.trace import PHASE_MOMENTS, Breakdown, Trace, as_trace, parse_moment
+from ..vocabulary import PHASE_MOMENTS, Category, Phase, parse_moment
+from ..errors import InvalidArgumentError
+from ..record.trace import Breakdown, Trace, as_trace
 from ..units import parse_size
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from ..report import Report
 
 __all__ = ["diff", "Diff", "CategoryDelta", "PhaseDelta"]
 
@@ -80,7 +74,7 @@ class Diff:
     ``a``'s order; ``only_in_a`` / ``only_in_b`` name the ``(step, phase,
     occurrence)`` keys found in one run only. ``notes`` say where the two runs
     are not measured alike (mode, device), which makes some deltas
-    meaningless.
+    meaningless. Plain data: :class:`memprof.Diff` adds its text, tables and HTML.
     """
 
     at: str
@@ -125,46 +119,6 @@ class Diff:
                 and all(p.delta in (0, None) for p in self.phases)
                 and not self.only_in_a and not self.only_in_b)
 
-    @property
-    def when(self) -> str:
-        """Deprecated: the compared moment, now :attr:`at`."""
-        warn_renamed("Diff.when", "Diff.at")
-        return self.at
-
-    def to_frame(self) -> "pd.DataFrame":
-        """Categories as rows (index ``category``), columns ``a``, ``b``, ``delta``, ``delta_pct``.
-
-        Bytes are nullable ``Int64`` (``<NA>`` where not measured),
-        ``delta_pct`` is ``Float64`` percent of ``a``. The total is not a row
-        (summing the column stays honest); it is :attr:`total`.
-        """
-        from ..render.frames import diff_frame
-
-        return diff_frame(self)
-
-    def phases_frame(self) -> "pd.DataFrame":
-        """Matched phases as rows: ``step``, ``phase``, ``occurrence``, ``a``, ``b``, ``delta``, ``delta_pct`` (peak totals)."""
-        from ..render.frames import diff_phases_frame
-
-        return diff_phases_frame(self)
-
-    def to_text(self, *, max_phases: int = 20) -> str:
-        from ..render.text import diff_text
-
-        return diff_text(self, max_phases=max_phases)
-
-    def __str__(self) -> str:
-        return self.to_text()
-
-    def _repr_html_(self) -> str:
-        from ..render.html import diff_html
-
-        return diff_html(self)
-
-    def __repr__(self) -> str:
-        return (f"<memprof.Diff {self.labels[0]} -> {self.labels[1]} {self.at} total "
-                f"{signed(self.total.delta, 'not measured')}>")
-
 
 def _tolerance(value: "int | float | str") -> float:
     if isinstance(value, str):
@@ -191,18 +145,16 @@ def _pick(trace: Trace, at: str) -> Breakdown:
     return {"peak": trace.peak, "start": trace.start, "end": trace.end}[at]
 
 
-def diff(a: "Report | Trace | str | os.PathLike[str]", b: "Report | Trace | str | os.PathLike[str]", *,
-         at: "str | None" = None, labels: "tuple[str, str]" = ("a", "b"), when: "str | None" = None) -> Diff:
+def diff(a: "Trace | Any | str | os.PathLike[str]", b: "Trace | Any | str | os.PathLike[str]", *,
+         at: str = "peak", labels: "tuple[str, str]" = ("a", "b")) -> Diff:
     """Compare run ``b`` against run ``a`` (deltas are ``b - a``).
 
-    ``a`` and ``b`` are Reports, Traces or paths of traces saved with
-    ``report.save()``. ``at`` picks the breakdown compared per category:
+    ``a`` and ``b`` are Traces, anything holding one as ``.trace`` (a Report) or paths of traces saved
+    with ``report.save()``. ``at`` picks the breakdown compared per category:
     the global ``"peak"`` (default), or the ``"start"`` / ``"end"`` of
-    profiling. ``labels`` name the runs in the text output. (``when=`` is the
-    deprecated name of ``at=``.)
+    profiling. ``labels`` name the runs in the text output.
     """
-    at = renamed_argument("at", at, "when", when, "diff")
-    at = parse_moment("peak" if at is None else at, PHASE_MOMENTS)
+    at = parse_moment(at, PHASE_MOMENTS)
     if (not isinstance(labels, tuple) or len(labels) != 2 or not all(isinstance(x, str) for x in labels)):
         raise InvalidArgumentError(f"labels must be a tuple of two strings, got {labels!r}")
     ta, tb = _as_trace(a, "a"), _as_trace(b, "b")

@@ -12,20 +12,20 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..vocabulary import Category
 from ..errors import InvalidArgumentError, MergeError
-from ..report import Report, load
-from ..record.trace import Trace
+from ..record.files import load_trace
+from ..record.trace import Trace, as_trace
 
-__all__ = ["Merged", "merge", "MergeError"]
+__all__ = ["Merged", "merge"]
 
 
 @dataclass(frozen=True)
 class Merged:
-    """Reports of the ranks of one run. ``ranks`` maps each rank to its :class:`~memprof.Report`;
-    ``missing`` lists ranks of the world that were not given; ``notes`` say what else to know."""
+    """The ranks of one run. ``ranks`` maps each rank to its :class:`~memprof.record.trace.Trace`
+    (:class:`memprof.Merged`: to its Report); ``missing`` lists ranks of the world that were not given;
+    ``notes`` say what else to know. Plain data: :class:`memprof.Merged` adds its text, table and HTML."""
 
-    ranks: dict[int, Report]
+    ranks: "dict[int, Any]"
     world_size: int
     missing: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
@@ -46,60 +46,37 @@ class Merged:
         mean = sum(known) / len(known)
         return max(known) - min(known), (max(known) / mean if mean else 1.0)
 
-    def to_frame(self) -> Any:
-        """One row per rank: the peak total, the step and phase of the peak, and each category at the peak."""
-        import pandas as pd
 
-        rows = []
-        for rank in sorted(self.ranks):
-            t = self.ranks[rank].trace
-            row: dict[str, Any] = {"rank": rank, "peak": t.peak.total, "peak_step": t.peak_step,
-                                   "peak_phase": t.peak_phase.value if t.peak_phase is not None else None}
-            row.update({c.value: t.peak[c] for c in Category})
-            rows.append(row)
-        return pd.DataFrame(rows).set_index("rank")
-
-    def __str__(self) -> str:
-        from ..render.text import merged_text
-
-        return merged_text(self)
-
-    def _repr_html_(self) -> str:
-        from ..render.html import merged_html
-
-        return merged_html(self)
-
-
-def merge(reports: Iterable["Report | str | os.PathLike[str]"]) -> Merged:
+def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"]) -> Merged:
     """Put the reports of the ranks of one run side by side.
 
-    ``reports`` is a list (any iterable) of :class:`~memprof.Report` objects, Traces or paths of saved
-    traces, one per rank. Each must come from a
+    ``reports`` is a list (any iterable) of :class:`~memprof.Report` objects (anything holding a Trace as
+    ``.trace``), Traces or paths of saved traces, one per rank. Each must come from a
     profile inside a torch.distributed process group (its trace records its rank); together they must
     be distinct ranks of one world size and one model (same parameter count). Ranks of the world that
     are missing are listed in ``missing`` and in the notes, not refused: a job's surviving ranks are
-    worth reading. Raises :class:`MergeError` otherwise.
+    worth reading. Raises :class:`~memprof.errors.MergeError` otherwise.
     """
     items = _items(reports)
-    given = [_report(r) for r in items]
+    given = [_trace(r) for r in items]
     names = [os.fspath(r) if isinstance(r, (str, os.PathLike)) else f"report {i}" for i, r in enumerate(items)]
     if not given:
         raise MergeError("merge() needs at least one report (one per rank)")
-    ranks: dict[int, Report] = {}
+    ranks: dict[int, Trace] = {}
     worlds: set[int] = set()
     params: set[int] = set()
     layouts: set[tuple[Any, Any]] = set()
-    for name, rep in zip(names, given):
-        info = rep.trace.distributed
+    for name, trace in zip(names, given):
+        info = trace.distributed
         if info is None:
             raise MergeError(f"{name} was not profiled inside a torch.distributed process group (its trace "
                              "records no rank); profile each rank after init_process_group")
         if info.rank in ranks:
             raise MergeError(f"rank {info.rank} is given twice ({name} is one); give each rank's report once")
         layouts.add((info.layout, info.backend))
-        ranks[info.rank] = rep
+        ranks[info.rank] = trace
         worlds.add(info.world_size)
-        params.add(rep.trace.facts.num_params)
+        params.add(trace.facts.num_params)
     if len(worlds) > 1:
         raise MergeError(f"the reports come from runs of different world sizes ({sorted(worlds)}): not one run")
     world = worlds.pop()
@@ -125,7 +102,7 @@ _TAKES = "merge() takes a list of reports or paths of saved traces (Traces too),
 
 def _items(reports: Any) -> list[Any]:
     """The ranks' reports as a list: one report, one path or anything that is not a list is refused."""
-    if isinstance(reports, (str, bytes, os.PathLike, Report, Trace, dict)):
+    if isinstance(reports, (str, bytes, os.PathLike, Trace, dict)) or hasattr(reports, "trace"):
         raise InvalidArgumentError(f"{_TAKES}; got one {type(reports).__name__}: put it in a list")
     try:
         return list(reports)
@@ -133,14 +110,13 @@ def _items(reports: Any) -> list[Any]:
         raise InvalidArgumentError(f"{_TAKES}, got {type(reports).__name__}") from None
 
 
-def _report(item: Any) -> Report:
-    if isinstance(item, Report):
-        return item
-    if isinstance(item, Trace):
-        return Report(item)
-    if not isinstance(item, (str, os.PathLike)):
-        raise InvalidArgumentError(f"{_TAKES}, got {type(item).__name__} in the list")
-    return load(item)
+def _trace(item: Any) -> Trace:
+    if isinstance(item, (str, os.PathLike)):
+        return load_trace(item)
+    try:
+        return as_trace(item)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(f"{_TAKES}, got {type(item).__name__} in the list") from None
 
 
 #: Stretches of missing ranks a note names before it counts the rest.

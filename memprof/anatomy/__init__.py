@@ -5,7 +5,8 @@ and section, a documentation page or a source file); the derivations are collect
 in ``docs/anatomy.md``:
 
 * :mod:`.params` -- bytes per parameter by precision regime and optimizer (HF, ZeRO).
-* :mod:`.optimizers` -- state and step-temporary bytes of real optimizer objects.
+* :mod:`.optimizers` -- state and step-temporary bytes of real optimizer objects (the formulas of
+  torch.optim's and bitsandbytes' classes: :mod:`.optimizer_rules`).
 * :mod:`.activations` -- Korthikanti's transformer closed forms and per-module saved-bytes rules.
 * :mod:`.zero` -- ZeRO stage formulas and the DeepSpeed estimators.
 * :mod:`.allocator` -- a model of torch's CUDA caching allocator (:mod:`.alloc_config` parses
@@ -35,7 +36,6 @@ from .alloc_replay import ReplayResult, replay
 from .allocator import (
     CUDA_CONTEXT_RANGE,
     CachingAllocator,
-    CachingAllocatorModel,
     cublas_workspace_bytes,
     pool_of,
     round_size,
@@ -54,7 +54,6 @@ from .outside import (
 )
 from .optimizers import (
     OptimizerFormula,
-    bitsandbytes_formula,
     optimizer_formula,
     optimizer_implementation,
     param_group_implementations,
@@ -62,6 +61,7 @@ from .optimizers import (
     predict_optimizer_step_transient_bytes,
     register_optimizer_formula,
 )
+from .optimizer_rules import bitsandbytes_formula  # and torch.optim's formulas, registered on import
 from .inference import kv_cache_bytes
 from .caches import CacheSpec, Slot, bytes_at, cache_bytes, call_slots, latent_attention_dims, sliding_kept_tokens
 from .cache_config import cache_spec
@@ -108,7 +108,6 @@ __all__ = [
     "segment_size",
     "cublas_workspace_bytes",
     "CUDA_CONTEXT_RANGE",
-    "CachingAllocatorModel",
     "CachingAllocator",
     "AllocatorConfig",
     "replay",

@@ -55,7 +55,6 @@ __all__ = [
     "segment_size",
     "cublas_workspace_bytes",
     "CachingAllocator",
-    "CachingAllocatorModel",
 ]
 
 _DEFAULT = AllocatorConfig()
@@ -385,7 +384,3 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
             + ("; or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, since much reserved memory is unallocated"
                if cached > alloc_size and not self.config.expandable_segments else ""),
             requested=nbytes, allocated=self.allocated, reserved=self.reserved, capacity=self.capacity)
-
-
-#: The name of the first, default-configuration version of the model; the same class.
-CachingAllocatorModel = CachingAllocator

@@ -11,8 +11,12 @@ training anatomy" ("Anatomy of Model's Memory"), from Rajbhandari et al. 2019
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import UnknownNameError
+
+if TYPE_CHECKING:
+    from ..record.trace import Trace
 
 __all__ = [
     "BytesPerParam",
@@ -21,6 +25,7 @@ __all__ = [
     "bytes_per_param",
     "bytes_per_param_breakdown",
     "textbook_regime",
+    "infer_precision",
 ]
 
 # Weights and gradients per regime: (weights, gradients, optimizer-state itemsize, transient weights).
@@ -157,3 +162,16 @@ def bytes_per_param(precision: str, optimizer: str | None, *, training: bool = T
     ``("zero", "adam") == 16`` (ZeRO), ``("mixed", None, training=False) == 6``.
     """
     return bytes_per_param_breakdown(precision, optimizer, training=training).total
+
+
+def infer_precision(trace: "Trace") -> str:
+    """The precision regime a recorded run used, read from its parameters' dtypes and its autocast dtype:
+    ``fp32``, ``amp`` (fp32 parameters under 16-bit autocast), ``bf16``, ``fp16``."""
+    dtypes = set(trace.param_dtypes)
+    if dtypes <= {"float32"} and trace.autocast_dtype in ("bfloat16", "float16"):
+        return "amp"
+    if dtypes == {"bfloat16"}:
+        return "bf16"
+    if dtypes == {"float16"}:
+        return "fp16"
+    return "fp32"

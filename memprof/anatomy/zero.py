@@ -18,6 +18,7 @@ from ..errors import InvalidArgumentError
 from ..units import as_count, round_half_away
 
 __all__ = [
+    "STAGES",
     "ZERO_OPTIMIZER_BYTES",
     "DEEPSPEED_BUFFER_FACTOR",
     "DeepSpeedEstimate",
@@ -25,6 +26,12 @@ __all__ = [
     "deepspeed_zero2_estimate",
     "deepspeed_zero3_estimate",
 ]
+
+#: The ZeRO stage of each parallel layout memprof measures or simulates (Rajbhandari et al. 2019 (ZeRO), §5:
+#: 1 partitions the optimizer states, 2 the gradients too, 3 the parameters too; DDP partitions nothing, and
+#: FSDP's full sharding partitions all three, as stage 3). "tp", tensor parallelism without a data-parallel
+#: wrapper, shards by placements, not by stage, and has none.
+STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "fsdp2": 3, "fsdp1": 3}
 
 #: K for mixed-precision Adam: fp32 params + momentum + variance, 4 B each (Rajbhandari et al. 2019 (ZeRO), §3.1).
 ZERO_OPTIMIZER_BYTES = 12

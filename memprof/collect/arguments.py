@@ -11,10 +11,11 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, UnknownNameError
 from .optimizer import as_optimizers
+from .state import EXACT, LIGHT
 
 __all__ = ["checked"]
 
-_MODES = ("full", "light", "auto")
+_MODES = (EXACT, LIGHT, "auto")
 
 
 def checked(model: Any, optimizer: Any, mode: Any, timeline: Any, operations: Any, schedule: Any,
@@ -27,8 +28,12 @@ def checked(model: Any, optimizer: Any, mode: Any, timeline: Any, operations: An
             "pass the model whose training you want to measure"
         )
     optimizers = as_optimizers(optimizer)
+    if isinstance(mode, str) and mode == "full":
+        # The word of memprof's early versions; its docs and reports always called it exact mode.
+        raise UnknownNameError("mode 'full' is now called 'exact' (every storage, exact to the byte); use "
+                               "mode='exact', or one of: exact, light, auto")
     if not isinstance(mode, str) or mode not in _MODES:
-        raise UnknownNameError(f"unknown mode {mode!r}; use one of: full, light, auto")
+        raise UnknownNameError(f"unknown mode {mode!r}; use one of: exact, light, auto")
     model_params = {id(p) for p in model.parameters()}
     for opt in optimizers:
         foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in model_params]

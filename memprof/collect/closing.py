@@ -6,21 +6,29 @@ raised over it; without one, once everything is removed, an interrupt is raised 
 ``on_trace_ready``'s own exception unchanged, then the ProfilerStateError of a profile ended in
 another thread. memprof's own failures are a warning and a note, and a record that could not be
 built says why when it is read.
+
+A :class:`Closing` owns what ending the profile leaves (the record, or why there is none; what the error
+left; where the OOM dump went), and the profiler reads it there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import MemprofWarning, ProfilerStateError, error_text
 from .oom import is_oom, oom_record
-from .freeze import build_trace
+from .freeze import AtError, build_trace
 from .undo import Failure, Failures, attempt, undo
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from ..record.trace import Trace
+    from .ledger import Ledger
+    from .oom import OomDump
+    from .state import Run
+    from .undo import UndoStack
+    from .wiring import Collectors
 
 __all__ = ["Closing"]
 
@@ -31,26 +39,47 @@ _ENDED_ELSEWHERE = (
 
 
 class Closing:
-    """The steps of ending one profile, and what failed in them."""
+    """The steps of ending one profile, what failed in them, and what they leave.
 
-    def __init__(self, prof: "Profiler") -> None:
-        self.prof = prof
+    ``stack`` holds everything the profile installed; ``release`` frees the profile's slots (the model and the
+    thread may be profiled again) and marks it ended; ``collectors`` is None when the start failed before they
+    were built; ``live_now`` reads what is live (``Profiler.live_now``).
+    """
+
+    def __init__(self, run: "Run", ledger: "Ledger", stack: "UndoStack | None", release: Callable[[], None],
+                 collectors: "Collectors | None", oom_dump: "OomDump | None",
+                 live_now: "Callable[[], Any] | None" = None) -> None:
+        self.run = run
+        self.ledger = ledger
+        self.stack = stack
+        self.release = release
+        self.collectors = collectors
+        self.oom_dump = oom_dump
+        self.live_now = live_now
         self.failures: Failures = []
+        #: What the error that ended the block left (empty without one).
+        self.at_error = AtError()
+        #: The record, once built; else why it could not be (``freeze_error``), or why the start failed.
+        self.trace: "Trace | None" = None
+        self.freeze_error: "str | None" = None
+        self.setup_error: "str | None" = None
+        #: Where the OOM dump was written, after an out-of-memory error ended the block.
+        self.oom_dump_path: "str | None" = None
+        self.windows_closed = False
 
     def leave(self, exc: "BaseException | None", elsewhere: bool) -> None:
         """What leaving the block does: record ``exc``, remove everything, freeze, say what failed, and
         raise only as the module docstring says."""
-        prof = self.prof
         failures = self.failures
         if elsewhere:
-            prof.notes.append(_ENDED_ELSEWHERE)
+            self.run.notes.append(_ENDED_ELSEWHERE)
         if exc is not None:
             attempt(failures, "recording the error", self.record_error, exc)
         self.close(freeze=True)
-        if prof.oom is not None and prof.oom_dump is not None and prof._trace is not None:
+        if self.at_error.oom is not None and self.oom_dump is not None and self.trace is not None:
             attempt(failures, "writing the OOM dump", self.write_oom_dump)
-        elif prof.oom_dump is not None:
-            attempt(failures, "discarding the OOM snapshot", prof.oom_dump.discard)
+        elif self.oom_dump is not None:
+            attempt(failures, "discarding the OOM snapshot", self.oom_dump.discard)
         callback = [f.exc for f in failures if f.what == _CALLBACK and exc is None]
         own = [f for f in failures if not (f.what == _CALLBACK and exc is None)]
         said: Failures = []
@@ -95,28 +124,29 @@ class Closing:
             attempt(failures, "recording the out-of-memory error", self.record_oom, exc)
 
     def describe_error(self, exc: BaseException) -> None:
-        self.prof.error = type(exc).__name__  # what stays if describing is interrupted
-        self.prof.error = error_text(exc)
+        self.at_error.error = type(exc).__name__  # what stays if describing is interrupted
+        self.at_error.error = error_text(exc)
 
     def describe_setup_error(self, exc: BaseException) -> None:
-        self.prof._setup_error = error_text(exc)
+        self.setup_error = type(exc).__name__  # what stays if describing is interrupted
+        self.setup_error = error_text(exc)
 
     def record_live(self, oom: bool) -> None:
-        prof = self.prof
+        dump = self.oom_dump
         # At a CUDA OOM the allocator's observer took what was live at the failing allocation itself.
-        live = prof.oom_dump.live if oom and prof.oom_dump is not None and prof.oom_dump.observed else None
-        live = live or prof.live_now()
+        live = dump.live if oom and dump is not None and dump.observed else None
+        live = live or (self.live_now() if self.live_now is not None else None)
         if live is not None:
-            prof.live_at_error, prof.live_modules_at_error, prof.live_storages_at_error = live
+            at = self.at_error
+            at.live, at.live_modules, at.live_storages = live
 
     def record_oom(self, exc: BaseException) -> None:
-        prof = self.prof
-        prof.oom = prof.oom_dump.record(exc, prof.device) if prof.oom_dump is not None else oom_record(exc, prof.device)
+        dump = self.oom_dump
+        self.at_error.oom = dump.record(exc) if dump is not None else oom_record(exc, self.run.device)
 
     def write_oom_dump(self) -> None:
-        prof = self.prof
-        assert prof.oom_dump is not None
-        prof.oom_dump_path = prof.oom_dump.write(prof._trace)
+        assert self.oom_dump is not None
+        self.oom_dump_path = self.oom_dump.write(self.trace)
 
     # -- removing everything ------------------------------------------------------------------------
 
@@ -133,23 +163,18 @@ class Closing:
         """Remove everything the profile installed, free its slots and (``freeze``) build its record;
         each part runs whatever the others raise, and running it again finishes what an interrupt cut
         short. What failed, in order (an exception of ``on_trace_ready`` as _CALLBACK)."""
-        prof = self.prof
         failures: Failures = []
-        stack = prof.stack
+        stack = self.stack
         if stack is not None:
             failures += stack.close()
-            prof.stack = None
-        prof._model_hold = None
-        undo(failures, "freeing its slot", prof._release)
-        prof.active = False
-        if prof._state != "failed":
-            prof._state = "done"
-        if freeze and prof._trace is None and prof._freeze_error is None:
+            self.stack = None
+        undo(failures, "freeing its slot", self.release)
+        if freeze and self.trace is None and self.freeze_error is None:
             attempt(failures, "building the record", self.freeze)
         undo(failures, "closing its ledger", self.close_ledger)
-        windows = prof.windows
-        if freeze and windows is not None and not prof._windows_closed:
-            prof._windows_closed = True
+        windows = self.collectors.windows if self.collectors is not None else None
+        if freeze and windows is not None and not self.windows_closed:
+            self.windows_closed = True
             # The last window, if on_trace_ready has not had it.
             if not attempt(failures, "closing the last window", windows.window_ended):
                 if failures[-1].exc is windows.callback_error:
@@ -157,30 +182,29 @@ class Closing:
         return failures
 
     def freeze(self) -> None:
+        assert self.collectors is not None  # a profile that started
         try:
-            self.prof._trace = build_trace(self.prof)
+            self.trace = build_trace(self.collectors, self.at_error)
         except BaseException as exc:
-            self.prof._freeze_error = error_text(exc)
+            self.freeze_error = error_text(exc)
             raise
 
     def close_ledger(self) -> None:
-        self.prof.ledger.close()
-        phases = getattr(self.prof, "phases", None)  # absent when the start failed before it was made
-        if phases is not None:
-            phases.samples = []
+        self.ledger.close()
+        if self.collectors is not None:  # None when the start failed before they were made
+            self.collectors.timeline.samples = []
 
     # -- saying what failed ---------------------------------------------------------------------------
 
     def say(self, failures: Failures, raised: bool) -> None:
         """A note in the record for each step that failed (the record lacks that part), and a warning for
         memprof's own failures (an interrupt only when it is not raised: the user asked for it)."""
-        prof = self.prof
         notes = [_failure_note(f) for f in failures if not f.done]
         if notes:
-            prof.notes.extend(notes)
-            if prof._trace is not None:
-                notes = list(dict.fromkeys(prof._trace.notes + tuple(notes)))
-                prof._trace = dataclasses.replace(prof._trace, notes=tuple(notes))
+            self.run.notes.extend(notes)
+            if self.trace is not None:
+                notes = list(dict.fromkeys(self.trace.notes + tuple(notes)))
+                self.trace = dataclasses.replace(self.trace, notes=tuple(notes))
         warn([f for f in failures if raised or isinstance(f.exc, Exception)], "while the profile was closed")
 
 

@@ -15,20 +15,22 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..vocabulary import Phase
-from ..simulate.autocast import emulated_autocast_dtype
+from .autocast_state import emulated_autocast_dtype
 from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, inner_tensors, is_wrapper, storage_of
 from .mode_stack import pop_from_beneath, push_beneath
+from .torch_compat import FakeTensor as _FakeTensor
+from .torch_compat import KEEPS_COMPILE, dispatch_mode_at, dispatch_stack_len as _dispatch_stack_len
+from .torch_compat import graph_task_id as _graph_task_id
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
-    from .ledger import Entry
+    from .ledger import Entry, Ledger
+    from .state import Run
 
 __all__ = ["DispatchMode", "StorageTracker", "KEEPS_COMPILE", "pop_orphan_modes"]
 
@@ -36,13 +38,12 @@ _aten = torch.ops.aten
 _PLAIN = torch.Tensor
 _DETACH = _aten.detach.default
 _BACKWARD = Phase.BACKWARD
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: -1)
 _TAG = {name: i for i, name in enumerate(TAGS)}
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-# torch 2.9 added TorchDispatchMode.ignore_compile_internals; before it, any dispatch mode makes
-# torch.compile fall back to eager (torch/_dynamo/convert_frame.py).
-KEEPS_COMPILE = hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
+def _nothing() -> None:
+    pass
 
 
 class DispatchMode(TorchDispatchMode):
@@ -131,13 +132,22 @@ _RESIZE_OPS = frozenset(o for o in (_op("resize_"), _op("resize_as_"), _op("set_
 
 
 class StorageTracker:
-    """Registers what ops make and what the model is handed; tags what some ops make."""
+    """Registers what ops make and what the model is handed; tags what some ops make.
 
-    def __init__(self, prof: "Profiler") -> None:
-        self.prof = prof
-        self.ledger = prof.ledger
-        self.device = prof.device
-        self.on_cpu = prof.device.type == "cpu"
+    It calls up through three slots the profiler wires: :attr:`backward_started` (an op of the engine's
+    before any hook said backward began), :attr:`watch_backward` (every op in backward: checkpoint
+    recomputation, nested backward passes) and :attr:`after_collective` (a collective ran: FSDP2 may have
+    stored gradients).
+    """
+
+    def __init__(self, ledger: "Ledger", run: "Run") -> None:
+        self.ledger = ledger
+        self.run = run
+        self.device = run.device
+        self.on_cpu = run.on_cpu
+        self.backward_started: Callable[[], None] = _nothing
+        self.watch_backward: Callable[[], None] = _nothing
+        self.after_collective: "Callable[[], None] | None" = None
         self.operations: Any = None  # an OperationLog with operations=True
         self.autocast_dtype: "str | None" = None
         self.mode: "DispatchMode | None" = None
@@ -178,13 +188,13 @@ class StorageTracker:
         self.mode = None
 
     def on_op(self, func: Any, args: Any, kwargs: Any) -> Any:
-        # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can.
-        prof = self.prof
-        phases = prof.phases
-        phase = phases.current
+        # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can, and reads
+        # the run state's plain attributes rather than asking the trackers that push them.
+        run = self.run
+        phase = run.phase
         if phase is _BACKWARD:
-            prof.saved.watch_recompute()
-        elif phases.scan_args and not prof.modules.stack:
+            self.watch_backward()
+        elif run.scan_args and not run.calls:
             # Only outside the model's modules (the loss, data movement): inside them every tensor
             # was either handed to the model (marked by the root hook) or made by an op already.
             self.scan_inputs(args)
@@ -203,11 +213,11 @@ class StorageTracker:
             self.register_unseen(kwargs)
         elif kind == _RESIZES and args and isinstance(args[0], torch.Tensor):
             self.register_unseen({"self": args[0]})
-        phases.ops += 1
+        run.ops += 1
         if self.operations is not None:
             self.operations.record(phase.value, func, args, kwargs, out)
         if phase is not _BACKWARD and _graph_task_id() != -1:
-            phases.backward_started()
+            self.backward_started()
         if kind == _NEW_OUTPUTS:
             led = self.ledger
             entries = led.entries
@@ -333,7 +343,7 @@ class StorageTracker:
 
 def autocast_dtype(device: torch.device) -> "torch.dtype | None":
     """The dtype autocast casts to for ops on ``device`` now, or ``None`` outside autocast; a simulation's
-    emulated CUDA autocast (memprof.simulate.autocast) counts too."""
+    emulated CUDA autocast (memprof.collect.autocast_state) counts too."""
     dev = device.type if device.type in ("cpu", "cuda") else None
     if dev is not None and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
@@ -397,10 +407,10 @@ def _communication(storages: StorageTracker, func: Any, args: Any, out: Any) -> 
             # Made for this collective (FSDP's staging buffers are filled before it runs): it was one at a
             # peak reached while it was being filled, too.
             led.move(entry, COMMUNICATION, retro=True)
-    shards = storages.prof.shards
-    if shards is not None:
+    after = storages.after_collective
+    if after is not None:
         # FSDP2 stores a group's sharded gradients after its reduce-scatter; by the next collective they are there.
-        shards.grads()
+        after()
 
 
 def _flat_tensors(obj: Any, depth: int = 0) -> Any:
@@ -479,7 +489,7 @@ _ORPHAN_MODES: list[tuple[int, DispatchMode]] = []
 
 def _on_top(mode: DispatchMode) -> bool:
     depth = _dispatch_stack_len()
-    return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
+    return depth > 0 and dispatch_mode_at(depth - 1) is mode
 
 
 def _reusable_orphan() -> "DispatchMode | None":
@@ -488,7 +498,7 @@ def _reusable_orphan() -> "DispatchMode | None":
     depth = _dispatch_stack_len()
     if depth <= 0:
         return None
-    on_stack = {id(torch._C._get_dispatch_stack_at(i)) for i in range(depth)}
+    on_stack = {id(dispatch_mode_at(i)) for i in range(depth)}
     for thread, mode in list(_ORPHAN_MODES):
         if thread == me and id(mode) in on_stack:
             _forget_orphan(mode)

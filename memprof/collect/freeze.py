@@ -16,15 +16,19 @@ import torch
 from torch import nn
 
 from ..version import __version__
-from ..record.trace import Breakdown, ModelFacts, ModuleRecord, OperationRecord, Sample, StepRecord, Trace, parent_path
+from ..record.trace import (Breakdown, ModelFacts, ModuleRecord, OomRecord, OperationRecord, Sample, StepRecord,
+                            Trace, parent_path)
 from .ledger import ACTIVATIONS, CATEGORY_OF_INDEX, INPUTS, TEMPORARIES, Ledger, breakdown, storage_of, tag_pairs
-from .modules import attribute_tensors
+from .module_table import attribute_tensors
+from .phases import MAX_DECODE_PHASES
+from .state import EXACT, LIGHT
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from ..record.parts import RankInfo
+    from .wiring import Collectors
 
-__all__ = ["breakdown", "blank", "blank_step", "build_trace", "latest_recorded", "unmeasured", "live_modules",
-           "live_storages"]
+__all__ = ["AtError", "breakdown", "blank", "blank_step", "build_trace", "latest_recorded", "unmeasured",
+           "live_modules", "live_storages"]
 
 #: Most live storages an error's record lists (the largest): bounds a dump of a model of any size.
 MAX_LIVE_STORAGES = 100_000
@@ -43,38 +47,45 @@ def blank_step(step: StepRecord, cats: frozenset[int], total: bool) -> StepRecor
                             end=blank(p.end, cats, total)) for p in step.phases))
 
 
-def latest_recorded(prof: "Profiler") -> "StepRecord | None":
-    """The last step recorded so far (``None`` before the first; the trace's last after the end), with what
-    the run cannot measure as None, as the trace will have it: a callback never logs a figure the report
-    calls not measured."""
-    if prof._state in ("new", "failed"):
-        return None
-    if prof._trace is not None:
-        return prof._trace.steps[-1] if prof._trace.steps else None
-    kept = prof.phases.retention.kept
+@dataclasses.dataclass
+class AtError:
+    """What an error that ended the block left: its description, what was live then (by category, by creating
+    module, storage by storage), and an out-of-memory error's record."""
+
+    error: "str | None" = None
+    live: "Breakdown | None" = None
+    live_modules: tuple[tuple[str, int], ...] = ()
+    live_storages: tuple[tuple[int, int, str, str], ...] = ()
+    oom: "OomRecord | None" = None
+
+
+def latest_recorded(c: "Collectors") -> "StepRecord | None":
+    """The last step recorded so far (``None`` before the first), with what the run cannot measure as None, as
+    the trace will have it: a callback never logs a figure the report calls not measured."""
+    kept = c.phases.retention.kept
     if not kept:
         return None
-    missing = unmeasured(prof)
+    missing = unmeasured(c)
     last = kept[max(kept)]
     return blank_step(last, *missing) if missing is not None else last
 
 
-def live_modules(prof: "Profiler") -> tuple[tuple[str, int], ...]:
+def live_modules(c: "Collectors") -> tuple[tuple[str, int], ...]:
     """Bytes of live storages created while each module was innermost (at an error)."""
     by_module: dict[int, int] = {}
-    for entry in prof.ledger.entries.values():
+    for entry in c.ledger.entries.values():
         if entry.cat in (ACTIVATIONS, TEMPORARIES) and entry.module >= 0:
             by_module[entry.module] = by_module.get(entry.module, 0) + entry.nbytes
     ranked = sorted(by_module.items(), key=lambda kv: -kv[1])
-    return tuple((prof.modules.info[i].path or "<model>", n) for i, n in ranked[:20])
+    return tuple((c.table.path(i), n) for i, n in ranked[:20])
 
 
-def live_storages(prof: "Profiler") -> tuple[tuple[int, int, str, str], ...]:
+def live_storages(c: "Collectors") -> tuple[tuple[int, int, str, str], ...]:
     """Each live storage's address, bytes, category and creating module (at an error), largest first:
     a memory_viz snapshot taken then is attributed by these addresses."""
-    info = prof.modules.info
+    info = c.table.info
     out = []
-    for entry in prof.ledger.entries.values():
+    for entry in c.ledger.entries.values():
         storage = entry.ref() if entry.ref is not None else None
         if storage is None:
             continue
@@ -90,15 +101,19 @@ def live_storages(prof: "Profiler") -> tuple[tuple[int, int, str, str], ...]:
     return tuple(out[:MAX_LIVE_STORAGES])
 
 
-def build_trace(prof: "Profiler") -> Trace:
-    prof.params.resync_storages()  # the parameters as they are at the end
-    led = prof.ledger
-    light = prof.mode == "light"
-    steps = prof.phases.finish()
-    device_now = prof.probe.finish()
+def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
+    """The record of the run so far (at the end of a schedule's window) or of the whole run, with what an
+    error that ended it left."""
+    at_error = at_error if at_error is not None else AtError()
+    run = c.run
+    c.params.resync_storages()  # the parameters as they are at the end
+    led = c.ledger
+    light = run.mode == LIGHT
+    steps = c.phases.finish()
+    device_now = c.probe.finish()
     end = breakdown(led.totals, light=light, where="end", device=device_now)
-    start = breakdown(prof.start_totals, light=light, where="start")
-    peak_where = prof.phases.where.get(led.peak_phase_serial)
+    start = breakdown(c.start_totals, light=light, where="start")
+    peak_where = c.phases.where.get(led.peak_phase_serial)
     peak_step = peak_where[0] if peak_where else None
     if peak_step is not None and steps and peak_step > steps[-1].index:
         peak_step = steps[-1].index
@@ -108,29 +123,27 @@ def build_trace(prof: "Profiler") -> Trace:
         for p in s.phases:
             if peak_where and s.index == peak_where[0] and p.phase is peak_where[1] and p.peak.total is not None:
                 peak_device = p.peak
-    peak = breakdown(led.peak, light=light, where="peak", device=prof.probe.global_peak())
+    peak = breakdown(led.peak, light=light, where="peak", device=c.probe.global_peak())
     if peak_device is not None and not light:
         n = len(CATEGORY_OF_INDEX)
         peak = Breakdown(peak.counts[:n] + peak_device.counts[n:],
                          sum(peak.counts[:n]) + sum(v or 0 for v in peak_device.counts[n:]))
     peak_module = None
-    if not light and 0 <= led.peak_module < len(prof.modules.info):
-        peak_module = prof.modules.info[led.peak_module].path or "<model>"
-    optimizers = prof.optimizers.specs()  # before the notes are read: it notes an optimizer it cannot record
-    notes = list(prof.notes) + prof.probe.notes() + coverage_notes(prof)
-    if prof.phases.merged_decodes:
-        from .phases import MAX_DECODE_PHASES
-
-        notes.append(f"{prof.phases.merged_decodes} further decode calls joined the {MAX_DECODE_PHASES}th decode "
+    if not light and 0 <= led.peak_module < len(c.table.info):
+        peak_module = c.table.path(led.peak_module)
+    optimizers = c.optimizers.specs()  # before the notes are read: it notes an optimizer it cannot record
+    notes = list(run.notes) + c.probe.notes() + coverage_notes(c)
+    if c.phases.merged_decodes:
+        notes.append(f"{c.phases.merged_decodes} further decode calls joined the {MAX_DECODE_PHASES}th decode "
                      "phase of their generation (its peak is theirs, its end the last one's)")
     if not steps:
         notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
-    micros = prof.phases.micros
+    micros = c.timeline.micros
     timeline = tuple(Sample(seq, step, phase, label, breakdown(list(totals), light=light, where="sample"),
                             micros(ns), event)
-                     for seq, step, phase, label, totals, ns, event in prof.phases.samples)
-    live_at_error = prof.live_at_error
-    missing = unmeasured(prof)
+                     for seq, step, phase, label, totals, ns, event in c.timeline.samples)
+    live_at_error = at_error.live
+    missing = unmeasured(c)
     if missing is not None:
         start, peak, end = (blank(b, *missing) for b in (start, peak, end))
         steps = [blank_step(s, *missing) for s in steps]
@@ -138,10 +151,10 @@ def build_trace(prof: "Profiler") -> Trace:
         if live_at_error is not None:
             live_at_error = blank(live_at_error, *missing)
 
-    operations = prof.storages.operations
+    operations = c.storages.operations
     return Trace(
-        mode=prof.mode,
-        device=dataclasses.replace(prof.probe.info(), rounding=led.rounding),
+        mode=run.mode,
+        device=dataclasses.replace(c.probe.info(), rounding=led.rounding),
         torch_version=torch.__version__,
         memprof_version=__version__,
         start=start,
@@ -151,68 +164,74 @@ def build_trace(prof: "Profiler") -> Trace:
         peak_phase=peak_where[1] if peak_where else None,
         peak_module=peak_module,
         steps=tuple(steps),
-        modules=module_records(prof),
+        modules=module_records(c),
         timeline=timeline,
         notes=tuple(dict.fromkeys(notes)),
-        error=prof.error,
+        error=at_error.error,
         live_at_error=live_at_error,
-        live_modules_at_error=prof.live_modules_at_error,
-        optimizer=prof.optimizers.class_name,
-        optimizer_implementation=prof.optimizers.implementation,
-        param_dtypes=prof.param_dtypes,
-        autocast_dtype=prof.storages.autocast_dtype,
-        generation=prof.kv.facts(),
-        distributed=prof.rank,
-        routing=prof.routing.record() if prof.routing is not None else None,
+        live_modules_at_error=at_error.live_modules,
+        optimizer=c.optimizers.class_name,
+        optimizer_implementation=c.optimizers.implementation,
+        param_dtypes=c.param_dtypes,
+        autocast_dtype=c.storages.autocast_dtype,
+        generation=c.kv.facts(),
+        distributed=_rank(c),
+        routing=c.routing.record() if c.routing is not None else None,
         peak_tags=tag_pairs(led.peak_tags),
-        facts=model_facts(prof),
+        facts=model_facts(c),
         operations=tuple(
             OperationRecord(phase, cls, op, *vals) for (phase, cls, op), vals in sorted(operations.rows.items())
         ) if operations is not None else None,
-        module_calls=tuple(call for _index, call in prof.modules.module_calls),
+        module_calls=tuple(call for _index, call in c.capture.module_calls),
         optimizers=optimizers,
-        num_steps=prof.phases.retention.steps_run,
-        phase_stats=prof.phases.retention.phase_stats(),
-        schedule=prof.schedule.describe() if prof.schedule is not None else None,
-        recorded_steps=prof.windows.recorded_steps() if prof.windows is not None else (),
-        oom=prof.oom,
-        live_storages_at_error=prof.live_storages_at_error,
+        num_steps=c.phases.retention.steps_run,
+        phase_stats=c.phases.retention.phase_stats(),
+        schedule=c.schedule.describe() if c.schedule is not None else None,
+        recorded_steps=c.windows.recorded_steps() if c.windows is not None else (),
+        oom=at_error.oom,
+        live_storages_at_error=at_error.live_storages,
     )
 
 
-def unmeasured(prof: "Profiler") -> "tuple[frozenset[int], bool] | None":
+def _rank(c: "Collectors") -> "RankInfo | None":
+    """The rank's record; with FSDP2, with the sharded and unsharded bytes its tracker measured at the end."""
+    return c.shards.rank if c.shards is not None else c.rank
+
+
+def unmeasured(c: "Collectors") -> "tuple[frozenset[int], bool] | None":
     """Categories (and whether the total) this run could not measure, or None when it measured all."""
     cats: set[int] = set()
     total = False
-    if prof.modules.foreign_threads:
+    if c.run.foreign_threads:
         # The dispatch mode and saved-tensor hooks are per thread: ops and saves there were not seen.
         cats |= {ACTIVATIONS, INPUTS, TEMPORARIES}
-        total = prof.mode == "full"
-    if prof.saved.hooks.in_transform:
+        total = c.run.mode == EXACT
+    if c.saved.hooks.in_transform:
         # Saved there or not cannot be told apart: torch.func allows no saved-tensor hooks.
         cats |= {ACTIVATIONS, TEMPORARIES}
-    if prof.params.invisible_forwards:
+    if c.params.invisible_forwards:
         cats |= {ACTIVATIONS}
     return (frozenset(cats), total) if cats else None
 
 
-def coverage_notes(prof: "Profiler") -> list[str]:
+def coverage_notes(c: "Collectors") -> list[str]:
     """What this run could not see, or saw only in part, in the words the report prints."""
     notes = []
-    modules = prof.modules
-    if modules.foreign_threads:
+    run, table = c.run, c.table
+    exact = run.mode == EXACT
+    if run.foreign_threads:
         notes.append(
-            f"the model ran in {len(modules.foreign_threads)} thread(s) other than the one that started the "
+            f"the model ran in {len(run.foreign_threads)} thread(s) other than the one that started the "
             "profile, where memprof's dispatch mode and saved-tensor hooks (both per thread) are not "
-            "installed: activations, inputs, temporaries" + (" and the total" if prof.mode == "full" else "")
+            "installed: activations, inputs, temporaries" + (" and the total" if exact else "")
             + " are not measured, in the breakdowns and per module; start the profile in the thread that trains")
-    hooks = prof.saved.hooks
+    hooks = c.saved.hooks
     if hooks.in_transform:
         notes.append(
             f"the model ran {hooks.in_transform} time(s) inside torch.func transforms (grad, vjp, "
             "jacrev, hessian), where torch allows no saved-tensor hooks: what autograd saved there cannot "
             "be told from temporaries, so activations and temporaries are not measured")
-    if prof.params.invisible_forwards:
+    if c.params.invisible_forwards:
         notes.append(
             "the model's parameters got gradients from a forward memprof's module hooks did not see (a "
             "torch.compile wrapper of this model was called, whose compiled code skips the hooks of the "
@@ -222,57 +241,57 @@ def coverage_notes(prof: "Profiler") -> list[str]:
         names = ", ".join(sorted(hooks.chained_to))
         notes.append(
             f"saved_tensors_hooks of your own were active ({names}): memprof ran them as without it and "
-            f"counted as activations the tensors on {prof.device.type} that their pack returned"
-            + ("" if prof.mode == "full" else "; tensors saved under them outside the model's modules (a loss "
+            f"counted as activations the tensors on {run.device.type} that their pack returned"
+            + ("" if exact else "; tensors saved under them outside the model's modules (a loss "
                "computed inside such a block) are not seen in light mode"))
-    if modules.skipped_paths:
-        where = ", ".join(modules.skipped_paths[:3]) + (" ..." if len(modules.skipped_paths) > 3 else "")
+    if table.skipped_paths:
+        where = ", ".join(table.skipped_paths[:3]) + (" ..." if len(table.skipped_paths) > 3 else "")
         notes.append(
             f"calls of {where} ran none of their submodules' hooks (a torch.compile wrapper of the model "
             "ran them from compiled code, or they called submodules through .forward()): those submodules "
             "have no per-module figures, and what the calls saved counts as their activations; to see "
             "inside, profile the compiled wrapper itself (memprof.profile(compiled_model, optimizer))")
-    if modules.compiled_paths:
-        where = ", ".join(modules.compiled_paths[:3]) + (" ..." if len(modules.compiled_paths) > 3 else "")
+    if table.compiled_paths:
+        where = ", ".join(table.compiled_paths[:3]) + (" ..." if len(table.compiled_paths) > 3 else "")
         notes.append(
-            f"{modules.compiled_calls} call(s) ran torch.compile'd code ({where}): memprof saw what the "
+            f"{table.compiled_calls} call(s) ran torch.compile'd code ({where}): memprof saw what the "
             "compiled code returned and what autograd saved from it, not the scratch memory its kernels "
             "use inside, so temporaries and peaks inside those calls are lower bounds and per-module "
             "figures stop at the compiled module")
-    if prof.changes:
-        notes.append("the model or its optimizer changed during profiling (" + "; ".join(prof.changes)
+    if run.changes:
+        notes.append("the model or its optimizer changed during profiling (" + "; ".join(run.changes)
                      + "): figures before that count what existed then")
     return notes
 
 
-def module_records(prof: "Profiler") -> tuple[ModuleRecord, ...]:
+def module_records(c: "Collectors") -> tuple[ModuleRecord, ...]:
     """Each module's row. A figure the run could not measure is None in every row, as in the breakdowns:
     saved activations when activations are not measured, peaks and scratch memory when the total is not
     (ops of another thread, say, were not seen: a maximum over the calls that were would be a lower bound)."""
-    led = prof.ledger
-    modules = prof.modules
-    missing = unmeasured(prof)
+    led = c.ledger
+    table = c.table
+    missing = unmeasured(c)
     no_activations = missing is not None and ACTIVATIONS in missing[0]
     no_peaks = missing is not None and missing[1]
     records = []
-    for i, info in enumerate(modules.info):
+    for i, info in enumerate(table.info):
         params = 0
         grads = 0
         seen: set[int] = set()
-        for ref in modules.params[i]:
+        for ref in table.params[i]:
             p = ref()
             if p is None:
                 continue
             params += _storage_bytes(p, seen, led)
             if p.grad is not None:
                 grads += _storage_bytes(p.grad, seen, led)
-        full = prof.mode == "full" and i not in modules.unhooked and not no_peaks
+        full = c.run.mode == EXACT and i not in table.unhooked and not no_peaks
         records.append(ModuleRecord(
             path=info.path or "<model>",
             type=info.type,
             parameters=params,
             gradients=grads,
-            activations=None if i in modules.unhooked or no_activations else info.act_bytes,
+            activations=None if i in table.unhooked or no_activations else info.act_bytes,
             peak_forward=info.fwd_peak if full else None,
             peak_backward=info.bwd_peak if full else None,
             temporaries_forward=info.fwd_tmp if full else None,
@@ -294,19 +313,19 @@ def module_records(prof: "Profiler") -> tuple[ModuleRecord, ...]:
             if not path:
                 break
     first_inputs: dict[int, int] = {}
-    for index, call in modules.module_calls:
+    for index, call in c.capture.module_calls:
         first_inputs.setdefault(index, sum(t.nbytes for t in call.inputs))
-    row = {(info.path or "<model>"): i for i, info in enumerate(modules.info)}
+    row = {(info.path or "<model>"): i for i, info in enumerate(table.info)}
     return tuple(dataclasses.replace(m, activations=totals[m.path], own_activations=m.activations,
                                      input_bytes=first_inputs.get(row[m.path])) for m in records)
 
 
-def model_facts(prof: "Profiler") -> ModelFacts:
+def model_facts(c: "Collectors") -> ModelFacts:
     """Model figures the reconciler needs, measured on the live objects at exit."""
-    led = prof.ledger
-    params = prof.params.live()
+    led = c.ledger
+    params = c.params.live()
     trainable = [p for p in params if p.requires_grad]
-    model = prof.modules.root_ref()
+    model = c.table.root_ref()
     buffers = 0
     if model is not None:
         seen: set[int] = set()
@@ -314,15 +333,15 @@ def model_facts(prof: "Profiler") -> ModelFacts:
             buffers += _storage_bytes(b, seen, led)
         for mod in model.modules():
             for t in attribute_tensors(mod):
-                if t.device == prof.device:
+                if t.device == c.run.device:
                     buffers += _storage_bytes(t, seen, led)
     seen = set()
     weight_bytes = sum(_storage_bytes(p, seen, led) for p in params)
     seen = set()
     trainable_bytes = sum(_storage_bytes(p, seen, led) for p in trainable)
     dims: list[tuple[str, str, int]] = []
-    for i, info in enumerate(prof.modules.info):
-        module = prof.modules.refs[i]()
+    for i, info in enumerate(c.table.info):
+        module = c.table.refs[i]()
         if not isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)):
             continue
         for attr in ("in_features", "out_features", "in_channels", "out_channels", "num_embeddings",
@@ -330,7 +349,7 @@ def model_facts(prof: "Profiler") -> ModelFacts:
             value = getattr(module, attr, None)
             if isinstance(value, int):
                 dims.append((info.path or "<model>", attr, value))
-    calls = prof.modules.module_calls
+    calls = c.capture.module_calls
     batch = None
     root = next((call for index, call in calls if index == 0), None)
     if root is not None and root.inputs and root.inputs[0].shape:
@@ -344,7 +363,7 @@ def model_facts(prof: "Profiler") -> ModelFacts:
         weight_bytes=weight_bytes,
         trainable_bytes=trainable_bytes,
         buffer_bytes=buffers,
-        activation_inputs_saved=sum(prof.saved.saved_inputs.values()) if calls else None,
+        activation_inputs_saved=sum(c.saved.saved_inputs.values()) if calls else None,
     )
 
 

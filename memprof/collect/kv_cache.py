@@ -7,7 +7,7 @@ forward that comes back into a later call is carried state: a KV cache. That cov
 call made and left inside an object it was given are the cache too, as are those it returns under the
 name it was given a cache by (or ``past_key_values`` and ``cache``, transformers' names for it).
 
-In full mode, where memprof sees every storage made, only tensors made inside the model's forward
+In exact mode, where memprof sees every storage made, only tensors made inside the model's forward
 count, so the attention mask or position ids a decoding loop builds between calls stay inputs. In light
 mode storages made by ops are not seen: tensors under a cache's name are counted as the cache.
 """
@@ -26,9 +26,13 @@ from ..vocabulary import Phase
 from ..errors import MemprofError
 from ..record.parts import GenerationFacts
 from .ledger import KV_CACHE, TEMPORARIES
+from .state import EXACT
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from .dispatch import StorageTracker
+    from .ledger import Ledger
+    from .phases import PhaseTracker
+    from .state import Run
 
 __all__ = ["CacheTracker"]
 
@@ -49,8 +53,12 @@ class CacheTracker:
     loop whose outputs carry a cache nobody hands back stays a forward.
     """
 
-    def __init__(self, prof: "Profiler", model: nn.Module) -> None:
-        self.prof = prof
+    def __init__(self, model: nn.Module, ledger: "Ledger", run: "Run", storages: "StorageTracker",
+                 phases: "PhaseTracker") -> None:
+        self.ledger = ledger
+        self.run = run
+        self.storages = storages
+        self.phases = phases
         self.names: set[str] = set(CACHE_NAMES)  # where caches were seen: argument and output names
         config = getattr(model, "config", None)
         self.shape = _cache_shape(config)
@@ -122,7 +130,7 @@ class CacheTracker:
             previous = 0
         if self.kind is not None:
             self.batch = batch if batch is not None else self.batch
-            self.call_seq, self.call_earlier, self.call_before = self.prof.ledger.seq, previous, self.in_cache
+            self.call_seq, self.call_earlier, self.call_before = self.ledger.seq, previous, self.in_cache
             self._note_shapes(handed, kwargs)
         return self.kind
 
@@ -139,11 +147,11 @@ class CacheTracker:
         """Claim what a prefill or decode call added to the cache it was given (filled in place) or returned:
         under a cache's name, or, from a decode call, any container in its output (a tuple of key and value
         tensors; the logits are a plain tensor)."""
-        phases = self.prof.phases
+        phases = self.phases
         kind, handed, self.active = self.kind, self.active, None
         if kind is None:
             if not torch.is_grad_enabled():  # an ordinary call: a prefill if what it made comes back
-                self.call_tokens[self.prof.ledger.phase_serial] = self.incoming
+                self.call_tokens[self.ledger.phase_serial] = self.incoming
                 while len(self.call_tokens) > 64:  # only the latest calls can still turn out to be prefills
                     del self.call_tokens[next(iter(self.call_tokens))]
             return
@@ -163,7 +171,7 @@ class CacheTracker:
                     self._claim(item, named=True, retro=True)
                     kept.append(item)
         self.in_cache += self.incoming
-        key = (phases.step, kind.value, phases.occurrence.get(kind, 0))
+        key = (self.run.step, kind.value, phases.occurrence.get(kind, 0))
         self.tokens[key] = self.in_cache
         self._note_moments(key, kept)
         self._last = None
@@ -176,7 +184,7 @@ class CacheTracker:
     def relabel_prefills(self) -> None:
         """The earlier calls that made what this decode call got back were prefills: their (closed) phases
         are relabelled so, with the tokens they put in the cache."""
-        phases = self.prof.phases
+        phases = self.phases
         for serial in sorted(self.prefill_serials):
             key = phases.relabel_closed(serial, Phase.PREFILL)
             if key is not None:
@@ -223,19 +231,19 @@ class CacheTracker:
 
     def _note_moments(self, key: tuple[int, str, int], kept: list[Any]) -> None:
         """The cache at the end of the call that just ended, and at the phase's peak if the call reached it:
-        how many of the storages the call put in the cache existed then (full mode sees them being made)."""
-        led = self.prof.ledger
+        how many of the storages the call put in the cache existed then (exact mode sees them being made)."""
+        led = self.ledger
         tokens = (self.call_earlier, self.call_before, self.in_cache)
         self.moments[(*key, "end")] = CacheMoment(*key, "end", *tokens)
         peak = (*key, "peak")
         if peak in self.moments and led.phase_peak_seq <= self.call_seq:
             return  # a folded decode phase whose peak an earlier call reached
         written, overlap = None, False
-        if self.prof.mode == "full":
+        if self.run.mode == EXACT:
             made: dict[int, int] = {}
             for obj in kept:
                 for t in _tensors(obj):
-                    entry = self.prof.storages.entry_of(t) if t.is_floating_point() else None
+                    entry = self.storages.entry_of(t) if t.is_floating_point() else None
                     if entry is not None and entry.cat == KV_CACHE and entry.phase_serial == led.phase_serial \
                             and self.call_seq < entry.created <= led.phase_peak_seq:
                         made[entry.key] = entry.created
@@ -249,8 +257,8 @@ class CacheTracker:
         runs or ends) what the running call made counts as the cache since it was made, at the phase's peak
         too: transformers' caches keep a layer's new keys from the op that makes them (``torch.cat``), and the
         peak can fall inside the layer, before memprof sees them there."""
-        storages = self.prof.storages
-        led = self.prof.ledger
+        storages = self.storages
+        led = self.ledger
         claimed = False
         made_in: "set[int] | None" = None
         for t in _tensors(obj):

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch.utils import _python_dispatch as _pd
+from .torch_compat import MODE_FLAGS_CURRENT as _CURRENT
+from .torch_compat import MODE_FLAGS_SAVED as _SAVED
+from .torch_compat import dispatch_mode_at, dispatch_stack_len, pop_dispatch_mode, push_dispatch_mode
+from .torch_compat import python_dispatch as _pd
 
 __all__ = ["push_beneath", "pop_from_beneath"]
 
-_SAVED = ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
-          "old_without_ignore_compile_internals_dispatch_mode_flags")
-_CURRENT = ("_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode",
-            "_is_in_any_mode_without_ignore_compile_internals")
-
 
 def _stack() -> list[Any]:
-    return [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+    return [dispatch_mode_at(i) for i in range(dispatch_stack_len())]
 
 
 def _plain(mode: Any) -> bool:
@@ -68,12 +65,12 @@ def _set_saved(mode: Any, values: "list[Any] | None") -> None:
 
 
 def _lift(count: int) -> list[Any]:
-    return [torch._C._pop_torch_dispatch_stack(None) for _ in range(count)]  # top first
+    return [pop_dispatch_mode(None) for _ in range(count)]  # top first
 
 
 def _put_back(lifted: list[Any]) -> None:
     for mode in reversed(lifted):
-        torch._C._push_on_torch_dispatch_stack(mode)
+        push_dispatch_mode(mode)
 
 
 def push_beneath(mode: Any, depth: int) -> None:

@@ -25,13 +25,10 @@ import re
 import tempfile
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from ..errors import InvalidArgumentError, MemprofWarning, error_text
 from ..record.trace import OomRecord
-
-if TYPE_CHECKING:
-    from .profiler import Profiler
 
 __all__ = ["OomDump", "is_oom", "checked_folder", "oom_record", "error_text"]
 
@@ -85,25 +82,32 @@ def checked_folder(folder: Any, argument: str = "oom_dump") -> str:
 
 
 class OomDump:
-    """Watches one profile for an out-of-memory error and writes its dump."""
+    """Watches one profile for an out-of-memory error and writes its dump.
 
-    def __init__(self, prof: "Profiler", folder: str) -> None:
-        self._prof = weakref.ref(prof)
+    Between :meth:`start` and :meth:`stop` (the profile's block), ``live_now`` says what is live, by category,
+    module and storage (``Profiler.live_now``); it is dropped at :meth:`stop`, so that nothing of the profile
+    stays reachable from here after it.
+    """
+
+    def __init__(self, folder: str, device: Any) -> None:
         self.folder = folder
+        self.device = device
+        self._live_now: "Callable[[], Any] | None" = None
         # The latest OOM the CUDA allocator reported: (device, requested, device free), what was live then
         # (Profiler.live_now) and the snapshot written. An OOM the user caught is replaced by the next.
         self.observed: "tuple[int, int, int] | None" = None
         self.live: Any = None
         self.snapshot: "str | None" = None
 
-    def start(self) -> None:
-        prof = self._prof()
-        if prof is not None and prof.device.type == "cuda":
+    def start(self, live_now: "Callable[[], Any]") -> None:
+        if self.device.type == "cuda":
             _attach_observer()
             _WATCHING.add(self)
+        self._live_now = live_now
 
     def stop(self) -> None:
         _WATCHING.discard(self)
+        self._live_now = None
 
     def discard(self) -> None:
         """The block ended without an OOM: an OOM caught inside it leaves no snapshot behind."""
@@ -121,20 +125,19 @@ class OomDump:
     # -- at the failing allocation (CUDA) ------------------------------------------------------
 
     def on_cuda_oom(self, device: int, requested: int, device_free: int) -> None:
-        prof = self._prof()
-        if prof is None or prof._state != "active":
+        live_now = self._live_now
+        if live_now is None:  # the profile is not running
             return
         self.observed = (device, requested, device_free)
-        self.live = prof.live_now()  # before the exception unwinds anything
+        self.live = live_now()  # before the exception unwinds anything
         self._remove_snapshot()  # an earlier OOM, caught by the user: this one is what a dump would show
         try:
             import pickle
 
-            import torch
-
             from ..record.files import write_bytes_atomic
+            from .torch_compat import cuda_memory_snapshot
 
-            snapshot = torch.cuda.memory._snapshot()
+            snapshot = cuda_memory_snapshot()
             name = os.path.join(self.folder, _file_name("pickle"))
             write_bytes_atomic(name, pickle.dumps(snapshot))  # whole or not at all: no truncated pickle left
             self.snapshot = name
@@ -144,9 +147,9 @@ class OomDump:
 
     # -- when the error leaves the block -------------------------------------------------------
 
-    def record(self, exc: BaseException, device: Any) -> OomRecord:
+    def record(self, exc: BaseException) -> OomRecord:
         """The record of ``exc``, with what the CUDA observer saw of it."""
-        return oom_record(exc, device, self.observed, self.snapshot)
+        return oom_record(exc, self.device, self.observed, self.snapshot)
 
     def write(self, trace: Any) -> "str | None":
         """Write the dump; a failure is a warning, never an exception."""
@@ -220,9 +223,8 @@ def _attach_observer() -> None:
     global _OBSERVER_ATTACHED
     if _OBSERVER_ATTACHED:
         return
-    import torch
+    from .torch_compat import attach_cuda_oom_observer as attach
 
-    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
     if attach is not None:
         attach(_observer)
         _OBSERVER_ATTACHED = True

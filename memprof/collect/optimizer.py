@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -22,21 +22,42 @@ from ..vocabulary import Phase
 from ..errors import InvalidArgumentError, error_text
 from ..record.specs import OptimizerSpec, ParamSpec, plain_config
 from .ledger import ACTIVATIONS, INPUTS, OPTIMIZER_STATES, TEMPORARIES
+from .module_table import class_names
+from .torch_compat import is_compiling as _is_compiling
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from .dispatch import StorageTracker
+    from .ledger import Ledger
+    from .params import ParamTracker
+    from .phases import PhaseTracker
+    from .state import Run
+    from .undo import UndoStack
 
 __all__ = ["OptimizerTracker", "as_optimizers"]
 
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+def _nothing() -> None:
+    pass
 
 
 class OptimizerTracker:
-    """The optimizers of the model and their state."""
+    """The optimizers of the model and their state.
 
-    def __init__(self, prof: "Profiler", optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.prof = prof
-        self.ledger = prof.ledger
+    Two slots the profiler wires: ``sync_model`` adopts what the model gained (when the parameter tracker
+    says it changed) before a step reads its parameters, ``while_paused`` is told of a step that ended while a schedule paused the profile.
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], ledger: "Ledger", run: "Run",
+                 storages: "StorageTracker", params: "ParamTracker", phases: "PhaseTracker",
+                 stack: "UndoStack") -> None:
+        self.ledger = ledger
+        self.run = run
+        self.storages = storages
+        self.params = params
+        self.phases = phases
+        self.stack = stack
+        self.sync_model: Callable[[], None] = _nothing
+        self.while_paused: Callable[[], None] = _nothing
         self.given_ids = {id(o) for o in optimizers}
         self.given = [weakref.ref(o) for o in optimizers]
         self.discovered: list[weakref.ref] = []
@@ -50,8 +71,7 @@ class OptimizerTracker:
         return given or [o for o in (r() for r in self.discovered) if o is not None]
 
     def start(self) -> None:
-        stack = self.prof.stack
-        assert stack is not None
+        stack = self.stack
         for opt in (r() for r in self.given):
             if opt is not None:
                 self.note(opt)
@@ -62,7 +82,7 @@ class OptimizerTracker:
                     stack.callback(register(self.loaded).remove)
 
     def loaded(self, opt: torch.optim.Optimizer) -> None:
-        if self.prof.active:
+        if self.run.active:
             self.collect_state(opt, retro=False)
 
     def is_ours(self, opt: torch.optim.Optimizer) -> bool:
@@ -73,7 +93,7 @@ class OptimizerTracker:
         cached = self.cache.get(id(opt))
         if cached is not None and cached[0]() is opt:
             return cached[1]
-        params = self.prof.params
+        params = self.params
         known = any(params.holds(p) for g in opt.param_groups for p in g["params"])
         self.cache[id(opt)] = (weakref.ref(opt), known)
         return known
@@ -81,32 +101,32 @@ class OptimizerTracker:
     # -- torch's global step hooks ----------------------------------------------------------
 
     def pre_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-        prof = self.prof
+        run = self.run
         if _is_compiling():
             return None
-        if not prof.active:
-            windows = prof.windows
-            if windows is None or not windows.paused or not self.is_ours(opt):
+        if not run.active:
+            if not run.paused or not self.is_ours(opt):
                 return None
             # A step the schedule does not watch: its window may begin inside the closure's forward,
             # and an optimizer not passed to profile() must be known when a window begins.
             self.discover(opt)
             return self._wrapped(args, kwargs)
-        if threading.get_ident() == prof.thread:
-            if prof.params.changed or prof.params.pending:
-                prof.params.sync()
-            prof.params.resync_storages()
+        if threading.get_ident() == run.thread:
+            params = self.params
+            if params.changed or params.pending:
+                self.sync_model()
+            params.resync_storages()
         if not self.is_ours(opt):
             return None
-        phases = prof.phases
+        phases = self.phases
         phases.optimizer_seen = True
         self.discover(opt)
         self.note(opt)
         wrapped = self._wrapped(args, kwargs)
         if wrapped is not None:
             return wrapped
-        prof.params.walk_grads()
-        if phases.current is not Phase.OPTIMIZER:
+        self.params.walk_grads()
+        if run.phase is not Phase.OPTIMIZER:
             phases.begin(Phase.OPTIMIZER)
         return None
 
@@ -115,8 +135,8 @@ class OptimizerTracker:
         if id(opt) not in self.given_ids and all(r() is not opt for r in self.discovered):
             self.discovered.append(weakref.ref(opt))
             if self.given_ids:
-                self.prof.changes.append(
-                    f"step {self.prof.phases.step}: {type(opt).__name__} not passed to profile() stepped the "
+                self.run.changes.append(
+                    f"step {self.run.step}: {type(opt).__name__} not passed to profile() stepped the "
                     "model's parameters (its state is measured from its first step)")
 
     def _wrapped(self, args: Any, kwargs: Any) -> Any:
@@ -132,36 +152,34 @@ class OptimizerTracker:
         return tuple(args[:1]), kwargs
 
     def _after(self, closure: Any) -> Any:
-        prof = self.prof
+        run, params, phases = self.run, self.params, self.phases
 
         def closure_then_step() -> Any:
             result = closure()
-            if prof.active and not _is_compiling():
-                prof.params.walk_grads()
-                if prof.phases.current is not Phase.OPTIMIZER:
-                    prof.phases.begin(Phase.OPTIMIZER)
+            if run.active and not _is_compiling():
+                params.walk_grads()
+                if run.phase is not Phase.OPTIMIZER:
+                    phases.begin(Phase.OPTIMIZER)
             return result
 
         return closure_then_step
 
     def post_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        prof = self.prof
-        if not prof.active:
-            windows = prof.windows
-            if windows is not None and windows.paused and not _is_compiling() and self.is_ours(opt):
-                prof.phases.optimizer_seen = True
-                windows.optimizer_stepped_while_paused()  # a step the schedule does not watch ended
+        if not self.run.active:
+            if self.run.paused and not _is_compiling() and self.is_ours(opt):
+                self.phases.optimizer_seen = True
+                self.while_paused()  # a step the schedule does not watch ended
             return None
         if _is_compiling() or not self.is_ours(opt):
             return None
         self.collect_state(opt, retro=True)
-        prof.params.release_stale_grads()
-        prof.phases.optimizer_stepped()
+        self.params.release_stale_grads()
+        self.phases.optimizer_stepped()
         return None
 
     def collect_state(self, opt: torch.optim.Optimizer, *, retro: bool) -> None:
         led = self.ledger
-        storages = self.prof.storages
+        storages = self.storages
         for state in opt.state.values():
             if not isinstance(state, dict):
                 continue
@@ -193,14 +211,13 @@ class OptimizerTracker:
                 out.append(optimizer_spec(opt))
             except Exception as exc:  # an unusual optimizer must never break the measurement
                 # error_text(): the exception's own __str__ may fail too, and this runs while the profile closes.
-                self.prof.notes.append(f"could not record {type(opt).__name__} for its formula: {error_text(exc)}")
+                self.run.notes.append(f"could not record {type(opt).__name__} for its formula: {error_text(exc)}")
         return tuple(out)
 
 
 def optimizer_spec(opt: torch.optim.Optimizer) -> OptimizerSpec:
     """What the optimizer formulas need of ``opt``: its classes, groups and parameters (facts, no formula)."""
     from ..anatomy.optimizers import param_group_implementations
-    from .modules import class_names
 
     params: list[ParamSpec] = []
     index: dict[int, int] = {}

@@ -5,44 +5,55 @@ gradient into the gradients category as autograd stores it. A storage that
 stops being any parameter's ``.grad`` (``zero_grad(set_to_none=True)`` while
 someone still holds it) is an ordinary temporary again. Parameters and
 submodules the model gains inside the block (a new head, lazy modules taking
-their shapes) are adopted when they appear, and a note says from which step.
+their shapes) are adopted when they appear (:meth:`memprof.collect.modules.ModuleTracker.sync`),
+and a note says from which step.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from ..vocabulary import Phase
-from ..units import format_bytes
 from .ledger import ACTIVATIONS, COMMUNICATION, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, storage_of
+from .torch_compat import is_compiling as _is_compiling
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from .dispatch import StorageTracker
+    from .ledger import Ledger
+    from .phases import PhaseTracker
+    from .state import Run
+    from .undo import UndoStack
 
 __all__ = ["ParamTracker", "is_lazy"]
 
 _BACKWARD = Phase.BACKWARD
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_PARAMETER = nn.Parameter
 
 
 class ParamTracker:
-    """The model's parameters and their gradients."""
+    """The model's parameters and their gradients. ``while_paused`` is told of a gradient hook that ran
+    while a schedule paused the profile (a step it does not watch may have ended)."""
 
-    def __init__(self, prof: "Profiler") -> None:
-        self.prof = prof
-        self.ledger = prof.ledger
+    def __init__(self, ledger: "Ledger", run: "Run", storages: "StorageTracker", phases: "PhaseTracker",
+                 stack: "UndoStack") -> None:
+        self.ledger = ledger
+        self.run = run
+        self.storages = storages
+        self.phases = phases
+        self.stack = stack
+        self.while_paused: "Callable[[], None] | None" = None
         self.refs: list[weakref.ref] = []
         # id(parameter) -> its weak reference: an id is a parameter's only while that parameter lives.
         self.by_id: dict[int, weakref.ref] = {}
         self.storage_keys: list["int | None"] = []  # each parameter's storage as last seen
         self.moved_at: "int | None" = None  # the step parameters first moved to new storages
         self.pending: list[weakref.ref] = []  # lazy parameters not materialised yet
-        self.grad_keys: set[int] = set()
-        self.changed = False  # a module of the model registered a parameter or submodule
+        self.grad_keys: set[int] = set()  # shared with the phase tracker, which reads it (never rebound)
+        self.changed = False  # a module of the model registered a parameter or submodule since the last sync
         self.invisible_forwards = 0  # gradients of the model from forwards no module hook saw
 
     def live(self) -> list[nn.Parameter]:
@@ -68,14 +79,12 @@ class ParamTracker:
         # (a new head, a materialised lazy parameter) was a temporary until now.
         self.storage_keys.append(self.weigh(p))
         if p.requires_grad:
-            stack = self.prof.stack
-            assert stack is not None
-            stack.callback(p.register_post_accumulate_grad_hook(self.grad_hook).remove)
+            self.stack.callback(p.register_post_accumulate_grad_hook(self.grad_hook).remove)
 
     def weigh(self, p: torch.Tensor) -> "int | None":
         """``p``'s storage is a weight from now on (also at the peaks of this phase, if it was made in it); its
         ledger key, or None off this device."""
-        entry = self.prof.storages.add_tensor(p, WEIGHTS)
+        entry = self.storages.add_tensor(p, WEIGHTS)
         if entry is None:
             return None
         if entry.cat != WEIGHTS:
@@ -87,11 +96,21 @@ class ParamTracker:
         ``load_state_dict``): the new storage is a weight, the old one an ordinary tensor again."""
         led = self.ledger
         changed = False
+        keys = self.storage_keys
         for i, ref in enumerate(self.refs):
             p = ref()
-            st = storage_of(p) if p is not None else None
-            key = st._cdata if st is not None else None
-            if p is None or key == self.storage_keys[i]:
+            if p is None:
+                continue
+            # Runs for every parameter at every forward and optimizer step: storage_of() inlined for a plain
+            # parameter (no wrapper subclass, whose counted storage is the one it wraps).
+            if type(p) is _PARAMETER:
+                try:
+                    st = p.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    st = None
+            else:
+                st = storage_of(p)
+            if (st._cdata if st is not None else None) == keys[i]:
                 continue
             changed = True
             old = led.entries.get(self.storage_keys[i]) if self.storage_keys[i] is not None else None
@@ -99,29 +118,29 @@ class ParamTracker:
             if old is not None and old.cat == WEIGHTS and old.key not in self.storage_keys:
                 led.move(old, TEMPORARIES)
         if changed and self.moved_at is None:
-            self.moved_at = self.prof.phases.step
-            self.prof.changes.append(f"step {self.moved_at}: parameters moved to new storages (model.to(...), "
+            self.moved_at = self.run.step
+            self.run.changes.append(f"step {self.moved_at}: parameters moved to new storages (model.to(...), "
                                      "param.data = ..., a state dict loaded with assign=True); the new ones are "
                                      "weights from then on")
 
     # -- gradients ------------------------------------------------------------------------
 
     def grad_hook(self, param: torch.Tensor) -> None:
-        prof = self.prof
-        if not prof.active:
-            if prof.windows is not None and prof.windows.paused:
-                prof.windows.backward_ran_while_paused()
+        run = self.run
+        if not run.active:
+            if run.paused and self.while_paused is not None:
+                self.while_paused()
             return
         if _is_compiling():
             return
-        if not prof.phases.forward_seen and not prof.modules.foreign_threads:
+        if not run.forward_seen and not run.foreign_threads:
             # A gradient of the model from a forward memprof's module hooks never saw: a torch.compile
             # wrapper of this model ran (its hooks are inside compiled code), or the forward ran
             # before the profile. What that forward saved was never seen. (A forward in another thread
             # was seen, from outside: its own note says why what it saved is not measured.)
             self.invisible_forwards += 1
-        if prof.phases.current is not _BACKWARD:
-            prof.phases.backward_started()
+        if run.phase is not _BACKWARD:
+            self.phases.backward_started()
         g = param.grad
         if g is not None:
             self.add_grad(g, retro=True)
@@ -129,7 +148,7 @@ class ParamTracker:
     def add_grad(self, g: torch.Tensor, *, retro: bool, follow: bool = True) -> None:
         """``g`` is a gradient now. ``follow``: it is a followed parameter's ``.grad``, an ordinary
         tensor again once it stops being one (release_stale_grads); FSDP's unsharded gradients are not."""
-        entry = self.prof.storages.add_tensor(g, GRADIENTS)
+        entry = self.storages.add_tensor(g, GRADIENTS)
         # A gradient that lives in a collective's buffer (DDP's gradient_as_bucket_view, FSDP's
         # reduce-scatter output) is a gradient.
         if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS, INPUTS, COMMUNICATION):
@@ -167,43 +186,6 @@ class ParamTracker:
             entry = led.entries.get(key)
             if entry is not None and entry.cat == GRADIENTS:
                 led.move(entry, TEMPORARIES)
-
-    # -- a model that changes ------------------------------------------------------------------
-
-    def registration_hook(self, module: nn.Module, name: str, value: Any) -> None:
-        # Global: fires for every module in the process. Only the model's matter; what changed
-        # is adopted at the next point where the model is not running (a forward's start, a step).
-        if self.prof.active and id(module) in self.prof.modules.index and value is not None:
-            self.changed = True
-
-    def sync(self) -> None:
-        """Adopt parameters and modules the model gained since the last look, and lazy parameters."""
-        prof = self.prof
-        modules = prof.modules
-        model = modules.root_ref()
-        if model is None:
-            return
-        before_params, before_mods = len(self.refs), len(modules.info)
-        if self.pending:
-            pending = [r() for r in self.pending]
-            self.pending = []
-            for p in pending:
-                if p is not None:
-                    self.adopt(p)
-        if self.changed:
-            self.changed = False
-            modules.adopt(model)
-        new_params = [p for p in (r() for r in self.refs[before_params:]) if p is not None]
-        new_mods = len(modules.info) - before_mods
-        phases = prof.phases
-        if new_params and phases.ops == phases.phase_ops_start:
-            phases.phase_start = self.ledger.totals.copy()  # the phase has just begun: it starts with them
-        if new_params or new_mods:
-            nbytes = sum(self.ledger.size_of(st.nbytes()) for st in map(storage_of, new_params) if st is not None)
-            what = [f"{len(new_params)} parameter(s) ({format_bytes(nbytes)})"] if new_params else []
-            if new_mods:
-                what.append(f"{new_mods} module(s)")
-            prof.changes.append(f"step {phases.step}: " + " and ".join(what))
 
 
 def is_lazy(p: torch.Tensor) -> bool:

@@ -6,46 +6,73 @@ everything between is "other". A step ends at an optimizer step (closed when
 the next forward comes, so several optimizers stepping in a row stay one
 step), at the end of a ``prof.step()`` block, or, with no optimizer, after
 each backward. For each phase the ledger's start, peak and end are recorded.
+
+The tracker pushes the phase, the step and the op count onto the run state,
+where every hook reads them. Collectors that must act at its transitions are
+called through lists the profiler fills at setup (:attr:`PhaseTracker.on_begin`
+and the others), so that this module imports none of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from time import perf_counter_ns
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..vocabulary import Phase
 from ..record.trace import PhaseRecord, StepRecord
 from .ledger import breakdown, tag_pairs
 from .retention import Retention
+from .state import EXACT, LIGHT
+from .torch_compat import queue_backward_callback
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from .device import DeviceProbe
+    from .ledger import Ledger
+    from .state import Run
+    from .timeline import Timeline
 
-__all__ = ["PhaseTracker"]
+__all__ = ["PhaseTracker", "Gate", "MAX_DECODE_PHASES"]
 
-_MAX_SAMPLES = 20_000
 #: Decode phases kept one per token; later tokens of the same generation share the last one.
 MAX_DECODE_PHASES = 64
+
+Hooks = list[Callable[[], None]]
+
+
+class Gate(Protocol):
+    """What a schedule decides about the steps (:class:`memprof.collect.windows.Windows`)."""
+
+    def records_now(self) -> bool:
+        """Is the step running now one the schedule records (not a warmup step)?"""
+
+    def step_closed(self, index: int) -> None:
+        """A watched step closed: the schedule may end a window or pause."""
+
+    def note_recorded(self, index: int) -> None:
+        """Step ``index`` is in the record."""
+
+    def forget(self, index: int) -> None:
+        """Step ``index`` was a warmup step: it leaves no trace in the record."""
+
+    def ended_while_paused(self) -> bool:
+        """Did a step end since the schedule paused (forgotten once asked)?"""
 
 
 class PhaseTracker:
     """The phase machine and the step records it closes."""
 
-    def __init__(self, prof: "Profiler") -> None:
-        self.prof = prof
-        self.ledger = prof.ledger
-        self.current = Phase.OTHER
-        self.ops = 0  # ops dispatched (full mode)
+    def __init__(self, ledger: "Ledger", run: "Run", probe: "DeviceProbe", timeline: "Timeline") -> None:
+        self.ledger = ledger
+        self.run = run
+        self.probe = probe
+        self.timeline = timeline
         self.phase_ops_start = 0
-        self.step = 0
         self.step_phases: list[PhaseRecord] = []
         # Steps kept in full and statistics of all of them: memory that does not grow with the run.
         self.retention = Retention()
         self.occurrence: dict[Phase, int] = {}
-        self.phase_start: list[int] = self.ledger.totals.copy()
+        self.phase_start: list[int] = ledger.totals.copy()
         self.where: dict[int, tuple[int, Phase]] = {}  # ledger phase serial -> (step, phase)
         self.explicit = False  # prof.step() blocks delimit the steps
         self.merged_decodes = 0  # decode calls folded into the last decode phase of their generation
@@ -54,31 +81,35 @@ class PhaseTracker:
         self.closed: dict[int, int] = {}  # ledger serial of each closed phase of this step -> its index
         self.pending_backward_end = False
         self.pending_step_end = False
-        self.forward_seen = False  # a forward began in this step
         self.optimizer_seen = False
-        # Ops outside the model's modules are scanned for tensors made before the profile (full mode).
-        self.scan_args = False
         self.requeued = False  # backward_done went to the back of the engine's queue once (FSDP2)
-        # (seq, step, phase, label, totals, time in ns, event): raw values, Samples built at the end.
-        self.samples: list[tuple[int, int, Phase, str, tuple[int, ...], int, str]] = []
-        self.sample_seq = 0
-        self.samples_capped = False
-        # The time axis of exports: nanoseconds of perf_counter, kept relative to the profile's start.
-        self.t0_ns = perf_counter_ns()
-        self.phase_start_ns = self.t0_ns
+        self.phase_start_ns = timeline.t0_ns
+        #: The schedule's say over which steps are recorded (None without a schedule).
+        self.gate: "Gate | None" = None
+        # Called at the transitions, in order: a phase begins (with it), a forward begins or a step closes at
+        # one (what stopped being a gradient is released), backward starts (exact mode: what the graph saved
+        # outside the model), backward ends (frames close, gradients are collected), a step ends.
+        self.on_begin: list[Callable[[Phase], None]] = []
+        self.release_grads: Hooks = []
+        #: The storages that are gradients now (the parameter tracker's set, shared): while it is empty there is
+        #: nothing to release, and the hooks are not called (a forward begins once per step).
+        self.grad_keys: "set[int]" = set()
+        self.on_backward_start: Hooks = []
+        self.on_backward_end: Hooks = []
+        self.on_step_end: Hooks = []
 
     def start(self) -> None:
-        """The profile's first phase ("other") begins now."""
+        """The profile's first phase ("other") begins now (again, when a simulated layout restarts the run)."""
         led = self.ledger
         led.start_phase()
         self.phase_start = led.totals.copy()
-        self.t0_ns = self.phase_start_ns = led.phase_peak_ns
+        self.timeline.t0_ns = self.phase_start_ns = led.phase_peak_ns
         self.where[led.phase_serial] = (0, Phase.OTHER)
 
     # -- transitions ------------------------------------------------------------
 
     def begin(self, phase: Phase) -> None:
-        prof = self.prof
+        run = self.run
         if phase is Phase.DECODE and self.merging():
             # A long generation: the calls after the first MAX_DECODE_PHASES - 1 share one phase.
             self.merged_decodes += 1
@@ -91,32 +122,35 @@ class PhaseTracker:
         if phase is Phase.FORWARD and self.pending_step_end:
             self.pending_step_end = False
             self.pending_backward_end = False
-            prof.params.release_stale_grads()
+            for hook in self.release_grads:
+                hook()
             self.end_step()
-        if phase is Phase.FORWARD and prof.params.grad_keys:
-            prof.params.release_stale_grads()
+        if phase is Phase.FORWARD and self.grad_keys:
+            for hook in self.release_grads:
+                hook()
         if phase is Phase.FORWARD and self.pending_backward_end:
             self.pending_backward_end = False
             if not self.optimizer_seen and not self.explicit:
                 self.end_step()
         self.close()
-        prof.modules.phase_began(phase)
-        self.current = phase
+        for hook in self.on_begin:
+            hook(phase)
+        run.phase = phase
         if phase is Phase.FORWARD:
-            self.forward_seen = True
+            run.forward_seen = True
         led = self.ledger
         led.start_phase()
         self.phase_start = led.totals.copy()
         self.phase_start_ns = led.phase_peak_ns
-        self.phase_ops_start = self.ops
-        self.where[led.phase_serial] = (self.step, phase)
-        self.scan_args = prof.mode == "full" and phase in (Phase.FORWARD, Phase.OTHER)
-        prof.probe.phase_started()
-        self.sample(phase.value, "phase")
+        self.phase_ops_start = run.ops
+        self.where[led.phase_serial] = (run.step, phase)
+        run.scan_args = run.mode == EXACT and phase in (Phase.FORWARD, Phase.OTHER)
+        self.probe.phase_started()
+        self.timeline.sample(phase.value, "phase")
 
     def merging(self) -> bool:
         """The decode phase running now is the last one of its generation kept per token: later calls join it."""
-        return self.current is Phase.DECODE and self.decodes >= MAX_DECODE_PHASES
+        return self.run.phase is Phase.DECODE and self.decodes >= MAX_DECODE_PHASES
 
     def mark_end(self) -> None:
         """A merged decode phase's call ended: what it holds now is the phase's end, unless another call joins."""
@@ -137,16 +171,17 @@ class PhaseTracker:
             rec = self.step_phases[j]
             if rec.phase is Phase.FORWARD:
                 self.step_phases[j] = dataclasses.replace(rec, occurrence=rec.occurrence - 1)
-        self.where[serial] = (self.step, phase)
+        self.where[serial] = (self.run.step, phase)
         self.decodes = 0
-        return (self.step, phase.value, occ)
+        return (self.run.step, phase.value, occ)
 
     def close(self) -> None:
         """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
         led = self.ledger
-        phase = self.current
+        run = self.run
+        phase = run.phase
         end = led.totals
-        ops = self.ops - self.phase_ops_start
+        ops = run.ops - self.phase_ops_start
         if phase is Phase.OTHER and ops == 0 and end == self.phase_start and led.phase_peak == self.phase_start:
             return
         occ = self.occurrence.get(phase, 0)
@@ -155,10 +190,11 @@ class PhaseTracker:
             end = self.end_mark  # a merged decode phase ends where its last call did
         self.end_mark = None
         self.closed[led.phase_serial] = len(self.step_phases)
-        device_now = self.prof.probe.phase_ended()
-        light = self.prof.mode == "light"
+        device_now = self.probe.phase_ended()
+        light = run.mode == LIGHT
+        micros = self.timeline.micros
         self.step_phases.append(PhaseRecord(
-            step=self.step,
+            step=run.step,
             phase=phase,
             occurrence=occ,
             start=breakdown(self.phase_start, light=light, where="start", device=device_now),
@@ -167,45 +203,67 @@ class PhaseTracker:
             ops=ops,
             tags_peak=tag_pairs(led.phase_peak_tags),
             tags_end=tag_pairs(led.tag_act),
-            start_us=self.micros(self.phase_start_ns),
-            peak_us=self.micros(led.phase_peak_ns),
-            end_us=self.micros(perf_counter_ns()),
+            start_us=micros(self.phase_start_ns),
+            peak_us=micros(led.phase_peak_ns),
+            end_us=micros(perf_counter_ns()),
         ))
 
     def end_step(self) -> None:
-        self.prof.modules.prune_hooks()
-        self.forward_seen = False
+        run = self.run
+        for hook in self.on_step_end:
+            hook()
+        run.forward_seen = False
         self.close()
         closed = None
+        gate = self.gate
         if self.step_phases:
-            closed = self.step
-            windows = self.prof.windows
-            if windows is None or windows.records_now():
-                self.keep(StepRecord(self.step, tuple(self.step_phases)), selected=windows is not None)
+            closed = run.step
+            if gate is None or gate.records_now():
+                self.keep(StepRecord(run.step, tuple(self.step_phases)), selected=gate is not None)
             else:
                 self.retention.steps_run += 1  # a warmup step: watched, counted, not kept
-            self.step += 1
+            run.step += 1
         self.step_phases = []
         self.occurrence = {}
         self.closed = {}
         # Re-open an "other" phase without closing anything again.
-        self.current = Phase.OTHER
+        run.phase = Phase.OTHER
         led = self.ledger
         led.start_phase()
         self.phase_start = led.totals.copy()
         self.phase_start_ns = led.phase_peak_ns
-        self.phase_ops_start = self.ops
-        self.where[led.phase_serial] = (self.step, Phase.OTHER)
-        self.scan_args = self.prof.mode == "full"
-        if closed is not None and self.prof.windows is not None:
-            self.prof.windows.step_closed(closed)  # may pause: the next step may be one not watched
+        self.phase_ops_start = run.ops
+        self.where[led.phase_serial] = (run.step, Phase.OTHER)
+        run.scan_args = run.mode == EXACT
+        if closed is not None and gate is not None:
+            gate.step_closed(closed)  # may pause: the next step may be one not watched
+
+    def close_pending_step(self) -> None:
+        """Close a step that ended (an optimizer stepped, or a backward ran without one) but was waiting for
+        the next forward, so that several optimizers stepping in a row stay one step: now, since a step's end
+        (a callback, a schedule's decision at a forward) must read it."""
+        if self.pending_step_end or (self.pending_backward_end and not self.optimizer_seen and not self.explicit):
+            self.pending_step_end = self.pending_backward_end = False
+            for hook in self.release_grads:
+                hook()
+            self.end_step()
+
+    def restart(self, step: int) -> None:
+        """A schedule resumes at ``step``: a fresh "other" phase, and nothing of the unwatched steps in it."""
+        self.run.step, self.run.phase = step, Phase.OTHER
+        self.step_phases, self.occurrence = [], {}
+        led = self.ledger
+        led.start_phase()
+        self.phase_start = led.totals.copy()
+        self.phase_ops_start = self.run.ops
+        self.where[led.phase_serial] = (step, Phase.OTHER)
 
     def optimizer_stepped(self) -> None:
         """An optimizer of the model finished its step."""
         self.begin(Phase.OTHER)
         if self.explicit:
             return
-        if self.forward_seen:
+        if self.run.forward_seen:
             # The step ends here; it is closed when the next forward (or the end) comes,
             # so that several optimizers stepping one after another stay one step.
             self.pending_step_end = True
@@ -213,37 +271,35 @@ class PhaseTracker:
             self.end_step()  # no forward to wait for: the model's forward runs unseen
 
     def backward_started(self) -> None:
-        if self.current is Phase.BACKWARD:
+        if self.run.phase is Phase.BACKWARD:
             return
-        if self.prof.mode == "full":
-            self.prof.saved.find_outside_saves()  # while the forward's record is still open
+        for hook in self.on_backward_start:  # while the forward's record is still open
+            hook()
         self.begin(Phase.BACKWARD)
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+            queue_backward_callback(self.backward_done)
         except RuntimeError:
             # Not inside the engine (a grad hook called by hand): the next
             # phase change closes backward instead.
             pass
 
     def backward_done(self) -> None:
-        prof = self.prof
-        if not prof.active or self.current is not Phase.BACKWARD:
+        run = self.run
+        if not run.active or run.phase is not Phase.BACKWARD:
             return
-        if prof.backward_waits and not self.requeued:
+        if run.backward_waits and not self.requeued:
             # FSDP2 (or a simulated rank's layout) reduce-scatters the last gradients in a callback of its own,
             # queued after this one when its first backward hook ran after backward's first op: go to the back
             # of the queue, once.
             self.requeued = True
             try:
-                torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+                queue_backward_callback(self.backward_done)
                 return
             except RuntimeError:
                 pass
         self.requeued = False
-        prof.modules.close_backward_frames()
-        if prof.shards is not None:
-            prof.shards.grads()  # in this phase still: the reduce-scatter outputs were gradients at its peak
-        prof.params.walk_grads()
+        for hook in self.on_backward_end:  # in this phase still: the gradients made were gradients at its peak
+            hook()
         self.begin(Phase.OTHER)
         if not self.explicit and not self.optimizer_seen:
             # Without an optimizer each backward ends a step; decided at the
@@ -255,76 +311,59 @@ class PhaseTracker:
         if not self.explicit:
             self.explicit = True
             self.pending_step_end = False
-            if self.prof.windows is None or not self.prof.windows.paused:
+            if not self.run.paused:
                 self.end_step()
 
-    # -- samples and the end ----------------------------------------------------
-
-    def sample(self, label: str, event: str) -> None:
-        """A timeline point; ``event`` is "start", "phase" (a phase began), "enter" or "exit" (a module)."""
-        if not self.prof.timeline:
-            return
-        if len(self.samples) >= _MAX_SAMPLES:
-            if not self.samples_capped:
-                self.samples_capped = True
-                self.prof.notes.append(
-                    f"the timeline stopped at {_MAX_SAMPLES:,} samples in step {self.step}: later module boundaries "
-                    "are not in the timeline, plots or exports (phases and their peaks still are)")
-            return
-        self.sample_seq += 1
-        # Raw ints now; Breakdown objects are built once, when the trace is.
-        self.samples.append((self.sample_seq, self.step, self.current, label, tuple(self.ledger.totals),
-                             perf_counter_ns(), event))
-
-    def micros(self, ns: int) -> float:
-        """Microseconds since the profile started, to 0.1 µs (the unit of Chrome's trace format)."""
-        return round((ns - self.t0_ns) / 1000, 1)
-
-    def peak_step(self) -> "int | None":
-        where = self.where.get(self.ledger.peak_phase_serial)
-        return where[0] if where else None
+    # -- the record ----------------------------------------------------------------
 
     def keep(self, rec: StepRecord, *, selected: bool = False) -> None:
         """A step ended: into the statistics, and into the detail while retention keeps it (``selected``:
         a schedule recorded it)."""
-        dropped = self.retention.add(rec, peak_step=self.peak_step(), selected=selected)
+        peak = self.where.get(self.ledger.peak_phase_serial)
+        dropped = self.retention.add(rec, peak_step=peak[0] if peak else None, selected=selected)
         if dropped:
-            gone = set(dropped)
-            if self.samples:
-                self.samples = [s for s in self.samples if s[1] not in gone]
-            peak_serial = self.ledger.peak_phase_serial
-            self.where = {serial: w for serial, w in self.where.items()
-                          if w[0] not in gone or serial == peak_serial}
+            self.forget_steps(set(dropped))
+
+    def forget_steps(self, gone: "set[int]") -> None:
+        """These steps leave the record: their samples, and where their phases were (but the peak's)."""
+        self.timeline.forget_steps(gone)
+        peak_serial = self.ledger.peak_phase_serial
+        self.where = {serial: w for serial, w in self.where.items() if w[0] not in gone or serial == peak_serial}
 
     def finish(self) -> list[StepRecord]:
         """Close whatever is open; a trailing step holding only "other" joins the previous step."""
-        windows = self.prof.windows
-        if windows is not None and windows.paused:
+        gate = self.gate
+        if gate is not None and self.run.paused:
             # Nothing was watched since the pause: what the ledger saw then (frees) is no phase's.
             self.step_phases = []
-            if windows.step_ended or windows.backward_ended:
+            if gate.ended_while_paused():
                 self.retention.steps_run += 1
-                windows.step_ended = windows.backward_ended = False
             return self.retention.records()
         self.close()
         phases = self.step_phases
-        last = self.retention.kept.get(self.step - 1)
+        step = self.run.step
+        last = self.retention.kept.get(step - 1)
         if phases:
             tail = all(p.phase is Phase.OTHER for p in phases)
             if tail and last is not None:
-                extra = tuple(dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
-                    1 for q in last.phases if q.phase is p.phase)) for p in phases)
-                self.retention.replace_last(StepRecord(last.index, last.phases + extra))
-                self.retention.add_phases(extra)
-            elif tail and self.step > 0 and windows is not None:
+                _join_last(self.retention, last, phases)
+            elif tail and step > 0 and gate is not None:
                 # The tail of a schedule's warmup step, closed early by end_step() (a callback at the step's
                 # end): forgotten with that step, never a step of its own that did not run.
-                windows.forget(self.step)
-            elif windows is None or windows.records_now():
-                self.keep(StepRecord(self.step, tuple(phases)), selected=windows is not None)
-                if windows is not None:
-                    windows.note_recorded(self.step)
+                gate.forget(step)
+            elif gate is None or gate.records_now():
+                self.keep(StepRecord(step, tuple(phases)), selected=gate is not None)
+                if gate is not None:
+                    gate.note_recorded(step)
             else:
                 self.retention.steps_run += 1
         self.step_phases = []
         return self.retention.records()
+
+
+def _join_last(retention: Retention, last: StepRecord, phases: "list[PhaseRecord]") -> None:
+    """A trailing step holding only "other" phases: they join the last kept step, numbered after its own."""
+    extra = tuple(dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
+        1 for q in last.phases if q.phase is p.phase)) for p in phases)
+    retention.replace_last(StepRecord(last.index, last.phases + extra))
+    retention.add_phases(extra)

@@ -1,61 +1,51 @@
-"""The profiler: validates what it is given, wires the collectors, and owns every hook's lifetime.
+"""The profiler: the public face of a profile. It checks what it is given, owns the run state and the
+lifetime of everything installed, and hands the wiring to :mod:`.wiring`.
 
 ``memprof.profile(model, optimizer)`` returns a :class:`Profiler`, a context
 manager. While it is active, the collectors in :mod:`memprof.collect` see:
 
-* every storage an op creates (exact mode: a dispatch mode, :mod:`.track.storages`),
-* what autograd saves for backward (saved-tensor hooks, :mod:`.track.saved`),
-* the model's module calls, forward and backward (:mod:`.track.modules`),
-* parameters and gradients as autograd stores them (:mod:`.track.params`),
-* optimizer steps and state (torch's global step hooks, :mod:`.track.optimizer`),
-* steps and phases (:mod:`.track.phases`), and on accelerators the device's
-  own counters (:mod:`.track.device`).
+* every storage an op creates (exact mode: a dispatch mode, :mod:`.dispatch`),
+* what autograd saves for backward (saved-tensor hooks, :mod:`.saved`, :mod:`.graph_saves`),
+* the model's module calls, forward and backward (:mod:`.modules`, :mod:`.frames`),
+* parameters and gradients as autograd stores them (:mod:`.params`),
+* optimizer steps and state (torch's global step hooks, :mod:`.optimizer`),
+* steps and phases (:mod:`.phases`), and on accelerators the device's
+  own counters (:mod:`.device`).
 
-Everything it installs sits on one undo stack (:mod:`.track.undo`) that
-:mod:`.track.closing` unwinds on exit, also when the body raises, and whatever
+Everything it installs sits on one undo stack (:mod:`.undo`) that
+:mod:`.closing` unwinds on exit, also when the body raises, and whatever
 any step of leaving raises (a second Ctrl-C, a user exception whose
 ``__str__`` fails): the exception propagates unchanged and the record up to
 the failure stays readable through :meth:`Profiler.report`. The record itself
-is built by :mod:`.track.record`.
+is built by :mod:`.freeze`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
-import torch.optim.optimizer as _optim_mod
 from torch import nn
 
 from ..errors import InvalidArgumentError, ProfilerStateError
-from ..record.trace import Breakdown, OomRecord, StepRecord, Trace
-from .device import DeviceProbe
-from .kv_cache import CacheTracker
-from .ranks import rank_info
-from .shards import ShardTracker, sharding
-from .ledger import BUFFERS, WEIGHTS, Ledger, breakdown
+from ..record.trace import Breakdown, StepRecord, Trace
 from .arguments import checked
-from .oom import OomDump, checked_folder
-from .modules import ModuleTracker, attribute_tensors, unique_params
-from .operations import OperationLog
-from .optimizer import OptimizerTracker
-from .params import ParamTracker, is_lazy
-from .phases import PhaseTracker
-from .windows import Windows
-from .freeze import build_trace, latest_recorded, live_modules, live_storages
-from .saved import SavedTracker
-from .saved_hooks import pop_orphans
-from .dispatch import KEEPS_COMPILE, StorageTracker, pop_orphan_modes
 from .closing import Closing
+from .device import DeviceProbe
+from .dispatch import pop_orphan_modes
+from .freeze import build_trace, latest_recorded, live_modules, live_storages
+from .ledger import Ledger, breakdown
+from .oom import OomDump, checked_folder
+from .saved_hooks import pop_orphans
+from .state import EXACT, LIGHT, Run
 from .undo import UndoStack
+from .wiring import Collectors, wire
 
 if TYPE_CHECKING:
-    from ..report import Report
     from .schedule import Schedule
 
 __all__ = ["Profiler", "profile"]
@@ -87,10 +77,10 @@ def profile(
     ``optimizer`` may be one optimizer, several, a wrapper of one (accelerate's,
     Lightning's), or ``None``; any other optimizer that steps the model's
     parameters is measured too, and until one is, each backward ends a step.
-    ``mode`` is ``"full"`` (exact: every storage, default on CPU), ``"light"``
+    ``mode`` is ``"exact"`` (every storage, to the byte; default on CPU), ``"light"``
     (allocator counters and hooks only, default on accelerators) or ``"auto"``.
     ``timeline=False`` skips the per-module samples that plots use.
-    ``operations=True`` (full mode) also records every op's class, flops and
+    ``operations=True`` (exact mode) also records every op's class, flops and
     bytes moved, for :meth:`Report.operations` (a few microseconds per op).
     ``schedule=memprof.schedule(...)`` records only the steps it selects, and
     turns memprof off between them; ``on_trace_ready(prof)`` is called at the
@@ -145,52 +135,42 @@ class Profiler:
         if not isinstance(record_routing, bool):
             raise InvalidArgumentError(f"record_routing must be True or False, got {record_routing!r}")
         self._record_routing = record_routing
-        self.routing: Any = None  # a RoutingRecorder with record_routing=True
         self.schedule = schedule
         self._on_trace_ready = on_trace_ready
-        self.windows: "Windows | None" = None
-        #: Inside on_trace_ready: prof.report() reads the run so far.
-        self.in_callback = False
-        self.mode_requested = mode
+        self._mode_requested = mode
         if mode == "auto":
-            mode = "full" if device.type in ("cpu", "meta") else "light"
-        self.mode = mode
+            mode = EXACT if device.type in ("cpu", "meta") else LIGHT
         self.device = device
-        # Per-module backward frames measure op-level memory, which only full mode sees;
-        # light mode skips their tensor hooks (backward itself is found by grad and unpack hooks).
-        self.backward_frames = mode == "full"
-        self.timeline = bool(timeline)
+        #: What every hook reads: the profiler pushes ``active`` and the thread onto it.
+        self.run = Run(mode, device, bool(timeline))
         self._want_operations = bool(operations)
         self._model_ref = weakref.ref(model)
         # Held strongly only until the block ends (a model built inline must survive until then).
         self._model_hold: "nn.Module | None" = model
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
         self._state = "new"
-        # Inside the block: hooks record; before and after it they do nothing (read on every hook call).
-        self.active = False
-        self._trace: "Trace | None" = None
+        self._in_callback = False  # inside on_trace_ready: prof.report() reads the run so far
         self.probe = DeviceProbe(device)
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
-        self.stack: "UndoStack | None" = None
+        self._stack: "UndoStack | None" = None
         self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)
-        self.shards: "ShardTracker | None" = None  # FSDP2's parameters, when the model is sharded with it
-        self.backward_waits = False  # something queues end-of-backward work that the backward phase must include
-        self.notes: list[str] = []
-        self.changes: list[str] = []  # how the model or its optimizers changed inside the block
-        self.thread = 0
-        self._setup_error: "str | None" = None
-        self._freeze_error: "str | None" = None
-        self._windows_closed = False
-        self.error: "str | None" = None
-        self.live_at_error: "Breakdown | None" = None
-        self.live_modules_at_error: tuple[tuple[str, int], ...] = ()
-        self.live_storages_at_error: tuple[tuple[int, int, str, str], ...] = ()
-        self.oom: "OomRecord | None" = None
-        self.oom_dump = OomDump(self, checked_folder(oom_dump)) if oom_dump is not None else None
-        #: Where the OOM dump was written, after an out-of-memory error ended the block.
-        self.oom_dump_path: "str | None" = None
+        #: The collectors, once the block has begun (None before, and when their start failed).
+        self.collectors: "Collectors | None" = None
+        self._closing: "Closing | None" = None  # what ending the profile left
+        self.oom_dump = OomDump(checked_folder(oom_dump), device) if oom_dump is not None else None
 
     # ------------------------------------------------------------------ public
+
+    @property
+    def mode(self) -> str:
+        """``"exact"`` or ``"light"``: how this profile measures (``"auto"`` decided by the device; a model
+        running compiled code may turn exact mode light at the start)."""
+        return self.run.mode
+
+    @property
+    def oom_dump_path(self) -> "str | None":
+        """Where the OOM dump was written, after an out-of-memory error ended the block."""
+        return self._closing.oom_dump_path if self._closing is not None else None
 
     def start(self) -> "Profiler":
         """Begin profiling: install every hook (what entering ``with prof:`` does). Pair it with
@@ -226,28 +206,30 @@ class Profiler:
         at the next forward, so that :meth:`latest_step` reads it. For callbacks at a step's end."""
         if self._state != "active":
             raise ProfilerStateError("end_step() is only valid while the profiler runs; call prof.start() first")
-        phases = self.phases
-        if self.windows is not None and self.windows.paused:
+        if self.run.paused:
             return  # a step the schedule does not watch: counted at the next forward
-        if phases.pending_step_end or (phases.pending_backward_end and not phases.optimizer_seen
-                                       and not phases.explicit):
-            phases.pending_step_end = phases.pending_backward_end = False
-            self.params.release_stale_grads()
-            phases.end_step()
+        assert self.collectors is not None  # built when the profile started
+        self.collectors.phases.close_pending_step()
 
     def mark_inputs(self, *objs: Any) -> None:
         """The tensors in ``objs`` (in lists, tuples, dicts too) are inputs: the batch a framework hands a model
         whose call memprof does not see (Lightning's ``training_step``). Paused by a schedule: nothing."""
         if self._state != "active":
             raise ProfilerStateError("mark_inputs() is only valid while the profiler runs; call prof.start() first")
-        if self.active and _get_ident() == self.thread:
-            self.storages.mark_inputs(objs)
+        if self.run.active and _get_ident() == self.run.thread:
+            assert self.collectors is not None
+            self.collectors.storages.mark_inputs(objs)
 
     def latest_step(self) -> "StepRecord | None":
         """The record of the last step that ended and was recorded (``None`` before the first), while the
         profiler runs or after: what callbacks log each step. What the run could not measure (so far) is
         ``None`` in it, as in the report."""
-        return latest_recorded(self)
+        if self._state in ("new", "failed") or self.collectors is None:
+            return None
+        trace = self._closing.trace if self._closing is not None else None
+        if trace is not None:
+            return trace.steps[-1] if trace.steps else None
+        return latest_recorded(self.collectors)
 
     def _state_words(self) -> str:
         return {"new": "it was never started", "done": "it was already stopped",
@@ -280,43 +262,73 @@ class Profiler:
         # registered, so garbage from before the profile never enters its totals, and a parameter,
         # gradient or state tensor that garbage still holds is memory the process really holds.
         self._state = "active"
-        self.active = True
-        self.thread = thread
+        run = self.run
+        run.active = True
+        run.thread = thread
         try:
             # Inside the try: an interrupt right after a slot is taken must still free it.
             _ACTIVE_MODELS.add(model)
             _ACTIVE_THREADS[thread] = 1
-            self.stack = UndoStack()
+            self._stack = UndoStack()
             self._setup(model)
         except BaseException as exc:
             # The user's own error comes through unchanged (a lazy module, a hook that raises);
             # nothing memprof installed stays behind, and no partial record is made of it.
             self._state = "failed"
-            self.active = False
-            self._setup_error = type(exc).__name__
-            Closing(self).abandon_start(exc)
+            run.active = False
+            closing = self._closing = self._closing_steps()
+            closing.setup_error = type(exc).__name__
+            closing.abandon_start(exc)
             raise
         return self
 
+    def _setup(self, model: nn.Module) -> None:
+        """Build and wire the collectors (:mod:`.wiring`), then watch for an out-of-memory error."""
+        stack = self._stack
+        assert stack is not None
+        optimizers = [o for o in (r() for r in self._optimizer_refs) if o is not None]
+        ready = self._window_ready if self._on_trace_ready is not None else None
+        self.collectors = wire(model, optimizers, self.run, self.ledger, self.probe, stack,
+                               mode_requested=self._mode_requested, operations=self._want_operations,
+                               fake_mode=self._fake_mode, schedule=self.schedule, ready=ready,
+                               record_routing=self._record_routing)
+        if self.oom_dump is not None:
+            self.oom_dump.start(self.live_now)
+            stack.callback(self.oom_dump.stop)
+
+    def _window_ready(self) -> None:
+        """A schedule's window ended: on_trace_ready reads the run so far through this profiler."""
+        assert self._on_trace_ready is not None
+        self._in_callback = True
+        try:
+            self._on_trace_ready(self)
+        finally:
+            self._in_callback = False
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        """Record ``exc``, remove everything, freeze the record (:mod:`.track.closing` says what it raises:
+        """Record ``exc``, remove everything, freeze the record (:mod:`.closing` says what it raises:
         never over ``exc``, the body's exception, which propagates unchanged)."""
         if self._state != "active":
             return None
-        Closing(self).leave(exc, elsewhere=_get_ident() != self.thread)
+        closing = self._closing = self._closing_steps()
+        closing.leave(exc, elsewhere=_get_ident() != self.run.thread)
         return None
+
+    def _closing_steps(self) -> Closing:
+        return Closing(self.run, self.ledger, self._stack, self._release, self.collectors, self.oom_dump,
+                       self.live_now)
 
     def live_now(self) -> "tuple[Breakdown, tuple[tuple[str, int], ...], tuple[tuple[int, int, str, str], ...]] | None":
         """What is live now, by category, by creating module, and storage by storage; None in a step a
         schedule does not watch, where memprof saw none of what the step made (wrong, not partial)."""
-        if self.windows is not None and self.windows.paused:
-            msg = ("the error was raised in a step the schedule did not watch: what was live then is not measured "
-                   "(profile without a schedule, or with one that records that step, to see it)")
-            if msg not in self.notes:
-                self.notes.append(msg)
+        run = self.run
+        if run.paused:
+            run.note("the error was raised in a step the schedule did not watch: what was live then is not measured "
+                     "(profile without a schedule, or with one that records that step, to see it)")
             return None
-        return (breakdown(self.ledger.totals, light=self.mode == "light", where="now"), live_modules(self),
-                live_storages(self))
+        assert self.collectors is not None  # read while the profile runs
+        return (breakdown(self.ledger.totals, light=run.mode == LIGHT, where="now"), live_modules(self.collectors),
+                live_storages(self.collectors))
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -327,22 +339,26 @@ class Profiler:
         """
         if self._state != "active":
             raise ProfilerStateError("prof.step() is only valid inside the 'with memprof.profile(...)' block")
-        self.phases.explicit_steps()
+        c = self.collectors
+        assert c is not None
+        c.phases.explicit_steps()
         try:
             yield
         finally:
             if self._state == "active":
-                if self.windows is not None and self.windows.paused:
-                    self.windows.blocks_ended += 1  # a step the schedule does not watch ended
+                if c.windows is not None and self.run.paused:
+                    c.windows.blocks_ended += 1  # a step the schedule does not watch ended
                 else:
-                    self.phases.end_step()
+                    c.phases.end_step()
 
     @property
     def trace(self) -> Trace:
         """The frozen record. Available after the block ends (also after an exception)."""
-        if self.in_callback and self._state == "active":
-            return build_trace(self)  # the run so far, at the end of a window
-        if self._trace is None:
+        if self._in_callback and self._state == "active":
+            assert self.collectors is not None
+            return build_trace(self.collectors)  # the run so far, at the end of a window
+        closing = self._closing
+        if closing is None or closing.trace is None:
             if self._state == "new":
                 raise ProfilerStateError(
                     "nothing was profiled yet; run your step inside 'with memprof.profile(model, optimizer) as prof:' "
@@ -354,154 +370,31 @@ class Profiler:
                 )
             if self._state == "failed":
                 raise ProfilerStateError(
-                    f"profiling never started: setting it up raised {self._setup_error}; fix that error "
-                    "(it was raised to your code too) and profile again"
+                    f"profiling never started: setting it up raised {closing.setup_error if closing else None}; fix "
+                    "that error (it was raised to your code too) and profile again"
                 )
             raise ProfilerStateError(
-                f"memprof could not build the record of this profile: {self._freeze_error or 'it was interrupted'} "
+                f"memprof could not build the record of this profile: "
+                f"{(closing.freeze_error if closing else None) or 'it was interrupted'} "
                 "(everything it installed was removed, and your code ran unchanged); profile again, and report "
                 "the error to memprof if it recurs"
             )
-        assert self._trace is not None
-        return self._trace
-
-    def report(self) -> "Report":
-        """The :class:`memprof.Report` built on :attr:`trace`."""
-        from ..report import Report
-
-        return Report(self.trace)
-
-    # ------------------------------------------------------------------ wiring
-
-    def _setup(self, model: nn.Module) -> None:
-        stack = self.stack
-        assert stack is not None
-        led = self.ledger
-        # The collectors: each owns one concern; they reach each other through this hub.
-        self.storages = StorageTracker(self)
-        self.storages.fake_mode = self._fake_mode
-        self.phases = PhaseTracker(self)
-        self.params = ParamTracker(self)
-        optimizers = [o for o in (r() for r in self._optimizer_refs) if o is not None]
-        self.optimizers = OptimizerTracker(self, optimizers)
-        self.phases.optimizer_seen = bool(optimizers)
-        self.modules = ModuleTracker(self, model)
-        self.saved = SavedTracker(self)
-        self.kv = CacheTracker(self, model)
-        self.rank = rank_info(model)
-        self.shards = sharding(self, model)
-        # Two steps, so that a failure in one still runs the other.
-        stack.callback(self._close_saved_hooks)
-        stack.callback(self.modules.remove_hooks)
-
-        params = [p for p in unique_params(model) if not is_lazy(p)]
-        self.param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params}))
-        self.register_existing()
-        self.optimizers.start()
-        self.start_totals = led.totals.copy()
-        self.phases.start()
-
-        # Hooks. Each registration goes on the stack right away so that a
-        # failure half-way still removes what was installed.
-        self.modules.adopt(model)
-        if self.modules.compiled_paths and self.mode == "full" and not KEEPS_COMPILE:
-            # With this torch any dispatch mode makes compiled code run eagerly, and for the rest of
-            # the process: full mode would change the user's training.
-            if self.mode_requested == "full":
-                raise InvalidArgumentError(
-                    f"{self.modules.compiled_paths[0]} runs torch.compile'd code, and with torch "
-                    f"{torch.__version__} full mode's dispatch mode would make it run eagerly for the rest of "
-                    "the process; profile it with mode='light', or upgrade torch (2.9 and later keep compiled "
-                    "code compiled)"
-                )
-            self.mode = "light"
-            self.backward_frames = self.saved.full = False
-            self.notes.append(
-                f"light mode: the model runs torch.compile'd code, which full mode's dispatch mode would make "
-                f"run eagerly with torch {torch.__version__}"
-            )
-        pre, post = self.optimizers.pre_hook, self.optimizers.post_hook
-        if "torch._dynamo" in sys.modules:
-            # A compiled optimizer.step() calls the global step hooks from its compiled frame: run them
-            # eagerly, outside the graph, rather than have dynamo trace memprof's code into it.
-            pre, post = torch.compiler.disable(pre), torch.compiler.disable(post)
-        stack.callback(_optim_mod.register_optimizer_step_pre_hook(pre).remove)
-        stack.callback(_optim_mod.register_optimizer_step_post_hook(post).remove)
-        # The model may gain parameters or submodules inside the block (a new head, lazy modules).
-        from torch.nn.modules import module as _module_mod
-
-        for name in ("register_module_parameter_registration_hook", "register_module_module_registration_hook"):
-            register = getattr(_module_mod, name, None)
-            if register is not None:
-                stack.callback(register(self.params.registration_hook).remove)
-        if self._want_operations and self.mode != "full":
-            self.notes.append("operations=True needs mode='full' (it sees ops through the dispatch mode)")
-        if self.mode == "full":
-            if self._want_operations:
-                self.storages.operations = OperationLog()
-            self.storages.install()
-            stack.callback(self.storages.uninstall, self.thread)
-        else:
-            self.probe.start_light()
-            self.notes.extend(self.probe.light_notes())
-            # Light mode has no dispatch mode: code outside the model's modules runs unseen.
-            self.notes.append(
-                "light mode sees no op outside the model's modules: what autograd saves there (the loss "
-                "function's tensors) is not counted as activations, nor as inputs the tensors made before the "
-                "profile that only code there uses (targets handed to the loss function, a metric accumulator "
-                "such as acc += loss.detach()); on an accelerator both are among temporaries (full mode counts "
-                "them)")
-        self.phases.sample("start", "start")
-        if self.schedule is not None:
-            self.windows = Windows(self, self.schedule, self._on_trace_ready)
-            self.windows.start()
-        if self.oom_dump is not None:
-            self.oom_dump.start()
-            stack.callback(self.oom_dump.stop)
-        if self._record_routing:
-            from .routing import RoutingRecorder
-
-            self.routing = RoutingRecorder(self)
-            self.routing.__enter__()
-            stack.callback(self.routing.__exit__, None, None, None)
-
-    def _close_saved_hooks(self) -> None:
-        """Undo memprof's per-thread saved-tensor pushes."""
-        if not self.saved.hooks.close() and _get_ident() == self.thread:
-            self.notes.append(
-                "saved_tensors_hooks entered inside the profile were still active when it ended (above "
-                "memprof's own pair), so memprof's pair is left inert beneath them until they exit"
-            )
-
-    def register_existing(self) -> None:
-        """What exists now: weights, buffers, gradients, optimizer state (at the start, and when a
-        schedule resumes)."""
-        model = self._model_ref()
-        if model is None:
-            return
-        params = [p for p in unique_params(model) if not is_lazy(p)]
-        for p in params:
-            self.storages.add_tensor(p, WEIGHTS)
-        for p in params:
-            if p.grad is not None:
-                self.params.add_grad(p.grad, retro=False)
-        for b in model.buffers():
-            self.storages.add_tensor(b, BUFFERS)
-        for mod in model.modules():
-            for t in attribute_tensors(mod):  # module state kept as plain attributes, like buffers
-                self.storages.add_tensor(t, BUFFERS)
-        for opt in self.optimizers.all():
-            self.optimizers.collect_state(opt, retro=False)
+        return closing.trace
 
     @property
     def window(self) -> "tuple[int, int] | None":
         """The first and last step of the recorded window that just ended (in ``on_trace_ready``)."""
-        return self.windows.window if self.windows is not None else None
+        windows = self.collectors.windows if self.collectors is not None else None
+        return windows.window if windows is not None else None
 
     def _release(self) -> None:
-        """The model and the thread may be profiled again."""
+        """The profile has ended: the model and the thread may be profiled again (safe to run twice)."""
+        self._model_hold = None
+        self.run.active = False
+        if self._state != "failed":
+            self._state = "done"
         model = self._model_ref()
         if model is not None:
             _ACTIVE_MODELS.discard(model)
-        if self.thread:
-            _ACTIVE_THREADS.pop(self.thread, None)
+        if self.run.thread:
+            _ACTIVE_THREADS.pop(self.run.thread, None)

@@ -24,7 +24,8 @@ from torch.overrides import TorchFunctionMode
 from ..record.routing import MAX_ROUTER_CALLS, RouterCall, RoutingRecord
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from .module_table import ModuleTable
+    from .state import Run
 
 __all__ = ["RoutingRecorder", "router_call", "ROUTER_FUNCTIONS"]
 
@@ -51,28 +52,26 @@ def router_call(func: Any, args: tuple, kwargs: dict, out: Any) -> "tuple[torch.
     return None
 
 
-def innermost_module(prof: Any) -> "str | None":
-    """The path of the innermost module whose forward is running under profiler ``prof``; None outside."""
-    modules = getattr(prof, "modules", None)
-    stack = getattr(modules, "stack", None)
-    if not stack:
-        return None
-    return modules.info[stack[-1]].path
+def innermost_module(run: "Run", table: "ModuleTable") -> "str | None":
+    """The path of the innermost module whose forward is running in ``run``; None outside the model."""
+    calls = run.calls
+    return table.info[calls[-1]].path if calls else None
 
 
 class RoutingRecorder(TorchFunctionMode):
     """Counts each router call's choices while the profile runs (the module's docstring)."""
 
-    def __init__(self, prof: "Profiler") -> None:
+    def __init__(self, run: "Run", table: "ModuleTable") -> None:
         super().__init__()
-        self.prof = prof
+        self.run = run
+        self.table = table
         self.calls: list[RouterCall] = []
         self.truncated = False
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in ROUTER_FUNCTIONS and self.prof.active:
+        if func in ROUTER_FUNCTIONS and self.run.active:
             self._note(func, tuple(args), kwargs, out)
         return out
 
@@ -81,7 +80,7 @@ class RoutingRecorder(TorchFunctionMode):
         if call is None:
             return
         scores, idx, dim, keepdim = call
-        module = innermost_module(self.prof)
+        module = innermost_module(self.run, self.table)
         if module is None:
             return
         if len(self.calls) >= MAX_ROUTER_CALLS:

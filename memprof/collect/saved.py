@@ -10,38 +10,37 @@ storage (two modules saving it, an expanded view, a view of a larger
 storage). When autograd releases its last slot the storage is an ordinary
 temporary again.
 
-Activation checkpointing saves nothing in forward; in backward, torch's own
-pair stores what a non-reentrant region recomputes out of sight, so what is
-created while that pair is on top and still alive when it leaves is what
-checkpoint keeps for this backward.
+What autograd saves outside memprof's pushes (the loss, checkpointed regions
+recomputed in backward) is found apart, by :mod:`.graph_saves`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ..vocabulary import Phase
 from .ledger import ACTIVATIONS, COMMUNICATION, INPUTS, TAGS, TEMPORARIES, Entry, storage_of
-
-_RECOMPUTED = TAGS.index("recomputed_for_backward")
-from .saved_hooks import Saved, SavedHooks, _Chain, is_checkpoint_pair, tensors_in
+from .saved_hooks import Saved, SavedHooks
 from .saved_hooks import unpack as unpack_saved
+from .state import EXACT
+from .torch_compat import NoPythonDispatch as _NoPythonDispatch
+from .torch_compat import dispatch_stack_len as _dispatch_stack_len, graph_task_id as _graph_task_id
+from .torch_compat import is_compiling as _is_compiling, top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from .capture import Capture
+    from .ledger import Ledger
+    from .module_table import ModuleTable
+    from .state import Run
 
 __all__ = ["SavedTracker"]
 
 _FORWARD = Phase.FORWARD
 _BACKWARD = Phase.BACKWARD
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
-_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: -1)
-_NoPythonDispatch = getattr(torch._C, "_DisableTorchDispatch", contextlib.nullcontext)
+_RECOMPUTED = TAGS.index("recomputed_for_backward")
 _TAG = {name: i for i, name in enumerate(TAGS)}
 _TAG_SAVED_OUTSIDE = _TAG["saved_outside_modules"]
 _TAG_SAVED_TWICE = _TAG["saved_by_two_modules"]
@@ -53,26 +52,23 @@ _WHERE_BY_RULES = (-1, _TAG_SAVED_TWICE, _TAG_SAVED_AS_VIEW, _TAG_SAVED_EXPANDED
 
 
 class SavedTracker:
-    """Accounts for what autograd saves; owns memprof's saved-tensor pushes."""
+    """Accounts for what autograd saves; owns memprof's saved-tensor pushes. ``backward_started`` is
+    called at the first unpack of a backward that no gradient hook announced."""
 
-    def __init__(self, prof: "Profiler") -> None:
-        self.prof = prof
-        self.ledger = prof.ledger
-        self.device = prof.device
-        self.on_cpu = prof.device.type == "cpu"
-        self.full = prof.mode == "full"
+    def __init__(self, ledger: "Ledger", run: "Run", table: "ModuleTable", capture: "Capture") -> None:
+        self.ledger = ledger
+        self.run = run
+        self.table = table
+        self.capture = capture
+        self.device = run.device
+        self.on_cpu = run.on_cpu
+        self.full = run.mode == EXACT  # exact mode (set again if the profiler falls back to light)
+        self.backward_started: Callable[[], None] = _nothing
         self.hooks = SavedHooks(self)
         self.scoped: list[int] = []  # module calls whose forward holds a scoped push
-        self.recomputing = False
-        self.recompute_start = 0
         # The model's inputs saved by modules with a rule in the formula's forward:
         # (module, storage key) -> bytes saved.
         self.saved_inputs: dict[tuple[int, int], int] = {}
-        # Storages the graph holds that were saved outside memprof's pushes: key -> nodes holding it.
-        self.graph_saved: dict[int, int] = {}
-        # Graph tasks whose graph was searched, the most recent few (a task id is not reused while
-        # its backward runs, and a run has millions of them).
-        self.walked_tasks: dict[int, None] = {}
 
     # -- memprof's own pair ---------------------------------------------------------
 
@@ -94,12 +90,12 @@ class SavedTracker:
     def unpacking(self) -> None:
         # The first unpack of a backward pass can come before any gradient hook
         # (the loss's own backward): it starts the backward phase in light mode.
-        phases = self.prof.phases
-        if phases.current is not _BACKWARD and self.prof.active and _graph_task_id() != -1:
-            phases.backward_started()
+        run = self.run
+        if run.phase is not _BACKWARD and run.active and _graph_task_id() != -1:
+            self.backward_started()
 
     def detached(self, t: torch.Tensor) -> torch.Tensor:
-        # In full mode this detach would go through memprof's own dispatch mode, which does
+        # In exact mode this detach would go through memprof's own dispatch mode, which does
         # nothing with it but costs the Python dispatch round trip (~5 us, a saved tensor or
         # more per op). When that mode is the only one and ``t`` a plain tensor, no Python
         # code wants to see it; a subclass or another mode still gets its detach.
@@ -113,33 +109,33 @@ class SavedTracker:
     def account(self, t: torch.Tensor) -> "int | None":
         """Ledger work for a tensor autograd now holds: returns its storage's key when that is
         a counted activation (the caller's slot must release it through :meth:`unsaved`)."""
-        prof = self.prof
-        if not prof.active or t.layout is not torch.strided or (
+        run = self.run
+        if not run.active or t.layout is not torch.strided or (
                 not t.is_cpu if self.on_cpu else t.device != self.device):
             return None
         st = storage_of(t)
         if st is None:
             return None
         led = self.ledger
-        modules = prof.modules
+        table = self.table
         entry = led.entries.get(st._cdata)
         if entry is None:
-            # Full mode saw every op output, so an unknown storage came from outside the profile
+            # Exact mode saw every op output, so an unknown storage came from outside the profile
             # (an input) or from compiled code, which allocates out of dispatch's sight. Light mode
             # sees no op outputs, so an unknown storage that autograd saves is an activation.
-            made_here = not self.full or modules.compiled_depth > 0
+            made_here = not self.full or table.compiled_depth > 0
             entry = led.add(st, ACTIVATIONS if made_here else INPUTS)
             if entry.cat == ACTIVATIONS:
                 self.attribute(entry)
-            elif modules.stack:
-                modules.unseen_saves.append(entry.key)  # an input, unless its call turns out compiled
+            elif run.calls:
+                table.unseen_saves.append(entry.key)  # an input, unless its call turns out compiled
         elif entry.cat == TEMPORARIES or entry.cat == COMMUNICATION:
             # A collective's output that the next layer saves (tensor parallelism's all-reduce) is an
             # activation from then on, as any op output autograd keeps.
             led.move(entry, ACTIVATIONS)
             self.attribute(entry)
-        stack = modules.stack
-        if stack and prof.phases.current is _FORWARD and modules.saved_tag[stack[-1]] < 0:
+        stack = run.calls
+        if stack and run.phase is _FORWARD and table.saved_tag[stack[-1]] < 0:
             view = t.nbytes
             if entry.savers is None and view == entry.nbytes and entry.where < 0 and entry.cat == ACTIVATIONS:
                 entry.savers = {stack[-1]: view}  # the common case: first saved whole, by a rule module
@@ -156,7 +152,7 @@ class SavedTracker:
         """Account for what the per-module formula counts: each rule counts the tensor its module
         saves (a view's bytes), once per module, whatever storage it shares."""
         if entry.cat == INPUTS:
-            if self.prof.modules.capture:
+            if self.capture.on:
                 # The model's inputs that a module with a rule saves: its rule counts them as activations.
                 key = (index, entry.key)
                 self.saved_inputs[key] = max(view_bytes, self.saved_inputs.get(key, 0))
@@ -196,10 +192,9 @@ class SavedTracker:
         that would name it twice.
         """
         where = entry.where < 0 and entry.tag != _TAG_WEIGHT_COPY
-        prof = self.prof
-        modules = prof.modules
-        stack = modules.stack
-        phase = prof.phases.current
+        run = self.run
+        stack = run.calls
+        phase = run.phase
         if not stack:
             if where and phase is _FORWARD:
                 self.ledger.set_tag(entry, _TAG_SAVED_OUTSIDE)
@@ -212,13 +207,13 @@ class SavedTracker:
             return
         index = stack[-1]
         if where:
-            tag = modules.saved_tag[index]
+            tag = self.table.saved_tag[index]
             if tag >= 0:
                 self.ledger.set_tag(entry, tag)
-        modules.saved_in(index, entry.nbytes, prof.phases.step)
+        self.table.saved_in(index, entry.nbytes, run.step)
 
     def unsaved(self, key: int) -> None:
-        if not self.prof.active:
+        if not self.run.active:
             return
         entry = self.ledger.entries.get(key)
         if entry is None or entry.cat != ACTIVATIONS:
@@ -240,119 +235,6 @@ class SavedTracker:
                     entry.saved = 0
                 self.attribute(entry)
 
-    # -- checkpoint recomputation in backward ------------------------------------------------
-
-    def watch_recompute(self) -> None:
-        """Every op in backward (exact mode). A graph task not seen before (a nested backward, such as a
-        reentrant checkpoint's over its recomputed block) gets its outside saves found; torch.utils.
-        checkpoint's pair on top of the stack means a checkpointed region is being recomputed under its
-        hooks (which store what it saves out of our sight)."""
-        task = _graph_task_id()
-        if task != -1 and task not in self.walked_tasks:
-            self.find_outside_saves()
-        foreign = is_checkpoint_pair(_top_saved_hooks(False))
-        if foreign and not self.recomputing:
-            self.recomputing = True
-            self.recompute_start = self.ledger.seq
-        elif not foreign and self.recomputing:
-            self.recomputing = False
-            self.flush_recompute()
-
-    def flush_recompute(self) -> None:
-        # Storages created while a checkpointed region was recomputed in
-        # backward under checkpoint's own saved-tensor hooks, still alive
-        # now, are what checkpoint saved for this backward.
-        start = self.recompute_start
-        led = self.ledger
-        for entry in list(led.entries.values()):
-            if entry.created > start and entry.cat == TEMPORARIES:
-                led.move(entry, ACTIVATIONS)
-                led.set_tag(entry, _RECOMPUTED)
-                entry.saved = -1  # held by checkpoint, released as backward unpacks it
-
-    # -- what code outside the model saved ------------------------------------------------------
-
-    def find_outside_saves(self) -> None:
-        """Backward is starting (exact mode): what autograd saved outside memprof's pushes, the loss
-        above all, becomes activations before the forward's record closes.
-
-        From the node the engine runs first, every node of the graph is visited once; a saved
-        tensor without an unpack hook was saved with no pair on the stack, i.e. outside the
-        model's calls. Only storages memprof made a temporary move; storages from before the
-        profile, and anything packed by a pair, are left as they are.
-        """
-        node = _current_node()
-        task = _graph_task_id()
-        if node is None or task in self.walked_tasks:
-            return
-        self.walked_tasks[task] = None
-        if len(self.walked_tasks) > 16:
-            del self.walked_tasks[next(iter(self.walked_tasks))]
-        led = self.ledger
-        found: list[int] = []
-        seen: set[int] = set()
-        todo = [node]
-        while todo and len(seen) < _MAX_NODES:
-            n = todo.pop()
-            if n is None or id(n) in seen:
-                continue
-            seen.add(id(n))
-            keys = []
-            for name in _saved_names(type(n)):
-                try:
-                    value = getattr(n, name)
-                except RuntimeError:  # released already
-                    continue
-                for raw in value if isinstance(value, (list, tuple)) else (value,):
-                    if raw is None or self._packed_by_us(raw):
-                        continue
-                    try:
-                        # With no pair, the tensor itself; under a pair of the user's, what its pack
-                        # returned, which the graph keeps (memprof counts the tensors in it).
-                        data = raw.data
-                    except RuntimeError:
-                        continue
-                    held: list[torch.Tensor] = []
-                    tensors_in(data, held)
-                    for t in held:
-                        st = storage_of(t) if (t.is_cpu if self.on_cpu else t.device == self.device) else None
-                        entry = led.entries.get(st._cdata) if st is not None else None
-                        if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS) and entry.saved <= 0:
-                            if entry.cat == TEMPORARIES:
-                                led.move(entry, ACTIVATIONS, retro=True)
-                                if entry.where < 0 and entry.tag != _TAG_WEIGHT_COPY:
-                                    led.set_tag(entry, _TAG_SAVED_OUTSIDE)
-                            entry.saved = -1  # held by the graph; released when its node has run
-                            self.graph_saved[entry.key] = self.graph_saved.get(entry.key, 0) + 1
-                            keys.append(entry.key)
-            if keys:
-                found.extend(keys)
-                # When the node has run, the engine releases what it saved (unless retain_graph).
-                self.prof.modules.node_hooks.append(n.register_hook(_released(self, tuple(keys))))
-            todo.extend(nxt for nxt, _i in n.next_functions)
-
-    def _packed_by_us(self, raw: Any) -> bool:
-        """Whether a saved tensor went through one of memprof's pairs (counted when it was packed)."""
-        hook = getattr(raw, "unpack_hook", None)
-        if hook is None:
-            return False
-        owner = getattr(hook, "__self__", None)
-        return owner is self or (type(owner) is _Chain and owner.owner is self)
-
-    def graph_released(self, keys: tuple[int, ...]) -> None:
-        if not self.prof.active:
-            return
-        led = self.ledger
-        for key in keys:
-            left = self.graph_saved.get(key, 0) - 1
-            if left > 0:
-                self.graph_saved[key] = left
-                continue
-            self.graph_saved.pop(key, None)
-            entry = led.entries.get(key)
-            if entry is not None and entry.cat == ACTIVATIONS and entry.saved < 0:
-                led.move(entry, TEMPORARIES)  # someone else still holds it (the model's output, say)
-
     # -- the pushes, per module call ----------------------------------------------------------
 
     def cover(self, index: int) -> None:
@@ -368,22 +250,5 @@ class SavedTracker:
             self.hooks.uncover()
 
 
-# The graph walk stops after this many nodes (a safety bound far above real graphs).
-_MAX_NODES = 1_000_000
-_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
-_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _saved_names(cls: type) -> tuple[str, ...]:
-    """The attributes of an autograd node class that give its raw saved tensors (no unpacking)."""
-    names = _SAVED_NAMES.get(cls)
-    if names is None:
-        names = _SAVED_NAMES[cls] = tuple(a for a in dir(cls) if a.startswith("_raw_saved_"))
-    return names
-
-
-def _released(tracker: SavedTracker, keys: tuple[int, ...]) -> Any:
-    def hook(_grad_inputs: Any, _grad_outputs: Any) -> None:
-        tracker.graph_released(keys)
-    return hook
+def _nothing() -> None:
+    pass

@@ -15,7 +15,7 @@ and so does ``disable_saved_tensors_hooks``). It never pushes inside a
 ``torch.utils.checkpoint``'s own pair (in forward it keeps nothing; in
 backward it recomputes, which memprof follows apart). What code outside the
 model saves (the loss) is found on the autograd graph when backward starts
-(:meth:`memprof.collect.saved.SavedTracker.find_outside_saves`).
+(:meth:`memprof.collect.graph_saves.GraphSaves.find_outside_saves`).
 
 A pair pushed over another one is *chained*: memprof's pack calls the outer
 pack with the original tensor, exactly as torch would have, and hands
@@ -34,21 +34,34 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .saved import SavedTracker
+from .torch_compat import current_autograd_node, is_compiling as _is_compiling, pop_saved_hooks as _pop
+from .torch_compat import push_saved_hooks as _push, saved_hooks_disabled_message as _disabled_message
+from .torch_compat import top_saved_hooks as _top
 
-__all__ = ["Saved", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pair", "under_checkpoint"]
+__all__ = ["Accountant", "Saved", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pair", "under_checkpoint"]
 
-_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
-_push = torch._C._autograd._push_saved_tensors_default_hooks
-_pop = torch._C._autograd._pop_saved_tensors_default_hooks
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
-_disabled_message: Callable[[], "str | None"] = getattr(
-    torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None)
+
+class Accountant(Protocol):
+    """What memprof's pairs hand each saved tensor to (:class:`memprof.collect.saved.SavedTracker`)."""
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """memprof's own pack, with no pair of the user's beneath it."""
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        """memprof's own unpack."""
+
+    def account(self, t: torch.Tensor) -> "int | None":
+        """A tensor autograd now holds: its storage's key when it is a counted activation."""
+
+    def unsaved(self, key: int) -> None:
+        """Autograd released a slot holding the storage ``key``."""
+
+    def unpacking(self) -> None:
+        """Backward unpacks a saved tensor (the first unpack may be what starts backward)."""
 
 
 class Saved:
@@ -62,7 +75,7 @@ class Saved:
 
     __slots__ = ("tensor", "owner", "key", "version", "origin")
 
-    def __init__(self, tensor: torch.Tensor, owner: "SavedTracker | None", key: int, version: int,
+    def __init__(self, tensor: torch.Tensor, owner: "Accountant | None", key: int, version: int,
                  origin: "weakref.ref | None" = None) -> None:
         self.tensor = tensor
         self.owner = owner
@@ -83,7 +96,7 @@ class Packed:
 
     __slots__ = ("packed", "owner", "keys")
 
-    def __init__(self, packed: Any, owner: "SavedTracker | None", keys: tuple[int, ...]) -> None:
+    def __init__(self, packed: Any, owner: "Accountant | None", keys: tuple[int, ...]) -> None:
         self.packed = packed
         self.owner = owner
         self.keys = keys
@@ -116,7 +129,7 @@ def unpack(saved: Any) -> torch.Tensor:
 def _modified_message(t: torch.Tensor, expected: int) -> str:
     # torch's own wording (torch/csrc/autograd/saved_variable.cpp), so that code and people
     # that recognise the error still do. The node is the one unpacking, i.e. the one that needs it.
-    node = torch._C._current_autograd_node()
+    node = current_autograd_node()
     needed_by = f", which is needed by {type(node).__name__}," if node is not None else ""
     return (
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
@@ -153,7 +166,7 @@ def is_checkpoint_pair(pair: Any) -> bool:
 def under_checkpoint() -> bool:
     """Does code run inside a torch.utils.checkpoint region now (its pair on the stack, directly or
     beneath memprof's own chained pairs)?"""
-    pair = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pair = _top(False)
     if pair is None:
         return False
     pack = pair[0]
@@ -169,8 +182,8 @@ class _Chain:
 
     __slots__ = ("owner", "outer_pack", "outer_unpack")
 
-    def __init__(self, owner: "SavedTracker", outer: tuple[Any, Any]) -> None:
-        self.owner: "SavedTracker | None" = owner
+    def __init__(self, owner: Accountant, outer: tuple[Any, Any]) -> None:
+        self.owner: "Accountant | None" = owner
         self.outer_pack, self.outer_unpack = outer
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -193,7 +206,7 @@ class _Chain:
 class SavedHooks:
     """The pushes memprof made on one thread's saved-tensor hooks stack, and their undoing."""
 
-    def __init__(self, owner: "SavedTracker") -> None:
+    def __init__(self, owner: Accountant) -> None:
         self.owner = owner
         self.thread = threading.get_ident()
         self.own_pack = owner.pack  # bound once: the identity that says "ours" on the stack

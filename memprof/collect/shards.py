@@ -31,29 +31,32 @@ from ..units import round_half_away
 from .ranks import is_fsdp2_module, shards_of
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from ..record.parts import RankInfo
+    from .ledger import Ledger
+    from .params import ParamTracker
+    from .state import Run
+    from .undo import UndoStack
 
 __all__ = ["ShardTracker", "ResizeWatch", "fsdp2_params", "sharding"]
 
-def sharding(prof: "Profiler", model: nn.Module) -> "ShardTracker | None":
+
+def sharding(model: nn.Module, rank: "RankInfo | None", ledger: "Ledger", run: "Run", params: "ParamTracker",
+             stack: "UndoStack") -> "ShardTracker | None":
     """Follow resized storages for this profile, and FSDP2's parameters when the model is sharded with it
-    (the rank's record then carries the sharded and unsharded bytes). Undone by the profile's exit stack."""
-    stack = prof.stack
-    assert stack is not None
-    watch = ResizeWatch(prof)
+    (the rank's record then carries the sharded and unsharded bytes). Undone by the profile's undo stack."""
+    watch = ResizeWatch(ledger)
     watch.install()
     stack.callback(watch.uninstall)
-    rank = prof.rank
     if rank is None or rank.layout != "fsdp2":
         return None
     groups = fsdp2_params(model)
     if groups is None:
-        prof.notes.append(
+        run.notes.append(
             "FSDP2's internals are not the ones this memprof knows (torch " + torch.__version__ + "): its gathered "
             "full parameters are counted as temporaries, not weights, and the trace has no sharded bytes")
         return None
-    tracker = ShardTracker(prof, groups)
-    prof.backward_waits = True  # FSDP2's last reduce-scatter runs in a backward callback of its own
+    tracker = ShardTracker(run, params, stack, groups, rank)
+    run.backward_waits = True  # FSDP2's last reduce-scatter runs in a backward callback of its own
     stack.callback(tracker.close)  # runs after the hooks are gone: the record keeps the sizes, not FSDP's objects
     return tracker
 
@@ -77,23 +80,26 @@ def fsdp2_params(model: nn.Module) -> "dict[int, list[Any]] | None":
 
 
 class ShardTracker:
-    """FSDP2's parameters of one profiled model."""
+    """FSDP2's parameters of one profiled model. ``rank`` is the rank's record, with the sharded and
+    unsharded bytes once the profile has closed."""
 
-    def __init__(self, prof: "Profiler", groups: dict[int, list[Any]]) -> None:
-        self.prof = prof
+    def __init__(self, run: "Run", params: "ParamTracker", stack: "UndoStack", groups: dict[int, list[Any]],
+                 rank: "RankInfo") -> None:
+        self.run = run
+        self.params = params
+        self.stack = stack
+        self.rank = rank
         # Strong references to FSDP's own bookkeeping objects, dropped when the profile ends.
         self.groups = groups
-        self.params = [fp for ps in groups.values() for fp in ps]
+        self.fsdp_params = [fp for ps in groups.values() for fp in ps]
         self.hooked: set[int] = set()  # id() of unsharded parameters carrying memprof's gradient hook
 
     def close(self) -> None:
-        prof = self.prof
-        if prof.rank is not None:
-            sharded, unsharded, padding, even = self.sizes()
-            prof.rank = dataclasses.replace(prof.rank, sharded_bytes=sharded, unsharded_bytes=unsharded,
-                                            padding_bytes=padding, even_bytes=even)
+        sharded, unsharded, padding, even = self.sizes()
+        self.rank = dataclasses.replace(self.rank, sharded_bytes=sharded, unsharded_bytes=unsharded,
+                                        padding_bytes=padding, even_bytes=even)
         self.groups = {}
-        self.params = []
+        self.fsdp_params = []
 
     # -- what the trace records -------------------------------------------------------------
 
@@ -102,8 +108,8 @@ class ShardTracker:
         FSDP2 parameter."""
         sharded = unsharded = padding = 0
         even = Fraction(0)
-        world = self.prof.rank.world_size if self.prof.rank is not None else 1
-        for fp in self.params:
+        world = self.rank.world_size
+        for fp in self.fsdp_params:
             local = fp.sharded_param.to_local() if hasattr(fp.sharded_param, "to_local") else fp.sharded_param
             size = local.element_size()
             padded = math.prod(fp.padded_sharded_param_size) * size
@@ -123,7 +129,7 @@ class ShardTracker:
 
     def unsharded(self, module: nn.Module) -> None:
         """After FSDP's pre-forward of ``module`` (its parameters are gathered): they are weights."""
-        if not self.prof.active:
+        if not self.run.active:
             return
         for fp in self.groups.get(id(module), ()):
             self._weigh(fp)
@@ -131,35 +137,33 @@ class ShardTracker:
     def resharded(self, module: nn.Module) -> None:
         """After FSDP's post-forward of ``module``: with ``reshard_after_forward`` an int, what it keeps until
         backward (a larger shard of each parameter) is weights too."""
-        if not self.prof.active:
+        if not self.run.active:
             return
         for fp in self.groups.get(id(module), ()):
             kept = getattr(fp, "_sharded_post_forward_param_data", None)
             if isinstance(kept, torch.Tensor):
-                self.prof.params.weigh(kept)
+                self.params.weigh(kept)
 
     def _weigh(self, fp: Any) -> None:
-        prof = self.prof
         tensors = list(getattr(fp, "all_gather_outputs", ()) or ()) + list(getattr(fp, "_unsharded_inner_tensors", ()) or ())
         param = getattr(fp, "_unsharded_param", None)
         if not tensors and param is not None:
             tensors = [param]
         for t in tensors:
-            prof.params.weigh(t)
+            self.params.weigh(t)
         if param is not None and param.requires_grad and id(param) not in self.hooked:
             self.hooked.add(id(param))
-            assert prof.stack is not None
-            prof.stack.callback(param.register_post_accumulate_grad_hook(self._grad_hook).remove)
+            self.stack.callback(param.register_post_accumulate_grad_hook(self._grad_hook).remove)
 
     def _grad_hook(self, param: torch.Tensor) -> None:
         # A gradient accumulated into an unsharded parameter, before FSDP reduce-scatters it.
-        if self.prof.active and param.grad is not None:
-            self.prof.params.add_grad(param.grad, retro=True, follow=False)
+        if self.run.active and param.grad is not None:
+            self.params.add_grad(param.grad, retro=True, follow=False)
 
     def grads(self) -> None:
         """The sharded gradients FSDP has stored so far (after a reduce-scatter, at backward's end)."""
-        params = self.prof.params
-        for fp in self.params:
+        params = self.params
+        for fp in self.fsdp_params:
             g = fp.sharded_param.grad
             if g is not None:
                 params.add_grad(g, retro=True)
@@ -179,8 +183,8 @@ class ResizeWatch:
     _wrapper: Any = None
     _had_own = False
 
-    def __init__(self, prof: "Profiler") -> None:
-        self.ledger: Any = prof.ledger
+    def __init__(self, ledger: "Ledger") -> None:
+        self.ledger: Any = ledger
 
     def install(self) -> None:
         cls = ResizeWatch

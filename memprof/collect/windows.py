@@ -1,8 +1,8 @@
 """Recording windows: a schedule turns memprof off between the steps it records.
 
-Outside its warmup and active steps the profiler is paused: ``prof.active`` is
-False, so every hook returns at once, and full mode's dispatch mode is off the
-stack. Only what counts steps still runs: the optimizer's step hook and the
+Outside its warmup and active steps the profiler is paused: the run state is
+inactive, so every hook returns at once, and exact mode's dispatch mode is off
+the stack. Only what counts steps still runs: the optimizer's step hook and the
 gradient hooks note that a step ended, and the model's next forward decides,
 from the schedule, whether to resume. Resuming registers what exists then
 (parameters, gradients, optimizer state, buffers), as the start of a profile
@@ -12,26 +12,36 @@ flight and a step's optimizers have all stepped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-from ..vocabulary import Phase
 from .schedule import ACTIVE, WARMUP, Schedule
 
 if TYPE_CHECKING:
-    from .profiler import Profiler
+    from .ledger import Ledger
+    from .phases import PhaseTracker
+    from .state import Run
 
 __all__ = ["Windows"]
 
 
 class Windows:
-    """The schedule's state over the run: the step now running, and whether memprof watches it."""
+    """The schedule's state over the run: the step now running, and whether memprof watches it.
 
-    def __init__(self, prof: "Profiler", plan: Schedule, on_ready: "Callable[[Profiler], Any] | None") -> None:
-        self.prof = prof
+    It pushes ``paused`` onto the run state; what pausing and resuming do to the collectors (the run's
+    activity, the dispatch mode, what exists when a window begins) is the profiler's, called through
+    ``suspend`` and ``wake``. ``ready`` hands the run so far to ``on_trace_ready`` (None without one).
+    """
+
+    def __init__(self, plan: Schedule, phases: "PhaseTracker", ledger: "Ledger", run: "Run",
+                 ready: "Callable[[], None] | None", suspend: Callable[[], None], wake: Callable[[], None]) -> None:
         self.plan = plan
-        self.on_ready = on_ready
+        self.phases = phases
+        self.ledger = ledger
+        self.run = run
+        self.ready = ready
+        self.suspend = suspend
+        self.wake = wake
         self.step = 0  # the run's step now running
-        self.paused = False
         self.step_ended = False  # while paused: an optimizer stepped (or, without one, a backward ran)
         self.backward_ended = False
         self.blocks_ended = 0  # while paused: prof.step() blocks that ended (with explicit steps)
@@ -50,7 +60,7 @@ class Windows:
         if not self.plan.watches(0):
             self.pause()
         elif self.plan(0) == WARMUP:
-            self.peak_before_warmup = self.prof.ledger.peak_state()
+            self.peak_before_warmup = self.ledger.peak_state()
 
     def records_now(self) -> bool:
         return self.plan(self.step) == ACTIVE
@@ -61,12 +71,17 @@ class Windows:
     def backward_ran_while_paused(self) -> None:
         self.backward_ended = True
 
+    def ended_while_paused(self) -> bool:
+        """Did a step end since the pause (forgotten once asked)? Read when the profile ends paused."""
+        ended = self.step_ended or self.backward_ended
+        self.step_ended = self.backward_ended = False
+        return ended
+
     def at_forward(self) -> bool:
         """A forward of the model begins (outside backward, in the profiling thread): close a step that
         ended, pause or resume by the schedule. True when memprof records this forward."""
-        prof = self.prof
-        phases = prof.phases
-        if self.paused:
+        phases = self.phases
+        if self.run.paused:
             if phases.explicit:  # only prof.step() blocks end steps
                 ended = self.blocks_ended
             else:
@@ -81,11 +96,7 @@ class Windows:
                 self.resume()
                 return True
             return False
-        if phases.pending_step_end or (phases.pending_backward_end and not phases.optimizer_seen
-                                       and not phases.explicit):
-            phases.pending_step_end = phases.pending_backward_end = False
-            prof.params.release_stale_grads()
-            phases.end_step()  # numbers the next step self.step + 1 through step_closed()
+        phases.close_pending_step()  # numbers the next step self.step + 1 through step_closed()
         return True
 
     def step_closed(self, index: int) -> None:
@@ -104,16 +115,13 @@ class Windows:
             elif self.plan(self.step) == WARMUP:
                 # A warmup step right after a watched one (no pause, so no resume() to note it): the peak
                 # to return to is the one now, with the steps just recorded in it.
-                self.peak_before_warmup = self.prof.ledger.peak_state()
+                self.peak_before_warmup = self.ledger.peak_state()
 
     def forget(self, index: int) -> None:
         """A warmup step closed: its peak, samples and phases leave no trace in the record."""
-        phases = self.prof.phases
         if self.peak_before_warmup is not None:
-            self.prof.ledger.restore_peak(self.peak_before_warmup)
-        peak_serial = self.prof.ledger.peak_phase_serial
-        phases.samples = [s for s in phases.samples if s[1] != index]
-        phases.where = {serial: w for serial, w in phases.where.items() if w[0] != index or serial == peak_serial}
+            self.ledger.restore_peak(self.peak_before_warmup)
+        self.phases.forget_steps({index})
 
     def note_recorded(self, index: int) -> None:
         if self.plan(index) == ACTIVE:
@@ -127,53 +135,33 @@ class Windows:
                 self.current[1] = index
 
     def window_ended(self) -> None:
-        """An active window closed: hand the profiler to on_trace_ready (prof.report() reads it so far)."""
+        """An active window closed: hand the run so far to on_trace_ready (prof.report() reads it)."""
         current, self.current = self.current, None
-        if self.on_ready is None or current is None:
+        if self.ready is None or current is None:
             return
         self.window = (current[0], current[1])
         self.callbacks += 1
-        prof = self.prof
-        prof.in_callback = True
         try:
-            self.on_ready(prof)
+            self.ready()
         except BaseException as exc:
             self.callback_error = exc  # the user's, not memprof's: the profiler raises it as it is
             raise
-        finally:
-            prof.in_callback = False
 
     # -- pausing and resuming -----------------------------------------------------------
 
     def pause(self) -> None:
-        prof = self.prof
-        self.paused = True
-        prof.active = False
+        self.run.paused = True
         self.step_ended = self.backward_ended = False
         self.blocks_ended = 0
-        if prof.mode == "full":
-            prof.storages.uninstall(prof.thread)
+        self.suspend()  # hooks return at once from now on, and the dispatch mode is off the stack
 
     def resume(self) -> None:
-        prof = self.prof
-        self.paused = False
-        phases = prof.phases
-        phases.step = self.step
+        self.run.paused = False
         if self.plan(self.step) == WARMUP:
-            self.peak_before_warmup = prof.ledger.peak_state()
-        prof.register_existing()  # what the unwatched steps made: gradients, state, new parameters
-        if prof.mode == "full":
-            prof.storages.install()
-        prof.active = True
-        led = prof.ledger
+            self.peak_before_warmup = self.ledger.peak_state()
+        self.wake()  # what the unwatched steps made (gradients, state, new parameters), and the hooks on again
         # A fresh "other" phase: nothing from the unwatched steps belongs to the step that starts now.
-        phases.step_phases = []
-        phases.occurrence = {}
-        phases.current = Phase.OTHER
-        led.start_phase()
-        phases.phase_start = led.totals.copy()
-        phases.phase_ops_start = phases.ops
-        phases.where[led.phase_serial] = (self.step, Phase.OTHER)
+        self.phases.restart(self.step)
 
     def recorded_steps(self) -> tuple[tuple[int, int], ...]:
         return tuple((a, b) for a, b in self.recorded)

@@ -19,7 +19,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..collect.profiler import Profiler
+    from ..report.profiling import Profiler
     from ..report import Report
     from ..collect.schedule import Schedule
     from ..record.trace import StepRecord
@@ -90,7 +90,7 @@ class Session:
 
     def begin(self, model: Any, optimizers: Any, rank: int) -> None:
         """Start profiling ``model`` (what the framework trains) and its ``optimizers``."""
-        from ..collect.profiler import Profiler
+        from ..report.profiling import Profiler
         from ..collect.oom import checked_folder
 
         self.stop()

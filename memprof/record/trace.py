@@ -260,8 +260,10 @@ class Trace:
 
 
 def _mode(value: Any) -> str:
-    if value not in ("full", "light"):
-        raise corrupt(f"mode must be 'full' or 'light', got {text(value, 'mode')[:20]!r}")
+    if value == "full":
+        return "exact"  # the word files written before the mode's rename use (any schema version)
+    if value not in ("exact", "light"):
+        raise corrupt(f"mode must be 'exact' or 'light', got {text(value, 'mode')[:20]!r}")
     return value
 
 
@@ -316,29 +318,6 @@ def _peak_step(data: Mapping[str, Any]) -> "int | None":
     if step is not None and indices and all(isinstance(i, int) for i in indices) and step > max(indices):
         raise corrupt(f"peak_step {step} is after the last step recorded ({max(indices)})")
     return step
-
-
-# -- moments: one vocabulary for "at which instant", the ``at=`` of every API -----------------------
-
-#: A phase's (or the run's) highest total, its first and its last moment.
-PEAK, START, END = "peak", "start", "end"
-#: The end of the last optimizer step: every model state exists (reconciliation only).
-STEADY = "steady"
-#: Where each API reads its figures: a phase or the run (Report.at, breakdown_frame, diff), a budget
-#: (check_budget, the memory_budget marker), a reconciliation.
-PHASE_MOMENTS = (PEAK, START, END)
-BUDGET_MOMENTS = (PEAK, END)
-RECONCILE_MOMENTS = (PEAK, STEADY)
-
-
-def parse_moment(value: Any, allowed: tuple[str, ...], name: str = "at") -> str:
-    """``value`` if it is one of ``allowed`` moments; else an InvalidArgumentError that lists them."""
-    from ..errors import InvalidArgumentError
-
-    if isinstance(value, str) and value.strip().lower() in allowed:
-        return value.strip().lower()
-    natural = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
-    raise InvalidArgumentError(f"{name} must be {natural} (one of {', '.join(allowed)}), got {value!r}")
 
 
 def parent_path(path: str) -> str:

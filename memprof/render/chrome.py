@@ -25,7 +25,6 @@ from ..units import format_bytes
 from .curve import curve, phase_times
 
 if TYPE_CHECKING:
-    from ..report import Report
     from ..record.trace import Trace
 
 __all__ = ["chrome_trace", "TRACKS", "BACKWARD_TID"]
@@ -44,9 +43,9 @@ def _composition(bd: Breakdown) -> dict[str, Any]:
     return out
 
 
-def chrome_trace(report: "Report | Trace") -> dict[str, Any]:
+def chrome_trace(trace: "Trace") -> dict[str, Any]:
     """The run as a Trace Event Format document (a dict ready for ``json.dump``)."""
-    t = as_trace(report)
+    t = as_trace(trace)
     cv = curve(t)
     events: list[dict[str, Any]] = [
         {"ph": "M", "pid": _PID, "name": "process_name",

@@ -1,7 +1,7 @@
 """What every renderer shares: one spelling for a missing figure, one palette, one module table.
 
-Renderers take a Trace, a Report (through ``as_trace``), a Reconciliation or
-a Diff and return output; none of them reaches back into a profile.
+Renderers take a Trace (or anything holding one as ``.trace``, through ``as_trace``) or a result of
+:mod:`memprof.analyse` or :mod:`memprof.simulate` and return output; none of them reaches back into a profile.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from ..units import format_bytes
 if TYPE_CHECKING:
     from ..record.trace import Trace
 
-__all__ = ["NOT_MEASURED", "NO_FORMULA", "NOT_SIMULATED", "quiet", "size", "signed", "CATEGORY_COLORS", "PHASE_COLORS",
+__all__ = ["NOT_MEASURED", "NO_FORMULA", "NO_ESTIMATE", "quiet", "size", "signed", "CATEGORY_COLORS", "PHASE_COLORS",
            "WATERFALL_COLORS", "own_rows", "clip_path", "largest", "ModuleColumns", "module_columns"]
 
 #: A figure the run did not measure: never printed as 0.
 NOT_MEASURED = "not measured"
 #: A category the textbook has no formula for at that moment.
 NO_FORMULA = "no formula"
-#: A category the estimate did not simulate (or no estimate was given).
-NOT_SIMULATED = "not simulated"
+#: A category an estimate has no figure for (its simulation did not reproduce it).
+NO_ESTIMATE = "no estimate"
 
 #: One color per category, used by every plot and by the HTML report. Mid-tone
 #: colors (seaborn's "deep" palette) that keep their contrast on light and dark backgrounds.

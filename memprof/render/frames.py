@@ -1,4 +1,4 @@
-"""pandas DataFrames: phases, modules, operations, a breakdown, a reconciliation, a diff.
+"""pandas DataFrames: phases, modules, operations, a breakdown, a reconciliation, a diff, merged ranks.
 
 Byte columns are nullable ``Int64``: a figure that was not measured is
 ``<NA>``, never 0. pandas is imported inside each function.
@@ -8,28 +8,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..vocabulary import Category
+from ..vocabulary import PHASE_MOMENTS, Category, parse_moment
 from ..errors import InvalidArgumentError, NotMeasuredError
-from ..record.trace import PHASE_MOMENTS, as_trace, parse_moment
+from ..record.trace import as_trace
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from ..analyse.compare import Diff
+    from ..analyse.merge import Merged
     from ..analyse.reconciler import Reconciliation
-    from ..report import Report
     from ..record.trace import Trace
 
 __all__ = ["phases_frame", "phase_stats_frame", "modules_frame", "operations_frame", "breakdown_frame", "reconciliation_frame",
-           "diff_frame", "diff_phases_frame"]
+           "diff_frame", "diff_phases_frame", "merged_frame", "snapshot_frame"]
 
 
-def phases_frame(report: "Report | Trace") -> "pd.DataFrame":
+def phases_frame(trace: "Trace") -> "pd.DataFrame":
     """One row per (step, phase, occurrence): start, peak, end, ops and the composition at the peak."""
     import pandas as pd
 
     rows = []
-    for rec in as_trace(report).phases:
+    for rec in as_trace(trace).phases:
         row: dict[str, Any] = {"step": rec.step, "phase": rec.phase.value, "occurrence": rec.occurrence,
                                "start": rec.start.total, "peak": rec.peak.total, "end": rec.end.total,
                                "ops": rec.ops}
@@ -44,14 +44,14 @@ def phases_frame(report: "Report | Trace") -> "pd.DataFrame":
     return frame
 
 
-def phase_stats_frame(report: "Report | Trace") -> "pd.DataFrame":
+def phase_stats_frame(trace: "Trace") -> "pd.DataFrame":
     """One row per (phase, occurrence, moment, category or total) over every step of the run."""
     import pandas as pd
 
     from ..record.stats import STAT_KEYS
 
     rows = []
-    for ps in as_trace(report).phase_stats:
+    for ps in as_trace(trace).phase_stats:
         for moment in ("peak", "end"):
             for key in STAT_KEYS:
                 st = ps.at(moment, key)
@@ -66,30 +66,30 @@ def phase_stats_frame(report: "Report | Trace") -> "pd.DataFrame":
     return frame
 
 
-def modules_frame(report: "Report | Trace") -> "pd.DataFrame":
+def modules_frame(trace: "Trace") -> "pd.DataFrame":
     """One row per module path (the index; the root is ``"<model>"``)."""
     import pandas as pd
 
     cols = ["path", "type", "calls", "parameters", "gradients", "activations",
             "peak_forward", "temporaries_forward", "peak_backward", "temporaries_backward"]
-    rows = [{c: getattr(m, c) for c in cols} for m in as_trace(report).modules]
+    rows = [{c: getattr(m, c) for c in cols} for m in as_trace(trace).modules]
     frame = pd.DataFrame(rows, columns=cols)
     for col in cols[2:]:
         frame[col] = frame[col].astype("Int64")
     return frame.set_index("path")
 
 
-def operations_frame(report: "Report | Trace", by: str = "op") -> "pd.DataFrame":
+def operations_frame(trace: "Trace", by: str = "op") -> "pd.DataFrame":
     """Per (phase, class, op), or per (phase, class) with ``by="class"``: counts, flops, bytes moved."""
     import pandas as pd
 
-    trace = as_trace(report)
+    trace = as_trace(trace)
     ops = trace.operations
     if ops is None:
         if trace.mode == "light":
             raise NotMeasuredError(
                 "operations were not recorded: this run was in light mode, which sees no ops; profile with "
-                "memprof.profile(model, optimizer, mode='full', operations=True)")
+                "memprof.profile(model, optimizer, mode='exact', operations=True)")
         raise NotMeasuredError(
             "operations were not recorded; profile with memprof.profile(model, optimizer, operations=True)"
         )
@@ -103,11 +103,11 @@ def operations_frame(report: "Report | Trace", by: str = "op") -> "pd.DataFrame"
     return frame
 
 
-def breakdown_frame(report: "Report | Trace", at: str = "peak") -> "pd.DataFrame":
+def breakdown_frame(trace: "Trace", at: str = "peak") -> "pd.DataFrame":
     """The run's breakdown at ``at`` (``"peak"``, ``"start"``, ``"end"``): bytes and share per category."""
     import pandas as pd
 
-    trace = as_trace(report)
+    trace = as_trace(trace)
     at = parse_moment(at, PHASE_MOMENTS)
     bd = {"peak": trace.peak, "start": trace.start, "end": trace.end}[at]
     rows = []
@@ -122,16 +122,16 @@ def breakdown_frame(report: "Report | Trace", at: str = "peak") -> "pd.DataFrame
 
 
 def reconciliation_frame(rec: "Reconciliation") -> "pd.DataFrame":
-    """Indexed by category value plus ``total``: formula, simulated, measured, gap, gap_pct."""
+    """Indexed by category value plus ``total``: formula, estimate, measured, gap, gap_pct."""
     import pandas as pd
 
-    records = [{"category": r.category.value, "formula": r.formula, "simulated": r.simulated,
+    records = [{"category": r.category.value, "formula": r.formula, "estimate": r.estimate,
                 "measured": r.measured, "gap": r.gap, "gap_pct": r.gap_pct} for r in rec.rows]
     t = rec.total
-    records.append({"category": "total", "formula": t.formula, "simulated": t.simulated, "measured": t.measured,
+    records.append({"category": "total", "formula": t.formula, "estimate": t.estimate, "measured": t.measured,
                     "gap": t.gap, "gap_pct": t.gap_pct})
     frame = pd.DataFrame(records).set_index("category")
-    for col in ("formula", "simulated", "measured", "gap"):
+    for col in ("formula", "estimate", "measured", "gap"):
         frame[col] = frame[col].astype("Int64")
     frame["gap_pct"] = frame["gap_pct"].astype("Float64")
     return frame
@@ -166,3 +166,30 @@ def diff_phases_frame(diff: "Diff") -> "pd.DataFrame":
         frame[col] = frame[col].astype("Int64")
     frame["delta_pct"] = frame["delta_pct"].astype("Float64")
     return frame
+
+
+def merged_frame(merged: "Merged") -> "pd.DataFrame":
+    """One row per rank (index ``rank``): the peak total, the step and phase of the peak, and each category
+    at the peak. ``merged.ranks`` may hold Traces or Reports."""
+    import pandas as pd
+
+    rows = []
+    for rank in sorted(merged.ranks):
+        t = as_trace(merged.ranks[rank])
+        row: dict[str, Any] = {"rank": rank, "peak": t.peak.total, "peak_step": t.peak_step,
+                               "peak_phase": t.peak_phase.value if t.peak_phase is not None else None}
+        row.update({c.value: t.peak[c] for c in Category})
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("rank")
+
+
+def snapshot_frame(trace: "Trace", snapshot: Any) -> "pd.DataFrame":
+    """A real CUDA memory snapshot's active blocks with memprof's category and module, one row each
+    (``address``, ``size``, ``requested_size``, ``category``, ``module``, ``device``): see
+    :func:`memprof.render.memory_viz.attribute_snapshot`. ``snapshot``: the dict or its pickle's path."""
+    import pandas as pd
+
+    from .memory_viz import attribute_snapshot, read_snapshot
+
+    columns = ["address", "size", "requested_size", "category", "module", "device"]
+    return pd.DataFrame(attribute_snapshot(trace, read_snapshot(snapshot)), columns=columns)

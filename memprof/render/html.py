@@ -19,7 +19,8 @@ from ..vocabulary import Category, DEVICE_CATEGORIES
 from ..errors import InvalidArgumentError
 from ..record.trace import Breakdown, ModuleRecord, as_trace
 from ..units import format_bytes, one_line, printable
-from .common import CATEGORY_COLORS, NOT_MEASURED, module_columns, own_rows, quiet, signed, size
+from .common import (CATEGORY_COLORS, NO_ESTIMATE, NO_FORMULA, NOT_MEASURED, module_columns, own_rows, quiet, signed,
+                     size)
 from .svg import timeline_svg
 from .text import oom_lines, rank_line
 
@@ -27,8 +28,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from ..analyse.compare import Diff
+    from ..analyse.merge import Merged
     from ..analyse.reconciler import Reconciliation
-    from ..report import Report
     from ..record.trace import Trace
 
 __all__ = ["report_html", "frame_html", "breakdown_html", "reconciliation_html", "diff_html", "merged_html"]
@@ -217,7 +218,7 @@ def _modules_html(trace: "Trace", top: int) -> str:
     return _title(cols.title) + _table(headers, out)
 
 
-def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: int = 40) -> str:
+def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -> str:
     """The report as a self-contained HTML fragment (what ``Report._repr_html_`` shows).
 
     Title line (steps, mode, device, torch), the peak breakdown with bars of
@@ -228,7 +229,7 @@ def report_html(report: "Report | Trace", *, top_modules: int = 8, max_phases: i
     the notes. Runs with more than ``max_phases`` phases show the first and
     last ones.
     """
-    t = as_trace(report)
+    t = as_trace(trace)
     dev = t.device.name if t.device.type == "cuda" else t.device.type
     n = t.num_steps
     parts = [f'<div class="memprof-report" style="{_ROOT}">']
@@ -354,19 +355,19 @@ def reconciliation_html(rec: "Reconciliation") -> str:
     """A reconciliation as HTML: the table (gaps colored) and the explanations."""
     rows = []
     for r in rec.rows:
-        if r.formula is None and r.measured is None and r.simulated is None or \
-                quiet(r.category, r.formula, r.measured, r.simulated):
+        if r.formula is None and r.measured is None and r.estimate is None or \
+                quiet(r.category, r.formula, r.measured, r.estimate):
             continue
         gap = r.gap
         color = "" if not gap else ("color:#b00020" if gap > 0 else "color:#1b7f3b")
         cells = "".join(f"<td style='text-align:right'>{_e(size(v, missing))}</td>"
-                        for v, missing in ((r.formula, "no formula"), (r.simulated, "not simulated"),
+                        for v, missing in ((r.formula, NO_FORMULA), (r.estimate, NO_ESTIMATE),
                                            (r.measured, NOT_MEASURED)))
         rows.append(f"<tr><td>{_e(r.category.value)}</td>{cells}"
                     f"<td style='text-align:right;{color}'>{_e(signed(gap))}</td></tr>")
     expl = "".join(f"<li>{_e(str(c))}</li>" for c in rec.explanations)
     return ("<div><b>memprof reconciliation</b> at the " + _e(rec.where)
-            + "<table><tr><th>category</th><th>formula</th><th>simulated</th><th>measured</th><th>gap</th></tr>"
+            + "<table><tr><th>category</th><th>formula</th><th>estimate</th><th>measured</th><th>gap</th></tr>"
             + "".join(rows) + "</table><ul>" + expl + "</ul></div>")
 
 
@@ -391,11 +392,13 @@ def diff_html(diff: "Diff") -> str:
     return "".join(parts)
 
 
-def merged_html(merged: Any) -> str:
+def merged_html(merged: "Merged") -> str:
     """The ranks of one run as HTML: the worst rank and the spread, then one row per rank."""
+    from .frames import merged_frame
+
     spread = merged.spread
     head = (f"<div><b>memprof merge</b>: {len(merged.ranks)} of {merged.world_size} rank(s); worst rank "
             f"{merged.worst}" + (f"; spread {_e(size(spread[0]))}, max/mean {spread[1]:.3f}" if spread else "")
             + "</div>")
     notes = "".join(f"<div>{_e(n)}</div>" for n in merged.notes)
-    return head + frame_html(merged.to_frame()) + notes
+    return head + frame_html(merged_frame(merged)) + notes

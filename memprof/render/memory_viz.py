@@ -26,10 +26,9 @@ from ..record.trace import as_trace
 from .curve import curve
 
 if TYPE_CHECKING:
-    from ..report import Report
     from ..record.trace import Trace
 
-__all__ = ["memory_viz_snapshot", "attribute_snapshot", "UNSEEN"]
+__all__ = ["memory_viz_snapshot", "attribute_snapshot", "read_snapshot", "UNSEEN"]
 
 #: Where synthetic addresses start (any nonzero base; the viewers print addresses in hex).
 _BASE = 0x7F0000000000
@@ -75,9 +74,9 @@ def _frames(category: str, module: "str | None", phase: str, step: int) -> list[
     ]
 
 
-def memory_viz_snapshot(report: "Report | Trace") -> dict[str, Any]:
+def memory_viz_snapshot(trace: "Trace") -> dict[str, Any]:
     """The snapshot dict (pickle it, or use :meth:`memprof.Report.export_memory_viz`)."""
-    t = as_trace(report)
+    t = as_trace(trace)
     cv = curve(t)
     device = (t.device.index or 0) if t.device.type == "cuda" else 0
     events: list[dict[str, Any]] = []
@@ -148,7 +147,7 @@ def _event(action: str, addr: int, size: int, frames: Any, time_us: float) -> di
 UNSEEN = "not seen by memprof"
 
 
-def attribute_snapshot(report: "Report | Trace", snapshot: Any) -> list[dict[str, Any]]:
+def attribute_snapshot(trace: "Trace", snapshot: Any) -> list[dict[str, Any]]:
     """The active blocks of a real ``torch.cuda.memory._snapshot()`` with memprof's category and module.
 
     The snapshot must be taken while the storages memprof recorded were live: the one written beside an
@@ -158,7 +157,7 @@ def attribute_snapshot(report: "Report | Trace", snapshot: Any) -> list[dict[str
     """
     from ..errors import InvalidArgumentError, NotMeasuredError
 
-    t = as_trace(report)
+    t = as_trace(trace)
     if not t.live_storages_at_error:
         raise NotMeasuredError(
             "this trace records no live storages to attribute a snapshot with: only a profile that ended in an "
@@ -190,3 +189,24 @@ def attribute_snapshot(report: "Report | Trace", snapshot: Any) -> list[dict[str
                          "requested_size": block.get("requested_size", block.get("size", 0)),
                          "category": cat, "module": module or None, "device": seg.get("device")})
     return rows
+
+
+def read_snapshot(snapshot: Any) -> Any:
+    """``snapshot`` itself, or the snapshot pickled at that path (``str`` or ``os.PathLike``): what
+    :func:`attribute_snapshot` takes. A path that holds no pickle is an InvalidArgumentError naming the file."""
+    import os
+    import pickle
+
+    from ..errors import InvalidArgumentError
+
+    if not isinstance(snapshot, (str, os.PathLike)):
+        return snapshot
+    try:
+        with open(snapshot, "rb") as fh:
+            return pickle.load(fh)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"no snapshot at {os.fspath(snapshot)}") from None
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"{os.fspath(snapshot)} is not a pickled memory snapshot ({type(exc).__name__}); give the file "
+            "torch.cuda.memory._snapshot() was pickled to (memprof writes one beside an OOM dump)") from None

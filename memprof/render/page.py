@@ -15,7 +15,6 @@ from ..record.trace import as_trace
 from .html import _e, reconciliation_html, report_html
 
 if TYPE_CHECKING:
-    from ..report import Report
     from ..record.trace import Trace
 
 __all__ = ["report_page"]
@@ -32,10 +31,11 @@ footer { margin-top: 24px; font-size: 11px; opacity: 0.7; }
 """
 
 
-def report_page(report: "Report | Trace") -> str:
-    """The whole HTML document (a str); :meth:`memprof.Report.to_html` writes it to a file. Its body is
-    exactly what a notebook shows for the report (``Report._repr_html_``), then the reconciliation."""
-    t = as_trace(report)
+def report_page(trace: "Trace") -> str:
+    """The whole HTML document (a str; :meth:`memprof.Report.to_html` returns it, ``export_html`` writes it).
+    Its body is exactly what a notebook shows for the report (``Report._repr_html_``), then the
+    reconciliation."""
+    t = as_trace(trace)
     parts = ['<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
              f"<title>memprof report ({_e(t.device.name or t.device.type)})</title>",

@@ -24,13 +24,14 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from ..report import Report
+    from ..analyse.reconciler import Reconciliation
     from ..record.trace import Trace
 
 __all__ = [
     "plot_timeline",
     "plot_modules",
     "plot_waterfall",
+    "plot_reconciliation",
 ]
 
 
@@ -78,7 +79,7 @@ def _where(trace: "Trace") -> str:
     return ", ".join(parts)
 
 
-def plot_timeline(report: "Report | Trace", ax: "Axes | None" = None) -> "Figure":
+def plot_timeline(trace: "Trace", ax: "Axes | None" = None) -> "Figure":
     """The memory timeline, stacked by category, with phases shaded and the peak marked.
 
     One x position per timeline sample (samples are taken at module and phase
@@ -88,7 +89,7 @@ def plot_timeline(report: "Report | Trace", ax: "Axes | None" = None) -> "Figure
     session's peak total, which can lie above every sample because the peak
     may fall between two boundaries.
     """
-    trace = as_trace(report)
+    trace = as_trace(trace)
     samples = trace.timeline
     if not samples:
         raise NotMeasuredError(
@@ -192,7 +193,7 @@ def plot_timeline(report: "Report | Trace", ax: "Axes | None" = None) -> "Figure
     return fig
 
 
-def plot_modules(report: "Report | Trace", top: int = 15, ax: "Axes | None" = None, *,
+def plot_modules(trace: "Trace", top: int = 15, ax: "Axes | None" = None, *,
                  include_own: bool = True) -> "Figure":
     """Horizontal bars per module: saved activations, parameters and (where measured) peak forward.
 
@@ -201,7 +202,7 @@ def plot_modules(report: "Report | Trace", top: int = 15, ax: "Axes | None" = No
     "own ops"), so that no byte is drawn twice. The ``top`` rows by saved
     activations (then parameters) are shown, largest at the top.
     """
-    trace = as_trace(report)
+    trace = as_trace(trace)
     if not isinstance(top, int) or isinstance(top, bool) or top < 1:
         raise InvalidArgumentError(f"top must be a positive int, got {top!r}")
     rows = own_rows(trace, include_own)
@@ -235,6 +236,16 @@ def plot_modules(report: "Report | Trace", top: int = 15, ax: "Axes | None" = No
                  f"({trace.mode} mode; activations summed over a step's calls)", fontsize=10, loc="left")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return fig
+
+
+def plot_reconciliation(rec: "Reconciliation", ax: "Axes | None" = None) -> "Figure":
+    """A waterfall from the formula total to the measured total through the named causes (and what they
+    leave unexplained)."""
+    total = rec.total
+    steps: list[tuple[str, "int | None"]] = [("formula", total.formula)]
+    steps += [(f"{c.category.value}: {c.name}", c.bytes) for c in rec.explanations]
+    steps.append(("measured", total.measured))
+    return plot_waterfall(steps, ax=ax)
 
 
 def plot_waterfall(steps: Sequence[tuple[str, "int | None"]], ax: "Axes | None" = None, *,

@@ -18,7 +18,6 @@ from .common import CATEGORY_COLORS, PHASE_COLORS, quiet
 from .curve import Point, curve, level, phase_times
 
 if TYPE_CHECKING:
-    from ..report import Report
     from ..record.trace import Trace
 
 __all__ = ["timeline_svg", "MAX_POINTS"]
@@ -74,9 +73,9 @@ def _drawn(points: Sequence[Point]) -> list[Category]:
     return [c for i, c in enumerate(Category) if measured[i] and not quiet(c, int(nonzero[i]))]
 
 
-def timeline_svg(report: "Report | Trace") -> str:
+def timeline_svg(trace: "Trace") -> str:
     """The timeline as an ``<svg>`` element ("" when the run recorded no moment)."""
-    t = as_trace(report)
+    t = as_trace(trace)
     cv = curve(t)
     if not cv.points:
         return ""

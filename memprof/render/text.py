@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..vocabulary import Category, Phase, TENSOR_CATEGORIES
 from ..record.trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, one_line
-from .common import (NO_FORMULA, NOT_MEASURED, NOT_SIMULATED, clip_path, largest, module_columns, quiet, signed,
+from .common import (NO_FORMULA, NOT_MEASURED, NO_ESTIMATE, clip_path, largest, module_columns, quiet, signed,
                      size)
 
 if TYPE_CHECKING:
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from ..analyse.merge import Merged
     from ..simulate.planner import BatchSizePlan
     from ..analyse.reconciler import Reconciliation, Textbook
-    from ..report import Report
     from ..simulate.estimate import Estimate
     from ..record.trace import Trace
 
@@ -59,12 +58,12 @@ def rank_line(d: "RankInfo") -> str:
     return line
 
 
-def report_text(report: "Report | Trace", *, top_modules: int = 8) -> str:
+def report_text(trace: "Trace", *, top_modules: int = 8) -> str:
     """The readable report that ``print(report)`` shows, at most about 80 lines for any run: the peak,
     the phases of the first steps, the peak's step and the last one, every step summarised per phase,
     the top modules and the notes (``report.phases()``, ``report.phase_stats()`` and
     ``report.modules()`` hold the rest)."""
-    t = as_trace(report)
+    t = as_trace(trace)
     lines: list[str] = []
     dev = t.device.name if t.device.type == "cuda" else t.device.type
     if t.oom is not None:  # an OOM dump: what was live then comes first
@@ -201,7 +200,7 @@ def _live_lines(t: "Trace", title: str, *, top: int) -> list[str]:
 def _levers(t: "Trace") -> list[str]:
     from ..errors import MemprofError
     from ..analyse.reconciler.advice import advice
-    from ..analyse.reconciler.formula import infer_precision
+    from ..anatomy.params import infer_precision
 
     measured = t.live_at_error if t.live_at_error is not None else t.peak
     try:
@@ -296,24 +295,24 @@ def breakdown_lines(bd: Breakdown) -> list[str]:
 def reconciliation_text(rec: "Reconciliation") -> str:
     lines = [f"memprof reconciliation at the {rec.where} ({rec.precision}"
              + (f", {rec.optimizer}" if rec.optimizer else "") + ")"]
-    # The simulated column only when an estimate was given.
-    simulated = any(r.simulated is not None for r in rec.rows)
+    # The estimate column only when an estimate was given.
+    estimated = any(r.estimate is not None for r in rec.rows)
 
-    def sim(v: "int | None") -> str:
-        return f"{size(v, NOT_SIMULATED):>14}" if simulated else ""
+    def est(v: "int | None") -> str:
+        return f"{size(v, NO_ESTIMATE):>14}" if estimated else ""
 
-    lines.append(f"  {'category':<20}{'formula':>14}" + (f"{'simulated':>14}" if simulated else "")
+    lines.append(f"  {'category':<20}{'formula':>14}" + (f"{'estimate':>14}" if estimated else "")
                  + f"{'measured':>14}{'gap':>13}{'gap %':>9}")
     for r in rec.rows:
-        if r.formula is None and r.measured is None and r.simulated is None or \
-                quiet(r.category, r.formula, r.measured, r.simulated):
+        if r.formula is None and r.measured is None and r.estimate is None or \
+                quiet(r.category, r.formula, r.measured, r.estimate):
             continue
         pct = f"{r.gap_pct:+8.1f}%" if r.gap_pct is not None else f"{'':>9}"
-        lines.append(f"  {r.category.value:<20}{size(r.formula, NO_FORMULA):>14}{sim(r.simulated)}"
+        lines.append(f"  {r.category.value:<20}{size(r.formula, NO_FORMULA):>14}{est(r.estimate)}"
                      f"{size(r.measured):>14}{signed(r.gap):>13}{pct}")
     t = rec.total
     pct = f"{t.gap_pct:+8.1f}%" if t.gap_pct is not None else ""
-    lines.append(f"  {'total':<20}{size(t.formula, NO_FORMULA):>14}{sim(t.simulated)}"
+    lines.append(f"  {'total':<20}{size(t.formula, NO_FORMULA):>14}{est(t.estimate)}"
                  f"{size(t.measured):>14}{signed(t.gap):>13}{pct}")
     lines.extend(textbook_lines(rec.textbook))
     expl = rec.explanations
@@ -417,22 +416,24 @@ def _pct(p: "float | None", delta: "int | None") -> str:
     return "0.0%" if p == 0 else f"{p:+.1f}%"
 
 
-def estimate_text(est: "Estimate") -> str:
+def estimate_text(est: "Estimate", formula: Breakdown, textbook: "Textbook") -> str:
+    """An estimate's peak beside the formula breakdown at it (``formula``) and the literature's figure
+    (``textbook``): what :class:`memprof.Estimate` prints."""
     lines = [f"memprof estimate ({est.precision}, simulated for {est.device}): peak {size(est.peak_bytes)}",
-             f"  {'category':<20}{'formula':>14}{'simulated':>14}"]
-    formula, simulated = est.formula, est.simulated
+             f"  {'category':<20}{'formula':>14}{'estimate':>14}"]
+    estimated = est.peak
     ranks = est.trace.distributed
     if ranks is not None:
         lines.insert(1, f"  {rank_line(ranks)}")
     for cat in Category:
-        f, s = formula[cat], simulated[cat]
-        # A rank's collective buffers are shown also when the layout's are not estimated ("not simulated").
+        f, s = formula[cat], estimated[cat]
+        # A rank's collective buffers are shown also when the layout's are not estimated ("no estimate").
         shown = ranks is not None and cat is Category.COMMUNICATION
         if not shown and (f is None and s is None or quiet(cat, f, s)):
             continue
-        lines.append(f"  {cat.value:<20}{size(f, NO_FORMULA):>14}{size(s, NOT_SIMULATED):>14}")
-    lines.append(f"  {'total':<20}{size(formula.total, NO_FORMULA):>14}{size(simulated.total, NOT_SIMULATED):>14}")
-    lines.extend(textbook_lines(est.textbook))
+        lines.append(f"  {cat.value:<20}{size(f, NO_FORMULA):>14}{size(s, NO_ESTIMATE):>14}")
+    lines.append(f"  {'total':<20}{size(formula.total, NO_FORMULA):>14}{size(estimated.total, NO_ESTIMATE):>14}")
+    lines.extend(textbook_lines(textbook))
     for note in est.notes:
         lines.append(f"  - {note}")
     return _text(lines)
@@ -450,7 +451,8 @@ def plan_text(plan: "BatchSizePlan") -> str:
 
 
 def merged_text(merged: "Merged") -> str:
-    """The ranks of one run in a table: each rank's peak (where), the largest categories there, the spread."""
+    """The ranks of one run in a table: each rank's peak (where), the largest categories there, the spread.
+    ``merged.ranks`` may hold Traces or Reports."""
     measured = all(r.peak.total is not None for r in merged.ranks.values())
     worst = f"worst rank {merged.worst}" if measured else "peaks not measured on every rank"
     lines = [f"memprof merge: {len(merged.ranks)} of {merged.world_size} rank(s); {worst}"]
@@ -458,8 +460,8 @@ def merged_text(merged: "Merged") -> str:
     if spread is not None:
         lines.append(f"  spread of the peaks: {size(spread[0])} (max - min), max/mean {spread[1]:.3f}")
     lines.append(f"  {'rank':>4}  {'peak':>12}  {'where':<22}{'largest at the peak'}")
-    for rank, rep in merged.ranks.items():
-        t = rep.trace
+    for rank, held in merged.ranks.items():
+        t = as_trace(held)
         where = f"step {t.peak_step} {t.peak_phase.value}" if t.peak_phase is not None else ""
         top = largest(t.peak)
         mark = " *" if measured and rank == merged.worst else ""

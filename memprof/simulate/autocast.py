@@ -23,12 +23,13 @@ except the recomputation of checkpointed regions, which runs under the policy wi
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from typing import Any
 
 import torch
 
+# The state this rule sets lives beneath the collectors, which read it (memprof.collect.autocast_state).
+from ..collect.autocast_state import emulated_autocast_dtype, set_emulated_autocast_dtype
 from .modes import Next, Rule
 
 __all__ = ["CudaAutocast", "emulated_autocast_dtype", "LOWER_PRECISION", "FP32", "FP32_SET_OPT_DTYPE", "PROMOTE"]
@@ -66,14 +67,6 @@ PROMOTE = frozenset({
 _BACKWARD = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 _ALIASES = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow"}
 
-_current = threading.local()
-
-
-def emulated_autocast_dtype() -> "torch.dtype | None":
-    """The 16-bit dtype of the :class:`CudaAutocast` forward running on this thread, if any."""
-    return getattr(_current, "dtype", None)
-
-
 def _name(func: Any) -> str:
     name = getattr(func, "__name__", "")
     return _ALIASES.get(name, name)
@@ -105,7 +98,7 @@ class CudaAutocast(Rule):
 
     def begin_forward(self) -> None:
         self._caching = self._active = True
-        _current.dtype = self.dtype
+        set_emulated_autocast_dtype(self.dtype)
         # torch's own CUDA autocast flag, on for the forward (it changes nothing on meta tensors): a region the
         # model runs under torch.autocast("cuda", enabled=False), or torch.amp.custom_fwd, turns it off, and
         # the policy follows it there.
@@ -117,7 +110,7 @@ class CudaAutocast(Rule):
         # autocast_mode.cpp clear_cache(): the casts live until the outermost autocast region exits.
         self._cache.clear()
         self._caching = self._active = False
-        _current.dtype = None
+        set_emulated_autocast_dtype(None)
         flag = getattr(self, "_flag", None)
         if flag is not None:
             torch.set_autocast_enabled("cuda", flag[0])

@@ -20,14 +20,14 @@ stop early at an end-of-sequence token), which is the longest, largest generatio
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    from .decoding import Decoding
+#: The decoding loop a chooser serves (a :class:`memprof.simulate.decoding.Decoding`, which imports this module).
+Loop = Any
 
 __all__ = ["Greedy", "Sampling", "Beams", "warpers"]
 
@@ -36,10 +36,10 @@ class Greedy:
     """``_sample`` without sampling: argmax of the fp32 copy of the last logits (the copy is kept until the next
     call's replaces it)."""
 
-    def start(self, loop: "Decoding") -> None:
+    def start(self, loop: Loop) -> None:
         loop.unfinished = torch.ones(loop.rows, dtype=torch.long, device=loop.device)
 
-    def choose(self, loop: "Decoding", output: list) -> None:
+    def choose(self, loop: Loop, output: list) -> None:
         """Choose from ``output[0]``, the forward's output; clear ``output`` where transformers drops it."""
         loop.logits = None
         loop.logits = output[0].logits[:, -1].to(copy=True, dtype=torch.float32)
@@ -49,7 +49,7 @@ class Greedy:
         loop.unfinished = loop.unfinished & ~done
         output.clear()
 
-    def grow(self, loop: "Decoding", tokens: int) -> None:
+    def grow(self, loop: Loop, tokens: int) -> None:
         pass
 
 
@@ -75,7 +75,7 @@ class Sampling(Greedy):
         self.scores: "torch.Tensor | None" = None
         self.probs: "torch.Tensor | None" = None
 
-    def choose(self, loop: "Decoding", output: list) -> None:
+    def choose(self, loop: Loop, output: list) -> None:
         # _sample's locals: each name is rebound in turn, so the previous step's tensor lives until then.
         loop.logits = output[0].logits[:, -1].to(copy=True, dtype=torch.float32)
         scores = loop.logits
@@ -105,7 +105,7 @@ class Beams:
         self.processors = warpers(*sample, keep=len(eos) + 1) if sample is not None else []
         self.state: dict[str, Any] = {}
 
-    def start(self, loop: "Decoding") -> None:
+    def start(self, loop: Loop) -> None:
         """What ``_beam_search`` makes before the prefill (the ids already expanded to batch x beams)."""
         model, b, nb, device = loop.model, loop.batch, self.num_beams, loop.device
         for name in ("_get_top_k_continuations", "_get_running_beams_for_next_iteration", "_update_finished_beams",
@@ -141,14 +141,14 @@ class Beams:
             criteria.append(EosTokenCriteria(eos_token_id=torch.tensor(self.eos, device=device)))
         self.criteria = StoppingCriteriaList(criteria)
 
-    def inputs(self, loop: "Decoding") -> torch.Tensor:
+    def inputs(self, loop: Loop) -> torch.Tensor:
         """The ids of the next call: ``running_sequences`` up to the current length, flattened (a copy)."""
         s = self.state
         if self.cur_len > self.prompt_len:
             s["flat"] = self.model._flatten_beam_dim(s["running"][:, :, :self.cur_len])
         return s["flat"]
 
-    def choose(self, loop: "Decoding", output: list) -> None:
+    def choose(self, loop: Loop, output: list) -> None:
         # Each of _beam_search's locals is a key of the state, rebound where the loop rebinds it: the previous
         # step's tensors live until then, through the next forward too.
         m, s, b, nb = self.model, self.state, loop.batch, self.num_beams
@@ -187,6 +187,6 @@ class Beams:
         # The loop's condition: its tensors are made and dropped; their value (whether to stop) is not read.
         m._beam_search_has_unfinished_sequences(s["unsatisfied"], s["finished"], s["hits"], self.early_stopping)
 
-    def grow(self, loop: "Decoding", tokens: int) -> None:
+    def grow(self, loop: Loop, tokens: int) -> None:
         """``tokens`` decode steps skipped: the state is sized by ``max_length`` already; only the length moves."""
         self.cur_len += tokens

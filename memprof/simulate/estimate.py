@@ -3,7 +3,7 @@
 ``memprof.estimate(model, optimizer, inputs=..., loss_fn=...)`` copies the
 model onto the ``meta`` device (no data is copied, so a 7-billion-parameter
 configuration costs no real memory), rebuilds the optimizer on the copy,
-and runs a few steps under :func:`memprof.profile` in full mode. Autograd
+and runs a few steps under :func:`memprof.profile` in exact mode. Autograd
 saves exactly what it would save for real and every op output has its real
 size, so saved activations and op-level temporaries are exact for this
 PyTorch version. A CPU target runs on fake CPU tensors, whose kernels and
@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..anatomy.params import infer_precision
 from ..errors import InvalidArgumentError, MemprofError, SimulationError, UnknownNameError
 from .autocast import CudaAutocast
 from .modes import Rules
@@ -40,14 +41,9 @@ _MIXED = {"mixed": torch.bfloat16, "amp": torch.bfloat16, "mixed-fp16": torch.fl
 
 @dataclass(frozen=True)
 class Estimate:
-    """A simulated run: its :class:`~memprof.Trace` and the formula breakdown beside it.
-
-    ``simulated`` is the composition at the simulated peak; ``formula`` is the
-    formula breakdown for the same model and optimizer at that moment (``None``
-    for categories without a formula), the one a reconciliation of the run shows;
-    ``textbook`` the literature's figure beside it; ``notes`` say what the
-    simulation could not reproduce.
-    """
+    """A simulated run: its :class:`~memprof.record.trace.Trace`, the precision and device it was simulated
+    for, and ``notes`` that say what the simulation could not reproduce. Plain data: ``memprof.estimate``
+    returns it with its formula column, text and report (:mod:`memprof.report`)."""
 
     trace: Trace
     precision: str
@@ -55,7 +51,8 @@ class Estimate:
     notes: tuple[str, ...] = ()
 
     @property
-    def simulated(self) -> Breakdown:
+    def peak(self) -> Breakdown:
+        """The composition at the simulated peak (as :attr:`memprof.Report.peak` is a run's)."""
         return self.trace.peak
 
     @property
@@ -63,40 +60,6 @@ class Estimate:
         """Simulated peak bytes (rounded as the target device's allocator rounds)."""
         assert self.trace.peak.total is not None
         return self.trace.peak.total
-
-    @property
-    def formula(self) -> Breakdown:
-        """The formula breakdown at the simulated peak: the one ``est.report().reconcile()`` shows there.
-
-        Its regime is read from the simulated run, as the reconciliation reads it: under ``"mixed"``
-        (torch.autocast over fp32 parameters) that is 4 B/param of weights, as torch holds them;
-        :attr:`textbook` gives the figure the literature quotes beside it.
-        """
-        from ..analyse.reconciler import formula_at
-
-        # No precision of its own: `precision` is the user's word for the configuration ("mixed", "amp",
-        # "mixed-fp16" are one regime of bytes), and any choice here could differ from the reconciliation's.
-        return formula_at(self.trace, "peak")
-
-    @property
-    def textbook(self) -> "Any":
-        """The :class:`~memprof.analyse.reconciler.Textbook` at the simulated peak: the literature's model states for
-        this configuration (HF's 18 B/param for mixed-precision AdamW) beside :attr:`formula`, and the named
-        causes of their difference in bytes."""
-        from ..analyse.reconciler import textbook_at
-
-        return textbook_at(self.trace, "peak")
-
-    def report(self) -> "Any":
-        """The :class:`~memprof.Report` of the simulated run."""
-        from ..report import Report
-
-        return Report(self.trace)
-
-    def __str__(self) -> str:
-        from ..render.text import estimate_text
-
-        return estimate_text(self)
 
 
 def estimate(
@@ -173,7 +136,7 @@ def estimate(
 
     from ..collect.profiler import Profiler
 
-    prof = Profiler(meta_model, meta_opt, mode="full", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
+    prof = Profiler(meta_model, meta_opt, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if target.type == "cuda" else 1)
     setup.moe.attach(prof)
     if target.type not in ("cpu", "cuda"):
@@ -193,7 +156,7 @@ def estimate(
         stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
         stack.enter_context(prof)
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
-            layout.attach(prof)
+            layout.attach(prof.collectors)
             stack.callback(layout.detach)
         stack.enter_context(rules)
         for i in range(steps):
@@ -210,7 +173,7 @@ def estimate(
         notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
                      "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
                      "skip on overflow are taken")
-    resolved = precision or _infer_precision(prof.trace)
+    resolved = precision or infer_precision(prof.trace)
     trace = prof.trace
     if layout is not None:
         trace = layout.finish(trace)
@@ -552,9 +515,3 @@ class _ScalerSteps:
         del by_dtype, inv_scale
         optimizer.step()
         torch._amp_update_scale_(self._scale, self._growth, found_inf, 2.0, 0.5, 2000)
-
-
-def _infer_precision(trace: Trace) -> str:
-    from ..analyse.reconciler import infer_precision
-
-    return infer_precision(trace)

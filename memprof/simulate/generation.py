@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, MemprofError
+from ..anatomy.params import infer_precision
 from .choosing import Beams, Greedy, Sampling
 from .decoding import Decoding, decoder_start
-from .estimate import Estimate, _infer_precision, _simulation_error, _Target
+from .estimate import Estimate, _simulation_error, _Target
 
 __all__ = ["estimate_generation"]
 
@@ -90,7 +91,7 @@ def estimate_generation(
     notes = setup.notes
     from ..collect.profiler import Profiler
 
-    prof = Profiler(twin, None, mode="full", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
+    prof = Profiler(twin, None, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if setup.target.type == "cuda" else 1)
     setup.moe.attach(prof)
     decodes = max_new_tokens - 1
@@ -117,7 +118,7 @@ def estimate_generation(
                 grown = decodes - ran - 1
                 where = f"decode call {decodes} (on a cache grown to its length)"
                 loop.grow(grown)
-                prof.kv.add_tokens(grown)
+                prof.collectors.kv.add_tokens(grown)
                 loop.call(1)  # the last decode call, on the cache it would find
         except MemprofError:
             raise
@@ -129,7 +130,7 @@ def estimate_generation(
                      f"computation on a cache one token longer)")
     notes.extend(_generation_notes(model, loop, encoder_decoder))
     notes.extend(setup.rule_notes())
-    resolved = precision or _infer_precision(prof.trace)
+    resolved = precision or infer_precision(prof.trace)
     return Estimate(trace=prof.trace, precision=resolved, device=setup.target.type, notes=tuple(notes))
 
 

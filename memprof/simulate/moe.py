@@ -43,7 +43,8 @@ class MoeRules:
 
     def attach(self, prof: Any) -> None:
         """Router calls count inside the forward of ``prof``'s model (its module tracker says where)."""
-        self.router.where = lambda: innermost_module(prof)
+        self.router.where = lambda: (innermost_module(prof.run, prof.collectors.table)
+                                     if prof.collectors is not None else None)
 
     def pause(self) -> Any:
         """A context in which router calls are not answered (a decoding loop's own ``topk``)."""

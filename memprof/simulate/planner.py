@@ -32,25 +32,20 @@ MAX_BUDGET = 2**50
 class BatchSizePlan:
     """The answer of :func:`max_batch_size` and how it was found.
 
-    ``batch_size`` is 0 when not even ``multiple_of`` samples fit.
-    ``points`` are the simulated (batch size, peak bytes) pairs; ``verified``
-    says the simulated peak at ``batch_size`` is within the budget and the
-    next multiple's is not.
+    ``batch_size`` is 0 when not even ``multiple_of`` samples fit; ``peak_bytes`` is the estimated peak
+    there (as an Estimate's; None for 0). ``points`` are the simulated (batch size, peak bytes) pairs;
+    ``verified`` says the simulated peak at ``batch_size`` is within the budget and the next multiple's
+    is not. Plain data: :class:`memprof.BatchSizePlan` adds its text.
     """
 
     batch_size: int
     budget: int
     fixed_bytes: int
     per_sample_bytes: float
-    predicted_peak: "int | None"
+    peak_bytes: "int | None"
     points: tuple[tuple[int, int], ...]
     verified: bool
     multiple_of: int
-
-    def __str__(self) -> str:
-        from ..render.text import plan_text
-
-        return plan_text(self)
 
 
 def max_batch_size(
@@ -205,7 +200,7 @@ def _search(peak: Callable[[int], int], cache: dict[int, int], limit: int, multi
         budget=limit,
         fixed_bytes=fixed,
         per_sample_bytes=per_sample,
-        predicted_peak=cache.get(best) if best else None,
+        peak_bytes=cache.get(best) if best else None,
         points=points,
         verified=verified,
         multiple_of=multiple_of,

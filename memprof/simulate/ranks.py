@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,18 +37,21 @@ from torch import nn
 from ..vocabulary import Category, Phase
 from ..errors import InvalidArgumentError, UnknownNameError
 from ..record.parts import MAX_WORLD, Breakdown, RankInfo
+from ..anatomy.zero import STAGES
 from ..collect.ledger import COMMUNICATION
-from ..collect.modules import tensors_in_args
-from ..analyse.reconciler.sharding import STAGES
+from ..collect.module_table import tensors_in_args
+from ..collect.torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
 from ..units import round_half_away
 
-__all__ = ["PARALLEL", "check_parallel", "RankLayout"]
+if TYPE_CHECKING:
+    from ..collect.wiring import Collectors
+
+__all__ = ["PARALLEL", "check_parallel", "LayoutPlan", "RankLayout"]
 
 #: The layouts ``estimate(parallel=...)`` simulates.
 PARALLEL = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 
 O, T = Category.OPTIMIZER_STATES, Category.TEMPORARIES
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def check_parallel(world_size: Any, parallel: Any) -> "tuple[int, str | None]":
@@ -87,14 +90,12 @@ class _Param:
         return self.ref.numel() * self.ref.element_size()
 
 
-class RankLayout:
-    """Plays one layout's memory moves on a simulated run, for rank 0 of ``world_size``."""
+class LayoutPlan:
+    """What rank 0 of ``world_size`` holds under a layout: the units, and each parameter's shard, gathered and
+    gradient bytes; after the run, the rank's record of it."""
 
-    def __init__(self, model: nn.Module, optimizer: "torch.optim.Optimizer | None", world_size: int,
-                 parallel: str) -> None:
+    def __init__(self, model: nn.Module, world_size: int, parallel: str) -> None:
         self.n, self.parallel, self.stage = world_size, parallel, STAGES[parallel]
-        self.optimizer = optimizer
-        self.model = model
         self.unit_modules, units = _units(model)
         self.units: dict[int, list[_Param]] = {}
         self.by_id: dict[int, _Param] = {}
@@ -105,16 +106,6 @@ class RankLayout:
             self.by_id[id(p)] = info
             self.units.setdefault(info.unit, []).append(info)
         self._sizes()
-        self.prof: Any = None
-        self.handles: list[Any] = []
-        self.gathered: set[int] = set()
-        self.pending: dict[int, set[int]] = {}  # unit -> ids of its trainable parameters without a gradient yet
-        self.kept: dict[str, Any] = {}  # the last all-gather and reduce-scatter buffers, as FSDP2 keeps them
-        self.flushing = False
-        self.reduced: set[int] = set()
-        self.order: list[int] = []  # the units in the order the last forward gathered them
-
-    # -- sizes ----------------------------------------------------------------------------------
 
     def _sizes(self) -> None:
         n = self.n
@@ -136,215 +127,6 @@ class RankLayout:
                 setattr(flat[0], field, flat[1])
         for info in params:
             info.real = info.shard
-
-    # -- installing ----------------------------------------------------------------------------
-
-    def attach(self, prof: Any) -> None:
-        """After the profiler started (and registered the weights): shard them, install the moves."""
-        self.prof = prof
-        prof.backward_waits = True  # the last reduce-scatter and resharding belong to backward
-        led = prof.ledger
-        if self.stage >= 3:
-            for info in self.by_id.values():
-                self._resize(info.ref, info.shard)
-        if self.parallel == "ddp":
-            grads = sum(i.whole for i in self.by_id.values() if i.ref.requires_grad)
-            self.kept["buckets"] = self._buffer(grads)
-        # The run starts from here: what the profiler saw of the whole model is not this rank's.
-        prof.phases.start()
-        led.restart_peak()
-        prof.start_totals = led.totals.copy()
-        if self.stage >= 3:
-            for module, unit in self.unit_modules:
-                self.handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
-                self.handles.append(module.register_forward_hook(self._post_forward(unit)))
-            self.handles.append(self.model.register_forward_pre_hook(self._pre_forward(0)))
-            self.handles.append(self.model.register_forward_hook(self._post_forward(0)))
-        if self.stage >= 2:
-            for info in self.by_id.values():
-                if info.ref.requires_grad:
-                    self.handles.append(info.ref.register_post_accumulate_grad_hook(self._grad_done))
-        if self.optimizer is not None and self.stage >= 1:
-            self.handles.append(self.optimizer.register_step_post_hook(self._stepped))
-
-    def detach(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        self.kept = {}
-        self.prof = None
-
-    # -- the moves -----------------------------------------------------------------------------
-
-    def _resize(self, t: torch.Tensor, nbytes: int) -> None:
-        entry = self.prof.storages.entry_of(t)
-        if entry is not None:
-            self.prof.ledger.resize(entry, nbytes)
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """A collective's buffer of ``nbytes`` (a shape-only tensor the ledger counts as communication)."""
-        buf = torch.empty(nbytes, dtype=torch.uint8, device="meta")
-        led = self.prof.ledger
-        entry = led.add(buf.untyped_storage(), COMMUNICATION)
-        if entry.cat != COMMUNICATION:  # the dispatch mode saw it made, as a temporary
-            led.move(entry, COMMUNICATION, retro=True)
-        return buf
-
-    def _gather(self, unit: int) -> None:
-        backward = _graph_task_id() != -1
-        if unit in self.gathered:
-            if unit == 0 and backward and len(self.order) > 1:
-                # The root, gathered since its forward, prefetches the last unit as its backward begins.
-                self._prefetch(self.order[-1])
-            return
-        self.gathered.add(unit)
-        params = self.units.get(unit, [])
-        if not backward:
-            if unit == 0:
-                self.order = []  # a new forward: the units' order, which backward prefetches in reverse
-            self.order.append(unit)
-        prefetched = self.kept.get("prefetch")
-        hit = backward and prefetched is not None and prefetched[0] == unit
-        del prefetched  # no reference of this frame may keep a buffer alive past its time
-        if hit:
-            new = self.kept.pop("prefetch")[1]  # gathered ahead while the unit after it ran backward
-        else:
-            new = self._buffer(sum(i.full for i in params))
-        for info in params:
-            self._resize(info.ref, info.shard + info.full)  # the shard and the gathered parameter
-        if not backward:
-            self.kept["all_gather"] = new  # forward: the previous one is freed once this one is copied out
-            return
-        self.kept.pop("all_gather", None)  # backward keeps none once copied out
-        del new
-        # FSDP2 prefetches the unit that ran before this one in forward: its all-gather is in flight while this
-        # unit's backward runs, and copied out when its own backward begins.
-        i = self.order.index(unit) if unit in self.order else -1
-        if i > 0:
-            self._prefetch(self.order[i - 1])
-
-    def _prefetch(self, unit: int) -> None:
-        if unit not in self.gathered and "prefetch" not in self.kept:
-            self.kept["prefetch"] = (unit, self._buffer(sum(i.full for i in self.units.get(unit, []))))
-
-    def _reshard(self, unit: int) -> None:
-        if unit not in self.gathered:
-            return
-        self.gathered.discard(unit)
-        for info in self.units.get(unit, []):
-            self._resize(info.ref, info.shard)
-
-    def _pre_forward(self, unit: int) -> Any:
-        frozen = unit != 0 and not any(i.ref.requires_grad for i in self.units.get(unit, []))
-
-        def hook(_module: nn.Module, args: Any) -> None:
-            if self.prof is None or not self.prof.active:
-                return
-            self._gather(unit)
-            if frozen and _graph_task_id() == -1:
-                # No gradient of its own tells when its backward is over: FSDP2 learns it from the gradient of
-                # its inputs, and reshards then.
-                for t in tensors_in_args(args, None):
-                    if t.requires_grad:
-                        t.register_hook(lambda _g: self._reduce_scatter(unit) if unit not in self.reduced else None)
-        return hook
-
-    def _post_forward(self, unit: int) -> Any:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            if self.prof is None or not self.prof.active:
-                return
-            if unit != 0 and _graph_task_id() == -1:  # a recomputation in backward keeps them for backward
-                self._reshard(unit)
-            if unit == 0:  # the root's forward ends: FSDP2 frees the all-gather buffer it kept
-                self.kept.pop("all_gather", None)
-            # Backward gathers the unit again when the gradient of its output arrives.
-            for t in tensors_in_args(output, None):
-                if t.requires_grad:
-                    t.register_hook(self._backward_pre(unit))
-        return hook
-
-    def _backward_pre(self, unit: int) -> Any:
-        def hook(_grad: Any) -> None:
-            if self.prof is None or not self.prof.active:
-                return
-            if not self.flushing:
-                self.flushing = True
-                self.reduced = set()
-                try:
-                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-                except RuntimeError:
-                    self.flushing = False
-            if unit not in self.pending:
-                self.pending[unit] = {id(i.ref) for i in self.units.get(unit, []) if i.ref.requires_grad}
-            self._gather(unit)
-        return hook
-
-    def _grad_done(self, param: torch.Tensor) -> None:
-        if self.prof is None or not self.prof.active:
-            return
-        info = self.by_id.get(id(param))
-        if info is None or param.grad is None:
-            return
-        if self.stage == 2:
-            self._resize(param.grad, info.grad_shard)  # reduced into the rank's flat partition as it is made
-            return
-        waiting = self.pending.get(info.unit)
-        if waiting is not None:
-            waiting.discard(id(param))
-            if not waiting:
-                self._reduce_scatter(info.unit)
-
-    def _reduce_scatter(self, unit: int) -> None:
-        self.pending.pop(unit, None)
-        self.reduced.add(unit)
-        self._reshard(unit)  # FSDP2 reshards a unit's parameters before reducing its gradients
-        params = [i for i in self.units.get(unit, []) if i.ref.requires_grad and i.ref.grad is not None]
-        if params:
-            # FSDP2 keeps one reduce-scatter input (reduce_scatter_max_input_buffers = 1): the last is freed first.
-            self.kept.pop("reduce_scatter", None)
-            self.kept["reduce_scatter"] = self._buffer(sum(i.full for i in params))  # the full gradients copied in
-            # The output (the rank's shards) is made, then the full gradients go. foreach_reduce means to free them
-            # first, and does on some models; on others (a root-only embedding over 7 ranks) they outlive the
-            # output's allocation. Counting both for that moment errs high by the shards, never low.
-            for info in params:
-                entry = self.prof.storages.entry_of(info.ref.grad)
-                if entry is not None:
-                    self.prof.ledger.resize(entry, entry.nbytes + info.grad_shard)
-            for info in params:
-                self._resize(info.ref.grad, info.grad_shard)
-
-    def _backward_done(self) -> None:
-        self.flushing = False
-        if self.prof is None or not self.prof.active:
-            return
-        # Units whose gradients are not all there (unused parameters) and units backward never announced.
-        for unit in [u for u in self.units if u not in self.reduced]:
-            self._reduce_scatter(unit)
-        for unit in list(self.gathered):
-            self._reshard(unit)
-        for kind in ("reduce_scatter", "all_gather", "prefetch"):
-            self.kept.pop(kind, None)
-
-    def _stepped(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        # The state was made like the whole parameters: the rank keeps its shard of each (scalars stay whole).
-        state = optimizer.state
-        first: dict[Any, bool] = {}
-        for info in self.by_id.values():
-            for key, t in (state.get(info.ref) or {}).items():
-                if not isinstance(t, torch.Tensor) or key == "step" or t.shape != info.ref.shape:
-                    continue
-                nbytes = t.numel() * t.element_size()
-                if self.parallel == "fsdp":  # made like the real rows of the local shard
-                    rank = nbytes * min(info.rows0, info.rows) // info.rows if info.rows else 0
-                else:  # one flat buffer per state and dtype: its first tensor carries ceil(elements / N)
-                    group = (key, t.dtype)
-                    rank = 0 if first.get(group) else -(-self._state_numel(state, key, t.dtype) // self.n) * t.element_size()
-                    first[group] = True
-                self._resize(t, rank)
-
-    def _state_numel(self, state: Any, key: str, dtype: torch.dtype) -> int:
-        return sum(t.numel() for info in self.by_id.values() for k, t in (state.get(info.ref) or {}).items()
-                   if k == key and isinstance(t, torch.Tensor) and t.dtype == dtype)
 
     # -- after the run --------------------------------------------------------------------------
 
@@ -421,6 +203,259 @@ class RankLayout:
             out.append("DeepSpeed's reduce and all-gather buckets (reduce_bucket_size, allgather_bucket_size) depend "
                        "on its config: communication is not estimated")
         return out
+
+
+
+
+class RankLayout:
+    """Plays one layout's memory moves on a simulated run, for rank 0 of ``world_size``, on the ledger of the
+    profile it is attached to (:meth:`attach`)."""
+
+    def __init__(self, model: nn.Module, optimizer: "torch.optim.Optimizer | None", world_size: int,
+                 parallel: str) -> None:
+        plan = self.plan = LayoutPlan(model, world_size, parallel)
+        # The plan's tables, which every move reads.
+        self.n, self.parallel, self.stage = plan.n, plan.parallel, plan.stage
+        self.unit_modules, self.units, self.by_id = plan.unit_modules, plan.units, plan.by_id
+        self.optimizer = optimizer
+        self.model = model
+        self.collectors: "Collectors | None" = None
+        self.handles: list[Any] = []
+        self.gathered: set[int] = set()
+        self.pending: dict[int, set[int]] = {}  # unit -> ids of its trainable parameters without a gradient yet
+        self.kept: dict[str, Any] = {}  # the last all-gather and reduce-scatter buffers, as FSDP2 keeps them
+        self.flushing = False
+        self.reduced: set[int] = set()
+        self.order: list[int] = []  # the units in the order the last forward gathered them
+
+    # -- installing ----------------------------------------------------------------------------
+
+    def attach(self, collectors: "Collectors") -> None:
+        """After the profiler started (and registered the weights): shard them, install the moves. What it
+        installed is removed by :meth:`detach`, or at once if installing fails half-way."""
+        self.collectors = collectors
+        try:
+            self._install(collectors)
+        except BaseException:
+            self.detach()
+            raise
+
+    def _install(self, c: "Collectors") -> None:
+        c.run.backward_waits = True  # the last reduce-scatter and resharding belong to backward
+        if self.stage >= 3:
+            for info in self.by_id.values():
+                self._resize(info.ref, info.shard)
+        if self.parallel == "ddp":
+            grads = sum(i.whole for i in self.by_id.values() if i.ref.requires_grad)
+            self.kept["buckets"] = self._buffer(grads)
+        c.restart()  # the run starts from here: what the profiler saw of the whole model is not this rank's
+        if self.stage >= 3:
+            for module, unit in self.unit_modules:
+                self.handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
+                self.handles.append(module.register_forward_hook(self._post_forward(unit)))
+            self.handles.append(self.model.register_forward_pre_hook(self._pre_forward(0)))
+            self.handles.append(self.model.register_forward_hook(self._post_forward(0)))
+        if self.stage >= 2:
+            for info in self.by_id.values():
+                if info.ref.requires_grad:
+                    self.handles.append(info.ref.register_post_accumulate_grad_hook(self._grad_done))
+        if self.optimizer is not None and self.stage >= 1:
+            self.handles.append(self.optimizer.register_step_post_hook(self._stepped))
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.kept = {}
+        self.collectors = None
+
+    def finish(self, trace: Any) -> Any:
+        """The rank's record of ``trace`` (:meth:`LayoutPlan.finish`)."""
+        return self.plan.finish(trace)
+
+    def notes(self) -> list[str]:
+        return self.plan.notes()
+
+    # -- the moves -----------------------------------------------------------------------------
+
+    def _running(self) -> bool:
+        """Attached to a profile that records now (not paused, not ended)."""
+        return self.collectors is not None and self.collectors.run.active
+
+    def _resize(self, t: torch.Tensor, nbytes: int) -> None:
+        c = self.collectors
+        assert c is not None
+        entry = c.storages.entry_of(t)
+        if entry is not None:
+            c.ledger.resize(entry, nbytes)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A collective's buffer of ``nbytes`` (a shape-only tensor the ledger counts as communication)."""
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="meta")
+        assert self.collectors is not None
+        led = self.collectors.ledger
+        entry = led.add(buf.untyped_storage(), COMMUNICATION)
+        if entry.cat != COMMUNICATION:  # the dispatch mode saw it made, as a temporary
+            led.move(entry, COMMUNICATION, retro=True)
+        return buf
+
+    def _gather(self, unit: int) -> None:
+        backward = _graph_task_id() != -1
+        if unit in self.gathered:
+            if unit == 0 and backward and len(self.order) > 1:
+                # The root, gathered since its forward, prefetches the last unit as its backward begins.
+                self._prefetch(self.order[-1])
+            return
+        self.gathered.add(unit)
+        params = self.units.get(unit, [])
+        if not backward:
+            if unit == 0:
+                self.order = []  # a new forward: the units' order, which backward prefetches in reverse
+            self.order.append(unit)
+        prefetched = self.kept.get("prefetch")
+        hit = backward and prefetched is not None and prefetched[0] == unit
+        del prefetched  # no reference of this frame may keep a buffer alive past its time
+        if hit:
+            new = self.kept.pop("prefetch")[1]  # gathered ahead while the unit after it ran backward
+        else:
+            new = self._buffer(sum(i.full for i in params))
+        for info in params:
+            self._resize(info.ref, info.shard + info.full)  # the shard and the gathered parameter
+        if not backward:
+            self.kept["all_gather"] = new  # forward: the previous one is freed once this one is copied out
+            return
+        self.kept.pop("all_gather", None)  # backward keeps none once copied out
+        del new
+        # FSDP2 prefetches the unit that ran before this one in forward: its all-gather is in flight while this
+        # unit's backward runs, and copied out when its own backward begins.
+        i = self.order.index(unit) if unit in self.order else -1
+        if i > 0:
+            self._prefetch(self.order[i - 1])
+
+    def _prefetch(self, unit: int) -> None:
+        if unit not in self.gathered and "prefetch" not in self.kept:
+            self.kept["prefetch"] = (unit, self._buffer(sum(i.full for i in self.units.get(unit, []))))
+
+    def _reshard(self, unit: int) -> None:
+        if unit not in self.gathered:
+            return
+        self.gathered.discard(unit)
+        for info in self.units.get(unit, []):
+            self._resize(info.ref, info.shard)
+
+    def _pre_forward(self, unit: int) -> Any:
+        frozen = unit != 0 and not any(i.ref.requires_grad for i in self.units.get(unit, []))
+
+        def hook(_module: nn.Module, args: Any) -> None:
+            if not self._running():
+                return
+            self._gather(unit)
+            if frozen and _graph_task_id() == -1:
+                # No gradient of its own tells when its backward is over: FSDP2 learns it from the gradient of
+                # its inputs, and reshards then.
+                for t in tensors_in_args(args, None):
+                    if t.requires_grad:
+                        t.register_hook(lambda _g: self._reduce_scatter(unit) if unit not in self.reduced else None)
+        return hook
+
+    def _post_forward(self, unit: int) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if not self._running():
+                return
+            if unit != 0 and _graph_task_id() == -1:  # a recomputation in backward keeps them for backward
+                self._reshard(unit)
+            if unit == 0:  # the root's forward ends: FSDP2 frees the all-gather buffer it kept
+                self.kept.pop("all_gather", None)
+            # Backward gathers the unit again when the gradient of its output arrives.
+            for t in tensors_in_args(output, None):
+                if t.requires_grad:
+                    t.register_hook(self._backward_pre(unit))
+        return hook
+
+    def _backward_pre(self, unit: int) -> Any:
+        def hook(_grad: Any) -> None:
+            if not self._running():
+                return
+            if not self.flushing:
+                self.flushing = True
+                self.reduced = set()
+                try:
+                    queue_backward_callback(self._backward_done)
+                except RuntimeError:
+                    self.flushing = False
+            if unit not in self.pending:
+                self.pending[unit] = {id(i.ref) for i in self.units.get(unit, []) if i.ref.requires_grad}
+            self._gather(unit)
+        return hook
+
+    def _grad_done(self, param: torch.Tensor) -> None:
+        if not self._running():
+            return
+        info = self.by_id.get(id(param))
+        if info is None or param.grad is None:
+            return
+        if self.stage == 2:
+            self._resize(param.grad, info.grad_shard)  # reduced into the rank's flat partition as it is made
+            return
+        waiting = self.pending.get(info.unit)
+        if waiting is not None:
+            waiting.discard(id(param))
+            if not waiting:
+                self._reduce_scatter(info.unit)
+
+    def _reduce_scatter(self, unit: int) -> None:
+        self.pending.pop(unit, None)
+        self.reduced.add(unit)
+        self._reshard(unit)  # FSDP2 reshards a unit's parameters before reducing its gradients
+        params = [i for i in self.units.get(unit, []) if i.ref.requires_grad and i.ref.grad is not None]
+        if params:
+            # FSDP2 keeps one reduce-scatter input (reduce_scatter_max_input_buffers = 1): the last is freed first.
+            self.kept.pop("reduce_scatter", None)
+            self.kept["reduce_scatter"] = self._buffer(sum(i.full for i in params))  # the full gradients copied in
+            # The output (the rank's shards) is made, then the full gradients go. foreach_reduce means to free them
+            # first, and does on some models; on others (a root-only embedding over 7 ranks) they outlive the
+            # output's allocation. Counting both for that moment errs high by the shards, never low.
+            c = self.collectors
+            assert c is not None
+            for info in params:
+                entry = c.storages.entry_of(info.ref.grad)
+                if entry is not None:
+                    c.ledger.resize(entry, entry.nbytes + info.grad_shard)
+            for info in params:
+                self._resize(info.ref.grad, info.grad_shard)
+
+    def _backward_done(self) -> None:
+        self.flushing = False
+        if not self._running():
+            return
+        # Units whose gradients are not all there (unused parameters) and units backward never announced.
+        for unit in [u for u in self.units if u not in self.reduced]:
+            self._reduce_scatter(unit)
+        for unit in list(self.gathered):
+            self._reshard(unit)
+        for kind in ("reduce_scatter", "all_gather", "prefetch"):
+            self.kept.pop(kind, None)
+
+    def _stepped(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        # The state was made like the whole parameters: the rank keeps its shard of each (scalars stay whole).
+        state = optimizer.state
+        first: dict[Any, bool] = {}
+        for info in self.by_id.values():
+            for key, t in (state.get(info.ref) or {}).items():
+                if not isinstance(t, torch.Tensor) or key == "step" or t.shape != info.ref.shape:
+                    continue
+                nbytes = t.numel() * t.element_size()
+                if self.parallel == "fsdp":  # made like the real rows of the local shard
+                    rank = nbytes * min(info.rows0, info.rows) // info.rows if info.rows else 0
+                else:  # one flat buffer per state and dtype: its first tensor carries ceil(elements / N)
+                    group = (key, t.dtype)
+                    rank = 0 if first.get(group) else -(-self._state_numel(state, key, t.dtype) // self.n) * t.element_size()
+                    first[group] = True
+                self._resize(t, rank)
+
+    def _state_numel(self, state: Any, key: str, dtype: torch.dtype) -> int:
+        return sum(t.numel() for info in self.by_id.values() for k, t in (state.get(info.ref) or {}).items()
+                   if k == key and isinstance(t, torch.Tensor) and t.dtype == dtype)
 
 
 def _without_communication(b: Breakdown) -> Breakdown:

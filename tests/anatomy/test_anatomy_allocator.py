@@ -9,7 +9,7 @@ from memprof.anatomy.allocator import (
     CUDA_CONTEXT_EAGER_BYTES,
     CUDA_CONTEXT_LAZY_BYTES,
     CUDA_CONTEXT_RANGE,
-    CachingAllocatorModel,
+    CachingAllocator,
     cublas_workspace_bytes,
     pool_of,
     round_size,
@@ -40,7 +40,7 @@ def test_pools_and_segments():
 
 
 def test_snapshot_oracle():
-    alloc = CachingAllocatorModel()
+    alloc = CachingAllocator()
     w = alloc.malloc(40_000)
     b = alloc.malloc(40)
     x = alloc.malloc(4_000)
@@ -59,7 +59,7 @@ def test_snapshot_oracle():
 
 
 def test_reuse_split_rules_and_best_fit():
-    alloc = CachingAllocatorModel()
+    alloc = CachingAllocator()
     big = alloc.malloc(12 * MiB)  # a 12 MiB segment, exact fit
     alloc.free(big)
     again = alloc.malloc(11 * MiB + 600 * 1024)  # rest 424 KiB <= 1 MiB: large pool does not split
@@ -126,7 +126,7 @@ def test_large_segment_size_changes_the_mid_size_segments():
 
 
 def test_zero_byte_request_takes_no_block():
-    alloc = CachingAllocatorModel()
+    alloc = CachingAllocator()
     handle = alloc.malloc(0)
     assert (alloc.allocated, alloc.reserved, alloc.segments()) == (0, 0, [])
     alloc.free(handle)

@@ -16,9 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memprof.anatomy.optimizer_rules import bitsandbytes_formula
 from memprof.anatomy.optimizers import (
     OptimizerFormula,
-    bitsandbytes_formula,
     optimizer_formula,
     optimizer_implementation,
     param_group_implementations,

@@ -52,8 +52,13 @@ def test_optimizer_of_another_model():
 
 
 def test_unknown_mode():
-    with pytest.raises(UnknownNameError, match="full, light, auto"):
-        memprof.profile(MLP(), mode="exact")
+    with pytest.raises(UnknownNameError, match="exact, light, auto"):
+        memprof.profile(MLP(), mode="precise")
+
+
+def test_the_former_word_full_is_refused_with_its_new_name():
+    with pytest.raises(UnknownNameError, match=r"mode 'full' is now called 'exact'.*mode='exact'"):
+        memprof.profile(MLP(), mode="full")
 
 
 def test_meta_model_refused():
@@ -98,14 +103,14 @@ def test_report_at_refuses_unknown_names_and_steps():
         run_step(model)
     rep = prof.report()
     with pytest.raises(UnknownNameError, match="unknown phase 'fwd'"):
-        rep.at(0, "fwd")
+        rep.breakdown(0, "fwd")
     with pytest.raises(InvalidArgumentError, match="out of range"):
-        rep.at(5, "forward")
+        rep.breakdown(5, "forward")
     with pytest.raises(NotMeasuredError, match="no optimizer phase"):
-        rep.at(0, "optimizer")
+        rep.breakdown(0, "optimizer")
     with pytest.raises(UnknownNameError, match="unknown category"):
         rep.peak["weight"]
-    assert rep.at(-1, memprof.Phase.FORWARD) == rep.at(0, "forward")
+    assert rep.breakdown(-1, memprof.Phase.FORWARD) == rep.breakdown(0, "forward")
 
 
 # -- hooks --------------------------------------------------------------------
@@ -205,13 +210,13 @@ def test_light_mode_on_cpu_says_not_measured():
         run_step(model, opt)
     rep = prof.report()
     assert rep.trace.mode == "light"
-    end = rep.at(1, "optimizer", "end")
+    end = rep.breakdown(1, "optimizer", "end")
     assert end[C.TEMPORARIES] is None and end.total is None
     assert end[C.ALLOCATOR_OVERHEAD] is None
     # What light mode does measure is exact: model states come from the objects.
     assert end[C.WEIGHTS] == weight_bytes(model)
     assert end[C.OPTIMIZER_STATES] == 2 * weight_bytes(model) + 4 * 6  # 6 parameters, 4-byte steps
-    assert rep.at(1, "forward", "end")[C.ACTIVATIONS] > 0
+    assert rep.breakdown(1, "forward", "end")[C.ACTIVATIONS] > 0
     text = str(rep)
     assert "not measured" in text
     assert "temporaries           not measured" in text.replace("  not", " not") or "not measured" in text
@@ -274,7 +279,7 @@ def test_tables_have_stable_columns():
     assert mods.loc["<model>", "activations"] == 4096
     # The loss adds its log-softmax 8*10*4 = 320, total_weight 4, and the int64 targets 8*8 = 64
     # (created inside the profile, so saved activations rather than inputs).
-    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == 4096 + 320 + 4 + 64
+    assert rep.breakdown(0, "forward", "end")[C.ACTIVATIONS] == 4096 + 320 + 4 + 64
 
 
 def test_to_frame_is_the_phase_table():

@@ -65,11 +65,11 @@ def test_checkpoint_of_any_callable_totals(how, reentrant):
     model, x, rep, live_peak = _ckpt_run(how, reentrant)
     # Forward keeps only the block input h = pre(x): 128*64*4 = 32768 B.
     assert saved_activation_bytes(lambda: model(x).sum(), list(model.parameters()) + [x]) == 32768
-    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == 32768
+    assert rep.breakdown(0, "forward", "end")[C.ACTIVATIONS] == 32768
     assert rep.peak.total == live_peak
-    assert rep.at(0, "backward", "end")[C.ACTIVATIONS] == 0
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
-    assert_sums(rep.at(0, "backward", "peak"))
+    assert rep.breakdown(0, "backward", "end")[C.ACTIVATIONS] == 0
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
+    assert_sums(rep.breakdown(0, "backward", "peak"))
     assert hooks_left(model) == []
 
 
@@ -78,7 +78,7 @@ def test_checkpoint_of_a_plain_function_counts_recomputed_tensors(reentrant):
     # Wrapping the same computation in a module or in a plain function must not change the categories.
     _, _, by_module, _ = _ckpt_run("module", reentrant)
     _, _, by_function, _ = _ckpt_run("functional", reentrant)
-    a, b = by_module.at(0, "backward", "peak"), by_function.at(0, "backward", "peak")
+    a, b = by_module.breakdown(0, "backward", "peak"), by_function.breakdown(0, "backward", "peak")
     assert b.total == a.total
     assert b[C.ACTIVATIONS] == a[C.ACTIVATIONS]
     # At backward's peak the recomputed GELU input 128*512*4 = 262144 B is still held for backward,

@@ -255,7 +255,7 @@ def test_small_causes_are_folded_into_one_line(saved):
 def test_the_total_row_is_the_reports_total_and_the_causes_add_up_to_its_gap(saved, at):
     rec = saved.reconcile(at=at)
     frame = rec.to_frame()
-    measured = saved.peak if at == "peak" else saved.at(-1, "optimizer", "end")
+    measured = saved.peak if at == "peak" else saved.breakdown(-1, "optimizer", "end")
     assert frame.loc["total", "measured"] == measured.total
     assert frame.loc["total", "formula"] == sum(r.formula for r in rec.rows if r.formula is not None)
     gap = frame.loc["total", "gap"]
@@ -332,7 +332,7 @@ def test_a_budget_beyond_what_the_planner_can_search_is_refused_before_simulatin
     assert calls == []
     # At the limit the search runs to its end: the answer fits, the next multiple does not.
     plan = memprof.max_batch_size(model, None, batch, limit, loss_fn=nn.functional.cross_entropy)
-    assert plan.verified and plan.predicted_peak <= limit < dict(plan.points)[plan.batch_size + 8]
+    assert plan.verified and plan.peak_bytes <= limit < dict(plan.points)[plan.batch_size + 8]
     assert memprof.simulate.planner.MAX_BUDGET == limit
 
 
@@ -340,24 +340,6 @@ def test_profile_options_must_be_booleans():
     for option in ("timeline", "operations"):
         with pytest.raises(InvalidArgumentError, match=f"{option} must be True or False"):
             memprof.profile(nn.Linear(2, 2), **{option: "yes"})
-
-
-def test_a_new_name_and_its_deprecated_alias_together_are_refused(saved):
-    with pytest.raises(InvalidArgumentError, match="both at= and when="):
-        saved.at(0, "backward", at="start", when="end")
-    with pytest.raises(InvalidArgumentError, match="both at= and when="):
-        saved.diff(saved, at="end", when="start")
-    with pytest.raises(InvalidArgumentError, match="both at= and which="):
-        saved.breakdown_frame(at="end", which="start")
-
-
-def test_a_deprecated_alias_warns_at_the_callers_line(saved):
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        saved.diff(saved, when="end")  # Report.diff hands on to memprof.diff: the warning must still be ours
-    assert [w.filename for w in caught] == [__file__]
 
 
 def test_trace_files_with_impossible_values_are_refused(saved, tmp_path):

@@ -93,7 +93,7 @@ def test_ddp_keeps_everything_and_copies_the_gradients_into_buckets():
 
 def test_deepspeed_buckets_are_not_estimated_rather_than_zero():
     est = _estimate(2, "zero2")
-    assert est.simulated[C.COMMUNICATION] is None
+    assert est.peak[C.COMMUNICATION] is None
     assert any("reduce_bucket_size" in n for n in est.notes)
 
 

@@ -45,20 +45,20 @@ def test_model_states_equal_independent_sums(name):
     b = buffer_bytes(model)
     for step in (0, 1):
         for phase in ("forward", "backward", "optimizer"):
-            bd = rep.at(step, phase, "end")
+            bd = rep.breakdown(step, phase, "end")
             assert bd[C.WEIGHTS] == w
             assert bd[C.BUFFERS] == b
             assert_sums(bd)
-            assert_sums(rep.at(step, phase, "peak"))
+            assert_sums(rep.breakdown(step, phase, "peak"))
     # Gradients: all of them after backward (fp32 grads = fp32 weights here).
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == grads_after_backward == w
-    assert rep.at(0, "forward", "end")[C.GRADIENTS] == 0
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == grads_after_backward == w
+    assert rep.breakdown(0, "forward", "end")[C.GRADIENTS] == 0
     # AdamW: exp_avg + exp_avg_sq in the parameter dtype (2 * 4 B/param) + a 4-byte step per parameter.
     n_params = len({p.untyped_storage()._cdata for p in model.parameters()})
     assert states == 2 * w + 4 * n_params
-    assert rep.at(0, "optimizer", "end")[C.OPTIMIZER_STATES] == states
-    assert rep.at(1, "forward", "end")[C.OPTIMIZER_STATES] == states
-    assert rep.at(0, "forward", "end")[C.OPTIMIZER_STATES] == 0  # created lazily by the first step
+    assert rep.breakdown(0, "optimizer", "end")[C.OPTIMIZER_STATES] == states
+    assert rep.breakdown(1, "forward", "end")[C.OPTIMIZER_STATES] == states
+    assert rep.breakdown(0, "forward", "end")[C.OPTIMIZER_STATES] == 0  # created lazily by the first step
     assert_sums(rep.peak)
     assert_sums(rep.end)
 
@@ -75,9 +75,9 @@ def test_saved_activations_equal_independent_hook_count(name):
         loss = loss_fn(model(x), y)
         loss.backward()
     rep = prof.report()
-    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == expected
+    assert rep.breakdown(0, "forward", "end")[C.ACTIVATIONS] == expected
     # After backward every saved tensor is released.
-    assert rep.at(0, "backward", "end")[C.ACTIVATIONS] == 0
+    assert rep.breakdown(0, "backward", "end")[C.ACTIVATIONS] == 0
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -108,16 +108,16 @@ def test_mlp_arithmetic_by_hand():
         opt.step()
     rep = prof.report()
     # weights: (32*64 + 64) + (64*64 + 64) + (64*10 + 10) = 2112 + 4160 + 650 = 6922 params * 4 B = 27688
-    assert rep.at(0, "forward", "end")[C.WEIGHTS] == 27688
+    assert rep.breakdown(0, "forward", "end")[C.WEIGHTS] == 27688
     # inputs: x 16*32*4 = 2048 B, y 16 int64 = 128 B
-    assert rep.at(0, "forward", "end")[C.INPUTS] == 2048 + 128
+    assert rep.breakdown(0, "forward", "end")[C.INPUTS] == 2048 + 128
     # saved: fc1 out (relu result, 16*64*4=4096), fc2 input = relu out (same storage as relu result,
     # relu is not in-place here: ReLU saves its result 4096 and fc2 saves it as mat1 - one storage),
     # fc2 out relu result 4096 (saved by relu and by fc3 as mat1), log_softmax result 16*10*4 = 640,
     # nll total_weight 0-dim 4 B. Linear fc1 saves x (an input: excluded).
-    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == 4096 + 4096 + 640 + 4
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == 27688
-    assert rep.at(0, "optimizer", "end")[C.OPTIMIZER_STATES] == 0
+    assert rep.breakdown(0, "forward", "end")[C.ACTIVATIONS] == 4096 + 4096 + 640 + 4
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == 27688
+    assert rep.breakdown(0, "optimizer", "end")[C.OPTIMIZER_STATES] == 0
 
 
 def test_tied_weights_and_views_count_once():
@@ -128,8 +128,8 @@ def test_tied_weights_and_views_count_once():
     with memprof.profile(model) as prof:
         model(torch.tensor([[1, 2, 3]])).sum().backward()
     rep = prof.report()
-    assert rep.at(0, "forward", "end")[C.WEIGHTS] == 10 * 4 * 4  # one 10x4 fp32 storage, not two
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == 10 * 4 * 4
+    assert rep.breakdown(0, "forward", "end")[C.WEIGHTS] == 10 * 4 * 4  # one 10x4 fp32 storage, not two
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == 10 * 4 * 4
 
 
 def test_every_breakdown_sums_to_its_total():

@@ -22,7 +22,7 @@ from tests.helpers import optimizer_state_bytes, weight_bytes
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 
 
-def _gpt_run(steps=3, mode="full", **kwargs):
+def _gpt_run(steps=3, mode="exact", **kwargs):
     torch.manual_seed(0)
     model = TinyGPT(vocab=100, hidden=32, layers=2, heads=2, max_seq=16)
     opt = torch.optim.AdamW(model.parameters())
@@ -87,7 +87,7 @@ def test_the_docs_name_every_track_and_event_as_the_file_does(tmp_path):
     for e in doc["traceEvents"]:
         if e["ph"] == "M" and "name" in e["args"]:
             meta[e["name"]].add(e["args"]["name"])
-    assert meta["process_name"] == {f"memprof: {report.trace.device.name} (full mode)"}
+    assert meta["process_name"] == {f"memprof: {report.trace.device.name} (exact mode)"}
     tracks = meta["thread_name"]
     assert {"steps", "phases", "modules (forward)", "modules (backward, depth 0)",
             "modules (backward, depth 1)"} <= tracks
@@ -176,7 +176,7 @@ def test_one_run_peak_instant_also_without_a_total(tmp_path):
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(8, 16)
-    for mode in ("full", "light"):
+    for mode in ("exact", "light"):
         with memprof.profile(model, opt, mode=mode) as prof:
             for _ in range(2):
                 for _ in range(3):  # gradient accumulation: equal peaks in each backward
@@ -287,7 +287,7 @@ def test_torch_memory_viz_reads_the_snapshot(run, tmp_path):
 def test_html_report_is_self_contained(run, tmp_path):
     report = run[0]
     path = tmp_path / "report.html"
-    report.to_html(path)
+    report.export_html(path)
     page = path.read_text()
     assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
     assert "<script" not in page and " src=" not in page and " href=" not in page and "@import" not in page
@@ -307,7 +307,7 @@ def test_html_report_of_a_large_model_stays_under_2_mb(tmp_path):
             opt.step()
             opt.zero_grad()
     path = tmp_path / "big.html"
-    prof.report().to_html(path)
+    prof.report().export_html(path)
     assert len(prof.report().trace.timeline) > 5000  # many more moments than the SVG draws
     assert os.path.getsize(path) < 2 * 1024 * 1024
 
@@ -323,7 +323,7 @@ def _chromium():
                     "(apt-get install -y chromium) to run the browser test")
 def test_html_report_renders_in_a_real_browser(run, tmp_path):
     path = tmp_path / "report.html"
-    run[0].to_html(path)
+    run[0].export_html(path)
     cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
            f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", path.as_uri()]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
@@ -344,7 +344,7 @@ def test_nothing_measured_is_refused_and_no_file_is_written(tmp_path):
     with memprof.profile(model) as prof:
         pass
     report = prof.report()
-    for how, name in (("export_chrome_trace", "c.json"), ("export_memory_viz", "m.pickle"), ("to_html", "r.html")):
+    for how, name in (("export_chrome_trace", "c.json"), ("export_memory_viz", "m.pickle"), ("export_html", "r.html")):
         with pytest.raises(NotMeasuredError, match="nothing to export"):
             getattr(report, how)(tmp_path / name)
         assert not (tmp_path / name).exists()
@@ -376,16 +376,16 @@ def test_a_run_of_many_phases_stays_a_small_page(tmp_path):
     report = prof.report()
     assert len(report.trace.phases) > 1800
     page = (tmp_path / "r.html")
-    report.to_html(page)
+    report.export_html(page)
     text = page.read_text()
     # Phase bands under a pixel are merged or left out: at most about one per pixel column.
     assert text.count('fill-opacity="0.10"') <= 720 and os.path.getsize(page) < 2 * 1024 * 1024
 
 
 def test_a_capped_timeline_says_so(monkeypatch):
-    from memprof.collect import phases
+    from memprof.collect import timeline
 
-    monkeypatch.setattr(phases, "_MAX_SAMPLES", 50)
+    monkeypatch.setattr(timeline, "_MAX_SAMPLES", 50)
     report, _, _ = _gpt_run(steps=2)
     assert len(report.trace.timeline) == 50
     assert any("timeline stopped at 50 samples" in n for n in report.trace.notes)

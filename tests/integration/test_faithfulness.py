@@ -24,7 +24,7 @@ from memprof.errors import InvalidArgumentError, ProfilerStateError
 from helpers import hook_registry, optimizer_state_bytes, unique_bytes, weight_bytes
 from models import MLP
 
-MODES = ("full", "light")
+MODES = ("exact", "light")
 
 
 def _mlp():
@@ -94,7 +94,7 @@ def test_activations_are_measured_through_the_users_hooks():
     # needed: x needs no gradient), Tanh its output, Linear 2 that output again (a second copy) and its
     # weight: 8*16*2 + 8*32*2 + 8*32*2 + 32*4*2 = 256 + 512 + 512 + 256 = 1536 B.
     assert unique_bytes(comp.kept) == 1536
-    assert prof.report().at(0, "forward", "end")[C.ACTIVATIONS] == 1536
+    assert prof.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] == 1536
     assert any("saved_tensors_hooks of your own" in n and "Compress.pack" in n for n in prof.trace.notes)
 
 
@@ -115,7 +115,7 @@ def test_hooks_that_keep_nothing_on_the_device_give_no_activations():
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = model(x)
         out.sum().backward()
-    assert prof.report().at(0, "forward", "end")[C.ACTIVATIONS] == 0
+    assert prof.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] == 0
     assert len(store) == 4
 
 
@@ -289,12 +289,12 @@ def test_a_compiled_model_is_measured_and_says_what_it_cannot_see(compiled_runs)
     model = compiled_runs["model"]
     for rep in (whole, block):
         assert rep.num_steps == 2
-        assert rep.at(1, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
-        assert rep.at(1, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
+        assert rep.breakdown(1, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+        assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
         assert any("torch.compile'd code" in n and "lower bounds" in n for n in rep.trace.notes)
     # This backend runs aten ops, so what autograd keeps equals eager's to the byte.
-    assert whole.at(1, "forward", "end") == eager.at(1, "forward", "end")
-    assert block.at(1, "forward", "end") == eager.at(1, "forward", "end")
+    assert whole.breakdown(1, "forward", "end") == eager.breakdown(1, "forward", "end")
+    assert block.breakdown(1, "forward", "end") == eager.breakdown(1, "forward", "end")
     # Modules inside compiled code have no per-module figures: not measured, not 0.
     inner = whole.modules().loc["_orig_mod.fc1"]
     assert inner["calls"] == 0 and inner["activations"] is pd_na()
@@ -313,7 +313,7 @@ def test_profiling_the_model_inside_a_compiled_wrapper_says_what_it_missed(compi
     rep = compiled_runs["inner"]
     assert rep.num_steps == 2
     assert rep.peak[C.ACTIVATIONS] is None
-    assert rep.at(1, "backward", "end")[C.GRADIENTS] == weight_bytes(compiled_runs["model"])
+    assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == weight_bytes(compiled_runs["model"])
     assert any("did not see" in n and "memprof.profile(compiled_model, optimizer)" in n for n in rep.trace.notes)
 
 
@@ -416,7 +416,7 @@ def test_parameters_added_inside_the_block_become_weights():
     assert rep.end[C.WEIGHTS] == weight_bytes(model) == (676 + 20 + 1000) * 4
     assert any("changed during profiling (step 1: 3 parameter(s) (4.0 KiB) and 1 module(s))" in n
                for n in rep.trace.notes)
-    assert rep.at(1, "forward", "start")[C.WEIGHTS] == rep.end[C.WEIGHTS]
+    assert rep.breakdown(1, "forward", "start")[C.WEIGHTS] == rep.end[C.WEIGHTS]
 
 
 def test_lazy_modules_are_measured():
@@ -433,7 +433,7 @@ def test_lazy_modules_are_measured():
     # (3*8 + 8) + (8*2 + 2) = 50 fp32 parameters, and as many gradient elements.
     assert rep.end[C.WEIGHTS] == weight_bytes(model) == 200
     assert rep.end[C.GRADIENTS] == 200
-    assert rep.at(1, "forward", "start")[C.TEMPORARIES] == 0
+    assert rep.breakdown(1, "forward", "start")[C.TEMPORARIES] == 0
 
 
 def test_a_failing_setup_raises_the_users_error_and_leaves_nothing():
@@ -475,7 +475,7 @@ def test_adam_step_counters_are_in_the_peak():
         _train(model, opt, x, steps=1)
     rep = prof.report()
     # The first step's peak is inside step(): exp_avg, exp_avg_sq and the four 4-byte counters are live.
-    assert rep.at(0, "optimizer", "peak")[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt) == 5424
+    assert rep.breakdown(0, "optimizer", "peak")[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt) == 5424
 
 
 # ------------------------------------------------------------------ 8. threads
@@ -515,7 +515,7 @@ def test_a_profile_ended_from_another_thread_cleans_up_and_says_so():
     worker.start()
     worker.join()
     assert errors and "ended in another thread" in errors[0]
-    assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
     model.zero_grad(set_to_none=True)
     # Global hooks are gone at once; this thread's inert dispatch mode goes with the next profile here.
     after = hook_registry(model)
@@ -523,7 +523,7 @@ def test_a_profile_ended_from_another_thread_cleans_up_and_says_so():
         k: v for k, v in before.items() if k[0] != "global"}
     with memprof.profile(model) as again:
         model(x).sum().backward()
-    assert again.report().at(0, "forward", "end")[C.ACTIVATIONS] > 0
+    assert again.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] > 0
     model.zero_grad(set_to_none=True)
     assert hook_registry(model) == before
 

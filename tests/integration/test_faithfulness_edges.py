@@ -20,7 +20,7 @@ from memprof import Category as C
 
 from helpers import optimizer_state_bytes, unique_bytes, weight_bytes
 
-MODES = ["full", "light"]
+MODES = ["exact", "light"]
 
 
 def _profile(model, opt=None, mode=None):
@@ -98,7 +98,7 @@ def test_a_users_dispatch_mode_entered_inside_the_block_survives_it():
             return func(*args, **(kwargs or {}))
 
     model, counter = nn.Linear(4, 4), Count()
-    with memprof.profile(model, mode="full") as prof:
+    with memprof.profile(model, mode="exact") as prof:
         model(torch.randn(2, 4)).sum().backward()
         counter.__enter__()  # left open past the block, as a run-long tracing mode would be
     try:
@@ -109,7 +109,7 @@ def test_a_users_dispatch_mode_entered_inside_the_block_survives_it():
         counter.__exit__(None, None, None)
     assert prof.report().peak.total > 0
     # The next profile in this thread starts from an empty dispatch stack.
-    with memprof.profile(model, mode="full"):
+    with memprof.profile(model, mode="exact"):
         assert torch._C._len_torch_dispatch_stack() == 1
     assert torch._C._len_torch_dispatch_stack() == 0
 
@@ -214,7 +214,7 @@ def test_a_model_compiled_first_inside_the_block_stays_compiled_after_it(mode, t
 def test_parameters_cast_or_given_new_data_inside_the_block_are_weights(how):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-    with memprof.profile(model, mode="full") as prof:
+    with memprof.profile(model, mode="exact") as prof:
         if how == "cast":
             model.to(torch.bfloat16)  # Module._apply assigns param.data
         else:
@@ -234,7 +234,7 @@ def test_parameters_replaced_by_load_state_dict_assign_are_weights():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
         state = {k: v.clone() for k, v in model.state_dict().items()}
-        with memprof.profile(model, mode="full") as prof:
+        with memprof.profile(model, mode="exact") as prof:
             model.load_state_dict(state, assign=True)
             model(torch.randn(4, 64)).sum().backward()
         end = prof.report().end
@@ -253,7 +253,7 @@ def test_optimizer_state_loaded_inside_the_block_is_optimizer_state():
     saved = {"state": {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state_dict()["state"].items()},
              "param_groups": opt.state_dict()["param_groups"]}
     opt.zero_grad()
-    with memprof.profile(model, opt, mode="full") as prof:
+    with memprof.profile(model, opt, mode="exact") as prof:
         opt.load_state_dict(saved)  # casts and copies the loaded tensors: new storages
         model(torch.randn(2, 32)).sum().backward()
         opt.step()
@@ -268,12 +268,12 @@ def test_optimizer_state_loaded_inside_the_block_is_optimizer_state():
 def _temporaries_holding(make):
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
-    with memprof.profile(model, mode="full") as prof:
+    with memprof.profile(model, mode="exact") as prof:
         loss = model(torch.randn(2, 4)).sum()
         held = make()  # alive across the backward
         loss.backward()
     assert held.untyped_storage().nbytes() == 4000
-    return prof.report().at(0, "backward", "end")
+    return prof.report().breakdown(0, "backward", "end")
 
 
 @pytest.mark.parametrize("grow", ["resize_", "out="])
@@ -300,7 +300,7 @@ class _PlainAttribute(nn.Module):
 
 def test_a_plain_tensor_attribute_of_a_module_is_counted_as_a_buffer():
     model = _PlainAttribute()
-    with memprof.profile(model, mode="full") as prof:
+    with memprof.profile(model, mode="exact") as prof:
         model(torch.randn(2, 128, 256)).sum().backward()
     rep = prof.report()
     assert rep.peak[C.BUFFERS] == model.table.untyped_storage().nbytes() == 512 * 256 * 4
@@ -310,14 +310,14 @@ def _loss_saved(hooks):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 10))
     x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
-    with memprof.profile(model, mode="full") as prof:
+    with memprof.profile(model, mode="exact") as prof:
         out = model(x)
         with hooks():
             # Outside the model: log_softmax and nll_loss both save the 8 x 10 fp32 log-softmax output
             # (one 320-byte storage); nll_loss also saves the targets (inputs: made before the profile).
             loss = F.cross_entropy(out, y)
         loss.backward()
-    return prof.report().at(0, "backward", "start")
+    return prof.report().breakdown(0, "backward", "start")
 
 
 def test_what_the_loss_saves_under_the_users_hooks_is_an_activation():
@@ -353,7 +353,7 @@ def _closure_steps(mode, optimizer_cls):
                                            lambda ps: torch.optim.LBFGS(ps, max_iter=3)])
 def test_a_step_with_a_closure_trains_identically_and_its_phases_are_in_order(optimizer_cls):
     plain = _closure_steps(None, optimizer_cls)
-    losses, params, prof = _closure_steps("full", optimizer_cls)
+    losses, params, prof = _closure_steps("exact", optimizer_cls)
     assert losses == plain[0] and all(torch.equal(a, b) for a, b in zip(plain[1], params))
     for step in prof.trace.steps:
         kinds = [p.phase.value for p in step.phases if p.phase.value != "other"]

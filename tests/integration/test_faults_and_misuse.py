@@ -185,7 +185,7 @@ def _train_dropnet(mode):
     return torch.stack(losses), [p.detach().clone() for p in model.parameters()], torch.rand(3)
 
 
-@pytest.mark.parametrize("mode", ["full", "light"])
+@pytest.mark.parametrize("mode", ["exact", "light"])
 def test_bit_identical_results_with_dropout(mode):
     l0, p0, r0 = _train_dropnet(None)
     l1, p1, r1 = _train_dropnet(mode)
@@ -239,13 +239,13 @@ def test_report_lookups_refuse_unknown_names():
         with pytest.raises(UnknownNameError, match="use one of"):
             rep.peak[bad]
     with pytest.raises(UnknownNameError, match="use one of: forward, backward, optimizer, other"):
-        rep.at(0, "fwd")
+        rep.breakdown(0, "fwd")
     with pytest.raises(InvalidArgumentError, match="peak, start, end"):
-        rep.at(0, "forward", "middle")
+        rep.breakdown(0, "forward", "middle")
     with pytest.raises(InvalidArgumentError, match="must be an int"):
-        rep.at("0", "forward")
+        rep.breakdown("0", "forward")
     with pytest.raises(NotMeasuredError, match="no forward phase"):
-        rep.at(0, "forward", occurrence=3)
+        rep.breakdown(0, "forward", occurrence=3)
     with pytest.raises(InvalidArgumentError, match="peak, start or end"):
         rep.breakdown_frame("max")
     with pytest.raises(UnknownNameError):
@@ -262,7 +262,7 @@ def test_nesting_the_same_model_leaves_the_outer_profile_intact():
         model(x).sum().backward()
     assert hooks_left(model) == []
     # The refused inner profile did not disturb the outer one: 2 ReLU results 4*64*4.
-    assert outer.report().at(0, "forward", "end")[C.ACTIVATIONS] == 2 * 4 * 64 * 4
+    assert outer.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] == 2 * 4 * 64 * 4
 
 
 def test_nesting_on_a_submodule_is_refused_or_exact():
@@ -277,7 +277,7 @@ def test_nesting_on_a_submodule_is_refused_or_exact():
                 F.cross_entropy(model(x), y).backward()
     except ProfilerStateError:
         return  # refused clearly: fine
-    assert outer.report().at(0, "forward", "end")[C.ACTIVATIONS] == expected
+    assert outer.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] == expected
 
 
 def test_meta_device_model_is_refused():

@@ -18,12 +18,12 @@ def _step(model, opt, x, y):
     opt.zero_grad()
 
 
-def test_full_mode_matches_cuda_allocated_at_phase_ends():
+def test_exact_mode_matches_cuda_allocated_at_phase_ends():
     torch.cuda.synchronize()
     model = MLP(512, 2048, 10).cuda()
     opt = torch.optim.AdamW(model.parameters())
     x, y = torch.randn(256, 512, device="cuda"), torch.randint(0, 10, (256,), device="cuda")
-    with memprof.profile(model, opt, mode="full") as prof:
+    with memprof.profile(model, opt, mode="exact") as prof:
         _step(model, opt, x, y)
         _step(model, opt, x, y)
         torch.cuda.synchronize()
@@ -47,7 +47,7 @@ def test_light_mode_measures_temporaries_on_cuda():
     with memprof.profile(model, opt, mode="light") as prof:
         _step(model, opt, x, y)
         _step(model, opt, x, y)
-    peak = prof.report().at(1, "backward", "peak")
+    peak = prof.report().breakdown(1, "backward", "peak")
     assert peak[C.TEMPORARIES] is not None
     assert peak.total is not None and peak.total > 0
 

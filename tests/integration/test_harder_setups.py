@@ -58,13 +58,13 @@ def test_gradient_accumulation_no_sync_pattern():
     for s in prof.trace.steps:
         assert non_other(s) == [("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1),
                                 ("forward", 2), ("backward", 2), ("optimizer", 0)]
-    assert rep.at(0, "backward", "end", occurrence=2)[C.GRADIENTS] == w
-    assert rep.at(1, "forward", "start", occurrence=0)[C.GRADIENTS] == w  # zeroed, not freed
+    assert rep.breakdown(0, "backward", "end", occurrence=2)[C.GRADIENTS] == w
+    assert rep.breakdown(1, "forward", "start", occurrence=0)[C.GRADIENTS] == w  # zeroed, not freed
     assert rep.end[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt) == w  # momentum 4 B/param
     # Each micro-batch of 4 saves the same: 2 ReLU results 4*64*4, log-softmax 4*10*4, total_weight,
     # and the div's nothing; targets are views of y (an input).
     for occ in range(k):
-        assert rep.at(0, "forward", "end", occurrence=occ)[C.ACTIVATIONS] == 2 * 1024 + 160 + 4
+        assert rep.breakdown(0, "forward", "end", occurrence=occ)[C.ACTIVATIONS] == 2 * 1024 + 160 + 4
 
 
 def test_frozen_layers_and_lr_scheduler():
@@ -82,9 +82,9 @@ def test_frozen_layers_and_lr_scheduler():
     rep = prof.report()
     assert rep.num_steps == 3
     # fc1 + fc3: (32*64+64 + 64*10+10) * 4 = (2112 + 650) * 4 = 11048 B of gradients
-    assert rep.at(2, "backward", "end")[C.GRADIENTS] == 11048
-    assert rep.at(2, "optimizer", "end")[C.OPTIMIZER_STATES] == 2 * 11048 + 4 * 4
-    assert rep.at(2, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert rep.breakdown(2, "backward", "end")[C.GRADIENTS] == 11048
+    assert rep.breakdown(2, "optimizer", "end")[C.OPTIMIZER_STATES] == 2 * 11048 + 4 * 4
+    assert rep.breakdown(2, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
 
 
 def test_tied_weights_with_optimizer_state_once():
@@ -102,7 +102,7 @@ def test_tied_weights_with_optimizer_state_once():
     # One 20x8 fp32 storage: 640 B of weights; Adam: 2 * 640 + one 4-byte step.
     assert rep.end[C.WEIGHTS] == 640
     assert rep.end[C.OPTIMIZER_STATES] == 2 * 640 + 4 == optimizer_state_bytes(opt)
-    assert rep.at(1, "backward", "end")[C.GRADIENTS] == 640
+    assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == 640
 
 
 def test_shared_module_called_twice():
@@ -123,11 +123,11 @@ def test_shared_module_called_twice():
     with memprof.profile(model) as prof:
         model(x).sum().backward()
     rep = prof.report()
-    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == expected
+    assert rep.breakdown(0, "forward", "end")[C.ACTIVATIONS] == expected
     mods = rep.modules()
     assert mods.loc["lin", "calls"] == 2
     # Gradients of both calls accumulate into one (16*16+16)*4 = 1088 B.
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == mods.loc["lin", "gradients"] == 1088
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == mods.loc["lin", "gradients"] == 1088
 
 
 def test_module_used_outside_the_model():
@@ -143,11 +143,11 @@ def test_module_used_outside_the_model():
     with memprof.profile(model) as prof:
         step().backward()
     rep = prof.report()
-    fwd = rep.at(0, "forward", "end")
+    fwd = rep.breakdown(0, "forward", "end")
     assert fwd[C.ACTIVATIONS] == expected  # counted in the totals...
     assert rep.modules().loc["<model>", "activations"] == 0  # ...but attributed to no module of the model
     assert fwd[C.WEIGHTS] == weight_bytes(model) == 1088  # ext's parameters are not the model's weights
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == 1088
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == 1088
     assert_sums(fwd)
 
 
@@ -177,7 +177,7 @@ def test_inplace_ops_and_views():
             model(x).sum().backward()
     counter.close()
     rep = prof.report()
-    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == expected
+    assert rep.breakdown(0, "forward", "end")[C.ACTIVATIONS] == expected
     assert rep.peak.total == counter.peak
 
 
@@ -199,7 +199,7 @@ def test_sparse_embedding_gradients(opt_name):
             opt.zero_grad()
     assert sparse_bytes == 32 + 256
     rep = prof.report()
-    assert rep.at(1, "backward", "end")[C.GRADIENTS] == sparse_bytes
+    assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == sparse_bytes
     # SparseAdam: dense exp_avg + exp_avg_sq (2 * 100*16*4 = 12800) + a step; SGD: nothing.
     assert rep.end[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt)
     # (SparseAdam keeps its step count as a Python int: no tensor.)
@@ -222,12 +222,12 @@ def test_gradient_kept_by_user_after_zero_grad_is_not_a_gradient():
     rep = prof.report()
     w = weight_bytes(model)
     assert unique_bytes(kept) == w
-    start = rep.at(1, "forward", "start")
+    start = rep.breakdown(1, "forward", "start")
     assert grad_bytes(model) == w  # the second backward's gradients
     # Before the second backward no parameter has a .grad: the kept tensors are ordinary ones.
     assert start[C.GRADIENTS] == 0
     assert start[C.TEMPORARIES] == w
-    assert rep.at(1, "backward", "end")[C.GRADIENTS] == w
+    assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == w
     del kept
 
 
@@ -256,9 +256,9 @@ def test_complex_and_integer_tensors():
             model(x).backward()
     counter.close()
     rep = prof.report()
-    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == expected
+    assert rep.breakdown(0, "forward", "end")[C.ACTIVATIONS] == expected
     assert rep.peak.total == counter.peak
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model) == 288
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model) == 288
 
 
 def test_two_optimizers_one_iteration_is_one_step():
@@ -319,7 +319,7 @@ def test_gradscaler_on_cpu_with_autocast():
     for s in prof.trace.steps:
         assert non_other(s) == [("forward", 0), ("backward", 0), ("optimizer", 0)]
     # Gradients have the parameters' dtype (fp32), not the autocast dtype.
-    assert rep.at(1, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
+    assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
     assert rep.trace.autocast_dtype == "bfloat16"
     assert hooks_left(model) == []
 
@@ -340,10 +340,10 @@ def test_autocast_bf16_weight_copies_are_activations():
         loss = fwd()
         loss.backward()
     rep = prof.report()
-    fwd_end = rep.at(0, "forward", "end")
+    fwd_end = rep.breakdown(0, "forward", "end")
     assert fwd_end[C.ACTIVATIONS] == expected
     assert fwd_end[C.WEIGHTS] == weight_bytes(model)  # the fp32 masters only
-    assert rep.at(0, "backward", "end")[C.ACTIVATIONS] == 0
+    assert rep.breakdown(0, "backward", "end")[C.ACTIVATIONS] == 0
 
 
 @pytest.mark.parametrize("ctx", ["no_grad", "inference_mode"])
@@ -355,7 +355,7 @@ def test_evaluation_without_grad(ctx):
         with manager():
             out = model(x)
     rep = prof.report()
-    bd = rep.at(0, "forward", "end")
+    bd = rep.breakdown(0, "forward", "end")
     assert bd[C.ACTIVATIONS] == 0 and bd[C.GRADIENTS] == 0
     assert bd[C.WEIGHTS] == weight_bytes(model)
     # BatchNorm1d(16): running_mean + running_var (16 fp32 each) + num_batches_tracked (int64)
@@ -383,8 +383,8 @@ def test_models_returning_tuples_and_dicts():
         a, d = model(x)
         (a.sum() + d["a"].sum() + d["b"][0].sum()).backward()
     rep = prof.report()
-    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == expected
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
+    assert rep.breakdown(0, "forward", "end")[C.ACTIVATIONS] == expected
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
     assert rep.modules().loc["<model>", "activations"] == expected
 
 
@@ -403,7 +403,7 @@ def test_dict_input_and_kwargs_are_inputs():
     with memprof.profile(model) as prof:
         model(batch, scale=scale).sum().backward()
     # x 4*8*4 = 128 B and the 0-dim fp32 scale (4 B)
-    assert prof.report().at(0, "forward", "end")[C.INPUTS] == 128 + 4
+    assert prof.report().breakdown(0, "forward", "end")[C.INPUTS] == 128 + 4
 
 
 def _thread_model():
@@ -455,7 +455,7 @@ def test_another_thread_is_not_attributed():
     assert together.trace.optimizer is None  # the other thread's Adam is not ours
 
 
-def test_light_mode_sees_what_the_model_saves_full_mode_also_the_loss():
+def test_light_mode_sees_what_the_model_saves_exact_mode_also_the_loss():
     model = MLP()
     x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
     # 2 ReLU results 16*64*4, log-softmax 16*10*4 = 640, total_weight 4
@@ -463,15 +463,15 @@ def test_light_mode_sees_what_the_model_saves_full_mode_also_the_loss():
     assert expected == 2 * 4096 + 640 + 4
     out = {}
     notes = {}
-    for mode in ("full", "light"):
+    for mode in ("exact", "light"):
         with memprof.profile(model, mode=mode) as prof:
             F.cross_entropy(model(x), y).backward()
-        out[mode] = prof.report().at(0, "forward", "end")
+        out[mode] = prof.report().breakdown(0, "forward", "end")
         notes[mode] = prof.trace.notes
-    assert out["full"][C.ACTIVATIONS] == expected
-    assert out["full"][C.INPUTS] == 16 * 32 * 4 + 16 * 8
+    assert out["exact"][C.ACTIVATIONS] == expected
+    assert out["exact"][C.INPUTS] == 16 * 32 * 4 + 16 * 8
     # memprof's saved-tensor pair is on the stack only inside the model's calls (so that torch.func
-    # and the user's own pairs work outside them). Full mode finds what the loss saved on the graph when
+    # and the user's own pairs work outside them). Exact mode finds what the loss saved on the graph when
     # backward starts; light mode sees no op and no graph, so it counts what the model saved: the two
     # ReLU results. It says so in a note.
     assert out["light"][C.ACTIVATIONS] == 2 * 4096
@@ -500,8 +500,8 @@ def test_torch_compile_model():
         eager[name] = rep
         assert rep.num_steps == 2
         assert_sums(rep.peak)
-        assert rep.at(1, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
-        assert rep.at(1, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
+        assert rep.breakdown(1, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+        assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
         assert hooks_left(model) == []
-    assert eager["compiled"].at(1, "forward", "end")[C.ACTIVATIONS] == eager["eager"].at(1, "forward", "end")[
+    assert eager["compiled"].breakdown(1, "forward", "end")[C.ACTIVATIONS] == eager["eager"].breakdown(1, "forward", "end")[
         C.ACTIVATIONS]

@@ -16,7 +16,7 @@ from torch import nn
 
 import memprof
 from memprof.vocabulary import Category
-from memprof.analyse.compare import Diff, diff
+from memprof import Diff, diff
 from memprof.errors import InvalidArgumentError, MemprofError, NotMeasuredError
 from memprof.render.html import frame_html, report_html
 from memprof.errors import MissingExtraError
@@ -39,7 +39,7 @@ class RootOps(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)) * 2)
 
 
-def _run_mlp(batch: int, steps: int = 2, mode: str = "full", timeline: bool = True) -> memprof.Report:
+def _run_mlp(batch: int, steps: int = 2, mode: str = "exact", timeline: bool = True) -> memprof.Report:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -100,7 +100,7 @@ def test_html_has_categories_and_not_measured_device_rows(mlp8):
     for name in ("allocator_overhead", "outside_torch"):
         row = _row(html, name)
         assert "not measured" in row and ">0 B<" not in row
-    assert "memprof report: 2 steps, mode full, device cpu" in html
+    assert "memprof report: 2 steps, mode exact, device cpu" in html
     assert "Phases" in html and "Top modules by saved activations" in html
     # Share bars: weights' width is its share of the peak, to one decimal.
     share = 100 * mlp8.peak[Category.WEIGHTS] / mlp8.peak.total
@@ -153,7 +153,7 @@ def _stacks(ax):
     return [c for c in ax.collections if (c.get_gid() or "").startswith("memprof-stack-")]
 
 
-def test_plot_timeline_full_mode(mlp8):
+def test_plot_timeline_exact_mode(mlp8):
     from matplotlib.figure import Figure
 
     fig = plot_timeline(mlp8)
@@ -344,7 +344,7 @@ def test_diff_unmatched_phases_paths_and_notes(mlp8, light8, tmp_path):
     with pytest.raises(InvalidArgumentError):
         diff(mlp8, 3)
     with pytest.raises(InvalidArgumentError):
-        diff(mlp8, mlp8, when="middle")
+        diff(mlp8, mlp8, at="middle")
     with pytest.raises(InvalidArgumentError):
         d.grew(tolerance=-1)
 

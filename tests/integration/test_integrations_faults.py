@@ -99,7 +99,7 @@ def test_cb_stop_after_a_failed_train_never_raises_when_the_save_fails(tmp_path,
 
 def test_a_report_that_cannot_be_built_is_a_warning_not_the_end_of_training(tmp_path, monkeypatch):
     from memprof.integrations.transformers import MemprofCallback
-    from memprof.collect.profiler import Profiler
+    from memprof.report.profiling import Profiler
 
     plain = _hf_train(tmp_path / "plain", [])
 
@@ -178,7 +178,7 @@ def _end_step_fails_at(monkeypatch, step):
     real = Profiler.end_step
 
     def end_step(self):
-        if self.phases.step == step:
+        if self.run.step == step:
             raise RuntimeError("memprof's own failure")
         real(self)
 

@@ -27,7 +27,7 @@ def _models():
     return {"gpt2": (gpt2, 2, 16), "llama-gqa": (llama, 2, 8)}  # model, kv heads, head dim
 
 
-def _generated(model, ids, new_tokens, mode="full"):
+def _generated(model, ids, new_tokens, mode="exact"):
     """The trace of a greedy generation of exactly ``new_tokens`` tokens after ``ids``, profiled."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -47,7 +47,7 @@ def _storage_sum(tensors):
     return total
 
 
-@pytest.mark.parametrize("mode", ["full", "light"])
+@pytest.mark.parametrize("mode", ["exact", "light"])
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
 def test_the_cache_at_the_end_of_generation_equals_the_formula_and_its_tensors(name, mode):
     model, kv_heads, head_dim = _models()[name]
@@ -138,7 +138,7 @@ def test_an_evaluation_loop_whose_outputs_carry_a_cache_stays_a_forward():
     # The training formula is untouched: the forward's activations have their per-module formula, and the
     # textbook counts training bytes/param (fp32 AdamW: 16).
     rec = rep.reconcile(at=(0, "forward", "end"))
-    assert rec.row("activations").formula > 0 and rec.textbook_bytes_per_param == 16.0
+    assert rec.row("activations").formula > 0 and rec.textbook.bytes_per_param == 16.0
 
 
 def test_a_long_generation_ends_with_its_cache():

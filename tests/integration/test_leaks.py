@@ -33,7 +33,7 @@ def _session(refs, mode):
 def test_hundred_sessions_leave_nothing_behind():
     refs: list = []
     for i in range(100):
-        _session(refs, "full" if i % 2 else "light")
+        _session(refs, "exact" if i % 2 else "light")
     gc.collect()
     assert all(r() is None for r in refs), sum(r() is not None for r in refs)
     assert not optmod._global_optimizer_pre_hooks and not optmod._global_optimizer_post_hooks
@@ -60,14 +60,14 @@ def _null_mode_session(refs, mode):
 def _heap_growth(session, warmup=30, n=50):
     refs: list = []
     for _ in range(warmup):  # fills torch's and memprof's caches (per-op kinds, dispatch caches)
-        session(refs, "full")
+        session(refs, "exact")
     refs.clear()
     gc.collect()
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
         for _ in range(n):
-            session(refs, "full")
+            session(refs, "exact")
         refs.clear()
         gc.collect()
         after = tracemalloc.take_snapshot()

@@ -75,7 +75,7 @@ def test_recorded_steps_are_exactly_those_of_a_fully_watched_run():
     assert [s.index for s in sampled.trace.steps] == [4, 5, 9]
     for step in sampled.trace.steps:
         for rec in step.phases:
-            full = every.at(step.index, rec.phase, "peak", occurrence=rec.occurrence)
+            full = every.breakdown(step.index, rec.phase, "peak", occurrence=rec.occurrence)
             assert rec.peak == full, (step.index, rec.phase)
     # The record counts only recorded steps: 3 of them, each with one forward.
     fwd = next(s for s in sampled.trace.phase_stats if s.phase.value == "forward")
@@ -161,10 +161,10 @@ def test_a_long_run_keeps_a_few_steps_in_full_and_every_step_in_the_statistics(t
     fwd = next(s for s in rep.trace.phase_stats if s.phase.value == "forward")
     assert fwd.count == 60
     # Steady state: from step 1 on every forward peaks at the same bytes; step 0 has no optimizer state.
-    steady = rep.at(59, "forward", "peak").total
+    steady = rep.breakdown(59, "forward", "peak").total
     assert fwd.at("peak", "total").median == fwd.at("peak", "total").max == steady
     with pytest.raises(NotMeasuredError, match="not kept in full"):
-        rep.at(30, "forward")
+        rep.breakdown(30, "forward")
     path = tmp_path / "run.json"
     rep.save(path)
     assert memprof.load(path).trace == rep.trace
@@ -255,7 +255,7 @@ def test_an_optimizer_not_passed_is_measured_from_the_first_window():
     rep = prof.report()
     assert [s.index for s in rep.trace.steps] == [3, 4]
     # At the first recorded forward, AdamW's state from the three unwatched steps is already counted.
-    start = rep.at(3, "forward", "start")
+    start = rep.breakdown(3, "forward", "start")
     assert start[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt)
 
 

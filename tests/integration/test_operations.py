@@ -40,7 +40,7 @@ def test_classes():
     assert classify(aten.gelu_backward.default) == ELEMENTWISE
 
 
-def test_operations_need_full_mode_and_the_flag():
+def test_operations_need_exact_mode_and_the_flag():
     model = torch.nn.Linear(4, 4)
     with memprof.profile(model) as prof:
         model(torch.randn(2, 4)).sum().backward()
@@ -48,7 +48,7 @@ def test_operations_need_full_mode_and_the_flag():
         prof.report().operations()
     with memprof.profile(model, mode="light", operations=True) as prof:
         F.relu(model(torch.randn(2, 4))).sum().backward()
-    assert any("operations=True needs mode='full'" in n for n in prof.trace.notes)
+    assert any("operations=True needs mode='exact'" in n for n in prof.trace.notes)
 
 
 def test_operations_round_trip_through_json(tmp_path):

@@ -123,7 +123,7 @@ def test_a_long_exception_message_is_cut_with_a_marker(tmp_path):
     t = dataclasses.replace(full_trace(), error=message, notes=(message,), live_at_error=cpu(weights=144),
                             oom=memprof.record.trace.OomRecord(message))
     path = tmp_path / "report.html"
-    memprof.Report(t).to_html(path)
+    memprof.Report(t).export_html(path)
     assert path.stat().st_size < 2 * 2**20
     page = path.read_text(encoding="utf-8")
     # 3,000,014 characters, 2,000 shown: the marker says how many more there are.
@@ -172,6 +172,6 @@ def test_a_live_trace_with_a_lone_surrogate_prints_and_saves(tmp_path, bad, caps
     report = _profiled(_named(bad, "b"))
     print(report)
     assert "\\ud" in capsys.readouterr().out
-    report.to_html(tmp_path / "r.html")
+    report.export_html(tmp_path / "r.html")
     report.save(tmp_path / "r.json")
     assert any("\ufffd" in m.path for m in memprof.load(tmp_path / "r.json").trace.modules)

@@ -30,6 +30,7 @@ from memprof.collect import dispatch as storages_mod
 from memprof.collect.closing import Closing
 from memprof.collect.device import DeviceProbe
 from memprof.collect.ledger import Ledger
+from memprof.collect.frames import Frames
 from memprof.collect.modules import ModuleTracker
 from memprof.collect.oom import OomDump
 from memprof.collect.optimizer import OptimizerTracker
@@ -38,7 +39,10 @@ from memprof.collect.phases import PhaseTracker
 from memprof.collect.saved_hooks import SavedHooks
 from memprof.collect.dispatch import DispatchMode, StorageTracker
 from memprof.collect.undo import UndoStack
+from memprof.collect.timeline import Timeline
 from memprof.collect.windows import Windows
+from memprof.collect import wiring as wiring_mod
+from memprof.collect.wiring import Collectors
 
 from helpers import hook_registry, weight_bytes
 from models import MLP
@@ -58,20 +62,22 @@ class Faulty(MLP):
 
 # Where each step runs: "enter" steps are patched before the block, "exit" steps at the end of its body.
 ENTER_STEPS = [
-    (profiler_mod, "pop_orphans"), (profiler_mod, "pop_orphan_modes"), (profiler_mod, "StorageTracker"),
-    (profiler_mod, "PhaseTracker"), (profiler_mod, "ParamTracker"), (profiler_mod, "OptimizerTracker"),
-    (profiler_mod, "ModuleTracker"), (profiler_mod, "SavedTracker"), (profiler_mod, "CacheTracker"),
-    (profiler_mod, "rank_info"), (profiler_mod, "sharding"), (profiler_mod, "UndoStack"),
-    (Profiler, "_setup"), (Profiler, "register_existing"), (OptimizerTracker, "start"), (PhaseTracker, "start"),
+    (profiler_mod, "pop_orphans"), (profiler_mod, "pop_orphan_modes"), (wiring_mod, "StorageTracker"),
+    (wiring_mod, "PhaseTracker"), (wiring_mod, "ParamTracker"), (wiring_mod, "OptimizerTracker"),
+    (wiring_mod, "ModuleTracker"), (wiring_mod, "SavedTracker"), (wiring_mod, "CacheTracker"),
+    (wiring_mod, "rank_info"), (wiring_mod, "sharding"), (wiring_mod, "Timeline"), (wiring_mod, "ModuleTable"),
+    (wiring_mod, "Capture"), (wiring_mod, "Frames"), (wiring_mod, "GraphSaves"), (profiler_mod, "UndoStack"),
+    (Profiler, "_setup"), (profiler_mod, "wire"), (wiring_mod, "build"), (wiring_mod, "install"),
+    (Collectors, "register_existing"), (OptimizerTracker, "start"), (PhaseTracker, "start"),
     (ModuleTracker, "adopt"), (ParamTracker, "adopt"), (StorageTracker, "add_tensor"),
-    (StorageTracker, "install"), (PhaseTracker, "sample"), (DeviceProbe, "start_light"), (Windows, "start"),
+    (StorageTracker, "install"), (Timeline, "sample"), (DeviceProbe, "start_light"), (Windows, "start"),
     (OomDump, "start"), (optim_mod, "register_optimizer_step_pre_hook"),
     (optim_mod, "register_optimizer_step_post_hook"), (module_mod, "register_module_parameter_registration_hook"),
     (module_mod, "register_module_module_registration_hook"), (storages_mod, "DispatchMode"),
 ]
 # Steps that only undo: made to raise once (an interrupt); each is run once more and finishes.
 UNDO_STEPS = [
-    (RemovableHandle, "remove"), (ModuleTracker, "remove_hooks"), (Profiler, "_close_saved_hooks"),
+    (RemovableHandle, "remove"), (Frames, "remove_hooks"), (Collectors, "close_saved_hooks"),
     (SavedHooks, "close"), (StorageTracker, "uninstall"), (storages_mod, "pop_from_beneath"), (OomDump, "stop"),
     (UndoStack, "close"), (Closing, "teardown"), (Profiler, "_release"), (Ledger, "close"), (Closing, "close_ledger"),
 ]
@@ -86,7 +92,7 @@ RECORD_STEPS = [
 
 
 # Steps one mode never runs.
-NOT_IN_MODE = {("full", (DeviceProbe, "start_light"))} | {
+NOT_IN_MODE = {("exact", (DeviceProbe, "start_light"))} | {
     ("light", s) for s in ((StorageTracker, "install"), (storages_mod, "DispatchMode"), (StorageTracker, "uninstall"),
                            (storages_mod, "pop_from_beneath"))}
 
@@ -148,8 +154,8 @@ def _a_new_profile_measures(model, opt, x, y, mode):
     before = hook_registry(model, [opt], [x, y])
     with memprof.profile(model, opt, mode=mode) as again:
         _train(model, opt, x, y)
-    assert again.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
-    assert again.report().at(0, "forward", "end")[C.ACTIVATIONS] > 0
+    assert again.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert again.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] > 0
     assert hook_registry(model, [opt], [x, y]) == before
 
 
@@ -215,8 +221,8 @@ def _variants(step, phase):
 
 # Light mode starts and ends differently in these (no dispatch mode, the allocator's counters).
 LIGHT_TOO = {(DeviceProbe, "start_light"), (Profiler, "_setup"), (Closing, "teardown"), (UndoStack, "close"),
-             (closing_mod, "build_trace"), (Profiler, "live_now"), (ModuleTracker, "remove_hooks")}
-CASES = [("full", "enter", s) for s in ENTER_STEPS] + [("full", "exit", s) for s in UNDO_STEPS + RECORD_STEPS]
+             (closing_mod, "build_trace"), (Profiler, "live_now"), (Frames, "remove_hooks")}
+CASES = [("exact", "enter", s) for s in ENTER_STEPS] + [("exact", "exit", s) for s in UNDO_STEPS + RECORD_STEPS]
 CASES += [("light", phase, s) for _m, phase, s in CASES if s in LIGHT_TOO]
 
 
@@ -263,7 +269,7 @@ def test_an_exception_that_cannot_be_printed_comes_through_unchanged(error_type)
     assert prof.trace.error == f"{error_type.__name__}: <its message could not be read: str() raised ValueError>"
     assert prof.trace.live_at_error[C.WEIGHTS] == weight_bytes(model)
     _a_new_profile_measures(model, torch.optim.SGD(model.parameters(), lr=0.1), x, torch.randint(0, 10, (4,)),
-                            "full")
+                            "exact")
 
 
 def test_a_setup_error_that_cannot_be_printed_comes_through_unchanged():
@@ -298,7 +304,7 @@ def test_an_optimizer_that_fails_to_describe_itself_with_an_unprintable_error_le
         model(x).sum().backward()
         opt.step()
     rep = prof.report()
-    assert rep.at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert rep.breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
     assert "could not record Odd for its formula: Unprintable: <its message could not be read: str() raised " \
            "ValueError>" in rep.trace.notes
 
@@ -318,7 +324,7 @@ def test_a_saved_tensor_pack_whose_name_cannot_be_read_still_trains():
         with torch.autograd.graph.saved_tensors_hooks(Pack(), lambda t: t):
             model(x).sum().backward()
     assert any("saved_tensors_hooks of your own were active (Pack)" in n for n in prof.trace.notes)
-    assert prof.report().at(0, "forward", "end")[C.ACTIVATIONS] == 2 * 4 * 64 * 4  # the two ReLU outputs
+    assert prof.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] == 2 * 4 * 64 * 4  # the two ReLU outputs
 
 
 # ------------------------------------------------------------------ memprof's own failures, the user's callback
@@ -335,7 +341,7 @@ def test_a_failure_of_memprof_at_exit_is_a_warning_and_a_note_and_the_record_sta
                 raise err
     assert fired == [1] and info.value is err
     assert any("memprof failed while recording what was live at the error" in n for n in prof.trace.notes)
-    assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
 
 
 def test_a_failure_to_build_the_record_says_so_when_it_is_read(monkeypatch):
@@ -368,7 +374,7 @@ def test_on_trace_ready_raising_at_the_end(body_raises):
     assert info.value is (body if body_raises else theirs)
     model.zero_grad(set_to_none=True)
     assert hook_registry(model, tensors=[x]) == before
-    assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
     assert body_raises == any("on_trace_ready" in str(w.message) for w in caught)
 
 
@@ -382,7 +388,7 @@ def test_an_interrupt_while_closing_is_raised_after_everything_is_removed(monkey
     assert fired == [1]
     model.zero_grad(set_to_none=True)
     assert hook_registry(model, tensors=[x]) == before
-    assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
 
 
 @pytest.mark.parametrize("step", UNDO_STEPS + RECORD_STEPS, ids=lambda s: f"{getattr(s[0], '__name__', s[0])}.{s[1]}")
@@ -391,7 +397,7 @@ def test_stop_closes_as_leaving_the_block_does_when_a_step_is_interrupted(monkey
     everything is removed. Either way nothing stays installed and the thread can profile again."""
     fired = 0
     for error in (None, UsersOom("the user's")):
-        model, opt, x, y, prof = _world("full", tmp_path)
+        model, opt, x, y, prof = _world("exact", tmp_path)
         before = hook_registry(model, [opt], [x, y])
         armed = _arm_at_exit(monkeypatch)
         # Patched before the start: the undo stack holds the methods it was given then.

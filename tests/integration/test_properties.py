@@ -147,7 +147,7 @@ def run(spec, profiled):
         raise AssertionError("every generated stack has parameters")
     counter = LiveBytes(list(model.parameters()) + list(model.buffers()) + [x, target])
     with counter:
-        with memprof.profile(model, opt, mode="full") as prof:
+        with memprof.profile(model, opt, mode="exact") as prof:
             losses = body(prof)
     counter.close()
     figures["live_peak"] = counter.peak
@@ -193,19 +193,19 @@ def test_random_stacks_are_exact_and_change_nothing(spec):
     # Model states equal independent sums.
     w, b = weight_bytes(model), buffer_bytes(model)
     for step in (0, 1):
-        end = rep.at(step, "forward", "end")
+        end = rep.breakdown(step, "forward", "end")
         assert end[C.WEIGHTS] == w and end[C.BUFFERS] == b
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == f1["grads"] == w
-    assert rep.at(0, "optimizer", "end")[C.OPTIMIZER_STATES] == f1["states"]
-    assert rep.at(1, "optimizer", "end")[C.OPTIMIZER_STATES] == f1["states"]
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == f1["grads"] == w
+    assert rep.breakdown(0, "optimizer", "end")[C.OPTIMIZER_STATES] == f1["states"]
+    assert rep.breakdown(1, "optimizer", "end")[C.OPTIMIZER_STATES] == f1["states"]
     assert tr.end[C.GRADIENTS] == 0
 
     # Saved activations at the end of forward equal an independent saved-tensor count of the
     # same computation (model + loss), parameters and the two inputs excluded.
     expected = saved_activation_bytes(lambda: loss_fn(model(x), target),
                                       list(model.parameters()) + list(model.buffers()) + [x, target])
-    assert rep.at(1, "forward", "end")[C.ACTIVATIONS] == expected
-    assert rep.at(1, "backward", "end")[C.ACTIVATIONS] == 0
+    assert rep.breakdown(1, "forward", "end")[C.ACTIVATIONS] == expected
+    assert rep.breakdown(1, "backward", "end")[C.ACTIVATIONS] == 0
 
 
 @settings(max_examples=10, deadline=None)
@@ -223,8 +223,8 @@ def test_random_stacks_light_mode_model_states(spec):
             opt.step()
             opt.zero_grad()
     rep = prof.report()
-    end = rep.at(1, "optimizer", "end")
+    end = rep.breakdown(1, "optimizer", "end")
     assert end[C.WEIGHTS] == weight_bytes(model) == weight_bytes(ref)
     assert end[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt)
-    assert rep.at(1, "backward", "end")[C.GRADIENTS] == g
+    assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == g
     assert end[C.TEMPORARIES] is None and end.total is None  # CPU light mode: not measured, never 0

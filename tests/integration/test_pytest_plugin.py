@@ -2,7 +2,7 @@
 
 Budgets are tested just under and just over the limit: the limit is first
 measured here, in the outer test, with the same code the inner test runs. On
-CPU in full mode every figure is exact and repeatable, so "measured" passes
+CPU in exact mode every figure is exact and repeatable, so "measured" passes
 and "measured - 1 byte" fails, with no tolerance.
 """
 
@@ -24,17 +24,15 @@ import torch._dynamo  # noqa: F401
 
 import memprof
 from memprof.analyse.budget import (
-    BudgetNotMeasured,
     BudgetResult,
     Judged,
-    MemoryBudgetExceeded,
-    MemoryGrewError,
     check_budget,
     compare_to_baseline,
     parse_budgets,
     parse_tolerance,
 )
-from memprof.errors import InvalidArgumentError, MemprofError, SizeParseError, UnknownNameError
+from memprof.errors import (BudgetNotMeasured, InvalidArgumentError, MemoryBudgetExceeded, MemoryGrewError,
+                            MemprofError, SizeParseError, UnknownNameError)
 from memprof.pytest_plugin import report_file_names
 from memprof.record.trace import Breakdown
 
@@ -67,7 +65,7 @@ WEIGHTS = (8 * 16 + 16 + 16 * 4 + 4) * 4  # 848 B
 ADAM_STATES = 2 * WEIGHTS + 4 * 4  # 1712 B
 
 
-def _measure(mode="full"):
+def _measure(mode="exact"):
     ns: dict = {}
     exec(STEP, ns)
     model, opt = ns["make"]()
@@ -95,7 +93,7 @@ def _outcomes(rec):
     return out
 
 
-def _inner_test(name, marker, body="run_step(model, opt)", mode="full"):
+def _inner_test(name, marker, body="run_step(model, opt)", mode="exact"):
     marker_line = f"@pytest.mark.memory_budget({marker})\n" if marker is not None else ""
     return (
         f"\n{marker_line}def {name}(memory_profile):\n"
@@ -138,8 +136,8 @@ def test_budgets_pass_at_the_measured_figure_and_fail_one_byte_below(pytester, r
     states_end = rep.end["optimizer_states"]  # 1712 B
     _write(
         pytester, "test_inner",
-        _inner_test("test_peak_under", f"peak={peak}"),
-        _inner_test("test_peak_over", f"peak={peak - 1}"),
+        _inner_test("test_peak_under", f"total={peak}"),
+        _inner_test("test_peak_over", f"total={peak - 1}"),
         _inner_test("test_category_under", f"gradients='{grads} B'"),
         _inner_test("test_category_over", f"gradients={grads - 1}"),
         _inner_test("test_end_under", f"optimizer_states={states_end}, at='end'"),
@@ -198,17 +196,17 @@ def test_closest_marker_wins_per_name(pytester):
 
 def test_nothing_measured_fails(pytester):
     pytester.makepyfile(test_inner="import pytest\n" + STEP + textwrap.dedent('''
-        @pytest.mark.memory_budget(peak="1 GiB")
+        @pytest.mark.memory_budget(total="1 GiB")
         def test_no_fixture():
             model, opt = make()
             run_step(model, opt)
 
-        @pytest.mark.memory_budget(peak="1 GiB")
+        @pytest.mark.memory_budget(total="1 GiB")
         def test_never_entered(memory_profile):
             model, opt = make()
             memory_profile(model, opt)
 
-        @pytest.mark.memory_budget(peak="1 GiB")
+        @pytest.mark.memory_budget(total="1 GiB")
         def test_no_step(memory_profile):
             model, opt = make()
             with memory_profile(model, opt):
@@ -233,7 +231,7 @@ def test_budget_on_unmeasured_category_fails(pytester):
     _write(
         pytester, "test_inner",
         _inner_test("test_light_temporaries", "temporaries='1 GiB'", mode="light"),
-        _inner_test("test_light_peak", "peak='1 GiB'", mode="light"),
+        _inner_test("test_light_peak", "total='1 GiB'", mode="light"),
         _inner_test("test_light_weights", f"weights={WEIGHTS}", mode="light"),
         _inner_test("test_allocator_overhead_on_cpu", "allocator_overhead='1 GiB'"),
     )
@@ -249,16 +247,16 @@ def test_budget_on_unmeasured_category_fails(pytester):
 def test_bad_marker_values_fail_quoting_them(pytester):
     _write(
         pytester, "test_inner",
-        _inner_test("test_bad_size", "peak='1.5 GB-ish'"),
+        _inner_test("test_bad_size", "total='1.5 GB-ish'"),
         _inner_test("test_bad_unit", "activations='3 parsecs'"),
         _inner_test("test_negative", "weights=-1"),
-        _inner_test("test_unknown_name", "total='1 GiB'"),
+        _inner_test("test_unknown_name", "peak='1 GiB'"),
         _inner_test("test_positional", "'1 GiB'"),
         _inner_test("test_bad_at", "weights='1 GiB', at='start'"),
     )
     pytester.makepyfile(test_unmeasured_bad="""
         import pytest
-        @pytest.mark.memory_budget(peak="lots")
+        @pytest.mark.memory_budget(total="lots")
         def test_bad_size_nothing_measured():
             pass
     """)
@@ -267,7 +265,7 @@ def test_bad_marker_values_fail_quoting_them(pytester):
     assert "'1.5 GB-ish'" in out["test_bad_size"][1]
     assert "'3 parsecs'" in out["test_bad_unit"][1] and "unknown unit" in out["test_bad_unit"][1]
     assert "weights=-1" in out["test_negative"][1] and "negative" in out["test_negative"][1]
-    assert "'total'" in out["test_unknown_name"][1] and "optimizer_states" in out["test_unknown_name"][1]
+    assert "'peak'" in out["test_unknown_name"][1] and "optimizer_states" in out["test_unknown_name"][1]
     assert "keyword arguments only" in out["test_positional"][1]
     assert "'start'" in out["test_bad_at"][1]
     # The size is reported even when nothing was measured: the marker is checked first.
@@ -276,7 +274,7 @@ def test_bad_marker_values_fail_quoting_them(pytester):
 
 def test_a_failing_body_is_reported_as_itself(pytester):
     _write(pytester, "test_inner",
-           _inner_test("test_raises", "peak=1", body="run_step(model, opt)\n    raise ValueError('boom')"))
+           _inner_test("test_raises", "total=1", body="run_step(model, opt)\n    raise ValueError('boom')"))
     out = _outcomes(pytester.inline_run())
     assert out["test_raises"][0] == "failed"
     assert "ValueError: boom" in out["test_raises"][1]
@@ -511,12 +509,12 @@ def test_file_names_are_unique_and_reversible(ids):
 
 
 def test_check_budget_passes_at_the_figure_and_returns_what_it_judged(rep):
-    result = check_budget(rep, peak=rep.peak.total, gradients=WEIGHTS, buffers=0, activations=0)
+    result = check_budget(rep, total=rep.peak.total, gradients=WEIGHTS, buffers=0, activations=0)
     assert isinstance(result, BudgetResult) and result.at == "peak"
-    assert list(result) == ["peak", "gradients", "buffers", "activations"]
+    assert list(result) == ["total", "gradients", "buffers", "activations"]
     assert result["gradients"] == Judged(848, 848) == (848, 848)
     assert result[memprof.Category.GRADIENTS].headroom == 0
-    assert result["peak"] == (rep.peak.total, rep.peak.total)
+    assert result["total"] == (rep.peak.total, rep.peak.total)
 
 
 def test_check_budget_units(rep):
@@ -533,10 +531,10 @@ def test_check_budget_units(rep):
 
 def test_check_budget_overrun_message_and_attributes(rep):
     with pytest.raises(MemoryBudgetExceeded) as info:
-        check_budget(rep, peak=rep.peak.total - 1, weights=WEIGHTS - 8, gradients="1 MiB")
+        check_budget(rep, total=rep.peak.total - 1, weights=WEIGHTS - 8, gradients="1 MiB")
     exc = info.value
     assert isinstance(exc, AssertionError) and isinstance(exc, MemprofError)
-    assert set(exc.overruns) == {"peak", "weights"}
+    assert set(exc.overruns) == {"total", "weights"}
     assert exc.overruns["weights"] == (840, 848)
     text = str(exc)
     assert text.startswith("memory budget exceeded (2 of 3 budget(s)):")
@@ -552,8 +550,8 @@ def test_check_budget_at_end(rep):
     check_budget(rep, at="end", optimizer_states=ADAM_STATES, gradients=0)
     with pytest.raises(MemoryBudgetExceeded, match="optimizer_states at the end: measured 1.7 KiB"):
         check_budget(rep, at="end", optimizer_states=ADAM_STATES - 1)
-    # peak= is the session's peak total whatever `at` says.
-    assert check_budget(rep, at="end", peak=rep.peak.total)["peak"].measured == rep.peak.total > rep.end.total
+    # total= is the session's peak total whatever `at` says.
+    assert check_budget(rep, at="end", total=rep.peak.total)["total"].measured == rep.peak.total > rep.end.total
     with pytest.raises(InvalidArgumentError, match="'start'"):
         check_budget(rep, at="start", weights=1)
 
@@ -581,23 +579,23 @@ def test_check_budget_bad_sizes(rep, value, words):
 
 
 def test_check_budget_bad_names_and_arguments(rep):
-    with pytest.raises(UnknownNameError, match=r"'total'.*peak, weights.*optimizer_states"):
-        check_budget(rep, total="1 GiB")
+    with pytest.raises(UnknownNameError, match=r"'peak'.*total, weights.*optimizer_states"):
+        check_budget(rep, peak="1 GiB")
     with pytest.raises(UnknownNameError, match="'activation'"):
         check_budget(rep, activation=1)
     with pytest.raises(InvalidArgumentError, match="no budget"):
         check_budget(rep)
     with pytest.raises(InvalidArgumentError, match="needs a memprof.Report"):
-        check_budget(rep.trace, peak=1)
-    assert parse_budgets(peak="1 KiB", Activations="1 kB") == {"peak": 1024, "activations": 1000}
+        check_budget(rep.trace, total=1)
+    assert parse_budgets(total="1 KiB", Activations="1 kB") == {"total": 1024, "activations": 1000}
 
 
 def test_check_budget_refuses_what_was_not_measured(rep, light_rep):
     assert light_rep.peak["temporaries"] is None and light_rep.peak.total is None
-    for kwargs in ({"temporaries": "1 GiB"}, {"peak": "1 GiB"}):
+    for kwargs in ({"temporaries": "1 GiB"}, {"total": "1 GiB"}):
         with pytest.raises(BudgetNotMeasured, match="not measured in this run") as info:
             check_budget(light_rep, **kwargs)
-        assert isinstance(info.value, memprof.NotMeasuredError)
+        assert isinstance(info.value, memprof.errors.NotMeasuredError)
     check_budget(light_rep, weights=WEIGHTS, gradients=WEIGHTS)  # walked from the model: measured
     with pytest.raises(BudgetNotMeasured, match="only on an accelerator"):
         check_budget(rep, outside_torch="1 GiB")
@@ -609,17 +607,17 @@ def test_check_budget_refuses_what_was_not_measured(rep, light_rep):
 
 def test_check_budget_refuses_a_profile_without_steps():
     model = torch.nn.Linear(2, 2)
-    with memprof.profile(model, mode="full") as prof:
+    with memprof.profile(model, mode="exact") as prof:
         pass
     with pytest.raises(BudgetNotMeasured, match="recorded no step"):
-        check_budget(prof.report(), peak="1 GiB")
+        check_budget(prof.report(), total="1 GiB")
 
 
 def test_check_budget_on_a_loaded_report(rep, tmp_path):
     rep.save(tmp_path / "r.json")
     loaded = memprof.load(tmp_path / "r.json")
-    assert dict(check_budget(loaded, peak=rep.peak.total, weights=WEIGHTS)) == dict(
-        check_budget(rep, peak=rep.peak.total, weights=WEIGHTS))
+    assert dict(check_budget(loaded, total=rep.peak.total, weights=WEIGHTS)) == dict(
+        check_budget(rep, total=rep.peak.total, weights=WEIGHTS))
 
 
 # ---------------------------------------------------------------------------- baselines directly
@@ -664,7 +662,7 @@ def test_compare_to_baseline_skips_unmeasured(rep, light_rep):
     assert compare_to_baseline(light_rep, rep) == ()
 
 
-def test_a_gpu_budget_is_guarded_by_a_simulation_on_the_cpu(pytester):
+def test_a_gpu_budget_is_guarded_by_an_estimate_on_the_cpu(pytester):
     # The same step simulated for a CUDA target: 4 parameter tensors, each rounded up to the caching
     # allocator's 512-byte blocks, so weights are 4 * 512 = 2,048 B there (848 B on the CPU).
     est = memprof.estimate(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
@@ -673,28 +671,28 @@ def test_a_gpu_budget_is_guarded_by_a_simulation_on_the_cpu(pytester):
     assert est.trace.peak["weights"] == 4 * 512
     sim = (
         "    model, _ = make()\n"
-        "    memory_profile.simulate(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), inputs=torch.randn(4, 8))\n"
+        "    memory_profile.estimate(model, lambda ps: torch.optim.Adam(ps, lr=1e-3), inputs=torch.randn(4, 8))\n"
     )
     pytester.makepyfile(test_inner="import pytest\n" + STEP + f'''
-@pytest.mark.memory_budget(peak={peak}, simulate="cuda")
+@pytest.mark.memory_budget(total={peak}, estimate="cuda")
 def test_fits(memory_profile):
 {sim}
 
-@pytest.mark.memory_budget(peak={peak - 1}, simulate="cuda")
+@pytest.mark.memory_budget(total={peak - 1}, estimate="cuda")
 def test_one_byte_over(memory_profile):
 {sim}
 
-@pytest.mark.memory_budget(weights="2 KiB", simulate="cuda")
+@pytest.mark.memory_budget(weights="2 KiB", estimate="cuda")
 def test_weights_in_cuda_blocks(memory_profile):
 {sim}
 
-@pytest.mark.memory_budget(peak="1 GiB", simulate="cuda")
+@pytest.mark.memory_budget(total="1 GiB", estimate="cuda")
 def test_measured_instead(memory_profile):
     model, opt = make()
     with memory_profile(model, opt):
         run_step(model, opt)
 
-@pytest.mark.memory_budget(peak="1 GiB", simulate="tpu")
+@pytest.mark.memory_budget(total="1 GiB", estimate="tpu")
 def test_unknown_device(memory_profile):
 {sim}
 ''')
@@ -703,16 +701,16 @@ def test_unknown_device(memory_profile):
         "test_fits": "passed", "test_one_byte_over": "failed", "test_weights_in_cuda_blocks": "passed",
         "test_measured_instead": "failed", "test_unknown_device": "failed"}
     assert "over by 1 B" in out["test_one_byte_over"][1]
-    assert "memory_profile.simulate(model, optimizer, inputs=...) instead of measuring it" in out["test_measured_instead"][1]
-    assert "simulate must be 'cuda' or 'cpu'" in out["test_unknown_device"][1]
+    assert "memory_profile.estimate(model, optimizer, inputs=...) instead of measuring it" in out["test_measured_instead"][1]
+    assert "estimate must be 'cuda' or 'cpu'" in out["test_unknown_device"][1]
 
 
-def test_a_simulated_device_may_be_spelled_with_its_index(pytester):
+def test_an_estimated_device_may_be_spelled_with_its_index(pytester):
     pytester.makepyfile(test_inner="import pytest\n" + STEP + '''
-@pytest.mark.memory_budget(peak="1 GiB", simulate="cuda")
+@pytest.mark.memory_budget(total="1 GiB", estimate="cuda")
 def test_cuda_1(memory_profile):
     model, _ = make()
-    memory_profile.simulate(model, None, inputs=torch.randn(4, 8), device="cuda:1")
+    memory_profile.estimate(model, None, inputs=torch.randn(4, 8), device="cuda:1")
 ''')
     out = _outcomes(pytester.inline_run("-p", "no:cacheprovider"))
     assert out["test_cuda_1"][0] == "passed", out["test_cuda_1"][1]

@@ -12,7 +12,7 @@ from torch import nn
 
 import memprof
 from memprof.cli import main
-from memprof import MergeError
+from memprof.errors import MergeError
 from memprof.record.parts import Breakdown, RankInfo
 
 
@@ -205,15 +205,16 @@ def test_a_merge_of_unmeasured_peaks_names_no_worst_rank():
 
 
 def test_a_budget_is_judged_on_every_rank():
-    from memprof import MemoryBudgetExceeded, check_budget
+    from memprof import check_budget
+    from memprof.errors import MemoryBudgetExceeded
 
     reports = _ranks([0, 5000, 1000])
     merged = memprof.merge(reports)
     base = reports[0].peak.total
     # Within budget on every rank: the result is the worst rank's (rank 1, base + 5000 bytes).
-    assert check_budget(merged, peak=base + 5000)["peak"].measured == base + 5000
+    assert check_budget(merged, total=base + 5000)["total"].measured == base + 5000
     with pytest.raises(MemoryBudgetExceeded, match=r"rank\(s\) 1, 2 of 3 over budget"):
-        check_budget(merged, peak=base + 500)
+        check_budget(merged, total=base + 500)
 
 
 @pytest.mark.parametrize("gabv", [False, True], ids=["buckets", "gradient_as_bucket_view"])

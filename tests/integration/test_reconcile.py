@@ -70,7 +70,7 @@ def test_frame_and_text():
     rep = run(model, torch.optim.AdamW(model.parameters()), batch, loss_fn)
     rec = rep.reconcile()
     frame = rec.to_frame()
-    assert list(frame.columns) == ["formula", "simulated", "measured", "gap", "gap_pct"]
+    assert list(frame.columns) == ["formula", "estimate", "measured", "gap", "gap_pct"]
     assert list(frame.index) == [c.value for c in C] + ["total"]
     assert frame.loc["allocator_overhead"].isna().all()  # CPU: no device rows
     assert frame.loc["weights", "measured"] == weight_bytes(model)
@@ -124,7 +124,7 @@ def test_megatron_block_activations_within_one_percent():
     with memprof.profile(layer := Layer()) as prof:
         layer(x).float().sum().backward()
     rep = prof.report()
-    measured = rep.at(0, "forward", "end")[C.ACTIVATIONS]
+    measured = rep.breakdown(0, "forward", "end")[C.ACTIVATIONS]
     formula = transformer_layer_activations(s, b, h, a)  # sbh(34 + 5as/h) = 65,536 * 44 = 2,883,584
     assert formula == 2_883_584
     # Exactly the measurement in docs/anatomy.md#measured-saved-tensors-per-block (torch 2.13, CPU; the .float()
@@ -214,7 +214,7 @@ def test_estimate_matches_measurement(name):
     with memprof.profile(model, opt) as prof:
         train(model, opt, x, y, loss_fn)
     measured = prof.report().peak
-    sim = est.simulated
+    sim = est.peak
     assert abs(sim.total - measured.total) / measured.total < 0.01
     for cat in (C.WEIGHTS, C.OPTIMIZER_STATES, C.ACTIVATIONS):
         assert sim[cat] == measured[cat], cat
@@ -227,8 +227,8 @@ def test_estimate_says_when_a_cpu_kernel_keeps_more_than_the_simulation():
     assert any("oneDNN" in n for n in est.notes)
     with memprof.profile(model) as prof:
         loss_fn(model(x), y).backward()
-    measured = prof.report().at(0, "forward", "end")[C.ACTIVATIONS]
-    simulated = est.report().at(0, "forward", "end")[C.ACTIVATIONS]
+    measured = prof.report().breakdown(0, "forward", "end")[C.ACTIVATIONS]
+    simulated = est.report().breakdown(0, "forward", "end")[C.ACTIVATIONS]
     assert simulated < measured  # the note is needed: the gap is real, and in this direction
 
 
@@ -250,8 +250,8 @@ def test_meta_estimate_of_a_large_model_uses_no_real_memory():
     grown = rss() - before
     # fp32 weights alone would be 3.5 GB; the process grew by less than 200 MB.
     assert grown < 200 * 2**20
-    assert est.simulated[C.WEIGHTS] == 4 * n  # 4 B/param; every block rounds to 512 B and these are multiples of it
-    assert est.simulated[C.OPTIMIZER_STATES] == 8 * n  # exp_avg + exp_avg_sq; step counters live on the host
+    assert est.peak[C.WEIGHTS] == 4 * n  # 4 B/param; every block rounds to 512 B and these are multiples of it
+    assert est.peak[C.OPTIMIZER_STATES] == 8 * n  # exp_avg + exp_avg_sq; step counters live on the host
 
 
 def test_max_batch_size_is_verified_by_simulation():

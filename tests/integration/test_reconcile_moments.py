@@ -1,4 +1,4 @@
-"""reconcile(at=...) takes any moment Report.at names: (step, phase, "start"|"peak"|"end"[, occurrence])."""
+"""reconcile(at=...) takes any moment Report.breakdown names: (step, phase, "start"|"peak"|"end"[, occurrence])."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def report():
 
 def test_the_end_of_forward_is_held_against_the_activation_formula(report):
     rec = report.reconcile(at=(-1, "forward", "end"))
-    # The measured side is exactly what Report.at reads for that moment.
-    assert rec.row("activations").measured == report.at(-1, "forward", "end")[C.ACTIVATIONS]
+    # The measured side is exactly what Report.breakdown reads for that moment.
+    assert rec.row("activations").measured == report.breakdown(-1, "forward", "end")[C.ACTIVATIONS]
     assert rec.where == "end of forward (step 1)"
     # Inside forward the activation formula applies; in the optimizer step no graph is alive.
     assert rec.row("activations").formula > 0
@@ -44,7 +44,7 @@ def test_nothing_is_saved_when_a_forward_begins(report):
 def test_every_moment_of_a_phase_and_its_occurrence(report):
     for moment in ("start", "peak", "end"):
         rec = report.reconcile(at=(0, "backward", moment, 0))
-        assert rec.row("weights").measured == report.at(0, "backward", moment)[C.WEIGHTS]
+        assert rec.row("weights").measured == report.breakdown(0, "backward", moment)[C.WEIGHTS]
 
 
 @pytest.mark.parametrize("bad, error, words", [

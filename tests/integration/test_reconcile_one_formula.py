@@ -68,7 +68,7 @@ def test_at_every_moment_the_formula_holds_the_weights_torch_holds_and_the_textb
         assert rec.textbook.breakdown[C.WEIGHTS] == fp32 + 2 * n, at  # HF: 4 + 2 B/param = 6 x 8,320 = 49,920
         named = {(c.category, c.name): c.bytes for c in rec.textbook.causes}
         assert named == {(C.WEIGHTS, "no persistent 16-bit copy"): -2 * n}, at  # -16,640 B
-        assert (rec.textbook_bytes_per_param, rec.formula_bytes_per_param) == (18, 16)
+        assert (rec.textbook.bytes_per_param, rec.textbook.formula_bytes_per_param) == (18, 16)
 
 
 def test_the_printed_tables_show_the_textbook_figure_and_its_cause_in_exact_bytes():

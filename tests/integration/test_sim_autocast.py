@@ -163,7 +163,7 @@ class _MLP(nn.Module):
 
 def _measured(model, x, autocast):
     opt = torch.optim.AdamW(model.parameters())
-    with memprof.profile(model, opt, mode="full") as prof:
+    with memprof.profile(model, opt, mode="exact") as prof:
         for _ in range(2):
             with autocast():
                 loss = model(x)
@@ -189,7 +189,7 @@ def test_weight_casts_are_cached_and_saved_as_a_real_autocast_run_keeps_them():
         model, x = _MLP(), torch.empty(16, 32)
     opt = torch.optim.AdamW(model.parameters())
     emulated = CudaAutocast(torch.bfloat16)
-    prof = Profiler(model, opt, mode="full", timeline=False, _allow_meta=True, _fake_mode=fake)
+    prof = Profiler(model, opt, mode="exact", timeline=False, _allow_meta=True, _fake_mode=fake)
     with fake, prof, emulated:
         for _ in range(2):
             emulated.begin_forward()
@@ -314,7 +314,7 @@ def test_a_failed_estimate_leaves_no_emulated_autocast_behind():
             y = self.lin(x)
             return y * 2 if y.sum() > 0 else y
 
-    with pytest.raises(memprof.SimulationError):
+    with pytest.raises(memprof.errors.SimulationError):
         memprof.estimate(ReadsValues(), None, inputs=torch.randn(4, 16), device="cuda", precision="mixed")
     assert emulated_autocast_dtype() is None
     assert not torch.is_autocast_enabled("cuda")

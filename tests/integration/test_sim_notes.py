@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import memprof
-from memprof import SimulationError
+from memprof.errors import SimulationError
 
 
 @torch.library.custom_op("memprof_tests::double", mutates_args=())

@@ -26,7 +26,7 @@ from models import MLP
 # ------------------------------------------------------------------ the model trained in another thread
 
 
-@pytest.mark.parametrize("mode", ["full", "light"])
+@pytest.mark.parametrize("mode", ["exact", "light"])
 def test_a_model_trained_in_another_thread_has_no_per_module_figures_and_one_note(mode):
     model, x, y = MLP(), torch.randn(8, 32), torch.randint(0, 10, (8,))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -110,7 +110,7 @@ def test_after_a_profile_ended_elsewhere_this_threads_ops_no_longer_pass_through
     assert seen == [] and _memprof_modes() == []
     assert torch._C._len_torch_dispatch_stack() == depth
     assert z.item() == 6.0
-    assert prof.report().at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
 
 
 def test_stop_from_another_thread_raises_as_leaving_the_block_there_does_and_never_over_an_error():
@@ -132,7 +132,7 @@ def test_stop_from_another_thread_raises_as_leaving_the_block_there_does_and_nev
     with memprof.profile(model) as again:
         model(x).sum().backward()
     model.zero_grad(set_to_none=True)
-    assert again.report().at(0, "forward", "end")[C.ACTIVATIONS] > 0
+    assert again.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] > 0
     after = hook_registry(model, tensors=[x])
     # The inert modes the ends in other threads left here are gone (the new profile's start pops them).
     assert after.pop(("global", "dispatch modes")) == depth

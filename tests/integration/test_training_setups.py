@@ -60,9 +60,9 @@ def test_gradient_accumulation_is_one_step_with_several_passes():
         ]
     w = weight_bytes(model)
     # Gradients accumulate in place: one fp32 grad per parameter, after every micro-batch.
-    assert rep.at(0, "backward", "end", occurrence=0)[C.GRADIENTS] == w
-    assert rep.at(0, "backward", "end", occurrence=2)[C.GRADIENTS] == w
-    assert rep.at(0, "forward", "start", occurrence=1)[C.GRADIENTS] == w
+    assert rep.breakdown(0, "backward", "end", occurrence=0)[C.GRADIENTS] == w
+    assert rep.breakdown(0, "backward", "end", occurrence=2)[C.GRADIENTS] == w
+    assert rep.breakdown(0, "forward", "start", occurrence=1)[C.GRADIENTS] == w
 
 
 def test_zero_grad_set_to_none_false_keeps_gradients():
@@ -77,7 +77,7 @@ def test_zero_grad_set_to_none_false_keeps_gradients():
     rep = prof.report()
     w = weight_bytes(model)
     assert rep.end[C.GRADIENTS] == w  # zeroed, not freed
-    assert rep.at(1, "forward", "peak")[C.GRADIENTS] == w
+    assert rep.breakdown(1, "forward", "peak")[C.GRADIENTS] == w
 
 
 def test_frozen_layers_have_no_gradients_or_state():
@@ -94,10 +94,10 @@ def test_frozen_layers_have_no_gradients_or_state():
     rep = prof.report()
     # fc2 + fc3 only: (64*64+64 + 64*10+10) * 4 B = (4160 + 650) * 4 = 19240
     assert g == 19240
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == 19240
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == 19240
     # AdamW: 2 * 19240 B of moments + 4 parameters * 4-byte step
-    assert rep.at(0, "optimizer", "end")[C.OPTIMIZER_STATES] == 2 * 19240 + 4 * 4
-    assert rep.at(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    assert rep.breakdown(0, "optimizer", "end")[C.OPTIMIZER_STATES] == 2 * 19240 + 4 * 4
+    assert rep.breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
 
 
 def test_no_grad_evaluation_saves_nothing():
@@ -107,7 +107,7 @@ def test_no_grad_evaluation_saves_nothing():
         with torch.no_grad():
             out = model(x)
     rep = prof.report()
-    bd = rep.at(0, "forward", "end")
+    bd = rep.breakdown(0, "forward", "end")
     assert bd[C.ACTIVATIONS] == 0
     assert bd[C.GRADIENTS] == 0
     # The output 16 x 10 fp32 is alive at the end, as a temporary.
@@ -129,7 +129,7 @@ def test_optimizer_created_after_first_forward():
     tr = prof.trace
     assert len(tr.steps) == 2
     assert phase_names(tr.steps[0]) == [("forward", 0), ("backward", 0), ("optimizer", 0)]
-    assert prof.report().at(1, "optimizer", "end")[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt)
+    assert prof.report().breakdown(1, "optimizer", "end")[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt)
     assert tr.optimizer == "torch.optim.adamw.AdamW"
 
 
@@ -197,14 +197,14 @@ def test_activation_checkpointing(reentrant):
     with memprof.profile(model) as prof:
         model(x).sum().backward()
     rep = prof.report()
-    assert rep.at(0, "forward", "end")[C.ACTIVATIONS] == expected_ckpt
+    assert rep.breakdown(0, "forward", "end")[C.ACTIVATIONS] == expected_ckpt
     # In backward, recomputed tensors count as activations of that backward, one block at a time.
     # Backward's peak comes while the first block is recomputed (all other gradients exist by then
     # and every other block's tensors are freed): exactly that block's inner tensors.
-    bw_peak = rep.at(0, "backward", "peak")
+    bw_peak = rep.breakdown(0, "backward", "peak")
     assert bw_peak[C.ACTIVATIONS] == block_inner
-    assert rep.at(0, "backward", "end")[C.ACTIVATIONS] == 0
-    assert rep.at(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
+    assert rep.breakdown(0, "backward", "end")[C.ACTIVATIONS] == 0
+    assert rep.breakdown(0, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
 
 
 def test_submodules_called_directly_make_a_forward():

@@ -71,7 +71,7 @@ WRITERS = {
     "Report.save": _api(REPORT.save),
     "Report.export_chrome_trace": _api(REPORT.export_chrome_trace),
     "Report.export_memory_viz": _api(REPORT.export_memory_viz),
-    "Report.to_html": _api(REPORT.to_html),
+    "Report.export_html": _api(REPORT.export_html),
     "memprof report --html": _cli("report", "TRACE", "--html"),
     "memprof export --chrome": _cli("export", "TRACE", "--chrome"),
     "memprof export --memory-viz": _cli("export", "TRACE", "--memory-viz"),
@@ -214,13 +214,17 @@ def _through_pipe(fifo, write):
         # up early would fail the test for nothing. The loop ends once write() has returned and the pipe is
         # empty; write() itself cannot block, since this read end stays open.
         while True:
+            # Whether write() had returned is read before the pipe is: an empty read after that moment means
+            # everything written has been read. Read after, the writer could open, write, close and return
+            # between an empty read and the check, and its bytes would be left in the pipe.
+            finished = done.is_set()
             try:
                 chunk = os.read(fd, 1 << 16)
             except BlockingIOError:  # a writer is there, nothing to read yet
                 chunk = None
             if chunk:
                 got.append(chunk)
-            elif chunk == b"" and done.is_set():
+            elif chunk == b"" and finished:
                 return
             else:
                 time.sleep(0.001)
@@ -292,7 +296,7 @@ def test_dev_null_is_written_into_and_never_replaced(tmp_path):
     # and /dev/null itself is written only once that has been ruled out.
     assert os.readlink(link) == os.devnull
     REPORT.save(os.devnull)
-    REPORT.to_html(os.devnull)
+    REPORT.export_html(os.devnull)
     after = os.stat(os.devnull)
     assert stat.S_ISCHR(after.st_mode)
     assert (after.st_ino, after.st_mode, after.st_rdev) == (before.st_ino, before.st_mode, before.st_rdev)
@@ -400,7 +404,7 @@ def test_a_lone_surrogate_is_written_as_a_replacement_character_by_every_text_wr
     with memprof.profile(model) as prof:
         model(torch.randn(2, 4)).sum().backward()
     rep = prof.report()
-    for name, write in (("save", rep.save), ("chrome", rep.export_chrome_trace), ("html", rep.to_html),
+    for name, write in (("save", rep.save), ("chrome", rep.export_chrome_trace), ("html", rep.export_html),
                         ("text", lambda p: write_text_atomic(p, "a \ud800 b"))):
         path = tmp_path / name
         write(path)

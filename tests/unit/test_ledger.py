@@ -147,7 +147,7 @@ def test_storage_of_gives_up_on_layouts_without_one():
 # -------------------------------------------------------------- from totals to a Breakdown
 
 
-def test_full_mode_totals_become_a_breakdown_that_sums():
+def test_exact_mode_totals_become_a_breakdown_that_sums():
     totals = [100, 20, 100, 200, 50, 10, 7, 3, 5]  # the nine tensor categories, kv_cache 7, communication 3
     bd = breakdown(totals, light=False, where="end")
     assert [bd[c] for c in list(C)[:9]] == totals

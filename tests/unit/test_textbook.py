@@ -71,7 +71,7 @@ def test_a_run_in_the_textbook_regime_has_no_difference_to_name():
     # Asking for HF's regime on an autocast run makes the formula the textbook: the difference is then the
     # measured weights' gap, named by the reconciliation's cause of the same name.
     mixed = memprof.reconcile(_autocast_run(), precision="mixed", at="steady")
-    assert (mixed.textbook.causes, mixed.textbook_bytes_per_param, mixed.formula_bytes_per_param) == ((), 18, 18)
+    assert (mixed.textbook.causes, mixed.textbook.bytes_per_param, mixed.textbook.formula_bytes_per_param) == ((), 18, 18)
     assert [(c.name, c.bytes) for c in mixed.causes if c.category is C.WEIGHTS] == \
         [("no persistent 16-bit copy", -72)]
 
@@ -99,7 +99,7 @@ def test_an_optimizer_without_a_bytes_per_param_row_gives_no_figure_rather_than_
     # weights and gradients alone (4 + 4 = 8 in fp32) would print a textbook figure with the states left out.
     fp32 = _autocast_run(autocast=None)
     custom = memprof.reconcile(replace(fp32, optimizer="mypkg.optim.Shampoo"))
-    assert (custom.textbook_bytes_per_param, custom.formula_bytes_per_param) == (None, None)
+    assert (custom.textbook.bytes_per_param, custom.textbook.formula_bytes_per_param) == (None, None)
     assert "textbook model states" not in str(custom)
     # Under autocast the weights' difference is still known to the byte, and still named.
     amp = _autocast_run()

@@ -12,7 +12,8 @@ from memprof import Category as C, Phase
 from memprof.errors import InvalidArgumentError, TraceFormatError
 from memprof.render.common import own_rows
 from memprof.record.specs import TensorSpec
-from memprof.record.trace import (SCHEMA_VERSION, Breakdown, Trace, as_trace, parent_path, parse_moment, PHASE_MOMENTS, RECONCILE_MOMENTS)
+from memprof.record.trace import SCHEMA_VERSION, Breakdown, Trace, as_trace, parent_path
+from memprof.vocabulary import PHASE_MOMENTS, RECONCILE_MOMENTS, parse_moment
 
 from factories import bd, full_trace, module, trace
 

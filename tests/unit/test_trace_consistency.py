@@ -48,7 +48,7 @@ def test_parts_that_exceed_their_total_are_refused(data):
 
 
 def test_a_complete_breakdown_must_sum_to_its_total_exactly(data):
-    # The optimizer phase's end with every tensor category measured, as a CPU run in full mode has it
+    # The optimizer phase's end with every tensor category measured, as a CPU run in exact mode has it
     # (the KV cache and collective buffers 0): 144 + 144 + 296 = 584 B; a total of 585 is one byte no
     # category holds.
     end = data["steps"][0]["phases"][2]["end"]

@@ -65,9 +65,21 @@ def test_a_schema_1_file_written_by_memprof_0_1_still_loads_and_reconciles():
     path = pathlib.Path(__file__).parents[1] / "data" / "trace-schema1.json"
     rep = memprof.load(path)
     assert rep.trace.schema_version == 1 and rep.num_steps == 2
+    assert rep.trace.mode == "exact"  # written as "full", the mode's former name
     rec = rep.reconcile(at="steady")
     formula = {r.category.value: r.formula for r in rec.rows}
     # weights and gradients: 676 x 4 B = 2,704; AdamW state: 2 x 2,704 + four 4-byte step counters = 5,424
     assert (formula["weights"], formula["gradients"], formula["optimizer_states"]) == (2704, 2704, 5424)
     assert all(rec.unexplained(c) in (0, None) for c in memprof.Category)
     assert "no formula" in str(rec) and "n/a" not in str(rec)
+
+
+@pytest.mark.parametrize("written", ["full", "exact"])
+def test_a_file_of_the_current_schema_loads_either_name_of_exact_mode(tmp_path, written):
+    # Files written before the mode was renamed say "full"; both load as exact mode, and save as "exact".
+    data = full_trace().to_dict()
+    data["mode"] = written
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(data))
+    trace = memprof.load(p).trace
+    assert trace.mode == "exact" and trace.to_dict()["mode"] == "exact"

@@ -9,10 +9,10 @@
 
 from __future__ import annotations
 
-from .causes import Cause
-from .formula import formula_at, formula_breakdown, infer_precision
+from .context import Cause
+from .formula import formula_at, formula_breakdown
 from .reconciliation import Reconciliation, Row, Total, reconcile
 from .textbook import Textbook, textbook_at
 
 __all__ = ["reconcile", "Reconciliation", "Row", "Total", "Cause", "formula_at", "formula_breakdown",
-           "infer_precision", "Textbook", "textbook_at"]
+           "Textbook", "textbook_at"]

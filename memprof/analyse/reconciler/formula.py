@@ -13,27 +13,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ...anatomy.activations import transformer_layer_activations
-from ...anatomy.params import bytes_per_param_breakdown
+from ...anatomy.params import bytes_per_param_breakdown, infer_precision
 from ...anatomy.predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
-from ...vocabulary import Category, Phase
+from ...vocabulary import PHASE_MOMENTS, RECONCILE_MOMENTS, Category, Phase, parse_moment
 from .cache_formula import cache_formula
 from .sharding import shard_formula
 from ...errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
-from ...record.trace import PHASE_MOMENTS, RECONCILE_MOMENTS, Breakdown, PhaseRecord, Trace, parse_moment
+from ...record.trace import Breakdown, PhaseRecord, Trace
 
-__all__ = ["infer_precision", "optimizer_name", "formula_breakdown", "formula_at", "moment_of", "predictions"]
-
-
-def infer_precision(trace: Trace) -> str:
-    """The precision regime a run used: ``fp32``, ``amp`` (fp32 parameters under 16-bit autocast), ``bf16``, ``fp16``."""
-    dtypes = set(trace.param_dtypes)
-    if dtypes <= {"float32"} and trace.autocast_dtype in ("bfloat16", "float16"):
-        return "amp"
-    if dtypes == {"bfloat16"}:
-        return "bf16"
-    if dtypes == {"float16"}:
-        return "fp16"
-    return "fp32"
+__all__ = ["optimizer_name", "formula_breakdown", "formula_at", "moment_of", "predictions"]
 
 
 def optimizer_name(trace: Trace) -> "str | None":
@@ -159,7 +147,7 @@ PhaseMoment = tuple  # (int, Phase, str, int)
 
 def parse_at(at: Any) -> "str | PhaseMoment":
     """``"peak"``, ``"steady"``, or a phase's moment ``(step, phase, "start"|"peak"|"end"[, occurrence])``,
-    the vocabulary of :meth:`memprof.Report.at` (a negative step counts from the end)."""
+    the vocabulary of :meth:`memprof.Report.breakdown` (a negative step counts from the end)."""
     if isinstance(at, tuple):
         if len(at) not in (3, 4):
             raise InvalidArgumentError(

@@ -1,13 +1,14 @@
-"""Reconciliation: formula vs simulated vs measured, every gap split into named causes.
+"""Reconciliation: formula vs estimate vs measured, every gap split into named causes.
 
 For each category the table holds what the literature predicts (the
 *formula*, from :mod:`memprof.anatomy` applied to the run's recorded model and
-optimizer), what a simulated run of the same step shows (*simulated*, when an
-:class:`~memprof.Estimate` is given) and what was *measured*. The gap
-(measured − formula) is split into causes (:mod:`.causes`), each with its
-bytes and one sentence; whatever no cause accounts for is shown as
-"unexplained". Nothing here reads hooks: a reconciliation is a pure function
-of a Trace. Its text, HTML, table and waterfall are :mod:`memprof.render`'s.
+optimizer), what an estimate of the same step shows (the *estimate*, the
+simulated run of :func:`memprof.estimate`, when one is given) and what was
+*measured*. The gap (measured − formula) is split into causes (:mod:`.causes`),
+each with its bytes and one sentence; whatever no cause accounts for is shown
+as "unexplained". Nothing here reads hooks: a reconciliation is a pure function
+of a Trace, and plain data: :class:`memprof.Reconciliation` adds its text, HTML,
+table and waterfall (:mod:`memprof.render`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from ...anatomy.params import bytes_per_param_breakdown
 from ...vocabulary import Category
 from ...errors import InvalidArgumentError, NotMeasuredError
 from ...record.trace import Breakdown, as_trace
-from .causes import Cause, Context, causes
+from .causes import causes
+from .context import Cause, Context
 from .sharding import zero_stage
-from .formula import formula_at, infer_precision, moment_of, optimizer_name, parse_at, predictions
+from ...anatomy.params import infer_precision
+from .formula import formula_at, moment_of, optimizer_name, parse_at, predictions
 from .textbook import Textbook, textbook_at
 
 if TYPE_CHECKING:
-    import pandas as pd
-
     from ...simulate.estimate import Estimate
 
 __all__ = ["Row", "Total", "Reconciliation", "reconcile"]
@@ -34,11 +35,11 @@ __all__ = ["Row", "Total", "Reconciliation", "reconcile"]
 
 @dataclass(frozen=True)
 class Row:
-    """One category: the formula's, the simulation's and the measurement's bytes (``None``: none)."""
+    """One category: the formula's, the estimate's and the measurement's bytes (``None``: none)."""
 
     category: Category
     formula: "int | None"
-    simulated: "int | None"
+    estimate: "int | None"
     measured: "int | None"
 
     @property
@@ -61,7 +62,7 @@ class Total:
     which the named causes and the unexplained remainders add up to."""
 
     formula: "int | None"
-    simulated: "int | None"
+    estimate: "int | None"
     measured: "int | None"
 
     @property
@@ -76,16 +77,17 @@ class Total:
 
 @dataclass(frozen=True)
 class Reconciliation:
-    """Formula vs simulated vs measured, per category, with the causes of every gap.
+    """Formula vs estimate vs measured, per category, with the causes of every gap.
 
     ``rows`` hold the figures; ``causes`` the named parts of the gaps;
     :attr:`explanations` adds one "unexplained" entry per category for what the
     causes leave; ``textbook`` the literature's figure for this run beside the
-    formula column, with the causes of their difference. Print it for a table,
-    ``to_frame()`` for pandas.
+    formula column, with the causes of their difference. ``at`` is the moment compared (``"peak"``,
+    ``"steady"``, or a phase's moment in words), ``where`` that moment in the run's words. Plain data:
+    :class:`memprof.Reconciliation` prints it as a table and gives ``to_frame()``.
     """
 
-    moment: str
+    at: str
     where: str
     precision: str
     optimizer: "str | None"
@@ -95,18 +97,6 @@ class Reconciliation:
     notes: tuple[str, ...] = ()
     _advice: tuple[str, ...] = field(default=(), repr=False)
 
-    @property
-    def textbook_bytes_per_param(self) -> "float | None":
-        """Model states per parameter as the literature quotes them for this run (18 for AdamW under
-        torch.autocast: HF's mixed precision); ``None`` without a bytes/param row for the optimizer."""
-        return self.textbook.bytes_per_param
-
-    @property
-    def formula_bytes_per_param(self) -> "float | None":
-        """Model states per parameter in the formula column (16 for AdamW under torch.autocast, which keeps
-        no persistent 16-bit weights); :attr:`textbook` names what separates the two."""
-        return self.textbook.formula_bytes_per_param
-
     def row(self, category: "Category | str") -> Row:
         cat = Category.parse(category)
         return next(r for r in self.rows if r.category is cat)
@@ -114,9 +104,9 @@ class Reconciliation:
     @property
     def total(self) -> Total:
         formula = [r.formula for r in self.rows if r.formula is not None]
-        simulated = [r.simulated for r in self.rows if r.simulated is not None]
+        estimate = [r.estimate for r in self.rows if r.estimate is not None]
         measured = [r.measured for r in self.rows if r.measured is not None]
-        return Total(sum(formula) if formula else None, sum(simulated) if simulated else None,
+        return Total(sum(formula) if formula else None, sum(estimate) if estimate else None,
                      sum(measured) if formula else None)
 
     @property
@@ -144,37 +134,6 @@ class Reconciliation:
         """Levers that shrink the largest categories, with predicted savings, and alignment warnings."""
         return list(self._advice)
 
-    # -- views (memprof.render) --------------------------------------------------------
-
-    def to_frame(self) -> "pd.DataFrame":
-        """DataFrame indexed by category value (plus ``total``): formula, simulated, measured, gap, gap_pct."""
-        from ...render.frames import reconciliation_frame
-
-        return reconciliation_frame(self)
-
-    def to_text(self) -> str:
-        from ...render.text import reconciliation_text
-
-        return reconciliation_text(self)
-
-    def __str__(self) -> str:
-        return self.to_text()
-
-    def _repr_html_(self) -> str:
-        from ...render.html import reconciliation_html
-
-        return reconciliation_html(self)
-
-    def plot(self, ax: Any = None) -> Any:
-        """A waterfall from the formula total to the measured total through the named causes (matplotlib)."""
-        from ...render.plot import plot_waterfall
-
-        total = self.total
-        steps: list[tuple[str, "int | None"]] = [("formula", total.formula)]
-        steps += [(f"{c.category.value}: {c.name}", c.bytes) for c in self.explanations]
-        steps.append(("measured", total.measured))
-        return plot_waterfall(steps, ax=ax)
-
 
 def reconcile(
     trace: Any,
@@ -185,14 +144,14 @@ def reconcile(
     estimate: "Estimate | None" = None,
     transformer: "Mapping[str, Any] | None" = None,
 ) -> Reconciliation:
-    """Reconcile a measured run (a Trace or Report) with the formulas and, optionally, a simulation.
+    """Reconcile a measured run (a Trace or Report) with the formulas and, optionally, an estimate.
 
     ``at="peak"`` compares the composition at the global peak (what decides an
     OOM); ``at="steady"`` the end of the last optimizer step, when every model
     state exists; ``at=(step, phase, moment)`` (``moment`` ``"start"``,
     ``"peak"`` or ``"end"``, an optional fourth value the occurrence, a negative
     step counting from the end) that moment of one phase, as
-    :meth:`memprof.Report.at` names it: ``at=(-1, "forward", "end")`` holds
+    :meth:`memprof.Report.breakdown` names it: ``at=(-1, "forward", "end")`` holds
     the activations against the closed form when the run peaks elsewhere. ``precision`` (``fp32``, ``mixed``, ``amp``, ``bf16``,
     ``fp16``, ``zero``) and ``optimizer`` (a name as in
     :func:`memprof.anatomy.bytes_per_param`) override what is inferred from
@@ -207,7 +166,7 @@ def reconcile(
     if estimate is not None and type(estimate).__name__ != "Estimate":
         raise InvalidArgumentError(
             f"estimate must be what memprof.estimate(...) returns, got {type(estimate).__name__}; "
-            "simulate the same step with memprof.estimate(model, optimizer, inputs=..., ...)")
+            "estimate the same step with memprof.estimate(model, optimizer, inputs=..., ...)")
     if transformer is not None and not isinstance(transformer, Mapping):
         raise InvalidArgumentError(
             f"transformer must be a dict of seq_len, batch, hidden, heads and layers, got {type(transformer).__name__}")
@@ -216,10 +175,10 @@ def reconcile(
     precision_used = precision or infer_precision(trace)
     measured, rec, where, tags = moment_of(trace, at)
     formula = formula_at(trace, at, precision=precision_used, optimizer=optimizer, transformer=transformer)
-    simulated: "Breakdown | None" = None
+    estimated: "Breakdown | None" = None
     if estimate is not None:
-        simulated, _, _, _ = moment_of(estimate.trace, at)
-    rows = tuple(Row(c, formula[c], simulated[c] if simulated is not None else None, measured[c]) for c in Category)
+        estimated, _, _, _ = moment_of(estimate.trace, at)
+    rows = tuple(Row(c, formula[c], estimated[c] if estimated is not None else None, measured[c]) for c in Category)
     opt_name = optimizer if optimizer is not None else optimizer_name(trace)
     acts, opts = predictions(trace)
     notes: list[str] = []
@@ -247,6 +206,5 @@ def reconcile(
     textbook = textbook_at(trace, at, precision=precision_used, optimizer=optimizer, transformer=transformer)
     from .advice import advice
 
-    moment = at if isinstance(at, str) else where
-    return Reconciliation(moment, where, precision_used, opt_name, rows, causes(ctx), textbook, tuple(notes),
-                          tuple(advice(trace, measured, precision_used, opt_name)))
+    return Reconciliation(at if isinstance(at, str) else where, where, precision_used, opt_name, rows, causes(ctx),
+                          textbook, tuple(notes), tuple(advice(trace, measured, precision_used, opt_name)))

@@ -19,18 +19,16 @@ from typing import TYPE_CHECKING
 
 from ...vocabulary import Category, Phase
 from ...units import round_half_away
+from ...anatomy.zero import STAGES
 
 if TYPE_CHECKING:
     from ...record.parts import ModelFacts, RankInfo
-    from .causes import Context
+    from .context import Context
 
-__all__ = ["STAGES", "zero_stage", "rank_shares", "shard_formula", "sharding_gaps"]
+__all__ = ["zero_stage", "rank_shares", "shard_formula", "sharding_gaps"]
 
 W, G, O, T = Category.WEIGHTS, Category.GRADIENTS, Category.OPTIMIZER_STATES, Category.TEMPORARIES
 
-#: The ZeRO stage of each parallel layout memprof measures or simulates ("tp": tensor parallelism without a
-#: data-parallel wrapper shards by placements, not by stage).
-STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "fsdp2": 3, "fsdp1": 3}
 
 
 def zero_stage(dist: "RankInfo | None") -> "int | None":

@@ -16,13 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ...anatomy.params import BytesPerParam, bytes_per_param_breakdown, textbook_regime
+from ...anatomy.params import BytesPerParam, bytes_per_param_breakdown, infer_precision, textbook_regime
 from ...vocabulary import Category, Phase
 from ...errors import UnknownNameError
 from ...record.trace import Breakdown, Trace
 from ...units import format_bytes
-from .causes import NO_PERSISTENT_COPY, Cause
-from .formula import formula_at, infer_precision, moment_of, optimizer_name, parse_at
+from .causes import NO_PERSISTENT_COPY
+from .context import Cause
+from .formula import formula_at, moment_of, optimizer_name, parse_at
 
 __all__ = ["Textbook", "textbook_at", "differences", "REGIME_WORDS"]
 

@@ -1,4 +1,4 @@
-"""Light mode against full mode on CPU: what docs/reliability.md says light mode sees, and what it does not.
+"""Light mode against exact mode on CPU: what docs/reliability.md says light mode sees, and what it does not.
 
 Light mode has no dispatch mode, so code outside the model's modules runs unseen: what the loss function
 saves is not an activation there, and a tensor made before the profile that only that code uses (the
@@ -36,24 +36,24 @@ def _run(mode):
     return prof.report(), acc, model, x, y
 
 
-def test_light_mode_matches_full_mode_except_what_only_code_outside_the_model_uses():
-    full, acc_full, model, x, y = _run("full")
+def test_light_mode_matches_exact_mode_except_what_only_code_outside_the_model_uses():
+    exact, acc_exact, model, x, y = _run("exact")
     light, acc_light, _, _, _ = _run("light")
-    assert torch.equal(acc_full, acc_light)  # the same training
-    assert full.num_steps == light.num_steps == 2
+    assert torch.equal(acc_exact, acc_light)  # the same training
+    assert exact.num_steps == light.num_steps == 2
     for step in (0, 1):
         for phase in ("forward", "backward", "optimizer"):
             for moment in ("start", "end"):
-                f, li = full.at(step, phase, moment), light.at(step, phase, moment)
+                f, li = exact.breakdown(step, phase, moment), light.breakdown(step, phase, moment)
                 for cat in SHARED:
                     assert li[cat] == f[cat], (step, phase, moment, cat)
                 assert li[C.TEMPORARIES] is None and li.total is None  # no allocator counter on CPU
-    f, li = full.at(1, "forward", "end"), light.at(1, "forward", "end")
-    # Inputs. Full mode: x handed to the model, y handed to the loss, acc used by `acc +=` after step 0:
+    f, li = exact.breakdown(1, "forward", "end"), light.breakdown(1, "forward", "end")
+    # Inputs. Exact mode: x handed to the model, y handed to the loss, acc used by `acc +=` after step 0:
     # 16*32*4 + 16*8 + 4. Light mode: what is handed to the model's modules, x.
     assert f[C.INPUTS] == x.nbytes + y.nbytes + 4 == 2048 + 128 + 4
     assert li[C.INPUTS] == x.nbytes == 2048
-    # Activations. Full mode: what the model saves and what the loss saves (its log-softmax output,
+    # Activations. Exact mode: what the model saves and what the loss saves (its log-softmax output,
     # 16*10*4, and total_weight, 4); light mode: what the model's modules save, the two ReLU outputs.
     expected = saved_activation_bytes(lambda: F.cross_entropy(model(x), y), list(model.parameters()) + [x, y])
     assert f[C.ACTIVATIONS] == expected == 2 * 16 * 64 * 4 + 640 + 4
@@ -63,4 +63,4 @@ def test_light_mode_matches_full_mode_except_what_only_code_outside_the_model_us
     assert len(note) == 1
     assert "not counted as activations, nor as inputs the tensors made before the profile" in note[0]
     assert "a metric accumulator" in note[0] and "among temporaries" in note[0]
-    assert not any("outside the model's modules" in n for n in full.trace.notes)
+    assert not any("outside the model's modules" in n for n in exact.trace.notes)

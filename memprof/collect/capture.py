@@ -1,0 +1,75 @@
+"""The calls of the first grad-enabled forward: each module call's shapes and the module's configuration,
+what the per-module formula will need (:mod:`memprof.anatomy.predict`, downstream of the record).
+
+Only one forward is captured: every later forward of a training run calls the same modules with the same
+shapes, and a record that grew with each would grow with the run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..vocabulary import Phase
+from ..record.specs import ModuleCall, TensorSpec, plain_config
+from .module_table import class_names, tensors_in_args
+from .saved_hooks import under_checkpoint
+
+if TYPE_CHECKING:
+    from .module_table import ModuleTable
+
+__all__ = ["Capture"]
+
+
+class Capture:
+    """Records the module calls of the first grad-enabled forward."""
+
+    def __init__(self, table: "ModuleTable") -> None:
+        self.table = table
+        #: A forward is being captured now (read by the saved-tensor accounting: what a rule module saves
+        #: of the model's inputs counts for the formula only then).
+        self.on = False
+        self.done = False
+        self.pending: dict[int, tuple[TensorSpec, ...]] = {}  # open calls: their inputs
+        self.module_calls: list[tuple[int, ModuleCall]] = []
+
+    def begin(self) -> None:
+        """The first grad-enabled forward of the model begins: its calls are captured."""
+        self.on = True
+        self.pending = {}
+
+    def phase_began(self, phase: Phase) -> None:
+        """Capturing ends with the forward that began it."""
+        if self.on:
+            self.on = False
+            self.done = True
+        if phase is Phase.FORWARD and not self.done and torch.is_grad_enabled():
+            self.on = True
+            self.pending = {}
+
+    def call_began(self, index: int, args: Any, kwargs: Any) -> None:
+        """Module ``index`` is called (in forward, while capturing): its inputs."""
+        self.pending[index] = tuple(TensorSpec.of(t) for t in tensors_in_args(args, kwargs)
+                                    if t.is_floating_point() or not t.is_complex())
+
+    def call_ended(self, index: int, module: nn.Module, output: Any, args: Any, kwargs: Any) -> None:
+        """Module ``index`` returned: its call's record, if its start was captured."""
+        inputs = self.pending.pop(index, None) if self.on else None
+        if inputs is None:
+            return
+        outs = [TensorSpec.of(t) for t in tensors_in_args((output,), None)]
+        own = list(module.named_parameters(recurse=False))
+        grad = any(t.requires_grad for t in tensors_in_args(args, kwargs)) or any(p.requires_grad for _n, p in own)
+        self.module_calls.append((index, ModuleCall(
+            path=self.table.path(index),
+            classes=class_names(type(module)),
+            config=plain_config(vars(module)),
+            params=tuple((name, bool(p.requires_grad)) for name, p in own),
+            inputs=inputs,
+            output=outs[0] if outs else None,
+            grad=grad and torch.is_grad_enabled(),
+            leaf=not any(True for _ in module.children()),
+            checkpointed=under_checkpoint(),
+        )))

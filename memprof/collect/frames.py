@@ -1,0 +1,144 @@
+"""Module frames: what each module call added at its worst and needed only while it ran, forward and backward.
+
+A forward frame opens in the module's pre-hook and closes in its post-hook (:mod:`.modules`). A backward frame
+opens when the gradient of the call's output arrives (a pre-hook on the output's node, or a tensor hook) and
+closes when the gradients of its inputs are computed (tensor hooks on them); the module hooks place them,
+with the hooks made here. These hooks are made per step and removed when the step ends, once its backward
+has run, or with the profile. Exact mode only: op-level
+memory is not seen in light mode.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..vocabulary import Phase
+from .state import EXACT
+from .torch_compat import is_compiling as _is_compiling
+
+if TYPE_CHECKING:
+    from .ledger import Frame, Ledger
+    from .module_table import ModuleTable
+    from .phases import PhaseTracker
+    from .state import Run
+    from .timeline import Timeline
+
+__all__ = ["Frames"]
+
+
+class Frames:
+    """The frames of module calls, and the per-step hooks that bound the backward ones."""
+
+    def __init__(self, ledger: "Ledger", run: "Run", table: "ModuleTable", phases: "PhaseTracker",
+                 timeline: "Timeline") -> None:
+        self.ledger = ledger
+        self.run = run
+        self.table = table
+        self.phases = phases
+        self.timeline = timeline
+        self.bw_frames: dict[int, "Frame"] = {}
+        self.tensor_hooks: dict[tuple[int, int], tuple[weakref.ref, Any]] = {}
+        #: Hooks on autograd nodes made for this step's backward (also by :mod:`.graph_saves`).
+        self.node_hooks: list[Any] = []
+
+    # -- closing a frame ---------------------------------------------------------------------
+
+    def close_frame(self, frame: "Frame") -> None:
+        if self.run.mode != EXACT:
+            return  # op-level memory is not seen in light mode
+        info = self.table.info[frame.module]
+        total = self.ledger.total
+        rise = frame.max - frame.entry  # what the call added at its worst
+        scratch = max(0, frame.max - max(total, frame.entry))  # what it needed but released by its end
+        if frame.backward:
+            info.bwd_peak = rise if info.bwd_peak is None else max(info.bwd_peak, rise)
+            info.bwd_tmp = scratch if info.bwd_tmp is None else max(info.bwd_tmp, scratch)
+        else:
+            info.fwd_peak = rise if info.fwd_peak is None else max(info.fwd_peak, rise)
+            info.fwd_tmp = scratch if info.fwd_tmp is None else max(info.fwd_tmp, scratch)
+
+    def close_backward_frames(self) -> None:
+        """Backward is over: every backward frame still open closes."""
+        led = self.ledger
+        for f in list(led.frames):
+            if f.backward:
+                for g in led.pop_frame(f):
+                    self.close_frame(g)
+                break
+        self.bw_frames.clear()
+
+    # -- backward frames -----------------------------------------------------------------------
+
+    def enter_hook(self, index: int) -> Any:
+        """The hook that opens module ``index``'s backward frame (its output's gradient arrived)."""
+        run = self.run
+
+        def enter(_grad: Any) -> None:
+            if not run.active or _is_compiling():
+                return
+            if run.phase is not Phase.BACKWARD:
+                self.phases.backward_started()
+            if index in self.bw_frames:
+                return
+            led = self.ledger
+            top = led.top
+            if top is not None and top.backward and self.table.is_ancestor(index, top.module):
+                # A parent's output gradient can arrive after its last child's (same tensor,
+                # hooks in registration order): keep the child innermost.
+                self.bw_frames[index] = led.push_frame_below(index, True, top)
+            else:
+                self.bw_frames[index] = led.push_frame(index, backward=True)
+            if run.timeline:
+                self.timeline.sample(self.table.info[index].path or "<model>", "enter")
+
+        return enter
+
+    def exit_hook(self, index: int) -> Any:
+        """The hook that closes module ``index``'s backward frame (its inputs' gradients are computed)."""
+        run = self.run
+
+        def exit_(_grads: Any) -> None:
+            if not run.active or _is_compiling():
+                return
+            frame = self.bw_frames.pop(index, None)
+            # Only this module's frame ends: a successor's gradient is often this
+            # module's output gradient, which also starts the successor's frame.
+            if frame is not None and self.ledger.remove_frame(frame):
+                self.close_frame(frame)
+                if run.timeline:
+                    self.timeline.sample(self.table.info[index].path or "<model>", "exit")
+
+        return exit_
+
+    # -- the hooks' lifetime -------------------------------------------------------------------
+
+    def hook_tensor(self, t: torch.Tensor, index: int, hook: Any) -> None:
+        """A tensor hook for module ``index``, once per tensor (a parameter handed to a submodule
+        every forward keeps one hook, not one per call); every one is removed with the profile."""
+        key = (id(t), index)
+        known = self.tensor_hooks.get(key)
+        if known is not None and known[0]() is t:
+            return
+        self.tensor_hooks[key] = (weakref.ref(t), t.register_hook(hook))
+
+    def prune_hooks(self) -> None:
+        """At a step's end its backward has run: drop the node and non-leaf hooks made for it."""
+        for handle in self.node_hooks:
+            handle.remove()
+        self.node_hooks.clear()
+        for key, (ref, handle) in list(self.tensor_hooks.items()):
+            t = ref()
+            if t is None or t.grad_fn is not None:
+                handle.remove()
+                del self.tensor_hooks[key]
+
+    def remove_hooks(self) -> None:
+        for _ref, handle in self.tensor_hooks.values():
+            handle.remove()
+        self.tensor_hooks.clear()
+        for handle in self.node_hooks:
+            handle.remove()
+        self.node_hooks.clear()

@@ -1,0 +1,96 @@
+"""The private torch entry points memprof uses, declared once, each with what it is for and its fallback.
+
+torch has public hooks for most of what memprof watches (module and optimizer hooks, saved-tensor hooks,
+dispatch modes); a few facts it needs are only reachable through private names, which may move between
+torch versions. Every collector imports them from here, so a torch that renames one is met in one place,
+and each name with a fallback degrades to "not known" rather than failing the user's run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _python_dispatch as python_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "graph_task_id", "dispatch_stack_len", "dispatch_mode_at", "push_dispatch_mode", "pop_dispatch_mode",
+    "top_saved_hooks", "push_saved_hooks", "pop_saved_hooks", "saved_hooks_disabled_message",
+    "current_autograd_node", "queue_backward_callback", "NoPythonDispatch", "is_compiling", "FakeTensor",
+    "KEEPS_COMPILE", "python_dispatch", "MODE_FLAGS_SAVED", "MODE_FLAGS_CURRENT", "attach_cuda_oom_observer",
+    "cuda_memory_snapshot",
+]
+
+# -- autograd's engine ------------------------------------------------------------------------------------
+
+#: The id of the graph task the autograd engine runs on this thread, -1 outside backward: how a hook or an
+#: op tells that it runs inside backward (torch/csrc/autograd/engine.cpp). Without it, never in backward.
+graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+#: The autograd node the engine is running now (None outside backward): where backward's walk of the graph
+#: starts, and the node named in torch's "modified by an inplace operation" error.
+current_autograd_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+#: Run a function when the engine has finished the current backward (the hook torch's own DDP and FSDP use
+#: to finish their work): how the backward phase ends. Raises RuntimeError outside the engine.
+queue_backward_callback: Callable[[Callable[[], None]], None] = \
+    torch.autograd.Variable._execution_engine.queue_callback  # type: ignore[attr-defined]
+
+# -- the saved-tensor hooks stack (torch/csrc/autograd/python_saved_variable_hooks.cpp) ---------------------
+
+#: The innermost (pack, unpack) pair on this thread's stack, or None: which pair autograd calls now. Without
+#: it, memprof cannot tell and treats the stack as empty.
+top_saved_hooks: Callable[[bool], Any] = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
+#: Push and pop a pair, as ``torch.autograd.graph.saved_tensors_hooks`` does on entry and exit: memprof pushes
+#: its pair per module call and must pop exactly its own.
+push_saved_hooks: Callable[[Any, Any], None] = torch._C._autograd._push_saved_tensors_default_hooks
+pop_saved_hooks: Callable[[], None] = torch._C._autograd._pop_saved_tensors_default_hooks
+#: Not None while saved-tensor hooks are disabled (inside torch.func transforms), where a push would raise.
+saved_hooks_disabled_message: Callable[[], "str | None"] = getattr(
+    torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None)
+
+# -- the dispatch mode stack (c10/core/impl/TorchDispatchModeTLS.cpp) --------------------------------------
+
+#: How many dispatch modes are on this thread's stack (-1: cannot tell): where a schedule's window puts
+#: memprof's mode back, and whether memprof's mode is the only one (then its own detaches skip Python).
+dispatch_stack_len: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: -1)
+#: The mode at a position of the stack (0: the bottom), to find memprof's own among the user's.
+dispatch_mode_at: Callable[[int], Any] = torch._C._get_dispatch_stack_at
+#: Take the top mode off the stack and put one back, without its __enter__/__exit__: how memprof's mode is
+#: moved beneath modes the user entered after it (memprof.collect.mode_stack).
+pop_dispatch_mode: Callable[[Any], Any] = torch._C._pop_torch_dispatch_stack
+push_dispatch_mode: Callable[[Any], None] = torch._C._push_on_torch_dispatch_stack
+#: A context in which ops skip Python dispatch modes: memprof's own detach of a saved tensor, when memprof's
+#: mode is the only one, need not go through it (no fallback changes nothing but the cost).
+NoPythonDispatch: Any = getattr(torch._C, "_DisableTorchDispatch", contextlib.nullcontext)
+#: The "a mode is in" flags torch keeps in torch/utils/_python_dispatch.py: each mode saves them on entry
+#: (``MODE_FLAGS_SAVED``, lists on the mode) and restores them on exit (``MODE_FLAGS_CURRENT``, module globals).
+#: Moving a mode under others must swap what each restores (memprof.collect.mode_stack); a missing one is skipped.
+MODE_FLAGS_SAVED = ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
+                    "old_without_ignore_compile_internals_dispatch_mode_flags")
+MODE_FLAGS_CURRENT = ("_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode",
+                      "_is_in_any_mode_without_ignore_compile_internals")
+#: torch 2.9 added TorchDispatchMode.ignore_compile_internals; before it, any dispatch mode makes torch.compile
+#: fall back to eager for the rest of the process (torch/_dynamo/convert_frame.py).
+KEEPS_COMPILE = hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+# -- compilation ------------------------------------------------------------------------------------------
+
+#: True while dynamo traces: memprof's hooks then do nothing, so that its code never enters a graph.
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+# FakeTensor (torch._subclasses.fake_tensor) is re-exported above: a simulation's shape-only tensors are fake,
+# and fake tensors of another fake mode are metadata torch computes on the side, holding no memory.
+
+# -- the CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp) ----------------------------------------
+
+#: Register a function the allocator calls at a failing allocation, with the request and the device's free
+#: bytes (the hook behind torch's "snapshot on OOM" recipe); None where torch has none (no OOM forensics then).
+attach_cuda_oom_observer: "Callable[[Callable[[int, int, int, int], None]], None] | None" = getattr(
+    torch._C, "_cuda_attach_out_of_memory_observer", None)
+
+
+def cuda_memory_snapshot() -> Any:
+    """The allocator's state in memory_viz's format (``torch.cuda.memory._snapshot``), written beside an OOM dump."""
+    return torch.cuda.memory._snapshot()

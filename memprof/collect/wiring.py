@@ -1,0 +1,269 @@
+"""Wiring a profile: each collector built with the few collaborators it uses, and every hook installed.
+
+Collectors never reach each other through the profiler. A collector is handed the ledger, the run state
+(:mod:`.state`) and the one or two collectors it calls; where a lower one must set off work in a higher one
+(the phase tracker closing a backward lets the module frames close and the gradients be collected; a
+schedule's windows pause and resume the profile), it exposes a slot or a list of callables, filled here.
+So the import graph of ``memprof.collect`` runs one way, from :func:`wire` down.
+
+Everything installed goes on the profile's undo stack the moment it is, so that a failure half-way removes
+what was installed before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.optim.optimizer as _optim_mod
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from .capture import Capture
+from .dispatch import KEEPS_COMPILE, StorageTracker
+from .frames import Frames
+from .graph_saves import GraphSaves
+from .kv_cache import CacheTracker
+from .ledger import BUFFERS, WEIGHTS
+from .module_table import ModuleTable, attribute_tensors, unique_params
+from .modules import ModuleTracker
+from .operations import OperationLog
+from .optimizer import OptimizerTracker
+from .params import ParamTracker, is_lazy
+from .phases import PhaseTracker
+from .ranks import rank_info
+from .routing import RoutingRecorder
+from .saved import SavedTracker
+from .shards import ShardTracker, sharding
+from .state import EXACT, LIGHT
+from .timeline import Timeline
+from .windows import Windows
+
+if TYPE_CHECKING:
+    from ..record.parts import RankInfo
+    from .device import DeviceProbe
+    from .ledger import Ledger
+    from .schedule import Schedule
+    from .state import Run
+    from .undo import UndoStack
+
+__all__ = ["Collectors", "wire"]
+
+
+@dataclasses.dataclass(eq=False)
+class Collectors:
+    """The collectors of one profile and what they share: what the record is built from."""
+
+    run: "Run"
+    ledger: "Ledger"
+    probe: "DeviceProbe"
+    stack: "UndoStack"
+    timeline: Timeline
+    storages: StorageTracker
+    phases: PhaseTracker
+    params: ParamTracker
+    optimizers: OptimizerTracker
+    table: ModuleTable
+    capture: Capture
+    frames: Frames
+    saved: SavedTracker
+    graph: GraphSaves
+    kv: CacheTracker
+    rank: "RankInfo | None"
+    shards: "ShardTracker | None"
+    modules: ModuleTracker
+    schedule: "Schedule | None" = None
+    windows: "Windows | None" = None
+    #: With ``record_routing=True``: the router calls' per-expert counts.
+    routing: "RoutingRecorder | None" = None
+    #: The ledger's totals when the run began (what existed before its first phase).
+    start_totals: list[int] = dataclasses.field(default_factory=list)
+    param_dtypes: tuple[str, ...] = ()
+
+    def register_existing(self) -> None:
+        """What exists now: weights, buffers, gradients, optimizer state (at the start, and when a
+        schedule resumes)."""
+        model = self.table.root_ref()
+        if model is None:
+            return
+        storages, params = self.storages, self.params
+        weights = [p for p in unique_params(model) if not is_lazy(p)]
+        for p in weights:
+            storages.add_tensor(p, WEIGHTS)
+        for p in weights:
+            if p.grad is not None:
+                params.add_grad(p.grad, retro=False)
+        for b in model.buffers():
+            storages.add_tensor(b, BUFFERS)
+        for mod in model.modules():
+            for t in attribute_tensors(mod):  # module state kept as plain attributes, like buffers
+                storages.add_tensor(t, BUFFERS)
+        for opt in self.optimizers.all():
+            self.optimizers.collect_state(opt, retro=False)
+
+    def restart(self) -> None:
+        """The run starts from here: what was seen before is not this run's (a simulated rank's layout has just
+        sharded the weights the profile registered whole)."""
+        self.phases.start()
+        self.ledger.restart_peak()
+        self.start_totals = self.ledger.totals.copy()
+
+    def suspend(self) -> None:
+        """A schedule pauses the profile: every hook returns at once, and the dispatch mode leaves the stack."""
+        run = self.run
+        run.active = False
+        if run.mode == EXACT:
+            self.storages.uninstall(run.thread)
+
+    def wake(self) -> None:
+        """A schedule resumes the profile: what the unwatched steps made is registered, and the hooks record."""
+        self.register_existing()
+        if self.run.mode == EXACT:
+            self.storages.install()
+        self.run.active = True
+
+    def close_saved_hooks(self) -> None:
+        """Undo memprof's per-thread saved-tensor pushes."""
+        if not self.saved.hooks.close() and threading.get_ident() == self.run.thread:
+            self.run.notes.append(
+                "saved_tensors_hooks entered inside the profile were still active when it ended (above "
+                "memprof's own pair), so memprof's pair is left inert beneath them until they exit"
+            )
+
+
+def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
+         probe: "DeviceProbe", stack: "UndoStack", *, mode_requested: str, operations: bool, fake_mode: Any,
+         schedule: "Schedule | None", ready: "Callable[[], None] | None", record_routing: bool = False) -> Collectors:
+    """Build the collectors of a profile of ``model`` and install everything; ``ready`` hands the run so far
+    to ``on_trace_ready`` at the end of a schedule's window."""
+    c = build(model, optimizers, run, ledger, probe, stack, fake_mode)
+    install(c, model, mode_requested=mode_requested, operations=operations)
+    if schedule is not None:
+        add_windows(c, schedule, ready)
+    if record_routing:
+        c.routing = RoutingRecorder(run, c.table)
+        c.routing.__enter__()
+        stack.callback(c.routing.__exit__, None, None, None)
+    return c
+
+
+def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
+          probe: "DeviceProbe", stack: "UndoStack", fake_mode: Any) -> Collectors:
+    """The collectors, each with its collaborators, and the slots through which lower ones call higher ones."""
+    timeline = Timeline(ledger, run)
+    storages = StorageTracker(ledger, run)
+    storages.fake_mode = fake_mode  # a simulation's fake-tensor mode: its tensors are the run's
+    phases = PhaseTracker(ledger, run, probe, timeline)
+    params = ParamTracker(ledger, run, storages, phases, stack)
+    opts = OptimizerTracker(optimizers, ledger, run, storages, params, phases, stack)
+    phases.optimizer_seen = bool(optimizers)
+    table = ModuleTable(model)
+    capture = Capture(table)
+    frames = Frames(ledger, run, table, phases, timeline)
+    saved = SavedTracker(ledger, run, table, capture)
+    graph = GraphSaves(ledger, run, saved, frames.node_hooks)
+    kv = CacheTracker(model, ledger, run, storages, phases)
+    rank = rank_info(model)
+    shards = sharding(model, rank, ledger, run, params, stack)
+    modules = ModuleTracker(run, ledger, table, capture, frames, timeline, storages, params, saved, phases, kv,
+                            shards, stack)
+
+    storages.backward_started = saved.backward_started = phases.backward_started
+    storages.watch_backward = graph.watch_recompute
+    opts.sync_model = modules.sync
+    phases.on_begin.append(capture.phase_began)
+    phases.release_grads.append(params.release_stale_grads)
+    phases.grad_keys = params.grad_keys
+    phases.on_step_end.append(frames.prune_hooks)
+    phases.on_backward_end.append(frames.close_backward_frames)
+    if shards is not None:
+        # In the backward phase still: the reduce-scatter outputs were gradients at its peak.
+        storages.after_collective = shards.grads
+        phases.on_backward_end.append(shards.grads)
+    phases.on_backward_end.append(params.walk_grads)
+    return Collectors(run=run, ledger=ledger, probe=probe, stack=stack, timeline=timeline, storages=storages,
+                      phases=phases, params=params, optimizers=opts, table=table, capture=capture, frames=frames,
+                      saved=saved, graph=graph, kv=kv, rank=rank, shards=shards, modules=modules)
+
+
+def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations: bool) -> None:
+    """Register what exists, start the first phase and install the hooks."""
+    run, stack = c.run, c.stack
+    # Two steps, so that a failure in one still runs the other.
+    stack.callback(c.close_saved_hooks)
+    stack.callback(c.frames.remove_hooks)
+
+    c.param_dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in unique_params(model)
+                                   if not is_lazy(p)}))
+    c.register_existing()
+    c.optimizers.start()
+    c.start_totals = c.ledger.totals.copy()
+    c.phases.start()
+
+    # Hooks. Each registration goes on the stack right away so that a
+    # failure half-way still removes what was installed.
+    c.modules.adopt(model)
+    compiled = c.table.compiled_paths
+    if compiled and run.mode == EXACT and not KEEPS_COMPILE:
+        # With this torch any dispatch mode makes compiled code run eagerly, and for the rest of
+        # the process: exact mode would change the user's training.
+        if mode_requested == EXACT:
+            raise InvalidArgumentError(
+                f"{compiled[0]} runs torch.compile'd code, and with torch {torch.__version__} exact mode's "
+                "dispatch mode would make it run eagerly for the rest of the process; profile it with "
+                "mode='light', or upgrade torch (2.9 and later keep compiled code compiled)"
+            )
+        run.mode = LIGHT
+        run.backward_frames = c.saved.full = False
+        run.notes.append(
+            f"light mode: the model runs torch.compile'd code, which exact mode's dispatch mode would make "
+            f"run eagerly with torch {torch.__version__}"
+        )
+    pre, post = c.optimizers.pre_hook, c.optimizers.post_hook
+    if "torch._dynamo" in sys.modules:
+        # A compiled optimizer.step() calls the global step hooks from its compiled frame: run them
+        # eagerly, outside the graph, rather than have dynamo trace memprof's code into it.
+        pre, post = torch.compiler.disable(pre), torch.compiler.disable(post)
+    stack.callback(_optim_mod.register_optimizer_step_pre_hook(pre).remove)
+    stack.callback(_optim_mod.register_optimizer_step_post_hook(post).remove)
+    # The model may gain parameters or submodules inside the block (a new head, lazy modules).
+    from torch.nn.modules import module as _module_mod
+
+    for name in ("register_module_parameter_registration_hook", "register_module_module_registration_hook"):
+        register = getattr(_module_mod, name, None)
+        if register is not None:
+            stack.callback(register(c.modules.registration_hook).remove)
+    if operations and run.mode != EXACT:
+        run.notes.append("operations=True needs mode='exact' (it sees ops through the dispatch mode)")
+    if run.mode == EXACT:
+        # What code outside the model's calls saved is found on the graph when backward starts.
+        c.phases.on_backward_start.append(c.graph.find_outside_saves)
+        if operations:
+            c.storages.operations = OperationLog()
+        c.storages.install()
+        stack.callback(c.storages.uninstall, run.thread)
+    else:
+        c.probe.start_light()
+        run.notes.extend(c.probe.light_notes())
+        # Light mode has no dispatch mode: code outside the model's modules runs unseen.
+        run.notes.append(
+            "light mode sees no op outside the model's modules: what autograd saves there (the loss "
+            "function's tensors) is not counted as activations, nor as inputs the tensors made before the "
+            "profile that only code there uses (targets handed to the loss function, a metric accumulator "
+            "such as acc += loss.detach()); on an accelerator both are among temporaries (exact mode counts "
+            "them)")
+    c.timeline.sample("start", "start")
+
+
+def add_windows(c: Collectors, schedule: "Schedule", ready: "Callable[[], None] | None") -> None:
+    """A schedule: memprof records the steps it selects, and is off between them."""
+    windows = Windows(schedule, c.phases, c.ledger, c.run, ready, suspend=c.suspend, wake=c.wake)
+    c.schedule, c.windows = schedule, windows
+    c.phases.gate = windows
+    c.params.while_paused = windows.backward_ran_while_paused
+    c.optimizers.while_paused = windows.optimizer_stepped_while_paused
+    c.modules.at_forward = windows.at_forward
+    windows.start()

@@ -1,0 +1,52 @@
+"""The facade, top floor: the only place that pairs results with their renderers.
+
+The floors below return plain data (a :class:`~memprof.record.trace.Trace`, a reconciliation, a diff, an
+estimate). :class:`Report` wraps a Trace, and each result class here is its data class's subclass; both add
+the views a user reads as one-line delegations to :mod:`memprof.render` and :mod:`memprof.analyse`
+(``print()``, ``_repr_html_``, ``to_frame()``, ``plot()``, ``report()`` ...), and each public function
+returns one of them:
+
+* :mod:`.reports` -- :class:`Report` and :func:`load`;
+* :mod:`.comparison` -- :func:`diff` and :class:`Diff`;
+* :mod:`.ranks` -- :func:`merge` and :class:`Merged`;
+* :mod:`.reconciliation` -- :func:`reconcile` and :class:`Reconciliation`;
+* :mod:`.estimates` -- :func:`estimate`, :func:`estimate_generation`, the planners, :class:`Estimate`
+  and :class:`BatchSizePlan`;
+* :mod:`.profiling` -- :func:`profile` and :class:`Profiler`, whose ``report()`` gives the Report.
+
+The last three import torch, so they load on first use: importing memprof stays free of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .comparison import Diff, diff
+from .ranks import Merged, merge
+from .reports import Report, load
+
+__all__ = ["Report", "load", "Diff", "diff", "Merged", "merge", "Reconciliation", "reconcile", "Estimate",
+           "BatchSizePlan", "estimate", "estimate_generation", "max_batch_size", "max_generation_batch_size",
+           "Profiler", "profile"]
+
+#: The names whose modules import torch, and those modules.
+LAZY = {
+    "Reconciliation": "reconciliation",
+    "reconcile": "reconciliation",
+    "Estimate": "estimates",
+    "BatchSizePlan": "estimates",
+    "estimate": "estimates",
+    "estimate_generation": "estimates",
+    "max_batch_size": "estimates",
+    "max_generation_batch_size": "estimates",
+    "Profiler": "profiling",
+    "profile": "profiling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

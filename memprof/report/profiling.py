@@ -1,0 +1,24 @@
+"""Profiling a run: :func:`profile` and the :class:`Profiler` whose :meth:`~Profiler.report` reads it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..collect import profiler
+from .reports import Report
+from .wrap import same_as
+
+__all__ = ["Profiler", "profile"]
+
+
+class Profiler(profiler.Profiler):
+    __doc__ = profiler.Profiler.__doc__
+
+    def report(self) -> Report:
+        """The :class:`memprof.Report` built on :attr:`trace`."""
+        return Report(self.trace)
+
+
+@same_as(profiler.profile)
+def profile(model: Any, optimizer: Any = None, **options: Any) -> Profiler:
+    return Profiler(model, optimizer, **options)
