@@ -176,6 +176,7 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
         autocast_dtype=c.storages.autocast_dtype,
         generation=c.kv.facts(),
         distributed=_rank(c),
+        routing=c.routing.record() if c.routing is not None else None,
         peak_tags=tag_pairs(led.peak_tags),
         facts=model_facts(c),
         operations=tuple(

@@ -98,9 +98,12 @@ class CacheTracker:
         back = False
         for name, obj in _arguments(args, kwargs):
             named = name in self.names
+            # An encoder-decoder's encoder output is counted with the cache (CacheSpec.encoder_hidden) also when the
+            # loop made it outside the model: generate()'s copy per beam (repeat_interleave) is.
+            claim_any = named or name == "encoder_outputs"
             if named and obj is not None and not isinstance(obj, (torch.Tensor, tuple, list, dict)):
                 handed = obj
-            claimed, made_in = self._claim(obj, named=named)
+            claimed, made_in = self._claim(obj, named=claim_any)
             if claimed:
                 self.names.add(name)
             if made_in is not None:

@@ -70,6 +70,7 @@ def profile(
     schedule: "Schedule | None" = None,
     on_trace_ready: "Callable[[Profiler], Any] | None" = None,
     oom_dump: "str | os.PathLike[str] | None" = None,
+    record_routing: bool = False,
 ) -> "Profiler":
     """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
 
@@ -89,6 +90,9 @@ def profile(
     trace up to it is written there as ``memprof-oom-<rank>-<pid>-<time>.json``
     (on CUDA with a memory_viz snapshot beside it); the folder is created and
     checked now, the exception propagates unchanged.
+    ``record_routing=True`` also records, for a mixture-of-experts model, how many tokens each router call
+    sent to each expert (``report.trace.routing``), for a simulation to replay:
+    ``memprof.estimate(..., routing=report)``.
 
     However long the run, the record stays bounded: every step is summarised
     per phase (:meth:`Report.phase_stats`), and full detail is kept for the
@@ -99,7 +103,7 @@ def profile(
     optimizer after the block ends.
     """
     return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations, schedule=schedule,
-                    on_trace_ready=on_trace_ready, oom_dump=oom_dump)
+                    on_trace_ready=on_trace_ready, oom_dump=oom_dump, record_routing=record_routing)
 
 
 class Profiler:
@@ -121,12 +125,16 @@ class Profiler:
         schedule: "Schedule | None" = None,
         on_trace_ready: "Callable[[Profiler], Any] | None" = None,
         oom_dump: "str | os.PathLike[str] | None" = None,
+        record_routing: bool = False,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
         _fake_mode: Any = None,
     ) -> None:
         optimizers, device = checked(model, optimizer, mode, timeline, operations, schedule, on_trace_ready,
                                       _allow_meta)
+        if not isinstance(record_routing, bool):
+            raise InvalidArgumentError(f"record_routing must be True or False, got {record_routing!r}")
+        self._record_routing = record_routing
         self.schedule = schedule
         self._on_trace_ready = on_trace_ready
         self._mode_requested = mode
@@ -283,7 +291,8 @@ class Profiler:
         ready = self._window_ready if self._on_trace_ready is not None else None
         self.collectors = wire(model, optimizers, self.run, self.ledger, self.probe, stack,
                                mode_requested=self._mode_requested, operations=self._want_operations,
-                               fake_mode=self._fake_mode, schedule=self.schedule, ready=ready)
+                               fake_mode=self._fake_mode, schedule=self.schedule, ready=ready,
+                               record_routing=self._record_routing)
         if self.oom_dump is not None:
             self.oom_dump.start(self.live_now)
             stack.callback(self.oom_dump.stop)

@@ -35,6 +35,7 @@ from .optimizer import OptimizerTracker
 from .params import ParamTracker, is_lazy
 from .phases import PhaseTracker
 from .ranks import rank_info
+from .routing import RoutingRecorder
 from .saved import SavedTracker
 from .shards import ShardTracker, sharding
 from .state import EXACT, LIGHT
@@ -76,6 +77,8 @@ class Collectors:
     modules: ModuleTracker
     schedule: "Schedule | None" = None
     windows: "Windows | None" = None
+    #: With ``record_routing=True``: the router calls' per-expert counts.
+    routing: "RoutingRecorder | None" = None
     #: The ledger's totals when the run began (what existed before its first phase).
     start_totals: list[int] = dataclasses.field(default_factory=list)
     param_dtypes: tuple[str, ...] = ()
@@ -133,13 +136,17 @@ class Collectors:
 
 def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
          probe: "DeviceProbe", stack: "UndoStack", *, mode_requested: str, operations: bool, fake_mode: Any,
-         schedule: "Schedule | None", ready: "Callable[[], None] | None") -> Collectors:
+         schedule: "Schedule | None", ready: "Callable[[], None] | None", record_routing: bool = False) -> Collectors:
     """Build the collectors of a profile of ``model`` and install everything; ``ready`` hands the run so far
     to ``on_trace_ready`` at the end of a schedule's window."""
     c = build(model, optimizers, run, ledger, probe, stack, fake_mode)
     install(c, model, mode_requested=mode_requested, operations=operations)
     if schedule is not None:
         add_windows(c, schedule, ready)
+    if record_routing:
+        c.routing = RoutingRecorder(run, c.table)
+        c.routing.__enter__()
+        stack.callback(c.routing.__exit__, None, None, None)
     return c
 
 

@@ -17,6 +17,7 @@ from ..errors import TraceFormatError
 from .stats import PhaseStats
 from .parts import (Breakdown, DeviceInfo, GenerationFacts, ModelFacts, ModuleRecord, OomRecord,
                       OperationRecord, PhaseRecord, RankInfo, Sample, StepRecord)
+from .routing import RoutingRecord
 from .specs import ModuleCall, OptimizerSpec
 
 __all__ = [
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 #: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class Trace:
     generation: "GenerationFacts | None" = None
     #: The rank of a torch.distributed job the run was (schema 5); None outside a process group.
     distributed: "RankInfo | None" = None
+    #: With ``record_routing=True``: every router call's per-expert token counts (schema 6).
+    routing: "RoutingRecord | None" = None
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -178,6 +181,7 @@ class Trace:
             "live_storages_at_error": [list(s) for s in self.live_storages_at_error],
             "generation": self.generation.to_dict() if self.generation is not None else None,
             "distributed": self.distributed.to_dict() if self.distributed is not None else None,
+            "routing": self.routing.to_dict() if self.routing is not None else None,
         }
 
     @classmethod
@@ -240,6 +244,7 @@ class Trace:
                     for a, n, c, m in _rows(data, "live_storages_at_error", 4)),
                 generation=_optional(data, "generation", GenerationFacts.from_dict),
                 distributed=_optional(data, "distributed", RankInfo.from_dict),
+                routing=_optional(data, "routing", RoutingRecord.from_dict),
                 schema_version=version,
             )
         except TraceFormatError:

@@ -293,6 +293,23 @@ def breakdown_lines(bd: Breakdown) -> list[str]:
     return lines
 
 
+def layer_lines(rec: "Reconciliation") -> list[str]:
+    """The MoE and Mamba layers, each against its own formula, with the causes of its gap."""
+    checks = getattr(rec, "layers", ())
+    if not checks:
+        return []
+    lines = ["", "MoE and Mamba layers (saved for backward, formula vs measured)"]
+    for c in checks:
+        lines.append(f"  {c.path:<40}{c.kind:<13}{format_bytes(c.formula.bytes):>11}{size(c.measured):>12}"
+                     f"{signed(c.gap):>12}")
+        for name, amount, sentence in c.causes:
+            sign = "+" if amount >= 0 else "-"
+            lines.append(f"    {sign}{format_bytes(abs(amount))} {name}: {sentence}")
+        if c.unexplained:
+            lines.append(f"    {signed(c.unexplained)} unexplained")
+    return lines
+
+
 def reconciliation_text(rec: "Reconciliation") -> str:
     lines = [f"memprof reconciliation at the {rec.where} ({rec.precision}"
              + (f", {rec.optimizer}" if rec.optimizer else "") + ")"]
@@ -333,6 +350,7 @@ def reconciliation_text(rec: "Reconciliation") -> str:
             sign = "+" if net >= 0 else "-"
             lines.append(f"  {'(smaller)':<17}{sign}{format_bytes(abs(net)):>11}  {len(small)} cause(s) under 0.5% "
                          "of the total each: " + ", ".join(sorted({c.name for c in small})) + " (rec.causes)")
+    lines.extend(layer_lines(rec))
     if rec.notes:
         lines.append("")
         for n in rec.notes:

@@ -75,6 +75,7 @@ def estimate(
     attention: str = "auto",
     world_size: int = 1,
     parallel: "str | None" = None,
+    routing: Any = None,
 ) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
 
@@ -99,6 +100,9 @@ def estimate(
     ``world_size`` and ``parallel`` (``"ddp"``, ``"fsdp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``) make
     the figures one rank's of a data-parallel job, in this one process: ``inputs`` is that rank's batch,
     and the model states and collective buffers are sharded as the layout does (:mod:`memprof.simulate.ranks`).
+    ``routing`` is what a mixture-of-experts model's routers choose, which shape-only tensors cannot decide:
+    ``"balanced"`` (default), ``"worst"``, ``"capacity=1.25"``, or a real run's routing (a report profiled
+    with ``record_routing=True``, or per-call expert counts) replayed (:mod:`memprof.simulate.routing`).
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
@@ -114,7 +118,7 @@ def estimate(
         raise InvalidArgumentError(
             f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
             f"arguments), got {type(inputs).__name__} without a tensor")
-    setup = _Target(model, precision, device, attention)
+    setup = _Target(model, precision, device, attention, routing)
     target, notes, meta_model, mapping = setup.target, setup.notes, setup.model, setup.mapping
     fake_mode, autocast, emulated = setup.fake_mode, setup.autocast, setup.emulated
     shadow, cast = setup.shadow, setup.cast
@@ -134,6 +138,7 @@ def estimate(
 
     prof = Profiler(meta_model, meta_opt, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if target.type == "cuda" else 1)
+    setup.moe.attach(prof)
     if target.type not in ("cpu", "cuda"):
         notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
                      f"runs its math path (saves the s x s scores), where a {target.type} device may not")
@@ -305,7 +310,8 @@ class _Target:
     :mod:`memprof.simulate.kernels` / :mod:`memprof.simulate.autocast`. Shared by :func:`estimate` and
     :func:`memprof.estimate_generation`."""
 
-    def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str) -> None:
+    def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str,
+                 routing: Any = None) -> None:
         if precision is not None and precision not in _PRECISION_DTYPES and precision not in _MIXED:
             raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
                                    "(amp is mixed)")
@@ -366,22 +372,37 @@ class _Target:
         self.fake_mode, self.autocast, self.emulated = fake_mode, autocast, emulated
         self.kernels, self.watched, self.custom, self.shadow, self.cast = kernels, watched, custom, shadow, cast
         self.cpu_kernels = cpu_kernels
+        from .moe import MoeRules
+
+        self.moe = MoeRules(target.type, routing)
 
     def op_rules(self) -> Any:
-        """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels`), a dispatch mode to enter after the
-        fake-tensor mode and before the profiler; a context that does nothing for other targets."""
-        return self.cpu_kernels if self.cpu_kernels is not None else contextlib.nullcontext()
+        """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels` on a CPU target, value shadows and
+        ``_grouped_mm`` on every target: :mod:`memprof.simulate.moe`), dispatch modes to enter after the
+        fake-tensor mode and before the profiler."""
+        return _entered(*(m for m in (self.cpu_kernels, self.moe.shadows) if m is not None))
 
     def rules(self) -> Rules:
-        # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors.
-        return Rules(*(r for r in (self.emulated, self.kernels, self.watched, self.custom) if r is not None))
+        # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors; the router
+        # sees the scores as the model made them.
+        return Rules(*(r for r in (self.emulated, self.kernels, self.watched, self.custom, self.moe.router,
+                                   self.moe.one_hot) if r is not None))
 
     def rule_notes(self) -> list[str]:
         out = []
         for rule in (self.kernels, self.cpu_kernels, self.watched, self.custom, self.emulated):
             if rule is not None:
                 out.extend(rule.notes())
-        return out
+        return out + self.moe.notes()
+
+
+@contextlib.contextmanager
+def _entered(*modes: Any) -> Any:
+    """``modes`` entered in order (the first lowest on the dispatch stack), exited in reverse."""
+    with contextlib.ExitStack() as stack:
+        for m in modes:
+            stack.enter_context(m)
+        yield
 
 
 class _Step:
@@ -418,8 +439,9 @@ class _Step:
             self.optimizer.zero_grad()
 
 
-def _simulation_error(exc: BaseException, step: int) -> SimulationError:
-    """What failed in a simulated step, in words a user can act on."""
+def _simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
+    """What failed in a simulated step (a training step's index, or the name of what ran: "generation"), in
+    words a user can act on."""
     text = str(exc).strip()
     first = (text.splitlines()[0] if text else type(exc).__name__).rstrip(".")
     low = text.lower()
@@ -442,8 +464,22 @@ def _simulation_error(exc: BaseException, step: int) -> SimulationError:
     else:
         fix = ("the model must run on shape-only tensors (meta or fake): the same call with real tensors of these "
                "shapes is the way to check it")
-    return SimulationError(f"the simulated training step {step} failed: {type(exc).__name__}: {first}. {fix[0].upper()}"
-                           f"{fix[1:]}")
+    what = f"training step {step}" if isinstance(step, int) else step
+    where = _model_frame(exc)
+    return SimulationError(f"the simulated {what} failed: {type(exc).__name__}: {first}"
+                           f"{f' (at {where})' if where else ''}. {fix[0].upper()}{fix[1:]}")
+
+
+def _model_frame(exc: BaseException) -> str:
+    """The innermost frame of the failure outside torch and memprof (the model's line), as ``file:line``."""
+    import traceback
+
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        name = f.filename.replace("\\", "/")
+        if "/torch/" not in name and "/memprof/" not in name:
+            parts = name.split("/site-packages/")
+            return f"{parts[-1]}:{f.lineno}"
+    return ""
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -1,9 +1,10 @@
 """Simulating a generation: prefill and decoding on shape-only tensors, with the KV cache as its own category.
 
-``memprof.estimate_generation(model, batch_size=8, prompt_len=4096, max_new_tokens=512)`` runs what a
-greedy ``model.generate()`` runs on a prompt without padding: one prefill forward over the prompt
-(``use_cache=True``, position ids, an empty cache to fill, the logits of the last position only where the
-model takes ``logits_to_keep``), then one forward per new token handed the cache back. The last new token
+``memprof.estimate_generation(model, batch_size=8, prompt_len=4096, max_new_tokens=512)`` runs what
+``model.generate()`` runs on a prompt without padding (:mod:`memprof.simulate.decoding`): for an encoder-decoder
+model the encoder once; one prefill forward over the prompt (the decoder's start token for an encoder-decoder
+model), then one forward per new token handed the cache back, each followed by the choice of the next tokens
+as greedy search, sampling or beam search makes it (:mod:`memprof.simulate.choosing`). The last new token
 is never fed back, so a generation of ``max_new_tokens`` tokens runs ``max_new_tokens - 1`` decode calls
 and ends with ``prompt_len + max_new_tokens - 1`` tokens in the cache.
 
@@ -17,7 +18,6 @@ the cache at its end is the cache at the end of generation; the notes say which 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from typing import Any
 
 import torch
@@ -25,6 +25,8 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, MemprofError
 from ..anatomy.params import infer_precision
+from .choosing import Beams, Greedy, Sampling
+from .decoding import Decoding, decoder_start
 from .estimate import Estimate, _simulation_error, _Target
 
 __all__ = ["estimate_generation"]
@@ -42,39 +44,48 @@ def estimate_generation(
     precision: "str | None" = None,
     device: "str | torch.device | None" = None,
     attention: str = "auto",
+    routing: Any = None,
+    num_beams: int = 1,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: "int | None" = 50,
+    top_p: float = 1.0,
 ) -> Estimate:
     """Simulate generating ``max_new_tokens`` tokens after a ``prompt_len``-token prompt for ``batch_size``
     sequences, and return an :class:`~memprof.Estimate` whose trace has a prefill phase, decode phases and
     the KV cache as ``kv_cache``.
 
     ``model`` is a model with a generation interface (a transformers model with ``generate()``), built on
-    any device (a configuration built under ``torch.device("meta")`` costs no memory). ``precision``,
-    ``device`` and ``attention`` are :func:`memprof.estimate`'s: ``"bf16"`` casts the parameters,
-    ``"mixed"`` runs under autocast, ``device="cuda"`` rounds to CUDA's 512-byte blocks and picks CUDA's
-    attention kernels.
+    any device (a configuration built under ``torch.device("meta")`` costs no memory). For an
+    encoder-decoder model (T5, BART, Whisper) ``prompt_len`` is the encoder's input: tokens, or for a speech
+    encoder its fixed window of mel frames; the encoder runs once and the decoder from its start token, with
+    self- and cross-attention caches. ``precision``, ``device`` and ``attention`` are :func:`memprof.estimate`'s:
+    ``"bf16"`` casts the parameters, ``"mixed"`` runs under autocast, ``device="cuda"`` rounds to CUDA's
+    512-byte blocks and picks CUDA's attention kernels. ``routing`` is :func:`memprof.estimate`'s: what a
+    mixture-of-experts model's routers choose (``"balanced"`` by default). ``num_beams``, ``do_sample``,
+    ``temperature``, ``top_k`` and ``top_p`` are ``generate()``'s, with its defaults: beam search keeps
+    ``batch_size x num_beams`` sequences and copies the cache into the surviving beams' order after every
+    step; sampling runs transformers' logits warpers. Every sequence runs to ``max_new_tokens``.
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate_generation() needs a torch.nn.Module, got {type(model).__name__}")
     from ..units import as_count
 
-    batch_size, prompt_len, max_new_tokens = (as_count(name, value, minimum=1) for name, value in (
-        ("batch_size", batch_size), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens)))
+    batch_size, prompt_len, max_new_tokens, num_beams = (as_count(name, value, minimum=1) for name, value in (
+        ("batch_size", batch_size), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens),
+        ("num_beams", num_beams)))
     if not callable(getattr(model, "generate", None)) or not callable(
             getattr(model, "prepare_inputs_for_generation", None)):
         raise InvalidArgumentError(
             f"{type(model).__name__} has no generation interface (generate() and prepare_inputs_for_generation(), "
             "as transformers' generative models have); estimate a training step of it with memprof.estimate")
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise InvalidArgumentError(
-            f"{type(model).__name__} is an encoder-decoder model; estimate_generation simulates decoder-only "
-            "generation (profile a real generate() of it to measure its caches)")
-    limit = _positions(getattr(model, "config", None))
-    if limit is not None and prompt_len + max_new_tokens > limit:
-        raise InvalidArgumentError(
-            f"prompt_len + max_new_tokens = {prompt_len + max_new_tokens} tokens, but {type(model).__name__} has "
-            f"positions for {limit} (its config's max_position_embeddings); shorten the prompt or the generation")
+    config = getattr(model, "config", None)
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    _check_positions(model, prompt_len, max_new_tokens, encoder_decoder)
+    chooser = choosing(model, num_beams=num_beams, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                       top_p=top_p, max_length=(1 if encoder_decoder else prompt_len) + max_new_tokens)
 
-    setup = _Target(model, precision, device, attention)
+    setup = _Target(model, precision, device, attention, routing)
     twin = setup.model
     twin.eval()
     notes = setup.notes
@@ -82,142 +93,129 @@ def estimate_generation(
 
     prof = Profiler(twin, None, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if setup.target.type == "cuda" else 1)
+    setup.moe.attach(prof)
     decodes = max_new_tokens - 1
     jump = decodes > _RUN_ALL
     device_of = torch.device("meta") if setup.fake_mode is None else torch.device("cpu")
-    loop = _Loop(twin, batch_size, device_of, autocast=setup.autocast, emulated=setup.emulated)
+    loop = Decoding(twin, batch_size, device_of, chooser=chooser, autocast=setup.autocast, emulated=setup.emulated)
     with (setup.fake_mode if setup.fake_mode is not None else contextlib.nullcontext()):
         loop.prompt(prompt_len)
+    where = "prefill"
     with contextlib.ExitStack() as stack:
         if setup.fake_mode is not None:
             stack.enter_context(setup.fake_mode)
+        stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
         stack.enter_context(prof)
         stack.enter_context(setup.rules())
         stack.enter_context(torch.no_grad())
         try:
-            loop.call(prompt_len)  # prefill
+            loop.prefill()
             ran = decodes if not jump else 2
-            for _ in range(ran):
+            for i in range(ran):
+                where = f"decode call {i + 1}"
                 loop.call(1)
             if jump:
                 grown = decodes - ran - 1
+                where = f"decode call {decodes} (on a cache grown to its length)"
                 loop.grow(grown)
                 prof.collectors.kv.add_tokens(grown)
                 loop.call(1)  # the last decode call, on the cache it would find
         except MemprofError:
             raise
         except (RuntimeError, NotImplementedError) as exc:
-            raise _simulation_error(exc, 0) from exc
+            raise _simulation_error(exc, f"generation ({where})") from exc
     if jump:
         notes.append(f"decode calls 3 to {decodes - 1} of {decodes} were not run one by one: the cache was grown "
                      f"to their length directly, and the last call ran on it (each decode call is the same "
                      f"computation on a cache one token longer)")
+    notes.extend(_generation_notes(model, loop, encoder_decoder))
     notes.extend(setup.rule_notes())
     resolved = precision or infer_precision(prof.trace)
     return Estimate(trace=prof.trace, precision=resolved, device=setup.target.type, notes=tuple(notes))
 
 
-class _Loop:
-    """The calls of a greedy generate(): ids, a growing attention mask, the cache handed back."""
+#: The loop's former name, kept for callers that run the simulation's calls on real tensors.
+_Loop = Decoding
 
-    def __init__(self, model: nn.Module, batch: int, device: torch.device, *, autocast: Any = None,
-                 emulated: Any = None) -> None:
-        self.model, self.batch, self.device = model, batch, device
-        self.autocast, self.emulated = autocast, emulated
-        params = inspect.signature(model.forward).parameters
-        self.keep_last = "logits_to_keep" in params
-        # transformers 5 calls it "cache", earlier versions "past_key_values".
-        self.cache_name = "cache" if "cache" in params else "past_key_values"
-        self.positions = "position_ids" in params
-        # generate() hands the prefill an empty cache to fill, as transformers' generate does.
-        self.cache: Any = _empty_cache(model)
-        self.mask: "torch.Tensor | None" = None
-        self.position: "torch.Tensor | None" = None
-        # What generate() keeps between calls: every token so far, the last logits in fp32, the sequences
-        # still running (transformers/generation/utils.py, the greedy loop).
-        self.ids: "torch.Tensor | None" = None
-        self.logits: "torch.Tensor | None" = None
-        self.unfinished: "torch.Tensor | None" = None
 
-    def prompt(self, tokens: int) -> None:
-        """The prompt, made before the profile as a user's input ids are, and held as the user's variable holds it."""
-        self.prompt_ids = self.ids = torch.zeros((self.batch, tokens), dtype=torch.long, device=self.device)
+def choosing(model: nn.Module, *, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0,
+             top_k: "int | None" = 50, top_p: float = 1.0, max_length: int = 0) -> Any:
+    """The chooser of next tokens ``generate()`` would run with these arguments (:mod:`.choosing`)."""
+    if not isinstance(do_sample, bool):
+        raise InvalidArgumentError(f"do_sample must be True or False, got {do_sample!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise InvalidArgumentError(f"temperature must be a positive number, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise InvalidArgumentError(f"top_k must be a whole number >= 0 or None, got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise InvalidArgumentError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    sample = (float(temperature), top_k, float(top_p)) if do_sample else None
+    if num_beams > 1:
+        return Beams(num_beams, max_length, _eos_ids(model), sample,
+                     length_penalty=_generation_value(model, "length_penalty", 1.0),
+                     early_stopping=_generation_value(model, "early_stopping", False))
+    return Sampling(*sample) if sample is not None else Greedy()
 
-    def call(self, tokens: int) -> None:
-        assert self.ids is not None
-        if self.unfinished is None:
-            self.unfinished = torch.ones(self.batch, dtype=torch.long, device=self.device)
-        ids = self.ids[:, -tokens:].clone(memory_format=torch.contiguous_format)
-        ones = torch.ones((self.batch, tokens), dtype=torch.long, device=self.device)
-        self.mask = ones if self.mask is None else torch.cat([self.mask, ones], dim=-1)
-        # No attention mask: generate() hands none to a model when the prompt has no padding (a mask of ones).
-        kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, "return_dict": True}
-        if self.positions:
-            # As generate() makes them: from the mask's running count at the prefill, then one past the last.
-            if self.position is None:
-                self.position = self.mask.long().cumsum(-1) - 1
-            else:
-                self.position = self.position[:, -1:] + tokens
-            kwargs["position_ids"] = self.position
-        if self.cache is not None:
-            kwargs[self.cache_name] = self.cache
-        if self.keep_last:
-            kwargs["logits_to_keep"] = 1
-        emulated = self.emulated
-        if emulated is not None:
-            emulated.begin_forward()
-        try:
-            with (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
-                out = self.model(**kwargs)
-        finally:
-            if emulated is not None:
-                emulated.end_forward()
-        cache = getattr(out, "past_key_values", None)
-        if cache is None and isinstance(out, dict):
-            cache = out.get("past_key_values")
-        if cache is None:
+
+def _generation_value(model: nn.Module, name: str, default: Any) -> Any:
+    value = getattr(getattr(model, "generation_config", None), name, None)
+    return default if value is None else value
+
+
+def _eos_ids(model: nn.Module) -> list[int]:
+    """The end-of-sequence ids generate() stops on (its generation config's, else its config's)."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int) and not isinstance(eos, bool):
+            return [eos]
+        if isinstance(eos, (list, tuple)) and eos:
+            return [int(e) for e in eos]
+    return []
+
+
+def _generation_notes(model: nn.Module, loop: Decoding, encoder_decoder: bool) -> list[str]:
+    out = []
+    chooser = loop.chooser
+    if encoder_decoder:
+        out.append(f"encoder-decoder: the encoder ran once over the prompt, the decoder from its start token "
+                   f"(token {decoder_start(model)}) with self-attention and cross-attention caches; the encoder's "
+                   "output, handed to every decoder call, is counted with the cache")
+    if isinstance(chooser, Beams):
+        out.append(f"beam search: {chooser.num_beams} beams per sequence ({loop.rows} sequences in every forward), "
+                   f"continuations kept per step {chooser.keep}; after every step the cache was copied into the "
+                   "surviving beams' order (reorder_cache: every layer's keys and values), as transformers does; "
+                   "between steps the reordered copy is among temporaries until the next call takes it")
+    if isinstance(chooser, (Sampling, Beams)) and (chooser.processors if isinstance(chooser, Beams) else True):
+        names = [type(p).__name__ for p in chooser.processors]
+        out.append("sampling: " + (", ".join(names) if names else "no logits warper") + " then softmax and "
+                   "multinomial, as generate(do_sample=True) runs them; other logits processors a generation config "
+                   "can add (repetition penalty, forced tokens ...) were not run")
+    out.append("every sequence ran to max_new_tokens: no end-of-sequence token was taken to stop one early, which "
+               "is the longest generation and the largest cache")
+    return out
+
+
+def _check_positions(model: nn.Module, prompt_len: int, max_new_tokens: int, encoder_decoder: bool) -> None:
+    config = getattr(model, "config", None)
+    if not encoder_decoder:
+        limit = _positions(config)
+        if limit is not None and prompt_len + max_new_tokens > limit:
             raise InvalidArgumentError(
-                f"{type(self.model).__name__} returned no past_key_values with use_cache=True: it keeps no KV cache "
-                "to simulate")
-        self.cache = cache
-        logits = getattr(out, "logits", None)
-        if isinstance(logits, torch.Tensor):
-            # generate(): the last position's logits copied to fp32 (kept until the next call's are), the next
-            # token, the ids one longer, the stopping check; then the output is dropped.
-            self.logits = None
-            self.logits = logits[:, -1].to(copy=True, dtype=torch.float32)
-            next_tokens = torch.argmax(self.logits, dim=-1)
-            self.ids = torch.cat([self.ids, next_tokens[:, None]], dim=-1)
-            done = torch.full((self.batch,), False, dtype=torch.bool, device=self.device)
-            self.unfinished = self.unfinished & ~done
-            del next_tokens, done
-        del out, logits
+                f"prompt_len + max_new_tokens = {prompt_len + max_new_tokens} tokens, but {type(model).__name__} has "
+                f"positions for {limit} (its config's max_position_embeddings); shorten the prompt or the generation")
+        return
+    from ..collect.kv_cache import config_int
 
-    def grow(self, tokens: int) -> None:
-        """Append ``tokens`` empty positions to every layer of the cache (transformers' Cache.update)."""
-        if tokens <= 0:
-            return
-        layers = getattr(self.cache, "layers", None)
-        update = getattr(self.cache, "update", None)
-        if not layers or not callable(update):
-            raise InvalidArgumentError(
-                f"the model's cache ({type(self.cache).__name__}) has no transformers Cache interface (layers, "
-                "update()) to grow it by; use max_new_tokens <= 17")
-        for i, layer in enumerate(layers):
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
-                continue
-            k = keys.new_empty((*keys.shape[:-2], tokens, keys.shape[-1]))
-            v = values.new_empty((*values.shape[:-2], tokens, values.shape[-1]))
-            update(k, v, i)
-            del k, v
-        ones = torch.ones((self.batch, tokens), dtype=torch.long, device=self.device)
-        assert self.mask is not None and (self.position is not None or not self.positions)
-        self.mask = torch.cat([self.mask, ones], dim=-1)
-        assert self.ids is not None
-        self.ids = torch.cat([self.ids, torch.zeros_like(ones)], dim=-1)  # the tokens generate() would have
-        if self.position is not None:
-            self.position = self.position[:, -1:] + tokens
+    decoder = config_int(config, "max_target_positions", "max_decoder_position_embeddings")
+    if decoder is None and getattr(model, "main_input_name", "input_ids") == "input_ids":
+        decoder = _positions(config)  # one table for both sides (BART)
+        if decoder is not None and prompt_len > decoder:
+            raise InvalidArgumentError(f"prompt_len = {prompt_len} encoder tokens, but {type(model).__name__} has "
+                                       f"positions for {decoder}; shorten the prompt")
+    if decoder is not None and max_new_tokens + 1 > decoder:
+        raise InvalidArgumentError(
+            f"max_new_tokens + the start token = {max_new_tokens + 1} decoder tokens, but {type(model).__name__}'s "
+            f"decoder has positions for {decoder}; shorten the generation")
 
 
 def _positions(config: Any) -> "int | None":
@@ -225,17 +223,3 @@ def _positions(config: Any) -> "int | None":
 
     limit = config_int(config, "max_position_embeddings", "n_positions", "max_sequence_length")
     return limit if limit is not None and limit > 0 else None
-
-
-def _empty_cache(model: nn.Module) -> Any:
-    """transformers' DynamicCache for ``model``, empty; None for other models (their first call makes one)."""
-    import sys
-
-    module = sys.modules.get("transformers")
-    cls = getattr(module, "DynamicCache", None) if type(model).__module__.startswith("transformers.") else None
-    if cls is None:
-        return None
-    try:
-        return cls(config=model.config)
-    except TypeError:  # versions whose DynamicCache takes no config
-        return cls()

@@ -26,6 +26,7 @@ from .sharding import zero_stage
 from ...anatomy.params import infer_precision
 from .formula import formula_at, moment_of, optimizer_name, parse_at, predictions
 from .textbook import Textbook, textbook_at
+from .layers import LayerCheck, layer_checks
 
 if TYPE_CHECKING:
     from ...simulate.estimate import Estimate
@@ -95,6 +96,9 @@ class Reconciliation:
     causes: tuple[Cause, ...]
     textbook: Textbook
     notes: tuple[str, ...] = ()
+    #: The MoE routers, MoE experts and Mamba mixers of the forward, each against its own formula
+    #: (:mod:`.layers`).
+    layers: "tuple[LayerCheck, ...]" = ()
     _advice: tuple[str, ...] = field(default=(), repr=False)
 
     def row(self, category: "Category | str") -> Row:
@@ -208,4 +212,4 @@ def reconcile(
     from .advice import advice
 
     return Reconciliation(at if isinstance(at, str) else where, where, precision_used, opt_name, rows, causes(ctx),
-                          textbook, tuple(notes), tuple(advice(trace, measured, precision_used, opt_name)))
+                          textbook, tuple(notes), layer_checks(trace), tuple(advice(trace, measured, precision_used, opt_name)))
