@@ -35,7 +35,8 @@ _ARGMAX = (torch.argmax, torch.Tensor.argmax)
 ROUTER_FUNCTIONS = frozenset(_TOPK + _ARGMAX)
 
 
-def router_call(func: Any, args: tuple, kwargs: dict, out: Any) -> "tuple[torch.Tensor, torch.Tensor, int, bool] | None":
+def router_call(func: Any, args: tuple, kwargs: dict,
+                out: Any) -> "tuple[torch.Tensor, torch.Tensor, int, bool] | None":
     """``(scores, indices, dim, keepdim)`` when ``func(*args, **kwargs) -> out`` chose indices from floating
     scores (a ``topk``, or an ``argmax`` along a dimension); None otherwise."""
     if func in _TOPK:

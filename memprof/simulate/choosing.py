@@ -120,8 +120,8 @@ class Beams:
         self.model = model
         self.cur_len = self.prompt_len = loop.ids.shape[1]
         s = self.state
-        s["top_mask"] = torch.cat((torch.ones((nb,), dtype=torch.bool), torch.zeros((self.keep - nb,), dtype=torch.bool)),
-                                  dim=0).to(device)
+        s["top_mask"] = torch.cat((torch.ones((nb,), dtype=torch.bool),
+                                   torch.zeros((self.keep - nb,), dtype=torch.bool)), dim=0).to(device)
         fill = self.eos[0] if self.eos else -1
         s["running"] = torch.full((b, nb, self.max_length), fill_value=fill, dtype=torch.int64, device=device)
         s["running"][:, :, :self.cur_len] = model._unflatten_beam_dim(loop.ids, b, nb)

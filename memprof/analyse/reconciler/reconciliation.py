@@ -212,4 +212,5 @@ def reconcile(
     from .advice import advice
 
     return Reconciliation(at if isinstance(at, str) else where, where, precision_used, opt_name, rows, causes(ctx),
-                          textbook, tuple(notes), layer_checks(trace), tuple(advice(trace, measured, precision_used, opt_name)))
+                          textbook, tuple(notes), layer_checks(trace),
+                          tuple(advice(trace, measured, precision_used, opt_name)))
