@@ -42,6 +42,8 @@ def estimate_generation(
     precision: "str | None" = None,
     device: "str | torch.device | None" = None,
     attention: str = "auto",
+    gpu: Any = None,
+    alloc_conf: Any = None,
 ) -> Estimate:
     """Simulate generating ``max_new_tokens`` tokens after a ``prompt_len``-token prompt for ``batch_size``
     sequences, and return an :class:`~memprof.Estimate` whose trace has a prefill phase, decode phases and
@@ -51,7 +53,8 @@ def estimate_generation(
     any device (a configuration built under ``torch.device("meta")`` costs no memory). ``precision``,
     ``device`` and ``attention`` are :func:`memprof.estimate`'s: ``"bf16"`` casts the parameters,
     ``"mixed"`` runs under autocast, ``device="cuda"`` rounds to CUDA's 512-byte blocks and picks CUDA's
-    attention kernels.
+    attention kernels. ``gpu`` and ``alloc_conf`` are :func:`memprof.estimate`'s: the device-level peak, the
+    fit and the headroom on that GPU.
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate_generation() needs a torch.nn.Module, got {type(model).__name__}")
@@ -74,6 +77,9 @@ def estimate_generation(
             f"prompt_len + max_new_tokens = {prompt_len + max_new_tokens} tokens, but {type(model).__name__} has "
             f"positions for {limit} (its config's max_position_embeddings); shorten the prompt or the generation")
 
+    from .device_memory import check_target, on_device
+
+    gpu_spec, device = check_target(gpu, device, alloc_conf)
     setup = _Target(model, precision, device, attention)
     twin = setup.model
     twin.eval()
@@ -82,6 +88,8 @@ def estimate_generation(
 
     prof = Profiler(twin, None, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if setup.target.type == "cuda" else 1)
+    if setup.target.type == "cuda":
+        prof.ledger.record_stream()  # for the allocator replay
     decodes = max_new_tokens - 1
     jump = decodes > _RUN_ALL
     device_of = torch.device("meta") if setup.fake_mode is None else torch.device("cpu")
@@ -114,7 +122,10 @@ def estimate_generation(
                      f"computation on a cache one token longer)")
     notes.extend(setup.rule_notes())
     resolved = precision or infer_precision(prof.trace)
-    return Estimate(trace=prof.trace, precision=resolved, device=setup.target.type, notes=tuple(notes))
+    est = Estimate(trace=prof.trace, precision=resolved, device=setup.target.type, notes=tuple(notes))
+    if setup.target.type == "cuda":
+        est = on_device(est, prof.ledger, gpu=gpu_spec, alloc_conf=alloc_conf, model=model)
+    return est
 
 
 class _Loop:
