@@ -70,6 +70,7 @@ def profile(
     schedule: "Schedule | None" = None,
     on_trace_ready: "Callable[[Profiler], Any] | None" = None,
     oom_dump: "str | os.PathLike[str] | None" = None,
+    record_allocations: bool = False,
 ) -> "Profiler":
     """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
 
@@ -89,6 +90,8 @@ def profile(
     trace up to it is written there as ``memprof-oom-<rank>-<pid>-<time>.json``
     (on CUDA with a memory_viz snapshot beside it); the folder is created and
     checked now, the exception propagates unchanged.
+    ``record_allocations=True`` (exact mode) keeps every storage made and freed, in order, for
+    :meth:`Report.what_a_gpu_would_reserve` (the stream grows with the run: for a few steps).
 
     However long the run, the record stays bounded: every step is summarised
     per phase (:meth:`Report.phase_stats`), and full detail is kept for the
@@ -99,7 +102,7 @@ def profile(
     optimizer after the block ends.
     """
     return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations, schedule=schedule,
-                    on_trace_ready=on_trace_ready, oom_dump=oom_dump)
+                    on_trace_ready=on_trace_ready, oom_dump=oom_dump, record_allocations=record_allocations)
 
 
 class Profiler:
@@ -121,6 +124,7 @@ class Profiler:
         schedule: "Schedule | None" = None,
         on_trace_ready: "Callable[[Profiler], Any] | None" = None,
         oom_dump: "str | os.PathLike[str] | None" = None,
+        record_allocations: bool = False,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
         _fake_mode: Any = None,
@@ -144,6 +148,11 @@ class Profiler:
         self._in_callback = False  # inside on_trace_ready: prof.report() reads the run so far
         self.probe = DeviceProbe(device)
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
+        if record_allocations:
+            if mode != EXACT:
+                raise InvalidArgumentError("record_allocations=True needs mode='exact': light mode does not see each "
+                                           "storage made and freed")
+            self.ledger.record_stream()
         self._stack: "UndoStack | None" = None
         self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)
         #: The collectors, once the block has begun (None before, and when their start failed).

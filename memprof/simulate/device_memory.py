@@ -60,6 +60,12 @@ class DeviceMemory:
     capacity: "int | None" = None
     oom: "str | None" = None
     num_alloc_retries: int = 0
+    #: The run's peak breakdown with the modelled device rows (set for a measured run's replay).
+    peak: "Breakdown | None" = None
+    #: A measured CUDA run's own figures (``torch.cuda.memory_reserved`` and NVML's outside-torch bytes at its
+    #: end), beside the model's; None elsewhere.
+    measured_reserved: "int | None" = None
+    measured_outside: "int | None" = None
 
     @property
     def device_peak(self) -> int:
@@ -92,6 +98,41 @@ class DeviceMemory:
         why = f"; {self.oom}" if self.oom else ""
         return (f"{head}: does NOT fit {name} ({format_bytes(self.capacity)}), short by "
                 f"{format_bytes(-(self.headroom or 0)) if (self.headroom or 0) < 0 else 'a block'}{why}")
+
+    def outside_split(self) -> "list[tuple[str, int]] | None":
+        """A measured run's outside-torch bytes split into the terms known here: NCCL's buffers by their formula,
+        the CUDA context up to its published ceiling, and what neither explains; None when not measured."""
+        if self.measured_outside is None:
+            return None
+        left = self.measured_outside
+        rows = []
+        for name in ("nccl", "cuda_context"):
+            for t in self.terms:
+                if t.name == name and not t.through_allocator:
+                    part = min(left, t.bytes)
+                    rows.append((name, part))
+                    left -= part
+        rows.append(("unexplained", left))
+        return rows
+
+    def measured_lines(self) -> list[str]:
+        """The model's reserved bytes beside the allocator's measured ones, and the split of NVML's figure."""
+        out = []
+        if self.measured_reserved is not None:
+            gap = self.measured_reserved - self.peak_reserved
+            out.append(f"reserved: model {self.peak_reserved} B (peak), measured {self.measured_reserved} B (at the "
+                       f"end), measured - model {gap:+d} B")
+        split = self.outside_split()
+        if split is not None:
+            out.append(f"outside torch measured {self.measured_outside} B = "
+                       + " + ".join(f"{name} {n} B" for name, n in split))
+        return out
+
+    def to_text(self) -> str:
+        return "\n".join([self.verdict()] + self.measured_lines() + [f"  - {n}" for n in self.notes()])
+
+    def __str__(self) -> str:
+        return self.to_text()
 
     def notes(self) -> list[str]:
         out = [f"device memory: the allocation stream replayed through a model of torch's CUDA caching allocator "
@@ -288,6 +329,50 @@ def uses_convolutions(model: Any) -> bool:
     """Does ``model`` hold a convolution (cuDNN runs it on CUDA)?"""
     return any(type(m).__name__.startswith(("Conv", "LazyConv")) for m in model.modules())
 
+
+
+@dataclass(frozen=True)
+class AllocationStream:
+    """A run's allocation stream as its ledger kept it (``profile(record_allocations=True)``): the events, one
+    moment per phase, and where the global peak was. Not saved with the trace."""
+
+    stream: tuple[tuple[int, int, int], ...]
+    moments: tuple[tuple[int, int, int, int], ...]
+    peak_seq: int
+
+    @classmethod
+    def of(cls, ledger: Any) -> "AllocationStream | None":
+        if ledger.stream is None:
+            return None
+        return cls(tuple(ledger.stream), tuple(ledger.moments or ()), ledger.peak_seq)
+
+
+def what_a_gpu_would_reserve(trace: Trace, allocations: "AllocationStream | None", *, gpu: Any = None,
+                             alloc_conf: Any = None) -> DeviceMemory:
+    """The device-level figures of a measured run's allocation stream on ``gpu`` (on a CUDA run, by default its
+    own GPU when memprof knows its name), with the measured reserved and outside-torch bytes beside them."""
+    from ..errors import NotMeasuredError
+
+    if allocations is None:
+        raise NotMeasuredError("this report has no allocation stream: profile with memprof.profile(..., "
+                               "record_allocations=True) (exact mode), and ask the report of that run (a saved "
+                               "trace does not keep the stream)")
+    spec = resolve_gpu(gpu)
+    device = trace.device
+    if spec is None and device.type == "cuda":
+        try:
+            spec = gpu_by_name(device.name)
+        except Exception:  # a GPU memprof does not know by name: figures without a verdict
+            spec = None
+    ranks = trace.distributed
+    out, summary = device_memory(trace, allocations.stream, allocations.moments, allocations.peak_seq, gpu=spec,
+                                 alloc_conf=alloc_conf, world_size=ranks.world_size if ranks is not None else 1)
+    measured_outside = None
+    if device.type == "cuda" and device.nvml_used is not None and device.memory_reserved is not None:
+        measured_outside = max(0, device.nvml_used - device.memory_reserved)
+    return dataclasses.replace(summary, peak=out.peak,
+                               measured_reserved=device.memory_reserved if device.type == "cuda" else None,
+                               measured_outside=measured_outside)
 
 
 def check_target(gpu: Any, device: Any, alloc_conf: Any) -> tuple["GpuSpec | None", Any]:

@@ -154,3 +154,64 @@ def test_the_cli_takes_a_gpu(tmp_path, monkeypatch, capsys):
     assert main(["estimate", "gpu_zoo:build", "--batch-size", "4", "--gpu", "t5"]) == 1
     assert "known: a10-24gb" in capsys.readouterr().err
     assert main(["estimate", "gpu_zoo:build", "--batch-size", "4", "--alloc-conf", "max_split_size_mb:1"]) == 1
+
+
+def _profiled(**options):
+    m = _mlp()
+    opt = torch.optim.AdamW(m.parameters())
+    x = torch.randn(32, 64)
+    with memprof.profile(m, opt, mode="exact", **options) as prof:
+        for _ in range(2):
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.report()
+
+
+def test_a_cpu_run_shows_what_a_gpu_would_reserve_for_its_stream():
+    report = _profiled(record_allocations=True)
+    on_gpu = report.what_a_gpu_would_reserve(SMALL_GPU)
+    # The run's storages are each under 1 MiB: one 2 MiB small segment, and the two cuBLAS workspaces share
+    # one 20 MiB segment (as in the estimate of the same step above).
+    assert on_gpu.peak_reserved == 22 * MiB
+    assert on_gpu.device_peak == 322 * MiB and on_gpu.fits is True
+    peak = on_gpu.peak
+    # At the tensors' peak the model had reserved at most its peak; the CPU's tensors are counted unrounded.
+    assert 0 < peak["allocator_overhead"] + _tensors(peak) <= on_gpu.peak_reserved
+    assert peak["outside_torch"] == 300 * MiB
+    # The report itself stays as measured on the CPU: nothing there is invented.
+    assert report.peak["allocator_overhead"] is None
+    assert on_gpu.measured_reserved is None and on_gpu.outside_split() is None
+    assert "fits test-gpu" in str(on_gpu)
+
+
+def test_without_the_stream_the_question_says_how_to_record_it():
+    report = _profiled()
+    with pytest.raises(memprof.errors.NotMeasuredError, match="record_allocations=True"):
+        report.what_a_gpu_would_reserve("a100")
+    with pytest.raises(InvalidArgumentError, match="mode='exact'"):
+        memprof.profile(_mlp(), None, mode="light", record_allocations=True)
+
+
+def test_a_measured_cuda_run_is_split_where_the_terms_are_known():
+    # Hand-built: what a CUDA run's replay gives beside its measured reserved bytes and NVML's outside figure.
+    from memprof.anatomy.outside import nccl_communicator
+
+    nccl = nccl_communicator(8)
+    terms = (SMALL_GPU.context(), nccl)
+    summary = dm.DeviceMemory(gpu=SMALL_GPU, alloc_conf="", terms=terms, peak_allocated=10 * MiB,
+                              peak_reserved=22 * MiB, outside_bytes=300 * MiB + nccl.bytes, segments=2,
+                              capacity=1 << 30, measured_reserved=24 * MiB, measured_outside=nccl.bytes + 350 * MiB)
+    # NCCL's formula first, then the context up to its figure (300 MiB); 50 MiB are left unexplained.
+    assert summary.outside_split() == [("nccl", nccl.bytes), ("cuda_context", 300 * MiB), ("unexplained", 50 * MiB)]
+    lines = summary.measured_lines()
+    assert lines[0] == f"reserved: model {22 * MiB} B (peak), measured {24 * MiB} B (at the end), measured - model " \
+                       f"+{2 * MiB} B"
+    small = dataclasses_replace(summary, measured_outside=100 * MiB)
+    assert small.outside_split() == [("nccl", 100 * MiB), ("cuda_context", 0), ("unexplained", 0)]
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
