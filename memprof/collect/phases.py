@@ -188,7 +188,7 @@ class PhaseTracker:
         self.occurrence[phase] = occ + 1
         if self.end_mark is not None and phase is Phase.DECODE:
             end = self.end_mark  # a merged decode phase ends where its last call did
-        led.note_moment(run.step, marked=end is self.end_mark)  # when it keeps the allocation stream
+        led.moments is None or led.note_moment(run.step, marked=end is self.end_mark)  # a kept allocation stream
         self.end_mark = None
         self.closed[led.phase_serial] = len(self.step_phases)
         device_now = self.probe.phase_ended()
