@@ -183,6 +183,19 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precisio
         return torch.optim.AdamW(ps, lr=1e-4, foreach=True)
 
     prof_stats = None
+    # The allocator replay and the memory outside torch (a CUDA target's device rows), timed on their own.
+    from memprof.simulate import device_memory as device_rows
+
+    replay_seconds, real_on_device = [0.0], device_rows.on_device
+
+    def timed_on_device(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return real_on_device(*args, **kwargs)
+        finally:
+            replay_seconds[0] += time.perf_counter() - t
+
+    device_rows.on_device = timed_on_device
     t0 = time.perf_counter()
     if cprofile:
         import cProfile
@@ -224,6 +237,9 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precisio
         "seconds_build_meta_model": t_build,
         "seconds_estimate": t_estimate,
         "ops_dispatched": sum(p.ops for p in trace.phases),
+        "seconds_device_replay": replay_seconds[0],
+        "device_peak_bytes": est.device_peak,
+        "device_peak_reserved_bytes": est.device_memory.peak_reserved if est.device_memory else None,
         "ru_maxrss_kib": ru.ru_maxrss,  # KiB on Linux
         "vmhwm_kib": _status_kib("VmHWM"),
         "rss_at_start_kib": rss_start_kib,

@@ -36,6 +36,11 @@ tensors (``numel × element_size`` rounded up to 512 bytes). Plus
 ``memprof.estimate(..., device="cuda")`` (simulated on meta tensors) against
 the bare peak. Writes ``gpu-validate.json`` and ``gpu-validate.md`` into
 ``--out``.
+
+``--device-matrix`` runs only the device-memory matrix of ``benchmarks/device_matrix.py``:
+``memprof.estimate(..., gpu=)`` against the measured allocated, reserved and NVML peaks, for fp32, bf16
+and mixed precision, flash and memory-efficient attention, with and without activation checkpointing,
+with expandable segments on and off; each configuration's ratios, then the worst under-estimate.
 """
 
 from __future__ import annotations
@@ -338,6 +343,10 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--scale", type=int, default=4, help="multiply accuracy.py's batch sizes (default 4)")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--only-oom", action="store_true", help="run only the OOM forensics check (seconds)")
+    ap.add_argument("--device-matrix", action="store_true",
+                    help="only the device-memory matrix (benchmarks/device_matrix.py): estimate(gpu=) against measured "
+                         "allocated, reserved and NVML peaks over precision x attention x checkpointing x expandable "
+                         "segments, each in a fresh process; writes device-matrix.json")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -349,6 +358,14 @@ def main(argv: "list[str] | None" = None) -> int:
                            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}, fh, indent=1)
         return 0
 
+    if args.device_matrix:
+        from device_matrix import run_matrix  # benchmarks/device_matrix.py
+
+        rows = run_matrix(args.steps)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "device-matrix.json"), "w") as fh:
+            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "results": rows}, fh, indent=1)
+        return 0
     import accuracy as acc  # the zoo: benchmarks/accuracy.py
 
     device = torch.device(args.device)

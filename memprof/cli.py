@@ -174,6 +174,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                            "estimated for one device: leave them out with --generate")
     world_size, parallel = check_parallel(args.world_size, args.parallel)
     _device(args.device)
+    from .simulate.device_memory import check_target
+
+    check_target(args.gpu, args.device, args.alloc_conf)  # an unknown GPU or a bad conf, before simulating
     factory = _load_factory(args.factory)
     # Built on the meta device: a 7B configuration costs no memory here.
     try:
@@ -197,7 +200,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     try:
         est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
                                loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision,
-                               attention=args.attention, world_size=world_size, parallel=parallel)
+                               attention=args.attention, world_size=world_size, parallel=parallel, gpu=args.gpu,
+                               alloc_conf=args.alloc_conf)
     except MemprofError:
         raise
     except Exception as exc:
@@ -221,12 +225,23 @@ def _estimate_generation(args: argparse.Namespace, spec: Any, budget: "int | Non
         raise MemprofError(f"{args.factory} must return a model (or a dict with 'model') for --generate")
     est = memprof.estimate_generation(model, batch_size=args.batch_size, prompt_len=args.prompt_len,
                                       max_new_tokens=args.new_tokens, precision=args.precision, device=args.device,
-                                      attention=args.attention)
+                                      attention=args.attention, gpu=args.gpu, alloc_conf=args.alloc_conf)
     return _verdict(est, args.batch_size, budget)
 
 
 def _verdict(est: Any, batch_size: int, budget: "int | None") -> int:
     print(est)
+    memory = getattr(est, "device_memory", None)
+    if memory is not None and memory.capacity is not None:
+        # --gpu: the device-level peak (tensors, the allocator's cache, outside torch) against the budget or the GPU.
+        from .units import format_bytes
+
+        limit = budget if budget is not None else memory.capacity
+        fits = memory.oom is None and memory.device_peak <= limit
+        where = format_bytes(limit) if budget is not None else f"{memory.gpu.name} ({format_bytes(limit)})"
+        print(f"\nbatch size {batch_size}: device peak {format_bytes(memory.device_peak)} "
+              f"{'fits' if fits else 'does NOT fit'} in {where}, headroom {format_bytes(limit - memory.device_peak)}")
+        return 0 if fits else 1
     if budget is not None:
         from .units import format_bytes
 
@@ -303,7 +318,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="ranks of a data-parallel job: the figures are one rank's, --batch-size its batch")
     est.add_argument("--parallel", type=str.lower, choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None,
                      help="how the ranks share the model (needed with --world-size above 1)")
-    est.add_argument("--budget", help="exit 1 if the estimated peak exceeds this size (e.g. '80 GiB')")
+    est.add_argument("--budget", help="exit 1 if the estimated peak exceeds this size (e.g. '80 GiB'); with --gpu "
+                     "the device-level peak is judged against it")
+    est.add_argument("--gpu", help="the CUDA GPU the figures are for (e.g. h100-80gb): the device-level peak "
+                     "(allocator cache and memory outside torch included) against its memory; "
+                     "exit 1 if it does not fit")
+    est.add_argument("--alloc-conf", metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF for the allocator model (default: "
+                     "the environment's), e.g. expandable_segments:True")
     est.add_argument("--generate", action="store_true",
                      help="simulate a generation (prefill and decoding, the KV cache) instead of a training step")
     est.add_argument("--prompt-len", type=int, help="with --generate: tokens in the prompt")

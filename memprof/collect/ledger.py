@@ -183,6 +183,30 @@ class Ledger:
         self.frames: list[Frame] = []
         self.top: "Frame | None" = None
         self.module_of_new = -1
+        # The allocation stream, kept only when asked (record_stream): (seq, key, bytes) per storage made or
+        # resized, (seq, key, -1) per storage freed, in the order torch made and freed them; and per phase
+        # closed, (step, start seq, peak seq, end seq). None: nothing is kept, nothing is paid per event.
+        self.stream: "list[tuple[int, int, int]] | None" = None
+        self.moments: "list[tuple[int, int, int, int]] | None" = None
+        self.phase_start_seq = self.mark_seq = 0
+
+    def record_stream(self) -> None:
+        """Keep the allocation stream from now on (:attr:`stream`, :attr:`moments`): what a model of a device's
+        allocator replays. Off by default, since a long run's stream grows with every op."""
+        if self.stream is None:
+            self.stream, self.moments = [], []
+
+    def mark_end(self) -> list[int]:
+        """The totals now, as a merged decode phase's end (the stream notes where)."""
+        self.mark_seq = self.seq
+        return self.totals.copy()
+
+    def note_moment(self, step: int, *, marked: bool = False) -> None:
+        """A phase of ``step`` closes: where its start, peak and end are in the stream (its end at the last
+        :meth:`mark_end` when ``marked``), while the stream is kept."""
+        if self.moments is not None:
+            end = self.mark_seq if marked else self.seq
+            self.moments.append((step, self.phase_start_seq, self.phase_peak_seq, end))
 
     # -- sizes ---------------------------------------------------------------
 
@@ -200,8 +224,11 @@ class Ledger:
         entry = self.entries.get(key)
         if entry is not None:
             return entry
-        nbytes = self.size_of(storage.nbytes())
+        raw = storage.nbytes()
+        nbytes = self.size_of(raw)
         self.seq += 1
+        if self.stream is not None:
+            self.stream.append((self.seq, key, raw))
         entry = Entry(key, nbytes, cat, self.seq, self.module_of_new, self.phase_serial)
         ref = _Ref(storage, self._freed)
         ref.key = key
@@ -220,6 +247,8 @@ class Ledger:
         if entry is None:
             return
         self.seq += 1
+        if self.stream is not None:
+            self.stream.append((self.seq, entry.key, -1))
         self.totals[entry.cat] -= entry.nbytes
         self.total -= entry.nbytes
         if entry.cat == ACTIVATIONS:
@@ -270,6 +299,8 @@ class Ledger:
         if not delta:
             return
         self.seq += 1
+        if self.stream is not None:
+            self.stream.append((self.seq, entry.key, nbytes))
         entry.nbytes = new
         self.totals[entry.cat] += delta
         self.total += delta
@@ -330,6 +361,7 @@ class Ledger:
     def start_phase(self) -> None:
         """Begin a new phase: its peak starts at the current level."""
         self.phase_serial += 1
+        self.phase_start_seq = self.seq
         self.phase_peak_total = self.total
         self.phase_peak = self.totals.copy()
         self.phase_peak_tags = self.tag_act.copy()

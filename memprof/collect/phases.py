@@ -154,7 +154,7 @@ class PhaseTracker:
 
     def mark_end(self) -> None:
         """A merged decode phase's call ended: what it holds now is the phase's end, unless another call joins."""
-        self.end_mark = self.ledger.totals.copy()
+        self.end_mark = self.ledger.mark_end()
 
     def relabel_closed(self, serial: int, phase: Phase) -> "tuple[int, str, int] | None":
         """A closed forward phase of this step (by its ledger serial) turns out to be ``phase`` (a prefill, once
@@ -188,6 +188,7 @@ class PhaseTracker:
         self.occurrence[phase] = occ + 1
         if self.end_mark is not None and phase is Phase.DECODE:
             end = self.end_mark  # a merged decode phase ends where its last call did
+        led.moments is None or led.note_moment(run.step, marked=end is self.end_mark)  # a kept allocation stream
         self.end_mark = None
         self.closed[led.phase_serial] = len(self.step_phases)
         device_now = self.probe.phase_ended()
@@ -223,8 +224,7 @@ class PhaseTracker:
             else:
                 self.retention.steps_run += 1  # a warmup step: watched, counted, not kept
             run.step += 1
-        self.step_phases = []
-        self.occurrence = {}
+        self.step_phases, self.occurrence = [], {}
         self.closed = {}
         # Re-open an "other" phase without closing anything again.
         run.phase = Phase.OTHER

@@ -71,6 +71,7 @@ def profile(
     on_trace_ready: "Callable[[Profiler], Any] | None" = None,
     oom_dump: "str | os.PathLike[str] | None" = None,
     record_routing: bool = False,
+    record_allocations: bool = False,
 ) -> "Profiler":
     """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
 
@@ -93,6 +94,8 @@ def profile(
     ``record_routing=True`` also records, for a mixture-of-experts model, how many tokens each router call
     sent to each expert (``report.trace.routing``), for a simulation to replay:
     ``memprof.estimate(..., routing=report)``.
+    ``record_allocations=True`` (exact mode) keeps every storage made and freed, in order, for
+    :meth:`Report.what_a_gpu_would_reserve` (the stream grows with the run: for a few steps).
 
     However long the run, the record stays bounded: every step is summarised
     per phase (:meth:`Report.phase_stats`), and full detail is kept for the
@@ -103,7 +106,8 @@ def profile(
     optimizer after the block ends.
     """
     return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations, schedule=schedule,
-                    on_trace_ready=on_trace_ready, oom_dump=oom_dump, record_routing=record_routing)
+                    on_trace_ready=on_trace_ready, oom_dump=oom_dump, record_routing=record_routing,
+                    record_allocations=record_allocations)
 
 
 class Profiler:
@@ -126,6 +130,7 @@ class Profiler:
         on_trace_ready: "Callable[[Profiler], Any] | None" = None,
         oom_dump: "str | os.PathLike[str] | None" = None,
         record_routing: bool = False,
+        record_allocations: bool = False,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
         _fake_mode: Any = None,
@@ -152,6 +157,11 @@ class Profiler:
         self._in_callback = False  # inside on_trace_ready: prof.report() reads the run so far
         self.probe = DeviceProbe(device)
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
+        if record_allocations:
+            if mode != EXACT:
+                raise InvalidArgumentError("record_allocations=True needs mode='exact': light mode does not see each "
+                                           "storage made and freed")
+            self.ledger.record_stream()
         self._stack: "UndoStack | None" = None
         self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)
         #: The collectors, once the block has begun (None before, and when their start failed).

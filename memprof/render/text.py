@@ -444,6 +444,9 @@ def estimate_text(est: "Estimate", formula: Breakdown, textbook: "Textbook") -> 
     ranks = est.trace.distributed
     if ranks is not None:
         lines.insert(1, f"  {rank_line(ranks)}")
+    on_device = getattr(est, "device_memory", None)
+    if on_device is not None:  # a CUDA target: the device-level peak and, given a GPU, the fit
+        lines.insert(1, f"  {on_device.verdict()}")
     for cat in Category:
         f, s = formula[cat], estimated[cat]
         # A rank's collective buffers are shown also when the layout's are not estimated ("no estimate").

@@ -90,10 +90,11 @@ def estimate_generation(model: Any, **options: Any) -> Estimate:
 
 
 @same_as(planner.max_batch_size)
-def max_batch_size(model: Any, optimizer: Any, make_batch: Any, budget: "int | str", **options: Any) -> BatchSizePlan:
+def max_batch_size(model: Any, optimizer: Any, make_batch: Any, budget: "int | str | None" = None,
+                   **options: Any) -> BatchSizePlan:
     return promote(BatchSizePlan, planner.max_batch_size(model, optimizer, make_batch, budget, **options))
 
 
 @same_as(planner.max_generation_batch_size)
-def max_generation_batch_size(model: Any, budget: "int | str", **options: Any) -> BatchSizePlan:
+def max_generation_batch_size(model: Any, budget: "int | str | None" = None, **options: Any) -> BatchSizePlan:
     return promote(BatchSizePlan, planner.max_generation_batch_size(model, budget, **options))

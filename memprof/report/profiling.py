@@ -15,8 +15,12 @@ class Profiler(profiler.Profiler):
     __doc__ = profiler.Profiler.__doc__
 
     def report(self) -> Report:
-        """The :class:`memprof.Report` built on :attr:`trace`."""
-        return Report(self.trace)
+        """The :class:`memprof.Report` built on :attr:`trace` (with the allocation stream, when recorded)."""
+        from ..simulate.device_memory import AllocationStream
+
+        report = Report(self.trace)
+        report.allocations = AllocationStream.of(self.ledger)
+        return report
 
 
 @same_as(profiler.profile)

@@ -39,6 +39,8 @@ class Report:
                 "after a 'with memprof.profile(...)' block, or memprof.load(path) for a saved one"
             )
         self.trace = trace
+        #: The run's allocation stream when it was profiled with ``record_allocations=True`` (not saved).
+        self.allocations: Any = None
 
     # -- breakdowns -------------------------------------------------------------
 
@@ -169,6 +171,16 @@ class Report:
     def diff(self, other: Any, *, at: str = "peak", labels: "tuple[str, str]" = ("a", "b")) -> Diff:
         """What grew and shrank from this run to ``other``: see :func:`memprof.diff`."""
         return diff(self, other, at=at, labels=labels)
+
+    def what_a_gpu_would_reserve(self, gpu: Any = None, *, alloc_conf: Any = None) -> Any:
+        """What ``gpu`` (a name such as ``"a100-80gb"`` or a GpuSpec) would reserve for this run's allocation
+        stream: the caching-allocator model's reserved bytes and the memory outside torch, the fit and the
+        headroom (a :class:`~memprof.simulate.device_memory.DeviceMemory`; ``print()`` it). On a CUDA run it
+        also puts the model's reserved beside the measured one and splits NVML's outside-torch figure. Needs
+        ``memprof.profile(..., record_allocations=True)``."""
+        from ..simulate.device_memory import what_a_gpu_would_reserve
+
+        return what_a_gpu_would_reserve(self.trace, self.allocations, gpu=gpu, alloc_conf=alloc_conf)
 
     def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: Any = "peak",
                   estimate: Any = None, transformer: Any = None) -> "Reconciliation":

@@ -20,17 +20,21 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from ..anatomy.params import infer_precision
+from ..vocabulary import TENSOR_CATEGORIES
 from ..errors import InvalidArgumentError, MemprofError, SimulationError, UnknownNameError
 from .autocast import CudaAutocast
 from .modes import Rules
 from .ranks import RankLayout, check_parallel
 from ..record.trace import Breakdown, Trace
+
+if TYPE_CHECKING:
+    from .device_memory import DeviceMemory
 
 __all__ = ["Estimate", "estimate"]
 
@@ -49,6 +53,23 @@ class Estimate:
     precision: str
     device: str
     notes: tuple[str, ...] = ()
+    #: A CUDA target's device-level figures (the allocator replay, the memory outside torch); None for others.
+    device_memory: "DeviceMemory | None" = None
+
+    @property
+    def device_peak(self) -> "int | None":
+        """Peak bytes on the device: the replay's peak reserved plus the memory outside torch (None off CUDA)."""
+        return None if self.device_memory is None else self.device_memory.device_peak
+
+    @property
+    def fits(self) -> "bool | None":
+        """Does :attr:`device_peak` fit the ``gpu=`` given (None without one)?"""
+        return None if self.device_memory is None else self.device_memory.fits
+
+    @property
+    def headroom(self) -> "int | None":
+        """The GPU's capacity less :attr:`device_peak` (negative when it does not fit; None without a GPU)."""
+        return None if self.device_memory is None else self.device_memory.headroom
 
     @property
     def peak(self) -> Breakdown:
@@ -57,9 +78,9 @@ class Estimate:
 
     @property
     def peak_bytes(self) -> int:
-        """Simulated peak bytes (rounded as the target device's allocator rounds)."""
-        assert self.trace.peak.total is not None
-        return self.trace.peak.total
+        """Simulated peak of tensor bytes (rounded as the target device's allocator rounds); the device's own
+        figure, cache and outside torch included, is :attr:`device_peak`."""
+        return sum(v or 0 for v in self.trace.peak.counts[:len(TENSOR_CATEGORIES)])
 
 
 def estimate(
@@ -76,6 +97,8 @@ def estimate(
     world_size: int = 1,
     parallel: "str | None" = None,
     routing: Any = None,
+    gpu: "str | Any | None" = None,
+    alloc_conf: "str | Any | None" = None,
 ) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
 
@@ -109,6 +132,9 @@ def estimate(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
     world_size, parallel = check_parallel(world_size, parallel)
+    from .device_memory import check_target, on_device
+
+    gpu_spec, device = check_target(gpu, device, alloc_conf)
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
                                    f"{type(loss_fn).__name__}")
@@ -142,6 +168,8 @@ def estimate(
     if target.type not in ("cpu", "cuda"):
         notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
                      f"runs its math path (saves the s x s scores), where a {target.type} device may not")
+    if target.type == "cuda":
+        prof.ledger.record_stream()  # for the allocator replay
     from .progress import Progress
 
     step = _Step(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
@@ -178,7 +206,10 @@ def estimate(
     if layout is not None:
         trace = layout.finish(trace)
         notes.extend(layout.notes())
-    return Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes))
+    est = Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes))
+    if target.type == "cuda":
+        est = on_device(est, prof.ledger, gpu=gpu_spec, alloc_conf=alloc_conf, world_size=world_size, model=model)
+    return est
 
 
 # ---------------------------------------------------------------------- helpers

@@ -50,6 +50,8 @@ def estimate_generation(
     temperature: float = 1.0,
     top_k: "int | None" = 50,
     top_p: float = 1.0,
+    gpu: Any = None,
+    alloc_conf: Any = None,
 ) -> Estimate:
     """Simulate generating ``max_new_tokens`` tokens after a ``prompt_len``-token prompt for ``batch_size``
     sequences, and return an :class:`~memprof.Estimate` whose trace has a prefill phase, decode phases and
@@ -65,7 +67,8 @@ def estimate_generation(
     mixture-of-experts model's routers choose (``"balanced"`` by default). ``num_beams``, ``do_sample``,
     ``temperature``, ``top_k`` and ``top_p`` are ``generate()``'s, with its defaults: beam search keeps
     ``batch_size x num_beams`` sequences and copies the cache into the surviving beams' order after every
-    step; sampling runs transformers' logits warpers. Every sequence runs to ``max_new_tokens``.
+    step; sampling runs transformers' logits warpers. Every sequence runs to ``max_new_tokens``. ``gpu`` and
+    ``alloc_conf`` are :func:`memprof.estimate`'s: the device-level peak, the fit and the headroom on that GPU.
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate_generation() needs a torch.nn.Module, got {type(model).__name__}")
@@ -85,6 +88,9 @@ def estimate_generation(
     chooser = choosing(model, num_beams=num_beams, do_sample=do_sample, temperature=temperature, top_k=top_k,
                        top_p=top_p, max_length=(1 if encoder_decoder else prompt_len) + max_new_tokens)
 
+    from .device_memory import check_target, on_device
+
+    gpu_spec, device = check_target(gpu, device, alloc_conf)
     setup = _Target(model, precision, device, attention, routing)
     twin = setup.model
     twin.eval()
@@ -94,6 +100,8 @@ def estimate_generation(
     prof = Profiler(twin, None, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
                     _rounding=512 if setup.target.type == "cuda" else 1)
     setup.moe.attach(prof)
+    if setup.target.type == "cuda":
+        prof.ledger.record_stream()  # for the allocator replay
     decodes = max_new_tokens - 1
     jump = decodes > _RUN_ALL
     device_of = torch.device("meta") if setup.fake_mode is None else torch.device("cpu")
@@ -131,7 +139,10 @@ def estimate_generation(
     notes.extend(_generation_notes(model, loop, encoder_decoder))
     notes.extend(setup.rule_notes())
     resolved = precision or infer_precision(prof.trace)
-    return Estimate(trace=prof.trace, precision=resolved, device=setup.target.type, notes=tuple(notes))
+    est = Estimate(trace=prof.trace, precision=resolved, device=setup.target.type, notes=tuple(notes))
+    if setup.target.type == "cuda":
+        est = on_device(est, prof.ledger, gpu=gpu_spec, alloc_conf=alloc_conf, model=model)
+    return est
 
 
 #: The loop's former name, kept for callers that run the simulation's calls on real tensors.

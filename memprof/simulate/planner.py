@@ -52,7 +52,7 @@ def max_batch_size(
     model: Any,
     optimizer: Any,
     make_batch: Callable[[int], Any],
-    budget: "int | str",
+    budget: "int | str | None" = None,
     *,
     loss_fn: "Callable[..., Any] | None" = None,
     multiple_of: int = 8,
@@ -60,6 +60,8 @@ def max_batch_size(
     attention: str = "auto",
     world_size: int = 1,
     parallel: "str | None" = None,
+    gpu: Any = None,
+    alloc_conf: Any = None,
 ) -> BatchSizePlan:
     """The largest batch size (a multiple of ``multiple_of``) whose simulated peak fits ``budget``.
 
@@ -73,6 +75,9 @@ def max_batch_size(
     context are not included: leave headroom for them. ``attention`` is
     :func:`memprof.estimate`'s (the attention kernel of a CUDA target). With ``world_size`` and ``parallel``
     (:func:`memprof.estimate`'s) the batch is one rank's and the budget one rank's device.
+    With ``gpu`` (a name or a GpuSpec; ``alloc_conf`` as :func:`memprof.estimate`'s) each batch size's
+    device-level peak (tensors, the allocator's cache, the memory outside torch) is judged against the GPU's
+    capacity, or against ``budget`` when one is given too; ``budget`` may then be None.
     """
     from .ranks import check_parallel
     from .estimate import estimate
@@ -82,7 +87,7 @@ def max_batch_size(
     if not callable(make_batch):
         raise InvalidArgumentError(f"make_batch must be a function of the batch size returning the inputs (or "
                                    f"(inputs, targets)), got {type(make_batch).__name__}")
-    limit = _budget(budget)
+    limit, gpu = _limit(budget, gpu, device, alloc_conf)
     if not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
 
@@ -92,15 +97,16 @@ def max_batch_size(
             inputs, targets = batch
         else:
             inputs, targets = batch, None
-        return estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device,
-                        attention=attention, world_size=world_size, parallel=parallel).peak_bytes
+        est = estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device,
+                       attention=attention, world_size=world_size, parallel=parallel, gpu=gpu, alloc_conf=alloc_conf)
+        return _judged(est, gpu)
 
     return _plan("max_batch_size", simulated_peak, limit, multiple_of)
 
 
 def max_generation_batch_size(
     model: Any,
-    budget: "int | str",
+    budget: "int | str | None" = None,
     *,
     prompt_len: int,
     max_new_tokens: int,
@@ -108,23 +114,51 @@ def max_generation_batch_size(
     device: "str | None" = None,
     multiple_of: int = 1,
     attention: str = "auto",
+    gpu: Any = None,
+    alloc_conf: Any = None,
 ) -> BatchSizePlan:
     """The largest number of sequences (a multiple of ``multiple_of``) that generate ``max_new_tokens`` tokens
     after a ``prompt_len``-token prompt within ``budget``, by :func:`memprof.estimate_generation`: the KV cache
     and the decode temporaries grow with the batch, the weights do not. The arguments are
-    :func:`memprof.estimate_generation`'s; the answer is a :class:`BatchSizePlan`.
+    :func:`memprof.estimate_generation`'s; the answer is a :class:`BatchSizePlan`. With ``gpu`` the device-level
+    peak is judged against the GPU's capacity (or ``budget``), as in :func:`max_batch_size`.
     """
     from .generation import estimate_generation
 
-    limit = _budget(budget)
+    limit, gpu = _limit(budget, gpu, device, alloc_conf)
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
 
     def simulated_peak(b: int) -> int:
-        return estimate_generation(model, batch_size=b, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                                   precision=precision, device=device, attention=attention).peak_bytes
+        est = estimate_generation(model, batch_size=b, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                                  precision=precision, device=device, attention=attention, gpu=gpu,
+                                  alloc_conf=alloc_conf)
+        return _judged(est, gpu)
 
     return _plan("max_generation_batch_size", simulated_peak, limit, multiple_of)
+
+
+def _limit(budget: "int | str | None", gpu: Any, device: Any, alloc_conf: Any) -> "tuple[int, Any]":
+    """The bytes a plan must fit (``budget``, else the GPU's capacity) and the GPU's spec (None without one)."""
+    from .device_memory import check_target
+
+    spec, _ = check_target(gpu, device, alloc_conf)
+    if budget is None:
+        if spec is None:
+            raise InvalidArgumentError("give budget= (bytes or '24 GiB') or gpu= (a GPU name such as 'h100-80gb')")
+        return spec.allocatable_bytes, spec
+    return _budget(budget), spec
+
+
+def _judged(est: Any, gpu: Any) -> "tuple[int, int]":
+    """The peak a plan judges (the device-level peak with a GPU, an out-of-memory error predicted on its way
+    counting as not fitting; else the tensors' peak) and the tensors' peak."""
+    if gpu is None or est.device_memory is None:
+        return est.peak_bytes, est.peak_bytes
+    memory = est.device_memory
+    if memory.oom is not None:
+        return max(memory.device_peak, memory.capacity + 1), est.peak_bytes
+    return memory.device_peak, est.peak_bytes
 
 
 def _budget(budget: "int | str") -> int:
@@ -138,28 +172,34 @@ def _budget(budget: "int | str") -> int:
     return limit
 
 
-def _plan(label: str, simulated_peak: Callable[[int], int], limit: int, multiple_of: int) -> BatchSizePlan:
-    """The search, each batch size simulated once, with a progress bar named ``label``."""
+def _plan(label: str, simulated_peak: Callable[[int], "tuple[int, int]"], limit: int,
+          multiple_of: int) -> BatchSizePlan:
+    """The search, each batch size simulated once (``simulated_peak(b)``: the peak judged and the tensors'),
+    with a progress bar named ``label``."""
     from .progress import Progress
 
     cache: dict[int, int] = {}
+    tensors: dict[int, int] = {}
     bar = Progress(None, label)
 
     def peak(b: int) -> int:
         if b not in cache:
             bar.step(f"batch size {b}")
-            cache[b] = simulated_peak(b)
+            cache[b], tensors[b] = simulated_peak(b)
         return cache[b]
 
     with bar:
-        return _search(peak, cache, limit, multiple_of)
+        return _search(peak, cache, limit, multiple_of, tensors)
 
 
-def _search(peak: Callable[[int], int], cache: dict[int, int], limit: int, multiple_of: int) -> BatchSizePlan:
+def _search(peak: Callable[[int], int], cache: dict[int, int], limit: int, multiple_of: int,
+            tensors: "dict[int, int] | None" = None) -> BatchSizePlan:
     """The largest multiple of ``multiple_of`` whose ``peak`` fits ``limit`` (``peak`` fills ``cache``)."""
     b1, b2 = multiple_of, 2 * multiple_of
     p1, p2 = peak(b1), peak(b2)
-    per_sample = (p2 - p1) / (b2 - b1)
+    # The line's slope is the tensors' (a device-level peak grows in whole segments: small batches share one).
+    t1, t2 = (tensors[b1], tensors[b2]) if tensors else (p1, p2)
+    per_sample = (t2 - t1) / (b2 - b1)
     fixed = int(round(p1 - per_sample * b1))
     if per_sample <= 0:
         raise InvalidArgumentError("peak memory does not grow with the batch size here; check make_batch(b)")

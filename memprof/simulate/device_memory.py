@@ -1,0 +1,411 @@
+"""What a CUDA device holds for a run, beyond its tensors: the caching allocator's cache and the memory
+outside torch.
+
+A simulation for a CUDA target (and a measured run that asked for it, ``record_allocations=True``) keeps its
+allocation stream: every storage made, resized and freed, in order (:meth:`memprof.collect.ledger.Ledger.
+record_stream`). :func:`device_memory` replays that stream through the model of torch's CUDA caching allocator
+(:class:`memprof.anatomy.allocator.CachingAllocator`, with the run's ``PYTORCH_CUDA_ALLOC_CONF``), with the
+cuBLAS workspaces, which are blocks of that allocator, allocated where a step first multiplies; and adds what
+lives outside the allocator (the CUDA context, NCCL communicators: :mod:`memprof.anatomy.outside`). At each
+recorded moment ``allocator_overhead`` is the model's reserved bytes less the tensors', and ``outside_torch``
+the outside terms; the device-level peak is the replay's peak reserved plus the outside terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..anatomy.alloc_config import AllocatorConfig
+from ..anatomy.allocator import CachingAllocator
+from ..anatomy.gpus import GpuSpec, gpu as gpu_by_name
+from ..anatomy.outside import (OutsideTerm, cublas_workspace_bytes, cublas_workspaces, cublaslt_workspace_bytes,
+                                cuda_context, cudnn_workspace, nccl_communicator)
+from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
+from ..record.trace import Breakdown, DeviceInfo, Trace
+from ..units import format_bytes
+from ..vocabulary import TENSOR_CATEGORIES, Phase
+
+__all__ = ["DeviceMemory", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms", "replay_stream",
+           "STREAM_UNKNOWN_GPU_CC"]
+
+#: Without a GPU the workspaces are sized for the larger of torch's defaults: Hopper and Blackwell's 32 MiB
+#: (compute capability 9.0 and up, ``CublasHandlePool.cpp``), so that no GPU is under-estimated.
+STREAM_UNKNOWN_GPU_CC = (9, 0)
+_N = len(TENSOR_CATEGORIES)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The device-level figures of one run on one (simulated) CUDA device, in bytes.
+
+    ``peak_reserved`` is the replay's highest reserved bytes (tensors, cuBLAS workspaces and the allocator's
+    cache); ``outside_bytes`` the terms outside the allocator; ``device_peak`` their sum, what nvidia-smi
+    would show at the peak. ``capacity`` is the GPU's (``GpuSpec.allocatable_bytes``), None without a GPU:
+    then ``fits`` and ``headroom`` are None. ``fits`` is False where the replay, capped at what the device
+    leaves the allocator, predicts an out-of-memory error (``oom`` says where), even after torch frees its
+    cache and retries. ``terms`` are every term with its source, the workspaces (in the replay) included.
+    """
+
+    gpu: "GpuSpec | None"
+    alloc_conf: str
+    terms: tuple[OutsideTerm, ...]
+    peak_allocated: int
+    peak_reserved: int
+    outside_bytes: int
+    segments: int
+    capacity: "int | None" = None
+    oom: "str | None" = None
+    num_alloc_retries: int = 0
+    #: The run's peak breakdown with the modelled device rows (set for a measured run's replay).
+    peak: "Breakdown | None" = None
+    #: A measured CUDA run's own figures (``torch.cuda.memory_reserved`` and NVML's outside-torch bytes at its
+    #: end), beside the model's; None elsewhere.
+    measured_reserved: "int | None" = None
+    measured_outside: "int | None" = None
+
+    @property
+    def device_peak(self) -> int:
+        return self.peak_reserved + self.outside_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms if t.through_allocator)
+
+    @property
+    def fits(self) -> "bool | None":
+        if self.capacity is None:
+            return None
+        return self.oom is None and self.device_peak <= self.capacity
+
+    @property
+    def headroom(self) -> "int | None":
+        """``capacity - device_peak`` (negative when it does not fit); None without a GPU."""
+        return None if self.capacity is None else self.capacity - self.device_peak
+
+    def verdict(self) -> str:
+        """One line: the device-level peak, and against the GPU's capacity whether it fits."""
+        head = (f"device peak {format_bytes(self.device_peak)} = reserved {format_bytes(self.peak_reserved)} "
+                f"+ outside torch {format_bytes(self.outside_bytes)}")
+        if self.capacity is None:
+            return head + " (no GPU given: no fit verdict; pass gpu=)"
+        name = self.gpu.name if self.gpu is not None else "the device"
+        if self.fits:
+            return f"{head}: fits {name} ({format_bytes(self.capacity)}), headroom {format_bytes(self.headroom)}"
+        why = f"; {self.oom}" if self.oom else ""
+        return (f"{head}: does NOT fit {name} ({format_bytes(self.capacity)}), short by "
+                f"{format_bytes(-(self.headroom or 0)) if (self.headroom or 0) < 0 else 'a block'}{why}")
+
+    def outside_split(self) -> "list[tuple[str, int]] | None":
+        """A measured run's outside-torch bytes split into the terms known here: NCCL's buffers by their formula,
+        the CUDA context up to its published ceiling, and what neither explains; None when not measured."""
+        if self.measured_outside is None:
+            return None
+        left = self.measured_outside
+        rows = []
+        for name in ("nccl", "cuda_context"):
+            for t in self.terms:
+                if t.name == name and not t.through_allocator:
+                    part = min(left, t.bytes)
+                    rows.append((name, part))
+                    left -= part
+        rows.append(("unexplained", left))
+        return rows
+
+    def measured_lines(self) -> list[str]:
+        """The model's reserved bytes beside the allocator's measured ones, and the split of NVML's figure."""
+        out = []
+        if self.measured_reserved is not None:
+            gap = self.measured_reserved - self.peak_reserved
+            out.append(f"reserved: model {self.peak_reserved} B (peak), measured {self.measured_reserved} B (at the "
+                       f"end), measured - model {gap:+d} B")
+        split = self.outside_split()
+        if split is not None:
+            out.append(f"outside torch measured {self.measured_outside} B = "
+                       + " + ".join(f"{name} {n} B" for name, n in split))
+        return out
+
+    def to_text(self) -> str:
+        return "\n".join([self.verdict()] + self.measured_lines() + [f"  - {n}" for n in self.notes()])
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def notes(self) -> list[str]:
+        out = [f"device memory: the allocation stream replayed through a model of torch's CUDA caching allocator "
+               f"(c10/cuda/CUDACachingAllocator.cpp) with PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf or '(unset)'}: "
+               f"peak reserved {self.peak_reserved} B in {self.segments} segment(s) at the end; "
+               "allocator_overhead = reserved - tensor bytes (cached free blocks, rounding, and the workspaces "
+               "below, which are allocator blocks but no tensor)"]
+        for t in self.terms:
+            where = "in the replay (an allocator block)" if t.through_allocator else "outside torch"
+            out.append(f"{t.name} {t.bytes} B, {where}: {t.assumption} [{t.source}]")
+        return out
+
+
+def resolve_gpu(gpu: Any) -> "GpuSpec | None":
+    """``gpu=`` as given: None, a name (:func:`memprof.anatomy.gpus.gpu`, unknown names list the known ones)
+    or a :class:`GpuSpec`."""
+    if gpu is None or isinstance(gpu, GpuSpec):
+        return gpu
+    if not isinstance(gpu, str):
+        raise InvalidArgumentError(f"gpu must be a GPU name ('h100-80gb') or a GpuSpec, got {type(gpu).__name__}")
+    return gpu_by_name(gpu)
+
+
+def resolve_conf(alloc_conf: Any, environ: "Mapping[str, str] | None" = None) -> tuple[AllocatorConfig, str]:
+    """The allocator config and its text: ``alloc_conf`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string or an
+    :class:`AllocatorConfig`), or when None the environment's, as torch reads it at start-up."""
+    environ = os.environ if environ is None else environ
+    if alloc_conf is None:
+        text = next((environ[n] for n in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF") if n in environ), "")
+        return AllocatorConfig.from_env(environ), text
+    if isinstance(alloc_conf, AllocatorConfig):
+        return alloc_conf, repr(alloc_conf)
+    if isinstance(alloc_conf, str):
+        return AllocatorConfig.parse(alloc_conf), alloc_conf
+    raise InvalidArgumentError(f"alloc_conf must be a PYTORCH_CUDA_ALLOC_CONF string (e.g. "
+                               f"'expandable_segments:True') or an AllocatorConfig, got {type(alloc_conf).__name__}")
+
+
+def outside_terms(gpu: "GpuSpec | None", *, backward: bool, world_size: int = 1, convolutions: bool = False,
+                  environ: "Mapping[str, str] | None" = None) -> list[OutsideTerm]:
+    """The terms beside the tensors: the CUDA context, the cuBLAS workspaces (one per thread that multiplies:
+    the Python thread, and autograd's device thread when there is a backward), cuDNN's where convolutions
+    ran, one NCCL communicator when ``world_size`` > 1."""
+    environ = os.environ if environ is None else environ
+    cc = gpu.compute_capability if gpu is not None else STREAM_UNKNOWN_GPU_CC
+    context = gpu.context() if gpu is not None else cuda_context(module_loading=environ.get("CUDA_MODULE_LOADING"))
+    terms = [context, cublas_workspaces(cc, handles=2 if backward else 1, env=environ)]
+    if gpu is None:
+        terms[1] = dataclasses.replace(terms[1], assumption=terms[1].assumption + "; no GPU given: sized for "
+                                       "compute capability 9.0, the larger default")
+    if convolutions:
+        terms.append(cudnn_workspace(environ))
+    if world_size > 1:
+        terms.append(nccl_communicator(world_size, env=environ))
+    return terms
+
+
+def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], config: AllocatorConfig, *,
+                  workspaces: Sequence[int] = (), workspace_seq: int = 0, capacity: "int | None" = None,
+                  device_total: "int | None" = None,
+                  ) -> tuple[dict[int, tuple[int, int]], CachingAllocator, "str | None"]:
+    """Replay a ledger's stream (``(seq, key, bytes)``, ``bytes`` -1 for a free; a key made again while live
+    is a resize: the new block is taken before the old one is freed, as ``resize_`` copies) through a fresh
+    :class:`CachingAllocator`, allocating ``workspaces`` (kept to the end) after event ``workspace_seq``.
+
+    Returns (allocated, reserved) after the last event at or before each of ``seqs``, the allocator at the
+    end, and the message of a predicted out-of-memory error (the replay stops there; later moments read the
+    state at the error) or None."""
+    allocator = CachingAllocator(config, capacity=capacity, device_total=device_total)
+    malloc, free = allocator.malloc, allocator.free
+    wanted = sorted(set(seqs))
+    at: dict[int, tuple[int, int]] = {}
+    w, n_wanted = 0, len(wanted)
+    handles: dict[int, int] = {}
+    pending = list(workspaces)
+    oom = None
+    try:
+        if pending and workspace_seq <= 0:
+            for nbytes in pending:
+                malloc(nbytes, 0)
+            pending = []
+        for seq, key, nbytes in stream:
+            while w < n_wanted and wanted[w] < seq:
+                at[wanted[w]] = (allocator.allocated, allocator.reserved)
+                w += 1
+            if nbytes < 0:
+                handle = handles.pop(key, None)
+                if handle is not None:
+                    free(handle)
+            else:
+                old = handles.get(key)
+                handles[key] = malloc(nbytes, 0)
+                if old is not None:
+                    free(old)
+            if pending and seq >= workspace_seq:
+                for size in pending:
+                    malloc(size, 0)
+                pending = []
+    except SimulatedOutOfMemoryError as error:
+        oom = str(error)
+    state = (allocator.allocated, allocator.reserved)
+    while w < n_wanted:
+        at[wanted[w]] = state
+        w += 1
+    return at, allocator, oom
+
+
+def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
+                  moments: Sequence[tuple[int, int, int, int]], peak_seq: int, *, gpu: "GpuSpec | None" = None,
+                  alloc_conf: Any = None, world_size: int = 1, convolutions: bool = False,
+                  environ: "Mapping[str, str] | None" = None) -> tuple[Trace, DeviceMemory]:
+    """``trace`` with ``allocator_overhead`` and ``outside_torch`` filled in at every recorded moment, and the
+    run's :class:`DeviceMemory`. ``stream`` and ``moments`` are the ledger's (:meth:`Ledger.record_stream`),
+    ``peak_seq`` where its global peak was."""
+    config, text = resolve_conf(alloc_conf, environ)
+    backward = any(p.phase is Phase.BACKWARD for s in trace.steps for p in s.phases)
+    terms = outside_terms(gpu, backward=backward, world_size=world_size, convolutions=convolutions,
+                          environ=environ)
+    workspaces = _workspace_blocks(gpu, 2 if backward else 1, environ)
+    outside = sum(t.bytes for t in terms if not t.through_allocator)
+    first = moments[0][1] if moments else 0
+    placed = _place(trace, moments)
+    seqs = [s for m in placed.values() for s in m] + [first, peak_seq, stream[-1][0] if stream else 0]
+    at, allocator, _ = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first)
+    oom = None
+    capacity = gpu.allocatable_bytes if gpu is not None else None
+    peak_reserved, peak_allocated, retries = allocator.peak_reserved, allocator.peak_allocated, 0
+    if capacity is not None and peak_reserved + outside > capacity:
+        # Pressed for memory torch frees its cache and retries before it fails: the verdict is that replay's.
+        room = max(1, capacity - outside)
+        _, capped, oom = replay_stream(stream, (), config, workspaces=workspaces, workspace_seq=first,
+                                       capacity=room, device_total=capacity)
+        if oom is None:
+            peak_reserved, peak_allocated = capped.peak_reserved, capped.peak_allocated
+            retries = capped.num_alloc_retries
+        else:
+            oom = oom.split(". Fix:")[0]
+    summary = DeviceMemory(gpu=gpu, alloc_conf=text, terms=tuple(terms), peak_allocated=peak_allocated,
+                           peak_reserved=peak_reserved, outside_bytes=outside, segments=len(allocator.segments()),
+                           capacity=capacity, oom=oom, num_alloc_retries=retries)
+
+    def filled(b: Breakdown, seq: int) -> Breakdown:
+        tensors = b.counts[:_N]
+        if any(v is None for v in tensors):
+            return b
+        reserved = at.get(seq, (0, 0))[1]
+        overhead = max(0, reserved - sum(tensors))
+        return Breakdown(tensors + (overhead, outside), sum(tensors) + overhead + outside)
+
+    steps = []
+    for step in trace.steps:
+        phases = []
+        for i, rec in enumerate(step.phases):
+            where = placed.get((step.index, i))
+            if where is not None:
+                rec = dataclasses.replace(rec, start=filled(rec.start, where[0]), peak=filled(rec.peak, where[1]),
+                                          end=filled(rec.end, where[2]))
+            phases.append(rec)
+        steps.append(dataclasses.replace(step, phases=tuple(phases)))
+    end_seq = stream[-1][0] if stream else 0
+    device = DeviceInfo(type="cuda", name=gpu.name if gpu is not None else "cuda (no GPU given)",
+                        total_memory=capacity, rounding=trace.device.rounding,
+                        max_memory_allocated=summary.peak_allocated, memory_reserved=summary.peak_reserved)
+    out = dataclasses.replace(trace, steps=tuple(steps), start=filled(trace.start, first),
+                              peak=filled(trace.peak, peak_seq), end=filled(trace.end, end_seq), device=device)
+    return out, summary
+
+
+def _workspace_blocks(gpu: "GpuSpec | None", handles: int, environ: "Mapping[str, str] | None") -> list[int]:
+    """The allocator blocks of the cuBLAS workspaces: per handle, cuBLAS's and (when not shared) cuBLASLt's
+    (``getCurrentCUDABlasHandle`` and ``getCUDABlasLtWorkspace`` take them from the caching allocator)."""
+    environ = os.environ if environ is None else environ
+    cc = gpu.compute_capability if gpu is not None else STREAM_UNKNOWN_GPU_CC
+    each = [cublas_workspace_bytes(cc, environ), cublaslt_workspace_bytes(cc, environ)]
+    return [b for _ in range(handles) for b in each if b > 0]
+
+
+def _place(trace: Trace, moments: Sequence[tuple[int, int, int, int]]) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """Each kept phase record (step index, position in the step) -> its (start, peak, end) seqs. The ledger
+    noted one moment per phase closed, with the step it closed in; a trailing step of "other" phases that
+    joined the previous one (``PhaseTracker.finish``) continues it."""
+    by_step: dict[int, list[tuple[int, int, int]]] = {}
+    for step, start, peak, end in moments:
+        by_step.setdefault(step, []).append((start, peak, end))
+    out: dict[tuple[int, int], tuple[int, int, int]] = {}
+    for step in trace.steps:
+        mine = list(by_step.get(step.index, ()))
+        if len(mine) < len(step.phases):
+            mine += by_step.get(step.index + 1, [])[:len(step.phases) - len(mine)]
+        for i, seqs in enumerate(mine[:len(step.phases)]):
+            out[(step.index, i)] = seqs
+    return out
+
+
+def uses_convolutions(model: Any) -> bool:
+    """Does ``model`` hold a convolution (cuDNN runs it on CUDA)?"""
+    return any(type(m).__name__.startswith(("Conv", "LazyConv")) for m in model.modules())
+
+
+
+@dataclass(frozen=True)
+class AllocationStream:
+    """A run's allocation stream as its ledger kept it (``profile(record_allocations=True)``): the events, one
+    moment per phase, and where the global peak was. Not saved with the trace."""
+
+    stream: tuple[tuple[int, int, int], ...]
+    moments: tuple[tuple[int, int, int, int], ...]
+    peak_seq: int
+
+    @classmethod
+    def of(cls, ledger: Any) -> "AllocationStream | None":
+        if ledger.stream is None:
+            return None
+        return cls(tuple(ledger.stream), tuple(ledger.moments or ()), ledger.peak_seq)
+
+
+def what_a_gpu_would_reserve(trace: Trace, allocations: "AllocationStream | None", *, gpu: Any = None,
+                             alloc_conf: Any = None) -> DeviceMemory:
+    """The device-level figures of a measured run's allocation stream on ``gpu`` (on a CUDA run, by default its
+    own GPU when memprof knows its name), with the measured reserved and outside-torch bytes beside them."""
+    from ..errors import NotMeasuredError
+
+    if allocations is None:
+        raise NotMeasuredError("this report has no allocation stream: profile with memprof.profile(..., "
+                               "record_allocations=True) (exact mode), and ask the report of that run (a saved "
+                               "trace does not keep the stream)")
+    spec = resolve_gpu(gpu)
+    device = trace.device
+    if spec is None and device.type == "cuda":
+        try:
+            spec = gpu_by_name(device.name)
+        except Exception:  # a GPU memprof does not know by name: figures without a verdict
+            spec = None
+    ranks = trace.distributed
+    out, summary = device_memory(trace, allocations.stream, allocations.moments, allocations.peak_seq, gpu=spec,
+                                 alloc_conf=alloc_conf, world_size=ranks.world_size if ranks is not None else 1)
+    measured_outside = None
+    if device.type == "cuda" and device.nvml_used is not None and device.memory_reserved is not None:
+        measured_outside = max(0, device.nvml_used - device.memory_reserved)
+    return dataclasses.replace(summary, peak=out.peak,
+                               measured_reserved=device.memory_reserved if device.type == "cuda" else None,
+                               measured_outside=measured_outside)
+
+
+def check_target(gpu: Any, device: Any, alloc_conf: Any) -> tuple["GpuSpec | None", Any]:
+    """``gpu=``, ``device=`` and ``alloc_conf=`` of an estimate, checked before anything runs: the GPU's spec
+    and the device to simulate (a GPU means ``"cuda"``)."""
+    spec = resolve_gpu(gpu)
+    kind = None if device is None else str(device).split(":")[0]
+    if spec is not None:
+        if kind is None:
+            device, kind = "cuda", "cuda"
+        elif kind != "cuda":
+            raise InvalidArgumentError(f"gpu={spec.name!r} is a CUDA device, but device={str(device)!r}; leave "
+                                       "device unset (or 'cuda') to estimate for the GPU")
+    if alloc_conf is not None:
+        if kind != "cuda" and spec is None:
+            raise InvalidArgumentError("alloc_conf= configures the CUDA caching allocator; give device='cuda' or gpu= "
+                                       "with it (a CPU target has no caching allocator)")
+        resolve_conf(alloc_conf)  # a string torch would refuse fails here, before the simulation
+    return spec, device
+
+
+def on_device(est: Any, ledger: Any, *, gpu: "GpuSpec | None", alloc_conf: Any, world_size: int = 1,
+              model: Any = None) -> Any:
+    """The estimate ``est`` (a frozen dataclass with ``trace``, ``notes`` and ``device_memory``) with its device
+    rows and :class:`DeviceMemory`, from the stream ``ledger`` recorded."""
+    stream, moments = ledger.stream or [], ledger.moments or []
+    trace, summary = device_memory(est.trace, stream, moments, ledger.peak_seq, gpu=gpu, alloc_conf=alloc_conf,
+                                   world_size=world_size,
+                                   convolutions=model is not None and uses_convolutions(model))
+    notes = list(est.notes) + summary.notes()
+    if world_size > 1:
+        notes.append("device memory of a rank: the replay follows the rank's own allocations as simulated; the "
+                     "collectives' staging inside NCCL is its communicator's term")
+    return dataclasses.replace(est, trace=trace, device_memory=summary, notes=tuple(notes))
