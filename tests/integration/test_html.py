@@ -11,7 +11,6 @@ matplotlib.use("Agg")
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import memprof
@@ -24,6 +23,7 @@ from memprof.render.common import CATEGORY_COLORS
 from memprof.render.plot import plot_modules, plot_timeline, plot_waterfall
 
 from models import MLP
+from training import profile_training
 
 
 class RootOps(nn.Module):
@@ -44,12 +44,7 @@ def _run_mlp(batch: int, steps: int = 2, mode: str = "exact", timeline: bool = T
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = [(torch.randn(batch, 32), torch.randint(0, 10, (batch,))) for _ in range(steps)]
-    with memprof.profile(model, opt, mode=mode, timeline=timeline) as prof:
-        for x, y in batches:
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    return prof.report()
+    return profile_training(model, opt, lambda i: batches[i], steps=steps, mode=mode, timeline=timeline)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from memprof import Category as C, Phase
 
 from helpers import grad_bytes, optimizer_state_bytes, saved_activation_bytes, weight_bytes
 from models import MLP
+from training import profile_training
 
 
 def phase_names(step):
@@ -27,12 +28,7 @@ def test_multi_step_records_each_step():
     model = MLP()
     opt = torch.optim.Adam(model.parameters())
     x, y = data()
-    with memprof.profile(model, opt) as prof:
-        for _ in range(3):
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    tr = prof.trace
+    tr = profile_training(model, opt, (x, y), steps=3).trace
     assert [s.index for s in tr.steps] == [0, 1, 2]
     for s in tr.steps:
         assert phase_names(s) == [("forward", 0), ("backward", 0), ("optimizer", 0)]
@@ -69,12 +65,7 @@ def test_zero_grad_set_to_none_false_keeps_gradients():
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = data()
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-    rep = prof.report()
+    rep = profile_training(model, opt, (x, y), set_to_none=False)
     w = weight_bytes(model)
     assert rep.end[C.GRADIENTS] == w  # zeroed, not freed
     assert rep.breakdown(1, "forward", "peak")[C.GRADIENTS] == w
@@ -136,10 +127,7 @@ def test_optimizer_created_after_first_forward():
 def test_without_optimizer_each_backward_ends_a_step():
     model = MLP()
     x, y = data()
-    with memprof.profile(model) as prof:
-        for _ in range(3):
-            F.cross_entropy(model(x), y).backward()
-    assert len(prof.trace.steps) == 3
+    assert len(profile_training(model, None, (x, y), steps=3).trace.steps) == 3
 
 
 def test_explicit_steps():
