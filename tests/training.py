@@ -25,6 +25,11 @@ def output_sum(out, _y):
     return out.sum()
 
 
+def square_sum(out, _y):
+    """For a test that needs gradients that depend on the outputs, without a target."""
+    return out.pow(2).sum()
+
+
 def _loss_of(model, batch, loss):
     # The batch is this frame's: once the loss is returned only autograd holds it, as in
     # ``model(torch.randn(...)).sum().backward()``.
@@ -55,7 +60,8 @@ def train(model, opt, batch: Any, *, steps: int = 2, loss: Callable = cross_entr
         if opt is not None:
             opt.step()
             if zero_grad:
-                opt.zero_grad(set_to_none=set_to_none)
+                # The plain call when freeing (torch's default): wrappers of optimizers may take no argument.
+                opt.zero_grad() if set_to_none else opt.zero_grad(set_to_none=False)
     return held
 
 
