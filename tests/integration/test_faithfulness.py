@@ -31,6 +31,8 @@ def _mlp():
 
 
 def _train(model, opt, x, steps=3, ctx=contextlib.nullcontext):
+    # Not tests/training.py's loop: ``ctx`` (the user's saved-tensor hooks) wraps the forward and the loss
+    # but not the backward, as a user's compression context does.
     for _ in range(steps):
         with ctx():
             loss = model(x).pow(2).sum()
@@ -214,7 +216,7 @@ def test_every_tensor_module_and_optimizer_keeps_exactly_its_hooks(mode, raises)
     user_hook.remove()
 
 
-# ------------------------------------------------------------------ 4. torch.compile
+# ------------------------------------------------------------------ 4. a forward memprof did not see
 
 
 def test_gradients_from_an_unseen_forward_leave_activations_not_measured():
@@ -231,7 +233,7 @@ def test_gradients_from_an_unseen_forward_leave_activations_not_measured():
     assert any("forward memprof's module hooks did not see" in n for n in rep.trace.notes)
 
 
-# ------------------------------------------------------------------ 5. and 6. optimizers
+# ------------------------------------------------------------------ 5. a set-up that fails
 
 
 def test_a_failing_setup_raises_the_users_error_and_leaves_nothing():
@@ -320,6 +322,9 @@ def test_compiled_training_is_bit_identical_with_and_without_memprof(mode):
     assert all(torch.equal(a, b) for a, b in zip(plain, profiled))
 
 
+# ------------------------------------------------------------------ saved-tensor hooks outside the model's calls
+
+
 def _profile(model, opt=None, mode=None):
     return memprof.profile(model, opt, mode=mode) if mode else contextlib.nullcontext()
 
@@ -355,6 +360,9 @@ def test_a_saved_output_detached_in_place_fails_as_without_memprof(mode):
     assert str(profiled.value) == str(plain.value)
 
 
+# ------------------------------------------------------------------ the user's dispatch modes
+
+
 def test_a_users_dispatch_mode_entered_inside_the_block_survives_it():
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -384,6 +392,9 @@ def test_a_users_dispatch_mode_entered_inside_the_block_survives_it():
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
+# ------------------------------------------------------------------ what the loss saves under the user's hooks
+
+
 def _loss_saved(hooks):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 10))
@@ -410,6 +421,9 @@ def test_what_the_loss_saves_under_the_users_hooks_is_an_activation():
     assert cloned[C.INPUTS] == plain[C.INPUTS]
 
 
+# ------------------------------------------------------------------ dropout
+
+
 class DropNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -431,6 +445,7 @@ def _train_dropnet(mode):
     ctx = memprof.profile(model, opt, mode=mode) if mode else torch.autograd.graph.saved_tensors_hooks(
         lambda t: t, lambda t: t)
     with ctx:
+        # Not tests/training.py's loop: each step's loss is kept (held alive) to compare the runs' losses.
         for _ in range(4):
             x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
             loss = F.cross_entropy(model(x), y)

@@ -199,6 +199,8 @@ def _thread_model():
 
 
 def _profiled_loop(model, x):
+    # Not tests/training.py's loop: no optimizer, and model.zero_grad() between backwards, so each step
+    # starts with the gradients freed as an optimizer's zero_grad would.
     with memprof.profile(model) as prof:
         for _ in range(5):
             model(x).sum().backward()

@@ -22,11 +22,13 @@ def test_a_timed_step_is_every_event_the_viewers_read():
                 "temporaries": 32, "total": 320,
                 "readable": "weights 144 B, activations 48 B, inputs 96 B, temporaries 32 B"}
     bwd_peak = {"weights": 144, "buffers": 0, "gradients": 144, "optimizer_states": 0, "activations": 48, "inputs": 96,
-                "temporaries": 0, "total": 432, "readable": "weights 144 B, gradients 144 B, activations 48 B, inputs 96 B"}
+                "temporaries": 0, "total": 432,
+                "readable": "weights 144 B, gradients 144 B, activations 48 B, inputs 96 B"}
     assert doc["traceEvents"] == [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "memprof: cpu (exact mode)"}},
         _meta(1, "thread_name", {"name": "steps"}), _meta(2, "thread_name", {"name": "phases"}),
-        _meta(3, "thread_name", {"name": "modules (forward)"}), _meta(5, "thread_name", {"name": "modules (overlapping)"}),
+        _meta(3, "thread_name", {"name": "modules (forward)"}),
+        _meta(5, "thread_name", {"name": "modules (overlapping)"}),
         _meta(1, "thread_sort_index", {"sort_index": 1}), _meta(2, "thread_sort_index", {"sort_index": 2}),
         _meta(3, "thread_sort_index", {"sort_index": 3}), _meta(5, "thread_sort_index", {"sort_index": 5}),
         # At 0 us every measured category and the total (144 + 96 = 240 B); then only what changes.

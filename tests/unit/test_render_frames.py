@@ -7,7 +7,8 @@ import pytest
 
 pd = pytest.importorskip("pandas")
 
-from memprof.render.frames import breakdown_frame, modules_frame, operations_frame, phase_stats_frame, phases_frame  # noqa: E402
+from memprof.render.frames import (  # noqa: E402
+    breakdown_frame, modules_frame, operations_frame, phase_stats_frame, phases_frame)
 
 from factories import full_trace  # noqa: E402
 

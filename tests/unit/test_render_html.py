@@ -14,7 +14,10 @@ from factories import full_trace, timed_trace
 
 def _tables(markup: str) -> list[list[list[str]]]:
     """Each table's rows, each row's cells as text (tags dropped, entities read)."""
-    return [[[html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S)]
+    def text(cell):
+        return html.unescape(re.sub(r"<[^>]+>", "", cell))
+
+    return [[[text(cell) for cell in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", row, re.S)]
              for row in re.findall(r"<tr.*?</tr>", table, re.S)]
             for table in re.findall(r"<table.*?</table>", markup, re.S)]
 
@@ -39,8 +42,8 @@ def test_a_breakdown_is_a_table_of_bytes_and_shares_with_device_rows_not_measure
 def test_the_report_shows_its_header_peak_phases_modules_and_notes():
     markup = report_html(full_trace())
     assert markup.startswith('<div class="memprof-report"') and markup.endswith("</div>")
-    heads = [re.sub(r"<[^>]+>", "", h) for h in re.findall(r'<div style="font-size:1[34]px;font-weight:600[^"]*">(.*?)</div>',
-                                                          markup)]
+    heading = r'<div style="font-size:1[34]px;font-weight:600[^"]*">(.*?)</div>'
+    heads = [re.sub(r"<[^>]+>", "", h) for h in re.findall(heading, markup)]
     assert heads == ["memprof report: 5 steps, mode exact, device cpu · torch 2.13.0", "Peak 728 B (step 0, optimizer)",
                      "Memory over time (phases shaded: forward blue, backward orange, optimizer red)",
                      "Phases (bytes at the peak of each phase)", "Top modules by saved activations", "Notes"]

@@ -11,7 +11,8 @@ from memprof.errors import InvalidArgumentError
 
 def test_the_schedule_reads_like_torch_profilers():
     plan = schedule(skip_first=1, wait=1, warmup=1, active=2, repeat=2)
-    assert [plan(i) for i in range(11)] == [SKIP, WAIT, WARMUP, ACTIVE, ACTIVE, WAIT, WARMUP, ACTIVE, ACTIVE, DONE, DONE]
+    assert [plan(i) for i in range(11)] == [SKIP, WAIT, WARMUP, ACTIVE, ACTIVE, WAIT, WARMUP, ACTIVE, ACTIVE, DONE,
+                                            DONE]
     forever = schedule(wait=1, active=1)
     assert [forever(i) for i in range(5)] == [WAIT, ACTIVE, WAIT, ACTIVE, WAIT]
 
@@ -65,7 +66,8 @@ def test_the_refusals_quote_the_value_and_give_the_fix():
         (dict(repeat=1.5), "schedule(repeat=...) must be an int number of steps, got 1.5"),
         (dict(skip_first=True), "schedule(skip_first=...) must be an int number of steps, got True"),
         # A long value is cut to 30 characters: 27 of its repr and an ellipsis.
-        (dict(warmup="x" * 40), "schedule(warmup=...) must be an int number of steps, got 'xxxxxxxxxxxxxxxxxxxxxxxxxx..."),
+        (dict(warmup="x" * 40),
+         "schedule(warmup=...) must be an int number of steps, got 'xxxxxxxxxxxxxxxxxxxxxxxxxx..."),
     ]
     for kwargs, message in cases:
         with pytest.raises(InvalidArgumentError) as info:
