@@ -6,6 +6,7 @@ exactly. Categories not given are ``None`` (not measured), never 0.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from memprof import Category, Phase
@@ -139,3 +140,26 @@ def full_trace() -> Trace:
                                                           for k in STAT_KEYS),
                                 tuple((k, None) for k in STAT_KEYS), median_exact=True),),
     )
+
+
+def timed_trace() -> Trace:
+    """One timed step of a Linear (144 B of weights, a 96-byte batch), with the clock and one module call:
+    the shape every time-axis renderer (curve, SVG, Chrome trace, memory_viz) draws.
+
+    forward 0-50 us, its peak at 40 us: 144 + 96 + 48 saved + 32 temporaries = 320 B; ends at 288 B.
+    backward 50-100 us, its peak at 70 us (the run's): 144 + 144 gradients + 96 + 48 = 432 B; ends at 384 B.
+    ``fc`` runs from 10 to 45 us.
+    """
+    f = dataclasses.replace(
+        phase(0, "forward", start=cpu(weights=144, inputs=96), peak=cpu(weights=144, inputs=96, activations=48,
+                                                                        temporaries=32),
+              end=cpu(weights=144, inputs=96, activations=48), ops=2), start_us=0.0, peak_us=40.0, end_us=50.0)
+    b = dataclasses.replace(
+        phase(0, "backward", start=cpu(weights=144, inputs=96, activations=48),
+              peak=cpu(weights=144, gradients=144, inputs=96, activations=48),
+              end=cpu(weights=144, gradients=144, inputs=96), ops=3), start_us=50.0, peak_us=70.0, end_us=100.0)
+    return trace(phases=(f, b), num_steps=1, peak_module="fc",
+                 modules=(module("fc", "Linear", parameters=144, gradients=144, activations=48),),
+                 timeline=(Sample(0, 0, Phase.FORWARD, "fc", cpu(weights=144, inputs=96), time_us=10.0, event="enter"),
+                           Sample(1, 0, Phase.FORWARD, "fc", cpu(weights=144, inputs=96, activations=48), time_us=45.0,
+                                  event="exit")))

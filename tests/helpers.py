@@ -23,14 +23,6 @@ def non_other(step):
     return [(p.phase.value, p.occurrence) for p in step.phases if p.phase.value != "other"]
 
 
-def train(model, opt, x, y, loss_fn, steps=2):
-    """The plain loop: forward, loss, backward, step, zero_grad (set_to_none), ``steps`` times."""
-    for _ in range(steps):
-        loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 

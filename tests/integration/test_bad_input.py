@@ -20,6 +20,7 @@ from memprof.cli import main
 from memprof.errors import InvalidArgumentError, SizeParseError, TraceFormatError
 
 from models import MLP
+from training import output_sum, profile_training
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +29,7 @@ def saved():
     model = MLP()
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(8, 32)
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    return prof.report()
+    return profile_training(model, opt, (x, None), loss=output_sum)
 
 
 # ------------------------------------------------------------------ 12. atomic writes

@@ -10,6 +10,8 @@ from torch.utils.checkpoint import checkpoint
 
 import memprof
 
+from training import profile_training
+
 
 class _Block(nn.Module):
     def __init__(self):
@@ -39,12 +41,7 @@ def _run(reentrant):
     # A batch large enough that backward peaks while a block is recomputed (its hidden activations
     # outweigh the weights' gradients).
     x = torch.randn(512, 64, requires_grad=True)
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            model(x).backward()
-            opt.step()
-            opt.zero_grad()
-    return prof.report()
+    return profile_training(model, opt, (x, None), loss=lambda out, _y: out)  # the model returns its loss
 
 
 def _activation_causes(rec):

@@ -4,8 +4,11 @@ Independent counts come from tests/helpers.py, which never imports memprof:
 sums of storage sizes (numel * element_size, each storage once).
 """
 
+import gc
+
 import pytest
 import torch
+from torch import nn
 
 import memprof
 from memprof import Category as C
@@ -17,10 +20,11 @@ from helpers import (
     grad_bytes,
     optimizer_state_bytes,
     saved_activation_bytes,
-    train,
+    unique_bytes,
     weight_bytes,
 )
-from models import MODEL_NAMES, MLP, make
+from models import MLP, MODEL_NAMES, make
+from training import train
 
 TENSOR_CATS = [C.WEIGHTS, C.BUFFERS, C.GRADIENTS, C.OPTIMIZER_STATES, C.ACTIVATIONS, C.INPUTS, C.TEMPORARIES]
 
@@ -89,7 +93,7 @@ def test_peak_total_equals_independent_live_bytes(name):
     counter = LiveBytes(pre)
     with counter:  # the independent counter sits outside memprof's dispatch mode and sees the same ops
         with memprof.profile(model, opt) as prof:
-            train(model, opt, *batch, loss_fn, steps=2)
+            train(model, opt, batch, loss=loss_fn, steps=2)
         peak = counter.peak
     counter.close()
     rep = prof.report()
@@ -136,7 +140,7 @@ def test_every_breakdown_sums_to_its_total():
     model, batch, loss_fn = make("transformer")
     opt = torch.optim.AdamW(model.parameters())
     with memprof.profile(model, opt) as prof:
-        train(model, opt, *batch, loss_fn, steps=3)
+        train(model, opt, batch, loss=loss_fn, steps=3)
     tr = prof.trace
     for rec in tr.phases:
         for bd in (rec.start, rec.peak, rec.end):
@@ -147,3 +151,125 @@ def test_every_breakdown_sums_to_its_total():
         assert tr.peak.total >= rec.peak.total
     for s in tr.timeline:
         assert_sums(s.breakdown)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("how", ["cast", "data"])
+def test_parameters_cast_or_given_new_data_inside_the_block_are_weights(how):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    with memprof.profile(model, mode="exact") as prof:
+        if how == "cast":
+            model.to(torch.bfloat16)  # Module._apply assigns param.data
+        else:
+            for p in model.parameters():
+                p.data = p.data.clone()
+        dtype = next(model.parameters()).dtype
+        model(torch.randn(4, 64, dtype=dtype)).float().sum().backward()
+    end = prof.report().end
+    # (64*64 + 64 + 64*8 + 8) elements x 2 bytes (bf16) or x 4 (fp32), each storage once.
+    assert end[C.WEIGHTS] == weight_bytes(model) == 4680 * (2 if how == "cast" else 4)
+    assert end[C.GRADIENTS] == unique_bytes(p.grad for p in model.parameters())
+
+
+def test_parameters_replaced_by_load_state_dict_assign_are_weights():
+    # A new Parameter can take the id() of a freed one; memprof must not mistake it for the old one.
+    for _ in range(5):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        with memprof.profile(model, mode="exact") as prof:
+            model.load_state_dict(state, assign=True)
+            model(torch.randn(4, 64)).sum().backward()
+        end = prof.report().end
+        assert end[C.WEIGHTS] == weight_bytes(model)  # 4680 fp32 elements = 18,720 bytes
+        assert end[C.GRADIENTS] == unique_bytes(p.grad for p in model.parameters())
+        del model, state, prof
+        gc.collect()
+
+
+def _temporaries_holding(make):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    with memprof.profile(model, mode="exact") as prof:
+        loss = model(torch.randn(2, 4)).sum()
+        held = make()  # alive across the backward
+        loss.backward()
+    assert held.untyped_storage().nbytes() == 4000
+    return prof.report().breakdown(0, "backward", "end")
+
+
+@pytest.mark.parametrize("grow", ["resize_", "out="])
+def test_storages_grown_in_place_count_as_a_fresh_allocation_of_their_size(grow):
+    fresh = _temporaries_holding(lambda: torch.empty(1000))  # 1000 fp32 = 4,000 bytes
+    if grow == "resize_":
+        grown = _temporaries_holding(lambda: torch.empty(0).resize_(1000))
+    else:  # an out= argument that torch resizes to 20 x 50 fp32 = 4,000 bytes
+        grown = _temporaries_holding(lambda: torch.mm(torch.randn(20, 50), torch.randn(50, 50),
+                                                      out=torch.empty(0)))
+    assert grown[C.TEMPORARIES] == fresh[C.TEMPORARIES]
+    assert grown.total == fresh.total
+
+
+class _PlainAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+        self.table = torch.randn(512, 256)  # a plain tensor attribute, not a registered buffer
+
+    def forward(self, x):
+        return self.lin(x + self.table[: x.shape[1]])
+
+
+def test_a_plain_tensor_attribute_of_a_module_is_counted_as_a_buffer():
+    model = _PlainAttribute()
+    with memprof.profile(model, mode="exact") as prof:
+        model(torch.randn(2, 128, 256)).sum().backward()
+    rep = prof.report()
+    assert rep.peak[C.BUFFERS] == model.table.untyped_storage().nbytes() == 512 * 256 * 4
+
+
+def test_parameters_added_inside_the_block_become_weights():
+    model, x = _mlp(), torch.randn(8, 16)
+    with memprof.profile(model) as prof:
+        model(x).sum().backward()
+        model.add_module("extra", nn.Linear(4, 4))  # a new head, not yet used
+        model.extra2 = nn.Parameter(torch.zeros(1000))
+        model(x).sum().backward()
+    rep = prof.report()
+    # 676 + 20 + 1,000 fp32 parameters = 6,784 B; none of them counted as temporaries.
+    assert rep.end[C.WEIGHTS] == weight_bytes(model) == (676 + 20 + 1000) * 4
+    assert any("changed during profiling (step 1: 3 parameter(s) (4.0 KiB) and 1 module(s))" in n
+               for n in rep.trace.notes)
+    assert rep.breakdown(1, "forward", "start")[C.WEIGHTS] == rep.end[C.WEIGHTS]
+
+
+def test_lazy_modules_are_measured():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    rep = prof.report()
+    # (3*8 + 8) + (8*2 + 2) = 50 fp32 parameters, and as many gradient elements.
+    assert rep.end[C.WEIGHTS] == weight_bytes(model) == 200
+    assert rep.end[C.GRADIENTS] == 200
+    assert rep.breakdown(1, "forward", "start")[C.TEMPORARIES] == 0
+
+
+def test_tensors_made_with_torch_tensor_are_counted():
+    model = _mlp()
+    with memprof.profile(model) as prof:
+        keep = torch.tensor([1.0] * 262144)  # built in C++, seen by dispatch only as lift_fresh
+        model(torch.randn(2, 16)).sum().backward()
+    rep = prof.report()
+    assert rep.end[C.TEMPORARIES] == keep.untyped_storage().nbytes() == 1048576
+    assert rep.end.total == sum(v for v in rep.end.counts if v is not None)

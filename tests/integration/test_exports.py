@@ -18,6 +18,7 @@ from memprof.vocabulary import Category
 from memprof.errors import NotMeasuredError
 from memprof.demo import TinyGPT, synthetic_tokens
 from tests.helpers import optimizer_state_bytes, weight_bytes
+from training import output_sum, profile_training
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "data")
 
@@ -26,13 +27,9 @@ def _gpt_run(steps=3, mode="exact", **kwargs):
     torch.manual_seed(0)
     model = TinyGPT(vocab=100, hidden=32, layers=2, heads=2, max_seq=16)
     opt = torch.optim.AdamW(model.parameters())
-    with memprof.profile(model, opt, mode=mode, **kwargs) as prof:
-        for i in range(steps):
-            x, y = synthetic_tokens(2, 16, 100, seed=i)
-            TinyGPT.loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    return prof.report(), model, opt
+    report = profile_training(model, opt, lambda i: synthetic_tokens(2, 16, 100, seed=i), steps=steps,
+                              loss=TinyGPT.loss, mode=mode, **kwargs)
+    return report, model, opt
 
 
 @pytest.fixture(scope="module")
@@ -212,12 +209,8 @@ def test_exports_of_a_long_run_stay_bounded(tmp_path):
     for steps in (20, 400):
         model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with memprof.profile(model, opt) as prof:
-            for _ in range(steps):
-                model(torch.randn(8, 16)).sum().backward()
-                opt.step()
-                opt.zero_grad()
-        report = prof.report()
+        report = profile_training(model, opt, lambda i: (torch.randn(8, 16), None), steps=steps, loss=output_sum,
+                                  keep_batch=False)
         report.export_chrome_trace(tmp_path / f"c{steps}.json")
         report.export_memory_viz(tmp_path / f"m{steps}.pickle")
         sizes[steps] = (os.path.getsize(tmp_path / f"c{steps}.json"), os.path.getsize(tmp_path / f"m{steps}.pickle"))
@@ -301,14 +294,11 @@ def test_html_report_is_self_contained(run, tmp_path):
 def test_html_report_of_a_large_model_stays_under_2_mb(tmp_path):
     model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(500)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with memprof.profile(model, opt) as prof:
-        for _ in range(3):
-            model(torch.randn(2, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
+    report = profile_training(model, opt, lambda i: (torch.randn(2, 4), None), steps=3, loss=output_sum,
+                              keep_batch=False)
     path = tmp_path / "big.html"
-    prof.report().export_html(path)
-    assert len(prof.report().trace.timeline) > 5000  # many more moments than the SVG draws
+    report.export_html(path)
+    assert len(report.trace.timeline) > 5000  # many more moments than the SVG draws
     assert os.path.getsize(path) < 2 * 1024 * 1024
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 
 import pytest
 import torch
@@ -19,10 +18,9 @@ from torch import nn
 
 import memprof
 from memprof import Category as C
-from memprof.errors import InvalidArgumentError, ProfilerStateError
+from memprof.errors import ProfilerStateError
 
-from helpers import hook_registry, optimizer_state_bytes, unique_bytes, weight_bytes
-from models import MLP
+from helpers import hook_registry, unique_bytes, weight_bytes
 
 MODES = ("exact", "light")
 
@@ -33,6 +31,8 @@ def _mlp():
 
 
 def _train(model, opt, x, steps=3, ctx=contextlib.nullcontext):
+    # Not tests/training.py's loop: ``ctx`` (the user's saved-tensor hooks) wraps the forward and the loss
+    # but not the backward, as a user's compression context does.
     for _ in range(steps):
         with ctx():
             loss = model(x).pow(2).sum()
@@ -216,105 +216,7 @@ def test_every_tensor_module_and_optimizer_keeps_exactly_its_hooks(mode, raises)
     user_hook.remove()
 
 
-# ------------------------------------------------------------------ 4. torch.compile
-
-
-def _counting_backend():
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    calls = {"forward": 0, "backward": 0}
-
-    def compiler(kind):
-        def compile_graph(gm, _inputs):
-            def run(*args):
-                calls[kind] += 1
-                return gm(*args)
-            return make_boxed_func(run)
-        return compile_graph
-
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")), calls
-
-
-@pytest.fixture(scope="module")
-def compiled_runs():
-    """The same two training steps eager, compiled (whole model) and with a compiled block; the compiled
-    graphs count their own runs. Compiling costs a few seconds, so the runs are shared."""
-    backend, calls = _counting_backend()
-    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
-
-    def run(profiled, called):
-        opt = torch.optim.SGD(profiled.parameters(), lr=0.1)
-        with memprof.profile(profiled, opt) as prof:
-            for _ in range(2):
-                F.cross_entropy(called(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-        return prof.report()
-
-    torch.manual_seed(0)
-    plain = MLP()
-    eager = run(plain, plain)
-    torch.manual_seed(0)
-    model = MLP()
-    compiled = torch.compile(model, backend=backend)
-    F.cross_entropy(compiled(x), y).backward()  # compiled before the profile
-    model.zero_grad(set_to_none=True)
-    before = dict(calls)
-    whole = run(compiled, compiled)
-    inside = {k: calls[k] - before[k] for k in calls}
-    before = dict(calls)
-    F.cross_entropy(compiled(x), y).backward()
-    after = {k: calls[k] - before[k] for k in calls}
-    model.zero_grad(set_to_none=True)
-    wrapped_inner = run(model, compiled)  # profiled: the inner model; called: its compiled wrapper
-    torch.manual_seed(0)
-    part = MLP()
-    part.fc2 = torch.compile(part.fc2, backend=backend)  # a compiled block inside an eager model
-    before = dict(calls)
-    block = run(part, part)
-    block_calls = {k: calls[k] - before[k] for k in calls}
-    return {"eager": eager, "whole": whole, "inside": inside, "after": after, "block": block,
-            "block_calls": block_calls, "model": model, "inner": wrapped_inner}
-
-
-def test_a_compiled_model_stays_compiled_inside_and_after_the_block(compiled_runs):
-    assert compiled_runs["inside"] == {"forward": 2, "backward": 2}
-    assert compiled_runs["after"] == {"forward": 1, "backward": 1}
-    assert compiled_runs["block_calls"] == {"forward": 2, "backward": 2}
-
-
-def test_a_compiled_model_is_measured_and_says_what_it_cannot_see(compiled_runs):
-    eager, whole, block = compiled_runs["eager"], compiled_runs["whole"], compiled_runs["block"]
-    model = compiled_runs["model"]
-    for rep in (whole, block):
-        assert rep.num_steps == 2
-        assert rep.breakdown(1, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
-        assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == weight_bytes(model)
-        assert any("torch.compile'd code" in n and "lower bounds" in n for n in rep.trace.notes)
-    # This backend runs aten ops, so what autograd keeps equals eager's to the byte.
-    assert whole.breakdown(1, "forward", "end") == eager.breakdown(1, "forward", "end")
-    assert block.breakdown(1, "forward", "end") == eager.breakdown(1, "forward", "end")
-    # Modules inside compiled code have no per-module figures: not measured, not 0.
-    inner = whole.modules().loc["_orig_mod.fc1"]
-    assert inner["calls"] == 0 and inner["activations"] is pd_na()
-
-
-def pd_na():
-    import pandas as pd
-
-    return pd.NA
-
-
-def test_profiling_the_model_inside_a_compiled_wrapper_says_what_it_missed(compiled_runs):
-    # The wrapper's compiled code skips the hooks memprof put on the model it wraps (they were added after
-    # compilation): the forward is unseen, so what it saved is not measured (not 0), and the note names the
-    # fix. Steps still end at optimizer steps, and model states are exact.
-    rep = compiled_runs["inner"]
-    assert rep.num_steps == 2
-    assert rep.peak[C.ACTIVATIONS] is None
-    assert rep.breakdown(1, "backward", "end")[C.GRADIENTS] == weight_bytes(compiled_runs["model"])
-    assert any("did not see" in n and "memprof.profile(compiled_model, optimizer)" in n for n in rep.trace.notes)
+# ------------------------------------------------------------------ 4. a forward memprof did not see
 
 
 def test_gradients_from_an_unseen_forward_leave_activations_not_measured():
@@ -331,109 +233,7 @@ def test_gradients_from_an_unseen_forward_leave_activations_not_measured():
     assert any("forward memprof's module hooks did not see" in n for n in rep.trace.notes)
 
 
-def test_a_model_compiled_in_place_is_refused_with_the_fix():
-    model = MLP()
-    model.compile(backend="eager")
-    with pytest.raises(InvalidArgumentError, match=r"torch.compile\(model\)"):
-        memprof.profile(model)
-
-
-# ------------------------------------------------------------------ 5. and 6. optimizers
-
-
-class Wrapped:
-    """What accelerate (``.optimizer``) and Lightning (``._optimizer``) hand a training loop."""
-
-    def __init__(self, opt, attr):
-        setattr(self, attr, opt)
-        self._attr = attr
-
-    def step(self):
-        getattr(self, self._attr).step()
-
-    def zero_grad(self):
-        getattr(self, self._attr).zero_grad()
-
-    @property
-    def param_groups(self):
-        return getattr(self, self._attr).param_groups
-
-
-@pytest.mark.parametrize("attr", ["optimizer", "_optimizer"])
-def test_optimizer_wrappers_are_followed_to_the_torch_optimizer(attr):
-    model, x = _mlp(), torch.randn(8, 16)
-    inner = torch.optim.AdamW(model.parameters())
-    with memprof.profile(model, Wrapped(Wrapped(inner, attr), attr)) as prof:
-        _train(model, Wrapped(inner, attr), x)
-    rep = prof.report()
-    assert rep.num_steps == 3
-    # exp_avg + exp_avg_sq (fp32, as the 676 weights) + a 4-byte step per tensor: 2 * 2,704 + 4 * 4 = 5,424 B.
-    assert rep.end[C.OPTIMIZER_STATES] == optimizer_state_bytes(inner) == 2 * weight_bytes(model) + 16 == 5424
-
-
-def test_accelerates_optimizer_is_followed():
-    accelerate = pytest.importorskip("accelerate")
-    model, x = _mlp(), torch.randn(8, 16)
-    accelerator = accelerate.Accelerator(cpu=True)
-    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
-    with memprof.profile(model, opt) as prof:
-        for _ in range(3):
-            accelerator.backward(model(x).pow(2).sum())
-            opt.step()
-            opt.zero_grad()
-    rep = prof.report()
-    assert rep.num_steps == 3
-    assert rep.end[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt.optimizer) == 5424
-
-
-def test_something_else_as_optimizer_is_refused_with_the_fix():
-    with pytest.raises(InvalidArgumentError, match="AcceleratedOptimizer"):
-        memprof.profile(_mlp(), object())
-
-
-def test_an_optimizer_recreated_inside_the_block_is_measured_and_named():
-    model, x = _mlp(), torch.randn(8, 16)
-    first = torch.optim.SGD(model.parameters(), lr=0.1)
-    with memprof.profile(model, first) as prof:
-        _train(model, first, x, steps=1)
-        second = torch.optim.Adam(model.parameters())
-        _train(model, second, x, steps=2)
-    rep = prof.report()
-    assert rep.num_steps == 3
-    assert rep.end[C.OPTIMIZER_STATES] == optimizer_state_bytes(second) == 5424
-    assert any("Adam not passed to profile()" in n and "step 1" in n for n in rep.trace.notes)
-
-
-def test_parameters_added_inside_the_block_become_weights():
-    model, x = _mlp(), torch.randn(8, 16)
-    with memprof.profile(model) as prof:
-        model(x).sum().backward()
-        model.add_module("extra", nn.Linear(4, 4))  # a new head, not yet used
-        model.extra2 = nn.Parameter(torch.zeros(1000))
-        model(x).sum().backward()
-    rep = prof.report()
-    # 676 + 20 + 1,000 fp32 parameters = 6,784 B; none of them counted as temporaries.
-    assert rep.end[C.WEIGHTS] == weight_bytes(model) == (676 + 20 + 1000) * 4
-    assert any("changed during profiling (step 1: 3 parameter(s) (4.0 KiB) and 1 module(s))" in n
-               for n in rep.trace.notes)
-    assert rep.breakdown(1, "forward", "start")[C.WEIGHTS] == rep.end[C.WEIGHTS]
-
-
-def test_lazy_modules_are_measured():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(4, 3)
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-    rep = prof.report()
-    # (3*8 + 8) + (8*2 + 2) = 50 fp32 parameters, and as many gradient elements.
-    assert rep.end[C.WEIGHTS] == weight_bytes(model) == 200
-    assert rep.end[C.GRADIENTS] == 200
-    assert rep.breakdown(1, "forward", "start")[C.TEMPORARIES] == 0
+# ------------------------------------------------------------------ 5. a set-up that fails
 
 
 def test_a_failing_setup_raises_the_users_error_and_leaves_nothing():
@@ -453,129 +253,6 @@ def test_a_failing_setup_raises_the_users_error_and_leaves_nothing():
         prof.report()
     with memprof.profile(_mlp()):  # nothing stays active
         pass
-
-
-# ------------------------------------------------------------------ 7. storages made outside dispatch
-
-
-def test_tensors_made_with_torch_tensor_are_counted():
-    model = _mlp()
-    with memprof.profile(model) as prof:
-        keep = torch.tensor([1.0] * 262144)  # built in C++, seen by dispatch only as lift_fresh
-        model(torch.randn(2, 16)).sum().backward()
-    rep = prof.report()
-    assert rep.end[C.TEMPORARIES] == keep.untyped_storage().nbytes() == 1048576
-    assert rep.end.total == sum(v for v in rep.end.counts if v is not None)
-
-
-def test_adam_step_counters_are_in_the_peak():
-    model, x = _mlp(), torch.randn(8, 16)
-    opt = torch.optim.AdamW(model.parameters())
-    with memprof.profile(model, opt) as prof:
-        _train(model, opt, x, steps=1)
-    rep = prof.report()
-    # The first step's peak is inside step(): exp_avg, exp_avg_sq and the four 4-byte counters are live.
-    assert rep.breakdown(0, "optimizer", "peak")[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt) == 5424
-
-
-# ------------------------------------------------------------------ 8. threads
-
-
-def test_training_in_another_thread_is_reported_as_not_measured():
-    model, x = _mlp(), torch.randn(8, 16)
-    before = hook_registry(model, tensors=[x])
-    with memprof.profile(model) as prof:
-        worker = threading.Thread(target=lambda: model(x).sum().backward())
-        worker.start()
-        worker.join()
-    model.zero_grad(set_to_none=True)
-    rep = prof.report()
-    for category in (C.ACTIVATIONS, C.INPUTS, C.TEMPORARIES):
-        assert rep.peak[category] is None
-    assert rep.peak.total is None and rep.peak[C.WEIGHTS] == weight_bytes(model)
-    assert any("thread(s) other than the one that started" in n for n in rep.trace.notes)
-    assert hook_registry(model, tensors=[x]) == before
-
-
-def test_a_profile_ended_from_another_thread_cleans_up_and_says_so():
-    model, x = _mlp(), torch.randn(8, 16)
-    before = hook_registry(model)
-    prof = memprof.profile(model)
-    prof.__enter__()
-    model(x).sum().backward()
-    errors = []
-
-    def end():
-        try:
-            prof.__exit__(None, None, None)
-        except ProfilerStateError as exc:
-            errors.append(str(exc))
-
-    worker = threading.Thread(target=end)
-    worker.start()
-    worker.join()
-    assert errors and "ended in another thread" in errors[0]
-    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
-    model.zero_grad(set_to_none=True)
-    # Global hooks are gone at once; this thread's inert dispatch mode goes with the next profile here.
-    after = hook_registry(model)
-    assert {k: v for k, v in after.items() if k[0] != "global"} == {
-        k: v for k, v in before.items() if k[0] != "global"}
-    with memprof.profile(model) as again:
-        model(x).sum().backward()
-    assert again.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] > 0
-    model.zero_grad(set_to_none=True)
-    assert hook_registry(model) == before
-
-
-# ------------------------------------------------------------------ 9. torch.func
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_torch_func_runs_as_without_memprof(mode):
-    from torch.func import functional_call, grad, vmap
-
-    model, x = _mlp(), torch.randn(5, 16)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss(p, xi):
-        return functional_call(model, p, (xi.unsqueeze(0),)).pow(2).sum()
-
-    plain = vmap(grad(loss), in_dims=(None, 0))(params, x)
-    with memprof.profile(model, mode=mode) as prof:
-        profiled = vmap(grad(loss), in_dims=(None, 0))(params, x)
-    assert all(torch.equal(plain[k], profiled[k]) for k in plain)
-    rep = prof.report()
-    assert rep.peak[C.ACTIVATIONS] is None and rep.peak[C.TEMPORARIES] is None
-    assert any("torch.func transforms" in n for n in rep.trace.notes)
-
-
-def test_torch_func_between_steps_of_ordinary_training():
-    from torch.func import functional_call, grad
-
-    model, x = _mlp(), torch.randn(8, 16)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with memprof.profile(model, opt) as prof:
-        _train(model, opt, x, steps=1)
-        params = {k: v.detach() for k, v in model.named_parameters()}
-        grad(lambda p: functional_call(model, p, (x,)).sum())(params)
-        _train(model, opt, x, steps=1)
-    assert prof.report().num_steps >= 2
-
-
-# ------------------------------------------------------------------ 10. one formula per moment
-
-
-def test_an_estimate_and_reconcile_show_one_formula_for_one_moment():
-    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
-    opt = torch.optim.AdamW(model.parameters(), foreach=True)
-    x = torch.randn(2, 256)
-    est = memprof.estimate(model, opt, inputs=x)
-    rec = memprof.reconcile(est.trace)
-    assert est.trace.peak_phase is memprof.Phase.OPTIMIZER  # small batch: the foreach step is the peak
-    assert est.formula == memprof.Breakdown.from_mapping(
-        {r.category: r.formula for r in rec.rows}, total=est.formula.total)
-    assert est.formula[C.ACTIVATIONS] == 0
 
 
 # ------------------------------------------------------------------ the whole class: bit-identical training
@@ -643,3 +320,146 @@ def test_compiled_training_is_bit_identical_with_and_without_memprof(mode):
     plain, _ = _run(SETUPS["plain"], False, mode, compiled=True)
     profiled, _ = _run(SETUPS["plain"], True, mode, compiled=True)
     assert all(torch.equal(a, b) for a, b in zip(plain, profiled))
+
+
+# ------------------------------------------------------------------ saved-tensor hooks outside the model's calls
+
+
+def _profile(model, opt=None, mode=None):
+    return memprof.profile(model, opt, mode=mode) if mode else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_disabling_saved_tensor_hooks_after_a_forward_works(mode):
+    model = nn.Linear(4, 4)
+    with memprof.profile(model, mode=mode):
+        out = torch.tanh(model(torch.randn(2, 4)))
+        with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+            extra = torch.tanh(torch.randn(3, requires_grad=True)).sum()
+        extra.backward()
+        out.sum().backward()
+    assert model.weight.grad is not None
+
+
+def _detached_saved_output(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with _profile(model, mode=mode):
+        h = torch.tanh(model[0](torch.randn(2, 4)))  # TanhBackward saves its output h
+        out = model[1](h)
+        h.detach_()
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_saved_output_detached_in_place_fails_as_without_memprof(mode):
+    with pytest.raises(RuntimeError) as plain:
+        _detached_saved_output(None)
+    with pytest.raises(RuntimeError) as profiled:
+        _detached_saved_output(mode)
+    assert str(profiled.value) == str(plain.value)
+
+
+# ------------------------------------------------------------------ the user's dispatch modes
+
+
+def test_a_users_dispatch_mode_entered_inside_the_block_survives_it():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    model, counter = nn.Linear(4, 4), Count()
+    with memprof.profile(model, mode="exact") as prof:
+        model(torch.randn(2, 4)).sum().backward()
+        counter.__enter__()  # left open past the block, as a run-long tracing mode would be
+    try:
+        before = counter.ops
+        torch.randn(3) + 1  # randn and add: two ops
+        assert counter.ops - before == 2
+    finally:
+        counter.__exit__(None, None, None)
+    assert prof.report().peak.total > 0
+    # The next profile in this thread starts from an empty dispatch stack.
+    with memprof.profile(model, mode="exact"):
+        assert torch._C._len_torch_dispatch_stack() == 1
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+# ------------------------------------------------------------------ what the loss saves under the user's hooks
+
+
+def _loss_saved(hooks):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 10))
+    x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
+    with memprof.profile(model, mode="exact") as prof:
+        out = model(x)
+        with hooks():
+            # Outside the model: log_softmax and nll_loss both save the 8 x 10 fp32 log-softmax output
+            # (one 320-byte storage); nll_loss also saves the targets (inputs: made before the profile).
+            loss = F.cross_entropy(out, y)
+        loss.backward()
+    return prof.report().breakdown(0, "backward", "start")
+
+
+def test_what_the_loss_saves_under_the_users_hooks_is_an_activation():
+    plain = _loss_saved(contextlib.nullcontext)
+    identity = _loss_saved(lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    assert identity == plain
+    # A pack that clones: each node holds its own copy of the log-softmax output (2 x 320 bytes) and the
+    # shared original is freed (+320), and the graph holds a clone of the targets (8 int64 = 64 bytes)
+    # while the targets themselves stay inputs.
+    cloned = _loss_saved(lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t))
+    assert cloned[C.ACTIVATIONS] == plain[C.ACTIVATIONS] + 320 + 64
+    assert cloned[C.INPUTS] == plain[C.INPUTS]
+
+
+# ------------------------------------------------------------------ dropout
+
+
+class DropNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.drop = nn.Dropout(0.3)
+        self.norm = nn.LayerNorm(64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.drop(F.gelu(self.fc1(x)))))
+
+
+def _train_dropnet(mode):
+    torch.manual_seed(123)  # the model init and dropout both draw from the default generator
+    model = DropNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    ctx = memprof.profile(model, opt, mode=mode) if mode else torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t, lambda t: t)
+    with ctx:
+        # Not tests/training.py's loop: each step's loss is kept (held alive) to compare the runs' losses.
+        for _ in range(4):
+            x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], torch.rand(3)
+
+
+@pytest.mark.parametrize("mode", ["exact", "light"])
+def test_bit_identical_results_with_dropout(mode):
+    l0, p0, r0 = _train_dropnet(None)
+    l1, p1, r1 = _train_dropnet(mode)
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert torch.equal(r0, r1)  # memprof consumed no random numbers

@@ -13,6 +13,8 @@ from torch import nn
 import memprof
 from memprof import Category as C
 
+from training import profile_training
+
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
 WORLD = 2
@@ -97,13 +99,11 @@ def ranks(tmp_path_factory):
 
 def _profiled(model, opt, make_batch, loss=lambda out, _x: out.sum()):
     """Two training steps of ``model`` under memprof (zero_grad frees the gradients); the report."""
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            x = make_batch()
-            loss(model(x), x).backward()
-            opt.step()
-            opt.zero_grad()
-    return prof.report()
+    def batch(_step):
+        x = make_batch()
+        return x, x  # the loss reads the batch as its target
+
+    return profile_training(model, opt, batch, loss=loss)
 
 
 def _phase(rep, step, phase):

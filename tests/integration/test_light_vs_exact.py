@@ -27,6 +27,8 @@ def _run(mode):
     x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
     acc = torch.zeros(())  # a metric accumulator made before the profile
     with memprof.profile(model, opt, mode=mode) as prof:
+        # Not tests/training.py's loop: the loss is added to a metric made before the profile, which light
+        # mode cannot see and exact mode counts.
         for _ in range(2):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -64,3 +66,27 @@ def test_light_mode_matches_exact_mode_except_what_only_code_outside_the_model_u
     assert "not counted as activations, nor as inputs the tensors made before the profile" in note[0]
     assert "a metric accumulator" in note[0] and "among temporaries" in note[0]
     assert not any("outside the model's modules" in n for n in exact.trace.notes)
+
+
+def test_light_mode_sees_what_the_model_saves_exact_mode_also_the_loss():
+    model = MLP()
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    # 2 ReLU results 16*64*4, log-softmax 16*10*4 = 640, total_weight 4
+    expected = saved_activation_bytes(lambda: F.cross_entropy(model(x), y), list(model.parameters()) + [x, y])
+    assert expected == 2 * 4096 + 640 + 4
+    out = {}
+    notes = {}
+    for mode in ("exact", "light"):
+        with memprof.profile(model, mode=mode) as prof:
+            F.cross_entropy(model(x), y).backward()
+        out[mode] = prof.report().breakdown(0, "forward", "end")
+        notes[mode] = prof.trace.notes
+    assert out["exact"][C.ACTIVATIONS] == expected
+    assert out["exact"][C.INPUTS] == 16 * 32 * 4 + 16 * 8
+    # memprof's saved-tensor pair is on the stack only inside the model's calls (so that torch.func
+    # and the user's own pairs work outside them). Exact mode finds what the loss saved on the graph when
+    # backward starts; light mode sees no op and no graph, so it counts what the model saved: the two
+    # ReLU results. It says so in a note.
+    assert out["light"][C.ACTIVATIONS] == 2 * 4096
+    assert out["light"][C.INPUTS] == 16 * 32 * 4
+    assert any("outside the model's modules" in n for n in notes["light"])

@@ -27,6 +27,7 @@ from memprof.record.trace import OomRecord, Trace
 
 from factories import full_trace
 from models import MLP
+from training import output_sum, profile_training
 
 DATA = pathlib.Path(__file__).parents[1] / "data"
 
@@ -35,12 +36,8 @@ def _training(mode: str) -> Trace:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.AdamW(model.parameters())
-    with memprof.profile(model, opt, mode=mode) as prof:
-        for _ in range(2):
-            model(torch.randn(4, 32)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    return prof.report().trace
+    return profile_training(model, opt, lambda i: (torch.randn(4, 32), None), loss=output_sum, keep_batch=False,
+                            mode=mode).trace
 
 
 def _failed() -> Trace:

@@ -11,6 +11,7 @@ from memprof import Category as C
 from memprof.errors import InvalidArgumentError, NotMeasuredError, ProfilerStateError
 
 from helpers import hook_registry, optimizer_state_bytes, weight_bytes
+from training import train
 
 
 def _setup():
@@ -20,11 +21,12 @@ def _setup():
     return model, opt, torch.randn(16, 32), torch.randn(16, 8)
 
 
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
 def _train(model, opt, x, y, steps):
-    for _ in range(steps):
-        ((model(x) - y) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, (x, y), steps=steps, loss=_mse)
 
 
 # ---------------------------------------------------------------------- start / stop

@@ -17,6 +17,7 @@ from memprof.render.html import report_html
 from memprof.render.page import report_page
 
 from factories import cpu, full_trace, phase, trace
+from training import output_sum, profile_training
 
 #: A name that would print a line of its own claiming the run used no memory.
 FORGED = "a\nPeak 0 B (all clear)"
@@ -36,10 +37,8 @@ def _named(first: str, second: str) -> nn.Module:
 def _profiled(model: nn.Module) -> memprof.Report:
     torch.manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with memprof.profile(model, opt) as prof:
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-    return prof.report()
+    return profile_training(model, opt, lambda i: (torch.randn(4, 8), None), steps=1, loss=output_sum,
+                            zero_grad=False, keep_batch=False)
 
 
 def _inert(text: str) -> None:

@@ -21,29 +21,31 @@ from torch.utils.hooks import RemovableHandle
 
 import memprof
 from memprof import Category as C
-from memprof.collect import profiler as profiler_mod
-from memprof.errors import ProfilerStateError
-from memprof.collect.profiler import Profiler
-from memprof.collect import closing as closing_mod
-from memprof.collect import dispatch as storages_mod
+from memprof.collect import (
+    closing as closing_mod,
+    dispatch as storages_mod,
+    profiler as profiler_mod,
+    wiring as wiring_mod,
+)
 from memprof.collect.closing import Closing
 from memprof.collect.device import DeviceProbe
-from memprof.collect.ledger import Ledger
+from memprof.collect.dispatch import StorageTracker
 from memprof.collect.frames import Frames
+from memprof.collect.ledger import Ledger
 from memprof.collect.modules import ModuleTracker
 from memprof.collect.oom import OomDump
 from memprof.collect.optimizer import OptimizerTracker
 from memprof.collect.params import ParamTracker
 from memprof.collect.phases import PhaseTracker
+from memprof.collect.profiler import Profiler
 from memprof.collect.saved_hooks import SavedHooks
-from memprof.collect.dispatch import StorageTracker
-from memprof.collect.undo import UndoStack
 from memprof.collect.timeline import Timeline
+from memprof.collect.undo import UndoStack
 from memprof.collect.windows import Windows
-from memprof.collect import wiring as wiring_mod
 from memprof.collect.wiring import Collectors
+from memprof.errors import ProfilerStateError
 
-from helpers import hook_registry, weight_bytes
+from helpers import assert_sums, hook_registry, hooks_left, saved_activation_bytes, weight_bytes
 from models import MLP
 
 
@@ -421,3 +423,120 @@ def test_stop_closes_as_leaving_the_block_does_when_a_step_is_interrupted(monkey
         with memprof.profile(model, opt):
             pass
     assert fired > 0, f"{step} never ran: this case tests nothing"
+
+
+OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)"
+
+
+class ForwardBoom(nn.Module):
+    """Allocates 1000 x 1000 fp32 (4,000,000 B) of scratch, then fails like an OOM."""
+
+    def __init__(self):
+        super().__init__()
+        self.err = RuntimeError(OOM)
+
+    def forward(self, x):
+        scratch = torch.empty(1000, 1000)  # noqa: F841  (alive in the traceback's frame)
+        raise self.err
+
+
+def test_oom_mid_forward_is_explained():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), ForwardBoom())
+    x = torch.randn(16, 32)
+    # What autograd holds when module "3" fails: the ReLU result 16*64*4 = 4096 B
+    # (saved by ReLU and as Linear "2"'s mat1: one storage). Linear "0" saves x, an input.
+    expected_saved = saved_activation_bytes(lambda: model[:3](x), list(model.parameters()) + [x])
+    assert expected_saved == 4096
+    with pytest.raises(RuntimeError) as info:
+        with memprof.profile(model) as prof:
+            model(x)
+    assert info.value is model[3].err  # the same object, unchanged
+    assert str(info.value) == OOM
+    assert hooks_left(model) == []
+    tr = prof.report().trace
+    assert tr.error == f"RuntimeError: {OOM}"
+    assert [p.phase.value for p in tr.phases] == ["forward"]
+    live = tr.live_at_error
+    assert_sums(live)
+    assert live[C.WEIGHTS] == weight_bytes(model)  # (32*64+64 + 64*64+64) * 4 = (2112 + 4160) * 4 = 25088
+    assert live[C.WEIGHTS] == 25088
+    assert live[C.ACTIVATIONS] == expected_saved
+    assert live[C.INPUTS] == 16 * 32 * 4
+    # The failing module's scratch is live in the traceback and named first.
+    assert live[C.TEMPORARIES] >= 4_000_000
+    assert tr.live_modules_at_error[0] == ("3", 4_000_000)
+    assert tr.peak.total == live.total  # the failing moment is the highest point
+    assert "What was live at the OOM" in str(prof.report())  # an OOM: the report leads with it
+
+
+class _BackwardBoom(torch.autograd.Function):
+    err = RuntimeError(OOM)
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        scratch = torch.empty(500, 500)  # noqa: F841  500*500*4 = 1,000,000 B, alive in the traceback
+        raise _BackwardBoom.err
+
+
+class BackwardBoom(nn.Module):
+    def forward(self, x):
+        return _BackwardBoom.apply(x)
+
+
+def _backward_fault_run():
+    model = nn.Sequential(nn.Linear(32, 64), BackwardBoom(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 32)
+    with pytest.raises(RuntimeError) as info:
+        with memprof.profile(model, opt) as prof:
+            model(x).sum().backward()
+    return model, prof, info
+
+
+def test_oom_mid_backward_propagates_and_cleans_up():
+    model, prof, info = _backward_fault_run()
+    assert info.value is _BackwardBoom.err
+    assert hooks_left(model) == []
+    tr = prof.report().trace
+    assert tr.error == f"RuntimeError: {OOM}"
+    assert [p.phase.value for p in tr.phases] == ["forward", "backward"]
+    live = tr.live_at_error
+    assert_sums(live)
+    assert live[C.WEIGHTS] == weight_bytes(model)
+    # Linear "2" ran its backward before the failure: its grads exist, (64*10 + 10) * 4 = 2600 B.
+    assert live[C.GRADIENTS] == 2600
+    assert live[C.TEMPORARIES] >= 1_000_000
+
+
+def test_oom_mid_backward_names_the_failing_module():
+    model, prof, info = _backward_fault_run()
+    # The 1,000,000 B scratch was created inside module "1"'s backward.
+    path, nbytes = prof.trace.live_modules_at_error[0]
+    assert path == "1" and nbytes >= 1_000_000
+
+
+def test_exception_in_loss_after_forward():
+    model = MLP()
+    err = ValueError("bad target")
+    with pytest.raises(ValueError) as info:
+        with memprof.profile(model) as prof:
+            out = model(torch.randn(4, 32))
+            raise err
+    assert info.value is err
+    assert hooks_left(model) == []
+    assert prof.trace.live_at_error[C.ACTIVATIONS] == 2 * 4 * 64 * 4  # two ReLU results 4x64 fp32
+    del out
+
+
+def test_keyboard_interrupt_also_unwinds():
+    model = MLP()
+    with pytest.raises(KeyboardInterrupt):
+        with memprof.profile(model) as prof:
+            model(torch.randn(4, 32)).sum().backward()
+            raise KeyboardInterrupt
+    assert hooks_left(model) == []
+    assert prof.trace.error == "KeyboardInterrupt: "

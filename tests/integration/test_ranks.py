@@ -15,6 +15,8 @@ from memprof.cli import main
 from memprof.errors import MergeError
 from memprof.record.parts import Breakdown, RankInfo
 
+from training import output_sum, profile_training
+
 
 @pytest.fixture
 def gloo_world_of_one(tmp_path):
@@ -27,10 +29,8 @@ def gloo_world_of_one(tmp_path):
 
 def _run(model):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with memprof.profile(model, opt) as prof:
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-    return prof.report()
+    return profile_training(model, opt, lambda i: (torch.randn(4, 8), None), steps=1, loss=output_sum,
+                            zero_grad=False, keep_batch=False)
 
 
 def test_a_rank_records_where_it_ran(gloo_world_of_one, tmp_path):

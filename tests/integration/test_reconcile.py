@@ -12,17 +12,11 @@ from memprof import Category as C
 from memprof.anatomy import transformer_layer_activations
 
 from blocks import Block
-from helpers import optimizer_state_bytes, train, weight_bytes
+from helpers import optimizer_state_bytes, weight_bytes
 from models import MODEL_NAMES, MLP, make
+from training import profile_training, train
 
 MODEL_STATES = (C.WEIGHTS, C.GRADIENTS, C.OPTIMIZER_STATES)
-
-
-def run(model, opt, batch, loss_fn, steps=2):
-    x, y = batch
-    with memprof.profile(model, opt) as prof:
-        train(model, opt, x, y, loss_fn, steps)
-    return prof.report()
 
 
 OPTIMIZERS = {
@@ -51,9 +45,8 @@ def test_fp32_model_states_close_exactly(name):
     opt = OPTIMIZERS[name](model.parameters())
     x, y = batch
     with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            loss_fn(model(x), y).backward()
-            opt.step()
+        # No zero_grad: the gradients stay for the reconciliation at the steady moment.
+        train(model, opt, (x, y), loss=loss_fn, zero_grad=False)
         states = optimizer_state_bytes(opt)
     rec = prof.report().reconcile(at="steady")
     for cat in MODEL_STATES:
@@ -67,7 +60,7 @@ def test_fp32_model_states_close_exactly(name):
 
 def test_frame_and_text():
     model, batch, loss_fn = make("transformer")
-    rep = run(model, torch.optim.AdamW(model.parameters()), batch, loss_fn)
+    rep = profile_training(model, torch.optim.AdamW(model.parameters()), batch, loss=loss_fn)
     rec = rep.reconcile()
     frame = rec.to_frame()
     assert list(frame.columns) == ["formula", "estimate", "measured", "gap", "gap_pct"]
@@ -160,12 +153,7 @@ def _chain_reconciliation():
                                 torch.nn.ReLU(), torch.nn.Linear(256, 256))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(32, 256), torch.randn(32, 256)
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return prof.report()
+    return profile_training(model, opt, (x, y), loss=F.mse_loss)
 
 
 def test_per_module_formula_gaps_are_all_named_for_a_chain():
@@ -211,9 +199,7 @@ def test_estimate_matches_measurement(name):
     est = memprof.estimate(model, opt, inputs=x, targets=y, loss_fn=loss_fn, device="cpu")
     assert not any(p.grad is not None for p in model.parameters())  # the user's model is untouched
     assert opt.state == {}
-    with memprof.profile(model, opt) as prof:
-        train(model, opt, x, y, loss_fn)
-    measured = prof.report().peak
+    measured = profile_training(model, opt, (x, y), loss=loss_fn).peak
     sim = est.peak
     assert abs(sim.total - measured.total) / measured.total < 0.01
     for cat in (C.WEIGHTS, C.OPTIMIZER_STATES, C.ACTIVATIONS):
@@ -309,23 +295,13 @@ def test_advice_frees_gradients_kept_between_steps():
     model = MLP(32, 1024, 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(2048, 32), torch.randint(0, 10, (2048,))
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-    rep = prof.report()
+    rep = profile_training(model, opt, (x, y), set_to_none=False)
     assert rep.trace.peak_step == 1 and rep.peak[C.GRADIENTS] == weight_bytes(model)
     assert any("set_to_none=True" in a for a in rep.reconcile().advice())
     # With set_to_none=True (the default) there is nothing to free, and no such advice.
     model2 = MLP(32, 1024, 10)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
-    with memprof.profile(model2, opt2) as prof2:
-        for _ in range(2):
-            F.cross_entropy(model2(x), y).backward()
-            opt2.step()
-            opt2.zero_grad()
-    assert not any("set_to_none=True" in a for a in prof2.report().reconcile().advice())
+    assert not any("set_to_none=True" in a for a in profile_training(model2, opt2, (x, y)).reconcile().advice())
 
 
 class _Split(torch.nn.Module):  # two Linears each save one half (a view) of one storage
@@ -376,10 +352,8 @@ def test_model_inputs_saved_count_the_saved_view_not_the_dataset():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with memprof.profile(model, opt) as prof:
-        for i in range(2):
-            model(data[i * 32:(i + 1) * 32]).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, lambda i: (data[i * 32:(i + 1) * 32], None), loss=lambda out, _: out.square().mean(),
+              keep_batch=False)
     # The first Linear's rule counts its input, 32*64*4 = 8,192 B, not the 5,120,000 B storage under it.
     assert prof.trace.facts.activation_inputs_saved == 32 * 64 * 4
     rec = prof.report().reconcile(at="peak")

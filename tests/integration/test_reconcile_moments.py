@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import memprof
 from memprof import Category as C
 from memprof.errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
 from memprof.demo import TinyGPT, synthetic_tokens
+
+from training import profile_training
 
 
 @pytest.fixture(scope="module")
@@ -16,13 +17,7 @@ def report():
     torch.manual_seed(0)
     model = TinyGPT(vocab=100, hidden=64, layers=2, heads=2, max_seq=32, dropout=0.0)
     opt = torch.optim.AdamW(model.parameters())
-    with memprof.profile(model, opt) as prof:
-        for i in range(2):
-            x, y = synthetic_tokens(4, 32, 100, seed=i)
-            TinyGPT.loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    return prof.report()
+    return profile_training(model, opt, lambda i: synthetic_tokens(4, 32, 100, seed=i), loss=TinyGPT.loss)
 
 
 def test_the_end_of_forward_is_held_against_the_activation_formula(report):

@@ -156,3 +156,15 @@ def test_the_cli_estimate_prints_the_reconciliation_formula(tmp_path, monkeypatc
                            precision="mixed", device="cpu")
     assert _formula_column(printed) == _formula_column(str(est.report().reconcile()))
     assert f"{-2 * _params(model):+,} B" in printed
+
+
+def test_an_estimate_and_reconcile_show_one_formula_for_one_moment():
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x = torch.randn(2, 256)
+    est = memprof.estimate(model, opt, inputs=x)
+    rec = memprof.reconcile(est.trace)
+    assert est.trace.peak_phase is memprof.Phase.OPTIMIZER  # small batch: the foreach step is the peak
+    assert est.formula == memprof.Breakdown.from_mapping(
+        {r.category: r.formula for r in rec.rows}, total=est.formula.total)
+    assert est.formula[C.ACTIVATIONS] == 0

@@ -13,11 +13,12 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import memprof
 from memprof import Category as C
-from memprof.errors import ProfilerStateError
 from memprof.collect.dispatch import DispatchMode
+from memprof.errors import ProfilerStateError
 
 from helpers import hook_registry, weight_bytes
 from models import MLP
@@ -138,3 +139,106 @@ def test_stop_from_another_thread_raises_as_leaving_the_block_there_does_and_nev
     assert after.pop(("global", "dispatch modes")) == depth
     before.pop(("global", "dispatch modes"))
     assert after == before
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def test_training_in_another_thread_is_reported_as_not_measured():
+    model, x = _mlp(), torch.randn(8, 16)
+    before = hook_registry(model, tensors=[x])
+    with memprof.profile(model) as prof:
+        worker = threading.Thread(target=lambda: model(x).sum().backward())
+        worker.start()
+        worker.join()
+    model.zero_grad(set_to_none=True)
+    rep = prof.report()
+    for category in (C.ACTIVATIONS, C.INPUTS, C.TEMPORARIES):
+        assert rep.peak[category] is None
+    assert rep.peak.total is None and rep.peak[C.WEIGHTS] == weight_bytes(model)
+    assert any("thread(s) other than the one that started" in n for n in rep.trace.notes)
+    assert hook_registry(model, tensors=[x]) == before
+
+
+def test_a_profile_ended_from_another_thread_cleans_up_and_says_so():
+    model, x = _mlp(), torch.randn(8, 16)
+    before = hook_registry(model)
+    prof = memprof.profile(model)
+    prof.__enter__()
+    model(x).sum().backward()
+    errors = []
+
+    def end():
+        try:
+            prof.__exit__(None, None, None)
+        except ProfilerStateError as exc:
+            errors.append(str(exc))
+
+    worker = threading.Thread(target=end)
+    worker.start()
+    worker.join()
+    assert errors and "ended in another thread" in errors[0]
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+    model.zero_grad(set_to_none=True)
+    # Global hooks are gone at once; this thread's inert dispatch mode goes with the next profile here.
+    after = hook_registry(model)
+    assert {k: v for k, v in after.items() if k[0] != "global"} == {
+        k: v for k, v in before.items() if k[0] != "global"}
+    with memprof.profile(model) as again:
+        model(x).sum().backward()
+    assert again.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] > 0
+    model.zero_grad(set_to_none=True)
+    assert hook_registry(model) == before
+
+
+def _thread_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+
+def _profiled_loop(model, x):
+    # Not tests/training.py's loop: no optimizer, and model.zero_grad() between backwards, so each step
+    # starts with the gradients freed as an optimizer's zero_grad would.
+    with memprof.profile(model) as prof:
+        for _ in range(5):
+            model(x).sum().backward()
+            model.zero_grad()
+    return prof.report()
+
+
+def test_another_thread_is_not_attributed():
+    x = torch.randn(32, 64)
+    solo = _profiled_loop(_thread_model(), x)
+
+    other = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    other_opt = torch.optim.Adam(other.parameters())
+    stop, started = threading.Event(), threading.Event()
+    errors = []
+
+    def work():
+        try:
+            y = torch.randn(256, 64)
+            while not stop.is_set():
+                big = torch.empty(1000, 1000)  # noqa: F841  4 MB the profile must never see
+                other(y).sum().backward()
+                other_opt.step()
+                other_opt.zero_grad()
+                started.set()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            started.set()
+
+    th = threading.Thread(target=work)
+    th.start()
+    started.wait(30)
+    try:
+        together = _profiled_loop(_thread_model(), x)
+    finally:
+        stop.set()
+        th.join()
+    assert errors == []
+    assert together.trace.steps == solo.trace.steps  # every phase's start, peak and end, exactly
+    assert together.peak == solo.peak
+    assert together.trace.optimizer is None  # the other thread's Adam is not ours

@@ -7,11 +7,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memprof
-from memprof.anatomy import predict_activations
 from memprof import Category as C, Phase
+from memprof.anatomy import predict_activations
 
-from helpers import grad_bytes, optimizer_state_bytes, saved_activation_bytes, weight_bytes
+from helpers import grad_bytes, hooks_left, non_other, optimizer_state_bytes, saved_activation_bytes, weight_bytes
 from models import MLP
+from training import profile_training
 
 
 def phase_names(step):
@@ -27,12 +28,7 @@ def test_multi_step_records_each_step():
     model = MLP()
     opt = torch.optim.Adam(model.parameters())
     x, y = data()
-    with memprof.profile(model, opt) as prof:
-        for _ in range(3):
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    tr = prof.trace
+    tr = profile_training(model, opt, (x, y), steps=3).trace
     assert [s.index for s in tr.steps] == [0, 1, 2]
     for s in tr.steps:
         assert phase_names(s) == [("forward", 0), ("backward", 0), ("optimizer", 0)]
@@ -69,12 +65,7 @@ def test_zero_grad_set_to_none_false_keeps_gradients():
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = data()
-    with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-    rep = prof.report()
+    rep = profile_training(model, opt, (x, y), set_to_none=False)
     w = weight_bytes(model)
     assert rep.end[C.GRADIENTS] == w  # zeroed, not freed
     assert rep.breakdown(1, "forward", "peak")[C.GRADIENTS] == w
@@ -136,10 +127,7 @@ def test_optimizer_created_after_first_forward():
 def test_without_optimizer_each_backward_ends_a_step():
     model = MLP()
     x, y = data()
-    with memprof.profile(model) as prof:
-        for _ in range(3):
-            F.cross_entropy(model(x), y).backward()
-    assert len(prof.trace.steps) == 3
+    assert len(profile_training(model, None, (x, y), steps=3).trace.steps) == 3
 
 
 def test_explicit_steps():
@@ -271,3 +259,115 @@ def test_a_tensor_the_loop_makes_between_submodule_calls_is_not_an_input():
     assert fwd.end[C.INPUTS] == 4 * 16 * 4
     assert fwd.end[C.ACTIVATIONS] == 2 * 4 * 32 * 4
     assert prof.trace.facts.activation_inputs_saved == 4 * 16 * 4
+
+
+def test_gradient_accumulation_no_sync_pattern():
+    # DDP-style accumulation: the loss is scaled by 1/k and the optimizer steps every k micro-batches;
+    # a no_sync()-like context (here a no-op context) wraps all but the last micro-batch.
+    import contextlib
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(12, 32, generator=g), torch.randint(0, 10, (12,), generator=g)
+    k = 3
+    with memprof.profile(model, opt) as prof:
+        for _ in range(2):
+            for micro in range(k):
+                ctx = contextlib.nullcontext()
+                with ctx:
+                    (F.cross_entropy(model(x[micro::k]), y[micro::k]) / k).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    rep = prof.report()
+    w = weight_bytes(model)
+    assert rep.num_steps == 2
+    for s in prof.trace.steps:
+        assert non_other(s) == [("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1),
+                                ("forward", 2), ("backward", 2), ("optimizer", 0)]
+    assert rep.breakdown(0, "backward", "end", occurrence=2)[C.GRADIENTS] == w
+    assert rep.breakdown(1, "forward", "start", occurrence=0)[C.GRADIENTS] == w  # zeroed, not freed
+    assert rep.end[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt) == w  # momentum 4 B/param
+    # Each micro-batch of 4 saves the same: 2 ReLU results 4*64*4, log-softmax 4*10*4, total_weight,
+    # and the div's nothing; targets are views of y (an input).
+    for occ in range(k):
+        assert rep.breakdown(0, "forward", "end", occurrence=occ)[C.ACTIVATIONS] == 2 * 1024 + 160 + 4
+
+
+def test_frozen_layers_and_lr_scheduler():
+    model = MLP()
+    model.fc2.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    with memprof.profile(model, opt) as prof:
+        for _ in range(3):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    rep = prof.report()
+    assert rep.num_steps == 3
+    # fc1 + fc3: (32*64+64 + 64*10+10) * 4 = (2112 + 650) * 4 = 11048 B of gradients
+    assert rep.breakdown(2, "backward", "end")[C.GRADIENTS] == 11048
+    assert rep.breakdown(2, "optimizer", "end")[C.OPTIMIZER_STATES] == 2 * 11048 + 4 * 4
+    assert rep.breakdown(2, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+
+
+def test_two_optimizers_one_iteration_is_one_step():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    o1 = torch.optim.Adam([{"params": [model[0].weight], "lr": 1e-3}, {"params": [model[0].bias], "lr": 1e-2}])
+    o2 = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, 8)
+    with memprof.profile(model, [o1, o2]) as prof:
+        for _ in range(2):
+            model(x).sum().backward()
+            o1.step()
+            o2.step()
+            o1.zero_grad()
+            o2.zero_grad()
+    rep = prof.report()
+    assert rep.num_steps == 2
+    for s in prof.trace.steps:
+        assert non_other(s) == [("forward", 0), ("backward", 0), ("optimizer", 0), ("optimizer", 1)]
+
+
+def test_two_optimizers_and_param_groups_states():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    o1 = torch.optim.Adam([{"params": [model[0].weight], "lr": 1e-3}, {"params": [model[0].bias], "lr": 1e-2}])
+    o2 = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.ExponentialLR(o1, 0.9)
+    x = torch.randn(4, 8)
+    with memprof.profile(model, [o1, o2]) as prof:
+        for _ in range(2):
+            model(x).sum().backward()
+            o1.step()
+            o2.step()
+            sched.step()
+            o1.zero_grad()
+            o2.zero_grad()
+    rep = prof.report()
+    # Adam on layer 0: 2 * (8*16 + 16) * 4 = 1152 + two 4-byte steps; SGD momentum on layer 2: (16*4+4)*4 = 272.
+    assert rep.end[C.OPTIMIZER_STATES] == 1152 + 8 + 272
+    assert rep.end[C.OPTIMIZER_STATES] == optimizer_state_bytes(o1) + optimizer_state_bytes(o2)
+    assert rep.end[C.GRADIENTS] == 0
+    assert hooks_left(model) == []
+
+
+@pytest.mark.parametrize("ctx", ["no_grad", "inference_mode"])
+def test_evaluation_without_grad(ctx):
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(4, 8)
+    manager = torch.no_grad if ctx == "no_grad" else torch.inference_mode
+    with memprof.profile(model) as prof:
+        with manager():
+            out = model(x)
+    rep = prof.report()
+    bd = rep.breakdown(0, "forward", "end")
+    assert bd[C.ACTIVATIONS] == 0 and bd[C.GRADIENTS] == 0
+    assert bd[C.WEIGHTS] == weight_bytes(model)
+    # BatchNorm1d(16): running_mean + running_var (16 fp32 each) + num_batches_tracked (int64)
+    assert bd[C.BUFFERS] == 16 * 4 * 2 + 8
+    assert bd[C.INPUTS] == 4 * 8 * 4
+    assert bd[C.TEMPORARIES] == 4 * 4 * 4  # only the output is still alive
+    del out

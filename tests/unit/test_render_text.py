@@ -8,7 +8,7 @@ import textwrap
 import memprof
 from memprof.render.text import reconciliation_text, report_text
 
-from factories import adamw_spec, bd, cpu, facts, linear_call, module, phase, trace
+from factories import adamw_spec, bd, cpu, facts, full_trace, linear_call, module, phase, trace
 
 
 def _lines(text: str) -> list[str]:
@@ -175,4 +175,41 @@ def test_a_run_without_backward_ranks_modules_by_their_forward_peak():
     Top modules by saved activations
       module                        type                     params     saved act      peak fwd
       0                             Linear                  2.1 KiB         512 B       1.0 KiB
+    """)
+
+
+def test_a_run_of_five_steps_kept_one_shows_its_statistics_and_notes_on_one_line():
+    # full_trace: the optimizer's peak, 144 + 144 + 296 + 144 = 728 B (296 / 728 = 40.7 %); five steps ran,
+    # step 0 is kept in full, and the forward's statistics cover all five (its total was not summarised).
+    assert _lines(report_text(full_trace())) == _expected("""
+    memprof report: 5 step(s), mode exact, device cpu, torch 2.13.0
+
+    Peak 728 B (step 0, optimizer)
+      weights                      144 B   19.8%
+      buffers                        0 B    0.0%
+      gradients                    144 B   19.8%
+      optimizer_states             296 B   40.7%
+      activations                    0 B    0.0%
+      inputs                         0 B    0.0%
+      temporaries                  144 B   19.8%
+      allocator_overhead    not measured  (no accelerator allocator)
+      outside_torch         not measured  (no accelerator driver)
+      total                        728 B
+
+    Phases of steps 0 of 5 (bytes at each phase's peak)
+      step  phase                start          peak           end   largest at peak
+         0  forward              144 B         288 B         240 B   weights 144 B
+         0  backward             240 B         336 B         288 B   weights 144 B
+         0  optimizer            288 B         728 B         584 B   optimizer_states 296 B
+
+    All 5 steps per phase (total at each phase's peak)
+      phase              count           min        median           max
+      forward                5  not measured  not measured  not measured
+
+    Top modules by saved activations
+      module                        type                     params     saved act      peak fwd      peak bwd
+      fc                            Linear                    144 B          96 B         288 B         432 B
+
+    Notes
+      - a note with é and a newline in it
     """)

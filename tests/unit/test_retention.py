@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import statistics
 
-import pytest
-
-from memprof import Phase
-from memprof.errors import InvalidArgumentError
-from memprof.collect.schedule import ACTIVE, DONE, SKIP, WAIT, WARMUP, schedule
-from memprof.record.trace import StepRecord
 from memprof.collect.retention import FIRST_STEPS, MAX_SELECTED, Retention, _Series
+from memprof.record.trace import StepRecord
 
 from factories import cpu, phase
 
@@ -75,35 +70,6 @@ def test_memory_of_a_million_steps_is_that_of_a_few():
 
 
 # ---------------------------------------------------------------------- the schedule
-
-
-def test_the_schedule_reads_like_torch_profilers():
-    plan = schedule(skip_first=1, wait=1, warmup=1, active=2, repeat=2)
-    assert [plan(i) for i in range(11)] == [SKIP, WAIT, WARMUP, ACTIVE, ACTIVE, WAIT, WARMUP, ACTIVE, ACTIVE, DONE, DONE]
-    forever = schedule(wait=1, active=1)
-    assert [forever(i) for i in range(5)] == [WAIT, ACTIVE, WAIT, ACTIVE, WAIT]
-
-
-@pytest.mark.parametrize("kwargs, problem", [
-    ({"wait": -1}, "negative"), ({"active": 0}, "records nothing"), ({"repeat": 1.5}, "must be an int"),
-    ({"skip_first": True}, "must be an int"),
-])
-def test_a_schedule_that_cannot_work_is_refused(kwargs, problem):
-    with pytest.raises(InvalidArgumentError, match=problem):
-        schedule(**kwargs)
-
-
-def test_phase_stats_of_two_kinds_of_phase_are_kept_apart():
-    r = Retention()
-    for i in range(4):
-        rec = StepRecord(i, (
-            phase(i, "forward", start=cpu(), peak=cpu(activations=100), end=cpu(activations=50)),
-            phase(i, "forward", occurrence=1, start=cpu(), peak=cpu(activations=300), end=cpu()),
-        ))
-        r.add(rec, peak_step=0)
-    stats = {(s.phase, s.occurrence): s for s in r.phase_stats()}
-    assert stats[(Phase.FORWARD, 0)].at("end", "activations") == (50, 50, 50)
-    assert stats[(Phase.FORWARD, 1)].at("peak", "activations") == (300, 300, 300)
 
 
 def test_a_thinned_median_keeps_each_values_share():
