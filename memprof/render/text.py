@@ -11,7 +11,7 @@ cannot move the cursor, reorder what is read or forge a line.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..vocabulary import Category, Phase, TENSOR_CATEGORIES
 from ..record.trace import Breakdown, as_trace, parent_path
@@ -446,7 +446,7 @@ def estimate_text(est: "Estimate", formula: Breakdown, textbook: "Textbook") -> 
         lines.insert(1, f"  {rank_line(ranks)}")
     on_device = getattr(est, "device_memory", None)
     if on_device is not None:  # a CUDA target: the device-level peak and, given a GPU, the fit
-        lines.insert(1, f"  {on_device.verdict()}")
+        lines.insert(1, f"  {device_verdict(on_device)}")
     for cat in Category:
         f, s = formula[cat], estimated[cat]
         # A rank's collective buffers are shown also when the layout's are not estimated ("no estimate").
@@ -491,3 +491,39 @@ def merged_text(merged: "Merged") -> str:
     for note in merged.notes:
         lines.append(f"  - {note}")
     return _text(lines)
+
+
+def device_verdict(dm: Any) -> str:
+    """One line of a :class:`~memprof.simulate.device_memory.DeviceMemory`: the device-level peak, and against
+    the GPU's capacity whether it fits."""
+    head = (f"device peak {format_bytes(dm.device_peak)} = reserved {format_bytes(dm.peak_reserved)} "
+            f"+ outside torch {format_bytes(dm.outside_bytes)}")
+    if dm.capacity is None:
+        return head + " (no GPU given: no fit verdict; pass gpu=)"
+    name = dm.gpu.name if dm.gpu is not None else "the device"
+    if dm.fits:
+        return f"{head}: fits {name} ({format_bytes(dm.capacity)}), headroom {format_bytes(dm.headroom)}"
+    why = f"; {dm.oom}" if dm.oom else ""
+    short = format_bytes(-dm.headroom) if dm.headroom < 0 else "a block"  # fits in bytes, not in segments
+    return f"{head}: does NOT fit {name} ({format_bytes(dm.capacity)}), short by {short}{why}"
+
+
+def device_measured_lines(dm: Any) -> list[str]:
+    """A measured CUDA run's replay: the model's reserved bytes beside the allocator's measured ones, and the
+    split of NVML's outside-torch figure (nothing for a CPU run)."""
+    out = []
+    if dm.measured_reserved is not None:
+        gap = dm.measured_reserved - dm.peak_reserved
+        out.append(f"reserved: model {dm.peak_reserved} B (peak), measured {dm.measured_reserved} B (at the "
+                   f"end), measured - model {gap:+d} B")
+    split = dm.outside_split()
+    if split is not None:
+        out.append(f"outside torch measured {dm.measured_outside} B = "
+                   + " + ".join(f"{name} {n} B" for name, n in split))
+    return out
+
+
+def device_memory_text(dm: Any) -> str:
+    """What a :class:`~memprof.report.estimates.DeviceMemory` prints: the verdict, the measured comparison and
+    every term with its source."""
+    return "\n".join([device_verdict(dm)] + device_measured_lines(dm) + [f"  - {n}" for n in dm.notes()])

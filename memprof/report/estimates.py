@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..simulate import estimate as estimating
 from ..simulate import generation, planner
+from .device import on_device
 from .reports import Report
 from .wrap import promote, same_as
 
@@ -81,12 +82,14 @@ class BatchSizePlan(planner.BatchSizePlan):
 
 @same_as(estimating.estimate)
 def estimate(model: Any, optimizer: Any = None, **options: Any) -> Estimate:
-    return promote(Estimate, estimating.estimate(model, optimizer, **options))
+    data = estimating.estimate(model, optimizer, **options)
+    return promote(Estimate, data, device_memory=on_device(data.device_memory))
 
 
 @same_as(generation.estimate_generation)
 def estimate_generation(model: Any, **options: Any) -> Estimate:
-    return promote(Estimate, generation.estimate_generation(model, **options))
+    data = generation.estimate_generation(model, **options)
+    return promote(Estimate, data, device_memory=on_device(data.device_memory))
 
 
 @same_as(planner.max_batch_size)

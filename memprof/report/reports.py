@@ -175,12 +175,15 @@ class Report:
     def what_a_gpu_would_reserve(self, gpu: Any = None, *, alloc_conf: Any = None) -> Any:
         """What ``gpu`` (a name such as ``"a100-80gb"`` or a GpuSpec) would reserve for this run's allocation
         stream: the caching-allocator model's reserved bytes and the memory outside torch, the fit and the
-        headroom (a :class:`~memprof.simulate.device_memory.DeviceMemory`; ``print()`` it). On a CUDA run it
+        headroom (a :class:`~memprof.report.device.DeviceMemory`; ``print()`` it). On a CUDA run it
         also puts the model's reserved beside the measured one and splits NVML's outside-torch figure. Needs
         ``memprof.profile(..., record_allocations=True)``."""
         from ..simulate.device_memory import what_a_gpu_would_reserve
+        from .device import DeviceMemory
+        from .wrap import promote
 
-        return what_a_gpu_would_reserve(self.trace, self.allocations, gpu=gpu, alloc_conf=alloc_conf)
+        return promote(DeviceMemory, what_a_gpu_would_reserve(self.trace, self.allocations, gpu=gpu,
+                                                             alloc_conf=alloc_conf))
 
     def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: Any = "peak",
                   estimate: Any = None, transformer: Any = None) -> "Reconciliation":

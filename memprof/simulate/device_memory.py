@@ -26,7 +26,6 @@ from ..anatomy.outside import (OutsideTerm, cublas_workspace_bytes, cublas_works
                                 cuda_context, cudnn_workspace, nccl_communicator)
 from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
 from ..record.trace import Breakdown, DeviceInfo, Trace
-from ..units import format_bytes
 from ..vocabulary import TENSOR_CATEGORIES, Phase
 
 __all__ = ["DeviceMemory", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms", "replay_stream",
@@ -86,19 +85,6 @@ class DeviceMemory:
         """``capacity - device_peak`` (negative when it does not fit); None without a GPU."""
         return None if self.capacity is None else self.capacity - self.device_peak
 
-    def verdict(self) -> str:
-        """One line: the device-level peak, and against the GPU's capacity whether it fits."""
-        head = (f"device peak {format_bytes(self.device_peak)} = reserved {format_bytes(self.peak_reserved)} "
-                f"+ outside torch {format_bytes(self.outside_bytes)}")
-        if self.capacity is None:
-            return head + " (no GPU given: no fit verdict; pass gpu=)"
-        name = self.gpu.name if self.gpu is not None else "the device"
-        if self.fits:
-            return f"{head}: fits {name} ({format_bytes(self.capacity)}), headroom {format_bytes(self.headroom)}"
-        why = f"; {self.oom}" if self.oom else ""
-        return (f"{head}: does NOT fit {name} ({format_bytes(self.capacity)}), short by "
-                f"{format_bytes(-(self.headroom or 0)) if (self.headroom or 0) < 0 else 'a block'}{why}")
-
     def outside_split(self) -> "list[tuple[str, int]] | None":
         """A measured run's outside-torch bytes split into the terms known here: NCCL's buffers by their formula,
         the CUDA context up to its published ceiling, and what neither explains; None when not measured."""
@@ -114,25 +100,6 @@ class DeviceMemory:
                     left -= part
         rows.append(("unexplained", left))
         return rows
-
-    def measured_lines(self) -> list[str]:
-        """The model's reserved bytes beside the allocator's measured ones, and the split of NVML's figure."""
-        out = []
-        if self.measured_reserved is not None:
-            gap = self.measured_reserved - self.peak_reserved
-            out.append(f"reserved: model {self.peak_reserved} B (peak), measured {self.measured_reserved} B (at the "
-                       f"end), measured - model {gap:+d} B")
-        split = self.outside_split()
-        if split is not None:
-            out.append(f"outside torch measured {self.measured_outside} B = "
-                       + " + ".join(f"{name} {n} B" for name, n in split))
-        return out
-
-    def to_text(self) -> str:
-        return "\n".join([self.verdict()] + self.measured_lines() + [f"  - {n}" for n in self.notes()])
-
-    def __str__(self) -> str:
-        return self.to_text()
 
     def notes(self) -> list[str]:
         out = [f"device memory: the allocation stream replayed through a model of torch's CUDA caching allocator "

@@ -10,6 +10,7 @@ from memprof.anatomy.alloc_config import AllocatorConfig
 from memprof.anatomy.gpus import GpuSpec, known_gpus
 from memprof.cli import main
 from memprof.errors import AllocatorConfigError, InvalidArgumentError, UnknownNameError
+from memprof.render.text import device_measured_lines
 from memprof.simulate import device_memory as dm
 from memprof.vocabulary import TENSOR_CATEGORIES
 
@@ -204,7 +205,7 @@ def test_a_measured_cuda_run_is_split_where_the_terms_are_known():
                               capacity=1 << 30, measured_reserved=24 * MiB, measured_outside=nccl.bytes + 350 * MiB)
     # NCCL's formula first, then the context up to its figure (300 MiB); 50 MiB are left unexplained.
     assert summary.outside_split() == [("nccl", nccl.bytes), ("cuda_context", 300 * MiB), ("unexplained", 50 * MiB)]
-    lines = summary.measured_lines()
+    lines = device_measured_lines(summary)
     assert lines[0] == f"reserved: model {22 * MiB} B (peak), measured {24 * MiB} B (at the end), measured - model " \
                        f"+{2 * MiB} B"
     small = dataclasses_replace(summary, measured_outside=100 * MiB)
