@@ -46,6 +46,11 @@ over ``--rounds`` rounds (15) after one warm-up round of every variant; the
 paired ratio is the median over rounds of ``variant / bare`` within each
 round, and the best-rounds ratio ``min(variant) / min(bare)``.
 
+Python calls: for each workload on the CPU, the Python function calls per
+dispatched op that exact and light mode add to a steady step, and those of the
+do-nothing dispatch mode (``overhead_counts.py``; ``--no-counts`` skips them).
+Unlike the ratios, these do not move with the load on the machine.
+
 Memory of memprof itself: a 100-step exact-mode run of the MLP workload
 (shrunk under ``--quick``) with tracemalloc: Python heap retained by the
 profiler = snapshot after the report is built and the profiler object dropped
@@ -375,6 +380,37 @@ def markdown_session(s: dict[str, Any]) -> str:
             f"| {s['empty_block_ms']:.1f} ms | {s['bare_step_ms']:.1f} ms | {100 * s['ratio']:.1f} % |\n")
 
 
+# ---------------------------------------------------------------------------- Python calls per op
+
+
+def python_calls(workloads: list[str], quick: bool) -> dict[str, Any]:
+    """Each CPU workload's Python calls per dispatched op above a bare step (overhead_counts.py): the figure
+    beside the wall clock that load on the machine cannot move."""
+    import overhead_counts
+
+    out = {}
+    for name in workloads:
+        wl = build_workload(name, torch.device("cpu"), quick)
+        out[name] = overhead_counts.measure(wl.step, wl.model, wl.optimizer, ("exact", "light"), NullDispatchMode,
+                                            warmup=1 if quick else 2, times=1 if quick else 3)
+        del wl
+        gc.collect()
+    return out
+
+
+def markdown_counts(counts: dict[str, Any]) -> str:
+    lines = ["Python calls per dispatched op above a bare step (CPU; `sys.setprofile` call events, "
+             "benchmarks/overhead_counts.py):", "",
+             "| workload | ops/step | do-nothing dispatch mode | exact | light | exact per saved tensor | "
+             "exact per module call |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, c in counts.items():
+        m = c["modes"]
+        lines.append(f"| {name} | {c['ops_per_step']} | {m['null_dispatch']['calls_per_op']:.2f} | "
+                     f"{m['exact']['calls_per_op']:.2f} | {m['light']['calls_per_op']:.2f} | "
+                     f"{m['exact']['calls_per_saved_tensor']:.2f} | {m['exact']['calls_per_module_call']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------- memory of memprof
 
 
@@ -548,6 +584,7 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--memory-steps", type=int, default=None, help="steps of the memory run (default 100; quick 20)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory-of-memprof measurement")
+    ap.add_argument("--no-counts", action="store_true", help="skip the Python calls per op (overhead_counts.py)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test in a few seconds")
     ap.add_argument("--json", metavar="PATH", help="write results as JSON")
     ap.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
@@ -601,6 +638,10 @@ def main(argv: "list[str] | None" = None) -> int:
         info["other_processes_cpu_cores_during_timing"] = round(others, 2)
         print(f"# other processes used on average {others:.2f} CPU cores during the timed part", flush=True)
 
+    counts = None if args.no_counts else python_calls(workloads, args.quick)
+    if counts is not None:
+        print(markdown_counts(counts))
+
     session = session_cost(3 if args.quick else 9, args.quick)
     print(markdown_session(session))
 
@@ -610,11 +651,14 @@ def main(argv: "list[str] | None" = None) -> int:
         print(markdown_memory(mem))
 
     md = markdown_table(results, variants) + "\n" + markdown_session(session)
+    if counts is not None:
+        md += "\n" + markdown_counts(counts)
     print()
     print(md)
     if mem is not None:
         md += "\n" + markdown_memory(mem)
-    write_results(args.json, {"machine": info, "results": results, "session": session, "memprof_memory": mem},
+    write_results(args.json, {"machine": info, "results": results, "session": session, "memprof_memory": mem,
+                              "python_calls": counts},
                   args.markdown, md)
     return 0
 

@@ -1,7 +1,7 @@
 """Storages: every op output, seen through a thin dispatch mode, and the tensors handed in.
 
-Exact mode installs :class:`DispatchMode`, whose ``__torch_dispatch__`` only
-calls :meth:`StorageTracker.on_op` (the shape of ``torch/utils/flop_counter.py``).
+Exact mode installs :class:`DispatchMode`, whose ``__torch_dispatch__`` is the one
+frame it adds per op; :class:`StorageTracker` holds what it reads and does the rarer work.
 Each op is classified once from its schema: ops that return new storages
 register them as temporaries; views and in-place ops are skipped (they return
 storages they were given), ``out=`` ops register a buffer memprof never saw
@@ -25,10 +25,12 @@ from .autocast_state import emulated_autocast_dtype
 from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, inner_tensors, is_wrapper, storage_of
 from .mode_stack import pop_from_beneath, push_beneath
 from .torch_compat import FakeTensor as _FakeTensor
-from .torch_compat import KEEPS_COMPILE, dispatch_mode_at, dispatch_stack_len as _dispatch_stack_len
-from .torch_compat import graph_task_id as _graph_task_id
+from .torch_compat import KEEPS_COMPILE, SKIPS_DYNAMO, dispatch_mode_at, dispatch_stack_len as _dispatch_stack_len
+from .torch_compat import skip_dynamo
+from .torch_compat import graph_task_id as _graph_task_id, top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
+    from .graph_saves import GraphSaves
     from .ledger import Entry, Ledger
     from .state import Run
 
@@ -47,7 +49,13 @@ def _nothing() -> None:
 
 
 class DispatchMode(TorchDispatchMode):
-    """Hands every op to its tracker; passes ops through once the profile has ended."""
+    """Registers what every op makes; passes ops through once the profile has ended.
+
+    Its handler is the one Python frame exact mode adds per op in the common case (a plain tensor made by an
+    op: its storage registered as a temporary, through :meth:`Ledger.add` when new): what
+    :class:`StorageTracker` used to do per op is inlined here, and the run state is read from plain
+    attributes that the trackers changing it push.
+    """
 
     def __init__(self, tracker: "StorageTracker") -> None:
         super().__init__()
@@ -63,20 +71,88 @@ class DispatchMode(TorchDispatchMode):
         # compiled and this mode sees the ops the compiled artifact dispatches at run time.
         return True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's handler in torch._disable_dynamo (TorchDispatchMode.__init_subclass__,
+        # torch/utils/_python_dispatch.py) so that dynamo never traces into it: four Python frames per op,
+        # as many as the rest of this handler. The handler's code object is marked skipped for dynamo
+        # instead (torch_compat.skip_dynamo: a flag the C frame evaluator reads, no call), where torch offers it.
+        return not SKIPS_DYNAMO
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         tracker = self.tracker
         if tracker is None:
             # The profile ended (in another thread, or beneath a mode that could not be moved).
             return self.inert(func, args, kwargs or {})
+        if kwargs is None:
+            kwargs = {}
         if func is _DETACH:
             # A detach only aliases (the engine and saved-tensor packing issue many): nothing to count.
-            return func(*args, **(kwargs or {}))
+            return func._op(*args, **kwargs)
         for t in types:
             if t is not _PLAIN and is_wrapper(t):
                 # A wrapper subclass (DTensor ...): let it run first. It desugars into ops on the tensors
                 # it wraps, which come back through this mode with real storages and local sizes.
                 return NotImplemented
-        return tracker.on_op(func, args, kwargs or {})
+        run = tracker.run
+        phase = run.phase
+        if phase is _BACKWARD:
+            graph = tracker.graph
+            # Checkpoint's recomputation and nested backward passes need the graph's watch; a plain backward
+            # (no saved-tensor pair on the stack, a graph task already searched) does not.
+            if graph is not None and (graph.recomputing or _top_saved_hooks(False) is not None
+                                      or _graph_task_id() not in graph.walked_tasks):
+                graph.watch_recompute()
+        elif run.scan_args and not run.calls:
+            # Only outside the model's modules (the loss, data movement): inside them every tensor
+            # was either handed to the model (marked by the root hook) or made by an op already.
+            tracker.scan_inputs(args)
+        # OpOverload.__call__ is itself a Python frame that only calls _op.
+        out = func._op(*args, **kwargs)
+        # Keyed by id(): OpOverload.__hash__ is a Python method, a second call per op.
+        info = _OP_INFO.get(id(func))
+        if info is None:
+            info = _op_info(func)
+        kind = info[0]
+        if kind >= _NOT_WORK:  # views and profiler markers
+            return out
+        if kind == _WRITES_OUT:
+            # An out= op writes into a buffer it was handed (and may grow it). A buffer memprof never
+            # saw was allocated where no op reaches dispatch: inside compiled code (torch.compile's
+            # generated kernels allocate directly) or by the caller before the profile.
+            tracker.register_unseen(kwargs)
+        elif kind == _RESIZES and args and isinstance(args[0], torch.Tensor):
+            tracker.register_unseen({"self": args[0]})
+        run.ops += 1
+        if tracker.operations is not None:
+            tracker.operations.record(phase.value, func, args, kwargs, out)
+        if phase is not _BACKWARD and _graph_task_id() != -1:
+            tracker.backward_started()
+        if kind == _NEW_OUTPUTS:
+            led = tracker.ledger
+            entries = led.entries
+            on_cpu = tracker.on_cpu
+            for o in (out,) if type(out) is _PLAIN else out if isinstance(out, (tuple, list)) else ():
+                if type(o) is not _PLAIN:
+                    if not isinstance(o, torch.Tensor) or tracker.foreign_fake(o):
+                        continue
+                if on_cpu:
+                    if not o.is_cpu:
+                        continue
+                elif o.device != tracker.device:
+                    continue
+                try:  # storage_of() inlined: this runs for every op output
+                    st = o.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if st._cdata not in entries:
+                    led.add(st, TEMPORARIES)
+            if type(out) is not _PLAIN and isinstance(out, torch.Tensor):
+                tracker.register_output(out)  # a tensor subclass result (e.g. a Parameter)
+        rule = info[1]
+        if rule is not None:
+            rule(tracker, func, args, out)
+        return out
 
     def inert(self, func: Any, args: Any, kwargs: Any) -> Any:
         """Pass an op through, and arrange for this mode to leave its thread's stack.
@@ -135,9 +211,9 @@ class StorageTracker:
     """Registers what ops make and what the model is handed; tags what some ops make.
 
     It calls up through three slots the profiler wires: :attr:`backward_started` (an op of the engine's
-    before any hook said backward began), :attr:`watch_backward` (every op in backward: checkpoint
-    recomputation, nested backward passes) and :attr:`after_collective` (a collective ran: FSDP2 may have
-    stored gradients).
+    before any hook said backward began), :attr:`graph` (whose ``watch_recompute`` an op in backward calls
+    while a saved-tensor pair is on the stack, a checkpointed region is recomputed or a graph task is new:
+    nested backward passes) and :attr:`after_collective` (a collective ran: FSDP2 may have stored gradients).
     """
 
     def __init__(self, ledger: "Ledger", run: "Run") -> None:
@@ -146,7 +222,7 @@ class StorageTracker:
         self.device = run.device
         self.on_cpu = run.on_cpu
         self.backward_started: Callable[[], None] = _nothing
-        self.watch_backward: Callable[[], None] = _nothing
+        self.graph: "GraphSaves | None" = None
         self.after_collective: "Callable[[], None] | None" = None
         self.operations: Any = None  # an OperationLog with operations=True
         self.autocast_dtype: "str | None" = None
@@ -157,6 +233,11 @@ class StorageTracker:
     # -- the dispatch mode -----------------------------------------------------
 
     def install(self) -> None:
+        # Again at every install: a flag on the code objects, which nothing else should clear. The handler and
+        # the ledger's weak-reference callback both run wherever an op runs or a storage dies, also inside a
+        # compiled frame whose graph broke at an op, where dynamo looks at every new Python frame.
+        skip_dynamo(DispatchMode.__torch_dispatch__.__code__)
+        skip_dynamo(type(self.ledger)._freed.__code__)
         mode = _reusable_orphan()
         if mode is not None:
             # A mode of ours left beneath one that could not be moved (a fake or proxy mode): it is
@@ -186,64 +267,6 @@ class StorageTracker:
             if (thread, mode) not in _ORPHAN_MODES:
                 _ORPHAN_MODES.append((thread, mode))
         self.mode = None
-
-    def on_op(self, func: Any, args: Any, kwargs: Any) -> Any:
-        # The hot path of exact mode: runs for every op, so it avoids calls and lookups it can, and reads
-        # the run state's plain attributes rather than asking the trackers that push them.
-        run = self.run
-        phase = run.phase
-        if phase is _BACKWARD:
-            self.watch_backward()
-        elif run.scan_args and not run.calls:
-            # Only outside the model's modules (the loss, data movement): inside them every tensor
-            # was either handed to the model (marked by the root hook) or made by an op already.
-            self.scan_inputs(args)
-        out = func(*args, **kwargs)
-        # Keyed by id(): OpOverload.__hash__ is a Python method, a second call per op.
-        info = _OP_INFO.get(id(func))
-        if info is None:
-            info = _op_info(func)
-        kind = info[0]
-        if kind >= _NOT_WORK:  # views and profiler markers
-            return out
-        if kind == _WRITES_OUT:
-            # An out= op writes into a buffer it was handed (and may grow it). A buffer memprof never
-            # saw was allocated where no op reaches dispatch: inside compiled code (torch.compile's
-            # generated kernels allocate directly) or by the caller before the profile.
-            self.register_unseen(kwargs)
-        elif kind == _RESIZES and args and isinstance(args[0], torch.Tensor):
-            self.register_unseen({"self": args[0]})
-        run.ops += 1
-        if self.operations is not None:
-            self.operations.record(phase.value, func, args, kwargs, out)
-        if phase is not _BACKWARD and _graph_task_id() != -1:
-            self.backward_started()
-        if kind == _NEW_OUTPUTS:
-            led = self.ledger
-            entries = led.entries
-            on_cpu = self.on_cpu
-            for o in (out,) if type(out) is torch.Tensor else out if isinstance(out, (tuple, list)) else ():
-                if not isinstance(o, torch.Tensor):
-                    continue
-                if type(o) is not _PLAIN and self.foreign_fake(o):
-                    continue
-                if on_cpu:
-                    if not o.is_cpu:
-                        continue
-                elif o.device != self.device:
-                    continue
-                try:  # storage_of() inlined: this runs for every op output
-                    st = o.untyped_storage()
-                except (RuntimeError, NotImplementedError):
-                    continue
-                if st._cdata not in entries:
-                    led.add(st, TEMPORARIES)
-            if type(out) is not torch.Tensor and isinstance(out, torch.Tensor):
-                self.register_output(out)  # a tensor subclass result (e.g. a Parameter)
-        rule = info[1]
-        if rule is not None:
-            rule(self, func, args, out)
-        return out
 
     # -- registration ------------------------------------------------------------
 

@@ -86,7 +86,7 @@ def live_storages(c: "Collectors") -> tuple[tuple[int, int, str, str], ...]:
     info = c.table.info
     out = []
     for entry in c.ledger.entries.values():
-        storage = entry.ref() if entry.ref is not None else None
+        storage = entry()  # the entry is a weak reference to its storage
         if storage is None:
             continue
         try:

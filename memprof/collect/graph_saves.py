@@ -111,20 +111,33 @@ class GraphSaves:
         found: list[int] = []
         seen: set[int] = set()
         todo = [node]
+        saved = self.saved
+        names_of = _SAVED_NAMES
+        # Once per backward, over every node of the graph: the per-node work is inlined and the next nodes
+        # pushed by a loop, not a generator (each would be a Python frame per node).
         while todo and len(seen) < _MAX_NODES:
             n = todo.pop()
             if n is None or id(n) in seen:
                 continue
             seen.add(id(n))
             keys = []
-            for name in _saved_names(type(n)):
+            names = names_of.get(type(n))
+            if names is None:
+                names = _saved_names(type(n))
+            for name in names:
                 try:
                     value = getattr(n, name)
                 except RuntimeError:  # released already
                     continue
                 for raw in value if isinstance(value, (list, tuple)) else (value,):
-                    if raw is None or self._packed_by_us(raw):
+                    if raw is None:
                         continue
+                    # Went through one of memprof's pairs (counted when it was packed)?
+                    hook = getattr(raw, "unpack_hook", None)
+                    if hook is not None:
+                        owner = getattr(hook, "__self__", None)
+                        if owner is saved or (type(owner) is _Chain and owner.owner is saved):
+                            continue
                     try:
                         # With no pair, the tensor itself; under a pair of the user's, what its pack
                         # returned, which the graph keeps (memprof counts the tensors in it).
@@ -148,16 +161,8 @@ class GraphSaves:
                 found.extend(keys)
                 # When the node has run, the engine releases what it saved (unless retain_graph).
                 self.node_hooks.append(n.register_hook(_released(self, tuple(keys))))
-            todo.extend(nxt for nxt, _i in n.next_functions)
-
-    def _packed_by_us(self, raw: Any) -> bool:
-        """Whether a saved tensor went through one of memprof's pairs (counted when it was packed)."""
-        hook = getattr(raw, "unpack_hook", None)
-        if hook is None:
-            return False
-        owner = getattr(hook, "__self__", None)
-        saved = self.saved
-        return owner is saved or (type(owner) is _Chain and owner.owner is saved)
+            for nxt, _i in n.next_functions:
+                todo.append(nxt)
 
     def graph_released(self, keys: tuple[int, ...]) -> None:
         if not self.run.active:

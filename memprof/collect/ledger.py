@@ -2,7 +2,7 @@
 
 Every storage memprof knows about has one entry here, keyed by the address of
 its C++ ``StorageImpl`` (``untyped_storage()._cdata``), which is unique while
-the storage lives. The entry holds a weak reference to the storage whose
+the storage lives. The entry is a weak reference to the storage whose
 callback subtracts its bytes when torch frees it; the ledger never holds a
 strong reference to anything the user owns.
 
@@ -99,41 +99,41 @@ def inner_tensors(t: Any) -> list[Any]:
     return out
 
 
-class _Ref(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a storage that remembers the storage's ledger key."""
+class Entry(weakref.ref):  # type: ignore[type-arg]
+    """One live storage: its size, category, and where it came from; also the weak reference to the storage
+    whose callback (:meth:`Ledger._freed`) subtracts its bytes when torch frees it.
 
-    __slots__ = ("key",)
+    A weak reference subclass without ``__init__``: making one runs no Python frame, which matters on the
+    dispatch mode's path (one per new storage). :meth:`Ledger.add` fills its fields.
+    """
 
+    __slots__ = ("key", "nbytes", "cat", "created", "saved", "module", "phase_serial", "tag", "tag_bytes",
+                 "moved", "before", "where", "where_bytes", "savers")
+    # Compared and hashed as itself, not as the storage it refers to (weakref.ref's own equality).
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
 
-class Entry:
-    """One live storage: its size, category, and where it came from."""
-
-    __slots__ = ("key", "nbytes", "cat", "created", "ref", "saved", "module", "phase_serial", "tag", "tag_bytes",
-                 "moved", "before",
-                 "where", "where_bytes", "savers")
-
-    def __init__(self, key: int, nbytes: int, cat: int, created: int, module: int, phase_serial: int) -> None:
-        self.key = key
-        self.nbytes = nbytes
-        self.cat = cat
-        self.created = created
-        self.ref: "_Ref | None" = None
-        # How many autograd saved-tensor slots hold this storage right now.
-        self.saved = 0
-        self.module = module
-        self.phase_serial = phase_serial
-        # What it is (a tag index below FIRST_WHERE_TAG, or -1) and the bytes that tag counts.
-        self.tag = -1
-        self.tag_bytes = 0
-        # Where it was saved from (a tag index from FIRST_WHERE_TAG, or -1) and the bytes that counts:
-        # the storage's, or for "saved_by_two_modules" what the per-module formula counts beyond them.
-        self.where = -1
-        self.where_bytes = 0
-        # Leaf modules with a saved-bytes rule that saved a view of it in a forward: index -> view bytes.
-        self.savers: "dict[int, int] | None" = None
-        # The event count of its last change of category (0: none yet), and its category before that change.
-        self.moved = 0
-        self.before = cat
+    key: int
+    nbytes: int
+    cat: int
+    created: int
+    #: How many autograd saved-tensor slots hold this storage right now.
+    saved: int
+    module: int
+    phase_serial: int
+    #: What it is (a tag index below FIRST_WHERE_TAG, or -1) and the bytes that tag counts.
+    tag: int
+    tag_bytes: int
+    #: The event count of its last change of category (0: none yet), and its category before that change.
+    moved: int
+    before: int
+    #: Where it was saved from (a tag index from FIRST_WHERE_TAG, or -1) and the bytes that counts: the
+    #: storage's, or for "saved_by_two_modules" what the per-module formula counts beyond them.
+    where: int
+    where_bytes: int
+    #: Leaf modules with a saved-bytes rule that saved a view of it in a forward: index -> view bytes.
+    savers: "dict[int, int] | None"
 
 
 class Frame:
@@ -224,22 +224,33 @@ class Ledger:
         entry = self.entries.get(key)
         if entry is not None:
             return entry
-        raw = storage.nbytes()
-        nbytes = self.size_of(raw)
+        # One frame per new storage (the dispatch handler's path): size_of(), new_entry() and check_peak()
+        # are inlined.
+        raw = nbytes = storage.nbytes()
+        r = self.rounding
+        if r > 1 and nbytes:
+            nbytes = -(-nbytes // r) * r
         self.seq += 1
-        if self.stream is not None:
+        if self.stream is not None:  # kept only when asked (an allocator replay): one attribute read otherwise
             self.stream.append((self.seq, key, raw))
-        entry = Entry(key, nbytes, cat, self.seq, self.module_of_new, self.phase_serial)
-        ref = _Ref(storage, self._freed)
-        ref.key = key
-        entry.ref = ref
+        entry = Entry(storage, self._freed)
+        entry.key, entry.nbytes, entry.cat, entry.created = key, nbytes, cat, self.seq
+        entry.module, entry.phase_serial = self.module_of_new, self.phase_serial
+        entry.saved = entry.tag_bytes = entry.where_bytes = entry.moved = 0
+        entry.tag = entry.where = -1
+        entry.before = cat
+        entry.savers = None
         self.entries[key] = entry
         self.totals[cat] += nbytes
-        self.total += nbytes
-        self.check_peak()
+        total = self.total = self.total + nbytes
+        top = self.top
+        if top is not None and total > top.max:
+            top.max = total
+        if total > self.phase_peak_total:
+            self.check_peak()
         return entry
 
-    def _freed(self, ref: _Ref) -> None:
+    def _freed(self, ref: Entry) -> None:
         # Runs from torch's deallocation path; must never raise.
         if self.closed:
             return

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = ["OptimizerTracker", "as_optimizers"]
 
+_PLAIN = torch.Tensor
+_STRIDED = torch.strided
+
 
 def _nothing() -> None:
     pass
@@ -180,15 +183,27 @@ class OptimizerTracker:
 
     def collect_state(self, opt: torch.optim.Optimizer, *, retro: bool) -> None:
         led = self.ledger
+        entries = led.entries
         storages = self.storages
         for state in opt.state.values():
             if not isinstance(state, dict):
                 continue
             for value in state.values():
-                if isinstance(value, torch.Tensor):
+                # After every step, for every state tensor: a plain tensor already known is found with no
+                # Python call (add_tensor's checks are for what is new, or not a plain strided tensor).
+                if type(value) is _PLAIN and value.layout is _STRIDED:
+                    try:
+                        entry = entries.get(value.untyped_storage()._cdata)
+                    except (RuntimeError, NotImplementedError):
+                        entry = None
+                    if entry is None:
+                        entry = storages.add_tensor(value, OPTIMIZER_STATES)
+                elif isinstance(value, torch.Tensor):
                     entry = storages.add_tensor(value, OPTIMIZER_STATES)
-                    if entry is not None and entry.cat in (TEMPORARIES, INPUTS, ACTIVATIONS):
-                        led.move(entry, OPTIMIZER_STATES, retro=retro)
+                else:
+                    continue
+                if entry is not None and entry.cat in (TEMPORARIES, INPUTS, ACTIVATIONS):
+                    led.move(entry, OPTIMIZER_STATES, retro=retro)
 
     def note(self, opt: torch.optim.Optimizer) -> None:
         """The first optimizer's class and implementation, for the report."""

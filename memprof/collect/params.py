@@ -32,6 +32,8 @@ __all__ = ["ParamTracker", "is_lazy"]
 
 _BACKWARD = Phase.BACKWARD
 _PARAMETER = nn.Parameter
+_PLAIN = torch.Tensor
+_STRIDED = torch.strided
 
 
 class ParamTracker:
@@ -148,7 +150,17 @@ class ParamTracker:
     def add_grad(self, g: torch.Tensor, *, retro: bool, follow: bool = True) -> None:
         """``g`` is a gradient now. ``follow``: it is a followed parameter's ``.grad``, an ordinary
         tensor again once it stops being one (release_stale_grads); FSDP's unsharded gradients are not."""
-        entry = self.storages.add_tensor(g, GRADIENTS)
+        if type(g) is _PLAIN and g.layout is _STRIDED:
+            # Once per parameter in every backward and at every step: a plain gradient already known is found
+            # with no call into add_tensor.
+            try:
+                entry = self.ledger.entries.get(g.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                entry = None
+            if entry is None:
+                entry = self.storages.add_tensor(g, GRADIENTS)
+        else:
+            entry = self.storages.add_tensor(g, GRADIENTS)
         # A gradient that lives in a collective's buffer (DDP's gradient_as_bucket_view, FSDP's
         # reduce-scatter output) is a gradient.
         if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS, INPUTS, COMMUNICATION):
@@ -157,10 +169,25 @@ class ParamTracker:
             self.grad_keys.add(entry.key)
 
     def walk_grads(self) -> None:
+        """Every parameter's ``.grad`` is a gradient (at backward's end and before a step)."""
+        entries = self.ledger.entries
+        grad_keys = self.grad_keys
         for ref in self.refs:
             p = ref()
-            if p is not None and p.grad is not None:
-                self.add_grad(p.grad, retro=False)
+            g = p.grad if p is not None else None
+            if g is None:
+                continue
+            if type(g) is _PLAIN and g.layout is _STRIDED:
+                # The common case, a gradient followed already: nothing to do, and no call to find that out.
+                try:
+                    key = g.untyped_storage()._cdata
+                except (RuntimeError, NotImplementedError):
+                    key = None
+                if key in grad_keys:
+                    entry = entries.get(key)
+                    if entry is not None and entry.cat == GRADIENTS:
+                        continue
+            self.add_grad(g, retro=False)
 
     def release_stale_grads(self) -> None:
         """A storage that is no parameter's .grad any more (zero_grad(set_to_none=True)
@@ -172,6 +199,12 @@ class ParamTracker:
             p = ref()
             g = p.grad if p is not None else None
             if g is None:
+                continue
+            if type(g) is _PLAIN and g.layout is _STRIDED:  # storage_of() inlined: every parameter, every step
+                try:
+                    current.add(g.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError):
+                    pass
                 continue
             parts = (g._values(), g._indices()) if g.is_sparse else (g,)
             for part in parts:

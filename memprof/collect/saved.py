@@ -23,12 +23,11 @@ import torch
 
 from ..vocabulary import Phase
 from .ledger import ACTIVATIONS, COMMUNICATION, INPUTS, TAGS, TEMPORARIES, Entry, storage_of
-from .saved_hooks import Saved, SavedHooks
-from .saved_hooks import unpack as unpack_saved
+from .saved_hooks import SavedHooks, modified_message
 from .state import EXACT
 from .torch_compat import NoPythonDispatch as _NoPythonDispatch
 from .torch_compat import dispatch_stack_len as _dispatch_stack_len, graph_task_id as _graph_task_id
-from .torch_compat import is_compiling as _is_compiling, top_saved_hooks as _top_saved_hooks
+from .torch_compat import COMPILER as _COMPILER, top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
     from .capture import Capture
@@ -49,6 +48,35 @@ _TAG_SAVED_AS_VIEW = _TAG["saved_as_view_of_larger"]
 _TAG_SAVED_EXPANDED = _TAG["saved_as_expanded_view"]
 # "Where" tags that describe what the rule modules saving a storage count (or no tag yet).
 _WHERE_BY_RULES = (-1, _TAG_SAVED_TWICE, _TAG_SAVED_AS_VIEW, _TAG_SAVED_EXPANDED)
+
+
+class Saved:
+    """What memprof's own pack hands autograd for an activation: a detached alias of it, its version at
+    the save, the saved tensor weakly (``origin``) when it had a ``grad_fn``, and the tracker whose ledger
+    counts it. Released by autograd, it gives the activation back to temporaries when it held the last
+    slot. Made without ``__init__`` (:meth:`SavedTracker.pack` sets its fields)."""
+
+    __slots__ = ("tensor", "owner", "key", "version", "origin")
+
+    tensor: torch.Tensor
+    owner: "SavedTracker"
+    key: int
+    version: int
+    origin: "weakref.ref | None"
+
+    def __del__(self) -> None:
+        # SavedTracker.unsaved() inlined: one frame per released activation rather than two.
+        owner = self.owner
+        if not owner.run.active:
+            return
+        led = owner.ledger
+        entry = led.entries.get(self.key)
+        if entry is None or entry.cat != ACTIVATIONS:
+            return
+        entry.saved -= 1
+        if entry.saved == 0:
+            # Autograd released its last reference; whoever still holds the storage holds an ordinary tensor.
+            led.move(entry, TEMPORARIES)
 
 
 class SavedTracker:
@@ -73,19 +101,64 @@ class SavedTracker:
     # -- memprof's own pair ---------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        # memprof's own pack (no user pair beneath): runs for every tensor autograd saves.
-        if _is_compiling():
-            return t  # dynamo tracing through autograd: its fake tensors are not memory
+        """memprof's own pack (no user pair beneath): runs for every tensor autograd saves, so its common
+        cases make no other Python frame than :meth:`account`.
+
+        An activation (a counted storage) is handed to autograd as a :class:`Saved`, which tells the ledger
+        when autograd lets it go; anything else as a tuple ``(tensor, version, origin)``, which needs no
+        wrapper object. ``tensor`` is a detached alias of an activation or of anything with a ``grad_fn``
+        (returning ``t`` itself would close the cycle output -> grad_fn -> saved output, keeping a dropped
+        graph alive), and ``t`` itself otherwise (weights, inputs: no cycle). ``origin`` is ``t`` weakly, when
+        it had a ``grad_fn``: torch refuses to use a saved tensor that was detached in place since, and so must memprof.
+        """
+        if _COMPILER._is_compiling_flag:
+            # dynamo compiling through autograd: its fake tensors are not memory. (The flag itself, read as
+            # is_compiling() reads it: autograd's C++ calls this hook, dynamo never inlines it.)
+            return t
         key = self.account(t)
         origin = weakref.ref(t) if t.grad_fn is not None else None
-        if key is not None:
-            return Saved(self.detached(t), self, key, t._version, origin)
-        # Weights, inputs, buffers: a tensor without grad_fn cannot close a reference cycle.
-        return Saved(t if origin is None else self.detached(t), None, 0, t._version, origin)
+        if key is None and origin is None:
+            return (t, t._version, None)
+        # In exact mode this detach would go through memprof's own dispatch mode, which does nothing with it
+        # but costs the Python dispatch round trip (a saved tensor or more per op). When that mode is the only
+        # one and ``t`` a plain tensor, no Python code wants to see it; a subclass or another mode still gets
+        # its detach.
+        if self.full and type(t) is torch.Tensor and _dispatch_stack_len() == 1:
+            with _NoPythonDispatch():
+                d = t.detach()
+        else:
+            d = t.detach()
+        if key is None:
+            return (d, t._version, origin)
+        saved = Saved.__new__(Saved)  # no __init__: one frame less per save
+        saved.tensor, saved.owner, saved.key, saved.version, saved.origin = d, self, key, t._version, origin
+        return saved
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        self.unpacking()
-        return unpack_saved(saved)
+        """memprof's own unpack, with torch's in-place modification check (torch skips its own for tensors
+        saved through hooks: torch/csrc/autograd/saved_variable.cpp)."""
+        run = self.run
+        # The first unpack of a backward pass can come before any gradient hook (the loss's own backward):
+        # it starts the backward phase in light mode. (unpacking() inlined: it runs for every unpack.)
+        if run.phase is not _BACKWARD and run.active and _graph_task_id() != -1:
+            self.backward_started()
+        kind = type(saved)
+        if kind is tuple:
+            t, version, origin = saved
+        elif kind is Saved:
+            t, version, origin = saved.tensor, saved.version, saved.origin
+        else:
+            return saved  # packed while compiling: the tensor itself
+        if origin is not None:
+            o = origin()
+            if o is not None and o.grad_fn is None:
+                # torch's wording (torch/csrc/autograd/saved_variable.cpp).
+                raise RuntimeError(
+                    "Trying to use a saved tensor that has been detached in-place, i.e. with .detach_().This is "
+                    "not supported, please use out-of-place `.detach()` instead")
+        if t._version != version:
+            raise RuntimeError(modified_message(t, version))
+        return t
 
     def unpacking(self) -> None:
         # The first unpack of a backward pass can come before any gradient hook
@@ -93,16 +166,6 @@ class SavedTracker:
         run = self.run
         if run.phase is not _BACKWARD and run.active and _graph_task_id() != -1:
             self.backward_started()
-
-    def detached(self, t: torch.Tensor) -> torch.Tensor:
-        # In exact mode this detach would go through memprof's own dispatch mode, which does
-        # nothing with it but costs the Python dispatch round trip (~5 us, a saved tensor or
-        # more per op). When that mode is the only one and ``t`` a plain tensor, no Python
-        # code wants to see it; a subclass or another mode still gets its detach.
-        if self.full and type(t) is torch.Tensor and _dispatch_stack_len() == 1:
-            with _NoPythonDispatch():
-                return t.detach()
-        return t.detach()
 
     # -- accounting -------------------------------------------------------------------
 
@@ -113,9 +176,15 @@ class SavedTracker:
         if not run.active or t.layout is not torch.strided or (
                 not t.is_cpu if self.on_cpu else t.device != self.device):
             return None
-        st = storage_of(t)
-        if st is None:
-            return None
+        if type(t) is torch.Tensor:  # storage_of() inlined for a plain tensor: this runs for every save
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return None
+        else:
+            st = storage_of(t)
+            if st is None:
+                return None
         led = self.ledger
         table = self.table
         entry = led.entries.get(st._cdata)

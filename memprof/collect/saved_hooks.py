@@ -25,15 +25,14 @@ the tensors it finds in that result as activations.
 
 torch skips its in-place modification check for tensors saved through hooks
 (``torch/csrc/autograd/saved_variable.cpp``); memprof's own unchained pair
-restores it, so "modified by an inplace operation" is raised as without
-memprof. Through a chained pair torch would not check either, and memprof
+(:meth:`memprof.collect.saved.SavedTracker.unpack`) restores it, so "modified
+by an inplace operation" is raised as without memprof. Through a chained pair torch would not check either, and memprof
 does not.
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, Protocol
 
 import torch
@@ -42,7 +41,8 @@ from .torch_compat import current_autograd_node, is_compiling as _is_compiling, 
 from .torch_compat import push_saved_hooks as _push, saved_hooks_disabled_message as _disabled_message
 from .torch_compat import top_saved_hooks as _top
 
-__all__ = ["Accountant", "Saved", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pair", "under_checkpoint"]
+__all__ = ["Accountant", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pair", "under_checkpoint",
+           "modified_message"]
 
 
 class Accountant(Protocol):
@@ -64,33 +64,6 @@ class Accountant(Protocol):
         """Backward unpacks a saved tensor (the first unpack may be what starts backward)."""
 
 
-class Saved:
-    """What memprof's own (unchained) pack hands autograd: a tensor and its version at the save.
-
-    ``tensor`` is a detached alias of an activation (returning the tensor itself would
-    close the cycle output -> grad_fn -> saved output, keeping a dropped graph alive) or
-    the saved tensor itself (weights, inputs: no ``grad_fn``, no cycle). ``owner`` is set
-    for activations only: ``__del__`` tells it that autograd released this slot.
-    """
-
-    __slots__ = ("tensor", "owner", "key", "version", "origin")
-
-    def __init__(self, tensor: torch.Tensor, owner: "Accountant | None", key: int, version: int,
-                 origin: "weakref.ref | None" = None) -> None:
-        self.tensor = tensor
-        self.owner = owner
-        self.key = key
-        self.version = version
-        # The saved tensor itself when it had a grad_fn (``tensor`` is a detached alias of it): torch
-        # refuses to use a saved tensor that was detached in place since, and so must memprof.
-        self.origin = origin
-
-    def __del__(self) -> None:
-        owner = self.owner
-        if owner is not None:
-            owner.unsaved(self.key)
-
-
 class Packed:
     """What a chained pack hands autograd: the outer pack's result and the activations found in it."""
 
@@ -108,25 +81,8 @@ class Packed:
                 owner.unsaved(key)
 
 
-def unpack(saved: Any) -> torch.Tensor:
-    """memprof's unchained unpack, with torch's in-place modification check."""
-    if type(saved) is not Saved:
-        return saved
-    t = saved.tensor
-    origin = saved.origin
-    if origin is not None:
-        o = origin()
-        if o is not None and o.grad_fn is None:
-            # torch's wording (torch/csrc/autograd/saved_variable.cpp).
-            raise RuntimeError(
-                "Trying to use a saved tensor that has been detached in-place, i.e. with .detach_().This is "
-                "not supported, please use out-of-place `.detach()` instead")
-    if t._version != saved.version:
-        raise RuntimeError(_modified_message(t, saved.version))
-    return t
-
-
-def _modified_message(t: torch.Tensor, expected: int) -> str:
+def modified_message(t: torch.Tensor, expected: int) -> str:
+    """torch's error for a saved tensor modified in place since it was saved (``expected`` its version then)."""
     # torch's own wording (torch/csrc/autograd/saved_variable.cpp), so that code and people
     # that recognise the error still do. The node is the one unpacking, i.e. the one that needs it.
     node = current_autograd_node()

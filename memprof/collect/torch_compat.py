@@ -21,7 +21,7 @@ __all__ = [
     "top_saved_hooks", "push_saved_hooks", "pop_saved_hooks", "saved_hooks_disabled_message",
     "current_autograd_node", "queue_backward_callback", "NoPythonDispatch", "is_compiling", "FakeTensor",
     "KEEPS_COMPILE", "python_dispatch", "MODE_FLAGS_SAVED", "MODE_FLAGS_CURRENT", "attach_cuda_oom_observer",
-    "cuda_memory_snapshot",
+    "cuda_memory_snapshot", "SKIPS_DYNAMO", "skip_dynamo", "COMPILER",
 ]
 
 # -- autograd's engine ------------------------------------------------------------------------------------
@@ -80,6 +80,52 @@ KEEPS_COMPILE = hasattr(TorchDispatchMode, "ignore_compile_internals")
 
 #: True while dynamo traces: memprof's hooks then do nothing, so that its code never enters a graph.
 is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+class _CallsIsCompiling:
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return is_compiling()
+
+
+#: What ``is_compiling()`` reads, as an attribute: ``COMPILER._is_compiling_flag`` (torch.compiler's flag,
+#: held True while dynamo compiles and while export traces). For hooks that autograd's C++ calls for every
+#: saved tensor (pack), where the call costs two Python frames (is_compiling and torch.jit.is_scripting).
+#: Code that dynamo may inline (module, gradient and optimizer hooks) must call ``is_compiling()``, which
+#: dynamo folds to True when it traces: a global read there would be guarded on. Where torch has no such
+#: flag, a property that calls ``is_compiling()``.
+COMPILER: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CallsIsCompiling()
+
+
+def _code_skipper() -> "Callable[[Any], None] | None":
+    try:
+        from torch._C._dynamo import eval_frame as _eval_frame
+
+        strategy = _eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP, _eval_frame._FrameAction.SKIP)
+        mark = _eval_frame.set_code_exec_strategy
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+    def skip(code: Any) -> None:
+        mark(code, strategy)
+
+    return skip
+
+
+_skip_code = _code_skipper()
+#: Whether :func:`skip_dynamo` can keep dynamo out of a function without wrapping it.
+SKIPS_DYNAMO = _skip_code is not None
+
+
+def skip_dynamo(code: Any) -> None:
+    """Keep dynamo out of a code object and of everything it calls, as ``torch._dynamo.disable(recursive=True)``
+    does, with no wrapper frame: a per-code execution strategy that the C frame evaluator reads
+    (``set_code_exec_strategy``, the mechanism of ``torch._dynamo.eval_frame.skip_code``; skipped for the
+    frame and recursively). It needs no import of ``torch._dynamo``. Nothing where torch lacks it."""
+    if _skip_code is not None:
+        _skip_code(code)
+
+
 # FakeTensor (torch._subclasses.fake_tensor) is re-exported above: a simulation's shape-only tensors are fake,
 # and fake tensors of another fake mode are metadata torch computes on the side, holding no memory.
 

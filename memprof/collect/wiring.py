@@ -172,7 +172,7 @@ def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "R
                             shards, stack)
 
     storages.backward_started = saved.backward_started = phases.backward_started
-    storages.watch_backward = graph.watch_recompute
+    storages.graph = graph
     opts.sync_model = modules.sync
     phases.on_begin.append(capture.phase_began)
     phases.release_grads.append(params.release_stale_grads)

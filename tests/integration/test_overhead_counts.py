@@ -1,0 +1,70 @@
+"""Exact and light mode's cost, held to a budget in Python calls: one frame added to a per-op, per-save or
+per-module-call path fails here, whatever the load on the machine.
+
+The counts come from ``benchmarks/overhead_counts.py`` (its docstring says how they are made) on the
+benchmark GPT at width 32, sequence 16, batch 2: the same 961 ops and hooks per step as the full-size model
+of ``benchmarks/overhead.py``, whose figures docs/benchmarks.md gives. A do-nothing dispatch mode costs 9.01
+calls per op on torch 2.13 (four of them torch's wrapper that keeps dynamo out of a mode's handler, three
+its per-op lookup of Python dispatch rules); exact mode must stay below it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# Budgets: each measured figure with less than one call of room (a frame added per op, per saved tensor or
+# per module call goes over). Lowered when the paths get cheaper, never raised to make room.
+BUDGET = {
+    "exact": {"calls_per_op": 8.5, "calls_per_saved_tensor": 6.0, "calls_per_module_call": 47.9},
+    "light": {"calls_per_op": 2.4, "calls_per_saved_tensor": 6.8, "calls_per_module_call": 19.1},
+}
+
+def _load_counts():
+    path = ROOT / "benchmarks" / "overhead_counts.py"
+    spec = importlib.util.spec_from_file_location("memprof_overhead_counts", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def counts():
+    if sys.getprofile() is not None:
+        pytest.skip("another profiler is installed (sys.setprofile): the counts would be its")
+    tool = _load_counts()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        wl = tool.small_gpt()
+        return tool.measure(wl.step, wl.model, wl.optimizer, ("exact", "light"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_workload_is_the_benchmarks(counts):
+    # The op count the budgets were set on: a torch that dispatches other ops changes every figure.
+    assert counts["ops_per_step"] == 961
+
+
+@pytest.mark.parametrize("mode", ["exact", "light"])
+@pytest.mark.parametrize("figure", ["calls_per_op", "calls_per_saved_tensor", "calls_per_module_call"])
+def test_calls_stay_within_budget(counts, mode, figure):
+    row = counts["modes"][mode]
+    assert row[figure] <= BUDGET[mode][figure], (
+        f"{mode} mode makes {row[figure]:.2f} Python calls {figure[6:].replace('_', ' ')} (budget "
+        f"{BUDGET[mode][figure]}); calls under each memprof entry point: {row['by_entry']}")
+
+
+def test_saves_and_module_calls_were_seen(counts):
+    # A budget per saved tensor or module call holds nothing if none were counted.
+    for mode in ("exact", "light"):
+        assert counts["modes"][mode]["saved_tensors"] > 50
+        assert counts["modes"][mode]["module_calls"] > 20
