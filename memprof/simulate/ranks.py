@@ -38,7 +38,7 @@ from ..vocabulary import Category, Phase
 from ..errors import InvalidArgumentError, UnknownNameError
 from ..record.parts import MAX_WORLD, Breakdown, RankInfo
 from ..anatomy.zero import STAGES
-from ..collect.ledger import COMMUNICATION
+from ..collect.ledger import COMMUNICATION, OPTIMIZER_STATES
 from ..collect.module_table import tensors_in_args
 from ..collect.torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
 from ..units import round_half_away
@@ -438,8 +438,20 @@ class RankLayout:
 
     def _stepped(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         # The state was made like the whole parameters: the rank keeps its shard of each (scalars stay whole).
+        # The state the first step made was a temporary at the step's peak at its whole size: it leaves the
+        # temporaries at that size before it shrinks (the profiler's own post-hook, which would move it later,
+        # runs after this one and would move only the shard, leaving whole - shard behind in the peak).
+        c = self.collectors
         state = optimizer.state
+        if c is not None:
+            for per_param in state.values():
+                for t in per_param.values():
+                    if isinstance(t, torch.Tensor):
+                        entry = c.storages.add_tensor(t, OPTIMIZER_STATES)
+                        if entry is not None and entry.cat != OPTIMIZER_STATES:
+                            c.ledger.move(entry, OPTIMIZER_STATES, retro=True)
         first: dict[Any, bool] = {}
+        sizes: list[tuple[torch.Tensor, int]] = []
         for info in self.by_id.values():
             for key, t in (state.get(info.ref) or {}).items():
                 if not isinstance(t, torch.Tensor) or key == "step" or t.shape != info.ref.shape:
@@ -451,7 +463,11 @@ class RankLayout:
                     group = (key, t.dtype)
                     rank = 0 if first.get(group) else -(-self._state_numel(state, key, t.dtype) // self.n) * t.element_size()
                     first[group] = True
-                self._resize(t, rank)
+                sizes.append((t, rank))
+        # Shrinks before growths (ZeRO's first tensor of a flat group carries the group's share, more than its own
+        # size): growing first would make a moment the rank never has, above the step's real peak.
+        for t, rank in sorted(sizes, key=lambda tr: tr[1] - tr[0].numel() * tr[0].element_size()):
+            self._resize(t, rank)
 
     def _state_numel(self, state: Any, key: str, dtype: torch.dtype) -> int:
         return sum(t.numel() for info in self.by_id.values() for k, t in (state.get(info.ref) or {}).items()
