@@ -310,6 +310,8 @@ class StorageTracker:
         entries = self.ledger.entries
         for a in args:
             if isinstance(a, torch.Tensor):
+                if type(a) is not _PLAIN and self.foreign_fake(a):
+                    continue  # DTensor's global-shape metadata (the loss under loss_parallel): not the batch
                 try:  # storage_of() inlined: this runs for every op argument
                     st = a.untyped_storage()
                 except (RuntimeError, NotImplementedError):

@@ -75,6 +75,10 @@ def estimate(
     attention: str = "auto",
     world_size: int = 1,
     parallel: "str | None" = None,
+    parallelize: "Callable[..., Any] | None" = None,
+    rank: int = 0,
+    mesh: Any = None,
+    _run: Any = None,
 ) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
 
@@ -99,12 +103,23 @@ def estimate(
     ``world_size`` and ``parallel`` (``"ddp"``, ``"fsdp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``) make
     the figures one rank's of a data-parallel job, in this one process: ``inputs`` is that rank's batch,
     and the model states and collective buffers are sharded as the layout does (:mod:`memprof.simulate.ranks`).
+    ``parallelize=fn`` runs your own ``fn(model, mesh) -> model`` instead (``fully_shard``,
+    ``parallelize_module``, with their arguments) on a device mesh of ``world_size`` ranks (``mesh``: a tuple of
+    sizes or ``{name: size}``; one dimension by default) on torch's fake process group, and gives rank ``rank``'s
+    figures (:mod:`memprof.simulate.parallel`).
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
-    world_size, parallel = check_parallel(world_size, parallel)
+    world_size, parallel = check_parallel(world_size, parallel, parallelize is not None)
+    if parallelize is not None and _run is None:
+        from .parallel import ParallelRun
+
+        with ParallelRun(parallelize, world_size, rank, mesh) as run:
+            return estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, precision=precision,
+                            device=device, steps=steps, attention=attention, world_size=world_size,
+                            parallelize=parallelize, rank=rank, mesh=mesh, _run=run)
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
                                    f"{type(loss_fn).__name__}")
@@ -114,7 +129,7 @@ def estimate(
         raise InvalidArgumentError(
             f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
             f"arguments), got {type(inputs).__name__} without a tensor")
-    setup = _Target(model, precision, device, attention)
+    setup = _Target(model, precision, device, attention, _run)
     target, notes, meta_model, mapping = setup.target, setup.notes, setup.model, setup.mapping
     fake_mode, autocast, emulated = setup.fake_mode, setup.autocast, setup.emulated
     shadow, cast = setup.shadow, setup.cast
@@ -149,6 +164,8 @@ def estimate(
         if fake_mode is not None:
             stack.enter_context(fake_mode)
         stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
+        if _run is not None:
+            stack.enter_context(_run.rules())
         stack.enter_context(prof)
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
             layout.attach(prof.collectors)
@@ -164,6 +181,8 @@ def estimate(
             except (RuntimeError, NotImplementedError) as exc:  # torch's errors; the model's own pass as they are
                 raise _simulation_error(exc, i) from exc
     notes.extend(setup.rule_notes())
+    if _run is not None:
+        notes.extend(_run.notes())
     if scaler is not None:
         notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
                      "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
@@ -304,7 +323,8 @@ class _Target:
     :mod:`memprof.simulate.kernels` / :mod:`memprof.simulate.autocast`. Shared by :func:`estimate` and
     :func:`memprof.estimate_generation`."""
 
-    def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str) -> None:
+    def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str,
+                 run: Any = None) -> None:
         if precision is not None and precision not in _PRECISION_DTYPES and precision not in _MIXED:
             raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
                                    "(amp is mixed)")
@@ -334,7 +354,7 @@ class _Target:
         notes: list[str] = []
 
         fake_mode: Any = None
-        if target.type == "cpu":
+        if target.type == "cpu" or run is not None:
             # Fake CPU tensors: shapes only, like meta, but kernels are chosen as on the CPU
             # (fused attention, dropout), so the simulation matches a real CPU run op for op.
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -345,7 +365,11 @@ class _Target:
         # buffers. (Casting the twins afterwards fails for fake CPU tensors: nn.Module._apply swaps tensor
         # subclasses, which FakeTensors refuse outside their mode.)
         cast = _PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
-        meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
+        if run is not None:  # the user's parallelize function on a meta twin, then fake CPU tensors
+            meta = _meta_maker if cast is None else _casting(_meta_maker, cast)
+            meta_model, mapping = run.parallelize(model, lambda m: _shadow_copy(m, meta), fake_mode)
+        else:
+            meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
         autocast: Any = None
         emulated: "CudaAutocast | None" = None
         low = _MIXED.get(precision or "")

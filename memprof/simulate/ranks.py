@@ -54,18 +54,24 @@ PARALLEL = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 O, T = Category.OPTIMIZER_STATES, Category.TEMPORARIES
 
 
-def check_parallel(world_size: Any, parallel: Any) -> "tuple[int, str | None]":
+def check_parallel(world_size: Any, parallel: Any, parallelize: bool = False) -> "tuple[int, str | None]":
     """The world size and layout of an estimate, checked: a positive int, and one of :data:`PARALLEL`
-    (needed as soon as there is more than one rank)."""
+    (needed as soon as there is more than one rank, unless the user's own ``parallelize`` function says how the
+    ranks share the model, which excludes a layout)."""
     if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or not 1 <= world_size <= MAX_WORLD:
         raise InvalidArgumentError(f"world_size must be a positive int (the number of ranks, at most {MAX_WORLD:,}), "
                                    f"got {world_size!r}")
     world_size = int(world_size)
+    if parallelize:
+        if parallel is not None:
+            raise InvalidArgumentError(f"parallel={parallel!r} and parallelize= both say how the ranks share the "
+                                       "model: give one (parallelize runs your own function)")
+        return world_size, None
     if parallel is None:
         if world_size > 1:
             raise InvalidArgumentError(
                 f"world_size={world_size} needs parallel=: how the ranks share the model, one of "
-                + ", ".join(PARALLEL))
+                + ", ".join(PARALLEL) + " (or parallelize=fn, your own function of the model and a device mesh)")
         return world_size, None
     name = parallel.strip().lower() if isinstance(parallel, str) else parallel
     if name not in PARALLEL:

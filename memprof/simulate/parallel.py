@@ -1,0 +1,221 @@
+"""One rank of the user's own parallelize function, simulated: ``estimate(..., world_size=N, parallelize=fn)``.
+
+The user's function is ``fn(model, mesh) -> model`` (or ``None`` when it parallelised ``model`` in place, as
+``fully_shard`` does). It is the function their training script calls: it applies ``fully_shard`` (with its
+``MixedPrecisionPolicy``, ``OffloadPolicy``, ``reshard_after_forward``, prefetching, a 2-D mesh for HSDP),
+``parallelize_module`` (colwise, rowwise, ``SequenceParallel``, ...) with their own arguments. memprof hands
+it a ``DeviceMesh`` of the shape the estimate is asked for, on torch's fake process group
+(``torch/testing/_internal/distributed/fake_pg.py``: collectives return at once and move nothing), as rank
+``rank`` of ``world_size``. torchtitan's memory estimator does the same for FSDP
+(``scripts/estimate/estimation.py``: fake process group, ``FakeTensorMode``).
+
+The steps, in order (each needed; the notes of the estimate say so):
+
+1. The fake process group, and the mesh on it: built outside any fake mode, since mesh code reads the
+   mesh's tensors (``mesh["tp"]``, and ``fully_shard(reshard_after_forward=int)`` builds a mesh from
+   ``mesh.mesh.view(...).tolist()``).
+2. ``fn`` runs on the model's twin on the ``meta`` device, also outside the fake mode; then the twin is
+   materialised as fake CPU tensors (``to_empty``), the way torchtitan initialises a model.
+3. While the step runs, three rules that a run on real tensors does not need:
+
+   - ``_c10d_functional.wait_tensor`` returns its input, as it does in eager; its meta kernel
+     (``torch/distributed/_functional_collectives.py``, ``_wait_tensor_meta``) allocates a copy, which no real
+     run has.
+   - DTensor's sharding propagation computes output shapes on fake tensors of the *global* shape
+     (``torch/distributed/tensor/_sharding_prop.py``, ``_propagate_tensor_meta_non_cached``); it takes the
+     fake mode it finds active, the simulation's, so those would count as temporaries. It is given a fake
+     mode of its own, whose tensors the profiler knows are metadata.
+   - After the rank, the process group is destroyed and DTensor's sharding caches cleared
+     (``torch.distributed.tensor.debug._clear_sharding_prop_cache``): a mesh's hash ignores the rank, so the
+     next rank would otherwise be handed this one's process groups.
+
+Everything else is FSDP2's and DTensor's own code, as the user configured it: nothing is replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import numbers
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import InvalidArgumentError, MemprofError
+
+__all__ = ["ParallelRun", "WaitIdentity", "check_mesh"]
+
+
+def check_mesh(mesh: Any, world_size: int) -> "tuple[tuple[int, ...], tuple[str, ...] | None]":
+    """The mesh's shape and dimension names: ``None`` (one dimension of ``world_size``), a tuple of sizes, or a
+    dict ``{name: size}`` in mesh order; the sizes multiply to ``world_size``."""
+    if mesh is None:
+        return (world_size,), None
+    if isinstance(mesh, dict):
+        names: "tuple[str, ...] | None" = tuple(str(k) for k in mesh)
+        sizes = tuple(mesh.values())
+    elif isinstance(mesh, (tuple, list)):
+        names, sizes = None, tuple(mesh)
+    else:
+        raise InvalidArgumentError(f"mesh must be a tuple of sizes or a dict {{name: size}}, got {type(mesh).__name__}")
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in sizes):
+        raise InvalidArgumentError(f"mesh sizes must be positive ints, got {mesh!r}")
+    if math.prod(sizes) != world_size:
+        raise InvalidArgumentError(f"the mesh {mesh!r} has {math.prod(sizes):,} ranks, but world_size is "
+                                   f"{world_size:,}: its sizes must multiply to the world size")
+    return tuple(int(s) for s in sizes), names
+
+
+class WaitIdentity(TorchDispatchMode):
+    """``_c10d_functional.wait_tensor`` returns its input, as in eager (its meta kernel allocates a copy)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _WAIT:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+try:
+    _WAIT: Any = torch.ops._c10d_functional.wait_tensor.default
+except (AttributeError, RuntimeError):  # a torch built without distributed
+    _WAIT = None
+
+
+class ParallelRun:
+    """One rank of ``fn`` on torch's fake process group: a context around the whole simulation."""
+
+    def __init__(self, fn: Callable[..., Any], world_size: int, rank: Any, mesh: Any) -> None:
+        if not callable(fn):
+            raise InvalidArgumentError(f"parallelize must be a function fn(model, mesh) -> model, got "
+                                       f"{type(fn).__name__}")
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
+            raise InvalidArgumentError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        self.fn, self.n, self.rank = fn, world_size, int(rank)
+        self.shape, self.names = check_mesh(mesh, world_size)
+        self.mesh: Any = None
+        self._stack: "contextlib.ExitStack | None" = None
+        self.layouts: list[str] = []
+
+    def __enter__(self) -> "ParallelRun":
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise MemprofError("estimate(parallelize=...) needs torch.distributed, which this torch is built without")
+        if dist.is_initialized():
+            raise MemprofError(
+                "estimate(parallelize=...) runs the ranks on a fake process group of its own, but a process group is "
+                "already initialised in this process; call it before init_process_group (or after "
+                "destroy_process_group), or in a process of its own")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        stack = self._stack = contextlib.ExitStack()
+        try:
+            dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.n)
+            stack.callback(_clear_caches)
+            stack.callback(dist.destroy_process_group)
+            self.mesh = init_device_mesh("cpu", self.shape, mesh_dim_names=self.names)
+            stack.enter_context(_side_fake_mode_for_sharding_propagation())
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mesh = None
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+    def parallelize(self, model: nn.Module, meta_twin: Callable[[nn.Module], "tuple[nn.Module, dict]"],
+                    fake_mode: Any) -> "tuple[nn.Module, dict[int, torch.Tensor]]":
+        """``fn`` on a meta twin of ``model``, outside the fake mode; the twin then materialised as fake CPU
+        tensors. Returns it and, for each of ``model``'s parameters, the twin's parameter of the same name."""
+        twin, _ = meta_twin(model)
+        out = self.fn(twin, self.mesh) if _takes_two(self.fn) else self.fn(twin)
+        if out is not None:
+            if not isinstance(out, nn.Module):
+                raise InvalidArgumentError(f"parallelize must return the model (or None), got {type(out).__name__}")
+            twin = out
+        with fake_mode:
+            twin.to_empty(device="cpu")
+        names = dict(twin.named_parameters(remove_duplicate=False))
+        mapping: dict[int, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name in names:
+                mapping.setdefault(id(p), names[name])
+        self.layouts = sorted(_layouts(twin))
+        return twin, mapping
+
+    def rules(self) -> Any:
+        """The dispatch rules the step runs under, beneath the profiler."""
+        return WaitIdentity() if _WAIT is not None else contextlib.nullcontext()
+
+    def notes(self) -> list[str]:
+        mesh = " x ".join(f"{n}={s}" if self.names else str(s) for n, s in zip(self.names or self.shape, self.shape))
+        how = ", ".join(self.layouts) or "no parallel layout found on the model"
+        return [f"rank {self.rank} of {self.n}: your parallelize function ran on a device mesh ({mesh}) on torch's fake "
+                f"process group ({how}); collectives moved no data, their buffers are counted as FSDP/DTensor "
+                "allocate them",
+                "simulated on fake CPU tensors: wait_tensor returned its input as in eager, and DTensor's sharding "
+                "propagation ran in a fake mode of its own (its global-shape tensors are metadata, not memory)"]
+
+
+def _takes_two(fn: Callable[..., Any]) -> bool:
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        return True
+    return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _layouts(model: nn.Module) -> set[str]:
+    out = set()
+    for m in model.modules():
+        cls = type(m).__name__
+        if cls.startswith("FSDP"):
+            out.add("fully_shard")
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            kinds = {type(pl).__name__ for pl in p.placements}
+            if len(p.device_mesh.shape) > 1 or "fully_shard" not in out:
+                out.add("DTensor " + "/".join(sorted(kinds)))
+    return out
+
+
+@contextlib.contextmanager
+def _side_fake_mode_for_sharding_propagation() -> Any:
+    """DTensor's sharding propagation takes ``detect_fake_mode() or FakeTensorMode()``; during the simulation it
+    gets a mode of its own, so its global-shape tensors are told apart from the rank's (no hook exists for it:
+    the module's name is rebound for the block and restored after it, also when the block raises)."""
+    try:
+        from torch.distributed.tensor import _sharding_prop
+    except ImportError:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    side = FakeTensorMode(allow_non_fake_inputs=True)
+    original = getattr(_sharding_prop, "detect_fake_mode", None)
+    if original is None:
+        yield
+        return
+    _sharding_prop.detect_fake_mode = lambda *a, **k: side  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original  # type: ignore[attr-defined]
+
+
+def _clear_caches() -> None:
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()
