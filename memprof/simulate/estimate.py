@@ -49,6 +49,10 @@ class Estimate:
     precision: str
     device: str
     notes: tuple[str, ...] = ()
+    #: Under FSDP2's CPUOffloadPolicy (``parallelize=``): the rank's host bytes and its device peak; the trace's
+    #: categories hold both together (the notes say how they were split). ``None`` otherwise.
+    host_bytes: "int | None" = None
+    device_peak_bytes: "int | None" = None
 
     @property
     def peak(self) -> Breakdown:
@@ -192,7 +196,11 @@ def estimate(
     if layout is not None:
         trace = layout.finish(trace)
         notes.extend(layout.notes())
-    return Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes))
+    split = _run.host_split(trace) if _run is not None else None
+    if split is not None:
+        notes.append(split[2])
+    return Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes),
+                    host_bytes=split[0] if split else None, device_peak_bytes=split[1] if split else None)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -45,6 +45,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import InvalidArgumentError, MemprofError
+from ..vocabulary import Category
+
+_W, _O = Category.WEIGHTS, Category.OPTIMIZER_STATES
 
 __all__ = ["ParallelRun", "WaitIdentity", "check_mesh"]
 
@@ -98,6 +101,8 @@ class ParallelRun:
         self.mesh: Any = None
         self._stack: "contextlib.ExitStack | None" = None
         self.layouts: list[str] = []
+        # FSDP2's CPUOffloadPolicy: the offloaded parameters' padded shard bytes, and those of the trainable ones.
+        self.offloaded: "tuple[int, int, int] | None" = None  # and the largest unit's
 
     def __enter__(self) -> "ParallelRun":
         import torch.distributed as dist
@@ -148,7 +153,30 @@ class ParallelRun:
             if name in names:
                 mapping.setdefault(id(p), names[name])
         self.layouts = sorted(_layouts(twin))
+        self.offloaded = _offloaded(twin)
         return twin, mapping
+
+    def host_split(self, trace: Any) -> "tuple[int, int, str] | None":
+        """Under ``CPUOffloadPolicy``: the rank's host bytes, its device peak, and a note saying how they were
+        split. The simulation runs on the CPU, where FSDP2's host/device copies are no-ops
+        (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``), so the trace holds both together."""
+        if self.offloaded is None:
+            return None
+        shards, trainable, unit = self.offloaded
+        states = max((p.end[_O] or 0) for p in trace.phases) if trace.phases else 0
+        host = shards + trainable + states
+        peak = trace.peak
+        # On a device FSDP2 copies a unit's shards host-to-device before its all-gather (all_gather_inputs,
+        # sharded_param_data.to(device)), alive until the copy-in: the largest unit's, added.
+        device = (peak.total or 0) - min(peak[_W] or 0, shards) - (peak[_O] or 0) + unit
+        note = (f"CPUOffloadPolicy: host memory {host:,} B = the offloaded parameters' padded shards ({shards:,} B), "
+                f"their sharded gradients ({trainable:,} B, copied to the host after each reduce-scatter) and the "
+                f"optimizer states ({states:,} B; the step runs on the CPU). Device peak {device:,} B = the trace's "
+                f"peak less the shards and optimizer states in it, plus the largest unit's shards ({unit:,} B), which "
+                "FSDP2 copies to the device before its all-gather; the sharded gradients present at the peak are left "
+                "on the device side, so that figure errs high, never low. The trace's categories hold host and device "
+                "together (the simulation runs on the CPU, where FSDP2's copies between them do nothing)")
+        return host, device, note
 
     def rules(self) -> Any:
         """The dispatch rules the step runs under, beneath the profiler."""
@@ -164,6 +192,26 @@ class ParallelRun:
                 "propagation ran in a fake mode of its own (its global-shape tensors are metadata, not memory)"]
 
 
+def _offloaded(model: nn.Module) -> "tuple[int, int, int] | None":
+    from ..collect.shards import fsdp2_params
+
+    groups = fsdp2_params(model) or {}
+    shards = trainable = largest = 0
+    found = False
+    for group in groups.values():
+        unit = 0
+        for fp in group:
+            if not getattr(fp, "offload_to_cpu", False):
+                continue
+            found = True
+            nbytes = math.prod(fp.padded_sharded_param_size) * fp.sharded_param.element_size()
+            shards, unit = shards + nbytes, unit + nbytes
+            if fp.sharded_param.requires_grad:
+                trainable += nbytes
+        largest = max(largest, unit)
+    return (shards, trainable, largest) if found else None
+
+
 def _takes_two(fn: Callable[..., Any]) -> bool:
     try:
         params = [p for p in inspect.signature(fn).parameters.values()
@@ -174,18 +222,13 @@ def _takes_two(fn: Callable[..., Any]) -> bool:
 
 
 def _layouts(model: nn.Module) -> set[str]:
-    out = set()
-    for m in model.modules():
-        cls = type(m).__name__
-        if cls.startswith("FSDP"):
-            out.add("fully_shard")
+    """What the parallelized model is made of: ``fully_shard`` units, DTensor placements."""
     from torch.distributed.tensor import DTensor
 
+    out = {"fully_shard"} if any(type(m).__name__.startswith("FSDP") for m in model.modules()) else set()
     for p in model.parameters():
         if isinstance(p, DTensor):
-            kinds = {type(pl).__name__ for pl in p.placements}
-            if len(p.device_mesh.shape) > 1 or "fully_shard" not in out:
-                out.add("DTensor " + "/".join(sorted(kinds)))
+            out.add("DTensor " + ", ".join(sorted({repr(pl) for pl in p.placements})))
     return out
 
 

@@ -204,3 +204,27 @@ def test_refusals():
             memprof.estimate(build(), inputs=IDS, world_size=2, parallelize=fsdp_bf16)
     finally:
         dist.destroy_process_group()
+
+
+def test_cpu_offload_reports_host_and_device():
+    def offloaded(model, mesh):
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        # pin_memory=False: pinning needs an accelerator (torch/distributed/fsdp/_fully_shard/_fsdp_param.py).
+        policy = CPUOffloadPolicy(pin_memory=False)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
+        return model
+
+    est = simulated(offloaded)
+    rep, _model, _opt = measured(offloaded)
+    assert_equal_everywhere(est, rep)  # on the CPU, FSDP2's host/device copies are no-ops: the same run
+    # Host: the padded shards (14,432 parameters / 2 x 4 B = 28,864 B), as many bytes of sharded gradients, and
+    # AdamW's two states per shard plus a 4-byte step per parameter (2 x 28,864 + 9 x 4 = 57,764 B).
+    assert est.host_bytes == 28_864 + 28_864 + 57_764 == 115_492
+    # Device: the peak (backward) less the shards and the states in it, plus the largest unit's shards copied to
+    # the device before its all-gather (the root's: emb + norm + head = (3,072 + 32 + 3,072) / 2 x 4 B = 12,352 B).
+    peak = est.trace.peak
+    assert est.device_peak_bytes == peak.total - 28_864 - 57_764 + 12_352
+    assert any(n.startswith("CPUOffloadPolicy") for n in est.notes)
