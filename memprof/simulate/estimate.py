@@ -53,6 +53,9 @@ class Estimate:
     #: categories hold both together (the notes say how they were split). ``None`` otherwise.
     host_bytes: "int | None" = None
     device_peak_bytes: "int | None" = None
+    #: With ``pipeline=`` and no ``rank=``: every rank class simulated (:class:`memprof.simulate.pipeline.RankClass`);
+    #: the estimate itself is the worst one's.
+    ranks: tuple = ()
 
     @property
     def peak(self) -> Breakdown:
@@ -80,8 +83,9 @@ def estimate(
     world_size: int = 1,
     parallel: "str | None" = None,
     parallelize: "Callable[..., Any] | None" = None,
-    rank: int = 0,
+    rank: "int | None" = None,
     mesh: Any = None,
+    pipeline: Any = None,
     _run: Any = None,
 ) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
@@ -110,20 +114,28 @@ def estimate(
     ``parallelize=fn`` runs your own ``fn(model, mesh) -> model`` instead (``fully_shard``,
     ``parallelize_module``, with their arguments) on a device mesh of ``world_size`` ranks (``mesh``: a tuple of
     sizes or ``{name: size}``; one dimension by default) on torch's fake process group, and gives rank ``rank``'s
-    figures (:mod:`memprof.simulate.parallel`).
+    figures (:mod:`memprof.simulate.parallel`). ``pipeline=Pipeline(split, schedule, microbatches)`` cuts the
+    model into pipeline stages along the mesh's ``pp`` dimension and runs torch's schedule on this rank's stage(s)
+    (:mod:`memprof.simulate.pipeline`); without ``rank=`` every stage is simulated and the worst rank returned,
+    with all of them in ``ranks``.
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
-    world_size, parallel = check_parallel(world_size, parallel, parallelize is not None)
-    if parallelize is not None and _run is None:
-        from .parallel import ParallelRun
+    world_size, parallel = check_parallel(world_size, parallel, parallelize is not None or pipeline is not None)
+    if (parallelize is not None or pipeline is not None) and _run is None:
+        from .parallel import ParallelRun, pipeline_ranks
 
-        with ParallelRun(parallelize, world_size, rank, mesh) as run:
-            return estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, precision=precision,
-                            device=device, steps=steps, attention=attention, world_size=world_size,
-                            parallelize=parallelize, rank=rank, mesh=mesh, _run=run)
+        def one(r: int) -> Estimate:
+            with ParallelRun(parallelize, world_size, r, mesh, pipeline, inputs) as run:
+                return estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn,
+                                precision=precision, device=device, steps=steps, attention=attention,
+                                world_size=world_size, parallelize=parallelize, rank=r, mesh=mesh, pipeline=pipeline,
+                                _run=run)
+        if pipeline is not None and rank is None:
+            return pipeline_ranks(world_size, mesh, pipeline, one)
+        return one(0 if rank is None else rank)
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
                                    f"{type(loss_fn).__name__}")
@@ -158,7 +170,9 @@ def estimate(
                      f"runs its math path (saves the s x s scores), where a {target.type} device may not")
     from .progress import Progress
 
-    step = _Step(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
+    step: Any = _Step(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
+    if _run is not None and _run.pipelined:
+        step = _run.step(loss_fn, meta_opt, meta_inputs, meta_targets, fake_mode)
     rules = setup.rules()
     # A very large model takes seconds per simulated step: worth a bar in a terminal.
     big = sum(p.numel() for p in model.parameters()) >= 1_000_000_000

@@ -90,14 +90,27 @@ except (AttributeError, RuntimeError):  # a torch built without distributed
 class ParallelRun:
     """One rank of ``fn`` on torch's fake process group: a context around the whole simulation."""
 
-    def __init__(self, fn: Callable[..., Any], world_size: int, rank: Any, mesh: Any) -> None:
-        if not callable(fn):
+    def __init__(self, fn: "Callable[..., Any] | None", world_size: int, rank: Any, mesh: Any, pipeline: Any = None,
+                 inputs: Any = None) -> None:
+        if fn is not None and not callable(fn):
             raise InvalidArgumentError(f"parallelize must be a function fn(model, mesh) -> model, got "
                                        f"{type(fn).__name__}")
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
             raise InvalidArgumentError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         self.fn, self.n, self.rank = fn, world_size, int(rank)
+        if mesh is None and pipeline is not None:
+            mesh = {"pp": world_size}
         self.shape, self.names = check_mesh(mesh, world_size)
+        self.pipeline, self.inputs = pipeline, inputs
+        self.stages: Any = None
+        if pipeline is not None:
+            from .pipeline import StageSet
+
+            if not self.names or "pp" not in self.names:
+                raise InvalidArgumentError("a pipeline needs a mesh dimension named 'pp' (mesh={'pp': 4, 'dp': 8}); "
+                                           f"got {mesh!r}")
+            d = self.names.index("pp")
+            self.stages = StageSet(pipeline, self.shape[d], coordinates(self.rank, self.shape)[d])
         self.mesh: Any = None
         self._stack: "contextlib.ExitStack | None" = None
         self.layouts: list[str] = []
@@ -124,6 +137,10 @@ class ParallelRun:
             stack.callback(dist.destroy_process_group)
             self.mesh = init_device_mesh("cpu", self.shape, mesh_dim_names=self.names)
             stack.enter_context(_side_fake_mode_for_sharding_propagation())
+            if self.stages is not None:
+                from .pipeline import static_shapes
+
+                stack.enter_context(static_shapes())
         except BaseException:
             stack.close()
             raise
@@ -140,14 +157,21 @@ class ParallelRun:
         """``fn`` on a meta twin of ``model``, outside the fake mode; the twin then materialised as fake CPU
         tensors. Returns it and, for each of ``model``'s parameters, the twin's parameter of the same name."""
         twin, _ = meta_twin(model)
-        out = self.fn(twin, self.mesh) if _takes_two(self.fn) else self.fn(twin)
-        if out is not None:
-            if not isinstance(out, nn.Module):
-                raise InvalidArgumentError(f"parallelize must return the model (or None), got {type(out).__name__}")
-            twin = out
+        full = {id(p): name for name, p in twin.named_parameters(remove_duplicate=False)}
+        if self.stages is not None:  # this rank's pipeline stage(s), cut from the twin
+            twin = self.stages.cut(twin, self.inputs)
+        # Each of the (stage) twin's parameter names, and the model's name of the same parameter.
+        own = {name: full.get(id(p), name) for name, p in twin.named_parameters(remove_duplicate=False)}
+        if self.fn is not None:
+            out = self.fn(twin, self.mesh) if _takes_two(self.fn) else self.fn(twin)
+            if out is not None:
+                if not isinstance(out, nn.Module):
+                    raise InvalidArgumentError(f"parallelize must return the model (or None), got "
+                                               f"{type(out).__name__}")
+                twin = out
         with fake_mode:
             twin.to_empty(device="cpu")
-        names = dict(twin.named_parameters(remove_duplicate=False))
+        names = {own.get(n, n): p for n, p in twin.named_parameters(remove_duplicate=False)}
         mapping: dict[int, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if name in names:
@@ -178,6 +202,15 @@ class ParallelRun:
                 "together (the simulation runs on the CPU, where FSDP2's copies between them do nothing)")
         return host, device, note
 
+    @property
+    def pipelined(self) -> bool:
+        return self.stages is not None
+
+    def step(self, loss_fn: Any, optimizer: Any, inputs: Any, targets: Any, fake_mode: Any) -> Any:
+        """The pipeline rank's training step (the schedule's), built in the fake mode before the profile."""
+        with fake_mode:
+            return self.stages.step(loss_fn, optimizer, inputs, targets)
+
     def rules(self) -> Any:
         """The dispatch rules the step runs under, beneath the profiler."""
         return WaitIdentity() if _WAIT is not None else contextlib.nullcontext()
@@ -185,11 +218,63 @@ class ParallelRun:
     def notes(self) -> list[str]:
         mesh = " x ".join(f"{n}={s}" if self.names else str(s) for n, s in zip(self.names or self.shape, self.shape))
         how = ", ".join(self.layouts) or "no parallel layout found on the model"
-        return [f"rank {self.rank} of {self.n}: your parallelize function ran on a device mesh ({mesh}) on torch's fake "
+        out = []
+        if self.stages is not None:
+            st = self.stages
+            sched = st.pipeline.schedule if isinstance(st.pipeline.schedule, str) else st.pipeline.schedule.__name__
+            out.append(f"pipeline: this rank holds stage(s) {', '.join(map(str, st.stage_ids))} of {st.num_stages}, "
+                       f"run by torch's {sched} schedule over {st.pipeline.microbatches} micro-batches; the stages' "
+                       "shapes came from a meta forward of one micro-batch, and the schedule's warm-up was told they "
+                       "are static")
+        who = "your parallelize function" if self.fn is not None else "the pipeline's stages"
+        return out + [f"rank {self.rank} of {self.n}: {who} ran on a device mesh ({mesh}) on torch's fake "
                 f"process group ({how}); collectives moved no data, their buffers are counted as FSDP/DTensor "
                 "allocate them",
                 "simulated on fake CPU tensors: wait_tensor returned its input as in eager, and DTensor's sharding "
                 "propagation ran in a fake mode of its own (its global-shape tensors are metadata, not memory)"]
+
+
+def coordinates(rank: int, shape: "tuple[int, ...]") -> "tuple[int, ...]":
+    """A rank's coordinates on a mesh of ``shape`` (row-major, as ``init_device_mesh`` lays ranks out)."""
+    out = []
+    for size in reversed(shape):
+        rank, c = divmod(rank, size)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int], Any]) -> Any:
+    """Every pipeline rank class simulated (one per ``pp`` coordinate, its representative the rank with 0 on every
+    other dimension: they hold the same shards), and the worst one's estimate, listing them all."""
+    from .pipeline import RankClass
+
+    shape, names = check_mesh(mesh if mesh is not None else {"pp": world_size}, world_size)
+    if not names or "pp" not in names:
+        raise InvalidArgumentError(f"a pipeline needs a mesh dimension named 'pp'; got {mesh!r}")
+    d = names.index("pp")
+    classes, results = [], []
+    for p in range(shape[d]):
+        members = tuple(r for r in range(world_size) if coordinates(r, shape)[d] == p)
+        est = one(members[0])
+        stages = tuple(p + i * shape[d] for i in range(pipeline.stages_per_rank))
+        classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step,
+                                 est.trace.peak_phase.value))
+        results.append(est)
+    worst = max(range(len(results)), key=lambda i: results[i].peak_bytes)
+    table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "
+                      f"{c.peak_phase} (ranks {_ranges(c.ranks)})" for c in classes)
+    import dataclasses
+
+    est = results[worst]
+    note = (f"the worst rank is {classes[worst].representative} (stage(s) "
+            f"{','.join(map(str, classes[worst].stages))}); every pipeline rank class: {table}")
+    return dataclasses.replace(est, notes=(*est.notes, note), ranks=tuple(classes))
+
+
+def _ranges(ranks: "tuple[int, ...]") -> str:
+    if len(ranks) <= 3:
+        return ", ".join(map(str, ranks))
+    return f"{ranks[0]}, {ranks[1]}, ... {ranks[-1]}: {len(ranks)}"
 
 
 def _offloaded(model: nn.Module) -> "tuple[int, int, int] | None":
