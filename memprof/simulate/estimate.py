@@ -86,6 +86,7 @@ def estimate(
     rank: "int | None" = None,
     mesh: Any = None,
     pipeline: Any = None,
+    extrapolate: "int | None" = None,
     _run: Any = None,
 ) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
@@ -117,25 +118,38 @@ def estimate(
     figures (:mod:`memprof.simulate.parallel`). ``pipeline=Pipeline(split, schedule, microbatches)`` cuts the
     model into pipeline stages along the mesh's ``pp`` dimension and runs torch's schedule on this rank's stage(s)
     (:mod:`memprof.simulate.pipeline`); without ``rank=`` every stage is simulated and the worst rank returned,
-    with all of them in ``ranks``.
+    with all of them in ``ranks``. ``extrapolate=k`` simulates the repeated stack of blocks cut to ``k``, ``k + 1``
+    and ``k + 2`` blocks (per pipeline stage) and extends the figures to the model's depth when they grow by the
+    same bytes per block, as they do once the peak stays put (:mod:`memprof.simulate.depth`).
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
     world_size, parallel = check_parallel(world_size, parallel, parallelize is not None or pipeline is not None)
-    if (parallelize is not None or pipeline is not None) and _run is None:
-        from .parallel import ParallelRun, pipeline_ranks
+    if _run is None and (extrapolate is not None or parallelize is not None or pipeline is not None):
+        from .depth import extrapolated
+        from .parallel import ParallelRun, depth_unit, pipeline_ranks
 
-        def one(r: int) -> Estimate:
-            with ParallelRun(parallelize, world_size, r, mesh, pipeline, inputs) as run:
-                return estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn,
-                                precision=precision, device=device, steps=steps, attention=attention,
-                                world_size=world_size, parallelize=parallelize, rank=r, mesh=mesh, pipeline=pipeline,
-                                _run=run)
+        def single(m: nn.Module, opt: Any, r: "int | None") -> Estimate:
+            if parallelize is None and pipeline is None:
+                return estimate(m, opt, inputs=inputs, targets=targets, loss_fn=loss_fn, precision=precision,
+                                device=device, steps=steps, attention=attention, world_size=world_size,
+                                parallel=parallel)
+            with ParallelRun(parallelize, world_size, 0 if r is None else r, mesh, pipeline, inputs) as run:
+                return estimate(m, opt, inputs=inputs, targets=targets, loss_fn=loss_fn, precision=precision,
+                                device=device, steps=steps, attention=attention, world_size=world_size,
+                                parallelize=parallelize, rank=r, mesh=mesh, pipeline=pipeline, _run=run)
+
+        def one(r: "int | None") -> Estimate:
+            # Depth outermost within a rank: the worst rank is picked among figures at the model's full depth.
+            if extrapolate is None:
+                return single(model, optimizer, r)
+            return extrapolated(model, optimizer, extrapolate, depth_unit(world_size, mesh, pipeline),
+                                lambda m, opt: single(m, opt, r))
         if pipeline is not None and rank is None:
             return pipeline_ranks(world_size, mesh, pipeline, one)
-        return one(0 if rank is None else rank)
+        return one(rank)
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
                                    f"{type(loss_fn).__name__}")

@@ -159,16 +159,24 @@ class ParallelRun:
         twin, _ = meta_twin(model)
         full = {id(p): name for name, p in twin.named_parameters(remove_duplicate=False)}
         if self.stages is not None:  # this rank's pipeline stage(s), cut from the twin
-            twin = self.stages.cut(twin, self.inputs)
+            prepared = None
+            if self.fn is not None:
+                def prepared(k: int) -> "tuple[nn.Module, Any]":
+                    mod = self.stages._split(meta_twin(model)[0], k)
+                    mod = self._apply(mod)
+                    with fake_mode:
+                        mod.to_empty(device="cpu")
+                    return mod, fake_mode
+            twin = self.stages.cut(twin, self.inputs, prepared)
         # Each of the (stage) twin's parameter names, and the model's name of the same parameter.
         own = {name: full.get(id(p), name) for name, p in twin.named_parameters(remove_duplicate=False)}
         if self.fn is not None:
-            out = self.fn(twin, self.mesh) if _takes_two(self.fn) else self.fn(twin)
-            if out is not None:
-                if not isinstance(out, nn.Module):
-                    raise InvalidArgumentError(f"parallelize must return the model (or None), got "
-                                               f"{type(out).__name__}")
-                twin = out
+            if self.stages is not None:  # each stage of the rank on its own, as the user's script parallelises it
+                self.stages.modules = [self._apply(m) for m in self.stages.modules]
+                mods = self.stages.modules
+                twin = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
+            else:
+                twin = self._apply(twin)
         with fake_mode:
             twin.to_empty(device="cpu")
         names = {own.get(n, n): p for n, p in twin.named_parameters(remove_duplicate=False)}
@@ -202,6 +210,15 @@ class ParallelRun:
                 "together (the simulation runs on the CPU, where FSDP2's copies between them do nothing)")
         return host, device, note
 
+    def _apply(self, module: nn.Module) -> nn.Module:
+        assert self.fn is not None
+        out = self.fn(module, self.mesh) if _takes_two(self.fn) else self.fn(module)
+        if out is None:
+            return module
+        if not isinstance(out, nn.Module):
+            raise InvalidArgumentError(f"parallelize must return the model (or None), got {type(out).__name__}")
+        return out
+
     @property
     def pipelined(self) -> bool:
         return self.stages is not None
@@ -209,7 +226,8 @@ class ParallelRun:
     def step(self, loss_fn: Any, optimizer: Any, inputs: Any, targets: Any, fake_mode: Any) -> Any:
         """The pipeline rank's training step (the schedule's), built in the fake mode before the profile."""
         with fake_mode:
-            return self.stages.step(loss_fn, optimizer, inputs, targets)
+            group = self.mesh["pp"].get_group() if len(self.shape) > 1 else None  # the pipeline's own ranks
+            return self.stages.step(loss_fn, optimizer, inputs, targets, group)
 
     def rules(self) -> Any:
         """The dispatch rules the step runs under, beneath the profiler."""
@@ -241,6 +259,16 @@ def coordinates(rank: int, shape: "tuple[int, ...]") -> "tuple[int, ...]":
         rank, c = divmod(rank, size)
         out.append(c)
     return tuple(reversed(out))
+
+
+def depth_unit(world_size: int, mesh: Any, pipeline: Any) -> int:
+    """Blocks of the repeated stack per unit of depth: one per stage, ``pp * stages_per_rank`` of them."""
+    if pipeline is None:
+        return 1
+    shape, names = check_mesh(mesh if mesh is not None else {"pp": world_size}, world_size)
+    if not names or "pp" not in names:
+        raise InvalidArgumentError(f"a pipeline needs a mesh dimension named 'pp'; got {mesh!r}")
+    return shape[names.index("pp")] * pipeline.stages_per_rank
 
 
 def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int], Any]) -> Any:

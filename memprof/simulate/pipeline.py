@@ -100,24 +100,38 @@ class StageSet:
         self.shapes: dict[int, tuple[Any, Any]] = {}
         self.modules: list[nn.Module] = []
 
-    def cut(self, twin: nn.Module, inputs: Any) -> nn.Module:
+    def cut(self, twin: nn.Module, inputs: Any, prepared: "Callable[[int], tuple[nn.Module, Any]] | None" = None
+            ) -> nn.Module:
         """The rank's stage modules (one module, or a ModuleList of them), after working out every stage's input
-        and output on one meta micro-batch."""
-        mods = [self.pipeline.split(twin, k, self.num_stages) for k in range(self.num_stages)]
-        for k, m in enumerate(mods):
-            if not isinstance(m, nn.Module):
-                raise InvalidArgumentError(f"Pipeline.split returned {type(m).__name__} for stage {k}, not a module")
+        and output on one micro-batch: on meta, or, when the user's parallelize function changes what a stage
+        hands on (sequence parallelism: a local shard of the sequence), through ``prepared(k)``, which gives stage
+        ``k`` parallelised and materialised on its own copy, and the context to run it in."""
+        mods = [self._split(twin, k) for k in range(self.num_stages)]
         x = _microbatch(inputs, self.pipeline.microbatches)
+        last = max(self.stage_ids)
         with torch.no_grad():
-            for k, m in enumerate(mods):
-                out = m(*x)
+            for k in range(last + 1):
+                if prepared is None:
+                    out = mods[k](*x)
+                else:
+                    mod, ctx = prepared(k)
+                    with ctx:
+                        out = mod(*(_example(t, grad=False) for t in x))
+                    del mod
+                out = tuple(_local(t) for t in (out if isinstance(out, tuple) else (out,)))
                 if k in self.stage_ids:
-                    self.shapes[k] = (x, out if isinstance(out, tuple) else (out,))
-                x = out if isinstance(out, tuple) else (out,)
+                    self.shapes[k] = (x, out)
+                x = tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in out)
         self.modules = [mods[k] for k in self.stage_ids]
         return self.modules[0] if len(self.modules) == 1 else nn.ModuleList(self.modules)
 
-    def step(self, loss_fn: Any, optimizer: Any, inputs: Any, targets: Any) -> "PipelineStep":
+    def _split(self, twin: nn.Module, k: int) -> nn.Module:
+        m = self.pipeline.split(twin, k, self.num_stages)
+        if not isinstance(m, nn.Module):
+            raise InvalidArgumentError(f"Pipeline.split returned {type(m).__name__} for stage {k}, not a module")
+        return m
+
+    def step(self, loss_fn: Any, optimizer: Any, inputs: Any, targets: Any, group: Any = None) -> "PipelineStep":
         """Built inside the fake mode: the stages (with fake CPU examples of their inputs and outputs) and the
         schedule."""
         from torch.distributed.pipelining import PipelineStage
@@ -127,7 +141,7 @@ class StageSet:
             ins, outs = self.shapes[k]
             stages.append(PipelineStage(mod, k, self.num_stages, torch.device("cpu"),
                                         input_args=tuple(_example(t, grad=k > 0) for t in ins),
-                                        output_args=tuple(_example(t, grad=True) for t in outs)))
+                                        output_args=tuple(_example(t, grad=True) for t in outs), group=group))
         cls = self.pipeline.schedule_class()
         if loss_fn is None:
             loss = lambda out, _t: out.sum()  # noqa: E731 - as estimate() without loss_fn
@@ -197,6 +211,12 @@ def _microbatch(inputs: Any, n: int) -> tuple:
                                        f"divide into Pipeline(microbatches={n})")
         out.append(torch.empty((a.shape[0] // n, *a.shape[1:]), dtype=a.dtype, device="meta"))
     return tuple(out)
+
+
+def _local(t: Any) -> Any:
+    """What a stage hands on, as the next stage receives it: a DTensor's local shard."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _example(t: Any, grad: bool) -> torch.Tensor:
