@@ -152,7 +152,7 @@ def parallelize(model: Any, mesh: Any) -> Any:
     return model
 
 
-def run(cfg: dict[str, int], mesh: dict[str, int], seq: int, micro: int, k: int) -> dict[str, Any]:
+def run(cfg: dict[str, int], mesh: dict[str, int], seq: int, micro: int, k: "int | None") -> dict[str, Any]:
     memprof = import_memprof()
     import torch
     import torch.nn.functional as F
@@ -186,7 +186,7 @@ def main(argv: "list[str] | None" = None) -> None:
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     if args.quick:
-        res = run(TINY, {"pp": 2, "dp": 2, "tp": 2}, 16, 2, 1)
+        res = run(TINY, {"pp": 2, "dp": 2, "tp": 2}, 16, 2, None)
     else:
         res = run(LLAMA_405B, {"pp": 2, "dp": 64, "tp": 8}, 8192, 2, 3)
     print(f"{res['seconds']} s ({res['cpu_seconds']} s of CPU) for {res['world_size']:,} ranks {res['mesh']}: worst rank {res['worst_rank']}, "
