@@ -219,6 +219,18 @@ class ParallelRun:
             raise InvalidArgumentError(f"parallelize must return the model (or None), got {type(out).__name__}")
         return out
 
+    def _formula_note(self) -> list[str]:
+        d = _degrees(self.names, self.shape)
+        if not self.names or (d["dp"], d["tp"], d["pp"]) == (1, 1, 1):
+            return []
+        return [f"the textbook per rank, by degree (ZeRO Table I over dp = {d['dp']}, every state of the split layers "
+                f"divided by tp = {d['tp']} and pp = {d['pp']}): weights 2Ψ/(dp·tp·pp) under FSDP (2Ψ/(tp·pp) "
+                "without it), gradients 2Ψ/(dp·tp·pp) from ZeRO stage 2, optimizer states KΨ/(dp·tp·pp) from stage 1; "
+                "activations per layer sbh(34/t + 5as/(ht)) with sequence parallelism and sbh(10 + 24/t + 5as/(ht)) "
+                "without (Korthikanti et al. 2022, §4: the 10sbh of norm inputs and dropout masks is not divided by "
+                "t), times L/pp layers and the micro-batches in flight "
+                "(memprof.anatomy.parallelism.rank_terms gives the bytes)"]
+
     @property
     def pipelined(self) -> bool:
         return self.stages is not None
@@ -244,6 +256,7 @@ class ParallelRun:
                        f"run by torch's {sched} schedule over {st.pipeline.microbatches} micro-batches; the stages' "
                        "shapes came from a meta forward of one micro-batch, and the schedule's warm-up was told they "
                        "are static")
+        out += self._formula_note()
         who = "your parallelize function" if self.fn is not None else "the pipeline's stages"
         return out + [f"rank {self.rank} of {self.n}: {who} ran on a device mesh ({mesh}) on torch's fake "
                 f"process group ({how}); collectives moved no data, their buffers are counted as FSDP/DTensor "
@@ -294,8 +307,11 @@ def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int
     import dataclasses
 
     est = results[worst]
+    peaks = [c.peak_bytes for c in classes]
+    spread = (f"spread {max(peaks) - min(peaks):,} B (max / mean {max(peaks) * len(peaks) / sum(peaks):.3f})"
+              if sum(peaks) else "")
     note = (f"the worst rank is {classes[worst].representative} (stage(s) "
-            f"{','.join(map(str, classes[worst].stages))}); every pipeline rank class: {table}")
+            f"{','.join(map(str, classes[worst].stages))}), {spread}; every pipeline rank class: {table}")
     return dataclasses.replace(est, notes=(*est.notes, note), ranks=tuple(classes))
 
 
@@ -323,6 +339,17 @@ def _offloaded(model: nn.Module) -> "tuple[int, int, int] | None":
                 trainable += nbytes
         largest = max(largest, unit)
     return (shards, trainable, largest) if found else None
+
+
+def _degrees(names: "tuple[str, ...] | None", shape: "tuple[int, ...]") -> "dict[str, int]":
+    """The data, tensor and pipeline degrees of a mesh whose dimensions are named so (``dp``/``dp_shard``/
+    ``dp_replicate``/``fsdp``, ``tp``, ``pp``)."""
+    out = {"dp": 1, "tp": 1, "pp": 1}
+    for name, size in zip(names or (), shape):
+        key = "dp" if name in ("dp", "fsdp", "dp_shard", "dp_replicate", "shard", "replicate") else name
+        if key in out:
+            out[key] *= size
+    return out
 
 
 def _takes_two(fn: Callable[..., Any]) -> bool:

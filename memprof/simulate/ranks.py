@@ -266,7 +266,7 @@ class RankLayout:
                 if info.ref.requires_grad:
                     self.handles.append(info.ref.register_post_accumulate_grad_hook(self._grad_done))
         if self.optimizer is not None and self.stage >= 1:
-            self.handles.append(self.optimizer.register_step_post_hook(self._stepped))
+            self.handles.append(self.optimizer.register_step_post_hook(_StateShards(self).stepped))
 
     def detach(self) -> None:
         for h in self.handles:
@@ -442,12 +442,21 @@ class RankLayout:
         for kind in ("reduce_scatter", "all_gather", "prefetch"):
             self.kept.pop(kind, None)
 
-    def _stepped(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+
+class _StateShards:
+    """The optimizer step's part of a layout: after each step, the state the optimizer made like the whole
+    parameters is resized to the rank's shard of it (scalars stay whole)."""
+
+    def __init__(self, layout: "RankLayout") -> None:
+        self.layout = layout
+
+    def stepped(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         # The state was made like the whole parameters: the rank keeps its shard of each (scalars stay whole).
         # The state the first step made was a temporary at the step's peak at its whole size: it leaves the
         # temporaries at that size before it shrinks (the profiler's own post-hook, which would move it later,
         # runs after this one and would move only the shard, leaving whole - shard behind in the peak).
-        c = self.collectors
+        lay = self.layout
+        c = lay.collectors
         state = optimizer.state
         if c is not None:
             for per_param in state.values():
@@ -458,25 +467,25 @@ class RankLayout:
                             c.ledger.move(entry, OPTIMIZER_STATES, retro=True)
         first: dict[Any, bool] = {}
         sizes: list[tuple[torch.Tensor, int]] = []
-        for info in self.by_id.values():
+        for info in lay.by_id.values():
             for key, t in (state.get(info.ref) or {}).items():
                 if not isinstance(t, torch.Tensor) or key == "step" or t.shape != info.ref.shape:
                     continue
                 nbytes = t.numel() * t.element_size()
-                if self.parallel == "fsdp":  # made like the real rows of the local shard
+                if lay.parallel == "fsdp":  # made like the real rows of the local shard
                     rank = nbytes * min(info.rows0, info.rows) // info.rows if info.rows else 0
                 else:  # one flat buffer per state and dtype: its first tensor carries ceil(elements / N)
                     group = (key, t.dtype)
-                    rank = 0 if first.get(group) else -(-self._state_numel(state, key, t.dtype) // self.n) * t.element_size()
+                    rank = 0 if first.get(group) else -(-self._state_numel(state, key, t.dtype) // lay.n) * t.element_size()
                     first[group] = True
                 sizes.append((t, rank))
         # Shrinks before growths (ZeRO's first tensor of a flat group carries the group's share, more than its own
         # size): growing first would make a moment the rank never has, above the step's real peak.
         for t, rank in sorted(sizes, key=lambda tr: tr[1] - tr[0].numel() * tr[0].element_size()):
-            self._resize(t, rank)
+            lay._resize(t, rank)
 
     def _state_numel(self, state: Any, key: str, dtype: torch.dtype) -> int:
-        return sum(t.numel() for info in self.by_id.values() for k, t in (state.get(info.ref) or {}).items()
+        return sum(t.numel() for info in self.layout.by_id.values() for k, t in (state.get(info.ref) or {}).items()
                    if k == key and isinstance(t, torch.Tensor) and t.dtype == dtype)
 
 
