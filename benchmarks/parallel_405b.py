@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/parallel_405b.py                 # 405B shape, PP 2 x FSDP 64 x TP 8 (about a minute on 2 cores)
     python benchmarks/parallel_405b.py --quick         # a tiny shape on 8 ranks, seconds
+    python benchmarks/parallel_405b.py --config 70b    # Llama-2-70B, one rank of 64 under FSDP2 with bf16 gathers
     python benchmarks/parallel_405b.py --json benchmarks/results/parallel-405b.json
 
 What is simulated
@@ -33,6 +34,8 @@ from typing import Any
 
 from _machine import import_memprof  # noqa: E402  (benchmarks run as scripts from this folder)
 
+#: Llama-2-70B (Touvron et al. 2023, Table 1; HF config.json).
+LLAMA_70B = dict(vocab=32_000, dim=8_192, layers=80, heads=64, kv_heads=8, ffn=28_672)
 LLAMA_405B = dict(vocab=128_256, dim=16_384, layers=126, heads=128, kv_heads=8, ffn=53_248)
 TINY = dict(vocab=256, dim=64, layers=8, heads=4, kv_heads=2, ffn=128)
 
@@ -125,6 +128,11 @@ def parallelize(model: Any, mesh: Any) -> Any:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if "tp" not in mesh.mesh_dim_names:  # FSDP2 alone: each layer, then the root
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        return fully_shard(model, mesh=mesh, mp_policy=mp)
     tp, dp = mesh["tp"], mesh["dp"]
     plan: dict[str, Any] = {}
     if model.tok_embeddings is not None:
@@ -145,7 +153,6 @@ def parallelize(model: Any, mesh: Any) -> Any:
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
         fully_shard(block, mesh=dp, mp_policy=mp)
     fully_shard(model, mesh=dp, mp_policy=mp)
@@ -164,14 +171,16 @@ def run(cfg: dict[str, int], mesh: dict[str, int], seq: int, micro: int, k: "int
     for size in mesh.values():
         world *= size
     ids = torch.empty(micro, seq, dtype=torch.long, device="meta")
+    pipeline = memprof.Pipeline(split, schedule="1f1b", microbatches=micro) if "pp" in mesh else None
     t, cpu = time.perf_counter(), time.process_time()
     est = memprof.estimate(build(cfg), lambda ps: torch.optim.AdamW(ps, foreach=True), inputs=ids, targets=ids,
-                           loss_fn=loss_fn, world_size=world, mesh=mesh, parallelize=parallelize,
-                           pipeline=memprof.Pipeline(split, schedule="1f1b", microbatches=micro), extrapolate=k)
+                           loss_fn=loss_fn, world_size=world, mesh=mesh, parallelize=parallelize, device="cuda",
+                           pipeline=pipeline, extrapolate=k)
     seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
     G = 2**30
     out = {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "world_size": world, "mesh": mesh, "peak_gib": round(est.peak_bytes / G, 3),
-           "worst_rank": next(c.representative for c in est.ranks if c.peak_bytes == est.peak_bytes),
+           "worst_rank": next((c.representative for c in est.ranks if c.peak_bytes == est.peak_bytes), 0),
+           "peak_at": f"step {est.trace.peak_step} {est.trace.peak_phase.value}",
            "ranks": [{"stages": list(c.stages), "ranks": f"{c.ranks[0]}..{c.ranks[-1]} ({len(c.ranks)})",
                       "peak_gib": round(c.peak_bytes / G, 3), "at": f"step {c.peak_step} {c.peak_phase}"}
                      for c in est.ranks],
@@ -183,14 +192,17 @@ def run(cfg: dict[str, int], mesh: dict[str, int], seq: int, micro: int, k: "int
 def main(argv: "list[str] | None" = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a tiny shape on 8 ranks")
+    ap.add_argument("--config", choices=("405b", "70b"), default="405b")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     if args.quick:
         res = run(TINY, {"pp": 2, "dp": 2, "tp": 2}, 16, 2, None)
+    elif args.config == "70b":  # one rank of 64, batch 1 x 2,048
+        res = run(LLAMA_70B, {"dp": 64}, 2048, 1, 3)
     else:
         res = run(LLAMA_405B, {"pp": 2, "dp": 64, "tp": 8}, 8192, 2, 3)
     print(f"{res['seconds']} s ({res['cpu_seconds']} s of CPU) for {res['world_size']:,} ranks {res['mesh']}: worst rank {res['worst_rank']}, "
-          f"peak {res['peak_gib']} GiB")
+          f"peak {res['peak_gib']} GiB at {res['peak_at']}")
     for r in res["ranks"]:
         print(f"  stage(s) {r['stages']}: ranks {r['ranks']}: {r['peak_gib']} GiB at {r['at']}")
     print("  at the worst rank's peak (GiB):", ", ".join(f"{k} {v}" for k, v in res["peak"].items()))
