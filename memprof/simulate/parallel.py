@@ -114,6 +114,7 @@ class ParallelRun:
         self.mesh: Any = None
         self._stack: "contextlib.ExitStack | None" = None
         self.layouts: list[str] = []
+        self.context_parallel = False
         # FSDP2's CPUOffloadPolicy: the offloaded parameters' padded shard bytes, and those of the trainable ones.
         self.offloaded: "tuple[int, int, int] | None" = None  # and the largest unit's
 
@@ -137,6 +138,7 @@ class ParallelRun:
             stack.callback(dist.destroy_process_group)
             self.mesh = init_device_mesh("cpu", self.shape, mesh_dim_names=self.names)
             stack.enter_context(_side_fake_mode_for_sharding_propagation())
+            stack.callback(self._restore_handlers, _custom_handlers())
             if self.stages is not None:
                 from .pipeline import static_shapes
 
@@ -151,6 +153,20 @@ class ParallelRun:
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+
+    def _restore_handlers(self, before: Any) -> None:
+        """Context parallelism's dispatcher, which the user's function may switch on for the process
+        (``_enable_context_parallel_dispatcher``), is switched off again after the rank."""
+        if before is None or _custom_handlers() is before:
+            return
+        try:
+            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor.experimental._attention import _disable_context_parallel_dispatcher
+
+            _disable_context_parallel_dispatcher()
+            DTensor._op_dispatcher._custom_op_handlers = before
+        except (ImportError, AttributeError):
+            pass
 
     def parallelize(self, model: nn.Module, meta_twin: Callable[[nn.Module], "tuple[nn.Module, dict]"],
                     fake_mode: Any) -> "tuple[nn.Module, dict[int, torch.Tensor]]":
@@ -185,6 +201,7 @@ class ParallelRun:
             if name in names:
                 mapping.setdefault(id(p), names[name])
         self.layouts = sorted(_layouts(twin))
+        self.context_parallel = _context_parallel_on()
         self.offloaded = _offloaded(twin)
         return twin, mapping
 
@@ -257,6 +274,10 @@ class ParallelRun:
                        "shapes came from a meta forward of one micro-batch, and the schedule's warm-up was told they "
                        "are static")
         out += self._formula_note()
+        if self.context_parallel:
+            out.append("context parallelism: attention ran as torch's ring attention (its handler of the CUDA flash "
+                       "attention op, on fake CPU tensors: a CPU has no kernel for it), so this is checked against no "
+                       "CPU run; a GPU run validates it. Give device='cuda' so that attention is the flash op")
         who = "your parallelize function" if self.fn is not None else "the pipeline's stages"
         return out + [f"rank {self.rank} of {self.n}: {who} ran on a device mesh ({mesh}) on torch's fake "
                 f"process group ({how}); collectives moved no data, their buffers are counted as FSDP/DTensor "
@@ -394,6 +415,20 @@ def _side_fake_mode_for_sharding_propagation() -> Any:
         yield
     finally:
         _sharding_prop.detect_fake_mode = original  # type: ignore[attr-defined]
+
+
+def _custom_handlers() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor._op_dispatcher._custom_op_handlers
+    except (ImportError, AttributeError):
+        return None
+
+
+def _context_parallel_on() -> bool:
+    handlers = _custom_handlers() or {}
+    return any("flash_attention" in str(op) for op in handlers)
 
 
 def _clear_caches() -> None:
