@@ -228,3 +228,47 @@ def test_cpu_offload_reports_host_and_device():
     peak = est.trace.peak
     assert est.device_peak_bytes == peak.total - 28_864 - 57_764 + 12_352
     assert any(n.startswith("CPUOffloadPolicy") for n in est.notes)
+
+
+def _hsdp(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:  # replicated over mesh dim 0, sharded over dim 1
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _kept_unsharded_with_prefetching(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    layers = list(model.layers)
+    for a, b in zip(layers, layers[1:]):
+        a.set_modules_to_forward_prefetch([b])
+        b.set_modules_to_backward_prefetch([a])
+    return model
+
+
+@pytest.mark.parametrize(("fn", "mesh"), [(_hsdp, {"replicate": 2, "shard": 2}),
+                                          (_kept_unsharded_with_prefetching, {"dp": 4})],
+                         ids=["hsdp", "reshard_after_forward_false_prefetch"])
+def test_other_fsdp2_options_are_simulated_to_the_byte(fn, mesh):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    est = memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS, loss_fn=loss_fn,
+                           world_size=4, mesh=mesh, parallelize=fn)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = fn(build(), init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh)))
+        opt = torch.optim.AdamW(model.parameters())
+        with memprof.profile(model, opt) as prof:
+            for _ in range(2):
+                loss_fn(model(IDS), IDS).backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    assert_equal_everywhere(est, prof.report())
