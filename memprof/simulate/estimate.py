@@ -127,6 +127,9 @@ def estimate(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
     world_size, parallel = check_parallel(world_size, parallel, parallelize is not None or pipeline is not None)
+    if rank not in (None, 0) and parallelize is None and pipeline is None:
+        raise InvalidArgumentError(f"rank={rank!r} picks a rank of your parallelize function (or pipeline); the "
+                                   "parallel= layouts are simulated for rank 0, the one holding the most rows")
     if _run is None and (extrapolate is not None or parallelize is not None or pipeline is not None):
         from .depth import extrapolated
         from .parallel import ParallelRun, depth_unit, pipeline_ranks
