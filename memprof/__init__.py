@@ -23,7 +23,7 @@ from .units import format_bytes, parse_size
 from .vocabulary import Category, Phase
 
 if TYPE_CHECKING:
-    from .report.estimates import (BatchSizePlan, Estimate, estimate, estimate_generation, max_batch_size,
+    from .report.estimates import (BatchSizePlan, Estimate, Pipeline, estimate, estimate_generation, max_batch_size,
                                    max_generation_batch_size)
     from .report.profiling import Profiler, profile
     from .report.reconciliation import Reconciliation, reconcile
@@ -51,6 +51,7 @@ __all__ = [
     "estimate",
     "estimate_generation",
     "Estimate",
+    "Pipeline",
     "reconcile",
     "Reconciliation",
     "max_batch_size",

@@ -143,6 +143,17 @@ def _load_factory(spec: str) -> Any:
     return factory
 
 
+def _mesh(spec: str) -> "dict[str, int]":
+    """``--mesh pp=2,dp=64,tp=8``: the mesh's dimensions by name, in order."""
+    out: dict[str, int] = {}
+    for part in spec.split(","):
+        name, sep, size = part.strip().partition("=")
+        if not sep or not name or not size.strip().isdigit():
+            raise MemprofError(f"expected --mesh NAME=SIZE,NAME=SIZE (for example pp=2,dp=64,tp=8), got {spec!r}")
+        out[name.strip()] = int(size)
+    return out
+
+
 def _writable(path: str) -> None:
     """Refuse, before anything runs or is written, an output memprof's writer would refuse."""
     from .record.files import check_writable
@@ -172,7 +183,11 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if args.generate and (args.parallel is not None or args.world_size != 1):
         raise MemprofError("--parallel and --world-size size a training step's ranks; a generation is "
                            "estimated for one device: leave them out with --generate")
-    world_size, parallel = check_parallel(args.world_size, args.parallel)
+    parallelize = _load_factory(args.parallelize) if args.parallelize else None
+    mesh = _mesh(args.mesh) if args.mesh else None
+    # Without --parallel the factory may still say how the ranks share the model: checked once it is read.
+    custom = parallelize is not None or args.parallel is None
+    world_size, parallel = check_parallel(args.world_size, args.parallel, custom)
     _device(args.device)
     from .simulate.device_memory import check_target
 
@@ -193,6 +208,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     if not isinstance(spec, dict) or "model" not in spec or "inputs" not in spec:
         raise MemprofError(f"{args.factory} must return a dict with 'model' and 'inputs' keys")
     optimizer = spec.get("optimizer")
+    # The factory may say how the ranks share the model; the command line's flags win.
+    parallelize = parallelize or spec.get("parallelize")
+    mesh = mesh or spec.get("mesh")
+    pipeline = spec.get("pipeline")
+    if (parallelize is not None or pipeline is not None) and parallel is not None:
+        raise MemprofError("--parallel and a parallelize function (or pipeline) both say how the ranks share the "
+                           "model: give one")
+    if world_size > 1 and parallel is None and parallelize is None and pipeline is None:
+        check_parallel(world_size, None)  # says what is missing
     if optimizer is None and args.optimizer != "none":
         name = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[args.optimizer]
         kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {}
@@ -201,7 +225,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
                                loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision,
                                attention=args.attention, world_size=world_size, parallel=parallel, gpu=args.gpu,
-                               alloc_conf=args.alloc_conf)
+                               alloc_conf=args.alloc_conf, parallelize=parallelize, mesh=mesh, pipeline=pipeline,
+                               rank=args.rank, extrapolate=args.extrapolate)
     except MemprofError:
         raise
     except Exception as exc:
@@ -318,6 +343,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="ranks of a data-parallel job: the figures are one rank's, --batch-size its batch")
     est.add_argument("--parallel", type=str.lower, choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None,
                      help="how the ranks share the model (needed with --world-size above 1)")
+    est.add_argument("--parallelize", metavar="MODULE:FUNCTION",
+                     help="your own fn(model, mesh) -> model (fully_shard, parallelize_module ...), run on a device "
+                          "mesh of --world-size ranks on torch's fake process group; the factory's 'parallelize' "
+                          "key does the same (and its 'pipeline' key takes a memprof.Pipeline)")
+    est.add_argument("--mesh", help="the mesh's dimensions, e.g. pp=2,dp=64,tp=8 (default: one of --world-size)")
+    est.add_argument("--rank", type=int, default=None,
+                     help="the rank to simulate (default 0; with a pipeline, every stage and the worst)")
+    est.add_argument("--extrapolate", type=int, default=None, metavar="K",
+                     help="simulate the repeated blocks cut to K, K+1, K+2 (per stage) and extend to the full depth")
     est.add_argument("--budget", help="exit 1 if the estimated peak exceeds this size (e.g. '80 GiB'); with --gpu "
                      "the device-level peak is judged against it")
     est.add_argument("--gpu", help="the CUDA GPU the figures are for (e.g. h100-80gb): the device-level peak "

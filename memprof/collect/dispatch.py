@@ -201,6 +201,13 @@ def _op(name: str, overload: str = "default") -> Any:
 # dispatch: torch.tensor(...), torch.as_tensor(list) and from_numpy build the tensor in C++ and only
 # then pass it through lift_fresh (torch/csrc/utils/tensor_new.cpp). The output is a new storage.
 _LIFTS = frozenset(o for o in (_op("lift_fresh"), _op("lift_fresh_copy"), _op("lift")) if o is not None)
+# Composite ops whose schema says they alias their input but which copy when they must (a dtype conversion, a
+# non-contiguous input). A mode sees them whole when code below another mode calls them (context parallelism's
+# ring attention casts its merged output with .to(dtype)); a new storage they return is counted like any op's.
+_MAYBE_COPIES = frozenset(o for o in (_op("to", "dtype"), _op("to", "device"), _op("to", "dtype_layout"),
+                                      _op("to", "other"), _op("contiguous"), _op("reshape"),
+                                      _op("flatten", "using_ints"))
+                          if o is not None)
 # In-place ops that change the size of the storage they write.
 _RESIZE_OPS = frozenset(o for o in (_op("resize_"), _op("resize_as_"), _op("set_", "source_Storage"),
                                     _op("set_", "source_Storage_storage_offset"), _op("set_", "source_Tensor"))
@@ -333,6 +340,8 @@ class StorageTracker:
         entries = self.ledger.entries
         for a in args:
             if isinstance(a, torch.Tensor):
+                if type(a) is not _PLAIN and self.foreign_fake(a):
+                    continue  # DTensor's global-shape metadata (the loss under loss_parallel): not the batch
                 try:  # storage_of() inlined: this runs for every op argument
                     st = a.untyped_storage()
                 except (RuntimeError, NotImplementedError):
@@ -493,7 +502,7 @@ def _op_info(func: Any) -> tuple[int, Any, Any]:
         kind = (_ALIASES if writes else _VIEW) if aliases else _NEW_OUTPUTS
         if kind == _ALIASES and func._overloadname == "out":
             kind = _WRITES_OUT
-        if func in _LIFTS:
+        if func in _LIFTS or func in _MAYBE_COPIES:
             kind = _NEW_OUTPUTS
         elif func in _RESIZE_OPS:
             kind = _RESIZES

@@ -47,6 +47,11 @@ def sharding(model: nn.Module, rank: "RankInfo | None", ledger: "Ledger", run: "
     watch = ResizeWatch(ledger)
     watch.install()
     stack.callback(watch.uninstall)
+    if rank is not None and rank.layout == "ddp":
+        # DDP's Reducer copies its buckets into .grad in a backward callback it queues when the last bucket is
+        # ready (torch/csrc/distributed/c10d/reducer.cpp, finalize_backward), after memprof's: those copies are
+        # backward's, not a second backward phase.
+        run.backward_waits = True
     if rank is None or rank.layout != "fsdp2":
         return None
     groups = fsdp2_params(model)

@@ -40,6 +40,7 @@ LAZY = {
     "estimate_generation": "estimates",
     "max_batch_size": "estimates",
     "max_generation_batch_size": "estimates",
+    "Pipeline": "estimates",
     "Profiler": "profiling",
     "profile": "profiling",
 }

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..simulate import estimate as estimating
 from ..simulate import generation, planner
+from ..simulate.pipeline import Pipeline
 from .device import on_device
 from .reports import Report
 from .wrap import promote, same_as
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from ..analyse.reconciler import Textbook
     from ..record.trace import Breakdown
 
-__all__ = ["Estimate", "BatchSizePlan", "estimate", "estimate_generation", "max_batch_size",
+__all__ = ["Estimate", "BatchSizePlan", "Pipeline", "estimate", "estimate_generation", "max_batch_size",
            "max_generation_batch_size"]
 
 

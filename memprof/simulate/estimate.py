@@ -71,6 +71,14 @@ class Estimate:
         """The GPU's capacity less :attr:`device_peak` (negative when it does not fit; None without a GPU)."""
         return None if self.device_memory is None else self.device_memory.headroom
 
+    #: Under FSDP2's CPUOffloadPolicy (``parallelize=``): the rank's host bytes and its device peak; the trace's
+    #: categories hold both together (the notes say how they were split). ``None`` otherwise.
+    host_bytes: "int | None" = None
+    device_peak_bytes: "int | None" = None
+    #: With ``pipeline=`` and no ``rank=``: every rank class simulated (:class:`memprof.simulate.pipeline.RankClass`);
+    #: the estimate itself is the worst one's.
+    ranks: tuple = ()
+
     @property
     def peak(self) -> Breakdown:
         """The composition at the simulated peak (as :attr:`memprof.Report.peak` is a run's)."""
@@ -99,6 +107,12 @@ def estimate(
     routing: Any = None,
     gpu: "str | Any | None" = None,
     alloc_conf: "str | Any | None" = None,
+    parallelize: "Callable[..., Any] | None" = None,
+    rank: "int | None" = None,
+    mesh: Any = None,
+    pipeline: Any = None,
+    extrapolate: "int | None" = None,
+    _run: Any = None,
 ) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
 
@@ -126,12 +140,32 @@ def estimate(
     ``routing`` is what a mixture-of-experts model's routers choose, which shape-only tensors cannot decide:
     ``"balanced"`` (default), ``"worst"``, ``"capacity=1.25"``, or a real run's routing (a report profiled
     with ``record_routing=True``, or per-call expert counts) replayed (:mod:`memprof.simulate.routing`).
+    ``parallelize=fn`` runs your own ``fn(model, mesh) -> model`` instead (``fully_shard``,
+    ``parallelize_module``, with their arguments) on a device mesh of ``world_size`` ranks (``mesh``: a tuple of
+    sizes or ``{name: size}``; one dimension by default) on torch's fake process group, and gives rank ``rank``'s
+    figures (:mod:`memprof.simulate.parallel`). ``pipeline=Pipeline(split, schedule, microbatches)`` cuts the
+    model into pipeline stages along the mesh's ``pp`` dimension and runs torch's schedule on this rank's stage(s)
+    (:mod:`memprof.simulate.pipeline`); without ``rank=`` every stage is simulated and the worst rank returned,
+    with all of them in ``ranks``. ``extrapolate=k`` simulates the repeated stack of blocks cut to ``k``, ``k + 1``
+    and ``k + 2`` blocks (per pipeline stage) and extends the figures to the model's depth when they grow by the
+    same bytes per block, as they do once the peak stays put (:mod:`memprof.simulate.depth`).
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
-    world_size, parallel = check_parallel(world_size, parallel)
+    world_size, parallel = check_parallel(world_size, parallel, parallelize is not None or pipeline is not None)
+    if rank not in (None, 0) and parallelize is None and pipeline is None:
+        raise InvalidArgumentError(f"rank={rank!r} picks a rank of your parallelize function (or pipeline); the "
+                                   "parallel= layouts are simulated for rank 0, the one holding the most rows")
+    if _run is None and (extrapolate is not None or parallelize is not None or pipeline is not None):
+        from .parallel import across_ranks
+
+        options = dict(inputs=inputs, targets=targets, loss_fn=loss_fn, precision=precision, device=device,
+                       steps=steps, attention=attention, world_size=world_size, routing=routing, gpu=gpu,
+                       alloc_conf=alloc_conf)
+        return across_ranks(estimate, model, optimizer, options, parallel=parallel, parallelize=parallelize,
+                            mesh=mesh, pipeline=pipeline, rank=rank, extrapolate=extrapolate)
     from .device_memory import check_target, on_device
 
     gpu_spec, device = check_target(gpu, device, alloc_conf)
@@ -144,7 +178,7 @@ def estimate(
         raise InvalidArgumentError(
             f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
             f"arguments), got {type(inputs).__name__} without a tensor")
-    setup = _Target(model, precision, device, attention, routing)
+    setup = _Target(model, precision, device, attention, routing, _run)
     target, notes, meta_model, mapping = setup.target, setup.notes, setup.model, setup.mapping
     fake_mode, autocast, emulated = setup.fake_mode, setup.autocast, setup.emulated
     shadow, cast = setup.shadow, setup.cast
@@ -172,7 +206,9 @@ def estimate(
         prof.ledger.record_stream()  # for the allocator replay
     from .progress import Progress
 
-    step = _Step(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
+    step: Any = _Step(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
+    if _run is not None and _run.pipelined:
+        step = _run.step(loss_fn, meta_opt, meta_inputs, meta_targets, fake_mode)
     rules = setup.rules()
     # A very large model takes seconds per simulated step: worth a bar in a terminal.
     big = sum(p.numel() for p in model.parameters()) >= 1_000_000_000
@@ -182,6 +218,8 @@ def estimate(
         if fake_mode is not None:
             stack.enter_context(fake_mode)
         stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
+        if _run is not None:
+            stack.enter_context(_run.rules())
         stack.enter_context(prof)
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
             layout.attach(prof.collectors)
@@ -197,6 +235,8 @@ def estimate(
             except (RuntimeError, NotImplementedError) as exc:  # torch's errors; the model's own pass as they are
                 raise _simulation_error(exc, i) from exc
     notes.extend(setup.rule_notes())
+    if _run is not None:
+        notes.extend(_run.notes())
     if scaler is not None:
         notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
                      "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
@@ -206,7 +246,11 @@ def estimate(
     if layout is not None:
         trace = layout.finish(trace)
         notes.extend(layout.notes())
-    est = Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes))
+    split = _run.host_split(trace) if _run is not None else None
+    if split is not None:
+        notes.append(split[2])
+    est = Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes),
+                   host_bytes=split[0] if split else None, device_peak_bytes=split[1] if split else None)
     if target.type == "cuda":
         est = on_device(est, prof.ledger, gpu=gpu_spec, alloc_conf=alloc_conf, world_size=world_size, model=model)
     return est
@@ -342,7 +386,7 @@ class _Target:
     :func:`memprof.estimate_generation`."""
 
     def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str,
-                 routing: Any = None) -> None:
+                 routing: Any = None, run: Any = None) -> None:
         if precision is not None and precision not in _PRECISION_DTYPES and precision not in _MIXED:
             raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
                                    "(amp is mixed)")
@@ -373,7 +417,7 @@ class _Target:
         notes: list[str] = []
 
         fake_mode: Any = None
-        if target.type == "cpu":
+        if target.type == "cpu" or run is not None:
             # Fake CPU tensors: shapes only, like meta, but kernels are chosen as on the CPU
             # (fused attention, dropout), so the simulation matches a real CPU run op for op.
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -384,7 +428,11 @@ class _Target:
         # buffers. (Casting the twins afterwards fails for fake CPU tensors: nn.Module._apply swaps tensor
         # subclasses, which FakeTensors refuse outside their mode.)
         cast = _PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
-        meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
+        if run is not None:  # the user's parallelize function on a meta twin, then fake CPU tensors
+            meta = _meta_maker if cast is None else _casting(_meta_maker, cast)
+            meta_model, mapping = run.parallelize(model, lambda m: _shadow_copy(m, meta), fake_mode)
+        else:
+            meta_model, mapping = _shadow_copy(model, shadow if cast is None else _casting(shadow, cast))
         autocast: Any = None
         emulated: "CudaAutocast | None" = None
         low = _MIXED.get(precision or "")

@@ -205,8 +205,10 @@ class ValueDependentCode(Rule):
                 f"simulation does not have): up to that much of the simulated figures may not exist on the device"]
 
 
-# Namespaces of torch's own ops, whose meta kernels are torch's statement of what the device allocates.
-_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "c10d", "profiler", "higher_order"})
+# Namespaces of torch's own ops, whose meta kernels are torch's statement of what the device allocates (fsdp:
+# FSDP2's copy-in and copy-out ops, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d",
+                               "profiler", "higher_order", "fsdp", "_dtensor"})
 
 
 class CustomOps(Rule):

@@ -38,7 +38,7 @@ from ..vocabulary import Category, Phase
 from ..errors import InvalidArgumentError, UnknownNameError
 from ..record.parts import MAX_WORLD, Breakdown, RankInfo
 from ..anatomy.zero import STAGES
-from ..collect.ledger import COMMUNICATION
+from ..collect.ledger import COMMUNICATION, OPTIMIZER_STATES
 from ..collect.module_table import tensors_in_args
 from ..collect.torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
 from ..units import round_half_away
@@ -54,18 +54,24 @@ PARALLEL = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 O, T = Category.OPTIMIZER_STATES, Category.TEMPORARIES
 
 
-def check_parallel(world_size: Any, parallel: Any) -> "tuple[int, str | None]":
+def check_parallel(world_size: Any, parallel: Any, parallelize: bool = False) -> "tuple[int, str | None]":
     """The world size and layout of an estimate, checked: a positive int, and one of :data:`PARALLEL`
-    (needed as soon as there is more than one rank)."""
+    (needed as soon as there is more than one rank, unless the user's own ``parallelize`` function says how the
+    ranks share the model, which excludes a layout)."""
     if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or not 1 <= world_size <= MAX_WORLD:
         raise InvalidArgumentError(f"world_size must be a positive int (the number of ranks, at most {MAX_WORLD:,}), "
                                    f"got {world_size!r}")
     world_size = int(world_size)
+    if parallelize:
+        if parallel is not None:
+            raise InvalidArgumentError(f"parallel={parallel!r} and parallelize= both say how the ranks share the "
+                                       "model: give one (parallelize runs your own function)")
+        return world_size, None
     if parallel is None:
         if world_size > 1:
             raise InvalidArgumentError(
                 f"world_size={world_size} needs parallel=: how the ranks share the model, one of "
-                + ", ".join(PARALLEL))
+                + ", ".join(PARALLEL) + " (or parallelize=fn, your own function of the model and a device mesh)")
         return world_size, None
     name = parallel.strip().lower() if isinstance(parallel, str) else parallel
     if name not in PARALLEL:
@@ -260,7 +266,7 @@ class RankLayout:
                 if info.ref.requires_grad:
                     self.handles.append(info.ref.register_post_accumulate_grad_hook(self._grad_done))
         if self.optimizer is not None and self.stage >= 1:
-            self.handles.append(self.optimizer.register_step_post_hook(self._stepped))
+            self.handles.append(self.optimizer.register_step_post_hook(_StateShards(self).stepped))
 
     def detach(self) -> None:
         for h in self.handles:
@@ -436,26 +442,51 @@ class RankLayout:
         for kind in ("reduce_scatter", "all_gather", "prefetch"):
             self.kept.pop(kind, None)
 
-    def _stepped(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+
+class _StateShards:
+    """The optimizer step's part of a layout: after each step, the state the optimizer made like the whole
+    parameters is resized to the rank's shard of it (scalars stay whole)."""
+
+    def __init__(self, layout: "RankLayout") -> None:
+        self.layout = layout
+
+    def stepped(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         # The state was made like the whole parameters: the rank keeps its shard of each (scalars stay whole).
+        # The state the first step made was a temporary at the step's peak at its whole size: it leaves the
+        # temporaries at that size before it shrinks (the profiler's own post-hook, which would move it later,
+        # runs after this one and would move only the shard, leaving whole - shard behind in the peak).
+        lay = self.layout
+        c = lay.collectors
         state = optimizer.state
+        if c is not None:
+            for per_param in state.values():
+                for t in per_param.values():
+                    if isinstance(t, torch.Tensor):
+                        entry = c.storages.add_tensor(t, OPTIMIZER_STATES)
+                        if entry is not None and entry.cat != OPTIMIZER_STATES:
+                            c.ledger.move(entry, OPTIMIZER_STATES, retro=True)
         first: dict[Any, bool] = {}
-        for info in self.by_id.values():
+        sizes: list[tuple[torch.Tensor, int]] = []
+        for info in lay.by_id.values():
             for key, t in (state.get(info.ref) or {}).items():
                 if not isinstance(t, torch.Tensor) or key == "step" or t.shape != info.ref.shape:
                     continue
                 nbytes = t.numel() * t.element_size()
-                if self.parallel == "fsdp":  # made like the real rows of the local shard
+                if lay.parallel == "fsdp":  # made like the real rows of the local shard
                     rank = nbytes * min(info.rows0, info.rows) // info.rows if info.rows else 0
                 else:  # one flat buffer per state and dtype: its first tensor carries ceil(elements / N)
                     group = (key, t.dtype)
                     rank = (0 if first.get(group)
-                            else -(-self._state_numel(state, key, t.dtype) // self.n) * t.element_size())
+                            else -(-self._state_numel(state, key, t.dtype) // lay.n) * t.element_size())
                     first[group] = True
-                self._resize(t, rank)
+                sizes.append((t, rank))
+        # Shrinks before growths (ZeRO's first tensor of a flat group carries the group's share, more than its own
+        # size): growing first would make a moment the rank never has, above the step's real peak.
+        for t, rank in sorted(sizes, key=lambda tr: tr[1] - tr[0].numel() * tr[0].element_size()):
+            lay._resize(t, rank)
 
     def _state_numel(self, state: Any, key: str, dtype: torch.dtype) -> int:
-        return sum(t.numel() for info in self.by_id.values() for k, t in (state.get(info.ref) or {}).items()
+        return sum(t.numel() for info in self.layout.by_id.values() for k, t in (state.get(info.ref) or {}).items()
                    if k == key and isinstance(t, torch.Tensor) and t.dtype == dtype)
 
 

@@ -1,0 +1,158 @@
+"""Deep models in seconds: ``estimate(..., extrapolate=3)`` simulates the repeated stack cut short and extrapolates.
+
+A transformer's memory is affine in its depth once the peak stays in the same place: each block adds the same
+weights, gradients, optimizer states, saved activations and collective buffers, at every phase's start, peak and
+end. So memprof simulates the model with its repeated stack (the container with the most children of one class:
+``model.layers``) cut to ``k``, ``k + 1`` and ``k + 2`` blocks (per pipeline stage under ``pipeline=``), checks
+that every category of every phase record grew by the same bytes from ``k`` to ``k + 1`` as from ``k + 1`` to
+``k + 2``, and extends that line to the model's depth: ``x(L) = x(k + 2) + (L - k - 2) * (x(k + 2) - x(k + 1))``,
+exact when the check holds. When it does not (the peak moves between phases as blocks are added: below about
+3 blocks a large head's gradients can hold it), the whole model is simulated instead and the notes say why.
+Other figures that grow by the same bytes per block (parameter counts) are extended the same way; per-module
+tables stay the cut model's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import numbers
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError
+from ..record.parts import Breakdown
+
+__all__ = ["find_stack", "extrapolated"]
+
+
+def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
+    """The repeated stack: the name of the ``ModuleList``/``Sequential`` with the most children of one class (two
+    or more), its length, and that class's name."""
+    best: "tuple[str, int, str] | None" = None
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+            continue
+        kinds = Counter(type(c) for c in m.children())
+        if not kinds:
+            continue
+        cls, n = kinds.most_common(1)[0]
+        if n >= 2 and n == len(m) and (best is None or n > best[1]):
+            best = (name, n, cls.__name__)
+    return best
+
+
+def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
+                 run: Callable[[nn.Module, Any], Any]) -> Any:
+    """The estimate of ``model`` from three simulations of it cut to ``k``, ``k + 1``, ``k + 2`` units of depth
+    (``per_unit`` blocks each: the pipeline's stages per rank), or of the whole model when the figures are not
+    affine. ``run(model, optimizer)`` simulates one model."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), got {k!r}")
+    found = find_stack(model)
+    if found is None:
+        raise InvalidArgumentError("extrapolate= needs a repeated stack of blocks (a ModuleList or Sequential of "
+                                   f"one class) in {type(model).__name__}, and found none")
+    name, depth, kind = found
+    if depth % per_unit:
+        raise InvalidArgumentError(f"{name} has {depth} blocks, which the pipeline's {per_unit} stages do not divide")
+    units = depth // per_unit
+    k = int(k)
+    if units <= k + 2:
+        return run(model, optimizer)
+    ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit)) for i in range(3)]
+    reason = _not_affine(ests)
+    where = f"{name or 'the model'} ({depth} x {kind})"
+    if reason is not None:
+        est = run(model, optimizer)
+        note = (f"depth: {where} was simulated whole, since its figures were not affine in depth from {k} blocks "
+                f"per stage on ({reason})")
+        return dataclasses.replace(est, notes=(*est.notes, note))
+    out = _affine(*ests, units - k - 2, strict=False)
+    note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every category at "
+            f"every phase's start, peak and end grew by the same bytes per block, so the figures are extended to "
+            f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
+            "the peak stays where it is; the per-module tables are the cut model's")
+    return dataclasses.replace(out, notes=(*ests[2].notes, note))
+
+
+def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Module, Any]":
+    """A meta copy of ``model`` with its stack cut to ``n`` blocks, and the optimizer on it."""
+    memo: dict[int, Any] = {}
+    twins: dict[int, nn.Parameter] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            twins[id(p)] = memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+    clone = copy.deepcopy(model, memo)
+    stack = clone.get_submodule(name) if name else clone
+    del stack[n:]
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return clone, optimizer
+    kept = {id(p) for p in clone.parameters()}
+    groups = []
+    for g in optimizer.param_groups:
+        params = [twins[id(p)] for p in g["params"] if id(p) in twins and id(twins[id(p)]) in kept]
+        groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": params})
+    return clone, type(optimizer)([g for g in groups if g["params"]])
+
+
+def _not_affine(ests: list) -> "str | None":
+    a, b, c = (e.trace for e in ests)
+    if not (a.peak_step == b.peak_step == c.peak_step and a.peak_phase == b.peak_phase == c.peak_phase):
+        return f"the peak moved: step {a.peak_step} {_v(a.peak_phase)}, then {b.peak_step} {_v(b.peak_phase)}, then " \
+               f"{c.peak_step} {_v(c.peak_phase)}"
+    try:
+        _affine(a.steps, b.steps, c.steps, 1, strict=True)
+        _affine(a.peak, b.peak, c.peak, 1, strict=True)
+        ranks = [tuple(r.peak_bytes for r in e.ranks) for e in ests]
+        _affine(*ranks, 1, strict=True)
+    except _NotAffine as exc:
+        return str(exc)
+    if ests[2].ranks:  # the worst rank class must stay the worst at full depth
+        worst = [max(range(len(e.ranks)), key=lambda i, e=e: e.ranks[i].peak_bytes) for e in ests]
+        if len(set(worst)) != 1:
+            return "the worst pipeline rank changed with depth"
+    return None
+
+
+def _v(phase: Any) -> str:
+    return getattr(phase, "value", str(phase))
+
+
+class _NotAffine(Exception):
+    pass
+
+
+def _affine(a: Any, b: Any, c: Any, more: int, strict: bool) -> Any:
+    """``c`` extended by ``more`` steps of its difference from ``b``, wherever ``b - a == c - b``; elsewhere (with
+    ``strict`` False) ``c`` as it is. Breakdowns are always strict."""
+    if isinstance(c, bool) or c is None:
+        return c
+    if isinstance(c, int) and isinstance(a, int) and isinstance(b, int):
+        if b - a == c - b:
+            return c + more * (c - b)
+        if strict:
+            raise _NotAffine(f"{a:,}, {b:,}, {c:,} bytes grow unevenly")
+        return c
+    if isinstance(c, Breakdown):
+        strict = True
+    if isinstance(c, tuple) and isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == len(c):
+        return tuple(_affine(x, y, z, more, strict) for x, y, z in zip(a, b, c))
+    if dataclasses.is_dataclass(c) and not isinstance(c, type) and type(a) is type(b) is type(c):
+        changes = {}
+        for f in dataclasses.fields(c):
+            if not f.init:
+                continue
+            x, y, z = getattr(a, f.name), getattr(b, f.name), getattr(c, f.name)
+            new = _affine(x, y, z, more, strict)
+            if new is not z:
+                changes[f.name] = new
+        return dataclasses.replace(c, **changes) if changes else c
+    if strict and isinstance(c, tuple):
+        raise _NotAffine("the phases differ in number")
+    return c

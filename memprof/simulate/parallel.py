@@ -1,0 +1,468 @@
+"""One rank of the user's own parallelize function, simulated: ``estimate(..., world_size=N, parallelize=fn)``.
+
+The user's function is ``fn(model, mesh) -> model`` (or ``None`` when it parallelised ``model`` in place, as
+``fully_shard`` does). It is the function their training script calls: it applies ``fully_shard`` (with its
+``MixedPrecisionPolicy``, ``OffloadPolicy``, ``reshard_after_forward``, prefetching, a 2-D mesh for HSDP),
+``parallelize_module`` (colwise, rowwise, ``SequenceParallel``, ...) with their own arguments. memprof hands
+it a ``DeviceMesh`` of the shape the estimate is asked for, on torch's fake process group
+(``torch/testing/_internal/distributed/fake_pg.py``: collectives return at once and move nothing), as rank
+``rank`` of ``world_size``. torchtitan's memory estimator does the same for FSDP
+(``scripts/estimate/estimation.py``: fake process group, ``FakeTensorMode``).
+
+The steps, in order (each needed; the notes of the estimate say so):
+
+1. The fake process group, and the mesh on it: built outside any fake mode, since mesh code reads the
+   mesh's tensors (``mesh["tp"]``, and ``fully_shard(reshard_after_forward=int)`` builds a mesh from
+   ``mesh.mesh.view(...).tolist()``).
+2. ``fn`` runs on the model's twin on the ``meta`` device, also outside the fake mode; then the twin is
+   materialised as fake CPU tensors (``to_empty``), the way torchtitan initialises a model.
+3. While the step runs, three rules that a run on real tensors does not need:
+
+   - ``_c10d_functional.wait_tensor`` returns its input, as it does in eager; its meta kernel
+     (``torch/distributed/_functional_collectives.py``, ``_wait_tensor_meta``) allocates a copy, which no real
+     run has.
+   - DTensor's sharding propagation computes output shapes on fake tensors of the *global* shape
+     (``torch/distributed/tensor/_sharding_prop.py``, ``_propagate_tensor_meta_non_cached``); it takes the
+     fake mode it finds active, the simulation's, so those would count as temporaries. It is given a fake
+     mode of its own, whose tensors the profiler knows are metadata.
+   - After the rank, the process group is destroyed and DTensor's sharding caches cleared
+     (``torch.distributed.tensor.debug._clear_sharding_prop_cache``): a mesh's hash ignores the rank, so the
+     next rank would otherwise be handed this one's process groups.
+
+Everything else is FSDP2's and DTensor's own code, as the user configured it: nothing is replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import numbers
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import InvalidArgumentError, MemprofError
+from ..vocabulary import Category
+
+_W, _O = Category.WEIGHTS, Category.OPTIMIZER_STATES
+
+__all__ = ["ParallelRun", "WaitIdentity", "check_mesh"]
+
+
+def check_mesh(mesh: Any, world_size: int) -> "tuple[tuple[int, ...], tuple[str, ...] | None]":
+    """The mesh's shape and dimension names: ``None`` (one dimension of ``world_size``), a tuple of sizes, or a
+    dict ``{name: size}`` in mesh order; the sizes multiply to ``world_size``."""
+    if mesh is None:
+        return (world_size,), None
+    if isinstance(mesh, dict):
+        names: "tuple[str, ...] | None" = tuple(str(k) for k in mesh)
+        sizes = tuple(mesh.values())
+    elif isinstance(mesh, (tuple, list)):
+        names, sizes = None, tuple(mesh)
+    else:
+        raise InvalidArgumentError(f"mesh must be a tuple of sizes or a dict {{name: size}}, got {type(mesh).__name__}")
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in sizes):
+        raise InvalidArgumentError(f"mesh sizes must be positive ints, got {mesh!r}")
+    if math.prod(sizes) != world_size:
+        raise InvalidArgumentError(f"the mesh {mesh!r} has {math.prod(sizes):,} ranks, but world_size is "
+                                   f"{world_size:,}: its sizes must multiply to the world size")
+    return tuple(int(s) for s in sizes), names
+
+
+class WaitIdentity(TorchDispatchMode):
+    """``_c10d_functional.wait_tensor`` returns its input, as in eager (its meta kernel allocates a copy)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _WAIT:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+try:
+    _WAIT: Any = torch.ops._c10d_functional.wait_tensor.default
+except (AttributeError, RuntimeError):  # a torch built without distributed
+    _WAIT = None
+
+
+class ParallelRun:
+    """One rank of ``fn`` on torch's fake process group: a context around the whole simulation."""
+
+    def __init__(self, fn: "Callable[..., Any] | None", world_size: int, rank: Any, mesh: Any, pipeline: Any = None,
+                 inputs: Any = None) -> None:
+        if fn is not None and not callable(fn):
+            raise InvalidArgumentError(f"parallelize must be a function fn(model, mesh) -> model, got "
+                                       f"{type(fn).__name__}")
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
+            raise InvalidArgumentError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+        self.fn, self.n, self.rank = fn, world_size, int(rank)
+        if mesh is None and pipeline is not None:
+            mesh = {"pp": world_size}
+        self.shape, self.names = check_mesh(mesh, world_size)
+        self.pipeline, self.inputs = pipeline, inputs
+        self.stages: Any = None
+        if pipeline is not None:
+            from .pipeline import StageSet
+
+            if not self.names or "pp" not in self.names:
+                raise InvalidArgumentError("a pipeline needs a mesh dimension named 'pp' (mesh={'pp': 4, 'dp': 8}); "
+                                           f"got {mesh!r}")
+            d = self.names.index("pp")
+            self.stages = StageSet(pipeline, self.shape[d], coordinates(self.rank, self.shape)[d])
+        self.mesh: Any = None
+        self._stack: "contextlib.ExitStack | None" = None
+        self.layouts: list[str] = []
+        self.context_parallel = False
+        # FSDP2's CPUOffloadPolicy: the offloaded parameters' padded shard bytes, and those of the trainable ones.
+        self.offloaded: "tuple[int, int, int] | None" = None  # and the largest unit's
+
+    def __enter__(self) -> "ParallelRun":
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise MemprofError("estimate(parallelize=...) needs torch.distributed, which this torch is built without")
+        if dist.is_initialized():
+            raise MemprofError(
+                "estimate(parallelize=...) runs the ranks on a fake process group of its own, but a process group is "
+                "already initialised in this process; call it before init_process_group (or after "
+                "destroy_process_group), or in a process of its own")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        stack = self._stack = contextlib.ExitStack()
+        try:
+            dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.n)
+            stack.callback(_clear_caches)
+            stack.callback(dist.destroy_process_group)
+            self.mesh = init_device_mesh("cpu", self.shape, mesh_dim_names=self.names)
+            stack.enter_context(_side_fake_mode_for_sharding_propagation())
+            stack.callback(self._restore_handlers, _custom_handlers())
+            if self.stages is not None:
+                from .pipeline import static_shapes
+
+                stack.enter_context(static_shapes())
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mesh = None
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+    def _restore_handlers(self, before: Any) -> None:
+        """Context parallelism's dispatcher, which the user's function may switch on for the process
+        (``_enable_context_parallel_dispatcher``), is switched off again after the rank."""
+        if before is None or _custom_handlers() is before:
+            return
+        try:
+            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor.experimental._attention import _disable_context_parallel_dispatcher
+
+            _disable_context_parallel_dispatcher()
+            DTensor._op_dispatcher._custom_op_handlers = before
+        except (ImportError, AttributeError):
+            pass
+
+    def parallelize(self, model: nn.Module, meta_twin: Callable[[nn.Module], "tuple[nn.Module, dict]"],
+                    fake_mode: Any) -> "tuple[nn.Module, dict[int, torch.Tensor]]":
+        """``fn`` on a meta twin of ``model``, outside the fake mode; the twin then materialised as fake CPU
+        tensors. Returns it and, for each of ``model``'s parameters, the twin's parameter of the same name."""
+        twin, _ = meta_twin(model)
+        full = {id(p): name for name, p in twin.named_parameters(remove_duplicate=False)}
+        if self.stages is not None:  # this rank's pipeline stage(s), cut from the twin
+            prepared = None
+            if self.fn is not None:
+                def prepared(k: int) -> "tuple[nn.Module, Any]":
+                    mod = self.stages._split(meta_twin(model)[0], k)
+                    mod = self._apply(mod)
+                    with fake_mode:
+                        mod.to_empty(device="cpu")
+                    return mod, fake_mode
+            twin = self.stages.cut(twin, self.inputs, prepared)
+        # Each of the (stage) twin's parameter names, and the model's name of the same parameter.
+        own = {name: full.get(id(p), name) for name, p in twin.named_parameters(remove_duplicate=False)}
+        if self.fn is not None:
+            if self.stages is not None:  # each stage of the rank on its own, as the user's script parallelises it
+                self.stages.modules = [self._apply(m) for m in self.stages.modules]
+                mods = self.stages.modules
+                twin = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
+            else:
+                twin = self._apply(twin)
+        with fake_mode:
+            twin.to_empty(device="cpu")
+        names = {own.get(n, n): p for n, p in twin.named_parameters(remove_duplicate=False)}
+        mapping: dict[int, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name in names:
+                mapping.setdefault(id(p), names[name])
+        self.layouts = sorted(_layouts(twin))
+        self.context_parallel = _context_parallel_on()
+        self.offloaded = _offloaded(twin)
+        return twin, mapping
+
+    def host_split(self, trace: Any) -> "tuple[int, int, str] | None":
+        """Under ``CPUOffloadPolicy``: the rank's host bytes, its device peak, and a note saying how they were
+        split. The simulation runs on the CPU, where FSDP2's host/device copies are no-ops
+        (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``), so the trace holds both together."""
+        if self.offloaded is None:
+            return None
+        shards, trainable, unit = self.offloaded
+        states = max((p.end[_O] or 0) for p in trace.phases) if trace.phases else 0
+        host = shards + trainable + states
+        peak = trace.peak
+        # On a device FSDP2 copies a unit's shards host-to-device before its all-gather (all_gather_inputs,
+        # sharded_param_data.to(device)), alive until the copy-in: the largest unit's, added.
+        device = (peak.total or 0) - min(peak[_W] or 0, shards) - (peak[_O] or 0) + unit
+        note = (f"CPUOffloadPolicy: host memory {host:,} B = the offloaded parameters' padded shards ({shards:,} B), "
+                f"their sharded gradients ({trainable:,} B, copied to the host after each reduce-scatter) and the "
+                f"optimizer states ({states:,} B; the step runs on the CPU). Device peak {device:,} B = the trace's "
+                f"peak less the shards and optimizer states in it, plus the largest unit's shards ({unit:,} B), which "
+                "FSDP2 copies to the device before its all-gather; the sharded gradients present at the peak are left "
+                "on the device side, so that figure errs high, never low. The trace's categories hold host and device "
+                "together (the simulation runs on the CPU, where FSDP2's copies between them do nothing)")
+        return host, device, note
+
+    def _apply(self, module: nn.Module) -> nn.Module:
+        assert self.fn is not None
+        out = self.fn(module, self.mesh) if _takes_two(self.fn) else self.fn(module)
+        if out is None:
+            return module
+        if not isinstance(out, nn.Module):
+            raise InvalidArgumentError(f"parallelize must return the model (or None), got {type(out).__name__}")
+        return out
+
+    def _formula_note(self) -> list[str]:
+        d = _degrees(self.names, self.shape)
+        if not self.names or (d["dp"], d["tp"], d["pp"]) == (1, 1, 1):
+            return []
+        return [f"the textbook per rank, by degree (ZeRO Table I over dp = {d['dp']}, every state of the split layers "
+                f"divided by tp = {d['tp']} and pp = {d['pp']}): weights 2Ψ/(dp·tp·pp) under FSDP (2Ψ/(tp·pp) "
+                "without it), gradients 2Ψ/(dp·tp·pp) from ZeRO stage 2, optimizer states KΨ/(dp·tp·pp) from stage 1; "
+                "activations per layer sbh(34/t + 5as/(ht)) with sequence parallelism and sbh(10 + 24/t + 5as/(ht)) "
+                "without (Korthikanti et al. 2022, §4: the 10sbh of norm inputs and dropout masks is not divided by "
+                "t), times L/pp layers and the micro-batches in flight "
+                "(memprof.anatomy.parallelism.rank_terms gives the bytes)"]
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stages is not None
+
+    def step(self, loss_fn: Any, optimizer: Any, inputs: Any, targets: Any, fake_mode: Any) -> Any:
+        """The pipeline rank's training step (the schedule's), built in the fake mode before the profile."""
+        with fake_mode:
+            group = self.mesh["pp"].get_group() if len(self.shape) > 1 else None  # the pipeline's own ranks
+            return self.stages.step(loss_fn, optimizer, inputs, targets, group)
+
+    def rules(self) -> Any:
+        """The dispatch rules the step runs under, beneath the profiler."""
+        return WaitIdentity() if _WAIT is not None else contextlib.nullcontext()
+
+    def notes(self) -> list[str]:
+        mesh = " x ".join(f"{n}={s}" if self.names else str(s) for n, s in zip(self.names or self.shape, self.shape))
+        how = ", ".join(self.layouts) or "no parallel layout found on the model"
+        out = []
+        if self.stages is not None:
+            st = self.stages
+            sched = st.pipeline.schedule if isinstance(st.pipeline.schedule, str) else st.pipeline.schedule.__name__
+            out.append(f"pipeline: this rank holds stage(s) {', '.join(map(str, st.stage_ids))} of {st.num_stages}, "
+                       f"run by torch's {sched} schedule over {st.pipeline.microbatches} micro-batches; the stages' "
+                       "shapes came from a meta forward of one micro-batch, and the schedule's warm-up was told they "
+                       "are static")
+        out += self._formula_note()
+        if self.context_parallel:
+            out.append("context parallelism: attention ran as torch's ring attention (its handler of the CUDA flash "
+                       "attention op, on fake CPU tensors: a CPU has no kernel for it), so this is checked against no "
+                       "CPU run; a GPU run validates it. Give device='cuda' so that attention is the flash op")
+        who = "your parallelize function" if self.fn is not None else "the pipeline's stages"
+        return out + [f"rank {self.rank} of {self.n}: {who} ran on a device mesh ({mesh}) on torch's fake "
+                f"process group ({how}); collectives moved no data, their buffers are counted as FSDP/DTensor "
+                "allocate them",
+                "simulated on fake CPU tensors: wait_tensor returned its input as in eager, and DTensor's sharding "
+                "propagation ran in a fake mode of its own (its global-shape tensors are metadata, not memory)"]
+
+
+def across_ranks(estimate: Callable[..., Any], model: nn.Module, optimizer: Any, options: "dict[str, Any]", *,
+                 parallel: "str | None", parallelize: "Callable[..., Any] | None", mesh: Any, pipeline: Any,
+                 rank: "int | None", extrapolate: "int | None") -> Any:
+    """``estimate(model, optimizer, **options)`` for the rank(s) asked: under ``parallelize`` and ``pipeline`` on a
+    :class:`ParallelRun`, every pipeline rank class when no ``rank`` is given (the worst returned), and at the
+    model's depth from three shallower runs with ``extrapolate``. ``estimate`` is passed in, as it calls this."""
+    from .depth import extrapolated
+
+    world_size = options["world_size"]
+
+    def single(m: nn.Module, opt: Any, r: "int | None") -> Any:
+        if parallelize is None and pipeline is None:
+            return estimate(m, opt, parallel=parallel, **options)
+        with ParallelRun(parallelize, world_size, 0 if r is None else r, mesh, pipeline, options["inputs"]) as run:
+            return estimate(m, opt, parallelize=parallelize, rank=r, mesh=mesh, pipeline=pipeline, _run=run,
+                            **options)
+
+    def one(r: "int | None") -> Any:
+        # Depth outermost within a rank: the worst rank is picked among figures at the model's full depth.
+        if extrapolate is None:
+            return single(model, optimizer, r)
+        return extrapolated(model, optimizer, extrapolate, depth_unit(world_size, mesh, pipeline),
+                            lambda m, opt: single(m, opt, r))
+
+    if pipeline is not None and rank is None:
+        return pipeline_ranks(world_size, mesh, pipeline, one)
+    return one(rank)
+
+
+def coordinates(rank: int, shape: "tuple[int, ...]") -> "tuple[int, ...]":
+    """A rank's coordinates on a mesh of ``shape`` (row-major, as ``init_device_mesh`` lays ranks out)."""
+    out = []
+    for size in reversed(shape):
+        rank, c = divmod(rank, size)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+def depth_unit(world_size: int, mesh: Any, pipeline: Any) -> int:
+    """Blocks of the repeated stack per unit of depth: one per stage, ``pp * stages_per_rank`` of them."""
+    if pipeline is None:
+        return 1
+    shape, names = check_mesh(mesh if mesh is not None else {"pp": world_size}, world_size)
+    if not names or "pp" not in names:
+        raise InvalidArgumentError(f"a pipeline needs a mesh dimension named 'pp'; got {mesh!r}")
+    return shape[names.index("pp")] * pipeline.stages_per_rank
+
+
+def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int], Any]) -> Any:
+    """Every pipeline rank class simulated (one per ``pp`` coordinate, its representative the rank with 0 on every
+    other dimension: they hold the same shards), and the worst one's estimate, listing them all."""
+    from .pipeline import RankClass
+
+    shape, names = check_mesh(mesh if mesh is not None else {"pp": world_size}, world_size)
+    if not names or "pp" not in names:
+        raise InvalidArgumentError(f"a pipeline needs a mesh dimension named 'pp'; got {mesh!r}")
+    d = names.index("pp")
+    classes, results = [], []
+    for p in range(shape[d]):
+        members = tuple(r for r in range(world_size) if coordinates(r, shape)[d] == p)
+        est = one(members[0])
+        stages = tuple(p + i * shape[d] for i in range(pipeline.stages_per_rank))
+        classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step,
+                                 est.trace.peak_phase.value))
+        results.append(est)
+    worst = max(range(len(results)), key=lambda i: results[i].peak_bytes)
+    table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "
+                      f"{c.peak_phase} (ranks {_ranges(c.ranks)})" for c in classes)
+    import dataclasses
+
+    est = results[worst]
+    peaks = [c.peak_bytes for c in classes]
+    spread = (f"spread {max(peaks) - min(peaks):,} B (max / mean {max(peaks) * len(peaks) / sum(peaks):.3f})"
+              if sum(peaks) else "")
+    note = (f"the worst rank is {classes[worst].representative} (stage(s) "
+            f"{','.join(map(str, classes[worst].stages))}), {spread}; every pipeline rank class: {table}")
+    return dataclasses.replace(est, notes=(*est.notes, note), ranks=tuple(classes))
+
+
+def _ranges(ranks: "tuple[int, ...]") -> str:
+    if len(ranks) <= 3:
+        return ", ".join(map(str, ranks))
+    return f"{ranks[0]}, {ranks[1]}, ... {ranks[-1]}: {len(ranks)}"
+
+
+def _offloaded(model: nn.Module) -> "tuple[int, int, int] | None":
+    from ..collect.shards import fsdp2_params
+
+    groups = fsdp2_params(model) or {}
+    shards = trainable = largest = 0
+    found = False
+    for group in groups.values():
+        unit = 0
+        for fp in group:
+            if not getattr(fp, "offload_to_cpu", False):
+                continue
+            found = True
+            nbytes = math.prod(fp.padded_sharded_param_size) * fp.sharded_param.element_size()
+            shards, unit = shards + nbytes, unit + nbytes
+            if fp.sharded_param.requires_grad:
+                trainable += nbytes
+        largest = max(largest, unit)
+    return (shards, trainable, largest) if found else None
+
+
+def _degrees(names: "tuple[str, ...] | None", shape: "tuple[int, ...]") -> "dict[str, int]":
+    """The data, tensor and pipeline degrees of a mesh whose dimensions are named so (``dp``/``dp_shard``/
+    ``dp_replicate``/``fsdp``, ``tp``, ``pp``)."""
+    out = {"dp": 1, "tp": 1, "pp": 1}
+    for name, size in zip(names or (), shape):
+        key = "dp" if name in ("dp", "fsdp", "dp_shard", "dp_replicate", "shard", "replicate") else name
+        if key in out:
+            out[key] *= size
+    return out
+
+
+def _takes_two(fn: Callable[..., Any]) -> bool:
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        return True
+    return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _layouts(model: nn.Module) -> set[str]:
+    """What the parallelized model is made of: ``fully_shard`` units, DTensor placements."""
+    from torch.distributed.tensor import DTensor
+
+    out = {"fully_shard"} if any(type(m).__name__.startswith("FSDP") for m in model.modules()) else set()
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            out.add("DTensor " + ", ".join(sorted({repr(pl) for pl in p.placements})))
+    return out
+
+
+@contextlib.contextmanager
+def _side_fake_mode_for_sharding_propagation() -> Any:
+    """DTensor's sharding propagation takes ``detect_fake_mode() or FakeTensorMode()``; during the simulation it
+    gets a mode of its own, so its global-shape tensors are told apart from the rank's (no hook exists for it:
+    the module's name is rebound for the block and restored after it, also when the block raises)."""
+    try:
+        from torch.distributed.tensor import _sharding_prop
+    except ImportError:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    side = FakeTensorMode(allow_non_fake_inputs=True)
+    original = getattr(_sharding_prop, "detect_fake_mode", None)
+    if original is None:
+        yield
+        return
+    _sharding_prop.detect_fake_mode = lambda *a, **k: side  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original  # type: ignore[attr-defined]
+
+
+def _custom_handlers() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor._op_dispatcher._custom_op_handlers
+    except (ImportError, AttributeError):
+        return None
+
+
+def _context_parallel_on() -> bool:
+    handlers = _custom_handlers() or {}
+    return any("flash_attention" in str(op) for op in handlers)
+
+
+def _clear_caches() -> None:
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return
+    _clear_sharding_prop_cache()

@@ -1,0 +1,96 @@
+"""``estimate(..., pipeline=Pipeline(...))``: one pipeline rank's stage(s) under torch's own schedules, simulated on
+fake tensors, against the same stage run on real tensors on torch's fake process group (P2P returns at once; the
+receive buffers are the stage's own allocations). Every category at the peak and end of every phase, to the
+byte; then every rank class listed and the worst one returned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memprof
+from memprof.simulate.pipeline import static_shapes
+from memprof import Pipeline
+
+from test_parallelize import Tiny, assert_equal_everywhere, loss_fn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+
+PP, MICRO = 2, 4
+IDS = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(1))
+
+
+class Stage(nn.Module):
+    """torchtitan's cut: stage ``k`` keeps its share of the layers, the first the embedding, the last the head."""
+
+    def __init__(self, full: Tiny, k: int, n: int) -> None:
+        super().__init__()
+        per = len(full.layers) // n
+        self.emb = full.emb if k == 0 else None
+        self.layers = nn.ModuleList(full.layers[per * k: per * (k + 1)])
+        self.norm = full.norm if k == n - 1 else None
+        self.head = full.head if k == n - 1 else None
+
+    def forward(self, x):
+        h = self.emb(x) if self.emb is not None else x
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h)) if self.head is not None else h
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return Tiny(layers=4)
+
+
+def measured(schedule: str, k: int):
+    """Stage ``k`` of ``PP`` on real tensors, rank ``k`` on the fake process group."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=k, world_size=PP)
+    try:
+        stage_mod = Stage(build(), k, PP)
+        mb = IDS.shape[0] // MICRO
+        x_in = IDS[:mb] if k == 0 else torch.empty(mb, 8, 32, requires_grad=True)
+        x_out = torch.empty(mb, 8, 96 if k == PP - 1 else 32, requires_grad=True)
+        stage = PipelineStage(stage_mod, k, PP, torch.device("cpu"), input_args=(x_in,), output_args=(x_out,))
+        sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, n_microbatches=MICRO, loss_fn=loss_fn)
+        opt = torch.optim.AdamW(stage_mod.parameters())
+        with static_shapes(), memprof.profile(stage_mod, opt) as prof:  # no real peer to vote on the shapes
+            for _ in range(2):
+                sched.step(IDS) if k == 0 else sched.step(target=IDS, losses=[])
+                opt.step()
+                opt.zero_grad()
+        return prof.report()
+    finally:
+        dist.destroy_process_group()
+
+
+def simulated(schedule: str, rank=None, **kw):
+    return memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS, loss_fn=loss_fn,
+                            world_size=PP, rank=rank, pipeline=Pipeline(Stage, schedule=schedule, microbatches=MICRO,
+                                                                         **kw))
+
+
+@pytest.mark.parametrize(("schedule", "k"), [("gpipe", 1), ("1f1b", 0)])  # the last stage's loss; the first's inputs
+def test_a_stage_is_simulated_to_the_byte(schedule, k):
+    assert_equal_everywhere(simulated(schedule, rank=k), measured(schedule, k))
+
+
+def test_every_rank_class_is_listed_and_the_worst_returned():
+    gpipe, one_f_one_b = simulated("gpipe"), simulated("1f1b")
+    for est in (gpipe, one_f_one_b):
+        assert [c.stages for c in est.ranks] == [(0,), (1,)]
+        assert est.peak_bytes == max(c.peak_bytes for c in est.ranks)
+        assert any(n.startswith("the worst rank is") for n in est.notes)
+    # GPipe keeps all four micro-batches' activations on a stage until its backward; 1F1B at most pp - k of them.
+    for g, o in zip(gpipe.ranks, one_f_one_b.ranks):
+        assert g.peak_bytes > o.peak_bytes
+
+
+def test_interleaved_ranks_hold_two_stages():
+    est = simulated("interleaved1f1b", stages_per_rank=2)
+    assert [c.stages for c in est.ranks] == [(0, 2), (1, 3)]
