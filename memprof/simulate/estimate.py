@@ -168,7 +168,12 @@ def estimate(
                 raise
             except (RuntimeError, NotImplementedError) as exc:  # torch's errors; the model's own pass as they are
                 raise _simulation_error(exc, i) from exc
+        step.loss = None  # the loop has ended: its last loss is released (inside the profiled run)
     notes.extend(setup.rule_notes())
+    notes.append(f"the training loop: {steps} step{'s' if steps > 1 else ''} of forward and loss, backward(), "
+                 f"{'optimizer.step(), zero_grad(), ' if meta_opt is not None else ''}the loss held through the "
+                 "step as a loop that logs it after the step holds it, released when the next step's loss "
+                 "replaces it and when the loop ends")
     if scaler is not None:
         notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
                      "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
@@ -407,7 +412,16 @@ def _entered(*modes: Any) -> Any:
 
 class _Step:
     """One simulated training step: forward and loss (under autocast for mixed precision), backward
-    (through a GradScaler for mixed-fp16), the optimizer step."""
+    (through a GradScaler for mixed-fp16), the optimizer step.
+
+    The loss lives as in a training loop that logs it after the step (``loss = ...; loss.backward();
+    opt.step(); opt.zero_grad(); log(loss)``): bound through backward, ``optimizer.step()`` and ``zero_grad()``
+    and the next step's forward, released when the next step's loss rebinds the name, and the last one when the
+    loop ends (:func:`estimate` drops it after the last step). A 0-dim loss can keep a larger storage alive (on
+    CPU ``mse_loss``'s result is a view of its elementwise buffer), which an optimizer phase then holds."""
+
+    #: The current step's loss, bound until the next step's replaces it (None before the first and after the last).
+    loss: "torch.Tensor | None" = None
 
     def __init__(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, optimizer: Any, autocast: Any,
                  emulated: "CudaAutocast | None", scaler: "_ScalerSteps | None") -> None:
@@ -429,8 +443,9 @@ class _Step:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise InvalidArgumentError(f"the loss must be a scalar tensor to call backward() on, got {shape}; "
                                        "reduce it in loss_fn (for example .mean())")
+        self.loss = loss  # the previous step's loss is released here, as a loop's rebinding of the name releases it
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        del loss
+        del loss  # self.loss holds it through the optimizer step
         if self.optimizer is not None:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
