@@ -19,11 +19,11 @@ SBH, SB, AS2B = S * B * H, S * B, A * S * S * B  # 2,048, 32, 2,048
 IDS = torch.zeros(B, S, dtype=torch.long)
 
 
-def _llama():
+def _llama(attention="eager"):
     torch.manual_seed(0)
     cfg = T.LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=F, num_hidden_layers=1, num_attention_heads=A,
                         num_key_value_heads=2, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attention
     return T.LlamaForCausalLM(cfg)
 
 
@@ -39,7 +39,8 @@ def _causes(rounding):
         # q/k/v: 2 casts more; gate/up: 1; 2sbh each.
         "separate 16-bit casts of one input": 3 * 2 * SBH,
         "softmax in fp32": 4 * AS2B - 2 * AS2B,
-        "no dropout": -(AS2B + 2 * SBH),
+        "no dropout: attention mask": -AS2B,
+        "no dropout": -2 * SBH,
         # cos and sin: (1, s, d) fp32.
         "rotary embeddings": 2 * 4 * S * D,
         # 4 tensors of 2sbF against 16sbh.
@@ -90,3 +91,22 @@ def test_a_run_without_autocast_has_no_such_layer():
     with memprof.profile(model) as prof:
         model(input_ids=IDS, labels=IDS).loss.backward()
     assert prof.report().reconcile().mixed_layer is None
+
+
+def test_a_fused_attention_kernel_replaces_the_s_squared_terms():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = memprof.estimate(_llama("sdpa"), lambda ps: torch.optim.AdamW(ps),
+                               inputs=dict(input_ids=IDS, labels=IDS), loss_fn=lambda o: o.loss, device="cuda",
+                               precision="mixed", steps=1)
+    gap = mixed_layer_gap(est.trace)
+    expected = _causes(512)
+    for name in ("softmax in fp32", "no dropout: attention mask"):
+        del expected[name]
+    # The flash kernel: none of the textbook's 5as²b; an fp32 logsumexp (a x s x b x 4 = 512 B) and its 8-byte
+    # philox seed and offset, 512 B each on CUDA.
+    expected["fused attention"] = -5 * AS2B + 4 * A * S * B + 2 * 512
+    # K and V of 2 key/value heads of 16, not 4: 2 x (2sbh - 2 x s x b x 32) = 4,096 B fewer.
+    expected["grouped-query attention"] = -2 * (2 * SBH - 2 * S * B * 32)
+    assert {name: b for name, b, _ in gap.causes} == expected
+    assert gap.unexplained == 0

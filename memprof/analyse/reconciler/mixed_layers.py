@@ -20,7 +20,13 @@ separate 16-bit casts of one input        per group of linears of one parent on 
                                           activation casts, so each linear casts the input again
 softmax in fp32                           R(4as²b) − 2as²b: ``softmax(..., dtype=float32)`` saves its fp32
                                           output; its 16-bit cast is saved by ·V (the textbook's dropout output)
-no dropout                                − (as²b + 2sbh): the textbook's three 1-byte masks, absent with p = 0
+no dropout                                − 2sbh, and − as²b with eager attention: the textbook's 1-byte masks,
+                                          absent with p = 0
+fused attention                           − 5as²b + R(4asb) + 2·R(8), in place of the softmax's and the
+                                          probabilities' mask terms: a flash kernel keeps no s×s tensor, only
+                                          an fp32 logsumexp and its philox seed and offset; its output is
+                                          o_proj's input; with fewer key/value heads than heads the
+                                          kernel takes K and V unexpanded: − 2·(2sbh − R(2sb·kv·d))
 rotary embeddings                         2·R(4·numel(cos)): ``q * cos`` and ``rotate_half(q) * sin`` save the
                                           fp32 cos and sin tables (q needs no saving: the tables need no grad)
 gated MLP                                 4·R(2sbF) − 16sbh: gate output (SiLU input), SiLU output, up output
@@ -93,6 +99,12 @@ def _groups(linears: list[ModuleCall]) -> dict[tuple[str, Any], list[ModuleCall]
     return out
 
 
+def _fused(trace: Trace) -> bool:
+    """Did attention run a fused kernel (its logsumexp saved, memprof's tag) rather than the eager softmax?"""
+    forward = next((p for p in trace.phases if p.phase.value == "forward"), None)
+    return forward is not None and dict(forward.tags_end).get("attention_logsumexp", 0) > 0
+
+
 def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
     """The first Llama-style layer of a run under autocast, held against ``34sbh + 5as²b``; None when the run
     is not under autocast or no layer of that form is recognised."""
@@ -146,14 +158,31 @@ def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
                    f"{', '.join(c.path.rpartition('.')[2] for c in attn + mlp)} each cast their fp32 input to 16 "
                    "bits and save the cast: autocast caches weight casts, not activation casts, so q/k/v keep 3 "
                    "copies and gate/up 2 where the textbook counts one each"))
-    causes.append(("softmax in fp32", R(4 * as2b) - 2 * as2b,
-                   "the attention softmax runs in float32 (dtype=torch.float32) and saves its fp32 output; its "
-                   "16-bit cast, saved by the product with V, is the textbook's dropout output"))
     dropped = not any(_is(c, "Dropout") and dict(c.config).get("p") for c in inside)
+    if _fused(trace):
+        # A fused kernel (flash: aten._scaled_dot_product_flash_attention) saves its output, which is o_proj's
+        # input (the textbook's out_proj_input), a logsumexp and its philox seed and offset: no s x s tensor.
+        causes.append(("fused attention", -5 * as2b + R(4 * a * s * b) + 2 * R(8),
+                       "the fused attention kernel keeps no s×s scores, masks or probabilities (the textbook's "
+                       "5as²b); it saves an fp32 logsumexp per head and position and its 8-byte philox seed and "
+                       "offset"))
+        kv = dict(attn[1].config).get("out_features")
+        if isinstance(kv, int) and kv < q_out:
+            # The kernel takes the key/value heads as they are (enable_gqa): K and V of kv_heads, not a heads.
+            causes.append(("grouped-query attention", -2 * (2 * sbh - R(2 * s * b * kv)),
+                           f"the fused kernel reads {kv // d} key/value heads as they are (enable_gqa), where the "
+                           f"textbook's K and V have all {a} heads"))
+    else:
+        causes.append(("softmax in fp32", R(4 * as2b) - 2 * as2b,
+                       "the attention softmax runs in float32 (dtype=torch.float32) and saves its fp32 output; its "
+                       "16-bit cast, saved by the product with V, is the textbook's dropout output"))
+        if dropped:
+            causes.append(("no dropout: attention mask", -as2b,
+                           "no attention dropout: the textbook's 1-byte mask of the probabilities is not kept"))
     if dropped:
-        causes.append(("no dropout", -(as2b + 2 * sbh),
-                       "no dropout: the textbook's 1-byte masks of the attention probabilities (as²b) and of the "
-                       "attention and MLP outputs (sbh each) are not kept"))
+        causes.append(("no dropout", -2 * sbh,
+                       "no dropout: the textbook's 1-byte masks of the attention and MLP outputs (sbh each) are "
+                       "not kept"))
     if rot is not None and rot.output is not None:
         causes.append(("rotary embeddings", 2 * R(4 * _numel(rot.output.shape)),
                        "q·cos and rotate_half(q)·sin save the fp32 cos and sin tables (the rotary factors of the "
@@ -161,7 +190,7 @@ def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
     causes.append(("gated MLP", 4 * R(2 * sb * f) - 16 * sbh,
                    f"a gated MLP of width {f} saves the gate's output, SiLU's output, the up projection's output "
                    f"and their product; the textbook's 4h GELU MLP saves the GELU input and fc2 input (8sbh each)"))
-    rounding = 5 * (R(2 * sbh) - 2 * sbh) + R(2 * as2b) - 2 * as2b
+    rounding = 5 * (R(2 * sbh) - 2 * sbh) + (0 if _fused(trace) else R(2 * as2b) - 2 * as2b)
     if rounding:
         causes.append(("allocator rounding", rounding,
                        f"tensors the textbook counts as they are, each rounded up to {r} B by the allocator"))
