@@ -96,13 +96,16 @@ def ranks(tmp_path_factory):
 
 
 def _profiled(model, opt, make_batch, loss=lambda out, _x: out.sum()):
-    """Two training steps of ``model`` under memprof (zero_grad frees the gradients); the report."""
+    """Two training steps of ``model`` under memprof (zero_grad frees the gradients), the loss held through each
+    step and released when the loop ends, as the estimate's loop holds it; the report."""
     with memprof.profile(model, opt) as prof:
         for _ in range(2):
             x = make_batch()
-            loss(model(x), x).backward()
+            value = loss(model(x), x)
+            value.backward()
             opt.step()
             opt.zero_grad()
+        del value
     return prof.report()
 
 
