@@ -280,9 +280,9 @@ def train_steps(case: Case, opt: torch.optim.Optimizer, steps: int, precision: s
         with autocast_ctx(precision, dev):
             loss = case.loss_fn(case.model(case.inputs), case.targets)
         loss.backward()
-        del loss  # as in estimate(): the loss is not kept across the step
         opt.step()
         opt.zero_grad(set_to_none=True)
+    del loss  # as in estimate(): the loss is held through the step (a loop logs it) and released when the loop ends
 
 
 # ---------------------------------------------------------------------------- one configuration

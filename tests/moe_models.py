@@ -65,14 +65,15 @@ def build(name, impl=None, seed=0):
 
 
 def train_steps(model, ids, steps=2, opt=None):
-    """What ``memprof.estimate``'s step runs: forward with labels, backward, drop the loss, step, zero_grad."""
+    """What ``memprof.estimate``'s loop runs: forward with labels, backward, step, zero_grad, the loss bound until
+    the next step's replaces it and released when the loop ends."""
     opt = opt or torch.optim.AdamW(model.parameters())
     for _ in range(steps):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        del loss
         opt.step()
         opt.zero_grad()
+    del loss  # the loop has ended: its last loss is released, as the estimate's loop releases it
 
 
 def estimate_training(model, ids, routing=None, steps=2):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..vocabulary import Category, Phase, TENSOR_CATEGORIES
 from ..record.trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, one_line
+from ..analyse.reconciler.mixed_layers import TEXTBOOK_FORM, mixed_layer_gap
 from .common import (NO_FORMULA, NOT_MEASURED, NO_ESTIMATE, clip_path, largest, module_columns, quiet, signed,
                      size)
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from ..analyse.merge import Merged
     from ..simulate.planner import BatchSizePlan
     from ..analyse.reconciler import Reconciliation, Textbook
+    from ..analyse.reconciler.mixed_layers import MixedLayerGap
     from ..simulate.estimate import Estimate
     from ..record.trace import Trace
 
@@ -310,6 +312,22 @@ def layer_lines(rec: "Reconciliation") -> list[str]:
     return lines
 
 
+def mixed_layer_lines(g: "MixedLayerGap | None") -> list[str]:
+    """One layer under torch.autocast: its saved bytes beside the textbook's per-layer figure, and each named
+    cause of the difference."""
+    if g is None:
+        return []
+    shape = ", ".join(f"{k}={v}" for k, v in g.shape)
+    lines = ["", f"Activations of one layer ({g.path}; {shape})",
+             f"  {'textbook ' + TEXTBOOK_FORM:<62}{format_bytes(g.textbook):>12}",
+             f"  {'this layer':<62}{size(g.measured):>12}"]
+    for name, amount, _ in g.causes:
+        lines.append(f"    {name:<60}{signed(amount):>12}")
+    if g.unexplained:
+        lines.append(f"    {'unexplained':<60}{signed(g.unexplained):>12}")
+    return lines
+
+
 def reconciliation_text(rec: "Reconciliation") -> str:
     lines = [f"memprof reconciliation at the {rec.where} ({rec.precision}"
              + (f", {rec.optimizer}" if rec.optimizer else "") + ")"]
@@ -351,6 +369,7 @@ def reconciliation_text(rec: "Reconciliation") -> str:
             lines.append(f"  {'(smaller)':<17}{sign}{format_bytes(abs(net)):>11}  {len(small)} cause(s) under 0.5% "
                          "of the total each: " + ", ".join(sorted({c.name for c in small})) + " (rec.causes)")
     lines.extend(layer_lines(rec))
+    lines.extend(mixed_layer_lines(getattr(rec, "mixed_layer", None)))
     if rec.notes:
         lines.append("")
         for n in rec.notes:
@@ -456,6 +475,7 @@ def estimate_text(est: "Estimate", formula: Breakdown, textbook: "Textbook") -> 
         lines.append(f"  {cat.value:<20}{size(f, NO_FORMULA):>14}{size(s, NO_ESTIMATE):>14}")
     lines.append(f"  {'total':<20}{size(formula.total, NO_FORMULA):>14}{size(estimated.total, NO_ESTIMATE):>14}")
     lines.extend(textbook_lines(textbook))
+    lines.extend(mixed_layer_lines(mixed_layer_gap(est.trace)))
     for note in est.notes:
         lines.append(f"  - {note}")
     return _text(lines)

@@ -31,6 +31,7 @@ from ..errors import InvalidArgumentError, MemprofError, SimulationError, Unknow
 from .autocast import CudaAutocast
 from .modes import Rules
 from .ranks import RankLayout, check_parallel
+from .step import ScalerSteps, TrainingStep
 from ..record.trace import Breakdown, Trace
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ def estimate(
     target, notes, meta_model, mapping = setup.target, setup.notes, setup.model, setup.mapping
     fake_mode, autocast, emulated = setup.fake_mode, setup.autocast, setup.emulated
     shadow, cast = setup.shadow, setup.cast
-    scaler = _ScalerSteps() if precision == "mixed-fp16" else None
+    scaler = ScalerSteps() if precision == "mixed-fp16" else None
     meta_opt = _meta_optimizer(optimizer, meta_model, mapping, notes)
     seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
     # Floating inputs and targets in the same dtype, as a run at that precision feeds them (integer
@@ -206,7 +207,7 @@ def estimate(
         prof.ledger.record_stream()  # for the allocator replay
     from .progress import Progress
 
-    step: Any = _Step(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
+    step: Any = TrainingStep(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
     if _run is not None and _run.pipelined:
         step = _run.step(loss_fn, meta_opt, meta_inputs, meta_targets, fake_mode)
     rules = setup.rules()
@@ -234,9 +235,14 @@ def estimate(
                 raise
             except (RuntimeError, NotImplementedError) as exc:  # torch's errors; the model's own pass as they are
                 raise _simulation_error(exc, i) from exc
+        step.loss = None  # the loop has ended: its last loss is released (inside the profiled run)
     notes.extend(setup.rule_notes())
     if _run is not None:
         notes.extend(_run.notes())
+    notes.append(f"the training loop: {steps} step{'s' if steps > 1 else ''} of forward and loss, backward(), "
+                 f"{'optimizer.step(), zero_grad(), ' if meta_opt is not None else ''}the loss held through the "
+                 "step as a loop that logs it after the step holds it, released when the next step's loss "
+                 "replaces it and when the loop ends")
     if scaler is not None:
         notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
                      "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
@@ -358,27 +364,6 @@ def _convert(obj: Any, make: Any, seen: dict[int, torch.Tensor]) -> Any:
 
 
 
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
-def _loss(out: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
-    if loss_fn is not None:
-        return loss_fn(out, targets) if targets is not None else loss_fn(out)
-    first = out
-    while isinstance(first, (tuple, list)) and first:
-        first = first[0]
-    if isinstance(first, dict):
-        first = next(v for v in first.values() if isinstance(v, torch.Tensor))
-    if not isinstance(first, torch.Tensor):
-        raise InvalidArgumentError("the model returned no tensor; pass loss_fn= to build the loss")
-    return first.sum()
-
-
 class _Target:
     """What a simulation for one target device and precision runs with: the model's data-less twin, the
     fake-tensor mode (CPU) or meta tensors (other devices), autocast, and the rules of
@@ -484,40 +469,6 @@ def _entered(*modes: Any) -> Any:
         yield
 
 
-class _Step:
-    """One simulated training step: forward and loss (under autocast for mixed precision), backward
-    (through a GradScaler for mixed-fp16), the optimizer step."""
-
-    def __init__(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, optimizer: Any, autocast: Any,
-                 emulated: "CudaAutocast | None", scaler: "_ScalerSteps | None") -> None:
-        self.model, self.inputs, self.targets, self.loss_fn = model, inputs, targets, loss_fn
-        self.optimizer, self.autocast, self.emulated, self.scaler = optimizer, autocast, emulated, scaler
-
-    def run(self) -> None:
-        # The output is not kept in a variable, as in a usual training loop: the loss
-        # function's saved tensors keep what backward needs and the rest is freed.
-        if self.emulated is not None:
-            self.emulated.begin_forward()
-        try:
-            with (self.autocast() if self.autocast is not None else contextlib.nullcontext()):
-                loss = _loss(_call(self.model, self.inputs), self.targets, self.loss_fn)
-        finally:  # also when the model raises: the emulated autocast must not outlive the forward
-            if self.emulated is not None:
-                self.emulated.end_forward()
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise InvalidArgumentError(f"the loss must be a scalar tensor to call backward() on, got {shape}; "
-                                       "reduce it in loss_fn (for example .mean())")
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        del loss
-        if self.optimizer is not None:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad()
-
-
 def _simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
     """What failed in a simulated step (a training step's index, or the name of what ran: "generation"), in
     words a user can act on."""
@@ -563,36 +514,3 @@ def _model_frame(exc: BaseException) -> str:
 
 def _short(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
-
-
-class _ScalerSteps:
-    """What ``torch.amp.GradScaler`` allocates and does around a step (torch/amp/grad_scaler.py), on
-    shape-only tensors: a 4-byte scale and growth tracker made at the first ``scale``, the loss times the
-    scale, and before the optimizer step an inf flag, the inverse scale and the in-place unscale of the
-    gradients. Its ``found_inf.item()`` cannot run without data: every step is taken."""
-
-    def __init__(self) -> None:
-        self._scale: "torch.Tensor | None" = None
-        self._growth: "torch.Tensor | None" = None
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        if self._scale is None:
-            self._scale = torch.full((), 65536.0, dtype=torch.float32, device=loss.device)
-            self._growth = torch.full((), 0, dtype=torch.int32, device=loss.device)
-        return loss * self._scale
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self._scale is not None and self._growth is not None
-        inv_scale = self._scale.double().reciprocal().float()
-        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-            for grads in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        del by_dtype, inv_scale
-        optimizer.step()
-        torch._amp_update_scale_(self._scale, self._growth, found_inf, 2.0, 0.5, 2000)

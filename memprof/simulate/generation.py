@@ -201,9 +201,26 @@ def _generation_notes(model: nn.Module, loop: Decoding, encoder_decoder: bool) -
         out.append("sampling: " + (", ".join(names) if names else "no logits warper") + " then softmax and "
                    "multinomial, as generate(do_sample=True) runs them; other logits processors a generation config "
                    "can add (repetition penalty, forced tokens ...) were not run")
+    out.append(_cache_note(model))
     out.append("every sequence ran to max_new_tokens: no end-of-sequence token was taken to stop one early, which "
                "is the longest generation and the largest cache")
     return out
+
+
+def _cache_note(model: nn.Module) -> str:
+    """The cache the generation assumed, in words: the layers' kinds and what each keeps, and where from."""
+    from collections import Counter
+
+    from ..anatomy.cache_config import cache_spec
+
+    spec = cache_spec(getattr(model, "config", None))
+    if spec is None:
+        return ("cache assumed: the one the model built on shape-only tensors; memprof cannot size this config's "
+                "cache (a layer kind or state-space family it does not know), so its kv_cache has no formula")
+    kinds = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in Counter(spec.layers).items())
+    window = f", a window of {spec.sliding_window} tokens" if spec.sliding_window is not None else ""
+    return (f"cache assumed: transformers' dynamic cache as generate() builds it from the config ({kinds} "
+            f"layer(s){window}): {spec.kept}; formula memprof.anatomy.caches, after {spec.source}")
 
 
 def _check_positions(model: nn.Module, prompt_len: int, max_new_tokens: int, encoder_decoder: bool) -> None:

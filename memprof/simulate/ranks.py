@@ -153,7 +153,10 @@ class LayoutPlan:
                     if v[O] is not None and rec.end[O] is not None:
                         v[O] = min(v[O], rec.end[O])
                     if v[T] is not None:
-                        v[T] = int(v[T] * share)
+                        # The step's own temporaries are the rank's share; what was held when it began (the
+                        # loop's loss) is held whole.
+                        held = min(rec.start[T] or 0, v[T])
+                        v[T] = held + int((v[T] - held) * share)
                     rec = dataclasses.replace(rec, peak=Breakdown.from_mapping(v))
                 phases.append(rec)
                 total = rec.peak.total or 0

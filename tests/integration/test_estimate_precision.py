@@ -10,7 +10,6 @@ from torch import nn
 import memprof
 from memprof.cli import main
 
-from training import output_sum, profile_training
 
 
 def _build():
@@ -24,9 +23,29 @@ def test_a_cpu_target_equals_a_real_run_at_that_precision(precision, dtype):
     # fp32 inputs: the estimate casts floating inputs as it casts the model, as a 16-bit run feeds them.
     est = memprof.estimate(_build(), lambda ps: torch.optim.AdamW(ps), inputs=x, device="cpu", precision=precision)
     x = x.to(dtype)
-    model = _build().to(dtype)
-    opt = torch.optim.AdamW(model.parameters())
-    assert est.trace.peak == profile_training(model, opt, (x, None), loss=output_sum).trace.peak  # every category, to the byte
+
+    def real(keep_loss):
+        model = _build().to(dtype)
+        opt = torch.optim.AdamW(model.parameters())
+        with memprof.profile(model, opt) as prof:
+            for _ in range(2):
+                loss = model(x).sum()
+                loss.backward()
+                if not keep_loss:
+                    del loss
+                opt.step()
+                opt.zero_grad()
+            if keep_loss:
+                del loss  # the loop has ended: its last loss is released, as the estimate's loop releases it
+        return prof.report().trace
+
+    assert est.trace.peak == real(keep_loss=True).peak  # every category, to the byte
+    # The peak is AdamW's step, with the step's 16-bit loss held (a 0-dim tensor: 2 bytes of temporaries), as a
+    # loop that logs its loss after the step holds it; a loop that drops it before the step peaks 2 bytes lower.
+    assert est.trace.peak_phase is memprof.Phase.OPTIMIZER
+    dropped = real(keep_loss=False).peak
+    assert est.trace.peak.total - dropped.total == 2
+    assert est.trace.peak[memprof.Category.TEMPORARIES] - dropped[memprof.Category.TEMPORARIES] == 2
     # Weights in 16 bits: (16*16 + 16 + 16 + 16 + 16*4 + 4) elements * 2 bytes = 372 * 2 = 744 bytes.
     assert est.trace.peak[memprof.Category.WEIGHTS] == 744
 
@@ -74,13 +93,13 @@ def test_mixed_precision_on_a_cpu_target_equals_a_real_autocast_run(precision, d
             with torch.autocast("cpu", dtype=dtype):
                 loss = TinyGPT.loss(model(x), y)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            del loss  # as the estimate's loop does: the loss's 4 bytes are not held through the step
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()
             else:
                 opt.step()
             opt.zero_grad()
+        del loss  # the loop has ended: its last loss is released, as the estimate's loop releases it
     # Every category at the peak, to the byte: 16-bit activations, the cached 16-bit weight copies, fp32 states
     # (and for mixed-fp16 the scaler's scale, growth tracker and inf flag).
     assert est.trace.peak == prof.report().trace.peak

@@ -54,16 +54,19 @@ def test_the_first_optimizer_step_of_an_fsdp_estimate_is_the_ranks(fake_world_of
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(1, 256)
     with memprof.profile(model, opt) as prof:
-        for _ in range(2):
-            model(x).sum().backward()
+        for _ in range(2):  # the loss held through the step and released when the loop ends, as the estimate's loop holds it
+            loss = model(x).sum()
+            loss.backward()
             opt.step()
             opt.zero_grad()
+        del loss
     measured = prof.report()
     plain = _stack()
     est = memprof.estimate(plain, torch.optim.AdamW(plain.parameters()), inputs=x, world_size=2, parallel="fsdp")
     # Before the fix the estimate peaked at 5,527,104 B in step 0's optimizer step: its temporaries were
     # 1,315,328 B against 262,656 B measured, the excess being (whole - shard) of exp_avg and exp_avg_sq, i.e.
-    # 2 x 526,336 B = 1,052,672 B = the rank's shard bytes (8 x (256 x 256 + 256) x 4 / 2).
+    # 2 x 526,336 B = 1,052,672 B = the rank's shard bytes (8 x (256 x 256 + 256) x 4 / 2). (Both runs also hold
+    # the loop's 4-byte loss through the step.)
     assert (measured.peak.total, measured.trace.peak_step, measured.trace.peak_phase.value) == (5_004_360, 1,
                                                                                                "backward")
     assert (est.peak_bytes, est.trace.peak_step, est.trace.peak_phase.value) == (5_004_360, 1, "backward")
@@ -71,7 +74,8 @@ def test_the_first_optimizer_step_of_an_fsdp_estimate_is_the_ranks(fake_world_of
     for key in m:
         if key[1] == "optimizer":  # the state the step makes, at the step's peak, in every category
             assert e[key] == m[key], key
-    assert e[(0, "optimizer")][C.TEMPORARIES] == m[(0, "optimizer")][C.TEMPORARIES] == 262_656
+    # The step's own temporaries, 262,656 B, and the held loss, a 4-byte fp32 scalar.
+    assert e[(0, "optimizer")][C.TEMPORARIES] == m[(0, "optimizer")][C.TEMPORARIES] == 262_656 + 4
 
 
 @pytest.mark.parametrize("parallel", ["zero1", "zero2", "zero3"])

@@ -98,10 +98,12 @@ def measured(fn, world: int = 2, rank: int = 0):
         model = fn(build(), init_device_mesh("cpu", (world,)))
         opt = torch.optim.AdamW(model.parameters())
         with memprof.profile(model, opt) as prof:
-            for _ in range(2):
-                loss_fn(model(IDS), IDS).backward()
+            for _ in range(2):  # the loss held through the step and released when the loop ends, as the estimate's loop holds it
+                loss = loss_fn(model(IDS), IDS)
+                loss.backward()
                 opt.step()
                 opt.zero_grad()
+            del loss
         loss_fn(model(IDS), IDS).backward()  # once more, outside the profile: the gradients to count
         return prof.report(), model, opt
     finally:
@@ -265,10 +267,12 @@ def test_other_fsdp2_options_are_simulated_to_the_byte(fn, mesh):
         model = fn(build(), init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh)))
         opt = torch.optim.AdamW(model.parameters())
         with memprof.profile(model, opt) as prof:
-            for _ in range(2):
-                loss_fn(model(IDS), IDS).backward()
+            for _ in range(2):  # the loss held through the step and released when the loop ends, as the estimate's loop holds it
+                loss = loss_fn(model(IDS), IDS)
+                loss.backward()
                 opt.step()
                 opt.zero_grad()
+            del loss
     finally:
         dist.destroy_process_group()
     assert_equal_everywhere(est, prof.report())

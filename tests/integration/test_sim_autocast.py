@@ -168,9 +168,9 @@ def _measured(model, x, autocast):
             with autocast():
                 loss = model(x)
             loss.backward()
-            del loss
             opt.step()
             opt.zero_grad()
+        del loss  # the loop has ended: its last loss is released, as the estimate's loop releases it
     return prof.report().trace
 
 
@@ -196,9 +196,9 @@ def test_weight_casts_are_cached_and_saved_as_a_real_autocast_run_keeps_them():
             loss = model(x)
             emulated.end_forward()
             loss.backward()
-            del loss
             opt.step()
             opt.zero_grad()
+        del loss  # the loop has ended: its last loss is released, as the estimate's loop releases it
     # Every category at the peak and each phase's peak, to the byte: one bf16 copy per weight per forward
     # (b's weight is used twice and cast once), saved for backward, dropped after it.
     assert prof.trace.peak == real.peak

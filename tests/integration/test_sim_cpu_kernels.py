@@ -80,9 +80,9 @@ def test_a_pre_ln_stack_with_mse_loss_equals_a_real_cpu_run_at_every_phase_momen
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"):
                 loss = F.mse_loss(model(x), y)
             loss.backward()
-            del loss  # as the estimate's loop does
             opt.step()
             opt.zero_grad()
+        del loss  # the loop has ended: its last loss is released, as the estimate's loop releases it
     measured = prof.report().trace
     # Start, peak and end of every phase of both steps, every category, to the byte.
     assert _moments(est.trace) == _moments(measured)
@@ -109,9 +109,9 @@ def test_a_cnn_under_cpu_autocast_equals_a_real_run_at_every_phase_moment():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = F.cross_entropy(model(x), y)
             loss.backward()
-            del loss
             opt.step()
             opt.zero_grad()
+        del loss  # the loop has ended: its last loss is released, as the estimate's loop releases it
     assert _moments(est.trace) == _moments(prof.report().trace)
     # Each BatchNorm's mean and inverse deviation in fp32, not bf16: two steps of two BatchNorms, each with
     # two statistics, 2 * 2 * (16 + 32) * (4 - 2) B = 384 B.

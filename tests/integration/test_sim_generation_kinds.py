@@ -212,9 +212,11 @@ def test_hybrids_with_experts_simulate_exactly_in_training(name):
     model = _ssm(name)
     opt = torch.optim.AdamW(model.parameters())
     with memprof.profile(model, opt, record_routing=True) as prof:
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        del loss  # the loop has ended: its last loss is released, as the estimate's loop releases it
     trained = memprof.estimate(_ssm(name), lambda ps: torch.optim.AdamW(ps), inputs=dict(input_ids=ids, labels=ids),
                                loss_fn=lambda o: o.loss, device="cpu", steps=1, routing=prof.report())
     assert moments(trained.trace) == moments(prof.report().trace)

@@ -27,6 +27,7 @@ from ...anatomy.params import infer_precision
 from .formula import formula_at, moment_of, optimizer_name, parse_at, predictions
 from .textbook import Textbook, textbook_at
 from .layers import LayerCheck, layer_checks
+from .mixed_layers import MixedLayerGap, mixed_layer_gap
 
 if TYPE_CHECKING:
     from ...simulate.estimate import Estimate
@@ -100,6 +101,9 @@ class Reconciliation:
     #: (:mod:`.layers`).
     layers: "tuple[LayerCheck, ...]" = ()
     _advice: tuple[str, ...] = field(default=(), repr=False)
+    #: A dense layer under torch.autocast against Korthikanti et al.'s 34sbh + 5as²b, the gap named
+    #: (:mod:`.mixed_layers`); None where the run has no such layer.
+    mixed_layer: "MixedLayerGap | None" = None
 
     def row(self, category: "Category | str") -> Row:
         cat = Category.parse(category)
@@ -213,4 +217,4 @@ def reconcile(
 
     return Reconciliation(at if isinstance(at, str) else where, where, precision_used, opt_name, rows, causes(ctx),
                           textbook, tuple(notes), layer_checks(trace),
-                          tuple(advice(trace, measured, precision_used, opt_name)))
+                          tuple(advice(trace, measured, precision_used, opt_name)), mixed_layer_gap(trace))
