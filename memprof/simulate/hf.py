@@ -83,8 +83,10 @@ def build_model(config: Any, *, checkpointing: bool = False) -> HfModel:
     (non-reentrant, transformers' default)."""
     import torch
 
+    import copy
+
     transformers = _transformers()
-    config = load_config(config)
+    config = copy.deepcopy(load_config(config))  # building sets its dtype (and a classifier's pad id): a copy's
     notes: list[str] = []
     names = list(getattr(config, "architectures", None) or [])
     if not names:
@@ -185,8 +187,8 @@ def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = 
     from .estimate import estimate
 
     config = load_config(config)
-    built = build_model(config, checkpointing=checkpointing)
     resolved = precision_of(config, precision)
+    built = build_model(config, checkpointing=checkpointing)
     batch = token_batch(built, batch_size, seq_len)
     est = estimate(built.model, optimizer, inputs=batch, loss_fn=hf_loss, precision=resolved, device=device,
                    **options)
