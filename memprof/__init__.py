@@ -25,6 +25,7 @@ from .vocabulary import Category, Phase
 if TYPE_CHECKING:
     from .report.estimates import (BatchSizePlan, Estimate, Pipeline, estimate, estimate_generation, max_batch_size,
                                    max_generation_batch_size)
+    from .report.planning import estimate_hf, plan
     from .report.profiling import Profiler, profile
     from .report.reconciliation import Reconciliation, reconcile
 
@@ -50,6 +51,7 @@ __all__ = [
     "load",
     "estimate",
     "estimate_generation",
+    "estimate_hf",
     "Estimate",
     "Pipeline",
     "reconcile",
@@ -57,6 +59,7 @@ __all__ = [
     "max_batch_size",
     "max_generation_batch_size",
     "BatchSizePlan",
+    "plan",
     "diff",
     "Diff",
     "merge",

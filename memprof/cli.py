@@ -178,6 +178,12 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from .units import parse_size
 
     budget = parse_size(args.budget) if args.budget is not None else None  # refuse a bad size before simulating
+    if (args.hf is None) == (args.factory is None):
+        raise MemprofError("give MODULE:FACTORY or --hf PATH_OR_ID (a model's config.json), one of them")
+    if args.hf is not None:
+        return _estimate_hf(args, budget)
+    if args.json or args.seq_len is not None or args.checkpointing:
+        raise MemprofError("--json, --seq-len and --checkpointing go with --hf; a factory builds its own batch")
     from .simulate.ranks import check_parallel
 
     if args.generate and (args.parallel is not None or args.world_size != 1):
@@ -217,10 +223,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                            "model: give one")
     if world_size > 1 and parallel is None and parallelize is None and pipeline is None:
         check_parallel(world_size, None)  # says what is missing
-    if optimizer is None and args.optimizer != "none":
-        name = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[args.optimizer]
-        kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {}
-        optimizer = lambda ps: getattr(torch.optim, name)(ps, **kwargs)  # noqa: E731
+    if optimizer is None:
+        optimizer = _optimizer(args.optimizer)
     try:
         est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
                                loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision,
@@ -234,6 +238,82 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         raise MemprofError(f"simulating a step of what {args.factory} returned raised {type(exc).__name__}: "
                            f"{first}; check that the model runs on its inputs (and loss_fn on its output)") from None
     return _verdict(est, args.batch_size, budget)
+
+
+def _estimate_hf(args: argparse.Namespace, budget: "int | None") -> int:
+    """``memprof estimate --hf``: a training step of the model a config describes, built on the meta device."""
+    import memprof
+
+    from .simulate.device_memory import check_target
+    from .simulate.ranks import check_parallel
+
+    if args.generate:
+        raise MemprofError("--generate takes a factory's model; --hf simulates a training step")
+    if args.seq_len is None:
+        raise MemprofError("--hf needs --seq-len N (tokens per sequence)")
+    world_size, parallel = check_parallel(args.world_size, args.parallel)
+    check_target(args.gpu, args.device, args.alloc_conf)
+    optimizer = _optimizer(args.optimizer)
+    est = memprof.estimate_hf(args.hf, seq_len=args.seq_len, batch_size=args.batch_size, optimizer=optimizer,
+                              precision=args.precision, checkpointing=args.checkpointing, device=args.device,
+                              attention=args.attention, world_size=world_size, parallel=parallel, gpu=args.gpu,
+                              alloc_conf=args.alloc_conf)
+    if args.json:
+        import json
+
+        from .render.plan import estimate_data
+
+        print(json.dumps(estimate_data(est), indent=2))
+        fits = est.fits if budget is None else (est.device_peak or est.peak_bytes) <= budget
+        return 1 if fits is False else 0
+    return _verdict(est, args.batch_size, budget)
+
+
+def _optimizer(name: str) -> Any:
+    """The optimizer factory ``--optimizer`` names (None for ``none``)."""
+    import torch
+
+    if name == "none":
+        return None
+    cls = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[name]
+    kwargs = {"lr": 0.1, "momentum": 0.9} if cls == "SGD" else {}
+    return lambda ps: getattr(torch.optim, cls)(ps, **kwargs)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .report.planning import plan_grid
+    from .simulate.device_memory import check_target
+
+    if args.html is not None:
+        _writable(args.html)
+    check_target(args.gpu, None, args.alloc_conf)
+    layouts = None
+    if args.parallel:
+        from .simulate.plan import data_parallel_layouts
+
+        wanted = [p.strip().lower() for p in args.parallel.split(",") if p.strip()]
+        known = {lay.name: lay for lay in data_parallel_layouts(args.world_size)}
+        unknown = [p for p in wanted if p not in known]
+        if unknown:
+            raise MemprofError(f"unknown layout {unknown[0]!r} for {args.world_size} rank(s); use "
+                               + ", ".join(known))
+        layouts = [known[p] for p in wanted]
+    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+    ckpt = {"off": (False,), "on": (True,), "both": (False, True)}[args.checkpointing]
+    grid = plan_grid(args.hf, seq_len=args.seq_len, gpu=args.gpu, world_size=args.world_size, layouts=layouts,
+                     precisions=precisions, checkpointing=ckpt, optimizer=_optimizer(args.optimizer),
+                     alloc_conf=args.alloc_conf, attention=args.attention)
+    if args.html is not None:
+        grid.export_html(args.html)
+    if args.json:
+        import json
+
+        print(json.dumps(grid.to_dict()["rows"], indent=2))
+    else:
+        print(grid)
+        if args.html is not None:
+            print(f"\nplan written to {args.html}")
+    return 0
 
 
 def _estimate_generation(args: argparse.Namespace, spec: Any, budget: "int | None") -> int:
@@ -329,7 +409,13 @@ def _parser() -> argparse.ArgumentParser:
                          description="Call FACTORY(batch_size=N) from MODULE under torch.device('meta') and "
                                      "simulate two training steps without real memory. The factory returns a "
                                      "dict: model, inputs, and optionally targets, loss_fn, optimizer.")
-    est.add_argument("factory", metavar="MODULE:FACTORY", help="for example mypkg.models:build")
+    est.add_argument("factory", metavar="MODULE:FACTORY", nargs="?", help="for example mypkg.models:build")
+    est.add_argument("--hf", metavar="PATH_OR_ID", help="instead of a factory: a transformers model from its config "
+                     "(a folder holding config.json, the file, or a cached hub id), built on the meta device")
+    est.add_argument("--seq-len", type=int, help="with --hf: tokens per sequence")
+    est.add_argument("--checkpointing", action="store_true",
+                     help="with --hf: transformers' activation checkpointing on every layer")
+    est.add_argument("--json", action="store_true", help="with --hf: print the result as JSON")
     est.add_argument("--batch-size", type=int, required=True, help="batch size handed to the factory")
     est.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
                      help="optimizer when the factory gives none (default adamw)")
@@ -364,6 +450,31 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--prompt-len", type=int, help="with --generate: tokens in the prompt")
     est.add_argument("--new-tokens", type=int, help="with --generate: tokens to generate")
     est.set_defaults(func=_cmd_estimate, parser=est)
+
+    pla = sub.add_parser("plan", help="the largest batch that fits a GPU, per layout, precision and checkpointing",
+                         description="For the model a transformers config describes, built on the meta device: for "
+                                     "each data-parallel layout of --world-size ranks, precision and activation "
+                                     "checkpointing setting, the largest batch per rank whose device-level peak "
+                                     "fits --gpu, found and confirmed by simulation.")
+    pla.add_argument("--hf", metavar="PATH_OR_ID", required=True,
+                     help="a folder holding config.json, the file, or a cached hub id")
+    pla.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    pla.add_argument("--gpu", required=True, help="the CUDA GPU of every rank (e.g. h100-80gb)")
+    pla.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
+    pla.add_argument("--parallel", metavar="LIST", help="layouts to plan, comma-separated (default: every layout "
+                     "for the world size: ddp,fsdp,zero1,zero2,zero3)")
+    pla.add_argument("--precision", metavar="LIST", default="bf16,mixed",
+                     help="precisions to plan, comma-separated (default bf16,mixed)")
+    pla.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",
+                     help="activation checkpointing (default both)")
+    pla.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
+                     help="the optimizer (default adamw)")
+    pla.add_argument("--attention", choices=("auto", "flash", "efficient", "math"), default="auto",
+                     help="attention kernel (default auto: the one torch's CUDA dispatcher picks)")
+    pla.add_argument("--alloc-conf", metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF for the allocator model")
+    pla.add_argument("--json", action="store_true", help="print the rows as JSON")
+    pla.add_argument("--html", metavar="PATH", help="also write the grid as a standalone HTML page")
+    pla.set_defaults(func=_cmd_plan, parser=pla)
     return parser
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "TraceFormatError",
     "RegistryError",
     "MissingExtraError",
+    "ConfigNotFoundError",
     "SimulationError",
     "MergeError",
     "TraceNotFoundError",
@@ -107,6 +108,11 @@ class SimulatedOutOfMemoryError(MemprofError, RuntimeError):
         self.allocated = allocated
         self.reserved = reserved
         self.capacity = capacity
+
+
+class ConfigNotFoundError(MemprofError, FileNotFoundError):
+    """No model configuration where one was asked for (a folder without ``config.json``, a hub id neither cached
+    nor reachable); the message names what to give instead."""
 
 
 class MissingExtraError(MemprofError, ImportError):

@@ -12,9 +12,11 @@ returns one of them:
 * :mod:`.reconciliation` -- :func:`reconcile` and :class:`Reconciliation`;
 * :mod:`.estimates` -- :func:`estimate`, :func:`estimate_generation`, the planners, :class:`Estimate`
   and :class:`BatchSizePlan`;
+* :mod:`.planning` -- :func:`estimate_hf` and :func:`plan` from a model's config, :class:`Plan`, and the
+  what-if of a measured run (``Report.what_if``);
 * :mod:`.profiling` -- :func:`profile` and :class:`Profiler`, whose ``report()`` gives the Report.
 
-The last three import torch, so they load on first use: importing memprof stays free of it.
+The last four import torch, so they load on first use: importing memprof stays free of it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .reports import Report, load
 
 __all__ = ["Report", "load", "Diff", "diff", "Merged", "merge", "Reconciliation", "reconcile", "Estimate",
            "BatchSizePlan", "estimate", "estimate_generation", "max_batch_size", "max_generation_batch_size",
-           "Profiler", "profile"]
+           "Profiler", "profile", "estimate_hf", "plan"]
 
 #: The names whose modules import torch, and those modules.
 LAZY = {
@@ -41,6 +43,8 @@ LAZY = {
     "max_batch_size": "estimates",
     "max_generation_batch_size": "estimates",
     "Pipeline": "estimates",
+    "estimate_hf": "planning",
+    "plan": "planning",
     "Profiler": "profiling",
     "profile": "profiling",
 }

@@ -185,6 +185,16 @@ class Report:
         return promote(DeviceMemory, what_a_gpu_would_reserve(self.trace, self.allocations, gpu=gpu,
                                                              alloc_conf=alloc_conf))
 
+    def what_if(self, model: Any, optimizer: Any = None, **change: Any) -> Any:
+        """This run with something changed (``checkpointing=True``, ``precision=``, ``parallel=``,
+        ``world_size=``, ``batch_size=``), simulated: an Estimate of the changed run whose ``saving`` is, per
+        category, this run's bytes at its peak less the changed run's. The trace does not hold the model's
+        code, which decides what autograd saves: pass the run's ``model`` and ``optimizer`` and its ``inputs=``
+        (``targets=``, ``loss_fn=``) again. See :func:`memprof.simulate.whatif.what_if`."""
+        from .whatif import what_if
+
+        return what_if(self.trace, model, optimizer, **change)
+
     def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: Any = "peak",
                   estimate: Any = None, transformer: Any = None) -> "Reconciliation":
         """Hold this run against the formulas (and an estimate): see :func:`memprof.reconcile`."""

@@ -115,3 +115,12 @@ def test_generation_scale_quick(tmp_path):
     assert r["config"] == "tiny" and r["prompt_len"] == 32 and r["max_new_tokens"] == 32
     # The simulated cache at the end of generation is the formula's: 2 x 2 layers x 8 x 63 tokens x 2 x 16 x 2 B.
     assert r["kv_cache_end_bytes"] == r["kv_cache_formula_bytes"] == 2 * 2 * 8 * 63 * 2 * 16 * 2
+
+
+def test_plan_scale_quick(tmp_path):
+    out_json = tmp_path / "plan.json"
+    _run([BENCH / "plan_scale.py", "--quick", "--json", out_json])
+    data = json.loads(out_json.read_text())
+    (row,) = data["plan_rows"]
+    assert row["parallel"] == "fsdp" and row["max_batch_size"] >= 1 and row["verified"]
+    assert data["estimate"]["breakdown"]["weights"] > 0

@@ -1,0 +1,83 @@
+"""Planning from a model's config: :func:`estimate_hf`, :func:`plan` (a DataFrame) and :func:`plan_grid` (the
+:class:`Plan` with its text and page)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..simulate import hf
+from ..simulate import plan as planning
+from .device import on_device
+from .estimates import Estimate
+from .wrap import promote, same_as
+
+if TYPE_CHECKING:
+    import os
+
+    import pandas as pd
+
+__all__ = ["Plan", "estimate_hf", "plan", "plan_grid"]
+
+
+class Plan(planning.PlanGrid):
+    __doc__ = planning.PlanGrid.__doc__
+
+    def to_text(self) -> str:
+        """The grid as a terminal table, the best configuration marked, then the notes: what ``print()`` shows."""
+        from ..render.plan import plan_text
+
+        return plan_text(self)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def to_frame(self) -> "pd.DataFrame":
+        """One row per configuration (``parallel``, ``precision``, ``checkpointing``, ``max_batch_size``,
+        ``peak_bytes``, ``device_peak``, ``dominant`` ...)."""
+        from ..render.plan import plan_frame
+
+        return plan_frame(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain data, ready for ``json.dumps`` (``memprof plan --json`` prints its ``rows``)."""
+        from ..render.plan import plan_data
+
+        return plan_data(self)
+
+    def to_html(self) -> str:
+        """The grid as one standalone HTML page."""
+        from ..render.plan import plan_page
+
+        return plan_page(self)
+
+    def export_html(self, path: "str | os.PathLike[str]") -> None:
+        """Write :meth:`to_html` to ``path``, atomically."""
+        from ..record.files import write_text_atomic
+
+        write_text_atomic(path, self.to_html())
+
+
+@same_as(hf.estimate_hf)
+def estimate_hf(config: Any, **options: Any) -> Estimate:
+    data = hf.estimate_hf(config, **options)
+    return promote(Estimate, data, device_memory=on_device(data.device_memory))
+
+
+@same_as(planning.plan_hf)
+def plan_grid(config: Any, **options: Any) -> Plan:
+    return promote(Plan, planning.plan_hf(config, **options))
+
+
+def plan(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
+         layouts: "Sequence[planning.Layout] | None" = None, precisions: Sequence[str] = planning.PRECISIONS,
+         checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
+         attention: str = "auto") -> "pd.DataFrame":
+    """The largest batch per rank that fits ``gpu`` for each layout of ``world_size`` ranks (DDP, FSDP, ZeRO 1-3),
+    precision (bf16, mixed) and activation checkpointing (off, on), for the model a transformers config
+    describes (a ``PretrainedConfig``, a folder holding ``config.json``, the file, or a cached hub id) with
+    ``seq_len`` tokens per sequence: a DataFrame, a row per configuration, with the peak at that batch and the
+    category that dominates it. :func:`plan_grid` takes the same arguments and returns the :class:`Plan` (its
+    text, HTML page and notes)."""
+    return plan_grid(config, seq_len=seq_len, gpu=gpu, world_size=world_size, layouts=layouts,
+                     precisions=precisions, checkpointing=checkpointing, optimizer=optimizer, alloc_conf=alloc_conf,
+                     attention=attention).to_frame()

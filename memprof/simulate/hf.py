@@ -1,0 +1,199 @@
+"""A model from its configuration: a Hugging Face ``config.json`` built on the meta device, with token batches.
+
+:func:`load_config` reads a ``config.json`` (a folder holding one, the file itself, or a hub id transformers
+resolves from its cache or online), :func:`build_model` builds the class its ``architectures`` names under
+``torch.device("meta")`` (no memory, however large), and :func:`token_batch` makes the inputs and labels a
+training step of that kind of model takes. :func:`estimate_hf` ties them to :func:`memprof.estimate`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigNotFoundError, InvalidArgumentError, MissingExtraError, UnknownNameError
+
+__all__ = ["HfModel", "load_config", "build_model", "token_batch", "estimate_hf", "KINDS"]
+
+#: What memprof knows how to feed, by the suffix of the class name in ``architectures``.
+KINDS = {"ForCausalLM": "causal-lm", "ForConditionalGeneration": "seq2seq", "ForSeq2SeqLM": "seq2seq",
+         "ForSequenceClassification": "sequence-classification"}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise MissingExtraError("building a model from its config needs transformers; pip install "
+                                "'torch-memprof[transformers]'") from None
+    return transformers
+
+
+def load_config(source: Any) -> Any:
+    """A ``PretrainedConfig`` from ``source``: a config already, a folder with a ``config.json``, that file,
+    or a hub id (read from transformers' cache, or downloaded when the network allows)."""
+    transformers = _transformers()
+    if isinstance(source, transformers.PretrainedConfig):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise InvalidArgumentError(f"give a transformers config, a folder holding config.json, the file or a hub id; "
+                                   f"got {type(source).__name__}")
+    path = os.fspath(source)
+    if os.path.isfile(path):
+        try:
+            return transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) if
+                                                           os.path.basename(path) == "config.json" else path)
+        except (OSError, ValueError) as exc:
+            raise ConfigNotFoundError(f"cannot read {path} as a transformers config ({_first(exc)}); give a "
+                                      "config.json written by config.save_pretrained()") from None
+    if (os.path.isabs(path) or path.startswith(".")) and not os.path.exists(path):
+        raise ConfigNotFoundError(f"no such file or folder: {path}; give a folder holding config.json, the file, or "
+                                  "a hub id")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigNotFoundError(f"no config.json in {path}; give the folder a model was saved to "
+                                  "(save_pretrained) or the path of its config.json")
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigNotFoundError(f"no config found for {path!r} ({_first(exc)}); give a folder holding config.json, "
+                                  "the file, or a hub id already in the local cache (huggingface-cli download "
+                                  f"{path} config.json)") from None
+
+
+def _first(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@dataclass(frozen=True)
+class HfModel:
+    """A model built from a config on the meta device: the module, its kind (one of :data:`KINDS`' values),
+    its class name and the notes on what was assumed in building it."""
+
+    model: Any
+    kind: str
+    architecture: str
+    notes: tuple[str, ...] = ()
+
+
+def build_model(config: Any, *, checkpointing: bool = False) -> HfModel:
+    """The class ``config.architectures`` names, built on the meta device in fp32 (``precision`` casts it later),
+    in training mode; with ``checkpointing`` transformers' activation checkpointing enabled on every layer
+    (non-reentrant, transformers' default)."""
+    import torch
+
+    import copy
+
+    transformers = _transformers()
+    config = copy.deepcopy(load_config(config))  # building sets its dtype (and a classifier's pad id): a copy's
+    notes: list[str] = []
+    names = list(getattr(config, "architectures", None) or [])
+    if not names:
+        name = _default_architecture(config, transformers)
+        notes.append(f"the config names no architectures: built {name}, the causal LM of its model_type")
+        names = [name]
+    name = names[0]
+    kind = next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
+    cls = getattr(transformers, name, None)
+    if kind is None or cls is None:
+        known = ", ".join(f"*{s}" for s in KINDS)
+        why = "is not a class of this transformers" if cls is None else "is not a kind memprof can feed"
+        raise UnknownNameError(f"architecture {name!r} {why} ({transformers.__version__}); memprof builds {known}: "
+                               f"set \"architectures\" in config.json to one of them, or build the model yourself "
+                               "and call memprof.estimate")
+    if kind == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = 0
+        notes.append("the config has no pad_token_id: 0 was used (a sequence classifier needs one for batches)")
+    with torch.device("meta"):
+        model = cls._from_config(config, dtype=torch.float32)
+    model.train()
+    if checkpointing:
+        enable_checkpointing(model)
+    return HfModel(model, kind, name, tuple(notes))
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Transformers' activation checkpointing on ``model`` (non-reentrant), through the method this version
+    has (``activation_checkpointing_enable`` replaced ``gradient_checkpointing_enable``)."""
+    kwargs = {"use_reentrant": False}
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise InvalidArgumentError(f"{type(model).__name__} does not support activation checkpointing in "
+                                   "transformers; plan without it")
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _default_architecture(config: Any, transformers: Any) -> str:
+    mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    name = mapping.get(getattr(config, "model_type", ""))
+    if not name:
+        raise UnknownNameError(f"the config names no architectures and model_type {config.model_type!r} has no "
+                               "causal LM in transformers; set \"architectures\" in config.json")
+    return str(name)
+
+
+def token_batch(built: HfModel, batch_size: int, seq_len: int) -> dict[str, Any]:
+    """Token ids and labels of a training batch for ``built`` on the meta device: ``input_ids`` and ``labels``
+    (the same ids: a causal LM shifts them itself) for a causal LM; also ``decoder_input_ids`` of ``seq_len``
+    for a seq2seq model; one class label per sequence for a classifier."""
+    import torch
+
+    for what, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    if built.kind == "seq2seq":
+        return {"input_ids": ids, "decoder_input_ids": torch.zeros_like(ids), "labels": torch.zeros_like(ids)}
+    if built.kind == "sequence-classification":
+        return {"input_ids": ids, "labels": torch.zeros(batch_size, dtype=torch.long, device="meta")}
+    return {"input_ids": ids, "labels": ids}
+
+
+def hf_loss(output: Any) -> Any:
+    """The loss transformers computes from the labels (``output.loss``)."""
+    return output.loss
+
+
+def precision_of(config: Any, precision: "str | None") -> str:
+    """``precision``, or by default the config's dtype (bf16, fp16; fp32 otherwise)."""
+    if precision is not None:
+        return precision
+    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    return {"torch.bfloat16": "bf16", "bfloat16": "bf16", "torch.float16": "fp16", "float16": "fp16"}.get(dtype,
+                                                                                                           "fp32")
+
+
+def adamw(params: Any) -> Any:
+    """torch's AdamW with its defaults (foreach on CUDA), the optimizer a plan assumes unless told."""
+    import torch
+
+    return torch.optim.AdamW(params)
+
+
+def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = adamw,
+                precision: "str | None" = None, checkpointing: bool = False, device: str = "cuda",
+                **options: Any) -> Any:
+    """:func:`memprof.estimate` of a training step of the model ``config`` describes (see :func:`load_config`),
+    built on the meta device: ``batch_size`` sequences of ``seq_len`` tokens, the loss transformers computes
+    from the labels, AdamW unless ``optimizer`` (a factory of parameters, or None) says otherwise.
+    ``precision`` defaults to the config's dtype; ``checkpointing`` enables transformers' activation
+    checkpointing. Every other option (``attention``, ``world_size``, ``parallel``, ``gpu``, ``alloc_conf``,
+    ``routing``) is :func:`memprof.estimate`'s."""
+    import dataclasses
+
+    from .estimate import estimate
+
+    config = load_config(config)
+    resolved = precision_of(config, precision)
+    built = build_model(config, checkpointing=checkpointing)
+    batch = token_batch(built, batch_size, seq_len)
+    est = estimate(built.model, optimizer, inputs=batch, loss_fn=hf_loss, precision=resolved, device=device,
+                   **options)
+    said = [f"{built.architecture} built from its config on the meta device ({built.kind}; batch {batch_size} x "
+            f"{seq_len} tokens{', activation checkpointing on every layer' if checkpointing else ''})"]
+    if precision is None:
+        said.append(f"precision {resolved}: the config's dtype (give precision= for another)")
+    return dataclasses.replace(est, notes=tuple(said) + built.notes + est.notes)

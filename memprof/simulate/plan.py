@@ -1,0 +1,261 @@
+"""The plan: for each layout, precision and activation-checkpointing setting, the largest batch that fits a GPU.
+
+Each configuration of the grid is searched as :func:`memprof.max_batch_size` searches (``planner._search``):
+the device-level peak (tensors, the caching allocator's segments, the memory outside torch) of simulated
+steps, a straight line for the first guess, and the answer confirmed by simulation (it fits, one more sample
+does not). Activations and temporaries per sample do not depend on how the ranks share the model states, so
+the slope a configuration measured (batch 1 and 2) is the first guess of the other layouts at the same
+precision and checkpointing: each of them then costs its first batch and the two confirming simulations.
+
+The layouts are a list of named entries (:class:`Layout`), each the options it hands to
+:func:`memprof.estimate`: data-parallel layouts today, and any other way of placing a model on ranks is one
+more entry.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "PRECISIONS"]
+
+#: The precisions a plan compares by default: bf16 weights and optimizer state, and fp32 master weights with
+#: the forward under bf16 autocast.
+PRECISIONS = ("bf16", "mixed")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to place the model on the ranks: its name in the plan and the options it gives
+    :func:`memprof.estimate` (``world_size=``, ``parallel=`` ...)."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def data_parallel_layouts(world_size: int) -> list[Layout]:
+    """The data-parallel layouts of ``world_size`` ranks (:data:`memprof.simulate.ranks.PARALLEL`), or one
+    device alone for a world size of 1."""
+    from .ranks import PARALLEL, check_parallel
+
+    if world_size == 1:
+        return [Layout("single")]
+    check_parallel(world_size, "ddp")
+    return [Layout(name, {"world_size": world_size, "parallel": name}) for name in PARALLEL]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One configuration of the grid and its answer.
+
+    ``max_batch_size`` is one rank's largest batch that fits (0 when not even one sample does). The figures
+    are the simulated step's at ``batch`` (``max_batch_size``, or 1 when nothing fits, to say by how much):
+    ``peak_bytes`` the tensors' peak, ``device_peak`` the device-level one, ``headroom`` the GPU's capacity
+    less it, ``dominant`` the largest category at the peak (allocator overhead and memory outside torch
+    included) with its bytes, and the peak's step and phase. ``simulations`` counts the simulated batches;
+    ``verified`` says the answer fits and the next batch does not, both simulated.
+    """
+
+    layout: str
+    precision: str
+    checkpointing: bool
+    max_batch_size: int
+    batch: int
+    peak_bytes: int
+    device_peak: "int | None"
+    headroom: "int | None"
+    dominant: str
+    dominant_bytes: int
+    peak_step: "int | None"
+    peak_phase: "str | None"
+    breakdown: Mapping[str, "int | None"]
+    simulations: int
+    verified: bool
+
+
+@dataclass(frozen=True)
+class PlanGrid:
+    """The plan of one model on one GPU: a row per configuration, in the order searched, and what it assumed."""
+
+    rows: tuple[PlanRow, ...]
+    model: str
+    gpu: str
+    capacity: int
+    world_size: int
+    seq_len: "int | None"
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    def best(self) -> "PlanRow | None":
+        """The configuration with the largest batch (the fewest bytes at it breaking ties); None if none fits."""
+        fitting = [r for r in self.rows if r.max_batch_size > 0]
+        return max(fitting, key=lambda r: (r.max_batch_size, -(r.device_peak or r.peak_bytes)), default=None)
+
+
+def plan_grid(
+    model_for: Callable[[bool], Any],
+    make_batch: Callable[[int], Any],
+    *,
+    gpu: Any,
+    optimizer: Any,
+    loss_fn: Any = None,
+    layouts: Sequence[Layout],
+    precisions: Sequence[str] = PRECISIONS,
+    checkpointing: Sequence[bool] = (False, True),
+    model_name: str = "model",
+    seq_len: "int | None" = None,
+    alloc_conf: Any = None,
+    attention: str = "auto",
+    max_batch: int = 4096,
+    notes: Sequence[str] = (),
+) -> PlanGrid:
+    """The grid of ``layouts`` x ``precisions`` x ``checkpointing``: ``model_for(checkpointing)`` returns the
+    model (built on the meta device) with activation checkpointing on or off, ``make_batch(b)`` its inputs
+    for ``b`` samples (a dict, a tuple or a tensor as :func:`memprof.estimate` takes them; ``loss_fn`` as
+    there). Every configuration is judged at the device level against ``gpu``'s capacity."""
+    from .device_memory import check_target
+    from .estimate import estimate
+    from .progress import Progress
+
+    spec, _ = check_target(gpu, None, alloc_conf)
+    if spec is None:
+        raise InvalidArgumentError("a plan needs gpu= (a GPU name such as 'h100-80gb' or a GpuSpec): its rows are the "
+                                   "largest batches that fit that device")
+    if not layouts:
+        raise InvalidArgumentError("a plan needs at least one layout")
+    limit = spec.allocatable_bytes
+    start = time.perf_counter()
+    rows: list[PlanRow] = []
+    configs = [(c, p, lay) for c in checkpointing for p in precisions for lay in layouts]
+    models: dict[bool, Any] = {}
+    slopes: dict[tuple[bool, str], float] = {}  # bytes per sample, by (checkpointing, precision)
+    with Progress(None, "plan") as bar:
+        for ckpt, precision, layout in configs:
+            if ckpt not in models:
+                models[ckpt] = model_for(ckpt)
+            model = models[ckpt]
+            one = _Search(lambda b, m=model, p=precision, lay=layout: estimate(
+                m, optimizer, inputs=make_batch(b), loss_fn=loss_fn, precision=p, gpu=spec, alloc_conf=alloc_conf,
+                attention=attention, **dict(lay.options)), limit, max_batch, bar,
+                f"{layout.name} {precision}{' ckpt' if ckpt else ''}")
+            best, verified = largest_batch(one.peak, limit, slopes.get((ckpt, precision)), one.tensors, max_batch)
+            if best >= 1 and (ckpt, precision) not in slopes and 2 in one.tensors:
+                slopes[(ckpt, precision)] = one.tensors[2] - one.tensors[1]
+            at = best or 1
+            rows.append(_row(layout.name, precision, ckpt, best, at, one.runs[at], len(one.runs), verified))
+    return PlanGrid(rows=tuple(rows), model=model_name, gpu=spec.name, capacity=limit,
+                    world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
+                    seq_len=seq_len, seconds=time.perf_counter() - start, notes=tuple(notes))
+
+
+class _Search:
+    """One configuration's simulated batches: ``simulate(b)`` gives the Estimate, :meth:`peak` the device-level
+    peak a plan judges (an out-of-memory error the replay predicts counting as over the limit)."""
+
+    def __init__(self, simulate: Callable[[int], Any], limit: int, max_batch: int, bar: Any, label: str) -> None:
+        self.simulate, self.limit, self.max_batch, self.bar, self.label = simulate, limit, max_batch, bar, label
+        self.runs: dict[int, Any] = {}
+        self.tensors: dict[int, int] = {}
+        self.judged: dict[int, int] = {}
+
+    def peak(self, b: int) -> int:
+        if b > self.max_batch:
+            return self.limit + 1  # the search's ceiling: a batch this large is not simulated
+        if b not in self.judged:
+            self.bar.step(f"{self.label} batch {b}")
+            est = self.simulate(b)
+            self.runs[b], self.tensors[b] = est, est.peak_bytes
+            memory = est.device_memory
+            fits = memory.oom is None and memory.device_peak <= self.limit
+            self.judged[b] = memory.device_peak if fits else max(memory.device_peak, self.limit + 1)
+        return self.judged[b]
+
+
+def largest_batch(peak: Callable[[int], int], limit: int, slope: "float | None", tensors: dict[int, int],
+                  max_batch: int) -> tuple[int, bool]:
+    """The largest batch whose ``peak(b)`` fits ``limit``, and whether it is confirmed (it fits and the next does
+    not, both simulated).
+
+    As :func:`memprof.max_batch_size`: batch 1, then a straight line for the first guess, its slope the tensors'
+    bytes per sample (``slope`` when a like configuration measured it, else batches 1 and 2). Each guess then
+    fits a line through the nearest simulated batches (the device-level peak grows in whole segments, so it
+    bends), and where that makes no progress it bisects: a few simulations, each search ending on a batch that
+    fits beside one that does not (or ``max_batch``).
+    """
+    if peak(1) > limit:
+        return 0, True
+    lo, hi = 1, None  # the largest batch known to fit, the smallest known not to
+    if slope is None:
+        peak(2)
+        slope = float(tensors[2] - tensors[1])
+    guess = 1 + int((limit - peak(1)) // slope) if slope > 0 else max_batch
+    seen = {1: peak(1)} if 2 not in tensors else {1: peak(1), 2: peak(2)}
+    if 2 in seen:
+        lo, hi = (2, None) if seen[2] <= limit else (1, 2)
+    while hi is None or hi - lo > 1:
+        top = max_batch if hi is None else hi - 1
+        if lo >= top:
+            break
+        if guess in seen or not lo < guess <= top:
+            guess = min(top, lo * 2) if hi is None else (lo + hi) // 2
+        seen[guess] = value = peak(guess)
+        if value <= limit:
+            lo = guess
+        else:
+            hi = guess
+        # The next guess: the line through the two simulated batches nearest the answer.
+        below = max(b for b in seen if seen[b] <= limit)
+        others = [b for b in seen if b != below]
+        if not others:
+            guess = lo + 1
+            continue
+        other = min(others, key=lambda b: abs(b - below))
+        per = (seen[other] - seen[below]) / (other - below)
+        guess = below + int((limit - seen[below]) // per) if per > 0 else top
+        if hi is None and guess == lo:
+            guess = lo + 1
+    verified = hi is not None and hi == lo + 1
+    return lo, verified
+
+
+def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, simulations: int,
+         verified: bool) -> PlanRow:
+    peak = est.trace.peak
+    values = {c.value: peak[c] for c in peak}
+    dominant = max((c for c in values if values[c] is not None), key=lambda c: values[c] or 0)
+    return PlanRow(layout=layout, precision=precision, checkpointing=ckpt, max_batch_size=best, batch=at,
+                   peak_bytes=est.peak_bytes, device_peak=est.device_peak, headroom=est.headroom,
+                   dominant=dominant, dominant_bytes=values[dominant] or 0, peak_step=est.trace.peak_step,
+                   peak_phase=est.trace.peak_phase_label(), breakdown=values, simulations=simulations,
+                   verified=verified)
+
+
+def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
+            layouts: "Sequence[Layout] | None" = None, precisions: Sequence[str] = PRECISIONS,
+            checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
+            attention: str = "auto") -> PlanGrid:
+    """:func:`plan_grid` for the model a transformers config describes (:func:`memprof.simulate.hf.load_config`),
+    built on the meta device, ``seq_len`` tokens per sequence, AdamW unless ``optimizer`` (a factory of
+    parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks."""
+    from . import hf
+
+    cfg = hf.load_config(config)
+    first = hf.build_model(cfg)
+    token_batch = hf.token_batch
+
+    def model_for(ckpt: bool) -> Any:
+        return first.model if not ckpt else hf.build_model(cfg, checkpointing=True).model
+
+    token_batch(first, 1, seq_len)  # a bad seq_len fails before anything is simulated
+    said = [f"{first.architecture} built from its config on the meta device ({first.kind}), {seq_len} tokens per "
+            "sequence; the batch is one rank's",
+            "optimizer: " + ("torch.optim.AdamW with its defaults" if optimizer is None else "as given"),
+            "checkpointing: transformers' activation checkpointing on every layer (non-reentrant)"]
+    return plan_grid(model_for, lambda b: token_batch(first, b, seq_len), gpu=gpu,
+                     optimizer=optimizer or hf.adamw, loss_fn=hf.hf_loss,
+                     layouts=layouts if layouts is not None else data_parallel_layouts(world_size),
+                     precisions=precisions, checkpointing=checkpointing, model_name=first.architecture,
+                     seq_len=seq_len, alloc_conf=alloc_conf, attention=attention, notes=said + list(first.notes))
