@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import warnings
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -238,11 +237,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def _prepare_save_dir(option: str, path: str) -> None:
     """Create the save folder and write in it once, at start-up: a folder that cannot be made (a file on
     the way, no permission, a read-only disk) is one usage error, not the same error in every test."""
+    from .record.files import make_writable_folder
+
     try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".memprof-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
+        make_writable_folder(path)
     except OSError as exc:
         raise pytest.UsageError(
             f"--memprof-save-dir {option}: memprof cannot create or write this folder ({exc.strerror or exc}); "

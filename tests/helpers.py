@@ -249,3 +249,16 @@ class CacheOracle(TorchDispatchMode):
     def close(self):
         for h in self.handles:
             h.remove()
+
+
+def json_strings(value):
+    """Every string of a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from json_strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from json_strings(v)

@@ -9,9 +9,12 @@ explicit steps, work between the calls) keep their own, with a comment saying wh
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
+import torch
 import torch.nn.functional as F
+from torch import nn
 
 import memprof
 
@@ -77,3 +80,20 @@ def profile_training(model, opt, batch: Any, *, steps: int = 2, loss: Callable =
                      keep_batch=keep_batch)
     del last
     return prof.report()
+
+
+def seeded_mlp():
+    """Linear(16, 32), Tanh, Linear(32, 4), seeded: two builds hold the same weights."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def train_square_sum(model, opt, x, steps=3):
+    """:func:`train` on ``x`` with the output's squares summed as the loss."""
+    train(model, opt, (x, None), steps=steps, loss=square_sum)
+
+
+def profile_or_not(model, opt=None, mode=None):
+    """``memprof.profile(model, opt, mode=mode)``, or no profile at all when ``mode`` is None (the same code run
+    bare, to compare with)."""
+    return memprof.profile(model, opt, mode=mode) if mode else contextlib.nullcontext()

@@ -22,12 +22,12 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import tempfile
 import warnings
 import weakref
 from typing import Any, Callable
 
 from ..errors import InvalidArgumentError, MemprofWarning, error_text
+from ..record.files import make_writable_folder
 from ..record.trace import OomRecord
 
 __all__ = ["OomDump", "is_oom", "checked_folder", "oom_record", "error_text"]
@@ -70,10 +70,7 @@ def checked_folder(folder: Any, argument: str = "oom_dump") -> str:
     if os.path.exists(path) and not os.path.isdir(path):
         raise InvalidArgumentError(f"{argument}={folder!r} is a file, not a folder; give a folder for memprof's files")
     try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".memprof-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
+        make_writable_folder(path)
     except OSError as exc:
         raise InvalidArgumentError(
             f"{argument}={folder!r}: memprof cannot write there ({exc.strerror or exc}); give a writable folder"

@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import stat
+import tempfile
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import InvalidArgumentError, TraceFormatError, TraceNotFoundError
@@ -25,7 +26,8 @@ from ..errors import InvalidArgumentError, TraceFormatError, TraceNotFoundError
 if TYPE_CHECKING:
     from .trace import Trace
 
-__all__ = ["write_text_atomic", "write_bytes_atomic", "write_json_atomic", "check_writable", "read_json", "load_trace"]
+__all__ = ["write_text_atomic", "write_bytes_atomic", "write_json_atomic", "check_writable", "make_writable_folder",
+           "read_json", "load_trace"]
 
 
 def _path(path: Any, what: str) -> str:
@@ -87,6 +89,15 @@ def check_writable(path: "str | os.PathLike[str]") -> None:
     socket, a block device, a looping link, a missing folder), so that a command can refuse all its
     outputs before it writes any."""
     _target(path)
+
+
+def make_writable_folder(path: str) -> None:
+    """Create the folder ``path`` if missing and write a file in it once (then remove it): an ``OSError`` now,
+    when memprof could not write its files there later (a file on the way, no permission, a read-only disk)."""
+    os.makedirs(path, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".memprof-probe-", dir=path)
+    os.close(fd)
+    os.unlink(probe)
 
 
 class _Target(NamedTuple):

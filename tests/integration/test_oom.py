@@ -21,7 +21,7 @@ import memprof
 from memprof.vocabulary import Category as C
 from memprof.cli import main
 from memprof.errors import InvalidArgumentError
-from tests.helpers import assert_sums, hooks_left, weight_bytes
+from tests.helpers import assert_sums, hooks_left, json_strings, weight_bytes
 
 
 def _model():
@@ -339,18 +339,6 @@ def _breakdowns(value):
             yield from _breakdowns(v)
 
 
-def _strings(value):
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield k
-            yield from _strings(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _strings(v)
-
-
 def _no_constant(name):
     raise AssertionError(f"{name} in a dump: not JSON")
 
@@ -387,7 +375,7 @@ def test_every_oom_dump_loads_whatever_the_exception_says(exc, name, where):
         assert path == prof.oom_dump_path
         text = open(path, "rb").read().decode("utf-8")  # strict: valid UTF-8
         data = json.loads(text, parse_constant=_no_constant)
-        assert not [s for s in _strings(data) if any("\ud800" <= c <= "\udfff" for c in s)]
+        assert not [s for s in json_strings(data) if any("\ud800" <= c <= "\udfff" for c in s)]
         report = memprof.load(path)
     trace = report.trace
     assert trace.oom.message.startswith(f"{type(exc).__name__}: ") and len(trace.oom.message) < 4100

@@ -3,7 +3,6 @@ the block, state loaded inside it, a step with a closure; each measured exactly,
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -14,20 +13,9 @@ from memprof import Category as C
 from memprof.errors import InvalidArgumentError
 
 from helpers import optimizer_state_bytes, weight_bytes
-from training import square_sum, train
+from training import profile_or_not, seeded_mlp, train_square_sum
 
 
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-
-
-def _train(model, opt, x, steps=3):
-    train(model, opt, (x, None), steps=steps, loss=square_sum)
-
-
-def _profile(model, opt=None, mode=None):
-    return memprof.profile(model, opt, mode=mode) if mode else contextlib.nullcontext()
 
 
 class Wrapped:
@@ -50,10 +38,10 @@ class Wrapped:
 
 @pytest.mark.parametrize("attr", ["optimizer", "_optimizer"])
 def test_optimizer_wrappers_are_followed_to_the_torch_optimizer(attr):
-    model, x = _mlp(), torch.randn(8, 16)
+    model, x = seeded_mlp(), torch.randn(8, 16)
     inner = torch.optim.AdamW(model.parameters())
     with memprof.profile(model, Wrapped(Wrapped(inner, attr), attr)) as prof:
-        _train(model, Wrapped(inner, attr), x)
+        train_square_sum(model, Wrapped(inner, attr), x)
     rep = prof.report()
     assert rep.num_steps == 3
     # exp_avg + exp_avg_sq (fp32, as the 676 weights) + a 4-byte step per tensor: 2 * 2,704 + 4 * 4 = 5,424 B.
@@ -62,7 +50,7 @@ def test_optimizer_wrappers_are_followed_to_the_torch_optimizer(attr):
 
 def test_accelerates_optimizer_is_followed():
     accelerate = pytest.importorskip("accelerate")
-    model, x = _mlp(), torch.randn(8, 16)
+    model, x = seeded_mlp(), torch.randn(8, 16)
     accelerator = accelerate.Accelerator(cpu=True)
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
     with memprof.profile(model, opt) as prof:
@@ -77,16 +65,16 @@ def test_accelerates_optimizer_is_followed():
 
 def test_something_else_as_optimizer_is_refused_with_the_fix():
     with pytest.raises(InvalidArgumentError, match="AcceleratedOptimizer"):
-        memprof.profile(_mlp(), object())
+        memprof.profile(seeded_mlp(), object())
 
 
 def test_an_optimizer_recreated_inside_the_block_is_measured_and_named():
-    model, x = _mlp(), torch.randn(8, 16)
+    model, x = seeded_mlp(), torch.randn(8, 16)
     first = torch.optim.SGD(model.parameters(), lr=0.1)
     with memprof.profile(model, first) as prof:
-        _train(model, first, x, steps=1)
+        train_square_sum(model, first, x, steps=1)
         second = torch.optim.Adam(model.parameters())
-        _train(model, second, x, steps=2)
+        train_square_sum(model, second, x, steps=2)
     rep = prof.report()
     assert rep.num_steps == 3
     assert rep.end[C.OPTIMIZER_STATES] == optimizer_state_bytes(second) == 5424
@@ -94,10 +82,10 @@ def test_an_optimizer_recreated_inside_the_block_is_measured_and_named():
 
 
 def test_adam_step_counters_are_in_the_peak():
-    model, x = _mlp(), torch.randn(8, 16)
+    model, x = seeded_mlp(), torch.randn(8, 16)
     opt = torch.optim.AdamW(model.parameters())
     with memprof.profile(model, opt) as prof:
-        _train(model, opt, x, steps=1)
+        train_square_sum(model, opt, x, steps=1)
     rep = prof.report()
     # The first step's peak is inside step(): exp_avg, exp_avg_sq and the four 4-byte counters are live.
     assert rep.breakdown(0, "optimizer", "peak")[C.OPTIMIZER_STATES] == optimizer_state_bytes(opt) == 5424
@@ -133,7 +121,7 @@ def _closure_steps(mode, optimizer_cls):
         loss.backward()
         return loss
 
-    with _profile(model, opt, mode) as prof:
+    with profile_or_not(model, opt, mode) as prof:
         losses = [opt.step(closure).item() for _ in range(3)]
     return losses, [p.detach().clone() for p in model.parameters()], prof
 

@@ -3,7 +3,6 @@ them), between training steps and between a forward and its backward."""
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -12,29 +11,18 @@ from torch import nn
 import memprof
 from memprof import Category as C
 
-from training import square_sum, train
+from training import profile_or_not, seeded_mlp, train_square_sum
 
 MODES = ("exact", "light")
 
 
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-
-
-def _train(model, opt, x, steps=3):
-    train(model, opt, (x, None), steps=steps, loss=square_sum)
-
-
-def _profile(model, opt=None, mode=None):
-    return memprof.profile(model, opt, mode=mode) if mode else contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_torch_func_runs_as_without_memprof(mode):
     from torch.func import functional_call, grad, vmap
 
-    model, x = _mlp(), torch.randn(5, 16)
+    model, x = seeded_mlp(), torch.randn(5, 16)
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def loss(p, xi):
@@ -52,13 +40,13 @@ def test_torch_func_runs_as_without_memprof(mode):
 def test_torch_func_between_steps_of_ordinary_training():
     from torch.func import functional_call, grad
 
-    model, x = _mlp(), torch.randn(8, 16)
+    model, x = seeded_mlp(), torch.randn(8, 16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with memprof.profile(model, opt) as prof:
-        _train(model, opt, x, steps=1)
+        train_square_sum(model, opt, x, steps=1)
         params = {k: v.detach() for k, v in model.named_parameters()}
         grad(lambda p: functional_call(model, p, (x,)).sum())(params)
-        _train(model, opt, x, steps=1)
+        train_square_sum(model, opt, x, steps=1)
     assert prof.report().num_steps >= 2
 
 
@@ -73,7 +61,7 @@ def test_torch_func_after_the_forward_inside_a_step(mode):
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x = torch.randn(6, 8)
-        with _profile(model, opt, mode):
+        with profile_or_not(model, opt, mode):
             for _ in range(2):
                 loss = model(x).pow(2).mean()
                 jac = jacrev(lambda z: torch.tanh(z).sum(-1))(x)

@@ -28,6 +28,7 @@ from memprof.errors import InvalidArgumentError
 from memprof.record.files import check_writable, write_bytes_atomic, write_json_atomic, write_text_atomic
 
 from factories import full_trace
+from helpers import json_strings
 
 REPORT = memprof.Report(full_trace())
 TEXT = "memprof \u00e9crit\n"
@@ -379,18 +380,6 @@ def test_saving_never_changes_the_process_umask(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------- text UTF-8 cannot hold
 
 
-def _strings(value):
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield k
-            yield from _strings(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _strings(v)
-
-
 def test_a_lone_surrogate_is_written_as_a_replacement_character_by_every_text_writer(tmp_path):
     # A module named from undecodable bytes (os.fsdecode gives "\udcff" for the byte 0xff): no UTF-8 file
     # can hold the name, and a JSON escape of it is a string no strict reader takes back.
@@ -412,5 +401,5 @@ def test_a_lone_surrogate_is_written_as_a_replacement_character_by_every_text_wr
         # The page shows the name as the text report does, the surrogate escaped; the files hold U+FFFD.
         assert ("lin\\udcff" if name == "html" else "\ufffd") in text
         if name in ("save", "chrome"):
-            assert not [s for s in _strings(json.loads(text)) if any("\ud800" <= c <= "\udfff" for c in s)]
+            assert not [s for s in json_strings(json.loads(text)) if any("\ud800" <= c <= "\udfff" for c in s)]
     assert [m.path for m in memprof.load(tmp_path / "save").trace.modules] == ["<model>", "lin\ufffd"]
