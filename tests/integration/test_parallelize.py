@@ -87,15 +87,18 @@ def tp_sp(model, mesh):
     return model
 
 
-def measured(fn, world: int = 2, rank: int = 0):
-    """The same function on real tensors, rank ``rank`` of ``world`` on the fake process group, the estimate's loop:
-    forward, loss, backward, step, zero_grad, twice, on one batch."""
+def measured(fn, world: int = 2, rank: int = 0, mesh: "dict[str, int] | None" = None):
+    """The same function on real tensors, rank ``rank`` of ``world`` on the fake process group (on a mesh of one
+    dimension, or of ``mesh``'s named ones), the estimate's loop: forward, loss, backward, step, zero_grad, twice,
+    on one batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        model = fn(build(), init_device_mesh("cpu", (world,)))
+        device_mesh = (init_device_mesh("cpu", (world,)) if mesh is None
+                       else init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh)))
+        model = fn(build(), device_mesh)
         opt = torch.optim.AdamW(model.parameters())
         with memprof.profile(model, opt) as prof:
             for _ in range(2):  # the loss held through the step and released when the loop ends, as the estimate's loop holds it
@@ -257,22 +260,7 @@ def _kept_unsharded_with_prefetching(model, mesh):
                                           (_kept_unsharded_with_prefetching, {"dp": 4})],
                          ids=["hsdp", "reshard_after_forward_false_prefetch"])
 def test_other_fsdp2_options_are_simulated_to_the_byte(fn, mesh):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     est = memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS, loss_fn=loss_fn,
                            world_size=4, mesh=mesh, parallelize=fn)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        model = fn(build(), init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh)))
-        opt = torch.optim.AdamW(model.parameters())
-        with memprof.profile(model, opt) as prof:
-            for _ in range(2):  # the loss held through the step and released when the loop ends, as the estimate's loop holds it
-                loss = loss_fn(model(IDS), IDS)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            del loss
-    finally:
-        dist.destroy_process_group()
-    assert_equal_everywhere(est, prof.report())
+    rep, _model, _opt = measured(fn, world=4, mesh=mesh)
+    assert_equal_everywhere(est, rep)
