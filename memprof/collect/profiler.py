@@ -33,6 +33,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, ProfilerStateError
 from ..record.trace import Breakdown, StepRecord, Trace
+from .allocator_source import allocator_phases, resolved_mode
 from .arguments import checked
 from .closing import Closing
 from .device import DeviceProbe
@@ -72,6 +73,7 @@ def profile(
     oom_dump: "str | os.PathLike[str] | None" = None,
     record_routing: bool = False,
     record_allocations: bool = False,
+    source: str = "dispatch",
 ) -> "Profiler":
     """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
 
@@ -96,6 +98,11 @@ def profile(
     ``memprof.estimate(..., routing=report)``.
     ``record_allocations=True`` (exact mode) keeps every storage made and freed, in order, for
     :meth:`Report.what_a_gpu_would_reserve` (the stream grows with the run: for a few steps).
+    ``source="allocator"`` (exact mode, CUDA) also records the caching allocator's own events and reduces
+    them per phase (:attr:`Profiler.allocator_phases`); the record's figures stay the dispatch mode's
+    (``source="dispatch"``, the default). Whenever the allocator records its history on CUDA (memprof's or
+    your own ``torch.cuda.memory._record_memory_history``), its entries are labelled with memprof's phase,
+    step and module, which memory_viz shows.
 
     However long the run, the record stays bounded: every step is summarised
     per phase (:meth:`Report.phase_stats`), and full detail is kept for the
@@ -107,7 +114,7 @@ def profile(
     """
     return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations, schedule=schedule,
                     on_trace_ready=on_trace_ready, oom_dump=oom_dump, record_routing=record_routing,
-                    record_allocations=record_allocations)
+                    record_allocations=record_allocations, source=source)
 
 
 class Profiler:
@@ -131,6 +138,7 @@ class Profiler:
         oom_dump: "str | os.PathLike[str] | None" = None,
         record_routing: bool = False,
         record_allocations: bool = False,
+        source: str = "dispatch",
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
         _fake_mode: Any = None,
@@ -143,8 +151,7 @@ class Profiler:
         self.schedule = schedule
         self._on_trace_ready = on_trace_ready
         self._mode_requested = mode
-        if mode == "auto":
-            mode = EXACT if device.type in ("cpu", "meta") else LIGHT
+        mode, self._allocator = resolved_mode(mode, device, source)
         self.device = device
         #: What every hook reads: the profiler pushes ``active`` and the thread onto it.
         self.run = Run(mode, device, bool(timeline))
@@ -170,6 +177,7 @@ class Profiler:
         self.oom_dump = OomDump(checked_folder(oom_dump), device) if oom_dump is not None else None
 
     # ------------------------------------------------------------------ public
+    allocator_phases = property(allocator_phases)
 
     @property
     def mode(self) -> str:
@@ -302,7 +310,7 @@ class Profiler:
         self.collectors = wire(model, optimizers, self.run, self.ledger, self.probe, stack,
                                mode_requested=self._mode_requested, operations=self._want_operations,
                                fake_mode=self._fake_mode, schedule=self.schedule, ready=ready,
-                               record_routing=self._record_routing)
+                               record_routing=self._record_routing, allocator=self._allocator)
         if self.oom_dump is not None:
             self.oom_dump.start(self.live_now)
             stack.callback(self.oom_dump.stop)

@@ -21,7 +21,8 @@ __all__ = [
     "top_saved_hooks", "push_saved_hooks", "pop_saved_hooks", "saved_hooks_disabled_message",
     "current_autograd_node", "queue_backward_callback", "NoPythonDispatch", "is_compiling", "FakeTensor",
     "KEEPS_COMPILE", "python_dispatch", "MODE_FLAGS_SAVED", "MODE_FLAGS_CURRENT", "attach_cuda_oom_observer",
-    "cuda_memory_snapshot", "SKIPS_DYNAMO", "skip_dynamo", "COMPILER",
+    "cuda_memory_snapshot", "SKIPS_DYNAMO", "skip_dynamo", "COMPILER", "cuda_history_enabled", "record_cuda_history",
+    "set_cuda_metadata", "get_cuda_metadata",
 ]
 
 # -- autograd's engine ------------------------------------------------------------------------------------
@@ -140,3 +141,21 @@ attach_cuda_oom_observer: "Callable[[Callable[[int, int, int, int], None]], None
 def cuda_memory_snapshot() -> Any:
     """The allocator's state in memory_viz's format (``torch.cuda.memory._snapshot``), written beside an OOM dump."""
     return torch.cuda.memory._snapshot()
+
+
+#: Whether the allocator records its history now (``_record_memory_history`` was called, by the user or by
+#: memprof): how memprof keeps a user's own recording instead of restarting it. None without CUDA in torch.
+cuda_history_enabled: "Callable[[], bool] | None" = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+
+
+def record_cuda_history(enabled: "str | None", **options: Any) -> None:
+    """Start (``"all"``), restart or stop (None) the allocator's history
+    (``torch.cuda.memory._record_memory_history``)."""
+    torch.cuda.memory._record_memory_history(enabled, **options)
+
+
+#: The string the allocator attaches to every entry it records from now on, and its reader
+#: (``torch.cuda.memory._set_memory_metadata`` / ``_get_memory_metadata``, in torch 2.13): the
+#: labels memory_viz shows. None where torch has neither (the labels are then skipped).
+set_cuda_metadata: "Callable[[str], None] | None" = getattr(torch.cuda.memory, "_set_memory_metadata", None)
+get_cuda_metadata: "Callable[[], str] | None" = getattr(torch.cuda.memory, "_get_memory_metadata", None)

@@ -44,6 +44,7 @@ from .windows import Windows
 
 if TYPE_CHECKING:
     from ..record.parts import RankInfo
+    from .allocator_source import AllocatorSource
     from .device import DeviceProbe
     from .ledger import Ledger
     from .schedule import Schedule
@@ -79,6 +80,8 @@ class Collectors:
     windows: "Windows | None" = None
     #: With ``record_routing=True``: the router calls' per-expert counts.
     routing: "RoutingRecorder | None" = None
+    #: With ``source="allocator"``: the allocator's events reduced per phase.
+    allocator: "AllocatorSource | None" = None
     #: The ledger's totals when the run began (what existed before its first phase).
     start_totals: list[int] = dataclasses.field(default_factory=list)
     param_dtypes: tuple[str, ...] = ()
@@ -136,11 +139,17 @@ class Collectors:
 
 def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
          probe: "DeviceProbe", stack: "UndoStack", *, mode_requested: str, operations: bool, fake_mode: Any,
-         schedule: "Schedule | None", ready: "Callable[[], None] | None", record_routing: bool = False) -> Collectors:
+         schedule: "Schedule | None", ready: "Callable[[], None] | None", record_routing: bool = False,
+         allocator: str = "dispatch") -> Collectors:
     """Build the collectors of a profile of ``model`` and install everything; ``ready`` hands the run so far
-    to ``on_trace_ready`` at the end of a schedule's window."""
+    to ``on_trace_ready`` at the end of a schedule's window; ``allocator``: where exact mode's events come
+    from (``source=`` of profile())."""
+    from .allocator_source import attach
+
     c = build(model, optimizers, run, ledger, probe, stack, fake_mode)
     install(c, model, mode_requested=mode_requested, operations=operations)
+    # On CUDA: the allocator's events (source="allocator") and memprof's labels in its snapshot.
+    c.allocator = attach(run, ledger, c.phases, c.table, stack, allocator)
     if schedule is not None:
         add_windows(c, schedule, ready)
     if record_routing:

@@ -1,0 +1,227 @@
+"""source="allocator" and the snapshot labels, on CPU: a stand-in for the CUDA caching allocator's history
+(``_allocator_backend``) receives the events a test emits at known moments of a real training step, as torch's
+allocator would record them (trace entries with the metadata string current when each is recorded)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof.collect import allocator_history
+from memprof.collect.allocator_history import AllocatorHistory
+from memprof.collect.profiler import Profiler
+from memprof.errors import InvalidArgumentError
+
+from helpers import hook_registry
+
+
+class FakeAllocator:
+    """What memprof asks of torch's allocator history, kept in lists: the entries recorded (a ring buffer of
+    ``max_entries``), whether it records, the metadata string, and every call memprof made."""
+
+    def __init__(self, enabled: bool = False, metadata: str = "") -> None:
+        self.on = enabled
+        self.max_entries = 1 << 30
+        self.buffer: list[dict] = []
+        self.metadata = metadata
+        self.calls: list[tuple] = []
+        self.texts: list[str] = []
+        self.t = 0
+
+    def enabled(self) -> bool:
+        return self.on
+
+    def labels(self) -> bool:
+        return True
+
+    def record(self, enabled, **options) -> None:
+        self.calls.append((enabled, options))
+        self.on = enabled is not None
+        if enabled is not None:
+            self.max_entries = options.get("max_entries", self.max_entries)
+            if options.get("clear_history"):
+                self.buffer.clear()
+
+    def snapshot(self) -> dict:
+        return {"segments": [], "device_traces": [list(self.buffer)]}
+
+    def get_metadata(self) -> str:
+        return self.metadata
+
+    def set_metadata(self, text: str) -> None:
+        self.texts.append(text)
+        self.metadata = text
+
+    def emit(self, action: str, addr: int, size: int) -> None:
+        if not self.on:
+            return
+        self.t += 1
+        self.buffer.append({"action": action, "addr": addr, "size": size, "stream": 0, "time_us": self.t,
+                            "frames": [], "compile_context": "", "user_metadata": self.metadata})
+        del self.buffer[:-self.max_entries]
+
+
+class Emit(nn.Module):
+    """A layer whose forward makes (and frees) a 1000-byte temporary at address 16, as the allocator records."""
+
+    def __init__(self, fake: FakeAllocator) -> None:
+        super().__init__()
+        self.fake = fake
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.fake.emit("alloc", 16, 1000)
+        self.fake.emit("free_requested", 16, 1000)
+        return self.lin(x)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """Every profile's device gets the stand-in ``fake.backend`` as its allocator history."""
+
+    def use(fake: "FakeAllocator | None") -> None:
+        monkeypatch.setattr(allocator_history, "backend_for", lambda device: fake)
+
+    return use
+
+
+def one_step(fake: FakeAllocator, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(Emit(fake))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(2, 4)
+    w = model[0].lin.weight
+
+    def in_backward(g):
+        fake.emit("alloc", 32, 3000)  # a temporary of backward
+        fake.emit("free_requested", 32, 3000)
+        return g
+
+    def state_made(o, args, kwargs):  # still inside the optimizer phase (per-optimizer post hooks run first)
+        st = o.state[w]["exp_avg"].untyped_storage()
+        fake.emit("alloc", st.data_ptr(), st.nbytes())
+
+    opt.register_step_post_hook(state_made)
+    prof = Profiler(model, opt, **kw)
+    with prof:
+        handle = w.register_hook(in_backward)  # the weight's gradient: inside the backward phase
+        model(x).sum().backward()
+        handle.remove()
+        opt.step()
+    return prof, model, opt
+
+
+def test_each_phase_is_reduced_from_the_events_recorded_in_it(stand_in) -> None:
+    fake = FakeAllocator()
+    stand_in(fake)
+    prof, model, opt = one_step(fake, source="allocator")
+    recs = {(r.step, r.phase): r.window for r in prof.allocator_phases}
+    assert [(r.step, r.phase) for r in prof.allocator_phases][:3] == [(0, "forward"), (0, "backward"),
+                                                                      (0, "optimizer")]
+    # The weights were live before the first window: Linear(4, 4) holds 16 + 4 floats = 80 bytes.
+    weights = (16 + 4) * 4
+    fwd, bwd, opt_w = recs[(0, "forward")], recs[(0, "backward")], recs[(0, "optimizer")]
+    assert fwd.start.total == weights and fwd.start["weights"] == weights
+    # forward: 80 + the 1000-byte temporary
+    assert (fwd.peak.total, fwd.peak["temporaries"], fwd.end.total) == (weights + 1000, 1000, weights)
+    # backward: 80 + the 3000-byte temporary
+    assert (bwd.peak.total, bwd.peak["temporaries"]) == (weights + 3000, 3000)
+    # optimizer: exp_avg of the weight (16 floats = 64 bytes) at the address the optimizer's state has, which
+    # the hooks know as optimizer state
+    assert (opt_w.peak.total, opt_w.peak["optimizer_states"], opt_w.peak["temporaries"]) == (weights + 64, 64, 0)
+    # memprof's own recording: started without stacks and bounded, cleared at each drain, stopped at the end
+    assert fake.calls[0][0] == "all" and fake.calls[0][1]["context"] is None
+    assert fake.calls[0][1]["max_entries"] == AllocatorHistory(fake, 0).max_entries
+    assert fake.calls[-1] == (None, {}) and not fake.on
+    assert any("source='allocator'" in n for n in prof.trace.notes)
+
+
+def test_the_labels_follow_phase_step_and_module_and_the_previous_one_comes_back(stand_in) -> None:
+    fake = FakeAllocator(enabled=True, metadata="the user's own label")
+    stand_in(fake)
+    fake.buffer.append({"action": "alloc", "addr": 99, "size": 8, "stream": 0, "time_us": 0, "frames": [],
+                        "compile_context": "", "user_metadata": ""})
+    one_step(fake)
+    by_addr = {e["addr"]: e["user_metadata"] for e in fake.buffer if e["action"] == "alloc"}
+    assert by_addr[16] == "memprof phase=forward step=0 module=0"
+    assert by_addr[32] == "memprof phase=backward step=0"
+    assert next(m for a, m in by_addr.items() if a not in (16, 32, 99)) == "memprof phase=optimizer step=0"
+    # set when the phase or the module changes, not per event: each text differs from the one before it
+    assert all(a != b for a, b in zip(fake.texts, fake.texts[1:]))
+    # (torch runs global forward pre-hooks before the model's own, where the forward phase begins)
+    calls = ["<model>", "0", "0.lin", "0", "<model>"]
+    assert fake.texts == ["memprof phase=other step=0", "memprof phase=other step=0 module=<model>"] + [
+        f"memprof phase=forward step=0 module={m}" for m in calls] + [
+        "memprof phase=forward step=0", "memprof phase=backward step=0", "memprof phase=other step=0",
+        "memprof phase=optimizer step=0", "memprof phase=other step=0", "the user's own label"]
+    # the user's recording is theirs: never restarted, cleared or stopped; their label is back
+    assert fake.calls == [] and fake.on and fake.buffer[0]["addr"] == 99
+    assert fake.metadata == "the user's own label"
+
+
+def test_a_users_recording_is_read_from_where_it_was(stand_in) -> None:
+    fake = FakeAllocator(enabled=True)
+    stand_in(fake)
+    fake.emit("alloc", 500, 123)  # before the profile: not a phase's
+    prof, _, _ = one_step(fake, source="allocator")
+    fwd = next(r.window for r in prof.allocator_phases if r.phase == "forward")
+    # the user's earlier block is not in any window (it was not live in memprof's view either)
+    assert fwd.allocations == 1 and fwd.peak["temporaries"] == 1000
+    assert fake.calls == [] and fake.on
+
+
+def test_a_wrapped_users_buffer_marks_the_window_incomplete(stand_in) -> None:
+    fake = FakeAllocator(enabled=True)
+    stand_in(fake)
+    fake.max_entries = 1
+    fake.emit("alloc", 500, 8)
+    prof, _, _ = one_step(fake, source="allocator")
+    fwd = next(r.window for r in prof.allocator_phases if r.phase == "forward")
+    assert not fwd.complete
+    assert any("incomplete" in n for n in prof.trace.notes)
+
+
+def test_everything_is_undone_when_the_block_raises(stand_in) -> None:
+    fake = FakeAllocator(metadata="before")
+    stand_in(fake)
+    model = nn.Sequential(Emit(fake))
+    before = hook_registry(model)
+    with pytest.raises(ZeroDivisionError):
+        with Profiler(model, source="allocator"):
+            model(torch.randn(2, 4))
+            raise ZeroDivisionError("the user's error")
+    assert hook_registry(model) == before
+    assert fake.metadata == "before" and not fake.on and fake.calls[-1] == (None, {})
+
+
+def test_no_allocator_events_and_no_labels_on_cpu() -> None:
+    # No stand-in: this machine's CPU run has no allocator history, and exact mode is as it always was.
+    model = nn.Linear(2, 2)
+    with memprof.profile(model) as prof:
+        model(torch.randn(1, 2)).sum().backward()
+    assert prof.allocator_phases == () and prof.collectors.allocator is None
+
+
+def test_source_allocator_on_cpu_names_the_fix(stand_in) -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(InvalidArgumentError, match="CUDA device, or leave source='dispatch'"):
+        memprof.profile(model, source="allocator")
+    with pytest.raises(InvalidArgumentError, match="source must be one of 'dispatch', 'allocator'"):
+        memprof.profile(model, source="cuda")
+    stand_in(FakeAllocator())
+    with pytest.raises(InvalidArgumentError, match="use mode='exact'"):
+        Profiler(model, mode="light", source="allocator")
+
+
+def test_torch_has_the_functions_memprof_relies_on() -> None:
+    mem = torch.cuda.memory
+    assert list(inspect.signature(mem._set_memory_metadata).parameters) == ["metadata"]
+    assert list(inspect.signature(mem._get_memory_metadata).parameters) == []
+    params = inspect.signature(mem._record_memory_history).parameters
+    for name in ("enabled", "context", "stacks", "max_entries", "clear_history"):
+        assert name in params
+    assert list(inspect.signature(mem._snapshot).parameters)[0] == "device"
