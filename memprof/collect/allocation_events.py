@@ -108,7 +108,7 @@ def _owners(events: "list[Mapping[str, Any]]", known: Mapping[int, str]) -> dict
 
 
 def reduce_window(events: Iterable[Mapping[str, Any]], live: Live, known: Mapping[int, str], *,
-                  rounding: int = 1, complete: bool = True) -> Window:
+                  rounding: int = 1, complete: bool = True, sizes: "Mapping[int, int] | None" = None) -> Window:
     """Replay ``events`` (one window, in order) over ``live`` (updated in place to the window's end) and return
     the window's record.
 
@@ -132,6 +132,11 @@ def reduce_window(events: Iterable[Mapping[str, Any]], live: Live, known: Mappin
     owners = _owners(evs, known)
     totals = live.totals()
     start = dict(totals)
+    for addr, nbytes in (sizes or {}).items():
+        if addr not in blocks and addr not in allocated_here and addr in known:
+            cat = known[addr]
+            blocks[addr] = [nbytes, cat]
+            totals[cat] = totals.get(cat, 0) + nbytes
     total = sum(totals.values())
     peak_total, peak, peak_event, peak_time = total, dict(totals), -1, None
     allocs = frees = unmatched = 0

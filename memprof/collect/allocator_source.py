@@ -101,8 +101,10 @@ class AllocatorSource:
         if not run.active:
             self.live = Live(known_addresses(self.ledger))  # what the unwatched steps left
             return
-        known = {addr: v[1] for addr, v in known_addresses(self.ledger).items()}
-        window = reduce_window(events, self.live, known, rounding=self.ledger.rounding, complete=complete)
+        now = known_addresses(self.ledger)
+        known = {addr: v[1] for addr, v in now.items()}
+        window = reduce_window(events, self.live, known, rounding=self.ledger.rounding, complete=complete,
+                               sizes={addr: v[0] for addr, v in now.items()})
         if not complete:
             self.incomplete += 1
         if events or run.phase is not Phase.OTHER:

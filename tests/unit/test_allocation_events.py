@@ -106,3 +106,16 @@ def test_profiler_events_become_trace_entries_and_split_at_markers() -> None:
     b = reduce_window(second, live, {})
     # window 2 starts with the 40000 of window 1, peaks at 80000, ends at 40000
     assert (a.end.total, b.start.total, b.peak.total, b.end.total) == (40000, 40000, 80000, 40000)
+
+
+def test_a_storage_made_before_recording_counts_from_the_window_it_is_first_known_in() -> None:
+    live = weights_live()
+    # The batch (256 bytes at 0x9000) was made before the profile; the hooks learn of it at the forward.
+    w = reduce_window([ev("alloc", 0x2000, 100, 1)], live, {0x9000: "inputs"}, sizes={0x9000: 256})
+    # start: the weights alone (4096); peak and end: 4096 + 256 + 100 = 4452
+    assert w.start.total == 4096 and w.start["inputs"] == 0
+    assert (w.peak.total, w.peak["inputs"], w.end.total) == (4452, 256, 4452)
+    assert live.blocks[0x9000] == [256, "inputs"]
+    # without its size, nothing is counted for it
+    w2 = reduce_window([], Live(), {0x9000: "inputs"})
+    assert w2.end.total == 0
