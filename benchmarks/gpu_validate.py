@@ -41,6 +41,12 @@ the bare peak. Writes ``gpu-validate.json`` and ``gpu-validate.md`` into
 ``memprof.estimate(..., gpu=)`` against the measured allocated, reserved and NVML peaks, for fp32, bf16
 and mixed precision, flash and memory-efficient attention, with and without activation checkpointing,
 with expandable segments on and off; each configuration's ratios, then the worst under-estimate.
+
+``--allocator-source`` runs only the allocator-events check of ``benchmarks/allocator_source_check.py``: on the
+benchmark GPT, the phase records reduced from the caching allocator's own events (``source="allocator"``)
+against the dispatch mode's, byte for byte, and the wall clock of exact mode through allocator events against a
+bare step and a do-nothing dispatch mode (paired medians of alternated runs; the target is 1.03x a bare step).
+Writes ``allocator-source.json`` and ``allocator-source.md``.
 """
 
 from __future__ import annotations
@@ -347,6 +353,10 @@ def main(argv: "list[str] | None" = None) -> int:
                     help="only the device-memory matrix (benchmarks/device_matrix.py): estimate(gpu=) against measured "
                          "allocated, reserved and NVML peaks over precision x attention x checkpointing x expandable "
                          "segments, each in a fresh process; writes device-matrix.json")
+    ap.add_argument("--allocator-source", action="store_true",
+                    help="only the allocator-events check (benchmarks/allocator_source_check.py): source='allocator' "
+                         "against the dispatch mode byte for byte, and its wall clock against a bare step; writes "
+                         "allocator-source.json and allocator-source.md")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -358,6 +368,18 @@ def main(argv: "list[str] | None" = None) -> int:
                            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}, fh, indent=1)
         return 0
 
+    if args.allocator_source:
+        import allocator_source_check as check  # benchmarks/allocator_source_check.py
+
+        result = check.run_check(torch.device(args.device))
+        text = check.markdown(result)
+        print(text)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "allocator-source.json"), "w") as fh:
+            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), **result}, fh, indent=1)
+        with open(os.path.join(args.out, "allocator-source.md"), "w") as fh:
+            fh.write(text)
+        return 0
     if args.device_matrix:
         from device_matrix import run_matrix  # benchmarks/device_matrix.py
 

@@ -87,10 +87,12 @@ class AllocatorSource:
         self.live = Live()
         self.records: list[AllocatorPhase] = []
         self.incomplete = 0
+        self.ops = 0  # the run's op count at the last boundary
 
     def start(self) -> None:
         """What the profile registered so far is what was allocated before the first window."""
         self.live = Live(known_addresses(self.ledger))
+        self.ops = self.run.ops
         self.history.start()
 
     def boundary(self, _phase: "Phase | None" = None) -> None:
@@ -107,7 +109,9 @@ class AllocatorSource:
                                sizes={addr: v[0] for addr, v in now.items()})
         if not complete:
             self.incomplete += 1
-        if events or run.phase is not Phase.OTHER:
+        ops, self.ops = run.ops - self.ops, run.ops
+        # The phase tracker keeps no record of an "other" phase in which nothing ran and nothing changed.
+        if run.phase is not Phase.OTHER or ops or not window.start == window.peak == window.end:
             self.records.append(AllocatorPhase(run.step, run.phase.value, window))
 
     def stop(self) -> None:
