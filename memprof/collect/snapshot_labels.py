@@ -12,12 +12,14 @@ puts back the string that was there before when the profile ends, also when the 
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
 from ..vocabulary import Phase
+from .torch_compat import is_compiling
 
 if TYPE_CHECKING:
     from .module_table import ModuleTable
@@ -74,15 +76,24 @@ class SnapshotLabels:
             self.current = label(Phase.OTHER.value, self.run.step + 1)
             self.put(self.current)
 
-    def entered(self, module: nn.Module, _args: Any) -> None:
+    def _watched(self, module: nn.Module) -> "int | None":
+        """The module's row when it is the model's, called in the profile's thread outside dynamo's tracing (where
+        memprof's code must not enter a graph); None otherwise. The label is the process's, so only the profiled
+        thread sets it."""
         row = self.table.index.get(id(module))
+        if row is None or is_compiling() or threading.get_ident() != self.run.thread:
+            return None
+        return row
+
+    def entered(self, module: nn.Module, _args: Any) -> None:
+        row = self._watched(module)
         if row is None or not self.run.active:
             return
         self.calls.append(row)
         self.show()
 
     def left(self, module: nn.Module, _args: Any, _out: Any) -> None:
-        row = self.table.index.get(id(module))
+        row = self._watched(module)
         if row is None or not self.calls or self.calls[-1] != row:
             return
         self.calls.pop()

@@ -190,3 +190,21 @@ def test_torch_has_the_functions_memprof_relies_on() -> None:
     for name in ("enabled", "context", "stacks", "max_entries", "clear_history"):
         assert name in params
     assert list(inspect.signature(mem._snapshot).parameters)[0] == "device"
+
+
+def test_a_module_called_in_another_thread_leaves_the_label_alone(stand_in) -> None:
+    import threading
+
+    fake = FakeAllocator(enabled=True)
+    stand_in(fake)
+    model = nn.Sequential(nn.Linear(2, 2))
+    with memprof.profile(model):
+        before = list(fake.texts)
+        worker = threading.Thread(target=lambda: model(torch.randn(1, 2)))
+        worker.start()
+        worker.join()
+        # the label is the process's: only the profiled thread sets it
+        assert fake.texts == before
+        model(torch.randn(1, 2))
+        assert fake.texts[len(before):][:2] == ["memprof phase=other step=0 module=<model>",
+                                                "memprof phase=forward step=0 module=<model>"]
