@@ -3,9 +3,10 @@ recording kept), drained at each phase boundary, stopped and restored at the end
 
 The allocator records each alloc and free in C++ while ``torch.cuda.memory._record_memory_history`` is on,
 into a ring buffer of ``max_entries`` entries (c10/cuda/CUDACachingAllocator.cpp, ``record_trace``);
-``torch.cuda.memory._snapshot()`` returns it. memprof records without stack traces (``context=None``: a few
-dozen bytes per entry instead of kilobytes) and, when the recording is its own, clears the buffer after each
-drain (``clear_history=True``), so that what it holds is bounded by one phase's events.
+``torch.cuda.memory._snapshot()`` returns it. memprof records without stack traces (``context=None``: torch's
+docstring puts an entry with stacks at several KB) and, when the recording is its own, clears the buffer after
+each drain (``clear_history=True``: ``recordHistory`` empties the buffer), so that what it holds is bounded by
+one phase's events.
 
 A user who already records keeps the recording as it was: memprof never restarts, clears or stops it, and
 finds the entries that are new since the last drain after the last one it read (a buffer that wrapped past
