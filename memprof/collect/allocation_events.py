@@ -133,10 +133,18 @@ def reduce_window(events: Iterable[Mapping[str, Any]], live: Live, known: Mappin
     totals = live.totals()
     start = dict(totals)
     for addr, nbytes in (sizes or {}).items():
-        if addr not in blocks and addr not in allocated_here and addr in known:
+        if addr in allocated_here or addr not in known:
+            continue
+        block = blocks.get(addr)
+        if block is None:
             cat = known[addr]
             blocks[addr] = [nbytes, cat]
             totals[cat] = totals.get(cat, 0) + nbytes
+        elif block[0] != nbytes:
+            # The block carried here was freed and its address given to this storage by events the window does
+            # not hold (a buffer that dropped them): the storage the hooks know replaces it.
+            totals[block[1]] += nbytes - block[0]
+            block[0] = nbytes
     total = sum(totals.values())
     peak_total, peak, peak_event, peak_time = total, dict(totals), -1, None
     allocs = frees = unmatched = 0

@@ -208,3 +208,21 @@ def test_a_module_called_in_another_thread_leaves_the_label_alone(stand_in) -> N
         model(torch.randn(1, 2))
         assert fake.texts[len(before):][:2] == ["memprof phase=other step=0 module=<model>",
                                                 "memprof phase=forward step=0 module=<model>"]
+
+
+def test_memprofs_own_buffer_full_at_a_drain_marks_the_window_incomplete() -> None:
+    fake = FakeAllocator()
+    history = AllocatorHistory(fake, 0, max_entries=3)
+    history.start()
+    for addr in (1, 2):
+        fake.emit("alloc", addr, 8)
+    events, complete = history.drain()
+    assert [e["addr"] for e in events] == [1, 2] and complete and fake.buffer == []  # read, then cleared
+    for addr in (3, 4, 5, 6):  # one more than the buffer keeps: the first is gone
+        fake.emit("alloc", addr, 8)
+    events, complete = history.drain()
+    assert [e["addr"] for e in events] == [4, 5, 6] and not complete
+    history.stop()
+    assert not fake.on and fake.calls[-1] == (None, {})
+    history.stop()  # twice: nothing more
+    assert len(fake.calls) == 4  # start, two drains, one stop

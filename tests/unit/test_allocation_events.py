@@ -119,3 +119,13 @@ def test_a_storage_made_before_recording_counts_from_the_window_it_is_first_know
     # without its size, nothing is counted for it
     w2 = reduce_window([], Live(), {0x9000: "inputs"})
     assert w2.end.total == 0
+
+
+def test_a_carried_block_replaced_unseen_takes_the_known_storages_size() -> None:
+    # 0x50 held a 64-byte temporary; events the window lacks freed it and put a 96-byte gradient there.
+    live = Live({0x50: [64, "temporaries"]})
+    w = reduce_window([ev("alloc", 0x60, 10, 1)], live, {0x50: "gradients"}, sizes={0x50: 96})
+    # start: the carried block under the category known now, 64; peak and end: 96 + 10 = 106
+    assert (w.start.total, w.start["gradients"]) == (64, 64)
+    assert (w.end.total, w.end["gradients"], w.end["temporaries"]) == (106, 96, 10)
+    assert live.blocks[0x50] == [96, "gradients"]
