@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .experts import CountsExchange
 from .routers import OneHot, Router, innermost_module
 from .routing import Routing, routing_of
 from .shadows import ValueShadows
@@ -37,6 +38,7 @@ class MoeRules:
         self.given = routing is not None
         self.target = target
         self.shadows = ValueShadows(target)
+        self.exchange = self.shadows.exchange = CountsExchange(self.routing.policy)
         self.plan = self.routing.plan()
         self.router = Router(self.plan, self.shadows.store)
         self.one_hot = OneHot(target, self.shadows.store)
@@ -51,7 +53,7 @@ class MoeRules:
         return _Paused(self.router)
 
     def notes(self) -> list[str]:
-        out: list[str] = []
+        out: list[str] = self.exchange.notes()
         calls, r = self.plan.calls, self.routing
         if self.shadows.grouped_mm:
             out.append(f"torch._grouped_mm x{self.shadows.grouped_mm} ran as the {self.target} kernel runs it "
