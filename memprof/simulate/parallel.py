@@ -205,6 +205,11 @@ class ParallelRun:
         self.offloaded = _offloaded(twin)
         return twin, mapping
 
+    def inside_step(self) -> None:
+        """Read inside a ``step_context``, after backward: ``context_parallel()`` switches ring attention on for its
+        block only."""
+        self.context_parallel = self.context_parallel or _context_parallel_on()
+
     def host_split(self, trace: Any) -> "tuple[int, int, str] | None":
         """Under ``CPUOffloadPolicy``: the rank's host bytes, its device peak, and a note saying how they were
         split. The simulation runs on the CPU, where FSDP2's host/device copies are no-ops
