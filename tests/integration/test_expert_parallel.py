@@ -43,9 +43,10 @@ def measured(world: int, rank: int, exchange: str):
         dist.destroy_process_group()
 
 
-def simulated(world: int, rank: int, exchange: str, routing: str = "balanced"):
+def simulated(world: int, rank: int, exchange: str, routing: str = "balanced", mesh=None):
     return memprof.estimate(build(exchange), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS,
-                            loss_fn=loss_fn, world_size=world, rank=rank, parallelize=expert_parallel, routing=routing)
+                            loss_fn=loss_fn, world_size=world, rank=rank, parallelize=expert_parallel, routing=routing,
+                            mesh=mesh)
 
 
 def _phases(trace):
@@ -76,16 +77,23 @@ def test_expert_parallel_is_simulated_to_the_byte(world, rank, exchange):
     assert sum(held.values()) == experts + dense
     assert _phases(rep.trace)[(1, "optimizer", 0)].end[C.WEIGHTS] == experts + dense
     assert est.trace.peak[C.WEIGHTS] == experts + dense == {2: 149_760, 4: 84_224}[world]
+    # The textbook's term for the experts (Switch Transformers §5.4: E/ep experts per rank) gives the same bytes.
+    from memprof.anatomy.parallelism import expert_terms
+
+    assert expert_terms(2 * E * (DIM * HID + HID * DIM), ep=world, param_bytes=4)[0].bytes == experts
     # Balanced: each rank routes 24 tokens x 2 picks = 48 rows, 48 / EP to every rank, and receives as many.
     note = next(n for n in est.notes if n.startswith("expert parallel"))
     assert f"receives {IDS_LEN * 2:,} token rows per MoE layer ({IDS_LEN * 2 // world:,} from each of {world}" in note
 
 
 def test_worst_routing_grows_the_receive_side_and_the_experts_activations():
-    balanced, worst = simulated(4, 1, "funcol"), simulated(4, 1, "funcol", "worst")
+    balanced, worst = simulated(4, 1, "funcol"), simulated(4, 1, "funcol", "worst", mesh={"ep": 4})
     # Worst: every token's 2 picks on experts 0 and 1, both on one rank; rank 1 is simulated as that rank: it
     # receives all 4 ranks' 24 x 2 rows = 192, four times the balanced 48.
     note = next(n for n in worst.notes if n.startswith("expert parallel"))
     assert "receives 192 token rows per MoE layer (48 from each of 4" in note
     assert worst.peak[C.ACTIVATIONS] > 3 * balanced.peak[C.ACTIVATIONS]
     assert worst.peak_bytes > balanced.peak_bytes
+    # A mesh dimension named ep: the notes give the textbook's per-rank terms and their source.
+    assert any("Switch Transformers, §5.4" in n and "divided by ep = 4" in n for n in worst.notes)
+    assert not any("Switch Transformers" in n for n in balanced.notes)  # an unnamed mesh says no degree
