@@ -141,3 +141,29 @@ class PeersLikeThisRank(TorchDispatchMode):
                     mine = sent.chunk(n)[r]
                     filled.copy_(torch.cat([mine] * n))
         return out
+
+
+def gloo_rank(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of a real expert-parallel run over gloo: its own batch, its real routing recorded
+    (``record_routing=True``), the estimate's loop, the report saved as ``rank<r>.json`` in ``folder``."""
+    import os
+
+    import memprof
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = expert_parallel(build(), init_device_mesh("cpu", (world,)))
+        opt = torch.optim.AdamW(model.parameters())
+        ids = torch.randint(0, VOCAB, (IDS_LEN,), generator=torch.Generator().manual_seed(100 + rank))
+        with memprof.profile(model, opt, record_routing=True) as prof:
+            for _ in range(2):
+                loss = loss_fn(model(ids), ids)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            del loss
+        prof.report().save(os.path.join(folder, f"rank{rank}.json"))
+    finally:
+        dist.destroy_process_group()

@@ -14,8 +14,11 @@ rank sends included. What the other ranks send cannot follow from this rank's ro
 process group the received buffer holds no data, so :class:`CountsExchange` gives the received counts of every
 all-to-all whose input has a shadow:
 
-* ``balanced`` and a replayed routing: every EP rank routes as this one does, so each source sends this rank the
-  counts of this rank's experts (``input chunk r`` from every rank);
+* every rank's recorded routing (``routing=[report_rank0, report_rank1, ...]``): source ``s`` sends what its own
+  record says, its ``i``-th router call's counts (summed by rank when the exchange carries one count per rank)
+  for the ``i``-th exchange, chunk ``r``: the run replayed exactly;
+* ``balanced`` and one rank's replayed routing: every EP rank routes as this one does, so each source sends this
+  rank the counts of this rank's experts (``input chunk r`` from every rank);
 * ``worst`` and ``capacity=<f>``: this rank is the one the most tokens reach, the one whose receive buffer and
   expert activations grow: every source sends it the heaviest chunk this rank's own counts hold (the chunk of
   one rank's experts with the most tokens). Each rank still sends by its own routing, so the receive side is an
@@ -27,9 +30,12 @@ The exchange itself runs as the shape-only op: its buffers are counted where eve
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from ..record.routing import RoutingRecord
 
 __all__ = ["CountsExchange", "EXCHANGE_OPS"]
 
@@ -51,10 +57,13 @@ class CountsExchange:
     """Received counts of an all-to-all of routing-derived values (the module's docstring), under ``policy``
     (a :class:`~memprof.simulate.routing.Routing`'s: ``"balanced"``, ``"worst"``, ``"capacity"``, ``"replay"``)."""
 
-    def __init__(self, policy: str) -> None:
+    def __init__(self, policy: str, ranks: "Sequence[RoutingRecord]" = ()) -> None:
         self.policy = policy
+        #: Every rank's router calls' counts, in call order (``routing=`` a list of records by rank).
+        self.ranks = [[c.counts for c in r.calls] for r in ranks]
         #: (EP size, this rank in the EP group, rows received from each source) per exchange answered.
         self.calls: list[tuple[int, int, tuple[int, ...]]] = []
+        self.mismatched = 0  # exchanges whose own counts were not this rank's recorded ones: answered alike
 
     def received(self, values: torch.Tensor, group: Any, in_splits: Any, out_splits: Any) -> "torch.Tensor | None":
         """The counts this rank receives for ``values`` (a real tensor: what it sends), or None where the splits
@@ -65,6 +74,10 @@ class CountsExchange:
         if ins is None or sum(ins) != rows or len(ins) != size:
             return None
         chunks = list(values.split(ins))
+        recorded = self._recorded(values, size, rank, ins) if self.ranks else None
+        if recorded is not None:
+            self.calls.append((size, rank, tuple(int(c.sum()) for c in recorded)))
+            return torch.cat(recorded)
         if self.policy in ("worst", "capacity"):
             # The heaviest chunk: the one whose experts the most tokens reach (the first such chunk, so it is
             # the same chunk on every call of one routing).
@@ -76,6 +89,26 @@ class CountsExchange:
             return None
         self.calls.append((size, rank, tuple(int(pick.sum()) for _ in range(size))))
         return torch.cat([pick] * size)
+
+    def _recorded(self, values: torch.Tensor, size: int, rank: int, ins: "list[int]") -> "list[torch.Tensor] | None":
+        """What each source's record says it sent this rank at this exchange, or None where the records do not
+        say (fewer calls, other ranks, or this rank's own counts not its record's)."""
+        i = len(self.calls)
+        if len(self.ranks) != size or any(i >= len(calls) for calls in self.ranks) or values.dim() != 1:
+            self.mismatched += 1
+            return None
+        sent = []
+        for calls in self.ranks:
+            counts = torch.tensor(calls[i], dtype=values.dtype)
+            n = values.numel()
+            if counts.numel() % n:
+                self.mismatched += 1
+                return None
+            sent.append(counts.view(n, -1).sum(1))  # per expert, or per rank when one count per rank travels
+        if not torch.equal(sent[rank], values):
+            self.mismatched += 1
+            return None
+        return [v.split(ins)[rank] for v in sent]
 
     def answer(self, func: Any, args: tuple, kwargs: dict, store: Any) -> Any:
         """Run the exchange ``func(*args, **kwargs)`` as the shape-only op, and give the tensor it fills the
@@ -107,12 +140,19 @@ class CountsExchange:
                if self.policy not in ("worst", "capacity") else
                "this rank is the one the most tokens reach: every source sends it the heaviest share this rank's own "
                "counts hold (each rank still sends by its own routing, so the receive side bounds any rank's)")
-        if self.policy == "replay":
+        if self.ranks and not self.mismatched:
+            how = "every source sent what its recorded run's router chose (every rank's record replayed)"
+        elif self.ranks:
+            how += (f"; {self.mismatched} exchange(s) did not match the ranks' records (another order of router "
+                    "calls and exchanges, or other counts), and were answered so")
+        elif self.policy == "replay":
             how += ("; only this rank's routing was replayed, the other ranks' were not recorded, so they are "
-                    "assumed to route alike")
-        each = " or ".join(f"{t:,}" for t in totals)
-        per = rows[0] if len(totals) == 1 else None
-        split = f" ({per:,} from each of {size} EP ranks)" if per is not None else ""
+                    "assumed to route alike (give every rank's report, routing=[report0, report1, ...], to replay "
+                    "theirs)")
+        each = (" or ".join(f"{t:,}" for t in totals) if len(totals) <= 3 else
+                f"between {totals[0]:,} and {totals[-1]:,}")
+        per = {r for c in self.calls for r in c[2]}
+        split = f" ({rows[0]:,} from each of {size} EP ranks)" if len(per) == 1 else ""
         return [f"expert parallel: the all-to-all splits came from the routing assumption ({self.policy}): {how}; "
                 f"rank {rank} of each EP group of {size} receives {each} token rows per MoE layer{split}, "
                 f"{len(self.calls)} exchange(s) of per-expert counts answered; the token all-to-alls' send and "

@@ -35,10 +35,12 @@ class MoeRules:
 
     def __init__(self, target: str, routing: Any = None) -> None:
         self.routing: Routing = routing_of("balanced" if routing is None else routing)
+        if self.routing.ranks:  # every rank's record: this rank replays its own
+            self.routing = self.routing.of_rank(_current_rank())
         self.given = routing is not None
         self.target = target
         self.shadows = ValueShadows(target)
-        self.exchange = self.shadows.exchange = CountsExchange(self.routing.policy)
+        self.exchange = self.shadows.exchange = CountsExchange(self.routing.policy, self.routing.ranks)
         self.plan = self.routing.plan()
         self.router = Router(self.plan, self.shadows.store)
         self.one_hot = OneHot(target, self.shadows.store)
@@ -90,6 +92,16 @@ class MoeRules:
                      "only")
         out.append(text)
         return out
+
+
+def _current_rank() -> int:
+    """The simulated rank (of ``parallelize=``'s fake process group), 0 outside one."""
+    try:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    except (RuntimeError, ValueError):
+        return 0
 
 
 class _Paused:

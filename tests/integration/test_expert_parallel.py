@@ -43,7 +43,7 @@ def measured(world: int, rank: int, exchange: str):
         dist.destroy_process_group()
 
 
-def simulated(world: int, rank: int, exchange: str, routing: str = "balanced", mesh=None):
+def simulated(world: int, rank: int, exchange: str, routing="balanced", mesh=None):
     return memprof.estimate(build(exchange), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS,
                             loss_fn=loss_fn, world_size=world, rank=rank, parallelize=expert_parallel, routing=routing,
                             mesh=mesh)
@@ -97,3 +97,18 @@ def test_worst_routing_grows_the_receive_side_and_the_experts_activations():
     # A mesh dimension named ep: the notes give the textbook's per-rank terms and their source.
     assert any("Switch Transformers, §5.4" in n and "divided by ep = 4" in n for n in worst.notes)
     assert not any("Switch Transformers" in n for n in balanced.notes)  # an unnamed mesh says no degree
+
+
+def test_every_rank_s_routing_records_are_checked():
+    from memprof.errors import InvalidArgumentError
+    from memprof.record.routing import RouterCall, RoutingRecord
+
+    # One record for a world of 2: rank 1 has none of its own.
+    one = RoutingRecord(calls=(RouterCall("layers.0.moe", E, 2, (6,) * E),))
+    with pytest.raises(InvalidArgumentError, match="holds 1 ranks' records, but rank 1"):
+        simulated(2, 1, "funcol", routing=[one])
+    # A report profiled without record_routing=True.
+    with memprof.profile(torch.nn.Linear(2, 2)) as prof:
+        torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    with pytest.raises(InvalidArgumentError, match="record_routing=True"):
+        simulated(2, 0, "funcol", routing=[prof.report(), prof.report()])
