@@ -94,6 +94,11 @@ def test_worst_routing_grows_the_receive_side_and_the_experts_activations():
     assert "receives 192 token rows per MoE layer (48 from each of 4" in note
     assert worst.peak[C.ACTIVATIONS] > 3 * balanced.peak[C.ACTIVATIONS]
     assert worst.peak_bytes > balanced.peak_bytes
+    # capacity=1.25: experts filled in turn up to ceil(1.25 x 48 / 8) = 8 tokens (8, 8, 8, 8, 8, 8, 0, 0); the
+    # heaviest rank's two experts hold 16 rows, which every rank sends: 4 x 16 = 64 received.
+    capacity = simulated(4, 1, "funcol", "capacity=1.25")
+    assert any("receives 64 token rows per MoE layer (16 from each of 4" in n for n in capacity.notes)
+    assert balanced.peak[C.ACTIVATIONS] < capacity.peak[C.ACTIVATIONS] < worst.peak[C.ACTIVATIONS]
     # A mesh dimension named ep: the notes give the textbook's per-rank terms and their source.
     assert any("Switch Transformers, §5.4" in n and "divided by ep = 4" in n for n in worst.notes)
     assert not any("Switch Transformers" in n for n in balanced.notes)  # an unnamed mesh says no degree
