@@ -94,7 +94,7 @@ class CountsExchange:
         """What each source's record says it sent this rank at this exchange, or None where the records do not
         say (fewer calls, other ranks, or this rank's own counts not its record's)."""
         i = len(self.calls)
-        if len(self.ranks) != size or any(i >= len(calls) for calls in self.ranks) or values.dim() != 1:
+        if len(self.ranks) != size or any(i >= len(calls) for calls in self.ranks) or values.dim() < 1:
             self.mismatched += 1
             return None
         sent = []
@@ -104,7 +104,9 @@ class CountsExchange:
             if counts.numel() % n:
                 self.mismatched += 1
                 return None
-            sent.append(counts.view(n, -1).sum(1))  # per expert, or per rank when one count per rank travels
+            # Per expert, or per rank when one count per rank travels; laid out as this rank's (transformers'
+            # AllToAllEP sends an (ep, experts per rank) tensor).
+            sent.append(counts.view(n, -1).sum(1).view(values.shape))
         if not torch.equal(sent[rank], values):
             self.mismatched += 1
             return None

@@ -42,6 +42,10 @@ def test_every_rank_s_record_gives_what_each_source_sent():
     # Rank 0 sent SENT (its record's call 0); from source s it gets s's counts for experts 0 and 1.
     assert exchange.received(SENT, Group(4, 0), [], []).tolist() == [10, 2, 1, 1, 0, 0, 3, 3]
     assert exchange.notes()[0].count("every source sent what its recorded run's router chose") == 1
+    # Laid out (ep, experts per rank), as transformers' AllToAllEP sends them: the same counts by row.
+    two_d = CountsExchange("replay", records).received(SENT.view(4, 2), Group(4, 0), [], [])
+    assert two_d.tolist() == [[10, 2], [1, 1], [0, 0], [3, 3]]
+    assert CountsExchange("balanced").received(SENT.view(4, 2), Group(4, 2), [], []).tolist() == [[0, 4]] * 4
     # Counts that are not this rank's record: answered as if the others routed alike, and the notes say so.
     other = CountsExchange("replay", records)
     assert other.received(SENT + 1, Group(4, 0), [], []).tolist() == [11, 3] * 4
