@@ -186,10 +186,13 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
         raise MemprofError("--json, --seq-len and --checkpointing go with --hf; a factory builds its own batch")
     from .simulate.ranks import check_parallel
 
+    if args.generate and args.step_context:
+        raise MemprofError("--step-context wraps a training step's forward and backward; leave it out with --generate")
     if args.generate and (args.parallel is not None or args.world_size != 1):
         raise MemprofError("--parallel and --world-size size a training step's ranks; a generation is "
                            "estimated for one device: leave them out with --generate")
     parallelize = _load_factory(args.parallelize) if args.parallelize else None
+    step_context = _load_factory(args.step_context) if args.step_context else None
     mesh = _mesh(args.mesh) if args.mesh else None
     # Without --parallel the factory may still say how the ranks share the model: checked once it is read.
     custom = parallelize is not None or args.parallel is None
@@ -217,6 +220,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     # The factory may say how the ranks share the model; the command line's flags win.
     parallelize = parallelize or spec.get("parallelize")
     mesh = mesh or spec.get("mesh")
+    step_context = step_context or spec.get("step_context")
+    routing = args.routing if args.routing is not None else spec.get("routing")
     pipeline = spec.get("pipeline")
     if (parallelize is not None or pipeline is not None) and parallel is not None:
         raise MemprofError("--parallel and a parallelize function (or pipeline) both say how the ranks share the "
@@ -230,7 +235,8 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                                loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision,
                                attention=args.attention, world_size=world_size, parallel=parallel, gpu=args.gpu,
                                alloc_conf=args.alloc_conf, parallelize=parallelize, mesh=mesh, pipeline=pipeline,
-                               rank=args.rank, extrapolate=args.extrapolate)
+                               rank=args.rank, extrapolate=args.extrapolate, step_context=step_context,
+                               routing=routing)
     except MemprofError:
         raise
     except Exception as exc:
@@ -330,7 +336,8 @@ def _estimate_generation(args: argparse.Namespace, spec: Any, budget: "int | Non
         raise MemprofError(f"{args.factory} must return a model (or a dict with 'model') for --generate")
     est = memprof.estimate_generation(model, batch_size=args.batch_size, prompt_len=args.prompt_len,
                                       max_new_tokens=args.new_tokens, precision=args.precision, device=args.device,
-                                      attention=args.attention, gpu=args.gpu, alloc_conf=args.alloc_conf)
+                                      attention=args.attention, gpu=args.gpu, alloc_conf=args.alloc_conf,
+                                      routing=args.routing)
     return _verdict(est, args.batch_size, budget)
 
 
@@ -433,6 +440,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="your own fn(model, mesh) -> model (fully_shard, parallelize_module ...), run on a device "
                           "mesh of --world-size ranks on torch's fake process group; the factory's 'parallelize' "
                           "key does the same (and its 'pipeline' key takes a memprof.Pipeline)")
+    est.add_argument("--step-context", metavar="MODULE:FUNCTION",
+                     help="the context your loop enters around forward, loss and backward: a function returning it, "
+                          "called with no argument (torch's loss_parallel) or with the step's parts (.model, .mesh, "
+                          ".inputs, .targets, .optimizer: context_parallel(step.mesh, buffers=[step.inputs], ...)); "
+                          "the factory's 'step_context' key does the same")
+    est.add_argument("--routing", help="what MoE routers choose: balanced (default), worst or capacity=F; under expert "
+                     "parallelism it also sizes the all-to-all's receive side (the factory's 'routing' key may give "
+                     "a recorded routing)")
     est.add_argument("--mesh", help="the mesh's dimensions, e.g. pp=2,dp=64,tp=8 (default: one of --world-size)")
     est.add_argument("--rank", type=int, default=None,
                      help="the rank to simulate (default 0; with a pipeline, every stage and the worst)")

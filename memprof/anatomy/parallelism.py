@@ -14,6 +14,13 @@ Sources:
   the layer norms' inputs, the dropouts' masks and the attention and MLP inputs, ``10sbh``, are not divided);
   with sequence parallelism as well ``sbh(34/t + 5as/(ht))`` (eq. 3: every term divided by ``t``). Under 1F1B
   the first stage keeps ``p`` micro-batches in flight, each of ``L/p`` layers: ``L`` layers' worth (§4.2.3).
+- Experts: Fedus et al. 2021, "Switch Transformers" (arXiv 2101.03961). §5.4 (expert and data parallelism): the
+  ``E`` experts of a layer are split over ``ep`` ranks, ``E/ep`` whole experts each, and the tokens travel to their
+  expert's rank and back by all-to-all; the dense layers stay data-parallel. So the experts' parameters ``Ψ_e``,
+  their gradients and optimizer states are divided by ``ep`` (and by ``pp``), and ZeRO shards them over the ranks
+  that hold the same experts, ``dp/ep`` of them, where the expert ranks are carved out of the data-parallel ones
+  (DeepSpeed-MoE and torchtitan do so). §2.2: expert capacity = tokens per batch / experts x capacity factor
+  ``c``, so a rank receives ``c`` times its even share of token rows, ``T k / ep`` from each rank.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from fractions import Fraction
 from ..errors import InvalidArgumentError
 from ..units import round_half_away
 
-__all__ = ["RankTerm", "rank_terms"]
+__all__ = ["RankTerm", "rank_terms", "expert_terms"]
 
 
 @dataclass(frozen=True)
@@ -43,11 +50,27 @@ def rank_terms(num_params: int, *, dp: int = 1, tp: int = 1, pp: int = 1, zero_s
                sequence_parallel: bool = False, param_bytes: int = 2, grad_bytes: int = 2, optimizer_bytes: int = 12,
                seq: "int | None" = None, batch: "int | None" = None, hidden: "int | None" = None,
                heads: "int | None" = None, layers: "int | None" = None, in_flight: "int | None" = None,
-               flash: bool = False) -> tuple[RankTerm, ...]:
+               flash: bool = False, ep: int = 1, expert_params: int = 0, top_k: "int | None" = None,
+               moe_layers: "int | None" = None, receive_factor: float = 1.0,
+               act_bytes: int = 2) -> tuple[RankTerm, ...]:
     """The model states of one rank (Table I over ``dp``, divided by ``tp * pp``) and, given the transformer's
     shape, its activations (Korthikanti et al. 2022, §4, 16-bit): ``in_flight`` micro-batches of ``layers / pp``
     layers (default ``pp``: 1F1B's first stage). ``flash`` drops the ``5as/h`` attention-score term, which fused
-    attention does not keep."""
+    attention does not keep. With ``expert_params`` (the experts' share of ``num_params``), the dense terms hold
+    the rest and :func:`expert_terms` follows them (``ep``, ``top_k``, ``moe_layers``, ``receive_factor``,
+    ``act_bytes``: see there; the all-to-all term needs ``seq``, ``batch``, ``hidden`` and ``top_k``)."""
+    if isinstance(expert_params, bool) or not isinstance(expert_params, int) or not 0 <= expert_params <= num_params:
+        raise InvalidArgumentError(f"expert_params must be an int in [0, num_params], got {expert_params!r}")
+    if expert_params:
+        dense = rank_terms(num_params - expert_params, dp=dp, tp=tp, pp=pp, zero_stage=zero_stage,
+                           sequence_parallel=sequence_parallel, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                           optimizer_bytes=optimizer_bytes, seq=seq, batch=batch, hidden=hidden, heads=heads,
+                           layers=layers, in_flight=in_flight, flash=flash)
+        tokens = seq * batch if seq is not None and batch is not None else None
+        return dense + expert_terms(expert_params, ep=ep, dp=dp, pp=pp, zero_stage=zero_stage,
+                                    param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+                                    tokens=tokens, top_k=top_k, hidden=hidden, moe_layers=moe_layers,
+                                    receive_factor=receive_factor, act_bytes=act_bytes)
     for name, v in (("num_params", num_params), ("dp", dp), ("tp", tp), ("pp", pp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_params" else 1):
             raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
@@ -87,3 +110,46 @@ def rank_terms(num_params: int, *, dp: int = 1, tp: int = 1, pp: int = 1, zero_s
 
 def _degree(name: str, dp: int, tp: int, pp: int) -> int:
     return {"dp": dp, "tp": tp, "pp": pp}[name]
+
+
+def expert_terms(expert_params: int, *, ep: int, dp: int = 1, pp: int = 1, zero_stage: int = 3,
+                 param_bytes: int = 2, grad_bytes: int = 2, optimizer_bytes: int = 12, tokens: "int | None" = None,
+                 top_k: "int | None" = None, hidden: "int | None" = None, moe_layers: "int | None" = None,
+                 receive_factor: float = 1.0, act_bytes: int = 2) -> tuple[RankTerm, ...]:
+    """One rank's share of the experts (Switch Transformers §5.4): their weights, gradients and optimizer states
+    divided by ``ep * pp``, and under ZeRO by the ``dp / ep`` ranks holding the same experts (``ep`` divides ``dp``:
+    the expert ranks are carved out of the data-parallel ones). Given this rank's ``tokens`` (``seq * batch``),
+    ``top_k`` and ``hidden``, the all-to-all buffers of one MoE layer's dispatch at ``act_bytes`` per element:
+    the ``T k`` rows it sends and the ``c T k`` rows it receives, ``c`` the ``receive_factor`` (1 under balanced
+    routing; a capacity factor, §2.2; ``ep`` when every rank's tokens reach this one), ``moe_layers`` such
+    layers per stage held at once (default 1: one layer's buffers are freed before the next layer's)."""
+    for name, v in (("expert_params", expert_params), ("ep", ep), ("dp", dp), ("pp", pp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "expert_params" else 1):
+            raise InvalidArgumentError(f"{name} must be a positive int, got {v!r}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise InvalidArgumentError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if dp > 1 and dp % ep:
+        raise InvalidArgumentError(f"ep = {ep} must divide dp = {dp}: the expert ranks are carved out of the "
+                                   "data-parallel ones, dp/ep of them holding the same experts")
+    if not receive_factor >= 1:
+        raise InvalidArgumentError(f"receive_factor must be at least 1 (an even share), got {receive_factor!r}")
+    edp = max(dp // ep, 1)
+    share = Fraction(expert_params, ep * pp)
+    terms = []
+    for cat, per, stage in (("weights", param_bytes, 3), ("gradients", grad_bytes, 2),
+                            ("optimizer_states", optimizer_bytes, 1)):
+        sharded = zero_stage >= stage and edp > 1
+        by = ("ep", "pp") + (("dp/ep",) if sharded else ())
+        terms.append(RankTerm(cat, round_half_away(share * per / (edp if sharded else 1)),
+                              f"experts: {per}Ψ_e / ({' · '.join(by)})",
+                              tuple(d for d, n in (("ep", ep), ("pp", pp), ("dp/ep", edp if sharded else 1)) if n > 1),
+                              () if sharded or edp == 1 else ("dp/ep",)))
+    if None not in (tokens, top_k, hidden):
+        assert tokens is not None and top_k is not None and hidden is not None
+        rows = tokens * top_k
+        n = 1 if moe_layers is None else moe_layers
+        c = Fraction(receive_factor).limit_denominator(10_000)
+        terms.append(RankTerm("communication", round_half_away((1 + c) * rows * hidden * act_bytes * n),
+                              f"all-to-all dispatch: (1 + c)·T·k·h·b, c = {float(c):g}, × {n} MoE layer(s)",
+                              (), ("ep: each rank sends its T·k rows and receives c·T·k whatever ep is",)))
+    return tuple(terms)

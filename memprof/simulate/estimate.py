@@ -31,7 +31,7 @@ from ..errors import InvalidArgumentError, MemprofError, SimulationError, Unknow
 from .autocast import CudaAutocast
 from .modes import Rules
 from .ranks import RankLayout, check_parallel
-from .step import ScalerSteps, TrainingStep
+from .step import ScalerSteps, TrainingStep, check_step_context
 from ..record.trace import Breakdown, Trace
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ def estimate(
     mesh: Any = None,
     pipeline: Any = None,
     extrapolate: "int | None" = None,
+    step_context: "Callable[..., Any] | None" = None,
     _run: Any = None,
 ) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
@@ -150,12 +151,21 @@ def estimate(
     with all of them in ``ranks``. ``extrapolate=k`` simulates the repeated stack of blocks cut to ``k``, ``k + 1``
     and ``k + 2`` blocks (per pipeline stage) and extends the figures to the model's depth when they grow by the
     same bytes per block, as they do once the peak stays put (:mod:`memprof.simulate.depth`).
+    ``step_context`` is a function returning the context manager your training loop enters around forward, loss
+    and backward (``loss_parallel``, ``context_parallel(...)``, a profiler range): it is entered afresh at each
+    simulated step, the optimizer step outside it. It is called with no argument when it takes none
+    (``step_context=loss_parallel``), else with a :class:`~memprof.simulate.step.StepParts` holding the simulated
+    ``model``, the ``mesh``, the step's ``inputs`` and ``targets`` and the ``optimizer``.
     """
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(model).__name__}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidArgumentError(f"steps must be a positive int, got {steps!r}")
     world_size, parallel = check_parallel(world_size, parallel, parallelize is not None or pipeline is not None)
+    context = check_step_context(step_context)
+    if context is not None and pipeline is not None:
+        raise InvalidArgumentError("step_context wraps a training step's forward and backward, which under pipeline= "
+                                   "torch's schedule runs; leave one of them out")
     if rank not in (None, 0) and parallelize is None and pipeline is None:
         raise InvalidArgumentError(f"rank={rank!r} picks a rank of your parallelize function (or pipeline); the "
                                    "parallel= layouts are simulated for rank 0, the one holding the most rows")
@@ -164,7 +174,7 @@ def estimate(
 
         options = dict(inputs=inputs, targets=targets, loss_fn=loss_fn, precision=precision, device=device,
                        steps=steps, attention=attention, world_size=world_size, routing=routing, gpu=gpu,
-                       alloc_conf=alloc_conf)
+                       alloc_conf=alloc_conf, step_context=step_context)
         return across_ranks(estimate, model, optimizer, options, parallel=parallel, parallelize=parallelize,
                             mesh=mesh, pipeline=pipeline, rank=rank, extrapolate=extrapolate)
     from .device_memory import check_target, on_device
@@ -207,7 +217,9 @@ def estimate(
         prof.ledger.record_stream()  # for the allocator replay
     from .progress import Progress
 
-    step: Any = TrainingStep(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler)
+    step: Any = TrainingStep(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler,
+                             context, _run.mesh if _run is not None else None,
+                             _run.inside_step if _run is not None else None)
     if _run is not None and _run.pipelined:
         step = _run.step(loss_fn, meta_opt, meta_inputs, meta_targets, fake_mode)
     rules = setup.rules()
@@ -243,6 +255,10 @@ def estimate(
                  f"{'optimizer.step(), zero_grad(), ' if meta_opt is not None else ''}the loss held through the "
                  "step as a loop that logs it after the step holds it, released when the next step's loss "
                  "replaces it and when the loop ends")
+    if context is not None:
+        name = getattr(step_context, "__qualname__", type(step_context).__name__)
+        notes.append(f"step context: each step's forward, loss and backward ran inside {name}'s context, entered "
+                     "afresh at every step, the optimizer step outside it")
     if scaler is not None:
         notes.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
                      "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would "
@@ -487,6 +503,10 @@ def _simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
             isinstance(exc, NotImplementedError) and "meta" in low):
         fix = ("an op of the model has no fake (meta) kernel, so it cannot run on shape-only tensors; register one "
                "with torch.library.register_fake, returning empty tensors of the output shapes")
+    elif "sharding strategy" in low and "_for_cpu" in low:
+        fix = ("context parallelism's ring attention has handlers for the CUDA attention kernels only (torch's "
+               "_context_parallel/_attention.py): estimate for device='cuda', whose attention the simulation runs as "
+               "the flash or efficient kernel")
     elif "item()" in low or "data-dependent" in low or "datadependent" in type(exc).__name__.lower() or \
             "cannot be called on meta tensors" in low:
         fix = ("the model reads tensor values (.item(), .tolist(), a tensor in an if), which shape-only tensors do "

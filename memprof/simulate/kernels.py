@@ -29,6 +29,10 @@ from .modes import Next, Rule
 
 __all__ = ["CudaKernels", "ATTENTION_KERNELS", "ValueDependentCode", "VALUE_DEPENDENT_CODE", "CustomOps"]
 
+# torch's own function, whatever ``F.scaled_dot_product_attention`` is bound to: context_parallel() rebinds that name
+# to a wrapper that hands DTensors to this one.
+_SDPA = getattr(torch._C._nn, "scaled_dot_product_attention", F.scaled_dot_product_attention)
+
 #: What ``estimate(..., attention=)`` accepts.
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "math")
 
@@ -66,7 +70,7 @@ class CudaKernels(Rule):
         self.used: Counter[str] = Counter()
 
     def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
-        if func is F.scaled_dot_product_attention:
+        if func is _SDPA:
             return self._attention(*args, **kwargs)
         if func is F.dropout:
             return self._dropout(*args, **kwargs)
@@ -79,8 +83,7 @@ class CudaKernels(Rule):
         gqa = query.dim() == 4 and key.shape[-3] != query.shape[-3]
         if gqa and not enable_gqa:
             # torch refuses unequal head counts without enable_gqa=True: its own path raises the same.
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                                  is_causal=is_causal, scale=scale)
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
         kernel = _choose(query, key, attn_mask, is_causal, gqa, self.attention)
         if kernel == "flash":
             self.used["flash"] += 1
@@ -107,8 +110,8 @@ class CudaKernels(Rule):
                 query, key, value, bias, True, dropout_p, is_causal and bias is None, scale=scale)[0]
         self.used["math"] += 1
         # Inside its own handler the mode is off: this runs torch's own (math) path.
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, **extra)
+        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     **extra)
 
     def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
         if not training or p == 0.0:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .experts import CountsExchange
 from .routers import OneHot, Router, innermost_module
 from .routing import Routing, routing_of
 from .shadows import ValueShadows
@@ -34,9 +35,12 @@ class MoeRules:
 
     def __init__(self, target: str, routing: Any = None) -> None:
         self.routing: Routing = routing_of("balanced" if routing is None else routing)
+        if self.routing.ranks:  # every rank's record: this rank replays its own
+            self.routing = self.routing.of_rank(_current_rank())
         self.given = routing is not None
         self.target = target
         self.shadows = ValueShadows(target)
+        self.exchange = self.shadows.exchange = CountsExchange(self.routing.policy, self.routing.ranks)
         self.plan = self.routing.plan()
         self.router = Router(self.plan, self.shadows.store)
         self.one_hot = OneHot(target, self.shadows.store)
@@ -51,7 +55,7 @@ class MoeRules:
         return _Paused(self.router)
 
     def notes(self) -> list[str]:
-        out: list[str] = []
+        out: list[str] = self.exchange.notes()
         calls, r = self.plan.calls, self.routing
         if self.shadows.grouped_mm:
             out.append(f"torch._grouped_mm x{self.shadows.grouped_mm} ran as the {self.target} kernel runs it "
@@ -88,6 +92,16 @@ class MoeRules:
                      "only")
         out.append(text)
         return out
+
+
+def _current_rank() -> int:
+    """The simulated rank (of ``parallelize=``'s fake process group), 0 outside one."""
+    try:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    except (RuntimeError, ValueError):
+        return 0
 
 
 class _Paused:

@@ -205,6 +205,11 @@ class ParallelRun:
         self.offloaded = _offloaded(twin)
         return twin, mapping
 
+    def inside_step(self) -> None:
+        """Read inside a ``step_context``, after backward: ``context_parallel()`` switches ring attention on for its
+        block only."""
+        self.context_parallel = self.context_parallel or _context_parallel_on()
+
     def host_split(self, trace: Any) -> "tuple[int, int, str] | None":
         """Under ``CPUOffloadPolicy``: the rank's host bytes, its device peak, and a note saying how they were
         split. The simulation runs on the CPU, where FSDP2's host/device copies are no-ops
@@ -238,9 +243,18 @@ class ParallelRun:
 
     def _formula_note(self) -> list[str]:
         d = _degrees(self.names, self.shape)
-        if not self.names or (d["dp"], d["tp"], d["pp"]) == (1, 1, 1):
+        if not self.names or (d["dp"], d["tp"], d["pp"], d["ep"]) == (1, 1, 1, 1):
             return []
-        return [f"the textbook per rank, by degree (ZeRO Table I over dp = {d['dp']}, every state of the split layers "
+        experts = [] if d["ep"] == 1 else [
+            f"the textbook's experts per rank (Fedus et al. 2021, Switch Transformers, §5.4): weights, gradients and "
+            f"optimizer states of E/ep experts, divided by ep = {d['ep']} (and under ZeRO by the dp/ep ranks holding "
+            "the same experts), and one MoE layer's all-to-all buffers (1 + c)·T·k·h·b: the T·k rows a rank sends "
+            "and the c·T·k it receives, c the capacity factor of §2.2 (memprof.anatomy.parallelism.expert_terms "
+            "gives the bytes)"]
+        if (d["dp"], d["tp"], d["pp"]) == (1, 1, 1):
+            return experts
+        return experts + [
+                f"the textbook per rank, by degree (ZeRO Table I over dp = {d['dp']}, every state of the split layers "
                 f"divided by tp = {d['tp']} and pp = {d['pp']}): weights 2Ψ/(dp·tp·pp) under FSDP (2Ψ/(tp·pp) "
                 "without it), gradients 2Ψ/(dp·tp·pp) from ZeRO stage 2, optimizer states KΨ/(dp·tp·pp) from stage 1; "
                 "activations per layer sbh(34/t + 5as/(ht)) with sequence parallelism and sbh(10 + 24/t + 5as/(ht)) "
@@ -393,8 +407,8 @@ def _offloaded(model: nn.Module) -> "tuple[int, int, int] | None":
 
 def _degrees(names: "tuple[str, ...] | None", shape: "tuple[int, ...]") -> "dict[str, int]":
     """The data, tensor and pipeline degrees of a mesh whose dimensions are named so (``dp``/``dp_shard``/
-    ``dp_replicate``/``fsdp``, ``tp``, ``pp``)."""
-    out = {"dp": 1, "tp": 1, "pp": 1}
+    ``dp_replicate``/``fsdp``, ``tp``, ``pp``, ``ep``)."""
+    out = {"dp": 1, "tp": 1, "pp": 1, "ep": 1}
     for name, size in zip(names or (), shape):
         key = "dp" if name in ("dp", "fsdp", "dp_shard", "dp_replicate", "shard", "replicate") else name
         if key in out:

@@ -12,7 +12,10 @@ answers with indices from a :class:`Routing`:
 * ``"worst"``: every token's ``k`` choices on the same ``k`` experts;
 * a recorded routing: a :class:`~memprof.Report` or :class:`~memprof.Trace` profiled with
   ``record_routing=True``, its :class:`~memprof.record.routing.RoutingRecord`, or counts given by hand:
-  a list of per-call per-expert token counts in call order, or a dict of them per router module path.
+  a list of per-call per-expert token counts in call order, or a dict of them per router module path;
+* every rank's recorded routing, a list of such reports (or records) by rank: the simulated rank replays its
+  own, and under expert parallelism the counts each other rank sends it come from theirs
+  (:mod:`memprof.simulate.experts`).
 
 Only the counts matter: an expert layer's allocations depend on how many tokens each expert gets, and the
 indices built from counts (:func:`indices_from_counts`) give each expert its count, no token an expert
@@ -40,10 +43,24 @@ class Routing:
 
     def __init__(self, policy: str, *, factor: "float | None" = None,
                  by_module: "Mapping[str, Sequence[Sequence[int]]] | None" = None,
-                 ordered: "Sequence[Sequence[int]] | None" = None, source: str = "") -> None:
+                 ordered: "Sequence[Sequence[int]] | None" = None, source: str = "",
+                 ranks: "Sequence[RoutingRecord] | None" = None) -> None:
         self.policy, self.factor, self.source = policy, factor, source
         self.by_module = {k: [tuple(c) for c in v] for k, v in (by_module or {}).items()}
         self.ordered = [tuple(c) for c in (ordered or ())]
+        #: Every rank's record, by rank (a list of reports given), else empty.
+        self.ranks: tuple[RoutingRecord, ...] = tuple(ranks or ())
+
+    def of_rank(self, rank: int) -> "Routing":
+        """The routing rank ``rank`` replays: its own record, every rank's kept beside it."""
+        if not self.ranks:
+            return self
+        if not 0 <= rank < len(self.ranks):
+            raise InvalidArgumentError(f"routing holds {len(self.ranks)} ranks' records, but rank {rank} is simulated; "
+                                       "give one record per rank of the process group, in rank order")
+        return Routing("replay", by_module=self.ranks[rank].by_module(), ranks=self.ranks,
+                       source=f"rank {rank}'s recorded run ({len(self.ranks[rank].calls)} router calls; every rank's "
+                              f"record given, {len(self.ranks)} ranks)")
 
     def plan(self) -> "RoutingPlan":
         """A fresh cursor over this routing, for one simulation."""
@@ -164,6 +181,8 @@ def routing_of(value: Any) -> Routing:
             return Routing("capacity", factor=factor)
         raise UnknownNameError(f"unknown routing {value!r}; use one of: {', '.join(POLICIES)}, a report profiled with "
                                "record_routing=True, or per-call expert counts")
+    if isinstance(value, (list, tuple)) and value and all(_record(v) is not None for v in value):
+        return Routing("replay", ranks=[_checked(_record(v)) for v in value], source=f"{len(value)} ranks' records")
     record = getattr(getattr(value, "trace", value), "routing", value)
     if record is None:
         raise InvalidArgumentError("this report has no routing record; profile the real run with "
@@ -191,3 +210,25 @@ def _counts_list(value: Any, name: str) -> list[tuple[int, ...]]:
         if not c or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in c):
             raise InvalidArgumentError(f"{name}: each call's counts must be non-negative ints, got {list(c)[:8]}")
     return [tuple(c) for c in value]
+
+
+def _record(value: Any) -> "RoutingRecord | None":
+    """The routing record a report, a trace or a record holds (None for anything else: counts given by hand)."""
+    if isinstance(value, RoutingRecord):
+        return value
+    trace = getattr(value, "trace", value)
+    if hasattr(trace, "routing") and hasattr(trace, "phases"):
+        record = trace.routing
+        if record is None:
+            raise InvalidArgumentError("a report given as a rank's routing has no routing record; profile every rank "
+                                       "with memprof.profile(..., record_routing=True)")
+        return record
+    return None
+
+
+def _checked(record: "RoutingRecord | None") -> RoutingRecord:
+    assert record is not None
+    if not record.calls:
+        raise InvalidArgumentError("a rank's routing record has no router calls: its model made no topk or argmax "
+                                   "over scores inside its forward")
+    return record

@@ -27,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .experts import EXCHANGE_OPS
 from .grouped_mm import grouped_mm_output
 
 __all__ = ["ShadowStore", "ValueShadows", "shape_only"]
@@ -163,6 +164,8 @@ class ValueShadows(TorchDispatchMode):
         self.grouped_mm = 0  # _grouped_mm calls simulated
         self.answered: dict[str, int] = {}  # value-dependent ops answered from shadows, by name
         self._slow = 0
+        #: Answers an expert-parallel all-to-all of counts (:mod:`memprof.simulate.experts`); None: run as is.
+        self.exchange: Any = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -184,6 +187,9 @@ class ValueShadows(TorchDispatchMode):
         self._slow += 1
         if self._slow % _PRUNE_EVERY == 0:
             store.prune()
+        if self.exchange is not None and func in EXCHANGE_OPS:
+            # Received values come from the other ranks, not from these inputs: the routing assumption says them.
+            return self.exchange.answer(func, args, kwargs, store)
         flat = pytree.tree_leaves((args, kwargs))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         values = [store.get(t) if shape_only(t) else None for t in tensors]

@@ -15,7 +15,48 @@ from ..errors import InvalidArgumentError
 if TYPE_CHECKING:
     from .autocast import CudaAutocast
 
-__all__ = ["TrainingStep", "ScalerSteps"]
+__all__ = ["TrainingStep", "ScalerSteps", "StepParts", "check_step_context"]
+
+
+class StepParts:
+    """What a ``step_context`` is handed at each simulated step: the simulated ``model`` (after your parallelize
+    function), the device ``mesh`` (None without ``parallelize=``), the step's ``inputs`` and ``targets`` (the
+    very tensors the model is called with, so that a context may shard them in place, as
+    ``context_parallel(mesh, buffers=...)`` does) and the ``optimizer``."""
+
+    __slots__ = ("model", "mesh", "inputs", "targets", "optimizer")
+
+    def __init__(self, model: nn.Module, mesh: Any, inputs: Any, targets: Any, optimizer: Any) -> None:
+        self.model, self.mesh, self.inputs, self.targets, self.optimizer = model, mesh, inputs, targets, optimizer
+
+
+def check_step_context(fn: Any) -> Any:
+    """``fn`` as a function of a :class:`StepParts` returning a context manager (one that takes no argument, as
+    ``torch.distributed.tensor.parallel.loss_parallel`` does, is called without); None stays None."""
+    if fn is None:
+        return None
+    if not callable(fn) or hasattr(fn, "__enter__"):
+        raise InvalidArgumentError(
+            f"step_context must be a function returning a context manager (step_context=loss_parallel, or "
+            f"lambda step: context_parallel(step.mesh, buffers=[step.inputs], buffer_seq_dims=[1])), got "
+            f"{type(fn).__name__}; pass the function, not an entered or built context")
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                  and (p.default is p.empty or p.kind is p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        params = [None]  # type: ignore[list-item]
+    takes_parts = bool(params)
+
+    def context(parts: StepParts) -> Any:
+        made = fn(parts) if takes_parts else fn()
+        if not (hasattr(made, "__enter__") and hasattr(made, "__exit__")):
+            raise InvalidArgumentError(f"step_context returned {type(made).__name__}, not a context manager; "
+                                       "return the context (loss_parallel()), not what entering it gives")
+        return made
+    return context
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:
@@ -53,11 +94,33 @@ class TrainingStep:
     loss: "torch.Tensor | None" = None
 
     def __init__(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, optimizer: Any, autocast: Any,
-                 emulated: "CudaAutocast | None", scaler: "ScalerSteps | None") -> None:
+                 emulated: "CudaAutocast | None", scaler: "ScalerSteps | None", context: Any = None,
+                 mesh: Any = None, inside: Any = None) -> None:
         self.model, self.inputs, self.targets, self.loss_fn = model, inputs, targets, loss_fn
         self.optimizer, self.autocast, self.emulated, self.scaler = optimizer, autocast, emulated, scaler
+        #: A function of :class:`StepParts` making the context around forward, loss and backward (``step_context``).
+        self.context, self.mesh = context, mesh
+        #: Called inside the context after backward: what the context switched on can be read there.
+        self.inside = inside
 
     def run(self) -> None:
+        if self.context is None:
+            self._forward_backward()
+        else:
+            # A fresh context each step, around forward, loss and backward, as a training loop enters
+            # loss_parallel() or context_parallel(...) (torchtitan's train context); the optimizer step is outside.
+            with self.context(StepParts(self.model, self.mesh, self.inputs, self.targets, self.optimizer)):
+                self._forward_backward()
+                if self.inside is not None:
+                    self.inside()
+        if self.optimizer is not None:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad()
+
+    def _forward_backward(self) -> None:
         # The output is not kept in a variable, as in a usual training loop: the loss
         # function's saved tensors keep what backward needs and the rest is freed.
         if self.emulated is not None:
@@ -75,12 +138,6 @@ class TrainingStep:
         self.loss = loss  # the previous step's loss is released here, as a loop's rebinding of the name releases it
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         del loss  # self.loss holds it through the optimizer step
-        if self.optimizer is not None:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad()
 
 
 
