@@ -120,10 +120,11 @@ class Frames:
 
     def exit_hook(self, index: int) -> Any:
         """The hook that closes module ``index``'s backward frame (its inputs' gradients are computed), with
-        Ledger.remove_frame (for the frame on top) and Timeline.sample written out."""
+        Ledger.remove_frame (for the frame on top), Frames.close_frame and Timeline.sample written out."""
         run, led, timeline, bw_frames = self.run, self.ledger, self.timeline, self.bw_frames
         stack = led.frames
-        path = self.table.info[index].path
+        info = self.table.info[index]
+        path = info.path
 
         def exit_(_grads: Any) -> None:
             if not run.active or _is_compiling():
@@ -145,7 +146,16 @@ class Frames:
                     led.module_of_new = -1
             elif not led.remove_frame(frame):
                 return
-            self.close_frame(frame)
+            if run.mode == EXACT:  # Frames.close_frame, written out (op-level memory is not seen in light mode)
+                entry, high = frame.entry, frame.max
+                rise = high - entry  # what the call added at its worst
+                total = led.total
+                scratch = high - (total if total > entry else entry)  # needed but released by its end
+                if scratch < 0:
+                    scratch = 0
+                peak, tmp = info.bwd_peak, info.bwd_tmp
+                info.bwd_peak = rise if peak is None or rise > peak else peak
+                info.bwd_tmp = scratch if tmp is None or scratch > tmp else tmp
             if run.timeline:
                 samples = timeline.samples
                 if len(samples) < _timeline._MAX_SAMPLES:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -57,6 +58,7 @@ _get_ident = threading.get_ident
 _grad_enabled = torch.is_grad_enabled
 _now = time.perf_counter_ns
 _new_object = object.__new__
+_weakref = weakref.ref
 _PLAIN = torch.Tensor
 _FORWARD = Phase.FORWARD
 _BACKWARD = Phase.BACKWARD
@@ -217,6 +219,7 @@ class ModuleTracker:
 def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
     run, table, led, saved, frames = tracker.run, tracker.table, tracker.ledger, tracker.saved, tracker.frames
     calls, marks, stack, timeline = run.calls, tracker.marks, led.frames, tracker.timeline
+    tensor_hooks = frames.tensor_hooks
     exit_hook: Any = None  # the hook closing this module's backward frames, made at the first call that needs it
 
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -289,7 +292,11 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                     # captures a's gradient without running a.grad_fn, and only tensor hooks fire then.
                     if exit_hook is None:
                         exit_hook = frames.exit_hook(index)
-                    frames.hook_tensor(a, index, exit_hook)
+                    # Frames.hook_tensor, written out: once per tensor and module.
+                    key = (id(a), index)
+                    known = tensor_hooks.get(key)
+                    if known is None or known[0]() is not a:
+                        tensor_hooks[key] = (_weakref(a), a.register_hook(exit_hook))
         return None
 
     return pre_hook
