@@ -437,6 +437,12 @@ class Ledger:
         except ValueError:
             return False
         frames.pop(i)
+        # The frames above it opened after it and are still open: what they saw happened while it ran (a
+        # module's backward ends while its child's, entered on the same gradient, is still open). Only the
+        # innermost frame's high is kept up to date as storages come and go.
+        for above in frames[i:]:
+            if above.max > frame.max:
+                frame.max = above.max
         if i > 0 and frame.max > frames[i - 1].max:
             frames[i - 1].max = frame.max
         self.top = frames[-1] if frames else None
