@@ -10,23 +10,29 @@ memory is not seen in light mode.
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..vocabulary import Phase
+from . import timeline as _timeline
+from .ledger import Frame
 from .state import EXACT
 from .torch_compat import is_compiling as _is_compiling
 
 if TYPE_CHECKING:
-    from .ledger import Frame, Ledger
+    from .ledger import Ledger
     from .module_table import ModuleTable
     from .phases import PhaseTracker
     from .state import Run
     from .timeline import Timeline
 
 __all__ = ["Frames"]
+
+_now = time.perf_counter_ns
+_new_object = object.__new__
 
 
 class Frames:
@@ -73,43 +79,91 @@ class Frames:
     # -- backward frames -----------------------------------------------------------------------
 
     def enter_hook(self, index: int) -> Any:
-        """The hook that opens module ``index``'s backward frame (its output's gradient arrived)."""
-        run = self.run
+        """The hook that opens module ``index``'s backward frame (its output's gradient arrived). It runs for
+        every module call's backward: Ledger.push_frame, ModuleTable.is_ancestor and Timeline.sample are
+        written out in it (each call would be a Python frame)."""
+        run, led, table, timeline, bw_frames = self.run, self.ledger, self.table, self.timeline, self.bw_frames
+        stack = led.frames
+        path = table.info[index].path
 
         def enter(_grad: Any) -> None:
             if not run.active or _is_compiling():
                 return
             if run.phase is not Phase.BACKWARD:
                 self.phases.backward_started()
-            if index in self.bw_frames:
+            if index in bw_frames:
                 return
-            led = self.ledger
             top = led.top
-            if top is not None and top.backward and self.table.is_ancestor(index, top.module):
+            # Is this module an ancestor of the innermost one (ModuleTable.is_ancestor)?
+            if top is not None and top.backward and (path == "" or table.info[top.module].path.startswith(path + ".")):
                 # A parent's output gradient can arrive after its last child's (same tensor,
                 # hooks in registration order): keep the child innermost.
-                self.bw_frames[index] = led.push_frame_below(index, True, top)
+                bw_frames[index] = led.push_frame_below(index, True, top)
             else:
-                self.bw_frames[index] = led.push_frame(index, backward=True)
+                total = led.total
+                frame = _new_object(Frame)
+                frame.module, frame.entry, frame.max, frame.backward = index, total, total, True
+                stack.append(frame)
+                led.top = frame
+                led.module_of_new = index
+                bw_frames[index] = frame
             if run.timeline:
-                self.timeline.sample(self.table.info[index].path or "<model>", "enter")
+                samples = timeline.samples
+                if len(samples) < _timeline._MAX_SAMPLES:
+                    timeline.seq += 1
+                    samples.append((timeline.seq, run.step, run.phase, path or "<model>", tuple(led.totals), _now(),
+                                    "enter"))
+                else:  # the cap, and its note
+                    timeline.sample(path or "<model>", "enter")
 
         return enter
 
     def exit_hook(self, index: int) -> Any:
-        """The hook that closes module ``index``'s backward frame (its inputs' gradients are computed)."""
-        run = self.run
+        """The hook that closes module ``index``'s backward frame (its inputs' gradients are computed), with
+        Ledger.remove_frame (for the frame on top), Frames.close_frame and Timeline.sample written out."""
+        run, led, timeline, bw_frames = self.run, self.ledger, self.timeline, self.bw_frames
+        stack = led.frames
+        info = self.table.info[index]
+        path = info.path
 
         def exit_(_grads: Any) -> None:
             if not run.active or _is_compiling():
                 return
-            frame = self.bw_frames.pop(index, None)
+            frame = bw_frames.pop(index, None)
+            if frame is None:
+                return
             # Only this module's frame ends: a successor's gradient is often this
             # module's output gradient, which also starts the successor's frame.
-            if frame is not None and self.ledger.remove_frame(frame):
-                self.close_frame(frame)
-                if run.timeline:
-                    self.timeline.sample(self.table.info[index].path or "<model>", "exit")
+            if stack and stack[-1] is frame:
+                stack.pop()
+                if stack:
+                    parent = led.top = stack[-1]
+                    led.module_of_new = parent.module
+                    if frame.max > parent.max:
+                        parent.max = frame.max
+                else:
+                    led.top = None
+                    led.module_of_new = -1
+            elif not led.remove_frame(frame):
+                return
+            if run.mode == EXACT:  # Frames.close_frame, written out (op-level memory is not seen in light mode)
+                entry, high = frame.entry, frame.max
+                rise = high - entry  # what the call added at its worst
+                total = led.total
+                scratch = high - (total if total > entry else entry)  # needed but released by its end
+                if scratch < 0:
+                    scratch = 0
+                peak, tmp = info.bwd_peak, info.bwd_tmp
+                info.bwd_peak = rise if peak is None or rise > peak else peak
+                info.bwd_tmp = scratch if tmp is None or scratch > tmp else tmp
+            if run.timeline:
+                samples = timeline.samples
+                if len(samples) < _timeline._MAX_SAMPLES:
+                    timeline.seq += 1
+                    samples.append((timeline.seq, run.step, run.phase, path or "<model>", tuple(led.totals), _now(),
+                                    "exit"))
+                else:  # the cap, and its note
+                    timeline.sample(path or "<model>", "exit")
 
         return exit_
 

@@ -137,15 +137,28 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
 
 
 class Frame:
-    """A module call (forward or backward) in progress, for its temporaries peak."""
+    """A module call (forward or backward) in progress, for its temporaries peak.
+
+    Made with :func:`new_frame`, which runs no Python frame of its own (the module hooks make one per call).
+    """
 
     __slots__ = ("module", "entry", "max", "backward")
 
-    def __init__(self, module: int, entry: int, backward: bool) -> None:
-        self.module = module
-        self.entry = entry  # live bytes when the call began
-        self.max = entry  # highest live bytes while it ran
-        self.backward = backward
+    module: int
+    #: Live bytes when the call began, and the highest while it ran.
+    entry: int
+    max: int
+    backward: bool
+
+
+def new_frame(module: int, entry: int, backward: bool) -> Frame:
+    """A frame for a call of ``module`` that begins with ``entry`` live bytes."""
+    frame = _new_object(Frame)
+    frame.module, frame.entry, frame.max, frame.backward = module, entry, entry, backward
+    return frame
+
+
+_new_object = object.__new__
 
 
 class Ledger:
@@ -381,7 +394,10 @@ class Ledger:
         self.phase_peak_ns = perf_counter_ns()
 
     def push_frame(self, module: int, backward: bool) -> Frame:
-        frame = Frame(module, self.total, backward)
+        """Push a frame for a call of ``module``: it becomes the innermost, and the module of new storages.
+        (The forward pre-hook of :mod:`.module_hooks` does the same inline.)"""
+        frame = _new_object(Frame)
+        frame.module, frame.entry, frame.max, frame.backward = module, self.total, self.total, backward
         self.frames.append(frame)
         self.top = frame
         self.module_of_new = module
@@ -408,7 +424,7 @@ class Ledger:
 
     def push_frame_below(self, module: int, backward: bool, below: Frame) -> Frame:
         """Push a frame under ``below`` (a parent entering after its child, as in backward)."""
-        frame = Frame(module, self.total, backward)
+        frame = new_frame(module, self.total, backward)
         frame.max = max(frame.max, below.max)
         self.frames.insert(self.frames.index(below), frame)
         return frame
@@ -421,6 +437,12 @@ class Ledger:
         except ValueError:
             return False
         frames.pop(i)
+        # The frames above it opened after it and are still open: what they saw happened while it ran (a
+        # module's backward ends while its child's, entered on the same gradient, is still open). Only the
+        # innermost frame's high is kept up to date as storages come and go.
+        for above in frames[i:]:
+            if above.max > frame.max:
+                frame.max = above.max
         if i > 0 and frame.max > frames[i - 1].max:
             frames[i - 1].max = frame.max
         self.top = frames[-1] if frames else None

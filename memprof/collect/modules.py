@@ -20,6 +20,8 @@ marks where memprof cannot see inside (:mod:`.module_table`).
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -27,11 +29,13 @@ from torch import nn
 
 from ..vocabulary import Phase
 from ..units import format_bytes
-from .ledger import BUFFERS, TAGS, storage_of
+from . import timeline as _timeline
+from .ledger import BUFFERS, TAGS, Frame, storage_of
 from .module_table import attribute_tensors, tensors_in_args, unique_params
 from .saved_hooks import under_checkpoint
 from .state import EXACT
 from .torch_compat import graph_task_id as _graph_task_id, is_compiling as _is_compiling
+from .torch_compat import top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
     from .capture import Capture
@@ -51,6 +55,13 @@ if TYPE_CHECKING:
 __all__ = ["ModuleTracker"]
 
 _get_ident = threading.get_ident
+_grad_enabled = torch.is_grad_enabled
+_now = time.perf_counter_ns
+_new_object = object.__new__
+_weakref = weakref.ref
+_PLAIN = torch.Tensor
+_FORWARD = Phase.FORWARD
+_BACKWARD = Phase.BACKWARD
 _KEPT_BY_CHECKPOINT = TAGS.index("kept_by_checkpoint")
 
 
@@ -100,7 +111,7 @@ class ModuleTracker:
             # A torch.compile wrapper of the model that the user calls runs these hooks inside its
             # compiled frame: they do nothing under dynamo's tracing (is_compiling), so the graph stays
             # whole and the forward is reported as unseen rather than split by memprof's code.
-            pre_hook, post_hook = self._pre_hook(index, is_root), self._post_hook(index, is_root)
+            pre_hook, post_hook = _pre_hook(self, index, is_root), _post_hook(self, index, is_root)
             sharded = shards is not None and id(mod) in shards.groups
             # FSDP2 gathers a module's parameters in a pre-hook it puts first: memprof's goes before it, so
             # that the gathering belongs to the forward, and a second one after it finds what was gathered.
@@ -112,63 +123,6 @@ class ModuleTracker:
             stack.callback(mod.register_forward_hook(post_hook, with_kwargs=True, always_call=True).remove)
         for p in unique_params(model):
             self.params.adopt(p)
-
-    def _pre_hook(self, index: int, is_root: bool) -> Any:
-        run, table = self.run, self.table
-        calls = run.calls
-
-        def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            at_forward = self.at_forward
-            if at_forward is not None and (is_root or not calls) and not _is_compiling() and (
-                    run.active or run.paused) and _get_ident() == run.thread and (
-                    run.phase is not Phase.BACKWARD) and _graph_task_id() == -1:
-                # A schedule: a forward is where a step that ended closes, and memprof pauses or resumes.
-                if not at_forward():
-                    return None
-            if not run.active or _is_compiling():
-                # Under dynamo's tracing (a model compiled inside the block) memprof's code must not
-                # enter the graph: the compiled call is then measured from outside, as compiled code.
-                return None
-            if _get_ident() != run.thread and _graph_task_id() == -1:
-                # Another thread, without memprof's per-thread hooks: the call is seen, what it does is not.
-                run.foreign_threads.add(_get_ident())
-                table.info[index].calls += 1
-                return None
-            info = table.info[index]
-            in_backward = run.phase is Phase.BACKWARD
-            grad = torch.is_grad_enabled()
-            # A forward is a call of the root, or an outermost call of its submodules with autograd on
-            # (model.encoder(x), then model.decoder(h); a ModuleDict's members). A submodule run under
-            # no_grad outside the model's forward (a frozen encoder, a probe) is not one.
-            if (is_root or not calls) and not in_backward:
-                self.forward_began(is_root, grad, args, kwargs)
-            info.calls += 1
-            if grad:
-                # In backward too: a block checkpointed the reentrant way recomputes its forward there.
-                self.saved.cover(index)
-            if index in table.brackets:
-                table.compiled_depth += 1
-                table.compiled_calls += 1
-            if self.capture.on and not in_backward:
-                self.capture.call_began(index, args, kwargs)
-            calls.append(index)
-            self.calls += 1
-            self.marks.append((index, self.calls, len(table.unseen_saves)))
-            self.ledger.push_frame(index, backward=False)
-            if run.timeline and not in_backward:  # a checkpointed module recomputing records no exit either
-                self.timeline.sample(info.path or "<model>", "enter")
-            if run.backward_frames and grad and not in_backward:
-                frames = self.frames
-                hook = None
-                for a in tensors_in_args(args, kwargs):
-                    if a.requires_grad:
-                        # A tensor hook, not a pre-hook on a.grad_fn: torch.autograd.grad(out, [a])
-                        # captures a's gradient without running a.grad_fn, and only tensor hooks fire then.
-                        hook = hook or frames.exit_hook(index)
-                        frames.hook_tensor(a, index, hook)
-            return None
-
-        return pre_hook
 
     def forward_began(self, is_root: bool, grad: bool, args: Any, kwargs: Any) -> None:
         """An outermost call of the model: its phase (a forward; with a KV cache, a prefill or a decode), what
@@ -194,76 +148,6 @@ class ModuleTracker:
         storages.mark_inputs(args, made_in_block_too=is_root)
         storages.mark_inputs(kwargs, made_in_block_too=is_root)
         storages.note_autocast()
-
-    def _post_hook(self, index: int, is_root: bool) -> Any:
-        run, table, phases = self.run, self.table, self.phases
-        calls = run.calls
-
-        def post_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if not run.active or _is_compiling() or (_get_ident() != run.thread and _graph_task_id() == -1):
-                return None
-            self.saved.uncover(index)
-            if index in table.brackets and table.compiled_depth > 0:
-                table.compiled_depth -= 1
-                if run.mode == EXACT:
-                    # What compiled code returns was allocated out of dispatch's sight.
-                    for t in tensors_in_args((output,), None):
-                        self.storages.register_output(t)
-            frames = self.frames
-            # The call's forward frame closes (with any frame left open inside it). Inline: every call pays it.
-            led = self.ledger
-            frame = led.frames[-1] if led.frames and led.frames[-1].module == index else None
-            if frame is not None:
-                for f in led.pop_frame(frame):
-                    frames.close_frame(f)
-            if calls and calls[-1] == index:
-                calls.pop()
-            if self.marks and self.marks[-1][0] == index:
-                _index, count, unseen = self.marks.pop()
-                if count == self.calls and index in table.parents and run.phase is Phase.FORWARD:
-                    self.children_skipped(index, unseen)
-            if not calls:
-                table.unseen_saves.clear()
-            if is_root and self.params.pending:
-                self.sync()  # lazy modules took their shapes in this forward
-            kv = self.kv
-            if not is_root and kv.active is not None:
-                kv.layer_done(args, kwargs)
-            if is_root and not calls:
-                kv.after_call(args, kwargs, output)
-                if run.phase in (Phase.PREFILL, Phase.DECODE):
-                    if phases.merging():
-                        phases.mark_end()  # the merged phase ends where its last call does
-                    else:
-                        # The call is over: its end is the cache as the call left it; what the decoding loop
-                        # does until the next call (sampling, the growing ids) is "other".
-                        phases.begin(Phase.OTHER)
-            capture = self.capture
-            if capture.on:
-                capture.call_ended(index, module, output, args, kwargs)
-            if run.phase is Phase.FORWARD and run.mode == EXACT and under_checkpoint():
-                self.kept_by_checkpoint(args, kwargs)
-            if run.phase is Phase.BACKWARD:
-                return None  # a checkpointed module recomputing: no backward hooks for the recompute
-            if run.timeline:
-                self.timeline.sample(table.info[index].path or "<model>", "exit")
-            if run.backward_frames and torch.is_grad_enabled() and run.phase is Phase.FORWARD:
-                hook = None
-                for t in tensors_in_args((output,), None):
-                    if t.requires_grad:
-                        hook = hook or frames.enter_hook(index)
-                        if t.grad_fn is not None:
-                            # A pre-hook on the node fires when the engine runs it, once every gradient
-                            # flowing into it is complete: when a tensor hook on t would, at a ninth of
-                            # the cost (2 us against 19). They differ when torch.autograd.grad stops at t
-                            # (the node never runs); then the module has no backward in that pass.
-                            # Removed when the step ends (its backward has run) or with the profile.
-                            frames.node_hooks.append(t.grad_fn.register_prehook(hook))
-                        else:
-                            frames.hook_tensor(t, index, hook)
-            return None
-
-        return post_hook
 
     def kept_by_checkpoint(self, args: Any, kwargs: Any) -> None:
         """A module ran inside a checkpointed region: its inputs, if they outlive the forward, are what
@@ -320,3 +204,209 @@ class ModuleTracker:
             if new_mods:
                 what.append(f"{new_mods} module(s)")
             run.changes.append(f"step {run.step}: " + " and ".join(what))
+
+
+# ---------------------------------------------------------------------- the hooks of one module
+#
+# Every module call of the model runs both, so their common path makes no Python call it can do without:
+# the ledger's frame push and pop, the timeline's sample, the saved-tensor pair's check and the walk over
+# plain-tensor arguments are written out here rather than called (each call is a Python frame, which costs
+# more than the few lines it saves), and the closures the backward frames hook on tensors are made once
+# per module, not per call. The methods they stand for (Ledger.push_frame and pop_frame, Timeline.sample,
+# SavedTracker.cover and uncover, Frames.close_frame) still do the same for everyone else.
+
+
+def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
+    run, table, led, saved, frames = tracker.run, tracker.table, tracker.ledger, tracker.saved, tracker.frames
+    calls, marks, stack, timeline = run.calls, tracker.marks, led.frames, tracker.timeline
+    tensor_hooks = frames.tensor_hooks
+    exit_hook: Any = None  # the hook closing this module's backward frames, made at the first call that needs it
+
+    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        nonlocal exit_hook
+        at_forward = tracker.at_forward
+        if at_forward is not None and (is_root or not calls) and not _is_compiling() and (
+                run.active or run.paused) and _get_ident() == run.thread and (
+                run.phase is not _BACKWARD) and _graph_task_id() == -1:
+            # A schedule: a forward is where a step that ended closes, and memprof pauses or resumes.
+            if not at_forward():
+                return None
+        if not run.active or _is_compiling():
+            # Under dynamo's tracing (a model compiled inside the block) memprof's code must not
+            # enter the graph: the compiled call is then measured from outside, as compiled code.
+            return None
+        if _get_ident() != run.thread and _graph_task_id() == -1:
+            # Another thread, without memprof's per-thread hooks: the call is seen, what it does is not.
+            run.foreign_threads.add(_get_ident())
+            table.info[index].calls += 1
+            return None
+        info = table.info[index]
+        in_backward = run.phase is _BACKWARD
+        grad = _grad_enabled()
+        # A forward is a call of the root, or an outermost call of its submodules with autograd on
+        # (model.encoder(x), then model.decoder(h); a ModuleDict's members). A submodule run under
+        # no_grad outside the model's forward (a frozen encoder, a probe) is not one.
+        if (is_root or not calls) and not in_backward:
+            tracker.forward_began(is_root, grad, args, kwargs)
+        info.calls += 1
+        if grad:
+            # In backward too: a block checkpointed the reentrant way recomputes its forward there. The common
+            # case (memprof's own pair already innermost: a parent pushed it) needs no push.
+            top = _top_saved_hooks(False)
+            if top is None or top[0] is not saved.hooks.own_pack:
+                saved.cover(index)
+        if index in table.brackets:
+            table.compiled_depth += 1
+            table.compiled_calls += 1
+        if tracker.capture.on and not in_backward:
+            tracker.capture.call_began(index, args, kwargs)
+        calls.append(index)
+        n = tracker.calls = tracker.calls + 1
+        marks.append((index, n, len(table.unseen_saves)))
+        # Ledger.push_frame, written out.
+        total = led.total
+        frame = _new_object(Frame)
+        frame.module, frame.entry, frame.max, frame.backward = index, total, total, False
+        stack.append(frame)
+        led.top = frame
+        led.module_of_new = index
+        if run.timeline and not in_backward:  # a checkpointed module recomputing records no exit either
+            samples = timeline.samples
+            if len(samples) < _timeline._MAX_SAMPLES:  # Timeline.sample, written out
+                timeline.seq += 1
+                samples.append((timeline.seq, run.step, run.phase, info.path or "<model>", tuple(led.totals),
+                                _now(), "enter"))
+            else:  # the cap, and its note
+                timeline.sample(info.path or "<model>", "enter")
+        if run.backward_frames and grad and not in_backward:
+            # The common case, positional plain tensors, without walking nested containers.
+            plain = not kwargs
+            if plain:
+                for a in args:
+                    if type(a) is not _PLAIN:
+                        plain = False
+                        break
+            for a in args if plain else tensors_in_args(args, kwargs):
+                if a.requires_grad:
+                    # A tensor hook, not a pre-hook on a.grad_fn: torch.autograd.grad(out, [a])
+                    # captures a's gradient without running a.grad_fn, and only tensor hooks fire then.
+                    if exit_hook is None:
+                        exit_hook = frames.exit_hook(index)
+                    # Frames.hook_tensor, written out: once per tensor and module.
+                    key = (id(a), index)
+                    known = tensor_hooks.get(key)
+                    if known is None or known[0]() is not a:
+                        tensor_hooks[key] = (_weakref(a), a.register_hook(exit_hook))
+        return None
+
+    return pre_hook
+
+
+def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
+    run, table, phases, led, saved = tracker.run, tracker.table, tracker.phases, tracker.ledger, tracker.saved
+    calls, marks, stack, frames, timeline = run.calls, tracker.marks, led.frames, tracker.frames, tracker.timeline
+    scoped = saved.scoped
+    enter_hook: Any = None  # the hook opening this module's backward frames, made at the first call that needs it
+
+    def post_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        nonlocal enter_hook
+        if not run.active or _is_compiling() or (_get_ident() != run.thread and _graph_task_id() == -1):
+            return None
+        if scoped and scoped[-1] == index:  # this call pushed memprof's saved-tensor pair
+            saved.uncover(index)
+        if index in table.brackets and table.compiled_depth > 0:
+            table.compiled_depth -= 1
+            if run.mode == EXACT:
+                # What compiled code returns was allocated out of dispatch's sight.
+                for t in tensors_in_args((output,), None):
+                    tracker.storages.register_output(t)
+        # The call's forward frame closes (with any frame left open inside it).
+        if stack:
+            frame = stack[-1]
+            if frame.module != index:
+                pass
+            elif frame.backward:
+                for f in led.pop_frame(frame):
+                    frames.close_frame(f)
+            else:
+                # Ledger.pop_frame and Frames.close_frame, written out for the common case: the frame on top.
+                stack.pop()
+                high = frame.max
+                if stack:
+                    parent = led.top = stack[-1]
+                    led.module_of_new = parent.module
+                    if high > parent.max:
+                        parent.max = high
+                else:
+                    led.top = None
+                    led.module_of_new = -1
+                if run.mode == EXACT:  # op-level memory is not seen in light mode
+                    info = table.info[index]
+                    entry = frame.entry
+                    rise = high - entry  # what the call added at its worst
+                    total = led.total
+                    scratch = high - (total if total > entry else entry)  # needed but released by its end
+                    if scratch < 0:
+                        scratch = 0
+                    peak, tmp = info.fwd_peak, info.fwd_tmp
+                    info.fwd_peak = rise if peak is None or rise > peak else peak
+                    info.fwd_tmp = scratch if tmp is None or scratch > tmp else tmp
+        if calls and calls[-1] == index:
+            calls.pop()
+        if marks and marks[-1][0] == index:
+            _index, count, unseen = marks.pop()
+            if count == tracker.calls and index in table.parents and run.phase is _FORWARD:
+                tracker.children_skipped(index, unseen)
+        if not calls:
+            table.unseen_saves.clear()
+        if is_root and tracker.params.pending:
+            tracker.sync()  # lazy modules took their shapes in this forward
+        kv = tracker.kv
+        if not is_root and kv.active is not None:
+            kv.layer_done(args, kwargs)
+        if is_root and not calls:
+            kv.after_call(args, kwargs, output)
+            if run.phase is Phase.PREFILL or run.phase is Phase.DECODE:
+                if phases.merging():
+                    phases.mark_end()  # the merged phase ends where its last call does
+                else:
+                    # The call is over: its end is the cache as the call left it; what the decoding loop
+                    # does until the next call (sampling, the growing ids) is "other".
+                    phases.begin(Phase.OTHER)
+        capture = tracker.capture
+        if capture.on:
+            capture.call_ended(index, module, output, args, kwargs)
+        if run.phase is _FORWARD and run.mode == EXACT:
+            # Inside torch.utils.checkpoint's region its own pair is on the stack (or beneath memprof's chain):
+            # with memprof's own pair on top, or none, it cannot be.
+            top = _top_saved_hooks(False)
+            if top is not None and top[0] is not saved.hooks.own_pack and under_checkpoint():
+                tracker.kept_by_checkpoint(args, kwargs)
+        if run.phase is _BACKWARD:
+            return None  # a checkpointed module recomputing: no backward hooks for the recompute
+        if run.timeline:
+            samples = timeline.samples
+            if len(samples) < _timeline._MAX_SAMPLES:  # Timeline.sample, written out
+                timeline.seq += 1
+                samples.append((timeline.seq, run.step, run.phase, table.info[index].path or "<model>",
+                                tuple(led.totals), _now(), "exit"))
+            else:  # the cap, and its note
+                timeline.sample(table.info[index].path or "<model>", "exit")
+        if run.backward_frames and _grad_enabled() and run.phase is _FORWARD:
+            for t in (output,) if type(output) is _PLAIN else tensors_in_args((output,), None):
+                if t.requires_grad:
+                    if enter_hook is None:
+                        enter_hook = frames.enter_hook(index)
+                    if t.grad_fn is not None:
+                        # A pre-hook on the node fires when the engine runs it, once every gradient
+                        # flowing into it is complete: when a tensor hook on t would, at a ninth of
+                        # the cost (2 us against 19). They differ when torch.autograd.grad stops at t
+                        # (the node never runs); then the module has no backward in that pass.
+                        # Removed when the step ends (its backward has run) or with the profile.
+                        frames.node_hooks.append(t.grad_fn.register_prehook(enter_hook))
+                    else:
+                        frames.hook_tensor(t, index, enter_hook)
+        return None
+
+    return post_hook
+

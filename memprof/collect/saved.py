@@ -39,6 +39,7 @@ __all__ = ["SavedTracker"]
 
 _FORWARD = Phase.FORWARD
 _BACKWARD = Phase.BACKWARD
+_PARAMETER = torch.nn.Parameter
 _RECOMPUTED = TAGS.index("recomputed_for_backward")
 _TAG = {name: i for i, name in enumerate(TAGS)}
 _TAG_SAVED_OUTSIDE = _TAG["saved_outside_modules"]
@@ -176,7 +177,9 @@ class SavedTracker:
         if not run.active or t.layout is not torch.strided or (
                 not t.is_cpu if self.on_cpu else t.device != self.device):
             return None
-        if type(t) is torch.Tensor:  # storage_of() inlined for a plain tensor: this runs for every save
+        if type(t) is torch.Tensor or type(t) is _PARAMETER:  # storage_of() inlined: this runs for every save
+            # (A Parameter whose type is exactly nn.Parameter holds plain data: a parameter of a tensor subclass
+            # has that subclass's type, torch/nn/parameter.py.)
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -275,11 +278,17 @@ class SavedTracker:
                 self.ledger.set_tag(entry, _RECOMPUTED)
             return
         index = stack[-1]
+        table = self.table
         if where:
-            tag = self.table.saved_tag[index]
+            tag = table.saved_tag[index]
             if tag >= 0:
                 self.ledger.set_tag(entry, tag)
-        self.table.saved_in(index, entry.nbytes, run.step)
+        # ModuleTable.saved_in, written out: this runs for every new activation.
+        info = table.info[index]
+        if info.act_step != run.step:
+            info.act_step = run.step
+            info.act_bytes = 0
+        info.act_bytes += entry.nbytes
 
     def unsaved(self, key: int) -> None:
         if not self.run.active:
