@@ -22,6 +22,7 @@ from ..units import format_bytes, one_line, printable
 from .common import (CATEGORY_COLORS, NO_ESTIMATE, NO_FORMULA, NOT_MEASURED, module_columns, own_rows, quiet, signed,
                      size)
 from .svg import timeline_svg
+from .ranks import class_html, rank_table_html
 from .text import oom_lines, rank_line
 
 if TYPE_CHECKING:
@@ -375,7 +376,8 @@ def reconciliation_html(rec: "Reconciliation") -> str:
     expl = "".join(f"<li>{_e(str(c))}</li>" for c in rec.explanations)
     return ("<div><b>memprof reconciliation</b> at the " + _e(rec.where)
             + "<table><tr><th>category</th><th>formula</th><th>estimate</th><th>measured</th><th>gap</th></tr>"
-            + "".join(rows) + "</table><ul>" + expl + "</ul></div>")
+            + "".join(rows) + "</table><ul>" + expl + "</ul>" + rank_table_html(getattr(rec, "per_rank", None))
+            + "</div>")
 
 
 def diff_html(diff: "Diff") -> str:
@@ -408,4 +410,4 @@ def merged_html(merged: "Merged") -> str:
             f"{merged.worst}" + (f"; spread {_e(size(spread[0]))}, max/mean {spread[1]:.3f}" if spread else "")
             + "</div>")
     notes = "".join(f"<div>{_e(n)}</div>" for n in merged.notes)
-    return head + frame_html(merged_frame(merged)) + notes
+    return head + frame_html(merged_frame(merged)) + class_html(getattr(merged, "classes", ()), merged.worst) + notes
