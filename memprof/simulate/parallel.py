@@ -349,7 +349,7 @@ def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int
         est = one(members[0])
         stages = tuple(p + i * shape[d] for i in range(pipeline.stages_per_rank))
         classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step,
-                                 est.trace.peak_phase.value))
+                                 est.trace.peak_phase.value, est.trace))
         results.append(est)
     worst = max(range(len(results)), key=lambda i: results[i].peak_bytes)
     table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "
