@@ -71,7 +71,7 @@ class RankTable:
     degrees: tuple[tuple[str, int], ...]
     rows: tuple[RankRow, ...]
     notes: tuple[str, ...] = ()
-    #: The run is a simulated rank (torch's fake process group): its figures are simulated, not measured.
+    #: The run is a simulated rank (an estimate's): its figures are simulated, not measured.
     simulated: bool = False
 
     def row(self, category: "Category | str") -> RankRow:
@@ -81,10 +81,11 @@ class RankTable:
 
 def rank_table(trace: "Trace", measured: "Breakdown", rec: "PhaseRecord | None", moment: str,
                formula: "Breakdown", causes: "tuple[Cause, ...]",
-               transformer: "Mapping[str, Any] | None" = None) -> "RankTable | None":
+               transformer: "Mapping[str, Any] | None" = None, simulated: bool = False) -> "RankTable | None":
     """The per-rank table of a distributed run whose parameters are DTensors (or a DDP rank); None otherwise.
     ``moment`` is ``"peak"``, ``"start"`` or ``"end"`` of ``rec``'s phase; ``formula`` and ``causes`` are the
-    reconciliation's (the optimizer's bytes per element and the optimizer's named parts come from there)."""
+    reconciliation's (the optimizer's bytes per element and the optimizer's named parts come from there);
+    ``simulated``: the trace is an estimate's."""
     dist = trace.distributed
     if dist is None:
         return None
@@ -102,7 +103,7 @@ def rank_table(trace: "Trace", measured: "Breakdown", rec: "PhaseRecord | None",
             rows.append(RankRow(cat, "not modelled per rank: the run's own figure", None, measured[cat]))
     degrees = lay.mesh if lay is not None else (("dp_replicate", dist.world_size),)
     return RankTable(dist.rank, dist.world_size, degrees, tuple(rows), tuple(_notes(lay, dist.layout)),
-                     dist.backend == "fake")
+                     simulated)
 
 
 def _divisor(lay: "MeshLayout", dims: "tuple[str, ...]") -> int:

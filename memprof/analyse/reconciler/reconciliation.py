@@ -171,6 +171,7 @@ def reconcile(
     the run: giving ``optimizer`` switches optimizer state to the textbook
     bytes/param instead of the prediction from the recorded optimizer.
     """
+    simulated = type(trace).__name__ == "Estimate"  # a simulated rank's per-rank table says "simulated"
     trace = as_trace(trace)
     at = parse_at(at)
     if optimizer is not None:
@@ -224,4 +225,4 @@ def reconcile(
     return Reconciliation(at if isinstance(at, str) else where, where, precision_used, opt_name, rows, named,
                           textbook, tuple(notes), layer_checks(trace),
                           tuple(advice(trace, measured, precision_used, opt_name)), mixed_layer_gap(trace),
-                          rank_table(trace, measured, rec, moment, formula, named, transformer))
+                          rank_table(trace, measured, rec, moment, formula, named, transformer, simulated))
