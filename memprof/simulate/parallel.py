@@ -133,6 +133,7 @@ class ParallelRun:
 
         stack = self._stack = contextlib.ExitStack()
         try:
+            _clear_caches()  # a process group of the user's, destroyed before, may have left its groups' names there
             dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.n)
             stack.callback(_clear_caches)
             stack.callback(dist.destroy_process_group)
