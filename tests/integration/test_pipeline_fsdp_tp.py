@@ -109,3 +109,18 @@ def test_the_worst_stage_of_pp_fsdp_tp_is_simulated_to_the_byte():
     merged = memprof.merge(est)
     assert merged.worst == worst.representative and merged.simulated
     assert merged.spread[0] == worst.peak_bytes - other.peak_bytes
+    # Each simulated rank stands for its class: the mean of the world is the classes' mean, both of 4 ranks.
+    assert merged.spread[1] == worst.peak_bytes / ((worst.peak_bytes + other.peak_bytes) / 2)
+    assert merged.missing == () and [c.ranks for c in merged.classes] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    text = str(merged)
+    assert "2 of 8 simulated rank(s)" in text and "0-3" in text and "4-7" in text
+    assert "Rank classes" in merged._repr_html_()
+    assert merged.to_dict()["classes"][0] == {"ranks": [0, 1, 2, 3], "simulated_rank": 0, "stages": [0],
+                                              "peak": est.ranks[0].peak_bytes, "peak_step": est.ranks[0].peak_step,
+                                              "peak_phase": est.ranks[0].peak_phase}
+    # The measured stage's per-rank table: the degrees read from its parameters, the stage's weights at rest an even
+    # share (every dim divides by its degrees), nothing named.
+    t = memprof.reconcile(rep, at=(1, "optimizer", "end")).per_rank
+    assert t.degrees == (("pp", 2), ("dp", 2), ("tp", 2))
+    assert t.row("weights").value == t.row("weights").actual and t.row("weights").parts == ()
+    assert any("pp = 2" in n for n in t.notes)
