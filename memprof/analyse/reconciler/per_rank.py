@@ -154,14 +154,22 @@ def _weights(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown", gathered:
         formula += (f" + the largest FSDP unit gathered, {unit:,} B (its padded parameters × dp shard, in "
                     f"{lay.param_dtype or 'their own dtype'})")
         if m[W] is not None and held != unit:
-            parts.append(("units gathered beside the largest" if held > unit else "a smaller unit gathered",
-                          held - unit, "FSDP2 keeps the root unit gathered from forward into backward and prefetches "
-                          "the next unit; at this moment these units are gathered, not the largest alone"
-                          if held > unit else "the unit gathered at this moment is smaller than the largest one"))
+            parts.append(_gathered_part(held - unit, lay.degree("pp") > 1))
     elif held > 0 and m[W] is not None:
         parts.append(("units still gathered", held, "full parameters gathered at this moment (FSDP2 keeps the root "
                       "unit's from forward until backward, and reshard_after_forward=False keeps every unit's)"))
     return RankRow(W, formula, value, m[W], tuple(parts))
+
+
+def _gathered_part(extra: int, pipelined: bool) -> "tuple[str, int, str]":
+    if extra < 0:
+        return ("a smaller unit gathered", extra, "the unit gathered at this moment is smaller than the largest one")
+    if pipelined:
+        return ("units the pipeline keeps gathered", extra, "torch's pipeline stage keeps every unit gathered across "
+                "micro-batches and reshards after the last one (torch/distributed/pipelining/stage.py, "
+                "backward_maybe_with_nosync: set_reshard_after_backward(False))")
+    return ("units gathered beside the largest", extra, "FSDP2 keeps the root unit gathered from forward into "
+            "backward and prefetches the next unit; at this moment these units are gathered, not the largest alone")
 
 
 def _gradients(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown", phase: "Phase | None",
