@@ -1,9 +1,8 @@
 """A rank's per-degree formula table (:class:`memprof.analyse.reconciler.per_rank.RankTable`) and the rank classes
-of merged simulated ranks, as text and HTML. Data in, strings out."""
+of merged simulated ranks, as text (:mod:`.html` renders the same as HTML). Data in, strings out."""
 
 from __future__ import annotations
 
-import html
 from typing import TYPE_CHECKING, Any
 
 from ..units import format_bytes, one_line
@@ -12,7 +11,7 @@ from .common import signed
 if TYPE_CHECKING:
     from ..analyse.reconciler.per_rank import RankTable
 
-__all__ = ["rank_table_lines", "rank_table_html", "class_lines", "class_html"]
+__all__ = ["rank_table_lines", "class_lines", "ranks_text"]
 
 _NOT = "not modelled"
 
@@ -44,23 +43,6 @@ def rank_table_lines(table: "RankTable | None") -> list[str]:
     return lines
 
 
-def rank_table_html(table: "RankTable | None") -> str:
-    if table is None:
-        return ""
-    e = html.escape
-    mesh = " × ".join(f"{n} {s}" for n, s in table.degrees)
-    rows = []
-    for r in table.rows:
-        named = "".join(f"<br>{e(signed(b))} {e(n)}" for n, b, _ in r.parts)
-        rows.append(f"<tr><td>{e(r.category.value)}</td><td>{e(r.formula)}</td>"
-                    f"<td style='text-align:right'>{e(_b(r.value))}</td>"
-                    f"<td style='text-align:right'>{e(_b(r.actual, 'not measured'))}</td>"
-                    f"<td style='text-align:right'>{e(signed(r.gap) if r.gap is not None else '')}{named}</td></tr>")
-    return (f"<div><b>Per rank</b>: rank {table.rank} of {table.world_size}, mesh {e(mesh)}<table><tr><th>category"
-            "</th><th>per-rank formula</th><th>formula</th><th>run</th><th>gap</th></tr>" + "".join(rows)
-            + "</table>" + "".join(f"<div>{e(n)}</div>" for n in table.notes) + "</div>")
-
-
 def class_lines(classes: "tuple[Any, ...]", worst: int) -> list[str]:
     """Rank classes of simulated ranks (ranks that hold the same memory): their members, the rank simulated,
     pipeline stages, peak and where."""
@@ -70,24 +52,12 @@ def class_lines(classes: "tuple[Any, ...]", worst: int) -> list[str]:
     for i, c in enumerate(classes):
         mark = " *" if c.representative == worst else ""
         stages = ",".join(map(str, c.stages)) or "-"
-        out.append(one_line(f"  {i:>5}  {_ranks(c.ranks):<24}{c.representative:>10}  {stages:<8}"
+        out.append(one_line(f"  {i:>5}  {ranks_text(c.ranks):<24}{c.representative:>10}  {stages:<8}"
                             f"{format_bytes(c.peak_bytes):>12}  step {c.peak_step} {c.peak_phase}{mark}"))
     return out
 
 
-def class_html(classes: "tuple[Any, ...]", worst: int) -> str:
-    if not classes:
-        return ""
-    e = html.escape
-    rows = "".join(f"<tr><td>{e(_ranks(c.ranks))}</td><td>{c.representative}{' *' if c.representative == worst else ''}"
-                   f"</td><td>{e(','.join(map(str, c.stages)) or '-')}</td>"
-                   f"<td style='text-align:right'>{e(format_bytes(c.peak_bytes))}</td>"
-                   f"<td>step {c.peak_step} {e(c.peak_phase)}</td></tr>" for c in classes)
-    return ("<div><b>Rank classes</b> (ranks that hold the same memory)<table><tr><th>ranks</th><th>simulated"
-            "</th><th>stages</th><th>peak</th><th>where</th></tr>" + rows + "</table></div>")
-
-
-def _ranks(ranks: "tuple[int, ...]") -> str:
+def ranks_text(ranks: "tuple[int, ...]") -> str:
     """Ranks as stretches: 0-3, 8-11."""
     spans: list[list[int]] = []
     for r in sorted(ranks):

@@ -92,3 +92,12 @@ def test_the_layout_goes_to_a_file_and_back_and_is_refused_when_corrupt():
     data["distributed"]["layout_detail"]["offload"] = "no"
     with pytest.raises(TraceFormatError, match="offload"):
         Trace.from_dict(data)
+
+
+def test_the_html_shows_the_same_table():
+    from memprof.render.html import reconciliation_html
+
+    page = reconciliation_html(reconcile(_rank(), at=(0, "backward", "peak")))
+    assert "Per rank: rank 1 of 4, mesh dp 2 × tp 2" in page
+    assert ">measured<" in page and "not modelled" in page
+    assert "<small>+8 B padding and uneven rows</small>" in page and "<small>+100 B units gathered" in page
