@@ -102,7 +102,7 @@ def rank_table(trace: "Trace", measured: "Breakdown", rec: "PhaseRecord | None",
         if measured[cat]:
             rows.append(RankRow(cat, "not modelled per rank: the run's own figure", None, measured[cat]))
     degrees = lay.mesh if lay is not None else (("dp_replicate", dist.world_size),)
-    return RankTable(dist.rank, dist.world_size, degrees, tuple(rows), tuple(_notes(lay, dist.layout)),
+    return RankTable(dist.rank, dist.world_size, degrees, tuple(rows), tuple(_notes(lay, dist.backend)),
                      simulated)
 
 
@@ -242,17 +242,19 @@ def _communication(trace: "Trace", m: "Breakdown", phase: "Phase | None") -> Ran
                       "run's own figure", None, m[C])
 
 
-def _notes(lay: "MeshLayout | None", layout: "str | None") -> list[str]:
+def _notes(lay: "MeshLayout | None", backend: "str | None") -> list[str]:
     if lay is None:
         return ["DDP: every model state whole on every rank (ZeRO stage 0)"]
-    out = ["degrees and what they cut read from the parameters' DTensor placements: " + "; ".join(
+    source = ("the parameters' DTensor placements" if backend is not None else
+              "the layout the estimate played (parallel=...), every parameter cut over the data-parallel ranks")
+    out = [f"degrees and what they cut read from {source}: " + "; ".join(
         f"{g.elements:,} elements cut by {'·'.join(g.sharded_by) or 'nothing'}"
         + (f", whole over {'·'.join(g.replicated_over)}" if g.replicated_over else "") for g in lay.groups)]
     if lay.degree("pp") > 1:
         out.append(f"pipeline: this rank's parameters are its stage's; pp = {lay.degree('pp')} divides the model by "
                    "construction")
     if lay.units:
-        out.append(f"FSDP2: {lay.units} unit(s), largest gathered {format_bytes(lay.largest_unit_bytes or 0)}, "
+        out.append(f"{lay.units} FSDP unit(s), largest gathered {format_bytes(lay.largest_unit_bytes or 0)}, "
                    f"parameters gathered in {lay.param_dtype or 'their own dtype'}, gradients reduced in "
                    f"{lay.reduce_dtype or 'their own dtype'}" + (", CPU offload" if lay.offload else ""))
     return out
