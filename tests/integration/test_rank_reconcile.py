@@ -167,7 +167,7 @@ def test_a_corrupt_layout_is_refused(fsdp_rank):
         type(fsdp_rank.trace).from_dict(json.loads(json.dumps(data)))
 
 
-def test_merging_simulated_ranks():
+def test_merging_simulated_ranks(capsys):
     ests = [simulated(fsdp_bf16, 2, r) for r in (0, 1)]
     merged = memprof.merge(ests)
     assert merged.simulated and sorted(merged.ranks) == [0, 1] and merged.classes == ()
@@ -177,6 +177,16 @@ def test_merging_simulated_ranks():
     data = json.loads(json.dumps(merged.to_dict()))
     assert data["ranks"]["1"]["peak"] == peaks[1] and data["simulated"] is True
     assert "2 of 2 simulated rank(s)" in str(merged)
+    # The same from saved traces on the command line, as JSON.
+    from memprof.cli import main
+
+    with tempfile.TemporaryDirectory() as d:
+        paths = []
+        for e in ests:
+            paths.append(f"{d}/rank{e.trace.distributed.rank}.json")
+            memprof.Report(e.trace).save(paths[-1])
+        assert main(["merge", "--json", *paths]) == 0
+    assert json.loads(capsys.readouterr().out) == data
 
 
 def test_the_fsdp_shortcut_gives_the_table_of_fsdp2_itself():
