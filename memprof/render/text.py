@@ -58,6 +58,10 @@ def rank_line(d: "RankInfo") -> str:
     if d.sharded_bytes is not None:
         line += (f": parameters {size(d.sharded_bytes)} as shards (padding {size(d.padding_bytes)}), "
                  f"{size(d.unsharded_bytes)} when all gathered")
+    lay = getattr(d, "layout_detail", None)
+    if lay is not None:
+        line += "; mesh " + " × ".join(f"{n} {s}" for n, s in lay.mesh) + (
+            f", gathered in {lay.param_dtype}" if lay.param_dtype else "")
     return line
 
 

@@ -41,6 +41,7 @@ def test_an_fsdp2_rank_records_its_layout(fsdp_rank):
     assert (lay.param_dtype, lay.reduce_dtype, lay.offload, lay.units) == ("bfloat16", None, False, 3)
     # The largest unit gathered is the root's (emb + norm + head = 6,176 elements, every dim 0 even) in bf16.
     assert lay.largest_unit_bytes == ROOT * 2 == 12_352
+    assert "rank 0 of 2 (fake, fsdp2)" in str(fsdp_rank) and "; mesh dp_shard 2, gathered in bfloat16" in str(fsdp_rank)
     # The record goes to a file and back unchanged.
     with tempfile.TemporaryDirectory() as d:
         fsdp_rank.save(f"{d}/r.json")
@@ -211,3 +212,19 @@ def test_the_fsdp_shortcut_gives_the_table_of_fsdp2_itself():
         sim, real = memprof.reconcile(est, at=at).per_rank, memprof.reconcile(rep, at=at).per_rank
         assert [(r.category, r.value, r.actual) for r in sim.rows] == [(r.category, r.value, r.actual)
                                                                        for r in real.rows]
+
+
+def test_cpu_offload_is_read_from_the_run_and_said():
+    def offloaded(model, mesh):
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        policy = CPUOffloadPolicy(pin_memory=False)  # pinning needs an accelerator
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, offload_policy=policy)
+        return fully_shard(model, mesh=mesh, offload_policy=policy)
+
+    rep, _model, _opt = measured(offloaded)
+    lay = rep.trace.distributed.layout_detail
+    assert lay.offload and lay.param_dtype is None and lay.largest_unit_bytes == ROOT * 4
+    w = memprof.reconcile(rep, at=(1, "optimizer", "end")).per_rank.row("weights")
+    assert w.value == w.actual == PARAMS * 2 and "shards live on the host" in w.formula

@@ -158,6 +158,8 @@ def _weights(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown", gathered:
     elif held > 0 and m[W] is not None:
         parts.append(("units still gathered", held, "full parameters gathered at this moment (FSDP2 keeps the root "
                       "unit's from forward until backward, and reshard_after_forward=False keeps every unit's)"))
+    if lay is not None and lay.offload:
+        formula += " (under CPUOffloadPolicy the shards live on the host; a device holds the gathered units)"
     return RankRow(W, formula, value, m[W], tuple(parts))
 
 
@@ -218,8 +220,9 @@ def _activations(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown",
 
     t = lay.degree("tp") if lay is not None else 1
     sp = lay is not None and any("tp" in g.replicated_over for g in lay.groups)
+    p = lay.degree("pp") if lay is not None else 1  # a stage holds L/p of the layers given
     try:
-        terms = rank_terms(max(trace.facts.num_params, 0), tp=t, sequence_parallel=sp,
+        terms = rank_terms(max(trace.facts.num_params, 0), tp=t, pp=p, sequence_parallel=sp,
                            seq=int(transformer["seq_len"]), batch=int(transformer["batch"]),
                            hidden=int(transformer["hidden"]), heads=int(transformer["heads"]),
                            layers=int(transformer["layers"]), in_flight=1)
