@@ -72,7 +72,8 @@ def _root(mesh: Any) -> Any:
 
 
 def _names(mesh: Any, layout: "str | None") -> tuple[str, ...]:
-    """The mesh's dimension names; an unnamed one by its role (FSDP2 builds unnamed meshes of its own)."""
+    """The mesh's dimension names; an unnamed one by its role (FSDP2 builds unnamed meshes of its own, and a
+    one-dimensional mesh under parameters no data-parallel wrapper holds is tensor parallelism's)."""
     names = getattr(mesh, "mesh_dim_names", None)
     if names:
         return tuple(names)
@@ -80,6 +81,8 @@ def _names(mesh: Any, layout: "str | None") -> tuple[str, ...]:
         return ("dp_shard",)
     if layout == "fsdp2" and mesh.ndim == 2:  # HSDP: replicate over the first dimension, shard over the second
         return ("dp_replicate", "dp_shard")
+    if layout == "tp" and mesh.ndim == 1:  # DTensor parameters and no data-parallel wrapper: tensor parallelism
+        return ("tp",)
     return tuple(f"dim{i}" for i in range(mesh.ndim))
 
 

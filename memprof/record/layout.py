@@ -43,10 +43,11 @@ class ParamGroup:
 class MeshLayout:
     """The rank's layout: the root device mesh of its DTensor parameters (``mesh``: (name, size) in mesh order;
     an unnamed dimension is named by its role, ``dp_shard`` for FSDP2's default mesh, ``dp_replicate`` and
-    ``dp_shard`` for an unnamed HSDP mesh, else ``dim<i>``), the parameters grouped by the dimensions that cut
-    them, and under FSDP2 the policy of its units: the dtype parameters are gathered in and gradients reduced in
-    (``None``: the parameters' own), CPU offload, how many units there are and the bytes of the largest one
-    gathered (every parameter of the unit, padded, in the gather's dtype)."""
+    ``dp_shard`` for an unnamed HSDP mesh, ``tp`` for an unnamed one-dimensional mesh of tensor parallelism alone,
+    else ``dim<i>``), the parameters grouped by the dimensions that cut them, and under FSDP2 the policy of its
+    units: the dtype parameters are gathered in and gradients reduced in (``None``: the parameters' own), CPU
+    offload, how many units there are and the bytes of the largest one gathered (every parameter of the unit,
+    padded, in the gather's dtype)."""
 
     mesh: tuple[tuple[str, int], ...]
     groups: tuple[ParamGroup, ...]

@@ -228,3 +228,20 @@ def test_cpu_offload_is_read_from_the_run_and_said():
     assert lay.offload and lay.param_dtype is None and lay.largest_unit_bytes == ROOT * 4
     w = memprof.reconcile(rep, at=(1, "optimizer", "end")).per_rank.row("weights")
     assert w.value == w.actual == PARAMS * 2 and "shards live on the host" in w.formula
+
+
+def test_tensor_parallel_alone_names_its_mesh_tp():
+    rep, _model, _opt = measured(tp_sp)
+    lay = rep.trace.distributed.layout_detail
+    assert rep.trace.distributed.layout == "tp" and lay.mesh == (("tp", 2),)
+    assert {g.sharded_by: (g.elements, g.replicated_over) for g in lay.groups} == {
+        (): (3 * NORM, ("tp",)), ("tp",): (PARAMS - 3 * NORM, ())}
+    t = memprof.reconcile(rep, at=(1, "backward", "end"),
+                          transformer={"seq_len": 8, "batch": 2, "hidden": 32, "heads": 1, "layers": 2}).per_rank
+    w, g = t.row("weights"), t.row("gradients")
+    # 96 x 4 B whole + 14,336 x 4 B / 2 = 29,056 B, the rank's local shards (test_parallelize counts them).
+    assert w.value == w.actual == 29_056
+    # The row-wise embedding's gradient arrives whole (Replicate: 96 x 32 x 4 B where its shard is half), as
+    # DTensor's embedding backward makes it: 6,144 B no part names yet.
+    assert (g.value, g.gap, g.parts) == (29_056, 6_144, ())
+    assert "sequence parallelism" in t.row("activations").formula
