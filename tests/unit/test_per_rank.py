@@ -101,3 +101,12 @@ def test_the_html_shows_the_same_table():
     assert "Per rank: rank 1 of 4, mesh dp 2 × tp 2" in page
     assert ">measured<" in page and "not modelled" in page
     assert "<small>+8 B padding and uneven rows</small>" in page and "<small>+100 B units gathered" in page
+
+
+def test_gradients_freed_by_zero_grad_are_named():
+    tr = _rank()
+    after = phase(0, "other", start=cpu(weights=STORED, gradients=1_200), peak=cpu(weights=STORED, gradients=1_200),
+                  end=cpu(weights=STORED))
+    tr = trace(phases=(*tr.phases, after), num_steps=1, facts=tr.facts, distributed=tr.distributed)
+    g = reconcile(tr, at=(0, "other", "end")).per_rank.row(C.GRADIENTS)
+    assert (g.value, g.actual, g.parts[0][:2], g.unexplained) == (1_200, 0, ("freed by zero_grad", -1_200), 0)

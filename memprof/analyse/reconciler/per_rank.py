@@ -192,7 +192,9 @@ def _gradients(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown", phase: 
     if phase is Phase.BACKWARD and g is not None and g < value:
         parts = (("backward in progress", g - value, "at this moment backward had produced and reduce-scattered "
                   "the gradients of only some units: the formula is every unit's sharded gradients"),)
-    return RankRow(G, formula, value, m[G], parts)
+    elif phase is Phase.OTHER and g == 0 and value:
+        parts = (("freed by zero_grad", -value, "zero_grad(set_to_none=True) had let every gradient go"),)
+    return RankRow(G, formula, value, g, parts)
 
 
 def _optimizer(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown", f: "Breakdown",
