@@ -120,7 +120,13 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 def _cmd_merge(args: argparse.Namespace) -> int:
     from .report import merge
 
-    print(merge(args.files))
+    merged = merge(args.files)
+    if args.json:
+        import json
+
+        print(json.dumps(merged.to_dict(), indent=1))
+    else:
+        print(merged)
     return 0
 
 
@@ -410,6 +416,7 @@ def _parser() -> argparse.ArgumentParser:
 
     mer = sub.add_parser("merge", help="the saved traces of the ranks of one distributed run, side by side")
     mer.add_argument("files", nargs="+", help="one trace (JSON) per rank")
+    mer.add_argument("--json", action="store_true", help="the merge as JSON (worst rank, spread, each rank's peak)")
     mer.set_defaults(func=_cmd_merge)
 
     est = sub.add_parser("estimate", help="simulate a training step of a model from your factory (meta tensors)",

@@ -3,7 +3,8 @@
 Each rank profiles itself and saves its report (``memprof-rank{r}.json`` from the integrations, or
 ``report.save(f"rank{rank}.json")``). :func:`merge` reads them back, checks that they are the ranks of
 one run, and answers the questions people ask of a job: which rank peaks highest, by how much the ranks
-differ, and what each held at its peak.
+differ, and what each held at its peak. Simulated ranks merge the same way: an estimate of a pipeline, which
+holds every rank class, or a list of estimates of single ranks (``estimate(..., parallelize=fn, rank=r)``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Iterable
 from ..errors import InvalidArgumentError, MergeError
 from ..record.files import load_trace
 from ..record.trace import Trace, as_trace
+from ..vocabulary import Category
 
 __all__ = ["Merged", "merge"]
 
@@ -29,6 +31,27 @@ class Merged:
     world_size: int
     missing: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    #: Simulated ranks: the classes of ranks that hold the same memory
+    #: (:class:`memprof.simulate.pipeline.RankClass`: its ranks, the one simulated, its pipeline stages and peak);
+    #: ``ranks`` then holds each class's simulated rank. Empty for measured ranks, each of which is its own.
+    classes: "tuple[Any, ...]" = ()
+
+    @property
+    def simulated(self) -> bool:
+        """Are these simulated ranks (torch's fake process group) rather than measured ones?"""
+        return any(getattr(as_trace(t).distributed, "backend", None) == "fake" for t in self.ranks.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The merge as plain JSON data: the world, the worst rank, the spread, each rank's peak and composition
+        there (``null`` where not measured), the rank classes and the notes."""
+        spread = self.spread
+        return {"world_size": self.world_size, "simulated": self.simulated, "worst": self.worst,
+                "spread": None if spread is None else {"bytes": spread[0], "max_over_mean": spread[1]},
+                "missing": list(self.missing), "notes": list(self.notes),
+                "ranks": {str(r): _rank_dict(as_trace(t)) for r, t in self.ranks.items()},
+                "classes": [{"ranks": list(c.ranks), "simulated_rank": c.representative, "stages": list(c.stages),
+                             "peak": c.peak_bytes, "peak_step": c.peak_step, "peak_phase": c.peak_phase}
+                            for c in self.classes]}
 
     @property
     def worst(self) -> int:
@@ -44,6 +67,10 @@ class Merged:
             return None
         known = [p for p in peaks if p is not None]
         mean = sum(known) / len(known)
+        if self.classes:  # each simulated rank stands for its class: the mean is over every rank of the world
+            sizes = {c.representative: len(c.ranks) for c in self.classes}
+            weight = [sizes.get(r, 1) for r in self.ranks]
+            mean = sum(w * (t.peak.total or 0) for w, t in zip(weight, self.ranks.values())) / sum(weight)
         return max(known) - min(known), (max(known) / mean if mean else 1.0)
 
 
@@ -51,13 +78,16 @@ def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"]) -> Merged:
     """Put the reports of the ranks of one run side by side.
 
     ``reports`` is a list (any iterable) of :class:`~memprof.Report` objects (anything holding a Trace as
-    ``.trace``), Traces or paths of saved traces, one per rank. Each must come from a
+    ``.trace``), Traces or paths of saved traces, one per rank; or simulated ranks: an
+    :class:`~memprof.Estimate` of a pipeline (``estimate(..., pipeline=...)`` without ``rank=``, which holds every
+    rank class), or a list of estimates of single ranks (``estimate(..., parallelize=fn, rank=r)``), whose
+    ``classes`` then say which ranks each simulated rank stands for. Each must come from a
     profile inside a torch.distributed process group (its trace records its rank); together they must
     be distinct ranks of one world size and one model (same parameter count). Ranks of the world that
     are missing are listed in ``missing`` and in the notes, not refused: a job's surviving ranks are
     worth reading. Raises :class:`~memprof.errors.MergeError` otherwise.
     """
-    items = _items(reports)
+    items, classes = _expand(_items(reports))
     given = [_trace(r) for r in items]
     names = [os.fspath(r) if isinstance(r, (str, os.PathLike)) else f"report {i}" for i, r in enumerate(items)]
     if not given:
@@ -80,21 +110,57 @@ def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"]) -> Merged:
     if len(worlds) > 1:
         raise MergeError(f"the reports come from runs of different world sizes ({sorted(worlds)}): not one run")
     world = worlds.pop()
-    if len(params) > 1:
+    staged = any(c.stages for c in classes) or any(
+        t.distributed is not None and t.distributed.layout_detail is not None
+        and t.distributed.layout_detail.degree("pp") > 1 for t in given)
+    if len(params) > 1 and not staged:  # pipeline stages hold different layers: their counts differ by design
         raise MergeError(f"the reports profile models of different sizes ({sorted(params)} parameters on the rank): "
                          "not the ranks of one run")
     outside = sorted(r for r in ranks if r >= world)
     if outside:
         raise MergeError(f"rank(s) {outside} do not exist in a world of {world}")
-    missing = tuple(r for r in range(world) if r not in ranks)
+    covered = {r for c in classes for r in c.ranks}  # ranks a simulated rank stands for
+    missing = tuple(r for r in range(world) if r not in ranks and r not in covered)
     notes = [f"ranks {_spans(missing)} of {world} were not given"] if missing else []
+    if classes:
+        notes.append(f"simulated: {len(classes)} rank class(es) stand for {len(covered | set(ranks)):,} of {world:,} "
+                     "ranks; each class's ranks hold the same memory, its first rank was simulated")
     if len(layouts) > 1:
         notes.append("the ranks report different layouts or backends (" + "; ".join(
             f"{lay or 'unwrapped'} over {be}" for lay, be in sorted(layouts, key=str)) + "): check they are one run")
     if any(r.peak.total is None for r in ranks.values()):
         notes.append("a rank's peak total was not measured (light mode on CPU): the worst rank and the spread "
                      "compare what was measured only")
-    return Merged(ranks=dict(sorted(ranks.items())), world_size=world, missing=missing, notes=tuple(notes))
+    return Merged(ranks=dict(sorted(ranks.items())), world_size=world, missing=missing, notes=tuple(notes),
+                  classes=tuple(sorted(classes, key=lambda c: c.representative)))
+
+
+def _expand(items: "list[Any]") -> "tuple[list[Any], list[Any]]":
+    """Estimates of a pipeline (``.ranks``: every rank class, each with its simulated Trace) in place of the
+    classes' traces; a plain estimate of one rank stands for that rank alone (a class of one)."""
+    out: list[Any] = []
+    classes: list[Any] = []
+    for item in items:
+        held = getattr(item, "ranks", None)
+        if type(item).__name__ != "Estimate" or not isinstance(held, tuple):
+            out.append(item)
+            continue
+        if not held:  # one simulated rank: itself alone, as a measured rank is
+            out.append(item)
+            continue
+        for c in held:
+            if c.trace is None:
+                raise MergeError("this estimate's rank classes carry no traces (an estimate from an older memprof): "
+                                 "estimate again to merge its ranks")
+            out.append(c.trace)
+            classes.append(c)
+    return out, classes
+
+
+def _rank_dict(t: Trace) -> dict[str, Any]:
+    return {"peak": t.peak.total, "peak_step": t.peak_step,
+            "peak_phase": t.peak_phase.value if t.peak_phase is not None else None,
+            "at_peak": {c.value: t.peak[c] for c in Category}}
 
 
 _TAKES = "merge() takes a list of reports or paths of saved traces (Traces too), one per rank"
@@ -102,6 +168,8 @@ _TAKES = "merge() takes a list of reports or paths of saved traces (Traces too),
 
 def _items(reports: Any) -> list[Any]:
     """The ranks' reports as a list: one report, one path or anything that is not a list is refused."""
+    if type(reports).__name__ == "Estimate" and bool(getattr(reports, "ranks", ())):
+        return [reports]  # a pipeline's estimate: every rank class it simulated
     if isinstance(reports, (str, bytes, os.PathLike, Trace, dict)) or hasattr(reports, "trace"):
         raise InvalidArgumentError(f"{_TAKES}; got one {type(reports).__name__}: put it in a list")
     try:

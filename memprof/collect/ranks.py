@@ -15,6 +15,7 @@ from torch import nn
 
 from ..record.parts import RankInfo
 from ..units import round_half_away
+from .mesh_layout import cuts, is_fsdp2_module, mesh_layout
 
 __all__ = ["rank_info", "is_fsdp2_module", "shards_of"]
 
@@ -40,7 +41,8 @@ def rank_info(model: nn.Module) -> "RankInfo | None":
         layout = "tp"  # DTensor parameters without a data-parallel wrapper: tensor (or sequence) parallelism
     info = RankInfo(rank=rank, world_size=world, backend=backend, layout=layout, bucket_view=view)
     if shares is not None:
-        info = dataclasses.replace(info, params_per_rank=shares[0], trainable_per_rank=shares[1], shards=shares[2])
+        info = dataclasses.replace(info, params_per_rank=shares[0], trainable_per_rank=shares[1], shards=shares[2],
+                                   layout_detail=mesh_layout(model, layout))
     return info
 
 
@@ -76,17 +78,11 @@ def shards_of(p: Any) -> int:
     try:
         mesh = p.device_mesh
         for dim, placement in enumerate(placements):
-            if placement.is_shard():
+            if cuts(placement):
                 n *= mesh.size(dim)
     except Exception:  # a DTensor memprof cannot read: counted whole
         return 1
     return n
-
-
-def is_fsdp2_module(m: nn.Module) -> bool:
-    """Did ``fully_shard`` make ``m`` an ``FSDPModule`` (read from its classes, without importing FSDP)?"""
-    return any(k.__name__ == "FSDPModule" and k.__module__.startswith("torch.distributed.fsdp")
-               for k in type(m).__mro__)
 
 
 def _layout(model: nn.Module) -> "str | None":

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Mapping
 
 from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
 from .cache import CacheMoment, frozen_spec, spec_data
+from .layout import MeshLayout
 from .checks import (corrupt, count, fields, mapping, member, optional_count, optional_text, optional_time, pairs, seq,
                      text)
 from ..errors import TraceFormatError
@@ -431,9 +432,14 @@ class RankInfo:
     #: Into how many shards every parameter is cut, when that is the same for all (FSDP: the world size;
     #: HSDP: its shard dimension); None when it differs or no parameter is a DTensor.
     shards: "int | None" = None
+    #: The device mesh, the dimensions that cut each group of parameters and FSDP2's policy, read from the
+    #: parameters at profile time; None when no parameter is a DTensor.
+    layout_detail: "MeshLayout | None" = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        out["layout_detail"] = self.layout_detail.to_dict() if self.layout_detail is not None else None
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RankInfo":
@@ -449,8 +455,10 @@ class RankInfo:
             raise corrupt(f"a world size must be between 1 and {MAX_WORLD:,} ranks, got {world}")
         if rank >= world:
             raise corrupt(f"rank {rank} does not exist in a world of {world}")
+        detail = data.get("layout_detail")
         return cls(rank=rank, world_size=world, backend=optional_text(data.get("backend"), "backend"),
-                   layout=optional_text(data.get("layout"), "layout"), bucket_view=view, **sizes)
+                   layout=optional_text(data.get("layout"), "layout"), bucket_view=view, **sizes,
+                   layout_detail=MeshLayout.from_dict(detail) if detail is not None else None)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from ..units import format_bytes, one_line, printable
 from .common import (CATEGORY_COLORS, NO_ESTIMATE, NO_FORMULA, NOT_MEASURED, module_columns, own_rows, quiet, signed,
                      size)
 from .svg import timeline_svg
+from .ranks import ranks_text
 from .text import oom_lines, rank_line
 
 if TYPE_CHECKING:
@@ -375,7 +376,26 @@ def reconciliation_html(rec: "Reconciliation") -> str:
     expl = "".join(f"<li>{_e(str(c))}</li>" for c in rec.explanations)
     return ("<div><b>memprof reconciliation</b> at the " + _e(rec.where)
             + "<table><tr><th>category</th><th>formula</th><th>estimate</th><th>measured</th><th>gap</th></tr>"
-            + "".join(rows) + "</table><ul>" + expl + "</ul></div>")
+            + "".join(rows) + "</table><ul>" + expl + "</ul>" + _rank_table(getattr(rec, "per_rank", None))
+            + "</div>")
+
+
+def _rank_table(table: Any) -> str:
+    """A rank's per-degree formula (:class:`memprof.analyse.reconciler.per_rank.RankTable`): bytes first, then the
+    formula and the named parts of each gap."""
+    if table is None:
+        return ""
+    mesh = " × ".join(f"{n} {s}" for n, s in table.degrees)
+    actual = "simulated" if table.simulated else "measured"
+    headers = [("category", "left"), ("formula", "right"), (actual, "right"), ("gap", "right"),
+               ("per-rank formula", "left")]
+    rows = []
+    for r in table.rows:
+        named = "".join(f"<br><small>{_e(signed(b))} {_e(n)}</small>" for n, b, _ in r.parts)
+        rows.append([_e(r.category.value), _e(size(r.value, "not modelled")), _e(size(r.actual, NOT_MEASURED)),
+                     _e(signed(r.gap) if r.gap is not None else ""), _e(r.formula) + named])
+    notes = "".join(f"<div><small>{_e(n)}</small></div>" for n in table.notes)
+    return _title(f"Per rank: rank {table.rank} of {table.world_size}, mesh {mesh}") + _table(headers, rows) + notes
 
 
 def diff_html(diff: "Diff") -> str:
@@ -404,8 +424,20 @@ def merged_html(merged: "Merged") -> str:
     from .frames import merged_frame
 
     spread = merged.spread
-    head = (f"<div><b>memprof merge</b>: {len(merged.ranks)} of {merged.world_size} rank(s); worst rank "
+    kind = "simulated " if getattr(merged, "simulated", False) else ""
+    head = (f"<div><b>memprof merge</b>: {len(merged.ranks)} of {merged.world_size} {kind}rank(s); worst rank "
             f"{merged.worst}" + (f"; spread {_e(size(spread[0]))}, max/mean {spread[1]:.3f}" if spread else "")
             + "</div>")
     notes = "".join(f"<div>{_e(n)}</div>" for n in merged.notes)
-    return head + frame_html(merged_frame(merged)) + notes
+    return head + frame_html(merged_frame(merged)) + _classes(getattr(merged, "classes", ()), merged.worst) + notes
+
+
+def _classes(classes: Any, worst: int) -> str:
+    """Simulated rank classes: the ranks each stands for, the one simulated (* the worst), stages, peak, where."""
+    if not classes:
+        return ""
+    headers = [("ranks", "left"), ("simulated", "right"), ("stages", "left"), ("peak", "right"), ("where", "left")]
+    rows = [[_e(ranks_text(c.ranks)), f"{c.representative}{' *' if c.representative == worst else ''}",
+             _e(",".join(map(str, c.stages)) or "-"), _e(format_bytes(c.peak_bytes)),
+             _e(f"step {c.peak_step} {c.peak_phase}")] for c in classes]
+    return _title("Rank classes (ranks that hold the same memory)") + _table(headers, rows)

@@ -17,6 +17,7 @@ from ..vocabulary import Category, Phase, TENSOR_CATEGORIES
 from ..record.trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, one_line
 from ..analyse.reconciler.mixed_layers import TEXTBOOK_FORM, mixed_layer_gap
+from .ranks import class_lines, rank_table_lines
 from .common import (NO_FORMULA, NOT_MEASURED, NO_ESTIMATE, clip_path, largest, module_columns, quiet, signed,
                      size)
 
@@ -57,6 +58,10 @@ def rank_line(d: "RankInfo") -> str:
     if d.sharded_bytes is not None:
         line += (f": parameters {size(d.sharded_bytes)} as shards (padding {size(d.padding_bytes)}), "
                  f"{size(d.unsharded_bytes)} when all gathered")
+    lay = getattr(d, "layout_detail", None)
+    if lay is not None:
+        line += "; mesh " + " × ".join(f"{n} {s}" for n, s in lay.mesh) + (
+            f", gathered in {lay.param_dtype}" if lay.param_dtype else "")
     return line
 
 
@@ -370,6 +375,7 @@ def reconciliation_text(rec: "Reconciliation") -> str:
                          "of the total each: " + ", ".join(sorted({c.name for c in small})) + " (rec.causes)")
     lines.extend(layer_lines(rec))
     lines.extend(mixed_layer_lines(getattr(rec, "mixed_layer", None)))
+    lines.extend(rank_table_lines(getattr(rec, "per_rank", None)))
     if rec.notes:
         lines.append("")
         for n in rec.notes:
@@ -497,7 +503,8 @@ def merged_text(merged: "Merged") -> str:
     ``merged.ranks`` may hold Traces or Reports."""
     measured = all(r.peak.total is not None for r in merged.ranks.values())
     worst = f"worst rank {merged.worst}" if measured else "peaks not measured on every rank"
-    lines = [f"memprof merge: {len(merged.ranks)} of {merged.world_size} rank(s); {worst}"]
+    kind = "simulated " if getattr(merged, "simulated", False) else ""
+    lines = [f"memprof merge: {len(merged.ranks)} of {merged.world_size} {kind}rank(s); {worst}"]
     spread = merged.spread
     if spread is not None:
         lines.append(f"  spread of the peaks: {size(spread[0])} (max - min), max/mean {spread[1]:.3f}")
@@ -508,6 +515,10 @@ def merged_text(merged: "Merged") -> str:
         top = largest(t.peak)
         mark = " *" if measured and rank == merged.worst else ""
         lines.append(f"  {rank:>4}  {size(t.peak.total):>12}  {where:<22}{top}{mark}")
+    classes = getattr(merged, "classes", ())
+    if classes:
+        lines.append("  rank classes (ranks that hold the same memory; * the worst):")
+        lines.extend("  " + line for line in class_lines(classes, merged.worst))
     for note in merged.notes:
         lines.append(f"  - {note}")
     return _text(lines)

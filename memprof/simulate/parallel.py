@@ -133,6 +133,7 @@ class ParallelRun:
 
         stack = self._stack = contextlib.ExitStack()
         try:
+            _clear_caches()  # a process group of the user's, destroyed before, may have left its groups' names there
             dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.n)
             stack.callback(_clear_caches)
             stack.callback(dist.destroy_process_group)
@@ -363,7 +364,7 @@ def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int
         est = one(members[0])
         stages = tuple(p + i * shape[d] for i in range(pipeline.stages_per_rank))
         classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step,
-                                 est.trace.peak_phase.value))
+                                 est.trace.peak_phase.value, est.trace))
         results.append(est)
     worst = max(range(len(results)), key=lambda i: results[i].peak_bytes)
     table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "

@@ -87,6 +87,8 @@ class RankClass:
     peak_bytes: int
     peak_step: int
     peak_phase: str
+    #: The representative's simulated Trace (what ``memprof.merge(estimate)`` lays side by side).
+    trace: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class StageSet:

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..vocabulary import Category, Phase
 from ..errors import InvalidArgumentError, UnknownNameError
+from ..record.layout import MeshLayout, ParamGroup
 from ..record.parts import MAX_WORLD, Breakdown, RankInfo
 from ..anatomy.zero import STAGES
 from ..collect.ledger import COMMUNICATION, OPTIMIZER_STATES
@@ -196,7 +197,17 @@ class LayoutPlan:
         even = sum(Fraction(i.whole, self.n) for i in self.by_id.values())
         return dataclasses.replace(info, sharded_bytes=sharded, padding_bytes=sharded - real,
                                    unsharded_bytes=sum(i.full for i in self.by_id.values()),
-                                   even_bytes=round_half_away(even))
+                                   even_bytes=round_half_away(even), layout_detail=self._layout())
+
+    def _layout(self) -> MeshLayout:
+        """The layout the per-rank formula reads: every parameter cut over one data-parallel dimension, the units
+        gathered one at a time in the parameters' own dtype."""
+        infos = list(self.by_id.values())
+        group = ParamGroup(("dp_shard",), (), sum(i.ref.numel() for i in infos),
+                           sum(i.ref.numel() for i in infos if i.ref.requires_grad), sum(i.whole for i in infos))
+        largest = max((sum(i.full for i in unit) for unit in self.units.values()), default=0)
+        return MeshLayout((("dp_shard", self.n),), (group,), units=len(self.units) or None,
+                          largest_unit_bytes=largest or None)
 
     def notes(self) -> list[str]:
         out = [f"one rank of {self.n} under {self.parallel}: the simulated batch is this rank's; model states and "

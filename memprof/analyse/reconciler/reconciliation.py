@@ -28,6 +28,7 @@ from .formula import formula_at, moment_of, optimizer_name, parse_at, prediction
 from .textbook import Textbook, textbook_at
 from .layers import LayerCheck, layer_checks
 from .mixed_layers import MixedLayerGap, mixed_layer_gap
+from .per_rank import RankTable, rank_table
 
 if TYPE_CHECKING:
     from ...simulate.estimate import Estimate
@@ -104,6 +105,9 @@ class Reconciliation:
     #: A dense layer under torch.autocast against Korthikanti et al.'s 34sbh + 5as²b, the gap named
     #: (:mod:`.mixed_layers`); None where the run has no such layer.
     mixed_layer: "MixedLayerGap | None" = None
+    #: One rank of a distributed run (measured or simulated): each category's per-rank formula, saying which
+    #: degree of the mesh divides which term, read from the run (:mod:`.per_rank`); None outside one.
+    per_rank: "RankTable | None" = None
 
     def row(self, category: "Category | str") -> Row:
         cat = Category.parse(category)
@@ -167,6 +171,7 @@ def reconcile(
     the run: giving ``optimizer`` switches optimizer state to the textbook
     bytes/param instead of the prediction from the recorded optimizer.
     """
+    simulated = type(trace).__name__ == "Estimate"  # a simulated rank's per-rank table says "simulated"
     trace = as_trace(trace)
     at = parse_at(at)
     if optimizer is not None:
@@ -215,6 +220,9 @@ def reconcile(
     textbook = textbook_at(trace, at, precision=precision_used, optimizer=optimizer, transformer=transformer)
     from .advice import advice
 
-    return Reconciliation(at if isinstance(at, str) else where, where, precision_used, opt_name, rows, causes(ctx),
+    named = tuple(causes(ctx))
+    moment = at[2] if isinstance(at, tuple) else "end" if at == "steady" else "peak"
+    return Reconciliation(at if isinstance(at, str) else where, where, precision_used, opt_name, rows, named,
                           textbook, tuple(notes), layer_checks(trace),
-                          tuple(advice(trace, measured, precision_used, opt_name)), mixed_layer_gap(trace))
+                          tuple(advice(trace, measured, precision_used, opt_name)), mixed_layer_gap(trace),
+                          rank_table(trace, measured, rec, moment, formula, named, transformer, simulated))
