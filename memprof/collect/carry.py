@@ -158,10 +158,10 @@ class StepCarry:
         mode = self.storages.mode
         if mode is None:
             return None
-        depth = next((i for i in range(max(dispatch_stack_len(), 0)) if dispatch_mode_at(i) is mode), None)
-        if depth is None or not pop_from_beneath(mode):
-            return None
-        return depth
+        for depth in range(max(dispatch_stack_len(), 0)):
+            if dispatch_mode_at(depth) is mode:
+                return depth if pop_from_beneath(mode) else None
+        return None
 
     def _come_back(self, step: _Step) -> None:
         depth, step.depth = step.depth, None

@@ -48,6 +48,9 @@ def _tensor(t: torch.Tensor) -> "tuple[Any, ...] | None":
     return (tuple(t.shape), t.dtype, t.device, tuple(t.stride()), t.storage_offset())
 
 
+_NEVER = object()
+
+
 def _setting(key: str, value: Any) -> Any:
     """One setting as the signature compares it; ``_NEVER`` for a tensor the signature cannot hold."""
     if isinstance(value, torch.Tensor):
@@ -55,7 +58,13 @@ def _setting(key: str, value: Any) -> Any:
         return ("tensor", meta) if meta is not None else _NEVER
     if key in NUMERIC_ONLY:
         if isinstance(value, (tuple, list)):
-            return tuple(_setting(key, v) for v in value)
+            out = []
+            for v in value:
+                one = _setting(key, v)
+                if one is _NEVER:
+                    return _NEVER
+                out.append(one)
+            return tuple(out)
         return type(value)
     if key in ZERO_OR_NOT and isinstance(value, (int, float)):
         return value == 0
@@ -67,16 +76,23 @@ def _setting(key: str, value: Any) -> Any:
     return (type(value).__qualname__, id(value))
 
 
-_NEVER = object()
-
-
 def _settings(group: dict[str, Any]) -> "tuple[Any, ...] | None":
     out = []
-    for key in sorted(k for k in group if k != "params"):
-        value = _setting(key, group[key])
-        if value is _NEVER or isinstance(value, tuple) and _NEVER in value:
-            return None
-        out.append((key, value))
+    # Runs for every group at every step: plain settings (flags, None, a float lr) without a call each.
+    for key in sorted(group):
+        value = group[key]
+        kind = type(value)
+        if key == "params":
+            continue
+        if kind is bool or value is None or kind is str:
+            out.append((key, value))
+        elif kind is float and key in NUMERIC_ONLY:
+            out.append((key, float))
+        else:
+            value = _setting(key, value)
+            if value is _NEVER:
+                return None
+            out.append((key, value))
     return tuple(out)
 
 
@@ -106,33 +122,39 @@ def state_signature(opt: torch.optim.Optimizer) -> "tuple[Any, ...] | None":
 
 def _params(group: dict[str, Any], shared: dict[int, int]) -> "tuple[Any, ...] | None":
     out = []
+    # Every parameter at every step: _tensor() inlined.
     for p in group["params"]:
-        meta = _tensor(p)
-        if meta is None:
+        if type(p) is not _PARAMETER and type(p) is not _PLAIN or p.layout is not _STRIDED:
             return None
         g = p.grad
         if g is None:
             grad: Any = None
         else:
-            gmeta = _tensor(g)
-            if gmeta is None:
+            if type(g) is not _PLAIN or g.layout is not _STRIDED:
                 return None
             key = g.untyped_storage()._cdata
             # Which earlier gradient shares this one's storage (DDP's gradient_as_bucket_view): a pattern,
             # not an identity, since a backward after zero_grad(set_to_none=True) makes new gradients.
-            grad = (gmeta, shared.setdefault(key, len(shared)))
-        out.append((id(p), meta, p.requires_grad, grad))
+            grad = (g.shape, g.dtype, g.device, g.stride(), g.storage_offset(), shared.setdefault(key, len(shared)))
+        out.append((id(p), p.shape, p.dtype, p.device, p.stride(), p.storage_offset(), p.requires_grad, grad))
     return tuple(out)
 
 
-def _modes() -> tuple[Any, ...]:
-    """The dispatch and function modes on the stack (by identity), memprof's own dispatch mode left out by
-    the caller: a mode of the user's may change what the step's ops allocate."""
-    dispatch = tuple(id(dispatch_mode_at(i)) for i in range(max(dispatch_stack_len(), 0)))
+def _modes(own: Any) -> tuple[Any, ...]:
+    """The dispatch and function modes on the stack (by identity), memprof's own dispatch mode (``own``) left
+    out: a mode of the user's may change what the step's ops allocate."""
+    dispatch = []
+    for i in range(max(dispatch_stack_len(), 0)):
+        mode = dispatch_mode_at(i)
+        if mode is not own:
+            dispatch.append(id(mode))
+    functions = []
     length = getattr(torch._C, "_len_torch_function_stack", None)
     at = getattr(torch._C, "_get_function_stack_at", None)
-    functions = tuple(id(at(i)) for i in range(length())) if length is not None and at is not None else ()
-    return dispatch, functions
+    if length is not None and at is not None:
+        for i in range(length()):
+            functions.append(id(at(i)))
+    return tuple(dispatch), tuple(functions)
 
 
 def _autocast() -> tuple[Any, ...]:
@@ -167,8 +189,7 @@ def step_signature(opt: torch.optim.Optimizer, kwargs: Any, own_mode: Any) -> "t
         if value is _NEVER:
             return None
         step_kwargs.append((key, value))
-    dispatch, functions = _modes()
-    dispatch = tuple(m for m in dispatch if m != id(own_mode))
+    dispatch, functions = _modes(own_mode)
     return (type(opt), tuple(groups), state, defaults, tuple(step_kwargs), dispatch, functions,
             torch.is_grad_enabled(), _autocast(), torch.get_default_dtype(),
             torch.are_deterministic_algorithms_enabled(), len(opt.param_groups))
