@@ -197,10 +197,11 @@ class StepCarry:
             and self.closes == step.closes
         extra = 0
         if not unchanged:
-            # What the step changed is registered first (new state), and the measured temporaries replayed on
-            # top, at least as high as the phase's start plus them: an upper bound, never a figure below it.
-            collect_state(opt, retro=False)
+            # What the step changed is registered first (new state), and the measured temporaries replayed on top
+            # of it and of what the step freed (as if the new state was made while the old lived): the phase's
+            # start plus the new state plus the temporaries, an upper bound, never a figure below the truth.
             extra = max(0, sum(step.totals) - sum(led.totals))
+            collect_state(opt, retro=False)
             self.known.pop(id(opt), None)  # measured again next time
             run.note(f"{type(opt).__name__}'s step at step {run.step} was carried from step {known.step}, and "
                      "what it left differed from that step (its state, or storages freed or made during it): its "
@@ -284,7 +285,8 @@ class StepCarry:
         self._span(self.run.step, NOT_MEASURED)
         self.run.note(f"optimizer.step() at step {self.run.step} did not return (it raised, or the profile ended "
                       "inside it) while memprof carried its allocations from an earlier step: its optimizer "
-                      "phase's temporaries are not measured, nor what it made in what was live at an error "
+                      "phase's temporaries are not measured, nor what it made in what was live at an error, and "
+                      "ops run after it until memprof's next hook (a forward, a step) were not seen as they ran "
                       "(carry_optimizer_steps=False measures every step)")
 
     # -- the record --------------------------------------------------------------------------------------

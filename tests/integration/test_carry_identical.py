@@ -57,6 +57,7 @@ def _train(kind: str, *, carry: "bool | None", autocast: bool = False, scaler: b
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaler else None
     block = (memprof.profile(model, opts, mode="exact", carry_optimizer_steps=carry) if carry is not None
              else contextlib.nullcontext())
+    records = []
     with block as prof:
         for i in range(STEPS):
             x, y = _batch(i)
@@ -74,7 +75,13 @@ def _train(kind: str, *, carry: "bool | None", autocast: bool = False, scaler: b
             for opt in opts:
                 opt.zero_grad()
             del loss
-    return (prof.report() if prof is not None else None), model, opts
+            if prof is not None:
+                prof.end_step()  # every step's record, not only those the report keeps in full
+                records.append(prof.latest_step())
+    report = prof.report() if prof is not None else None
+    if report is not None:
+        report.every_step = records
+    return report, model, opts
 
 
 CASES = ["sgd", "sgd-momentum", "adam", "adamw-foreach", "adamw-for-loop", "adamw-amsgrad", "adagrad", "rmsprop",
@@ -92,6 +99,8 @@ def _fused_on_cpu() -> bool:
 
 
 def _assert_same_record(carried, measured) -> None:
+    assert len(carried.every_step) == STEPS
+    assert carried.every_step == measured.every_step
     a, b = carried.trace, measured.trace
     # Every phase of every step: the start, peak and end breakdowns (each category), ops and tags.
     assert a.steps == b.steps
@@ -124,7 +133,7 @@ def test_carried_steps_record_what_measuring_records(kind):
     _assert_same_record(carried, measured)
     # And the carried optimizer phases hold what is there, counted apart: every parameter's storage once
     # (weight_bytes) and every state tensor's storage once (optimizer_state_bytes).
-    for step in carried.trace.steps[2:]:
+    for step in carried.every_step[2:]:
         for p in step.phases:
             if p.phase.value == "optimizer":
                 assert p.start.get("weights") == weight_bytes(model)
