@@ -38,12 +38,15 @@ if TYPE_CHECKING:
     from .phases import PhaseTracker
     from .state import Run
 
-__all__ = ["StepCarry", "MEASURED", "CARRIED", "PARTLY", "UNVERIFIED", "NOT_MEASURED", "KINDS", "MAX_SPANS"]
+__all__ = ["StepCarry", "RECHECK_EVERY", "MEASURED", "CARRIED", "PARTLY", "UNVERIFIED", "NOT_MEASURED", "KINDS",
+           "MAX_SPANS"]
 
 #: What a step's optimizer phase was: measured op by op, carried from a measured step, carried and found
 #: changed afterwards (an upper bound), or cut short by an error while carried (temporaries not measured).
 #: "partly carried": a step with several optimizer phases, some measured and some carried.
 MEASURED, CARRIED, PARTLY, UNVERIFIED, NOT_MEASURED = KINDS
+#: Carried steps after which a step is measured again, as a check that the signature said all.
+RECHECK_EVERY = 50
 #: Spans of steps the record keeps at most (the first ones): a run that alternates forever stays bounded.
 MAX_SPANS = 10_000
 
@@ -66,20 +69,21 @@ class _Ghost:
 class _Known:
     """A clean measured step of one optimizer: its signature and what it did to the ledger."""
 
-    __slots__ = ("signature", "peak", "ops", "step")
+    __slots__ = ("signature", "peak", "ops", "step", "carried")
 
     def __init__(self, signature: Any, peak: int, ops: int, step: int) -> None:
         self.signature = signature
         self.peak = peak  # the temporaries' highest level above the phase's start
         self.ops = ops
         self.step = step
+        self.carried = 0  # steps carried from it since it was measured
 
 
 class _Step:
     """The optimizer step under way."""
 
     __slots__ = ("opt", "kind", "signature", "known", "totals", "entries", "closes", "depth", "nested", "ops",
-                 "state")
+                 "state", "recheck")
 
     def __init__(self, opt: Any, kind: str, signature: Any, known: "_Known | None", totals: list[int],
                  entries: int, closes: int, ops: int) -> None:
@@ -94,6 +98,7 @@ class _Step:
         self.nested = False
         self.ops = ops
         self.state: Any = None
+        self.recheck: "_Known | None" = None  # measured again to check the step it would have been carried from
 
 
 class StepCarry:
@@ -144,7 +149,15 @@ class StepCarry:
             if pair is not None and pair[0]() is opt and signature is not None and pair[1].signature == signature:
                 known = pair[1]
                 kind = CARRIED
+        recheck = None
+        if known is not None and known.carried >= RECHECK_EVERY:
+            # Every so often a step that would be carried is measured, and must match: an optimizer whose
+            # allocations depend on values its signature cannot see is then measured every step.
+            kind, known, recheck = MEASURED, None, known
+        elif known is not None:
+            known.carried += 1
         step = _Step(opt, kind, signature, known, led.totals.copy(), len(led.entries), self.closes, run.ops)
+        step.recheck = recheck
         if kind == CARRIED:
             step.depth = self._leave()
             if step.depth is None:
@@ -179,8 +192,8 @@ class StepCarry:
         if step is None or step.opt() is not opt:
             return  # a nested step's end, or a step that began while the profile was paused
         self.current = None
+        self._come_back(step)  # whatever the step was: the mode is never left off the stack past a step's end
         if step.kind == CARRIED:
-            self._come_back(step)
             self._carried(opt, step, collect_state)
         else:
             self._measured(opt, step)
@@ -232,10 +245,19 @@ class StepCarry:
         clean = (self.closes == step.closes and led.totals == step.totals and len(led.entries) == step.entries
                  and all(peak[i] == start[i] for i in range(len(start)) if i != TEMPORARIES)
                  and start == step.totals)
+        rise = peak[TEMPORARIES] - start[TEMPORARIES]
+        old = step.recheck
+        if old is not None and not (clean and rise == old.peak and run.ops - step.ops == old.ops):
+            self.never.add(id(opt))
+            self.known.pop(id(opt), None)
+            run.note(f"{type(opt).__name__}'s step at step {run.step}, measured again as a check, differed from "
+                     f"step {old.step}'s, whose figures the steps carried since then repeat ({old.peak:,} bytes of "
+                     f"temporaries and {old.ops} ops, against {rise:,} and {run.ops - step.ops} now): those steps' "
+                     "optimizer phases may be off, and every later step of it is measured")
+            return
         if not clean:
             self.known.pop(id(opt), None)
             return
-        rise = peak[TEMPORARIES] - start[TEMPORARIES]
         self.known[id(opt)] = (weakref.ref(opt), _Known(step.signature, rise, run.ops - step.ops, run.step))
         self._check_formula(opt, rise)
 

@@ -301,3 +301,35 @@ def test_a_carried_step_that_changed_its_state_is_an_upper_bound_and_measured_ag
     assert opt_phase(carried, 3).end == opt_phase(measured, 3).end
     assert any("upper bound" in n for n in carried.trace.notes)
     assert carried.every_step[4:] == measured.every_step[4:]
+
+
+class _Growing(torch.optim.Optimizer):
+    """Plain SGD whose step, from one step on, allocates a temporary the size of each gradient: a change that
+    depends on a counter its signature cannot see."""
+
+    def __init__(self, params, grow_at):
+        super().__init__(params, {"lr": 0.1})
+        self.grow_at, self.n = grow_at, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    update = p.grad * group["lr"] if self.n >= self.grow_at else p.grad
+                    p.sub_(update if self.n >= self.grow_at else update * group["lr"])
+        self.n += 1
+
+
+def test_a_step_measured_again_as_a_check_that_differs_stops_the_carry(monkeypatch):
+    from memprof.collect import carry
+
+    monkeypatch.setattr(carry, "RECHECK_EVERY", 3)
+    monkeypatch.setitem(globals(), "STEPS", 12)
+    report, _, _ = _run(True, make_opt=lambda m: _Growing(m.parameters(), grow_at=6))
+    kinds = _kinds(report)
+    # 0 measured, 1-3 carried, 4 measured again (the same: carried on), 5-7 carried (6 and 7 grew unseen),
+    # 8 measured again: it differs, so it and every later step are measured, and a note says so.
+    assert [kinds[i] for i in range(12)] == ["measured"] + ["carried"] * 3 + ["measured"] + ["carried"] * 3 + \
+        ["measured"] * 4
+    assert any("measured again as a check, differed" in n for n in report.trace.notes)
