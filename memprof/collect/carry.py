@@ -128,8 +128,10 @@ class StepCarry:
 
     # -- a step begins ---------------------------------------------------------------------------------
 
-    def step_begins(self, opt: "torch.optim.Optimizer", kwargs: Any, *, fresh: bool, closure: bool) -> None:
-        """``opt.step()`` began (its optimizer phase began here when ``fresh``): measure it, or carry it."""
+    def step_begins(self, opt: "torch.optim.Optimizer", args: Any, kwargs: Any, *, fresh: bool,
+                    closure: bool) -> None:
+        """``opt.step(*args[1:], **kwargs)`` began (its optimizer phase began here when ``fresh``): measure it, or
+        carry it. ``args[0]`` is the optimizer itself, as torch hands the step's arguments to its hooks."""
         current = self.current
         if current is not None:
             if current.kind == CARRIED:
@@ -142,7 +144,9 @@ class StepCarry:
         if fresh and not closure and threading.get_ident() == run.thread and id(opt) not in self.never:
             mode = self.storages.mode
             try:
-                signature = step_signature(opt, kwargs, mode)
+                # Positional arguments too (a closure of None, an optimizer of the user's that takes others).
+                given = dict(kwargs or {}, **{f"#{i}": a for i, a in enumerate(args[1:], 1)})
+                signature = step_signature(opt, given, mode)
             except Exception:  # an unusual optimizer must never break the measurement: measured
                 signature = None
             pair = self.known.get(id(opt))

@@ -135,7 +135,7 @@ class OptimizerTracker:
             if fresh:
                 phases.begin(Phase.OPTIMIZER)
         if self.carry is not None:  # measured or carried (a closure's step is always measured)
-            self.carry.step_begins(opt, kwargs, fresh=fresh, closure=wrapped is not None)
+            self.carry.step_begins(opt, args, kwargs, fresh=fresh, closure=wrapped is not None)
         return wrapped
 
     def discover(self, opt: torch.optim.Optimizer) -> None:

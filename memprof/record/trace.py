@@ -106,8 +106,9 @@ class Trace:
     #: With ``record_routing=True``: every router call's per-expert token counts (schema 6).
     routing: "RoutingRecord | None" = None
     #: Exact mode: which steps' optimizer phases were measured and which carried, as (first step, last step,
-    #: kind) spans in the order they ran, kinds from :data:`OPTIMIZER_STEP_KINDS` (schema 7; empty: every
-    #: step measured, or a file written before it).
+    #: kind) spans in the order they ran, kinds from :data:`OPTIMIZER_STEP_KINDS` (schema 7; empty where
+    #: carrying was off: light mode, ``carry_optimizer_steps=False`` and the options that measure every step,
+    #: a simulation; or a file written before it).
     optimizer_steps: tuple[tuple[int, int, str], ...] = ()
     schema_version: int = field(default=SCHEMA_VERSION)
 
