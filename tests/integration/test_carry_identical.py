@@ -182,3 +182,20 @@ def test_the_saved_record_keeps_which_steps_were_carried(tmp_path):
     assert loaded.trace.optimizer_steps == report.trace.optimizer_steps == ((0, 1, "measured"),
                                                                              (2, STEPS - 1, "carried"))
     assert loaded.trace == report.trace
+
+
+def test_the_measured_step_is_held_against_the_optimizer_formula(monkeypatch):
+    from memprof.anatomy import optimizers as formulas
+
+    report, _, opts = _train("adamw-foreach", carry=True)
+    # AdamW foreach: the formula of anatomy/optimizers.py is exact, and the note stays silent.
+    formula = formulas.predict_optimizer_step_transient_bytes(opts[0])
+    for step in report.every_step:
+        phase = next(p for p in step.phases if p.phase.value == "optimizer")
+        assert phase.peak.get("temporaries") - phase.start.get("temporaries") == formula > 0
+    assert not any("the formula" in n for n in report.trace.notes)
+    # A formula that disagrees is named in a note, with both figures.
+    monkeypatch.setattr(formulas, "predict_optimizer_step_transient_bytes", lambda opt, with_grad=None: 1)
+    report, _, _ = _train("adamw-foreach", carry=True)
+    said = [n for n in report.trace.notes if "the formula" in n]
+    assert len(said) == 1 and f"allocated {formula:,} bytes" in said[0] and "gives 1" in said[0]
