@@ -333,3 +333,27 @@ def test_a_step_measured_again_as_a_check_that_differs_stops_the_carry(monkeypat
     assert [kinds[i] for i in range(12)] == ["measured"] + ["carried"] * 3 + ["measured"] + ["carried"] * 3 + \
         ["measured"] * 4
     assert any("measured again as a check, differed" in n for n in report.trace.notes)
+
+
+def test_a_schedules_windows_record_what_measuring_records():
+    """Paused steps run unseen; warmup steps are watched but not kept: a step known before a pause is carried in
+    the next window when its signature still holds, with the records measuring gives."""
+
+    def run(carry):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        plan = memprof.schedule(wait=1, warmup=1, active=2, repeat=3)
+        with memprof.profile(model, opt, mode="exact", schedule=plan, carry_optimizer_steps=carry) as prof:
+            for i in range(12):
+                x, y = _batch(i)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        return prof.report()
+
+    carried, measured = run(True), run(False)
+    kinds = _kinds(carried)
+    assert "carried" in kinds.values()  # the comparison holds carried steps
+    assert carried.trace.steps == measured.trace.steps
+    assert carried.trace.phase_stats == measured.trace.phase_stats
+    assert (carried.trace.peak, carried.trace.recorded_steps) == (measured.trace.peak, measured.trace.recorded_steps)
