@@ -45,6 +45,8 @@ def _optimizers(kind: str, model: nn.Module) -> list[torch.optim.Optimizer]:
         "adagrad": lambda: [torch.optim.Adagrad(params, lr=1e-2)],
         "rmsprop": lambda: [torch.optim.RMSprop(params, lr=1e-3, momentum=0.5, centered=True)],
         "two": lambda: [torch.optim.AdamW(params[:4], lr=1e-3), torch.optim.SGD(params[4:], lr=0.1, momentum=0.9)],
+        # A second optimizer stepping some of the same parameters, after the first updated them.
+        "shared": lambda: [torch.optim.AdamW(params, lr=1e-3), torch.optim.SGD(params[:2], lr=0.1, momentum=0.9)],
     }
     return make[kind]()
 
@@ -85,7 +87,7 @@ def _train(kind: str, *, carry: "bool | None", autocast: bool = False, scaler: b
 
 
 CASES = ["sgd", "sgd-momentum", "adam", "adamw-foreach", "adamw-for-loop", "adamw-amsgrad", "adagrad", "rmsprop",
-         "two"]
+         "two", "shared"]
 
 
 def _fused_on_cpu() -> bool:
