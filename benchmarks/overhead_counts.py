@@ -18,7 +18,10 @@ frame added to memprof's per-op path adds 1.0 to the figure.
 Each call is also charged to the memprof entry point it ran under (the
 outermost memprof frame on the stack: the dispatch handler, a saved-tensor
 pack or unpack, a module hook, a weak-reference callback ...), which gives the
-calls per saved tensor and per module call. Calls outside any memprof frame
+calls per saved tensor and per module call. The counted steps are steady ones,
+after ``warmup`` steps inside the profile: in exact mode their optimizer step is
+carried (measured once, then run without memprof's dispatch mode and replayed), as
+in any run past its first steps. Calls outside any memprof frame
 that a dispatch mode causes (torch's per-op lookups of Python dispatch rules,
 ``torch/_library/simple_registry.py``) appear only in the total.
 
@@ -141,7 +144,7 @@ def measure(step: Callable[[], Any], model: Any, optimizer: Any, modes: tuple[st
             c = _fewest(step, times)
         rows["null_dispatch"] = {"calls_per_op": (c.total - bare.total) / ops}
     for mode in modes:
-        with memprof.profile(model, optimizer, mode=mode):
+        with memprof.profile(model, optimizer, mode=mode) as prof:
             for _ in range(warmup):
                 step()
             c = _fewest(step, times)
@@ -157,6 +160,9 @@ def measure(step: Callable[[], Any], model: Any, optimizer: Any, modes: tuple[st
                                       if module_calls else 0.0),
             "frees": c.entries[FREED],
             "by_entry": dict(c.under.most_common()),
+            # Which steps' optimizer phases were measured and which carried (exact mode): the counted steps
+            # come after the warmup, once the step is known.
+            "optimizer_steps": [list(span) for span in prof.trace.optimizer_steps],
         }
     return {"ops_per_step": ops, "bare_calls": bare.total, "modes": rows}
 

@@ -138,6 +138,9 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
                      "phase of their generation (its peak is theirs, its end the last one's)")
     if not steps:
         notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
+    carried = c.carry.record() if c.carry is not None else ()
+    if c.carry is not None:
+        notes.extend(c.carry.notes())
     micros = c.timeline.micros
     timeline = tuple(Sample(seq, step, phase, label, breakdown(list(totals), light=light, where="sample"),
                             micros(ns), event)
@@ -177,6 +180,7 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
         generation=c.kv.facts(),
         distributed=_rank(c),
         routing=c.routing.record() if c.routing is not None else None,
+        optimizer_steps=carried,
         peak_tags=tag_pairs(led.peak_tags),
         facts=model_facts(c),
         operations=tuple(

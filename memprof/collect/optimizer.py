@@ -26,6 +26,7 @@ from .module_table import class_names
 from .torch_compat import is_compiling as _is_compiling
 
 if TYPE_CHECKING:
+    from .carry import StepCarry
     from .dispatch import StorageTracker
     from .ledger import Ledger
     from .params import ParamTracker
@@ -68,6 +69,7 @@ class OptimizerTracker:
         self.cache: dict[int, tuple[weakref.ref, bool]] = {}
         self.class_name: "str | None" = None
         self.implementation: "str | None" = None
+        self.carry: "StepCarry | None" = None  # exact mode's carried optimizer steps (carry.py), where on
 
     def all(self) -> list[torch.optim.Optimizer]:
         """The optimizers passed to profile(), else those seen stepping the model."""
@@ -127,12 +129,14 @@ class OptimizerTracker:
         self.discover(opt)
         self.note(opt)
         wrapped = self._wrapped(args, kwargs)
-        if wrapped is not None:
-            return wrapped
-        self.params.walk_grads()
-        if run.phase is not Phase.OPTIMIZER:
-            phases.begin(Phase.OPTIMIZER)
-        return None
+        fresh = wrapped is None and run.phase is not Phase.OPTIMIZER
+        if wrapped is None:
+            self.params.walk_grads()
+            if fresh:
+                phases.begin(Phase.OPTIMIZER)
+        if self.carry is not None:  # measured or carried (a closure's step is always measured)
+            self.carry.step_begins(opt, args, kwargs, fresh=fresh, closure=wrapped is not None)
+        return wrapped
 
     def discover(self, opt: torch.optim.Optimizer) -> None:
         """An optimizer of the model stepped: measured from now on, also when not passed to profile()."""
@@ -176,6 +180,8 @@ class OptimizerTracker:
             return None
         if _is_compiling() or not self.is_ours(opt):
             return None
+        if self.carry is not None:  # a carried step's replay comes first, where its ops were
+            self.carry.step_ends(opt, self.collect_state)
         self.collect_state(opt, retro=True)
         self.params.release_stale_grads()
         self.phases.optimizer_stepped()

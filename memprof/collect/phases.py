@@ -40,6 +40,10 @@ MAX_DECODE_PHASES = 64
 Hooks = list[Callable[[], None]]
 
 
+def _never() -> bool:
+    return False
+
+
 class Gate(Protocol):
     """What a schedule decides about the steps (:class:`memprof.collect.windows.Windows`)."""
 
@@ -97,6 +101,7 @@ class PhaseTracker:
         self.on_backward_start: Hooks = []
         self.on_backward_end: Hooks = []
         self.on_step_end: Hooks = []
+        self.before_close: Callable[[], bool] = _never  # at each close: True if its temporaries went unmeasured
 
     def start(self) -> None:
         """The profile's first phase ("other") begins now (again, when a simulated layout restarts the run)."""
@@ -177,8 +182,7 @@ class PhaseTracker:
 
     def close(self) -> None:
         """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
-        led = self.ledger
-        run = self.run
+        led, run = self.ledger, self.run
         phase = run.phase
         end = led.totals
         ops = run.ops - self.phase_ops_start
@@ -192,7 +196,7 @@ class PhaseTracker:
         self.end_mark = None
         self.closed[led.phase_serial] = len(self.step_phases)
         device_now = self.probe.phase_ended()
-        light = run.mode == LIGHT
+        light = self.before_close() or run.mode == LIGHT  # a carried optimizer step that raised: as in light mode
         micros = self.timeline.micros
         self.step_phases.append(PhaseRecord(
             step=run.step,

@@ -74,6 +74,7 @@ def profile(
     record_routing: bool = False,
     record_allocations: bool = False,
     source: str = "dispatch",
+    carry_optimizer_steps: bool = True,
 ) -> "Profiler":
     """Profile the training (or evaluation) of ``model`` inside a ``with`` block.
 
@@ -103,6 +104,11 @@ def profile(
     (``source="dispatch"``, the default). Whenever the allocator records its history on CUDA (memprof's or
     your own ``torch.cuda.memory._record_memory_history``), its entries are labelled with memprof's phase,
     step and module, which memory_viz shows.
+    ``carry_optimizer_steps=False`` (exact mode) measures every optimizer step op by op; by default a step
+    whose settings, tensors and state match a clean measured step of the same optimizer is carried: run without
+    memprof's dispatch mode and replayed from that step, with the same figures (``report.trace.optimizer_steps``
+    says which steps were which). ``operations=True``, ``record_allocations=True`` and ``oom_dump=`` measure
+    every step.
 
     However long the run, the record stays bounded: every step is summarised
     per phase (:meth:`Report.phase_stats`), and full detail is kept for the
@@ -114,7 +120,8 @@ def profile(
     """
     return Profiler(model, optimizer, mode=mode, timeline=timeline, operations=operations, schedule=schedule,
                     on_trace_ready=on_trace_ready, oom_dump=oom_dump, record_routing=record_routing,
-                    record_allocations=record_allocations, source=source)
+                    record_allocations=record_allocations, source=source,
+                    carry_optimizer_steps=carry_optimizer_steps)
 
 
 class Profiler:
@@ -139,15 +146,17 @@ class Profiler:
         record_routing: bool = False,
         record_allocations: bool = False,
         source: str = "dispatch",
+        carry_optimizer_steps: bool = True,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
         _fake_mode: Any = None,
     ) -> None:
         optimizers, device = checked(model, optimizer, mode, timeline, operations, schedule, on_trace_ready,
                                       _allow_meta)
-        if not isinstance(record_routing, bool):
-            raise InvalidArgumentError(f"record_routing must be True or False, got {record_routing!r}")
-        self._record_routing = record_routing
+        for name, value in (("record_routing", record_routing), ("carry_optimizer_steps", carry_optimizer_steps)):
+            if not isinstance(value, bool):
+                raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+        self._record_routing, self._carry = record_routing, carry_optimizer_steps and oom_dump is None
         self.schedule = schedule
         self._on_trace_ready = on_trace_ready
         self._mode_requested = mode
@@ -310,7 +319,8 @@ class Profiler:
         self.collectors = wire(model, optimizers, self.run, self.ledger, self.probe, stack,
                                mode_requested=self._mode_requested, operations=self._want_operations,
                                fake_mode=self._fake_mode, schedule=self.schedule, ready=ready,
-                               record_routing=self._record_routing, allocator=self._allocator)
+                               record_routing=self._record_routing, allocator=self._allocator,
+                               carry=self._carry)
         if self.oom_dump is not None:
             self.oom_dump.start(self.live_now)
             stack.callback(self.oom_dump.stop)
@@ -334,8 +344,7 @@ class Profiler:
         return None
 
     def _closing_steps(self) -> Closing:
-        return Closing(self.run, self.ledger, self._stack, self._release, self.collectors, self.oom_dump,
-                       self.live_now)
+        return Closing(self.run, self.ledger, self._stack, self._release, self.collectors, self.oom_dump, self.live_now)
 
     def live_now(self) -> "tuple[Breakdown, tuple[tuple[str, int], ...], tuple[tuple[int, int, str, str], ...]] | None":
         """What is live now, by category, by creating module, and storage by storage; None in a step a

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 from .capture import Capture
+from .carry import StepCarry
 from .dispatch import KEEPS_COMPILE, StorageTracker
 from .frames import Frames
 from .graph_saves import GraphSaves
@@ -82,6 +83,8 @@ class Collectors:
     routing: "RoutingRecorder | None" = None
     #: With ``source="allocator"``: the allocator's events reduced per phase.
     allocator: "AllocatorSource | None" = None
+    #: Exact mode's carried optimizer steps (None where carrying is off).
+    carry: "StepCarry | None" = None
     #: The ledger's totals when the run began (what existed before its first phase).
     start_totals: list[int] = dataclasses.field(default_factory=list)
     param_dtypes: tuple[str, ...] = ()
@@ -140,14 +143,15 @@ class Collectors:
 def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
          probe: "DeviceProbe", stack: "UndoStack", *, mode_requested: str, operations: bool, fake_mode: Any,
          schedule: "Schedule | None", ready: "Callable[[], None] | None", record_routing: bool = False,
-         allocator: str = "dispatch") -> Collectors:
+         allocator: str = "dispatch", carry: bool = True) -> Collectors:
     """Build the collectors of a profile of ``model`` and install everything; ``ready`` hands the run so far
     to ``on_trace_ready`` at the end of a schedule's window; ``allocator``: where exact mode's events come
-    from (``source=`` of profile())."""
+    from (``source=`` of profile()); ``carry``: optimizer steps may be carried (:mod:`.carry`) where nothing
+    else needs every op."""
     from .allocator_source import attach
 
     c = build(model, optimizers, run, ledger, probe, stack, fake_mode)
-    install(c, model, mode_requested=mode_requested, operations=operations)
+    install(c, model, mode_requested=mode_requested, operations=operations, carry=carry)
     # On CUDA: the allocator's events (source="allocator") and memprof's labels in its snapshot.
     c.allocator = attach(run, ledger, c.phases, c.table, stack, allocator)
     if schedule is not None:
@@ -198,7 +202,7 @@ def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "R
                       saved=saved, graph=graph, kv=kv, rank=rank, shards=shards, modules=modules)
 
 
-def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations: bool) -> None:
+def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations: bool, carry: bool = True) -> None:
     """Register what exists, start the first phase and install the hooks."""
     run, stack = c.run, c.stack
     # Two steps, so that a failure in one still runs the other.
@@ -254,6 +258,12 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
             c.storages.operations = OperationLog()
         c.storages.install()
         stack.callback(c.storages.uninstall, run.thread)
+        # Every op is needed where its figures are kept (operations=True), where the allocation stream is
+        # (record_allocations=True, a simulation's allocator replay), in a simulation, whose fake-tensor rules
+        # apply per op, and for an OOM dump (what was live at the error; the profiler passes carry=False):
+        # there every optimizer step is measured.
+        if carry and not operations and c.ledger.stream is None and c.storages.fake_mode is None:
+            add_carry(c)
     else:
         c.probe.start_light()
         run.notes.extend(c.probe.light_notes())
@@ -265,6 +275,16 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
             "such as acc += loss.detach()); on an accelerator both are among temporaries (exact mode counts "
             "them)")
     c.timeline.sample("start", "start")
+
+
+def add_carry(c: Collectors) -> None:
+    """Optimizer steps measured once and carried while nothing that decides them changes (:mod:`.carry`)."""
+    steps = c.carry = StepCarry(c.ledger, c.run, c.storages, c.phases)
+    c.optimizers.carry = steps
+    c.phases.before_close = steps.before_close
+    # Unwound before the dispatch mode's removal (the stack runs last in, first out): a carried step cut short
+    # by the block's end puts the mode back where it was first.
+    c.stack.callback(steps.abandon)
 
 
 def add_windows(c: Collectors, schedule: "Schedule", ready: "Callable[[], None] | None") -> None:

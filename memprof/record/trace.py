@@ -22,6 +22,7 @@ from .specs import ModuleCall, OptimizerSpec
 
 __all__ = [
     "SCHEMA_VERSION",
+    "OPTIMIZER_STEP_KINDS",
     "Breakdown",
     "PhaseRecord",
     "StepRecord",
@@ -37,7 +38,13 @@ __all__ = [
 ]
 
 #: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
+
+#: What a step's optimizer phases were (:attr:`Trace.optimizer_steps`): measured op by op; carried from an
+#: earlier measured step of the same optimizer (the same figures); some measured and some carried (several
+#: optimizers); carried and found changed afterwards (the peak an upper bound); cut short by an error while
+#: carried (temporaries not measured).
+OPTIMIZER_STEP_KINDS = ("measured", "carried", "partly carried", "unverified", "not measured")
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,11 @@ class Trace:
     distributed: "RankInfo | None" = None
     #: With ``record_routing=True``: every router call's per-expert token counts (schema 6).
     routing: "RoutingRecord | None" = None
+    #: Exact mode: which steps' optimizer phases were measured and which carried, as (first step, last step,
+    #: kind) spans in the order they ran, kinds from :data:`OPTIMIZER_STEP_KINDS` (schema 7; empty where
+    #: carrying was off: light mode, ``carry_optimizer_steps=False`` and the options that measure every step,
+    #: a simulation; or a file written before it).
+    optimizer_steps: tuple[tuple[int, int, str], ...] = ()
     schema_version: int = field(default=SCHEMA_VERSION)
 
     def __post_init__(self) -> None:
@@ -182,6 +194,7 @@ class Trace:
             "generation": self.generation.to_dict() if self.generation is not None else None,
             "distributed": self.distributed.to_dict() if self.distributed is not None else None,
             "routing": self.routing.to_dict() if self.routing is not None else None,
+            "optimizer_steps": [list(r) for r in self.optimizer_steps],
         }
 
     @classmethod
@@ -245,6 +258,7 @@ class Trace:
                 generation=_optional(data, "generation", GenerationFacts.from_dict),
                 distributed=_optional(data, "distributed", RankInfo.from_dict),
                 routing=_optional(data, "routing", RoutingRecord.from_dict),
+                optimizer_steps=_optimizer_steps(data),
                 schema_version=version,
             )
         except TraceFormatError:
@@ -285,6 +299,20 @@ def _span(first: Any, last: Any) -> tuple[int, int]:
     if a > b:
         raise corrupt(f"a stretch of recorded steps ends ({b}) before it starts ({a})")
     return a, b
+
+
+def _optimizer_steps(data: Mapping[str, Any]) -> tuple[tuple[int, int, str], ...]:
+    """The spans of optimizer steps by kind, each in order after the one before (absent before schema 7)."""
+    out: list[tuple[int, int, str]] = []
+    for a, b, kind in _rows(data, "optimizer_steps", 3):
+        first, last = _span(a, b)
+        if kind not in OPTIMIZER_STEP_KINDS:
+            raise corrupt(f"an optimizer step's kind must be one of {', '.join(OPTIMIZER_STEP_KINDS)}; got "
+                          f"{text(kind, 'a kind')[:20]!r}")
+        if out and first <= out[-1][1]:
+            raise corrupt(f"optimizer steps {first}-{last} are recorded after steps up to {out[-1][1]}")
+        out.append((first, last, kind))
+    return tuple(out)
 
 
 def _steps(items: Any) -> tuple[StepRecord, ...]:

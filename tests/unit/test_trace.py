@@ -38,7 +38,7 @@ def test_a_hand_built_trace_survives_save_and_load_unchanged(tmp_path):
     memprof.Report(original).save(path)
     loaded = memprof.load(path).trace
     assert loaded == original
-    assert json.loads(path.read_text())["schema_version"] == SCHEMA_VERSION == 6
+    assert json.loads(path.read_text())["schema_version"] == SCHEMA_VERSION == 7
     # The peak is the highest phase peak: 144 + 144 + 296 + 144 = 728 bytes in the optimizer step.
     assert (loaded.peak.total, loaded.peak_step, loaded.peak_phase) == (728, 0, Phase.OPTIMIZER)
 
