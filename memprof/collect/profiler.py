@@ -157,20 +157,18 @@ class Profiler:
             if not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
         self._record_routing, self._carry = record_routing, carry_optimizer_steps and oom_dump is None
-        self.schedule = schedule
-        self._on_trace_ready = on_trace_ready
+        self.schedule, self._on_trace_ready = schedule, on_trace_ready
         self._mode_requested = mode
         mode, self._allocator = resolved_mode(mode, device, source)
-        self.device = device
+        self.device, self._want_operations = device, bool(operations)
         #: What every hook reads: the profiler pushes ``active`` and the thread onto it.
         self.run = Run(mode, device, bool(timeline))
-        self._want_operations = bool(operations)
         self._model_ref = weakref.ref(model)
         # Held strongly only until the block ends (a model built inline must survive until then).
         self._model_hold: "nn.Module | None" = model
         self._optimizer_refs = [weakref.ref(o) for o in optimizers]
-        self._state = "new"
-        self._in_callback = False  # inside on_trace_ready: prof.report() reads the run so far
+        # _in_callback: inside on_trace_ready, where prof.report() reads the run so far.
+        self._state, self._in_callback = "new", False
         self.probe = DeviceProbe(device)
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
         if record_allocations:
