@@ -98,11 +98,12 @@ def profile(
     ``memprof.estimate(..., routing=report)``.
     ``record_allocations=True`` (exact mode) keeps every storage made and freed, in order, for
     :meth:`Report.what_a_gpu_would_reserve` (the stream grows with the run: for a few steps).
-    ``source="allocator"`` (exact mode, CUDA) also records the caching allocator's own events and reduces
-    them per phase (:attr:`Profiler.allocator_phases`); the record's figures stay the dispatch mode's
-    (``source="dispatch"``, the default). Whenever the allocator records its history on CUDA (memprof's or
-    your own ``torch.cuda.memory._record_memory_history``), its entries are labelled with memprof's phase,
-    step and module, which memory_viz shows.
+    ``source="allocator"`` (exact mode, CUDA) takes exact mode's figures from the caching allocator's own
+    events instead of a dispatch mode: no Python runs per op, the hooks run as in light mode and say which
+    address holds what, every phase is reduced from the events (:attr:`Profiler.allocator_phases`), and the
+    record's figures are those (``source="dispatch"`` stays the default). Whenever the allocator records its
+    history on CUDA (memprof's or your own ``torch.cuda.memory._record_memory_history``), its entries are
+    labelled with memprof's phase, step and module, which memory_viz shows.
 
     However long the run, the record stays bounded: every step is summarised
     per phase (:meth:`Report.phase_stats`), and full detail is kept for the
@@ -151,10 +152,10 @@ class Profiler:
         self.schedule = schedule
         self._on_trace_ready = on_trace_ready
         self._mode_requested = mode
-        mode, self._allocator = resolved_mode(mode, device, source)
+        mode, self._allocator = resolved_mode(mode, device, source, schedule)
         self.device = device
         #: What every hook reads: the profiler pushes ``active`` and the thread onto it.
-        self.run = Run(mode, device, bool(timeline))
+        self.run = Run(mode, device, bool(timeline), self._allocator)
         self._want_operations = bool(operations)
         self._model_ref = weakref.ref(model)
         # Held strongly only until the block ends (a model built inline must survive until then).
@@ -183,7 +184,7 @@ class Profiler:
     def mode(self) -> str:
         """``"exact"`` or ``"light"``: how this profile measures (``"auto"`` decided by the device; a model
         running compiled code may turn exact mode light at the start)."""
-        return self.run.mode
+        return EXACT if self.run.source == "allocator" else self.run.mode
 
     @property
     def oom_dump_path(self) -> "str | None":

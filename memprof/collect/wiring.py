@@ -254,6 +254,8 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
             c.storages.operations = OperationLog()
         c.storages.install()
         stack.callback(c.storages.uninstall, run.thread)
+    elif run.source == "allocator":
+        pass  # no dispatch mode and no counters: the allocator's events give the figures (allocator_source.NOTE)
     else:
         c.probe.start_light()
         run.notes.extend(c.probe.light_notes())
