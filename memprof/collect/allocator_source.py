@@ -148,6 +148,10 @@ class AllocatorSource:
             self.top = (total, window.peak, run.step, run.phase.value)
         return window
 
+    def peak_step(self) -> "int | None":
+        """The step that held the highest phase peak so far (the report keeps that step in full)."""
+        return self.top[2] if self.top is not None else None
+
     def stop(self) -> None:
         """What the recording holds is kept for the last window, then the recording stops (a user's goes on)."""
         try:
@@ -191,7 +195,7 @@ def attach(run: "Run", ledger: "Ledger", phases: "PhaseTracker", table: "ModuleT
         src = AllocatorSource(run, ledger, AllocatorHistory(backend, index))
         stack.callback(src.stop)
         src.start()
-        phases.window_source = src.close_window
+        phases.window_source = src
     if backend.labels() and backend.enabled():
         labels = SnapshotLabels(run, table, backend.get_metadata, backend.set_metadata)
         labels.start(stack)

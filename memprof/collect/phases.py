@@ -61,6 +61,16 @@ class Gate(Protocol):
         """Did a step end since the schedule paused (forgotten once asked)?"""
 
 
+class WindowSource(Protocol):
+    """Where the phases' figures come from instead of the ledger (:class:`.allocator_source.AllocatorSource`)."""
+
+    def close_window(self) -> "Window | None":
+        """The phase in progress closes: its window (None: one that leaves no record)."""
+
+    def peak_step(self) -> "int | None":
+        """The step that held the highest peak so far."""
+
+
 class PhaseTracker:
     """The phase machine and the step records it closes."""
 
@@ -99,8 +109,8 @@ class PhaseTracker:
         self.on_backward_start: Hooks = []
         self.on_backward_end: Hooks = []
         self.on_step_end: Hooks = []
-        #: source="allocator": each closing phase's allocator window, whose figures are the phase's (None: none).
-        self.window_source: "Callable[[], Window | None] | None" = None
+        #: source="allocator": the allocator's windows, whose figures are the phases' (and which step held the peak).
+        self.window_source: "WindowSource | None" = None
 
     def start(self) -> None:
         """The profile's first phase ("other") begins now (again, when a simulated layout restarts the run)."""
@@ -186,7 +196,7 @@ class PhaseTracker:
         phase = run.phase
         end = led.totals
         ops = run.ops - self.phase_ops_start
-        window = self.window_source() if self.window_source is not None else False  # None: nothing to record
+        window = self.window_source.close_window() if self.window_source is not None else False  # None: no record
         if window is None or (window is False and phase is Phase.OTHER and ops == 0 and end == self.phase_start
                               and led.phase_peak == self.phase_start):
             return
@@ -319,9 +329,9 @@ class PhaseTracker:
     # -- the record ----------------------------------------------------------------
 
     def keep(self, rec: StepRecord, *, selected: bool = False) -> None:
-        """A step ended: into the statistics, and into the detail while retention keeps it (``selected``:
-        a schedule recorded it)."""
-        peak = self.where.get(self.ledger.peak_phase_serial)
+        """A step ended: into the statistics, and into the detail while retention keeps it (or a schedule chose it)."""
+        src = self.window_source  # the allocator's windows know the peak; the ledger's is light mode's then
+        peak = (src.peak_step(),) if src is not None else self.where.get(self.ledger.peak_phase_serial)
         dropped = self.retention.add(rec, peak_step=peak[0] if peak else None, selected=selected)
         if dropped:
             self.forget_steps(set(dropped))

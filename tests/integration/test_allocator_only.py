@@ -173,3 +173,31 @@ def test_a_schedule_is_refused_with_the_fix(stand_in) -> None:
     model = MLP()
     with pytest.raises(InvalidArgumentError, match="profile without schedule=, or with source='dispatch'"):
         memprof.profile(model, source="allocator", schedule=memprof.schedule(wait=1, warmup=0, active=1))
+
+
+def test_the_step_that_holds_the_peak_is_kept_in_full(stand_in) -> None:
+    # 7 steps; in step 4 a 400,000-byte temporary (100,000 fp32 ones) is made and freed between the forward and
+    # the backward: only the allocator's events show it, and it makes step 4's forward the run's peak. The record
+    # keeps the first 3 steps, the peak's and the last in full (memprof.collect.retention.FIRST_STEPS = 3).
+    torch.manual_seed(0)
+    model, args, target = mlp_case()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with StorageEvents(stand_in), memprof.profile(model, opt, source="allocator") as prof:
+        prof.mark_inputs(target)
+        for step in range(7):
+            loss = loss_of(model, args, target)
+            if step == 4:
+                big = torch.ones(100_000)
+                del big
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            del loss
+    trace = prof.trace
+    assert [s.index for s in trace.steps] == [0, 1, 2, 4, 6]
+    assert (trace.peak_step, trace.peak_phase.value) == (4, "forward")
+    fwd4 = next(p for p in trace.steps[3].phases if p.phase.value == "forward")
+    fwd3 = next(r.window for r in prof.allocator_phases if (r.step, r.phase) == (3, "forward"))
+    assert figures(trace.peak) == figures(fwd4.peak)
+    # the peak is step 3's forward end (the same step, without the block) plus the block
+    assert fwd4.peak.total == fwd3.end.total + 100_000 * 4
