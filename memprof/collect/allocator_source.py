@@ -113,6 +113,10 @@ class AllocatorSource:
         #: The highest peak of the run: (its total, the breakdown, step, phase value).
         self.top: "tuple[int, Breakdown, int, str] | None" = None
         self.first: "Breakdown | None" = None
+        #: The steps the record keeps in full (the phase tracker's retention): the windows of the others are dropped
+        #: once there are more than ``bound``.
+        self.kept: "dict[int, Any] | None" = None
+        self.bound = 256
 
     def start(self) -> None:
         """What the profile registered so far is what was allocated before the first window."""
@@ -141,6 +145,11 @@ class AllocatorSource:
         if not complete:
             self.incomplete += 1
         self.records.append(AllocatorPhase(run.step, run.phase.value, window))
+        if self.kept is not None and len(self.records) > self.bound:
+            # Bounded however long the run: the windows of the steps the record keeps in full, and this step's.
+            kept = self.kept
+            self.records = [r for r in self.records if r.step == run.step or r.step in kept]
+            self.bound = max(self.bound, 2 * len(self.records))
         if self.first is None:
             self.first = window.start
         total = window.peak.total or 0
@@ -196,6 +205,7 @@ def attach(run: "Run", ledger: "Ledger", phases: "PhaseTracker", table: "ModuleT
         stack.callback(src.stop)
         src.start()
         phases.window_source = src
+        src.kept = phases.retention.kept
     if backend.labels() and backend.enabled():
         labels = SnapshotLabels(run, table, backend.get_metadata, backend.set_metadata)
         labels.start(stack)

@@ -201,3 +201,23 @@ def test_the_step_that_holds_the_peak_is_kept_in_full(stand_in) -> None:
     assert figures(trace.peak) == figures(fwd4.peak)
     # the peak is step 3's forward end (the same step, without the block) plus the block
     assert fwd4.peak.total == fwd3.end.total + 100_000 * 4
+
+
+def test_the_allocator_windows_kept_stay_bounded(stand_in) -> None:
+    # 120 steps of 3 phases (forward, backward, optimizer) and the "other" phase zero_grad leaves: 480 windows, more
+    # than the 256 kept before the windows of steps the record does not keep in full are dropped
+    torch.manual_seed(0)
+    model, args, target = mlp_case()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with StorageEvents(stand_in), memprof.profile(model, opt, source="allocator") as prof:
+        prof.mark_inputs(target)
+        for _ in range(120):
+            loss_of(model, args, target).backward()
+            opt.step()
+            opt.zero_grad()
+    kept = {s.index for s in prof.trace.steps}
+    steps = {r.step for r in prof.allocator_phases}
+    assert len(prof.allocator_phases) <= 256 and steps >= kept and {0, 1, 2, 119} <= kept
+    # the windows still there are the kept steps', and those of the steps since the last time the list was cut
+    last_cut = min(steps - kept) if steps - kept else None
+    assert last_cut is None or all(s >= last_cut for s in steps - kept)
