@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_leaves
 
 from allocator_stand_in import FakeAllocator
 
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
 
 class StorageEvents(TorchDispatchMode):
     """Emits into ``fake`` the allocation of each storage an op makes and its free. A storage counts with its
@@ -26,7 +28,9 @@ class StorageEvents(TorchDispatchMode):
         self.refs: dict[int, weakref.ref] = {}  # storage key -> a reference whose callback emits the free
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        given = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # lift_fresh hands dispatch a tensor built in C++ (torch.tensor): its storage is new, though also its input's
+        given = set() if func is _LIFT_FRESH else {
+            t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
