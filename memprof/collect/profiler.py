@@ -167,8 +167,8 @@ class Profiler:
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
         if record_allocations:
             if mode != EXACT:
-                raise InvalidArgumentError("record_allocations=True needs mode='exact': light mode does not see each "
-                                           "storage made and freed")
+                raise InvalidArgumentError("record_allocations=True needs mode='exact' with source='dispatch': light "
+                                           "mode and the allocator's events do not see each storage made and freed")
             self.ledger.record_stream()
         self._stack: "UndoStack | None" = None
         self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)

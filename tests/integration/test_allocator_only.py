@@ -254,3 +254,10 @@ def test_a_generation_with_a_kv_cache_matches_the_dispatch_source(stand_in) -> N
                 assert fa == fd, key + (moment,)  # the cache at every moment among them
     last_decode = [p for k, p in a.items() if k[1] == "decode"][-1]
     assert last_decode.end["kv_cache"] > 0  # the cache is counted as such, not among temporaries
+
+
+def test_record_allocations_is_refused_with_the_fix(stand_in) -> None:
+    from memprof.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="needs mode='exact' with source='dispatch'"):
+        memprof.profile(MLP(), source="allocator", record_allocations=True)
