@@ -1,14 +1,16 @@
-"""``profile(source="allocator")``: the CUDA caching allocator's own events, reduced per phase.
+"""``profile(source="allocator")``: exact mode's figures from the CUDA caching allocator's own events, with no
+dispatch mode.
 
-At every phase boundary (a phase begins, a step ends, the profile ends) the allocator's history since the last
-boundary is drained (:mod:`.allocator_history`) and reduced (:mod:`.allocation_events`) with the address of
-every storage the profile knows and its category (the ledger's live entries: parameters, gradients, optimizer
-states, saved tensors, inputs, caches, communication buffers). Each window becomes an
-:class:`AllocatorPhase`: the phase's start, peak, its moment and end as the allocator saw them.
+The profile runs the hooks light mode runs (modules, saved tensors, gradients, optimizer steps; no Python per op),
+and they tell the ledger which storage is what: parameters and buffers, gradients, optimizer states, saved
+activations, inputs, caches, communication buffers. When a phase closes, the allocator's history since the last
+close is drained (:mod:`.allocator_history`) and reduced (:mod:`.allocation_events`) with the address and
+category of each of those storages (``untyped_storage().data_ptr()``); every block nobody claims is a temporary.
+The phase's record (start, peak, end) is that window's, and so are the record's start, peak and end.
 
-These records stand beside the dispatch mode's, which stay the profile's record: the allocator's events become
-exact mode's source where a GPU shows them byte-equal to it and cheaper (``benchmarks/gpu_validate.py
---allocator-source``), which no GPU has shown yet.
+What it assumes: a storage's category is the one the hooks know at the window's end (a temporary that a later op
+of the same phase saves for backward is an activation at the peak too); temporaries are the allocator's blocks
+no hook claims (workspaces taken inside an op among them, which a dispatch mode does not see).
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from ..errors import InvalidArgumentError
 from ..vocabulary import Phase
 from .allocation_events import Live, Window, reduce_window
 from .ledger import CATEGORY_OF_INDEX
+from .phases import window_breakdown
 from .state import EXACT, LIGHT
 
 if TYPE_CHECKING:
     import torch
+
+    from ..record.trace import Breakdown
 
     from .allocator_history import AllocatorHistory
     from .ledger import Ledger
@@ -31,7 +37,16 @@ if TYPE_CHECKING:
     from .state import Run
     from .undo import UndoStack
 
-__all__ = ["AllocatorPhase", "AllocatorSource", "known_addresses", "attach", "resolved_mode", "allocator_phases"]
+__all__ = ["AllocatorPhase", "AllocatorSource", "known_addresses", "attach", "resolved_mode", "allocator_phases",
+           "NOTE"]
+
+#: What the record says about where its figures come from and what that assumes.
+NOTE = ("source='allocator': every phase's start, peak and end are reduced from the CUDA caching allocator's own "
+        "events (no dispatch mode ran); a storage's category is the one the hooks knew at the end of its phase "
+        "(a temporary a later op of the phase saved for backward counts as an activation at the peak too), and "
+        "temporaries are the allocator's blocks that no parameter, buffer, gradient, optimizer state, saved "
+        "tensor, input or cache claims (workspaces taken inside an op among them); per-module op-level memory "
+        "is not measured")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +58,20 @@ class AllocatorPhase:
     window: Window
 
 
-def resolved_mode(mode: str, device: "torch.device", source: Any) -> tuple[str, str]:
-    """profile()'s ``mode`` with ``"auto"`` decided, and its ``source`` checked. The allocator's events stand
-    beside the dispatch mode's, which only exact mode has: ``"auto"`` is exact with them."""
+def resolved_mode(mode: str, device: "torch.device", source: Any, schedule: Any = None) -> tuple[str, str]:
+    """profile()'s ``mode`` with ``"auto"`` decided, and its ``source`` checked. With the allocator's events the
+    hooks run as light mode's (no dispatch mode): the run's mode is light, the record's exact."""
     from . import allocator_history
 
     source = allocator_history.checked_source(source, device, mode, allocator_history.backend_for(device))
+    if source == "allocator":
+        if schedule is not None:
+            raise InvalidArgumentError(
+                "source='allocator' reduces every phase from the allocator's events, and a schedule's pauses would "
+                "leave windows without them; profile without schedule=, or with source='dispatch'")
+        return LIGHT, source
     if mode == "auto":
-        mode = EXACT if device.type in ("cpu", "meta") or source == "allocator" else LIGHT
+        mode = EXACT if device.type in ("cpu", "meta") else LIGHT
     return mode, source
 
 
@@ -78,7 +99,7 @@ def known_addresses(ledger: "Ledger") -> dict[int, list[Any]]:
 
 
 class AllocatorSource:
-    """Drains the allocator's history at each phase boundary and keeps one record per window."""
+    """Drains the allocator's history when a phase closes and reduces it: each phase's record."""
 
     def __init__(self, run: "Run", ledger: "Ledger", history: "AllocatorHistory") -> None:
         self.run = run
@@ -87,52 +108,86 @@ class AllocatorSource:
         self.live = Live()
         self.records: list[AllocatorPhase] = []
         self.incomplete = 0
-        self.ops = 0  # the run's op count at the last boundary
+        self.pending: list[Any] = []  # drained when the recording stopped, for the last window
+        self.pending_complete = True
+        #: The highest peak of the run: (its total, the breakdown, step, phase value).
+        self.top: "tuple[int, Breakdown, int, str] | None" = None
+        self.first: "Breakdown | None" = None
+        #: The steps the record keeps in full (the phase tracker's retention): the windows of the others are dropped
+        #: once there are more than ``bound``.
+        self.kept: "dict[int, Any] | None" = None
+        self.bound = 256
 
     def start(self) -> None:
         """What the profile registered so far is what was allocated before the first window."""
         self.live = Live(known_addresses(self.ledger))
-        self.ops = self.run.ops
         self.history.start()
 
-    def boundary(self, _phase: "Phase | None" = None) -> None:
-        """The phase in progress (the run's phase: a hook of the phase tracker runs before it moves on) ends
-        here. Paused by a schedule: the window is dropped with the events it holds."""
+    def _events(self) -> tuple[list[Any], bool]:
+        events, complete = self.pending, self.pending_complete
+        self.pending, self.pending_complete = [], True
+        if self.history.started:
+            more, ok = self.history.drain()
+            events, complete = events + more, complete and ok
+        return events, complete
+
+    def close_window(self) -> "Window | None":
+        """The phase in progress (the run's) closes: its window, or None for an "other" phase in which nothing
+        was allocated (the phase tracker keeps no record of it)."""
         run = self.run
-        events, complete = self.history.drain()
-        if not run.active:
-            self.live = Live(known_addresses(self.ledger))  # what the unwatched steps left
-            return
+        events, complete = self._events()
         now = known_addresses(self.ledger)
-        known = {addr: v[1] for addr, v in now.items()}
-        window = reduce_window(events, self.live, known, rounding=self.ledger.rounding, complete=complete,
+        window = reduce_window(events, self.live, {addr: v[1] for addr, v in now.items()},
+                               rounding=self.ledger.rounding, complete=complete,
                                sizes={addr: v[0] for addr, v in now.items()})
+        if run.phase is Phase.OTHER and window.start == window.peak == window.end:
+            return None
         if not complete:
             self.incomplete += 1
-        ops, self.ops = run.ops - self.ops, run.ops
-        # The phase tracker keeps no record of an "other" phase in which nothing ran and nothing changed.
-        if run.phase is not Phase.OTHER or ops or not window.start == window.peak == window.end:
-            self.records.append(AllocatorPhase(run.step, run.phase.value, window))
+        self.records.append(AllocatorPhase(run.step, run.phase.value, window))
+        if self.kept is not None and len(self.records) > self.bound:
+            # Bounded however long the run: the windows of the steps the record keeps in full, and this step's.
+            kept = self.kept
+            self.records = [r for r in self.records if r.step == run.step or r.step in kept]
+            self.bound = max(self.bound, 2 * len(self.records))
+        if self.first is None:
+            self.first = window.start
+        total = window.peak.total or 0
+        if self.top is None or total > self.top[0]:
+            self.top = (total, window.peak, run.step, run.phase.value)
+        return window
+
+    def peak_step(self) -> "int | None":
+        """The step that held the highest phase peak so far (the report keeps that step in full)."""
+        return self.top[2] if self.top is not None else None
 
     def stop(self) -> None:
-        """The last window, then the recording stops (a user's goes on)."""
+        """What the recording holds is kept for the last window, then the recording stops (a user's goes on)."""
         try:
             if self.history.started:
-                self.boundary()
+                self.pending, self.pending_complete = self._events()
         finally:
             self.history.stop()
-        self.run.note(
-            f"source='allocator': the allocator's own events were reduced into {len(self.records)} phase "
-            "record(s) (prof.allocator_phases), beside the dispatch mode's, which are this record's")
+        self.run.note(NOTE)
         if self.incomplete:
             self.run.note(
                 f"source='allocator': {self.incomplete} phase(s) had more allocator events than the history "
-                "keeps: their allocator records are incomplete (complete=False)")
+                "keeps: their records are incomplete (complete=False), not a measurement")
+
+    def figures(self, device_end: Any, device_peak: Any) -> "tuple[Breakdown, Breakdown, Breakdown, int, str] | None":
+        """The run's start, peak and end as the windows give them (with the device's figures at the peak and
+        the end), and the peak's step and phase value; None when no window was kept."""
+        if self.top is None or self.first is None:
+            return None
+        end = self.records[-1].window.end
+        return (window_breakdown(self.first, "start", None), window_breakdown(self.top[1], "peak", device_peak),
+                window_breakdown(end, "end", device_end), self.top[2], self.top[3])
 
 
 def attach(run: "Run", ledger: "Ledger", phases: "PhaseTracker", table: "ModuleTable", stack: "UndoStack",
            source: str) -> "AllocatorSource | None":
-    """On CUDA: with ``source="allocator"``, record the allocator's history and reduce it per phase; whenever
+    """On CUDA: with ``source="allocator"``, record the allocator's history and reduce each phase from it (the
+    phase tracker's records are those windows); whenever
     the history is recorded (memprof's, or the user's already), label its entries with memprof's phase, step
     and module. Everything started goes on ``stack``."""
     from . import allocator_history
@@ -149,8 +204,8 @@ def attach(run: "Run", ledger: "Ledger", phases: "PhaseTracker", table: "ModuleT
         src = AllocatorSource(run, ledger, AllocatorHistory(backend, index))
         stack.callback(src.stop)
         src.start()
-        phases.on_step_end.append(src.boundary)
-        phases.on_begin.append(src.boundary)
+        phases.window_source = src
+        src.kept = phases.retention.kept
     if backend.labels() and backend.enabled():
         labels = SnapshotLabels(run, table, backend.get_metadata, backend.set_metadata)
         labels.start(stack)

@@ -20,6 +20,7 @@ from ..record.trace import (Breakdown, ModelFacts, ModuleRecord, OomRecord, Oper
                             Trace, parent_path)
 from .ledger import ACTIVATIONS, CATEGORY_OF_INDEX, INPUTS, TEMPORARIES, Ledger, breakdown, storage_of, tag_pairs
 from .module_table import attribute_tensors
+from ..vocabulary import Phase
 from .phases import MAX_DECODE_PHASES
 from .state import EXACT, LIGHT
 
@@ -128,6 +129,11 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
         n = len(CATEGORY_OF_INDEX)
         peak = Breakdown(peak.counts[:n] + peak_device.counts[n:],
                          sum(peak.counts[:n]) + sum(v or 0 for v in peak_device.counts[n:]))
+    src = c.allocator
+    figures = src.figures(device_now, c.probe.global_peak()) if src is not None else None
+    if figures is not None:  # source="allocator": the run's figures are its windows'
+        start, peak, end, peak_step, peak_name = figures
+        peak_where = (peak_step, Phase(peak_name))
     peak_module = None
     if not light and 0 <= led.peak_module < len(c.table.info):
         peak_module = c.table.path(led.peak_module)
@@ -156,7 +162,7 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
 
     operations = c.storages.operations
     return Trace(
-        mode=run.mode,
+        mode=EXACT if run.source == "allocator" else run.mode,
         device=dataclasses.replace(c.probe.info(), rounding=led.rounding),
         torch_version=torch.__version__,
         memprof_version=__version__,

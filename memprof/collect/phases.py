@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ..vocabulary import Phase
 from ..record.trace import PhaseRecord, StepRecord
-from .ledger import breakdown, tag_pairs
+from .ledger import CATEGORY_OF_INDEX, breakdown, tag_pairs
 from .retention import Retention
 from .state import EXACT, LIGHT
 from .torch_compat import queue_backward_callback
 
 if TYPE_CHECKING:
+    from ..record.trace import Breakdown
+    from .allocation_events import Window
     from .device import DeviceProbe
     from .ledger import Ledger
     from .state import Run
@@ -61,6 +63,16 @@ class Gate(Protocol):
 
     def ended_while_paused(self) -> bool:
         """Did a step end since the schedule paused (forgotten once asked)?"""
+
+
+class WindowSource(Protocol):
+    """Where the phases' figures come from instead of the ledger (:class:`.allocator_source.AllocatorSource`)."""
+
+    def close_window(self) -> "Window | None":
+        """The phase in progress closes: its window (None: one that leaves no record)."""
+
+    def peak_step(self) -> "int | None":
+        """The step that held the highest peak so far."""
 
 
 class PhaseTracker:
@@ -102,6 +114,8 @@ class PhaseTracker:
         self.on_backward_end: Hooks = []
         self.on_step_end: Hooks = []
         self.before_close: Callable[[], bool] = _never  # at each close: True if its temporaries went unmeasured
+        #: source="allocator": the allocator's windows, whose figures are the phases' (and which step held the peak).
+        self.window_source: "WindowSource | None" = None
 
     def start(self) -> None:
         """The profile's first phase ("other") begins now (again, when a simulated layout restarts the run)."""
@@ -186,7 +200,9 @@ class PhaseTracker:
         phase = run.phase
         end = led.totals
         ops = run.ops - self.phase_ops_start
-        if phase is Phase.OTHER and ops == 0 and end == self.phase_start and led.phase_peak == self.phase_start:
+        window = self.window_source.close_window() if self.window_source is not None else False  # None: no record
+        if window is None or (window is False and phase is Phase.OTHER and ops == 0 and end == self.phase_start
+                              and led.phase_peak == self.phase_start):
             return
         occ = self.occurrence.get(phase, 0)
         self.occurrence[phase] = occ + 1
@@ -198,13 +214,9 @@ class PhaseTracker:
         device_now = self.probe.phase_ended()
         light = self.before_close() or run.mode == LIGHT  # a carried optimizer step that raised: as in light mode
         micros = self.timeline.micros
+        start, peak, last = _figures(window or None, (self.phase_start, led.phase_peak, end), light, device_now)
         self.step_phases.append(PhaseRecord(
-            step=run.step,
-            phase=phase,
-            occurrence=occ,
-            start=breakdown(self.phase_start, light=light, where="start", device=device_now),
-            peak=breakdown(led.phase_peak, light=light, where="peak", device=device_now),
-            end=breakdown(end, light=light, where="end", device=device_now),
+            step=run.step, phase=phase, occurrence=occ, start=start, peak=peak, end=last,
             ops=ops,
             tags_peak=tag_pairs(led.phase_peak_tags),
             tags_end=tag_pairs(led.tag_act),
@@ -321,9 +333,9 @@ class PhaseTracker:
     # -- the record ----------------------------------------------------------------
 
     def keep(self, rec: StepRecord, *, selected: bool = False) -> None:
-        """A step ended: into the statistics, and into the detail while retention keeps it (``selected``:
-        a schedule recorded it)."""
-        peak = self.where.get(self.ledger.peak_phase_serial)
+        """A step ended: into the statistics, and into the detail while retention keeps it (or a schedule chose it)."""
+        src = self.window_source  # the allocator's windows know the peak; the ledger's is light mode's then
+        peak = (src.peak_step(),) if src is not None else self.where.get(self.ledger.peak_phase_serial)
         dropped = self.retention.add(rec, peak_step=peak[0] if peak else None, selected=selected)
         if dropped:
             self.forget_steps(set(dropped))
@@ -363,6 +375,22 @@ class PhaseTracker:
                 self.retention.steps_run += 1
         self.step_phases = []
         return self.retention.records()
+
+
+def _figures(window: "Window | None", totals: tuple[list[int], list[int], list[int]], light: bool,
+             device: Any) -> "tuple[Breakdown, Breakdown, Breakdown]":
+    """A phase's start, peak and end: the allocator's window (every tensor category measured), or the ledger's."""
+    if window is not None:
+        return (window_breakdown(window.start, "start", device), window_breakdown(window.peak, "peak", device),
+                window_breakdown(window.end, "end", device))
+    return (breakdown(totals[0], light=light, where="start", device=device),
+            breakdown(totals[1], light=light, where="peak", device=device),
+            breakdown(totals[2], light=light, where="end", device=device))
+
+
+def window_breakdown(bd: "Breakdown", where: str, device: Any) -> "Breakdown":
+    """A window's breakdown with the device's figures (allocator overhead, memory outside torch) added."""
+    return breakdown([bd[c.value] or 0 for c in CATEGORY_OF_INDEX], light=False, where=where, device=device)
 
 
 def _join_last(retention: Retention, last: StepRecord, phases: "list[PhaseRecord]") -> None:

@@ -99,11 +99,12 @@ def profile(
     ``memprof.estimate(..., routing=report)``.
     ``record_allocations=True`` (exact mode) keeps every storage made and freed, in order, for
     :meth:`Report.what_a_gpu_would_reserve` (the stream grows with the run: for a few steps).
-    ``source="allocator"`` (exact mode, CUDA) also records the caching allocator's own events and reduces
-    them per phase (:attr:`Profiler.allocator_phases`); the record's figures stay the dispatch mode's
-    (``source="dispatch"``, the default). Whenever the allocator records its history on CUDA (memprof's or
-    your own ``torch.cuda.memory._record_memory_history``), its entries are labelled with memprof's phase,
-    step and module, which memory_viz shows.
+    ``source="allocator"`` (exact mode, CUDA) takes exact mode's figures from the caching allocator's own
+    events instead of a dispatch mode: no Python runs per op, the hooks run as in light mode and say which
+    address holds what, every phase is reduced from the events (:attr:`Profiler.allocator_phases`), and the
+    record's figures are those (``source="dispatch"`` stays the default). Whenever the allocator records its
+    history on CUDA (memprof's or your own ``torch.cuda.memory._record_memory_history``), its entries are
+    labelled with memprof's phase, step and module, which memory_viz shows.
     ``carry_optimizer_steps=False`` (exact mode) measures every optimizer step op by op; by default a step
     whose settings, tensors and state match a clean measured step of the same optimizer is carried: run without
     memprof's dispatch mode and replayed from that step, with the same figures (``report.trace.optimizer_steps``
@@ -159,10 +160,10 @@ class Profiler:
         self._record_routing, self._carry = record_routing, carry_optimizer_steps and oom_dump is None
         self.schedule, self._on_trace_ready = schedule, on_trace_ready
         self._mode_requested = mode
-        mode, self._allocator = resolved_mode(mode, device, source)
+        mode, self._allocator = resolved_mode(mode, device, source, schedule)
         self.device, self._want_operations = device, bool(operations)
         #: What every hook reads: the profiler pushes ``active`` and the thread onto it.
-        self.run = Run(mode, device, bool(timeline))
+        self.run = Run(mode, device, bool(timeline), self._allocator)
         self._model_ref = weakref.ref(model)
         # Held strongly only until the block ends (a model built inline must survive until then).
         self._model_hold: "nn.Module | None" = model
@@ -173,8 +174,8 @@ class Profiler:
         self.ledger = Ledger(rounding=_rounding if _rounding is not None else self.probe.rounding)
         if record_allocations:
             if mode != EXACT:
-                raise InvalidArgumentError("record_allocations=True needs mode='exact': light mode does not see each "
-                                           "storage made and freed")
+                raise InvalidArgumentError("record_allocations=True needs mode='exact' with source='dispatch': light "
+                                           "mode and the allocator's events do not see each storage made and freed")
             self.ledger.record_stream()
         self._stack: "UndoStack | None" = None
         self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)
@@ -190,7 +191,7 @@ class Profiler:
     def mode(self) -> str:
         """``"exact"`` or ``"light"``: how this profile measures (``"auto"`` decided by the device; a model
         running compiled code may turn exact mode light at the start)."""
-        return self.run.mode
+        return EXACT if self.run.source == "allocator" else self.run.mode
 
     @property
     def oom_dump_path(self) -> "str | None":

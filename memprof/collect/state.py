@@ -35,9 +35,9 @@ class Run:
 
     __slots__ = ("active", "paused", "thread", "mode", "device", "on_cpu", "timeline", "backward_frames", "phase",
                  "step", "ops", "scan_args", "forward_seen", "calls", "foreign_threads", "backward_waits", "notes",
-                 "changes")
+                 "changes", "source")
 
-    def __init__(self, mode: str, device: "torch.device", timeline: bool) -> None:
+    def __init__(self, mode: str, device: "torch.device", timeline: bool, source: str = "dispatch") -> None:
         #: Inside the block and not paused by a schedule: hooks record; otherwise they return at once.
         self.active = False
         #: Between two windows of a schedule: only what counts steps still runs.
@@ -66,6 +66,10 @@ class Run:
         self.backward_waits = False
         self.notes: list[str] = []
         self.changes: list[str] = []
+        #: Where the record's figures come from: ``"dispatch"`` (exact mode's dispatch mode, or light mode's
+        #: counters) or ``"allocator"`` (the allocator's own events; the hooks run as in light mode, with no
+        #: dispatch mode).
+        self.source = source
 
     def note(self, text: str) -> None:
         """A note for the report, once."""

@@ -264,6 +264,8 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
         # there every optimizer step is measured.
         if carry and not operations and c.ledger.stream is None and c.storages.fake_mode is None:
             add_carry(c)
+    elif run.source == "allocator":
+        pass  # no dispatch mode and no counters: the allocator's events give the figures (allocator_source.NOTE)
     else:
         c.probe.start_light()
         run.notes.extend(c.probe.light_notes())
