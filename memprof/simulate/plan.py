@@ -30,10 +30,16 @@ PRECISIONS = ("bf16", "mixed")
 @dataclass(frozen=True)
 class Layout:
     """One way to place the model on the ranks: its name in the plan and the options it gives
-    :func:`memprof.estimate` (``world_size=``, ``parallel=`` ...)."""
+    :func:`memprof.estimate` (``world_size=``, ``parallel=``, ``mesh=`` and ``parallelize=`` ...).
+
+    ``family`` groups layouts whose ranks hold the same activations per sample (every data-parallel layout holds
+    a whole sample's): the plan measures how each moment grows with the batch once per family, precision and
+    checkpointing, and the others of the family start from it. A layout that splits activations (tensor or
+    pipeline parallelism) is a family of its own, the default."""
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    family: str = ""
 
 
 def data_parallel_layouts(world_size: int) -> list[Layout]:
@@ -42,9 +48,9 @@ def data_parallel_layouts(world_size: int) -> list[Layout]:
     from .ranks import PARALLEL, check_parallel
 
     if world_size == 1:
-        return [Layout("single")]
+        return [Layout("single", family="data-parallel")]
     check_parallel(world_size, "ddp")
-    return [Layout(name, {"world_size": world_size, "parallel": name}) for name in PARALLEL]
+    return [Layout(name, {"world_size": world_size, "parallel": name}, "data-parallel") for name in PARALLEL]
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ def plan_grid(
     there). Every configuration is judged at the device level against ``gpu``'s capacity."""
     from .device_memory import check_target
     from .estimate import estimate
+    from .plan_search import Probe, largest_batch
     from .progress import Progress
 
     spec, _ = check_target(gpu, None, alloc_conf)
@@ -131,94 +138,27 @@ def plan_grid(
     rows: list[PlanRow] = []
     configs = [(c, p, lay) for c in checkpointing for p in precisions for lay in layouts]
     models: dict[bool, Any] = {}
-    slopes: dict[tuple[bool, str], float] = {}  # bytes per sample, by (checkpointing, precision)
+    # Each moment's bytes per sample, by (checkpointing, precision, family): the first layout that measured them.
+    slopes: dict[tuple[bool, str, str], dict] = {}
     with Progress(None, "plan") as bar:
         for ckpt, precision, layout in configs:
             if ckpt not in models:
                 models[ckpt] = model_for(ckpt)
             model = models[ckpt]
-            one = _Search(lambda b, m=model, p=precision, lay=layout: estimate(
+            label = f"{layout.name} {precision}{' ckpt' if ckpt else ''}"
+            one = Probe(lambda b, m=model, p=precision, lay=layout: estimate(
                 m, optimizer, inputs=make_batch(b), loss_fn=loss_fn, precision=p, gpu=spec, alloc_conf=alloc_conf,
-                attention=attention, **dict(lay.options)), limit, max_batch, bar,
-                f"{layout.name} {precision}{' ckpt' if ckpt else ''}")
-            best, verified = largest_batch(one.peak, limit, slopes.get((ckpt, precision)), one.tensors, max_batch)
-            if best >= 1 and (ckpt, precision) not in slopes and 2 in one.tensors:
-                slopes[(ckpt, precision)] = one.tensors[2] - one.tensors[1]
+                attention=attention, **dict(lay.options)), limit, max_batch,
+                lambda b, label=label: bar.step(f"{label} batch {b}"))
+            family = (ckpt, precision, layout.family or layout.name)
+            best, verified, measured = largest_batch(one, slopes.get(family))
+            if measured is not None:
+                slopes.setdefault(family, measured)
             at = best or 1
             rows.append(_row(layout.name, precision, ckpt, best, at, one.runs[at], len(one.runs), verified))
     return PlanGrid(rows=tuple(rows), model=model_name, gpu=spec.name, capacity=limit,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
                     seq_len=seq_len, seconds=time.perf_counter() - start, notes=tuple(notes))
-
-
-class _Search:
-    """One configuration's simulated batches: ``simulate(b)`` gives the Estimate, :meth:`peak` the device-level
-    peak a plan judges (an out-of-memory error the replay predicts counting as over the limit)."""
-
-    def __init__(self, simulate: Callable[[int], Any], limit: int, max_batch: int, bar: Any, label: str) -> None:
-        self.simulate, self.limit, self.max_batch, self.bar, self.label = simulate, limit, max_batch, bar, label
-        self.runs: dict[int, Any] = {}
-        self.tensors: dict[int, int] = {}
-        self.judged: dict[int, int] = {}
-
-    def peak(self, b: int) -> int:
-        if b > self.max_batch:
-            return self.limit + 1  # the search's ceiling: a batch this large is not simulated
-        if b not in self.judged:
-            self.bar.step(f"{self.label} batch {b}")
-            est = self.simulate(b)
-            self.runs[b], self.tensors[b] = est, est.peak_bytes
-            memory = est.device_memory
-            fits = memory.oom is None and memory.device_peak <= self.limit
-            self.judged[b] = memory.device_peak if fits else max(memory.device_peak, self.limit + 1)
-        return self.judged[b]
-
-
-def largest_batch(peak: Callable[[int], int], limit: int, slope: "float | None", tensors: dict[int, int],
-                  max_batch: int) -> tuple[int, bool]:
-    """The largest batch whose ``peak(b)`` fits ``limit``, and whether it is confirmed (it fits and the next does
-    not, both simulated).
-
-    As :func:`memprof.max_batch_size`: batch 1, then a straight line for the first guess, its slope the tensors'
-    bytes per sample (``slope`` when a like configuration measured it, else batches 1 and 2). Each guess then
-    fits a line through the nearest simulated batches (the device-level peak grows in whole segments, so it
-    bends), and where that makes no progress it bisects: a few simulations, each search ending on a batch that
-    fits beside one that does not (or ``max_batch``).
-    """
-    if peak(1) > limit:
-        return 0, True
-    lo, hi = 1, None  # the largest batch known to fit, the smallest known not to
-    if slope is None:
-        peak(2)
-        slope = float(tensors[2] - tensors[1])
-    guess = 1 + int((limit - peak(1)) // slope) if slope > 0 else max_batch
-    seen = {1: peak(1)} if 2 not in tensors else {1: peak(1), 2: peak(2)}
-    if 2 in seen:
-        lo, hi = (2, None) if seen[2] <= limit else (1, 2)
-    while hi is None or hi - lo > 1:
-        top = max_batch if hi is None else hi - 1
-        if lo >= top:
-            break
-        if guess in seen or not lo < guess <= top:
-            guess = min(top, lo * 2) if hi is None else (lo + hi) // 2
-        seen[guess] = value = peak(guess)
-        if value <= limit:
-            lo = guess
-        else:
-            hi = guess
-        # The next guess: the line through the two simulated batches nearest the answer.
-        below = max(b for b in seen if seen[b] <= limit)
-        others = [b for b in seen if b != below]
-        if not others:
-            guess = lo + 1
-            continue
-        other = min(others, key=lambda b: abs(b - below))
-        per = (seen[other] - seen[below]) / (other - below)
-        guess = below + int((limit - seen[below]) // per) if per > 0 else top
-        if hi is None and guess == lo:
-            guess = lo + 1
-    verified = hi is not None and hi == lo + 1
-    return lo, verified
 
 
 def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, simulations: int,
@@ -234,13 +174,16 @@ def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, 
 
 
 def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
-            layouts: "Sequence[Layout] | None" = None, precisions: Sequence[str] = PRECISIONS,
+            layouts: "Sequence[Layout | str] | str | None" = None, precisions: Sequence[str] = PRECISIONS,
             checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
             attention: str = "auto") -> PlanGrid:
     """:func:`plan_grid` for the model a transformers config describes (:func:`memprof.simulate.hf.load_config`),
     built on the meta device, ``seq_len`` tokens per sequence, AdamW unless ``optimizer`` (a factory of
-    parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks."""
+    parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks, and
+    takes Layouts, layout names and groups (``"dp"``, ``"tp"``, ``"all"``: :func:`~memprof.simulate.hf_layouts.
+    choose_layouts`), e.g. ``"fsdp,tp8,fsdp4-tp2"``."""
     from . import hf
+    from .hf_layouts import choose_layouts
 
     cfg = hf.load_config(config)
     first = hf.build_model(cfg)
@@ -256,6 +199,6 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
             "checkpointing: transformers' activation checkpointing on every layer (non-reentrant)"]
     return plan_grid(model_for, lambda b: token_batch(first, b, seq_len), gpu=gpu,
                      optimizer=optimizer or hf.adamw, loss_fn=hf.hf_loss,
-                     layouts=layouts if layouts is not None else data_parallel_layouts(world_size),
+                     layouts=choose_layouts(first.model, world_size, "dp" if layouts is None else layouts),
                      precisions=precisions, checkpointing=checkpointing, model_name=first.architecture,
                      seq_len=seq_len, alloc_conf=alloc_conf, attention=attention, notes=said + list(first.notes))
