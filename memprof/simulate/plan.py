@@ -1,15 +1,17 @@
 """The plan: for each layout, precision and activation-checkpointing setting, the largest batch that fits a GPU.
 
-Each configuration of the grid is searched as :func:`memprof.max_batch_size` searches (``planner._search``):
-the device-level peak (tensors, the caching allocator's segments, the memory outside torch) of simulated
-steps, a straight line for the first guess, and the answer confirmed by simulation (it fits, one more sample
-does not). Activations and temporaries per sample do not depend on how the ranks share the model states, so
-the slope a configuration measured (batch 1 and 2) is the first guess of the other layouts at the same
-precision and checkpointing: each of them then costs its first batch and the two confirming simulations.
+Each configuration of the grid is judged at the device level (tensors, the caching allocator's segments, the
+memory outside torch) against the GPU's capacity, and its answer is always confirmed by simulation: the batch
+fits and the batch above it does not, both simulated (:func:`memprof.simulate.plan_search.largest_batch`). The
+batches tried come from each phase moment's tensor bytes as a line in the batch (the optimizer step's moment is
+flat, the forward's and backward's steep; the peak is the largest of them), measured once per precision,
+checkpointing and *family* of layouts (the data-parallel layouts hold the same activations per sample and differ
+in model states, which are flat), and for a checkpointed row from its own row without checkpointing: most rows
+cost the two confirming simulations, or one when not even one sample fits.
 
 The layouts are a list of named entries (:class:`Layout`), each the options it hands to
-:func:`memprof.estimate`: data-parallel layouts today, and any other way of placing a model on ranks is one
-more entry.
+:func:`memprof.estimate`: the data-parallel layouts, and tensor-parallel ones built from a transformers model's
+own TP plan (:mod:`memprof.simulate.hf_layouts`); any other way of placing a model on ranks is one more entry.
 """
 
 from __future__ import annotations
@@ -138,8 +140,9 @@ def plan_grid(
     rows: list[PlanRow] = []
     configs = [(c, p, lay) for c in checkpointing for p in precisions for lay in layouts]
     models: dict[bool, Any] = {}
-    # Each moment's bytes per sample, by (checkpointing, precision, family): the first layout that measured them.
-    slopes: dict[tuple[bool, str, str], dict] = {}
+    # Each moment's bytes per sample, by (checkpointing, precision, family), and the layout that measured them.
+    slopes: dict[tuple[bool, str, str], tuple[dict, str]] = {}
+    probes: dict[tuple[str, str, bool], Any] = {}
     with Progress(None, "plan") as bar:
         for ckpt, precision, layout in configs:
             if ckpt not in models:
@@ -151,14 +154,46 @@ def plan_grid(
                 attention=attention, **dict(lay.options)), limit, max_batch,
                 lambda b, label=label: bar.step(f"{label} batch {b}"))
             family = (ckpt, precision, layout.family or layout.name)
-            best, verified, measured = largest_batch(one, slopes.get(family))
-            if measured is not None:
-                slopes.setdefault(family, measured)
-            at = best or 1
+            shared, reference = slopes.get(family, (None, ""))
+            predicted, overhead = _sibling_start(probes, layout.name, reference, precision, ckpt)
+            best, verified, measured = largest_batch(one, shared, predicted, overhead)
+            if measured is not None and family not in slopes:
+                slopes[family] = (measured, layout.name)
+            probes[(layout.name, precision, ckpt)] = one
+            at = best if best else 1
+            if at not in one.runs:  # nothing fits, and batch 1 was not simulated: it is, for the row's figures
+                one.judged(at)
             rows.append(_row(layout.name, precision, ckpt, best, at, one.runs[at], len(one.runs), verified))
+    said = ("search: every row's answer was simulated and so was the batch above it (verified: it fits, the next "
+            "does not); the batches tried were predicted from each phase moment's tensor bytes as a line in the "
+            "batch (two simulated batches per precision, checkpointing and family of layouts) plus the device bytes "
+            "above the tensors the nearest simulated batch showed, and a prediction is never an answer",)
     return PlanGrid(rows=tuple(rows), model=model_name, gpu=spec.name, capacity=limit,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
-                    seq_len=seq_len, seconds=time.perf_counter() - start, notes=tuple(notes))
+                    seq_len=seq_len, seconds=time.perf_counter() - start, notes=(*notes, *said))
+
+
+def _sibling_start(probes: dict, layout: str, reference: str, precision: str,
+                   ckpt: bool) -> "tuple[dict | None, int]":
+    """A prediction of ``layout``'s moments at batch 1 with checkpointing ``ckpt``, from simulations already run:
+    its own at batch 1 with checkpointing the other way, plus what switching it changed in ``reference`` (the
+    layout that measured the slopes) at batch 1, moment by moment. Checkpointing changes the activations and
+    recomputation, which every layout of a family shares, and not the model states, which is where the layouts
+    differ. None (and 0) when one of the three was not simulated at batch 1."""
+    own = probes.get((layout, precision, not ckpt))
+    ref_here, ref_there = probes.get((reference, precision, ckpt)), probes.get((reference, precision, not ckpt))
+    if own is None or ref_here is None or ref_there is None or layout == reference:
+        return None, 0
+    if not all(1 in p.moments for p in (own, ref_here, ref_there)):
+        return None, 0
+    a, b, c = own.moments[1], ref_here.moments[1], ref_there.moments[1]
+    if not a.keys() == b.keys() == c.keys():
+        return None, 0
+    # The reference's device bytes above its tensors at the largest batch it fitted: at small batches a flat
+    # moment (the optimizer step's) can hold the device peak and inflate them; near the answer the batch's own do.
+    fitted = [b_ for b_ in ref_here.runs if ref_here.fits(b_)]
+    overhead = ref_here.overhead(max(fitted)) if fitted else 0
+    return {m: a[m] + b[m] - c[m] for m in a}, overhead
 
 
 def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, simulations: int,

@@ -101,34 +101,43 @@ class Probe:
         return max(0, est.device_memory.device_peak - est.peak_bytes)
 
 
-def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None) -> "tuple[int, bool, dict | None]":
+def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
+                  start: "Mapping[Any, int] | None" = None, overhead: int = 0) -> "tuple[int, bool, dict | None]":
     """The largest batch that fits ``probe.limit``, whether it is confirmed (it fits and the next does not, both
     simulated; or batch 1 does not fit), and the per-moment slopes this configuration measured (None when it
     measured none), for the like configurations that follow.
 
     ``shared`` is the per-moment slope (bytes per sample) a configuration of the same precision and checkpointing
     measured: the layouts share how activations grow and differ in the model states, which are flat in the batch.
-    Without it (or when this configuration's moments are not the same ones) batch 2 is simulated too.
+    Without it (or when this configuration's moments are not the same ones) batch 2 is simulated too. ``start``
+    is a prediction of this configuration's moments at batch 1 (and ``overhead`` of its device bytes above the
+    tensors): with it and ``shared`` the search simulates the batch they predict first, and batch 1 only if it
+    comes to it.
     """
     limit, ceiling = probe.limit, probe.max_batch
-    if not probe.fits(1):
-        return 0, True, None
-    lo, hi = 1, None  # the largest batch known to fit, the smallest known not to
-    slopes = dict(shared) if shared is not None and probe.moments[1].keys() <= shared.keys() else None
-    if slopes is None and ceiling >= 2:
-        if probe.fits(2):
-            lo = 2
-        else:
-            hi = 2
+    lo, hi = 0, None  # the largest batch known to fit (0: none simulated yet), the smallest known not to
+    slopes = dict(shared) if shared is not None else None
+    if start is None or slopes is None or not start.keys() <= slopes.keys():
+        start = None
+        if not probe.fits(1):
+            return 0, True, None
+        lo = 1
+        if slopes is not None and not probe.moments[1].keys() <= slopes.keys():
+            slopes = None
+        if slopes is None and ceiling >= 2:
+            if probe.fits(2):
+                lo = 2
+            else:
+                hi = 2
     measured = None
-    if 2 in probe.runs:
+    if 1 in probe.runs and 2 in probe.runs:
         measured = Lines.through(1, probe.moments[1], 2, probe.moments[2]).slope
         slopes = measured
     same_side = 0  # probes in a row that moved the same end of the bracket: then bisect
     last_side = None
     while (hi is None or hi - lo > 1) and lo < ceiling:
         top = ceiling if hi is None else hi - 1
-        guess = _predicted(probe, slopes or {}, lo, hi, limit, top)
+        guess = _predicted(probe, slopes or {}, lo, hi, limit, top, start, overhead)
         if same_side >= 2:
             guess = (lo + hi) // 2 if hi is not None else min(top, 2 * lo)
         elif guess <= lo:  # the lines say lo is the answer: simulate the batch above it
@@ -141,21 +150,25 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None) -> 
             hi = guess
         same_side = same_side + 1 if side == last_side else 1
         last_side = side
-    verified = hi is not None and hi == lo + 1 and lo in probe.runs
+    verified = hi is not None and hi == lo + 1 and (lo == 0 or lo in probe.runs)
     return lo, verified, measured
 
 
-def _predicted(probe: Probe, slopes: Mapping[Any, float], lo: int, hi: "int | None", limit: int, top: int) -> int:
+def _predicted(probe: Probe, slopes: Mapping[Any, float], lo: int, hi: "int | None", limit: int, top: int,
+               start: "Mapping[Any, int] | None", overhead: int) -> int:
     """The largest batch the moments' lines put within ``limit`` after the device overhead: through the two
-    simulated batches nearest the bracket when there are two, else through ``lo`` with ``slopes``."""
+    simulated batches nearest the bracket when there are two, else through the one with ``slopes``, else from
+    ``start`` (the moments predicted at batch 1) with ``slopes`` and ``overhead``."""
     simulated = sorted(probe.runs)
     if len(simulated) >= 2:
         ends = [b for b in (lo, hi) if b is not None and b in probe.runs]
         others = [b for b in simulated if b not in ends]
         near = sorted(ends + sorted(others, key=lambda b: abs(b - lo))[: max(0, 2 - len(ends))])[:2]
         lines = Lines.through(near[0], probe.moments[near[0]], near[1], probe.moments[near[1]])
+    elif simulated:
+        lines = Lines(simulated[0], probe.moments[simulated[0]], slopes)
     else:
-        lines = Lines(lo, probe.moments[lo], slopes)
+        return Lines(1, start or {}, slopes).largest(limit - overhead, top)
     guess = lines.largest(limit - probe.overhead(lo), top)
     if guess > lo:  # the overhead grows with the segments: take the one simulated nearest the guess
         guess = lines.largest(limit - probe.overhead(guess), top)

@@ -72,9 +72,6 @@ def test_every_answer_fits_and_one_more_does_not(grid):
             assert est.fits is fits, (row.layout, row.checkpointing, b)
             if fits:
                 assert (est.device_peak, est.peak_bytes) == (row.device_peak, row.peak_bytes)
-    # Like layouts share each moment's slope: after the first layout of a precision and checkpointing, a row
-    # whose answer is above 1 costs its batch 1, the answer and the one above.
-    assert all(r.simulations <= 4 for r in plan.rows)
 
 
 def test_tp_layouts_divide_the_model(tmp_path):
