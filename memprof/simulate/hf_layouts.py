@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["tp_plan", "tp_parallelize", "tp_degrees"]
+__all__ = ["tp_plan", "tp_parallelize", "tp_degrees", "STYLES"]
 
 #: transformers' style names this module maps onto torch's styles (the rest make a model's TP layouts unavailable).
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep",
@@ -105,55 +105,3 @@ def tp_parallelize(fsdp: bool = False) -> Callable[[Any, Any], Any]:
 
     return parallelize
 
-
-#: The groups ``layouts=`` (and ``memprof plan --layouts``) takes besides layout names.
-GROUPS = ("dp", "tp", "all")
-
-
-def tp_layouts(model: Any, world_size: int) -> list[Any]:
-    """The tensor-parallel layouts of ``world_size`` ranks the model allows (:func:`tp_degrees`): ``tp{W}`` over
-    every rank, and ``fsdp{D}-tp{T}`` (FSDP over ``D`` groups of ``T`` TP ranks, ``D x T = W``)."""
-    from .plan import Layout
-
-    out = []
-    for t in tp_degrees(model, world_size):
-        d = world_size // t
-        if d == 1:
-            out.append(Layout(f"tp{t}", {"world_size": world_size, "mesh": {"tp": t},
-                                         "parallelize": tp_parallelize()}))
-        else:
-            out.append(Layout(f"fsdp{d}-tp{t}", {"world_size": world_size, "mesh": {"dp": d, "tp": t},
-                                                 "parallelize": tp_parallelize(fsdp=True)}))
-    return out
-
-
-def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any]:
-    """The layouts ``wanted`` names: a comma-separated string or a list of layout names (``ddp``, ``fsdp``,
-    ``zero1``-``zero3``, ``tp8``, ``fsdp4-tp2`` ...) and groups (``dp``: the data-parallel ones, ``tp``: every
-    tensor-parallel one the model allows, ``all``), or Layouts as they are."""
-    from .plan import Layout, data_parallel_layouts
-
-    items = [w.strip() for w in wanted.split(",")] if isinstance(wanted, str) else list(wanted)
-    dp = data_parallel_layouts(world_size)
-    tp = tp_layouts(model, world_size) if world_size > 1 else []
-    known = {lay.name: lay for lay in dp + tp}
-    groups = {"dp": dp, "tp": tp, "all": dp + tp}
-    out: list[Any] = []
-    for item in items:
-        if isinstance(item, Layout):
-            chosen = [item]
-        elif isinstance(item, str) and item.lower() in groups:
-            chosen = groups[item.lower()]
-        elif isinstance(item, str) and item.lower() in known:
-            chosen = [known[item.lower()]]
-        elif isinstance(item, str) and not item:
-            continue
-        else:
-            why = "" if tp or world_size == 1 else (" (no tensor-parallel layout: the model's heads, MLP width or "
-                                                    "vocabulary are not divisible, or it has no TP plan)")
-            raise InvalidArgumentError(f"unknown layout {item!r} for {world_size} rank(s){why}; use "
-                                       + ", ".join([*known, *GROUPS]))
-        out.extend(lay for lay in chosen if lay.name not in {o.name for o in out})
-    if not out:
-        raise InvalidArgumentError("a plan needs at least one layout")
-    return out

@@ -17,42 +17,17 @@ own TP plan (:mod:`memprof.simulate.hf_layouts`); any other way of placing a mod
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import InvalidArgumentError
+from .layouts import Layout, data_parallel_layouts
 
 __all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "PRECISIONS"]
 
 #: The precisions a plan compares by default: bf16 weights and optimizer state, and fp32 master weights with
 #: the forward under bf16 autocast.
 PRECISIONS = ("bf16", "mixed")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to place the model on the ranks: its name in the plan and the options it gives
-    :func:`memprof.estimate` (``world_size=``, ``parallel=``, ``mesh=`` and ``parallelize=`` ...).
-
-    ``family`` groups layouts whose ranks hold the same activations per sample (every data-parallel layout holds
-    a whole sample's): the plan measures how each moment grows with the batch once per family, precision and
-    checkpointing, and the others of the family start from it. A layout that splits activations (tensor or
-    pipeline parallelism) is a family of its own, the default."""
-
-    name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-    family: str = ""
-
-
-def data_parallel_layouts(world_size: int) -> list[Layout]:
-    """The data-parallel layouts of ``world_size`` ranks (:data:`memprof.simulate.ranks.PARALLEL`), or one
-    device alone for a world size of 1."""
-    from .ranks import PARALLEL, check_parallel
-
-    if world_size == 1:
-        return [Layout("single", family="data-parallel")]
-    check_parallel(world_size, "ddp")
-    return [Layout(name, {"world_size": world_size, "parallel": name}, "data-parallel") for name in PARALLEL]
 
 
 @dataclass(frozen=True)
@@ -215,10 +190,10 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     """:func:`plan_grid` for the model a transformers config describes (:func:`memprof.simulate.hf.load_config`),
     built on the meta device, ``seq_len`` tokens per sequence, AdamW unless ``optimizer`` (a factory of
     parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks, and
-    takes Layouts, layout names and groups (``"dp"``, ``"tp"``, ``"all"``: :func:`~memprof.simulate.hf_layouts.
+    takes Layouts, layout names and groups (``"dp"``, ``"tp"``, ``"all"``: :func:`~memprof.simulate.layouts.
     choose_layouts`), e.g. ``"fsdp,tp8,fsdp4-tp2"``."""
     from . import hf
-    from .hf_layouts import choose_layouts
+    from .layouts import choose_layouts
 
     cfg = hf.load_config(config)
     first = hf.build_model(cfg)

@@ -15,7 +15,8 @@ from memprof.cli import main  # noqa: E402
 from memprof.errors import InvalidArgumentError  # noqa: E402
 from memprof.report.planning import plan_grid  # noqa: E402
 from memprof.simulate import hf  # noqa: E402
-from memprof.simulate.hf_layouts import choose_layouts, tp_degrees  # noqa: E402
+from memprof.simulate.hf_layouts import tp_degrees  # noqa: E402
+from memprof.simulate.layouts import choose_layouts  # noqa: E402
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
