@@ -114,3 +114,21 @@ def test_moments_key_every_phase_start_peak_and_end():
     simulate, _ = _step(GiB, GiB, 3 * GiB)
     keys = moments(simulate(2).trace)  # the tensor categories only, whatever else a record holds
     assert len(keys) == 6 and keys[(1, "forward", 0, "peak")] == 3 * GiB  # 1 GiB + 2 x 1 GiB
+
+
+@pytest.mark.parametrize("states", [10, 4, 30])
+def test_a_predicted_start_skips_batch_one_and_a_wrong_one_is_corrected(states):
+    # The row's moments at batch 1 are predicted as 10 GiB of states + 7 GiB (forward) and 50 GiB (optimizer),
+    # so the search starts at (80 - 17) // 7 + 1 = 10. The row's truth has ``states`` GiB of states: as
+    # predicted (10), fewer (4: it fits 10 samples and more) or far more (30: only 6 fit); each ends on the truth,
+    # confirmed on both sides.
+    simulate, _ = _step(20 * GiB, 7 * GiB, 60 * GiB)
+    _, _, slopes = largest_batch(Probe(simulate, LIMIT, 4096))
+    other, calls = _step(states * GiB, 7 * GiB, 50 * GiB)
+    start = {(1, "forward", 0, w): 17 * GiB for w in ("start", "peak", "end")}
+    start.update({(1, "optimizer", 0, w): 50 * GiB for w in ("start", "peak", "end")})
+    best, verified, _ = largest_batch(Probe(other, LIMIT, 4096), slopes, start, 0)
+    assert (best, verified) == (_truth(_step(states * GiB, 7 * GiB, 50 * GiB)[0], LIMIT), True)
+    assert 1 not in calls  # batch 1 is never simulated
+    if states == 10:
+        assert sorted(set(calls)) == [10, 11]  # the answer and the one above
