@@ -90,6 +90,9 @@ def tp_parallelize(fsdp: bool = False) -> Callable[[Any, Any], Any]:
         if plan is None:
             raise InvalidArgumentError(f"{type(model).__name__} has no tensor-parallel plan memprof can apply")
         styles = {name: _style(style) for pattern, style in plan.items() for name in _modules_for(model, pattern)}
+        if not styles:  # splitting nothing would simulate every rank holding the whole model, silently
+            raise InvalidArgumentError(f"the tensor-parallel plan of {type(model).__name__} names no module of it "
+                                       f"({', '.join(plan)}); plan it with the data-parallel layouts")
         parallelize_module(model, tp_mesh, styles)
         if fsdp:
             from torch.distributed.fsdp import fully_shard
