@@ -114,3 +114,14 @@ def test_cli_layouts(tmp_path, capsys):
     assert main(["plan", "--hf", str(folder), "--seq-len", "8", "--gpu", "t4", "--world-size", "2",
                  "--layouts", "pp2"]) == 1
     assert "unknown layout 'pp2'" in capsys.readouterr().err
+
+
+def test_a_tp_plan_that_names_no_module_is_refused(tmp_path):
+    from memprof.simulate.hf_layouts import tp_parallelize
+
+    model = hf.build_model(hf.load_config(_folder(tmp_path, TINY))).model
+    model._tp_plan = {"no_such.*.proj": "colwise"}
+    with pytest.raises(InvalidArgumentError, match="names no module"):
+        tp_parallelize()(model, None)
+    model._tp_plan = {"model.layers.*.mlp.gate_proj": "packed_colwise"}  # a style memprof does not map
+    assert tp_degrees(model, 2) == []
