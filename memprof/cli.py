@@ -299,8 +299,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.html is not None:
         _writable(args.html)
     check_target(args.gpu, None, args.alloc_conf)
-    layouts = None
-    if args.parallel:
+    layouts: Any = None
+    if args.layouts and args.parallel:
+        raise MemprofError("give --layouts or --parallel, not both (--layouts takes every name --parallel takes)")
+    if args.layouts:
+        layouts = args.layouts  # names and groups, resolved against the model once it is built
+    elif args.parallel:
         from .simulate.plan import data_parallel_layouts
 
         wanted = [p.strip().lower() for p in args.parallel.split(",") if p.strip()]
@@ -485,6 +489,9 @@ def _parser() -> argparse.ArgumentParser:
     pla.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
     pla.add_argument("--parallel", metavar="LIST", help="layouts to plan, comma-separated (default: every layout "
                      "for the world size: ddp,fsdp,zero1,zero2,zero3)")
+    pla.add_argument("--layouts", metavar="LIST", help="layouts to plan, comma-separated: names (ddp, fsdp, "
+                     "zero1-3, tp8, fsdp4-tp2 ...) and groups (dp: the data-parallel ones, the default; tp: every "
+                     "tensor-parallel layout the model's TP plan allows on --world-size ranks; all)")
     pla.add_argument("--precision", metavar="LIST", default="bf16,mixed",
                      help="precisions to plan, comma-separated (default bf16,mixed)")
     pla.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",

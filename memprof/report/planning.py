@@ -69,10 +69,12 @@ def plan_grid(config: Any, **options: Any) -> Plan:
 
 
 def plan(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
-         layouts: "Sequence[planning.Layout] | None" = None, precisions: Sequence[str] = planning.PRECISIONS,
+         layouts: "Sequence[planning.Layout | str] | str | None" = None,
+         precisions: Sequence[str] = planning.PRECISIONS,
          checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
          attention: str = "auto") -> "pd.DataFrame":
-    """The largest batch per rank that fits ``gpu`` for each layout of ``world_size`` ranks (DDP, FSDP, ZeRO 1-3),
+    """The largest batch per rank that fits ``gpu`` for each layout of ``world_size`` ranks (DDP, FSDP, ZeRO 1-3 by
+    default; ``layouts="all"`` adds the tensor-parallel ones the model's own TP plan allows: ``tp8``, ``fsdp4-tp2``),
     precision (bf16, mixed) and activation checkpointing (off, on), for the model a transformers config
     describes (a ``PretrainedConfig``, a folder holding ``config.json``, the file, or a cached hub id) with
     ``seq_len`` tokens per sequence: a DataFrame, a row per configuration, with the peak at that batch and the

@@ -1,50 +1,33 @@
 """The plan: for each layout, precision and activation-checkpointing setting, the largest batch that fits a GPU.
 
-Each configuration of the grid is searched as :func:`memprof.max_batch_size` searches (``planner._search``):
-the device-level peak (tensors, the caching allocator's segments, the memory outside torch) of simulated
-steps, a straight line for the first guess, and the answer confirmed by simulation (it fits, one more sample
-does not). Activations and temporaries per sample do not depend on how the ranks share the model states, so
-the slope a configuration measured (batch 1 and 2) is the first guess of the other layouts at the same
-precision and checkpointing: each of them then costs its first batch and the two confirming simulations.
+Each configuration of the grid is judged at the device level (tensors, the caching allocator's segments, the
+memory outside torch) against the GPU's capacity, and its answer is always confirmed by simulation: the batch
+fits and the batch above it does not, both simulated (:func:`memprof.simulate.plan_search.largest_batch`). The
+batches tried come from each phase moment's tensor bytes as a line in the batch (the optimizer step's moment is
+flat, the forward's and backward's steep; the peak is the largest of them), measured once per precision,
+checkpointing and *family* of layouts (the data-parallel layouts hold the same activations per sample and differ
+in model states, which are flat), and for a checkpointed row from its own row without checkpointing: most rows
+cost the two confirming simulations, or one when not even one sample fits.
 
 The layouts are a list of named entries (:class:`Layout`), each the options it hands to
-:func:`memprof.estimate`: data-parallel layouts today, and any other way of placing a model on ranks is one
-more entry.
+:func:`memprof.estimate`: the data-parallel layouts, and tensor-parallel ones built from a transformers model's
+own TP plan (:mod:`memprof.simulate.hf_layouts`); any other way of placing a model on ranks is one more entry.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import InvalidArgumentError
+from .layouts import Layout, data_parallel_layouts
 
 __all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "PRECISIONS"]
 
 #: The precisions a plan compares by default: bf16 weights and optimizer state, and fp32 master weights with
 #: the forward under bf16 autocast.
 PRECISIONS = ("bf16", "mixed")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to place the model on the ranks: its name in the plan and the options it gives
-    :func:`memprof.estimate` (``world_size=``, ``parallel=`` ...)."""
-
-    name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-
-def data_parallel_layouts(world_size: int) -> list[Layout]:
-    """The data-parallel layouts of ``world_size`` ranks (:data:`memprof.simulate.ranks.PARALLEL`), or one
-    device alone for a world size of 1."""
-    from .ranks import PARALLEL, check_parallel
-
-    if world_size == 1:
-        return [Layout("single")]
-    check_parallel(world_size, "ddp")
-    return [Layout(name, {"world_size": world_size, "parallel": name}) for name in PARALLEL]
 
 
 @dataclass(frozen=True)
@@ -118,6 +101,7 @@ def plan_grid(
     there). Every configuration is judged at the device level against ``gpu``'s capacity."""
     from .device_memory import check_target
     from .estimate import estimate
+    from .plan_search import Probe, largest_batch
     from .progress import Progress
 
     spec, _ = check_target(gpu, None, alloc_conf)
@@ -131,94 +115,60 @@ def plan_grid(
     rows: list[PlanRow] = []
     configs = [(c, p, lay) for c in checkpointing for p in precisions for lay in layouts]
     models: dict[bool, Any] = {}
-    slopes: dict[tuple[bool, str], float] = {}  # bytes per sample, by (checkpointing, precision)
+    # Each moment's bytes per sample, by (checkpointing, precision, family), and the layout that measured them.
+    slopes: dict[tuple[bool, str, str], tuple[dict, str]] = {}
+    probes: dict[tuple[str, str, bool], Any] = {}
     with Progress(None, "plan") as bar:
         for ckpt, precision, layout in configs:
             if ckpt not in models:
                 models[ckpt] = model_for(ckpt)
             model = models[ckpt]
-            one = _Search(lambda b, m=model, p=precision, lay=layout: estimate(
+            label = f"{layout.name} {precision}{' ckpt' if ckpt else ''}"
+            one = Probe(lambda b, m=model, p=precision, lay=layout: estimate(
                 m, optimizer, inputs=make_batch(b), loss_fn=loss_fn, precision=p, gpu=spec, alloc_conf=alloc_conf,
-                attention=attention, **dict(lay.options)), limit, max_batch, bar,
-                f"{layout.name} {precision}{' ckpt' if ckpt else ''}")
-            best, verified = largest_batch(one.peak, limit, slopes.get((ckpt, precision)), one.tensors, max_batch)
-            if best >= 1 and (ckpt, precision) not in slopes and 2 in one.tensors:
-                slopes[(ckpt, precision)] = one.tensors[2] - one.tensors[1]
-            at = best or 1
+                attention=attention, **dict(lay.options)), limit, max_batch,
+                lambda b, label=label: bar.step(f"{label} batch {b}"))
+            family = (ckpt, precision, layout.family or layout.name)
+            shared, reference = slopes.get(family, (None, ""))
+            predicted, overhead = _sibling_start(probes, layout.name, reference, precision, ckpt)
+            best, verified, measured = largest_batch(one, shared, predicted, overhead)
+            if measured is not None and family not in slopes:
+                slopes[family] = (measured, layout.name)
+            probes[(layout.name, precision, ckpt)] = one
+            at = best if best else 1
+            if at not in one.runs:  # nothing fits, and batch 1 was not simulated: it is, for the row's figures
+                one.judged(at)
             rows.append(_row(layout.name, precision, ckpt, best, at, one.runs[at], len(one.runs), verified))
+    said = ("search: every row's answer was simulated and so was the batch above it (verified: it fits, the next "
+            "does not); the batches tried were predicted from each phase moment's tensor bytes as a line in the "
+            "batch (two simulated batches per precision, checkpointing and family of layouts) plus the device bytes "
+            "above the tensors the nearest simulated batch showed, and a prediction is never an answer",)
     return PlanGrid(rows=tuple(rows), model=model_name, gpu=spec.name, capacity=limit,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
-                    seq_len=seq_len, seconds=time.perf_counter() - start, notes=tuple(notes))
+                    seq_len=seq_len, seconds=time.perf_counter() - start, notes=(*notes, *said))
 
 
-class _Search:
-    """One configuration's simulated batches: ``simulate(b)`` gives the Estimate, :meth:`peak` the device-level
-    peak a plan judges (an out-of-memory error the replay predicts counting as over the limit)."""
-
-    def __init__(self, simulate: Callable[[int], Any], limit: int, max_batch: int, bar: Any, label: str) -> None:
-        self.simulate, self.limit, self.max_batch, self.bar, self.label = simulate, limit, max_batch, bar, label
-        self.runs: dict[int, Any] = {}
-        self.tensors: dict[int, int] = {}
-        self.judged: dict[int, int] = {}
-
-    def peak(self, b: int) -> int:
-        if b > self.max_batch:
-            return self.limit + 1  # the search's ceiling: a batch this large is not simulated
-        if b not in self.judged:
-            self.bar.step(f"{self.label} batch {b}")
-            est = self.simulate(b)
-            self.runs[b], self.tensors[b] = est, est.peak_bytes
-            memory = est.device_memory
-            fits = memory.oom is None and memory.device_peak <= self.limit
-            self.judged[b] = memory.device_peak if fits else max(memory.device_peak, self.limit + 1)
-        return self.judged[b]
-
-
-def largest_batch(peak: Callable[[int], int], limit: int, slope: "float | None", tensors: dict[int, int],
-                  max_batch: int) -> tuple[int, bool]:
-    """The largest batch whose ``peak(b)`` fits ``limit``, and whether it is confirmed (it fits and the next does
-    not, both simulated).
-
-    As :func:`memprof.max_batch_size`: batch 1, then a straight line for the first guess, its slope the tensors'
-    bytes per sample (``slope`` when a like configuration measured it, else batches 1 and 2). Each guess then
-    fits a line through the nearest simulated batches (the device-level peak grows in whole segments, so it
-    bends), and where that makes no progress it bisects: a few simulations, each search ending on a batch that
-    fits beside one that does not (or ``max_batch``).
-    """
-    if peak(1) > limit:
-        return 0, True
-    lo, hi = 1, None  # the largest batch known to fit, the smallest known not to
-    if slope is None:
-        peak(2)
-        slope = float(tensors[2] - tensors[1])
-    guess = 1 + int((limit - peak(1)) // slope) if slope > 0 else max_batch
-    seen = {1: peak(1)} if 2 not in tensors else {1: peak(1), 2: peak(2)}
-    if 2 in seen:
-        lo, hi = (2, None) if seen[2] <= limit else (1, 2)
-    while hi is None or hi - lo > 1:
-        top = max_batch if hi is None else hi - 1
-        if lo >= top:
-            break
-        if guess in seen or not lo < guess <= top:
-            guess = min(top, lo * 2) if hi is None else (lo + hi) // 2
-        seen[guess] = value = peak(guess)
-        if value <= limit:
-            lo = guess
-        else:
-            hi = guess
-        # The next guess: the line through the two simulated batches nearest the answer.
-        below = max(b for b in seen if seen[b] <= limit)
-        others = [b for b in seen if b != below]
-        if not others:
-            guess = lo + 1
-            continue
-        other = min(others, key=lambda b: abs(b - below))
-        per = (seen[other] - seen[below]) / (other - below)
-        guess = below + int((limit - seen[below]) // per) if per > 0 else top
-        if hi is None and guess == lo:
-            guess = lo + 1
-    verified = hi is not None and hi == lo + 1
-    return lo, verified
+def _sibling_start(probes: dict, layout: str, reference: str, precision: str,
+                   ckpt: bool) -> "tuple[dict | None, int]":
+    """A prediction of ``layout``'s moments at batch 1 with checkpointing ``ckpt``, from simulations already run:
+    its own at batch 1 with checkpointing the other way, plus what switching it changed in ``reference`` (the
+    layout that measured the slopes) at batch 1, moment by moment. Checkpointing changes the activations and
+    recomputation, which every layout of a family shares, and not the model states, which is where the layouts
+    differ. None (and 0) when one of the three was not simulated at batch 1."""
+    own = probes.get((layout, precision, not ckpt))
+    ref_here, ref_there = probes.get((reference, precision, ckpt)), probes.get((reference, precision, not ckpt))
+    if own is None or ref_here is None or ref_there is None or layout == reference:
+        return None, 0
+    if not all(1 in p.moments for p in (own, ref_here, ref_there)):
+        return None, 0
+    a, b, c = own.moments[1], ref_here.moments[1], ref_there.moments[1]
+    if not a.keys() == b.keys() == c.keys():
+        return None, 0
+    # The reference's device bytes above its tensors at the largest batch it fitted: at small batches a flat
+    # moment (the optimizer step's) can hold the device peak and inflate them; near the answer the batch's own do.
+    fitted = [b_ for b_ in ref_here.runs if ref_here.fits(b_)]
+    overhead = ref_here.overhead(max(fitted)) if fitted else 0
+    return {m: a[m] + b[m] - c[m] for m in a}, overhead
 
 
 def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, simulations: int,
@@ -234,13 +184,16 @@ def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, 
 
 
 def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
-            layouts: "Sequence[Layout] | None" = None, precisions: Sequence[str] = PRECISIONS,
+            layouts: "Sequence[Layout | str] | str | None" = None, precisions: Sequence[str] = PRECISIONS,
             checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
             attention: str = "auto") -> PlanGrid:
     """:func:`plan_grid` for the model a transformers config describes (:func:`memprof.simulate.hf.load_config`),
     built on the meta device, ``seq_len`` tokens per sequence, AdamW unless ``optimizer`` (a factory of
-    parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks."""
+    parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks, and
+    takes Layouts, layout names and groups (``"dp"``, ``"tp"``, ``"all"``: :func:`~memprof.simulate.layouts.
+    choose_layouts`), e.g. ``"fsdp,tp8,fsdp4-tp2"``."""
     from . import hf
+    from .layouts import choose_layouts
 
     cfg = hf.load_config(config)
     first = hf.build_model(cfg)
@@ -256,6 +209,6 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
             "checkpointing: transformers' activation checkpointing on every layer (non-reentrant)"]
     return plan_grid(model_for, lambda b: token_batch(first, b, seq_len), gpu=gpu,
                      optimizer=optimizer or hf.adamw, loss_fn=hf.hf_loss,
-                     layouts=layouts if layouts is not None else data_parallel_layouts(world_size),
+                     layouts=choose_layouts(first.model, world_size, "dp" if layouts is None else layouts),
                      precisions=precisions, checkpointing=checkpointing, model_name=first.architecture,
                      seq_len=seq_len, alloc_conf=alloc_conf, attention=attention, notes=said + list(first.notes))
