@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,11 @@ class ShardTracker:
         self.groups = groups
         self.fsdp_params = [fp for ps in groups.values() for fp in ps]
         self.hooked: set[int] = set()  # id() of unsharded parameters carrying memprof's gradient hook
+        # Per FSDP parameter, weak references to the gradient tensors the last collective found stored: the
+        # pass after each collective then registers only what changed since (a sharded gradient is a DTensor,
+        # whose registration unwraps it: done for every parameter after every collective, it cost a 405B
+        # pipeline simulation most of its time).
+        self.stored: dict[int, tuple[Any, Any]] = {}
 
     def close(self) -> None:
         sharded, unsharded, padding, even = self.sizes()
@@ -167,15 +173,37 @@ class ShardTracker:
             self.params.add_grad(param.grad, retro=True, follow=False)
 
     def grads(self) -> None:
-        """The sharded gradients FSDP has stored so far (after a reduce-scatter, at backward's end)."""
-        params = self.params
-        for fp in self.fsdp_params:
+        """The sharded gradients FSDP has stored so far, every one (at backward's end)."""
+        self.stored.clear()
+        self.new_grads()
+
+    def new_grads(self) -> None:
+        """The sharded gradients FSDP stored since the last collective (after each collective: a
+        reduce-scatter stores a group's); a gradient tensor already registered after an earlier one is
+        skipped."""
+        params, stored = self.params, self.stored
+        for i, fp in enumerate(self.fsdp_params):
             g = fp.sharded_param.grad
+            acc = getattr(fp, "unsharded_accumulated_grad", None)  # no gradient sync: kept unsharded
+            if g is None and acc is None:
+                continue
+            seen = stored.get(i)
+            if seen is not None and seen[0]() is g and seen[1]() is acc:
+                continue
             if g is not None:
                 params.add_grad(g, retro=True)
-            acc = getattr(fp, "unsharded_accumulated_grad", None)  # no gradient sync: kept unsharded
             if acc is not None:
                 params.add_grad(acc, retro=True, follow=False)
+            stored[i] = (_ref(g), _ref(acc))
+
+
+def _ref(t: Any) -> Any:
+    """A weak reference to ``t`` (never keeping a gradient alive), or a callable giving None."""
+    return weakref.ref(t) if t is not None else _none
+
+
+def _none() -> None:
+    return None
 
 
 class ResizeWatch:

@@ -194,7 +194,7 @@ def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "R
     phases.on_backward_end.append(frames.close_backward_frames)
     if shards is not None:
         # In the backward phase still: the reduce-scatter outputs were gradients at its peak.
-        storages.after_collective = shards.grads
+        storages.after_collective = shards.new_grads
         phases.on_backward_end.append(shards.grads)
     phases.on_backward_end.append(params.walk_grads)
     return Collectors(run=run, ledger=ledger, probe=probe, stack=stack, timeline=timeline, storages=storages,
