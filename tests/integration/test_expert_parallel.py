@@ -15,6 +15,7 @@ import memprof
 from memprof import Category as C
 
 from ep_models import DIM, HID, IDS_LEN, BalancedTopk, PeersLikeThisRank, build, expert_parallel, loss_fn, E
+from phases import assert_equal_everywhere, phase_records
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
@@ -49,21 +50,6 @@ def simulated(world: int, rank: int, exchange: str, routing="balanced", mesh=Non
                             mesh=mesh)
 
 
-def _phases(trace):
-    return {(p.step, p.phase.value, p.occurrence): p for p in trace.phases}
-
-
-def assert_equal_everywhere(est, rep) -> None:
-    e, m = _phases(est.trace), _phases(rep.trace)
-    assert sorted(e) == sorted(m)
-    for key, rec in m.items():
-        for moment in ("peak", "end"):
-            for cat in C:
-                assert getattr(e[key], moment)[cat] == getattr(rec, moment)[cat], (key, moment, cat.value)
-    assert (est.peak_bytes, est.trace.peak_step, est.trace.peak_phase) == (rep.peak.total, rep.trace.peak_step,
-                                                                          rep.trace.peak_phase)
-
-
 @pytest.mark.parametrize(("world", "rank", "exchange"), [(2, 0, "funcol"), (4, 3, "c10d"), (4, 1, "funcol")])
 def test_expert_parallel_is_simulated_to_the_byte(world, rank, exchange):
     est = simulated(world, rank, exchange)
@@ -75,7 +61,7 @@ def test_expert_parallel_is_simulated_to_the_byte(world, rank, exchange):
     dense = (64 * 32 + 2 * (32 * 8 + 32) + 32 * 64) * 4
     held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
     assert sum(held.values()) == experts + dense
-    assert _phases(rep.trace)[(1, "optimizer", 0)].end[C.WEIGHTS] == experts + dense
+    assert phase_records(rep.trace)[(1, "optimizer", 0)].end[C.WEIGHTS] == experts + dense
     assert est.trace.peak[C.WEIGHTS] == experts + dense == {2: 149_760, 4: 84_224}[world]
     # The textbook's term for the experts (Switch Transformers §5.4: E/ep experts per rank) gives the same bytes.
     from memprof.anatomy.parallelism import expert_terms

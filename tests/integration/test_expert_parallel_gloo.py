@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import memprof
-from memprof import Category as C
 
 from ep_models import IDS_LEN, build, expert_parallel, gloo_rank, loss_fn
+from phases import assert_same_phases
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not built in")
@@ -24,10 +24,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _phases(trace):
-    return {(p.step, p.phase.value, p.occurrence): p for p in trace.phases}
 
 
 def test_each_gloo_rank_equals_its_simulation_with_every_rank_s_recorded_routing(tmp_path):
@@ -41,11 +37,6 @@ def test_each_gloo_rank_equals_its_simulation_with_every_rank_s_recorded_routing
     for rank, rep in enumerate(reports):
         est = memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=ids, targets=ids, loss_fn=loss_fn,
                                world_size=2, rank=rank, parallelize=expert_parallel, routing=reports)
-        e, m = _phases(est.trace), _phases(rep.trace)
-        assert sorted(e) == sorted(m)
-        for key, rec in m.items():
-            for moment in ("peak", "end"):
-                for cat in C:
-                    assert getattr(e[key], moment)[cat] == getattr(rec, moment)[cat], (rank, key, moment, cat.value)
+        assert_same_phases(est.trace, rep.trace, rank)
         assert est.peak_bytes == rep.peak.total
         assert any("every source sent what its recorded run's router chose" in n for n in est.notes)

@@ -15,6 +15,7 @@ import memprof
 from memprof import Category as C
 
 from ep_models import BalancedTopk, PeersLikeThisRank
+from phases import assert_same_phases, phase_records
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 transformers = pytest.importorskip("transformers")
@@ -67,29 +68,20 @@ def measured(world: int, rank: int):
         dist.destroy_process_group()
 
 
-def _phases(trace):
-    return {(p.step, p.phase.value, p.occurrence): p for p in trace.phases}
-
-
 @pytest.mark.parametrize(("world", "rank"), [(2, 1), (4, 2)])
 def test_transformers_expert_parallel_plan_is_simulated_to_the_byte(world, rank):
     est = memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs={"input_ids": IDS, "labels": IDS},
                            loss_fn=loss_of, world_size=world, rank=rank, mesh={"tp": 1, "ep": world},
                            parallelize=expert_parallel)
     rep = measured(world, rank)
-    e, m = _phases(est.trace), _phases(rep.trace)
-    assert sorted(e) == sorted(m)
-    for key, rec in m.items():
-        for moment in ("peak", "end"):
-            for cat in C:
-                assert getattr(e[key], moment)[cat] == getattr(rec, moment)[cat], (key, moment, cat.value)
+    assert_same_phases(est.trace, rep.trace)
     assert est.peak_bytes == rep.peak.total
     # The rank's experts: E/EP of each layer's gate_up (2 x 16 x 32) and down (32 x 16) projections, fp32:
     # 2 layers x (8/EP) x (1,024 + 512) x 4 B.
     experts = LAYERS * (EXPERTS // world) * (2 * MOE_FFN * HIDDEN + HIDDEN * MOE_FFN) * 4
     whole = sum(p.numel() * 4 for p in build().parameters())
     expert_whole = LAYERS * EXPERTS * 3 * MOE_FFN * HIDDEN * 4
-    end = _phases(rep.trace)[(1, "optimizer", 0)].end
+    end = phase_records(rep.trace)[(1, "optimizer", 0)].end
     assert end[C.WEIGHTS] == whole - expert_whole + experts
     # 24 tokens x 2 picks = 48 rows sent, 48 / EP from each rank received.
     assert any(f"receives 48 token rows per MoE layer ({48 // world} from each of {world} EP ranks)" in n

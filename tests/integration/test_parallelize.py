@@ -14,6 +14,7 @@ from torch import nn
 import memprof
 from memprof import Category as C
 from memprof.errors import InvalidArgumentError, MemprofError
+from phases import assert_equal_everywhere, phase_records
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
@@ -118,21 +119,6 @@ def simulated(fn, world: int = 2, rank: int = 0):
                             world_size=world, rank=rank, parallelize=fn)
 
 
-def _phases(trace):
-    return {(p.step, p.phase.value, p.occurrence): p for p in trace.phases}
-
-
-def assert_equal_everywhere(est, rep) -> None:
-    e, m = _phases(est.trace), _phases(rep.trace)
-    assert sorted(e) == sorted(m)
-    for key, rec in m.items():
-        for moment in ("peak", "end"):
-            for cat in C:
-                assert getattr(e[key], moment)[cat] == getattr(rec, moment)[cat], (key, moment, cat.value)
-    assert (est.peak_bytes, est.trace.peak_step, est.trace.peak_phase) == (rep.peak.total, rep.trace.peak_step,
-                                                                          rep.trace.peak_phase)
-
-
 def _local_bytes(tensors) -> int:
     """Bytes of the local shards, each storage once."""
     from torch.distributed.tensor import DTensor
@@ -168,11 +154,11 @@ def test_tensor_and_sequence_parallel_is_simulated_to_the_byte_and_holds_the_loc
     # emb rows 96/2, head rows 96/2, w1 rows 64/2, w2 columns 64/2, norms whole: (48*32 + 48*32 + 2*(32*32 +
     # 32*32 + 32) + 32) * 4 B.
     assert weights == (48 * 32 + 48 * 32 + 2 * (32 * 32 + 32 * 32 + 32) + 32) * 4 == 29_056
-    end = _phases(rep.trace)[(1, "optimizer", 0)].end
+    end = phase_records(rep.trace)[(1, "optimizer", 0)].end
     assert end[C.WEIGHTS] == weights
     states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     assert end[C.OPTIMIZER_STATES] == _local_bytes(states) == 2 * weights + 4 * len(list(model.parameters()))
-    bwd = _phases(rep.trace)[(1, "backward", 0)].end
+    bwd = phase_records(rep.trace)[(1, "backward", 0)].end
     # Each gradient is like its local shard, except the row-wise embedding's: it arrives Replicate, the whole
     # vocabulary (96 x 32 x 4 = 12,288 B where its shard is 6,144 B), as DTensor's embedding backward makes it.
     assert bwd[C.GRADIENTS] == _local_bytes(p.grad for p in model.parameters()) == weights + 6_144

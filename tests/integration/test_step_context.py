@@ -19,6 +19,7 @@ from torch import nn
 import memprof
 from memprof import Category as C
 from memprof.errors import InvalidArgumentError
+from phases import assert_same_phases
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
@@ -100,20 +101,11 @@ def measured_loss_parallel(world: int = 2, rank: int = 0):
         dist.destroy_process_group()
 
 
-def _phases(trace):
-    return {(p.step, p.phase.value, p.occurrence): p for p in trace.phases}
-
-
 def test_loss_parallel_is_simulated_to_the_byte():
     est = memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS, loss_fn=loss_fn,
                            world_size=2, parallelize=tp_sharded_logits, step_context=_loss_parallel())
     rep = measured_loss_parallel()
-    e, m = _phases(est.trace), _phases(rep.trace)
-    assert sorted(e) == sorted(m)
-    for key, rec in m.items():
-        for moment in ("peak", "end"):
-            for cat in C:
-                assert getattr(e[key], moment)[cat] == getattr(rec, moment)[cat], (key, moment, cat.value)
+    assert_same_phases(est.trace, rep.trace)
     assert est.peak_bytes == rep.peak.total
     # The logits the loss reads are the rank's half of the vocabulary: 2 x 8 x 48 x 4 B = 3,072 B, where the whole
     # vocabulary's would be 6,144 B; the input ids are the batch, 2 x 8 x 8 B = 128 B.
