@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import memprof
@@ -43,18 +42,6 @@ def test_accelerates_optimizer_is_carried_with_the_measured_records():
     (carried, a), (_, b) = run(True), run(False)
     assert _kinds(carried) == {0: "measured", 1: "measured", 2: "carried", 3: "carried", 4: "carried"}
     assert a == b
-
-
-@pytest.fixture
-def fake_world_of_two():
-    # torch's fake process group: collectives return at once, so one process runs rank 0 of two.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_dtensor_parameters_are_measured_every_step(fake_world_of_two):

@@ -22,17 +22,6 @@ from memprof import Category as C
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 
 
-@pytest.fixture
-def fake_world_of_two():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _stack() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
