@@ -180,6 +180,9 @@ def run(cfg: dict[str, int], mesh: dict[str, int], seq: int, micro: int, k: "int
     G = 2**30
     out = {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "world_size": world, "mesh": mesh,
            "peak_gib": round(est.peak_bytes / G, 3),
+           # The CUDA target's device peak (allocator cache and memory outside torch on top of the tensors).
+           "device_peak_gib": None if est.device_peak is None else round(est.device_peak / G, 3),
+           "simulated_whole": [n for n in est.notes if n.startswith("depth:") and "simulated whole" in n],
            "worst_rank": next((c.representative for c in est.ranks if c.peak_bytes == est.peak_bytes), 0),
            "peak_at": f"step {est.trace.peak_step} {est.trace.peak_phase.value}",
            "ranks": [{"stages": list(c.stages), "ranks": f"{c.ranks[0]}..{c.ranks[-1]} ({len(c.ranks)})",
@@ -208,6 +211,9 @@ def main(argv: "list[str] | None" = None) -> None:
     for r in res["ranks"]:
         print(f"  stage(s) {r['stages']}: ranks {r['ranks']}: {r['peak_gib']} GiB at {r['at']}")
     print("  at the worst rank's peak (GiB):", ", ".join(f"{k} {v}" for k, v in res["peak"].items()))
+    print(f"  device peak of the worst rank (GiB): {res['device_peak_gib']}")
+    for note in res["simulated_whole"]:
+        print(" ", note)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
