@@ -18,7 +18,6 @@ device could not run it.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from typing import Any
 
@@ -171,15 +170,16 @@ class ValueDependentCode(Rule):
 
     def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
         if func is torch.Tensor.__bool__ and args and _shape_only(args[0]):
-            caller = _user_frame(sys._getframe(1))
+            caller = _user_frame(self.caller())
             module = caller.f_globals.get("__name__", "") if caller is not None else ""
             if caller is not None and module.startswith(VALUE_DEPENDENT_CODE):
                 # A check of the values (are these sequences packed? is this mask all ones?) that shape-only
                 # tensors cannot answer: take the plain case, where the check is true, and say so.
                 self.assumed.add(f"{module}.{caller.f_code.co_name}")
                 return True
+        # The frame that called the torch function: the walk starts there, not in this chain's own frames.
+        frame = _user_frame(self.caller())
         out = next(func, args, kwargs)
-        frame = _user_frame(sys._getframe(1))
         for _ in range(4):  # the helpers call torch directly, or through a helper of their own
             if frame is None:
                 break

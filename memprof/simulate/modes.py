@@ -11,6 +11,8 @@ in order, each handing the call on to the next.
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any, Callable
 
 import torch
@@ -32,8 +34,16 @@ class Rule(TorchFunctionMode):
     """A rule about torch function calls. Alone it is a mode of its own; within :class:`Rules` it is
     one link of a chain. Subclasses implement :meth:`handle`."""
 
+    #: The chain this rule is a link of (set by :class:`Rules`), whose :meth:`Rules.caller` gives the frame that
+    #: called the torch function; None alone.
+    chain: "Rules | None" = None
+
     def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
         return next(func, args, kwargs)
+
+    def caller(self) -> Any:
+        """The frame that called the torch function being handled (or, alone, the handler's caller's)."""
+        return self.chain.caller() if self.chain is not None else sys._getframe(2)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return self.handle(func, tuple(args), dict(kwargs or {}),
@@ -41,19 +51,38 @@ class Rule(TorchFunctionMode):
 
 
 class Rules(TorchFunctionMode):
-    """Several :class:`Rule` objects as one mode, applied in the order given."""
+    """Several :class:`Rule` objects as one mode, applied in the order given.
+
+    The chain is built once: rule ``i``'s ``next`` is rule ``i + 1``'s ``handle`` bound to its own ``next``
+    (a ``functools.partial``, no Python frame), the last one's :func:`follow`. A simulation calls a torch function
+    tens of thousands of times per step, so the chain makes no closure per call; what differs per call (the
+    ``types`` :func:`follow` hands on, the caller's frame) is kept on the mode for the call's duration and put
+    back after it, since a followed composite re-enters the mode."""
 
     def __init__(self, *rules: Rule) -> None:
         super().__init__()
         self.rules = rules
+        self._types: Any = ()
+        self._caller: Any = None
+        link: Next = self._follow
+        for rule in reversed(rules):
+            rule.chain = self
+            link = functools.partial(rule.handle, next=link)
+        self._first = link
+
+    def _follow(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        return follow(self, func, self._types, args, kwargs)
+
+    def caller(self) -> Any:
+        return self._caller
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        def link(i: int) -> Next:
-            if i == len(self.rules):
-                return lambda f, a, k: follow(self, f, types, a, k)
-            return lambda f, a, k: self.rules[i].handle(f, a, k, link(i + 1))
-
-        return link(0)(func, tuple(args), dict(kwargs or {}))
+        outer = self._types, self._caller
+        self._types, self._caller = types, sys._getframe(1)
+        try:
+            return self._first(func, tuple(args), dict(kwargs or {}))
+        finally:
+            self._types, self._caller = outer
 
 
 def follow(mode: TorchFunctionMode, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
