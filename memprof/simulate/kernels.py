@@ -167,6 +167,7 @@ class ValueDependentCode(Rule):
         self.calls = 0
         self.where: set[str] = set()
         self.assumed: set[str] = set()
+        self._last: tuple[Any, "str | None"] = (None, None)  # (the last caller's key, its answer)
 
     def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
         if func is torch.Tensor.__bool__ and args and _shape_only(args[0]):
@@ -177,20 +178,40 @@ class ValueDependentCode(Rule):
                 # tensors cannot answer: take the plain case, where the check is true, and say so.
                 self.assumed.add(f"{module}.{caller.f_code.co_name}")
                 return True
-        # The frame that called the torch function: the walk starts there, not in this chain's own frames.
-        frame = _user_frame(self.caller())
+        module = self._value_dependent(self.caller())
         out = next(func, args, kwargs)
-        for _ in range(4):  # the helpers call torch directly, or through a helper of their own
+        if module is not None:
+            self.calls += 1
+            self.where.add(module)
+            self.bytes += _output_bytes(out)
+        return out
+
+    def _value_dependent(self, caller: Any) -> "str | None":
+        """The module of :data:`VALUE_DEPENDENT_CODE` among the first frame outside memprof and torch above
+        ``caller`` (the frame that called the torch function) and the three above that (the helpers call torch
+        directly, or through a helper of their own), or None. A frame's callers do not change while it runs, and
+        most torch calls come a few at a time from one frame, so the answer for the last caller is kept. Not the
+        frame itself: holding a frame that has returned would keep its tensors alive, which a simulation counts.
+        Its address with its code and its caller's address and code stand for it: another frame at the same
+        address running the same code from a frame at its caller's address running the same code is the same
+        call again."""
+        parent = caller.f_back if caller is not None else None
+        key = (id(caller), caller.f_code if caller is not None else None, id(parent),
+               parent.f_code if parent is not None else None)
+        if key == self._last[0]:
+            return self._last[1]
+        frame = _user_frame(caller)
+        found = None
+        for _ in range(4):
             if frame is None:
                 break
             module = frame.f_globals.get("__name__", "")
             if module.startswith(VALUE_DEPENDENT_CODE):
-                self.calls += 1
-                self.where.add(module)
-                self.bytes += _output_bytes(out)
+                found = module
                 break
             frame = frame.f_back
-        return out
+        self._last = (key, found)
+        return found
 
     def notes(self) -> list[str]:
         out = []
