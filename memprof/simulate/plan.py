@@ -10,8 +10,10 @@ in model states, which are flat), and for a checkpointed row from its own row wi
 cost the two confirming simulations, or one when not even one sample fits.
 
 The layouts are a list of named entries (:class:`Layout`), each the options it hands to
-:func:`memprof.estimate`: the data-parallel layouts, and tensor-parallel ones built from a transformers model's
-own TP plan (:mod:`memprof.simulate.hf_layouts`); any other way of placing a model on ranks is one more entry.
+:func:`memprof.estimate`: the data-parallel layouts, tensor-parallel ones built from a transformers model's
+own TP plan (:mod:`memprof.simulate.hf_layouts`) and pipeline-parallel ones cut by its own pipeline plan
+(:mod:`memprof.simulate.hf_pipeline`: a pipeline row's batch is the micro-batch's size, the micro-batch count
+fixed, and its figures the fullest stage's rank); any other way of placing a model on ranks is one more entry.
 """
 
 from __future__ import annotations

@@ -26,12 +26,16 @@ from memprof.simulate.plan import PlanGrid, PlanRow  # noqa: E402
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=256)
 # Llama; Qwen2 with sliding-window attention on its last two layers (layer_types mixes full and sliding, so a stage
-# must pick each layer's mask by its own index); Mistral with a sliding window shorter than the sequence.
+# must pick each layer's mask by its own index); Mistral with a sliding window shorter than the sequence; Qwen3.
 MODELS = {
     "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {}),
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
               dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)),
     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(sliding_window=4)),
+    "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config, dict(head_dim=16)),
+    # Gemma 2: alternating sliding layers, attention soft-capping, and a final logit soft-cap that the causal LM
+    # applies after its head (the last stage runs the causal LM's own forward, so it is applied there too).
+    "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config, dict(head_dim=16, sliding_window=4)),
 }
 WIDE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=16000,
