@@ -144,10 +144,29 @@ def split(model: Any, k: int, n: int) -> Any:
         stage_base.embed_tokens = None  # the stage is handed the hidden states (inputs_embeds)
     if k < n - 1:
         stage_base.norm = nn.Identity()  # the final norm is the last stage's
-        return HfStage(stage_base, k, n)
-    body = _shallow(model)
-    setattr(body, model.base_model_prefix, stage_base)
-    return HfStage(body, k, n)
+        stage = HfStage(stage_base, k, n)
+    else:
+        body = _shallow(model)
+        setattr(body, model.base_model_prefix, stage_base)
+        stage = HfStage(body, k, n)
+    stage.tp_plan = _stage_tp_plan(model, k == n - 1)
+    return stage
+
+
+def _stage_tp_plan(model: Any, last: bool) -> "dict[str, str]":
+    """``model``'s TP plan in the stage's module names: the base model's entries under ``body.`` (``body.model.``
+    on the last stage, whose body is the causal LM), the causal LM's own (``lm_head``) on the last stage only."""
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, dict):
+        return {}
+    prefix = model.base_model_prefix + "."
+    out = {}
+    for pattern, style in plan.items():
+        if pattern.startswith(prefix):
+            out[("body." + prefix if last else "body.") + pattern[len(prefix):]] = style
+        elif last:
+            out["body." + pattern] = style
+    return out
 
 
 def causal_lm_loss(model: Any) -> Callable[[Any, Any], Any]:
@@ -171,17 +190,25 @@ def pp_degrees(model: Any, world_size: int) -> list[int]:
     return [p for p in DEGREES if p <= world_size and world_size % p == 0 and layers % p == 0]
 
 
-def pp_fsdp(mixed: bool) -> Callable[[Any, Any], Any]:
-    """A ``parallelize(stage, mesh)`` function: FSDP2 over the mesh's ``dp`` dimension inside each stage, as
-    torchtitan applies it under pipeline parallelism (``torchtitan/models/llama3/infra/parallelize.py``,
-    ``apply_fsdp``): ``fully_shard`` of each decoder layer, then of the stage, with ``reshard_after_forward=False``
-    (its default when the pipeline is on: no all-gather per micro-batch) and, for ``mixed``, the
-    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` that gives its mixed precision."""
+def pp_fsdp(mixed: bool, tp: bool = False, fsdp: bool = True) -> Callable[[Any, Any], Any]:
+    """A ``parallelize(stage, mesh)`` function: with ``tp`` the model's own TP plan over the mesh's ``tp``
+    dimension first (:func:`memprof.simulate.hf_layouts.apply_tp_plan`, in the stage's module names), then with
+    ``fsdp`` FSDP2 over its ``dp`` dimension inside each stage, as torchtitan applies it under pipeline
+    parallelism (``torchtitan/models/llama3/infra/parallelize.py``, ``apply_fsdp``): ``fully_shard`` of each
+    decoder layer, then of the stage, with ``reshard_after_forward=False`` (its default when the pipeline is on: no
+    all-gather per micro-batch) and, for ``mixed``, the ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)`` that gives its mixed precision."""
 
     def parallelize(stage: Any, mesh: Any) -> Any:
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        from .hf_layouts import apply_tp_plan
+
+        if tp:
+            apply_tp_plan(stage, mesh["tp"])
+        if not fsdp:
+            return stage
         options: dict[str, Any] = {"mesh": mesh["dp"], "reshard_after_forward": False}
         if mixed:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -200,10 +227,10 @@ class PipelineSimulation:
     batch is ``b x microbatches``), the model's own loss on the last stage; every stage's rank simulated and the
     one with the largest device-level peak returned (a predicted out-of-memory error counting as the largest)."""
 
-    def __init__(self, world_size: int, pp: int, microbatches: int, schedule: str = "1f1b") -> None:
-        self.world_size, self.pp, self.microbatches, self.schedule = world_size, pp, microbatches, schedule
-        self.dp = world_size // pp
-        self.mesh = {"pp": pp} if self.dp == 1 else {"pp": pp, "dp": self.dp}
+    def __init__(self, world_size: int, pp: int, microbatches: int, schedule: str = "1f1b", tp: int = 1) -> None:
+        self.world_size, self.pp, self.microbatches, self.schedule, self.tp = world_size, pp, microbatches, schedule, tp
+        self.dp = world_size // (pp * tp)
+        self.mesh = {"pp": pp, **({"dp": self.dp} if self.dp > 1 else {}), **({"tp": tp} if tp > 1 else {})}
 
     def __call__(self, estimate: Callable[..., Any], model: Any, optimizer: Any, make_batch: Callable[[int], Any],
                  b: int, *, precision: str, **common: Any) -> Any:
@@ -213,7 +240,8 @@ class PipelineSimulation:
         common.pop("loss_fn", None)  # the whole model's (output.loss): the last stage's loss is the model's own below
         batch = make_batch(b * self.microbatches)
         pipeline = Pipeline(split, self.schedule, self.microbatches)
-        fn = None if self.dp == 1 else pp_fsdp(precision == "mixed")
+        fn = (None if self.dp == 1 and self.tp == 1 else
+              pp_fsdp(precision == "mixed", tp=self.tp > 1, fsdp=self.dp > 1))
         loss = causal_lm_loss(model)
 
         def one(rank: int) -> Any:

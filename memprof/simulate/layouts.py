@@ -71,19 +71,25 @@ def tp_layouts(model: Any, world_size: int) -> list[Any]:
 
 def pp_layouts(model: Any, world_size: int) -> list[Any]:
     """The pipeline-parallel layouts of ``world_size`` ranks the model allows (:func:`pp_degrees`): ``pp{P}-fsdp{D}``
-    (``P`` stages, FSDP2 over ``D`` ranks inside each, ``P x D = W``), or ``pp{W}`` alone; 1F1B over
-    :data:`~memprof.simulate.hf_pipeline.MICROBATCHES_PER_STAGE` x ``P`` micro-batches, a row's batch the
-    micro-batch's size. ``pp{W}`` alone is planned in bf16, fp16 and fp32 only: a plan's mixed precision under a
-    pipeline is FSDP2's ``MixedPrecisionPolicy``, which needs FSDP (the schedule runs no autocast)."""
-    out = []
+    (``P`` stages, FSDP2 over ``D`` ranks inside each, ``P x D = W``), or ``pp{W}`` alone; then, where the model's
+    TP plan allows a degree ``T`` of the ``W / P`` ranks (:func:`tp_degrees`), ``pp{P}-fsdp{D}-tp{T}`` and
+    ``pp{P}-tp{T}`` (``P x D x T = W``). 1F1B over :data:`~memprof.simulate.hf_pipeline.MICROBATCHES_PER_STAGE` x
+    ``P`` micro-batches, a row's batch the micro-batch's size. A layout without FSDP is planned in bf16, fp16 and
+    fp32 only: a plan's mixed precision under a pipeline is FSDP2's ``MixedPrecisionPolicy``, which needs FSDP
+    (the schedule runs no autocast)."""
+    out, with_tp = [], []
     for p in pp_degrees(model, world_size):
-        d, micro = world_size // p, MICROBATCHES_PER_STAGE * p
-        name = f"pp{p}" if d == 1 else f"pp{p}-fsdp{d}"
-        mesh = {"pp": p} if d == 1 else {"pp": p, "dp": d}
-        out.append(Layout(name, {"world_size": world_size, "mesh": mesh, "schedule": "1f1b"},
-                          simulate=PipelineSimulation(world_size, p, micro), microbatches=micro,
-                          precisions=("bf16", "fp16", "fp32") if d == 1 else ("bf16", "fp16", "fp32", "mixed")))
-    return out
+        micro = MICROBATCHES_PER_STAGE * p
+        # Tensor parallelism inside the stages where the model's TP plan allows it, after the layouts without.
+        for t in [1, *tp_degrees(model, world_size // p)]:
+            d = world_size // (p * t)
+            name = f"pp{p}" + (f"-fsdp{d}" if d > 1 else "") + (f"-tp{t}" if t > 1 else "")
+            mesh = {"pp": p, **({"dp": d} if d > 1 else {}), **({"tp": t} if t > 1 else {})}
+            (out if t == 1 else with_tp).append(Layout(
+                name, {"world_size": world_size, "mesh": mesh, "schedule": "1f1b"},
+                simulate=PipelineSimulation(world_size, p, micro, tp=t), microbatches=micro,
+                precisions=("bf16", "fp16", "fp32") if d == 1 else ("bf16", "fp16", "fp32", "mixed")))
+    return out + with_tp
 
 
 def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any]:

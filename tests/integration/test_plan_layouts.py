@@ -81,7 +81,8 @@ def test_tp_layouts_divide_the_model(tmp_path):
     assert tp_degrees(built.model, 8) == [2, 4, 8]
     names = [lay.name for lay in choose_layouts(built.model, 8, "all")]
     assert names == ["ddp", "fsdp", "zero1", "zero2", "zero3", "fsdp4-tp2", "fsdp2-tp4", "tp8", "pp2-fsdp4",
-                     "pp4-fsdp2"]  # and the pipeline layouts its 32 layers allow (test_plan_pipeline)
+                     "pp4-fsdp2", "pp2-fsdp2-tp2", "pp2-tp4",
+                     "pp4-tp2"]  # and the pipeline layouts its 32 layers allow (test_plan_pipeline)
     # 3 ranks: no degree divides 32 heads.
     assert tp_degrees(built.model, 3) == []
     with pytest.raises(InvalidArgumentError, match="no tensor-parallel layout"):

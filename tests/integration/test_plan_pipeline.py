@@ -81,14 +81,18 @@ def test_the_stages_chained_are_the_whole_model(arch, stages):
 
 def test_pp_layouts_divide_the_world_and_the_layers(tmp_path):
     big = hf.build_model(hf.load_config(_folder(tmp_path, LLAMA3_8B, "8b"))).model
-    # 8 ranks, 32 layers: 2 and 4 stages, FSDP over the other 4 and 2 ranks.
-    assert [lay.name for lay in choose_layouts(big, 8, "pp")] == ["pp2-fsdp4", "pp4-fsdp2"]
+    # 8 ranks, 32 layers: 2 and 4 stages, FSDP over the other 4 and 2 ranks; then tensor parallelism inside the
+    # stages over the degrees that divide the ranks left and the model (32 heads, 8 key/value heads, ...): 2 and 4
+    # for 2 stages, 2 for 4 stages.
+    pp = ["pp2-fsdp4", "pp4-fsdp2", "pp2-fsdp2-tp2", "pp2-tp4", "pp4-tp2"]
+    assert [lay.name for lay in choose_layouts(big, 8, "pp")] == pp
     names = [lay.name for lay in choose_layouts(big, 8, "all")]
-    assert names[:5] == ["ddp", "fsdp", "zero1", "zero2", "zero3"] and names[-2:] == ["pp2-fsdp4", "pp4-fsdp2"]
+    assert names[:5] == ["ddp", "fsdp", "zero1", "zero2", "zero3"] and names[-5:] == pp
     assert [lay.name for lay in choose_layouts(big, 8, "dp")] == names[:5]  # the default grid: data-parallel only
     small = hf.build_model(hf.load_config(_folder(tmp_path, WIDE, "wide"))).model
     lays = {lay.name: lay for lay in choose_layouts(small, 4, "pp")}
-    assert list(lays) == ["pp2-fsdp2", "pp4"]
+    assert list(lays) == ["pp2-fsdp2", "pp4", "pp2-tp2"]
+    assert lays["pp2-tp2"].options["mesh"] == {"pp": 2, "tp": 2} and "mixed" not in lays["pp2-tp2"].precisions
     assert (lays["pp2-fsdp2"].microbatches, lays["pp4"].microbatches) == (4, 8)  # 2 x P
     assert "mixed" not in lays["pp4"].precisions  # no FSDP inside the stages: no mixed precision policy to run
     three = hf.build_model(hf.load_config(_folder(tmp_path, {**WIDE, "num_hidden_layers": 3}, "three"))).model
@@ -109,6 +113,7 @@ def test_a_model_without_a_pipeline_plan_has_no_pp_layouts(tmp_path, capsys):
         choose_layouts(model, 4, "pp")
     with pytest.raises(InvalidArgumentError, match="unknown layout 'pp2-fsdp2'.*no pipeline plan"):
         choose_layouts(model, 4, "pp2-fsdp2")
+    # OPT has neither a pipeline nor a TP plan: "all" is the data-parallel layouts.
     assert [lay.name for lay in choose_layouts(model, 4, "all")] == ["ddp", "fsdp", "zero1", "zero2", "zero3"]
     assert main(["plan", "--hf", str(opt), "--seq-len", "8", "--gpu", "t4", "--world-size", "4",
                  "--layouts", "pp"]) == 1
@@ -171,3 +176,23 @@ def test_pipeline_rows_render_their_micro_batches(pp_plan):
     plain = PlanGrid((row,), "m", "small", 1, 2, SEQ, 0.0)
     assert "micro-batches" not in plan_text(plain) and "micro-batches" not in plan_page(plain)
     assert plan_rows(plain)[0]["microbatches"] is None and plan.best() is plan.rows[0]
+
+
+def test_a_pp_tp_stage_holds_its_tp_shards():
+    # pp2-tp2 of a tiny Llama (hidden 64, 4 heads of 16, 2 key/value heads, MLP 128, vocabulary 256, 4 layers):
+    # stage 0's rank (rank 0 of the mesh pp x tp = 2 x 2) holds the embedding's vocabulary rows and its 2 layers'
+    # TP shards, in bf16 on the CPU (no 512 B rounding):
+    #   embedding 128 x 64 x 2 B = 16,384 B
+    #   per layer: q 32x64 -> 4,096 B; k, v 16x64 -> 2,048 B each; o 64x32 -> 4,096 B; gate, up 64x64 and down
+    #              64x64 -> 8,192 B each; 2 norms of 64 -> 128 B each: 37,120 B
+    #   16,384 + 2 x 37,120 = 90,624 B
+    from memprof.simulate.hf_pipeline import pp_fsdp
+
+    config = transformers.LlamaConfig(**SHAPE)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(4, 16, dtype=torch.long, device="meta")
+    est = memprof.estimate(model, hf.adamw, inputs=ids, targets=ids, loss_fn=causal_lm_loss(model), precision="bf16",
+                           world_size=4, mesh={"pp": 2, "tp": 2}, parallelize=pp_fsdp(False, tp=True, fsdp=False),
+                           pipeline=memprof.Pipeline(split, "1f1b", 4), rank=0, device="cpu")
+    assert est.peak["weights"] == 90_624
