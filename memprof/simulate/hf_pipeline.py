@@ -85,11 +85,11 @@ def stage_layers(num_layers: int, k: int, n: int) -> range:
 
 def _shallow(module: Any) -> Any:
     """A copy of ``module`` sharing its submodules, parameters and buffers, with containers of its own (its
-    children, parameters, buffers and hooks), so that replacing a child or adding a hook leaves ``module`` as
-    it was."""
+    children, parameters, buffers, hooks and the set of non-persistent buffers), so that replacing a child or
+    adding a hook leaves ``module`` as it was."""
     out = copy.copy(module)
     for key, value in vars(module).items():
-        if isinstance(value, dict):
+        if isinstance(value, (dict, set)):
             out.__dict__[key] = copy.copy(value)
     return out
 
