@@ -139,7 +139,7 @@ def plan_frame(grid: "PlanGrid") -> "pd.DataFrame":
     import pandas as pd
 
     frame = pd.DataFrame([[_row_data(r)[c] for c in COLUMNS] for r in grid.rows], columns=list(COLUMNS))
-    for col in ("device_peak", "headroom", "peak_step"):
+    for col in ("device_peak", "headroom", "peak_step", "microbatches", "stages", "worst_stage"):
         frame[col] = frame[col].astype("Int64")
     return frame
 

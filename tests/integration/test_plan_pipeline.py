@@ -167,6 +167,8 @@ def test_pipeline_rows_render_their_micro_batches(pp_plan):
     _, plan = pp_plan
     (data,) = plan_rows(plan)
     assert (data["microbatches"], data["stages"], data["worst_stage"]) == (4, 2, 1)
+    frame = plan.to_frame()
+    assert (list(frame["microbatches"]), list(frame["stages"]), list(frame["worst_stage"])) == ([4], [2], [1])
     text, page = plan_text(plan), plan_page(plan)
     assert "micro-batches" in text and "worst stage" in text and "per micro-batch x 4 micro-batches" in text
     assert "<th>micro-batches</th>" in page and "<th>worst stage</th>" in page
