@@ -490,8 +490,9 @@ def _parser() -> argparse.ArgumentParser:
     pla.add_argument("--parallel", metavar="LIST", help="layouts to plan, comma-separated (default: every layout "
                      "for the world size: ddp,fsdp,zero1,zero2,zero3)")
     pla.add_argument("--layouts", metavar="LIST", help="layouts to plan, comma-separated: names (ddp, fsdp, "
-                     "zero1-3, tp8, fsdp4-tp2 ...) and groups (dp: the data-parallel ones, the default; tp: every "
-                     "tensor-parallel layout the model's TP plan allows on --world-size ranks; all)")
+                     "zero1-3, tp8, fsdp4-tp2, pp2-fsdp4, pp4 ...) and groups (dp: the data-parallel ones, the "
+                     "default; tp: every tensor-parallel layout the model's TP plan allows on --world-size ranks; pp: "
+                     "every pipeline layout its pipeline plan allows, whose batch is the micro-batch's size; all)")
     pla.add_argument("--precision", metavar="LIST", default="bf16,mixed",
                      help="precisions to plan, comma-separated (default bf16,mixed)")
     pla.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",

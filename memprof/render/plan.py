@@ -19,7 +19,8 @@ __all__ = ["estimate_data", "plan_rows", "plan_data", "plan_text", "plan_frame",
 
 #: The columns of a plan's rows, in order (``plan_rows``, ``plan_frame``, the JSON of ``memprof plan``).
 COLUMNS = ("parallel", "precision", "checkpointing", "max_batch_size", "batch", "peak_bytes", "device_peak",
-           "headroom", "dominant", "dominant_bytes", "peak_step", "peak_phase", "simulations", "verified")
+           "headroom", "dominant", "dominant_bytes", "peak_step", "peak_phase", "simulations", "verified",
+           "microbatches", "stages", "worst_stage")
 
 
 def estimate_data(est: Any) -> dict[str, Any]:
@@ -51,11 +52,15 @@ def _row_data(row: "PlanRow") -> dict[str, Any]:
             "max_batch_size": row.max_batch_size, "batch": row.batch, "peak_bytes": row.peak_bytes,
             "device_peak": row.device_peak, "headroom": row.headroom, "dominant": row.dominant,
             "dominant_bytes": row.dominant_bytes, "peak_step": row.peak_step, "peak_phase": row.peak_phase,
-            "simulations": row.simulations, "verified": row.verified, "breakdown": dict(row.breakdown)}
+            "simulations": row.simulations, "verified": row.verified, "microbatches": row.microbatches,
+            "stages": row.stages, "worst_stage": row.worst_stage, "breakdown": dict(row.breakdown)}
 
 
 def plan_rows(grid: "PlanGrid") -> list[dict[str, Any]]:
-    """One dict per configuration (:data:`COLUMNS`, plus ``breakdown``: bytes per category at the peak)."""
+    """One dict per configuration (:data:`COLUMNS`, plus ``breakdown``: bytes per category at the peak). A
+    pipeline row's ``max_batch_size`` and ``batch`` are one micro-batch's sequences, ``microbatches`` of them per
+    step over ``stages`` pipeline stages, and its figures the rank of stage ``worst_stage``; the three are None for
+    the other rows."""
     return [_row_data(r) for r in grid.rows]
 
 
@@ -72,17 +77,37 @@ def _size(n: "int | None") -> str:
     return NOT_MEASURED if n is None else format_bytes(n)
 
 
-def _cells(row: "PlanRow") -> list[str]:
+def _cells(row: "PlanRow", pipelined: bool = False) -> list[str]:
     fits = str(row.max_batch_size) if row.max_batch_size else "none"
     at = "" if row.max_batch_size else " (at batch 1)"
-    return [row.layout, row.precision, "on" if row.checkpointing else "off", fits,
-            _size(row.device_peak) + at, _size(row.peak_bytes), _size(row.headroom),
-            f"{row.dominant} {format_bytes(row.dominant_bytes)}",
-            f"step {row.peak_step} {row.peak_phase}" if row.peak_phase else "", str(row.simulations)]
+    cells = [row.layout, row.precision, "on" if row.checkpointing else "off", fits,
+             _size(row.device_peak) + at, _size(row.peak_bytes), _size(row.headroom),
+             f"{row.dominant} {format_bytes(row.dominant_bytes)}",
+             f"step {row.peak_step} {row.peak_phase}" if row.peak_phase else "", str(row.simulations)]
+    if pipelined:  # a pipeline row's batch is a micro-batch's: how many per step, and whose rank the figures are
+        cells += ["" if row.microbatches is None else str(row.microbatches),
+                  "" if row.worst_stage is None else str(row.worst_stage)]
+    return cells
 
 
 _HEADERS = ["layout", "precision", "ckpt", "max batch", "device peak", "tensors", "headroom", "largest at the peak",
             "where", "sims"]
+#: The columns a grid with a pipeline row adds (a plan without one prints as it always has).
+_PIPELINE_HEADERS = ["micro-batches", "worst stage"]
+_RIGHT = {3, 4, 5, 6, 9, 10, 11}
+
+
+def _headers(grid: "PlanGrid") -> "tuple[list[str], bool]":
+    pipelined = any(r.microbatches is not None for r in grid.rows)
+    return _HEADERS + (_PIPELINE_HEADERS if pipelined else []), pipelined
+
+
+def _best_line(best: "PlanRow") -> str:
+    what = f"{best.layout}, {best.precision}, checkpointing {'on' if best.checkpointing else 'off'}"
+    if best.microbatches is not None:
+        return (f"* the largest batch: {what}: {best.max_batch_size} per micro-batch x {best.microbatches} "
+                f"micro-batches per pipeline rank (stage {best.worst_stage}'s rank the fullest)")
+    return f"* the largest batch: {what}: {best.max_batch_size} per rank"
 
 
 def plan_text(grid: "PlanGrid") -> str:
@@ -90,9 +115,10 @@ def plan_text(grid: "PlanGrid") -> str:
     seq = f", {grid.seq_len} tokens per sequence" if grid.seq_len else ""
     lines = [f"memprof plan: {grid.model} on {grid.world_size} x {grid.gpu} ({format_bytes(grid.capacity)} each)"
              f"{seq}; the largest batch per rank that fits ({grid.seconds:.1f} s)"]
-    table = [_HEADERS] + [_cells(r) for r in grid.rows]
-    widths = [max(len(r[i]) for r in table) for i in range(len(_HEADERS))]
-    right = {3, 4, 5, 6, 9}
+    headers, pipelined = _headers(grid)
+    table = [headers] + [_cells(r, pipelined) for r in grid.rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
+    right = _RIGHT
     best = grid.best()
     for i, cells in enumerate(table):
         mark = "*" if i and grid.rows[i - 1] is best else " "
@@ -101,8 +127,7 @@ def plan_text(grid: "PlanGrid") -> str:
     if best is None:
         lines.append("no configuration fits one sample per rank: more ranks, a shorter sequence or a larger GPU")
     else:
-        lines.append(f"* the largest batch: {best.layout}, {best.precision}, checkpointing "
-                     f"{'on' if best.checkpointing else 'off'}: {best.max_batch_size} per rank")
+        lines.append(_best_line(best))
     if not all(r.verified for r in grid.rows):
         lines.append("some answers are not confirmed by a simulation above them (the search stopped at its ceiling)")
     lines.extend(f"  - {note}" for note in grid.notes)
@@ -114,7 +139,7 @@ def plan_frame(grid: "PlanGrid") -> "pd.DataFrame":
     import pandas as pd
 
     frame = pd.DataFrame([[_row_data(r)[c] for c in COLUMNS] for r in grid.rows], columns=list(COLUMNS))
-    for col in ("device_peak", "headroom", "peak_step"):
+    for col in ("device_peak", "headroom", "peak_step", "microbatches", "stages", "worst_stage"):
         frame[col] = frame[col].astype("Int64")
     return frame
 
@@ -136,12 +161,13 @@ def plan_page(grid: "PlanGrid") -> str:
     """The grid as one standalone HTML document (inline CSS, no script, every text escaped)."""
     e = html.escape
     best = grid.best()
-    head = "".join(f"<th>{e(h)}</th>" for h in _HEADERS)
+    headers, pipelined = _headers(grid)
+    head = "".join(f"<th>{e(h)}</th>" for h in headers)
     body = []
     for row in grid.rows:
         cls = "best" if row is best else ("none" if not row.max_batch_size else "")
-        cells = "".join(f'<td class="n">{e(c)}</td>' if i in (3, 4, 5, 6, 9) else f"<td>{e(c)}</td>"
-                        for i, c in enumerate(_cells(row)))
+        cells = "".join(f'<td class="n">{e(c)}</td>' if i in _RIGHT else f"<td>{e(c)}</td>"
+                        for i, c in enumerate(_cells(row, pipelined)))
         body.append(f'<tr class="{cls}">{cells}</tr>')
     notes = "".join(f"<li>{e(n)}</li>" for n in grid.notes)
     title = f"memprof plan: {grid.model} on {grid.world_size} x {grid.gpu}"

@@ -74,7 +74,8 @@ def plan(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
          checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
          attention: str = "auto") -> "pd.DataFrame":
     """The largest batch per rank that fits ``gpu`` for each layout of ``world_size`` ranks (DDP, FSDP, ZeRO 1-3 by
-    default; ``layouts="all"`` adds the tensor-parallel ones the model's own TP plan allows: ``tp8``, ``fsdp4-tp2``),
+    default; ``layouts="all"`` adds the tensor-parallel ones the model's own TP plan allows: ``tp8``, ``fsdp4-tp2``,
+    and the pipeline ones its pipeline plan allows: ``pp2-fsdp4``, whose batch is the micro-batch's size),
     precision (bf16, mixed) and activation checkpointing (off, on), for the model a transformers config
     describes (a ``PretrainedConfig``, a folder holding ``config.json``, the file, or a cached hub id) with
     ``seq_len`` tokens per sequence: a DataFrame, a row per configuration, with the peak at that batch and the

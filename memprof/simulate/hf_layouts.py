@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["tp_plan", "tp_parallelize", "tp_degrees", "STYLES"]
+__all__ = ["tp_plan", "tp_parallelize", "apply_tp_plan", "tp_degrees", "STYLES"]
 
 #: transformers' style names this module maps onto torch's styles (the rest make a model's TP layouts unavailable).
 STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep",
@@ -76,24 +76,28 @@ def _modules_for(model: Any, pattern: str) -> list[str]:
     return [name for name, _ in model.named_modules() if name and regex.match(name)]
 
 
+def apply_tp_plan(model: Any, tp_mesh: Any) -> None:
+    """``model``'s own TP plan (its ``tp_plan``) applied over ``tp_mesh`` with torch's styles."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = tp_plan(model)
+    if plan is None:
+        raise InvalidArgumentError(f"{type(model).__name__} has no tensor-parallel plan memprof can apply")
+    styles = {name: _style(style) for pattern, style in plan.items() for name in _modules_for(model, pattern)}
+    if not styles:  # splitting nothing would simulate every rank holding the whole model, silently
+        raise InvalidArgumentError(f"the tensor-parallel plan of {type(model).__name__} names no module of it "
+                                   f"({', '.join(plan)}); plan it with the data-parallel layouts")
+    parallelize_module(model, tp_mesh, styles)
+
+
 def tp_parallelize(fsdp: bool = False) -> Callable[[Any, Any], Any]:
     """A ``parallelize(model, mesh)`` function for :func:`memprof.estimate`: the model's own TP plan over the
     mesh's ``tp`` dimension (the whole mesh when it has one dimension), then with ``fsdp`` ``fully_shard`` of each
     decoder layer and of the root over its ``dp`` dimension."""
 
     def parallelize(model: Any, mesh: Any) -> Any:
-        from torch.distributed.tensor.parallel import parallelize_module
-
         names = getattr(mesh, "mesh_dim_names", None) or ()
-        tp_mesh = mesh["tp"] if "tp" in names else mesh
-        plan = tp_plan(model)
-        if plan is None:
-            raise InvalidArgumentError(f"{type(model).__name__} has no tensor-parallel plan memprof can apply")
-        styles = {name: _style(style) for pattern, style in plan.items() for name in _modules_for(model, pattern)}
-        if not styles:  # splitting nothing would simulate every rank holding the whole model, silently
-            raise InvalidArgumentError(f"the tensor-parallel plan of {type(model).__name__} names no module of it "
-                                       f"({', '.join(plan)}); plan it with the data-parallel layouts")
-        parallelize_module(model, tp_mesh, styles)
+        apply_tp_plan(model, mesh["tp"] if "tp" in names else mesh)
         if fsdp:
             from torch.distributed.fsdp import fully_shard
 

@@ -1,16 +1,18 @@
 """The layouts a plan compares: named ways of placing a model on ranks, each the options it gives
 :func:`memprof.estimate`: the data-parallel layouts (:data:`memprof.simulate.ranks.PARALLEL`) and the
-tensor-parallel ones a transformers model's own TP plan allows (:mod:`memprof.simulate.hf_layouts`)."""
+tensor-parallel ones a transformers model's own TP plan allows (:mod:`memprof.simulate.hf_layouts`) and the
+pipeline-parallel ones its own pipeline plan allows (:mod:`memprof.simulate.hf_pipeline`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..errors import InvalidArgumentError
 from .hf_layouts import tp_degrees, tp_parallelize
+from .hf_pipeline import MICROBATCHES_PER_STAGE, PipelineSimulation, pp_degrees, pp_support
 
-__all__ = ["Layout", "data_parallel_layouts", "tp_layouts", "choose_layouts", "GROUPS"]
+__all__ = ["Layout", "data_parallel_layouts", "tp_layouts", "pp_layouts", "choose_layouts", "GROUPS"]
 
 
 @dataclass(frozen=True)
@@ -21,11 +23,20 @@ class Layout:
     ``family`` groups layouts whose ranks hold the same activations per sample (every data-parallel layout holds
     a whole sample's): the plan measures how each moment grows with the batch once per family, precision and
     checkpointing, and the others of the family start from it. A layout that splits activations (tensor or
-    pipeline parallelism) is a family of its own, the default."""
+    pipeline parallelism) is a family of its own, the default.
+
+    ``simulate``, when given, is how the layout simulates a batch instead:
+    ``simulate(estimate, model, optimizer, make_batch, b, precision=..., loss_fn=..., gpu=..., ...)`` (a
+    pipeline's: its micro-batches, its loss, every stage's rank). ``microbatches`` is the number of micro-batches
+    a row's batch is the size of (a pipeline's; None: the batch is the rank's whole batch). ``precisions`` are
+    the precisions the layout can be planned in (None: every one)."""
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
     family: str = ""
+    simulate: "Callable[..., Any] | None" = field(default=None, compare=False)
+    microbatches: "int | None" = None
+    precisions: "tuple[str, ...] | None" = None
 
 
 def data_parallel_layouts(world_size: int) -> list[Layout]:
@@ -40,7 +51,7 @@ def data_parallel_layouts(world_size: int) -> list[Layout]:
 
 
 #: The groups ``layouts=`` (and ``memprof plan --layouts``) takes besides layout names.
-GROUPS = ("dp", "tp", "all")
+GROUPS = ("dp", "tp", "pp", "all")
 
 
 def tp_layouts(model: Any, world_size: int) -> list[Any]:
@@ -58,15 +69,40 @@ def tp_layouts(model: Any, world_size: int) -> list[Any]:
     return out
 
 
+def pp_layouts(model: Any, world_size: int) -> list[Any]:
+    """The pipeline-parallel layouts of ``world_size`` ranks the model allows (:func:`pp_degrees`): ``pp{P}-fsdp{D}``
+    (``P`` stages, FSDP2 over ``D`` ranks inside each, ``P x D = W``), or ``pp{W}`` alone; then, where the model's
+    TP plan allows a degree ``T`` of the ``W / P`` ranks (:func:`tp_degrees`), ``pp{P}-fsdp{D}-tp{T}`` and
+    ``pp{P}-tp{T}`` (``P x D x T = W``). 1F1B over :data:`~memprof.simulate.hf_pipeline.MICROBATCHES_PER_STAGE` x
+    ``P`` micro-batches, a row's batch the micro-batch's size. A layout without FSDP is planned in bf16, fp16 and
+    fp32 only: a plan's mixed precision under a pipeline is FSDP2's ``MixedPrecisionPolicy``, which needs FSDP
+    (the schedule runs no autocast)."""
+    out, with_tp = [], []
+    for p in pp_degrees(model, world_size):
+        micro = MICROBATCHES_PER_STAGE * p
+        # Tensor parallelism inside the stages where the model's TP plan allows it, after the layouts without.
+        for t in [1, *tp_degrees(model, world_size // p)]:
+            d = world_size // (p * t)
+            name = f"pp{p}" + (f"-fsdp{d}" if d > 1 else "") + (f"-tp{t}" if t > 1 else "")
+            mesh = {"pp": p, **({"dp": d} if d > 1 else {}), **({"tp": t} if t > 1 else {})}
+            (out if t == 1 else with_tp).append(Layout(
+                name, {"world_size": world_size, "mesh": mesh, "schedule": "1f1b"},
+                simulate=PipelineSimulation(world_size, p, micro, tp=t), microbatches=micro,
+                precisions=("bf16", "fp16", "fp32") if d == 1 else ("bf16", "fp16", "fp32", "mixed")))
+    return out + with_tp
+
+
 def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any]:
     """The layouts ``wanted`` names: a comma-separated string or a list of layout names (``ddp``, ``fsdp``,
-    ``zero1``-``zero3``, ``tp8``, ``fsdp4-tp2`` ...) and groups (``dp``: the data-parallel ones, ``tp``: every
-    tensor-parallel one the model allows, ``all``), or Layouts as they are."""
+    ``zero1``-``zero3``, ``tp8``, ``fsdp4-tp2``, ``pp2-fsdp4`` ...) and groups (``dp``: the data-parallel ones,
+    ``tp``: every tensor-parallel one the model allows, ``pp``: every pipeline-parallel one, ``all``), or Layouts
+    as they are."""
     items = [w.strip() for w in wanted.split(",")] if isinstance(wanted, str) else list(wanted)
     dp = data_parallel_layouts(world_size)
     tp = tp_layouts(model, world_size) if world_size > 1 else []
-    known = {lay.name: lay for lay in dp + tp}
-    groups = {"dp": dp, "tp": tp, "all": dp + tp}
+    pp = pp_layouts(model, world_size) if world_size > 1 else []
+    known = {lay.name: lay for lay in dp + tp + pp}
+    groups = {"dp": dp, "tp": tp, "pp": pp, "all": dp + tp + pp}
     out: list[Any] = []
     for item in items:
         if isinstance(item, Layout):
@@ -78,11 +114,31 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
         elif isinstance(item, str) and not item:
             continue
         else:
-            why = "" if tp or world_size == 1 else (" (no tensor-parallel layout: the model's heads, MLP width or "
-                                                    "vocabulary are not divisible, or it has no TP plan)")
+            why = _missing(model, item, tp, pp, world_size)
             raise InvalidArgumentError(f"unknown layout {item!r} for {world_size} rank(s){why}; use "
                                        + ", ".join([*known, *GROUPS]))
+        if isinstance(item, str) and item.lower() == "pp" and not pp:
+            raise InvalidArgumentError(f"no pipeline-parallel layout for {world_size} rank(s)"
+                                       f"{_missing(model, item, tp, pp, world_size)}; plan without --layouts pp")
         out.extend(lay for lay in chosen if lay.name not in {o.name for o in out})
     if not out:
         raise InvalidArgumentError("a plan needs at least one layout")
     return out
+
+
+def _missing(model: Any, item: Any, tp: list, pp: list, world_size: int) -> str:
+    """Why the layouts ``item`` asks for are not there, in parentheses (empty when that says nothing)."""
+    name = str(item).lower()
+    if name.startswith("pp") and not pp:
+        ok, why = pp_support(model)
+        if not ok:
+            return f" (no pipeline-parallel layout: {why})"
+        if world_size > 1:
+            return (" (no pipeline-parallel layout: no pipeline degree of 2 or 4 divides both the world size and the "
+                    "model's decoder layers)")
+        return ""
+    if tp or world_size == 1:
+        return ""
+    return (" (no tensor-parallel layout: the model's heads, MLP width or vocabulary are not divisible, or it has no "
+            "TP plan)")
+

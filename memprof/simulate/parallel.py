@@ -349,9 +349,11 @@ def depth_unit(world_size: int, mesh: Any, pipeline: Any) -> int:
     return shape[names.index("pp")] * pipeline.stages_per_rank
 
 
-def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int], Any]) -> Any:
+def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int], Any],
+                   key: "Callable[[Any], Any] | None" = None) -> Any:
     """Every pipeline rank class simulated (one per ``pp`` coordinate, its representative the rank with 0 on every
-    other dimension: they hold the same shards), and the worst one's estimate, listing them all."""
+    other dimension: they hold the same shards), and the worst one's estimate, listing them all. The worst is the
+    one with the largest tensors' peak, or the largest ``key(estimate)`` (a plan's: the device-level peak)."""
     from .pipeline import RankClass
 
     shape, names = check_mesh(mesh if mesh is not None else {"pp": world_size}, world_size)
@@ -366,7 +368,7 @@ def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int
         classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step,
                                  est.trace.peak_phase.value, est.trace))
         results.append(est)
-    worst = max(range(len(results)), key=lambda i: results[i].peak_bytes)
+    worst = max(range(len(results)), key=lambda i: (key or (lambda e: e.peak_bytes))(results[i]))
     table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "
                       f"{c.peak_phase} (ranks {_ranges(c.ranks)})" for c in classes)
     import dataclasses

@@ -108,10 +108,14 @@ class StageSet:
         and output on one micro-batch: on meta, or, when the user's parallelize function changes what a stage
         hands on (sequence parallelism: a local shard of the sequence), through ``prepared(k)``, which gives stage
         ``k`` parallelised and materialised on its own copy, and the context to run it in."""
+        from .kernels import ValueDependentCode
+
         mods = [self._split(twin, k) for k in range(self.num_stages)]
         x = _microbatch(inputs, self.pipeline.microbatches)
         last = max(self.stage_ids)
-        with torch.no_grad():
+        # The value checks of transformers' mask helpers (are these sequences packed?) answered as the simulation
+        # answers them (memprof.simulate.kernels.ValueDependentCode): shape-only tensors have no values to read.
+        with torch.no_grad(), ValueDependentCode():
             for k in range(last + 1):
                 if prepared is None:
                     out = mods[k](*x)

@@ -10,14 +10,17 @@ in model states, which are flat), and for a checkpointed row from its own row wi
 cost the two confirming simulations, or one when not even one sample fits.
 
 The layouts are a list of named entries (:class:`Layout`), each the options it hands to
-:func:`memprof.estimate`: the data-parallel layouts, and tensor-parallel ones built from a transformers model's
-own TP plan (:mod:`memprof.simulate.hf_layouts`); any other way of placing a model on ranks is one more entry.
+:func:`memprof.estimate`: the data-parallel layouts, tensor-parallel ones built from a transformers model's
+own TP plan (:mod:`memprof.simulate.hf_layouts`) and pipeline-parallel ones cut by its own pipeline plan
+(:mod:`memprof.simulate.hf_pipeline`: a pipeline row's batch is the micro-batch's size, the micro-batch count
+fixed, and its figures the fullest stage's rank); any other way of placing a model on ranks is one more entry.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import InvalidArgumentError
@@ -39,7 +42,9 @@ class PlanRow:
     ``peak_bytes`` the tensors' peak, ``device_peak`` the device-level one, ``headroom`` the GPU's capacity
     less it, ``dominant`` the largest category at the peak (allocator overhead and memory outside torch
     included) with its bytes, and the peak's step and phase. ``simulations`` counts the simulated batches;
-    ``verified`` says the answer fits and the next batch does not, both simulated.
+    ``verified`` says the answer fits and the next batch does not, both simulated. For a pipeline layout the batch
+    is the micro-batch's size, the micro-batch count fixed (``microbatches``), and the figures are the worst
+    stage's rank (``worst_stage``).
     """
 
     layout: str
@@ -57,6 +62,13 @@ class PlanRow:
     breakdown: Mapping[str, "int | None"]
     simulations: int
     verified: bool
+    #: A pipeline layout's micro-batches per step: the row's batch is then one micro-batch's size (the rank's
+    #: step takes ``batch x microbatches`` sequences), None for the other layouts.
+    microbatches: "int | None" = None
+    #: A pipeline layout's stage whose rank the figures are (the one with the largest device-level peak).
+    worst_stage: "int | None" = None
+    #: A pipeline layout's stages (its pipeline degree), None for the other layouts.
+    stages: "int | None" = None
 
 
 @dataclass(frozen=True)
@@ -73,9 +85,12 @@ class PlanGrid:
     notes: tuple[str, ...] = ()
 
     def best(self) -> "PlanRow | None":
-        """The configuration with the largest batch (the fewest bytes at it breaking ties); None if none fits."""
+        """The configuration with the largest batch (the fewest bytes at it breaking ties); None if none fits. A
+        pipeline row counts the sequences its rank's share of a step is, micro-batch x micro-batches / stages (the
+        pipeline's ``P`` ranks share each sequence), as a data-parallel row's batch is one rank's."""
         fitting = [r for r in self.rows if r.max_batch_size > 0]
-        return max(fitting, key=lambda r: (r.max_batch_size, -(r.device_peak or r.peak_bytes)), default=None)
+        return max(fitting, key=lambda r: (r.max_batch_size * (r.microbatches or 1) / (r.stages or 1),
+                                           -(r.device_peak or r.peak_bytes)), default=None)
 
 
 def plan_grid(
@@ -113,7 +128,15 @@ def plan_grid(
     limit = spec.allocatable_bytes
     start = time.perf_counter()
     rows: list[PlanRow] = []
-    configs = [(c, p, lay) for c in checkpointing for p in precisions for lay in layouts]
+    configs = [(c, p, lay) for c in checkpointing for p in precisions for lay in layouts
+               if lay.precisions is None or p in lay.precisions]
+    if not configs:
+        raise InvalidArgumentError(f"no layout asked for is planned in {', '.join(precisions)}: "
+                                   + "; ".join(f"{lay.name} in {', '.join(lay.precisions or ())}" for lay in layouts))
+    skipped = [f"{lay.name} is planned in {', '.join(lay.precisions)} only, not in {', '.join(missing)}: a "
+               "pipeline's schedule runs no autocast, and its mixed precision is FSDP2's MixedPrecisionPolicy, "
+               "which needs FSDP inside the stages" for lay in layouts if lay.precisions is not None
+               for missing in [[p for p in precisions if p not in lay.precisions]] if missing]
     models: dict[bool, Any] = {}
     # Each moment's bytes per sample, by (checkpointing, precision, family), and the layout that measured them.
     slopes: dict[tuple[bool, str, str], tuple[dict, str]] = {}
@@ -124,10 +147,12 @@ def plan_grid(
                 models[ckpt] = model_for(ckpt)
             model = models[ckpt]
             label = f"{layout.name} {precision}{' ckpt' if ckpt else ''}"
-            one = Probe(lambda b, m=model, p=precision, lay=layout: estimate(
-                m, optimizer, inputs=make_batch(b), loss_fn=loss_fn, precision=p, gpu=spec, alloc_conf=alloc_conf,
-                attention=attention, **dict(lay.options)), limit, max_batch,
-                lambda b, label=label: bar.step(f"{label} batch {b}"))
+            common = dict(precision=precision, loss_fn=loss_fn, gpu=spec, alloc_conf=alloc_conf, attention=attention)
+            # A layout that simulates a batch its own way (a pipeline's micro-batches), or estimate() with its options.
+            run = (partial(layout.simulate, estimate, model, optimizer, make_batch, **common)
+                   if layout.simulate is not None else
+                   partial(_simulate, estimate, model, optimizer, make_batch, **common, **dict(layout.options)))
+            one = Probe(run, limit, max_batch, lambda b, label=label: bar.step(f"{label} batch {b}"))
             family = (ckpt, precision, layout.family or layout.name)
             shared, reference = slopes.get(family, (None, ""))
             predicted, overhead = _sibling_start(probes, layout.name, reference, precision, ckpt)
@@ -138,14 +163,22 @@ def plan_grid(
             at = best if best else 1
             if at not in one.runs:  # nothing fits, and batch 1 was not simulated: it is, for the row's figures
                 one.judged(at)
-            rows.append(_row(layout.name, precision, ckpt, best, at, one.runs[at], len(one.runs), verified))
+            rows.append(_row(layout.name, precision, ckpt, best, at, one.runs[at], len(one.runs), verified,
+                             layout.microbatches))
     said = ("search: every row's answer was simulated and so was the batch above it (verified: it fits, the next "
             "does not); the batches tried were predicted from each phase moment's tensor bytes as a line in the "
             "batch (two simulated batches per precision, checkpointing and family of layouts) plus the device bytes "
             "above the tensors the nearest simulated batch showed, and a prediction is never an answer",)
     return PlanGrid(rows=tuple(rows), model=model_name, gpu=spec.name, capacity=limit,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
-                    seq_len=seq_len, seconds=time.perf_counter() - start, notes=(*notes, *said))
+                    seq_len=seq_len, seconds=time.perf_counter() - start, notes=(*notes, *said, *skipped,
+                                                                                 *_pipeline_notes(layouts)))
+
+
+def _simulate(estimate: Callable[..., Any], model: Any, optimizer: Any, make_batch: Callable[[int], Any], b: int,
+              **options: Any) -> Any:
+    """``estimate`` of ``model`` on the batch of ``b`` samples, with ``options`` (the layout's and the plan's)."""
+    return estimate(model, optimizer, inputs=make_batch(b), **options)
 
 
 def _sibling_start(probes: dict, layout: str, reference: str, precision: str,
@@ -171,8 +204,22 @@ def _sibling_start(probes: dict, layout: str, reference: str, precision: str,
     return {m: a[m] + b[m] - c[m] for m in a}, overhead
 
 
+def _pipeline_notes(layouts: Sequence[Layout]) -> list[str]:
+    """What a pipeline row's batch is, said once when the plan has one."""
+    if not any(lay.microbatches for lay in layouts):
+        return []
+    return ["pipeline layouts (pp{P}, pp{P}-fsdp{D}, with -tp{T} the model's TP plan inside the stages): the "
+            "batch is one micro-batch's sequences, the micro-batches per step fixed at 2 x P (the row's "
+            "microbatches; a pipeline rank's step takes batch x microbatches sequences), run by torch's 1F1B "
+            "schedule, under which the first stage holds P micro-batches' activations at once whatever their count "
+            "(Narayanan et al. 2021, §2.2); every stage's rank simulated, the figures the worst one's (worst_stage: "
+            "the largest device-level peak); FSDP2 inside the stages with reshard_after_forward=False (torchtitan's "
+            "default under pipeline parallelism), mixed precision its MixedPrecisionPolicy(param_dtype=bf16, "
+            "reduce_dtype=fp32)"]
+
+
 def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, simulations: int,
-         verified: bool) -> PlanRow:
+         verified: bool, microbatches: "int | None" = None) -> PlanRow:
     peak = est.trace.peak
     values = {c.value: peak[c] for c in peak}
     dominant = max((c for c in values if values[c] is not None), key=lambda c: values[c] or 0)
@@ -180,7 +227,9 @@ def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, 
                    peak_bytes=est.peak_bytes, device_peak=est.device_peak, headroom=est.headroom,
                    dominant=dominant, dominant_bytes=values[dominant] or 0, peak_step=est.trace.peak_step,
                    peak_phase=est.trace.peak_phase_label(), breakdown=values, simulations=simulations,
-                   verified=verified)
+                   verified=verified, microbatches=microbatches,
+                   worst_stage=next((c.stages[0] for c in est.ranks if c.trace is est.trace), None),
+                   stages=len(est.ranks) or None)
 
 
 def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
@@ -190,8 +239,8 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     """:func:`plan_grid` for the model a transformers config describes (:func:`memprof.simulate.hf.load_config`),
     built on the meta device, ``seq_len`` tokens per sequence, AdamW unless ``optimizer`` (a factory of
     parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks, and
-    takes Layouts, layout names and groups (``"dp"``, ``"tp"``, ``"all"``: :func:`~memprof.simulate.layouts.
-    choose_layouts`), e.g. ``"fsdp,tp8,fsdp4-tp2"``."""
+    takes Layouts, layout names and groups (``"dp"``, ``"tp"``, ``"pp"``, ``"all"``:
+    :func:`~memprof.simulate.layouts.choose_layouts`), e.g. ``"fsdp,tp8,fsdp4-tp2,pp2-fsdp4"``."""
     from . import hf
     from .layouts import choose_layouts
 

@@ -80,7 +80,9 @@ def test_tp_layouts_divide_the_model(tmp_path):
     # 32 heads, 8 key/value heads, MLP 14336, vocabulary 128256: 2, 4 and 8 divide them all.
     assert tp_degrees(built.model, 8) == [2, 4, 8]
     names = [lay.name for lay in choose_layouts(built.model, 8, "all")]
-    assert names == ["ddp", "fsdp", "zero1", "zero2", "zero3", "fsdp4-tp2", "fsdp2-tp4", "tp8"]
+    assert names == ["ddp", "fsdp", "zero1", "zero2", "zero3", "fsdp4-tp2", "fsdp2-tp4", "tp8", "pp2-fsdp4",
+                     "pp4-fsdp2", "pp2-fsdp2-tp2", "pp2-tp4",
+                     "pp4-tp2"]  # and the pipeline layouts its 32 layers allow (test_plan_pipeline)
     # 3 ranks: no degree divides 32 heads.
     assert tp_degrees(built.model, 3) == []
     with pytest.raises(InvalidArgumentError, match="no tensor-parallel layout"):
@@ -112,8 +114,8 @@ def test_cli_layouts(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["parallel"] for r in rows] == ["tp2"] and rows[0]["verified"]
     assert main(["plan", "--hf", str(folder), "--seq-len", "8", "--gpu", "t4", "--world-size", "2",
-                 "--layouts", "pp2"]) == 1
-    assert "unknown layout 'pp2'" in capsys.readouterr().err
+                 "--layouts", "pp3"]) == 1
+    assert "unknown layout 'pp3'" in capsys.readouterr().err
 
 
 def test_a_tp_plan_that_names_no_module_is_refused(tmp_path):
