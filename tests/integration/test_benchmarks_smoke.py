@@ -90,6 +90,17 @@ def test_overhead_breakdown_quick(tmp_path):
     assert len(data["costs_ms"]) == 5
 
 
+def test_light_mode_parts_quick(tmp_path):
+    out_json, out_md = tmp_path / "parts.json", tmp_path / "parts.md"
+    _run([BENCH / "light_mode_parts.py", "--quick", "--json", out_json, "--markdown", out_md])
+    data = json.loads(out_json.read_text())
+    assert set(data["variants"]) == {"bare", "saved_tensor_hooks_identity", "saved_tensor_hooks_detached",
+                                     "module_forward_hooks", "grad_hooks", "memprof_light"}
+    assert data["variants"]["bare"]["wall_ratio"] == 1.0 and data["variants"]["bare"]["cpu_ratio"] == 1.0
+    assert all(v["wall_ms"] > 0 and v["cpu_ms"] > 0 for v in data["variants"].values())
+    assert "| memprof_light |" in out_md.read_text()
+
+
 def test_long_run_quick(tmp_path):
     out_json = tmp_path / "lr.json"
     _run([BENCH / "long_run.py", "--quick", "--steps", "600", "--light-steps", "800", "--json", out_json], timeout=300)
