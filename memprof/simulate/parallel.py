@@ -38,6 +38,7 @@ import contextlib
 import inspect
 import math
 import numbers
+import sys
 from typing import Any, Callable
 
 import torch
@@ -134,6 +135,10 @@ class ParallelRun:
         stack = self._stack = contextlib.ExitStack()
         try:
             _clear_caches()  # a process group of the user's, destroyed before, may have left its groups' names there
+            # init_process_group wraps sys.excepthook to prefix "[rank<r>]" to tracebacks
+            # (torch/distributed/distributed_c10d.py) and nothing unwraps it: the user's own later errors would
+            # print as the simulated rank's. Put the hook back last, after the group is gone.
+            stack.callback(setattr, sys, "excepthook", sys.excepthook)
             dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.n)
             stack.callback(_clear_caches)
             stack.callback(dist.destroy_process_group)
