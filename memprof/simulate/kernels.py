@@ -145,6 +145,18 @@ def _user_frame(frame: Any) -> Any:
     return None
 
 
+_USER, _SKIPPED, _VALUE_DEPENDENT = 0, 1, 2
+
+
+def _kind(frame: Any) -> int:
+    """Whether a frame's code is memprof's or torch's own (skipped by the walk), in :data:`VALUE_DEPENDENT_CODE`,
+    or anyone else's."""
+    module = frame.f_globals.get("__name__", "")
+    if module.startswith(("memprof.", "torch.")):
+        return _SKIPPED
+    return _VALUE_DEPENDENT if module.startswith(VALUE_DEPENDENT_CODE) else _USER
+
+
 def _output_bytes(out: Any) -> int:
     """Bytes of the dense tensors an op returned (one, or a tuple or list of them)."""
     return sum(t.numel() * t.element_size() for t in (out if isinstance(out, (tuple, list)) else (out,))
@@ -167,7 +179,7 @@ class ValueDependentCode(Rule):
         self.calls = 0
         self.where: set[str] = set()
         self.assumed: set[str] = set()
-        self._last: tuple[Any, "str | None"] = (None, None)  # (the last caller's key, its answer)
+        self._kinds: dict[Any, int] = {}  # code object -> _SKIPPED, _USER or _VALUE_DEPENDENT
 
     def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
         if func is torch.Tensor.__bool__ and args and _shape_only(args[0]):
@@ -189,29 +201,32 @@ class ValueDependentCode(Rule):
     def _value_dependent(self, caller: Any) -> "str | None":
         """The module of :data:`VALUE_DEPENDENT_CODE` among the first frame outside memprof and torch above
         ``caller`` (the frame that called the torch function) and the three above that (the helpers call torch
-        directly, or through a helper of their own), or None. A frame's callers do not change while it runs, and
-        most torch calls come a few at a time from one frame, so the answer for the last caller is kept. Not the
-        frame itself: holding a frame that has returned would keep its tensors alive, which a simulation counts.
-        Its address with its code and its caller's address and code stand for it: another frame at the same
-        address running the same code from a frame at its caller's address running the same code is the same
-        call again."""
-        parent = caller.f_back if caller is not None else None
-        key = (id(caller), caller.f_code if caller is not None else None, id(parent),
-               parent.f_code if parent is not None else None)
-        if key == self._last[0]:
-            return self._last[1]
-        frame = _user_frame(caller)
-        found = None
-        for _ in range(4):
+        directly, or through a helper of their own), or None. Which of the three kinds a frame is depends on its
+        code alone (the module it was defined in), so it is looked up by code object, worked out once per code:
+        the walk is a few dictionary lookups per call rather than a string test per frame."""
+        kinds = self._kinds
+        frame = caller
+        for _ in range(32):
             if frame is None:
-                break
-            module = frame.f_globals.get("__name__", "")
-            if module.startswith(VALUE_DEPENDENT_CODE):
-                found = module
+                return None
+            kind = kinds.get(frame.f_code)
+            if kind is None:
+                kind = kinds[frame.f_code] = _kind(frame)
+            if kind != _SKIPPED:
                 break
             frame = frame.f_back
-        self._last = (key, found)
-        return found
+        else:
+            return None
+        for _ in range(4):
+            if frame is None:
+                return None
+            kind = kinds.get(frame.f_code)
+            if kind is None:
+                kind = kinds[frame.f_code] = _kind(frame)
+            if kind == _VALUE_DEPENDENT:
+                return frame.f_globals.get("__name__", "")
+            frame = frame.f_back
+        return None
 
     def notes(self) -> list[str]:
         out = []
