@@ -71,11 +71,13 @@ class _Stack(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("n,d,batch", [(9, 1000, 100), (10, 640, 300)])
-def test_a_cuda_target_extends_the_tensors_exactly_and_the_device_figures_from_above(n, d, batch):
+@pytest.mark.parametrize("n,d,batch", [(9, 1000, 100), (21, 512, 1)])
+def test_a_cuda_target_extends_the_tensors_exactly_and_gives_no_device_figures(n, d, batch):
     # The allocator's cache is no line in depth (the 9 x 1000 stack's reserved peak grows by 96, 96, 104, 96, 98,
-    # 96 MiB per block from 3 blocks on), so it is left out of the affine check: without that, the check failed
-    # and the whole model was simulated as well. The tensor categories stay exact; the device figures lean high.
+    # 96 MiB per block from 3 blocks on), so it is left out of the affine check: with it in, the check failed and
+    # the whole model was simulated as well. No rule read off the cuts bounds the replay from above (the 21 x 512
+    # stack's reserved peak, extended by its larger growth per block, came out 1.9 % under the whole model's), so
+    # an extrapolated estimate has no device figures at all: not measured, never a guess below the truth.
     with torch.device("meta"):
         model = _Stack(n, d)
     opt = torch.optim.AdamW(model.parameters())
@@ -84,7 +86,11 @@ def test_a_cuda_target_extends_the_tensors_exactly_and_the_device_figures_from_a
     cut = memprof.estimate(model, opt, extrapolate=3, **kw)
     assert any(note.startswith(f"depth: simulated with layers ({n} x _MLPBlock) cut to 3, 4 and 5")
                for note in cut.notes)
-    assert any(note.startswith("depth: the device-level figures are not a replay") for note in cut.notes)
+    assert any(note.startswith("depth: no device-level figures") for note in cut.notes)
+    assert not any(note.startswith("device memory") for note in cut.notes)
+    assert whole.device_memory is not None and whole.fits is True
+    assert cut.device_memory is None and cut.device_peak is None and cut.fits is None
+    assert cut.trace.device.memory_reserved is None and cut.trace.device.max_memory_allocated is None
     tensors = len(TENSOR_CATEGORIES)
     pa = {(p.step, p.phase, p.occurrence): p for p in whole.trace.phases}
     pb = {(p.step, p.phase, p.occurrence): p for p in cut.trace.phases}
@@ -93,12 +99,7 @@ def test_a_cuda_target_extends_the_tensors_exactly_and_the_device_figures_from_a
         for which in ("start", "peak", "end"):
             exact, extended = getattr(rec, which), getattr(pb[key], which)
             assert exact.counts[:tensors] == extended.counts[:tensors], (key, which)
-            assert extended[memprof.Category.ALLOCATOR_OVERHEAD] >= exact[memprof.Category.ALLOCATOR_OVERHEAD]
-            assert extended.total == sum(extended.counts)
+            assert extended[memprof.Category.ALLOCATOR_OVERHEAD] is None
+            assert extended[memprof.Category.OUTSIDE_TORCH] is None
+            assert extended.total == sum(extended.counts[:tensors])
     assert cut.peak_bytes == whole.peak_bytes
-    dm, exact_dm = cut.device_memory, whole.device_memory
-    assert dm.peak_allocated >= exact_dm.peak_allocated
-    assert dm.peak_reserved % (2 << 20) == 0
-    # Leaning high, not far: within 15 % of the whole model's replay (+0.09 % and +8.50 % when written).
-    assert exact_dm.device_peak <= dm.device_peak <= 1.15 * exact_dm.device_peak
-    assert cut.trace.device.memory_reserved >= whole.trace.device.memory_reserved
