@@ -230,11 +230,14 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
     if capacity is not None and peak_reserved + outside > capacity:
         # Pressed for memory torch frees its cache and retries before it fails: the verdict is that replay's.
         room = max(1, capacity - outside)
-        _, capped, oom = replay_stream(stream, (), config, workspaces=workspaces, workspace_seq=first,
-                                       capacity=room, device_total=capacity)
+        at_capped, capped, oom = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first,
+                                               capacity=room, device_total=capacity)
         if oom is None:
+            # The run that fits is the one that freed its cache and retried: every moment's figures are that
+            # replay's, so that no record holds more than the device peak.
             peak_reserved, peak_allocated = capped.peak_reserved, capped.peak_allocated
             retries = capped.num_alloc_retries
+            at, allocator = at_capped, capped
         else:
             oom = oom.split(". Fix:")[0]
     summary = DeviceMemory(gpu=gpu, alloc_conf=text, terms=tuple(terms), peak_allocated=peak_allocated,
