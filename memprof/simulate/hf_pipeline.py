@@ -142,6 +142,10 @@ def split(model: Any, k: int, n: int) -> Any:
     stage_base.layers = nn.ModuleList(base.layers[i] for i in layers)
     if k > 0:
         stage_base.embed_tokens = None  # the stage is handed the hidden states (inputs_embeds)
+        if isinstance(getattr(stage_base, "embedding_multiplier", None), (int, float)):
+            # Granite's base forward scales whatever inputs_embeds it is given (modeling_granite.py): the first
+            # stage scaled the embeddings already. (x * 1.0 is x, exactly.)
+            stage_base.embedding_multiplier = 1.0
     if k < n - 1:
         stage_base.norm = nn.Identity()  # the final norm is the last stage's
         stage = HfStage(stage_base, k, n)

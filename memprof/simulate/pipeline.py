@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, UnknownNameError
+from ..errors import InvalidArgumentError, MemprofError, UnknownNameError
 
 __all__ = ["Pipeline", "RankClass", "SCHEDULES", "StageSet", "PipelineStep"]
 
@@ -117,13 +117,25 @@ class StageSet:
         # answers them (memprof.simulate.kernels.ValueDependentCode): shape-only tensors have no values to read.
         with torch.no_grad(), ValueDependentCode():
             for k in range(last + 1):
-                if prepared is None:
-                    out = mods[k](*x)
-                else:
-                    mod, ctx = prepared(k)
-                    with ctx:
-                        out = mod(*(_example(t, grad=False) for t in x))
-                    del mod
+                try:
+                    if prepared is None:
+                        out = mods[k](*x)
+                    else:
+                        mod, ctx = prepared(k)
+                        with ctx:
+                            out = mod(*(_example(t, grad=False) for t in x))
+                        del mod
+                except MemprofError:
+                    raise
+                except Exception as exc:
+                    # A stage that cannot run on what the previous one hands it: a layer that needs more than
+                    # the hidden states (per-layer embeddings sized for the whole model, the token ids).
+                    handed = "the inputs" if k == 0 else f"what stage {k - 1} hands it"
+                    raise InvalidArgumentError(
+                        f"pipeline stage {k} of {self.num_stages} could not run on {handed} ({type(exc).__name__}: "
+                        f"{exc}); if the model's layers need more than the hidden states between stages, it cannot "
+                        "be cut this way: plan it without pipeline layouts, or give a split whose stages take and "
+                        "return everything the next one needs") from exc
                 out = tuple(_local(t) for t in (out if isinstance(out, tuple) else (out,)))
                 if k in self.stage_ids:
                     self.shapes[k] = (x, out)

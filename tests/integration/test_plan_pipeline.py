@@ -36,6 +36,9 @@ MODELS = {
     # Gemma 2: alternating sliding layers, attention soft-capping, and a final logit soft-cap that the causal LM
     # applies after its head (the last stage runs the causal LM's own forward, so it is applied there too).
     "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config, dict(head_dim=16, sliding_window=4)),
+    # Granite scales the embeddings in the base model's forward (embedding_multiplier), not in the embedding: only
+    # the first stage may apply it.
+    "granite": (transformers.GraniteForCausalLM, transformers.GraniteConfig, dict(embedding_multiplier=3.0)),
 }
 WIDE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=16000,
@@ -198,3 +201,21 @@ def test_a_pp_tp_stage_holds_its_tp_shards():
                            world_size=4, mesh={"pp": 2, "tp": 2}, parallelize=pp_fsdp(False, tp=True, fsdp=False),
                            pipeline=memprof.Pipeline(split, "1f1b", 4), rank=0, device="cpu")
     assert est.peak["weights"] == 90_624
+
+
+def test_a_model_whose_layers_need_more_than_the_hidden_states_is_refused_with_the_reason():
+    # Gemma 3n feeds every layer a per-layer embedding of the token ids, sized for all the model's layers: its
+    # pipeline plan names embed_tokens, layers and norm, but a stage cannot run on the hidden states alone.
+    from memprof.errors import InvalidArgumentError
+    from memprof.simulate.estimate import estimate
+
+    cfg = transformers.Gemma3nTextConfig(
+        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=8,
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2, sliding_window=4,
+        altup_num_inputs=2, laurel_rank=8, activation_sparsity_pattern=[0.0] * 4, architectures=["Gemma3nForCausalLM"])
+    built = hf.build_model(cfg)
+    layout = choose_layouts(built.model, 2, "pp2")[0]
+    with pytest.raises(InvalidArgumentError, match="pipeline stage 0 of 2 could not run on the inputs"):
+        layout.simulate(estimate, built.model, hf.adamw, lambda n: hf.token_batch(built, n, 16), 1, precision="bf16",
+                        gpu="h100-80gb", loss_fn=hf.hf_loss)
