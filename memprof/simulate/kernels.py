@@ -145,14 +145,16 @@ def _user_frame(frame: Any) -> Any:
     return None
 
 
-_USER, _SKIPPED, _VALUE_DEPENDENT = 0, 1, 2
+_USER, _SKIPPED, _VALUE_DEPENDENT, _MEMPROF = 0, 1, 2, 3
 
 
 def _kind(frame: Any) -> int:
-    """Whether a frame's code is memprof's or torch's own (skipped by the walk), in :data:`VALUE_DEPENDENT_CODE`,
-    or anyone else's."""
+    """Whether a frame's code is memprof's own, torch's (both skipped by the walk up to the library code above),
+    in :data:`VALUE_DEPENDENT_CODE`, or anyone else's."""
     module = frame.f_globals.get("__name__", "")
-    if module.startswith(("memprof.", "torch.")):
+    if module.startswith("memprof."):
+        return _MEMPROF
+    if module.startswith("torch."):
         return _SKIPPED
     return _VALUE_DEPENDENT if module.startswith(VALUE_DEPENDENT_CODE) else _USER
 
@@ -179,7 +181,7 @@ class ValueDependentCode(Rule):
         self.calls = 0
         self.where: set[str] = set()
         self.assumed: set[str] = set()
-        self._kinds: dict[Any, int] = {}  # code object -> _SKIPPED, _USER or _VALUE_DEPENDENT
+        self._kinds: dict[Any, int] = {}  # code object -> _USER, _SKIPPED, _VALUE_DEPENDENT or _MEMPROF
 
     def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
         if func is torch.Tensor.__bool__ and args and _shape_only(args[0]):
@@ -206,13 +208,21 @@ class ValueDependentCode(Rule):
         the walk is a few dictionary lookups per call rather than a string test per frame."""
         kinds = self._kinds
         frame = caller
+        if frame is not None:
+            kind = kinds.get(frame.f_code)
+            if kind is None:
+                kind = kinds[frame.f_code] = _kind(frame)
+            if kind == _MEMPROF:
+                # memprof's own bookkeeping (a storage looked up, a saved tensor detached) is no library code's
+                # doing, whatever runs above it; and it is most of the calls a simulation's rules see.
+                return None
         for _ in range(32):
             if frame is None:
                 return None
             kind = kinds.get(frame.f_code)
             if kind is None:
                 kind = kinds[frame.f_code] = _kind(frame)
-            if kind != _SKIPPED:
+            if kind != _SKIPPED and kind != _MEMPROF:
                 break
             frame = frame.f_back
         else:
