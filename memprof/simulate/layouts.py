@@ -5,12 +5,13 @@ pipeline-parallel ones its own pipeline plan allows (:mod:`memprof.simulate.hf_p
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import InvalidArgumentError
 from .hf_layouts import tp_degrees, tp_parallelize
-from .hf_pipeline import MICROBATCHES_PER_STAGE, PipelineSimulation, pp_degrees, pp_support
+from .hf_pipeline import DEGREES, MICROBATCHES_PER_STAGE, PipelineSimulation, pp_degrees, pp_support
 
 __all__ = ["Layout", "data_parallel_layouts", "tp_layouts", "pp_layouts", "choose_layouts", "GROUPS"]
 
@@ -115,8 +116,9 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
             continue
         else:
             why = _missing(model, item, tp, pp, world_size)
+            usable = [g for g in GROUPS if groups[g]]  # an empty group is no way out
             raise InvalidArgumentError(f"unknown layout {item!r} for {world_size} rank(s){why}; use "
-                                       + ", ".join([*known, *GROUPS]))
+                                       + ", ".join([*known, *usable]))
         if isinstance(item, str) and item.lower() == "pp" and not pp:
             raise InvalidArgumentError(f"no pipeline-parallel layout for {world_size} rank(s)"
                                        f"{_missing(model, item, tp, pp, world_size)}; plan without --layouts pp")
@@ -129,13 +131,23 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
 def _missing(model: Any, item: Any, tp: list, pp: list, world_size: int) -> str:
     """Why the layouts ``item`` asks for are not there, in parentheses (empty when that says nothing)."""
     name = str(item).lower()
-    if name.startswith("pp") and not pp:
+    if name.startswith("pp"):
         ok, why = pp_support(model)
         if not ok:
             return f" (no pipeline-parallel layout: {why})"
-        if world_size > 1:
+        layers = len(model.base_model.layers)
+        degree = re.match(r"pp(\d+)", name)
+        if degree is not None and int(degree.group(1)) > 1:
+            p = int(degree.group(1))
+            if world_size % p or layers % p or p not in DEGREES:
+                return (f" (pipeline layouts cut the model into 2 or 4 stages that divide both the world size and the "
+                        f"model's {layers} decoder layers: {p} stages "
+                        + ("is not one of them" if p not in DEGREES else
+                           f"do not divide {world_size} rank(s)" if world_size % p else
+                           f"do not divide {layers} layers") + ")")
+        if not pp and world_size > 1:
             return (" (no pipeline-parallel layout: no pipeline degree of 2 or 4 divides both the world size and the "
-                    "model's decoder layers)")
+                    f"model's {layers} decoder layers)")
         return ""
     if tp or world_size == 1:
         return ""

@@ -254,8 +254,9 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     token_batch(first, 1, seq_len)  # a bad seq_len fails before anything is simulated
     said = [f"{first.architecture} built from its config on the meta device ({first.kind}), {seq_len} tokens per "
             "sequence; the batch is one rank's",
-            "optimizer: " + ("torch.optim.AdamW with its defaults" if optimizer is None else "as given"),
-            "checkpointing: transformers' activation checkpointing on every layer (non-reentrant)"]
+            "optimizer: " + ("torch.optim.AdamW with its defaults" if optimizer is None else "as given")]
+    if any(bool(c) for c in checkpointing):  # only when a row has it
+        said.append("checkpointing: transformers' activation checkpointing on every layer (non-reentrant)")
     return plan_grid(model_for, lambda b: token_batch(first, b, seq_len), gpu=gpu,
                      optimizer=optimizer or hf.adamw, loss_fn=hf.hf_loss,
                      layouts=choose_layouts(first.model, world_size, "dp" if layouts is None else layouts),

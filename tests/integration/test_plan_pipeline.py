@@ -99,8 +99,13 @@ def test_pp_layouts_divide_the_world_and_the_layers(tmp_path):
     assert (lays["pp2-fsdp2"].microbatches, lays["pp4"].microbatches) == (4, 8)  # 2 x P
     assert "mixed" not in lays["pp4"].precisions  # no FSDP inside the stages: no mixed precision policy to run
     three = hf.build_model(hf.load_config(_folder(tmp_path, {**WIDE, "num_hidden_layers": 3}, "three"))).model
-    with pytest.raises(InvalidArgumentError, match="divides both the world size and the model's decoder layers"):
+    with pytest.raises(InvalidArgumentError, match="divides both the world size and the model's 3 decoder layers"):
         choose_layouts(three, 4, "pp")
+    six = hf.build_model(hf.load_config(_folder(tmp_path, {**WIDE, "num_hidden_layers": 6}, "six"))).model
+    with pytest.raises(InvalidArgumentError, match="unknown layout 'pp4' .*: 4 stages do not divide 6 layers"):
+        choose_layouts(six, 4, "pp4")
+    with pytest.raises(InvalidArgumentError, match="8 stages is not one of them"):
+        choose_layouts(small, 8, "pp8")
 
 
 def test_a_model_without_a_pipeline_plan_has_no_pp_layouts(tmp_path, capsys):
