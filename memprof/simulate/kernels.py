@@ -207,34 +207,28 @@ class ValueDependentCode(Rule):
         code alone (the module it was defined in), so it is looked up by code object, worked out once per code:
         the walk is a few dictionary lookups per call rather than a string test per frame."""
         kinds = self._kinds
-        frame = caller
-        if frame is not None:
+        frame, skipped, checked = caller, 0, -1  # checked: frames looked at from the first user frame on
+        while frame is not None:
             kind = kinds.get(frame.f_code)
             if kind is None:
                 kind = kinds[frame.f_code] = _kind(frame)
-            if kind == _MEMPROF:
-                # memprof's own bookkeeping (a storage looked up, a saved tensor detached) is no library code's
-                # doing, whatever runs above it; and it is most of the calls a simulation's rules see.
-                return None
-        for _ in range(32):
-            if frame is None:
-                return None
-            kind = kinds.get(frame.f_code)
-            if kind is None:
-                kind = kinds[frame.f_code] = _kind(frame)
-            if kind != _SKIPPED and kind != _MEMPROF:
-                break
-            frame = frame.f_back
-        else:
-            return None
-        for _ in range(4):
-            if frame is None:
-                return None
-            kind = kinds.get(frame.f_code)
-            if kind is None:
-                kind = kinds[frame.f_code] = _kind(frame)
+            if checked < 0:
+                if kind == _MEMPROF and frame is caller:
+                    # memprof's own bookkeeping (a storage looked up, a saved tensor detached) is no library
+                    # code's doing, whatever runs above it; and it is most of the calls a simulation's rules see.
+                    return None
+                if kind == _SKIPPED or kind == _MEMPROF:
+                    skipped += 1
+                    if skipped == 32:
+                        return None
+                    frame = frame.f_back
+                    continue
+                checked = 0
             if kind == _VALUE_DEPENDENT:
                 return frame.f_globals.get("__name__", "")
+            checked += 1
+            if checked == 4:
+                return None
             frame = frame.f_back
         return None
 
