@@ -106,7 +106,7 @@ def run_variant(variant: str, wl: overhead.Workload, steps: int) -> float:
         if ctx is not None:
             ctx.__enter__()
         if variant in ("no_backward_module_hooks", "hooks_only"):
-            ctx.backward_frames = False
+            ctx.run.backward_frames = False  # the run's switch the module hooks read (memprof/collect/state.py)
         try:
             t0 = time.perf_counter()
             for _ in range(steps):
