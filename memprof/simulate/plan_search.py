@@ -138,10 +138,13 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
     while (hi is None or hi - lo > 1) and lo < ceiling:
         top = ceiling if hi is None else hi - 1
         guess = _predicted(probe, slopes or {}, lo, hi, limit, top, start, overhead)
-        if same_side >= 2:
-            guess = (lo + hi) // 2 if hi is not None else min(top, 2 * lo)
-        elif guess <= lo:  # the lines say lo is the answer: simulate the batch above it
+        if guess <= lo and same_side < 3:
+            # The lines say lo is the answer: simulate the batch above it, which confirms it or moves on by one
+            # (the allocator's segments put a device peak about a sample away from the lines). A leap here would
+            # cost a simulation more in that common case; only after three such steps up in a row does it leap.
             guess = lo + 1
+        elif same_side >= 2:  # the lines keep missing on one side: bisect, or double while there is no ceiling
+            guess = (lo + hi) // 2 if hi is not None else min(top, 2 * lo)
         guess = min(max(guess, lo + 1), top)
         side = "lo" if probe.fits(guess) else "hi"
         if side == "lo":

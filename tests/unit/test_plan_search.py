@@ -132,3 +132,14 @@ def test_a_predicted_start_skips_batch_one_and_a_wrong_one_is_corrected(states):
     assert 1 not in calls  # batch 1 is never simulated
     if states == 10:
         assert sorted(set(calls)) == [10, 11]  # the answer and the one above
+
+
+def test_a_device_peak_a_sample_below_the_lines_costs_one_step_up_not_a_leap():
+    # The overhead is 7 GiB (a sample's bytes) at batches 1 and 2 and none from 3 on (a segment the replay stops
+    # keeping): the lines, with the overhead of the batch nearest, put the answer at 7; 8 fits as well
+    # (20 + 7 x 8 = 76 GiB), 9 does not (83 GiB). The search steps up by one from 7 and stops: it does not leap to
+    # twice the batch it has confirmed, which would cost a simulation more.
+    simulate, calls = _step(20 * GiB, 7 * GiB, 60 * GiB, overhead=lambda b, peak: 7 * GiB if b <= 2 else 0)
+    best, verified, _ = largest_batch(Probe(simulate, LIMIT, 4096))
+    assert (best, verified) == (_truth(simulate, LIMIT), True) == (8, True)
+    assert 16 not in calls and max(calls) == 9
