@@ -136,15 +136,6 @@ class CudaKernels(Rule):
 VALUE_DEPENDENT_CODE = ("transformers.masking_utils", "transformers.modeling_attn_mask_utils")
 
 
-def _user_frame(frame: Any) -> Any:
-    """The first frame outside memprof's and torch's own code (other modes on the stack call in between)."""
-    for _ in range(32):
-        if frame is None or not frame.f_globals.get("__name__", "").startswith(("memprof.", "torch.")):
-            return frame
-        frame = frame.f_back
-    return None
-
-
 _USER, _SKIPPED, _VALUE_DEPENDENT, _MEMPROF = 0, 1, 2, 3
 
 
@@ -185,9 +176,9 @@ class ValueDependentCode(Rule):
 
     def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
         if func is torch.Tensor.__bool__ and args and _shape_only(args[0]):
-            caller = _user_frame(self.caller())
+            caller = self._user_frame(self.caller())
             module = caller.f_globals.get("__name__", "") if caller is not None else ""
-            if caller is not None and module.startswith(VALUE_DEPENDENT_CODE):
+            if caller is not None and self._kinds[caller.f_code] == _VALUE_DEPENDENT:
                 # A check of the values (are these sequences packed? is this mask all ones?) that shape-only
                 # tensors cannot answer: take the plain case, where the check is true, and say so.
                 self.assumed.add(f"{module}.{caller.f_code.co_name}")
@@ -200,35 +191,44 @@ class ValueDependentCode(Rule):
             self.bytes += _output_bytes(out)
         return out
 
+    def _kind(self, frame: Any) -> int:
+        """A frame's kind (:func:`_kind`), by its code object: it depends on the code alone (the module it was
+        defined in), so it is worked out once per code, and a walk is a dictionary lookup per frame rather than a
+        string test."""
+        kind = self._kinds.get(frame.f_code)
+        if kind is None:
+            kind = self._kinds[frame.f_code] = _kind(frame)
+        return kind
+
+    def _user_frame(self, frame: Any) -> Any:
+        """The first frame from ``frame`` up outside memprof's and torch's own code (other modes on the stack call
+        in between), or None within 32 frames."""
+        kinds = self._kinds
+        for _ in range(32):
+            if frame is None:
+                return None
+            kind = kinds.get(frame.f_code)  # self._kind(frame) written out: this loop runs up torch's frames
+            if kind is None:
+                kind = kinds[frame.f_code] = _kind(frame)
+            if kind != _SKIPPED and kind != _MEMPROF:
+                return frame
+            frame = frame.f_back
+        return None
+
     def _value_dependent(self, caller: Any) -> "str | None":
         """The module of :data:`VALUE_DEPENDENT_CODE` among the first frame outside memprof and torch above
         ``caller`` (the frame that called the torch function) and the three above that (the helpers call torch
-        directly, or through a helper of their own), or None. Which of the three kinds a frame is depends on its
-        code alone (the module it was defined in), so it is looked up by code object, worked out once per code:
-        the walk is a few dictionary lookups per call rather than a string test per frame."""
-        kinds = self._kinds
-        frame, skipped, checked = caller, 0, -1  # checked: frames looked at from the first user frame on
-        while frame is not None:
-            kind = kinds.get(frame.f_code)
-            if kind is None:
-                kind = kinds[frame.f_code] = _kind(frame)
-            if checked < 0:
-                if kind == _MEMPROF and frame is caller:
-                    # memprof's own bookkeeping (a storage looked up, a saved tensor detached) is no library
-                    # code's doing, whatever runs above it; and it is most of the calls a simulation's rules see.
-                    return None
-                if kind == _SKIPPED or kind == _MEMPROF:
-                    skipped += 1
-                    if skipped == 32:
-                        return None
-                    frame = frame.f_back
-                    continue
-                checked = 0
-            if kind == _VALUE_DEPENDENT:
-                return frame.f_globals.get("__name__", "")
-            checked += 1
-            if checked == 4:
+        directly, or through a helper of their own), or None."""
+        if caller is None or self._kind(caller) == _MEMPROF:
+            # memprof's own bookkeeping (a storage looked up, a saved tensor detached) is no library code's doing,
+            # whatever runs above it; and it is most of the calls a simulation's rules see.
+            return None
+        frame = self._user_frame(caller)
+        for _ in range(4):
+            if frame is None:
                 return None
+            if self._kind(frame) == _VALUE_DEPENDENT:
+                return frame.f_globals.get("__name__", "")
             frame = frame.f_back
         return None
 
