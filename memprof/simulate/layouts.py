@@ -136,18 +136,19 @@ def _missing(model: Any, item: Any, tp: list, pp: list, world_size: int) -> str:
         if not ok:
             return f" (no pipeline-parallel layout: {why})"
         layers = len(model.base_model.layers)
+        degrees = " or ".join(map(str, DEGREES))
         degree = re.match(r"pp(\d+)", name)
         if degree is not None and int(degree.group(1)) > 1:
             p = int(degree.group(1))
             if world_size % p or layers % p or p not in DEGREES:
-                return (f" (pipeline layouts cut the model into 2 or 4 stages that divide both the world size and the "
-                        f"model's {layers} decoder layers: {p} stages "
+                return (f" (pipeline layouts cut the model into {degrees} stages that divide both the world size and "
+                        f"the model's {layers} decoder layers: {p} stages "
                         + ("is not one of them" if p not in DEGREES else
                            f"do not divide {world_size} rank(s)" if world_size % p else
                            f"do not divide {layers} layers") + ")")
         if not pp and world_size > 1:
-            return (" (no pipeline-parallel layout: no pipeline degree of 2 or 4 divides both the world size and the "
-                    f"model's {layers} decoder layers)")
+            return (f" (no pipeline-parallel layout: no pipeline degree of {degrees} divides both the world size and "
+                    f"the model's {layers} decoder layers)")
         return ""
     if tp or world_size == 1:
         return ""

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import InvalidArgumentError
+from .hf_pipeline import MICROBATCHES_PER_STAGE
 from .layouts import Layout, data_parallel_layouts
 
 __all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "PRECISIONS"]
@@ -209,10 +210,10 @@ def _pipeline_notes(layouts: Sequence[Layout]) -> list[str]:
     if not any(lay.microbatches for lay in layouts):
         return []
     return ["pipeline layouts (pp{P}, pp{P}-fsdp{D}, with -tp{T} the model's TP plan inside the stages): the "
-            "batch is one micro-batch's sequences, the micro-batches per step fixed at 2 x P (the row's "
-            "microbatches; a pipeline rank's step takes batch x microbatches sequences), run by torch's 1F1B "
-            "schedule, under which the first stage holds P micro-batches' activations at once whatever their count "
-            "(Narayanan et al. 2021, §2.2); every stage's rank simulated, the figures the worst one's (worst_stage: "
+            f"batch is one micro-batch's sequences, the micro-batches per step fixed at {MICROBATCHES_PER_STAGE} x P "
+            "(the row's microbatches; a pipeline rank's step takes batch x microbatches sequences), run by torch's "
+            "1F1B schedule, under which the first stage holds P micro-batches' activations at once whatever their "
+            "count (Narayanan et al. 2021, §2.2); every stage's rank simulated, the figures the worst one's (worst_stage: "
             "the largest device-level peak); FSDP2 inside the stages with reshard_after_forward=False (torchtitan's "
             "default under pipeline parallelism), mixed precision its MixedPrecisionPolicy(param_dtype=bf16, "
             "reduce_dtype=fp32)"]
