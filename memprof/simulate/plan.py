@@ -213,10 +213,10 @@ def _pipeline_notes(layouts: Sequence[Layout]) -> list[str]:
             f"batch is one micro-batch's sequences, the micro-batches per step fixed at {MICROBATCHES_PER_STAGE} x P "
             "(the row's microbatches; a pipeline rank's step takes batch x microbatches sequences), run by torch's "
             "1F1B schedule, under which the first stage holds P micro-batches' activations at once whatever their "
-            "count (Narayanan et al. 2021, §2.2); every stage's rank simulated, the figures the worst one's (worst_stage: "
-            "the largest device-level peak); FSDP2 inside the stages with reshard_after_forward=False (torchtitan's "
-            "default under pipeline parallelism), mixed precision its MixedPrecisionPolicy(param_dtype=bf16, "
-            "reduce_dtype=fp32)"]
+            "count (Narayanan et al. 2021, §2.2); every stage's rank simulated, the figures the worst one's "
+            "(worst_stage: the largest device-level peak); FSDP2 inside the stages with reshard_after_forward=False "
+            "(torchtitan's default under pipeline parallelism), mixed precision its "
+            "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"]
 
 
 def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, simulations: int,
