@@ -373,7 +373,8 @@ def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int
         classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step,
                                  est.trace.peak_phase.value, est.trace))
         results.append(est)
-    worst = max(range(len(results)), key=lambda i: (key or (lambda e: e.peak_bytes))(results[i]))
+    measure = key or (lambda e: e.peak_bytes)
+    worst = max(range(len(results)), key=lambda i: measure(results[i]))
     table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "
                       f"{c.peak_phase} (ranks {_ranges(c.ranks)})" for c in classes)
     import dataclasses
