@@ -34,6 +34,9 @@ _BACKWARD = Phase.BACKWARD
 _PARAMETER = nn.Parameter
 _PLAIN = torch.Tensor
 _STRIDED = torch.strided
+# What a storage can be before autograd stores it as a gradient (DDP's gradient_as_bucket_view, FSDP's
+# reduce-scatter output: a collective's buffer).
+_BECOME_GRADIENTS = (TEMPORARIES, ACTIVATIONS, INPUTS, COMMUNICATION)
 
 
 class ParamTracker:
@@ -144,8 +147,26 @@ class ParamTracker:
         if run.phase is not _BACKWARD:
             self.phases.backward_started()
         g = param.grad
-        if g is not None:
-            self.add_grad(g, retro=True)
+        if g is None:
+            return
+        # add_grad(g, retro=True), written out for the common case (once per parameter in every backward):
+        # a plain strided gradient on the profiled device, whose storage is new (light mode) or an op's
+        # output (exact mode).
+        if type(g) is _PLAIN and g.layout is _STRIDED and (g.is_cpu if run.on_cpu else g.device == run.device):
+            try:
+                st = g.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return
+            led = self.ledger
+            entry = led.entries.get(st._cdata)
+            if entry is None:
+                entry = led.add(st, GRADIENTS)
+            elif entry.cat != GRADIENTS and entry.cat in _BECOME_GRADIENTS:
+                led.move(entry, GRADIENTS, retro=True)
+            if entry.cat == GRADIENTS:
+                self.grad_keys.add(entry.key)
+            return
+        self.add_grad(g, retro=True)
 
     def add_grad(self, g: torch.Tensor, *, retro: bool, follow: bool = True) -> None:
         """``g`` is a gradient now. ``follow``: it is a followed parameter's ``.grad``, an ordinary
@@ -163,7 +184,7 @@ class ParamTracker:
             entry = self.storages.add_tensor(g, GRADIENTS)
         # A gradient that lives in a collective's buffer (DDP's gradient_as_bucket_view, FSDP's
         # reduce-scatter output) is a gradient.
-        if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS, INPUTS, COMMUNICATION):
+        if entry is not None and entry.cat in _BECOME_GRADIENTS:
             self.ledger.move(entry, GRADIENTS, retro=retro)
         if follow and entry is not None and entry.cat == GRADIENTS:
             self.grad_keys.add(entry.key)
@@ -212,9 +233,7 @@ class ParamTracker:
                 if st is not None:
                     current.add(st._cdata)
         led = self.ledger
-        for key in list(self.grad_keys):
-            if key in current:
-                continue
+        for key in self.grad_keys - current:  # the set difference in C: most steps nothing is stale
             self.grad_keys.discard(key)
             entry = led.entries.get(key)
             if entry is not None and entry.cat == GRADIENTS:

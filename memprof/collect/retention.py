@@ -25,6 +25,8 @@ MAX_SELECTED = 256
 # A series keeps every distinct value (exact median) up to this many, then an evenly thinned sample.
 _DISTINCT = 64
 _SAMPLE = 64
+# Steps whose phase figures wait to be folded into the series (memory stays bounded: two records a step).
+_ROWS = 64
 
 
 class _Series:
@@ -91,18 +93,41 @@ class _Series:
 
 
 class _PhaseSeries:
-    __slots__ = ("count", "peak", "end")
+    """The series of one phase's peak and end figures. A step's figures wait in :attr:`rows` (at most
+    :data:`_ROWS` steps) and are folded into the series in one pass, in the order they came: a step's end
+    costs one append, not two dozen series updates made between its first ops and the next step's."""
+
+    __slots__ = ("count", "_peak", "_end", "rows")
 
     def __init__(self) -> None:
         self.count = 0
-        self.peak = [_Series() for _ in STAT_KEYS]
-        self.end = [_Series() for _ in STAT_KEYS]
+        self._peak = [_Series() for _ in STAT_KEYS]
+        self._end = [_Series() for _ in STAT_KEYS]
+        self.rows: list[tuple[Breakdown, Breakdown]] = []
 
     def add(self, peak: Breakdown, end: Breakdown) -> None:
         self.count += 1
-        for series, bd in ((self.peak, peak), (self.end, end)):
-            for s, v in zip(series, bd.counts + (bd.total,)):
-                s.add(v)
+        rows = self.rows
+        rows.append((peak, end))
+        if len(rows) >= _ROWS:
+            self.fold()
+
+    def fold(self) -> None:
+        rows, self.rows = self.rows, []
+        for peak, end in rows:
+            for series, bd in ((self._peak, peak), (self._end, end)):
+                for s, v in zip(series, bd.counts + (bd.total,)):
+                    s.add(v)
+
+    @property
+    def peak(self) -> list[_Series]:
+        self.fold()
+        return self._peak
+
+    @property
+    def end(self) -> list[_Series]:
+        self.fold()
+        return self._end
 
 
 class Retention:

@@ -107,19 +107,27 @@ class SavedTracker:
 
         An activation (a counted storage) is handed to autograd as a :class:`Saved`, which tells the ledger
         when autograd lets it go; anything else as a tuple ``(tensor, version, origin)``, which needs no
-        wrapper object. ``tensor`` is a detached alias of an activation or of anything with a ``grad_fn``
-        (returning ``t`` itself would close the cycle output -> grad_fn -> saved output, keeping a dropped
-        graph alive), and ``t`` itself otherwise (weights, inputs: no cycle). ``origin`` is ``t`` weakly, when
-        it had a ``grad_fn``: torch refuses to use a saved tensor that was detached in place since, and so must memprof.
+        wrapper object. ``tensor`` is a detached alias of anything with a ``grad_fn`` (returning ``t`` itself
+        would close the cycle output -> grad_fn -> saved output, keeping a dropped graph alive), and ``t``
+        itself otherwise (weights, inputs, masks: no cycle; torch too keeps a leaf itself,
+        torch/csrc/autograd/saved_variable.cpp). ``origin`` is ``t`` weakly, when it had a ``grad_fn``: torch
+        refuses to use a saved tensor that was detached in place since, and so must memprof.
         """
         if _COMPILER._is_compiling_flag:
             # dynamo compiling through autograd: its fake tensors are not memory. (The flag itself, read as
             # is_compiling() reads it: autograd's C++ calls this hook, dynamo never inlines it.)
             return t
         key = self.account(t)
-        origin = weakref.ref(t) if t.grad_fn is not None else None
-        if key is None and origin is None:
-            return (t, t._version, None)
+        # is_leaf is "grad_fn is None" read in C++ (torch/csrc/autograd/python_variable.cpp), without making
+        # the Python object of the node that t.grad_fn would.
+        if t.is_leaf:
+            # No grad_fn, so no cycle to break (and nothing to detach in place): t itself.
+            if key is None:
+                return (t, t._version, None)
+            saved = Saved.__new__(Saved)  # no __init__: one frame less per save
+            saved.tensor, saved.owner, saved.key, saved.version, saved.origin = t, self, key, t._version, None
+            return saved
+        origin = weakref.ref(t)
         # In exact mode this detach would go through memprof's own dispatch mode, which does nothing with it
         # but costs the Python dispatch round trip (a saved tensor or more per op). When that mode is the only
         # one and ``t`` a plain tensor, no Python code wants to see it; a subclass or another mode still gets
@@ -152,7 +160,7 @@ class SavedTracker:
             return saved  # packed while compiling: the tensor itself
         if origin is not None:
             o = origin()
-            if o is not None and o.grad_fn is None:
+            if o is not None and o.is_leaf:  # detached in place since (is_leaf: grad_fn is None, read in C++)
                 # torch's wording (torch/csrc/autograd/saved_variable.cpp).
                 raise RuntimeError(
                     "Trying to use a saved tensor that has been detached in-place, i.e. with .detach_().This is "

@@ -360,6 +360,27 @@ def test_a_saved_output_detached_in_place_fails_as_without_memprof(mode):
     assert str(profiled.value) == str(plain.value)
 
 
+def _second_order(mode):
+    # A gradient penalty: the second backward differentiates through tensors the first one saved, a leaf
+    # input (x, saved by mul) and an op's input with a grad_fn (w * x, saved by pow). A saved tensor handed
+    # back without its place in the graph would give a different (or no) gradient.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    with _profile(model, mode=mode):
+        y = (model.weight.sum(0) * x).pow(2).sum() + model(x).tanh().sum()
+        gw, gx = torch.autograd.grad(y, (model.weight, x), create_graph=True)
+        (gw.pow(2).sum() + gx.pow(2).sum()).backward()
+    return model.weight.grad, model.bias.grad, x.grad
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_second_order_gradient_is_the_same_to_the_bit(mode):
+    plain = _second_order(None)
+    profiled = _second_order(mode)
+    assert all(a is not None and torch.equal(a, b) for a, b in zip(plain, profiled))
+
+
 # ------------------------------------------------------------------ the user's dispatch modes
 
 

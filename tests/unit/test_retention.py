@@ -52,6 +52,32 @@ def test_retention_keeps_the_first_steps_the_peak_and_the_last():
     assert fwd.at("peak", "allocator_overhead") is None
 
 
+def test_statistics_read_between_folds_count_every_step_in_order():
+    # Steps wait in a buffer of 64 before their figures join the series: read after 150 steps (two folds and
+    # 22 waiting) and again after 40 more, the statistics are those of every step so far, as if each had been
+    # added at once. Peaks 1 .. 150 are distinct (more than the 64 a series keeps exactly), then 40 repeats.
+    r = Retention()
+    peaks = list(range(1, 151))
+    for i, p in enumerate(peaks):
+        r.add(_step(i, p), peak_step=149)
+    (fwd,) = r.phase_stats()
+    direct = _Series()
+    for p in peaks:
+        direct.add(p)
+    assert fwd.count == 150
+    assert fwd.at("peak", "activations") == direct.stat()
+    assert fwd.at("peak", "activations")[::2] == (1, 150)  # min and max exact, whatever the thinning
+    more = [7] * 40
+    for i, p in enumerate(more, start=150):
+        r.add(_step(i, p), peak_step=149)
+    for p in more:
+        direct.add(p)
+    (fwd,) = r.phase_stats()
+    assert fwd.count == 190
+    assert fwd.at("peak", "activations") == direct.stat()
+    assert fwd.at("end", "activations")[::2] == (0, 75)  # ends: peak // 2, from 1 // 2 to 150 // 2
+
+
 def test_scheduled_steps_stay_in_full_up_to_a_bound():
     r = Retention()
     for i in range(MAX_SELECTED + 50):
