@@ -12,6 +12,7 @@ composition (seven ints) is copied, never a deep structure.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from time import perf_counter_ns
 from typing import Any
@@ -69,6 +70,35 @@ def storage_of(t: Any) -> Any:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+# The bulk checks below run per parameter and per optimizer state at every step. Written as chains of C
+# iterators (map, filter, operator's getters), they run no Python bytecode per tensor; anything unusual makes
+# them answer None and the caller walks the tensors one by one as before.
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))  # a Parameter of this exact type holds plain data
+_UNTYPED_STORAGE = operator.methodcaller("untyped_storage")
+_CDATA = operator.attrgetter("_cdata")
+_CAT = operator.attrgetter("cat")
+
+
+def plain_storage_keys(tensors: "list[Any]") -> "list[int] | None":
+    """The storage keys of ``tensors`` in order, when every one is a plain tensor (or a Parameter of that
+    exact type) with a storage; None when any is not (None, a subclass, a sparse tensor). Devices are not
+    looked at: the key of a storage on another device is not in the ledger (:func:`known_as`)."""
+    if not _PLAIN_TYPES.issuperset(map(type, tensors)):
+        return None
+    try:
+        return list(map(_CDATA, map(_UNTYPED_STORAGE, tensors)))
+    except (RuntimeError, NotImplementedError):  # no storage: sparse, or a tensor torch keeps apart
+        return None
+
+
+def known_as(entries: "dict[int, Entry]", keys: "list[int]", cat: int) -> bool:
+    """Is every storage of ``keys`` live in the ledger under ``cat``?"""
+    try:
+        return set(map(_CAT, map(entries.__getitem__, keys))).issubset((cat,))
+    except KeyError:
+        return False
 
 
 _WRAPPERS: dict[type, bool] = {}

@@ -12,8 +12,10 @@ step's peak if they were created during it (lazily created state).
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -21,7 +23,7 @@ import torch
 from ..vocabulary import Phase
 from ..errors import InvalidArgumentError, error_text
 from ..record.specs import OptimizerSpec, ParamSpec, plain_config
-from .ledger import ACTIVATIONS, INPUTS, OPTIMIZER_STATES, TEMPORARIES
+from .ledger import ACTIVATIONS, INPUTS, OPTIMIZER_STATES, TEMPORARIES, known_as, plain_storage_keys
 from .module_table import class_names
 from .torch_compat import is_compiling as _is_compiling
 
@@ -38,6 +40,7 @@ __all__ = ["OptimizerTracker", "as_optimizers"]
 
 _PLAIN = torch.Tensor
 _STRIDED = torch.strided
+_chain = chain.from_iterable
 
 
 def _nothing() -> None:
@@ -70,6 +73,10 @@ class OptimizerTracker:
         self.class_name: "str | None" = None
         self.implementation: "str | None" = None
         self.carry: "StepCarry | None" = None  # exact mode's carried optimizer steps (carry.py), where on
+        # Is a tensor on the profiled device's type (Tensor.is_cpu, is_cuda...)? Where torch has no such property,
+        # None, and every step walks the state.
+        flag = f"is_{run.device.type}"
+        self.on_device = operator.attrgetter(flag) if hasattr(torch.Tensor, flag) else None
 
     def all(self) -> list[torch.optim.Optimizer]:
         """The optimizers passed to profile(), else those seen stepping the model."""
@@ -191,6 +198,16 @@ class OptimizerTracker:
         led = self.ledger
         entries = led.entries
         storages = self.storages
+        if self.on_device is not None:
+            # The common case after the first step, every state tensor known, found without a Python loop. Only
+            # the profiled device's tensors count (Adam keeps its step counts on the CPU for a GPU model); a
+            # state that is not a dict, a value that is no tensor or a tensor of a subclass takes the walk.
+            try:
+                keys = plain_storage_keys(list(filter(self.on_device, _chain(map(dict.values, opt.state.values())))))
+            except (TypeError, AttributeError):
+                keys = None
+            if keys is not None and known_as(entries, keys, OPTIMIZER_STATES):
+                return
         for state in opt.state.values():
             if not isinstance(state, dict):
                 continue

@@ -11,6 +11,8 @@ and a note says from which step.
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -18,7 +20,8 @@ import torch
 from torch import nn
 
 from ..vocabulary import Phase
-from .ledger import ACTIVATIONS, COMMUNICATION, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, storage_of
+from .ledger import ACTIVATIONS, COMMUNICATION, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, known_as
+from .ledger import plain_storage_keys, storage_of
 from .torch_compat import is_compiling as _is_compiling
 
 if TYPE_CHECKING:
@@ -34,6 +37,9 @@ _BACKWARD = Phase.BACKWARD
 _PARAMETER = nn.Parameter
 _PLAIN = torch.Tensor
 _STRIDED = torch.strided
+_DEREF = weakref.ref.__call__
+_GRAD = operator.attrgetter("grad")
+_NOT_NONE = functools.partial(operator.is_not, None)
 # What a storage can be before autograd stores it as a gradient (DDP's gradient_as_bucket_view, FSDP's
 # reduce-scatter output: a collective's buffer).
 _BECOME_GRADIENTS = (TEMPORARIES, ACTIVATIONS, INPUTS, COMMUNICATION)
@@ -99,9 +105,11 @@ class ParamTracker:
     def resync_storages(self) -> None:
         """Parameters whose storage changed under them (``model.to(dtype)``, ``param.data = ...``,
         ``load_state_dict``): the new storage is a weight, the old one an ordinary tensor again."""
+        keys = self.storage_keys
+        if plain_storage_keys(list(map(_DEREF, self.refs))) == keys:
+            return  # every step but the rare one: nothing moved, found without a Python loop
         led = self.ledger
         changed = False
-        keys = self.storage_keys
         for i, ref in enumerate(self.refs):
             p = ref()
             if p is None:
@@ -193,6 +201,9 @@ class ParamTracker:
         """Every parameter's ``.grad`` is a gradient (at backward's end and before a step)."""
         entries = self.ledger.entries
         grad_keys = self.grad_keys
+        keys = self.grad_storage_keys()
+        if keys is not None and grad_keys.issuperset(keys) and known_as(entries, keys, GRADIENTS):
+            return  # the common case, every gradient followed already: found without a Python loop
         for ref in self.refs:
             p = ref()
             g = p.grad if p is not None else None
@@ -210,13 +221,23 @@ class ParamTracker:
                         continue
             self.add_grad(g, retro=False)
 
+    def grad_storage_keys(self) -> "list[int] | None":
+        """The storage keys of the parameters' gradients (None where a parameter has none), when every
+        parameter lives and every gradient is a plain tensor; None otherwise."""
+        try:
+            grads = list(filter(_NOT_NONE, map(_GRAD, map(_DEREF, self.refs))))
+        except AttributeError:  # a parameter that died
+            return None
+        return plain_storage_keys(grads)
+
     def release_stale_grads(self) -> None:
         """A storage that is no parameter's .grad any more (zero_grad(set_to_none=True)
         while the user still holds it) is an ordinary tensor again."""
         if not self.grad_keys:
             return
-        current: set[int] = set()
-        for ref in self.refs:
+        keys = self.grad_storage_keys()
+        current: set[int] = set() if keys is None else set(keys)
+        for ref in self.refs if keys is None else ():
             p = ref()
             g = p.grad if p is not None else None
             if g is None:
