@@ -9,7 +9,9 @@ these records, so a saved trace can be predicted again by a newer memprof.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from itertools import filterfalse
 from typing import Any, Mapping
 
 from .checks import corrupt, count, flag, mapping, seq, text
@@ -95,14 +97,24 @@ class TensorSpec:
 _PLAIN = (bool, int, float, str, type(None))
 
 
+_PRIVATE = operator.methodcaller("startswith", "_")
+
+
 def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """A module's or an optimizer group's configuration: its public attributes whose values are plain
     (numbers, strings, None, and tuples of those), sorted by name. Tensors, submodules and callables
     are left out; a tensor-valued setting is recorded as a float with its key prefixed ``"tensor:"``."""
     out: list[tuple[str, Any]] = []
-    for key, value in attrs.items():
-        if not isinstance(key, str) or key.startswith("_") or key == "params":
+    try:
+        # The private names (most of a module's attributes: _parameters, _forward_hooks ...) left out in C.
+        keys: Any = filterfalse(_PRIVATE, attrs)
+        names = list(keys)
+    except (AttributeError, TypeError):  # a name that is no string
+        names = [key for key in attrs if isinstance(key, str) and not key.startswith("_")]
+    for key in names:
+        if key == "params":
             continue
+        value = attrs[key]
         if isinstance(value, _PLAIN):
             out.append((key, value))
         elif isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
