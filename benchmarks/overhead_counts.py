@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/overhead_counts.py                   # the benchmark GPT of overhead.py, about 1 minute
     python benchmarks/overhead_counts.py --small           # the same model at width 32, seq 16, batch 2
     python benchmarks/overhead_counts.py --json out.json --markdown out.md
+    python benchmarks/overhead_counts.py --bytecodes       # also the bytecodes a step executes (a few minutes)
 
 What is counted
 ---------------
@@ -108,6 +109,36 @@ def count_calls(fn: Callable[[], Any]) -> Counts:
     return out
 
 
+def count_bytecodes(fn: Callable[[], Any]) -> tuple[int, int]:
+    """Run ``fn`` once under ``sys.settrace`` with opcode events: the bytecodes it executed in every Python
+    frame, and of those in memprof's own files. Finer than calls (a frame's length counts, not only its
+    existence), and as deaf to load."""
+    counts = [0, 0]
+
+    def opcode(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            counts[0] += 1
+        return opcode
+
+    def opcode_mine(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            counts[0] += 1
+            counts[1] += 1
+        return opcode_mine
+
+    def call(frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return opcode_mine if frame.f_code.co_filename.startswith(_MEMPROF_DIR) else opcode
+
+    sys.settrace(call)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return counts[0], counts[1]
+
+
 def _fewest(fn: Callable[[], Any], times: int) -> Counts:
     # The fewest calls of a few runs: a garbage collection or a cache filled once adds calls to one run only.
     return min((count_calls(fn) for _ in range(times)), key=lambda c: c.total)
@@ -130,13 +161,16 @@ def ops_per_step(step: Callable[[], Any]) -> int:
 
 
 def measure(step: Callable[[], Any], model: Any, optimizer: Any, modes: tuple[str, ...] = ("exact", "light"),
-            null_mode: "type | None" = None, warmup: int = 2, times: int = 3) -> dict[str, Any]:
+            null_mode: "type | None" = None, warmup: int = 2, times: int = 3,
+            bytecodes: bool = False) -> dict[str, Any]:
     """Calls per op above a bare step for each mode (and the do-nothing dispatch mode ``null_mode``), with
-    calls per saved tensor and per module call; ``step`` must be steady after ``warmup`` steps."""
+    calls per saved tensor and per module call; ``step`` must be steady after ``warmup`` steps. With
+    ``bytecodes``, also the bytecodes a steady step executes above a bare one (all frames, and memprof's)."""
     for _ in range(warmup):
         step()
     ops = ops_per_step(step)
     bare = _fewest(step, times)
+    bare_bytecodes = min(count_bytecodes(step)[0] for _ in range(times)) if bytecodes else 0
     rows: dict[str, Any] = {}
     if null_mode is not None:
         with null_mode():
@@ -148,6 +182,8 @@ def measure(step: Callable[[], Any], model: Any, optimizer: Any, modes: tuple[st
             for _ in range(warmup):
                 step()
             c = _fewest(step, times)
+            if bytecodes:
+                codes = min(count_bytecodes(step) for _ in range(times))
         saves = c.entries["saved.py:pack"] + c.entries["saved_hooks.py:pack"]
         module_calls = c.entries["modules.py:pre_hook"]
         rows[mode] = {
@@ -164,6 +200,9 @@ def measure(step: Callable[[], Any], model: Any, optimizer: Any, modes: tuple[st
             # come after the warmup, once the step is known.
             "optimizer_steps": [list(span) for span in prof.trace.optimizer_steps],
         }
+        if bytecodes:
+            rows[mode]["bytecodes_per_step"] = codes[0] - bare_bytecodes
+            rows[mode]["memprof_bytecodes_per_step"] = codes[1]
     return {"ops_per_step": ops, "bare_calls": bare.total, "modes": rows}
 
 
@@ -175,16 +214,20 @@ def small_gpt() -> Any:
 
 
 def markdown(result: dict[str, Any], description: str) -> str:
+    codes = any("bytecodes_per_step" in row for row in result["modes"].values())
     lines = [f"{description}: {result['ops_per_step']} ops per step, a bare step makes "
              f"{result['bare_calls']} Python calls.", "",
-             "| variant | calls per op above bare | memprof's handler per op | per saved tensor | per module call |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+             "| variant | calls per op above bare | memprof's handler per op | per saved tensor | per module call |"
+             + (" bytecodes per step above bare | of them in memprof |" if codes else ""),
+             "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if codes else "")]
     for name, row in result["modes"].items():
         if name == "null_dispatch":
-            lines.append(f"| do-nothing dispatch mode | {row['calls_per_op']:.2f} | | | |")
+            lines.append(f"| do-nothing dispatch mode | {row['calls_per_op']:.2f} | | | |" + (" | |" if codes else ""))
         else:
             lines.append(f"| {name} | {row['calls_per_op']:.2f} | {row['handler_calls_per_op']:.2f} | "
-                         f"{row['calls_per_saved_tensor']:.2f} | {row['calls_per_module_call']:.2f} |")
+                         f"{row['calls_per_saved_tensor']:.2f} | {row['calls_per_module_call']:.2f} |"
+                         + (f" {row['bytecodes_per_step']:,} | {row['memprof_bytecodes_per_step']:,} |"
+                            if codes else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -193,6 +236,8 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--small", action="store_true", help="width 32, seq 16, batch 2 (the test's model)")
     ap.add_argument("--modes", default="exact,light", help="comma-separated memprof modes (default exact,light)")
     ap.add_argument("--entries", action="store_true", help="also print the calls under each memprof entry point")
+    ap.add_argument("--bytecodes", action="store_true",
+                    help="also count the bytecodes a steady step executes above a bare one (slower)")
     ap.add_argument("--json", metavar="PATH", help="write results as JSON")
     ap.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
     args = ap.parse_args(argv)
@@ -203,7 +248,8 @@ def main(argv: "list[str] | None" = None) -> int:
     from _machine import command_line, cpu_model, write_results
 
     wl = small_gpt() if args.small else overhead.build_workload("gpt", torch.device("cpu"), quick=False)
-    result = measure(wl.step, wl.model, wl.optimizer, tuple(args.modes.split(",")), overhead.NullDispatchMode)
+    result = measure(wl.step, wl.model, wl.optimizer, tuple(args.modes.split(",")), overhead.NullDispatchMode,
+                     bytecodes=args.bytecodes)
     md = markdown(result, wl.description)
     print(md)
     if args.entries:
