@@ -155,12 +155,16 @@ class ParamTracker:
         if run.phase is not _BACKWARD:
             self.phases.backward_started()
         g = param.grad
-        if g is None:
-            return
-        # add_grad(g, retro=True), written out for the common case (once per parameter in every backward):
-        # a plain strided gradient on the profiled device, whose storage is new (light mode) or an op's
-        # output (exact mode).
+        if g is not None:
+            self.add_grad(g, retro=True)
+
+    def add_grad(self, g: torch.Tensor, *, retro: bool, follow: bool = True) -> None:
+        """``g`` is a gradient now. ``follow``: it is a followed parameter's ``.grad``, an ordinary
+        tensor again once it stops being one (release_stale_grads); FSDP's unsharded gradients are not."""
+        run = self.run
         if type(g) is _PLAIN and g.layout is _STRIDED and (g.is_cpu if run.on_cpu else g.device == run.device):
+            # Once per parameter in every backward and at every step: a plain gradient on the profiled device,
+            # known (an op's output in exact mode) or new (light mode), is registered with no call into add_tensor.
             try:
                 st = g.untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -169,25 +173,6 @@ class ParamTracker:
             entry = led.entries.get(st._cdata)
             if entry is None:
                 entry = led.add(st, GRADIENTS)
-            elif entry.cat != GRADIENTS and entry.cat in _BECOME_GRADIENTS:
-                led.move(entry, GRADIENTS, retro=True)
-            if entry.cat == GRADIENTS:
-                self.grad_keys.add(entry.key)
-            return
-        self.add_grad(g, retro=True)
-
-    def add_grad(self, g: torch.Tensor, *, retro: bool, follow: bool = True) -> None:
-        """``g`` is a gradient now. ``follow``: it is a followed parameter's ``.grad``, an ordinary
-        tensor again once it stops being one (release_stale_grads); FSDP's unsharded gradients are not."""
-        if type(g) is _PLAIN and g.layout is _STRIDED:
-            # Once per parameter in every backward and at every step: a plain gradient already known is found
-            # with no call into add_tensor.
-            try:
-                entry = self.ledger.entries.get(g.untyped_storage()._cdata)
-            except (RuntimeError, NotImplementedError):
-                entry = None
-            if entry is None:
-                entry = self.storages.add_tensor(g, GRADIENTS)
         else:
             entry = self.storages.add_tensor(g, GRADIENTS)
         # A gradient that lives in a collective's buffer (DDP's gradient_as_bucket_view, FSDP's
@@ -236,8 +221,19 @@ class ParamTracker:
         if not self.grad_keys:
             return
         keys = self.grad_storage_keys()
-        current: set[int] = set() if keys is None else set(keys)
-        for ref in self.refs if keys is None else ():
+        current = set(keys) if keys is not None else self.walk_grad_keys()
+        led = self.ledger
+        for key in self.grad_keys - current:  # the set difference in C: most steps nothing is stale
+            self.grad_keys.discard(key)
+            entry = led.entries.get(key)
+            if entry is not None and entry.cat == GRADIENTS:
+                led.move(entry, TEMPORARIES)
+
+    def walk_grad_keys(self) -> set[int]:
+        """The storage keys of the parameters' gradients, one by one (what :meth:`grad_storage_keys` cannot
+        answer: a dead parameter, a subclass, a sparse gradient)."""
+        current: set[int] = set()
+        for ref in self.refs:
             p = ref()
             g = p.grad if p is not None else None
             if g is None:
@@ -253,12 +249,7 @@ class ParamTracker:
                 st = storage_of(part)
                 if st is not None:
                     current.add(st._cdata)
-        led = self.ledger
-        for key in self.grad_keys - current:  # the set difference in C: most steps nothing is stale
-            self.grad_keys.discard(key)
-            entry = led.entries.get(key)
-            if entry is not None and entry.cat == GRADIENTS:
-                led.move(entry, TEMPORARIES)
+        return current
 
 
 def is_lazy(p: torch.Tensor) -> bool:

@@ -122,21 +122,18 @@ class SavedTracker:
         # the Python object of the node that t.grad_fn would.
         if t.is_leaf:
             # No grad_fn, so no cycle to break (and nothing to detach in place): t itself.
-            if key is None:
-                return (t, t._version, None)
-            saved = Saved.__new__(Saved)  # no __init__: one frame less per save
-            saved.tensor, saved.owner, saved.key, saved.version, saved.origin = t, self, key, t._version, None
-            return saved
-        origin = weakref.ref(t)
-        # In exact mode this detach would go through memprof's own dispatch mode, which does nothing with it
-        # but costs the Python dispatch round trip (a saved tensor or more per op). When that mode is the only
-        # one and ``t`` a plain tensor, no Python code wants to see it; a subclass or another mode still gets
-        # its detach.
-        if self.full and type(t) is torch.Tensor and _dispatch_stack_len() == 1:
-            with _NoPythonDispatch():
-                d = t.detach()
+            d, origin = t, None
         else:
-            d = t.detach()
+            origin = weakref.ref(t)
+            # In exact mode this detach would go through memprof's own dispatch mode, which does nothing with it
+            # but costs the Python dispatch round trip (a saved tensor or more per op). When that mode is the only
+            # one and ``t`` a plain tensor, no Python code wants to see it; a subclass or another mode still gets
+            # its detach.
+            if self.full and type(t) is torch.Tensor and _dispatch_stack_len() == 1:
+                with _NoPythonDispatch():
+                    d = t.detach()
+            else:
+                d = t.detach()
         if key is None:
             return (d, t._version, origin)
         saved = Saved.__new__(Saved)  # no __init__: one frame less per save

@@ -107,8 +107,7 @@ def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     out: list[tuple[str, Any]] = []
     try:
         # The private names (most of a module's attributes: _parameters, _forward_hooks ...) left out in C.
-        keys: Any = filterfalse(_PRIVATE, attrs)
-        names = list(keys)
+        names = list(filterfalse(_PRIVATE, attrs))
     except (AttributeError, TypeError):  # a name that is no string
         names = [key for key in attrs if isinstance(key, str) and not key.startswith("_")]
     for key in names:
