@@ -33,6 +33,10 @@ torch_profiler, bare, exact, ...):
 * ``null_dispatch``: a reference, not a tool: a ``TorchDispatchMode`` whose
   ``__torch_dispatch__`` only calls the op. Any exact tracker built on a Python
   dispatch mode (memprof exact, MemTracker) pays at least this.
+* ``bare_control``: the bare step again, timed as a variant. Its ratio to
+  ``bare`` would be 1.00x on a quiet machine; how far it strays, and the width
+  of its interval, is the resolution of this run: a difference between two
+  variants smaller than that is not resolved.
 
 Timing choice: in each round every variant creates a fresh tool, enters its
 context *outside* the timed region, times ``--steps`` consecutive steps inside
@@ -44,7 +48,11 @@ entering + leaving the context + building the report / key_averages, per
 round). Ratios are ``median(round time of variant) / median(round time of bare)``
 over ``--rounds`` rounds (15) after one warm-up round of every variant; the
 paired ratio is the median over rounds of ``variant / bare`` within each
-round, and the best-rounds ratio ``min(variant) / min(bare)``.
+round, and the best-rounds ratio ``min(variant) / min(bare)``. The order of the
+variants is shuffled in every round (seeded, so a run can be repeated), so that
+no variant always follows the same one. Beside each paired ratio is its 95 %
+interval (``paired_ratio_ci95``): the 2.5th and 97.5th percentiles of the
+median over 2,000 resamples of the rounds (a percentile bootstrap, seeded).
 
 Python calls: for each workload on the CPU, the Python function calls per
 dispatched op that exact and light mode add to a steady step, and those of the
@@ -70,6 +78,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -95,7 +104,7 @@ except ImportError:  # running from a checkout without installation
     import memprof
 
 VARIANTS = ("bare", "memprof_exact", "memprof_light", "memprof_paused", "memtracker", "torch_profiler",
-            "null_dispatch")
+            "null_dispatch", "bare_control")
 WORKLOADS = ("gpt", "cnn", "mlp")
 
 
@@ -228,6 +237,16 @@ class NullDispatchMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """95 % percentile-bootstrap interval of the median of ``values`` (seeded: the same values give the same
+    interval). Rounds are independent draws of a noisy machine; the interval says how far their median could
+    move with other draws, which a single median hides."""
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -237,7 +256,7 @@ def run_variant(variant: str, wl: Workload, steps: int, device: torch.device) ->
     """Run ``steps`` steps under ``variant``; return (timed steps seconds, enter+exit seconds)."""
     model, opt = wl.model, wl.optimizer
     t_setup0 = time.perf_counter()
-    if variant == "bare":
+    if variant in ("bare", "bare_control"):
         ctx: Any = None
     elif variant == "memprof_exact":
         ctx = memprof.profile(model, opt, mode="exact")
@@ -303,8 +322,11 @@ def bench_workload(name: str, device: torch.device, rounds: int, steps: int, qui
         run_variant(v, wl, steps, device)
     times: dict[str, list[float]] = {v: [] for v in variants}
     once: dict[str, list[float]] = {v: [] for v in variants}
+    rng = random.Random(f"{name}-{device}")  # the same orders each time the same run is made
     for _ in range(rounds):
-        for v in variants:
+        order = list(variants)
+        rng.shuffle(order)
+        for v in order:
             if collect:  # every variant starts from the same clean heap (memprof collects on enter anyway)
                 gc.collect()
             t, o = run_variant(v, wl, steps, device)
@@ -322,6 +344,7 @@ def bench_workload(name: str, device: torch.device, rounds: int, steps: int, qui
     }
     for v in variants:
         med = statistics.median(times[v])
+        paired = [t / b for t, b in zip(times[v], times["bare"])]
         out["variants"][v] = {
             "median_round_s": med,
             "median_step_ms": med / steps * 1e3,
@@ -331,7 +354,8 @@ def bench_workload(name: str, device: torch.device, rounds: int, steps: int, qui
             "ratio_of_best_rounds": min(times[v]) / min(times["bare"]),
             # Each round's variant against the bare run of the same round: a drift of the machine's
             # speed over the minutes of the run (seen here as +-25 %) cancels within a round.
-            "paired_ratio": statistics.median(t / b for t, b in zip(times[v], times["bare"])),
+            "paired_ratio": statistics.median(paired),
+            "paired_ratio_ci95": median_interval(paired),
             "enter_exit_ms": statistics.median(once[v]) * 1e3,
             "round_times_s": times[v],
         }
@@ -497,8 +521,9 @@ def markdown_table(results: list[dict[str, Any]], variants: tuple[str, ...]) -> 
     # (title, key per variant, cell format); the first table also shows the bare step's time.
     tables = [
         (None, "ratio_to_bare", "{:.2f}x"),
-        ("Same, median over rounds of (variant / bare of the same round), insensitive to slow drift:",
-         "paired_ratio", "{:.2f}x"),
+        ("Same, median over rounds of (variant / bare of the same round), insensitive to slow drift, with its "
+         "95 % interval (bootstrap over rounds; `bare_control`, the bare step timed again, shows the run's "
+         "resolution):", "paired_ratio", "{:.2f}x"),
         ("Same, ratio of the best (fastest) rounds, min(variant) / min(bare), less sensitive to other load:",
          "ratio_of_best_rounds", "{:.2f}x"),
         ("One-off cost per profiling block (enter + exit + building the report / key_averages), median ms:",
@@ -514,7 +539,8 @@ def markdown_table(results: list[dict[str, Any]], variants: tuple[str, ...]) -> 
         for r in results:
             vs = r["variants"]
             bare = f"{vs['bare']['median_step_ms']:.2f} | " if with_bare else ""
-            cells = [fmt.format(vs[v][key]) for v in others]
+            cells = [fmt.format(vs[v][key]) + (" [{:.2f}, {:.2f}]".format(*vs[v]["paired_ratio_ci95"])
+                                                if key == "paired_ratio" else "") for v in others]
             lines.append(f"| {r['workload']} | {r['device']} | " + bare + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -64,17 +64,23 @@ def test_gpu_validate_without_cuda(tmp_path):
 def test_overhead_quick(tmp_path):
     out_json, out_md = tmp_path / "oh.json", tmp_path / "oh.md"
     _run([BENCH / "overhead.py", "--quick", "--workloads", "gpt", "--variants",
-          "memprof_exact,memprof_paused,null_dispatch", "--no-memory", "--json", out_json, "--markdown", out_md])
+          "memprof_exact,memprof_paused,null_dispatch,bare_control", "--no-memory", "--json", out_json,
+          "--markdown", out_md])
     data = json.loads(out_json.read_text())
     (r,) = data["results"]
-    assert r["workload"] == "gpt" and set(r["variants"]) == {"bare", "memprof_exact", "memprof_paused", "null_dispatch"}
+    assert r["workload"] == "gpt" and set(r["variants"]) == {"bare", "memprof_exact", "memprof_paused", "null_dispatch",
+                                                             "bare_control"}
     # The cost of an empty profiling block, against one bare step of the demo's model.
     assert data["session"]["empty_block_ms"] > 0 and data["session"]["bare_step_ms"] > 0
     for v in r["variants"].values():
         # Three estimates of the same ratio, each from the timed rounds.
         assert len(v["round_times_s"]) == 2 and all(t > 0 for t in v["round_times_s"])
         assert v["ratio_to_bare"] > 0 and v["paired_ratio"] > 0 and v["ratio_of_best_rounds"] > 0
-    assert r["variants"]["bare"]["paired_ratio"] == 1.0
+        # The interval of the paired median holds the median (over two rounds: between the two ratios).
+        lo, hi = v["paired_ratio_ci95"]
+        ratios = [t / b for t, b in zip(v["round_times_s"], r["variants"]["bare"]["round_times_s"])]
+        assert min(ratios) <= lo <= v["paired_ratio"] <= hi <= max(ratios)
+    assert r["variants"]["bare"]["paired_ratio"] == 1.0 and r["variants"]["bare"]["paired_ratio_ci95"] == [1.0, 1.0]
     assert "median over rounds of (variant / bare of the same round)" in out_md.read_text()
 
 
