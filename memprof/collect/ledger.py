@@ -76,8 +76,8 @@ def storage_of(t: Any) -> Any:
 # iterators (map, filter, operator's getters), they run no Python bytecode per tensor; anything unusual makes
 # them answer None and the caller walks the tensors one by one as before.
 _PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))  # a Parameter of this exact type holds plain data
-_UNTYPED_STORAGE = operator.methodcaller("untyped_storage")
-_CDATA = operator.attrgetter("_cdata")
+UNTYPED_STORAGE = operator.methodcaller("untyped_storage")  # also step_signature's
+STORAGE_KEY = operator.attrgetter("_cdata")  # a storage's key in the ledger
 _CAT = operator.attrgetter("cat")
 
 
@@ -88,7 +88,7 @@ def plain_storage_keys(tensors: "list[Any]") -> "list[int] | None":
     if not _PLAIN_TYPES.issuperset(map(type, tensors)):
         return None
     try:
-        return list(map(_CDATA, map(_UNTYPED_STORAGE, tensors)))
+        return list(map(STORAGE_KEY, map(UNTYPED_STORAGE, tensors)))
     except (RuntimeError, NotImplementedError):  # no storage: sparse, or a tensor torch keeps apart
         return None
 

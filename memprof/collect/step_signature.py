@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .ledger import STORAGE_KEY, UNTYPED_STORAGE
 from .torch_compat import dispatch_mode_at, dispatch_stack_len
 
 __all__ = ["step_signature", "state_signature", "NUMERIC_ONLY", "ZERO_OR_NOT"]
@@ -48,8 +49,6 @@ _LAYOUT = operator.attrgetter("layout")
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
-_UNTYPED_STORAGE = operator.methodcaller("untyped_storage")
-_CDATA = operator.attrgetter("_cdata")
 _NBYTES = operator.methodcaller("nbytes")
 
 
@@ -123,10 +122,10 @@ def state_signature(opt: torch.optim.Optimizer) -> "tuple[Any, ...] | None":
         # The common case at every step, every state value a plain strided tensor: the same facts as the
         # rows below, column by column through C iterators, with no Python bytecode per tensor. (Never equal
         # to a signature of rows: a step whose state changed form is measured.)
-        storages = list(map(_UNTYPED_STORAGE, values))
+        storages = list(map(UNTYPED_STORAGE, values))
         return ("columns", tuple(map(id, states)), tuple(map(len, rows)), tuple(_chain(rows)),
                 tuple(map(_SHAPE, values)), tuple(map(_DTYPE, values)), tuple(map(_DEVICE, values)),
-                tuple(map(_CDATA, storages)), tuple(map(_NBYTES, storages)))
+                tuple(map(STORAGE_KEY, storages)), tuple(map(_NBYTES, storages)))
     out = []
     for param, state in opt.state.items():
         if not isinstance(state, dict):
