@@ -19,8 +19,8 @@ on a fixed batch made once:
   10 classes, SGD with momentum.
 * ``mlp``: 4 Linear layers of width 1024 with ReLU, batch 64, AdamW, MSE.
 
-Variants, interleaved within each round (bare, exact, light, memtracker,
-torch_profiler, bare, exact, ...):
+Variants, each run once in every round, in an order shuffled afresh each round
+(see below):
 
 * ``bare``: the step with nothing around it.
 * ``memprof_exact``: ``memprof.profile(model, opt, mode="exact")``.
