@@ -20,7 +20,7 @@ from ..vocabulary import Phase
 from . import timeline as _timeline
 from .ledger import Frame
 from .state import EXACT
-from .torch_compat import is_compiling as _is_compiling
+from .torch_compat import COMPILER as _COMPILER, is_dynamo_compiling as _dynamo_compiling
 
 if TYPE_CHECKING:
     from .ledger import Ledger
@@ -87,7 +87,7 @@ class Frames:
         path = table.info[index].path
 
         def enter(_grad: Any) -> None:
-            if not run.active or _is_compiling():
+            if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling()
                 return
             if run.phase is not Phase.BACKWARD:
                 self.phases.backward_started()
@@ -127,7 +127,7 @@ class Frames:
         path = info.path
 
         def exit_(_grads: Any) -> None:
-            if not run.active or _is_compiling():
+            if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling()
                 return
             frame = bw_frames.pop(index, None)
             if frame is None:

@@ -34,7 +34,8 @@ from .ledger import BUFFERS, TAGS, Frame, storage_of
 from .module_table import attribute_tensors, tensors_in_args, unique_params
 from .saved_hooks import under_checkpoint
 from .state import EXACT
-from .torch_compat import graph_task_id as _graph_task_id, is_compiling as _is_compiling
+from .torch_compat import COMPILER as _COMPILER, graph_task_id as _graph_task_id
+from .torch_compat import is_compiling as _is_compiling, is_dynamo_compiling as _dynamo_compiling
 from .torch_compat import top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
@@ -231,7 +232,7 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
             # A schedule: a forward is where a step that ended closes, and memprof pauses or resumes.
             if not at_forward():
                 return None
-        if not run.active or _is_compiling():
+        if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling(), one frame
             # Under dynamo's tracing (a model compiled inside the block) memprof's code must not
             # enter the graph: the compiled call is then measured from outside, as compiled code.
             return None
@@ -310,7 +311,8 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
 
     def post_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         nonlocal enter_hook
-        if not run.active or _is_compiling() or (_get_ident() != run.thread and _graph_task_id() == -1):
+        if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag or (  # is_compiling(), one frame
+                _get_ident() != run.thread and _graph_task_id() == -1):
             return None
         if scoped and scoped[-1] == index:  # this call pushed memprof's saved-tensor pair
             saved.uncover(index)

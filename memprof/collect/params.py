@@ -22,7 +22,7 @@ from torch import nn
 from ..vocabulary import Phase
 from .ledger import ACTIVATIONS, COMMUNICATION, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, known_as
 from .ledger import plain_storage_keys, storage_of
-from .torch_compat import is_compiling as _is_compiling
+from .torch_compat import COMPILER as _COMPILER, is_dynamo_compiling as _dynamo_compiling
 
 if TYPE_CHECKING:
     from .dispatch import StorageTracker
@@ -144,7 +144,7 @@ class ParamTracker:
             if run.paused and self.while_paused is not None:
                 self.while_paused()
             return
-        if _is_compiling():
+        if _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling(), in one frame
             return
         if not run.forward_seen and not run.foreign_threads:
             # A gradient of the model from a forward memprof's module hooks never saw: a torch.compile

@@ -92,10 +92,18 @@ class _CallsIsCompiling:
 #: What ``is_compiling()`` reads, as an attribute: ``COMPILER._is_compiling_flag`` (torch.compiler's flag,
 #: held True while dynamo compiles and while export traces). For hooks that autograd's C++ calls for every
 #: saved tensor (pack), where the call costs two Python frames (is_compiling and torch.jit.is_scripting).
-#: Code that dynamo may inline (module, gradient and optimizer hooks) must call ``is_compiling()``, which
-#: dynamo folds to True when it traces: a global read there would be guarded on. Where torch has no such
-#: flag, a property that calls ``is_compiling()``.
+#: Code that dynamo may inline (module, gradient and optimizer hooks) must not read the flag first: dynamo would
+#: guard on it. There ``is_compiling()``, which dynamo folds to True, or the one-frame form below. Where torch has
+#: no such flag, a property that calls ``is_compiling()``.
 COMPILER: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CallsIsCompiling()
+
+#: ``is_dynamo_compiling() or COMPILER._is_compiling_flag`` answers as ``is_compiling()`` does, in one Python frame
+#: instead of two (``is_compiling`` calls ``torch.jit.is_scripting``), for the hooks that run at every module call
+#: and every gradient. Dynamo folds ``is_dynamo_compiling()`` to True where it inlines a hook
+#: (torch/_dynamo/variables/torch.py, tracing_state_functions), so it never reads the flag there and guards on
+#: nothing; run for real, it returns False and the flag answers: True while a compile session or an export runs
+#: Python for real (torch/compiler/__init__.py).
+is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 
 
 def _code_skipper() -> "Callable[[Any], None] | None":
