@@ -102,8 +102,9 @@ COMPILER: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") 
 #: and every gradient. Dynamo folds ``is_dynamo_compiling()`` to True where it inlines a hook
 #: (torch/_dynamo/variables/torch.py, tracing_state_functions), so it never reads the flag there and guards on
 #: nothing; run for real, it returns False and the flag answers: True while a compile session or an export runs
-#: Python for real (torch/compiler/__init__.py).
-is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
+#: Python for real (torch/compiler/__init__.py). Where torch has no ``is_dynamo_compiling``, ``is_compiling`` itself,
+#: which dynamo folds as well (a function it did not fold would let it read the flag and guard on it).
+is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", is_compiling)
 
 
 def _code_skipper() -> "Callable[[Any], None] | None":
