@@ -35,7 +35,7 @@ from .module_table import attribute_tensors, tensors_in_args, unique_params
 from .saved_hooks import under_checkpoint
 from .state import EXACT
 from .torch_compat import COMPILER as _COMPILER, graph_task_id as _graph_task_id
-from .torch_compat import is_compiling as _is_compiling, is_dynamo_compiling as _dynamo_compiling
+from .torch_compat import is_dynamo_compiling as _dynamo_compiling
 from .torch_compat import top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
@@ -226,7 +226,8 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
         nonlocal exit_hook
         at_forward = tracker.at_forward
-        if at_forward is not None and (is_root or not calls) and not _is_compiling() and (
+        if at_forward is not None and (is_root or not calls) and not (
+                _dynamo_compiling() or _COMPILER._is_compiling_flag) and (
                 run.active or run.paused) and _get_ident() == run.thread and (
                 run.phase is not _BACKWARD) and _graph_task_id() == -1:
             # A schedule: a forward is where a step that ended closes, and memprof pauses or resumes.
