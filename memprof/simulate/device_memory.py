@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..anatomy.alloc_config import AllocatorConfig
@@ -28,7 +29,7 @@ from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
 from ..record.trace import Breakdown, DeviceInfo, Trace
 from ..vocabulary import TENSOR_CATEGORIES, Phase
 
-__all__ = ["DeviceMemory", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms", "replay_stream",
+__all__ = ["DeviceMemory", "Replay", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms", "replay_stream",
            "STREAM_UNKNOWN_GPU_CC"]
 
 #: Without a GPU the workspaces are sized for the larger of torch's defaults: Hopper and Blackwell's 32 MiB
@@ -65,6 +66,9 @@ class DeviceMemory:
     #: end), beside the model's; None elsewhere.
     measured_reserved: "int | None" = None
     measured_outside: "int | None" = None
+    #: What the replay took (the stream and the allocator's set-up), to replay a stream predicted for another
+    #: batch (:mod:`memprof.simulate.plan_search`); None for a measured run's figures.
+    replay: "Replay | None" = field(default=None, compare=False, repr=False)
 
     @property
     def device_peak(self) -> int:
@@ -207,6 +211,58 @@ def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], c
     return at, allocator, oom
 
 
+@dataclass(frozen=True)
+class Replay:
+    """One run's allocation stream and the set-up its replay took: the allocator's config, the cuBLAS workspace
+    blocks allocated after event ``first_seq``, the device's ``capacity`` (None without a GPU) and the bytes
+    ``outside`` the allocator. :meth:`figures` replays another stream of the same run's shape (a batch not
+    simulated) under the same set-up. The stream is kept flat, three ints per event (seq, key, bytes)."""
+
+    events: "array[int]" = field(repr=False)
+    first_seq: int
+    config: AllocatorConfig
+    workspaces: tuple[int, ...]
+    capacity: "int | None"
+    outside: int
+
+    def stream(self) -> list[tuple[int, int, int]]:
+        """The events as the ledger kept them: (seq, key, bytes), bytes -1 for a free."""
+        e = self.events
+        return list(zip(e[0::3], e[1::3], e[2::3]))
+
+    def figures(self, stream: "Sequence[tuple[int, int, int]] | None" = None) -> tuple[int, "str | None"]:
+        """The device-level peak of ``stream`` (this run's own by default) and the predicted out-of-memory
+        error's message, or None when it fits (see :func:`device_memory`)."""
+        figures = _replayed(self.stream() if stream is None else stream, (), self.config, self.workspaces,
+                            self.first_seq, self.capacity, self.outside)
+        return figures[2] + self.outside, figures[5]
+
+
+def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], config: AllocatorConfig,
+              workspaces: Sequence[int], first: int, capacity: "int | None", outside: int) -> tuple:
+    """The replay of ``stream`` as a device would run it: (allocated and reserved at each of ``seqs``, the
+    allocator at the end, peak reserved, peak allocated, allocation retries, the out-of-memory message or None).
+    Pressed for memory torch frees its cache and retries before it fails: when the free replay's peak does not fit
+    ``capacity`` with ``outside``, the verdict is that of a replay capped at what the device leaves the allocator."""
+    seqs = list(seqs)
+    at, allocator, _ = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first)
+    oom = None
+    peak_reserved, peak_allocated, retries = allocator.peak_reserved, allocator.peak_allocated, 0
+    if capacity is not None and peak_reserved + outside > capacity:
+        room = max(1, capacity - outside)
+        at_capped, capped, oom = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first,
+                                               capacity=room, device_total=capacity)
+        if oom is None:
+            # The run that fits is the one that freed its cache and retried: every moment's figures are that
+            # replay's, so that no record holds more than the device peak.
+            peak_reserved, peak_allocated = capped.peak_reserved, capped.peak_allocated
+            retries = capped.num_alloc_retries
+            at, allocator = at_capped, capped
+        else:
+            oom = oom.split(". Fix:")[0]
+    return at, allocator, peak_reserved, peak_allocated, retries, oom
+
+
 def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
                   moments: Sequence[tuple[int, int, int, int]], peak_seq: int, *, gpu: "GpuSpec | None" = None,
                   alloc_conf: Any = None, world_size: int = 1, convolutions: bool = False,
@@ -223,26 +279,14 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
     first = moments[0][1] if moments else 0
     placed = _place(trace, moments)
     seqs = [s for m in placed.values() for s in m] + [first, peak_seq, stream[-1][0] if stream else 0]
-    at, allocator, _ = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first)
-    oom = None
     capacity = gpu.allocatable_bytes if gpu is not None else None
-    peak_reserved, peak_allocated, retries = allocator.peak_reserved, allocator.peak_allocated, 0
-    if capacity is not None and peak_reserved + outside > capacity:
-        # Pressed for memory torch frees its cache and retries before it fails: the verdict is that replay's.
-        room = max(1, capacity - outside)
-        at_capped, capped, oom = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first,
-                                               capacity=room, device_total=capacity)
-        if oom is None:
-            # The run that fits is the one that freed its cache and retried: every moment's figures are that
-            # replay's, so that no record holds more than the device peak.
-            peak_reserved, peak_allocated = capped.peak_reserved, capped.peak_allocated
-            retries = capped.num_alloc_retries
-            at, allocator = at_capped, capped
-        else:
-            oom = oom.split(". Fix:")[0]
+    at, allocator, peak_reserved, peak_allocated, retries, oom = _replayed(stream, seqs, config, workspaces, first,
+                                                                           capacity, outside)
+    replay = Replay(array("q", [x for event in stream for x in event]), first, config, tuple(workspaces), capacity,
+                    outside)
     summary = DeviceMemory(gpu=gpu, alloc_conf=text, terms=tuple(terms), peak_allocated=peak_allocated,
                            peak_reserved=peak_reserved, outside_bytes=outside, segments=len(allocator.segments()),
-                           capacity=capacity, oom=oom, num_alloc_retries=retries)
+                           capacity=capacity, oom=oom, num_alloc_retries=retries, replay=replay)
 
     def filled(b: Breakdown, seq: int) -> Breakdown:
         tensors = b.counts[:_N]
@@ -342,7 +386,7 @@ def what_a_gpu_would_reserve(trace: Trace, allocations: "AllocationStream | None
     measured_outside = None
     if device.type == "cuda" and device.nvml_used is not None and device.memory_reserved is not None:
         measured_outside = max(0, device.nvml_used - device.memory_reserved)
-    return dataclasses.replace(summary, peak=out.peak,
+    return dataclasses.replace(summary, peak=out.peak, replay=None,
                                measured_reserved=device.memory_reserved if device.type == "cuda" else None,
                                measured_outside=measured_outside)
 

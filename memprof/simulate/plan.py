@@ -142,6 +142,7 @@ def plan_grid(
     # Each moment's bytes per sample, by (checkpointing, precision, family), and the layout that measured them.
     slopes: dict[tuple[bool, str, str], tuple[dict, str]] = {}
     probes: dict[tuple[str, str, bool], Any] = {}
+    answers: dict[tuple[str, str, bool], int] = {}  # each row's largest batch
     with Progress(None, "plan") as bar:
         for ckpt, precision, layout in configs:
             if ckpt not in models:
@@ -156,11 +157,15 @@ def plan_grid(
             one = Probe(run, limit, max_batch, lambda b, label=label: bar.step(f"{label} batch {b}"))
             family = (ckpt, precision, layout.family or layout.name)
             shared, reference = slopes.get(family, (None, ""))
-            predicted, overhead = _sibling_start(probes, layout.name, reference, precision, ckpt)
-            best, verified, measured = largest_batch(one, shared, predicted, overhead)
+            predicted, overhead, at_batch = _sibling_start(probes, layout.name, reference, precision, ckpt)
+            # Where the family's first row fitted a few samples at most, this one starts at batch 1 (a row that
+            # does not fit one sample costs one simulation); else at 2, whose stream pairs with those above it.
+            base = 2 if answers.get((reference, precision, ckpt), 0) >= 3 else 1
+            best, verified, measured = largest_batch(one, shared, predicted, overhead, at_batch, base)
             if measured is not None and family not in slopes:
                 slopes[family] = (measured, layout.name)
             probes[(layout.name, precision, ckpt)] = one
+            answers[(layout.name, precision, ckpt)] = best
             at = best if best else 1
             if at not in one.runs:  # nothing fits, and batch 1 was not simulated: it is, for the row's figures
                 one.judged(at)
@@ -183,26 +188,29 @@ def _simulate(estimate: Callable[..., Any], model: Any, optimizer: Any, make_bat
 
 
 def _sibling_start(probes: dict, layout: str, reference: str, precision: str,
-                   ckpt: bool) -> "tuple[dict | None, int]":
-    """A prediction of ``layout``'s moments at batch 1 with checkpointing ``ckpt``, from simulations already run:
-    its own at batch 1 with checkpointing the other way, plus what switching it changed in ``reference`` (the
-    layout that measured the slopes) at batch 1, moment by moment. Checkpointing changes the activations and
-    recomputation, which every layout of a family shares, and not the model states, which is where the layouts
-    differ. None (and 0) when one of the three was not simulated at batch 1."""
+                   ckpt: bool) -> "tuple[dict | None, int, int]":
+    """A prediction of ``layout``'s moments at a small batch with checkpointing ``ckpt``, from simulations already
+    run: its own at that batch with checkpointing the other way, plus what switching it changed in ``reference``
+    (the layout that measured the slopes) at that batch, moment by moment. Checkpointing changes the activations
+    and recomputation, which every layout of a family shares, and not the model states, which is where the layouts
+    differ. The batch is the smallest that all three simulated (batch 2, where rows start, or 1). None (and 0, 1)
+    when there is none."""
     own = probes.get((layout, precision, not ckpt))
     ref_here, ref_there = probes.get((reference, precision, ckpt)), probes.get((reference, precision, not ckpt))
     if own is None or ref_here is None or ref_there is None or layout == reference:
-        return None, 0
-    if not all(1 in p.moments for p in (own, ref_here, ref_there)):
-        return None, 0
-    a, b, c = own.moments[1], ref_here.moments[1], ref_there.moments[1]
+        return None, 0, 1
+    common = [b for b in (1, 2) if all(b in p.moments for p in (own, ref_here, ref_there))]
+    if not common:
+        return None, 0, 1
+    at = common[0]
+    a, b, c = own.moments[at], ref_here.moments[at], ref_there.moments[at]
     if not a.keys() == b.keys() == c.keys():
-        return None, 0
+        return None, 0, 1
     # The reference's device bytes above its tensors at the largest batch it fitted: at small batches a flat
     # moment (the optimizer step's) can hold the device peak and inflate them; near the answer the batch's own do.
     fitted = [b_ for b_ in ref_here.runs if ref_here.fits(b_)]
     overhead = ref_here.overhead(max(fitted)) if fitted else 0
-    return {m: a[m] + b[m] - c[m] for m in a}, overhead
+    return {m: a[m] + b[m] - c[m] for m in a}, overhead, at
 
 
 def _pipeline_notes(layouts: Sequence[Layout]) -> list[str]:

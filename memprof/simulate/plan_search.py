@@ -10,16 +10,21 @@ forward's or backward's (steep) takes over at larger ones, which a line through 
 
 The answer is never a prediction: :func:`largest_batch` simulates the batch it settles on and the one above, and
 only returns a batch as confirmed when the first fits the device and the second does not. The device-level peak
-(the caching allocator's segments, the memory outside torch) moves in whole segments, so the predictions add the
-overhead the nearest simulated batch showed; where a prediction is wrong the simulations say so and the search
-goes on, by the lines refitted to the simulated batches, and by bisection where those make no progress.
+(the caching allocator's segments, the memory outside torch) moves in whole segments, which no line follows. Once a
+configuration has two simulated batches whose allocation streams have the same shape (the same storages made,
+resized and freed in the same order), every event's bytes are a line in the batch as well: the stream of a batch
+not simulated is interpolated event by event (:func:`stream_between`) and replayed through the allocator model
+(:meth:`memprof.simulate.device_memory.Replay.figures`), which predicts the device-level peak segments included,
+at a few per cent of a simulation's cost. Before that, the predictions add the overhead the nearest simulated batch
+showed. Where a prediction is wrong the simulations say so and the search goes on, by the lines and streams refitted
+to the simulated batches, and by bisection where those make no progress.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["moments", "Lines", "Probe", "largest_batch"]
+__all__ = ["moments", "Lines", "Probe", "largest_batch", "stream_shape", "stream_between"]
 
 
 def moments(trace: Any) -> dict[tuple[Any, ...], int]:
@@ -66,9 +71,49 @@ class Lines:
         return max(best, 0)
 
 
+Shape = tuple[tuple[int, bool], ...]
+
+
+def stream_shape(stream: Sequence[tuple[int, int, int]]) -> tuple[Shape, list[int]]:
+    """A stream's shape, each event's storage as the n-th the run made (an address reused after a free is a new
+    storage) and whether it is a free; and each event's bytes (-1 for a free). Two batches of one configuration
+    whose shapes are equal made, resized and freed the same storages in the same order."""
+    live: dict[int, int] = {}
+    ids: list[tuple[int, bool]] = []
+    sizes: list[int] = []
+    made = 0
+    for _seq, key, nbytes in stream:
+        if nbytes < 0:
+            ids.append((live.pop(key, -1), True))
+        else:
+            n = live.get(key)
+            if n is None:
+                n = live[key] = made
+                made += 1
+            ids.append((n, False))
+        sizes.append(nbytes)
+    return tuple(ids), sizes
+
+
+def stream_between(b1: int, stream1: Sequence[tuple[int, int, int]], sizes2: Sequence[int], b2: int,
+                   b: int) -> list[tuple[int, int, int]]:
+    """The stream of batch ``b`` from two of the same shape, ``stream1`` at ``b1`` and the bytes ``sizes2`` of
+    ``b2``'s: each event's bytes on the line through the two (rounded up, never below 0), its seq and key
+    ``stream1``'s. Exact where every storage's bytes are a line in the batch, as shapes proportional to it make
+    them; the search confirms whatever it predicts by simulation."""
+    out = []
+    span, ahead = b2 - b1, b - b1
+    for (seq, key, n1), n2 in zip(stream1, sizes2):
+        if n1 >= 0:
+            n1 = max(0, n1 - (-(n2 - n1) * ahead // span))  # n1 + ceil((n2 - n1) * ahead / span)
+        out.append((seq, key, n1))
+    return out
+
+
 class Probe:
     """One configuration's simulated batches: ``simulate(b)`` gives the Estimate; :meth:`judged` is the
-    device-level peak a plan judges (an out-of-memory error the replay predicts counting as over the limit)."""
+    device-level peak a plan judges (an out-of-memory error the replay predicts counting as over the limit), and
+    :meth:`predicted` the same for a batch not simulated, from the streams of two that were."""
 
     def __init__(self, simulate: Callable[[int], Any], limit: int, max_batch: int,
                  step: Callable[[int], None] = lambda b: None) -> None:
@@ -76,6 +121,13 @@ class Probe:
         self.runs: dict[int, Any] = {}
         self.moments: dict[int, dict[tuple[Any, ...], int]] = {}
         self.device: dict[int, int] = {}
+        # Per simulated batch with a replay: its stream, shape and bytes (made when a prediction first needs them).
+        self.shapes: dict[int, tuple[list[tuple[int, int, int]], Shape, list[int]]] = {}
+        self.predictions: dict[int, "int | None"] = {}
+
+    def _verdict(self, device_peak: int, oom: "str | None") -> int:
+        fits = oom is None and device_peak <= self.limit
+        return device_peak if fits else max(device_peak, self.limit + 1)
 
     def judged(self, b: int) -> int:
         if b > self.max_batch:
@@ -85,12 +137,58 @@ class Probe:
             est = self.simulate(b)
             self.runs[b], self.moments[b] = est, moments(est.trace)
             memory = est.device_memory
-            fits = memory.oom is None and memory.device_peak <= self.limit
-            self.device[b] = memory.device_peak if fits else max(memory.device_peak, self.limit + 1)
+            self.device[b] = self._verdict(memory.device_peak, memory.oom)
+            self.predictions.clear()  # a new stream to predict from, nearer some batches
         return self.device[b]
 
     def fits(self, b: int) -> bool:
         return self.judged(b) <= self.limit
+
+    def _shape(self, b: int) -> "tuple[list[tuple[int, int, int]], Shape, list[int]] | None":
+        if b not in self.shapes:
+            replay = getattr(self.runs[b].device_memory, "replay", None)
+            if replay is None:
+                return None
+            stream = replay.stream()
+            self.shapes[b] = (stream, *stream_shape(stream))
+        return self.shapes[b]
+
+    def predicted(self, b: int) -> "int | None":
+        """The device-level figure :meth:`judged` would give ``b``: the simulated one where ``b`` was simulated,
+        else the replay of its stream interpolated between the two simulated batches nearest it whose streams
+        have the same shape (:func:`stream_between`); None when no two have."""
+        if b > self.max_batch:
+            return self.limit + 1
+        if b in self.device:
+            return self.device[b]
+        if b not in self.predictions:
+            self.predictions[b] = self._predict(b)
+        return self.predictions[b]
+
+    def _predict(self, b: int) -> "int | None":
+        pair = self._pair(b)
+        if pair is None:
+            return None
+        (b1, one), (b2, two) = pair
+        stream = stream_between(b1, one[0], two[2], b2, b)
+        return self._verdict(*self.runs[b1].device_memory.replay.figures(stream))
+
+    def _pair(self, b: int) -> "tuple[tuple[int, Any], tuple[int, Any]] | None":
+        """The two simulated batches nearest ``b`` whose streams have one shape, with their streams."""
+        near = sorted(self.runs, key=lambda s: (abs(s - b), -s))
+        for i, b1 in enumerate(near):
+            one = self._shape(b1)
+            if one is None:
+                continue
+            for b2 in near[i + 1:]:
+                two = self._shape(b2)
+                if two is not None and two[1] == one[1]:
+                    return (b1, one), (b2, two)
+        return None
+
+    def can_predict(self) -> bool:
+        """Are there two simulated batches whose streams have one shape (:meth:`predicted` answers)?"""
+        return self._pair(0) is not None
 
     def overhead(self, b: int) -> int:
         """The device-level bytes above the tensors' peak at the simulated batch nearest ``b`` (the allocator's
@@ -102,33 +200,47 @@ class Probe:
 
 
 def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
-                  start: "Mapping[Any, int] | None" = None, overhead: int = 0) -> "tuple[int, bool, dict | None]":
+                  start: "Mapping[Any, int] | None" = None, overhead: int = 0,
+                  start_batch: int = 1, base: int = 1) -> "tuple[int, bool, dict | None]":
     """The largest batch that fits ``probe.limit``, whether it is confirmed (it fits and the next does not, both
     simulated; or batch 1 does not fit), and the per-moment slopes this configuration measured (None when it
     measured none), for the like configurations that follow.
 
     ``shared`` is the per-moment slope (bytes per sample) a configuration of the same precision and checkpointing
     measured: the layouts share how activations grow and differ in the model states, which are flat in the batch.
-    Without it (or when this configuration's moments are not the same ones) batch 2 is simulated too. ``start``
-    is a prediction of this configuration's moments at batch 1 (and ``overhead`` of its device bytes above the
-    tensors): with it and ``shared`` the search simulates the batch they predict first, and batch 1 only if it
-    comes to it.
+    With it the search starts from batch ``base``; without it (or when this configuration's moments are not the
+    same ones) batches 1 and 2 are simulated. Batch 1 settles a row that does not fit one sample in one simulation;
+    batch 2 pairs with the batches above it, where batch 1's stream may not: a model's code can take another path
+    at one sample (transformers' Llama makes and frees a 4-byte scalar twice a step from two samples on, not at
+    one), and then batch 1's stream has no partner of its shape to predict the device peak with
+    (:meth:`Probe.predicted`). ``start`` is a prediction of this
+    configuration's moments at ``start_batch`` (and ``overhead`` of its device bytes above the tensors): with it
+    and ``shared`` the search simulates the batch they predict first, and batches 1 and 2 only if it comes to them.
     """
     limit, ceiling = probe.limit, probe.max_batch
     lo, hi = 0, None  # the largest batch known to fit (0: none simulated yet), the smallest known not to
     slopes = dict(shared) if shared is not None else None
     if start is None or slopes is None or not start.keys() <= slopes.keys():
         start = None
-        if not probe.fits(1):
-            return 0, True, None
-        lo = 1
-        if slopes is not None and not probe.moments[1].keys() <= slopes.keys():
-            slopes = None
-        if slopes is None and ceiling >= 2:
-            if probe.fits(2):
-                lo = 2
+        if slopes is not None:
+            base = max(1, min(base, ceiling))
+            if probe.fits(base):
+                lo = base
             else:
-                hi = 2
+                hi = base
+            if not probe.moments[base].keys() <= slopes.keys():
+                slopes = None
+        if slopes is None:  # lines of its own, through batches 1 and 2
+            for b in (1, 2):
+                if b > ceiling or (hi is not None and b >= hi):
+                    break
+                if probe.fits(b):
+                    lo = max(lo, b)
+                else:
+                    hi = b
+                    break
+            if hi == 1:
+                return 0, True, None
     measured = None
     if 1 in probe.runs and 2 in probe.runs:
         measured = Lines.through(1, probe.moments[1], 2, probe.moments[2]).slope
@@ -137,7 +249,10 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
     last_side = None
     while (hi is None or hi - lo > 1) and lo < ceiling:
         top = ceiling if hi is None else hi - 1
-        guess = _predicted(probe, slopes or {}, lo, hi, limit, top, start, overhead)
+        guess = _predicted(probe, slopes or {}, lo, hi, limit, top, start, overhead, start_batch)
+        replayed = _replayed_guess(probe, lo, top, guess)
+        if replayed is not None:
+            guess = replayed
         if guess <= lo and same_side < 3:
             # The lines say lo is the answer: simulate the batch above it, which confirms it or moves on by one
             # (the allocator's segments put a device peak about a sample away from the lines). A leap here would
@@ -157,8 +272,49 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
     return lo, verified, measured
 
 
+def _replayed_guess(probe: Probe, lo: int, top: int, near: int) -> "int | None":
+    """The largest batch in ``lo + 1 .. top`` whose predicted stream fits (``lo`` when not even ``lo + 1``'s
+    does), as the device peak grows with the batch: from ``near`` (the lines' guess), in steps that double away
+    from it until the prediction changes side, then by bisection, so that a good guess costs a few replays (a large
+    model's replay takes a fraction of a second). None while no two simulated streams of one shape can predict."""
+    if not probe.can_predict():
+        return None
+    limit = probe.limit
+
+    def fits(b: int) -> bool:
+        judged = probe.predicted(b)
+        return judged is not None and judged <= limit
+
+    fit, over = lo, top + 1  # predicted to fit (lo: known to), predicted not to (top + 1: beyond the search)
+    at = min(max(near, lo + 1), top)
+    step = 1
+    if fits(at):
+        fit = at
+        while fit < top:
+            nxt = min(top, fit + step)
+            if not fits(nxt):
+                over = nxt
+                break
+            fit, step = nxt, 2 * step
+    else:
+        over = at
+        while over - 1 > lo:
+            nxt = max(lo + 1, over - step)
+            if fits(nxt):
+                fit = nxt
+                break
+            over, step = nxt, 2 * step
+    while over - fit > 1:
+        mid = (fit + over) // 2
+        if fits(mid):
+            fit = mid
+        else:
+            over = mid
+    return fit
+
+
 def _predicted(probe: Probe, slopes: Mapping[Any, float], lo: int, hi: "int | None", limit: int, top: int,
-               start: "Mapping[Any, int] | None", overhead: int) -> int:
+               start: "Mapping[Any, int] | None", overhead: int, start_batch: int = 1) -> int:
     """The largest batch the moments' lines put within ``limit`` after the device overhead: through the two
     simulated batches nearest the bracket when there are two, else through the one with ``slopes``, else from
     ``start`` (the moments predicted at batch 1) with ``slopes`` and ``overhead``."""
@@ -171,7 +327,7 @@ def _predicted(probe: Probe, slopes: Mapping[Any, float], lo: int, hi: "int | No
     elif simulated:
         lines = Lines(simulated[0], probe.moments[simulated[0]], slopes)
     else:
-        return Lines(1, start or {}, slopes).largest(limit - overhead, top)
+        return Lines(start_batch, start or {}, slopes).largest(limit - overhead, top)
     guess = lines.largest(limit - probe.overhead(lo), top)
     if guess > lo:  # the overhead grows with the segments: take the one simulated nearest the guess
         guess = lines.largest(limit - probe.overhead(guess), top)

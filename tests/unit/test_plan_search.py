@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from memprof.record.parts import Breakdown
-from memprof.simulate.plan_search import Lines, Probe, largest_batch, moments
+from memprof.simulate.plan_search import Lines, Probe, largest_batch, moments, stream_between, stream_shape
 
 GiB = 2**30
 LIMIT = 80 * GiB
@@ -67,13 +67,26 @@ def test_a_flat_optimizer_peak_at_small_batches_does_not_mislead_the_search():
     assert slopes is not None and slopes[(1, "forward", 0, "peak")] == 7 * GiB
 
 
-def test_shared_slopes_start_a_like_layout_from_its_own_batch_one():
+def test_shared_slopes_start_a_like_layout_from_its_own_batch_one_or_two():
     simulate, _ = _step(20 * GiB, 7 * GiB, 60 * GiB)
     _, _, slopes = largest_batch(Probe(simulate, LIMIT, 4096))
     # A layout with 10 GiB fewer model states: (80 - 10) // 7 = 10 samples, found from batch 1 and the slopes.
     other, calls = _step(10 * GiB, 7 * GiB, 50 * GiB)
     assert largest_batch(Probe(other, LIMIT, 4096), slopes)[:2] == (10, True)
     assert sorted(set(calls)) == [1, 10, 11]
+    # From batch 2 (base=2), whose stream pairs with the batches above it where batch 1's may not.
+    other, calls = _step(10 * GiB, 7 * GiB, 50 * GiB)
+    assert largest_batch(Probe(other, LIMIT, 4096), slopes, base=2)[:2] == (10, True)
+    assert sorted(set(calls)) == [2, 10, 11]
+    # Where batch 2 is already too much, batch 1 is simulated and confirms the answer: 1 (73 + 7 = 80 GiB fits).
+    heavy, calls = _step(73 * GiB, 7 * GiB, 50 * GiB)
+    assert largest_batch(Probe(heavy, LIMIT, 4096), slopes, base=2)[:2] == (1, True) and sorted(calls) == [1, 2]
+    # And where not even one sample fits, 0 is confirmed by batch 1: a simulation more than from batch 1, which
+    # settles it alone.
+    none, calls = _step(74 * GiB, 7 * GiB, 50 * GiB)
+    assert largest_batch(Probe(none, LIMIT, 4096), slopes, base=2)[:2] == (0, True) and sorted(calls) == [1, 2]
+    none, calls = _step(74 * GiB, 7 * GiB, 50 * GiB)
+    assert largest_batch(Probe(none, LIMIT, 4096), slopes)[:2] == (0, True) and calls == [1]
 
 
 @pytest.mark.parametrize("jump_at", [3, 6, 8])
@@ -143,3 +156,122 @@ def test_a_device_peak_a_sample_below_the_lines_costs_one_step_up_not_a_leap():
     best, verified, _ = largest_batch(Probe(simulate, LIMIT, 4096))
     assert (best, verified) == (_truth(simulate, LIMIT), True) == (8, True)
     assert 16 not in calls and max(calls) == 9
+
+
+# -- the device peak predicted from two simulated streams ----------------------------------------------------------
+
+SEGMENT = 8 * GiB
+
+
+class _Replay:
+    """A stand-in for :class:`memprof.simulate.device_memory.Replay`: the device peak of a stream is its live bytes'
+    high rounded up to whole 8 GiB segments (a step function of the batch that no line through the tensors' peaks
+    follows), out of memory beyond 100 GiB."""
+
+    def __init__(self, stream):
+        self._stream = list(stream)
+
+    def stream(self):
+        return list(self._stream)
+
+    def figures(self, stream=None):
+        live, high = {}, 0
+        for _seq, key, nbytes in (self._stream if stream is None else stream):
+            if nbytes < 0:
+                live.pop(key, None)
+            else:
+                live[key] = nbytes
+            high = max(high, sum(live.values()))
+        peak = -(-high // SEGMENT) * SEGMENT
+        return peak, ("out of memory" if peak > 100 * GiB else None)
+
+
+def _streamed(states: int, per_sample: int, extra_at_one: bool = False, replays: bool = True):
+    """A simulate(b) whose stream makes the states, then activations of ``per_sample`` bytes a sample in three
+    storages (one freed before the next is made), then frees them; its device peak is :class:`_Replay`'s. With
+    ``extra_at_one`` batch 1 makes one storage more (an op that copies at one sample), so its stream's shape
+    differs from the others'. Without ``replays`` the estimates keep no stream (as a CPU target's)."""
+    calls: list[int] = []
+
+    def simulate(b: int):
+        calls.append(b)
+        key = 1000 + b  # addresses differ between runs: only the order of storages matters
+        stream = [(1, key, states), (2, key + 1, per_sample * b // 2), (3, key + 2, per_sample * b // 4),
+                  (4, key + 1, -1), (5, key + 1, per_sample * b // 2 + per_sample * b // 4)]
+        if extra_at_one and b == 1:
+            stream.append((6, key + 7, 512))
+        stream += [(7, key + 1, -1), (8, key + 2, -1)]
+        replay = _Replay(stream)
+        peak, oom = replay.figures()
+        tensors = states + per_sample * b
+        part = Breakdown.from_mapping({"activations": tensors})
+        rec = SimpleNamespace(step=1, phase="forward", occurrence=0, start=part, peak=part, end=part)
+        return SimpleNamespace(trace=SimpleNamespace(phases=(rec,)), peak_bytes=tensors,
+                               device_memory=SimpleNamespace(oom=oom, device_peak=peak,
+                                                             replay=replay if replays else None))
+
+    return simulate, calls
+
+
+def test_a_stream_between_two_batches_is_each_events_line():
+    simulate, _ = _streamed(GiB, 8 * 2**20)
+    s3, s7 = (simulate(b).device_memory.replay.stream() for b in (3, 7))
+    shape3, sizes3 = stream_shape(s3)
+    shape7, sizes7 = stream_shape(s7)
+    # Keys differ between the runs (1003.. against 1007..); the shapes do not: storage 1 is freed and made again
+    # under the same address as a new storage (the n-th made), and every free is told from a make.
+    assert shape3 == shape7 == ((0, False), (1, False), (2, False), (1, True), (3, False), (3, True), (2, True))
+    # Batch 5 from 3 and 7: every size on its line (4 MiB a sample for the first activation: 20 MiB at 5), with
+    # batch 3's seqs and keys.
+    five = stream_between(3, s3, sizes7, 7, 5)
+    assert [(seq, key) for seq, key, _n in five] == [(seq, key) for seq, key, _n in s3]
+    assert [n for _s, _k, n in five] == [GiB, 20 * 2**20, 10 * 2**20, -1, 30 * 2**20, -1, -1]
+    # Bytes that are not a line round up (never a prediction below the truth), and never go below 0.
+    assert stream_between(1, [(1, 9, 10)], [13], 3, 2) == [(1, 9, 12)]
+    assert stream_between(1, [(1, 9, 10)], [11], 3, 2) == [(1, 9, 11)]  # 10.5 -> 11
+    assert stream_between(2, [(1, 9, 10)], [0], 3, 9) == [(1, 9, 0)]
+
+
+def test_the_streams_predict_a_segment_step_the_lines_miss():
+    # 40 GiB of states and 3 GiB a sample: the live bytes' high is 40 + 3 b GiB, the device peak that rounded up to
+    # 8 GiB segments. At batches 1 and 2 it is 48 GiB, 5 and 2 GiB above the tensors; with the 2 GiB of the batch
+    # nearest, the lines put the answer at 12 (40 + 36 + 2 = 78 GiB), and 13 (79 GiB: one 80 GiB device) fits too.
+    simulate, calls = _streamed(40 * GiB, 3 * GiB)
+    truth = 0
+    while simulate(truth + 1).device_memory.device_peak <= LIMIT:
+        truth += 1
+    assert truth == 13
+    calls.clear()
+    probe = Probe(simulate, LIMIT, 4096)
+    assert largest_batch(probe)[:2] == (13, True)
+    # Batches 1 and 2 (the lines), whose streams have one shape: their replay predicts 13 exactly, and 13 and the
+    # batch above are the only other simulations. The lines alone step up from 12 to 13, a simulation more.
+    assert calls == [1, 2, 13, 14]
+    lines_only, calls = _streamed(40 * GiB, 3 * GiB, replays=False)
+    assert largest_batch(Probe(lines_only, LIMIT, 4096))[:2] == (13, True) and calls == [1, 2, 12, 13, 14]
+    # A prediction equals what simulating that batch gives, segments included.
+    for b in (3, 6, 9, 12, 20):
+        assert probe.predicted(b) == Probe(simulate, LIMIT, 4096).judged(b)
+
+
+def test_a_batch_whose_stream_differs_in_shape_predicts_nothing():
+    simulate, _ = _streamed(40 * GiB, 3 * GiB, extra_at_one=True)
+    probe = Probe(simulate, LIMIT, 4096)
+    probe.judged(1)
+    probe.judged(4)
+    assert probe.predicted(2) is None  # batch 1 made a storage more: no line through its stream and batch 4's
+    probe.judged(6)
+    assert probe.predicted(2) == Probe(simulate, LIMIT, 4096).judged(2)  # 4 and 6 have one shape
+    # Without a replay (a CPU target, or a figure from elsewhere) nothing is predicted either.
+    plain, _ = _step(20 * GiB, 7 * GiB, 60 * GiB)
+    probe = Probe(plain, LIMIT, 4096)
+    probe.judged(1), probe.judged(2)
+    assert probe.predicted(5) is None
+
+
+def test_a_predicted_out_of_memory_counts_as_not_fitting():
+    simulate, _ = _streamed(40 * GiB, 3 * GiB)
+    probe = Probe(simulate, 200 * GiB, 4096)  # room beyond the replay's 100 GiB: only its error says no
+    # 18 samples: 40 + 54 = 94 GiB in 96 GiB of segments; 19: 97 GiB needs 104, beyond the replay's 100: out of memory.
+    assert largest_batch(probe)[:2] == (18, True)
+    assert probe.predicted(25) > 200 * GiB
