@@ -174,7 +174,9 @@ def plan_grid(
     said = ("search: every row's answer was simulated and so was the batch above it (verified: it fits, the next "
             "does not); the batches tried were predicted from each phase moment's tensor bytes as a line in the "
             "batch (two simulated batches per precision, checkpointing and family of layouts) plus the device bytes "
-            "above the tensors the nearest simulated batch showed, and a prediction is never an answer",)
+            "above the tensors the nearest simulated batch showed, and once a row had two simulated batches whose "
+            "allocation streams have one shape, by replaying the stream interpolated between them through the "
+            "allocator model; a prediction is never an answer",)
     return PlanGrid(rows=tuple(rows), model=model_name, gpu=spec.name, capacity=limit,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
                     seq_len=seq_len, seconds=time.perf_counter() - start, notes=(*notes, *said, *skipped,
