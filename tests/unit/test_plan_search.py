@@ -254,6 +254,22 @@ def test_the_streams_predict_a_segment_step_the_lines_miss():
         assert probe.predicted(b) == Probe(simulate, LIMIT, 4096).judged(b)
 
 
+def test_the_streams_correct_lines_that_overshoot():
+    # 42 GiB of states, 3 GiB a sample, a 79 GiB limit: batch 2's 48 GiB fill their segments exactly, so the lines
+    # (with no overhead) put the answer at 12 (78 GiB), but 78 GiB take 80 GiB of segments; the device peak fits
+    # the limit up to 72 GiB of segments, 10 samples (72 GiB). From the lines' guess the predictions step down
+    # (12, 11, then 9, and 10 between) and the search simulates only the answer and the batch above it.
+    limit = 79 * GiB
+    simulate, calls = _streamed(42 * GiB, 3 * GiB)
+    truth = 0
+    while Probe(simulate, limit, 4096).fits(truth + 1):
+        truth += 1
+    assert truth == 10
+    calls.clear()
+    assert largest_batch(Probe(simulate, limit, 4096))[:2] == (10, True)
+    assert calls == [1, 2, 10, 11]
+
+
 def test_a_batch_whose_stream_differs_in_shape_predicts_nothing():
     simulate, _ = _streamed(40 * GiB, 3 * GiB, extra_at_one=True)
     probe = Probe(simulate, LIMIT, 4096)
