@@ -66,6 +66,7 @@ class ParamTracker:
         self.grad_keys: set[int] = set()  # shared with the phase tracker, which reads it (never rebound)
         self.changed = False  # a module of the model registered a parameter or submodule since the last sync
         self.invisible_forwards = 0  # gradients of the model from forwards no module hook saw
+        self.unannounced_backwards = 0  # backwards whose gradients no gradient hook announced
 
     def live(self) -> list[nn.Parameter]:
         return [p for p in (r() for r in self.refs) if p is not None]
@@ -189,6 +190,7 @@ class ParamTracker:
         keys = self.grad_storage_keys()
         if keys is not None and grad_keys.issuperset(keys) and known_as(entries, keys, GRADIENTS):
             return  # the common case, every gradient followed already: found without a Python loop
+        unannounced = False
         for ref in self.refs:
             p = ref()
             g = p.grad if p is not None else None
@@ -204,7 +206,16 @@ class ParamTracker:
                     entry = entries.get(key)
                     if entry is not None and entry.cat == GRADIENTS:
                         continue
-            self.add_grad(g, retro=False)
+            # A gradient no hook announced while the backward that made it is still the phase: compiled autograd
+            # traces memprof's gradient hook into its graph, where the hook does nothing (it must not enter a
+            # graph), and the step's pre-hook is the first to see the gradient. AccumulateGrad made it a gradient
+            # as it made it, so the backward's peak names it one, as the hook's own retro move would have; a
+            # gradient set by hand after backward (another phase) was something else until then.
+            in_backward = self.run.phase is _BACKWARD
+            if in_backward and not unannounced:
+                unannounced = True
+                self.unannounced_backwards += 1
+            self.add_grad(g, retro=in_backward)
 
     def grad_storage_keys(self) -> "list[int] | None":
         """The storage keys of the parameters' gradients (None where a parameter has none), when every
