@@ -29,8 +29,8 @@ from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
 from ..record.trace import Breakdown, DeviceInfo, Trace
 from ..vocabulary import TENSOR_CATEGORIES, Phase
 
-__all__ = ["DeviceMemory", "Replay", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms", "replay_stream",
-           "STREAM_UNKNOWN_GPU_CC"]
+__all__ = ["DeviceMemory", "Replay", "replay_of", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms",
+           "replay_stream", "STREAM_UNKNOWN_GPU_CC"]
 
 #: Without a GPU the workspaces are sized for the larger of torch's defaults: Hopper and Blackwell's 32 MiB
 #: (compute capability 9.0 and up, ``CublasHandlePool.cpp``), so that no GPU is under-estimated.
@@ -66,9 +66,6 @@ class DeviceMemory:
     #: end), beside the model's; None elsewhere.
     measured_reserved: "int | None" = None
     measured_outside: "int | None" = None
-    #: What the replay took (the stream and the allocator's set-up), to replay a stream predicted for another
-    #: batch (:mod:`memprof.simulate.plan_search`); None for a measured run's figures.
-    replay: "Replay | None" = field(default=None, compare=False, repr=False)
 
     @property
     def device_peak(self) -> int:
@@ -230,12 +227,20 @@ class Replay:
         e = self.events
         return list(zip(e[0::3], e[1::3], e[2::3]))
 
-    def figures(self, stream: "Sequence[tuple[int, int, int]] | None" = None) -> tuple[int, "str | None"]:
-        """The device-level peak of ``stream`` (this run's own by default) and the predicted out-of-memory
-        error's message, or None when it fits (see :func:`device_memory`)."""
+    def figures(self, stream: "Sequence[tuple[int, int, int]] | None" = None) -> tuple[int, "str | None", bool]:
+        """The device-level peak of ``stream`` (this run's own by default), the predicted out-of-memory error's
+        message or None when it fits, and whether memory was pressed: the replay without a cap went beyond the
+        device, so that torch had to free its cache and retry (or failed), see :func:`device_memory`."""
         figures = _replayed(self.stream() if stream is None else stream, (), self.config, self.workspaces,
                             self.first_seq, self.capacity, self.outside)
-        return figures[2] + self.outside, figures[5]
+        return figures[2] + self.outside, figures[5], figures[6]
+
+
+def replay_of(memory: Any) -> "Replay | None":
+    """The :class:`Replay` a simulation's :class:`DeviceMemory` came from, None for any other (a measured run's
+    figures, a copy). Kept beside the record rather than in it: a stream is no figure of the run, and the record
+    stays plain data (``dataclasses.asdict``, JSON)."""
+    return getattr(memory, "_replay", None)
 
 
 def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], config: AllocatorConfig,
@@ -243,12 +248,14 @@ def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], confi
     """The replay of ``stream`` as a device would run it: (allocated and reserved at each of ``seqs``, the
     allocator at the end, peak reserved, peak allocated, allocation retries, the out-of-memory message or None).
     Pressed for memory torch frees its cache and retries before it fails: when the free replay's peak does not fit
-    ``capacity`` with ``outside``, the verdict is that of a replay capped at what the device leaves the allocator."""
+    ``capacity`` with ``outside``, the verdict is that of a replay capped at what the device leaves the allocator
+    (and memory was *pressed*, the last item)."""
     seqs = list(seqs)
     at, allocator, _ = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first)
     oom = None
     peak_reserved, peak_allocated, retries = allocator.peak_reserved, allocator.peak_allocated, 0
-    if capacity is not None and peak_reserved + outside > capacity:
+    pressed = capacity is not None and peak_reserved + outside > capacity
+    if pressed:
         room = max(1, capacity - outside)
         at_capped, capped, oom = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first,
                                                capacity=room, device_total=capacity)
@@ -260,7 +267,7 @@ def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], confi
             at, allocator = at_capped, capped
         else:
             oom = oom.split(". Fix:")[0]
-    return at, allocator, peak_reserved, peak_allocated, retries, oom
+    return at, allocator, peak_reserved, peak_allocated, retries, oom, pressed
 
 
 def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
@@ -280,13 +287,15 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
     placed = _place(trace, moments)
     seqs = [s for m in placed.values() for s in m] + [first, peak_seq, stream[-1][0] if stream else 0]
     capacity = gpu.allocatable_bytes if gpu is not None else None
-    at, allocator, peak_reserved, peak_allocated, retries, oom = _replayed(stream, seqs, config, workspaces, first,
-                                                                           capacity, outside)
-    replay = Replay(array("q", [x for event in stream for x in event]), first, config, tuple(workspaces), capacity,
-                    outside)
+    at, allocator, peak_reserved, peak_allocated, retries, oom, _ = _replayed(stream, seqs, config, workspaces,
+                                                                              first, capacity, outside)
     summary = DeviceMemory(gpu=gpu, alloc_conf=text, terms=tuple(terms), peak_allocated=peak_allocated,
                            peak_reserved=peak_reserved, outside_bytes=outside, segments=len(allocator.segments()),
-                           capacity=capacity, oom=oom, num_alloc_retries=retries, replay=replay)
+                           capacity=capacity, oom=oom, num_alloc_retries=retries)
+    # What the replay took, for replaying a stream predicted for another batch (replay_of); a copy of the record
+    # (dataclasses.replace, the facade's) does not carry it.
+    object.__setattr__(summary, "_replay", Replay(array("q", [x for event in stream for x in event]), first, config,
+                                                  tuple(workspaces), capacity, outside))
 
     def filled(b: Breakdown, seq: int) -> Breakdown:
         tensors = b.counts[:_N]
@@ -386,7 +395,7 @@ def what_a_gpu_would_reserve(trace: Trace, allocations: "AllocationStream | None
     measured_outside = None
     if device.type == "cuda" and device.nvml_used is not None and device.memory_reserved is not None:
         measured_outside = max(0, device.nvml_used - device.memory_reserved)
-    return dataclasses.replace(summary, peak=out.peak, replay=None,
+    return dataclasses.replace(summary, peak=out.peak,
                                measured_reserved=device.memory_reserved if device.type == "cuda" else None,
                                measured_outside=measured_outside)
 

@@ -22,7 +22,10 @@ to the simulated batches, and by bisection where those make no progress.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, Callable, Mapping, Sequence
+
+from .device_memory import replay_of
 
 __all__ = ["moments", "Lines", "Probe", "largest_batch", "stream_shape", "stream_between"]
 
@@ -71,36 +74,35 @@ class Lines:
         return max(best, 0)
 
 
-Shape = tuple[tuple[int, bool], ...]
-
-
-def stream_shape(stream: Sequence[tuple[int, int, int]]) -> tuple[Shape, list[int]]:
+def stream_shape(stream: Sequence[tuple[int, int, int]]) -> "tuple[array[int], array[int]]":
     """A stream's shape, each event's storage as the n-th the run made (an address reused after a free is a new
-    storage) and whether it is a free; and each event's bytes (-1 for a free). Two batches of one configuration
-    whose shapes are equal made, resized and freed the same storages in the same order."""
+    storage), a free written ``-n - 2`` (-1: a storage the stream never made); and each event's bytes (-1 for a
+    free). Two batches of one configuration whose shapes are equal made, resized and freed the same storages in
+    the same order."""
     live: dict[int, int] = {}
-    ids: list[tuple[int, bool]] = []
-    sizes: list[int] = []
+    ids = array("q")
+    sizes = array("q")
     made = 0
     for _seq, key, nbytes in stream:
         if nbytes < 0:
-            ids.append((live.pop(key, -1), True))
+            ids.append(-live.pop(key, -1) - 2)
         else:
             n = live.get(key)
             if n is None:
                 n = live[key] = made
                 made += 1
-            ids.append((n, False))
+            ids.append(n)
         sizes.append(nbytes)
-    return tuple(ids), sizes
+    return ids, sizes
 
 
 def stream_between(b1: int, stream1: Sequence[tuple[int, int, int]], sizes2: Sequence[int], b2: int,
                    b: int) -> list[tuple[int, int, int]]:
     """The stream of batch ``b`` from two of the same shape, ``stream1`` at ``b1`` and the bytes ``sizes2`` of
-    ``b2``'s: each event's bytes on the line through the two (rounded up, never below 0), its seq and key
+    ``b2``'s: each event's bytes on the line through the two, rounded up and never below 0, its seq and key
     ``stream1``'s. Exact where every storage's bytes are a line in the batch, as shapes proportional to it make
-    them; the search confirms whatever it predicts by simulation."""
+    them; a storage whose bytes grow otherwise (padded to a multiple, or like a square root) is predicted off its
+    truth, either way, which is why the search confirms whatever it predicts by simulation."""
     out = []
     span, ahead = b2 - b1, b - b1
     for (seq, key, n1), n2 in zip(stream1, sizes2):
@@ -121,8 +123,12 @@ class Probe:
         self.runs: dict[int, Any] = {}
         self.moments: dict[int, dict[tuple[Any, ...], int]] = {}
         self.device: dict[int, int] = {}
-        # Per simulated batch with a replay: its stream, shape and bytes (made when a prediction first needs them).
-        self.shapes: dict[int, tuple[list[tuple[int, int, int]], Shape, list[int]]] = {}
+        # Per batch simulated or predicted: was memory pressed (the allocator freed its cache and retried, or
+        # failed)? Below the batches where it was, every batch fits (see largest_batch).
+        self.pressed: dict[int, bool] = {}
+        # Per simulated batch with a replay: its stream's shape and bytes (made when a prediction first needs
+        # them, dropped by forget_streams()).
+        self.shapes: dict[int, "tuple[array[int], array[int]] | None"] = {}
         self.predictions: dict[int, "int | None"] = {}
 
     def _verdict(self, device_peak: int, oom: "str | None") -> int:
@@ -138,19 +144,17 @@ class Probe:
             self.runs[b], self.moments[b] = est, moments(est.trace)
             memory = est.device_memory
             self.device[b] = self._verdict(memory.device_peak, memory.oom)
+            self.pressed[b] = memory.oom is not None or bool(getattr(memory, "num_alloc_retries", 0))
             self.predictions.clear()  # a new stream to predict from, nearer some batches
         return self.device[b]
 
     def fits(self, b: int) -> bool:
         return self.judged(b) <= self.limit
 
-    def _shape(self, b: int) -> "tuple[list[tuple[int, int, int]], Shape, list[int]] | None":
+    def _shape(self, b: int) -> "tuple[array[int], array[int]] | None":
         if b not in self.shapes:
-            replay = getattr(self.runs[b].device_memory, "replay", None)
-            if replay is None:
-                return None
-            stream = replay.stream()
-            self.shapes[b] = (stream, *stream_shape(stream))
+            replay = replay_of(self.runs[b].device_memory)
+            self.shapes[b] = None if replay is None else stream_shape(replay.stream())
         return self.shapes[b]
 
     def predicted(self, b: int) -> "int | None":
@@ -169,12 +173,15 @@ class Probe:
         pair = self._pair(b)
         if pair is None:
             return None
-        (b1, one), (b2, two) = pair
-        stream = stream_between(b1, one[0], two[2], b2, b)
-        return self._verdict(*self.runs[b1].device_memory.replay.figures(stream))
+        b1, b2 = pair
+        replay = replay_of(self.runs[b1].device_memory)
+        sizes2 = self._shape(b2)[1]  # type: ignore[index]
+        device_peak, oom, pressed = replay.figures(stream_between(b1, replay.stream(), sizes2, b2, b))
+        self.pressed[b] = pressed
+        return self._verdict(device_peak, oom)
 
-    def _pair(self, b: int) -> "tuple[tuple[int, Any], tuple[int, Any]] | None":
-        """The two simulated batches nearest ``b`` whose streams have one shape, with their streams."""
+    def _pair(self, b: int) -> "tuple[int, int] | None":
+        """The two simulated batches nearest ``b`` whose streams have one shape."""
         near = sorted(self.runs, key=lambda s: (abs(s - b), -s))
         for i, b1 in enumerate(near):
             one = self._shape(b1)
@@ -182,13 +189,18 @@ class Probe:
                 continue
             for b2 in near[i + 1:]:
                 two = self._shape(b2)
-                if two is not None and two[1] == one[1]:
-                    return (b1, one), (b2, two)
+                if two is not None and two[0] == one[0]:
+                    return b1, b2
         return None
 
     def can_predict(self) -> bool:
         """Are there two simulated batches whose streams have one shape (:meth:`predicted` answers)?"""
         return self._pair(0) is not None
+
+    def forget_streams(self) -> None:
+        """Drop the streams' shapes and the predictions (a finished row's: a plan keeps its probes)."""
+        self.shapes.clear()
+        self.predictions.clear()
 
     def overhead(self, b: int) -> int:
         """The device-level bytes above the tensors' peak at the simulated batch nearest ``b`` (the allocator's
@@ -247,29 +259,58 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
         slopes = measured
     same_side = 0  # probes in a row that moved the same end of the bracket: then bisect
     last_side = None
-    while (hi is None or hi - lo > 1) and lo < ceiling:
-        top = ceiling if hi is None else hi - 1
-        guess = _predicted(probe, slopes or {}, lo, hi, limit, top, start, overhead, start_batch)
-        replayed = _replayed_guess(probe, lo, top, guess)
-        if replayed is not None:
-            guess = replayed
-        if guess <= lo and same_side < 3:
-            # The lines say lo is the answer: simulate the batch above it, which confirms it or moves on by one
-            # (the allocator's segments put a device peak about a sample away from the lines). A leap here would
-            # cost a simulation more in that common case; only after three such steps up in a row does it leap.
-            guess = lo + 1
-        elif same_side >= 2:  # the lines keep missing on one side: bisect, or double while there is no ceiling
-            guess = (lo + hi) // 2 if hi is not None else min(top, 2 * lo)
-        guess = min(max(guess, lo + 1), top)
-        side = "lo" if probe.fits(guess) else "hi"
-        if side == "lo":
-            lo = guess
-        else:
-            hi = guess
-        same_side = same_side + 1 if side == last_side else 1
-        last_side = side
+    while True:
+        while (hi is None or hi - lo > 1) and lo < ceiling:
+            top = ceiling if hi is None else hi - 1
+            guess = _predicted(probe, slopes or {}, lo, hi, limit, top, start, overhead, start_batch)
+            replayed = _replayed_guess(probe, lo, top, guess)
+            if replayed is not None:
+                guess = replayed
+            if guess <= lo and same_side < 3:
+                # The lines say lo is the answer: simulate the batch above it, which confirms it or moves on by one
+                # (the allocator's segments put a device peak about a sample away from the lines). A leap here
+                # would cost a simulation more in that common case; only after three such steps up in a row does
+                # it leap.
+                guess = lo + 1
+            elif same_side >= 2:  # the lines keep missing on one side: bisect, or double while there is no ceiling
+                guess = (lo + hi) // 2 if hi is not None else min(top, 2 * lo)
+            guess = min(max(guess, lo + 1), top)
+            side = "lo" if probe.fits(guess) else "hi"
+            if side == "lo":
+                lo = guess
+            else:
+                hi = guess
+            same_side = same_side + 1 if side == last_side else 1
+            last_side = side
+        # Fitting is not monotone in the batch where memory is pressed: the allocator frees its cache and retries,
+        # and one batch can fail where the next fits. The answer is the edge below which every batch fits (a user
+        # who takes fewer samples than the answer must not meet an out-of-memory error), so a batch below it that
+        # the streams predict not to fit, once simulated, moves the search below it.
+        gap = _gap_below(probe, lo)
+        if gap is None or probe.fits(gap):
+            break
+        hi = gap
+        lo = max((b for b in probe.runs if b < gap and probe.device[b] <= limit), default=0)
+        same_side, last_side = 0, None
     verified = hi is not None and hi == lo + 1 and (lo == 0 or lo in probe.runs)
+    probe.forget_streams()
     return lo, verified, measured
+
+
+def _gap_below(probe: Probe, answer: int) -> "int | None":
+    """The largest batch below ``answer`` predicted not to fit, looked for from ``answer`` down while memory is
+    pressed (simulated or predicted: the allocator freed its cache and retried, or failed); None when a batch that
+    fits without pressing memory comes first (below it the streams are smaller and fit as well), or when a batch
+    cannot be predicted (its answer stands, confirmed as before)."""
+    for b in range(answer - 1, 0, -1):
+        judged = probe.predicted(b)
+        if judged is None:
+            return None
+        if judged > probe.limit:
+            return b
+        if not probe.pressed.get(b, True):
+            return None
+    return None
 
 
 def _replayed_guess(probe: Probe, lo: int, top: int, near: int) -> "int | None":
