@@ -176,7 +176,9 @@ def plan_grid(
             "batch (two simulated batches per precision, checkpointing and family of layouts) plus the device bytes "
             "above the tensors the nearest simulated batch showed, and once a row had two simulated batches whose "
             "allocation streams have one shape, by replaying the stream interpolated between them through the "
-            "allocator model; a prediction is never an answer",)
+            "allocator model; a prediction is never an answer. The answer is the edge below which every batch fits: "
+            "where memory is pressed (the allocator frees its cache and retries) a batch can fail while a larger one "
+            "fits, so the replays below the answer were read down to a batch that fits without pressing memory",)
     return PlanGrid(rows=tuple(rows), model=model_name, gpu=spec.name, capacity=limit,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
                     seq_len=seq_len, seconds=time.perf_counter() - start, notes=(*notes, *said, *skipped,
