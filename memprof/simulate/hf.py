@@ -47,6 +47,8 @@ def load_config(source: Any) -> Any:
         except (OSError, ValueError) as exc:
             raise ConfigNotFoundError(f"cannot read {path} as a transformers config ({_first(exc)}); give a "
                                       "config.json written by config.save_pretrained()") from None
+        except Exception as exc:  # transformers' own validation of the values
+            raise InvalidArgumentError(f"transformers refuses the config in {path} ({_last(exc)}); fix it") from None
     if (os.path.isabs(path) or path.startswith(".")) and not os.path.exists(path):
         raise ConfigNotFoundError(f"no such file or folder: {path}; give a folder holding config.json, the file, or "
                                   "a hub id")
@@ -59,6 +61,15 @@ def load_config(source: Any) -> Any:
         raise ConfigNotFoundError(f"no config found for {path!r} ({_first(exc)}); give a folder holding config.json, "
                                   "the file, or a hub id already in the local cache (huggingface-cli download "
                                   f"{path} config.json)") from None
+    except Exception as exc:  # transformers' own validation of the values (huggingface_hub's strict dataclasses)
+        raise InvalidArgumentError(f"transformers refuses the config in {path} ({_last(exc)}); fix config.json") \
+            from None
+
+
+def _last(exc: BaseException) -> str:
+    """The innermost line of a validation error's message (huggingface_hub nests the cause under a header)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _first(exc: BaseException) -> str:
@@ -94,7 +105,7 @@ def build_model(config: Any, *, checkpointing: bool = False) -> HfModel:
         notes.append(f"the config names no architectures: built {name}, the causal LM of its model_type")
         names = [name]
     name = names[0]
-    kind = next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
+    kind = _kind_of(name, transformers)
     cls = getattr(transformers, name, None)
     if kind is None or cls is None:
         known = ", ".join(f"*{s}" for s in KINDS)
@@ -105,12 +116,38 @@ def build_model(config: Any, *, checkpointing: bool = False) -> HfModel:
     if kind == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0
         notes.append("the config has no pad_token_id: 0 was used (a sequence classifier needs one for batches)")
-    with torch.device("meta"):
-        model = cls._from_config(config, dtype=torch.float32)
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        # transformers' embedding would stop on torch's bare "Padding_idx must be within num_embeddings".
+        raise InvalidArgumentError(f"the config's pad_token_id {pad} (from config.json, or {config.model_type}'s "
+                                   f"default where it sets none) is not below its vocab_size {vocab}: set "
+                                   f"pad_token_id in config.json to an id below {vocab}, or to null")
+    try:
+        with torch.device("meta"):
+            model = cls._from_config(config, dtype=torch.float32)
+    except (AssertionError, ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+        raise InvalidArgumentError(f"transformers could not build {name} from this config ({type(exc).__name__}: "
+                                   f"{_first(exc)}); fix config.json, or build the model yourself and call "
+                                   "memprof.estimate") from exc
     model.train()
     if checkpointing:
         enable_checkpointing(model)
     return HfModel(model, kind, name, tuple(notes))
+
+
+def _kind_of(name: str, transformers: Any) -> "str | None":
+    """What memprof feeds the class ``name``: the kind of transformers' auto mapping that lists it (so that
+    ``GPT2LMHeadModel`` is a causal LM, and so is Gemma-3's ``ForConditionalGeneration``), else by the suffix of
+    its name (:data:`KINDS`)."""
+    auto = getattr(getattr(transformers, "models", None), "auto", None)
+    mappings = getattr(auto, "modeling_auto", None)
+    for table, kind in (("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-lm"),
+                        ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq"),
+                        ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "sequence-classification")):
+        for value in (getattr(mappings, table, None) or {}).values():
+            if name == value or (isinstance(value, (tuple, list)) and name in value):
+                return kind
+    return next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
 
 
 def enable_checkpointing(model: Any) -> None:

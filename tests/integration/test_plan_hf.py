@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 import memprof  # noqa: E402
 from memprof.anatomy.gpus import GpuSpec  # noqa: E402
 from memprof.cli import main  # noqa: E402
-from memprof.errors import ConfigNotFoundError, MissingExtraError, UnknownNameError  # noqa: E402
+from memprof.errors import ConfigNotFoundError, InvalidArgumentError, MissingExtraError, UnknownNameError  # noqa: E402
 from memprof.simulate import hf  # noqa: E402
 from memprof.report.planning import plan_grid  # noqa: E402
 from memprof.simulate.plan import Layout  # noqa: E402
@@ -77,6 +77,16 @@ def test_seq2seq_and_classifier_get_their_batches(tmp_path):
     assert hf.token_batch(hf.build_model(cls), 2, 8)["labels"].shape == (2,)
 
 
+def test_a_causal_lm_named_otherwise_is_fed_as_one(tmp_path):
+    # GPT-2's causal LM is GPT2LMHeadModel, the class transformers' own causal-LM mapping lists for it: memprof
+    # feeds it token ids and labels, as any *ForCausalLM.
+    gpt2 = _folder(tmp_path, dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=32, n_layer=1,
+                                  n_head=2, vocab_size=128, n_positions=64), "gpt2")
+    built = hf.build_model(gpt2)
+    assert built.kind == "causal-lm" and set(hf.token_batch(built, 2, 8)) == {"input_ids", "labels"}
+    assert hf.estimate_hf(gpt2, seq_len=8, batch_size=2, device="cpu").peak_bytes > 0
+
+
 def test_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(ConfigNotFoundError, match="no config.json in"):
         hf.load_config(tmp_path)
@@ -84,6 +94,28 @@ def test_errors_name_the_fix(tmp_path, monkeypatch):
         hf.load_config(tmp_path / "missing")
     with pytest.raises(UnknownNameError, match="set \"architectures\" in config.json"):
         hf.build_model(_folder(tmp_path, {**TINY, "architectures": ["NoSuchForCausalLM"]}))
+    # Phi-3's default pad id (32000) beyond a small vocabulary: named, not torch's bare AssertionError.
+    phi3 = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
+                max_position_embeddings=64)
+    with pytest.raises(InvalidArgumentError, match="pad_token_id 32000 .* is not below its vocab_size 128"):
+        hf.build_model(_folder(tmp_path, phi3, "phi3"))
+    assert hf.build_model(_folder(tmp_path, {**phi3, "pad_token_id": None}, "phi3-unpadded")).kind == "causal-lm"
+    # A config transformers refuses (its own validation of the values) is one error naming the cause.
+    with pytest.raises(InvalidArgumentError, match=r"transformers refuses the config .*not a multiple of the number"):
+        hf.build_model(_folder(tmp_path, {**TINY, "num_attention_heads": 3}, "odd-heads"))
+    with pytest.raises(InvalidArgumentError, match=r"transformers refuses the config in .*config.json"):
+        hf.load_config(_folder(tmp_path, {**TINY, "num_attention_heads": 3}, "odd-heads-file") / "config.json")
+    # Whatever else stops transformers' constructor is one error naming the class and the fix.
+    import transformers
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a constructor's own check")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.LlamaForCausalLM, "_from_config", refuse)
+        with pytest.raises(InvalidArgumentError, match="transformers could not build LlamaForCausalLM .*own check"):
+            hf.build_model(_folder(tmp_path, TINY, "refused"))
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(MissingExtraError, match=r"torch-memprof\[transformers\]"):
         hf.load_config(tmp_path)
