@@ -298,19 +298,21 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
 
 
 def _gap_below(probe: Probe, answer: int) -> "int | None":
-    """The largest batch below ``answer`` predicted not to fit, looked for from ``answer`` down while memory is
-    pressed (simulated or predicted: the allocator freed its cache and retried, or failed); None when a batch that
-    fits without pressing memory comes first (below it the streams are smaller and fit as well), or when a batch
-    cannot be predicted (its answer stands, confirmed as before)."""
+    """The smallest batch below ``answer`` predicted not to fit, looked for from ``answer`` down while memory is
+    pressed (simulated or predicted: the allocator freed its cache and retried, or failed), down to a batch that
+    fits without pressing memory (below it the streams are smaller and fit as well) or one that cannot be
+    predicted; None when there is none. The smallest, so that a row with several bands costs two simulations
+    more, not two per band."""
+    gap = None
     for b in range(answer - 1, 0, -1):
         judged = probe.predicted(b)
         if judged is None:
-            return None
+            break
         if judged > probe.limit:
-            return b
-        if not probe.pressed.get(b, True):
-            return None
-    return None
+            gap = b
+        elif not probe.pressed.get(b, True):
+            break
+    return gap
 
 
 def _replayed_guess(probe: Probe, lo: int, top: int, near: int) -> "int | None":
