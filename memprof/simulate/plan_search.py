@@ -287,7 +287,11 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
         # who takes fewer samples than the answer must not meet an out-of-memory error), so a batch below it that
         # the streams predict not to fit, once simulated, moves the search below it.
         gap = _gap_below(probe, lo)
-        if gap is None or probe.fits(gap):
+        while gap is not None and probe.fits(gap):
+            # The prediction was wrong there: ask again, from the streams this simulation brings (a batch found to
+            # fit is never the answer to it again, so each turn simulates a new batch).
+            gap = _gap_below(probe, lo)
+        if gap is None:
             break
         hi = gap
         lo = max((b for b in probe.runs if b < gap and probe.device[b] <= limit), default=0)

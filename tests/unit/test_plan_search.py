@@ -338,3 +338,20 @@ def test_the_answer_is_the_edge_below_which_every_batch_fits(band):
     # Without memory pressed below the answer, nothing below it is looked at again.
     simulate, calls = _banded(lambda b: b <= 20, pressed_from=19)
     assert largest_batch(Probe(simulate, LIMIT, 4096))[:2] == (20, True)
+
+
+def test_a_wrong_prediction_below_the_answer_does_not_hide_a_band_above_it():
+    # Every batch up to 20 fits but 14 and 15. Once the search has found 20 (it fits, 21 does not), the streams
+    # predict 6 not to fit, wrongly (its simulation fits): the smallest batch predicted not to fit below 20. The
+    # search simulates 6, finds the prediction wrong, and asks again: the band at 14 still moves the answer to 13.
+    simulate, calls = _banded(lambda b: b <= 20 and b not in (14, 15), pressed_from=4)
+    probe = Probe(simulate, LIMIT, 4096)
+    right = probe._predict
+
+    def predict(b):
+        judged = right(b)
+        return LIMIT + 1 if b == 6 and 21 in probe.device and judged is not None else judged
+
+    probe._predict = predict
+    assert largest_batch(probe)[:2] == (13, True)
+    assert calls.index(20) < calls.index(6) < calls.index(14)  # 20 first, then the wrong gap, then the band
