@@ -114,7 +114,10 @@ class Trace:
 
     def __post_init__(self) -> None:
         if self.num_steps is None:
-            object.__setattr__(self, "num_steps", len(self.steps))
+            # A file that does not say (schema 1 and 2 kept every step): as many steps as it holds, and at least up
+            # to the last one it holds, so that re-saving it states a count its own steps agree with.
+            last = max((st.index for st in self.steps), default=-1)
+            object.__setattr__(self, "num_steps", max(len(self.steps), last + 1))
 
     @property
     def phases(self) -> tuple[PhaseRecord, ...]:

@@ -192,3 +192,19 @@ def test_a_value_the_loader_once_let_through_is_refused(data, where, value, matc
 def test_strings_in_settings_are_read_as_every_string_is(data):
     _set(data, ("module_calls", 0, "config", 0), ["mode", "a\ud800"])
     assert dict(Trace.from_dict(data).module_calls[0].config)["mode"] == "a\ufffd"
+
+
+def test_a_file_that_does_not_say_how_many_steps_ran_counts_up_to_its_last_step(data, tmp_path):
+    # Files before schema 3 kept every step and did not say how many ran. One whose only step is step 1 (step 0
+    # left out by hand) ran at least 2 steps: the count is taken so, and the file saved again (which states it)
+    # loads again. Counted as len(steps), 1, the saved file said "step 1 is recorded but the run had 1 steps".
+    data = _set(data, ("steps", 0, "index"), 1)
+    for phase in data["steps"][0]["phases"]:
+        phase["step"] = 1
+    data.pop("num_steps", None)
+    data["schema_version"] = 1
+    trace = Trace.from_dict(copy.deepcopy(data))
+    assert trace.num_steps == 2
+    report = memprof.Report(trace)
+    report.save(tmp_path / "again.json")
+    assert memprof.load(tmp_path / "again.json").trace.num_steps == 2
