@@ -190,6 +190,7 @@ class ParamTracker:
         keys = self.grad_storage_keys()
         if keys is not None and grad_keys.issuperset(keys) and known_as(entries, keys, GRADIENTS):
             return  # the common case, every gradient followed already: found without a Python loop
+        in_backward = self.run.phase is _BACKWARD
         unannounced = False
         for ref in self.refs:
             p = ref()
@@ -211,7 +212,6 @@ class ParamTracker:
             # graph), and the step's pre-hook is the first to see the gradient. AccumulateGrad made it a gradient
             # as it made it, so the backward's peak names it one, as the hook's own retro move would have; a
             # gradient set by hand after backward (another phase) was something else until then.
-            in_backward = self.run.phase is _BACKWARD
             if in_backward and not unannounced:
                 unannounced = True
                 self.unannounced_backwards += 1

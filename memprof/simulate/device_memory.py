@@ -18,7 +18,7 @@ import os
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..anatomy.alloc_config import AllocatorConfig
 from ..anatomy.allocator import CachingAllocator
@@ -231,9 +231,9 @@ class Replay:
         """The device-level peak of ``stream`` (this run's own by default), the predicted out-of-memory error's
         message or None when it fits, and whether memory was pressed: the replay without a cap went beyond the
         device, so that torch had to free its cache and retry (or failed), see :func:`device_memory`."""
-        figures = _replayed(self.stream() if stream is None else stream, (), self.config, self.workspaces,
-                            self.first_seq, self.capacity, self.outside)
-        return figures[2] + self.outside, figures[5], figures[6]
+        replayed = _replayed(self.stream() if stream is None else stream, (), self.config, self.workspaces,
+                             self.first_seq, self.capacity, self.outside)
+        return replayed.peak_reserved + self.outside, replayed.oom, replayed.pressed
 
 
 def replay_of(memory: Any) -> "Replay | None":
@@ -243,13 +243,24 @@ def replay_of(memory: Any) -> "Replay | None":
     return getattr(memory, "_replay", None)
 
 
+class _Replayed(NamedTuple):
+    """What :func:`_replayed` gives: (allocated, reserved) at each moment asked for, the allocator at the end, its
+    peaks and retries, the out-of-memory message (None when it fits), and whether memory was pressed."""
+
+    at: dict[int, tuple[int, int]]
+    allocator: CachingAllocator
+    peak_reserved: int
+    peak_allocated: int
+    retries: int
+    oom: "str | None"
+    pressed: bool
+
+
 def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], config: AllocatorConfig,
-              workspaces: Sequence[int], first: int, capacity: "int | None", outside: int) -> tuple:
-    """The replay of ``stream`` as a device would run it: (allocated and reserved at each of ``seqs``, the
-    allocator at the end, peak reserved, peak allocated, allocation retries, the out-of-memory message or None).
-    Pressed for memory torch frees its cache and retries before it fails: when the free replay's peak does not fit
-    ``capacity`` with ``outside``, the verdict is that of a replay capped at what the device leaves the allocator
-    (and memory was *pressed*, the last item)."""
+              workspaces: Sequence[int], first: int, capacity: "int | None", outside: int) -> _Replayed:
+    """The replay of ``stream`` as a device would run it, at each of ``seqs``. Pressed for memory torch frees its
+    cache and retries before it fails: when the free replay's peak does not fit ``capacity`` with ``outside``,
+    memory is *pressed* and the verdict is that of a replay capped at what the device leaves the allocator."""
     seqs = list(seqs)
     at, allocator, _ = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first)
     oom = None
@@ -267,7 +278,7 @@ def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], confi
             at, allocator = at_capped, capped
         else:
             oom = oom.split(". Fix:")[0]
-    return at, allocator, peak_reserved, peak_allocated, retries, oom, pressed
+    return _Replayed(at, allocator, peak_reserved, peak_allocated, retries, oom, pressed)
 
 
 def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],

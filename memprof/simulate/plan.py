@@ -142,7 +142,6 @@ def plan_grid(
     # Each moment's bytes per sample, by (checkpointing, precision, family), and the layout that measured them.
     slopes: dict[tuple[bool, str, str], tuple[dict, str]] = {}
     probes: dict[tuple[str, str, bool], Any] = {}
-    answers: dict[tuple[str, str, bool], int] = {}  # each row's largest batch
     with Progress(None, "plan") as bar:
         for ckpt, precision, layout in configs:
             if ckpt not in models:
@@ -160,12 +159,13 @@ def plan_grid(
             predicted, overhead, at_batch = _sibling_start(probes, layout.name, reference, precision, ckpt)
             # Where the family's first row fitted a few samples at most, this one starts at batch 1 (a row that
             # does not fit one sample costs one simulation); else at 2, whose stream pairs with those above it.
-            base = 2 if answers.get((reference, precision, ckpt), 0) >= 3 else 1
+            measured_by = next((r for r in rows
+                                if (r.layout, r.precision, r.checkpointing) == (reference, precision, ckpt)), None)
+            base = 2 if measured_by is not None and measured_by.max_batch_size >= 3 else 1
             best, verified, measured = largest_batch(one, shared, predicted, overhead, at_batch, base)
             if measured is not None and family not in slopes:
                 slopes[family] = (measured, layout.name)
             probes[(layout.name, precision, ckpt)] = one
-            answers[(layout.name, precision, ckpt)] = best
             at = best if best else 1
             if at not in one.runs:  # nothing fits, and batch 1 was not simulated: it is, for the row's figures
                 one.judged(at)

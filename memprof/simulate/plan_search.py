@@ -214,9 +214,10 @@ class Probe:
 def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
                   start: "Mapping[Any, int] | None" = None, overhead: int = 0,
                   start_batch: int = 1, base: int = 1) -> "tuple[int, bool, dict | None]":
-    """The largest batch that fits ``probe.limit``, whether it is confirmed (it fits and the next does not, both
-    simulated; or batch 1 does not fit), and the per-moment slopes this configuration measured (None when it
-    measured none), for the like configurations that follow.
+    """The edge below which every batch fits ``probe.limit`` (the largest batch that fits, where fitting is
+    monotone in the batch), whether it is confirmed (it fits and the next does not, both simulated; or batch 1
+    does not fit), and the per-moment slopes this configuration measured (None when it measured none), for the
+    like configurations that follow.
 
     ``shared`` is the per-moment slope (bytes per sample) a configuration of the same precision and checkpointing
     measured: the layouts share how activations grow and differ in the model states, which are flat in the batch.
@@ -364,7 +365,7 @@ def _predicted(probe: Probe, slopes: Mapping[Any, float], lo: int, hi: "int | No
                start: "Mapping[Any, int] | None", overhead: int, start_batch: int = 1) -> int:
     """The largest batch the moments' lines put within ``limit`` after the device overhead: through the two
     simulated batches nearest the bracket when there are two, else through the one with ``slopes``, else from
-    ``start`` (the moments predicted at batch 1) with ``slopes`` and ``overhead``."""
+    ``start`` (the moments predicted at ``start_batch``) with ``slopes`` and ``overhead``."""
     simulated = sorted(probe.runs)
     if len(simulated) >= 2:
         ends = [b for b in (lo, hi) if b is not None and b in probe.runs]
