@@ -3,6 +3,11 @@ what the per-module formula will need (:mod:`memprof.anatomy.predict`, downstrea
 
 Only one forward is captured: every later forward of a training run calls the same modules with the same
 shapes, and a record that grew with each would grow with the run.
+
+Describing runs inside the user's step (the module hooks call it), so it never raises there: a call it
+cannot describe (a nested tensor's ragged size, a sparse input, a subclass whose ``shape`` raises, a
+configuration that cannot be read) ends the capture with a note, and the formula is not predicted rather
+than predicted from the calls before it.
 """
 
 from __future__ import annotations
@@ -13,12 +18,13 @@ import torch
 from torch import nn
 
 from ..vocabulary import Phase
-from ..record.specs import ModuleCall, TensorSpec, plain_config
+from ..record.specs import ModuleCall, NotDescribed, TensorSpec, plain_config
 from .module_table import class_names, tensors_in_args
 from .saved_hooks import under_checkpoint
 
 if TYPE_CHECKING:
     from .module_table import ModuleTable
+    from .state import Run
 
 __all__ = ["Capture"]
 
@@ -26,8 +32,9 @@ __all__ = ["Capture"]
 class Capture:
     """Records the module calls of the first grad-enabled forward."""
 
-    def __init__(self, table: "ModuleTable") -> None:
+    def __init__(self, table: "ModuleTable", run: "Run") -> None:
         self.table = table
+        self.run = run
         #: A forward is being captured now (read by the saved-tensor accounting: what a rule module saves
         #: of the model's inputs counts for the formula only then).
         self.on = False
@@ -51,18 +58,30 @@ class Capture:
 
     def call_began(self, index: int, args: Any, kwargs: Any) -> None:
         """Module ``index`` is called (in forward, while capturing): its inputs."""
-        self.pending[index] = tuple(TensorSpec.of(t) for t in tensors_in_args(args, kwargs)
-                                    if t.is_floating_point() or not t.is_complex())
+        try:
+            self.pending[index] = tuple(TensorSpec.of(t) for t in tensors_in_args(args, kwargs)
+                                        if t.is_floating_point() or not t.is_complex())
+        except Exception as exc:  # whatever the user's objects raise when read, the step runs as without memprof
+            self.give_up(index, "took", exc)
 
     def call_ended(self, index: int, module: nn.Module, output: Any, args: Any, kwargs: Any) -> None:
         """Module ``index`` returned: its call's record, if its start was captured."""
         inputs = self.pending.pop(index, None) if self.on else None
         if inputs is None:
             return
+        try:
+            call = self._call(index, module, inputs, output, args, kwargs)
+        except Exception as exc:  # as in call_began
+            self.give_up(index, "returned", exc)
+            return
+        self.module_calls.append((index, call))
+
+    def _call(self, index: int, module: nn.Module, inputs: tuple[TensorSpec, ...], output: Any, args: Any,
+              kwargs: Any) -> ModuleCall:
         outs = [TensorSpec.of(t) for t in tensors_in_args((output,), None)]
         own = list(module.named_parameters(recurse=False))
         grad = any(t.requires_grad for t in tensors_in_args(args, kwargs)) or any(p.requires_grad for _n, p in own)
-        self.module_calls.append((index, ModuleCall(
+        return ModuleCall(
             path=self.table.path(index),
             classes=class_names(type(module)),
             config=plain_config(vars(module)),
@@ -72,4 +91,16 @@ class Capture:
             grad=grad and torch.is_grad_enabled(),
             leaf=not any(True for _ in module.children()),
             checkpointed=under_checkpoint(),
-        )))
+        )
+
+    def give_up(self, index: int, verb: str, exc: Exception) -> None:
+        """A call that cannot be described ends the capture: the calls captured so far are dropped, since a
+        formula summed over part of the model would look like a prediction of all of it."""
+        what = str(exc) if isinstance(exc, NotDescribed) else f"something it cannot read ({type(exc).__name__}: " \
+            f"{str(exc)[:80]})"
+        self.run.note(f"module {self.table.path(index)} {verb} {what}: memprof cannot describe the call, so the "
+                      "per-module formula is not predicted")
+        self.on = False
+        self.done = True
+        self.pending = {}
+        self.module_calls = []

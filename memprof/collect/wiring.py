@@ -174,7 +174,7 @@ def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "R
     opts = OptimizerTracker(optimizers, ledger, run, storages, params, phases, stack)
     phases.optimizer_seen = bool(optimizers)
     table = ModuleTable(model)
-    capture = Capture(table)
+    capture = Capture(table, run)
     frames = Frames(ledger, run, table, phases, timeline)
     saved = SavedTracker(ledger, run, table, capture)
     graph = GraphSaves(ledger, run, saved, frames.node_hooks)

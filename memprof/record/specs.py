@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from .checks import corrupt, count, flag, mapping, seq, text
 
-__all__ = ["TensorSpec", "ModuleCall", "ParamSpec", "OptimizerSpec", "plain_config", "itemsize"]
+__all__ = ["TensorSpec", "NotDescribed", "ModuleCall", "ParamSpec", "OptimizerSpec", "plain_config", "itemsize"]
 
 # Bytes per element of the dtypes a record can name (torch's names without "torch.").
 _ITEMSIZE = {
@@ -62,6 +62,10 @@ def itemsize(dtype: str) -> int:
     return size
 
 
+class NotDescribed(ValueError):
+    """A tensor that :meth:`TensorSpec.of` cannot describe; the message says why, as a report's note would."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Shape and dtype of a tensor: enough to size it."""
@@ -71,7 +75,24 @@ class TensorSpec:
 
     @classmethod
     def of(cls, t: Any) -> "TensorSpec":
-        return cls(tuple(int(n) for n in t.shape), str(t.dtype).replace("torch.", ""))
+        """The spec of tensor ``t``; :class:`NotDescribed`, saying why, for a tensor that a shape and a dtype do
+        not size: a layout other than strided (sparse, jagged nested), a size that is no number (a nested
+        tensor's ragged dimension), or a shape or dtype that cannot be read (a subclass whose ``shape``
+        raises)."""
+        try:
+            layout, shape, dtype = t.layout, tuple(t.shape), t.dtype
+        except Exception as exc:  # the tensor's own code failed: whatever it raised, it has no spec
+            raise NotDescribed(f"a {type(t).__name__} whose shape or dtype cannot be read "
+                               f"({type(exc).__name__}: {str(exc)[:80]})") from exc
+        if str(layout) != "torch.strided":
+            raise NotDescribed(f"a {type(t).__name__} of layout {str(layout).replace('torch.', '')}")
+        try:
+            # A SymInt with a value (a simulation's) is a number; a ragged size (j1) is not one.
+            dims = tuple(n if type(n) is int else int(n) for n in shape)
+        except Exception as exc:
+            raise NotDescribed(f"a {type(t).__name__} of size {list(shape)}, which is not a number in every "
+                               "dimension") from exc
+        return cls(dims, str(dtype).replace("torch.", ""))
 
     @property
     def numel(self) -> int:

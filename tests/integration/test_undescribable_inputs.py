@@ -1,0 +1,134 @@
+"""Inputs memprof's module hooks cannot describe never break the user's step.
+
+The hooks describe each module call of the first forward (shapes and dtype, for the per-module formula).
+A tensor that a shape and a dtype do not size (a jagged nested tensor, whose ragged size is symbolic; a
+sparse tensor; a subclass whose ``shape`` raises) must not raise into the step: the step runs exactly as
+without memprof, the report notes what could not be described, and the formula is not predicted rather
+than predicted from part of the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof.anatomy.predict import predict_activations
+from memprof.record.specs import NotDescribed, TensorSpec
+from tests.helpers import hooks_left
+
+
+class ShapeRaises(torch.Tensor):
+    """A subclass whose size cannot be read (a library's tensor whose shape depends on state it lacks)."""
+
+    @property
+    def shape(self):  # type: ignore[override]
+        raise RuntimeError("this tensor has no shape to tell")
+
+
+class Head(nn.Module):
+    """A Linear on whatever the batch is: a jagged nested tensor goes through the Linear as it is, the
+    others are made dense first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if x.is_nested:
+            return self.lin(x).values()
+        if x.layout is not torch.strided:
+            x = x.to_dense()
+        return self.lin(x.as_subclass(torch.Tensor))
+
+
+def batch(kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if kind == "jagged":
+        return torch.nested.nested_tensor([torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)],
+                                          layout=torch.jagged, requires_grad=True)
+    if kind == "sparse":
+        return torch.randn(3, 4, generator=g).to_sparse()
+    return torch.randn(3, 4, generator=g).as_subclass(ShapeRaises)
+
+
+WHY = {"jagged": "took a NestedTensor of layout jagged", "sparse": "took a Tensor of layout sparse_coo",
+       "subclass": "took a ShapeRaises whose shape or dtype cannot be read (RuntimeError: this tensor has no shape"}
+
+
+def train(kind: str, mode: "str | None"):
+    """Two steps of SGD on the batch; what the step computed (outputs, input gradient, weights) and the report."""
+    torch.manual_seed(0)
+    model = Head()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = batch(kind)
+    outs, grads = [], []
+
+    def step():
+        out = model(x)
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append(out.detach().clone())
+        if x.grad is not None:
+            # torch cannot accumulate into a nested gradient (aten::stride, with or without memprof): kept and cleared
+            grads.append(x.grad.values().clone())
+            x.grad = None
+
+    if mode is None:
+        step()
+        step()
+        report = None
+    else:
+        with memprof.profile(model, opt, mode=mode) as prof:
+            step()
+            step()
+        report = prof.report()
+        assert hooks_left(model) == []
+    return outs, grads, [p.detach().clone() for p in model.parameters()], report
+
+
+@pytest.mark.parametrize("mode", ["exact", "light"])
+@pytest.mark.parametrize("kind", ["jagged", "sparse", "subclass"])
+def test_a_step_on_an_input_memprof_cannot_describe_runs_as_without_it(kind, mode):
+    outs, grads, params, report = train(kind, mode)
+    ref_outs, ref_grads, ref_params, _ = train(kind, None)
+    assert len(outs) == 2 and all(torch.equal(a, b) for a, b in zip(outs, ref_outs, strict=True))
+    assert len(grads) == (2 if kind == "jagged" else 0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    notes = [n for n in report.trace.notes if "memprof cannot describe the call" in n]
+    assert len(notes) == 1 and f"module <model> {WHY[kind]}" in notes[0], report.trace.notes
+    # Not a formula summed over the calls described before the one that was not: no formula at all.
+    assert report.trace.module_calls == ()
+    assert predict_activations(report.trace).saved_bytes is None
+
+
+def test_a_call_that_returns_what_cannot_be_described_ends_the_capture_too():
+    class Nest(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return torch.nested.nested_tensor_from_jagged(self.lin(x), offsets=torch.tensor([0, 1, 3]))
+
+    model = Nest()
+    x = torch.randn(3, 4)
+    with memprof.profile(model, mode="exact") as prof:
+        model(x).values().sum().backward()
+    notes = [n for n in prof.report().trace.notes if "cannot describe" in n]
+    assert notes == ["module <model> returned a NestedTensor of layout jagged: memprof cannot describe the call, "
+                     "so the per-module formula is not predicted"]
+    assert prof.report().trace.module_calls == ()
+
+
+def test_a_spec_says_why_it_cannot_be_made():
+    x = batch("jagged")
+    with pytest.raises(NotDescribed, match="layout jagged"):
+        TensorSpec.of(x)
+    with pytest.raises(NotDescribed, match="whose shape or dtype cannot be read"):
+        TensorSpec.of(batch("subclass"))
+    # A plain tensor, and the dense values of the nested one, are described as before.
+    assert TensorSpec.of(x.values()) == TensorSpec((8, 4), "float32")
