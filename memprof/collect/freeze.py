@@ -247,13 +247,13 @@ def coverage_notes(c: "Collectors") -> list[str]:
             "torch.compile wrapper of this model was called, whose compiled code skips the hooks of the "
             "module it wraps, or the forward ran before the profile): activations are not measured; profile "
             "the module you call, memprof.profile(compiled_model, optimizer)")
-    if c.params.unannounced_backwards:
+    if c.params.compiled_backwards:
         notes.append(
-            f"{c.params.unannounced_backwards} backward(s) made gradients that memprof's gradient hooks did not "
-            "see (compiled autograd traces hooks into its graph, where memprof's do nothing, so as not to change "
-            "it): those gradients were found at the optimizer step and counted as gradients at their backward's "
-            "peak from when they were made; the per-module backward columns of those backwards are not measured, "
-            "and each such backward phase lasts until the step")
+            f"{c.params.compiled_backwards} backward(s) made gradients that memprof's gradient hooks did not see "
+            "(compiled autograd ran them, and it traces hooks into its graph, where memprof's do nothing, so as not "
+            "to change it): those gradients were found at the next forward or optimizer step, where each such "
+            "backward phase ends, and counted as gradients at their backward's peak from when they were made; the "
+            "per-module backward columns of those backwards are not measured")
     if hooks.chained_to:
         names = ", ".join(sorted(hooks.chained_to))
         notes.append(

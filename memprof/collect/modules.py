@@ -244,6 +244,13 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
             return None
         info = table.info[index]
         in_backward = run.phase is _BACKWARD
+        if in_backward and (is_root or not calls) and _graph_task_id() == -1:
+            # A forward outside autograd's engine while the backward phase is still open: that backward ended
+            # where memprof could not queue its end (compiled autograd runs it as a graph, and nothing queued
+            # there runs at its end), so it ends here, before this forward (a block recomputing in backward is
+            # inside the engine).
+            tracker.phases.backward_done()
+            in_backward = False
         grad = _grad_enabled()
         # A forward is a call of the root, or an outermost call of its submodules with autograd on
         # (model.encoder(x), then model.decoder(h); a ModuleDict's members). A submodule run under

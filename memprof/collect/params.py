@@ -22,7 +22,7 @@ from torch import nn
 from ..vocabulary import Phase
 from .ledger import ACTIVATIONS, COMMUNICATION, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, known_as
 from .ledger import plain_storage_keys, storage_of
-from .torch_compat import COMPILER as _COMPILER, is_dynamo_compiling as _dynamo_compiling
+from .torch_compat import COMPILER as _COMPILER, in_compiled_autograd, is_dynamo_compiling as _dynamo_compiling
 
 if TYPE_CHECKING:
     from .dispatch import StorageTracker
@@ -66,7 +66,7 @@ class ParamTracker:
         self.grad_keys: set[int] = set()  # shared with the phase tracker, which reads it (never rebound)
         self.changed = False  # a module of the model registered a parameter or submodule since the last sync
         self.invisible_forwards = 0  # gradients of the model from forwards no module hook saw
-        self.unannounced_backwards = 0  # backwards whose gradients no gradient hook announced
+        self.compiled_backwards = 0  # backwards compiled autograd ran: their gradients no gradient hook announced
 
     def live(self) -> list[nn.Parameter]:
         return [p for p in (r() for r in self.refs) if p is not None]
@@ -183,6 +183,12 @@ class ParamTracker:
         if follow and entry is not None and entry.cat == GRADIENTS:
             self.grad_keys.add(entry.key)
 
+    def backward_began(self) -> None:
+        """A backward begins: counted if compiled autograd runs it, which traces memprof's gradient hook into its
+        graph (where the hook does nothing), so that its gradients are found at the step (the report says so)."""
+        if in_compiled_autograd():
+            self.compiled_backwards += 1
+
     def walk_grads(self) -> None:
         """Every parameter's ``.grad`` is a gradient (at backward's end and before a step)."""
         entries = self.ledger.entries
@@ -191,7 +197,6 @@ class ParamTracker:
         if keys is not None and grad_keys.issuperset(keys) and known_as(entries, keys, GRADIENTS):
             return  # the common case, every gradient followed already: found without a Python loop
         in_backward = self.run.phase is _BACKWARD
-        unannounced = False
         for ref in self.refs:
             p = ref()
             g = p.grad if p is not None else None
@@ -203,18 +208,20 @@ class ParamTracker:
                     key = g.untyped_storage()._cdata
                 except (RuntimeError, NotImplementedError):
                     key = None
-                if key in grad_keys:
-                    entry = entries.get(key)
-                    if entry is not None and entry.cat == GRADIENTS:
-                        continue
-            # A gradient no hook announced while the backward that made it is still the phase: compiled autograd
-            # traces memprof's gradient hook into its graph, where the hook does nothing (it must not enter a
-            # graph), and the step's pre-hook is the first to see the gradient. AccumulateGrad made it a gradient
-            # as it made it, so the backward's peak names it one, as the hook's own retro move would have; a
-            # gradient set by hand after backward (another phase) was something else until then.
-            if in_backward and not unannounced:
-                unannounced = True
-                self.unannounced_backwards += 1
+            else:
+                # A subclass (a DTensor's, whose counted storage is its local shard's) or a sparse gradient.
+                st = storage_of(g)
+                key = st._cdata if st is not None else None
+            if key in grad_keys:
+                entry = entries.get(key)
+                if entry is not None and entry.cat == GRADIENTS:
+                    continue
+            # A gradient no hook announced while the backward that made it is still the phase: one compiled
+            # autograd made (it traces memprof's gradient hook into its graph, where the hook does nothing, so the
+            # step's pre-hook is the first to see it), or one set by assignment, which no AccumulateGrad announces
+            # (FSDP2's reduce-scatter output given to the sharded parameter, p.grad = g after torch.autograd.grad).
+            # Either was made in this backward, so its peak names it a gradient, as the hook's own retro move
+            # would have; a gradient set by hand after backward (another phase) was something else until then.
             self.add_grad(g, retro=in_backward)
 
     def grad_storage_keys(self) -> "list[int] | None":

@@ -22,7 +22,7 @@ __all__ = [
     "current_autograd_node", "queue_backward_callback", "NoPythonDispatch", "is_compiling", "FakeTensor",
     "KEEPS_COMPILE", "python_dispatch", "MODE_FLAGS_SAVED", "MODE_FLAGS_CURRENT", "attach_cuda_oom_observer",
     "cuda_memory_snapshot", "SKIPS_DYNAMO", "skip_dynamo", "COMPILER", "cuda_history_enabled", "record_cuda_history",
-    "set_cuda_metadata", "get_cuda_metadata",
+    "set_cuda_metadata", "get_cuda_metadata", "in_compiled_autograd",
 ]
 
 # -- autograd's engine ------------------------------------------------------------------------------------
@@ -134,6 +134,17 @@ def skip_dynamo(code: Any) -> None:
     frame and recursively). It needs no import of ``torch._dynamo``. Nothing where torch lacks it."""
     if _skip_code is not None:
         _skip_code(code)
+
+
+def in_compiled_autograd() -> bool:
+    """Is compiled autograd running the backward now (``torch._dynamo.compiled_autograd``'s module flags: its
+    region, held while it captures and runs the backward's graph, or its switch, on inside ``_enable``)? False
+    where the module was never imported (then it cannot run) or has neither flag."""
+    import sys
+
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and bool(getattr(module, "in_compiled_autograd_region", False)
+                                       or getattr(module, "compiled_autograd_enabled", False))
 
 
 # FakeTensor (torch._subclasses.fake_tensor) is re-exported above: a simulation's shape-only tensors are fake,

@@ -197,6 +197,7 @@ def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "R
         storages.after_collective = shards.new_grads
         phases.on_backward_end.append(shards.grads)
     phases.on_backward_end.append(params.walk_grads)
+    phases.on_backward_start.append(params.backward_began)
     return Collectors(run=run, ledger=ledger, probe=probe, stack=stack, timeline=timeline, storages=storages,
                       phases=phases, params=params, optimizers=opts, table=table, capture=capture, frames=frames,
                       saved=saved, graph=graph, kv=kv, rank=rank, shards=shards, modules=modules)
