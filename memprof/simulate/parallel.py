@@ -99,6 +99,7 @@ class ParallelRun:
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
             raise InvalidArgumentError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         self.fn, self.n, self.rank = fn, world_size, int(rank)
+        self.arity = _arity(fn) if fn is not None else 0  # how many arguments fn is called with
         if mesh is None and pipeline is not None:
             mesh = {"pp": world_size}
         self.shape, self.names = check_mesh(mesh, world_size)
@@ -240,7 +241,18 @@ class ParallelRun:
 
     def _apply(self, module: nn.Module) -> nn.Module:
         assert self.fn is not None
-        out = self.fn(module, self.mesh) if _takes_two(self.fn) else self.fn(module)
+        try:
+            out = self.fn(module, self.mesh) if self.arity == 2 else self.fn(module)
+        except ValueError as exc:
+            if "default process group twice" not in str(exc):
+                raise
+            # torch's own words (distributed_c10d.py, init_process_group) from inside the user's function.
+            raise InvalidArgumentError(
+                f"parallelize={_named(self.fn)} initialises a process group itself (torch: {exc}); memprof calls it "
+                f"on a fake process group of its own, initialised already, with the model and a DeviceMesh of "
+                f"{self.n} rank(s) on that group. Initialise the process group in your training script, outside the "
+                "function (or only when not torch.distributed.is_initialized()), and build the layout from the mesh "
+                "the function is given") from exc
         if out is None:
             return module
         if not isinstance(out, nn.Module):
@@ -425,13 +437,30 @@ def _degrees(names: "tuple[str, ...] | None", shape: "tuple[int, ...]") -> "dict
     return out
 
 
-def _takes_two(fn: Callable[..., Any]) -> bool:
+def _arity(fn: Callable[..., Any]) -> int:
+    """How memprof calls the user's parallelize function: 2 for ``fn(model, mesh)``, 1 for ``fn(model)``; an
+    InvalidArgumentError naming the function and its parameters when neither call would bind, before anything
+    runs (rather than torch's TypeError from the middle of the simulation)."""
     try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return True
-    return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+        return 2  # a callable whose parameters Python cannot read: called as documented
+    for n in (2, 1):
+        try:
+            sig.bind(*range(n))
+        except TypeError:
+            continue
+        return n
+    raise InvalidArgumentError(
+        f"parallelize={_named(fn)} takes {sig}, but memprof calls it as fn(model, mesh) (the model, and a torch "
+        "DeviceMesh of the estimate's world size and mesh) or fn(model); give it those parameters (any others need "
+        "defaults), and return the model, or None when it parallelises the model in place")
+
+
+def _named(fn: Callable[..., Any]) -> str:
+    """The user's function as an error names it: its qualified name where it has one."""
+    name = getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", None)
+    return str(name) if name else repr(fn)[:80]
 
 
 def _layouts(model: nn.Module) -> set[str]:
