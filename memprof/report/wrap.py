@@ -1,11 +1,15 @@
 """How the facade wraps a floor's result: the same fields in the facade's class, and a public function
-that keeps the signature and the docstring of the one it wraps."""
+that keeps the signature and the docstring of the one it wraps and leaves the process's random generators as
+it found them."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, TypeVar
+
+from .random_state import random_state_kept
 
 __all__ = ["promote", "same_as"]
 
@@ -22,12 +26,20 @@ def promote(cls: "type[T]", data: Any, **changes: Any) -> T:
 
 def same_as(wrapped: Callable[..., Any]) -> Callable[[F], F]:
     """The public function ``func`` reads as ``wrapped``, which does the work: its signature (with
-    ``func``'s return annotation) and its docstring, so that ``help()`` documents it once."""
+    ``func``'s return annotation) and its docstring, so that ``help()`` documents it once. Every call of it
+    leaves the process's random generators as it found them (:mod:`.random_state`): this is the one seam every
+    public function of the facade passes."""
 
     def decorate(func: F) -> F:
         returns = inspect.signature(func).return_annotation
-        func.__signature__ = inspect.signature(wrapped).replace(return_annotation=returns)  # type: ignore[attr-defined]
-        func.__doc__ = wrapped.__doc__
-        return func
+
+        @functools.wraps(func)
+        def public(*args: Any, **kwargs: Any) -> Any:
+            with random_state_kept():
+                return func(*args, **kwargs)
+
+        public.__signature__ = inspect.signature(wrapped).replace(return_annotation=returns)  # type: ignore[attr-defined]
+        public.__doc__ = wrapped.__doc__
+        return public  # type: ignore[return-value]
 
     return decorate
