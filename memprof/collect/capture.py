@@ -70,15 +70,19 @@ class Capture:
         if inputs is None:
             return
         try:
-            call = self._call(index, module, inputs, output, args, kwargs)
+            outs = [TensorSpec.of(t) for t in tensors_in_args((output,), None)]
         except Exception as exc:  # as in call_began
             self.give_up(index, "returned", exc)
             return
+        try:
+            call = self._call(index, module, inputs, outs, args, kwargs)
+        except Exception as exc:  # its arguments' or its own attributes
+            self.give_up(index, "holds", exc)
+            return
         self.module_calls.append((index, call))
 
-    def _call(self, index: int, module: nn.Module, inputs: tuple[TensorSpec, ...], output: Any, args: Any,
+    def _call(self, index: int, module: nn.Module, inputs: tuple[TensorSpec, ...], outs: list[TensorSpec], args: Any,
               kwargs: Any) -> ModuleCall:
-        outs = [TensorSpec.of(t) for t in tensors_in_args((output,), None)]
         own = list(module.named_parameters(recurse=False))
         grad = any(t.requires_grad for t in tensors_in_args(args, kwargs)) or any(p.requires_grad for _n, p in own)
         return ModuleCall(

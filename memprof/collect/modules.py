@@ -146,8 +146,12 @@ class ModuleTracker:
             # model began this forward.
             capture.begin()
         storages = self.storages
-        storages.mark_inputs(args, made_in_block_too=is_root)
-        storages.mark_inputs(kwargs, made_in_block_too=is_root)
+        try:
+            storages.mark_inputs(args, made_in_block_too=is_root)
+            storages.mark_inputs(kwargs, made_in_block_too=is_root)
+        except Exception as exc:  # what the user's objects raise when read: the step runs as without memprof
+            run.note(f"an input of the model could not be read ({type(exc).__name__}: {str(exc)[:80]}): what it "
+                     "holds is not counted among inputs")
         storages.note_autocast()
 
     def kept_by_checkpoint(self, args: Any, kwargs: Any) -> None:
@@ -166,6 +170,12 @@ class ModuleTracker:
         sight is an activation, not an input; its later calls are treated the same way."""
         self.saved.adopt_unseen(self.table.unseen_saves[unseen:])
         self.table.skipped(index)
+
+    def unhookable(self, index: int, exc: Exception) -> None:
+        """A call whose inputs or outputs memprof cannot read or hook for its backward frame (a subclass whose
+        ``requires_grad`` raises): the call runs as without memprof, and the note says what is missing."""
+        self.run.note(f"module {self.table.path(index)}: a tensor it took or returned could not be read "
+                      f"({type(exc).__name__}: {str(exc)[:80]}), so its per-module backward figures are not measured")
 
     # -- a model that changes ------------------------------------------------------------------
 
@@ -295,17 +305,20 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                     if type(a) is not _PLAIN:
                         plain = False
                         break
-            for a in args if plain else tensors_in_args(args, kwargs):
-                if a.requires_grad:
-                    # A tensor hook, not a pre-hook on a.grad_fn: torch.autograd.grad(out, [a])
-                    # captures a's gradient without running a.grad_fn, and only tensor hooks fire then.
-                    if exit_hook is None:
-                        exit_hook = frames.exit_hook(index)
-                    # Frames.hook_tensor, written out: once per tensor and module.
-                    key = (id(a), index)
-                    known = tensor_hooks.get(key)
-                    if known is None or known[0]() is not a:
-                        tensor_hooks[key] = (_weakref(a), a.register_hook(exit_hook))
+            try:
+                for a in args if plain else tensors_in_args(args, kwargs):
+                    if a.requires_grad:
+                        # A tensor hook, not a pre-hook on a.grad_fn: torch.autograd.grad(out, [a])
+                        # captures a's gradient without running a.grad_fn, and only tensor hooks fire then.
+                        if exit_hook is None:
+                            exit_hook = frames.exit_hook(index)
+                        # Frames.hook_tensor, written out: once per tensor and module.
+                        key = (id(a), index)
+                        known = tensor_hooks.get(key)
+                        if known is None or known[0]() is not a:
+                            tensor_hooks[key] = (_weakref(a), a.register_hook(exit_hook))
+            except Exception as exc:  # an input that cannot be read or hooked: the step runs as without memprof
+                tracker.unhookable(index, exc)
         return None
 
     return pre_hook
@@ -403,19 +416,22 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
             else:  # the cap, and its note
                 timeline.sample(table.info[index].path or "<model>", "exit")
         if run.backward_frames and _grad_enabled() and run.phase is _FORWARD:
-            for t in (output,) if type(output) is _PLAIN else tensors_in_args((output,), None):
-                if t.requires_grad:
-                    if enter_hook is None:
-                        enter_hook = frames.enter_hook(index)
-                    if t.grad_fn is not None:
-                        # A pre-hook on the node fires when the engine runs it, once every gradient
-                        # flowing into it is complete: when a tensor hook on t would, at a ninth of
-                        # the cost (2 us against 19). They differ when torch.autograd.grad stops at t
-                        # (the node never runs); then the module has no backward in that pass.
-                        # Removed when the step ends (its backward has run) or with the profile.
-                        frames.node_hooks.append(t.grad_fn.register_prehook(enter_hook))
-                    else:
-                        frames.hook_tensor(t, index, enter_hook)
+            try:
+                for t in (output,) if type(output) is _PLAIN else tensors_in_args((output,), None):
+                    if t.requires_grad:
+                        if enter_hook is None:
+                            enter_hook = frames.enter_hook(index)
+                        if t.grad_fn is not None:
+                            # A pre-hook on the node fires when the engine runs it, once every gradient
+                            # flowing into it is complete: when a tensor hook on t would, at a ninth of
+                            # the cost (2 us against 19). They differ when torch.autograd.grad stops at t
+                            # (the node never runs); then the module has no backward in that pass.
+                            # Removed when the step ends (its backward has run) or with the profile.
+                            frames.node_hooks.append(t.grad_fn.register_prehook(enter_hook))
+                        else:
+                            frames.hook_tensor(t, index, enter_hook)
+            except Exception as exc:  # as in the pre-hook
+                tracker.unhookable(index, exc)
         return None
 
     return post_hook

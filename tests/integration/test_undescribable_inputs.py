@@ -132,3 +132,52 @@ def test_a_spec_says_why_it_cannot_be_made():
         TensorSpec.of(batch("subclass"))
     # A plain tensor, and the dense values of the nested one, are described as before.
     assert TensorSpec.of(x.values()) == TensorSpec((8, 4), "float32")
+
+
+def _raising(attribute: str) -> type:
+    class Raises(torch.Tensor):
+        """A subclass one of whose attributes raises when read."""
+
+        def __getattribute__(self, name):
+            if name == attribute:
+                raise RuntimeError(f"no {name} to tell")
+            return super().__getattribute__(name)
+
+    return Raises
+
+
+# Where memprof reads each attribute, and the note that says what it could not measure.
+RAISING = {"device": ["an input of the model could not be read (RuntimeError: no device to tell): what it holds is "
+                      "not counted among inputs"],
+           "requires_grad": ["module <model> holds something it cannot read (RuntimeError: no requires_grad to tell): "
+                             "memprof cannot describe the call, so the per-module formula is not predicted"]}
+
+
+@pytest.mark.parametrize("mode", ["exact", "light"])
+@pytest.mark.parametrize("attribute", sorted(RAISING))
+def test_an_input_whose_attributes_raise_runs_as_without_memprof(attribute, mode):
+    def run(profiled: bool):
+        torch.manual_seed(0)
+        model = Head()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).as_subclass(_raising(attribute))
+        if not profiled:
+            out = model(x)
+            out.sum().backward()
+            opt.step()
+            return out.detach(), list(model.parameters()), None
+        with memprof.profile(model, opt, mode=mode) as prof:
+            out = model(x)
+            out.sum().backward()
+            opt.step()
+        assert hooks_left(model) == []
+        return out.detach(), list(model.parameters()), prof.report()
+
+    out, params, report = run(True)
+    ref_out, ref_params, _ = run(False)
+    assert torch.equal(out, ref_out) and all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    expected = list(RAISING[attribute])
+    if attribute == "requires_grad" and mode == "exact":  # the per-module backward frames read it too
+        expected.append("module <model>: a tensor it took or returned could not be read (RuntimeError: no "
+                        "requires_grad to tell), so its per-module backward figures are not measured")
+    assert sorted(n for n in report.trace.notes if "to tell" in n) == sorted(expected)
