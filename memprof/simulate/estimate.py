@@ -189,7 +189,7 @@ def estimate(
         raise InvalidArgumentError(
             f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
             f"arguments), got {type(inputs).__name__} without a tensor")
-    setup = _Target(model, precision, device, attention, routing, _run)
+    setup = _Target(model, precision, device, attention, routing, _run, gpu=gpu_spec)
     target, notes, meta_model, mapping = setup.target, setup.notes, setup.model, setup.mapping
     fake_mode, autocast, emulated = setup.fake_mode, setup.autocast, setup.emulated
     shadow, cast = setup.shadow, setup.cast
@@ -387,7 +387,7 @@ class _Target:
     :func:`memprof.estimate_generation`."""
 
     def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str,
-                 routing: Any = None, run: Any = None) -> None:
+                 routing: Any = None, run: Any = None, gpu: Any = None) -> None:
         if precision is not None and precision not in _PRECISION_DTYPES and precision not in _MIXED:
             raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
                                    "(amp is mixed)")
@@ -406,7 +406,9 @@ class _Target:
             raise InvalidArgumentError(
                 f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
                 "the simulation runs; leave attention='auto' or give device='cuda'")
-        kernels = CudaKernels(attention) if target.type == "cuda" else None
+        # The GPU's compute capability decides which attention kernels it can run (memprof.simulate.sdpa_rules).
+        kernels = CudaKernels(attention, gpu.compute_capability if gpu is not None else None) \
+            if target.type == "cuda" else None
         from .cpu_kernels import CpuKernels
 
         # The CPU's kernels where their outputs keep another storage than the fake kernels give them.
@@ -515,9 +517,36 @@ def _simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
         fix = ("the model must run on shape-only tensors (meta or fake): the same call with real tensors of these "
                "shapes is the way to check it")
     what = f"training step {step}" if isinstance(step, int) else step
+    rule = _rule_frame(exc)
+    if rule:  # memprof's own rule made the failing call: the model is not to blame
+        return SimulationError(f"the simulated {what} failed inside memprof's own simulation rule {rule}, not in the "
+                               f"model: {type(exc).__name__}: {first}. This is memprof's defect; please report it")
     where = _model_frame(exc)
     return SimulationError(f"the simulated {what} failed: {type(exc).__name__}: {first}"
                            f"{f' (at {where})' if where else ''}. {fix[0].upper()}{fix[1:]}")
+
+
+# The modules of memprof's rules above and below the ops (memprof.simulate.modes, .shadows), and the frames of theirs
+# that hand the model's own call on unchanged.
+_RULE_MODULES = ("kernels", "sdpa_rules", "autocast", "cpu_kernels", "moe", "routers", "grouped_mm", "experts",
+                 "shadows")
+_PASSING_ON = frozenset({"__torch_dispatch__", "__torch_function__", "handle"})
+
+
+def _rule_frame(exc: BaseException) -> str:
+    """The rule, as ``memprof.simulate.module.function (line n)``, when the innermost frame of the failure outside
+    torch is a memprof rule's own call rather than the model's call handed on; else ``""``."""
+    import traceback
+
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        name = f.filename.replace("\\", "/")
+        if "/torch/" in name:
+            continue
+        module = name.rsplit("/", 1)[-1].removesuffix(".py")
+        if "/memprof/simulate/" in name and module in _RULE_MODULES and f.name not in _PASSING_ON:
+            return f"memprof.simulate.{module}.{f.name} (line {f.lineno})"
+        return ""
+    return ""
 
 
 def _model_frame(exc: BaseException) -> str:

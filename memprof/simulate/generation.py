@@ -91,7 +91,7 @@ def estimate_generation(
     from .device_memory import check_target, on_device
 
     gpu_spec, device = check_target(gpu, device, alloc_conf)
-    setup = _Target(model, precision, device, attention, routing)
+    setup = _Target(model, precision, device, attention, routing, gpu=gpu_spec)
     twin = setup.model
     twin.eval()
     notes = setup.notes

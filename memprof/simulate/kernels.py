@@ -5,15 +5,18 @@ s x s attention scores, and ``F.dropout`` into a mask in the input's dtype. A CU
 attention kernel that saves only its output and a logsumexp, and keeps 1-byte dropout masks. So a
 simulation for a CUDA target runs inside :class:`CudaKernels`, a torch function mode that calls the
 kernel torch would pick on the device through its own meta kernels (the CPU build of torch carries
-them): ``aten._scaled_dot_product_flash_attention``, ``aten._scaled_dot_product_efficient_attention``
-and ``aten.native_dropout``, whose autograd formulas save exactly what the device's kernels save.
+them): ``aten._scaled_dot_product_flash_attention``, ``aten._scaled_dot_product_efficient_attention``,
+``aten._scaled_dot_product_cudnn_attention`` and ``aten.native_dropout``, whose autograd formulas save exactly
+what the device's kernels save.
 
-Which attention kernel, as torch's CUDA dispatcher decides (aten/src/ATen/native/transformers/cuda/
-sdp_utils.cpp): flash for 4-D fp16/bf16 inputs without an attention mask, a head dimension up to 256
-(padded to a multiple of 8, attention.cpp) and a causal mask only on square attention, grouped-query
-attention natively; memory-efficient for 4-D fp16/bf16/fp32 inputs, with or without a mask, but not
-grouped-query attention; the math path otherwise. ``attention=`` forces one, and is refused where the
-device could not run it.
+Which attention kernel: :mod:`memprof.simulate.sdpa_rules` holds torch's selection rules
+(``select_sdp_backend`` in ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``), one named rule per
+constraint, evaluated on the call's shapes, strides, dtypes, mask, dropout, ``is_causal`` and ``enable_gqa`` and
+the target GPU's compute capability; the kernel is the first eligible in torch's priority order, else math. What
+each kernel is handed is what ``scaled_dot_product_attention`` in ``aten/src/ATen/native/transformers/attention.cpp``
+hands it (a boolean mask made additive, the memory-efficient kernel's mask expanded and padded, flash's head dim
+padded to a multiple of 8). ``attention=`` forces one, as ``sdpa_kernel([backend])`` does, and is refused where
+torch would find no kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import sdpa_rules as sdpa
 from .modes import Next, Rule
 
 __all__ = ["CudaKernels", "ATTENTION_KERNELS", "ValueDependentCode", "VALUE_DEPENDENT_CODE", "CustomOps"]
@@ -33,40 +37,49 @@ __all__ = ["CudaKernels", "ATTENTION_KERNELS", "ValueDependentCode", "VALUE_DEPE
 _SDPA = getattr(torch._C._nn, "scaled_dot_product_attention", F.scaled_dot_product_attention)
 
 #: What ``estimate(..., attention=)`` accepts.
-ATTENTION_KERNELS = ("auto", "flash", "efficient", "math")
+ATTENTION_KERNELS = ("auto", "flash", "efficient", "cudnn", "math")
+# How the notes name each backend.
+_NAMES = {sdpa.FLASH: "flash", sdpa.EFFICIENT: "memory-efficient", sdpa.CUDNN: "cuDNN", sdpa.MATH: "math"}
 
 
-def _choose(q: torch.Tensor, k: torch.Tensor, attn_mask: Any, is_causal: bool, gqa: bool, wanted: str) -> str:
-    """The kernel torch's CUDA dispatcher picks (sdp_utils.cpp), or the one ``wanted`` forces, after
-    checking that the device could run it."""
-    from ..errors import InvalidArgumentError
+def _describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> str:
+    return (f"query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)} "
+            f"{str(q.dtype).replace('torch.', '')}, mask {'given' if mask is not None else 'none'}"
+            f"{', grouped-query' if gqa else ''}")
 
-    four_d = q.dim() == 4
-    low = q.dtype in (torch.float16, torch.bfloat16)
-    square = q.shape[-2] == k.shape[-2]
-    # Flash: fp16/bf16, no mask, head dim up to 256 (padded to a multiple of 8), a causal mask only on
-    # square attention; grouped-query attention natively.
-    flash = four_d and low and attn_mask is None and q.shape[-1] <= 256 and (square or not is_causal)
-    # Memory-efficient: fp16/bf16/fp32, masks allowed, no grouped-query attention.
-    efficient = four_d and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and not gqa
-    if wanted == "auto":
-        return "flash" if flash else "efficient" if efficient else "math"
-    if wanted == "flash" and not flash or wanted == "efficient" and not efficient:
-        raise InvalidArgumentError(
-            f"attention={wanted!r}: a CUDA device could not run this attention with that kernel (query "
-            f"{tuple(q.shape)} {str(q.dtype).replace('torch.', '')}, "
-            f"mask {'given' if attn_mask is not None else 'none'}"
-            f"{', grouped-query' if gqa else ''}); torch would raise 'No available kernel'. Use attention='auto'")
-    return wanted
+
+def _additive(mask: Any, dtype: torch.dtype) -> Any:
+    """``convert_boolean_attn_mask`` (attention.cpp): a boolean mask as a bias of ``dtype``, -inf where False."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    bias = torch.zeros_like(mask, dtype=dtype)
+    return bias.masked_fill_(mask.logical_not(), float("-inf"))
+
+
+def _preprocess_mask(bias: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``preprocess_mask`` (attention.cpp): the memory-efficient kernel's bias expanded to 4-D, its last dim padded
+    to a multiple of 16 (then sliced back: the padded copy is what the kernel keeps), or made contiguous where its
+    strides are not multiples of 16."""
+    bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    last = bias.shape[-1]
+    if last % 16:
+        return F.pad(bias, (0, 16 - last % 16))[..., :last]
+    if any(st % 16 for st in bias.stride()[:3]):
+        return bias.contiguous()
+    return bias
 
 
 class CudaKernels(Rule):
-    """Route attention and dropout to the kernels a CUDA device runs; :attr:`used` counts the choices."""
+    """Route attention and dropout to the kernels a CUDA device of compute ``capability`` runs (None: the GPU was
+    not named, and :data:`memprof.simulate.sdpa_rules.ASSUMED_CAPABILITY` is taken); :attr:`used` counts the
+    choices, :attr:`passed_over` the rules that ruled out a kernel torch tries first."""
 
-    def __init__(self, attention: str = "auto") -> None:
+    def __init__(self, attention: str = "auto", capability: "tuple[int, int] | None" = None) -> None:
         super().__init__()
-        self.attention = attention
+        self.attention, self.capability = attention, capability
         self.used: Counter[str] = Counter()
+        self.passed_over: Counter[str] = Counter()
+        self.orders: set[tuple[str, ...]] = set()
 
     def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
         if func is _SDPA:
@@ -79,38 +92,91 @@ class CudaKernels(Rule):
                    dropout_p: float = 0.0, is_causal: bool = False, scale: "float | None" = None,
                    enable_gqa: bool = False) -> torch.Tensor:
         extra = {"enable_gqa": True} if enable_gqa else {}  # a keyword torch 2.5 added
-        gqa = query.dim() == 4 and key.shape[-3] != query.shape[-3]
-        if gqa and not enable_gqa:
-            # torch refuses unequal head counts without enable_gqa=True: its own path raises the same.
-            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-        kernel = _choose(query, key, attn_mask, is_causal, gqa, self.attention)
-        if kernel == "flash":
-            self.used["flash"] += 1
-            head = query.shape[-1]
-            if scale is None:
-                scale = head ** -0.5  # of the head dimension before padding, as torch's dispatcher keeps it
-            if head % 8:
-                # torch pads the head dimension to a multiple of 8 for flash (attention.cpp, pad_last_dim)
-                # and slices the output back: the padded copies are what the kernel saves.
-                pad = 8 - head % 8
-                query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
-                self.used["flash head dim padded to a multiple of 8"] += 1
-            out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                                     scale=scale)[0]
-            return out[..., :head] if out.shape[-1] != head else out
-        if kernel == "efficient":
-            self.used["memory-efficient"] += 1
-            bias = attn_mask
-            if bias is not None and bias.dtype == torch.bool:  # the kernel takes an additive bias
-                bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill(~bias, float("-inf"))
-            if bias is not None:
-                bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, bias, True, dropout_p, is_causal and bias is None, scale=scale)[0]
-        self.used["math"] += 1
-        # Inside its own handler the mode is off: this runs torch's own (math) path.
-        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     **extra)
+        if any(t.is_nested for t in (query, key, value)):
+            # Nested inputs have rules of their own that memprof does not model: torch's own shape-only path,
+            # which keeps the scores, rather than a cheaper kernel the device may not run.
+            self.used["math (nested tensors: the fused kernels' rules for them are not modelled)"] += 1
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, **extra)
+        forced = None if self.attention == "auto" else self.attention
+        dev = sdpa.device(self.capability, forced)
+        self.orders.add(sdpa.priority(dev))
+        choice = sdpa.choose(sdpa.Call.of(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa), dev)
+        for backend, rule in choice.passed_over:
+            if backend != forced:
+                self.passed_over[f"{_NAMES[backend]}: {rule.name} ({rule.says})"] += 1
+        if choice.backend is None:
+            self._refuse(choice, query, key, value, attn_mask, enable_gqa)
+        if choice.backend == sdpa.MATH:
+            self.used["math"] += 1
+            # Inside its own handler the mode is off: this runs torch's own (math) path.
+            return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, **extra)
+        run = {sdpa.FLASH: self._flash, sdpa.EFFICIENT: self._efficient, sdpa.CUDNN: self._cudnn}[choice.backend]
+        try:
+            out = run(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        except (RuntimeError, NotImplementedError) as exc:
+            # Torch's own path on the same arguments tells whose the failure is: where it fails too, the call is
+            # one torch refuses on any device (a mask of the wrong shape), and its own error is the one to give.
+            _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                  **extra)
+            raise self._own_failure(choice.backend, f"{type(exc).__name__}: {exc}",
+                                    _describe(query, key, value, attn_mask, enable_gqa)) from exc
+        shape = (*query.shape[:-1], value.shape[-1])
+        if tuple(out.shape) != shape or out.dtype != query.dtype:
+            raise self._own_failure(choice.backend, f"it gave {tuple(out.shape)} {out.dtype} where torch gives "
+                                    f"{shape} {query.dtype}", _describe(query, key, value, attn_mask, enable_gqa))
+        return out
+
+    def _refuse(self, choice: sdpa.Choice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+                gqa: bool) -> None:
+        from ..errors import InvalidArgumentError
+
+        why = "; ".join(f"{_NAMES[b]}: {r.name} ({r.says})" for b, r in choice.passed_over) or "every backend disabled"
+        what = (f"attention={self.attention!r}: a CUDA device could not run this attention with that kernel"
+                if self.attention != "auto" else "no attention kernel torch may use here runs this attention")
+        raise InvalidArgumentError(f"{what} ({_describe(q, k, v, mask, gqa)}; {why}); torch would raise 'No "
+                                   "available kernel'. Use attention='auto', or enable the math kernel")
+
+    def _own_failure(self, backend: str, what: str, call: str) -> Exception:
+        from ..errors import SimulationError
+
+        return SimulationError(
+            f"memprof's own rule failed, not the model: memprof.simulate.kernels ran this attention ({call}) as "
+            f"torch's {_NAMES[backend]} kernel, and {what}. Please report it; attention='math' goes around it "
+            "(an over-estimate: the math kernel keeps the scores)")
+
+    def _flash(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
+               is_causal: bool, scale: "float | None") -> torch.Tensor:
+        self.used["flash"] += 1
+        head = query.shape[-1]
+        if scale is None:
+            scale = head ** -0.5  # of the head dimension before padding, as torch's dispatcher keeps it
+        if head % 8:
+            # torch pads the head dimension to a multiple of 8 for flash (attention.cpp, pad_last_dim) and slices
+            # the output back: the padded copies are what the kernel saves.
+            pad = 8 - head % 8
+            query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
+            self.used["flash head dim padded to a multiple of 8"] += 1
+        out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                                 scale=scale)[0]
+        return out[..., :head] if out.shape[-1] != head else out
+
+    def _efficient(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
+                   dropout_p: float, is_causal: bool, scale: "float | None") -> torch.Tensor:
+        self.used["memory-efficient"] += 1
+        bias = _additive(attn_mask, query.dtype)
+        if bias is not None:
+            bias = _preprocess_mask(bias, query, key)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, _logsumexp(query, key, value), dropout_p, is_causal, scale=scale)[0]
+
+    def _cudnn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
+               is_causal: bool, scale: "float | None") -> torch.Tensor:
+        self.used["cuDNN"] += 1
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query, key, value, _additive(attn_mask, query.dtype), _logsumexp(query, key, value), dropout_p,
+            is_causal, False, scale=scale)[0]
 
     def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
         if not training or p == 0.0:
@@ -126,8 +192,30 @@ class CudaKernels(Rule):
         if not self.used:
             return []
         parts = ", ".join(f"{kind} x{n}" for kind, n in sorted(self.used.items()))
-        return [f"kernels assumed for the CUDA target (as torch's CUDA dispatcher picks them; attention="
-                f"{self.attention!r}): {parts}"]
+        out = [f"kernels assumed for the CUDA target (as torch's CUDA dispatcher picks them; attention="
+               f"{self.attention!r}): {parts}"]
+        if self.passed_over:
+            out.append("attention kernels torch tries first, ruled out by its rule (aten/src/ATen/native/transformers/"
+                       "cuda/sdp_utils.cpp) named: " + "; ".join(f"{why} x{n}" for why, n in
+                                                                  sorted(self.passed_over.items())))
+        if not self.orders:
+            return out
+        if self.capability is None:
+            cc = ".".join(map(str, sdpa.ASSUMED_CAPABILITY))
+            out.append(f"no GPU named: the attention kernel was chosen as torch chooses it on compute capability {cc} "
+                       "(an A100); give gpu= to choose it for yours")
+        if any(order[0] == sdpa.CUDNN for order in self.orders) or self.used["cuDNN"]:
+            v = sdpa.CUDNN_VERSION
+            out.append(f"cuDNN attention is torch's first choice here (runtime cuDNN newer than 9.15.0 on sm9x/"
+                       f"sm10x): the target was taken to run torch's default CUDA {sdpa.CUDA_MAJOR} build, whose cuDNN "
+                       f"is {v // 10000}.{v // 100 % 100}.{v % 100}; with TORCH_CUDNN_SDPA_DEPRIORITIZED=1, an older "
+                       "cuDNN or a CUDA 12 build on other than sm90/sm100/sm103, flash comes first")
+        return out
+
+
+def _logsumexp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """``should_compute_logsumexp`` (attention.cpp): the fused kernels keep a logsumexp only for backward."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 #: Library code that decides what to build from tensor values, which shape-only tensors do not have:
