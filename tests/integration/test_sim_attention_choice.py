@@ -168,3 +168,26 @@ def test_the_simulation_error_blames_memprofs_rule_only_where_the_rule_made_the_
     # A rule's dispatch frame hands the model's own call on: the failure is the model's call.
     passed = _simulation_error(_raised_in("/x/memprof/simulate/shadows.py", "__torch_dispatch__"), 0)
     assert "memprof's own" not in str(passed) and "must run on shape-only tensors" in str(passed)
+
+
+def test_the_memory_efficient_kernel_keeps_its_mask_padded_to_16_columns():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x, mask):
+            q = self.lin(x).view(2, 12, 4, 16).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum()
+
+    with torch.device("meta"):
+        model = Masked()
+    est = memprof.estimate(model, None, inputs=(torch.empty(2, 12, 64), torch.ones(12, 12, dtype=torch.bool)),
+                           gpu="a100", loss_fn=lambda out: out)
+    assert any("memory-efficient x2" in n for n in est.notes)
+    forward = next(ph for ph in est.trace.phases if ph.phase.value == "forward")
+    # fp32, b 2, a 4, s 12, head dim 16. Saved: the projection's output, which q, k and v view (2 x 12 x 64 x 4 =
+    # 6,144 B), the output (6,144 B), the logsumexp padded to 32 rows (2 x 4 x 32 x 4 = 1,024 B), two philox
+    # scalars (512 B each) and the mask as attention.cpp's preprocess_mask hands it to the kernel: made additive,
+    # expanded to (2, 4, 12, 12) and padded to 16 columns, a copy of 2 x 4 x 12 x 16 x 4 = 6,144 B.
+    assert forward.end[C.ACTIVATIONS] == 6_144 + 6_144 + 1_024 + 2 * 512 + 6_144
