@@ -63,53 +63,118 @@ class ReplayResult:
 
 def replay(events: Iterable, config: AllocatorConfig | None = None, *, capacity: int | None = None,
            device_total: int | None = None, timeline: bool = False,
-           allocator: CachingAllocator | None = None) -> ReplayResult:
+           allocator: CachingAllocator | None = None, check: bool = False) -> ReplayResult:
     """Run ``events`` through a fresh ``CachingAllocator(config, capacity, device_total)`` (or through
-    ``allocator``, continuing its state) and stop at the first predicted out-of-memory error."""
+    ``allocator``, continuing its state) and stop at the first predicted out-of-memory error.
+
+    A malformed event (not a tuple, the wrong length, a size that is not a non-negative int, a stream that is not
+    an int, an unhashable key, a free of a key not allocated, a key allocated twice) raises
+    :class:`~memprof.errors.InvalidArgumentError` naming the event and its index. ``check=True`` audits the
+    allocator after every event (:class:`~memprof.anatomy.alloc_audit.AuditedAllocator`; slow, for tests)."""
     if allocator is None:
-        allocator = CachingAllocator(config, capacity=capacity, device_total=device_total)
-    elif config is not None or capacity is not None or device_total is not None:
-        raise InvalidArgumentError("give either allocator= or config/capacity/device_total, not both")
-    malloc, free = allocator.malloc, allocator.free
-    handles: dict = {}
-    allocated_line = array("q") if timeline else None
-    reserved_line = array("q") if timeline else None
-    peak_allocated, peak_reserved = allocator.peak_allocated, allocator.peak_reserved
-    peak_allocated_at = peak_reserved_at = -1
-    oom = None
+        if check:
+            from .alloc_audit import AuditedAllocator
+
+            allocator = AuditedAllocator(config, capacity=capacity, device_total=device_total)
+        else:
+            allocator = CachingAllocator(config, capacity=capacity, device_total=device_total)
+    elif config is not None or capacity is not None or device_total is not None or check:
+        raise InvalidArgumentError("give either allocator= or config/capacity/device_total/check, not both")
+    run = _Run(allocator, timeline)
     index = -1
-    pop = handles.pop
     for index, event in enumerate(events):
+        try:
+            stop = run.event(event)
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"event {index} {_shown(event)}: {error}") from None
+        except (TypeError, IndexError, ValueError) as exc:
+            why = _malformed(event)
+            # An event that reads well here but failed all the same is the model's defect: its cause stays chained.
+            raise InvalidArgumentError(f"event {index} {_shown(event)}: {why or 'the model could not replay it'}") \
+                from (None if why else exc)
+        if stop is not None:
+            run.oom = ReplayOOM(index, event[1], event[2], allocator.allocated, allocator.reserved, stop)
+            break
+        run.note(index)
+    return run.result(index + 1)
+
+
+def _shown(event: object) -> str:
+    text = repr(event)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _malformed(event: object) -> str:
+    """What is wrong with an event the replay could not read; "" when nothing is."""
+    if not isinstance(event, (tuple, list)) or not event:
+        return ("an event is a tuple ('alloc', key, nbytes[, stream]), ('free', key) or ('empty_cache',), "
+                f"got {type(event).__name__}")
+    op = event[0]
+    if op in _ALLOC and len(event) not in (3, 4):
+        return f"an allocation is ('alloc', key, nbytes) or ('alloc', key, nbytes, stream), got {len(event)} fields"
+    if op == "free" and len(event) < 2:
+        return "a free is ('free', key)"
+    try:
+        hash(event[1]) if len(event) > 1 else None
+    except TypeError:
+        return f"the key {event[1]!r} is not hashable; name tensors by a hashable key (an int, a string)"
+    return ""
+
+
+class _Run:
+    """One replay's state: the allocator, the live keys' handles, the peaks and the timelines."""
+
+    def __init__(self, allocator: CachingAllocator, timeline: bool) -> None:
+        self.allocator = allocator
+        self.handles: dict = {}
+        self.allocated_line = array("q") if timeline else None
+        self.reserved_line = array("q") if timeline else None
+        self.peak_allocated, self.peak_reserved = allocator.peak_allocated, allocator.peak_reserved
+        self.peak_allocated_at = self.peak_reserved_at = -1
+        self.oom: ReplayOOM | None = None
+
+    def event(self, event: tuple) -> "str | None":
+        """Replay one event; the message of a predicted out-of-memory error, else None."""
         op = event[0]
-        if op == "free":  # half the events: tested first
+        allocator = self.allocator
+        if op == "free":
             try:
-                free(pop(event[1]))
+                handle = self.handles.pop(event[1])
             except KeyError:
-                raise InvalidArgumentError(f"event {index}: free of {event[1]!r}, which is not allocated") from None
+                raise InvalidArgumentError(f"free of {event[1]!r}, which is not allocated (freed twice, or never "
+                                           "allocated)") from None
+            allocator.free(handle)
         elif op in _ALLOC:
+            if len(event) not in (3, 4):
+                raise IndexError
             key = event[1]
-            if key in handles:
-                raise InvalidArgumentError(f"event {index}: {key!r} is allocated twice without a free in between")
+            if key in self.handles:
+                raise InvalidArgumentError(f"{key!r} is allocated twice without a free in between")
             try:
-                handles[key] = malloc(event[2], event[3] if len(event) > 3 else 0)
+                self.handles[key] = allocator.malloc(event[2], event[3] if len(event) > 3 else 0)
             except SimulatedOutOfMemoryError as error:
-                oom = ReplayOOM(index, key, event[2], allocator.allocated, allocator.reserved, str(error))
-                break
-            if allocator.allocated > peak_allocated:
-                peak_allocated, peak_allocated_at = allocator.allocated, index
-            if allocator.reserved > peak_reserved:
-                peak_reserved, peak_reserved_at = allocator.reserved, index
+                return str(error)
         elif op == "empty_cache":
             allocator.empty_cache()
         else:
-            raise InvalidArgumentError(
-                f"event {index}: unknown op {op!r}; the ops are 'alloc', 'free' and 'empty_cache'")
-        if timeline:
-            allocated_line.append(allocator.allocated)
-            reserved_line.append(allocator.reserved)
-    return ReplayResult(
-        events=index + 1, peak_allocated=allocator.peak_allocated, peak_reserved=allocator.peak_reserved,
-        peak_allocated_at=peak_allocated_at, peak_reserved_at=peak_reserved_at,
-        final_allocated=allocator.allocated, final_reserved=allocator.reserved,
-        num_alloc_retries=allocator.num_alloc_retries, num_ooms=allocator.num_ooms, oom=oom,
-        allocated=allocated_line, reserved=reserved_line, allocator=allocator)
+            raise InvalidArgumentError(f"unknown op {op!r}; the ops are 'alloc', 'free' and 'empty_cache'")
+        return None
+
+    def note(self, index: int) -> None:
+        allocator = self.allocator
+        if allocator.allocated > self.peak_allocated:
+            self.peak_allocated, self.peak_allocated_at = allocator.allocated, index
+        if allocator.reserved > self.peak_reserved:
+            self.peak_reserved, self.peak_reserved_at = allocator.reserved, index
+        if self.allocated_line is not None and self.reserved_line is not None:
+            self.allocated_line.append(allocator.allocated)
+            self.reserved_line.append(allocator.reserved)
+
+    def result(self, events: int) -> ReplayResult:
+        a = self.allocator
+        return ReplayResult(
+            events=events, peak_allocated=a.peak_allocated, peak_reserved=a.peak_reserved,
+            peak_allocated_at=self.peak_allocated_at, peak_reserved_at=self.peak_reserved_at,
+            final_allocated=a.allocated, final_reserved=a.reserved, num_alloc_retries=a.num_alloc_retries,
+            num_ooms=a.num_ooms, oom=self.oom, allocated=self.allocated_line, reserved=self.reserved_line,
+            allocator=a)

@@ -163,14 +163,17 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
     # ----------------------------------------------------------------- public operations
 
     def set_memory_fraction(self, fraction: float) -> None:
-        """``setMemoryFraction`` (``torch.cuda.set_per_process_memory_fraction``): below 1, reserved memory
-        may not pass ``round(fraction * device_total)``, and the garbage collector can run."""
+        """``setMemoryFraction`` (``torch.cuda.set_per_process_memory_fraction``, and the allocator's constructor
+        with ``per_process_memory_fraction`` of the config): below 1, ``allowed_memory_maximum`` is
+        ``static_cast<size_t>(fraction * totalGlobalMem)``, and ``alloc_block`` refuses a segment that would take
+        ``total_allocated_memory`` (reserved) past it, before ``cudaMalloc`` is asked; the garbage collector can
+        run. It caps the allocator's segments, not the process: the CUDA context and libraries are outside it."""
         if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 <= fraction <= 1:
             raise InvalidArgumentError(f"fraction must be in [0, 1], got {fraction!r}")
         if fraction < 1 and self.device_total is None:
             raise InvalidArgumentError("a memory fraction below 1 needs the device size: pass device_total= (or "
                                        "capacity=) to CachingAllocator")
-        self._allowed_max = None if fraction >= 1 else round(fraction * self.device_total)
+        self._allowed_max = None if fraction >= 1 else int(fraction * self.device_total)  # truncated, as torch
         self._gc_on = self._allowed_max is not None and self.config.garbage_collection_threshold > 0
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
