@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import uuid
+import weakref
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,9 +28,10 @@ from ..anatomy.allocator import CachingAllocator
 from ..anatomy.gpus import GpuSpec, gpu as gpu_by_name
 from ..anatomy.outside import (OutsideTerm, cublas_workspace_bytes, cublas_workspaces, cublaslt_workspace_bytes,
                                 cuda_context, cudnn_workspace, nccl_communicator)
-from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
+from ..errors import InvalidArgumentError
 from ..record.trace import Breakdown, DeviceInfo, Trace
 from ..vocabulary import TENSOR_CATEGORIES, Phase
+from .alloc_stream import check_stream, from_start, replay_stream
 
 __all__ = ["DeviceMemory", "Replay", "replay_of", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms",
            "replay_stream", "STREAM_UNKNOWN_GPU_CC"]
@@ -66,6 +70,16 @@ class DeviceMemory:
     #: end), beside the model's; None elsewhere.
     measured_reserved: "int | None" = None
     measured_outside: "int | None" = None
+    #: Names the :class:`Replay` a simulation's record came from, so that every copy of the record (the facade's
+    #: that the public ``memprof.estimate`` returns, ``dataclasses.replace``) finds it (:func:`replay_of`); a plain
+    #: string, so that the record stays plain data. None for a measured run's figures.
+    replay_id: "str | None" = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        replay = _REPLAYS.get(self.replay_id) if self.replay_id is not None else None
+        if replay is not None:
+            # A strong reference: the replay lives as long as some record of it (the registry's are weak).
+            object.__setattr__(self, "_replay", replay)
 
     @property
     def device_peak(self) -> int:
@@ -76,15 +90,31 @@ class DeviceMemory:
         return sum(t.bytes for t in self.terms if t.through_allocator)
 
     @property
+    def allocator_limit(self) -> "int | None":
+        """What ``per_process_memory_fraction`` lets the allocator reserve: torch's ``allowed_memory_maximum``,
+        ``int(fraction * totalGlobalMem)`` (``setMemoryFraction``); None without a fraction below 1 or a GPU."""
+        fraction = fraction_in(self.alloc_conf)
+        if self.capacity is None or fraction is None or fraction >= 1:
+            return None
+        return int(fraction * self.capacity)
+
+    @property
     def fits(self) -> "bool | None":
         if self.capacity is None:
             return None
-        return self.oom is None and self.device_peak <= self.capacity
+        limit = self.allocator_limit
+        return (self.oom is None and self.device_peak <= self.capacity
+                and (limit is None or self.peak_reserved <= limit))
 
     @property
     def headroom(self) -> "int | None":
-        """``capacity - device_peak`` (negative when it does not fit); None without a GPU."""
-        return None if self.capacity is None else self.capacity - self.device_peak
+        """``capacity - device_peak`` (negative when it does not fit), or less where a memory fraction caps the
+        allocator below it (:attr:`allocator_limit` - ``peak_reserved``); None without a GPU."""
+        if self.capacity is None:
+            return None
+        limit = self.allocator_limit
+        room = self.capacity - self.device_peak
+        return room if limit is None else min(room, limit - self.peak_reserved)
 
     def outside_split(self) -> "list[tuple[str, int]] | None":
         """A measured run's outside-torch bytes split into the terms known here: NCCL's buffers by their formula,
@@ -111,7 +141,31 @@ class DeviceMemory:
         for t in self.terms:
             where = "in the replay (an allocator block)" if t.through_allocator else "outside torch"
             out.append(f"{t.name} {t.bytes} B, {where}: {t.assumption} [{t.source}]")
+        fraction = fraction_in(self.alloc_conf)
+        if fraction is not None and fraction < 1:
+            if self.capacity is None:
+                out.append(f"per_process_memory_fraction {fraction}: not applied, since no GPU was given to take the "
+                           "fraction of (give gpu=); the figures are those of an allocator the fraction does not cap, "
+                           "which reserves at least as much")
+            else:
+                out.append(f"per_process_memory_fraction {fraction}: the allocator may reserve at most "
+                           f"{int(fraction * self.capacity)} B of the device's {self.capacity} B (torch's "
+                           "allowed_memory_maximum = fraction x totalGlobalMem, checked in alloc_block before each new "
+                           "segment, c10/cuda/CUDACachingAllocator.cpp); the CUDA context and libraries are outside it")
         return out
+
+
+_FRACTION = re.compile(r"per_process_memory_fraction\s*[:=]\s*([0-9.eE+-]+)")
+
+
+def fraction_in(alloc_conf: str) -> "float | None":
+    """The ``per_process_memory_fraction`` a config's text sets (a ``PYTORCH_CUDA_ALLOC_CONF`` string or an
+    :class:`AllocatorConfig`'s repr), None when it sets none."""
+    match = _FRACTION.search(alloc_conf or "")
+    try:
+        return float(match.group(1)) if match else None
+    except ValueError:
+        return None
 
 
 def resolve_gpu(gpu: Any) -> "GpuSpec | None":
@@ -158,56 +212,6 @@ def outside_terms(gpu: "GpuSpec | None", *, backward: bool, world_size: int = 1,
     return terms
 
 
-def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], config: AllocatorConfig, *,
-                  workspaces: Sequence[int] = (), workspace_seq: int = 0, capacity: "int | None" = None,
-                  device_total: "int | None" = None,
-                  ) -> tuple[dict[int, tuple[int, int]], CachingAllocator, "str | None"]:
-    """Replay a ledger's stream (``(seq, key, bytes)``, ``bytes`` -1 for a free; a key made again while live
-    is a resize: the new block is taken before the old one is freed, as ``resize_`` copies) through a fresh
-    :class:`CachingAllocator`, allocating ``workspaces`` (kept to the end) after event ``workspace_seq``.
-
-    Returns (allocated, reserved) after the last event at or before each of ``seqs``, the allocator at the
-    end, and the message of a predicted out-of-memory error (the replay stops there; later moments read the
-    state at the error) or None."""
-    allocator = CachingAllocator(config, capacity=capacity, device_total=device_total)
-    malloc, free = allocator.malloc, allocator.free
-    wanted = sorted(set(seqs))
-    at: dict[int, tuple[int, int]] = {}
-    w, n_wanted = 0, len(wanted)
-    handles: dict[int, int] = {}
-    pending = list(workspaces)
-    oom = None
-    try:
-        if pending and workspace_seq <= 0:
-            for nbytes in pending:
-                malloc(nbytes, 0)
-            pending = []
-        for seq, key, nbytes in stream:
-            while w < n_wanted and wanted[w] < seq:
-                at[wanted[w]] = (allocator.allocated, allocator.reserved)
-                w += 1
-            if nbytes < 0:
-                handle = handles.pop(key, None)
-                if handle is not None:
-                    free(handle)
-            else:
-                old = handles.get(key)
-                handles[key] = malloc(nbytes, 0)
-                if old is not None:
-                    free(old)
-            if pending and seq >= workspace_seq:
-                for size in pending:
-                    malloc(size, 0)
-                pending = []
-    except SimulatedOutOfMemoryError as error:
-        oom = str(error)
-    state = (allocator.allocated, allocator.reserved)
-    while w < n_wanted:
-        at[wanted[w]] = state
-        w += 1
-    return at, allocator, oom
-
-
 @dataclass(frozen=True)
 class Replay:
     """One run's allocation stream and the set-up its replay took: the allocator's config, the cuBLAS workspace
@@ -236,10 +240,14 @@ class Replay:
         return replayed.peak_reserved + self.outside, replayed.oom, replayed.pressed
 
 
+#: Every Replay some record may still name (DeviceMemory.replay_id); weak, so a replay goes with its records.
+_REPLAYS: "weakref.WeakValueDictionary[str, Replay]" = weakref.WeakValueDictionary()
+
+
 def replay_of(memory: Any) -> "Replay | None":
-    """The :class:`Replay` a simulation's :class:`DeviceMemory` came from, None for any other (a measured run's
-    figures, a copy). Kept beside the record rather than in it: a stream is no figure of the run, and the record
-    stays plain data (``dataclasses.asdict``, JSON)."""
+    """The :class:`Replay` a simulation's :class:`DeviceMemory` came from (the record as ``memprof.estimate``
+    returns it, or any copy of it), None for a measured run's figures. Kept beside the record rather than in it:
+    a stream is no figure of the run, and the record stays plain data (``dataclasses.asdict``, JSON)."""
     return getattr(memory, "_replay", None)
 
 
@@ -256,20 +264,37 @@ class _Replayed(NamedTuple):
     pressed: bool
 
 
+def _uncapped(config: AllocatorConfig) -> AllocatorConfig:
+    """``config`` on a device with no limit: no memory fraction (torch's ``allowed_memory_maximum`` is unset at 1)."""
+    if config.per_process_memory_fraction >= 1:
+        return config
+    return dataclasses.replace(config, per_process_memory_fraction=1.0)
+
+
 def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], config: AllocatorConfig,
-              workspaces: Sequence[int], first: int, capacity: "int | None", outside: int) -> _Replayed:
-    """The replay of ``stream`` as a device would run it, at each of ``seqs``. Pressed for memory torch frees its
-    cache and retries before it fails: when the free replay's peak does not fit ``capacity`` with ``outside``,
-    memory is *pressed* and the verdict is that of a replay capped at what the device leaves the allocator."""
+              workspaces: Sequence[int], first: int, capacity: "int | None", outside: int,
+              check: bool = False) -> _Replayed:
+    """The replay of ``stream`` as a device would run it, at each of ``seqs``. First without any limit; where
+    that replay does not fit ``capacity`` with ``outside``, or a memory fraction caps the allocator (torch's
+    ``allowed_memory_maximum``, a fraction of ``capacity``), the verdict is that of a replay capped at what the
+    device leaves the allocator, in which torch frees its cache and retries before it fails. Memory is *pressed*
+    where the capped replay had to (or failed), or its peak is not the free one's (the fraction's garbage
+    collector freed blocks). Without ``capacity`` (no GPU) no fraction applies: there is no device to take it of."""
     seqs = list(seqs)
-    at, allocator, _ = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first)
+    at, allocator, _ = replay_stream(stream, seqs, _uncapped(config), workspaces=workspaces, workspace_seq=first,
+                                     check=check)
     oom = None
     peak_reserved, peak_allocated, retries = allocator.peak_reserved, allocator.peak_allocated, 0
-    pressed = capacity is not None and peak_reserved + outside > capacity
-    if pressed:
+    over = capacity is not None and peak_reserved + outside > capacity
+    capped_by_fraction = capacity is not None and config.per_process_memory_fraction < 1
+    pressed = over
+    if over or capped_by_fraction:
+        assert capacity is not None
         room = max(1, capacity - outside)
         at_capped, capped, oom = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first,
-                                               capacity=room, device_total=capacity)
+                                               capacity=room, device_total=capacity, check=check)
+        pressed = (over or oom is not None or capped.num_alloc_retries > 0
+                   or capped.peak_reserved != allocator.peak_reserved)
         if oom is None:
             # The run that fits is the one that freed its cache and retried: every moment's figures are that
             # replay's, so that no record holds more than the device peak.
@@ -281,13 +306,22 @@ def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], confi
     return _Replayed(at, allocator, peak_reserved, peak_allocated, retries, oom, pressed)
 
 
+#: Set (to anything but 0) to check every device replay against its ledger and audit the allocator model after
+#: every event: slow, for tests and debugging (:func:`memprof.simulate.alloc_stream.check_stream`,
+#: :class:`memprof.anatomy.alloc_audit.AuditedAllocator`).
+CHECK_ENV = "MEMPROF_CHECK_REPLAY"
+
+
 def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
                   moments: Sequence[tuple[int, int, int, int]], peak_seq: int, *, gpu: "GpuSpec | None" = None,
                   alloc_conf: Any = None, world_size: int = 1, convolutions: bool = False,
                   environ: "Mapping[str, str] | None" = None) -> tuple[Trace, DeviceMemory]:
     """``trace`` with ``allocator_overhead`` and ``outside_torch`` filled in at every recorded moment, and the
     run's :class:`DeviceMemory`. ``stream`` and ``moments`` are the ledger's (:meth:`Ledger.record_stream`),
-    ``peak_seq`` where its global peak was."""
+    ``peak_seq`` where its global peak was. The replay starts where the run does, at its first phase
+    (:func:`~memprof.simulate.alloc_stream.from_start`). With ``MEMPROF_CHECK_REPLAY=1`` in the environment the
+    stream is checked against the trace's figures and the allocator model audited after every event."""
+    environ = os.environ if environ is None else environ
     config, text = resolve_conf(alloc_conf, environ)
     backward = any(p.phase is Phase.BACKWARD for s in trace.steps for p in s.phases)
     terms = outside_terms(gpu, backward=backward, world_size=world_size, convolutions=convolutions,
@@ -295,24 +329,32 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
     workspaces = _workspace_blocks(gpu, 2 if backward else 1, environ)
     outside = sum(t.bytes for t in terms if not t.through_allocator)
     first = moments[0][1] if moments else 0
+    stream = from_start(stream, first)
     placed = _place(trace, moments)
-    seqs = [s for m in placed.values() for s in m] + [first, peak_seq, stream[-1][0] if stream else 0]
+    peak_seq = _peak_seq(trace, placed, peak_seq)
+    end_seq = stream[-1][0] if stream else 0
+    seqs = [max(s, first) for m in placed.values() for s in m] + [first, max(peak_seq, first), end_seq]
+    checking = environ.get(CHECK_ENV, "0") not in ("", "0")
+    if checking:
+        _check_ledger(trace, stream, placed, first, peak_seq, end_seq)
     capacity = gpu.allocatable_bytes if gpu is not None else None
     at, allocator, peak_reserved, peak_allocated, retries, oom, _ = _replayed(stream, seqs, config, workspaces,
-                                                                              first, capacity, outside)
+                                                                              first, capacity, outside, checking)
+    # What the replay took, for replaying a stream predicted for another batch (replay_of), named by the record
+    # so that its copies find it too.
+    replay = Replay(array("q", [x for event in stream for x in event]), first, config, tuple(workspaces), capacity,
+                    outside)
+    replay_id = uuid.uuid4().hex
+    _REPLAYS[replay_id] = replay
     summary = DeviceMemory(gpu=gpu, alloc_conf=text, terms=tuple(terms), peak_allocated=peak_allocated,
                            peak_reserved=peak_reserved, outside_bytes=outside, segments=len(allocator.segments()),
-                           capacity=capacity, oom=oom, num_alloc_retries=retries)
-    # What the replay took, for replaying a stream predicted for another batch (replay_of); a copy of the record
-    # (dataclasses.replace, the facade's) does not carry it.
-    object.__setattr__(summary, "_replay", Replay(array("q", [x for event in stream for x in event]), first, config,
-                                                  tuple(workspaces), capacity, outside))
+                           capacity=capacity, oom=oom, num_alloc_retries=retries, replay_id=replay_id)
 
     def filled(b: Breakdown, seq: int) -> Breakdown:
         tensors = b.counts[:_N]
         if any(v is None for v in tensors):
             return b
-        reserved = at.get(seq, (0, 0))[1]
+        reserved = at.get(max(seq, first), (0, 0))[1]
         overhead = max(0, reserved - sum(tensors))
         return Breakdown(tensors + (overhead, outside), sum(tensors) + overhead + outside)
 
@@ -326,13 +368,56 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
                                           end=filled(rec.end, where[2]))
             phases.append(rec)
         steps.append(dataclasses.replace(step, phases=tuple(phases)))
-    end_seq = stream[-1][0] if stream else 0
     device = DeviceInfo(type="cuda", name=gpu.name if gpu is not None else "cuda (no GPU given)",
                         total_memory=capacity, rounding=trace.device.rounding,
                         max_memory_allocated=summary.peak_allocated, memory_reserved=summary.peak_reserved)
     out = dataclasses.replace(trace, steps=tuple(steps), start=filled(trace.start, first),
                               peak=filled(trace.peak, peak_seq), end=filled(trace.end, end_seq), device=device)
     return out, summary
+
+
+def _peak_seq(trace: Trace, placed: Mapping[tuple[int, int], tuple[int, int, int]], ledger_peak: int) -> int:
+    """Where the trace's peak is: the peak of the phase it names (a simulated rank's record takes its peak from its
+    phases after the run, :meth:`memprof.simulate.ranks.LayoutPlan.finish`, where the ledger's own global peak
+    may be elsewhere), else the ledger's."""
+    for step in trace.steps:
+        if step.index != trace.peak_step:
+            continue
+        for i, rec in enumerate(step.phases):
+            where = placed.get((step.index, i))
+            if where is not None and rec.phase == trace.peak_phase and rec.peak == trace.peak:
+                return where[1]
+    return ledger_peak
+
+
+def _check_ledger(trace: Trace, stream: Sequence[tuple[int, int, int]],
+                  placed: Mapping[tuple[int, int], tuple[int, int, int]], first: int, peak_seq: int,
+                  end_seq: int) -> None:
+    """The stream the replay runs is the ledger's: at every recorded moment from the run's start its live bytes
+    are the trace's tensors there, and at no event above the trace's peak (``AssertionError`` otherwise)."""
+    expected: dict[int, int] = {}
+
+    def note(b: Breakdown, seq: int) -> None:
+        tensors = b.counts[:_N]
+        if seq >= first and all(v is not None for v in tensors):
+            expected[seq] = sum(tensors)  # type: ignore[arg-type]
+
+    for step in trace.steps:
+        for i, rec in enumerate(step.phases):
+            where = placed.get((step.index, i))
+            if where is not None:
+                for b, seq in zip((rec.start, rec.peak, rec.end), where):
+                    note(b, seq)
+    note(trace.start, first)
+    note(trace.peak, peak_seq)
+    note(trace.end, end_seq)
+    ceiling = sum(v for v in trace.peak.counts[:_N] if v is not None)
+    # A simulated rank's optimizer steps, which its stream and its figures each take the rank's share of
+    # (memprof.simulate.alloc_stream.rank_step, LayoutPlan.finish).
+    ranked = trace.distributed is not None and trace.distributed.layout in ("fsdp", "zero1", "zero2", "zero3")
+    scaled = [(where[0], where[2]) for step in trace.steps for i, rec in enumerate(step.phases)
+              if ranked and rec.phase is Phase.OPTIMIZER and (where := placed.get((step.index, i))) is not None]
+    check_stream(stream, max(1, trace.device.rounding or 1), expected, ceiling, scaled)
 
 
 def _workspace_blocks(gpu: "GpuSpec | None", handles: int, environ: "Mapping[str, str] | None") -> list[int]:
@@ -440,6 +525,9 @@ def on_device(est: Any, ledger: Any, *, gpu: "GpuSpec | None", alloc_conf: Any, 
                                    convolutions=model is not None and uses_convolutions(model))
     notes = list(est.notes) + summary.notes()
     if world_size > 1:
-        notes.append("device memory of a rank: the replay follows the rank's own allocations as simulated; the "
-                     "collectives' staging inside NCCL is its communicator's term")
+        notes.append("device memory of a rank: the replay follows the rank's own allocations as simulated, from "
+                     "the run's start (the whole model the profile registered before the layout sharded it is no "
+                     "rank's); a sharded optimizer step is replayed as the rank makes it, its state at the rank's "
+                     "part from the start and its other storages at the rank's share, rounded up; the collectives' "
+                     "staging inside NCCL is its communicator's term")
     return dataclasses.replace(est, trace=trace, device_memory=summary, notes=tuple(notes))

@@ -494,10 +494,18 @@ class _StateShards:
                             else -(-self._state_numel(state, key, t.dtype) // lay.n) * t.element_size())
                     first[group] = True
                 sizes.append((t, rank))
+        led = c.ledger if c is not None else None
+        mark = len(led.stream) if led is not None and led.stream is not None else None
         # Shrinks before growths (ZeRO's first tensor of a flat group carries the group's share, more than its own
         # size): growing first would make a moment the rank never has, above the step's real peak.
         for t, rank in sorted(sizes, key=lambda tr: tr[1] - tr[0].numel() * tr[0].element_size()):
             lay._resize(t, rank)
+        if mark is not None:  # the allocator replays the step as the rank makes it, as finish() counts it
+            from ..anatomy.optimizers import param_group_implementations
+            from .alloc_stream import rank_step
+
+            share = lay.plan._state_share(set(param_group_implementations(optimizer)) == {"for-loop"})
+            rank_step(led.stream, led.phase_start_seq, mark, share, led.rounding)
 
     def _state_numel(self, state: Any, key: str, dtype: torch.dtype) -> int:
         return sum(t.numel() for info in self.layout.by_id.values() for k, t in (state.get(info.ref) or {}).items()

@@ -1,0 +1,229 @@
+"""A ledger's allocation stream as the replay reads it: where the run starts in it, its replay through the model
+of torch's caching allocator, what is wrong with a malformed one, and the check that it is the ledger's own.
+
+A stream is a sequence of ``(seq, key, bytes)`` (:meth:`memprof.collect.ledger.Ledger.record_stream`): a storage
+made (or resized: a key made again while it lives), ``bytes`` >= 0, or freed, ``bytes`` == -1; ``seq`` is the
+ledger's event count, which the trace's moments name.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Mapping, MutableSequence, Sequence
+from fractions import Fraction
+from typing import Any
+
+from ..anatomy.alloc_audit import AuditedAllocator
+from ..anatomy.alloc_config import AllocatorConfig
+from ..anatomy.allocator import CachingAllocator
+from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
+
+__all__ = ["FREE", "from_start", "rank_step", "replay_stream", "stream_problem", "check_stream"]
+
+#: The bytes of a free in a stream; every other event's bytes are a size, never negative.
+FREE = -1
+
+
+def from_start(stream: Sequence[tuple[int, int, int]], first: int) -> list[tuple[int, int, int]]:
+    """``stream`` from the run's start, event ``first``: the events up to it give way to one allocation per
+    storage live then, at its size then, in the order the storages were made (each at the seq it was made).
+
+    What a stream holds before its run starts is the profile's set-up, which the run's figures leave out: a
+    simulated rank registers the whole model and then shards it (the ledger restarts its peak there), so a
+    replay of the set-up would allocate the whole model on one rank, which no rank does."""
+    live: dict[Any, tuple[int, int]] = {}
+    cut = len(stream)
+    try:
+        for index, (seq, key, nbytes) in enumerate(stream):
+            if seq > first:
+                cut = index
+                break
+            if type(nbytes) is not int or nbytes < FREE:
+                raise ValueError(nbytes)
+            if nbytes == FREE:
+                del live[key]
+            elif key in live:
+                live[key] = (live[key][0], nbytes)  # resized: the storage was made when it was first made
+            else:
+                live[key] = (seq, nbytes)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise _bad_stream(stream, exc) from None
+    return [(seq, key, nbytes) for key, (seq, nbytes) in live.items()] + list(stream[cut:])
+
+
+def rank_step(stream: MutableSequence[tuple[int, int, int]], start_seq: int, resized_from: int,
+              share: "Fraction | None", rounding: int) -> None:
+    """Rewrite, in place, an optimizer step a simulated rank ran on the whole model's shapes (the events after
+    ``start_seq``) as the rank makes it, the way :meth:`memprof.simulate.ranks.LayoutPlan.finish` rewrites the
+    step's figures: the state the step made like the whole parameters and resized to the rank's part at its end
+    (the events from index ``resized_from`` on) is made at that part, its resize gone; every other storage the
+    step made takes ``share`` of its bytes as the ledger counts them (rounded to ``rounding``), rounded up, so
+    that the stream never holds less than the rank's figures; storages made before the step keep theirs.
+    Without ``share`` only the state is rewritten."""
+    final = {key: nbytes for _seq, key, nbytes in stream[resized_from:]}
+    begin = bisect_right(stream, start_seq, key=lambda e: e[0])
+    live = set()
+    for _seq, key, nbytes in stream[:begin]:
+        if nbytes == FREE:
+            live.discard(key)
+        else:
+            live.add(key)
+    made: dict[Any, bool] = {}  # storages the step made and still holds -> whether they are state
+    out = []
+    for seq, key, nbytes in stream[begin:resized_from]:
+        if nbytes == FREE:
+            made.pop(key, None)
+            live.discard(key)
+        elif key in made or key not in live:
+            if made.get(key):
+                continue  # the state, made at the rank's part, is not resized on the way
+            state = made.setdefault(key, key in final)
+            live.add(key)
+            if state:
+                nbytes = final[key]
+            elif share is not None:
+                counted = -(-nbytes // rounding) * rounding if rounding > 1 else nbytes
+                nbytes = -(-counted * share.numerator // share.denominator)
+        out.append((seq, key, nbytes))
+    # The resizes at the end stay only for state the step did not make (an earlier step's, resized again).
+    out += [e for e in stream[resized_from:] if e[1] not in made]
+    stream[begin:] = out
+
+
+def stream_problem(event: Any, live: "set | None" = None) -> "str | None":
+    """What is wrong with one event of a stream, None when nothing is; with ``live`` (the keys live before it,
+    updated here) also a free of a key that is not live."""
+    if not isinstance(event, (tuple, list)) or len(event) != 3:
+        return "an event is (seq, key, bytes): bytes >= 0 for a storage made or resized, -1 for a free"
+    seq, key, nbytes = event
+    if type(seq) is not int:
+        return f"seq {seq!r} is not an int"
+    if type(nbytes) is not int:
+        return f"bytes {nbytes!r} is not an int"
+    if nbytes < FREE:
+        return f"bytes {nbytes} is negative: a free is written -1, and no storage has a negative size"
+    try:
+        hash(key)
+    except TypeError:
+        return f"the key {key!r} is not hashable"
+    if live is not None:
+        if nbytes == FREE:
+            if key not in live:
+                return f"a free of key {key!r}, which is not live (freed twice, or never made)"
+            live.discard(key)
+        else:
+            live.add(key)
+    return None
+
+
+def _bad_stream(stream: Sequence[Any], exc: BaseException) -> InvalidArgumentError:
+    live: set = set()
+    for index, event in enumerate(stream):
+        problem = stream_problem(event, live)
+        if problem is not None:
+            shown = repr(event) if len(repr(event)) <= 120 else repr(event)[:117] + "..."
+            return InvalidArgumentError(f"allocation stream event {index} {shown}: {problem}")
+    return InvalidArgumentError(f"the allocation stream could not be replayed: {exc}")
+
+
+def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], config: AllocatorConfig, *,
+                  workspaces: Sequence[int] = (), workspace_seq: int = 0, capacity: "int | None" = None,
+                  device_total: "int | None" = None, check: bool = False,
+                  ) -> tuple[dict[int, tuple[int, int]], CachingAllocator, "str | None"]:
+    """Replay a ledger's stream (a key made again while live is a resize: the new block is taken before the old
+    one is freed, as ``resize_`` copies) through a fresh :class:`CachingAllocator`, allocating ``workspaces``
+    (kept to the end) as the run passes event ``workspace_seq``.
+
+    Returns (allocated, reserved) after the last event at or before each of ``seqs``, the allocator at the
+    end, and the message of a predicted out-of-memory error (the replay stops there; later moments read the
+    state at the error) or None. A malformed event raises :class:`~memprof.errors.InvalidArgumentError` naming
+    it and its index (:func:`stream_problem`). ``check=True`` audits the allocator after every event
+    (:class:`~memprof.anatomy.alloc_audit.AuditedAllocator`)."""
+    kind = AuditedAllocator if check else CachingAllocator
+    allocator = kind(config, capacity=capacity, device_total=device_total)
+    malloc, free = allocator.malloc, allocator.free
+    wanted = sorted(set(seqs))
+    at: dict[int, tuple[int, int]] = {}
+    w, n_wanted = 0, len(wanted)
+    handles: dict[int, int] = {}
+    pending = list(workspaces)
+    oom = None
+    try:
+        try:
+            if pending and workspace_seq <= 0:
+                for nbytes in pending:
+                    malloc(nbytes, 0)
+                pending = []
+            for seq, key, nbytes in stream:
+                if pending and seq > workspace_seq:  # the run passed workspace_seq between two events
+                    for size in pending:
+                        malloc(size, 0)
+                    pending = []
+                while w < n_wanted and wanted[w] < seq:
+                    at[wanted[w]] = (allocator.allocated, allocator.reserved)
+                    w += 1
+                if nbytes < 0:
+                    if nbytes != FREE:
+                        raise ValueError(nbytes)
+                    free(handles.pop(key))
+                else:
+                    old = handles.get(key)
+                    handles[key] = malloc(nbytes, 0)
+                    if old is not None:
+                        free(old)
+                if pending and seq >= workspace_seq:
+                    for size in pending:
+                        malloc(size, 0)
+                    pending = []
+        except (TypeError, ValueError, KeyError) as exc:  # InvalidArgumentError is a TypeError
+            raise _bad_stream(stream, exc) from None
+    except SimulatedOutOfMemoryError as error:
+        oom = str(error)
+    state = (allocator.allocated, allocator.reserved)
+    while w < n_wanted:
+        at[wanted[w]] = state
+        w += 1
+    return at, allocator, oom
+
+
+def check_stream(stream: Sequence[tuple[int, int, int]], rounding: int, expected: Mapping[int, int],
+                 ceiling: int, scaled: Sequence[tuple[int, int]] = ()) -> None:
+    """The stream is the ledger's own: its live bytes (each size rounded up to ``rounding``, as the ledger
+    counts them) are, after the last event at or before each seq of ``expected``, the figure there, and never
+    above the figures' peak ``ceiling``. In the ``scaled`` spans of seqs (start, end] (a simulated rank's
+    optimizer steps, :func:`rank_step`) the figures took the rank's share of a sum where the stream took each
+    storage's share rounded up: there the stream may hold more, by less than ``rounding`` + 1 bytes for each live
+    storage made in such a span, never less. Raises ``AssertionError`` naming the first event that breaks it.
+    A check for tests and ``MEMPROF_CHECK_REPLAY=1``; a replay never pays for it."""
+    sizes: dict[Any, int] = {}
+    rescaled: set = set()  # live storages made in a scaled span
+    total = 0
+    wanted = sorted(expected)
+    w = 0
+
+    def inside(seq: int) -> bool:
+        return any(start < seq <= end for start, end in scaled)
+
+    def compare(seq_before: int) -> None:
+        nonlocal w
+        while w < len(wanted) and wanted[w] < seq_before:
+            want = expected[wanted[w]]
+            loose = len(rescaled) * (rounding + 1) if inside(wanted[w]) else 0
+            if not want <= total <= want + loose:
+                raise AssertionError(f"at seq {wanted[w]} the stream holds {total} B live, the figures {want} B"
+                                     + (f" (up to {loose} B more allowed)" if loose else ""))
+            w += 1
+
+    for index, (seq, key, nbytes) in enumerate(stream):
+        compare(seq)
+        total -= sizes.pop(key, 0)
+        rescaled.discard(key)
+        if nbytes != FREE:
+            sizes[key] = -(-nbytes // rounding) * rounding if rounding > 1 else nbytes
+            total += sizes[key]
+            if inside(seq):
+                rescaled.add(key)
+        if total > ceiling + len(rescaled) * (rounding + 1):
+            raise AssertionError(f"event {index} (seq {seq}): the stream holds {total} B live, above the figures' "
+                                 f"peak of {ceiling} B: the replay runs events the run's figures do not count")
+    compare(float("inf"))  # type: ignore[arg-type]
