@@ -42,20 +42,39 @@ class GpuSpec:
     source: str = "given by the user"
 
     def __post_init__(self) -> None:
-        if (isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int)
-                or self.capacity_bytes <= 0):
-            raise InvalidArgumentError(f"GpuSpec.capacity_bytes must be a positive int, got {self.capacity_bytes!r}")
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise InvalidArgumentError(f"GpuSpec.name must be a non-empty string (the GPU's name), got {self.name!r}")
+        if not _whole(self.capacity_bytes) or self.capacity_bytes <= 0:
+            raise InvalidArgumentError("GpuSpec.capacity_bytes must be a positive int of bytes (torch.cuda."
+                                       f"get_device_properties(0).total_memory), got {self.capacity_bytes!r}")
         cc = self.compute_capability
-        if not (isinstance(cc, tuple) and len(cc) == 2
-                and all(isinstance(x, int) and not isinstance(x, bool) for x in cc)):
+        if not (isinstance(cc, tuple) and len(cc) == 2 and all(_whole(x) for x in cc)):
             raise InvalidArgumentError(f"GpuSpec.compute_capability must be a (major, minor) tuple, got {cc!r}")
-        if self.context_bytes is not None and (isinstance(self.context_bytes, bool)
-                                               or not isinstance(self.context_bytes, int) or self.context_bytes < 0):
+        # CUDA's compute capabilities run from 1.0; the minor version is one digit (torch.cuda.get_device_capability).
+        if cc[0] < 1 or not 0 <= cc[1] <= 9:
+            raise InvalidArgumentError(f"GpuSpec.compute_capability {cc!r} is no CUDA compute capability: the major "
+                                       "version is 1 or more and the minor one digit, as "
+                                       "torch.cuda.get_device_capability() gives them (an H100 is (9, 0))")
+        if self.context_bytes is not None and (not _whole(self.context_bytes) or self.context_bytes < 0):
             raise InvalidArgumentError(
                 f"GpuSpec.context_bytes must be a non-negative int or None, got {self.context_bytes!r}")
         if self.capacity_kind not in _KINDS:
             raise InvalidArgumentError(
                 f"GpuSpec.capacity_kind must be one of {', '.join(_KINDS)}, got {self.capacity_kind!r}")
+        if not isinstance(self.source, str):
+            raise InvalidArgumentError(f"GpuSpec.source must be a string, got {type(self.source).__name__}")
+        usable = self.allocatable_bytes
+        if usable <= 0:
+            raise InvalidArgumentError(
+                f"GpuSpec.capacity_bytes {self.capacity_bytes} of kind 'nvidia-smi' is not above the "
+                f"{self.capacity_bytes - usable} B memprof takes off an nvidia-smi total for what the driver keeps "
+                "(the largest sourced gap, 1.52 %, rounded up to MiB): give the device's total in bytes, or its "
+                "cudaMemGetInfo total with capacity_kind='cudaMemGetInfo'")
+        if self.context_bytes is not None and self.context_bytes >= usable:
+            raise InvalidArgumentError(
+                f"GpuSpec.context_bytes {self.context_bytes} is not below the {usable} B the device offers: a CUDA "
+                "context takes hundreds of MiB of a device of GiBs; give the context's bytes (or None for the "
+                "published range) and the device's total in capacity_bytes")
 
     @property
     def allocatable_bytes(self) -> int:
@@ -92,6 +111,10 @@ class GpuSpec:
         if self.context_bytes is not None:
             return OutsideTerm("cuda_context", self.context_bytes, f"given for {self.name}", self.source)
         return cuda_context(gpu=self.name)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _spec(name, capacity, cc, kind, source):
