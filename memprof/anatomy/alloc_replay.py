@@ -80,9 +80,14 @@ def replay(events: Iterable, config: AllocatorConfig | None = None, *, capacity:
             allocator = CachingAllocator(config, capacity=capacity, device_total=device_total)
     elif config is not None or capacity is not None or device_total is not None or check:
         raise InvalidArgumentError("give either allocator= or config/capacity/device_total/check, not both")
+    try:
+        iterator = iter(events)
+    except TypeError:
+        raise InvalidArgumentError(f"events must be an iterable of events ('alloc', key, nbytes[, stream]), "
+                                   f"('free', key), ('empty_cache',); got {type(events).__name__}") from None
     run = _Run(allocator, timeline)
     index = -1
-    for index, event in enumerate(events):
+    for index, event in enumerate(iterator):
         try:
             stop = run.event(event)
         except InvalidArgumentError as error:

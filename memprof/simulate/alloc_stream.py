@@ -32,8 +32,8 @@ def from_start(stream: Sequence[tuple[int, int, int]], first: int) -> list[tuple
     simulated rank registers the whole model and then shards it (the ledger restarts its peak there), so a
     replay of the set-up would allocate the whole model on one rank, which no rank does."""
     live: dict[Any, tuple[int, int]] = {}
-    cut = len(stream)
     try:
+        cut = len(stream)
         for index, (seq, key, nbytes) in enumerate(stream):
             if seq > first:
                 cut = index
@@ -117,6 +117,9 @@ def stream_problem(event: Any, live: "set | None" = None) -> "str | None":
 
 
 def _bad_stream(stream: Sequence[Any], exc: BaseException) -> InvalidArgumentError:
+    if not isinstance(stream, (list, tuple)) and not hasattr(stream, "__getitem__"):
+        return InvalidArgumentError(f"an allocation stream is a sequence of (seq, key, bytes), got "
+                                    f"{type(stream).__name__}")
     live: set = set()
     for index, event in enumerate(stream):
         problem = stream_problem(event, live)

@@ -201,3 +201,10 @@ def test_the_audit_needs_no_torch():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
     assert imported <= {"__future__", "typing"}
+
+
+@pytest.mark.parametrize("call", [
+    lambda: replay(None), lambda: replay_stream(None, [1], AllocatorConfig()), lambda: from_start(7, 3)])
+def test_what_is_no_stream_at_all_is_named(call):
+    with pytest.raises(InvalidArgumentError, match="NoneType|int"):
+        call()
