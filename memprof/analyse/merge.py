@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 from ..errors import InvalidArgumentError, MergeError
 from ..record.files import load_trace
+from ..record.parts import RankInfo
 from ..record.trace import Trace, as_trace
 from ..vocabulary import Category
 
@@ -38,8 +39,9 @@ class Merged:
 
     @property
     def simulated(self) -> bool:
-        """Are these simulated ranks (torch's fake process group) rather than measured ones?"""
-        return any(getattr(as_trace(t).distributed, "backend", None) == "fake" for t in self.ranks.values())
+        """Is any of these ranks simulated (torch's fake process group, or memprof's layout simulation) rather
+        than measured? (Both, only where ``merge(..., mixed=True)`` asked for it: the notes say which.)"""
+        return any(_simulated(as_trace(t).distributed) for t in self.ranks.values())
 
     def to_dict(self) -> dict[str, Any]:
         """The merge as plain JSON data: the world, the worst rank, the spread, each rank's peak and composition
@@ -74,7 +76,7 @@ class Merged:
         return max(known) - min(known), (max(known) / mean if mean else 1.0)
 
 
-def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"]) -> Merged:
+def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"], *, mixed: bool = False) -> Merged:
     """Put the reports of the ranks of one run side by side.
 
     ``reports`` is a list (any iterable) of :class:`~memprof.Report` objects (anything holding a Trace as
@@ -83,36 +85,37 @@ def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"]) -> Merged:
     rank class), or a list of estimates of single ranks (``estimate(..., parallelize=fn, rank=r)``), whose
     ``classes`` then say which ranks each simulated rank stands for. Each must come from a
     profile inside a torch.distributed process group (its trace records its rank); together they must
-    be distinct ranks of one world size and one model (same parameter count). Ranks of the world that
-    are missing are listed in ``missing`` and in the notes, not refused: a job's surviving ranks are
-    worth reading. Raises :class:`~memprof.errors.MergeError` otherwise.
+    be distinct ranks of one run: one world size, one parallel layout over one backend and one device
+    mesh, one model (same parameter count, but for pipeline stages). Simulated ranks are not put beside
+    measured ones unless ``mixed=True`` says that is meant (a prediction held against a run): they must then
+    share the world size and the mesh, and a note names what else differs. Ranks of the world that are
+    missing are listed in ``missing`` and in the notes, not refused: a job's surviving ranks are worth
+    reading. Raises :class:`~memprof.errors.MergeError` otherwise.
     """
+    if not isinstance(mixed, bool):
+        raise InvalidArgumentError(f"merge(mixed=...) must be True or False, got {mixed!r}")
     items, classes = _expand(_items(reports))
     given = [_trace(r) for r in items]
     names = [os.fspath(r) if isinstance(r, (str, os.PathLike)) else f"report {i}" for i, r in enumerate(items)]
     if not given:
         raise MergeError("merge() needs at least one report (one per rank)")
     ranks: dict[int, Trace] = {}
-    worlds: set[int] = set()
-    params: set[int] = set()
-    layouts: set[tuple[Any, Any]] = set()
-    for name, trace in zip(names, given):
+    files: dict[int, str] = {}  # the file each rank was read from, where it was
+    for item, name, trace in zip(items, names, given):
         info = trace.distributed
         if info is None:
             raise MergeError(f"{name} was not profiled inside a torch.distributed process group (its trace "
                              "records no rank); profile each rank after init_process_group")
         if info.rank in ranks:
             raise MergeError(f"rank {info.rank} is given twice ({name} is one); give each rank's report once")
-        layouts.add((info.layout, info.backend))
         ranks[info.rank] = trace
-        worlds.add(info.world_size)
-        params.add(trace.facts.num_params)
-    if len(worlds) > 1:
-        raise MergeError(f"the reports come from runs of different world sizes ({sorted(worlds)}): not one run")
-    world = worlds.pop()
+        if isinstance(item, (str, os.PathLike)):
+            files[info.rank] = name
+    world, notes = _one_run({r: t.distributed for r, t in ranks.items() if t.distributed is not None}, files, mixed)
     staged = any(c.stages for c in classes) or any(
         t.distributed is not None and t.distributed.layout_detail is not None
         and t.distributed.layout_detail.degree("pp") > 1 for t in given)
+    params = {t.facts.num_params for t in given}
     if len(params) > 1 and not staged:  # pipeline stages hold different layers: their counts differ by design
         raise MergeError(f"the reports profile models of different sizes ({sorted(params)} parameters on the rank): "
                          "not the ranks of one run")
@@ -121,18 +124,86 @@ def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"]) -> Merged:
         raise MergeError(f"rank(s) {outside} do not exist in a world of {world}")
     covered = {r for c in classes for r in c.ranks}  # ranks a simulated rank stands for
     missing = tuple(r for r in range(world) if r not in ranks and r not in covered)
-    notes = [f"ranks {_spans(missing)} of {world} were not given"] if missing else []
+    if missing:
+        notes.insert(0, f"ranks {_spans(missing)} of {world} were not given")
     if classes:
         notes.append(f"simulated: {len(classes)} rank class(es) stand for {len(covered | set(ranks)):,} of {world:,} "
                      "ranks; each class's ranks hold the same memory, its first rank was simulated")
-    if len(layouts) > 1:
-        notes.append("the ranks report different layouts or backends (" + "; ".join(
-            f"{lay or 'unwrapped'} over {be}" for lay, be in sorted(layouts, key=str)) + "): check they are one run")
     if any(r.peak.total is None for r in ranks.values()):
         notes.append("a rank's peak total was not measured (light mode on CPU): the worst rank and the spread "
                      "compare what was measured only")
     return Merged(ranks=dict(sorted(ranks.items())), world_size=world, missing=missing, notes=tuple(notes),
                   classes=tuple(sorted(classes, key=lambda c: c.representative)))
+
+
+def _simulated(info: Any) -> bool:
+    """A simulated rank's record: torch's fake process group ran it (``"fake"``), or memprof's own layout
+    simulation (no backend at all: a measured rank always records its process group's)."""
+    return info is not None and (info.backend is None or info.backend == "fake")
+
+
+def _one_run(infos: "dict[int, RankInfo]", files: "dict[int, str]", mixed: bool) -> "tuple[int, list[str]]":
+    """Refuse ranks that cannot be of one run, naming them (and the files they were read from) and what differs:
+    the world size; the parallel layout, the backend and the device mesh among measured ranks, and among
+    simulated ones; simulated beside measured ranks unless ``mixed``, and then a mesh of their own. The world
+    size, and the notes a mixed merge needs."""
+    labels = {r: f"rank {r}" + (f" ({files[r]})" if r in files else "") for r in infos}
+    _same(labels, {r: i.world_size for r, i in infos.items()}, "world sizes", lambda w: f"of a world of {w}")
+    world = next(iter(infos.values())).world_size
+    simulated = {r for r, i in infos.items() if _simulated(i)}
+    measured = set(infos) - simulated
+    if simulated and measured and not mixed:
+        raise MergeError(f"{_listed(labels, sorted(simulated))} simulated and {_listed(labels, sorted(measured))} "
+                         "measured: merge the ranks of one run, or pass mixed=True to hold a prediction against "
+                         "a run")
+    for group, how in ((measured, "measured"), (simulated, "simulated")):
+        _same(labels, {r: (infos[r].layout, infos[r].backend, _mesh(infos[r])) for r in group},
+              f"parallel layouts ({how} ranks)", _layout_words)
+    _same(labels, {r: _mesh(i) for r, i in infos.items()}, "device meshes", _mesh_words)
+    if not (simulated and measured):
+        return world, []
+    layouts = {infos[r].layout for r in infos}
+    notes = [f"mixed: {_listed(labels, sorted(simulated))} simulated, {_listed(labels, sorted(measured))} measured"]
+    if len(layouts) > 1:
+        notes.append("the simulated and measured ranks name their layouts differently (" + " and ".join(
+            sorted(str(lay or "unwrapped") for lay in layouts)) + ") over one mesh: check they are one layout")
+    return world, notes
+
+
+def _mesh(info: Any) -> "tuple[tuple[str, int], ...] | None":
+    return info.layout_detail.mesh if info.layout_detail is not None else None
+
+
+def _layout_words(key: Any) -> str:
+    """(layout, backend, mesh) in words: ``fsdp2 over nccl on mesh dp_shard=4``, ``ddp over gloo``."""
+    layout, backend, mesh = key
+    words = [str(layout or "unwrapped")] + ([f"over {backend}"] if backend is not None else [])
+    return " ".join(words + ([_mesh_words(mesh)] if mesh else []))
+
+
+def _mesh_words(mesh: "tuple[tuple[str, int], ...] | None") -> str:
+    return "on mesh " + " x ".join(f"{n}={s}" for n, s in mesh) if mesh else "on no device mesh"
+
+
+def _same(labels: "dict[int, str]", values: "dict[int, Any]", what: str, words: Any) -> None:
+    """Refuse ranks whose ``values`` differ, naming each value and the ranks that hold it."""
+    held: dict[Any, list[int]] = {}
+    for r in sorted(values):
+        held.setdefault(values[r], []).append(r)
+    if len(held) > 1:
+        raise MergeError(f"the ranks have different {what}: " + "; ".join(
+            f"{_listed(labels, rs)} {words(v)}" for v, rs in held.items()) + ": not the ranks of one run")
+
+
+def _listed(labels: "dict[int, str]", ranks: "list[int]") -> str:
+    """Ranks as a merge message names them, with a verb: in stretches (``ranks 0-3 are``), or with the files
+    they were read from (the first few, then a count)."""
+    if len(ranks) == 1:
+        return f"{labels[ranks[0]]} is"
+    if all(labels[r] == f"rank {r}" for r in ranks):
+        return f"ranks {_spans(tuple(ranks))} are"
+    more = f" and {len(ranks) - 4} more" if len(ranks) > 4 else ""
+    return ", ".join(labels[r] for r in ranks[:4]) + more + " are"
 
 
 def _expand(items: "list[Any]") -> "tuple[list[Any], list[Any]]":

@@ -43,6 +43,6 @@ class Merged(merging.Merged):
 
 
 @same_as(merging.merge)
-def merge(reports: "Iterable[Any | str | os.PathLike[str]]") -> Merged:
-    data = merging.merge(reports)
+def merge(reports: "Iterable[Any | str | os.PathLike[str]]", *, mixed: bool = False) -> Merged:
+    data = merging.merge(reports, mixed=mixed)
     return promote(Merged, data, ranks={rank: Report(trace) for rank, trace in data.ranks.items()})

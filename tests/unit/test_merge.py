@@ -4,6 +4,7 @@ budget, and every refusal."""
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -11,7 +12,9 @@ import pytest
 from memprof.analyse.budget import Judged, check_budget
 from memprof.analyse.merge import merge
 from memprof.errors import InvalidArgumentError, MemoryBudgetExceeded, MergeError
+from memprof.record.layout import MeshLayout
 from memprof.record.parts import RankInfo
+from memprof.report.reports import Report
 from memprof.render.text import merged_text
 from memprof.report.ranks import merge as merge_reports
 
@@ -49,11 +52,9 @@ def test_ranks_are_sorted_the_worst_named_and_the_missing_listed():
           - ranks 2 of 4 were not given""")
 
 
-def test_equal_peaks_name_the_lowest_rank_and_different_layouts_are_noted():
-    m = merge([_rank(1, 2, 1024), _rank(0, 2, 1024, layout="fsdp2")])
-    assert (m.worst, m.spread, m.missing) == (0, (0, 1.0), ())
-    assert m.notes == ("the ranks report different layouts or backends (ddp over gloo; fsdp2 over gloo): "
-                       "check they are one run",)
+def test_equal_peaks_name_the_lowest_rank():
+    m = merge([_rank(1, 2, 1024), _rank(0, 2, 1024)])
+    assert (m.worst, m.spread, m.missing, m.notes) == (0, (0, 1.0), (), ())
 
 
 def test_unmeasured_peaks_name_no_worst_rank_and_no_spread():
@@ -91,7 +92,8 @@ def test_what_is_not_the_ranks_of_one_run_is_refused():
     cases = [
         ([], "merge() needs at least one report (one per rank)"),
         ([_rank(0, 2, 8), _rank(0, 2, 8)], "rank 0 is given twice (report 1 is one); give each rank's report once"),
-        ([_rank(0, 2, 8), _rank(1, 4, 8)], "the reports come from runs of different world sizes ([2, 4]): not one run"),
+        ([_rank(0, 2, 8), _rank(1, 4, 8)], "the ranks have different world sizes: rank 0 is of a world of 2; rank 1 is "
+                                           "of a world of 4: not the ranks of one run"),
         ([_rank(0, 2, 8, params=5), _rank(1, 2, 8)],
          "the reports profile models of different sizes ([5, 1024] parameters on the rank): not the ranks of one run"),
         ([_rank(2, 2, 8)], "rank(s) [2] do not exist in a world of 2"),
@@ -109,3 +111,81 @@ def test_what_is_not_the_ranks_of_one_run_is_refused():
         with pytest.raises(InvalidArgumentError) as info:
             merge(given)
         assert str(info.value) == message
+
+
+# ------------------------------------------------------------------ ranks of one run: layouts, and simulated ranks
+
+
+def _with(t, **info):
+    """``t`` with its rank record changed."""
+    return dataclasses.replace(t, distributed=dataclasses.replace(t.distributed, **info))
+
+
+def _meshed(t, *mesh):
+    return _with(t, layout_detail=MeshLayout(mesh=tuple(mesh), groups=()))
+
+
+def test_ranks_of_different_layouts_backends_or_meshes_are_refused_naming_each():
+    # Each was a merge of "one run" before (a note at most): the layout, backend and mesh are the run's.
+    cases = [
+        ([_rank(0, 2, 8), _rank(1, 2, 8, layout="fsdp2")],
+         "the ranks have different parallel layouts (measured ranks): rank 0 is ddp over gloo; rank 1 is fsdp2 over "
+         "gloo: not the ranks of one run"),
+        ([_rank(0, 4, 8), _with(_rank(1, 4, 8), backend="nccl"), _rank(2, 4, 8), _rank(3, 4, 8)],
+         "the ranks have different parallel layouts (measured ranks): ranks 0, 2, 3 are ddp over gloo; rank 1 is ddp "
+         "over nccl: not the ranks of one run"),
+        ([_meshed(_rank(0, 4, 8, layout="fsdp2"), ("dp_shard", 4)),
+          _meshed(_rank(1, 4, 8, layout="fsdp2"), ("dp_replicate", 2), ("dp_shard", 2))],
+         "the ranks have different parallel layouts (measured ranks): rank 0 is fsdp2 over gloo on mesh dp_shard=4; "
+         "rank 1 is fsdp2 over gloo on mesh dp_replicate=2 x dp_shard=2: not the ranks of one run"),
+        ([_meshed(_rank(0, 2, 8, layout="fsdp2"), ("dp_shard", 2)), _rank(1, 2, 8, layout="fsdp2")],
+         "the ranks have different parallel layouts (measured ranks): rank 0 is fsdp2 over gloo on mesh dp_shard=2; "
+         "rank 1 is fsdp2 over gloo: not the ranks of one run"),
+        # Two simulated ranks of different layouts (memprof's layout simulation records no backend).
+        ([_with(_rank(0, 2, 8), backend=None), _with(_rank(1, 2, 8, layout="fsdp"), backend=None)],
+         "the ranks have different parallel layouts (simulated ranks): rank 0 is ddp; rank 1 is fsdp: not the ranks "
+         "of one run"),
+    ]
+    for given, message in cases:
+        with pytest.raises(MergeError) as info:
+            merge(given)
+        assert str(info.value) == message
+
+
+def test_the_files_of_the_ranks_that_differ_are_named(tmp_path):
+    paths = []
+    for r, t in enumerate([_rank(0, 2, 8), _rank(1, 2, 8, layout="fsdp2")]):
+        paths.append(tmp_path / f"rank{r}.json")
+        Report(t).save(paths[-1])
+    with pytest.raises(MergeError) as info:
+        merge(paths)
+    assert str(info.value) == (f"the ranks have different parallel layouts (measured ranks): rank 0 ({paths[0]}) is ddp "
+                               f"over gloo; rank 1 ({paths[1]}) is fsdp2 over gloo: not the ranks of one run")
+
+
+def test_simulated_ranks_are_put_beside_measured_ones_only_when_asked():
+    measured = _meshed(_rank(0, 2, 1024, layout="fsdp2"), ("dp_shard", 2))
+    fake = _with(_meshed(_rank(1, 2, 2048, layout="fsdp2"), ("dp_shard", 2)), backend="fake")  # parallelize=fn
+    layout_sim = _with(_meshed(_rank(1, 2, 2048, layout="fsdp"), ("dp_shard", 2)), backend=None)  # parallel="fsdp"
+    for sim in (fake, layout_sim):
+        with pytest.raises(MergeError) as info:
+            merge([measured, sim])
+        assert str(info.value) == ("rank 1 is simulated and rank 0 is measured: merge the ranks of one run, or pass "
+                                   "mixed=True to hold a prediction against a run")
+    m = merge([measured, fake], mixed=True)
+    assert m.simulated and list(m.ranks) == [0, 1] and m.worst == 1
+    assert m.notes == ("mixed: rank 1 is simulated, rank 0 is measured",)
+    m = merge_reports([measured, layout_sim], mixed=True)  # the facade passes it on
+    assert m.notes == ("mixed: rank 1 is simulated, rank 0 is measured",
+                       "the simulated and measured ranks name their layouts differently (fsdp and fsdp2) over one "
+                       "mesh: check they are one layout")
+    # Asked or not, a prediction of another mesh or world is no prediction of this run.
+    with pytest.raises(MergeError) as info:
+        merge([measured, _with(_meshed(_rank(1, 2, 8, layout="fsdp2"), ("tp", 2)), backend="fake")], mixed=True)
+    assert str(info.value) == ("the ranks have different device meshes: rank 0 is on mesh dp_shard=2; rank 1 is on mesh "
+                               "tp=2: not the ranks of one run")
+    with pytest.raises(MergeError, match="different world sizes"):
+        merge([measured, _with(_meshed(_rank(1, 4, 8, layout="fsdp2"), ("dp_shard", 2)), backend="fake")], mixed=True)
+    with pytest.raises(InvalidArgumentError, match=r"merge\(mixed=...\) must be True or False, got 'yes'"):
+        merge([measured], mixed="yes")
+    assert not merge([measured]).simulated and merge([layout_sim]).simulated
