@@ -198,6 +198,8 @@ class CacheOracle(TorchDispatchMode):
     holds, plus the storages the call made that are still alive and that the cache holds when the call
     ends: a layer's new keys are its cache from the op that makes them. ``values[i]`` lists those bytes
     after each op of call ``i``, ``ends[i]`` the bytes held when it returns. Independent of memprof.
+    An encoder-decoder model's encoder, called outside the model (as generate() calls it), opens the first
+    call: its ops are that call's too, and its output the cache from the op that makes it.
     """
 
     NAMES = ("cache", "past_key_values", "encoder_outputs")
@@ -208,6 +210,9 @@ class CacheOracle(TorchDispatchMode):
         self.objs = None
         self.handles = [model.register_forward_pre_hook(self._begin, with_kwargs=True),
                         model.register_forward_hook(self._end, with_kwargs=True)]
+        self.opened = False  # the encoder opened the call under way
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            self.handles.append(model.get_encoder().register_forward_pre_hook(self._encoder))
 
     def _held(self, *extra):
         held = {}
@@ -217,8 +222,16 @@ class CacheOracle(TorchDispatchMode):
                 held[st._cdata] = st.nbytes()
         return held
 
+    def _encoder(self, module, args):
+        if self.objs is None and not torch.is_grad_enabled():
+            self.objs, self.opened = [], True
+            self.made, self.trail, self.serial = {}, [], 0
+
     def _begin(self, module, args, kwargs):
+        opened, self.opened = self.opened, False
         self.objs = [kwargs.get(n) for n in self.NAMES]
+        if opened:
+            return  # the decoder's first call goes on from its encoder
         # Storages the call made: address -> (weak reference, bytes, serial). An address is reused once its
         # storage is freed, so a storage is told apart by its serial.
         self.made, self.trail, self.serial = {}, [], 0

@@ -146,7 +146,7 @@ def latent_attention_dims(*, num_heads: int, kv_lora_rank: int, qk_rope_head_dim
 
 
 def call_slots(spec: CacheSpec, *, batch: int, itemsize: int, before: int, after: int, earlier: int = 0,
-               max_cache_len: "int | None" = None, encoder_tokens: int = 0) -> list[Slot]:
+               max_cache_len: "int | None" = None, encoder_tokens: int = 0, encoder_made: bool = False) -> list[Slot]:
     """The cache's tensors around one call that took it from ``before`` to ``after`` tokens, in the order
     the model writes them (layer by layer; keys before values; a state-space layer's convolution state
     before its recurrent state).
@@ -154,7 +154,10 @@ def call_slots(spec: CacheSpec, *, batch: int, itemsize: int, before: int, after
     ``earlier``: the tokens when the call before this one began (only sliding-window layers depend on it:
     what they hold before this call is what that call left). ``max_cache_len``: the length a static cache
     was allocated at (None: transformers' dynamic cache). ``encoder_tokens``: the encoder's tokens of an
-    encoder-decoder model. ``itemsize`` is the keys', values' and convolution states' element size.
+    encoder-decoder model; ``encoder_made``: the call makes the encoder's output (a prefill that begins with
+    the encoder's forward, as ``generate()`` runs it): then it is the first storage the call puts in the cache,
+    absent when the call begins, else it is there throughout. ``itemsize`` is the keys', values' and
+    convolution states' element size.
     """
     n = {k: as_count(k, v) for k, v in (("batch", batch), ("itemsize", itemsize), ("before", before),
                                         ("after", after), ("earlier", earlier), ("encoder_tokens", encoder_tokens))}
@@ -166,6 +169,11 @@ def call_slots(spec: CacheSpec, *, batch: int, itemsize: int, before: int, after
     k_width = spec.kv_heads * spec.head_dim * size
     v_width = spec.kv_heads * (spec.value_head_dim or spec.head_dim) * size
     slots: list[Slot] = []
+    # The encoder's output, handed back to every decoder call: made before the decoder's first layer writes.
+    encoder_out = b * n["encoder_tokens"] * spec.encoder_hidden * size
+    made = bool(encoder_made and spec.encoder_hidden)
+    if made:
+        slots.append(Slot("encoder output", 0, encoder_out, True))
 
     def attention(i: int, sliding: bool) -> None:
         if static is not None:  # StaticLayer / StaticSlidingWindowLayer: allocated whole by the first call
@@ -207,10 +215,8 @@ def call_slots(spec: CacheSpec, *, batch: int, itemsize: int, before: int, after
             cross_k, cross_v = b * n["encoder_tokens"] * k_width, b * n["encoder_tokens"] * v_width
             slots.append(Slot(f"layer {i} cross-attention keys", 0 if first else cross_k, cross_k, first))
             slots.append(Slot(f"layer {i} cross-attention values", 0 if first else cross_v, cross_v, first))
-    if spec.encoder_hidden:
-        # The encoder's output, handed back to every decoder call: there before the first call begins.
-        out = b * n["encoder_tokens"] * spec.encoder_hidden * size
-        slots.append(Slot("encoder output", out, out, False))
+    if spec.encoder_hidden and not made:
+        slots.append(Slot("encoder output", encoder_out, encoder_out, False))  # there before the call begins
     return slots
 
 

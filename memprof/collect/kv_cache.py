@@ -14,6 +14,7 @@ mode storages made by ops are not seen: tensors under a cache's name are counted
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -26,15 +27,18 @@ from ..vocabulary import Phase
 from ..errors import MemprofError
 from ..record.parts import GenerationFacts
 from .ledger import KV_CACHE, TEMPORARIES
+from .phases import begin_encoder, relabel_closed
 from .state import EXACT
+from .torch_compat import is_dynamo_compiling
 
 if TYPE_CHECKING:
     from .dispatch import StorageTracker
     from .ledger import Ledger
     from .phases import PhaseTracker
     from .state import Run
+    from .undo import UndoStack
 
-__all__ = ["CacheTracker"]
+__all__ = ["CacheTracker", "watch_encoder"]
 
 #: transformers' names for the cache, in its models' arguments and outputs (``cache`` from version 5).
 CACHE_NAMES = ("past_key_values", "cache")
@@ -85,30 +89,23 @@ class CacheTracker:
         self.active: Any = None
         self.kind: "Phase | None" = None  # what the running root call is: PREFILL, DECODE or None
         self.prefill_serials: set[int] = set()  # earlier calls found to have been prefills
+        self.encoder_first = False  # the running call is a prefill that began with the encoder's forward
+        self.encoder_prefills: list[tuple[int, int]] = []  # (step, occurrence) of each such prefill
         self._last: "Callable[[], Any] | None" = None  # the cache object of the last prefill or decode call
+        self.last_tokens = (0, 0, 0)  # that call's (earlier, before, after) tokens
+        self.let_go: "int | None" = None  # the ledger's event count when that cache object was let go
+        phases.on_close.append(self.phase_closed)
 
     def before_call(self, args: tuple, kwargs: dict) -> "Phase | None":
         """What this root call is (``Phase.PREFILL``, ``Phase.DECODE`` or ``None``); claims the cache handed in."""
-        self.active, self.kind, self.prefill_serials = None, None, set()
+        self.active, self.kind, self.prefill_serials, self.encoder_first = None, None, set(), False
         if torch.is_grad_enabled():
             return None
         self.incoming, batch = _new_tokens(args, kwargs)
         handed: Any = None
-        inside: set[int] = set()  # phase serials of earlier calls that made what comes back
-        back = False
         for name, obj in _arguments(args, kwargs):
-            named = name in self.names
-            # An encoder-decoder's encoder output is counted with the cache (CacheSpec.encoder_hidden) also when the
-            # loop made it outside the model: generate()'s copy per beam (repeat_interleave) is.
-            claim_any = named or name == "encoder_outputs"
-            if named and obj is not None and not isinstance(obj, (torch.Tensor, tuple, list, dict)):
+            if name in self.names and obj is not None and not isinstance(obj, (torch.Tensor, tuple, list, dict)):
                 handed = obj
-            claimed, made_in = self._claim(obj, named=claim_any)
-            if claimed:
-                self.names.add(name)
-            if made_in is not None:
-                back = True
-                inside |= made_in
         self.active = handed
         # The cache object of the generation under way, handed in again: a decode call even when every
         # tensor in it was replaced outside the model (a cache grown directly).
@@ -117,6 +114,22 @@ class CacheTracker:
         # (an encoder-decoder's encoder output, handed to every decoder call).
         fresh = handed is not None and not again and not any(
             t.is_floating_point() and t.numel() for t in _tensors(handed))
+        # The decoder's first call continues the prefill its encoder began (phases.begin_encoder): the
+        # encoder's output is the first thing that prefill put in the cache, from the op that made it.
+        self.encoder_first = fresh and self.phases.encoder_open
+        inside: set[int] = set()  # phase serials of earlier calls that made what comes back
+        back = False
+        for name, obj in _arguments(args, kwargs):
+            # An encoder-decoder's encoder output is counted with the cache (CacheSpec.encoder_hidden) also when the
+            # loop made it outside the model: generate()'s copy per beam (repeat_interleave) is.
+            encoder = name == "encoder_outputs"
+            claimed, made_in = self._claim(obj, named=encoder or name in self.names,
+                                           retro=encoder and self.encoder_first)
+            if claimed:
+                self.names.add(name)
+            if made_in is not None:
+                back = True
+                inside |= made_in
         previous = self.call_before
         if (back and not fresh) or again:
             self.kind = Phase.DECODE
@@ -130,7 +143,9 @@ class CacheTracker:
             previous = 0
         if self.kind is not None:
             self.batch = batch if batch is not None else self.batch
-            self.call_seq, self.call_earlier, self.call_before = self.ledger.seq, previous, self.in_cache
+            # Where the call began: for a prefill the encoder began, where the encoder began.
+            start = self.phases.encoder_seq if self.encoder_first else self.ledger.seq
+            self.call_seq, self.call_earlier, self.call_before = start, previous, self.in_cache
             self._note_shapes(handed, kwargs)
         return self.kind
 
@@ -173,20 +188,39 @@ class CacheTracker:
         self.in_cache += self.incoming
         key = (self.run.step, kind.value, phases.occurrence.get(kind, 0))
         self.tokens[key] = self.in_cache
+        if self.encoder_first:
+            self.encoder_prefills.append((key[0], key[2]))
+            self.encoder_first = False
         self._note_moments(key, kept)
-        self._last = None
+        self._last, self.let_go = None, None
+        self.last_tokens = (self.call_earlier, self.call_before, self.in_cache)
         if handed is not None:
             try:  # a weak reference: memprof keeps nothing of the user's alive
-                self._last = weakref.ref(handed)
+                self._last = weakref.ref(handed, self._let_go)
             except TypeError:
                 self._last = None
+
+    def _let_go(self, ref: Any) -> None:
+        if ref is self._last:  # the cache object of the last call was let go (generate() returned): when
+            self.let_go = self.ledger.seq
+
+    def phase_closed(self, step: int, phase: Phase, occurrence: int) -> None:
+        """A phase between or after the calls ended: whether the last call's cache object was still held at its
+        peak and its end (``written`` 1, else 0: ``generate()`` lets go of it as it returns; a loop of the
+        user's may keep it), for the formula there. Caches that are not objects (tuples) say nothing."""
+        if phase is not Phase.OTHER or self._last is None:
+            return
+        let_go, peak_seq = self.let_go, self.ledger.phase_peak_seq
+        for moment, held in (("peak", let_go is None or let_go > peak_seq), ("end", self._last() is not None)):
+            self.moments[(step, phase.value, occurrence, moment)] = CacheMoment(
+                step, phase.value, occurrence, moment, *self.last_tokens, written=int(held))
 
     def relabel_prefills(self) -> None:
         """The earlier calls that made what this decode call got back were prefills: their (closed) phases
         are relabelled so, with the tokens they put in the cache."""
         phases = self.phases
         for serial in sorted(self.prefill_serials):
-            key = phases.relabel_closed(serial, Phase.PREFILL)
+            key = relabel_closed(phases, serial, Phase.PREFILL)
             if key is not None:
                 self.tokens[key] = self.call_tokens.get(serial, 0)
         self.prefill_serials = set()
@@ -209,7 +243,7 @@ class CacheTracker:
                                itemsize=itemsize, batch=self.batch,
                                tokens=tuple((s, p, o, n) for (s, p, o), n in self.tokens.items()),
                                cache=self.spec, encoder_tokens=self.encoder_tokens, max_cache_len=self.max_cache_len,
-                               moments=tuple(self.moments.values()))
+                               moments=tuple(self.moments.values()), encoder_prefills=tuple(self.encoder_prefills))
 
     def _note_shapes(self, handed: Any, kwargs: dict) -> None:
         """The encoder's tokens (an encoder-decoder call's ``encoder_outputs``) and the length a static cache
@@ -283,6 +317,33 @@ class CacheTracker:
                 claimed = True
                 self.itemsizes.add(t.element_size())
         return claimed, made_in
+
+
+def watch_encoder(model: nn.Module, run: "Run", phases: "PhaseTracker", stack: "UndoStack") -> None:
+    """Begin a prefill where an encoder-decoder model's encoder is called under no_grad outside the model's own
+    calls, as ``generate()`` calls it (``_prepare_encoder_decoder_kwargs_for_generation``: ``self.get_encoder()``
+    once, before the decoder's first call in ``_prefill``). The model says it is one by its config's
+    ``is_encoder_decoder`` and names its encoder by ``get_encoder()`` (transformers' interface): any seq2seq
+    model, not a list of classes. The hook runs after memprof's own module hook (a schedule resumes there, and
+    the encoder's frame is then open), and goes on ``stack``, removed with the rest."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is not True:
+        return
+    try:
+        encoder = model.get_encoder()  # type: ignore[operator]
+    except Exception:  # a model whose lookup fails has no encoder memprof can name: its phases stay as they were
+        return
+    if not isinstance(encoder, nn.Module) or encoder is model or not any(m is encoder for m in model.modules()):
+        return
+
+    def began(_module: nn.Module, _args: Any, _kwargs: Any) -> None:
+        # Compiled code is measured from outside (as memprof's module hooks do); only the outermost call counts,
+        # which memprof's hook has just put on the call stack.
+        if is_dynamo_compiling() or not run.active or len(run.calls) != 1 or torch.is_grad_enabled() \
+                or threading.get_ident() != run.thread:
+            return
+        begin_encoder(phases)
+
+    stack.callback(encoder.register_forward_pre_hook(began, with_kwargs=True).remove)
 
 
 def _arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:

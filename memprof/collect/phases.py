@@ -2,7 +2,9 @@
 
 A forward begins at the model's outermost grad-enabled call, backward at the
 engine's first work for the model, the optimizer phase at ``optimizer.step()``;
-everything between is "other". A step ends at an optimizer step (closed when
+everything between is "other". A generation's phases are its calls: a prefill
+(for an encoder-decoder model, from the encoder's forward through the decoder's
+first call) and a decode per later call (:mod:`memprof.collect.kv_cache`). A step ends at an optimizer step (closed when
 the next forward comes, so several optimizers stepping in a row stay one
 step), at the end of a ``prof.step()`` block, or, with no optimizer, after
 each backward. For each phase the ledger's start, peak and end are recorded.
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from .state import Run
     from .timeline import Timeline
 
-__all__ = ["PhaseTracker", "Gate", "MAX_DECODE_PHASES"]
+__all__ = ["PhaseTracker", "Gate", "MAX_DECODE_PHASES", "begin_encoder", "relabel_closed"]
 
 #: Decode phases kept one per token; later tokens of the same generation share the last one.
 MAX_DECODE_PHASES = 64
@@ -100,12 +102,18 @@ class PhaseTracker:
         self.optimizer_seen = False
         self.requeued = False  # backward_done went to the back of the engine's queue once (FSDP2)
         self.phase_start_ns = timeline.t0_ns
+        # A prefill begun by an encoder-decoder model's encoder (begin_encoder below), which the decoder's first call
+        # continues; the ledger's event count when it began.
+        self.encoder_open = False
+        self.encoder_seq = 0
         #: The schedule's say over which steps are recorded (None without a schedule).
         self.gate: "Gate | None" = None
         # Called at the transitions, in order: a phase begins (with it), a forward begins or a step closes at
         # one (what stopped being a gradient is released), backward starts (exact mode: what the graph saved
         # outside the model), backward ends (frames close, gradients are collected), a step ends.
         self.on_begin: list[Callable[[Phase], None]] = []
+        #: Called as each phase is recorded, with its (step, phase, occurrence), while the ledger still holds its peak.
+        self.on_close: list[Callable[[int, Phase, int], None]] = []
         self.release_grads: Hooks = []
         #: The storages that are gradients now (the parameter tracker's set, shared): while it is empty there is
         #: nothing to release, and the hooks are not called (a forward begins once per step).
@@ -129,6 +137,13 @@ class PhaseTracker:
 
     def begin(self, phase: Phase) -> None:
         run = self.run
+        if self.encoder_open and phase is Phase.PREFILL:
+            # The decoder's first call, after the encoder: one prefill (generate() runs the encoder, prepares the
+            # decoder's inputs and its empty cache, then calls the model: generation/utils.py,
+            # _prepare_encoder_decoder_kwargs_for_generation, then _prefill).
+            self.encoder_open = False
+            run.scan_args = False
+            return
         if phase is Phase.DECODE and self.merging():
             # A long generation: the calls after the first MAX_DECODE_PHASES - 1 share one phase.
             self.merged_decodes += 1
@@ -175,28 +190,13 @@ class PhaseTracker:
         """A merged decode phase's call ended: what it holds now is the phase's end, unless another call joins."""
         self.end_mark = self.ledger.mark_end()
 
-    def relabel_closed(self, serial: int, phase: Phase) -> "tuple[int, str, int] | None":
-        """A closed forward phase of this step (by its ledger serial) turns out to be ``phase`` (a prefill, once
-        its cache came back); later forwards are renumbered. Returns its (step, phase, occurrence)."""
-        i = self.closed.get(serial)
-        if i is None or self.step_phases[i].phase is not Phase.FORWARD:
-            return None
-        old = self.step_phases[i]
-        occ = self.occurrence.get(phase, 0)
-        self.occurrence[phase] = occ + 1
-        self.occurrence[Phase.FORWARD] -= 1
-        self.step_phases[i] = dataclasses.replace(old, phase=phase, occurrence=occ)
-        for j in range(i + 1, len(self.step_phases)):
-            rec = self.step_phases[j]
-            if rec.phase is Phase.FORWARD:
-                self.step_phases[j] = dataclasses.replace(rec, occurrence=rec.occurrence - 1)
-        self.where[serial] = (self.run.step, phase)
-        self.decodes = 0
-        return (self.run.step, phase.value, occ)
-
     def close(self) -> None:
         """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
         led, run = self.ledger, self.run
+        if self.encoder_open:  # no decoder call followed the encoder: a forward of the encoder alone
+            self.encoder_open = False
+            run.phase = Phase.FORWARD
+            self.where[led.phase_serial] = (run.step, Phase.FORWARD)
         phase = run.phase
         end = led.totals
         ops = run.ops - self.phase_ops_start
@@ -224,6 +224,8 @@ class PhaseTracker:
             peak_us=micros(led.phase_peak_ns),
             end_us=micros(perf_counter_ns()),
         ))
+        for hook in self.on_close:
+            hook(run.step, phase, occ)
 
     def end_step(self) -> None:
         run = self.run
@@ -375,6 +377,42 @@ class PhaseTracker:
                 self.retention.steps_run += 1
         self.step_phases = []
         return self.retention.records()
+
+
+def begin_encoder(tracker: PhaseTracker) -> None:
+    """An encoder-decoder model's encoder begins a call under no_grad, outside any call of the model: a
+    generation's prefill begins here (``generate()`` runs the encoder once, then the decoder's first call fills
+    the cache; :meth:`PhaseTracker.begin` continues this phase for that call). If another phase comes first,
+    the phase was an ordinary forward of the encoder, and is recorded as one."""
+    if tracker.encoder_open or tracker.run.phase not in (Phase.OTHER, Phase.FORWARD, Phase.DECODE):
+        return
+    scan = tracker.run.scan_args
+    tracker.begin(Phase.PREFILL)
+    tracker.encoder_open = True
+    tracker.encoder_seq = tracker.ledger.seq
+    # The loop's ops between the encoder and the decoder's call are looked at for inputs as they were in the
+    # phase before (a prefill's own call looks at none).
+    tracker.run.scan_args = scan
+
+
+def relabel_closed(tracker: PhaseTracker, serial: int, phase: Phase) -> "tuple[int, str, int] | None":
+    """A closed forward phase of this step (by its ledger serial) turns out to be ``phase`` (a prefill, once
+    its cache came back); later forwards are renumbered. Returns its (step, phase, occurrence)."""
+    i = tracker.closed.get(serial)
+    if i is None or tracker.step_phases[i].phase is not Phase.FORWARD:
+        return None
+    old = tracker.step_phases[i]
+    occ = tracker.occurrence.get(phase, 0)
+    tracker.occurrence[phase] = occ + 1
+    tracker.occurrence[Phase.FORWARD] -= 1
+    tracker.step_phases[i] = dataclasses.replace(old, phase=phase, occurrence=occ)
+    for j in range(i + 1, len(tracker.step_phases)):
+        rec = tracker.step_phases[j]
+        if rec.phase is Phase.FORWARD:
+            tracker.step_phases[j] = dataclasses.replace(rec, occurrence=rec.occurrence - 1)
+    tracker.where[serial] = (tracker.run.step, phase)
+    tracker.decodes = 0
+    return (tracker.run.step, phase.value, occ)
 
 
 def _figures(window: "Window | None", totals: tuple[list[int], list[int], list[int]], light: bool,

@@ -27,7 +27,7 @@ from .carry import StepCarry
 from .dispatch import KEEPS_COMPILE, StorageTracker
 from .frames import Frames
 from .graph_saves import GraphSaves
-from .kv_cache import CacheTracker
+from .kv_cache import CacheTracker, watch_encoder
 from .ledger import BUFFERS, WEIGHTS
 from .module_table import ModuleTable, attribute_tensors, unique_params
 from .modules import ModuleTracker
@@ -220,6 +220,7 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
     # Hooks. Each registration goes on the stack right away so that a
     # failure half-way still removes what was installed.
     c.modules.adopt(model)
+    watch_encoder(model, run, c.phases, stack)  # after the module hooks: an encoder-decoder's prefill begins there
     compiled = c.table.compiled_paths
     if compiled and run.mode == EXACT and not KEEPS_COMPILE:
         # With this torch any dispatch mode makes compiled code run eagerly, and for the rest of

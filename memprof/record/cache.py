@@ -21,7 +21,7 @@ MOMENTS = ("peak", "end")
 
 @dataclass(frozen=True)
 class CacheMoment:
-    """The cache at the peak or the end of one prefill or decode phase.
+    """The cache at the peak or the end of one prefill or decode phase (or of the loop's phase after one).
 
     ``earlier``, ``before`` and ``after``: the tokens in the cache when the call before this one began,
     when this one began, and when it ended (the call is the phase's last for ``"end"``, the one that
@@ -29,6 +29,9 @@ class CacheMoment:
     ``written`` (peaks only): the storages that call had put in the cache by its peak, and ``overlap``:
     whether the peak was the making of the last of them, while the storage it replaces still lived.
     ``written`` is None where memprof could not see storages being made (light mode).
+
+    For a phase between or after the calls (``"other"``) the tokens are the last call's, and ``written`` says
+    whether that call's cache object was still held at the moment (1) or had been let go (0).
     """
 
     step: int

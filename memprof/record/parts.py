@@ -487,6 +487,10 @@ class GenerationFacts:
     max_cache_len: "int | None" = None
     #: The cache at each prefill and decode phase's peak and end (older files: none).
     moments: tuple[CacheMoment, ...] = ()
+    #: (step, occurrence) of each prefill that began with an encoder-decoder model's encoder (the encoder's
+    #: output is made in it, so the prefill begins without it; older files: none, their prefills began at the
+    #: decoder's call with the encoder's output already there).
+    encoder_prefills: tuple[tuple[int, int], ...] = ()
 
     def tokens_at(self, step: int, phase: str, occurrence: int) -> "int | None":
         """Tokens in the cache at the end of that phase; after the last per-token decode phase, its count."""
@@ -510,7 +514,8 @@ class GenerationFacts:
                 "cache": None if self.cache is None else {k: list(v) if isinstance(v, tuple) else v
                                                           for k, v in self.cache},
                 "encoder_tokens": self.encoder_tokens,
-                "max_cache_len": self.max_cache_len, "moments": [m.to_list() for m in self.moments]}
+                "max_cache_len": self.max_cache_len, "moments": [m.to_list() for m in self.moments],
+                "encoder_prefills": [list(k) for k in self.encoder_prefills]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GenerationFacts":
@@ -526,4 +531,7 @@ class GenerationFacts:
                    cache=frozen_spec(spec_data(data.get("cache"))),
                    encoder_tokens=optional_count(data.get("encoder_tokens"), "encoder_tokens"),
                    max_cache_len=optional_count(data.get("max_cache_len"), "max_cache_len"),
-                   moments=tuple(CacheMoment.from_list(m) for m in seq(data.get("moments", ()), "moments")))
+                   moments=tuple(CacheMoment.from_list(m) for m in seq(data.get("moments", ()), "moments")),
+                   encoder_prefills=tuple((count(s, "a step"), count(o, "an occurrence")) for s, o in (
+                       seq(k, "an encoder's prefill", 2) for k in seq(data.get("encoder_prefills", ()),
+                                                                       "encoder_prefills"))))

@@ -66,24 +66,40 @@ def _formula(trace: "Trace", gen: "GenerationFacts", spec: CacheSpec, moment: "P
     before = [p for p in trace.phases[:here] if any(p is c for c in calls)]
     is_call = any(_same(c, moment) for c in calls)
     if not is_call and not before:
-        if which == "end" and here + 1 < len(trace.phases) and any(trace.phases[here + 1] is c for c in calls):
-            return _first_start(spec, gen)  # the encoder's output, claimed as the first call begins
+        following = trace.phases[here + 1] if here + 1 < len(trace.phases) else None
+        if which == "end" and following is not None and any(following is c for c in calls):
+            # What comes in with the first call: an encoder's output, claimed as that call begins (none where
+            # the encoder runs in that call's phase).
+            return _first_start(spec, gen, following)
         return None  # before the first call: no cache yet
+    held = gen.moment(moment.step, moment.phase.value, moment.occurrence, which) if not is_call else None
+    if held is not None and before:
+        # Between or after the calls: the run recorded whether the last call's cache object was still held then.
+        return _at(spec, gen, calls, before[-1], "end") if held.written else 0
     if not is_call and which != "start" and not any(any(p is c for c in calls) for p in trace.phases[here:]):
         return None  # after the last call the cache lives as long as the caller holds it (generate() drops it)
+    if is_call and which == "start" and moment.phase is Phase.PREFILL:
+        return _first_start(spec, gen, moment)  # a prefill fills a cache of its own, empty when it begins
     if not is_call or which == "start":
         if before:
             return _at(spec, gen, calls, before[-1], "end")
-        return _first_start(spec, gen)
+        return _first_start(spec, gen, moment)
     return _at(spec, gen, calls, moment, which)
 
 
-def _first_start(spec: CacheSpec, gen: "GenerationFacts") -> int:
-    """The cache as the first call begins: only what comes in with it (an encoder's output)."""
+def _first_start(spec: CacheSpec, gen: "GenerationFacts", call: "PhaseRecord") -> int:
+    """The cache as a generation's first call begins: only what comes in with it (an encoder's output, unless
+    the encoder runs in that call's phase)."""
     assert gen.batch is not None and gen.itemsize is not None  # cache_formula checked
     slots = call_slots(spec, batch=gen.batch, itemsize=gen.itemsize, before=0, after=0,
-                       encoder_tokens=gen.encoder_tokens or 0, max_cache_len=gen.max_cache_len)
+                       encoder_tokens=gen.encoder_tokens or 0, max_cache_len=gen.max_cache_len,
+                       encoder_made=_encoder_made(gen, call))
     return sum(s.before for s in slots)
+
+
+def _encoder_made(gen: "GenerationFacts", call: "PhaseRecord") -> bool:
+    """Did this call's phase begin with the encoder's forward (so that it makes the encoder's output)?"""
+    return call.phase is Phase.PREFILL and (call.step, call.occurrence) in gen.encoder_prefills
 
 
 def _same(a: "PhaseRecord", b: "PhaseRecord") -> bool:
@@ -105,7 +121,8 @@ def _at(spec: CacheSpec, gen: "GenerationFacts", calls: list[PhaseRecord], phase
         earlier = tokens[i - 2] if i >= 2 and before and calls[i - 1].phase is Phase.DECODE else 0
     assert gen.batch is not None and gen.itemsize is not None  # cache_formula checked
     slots = call_slots(spec, batch=gen.batch, itemsize=gen.itemsize, before=before, after=after,
-                       earlier=earlier, max_cache_len=gen.max_cache_len, encoder_tokens=gen.encoder_tokens or 0)
+                       earlier=earlier, max_cache_len=gen.max_cache_len, encoder_tokens=gen.encoder_tokens or 0,
+                       encoder_made=_encoder_made(gen, phase))
     if which == "peak" and m is not None and m.written is not None:
         return bytes_at(slots, written=m.written, overlap=m.overlap)
     return sum(s.after for s in slots)
