@@ -7,12 +7,12 @@ crafted or truncated file never reaches arithmetic or display downstream.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import TraceFormatError
 
 __all__ = ["count", "optional_count", "text", "optional_text", "corrupt", "fields", "pairs", "seq", "mapping",
-           "flag", "member"]
+           "flag", "member", "listed_once"]
 
 # The largest count a trace may hold: an int64 (8 EiB, or as many ops), as torch's sizes and the
 # DataFrames' Int64 columns are. A real run is far below it; a crafted 2**64 or 10**400 would otherwise
@@ -129,6 +129,19 @@ _CHECKS = {"int": count, "int | None": optional_count, "str": text, "str | None"
 
 
 def pairs(items: Any, name: str = "tags") -> tuple[tuple[str, int], ...]:
-    """(name, bytes) pairs, such as the tags' live bytes."""
-    return tuple((text(a, "a tag name"), count(b, "a tag's bytes"))
-                 for a, b in (seq(item, f"an entry of {name}", 2) for item in seq(items, name)))
+    """(name, bytes) pairs, such as the tags' live bytes: each name once."""
+    out = tuple((text(a, "a tag name"), count(b, "a tag's bytes"))
+                for a, b in (seq(item, f"an entry of {name}", 2) for item in seq(items, name)))
+    listed_once((a for a, _ in out), f"a name in {name}")
+    return out
+
+
+def listed_once(keys: Iterable[Any], what: str) -> None:
+    """Refuse a key that a list from a file gives twice (a module's path, a tag's name): two records of one
+    thing, whose figures would be counted twice or one of them silently dropped downstream. ``what`` names
+    the key ("a module")."""
+    seen: set[Any] = set()
+    for key in keys:
+        if key in seen:
+            raise corrupt(f"{what} is listed twice: {_shown(key)}")
+        seen.add(key)

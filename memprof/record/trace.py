@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, cast
 
 from ..vocabulary import Category, Phase
-from .checks import corrupt, count, member, optional_count, optional_text, pairs, seq, text
+from .checks import corrupt, count, listed_once, member, optional_count, optional_text, pairs, seq, text
 from ..errors import TraceFormatError
 from .stats import PhaseStats
 from .parts import (Breakdown, DeviceInfo, GenerationFacts, ModelFacts, ModuleRecord, OomRecord,
@@ -231,13 +231,12 @@ class Trace:
                 peak_phase=_optional(data, "peak_phase", lambda v: member(v, Phase, "peak_phase")),
                 peak_module=optional_text(data.get("peak_module"), "peak_module"),
                 steps=_steps(data["steps"]),
-                modules=tuple(ModuleRecord.from_dict(m) for m in seq(data["modules"], "modules")),
+                modules=_modules(data["modules"]),
                 timeline=tuple(Sample.from_dict(s) for s in _list(data, "timeline")),
                 notes=tuple(text(n, "a note") for n in _list(data, "notes")),
                 error=optional_text(data.get("error"), "error"),
                 live_at_error=_optional(data, "live_at_error", Breakdown.from_dict),
-                live_modules_at_error=tuple((text(a, "a module path"), count(b, "a module's bytes"))
-                                            for a, b in _rows(data, "live_modules_at_error", 2)),
+                live_modules_at_error=_live_modules(data),
                 optimizer=optional_text(data.get("optimizer"), "optimizer"),
                 optimizer_implementation=optional_text(data.get("optimizer_implementation"),
                                                         "optimizer_implementation"),
@@ -250,7 +249,7 @@ class Trace:
                 module_calls=tuple(ModuleCall.from_dict(c) for c in _list(data, "module_calls")),
                 optimizers=tuple(OptimizerSpec.from_dict(o) for o in _list(data, "optimizers")),
                 num_steps=optional_count(data.get("num_steps"), "num_steps"),
-                phase_stats=tuple(PhaseStats.from_dict(p) for p in _list(data, "phase_stats")),
+                phase_stats=_phase_stats(data),
                 schedule=optional_text(data.get("schedule"), "schedule"),
                 recorded_steps=tuple(_span(a, b) for a, b in _rows(data, "recorded_steps", 2)),
                 oom=_optional(data, "oom", OomRecord.from_dict),
@@ -319,12 +318,57 @@ def _optimizer_steps(data: Mapping[str, Any]) -> tuple[tuple[int, int, str], ...
 
 
 def _steps(items: Any) -> tuple[StepRecord, ...]:
-    """The steps kept in full, in the order they ran (each index once)."""
+    """The steps kept in full, in the order they ran (each index once), their phases in time order."""
     steps = tuple(StepRecord.from_dict(s) for s in seq(items, "steps"))
     for a, b in zip(steps, steps[1:]):
         if b.index <= a.index:
             raise corrupt(f"step {b.index} is recorded after step {a.index}")
+    _in_time_order(steps)
     return steps
+
+
+def _in_time_order(steps: tuple[StepRecord, ...]) -> None:
+    """Where a file gives a phase's times (schema 4 and later), each phase starts, peaks and ends in that order,
+    and starts no earlier than the phases recorded before it ended: phases run one after another, so a phase
+    that ends before it starts, or overlaps an earlier one, is no phase that ran (the exports would draw it
+    with a negative length)."""
+    ended: "float | None" = None  # the latest end of the phases before
+    for s in steps:
+        for p in s.phases:
+            where = f"step {p.step}'s {p.phase.value}" + (f" #{p.occurrence}" if p.occurrence else "") + " phase"
+            start, peak, end = p.start_us, p.peak_us, p.end_us
+            if start is not None and end is not None and end < start:
+                raise corrupt(f"{where} ends ({end} microseconds) before it starts ({start})")
+            if peak is not None and ((start is not None and peak < start) or (end is not None and peak > end)):
+                raise corrupt(f"{where} peaks at {peak} microseconds, outside its start ({start}) and end ({end})")
+            if start is not None and ended is not None and start < ended:
+                raise corrupt(f"{where} starts ({start} microseconds) before the phases recorded before it "
+                              f"ended ({ended})")
+            times = [t for t in (start, peak, end) if t is not None]
+            if times:
+                ended = max([*times, ended] if ended is not None else times)
+
+
+def _modules(items: Any) -> tuple[ModuleRecord, ...]:
+    """The module table: one record per module, by its path."""
+    modules = tuple(ModuleRecord.from_dict(m) for m in seq(items, "modules"))
+    listed_once((m.path for m in modules), "a module")
+    return modules
+
+
+def _live_modules(data: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """What each module's calls left live at the error: each module once."""
+    rows = tuple((text(a, "a module path"), count(b, "a module's bytes"))
+                 for a, b in _rows(data, "live_modules_at_error", 2))
+    listed_once((path for path, _ in rows), "a module live at the error")
+    return rows
+
+
+def _phase_stats(data: Mapping[str, Any]) -> tuple[PhaseStats, ...]:
+    """The per-phase statistics: one per kind of phase (phase, occurrence)."""
+    stats = tuple(PhaseStats.from_dict(p) for p in _list(data, "phase_stats"))
+    listed_once((f"{p.phase.value} #{p.occurrence}" for p in stats), "a phase's statistics")
+    return stats
 
 
 def _consistent(t: "Trace", *, stated_steps: bool) -> None:

@@ -198,6 +198,10 @@ def _consistent(t: Trace) -> None:
         highest(p.peak, p.start, p.end)
     assert [s.index for s in t.steps] == sorted({s.index for s in t.steps})
     assert all(p.step == s.index for s in t.steps for p in s.phases)
+    # Each module once; phases one after another, each starting, peaking and ending in that order.
+    assert len({m.path for m in t.modules}) == len(t.modules)
+    times = [x for p in t.phases for x in (p.start_us, p.peak_us, p.end_us) if x is not None]
+    assert times == sorted(times)
     if t.distributed is not None:
         assert 0 <= t.distributed.rank < t.distributed.world_size <= 2**20
 
