@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..vocabulary import Category, DEVICE_CATEGORIES
 from ..errors import InvalidArgumentError
+from ..analyse.generation import generation_summary
 from ..record.trace import Breakdown, ModuleRecord, as_trace
 from ..units import format_bytes, one_line, printable
 from .common import (CATEGORY_COLORS, NO_ESTIMATE, NO_FORMULA, NOT_MEASURED, module_columns, own_rows, quiet, signed,
                      size)
 from .svg import timeline_svg
 from .ranks import ranks_text
-from .text import oom_lines, rank_line
+from .text import generation_head, generation_rows, oom_lines, rank_line
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -224,12 +225,23 @@ def _modules_html(trace: "Trace", top: int) -> str:
     return _title(cols.title) + _table(headers, out)
 
 
+def _generation_html(trace: "Trace") -> str:
+    """The text report's "Generation" section (:func:`memprof.analyse.generation.generation_summary`, its lines
+    from :mod:`.text`): a heading and a table of its figures ("" for a run that did not decode with a cache)."""
+    g = generation_summary(trace)
+    if g is None:
+        return ""
+    return (f'<div style="{_H}">{_e(generation_head(g))}</div>'
+            + _table([("generation", "left"), ("", "right")], [[_e(k), _e(v)] for k, v in generation_rows(g)]))
+
+
 def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -> str:
     """The report as a self-contained HTML fragment (what ``Report._repr_html_`` shows).
 
     Title line (steps, mode, device, torch), the peak breakdown with bars of
-    each category's share, the phase table (the row of the global peak in
-    bold, each with a bar of its composition scaled to the highest phase), the
+    each category's share, a generation's figures (as the text report's section),
+    the phase table (the row of the global peak in bold, each with a bar of its
+    composition scaled to the highest phase), the
     ``top_modules`` modules by saved activations (leaves, plus each
     container's own ops, as :func:`memprof.render.plot.plot_modules` draws them) and
     the notes. Runs with more than ``max_phases`` phases show the first and
@@ -262,6 +274,7 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -
         if t.live_modules_at_error:
             rows = [[_e(p), _e(format_bytes(b))] for p, b in t.live_modules_at_error[:8]]
             parts.append(_table([("created by module", "left"), ("still live", "right")], rows))
+    parts.append(_generation_html(t))
     svg = timeline_svg(t)
     if svg:
         legend = " ".join(f'<span style="white-space:nowrap;margin-right:0.8em">{_swatch(c)}{_e(c.value)}</span>'

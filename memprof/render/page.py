@@ -2,8 +2,8 @@
 
 Everything is inline (CSS in one ``<style>`` block, the timeline as SVG); no script, no font, no
 network request. The body is the notebook view (:func:`memprof.render.html.report_html`: peak
-composition, timeline, phases, modules, notes) plus the reconciliation against the formulas; a run
-that ended in an out-of-memory error leads with what was live then.
+composition, a generation's figures, timeline, phases, modules, notes) plus the reconciliation against
+the formulas; a run that ended in an out-of-memory error leads with what was live then.
 """
 
 from __future__ import annotations

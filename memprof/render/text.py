@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..vocabulary import Category, Phase, TENSOR_CATEGORIES
+from ..vocabulary import Category, TENSOR_CATEGORIES
 from ..record.trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, one_line
+from ..analyse.generation import generation_summary
 from ..analyse.reconciler.mixed_layers import TEXTBOOK_FORM, mixed_layer_gap
 from .ranks import class_lines, rank_table_lines
 from .common import (NO_FORMULA, NOT_MEASURED, NO_ESTIMATE, clip_path, largest, module_columns, quiet, signed,
@@ -24,6 +25,7 @@ from .common import (NO_FORMULA, NOT_MEASURED, NO_ESTIMATE, clip_path, largest, 
 if TYPE_CHECKING:
     from ..record.parts import RankInfo
     from ..analyse.compare import Diff
+    from ..analyse.generation import GenerationSummary
     from ..analyse.merge import Merged
     from ..simulate.planner import BatchSizePlan
     from ..analyse.reconciler import Reconciliation, Textbook
@@ -142,28 +144,36 @@ def _module_lines(t: "Trace", top: int) -> list[str]:
 
 
 def generation_lines(t: "Trace") -> list[str]:
-    """A generation in a few lines: the prompt, the decode calls, the cache at the end and how it and the
-    temporaries grew per token."""
-    gen = t.generation
-    assert gen is not None
-    cache_phases = [p for p in t.phases if p.phase in (Phase.PREFILL, Phase.DECODE)]
-    prefill = [p for p in cache_phases if p.phase is Phase.PREFILL]
-    decode = [p for p in cache_phases if p.phase is Phase.DECODE]
-    tokens = [n for *_k, n in gen.tokens]
-    head = f"Generation: batch {gen.batch if gen.batch is not None else '?'}"
-    if prefill:
-        head += f", prompt {gen.tokens_at(prefill[0].step, 'prefill', prefill[0].occurrence)} tokens"
-    head += f", {len(decode)} decode phase(s), {tokens[-1] if tokens else '?'} tokens in the cache at the end"
-    lines = [head]
-    kv = [p.end[Category.KV_CACHE] for p in cache_phases]
-    if cache_phases and kv[-1] is not None:
-        lines.append(f"  kv_cache at the end of the last decode: {size(kv[-1])}")
-    growth = [b - a for a, b in zip(kv, kv[1:]) if a is not None and b is not None]
-    if len(decode) >= 2 and growth:
-        lines.append(f"  per token: kv_cache +{size(growth[-1])}; temporaries at the decode peaks "
-                     f"{size(decode[0].peak[Category.TEMPORARIES])} (first) to "
-                     f"{size(decode[-1].peak[Category.TEMPORARIES])} (last)")
-    return lines
+    """A generation in a few lines (:func:`memprof.analyse.generation.generation_summary`, which the HTML page
+    shows too): the prompt, the decode calls, the cache at the end and how it and the temporaries grew per
+    token."""
+    g = generation_summary(t)
+    assert g is not None
+    return [generation_head(g)] + [f"  {name}: {value}" for name, value in generation_rows(g)]
+
+
+def generation_head(g: "GenerationSummary") -> str:
+    """The section's first line: batch, prompt (and encoder input), decode calls, tokens at the end."""
+    head = f"Generation: batch {g.batch if g.batch is not None else '?'}"
+    if g.encoder_tokens is not None:
+        head += f", encoder {g.encoder_tokens} tokens"
+    if g.prompt_tokens is not None:
+        head += f", {'decoder prompt' if g.encoder_tokens is not None else 'prompt'} {g.prompt_tokens} tokens"
+    return head + (f", {g.decode_phases} decode phase(s), "
+                   f"{g.tokens_at_end if g.tokens_at_end is not None else '?'} tokens in the cache at the end")
+
+
+def generation_rows(g: "GenerationSummary") -> list[tuple[str, str]]:
+    """The section's figures as (name, value) lines, the same in the text report and the HTML page."""
+    rows = []
+    if g.cache_at_end is not None:
+        rows.append(("kv_cache at the end of the last call", size(g.cache_at_end)))
+    if g.growth_per_token is not None:
+        rows.append(("kv_cache per token", f"+{size(g.growth_per_token)}"))
+    if g.temporaries is not None:
+        first, last = g.temporaries
+        rows.append(("temporaries at the decode peaks", f"{size(first)} (first) to {size(last)} (last)"))
+    return rows
 
 
 def oom_lines(t: "Trace") -> list[str]:
