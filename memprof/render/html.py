@@ -65,15 +65,36 @@ MAX_NOTES = 50
 #: Most characters of one piece of text a page shows (an exception message, a note, a module's path):
 #: longer ones end in a marker that says how much was left out, so that no text makes the page large.
 MAX_TEXT = 2000
+#: Most characters of a name in a table cell (a module's path or type): a path this long is cut, not read.
+MAX_CELL = 500
+#: Most characters the notes show together (a run's notes are a few hundred characters each): past it a note
+#: is cut, and the notes after it are counted.
+MAX_NOTES_TEXT = 20_000
 
 
-def _e(value: Any) -> str:
-    """Text for the page: bounded (see :data:`MAX_TEXT`), with control characters (a NUL in an exception
-    message), bidirectional overrides and lone surrogates shown as escapes, as in the text report."""
+def _e(value: Any, limit: int = MAX_TEXT) -> str:
+    """Text for the page: bounded (at most ``limit`` characters, see :data:`MAX_TEXT`), with control characters
+    (a NUL in an exception message), bidirectional overrides and lone surrogates shown as escapes, as in the
+    text report. An escape is at most 6 characters of the page per character of the text (``&quot;``,
+    ``\\u202e``)."""
     text = str(value)
-    if len(text) > MAX_TEXT:
-        text = f"{text[:MAX_TEXT]}… ({len(text) - MAX_TEXT:,} more characters)"
+    if len(text) > limit:
+        text = f"{text[:limit]}… ({len(text) - limit:,} more characters)"
     return html.escape(printable(text), quote=True)
+
+
+def _notes_html(notes: Sequence[str]) -> str:
+    """The notes as a list: at most :data:`MAX_NOTES` of them and :data:`MAX_NOTES_TEXT` characters together,
+    the rest counted."""
+    items, budget = [], MAX_NOTES_TEXT
+    for note in notes[:MAX_NOTES]:
+        if budget <= 0:
+            break
+        items.append(f"<li>{_e(note, min(MAX_TEXT, budget))}</li>")
+        budget -= min(len(note), MAX_TEXT)
+    if len(notes) > len(items):
+        items.append(f'<li style="{_MUTED}">… {len(notes) - len(items):,} more in report.trace.notes</li>')
+    return f'<div style="{_H}">Notes</div><ul style="margin:2px 0 8px 1.2em;padding:0">' + "".join(items) + "</ul>"
 
 
 def _title(text: str) -> str:
@@ -212,7 +233,7 @@ def _modules_html(trace: "Trace", top: int) -> str:
     out = []
     for path, rec, r in rows:
         typ = r["type"] + (" (own ops)" if r["own"] else "")
-        row = [_e(path), _e(typ), _bytes(r["parameters"])]
+        row = [_e(path, MAX_CELL), _e(typ, MAX_CELL), _bytes(r["parameters"])]
         if cols.saved:
             row.append(_bytes(r["activations"]))
         row.append(_bytes(rec.peak_forward) if rec else dash)
@@ -272,7 +293,7 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -
         parts.append(f'<div style="{_H}">Live when the error was raised: {_bytes(t.live_at_error.total)}</div>')
         parts.append(breakdown_html(t.live_at_error, device_type=t.device.type))
         if t.live_modules_at_error:
-            rows = [[_e(p), _e(format_bytes(b))] for p, b in t.live_modules_at_error[:8]]
+            rows = [[_e(p, MAX_CELL), _e(format_bytes(b))] for p, b in t.live_modules_at_error[:8]]
             parts.append(_table([("created by module", "left"), ("still live", "right")], rows))
     parts.append(_generation_html(t))
     svg = timeline_svg(t)
@@ -289,11 +310,7 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -
     if top_modules > 0:
         parts.append(_modules_html(t, top_modules))
     if t.notes:
-        parts.append(f'<div style="{_H}">Notes</div><ul style="margin:2px 0 8px 1.2em;padding:0">')
-        parts.extend(f"<li>{_e(note)}</li>" for note in t.notes[:MAX_NOTES])
-        if len(t.notes) > MAX_NOTES:
-            parts.append(f'<li style="{_MUTED}">… {len(t.notes) - MAX_NOTES:,} more in report.trace.notes</li>')
-        parts.append("</ul>")
+        parts.append(_notes_html(t.notes))
     parts.append("</div>")
     return "".join(parts)
 

@@ -4,6 +4,14 @@ Everything is inline (CSS in one ``<style>`` block, the timeline as SVG); no scr
 network request. The body is the notebook view (:func:`memprof.render.html.report_html`: peak
 composition, a generation's figures, timeline, phases, modules, notes) plus the reconciliation against
 the formulas; a run that ended in an out-of-memory error leads with what was live then.
+
+The page is bounded whatever the trace holds (a file of any size, a trace built by hand): every text is cut
+at :data:`~memprof.render.html.MAX_TEXT` characters (a name in a table cell at ``MAX_CELL``), which escape
+to at most 6 bytes each; every list is cut at a fixed count (40 phases, 8 modules, 8 modules live at an
+error, 50 notes of :data:`~memprof.render.html.MAX_NOTES_TEXT` characters together, the reconciliation's
+rows per category); the timeline draws at most :data:`~memprof.render.svg.MAX_POINTS` moments per category
+and :data:`~memprof.render.svg.MAX_DRAWN_BANDS` phase bands. What a cap leaves out is counted on the page.
+The worst trace tests/integration/test_page_bound.py builds makes under 1 MB.
 """
 
 from __future__ import annotations

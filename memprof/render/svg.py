@@ -3,7 +3,8 @@
 Drawn for the HTML report and the notebook view alike: one stacked area per measured category over
 the memory curve (:mod:`memprof.render.curve`), phases as background bands, the run's peak marked.
 Past :data:`MAX_POINTS` moments the curve is thinned to the highest moment of each pixel column, so a
-peak is never thinned away and the file stays small for any run.
+peak is never thinned away, and at most :data:`MAX_DRAWN_BANDS` phase bands are drawn: the file stays small
+for any run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .curve import Point, curve, level, phase_times
 if TYPE_CHECKING:
     from ..record.trace import Trace
 
-__all__ = ["timeline_svg", "MAX_POINTS"]
+__all__ = ["timeline_svg", "MAX_POINTS", "MAX_DRAWN_BANDS"]
 
 #: Most moments drawn; more are thinned per pixel column, keeping each column's highest.
 MAX_POINTS = 1400
@@ -44,21 +45,33 @@ def _thin(points: Sequence[Point], x0: float, span: float, plot_w: float) -> lis
 MAX_BANDS = 600
 
 
-def _bands(t: "Trace", x: "Callable[[float], float]") -> list[tuple[float, float, Phase, str]]:
+#: Most phase bands drawn at all: twice the plot's width in pixels, which phases that follow one another never
+#: reach (past :data:`MAX_BANDS` each band drawn is a pixel wide or more). Phases that overlap (a trace built
+#: by hand: the loader refuses them) could each draw a band as wide as the plot; past this the rest are
+#: counted under the plot instead.
+MAX_DRAWN_BANDS = 2 * (_W - _LEFT - 8)
+
+
+def _bands(t: "Trace", x: "Callable[[float], float]") -> tuple[list[tuple[float, float, Phase, str]], int]:
+    """The phase bands to draw, and how many more were left out by :data:`MAX_DRAWN_BANDS`."""
     bands: list[tuple[float, float, Phase, str]] = []
     timed = phase_times(t)
     many = len(timed) > MAX_BANDS
+    left_out = 0
     for p, start, _, end in timed:
         if p.phase is Phase.OTHER:
             continue
         a, b = x(start), x(end)
         if many and bands and bands[-1][2] is p.phase and a - bands[-1][1] < 1:
-            bands[-1] = (bands[-1][0], b, p.phase, "")
+            bands[-1] = (bands[-1][0], max(b, bands[-1][1]), p.phase, "")
             continue
         if many and b - a < 1:
             continue
+        if len(bands) >= MAX_DRAWN_BANDS:
+            left_out += 1
+            continue
         bands.append((a, b, p.phase, "" if many else f"{p.phase.value} (step {p.step})"))
-    return bands
+    return bands, left_out
 
 
 def _drawn(points: Sequence[Point]) -> list[Category]:
@@ -96,10 +109,14 @@ def timeline_svg(trace: "Trace") -> str:
     out = [f'<svg viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" '
            f'role="img" aria-label="memory over time by category" style="max-width:100%;height:auto;'
            f'font-family:inherit;font-size:10px">']
-    for a, b, phase, title in _bands(t, x):
+    bands, left_out = _bands(t, x)
+    for a, b, phase, title in bands:
         tip = f"<title>{html.escape(title)}</title>" if title else ""
         out.append(f'<rect x="{a:.1f}" y="{_TOP}" width="{max(b - a, 0.5):.1f}" height="{plot_h}" '
                    f'fill="{PHASE_COLORS[phase]}" fill-opacity="0.10">{tip}</rect>')
+    if left_out:
+        out.append(f'<text x="{_LEFT + 4}" y="{_TOP + 22}" fill="currentColor">… {left_out:,} more phase bands '
+                   f'not drawn (phases overlap)</text>')
     base = [0.0] * len(points)
     for c in cats:
         upper = [b + (pt.breakdown[c] or 0) for b, pt in zip(base, points)]
