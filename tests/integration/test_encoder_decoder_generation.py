@@ -66,14 +66,20 @@ def _generate(name, big):
     build, heads_dims = MODELS[name]
     model = build(big).eval()
     inputs, source = _inputs(name, model, big)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)
     oracle = CacheOracle(model)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with memprof.profile(model) as prof, oracle:
-                model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)
+                profiled = model.generate(**inputs, max_new_tokens=N, min_new_tokens=N, do_sample=False)
     finally:
         oracle.close()
+    # Profiling changes nothing, and leaves no hook on the encoder.
+    assert torch.equal(plain, profiled)
+    assert not model.get_encoder()._forward_pre_hooks
     encoder = next(path for path, m in model.named_modules() if m is model.get_encoder())
     return prof.report(), oracle, source, heads_dims, encoder
 
