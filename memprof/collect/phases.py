@@ -138,12 +138,7 @@ class PhaseTracker:
     def begin(self, phase: Phase) -> None:
         run = self.run
         if self.encoder_open and phase is Phase.PREFILL:
-            # The decoder's first call, after the encoder: one prefill (generate() runs the encoder, prepares the
-            # decoder's inputs and its empty cache, then calls the model: generation/utils.py,
-            # _prepare_encoder_decoder_kwargs_for_generation, then _prefill).
-            self.encoder_open = False
-            run.scan_args = False
-            return
+            return _prefill_goes_on(self)  # the decoder's first call, after its encoder
         if phase is Phase.DECODE and self.merging():
             # A long generation: the calls after the first MAX_DECODE_PHASES - 1 share one phase.
             self.merged_decodes += 1
@@ -193,10 +188,8 @@ class PhaseTracker:
     def close(self) -> None:
         """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
         led, run = self.ledger, self.run
-        if self.encoder_open:  # no decoder call followed the encoder: a forward of the encoder alone
-            self.encoder_open = False
-            run.phase = Phase.FORWARD
-            self.where[led.phase_serial] = (run.step, Phase.FORWARD)
+        if self.encoder_open:
+            _encoder_alone(self)
         phase = run.phase
         end = led.totals
         ops = run.ops - self.phase_ops_start
@@ -393,6 +386,22 @@ def begin_encoder(tracker: PhaseTracker) -> None:
     # The loop's ops between the encoder and the decoder's call are looked at for inputs as they were in the
     # phase before (a prefill's own call looks at none).
     tracker.run.scan_args = scan
+
+
+def _prefill_goes_on(tracker: PhaseTracker) -> None:
+    """The decoder's first call, after the encoder: one prefill (generate() runs the encoder, prepares the
+    decoder's inputs and its empty cache, then calls the model: generation/utils.py,
+    _prepare_encoder_decoder_kwargs_for_generation, then _prefill). The phase goes on; its call looks at no
+    op for inputs, as a prefill's does."""
+    tracker.encoder_open = False
+    tracker.run.scan_args = False
+
+
+def _encoder_alone(tracker: PhaseTracker) -> None:
+    """No decoder call followed the encoder: the phase it began was a forward of the encoder alone."""
+    tracker.encoder_open = False
+    tracker.run.phase = Phase.FORWARD
+    tracker.where[tracker.ledger.phase_serial] = (tracker.run.step, Phase.FORWARD)
 
 
 def relabel_closed(tracker: PhaseTracker, serial: int, phase: Phase) -> "tuple[int, str, int] | None":
