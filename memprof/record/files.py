@@ -1,13 +1,18 @@
-"""Files memprof writes and reads: atomically written, strictly read.
+"""Files memprof writes and reads: atomically written, strictly and boundedly read. Every file memprof
+writes goes through :func:`write_bytes_atomic` (or its text and JSON forms), every file it reads through
+:func:`read_bytes` (or :func:`read_json`).
 
 A trace is written to a temporary file in the same folder, flushed to disk
 and renamed over the target, so a failed write (disk full, quota, a size
 limit) leaves the previous file intact. Only a regular file is replaced so: a
 link is followed to the file it names, a named pipe or a character device
 (``/dev/stdout``) is written into, and anything else (a folder, a socket, a
-disk) is refused before a byte is written. A file is read with every failure
-(not a file, unreadable, not UTF-8, not JSON, nested too deep) turned into
-a :class:`~memprof.errors.TraceFormatError` that names the file and the fix.
+disk), a read-only file or a folder memprof cannot write in is refused before
+a byte is written. A file is read only if it is a regular file no larger than
+:data:`MAX_FILE_BYTES` (a pipe cannot block the read, ``/dev/zero`` cannot fill
+memory), with every failure (not a file, too large, unreadable, not UTF-8, not
+JSON, nested too deep, out of memory) turned into a
+:class:`~memprof.errors.TraceFormatError` that names the file and the fix.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import stat
 import tempfile
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..errors import InvalidArgumentError, TraceFormatError, TraceNotFoundError
+from ..errors import InvalidArgumentError, MemprofError, TraceFormatError, TraceNotFoundError
 
 if TYPE_CHECKING:
     from .trace import Trace
 
 __all__ = ["write_text_atomic", "write_bytes_atomic", "write_json_atomic", "check_writable", "make_writable_folder",
-           "read_json", "load_trace"]
+           "read_bytes", "read_json", "load_trace", "max_file_bytes", "MAX_FILE_BYTES", "LIMIT_ENV"]
 
 
 def _path(path: Any, what: str) -> str:
@@ -73,9 +78,10 @@ def write_bytes_atomic(path: "str | os.PathLike[str]", data: bytes) -> None:
     permissions and owner); a symbolic link is followed, through any chain, and its final target
     written so (a dangling link creates the file it points to, if that folder exists); a named pipe
     or a character device (``/dev/stdout``, ``/dev/null``) is written into as it stands, never
-    replaced. A folder, a socket, a block device or a link that loops is refused with
-    :class:`InvalidArgumentError`, before anything is written; :func:`check_writable` makes the same
-    check alone.
+    replaced. A folder, a socket, a block device, a link that loops, a file a plain write could not
+    overwrite (read-only: see :func:`_refuse_read_only`) or a folder the temporary file cannot be made
+    in is refused with :class:`InvalidArgumentError`, before anything is written;
+    :func:`check_writable` makes the same check alone.
     """
     target = _target(path)
     if target.stream:
@@ -86,8 +92,8 @@ def write_bytes_atomic(path: "str | os.PathLike[str]", data: bytes) -> None:
 
 def check_writable(path: "str | os.PathLike[str]") -> None:
     """Refuse now, as :func:`write_bytes_atomic` would, a ``path`` memprof cannot write (a folder, a
-    socket, a block device, a looping link, a missing folder), so that a command can refuse all its
-    outputs before it writes any."""
+    socket, a block device, a looping link, a missing or unwritable folder, a read-only file), so that a
+    command can refuse all its outputs before it writes any."""
     _target(path)
 
 
@@ -131,8 +137,11 @@ def _target(path: Any) -> _Target:
             raise InvalidArgumentError(
                 f"cannot save to {name}: it leads to a file memprof cannot find by name ({real}); give the "
                 "file's own path")
+        _refuse_read_only(name, real, st)
+        _refuse_unwritable_folder(name, os.path.dirname(real), replacing=True)
         return _Target(real, stream=False, old=st)
     if stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode):
+        _refuse_read_only(name, name, st)
         return _Target(name, stream=True)
     via = "" if os.path.abspath(name) == os.path.realpath(name) else f" (through a link, {os.path.realpath(name)})"
     if stat.S_ISDIR(st.st_mode):
@@ -141,6 +150,39 @@ def _target(path: Any) -> _Target:
         f"cannot save to {name}: it is {_kind(st.st_mode)}{via}, not a file; memprof writes a regular file "
         "(replaced atomically), a named pipe or a character device such as /dev/stdout; give a file name "
         "such as run.json")
+
+
+def _refuse_read_only(name: str, real: str, st: os.stat_result) -> None:
+    """Refuse what stands at ``name`` if a plain write (a shell's ``>``, ``open(path, "w")``) could not overwrite
+    it: the rename that saves a file atomically needs only the folder's permission, so it would replace a file the
+    user protected, and keeping its mode would hide that it ever happened.
+
+    A file is read-only to memprof when this process may not write it (``os.access`` with the effective ids: the
+    owner, group and others bits, ACLs, a read-only mount), or when no one may (no write bit at all: ``chmod
+    a-w``, mode 0444). The second holds for root too, whom ``os.access`` lets write anything: a plain write as root
+    would succeed, but only by overriding the permissions, and whoever made a file unwritable for everyone (a
+    baseline kept for comparison, in a container or a CI job that runs as root) meant it as any user does. A file
+    some may write (another user's 0644) root writes, as its plain write would, and leaves that user's
+    (:func:`_keep_owner_and_mode`)."""
+    effective = os.access in os.supports_effective_ids
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o222 and os.access(real, os.W_OK, effective_ids=effective):
+        return
+    via = "" if real == name else f" (through a link, {real})"
+    who = "no one may write it" if not mode & 0o222 else "you may not write it"
+    raise InvalidArgumentError(
+        f"cannot save to {name}{via}: it is read-only, mode {mode:04o}: {who}; memprof replaces only what a "
+        f"plain write could overwrite: make it writable (chmod u+w {real}) or give another name")
+
+
+def _refuse_unwritable_folder(name: str, folder: str, *, replacing: bool) -> None:
+    """Refuse now a file memprof could not create in ``folder`` (the temporary file it renames over the target)."""
+    if os.access(folder, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return
+    why = (f"memprof writes the new file beside the old one in {folder} and renames it over it (so that a failed "
+           "write leaves the old one whole), and that folder is not writable" if replacing
+           else f"the folder {folder} is not writable")
+    raise InvalidArgumentError(f"cannot save to {name}: {why}; save it in a folder you can write")
 
 
 def _kind(mode: int) -> str:
@@ -156,6 +198,7 @@ def _new_file(name: str) -> _Target:
     real = os.path.realpath(name)
     folder = os.path.dirname(real)
     if os.path.isdir(folder):
+        _refuse_unwritable_folder(name, folder, replacing=False)
         return _Target(real, stream=False)
     via = "" if real == os.path.abspath(name) else f"it links to {real}, but "
     blocker = folder
@@ -241,33 +284,152 @@ def _sync_folder(folder: str) -> None:
         os.close(fd)
 
 
-def read_json(path: "str | os.PathLike[str]") -> Any:
-    """The JSON value in ``path``. A missing file raises :class:`TraceNotFoundError` (a
-    ``FileNotFoundError`` too); any other failure to read it as JSON raises :class:`TraceFormatError`."""
-    name = _path(path, "loading a trace")
-    fix = "give a file written by report.save()"
+#: The largest file memprof reads (a trace, a memory snapshot), unless ``MEMPROF_MAX_FILE_SIZE`` in the
+#: environment says otherwise (a size: ``4GiB``, ``500MB``, bytes). Far above any record memprof writes (each of
+#: its long parts is capped: 100,000 live storages, 20,000 router calls, the steps kept in full), and a bound on
+#: what a crafted or mistaken path costs: parsed, JSON takes several times its size in memory.
+MAX_FILE_BYTES = 2**30
+#: The environment variable that sets the limit in place of :data:`MAX_FILE_BYTES`.
+LIMIT_ENV = "MEMPROF_MAX_FILE_SIZE"
+_TRACE_FIX = "give a file written by report.save()"
+
+
+def max_file_bytes() -> int:
+    """The most bytes :func:`read_bytes` reads: ``MEMPROF_MAX_FILE_SIZE`` if set, else :data:`MAX_FILE_BYTES`
+    (read at each call, so a test or a long-lived process can change it)."""
+    from ..units import parse_size
+    from ..errors import SizeParseError
+
+    setting = os.environ.get(LIMIT_ENV, "").strip()
+    if not setting:
+        return MAX_FILE_BYTES
     try:
-        with open(name, encoding="utf-8") as fh:
-            return json.load(fh)
+        return parse_size(setting)
+    except SizeParseError as exc:
+        raise InvalidArgumentError(f"{LIMIT_ENV}={setting!r} is not a size ({exc}); give one such as 4GiB, or "
+                                   "unset it for the default (1 GiB)") from None
+
+
+def read_bytes(path: "str | os.PathLike[str]", *, what: str = "a trace", fix: str = _TRACE_FIX,
+               error: "type[MemprofError]" = TraceFormatError) -> bytes:
+    """The bytes of the regular file at ``path`` (a link to one is followed): the one way memprof reads a file.
+
+    Whatever stands there, the read is bounded in time and memory. The file is opened without waiting
+    (``O_NONBLOCK``: a named pipe with no writer cannot block it) and what was opened is checked, not the
+    path (no race with a rename): a pipe, a device (``/dev/zero``, a terminal), a folder or a socket is
+    refused before a byte is read. A file above :func:`max_file_bytes` is refused by its size, and at most
+    that many bytes plus one are read, so a file that grows while it is read is refused too. A missing file
+    raises :class:`TraceNotFoundError` (a ``FileNotFoundError``); anything else, the ``error`` class, naming
+    ``path``, what it is, and ``fix`` (what to give instead). ``what`` names the file expected ("a trace").
+    """
+    name = _path(path, f"reading {what}")
+    limit = max_file_bytes()
+    fd = _open_for_reading(name, what, fix, error)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            real = os.path.realpath(name)
+            via = "" if real == os.path.abspath(name) else f" (through a link, {real})"
+            raise error(f"{name} is {_node(st.st_mode)}{via}, not a file; memprof reads {what} from a regular "
+                        f"file only; {fix}")
+        if st.st_size > limit:
+            raise error(_too_large(name, st.st_size, limit, what))
+        data = _read_at_most(fd, limit + 1)
+        if len(data) > limit:  # it grew while being read (a log still written, a file in /proc)
+            raise error(_too_large(name, None, limit, what))
+        return data
+    except MemoryError:
+        raise error(f"{name} is too large to read in the memory this process may use; {fix}, or give the "
+                    "process more memory") from None
+    finally:
+        os.close(fd)
+
+
+def _open_for_reading(name: str, what: str, fix: str, error: "type[MemprofError]") -> int:
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(name, flags)
     except FileNotFoundError:
-        raise TraceNotFoundError(2, f"no such file: {name}; give the path of a trace written by report.save()",
-                                 name) from None
-    except IsADirectoryError:
-        raise TraceFormatError(f"{name} is a directory, not a trace file; {fix}") from None
+        raise TraceNotFoundError(errno.ENOENT, f"no such file: {name}; {fix}", name) from None
+    except IsADirectoryError:  # where a folder cannot be opened for reading at all
+        raise error(f"{name} is a folder, not a file; {fix}") from None
     except PermissionError:
-        raise TraceFormatError(f"{name} cannot be read (permission denied); {fix} that you can read") from None
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{name} is not valid JSON ({exc.msg} at line {exc.lineno}); {fix}") from None
+        raise error(f"{name} cannot be read (permission denied); {fix} that you can read") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            reason = "it is a symbolic link that loops"
+        elif exc.errno == errno.ENXIO:  # a socket, or a device with nothing behind it
+            reason = "it is a socket or a device, not a file"
+        else:
+            reason = exc.strerror or type(exc).__name__
+        raise error(f"{name} cannot be read ({reason}); {fix}") from None
+
+
+def _node(mode: int) -> str:
+    """What a path that is not a regular file is, in words."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISCHR(mode):
+        return "a character device (such as /dev/zero or a terminal)"
+    return _kind(mode)
+
+
+def _too_large(name: str, size: "int | None", limit: int, what: str) -> str:
+    from ..units import format_bytes
+
+    was = f"is {format_bytes(size)} ({size:,} bytes), above" if size is not None else "grew, while read, past"
+    return (f"{name} {was} the {format_bytes(limit)} memprof reads at most ({LIMIT_ENV}); if it is {what}, set "
+            f"{LIMIT_ENV} above its size (such as {LIMIT_ENV}=8GiB) to read it")
+
+
+def _read_at_most(fd: int, most: int) -> bytes:
+    """At most ``most`` bytes of ``fd``, in pieces, so that nothing is allocated ahead for a size the file
+    only claims (``os.read(fd, most)`` would allocate ``most`` bytes at once)."""
+    parts: list[bytes] = []
+    got = 0
+    while got < most:
+        try:
+            part = os.read(fd, min(most - got, 1 << 24))
+        except InterruptedError:  # pragma: no cover - retried by Python itself since PEP 475
+            continue
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def read_json(path: "str | os.PathLike[str]") -> Any:
+    """The JSON value in ``path``, read by :func:`read_bytes`. A missing file raises :class:`TraceNotFoundError`
+    (a ``FileNotFoundError`` too); any other failure to read it as JSON raises :class:`TraceFormatError`."""
+    name = _path(path, "loading a trace")
+    data = read_bytes(name)
+    try:
+        return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
-        raise TraceFormatError(f"{name} is not a text file; {fix}") from None
+        raise TraceFormatError(f"{name} is not a text file (not UTF-8); {_TRACE_FIX}") from None
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{name} is not valid JSON ({exc.msg} at line {exc.lineno}); {_TRACE_FIX}") from None
     except RecursionError:
-        raise TraceFormatError(f"{name} is nested too deeply to be a memprof trace; {fix}") from None
-    except (OSError, ValueError) as exc:
-        raise TraceFormatError(f"{name} cannot be read ({exc}); {fix}") from None
+        raise TraceFormatError(f"{name} is nested too deeply to be a memprof trace; {_TRACE_FIX}") from None
+    except MemoryError:
+        raise TraceFormatError(f"{name} ({len(data):,} bytes) is too large to parse in the memory this process may "
+                               f"use; {_TRACE_FIX}, or give the process more memory") from None
+    except ValueError as exc:
+        raise TraceFormatError(f"{name} cannot be read ({exc}); {_TRACE_FIX}") from None
 
 
 def load_trace(path: "str | os.PathLike[str]") -> "Trace":
-    """The Trace saved in ``path`` (see :func:`read_json` for the errors)."""
+    """The Trace saved in ``path`` (see :func:`read_json` for the errors; running out of memory while building
+    it is a :class:`TraceFormatError` too, never a bare ``MemoryError``)."""
     from .trace import Trace
 
-    return Trace.from_dict(read_json(path))
+    data = read_json(path)
+    try:
+        return Trace.from_dict(data)
+    except MemoryError:
+        del data
+        raise TraceFormatError(f"{os.fspath(path)} holds more than this process has the memory to load; "
+                               f"{_TRACE_FIX}, or give the process more memory") from None

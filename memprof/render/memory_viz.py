@@ -198,15 +198,20 @@ def read_snapshot(snapshot: Any) -> Any:
     import pickle
 
     from ..errors import InvalidArgumentError
+    from ..record.files import read_bytes
 
     if not isinstance(snapshot, (str, os.PathLike)):
         return snapshot
-    try:
-        with open(snapshot, "rb") as fh:
-            return pickle.load(fh)
+    fix = "give the file torch.cuda.memory._snapshot() was pickled to (memprof writes one beside an OOM dump)"
+    try:  # memprof's one reader: a regular file, bounded in size (a pipe or /dev/zero is refused)
+        data = read_bytes(snapshot, what="a memory snapshot", fix=fix, error=InvalidArgumentError)
     except FileNotFoundError:
-        raise InvalidArgumentError(f"no snapshot at {os.fspath(snapshot)}") from None
+        raise InvalidArgumentError(f"no snapshot at {os.fspath(snapshot)}; {fix}") from None
+    try:
+        return pickle.loads(data)
+    except MemoryError:
+        raise InvalidArgumentError(f"{os.fspath(snapshot)} is too large to unpickle in the memory this process may "
+                                   "use; give the process more memory") from None
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as exc:
         raise InvalidArgumentError(
-            f"{os.fspath(snapshot)} is not a pickled memory snapshot ({type(exc).__name__}); give the file "
-            "torch.cuda.memory._snapshot() was pickled to (memprof writes one beside an OOM dump)") from None
+            f"{os.fspath(snapshot)} is not a pickled memory snapshot ({type(exc).__name__}); {fix}") from None

@@ -185,7 +185,18 @@ REFUSED = {
     "a link that loops": (_loop, "symbolic link that loops"),
     "a link into a missing folder": (lambda d: (os.symlink("gone/x.json", d / "out"), d / "out")[1],
                                      "does not exist"),
+    # What a plain write could not overwrite: the rename would replace it and keep its mode (issue 36 item 12).
+    # No write bit for anyone: refused for root too, where os.access would say writable (see _refuse_read_only).
+    "a read-only file": (lambda d: _read_only(d, "out"), "it is read-only, mode 0444: no one may write it"),
+    "a link to a read-only file": (lambda d: (_read_only(d, "kept"), os.symlink("kept", d / "out"), d / "out")[2],
+                                   "it is read-only, mode 0444: no one may write it"),
 }
+
+
+def _read_only(d, name):
+    (d / name).write_text("kept as it was")
+    os.chmod(d / name, 0o444)
+    return d / name
 
 
 def _state(folder):
@@ -286,6 +297,91 @@ def test_the_check_alone_refuses_the_same(kind, tmp_path):
     path = build(tmp_path)
     with pytest.raises(InvalidArgumentError, match=what):
         check_writable(path)
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_every_writer_refuses_a_read_only_named_pipe(writer, tmp_path, trace_file, capsys):
+    # A read end is held open (_through_pipe), so that a writer which wrongly opened the pipe fails the test
+    # rather than waiting for a reader.
+    _fifo(tmp_path)
+    os.chmod(tmp_path / "fifo", 0o444)
+    error, got = _through_pipe(tmp_path / "fifo", lambda: WRITERS[writer](tmp_path / "fifo", trace_file, capsys))
+    assert got == b"" and error is not None and "it is read-only, mode 0444: no one may write it" in error
+
+
+def _access_denied_to(monkeypatch, denied):
+    """``os.access`` says no for ``denied`` (as for a user without the permission: root's says yes to all)."""
+    real = os.access
+
+    def access(path, mode, *args, **kwargs):
+        if os.fspath(path) == str(denied) and mode & os.W_OK:
+            return False
+        return real(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+
+
+def test_a_file_this_process_may_not_write_is_refused_though_others_may(tmp_path, monkeypatch):
+    # Another user's 0644 file, as that user's neighbour sees it: some may write it, this process may not.
+    path = tmp_path / "theirs.json"
+    path.write_text("theirs")
+    os.chmod(path, 0o644)
+    _access_denied_to(monkeypatch, path)
+    for write in (REPORT.save, REPORT.export_html, check_writable):
+        with pytest.raises(InvalidArgumentError) as info:
+            write(path)
+        assert str(info.value) == (f"cannot save to {path}: it is read-only, mode 0644: you may not write it; "
+                                   f"memprof replaces only what a plain write could overwrite: make it writable (chmod "
+                                   f"u+w {path}) or give another name")
+    assert path.read_text() == "theirs" and os.listdir(tmp_path) == ["theirs.json"]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write any file")
+def test_a_file_only_the_group_may_write_is_refused_to_its_owner(tmp_path):
+    # Mode 0464: the owner may read only, so a plain write by its owner fails; the rename would not.
+    path = tmp_path / "run.json"
+    path.write_text("kept")
+    os.chmod(path, 0o464)
+    with pytest.raises(InvalidArgumentError, match="read-only, mode 0464: you may not write it"):
+        REPORT.save(path)
+    assert path.read_text() == "kept"
+
+
+def test_a_folder_the_temporary_file_cannot_be_made_in_is_refused_before_writing(tmp_path, monkeypatch):
+    folder = tmp_path / "kept"
+    folder.mkdir()
+    (folder / "old.json").write_text("old")
+    _access_denied_to(monkeypatch, folder)
+    with pytest.raises(InvalidArgumentError, match=f"cannot save to {folder / 'new.json'}: the folder {folder} is "
+                                                   "not writable; save it in a folder you can write"):
+        check_writable(folder / "new.json")
+    with pytest.raises(InvalidArgumentError, match="renames it over it .* and that folder is not writable"):
+        REPORT.save(folder / "old.json")
+    assert os.listdir(folder) == ["old.json"] and (folder / "old.json").read_text() == "old"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write in any folder")
+def test_a_read_only_folder_is_refused_before_writing(tmp_path):
+    folder = tmp_path / "kept"
+    folder.mkdir()
+    os.chmod(folder, 0o555)
+    try:
+        with pytest.raises(InvalidArgumentError, match="is not writable"):
+            REPORT.save(folder / "new.json")
+    finally:
+        os.chmod(folder, 0o755)
+    assert os.listdir(folder) == []
+
+
+def test_a_writable_file_is_replaced_and_keeps_its_mode(tmp_path):
+    for mode in (0o600, 0o640, 0o200, 0o664):  # 0200: write-only to its owner, which a plain write could
+        path = tmp_path / f"run{mode:o}.json"
+        path.write_text("old")
+        os.chmod(path, mode)
+        REPORT.save(path)
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode
+        os.chmod(path, 0o600)
+        assert memprof.load(path).trace == REPORT.trace
 
 
 def test_dev_null_is_written_into_and_never_replaced(tmp_path):
