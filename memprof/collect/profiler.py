@@ -25,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, ProfilerStateError
+from ..errors import InvalidArgumentError, MemprofWarning, ProfilerStateError, error_text
 from ..record.trace import Breakdown, StepRecord, Trace
 from .allocator_source import allocator_phases, resolved_mode
 from .arguments import checked
@@ -59,6 +60,20 @@ _ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 # inner profile's hooks would hide every saved tensor from the outer one. A dict rather than a
 # threading.local, so that a profile ended from another thread still frees its thread's slot.
 _ACTIVE_THREADS: dict[int, int] = {}
+
+
+def _warn_ended_elsewhere(exc: BaseException) -> None:
+    """A profile ended with the user's ``exc`` in another thread than the one that started it: what a plain
+    ``stop()`` there raises (:class:`ProfilerStateError`) is said as a warning, never raised over ``exc``."""
+    try:
+        warnings.warn(
+            f"memprof: the profile was ended in another thread than the one that started it, with "
+            f"{error_text(exc, first_line=True)}: everything it installed is removed and the error is in its record, "
+            "but ops the starting thread ran meanwhile may be counted in part; end a profile in the thread that "
+            "started it (nothing is raised here, so that your error stays the one raised)",
+            MemprofWarning, stacklevel=4)
+    except Exception:  # warnings turned into errors: the user's error must still be the one they see
+        pass
 
 
 def profile(
@@ -210,18 +225,33 @@ class Profiler:
         else is either (what failed while closing is a warning and a note).
 
         Called in another thread than the one that started the profile, it removes everything as well
-        and the record says so; then, as leaving the ``with`` block there does, a plain ``stop()``
-        raises :class:`ProfilerStateError` (profiles are per thread), while ``stop(error)`` does not
-        raise over the error it records."""
+        and the record says so (ops that thread ran meanwhile may be counted in part); then, as leaving
+        the ``with`` block there does, a plain ``stop()`` raises :class:`ProfilerStateError` (profiles
+        are per thread), while ``stop(error)`` records the error and warns (:class:`MemprofWarning`)
+        instead: raising there would put memprof's error in place of yours in the handler that is about
+        to re-raise it. ``error`` that is no exception is refused with :class:`InvalidArgumentError`
+        once the profile has ended all the same (no hook stays installed)."""
         if self._state != "active":
             raise ProfilerStateError(
                 "stop() was called on a profiler that is not running (" + self._state_words() + "); call "
                 "prof.start() first, and stop() once"
             )
         if error is not None and not isinstance(error, BaseException):
-            raise InvalidArgumentError(
-                f"stop(error=...) takes the exception that ended the run, got {type(error).__name__}")
-        self.__exit__(type(error) if error is not None else None, error, None)
+            self._stop_refusing(error)
+        self._end(error)
+
+    def _stop_refusing(self, error: object) -> None:
+        """``stop(error=...)`` was given what is no exception: end the profile without it (a call from an
+        ``except`` block must not leave every hook installed), then refuse it, with what ending raised (a
+        profile ended in another thread, ``on_trace_ready``'s error) as its cause; an interrupt propagates."""
+        refused = InvalidArgumentError(
+            f"stop(error=...) takes the exception that ended the run, got {type(error).__name__}; the profile was "
+            "stopped without recording it")
+        try:
+            self.__exit__(None, None, None)
+        except Exception as exc:
+            raise refused from exc
+        raise refused
 
     @property
     def running(self) -> bool:
@@ -338,9 +368,16 @@ class Profiler:
         never over ``exc``, the body's exception, which propagates unchanged)."""
         if self._state != "active":
             return None
-        closing = self._closing = self._closing_steps()
-        closing.leave(exc, elsewhere=_get_ident() != self.run.thread)
+        self._end(exc)
         return None
+
+    def _end(self, exc: "BaseException | None") -> None:
+        """End the profile with ``exc`` (None: without an error), from the block's end or :meth:`stop`."""
+        elsewhere = _get_ident() != self.run.thread
+        closing = self._closing = self._closing_steps()
+        closing.leave(exc, elsewhere=elsewhere)
+        if elsewhere and exc is not None:
+            _warn_ended_elsewhere(exc)  # its stack level: the user's line that called stop() or __exit__
 
     def _closing_steps(self) -> Closing:
         return Closing(self.run, self.ledger, self._stack, self._release, self.collectors, self.oom_dump, self.live_now)

@@ -3,7 +3,8 @@
 Dispatch modes and saved-tensor hooks are per thread, so what another thread runs is not seen: every
 figure that depends on it says "not measured" (per module too), and the note names the thread, once.
 A profile ended from another thread removes everything it installed, the starting thread's dispatch
-mode included, and raises as leaving its block there does, except over an error it records.
+mode included, and raises as leaving its block there does, except over an error it records: that it
+says in a warning.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 import memprof
 from memprof import Category as C
 from memprof.collect.dispatch import DispatchMode
-from memprof.errors import ProfilerStateError
+from memprof.errors import InvalidArgumentError, MemprofWarning, ProfilerStateError
 
 from helpers import hook_registry, weight_bytes
 from models import MLP
@@ -122,10 +123,12 @@ def test_stop_from_another_thread_raises_as_leaving_the_block_there_does_and_nev
         assert len(raised) == 1 and isinstance(raised[0], ProfilerStateError)
         assert "ended in another thread" in str(raised[0])
         assert any("ended in another thread" in n for n in prof.trace.notes)
-    # Recording the user's exception there: nothing raised over it, and the record says where it ended.
+    # Recording the user's exception there: nothing raised over it (a warning says it instead), and the record
+    # says where it ended.
     err = ValueError("the user's")
     for end in (lambda p: p.stop(err), lambda p: p.__exit__(ValueError, err, None)):
-        model, x, prof, raised = _started_elsewhere_ended_here(end)
+        with pytest.warns(MemprofWarning, match="ended in another thread"):
+            model, x, prof, raised = _started_elsewhere_ended_here(end)
         assert raised == []
         assert prof.trace.error == "ValueError: the user's"
         assert any("ended in another thread" in n for n in prof.trace.notes)
@@ -139,6 +142,61 @@ def test_stop_from_another_thread_raises_as_leaving_the_block_there_does_and_nev
     assert after.pop(("global", "dispatch modes")) == depth
     before.pop(("global", "dispatch modes"))
     assert after == before
+
+
+def test_stop_with_an_error_from_another_thread_ends_everything_and_warns_without_raising():
+    # Raising in the handler that is about to re-raise the user's error would put memprof's in its place: the
+    # thread rule a plain stop() raises is a warning here, and the record holds the error and the note.
+    err = ValueError("the user's")
+    for end in (lambda p: p.stop(err), lambda p: p.__exit__(ValueError, err, None)):
+        with pytest.warns(MemprofWarning) as said:
+            model, x, prof, raised = _started_elsewhere_ended_here(end)
+        assert raised == [] and not prof.running
+        assert {w.filename for w in said} == {__file__}  # the user's line that ended it
+        assert [str(w.message) for w in said] == [
+            "memprof: the profile was ended in another thread than the one that started it, with ValueError: the "
+            "user's: everything it installed is removed and the error is in its record, but ops the starting thread "
+            "ran meanwhile may be counted in part; end a profile in the thread that started it (nothing is raised "
+            "here, so that your error stays the one raised)"]
+        assert prof.trace.error == "ValueError: the user's"
+        assert any("ended in another thread" in n for n in prof.trace.notes)
+        before = hook_registry(model, tensors=[x])
+        with memprof.profile(model) as again:  # its start pops the inert mode the end elsewhere left here
+            model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+        assert again.report().breakdown(0, "forward", "end")[C.ACTIVATIONS] > 0
+        after = hook_registry(model, tensors=[x])
+        assert {k: v for k, v in after.items() if k[0] != "global"} == {
+            k: v for k, v in before.items() if k[0] != "global"}
+
+
+def test_stop_with_an_error_in_the_starting_thread_neither_raises_nor_warns(recwarn):
+    model, x = MLP(), torch.randn(8, 32)
+    prof = memprof.profile(model).start()
+    model(x).sum().backward()
+    prof.stop(KeyError("k"))
+    assert prof.trace.error == "KeyError: 'k'" and not [w for w in recwarn if w.category is MemprofWarning]
+
+
+def test_stop_given_no_exception_ends_the_profile_then_refuses_it():
+    # From an except block: stop(sys.exc_info()) by mistake. The profile must not stay installed behind it.
+    model, x = MLP(), torch.randn(8, 32)
+    before = hook_registry(model, tensors=[x])
+    depth = torch._C._len_torch_dispatch_stack()
+    prof = memprof.profile(model).start()
+    model(x).sum().backward()
+    with pytest.raises(InvalidArgumentError) as info:
+        prof.stop(("ValueError", "boom"))
+    assert str(info.value) == ("stop(error=...) takes the exception that ended the run, got tuple; the profile was "
+                               "stopped without recording it")
+    assert not prof.running and prof.trace.error is None
+    assert torch._C._len_torch_dispatch_stack() == depth
+    model.zero_grad(set_to_none=True)
+    assert hook_registry(model, tensors=[x]) == before
+    # From another thread: the thread rule comes with it, as its cause.
+    model, x, prof, raised = _started_elsewhere_ended_here(lambda p: p.stop("boom"))
+    assert len(raised) == 1 and isinstance(raised[0], InvalidArgumentError) and not prof.running
+    assert isinstance(raised[0].__cause__, ProfilerStateError)
 
 
 def _mlp():
