@@ -380,8 +380,8 @@ def _too_large(name: str, size: "int | None", limit: int, what: str) -> str:
     from ..units import format_bytes
 
     was = f"is {format_bytes(size)} ({size:,} bytes), above" if size is not None else "grew, while read, past"
-    return (f"{name} {was} the {format_bytes(limit)} memprof reads at most ({LIMIT_ENV}); if it is {what}, set "
-            f"{LIMIT_ENV} above its size (such as {LIMIT_ENV}=8GiB) to read it")
+    return (f"{name} {was} the {format_bytes(limit)} ({limit:,} bytes) memprof reads at most ({LIMIT_ENV}); if it is "
+            f"{what}, set {LIMIT_ENV} above its size (such as {LIMIT_ENV}=8GiB) to read it")
 
 
 def _read_at_most(fd: int, most: int) -> bytes:

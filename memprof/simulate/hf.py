@@ -40,6 +40,7 @@ def load_config(source: Any) -> Any:
         raise InvalidArgumentError(f"give a transformers config, a folder holding config.json, the file or a hub id; "
                                    f"got {type(source).__name__}")
     path = os.fspath(source)
+    _read_bounded(path)
     if os.path.isfile(path):
         try:
             return transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) if
@@ -64,6 +65,18 @@ def load_config(source: Any) -> Any:
     except Exception as exc:  # transformers' own validation of the values (huggingface_hub's strict dataclasses)
         raise InvalidArgumentError(f"transformers refuses the config in {path} ({_last(exc)}); fix config.json") \
             from None
+
+
+def _read_bounded(path: str) -> None:
+    """Read a config on this machine (``path``, or the ``config.json`` in the folder ``path``) through memprof's
+    one reader first: a named pipe or a link to ``/dev/zero``, which transformers would read until it blocks or
+    fills memory, and a file above the size memprof reads, are refused naming the file; a hub id is left alone."""
+    from ..record.files import read_bytes
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if os.path.exists(file):
+        read_bytes(file, what="a transformers config", fix="give a config.json written by config.save_pretrained()",
+                   error=InvalidArgumentError)
 
 
 def _last(exc: BaseException) -> str:

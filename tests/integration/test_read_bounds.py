@@ -25,6 +25,7 @@ from memprof.cli import main
 from memprof.errors import InvalidArgumentError, MemprofError, TraceFormatError
 from memprof.record import files
 from memprof.render.memory_viz import read_snapshot
+from memprof.simulate.hf import load_config
 
 from factories import full_trace
 
@@ -39,7 +40,11 @@ READERS = {
     "memprof report": lambda p: main(["report", str(p)]),
     "memprof diff": lambda p: main(["diff", str(p), str(p)]),
     "memprof merge": lambda p: main(["merge", str(p)]),
+    # A transformers config on this machine, read before transformers reads it (which would block or fill memory).
+    "hf.load_config": load_config,
+    "memprof estimate --hf": lambda p: main(["estimate", "--hf", str(p), "--batch-size", "1", "--seq-len", "8"]),
 }
+CONFIGS = ("hf.load_config", "memprof estimate --hf")
 
 
 def _refusal(reader, path, capsys) -> str:
@@ -91,6 +96,8 @@ def test_what_is_not_a_regular_file_is_refused_before_a_byte_is_read(reader, tmp
     os.symlink("/dev/null", tty)  # a character device through a link: an empty read, still no file
     for path, what in ((folder, "is a folder"), (tmp_path / "sock.json", "socket"),
                        (tty, "is a character device (such as /dev/zero or a terminal) (through a link, /dev/null)")):
+        if path is folder and reader in CONFIGS:
+            what = f"no config.json in {folder}"  # a folder is where a config's config.json is looked for
         assert what in _refusal(reader, path, capsys)
 
 
@@ -110,11 +117,12 @@ def test_a_file_above_the_limit_is_refused_by_its_size_and_the_limit_is_named(tm
     monkeypatch.setenv(files.LIMIT_ENV, str(size - 1))
     from memprof.units import format_bytes
 
-    expected = (f"{path} is {format_bytes(size)} ({size:,} bytes), above the {format_bytes(size - 1)} memprof reads "
-                "at most (MEMPROF_MAX_FILE_SIZE); if it is a trace, set MEMPROF_MAX_FILE_SIZE above its size (such as "
+    expected = (f"{path} is {format_bytes(size)} ({size:,} bytes), above the {format_bytes(size - 1)} ({size - 1:,} "
+                "bytes) memprof reads at most (MEMPROF_MAX_FILE_SIZE); if it is a trace, set MEMPROF_MAX_FILE_SIZE above its size (such as "
                 "MEMPROF_MAX_FILE_SIZE=8GiB) to read it")
     for reader in READERS:
-        assert expected in _refusal(reader, path, capsys).replace("a memory snapshot", "a trace")
+        said = _refusal(reader, path, capsys)
+        assert expected in said.replace("a memory snapshot", "a trace").replace("a transformers config", "a trace")
     monkeypatch.delenv(files.LIMIT_ENV)
     assert files.max_file_bytes() == files.MAX_FILE_BYTES == 2**30
 
@@ -145,7 +153,7 @@ def test_a_file_that_grows_while_read_is_cut_at_the_limit_plus_one_byte(tmp_path
     monkeypatch.setenv(files.LIMIT_ENV, "1000")
     monkeypatch.setattr(os, "fstat", fstat_says_empty)
     monkeypatch.setattr(os, "read", counted_read)
-    with pytest.raises(TraceFormatError, match=f"{path} grew, while read, past the 1000 B memprof reads at most"):
+    with pytest.raises(TraceFormatError, match=f"{path} grew, while read, past the 1000 B \\(1,000 bytes\\) memprof reads at most"):
         memprof.load(path)
     assert sum(asked) == 1001
 
@@ -172,8 +180,10 @@ def test_running_out_of_memory_while_loading_is_one_error(tmp_path, monkeypatch)
 _CHILD = textwrap.dedent("""
     import json, resource, sys
     import memprof
+    import transformers  # imported before the limit, as a program that uses it has
     from memprof.cli import main
     from memprof.render.memory_viz import read_snapshot
+    from memprof.simulate.hf import load_config
 
     def vm():
         with open("/proc/self/status") as f:
@@ -183,7 +193,7 @@ _CHILD = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_AS, (vm() + headroom, resource.RLIM_INFINITY))
     out = {}
     for name, read in (("load", memprof.load), ("merge", lambda p: memprof.merge([p])),
-                       ("snapshot", read_snapshot), ("cli", lambda p: main(["report", p]))):
+                       ("snapshot", read_snapshot), ("config", load_config), ("cli", lambda p: main(["report", p]))):
         try:
             out[name] = repr(read(sys.argv[1]))
         except BaseException as exc:
@@ -207,7 +217,7 @@ def test_a_link_to_dev_zero_and_a_file_too_large_for_memory_are_one_error_each(t
     # A crafted archive of traces can carry a link to /dev/zero: refused before a byte is read.
     os.symlink("/dev/zero", tmp_path / "zero.json")
     got, err = _child(tmp_path, tmp_path / "zero.json", 512 * 2**20)
-    for name in ("load", "merge", "snapshot"):
+    for name in ("load", "merge", "snapshot", "config"):
         assert "is a character device (such as /dev/zero or a terminal) (through a link, /dev/zero)" in got[name]
         assert not got[name].startswith("MemoryError")
     assert got["cli"] == "1" and err.count("\n") == 1 and "through a link, /dev/zero" in err
