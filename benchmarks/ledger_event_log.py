@@ -35,7 +35,8 @@ from _machine import command_line, import_memprof, write_results  # benchmarks r
 import torch
 
 import_memprof()
-from memprof.collect.ledger import TEMPORARIES, Entry, Ledger  # noqa: E402  (after import_memprof)
+from memprof.collect.frame_stack import push_frame  # noqa: E402  (after import_memprof)
+from memprof.collect.ledger import TEMPORARIES, Entry, Ledger  # noqa: E402
 
 #: Storages made per run; the first few fill the window and set the peak.
 STORAGES = 3000
@@ -110,7 +111,7 @@ def count(ledger_type: type, every: int) -> tuple[float, float]:
     tensors: list[Any] = [torch.empty(4) for _ in range(STORAGES)]
     storages: list[Any] = [t.untyped_storage() for t in tensors]
     led = ledger_type()
-    led.push_frame(0, backward=False)
+    push_frame(led, 0, backward=False)
     reduce = getattr(led, "reduce", None)
     ours = {__file__, sys.modules[Ledger.__module__].__file__}
     opcodes = frames = 0
@@ -124,7 +125,7 @@ def count(ledger_type: type, every: int) -> tuple[float, float]:
     def per_call(frame: Any, event: str, arg: Any) -> Any:
         nonlocal frames
         code = frame.f_code
-        if code.co_filename in ours and code.co_name in ("add", "_freed", "reduce", "check_peak"):
+        if code.co_filename in ours and code.co_name in ("add", "_freed", "settle", "reduce", "check_peak"):
             frames += 1
             frame.f_trace_opcodes = True
             return per_opcode

@@ -7,6 +7,7 @@ problem and the fix, so a user never has to read a traceback from inside torch.
 from __future__ import annotations
 
 import re
+import signal
 from typing import Any, Mapping
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "MemoryBudgetExceeded",
     "BudgetNotMeasured",
     "MemoryGrewError",
+    "is_interrupt",
 ]
 
 
@@ -182,5 +184,53 @@ def _str(exc: BaseException) -> str:
     try:
         text = str(exc)
     except Exception as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception is the user's, even while memprof reads an error's text
         return f"<its message could not be read: str() raised {type(failure).__name__}>"
     return text if type(text) is str else str.__str__(text)
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Is ``exc`` the user's interruption rather than a failure memprof may contain: anything that is not an
+    ``Exception`` (Ctrl-C's ``KeyboardInterrupt``, ``SystemExit``), or an exception raised by a Python signal
+    handler installed now (a preemption handler that raises to save a checkpoint). Python runs a handler at
+    the next bytecode of the main thread, wherever that is, memprof's own code included; an exception it
+    raises there belongs to the user, and every place where memprof contains its own failures lets it through.
+
+    Told by the traceback: the handler's frame is among the frames the exception came through. Run only when
+    something was raised, never on a path that succeeds.
+    """
+    if not isinstance(exc, Exception):
+        return True
+    tb = exc.__traceback__
+    if tb is None or tb.tb_next is None:
+        # Raised by a C call in the frame that catches it (a storage read, a lookup): no handler ran beneath.
+        # The common case where memprof expects an exception, answered without reading the handlers.
+        return False
+    codes = _handler_codes()
+    while tb is not None:
+        if tb.tb_frame.f_code in codes:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _handler_codes() -> "set[Any]":
+    """The code objects of the Python functions installed as signal handlers (a bound method's function, a
+    partial's, a callable object's ``__call__``)."""
+    codes = set()
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (ValueError, OSError):  # a signal Python cannot read the handler of here
+            continue
+        if not callable(handler) or handler is signal.default_int_handler:
+            continue  # SIG_DFL, SIG_IGN, None (set from C), or Ctrl-C's default (C: its KeyboardInterrupt counts)
+        target = getattr(handler, "func", handler)  # functools.partial
+        target = getattr(target, "__func__", target)  # a bound method
+        code = getattr(target, "__code__", None)
+        if code is None:  # a callable object: its class's __call__
+            code = getattr(getattr(type(target), "__call__", None), "__code__", None)  # noqa: B004
+        if code is not None:
+            codes.add(code)
+    return codes

@@ -34,6 +34,7 @@ from urllib.parse import quote
 
 import pytest
 
+
 if TYPE_CHECKING:
     from .report import Report
     from .report.estimates import Estimate
@@ -270,6 +271,8 @@ def pytest_runtest_call(item: pytest.Item):
         try:
             problems = _collect_and_save(item)[1]
         except Exception as exc:  # pragma: no cover - defensive
+            if _is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             problems = [f"memprof could not save this test's reports: {exc!r}"]
         from .errors import MemprofWarning
 
@@ -470,3 +473,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if saved:
         folder = config.getoption("memprof_save_dir", None)
         terminalreporter.write_line(f"memprof: wrote {len(saved)} report(s) to {folder}")
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    # Imported here: the plugin module loads in every pytest run, without torch or memprof (see its docstring).
+    from .errors import is_interrupt
+
+    return is_interrupt(exc)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from ..errors import is_interrupt
 from .caches import CacheSpec, latent_attention_dims
 
 __all__ = ["cache_spec"]
@@ -50,7 +51,9 @@ def cache_spec(config: Any) -> "CacheSpec | None":
             config = get_text(decoder=True)
         except TypeError:  # an older signature without ``decoder``
             config = get_text()
-        except Exception:  # a config that cannot say: read it as it is
+        except Exception as failure:  # a config that cannot say: read it as it is
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             pass
     read = _reader(config)
     layers = _int(read, "num_hidden_layers", "n_layer", "num_layers")
@@ -85,7 +88,9 @@ def _reader(config: Any) -> Callable[[str], Any]:
     def read(name: str) -> Any:
         try:
             return _get(config, name)
-        except Exception:  # a property that raises on this config (an inconsistent attribute map)
+        except Exception as failure:  # a property that raises on this config (an inconsistent attribute map)
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             return None
     return read
 

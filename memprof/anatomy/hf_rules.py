@@ -30,6 +30,7 @@ import importlib
 import sys
 from typing import Any, Sequence
 
+from ..errors import is_interrupt
 from .activations import _ALIASES, TensorMeta, _any_param_grad, _input_saving, _saves_input, register_saved_rule_by_name
 
 __all__: list[str] = []
@@ -89,7 +90,9 @@ def _same_code(cls: type, qualname: str) -> bool:
         return False  # the reference itself: its own name already finds the rule
     try:  # transformers is imported (the model is one of its classes); the reference's module may not be yet
         ref = getattr(sys.modules.get(module_name) or importlib.import_module(module_name), class_name)
-    except Exception:  # another transformers version without it
+    except Exception as failure:  # another transformers version without it
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return False
     a, b = getattr(vars(cls)["forward"], "__code__", None), getattr(getattr(ref, "forward", None), "__code__", None)
     if a is None or b is None:

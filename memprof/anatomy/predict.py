@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Iterator
 
+from ..errors import is_interrupt
 from .activations import TensorMeta, rule_for_classes
 from .optimizers import predict_optimizer_state_bytes, predict_optimizer_step_transient_bytes
 
@@ -74,6 +75,8 @@ def predict_activations(trace: "Trace") -> ActivationPrediction:
             value = rule(ModuleView(call), [_meta(t) for t in call.inputs],
                          _meta(call.output) if call.output is not None else None, device, call.grad)
         except Exception as exc:  # a user's rule that fails is reported, never guessed around
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             failed.append(f"{name}: {exc!r}")
             continue
         total += value
@@ -96,6 +99,8 @@ def predict_optimizers(trace: "Trace") -> OptimizerPrediction:
             states.append(predict_optimizer_state_bytes(view))
             transients.append(predict_optimizer_step_transient_bytes(view))
         except Exception as exc:  # a formula must never break a reconciliation
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             failed.append(f"{spec.classes[0] if spec.classes else '?'}: {exc!r}")
             states.append(None)
             transients.append(None)

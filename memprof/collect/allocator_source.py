@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, is_interrupt
 from ..vocabulary import Phase
 from .allocation_events import Live, Window, reduce_window
 from .ledger import CATEGORY_OF_INDEX
@@ -85,13 +85,16 @@ def allocator_phases(prof: Any) -> "tuple[AllocatorPhase, ...]":
 def known_addresses(ledger: "Ledger") -> dict[int, list[Any]]:
     """The data address of every storage the ledger holds live: [bytes counted, category value]."""
     out: dict[int, list[Any]] = {}
+    ledger.settle()
     for entry in list(ledger.entries.values()):
         storage = entry()
         if storage is None:
             continue
         try:
             addr = storage.data_ptr()
-        except RuntimeError:  # a storage without data (fake, meta): nothing the allocator gave
+        except RuntimeError as failure:  # a storage without data (fake, meta): nothing the allocator gave
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             continue
         if addr:
             out[addr] = [entry.nbytes, CATEGORY_OF_INDEX[entry.cat].value]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..errors import is_interrupt
 from ..vocabulary import Phase
 from ..record.specs import ModuleCall, NotDescribed, TensorSpec, plain_config
 from .module_table import class_names, tensors_in_args
@@ -62,6 +63,8 @@ class Capture:
             self.pending[index] = tuple(TensorSpec.of(t) for t in tensors_in_args(args, kwargs)
                                         if t.is_floating_point() or not t.is_complex())
         except Exception as exc:  # whatever the user's objects raise when read, the step runs as without memprof
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self.give_up(index, "took", exc)
 
     def call_ended(self, index: int, module: nn.Module, output: Any, args: Any, kwargs: Any) -> None:
@@ -72,11 +75,15 @@ class Capture:
         try:
             outs = [TensorSpec.of(t) for t in tensors_in_args((output,), None)]
         except Exception as exc:  # as in call_began
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self.give_up(index, "returned", exc)
             return
         try:
             call = self._call(index, module, inputs, outs, args, kwargs)
         except Exception as exc:  # its arguments' or its own attributes
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self.give_up(index, "holds", exc)
             return
         self.module_calls.append((index, call))

@@ -24,6 +24,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..errors import is_interrupt
 from ..record.trace import OPTIMIZER_STEP_KINDS as KINDS
 from .ledger import TEMPORARIES
 from .mode_stack import pop_from_beneath, push_beneath
@@ -147,7 +148,9 @@ class StepCarry:
                 # Positional arguments too (a closure of None, an optimizer of the user's that takes others).
                 given = dict(kwargs or {}, **{f"#{i}": a for i, a in enumerate(args[1:], 1)})
                 signature = step_signature(opt, given, mode)
-            except Exception:  # an unusual optimizer must never break the measurement: measured
+            except Exception as failure:  # an unusual optimizer must never break the measurement: measured
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 signature = None
             pair = self.known.get(id(opt))
             if pair is not None and pair[0]() is opt and signature is not None and pair[1].signature == signature:
@@ -208,7 +211,9 @@ class StepCarry:
         assert known is not None
         try:
             state = state_signature(opt)
-        except Exception:
+        except Exception as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             state = None
         unchanged = led.totals == step.totals and len(led.entries) == step.entries and state == step.state \
             and self.closes == step.closes
@@ -234,7 +239,8 @@ class StepCarry:
             return
         ghost = _Ghost(nbytes)
         self.ledger.add(ghost, TEMPORARIES)
-        del ghost  # freed: the ledger's weak reference calls it back, as for a storage torch frees
+        del ghost  # freed: the ledger's weak reference queues it, as for a storage torch frees
+        self.ledger.settle()
 
     def _measured(self, opt: Any, step: _Step) -> None:
         led, run, phases = self.ledger, self.run, self.phases
@@ -277,7 +283,9 @@ class StepCarry:
             with_grad = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             formula = predict_optimizer_step_transient_bytes(opt, with_grad)
             impl = optimizer_implementation(opt, with_grad)
-        except Exception:  # no formula, or groups with different implementations: nothing to compare
+        except Exception as failure:  # no formula, or groups with different implementations: nothing to compare
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             return
         if formula is None or measured == formula or (impl == "for-loop" and measured <= formula):
             return

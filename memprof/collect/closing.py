@@ -17,7 +17,7 @@ import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import MemprofWarning, ProfilerStateError, error_text
+from ..errors import MemprofWarning, ProfilerStateError, error_text, is_interrupt
 from .oom import is_oom, oom_record
 from .freeze import AtError, build_trace
 from .undo import Failure, Failures, attempt, undo
@@ -86,9 +86,9 @@ class Closing:
         attempt(said, "saying what failed", self.say, own, exc is not None)
         if exc is not None:
             return  # nothing raises over the body's exception
-        interrupts = [f.exc for f in own + said if not isinstance(f.exc, Exception)]
+        interrupts = [f.exc for f in own + said if is_interrupt(f.exc)]
         if interrupts:
-            raise interrupts[0]  # the user's Ctrl-C, now that nothing of memprof's is left installed
+            raise interrupts[0]  # the user's Ctrl-C (or handler), now that nothing of memprof's is left installed
         if callback:
             raise callback[0]  # the user's on_trace_ready: its exception as it raised it
         if elsewhere:
@@ -115,7 +115,9 @@ class Closing:
             return
         try:
             oom = is_oom(exc)
-        except Exception:  # the exception's own __str__ raised: it cannot be told to be an OOM
+        except Exception as failure:  # the exception's own __str__ raised: it cannot be told to be an OOM
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             oom = False
         if not attempt(failures, "recording what was live at the error", self.record_live, oom) and _interrupted(
                 failures):
@@ -205,21 +207,22 @@ class Closing:
             if self.trace is not None:
                 notes = list(dict.fromkeys(self.trace.notes + tuple(notes)))
                 self.trace = dataclasses.replace(self.trace, notes=tuple(notes))
-        warn([f for f in failures if raised or isinstance(f.exc, Exception)], "while the profile was closed")
+        warn([f for f in failures if raised or not is_interrupt(f.exc)], "while the profile was closed")
 
 
 def _failure_note(failure: Failure) -> str:
     what, exc = failure.what, failure.exc
     if what == _CALLBACK:
         return f"on_trace_ready raised {error_text(exc)} at the end of the profile, while an error was leaving it"
-    if not isinstance(exc, Exception):
+    if is_interrupt(exc):
         return f"the profile's closing was interrupted ({type(exc).__name__}) while {what}: the record lacks that part"
     return f"memprof failed while {what} ({error_text(exc)}): the record lacks that part"
 
 
 def _interrupted(failures: Failures) -> bool:
-    """Was the last failure an interrupt (a second Ctrl-C), after which only undoing goes on?"""
-    return not isinstance(failures[-1].exc, Exception)
+    """Was the last failure an interrupt (a second Ctrl-C, a signal handler's exception), after which only
+    undoing goes on?"""
+    return is_interrupt(failures[-1].exc)
 
 
 def warn(failures: Failures, when: str) -> None:
@@ -230,5 +233,7 @@ def warn(failures: Failures, when: str) -> None:
     try:
         warnings.warn(f"memprof: {len(failures)} step(s) failed {when} ({what}); everything it installed was "
                       "removed", MemprofWarning, stacklevel=4)
-    except Exception:  # warnings turned into errors: the user's code must still not see memprof's failure
+    except Exception as failure:  # warnings turned into errors: the user's code must still not see memprof's failure
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         pass

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..errors import is_interrupt
 from ..record.trace import DeviceInfo
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes
@@ -124,16 +125,22 @@ class DeviceProbe:
                 if uuid is not None:
                     try:
                         handle = pynvml.nvmlDeviceGetHandleByUUID(("GPU-" + str(uuid)).encode())
-                    except Exception:
+                    except Exception as failure:
+                        if is_interrupt(failure):
+                            raise  # a signal handler's exception (errors.is_interrupt) is the user's
                         handle = None
                 if handle is None:
                     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                 self._nvml_handle = handle
-            except ImportError:
+            except ImportError as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 self._notes.append(
                     "outside_torch not measured: install the nvml extra (pip install 'torch-memprof[nvml]')"
                 )
             except Exception as exc:  # NVML missing from the driver, no permission, ...
+                if is_interrupt(exc):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 self._notes.append(f"outside_torch not measured: NVML unavailable ({exc})")
         if self._nvml_handle is None:
             return None
@@ -141,7 +148,9 @@ class DeviceProbe:
 
         try:
             procs = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml_handle)
-        except Exception:
+        except Exception as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             return None
         pid = os.getpid()
         for proc in procs:

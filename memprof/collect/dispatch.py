@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..errors import is_interrupt
 from ..vocabulary import Phase
 from .autocast_state import emulated_autocast_dtype
 from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, inner_tensors, is_wrapper, storage_of
@@ -130,6 +131,8 @@ class DispatchMode(TorchDispatchMode):
             tracker.backward_started()
         if kind == _NEW_OUTPUTS:
             led = tracker.ledger
+            if led.released:
+                led.settle()  # a storage freed since may have had an output's address
             entries = led.entries
             on_cpu = tracker.on_cpu
             for o in (out,) if type(out) is _PLAIN else out if isinstance(out, (tuple, list)) else ():
@@ -143,7 +146,9 @@ class DispatchMode(TorchDispatchMode):
                     continue
                 try:  # storage_of() inlined: this runs for every op output
                     st = o.untyped_storage()
-                except (RuntimeError, NotImplementedError):
+                except (RuntimeError, NotImplementedError) as failure:
+                    if is_interrupt(failure):
+                        raise  # a signal handler's exception (errors.is_interrupt) is the user's
                     continue
                 if st._cdata not in entries:
                     led.add(st, TEMPORARIES)
@@ -241,10 +246,12 @@ class StorageTracker:
 
     def install(self) -> None:
         # Again at every install: a flag on the code objects, which nothing else should clear. The handler and
-        # the ledger's weak-reference callback both run wherever an op runs or a storage dies, also inside a
-        # compiled frame whose graph broke at an op, where dynamo looks at every new Python frame.
+        # the ledger's settling of what torch released run wherever an op runs, also inside a compiled frame
+        # whose graph broke at an op, where dynamo looks at every new Python frame.
         skip_dynamo(DispatchMode.__torch_dispatch__.__code__)
-        skip_dynamo(type(self.ledger)._freed.__code__)
+        ledger = type(self.ledger)
+        for method in (ledger.settle, ledger.move):
+            skip_dynamo(method.__code__)
         mode = _reusable_orphan()
         if mode is not None:
             # A mode of ours left beneath one that could not be moved (a fake or proxy mode): it is
@@ -312,6 +319,8 @@ class StorageTracker:
         if st is None:
             return
         led = self.ledger
+        if led.released:
+            led.settle()
         entry = led.entries.get(st._cdata)
         if entry is None:
             led.add(st, TEMPORARIES)
@@ -327,7 +336,12 @@ class StorageTracker:
 
     def entry_of(self, t: torch.Tensor) -> "Entry | None":
         st = storage_of(t)
-        return self.ledger.entries.get(st._cdata) if st is not None else None
+        if st is None:
+            return None
+        led = self.ledger
+        if led.released:
+            led.settle()
+        return led.entries.get(st._cdata)
 
     def tag(self, t: torch.Tensor, tag: int) -> None:
         entry = self.entry_of(t)
@@ -337,14 +351,19 @@ class StorageTracker:
     def scan_inputs(self, args: Iterable[Any]) -> None:
         # Tensors that come from outside the profile (targets handed to the
         # loss, masks) are inputs; known storages are skipped in O(1).
-        entries = self.ledger.entries
+        led = self.ledger
+        if led.released:
+            led.settle()
+        entries = led.entries
         for a in args:
             if isinstance(a, torch.Tensor):
                 if type(a) is not _PLAIN and self.foreign_fake(a):
                     continue  # DTensor's global-shape metadata (the loss under loss_parallel): not the batch
                 try:  # storage_of() inlined: this runs for every op argument
                     st = a.untyped_storage()
-                except (RuntimeError, NotImplementedError):
+                except (RuntimeError, NotImplementedError) as failure:
+                    if is_interrupt(failure):
+                        raise  # a signal handler's exception (errors.is_interrupt) is the user's
                     continue
                 if st._cdata not in entries and a.device == self.device:
                     self.ledger.add(st, INPUTS)
@@ -496,7 +515,9 @@ def _op_info(func: Any) -> tuple[int, Any, Any]:
             # Views and in-place ops return storages they were given: no new memory.
             aliases = bool(returns) and all(r.alias_info is not None for r in returns)
             writes = aliases and any(r.alias_info.is_write for r in returns)
-        except Exception:
+        except Exception as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             aliases = writes = False
         # In-place ops (_ALIASES) write their result; views (_VIEW) move no data at all.
         kind = (_ALIASES if writes else _VIEW) if aliases else _NEW_OUTPUTS

@@ -19,6 +19,7 @@ import torch
 from ..vocabulary import Phase
 from . import timeline as _timeline
 from .ledger import Frame
+from .frame_stack import pop_frame, push_frame_below, remove_frame
 from .state import EXACT
 from .torch_compat import COMPILER as _COMPILER, is_dynamo_compiling as _dynamo_compiling
 
@@ -56,7 +57,10 @@ class Frames:
         if self.run.mode != EXACT:
             return  # op-level memory is not seen in light mode
         info = self.table.info[frame.module]
-        total = self.ledger.total
+        led = self.ledger
+        if led.released:
+            led.settle()
+        total = led.total
         rise = frame.max - frame.entry  # what the call added at its worst
         scratch = max(0, frame.max - max(total, frame.entry))  # what it needed but released by its end
         if frame.backward:
@@ -71,7 +75,7 @@ class Frames:
         led = self.ledger
         for f in list(led.frames):
             if f.backward:
-                for g in led.pop_frame(f):
+                for g in pop_frame(led, f):
                     self.close_frame(g)
                 break
         self.bw_frames.clear()
@@ -80,7 +84,7 @@ class Frames:
 
     def enter_hook(self, index: int) -> Any:
         """The hook that opens module ``index``'s backward frame (its output's gradient arrived). It runs for
-        every module call's backward: Ledger.push_frame, ModuleTable.is_ancestor and Timeline.sample are
+        every module call's backward: frame_stack.push_frame, ModuleTable.is_ancestor and Timeline.sample are
         written out in it (each call would be a Python frame)."""
         run, led, table, timeline, bw_frames = self.run, self.ledger, self.table, self.timeline, self.bw_frames
         stack = led.frames
@@ -89,6 +93,8 @@ class Frames:
         def enter(_grad: Any) -> None:
             if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling()
                 return
+            if led.released:
+                led.settle()  # what torch released since: the frames and samples read the totals
             if run.phase is not Phase.BACKWARD:
                 self.phases.backward_started()
             if index in bw_frames:
@@ -98,7 +104,7 @@ class Frames:
             if top is not None and top.backward and (path == "" or table.info[top.module].path.startswith(path + ".")):
                 # A parent's output gradient can arrive after its last child's (same tensor,
                 # hooks in registration order): keep the child innermost.
-                bw_frames[index] = led.push_frame_below(index, True, top)
+                bw_frames[index] = push_frame_below(led, index, True, top)
             else:
                 total = led.total
                 frame = _new_object(Frame)
@@ -120,7 +126,7 @@ class Frames:
 
     def exit_hook(self, index: int) -> Any:
         """The hook that closes module ``index``'s backward frame (its inputs' gradients are computed), with
-        Ledger.remove_frame (for the frame on top), Frames.close_frame and Timeline.sample written out."""
+        frame_stack.remove_frame (for the frame on top), Frames.close_frame and Timeline.sample written out."""
         run, led, timeline, bw_frames = self.run, self.ledger, self.timeline, self.bw_frames
         stack = led.frames
         info = self.table.info[index]
@@ -132,6 +138,8 @@ class Frames:
             frame = bw_frames.pop(index, None)
             if frame is None:
                 return
+            if led.released:
+                led.settle()  # what torch released since: the frames and samples read the totals
             # Only this module's frame ends: a successor's gradient is often this
             # module's output gradient, which also starts the successor's frame.
             if stack and stack[-1] is frame:
@@ -144,7 +152,7 @@ class Frames:
                 else:
                     led.top = None
                     led.module_of_new = -1
-            elif not led.remove_frame(frame):
+            elif not remove_frame(led, frame):
                 return
             if run.mode == EXACT:  # Frames.close_frame, written out (op-level memory is not seen in light mode)
                 entry, high = frame.entry, frame.max

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..errors import is_interrupt
 from ..version import __version__
 from ..record.trace import (Breakdown, ModelFacts, ModuleRecord, OomRecord, OperationRecord, Sample, StepRecord,
                             Trace, parent_path)
@@ -74,6 +75,7 @@ def latest_recorded(c: "Collectors") -> "StepRecord | None":
 def live_modules(c: "Collectors") -> tuple[tuple[str, int], ...]:
     """Bytes of live storages created while each module was innermost (at an error)."""
     by_module: dict[int, int] = {}
+    c.ledger.settle()
     for entry in c.ledger.entries.values():
         if entry.cat in (ACTIVATIONS, TEMPORARIES) and entry.module >= 0:
             by_module[entry.module] = by_module.get(entry.module, 0) + entry.nbytes
@@ -86,13 +88,16 @@ def live_storages(c: "Collectors") -> tuple[tuple[int, int, str, str], ...]:
     a memory_viz snapshot taken then is attributed by these addresses."""
     info = c.table.info
     out = []
+    c.ledger.settle()
     for entry in c.ledger.entries.values():
         storage = entry()  # the entry is a weak reference to its storage
         if storage is None:
             continue
         try:
             ptr = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError) as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             continue
         if not ptr:
             continue
@@ -107,7 +112,7 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
     error that ended it left."""
     at_error = at_error if at_error is not None else AtError()
     run = c.run
-    c.params.resync_storages()  # the parameters as they are at the end
+    c.params.resync_storages()  # the parameters as they are at the end (settles what torch released)
     led = c.ledger
     light = run.mode == LIGHT
     steps = c.phases.finish()

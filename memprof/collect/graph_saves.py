@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import is_interrupt
 from .ledger import ACTIVATIONS, TAGS, TEMPORARIES, storage_of
 from .saved_hooks import _Chain, is_checkpoint_pair, tensors_in
 from .torch_compat import current_autograd_node, graph_task_id as _graph_task_id
@@ -83,6 +84,7 @@ class GraphSaves:
         # now, are what checkpoint saved for this backward.
         start = self.recompute_start
         led = self.ledger
+        led.settle()
         for entry in list(led.entries.values()):
             if entry.created > start and entry.cat == TEMPORARIES:
                 led.move(entry, ACTIVATIONS)
@@ -108,6 +110,7 @@ class GraphSaves:
         if len(self.walked_tasks) > 16:
             del self.walked_tasks[next(iter(self.walked_tasks))]
         led = self.ledger
+        led.settle()
         found: list[int] = []
         seen: set[int] = set()
         todo = [node]
@@ -127,7 +130,9 @@ class GraphSaves:
             for name in names:
                 try:
                     value = getattr(n, name)
-                except RuntimeError:  # released already
+                except RuntimeError as failure:  # released already
+                    if is_interrupt(failure):
+                        raise  # a signal handler's exception (errors.is_interrupt) is the user's
                     continue
                 for raw in value if isinstance(value, (list, tuple)) else (value,):
                     if raw is None:
@@ -142,7 +147,9 @@ class GraphSaves:
                         # With no pair, the tensor itself; under a pair of the user's, what its pack
                         # returned, which the graph keeps (memprof counts the tensors in it).
                         data = raw.data
-                    except RuntimeError:
+                    except RuntimeError as failure:
+                        if is_interrupt(failure):
+                            raise  # a signal handler's exception (errors.is_interrupt) is the user's
                         continue
                     held: list[torch.Tensor] = []
                     tensors_in(data, held)
@@ -168,6 +175,7 @@ class GraphSaves:
         if not self.run.active:
             return
         led = self.ledger
+        led.settle()
         for key in keys:
             left = self.graph_saved.get(key, 0) - 1
             if left > 0:

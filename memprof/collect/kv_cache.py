@@ -15,7 +15,6 @@ mode storages made by ops are not seen: tensors under a cache's name are counted
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -24,7 +23,7 @@ from torch import nn
 from ..anatomy.cache_config import cache_spec
 from ..record.cache import CacheMoment
 from ..vocabulary import Phase
-from ..errors import MemprofError
+from ..errors import MemprofError, is_interrupt
 from ..record.parts import GenerationFacts
 from .ledger import KV_CACHE, TEMPORARIES
 from .phases import begin_encoder, relabel_closed
@@ -68,7 +67,9 @@ class CacheTracker:
         self.shape = _cache_shape(config)
         try:
             spec = cache_spec(config)
-        except MemprofError:  # a config whose numbers make no cache (a head count of 0): no formula
+        except MemprofError as failure:  # a config whose numbers make no cache (a head count of 0): no formula
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             spec = None
         self.spec = spec.to_dict() if spec is not None else None
         self.encoder_tokens: "int | None" = None
@@ -196,11 +197,14 @@ class CacheTracker:
         self.last_tokens = (self.call_earlier, self.call_before, self.in_cache)
         if handed is not None:
             try:  # a weak reference: memprof keeps nothing of the user's alive
-                self._last = weakref.ref(handed, self._let_go)
-            except TypeError:
+                self._last = self.ledger.watch(handed, (), then=self._let_go)
+            except TypeError as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 self._last = None
 
     def _let_go(self, ref: Any) -> None:
+        # Run when the ledger settles the queue, in order among the frees (not as a finaliser).
         if ref is self._last:  # the cache object of the last call was let go (generate() returned): when
             self.let_go = self.ledger.seq
 
@@ -330,7 +334,10 @@ def watch_encoder(model: nn.Module, run: "Run", phases: "PhaseTracker", stack: "
         return
     try:
         encoder = model.get_encoder()  # type: ignore[operator]
-    except Exception:  # a model whose lookup fails has no encoder memprof can name: its phases stay as they were
+    # A model whose lookup fails has no encoder memprof can name: its phases stay as they were.
+    except Exception as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return
     if not isinstance(encoder, nn.Module) or encoder is model or not any(m is encoder for m in model.modules()):
         return
@@ -409,7 +416,9 @@ def config_int(config: Any, *names: str) -> "int | None":
     if callable(get):
         try:
             config = get()
-        except Exception:  # a config that cannot say: read it as it is
+        except Exception as failure:  # a config that cannot say: read it as it is
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             pass
     for n in names:
         v = getattr(config, n, None)

@@ -2,9 +2,17 @@
 
 Every storage memprof knows about has one entry here, keyed by the address of
 its C++ ``StorageImpl`` (``untyped_storage()._cdata``), which is unique while
-the storage lives. The entry is a weak reference to the storage whose
-callback subtracts its bytes when torch frees it; the ledger never holds a
-strong reference to anything the user owns.
+the storage lives. The entry is a weak reference to the storage; the ledger
+never holds a strong reference to anything the user owns.
+
+What torch lets go of (a storage freed, a saved slot released) is queued, not
+accounted, where it happens: a weak reference's callback runs as a finaliser,
+and Python drops an exception raised in a finaliser ("Exception ignored in
+..."), including the one a signal handler raises there (Ctrl-C, a preemption
+handler). So the callback is the queue's own ``append``, a C function that
+runs no bytecode and so gives a signal nowhere to land, and :meth:`Ledger.settle`
+applies the queue, in order, from memprof's hooks before they read the ledger:
+every reading of the totals and every lookup by key sees what torch released.
 
 Totals per category are updated in O(1) per event. At each new high the
 composition (seven ints) is copied, never a deep structure.
@@ -14,11 +22,13 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import deque
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from ..errors import is_interrupt
 from ..vocabulary import Category, TENSOR_CATEGORIES
 from ..record.trace import Breakdown
 
@@ -68,7 +78,9 @@ def storage_of(t: Any) -> Any:
         return storage_of(inner[0]) if inner else None
     try:
         return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
 
@@ -89,7 +101,9 @@ def plain_storage_keys(tensors: "list[Any]") -> "list[int] | None":
         return None
     try:
         return list(map(STORAGE_KEY, map(UNTYPED_STORAGE, tensors)))
-    except (RuntimeError, NotImplementedError):  # no storage: sparse, or a tensor torch keeps apart
+    except (RuntimeError, NotImplementedError) as failure:  # no storage: sparse, or a tensor torch keeps apart
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
 
@@ -97,7 +111,9 @@ def known_as(entries: "dict[int, Entry]", keys: "list[int]", cat: int) -> bool:
     """Is every storage of ``keys`` live in the ledger under ``cat``?"""
     try:
         return set(map(_CAT, map(entries.__getitem__, keys))).issubset((cat,))
-    except KeyError:
+    except KeyError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return False
 
 
@@ -119,7 +135,9 @@ def inner_tensors(t: Any) -> list[Any]:
     try:
         names, _ = t.__tensor_flatten__()
         inner = [getattr(t, name) for name in names]
-    except Exception:  # a subclass that cannot flatten now: nothing memprof can count
+    except Exception as failure:  # a subclass that cannot flatten now: nothing memprof can count
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return []
     out: list[Any] = []
     for x in inner:
@@ -131,7 +149,7 @@ def inner_tensors(t: Any) -> list[Any]:
 
 class Entry(weakref.ref):  # type: ignore[type-arg]
     """One live storage: its size, category, and where it came from; also the weak reference to the storage
-    whose callback (:meth:`Ledger._freed`) subtracts its bytes when torch frees it.
+    whose callback queues it when torch frees it (:meth:`Ledger.settle` then subtracts its bytes).
 
     A weak reference subclass without ``__init__``: making one runs no Python frame, which matters on the
     dispatch mode's path (one per new storage). :meth:`Ledger.add` fills its fields.
@@ -164,6 +182,21 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
     where_bytes: int
     #: Leaf modules with a saved-bytes rule that saved a view of it in a forward: index -> view bytes.
     savers: "dict[int, int] | None"
+
+
+class Release(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to what memprof hands autograd for a saved slot (:class:`memprof.collect.saved.Saved`,
+    a chained pack's result): when autograd lets it go, the ledger's queue receives this reference, and
+    :meth:`Ledger.settle` releases the slot of each storage in ``keys``. Made with :meth:`Ledger.watch`."""
+
+    __slots__ = ("keys", "then")
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
+    keys: "tuple[int, ...]"
+    #: Called with this reference when the queue is settled, in order among the frees (or None).
+    then: "Callable[[Release], None] | None"
 
 
 class Frame:
@@ -202,6 +235,15 @@ class Ledger:
     def __init__(self, rounding: int = 1) -> None:
         self.rounding = rounding
         self.entries: dict[int, Entry] = {}
+        # What torch released and the ledger has not applied yet (Entry: a storage freed; Release: saved
+        # slots let go), in the order it happened. queue_release is every weak reference's callback.
+        self.released: "deque[Entry | Release]" = deque()
+        self.queue_release = self.released.append
+        # The Release references not yet queued: held here so that they are reachable when what they refer
+        # to dies in a reference cycle (the collector calls back only weak references that are reachable).
+        self.watched: "set[Release]" = set()
+        # Whether released slots still count (the profile is active); frees always do until closed.
+        self.unsaving = True
         self.totals = [0] * N_CATS
         self.total = 0
         self.seq = 0
@@ -241,6 +283,7 @@ class Ledger:
 
     def mark_end(self) -> list[int]:
         """The totals now, as a merged decode phase's end (the stream notes where)."""
+        self.settle()
         self.mark_seq = self.seq
         return self.totals.copy()
 
@@ -263,6 +306,8 @@ class Ledger:
 
     def add(self, storage: Any, cat: int) -> Entry:
         """Register a storage (if new) under ``cat``; return its entry."""
+        if self.released:
+            self.settle()  # a storage freed and not yet applied may have had this address
         key = storage._cdata
         entry = self.entries.get(key)
         if entry is not None:
@@ -276,7 +321,7 @@ class Ledger:
         self.seq += 1
         if self.stream is not None:  # kept only when asked (an allocator replay): one attribute read otherwise
             self.stream.append((self.seq, key, raw))
-        entry = Entry(storage, self._freed)
+        entry = Entry(storage, self.queue_release)
         entry.key, entry.nbytes, entry.cat, entry.created = key, nbytes, cat, self.seq
         entry.module, entry.phase_serial = self.module_of_new, self.phase_serial
         entry.saved = entry.tag_bytes = entry.where_bytes = entry.moved = 0
@@ -293,23 +338,57 @@ class Ledger:
             self.check_peak()
         return entry
 
-    def _freed(self, ref: Entry) -> None:
-        # Runs from torch's deallocation path; must never raise.
+    def watch(self, holder: Any, keys: "tuple[int, ...]",
+              then: "Callable[[Release], None] | None" = None) -> Release:
+        """When ``holder`` dies (autograd lets it go), release one saved slot of each storage in ``keys``, and
+        call ``then`` with the reference returned, when the queue is settled (not as a finaliser)."""
+        ref = Release(holder, self.queue_release)
+        ref.keys, ref.then = keys, then
+        self.watched.add(ref)
+        return ref
+
+    def settle(self) -> None:
+        """Apply what torch released since the last call, in the order it released it (see the module's
+        docstring). Callers on hot paths test ``released`` first. A storage freed leaves the totals; a saved
+        slot released gives its storage back to temporaries when it was the last (whoever still holds the
+        storage holds an ordinary tensor). Both are written out here: one frame per batch, not per event."""
+        released = self.released
         if self.closed:
+            released.clear()
             return
-        entry = self.entries.pop(ref.key, None)
-        if entry is None:
-            return
-        self.seq += 1
-        if self.stream is not None:
-            self.stream.append((self.seq, entry.key, -1))
-        self.totals[entry.cat] -= entry.nbytes
-        self.total -= entry.nbytes
-        if entry.cat == ACTIVATIONS:
-            if entry.tag >= 0:
-                self.tag_act[entry.tag] -= entry.tag_bytes
-            if entry.where >= 0:
-                self.tag_act[entry.where] -= entry.where_bytes
+        entries, totals = self.entries, self.totals
+        while released:
+            ref = released.popleft()
+            if type(ref) is Entry:
+                key = ref.key
+                gone = entries.pop(key, None)
+                if gone is not ref:  # already forgotten (closed), or another storage's entry at a reused address
+                    if gone is not None:
+                        entries[key] = gone
+                    continue
+                self.seq += 1
+                if self.stream is not None:
+                    self.stream.append((self.seq, key, -1))
+                n = ref.nbytes
+                totals[ref.cat] -= n
+                self.total -= n
+                if ref.cat == ACTIVATIONS:
+                    if ref.tag >= 0:
+                        self.tag_act[ref.tag] -= ref.tag_bytes
+                    if ref.where >= 0:
+                        self.tag_act[ref.where] -= ref.where_bytes
+                continue
+            self.watched.discard(ref)
+            if ref.then is not None:
+                ref.then(ref)
+            if not self.unsaving:
+                continue
+            for key in ref.keys:
+                entry = entries.get(key)
+                if entry is not None and entry.cat == ACTIVATIONS:
+                    entry.saved -= 1
+                    if entry.saved == 0:
+                        self.move(entry, TEMPORARIES)
 
     def move(self, entry: Entry, cat: int, *, retro: bool = False) -> None:
         """Move a live storage to another category (the total does not change).
@@ -403,6 +482,7 @@ class Ledger:
 
     def peak_state(self) -> tuple:
         """The global peak as it stands (to restore after steps that must not count, a schedule's warmup)."""
+        self.settle()
         return (self.peak_total, self.peak.copy(), self.peak_tags, self.peak_seq, self.peak_phase_serial,
                 self.peak_module)
 
@@ -410,10 +490,11 @@ class Ledger:
         (self.peak_total, peak, self.peak_tags, self.peak_seq, self.peak_phase_serial, self.peak_module) = state
         self.peak = peak.copy()
 
-    # -- phases and frames ---------------------------------------------------
+    # -- phases ----------------------------------------------------------------
 
     def start_phase(self) -> None:
         """Begin a new phase: its peak starts at the current level."""
+        self.settle()  # what torch released before the boundary belongs to the phase that ends
         self.phase_serial += 1
         self.phase_start_seq = self.seq
         self.phase_peak_total = self.total
@@ -423,66 +504,12 @@ class Ledger:
         self.phase_peak_module = self.top.module if self.top is not None else -1
         self.phase_peak_ns = perf_counter_ns()
 
-    def push_frame(self, module: int, backward: bool) -> Frame:
-        """Push a frame for a call of ``module``: it becomes the innermost, and the module of new storages.
-        (The forward pre-hook of :mod:`.module_hooks` does the same inline.)"""
-        frame = _new_object(Frame)
-        frame.module, frame.entry, frame.max, frame.backward = module, self.total, self.total, backward
-        self.frames.append(frame)
-        self.top = frame
-        self.module_of_new = module
-        return frame
-
-    def pop_frame(self, frame: Frame) -> list[Frame]:
-        """Pop ``frame`` and any frames above it; return them, innermost first."""
-        popped: list[Frame] = []
-        frames = self.frames
-        if frame not in frames:
-            return popped
-        while frames:
-            f = frames.pop()
-            popped.append(f)
-            if frames:
-                parent = frames[-1]
-                if f.max > parent.max:
-                    parent.max = f.max
-            if f is frame:
-                break
-        self.top = frames[-1] if frames else None
-        self.module_of_new = self.top.module if self.top is not None else -1
-        return popped
-
-    def push_frame_below(self, module: int, backward: bool, below: Frame) -> Frame:
-        """Push a frame under ``below`` (a parent entering after its child, as in backward)."""
-        frame = new_frame(module, self.total, backward)
-        frame.max = max(frame.max, below.max)
-        self.frames.insert(self.frames.index(below), frame)
-        return frame
-
-    def remove_frame(self, frame: Frame) -> bool:
-        """Remove one frame wherever it is (backward calls need not nest); keep the others."""
-        frames = self.frames
-        try:
-            i = frames.index(frame)
-        except ValueError:
-            return False
-        frames.pop(i)
-        # The frames above it opened after it and are still open: what they saw happened while it ran (a
-        # module's backward ends while its child's, entered on the same gradient, is still open). Only the
-        # innermost frame's high is kept up to date as storages come and go.
-        for above in frames[i:]:
-            if above.max > frame.max:
-                frame.max = above.max
-        if i > 0 and frame.max > frames[i - 1].max:
-            frames[i - 1].max = frame.max
-        self.top = frames[-1] if frames else None
-        self.module_of_new = self.top.module if self.top is not None else -1
-        return True
-
     def close(self) -> None:
         """Stop accounting; drop every weak reference so no callback runs later."""
         self.closed = True
         self.entries.clear()
+        self.watched.clear()
+        self.released.clear()
         self.frames.clear()
         self.top = None
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import is_interrupt
 from ..record.layout import MeshLayout, ParamGroup
 
 __all__ = ["mesh_layout", "is_fsdp2_module", "cuts"]
@@ -54,7 +55,9 @@ def mesh_layout(model: nn.Module, layout: "str | None") -> "MeshLayout | None":
             acc[0] += p.numel()
             acc[1] += p.numel() if p.requires_grad else 0
             acc[2] += p.numel() * p.element_size()
-    except Exception:  # a DTensor or mesh memprof cannot read: no layout rather than a wrong one
+    except Exception as failure:  # a DTensor or mesh memprof cannot read: no layout rather than a wrong one
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
     if root is None:
         return None
@@ -67,7 +70,9 @@ def _root(mesh: Any) -> Any:
     get = getattr(mesh, "_get_root_mesh", None)
     try:
         return get() if get is not None else mesh
-    except Exception:
+    except Exception as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return mesh
 
 
@@ -115,7 +120,9 @@ def _fsdp_policy(model: nn.Module, layout: MeshLayout) -> MeshLayout:
                 item = torch.empty((), dtype=dtype).element_size()
                 unit += math.prod(fp.padded_sharded_param_size) * fp.mesh_info.shard_mesh_size * item
             largest = max(largest, unit)
-    except Exception:  # FSDP2's internals not as this memprof knows them: the policy is left out
+    except Exception as failure:  # FSDP2's internals not as this memprof knows them: the policy is left out
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return layout
     return dataclasses.replace(layout, param_dtype=_one(param_dtypes), reduce_dtype=_one(reduce_dtypes),
                                offload=offload, units=units or None, largest_unit_bytes=largest or None)

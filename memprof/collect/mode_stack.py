@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import is_interrupt
 from .torch_compat import MODE_FLAGS_CURRENT as _CURRENT
 from .torch_compat import MODE_FLAGS_SAVED as _SAVED
 from .torch_compat import dispatch_mode_at, dispatch_stack_len, pop_dispatch_mode, push_dispatch_mode
@@ -50,7 +51,9 @@ def _restore(values: tuple[Any, ...]) -> None:
 def _saved(mode: Any) -> "list[Any] | None":
     try:
         return [getattr(mode, name)[-1] for name in _SAVED]
-    except (AttributeError, IndexError):  # an older torch, or a mode entered without torch's __enter__
+    except (AttributeError, IndexError) as failure:  # an older torch, or a mode entered without torch's __enter__
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
 
@@ -60,7 +63,9 @@ def _set_saved(mode: Any, values: "list[Any] | None") -> None:
     try:
         for name, value in zip(_SAVED, values):
             getattr(mode, name)[-1] = value
-    except (AttributeError, IndexError):
+    except (AttributeError, IndexError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         pass
 
 

@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..errors import is_interrupt
 from ..vocabulary import Phase
 from ..units import format_bytes
 from . import timeline as _timeline
 from .ledger import BUFFERS, TAGS, Frame, storage_of
+from .frame_stack import pop_frame
 from .module_table import attribute_tensors, tensors_in_args, unique_params
 from .saved_hooks import under_checkpoint
 from .state import EXACT
@@ -150,6 +152,8 @@ class ModuleTracker:
             storages.mark_inputs(args, made_in_block_too=is_root)
             storages.mark_inputs(kwargs, made_in_block_too=is_root)
         except Exception as exc:  # what the user's objects raise when read: the step runs as without memprof
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             run.note(f"an input of the model could not be read ({type(exc).__name__}: {str(exc)[:80]}): what it "
                      "holds is not counted among inputs")
         storages.note_autocast()
@@ -223,7 +227,7 @@ class ModuleTracker:
 # the ledger's frame push and pop, the timeline's sample, the saved-tensor pair's check and the walk over
 # plain-tensor arguments are written out here rather than called (each call is a Python frame, which costs
 # more than the few lines it saves), and the closures the backward frames hook on tensors are made once
-# per module, not per call. The methods they stand for (Ledger.push_frame and pop_frame, Timeline.sample,
+# per module, not per call. The methods they stand for (frame_stack.push_frame and pop_frame, Timeline.sample,
 # SavedTracker.cover and uncover, Frames.close_frame) still do the same for everyone else.
 
 
@@ -252,6 +256,8 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
             run.foreign_threads.add(_get_ident())
             table.info[index].calls += 1
             return None
+        if led.released:
+            led.settle()  # what torch released since: the frames and samples read the totals
         info = table.info[index]
         in_backward = run.phase is _BACKWARD
         if in_backward and (is_root or not calls) and _graph_task_id() == -1:
@@ -282,7 +288,7 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
         calls.append(index)
         n = tracker.calls = tracker.calls + 1
         marks.append((index, n, len(table.unseen_saves)))
-        # Ledger.push_frame, written out.
+        # frame_stack.push_frame, written out.
         total = led.total
         frame = _new_object(Frame)
         frame.module, frame.entry, frame.max, frame.backward = index, total, total, False
@@ -318,6 +324,8 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                         if known is None or known[0]() is not a:
                             tensor_hooks[key] = (_weakref(a), a.register_hook(exit_hook))
             except Exception as exc:  # an input that cannot be read or hooked: the step runs as without memprof
+                if is_interrupt(exc):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 tracker.unhookable(index, exc)
         return None
 
@@ -335,6 +343,8 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
         if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag or (  # is_compiling(), one frame
                 _get_ident() != run.thread and _graph_task_id() == -1):
             return None
+        if led.released:
+            led.settle()  # what torch released since: the frames and samples read the totals
         if scoped and scoped[-1] == index:  # this call pushed memprof's saved-tensor pair
             saved.uncover(index)
         if index in table.brackets and table.compiled_depth > 0:
@@ -349,10 +359,10 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
             if frame.module != index:
                 pass
             elif frame.backward:
-                for f in led.pop_frame(frame):
+                for f in pop_frame(led, frame):
                     frames.close_frame(f)
             else:
-                # Ledger.pop_frame and Frames.close_frame, written out for the common case: the frame on top.
+                # frame_stack.pop_frame and Frames.close_frame, written out for the common case: the frame on top.
                 stack.pop()
                 high = frame.max
                 if stack:
@@ -431,6 +441,8 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                         else:
                             frames.hook_tensor(t, index, enter_hook)
             except Exception as exc:  # as in the pre-hook
+                if is_interrupt(exc):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 tracker.unhookable(index, exc)
         return None
 

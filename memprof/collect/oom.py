@@ -23,12 +23,12 @@ import datetime
 import os
 import re
 import warnings
-import weakref
 from typing import Any, Callable
 
-from ..errors import InvalidArgumentError, MemprofWarning, error_text
+from ..errors import InvalidArgumentError, MemprofWarning, error_text, is_interrupt
 from ..record.files import make_writable_folder
 from ..record.trace import OomRecord
+from .weak import WeakIdentitySet
 
 __all__ = ["OomDump", "is_oom", "checked_folder", "oom_record", "error_text"]
 
@@ -38,7 +38,7 @@ __all__ = ["OomDump", "is_oom", "checked_folder", "oom_record", "error_text"]
 _CPU_REQUEST = re.compile(r"tried to allocate ([0-9]{1,20}) bytes")
 _MAX_REQUEST = 2**64  # the most bytes a trace may hold (memprof.record.checks)
 # Longest exception text a record keeps: a message of megabytes would be most of the dump.
-_WATCHING: "weakref.WeakSet[OomDump]" = weakref.WeakSet()
+_WATCHING: "WeakIdentitySet[OomDump]" = WeakIdentitySet()
 _OBSERVER_ATTACHED = False
 
 
@@ -72,6 +72,8 @@ def checked_folder(folder: Any, argument: str = "oom_dump") -> str:
     try:
         make_writable_folder(path)
     except OSError as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(
             f"{argument}={folder!r}: memprof cannot write there ({exc.strerror or exc}); give a writable folder"
         ) from None
@@ -115,7 +117,9 @@ class OomDump:
         if self.snapshot is not None:
             try:
                 os.unlink(self.snapshot)
-            except OSError:
+            except OSError as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 pass
             self.snapshot = None
 
@@ -139,6 +143,8 @@ class OomDump:
             write_bytes_atomic(name, pickle.dumps(snapshot))  # whole or not at all: no truncated pickle left
             self.snapshot = name
         except Exception as exc:  # never a second exception inside the allocator's failure path
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             warnings.warn(f"memprof could not write the memory_viz snapshot at the OOM: {exc}", MemprofWarning,
                           stacklevel=2)
 
@@ -158,6 +164,8 @@ class OomDump:
             write_json_atomic(path, trace.to_dict())
             return path
         except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             _warn(f"memprof could not write its OOM dump into {self.folder}: {exc}")
             return None
 
@@ -167,7 +175,9 @@ def _warn(message: str) -> None:
     # (-W error, pytest's filterwarnings) the warning would replace that OOM, so it is dropped instead.
     try:
         warnings.warn(message, MemprofWarning, stacklevel=4)
-    except Warning:
+    except Warning as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         pass
 
 
@@ -189,7 +199,9 @@ def oom_record(exc: BaseException, device: Any, observed: "tuple[int, int, int] 
             import torch
 
             total = torch.cuda.get_device_properties(device).total_memory
-        except Exception:
+        except Exception as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             total = None
     return OomRecord(error_text(exc, first_line=True), requested, free, total,
                      os.path.basename(snapshot) if snapshot else None)
@@ -202,7 +214,9 @@ def _file_name(ext: str) -> str:
 
         if dist.is_available() and dist.is_initialized():
             rank = dist.get_rank()
-    except Exception:
+    except Exception as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         rank = 0
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     return f"memprof-oom-{rank}-{os.getpid()}-{stamp}.{ext}"
@@ -212,7 +226,9 @@ def _observer(device: int, requested: int, device_allocated: int, device_free: i
     for dump in list(_WATCHING):
         try:
             dump.on_cuda_oom(device, requested, device_free)
-        except Exception:
+        except Exception as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             pass  # the allocator's failure path must see no exception of ours
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ..errors import is_interrupt
+
 __all__ = ["CONTRACTION", "NORMALIZATION", "ELEMENTWISE", "OTHER", "classify", "OperationLog"]
 
 CONTRACTION = "tensor contraction"
@@ -74,7 +76,9 @@ def _nbytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         try:
             return obj.numel() * obj.element_size()
-        except RuntimeError:
+        except RuntimeError as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             return 0
     if isinstance(obj, (list, tuple)):
         return sum(_nbytes(o) for o in obj)
@@ -90,7 +94,9 @@ class OperationLog:
             from torch.utils.flop_counter import flop_registry
 
             self._flops = flop_registry
-        except Exception:  # pragma: no cover - flop counter missing in this torch
+        except Exception as failure:  # pragma: no cover - flop counter missing in this torch
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self._flops = {}
 
     def record(self, phase: str, func: Any, args: Any, kwargs: Any, out: Any) -> None:
@@ -101,7 +107,9 @@ class OperationLog:
         if formula is not None:
             try:
                 flops = int(formula(*args, **(kwargs or {}), out_val=out))
-            except Exception:
+            except Exception as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 flops = 0
         read = _nbytes(args) + _nbytes(list((kwargs or {}).values()))
         written = _nbytes(out)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from ..vocabulary import Phase
-from ..errors import InvalidArgumentError, error_text
+from ..errors import InvalidArgumentError, error_text, is_interrupt
 from ..record.specs import OptimizerSpec, ParamSpec, plain_config
 from .ledger import ACTIVATIONS, INPUTS, OPTIMIZER_STATES, TEMPORARIES, known_as, plain_storage_keys
 from .module_table import class_names
@@ -124,6 +124,7 @@ class OptimizerTracker:
             # and an optimizer not passed to profile() must be known when a window begins.
             self.discover(opt)
             return self._wrapped(args, kwargs)
+        self.ledger.settle()  # what torch released since: the step's start reads the totals
         if threading.get_ident() == run.thread:
             params = self.params
             if params.changed or params.pending:
@@ -187,6 +188,7 @@ class OptimizerTracker:
             return None
         if _is_compiling() or not self.is_ours(opt):
             return None
+        self.ledger.settle()  # what the step released: its state and its end read the ledger
         if self.carry is not None:  # a carried step's replay comes first, where its ops were
             self.carry.step_ends(opt, self.collect_state)
         self.collect_state(opt, retro=True)
@@ -204,7 +206,9 @@ class OptimizerTracker:
             # state that is not a dict, a value that is no tensor or a tensor of a subclass takes the walk.
             try:
                 keys = plain_storage_keys(list(filter(self.on_device, _chain(map(dict.values, opt.state.values())))))
-            except (TypeError, AttributeError):
+            except (TypeError, AttributeError) as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 keys = None
             if keys is not None and known_as(entries, keys, OPTIMIZER_STATES):
                 return
@@ -217,7 +221,9 @@ class OptimizerTracker:
                 if type(value) is _PLAIN and value.layout is _STRIDED:
                     try:
                         entry = entries.get(value.untyped_storage()._cdata)
-                    except (RuntimeError, NotImplementedError):
+                    except (RuntimeError, NotImplementedError) as failure:
+                        if is_interrupt(failure):
+                            raise  # a signal handler's exception (errors.is_interrupt) is the user's
                         entry = None
                     if entry is None:
                         entry = storages.add_tensor(value, OPTIMIZER_STATES)
@@ -239,7 +245,9 @@ class OptimizerTracker:
             # Decided as torch decides it (foreach defaults, per-class rules), group by group.
             impls = set(param_group_implementations(opt))
             self.implementation = impls.pop() if len(impls) == 1 else "mixed"
-        except Exception:  # an unusual optimizer must never break the measurement
+        except Exception as failure:  # an unusual optimizer must never break the measurement
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self.implementation = None
 
     def specs(self) -> tuple[OptimizerSpec, ...]:
@@ -249,6 +257,8 @@ class OptimizerTracker:
             try:
                 out.append(optimizer_spec(opt))
             except Exception as exc:  # an unusual optimizer must never break the measurement
+                if is_interrupt(exc):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 # error_text(): the exception's own __str__ may fail too, and this runs while the profile closes.
                 self.run.notes.append(f"could not record {type(opt).__name__} for its formula: {error_text(exc)}")
         return tuple(out)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..errors import is_interrupt
 from ..vocabulary import Phase
 from .ledger import ACTIVATIONS, COMMUNICATION, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, known_as
 from .ledger import plain_storage_keys, storage_of
@@ -110,6 +111,7 @@ class ParamTracker:
         if plain_storage_keys(list(map(_DEREF, self.refs))) == keys:
             return  # every step but the rare one: nothing moved, found without a Python loop
         led = self.ledger
+        led.settle()
         changed = False
         for i, ref in enumerate(self.refs):
             p = ref()
@@ -120,7 +122,9 @@ class ParamTracker:
             if type(p) is _PARAMETER:
                 try:
                     st = p.untyped_storage()
-                except (RuntimeError, NotImplementedError):
+                except (RuntimeError, NotImplementedError) as failure:
+                    if is_interrupt(failure):
+                        raise  # a signal handler's exception (errors.is_interrupt) is the user's
                     st = None
             else:
                 st = storage_of(p)
@@ -153,6 +157,9 @@ class ParamTracker:
             # before the profile. What that forward saved was never seen. (A forward in another thread
             # was seen, from outside: its own note says why what it saved is not measured.)
             self.invisible_forwards += 1
+        led = self.ledger
+        if led.released:
+            led.settle()  # a gradient's storage may have the address of one freed since
         if run.phase is not _BACKWARD:
             self.phases.backward_started()
         g = param.grad
@@ -168,7 +175,9 @@ class ParamTracker:
             # known (an op's output in exact mode) or new (light mode), is registered with no call into add_tensor.
             try:
                 st = g.untyped_storage()
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError) as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 return
             led = self.ledger
             entry = led.entries.get(st._cdata)
@@ -191,6 +200,7 @@ class ParamTracker:
 
     def walk_grads(self) -> None:
         """Every parameter's ``.grad`` is a gradient (at backward's end and before a step)."""
+        self.ledger.settle()
         entries = self.ledger.entries
         grad_keys = self.grad_keys
         keys = self.grad_storage_keys()
@@ -206,7 +216,9 @@ class ParamTracker:
                 # The common case, a gradient followed already: nothing to do, and no call to find that out.
                 try:
                     key = g.untyped_storage()._cdata
-                except (RuntimeError, NotImplementedError):
+                except (RuntimeError, NotImplementedError) as failure:
+                    if is_interrupt(failure):
+                        raise  # a signal handler's exception (errors.is_interrupt) is the user's
                     key = None
             else:
                 # A subclass (a DTensor's, whose counted storage is its local shard's) or a sparse gradient.
@@ -229,7 +241,9 @@ class ParamTracker:
         parameter lives and every gradient is a plain tensor; None otherwise."""
         try:
             grads = list(filter(_NOT_NONE, map(_GRAD, map(_DEREF, self.refs))))
-        except AttributeError:  # a parameter that died
+        except AttributeError as failure:  # a parameter that died
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             return None
         return plain_storage_keys(grads)
 
@@ -241,6 +255,7 @@ class ParamTracker:
         keys = self.grad_storage_keys()
         current = set(keys) if keys is not None else self.walk_grad_keys()
         led = self.ledger
+        led.settle()
         for key in self.grad_keys - current:  # the set difference in C: most steps nothing is stale
             self.grad_keys.discard(key)
             entry = led.entries.get(key)
@@ -259,7 +274,9 @@ class ParamTracker:
             if type(g) is _PLAIN and g.layout is _STRIDED:  # storage_of() inlined: every parameter, every step
                 try:
                     current.add(g.untyped_storage()._cdata)
-                except (RuntimeError, NotImplementedError):
+                except (RuntimeError, NotImplementedError) as failure:
+                    if is_interrupt(failure):
+                        raise  # a signal handler's exception (errors.is_interrupt) is the user's
                     pass
                 continue
             parts = (g._values(), g._indices()) if g.is_sparse else (g,)

@@ -21,6 +21,7 @@ import dataclasses
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from ..errors import is_interrupt
 from ..vocabulary import Phase
 from ..record.trace import PhaseRecord, StepRecord
 from .ledger import CATEGORY_OF_INDEX, breakdown, tag_pairs
@@ -188,6 +189,7 @@ class PhaseTracker:
     def close(self) -> None:
         """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
         led, run = self.ledger, self.run
+        led.settle()  # what torch released before the boundary: the phase's end
         if self.encoder_open:
             _encoder_alone(self)
         phase = run.phase
@@ -289,7 +291,9 @@ class PhaseTracker:
         self.begin(Phase.BACKWARD)
         try:
             queue_backward_callback(self.backward_done)
-        except RuntimeError:
+        except RuntimeError as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             # Not inside the engine (a grad hook called by hand): the next
             # phase change closes backward instead.
             pass
@@ -306,7 +310,9 @@ class PhaseTracker:
             try:
                 queue_backward_callback(self.backward_done)
                 return
-            except RuntimeError:
+            except RuntimeError as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 pass
         self.requeued = False
         for hook in self.on_backward_end:  # in this phase still: the gradients made were gradients at its peak

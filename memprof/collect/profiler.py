@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -46,6 +47,7 @@ from .saved_hooks import pop_orphans
 from .state import EXACT, LIGHT, Run
 from .undo import UndoStack
 from .wiring import Collectors, wire
+from .weak import WeakIdentitySet
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -55,7 +57,7 @@ __all__ = ["Profiler", "profile"]
 _get_ident = threading.get_ident
 
 # Models currently being profiled, so that a second profiler on the same model is refused.
-_ACTIVE_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_ACTIVE_MODELS: "WeakIdentitySet[nn.Module]" = WeakIdentitySet()
 # Profiles active per thread id: dispatch modes and saved-tensor hooks are per thread, and an
 # inner profile's hooks would hide every saved tensor from the outer one. A dict rather than a
 # threading.local, so that a profile ended from another thread still frees its thread's slot.
@@ -64,14 +66,18 @@ _ACTIVE_THREADS: dict[int, int] = {}
 
 def _warn_ended_elsewhere(exc: BaseException) -> None:
     """A profile ended with the user's ``exc`` in another thread than the one that started it: what a plain
-    ``stop()`` there raises (:class:`ProfilerStateError`) is said as a warning, never raised over ``exc``."""
+    ``stop()`` there raises (:class:`ProfilerStateError`) is said as a warning, never raised over ``exc``, at the
+    first line outside this module (the user's ``stop(exc)`` or ``__exit__`` call)."""
+    level, frame = 1, sys._getframe()
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
     try:
         warnings.warn(
             f"memprof: the profile was ended in another thread than the one that started it, with "
             f"{error_text(exc, first_line=True)}: everything it installed is removed and the error is in its record, "
             "but ops the starting thread ran meanwhile may be counted in part; end a profile in the thread that "
             "started it (nothing is raised here, so that your error stays the one raised)",
-            MemprofWarning, stacklevel=4)
+            MemprofWarning, stacklevel=level)
     except Exception:  # warnings turned into errors: the user's error must still be the one they see
         pass
 
@@ -238,7 +244,7 @@ class Profiler:
             )
         if error is not None and not isinstance(error, BaseException):
             self._stop_refusing(error)
-        self._end(error)
+        self.__exit__(type(error) if error is not None else None, error, None)
 
     def _stop_refusing(self, error: object) -> None:
         """``stop(error=...)`` was given what is no exception: end the profile without it (a call from an
@@ -368,16 +374,12 @@ class Profiler:
         never over ``exc``, the body's exception, which propagates unchanged)."""
         if self._state != "active":
             return None
-        self._end(exc)
-        return None
-
-    def _end(self, exc: "BaseException | None") -> None:
-        """End the profile with ``exc`` (None: without an error), from the block's end or :meth:`stop`."""
         elsewhere = _get_ident() != self.run.thread
         closing = self._closing = self._closing_steps()
         closing.leave(exc, elsewhere=elsewhere)
         if elsewhere and exc is not None:
-            _warn_ended_elsewhere(exc)  # its stack level: the user's line that called stop() or __exit__
+            _warn_ended_elsewhere(exc)
+        return None
 
     def _closing_steps(self) -> Closing:
         return Closing(self.run, self.ledger, self._stack, self._release, self.collectors, self.oom_dump, self.live_now)
@@ -391,6 +393,7 @@ class Profiler:
                      "(profile without a schedule, or with one that records that step, to see it)")
             return None
         assert self.collectors is not None  # read while the profile runs
+        self.ledger.settle()
         return (breakdown(self.ledger.totals, light=run.mode == LIGHT, where="now"), live_modules(self.collectors),
                 live_storages(self.collectors))
 
@@ -454,6 +457,10 @@ class Profiler:
     def _release(self) -> None:
         """The profile has ended: the model and the thread may be profiled again (safe to run twice)."""
         self._model_hold = None
+        if self.run.active:
+            # What autograd released while the profile ran still counts; what it releases later does not.
+            self.ledger.settle()
+            self.ledger.unsaving = False
         self.run.active = False
         if self._state != "failed":
             self._state = "done"

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import is_interrupt
 from ..record.parts import RankInfo
 from ..units import round_half_away
 from .mesh_layout import cuts, is_fsdp2_module, mesh_layout
@@ -29,7 +30,9 @@ def rank_info(model: nn.Module) -> "RankInfo | None":
             return None
         rank, world = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
-    except Exception:  # a process group memprof cannot read: say nothing rather than guess
+    except Exception as failure:  # a process group memprof cannot read: say nothing rather than guess
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
     layout = _layout(model)
     view = None
@@ -80,7 +83,9 @@ def shards_of(p: Any) -> int:
         for dim, placement in enumerate(placements):
             if cuts(placement):
                 n *= mesh.size(dim)
-    except Exception:  # a DTensor memprof cannot read: counted whole
+    except Exception as failure:  # a DTensor memprof cannot read: counted whole
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return 1
     return n
 

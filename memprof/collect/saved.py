@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ..errors import is_interrupt
 from ..vocabulary import Phase
 from .ledger import ACTIVATIONS, COMMUNICATION, INPUTS, TAGS, TEMPORARIES, Entry, storage_of
+from .ledger import Release as _Release
 from .saved_hooks import SavedHooks, modified_message
 from .state import EXACT
 from .torch_compat import NoPythonDispatch as _NoPythonDispatch
@@ -53,31 +55,16 @@ _WHERE_BY_RULES = (-1, _TAG_SAVED_TWICE, _TAG_SAVED_AS_VIEW, _TAG_SAVED_EXPANDED
 
 class Saved:
     """What memprof's own pack hands autograd for an activation: a detached alias of it, its version at
-    the save, the saved tensor weakly (``origin``) when it had a ``grad_fn``, and the tracker whose ledger
-    counts it. Released by autograd, it gives the activation back to temporaries when it held the last
-    slot. Made without ``__init__`` (:meth:`SavedTracker.pack` sets its fields)."""
+    the save, and the saved tensor weakly (``origin``) when it had a ``grad_fn``. When autograd releases
+    it, the ledger's queue hears of it (:meth:`Ledger.watch`: a weak reference whose callback is C code, so
+    that no bytecode of memprof's runs as a finaliser) and gives the activation back to temporaries when it
+    held the last slot. Made without ``__init__`` (:meth:`SavedTracker.pack` sets its fields)."""
 
-    __slots__ = ("tensor", "owner", "key", "version", "origin")
+    __slots__ = ("tensor", "version", "origin", "__weakref__")
 
     tensor: torch.Tensor
-    owner: "SavedTracker"
-    key: int
     version: int
     origin: "weakref.ref | None"
-
-    def __del__(self) -> None:
-        # SavedTracker.unsaved() inlined: one frame per released activation rather than two.
-        owner = self.owner
-        if not owner.run.active:
-            return
-        led = owner.ledger
-        entry = led.entries.get(self.key)
-        if entry is None or entry.cat != ACTIVATIONS:
-            return
-        entry.saved -= 1
-        if entry.saved == 0:
-            # Autograd released its last reference; whoever still holds the storage holds an ordinary tensor.
-            led.move(entry, TEMPORARIES)
 
 
 class SavedTracker:
@@ -137,7 +124,12 @@ class SavedTracker:
         if key is None:
             return (d, t._version, origin)
         saved = Saved.__new__(Saved)  # no __init__: one frame less per save
-        saved.tensor, saved.owner, saved.key, saved.version, saved.origin = d, self, key, t._version, origin
+        saved.tensor, saved.version, saved.origin = d, t._version, origin
+        # Ledger.watch() inlined: this runs for every saved activation.
+        led = self.ledger
+        ref = _Release(saved, led.queue_release)
+        ref.keys, ref.then = (key,), None
+        led.watched.add(ref)
         return saved
 
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -166,6 +158,9 @@ class SavedTracker:
             raise RuntimeError(modified_message(t, version))
         return t
 
+    def watch(self, holder: Any, keys: tuple[int, ...]) -> None:
+        self.ledger.watch(holder, keys)
+
     def unpacking(self) -> None:
         # The first unpack of a backward pass can come before any gradient hook
         # (the loss's own backward): it starts the backward phase in light mode.
@@ -177,7 +172,7 @@ class SavedTracker:
 
     def account(self, t: torch.Tensor) -> "int | None":
         """Ledger work for a tensor autograd now holds: returns its storage's key when that is
-        a counted activation (the caller's slot must release it through :meth:`unsaved`)."""
+        a counted activation (the caller's slot must release it through the ledger's ``watch``)."""
         run = self.run
         if not run.active or t.layout is not torch.strided or (
                 not t.is_cpu if self.on_cpu else t.device != self.device):
@@ -187,13 +182,17 @@ class SavedTracker:
             # has that subclass's type, torch/nn/parameter.py.)
             try:
                 st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError) as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 return None
         else:
             st = storage_of(t)
             if st is None:
                 return None
         led = self.ledger
+        if led.released:
+            led.settle()  # what torch let go of first: a freed storage may have had this address
         table = self.table
         entry = led.entries.get(st._cdata)
         if entry is None:
@@ -294,18 +293,6 @@ class SavedTracker:
             info.act_step = run.step
             info.act_bytes = 0
         info.act_bytes += entry.nbytes
-
-    def unsaved(self, key: int) -> None:
-        if not self.run.active:
-            return
-        entry = self.ledger.entries.get(key)
-        if entry is None or entry.cat != ACTIVATIONS:
-            return
-        entry.saved -= 1
-        if entry.saved == 0:
-            # Autograd released its last reference; whoever still holds the
-            # storage holds an ordinary tensor.
-            self.ledger.move(entry, TEMPORARIES)
 
     def adopt_unseen(self, keys: list[int]) -> None:
         """Storages saved as inputs that turn out to come from compiled code: activations after all."""

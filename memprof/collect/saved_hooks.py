@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..errors import is_interrupt
 from .torch_compat import current_autograd_node, is_compiling as _is_compiling, pop_saved_hooks as _pop
 from .torch_compat import push_saved_hooks as _push, saved_hooks_disabled_message as _disabled_message
 from .torch_compat import top_saved_hooks as _top
@@ -57,28 +58,21 @@ class Accountant(Protocol):
     def account(self, t: torch.Tensor) -> "int | None":
         """A tensor autograd now holds: its storage's key when it is a counted activation."""
 
-    def unsaved(self, key: int) -> None:
-        """Autograd released a slot holding the storage ``key``."""
+    def watch(self, holder: Any, keys: tuple[int, ...]) -> None:
+        """When autograd lets ``holder`` go, release one slot of each counted storage in ``keys``."""
 
     def unpacking(self) -> None:
         """Backward unpacks a saved tensor (the first unpack may be what starts backward)."""
 
 
 class Packed:
-    """What a chained pack hands autograd: the outer pack's result and the activations found in it."""
+    """What a chained pack hands autograd: the outer pack's result. When the pack found activations in it,
+    the ledger watches it (``Ledger.watch``), and releases their slots when autograd lets it go."""
 
-    __slots__ = ("packed", "owner", "keys")
+    __slots__ = ("packed", "__weakref__")
 
-    def __init__(self, packed: Any, owner: "Accountant | None", keys: tuple[int, ...]) -> None:
+    def __init__(self, packed: Any) -> None:
         self.packed = packed
-        self.owner = owner
-        self.keys = keys
-
-    def __del__(self) -> None:
-        owner = self.owner
-        if owner is not None:
-            for key in self.keys:
-                owner.unsaved(key)
 
 
 def modified_message(t: torch.Tensor, expected: int) -> str:
@@ -150,7 +144,10 @@ class _Chain:
         found: list[torch.Tensor] = []
         tensors_in(packed, found)
         keys = tuple(k for k in (owner.account(x) for x in found) if k is not None)
-        return Packed(packed, owner if keys else None, keys)
+        held = Packed(packed)
+        if keys:
+            owner.watch(held, keys)
+        return held
 
     def unpack(self, saved: Any) -> torch.Tensor:
         owner = self.owner
@@ -243,7 +240,9 @@ def _name_of(pack: Any) -> str:
     object's ``__qualname__`` is the user's code, and this runs inside the model's forward)."""
     try:
         name = getattr(pack, "__qualname__", None)
-    except Exception:
+    except Exception as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         name = None
     return name if isinstance(name, str) else type(pack).__name__
 

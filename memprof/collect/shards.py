@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..errors import is_interrupt
 from ..units import round_half_away
 from .ranks import is_fsdp2_module, shards_of
 
@@ -79,7 +80,9 @@ def fsdp2_params(model: nn.Module) -> "dict[int, list[Any]] | None":
             params = list(group.fsdp_params) if group is not None else []
             for fp in params:
                 fp.sharded_param, fp.padded_sharded_param_size  # noqa: B018 - the attributes used below
-        except Exception:
+        except Exception as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             return None
         groups[id(m)] = params
     return groups
@@ -231,6 +234,8 @@ class ResizeWatch:
                 for watch in active:
                     led = watch.ledger
                     if led is not None and not led.closed:
+                        if led.released:
+                            led.settle()
                         entry = led.entries.get(storage._cdata)
                         if entry is not None:
                             led.resize(entry, storage.nbytes())

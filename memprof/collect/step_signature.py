@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..errors import is_interrupt
 from .ledger import STORAGE_KEY, UNTYPED_STORAGE
 from .torch_compat import dispatch_mode_at, dispatch_stack_len
 
@@ -115,7 +116,9 @@ def state_signature(opt: torch.optim.Optimizer) -> "tuple[Any, ...] | None":
     try:
         rows = list(states.values())
         values = list(_chain(map(dict.values, rows)))
-    except TypeError:  # a state that is not a dict
+    except TypeError as failure:  # a state that is not a dict
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         values = None
     if values is not None and _ONLY_PLAIN.issuperset(map(type, values)) and (
             _ONLY_STRIDED.issuperset(map(_LAYOUT, values))):
@@ -189,7 +192,9 @@ def _autocast() -> tuple[Any, ...]:
         try:
             enabled = torch.is_autocast_enabled(dev)
             out.append((dev, enabled, torch.get_autocast_dtype(dev) if enabled else None))
-        except (RuntimeError, TypeError):  # a torch without that device's autocast
+        except (RuntimeError, TypeError) as failure:  # a torch without that device's autocast
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             out.append((dev, None, None))
     return tuple(out)
 

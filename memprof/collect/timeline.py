@@ -46,7 +46,10 @@ class Timeline:
                     "are not in the timeline, plots or exports (phases and their peaks still are)")
             return
         self.seq += 1
-        self.samples.append((self.seq, run.step, run.phase, label, tuple(self.ledger.totals), perf_counter_ns(), event))
+        led = self.ledger
+        if led.released:
+            led.settle()
+        self.samples.append((self.seq, run.step, run.phase, label, tuple(led.totals), perf_counter_ns(), event))
 
     def micros(self, ns: int) -> float:
         """Microseconds since the profile started, to 0.1 µs (the unit of Chrome's trace format)."""

@@ -16,6 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _python_dispatch as python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..errors import is_interrupt
+
 __all__ = [
     "graph_task_id", "dispatch_stack_len", "dispatch_mode_at", "push_dispatch_mode", "pop_dispatch_mode",
     "top_saved_hooks", "push_saved_hooks", "pop_saved_hooks", "saved_hooks_disabled_message",
@@ -113,7 +115,9 @@ def _code_skipper() -> "Callable[[Any], None] | None":
 
         strategy = _eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP, _eval_frame._FrameAction.SKIP)
         mark = _eval_frame.set_code_exec_strategy
-    except (ImportError, AttributeError, TypeError):
+    except (ImportError, AttributeError, TypeError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
     def skip(code: Any) -> None:

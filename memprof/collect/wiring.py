@@ -120,12 +120,17 @@ class Collectors:
     def suspend(self) -> None:
         """A schedule pauses the profile: every hook returns at once, and the dispatch mode leaves the stack."""
         run = self.run
+        # What autograd released while the hooks recorded still counts; what it releases while paused does not.
+        self.ledger.settle()
+        self.ledger.unsaving = False
         run.active = False
         if run.mode == EXACT:
             self.storages.uninstall(run.thread)
 
     def wake(self) -> None:
         """A schedule resumes the profile: what the unwatched steps made is registered, and the hooks record."""
+        self.ledger.settle()  # frees while paused count, released slots do not (unsaving is still off)
+        self.ledger.unsaving = True
         self.register_existing()
         if self.run.mode == EXACT:
             self.storages.install()
@@ -214,6 +219,7 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
                                    if not is_lazy(p)}))
     c.register_existing()
     c.optimizers.start()
+    c.ledger.settle()
     c.start_totals = c.ledger.totals.copy()
     c.phases.start()
 

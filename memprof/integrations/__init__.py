@@ -18,6 +18,8 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ..errors import is_interrupt
+
 if TYPE_CHECKING:
     from ..report.profiling import Profiler
     from ..report import Report
@@ -120,6 +122,8 @@ class Session:
             self._logged = last.index
             return step_metrics(last)
         except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self.give_up(exc)
             return {}
 
@@ -140,10 +144,14 @@ class Session:
         try:
             prof.stop(error)
         except Exception as exc:  # the hooks are gone by now: ending them comes before anything that can fail
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             warn(f"memprof's profile ended with an error ({type(exc).__name__}: {exc})")
         try:
             self.report = prof.report()
         except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             warn(f"memprof could not build its report ({type(exc).__name__}: {exc}); training is not affected")
             return
         if self.save_dir is not None:
@@ -157,6 +165,8 @@ class Session:
             name = f"memprof-rank{self._rank}-steps-{a}-{b}.json"
             report = prof.report()
         except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             warn(f"memprof could not build the report of the window that ended ({type(exc).__name__}: {exc}); "
                  "training goes on, and the report at the end of training holds its steps")
             return
@@ -168,6 +178,8 @@ class Session:
         try:
             report.save(path)
         except Exception as exc:  # disk full, a quota, the folder removed or made read-only mid-run
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             warn(f"memprof could not save {path} ({type(exc).__name__}: {exc}); training goes on, and the "
                  "callback's report keeps the profile in memory (cb.report.save(path) writes it elsewhere)")
 

@@ -18,13 +18,15 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MissingExtraError
+from ..errors import MissingExtraError, is_interrupt
 from . import Session, require, warn
 
 try:
     import lightning
     from lightning.pytorch import Callback
-except ImportError:  # pragma: no cover - the extra is missing
+except ImportError as failure:  # pragma: no cover - the extra is missing
+    if is_interrupt(failure):
+        raise  # a signal handler's exception (errors.is_interrupt) is the user's
     raise MissingExtraError(
         "memprof.integrations.lightning needs lightning; install it with pip install 'torch-memprof[lightning]'"
     ) from None
@@ -64,6 +66,8 @@ class MemprofCallback(Session, Callback):
             # wrapper), so without this the batch would count as temporaries.
             prof.mark_inputs(batch)
         except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self.give_up(exc)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -75,6 +79,8 @@ class MemprofCallback(Session, Callback):
             try:
                 logger.log_metrics(dict(metrics), step=max(0, trainer.global_step - 1))
             except Exception as exc:  # memprof's figures are a side output: a logger refusing them ends nothing
+                if is_interrupt(exc):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 warn(f"memprof could not log its metrics to {type(logger).__name__} ({type(exc).__name__}: {exc}); "
                      "training goes on")
 

@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import MissingExtraError
+from ..errors import MissingExtraError, is_interrupt
 from . import Session, require
 
 try:
     import transformers
     from transformers import TrainerCallback
-except ImportError:  # pragma: no cover - the extra is missing
+except ImportError as failure:  # pragma: no cover - the extra is missing
+    if is_interrupt(failure):
+        raise  # a signal handler's exception (errors.is_interrupt) is the user's
     raise MissingExtraError(
         "memprof.integrations.transformers needs transformers; install it with "
         "pip install 'torch-memprof[transformers]'") from None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from itertools import filterfalse
 from typing import Any, Mapping
 
+from ..errors import is_interrupt
 from .checks import corrupt, count, flag, mapping, seq, text
 
 __all__ = ["TensorSpec", "NotDescribed", "ModuleCall", "ParamSpec", "OptimizerSpec", "plain_config", "itemsize"]
@@ -82,6 +83,8 @@ class TensorSpec:
         try:
             layout, shape, dtype = t.layout, tuple(t.shape), t.dtype
         except Exception as exc:  # the tensor's own code failed: whatever it raised, it has no spec
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise NotDescribed(f"a {type(t).__name__} whose shape or dtype cannot be read "
                                f"({type(exc).__name__}: {str(exc)[:80]})") from exc
         if str(layout) != "torch.strided":
@@ -90,6 +93,8 @@ class TensorSpec:
             # A SymInt with a value (a simulation's) is a number; a ragged size (j1) is not one.
             dims = tuple(n if type(n) is int else int(n) for n in shape)
         except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise NotDescribed(f"a {type(t).__name__} of size {list(shape)}, which is not a number in every "
                                "dimension") from exc
         return cls(dims, str(dtype).replace("torch.", ""))

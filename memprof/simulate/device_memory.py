@@ -17,7 +17,6 @@ import dataclasses
 import os
 import re
 import uuid
-import weakref
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +25,10 @@ from typing import Any, NamedTuple
 from ..anatomy.alloc_config import AllocatorConfig
 from ..anatomy.allocator import CachingAllocator
 from ..anatomy.gpus import GpuSpec, gpu as gpu_by_name
+from ..collect.weak import WeakValues
 from ..anatomy.outside import (OutsideTerm, cublas_workspace_bytes, cublas_workspaces, cublaslt_workspace_bytes,
                                 cuda_context, cudnn_workspace, nccl_communicator)
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, is_interrupt
 from ..record.trace import Breakdown, DeviceInfo, Trace
 from ..vocabulary import TENSOR_CATEGORIES, Phase
 from .alloc_stream import check_stream, from_start, replay_stream
@@ -241,7 +241,7 @@ class Replay:
 
 
 #: Every Replay some record may still name (DeviceMemory.replay_id); weak, so a replay goes with its records.
-_REPLAYS: "weakref.WeakValueDictionary[str, Replay]" = weakref.WeakValueDictionary()
+_REPLAYS: "WeakValues[Replay]" = WeakValues()
 
 
 def replay_of(memory: Any) -> "Replay | None":
@@ -483,7 +483,9 @@ def what_a_gpu_would_reserve(trace: Trace, allocations: "AllocationStream | None
     if spec is None and device.type == "cuda":
         try:
             spec = gpu_by_name(device.name)
-        except Exception:  # a GPU memprof does not know by name: figures without a verdict
+        except Exception as failure:  # a GPU memprof does not know by name: figures without a verdict
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             spec = None
     ranks = trace.distributed
     out, summary = device_memory(trace, allocations.stream, allocations.moments, allocations.peak_seq, gpu=spec,

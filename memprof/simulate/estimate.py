@@ -27,7 +27,7 @@ from torch import nn
 
 from ..anatomy.params import infer_precision
 from ..vocabulary import TENSOR_CATEGORIES
-from ..errors import InvalidArgumentError, MemprofError, SimulationError, UnknownNameError
+from ..errors import InvalidArgumentError, MemprofError, SimulationError, UnknownNameError, is_interrupt
 from .autocast import CudaAutocast
 from .modes import Rules
 from .ranks import RankLayout, check_parallel
@@ -324,6 +324,8 @@ def _shadow_copy(model: nn.Module, make: Any) -> tuple[nn.Module, dict[int, torc
     try:
         clone = copy.deepcopy(model, memo)
     except Exception as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(
             f"could not copy {type(model).__name__} without its data ({exc}); build the model under "
             "'with torch.device(\"meta\"):' and pass that instead"
@@ -349,6 +351,8 @@ def _meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, to
         try:
             return type(optimizer)(groups)
         except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             notes.append(f"{type(optimizer).__name__} could not be rebuilt on meta tensors ({exc}); "
                          "optimizer state is from the formula only")
             return None

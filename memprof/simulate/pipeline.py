@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, MemprofError, UnknownNameError
+from ..errors import InvalidArgumentError, MemprofError, UnknownNameError, is_interrupt
 
 __all__ = ["Pipeline", "RankClass", "SCHEDULES", "StageSet", "PipelineStep"]
 
@@ -128,6 +128,8 @@ class StageSet:
                 except MemprofError:
                     raise
                 except Exception as exc:
+                    if is_interrupt(exc):
+                        raise  # a signal handler's exception (errors.is_interrupt) is the user's
                     # A stage that cannot run on what the previous one hands it: a layer that needs more than
                     # the hidden states (per-layer embeddings sized for the whole model, the token ids).
                     handed = "the inputs" if k == 0 else f"what stage {k - 1} hands it"

@@ -7,6 +7,7 @@ import gc
 import torch
 
 from memprof import Category as C
+from memprof.collect.frame_stack import pop_frame, push_frame, push_frame_below, remove_frame
 from memprof.collect.ledger import (ACTIVATIONS, GRADIENTS, TAGS, TEMPORARIES, WEIGHTS, Ledger, breakdown,
                                   storage_of, tag_pairs)
 
@@ -34,6 +35,7 @@ def test_a_freed_storage_leaves_the_totals_and_the_peak_stays():
     led.add(sb, TEMPORARIES)
     del b, sb
     gc.collect()
+    led.settle()  # torch's release is queued where it happens and applied by memprof's hooks
     assert (led.total, led.totals[TEMPORARIES], led.totals[ACTIVATIONS]) == (400, 0, 400)
     assert led.peak_total == 800 and led.peak[TEMPORARIES] == 400 and led.peak[ACTIVATIONS] == 400
     assert len(led.entries) == 1
@@ -83,6 +85,7 @@ def test_resize_changes_the_bytes_in_place():
     assert led.total == led.totals[TEMPORARIES] == led.peak_total == 4000
     del t, st
     gc.collect()
+    led.settle()
     assert led.total == 0  # the freed entry takes its new size with it
 
 
@@ -101,32 +104,67 @@ def test_tags_count_while_their_storage_is_an_activation():
     assert tag_pairs(led.tag_act) == (("dropout_mask", 64), ("saved_by_two_modules", 16))
     del mask, sm
     gc.collect()
+    led.settle()
     assert tag_pairs(led.tag_act) == ()
+
+
+def test_what_torch_releases_is_queued_by_c_code_and_applied_in_order_by_settle():
+    # A finaliser's exception is dropped by Python, including a signal handler's (Ctrl-C): the weak references'
+    # callback is the queue's own append, a builtin that runs no bytecode for a signal to land in.
+    led = Ledger()
+    assert type(led.queue_release).__name__ == "builtin_function_or_method"
+    a, sa = _storage(100)  # 400 bytes
+    b, sb = _storage(25)  # 100 bytes
+    led.add(sa, ACTIVATIONS)
+    entry_b = led.add(sb, TEMPORARIES)
+    led.record_stream()
+    del a, sa
+    gc.collect()
+    assert led.total == 500 and len(led.released) == 1  # queued, not yet applied
+    c, sc = _storage(10)  # 40 bytes: adding settles first, so a freed storage's address is never taken for it
+    led.add(sc, TEMPORARIES)
+    assert (led.total, led.totals[ACTIVATIONS], led.totals[TEMPORARIES]) == (140, 0, 140)
+    # The stream holds the free before the new storage, in the order torch did them.
+    assert [(n if n < 0 else "add") for _, _, n in led.stream] == [-1, "add"]
+    # A saved slot released: the storage leaves activations when its last slot goes.
+    led.move(entry_b, ACTIVATIONS)
+    entry_b.saved = 1
+
+    class Holder:
+        __slots__ = ("__weakref__",)
+
+    holder = Holder()
+    led.watch(holder, (entry_b.key,))
+    del holder
+    assert led.totals[ACTIVATIONS] == 100
+    led.settle()
+    assert (led.totals[ACTIVATIONS], led.totals[TEMPORARIES], entry_b.saved) == (0, 140, 0)
+    assert not led.released and not led.watched
 
 
 def test_frames_carry_the_highest_level_to_their_parents():
     led = Ledger()
-    outer = led.push_frame(0, backward=False)
-    inner = led.push_frame(1, backward=False)
+    outer = push_frame(led, 0, backward=False)
+    inner = push_frame(led, 1, backward=False)
     t, st = _storage(100)  # 400 bytes while the inner call runs
     led.add(st, TEMPORARIES)
     assert led.entries[st._cdata].module == 1
     del t, st
     gc.collect()
-    popped = led.pop_frame(inner)
+    popped = pop_frame(led, inner)
     assert popped == [inner] and inner.max == 400 and outer.max == 400 and led.top is outer
-    assert led.pop_frame(inner) == []  # popping twice is harmless
-    led.pop_frame(outer)
+    assert pop_frame(led, inner) == []  # popping twice is harmless
+    pop_frame(led, outer)
     assert led.top is None and led.module_of_new == -1
 
 
 def test_frames_entered_out_of_order_in_backward():
     led = Ledger()
-    child = led.push_frame(2, backward=True)
-    parent = led.push_frame_below(1, backward=True, below=child)
+    child = push_frame(led, 2, backward=True)
+    parent = push_frame_below(led, 1, backward=True, below=child)
     assert led.frames == [parent, child] and led.top is child
-    assert led.remove_frame(parent) and led.frames == [child]
-    assert not led.remove_frame(parent)
+    assert remove_frame(led, parent) and led.frames == [child]
+    assert not remove_frame(led, parent)
 
 
 def test_closing_stops_every_callback():
@@ -136,6 +174,7 @@ def test_closing_stops_every_callback():
     led.close()
     del t, st
     gc.collect()  # the weakref callback runs after close and must change nothing
+    led.settle()
     assert led.entries == {} and led.total == 400
 
 

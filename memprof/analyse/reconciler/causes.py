@@ -13,6 +13,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Callable
 
+from ...errors import is_interrupt
 from ...anatomy.allocator import CUDA_CONTEXT_RANGE
 from ...vocabulary import TENSOR_CATEGORIES, Category, Phase
 from ...record.trace import PhaseRecord, Trace, parent_path
@@ -57,7 +58,9 @@ def sharded_rank(ctx: Context) -> list[Cause]:
     if name is not None:
         try:
             k = Fraction(bytes_per_param_breakdown(ctx.precision, name).optimizer_states).limit_denominator(1000)
-        except Exception:  # an optimizer without a bytes/param row: no cause rather than a wrong one
+        except Exception as failure:  # an optimizer without a bytes/param row: no cause rather than a wrong one
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             k = None
     return [Cause(*gap) for gap in sharding_gaps(ctx, k)]
 
