@@ -292,8 +292,10 @@ class StorageTracker:
             if t.is_sparse:
                 self.add_tensor(t._indices(), cat)
                 return self.add_tensor(t._values(), cat)
-            return None
+            if not is_wrapper(type(t)):
+                return None
         if type(t) is not _PLAIN and is_wrapper(type(t)):
+            # (A jagged nested tensor too: its values and offsets.)
             # A wrapper subclass: what it wraps (a DTensor's local shard; a quantised tensor's data and scales).
             entries = [self.add_tensor(x, cat) for x in inner_tensors(t)]
             return entries[0] if entries else None
