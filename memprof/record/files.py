@@ -406,8 +406,11 @@ def read_json(path: "str | os.PathLike[str]") -> Any:
     (a ``FileNotFoundError`` too); any other failure to read it as JSON raises :class:`TraceFormatError`."""
     name = _path(path, "loading a trace")
     data = read_bytes(name)
+    size = len(data)
     try:
-        return json.loads(data.decode("utf-8"))
+        text = data.decode("utf-8")
+        del data  # parsed from the text alone: the file's bytes need not stay in memory beside it
+        return json.loads(text)
     except UnicodeDecodeError:
         raise TraceFormatError(f"{name} is not a text file (not UTF-8); {_TRACE_FIX}") from None
     except json.JSONDecodeError as exc:
@@ -415,7 +418,7 @@ def read_json(path: "str | os.PathLike[str]") -> Any:
     except RecursionError:
         raise TraceFormatError(f"{name} is nested too deeply to be a memprof trace; {_TRACE_FIX}") from None
     except MemoryError:
-        raise TraceFormatError(f"{name} ({len(data):,} bytes) is too large to parse in the memory this process may "
+        raise TraceFormatError(f"{name} ({size:,} bytes) is too large to parse in the memory this process may "
                                f"use; {_TRACE_FIX}, or give the process more memory") from None
     except ValueError as exc:
         raise TraceFormatError(f"{name} cannot be read ({exc}); {_TRACE_FIX}") from None
