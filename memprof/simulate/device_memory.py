@@ -20,18 +20,21 @@ import uuid
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..anatomy.alloc_config import AllocatorConfig
 from ..anatomy.allocator import CachingAllocator
 from ..anatomy.gpus import GpuSpec, gpu as gpu_by_name
-from ..collect.weak import WeakValues
 from ..anatomy.outside import (OutsideTerm, cublas_workspace_bytes, cublas_workspaces, cublaslt_workspace_bytes,
                                 cuda_context, cudnn_workspace, nccl_communicator)
+from ..collect.weak import WeakValues
 from ..errors import InvalidArgumentError, is_interrupt
 from ..record.trace import Breakdown, DeviceInfo, Trace
 from ..vocabulary import TENSOR_CATEGORIES, Phase
 from .alloc_stream import check_stream, from_start, replay_stream
+
+if TYPE_CHECKING:
+    from ..collect.simulated import RecordedStream
 
 __all__ = ["DeviceMemory", "Replay", "replay_of", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms",
            "replay_stream", "STREAM_UNKNOWN_GPU_CC"]
@@ -517,13 +520,12 @@ def check_target(gpu: Any, device: Any, alloc_conf: Any) -> tuple["GpuSpec | Non
     return spec, device
 
 
-def on_device(est: Any, ledger: Any, *, gpu: "GpuSpec | None", alloc_conf: Any, world_size: int = 1,
+def on_device(est: Any, recorded: "RecordedStream", *, gpu: "GpuSpec | None", alloc_conf: Any, world_size: int = 1,
               model: Any = None) -> Any:
     """The estimate ``est`` (a frozen dataclass with ``trace``, ``notes`` and ``device_memory``) with its device
-    rows and :class:`DeviceMemory`, from the stream ``ledger`` recorded."""
-    stream, moments = ledger.stream or [], ledger.moments or []
-    trace, summary = device_memory(est.trace, stream, moments, ledger.peak_seq, gpu=gpu, alloc_conf=alloc_conf,
-                                   world_size=world_size,
+    rows and :class:`DeviceMemory`, from the stream its simulated profile ``recorded``."""
+    trace, summary = device_memory(est.trace, recorded.events, recorded.moments, recorded.peak_seq, gpu=gpu,
+                                   alloc_conf=alloc_conf, world_size=world_size,
                                    convolutions=model is not None and uses_convolutions(model))
     notes = list(est.notes) + summary.notes()
     if world_size > 1:

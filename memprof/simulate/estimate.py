@@ -205,16 +205,15 @@ def estimate(
         notes.append("LSTM/GRU/RNN: on a real CPU, oneDNN's RNN kernel also keeps a workspace for backward that "
                      "the shape-only kernels do not; their saved activations are underestimated")
 
-    from ..collect.profiler import Profiler
+    from ..collect.simulated import SimulatedProfile
 
-    prof = Profiler(meta_model, meta_opt, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
-                    _rounding=512 if target.type == "cuda" else 1)
+    cuda = target.type == "cuda"  # the allocator's 512-byte blocks, and the stream for its replay
+    prof = SimulatedProfile(meta_model, meta_opt, fake_mode=setup.fake_mode, rounding=512 if cuda else 1,
+                            keep_stream=cuda)
     setup.moe.attach(prof)
     if target.type not in ("cpu", "cuda"):
         notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
                      f"runs its math path (saves the s x s scores), where a {target.type} device may not")
-    if target.type == "cuda":
-        prof.ledger.record_stream()  # for the allocator replay
     from .progress import Progress
 
     step: Any = TrainingStep(meta_model, meta_inputs, meta_targets, loss_fn, meta_opt, autocast, emulated, scaler,
@@ -235,7 +234,7 @@ def estimate(
             stack.enter_context(_run.rules())
         stack.enter_context(prof)
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
-            layout.attach(prof.collectors)
+            layout.attach(prof)
             stack.callback(layout.detach)
         stack.enter_context(rules)
         for i in range(steps):
@@ -274,7 +273,8 @@ def estimate(
     est = Estimate(trace=trace, precision=resolved, device=target.type, notes=tuple(notes),
                    host_bytes=split[0] if split else None, device_peak_bytes=split[1] if split else None)
     if target.type == "cuda":
-        est = on_device(est, prof.ledger, gpu=gpu_spec, alloc_conf=alloc_conf, world_size=world_size, model=model)
+        est = on_device(est, prof.recorded_stream(), gpu=gpu_spec, alloc_conf=alloc_conf, world_size=world_size,
+                        model=model)
     return est
 
 

@@ -95,13 +95,11 @@ def estimate_generation(
     twin = setup.model
     twin.eval()
     notes = setup.notes
-    from ..collect.profiler import Profiler
+    from ..collect.simulated import SimulatedProfile
 
-    prof = Profiler(twin, None, mode="exact", timeline=False, _allow_meta=True, _fake_mode=setup.fake_mode,
-                    _rounding=512 if setup.target.type == "cuda" else 1)
+    cuda = setup.target.type == "cuda"  # the allocator's 512-byte blocks, and the stream for its replay
+    prof = SimulatedProfile(twin, None, fake_mode=setup.fake_mode, rounding=512 if cuda else 1, keep_stream=cuda)
     setup.moe.attach(prof)
-    if setup.target.type == "cuda":
-        prof.ledger.record_stream()  # for the allocator replay
     decodes = max_new_tokens - 1
     jump = decodes > _RUN_ALL
     device_of = torch.device("meta") if setup.fake_mode is None else torch.device("cpu")
@@ -126,7 +124,7 @@ def estimate_generation(
                 grown = decodes - ran - 1
                 where = f"decode call {decodes} (on a cache grown to its length)"
                 loop.grow(grown)
-                prof.collectors.kv.add_tokens(grown)
+                prof.add_tokens(grown)
                 loop.call(1)  # the last decode call, on the cache it would find
         except MemprofError:
             raise
@@ -141,7 +139,7 @@ def estimate_generation(
     resolved = precision or infer_precision(prof.trace)
     est = Estimate(trace=prof.trace, precision=resolved, device=setup.target.type, notes=tuple(notes))
     if setup.target.type == "cuda":
-        est = on_device(est, prof.ledger, gpu=gpu_spec, alloc_conf=alloc_conf, model=model)
+        est = on_device(est, prof.recorded_stream(), gpu=gpu_spec, alloc_conf=alloc_conf, model=model)
     return est
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .experts import CountsExchange
-from .routers import OneHot, Router, innermost_module
+from .routers import OneHot, Router
 from .routing import Routing, routing_of
 from .shadows import ValueShadows
 
@@ -46,9 +46,9 @@ class MoeRules:
         self.one_hot = OneHot(target, self.shadows.store)
 
     def attach(self, prof: Any) -> None:
-        """Router calls count inside the forward of ``prof``'s model (its module tracker says where)."""
-        self.router.where = lambda: (innermost_module(prof.run, prof.collectors.table)
-                                     if prof.collectors is not None else None)
+        """Router calls count inside the forward of ``prof``'s model (a :class:`~memprof.collect.simulated.
+        SimulatedProfile`, which says where)."""
+        self.router.where = prof.innermost_module
 
     def pause(self) -> Any:
         """A context in which router calls are not answered (a decoding loop's own ``topk``)."""

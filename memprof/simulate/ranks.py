@@ -39,13 +39,12 @@ from ..errors import InvalidArgumentError, UnknownNameError
 from ..record.layout import MeshLayout, ParamGroup
 from ..record.parts import MAX_WORLD, Breakdown, RankInfo
 from ..anatomy.zero import STAGES
-from ..collect.ledger import COMMUNICATION, OPTIMIZER_STATES
 from ..collect.module_table import tensors_in_args
 from ..collect.torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
 from ..units import round_half_away
 
 if TYPE_CHECKING:
-    from ..collect.wiring import Collectors
+    from ..collect.simulated import SimulatedProfile
 
 __all__ = ["PARALLEL", "check_parallel", "LayoutPlan", "RankLayout"]
 
@@ -239,7 +238,7 @@ class RankLayout:
         self.unit_modules, self.units, self.by_id = plan.unit_modules, plan.units, plan.by_id
         self.optimizer = optimizer
         self.model = model
-        self.collectors: "Collectors | None" = None
+        self.profile: "SimulatedProfile | None" = None
         self.handles: list[Any] = []
         self.gathered: set[int] = set()
         self.pending: dict[int, set[int]] = {}  # unit -> ids of its trainable parameters without a gradient yet
@@ -250,18 +249,18 @@ class RankLayout:
 
     # -- installing ----------------------------------------------------------------------------
 
-    def attach(self, collectors: "Collectors") -> None:
+    def attach(self, profile: "SimulatedProfile") -> None:
         """After the profiler started (and registered the weights): shard them, install the moves. What it
         installed is removed by :meth:`detach`, or at once if installing fails half-way."""
-        self.collectors = collectors
+        self.profile = profile
         try:
-            self._install(collectors)
+            self._install(profile)
         except BaseException:
             self.detach()
             raise
 
-    def _install(self, c: "Collectors") -> None:
-        c.run.backward_waits = True  # the last reduce-scatter and resharding belong to backward
+    def _install(self, c: "SimulatedProfile") -> None:
+        c.collectives_end_in_backward()  # the last reduce-scatter and resharding belong to backward
         if self.stage >= 3:
             for info in self.by_id.values():
                 self._resize(info.ref, info.shard)
@@ -287,7 +286,7 @@ class RankLayout:
             h.remove()
         self.handles = []
         self.kept = {}
-        self.collectors = None
+        self.profile = None
 
     def finish(self, trace: Any) -> Any:
         """The rank's record of ``trace`` (:meth:`LayoutPlan.finish`)."""
@@ -300,23 +299,18 @@ class RankLayout:
 
     def _running(self) -> bool:
         """Attached to a profile that records now (not paused, not ended)."""
-        return self.collectors is not None and self.collectors.run.active
+        return self.profile is not None and self.profile.recording
 
     def _resize(self, t: torch.Tensor, nbytes: int) -> None:
-        c = self.collectors
-        assert c is not None
-        entry = c.storages.entry_of(t)
-        if entry is not None:
-            c.ledger.resize(entry, nbytes)
+        assert self.profile is not None
+        self.profile.resize(t, nbytes)
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        """A collective's buffer of ``nbytes`` (a shape-only tensor the ledger counts as communication)."""
+        """A collective's buffer of ``nbytes`` (a shape-only tensor the ledger counts as communication; the
+        dispatch mode saw it made, as a temporary, since)."""
         buf = torch.empty(nbytes, dtype=torch.uint8, device="meta")
-        assert self.collectors is not None
-        led = self.collectors.ledger
-        entry = led.add(buf.untyped_storage(), COMMUNICATION)
-        if entry.cat != COMMUNICATION:  # the dispatch mode saw it made, as a temporary
-            led.move(entry, COMMUNICATION, retro=True)
+        assert self.profile is not None
+        self.profile.add_buffer(buf, Category.COMMUNICATION)
         return buf
 
     def _gather(self, unit: int) -> None:
@@ -435,12 +429,9 @@ class RankLayout:
             # The output (the rank's shards) is made, then the full gradients go. foreach_reduce means to free them
             # first, and does on some models; on others (a root-only embedding over 7 ranks) they outlive the
             # output's allocation. Counting both for that moment errs high by the shards, never low.
-            c = self.collectors
-            assert c is not None
+            assert self.profile is not None
             for info in params:
-                entry = c.storages.entry_of(info.ref.grad)
-                if entry is not None:
-                    c.ledger.resize(entry, entry.nbytes + info.grad_shard)
+                self.profile.grow(info.ref.grad, info.grad_shard)
             for info in params:
                 self._resize(info.ref.grad, info.grad_shard)
 
@@ -470,15 +461,13 @@ class _StateShards:
         # temporaries at that size before it shrinks (the profiler's own post-hook, which would move it later,
         # runs after this one and would move only the shard, leaving whole - shard behind in the peak).
         lay = self.layout
-        c = lay.collectors
+        c = lay.profile
         state = optimizer.state
         if c is not None:
             for per_param in state.values():
                 for t in per_param.values():
                     if isinstance(t, torch.Tensor):
-                        entry = c.storages.add_tensor(t, OPTIMIZER_STATES)
-                        if entry is not None and entry.cat != OPTIMIZER_STATES:
-                            c.ledger.move(entry, OPTIMIZER_STATES, retro=True)
+                        c.claim(t, Category.OPTIMIZER_STATES)
         first: dict[Any, bool] = {}
         sizes: list[tuple[torch.Tensor, int]] = []
         for info in lay.by_id.values():
@@ -494,18 +483,19 @@ class _StateShards:
                             else -(-self._state_numel(state, key, t.dtype) // lay.n) * t.element_size())
                     first[group] = True
                 sizes.append((t, rank))
-        led = c.ledger if c is not None else None
-        mark = len(led.stream) if led is not None and led.stream is not None else None
+        stream = c.open_stream() if c is not None else None
+        mark = len(stream[0]) if stream is not None else None
         # Shrinks before growths (ZeRO's first tensor of a flat group carries the group's share, more than its own
         # size): growing first would make a moment the rank never has, above the step's real peak.
         for t, rank in sorted(sizes, key=lambda tr: tr[1] - tr[0].numel() * tr[0].element_size()):
             lay._resize(t, rank)
-        if mark is not None:  # the allocator replays the step as the rank makes it, as finish() counts it
+        if stream is not None and mark is not None:  # the allocator replays the step as the rank makes it, as finish()
             from ..anatomy.optimizers import param_group_implementations
             from .alloc_stream import rank_step
 
+            events, phase_start, rounding = stream
             share = lay.plan._state_share(set(param_group_implementations(optimizer)) == {"for-loop"})
-            rank_step(led.stream, led.phase_start_seq, mark, share, led.rounding)
+            rank_step(events, phase_start, mark, share, rounding)
 
     def _state_numel(self, state: Any, key: str, dtype: torch.dtype) -> int:
         return sum(t.numel() for info in self.layout.by_id.values() for k, t in (state.get(info.ref) or {}).items()

@@ -25,14 +25,14 @@ def _mlp():
 
 
 def _estimate(monkeypatch=None, **options):
-    """An estimate of the MLP; with ``monkeypatch`` also the ledger's stream and moments the replay read."""
+    """An estimate of the MLP; with ``monkeypatch`` also the stream and moments the replay read."""
     seen = {}
     if monkeypatch is not None:
         real = dm.on_device
 
-        def spy(est, ledger, **kw):
-            seen["stream"], seen["moments"] = list(ledger.stream), list(ledger.moments)
-            return real(est, ledger, **kw)
+        def spy(est, recorded, **kw):
+            seen["stream"], seen["moments"] = list(recorded.events), list(recorded.moments)
+            return real(est, recorded, **kw)
         monkeypatch.setattr(dm, "on_device", spy)
     m = _mlp()
     est = memprof.estimate(m, lambda ps: torch.optim.AdamW(ps), inputs=torch.randn(32, 64), **options)

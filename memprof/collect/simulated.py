@@ -1,0 +1,141 @@
+"""The collector as a simulation drives it: the one seam between :mod:`memprof.simulate` and the profiler.
+
+A simulation (:mod:`memprof.simulate`) runs a training step on a model's shape-only twin under the same
+profiler a real run uses, in exact mode, and plays on it what a real run has and a single process does not:
+a rank's shards and collective buffers (:mod:`memprof.simulate.ranks`), tokens joining a cache outside the
+model, the allocation stream the device replay needs. Everything it does to the collectors goes through
+:class:`SimulatedProfile`'s methods, each named for what it does to the run's accounting; nothing in
+:mod:`memprof.simulate` reaches into the profiler's ledger, its collectors or its private arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..vocabulary import Category
+from .ledger import CATEGORY_OF_INDEX, Entry
+from .profiler import Profiler
+from .routing import innermost_module
+
+if TYPE_CHECKING:
+    from ..record.trace import Trace
+    from .wiring import Collectors
+
+__all__ = ["RecordedStream", "SimulatedProfile"]
+
+_INDEX = {c: i for i, c in enumerate(CATEGORY_OF_INDEX)}
+
+
+@dataclass(frozen=True)
+class RecordedStream:
+    """What the allocator replay takes from a simulated run: every storage made, resized and freed, in order,
+    as ``(seq, key, bytes)`` (bytes ``-1`` for a free); each phase closed as ``(step, start seq, peak seq,
+    end seq)``; and where the ledger's global peak was."""
+
+    events: tuple[tuple[int, int, int], ...]
+    moments: tuple[tuple[int, int, int, int], ...]
+    peak_seq: int
+
+
+class SimulatedProfile:
+    """An exact-mode profile of a shape-only twin (``model``, ``optimizer``): ``fake_mode`` is the simulation's
+    fake-tensor mode (its tensors are the run's; None on meta tensors), ``rounding`` the target allocator's
+    granularity (512 on CUDA, 1 on CPU), ``keep_stream`` keeps the allocation stream for a device replay.
+
+    Enter it around the simulated steps; :attr:`trace` is the record afterwards. The methods in between are
+    what a simulated layout plays on the run while it is recorded (:attr:`recording`)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | None", *, fake_mode: Any,
+                 rounding: int, keep_stream: bool) -> None:
+        self.profiler = Profiler(model, optimizer, mode="exact", timeline=False, _allow_meta=True,
+                                 _fake_mode=fake_mode, _rounding=rounding)
+        self._ledger = self.profiler.ledger
+        if keep_stream:
+            self._ledger.record_stream()
+
+    def __enter__(self) -> "SimulatedProfile":
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.profiler.__exit__(exc_type, exc, tb)
+
+    @property
+    def trace(self) -> "Trace":
+        """The run's record, once the block has ended."""
+        return self.profiler.trace
+
+    def recorded_stream(self) -> RecordedStream:
+        """The allocation stream kept (``keep_stream=True``), for the device replay."""
+        led = self._ledger
+        return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq)
+
+    # -- what a simulated layout plays on the run ------------------------------------------------------------
+
+    @property
+    def recording(self) -> bool:
+        """The profile has begun and records now."""
+        c = self.profiler.collectors
+        return c is not None and c.run.active
+
+    def collectives_end_in_backward(self) -> None:
+        """The last collectives of a backward (a reduce-scatter, a resharding) belong to it, not to what follows."""
+        self._collectors().run.backward_waits = True
+
+    def restart(self) -> None:
+        """The run starts from here: what the profile registered before (the whole model, before a layout
+        sharded it) is not this run's, and the global peak starts over."""
+        self._collectors().restart()
+
+    def resize(self, t: torch.Tensor, nbytes: int) -> None:
+        """``t``'s storage holds ``nbytes`` from now on (a rank's shard of a whole tensor); unknown: nothing."""
+        entry = self._collectors().storages.entry_of(t)
+        if entry is not None:
+            self._ledger.resize(entry, nbytes)
+
+    def grow(self, t: torch.Tensor, nbytes: int) -> None:
+        """``t``'s storage holds ``nbytes`` more from now on (a reduce-scatter's output made beside its input)."""
+        entry = self._collectors().storages.entry_of(t)
+        if entry is not None:
+            self._ledger.resize(entry, entry.nbytes + nbytes)
+
+    def claim(self, t: torch.Tensor, category: Category) -> None:
+        """``t``'s storage is ``category`` from now on, and was since it was made (at the peaks of the phase it
+        was made in too)."""
+        self._moved(self._collectors().storages.add_tensor(t, _INDEX[category]), category)
+
+    def add_buffer(self, t: torch.Tensor, category: Category) -> None:
+        """``t`` (made outside the model's ops: a collective's buffer) is ``category`` since it was made."""
+        self._moved(self._ledger.add(t.untyped_storage(), _INDEX[category]), category)
+
+    def add_tokens(self, n: int) -> None:
+        """``n`` tokens joined the cache outside the model's forward (a decoding loop that grows it directly)."""
+        self._collectors().kv.add_tokens(n)
+
+    def innermost_module(self) -> "str | None":
+        """The path of the innermost module whose forward runs now; None outside the model or the block."""
+        c = self.profiler.collectors
+        return innermost_module(c.run, c.table) if c is not None else None
+
+    def open_stream(self) -> "tuple[list[tuple[int, int, int]], int, int] | None":
+        """The allocation stream being kept, to be rewritten in place after an optimizer step a rank makes at
+        its share (:func:`memprof.simulate.alloc_stream.rank_step`), with the seq where the phase began and the
+        allocator's rounding; None when no stream is kept."""
+        led = self._ledger
+        if led.stream is None:
+            return None
+        led.settle()
+        return led.stream, led.phase_start_seq, led.rounding
+
+    def _moved(self, entry: "Entry | None", category: Category) -> None:
+        if entry is not None and entry.cat != _INDEX[category]:
+            self._ledger.move(entry, _INDEX[category], retro=True)
+
+    def _collectors(self) -> "Collectors":
+        c = self.profiler.collectors
+        if c is None:
+            raise RuntimeError("the simulated profile has not begun: enter it before playing a layout on it")
+        return c
