@@ -17,10 +17,10 @@ parameters or buffers, from the saved fields of the autograd nodes
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ __all__ = [
     "MASK_BYTES",
     "LOGSUMEXP_BYTES",
     "TensorMeta",
+    "ModuleLike",
+    "RuleOutput",
     "SavedRule",
     "transformer_layer_terms",
     "transformer_layer_activations",
@@ -56,7 +58,7 @@ _MLP = ("gelu", "swiglu")
 _RECOMPUTE = (None, "selective", "full")
 
 
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+def _check_int(name: str, value: object, minimum: int = 1) -> int:
     # Whole-number floats are counts too (seq_len=2048.0 from a config).
     return as_count(name, value, minimum)
 
@@ -262,8 +264,29 @@ class TensorMeta:
         return self.numel * self.itemsize
 
 
+class _NeedsGrad(Protocol):
+    @property
+    def requires_grad(self) -> bool: ...
+
+
+class ModuleLike(Protocol):
+    """What a saved-bytes rule is handed as its module: a live ``nn.Module``, or a recorded call's stand-in
+    (:class:`memprof.anatomy.predict.ModuleView`). Its configuration (``normalized_shape``, ``p``,
+    ``kernel_size`` ...) is read by name (:func:`config_value`): torch types a module's other attributes as
+    ``Tensor | Module``, and a recorded call holds what was recorded."""
+
+    @property
+    def training(self) -> bool: ...
+
+    def parameters(self, recurse: bool = ...) -> Iterator[_NeedsGrad]: ...
+
+
+#: What a rule is handed as the module's output: its shape and dtype, the first of several, or None when the
+#: output was not recorded.
+RuleOutput = TensorMeta | Sequence[TensorMeta] | None
+
 #: ``rule(module, inputs, output, device, requires_input_grad) -> bytes`` saved that are not parameters/buffers.
-SavedRule = Callable[[nn.Module, Sequence[TensorMeta], Any, str, bool], int]
+SavedRule = Callable[[ModuleLike, Sequence[TensorMeta], RuleOutput, str, bool], int]
 
 _RULES: dict[type, SavedRule] = {}
 #: Rules of classes known by their qualified name (``module.QualName``), for libraries memprof does not
@@ -290,7 +313,7 @@ def register_saved_rule(module_cls: type, rule: SavedRule) -> None:
     _RULES[module_cls] = rule
 
 
-def saved_bytes_rule(module: nn.Module | type) -> SavedRule | None:
+def saved_bytes_rule(module: ModuleLike | type) -> SavedRule | None:
     """The rule for a module (or class): exact class first, then the MRO; ``None`` if there is none."""
     cls = module if isinstance(module, type) else type(module)
     for klass in cls.__mro__:
@@ -318,9 +341,9 @@ def rule_for_classes(names: Sequence[str]) -> SavedRule | None:
 
 
 def module_saved_bytes(
-    module: nn.Module,
+    module: ModuleLike,
     inputs: Sequence[TensorMeta] | TensorMeta,
-    output: Any = None,
+    output: RuleOutput = None,
     *,
     device: str = "cpu",
     requires_input_grad: bool = True,
@@ -333,28 +356,57 @@ def module_saved_bytes(
     return rule(module, metas, output, device, requires_input_grad)
 
 
-def _weight_grad(module: nn.Module) -> bool:
+def config_value(module: ModuleLike, name: str) -> object:
+    """The configuration attribute ``name`` of a live module or of a recorded call's stand-in."""
+    return getattr(module, name)
+
+
+def _flag(module: ModuleLike, name: str) -> bool:
+    return bool(config_value(module, name))
+
+
+def _number(module: ModuleLike, name: str) -> float:
+    value = config_value(module, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{type(module).__name__}.{name} is {value!r}, not a number")
+    return value
+
+
+def _count(module: ModuleLike, name: str) -> int:
+    value = config_value(module, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{type(module).__name__}.{name} is {value!r}, not an int")
+    return value
+
+
+def _ints(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) for v in value):
+        raise TypeError(f"{what} is {value!r}, not a sequence of ints")
+    return tuple(value)
+
+
+def _weight_grad(module: ModuleLike) -> bool:
     # Duck-typed: a live module's weight, or a recorded one (memprof.anatomy.predict.ModuleView).
     w = getattr(module, "weight", None)
     return w is not None and getattr(w, "requires_grad", False) is True
 
 
-def _any_param_grad(module: nn.Module) -> bool:
+def _any_param_grad(module: ModuleLike) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
-def _input_saving(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _input_saving(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     # Linear (Addmm/Mm saves mat1 for dW), Conv (input for dW), when the weight needs a grad (autograd node fields and
     # measured with torch 2.13, see docs/anatomy.md#per-module-saved-tensors).
     return inputs[0].nbytes if _weight_grad(module) else 0
 
 
-def _saves_input(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _saves_input(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     # Gelu / Silu save self (autograd node fields, docs/anatomy.md#per-module-saved-tensors).
     return inputs[0].nbytes if grad else 0
 
 
-def _saves_output(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _saves_output(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     # Relu / Tanh / Sigmoid / Softmax / LogSoftmax save result (autograd node fields,
     # docs/anatomy.md#per-module-saved-tensors); the output has the input's shape/dtype.
     return inputs[0].nbytes if grad else 0
@@ -368,20 +420,20 @@ def _stat_dtype(meta: TensorMeta, device: str) -> torch.dtype:
     return meta.dtype
 
 
-def _layer_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _layer_norm(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     # NativeLayerNorm saves input, weight, bias, mean, rstd; mean/rstd have one element per normalised row.
     x = inputs[0]
     if not (grad or _any_param_grad(module)):
         return 0
-    rows = x.numel // math.prod(module.normalized_shape)  # type: ignore[arg-type]
+    rows = x.numel // math.prod(_ints(config_value(module, "normalized_shape"), "normalized_shape"))
     return x.nbytes + 2 * rows * TensorMeta((), _stat_dtype(x, device)).itemsize
 
 
-def _rms_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _rms_norm(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     x = inputs[0]
     if not (grad or _any_param_grad(module)):
         return 0
-    rows = x.numel // math.prod(module.normalized_shape)  # type: ignore[arg-type]
+    rows = x.numel // math.prod(_ints(config_value(module, "normalized_shape"), "normalized_shape"))
     if device == "cpu":
         # torch 2.13 CPU composite (measured, docs/anatomy.md#per-module-saved-tensors): x upcast to fp32 (the input
         # itself when fp32), the fp32 rsqrt per row, and the normalised fp32 x saved by the weight multiply.
@@ -392,42 +444,42 @@ def _rms_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, devi
     return x.nbytes + rows * 4
 
 
-def _batch_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _batch_norm(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     # NativeBatchNorm saves input, weight, running stats (buffers), save_mean, save_invstd (C each, training);
     # in eval mode with running stats save_mean/save_invstd are empty (measured with torch 2.13, CPU).
     # fp32 statistics for 16-bit inputs are unverified.
     x = inputs[0]
     if not (grad or _any_param_grad(module)):
         return 0
-    uses_batch_stats = module.training or not module.track_running_stats
+    uses_batch_stats = module.training or not _flag(module, "track_running_stats")
     stats = 2 * x.shape[1] * max(x.itemsize, 4) if uses_batch_stats else 0
     return x.nbytes + stats
 
 
-def _group_norm(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _group_norm(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     # NativeGroupNorm saves input, weight, mean, rstd ((N, G) each, input dtype on CPU; measured with torch 2.13).
     x = inputs[0]
     if not (grad or _any_param_grad(module)):
         return 0
-    return x.nbytes + 2 * x.shape[0] * module.num_groups * TensorMeta((), _stat_dtype(x, device)).itemsize
+    return x.nbytes + 2 * x.shape[0] * _count(module, "num_groups") * TensorMeta((), _stat_dtype(x, device)).itemsize
 
 
-def _dropout(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _dropout(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     # CPU F.dropout: a float noise mask in the input dtype; CUDA native_dropout: a bool mask, 1 B/element
     # (aten/src/ATen/native/Dropout.cpp; measured with torch 2.13, docs/anatomy.md#per-module-saved-tensors).
     x = inputs[0]
-    if not grad or not module.training or module.p == 0:
+    if not grad or not module.training or _number(module, "p") == 0:
         return 0
     return x.nbytes if device == "cpu" else x.numel * MASK_BYTES
 
 
-def _embedding(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _embedding(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     # Embedding saves the int64 indices only (autograd node fields and measured with torch 2.13,
     # docs/anatomy.md#per-module-saved-tensors).
     return inputs[0].nbytes if _weight_grad(module) else 0
 
 
-def _max_pool(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _max_pool(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     # MaxPool2DWithIndices saves self and int64 indices shaped like the output (measured with torch 2.13: 1.50x for
     # fp32 k=2, docs/anatomy.md#per-module-saved-tensors).
     x = inputs[0]
@@ -439,21 +491,23 @@ def _max_pool(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, devi
     return x.nbytes + out.numel * 8
 
 
-def _pool_output_shape(module: nn.Module, shape: tuple[int, ...]) -> tuple[int, ...]:
-    def pair(v: Any) -> tuple[int, int]:
-        return (v, v) if isinstance(v, int) else tuple(v)  # type: ignore[return-value]
+def _pool_output_shape(module: ModuleLike, shape: tuple[int, ...]) -> tuple[int, ...]:
+    def pair(name: str) -> tuple[int, ...]:
+        v = config_value(module, name)
+        if name == "stride" and not v:
+            v = config_value(module, "kernel_size")  # stride=None: the kernel's size
+        return (v, v) if isinstance(v, int) else _ints(v, name)
 
-    k, st, pad, dil = pair(module.kernel_size), pair(module.stride or module.kernel_size), pair(module.padding), pair(
-        module.dilation
-    )
+    k, st, pad, dil = pair("kernel_size"), pair("stride"), pair("padding"), pair("dilation")
     dims = []
     for i, n in enumerate(shape[-2:]):
         num = n + 2 * pad[i] - dil[i] * (k[i] - 1) - 1
-        dims.append((-(-num // st[i]) if module.ceil_mode else num // st[i]) + 1)
+        dims.append((-(-num // st[i]) if _flag(module, "ceil_mode") else num // st[i]) + 1)
     return (*shape[:-2], *dims)
 
 
-def _multihead_attention(module: nn.Module, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _multihead_attention(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str,
+                         grad: bool) -> int:
     """Eager ``nn.MultiheadAttention`` self-attention called as ``mha(x, x, x)`` (need_weights=True), training.
 
     Measured on torch 2.13 CPU: the input (X), the packed in-projection output
@@ -463,14 +517,15 @@ def _multihead_attention(module: nn.Module, inputs: Sequence[TensorMeta], output
     out-projection input (X). Total ``6X + P`` (+ mask + P with dropout).
     """
     x = inputs[0]
-    if module.batch_first:
+    if _flag(module, "batch_first"):
         n, length = x.shape[0], x.shape[1]
     else:
         length, n = x.shape[0], x.shape[1]
-    probs = n * module.num_heads * length * length * x.itemsize
+    heads = _count(module, "num_heads")
+    probs = n * heads * length * length * x.itemsize
     total = 6 * x.nbytes + probs
-    if module.training and module.dropout > 0:
-        total += probs + (probs if device == "cpu" else n * module.num_heads * length * length * MASK_BYTES)
+    if module.training and _number(module, "dropout") > 0:
+        total += probs + (probs if device == "cpu" else n * heads * length * length * MASK_BYTES)
     return total
 
 
@@ -491,22 +546,22 @@ def cross_entropy_saved_bytes(
 
 
 def _register_builtin() -> None:
-    for cls in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d):
-        register_saved_rule(cls, _input_saving)
-    register_saved_rule(nn.LayerNorm, _layer_norm)
-    if hasattr(nn, "RMSNorm"):
-        register_saved_rule(nn.RMSNorm, _rms_norm)
-    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
-        register_saved_rule(cls, _batch_norm)
-    register_saved_rule(nn.GroupNorm, _group_norm)
-    for cls in (nn.GELU, nn.SiLU):
-        register_saved_rule(cls, _saves_input)
-    for cls in (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Softmax, nn.LogSoftmax):
-        register_saved_rule(cls, _saves_output)
-    register_saved_rule(nn.Dropout, _dropout)
-    register_saved_rule(nn.Embedding, _embedding)
-    register_saved_rule(nn.MaxPool2d, _max_pool)
-    register_saved_rule(nn.MultiheadAttention, _multihead_attention)
+    rules: list[tuple[tuple[type[nn.Module], ...], SavedRule]] = [
+        ((nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d), _input_saving),
+        ((nn.LayerNorm,), _layer_norm),
+        ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else (), _rms_norm),
+        ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), _batch_norm),
+        ((nn.GroupNorm,), _group_norm),
+        ((nn.GELU, nn.SiLU), _saves_input),
+        ((nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Softmax, nn.LogSoftmax), _saves_output),
+        ((nn.Dropout,), _dropout),
+        ((nn.Embedding,), _embedding),
+        ((nn.MaxPool2d,), _max_pool),
+        ((nn.MultiheadAttention,), _multihead_attention),
+    ]
+    for classes, rule in rules:
+        for cls in classes:
+            register_saved_rule(cls, rule)
 
 
 _register_builtin()

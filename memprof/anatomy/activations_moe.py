@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import UnknownNameError
 from ..units import as_count
@@ -156,7 +156,7 @@ class LayerFormula:
     kind: str
     terms: tuple[tuple[str, int], ...]
     assumes: str
-    config: tuple[tuple[str, Any], ...] = ()
+    config: tuple[tuple[str, object], ...] = ()
 
     @property
     def bytes(self) -> int:

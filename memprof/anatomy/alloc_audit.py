@@ -21,10 +21,8 @@ A violation raises ``AssertionError`` naming the invariant: it is a defect of th
 
 from __future__ import annotations
 
-from typing import Any
-
 from .alloc_blocks import Block
-from .alloc_config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE
+from .alloc_config import K_MIN_BLOCK_SIZE, K_SMALL_SIZE, AllocatorConfig
 from .allocator import CachingAllocator, round_size
 
 __all__ = ["AuditedAllocator", "audit", "unsplit_bound"]
@@ -107,8 +105,9 @@ class AuditedAllocator(CachingAllocator):
     equal the live blocks' rounded requests, so that ``allocated`` is the live requests, rounded, plus the
     remainders torch leaves unsplit, each within :func:`unsplit_bound`."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: AllocatorConfig | None = None, capacity: int | None = None,
+                 device_total: int | None = None) -> None:
+        super().__init__(config, capacity, device_total)
         self._asked: dict[int, int] = {}
         self.live_rounded = 0
 

@@ -11,8 +11,24 @@ expandable segments sit in a second list per (pool, stream) ordered by address (
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Iterable
 
-__all__ = ["Block", "BlockPools"]
+__all__ = ["Block", "BlockPools", "ExpandableSegment"]
+
+
+class ExpandableSegment:
+    """The virtual range of one expandable segment (``struct ExpandableSegment``): its base, page size and number
+    of pages, and the bytes of it mapped now."""
+
+    __slots__ = ("base", "page", "pages", "stream", "small", "mapped")
+
+    def __init__(self, base: int, page: int, pages: int, stream: int, small: bool) -> None:
+        self.base, self.page, self.pages, self.stream, self.small = base, page, pages, stream, small
+        self.mapped = 0
+
+    @property
+    def size(self) -> int:
+        return self.page * self.pages
 
 
 class Block:
@@ -21,8 +37,8 @@ class Block:
     __slots__ = ("addr", "size", "requested", "stream", "small", "allocated", "mapped", "prev", "next",
                  "reg", "segment", "gc_base")
 
-    def __init__(self, addr: int, size: int, stream: int, small: bool, reg: int, segment=None,
-                 mapped: bool = True) -> None:
+    def __init__(self, addr: int, size: int, stream: int, small: bool, reg: int,
+                 segment: ExpandableSegment | None = None, mapped: bool = True) -> None:
         self.addr = addr
         self.size = size
         self.requested = 0
@@ -49,8 +65,8 @@ class BlockPools:
     """Free and unmapped blocks per (small pool?, stream), with torch's insert/erase/merge rules."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[bool, int], list] = {}
-        self._unmapped: dict[tuple[bool, int], list] = {}
+        self._free: dict[tuple[bool, int], list[tuple[int, int, int, Block]]] = {}
+        self._unmapped: dict[tuple[bool, int], list[tuple[int, Block]]] = {}
         # BlockPool::get_free_blocks_call_count of the small (True) and large (False) pools: the clock of
         # the garbage collector's block ages.
         self._gc_calls = {True: 0, False: 0}
@@ -107,7 +123,7 @@ class BlockPools:
         """Every free block of one pool in the set's order: stream, size, registration, address."""
         return [entry[3] for stream in self._streams(small) for entry in self._free[(small, stream)]]
 
-    def _all_blocks(self, live) -> list[Block]:
+    def _all_blocks(self, live: Iterable[Block | None]) -> list[Block]:
         blocks = [entry[3] for free in self._free.values() for entry in free]
         blocks += [entry[1] for unmapped in self._unmapped.values() for entry in unmapped]
         blocks += [b for b in live if b is not None]

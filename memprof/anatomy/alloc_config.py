@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal, TypedDict
 
 from ..errors import AllocatorConfigError, InvalidArgumentError
 
@@ -149,6 +150,27 @@ _NUMBER = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
+class _Parsed(TypedDict, total=False):
+    """The :class:`AllocatorConfig` fields a string sets."""
+
+    max_split_size: "int | None"
+    max_non_split_rounding: int
+    large_segment_size: int
+    garbage_collection_threshold: float
+    roundup_power2_divisions: tuple[int, ...]
+    expandable_segments: bool
+    per_process_memory_fraction: float
+    throw_on_cudamalloc_oom: bool
+    backend: str
+    release_lock_on_cudamalloc: bool
+
+
+# The boolean keys that set a field of the same name.
+_BOOL_FIELDS: dict[str, Literal["expandable_segments", "release_lock_on_cudamalloc", "throw_on_cudamalloc_oom"]] = {
+    "expandable_segments": "expandable_segments", "release_lock_on_cudamalloc": "release_lock_on_cudamalloc",
+    "throw_on_cudamalloc_oom": "throw_on_cudamalloc_oom"}
+
+
 class _Parser:
     """One pass of ``AcceleratorAllocatorConfig::parseArgs`` then ``CUDAAllocatorConfig::parseArgs`` over the
     tokens of ``ConfigTokenizer`` (``,`` ``:`` ``[`` ``]`` are tokens, whitespace is dropped)."""
@@ -167,7 +189,7 @@ class _Parser:
                 buffer += ch
         if buffer:
             self.tokens.append(buffer)
-        self.values: dict = {}
+        self.values: _Parsed = {}
         self.ignored: list[tuple[str, str]] = []
 
     def fail(self, message: str) -> AllocatorConfigError:
@@ -240,7 +262,7 @@ class _Parser:
                 large = min(mb, _SIZE_MAX // _MB) * _MB
                 i += 2
             i += 1
-        self.values.update(large_segment_size=large, max_non_split_rounding=large)
+        self.values.update({"large_segment_size": large, "max_non_split_rounding": large})
         i = 0
         while i < len(tokens):
             i = self.key(i, large)
@@ -266,8 +288,10 @@ class _Parser:
             mb = self.size_t(j, key)
             if mb < large // _MB:
                 raise self.fail(f"{key} must be >= large_segment_size_mb ({large // _MB} MiB), got {mb}")
-            name = "max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding"
-            self.values[name] = min(mb, _SIZE_MAX // _MB) * _MB
+            if key == "max_split_size_mb":
+                self.values["max_split_size"] = min(mb, _SIZE_MAX // _MB) * _MB
+            else:
+                self.values["max_non_split_rounding"] = min(mb, _SIZE_MAX // _MB) * _MB
         elif key == "garbage_collection_threshold":
             value = self.double(j, key)
             if not 0.0 < value < 1.0:
@@ -288,7 +312,7 @@ class _Parser:
             if key in _HOST_ONLY_KEYS:
                 self.ignored.append((key, str(value)))
             else:
-                self.values[key] = value
+                self.values[_BOOL_FIELDS[key]] = value
         else:
             j = self.host_value(i, key)
         return j
@@ -308,7 +332,7 @@ class _Parser:
         """``parseRoundUpPower2Divisions``: one power of two for every interval, or a ``[MB:divisions, ...,
         >:divisions]`` list where the first entry also fills the intervals below it and ``>`` fills those
         after the last named one."""
-        key = "roundup_power2_divisions"
+        key: Literal["roundup_power2_divisions"] = "roundup_power2_divisions"
         self.expect(i + 1, ":", key)
         i += 2
         divisions = [0] * ROUNDUP_INTERVALS

@@ -9,27 +9,13 @@ that lies wholly inside a free block and gives back a segment once nothing in it
 
 from __future__ import annotations
 
-from .alloc_blocks import Block
+from .alloc_blocks import Block, ExpandableSegment
 from .alloc_config import K_SMALL_BUFFER
 
 __all__ = ["ExpandableSegment", "ExpandableMixin"]
 
 # With no device size given, the model reserves the 256 TiB of address space the Note speaks of.
 _UNBOUNDED_VA = 1 << 48
-
-
-class ExpandableSegment:
-    """The virtual range of one expandable segment: its base, page size and number of pages."""
-
-    __slots__ = ("base", "page", "pages", "stream", "small", "mapped")
-
-    def __init__(self, base: int, page: int, pages: int, stream: int, small: bool) -> None:
-        self.base, self.page, self.pages, self.stream, self.small = base, page, pages, stream, small
-        self.mapped = 0
-
-    @property
-    def size(self) -> int:
-        return self.page * self.pages
 
 
 class ExpandableMixin:

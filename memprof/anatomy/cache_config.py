@@ -15,7 +15,7 @@ gives no spec (no formula rather than a wrong one). Works on config objects and 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable, TypedDict
 
 from ..errors import is_interrupt
 from .caches import CacheSpec, latent_attention_dims
@@ -36,10 +36,31 @@ _DELTA = ("the convolution state (2 n_k d_k + n_v d_v, d_conv) and state (n_v, d
           "models/qwen3_next/modeling_qwen3_next.py Qwen3NextGatedDeltaNet")
 _FP32_STATE = 4  # the scans compute the state in float32 (mamba_selective_scan, mamba2_chunk_scan, the delta rule)
 
+#: Reads one field of a config by name; None where it has none. What it returns is what the config holds.
+Reader = Callable[[str], object]
 
-def cache_spec(config: Any) -> "CacheSpec | None":
+
+class _Fields(TypedDict, total=False):
+    """The keyword arguments of :class:`CacheSpec` the parts of a config give."""
+
+    layers: tuple[str, ...]
+    kv_heads: int
+    head_dim: int
+    value_head_dim: "int | None"
+    sliding_window: "int | None"
+    conv_channels: int
+    conv_kernel: int
+    recurrent_elements: int
+    recurrent_itemsize: "int | None"
+    attention_first: bool
+    kept: str
+    source: str
+
+
+def cache_spec(config: object) -> "CacheSpec | None":
     """The cache a model with this config keeps, or None where memprof cannot size it (no config, a layer
-    kind or state-space family it does not know)."""
+    kind or state-space family it does not know). ``config`` is a transformers config object or a plain dict,
+    read by field name."""
     if config is None:
         return None
     if _reader(config)("is_encoder_decoder") is True:
@@ -49,7 +70,9 @@ def cache_spec(config: Any) -> "CacheSpec | None":
     if callable(get_text):
         try:
             config = get_text(decoder=True)
-        except TypeError:  # an older signature without ``decoder``
+        except TypeError as failure:  # an older signature without ``decoder``
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             config = get_text()
         except Exception as failure:  # a config that cannot say: read it as it is
             if is_interrupt(failure):
@@ -62,7 +85,7 @@ def cache_spec(config: Any) -> "CacheSpec | None":
     kinds = _layer_kinds(read, layers)
     if kinds is None:
         return None
-    spec: dict[str, Any] = {"layers": kinds, "source": "transformers cache_utils.py (DynamicCache, StaticCache)"}
+    spec: _Fields = {"layers": kinds, "source": "transformers cache_utils.py (DynamicCache, StaticCache)"}
     kept = []
     for wanted, part in (({"full_attention", "sliding_attention", "hybrid", "hybrid_sliding"}, _attention),
                          ({"linear_attention", "hybrid", "hybrid_sliding"}, _states)):
@@ -73,19 +96,20 @@ def cache_spec(config: Any) -> "CacheSpec | None":
             kept.append(found.pop("kept", "keys and values per token"))
             spec.update(found)
     if {"sliding_attention", "hybrid_sliding"} & set(kinds):
-        spec["sliding_window"] = _int(read, "sliding_window", "attention_chunk_size")
-        if spec["sliding_window"] is None:
+        window = _int(read, "sliding_window", "attention_chunk_size")
+        if window is None:
             return None
+        spec["sliding_window"] = window
     spec["kept"] = "; ".join(kept)
     return CacheSpec(**spec)
 
 
-def _get(config: Any, name: str) -> Any:
+def _get(config: object, name: str) -> object:
     return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
 
 
-def _reader(config: Any) -> Callable[[str], Any]:
-    def read(name: str) -> Any:
+def _reader(config: object) -> Reader:
+    def read(name: str) -> object:
         try:
             return _get(config, name)
         except Exception as failure:  # a property that raises on this config (an inconsistent attribute map)
@@ -95,7 +119,7 @@ def _reader(config: Any) -> Callable[[str], Any]:
     return read
 
 
-def _int(read: Callable[[str], Any], *names: str) -> "int | None":
+def _int(read: Reader, *names: str) -> "int | None":
     for n in names:
         v = read(n)
         if isinstance(v, int) and not isinstance(v, bool):
@@ -103,7 +127,7 @@ def _int(read: Callable[[str], Any], *names: str) -> "int | None":
     return None
 
 
-def _layer_kinds(read: Callable[[str], Any], layers: int) -> "tuple[str, ...] | None":
+def _layer_kinds(read: Reader, layers: int) -> "tuple[str, ...] | None":
     types = read("layer_types") or read("layers_block_type")
     if types is None:
         period, offset = _int(read, "attn_layer_period"), _int(read, "attn_layer_offset")
@@ -127,17 +151,17 @@ def _layer_kinds(read: Callable[[str], Any], layers: int) -> "tuple[str, ...] | 
     return tuple(kinds)
 
 
-def _attention(read: Callable[[str], Any]) -> "dict[str, Any] | None":
+def _attention(read: Reader) -> "_Fields | None":
     heads = _int(read, "num_attention_heads", "n_head", "num_heads")
     if heads is None:
         return None
     if _int(read, "kv_lora_rank") is not None:
-        dims = [_int(read, n) for n in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")]
-        if None in dims:
+        rank, rope, nope, v_head = (_int(read, n) for n in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                                             "v_head_dim"))
+        if rank is None or rope is None or nope is None or v_head is None:
             return None
-        kv_heads, k_dim, v_dim = latent_attention_dims(num_heads=heads, kv_lora_rank=dims[0],
-                                                       qk_rope_head_dim=dims[1], qk_nope_head_dim=dims[2],
-                                                       v_head_dim=dims[3], kept="latent")
+        kv_heads, k_dim, v_dim = latent_attention_dims(num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope,
+                                                       qk_nope_head_dim=nope, v_head_dim=v_head, kept="latent")
         return {"kv_heads": kv_heads, "head_dim": k_dim, "value_head_dim": v_dim,
                 "kept": "the multi-head latent attention latent (kv_lora_rank) and rotary key (qk_rope_head_dim) "
                         "per token: DeepSeek-V2 section 2.1.3; transformers models/deepseek_v3/"
@@ -154,7 +178,7 @@ def _attention(read: Callable[[str], Any]) -> "dict[str, Any] | None":
     return {"kv_heads": kv_heads, "head_dim": head_dim}
 
 
-def _states(read: Callable[[str], Any]) -> "dict[str, Any] | None":
+def _states(read: Reader) -> "_Fields | None":
     if (_int(read, "number_of_conv_states") or 1) > 1:
         return None  # several states per layer (LinearAttentionLayer's number_of_states): not sized here
     hidden = _int(read, "hidden_size", "d_model")
@@ -162,9 +186,8 @@ def _states(read: Callable[[str], Any]) -> "dict[str, Any] | None":
         nk, dk, nv, dv, conv = (_int(read, n) for n in ("linear_num_key_heads", "linear_key_head_dim",
                                                          "linear_num_value_heads", "linear_value_head_dim",
                                                          "linear_conv_kernel_dim"))
-        if None in (nk, dk, nv, dv, conv):
+        if nk is None or dk is None or nv is None or dv is None or conv is None:
             return None
-        assert nk is not None and dk is not None and nv is not None and dv is not None
         return {"conv_channels": 2 * nk * dk + nv * dv, "conv_kernel": conv, "recurrent_elements": nv * dk * dv,
                 "recurrent_itemsize": _FP32_STATE, "kept": _DELTA}
     d_state = _int(read, "mamba_d_state", "state_size")
@@ -194,7 +217,7 @@ def _states(read: Callable[[str], Any]) -> "dict[str, Any] | None":
             "attention_first": read("model_type") != "falcon_h1", "kept": _MAMBA2}
 
 
-def _encoder_decoder(read: Callable[[str], Any]) -> "CacheSpec | None":
+def _encoder_decoder(read: Reader) -> "CacheSpec | None":
     layers = _int(read, "num_decoder_layers", "decoder_layers", "num_layers", "num_hidden_layers")
     heads = _int(read, "decoder_attention_heads", "num_heads", "num_attention_heads")
     hidden = _int(read, "d_model", "hidden_size")

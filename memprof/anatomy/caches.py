@@ -92,7 +92,7 @@ class CacheSpec:
             raise InvalidArgumentError("state-space layers need conv_channels, conv_kernel and recurrent_elements "
                                        ">= 1 in the CacheSpec")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         out = dict(self.__dict__)
         out["layers"] = list(self.layers)
         return out
@@ -100,6 +100,8 @@ class CacheSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CacheSpec":
         """The spec :meth:`to_dict` wrote (keys it does not know are left out: a newer writer's extras)."""
+        # Any: a trace file's values, checked by type (int, str, bool, None, list of str) by
+        # memprof.record.cache.spec_data but not field by field; __post_init__ and the formulas check their sense.
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         return cls(**known)
 

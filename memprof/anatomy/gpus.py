@@ -117,7 +117,7 @@ def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _spec(name, capacity, cc, kind, source):
+def _spec(name: str, capacity: int, cc: tuple[int, int], kind: str, source: str) -> GpuSpec:
     return GpuSpec(name=name, capacity_bytes=capacity, compute_capability=cc, capacity_kind=kind, source=source)
 
 

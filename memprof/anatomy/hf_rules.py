@@ -28,15 +28,24 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from ..errors import is_interrupt
-from .activations import _ALIASES, TensorMeta, _any_param_grad, _input_saving, _saves_input, register_saved_rule_by_name
+from .activations import (
+    _ALIASES,
+    ModuleLike,
+    RuleOutput,
+    TensorMeta,
+    _any_param_grad,
+    _input_saving,
+    _saves_input,
+    register_saved_rule_by_name,
+)
 
 __all__: list[str] = []
 
 
-def _new_gelu(module: Any, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _new_gelu(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str, grad: bool) -> int:
     return 4 * inputs[0].nbytes if grad else 0
 
 
@@ -44,14 +53,16 @@ def _rows(x: TensorMeta) -> int:
     return x.numel // x.shape[-1] if x.shape else 1
 
 
-def _llama_rms_norm(module: Any, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _llama_rms_norm(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str,
+                    grad: bool) -> int:
     x = inputs[0]
     if not (grad or _any_param_grad(module)):
         return 0
     return 4 * x.numel + 4 * _rows(x) + x.nbytes
 
 
-def _t5_layer_norm(module: Any, inputs: Sequence[TensorMeta], output: Any, device: str, grad: bool) -> int:
+def _t5_layer_norm(module: ModuleLike, inputs: Sequence[TensorMeta], output: RuleOutput, device: str,
+                   grad: bool) -> int:
     x = inputs[0]
     if not (grad or _any_param_grad(module)):
         return 0

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
-
 import torch
 
-from .optimizers import OptimizerFormula, register_optimizer_formula
+from .optimizers import OptimizerFormula, OptimizerLike, ParamGroup, register_optimizer_formula
 
 __all__ = ["bitsandbytes_formula", "BNB_BLOCKSIZE", "BNB_MIN_8BIT_SIZE"]
 
@@ -110,17 +108,17 @@ def _largest(params: Sequence[torch.Tensor]) -> int:
 # --------------------------------------------------------------------------- torch.optim formulas
 
 
-def _steps(group: dict[str, Any], params: Sequence[torch.Tensor]) -> int:
+def _steps(group: ParamGroup, params: Sequence[torch.Tensor]) -> int:
     return len(params) * _scalar_step_bytes(bool(group.get("fused")))
 
 
-def _adam_state(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor]) -> int:
+def _adam_state(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor]) -> int:
     # adam.py _init_group: step + exp_avg + exp_avg_sq (+ max_exp_avg_sq if amsgrad), zeros_like(p).
     n_full = 3 if group.get("amsgrad") else 2
     return n_full * _bytes(params) + _steps(group, params)
 
 
-def _adam_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor], impl: str) -> int:
+def _adam_transient(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor], impl: str) -> int:
     if impl == "fused":
         return 0  # fused kernels keep no temporaries (AdamW fused measured 0.00 B/param with torch 2.13)
     maximize = bool(group.get("maximize"))
@@ -143,12 +141,12 @@ def _adam_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.Tens
     return sim.peak
 
 
-def _sgd_state(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor]) -> int:
+def _sgd_state(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor]) -> int:
     # sgd.py: momentum_buffer = grad.detach().clone() only when momentum != 0; no step counter.
     return _bytes(params) if group.get("momentum", 0) != 0 else 0
 
 
-def _sgd_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor], impl: str) -> int:
+def _sgd_transient(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor], impl: str) -> int:
     if impl == "fused":
         return 0
     maximize = bool(group.get("maximize"))
@@ -180,12 +178,12 @@ def _grad_copy(sim: "_ListSim", nbytes: int, *, maximize: bool, weight_decay: bo
         sim.new("grads", nbytes)
 
 
-def _adagrad_state(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor]) -> int:
+def _adagrad_state(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor]) -> int:
     # adagrad.py __init__: step + sum = full_like(p) for every parameter, grads or not.
     return _bytes(params) + _steps(group, params)
 
 
-def _adagrad_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor], impl: str) -> int:
+def _adagrad_transient(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor], impl: str) -> int:
     if impl == "fused":
         return 0
     maximize = bool(group.get("maximize"))
@@ -205,13 +203,13 @@ def _adagrad_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.T
     return sim.peak
 
 
-def _rmsprop_state(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor]) -> int:
+def _rmsprop_state(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor]) -> int:
     # rmsprop.py _init_group: step + square_avg (+ momentum_buffer if momentum > 0) (+ grad_avg if centered).
     n_full = 1 + (1 if group.get("momentum", 0) > 0 else 0) + (1 if group.get("centered") else 0)
     return n_full * _bytes(params) + _steps(group, params)
 
 
-def _rmsprop_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor], impl: str) -> int:
+def _rmsprop_transient(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor], impl: str) -> int:
     maximize = bool(group.get("maximize"))
     wd = group.get("weight_decay", 0) != 0
     if impl == "for-loop":
@@ -225,7 +223,7 @@ def _rmsprop_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.T
     return sim.peak
 
 
-def _adafactor_state(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor]) -> int:
+def _adafactor_state(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor]) -> int:
     # _adafactor.py _init_group: step (CPU fp32) + for dim > 1: row_var shape[..., -1] = 1 and
     # col_var shape[..., -2, :] = 1 (grad.new_zeros: grad dtype); for 1-D: variance = zeros_like(grad).
     total = 0
@@ -246,7 +244,7 @@ def _prod(shape: Iterable[int]) -> int:
     return math.prod(shape)
 
 
-def _adafactor_transient(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor], impl: str) -> int:
+def _adafactor_transient(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor], impl: str) -> int:
     maximize = bool(group.get("maximize"))
     if impl == "for-loop":
         # _single_tensor_adafactor: var_estimate, its rsqrt/mul products and the previous iteration's update;
@@ -335,7 +333,7 @@ def bitsandbytes_formula(name: str, n_states: int, *, blocksize: int = BNB_BLOCK
     step counter is a Python int (no tensor). Step transients: ``None``.
     """
 
-    def state(opt: Any, group: dict[str, Any], params: Sequence[torch.Tensor]) -> int:
+    def state(opt: OptimizerLike, group: ParamGroup, params: Sequence[torch.Tensor]) -> int:
         min_size = getattr(getattr(opt, "args", None), "min_8bit_size", BNB_MIN_8BIT_SIZE)
         total = 0
         for p in params:
@@ -346,7 +344,7 @@ def bitsandbytes_formula(name: str, n_states: int, *, blocksize: int = BNB_BLOCK
                 total += n_states * 4 * n  # torch.zeros_like(p, dtype=torch.float32)
         return total
 
-    def shared(opt: Any, params: Sequence[torch.Tensor]) -> int:
+    def shared(opt: OptimizerLike, params: Sequence[torch.Tensor]) -> int:
         min_size = getattr(getattr(opt, "args", None), "min_8bit_size", BNB_MIN_8BIT_SIZE)
         if any(p.numel() >= min_size for p in params):
             # qmap1 ("dynamic") and qmap2 ("udynamic"): 256 fp32 each, shared (bitsandbytes optim/optimizer.py,

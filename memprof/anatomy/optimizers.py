@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -37,6 +37,8 @@ from ..errors import InvalidArgumentError, RegistryError
 
 __all__ = [
     "OptimizerFormula",
+    "OptimizerLike",
+    "ParamGroup",
     "Implementation",
     "register_optimizer_formula",
     "optimizer_formula",
@@ -47,6 +49,18 @@ __all__ = [
 ]
 
 Implementation = Literal["foreach", "for-loop", "fused"]
+
+#: One parameter group, as torch types it (``Optimizer.param_groups: list[dict[str, Any]]``): Any is torch's own
+#: type of a group's options (floats, bools, tuples, tensors, the parameter list).
+ParamGroup = dict[str, Any]
+
+
+class OptimizerLike(Protocol):
+    """What the formulas read of an optimizer: a ``torch.optim.Optimizer`` (or a third-party one), or a recorded
+    one (:class:`memprof.anatomy.predict.OptimizerView`); a formula reads anything else by name (``args``)."""
+
+    @property
+    def param_groups(self) -> list[ParamGroup]: ...
 
 # --------------------------------------------------------------------------- implementation choice
 
@@ -82,11 +96,11 @@ class OptimizerFormula:
 
     name: str
     source: str
-    state_bytes: Callable[[Any, dict[str, Any], Sequence[torch.Tensor]], int]
-    transient_bytes: Callable[[Any, dict[str, Any], Sequence[torch.Tensor], str], int | None] | None = None
+    state_bytes: Callable[[OptimizerLike, ParamGroup, Sequence[torch.Tensor]], int]
+    transient_bytes: Callable[[OptimizerLike, ParamGroup, Sequence[torch.Tensor], str], int | None] | None = None
     foreach_none: str = "default"
     state_for_all_params: bool = False
-    shared_state_bytes: Callable[[Any, Sequence[torch.Tensor]], int] | None = None
+    shared_state_bytes: Callable[[OptimizerLike, Sequence[torch.Tensor]], int] | None = None
     exact_transient: tuple[str, ...] = field(default=("foreach", "fused"))
 
 
@@ -116,7 +130,7 @@ def register_optimizer_formula(cls: type | str, formula: OptimizerFormula) -> No
     _REGISTRY[key] = formula
 
 
-def optimizer_formula(optimizer: Any) -> OptimizerFormula | None:
+def optimizer_formula(optimizer: object) -> OptimizerFormula | None:
     """The formula for ``optimizer``'s class: the exact class first, then its MRO; ``None`` if none.
 
     A recorded optimizer (:class:`memprof.anatomy.predict.OptimizerView`) is looked up by the
@@ -138,7 +152,7 @@ def optimizer_formula(optimizer: Any) -> OptimizerFormula | None:
 # --------------------------------------------------------------------------- helpers on groups
 
 
-def _group_params(group: dict[str, Any], params_with_grad: set[int] | None) -> list[torch.Tensor]:
+def _group_params(group: ParamGroup, params_with_grad: set[int] | None) -> list[torch.Tensor]:
     out = []
     for p in group["params"]:
         if params_with_grad is None:
@@ -155,7 +169,8 @@ def _grad_set(params_with_grad: Iterable[torch.Tensor] | None) -> set[int] | Non
     return {id(p) for p in params_with_grad}
 
 
-def param_group_implementations(optimizer: Any, params_with_grad: Iterable[torch.Tensor] | None = None) -> list[str]:
+def param_group_implementations(optimizer: OptimizerLike,
+                                params_with_grad: Iterable[torch.Tensor] | None = None) -> list[str]:
     """The implementation (``"foreach"``, ``"for-loop"``, ``"fused"``) each parameter group will use."""
     formula = optimizer_formula(optimizer)
     none_rule = formula.foreach_none if formula is not None else "default"
@@ -165,10 +180,10 @@ def param_group_implementations(optimizer: Any, params_with_grad: Iterable[torch
     ]
 
 
-def _resolve(optimizer: Any, group: dict[str, Any], none_rule: str, params: Sequence[torch.Tensor]) -> str:
+def _resolve(optimizer: OptimizerLike, group: ParamGroup, none_rule: str, params: Sequence[torch.Tensor]) -> str:
     recorded = group.get("memprof_implementation")
     if recorded is not None:
-        return recorded  # a recorded group: torch decided when the run happened
+        return str(recorded)  # a recorded group: torch decided when the run happened
     if group.get("fused"):
         return "fused"
     foreach = group.get("foreach")
@@ -185,7 +200,7 @@ def _resolve(optimizer: Any, group: dict[str, Any], none_rule: str, params: Sequ
     return "foreach" if foreach else "for-loop"
 
 
-def optimizer_implementation(optimizer: Any, params_with_grad: Iterable[torch.Tensor] | None = None) -> str:
+def optimizer_implementation(optimizer: OptimizerLike, params_with_grad: Iterable[torch.Tensor] | None = None) -> str:
     """``"foreach"``, ``"for-loop"`` or ``"fused"``, decided as torch decides it.
 
     ``foreach=None, fused=None`` (the default) resolves to foreach only when all
@@ -204,7 +219,7 @@ def optimizer_implementation(optimizer: Any, params_with_grad: Iterable[torch.Te
 
 
 def predict_optimizer_state_bytes(
-    optimizer: Any, params_with_grad: Iterable[torch.Tensor] | None = None
+    optimizer: OptimizerLike, params_with_grad: Iterable[torch.Tensor] | None = None
 ) -> int | None:
     """Persistent optimizer-state bytes after the first ``step()``; ``None`` if there is no formula.
 
@@ -227,7 +242,7 @@ def predict_optimizer_state_bytes(
 
 
 def predict_optimizer_step_transient_bytes(
-    optimizer: Any, params_with_grad: Iterable[torch.Tensor] | None = None
+    optimizer: OptimizerLike, params_with_grad: Iterable[torch.Tensor] | None = None
 ) -> int | None:
     """Peak bytes ``step()`` allocates above the persistent state, in a steady-state step.
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, is_interrupt
 
 __all__ = [
     "OutsideTerm",
@@ -122,7 +122,7 @@ def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
     return {} if env is None else env
 
 
-def _check_cc(compute_capability) -> tuple[int, int]:
+def _check_cc(compute_capability: object) -> tuple[int, int]:
     if (not isinstance(compute_capability, tuple) or len(compute_capability) != 2
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in compute_capability)):
         raise InvalidArgumentError(
@@ -227,7 +227,9 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
         return default
     try:
         number = int(value.strip())
-    except ValueError:
+    except ValueError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(f"{name}={value!r} is not a whole number; NCCL reads it as an int") from None
     if number < 0:
         raise InvalidArgumentError(f"{name}={value!r} must not be negative")

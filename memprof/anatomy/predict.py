@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ..errors import is_interrupt
 from .activations import TensorMeta, rule_for_classes
-from .optimizers import predict_optimizer_state_bytes, predict_optimizer_step_transient_bytes
+from .optimizers import ParamGroup, predict_optimizer_state_bytes, predict_optimizer_step_transient_bytes
 
 if TYPE_CHECKING:
     from ..record.specs import ModuleCall, OptimizerSpec, TensorSpec
@@ -104,8 +104,10 @@ def predict_optimizers(trace: "Trace") -> OptimizerPrediction:
             failed.append(f"{spec.classes[0] if spec.classes else '?'}: {exc!r}")
             states.append(None)
             transients.append(None)
-    state = None if any(v is None for v in states) else sum(states)  # type: ignore[arg-type]
-    transient = None if any(v is None for v in transients) else max(transients)  # type: ignore[type-var]
+    known_states = [v for v in states if v is not None]
+    known_transients = [v for v in transients if v is not None]
+    state = None if len(known_states) < len(states) else sum(known_states)
+    transient = None if len(known_transients) < len(transients) else max(known_transients)
     return OptimizerPrediction(state, transient, tuple(failed))
 
 
@@ -154,9 +156,9 @@ class OptimizerView:
         for p in spec.params:
             t = torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta")
             params.append(t.requires_grad_(p.requires_grad) if t.is_floating_point() or t.is_complex() else t)
-        self.param_groups: list[dict[str, Any]] = [
+        self.param_groups: list[ParamGroup] = [
             {**dict(config), "params": [params[i] for i in rows], "memprof_implementation": impl}
             for config, rows, impl in spec.groups
         ]
         self.args = SimpleNamespace(**dict(spec.args)) if spec.args else None
-        self.state: dict[Any, Any] = {}
+        self.state: dict[object, object] = {}  # what a formula may look up on a live optimizer: empty

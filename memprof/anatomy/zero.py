@@ -11,7 +11,6 @@ and ``runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 from fractions import Fraction
 
 from ..errors import InvalidArgumentError
@@ -44,7 +43,7 @@ _FP16_PARAM_BYTES = 2
 _FP16_GRAD_BYTES = 2
 
 
-def _counts(**values: Any) -> list[int]:
+def _counts(**values: object) -> list[int]:
     # Whole-number floats are counts too: people write 7.5e9 parameters. GPUs and nodes start at 1.
     return [as_count(name, value, 1 if name.startswith("num_") and name != "num_params" else 0)
             for name, value in values.items()]
@@ -152,7 +151,7 @@ def deepspeed_zero3_estimate(
         if zero_init:
             cpu = psi * per_param * gpus_factor * buffer_factor
         else:
-            cpu = psi * max(4 * n, per_param * gpus_factor) * buffer_factor
+            cpu = psi * max(Fraction(4 * n), per_param * gpus_factor) * buffer_factor
     else:
         gpu = llm + int(18 * psi / total_gpus)
         cpu = (largest_layer_params if zero_init else psi) * 4 * n * buffer_factor

@@ -156,4 +156,4 @@ def test_the_model_modules_need_no_torch():
             elif isinstance(node, ast.ImportFrom) and not node.level:
                 imported.add(node.module.split(".")[0])
     assert "torch" not in imported and imported <= {"__future__", "bisect", "re", "collections", "dataclasses", "array",
-                                                    "os"}
+                                                    "os", "typing"}
