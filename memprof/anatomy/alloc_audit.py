@@ -59,10 +59,10 @@ def _check_links(blocks: list[Block]) -> None:
 
 
 def _check_lists(allocator: CachingAllocator, blocks: list[Block]) -> None:
-    listed = [entry for free in allocator._free.values() for entry in free]
+    listed = [entry for free in allocator.pools.free.values() for entry in free]
     if sorted(id(e[3]) for e in listed) != sorted(id(b) for b in blocks if b.mapped and not b.allocated):
         _fail("the free lists do not hold exactly the free mapped blocks")
-    for free in allocator._free.values():
+    for free in allocator.pools.free.values():
         if any(e[:3] != (e[3].size, e[3].reg, e[3].addr) for e in free) or free != sorted(free, key=lambda e: e[:3]):
             _fail("a free list is out of torch's order (size, segment, address)")
 
@@ -78,8 +78,9 @@ def _check_counters(allocator: CachingAllocator, blocks: list[Block]) -> None:
         _fail(f"requested {allocator.requested} B is not the live requests' sum")
     if allocator.capacity is not None and allocator.reserved > allocator.capacity:
         _fail(f"reserved {allocator.reserved} B is above the capacity {allocator.capacity} B")
-    if allocator._allowed_max is not None and allocator.reserved > allocator._allowed_max:
-        _fail(f"reserved {allocator.reserved} B is above the memory fraction's {allocator._allowed_max} B")
+    allowed = allocator.allowed_memory_maximum
+    if allowed is not None and allocator.reserved > allowed:
+        _fail(f"reserved {allocator.reserved} B is above the memory fraction's {allowed} B")
     if allocator.peak_allocated < allocator.allocated or allocator.peak_reserved < allocator.reserved:
         _fail("a peak is below its current value")
     for b in live:
@@ -93,7 +94,7 @@ def _check_counters(allocator: CachingAllocator, blocks: list[Block]) -> None:
 def audit(allocator: CachingAllocator) -> None:
     """Check every invariant above that the allocator can check alone (not the live requests: see
     :class:`AuditedAllocator`); raises ``AssertionError`` naming the first broken one."""
-    blocks = allocator._all_blocks(allocator._live.values())
+    blocks = allocator.blocks()
     _check_links(blocks)
     _check_lists(allocator, blocks)
     _check_counters(allocator, blocks)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterable
 
-__all__ = ["Block", "BlockPools", "ExpandableSegment"]
+__all__ = ["Block", "BlockPools", "ExpandableSegment", "AddressSpace"]
 
 
 class ExpandableSegment:
@@ -62,47 +62,51 @@ class Block:
 
 
 class BlockPools:
-    """Free and unmapped blocks per (small pool?, stream), with torch's insert/erase/merge rules."""
+    """Free and unmapped blocks per (small pool?, stream), with torch's insert/erase/merge rules.
+
+    ``free`` maps (small, stream) to its sorted ``(size, registration, address, block)`` list, ``unmapped`` to
+    its ``(address, block)`` list; ``gc_calls`` is ``BlockPool::get_free_blocks_call_count`` of the small (True)
+    and large (False) pools: the clock of the garbage collector's block ages."""
+
+    __slots__ = ("free", "unmapped", "gc_calls")
 
     def __init__(self) -> None:
-        self._free: dict[tuple[bool, int], list[tuple[int, int, int, Block]]] = {}
-        self._unmapped: dict[tuple[bool, int], list[tuple[int, Block]]] = {}
-        # BlockPool::get_free_blocks_call_count of the small (True) and large (False) pools: the clock of
-        # the garbage collector's block ages.
-        self._gc_calls = {True: 0, False: 0}
+        self.free: dict[tuple[bool, int], list[tuple[int, int, int, Block]]] = {}
+        self.unmapped: dict[tuple[bool, int], list[tuple[int, Block]]] = {}
+        self.gc_calls = {True: 0, False: 0}
 
-    def _insert(self, block: Block) -> None:
+    def insert(self, block: Block) -> None:
         """``BlockPool::insert_into_blocks``: a free block starts a new age."""
-        block.gc_base = self._gc_calls[block.small]
-        free = self._free.get((block.small, block.stream))
+        block.gc_base = self.gc_calls[block.small]
+        free = self.free.get((block.small, block.stream))
         if free is None:
-            free = self._free[(block.small, block.stream)] = []
+            free = self.free[(block.small, block.stream)] = []
         insort(free, (block.size, block.reg, block.addr, block))
 
-    def _remove(self, block: Block) -> None:
-        free = self._free[(block.small, block.stream)]
+    def remove(self, block: Block) -> None:
+        free = self.free[(block.small, block.stream)]
         del free[bisect_left(free, (block.size, block.reg, block.addr))]
 
-    def _insert_unmapped(self, block: Block) -> None:
+    def insert_unmapped(self, block: Block) -> None:
         key = (block.small, block.stream)
-        unmapped = self._unmapped.get(key)
+        unmapped = self.unmapped.get(key)
         if unmapped is None:
-            unmapped = self._unmapped[key] = []
+            unmapped = self.unmapped[key] = []
         insort(unmapped, (block.addr, block))
 
-    def _remove_unmapped(self, block: Block) -> None:
-        unmapped = self._unmapped[(block.small, block.stream)]
+    def remove_unmapped(self, block: Block) -> None:
+        unmapped = self.unmapped[(block.small, block.stream)]
         del unmapped[bisect_left(unmapped, (block.addr,))]
 
-    def _merge(self, dst: Block, src: Block | None) -> int:
+    def merge(self, dst: Block, src: Block | None) -> int:
         """``try_merge_blocks``: fold the free neighbour ``src`` into ``dst`` (which is in no list);
         returns the bytes taken over, 0 if ``src`` is absent, in use, or mapped differently."""
         if src is None or src.allocated or src.mapped != dst.mapped:
             return 0
         if src.mapped:
-            self._remove(src)
+            self.remove(src)
         else:
-            self._remove_unmapped(src)
+            self.remove_unmapped(src)
         if dst.prev is src:
             dst.addr = src.addr
             dst.prev = src.prev
@@ -115,16 +119,36 @@ class BlockPools:
         dst.size += src.size
         return src.size
 
-    def _streams(self, small: bool) -> list[int]:
+    def streams(self, small: bool) -> list[int]:
         # torch orders a pool's set by stream first (the cudaStream_t pointer); the model orders stream ids.
-        return sorted(stream for (is_small, stream) in self._free if is_small == small)
+        return sorted(stream for (is_small, stream) in self.free if is_small == small)
 
-    def _free_blocks(self, small: bool) -> list[Block]:
+    def free_blocks(self, small: bool) -> list[Block]:
         """Every free block of one pool in the set's order: stream, size, registration, address."""
-        return [entry[3] for stream in self._streams(small) for entry in self._free[(small, stream)]]
+        return [entry[3] for stream in self.streams(small) for entry in self.free[(small, stream)]]
 
-    def _all_blocks(self, live: Iterable[Block | None]) -> list[Block]:
-        blocks = [entry[3] for free in self._free.values() for entry in free]
-        blocks += [entry[1] for unmapped in self._unmapped.values() for entry in unmapped]
+    def all_blocks(self, live: Iterable[Block | None]) -> list[Block]:
+        """The free and unmapped blocks, then those of ``live`` (the allocated ones; None for a zero-byte request)."""
+        blocks = [entry[3] for free in self.free.values() for entry in free]
+        blocks += [entry[1] for unmapped in self.unmapped.values() for entry in unmapped]
         blocks += [b for b in live if b is not None]
         return blocks
+
+
+class AddressSpace:
+    """Where the model places segments: synthetic addresses, which only order blocks inside one segment (the
+    driver's own placement is not modelled), and the ``registration_counter`` that makes ties of equal size go
+    to older segments."""
+
+    __slots__ = ("next_addr", "next_reg")
+
+    def __init__(self) -> None:
+        self.next_addr = 1 << 32
+        self.next_reg = 0
+
+    def take(self, length: int) -> tuple[int, int]:
+        """The address and registration of a new segment spanning ``length`` bytes of addresses."""
+        addr, reg = self.next_addr, self.next_reg
+        self.next_addr += length
+        self.next_reg += 1
+        return addr, reg

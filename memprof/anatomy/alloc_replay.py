@@ -9,16 +9,21 @@ where they happened and, on request, the allocated and reserved bytes after ever
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
+from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError, is_interrupt
 from .alloc_config import AllocatorConfig
 from .allocator import CachingAllocator
 
-__all__ = ["ReplayOOM", "ReplayResult", "replay"]
+__all__ = ["Event", "ReplayOOM", "ReplayResult", "replay"]
 
 _ALLOC = frozenset({"alloc", "malloc"})
+
+#: An event: ``("alloc", key, nbytes[, stream])``, ``("free", key)`` or ``("empty_cache",)``; whatever else comes
+#: is refused, naming it.
+Event = Sequence[object]
 
 
 @dataclass(frozen=True)
@@ -52,8 +57,8 @@ class ReplayResult:
     num_alloc_retries: int
     num_ooms: int
     oom: ReplayOOM | None
-    allocated: array | None
-    reserved: array | None
+    allocated: array[int] | None
+    reserved: array[int] | None
     allocator: CachingAllocator
 
     @property
@@ -61,7 +66,7 @@ class ReplayResult:
         return self.oom is None
 
 
-def replay(events: Iterable, config: AllocatorConfig | None = None, *, capacity: int | None = None,
+def replay(events: Iterable[Event], config: AllocatorConfig | None = None, *, capacity: int | None = None,
            device_total: int | None = None, timeline: bool = False,
            allocator: CachingAllocator | None = None, check: bool = False) -> ReplayResult:
     """Run ``events`` through a fresh ``CachingAllocator(config, capacity, device_total)`` (or through
@@ -82,23 +87,28 @@ def replay(events: Iterable, config: AllocatorConfig | None = None, *, capacity:
         raise InvalidArgumentError("give either allocator= or config/capacity/device_total/check, not both")
     try:
         iterator = iter(events)
-    except TypeError:
+    except TypeError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(f"events must be an iterable of events ('alloc', key, nbytes[, stream]), "
                                    f"('free', key), ('empty_cache',); got {type(events).__name__}") from None
     run = _Run(allocator, timeline)
     index = -1
     for index, event in enumerate(iterator):
         try:
-            stop = run.event(event)
+            stop = run.event(index, event)
         except InvalidArgumentError as error:
+            if is_interrupt(error):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise InvalidArgumentError(f"event {index} {_shown(event)}: {error}") from None
         except (TypeError, IndexError, ValueError) as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             why = _malformed(event)
             # An event that reads well here but failed all the same is the model's defect: its cause stays chained.
             raise InvalidArgumentError(f"event {index} {_shown(event)}: {why or 'the model could not replay it'}") \
                 from (None if why else exc)
-        if stop is not None:
-            run.oom = ReplayOOM(index, event[1], event[2], allocator.allocated, allocator.reserved, stop)
+        if stop:
             break
         run.note(index)
     return run.result(index + 1)
@@ -121,7 +131,9 @@ def _malformed(event: object) -> str:
         return "a free is ('free', key)"
     try:
         hash(event[1]) if len(event) > 1 else None
-    except TypeError:
+    except TypeError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return f"the key {event[1]!r} is not hashable; name tensors by a hashable key (an int, a string)"
     return ""
 
@@ -131,21 +143,23 @@ class _Run:
 
     def __init__(self, allocator: CachingAllocator, timeline: bool) -> None:
         self.allocator = allocator
-        self.handles: dict = {}
+        self.handles: dict[object, int] = {}
         self.allocated_line = array("q") if timeline else None
         self.reserved_line = array("q") if timeline else None
         self.peak_allocated, self.peak_reserved = allocator.peak_allocated, allocator.peak_reserved
         self.peak_allocated_at = self.peak_reserved_at = -1
         self.oom: ReplayOOM | None = None
 
-    def event(self, event: tuple) -> "str | None":
-        """Replay one event; the message of a predicted out-of-memory error, else None."""
+    def event(self, index: int, event: Event) -> bool:
+        """Replay event ``index``; True when it is a predicted out-of-memory error (then ``oom`` says which)."""
         op = event[0]
         allocator = self.allocator
         if op == "free":
             try:
                 handle = self.handles.pop(event[1])
-            except KeyError:
+            except KeyError as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 raise InvalidArgumentError(f"free of {event[1]!r}, which is not allocated (freed twice, or never "
                                            "allocated)") from None
             allocator.free(handle)
@@ -155,15 +169,20 @@ class _Run:
             key = event[1]
             if key in self.handles:
                 raise InvalidArgumentError(f"{key!r} is allocated twice without a free in between")
+            # Read as malloc's arguments: malloc refuses a size that is not a non-negative int, a stream not an int.
+            nbytes, stream = cast(int, event[2]), cast(int, event[3] if len(event) > 3 else 0)
             try:
-                self.handles[key] = allocator.malloc(event[2], event[3] if len(event) > 3 else 0)
+                self.handles[key] = allocator.malloc(nbytes, stream)
             except SimulatedOutOfMemoryError as error:
-                return str(error)
+                if is_interrupt(error):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
+                self.oom = ReplayOOM(index, key, nbytes, allocator.allocated, allocator.reserved, str(error))
+                return True
         elif op == "empty_cache":
             allocator.empty_cache()
         else:
             raise InvalidArgumentError(f"unknown op {op!r}; the ops are 'alloc', 'free' and 'empty_cache'")
-        return None
+        return False
 
     def note(self, index: int) -> None:
         allocator = self.allocator

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 
-from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
-from .alloc_blocks import Block, BlockPools
+from ..errors import InvalidArgumentError, is_interrupt
+from .alloc_blocks import AddressSpace, Block, BlockPools
 from .alloc_config import (
     K_LARGE_BUFFER,
     K_MIN_BLOCK_SIZE,
@@ -25,9 +25,9 @@ from .alloc_config import (
     K_SMALL_SIZE,
     AllocatorConfig,
 )
-from .alloc_expandable import ExpandableMixin
-from .alloc_release import ReleaseMixin
-from .alloc_snapshot import SnapshotMixin
+from .alloc_release import release_cached
+from .alloc_segments import allocation_size, new_block
+from .alloc_snapshot import SnapshotSegment, inactive_split_bytes, memory_stats, segments, snapshot
 from .outside import (
     CUBLAS_WORKSPACE_DEFAULT,
     CUBLAS_WORKSPACE_HOPPER,
@@ -98,24 +98,16 @@ def pool_of(nbytes: int, config: AllocatorConfig | None = None) -> str:
     return "small" if round_size(nbytes, config) <= K_SMALL_SIZE else "large"
 
 
-def _allocation_size(size: int, large_segment: int) -> int:
-    if size <= K_SMALL_SIZE:
-        return K_SMALL_BUFFER
-    if size < K_MIN_LARGE_ALLOC:
-        return large_segment
-    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
-
-
 def segment_size(nbytes: int, config: AllocatorConfig | None = None) -> int:
     """``get_allocation_size``: the ``cudaMalloc`` made when no cached block fits ``nbytes``.
 
     <= 1 MiB -> 2 MiB; < 10 MiB -> ``large_segment_size`` (20 MiB); otherwise rounded up to 2 MiB.
     """
     config = config or _DEFAULT
-    return _allocation_size(round_size(nbytes, config), config.large_segment_size)
+    return allocation_size(round_size(nbytes, config), config.large_segment_size)
 
 
-class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools):
+class CachingAllocator:
     """The caching allocator of one device, replaying ``malloc``/``free`` byte for byte.
 
     ``capacity`` is what ``cudaMalloc`` can hand this process in total (the device's free memory once the
@@ -125,6 +117,12 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
     ``reserved``, ``active``, ``requested`` and their ``peak_*``, ``num_alloc_retries``, ``num_ooms``.
     A request that fails after torch's frees and retries raises
     :class:`~memprof.errors.SimulatedOutOfMemoryError`.
+
+    The allocator holds the state; ``malloc`` and ``free``, the hot path of a replay, are written out here. Its
+    parts are functions of the allocator, each declaring as a Protocol what it reads and changes: the cache miss
+    (:mod:`.alloc_segments`), giving memory back (:mod:`.alloc_release`), expandable segments
+    (:mod:`.alloc_expandable`) and torch's views (:mod:`.alloc_snapshot`). ``pools`` holds the free and unmapped
+    blocks (:class:`~memprof.anatomy.alloc_blocks.BlockPools`), ``space`` where new segments go.
     """
 
     def __init__(self, config: AllocatorConfig | None = None, capacity: int | None = None,
@@ -139,10 +137,11 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
         for name, value in (("capacity", capacity), ("device_total", device_total)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise InvalidArgumentError(f"{name} must be a positive int of bytes or None, got {value!r}")
-        super().__init__()
         self.config = config
         self.capacity = capacity
         self.device_total = device_total if device_total is not None else capacity
+        self.pools = BlockPools()
+        self.space = AddressSpace()
         self.allocated = self.reserved = self.requested = 0
         self.peak_allocated = self.peak_reserved = self.peak_requested = 0
         self.num_alloc_retries = self.num_ooms = self.num_oom_rejections = 0
@@ -150,9 +149,6 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
         self.segment_count = self.oversize_allocations = self.oversize_segments = 0
         self._live: dict[int, Block | None] = {}
         self._next_handle = 0
-        self._next_addr = 1 << 32  # synthetic addresses: they only order blocks inside one segment
-        self._next_reg = 0
-        self._rejected = False
         self._allowed_max: int | None = None
         self._plain_rounding = not any(d > 1 for d in config.roundup_power2_divisions)
         self._limit = config.max_split_size  # the config is frozen: its hot fields are read once
@@ -170,11 +166,17 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
         run. It caps the allocator's segments, not the process: the CUDA context and libraries are outside it."""
         if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0 <= fraction <= 1:
             raise InvalidArgumentError(f"fraction must be in [0, 1], got {fraction!r}")
-        if fraction < 1 and self.device_total is None:
+        total = self.device_total
+        if fraction < 1 and total is None:
             raise InvalidArgumentError("a memory fraction below 1 needs the device size: pass device_total= (or "
                                        "capacity=) to CachingAllocator")
-        self._allowed_max = None if fraction >= 1 else int(fraction * self.device_total)  # truncated, as torch
+        self._allowed_max = None if fraction >= 1 or total is None else int(fraction * total)  # truncated, as torch
         self._gc_on = self._allowed_max is not None and self.config.garbage_collection_threshold > 0
+
+    @property
+    def allowed_memory_maximum(self) -> int | None:
+        """The memory fraction's cap on reserved bytes (``allowed_memory_maximum``); None without a fraction."""
+        return self._allowed_max
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
         """``DeviceCachingAllocator::malloc`` on ``stream``; returns a handle for :meth:`free`.
@@ -198,7 +200,7 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
         small = size <= K_SMALL_SIZE
         block = self._get_free_block(small, stream, size)
         if block is None:
-            block = self._new_block(small, stream, size, nbytes)
+            block = new_block(self, small, stream, size, nbytes)
         remaining = block.size - size
         limit = self._limit
         if small or self._expandable:
@@ -213,7 +215,7 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
             block.prev = head
             block.addr += size
             block.size = remaining
-            self._insert(block)
+            self.pools.insert(block)
             block = head
         block.allocated = True
         block.requested = nbytes
@@ -233,7 +235,9 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
         """``free_locked`` then ``free_block``: the block merges with free neighbours and stays cached."""
         try:
             block = self._live.pop(handle)
-        except (KeyError, TypeError):
+        except (KeyError, TypeError) as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise InvalidArgumentError(f"handle {handle!r} is not allocated (freed twice or never returned by "
                                        "malloc)") from None
         if block is None:
@@ -246,7 +250,8 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
             self.oversize_allocations -= 1
         # free_block: merge with free neighbours of the segment (try_merge_blocks), then back to the free
         # list (insert_into_blocks). Written out here, the hottest path of a replay.
-        frees = self._free
+        pools = self.pools
+        frees = pools.free
         prev = block.prev
         if prev is not None and not prev.allocated and prev.mapped:
             free = frees[(prev.small, prev.stream)]
@@ -264,16 +269,16 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
             block.next = after = after.next
             if after is not None:
                 after.prev = block
-        block.gc_base = self._gc_calls[block.small]
-        free = frees.get((block.small, block.stream))
-        if free is None:
-            free = frees[(block.small, block.stream)] = []
-        insort(free, (block.size, block.reg, block.addr, block))
+        block.gc_base = pools.gc_calls[block.small]
+        bucket = frees.get((block.small, block.stream))
+        if bucket is None:
+            bucket = frees[(block.small, block.stream)] = []
+        insort(bucket, (block.size, block.reg, block.addr, block))
 
     def empty_cache(self) -> None:
         """``emptyCache`` -> ``release_cached_blocks``: every whole free segment goes back to the device
         (large pool, then small); free pages of expandable segments are unmapped."""
-        self._release_cached()
+        release_cached(self)
 
     def reset_peak_stats(self) -> None:
         """``resetPeakStats``: every peak restarts at the current value."""
@@ -289,14 +294,39 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
     def peak_active(self) -> int:
         return self.peak_allocated
 
-    # ----------------------------------------------------------------- malloc's steps
+    # ----------------------------------------------------------------- views (alloc_snapshot)
+
+    def blocks(self) -> list[Block]:
+        """Every block: the free ones, the unmapped pieces of expandable segments, then the allocated ones."""
+        return self.pools.all_blocks(self._live.values())
+
+    def segments(self) -> list[tuple[int, list[tuple[int, bool]]]]:
+        """``[(segment_bytes, [(block_bytes, allocated), ...]), ...]`` in address order (segments in the
+        order they were made, blocks in address order within each)."""
+        return segments(self.pools, self._live.values())
+
+    def snapshot(self) -> list[SnapshotSegment]:
+        """The segments as ``torch.cuda.memory_snapshot()`` lists them (addresses are the model's own)."""
+        return snapshot(self.pools, self._live.values())
+
+    @property
+    def inactive_split_bytes(self) -> int:
+        """Free bytes in segments that are split (``inactive_split_bytes``; torch leaves expandable
+        segments out of this statistic)."""
+        return inactive_split_bytes(self.pools)
+
+    def memory_stats(self) -> dict[str, int]:
+        """The counters under ``torch.cuda.memory_stats()``'s key names (the ``all`` aggregate)."""
+        return memory_stats(self)
+
+    # ----------------------------------------------------------------- get_free_block
 
     def _get_free_block(self, small: bool, stream: int, size: int) -> Block | None:
         """``get_free_block``: the smallest cached block of the pool and stream that fits, under the
         ``max_split_size`` rules; it comes out of the free list."""
         if self._gc_on:
-            self._gc_calls[small] += 1  # block ages are counted only while collection is on
-        free = self._free.get((small, stream))
+            self.pools.gc_calls[small] += 1  # block ages are counted only while collection is on
+        free = self.pools.free.get((small, stream))
         if not free:
             return None
         i = bisect_left(free, (size,))
@@ -326,65 +356,3 @@ class CachingAllocator(SnapshotMixin, ReleaseMixin, ExpandableMixin, BlockPools)
                 return None  # nor a larger one it would waste max_non_split_rounding_mb or more of
         del free[i]
         return block
-
-    def _new_block(self, small: bool, stream: int, size: int, nbytes: int) -> Block:
-        """The part of ``malloc`` after a cache miss: garbage collection, a new segment, then the frees and
-        retries torch tries before raising ``OutOfMemoryError``."""
-        alloc_size = _allocation_size(size, self.config.large_segment_size)
-        if self._gc_on:
-            self._garbage_collect()
-        block = self._alloc_block(small, stream, size, alloc_size, retry=False)
-        if block is None and not self._rejected:
-            if self._release_available(small, stream, size):
-                block = self._alloc_block(small, stream, size, alloc_size, retry=False)
-            if block is None:
-                self._release_cached()
-                block = self._alloc_block(small, stream, size, alloc_size, retry=True)
-        if block is None:
-            self._out_of_memory(nbytes, alloc_size)
-        return block
-
-    def _alloc_block(self, small: bool, stream: int, size: int, alloc_size: int, retry: bool) -> Block | None:
-        """``alloc_block``: a new segment of ``alloc_size`` bytes (or pages of an expandable one)."""
-        if retry:
-            self.num_alloc_retries += 1
-        self._rejected = False
-        if self._allowed_max is not None and self.reserved + alloc_size > self._allowed_max:
-            return None
-        if self.config.throw_on_cudamalloc_oom and self.device_total is not None:
-            if self.reserved + alloc_size > int(self.config.per_process_memory_fraction * self.device_total):
-                self.num_oom_rejections += 1
-                self._rejected = True
-                return None
-        if self.config.expandable_segments:
-            return self._allocate_expandable(small, stream, size)
-        if self.capacity is not None and self.reserved + alloc_size > self.capacity:
-            return None  # cudaMalloc fails
-        block = Block(self._next_addr, alloc_size, stream, small, self._next_reg)
-        self._next_reg += 1
-        self._next_addr += -(-alloc_size // K_ROUND_LARGE) * K_ROUND_LARGE
-        self.segment_count += 1
-        if self.config.max_split_size is not None and alloc_size >= self.config.max_split_size:
-            self.oversize_segments += 1
-        self._grow_reserved(alloc_size)
-        return block
-
-    def _grow_reserved(self, nbytes: int) -> None:
-        self.reserved += nbytes
-        self.num_device_alloc += 1
-        if self.reserved > self.peak_reserved:
-            self.peak_reserved = self.reserved
-
-    def _out_of_memory(self, nbytes: int, alloc_size: int) -> None:
-        if not self._rejected:
-            self.num_ooms += 1
-        cached = self.reserved - self.allocated
-        raise SimulatedOutOfMemoryError(
-            f"predicted CUDA out of memory: tried to allocate {alloc_size} B for a {nbytes} B request with "
-            f"{self.allocated} B allocated and {cached} B reserved but unallocated, capacity "
-            f"{self.capacity if self.capacity is not None else 'unlimited'} B"
-            + (" (rejected by throw_on_cudamalloc_oom)" if self._rejected else "")
-            + ". Fix: a smaller batch or sequence, activation checkpointing, a sharded optimizer"
-            + ("; or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, since much reserved memory is unallocated"
-               if cached > alloc_size and not self.config.expandable_segments else ""),
-            requested=nbytes, allocated=self.allocated, reserved=self.reserved, capacity=self.capacity)

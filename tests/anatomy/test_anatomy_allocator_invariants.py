@@ -23,7 +23,7 @@ CONFIGS = [
 
 
 def check(alloc: CachingAllocator) -> None:
-    blocks = alloc._all_blocks(alloc._live.values())
+    blocks = alloc.blocks()
     assert len({id(b) for b in blocks}) == len(blocks)  # no block in two places
     mapped_total = allocated_total = 0
     for block in blocks:
@@ -36,9 +36,9 @@ def check(alloc: CachingAllocator) -> None:
         if block.allocated:
             allocated_total += block.size
     assert mapped_total == alloc.reserved and allocated_total == alloc.allocated
-    listed = [entry for free in alloc._free.values() for entry in free]
+    listed = [entry for free in alloc.pools.free.values() for entry in free]
     assert sorted(id(e[3]) for e in listed) == sorted(id(b) for b in blocks if b.mapped and not b.allocated)
-    for free in alloc._free.values():
+    for free in alloc.pools.free.values():
         assert free == sorted(free, key=lambda e: e[:3])
         assert all(e[:3] == (e[3].size, e[3].reg, e[3].addr) for e in free)
     assert alloc.peak_reserved >= alloc.reserved and alloc.peak_allocated >= alloc.allocated
