@@ -31,6 +31,7 @@ __all__ = [
     "BudgetNotMeasured",
     "MemoryGrewError",
     "is_interrupt",
+    "remember_signal_handlers",
 ]
 
 
@@ -197,7 +198,9 @@ def is_interrupt(exc: BaseException) -> bool:
     the next bytecode of the main thread, wherever that is, memprof's own code included; an exception it
     raises there belongs to the user, and every place where memprof contains its own failures lets it through.
 
-    Told by the traceback: the handler's frame is among the frames the exception came through. Run only when
+    Told by the traceback: the handler's frame is among the frames the exception came through, the handler
+    being one installed now or when memprof last looked (:func:`remember_signal_handlers`: a handler that
+    uninstalls itself before it raises, as "the second Ctrl-C kills" handlers do, is still known). Run only when
     something was raised, never on a path that succeeds.
     """
     if not isinstance(exc, Exception):
@@ -207,12 +210,25 @@ def is_interrupt(exc: BaseException) -> bool:
         # Raised by a C call in the frame that catches it (a storage read, a lookup): no handler ran beneath.
         # The common case where memprof expects an exception, answered without reading the handlers.
         return False
-    codes = _handler_codes()
+    codes = remember_signal_handlers()
     while tb is not None:
         if tb.tb_frame.f_code in codes:
             return True
         tb = tb.tb_next
     return False
+
+
+#: The code objects of every Python signal handler memprof has seen installed (a handler may uninstall itself
+#: before it raises). Only grows by the user's distinct handler functions.
+_SEEN_HANDLERS: "set[Any]" = set()
+
+
+def remember_signal_handlers() -> "set[Any]":
+    """Note the Python signal handlers installed now (memprof's entry points call this: a profile's start, every
+    public function, the command line), so that :func:`is_interrupt` knows them even once they are gone; every
+    handler's code object seen so far."""
+    _SEEN_HANDLERS.update(_handler_codes())
+    return _SEEN_HANDLERS
 
 
 def _handler_codes() -> "set[Any]":
@@ -222,7 +238,9 @@ def _handler_codes() -> "set[Any]":
     for signum in signal.valid_signals():
         try:
             handler = signal.getsignal(signum)
-        except (ValueError, OSError):  # a signal Python cannot read the handler of here
+        except (ValueError, OSError) as failure:  # a signal Python cannot read the handler of here
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             continue
         if not callable(handler) or handler is signal.default_int_handler:
             continue  # SIG_DFL, SIG_IGN, None (set from C), or Ctrl-C's default (C: its KeyboardInterrupt counts)

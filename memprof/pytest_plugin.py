@@ -148,7 +148,9 @@ def _resolve(entries: list) -> "list[Report]":
             continue
         try:
             out.append(entry.report())
-        except ProfilerStateError:
+        except ProfilerStateError as failure:
+            if _is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             # Created but never entered (or still running): nothing to judge.
             continue
     return out
@@ -232,6 +234,8 @@ def pytest_configure(config: pytest.Config) -> None:
         try:
             parse_tolerance(tolerance)
         except MemprofError as exc:
+            if _is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise pytest.UsageError(f"--memprof-tolerance: {exc}") from None
 
 
@@ -243,6 +247,8 @@ def _prepare_save_dir(option: str, path: str) -> None:
     try:
         make_writable_folder(path)
     except OSError as exc:
+        if _is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise pytest.UsageError(
             f"--memprof-save-dir {option}: memprof cannot create or write this folder ({exc.strerror or exc}); "
             "give a folder it can write (it is created if missing)"
@@ -279,7 +285,9 @@ def pytest_runtest_call(item: pytest.Item):
         for problem in problems:
             try:
                 warnings.warn(problem, MemprofWarning, stacklevel=1)
-            except Warning:
+            except Warning as failed:
+                if _is_interrupt(failed):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 pass  # warnings made errors (-W error): the body's own failure is what the test reports
         raise
     reports_, unsaved = _collect_and_save(item)
@@ -308,6 +316,8 @@ def _collect_and_save(item: pytest.Item) -> "tuple[list[Report], list[str]]":
                 os.makedirs(save_dir, exist_ok=True)  # again: something may have removed it since start-up
                 rep.save(path)
             except (MemprofError, OSError) as exc:
+                if _is_interrupt(exc):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 unsaved.append(f"memprof could not save this test's report to {path}: {exc}")
                 continue
             item.config.stash.setdefault(_SAVED, []).append(path)
@@ -338,6 +348,8 @@ def _budget_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]:
     try:
         budgets = _marker_budgets(item)
     except _MarkerError as exc:
+        if _is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return [str(exc)]
     if budgets is None:
         return []
@@ -362,6 +374,8 @@ def _budget_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]:
     try:
         parse_budgets(**budgets)
     except MemprofError as exc:
+        if _is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return [f"@pytest.mark.{MARKER}: {exc}"]
     if not reports_:
         return [
@@ -375,8 +389,12 @@ def _budget_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]:
         try:
             check_budget(rep, at=at, **budgets)
         except MemoryBudgetExceeded as exc:
+            if _is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             failures.append(f"MemoryBudgetExceeded{where}: {exc}")
         except BudgetNotMeasured as exc:
+            if _is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             if rep.num_steps == 0:
                 failures.append(
                     f"@pytest.mark.{MARKER}{where}: nothing was measured: the profile recorded no step; "
@@ -412,6 +430,8 @@ def _baseline_failures(item: pytest.Item, reports_: "list[Report]") -> list[str]
         try:
             base = load(path)
         except MemprofError as exc:
+            if _is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             failures.append(f"memprof baseline {path} cannot be read: {exc}")
             continue
         growths = compare_to_baseline(rep, base, tolerance)

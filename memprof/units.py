@@ -13,7 +13,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
-from .errors import InvalidArgumentError, SizeParseError
+from .errors import InvalidArgumentError, SizeParseError, is_interrupt
 
 __all__ = ["format_bytes", "parse_size", "printable", "one_line", "as_count", "round_half_away"]
 
@@ -105,7 +105,9 @@ def parse_size(value: int | float | str) -> int:
         if amount > MAX_SIZE:
             raise SizeParseError(f"size {value!r} is too large: memprof sizes stop at 16 EiB (2**64 bytes)")
         return int(amount.to_integral_value())
-    except (InvalidOperation, OverflowError, ValueError):
+    except (InvalidOperation, OverflowError, ValueError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise SizeParseError(f"size {value!r} is too large: memprof sizes stop at 16 EiB (2**64 bytes)") from None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from .errors import InvalidArgumentError, UnknownNameError
+from .errors import InvalidArgumentError, UnknownNameError, is_interrupt
 
 __all__ = ["Category", "Phase", "TENSOR_CATEGORIES", "DEVICE_CATEGORIES", "PEAK", "START", "END", "STEADY",
            "PHASE_MOMENTS", "BUDGET_MOMENTS", "RECONCILE_MOMENTS", "parse_moment"]
@@ -70,7 +70,9 @@ def _parse(cls: Any, value: Any, what: str) -> Any:
         return value
     try:
         return cls(str(value).strip().lower())
-    except ValueError:
+    except ValueError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         known = ", ".join(m.value for m in cls)
         raise UnknownNameError(f"unknown {what} {value!r}; use one of: {known}") from None
 

@@ -22,6 +22,7 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
 
+from ..errors import is_interrupt
 from ..vocabulary import BUDGET_MOMENTS, DEVICE_CATEGORIES, Category
 from ..errors import (BudgetNotMeasured, InvalidArgumentError, MemoryBudgetExceeded, MemoryGrewError,
                       SizeParseError, UnknownNameError)
@@ -110,6 +111,8 @@ def _budget_bytes(name: str, value: Any) -> int:
     try:
         return parse_size(value)
     except SizeParseError as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise SizeParseError(f"budget {name}={value!r}: {exc}") from None
 
 
@@ -129,7 +132,9 @@ def parse_budgets(total: "int | str | None" = None, **categories: "int | str") -
     for name, value in categories.items():
         try:
             cat = Category.parse(name)
-        except UnknownNameError:
+        except UnknownNameError as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise UnknownNameError(
                 f"unknown budget name {name!r}; use one of: {_names_known()}"
             ) from None
@@ -288,7 +293,9 @@ def parse_tolerance(value: "str | float | int | Fraction") -> Fraction:
             raise InvalidArgumentError(
                 f"tolerance {value!r} has type {type(value).__name__}; give a fraction like 0.05 or '5%'"
             )
-    except (ValueError, ZeroDivisionError):
+    except (ValueError, ZeroDivisionError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(
             f"cannot parse tolerance {value!r}; write a fraction such as 0.05 or a percentage such as '5%'"
         ) from None
@@ -341,6 +348,8 @@ def _check_ranks(merged: Any, total: Any, at: str, categories: dict[str, int | s
         try:
             results[rank] = check_budget(rep, total, at=at, **categories)
         except MemoryBudgetExceeded as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             failed.append((rank, exc))
     if failed:
         first = str(failed[0][1]).splitlines()[0]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..vocabulary import PHASE_MOMENTS, Category, Phase, parse_moment
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, is_interrupt
 from ..record.trace import Breakdown, Trace, as_trace
 from ..units import parse_size
 
@@ -135,7 +135,9 @@ def _as_trace(obj: Any, name: str) -> Trace:
         return load_trace(obj)
     try:
         return as_trace(obj)
-    except InvalidArgumentError:
+    except InvalidArgumentError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(
             f"diff() compares memprof Reports, Traces or saved trace files; {name} is a {type(obj).__name__}"
         ) from None

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..errors import InvalidArgumentError, MergeError
+from ..errors import InvalidArgumentError, MergeError, is_interrupt
 from ..record.files import load_trace
 from ..record.parts import RankInfo
 from ..record.trace import Trace, as_trace
@@ -245,7 +245,9 @@ def _items(reports: Any) -> list[Any]:
         raise InvalidArgumentError(f"{_TAKES}; got one {type(reports).__name__}: put it in a list")
     try:
         return list(reports)
-    except TypeError:
+    except TypeError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(f"{_TAKES}, got {type(reports).__name__}") from None
 
 
@@ -254,7 +256,9 @@ def _trace(item: Any) -> Trace:
         return load_trace(item)
     try:
         return as_trace(item)
-    except InvalidArgumentError:
+    except InvalidArgumentError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(f"{_TAKES}, got {type(item).__name__} in the list") from None
 
 

@@ -250,7 +250,7 @@ class StorageTracker:
         # whose graph broke at an op, where dynamo looks at every new Python frame.
         skip_dynamo(DispatchMode.__torch_dispatch__.__code__)
         ledger = type(self.ledger)
-        for method in (ledger.settle, ledger.move):
+        for method in (ledger.settle,):
             skip_dynamo(method.__code__)
         mode = _reusable_orphan()
         if mode is not None:

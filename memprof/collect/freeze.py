@@ -86,6 +86,8 @@ def live_modules(c: "Collectors") -> tuple[tuple[str, int], ...]:
 def live_storages(c: "Collectors") -> tuple[tuple[int, int, str, str], ...]:
     """Each live storage's address, bytes, category and creating module (at an error), largest first:
     a memory_viz snapshot taken then is attributed by these addresses."""
+    if c.storages.fake_mode is not None:
+        return ()  # a simulation's storages have no addresses (a fake tensor's data pointer only warns)
     info = c.table.info
     out = []
     c.ledger.settle()
@@ -224,7 +226,7 @@ def unmeasured(c: "Collectors") -> "tuple[frozenset[int], bool] | None":
     if c.saved.hooks.in_transform:
         # Saved there or not cannot be told apart: torch.func allows no saved-tensor hooks.
         cats |= {ACTIVATIONS, TEMPORARIES}
-    if c.params.invisible_forwards:
+    if c.params.invisible_forwards or c.saved.unreadable:
         cats |= {ACTIVATIONS}
     return (frozenset(cats), total) if cats else None
 

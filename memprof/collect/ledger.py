@@ -312,17 +312,16 @@ class Ledger:
         entry = self.entries.get(key)
         if entry is not None:
             return entry
-        # One frame per new storage (the dispatch handler's path): size_of(), new_entry() and check_peak()
-        # are inlined.
+        # One frame per new storage (the dispatch handler's path): size_of(), new_entry() and check_peak() are
+        # inlined. The calls come first (the size, the weak reference) and last (the stream, the clock): a signal's
+        # handler runs where a call returns, so the storage is registered whole, with its peak, or not at all.
         raw = nbytes = storage.nbytes()
+        entry = Entry(storage, self.queue_release)
         r = self.rounding
         if r > 1 and nbytes:
             nbytes = -(-nbytes // r) * r
-        self.seq += 1
-        if self.stream is not None:  # kept only when asked (an allocator replay): one attribute read otherwise
-            self.stream.append((self.seq, key, raw))
-        entry = Entry(storage, self.queue_release)
-        entry.key, entry.nbytes, entry.cat, entry.created = key, nbytes, cat, self.seq
+        seq = self.seq = self.seq + 1
+        entry.key, entry.nbytes, entry.cat, entry.created = key, nbytes, cat, seq
         entry.module, entry.phase_serial = self.module_of_new, self.phase_serial
         entry.saved = entry.tag_bytes = entry.where_bytes = entry.moved = 0
         entry.tag = entry.where = -1
@@ -334,8 +333,24 @@ class Ledger:
         top = self.top
         if top is not None and total > top.max:
             top.max = total
-        if total > self.phase_peak_total:
-            self.check_peak()
+        peaked = total > self.phase_peak_total
+        if peaked:  # check_peak(), written out
+            self.phase_peak_total = total
+            self.phase_peak = self.totals[:]
+            self.phase_peak_tags = self.tag_act[:]
+            self.phase_peak_seq = seq
+            self.phase_peak_module = top.module if top is not None else -1
+            if total > self.peak_total:
+                self.peak_total = total
+                self.peak = self.phase_peak[:]
+                self.peak_tags = self.phase_peak_tags
+                self.peak_seq = seq
+                self.peak_phase_serial = self.phase_serial
+                self.peak_module = self.phase_peak_module
+        if self.stream is not None:  # kept only when asked (an allocator replay): one attribute read otherwise
+            self.stream.append((seq, key, raw))
+        if peaked:
+            self.phase_peak_ns = perf_counter_ns()
         return entry
 
     def watch(self, holder: Any, keys: "tuple[int, ...]",
@@ -351,44 +366,58 @@ class Ledger:
         """Apply what torch released since the last call, in the order it released it (see the module's
         docstring). Callers on hot paths test ``released`` first. A storage freed leaves the totals; a saved
         slot released gives its storage back to temporaries when it was the last (whoever still holds the
-        storage holds an ordinary tensor). Both are written out here: one frame per batch, not per event."""
+        storage holds an ordinary tensor). Both are written out here: one frame per batch, not per event.
+
+        A signal's handler runs where a call returns, at a loop's end or a function's start. So each event is
+        applied with no call between its first change and its last, and leaves the queue only once applied: an
+        exception a handler raises here (it reaches the user, who may catch it and train on) leaves every event
+        applied whole or not at all, and the next settling finishes the queue."""
         released = self.released
         if self.closed:
             released.clear()
             return
-        entries, totals = self.entries, self.totals
+        entries, totals, tag_act = self.entries, self.totals, self.tag_act
         while released:
-            ref = released.popleft()
-            if type(ref) is Entry:
+            ref = released[0]
+            if ref.__class__ is Entry:
                 key = ref.key
-                gone = entries.pop(key, None)
-                if gone is not ref:  # already forgotten (closed), or another storage's entry at a reused address
-                    if gone is not None:
-                        entries[key] = gone
-                    continue
-                self.seq += 1
-                if self.stream is not None:
-                    self.stream.append((self.seq, key, -1))
-                n = ref.nbytes
-                totals[ref.cat] -= n
-                self.total -= n
-                if ref.cat == ACTIVATIONS:
-                    if ref.tag >= 0:
-                        self.tag_act[ref.tag] -= ref.tag_bytes
-                    if ref.where >= 0:
-                        self.tag_act[ref.where] -= ref.where_bytes
-                continue
-            self.watched.discard(ref)
-            if ref.then is not None:
-                ref.then(ref)
-            if not self.unsaving:
-                continue
-            for key in ref.keys:
-                entry = entries.get(key)
-                if entry is not None and entry.cat == ACTIVATIONS:
-                    entry.saved -= 1
-                    if entry.saved == 0:
-                        self.move(entry, TEMPORARIES)
+                if entries.get(key) is ref:  # else forgotten already: closed, applied, or another storage's address
+                    n, cat = ref.nbytes, ref.cat
+                    self.seq += 1
+                    del entries[key]
+                    totals[cat] -= n
+                    self.total -= n
+                    if cat == ACTIVATIONS:
+                        if ref.tag >= 0:
+                            tag_act[ref.tag] -= ref.tag_bytes
+                        if ref.where >= 0:
+                            tag_act[ref.where] -= ref.where_bytes
+                    if self.stream is not None:
+                        self.stream.append((self.seq, key, -1))
+            else:
+                self.watched.discard(ref)
+                then = ref.then
+                if then is not None:
+                    ref.then = None  # called once, whatever happens in it
+                    then(ref)
+                while ref.keys:
+                    entry = entries.get(ref.keys[0]) if self.unsaving else None
+                    ref.keys = ref.keys[1:]
+                    if entry is not None and entry.cat == ACTIVATIONS:
+                        entry.saved -= 1
+                        if entry.saved == 0:
+                            # move(entry, TEMPORARIES) written out: no call while the slot is half released.
+                            n = entry.nbytes
+                            totals[ACTIVATIONS] -= n
+                            totals[TEMPORARIES] += n
+                            entry.cat = TEMPORARIES
+                            self.seq += 1
+                            entry.moved, entry.before = self.seq, ACTIVATIONS
+                            if entry.tag >= 0:
+                                tag_act[entry.tag] -= entry.tag_bytes
+                            if entry.where >= 0:
+                                tag_act[entry.where] -= entry.where_bytes
+            released.popleft()
 
     def move(self, entry: Entry, cat: int, *, retro: bool = False) -> None:
         """Move a live storage to another category (the total does not change).
@@ -460,19 +489,20 @@ class Ledger:
         if top is not None and total > top.max:
             top.max = total
         if total > self.phase_peak_total:
+            # Slices, not copy() calls: no call while the peak is half recorded (see add()).
             self.phase_peak_total = total
-            self.phase_peak = self.totals.copy()
-            self.phase_peak_tags = self.tag_act.copy()
+            self.phase_peak = self.totals[:]
+            self.phase_peak_tags = self.tag_act[:]
             self.phase_peak_seq = self.seq
             self.phase_peak_module = top.module if top is not None else -1
-            self.phase_peak_ns = perf_counter_ns()
             if total > self.peak_total:
                 self.peak_total = total
-                self.peak = self.phase_peak.copy()
+                self.peak = self.phase_peak[:]
                 self.peak_tags = self.phase_peak_tags
                 self.peak_seq = self.seq
                 self.peak_phase_serial = self.phase_serial
                 self.peak_module = self.phase_peak_module
+            self.phase_peak_ns = perf_counter_ns()
 
     def restart_peak(self) -> None:
         """The global peak starts over from the current phase's (a simulated rank resizes what the profiler

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError, MemprofWarning, ProfilerStateError, error_text
+from ..errors import (InvalidArgumentError, MemprofWarning, ProfilerStateError, error_text, is_interrupt,
+                      remember_signal_handlers)
 from ..record.trace import Breakdown, StepRecord, Trace
 from .allocator_source import allocator_phases, resolved_mode
 from .arguments import checked
@@ -78,7 +79,9 @@ def _warn_ended_elsewhere(exc: BaseException) -> None:
             "but ops the starting thread ran meanwhile may be counted in part; end a profile in the thread that "
             "started it (nothing is raised here, so that your error stays the one raised)",
             MemprofWarning, stacklevel=level)
-    except Exception:  # warnings turned into errors: the user's error must still be the one they see
+    except Exception as failure:  # warnings turned into errors: the user's error must still be the one they see
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         pass
 
 
@@ -256,6 +259,8 @@ class Profiler:
         try:
             self.__exit__(None, None, None)
         except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise refused from exc
         raise refused
 
@@ -299,6 +304,7 @@ class Profiler:
                 "failed": "its start failed"}.get(self._state, self._state)
 
     def __enter__(self) -> "Profiler":
+        remember_signal_handlers()  # one that uninstalls itself before it raises is still the user's
         if self._state != "new":
             raise ProfilerStateError(
                 "this profiler was already used (" + self._state_words() + "); profilers are single-use, "

@@ -85,6 +85,8 @@ class SavedTracker:
         # The model's inputs saved by modules with a rule in the formula's forward:
         # (module, storage key) -> bytes saved.
         self.saved_inputs: dict[tuple[int, int], int] = {}
+        #: Saved tensors whose own code raised when read: the activations are then not measured.
+        self.unreadable = 0
 
     # -- memprof's own pair ---------------------------------------------------------
 
@@ -174,12 +176,13 @@ class SavedTracker:
         """Ledger work for a tensor autograd now holds: returns its storage's key when that is
         a counted activation (the caller's slot must release it through the ledger's ``watch``)."""
         run = self.run
-        if not run.active or t.layout is not torch.strided or (
-                not t.is_cpu if self.on_cpu else t.device != self.device):
+        if not run.active:
             return None
         if type(t) is torch.Tensor or type(t) is _PARAMETER:  # storage_of() inlined: this runs for every save
             # (A Parameter whose type is exactly nn.Parameter holds plain data: a parameter of a tensor subclass
             # has that subclass's type, torch/nn/parameter.py.)
+            if t.layout is not torch.strided or (not t.is_cpu if self.on_cpu else t.device != self.device):
+                return None
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError) as failure:
@@ -187,7 +190,7 @@ class SavedTracker:
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 return None
         else:
-            st = storage_of(t)
+            st = self.subclass_storage(t)
             if st is None:
                 return None
         led = self.ledger
@@ -223,6 +226,22 @@ class SavedTracker:
             entry.saved += 1
             return entry.key
         return None
+
+    def subclass_storage(self, t: torch.Tensor) -> Any:
+        """The counted storage of a saved tensor of a subclass, or None: off the profiled device, of another
+        layout, or one whose own code raises when read (a note says its bytes are not counted, and the step runs
+        as without memprof)."""
+        try:
+            if t.layout is not torch.strided or (not t.is_cpu if self.on_cpu else t.device != self.device):
+                return None
+            return storage_of(t)
+        except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
+            self.unreadable += 1
+            self.run.note(f"autograd saved a {type(t).__name__} whose device or layout cannot be read "
+                          f"({type(exc).__name__}): activations are not measured")
+            return None
 
     def saved_by_rule_module(self, entry: Entry, index: int, view_bytes: int) -> None:
         """Account for what the per-module formula counts: each rule counts the tensor its module

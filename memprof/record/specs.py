@@ -134,7 +134,9 @@ def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     try:
         # The private names (most of a module's attributes: _parameters, _forward_hooks ...) left out in C.
         names = list(filterfalse(_PRIVATE, attrs))
-    except (AttributeError, TypeError):  # a name that is no string
+    except (AttributeError, TypeError) as failure:  # a name that is no string
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         names = [key for key in attrs if isinstance(key, str) and not key.startswith("_")]
     for key in names:
         if key == "params":

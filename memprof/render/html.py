@@ -16,7 +16,7 @@ import math
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..vocabulary import Category, DEVICE_CATEGORIES
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, is_interrupt
 from ..analyse.generation import generation_summary
 from ..record.trace import Breakdown, ModuleRecord, as_trace
 from ..units import format_bytes, one_line, printable
@@ -322,7 +322,9 @@ def _cell(col: str, value: Any) -> str:
             import pandas as pd
 
             missing = bool(pd.isna(value)) if not isinstance(value, (list, tuple, dict)) else False
-        except (TypeError, ValueError):
+        except (TypeError, ValueError) as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             missing = False
     if missing:
         return _NOT_MEASURED
@@ -340,14 +342,18 @@ def _is_int(value: Any) -> bool:
         import numpy as np
 
         return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    except ImportError:  # pragma: no cover - numpy comes with pandas
+    except ImportError as failure:  # pragma: no cover - numpy comes with pandas
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
     try:
         f = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return False
     return not isinstance(value, bool) and math.isfinite(f)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Any
 
+from ..errors import is_interrupt
 from ..record.trace import as_trace
 from .curve import curve
 
@@ -205,13 +206,19 @@ def read_snapshot(snapshot: Any) -> Any:
     fix = "give the file torch.cuda.memory._snapshot() was pickled to (memprof writes one beside an OOM dump)"
     try:  # memprof's one reader: a regular file, bounded in size (a pipe or /dev/zero is refused)
         data = read_bytes(snapshot, what="a memory snapshot", fix=fix, error=InvalidArgumentError)
-    except FileNotFoundError:
+    except FileNotFoundError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(f"no snapshot at {os.fspath(snapshot)}; {fix}") from None
     try:
         return pickle.loads(data)
-    except MemoryError:
+    except MemoryError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(f"{os.fspath(snapshot)} is too large to unpickle in the memory this process may "
                                    "use; give the process more memory") from None
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(
             f"{os.fspath(snapshot)} is not a pickled memory snapshot ({type(exc).__name__}); {fix}") from None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import MemprofError
+from ..errors import MemprofError, is_interrupt
 from ..record.trace import as_trace
 from .html import _e, reconciliation_html, report_html
 
@@ -62,4 +62,6 @@ def _reconciliation(t: "Trace") -> str:
     try:
         return reconciliation_html(reconcile(t))
     except MemprofError as exc:  # e.g. a run whose precision or optimizer the formulas do not know
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return f"<p>No reconciliation for this run: {_e(exc)}</p>"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..vocabulary import Category, Phase
-from ..errors import InvalidArgumentError, MissingExtraError, NotMeasuredError
+from ..errors import InvalidArgumentError, MissingExtraError, NotMeasuredError, is_interrupt
 from ..record.trace import as_trace
 from ..units import format_bytes, one_line
 from .common import CATEGORY_COLORS, PHASE_COLORS, WATERFALL_COLORS, clip_path, own_rows, quiet
@@ -43,7 +43,9 @@ def _pyplot() -> Any:
     try:
         import matplotlib  # noqa: F401
         from matplotlib.figure import Figure
-    except ImportError:
+    except ImportError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise MissingExtraError(
             "memprof's plots need matplotlib, which is not installed; "
             "install it with: pip install 'torch-memprof[plot]'"

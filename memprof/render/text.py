@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..errors import is_interrupt
 from ..vocabulary import Category, TENSOR_CATEGORIES
 from ..record.trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, one_line
@@ -222,7 +223,9 @@ def _levers(t: "Trace") -> list[str]:
     measured = t.live_at_error if t.live_at_error is not None else t.peak
     try:
         return advice(t, measured, infer_precision(t), t.optimizer)
-    except MemprofError:
+    except MemprofError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return []
 
 

@@ -9,6 +9,7 @@ import functools
 import inspect
 from typing import Any, Callable, TypeVar
 
+from ..errors import remember_signal_handlers
 from .random_state import random_state_kept
 
 __all__ = ["promote", "same_as"]
@@ -35,6 +36,7 @@ def same_as(wrapped: Callable[..., Any]) -> Callable[[F], F]:
 
         @functools.wraps(func)
         def public(*args: Any, **kwargs: Any) -> Any:
+            remember_signal_handlers()  # one that uninstalls itself before it raises is still told apart
             with random_state_kept():
                 return func(*args, **kwargs)
 

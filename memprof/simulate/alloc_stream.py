@@ -16,7 +16,7 @@ from typing import Any
 from ..anatomy.alloc_audit import AuditedAllocator
 from ..anatomy.alloc_config import AllocatorConfig
 from ..anatomy.allocator import CachingAllocator
-from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError
+from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError, is_interrupt
 
 __all__ = ["FREE", "from_start", "rank_step", "replay_stream", "stream_problem", "check_stream"]
 
@@ -47,6 +47,8 @@ def from_start(stream: Sequence[tuple[int, int, int]], first: int) -> list[tuple
             else:
                 live[key] = (seq, nbytes)
     except (TypeError, ValueError, KeyError) as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise _bad_stream(stream, exc) from None
     return [(seq, key, nbytes) for key, (seq, nbytes) in live.items()] + list(stream[cut:])
 
@@ -104,7 +106,9 @@ def stream_problem(event: Any, live: "set | None" = None) -> "str | None":
         return f"bytes {nbytes} is negative: a free is written -1, and no storage has a negative size"
     try:
         hash(key)
-    except TypeError:
+    except TypeError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return f"the key {key!r} is not hashable"
     if live is not None:
         if nbytes == FREE:
@@ -179,8 +183,12 @@ def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], c
                         malloc(size, 0)
                     pending = []
         except (TypeError, ValueError, KeyError) as exc:  # InvalidArgumentError is a TypeError
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise _bad_stream(stream, exc) from None
     except SimulatedOutOfMemoryError as error:
+        if is_interrupt(error):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         oom = str(error)
     state = (allocator.allocated, allocator.reserved)
     while w < n_wanted:

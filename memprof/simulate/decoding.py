@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, is_interrupt
 from .choosing import Greedy
 
 __all__ = ["Decoding", "empty_cache", "encoder_inputs"]
@@ -221,12 +221,16 @@ def empty_cache(model: nn.Module) -> Any:
     if callable(text):
         try:
             config = text(decoder=True)
-        except TypeError:  # versions whose get_text_config takes no decoder argument
+        except TypeError as failure:  # versions whose get_text_config takes no decoder argument
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             config = text()
     try:
         make = lambda: cls(config=config)  # noqa: E731
         make()
-    except TypeError:  # versions whose DynamicCache takes no config
+    except TypeError as failure:  # versions whose DynamicCache takes no config
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         make = cls
     if getattr(model.config, "is_encoder_decoder", False):
         pair = getattr(module, "EncoderDecoderCache", None)

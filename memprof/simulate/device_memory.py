@@ -167,7 +167,9 @@ def fraction_in(alloc_conf: str) -> "float | None":
     match = _FRACTION.search(alloc_conf or "")
     try:
         return float(match.group(1)) if match else None
-    except ValueError:
+    except ValueError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
 

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from ..errors import is_interrupt
+
 if TYPE_CHECKING:
     from ..record.routing import RoutingRecord
 
@@ -44,7 +46,9 @@ def _ops() -> "tuple[frozenset, Any, Any]":
     try:
         functional = torch.ops._c10d_functional.all_to_all_single.default
         inplace = torch.ops.c10d.alltoall_base_.default
-    except (AttributeError, RuntimeError):  # a torch built without distributed
+    except (AttributeError, RuntimeError) as failure:  # a torch built without distributed
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return frozenset(), None, None
     return frozenset({functional, inplace}), functional, inplace
 
@@ -174,7 +178,9 @@ def _unboxed(group: Any) -> Any:
         from torch._C._distributed_c10d import ProcessGroup
 
         return group if isinstance(group, ProcessGroup) else ProcessGroup.unbox(group)
-    except (ImportError, RuntimeError, TypeError):
+    except (ImportError, RuntimeError, TypeError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
 
@@ -183,5 +189,7 @@ def _group(name: Any) -> Any:
         from torch._C._distributed_c10d import _resolve_process_group
 
         return _resolve_process_group(name)
-    except (ImportError, RuntimeError, ValueError, TypeError):
+    except (ImportError, RuntimeError, ValueError, TypeError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None

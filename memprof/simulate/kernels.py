@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import is_interrupt
 from . import sdpa_rules as sdpa
 from .modes import Next, Rule
 
@@ -116,6 +117,8 @@ class CudaKernels(Rule):
         try:
             out = run(query, key, value, attn_mask, dropout_p, is_causal, scale)
         except (RuntimeError, NotImplementedError) as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             # Torch's own path on the same arguments tells whose the failure is: where it fails too, the call is
             # one torch refuses on any device (a mask of the wrong shape), and its own error is the one to give.
             _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import is_interrupt
 from .experts import CountsExchange
 from .routers import OneHot, Router
 from .routing import Routing, routing_of
@@ -100,7 +101,9 @@ def _current_rank() -> int:
         import torch.distributed as dist
 
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return 0
 
 

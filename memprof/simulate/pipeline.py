@@ -199,7 +199,9 @@ def static_shapes() -> Any:
     try:
         from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining.stage import InferenceMode
-    except ImportError:
+    except ImportError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         yield
         return
     cls = schedules._PipelineSchedule

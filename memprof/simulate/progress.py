@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from ..errors import is_interrupt
+
 __all__ = ["Progress", "wanted"]
 
 
@@ -28,7 +30,9 @@ def wanted() -> bool:
         return False
     try:
         return bool(sys.stderr.isatty())
-    except (AttributeError, ValueError):  # a closed or replaced stderr
+    except (AttributeError, ValueError) as failure:  # a closed or replaced stderr
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return False
 
 
@@ -42,7 +46,9 @@ class Progress:
             return
         try:
             from tqdm import tqdm
-        except ImportError:
+        except ImportError as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             return
         self._bar = tqdm(total=total, desc=what, unit="sim", leave=False, file=sys.stderr)
 

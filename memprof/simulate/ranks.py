@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..vocabulary import Category, Phase
-from ..errors import InvalidArgumentError, UnknownNameError
+from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
 from ..record.layout import MeshLayout, ParamGroup
 from ..record.parts import MAX_WORLD, Breakdown, RankInfo
 from ..anatomy.zero import STAGES
@@ -395,7 +395,9 @@ class RankLayout:
                 self.reduced = set()
                 try:
                     queue_backward_callback(self._backward_done)
-                except RuntimeError:
+                except RuntimeError as failure:
+                    if is_interrupt(failure):
+                        raise  # a signal handler's exception (errors.is_interrupt) is the user's
                     self.flushing = False
             if unit not in self.pending:
                 self.pending[unit] = {id(i.ref) for i in self.units.get(unit, []) if i.ref.requires_grad}

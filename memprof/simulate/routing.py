@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..errors import InvalidArgumentError, SimulationError, UnknownNameError
+from ..errors import InvalidArgumentError, SimulationError, UnknownNameError, is_interrupt
 from ..record.routing import RoutingRecord
 
 __all__ = ["Routing", "RoutingPlan", "routing_of", "indices_from_counts", "POLICIES"]
@@ -173,7 +173,9 @@ def routing_of(value: Any) -> Routing:
         if word.startswith("capacity="):
             try:
                 factor = float(word.split("=", 1)[1])
-            except ValueError:
+            except ValueError as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 factor = -1.0
             if not factor > 0 or factor != factor or factor == float("inf"):
                 raise InvalidArgumentError(f"routing={value!r}: the capacity factor must be a positive number, as in "

@@ -27,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..errors import is_interrupt
 from .experts import EXCHANGE_OPS
 from .grouped_mm import grouped_mm_output
 
@@ -97,7 +98,9 @@ class ShadowStore:
             view = torch.empty(0, dtype=fake.dtype).set_(storage, fake.storage_offset(), fake.shape, fake.stride())
             try:
                 view.copy_(real)
-            except RuntimeError:  # an overlapping layout (an expanded tensor): no values kept for it
+            except RuntimeError as failure:  # an overlapping layout (an expanded tensor): no values kept for it
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 return
         self.shadows[st._cdata] = (StorageWeakRef(st), storage)
 
@@ -212,7 +215,9 @@ class ValueShadows(TorchDispatchMode):
         try:
             with _no_dispatch():
                 real_out = func(*real_args, **real_kwargs)
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError) as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             # The shadows are CPU tensors; a CUDA target's code may ask what the CPU has no kernel for (histc of
             # ints, transformers' CUDA path). Values are lost there, never the shape-only op.
             if func in VALUE_DEPENDENT:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, is_interrupt
 
 if TYPE_CHECKING:
     from .autocast import CudaAutocast
@@ -46,7 +46,9 @@ def check_step_context(fn: Any) -> Any:
         params = [p for p in inspect.signature(fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
                   and (p.default is p.empty or p.kind is p.VAR_POSITIONAL)]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         params = [None]  # type: ignore[list-item]
     takes_parts = bool(params)
 

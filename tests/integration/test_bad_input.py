@@ -375,3 +375,23 @@ def test_merge_takes_traces_and_any_iterable(saved):
     ranks = [dataclasses.replace(saved.trace, distributed=RankInfo(r, 2)) for r in (1, 0)]
     merged = memprof.merge(t for t in ranks)  # a generator of Traces
     assert sorted(merged.ranks) == [0, 1] and merged.ranks[1].trace is ranks[0]
+
+
+def test_a_failed_estimate_says_only_memprofs_error_not_torchs_warnings():
+    # A simulation that fails (here on a value read) closes its profile: what was live then has no addresses in
+    # a simulation, where reading a fake tensor's data pointer would make torch warn at the user.
+    import warnings
+
+    class ReadsAValue(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) * self.lin(x).sum().item()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(memprof.errors.SimulationError, match="reads tensor values"):
+            memprof.estimate(ReadsAValue(), torch.optim.AdamW, inputs=torch.randn(4, 8))
+    assert [str(w.message) for w in caught if "data pointer" in str(w.message)] == []

@@ -193,3 +193,29 @@ def test_a_jagged_batch_is_counted_as_inputs(mode):
     with memprof.profile(model, mode=mode) as prof:
         model(x).sum().backward()
     assert prof.report().peak[memprof.Category.INPUTS] == expected
+
+
+@pytest.mark.parametrize("mode", ["exact", "light"])
+@pytest.mark.parametrize("attribute", ["is_cpu", "layout"])
+def test_a_saved_tensor_whose_attributes_raise_leaves_activations_not_measured(attribute, mode):
+    # The Linear saves its input, a subclass whose is_cpu or layout raises: memprof's pack reads both. The step
+    # runs as without memprof, and the activations it could not count are not measured, never 0.
+    def run(profiled: bool):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).as_subclass(_raising(attribute))
+        if not profiled:
+            model(x).sum().backward()
+            return list(model.parameters()), None
+        with memprof.profile(model, mode=mode) as prof:
+            model(x).sum().backward()
+        assert hooks_left(model) == []
+        return list(model.parameters()), prof.report()
+
+    params, report = run(True)
+    ref_params, _ = run(False)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(params, ref_params, strict=True))
+    assert report.peak[memprof.Category.ACTIVATIONS] is None
+    assert any("autograd saved a Raises whose device or layout cannot be read (RuntimeError): activations are "
+               "not measured" == n for n in report.trace.notes)
+

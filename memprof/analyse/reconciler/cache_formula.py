@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ...anatomy.caches import CacheSpec, bytes_at, call_slots
 from ...vocabulary import Phase
-from ...errors import MemprofError
+from ...errors import MemprofError, is_interrupt
 
 if TYPE_CHECKING:
     from ...record.parts import GenerationFacts, PhaseRecord
@@ -34,7 +34,10 @@ def cache_spec_of(gen: "GenerationFacts") -> "CacheSpec | None":
         kind = "sliding_attention" if gen.sliding_window else "full_attention"
         return CacheSpec(layers=(kind,) * int(gen.layers or 0), kv_heads=int(gen.kv_heads or 0),
                          head_dim=int(gen.head_dim or 0), sliding_window=gen.sliding_window or None)
-    except (MemprofError, TypeError):  # a file whose numbers make no cache: no formula rather than a wrong one
+    # A file whose numbers make no cache: no formula rather than a wrong one.
+    except (MemprofError, TypeError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
 
@@ -52,7 +55,9 @@ def cache_formula(trace: "Trace", moment: "PhaseRecord", which: str) -> "int | N
         return None
     try:
         return _formula(trace, gen, spec, moment, which)
-    except MemprofError:  # token counts that contradict each other (a hand-edited file): no formula
+    except MemprofError as failure:  # token counts that contradict each other (a hand-edited file): no formula
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
 

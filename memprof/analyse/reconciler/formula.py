@@ -18,7 +18,7 @@ from ...anatomy.predict import ActivationPrediction, OptimizerPrediction, predic
 from ...vocabulary import PHASE_MOMENTS, RECONCILE_MOMENTS, Category, Phase, parse_moment
 from .cache_formula import cache_formula
 from .sharding import shard_formula
-from ...errors import InvalidArgumentError, NotMeasuredError, UnknownNameError
+from ...errors import InvalidArgumentError, NotMeasuredError, UnknownNameError, is_interrupt
 from ...record.trace import Breakdown, PhaseRecord, Trace
 
 __all__ = ["optimizer_name", "formula_breakdown", "formula_at", "moment_of", "predictions"]
@@ -71,7 +71,9 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
     opt_name = optimizer if optimizer is not None else optimizer_name(trace)
     try:
         bpp = bytes_per_param_breakdown(precision, opt_name if opt_name is not None else None)
-    except UnknownNameError:
+    except UnknownNameError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         bpp = bytes_per_param_breakdown(precision, None)
     values: dict[Category, "int | None"] = {c: None for c in Category}
     values[Category.WEIGHTS] = int(round(bpp.weights * facts.num_params))
@@ -93,6 +95,8 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
             per_layer = transformer_layer_activations(
                 cfg.pop("seq_len"), cfg.pop("batch"), cfg.pop("hidden"), cfg.pop("heads"), **cfg)
         except (KeyError, TypeError) as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise InvalidArgumentError(
                 f"transformer= needs seq_len, batch, hidden, heads and layers (and keywords of "
                 f"transformer_layer_activations); {exc}") from None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Mapping
 
+from ...errors import is_interrupt
 from ...units import format_bytes, round_half_away
 from ...vocabulary import Category, Phase
 
@@ -228,7 +229,9 @@ def _activations(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown",
                            seq=int(transformer["seq_len"]), batch=int(transformer["batch"]),
                            hidden=int(transformer["hidden"]), heads=int(transformer["heads"]),
                            layers=int(transformer["layers"]), in_flight=1)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return RankRow(A, "not modelled: transformer= needs seq_len, batch, hidden, heads and layers", None, m[A])
     act = next(x for x in terms if x.category == "activations")
     how = " (sequence parallelism: norms replicated over tp)" if sp else ""

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from ...anatomy.params import BytesPerParam, bytes_per_param_breakdown, infer_precision, textbook_regime
 from ...vocabulary import Category, Phase
-from ...errors import UnknownNameError
+from ...errors import UnknownNameError, is_interrupt
 from ...record.trace import Breakdown, Trace
 from ...units import format_bytes
 from .causes import NO_PERSISTENT_COPY
@@ -146,7 +146,9 @@ def _per_param(trace: Trace, regime: str, opt_name: "str | None") -> "BytesPerPa
         return None  # an optimizer without a row: its states per parameter are unknown, not 0
     try:
         return bytes_per_param_breakdown(regime, opt_name, training=not decoding)
-    except UnknownNameError:
+    except UnknownNameError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
 
