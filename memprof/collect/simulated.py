@@ -21,7 +21,6 @@ from .profiler import Profiler
 from .routing import innermost_module
 
 if TYPE_CHECKING:
-    from ..record.trace import Trace
     from .wiring import Collectors
 
 __all__ = ["RecordedStream", "SimulatedProfile"]
@@ -40,37 +39,24 @@ class RecordedStream:
     peak_seq: int
 
 
-class SimulatedProfile:
+class SimulatedProfile(Profiler):
     """An exact-mode profile of a shape-only twin (``model``, ``optimizer``): ``fake_mode`` is the simulation's
     fake-tensor mode (its tensors are the run's; None on meta tensors), ``rounding`` the target allocator's
     granularity (512 on CUDA, 1 on CPU), ``keep_stream`` keeps the allocation stream for a device replay.
 
-    Enter it around the simulated steps; :attr:`trace` is the record afterwards. The methods in between are
-    what a simulated layout plays on the run while it is recorded (:attr:`recording`)."""
+    Enter it around the simulated steps as any profile; :attr:`trace` is the record afterwards. The methods
+    below are what a simulated layout plays on the run while it is recorded (:attr:`recording`)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | None", *, fake_mode: Any,
                  rounding: int, keep_stream: bool) -> None:
-        self.profiler = Profiler(model, optimizer, mode="exact", timeline=False, _allow_meta=True,
-                                 _fake_mode=fake_mode, _rounding=rounding)
-        self._ledger = self.profiler.ledger
+        super().__init__(model, optimizer, mode="exact", timeline=False, _allow_meta=True, _fake_mode=fake_mode,
+                         _rounding=rounding)
         if keep_stream:
-            self._ledger.record_stream()
-
-    def __enter__(self) -> "SimulatedProfile":
-        self.profiler.__enter__()
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.profiler.__exit__(exc_type, exc, tb)
-
-    @property
-    def trace(self) -> "Trace":
-        """The run's record, once the block has ended."""
-        return self.profiler.trace
+            self.ledger.record_stream()
 
     def recorded_stream(self) -> RecordedStream:
         """The allocation stream kept (``keep_stream=True``), for the device replay."""
-        led = self._ledger
+        led = self.ledger
         return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq)
 
     # -- what a simulated layout plays on the run ------------------------------------------------------------
@@ -78,7 +64,7 @@ class SimulatedProfile:
     @property
     def recording(self) -> bool:
         """The profile has begun and records now."""
-        c = self.profiler.collectors
+        c = self.collectors
         return c is not None and c.run.active
 
     def collectives_end_in_backward(self) -> None:
@@ -94,13 +80,13 @@ class SimulatedProfile:
         """``t``'s storage holds ``nbytes`` from now on (a rank's shard of a whole tensor); unknown: nothing."""
         entry = self._collectors().storages.entry_of(t)
         if entry is not None:
-            self._ledger.resize(entry, nbytes)
+            self.ledger.resize(entry, nbytes)
 
     def grow(self, t: torch.Tensor, nbytes: int) -> None:
         """``t``'s storage holds ``nbytes`` more from now on (a reduce-scatter's output made beside its input)."""
         entry = self._collectors().storages.entry_of(t)
         if entry is not None:
-            self._ledger.resize(entry, entry.nbytes + nbytes)
+            self.ledger.resize(entry, entry.nbytes + nbytes)
 
     def claim(self, t: torch.Tensor, category: Category) -> None:
         """``t``'s storage is ``category`` from now on, and was since it was made (at the peaks of the phase it
@@ -109,7 +95,7 @@ class SimulatedProfile:
 
     def add_buffer(self, t: torch.Tensor, category: Category) -> None:
         """``t`` (made outside the model's ops: a collective's buffer) is ``category`` since it was made."""
-        self._moved(self._ledger.add(t.untyped_storage(), _INDEX[category]), category)
+        self._moved(self.ledger.add(t.untyped_storage(), _INDEX[category]), category)
 
     def add_tokens(self, n: int) -> None:
         """``n`` tokens joined the cache outside the model's forward (a decoding loop that grows it directly)."""
@@ -117,14 +103,14 @@ class SimulatedProfile:
 
     def innermost_module(self) -> "str | None":
         """The path of the innermost module whose forward runs now; None outside the model or the block."""
-        c = self.profiler.collectors
+        c = self.collectors
         return innermost_module(c.run, c.table) if c is not None else None
 
     def open_stream(self) -> "tuple[list[tuple[int, int, int]], int, int] | None":
         """The allocation stream being kept, to be rewritten in place after an optimizer step a rank makes at
         its share (:func:`memprof.simulate.alloc_stream.rank_step`), with the seq where the phase began and the
         allocator's rounding; None when no stream is kept."""
-        led = self._ledger
+        led = self.ledger
         if led.stream is None:
             return None
         led.settle()
@@ -132,10 +118,10 @@ class SimulatedProfile:
 
     def _moved(self, entry: "Entry | None", category: Category) -> None:
         if entry is not None and entry.cat != _INDEX[category]:
-            self._ledger.move(entry, _INDEX[category], retro=True)
+            self.ledger.move(entry, _INDEX[category], retro=True)
 
     def _collectors(self) -> "Collectors":
-        c = self.profiler.collectors
+        c = self.collectors
         if c is None:
             raise RuntimeError("the simulated profile has not begun: enter it before playing a layout on it")
         return c

@@ -18,41 +18,34 @@ the cache at its end is the cache at the end of generation; the notes say which 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
-from ..errors import InvalidArgumentError, MemprofError
 from ..anatomy.params import infer_precision
+from ..errors import InvalidArgumentError, MemprofError, is_interrupt
 from .choosing import Beams, Greedy, Sampling
 from .decoding import Decoding, decoder_start
-from .estimate import Estimate, _simulation_error, _Target
+from .estimate import Estimate
+from .failures import simulation_error as _simulation_error
+from .run import Generation, GenerationOptions, RunConfig
+from .stages import NothingLeftBehind
+from .twin import Twin as _Target
 
-__all__ = ["estimate_generation"]
+if TYPE_CHECKING:
+    from ..collect.simulated import SimulatedProfile
+
+__all__ = ["estimate_generation", "simulate_generation"]
 
 #: Decode calls run one by one up to this many; longer generations jump (see the module's docstring).
 _RUN_ALL = 16
 
 
-def estimate_generation(
-    model: nn.Module,
-    *,
-    batch_size: int,
-    prompt_len: int,
-    max_new_tokens: int,
-    precision: "str | None" = None,
-    device: "str | torch.device | None" = None,
-    attention: str = "auto",
-    routing: Any = None,
-    num_beams: int = 1,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: "int | None" = 50,
-    top_p: float = 1.0,
-    gpu: Any = None,
-    alloc_conf: Any = None,
-) -> Estimate:
+def estimate_generation(model: nn.Module, **options: Unpack[GenerationOptions]) -> Estimate:
     """Simulate generating ``max_new_tokens`` tokens after a ``prompt_len``-token prompt for ``batch_size``
     sequences, and return an :class:`~memprof.Estimate` whose trace has a prefill phase, decode phases and
     the KV cache as ``kv_cache``.
@@ -70,51 +63,76 @@ def estimate_generation(
     step; sampling runs transformers' logits warpers. Every sequence runs to ``max_new_tokens``. ``gpu`` and
     ``alloc_conf`` are :func:`memprof.estimate`'s: the device-level peak, the fit and the headroom on that GPU.
     """
-    if not isinstance(model, nn.Module):
-        raise InvalidArgumentError(f"estimate_generation() needs a torch.nn.Module, got {type(model).__name__}")
-    from ..units import as_count
+    return simulate_generation(RunConfig.for_generation(model, **options))
 
-    batch_size, prompt_len, max_new_tokens, num_beams = (as_count(name, value, minimum=1) for name, value in (
-        ("batch_size", batch_size), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens),
-        ("num_beams", num_beams)))
+
+def simulate_generation(config: RunConfig) -> Estimate:
+    """The estimate of the generation ``config`` describes (its workload a :class:`~memprof.simulate.run.
+    Generation`): the twin, the prompt, the profiled prefill and decode calls, the device replay."""
+    with NothingLeftBehind():
+        prepared = _prepared(config)
+        prof = _decoded(prepared)
+        return _generation_estimate(config, prepared, prof)
+
+
+@dataclass
+class _Prepared:
+    """The generation's first stage: the twin, the decoding loop on it (its prompt made), the device and notes."""
+
+    twin: _Target
+    loop: Decoding
+    gpu: Any
+    decodes: int
+    encoder_decoder: bool
+    notes: list[str]
+
+
+def _prepared(config: RunConfig) -> _Prepared:
+    from .device_memory import check_target
+
+    g, t = config.workload, config.target
+    assert isinstance(g, Generation)
+    model = g.model
     if not callable(getattr(model, "generate", None)) or not callable(
             getattr(model, "prepare_inputs_for_generation", None)):
         raise InvalidArgumentError(
             f"{type(model).__name__} has no generation interface (generate() and prepare_inputs_for_generation(), "
             "as transformers' generative models have); estimate a training step of it with memprof.estimate")
-    config = getattr(model, "config", None)
-    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
-    _check_positions(model, prompt_len, max_new_tokens, encoder_decoder)
-    chooser = choosing(model, num_beams=num_beams, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                       top_p=top_p, max_length=(1 if encoder_decoder else prompt_len) + max_new_tokens)
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    _check_positions(model, g.prompt_len, g.max_new_tokens, encoder_decoder)
+    chooser = choosing(model, num_beams=g.num_beams, do_sample=g.do_sample, temperature=g.temperature, top_k=g.top_k,
+                       top_p=g.top_p, max_length=(1 if encoder_decoder else g.prompt_len) + g.max_new_tokens)
+    gpu, device = check_target(t.gpu, t.device, t.alloc_conf)
+    setup = _Target(model, config.precision, device, t.attention, g.routing, gpu=gpu)
+    setup.model.eval()
+    device_of = torch.device("meta") if setup.fake_mode is None else torch.device("cpu")
+    loop = Decoding(setup.model, g.batch_size, device_of, chooser=chooser, autocast=setup.autocast,
+                    emulated=setup.emulated)
+    with (setup.fake_mode if setup.fake_mode is not None else contextlib.nullcontext()):
+        loop.prompt(g.prompt_len)
+    return _Prepared(setup, loop, gpu, g.max_new_tokens - 1, encoder_decoder, setup.notes)
 
-    from .device_memory import check_target, on_device
 
-    gpu_spec, device = check_target(gpu, device, alloc_conf)
-    setup = _Target(model, precision, device, attention, routing, gpu=gpu_spec)
-    twin = setup.model
-    twin.eval()
-    notes = setup.notes
+def _decoded(prepared: _Prepared) -> "SimulatedProfile":
+    """The prefill and the decode calls under the collector (the calls past :data:`_RUN_ALL` on a cache grown to
+    their length)."""
     from ..collect.simulated import SimulatedProfile
 
+    setup, loop, decodes = prepared.twin, prepared.loop, prepared.decodes
     cuda = setup.target.type == "cuda"  # the allocator's 512-byte blocks, and the stream for its replay
-    prof = SimulatedProfile(twin, None, fake_mode=setup.fake_mode, rounding=512 if cuda else 1, keep_stream=cuda)
+    prof = SimulatedProfile(setup.model, None, fake_mode=setup.fake_mode, rounding=512 if cuda else 1,
+                            keep_stream=cuda)
     setup.moe.attach(prof)
-    decodes = max_new_tokens - 1
     jump = decodes > _RUN_ALL
-    device_of = torch.device("meta") if setup.fake_mode is None else torch.device("cpu")
-    loop = Decoding(twin, batch_size, device_of, chooser=chooser, autocast=setup.autocast, emulated=setup.emulated)
-    with (setup.fake_mode if setup.fake_mode is not None else contextlib.nullcontext()):
-        loop.prompt(prompt_len)
     where = "prefill"
-    with contextlib.ExitStack() as stack:
-        if setup.fake_mode is not None:
-            stack.enter_context(setup.fake_mode)
-        stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
-        stack.enter_context(prof)
-        stack.enter_context(setup.rules())
-        stack.enter_context(torch.no_grad())
-        try:
+    try:
+        with contextlib.ExitStack() as stack:
+            if setup.fake_mode is not None:
+                stack.enter_context(setup.fake_mode)
+            stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
+            stack.enter_context(prof)
+            stack.enter_context(setup.rules())
+            stack.enter_context(torch.no_grad())
             loop.prefill()
             ran = decodes if not jump else 2
             for i in range(ran):
@@ -126,20 +144,35 @@ def estimate_generation(
                 loop.grow(grown)
                 prof.add_tokens(grown)
                 loop.call(1)  # the last decode call, on the cache it would find
-        except MemprofError:
-            raise
-        except (RuntimeError, NotImplementedError) as exc:
-            raise _simulation_error(exc, f"generation ({where})") from exc
-    if jump:
-        notes.append(f"decode calls 3 to {decodes - 1} of {decodes} were not run one by one: the cache was grown "
-                     f"to their length directly, and the last call ran on it (each decode call is the same "
-                     f"computation on a cache one token longer)")
-    notes.extend(_generation_notes(model, loop, encoder_decoder))
+                prepared.notes.append(
+                    f"decode calls 3 to {decodes - 1} of {decodes} were not run one by one: the cache was grown to "
+                    "their length directly, and the last call ran on it (each decode call is the same computation on "
+                    "a cache one token longer)")
+    except MemprofError:
+        raise
+    except (RuntimeError, NotImplementedError) as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        raise _simulation_error(exc, f"generation ({where})") from exc
+    except BaseException:
+        if prof.running:  # an interrupt between the profile's entry and the registration of its exit
+            prof.__exit__(*sys.exc_info())
+        raise
+    return prof
+
+
+def _generation_estimate(config: RunConfig, prepared: _Prepared, prof: "SimulatedProfile") -> Estimate:
+    from .device_memory import on_device
+
+    g, setup, notes = config.workload, prepared.twin, prepared.notes
+    assert isinstance(g, Generation)
+    notes.extend(_generation_notes(g.model, prepared.loop, prepared.encoder_decoder))
     notes.extend(setup.rule_notes())
-    resolved = precision or infer_precision(prof.trace)
+    resolved = config.precision or infer_precision(prof.trace)
     est = Estimate(trace=prof.trace, precision=resolved, device=setup.target.type, notes=tuple(notes))
     if setup.target.type == "cuda":
-        est = on_device(est, prof.recorded_stream(), gpu=gpu_spec, alloc_conf=alloc_conf, model=model)
+        est = on_device(est, prof.recorded_stream(), gpu=prepared.gpu, alloc_conf=config.target.alloc_conf,
+                        model=g.model)
     return est
 
 
@@ -149,15 +182,8 @@ _Loop = Decoding
 
 def choosing(model: nn.Module, *, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0,
              top_k: "int | None" = 50, top_p: float = 1.0, max_length: int = 0) -> Any:
-    """The chooser of next tokens ``generate()`` would run with these arguments (:mod:`.choosing`)."""
-    if not isinstance(do_sample, bool):
-        raise InvalidArgumentError(f"do_sample must be True or False, got {do_sample!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise InvalidArgumentError(f"temperature must be a positive number, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise InvalidArgumentError(f"top_k must be a whole number >= 0 or None, got {top_k!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise InvalidArgumentError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    """The chooser of next tokens ``generate()`` would run with these arguments (:mod:`.choosing`; the
+    arguments as :class:`~memprof.simulate.run.Generation` checks them)."""
     sample = (float(temperature), top_k, float(top_p)) if do_sample else None
     if num_beams > 1:
         return Beams(num_beams, max_length, _eos_ids(model), sample,

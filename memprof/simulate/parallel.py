@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import InvalidArgumentError, MemprofError
+from ..errors import InvalidArgumentError, MemprofError, is_interrupt
 from ..vocabulary import Category
 
 _W, _O = Category.WEIGHTS, Category.OPTIMIZER_STATES
@@ -84,7 +84,9 @@ class WaitIdentity(TorchDispatchMode):
 
 try:
     _WAIT: Any = torch.ops._c10d_functional.wait_tensor.default
-except (AttributeError, RuntimeError):  # a torch built without distributed
+except (AttributeError, RuntimeError) as failure:  # a torch built without distributed
+    if is_interrupt(failure):
+        raise  # a signal handler's exception (errors.is_interrupt) is the user's
     _WAIT = None
 
 
@@ -172,7 +174,9 @@ class ParallelRun:
 
             _disable_context_parallel_dispatcher()
             DTensor._op_dispatcher._custom_op_handlers = before
-        except (ImportError, AttributeError):
+        except (ImportError, AttributeError) as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             pass
 
     def parallelize(self, model: nn.Module, meta_twin: Callable[[nn.Module], "tuple[nn.Module, dict]"],
@@ -244,6 +248,8 @@ class ParallelRun:
         try:
             out = self.fn(module, self.mesh) if self.arity == 2 else self.fn(module)
         except ValueError as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             if "default process group twice" not in str(exc):
                 raise
             # torch's own words (distributed_c10d.py, init_process_group) from inside the user's function.
@@ -316,35 +322,6 @@ class ParallelRun:
                 "allocate them",
                 "simulated on fake CPU tensors: wait_tensor returned its input as in eager, and DTensor's sharding "
                 "propagation ran in a fake mode of its own (its global-shape tensors are metadata, not memory)"]
-
-
-def across_ranks(estimate: Callable[..., Any], model: nn.Module, optimizer: Any, options: "dict[str, Any]", *,
-                 parallel: "str | None", parallelize: "Callable[..., Any] | None", mesh: Any, pipeline: Any,
-                 rank: "int | None", extrapolate: "int | None") -> Any:
-    """``estimate(model, optimizer, **options)`` for the rank(s) asked: under ``parallelize`` and ``pipeline`` on a
-    :class:`ParallelRun`, every pipeline rank class when no ``rank`` is given (the worst returned), and at the
-    model's depth from three shallower runs with ``extrapolate``. ``estimate`` is passed in, as it calls this."""
-    from .depth import extrapolated
-
-    world_size = options["world_size"]
-
-    def single(m: nn.Module, opt: Any, r: "int | None") -> Any:
-        if parallelize is None and pipeline is None:
-            return estimate(m, opt, parallel=parallel, **options)
-        with ParallelRun(parallelize, world_size, 0 if r is None else r, mesh, pipeline, options["inputs"]) as run:
-            return estimate(m, opt, parallelize=parallelize, rank=r, mesh=mesh, pipeline=pipeline, _run=run,
-                            **options)
-
-    def one(r: "int | None") -> Any:
-        # Depth outermost within a rank: the worst rank is picked among figures at the model's full depth.
-        if extrapolate is None:
-            return single(model, optimizer, r)
-        return extrapolated(model, optimizer, extrapolate, depth_unit(world_size, mesh, pipeline),
-                            lambda m, opt: single(m, opt, r))
-
-    if pipeline is not None and rank is None:
-        return pipeline_ranks(world_size, mesh, pipeline, one)
-    return one(rank)
 
 
 def coordinates(rank: int, shape: "tuple[int, ...]") -> "tuple[int, ...]":
@@ -443,12 +420,16 @@ def _arity(fn: Callable[..., Any]) -> int:
     runs (rather than torch's TypeError from the middle of the simulation)."""
     try:
         sig = inspect.signature(fn)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return 2  # a callable whose parameters Python cannot read: called as documented
     for n in (2, 1):
         try:
             sig.bind(*range(n))
-        except TypeError:
+        except TypeError as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             continue
         return n
     raise InvalidArgumentError(
@@ -481,7 +462,9 @@ def _side_fake_mode_for_sharding_propagation() -> Any:
     the module's name is rebound for the block and restored after it, also when the block raises)."""
     try:
         from torch.distributed.tensor import _sharding_prop
-    except ImportError:
+    except ImportError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         yield
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -503,7 +486,9 @@ def _custom_handlers() -> Any:
         from torch.distributed.tensor import DTensor
 
         return DTensor._op_dispatcher._custom_op_handlers
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
 
@@ -515,6 +500,8 @@ def _context_parallel_on() -> bool:
 def _clear_caches() -> None:
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-    except ImportError:
+    except ImportError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return
     _clear_sharding_prop_cache()

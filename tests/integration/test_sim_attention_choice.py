@@ -160,7 +160,7 @@ def _raised_in(path: str, function: str) -> BaseException:
 
 
 def test_the_simulation_error_blames_memprofs_rule_only_where_the_rule_made_the_call():
-    from memprof.simulate.estimate import _simulation_error
+    from memprof.simulate.failures import simulation_error as _simulation_error
 
     own = _simulation_error(_raised_in("/x/memprof/simulate/autocast.py", "_cast"), 0)
     assert "inside memprof's own simulation rule memprof.simulate.autocast._cast" in str(own)

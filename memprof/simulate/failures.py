@@ -1,0 +1,84 @@
+"""What failed in a simulated step, in words a user can act on: the model's own code, an op that shape-only
+tensors cannot run, or one of memprof's own rules (then memprof is to blame, never the model)."""
+
+from __future__ import annotations
+
+from ..errors import SimulationError
+
+__all__ = ["simulation_error"]
+
+
+def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
+    """What failed in a simulated step (a training step's index, or the name of what ran: "generation"), in
+    words a user can act on."""
+    text = str(exc).strip()
+    first = (text.splitlines()[0] if text else type(exc).__name__).rstrip(".")
+    low = text.lower()
+    import traceback
+
+    frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
+    if any("/torch/optim/" in f for f in frames) and ("item()" in low or "data-dependent" in low
+                                                      or "cannot be called on meta tensors" in low):
+        fix = ("the optimizer's step reads tensor values (torch's own code does for this optimizer), which "
+               "shape-only tensors do not have; simulate without it (optimizer=None) and add its state from the "
+               "formula, or with an optimizer that does not")
+    elif "no fake impl" in low or "fake impl" in low and "register" in low or (
+            isinstance(exc, NotImplementedError) and "meta" in low):
+        fix = ("an op of the model has no fake (meta) kernel, so it cannot run on shape-only tensors; register one "
+               "with torch.library.register_fake, returning empty tensors of the output shapes")
+    elif "sharding strategy" in low and "_for_cpu" in low:
+        fix = ("context parallelism's ring attention has handlers for the CUDA attention kernels only (torch's "
+               "_context_parallel/_attention.py): estimate for device='cuda', whose attention the simulation runs as "
+               "the flash or efficient kernel")
+    elif "item()" in low or "data-dependent" in low or "datadependent" in type(exc).__name__.lower() or \
+            "cannot be called on meta tensors" in low:
+        fix = ("the model reads tensor values (.item(), .tolist(), a tensor in an if), which shape-only tensors do "
+               "not have; pass such values as Python numbers, or keep that code out of the training step")
+    else:
+        fix = ("the model must run on shape-only tensors (meta or fake): the same call with real tensors of these "
+               "shapes is the way to check it")
+    what = f"training step {step}" if isinstance(step, int) else step
+    rule = _rule_frame(exc)
+    if rule:  # memprof's own rule made the failing call: the model is not to blame
+        return SimulationError(f"the simulated {what} failed inside memprof's own simulation rule {rule}, not in the "
+                               f"model: {type(exc).__name__}: {first}. This is memprof's defect; please report it")
+    where = _model_frame(exc)
+    return SimulationError(f"the simulated {what} failed: {type(exc).__name__}: {first}"
+                           f"{f' (at {where})' if where else ''}. {fix[0].upper()}{fix[1:]}")
+
+
+# The modules of memprof's rules above and below the ops (memprof.simulate.modes, .shadows), and the frames of theirs
+# that hand the model's own call on unchanged.
+_RULE_MODULES = ("kernels", "sdpa_rules", "autocast", "cpu_kernels", "moe", "routers", "grouped_mm", "experts",
+                 "shadows")
+_PASSING_ON = frozenset({"__torch_dispatch__", "__torch_function__", "handle"})
+
+
+def _rule_frame(exc: BaseException) -> str:
+    """The rule, as ``memprof.simulate.module.function (line n)``, when the innermost frame of the failure outside
+    torch is a memprof rule's own call rather than the model's call handed on; else ``""``."""
+    import traceback
+
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        name = f.filename.replace("\\", "/")
+        if "/torch/" in name:
+            continue
+        module = name.rsplit("/", 1)[-1].removesuffix(".py")
+        if "/memprof/simulate/" in name and module in _RULE_MODULES and f.name not in _PASSING_ON:
+            return f"memprof.simulate.{module}.{f.name} (line {f.lineno})"
+        return ""
+    return ""
+
+
+def _model_frame(exc: BaseException) -> str:
+    """The innermost frame of the failure outside torch and memprof (the model's line), as ``file:line``."""
+    import traceback
+
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        name = f.filename.replace("\\", "/")
+        if "/torch/" not in name and "/memprof/" not in name:
+            parts = name.split("/site-packages/")
+            return f"{parts[-1]}:{f.lineno}"
+    return ""
+
+

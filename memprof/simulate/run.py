@@ -1,0 +1,301 @@
+"""One description of a simulated run: a frozen, keyword-only configuration made of sections.
+
+Every entry point that simulates (``memprof.estimate``, ``estimate_generation``, ``max_batch_size``, ``plan``,
+``what_if``, the command line) builds one :class:`RunConfig` and hands it on; the simulation's stages
+(:mod:`memprof.simulate.stages`) read it, never a dictionary of options. The sections, as torchtitan builds its
+job configuration:
+
+- :class:`Workload`: what is trained and how (the model, its optimizer, the step's inputs, targets and loss, the
+  steps, the context the loop enters around them, what MoE routers choose);
+- ``precision``: the parameters' dtype or the autocast regime;
+- :class:`Target`: the device the figures are for (a GPU, its allocator's configuration, the attention kernel);
+- :class:`Parallelism`: the world size, the layout or the user's own ``parallelize`` function, the mesh, a
+  pipeline, the rank;
+- :class:`Depth`: simulate a deep model cut short and extend the figures.
+
+A generation (``estimate_generation``) has a :class:`Generation` section in the workload's place: the model, the
+batch, the prompt and the tokens to generate, and how ``generate()`` chooses them.
+
+The keyword arguments users write (``estimate(model, opt, inputs=x, gpu="h100", world_size=8, ...)``) are mapped
+to the sections once, by :meth:`RunConfig.from_options`; each section checks its own values as it is made, so a
+bad value is refused before anything is simulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict
+
+from ..errors import InvalidArgumentError, UnknownNameError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["RunConfig", "Workload", "Generation", "Target", "Parallelism", "Depth", "EstimateOptions",
+           "GenerationOptions", "PRECISIONS", "OPTIONS", "GENERATION_OPTIONS"]
+
+#: The precisions a simulation takes: the parameters' dtype (bf16, fp16, fp32), or fp32 parameters with the
+#: forward under autocast (mixed = amp: bf16; mixed-fp16: fp16, with a GradScaler); None keeps the model's dtypes.
+PRECISIONS = ("fp32", "bf16", "fp16", "mixed", "amp", "mixed-fp16")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Workload:
+    """What is trained and how. ``optimizer``: an optimizer built on ``model`` (rebuilt on its twin), a factory
+    called with the twin's parameters, or None. ``inputs``: what the model is called with (a tensor, a tuple of
+    positional arguments, a dict of keyword arguments); only shapes and dtypes matter. The loss is
+    ``loss_fn(output, targets)`` (``loss_fn(output)`` without targets; the first output's sum without ``loss_fn``).
+    ``step_context``: a function returning the context manager the loop enters around forward, loss and backward.
+    ``routing``: what a mixture-of-experts model's routers choose (:mod:`memprof.simulate.routing`)."""
+
+    model: "nn.Module"
+    optimizer: Any = None
+    inputs: Any
+    targets: Any = None
+    loss_fn: "Callable[..., Any] | None" = None
+    steps: int = 2
+    step_context: "Callable[..., Any] | None" = None
+    routing: Any = None
+
+    def __post_init__(self) -> None:
+        from torch import nn
+
+        if not isinstance(self.model, nn.Module):
+            raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(self.model).__name__}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise InvalidArgumentError(f"steps must be a positive int, got {self.steps!r}")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
+                                       f"{type(self.loss_fn).__name__}")
+        from ..collect.module_table import tensors_in_args
+
+        if not tensors_in_args(self.inputs, None):
+            raise InvalidArgumentError(
+                f"inputs must hold the model's input tensors (a tensor, a tuple of arguments or a dict of keyword "
+                f"arguments), got {type(self.inputs).__name__} without a tensor")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Generation:
+    """What is generated: ``max_new_tokens`` tokens after a ``prompt_len``-token prompt for ``batch_size``
+    sequences of ``model`` (a model with ``generate()``), chosen as ``generate()`` would with ``num_beams``,
+    ``do_sample``, ``temperature``, ``top_k`` and ``top_p``; ``routing`` as :class:`Workload`'s."""
+
+    model: "nn.Module"
+    batch_size: int
+    prompt_len: int
+    max_new_tokens: int
+    num_beams: int = 1
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: "int | None" = 50
+    top_p: float = 1.0
+    routing: Any = None
+
+    def __post_init__(self) -> None:
+        from torch import nn
+
+        from ..units import as_count
+
+        if not isinstance(self.model, nn.Module):
+            raise InvalidArgumentError(
+                f"estimate_generation() needs a torch.nn.Module, got {type(self.model).__name__}")
+        for name in ("batch_size", "prompt_len", "max_new_tokens", "num_beams"):
+            object.__setattr__(self, name, as_count(name, getattr(self, name), minimum=1))
+        if not isinstance(self.do_sample, bool):
+            raise InvalidArgumentError(f"do_sample must be True or False, got {self.do_sample!r}")
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise InvalidArgumentError(f"temperature must be a positive number, got {t!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise InvalidArgumentError(f"top_k must be a whole number >= 0 or None, got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise InvalidArgumentError(f"top_p must be a number in (0, 1], got {p!r}")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Target:
+    """The device the figures are for: ``device`` (``"cuda"`` rounds every block as the caching allocator does
+    and runs CUDA's kernel choices; default: the model's), ``gpu`` (a name or a GpuSpec: the device-level replay
+    and the fit verdict), ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF``'s text or an AllocatorConfig) and
+    ``attention`` (a CUDA target's attention kernel: ``"auto"`` is the one torch would pick)."""
+
+    device: Any = None
+    gpu: Any = None
+    alloc_conf: Any = None
+    attention: str = "auto"
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Parallelism:
+    """Which rank of which job the figures are for: ``world_size`` ranks laid out by ``parallel`` (``"ddp"``,
+    ``"fsdp"``, ``"zero1"`` ... ``"zero3"``) or by the user's own ``parallelize(model, mesh)`` on a ``mesh``
+    (sizes, or ``{name: size}``), cut into a ``pipeline``'s stages; ``rank`` picks one (the worst pipeline rank
+    without it)."""
+
+    world_size: int = 1
+    parallel: "str | None" = None
+    parallelize: "Callable[..., Any] | None" = None
+    mesh: Any = None
+    pipeline: Any = None
+    rank: "int | None" = None
+
+    def __post_init__(self) -> None:
+        from .ranks import check_parallel
+
+        world_size, parallel = check_parallel(self.world_size, self.parallel,
+                                              self.parallelize is not None or self.pipeline is not None)
+        object.__setattr__(self, "world_size", world_size)
+        object.__setattr__(self, "parallel", parallel)
+        if self.rank not in (None, 0) and self.parallelize is None and self.pipeline is None:
+            raise InvalidArgumentError(f"rank={self.rank!r} picks a rank of your parallelize function (or pipeline); "
+                                       "the parallel= layouts are simulated for rank 0, the one holding the most rows")
+
+    @property
+    def on_fake_ranks(self) -> bool:
+        """The ranks run on torch's fake process group (the user's parallelize function, or a pipeline)."""
+        return self.parallelize is not None or self.pipeline is not None
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Depth:
+    """``extrapolate=k``: simulate the repeated stack of blocks cut to ``k``, ``k + 1`` and ``k + 2`` blocks (per
+    pipeline stage) and extend the figures to the model's depth (:mod:`memprof.simulate.depth`)."""
+
+    extrapolate: "int | None" = None
+
+    def __post_init__(self) -> None:
+        k = self.extrapolate
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+            raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), got {k!r}")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RunConfig:
+    """A simulated run, whole: its sections (this module's docstring). Frozen; :meth:`replace` gives a changed
+    copy (another batch, another model cut to a depth)."""
+
+    workload: "Workload | Generation"
+    precision: "str | None" = None
+    target: Target = field(default_factory=Target)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    depth: Depth = field(default_factory=Depth)
+
+    def __post_init__(self) -> None:
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise UnknownNameError(f"unknown precision {self.precision!r}; use one of: fp32, bf16, fp16, mixed, "
+                                   "mixed-fp16 (amp is mixed)")
+        from .step import check_step_context
+
+        if isinstance(self.workload, Workload) and check_step_context(self.workload.step_context) is not None \
+                and self.parallelism.pipeline is not None:
+            raise InvalidArgumentError("step_context wraps a training step's forward and backward, which under "
+                                       "pipeline= torch's schedule runs; leave one of them out")
+
+    @classmethod
+    def from_options(cls, model: "nn.Module", optimizer: Any = None, **options: Any) -> "RunConfig":
+        """The configuration ``estimate(model, optimizer, **options)`` describes: each keyword to its section."""
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; estimate() takes: "
+                                       f"{', '.join(OPTIONS)}")
+        if "inputs" not in options:
+            raise InvalidArgumentError("estimate() needs inputs=: what the model is called with (a tensor, a tuple of "
+                                       "arguments or a dict of keyword arguments)")
+        given = {section: {name: options[name] for name in names if name in options}
+                 for section, names in _SECTIONS.items()}
+        return cls(workload=Workload(model=model, optimizer=optimizer, **given["workload"]),
+                   precision=options.get("precision"), target=Target(**given["target"]),
+                   parallelism=Parallelism(**given["parallelism"]), depth=Depth(**given["depth"]))
+
+    @classmethod
+    def for_generation(cls, model: "nn.Module", **options: Any) -> "RunConfig":
+        """The configuration ``estimate_generation(model, **options)`` describes."""
+        unknown = sorted(set(options) - set(GENERATION_OPTIONS))
+        if unknown:
+            raise InvalidArgumentError(f"unknown option(s) {', '.join(unknown)}; estimate_generation() takes: "
+                                       f"{', '.join(GENERATION_OPTIONS)}")
+        missing = [name for name in ("batch_size", "prompt_len", "max_new_tokens") if name not in options]
+        if missing:
+            raise InvalidArgumentError(f"estimate_generation() needs {', '.join(missing)}=")
+        target = {name: options[name] for name in _SECTIONS["target"] if name in options}
+        generation = {name: options[name] for name in GENERATION_OPTIONS
+                      if name in options and name not in target and name != "precision"}
+        return cls(workload=Generation(model=model, **generation), precision=options.get("precision"),
+                   target=Target(**target))
+
+    def replace(self, **sections: Any) -> "RunConfig":
+        """A copy with whole sections replaced (``config.replace(workload=...)``)."""
+        return dataclasses.replace(self, **sections)
+
+    def with_workload(self, **changes: Any) -> "RunConfig":
+        """A copy whose workload has ``changes`` (another model and optimizer, another batch)."""
+        return dataclasses.replace(self, workload=dataclasses.replace(self.workload, **changes))
+
+    def with_parallelism(self, **changes: Any) -> "RunConfig":
+        """A copy whose parallelism has ``changes`` (one rank of a pipeline)."""
+        return dataclasses.replace(self, parallelism=dataclasses.replace(self.parallelism, **changes))
+
+
+# Each keyword of estimate() and its section (precision stands alone).
+_SECTIONS: "Mapping[str, tuple[str, ...]]" = {
+    "workload": ("inputs", "targets", "loss_fn", "steps", "step_context", "routing"),
+    "target": ("device", "gpu", "alloc_conf", "attention"),
+    "parallelism": ("world_size", "parallel", "parallelize", "mesh", "pipeline", "rank"),
+    "depth": ("extrapolate",),
+}
+
+#: Every keyword ``estimate_generation(model, **options)`` takes.
+GENERATION_OPTIONS: tuple[str, ...] = ("batch_size", "prompt_len", "max_new_tokens", "precision", "device", "attention",
+                                       "routing", "num_beams", "do_sample", "temperature", "top_k", "top_p", "gpu",
+                                       "alloc_conf")
+
+#: Every keyword ``estimate(model, optimizer, **options)`` takes, in the order its docstring gives them.
+OPTIONS: tuple[str, ...] = ("inputs", "targets", "loss_fn", "precision", "device", "steps", "attention", "world_size",
+                            "parallel", "routing", "gpu", "alloc_conf", "parallelize", "rank", "mesh", "pipeline",
+                            "extrapolate", "step_context")
+
+
+class EstimateOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`memprof.estimate` (each described there), typed: what
+    :meth:`RunConfig.from_options` maps to the sections."""
+
+    inputs: Any
+    targets: Any
+    loss_fn: "Callable[..., Any] | None"
+    precision: "str | None"
+    device: Any
+    steps: int
+    attention: str
+    world_size: int
+    parallel: "str | None"
+    routing: Any
+    gpu: Any
+    alloc_conf: Any
+    parallelize: "Callable[..., Any] | None"
+    rank: "int | None"
+    mesh: Any
+    pipeline: Any
+    extrapolate: "int | None"
+    step_context: "Callable[..., Any] | None"
+
+
+class GenerationOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`memprof.estimate_generation` (each described there), typed."""
+
+    batch_size: int
+    prompt_len: int
+    max_new_tokens: int
+    precision: "str | None"
+    device: Any
+    attention: str
+    routing: Any
+    num_beams: int
+    do_sample: bool
+    temperature: float
+    top_k: "int | None"
+    top_p: float
+    gpu: Any
+    alloc_conf: Any

@@ -1,0 +1,242 @@
+"""The simulation of a training run as named stages, each a small function of the run's configuration
+(:class:`~memprof.simulate.run.RunConfig`) and what the stage before it made:
+
+1. :func:`target_twin`: the model's data-less twin for the target device and precision, its optimizer, the
+   step's inputs, and the rules the target applies above and beneath the ops (:mod:`memprof.simulate.twin`);
+2. the rank layout: one rank of the user's ``parallelize`` function or pipeline on torch's fake process group
+   (:class:`memprof.simulate.parallel.ParallelRun`, entered by :func:`simulate`), or a ``parallel=`` layout played
+   on the run (:class:`memprof.simulate.ranks.RankLayout`);
+3. :func:`profiled_steps`: the steps run under the collector (:class:`memprof.collect.simulated.SimulatedProfile`);
+4. :func:`replayed`: for a CUDA target, the allocation stream replayed through the caching allocator's model, the
+   memory outside torch, and the fit verdict (:mod:`memprof.simulate.device_memory`).
+
+:func:`simulate` runs them for the rank(s) the configuration asks (every pipeline rank class, or a model cut to a
+depth and extended: :mod:`memprof.simulate.depth`), with no recursion through the public function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..anatomy.params import infer_precision
+from ..errors import MemprofError, is_interrupt
+from .failures import simulation_error
+from .ranks import RankLayout
+from .run import RunConfig
+from .step import ScalerSteps, TrainingStep, check_step_context
+from .twin import Twin, casting, converted, meta_optimizer
+
+if TYPE_CHECKING:
+    from ..collect.simulated import SimulatedProfile
+    from .estimate import Estimate
+    from .parallel import ParallelRun
+
+__all__ = ["simulate", "target_twin", "profiled_steps", "replayed", "Prepared"]
+
+
+@dataclass
+class Prepared:
+    """What the first stages made for one rank: the target twin, its optimizer, the step it runs, and the notes."""
+
+    twin: Twin
+    optimizer: "torch.optim.Optimizer | None"
+    step: Any
+    notes: list[str]
+    gpu: Any
+    layout: "RankLayout | None"
+
+
+def simulate(config: RunConfig) -> "Estimate":
+    """The estimate ``config`` describes: one rank, every pipeline rank class (the worst returned, all listed), and
+    with ``extrapolate=`` the model cut to three depths and extended."""
+    from .depth import extrapolated
+    from .parallel import ParallelRun, depth_unit, pipeline_ranks
+
+    p = config.parallelism
+
+    def at_rank(cfg: RunConfig, r: "int | None") -> "Estimate":
+        if not p.on_fake_ranks:
+            return one_rank(cfg, None)
+        w = cfg.workload
+        with ParallelRun(p.parallelize, p.world_size, 0 if r is None else r, p.mesh, p.pipeline, w.inputs) as ranks:
+            return one_rank(cfg.with_parallelism(rank=r), ranks)
+
+    def at_depth(r: "int | None") -> "Estimate":
+        k = config.depth.extrapolate
+        if k is None:
+            return at_rank(config, r)
+        w = config.workload
+        return extrapolated(w.model, w.optimizer, k, depth_unit(p.world_size, p.mesh, p.pipeline),
+                            lambda m, opt: at_rank(config.with_workload(model=m, optimizer=opt), r))
+
+    if p.pipeline is not None and p.rank is None:
+        return pipeline_ranks(p.world_size, p.mesh, p.pipeline, at_depth)
+    return at_depth(p.rank)
+
+
+def one_rank(config: RunConfig, ranks: "ParallelRun | None") -> "Estimate":
+    """Stages 1, 3 and 4 for one rank (``ranks``: the rank's fake process group, entered; None for a single
+    process or a ``parallel=`` layout)."""
+    with NothingLeftBehind():
+        prepared = target_twin(config, ranks)
+        prof = profiled_steps(config, prepared, ranks)
+        return replayed(config, prepared, prof, ranks)
+
+
+def target_twin(config: RunConfig, ranks: "ParallelRun | None") -> Prepared:
+    """Stage 1: the twin, its optimizer, the step's inputs and the step itself."""
+    from .device_memory import check_target
+
+    w, t = config.workload, config.target
+    gpu, device = check_target(t.gpu, t.device, t.alloc_conf)
+    twin = Twin(w.model, config.precision, device, t.attention, w.routing, ranks, gpu=gpu)
+    notes = twin.notes
+    optimizer = meta_optimizer(w.optimizer, twin.model, twin.mapping, notes)
+    seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
+    # Floating inputs and targets in the same dtype, as a run at that precision feeds them (integer token ids
+    # and class labels stay as they are).
+    make = twin.shadow if twin.cast is None else casting(twin.shadow, twin.cast)
+    inputs, targets = converted(w.inputs, make, seen), converted(w.targets, make, seen)
+    if twin.target.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in w.model.modules()):
+        notes.append("LSTM/GRU/RNN: on a real CPU, oneDNN's RNN kernel also keeps a workspace for backward that "
+                     "the shape-only kernels do not; their saved activations are underestimated")
+    if twin.target.type not in ("cpu", "cuda"):
+        notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
+                     f"runs its math path (saves the s x s scores), where a {twin.target.type} device may not")
+    scaler = ScalerSteps() if config.precision == "mixed-fp16" else None
+    context = check_step_context(w.step_context)
+    step: Any = TrainingStep(twin.model, inputs, targets, w.loss_fn, optimizer, twin.autocast, twin.emulated, scaler,
+                             context, ranks.mesh if ranks is not None else None,
+                             ranks.inside_step if ranks is not None else None)
+    if ranks is not None and ranks.pipelined:
+        step = ranks.step(w.loss_fn, optimizer, inputs, targets, twin.fake_mode)
+    p = config.parallelism
+    layout = RankLayout(twin.model, optimizer, p.world_size, p.parallel) if p.parallel is not None else None
+    return Prepared(twin, optimizer, step, notes, gpu, layout)
+
+
+def profiled_steps(config: RunConfig, prepared: Prepared, ranks: "ParallelRun | None") -> "SimulatedProfile":
+    """Stage 3: the steps, under the collector, with the twin's rules above and beneath the ops and a ``parallel=``
+    layout played on the run."""
+    from ..collect.simulated import SimulatedProfile
+
+    twin, steps = prepared.twin, config.workload.steps
+    cuda = twin.target.type == "cuda"  # the allocator's 512-byte blocks, and the stream for its replay
+    prof = SimulatedProfile(twin.model, prepared.optimizer, fake_mode=twin.fake_mode, rounding=512 if cuda else 1,
+                            keep_stream=cuda)
+    twin.moe.attach(prof)
+    # A very large model takes seconds per simulated step: worth a bar in a terminal.
+    big = sum(p.numel() for p in config.workload.model.parameters()) >= 1_000_000_000
+    try:
+        _run_steps(prof, prepared, ranks, steps, big)
+    except BaseException:
+        if prof.running:  # an interrupt between the profile's entry and the registration of its exit
+            prof.__exit__(*sys.exc_info())
+        raise
+    return prof
+
+
+def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun | None", steps: int,
+               big: bool) -> None:
+    from .progress import Progress
+
+    twin = prepared.twin
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(Progress(steps, "estimate")) if big else None
+        if twin.fake_mode is not None:
+            stack.enter_context(twin.fake_mode)
+        stack.enter_context(twin.op_rules())  # beneath the profiler: it counts what the rules return
+        if ranks is not None:
+            stack.enter_context(ranks.rules())
+        stack.enter_context(prof)
+        layout = prepared.layout
+        if layout is not None:  # one rank's shards and buffers, played on the run as it goes
+            layout.attach(prof)
+            stack.callback(layout.detach)
+        stack.enter_context(twin.rules())
+        step = prepared.step
+        for i in range(steps):
+            if bar is not None:
+                bar.step(f"step {i + 1} of {steps}")
+            try:
+                step.run()
+            except MemprofError:
+                raise
+            except (RuntimeError, NotImplementedError) as exc:  # torch's errors; the model's own pass as they are
+                if is_interrupt(exc):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
+                raise simulation_error(exc, i) from exc
+        step.loss = None  # the loop has ended: its last loss is released (inside the profiled run)
+
+
+def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
+             ranks: "ParallelRun | None") -> "Estimate":
+    """Stage 4: the record of the run as the rank holds it, its notes, and for a CUDA target the device replay and
+    the fit verdict."""
+    from .device_memory import on_device
+    from .estimate import Estimate
+
+    w, twin, notes = config.workload, prepared.twin, prepared.notes
+    notes.extend(twin.rule_notes())
+    if ranks is not None:
+        notes.extend(ranks.notes())
+    notes.extend(_loop_notes(config, prepared))
+    trace = prof.trace
+    resolved = config.precision or infer_precision(trace)
+    if prepared.layout is not None:
+        trace = prepared.layout.finish(trace)
+        notes.extend(prepared.layout.notes())
+    split = ranks.host_split(trace) if ranks is not None else None
+    if split is not None:
+        notes.append(split[2])
+    est = Estimate(trace=trace, precision=resolved, device=twin.target.type, notes=tuple(notes),
+                   host_bytes=split[0] if split else None, device_peak_bytes=split[1] if split else None)
+    if twin.target.type == "cuda":
+        est = on_device(est, prof.recorded_stream(), gpu=prepared.gpu, alloc_conf=config.target.alloc_conf,
+                        world_size=config.parallelism.world_size, model=w.model)
+    return est
+
+
+def _loop_notes(config: RunConfig, prepared: Prepared) -> list[str]:
+    """What the notes say of the training loop the simulation ran."""
+    w = config.workload
+    steps = w.steps
+    out = [f"the training loop: {steps} step{'s' if steps > 1 else ''} of forward and loss, backward(), "
+           f"{'optimizer.step(), zero_grad(), ' if prepared.optimizer is not None else ''}the loss held through the "
+           "step as a loop that logs it after the step holds it, released when the next step's loss replaces it and "
+           "when the loop ends"]
+    if w.step_context is not None:
+        name = getattr(w.step_context, "__qualname__", type(w.step_context).__name__)
+        out.append(f"step context: each step's forward, loss and backward ran inside {name}'s context, entered "
+                   "afresh at every step, the optimizer step outside it")
+    if config.precision == "mixed-fp16":
+        out.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
+                   "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would skip on "
+                   "overflow are taken")
+    return out
+
+
+class NothingLeftBehind:
+    """Around one simulated rank: whatever ends it (a failure, the user's Ctrl-C landing between a mode's entry and
+    the registration of its exit, where Python's ``with`` cannot cover it), the thread's dispatch and function
+    mode stacks are as they were, and torch's thread-local switch for fake kernels too. An interrupted
+    simulation must not leave a fake-tensor mode on, under which the user's later code would run."""
+
+    def __enter__(self) -> "NothingLeftBehind":
+        self.depths = (torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack())
+        self.meta_tls = torch._C._meta_in_tls_dispatch_include()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dispatch, function = self.depths
+        while torch._C._len_torch_function_stack() > function:
+            torch._C._pop_torch_function_stack()
+        while torch._C._len_torch_dispatch_stack() > dispatch:
+            torch._C._pop_torch_dispatch_stack(None)
+        torch._C._set_meta_in_tls_dispatch_include(self.meta_tls)

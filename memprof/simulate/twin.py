@@ -1,0 +1,244 @@
+"""The target twin, the simulation's first stage: the model's data-less copy and what runs above and beneath it.
+
+A simulation runs the user's step on a twin of the model whose parameters and buffers hold no data (``meta``
+tensors, or fake CPU tensors for a CPU target, whose kernels are the CPU's), with the rules the target device
+applies above the ops: its attention kernel (:mod:`memprof.simulate.kernels`), its autocast policy
+(:mod:`memprof.simulate.autocast`), the CPU kernels that keep another storage than their shape
+(:mod:`memprof.simulate.cpu_kernels`), value-dependent code and MoE routing (:mod:`memprof.simulate.moe`). The
+user's model, optimizer and tensors are never modified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
+from .autocast import CudaAutocast
+from .modes import Rules
+
+__all__ = ["Twin", "PRECISION_DTYPES", "MIXED", "meta_optimizer", "converted", "casting"]
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Mixed precision: fp32 parameters, the forward under autocast in this dtype ("amp": the older word).
+MIXED = {"mixed": torch.bfloat16, "amp": torch.bfloat16, "mixed-fp16": torch.float16}
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _meta_maker(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def casting(make: Any, dtype: torch.dtype) -> Any:
+    """``make``, with floating tensors made in ``dtype`` (same shape and strides)."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dtype != dtype:
+            t = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+        return make(t)
+    return cast
+
+
+def _fake_maker(mode: Any) -> Any:
+    def make(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            # Same shape, dtype and strides as the original, on the CPU, with no data.
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return make
+
+
+def _shadow_copy(model: nn.Module, make: Any) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+    # deepcopy with a memo that maps every parameter and buffer to a data-less
+    # twin (meta or fake): structure and tying are kept, no data is copied.
+    memo: dict[int, Any] = {}
+    mapping: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            twin = nn.Parameter(make(p.detach()), requires_grad=p.requires_grad)
+            memo[id(p)] = twin
+            mapping[id(p)] = twin
+    for b in model.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = make(b)
+    try:
+        clone = copy.deepcopy(model, memo)
+    except Exception as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        raise InvalidArgumentError(
+            f"could not copy {type(model).__name__} without its data ({exc}); build the model under "
+            "'with torch.device(\"meta\"):' and pass that instead"
+        ) from None
+    return clone, mapping
+
+
+def meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
+                    notes: list[str]) -> "torch.optim.Optimizer | None":
+    if optimizer is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = []
+        for g in optimizer.param_groups:
+            params = [mapping[id(p)] for p in g["params"] if id(p) in mapping]
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            if hyper.get("fused"):
+                # Fused kernels do not run on meta tensors; their step keeps no temporaries (measured with torch 2.13,
+                # see docs/anatomy.md#measured-optimizer-state-and-step-transients).
+                hyper["fused"] = None
+                notes.append("fused optimizer simulated unfused: its real step keeps no temporaries")
+            groups.append({**hyper, "params": params})
+        try:
+            return type(optimizer)(groups)
+        except Exception as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
+            notes.append(f"{type(optimizer).__name__} could not be rebuilt on meta tensors ({exc}); "
+                         "optimizer state is from the formula only")
+            return None
+    if callable(optimizer):
+        opt = optimizer(meta_model.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise InvalidArgumentError("the optimizer factory must return a torch.optim.Optimizer")
+        return opt
+    raise InvalidArgumentError(
+        "optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; "
+        f"got {type(optimizer).__name__}"
+    )
+
+
+def converted(obj: Any, make: Any, seen: dict[int, torch.Tensor]) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in seen:
+            seen[id(obj)] = make(obj)
+        return seen[id(obj)]
+    if isinstance(obj, tuple):
+        return tuple(converted(o, make, seen) for o in obj)
+    if isinstance(obj, list):
+        return [converted(o, make, seen) for o in obj]
+    if isinstance(obj, dict):
+        return {k: converted(v, make, seen) for k, v in obj.items()}
+    return obj
+
+
+
+class Twin:
+    """What a simulation for one target device and precision runs with: the model's data-less twin, the
+    fake-tensor mode (CPU) or meta tensors (other devices), autocast, and the rules of
+    :mod:`memprof.simulate.kernels` / :mod:`memprof.simulate.autocast`. Shared by :func:`estimate` and
+    :func:`memprof.estimate_generation`."""
+
+    def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str,
+                 routing: Any = None, run: Any = None, gpu: Any = None) -> None:
+        if precision is not None and precision not in PRECISION_DTYPES and precision not in MIXED:
+            raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
+                                   "(amp is mixed)")
+        try:
+            target = torch.device(device) if device is not None else _model_device(model)
+        except (RuntimeError, ValueError, TypeError) as failure:
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
+            raise InvalidArgumentError(f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:1', 'mps' ...") from None
+        if target.type == "meta":
+            target = torch.device("cpu")
+        from .kernels import ATTENTION_KERNELS, CudaKernels, CustomOps, ValueDependentCode
+
+        if attention not in ATTENTION_KERNELS:
+            raise UnknownNameError(
+                f"unknown attention kernel {attention!r}; use one of: {', '.join(ATTENTION_KERNELS)}")
+        if attention != "auto" and target.type != "cuda":
+            raise InvalidArgumentError(
+                f"attention={attention!r} chooses a CUDA kernel, but the target is {target.type}, whose own kernels "
+                "the simulation runs; leave attention='auto' or give device='cuda'")
+        # The GPU's compute capability decides which attention kernels it can run (memprof.simulate.sdpa_rules).
+        kernels = CudaKernels(attention, gpu.compute_capability if gpu is not None else None) \
+            if target.type == "cuda" else None
+        from .cpu_kernels import CpuKernels
+
+        # The CPU's kernels where their outputs keep another storage than the fake kernels give them.
+        cpu_kernels = CpuKernels() if target.type == "cpu" else None
+        custom = CustomOps()
+        # Only models built from transformers can reach its mask helpers: no cost for the others.
+        watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
+                                              for m in model.modules()) else None
+        notes: list[str] = []
+
+        fake_mode: Any = None
+        if target.type == "cpu" or run is not None:
+            # Fake CPU tensors: shapes only, like meta, but kernels are chosen as on the CPU
+            # (fused attention, dropout), so the simulation matches a real CPU run op for op.
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        shadow = _fake_maker(fake_mode) if fake_mode is not None else _meta_maker
+        # bf16/fp16: the twins are made in that dtype, as model.to(dtype) would cast floating parameters and
+        # buffers. (Casting the twins afterwards fails for fake CPU tensors: nn.Module._apply swaps tensor
+        # subclasses, which FakeTensors refuse outside their mode.)
+        cast = PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
+        if run is not None:  # the user's parallelize function on a meta twin, then fake CPU tensors
+            meta = _meta_maker if cast is None else casting(_meta_maker, cast)
+            meta_model, mapping = run.parallelize(model, lambda m: _shadow_copy(m, meta), fake_mode)
+        else:
+            meta_model, mapping = _shadow_copy(model, shadow if cast is None else casting(shadow, cast))
+        autocast: Any = None
+        emulated: "CudaAutocast | None" = None
+        low = MIXED.get(precision or "")
+        if low is not None and target.type == "cpu":
+            # Fake CPU tensors are CPU tensors to autocast: torch's own CPU policy (which ops run in 16 bits,
+            # which in fp32, the weight casts it caches within a forward) applies as in a real run.
+            autocast = lambda: torch.autocast("cpu", dtype=low)  # noqa: E731
+            notes.append(f"mixed precision: the forward and the loss ran under CPU autocast ({_short(low)}) over the "
+                         "parameters' dtype, as in a real CPU run")
+        elif low is not None:
+            # Autocast does not reach meta tensors: its CUDA policy is applied one level up (memprof.simulate.autocast).
+            emulated = CudaAutocast(low)
+            if target.type != "cuda":
+                notes.append(f"autocast on {target.type} was simulated with CUDA's op lists")
+        self.target, self.notes, self.model, self.mapping = target, notes, meta_model, mapping
+        self.fake_mode, self.autocast, self.emulated = fake_mode, autocast, emulated
+        self.kernels, self.watched, self.custom, self.shadow, self.cast = kernels, watched, custom, shadow, cast
+        self.cpu_kernels = cpu_kernels
+        from .moe import MoeRules
+
+        self.moe = MoeRules(target.type, routing)
+
+    def op_rules(self) -> Any:
+        """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels` on a CPU target, value shadows and
+        ``_grouped_mm`` on every target: :mod:`memprof.simulate.moe`), dispatch modes to enter after the
+        fake-tensor mode and before the profiler."""
+        return _entered(*(m for m in (self.cpu_kernels, self.moe.shadows) if m is not None))
+
+    def rules(self) -> Rules:
+        # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors; the router
+        # sees the scores as the model made them.
+        return Rules(*(r for r in (self.emulated, self.kernels, self.watched, self.custom, self.moe.router,
+                                   self.moe.one_hot) if r is not None))
+
+    def rule_notes(self) -> list[str]:
+        out = []
+        for rule in (self.kernels, self.cpu_kernels, self.watched, self.custom, self.emulated):
+            if rule is not None:
+                out.extend(rule.notes())
+        return out + self.moe.notes()
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@contextlib.contextmanager
+def _entered(*modes: Any) -> Iterator[None]:
+    """``modes`` entered in order (the first lowest on the dispatch stack), exited in reverse."""
+    with contextlib.ExitStack() as stack:
+        for m in modes:
+            stack.enter_context(m)
+        yield
