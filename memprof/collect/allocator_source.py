@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .state import Run
     from .undo import UndoStack
 
-__all__ = ["AllocatorPhase", "AllocatorSource", "known_addresses", "attach", "resolved_mode", "allocator_phases",
+__all__ = ["AllocatorPhase", "AllocatorSource", "known_addresses", "attach", "resolved_mode",
            "NOTE"]
 
 #: What the record says about where its figures come from and what that assumes.
@@ -73,13 +73,6 @@ def resolved_mode(mode: str, device: "torch.device", source: Any, schedule: Any 
     if mode == "auto":
         mode = EXACT if device.type in ("cpu", "meta") else LIGHT
     return mode, source
-
-
-def allocator_phases(prof: Any) -> "tuple[AllocatorPhase, ...]":
-    """With ``source="allocator"``: each phase as the CUDA allocator's own events give it (its start, peak, the
-    peak's moment and end by category), in order; empty otherwise."""
-    src = prof.collectors.allocator if prof.collectors is not None else None
-    return tuple(src.records) if src is not None else ()
 
 
 def known_addresses(ledger: "Ledger") -> dict[int, list[Any]]:

@@ -275,25 +275,6 @@ class Ledger:
         self.moments: "list[tuple[int, int, int, int]] | None" = None
         self.phase_start_seq = self.mark_seq = 0
 
-    def record_stream(self) -> None:
-        """Keep the allocation stream from now on (:attr:`stream`, :attr:`moments`): what a model of a device's
-        allocator replays. Off by default, since a long run's stream grows with every op."""
-        if self.stream is None:
-            self.stream, self.moments = [], []
-
-    def mark_end(self) -> list[int]:
-        """The totals now, as a merged decode phase's end (the stream notes where)."""
-        self.settle()
-        self.mark_seq = self.seq
-        return self.totals.copy()
-
-    def note_moment(self, step: int, *, marked: bool = False) -> None:
-        """A phase of ``step`` closes: where its start, peak and end are in the stream (its end at the last
-        :meth:`mark_end` when ``marked``), while the stream is kept."""
-        if self.moments is not None:
-            end = self.mark_seq if marked else self.seq
-            self.moments.append((step, self.phase_start_seq, self.phase_peak_seq, end))
-
     # -- sizes ---------------------------------------------------------------
 
     def size_of(self, nbytes: int) -> int:
@@ -503,22 +484,6 @@ class Ledger:
                 self.peak_phase_serial = self.phase_serial
                 self.peak_module = self.phase_peak_module
             self.phase_peak_ns = perf_counter_ns()
-
-    def restart_peak(self) -> None:
-        """The global peak starts over from the current phase's (a simulated rank resizes what the profiler
-        registered before its run begins)."""
-        self.peak_total, self.peak, self.peak_seq = self.phase_peak_total, self.phase_peak.copy(), self.phase_peak_seq
-        self.peak_phase_serial, self.peak_module, self.peak_tags = self.phase_serial, -1, self.phase_peak_tags
-
-    def peak_state(self) -> tuple:
-        """The global peak as it stands (to restore after steps that must not count, a schedule's warmup)."""
-        self.settle()
-        return (self.peak_total, self.peak.copy(), self.peak_tags, self.peak_seq, self.peak_phase_serial,
-                self.peak_module)
-
-    def restore_peak(self, state: tuple) -> None:
-        (self.peak_total, peak, self.peak_tags, self.peak_seq, self.peak_phase_serial, self.peak_module) = state
-        self.peak = peak.copy()
 
     # -- phases ----------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import dataclasses
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from . import marks
 from ..errors import is_interrupt
 from ..vocabulary import Phase
 from ..record.trace import PhaseRecord, StepRecord
@@ -184,7 +185,7 @@ class PhaseTracker:
 
     def mark_end(self) -> None:
         """A merged decode phase's call ended: what it holds now is the phase's end, unless another call joins."""
-        self.end_mark = self.ledger.mark_end()
+        self.end_mark = marks.mark_end(self.ledger)
 
     def close(self) -> None:
         """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
@@ -203,7 +204,7 @@ class PhaseTracker:
         self.occurrence[phase] = occ + 1
         if self.end_mark is not None and phase is Phase.DECODE:
             end = self.end_mark  # a merged decode phase ends where its last call did
-        led.moments is None or led.note_moment(run.step, marked=end is self.end_mark)  # a kept allocation stream
+        led.moments is None or marks.note_moment(led, run.step, marked=end is self.end_mark)  # a kept allocation stream
         self.end_mark = None
         self.closed[led.phase_serial] = len(self.step_phases)
         device_now = self.probe.phase_ended()

@@ -33,22 +33,24 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from . import marks
 from ..errors import (InvalidArgumentError, MemprofWarning, ProfilerStateError, error_text, is_interrupt,
                       remember_signal_handlers)
-from ..record.trace import Breakdown, StepRecord, Trace
-from .allocator_source import allocator_phases, resolved_mode
+from ..record.trace import Breakdown
+from .allocator_source import resolved_mode
 from .arguments import checked
 from .closing import Closing
 from .device import DeviceProbe
 from .dispatch import pop_orphan_modes
-from .freeze import build_trace, latest_recorded, live_modules, live_storages
+from .freeze import live_modules, live_storages
 from .ledger import Ledger, breakdown
+from . import slots
 from .oom import OomDump, checked_folder
+from .profile_state import ProfileState
 from .saved_hooks import pop_orphans
 from .state import EXACT, LIGHT, Run
 from .undo import UndoStack
 from .wiring import Collectors, wire
-from .weak import WeakIdentitySet
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -56,13 +58,6 @@ if TYPE_CHECKING:
 __all__ = ["Profiler", "profile"]
 
 _get_ident = threading.get_ident
-
-# Models currently being profiled, so that a second profiler on the same model is refused.
-_ACTIVE_MODELS: "WeakIdentitySet[nn.Module]" = WeakIdentitySet()
-# Profiles active per thread id: dispatch modes and saved-tensor hooks are per thread, and an
-# inner profile's hooks would hide every saved tensor from the outer one. A dict rather than a
-# threading.local, so that a profile ended from another thread still frees its thread's slot.
-_ACTIVE_THREADS: dict[int, int] = {}
 
 
 def _warn_ended_elsewhere(exc: BaseException) -> None:
@@ -149,7 +144,7 @@ def profile(
                     carry_optimizer_steps=carry_optimizer_steps)
 
 
-class Profiler:
+class Profiler(ProfileState):
     """A profiling session: ``memprof.Profiler(model, optimizer, ...)`` takes the arguments of
     :func:`memprof.profile`.
 
@@ -200,7 +195,7 @@ class Profiler:
             if mode != EXACT:
                 raise InvalidArgumentError("record_allocations=True needs mode='exact' with source='dispatch': light "
                                            "mode and the allocator's events do not see each storage made and freed")
-            self.ledger.record_stream()
+            marks.record_stream(self.ledger)
         self._stack: "UndoStack | None" = None
         self._fake_mode = _fake_mode  # a simulation's fake-tensor mode (its tensors are the run's)
         #: The collectors, once the block has begun (None before, and when their start failed).
@@ -209,19 +204,6 @@ class Profiler:
         self.oom_dump = OomDump(checked_folder(oom_dump), device) if oom_dump is not None else None
 
     # ------------------------------------------------------------------ public
-    allocator_phases = property(allocator_phases)
-
-    @property
-    def mode(self) -> str:
-        """``"exact"`` or ``"light"``: how this profile measures (``"auto"`` decided by the device; a model
-        running compiled code may turn exact mode light at the start)."""
-        return EXACT if self.run.source == "allocator" else self.run.mode
-
-    @property
-    def oom_dump_path(self) -> "str | None":
-        """Where the OOM dump was written, after an out-of-memory error ended the block."""
-        return self._closing.oom_dump_path if self._closing is not None else None
-
     def start(self) -> "Profiler":
         """Begin profiling: install every hook (what entering ``with prof:`` does). Pair it with
         :meth:`stop`, for callbacks and loops that cannot hold a ``with`` block."""
@@ -264,11 +246,6 @@ class Profiler:
             raise refused from exc
         raise refused
 
-    @property
-    def running(self) -> bool:
-        """Between :meth:`start` (or entering ``with``) and :meth:`stop` (or leaving it)."""
-        return self._state == "active"
-
     def end_step(self) -> None:
         """The current step is over (all its optimizers have stepped): close its record now instead of
         at the next forward, so that :meth:`latest_step` reads it. For callbacks at a step's end."""
@@ -288,21 +265,6 @@ class Profiler:
             assert self.collectors is not None
             self.collectors.storages.mark_inputs(objs)
 
-    def latest_step(self) -> "StepRecord | None":
-        """The record of the last step that ended and was recorded (``None`` before the first), while the
-        profiler runs or after: what callbacks log each step. What the run could not measure (so far) is
-        ``None`` in it, as in the report."""
-        if self._state in ("new", "failed") or self.collectors is None:
-            return None
-        trace = self._closing.trace if self._closing is not None else None
-        if trace is not None:
-            return trace.steps[-1] if trace.steps else None
-        return latest_recorded(self.collectors)
-
-    def _state_words(self) -> str:
-        return {"new": "it was never started", "done": "it was already stopped",
-                "failed": "its start failed"}.get(self._state, self._state)
-
     def __enter__(self) -> "Profiler":
         remember_signal_handlers()  # one that uninstalls itself before it raises is still the user's
         if self._state != "new":
@@ -312,18 +274,8 @@ class Profiler:
             )
         model = self._model_ref()
         assert model is not None  # held by self._model_hold until the block ends
-        if model in _ACTIVE_MODELS:
-            raise ProfilerStateError(
-                "memprof.profile() is already active on this model; exit that block first "
-                "(one profiler per model at a time)"
-            )
         thread = _get_ident()
-        if _ACTIVE_THREADS.get(thread, 0):
-            raise ProfilerStateError(
-                "another memprof.profile() is active in this thread; profiles cannot nest (the inner one would "
-                "hide saved tensors from the outer); profile the outer model once and read report.modules() "
-                "for its submodules"
-            )
+        slots.refuse_taken(model, thread)
         # What profiles ended from another thread left on this thread's stacks, where it is on top.
         pop_orphans()
         pop_orphan_modes()
@@ -336,8 +288,7 @@ class Profiler:
         run.thread = thread
         try:
             # Inside the try: an interrupt right after a slot is taken must still free it.
-            _ACTIVE_MODELS.add(model)
-            _ACTIVE_THREADS[thread] = 1
+            slots.take(model, thread)
             self._stack = UndoStack()
             self._setup(model)
         except BaseException as exc:
@@ -424,42 +375,6 @@ class Profiler:
                 else:
                     c.phases.end_step()
 
-    @property
-    def trace(self) -> Trace:
-        """The frozen record. Available after the block ends (also after an exception)."""
-        if self._in_callback and self._state == "active":
-            assert self.collectors is not None
-            return build_trace(self.collectors)  # the run so far, at the end of a window
-        closing = self._closing
-        if closing is None or closing.trace is None:
-            if self._state == "new":
-                raise ProfilerStateError(
-                    "nothing was profiled yet; run your step inside 'with memprof.profile(model, optimizer) as prof:' "
-                    "and read prof.report() after the block"
-                )
-            if self._state == "active":
-                raise ProfilerStateError(
-                    "the profiler is still running; read prof.report() after the 'with' block ends"
-                )
-            if self._state == "failed":
-                raise ProfilerStateError(
-                    f"profiling never started: setting it up raised {closing.setup_error if closing else None}; fix "
-                    "that error (it was raised to your code too) and profile again"
-                )
-            raise ProfilerStateError(
-                f"memprof could not build the record of this profile: "
-                f"{(closing.freeze_error if closing else None) or 'it was interrupted'} "
-                "(everything it installed was removed, and your code ran unchanged); profile again, and report "
-                "the error to memprof if it recurs"
-            )
-        return closing.trace
-
-    @property
-    def window(self) -> "tuple[int, int] | None":
-        """The first and last step of the recorded window that just ended (in ``on_trace_ready``)."""
-        windows = self.collectors.windows if self.collectors is not None else None
-        return windows.window if windows is not None else None
-
     def _release(self) -> None:
         """The profile has ended: the model and the thread may be profiled again (safe to run twice)."""
         self._model_hold = None
@@ -470,8 +385,4 @@ class Profiler:
         self.run.active = False
         if self._state != "failed":
             self._state = "done"
-        model = self._model_ref()
-        if model is not None:
-            _ACTIVE_MODELS.discard(model)
-        if self.run.thread:
-            _ACTIVE_THREADS.pop(self.run.thread, None)
+        slots.free(self._model_ref(), self.run.thread)

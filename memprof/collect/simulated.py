@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import marks
 from ..vocabulary import Category
 from .ledger import CATEGORY_OF_INDEX, Entry
 from .profiler import Profiler
@@ -52,7 +53,7 @@ class SimulatedProfile(Profiler):
         super().__init__(model, optimizer, mode="exact", timeline=False, _allow_meta=True, _fake_mode=fake_mode,
                          _rounding=rounding)
         if keep_stream:
-            self.ledger.record_stream()
+            marks.record_stream(self.ledger)
 
     def recorded_stream(self) -> RecordedStream:
         """The allocation stream kept (``keep_stream=True``), for the device replay."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from . import marks
 from .schedule import ACTIVE, WARMUP, Schedule
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class Windows:
         self.callbacks = 0
         self.callback_error: "BaseException | None" = None  # what on_trace_ready raised last
         # The ledger's global peak before a warmup began: warmup steps are watched, never counted.
-        self.peak_before_warmup: "tuple | None" = None
+        self.peak_before_warmup: "marks.PeakState | None" = None
 
     # -- what the run does ------------------------------------------------------------
 
@@ -60,7 +61,7 @@ class Windows:
         if not self.plan.watches(0):
             self.pause()
         elif self.plan(0) == WARMUP:
-            self.peak_before_warmup = self.ledger.peak_state()
+            self.peak_before_warmup = marks.peak_state(self.ledger)
 
     def records_now(self) -> bool:
         return self.plan(self.step) == ACTIVE
@@ -115,12 +116,12 @@ class Windows:
             elif self.plan(self.step) == WARMUP:
                 # A warmup step right after a watched one (no pause, so no resume() to note it): the peak
                 # to return to is the one now, with the steps just recorded in it.
-                self.peak_before_warmup = self.ledger.peak_state()
+                self.peak_before_warmup = marks.peak_state(self.ledger)
 
     def forget(self, index: int) -> None:
         """A warmup step closed: its peak, samples and phases leave no trace in the record."""
         if self.peak_before_warmup is not None:
-            self.ledger.restore_peak(self.peak_before_warmup)
+            marks.restore_peak(self.ledger, self.peak_before_warmup)
         self.phases.forget_steps({index})
 
     def note_recorded(self, index: int) -> None:
@@ -158,7 +159,7 @@ class Windows:
     def resume(self) -> None:
         self.run.paused = False
         if self.plan(self.step) == WARMUP:
-            self.peak_before_warmup = self.ledger.peak_state()
+            self.peak_before_warmup = marks.peak_state(self.ledger)
         self.wake()  # what the unwatched steps made (gradients, state, new parameters), and the hooks on again
         # A fresh "other" phase: nothing from the unwatched steps belongs to the step that starts now.
         self.phases.restart(self.step)

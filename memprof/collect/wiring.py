@@ -21,6 +21,7 @@ import torch
 import torch.optim.optimizer as _optim_mod
 from torch import nn
 
+from . import marks
 from ..errors import InvalidArgumentError
 from .capture import Capture
 from .carry import StepCarry
@@ -114,7 +115,7 @@ class Collectors:
         """The run starts from here: what was seen before is not this run's (a simulated rank's layout has just
         sharded the weights the profile registered whole)."""
         self.phases.start()
-        self.ledger.restart_peak()
+        marks.restart_peak(self.ledger)
         self.start_totals = self.ledger.totals.copy()
 
     def suspend(self) -> None:

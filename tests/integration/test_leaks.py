@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import torch.optim.optimizer as optmod
 
 import memprof
+import memprof.collect.slots
 
 from helpers import hooks_left
 from models import MLP
@@ -39,7 +40,7 @@ def test_hundred_sessions_leave_nothing_behind():
     assert not optmod._global_optimizer_pre_hooks and not optmod._global_optimizer_post_hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert torch._C._len_torch_dispatch_stack() == 0
-    assert len(memprof.collect.profiler._ACTIVE_MODELS) == 0
+    assert len(memprof.collect.slots.ACTIVE_MODELS) == 0
 
 
 class _NullMode(TorchDispatchMode):

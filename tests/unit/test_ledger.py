@@ -7,6 +7,7 @@ import gc
 import torch
 
 from memprof import Category as C
+from memprof.collect import marks
 from memprof.collect.frame_stack import pop_frame, push_frame, push_frame_below, remove_frame
 from memprof.collect.ledger import (ACTIVATIONS, GRADIENTS, TAGS, TEMPORARIES, WEIGHTS, Ledger, breakdown,
                                   storage_of, tag_pairs)
@@ -117,7 +118,7 @@ def test_what_torch_releases_is_queued_by_c_code_and_applied_in_order_by_settle(
     b, sb = _storage(25)  # 100 bytes
     led.add(sa, ACTIVATIONS)
     entry_b = led.add(sb, TEMPORARIES)
-    led.record_stream()
+    marks.record_stream(led)
     del a, sa
     gc.collect()
     assert led.total == 500 and len(led.released) == 1  # queued, not yet applied
