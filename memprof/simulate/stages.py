@@ -34,7 +34,7 @@ from .twin import Twin, casting, converted, meta_optimizer
 
 if TYPE_CHECKING:
     from ..collect.simulated import SimulatedProfile
-    from .estimate import Estimate
+    from .estimated import Estimate
     from .parallel import ParallelRun
 
 __all__ = ["simulate", "target_twin", "profiled_steps", "replayed", "Prepared"]
@@ -180,7 +180,7 @@ def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
     """Stage 4: the record of the run as the rank holds it, its notes, and for a CUDA target the device replay and
     the fit verdict."""
     from .device_memory import on_device
-    from .estimate import Estimate
+    from .estimated import Estimate
 
     w, twin, notes = config.workload, prepared.twin, prepared.notes
     notes.extend(twin.rule_notes())
