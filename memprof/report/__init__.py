@@ -53,5 +53,11 @@ LAZY = {
 def __getattr__(name: str) -> Any:
     module = LAZY.get(name)
     if module is None:
+        # A submodule spelled from the package (memprof.report.planning.plan_grid, as the docs spell it) loads
+        # on first use, as the lazy names do, rather than only after something else imported it.
+        from importlib.util import find_spec
+
+        if not name.startswith("_") and find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f".{module}", __name__), name)

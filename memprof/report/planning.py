@@ -1,5 +1,5 @@
-"""Planning from a model's config: :func:`estimate_hf`, :func:`plan` (a DataFrame) and :func:`plan_grid` (the
-:class:`Plan` with its text and page)."""
+"""Planning from a model's config: :func:`estimate_hf` (a training step), :func:`estimate_hf_generation` (a
+generation), :func:`plan` (a DataFrame) and :func:`plan_grid` (the :class:`Plan` with its text and page)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     import pandas as pd
 
-__all__ = ["Plan", "estimate_hf", "plan", "plan_grid"]
+__all__ = ["Plan", "estimate_hf", "estimate_hf_generation", "plan", "plan_grid"]
 
 
 class Plan(planning.PlanGrid):
@@ -60,6 +60,12 @@ class Plan(planning.PlanGrid):
 @same_as(hf.estimate_hf)
 def estimate_hf(config: Any, **options: Any) -> Estimate:
     data = hf.estimate_hf(config, **options)
+    return promote(Estimate, data, device_memory=on_device(data.device_memory))
+
+
+@same_as(hf.estimate_hf_generation)
+def estimate_hf_generation(config: Any, **options: Any) -> Estimate:
+    data = hf.estimate_hf_generation(config, **options)
     return promote(Estimate, data, device_memory=on_device(data.device_memory))
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, is_interrupt
 from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, Category
 
@@ -71,8 +71,11 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
         raise InvalidArgumentError(f"{name} has {depth} blocks, which the pipeline's {per_unit} stages do not divide")
     units = depth // per_unit
     k = int(k)
-    if units <= k + 2:
-        return run(model, optimizer)
+    if units <= k + 2:  # nothing left to extend: the whole model, and a note saying extrapolate= changed nothing
+        est = run(model, optimizer)
+        note = (f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and {k + 2} blocks per stage, but "
+                f"it has {units}: it was simulated whole (give a smaller k to extrapolate)")
+        return dataclasses.replace(est, notes=(*est.notes, note))
     ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit)) for i in range(3)]
     reason = _not_affine(ests)
     where = f"{name or 'the model'} ({depth} x {kind})"
@@ -136,6 +139,8 @@ def _not_affine(ests: list) -> "str | None":
         ranks = [tuple(r.peak_bytes for r in e.ranks) for e in ests]
         _affine(*ranks, 1, strict=True)
     except _NotAffine as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return str(exc)
     if ests[2].ranks:  # the worst rank class must stay the worst at full depth
         worst = [max(range(len(e.ranks)), key=lambda i, e=e: e.ranks[i].peak_bytes) for e in ests]

@@ -8,13 +8,18 @@ training step of that kind of model takes. :func:`estimate_hf` ties them to :fun
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigNotFoundError, InvalidArgumentError, MissingExtraError, UnknownNameError
+from ..errors import (ConfigNotFoundError, InvalidArgumentError, MemprofError, MissingExtraError, SimulationError,
+                      UnknownNameError, is_interrupt)
+from .hf_limits import (check_counts_in_file, check_sequence, check_sizes, default_precision, dtype_note,
+                        quantization_note, size_culprit)
 
-__all__ = ["HfModel", "load_config", "build_model", "token_batch", "estimate_hf", "KINDS"]
+__all__ = ["HfModel", "load_config", "build_model", "token_batch", "estimate_hf", "estimate_hf_generation",
+           "check_counts", "KINDS"]
 
 #: What memprof knows how to feed, by the suffix of the class name in ``architectures``.
 KINDS = {"ForCausalLM": "causal-lm", "ForConditionalGeneration": "seq2seq", "ForSeq2SeqLM": "seq2seq",
@@ -24,7 +29,9 @@ KINDS = {"ForCausalLM": "causal-lm", "ForConditionalGeneration": "seq2seq", "For
 def _transformers() -> Any:
     try:
         import transformers
-    except ImportError:
+    except ImportError as exc:
+        if is_interrupt(exc):
+            raise
         raise MissingExtraError("building a model from its config needs transformers; pip install "
                                 "'torch-memprof[transformers]'") from None
     return transformers
@@ -46,9 +53,15 @@ def load_config(source: Any) -> Any:
             return transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) if
                                                            os.path.basename(path) == "config.json" else path)
         except (OSError, ValueError) as exc:
+            if is_interrupt(exc):
+                raise
+            _check_file(path)
             raise ConfigNotFoundError(f"cannot read {path} as a transformers config ({_first(exc)}); give a "
                                       "config.json written by config.save_pretrained()") from None
         except Exception as exc:  # transformers' own validation of the values
+            if is_interrupt(exc):
+                raise
+            _check_file(path)
             raise InvalidArgumentError(f"transformers refuses the config in {path} ({_last(exc)}); fix it") from None
     if (os.path.isabs(path) or path.startswith(".")) and not os.path.exists(path):
         raise ConfigNotFoundError(f"no such file or folder: {path}; give a folder holding config.json, the file, or "
@@ -59,24 +72,60 @@ def load_config(source: Any) -> Any:
     try:
         return transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
+        if is_interrupt(exc):
+            raise
+        _check_file(path)
         raise ConfigNotFoundError(f"no config found for {path!r} ({_first(exc)}); give a folder holding config.json, "
                                   "the file, or a hub id already in the local cache (huggingface-cli download "
                                   f"{path} config.json)") from None
     except Exception as exc:  # transformers' own validation of the values (huggingface_hub's strict dataclasses)
+        if is_interrupt(exc):
+            raise
+        _check_file(path)
         raise InvalidArgumentError(f"transformers refuses the config in {path} ({_last(exc)}); fix config.json") \
             from None
+
+
+def _check_file(path: str) -> None:
+    """Where transformers refused a config file, the size in it that caused it, named
+    (:func:`memprof.simulate.hf_limits.check_sizes` on the file's own keys): its own message may be a bare
+    ``integer division or modulo by zero``."""
+    import json
+    import types
+
+    from ..record.files import read_bytes
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:  # memprof's one reader: bounded, a regular file only
+        raw = json.loads(read_bytes(file, what="a transformers config", fix="fix config.json",
+                                    error=InvalidArgumentError))
+    except (MemprofError, OSError, ValueError) as exc:
+        if is_interrupt(exc):
+            raise
+        return
+    if isinstance(raw, dict) and all(isinstance(k, str) and k.isidentifier() for k in raw):
+        check_sizes(types.SimpleNamespace(**raw))
 
 
 def _read_bounded(path: str) -> None:
     """Read a config on this machine (``path``, or the ``config.json`` in the folder ``path``) through memprof's
     one reader first: a named pipe or a link to ``/dev/zero``, which transformers would read until it blocks or
-    fills memory, and a file above the size memprof reads, are refused naming the file; a hub id is left alone."""
+    fills memory, and a file above the size memprof reads, are refused naming the file; so is a count of layers or
+    experts above what memprof builds (:data:`memprof.simulate.hf_limits.MOST`), before transformers' config
+    class loops over it (Qwen2's lists a type per layer: 2**31 layers never finish). A hub id is left alone."""
     from ..record.files import read_bytes
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if os.path.exists(file):
-        read_bytes(file, what="a transformers config", fix="give a config.json written by config.save_pretrained()",
-                   error=InvalidArgumentError)
+        data = read_bytes(file, what="a transformers config",
+                          fix="give a config.json written by config.save_pretrained()", error=InvalidArgumentError)
+        try:
+            raw = json.loads(data)
+        except ValueError as exc:  # not JSON: transformers' own error names it
+            if is_interrupt(exc):
+                raise
+            return
+        check_counts_in_file(raw)
 
 
 def _last(exc: BaseException) -> str:
@@ -126,6 +175,10 @@ def build_model(config: Any, *, checkpointing: bool = False) -> HfModel:
         raise UnknownNameError(f"architecture {name!r} {why} ({transformers.__version__}); memprof builds {known}: "
                                f"set \"architectures\" in config.json to one of them, or build the model yourself "
                                "and call memprof.estimate")
+    check_sizes(config)  # a zero or negative size stops deep inside transformers or torch, or builds nonsense
+    quantized = quantization_note(config)
+    if quantized:
+        notes.append(quantized)
     if kind == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0
         notes.append("the config has no pad_token_id: 0 was used (a sequence classifier needs one for batches)")
@@ -138,9 +191,13 @@ def build_model(config: Any, *, checkpointing: bool = False) -> HfModel:
     try:
         with torch.device("meta"):
             model = cls._from_config(config, dtype=torch.float32)
-    except (AssertionError, ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+    except Exception as exc:  # transformers' or torch's own stop on the config's values: named, not a traceback
+        if is_interrupt(exc):
+            raise
+        culprit = size_culprit(config, str(exc)) if isinstance(exc, (RuntimeError, ArithmeticError)) else None
+        hint = f" (the config's size behind it: {culprit})" if culprit else ""
         raise InvalidArgumentError(f"transformers could not build {name} from this config ({type(exc).__name__}: "
-                                   f"{_first(exc)}); fix config.json, or build the model yourself and call "
+                                   f"{_first(exc)}){hint}; fix config.json, or build the model yourself and call "
                                    "memprof.estimate") from exc
     model.train()
     if checkpointing:
@@ -188,12 +245,12 @@ def _default_architecture(config: Any, transformers: Any) -> str:
 def token_batch(built: HfModel, batch_size: int, seq_len: int) -> dict[str, Any]:
     """Token ids and labels of a training batch for ``built`` on the meta device: ``input_ids`` and ``labels``
     (the same ids: a causal LM shifts them itself) for a causal LM; also ``decoder_input_ids`` of ``seq_len``
-    for a seq2seq model; one class label per sequence for a classifier."""
+    for a seq2seq model; one class label per sequence for a classifier. A ``seq_len`` beyond what the model takes
+    (:func:`memprof.simulate.hf_limits.sequence_limit`) is refused."""
     import torch
 
-    for what, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
+    check_counts(batch_size=batch_size, seq_len=seq_len)
+    check_sequence(built.model.config, seq_len)
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
     if built.kind == "seq2seq":
         return {"input_ids": ids, "decoder_input_ids": torch.zeros_like(ids), "labels": torch.zeros_like(ids)}
@@ -202,18 +259,22 @@ def token_batch(built: HfModel, batch_size: int, seq_len: int) -> dict[str, Any]
     return {"input_ids": ids, "labels": ids}
 
 
+def check_counts(**counts: Any) -> None:
+    """Each of ``counts`` (``seq_len=16``) is a positive int, or one error naming it."""
+    for what, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
+
+
 def hf_loss(output: Any) -> Any:
     """The loss transformers computes from the labels (``output.loss``)."""
     return output.loss
 
 
 def precision_of(config: Any, precision: "str | None") -> str:
-    """``precision``, or by default the config's dtype (bf16, fp16; fp32 otherwise)."""
-    if precision is not None:
-        return precision
-    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
-    return {"torch.bfloat16": "bf16", "bfloat16": "bf16", "torch.float16": "fp16", "float16": "fp16"}.get(dtype,
-                                                                                                           "fp32")
+    """``precision``, or by default the config's dtype (bf16, fp16; fp32 otherwise: the dtype the model is built
+    in, which :func:`memprof.simulate.hf_limits.dtype_note` says in words)."""
+    return precision if precision is not None else default_precision(config)
 
 
 def adamw(params: Any) -> Any:
@@ -232,18 +293,88 @@ def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = 
     ``precision`` defaults to the config's dtype; ``checkpointing`` enables transformers' activation
     checkpointing. Every other option (``attention``, ``world_size``, ``parallel``, ``gpu``, ``alloc_conf``,
     ``routing``) is :func:`memprof.estimate`'s."""
-    import dataclasses
-
     from .estimate import estimate
 
     config = load_config(config)
+    check_counts(batch_size=batch_size, seq_len=seq_len)
+    check_sequence(config, seq_len)  # before building: an 8B model's meta build is not free
     resolved = precision_of(config, precision)
     built = build_model(config, checkpointing=checkpointing)
     batch = token_batch(built, batch_size, seq_len)
-    est = estimate(built.model, optimizer, inputs=batch, loss_fn=hf_loss, precision=resolved, device=device,
-                   **options)
+    with _named(built):
+        est = estimate(built.model, optimizer, inputs=batch, loss_fn=hf_loss, precision=resolved, device=device,
+                       **options)
     said = [f"{built.architecture} built from its config on the meta device ({built.kind}; batch {batch_size} x "
             f"{seq_len} tokens{', activation checkpointing on every layer' if checkpointing else ''})"]
+    return _noted(est, said, config, precision, built)
+
+
+def estimate_hf_generation(config: Any, *, batch_size: int, prompt_len: int, max_new_tokens: int,
+                           precision: "str | None" = None, device: str = "cuda",
+                           names: "tuple[str, str]" = ("prompt_len", "max_new_tokens"), **options: Any) -> Any:
+    """:func:`memprof.estimate_generation` of the model ``config`` describes, built on the meta device in eval
+    mode: ``batch_size`` prompts of ``prompt_len`` tokens, then ``max_new_tokens`` generated. ``precision``
+    defaults to the config's dtype; every other option is :func:`memprof.estimate_generation`'s. A causal LM's
+    prompt and new tokens together, a seq2seq model's prompt (the encoder's) and its new tokens (the decoder's)
+    each, must fit the positions the config declares; ``names`` are the words its refusal gives the two counts (the
+    command line's flags)."""
+    from .generation import estimate_generation
+
+    config = load_config(config)
+    check_counts(batch_size=batch_size, prompt_len=prompt_len, max_new_tokens=max_new_tokens)
+    built = build_model(config)
+    if built.kind == "sequence-classification":
+        raise InvalidArgumentError(f"{built.architecture} is a sequence classifier, which generates nothing; give "
+                                   "the config of a causal LM or a seq2seq model, or simulate a training step")
+    prompt, new = names
+    if built.kind == "causal-lm":
+        check_sequence(config, prompt_len + max_new_tokens, f"{prompt} + {new}")
+    else:  # the encoder takes the prompt, the decoder its start token and the new tokens
+        check_sequence(config, prompt_len, prompt)
+        check_sequence(config, max_new_tokens + 1, f"{new} + 1 (the decoder's start token)")
+    resolved = precision_of(config, precision)
+    built.model.eval()
+    with _named(built):
+        est = estimate_generation(built.model, batch_size=batch_size, prompt_len=prompt_len,
+                                  max_new_tokens=max_new_tokens, precision=resolved, device=device, **options)
+    said = [f"{built.architecture} built from its config on the meta device ({built.kind}, eval mode; batch "
+            f"{batch_size}, prompt {prompt_len} tokens, {max_new_tokens} new)"]
+    return _noted(est, said, config, precision, built)
+
+
+def _noted(est: Any, said: "list[str]", config: Any, precision: "str | None", built: HfModel) -> Any:
+    """``est`` with what building it from the config assumed ahead of its own notes."""
+    import dataclasses
+
     if precision is None:
-        said.append(f"precision {resolved}: the config's dtype (give precision= for another)")
+        said.append(dtype_note(config))
     return dataclasses.replace(est, notes=tuple(said) + built.notes + est.notes)
+
+
+class _named:
+    """A context in which an exception other than memprof's, raised inside the code of the model a config built
+    while it is simulated, becomes one :class:`SimulationError` naming the class and the config (the model's code
+    is transformers', run on the config's values: what it refuses is the config). An exception of the caller's
+    own functions (an optimizer factory, a parallelize function) passes as it is."""
+
+    def __init__(self, built: HfModel) -> None:
+        self.built = built
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if exc is None or isinstance(exc, MemprofError) or not isinstance(exc, Exception) or not _in_model(tb):
+            return False
+        raise SimulationError(f"{self.built.architecture}, built from this config, raised {type(exc).__name__} in "
+                              f"its simulated step: {_first(exc)}; the config's values do not make a model that "
+                              "runs: fix config.json") from exc
+
+
+def _in_model(tb: Any) -> bool:
+    """Whether a traceback passes through the code of a transformers model (``transformers/models/``)."""
+    while tb is not None:
+        if f"{os.sep}transformers{os.sep}models{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False

@@ -132,14 +132,16 @@ def test_the_command_line_takes_a_world_size(tmp_path, capsys, monkeypatch):
     assert main(["estimate", "rank_models:build", "--batch-size", "16", "--device", "cpu", "--world-size", "2",
                  "--parallel", "fsdp"]) == 0
     assert "one rank of 2 under fsdp" in capsys.readouterr().out
-    assert main(["estimate", "rank_models:build", "--batch-size", "16", "--world-size", "0", "--parallel",
-                 "fsdp"]) == 1
-    assert "world_size must be a positive int" in capsys.readouterr().err
+    # A value no run can have is the parser's usage error (exit status 2), before anything is built.
+    with pytest.raises(SystemExit) as refused:
+        main(["estimate", "rank_models:build", "--batch-size", "16", "--world-size", "0", "--parallel", "fsdp"])
+    assert refused.value.code == 2
+    assert "--world-size must be at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["estimate", "rank_models:build", "--batch-size", "16", "--parallel", "tp"])
     assert main(["estimate", "rank_models:build", "--batch-size", "16", "--world-size", "2", "--parallel", "fsdp",
                  "--generate", "--prompt-len", "4", "--new-tokens", "2"]) == 1
-    assert "leave them out with --generate" in capsys.readouterr().err
+    assert "--world-size is a training step's: leave it out with --generate" in capsys.readouterr().err
 
 
 class _Block(nn.Module):

@@ -188,7 +188,7 @@ def test_plan_views(small_plan, tmp_path):
 
 
 def test_cli_plan_json_and_html(tmp_path, capsys, monkeypatch):
-    folder = _folder(tmp_path, WIDE)
+    folder = _folder(tmp_path, {**WIDE, "max_position_embeddings": 2048})  # a model that takes 2048 tokens
     page = tmp_path / "grid.html"
     # A named GPU: the T4's 15 GiB hold hundreds of these samples at 8 tokens, so the grid is one row here.
     assert main(["plan", "--hf", str(folder), "--seq-len", "2048", "--gpu", "t4", "--world-size", "2",

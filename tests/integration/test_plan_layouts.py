@@ -108,7 +108,7 @@ def test_a_tp_row_holds_the_ranks_local_shards(tmp_path):
 
 def test_cli_layouts(tmp_path, capsys):
     # As test_plan_hf's CLI plan: long sequences of a wide vocabulary, so a T4 holds a few of them.
-    folder = _folder(tmp_path, WIDE)
+    folder = _folder(tmp_path, {**WIDE, "max_position_embeddings": 2048})  # a model that takes 2048 tokens
     assert main(["plan", "--hf", str(folder), "--seq-len", "2048", "--gpu", "t4", "--world-size", "2",
                  "--layouts", "tp", "--precision", "bf16", "--checkpointing", "on", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -10,9 +10,14 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
-from .errors import MemprofError
+from ..errors import MemprofError, is_interrupt
+from .common import device as _device
+from .common import not_the_input as _not_the_input
+from .common import writable as _writable
+from .estimate import cmd_estimate as _cmd_estimate
+from .estimate import cmd_plan as _cmd_plan
 
 __all__ = ["main"]
 
@@ -22,7 +27,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     import memprof
 
-    from .demo import TinyGPT, synthetic_tokens
+    from ..demo import TinyGPT, synthetic_tokens
 
     if args.hidden % args.heads:
         raise MemprofError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads} (each head gets "
@@ -55,6 +60,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 optimizer.step()
                 optimizer.zero_grad()
     except (RuntimeError, MemoryError) as exc:  # an out-of-memory above all: a smaller demo fits
+        if is_interrupt(exc):
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise MemprofError(f"the demo's training raised {type(exc).__name__}: {first}; try a smaller "
                            "--batch-size, --seq-len or --hidden") from None
@@ -82,12 +89,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_the_input(path: str, source: str) -> None:
-    if os.path.abspath(path) == os.path.abspath(source) or (
-            os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source)):
-        raise MemprofError(f"{path} is the trace being read; write the output to another file")
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
     import memprof
 
@@ -111,14 +112,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from .report import diff
+    from ..report import diff
 
     print(diff(args.a, args.b, labels=(args.a, args.b)))
     return 0
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from .report import merge
+    from ..report import merge
 
     merged = merge(args.files)
     if args.json:
@@ -127,250 +128,6 @@ def _cmd_merge(args: argparse.Namespace) -> int:
         print(json.dumps(merged.to_dict(), indent=1))
     else:
         print(merged)
-    return 0
-
-
-def _load_factory(spec: str) -> Any:
-    import importlib
-
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise MemprofError(f"expected MODULE:FACTORY (for example mypkg.models:build), got {spec!r}")
-    sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise MemprofError(f"cannot import module {module_name!r}: {exc}") from None
-    finally:
-        sys.path.pop(0)
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise MemprofError(f"{module_name} has no callable {attr!r}")
-    return factory
-
-
-def _mesh(spec: str) -> "dict[str, int]":
-    """``--mesh pp=2,dp=64,tp=8``: the mesh's dimensions by name, in order."""
-    out: dict[str, int] = {}
-    for part in spec.split(","):
-        name, sep, size = part.strip().partition("=")
-        if not sep or not name or not size.strip().isdigit():
-            raise MemprofError(f"expected --mesh NAME=SIZE,NAME=SIZE (for example pp=2,dp=64,tp=8), got {spec!r}")
-        out[name.strip()] = int(size)
-    return out
-
-
-def _writable(path: str) -> None:
-    """Refuse, before anything runs or is written, an output memprof's writer would refuse."""
-    from .record.files import check_writable
-
-    check_writable(path)
-
-
-def _device(spec: str) -> Any:
-    import torch
-
-    try:
-        return torch.device(spec)
-    except (RuntimeError, ValueError, TypeError):
-        raise MemprofError(f"unknown device {spec!r}; use cpu, cuda, cuda:1, mps ...") from None
-
-
-def _cmd_estimate(args: argparse.Namespace) -> int:
-    import torch
-
-    import memprof
-
-    from .units import parse_size
-
-    budget = parse_size(args.budget) if args.budget is not None else None  # refuse a bad size before simulating
-    if (args.hf is None) == (args.factory is None):
-        raise MemprofError("give MODULE:FACTORY or --hf PATH_OR_ID (a model's config.json), one of them")
-    if args.hf is not None:
-        return _estimate_hf(args, budget)
-    if args.json or args.seq_len is not None or args.checkpointing:
-        raise MemprofError("--json, --seq-len and --checkpointing go with --hf; a factory builds its own batch")
-    from .simulate.ranks import check_parallel
-
-    if args.generate and args.step_context:
-        raise MemprofError("--step-context wraps a training step's forward and backward; leave it out with --generate")
-    if args.generate and (args.parallel is not None or args.world_size != 1):
-        raise MemprofError("--parallel and --world-size size a training step's ranks; a generation is "
-                           "estimated for one device: leave them out with --generate")
-    parallelize = _load_factory(args.parallelize) if args.parallelize else None
-    step_context = _load_factory(args.step_context) if args.step_context else None
-    mesh = _mesh(args.mesh) if args.mesh else None
-    # Without --parallel the factory may still say how the ranks share the model: checked once it is read.
-    custom = parallelize is not None or args.parallel is None
-    world_size, parallel = check_parallel(args.world_size, args.parallel, custom)
-    _device(args.device)
-    from .simulate.device_memory import check_target
-
-    check_target(args.gpu, args.device, args.alloc_conf)  # an unknown GPU or a bad conf, before simulating
-    factory = _load_factory(args.factory)
-    # Built on the meta device: a 7B configuration costs no memory here.
-    try:
-        with torch.device("meta"):
-            spec = factory(batch_size=args.batch_size)
-    except Exception as exc:
-        raise MemprofError(f"{args.factory}(batch_size={args.batch_size}) raised {type(exc).__name__}: {exc}") from None
-    if args.generate:
-        return _estimate_generation(args, spec, budget)
-    if isinstance(spec, torch.nn.Module):
-        raise MemprofError(f"{args.factory} returned a model only; return a dict with 'model' and 'inputs' "
-                           "(and optionally 'targets', 'loss_fn', 'optimizer'), or pass --generate to simulate "
-                           "a generation with it")
-    if not isinstance(spec, dict) or "model" not in spec or "inputs" not in spec:
-        raise MemprofError(f"{args.factory} must return a dict with 'model' and 'inputs' keys")
-    optimizer = spec.get("optimizer")
-    # The factory may say how the ranks share the model; the command line's flags win.
-    parallelize = parallelize or spec.get("parallelize")
-    mesh = mesh or spec.get("mesh")
-    step_context = step_context or spec.get("step_context")
-    routing = args.routing if args.routing is not None else spec.get("routing")
-    pipeline = spec.get("pipeline")
-    if (parallelize is not None or pipeline is not None) and parallel is not None:
-        raise MemprofError("--parallel and a parallelize function (or pipeline) both say how the ranks share the "
-                           "model: give one")
-    if world_size > 1 and parallel is None and parallelize is None and pipeline is None:
-        check_parallel(world_size, None)  # says what is missing
-    if optimizer is None:
-        optimizer = _optimizer(args.optimizer)
-    try:
-        est = memprof.estimate(spec["model"], optimizer, inputs=spec["inputs"], targets=spec.get("targets"),
-                               loss_fn=spec.get("loss_fn"), device=args.device, precision=args.precision,
-                               attention=args.attention, world_size=world_size, parallel=parallel, gpu=args.gpu,
-                               alloc_conf=args.alloc_conf, parallelize=parallelize, mesh=mesh, pipeline=pipeline,
-                               rank=args.rank, extrapolate=args.extrapolate, step_context=step_context,
-                               routing=routing)
-    except MemprofError:
-        raise
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise MemprofError(f"simulating a step of what {args.factory} returned raised {type(exc).__name__}: "
-                           f"{first}; check that the model runs on its inputs (and loss_fn on its output)") from None
-    return _verdict(est, args.batch_size, budget)
-
-
-def _estimate_hf(args: argparse.Namespace, budget: "int | None") -> int:
-    """``memprof estimate --hf``: a training step of the model a config describes, built on the meta device."""
-    import memprof
-
-    from .simulate.device_memory import check_target
-    from .simulate.ranks import check_parallel
-
-    if args.generate:
-        raise MemprofError("--generate takes a factory's model; --hf simulates a training step")
-    if args.seq_len is None:
-        raise MemprofError("--hf needs --seq-len N (tokens per sequence)")
-    world_size, parallel = check_parallel(args.world_size, args.parallel)
-    check_target(args.gpu, args.device, args.alloc_conf)
-    optimizer = _optimizer(args.optimizer)
-    est = memprof.estimate_hf(args.hf, seq_len=args.seq_len, batch_size=args.batch_size, optimizer=optimizer,
-                              precision=args.precision, checkpointing=args.checkpointing, device=args.device,
-                              attention=args.attention, world_size=world_size, parallel=parallel, gpu=args.gpu,
-                              alloc_conf=args.alloc_conf)
-    if args.json:
-        import json
-
-        from .render.plan import estimate_data
-
-        print(json.dumps(estimate_data(est), indent=2))
-        fits = est.fits if budget is None else (est.device_peak or est.peak_bytes) <= budget
-        return 1 if fits is False else 0
-    return _verdict(est, args.batch_size, budget)
-
-
-def _optimizer(name: str) -> Any:
-    """The optimizer factory ``--optimizer`` names (None for ``none``)."""
-    import torch
-
-    if name == "none":
-        return None
-    cls = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[name]
-    kwargs = {"lr": 0.1, "momentum": 0.9} if cls == "SGD" else {}
-    return lambda ps: getattr(torch.optim, cls)(ps, **kwargs)
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from .report.planning import plan_grid
-    from .simulate.device_memory import check_target
-
-    if args.html is not None:
-        _writable(args.html)
-    check_target(args.gpu, None, args.alloc_conf)
-    layouts: Any = None
-    if args.layouts and args.parallel:
-        raise MemprofError("give --layouts or --parallel, not both (--layouts takes every name --parallel takes)")
-    if args.layouts:
-        layouts = args.layouts  # names and groups, resolved against the model once it is built
-    elif args.parallel:
-        from .simulate.plan import data_parallel_layouts
-
-        wanted = [p.strip().lower() for p in args.parallel.split(",") if p.strip()]
-        known = {lay.name: lay for lay in data_parallel_layouts(args.world_size)}
-        unknown = [p for p in wanted if p not in known]
-        if unknown:
-            raise MemprofError(f"unknown layout {unknown[0]!r} for {args.world_size} rank(s); use "
-                               + ", ".join(known))
-        layouts = [known[p] for p in wanted]
-    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
-    ckpt = {"off": (False,), "on": (True,), "both": (False, True)}[args.checkpointing]
-    grid = plan_grid(args.hf, seq_len=args.seq_len, gpu=args.gpu, world_size=args.world_size, layouts=layouts,
-                     precisions=precisions, checkpointing=ckpt, optimizer=_optimizer(args.optimizer),
-                     alloc_conf=args.alloc_conf, attention=args.attention)
-    if args.html is not None:
-        grid.export_html(args.html)
-    if args.json:
-        import json
-
-        print(json.dumps(grid.to_dict()["rows"], indent=2))
-    else:
-        print(grid)
-        if args.html is not None:
-            print(f"\nplan written to {args.html}")
-    return 0
-
-
-def _estimate_generation(args: argparse.Namespace, spec: Any, budget: "int | None") -> int:
-    """``memprof estimate --generate``: prefill and decoding of the factory's model."""
-    import torch
-
-    import memprof
-
-    if args.prompt_len is None or args.new_tokens is None:
-        raise MemprofError("--generate needs --prompt-len N (the prompt's tokens) and --new-tokens M (tokens to "
-                           "generate)")
-    model = spec.get("model") if isinstance(spec, dict) else spec
-    if not isinstance(model, torch.nn.Module):
-        raise MemprofError(f"{args.factory} must return a model (or a dict with 'model') for --generate")
-    est = memprof.estimate_generation(model, batch_size=args.batch_size, prompt_len=args.prompt_len,
-                                      max_new_tokens=args.new_tokens, precision=args.precision, device=args.device,
-                                      attention=args.attention, gpu=args.gpu, alloc_conf=args.alloc_conf,
-                                      routing=args.routing)
-    return _verdict(est, args.batch_size, budget)
-
-
-def _verdict(est: Any, batch_size: int, budget: "int | None") -> int:
-    print(est)
-    memory = getattr(est, "device_memory", None)
-    if memory is not None and memory.capacity is not None:
-        # --gpu: the device-level peak (tensors, the allocator's cache, outside torch) against the budget or the GPU.
-        from .units import format_bytes
-
-        limit = budget if budget is not None else memory.capacity
-        fits = memory.oom is None and memory.device_peak <= limit
-        where = format_bytes(limit) if budget is not None else f"{memory.gpu.name} ({format_bytes(limit)})"
-        print(f"\nbatch size {batch_size}: device peak {format_bytes(memory.device_peak)} "
-              f"{'fits' if fits else 'does NOT fit'} in {where}, headroom {format_bytes(limit - memory.device_peak)}")
-        return 0 if fits else 1
-    if budget is not None:
-        from .units import format_bytes
-
-        verdict = "fits" if est.peak_bytes <= budget else "does NOT fit"
-        print(f"\nbatch size {batch_size}: estimated peak {format_bytes(est.peak_bytes)} {verdict} "
-              f"in {format_bytes(budget)}")
-        return 0 if est.peak_bytes <= budget else 1
     return 0
 
 
@@ -433,10 +190,11 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--seq-len", type=int, help="with --hf: tokens per sequence")
     est.add_argument("--checkpointing", action="store_true",
                      help="with --hf: transformers' activation checkpointing on every layer")
-    est.add_argument("--json", action="store_true", help="with --hf: print the result as JSON")
+    est.add_argument("--json", action="store_true", help="print the result as JSON ('fits' is the verdict the exit "
+                     "status gives)")
     est.add_argument("--batch-size", type=int, required=True, help="batch size handed to the factory")
-    est.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
-                     help="optimizer when the factory gives none (default adamw)")
+    est.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default=None,
+                     help="optimizer when the factory gives none (default adamw); a training step's only")
     est.add_argument("--device", default="cuda", help="device the figures are for (default cuda: 512-byte blocks)")
     est.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed", "mixed-fp16"), default=None,
                      help="cast the parameters (fp32, bf16, fp16), or keep them fp32 and run the forward under "
@@ -497,8 +255,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="precisions to plan, comma-separated (default bf16,mixed)")
     pla.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",
                      help="activation checkpointing (default both)")
-    pla.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
-                     help="the optimizer (default adamw)")
+    pla.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw",
+                     help="the optimizer (default adamw): a plan is of training steps, which take one")
     pla.add_argument("--attention", choices=("auto", "flash", "efficient", "math"), default="auto",
                      help="attention kernel (default auto: the one torch's CUDA dispatcher picks)")
     pla.add_argument("--alloc-conf", metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF for the allocator model")
@@ -512,31 +270,40 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     """Entry point of the ``memprof`` console script."""
     parser = _parser()
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "layers", "hidden", "heads", "vocab", "threads", "top"):
+    for name in ("steps", "batch_size", "seq_len", "layers", "hidden", "heads", "vocab", "threads", "top",
+                 "world_size", "prompt_len", "new_tokens"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             getattr(args, "parser", parser).error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
         return int(args.func(args))
-    except BrokenPipeError:
+    except BrokenPipeError as exc:
         # The reader went away (memprof report run.json | head): stop quietly, as a Unix tool killed by
         # SIGPIPE does, and keep Python from complaining about stdout at exit.
+        if is_interrupt(exc):
+            raise
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 128 + 13
     except MemprofError as exc:
+        if is_interrupt(exc):
+            raise
         _error(str(exc))
         return 1
     except FileNotFoundError as exc:
+        if is_interrupt(exc):
+            raise
         _error(f"no such file: {exc.filename}")
         return 1
     except OSError as exc:
+        if is_interrupt(exc):
+            raise
         _error(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
         return 1
 
 
 def _error(message: str) -> None:
-    from .units import one_line
+    from ..units import one_line
 
     # One line, whatever the message quotes (a file name, a module's name with a newline in it).
     print(f"memprof: error: {one_line(message)}", file=sys.stderr)
