@@ -7,12 +7,14 @@ and renamed over the target, so a failed write (disk full, quota, a size
 limit) leaves the previous file intact. Only a regular file is replaced so: a
 link is followed to the file it names, a named pipe or a character device
 (``/dev/stdout``) is written into, and anything else (a folder, a socket, a
-disk), a read-only file or a folder memprof cannot write in is refused before
-a byte is written. A file is read only if it is a regular file no larger than
-:data:`MAX_FILE_BYTES` (a pipe cannot block the read, ``/dev/zero`` cannot fill
-memory), with every failure (not a file, too large, unreadable, not UTF-8, not
-JSON, nested too deep, out of memory) turned into a
-:class:`~memprof.errors.TraceFormatError` that names the file and the fix.
+disk), a read-only file, a folder memprof cannot write in and a path a plain
+``open()`` fails on as a folder (``run.json/``, ``run.json/../x.json``) is
+refused before a byte is written. A file is read only if it is a regular file
+no larger than :data:`MAX_FILE_BYTES` (a pipe cannot block the read,
+``/dev/zero`` cannot fill memory), with every failure (not a file, too large,
+unreadable, failing while read, not UTF-8, not JSON, a key given twice, nested
+too deep, out of memory) turned into a :class:`~memprof.errors.TraceFormatError`
+that names the file and the fix.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import stat
 import tempfile
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..errors import InvalidArgumentError, MemprofError, TraceFormatError, TraceNotFoundError
+from ..errors import InvalidArgumentError, MemprofError, TraceFormatError, TraceNotFoundError, is_interrupt
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -53,7 +55,9 @@ def write_text_atomic(path: "str | os.PathLike[str]", text: str) -> None:
     """
     try:
         data = text.encode("utf-8")
-    except UnicodeEncodeError:
+    except UnicodeEncodeError as lone:
+        if is_interrupt(lone):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         data = _SURROGATE.sub("\ufffd", text).encode("utf-8")
     write_bytes_atomic(path, data)
 
@@ -79,8 +83,9 @@ def write_bytes_atomic(path: "str | os.PathLike[str]", data: bytes) -> None:
     written so (a dangling link creates the file it points to, if that folder exists); a named pipe
     or a character device (``/dev/stdout``, ``/dev/null``) is written into as it stands, never
     replaced. A folder, a socket, a block device, a link that loops, a file a plain write could not
-    overwrite (read-only: see :func:`_refuse_read_only`) or a folder the temporary file cannot be made
-    in is refused with :class:`InvalidArgumentError`, before anything is written;
+    overwrite (read-only: see :func:`_refuse_read_only`), a path that names a folder or passes through a
+    file (:func:`_new_file`) or a folder the temporary file cannot be made in is refused with
+    :class:`InvalidArgumentError`, before anything is written;
     :func:`check_writable` makes the same check alone.
     """
     target = _target(path)
@@ -92,8 +97,8 @@ def write_bytes_atomic(path: "str | os.PathLike[str]", data: bytes) -> None:
 
 def check_writable(path: "str | os.PathLike[str]") -> None:
     """Refuse now, as :func:`write_bytes_atomic` would, a ``path`` memprof cannot write (a folder, a
-    socket, a block device, a looping link, a missing or unwritable folder, a read-only file), so that a
-    command can refuse all its outputs before it writes any."""
+    socket, a block device, a looping link, a missing or unwritable folder, a read-only file, a path that
+    names a folder), so that a command can refuse all its outputs before it writes any."""
     _target(path)
 
 
@@ -117,11 +122,17 @@ class _Target(NamedTuple):
 
 def _target(path: Any) -> _Target:
     name = _path(path, "saving")
+    if _folder_name(name):
+        raise InvalidArgumentError(_names_a_folder(name, name))
     try:
         st = os.stat(name)  # follows every link, /proc's to pipes and terminals included
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError) as missing:
+        if is_interrupt(missing):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return _new_file(name)
     except OSError as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         if exc.errno == errno.ELOOP:
             raise InvalidArgumentError(
                 f"cannot save to {name}: it is a symbolic link that loops (or a chain of links too long to "
@@ -131,7 +142,9 @@ def _target(path: Any) -> _Target:
         real = os.path.realpath(name)
         try:
             same = os.path.samestat(st, os.stat(real))
-        except OSError:
+        except OSError as gone:
+            if is_interrupt(gone):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             same = False
         if not same:  # a link to a deleted file (/proc/self/fd/N), or it changed under us
             raise InvalidArgumentError(
@@ -193,20 +206,74 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _folder_name(name: str) -> "str | None":
+    """How ``name`` ends if it names a folder whatever stands there: in a separator (``run.json/``), ``.`` or
+    ``..``; else None. A plain ``open(name, "w")`` of such a path fails (``Is a directory``, ``No such file``), while
+    :func:`os.path.realpath` drops the ending and names another file, one memprof would create or replace."""
+    if name.endswith((os.sep, os.altsep or os.sep)):
+        return name[-1]
+    last = os.path.basename(name)
+    return last if last in (os.curdir, os.pardir) else None
+
+
+def _names_a_folder(name: str, final: str) -> str:
+    """The refusal of ``name``, which names a folder (through a link to ``final``, where it is not ``name``)."""
+    ending = _folder_name(final)
+    if os.path.isdir(final):
+        what = "it is a folder" if final == name else f"it links to {final}, a folder"
+    else:
+        what = (f"it ends in {ending!r}, so it names a folder" if final == name
+                else f"it links to {final}, which ends in {ending!r} and so names a folder")
+    return f"cannot save to {name}: {what}, where a plain write fails; give a file name such as run.json"
+
+
 def _new_file(name: str) -> _Target:
-    """Nothing at ``name``, or a dangling link: the file to create, once its folder is known to be there."""
-    real = os.path.realpath(name)
-    folder = os.path.dirname(real)
+    """Nothing at ``name``, or a dangling link: the file to create, once the kernel finds its folder.
+
+    The folder is the one the kernel would create the file in: the name's (or the last link's) own folder,
+    looked up by ``os.stat`` and never shortened by hand, so ``run.json/../x.json`` (a file on the way: ``Not a
+    directory``) and ``gone/../x.json`` are refused as a plain write refuses them, not taken for ``x.json``."""
+    final = _link_end(name)
+    if _folder_name(final):
+        raise InvalidArgumentError(_names_a_folder(name, final))
+    folder = os.path.dirname(final) or os.curdir
     if os.path.isdir(folder):
-        _refuse_unwritable_folder(name, folder, replacing=False)
-        return _Target(real, stream=False)
-    via = "" if real == os.path.abspath(name) else f"it links to {real}, but "
-    blocker = folder
-    while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
-        blocker = os.path.dirname(blocker)
-    if os.path.exists(blocker) and not os.path.isdir(blocker):
-        raise InvalidArgumentError(f"cannot save to {name}: {via}{blocker} is a file, not a folder")
-    raise InvalidArgumentError(f"cannot save to {name}: {via}the folder {folder} does not exist; create it first")
+        real = os.path.realpath(folder)
+        _refuse_unwritable_folder(name, real, replacing=False)
+        return _Target(os.path.join(real, os.path.basename(final)), stream=False)
+    via = "" if final == name else f"it links to {final}, but "
+    # The first part of the folder's path that is no folder: a file on the way, or the first folder missing.
+    missing, above = folder, os.path.dirname(folder)
+    while above and above != missing and not os.path.exists(above):
+        missing, above = above, os.path.dirname(above)
+    if os.path.exists(missing) and not os.path.isdir(missing):
+        raise InvalidArgumentError(f"cannot save to {name}: {via}{missing} is a file, not a folder")
+    if above and os.path.exists(above) and not os.path.isdir(above):
+        raise InvalidArgumentError(f"cannot save to {name}: {via}{above} is a file, not a folder")
+    raise InvalidArgumentError(f"cannot save to {name}: {via}the folder {missing} does not exist; create it first")
+
+
+#: The most links the kernel follows for one path (Linux's MAXSYMLINKS): a longer chain is refused as a loop.
+_MAX_LINKS = 40
+
+
+def _link_end(name: str) -> str:
+    """The name the chain of links at ``name`` ends in (``name`` itself if it is no link), each link's text
+    joined to the folder it stands in, as the kernel reads it, and never shortened (``a/..`` stays, for the
+    kernel to look up)."""
+    path = name
+    for _ in range(_MAX_LINKS):
+        try:
+            if not stat.S_ISLNK(os.lstat(path).st_mode):
+                return path
+            text = os.readlink(path)
+        except OSError as exc:  # nothing there, or a file on the way: the caller finds which
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
+            return path
+        path = os.path.join(os.path.dirname(path), text)
+    raise InvalidArgumentError(f"cannot save to {name}: it is a symbolic link that loops (or a chain of links too "
+                               "long to follow); point it at a file, or give another name")
 
 
 def _stream(name: str, data: bytes) -> None:
@@ -238,8 +305,9 @@ def _replace(target: _Target, data: bytes) -> None:
     except BaseException:
         try:
             os.unlink(tmp)
-        except OSError:
-            pass
+        except OSError as left:
+            if is_interrupt(left):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise
     _sync_folder(folder)
 
@@ -254,9 +322,11 @@ def _temporary(folder: str, base: str) -> "tuple[int, str]":
         tmp = os.path.join(folder, f".{base[:100]}.{secrets.token_hex(6)}.tmp")
         try:
             return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
         except OSError as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
+            if isinstance(exc, FileExistsError):
+                continue
             raise OSError(exc.errno, f"cannot write in {folder} ({exc.strerror})", os.path.join(folder, base)) from None
     raise FileExistsError(errno.EEXIST, f"cannot write in {folder} (no free temporary name)", folder)
 
@@ -265,8 +335,9 @@ def _keep_owner_and_mode(tmp: str, old: os.stat_result) -> None:
     if (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
         try:
             os.chown(tmp, old.st_uid, old.st_gid)  # root saving over a user's file leaves it the user's
-        except OSError:
-            pass  # not permitted: the file is the writer's, as any new file would be
+        except OSError as refused:  # not permitted: the file is the writer's, as any new file would be
+            if is_interrupt(refused):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
     os.chmod(tmp, stat.S_IMODE(old.st_mode))  # after chown, which clears set-user-ID bits
 
 
@@ -274,12 +345,15 @@ def _sync_folder(folder: str) -> None:
     # The rename itself is durable only once the folder's entry is on disk (POSIX; a no-op elsewhere).
     try:
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
+    except OSError as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as exc:  # a file system that cannot sync a folder: the rename stands
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
     finally:
         os.close(fd)
 
@@ -306,6 +380,8 @@ def max_file_bytes() -> int:
     try:
         return parse_size(setting)
     except SizeParseError as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(f"{LIMIT_ENV}={setting!r} is not a size ({exc}); give one such as 4GiB, or "
                                    "unset it for the default (1 GiB)") from None
 
@@ -338,9 +414,17 @@ def read_bytes(path: "str | os.PathLike[str]", *, what: str = "a trace", fix: st
         if len(data) > limit:  # it grew while being read (a log still written, a file in /proc)
             raise error(_too_large(name, None, limit, what))
         return data
-    except MemoryError:
+    except MemprofError:
+        raise  # a refusal above (an OSError itself where ``error`` is one)
+    except MemoryError as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise error(f"{name} is too large to read in the memory this process may use; {fix}, or give the "
                     "process more memory") from None
+    except OSError as exc:  # the open succeeded, the read did not: a disk error, /proc/self/mem, a revoked right
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        raise error(f"{name} cannot be read ({_reason(exc)}); {fix}") from None
     finally:
         os.close(fd)
 
@@ -349,20 +433,25 @@ def _open_for_reading(name: str, what: str, fix: str, error: "type[MemprofError]
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         return os.open(name, flags)
-    except FileNotFoundError:
-        raise TraceNotFoundError(errno.ENOENT, f"no such file: {name}; {fix}", name) from None
-    except IsADirectoryError:  # where a folder cannot be opened for reading at all
-        raise error(f"{name} is a folder, not a file; {fix}") from None
-    except PermissionError:
-        raise error(f"{name} cannot be read (permission denied); {fix} that you can read") from None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            reason = "it is a symbolic link that loops"
-        elif exc.errno == errno.ENXIO:  # a socket, or a device with nothing behind it
-            reason = "it is a socket or a device, not a file"
-        else:
-            reason = exc.strerror or type(exc).__name__
-        raise error(f"{name} cannot be read ({reason}); {fix}") from None
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        if isinstance(exc, FileNotFoundError):
+            raise TraceNotFoundError(errno.ENOENT, f"no such file: {name}; {fix}", name) from None
+        if isinstance(exc, IsADirectoryError):  # where a folder cannot be opened for reading at all
+            raise error(f"{name} is a folder, not a file; {fix}") from None
+        if isinstance(exc, PermissionError):
+            raise error(f"{name} cannot be read (permission denied); {fix} that you can read") from None
+        raise error(f"{name} cannot be read ({_reason(exc)}); {fix}") from None
+
+
+def _reason(exc: OSError) -> str:
+    """Why a file could not be opened or read, in words."""
+    if exc.errno == errno.ELOOP:
+        return "it is a symbolic link that loops"
+    if exc.errno == errno.ENXIO:  # a socket, or a device with nothing behind it
+        return "it is a socket or a device, not a file"
+    return exc.strerror or type(exc).__name__
 
 
 def _node(mode: int) -> str:
@@ -392,7 +481,9 @@ def _read_at_most(fd: int, most: int) -> bytes:
     while got < most:
         try:
             part = os.read(fd, min(most - got, 1 << 24))
-        except InterruptedError:  # pragma: no cover - retried by Python itself since PEP 475
+        except InterruptedError as exc:  # pragma: no cover - retried by Python itself since PEP 475
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             continue
         if not part:
             break
@@ -403,25 +494,57 @@ def _read_at_most(fd: int, most: int) -> bytes:
 
 def read_json(path: "str | os.PathLike[str]") -> Any:
     """The JSON value in ``path``, read by :func:`read_bytes`. A missing file raises :class:`TraceNotFoundError`
-    (a ``FileNotFoundError`` too); any other failure to read it as JSON raises :class:`TraceFormatError`."""
+    (a ``FileNotFoundError`` too); any other failure to read it as JSON raises :class:`TraceFormatError`, an object
+    that gives one key twice included (JSON allows it and Python's reader keeps the last silently: a file that
+    says ``"num_steps": 2, "num_steps": 7`` says two things, and memprof does not choose)."""
     name = _path(path, "loading a trace")
     data = read_bytes(name)
     size = len(data)
     try:
         text = data.decode("utf-8")
         del data  # parsed from the text alone: the file's bytes need not stay in memory beside it
-        return json.loads(text)
-    except UnicodeDecodeError:
-        raise TraceFormatError(f"{name} is not a text file (not UTF-8); {_TRACE_FIX}") from None
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{name} is not valid JSON ({exc.msg} at line {exc.lineno}); {_TRACE_FIX}") from None
-    except RecursionError:
-        raise TraceFormatError(f"{name} is nested too deeply to be a memprof trace; {_TRACE_FIX}") from None
-    except MemoryError:
-        raise TraceFormatError(f"{name} ({size:,} bytes) is too large to parse in the memory this process may "
-                               f"use; {_TRACE_FIX}, or give the process more memory") from None
-    except ValueError as exc:
-        raise TraceFormatError(f"{name} cannot be read ({exc}); {_TRACE_FIX}") from None
+        return json.loads(text, object_pairs_hook=_once_each)
+    except (ValueError, RecursionError, MemoryError) as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        raise TraceFormatError(f"{name} {_unreadable_json(exc, size)}") from None
+
+
+class _Repeated(ValueError):
+    """An object of the file gives ``key`` twice."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _once_each(pairs: "list[tuple[str, Any]]") -> "dict[str, Any]":
+    """A JSON object as a dict, refusing a key it gives twice (the reader's ``object_pairs_hook``)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Repeated(key)
+            seen.add(key)
+    return out
+
+
+def _unreadable_json(exc: BaseException, size: int) -> str:
+    """Why a file's bytes are no JSON value memprof reads, and the fix, in words (after the file's name)."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"is not a text file (not UTF-8); {_TRACE_FIX}"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"is not valid JSON ({exc.msg} at line {exc.lineno}); {_TRACE_FIX}"
+    if isinstance(exc, _Repeated):
+        key = exc.key if len(exc.key) <= 40 else exc.key[:37] + "..."
+        return f"gives the key {key!r} twice in one object, where a trace says each thing once; {_TRACE_FIX}"
+    if isinstance(exc, RecursionError):
+        return f"is nested too deeply to be a memprof trace; {_TRACE_FIX}"
+    if isinstance(exc, MemoryError):
+        return (f"({size:,} bytes) is too large to parse in the memory this process may use; {_TRACE_FIX}, or give "
+                "the process more memory")
+    return f"cannot be read ({exc}); {_TRACE_FIX}"
 
 
 def load_trace(path: "str | os.PathLike[str]") -> "Trace":
@@ -432,7 +555,9 @@ def load_trace(path: "str | os.PathLike[str]") -> "Trace":
     data = read_json(path)
     try:
         return Trace.from_dict(data)
-    except MemoryError:
+    except MemoryError as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         del data
         raise TraceFormatError(f"{os.fspath(path)} holds more than this process has the memory to load; "
                                f"{_TRACE_FIX}, or give the process more memory") from None

@@ -11,8 +11,8 @@ from typing import Any, Iterator, Mapping
 from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
 from .cache import CacheMoment, frozen_spec, spec_data
 from .layout import MeshLayout
-from .checks import (corrupt, count, fields, mapping, member, optional_count, optional_text, optional_time, pairs, seq,
-                     text)
+from .checks import (corrupt, count, fields, listed_once, mapping, member, optional_count, optional_text, optional_time,
+                     pairs, seq, text)
 from ..errors import TraceFormatError
 
 __all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "SAMPLE_EVENTS", "OomRecord",
@@ -261,17 +261,28 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
-        """Read from a file: its phases belong to it, each (phase, occurrence) once."""
+        """Read from a file: at least one phase (a step is kept only once one was recorded), each its own, each
+        (phase, occurrence) once, and each kind numbered 0, 1, 2 ... without a gap (the collector counts a
+        step's phases of a kind from 0: a lone ``backward #3`` is no step that ran)."""
         data = mapping(data, "a step")
         index = count(data["index"], "a step's index")
         phases = tuple(PhaseRecord.from_dict(p) for p in seq(data["phases"], "a step's phases"))
-        seen: set[tuple[Phase, int]] = set()
+        if not phases:
+            raise corrupt(f"step {index} holds no phase")
+        seen: dict[Phase, set[int]] = {}
         for p in phases:
             if p.step != index:
                 raise corrupt(f"step {index} holds a phase of step {p.step}")
-            if (p.phase, p.occurrence) in seen:
+            if p.occurrence in seen.setdefault(p.phase, set()):
                 raise corrupt(f"step {index} holds {p.phase.value} #{p.occurrence} twice")
-            seen.add((p.phase, p.occurrence))
+            seen[p.phase].add(p.occurrence)
+        for kind, numbers in seen.items():
+            # Numbered in the order they ran, but a forward found afterwards to have been a prefill takes the next
+            # prefill number: the set, not the order, is what every step memprof writes has.
+            if max(numbers) >= len(numbers):
+                gap = min(set(range(len(numbers))) - numbers)
+                raise corrupt(f"step {index} holds {kind.value} #{max(numbers)} but no {kind.value} #{gap} (a step's "
+                              "phases of one kind are numbered 0, 1, 2 ...)")
         return cls(index, phases)
 
 
@@ -340,14 +351,19 @@ class Sample:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
+        """Read from a file: a sample that marks a phase's beginning is labelled with that phase."""
         data = mapping(data, "a timeline sample")
         event = text(data.get("event", ""), "a sample's event")
         if event not in SAMPLE_EVENTS:
             raise corrupt(f"a sample's event must be one of {', '.join(map(repr, SAMPLE_EVENTS))}, got {event[:20]!r}")
-        return cls(count(data["seq"], "a sample's seq"), count(data["step"], "a sample's step"),
-                   member(data["phase"], Phase, "a sample's phase"), text(data["label"], "a sample's label"),
-                   Breakdown.from_dict(data["breakdown"]), optional_time(data.get("time_us"), "a sample's time_us"),
-                   event)
+        sample = cls(count(data["seq"], "a sample's seq"), count(data["step"], "a sample's step"),
+                     member(data["phase"], Phase, "a sample's phase"), text(data["label"], "a sample's label"),
+                     Breakdown.from_dict(data["breakdown"]), optional_time(data.get("time_us"), "a sample's time_us"),
+                     event)
+        if event == "phase" and sample.label != sample.phase.value:
+            raise corrupt(f"timeline sample {sample.seq} marks the beginning of {sample.phase.value} but is labelled "
+                          f"{sample.label[:40]!r}")
+        return sample
 
 
 #: What a timeline sample marks (see :class:`Sample`).
@@ -519,19 +535,33 @@ class GenerationFacts:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GenerationFacts":
+        """Read from a file: each phase's token count, each moment and each encoder's prefill once, and every
+        phase named as memprof names one (what they refer to is checked by the Trace that holds them)."""
         data = mapping(data, "the generation record")
         layers, kv_heads, head_dim, sliding_window, itemsize, batch = (
             optional_count(data.get(k), k)
             for k in ("layers", "kv_heads", "head_dim", "sliding_window", "itemsize", "batch"))
-        return cls(layers, kv_heads, head_dim, sliding_window, itemsize, batch,
-                   tokens=tuple((count(s, "a step"), text(p, "a phase"), count(o, "an occurrence"),
-                                 count(n, "a token count"))
-                                for s, p, o, n in (seq(t, "a token count", 4)
-                                                   for t in seq(data.get("tokens", ()), "tokens"))),
-                   cache=frozen_spec(spec_data(data.get("cache"))),
-                   encoder_tokens=optional_count(data.get("encoder_tokens"), "encoder_tokens"),
-                   max_cache_len=optional_count(data.get("max_cache_len"), "max_cache_len"),
-                   moments=tuple(CacheMoment.from_list(m) for m in seq(data.get("moments", ()), "moments")),
-                   encoder_prefills=tuple((count(s, "a step"), count(o, "an occurrence")) for s, o in (
-                       seq(k, "an encoder's prefill", 2) for k in seq(data.get("encoder_prefills", ()),
-                                                                       "encoder_prefills"))))
+        facts = cls(layers, kv_heads, head_dim, sliding_window, itemsize, batch,
+                    tokens=tuple((count(s, "a step"), member(p, Phase, "a token count's phase").value,
+                                  count(o, "an occurrence"), count(n, "a token count"))
+                                 for s, p, o, n in (seq(t, "a token count", 4)
+                                                    for t in seq(data.get("tokens", ()), "tokens"))),
+                    cache=frozen_spec(spec_data(data.get("cache"))),
+                    encoder_tokens=optional_count(data.get("encoder_tokens"), "encoder_tokens"),
+                    max_cache_len=optional_count(data.get("max_cache_len"), "max_cache_len"),
+                    moments=tuple(CacheMoment.from_list(m) for m in seq(data.get("moments", ()), "moments")),
+                    encoder_prefills=tuple((count(s, "a step"), count(o, "an occurrence")) for s, o in (
+                        seq(k, "an encoder's prefill", 2) for k in seq(data.get("encoder_prefills", ()),
+                                                                        "encoder_prefills"))))
+        for m in facts.moments:
+            member(m.phase, Phase, "a cache moment's phase")
+        listed_once((t[:3] for t in facts.tokens), "a phase's token count")
+        listed_once((m.key() for m in facts.moments), "a cache moment")
+        listed_once(facts.encoder_prefills, "an encoder's prefill")
+        return facts
+
+    def phase_keys(self) -> "Iterator[tuple[int, str, int]]":
+        """The (step, phase, occurrence) of every phase this record says something of."""
+        yield from (t[:3] for t in self.tokens)
+        yield from (m.key()[:3] for m in self.moments)
+        yield from ((s, Phase.PREFILL.value, o) for s, o in self.encoder_prefills)

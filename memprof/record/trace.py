@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, cast
 
-from ..vocabulary import Category, Phase
+from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
 from .checks import corrupt, count, listed_once, member, optional_count, optional_text, pairs, seq, text
-from ..errors import TraceFormatError
+from ..errors import TraceFormatError, is_interrupt
 from .stats import PhaseStats
 from .parts import (Breakdown, DeviceInfo, GenerationFacts, ModelFacts, ModuleRecord, OomRecord,
                       OperationRecord, PhaseRecord, RankInfo, Sample, StepRecord)
@@ -115,9 +115,11 @@ class Trace:
     def __post_init__(self) -> None:
         if self.num_steps is None:
             # A file that does not say (schema 1 and 2 kept every step): as many steps as it holds, and at least up
-            # to the last one it holds, so that re-saving it states a count its own steps agree with.
-            last = max((st.index for st in self.steps), default=-1)
-            object.__setattr__(self, "num_steps", max(len(self.steps), last + 1))
+            # to the last step it names (a kept step, a sample, the peak ...) and as many as its statistics count,
+            # so that re-saving it states a count its own parts agree with.
+            named = [step + ran for _, step, ran in _steps_named(self)]
+            most = max((p.count for p in self.phase_stats), default=0)
+            object.__setattr__(self, "num_steps", max([len(self.steps), most, *named]))
 
     @property
     def phases(self) -> tuple[PhaseRecord, ...]:
@@ -266,6 +268,8 @@ class Trace:
         except TraceFormatError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise corrupt(repr(exc)) from None
         _consistent(trace, stated_steps=data.get("num_steps") is not None)
         return trace
@@ -372,15 +376,158 @@ def _phase_stats(data: Mapping[str, Any]) -> tuple[PhaseStats, ...]:
 
 
 def _consistent(t: "Trace", *, stated_steps: bool) -> None:
-    """What ties a trace's parts together: its steps are among those that ran (where the file says how
-    many ran: schema 3 and later), and its peak is the highest total of the run (its start and end are
-    moments of the run too)."""
-    if stated_steps and t.steps and t.num_steps is not None and t.steps[-1].index >= t.num_steps:
-        raise corrupt(f"step {t.steps[-1].index} is recorded but the run had {t.num_steps} steps")
+    """What ties a trace's parts together: each list in its order, each cross-reference to something the trace
+    holds. Where the file says how many steps ran (schema 3 and later), everything numbered by step is among them."""
+    if stated_steps and t.num_steps is not None:
+        _among_steps_run(t, t.num_steps)
     if t.peak.total is not None:
         higher = [b.total for b in (t.start, t.end) if b.total is not None and b.total > t.peak.total]
         if higher:
             raise corrupt(f"the run's peak ({t.peak.total} bytes) is below its start or end ({max(higher)})")
+    _timeline_in_order(t.timeline)
+    _peak_is_where_it_says(t)
+    _modules_named_are_listed(t)
+    _spans_in_order(t.recorded_steps, t)
+    _stats_numbered(t.phase_stats)
+    if t.generation is not None:
+        kept = {(s.index, p.phase.value, p.occurrence) for s in t.steps for p in s.phases}
+        indices = {s.index for s in t.steps}
+        for key in t.generation.phase_keys():
+            if key[0] in indices and key not in kept:
+                raise corrupt(f"the generation record speaks of step {key[0]}'s {key[1]} #{key[2]}, which step "
+                              f"{key[0]} does not hold")
+    if t.operations is not None:
+        listed_once(((o.phase, o.cls, o.op) for o in t.operations), "an operation")
+
+
+def _steps_named(t: "Trace") -> "list[tuple[str, int, int]]":
+    """Each step the trace names (the latest of each ordered list), what names it, and 1 if that step ran (a kept
+    step), else 0: a sample, the peak, a stretch of recorded steps, an optimizer step or the generation record may
+    also name the step in progress when the profile ended, which is no step that ran (``num_steps`` counts those
+    that did), as a profile that ends before its first step has a sample of step 0 and a generation's cache still
+    held after the last step ends has a moment of the next."""
+    named = [(f"step {s.index} is recorded", s.index, 1) for s in t.steps[-1:]]
+    named += [(f"the timeline holds a sample of step {s.step}", s.step, 0) for s in t.timeline[-1:]]
+    named += [(f"peak_step is {t.peak_step}", t.peak_step, 0)] if t.peak_step is not None else []
+    named += [(f"the recorded steps end at step {b}", b, 0) for _, b in t.recorded_steps[-1:]]
+    named += [(f"the optimizer steps end at step {b}", b, 0) for _, b, _ in t.optimizer_steps[-1:]]
+    if t.generation is not None:
+        named += [(f"the generation record speaks of step {k[0]}", k[0], 0) for k in t.generation.phase_keys()]
+    return named
+
+
+def _among_steps_run(t: "Trace", n: int) -> None:
+    """Every step the trace names is one of the steps the run had (or the one in progress when it ended), and
+    every kind of phase was counted in at least one step and at most in each."""
+    for what, step, ran in _steps_named(t):
+        if step + ran > n:
+            raise corrupt(f"{what} but the run had {n} steps")
+    for p in t.phase_stats:
+        if not 1 <= p.count <= n:
+            raise corrupt(f"the statistics of {p.phase.value} #{p.occurrence} count {p.count} phases, in a run of "
+                          f"{n} steps (one a step at most, at least one)")
+
+
+def _timeline_in_order(samples: "tuple[Sample, ...]") -> None:
+    """Samples in the order they were taken: numbered upwards, their steps and times never going back."""
+    for a, b in zip(samples, samples[1:]):
+        if b.seq <= a.seq:
+            raise corrupt(f"timeline sample {b.seq} is listed after sample {a.seq}")
+        if b.step < a.step:
+            raise corrupt(f"timeline sample {b.seq} (step {b.step}) is listed after sample {a.seq} of step {a.step}")
+        if a.time_us is not None and b.time_us is not None and b.time_us < a.time_us:
+            raise corrupt(f"timeline sample {b.seq} ({b.time_us} microseconds) is listed after sample {a.seq} "
+                          f"({a.time_us})")
+
+
+def _tensor_bytes(b: Breakdown, categories: tuple[Category, ...]) -> "int | None":
+    """The bytes of ``categories`` (tensor categories: the ledger's, without what a device adds), None if one of
+    them is not measured."""
+    values = [b[c] for c in categories]
+    return None if any(v is None for v in values) else sum(cast(int, v) for v in values)
+
+
+def _peak_is_where_it_says(t: "Trace") -> None:
+    """The peak's step and phase are given together. In exact mode the ledger's peak is the first moment the
+    highest total was reached, so no phase peaks above it and the first phase (in the order they ran) to reach it
+    is the one the peak's step and phase name; compared on the tensor categories, which the ledger counts (a
+    device's own rows are read at each phase's end)."""
+    if (t.peak_step is None) != (t.peak_phase is None):
+        raise corrupt(f"peak_step is {t.peak_step} but peak_phase is "
+                      f"{t.peak_phase.value if t.peak_phase is not None else None}: the peak's step and phase "
+                      "are given together")
+    # The tensor categories the run's peak measured (a file older than the KV cache's has no figure for it).
+    categories = tuple(c for c in TENSOR_CATEGORIES if t.peak[c] is not None)
+    peak = _tensor_bytes(t.peak, categories)
+    if t.mode != "exact" or not categories or peak is None or t.peak_step is None or t.peak_phase is None:
+        return  # light mode's ledger sees no temporaries: its peak need not be its phases' highest
+    first = None
+    for p in t.phases:
+        own = _tensor_bytes(p.peak, categories)
+        if own is not None and own > peak:
+            raise corrupt(f"step {p.step}'s {_label(p)} peaks at {own} bytes of tensors, above the run's peak "
+                          f"({peak})")
+        if own == peak and first is None:
+            first = p
+    said = f"the peak ({peak} bytes of tensors) is said to be in step {t.peak_step}'s {t.peak_phase.value}"
+    step = next((s for s in t.steps if s.index == t.peak_step), None)
+    if step is None:  # not kept: no kept phase before it reached the peak
+        if first is not None and first.step < t.peak_step:
+            raise corrupt(f"{said}, but step {first.step}'s {_label(first)} reached it first")
+        return
+    named = [p for p in step.phases if p.phase is t.peak_phase]
+    if not named:
+        raise corrupt(f"{said}, which step {step.index} does not hold")
+    if first is not None and (first.step, first.phase) != (step.index, t.peak_phase):
+        raise corrupt(f"{said}, but step {first.step}'s {_label(first)} reached it first")
+    known = [b for p in named if (b := _tensor_bytes(p.peak, categories)) is not None]
+    if first is None and len(known) == len(named):
+        raise corrupt(f"{said}, whose highest peak is {max(known)} bytes")
+
+
+def _label(p: PhaseRecord) -> str:
+    return f"{p.phase.value}" + (f" #{p.occurrence}" if p.occurrence else "") + " phase"
+
+
+def _modules_named_are_listed(t: "Trace") -> None:
+    """Every module the trace names (the peak's, each one's parent, those live at the error, those that held a
+    live storage or routed tokens) is in its module table, where it has one (a simulation's may be empty)."""
+    if not t.modules:
+        return
+    paths = {m.path for m in t.modules}
+    named = [(f"module {m.path[:40]!r} is listed but its parent", parent_path(m.path))
+             for m in t.modules if parent_path(m.path)]
+    named += [("peak_module", t.peak_module)] if t.peak_module is not None else []
+    named += [("a module live at the error", path) for path, _ in t.live_modules_at_error]
+    named += [("a live storage's module", row[3]) for row in t.live_storages_at_error if row[3]]
+    if t.routing is not None:
+        named += [("a router call's module", c.module) for c in t.routing.calls if c.module]
+    for what, path in named:
+        if path not in paths:
+            raise corrupt(f"{what} {path[:40]!r} is not in the module table")
+
+
+def _spans_in_order(spans: tuple[tuple[int, int], ...], t: "Trace") -> None:
+    """The stretches of recorded steps one after another, and every kept step in one of them."""
+    for (_, b), (c, d) in zip(spans, spans[1:]):
+        if c <= b:
+            raise corrupt(f"a stretch of recorded steps {c}-{d} begins before the one before it ended ({b})")
+    if spans:
+        outside = [s.index for s in t.steps if not any(a <= s.index <= b for a, b in spans)]
+        if outside:
+            raise corrupt(f"step {outside[0]} is kept but no stretch of recorded steps holds it")
+
+
+def _stats_numbered(stats: tuple[PhaseStats, ...]) -> None:
+    """Each kind of phase's statistics numbered 0, 1, 2 ..., each counting no more phases than the one before
+    (a step holds a kind's #1 only after its #0)."""
+    counts = {(p.phase, p.occurrence): p.count for p in stats}
+    for p in stats:
+        if p.occurrence:
+            before = counts.get((p.phase, p.occurrence - 1))
+            if before is None or before < p.count:
+                raise corrupt(f"the statistics count {p.count} {p.phase.value} #{p.occurrence} phases but "
+                              f"{before or 0} {p.phase.value} #{p.occurrence - 1}")
 
 
 def _peak_step(data: Mapping[str, Any]) -> "int | None":

@@ -1,7 +1,7 @@
 """Whatever file the trace loader accepts renders (the text report, the HTML views, the command line,
 the Chrome export, a diff) and re-saves identically; anything else it refuses with a TraceFormatError. Checked on real saved traces, mutated by hypothesis: keys dropped, values of
 other types, huge ints, lone surrogates and control characters in strings, sums nudged off by a few
-bytes, list items duplicated."""
+bytes, list items duplicated, lists reversed and two items swapped."""
 
 from __future__ import annotations
 
@@ -59,11 +59,43 @@ def _rank() -> Trace:
                             world_size=2, parallel="fsdp").trace
 
 
+def _scheduled() -> Trace:
+    """Six steps under a schedule (one waited, one warmed up, two recorded, twice): recorded stretches, steps
+    kept apart, samples of steps not kept, optimizer steps carried; two forward and backward per step
+    (gradient accumulation: each step's backward #1)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.profile(model, opt, schedule=memprof.schedule(wait=1, warmup=1, active=2, repeat=2)) as prof:
+        for _ in range(8):
+            for _ in range(2):
+                model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    return prof.report().trace
+
+
+def _generation() -> Trace:
+    """A real generate() of a tiny Llama: prefill and decode phases, the generation record."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=32, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with memprof.profile(model) as prof:
+        model.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    return prof.report().trace
+
+
 @pytest.fixture(scope="module")
 def bases() -> dict[str, dict]:
     """Traces as their files hold them: real runs (full and light mode, one that raised, one simulated rank
-    of FSDP), a file of schema 1, and a hand-built trace with one of everything and an OOM record."""
+    of FSDP, a schedule's with gradient accumulation, a generation), a file of schema 1, and a hand-built trace
+    with one of everything and an OOM record. Every rule of the loader holds for each as memprof wrote it."""
     traces = {"exact": _training("exact"), "light": _training("light"), "failed": _failed(), "rank": _rank(),
+              "scheduled": _scheduled(), "generation": _generation(),
               "factory": dataclasses.replace(full_trace(), oom=OomRecord("CUDA out of memory", 512, 0, 1024))}
     out = {name: json.loads(json.dumps(t.to_dict())) for name, t in traces.items()}
     out["schema1"] = json.loads((DATA / "trace-schema1.json").read_text())
@@ -97,7 +129,7 @@ def mutated(draw, bases):
         part = draw(st.sampled_from(sorted(data)))
         node, key = draw(st.sampled_from([(data, part)] + _places(data[part], [])))
         value = node[key]
-        kind = draw(st.sampled_from(["drop", "value", "nudge", "text", "repeat", "alike"]))
+        kind = draw(st.sampled_from(["drop", "value", "nudge", "text", "repeat", "alike", "reverse", "swap"]))
         if kind == "alike":  # a value of the same type: what a loader that checks types only lets through
             node[key] = (not value if isinstance(value, bool)
                          else draw(st.integers(0, 2**64)) if isinstance(value, int)
@@ -113,6 +145,11 @@ def mutated(draw, bases):
             node[key] = value + draw(st.sampled_from(SUFFIXES))
         elif kind == "repeat" and isinstance(value, list) and value:
             value.append(copy.deepcopy(value[draw(st.integers(0, len(value) - 1))]))
+        elif kind == "reverse" and isinstance(value, list):
+            value.reverse()
+        elif kind == "swap" and isinstance(value, list) and len(value) > 1:
+            i, j = draw(st.integers(0, len(value) - 2)), len(value) - 1
+            value[i], value[j] = value[j], value[i]
         else:
             node[key] = copy.deepcopy(draw(st.sampled_from(VALUES)))
     return data
@@ -202,8 +239,64 @@ def _consistent(t: Trace) -> None:
     assert len({m.path for m in t.modules}) == len(t.modules)
     times = [x for p in t.phases for x in (p.start_us, p.peak_us, p.end_us) if x is not None]
     assert times == sorted(times)
+    # Each step's phases of a kind numbered 0, 1, 2 ...; samples in the order they were taken, of steps that ran.
+    for s in t.steps:
+        for kind in {p.phase for p in s.phases}:
+            numbers = sorted(p.occurrence for p in s.phases if p.phase is kind)
+            assert numbers == list(range(len(numbers)))
+    assert [x.seq for x in t.timeline] == sorted({x.seq for x in t.timeline})
+    assert [x.step for x in t.timeline] == sorted(x.step for x in t.timeline)
+    assert all(x.step < t.num_steps for x in t.timeline) and all(s.index < t.num_steps for s in t.steps)
+    # In exact mode the peak's step and phase name the first kept phase to reach it (the tensor categories).
+    tensor = [c for c in memprof.vocabulary.TENSOR_CATEGORIES if t.peak[c] is not None]
+    if t.mode == "exact" and tensor and t.peak_step is not None and any(s.index == t.peak_step for s in t.steps):
+        first = next((p for p in t.phases if all(p.peak[c] is not None for c in tensor)
+                      and sum(p.peak[c] for c in tensor) == sum(t.peak[c] for c in tensor)), None)
+        assert first is None or (first.step, first.phase) == (t.peak_step, t.peak_phase)
     if t.distributed is not None:
         assert 0 <= t.distributed.rank < t.distributed.world_size <= 2**20
+
+
+def test_the_reviews_mutations_of_a_real_run_are_refused_naming_the_value(bases, folder):
+    # Review of issue 36, loader item 3: each of these loaded, and a report printed the peak in a phase that did not
+    # hold it. A real two-step run (MLP, AdamW) as its file holds it.
+    base = bases["exact"]
+    assert base["num_steps"] == 2 and base["peak_step"] is not None
+
+    def refused(data=None, text=None):
+        path = folder / "review.json"
+        path.write_text(text if text is not None else json.dumps(data))
+        with pytest.raises(TraceFormatError) as info:
+            memprof.load(path)
+        return str(info.value)
+
+    def mutant(change):
+        data = copy.deepcopy(base)
+        change(data)
+        return data
+
+    seqs = [x["seq"] for x in base["timeline"]]
+    assert f"timeline sample {seqs[-2]} is listed after sample {seqs[-1]}" in refused(
+        mutant(lambda d: d["timeline"].reverse()))
+    assert f"timeline sample {seqs[-1]} is listed after sample {seqs[-1]}" in refused(
+        mutant(lambda d: d["timeline"].append(d["timeline"][-1])))
+    assert "the timeline holds a sample of step 99 but the run had 2 steps" in refused(
+        mutant(lambda d: d["timeline"][-1].update(step=99)))
+
+    def backward_3(d):
+        for p in d["steps"][0]["phases"]:
+            if p["phase"] == "backward":
+                p["occurrence"] = 3
+    assert "step 0 holds backward #3 but no backward #0" in refused(mutant(backward_3))
+    # The peak moved to every other (step, phase) of the run: each names a phase that did not first reach it.
+    kinds = {(s["index"], p["phase"]) for s in base["steps"] for p in s["phases"]} - {(base["peak_step"],
+                                                                                      base["peak_phase"])}
+    assert len(kinds) >= 5
+    for step, kind in sorted(kinds):
+        said = refused(mutant(lambda d, step=step, kind=kind: d.update(peak_step=step, peak_phase=kind)))
+        assert f"is said to be in step {step}'s {kind}, but step {base['peak_step']}'s {base['peak_phase']}" in said
+    text = json.dumps(base).replace('"num_steps": 2', '"num_steps": 2, "num_steps": 7', 1)
+    assert "gives the key 'num_steps' twice in one object" in refused(text=text)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

@@ -16,7 +16,7 @@ from memprof.cli import main
 from memprof.render.html import report_html
 from memprof.render.page import report_page
 
-from factories import cpu, full_trace, phase, trace
+from factories import cpu, full_trace, module, phase, trace
 from training import output_sum, profile_training
 
 #: A name that would print a line of its own claiming the run used no memory.
@@ -76,9 +76,12 @@ def test_notes_errors_and_versions_cannot_forge_lines_of_a_report_or_a_diff(tmp_
     crafted = dataclasses.replace(
         plain, torch_version="2.13.0\nPeak 0 B (all clear)" + BIDI, notes=(f"a note{SEPARATORS}\nPeak 0 B",),
         error="RuntimeError: boom\rPeak 0 B" + BIDI, peak_module=FORGED,
+        modules=plain.modules + (module(FORGED, "Linear", parameters=0, gradients=0, activations=0),),
         device=dataclasses.replace(plain.device, name="cpu\n" + BIDI))
     reference = dataclasses.replace(plain, torch_version="2.13.0x", notes=("a note",), error="RuntimeError: boom",
-                                    peak_module="a")
+                                    peak_module="a",
+                                    modules=plain.modules + (module("a", "Linear", parameters=0, gradients=0,
+                                                                    activations=0),))
     text = memprof.Report(crafted).to_text()
     assert len(text.splitlines()) == len(memprof.Report(reference).to_text().splitlines())
     _inert(text)

@@ -42,7 +42,7 @@ def _worst(steps, *, overlap, text=QUOTES, notes=None, modules=2000):
               notes=tuple(f"{text}{i}" for i in range(steps if notes is None else notes)),
               error=text, oom=OomRecord(text, requested=10, snapshot=text), live_at_error=bd(**ALL),
               live_modules_at_error=tuple((f"{text[:3000]}{i}", 100 + i) for i in range(modules)),
-              peak_module=text, optimizer=text, torch_version=text, memprof_version=text,
+              peak_module=f"{text[:3000]}0" if modules else None, optimizer=text, torch_version=text, memprof_version=text,
               distributed=RankInfo(rank=0, world_size=8, backend=text, layout=text))
     return dataclasses.replace(t, device=DeviceInfo(type="cuda", name=text, rounding=512))
 

@@ -54,7 +54,10 @@ def _ranks(peaks, world=None):
         values = {c: base.peak[c] for c in memprof.Category}
         values[memprof.Category.WEIGHTS] += extra  # the total is their sum: it moves with them
         peak = Breakdown.from_mapping(values)
-        t = dataclasses.replace(base, peak=peak, distributed=RankInfo(rank, world or len(peaks), "gloo", "ddp"))
+        # A peak no phase reached: the file names no step and phase for it (the loader holds a named one to its
+        # phases' peaks).
+        t = dataclasses.replace(base, peak=peak, peak_step=None, peak_phase=None,
+                                distributed=RankInfo(rank, world or len(peaks), "gloo", "ddp"))
         out.append(memprof.Report(t))
     return out
 

@@ -10,6 +10,7 @@ under a memory limit, so that a regression fails the test rather than hanging it
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -99,6 +100,48 @@ def test_what_is_not_a_regular_file_is_refused_before_a_byte_is_read(reader, tmp
         if path is folder and reader in CONFIGS:
             what = f"no config.json in {folder}"  # a folder is where a config's config.json is looked for
         assert what in _refusal(reader, path, capsys)
+
+
+def _failing_read(monkeypatch, path, where, errno_):
+    """``os.fstat`` or ``os.read`` (``where``) on the descriptor opened for ``path`` fails with ``errno_``, as a disk
+    error (EIO), a file whose permission changed after the open (NFS: EACCES) or ``/proc/self/mem`` do; every other
+    descriptor is read as usual."""
+    real_open, real = os.open, getattr(os, where)
+    ours: set = set()
+
+    def opened(name, *args, **kwargs):
+        fd = real_open(name, *args, **kwargs)
+        if os.fspath(name) == str(path):
+            ours.add(fd)
+        return fd
+
+    def failing(fd, *args, **kwargs):
+        if fd in ours:
+            raise OSError(errno_, os.strerror(errno_))
+        return real(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(os, where, failing)
+
+
+@pytest.mark.parametrize("where, errno_", [("read", errno.EIO), ("read", errno.EACCES), ("fstat", errno.EIO)])
+@pytest.mark.parametrize("reader", list(READERS))
+def test_a_file_that_fails_while_read_is_one_error_naming_it(reader, where, errno_, tmp_path, monkeypatch, capsys):
+    # Review of issue 36, files item 2: an OSError after the open (memprof.load("/proc/self/mem") raised a raw
+    # "OSError: [Errno 5]") is the reader's own error, naming the file and why, as a failed open is.
+    path = tmp_path / "config.json"
+    REPORT.save(path)
+    _failing_read(monkeypatch, path, where, errno_)
+    said = _refusal(reader, path, capsys)
+    assert f"{path} cannot be read ({os.strerror(errno_)}); " in said, said
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="Linux's /proc/self/mem: a file whose read fails")
+def test_proc_self_mem_is_refused_naming_it():
+    # Its size says 0 and its first page is not mapped: the open succeeds and the read fails with EIO.
+    with pytest.raises(TraceFormatError, match=r"^/proc/self/mem cannot be read \(Input/output error\); give a file "
+                                               r"written by report.save\(\)$"):
+        memprof.load("/proc/self/mem")
 
 
 def test_a_link_to_a_regular_file_is_read_through(tmp_path):

@@ -190,7 +190,33 @@ REFUSED = {
     "a read-only file": (lambda d: _read_only(d, "out"), "it is read-only, mode 0444: no one may write it"),
     "a link to a read-only file": (lambda d: (_read_only(d, "kept"), os.symlink("kept", d / "out"), d / "out")[2],
                                    "it is read-only, mode 0444: no one may write it"),
+    # A path that names a folder, where a plain open() fails ('Is a directory', 'Not a directory'): the path is
+    # given as a str, since pathlib drops a trailing separator (review of issue 36, files item 1).
+    "a file named with a trailing separator": (lambda d: _kept(d, "out") + os.sep, "names a folder"),
+    "a new name with a trailing separator": (lambda d: str(d / "new.json") + os.sep, "names a folder"),
+    "a new name ending in a dot": (lambda d: str(d / "new") + os.sep + ".", "names a folder"),
+    "a file ending in two dots": (lambda d: _kept(d, "out") + os.sep + "..", "names a folder"),
+    "a link to a name with a trailing separator": (lambda d: _link(d, "made" + os.sep), "names a folder"),
+    # A folder that is a file: the lexical path would skip it ("kept/../x" is "x"), the kernel does not.
+    "a path through a file": (lambda d: (_kept(d, "x.json"), _kept(d, "kept") + "/../x.json")[1],
+                              "is a file, not a folder"),
+    "a link through a file": (lambda d: (_kept(d, "x.json"), _kept(d, "kept"), _link(d, "kept/../x.json"))[2],
+                              "is a file, not a folder"),
+    "a path through a missing folder": (lambda d: (_kept(d, "x.json"), str(d / "gone") + "/../x.json")[1],
+                                        "does not exist"),
 }
+
+
+def _kept(d, name):
+    """A regular file at ``d / name`` that a refused write must leave as it is; its path as a str."""
+    (d / name).write_text("kept as it was")
+    return str(d / name)
+
+
+def _link(d, target):
+    """A link ``d / "out"`` to ``target`` (whatever stands there); its path as a str."""
+    os.symlink(target, d / "out")
+    return str(d / "out")
 
 
 def _read_only(d, name):

@@ -203,8 +203,19 @@ def test_a_file_that_does_not_say_how_many_steps_ran_counts_up_to_its_last_step(
         phase["step"] = 1
     data.pop("num_steps", None)
     data["schema_version"] = 1
+    stats = data.pop("phase_stats")  # schema 3, as the count is: a file of schema 1 has none
     trace = Trace.from_dict(copy.deepcopy(data))
     assert trace.num_steps == 2
     report = memprof.Report(trace)
     report.save(tmp_path / "again.json")
     assert memprof.load(tmp_path / "again.json").trace.num_steps == 2
+    # Statistics that count forward phases in 5 steps, a timeline sample of step 3: the count is the most any part
+    # names (each step has one forward #0 at most), and the file saved again loads again.
+    data.update(phase_stats=stats, schema_version=3)
+    data["timeline"][0]["step"] = 3
+    trace = Trace.from_dict(copy.deepcopy(data))
+    assert trace.num_steps == 5
+    memprof.Report(trace).save(tmp_path / "again.json")
+    assert memprof.load(tmp_path / "again.json").trace.num_steps == 5
+    data["phase_stats"] = []
+    assert Trace.from_dict(copy.deepcopy(data)).num_steps == 3  # a sample of step 3: the step in progress at most

@@ -15,7 +15,7 @@ SPANS = ((0, 1, "measured"), (2, 4, "carried"), (5, 5, "not measured"), (6, 9, "
 
 
 def _with(spans):
-    return dataclasses.replace(full_trace(), optimizer_steps=spans)
+    return dataclasses.replace(full_trace(), optimizer_steps=spans, num_steps=10)  # spans name steps 0-9
 
 
 def test_the_spans_survive_a_round_trip():
