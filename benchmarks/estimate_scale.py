@@ -219,8 +219,8 @@ def worker(name: str, seq: int, batch: int, steps: int, cprofile: bool, precisio
     bpp = anatomy.bytes_per_param(regime, "adamw")
     bpp_split = anatomy.bytes_per_param_breakdown(regime, "adamw")
     korthikanti_layer = anatomy.transformer_layer_activations(
-        seq, batch, cfg["hidden"], cfg["heads"], dropout=False, attention="flash", bytes_per_element=2,
-        mlp="swiglu", ffn_hidden=cfg["ffn"], kv_heads=cfg["kv_heads"])
+        anatomy.LayerShape(seq, batch, cfg["hidden"], cfg["heads"], ffn_hidden=cfg["ffn"], kv_heads=cfg["kv_heads"]),
+        dropout=False, attention="flash", bytes_per_element=2, mlp="swiglu")
     trace = est.trace
     out = {
         "config": name,

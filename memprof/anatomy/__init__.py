@@ -7,7 +7,9 @@ in ``docs/anatomy.md``:
 * :mod:`.params` -- bytes per parameter by precision regime and optimizer (HF, ZeRO).
 * :mod:`.optimizers` -- state and step-temporary bytes of real optimizer objects (the formulas of
   torch.optim's and bitsandbytes' classes: :mod:`.optimizer_rules`).
-* :mod:`.activations` -- Korthikanti's transformer closed forms and per-module saved-bytes rules.
+* :mod:`.activations` -- Korthikanti's transformer closed forms and per-module saved-bytes rules; they take a
+  layer's shape and the parallel degrees as :mod:`.shapes`' records, which :mod:`.parallelism` (one rank's terms)
+  shares.
 * :mod:`.zero` -- ZeRO stage formulas and the DeepSpeed estimators.
 * :mod:`.allocator` -- a model of torch's CUDA caching allocator (:mod:`.alloc_config` parses
   ``PYTORCH_CUDA_ALLOC_CONF``; :mod:`.alloc_replay` replays an allocation stream through it).
@@ -68,6 +70,7 @@ from .cache_config import cache_spec
 from .params import BytesPerParam, bytes_per_param, bytes_per_param_breakdown, textbook_regime
 from .predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from .zero import DeepSpeedEstimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate, zero_model_states
+from .shapes import LayerShape, Parallelism
 
 __all__ = [
     "kv_cache_bytes",
@@ -92,6 +95,8 @@ __all__ = [
     "predict_optimizer_step_transient_bytes",
     "bitsandbytes_formula",
     "TensorMeta",
+    "LayerShape",
+    "Parallelism",
     "transformer_layer_terms",
     "transformer_layer_activations",
     "transformer_activations_total",

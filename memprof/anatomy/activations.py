@@ -20,17 +20,20 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, RegistryError, UnknownNameError
 from ..units import as_count, round_half_away
+from .shapes import LayerShape, Parallelism
 
 __all__ = [
     "MASK_BYTES",
     "LOGSUMEXP_BYTES",
+    "LayerShape",
+    "Parallelism",
     "TensorMeta",
     "ModuleLike",
     "RuleOutput",
@@ -56,6 +59,7 @@ LOGSUMEXP_BYTES = 4
 _ATTENTION = ("eager", "flash")
 _MLP = ("gelu", "swiglu")
 _RECOMPUTE = (None, "selective", "full")
+_ONE = Parallelism()  # no parallelism: the defaults of the closed forms
 
 
 def _check_int(name: str, value: object, minimum: int = 1) -> int:
@@ -64,25 +68,19 @@ def _check_int(name: str, value: object, minimum: int = 1) -> int:
 
 
 def transformer_layer_terms(
-    seq_len: int,
-    batch: int,
-    hidden: int,
-    heads: int,
+    shape: LayerShape,
     *,
     dropout: bool = True,
     attention: str = "eager",
     bytes_per_element: int = 2,
     mlp: str = "gelu",
-    ffn_hidden: int | None = None,
-    kv_heads: int | None = None,
-    tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
     recompute: str | None = None,
+    parallel: Parallelism = _ONE,
 ) -> dict[str, Fraction]:
     """The per-layer saved bytes term by term (exact ``Fraction`` s); see :func:`transformer_layer_activations`.
 
     With ``e = bytes_per_element``, masks 1 B, ``g = kv_heads/heads``, ``F = ffn_hidden``
-    (default 4h), ``t = tensor_parallel`` (Korthikanti et al. 2022, §4.1 and Table 2; the
+    (default 4h), ``t = parallel.tp`` (Korthikanti et al. 2022, §4.1 and Table 2; the
     variants are derived in ``docs/anatomy.md#variants-memprof-uses``):
 
     ========================  ================  ==========================================
@@ -107,24 +105,22 @@ def transformer_layer_terms(
     ``recompute="selective"`` drops the s² attention terms; ``"full"`` keeps only
     the layer input ``e·sbh`` (Table 2, "Full recompute 2sbh").
     """
-    seq_len, batch, hidden, heads = (_check_int(name, value) for name, value in (
-        ("seq_len", seq_len), ("batch", batch), ("hidden", hidden), ("heads", heads)))
-    bytes_per_element = _check_int("bytes_per_element", bytes_per_element)
-    tensor_parallel = _check_int("tensor_parallel", tensor_parallel)
+    s, b, h, a = (_check_int(name, getattr(shape, name)) for name in ("seq_len", "batch", "hidden", "heads"))
+    e = _check_int("bytes_per_element", bytes_per_element)
+    tensor_parallel = _check_int("tp", parallel.tp)
     if attention not in _ATTENTION:
         raise UnknownNameError(f"unknown attention {attention!r}; use one of: {', '.join(_ATTENTION)}")
     if mlp not in _MLP:
         raise UnknownNameError(f"unknown mlp {mlp!r}; use one of: {', '.join(_MLP)}")
     if recompute not in _RECOMPUTE:
         raise UnknownNameError(f"unknown recompute {recompute!r}; use one of: None, 'selective', 'full'")
-    s, b, h, a, e = seq_len, batch, hidden, heads, bytes_per_element
     sbh = Fraction(s * b * h)
     t = Fraction(tensor_parallel)
-    sp = t if sequence_parallel else Fraction(1)
+    sp = t if parallel.sequence_parallel else Fraction(1)
     if recompute == "full":
         return {"layer_input": e * sbh}
-    f = Fraction(4 * h if ffn_hidden is None else ffn_hidden)
-    g = Fraction(1) if kv_heads is None else Fraction(kv_heads, a)
+    f = Fraction(4 * h if shape.ffn_hidden is None else shape.ffn_hidden)
+    g = Fraction(1) if shape.kv_heads is None else Fraction(shape.kv_heads, a)
     as2b = Fraction(a * s * s * b)
     terms: dict[str, Fraction] = {
         "layernorm_inputs": 2 * e * sbh / sp,
@@ -151,89 +147,71 @@ def transformer_layer_terms(
 
 
 def transformer_layer_activations(
-    seq_len: int,
-    batch: int,
-    hidden: int,
-    heads: int,
+    shape: LayerShape,
     *,
     dropout: bool = True,
     attention: str = "eager",
     bytes_per_element: int = 2,
     mlp: str = "gelu",
-    ffn_hidden: int | None = None,
-    kv_heads: int | None = None,
-    tensor_parallel: int = 1,
-    sequence_parallel: bool = False,
     recompute: str | None = None,
+    parallel: Parallelism = _ONE,
 ) -> int:
     """Bytes saved for backward by one transformer layer (Korthikanti Eq. 1 and its variants).
 
     Defaults give ``sbh(34 + 5as/h)``. ``dropout=False``: ``sbh(32 + 2as/h)``;
     ``attention="flash"``: ``34sbh + 4asb`` (``32sbh`` without dropout); fp32
-    (``bytes_per_element=4``): ``sbh(66 + 9as/h)``; ``mlp="swiglu"`` with width
-    ``ffn_hidden``; ``kv_heads`` for GQA; Table 2 rows through
-    ``tensor_parallel``, ``sequence_parallel`` and ``recompute``. LayerNorm
+    (``bytes_per_element=4``): ``sbh(66 + 9as/h)``; ``mlp="swiglu"`` with the
+    shape's ``ffn_hidden``; its ``kv_heads`` for GQA; Table 2 rows through the
+    ``parallel`` degrees (``tp``, ``sequence_parallel``) and ``recompute``. LayerNorm
     statistics (2sb per LN) are ignored, as in the paper. Rounded half up to
     whole bytes at the end only.
     """
-    terms = transformer_layer_terms(
-        seq_len,
-        batch,
-        hidden,
-        heads,
-        dropout=dropout,
-        attention=attention,
-        bytes_per_element=bytes_per_element,
-        mlp=mlp,
-        ffn_hidden=ffn_hidden,
-        kv_heads=kv_heads,
-        tensor_parallel=tensor_parallel,
-        sequence_parallel=sequence_parallel,
-        recompute=recompute,
-    )
+    terms = transformer_layer_terms(shape, dropout=dropout, attention=attention, bytes_per_element=bytes_per_element,
+                                    mlp=mlp, recompute=recompute, parallel=parallel)
     return round_half_away(sum(terms.values(), Fraction(0)))
 
 
 def transformer_activations_total(
-    seq_len: int,
-    batch: int,
-    hidden: int,
-    heads: int,
+    shape: LayerShape,
     num_layers: int,
     *,
-    pipeline_parallel: int = 1,
+    dropout: bool = True,
+    attention: str = "eager",
+    bytes_per_element: int = 2,
+    mlp: str = "gelu",
+    recompute: str | None = None,
+    parallel: Parallelism = _ONE,
     interleave_stages: int | None = None,
     vocab_size: int | None = None,
     outside_layers: bool = False,
-    **layer_kwargs: Any,
 ) -> int:
     """Activation bytes on the first pipeline stage (Korthikanti Eq. 5 and §4.3).
 
-    The first stage holds ``p`` micro-batches of ``L/p`` layers, i.e. ``L``
-    layers' worth: ``L × per-layer``. ``interleave_stages=m`` multiplies by
-    ``1 + (p-1)/(p·m)``. ``outside_layers=True`` adds the embedding dropout mask
-    ``sbhp/t`` and, with ``p == 1``, the final LN input ``2sbh/t``, the output
-    layer input ``2sbh/t`` and fp32 logits ``4sbv/t`` (needs ``vocab_size``).
-    ``layer_kwargs`` go to :func:`transformer_layer_terms`.
+    The first stage of ``p = parallel.pp`` holds ``p`` micro-batches of ``L/p``
+    layers, i.e. ``L`` layers' worth: ``L × per-layer``. ``interleave_stages=m``
+    multiplies by ``1 + (p-1)/(p·m)``. ``outside_layers=True`` adds the embedding
+    dropout mask ``sbhp/t`` and, with ``p == 1``, the final LN input ``2sbh/t``, the
+    output layer input ``2sbh/t`` and fp32 logits ``4sbv/t`` (needs ``vocab_size``).
+    The layer's keywords are :func:`transformer_layer_terms`'.
     """
     num_layers = _check_int("num_layers", num_layers)
-    pipeline_parallel = _check_int("pipeline_parallel", pipeline_parallel)
-    terms = transformer_layer_terms(seq_len, batch, hidden, heads, **layer_kwargs)
+    p = _check_int("pp", parallel.pp)
+    terms = transformer_layer_terms(shape, dropout=dropout, attention=attention, bytes_per_element=bytes_per_element,
+                                    mlp=mlp, recompute=recompute, parallel=parallel)
     total = num_layers * sum(terms.values(), Fraction(0))
-    p = pipeline_parallel
     if interleave_stages is not None:
         interleave_stages = _check_int("interleave_stages", interleave_stages)
         total *= 1 + Fraction(p - 1, p * interleave_stages)
     if outside_layers:
-        t = Fraction(layer_kwargs.get("tensor_parallel", 1))
-        sbh = Fraction(seq_len * batch * hidden)
+        t = Fraction(parallel.tp)
+        sbh = Fraction(shape.seq_len * shape.batch * shape.hidden)
         total += MASK_BYTES * sbh * p / t  # embedding dropout masks of p micro-batches
         if p == 1:
             if vocab_size is None:
-                raise InvalidArgumentError("outside_layers=True with pipeline_parallel=1 needs vocab_size (the logits)")
-            e = layer_kwargs.get("bytes_per_element", 2)
+                raise InvalidArgumentError("outside_layers=True with one pipeline stage (parallel.pp=1) needs "
+                                           "vocab_size (the logits)")
             # final LN, output input, fp32 logits
-            total += (2 * e * sbh + 4 * Fraction(seq_len * batch * vocab_size)) / t
+            total += (2 * bytes_per_element * sbh + 4 * Fraction(shape.seq_len * shape.batch * vocab_size)) / t
     return round_half_away(total)
 
 

@@ -24,6 +24,7 @@ from memprof.anatomy.activations import (
     transformer_layer_activations,
     transformer_layer_terms,
 )
+from memprof.anatomy.shapes import LayerShape, Parallelism
 from memprof.errors import RegistryError, UnknownNameError
 
 GiB = 2**30
@@ -51,34 +52,35 @@ def saved_bytes(fn, *args, exclude=()):
 def test_eq1_small_block():
     # Korthikanti et al. 2022, Eq. 1. s=128, b=2, h=256, a=4: sbh = 65,536; 5as/h = 5*4*128/256 = 10;
     # (34 + 10) * 65,536 = 2,883,584 ("Table 3b" here and below: docs/anatomy.md#measured-saved-tensors-per-block)
-    assert transformer_layer_activations(128, 2, 256, 4) == 2_883_584
+    assert transformer_layer_activations(LayerShape(128, 2, 256, 4)) == 2_883_584
 
 
 def test_variants_small_block():
     sbh = 128 * 2 * 256
     # no dropout: sbh(32 + 2as/h) = 65,536 * (32 + 4) = 2,359,296 (Table 3b)
-    assert transformer_layer_activations(128, 2, 256, 4, dropout=False) == 2_359_296
+    assert transformer_layer_activations(LayerShape(128, 2, 256, 4), dropout=False) == 2_359_296
     # flash: 34sbh + 4asb = 2,228,224 + 4*4*128*2 = 2,232,320 (Table 3b prints 34sbh = 2,228,224 alone)
-    assert transformer_layer_activations(128, 2, 256, 4, attention="flash") == 34 * sbh + 4 * 4 * 128 * 2
-    assert transformer_layer_activations(128, 2, 256, 4, attention="flash", dropout=False) == 32 * sbh + 4096
+    assert transformer_layer_activations(LayerShape(128, 2, 256, 4), attention="flash") == 34 * sbh + 4 * 4 * 128 * 2
+    assert transformer_layer_activations(LayerShape(128, 2, 256, 4), attention="flash", dropout=False) == 32 * sbh + 4096
     # fp32: sbh(66 + 9as/h) = 65,536 * (66 + 18) = 5,505,024 (Table 3b)
-    assert transformer_layer_activations(128, 2, 256, 4, bytes_per_element=4) == 5_505_024
+    assert transformer_layer_activations(LayerShape(128, 2, 256, 4), bytes_per_element=4) == 5_505_024
     # SwiGLU F=688, flash, no dropout: 16sbh + 8sbF + 4asb = 1,048,576 + 1,409,024 + 4,096
     # (Table 3b: 2,457,600 + lse)
     assert (
-        transformer_layer_activations(128, 2, 256, 4, attention="flash", dropout=False, mlp="swiglu", ffn_hidden=688)
+        transformer_layer_activations(LayerShape(128, 2, 256, 4, ffn_hidden=688), attention="flash", dropout=False,
+                                      mlp="swiglu")
         == 16 * sbh + 8 * 128 * 2 * 688 + 4096
     )
 
 
 def test_gelu_mlp_is_18sbh_and_gqa_term():
-    terms = transformer_layer_terms(128, 2, 256, 4, dropout=False)
+    terms = transformer_layer_terms(LayerShape(128, 2, 256, 4), dropout=False)
     sbh = 128 * 2 * 256
     # GELU MLP = input 2sbh + 4sbF = 2sbh + 16sbh = 18sbh at F = 4h (Korthikanti et al. 2022, §4.1;
     # docs/anatomy.md#variants-memprof-uses)
     assert terms["mlp_input"] + terms["mlp_hidden"] == 18 * sbh
     # GQA g = 1/4: Q,K,V = 2sbh(1 + 2g) = 3sbh
-    gqa = transformer_layer_terms(128, 2, 256, 4, kv_heads=1)
+    gqa = transformer_layer_terms(LayerShape(128, 2, 256, 4, kv_heads=1))
     assert gqa["query_key"] + gqa["value"] == 2 * sbh * (1 + Fraction(2, 4))
 
 
@@ -92,9 +94,10 @@ MODELS = {
 }
 
 
-def _layer(model, **kw):
+def _layer(model, tp=1, sp=False, **kw):
     m = MODELS[model]
-    return transformer_layer_activations(2048, m["batch"], m["hidden"], m["heads"], **kw)
+    return transformer_layer_activations(LayerShape(2048, m["batch"], m["hidden"], m["heads"]),
+                                         parallel=Parallelism(tp=tp, sequence_parallel=sp), **kw)
 
 
 @pytest.mark.parametrize(
@@ -113,20 +116,21 @@ def test_derived_table(model, eq1, eq2, eq4, sel, full):
     # Eq.2 = sbh(10 + 24/8 + 106.67/8) = sbh*26.33 = 1.234 GiB; Eq.4 = sbh(34 + 106.67)/8 = 0.824 GiB;
     # selective + SP = 34sbh/8 = 0.199 GiB; full = 2sbh = 0.094 GiB.
     assert round(_layer(model) / GiB, 2) == eq1
-    assert round(_layer(model, tensor_parallel=8) / GiB, 3) == eq2
-    assert round(_layer(model, tensor_parallel=8, sequence_parallel=True) / GiB, 3) == eq4
-    assert round(_layer(model, tensor_parallel=8, sequence_parallel=True, recompute="selective") / GiB, 3) == sel
+    assert round(_layer(model, tp=8) / GiB, 3) == eq2
+    assert round(_layer(model, tp=8, sp=True) / GiB, 3) == eq4
+    assert round(_layer(model, tp=8, sp=True, recompute="selective") / GiB, 3) == sel
     assert round(_layer(model, recompute="full") / GiB, 3) == full
 
 
 @pytest.mark.parametrize("model,eq5,eq6", [("22B", 39.6, 9.6), ("175B", 32.1, 9.6), ("530B", 50.2, 17.4), ("1T", 76.6, 26.6)])
 def test_eq5_eq6_totals(model, eq5, eq6):
     m = MODELS[model]
-    kw = dict(tensor_parallel=8, sequence_parallel=True)
-    args = (2048, m["batch"], m["hidden"], m["heads"], m["layers"])
+    args = (LayerShape(2048, m["batch"], m["hidden"], m["heads"]), m["layers"])
     # Eq. 5: (sbhL/t)(34 + 5as/h); 22B: 0.824 GiB * 48 = 39.6 GiB. Eq. 6: 34sbhL/t; 22B: 0.199 * 48 = 9.6 GiB.
-    assert round(transformer_activations_total(*args, pipeline_parallel=m["p"], **kw) / GiB, 1) == eq5
-    assert round(transformer_activations_total(*args, recompute="selective", **kw) / GiB, 1) == eq6
+    staged = Parallelism(tp=8, pp=m["p"], sequence_parallel=True)
+    assert round(transformer_activations_total(*args, parallel=staged) / GiB, 1) == eq5
+    sp = Parallelism(tp=8, sequence_parallel=True)
+    assert round(transformer_activations_total(*args, recompute="selective", parallel=sp) / GiB, 1) == eq6
 
 
 def test_selective_saving_gpt3_and_mtnlg():
@@ -134,8 +138,8 @@ def test_selective_saving_gpt3_and_mtnlg():
     for model, five_as_h, pct in (("175B", 80, 70.2), ("530B", 64, 65.3)):
         m = MODELS[model]
         assert Fraction(5 * m["heads"] * 2048, m["hidden"]) == five_as_h
-        base = _layer(model, tensor_parallel=8, sequence_parallel=True)
-        sel = _layer(model, tensor_parallel=8, sequence_parallel=True, recompute="selective")
+        base = _layer(model, tp=8, sp=True)
+        sel = _layer(model, tp=8, sp=True, recompute="selective")
         assert round(100 * (1 - sel / base), 1) == pct
 
 
@@ -143,23 +147,26 @@ def test_table2_rows_exact():
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     sbh = Fraction(s * b * h)
     r = Fraction(5 * a * s, h)  # 5as/h = 80
-    assert transformer_layer_activations(s, b, h, a, tensor_parallel=t) == sbh * (10 + Fraction(24, t) + r / t)
-    assert transformer_layer_activations(s, b, h, a, tensor_parallel=t, recompute="selective") == sbh * (10 + 3)
-    assert transformer_layer_activations(s, b, h, a, tensor_parallel=t, sequence_parallel=True) == sbh * (34 + r) / t
+    shape, tp, sp = LayerShape(s, b, h, a), Parallelism(tp=t), Parallelism(tp=t, sequence_parallel=True)
+    assert transformer_layer_activations(shape, parallel=tp) == sbh * (10 + Fraction(24, t) + r / t)
+    assert transformer_layer_activations(shape, parallel=tp, recompute="selective") == sbh * (10 + 3)
+    assert transformer_layer_activations(shape, parallel=sp) == sbh * (34 + r) / t
 
 
 def test_outside_layers_and_interleave():
     s, b, h, a, L, v = 2048, 4, 6144, 64, 48, 51200
     sbh = s * b * h
-    base = transformer_activations_total(s, b, h, a, L, tensor_parallel=8)
+    tp8 = Parallelism(tp=8)
+    base = transformer_activations_total(LayerShape(s, b, h, a), L, parallel=tp8)
     # p = 1: embedding dropout mask sbh/t + final LN 2sbh/t + output input 2sbh/t + fp32 logits 4sbv/t
-    with_out = transformer_activations_total(s, b, h, a, L, tensor_parallel=8, outside_layers=True, vocab_size=v)
+    with_out = transformer_activations_total(LayerShape(s, b, h, a), L, parallel=tp8, outside_layers=True, vocab_size=v)
     assert with_out - base == (sbh + 4 * sbh + 4 * s * b * v) // 8
     # the same as Korthikanti's (sbhL/t)(p/L + (4/L)(1 + v/h)) with p = 1
     assert with_out - base == round(Fraction(sbh * L, 8) * (Fraction(1, L) + Fraction(4, L) * (1 + Fraction(v, h))))
     # interleave factor 1 + (p-1)/(pm): p = 8, m = 3 -> 1 + 7/24
-    one = transformer_activations_total(s, 1, h, a, 96, pipeline_parallel=8, tensor_parallel=8)
-    inter = transformer_activations_total(s, 1, h, a, 96, pipeline_parallel=8, tensor_parallel=8, interleave_stages=3)
+    staged = Parallelism(tp=8, pp=8)
+    one = transformer_activations_total(LayerShape(s, 1, h, a), 96, parallel=staged)
+    inter = transformer_activations_total(LayerShape(s, 1, h, a), 96, parallel=staged, interleave_stages=3)
     assert inter == round(Fraction(one) * Fraction(31, 24))
 
 
@@ -169,14 +176,14 @@ def test_530b_sbhp():
     sbhp = 2048 * 1 * 20480 * 35
     assert round(2 * sbhp / GiB, 3) == 2.734
     # which is the full-recompute figure (e*sbh per layer input) times p micro-batches
-    assert transformer_layer_activations(2048, 1, 20480, 128, recompute="full") * 35 == 2 * sbhp
+    assert transformer_layer_activations(LayerShape(2048, 1, 20480, 128), recompute="full") * 35 == 2 * sbhp
 
 
 def test_bad_names_raise():
     with pytest.raises(UnknownNameError):
-        transformer_layer_activations(1, 1, 8, 2, attention="sparse")
+        transformer_layer_activations(LayerShape(1, 1, 8, 2), attention="sparse")
     with pytest.raises(UnknownNameError):
-        transformer_layer_activations(1, 1, 8, 2, recompute="some")
+        transformer_layer_activations(LayerShape(1, 1, 8, 2), recompute="some")
 
 
 # ----------------------------------------------------------------------------- measured: a Megatron-like block
@@ -207,7 +214,7 @@ BLOCKS = [
     (
         dict(p=0.0, attention="flash", mlp="swiglu", ffn=688),
         torch.bfloat16,
-        dict(dropout=False, attention="flash", mlp="swiglu", ffn_hidden=688),
+        dict(dropout=False, attention="flash", mlp="swiglu"),
         2_463_744,
     ),
 ]
@@ -217,7 +224,8 @@ BLOCKS = [
 def test_block_matches_formula_and_table3b(block_kw, dtype, formula_kw, table3b):
     measured = _measure_block(dtype, **block_kw)
     assert measured == table3b
-    predicted = transformer_layer_activations(S, B, H, A, **formula_kw)
+    ffn = block_kw.get("ffn")  # the block's MLP width is the layer shape's
+    predicted = transformer_layer_activations(LayerShape(S, B, H, A, ffn_hidden=ffn), **formula_kw)
     assert abs(measured - predicted) / predicted < 0.01
     # the whole residual is the LN statistics: 2 LNs x (mean + rstd) x sb elements x itemsize (CPU: input dtype)
     item = torch.empty((), dtype=dtype).element_size()

@@ -181,8 +181,8 @@ def test_counts_accept_the_floats_people_write():
     from memprof import anatomy
 
     assert anatomy.zero_model_states(7.5e9, 64, 3) == anatomy.zero_model_states(7_500_000_000, 64, 3)
-    assert anatomy.transformer_layer_activations(2048.0, 1, 12288, 96) == \
-        anatomy.transformer_layer_activations(2048, 1, 12288, 96)
+    assert anatomy.transformer_layer_activations(anatomy.LayerShape(2048.0, 1, 12288, 96)) == \
+        anatomy.transformer_layer_activations(anatomy.LayerShape(2048, 1, 12288, 96))
     with pytest.raises(InvalidArgumentError, match="whole number"):
         anatomy.zero_model_states(7.5e9 + 0.5, 64, 3)
     with pytest.raises(InvalidArgumentError, match="world_size"):

@@ -64,9 +64,10 @@ def test_expert_parallel_is_simulated_to_the_byte(world, rank, exchange):
     assert phase_records(rep.trace)[(1, "optimizer", 0)].end[C.WEIGHTS] == experts + dense
     assert est.trace.peak[C.WEIGHTS] == experts + dense == {2: 149_760, 4: 84_224}[world]
     # The textbook's term for the experts (Switch Transformers §5.4: E/ep experts per rank) gives the same bytes.
-    from memprof.anatomy.parallelism import expert_terms
+    from memprof.anatomy.parallelism import Experts, Parallelism, Precision, expert_terms
 
-    assert expert_terms(2 * E * (DIM * HID + HID * DIM), ep=world, param_bytes=4)[0].bytes == experts
+    share = expert_terms(Experts(2 * E * (DIM * HID + HID * DIM)), Parallelism(ep=world), precision=Precision(param_bytes=4))
+    assert share[0].bytes == experts
     # Balanced: each rank routes 24 tokens x 2 picks = 48 rows, 48 / EP to every rank, and receives as many.
     note = next(n for n in est.notes if n.startswith("expert parallel"))
     assert f"receives {IDS_LEN * 2:,} token rows per MoE layer ({IDS_LEN * 2 // world:,} from each of {world}" in note

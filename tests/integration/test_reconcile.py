@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import memprof
 from memprof.anatomy import predict_activations
 from memprof import Category as C
-from memprof.anatomy import transformer_layer_activations
+from memprof.anatomy import LayerShape, transformer_layer_activations
 
 from blocks import Block
 from helpers import optimizer_state_bytes, weight_bytes
@@ -118,7 +118,7 @@ def test_megatron_block_activations_within_one_percent():
         layer(x).float().sum().backward()
     rep = prof.report()
     measured = rep.breakdown(0, "forward", "end")[C.ACTIVATIONS]
-    formula = transformer_layer_activations(s, b, h, a)  # sbh(34 + 5as/h) = 65,536 * 44 = 2,883,584
+    formula = transformer_layer_activations(LayerShape(s, b, h, a))  # sbh(34 + 5as/h) = 65,536 * 44 = 2,883,584
     assert formula == 2_883_584
     # Exactly the measurement in docs/anatomy.md#measured-saved-tensors-per-block (torch 2.13, CPU; the .float()
     # cast and sum() save nothing).

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping, cast
 
 from ...anatomy.activations import transformer_layer_activations
+from ...anatomy.shapes import LayerShape, Parallelism
 from ...anatomy.params import bytes_per_param_breakdown, infer_precision
 from ...anatomy.predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from ...vocabulary import PHASE_MOMENTS, RECONCILE_MOMENTS, Category, Phase, parse_moment
@@ -92,8 +93,12 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
         cfg = dict(transformer)
         try:
             layers = int(cfg.pop("layers"))
-            per_layer = transformer_layer_activations(
-                cfg.pop("seq_len"), cfg.pop("batch"), cfg.pop("hidden"), cfg.pop("heads"), **cfg)
+            # The flat keywords of transformer=: the layer's shape, its parallel degrees, then the variant's.
+            shape = LayerShape(cfg.pop("seq_len"), cfg.pop("batch"), cfg.pop("hidden"), cfg.pop("heads"),
+                               ffn_hidden=cfg.pop("ffn_hidden", None), kv_heads=cfg.pop("kv_heads", None))
+            parallel = Parallelism(tp=cfg.pop("tensor_parallel", 1),
+                                   sequence_parallel=cfg.pop("sequence_parallel", False))
+            per_layer = transformer_layer_activations(shape, parallel=parallel, **cfg)
         except (KeyError, TypeError) as exc:
             if is_interrupt(exc):
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's

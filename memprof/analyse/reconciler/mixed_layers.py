@@ -48,6 +48,7 @@ from fractions import Fraction
 from typing import Any
 
 from ...anatomy.activations import transformer_layer_activations
+from ...anatomy.shapes import LayerShape
 from ...record.specs import ModuleCall
 from ...record.trace import Trace, parent_path
 
@@ -142,7 +143,7 @@ def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
         return -(-x // r) * r
 
     sbh, sb, as2b = s * b * h, s * b, a * s * s * b
-    textbook = transformer_layer_activations(s, b, h, a)
+    textbook = transformer_layer_activations(LayerShape(s, b, h, a))
     layer_linears = [c for c in linears if c.path.startswith(layer + ".")]
     copies = sum(R(2 * dict(c.config)["in_features"] * dict(c.config)["out_features"]) for c in layer_linears)
     causes = [("autocast weight copies", copies,

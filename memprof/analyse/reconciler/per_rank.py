@@ -219,15 +219,15 @@ def _activations(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown",
         return RankRow(A, "not modelled per rank without the transformer's shape: give reconcile(transformer="
                           "{seq_len, batch, hidden, heads, layers}) for Korthikanti et al.'s per-layer terms", None,
                        m[A])
-    from ...anatomy.parallelism import rank_terms
+    from ...anatomy.parallelism import LayerShape, Parallelism, rank_terms
 
     t = lay.degree("tp") if lay is not None else 1
     sp = lay is not None and any("tp" in g.replicated_over for g in lay.groups)
     p = lay.degree("pp") if lay is not None else 1  # a stage holds L/p of the layers given
     try:
-        terms = rank_terms(max(trace.facts.num_params, 0), tp=t, pp=p, sequence_parallel=sp,
-                           seq=int(transformer["seq_len"]), batch=int(transformer["batch"]),
-                           hidden=int(transformer["hidden"]), heads=int(transformer["heads"]),
+        shape = LayerShape(int(transformer["seq_len"]), int(transformer["batch"]), int(transformer["hidden"]),
+                           int(transformer["heads"]))
+        terms = rank_terms(max(trace.facts.num_params, 0), Parallelism(tp=t, pp=p, sequence_parallel=sp), shape=shape,
                            layers=int(transformer["layers"]), in_flight=1)
     except (KeyError, TypeError, ValueError) as failure:
         if is_interrupt(failure):
