@@ -501,13 +501,34 @@ def estimate_text(est: "Estimate", formula: Breakdown, textbook: "Textbook") -> 
 
 
 def plan_text(plan: "BatchSizePlan") -> str:
-    lines = [f"largest batch size within {format_bytes(plan.budget)}: {plan.batch_size} "
-             f"(multiple of {plan.multiple_of})",
-             f"  peak(b) = {format_bytes(plan.fixed_bytes)} + {format_bytes(int(round(plan.per_sample_bytes)))}"
-             " x b",
-             "  simulated: " + ", ".join(f"b={b}: {format_bytes(p)}" for b, p in plan.points)]
+    """A batch-size plan: the answer and the limit it was judged against (with a GPU its name, and a memory
+    fraction's cap and the memory outside torch that make the limit), the judged peak near the answer as a line, the
+    batches simulated (those that did not fit marked), and the notes."""
+    limit = plan.limit if plan.limit is not None else plan.budget
+    if plan.device_level:
+        what = f" of {plan.gpu}" if plan.gpu else ""
+        why = "the device-level peak"
+        if plan.allocator_limit is not None:
+            why += (f"; per_process_memory_fraction {plan.fraction} caps the allocator at "
+                    f"{format_bytes(plan.allocator_limit)}, and {format_bytes(plan.outside_bytes or 0)} lie outside "
+                    "torch")
+    else:
+        what, why = "", "the tensors' peak; no GPU given"
+    lines = [f"largest batch size within {format_bytes(limit)}{what} ({why}): {plan.batch_size} "
+             f"(multiple of {plan.multiple_of})"]
+    if plan.per_sample_bytes:
+        lines.append(f"  near the answer: peak(b) = {format_bytes(plan.fixed_bytes)} + "
+                     f"{format_bytes(int(round(plan.per_sample_bytes)))} x b")
+    oom = set(plan.out_of_memory)
+
+    def point(b: int, peak: int) -> str:
+        mark = " (out of memory)" if b in oom else " (over)" if peak > limit else ""
+        return f"b={b}: {format_bytes(peak)}{mark}"
+
+    lines.append("  simulated: " + ", ".join(point(b, p) for b, p in plan.points))
     if not plan.verified:
         lines.append("  not confirmed by simulation at the answer (see points)")
+    lines.extend(f"  - {note}" for note in plan.notes)
     return _text(lines)
 
 

@@ -113,16 +113,28 @@ def stream_between(b1: int, stream1: Sequence[tuple[int, int, int]], sizes2: Seq
 
 
 class Probe:
-    """One configuration's simulated batches: ``simulate(b)`` gives the Estimate; :meth:`judged` is the
-    device-level peak a plan judges (an out-of-memory error the replay predicts counting as over the limit), and
-    :meth:`predicted` the same for a batch not simulated, from the streams of two that were."""
+    """One configuration's simulated batches: ``simulate(b)`` gives the Estimate; :meth:`judged` is the peak a
+    plan judges against :attr:`limit`, and :meth:`predicted` the same for a batch not simulated, from the streams of
+    two that were.
+
+    With ``device_level`` (a GPU's plan) the peak judged is the device-level one (the caching allocator's segments
+    and the memory outside torch), an out-of-memory error the replay predicts counting as over the limit; and where
+    a memory fraction caps the allocator (``per_process_memory_fraction``: :attr:`~memprof.simulate.device_memory.
+    DeviceMemory.allocator_limit`), :attr:`limit` is no more than that cap plus the memory outside torch, which the
+    first simulation tells (it does not depend on the batch). Without it (a budget and no GPU) the tensors' peak is
+    judged, and no stream is replayed."""
 
     def __init__(self, simulate: Callable[[int], Any], limit: int, max_batch: int,
-                 step: Callable[[int], None] = lambda b: None) -> None:
+                 step: Callable[[int], None] = lambda b: None, device_level: bool = True) -> None:
         self.simulate, self.limit, self.max_batch, self.step = simulate, limit, max_batch, step
+        self.device_level = device_level
         self.runs: dict[int, Any] = {}
         self.moments: dict[int, dict[tuple[Any, ...], int]] = {}
         self.device: dict[int, int] = {}
+        #: Per simulated batch: the peak judged as simulated (an out-of-memory batch's the peak its replay needed
+        #: without the device's limit), and whether its replay predicted an out-of-memory error.
+        self.peaks: dict[int, int] = {}
+        self.oom: dict[int, bool] = {}
         # Per batch simulated or predicted: was memory pressed (the allocator freed its cache and retried, or
         # failed)? Below the batches where it was, every batch fits (see largest_batch).
         self.pressed: dict[int, bool] = {}
@@ -142,9 +154,17 @@ class Probe:
             self.step(b)
             est = self.simulate(b)
             self.runs[b], self.moments[b] = est, moments(est.trace)
-            memory = est.device_memory
-            self.device[b] = self._verdict(memory.device_peak, memory.oom)
-            self.pressed[b] = memory.oom is not None or bool(getattr(memory, "num_alloc_retries", 0))
+            memory = est.device_memory if self.device_level else None
+            if memory is None:
+                peak, oom, pressed = est.peak_bytes, None, False
+            else:
+                peak, oom = memory.device_peak, memory.oom
+                pressed = oom is not None or bool(getattr(memory, "num_alloc_retries", 0))
+                cap = getattr(memory, "allocator_limit", None)
+                if cap is not None:  # what the fraction lets the allocator reserve, and what lies outside it
+                    self.limit = min(self.limit, cap + memory.outside_bytes)
+            self.peaks[b], self.oom[b], self.pressed[b] = peak, oom is not None, pressed
+            self.device[b] = self._verdict(peak, oom)
             self.predictions.clear()  # a new stream to predict from, nearer some batches
         return self.device[b]
 
@@ -153,7 +173,8 @@ class Probe:
 
     def _shape(self, b: int) -> "tuple[array[int], array[int]] | None":
         if b not in self.shapes:
-            replay = replay_of(self.runs[b].device_memory)
+            # A plan of the tensors' peak replays nothing: a device replay's figures are not what it judges.
+            replay = replay_of(self.runs[b].device_memory) if self.device_level else None
             self.shapes[b] = None if replay is None else stream_shape(replay.stream())
         return self.shapes[b]
 
@@ -208,6 +229,8 @@ class Probe:
         capacity-capped peak, so the figure is a lower bound there."""
         near = min(self.runs, key=lambda s: (abs(s - b), -s))
         est = self.runs[near]
+        if not self.device_level or est.device_memory is None:
+            return 0
         return max(0, est.device_memory.device_peak - est.peak_bytes)
 
 
@@ -230,7 +253,7 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
     configuration's moments at ``start_batch`` (and ``overhead`` of its device bytes above the tensors): with it
     and ``shared`` the search simulates the batch they predict first, and batches 1 and 2 only if it comes to them.
     """
-    limit, ceiling = probe.limit, probe.max_batch
+    ceiling = probe.max_batch  # (probe.limit is read where used: a memory fraction's cap lowers it at the first run)
     lo, hi = 0, None  # the largest batch known to fit (0: none simulated yet), the smallest known not to
     slopes = dict(shared) if shared is not None else None
     if start is None or slopes is None or not start.keys() <= slopes.keys():
@@ -263,7 +286,7 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
     while True:
         while (hi is None or hi - lo > 1) and lo < ceiling:
             top = ceiling if hi is None else hi - 1
-            guess = _predicted(probe, slopes or {}, lo, hi, limit, top, start, overhead, start_batch)
+            guess = _predicted(probe, slopes or {}, lo, hi, probe.limit, top, start, overhead, start_batch)
             replayed = _replayed_guess(probe, lo, top, guess)
             if replayed is not None:
                 guess = replayed
@@ -295,7 +318,7 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
         if gap is None:
             break
         hi = gap
-        lo = max((b for b in probe.runs if b < gap and probe.device[b] <= limit), default=0)
+        lo = max((b for b in probe.runs if b < gap and probe.device[b] <= probe.limit), default=0)
         same_side, last_side = 0, None
     verified = hi is not None and hi == lo + 1 and (lo == 0 or lo in probe.runs)
     probe.forget_streams()

@@ -1,41 +1,61 @@
-"""The batch-size planner: the largest batch that fits a memory budget.
+"""The batch-size planners: the largest batch that fits a memory budget or a GPU.
 
-Peak memory of a training step is, to a very good approximation, an affine
-function of the batch size: model states do not depend on it, activations,
-inputs and most temporaries grow with it. :func:`max_batch_size` simulates
-the step (meta tensors, no real memory) at a few batch sizes, fits
-``peak(b) = fixed + per_sample * b``, solves for the budget, rounds down to a
-multiple of 8 (NVIDIA's tensor-core guidance, "Matrix Multiplication Background
-User's Guide", Table 1: fp16 dimensions in multiples of 8), and simulates
-the answer and the next multiple to confirm it.
+:func:`max_batch_size` (a training step) and :func:`max_generation_batch_size` (a generation) build one
+:class:`~memprof.simulate.run.RunConfig` from their arguments and search with the plan's own search
+(:func:`memprof.simulate.plan_search.largest_batch`, as ``memprof plan`` does for each of its rows), handing the
+simulation copies of that configuration at other batch sizes: each phase moment's tensor bytes as a line in the
+batch, the device-level peak of a batch not simulated from the replay of its interpolated allocation stream, the
+edge below an out-of-memory band where memory is pressed, and the answer always confirmed by simulation (it fits,
+the next multiple does not). The search runs over the multiples of ``multiple_of``: 8 for a training step by
+default, NVIDIA's tensor-core guidance ("Matrix Multiplication Background User's Guide", Table 1: fp16 dimensions
+in multiples of 8).
+
+With a GPU each batch's device-level peak (tensors, the caching allocator's segments, the memory outside torch) is
+judged against the limit the allocator model applies: the budget or the GPU's capacity, and under
+``per_process_memory_fraction`` what the allocator may reserve plus the memory outside torch; a batch whose replay
+predicts an out-of-memory error does not fit. Without one the tensors' peak is judged against the budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, MemprofError, SimulationError, is_interrupt
 from ..units import format_bytes, parse_size
 
-__all__ = ["BatchSizePlan", "max_batch_size", "max_generation_batch_size", "MAX_BUDGET"]
+if TYPE_CHECKING:
+    from .estimate import Estimate
+    from .plan_search import Probe
+    from .run import RunConfig
 
-#: The largest budget the search takes (1 PiB). Its probes simulate peaks up to a few times the
-#: budget (the search doubles its steps, and its first guess is a straight line that may be low), and a
-#: simulated tensor cannot exceed torch's size limit (2**63 bytes): far above any device's memory,
-#: 1 PiB keeps every probe well inside it. Above it torch's own errors ("Storage size calculation
-#: overflowed") would end the search.
+__all__ = ["BatchSizePlan", "max_batch_size", "max_generation_batch_size", "MAX_BUDGET", "plan_limit"]
+
+#: The largest budget the search takes (1 PiB). Its probes simulate peaks up to a few times the budget (the
+#: search doubles its steps where its lines keep missing), and a simulated tensor cannot exceed torch's size limit
+#: (2**63 bytes): far above any device's memory, 1 PiB keeps every probe well inside it. Above it torch's own
+#: errors ("Storage size calculation overflowed") would end the search.
 MAX_BUDGET = 2**50
 
 
 @dataclass(frozen=True)
 class BatchSizePlan:
-    """The answer of :func:`max_batch_size` and how it was found.
+    """The answer of :func:`max_batch_size` (or :func:`max_generation_batch_size`) and how it was found.
 
-    ``batch_size`` is 0 when not even ``multiple_of`` samples fit; ``peak_bytes`` is the estimated peak
-    there (as an Estimate's; None for 0). ``points`` are the simulated (batch size, peak bytes) pairs;
-    ``verified`` says the simulated peak at ``batch_size`` is within the budget and the next multiple's
-    is not. Plain data: :class:`memprof.BatchSizePlan` adds its text.
+    ``batch_size`` is the largest multiple of ``multiple_of`` below which every batch fits (0 when not even
+    ``multiple_of`` samples do). ``budget`` is the budget given, or the GPU's capacity without one. ``limit`` is
+    what each batch's peak was judged against: the budget, no more than the GPU's capacity, and under a memory
+    fraction (``fraction``) no more than what the allocator may reserve (``allocator_limit``, torch's
+    ``allowed_memory_maximum``) plus the memory outside torch (``outside_bytes``). ``device_level`` says the peaks
+    are device-level (a GPU, ``gpu``, was given), else they are the tensors' peaks.
+
+    ``points`` are the simulated (batch size, peak) pairs, ``peak_bytes`` the one at the answer (None for 0); a
+    batch in ``out_of_memory`` is one whose replay predicts an out-of-memory error, its peak the one it needed.
+    ``verified`` says the answer fits and the next multiple does not, both simulated. ``fixed_bytes`` and
+    ``per_sample_bytes`` describe the judged peak near the answer, as the line through the two simulated batches
+    nearest it (``per_sample_bytes`` 0.0 when one batch was simulated); the search itself follows each phase
+    moment's own line, not this one. ``notes`` say what was judged and what the limit is made of. Plain data:
+    :class:`memprof.BatchSizePlan` adds its text.
     """
 
     batch_size: int
@@ -46,6 +66,14 @@ class BatchSizePlan:
     points: tuple[tuple[int, int], ...]
     verified: bool
     multiple_of: int
+    limit: "int | None" = None
+    device_level: bool = False
+    gpu: "str | None" = None
+    fraction: "float | None" = None
+    allocator_limit: "int | None" = None
+    outside_bytes: "int | None" = None
+    out_of_memory: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()
 
 
 def max_batch_size(
@@ -56,52 +84,65 @@ def max_batch_size(
     *,
     loss_fn: "Callable[..., Any] | None" = None,
     multiple_of: int = 8,
+    precision: "str | None" = None,
     device: "str | None" = None,
     attention: str = "auto",
     world_size: int = 1,
     parallel: "str | None" = None,
     gpu: Any = None,
     alloc_conf: Any = None,
+    **options: Any,
 ) -> BatchSizePlan:
     """The largest batch size (a multiple of ``multiple_of``) whose simulated peak fits ``budget``.
 
-    ``make_batch(b)`` returns the model's inputs for batch size ``b``, or an
-    ``(inputs, targets)`` pair used with ``loss_fn(output, targets)``; only
-    shapes and dtypes matter (build them on the meta device to stay cheap).
-    ``budget`` is bytes or a size string (``"24 GiB"``), one device's memory: at most
-    :data:`MAX_BUDGET` (1 PiB). ``optimizer`` is as
-    in :func:`memprof.estimate`. ``device="cuda"`` sizes blocks as the CUDA
-    caching allocator does; allocator caching, fragmentation and the CUDA
-    context are not included: leave headroom for them. ``attention`` is
-    :func:`memprof.estimate`'s (the attention kernel of a CUDA target). With ``world_size`` and ``parallel``
-    (:func:`memprof.estimate`'s) the batch is one rank's and the budget one rank's device.
-    With ``gpu`` (a name or a GpuSpec; ``alloc_conf`` as :func:`memprof.estimate`'s) each batch size's
-    device-level peak (tensors, the allocator's cache, the memory outside torch) is judged against the GPU's
-    capacity, or against ``budget`` when one is given too; ``budget`` may then be None.
-    """
-    from .ranks import check_parallel
-    from .estimate import estimate
+    ``make_batch(b)`` returns the model's inputs for batch size ``b``, or an ``(inputs, targets)`` pair used with
+    ``loss_fn(output, targets)``; only shapes and dtypes matter: build them on the meta device (a batch of real
+    tensors takes real memory, and the search may ask for large batches). ``budget`` is bytes or a size string
+    (``"24 GiB"``), one device's memory: at most :data:`MAX_BUDGET` (1 PiB). ``optimizer``, ``precision``,
+    ``device``, ``attention``, ``world_size``, ``parallel``, ``gpu``, ``alloc_conf`` and the other keywords
+    (``steps``, ``routing``, ``parallelize``, ``mesh``, ``rank``, ``pipeline``, ``extrapolate``, ``step_context``)
+    are :func:`memprof.estimate`'s; with ``world_size`` the batch is one rank's and the budget one rank's device.
 
-    world_size, parallel = check_parallel(world_size, parallel)
+    Without ``gpu`` the tensors' peak is judged against ``budget`` (``device="cuda"`` sizes blocks as the CUDA
+    caching allocator does; its cache and the memory outside torch are not included: leave headroom for them). With
+    ``gpu`` each batch's device-level peak (tensors, the allocator's cache, the memory outside torch) is judged
+    against the GPU's capacity, or ``budget`` when it is lower, and under ``per_process_memory_fraction`` no more
+    than the allocator may reserve plus the memory outside torch; ``budget`` may then be None. The search is the
+    plan's (:func:`memprof.simulate.plan_search.largest_batch`): ``memprof plan`` answers the same on the same
+    configuration.
+    """
+    from .run import RunConfig
+    from .stages import simulate
 
     if not callable(make_batch):
         raise InvalidArgumentError(f"make_batch must be a function of the batch size returning the inputs (or "
                                    f"(inputs, targets)), got {type(make_batch).__name__}")
-    limit, gpu = _limit(budget, gpu, device, alloc_conf)
-    if not isinstance(multiple_of, int) or multiple_of < 1:
-        raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
+    given = sorted({"inputs", "targets"} & set(options))
+    if given:
+        raise InvalidArgumentError(f"max_batch_size() makes each batch with make_batch(b); {' and '.join(given)}= "
+                                   "cannot be given with it")
+    multiple_of = _multiple(multiple_of)
+    budget_bytes, limit, spec = plan_limit(budget, gpu, device, alloc_conf)
 
-    def simulated_peak(b: int) -> int:
-        batch = make_batch(b)
-        if isinstance(batch, tuple) and len(batch) == 2 and loss_fn is not None:
-            inputs, targets = batch
-        else:
-            inputs, targets = batch, None
-        est = estimate(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn, device=device,
-                       attention=attention, world_size=world_size, parallel=parallel, gpu=gpu, alloc_conf=alloc_conf)
-        return _judged(est, gpu)
+    def batch(b: int) -> "tuple[Any, Any]":
+        made = call_make_batch(make_batch, b)
+        if isinstance(made, tuple) and len(made) == 2 and loss_fn is not None:
+            return made
+        return made, None
 
-    return _plan("max_batch_size", simulated_peak, limit, multiple_of)
+    inputs, targets = batch(multiple_of)
+    config = RunConfig.from_options(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn,
+                                    precision=precision, device=device, attention=attention, world_size=world_size,
+                                    parallel=parallel, gpu=gpu, alloc_conf=alloc_conf, **options)
+    first: "dict[int, RunConfig]" = {multiple_of: config}
+
+    def at(b: int) -> "Estimate":
+        if b in first:
+            return simulate(first.pop(b))  # the batch the configuration was built with, made once
+        x, y = batch(b)
+        return simulate(config.with_workload(inputs=x, targets=y))
+
+    return _plan("max_batch_size", at, budget_bytes, limit, multiple_of, spec is not None)
 
 
 def max_generation_batch_size(
@@ -116,49 +157,53 @@ def max_generation_batch_size(
     attention: str = "auto",
     gpu: Any = None,
     alloc_conf: Any = None,
+    **options: Any,
 ) -> BatchSizePlan:
     """The largest number of sequences (a multiple of ``multiple_of``) that generate ``max_new_tokens`` tokens
     after a ``prompt_len``-token prompt within ``budget``, by :func:`memprof.estimate_generation`: the KV cache
-    and the decode temporaries grow with the batch, the weights do not. The arguments are
-    :func:`memprof.estimate_generation`'s; the answer is a :class:`BatchSizePlan`. With ``gpu`` the device-level
-    peak is judged against the GPU's capacity (or ``budget``), as in :func:`max_batch_size`.
+    and the decode temporaries grow with the batch, the weights do not. The arguments, and the other keywords
+    (``num_beams``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``routing``), are
+    :func:`memprof.estimate_generation`'s; the answer is a :class:`BatchSizePlan`, found as :func:`max_batch_size`
+    finds its own. With ``gpu`` the device-level peak is judged as there.
     """
-    from .generation import estimate_generation
+    from .generation import simulate_generation
+    from .run import RunConfig
 
-    limit, gpu = _limit(budget, gpu, device, alloc_conf)
+    if "batch_size" in options:
+        raise InvalidArgumentError("max_generation_batch_size() searches the batch size; batch_size= cannot be "
+                                   "given with it")
+    multiple_of = _multiple(multiple_of)
+    budget_bytes, limit, spec = plan_limit(budget, gpu, device, alloc_conf)
+    config = RunConfig.for_generation(model, batch_size=multiple_of, prompt_len=prompt_len,
+                                      max_new_tokens=max_new_tokens, precision=precision, device=device,
+                                      attention=attention, gpu=gpu, alloc_conf=alloc_conf, **options)
+
+    def at(b: int) -> "Estimate":
+        return simulate_generation(config.with_workload(batch_size=b))  # the Generation section at batch b
+
+    return _plan("max_generation_batch_size", at, budget_bytes, limit, multiple_of, spec is not None)
+
+
+def _multiple(multiple_of: Any) -> int:
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
-
-    def simulated_peak(b: int) -> int:
-        est = estimate_generation(model, batch_size=b, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                                  precision=precision, device=device, attention=attention, gpu=gpu,
-                                  alloc_conf=alloc_conf)
-        return _judged(est, gpu)
-
-    return _plan("max_generation_batch_size", simulated_peak, limit, multiple_of)
+    return multiple_of
 
 
-def _limit(budget: "int | str | None", gpu: Any, device: Any, alloc_conf: Any) -> "tuple[int, Any]":
-    """The bytes a plan must fit (``budget``, else the GPU's capacity) and the GPU's spec (None without one)."""
+def plan_limit(budget: "int | str | None", gpu: Any, device: Any, alloc_conf: Any) -> "tuple[int, int, Any]":
+    """The budget (given, else the GPU's capacity), the bytes a plan judges each batch against before the
+    simulations say more (the budget, no more than the GPU's capacity: a memory fraction's cap lowers it once the
+    first simulation tells the memory outside torch, :class:`~memprof.simulate.plan_search.Probe`), and the GPU's
+    spec (None without one)."""
     from .device_memory import check_target
 
     spec, _ = check_target(gpu, device, alloc_conf)
     if budget is None:
         if spec is None:
             raise InvalidArgumentError("give budget= (bytes or '24 GiB') or gpu= (a GPU name such as 'h100-80gb')")
-        return spec.allocatable_bytes, spec
-    return _budget(budget), spec
-
-
-def _judged(est: Any, gpu: Any) -> "tuple[int, int]":
-    """The peak a plan judges (the device-level peak with a GPU, an out-of-memory error predicted on its way
-    counting as not fitting; else the tensors' peak) and the tensors' peak."""
-    if gpu is None or est.device_memory is None:
-        return est.peak_bytes, est.peak_bytes
-    memory = est.device_memory
-    if memory.oom is not None:
-        return max(memory.device_peak, memory.capacity + 1), est.peak_bytes
-    return memory.device_peak, est.peak_bytes
+        return spec.allocatable_bytes, spec.allocatable_bytes, spec
+    limit = _budget(budget)
+    return limit, limit if spec is None else min(limit, spec.allocatable_bytes), spec
 
 
 def _budget(budget: "int | str") -> int:
@@ -172,76 +217,100 @@ def _budget(budget: "int | str") -> int:
     return limit
 
 
-def _plan(label: str, simulated_peak: Callable[[int], "tuple[int, int]"], limit: int,
-          multiple_of: int) -> BatchSizePlan:
-    """The search, each batch size simulated once (``simulated_peak(b)``: the peak judged and the tensors'),
-    with a progress bar named ``label``."""
+def call_make_batch(make_batch: Callable[[int], Any], b: int) -> Any:
+    """``make_batch(b)``; where it fails, one error naming it, the batch size and the fix (torch's own, such as
+    "can't allocate" for a real batch, is chained as its cause)."""
+    try:
+        return make_batch(b)
+    except MemprofError:
+        raise
+    except Exception as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        first = (str(failure).strip().splitlines() or [""])[0]
+        raise SimulationError(
+            f"make_batch({b}) failed: {type(failure).__name__}: {first}. The planner calls make_batch with each "
+            "batch size it simulates, and only the batch's shapes and dtypes matter: build it on the meta device "
+            f"(torch.empty({b}, ..., device='meta')), where a batch of any size takes no memory") from failure
+
+
+def _plan(label: str, at: Callable[[int], "Estimate"], budget: int, limit: int, multiple_of: int,
+          device_level: bool) -> BatchSizePlan:
+    """The plan's search over the multiples of ``multiple_of`` (``at(b)``: the estimate of batch ``b``), with a
+    progress bar named ``label``. The search's ceiling is ``limit`` samples: a batch grows the peak by a byte a
+    sample at least (its inputs), or the search stops, so no larger batch fits."""
+    from .plan_search import Probe, largest_batch
     from .progress import Progress
 
-    cache: dict[int, int] = {}
     tensors: dict[int, int] = {}
-    bar = Progress(None, label)
 
-    def peak(b: int) -> int:
-        if b not in cache:
-            bar.step(f"batch size {b}")
-            cache[b], tensors[b] = simulated_peak(b)
-        return cache[b]
+    def unit(k: int) -> "Estimate":
+        est = at(k * multiple_of)
+        tensors[k] = est.peak_bytes
+        if k == 2 and 1 in tensors and tensors[2] <= tensors[1]:
+            raise InvalidArgumentError(
+                f"peak memory does not grow with the batch size here ({format_bytes(tensors[1])} at "
+                f"{multiple_of} samples, {format_bytes(tensors[2])} at {2 * multiple_of}); check make_batch(b)")
+        return est
 
-    with bar:
-        return _search(peak, cache, limit, multiple_of, tensors)
+    with Progress(None, label) as bar:
+        probe = Probe(unit, limit, max(1, limit // multiple_of), lambda k: bar.step(f"batch size {k * multiple_of}"),
+                      device_level=device_level)
+        best, verified, _ = largest_batch(probe)
+    return _answer(probe, best, verified, multiple_of, budget)
 
 
-def _search(peak: Callable[[int], int], cache: dict[int, int], limit: int, multiple_of: int,
-            tensors: "dict[int, int] | None" = None) -> BatchSizePlan:
-    """The largest multiple of ``multiple_of`` whose ``peak`` fits ``limit`` (``peak`` fills ``cache``)."""
-    b1, b2 = multiple_of, 2 * multiple_of
-    p1, p2 = peak(b1), peak(b2)
-    # The line's slope is the tensors' (a device-level peak grows in whole segments: small batches share one).
-    t1, t2 = (tensors[b1], tensors[b2]) if tensors else (p1, p2)
-    per_sample = (t2 - t1) / (b2 - b1)
-    fixed = int(round(p1 - per_sample * b1))
-    if per_sample <= 0:
-        raise InvalidArgumentError("peak memory does not grow with the batch size here; check make_batch(b)")
-    # The straight line gives a first guess. From it, steps of 1, 2, 4 ... multiples (up while they
-    # fit, down while they do not) bracket the answer, and bisection finds it: when the line is exact
-    # that is two simulations, and when it is far off (the optimizer step dominating small batches)
-    # the steps grow until they reach the answer.
-    guess = max(1, int((limit - fixed) // per_sample) // multiple_of)
-    lo, hi = 0, None  # multiples known to fit (lo) and not to fit (hi)
-    step = 1
-    if peak(guess * multiple_of) <= limit:
-        lo = guess
-        while hi is None:
-            probe = lo + step
-            if peak(probe * multiple_of) <= limit:
-                lo, step = probe, step * 2
-            else:
-                hi = probe
+def _answer(probe: "Probe", best: int, verified: bool, m: int, budget: int) -> BatchSizePlan:
+    """The plan from the search's probe (its batches counted in multiples of ``m``)."""
+    near = sorted(sorted(probe.runs, key=lambda k: (abs(2 * k - 2 * best - 1), k))[:2])
+    fixed, per_sample = probe.peaks[near[0]], 0.0
+    if len(near) == 2:
+        per_sample = (probe.peaks[near[1]] - probe.peaks[near[0]]) / ((near[1] - near[0]) * m)
+        fixed = int(round(probe.peaks[near[0]] - per_sample * near[0] * m))
+    memory = probe.runs[min(probe.runs)].device_memory if probe.device_level else None
+    cap = memory.allocator_limit if memory is not None else None
+    plan = BatchSizePlan(
+        batch_size=best * m, budget=budget, fixed_bytes=fixed, per_sample_bytes=per_sample,
+        peak_bytes=probe.peaks[best] if best else None,
+        points=tuple((k * m, probe.peaks[k]) for k in sorted(probe.runs)), verified=verified, multiple_of=m,
+        limit=probe.limit, device_level=probe.device_level,
+        gpu=memory.gpu.name if memory is not None and memory.gpu is not None else None,
+        fraction=_fraction(memory), allocator_limit=cap,
+        outside_bytes=memory.outside_bytes if memory is not None else None,
+        out_of_memory=tuple(k * m for k in sorted(probe.runs) if probe.oom[k]))
+    return _with_notes(plan, probe)
+
+
+def _fraction(memory: Any) -> "float | None":
+    from .device_memory import fraction_in
+
+    fraction = fraction_in(memory.alloc_conf) if memory is not None else None
+    return fraction if fraction is not None and fraction < 1 else None
+
+
+def _with_notes(plan: BatchSizePlan, probe: "Probe") -> BatchSizePlan:
+    """``plan`` with its notes: what was judged against what, and the memory fraction's part in it."""
+    import dataclasses
+
+    limit = plan.limit if plan.limit is not None else plan.budget
+    first = probe.runs[min(probe.runs)]
+    if plan.device_level:
+        said = [f"judged: each batch's device-level peak (the caching allocator's reserved bytes, as the replay of "
+                f"its allocation stream gives them, plus the memory outside torch) against {limit} B; a batch whose "
+                "replay predicts an out-of-memory error does not fit"]
+        if plan.allocator_limit is not None:
+            outside = plan.outside_bytes or 0
+            said.append(f"per_process_memory_fraction {plan.fraction}: the allocator may reserve at most "
+                        f"{plan.allocator_limit} B, int({plan.fraction} x {first.device_memory.capacity} B) of "
+                        f"{plan.gpu} (torch's allowed_memory_maximum); the {outside} B outside torch (the CUDA "
+                        f"context and libraries) are beyond its reach, so a batch's device peak must stay within "
+                        f"{plan.allocator_limit} + {outside} = {plan.allocator_limit + outside} B")
     else:
-        hi = guess
-        while lo == 0 and hi > 1:
-            probe = max(1, hi - step)
-            if peak(probe * multiple_of) <= limit:
-                lo = probe
-            else:
-                hi, step = probe, step * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if peak(mid * multiple_of) <= limit:
-            lo = mid
-        else:
-            hi = mid
-    best = lo * multiple_of
-    verified = (best == 0 or cache.get(best, limit + 1) <= limit) and cache.get((lo + 1) * multiple_of, 0) > limit
-    points = tuple(sorted(cache.items()))
-    return BatchSizePlan(
-        batch_size=best,
-        budget=limit,
-        fixed_bytes=fixed,
-        per_sample_bytes=per_sample,
-        peak_bytes=cache.get(best) if best else None,
-        points=points,
-        verified=verified,
-        multiple_of=multiple_of,
-    )
+        said = [f"judged: each batch's simulated tensors' peak against the budget, {limit} B; the caching allocator's "
+                "cache and the memory outside torch (the CUDA context, libraries) are not included: give gpu= for "
+                "them, or leave headroom"]
+        said += [n for n in first.notes if n.startswith("per_process_memory_fraction")]
+    said.append("search: the plan's (each phase moment's tensor bytes a line in the batch; with a GPU the device peak "
+                "of a batch not simulated from the replay of its interpolated allocation stream); the answer is the "
+                "edge below which every batch fits, simulated, and when verified so is the batch above it")
+    return dataclasses.replace(plan, notes=tuple(said))
