@@ -12,6 +12,7 @@ interrupt of a storm reaches the training loop, as it does without memprof.
 from __future__ import annotations
 
 import ast
+import gc
 import pathlib
 import signal
 import sys
@@ -58,6 +59,15 @@ def _storm(mode: "str | None", interrupts: int) -> tuple[int, int, int]:
     # AdamW's state exists before the storm: an interrupt inside its lazy creation would leave a half-made
     # state that fails the next step, with or without memprof.
     _step(model, opt, x, y)
+    # Other tests of this worker leave finalisers behind (a property-testing library's gc callback, torch's
+    # weak storage references of an earlier simulation), where an interrupt is swallowed with or without
+    # memprof: collected and frozen before the storm, and gc callbacks put aside, so that only this storm's
+    # objects finalise during it.
+    grad_enabled = torch.is_grad_enabled()
+    gc.collect()
+    gc.freeze()
+    foreign_callbacks = gc.callbacks[:]
+    gc.callbacks.clear()
     previous_handler = signal.signal(signal.SIGALRM, handler)
     previous_hook = sys.unraisablehook
     sys.unraisablehook = unraisable
@@ -65,6 +75,9 @@ def _storm(mode: "str | None", interrupts: int) -> tuple[int, int, int]:
     intervals = [0.002 + 0.0037 * (i % 11) for i in range(interrupts)]
     try:
         for interval in intervals:
+            # An interrupt inside torch's own no_grad regions (the optimizer's step) can leave grad mode off,
+            # with or without memprof: each round starts as a training loop's would.
+            torch.set_grad_enabled(True)
             try:
                 signal.setitimer(signal.ITIMER_REAL, interval)
                 # A bounded number of steps: a swallowed interrupt ends the round without reaching the loop.
@@ -81,6 +94,9 @@ def _storm(mode: "str | None", interrupts: int) -> tuple[int, int, int]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous_handler)
         sys.unraisablehook = previous_hook
+        gc.callbacks.extend(foreign_callbacks)
+        torch.set_grad_enabled(grad_enabled)
+        gc.unfreeze()
     return handled, caught, swallowed
 
 
