@@ -97,8 +97,8 @@ def transformer_layer_terms(
     out_proj_input            e·sbh             yes (for flash: the attention output)
     attention_dropout_mask    sbh               only with sequence parallelism (dropout)
     mlp_input                 e·sbh             only with sequence parallelism
-    mlp_hidden                2·e·sbF (GELU: fc2 input + GELU input) or 4·e·sbF (SwiGLU: gate, up,
-                              silu(gate), product)                    yes
+    mlp_hidden                2·e·sbF, 4·e·sbF  yes (GELU: fc2 input + GELU input; SwiGLU:
+                                                gate, up, silu(gate), product)
     mlp_dropout_mask          sbh               only with sequence parallelism (dropout)
     ========================  ================  ==========================================
 

@@ -133,7 +133,7 @@ class Report:
         flops and bytes read and written, split by phase.
 
         ``by="op"`` gives one row per (phase, class, op); ``by="class"`` sums
-        them per (phase, class). Raises :class:`NotMeasuredError` when the run
+        them per (phase, class). Raises :class:`~memprof.errors.NotMeasuredError` when the run
         did not record operations.
         """
         from ..render.frames import operations_frame

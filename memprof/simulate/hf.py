@@ -287,9 +287,10 @@ def adamw(params: Any) -> Any:
 def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = adamw,
                 precision: "str | None" = None, checkpointing: bool = False, device: str = "cuda",
                 **options: Any) -> Any:
-    """:func:`memprof.estimate` of a training step of the model ``config`` describes (see :func:`load_config`),
-    built on the meta device: ``batch_size`` sequences of ``seq_len`` tokens, the loss transformers computes
-    from the labels, AdamW unless ``optimizer`` (a factory of parameters, or None) says otherwise.
+    """:func:`memprof.estimate` of a training step of the model ``config`` describes (see
+    :func:`~memprof.simulate.hf.load_config`), built on the meta device: ``batch_size`` sequences of ``seq_len``
+    tokens, the loss transformers computes from the labels, AdamW unless ``optimizer`` (a factory of parameters, or
+    None) says otherwise.
     ``precision`` defaults to the config's dtype; ``checkpointing`` enables transformers' activation
     checkpointing. Every other option (``attention``, ``world_size``, ``parallel``, ``gpu``, ``alloc_conf``,
     ``routing``) is :func:`memprof.estimate`'s."""
