@@ -15,7 +15,8 @@ applies the queue, in order, from memprof's hooks before they read the ledger:
 every reading of the totals and every lookup by key sees what torch released.
 
 Totals per category are updated in O(1) per event. At each new high the
-composition (seven ints) is copied, never a deep structure.
+composition (nine ints, one per tensor category) and the saved tags' live bytes
+(fifteen ints, one per tag) are copied, never a deep structure.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ CATEGORY_OF_INDEX: tuple[Category, ...] = TENSOR_CATEGORIES
 # Tags name a saved storage for the reconciler's named causes. Their live bytes
 # are tracked only while the storage is an activation (saved). An entry holds
 # one tag of each kind: what it is (the first seven, from the op that made it)
-# and where it was saved from (the last six, against the per-module formula),
+# and where it was saved from (the last eight, against the per-module formula
+# and activation checkpointing),
 # so a dropout mask saved in a container's own code counts for both causes.
 TAGS: tuple[str, ...] = (
     "autocast_weight_copy",  # 16-bit copy of a parameter made by autocast
