@@ -30,6 +30,7 @@ class SegmentHost(ReleaseHost, Protocol):
     num_alloc_retries: int
     num_oom_rejections: int
     num_ooms: int
+    peak_oversize_segments: int
 
 
 def allocation_size(size: int, large_segment: int) -> int:
@@ -84,7 +85,8 @@ def alloc_block(host: SegmentHost, small: bool, stream: int, size: int, alloc_si
     block = Block(addr, alloc_size, stream, small, reg)
     host.segment_count += 1
     if config.max_split_size is not None and alloc_size >= config.max_split_size:
-        host.oversize_segments += 1
+        host.oversize_segments += 1  # a Stat: increase_stat keeps its peak
+        host.peak_oversize_segments = max(host.peak_oversize_segments, host.oversize_segments)
     grow_reserved(host, alloc_size)
     return block, False
 

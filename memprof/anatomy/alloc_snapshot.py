@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from .alloc_blocks import Block, BlockPools
+from .alloc_config import AllocatorConfig
 
 __all__ = ["StatsHost", "segments", "snapshot", "inactive_split_bytes", "memory_stats"]
 
@@ -22,6 +23,8 @@ SnapshotSegment = dict[str, object]
 class StatsHost(Protocol):
     """The counters :func:`memory_stats` reads, named as ``torch.cuda.memory_stats()`` names them."""
 
+    @property
+    def config(self) -> AllocatorConfig: ...
     @property
     def pools(self) -> BlockPools: ...
     @property
@@ -56,6 +59,10 @@ class StatsHost(Protocol):
     def oversize_allocations(self) -> int: ...
     @property
     def oversize_segments(self) -> int: ...
+    @property
+    def peak_oversize_allocations(self) -> int: ...
+    @property
+    def peak_oversize_segments(self) -> int: ...
 
 
 def _segment_heads(pools: BlockPools, live: Iterable[Block | None]) -> list[Block]:
@@ -119,7 +126,11 @@ def memory_stats(host: StatsHost) -> dict[str, int]:
             "segment.all.current": host.segment_count,
             "inactive_split_bytes.all.current": inactive_split_bytes(host.pools),
             "oversize_allocations.current": host.oversize_allocations,
+            "oversize_allocations.peak": host.peak_oversize_allocations,
             "oversize_segments.current": host.oversize_segments,
+            "oversize_segments.peak": host.peak_oversize_segments,
+            # DeviceStats::max_split_size is static_cast<int64_t>(max_split_size()): SIZE_MAX ("no limit") is -1
+            "max_split_size": -1 if host.config.max_split_size is None else host.config.max_split_size,
             "allocated_bytes.all.current": host.allocated, "allocated_bytes.all.peak": host.peak_allocated,
             "reserved_bytes.all.current": host.reserved, "reserved_bytes.all.peak": host.peak_reserved,
             "active_bytes.all.current": host.active, "active_bytes.all.peak": host.peak_active,

@@ -145,8 +145,9 @@ class CachingAllocator:
         self.allocated = self.reserved = self.requested = 0
         self.peak_allocated = self.peak_reserved = self.peak_requested = 0
         self.num_alloc_retries = self.num_ooms = self.num_oom_rejections = 0
-        self.num_device_alloc = self.num_device_free = 0
-        self.segment_count = self.oversize_allocations = self.oversize_segments = 0
+        self.num_device_alloc = self.num_device_free = self.segment_count = 0
+        self.oversize_allocations = self.oversize_segments = self.peak_oversize_allocations = 0
+        self.peak_oversize_segments = 0
         self._live: dict[int, Block | None] = {}
         self._next_handle = 0
         self._allowed_max: int | None = None
@@ -179,10 +180,8 @@ class CachingAllocator:
         return self._allowed_max
 
     def malloc(self, nbytes: int, stream: int = 0) -> int:
-        """``DeviceCachingAllocator::malloc`` on ``stream``; returns a handle for :meth:`free`.
-
-        A zero-byte request takes no block (``NativeCachingAllocator::allocate`` skips ``malloc``).
-        """
+        """``DeviceCachingAllocator::malloc`` on ``stream``; returns a handle for :meth:`free`. A zero-byte
+        request takes no block (``NativeCachingAllocator::allocate`` skips ``malloc``)."""
         if type(nbytes) is not int or nbytes < 0:
             _check_size(nbytes)
         if type(stream) is not int:
@@ -226,8 +225,9 @@ class CachingAllocator:
             self.peak_allocated = self.allocated
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
-        if limit is not None and size >= limit:
+        if limit is not None and size >= limit:  # alloc_found_block: increase_stat(oversize_allocations)
             self.oversize_allocations += 1
+            self.peak_oversize_allocations = max(self.peak_oversize_allocations, self.oversize_allocations)
         self._live[self._next_handle] = block
         return self._next_handle
 
@@ -281,8 +281,9 @@ class CachingAllocator:
         release_cached(self)
 
     def reset_peak_stats(self) -> None:
-        """``resetPeakStats``: every peak restarts at the current value."""
+        """``resetPeakStats``: every peak restarts at the current value (the oversize counters' too)."""
         self.peak_allocated, self.peak_reserved, self.peak_requested = self.allocated, self.reserved, self.requested
+        self.peak_oversize_allocations, self.peak_oversize_segments = self.oversize_allocations, self.oversize_segments
 
     @property
     def active(self) -> int:
