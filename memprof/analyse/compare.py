@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..vocabulary import PHASE_MOMENTS, Category, Phase, parse_moment
 from ..errors import InvalidArgumentError, is_interrupt
 from ..record.trace import Breakdown, Trace, as_trace
+from ..record.views import show
 from ..units import parse_size
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["diff", "Diff", "CategoryDelta", "PhaseDelta"]
 
@@ -74,7 +78,7 @@ class Diff:
     ``a``'s order; ``only_in_a`` / ``only_in_b`` name the ``(step, phase,
     occurrence)`` keys found in one run only. ``notes`` say where the two runs
     are not measured alike (mode, device), which makes some deltas
-    meaningless. Plain data: :class:`memprof.Diff` adds its text, tables and HTML.
+    meaningless. Its text, tables and HTML are views registered by the facade (:mod:`memprof.record.views`).
     """
 
     at: str
@@ -118,6 +122,36 @@ class Diff:
         return (all(c.delta in (0, None) for c in (*self.categories, self.total))
                 and all(p.delta in (0, None) for p in self.phases)
                 and not self.only_in_a and not self.only_in_b)
+
+    def to_frame(self) -> "pd.DataFrame":
+        """Categories as rows (index ``category``), columns ``a``, ``b``, ``delta``, ``delta_pct``.
+
+        Bytes are nullable ``Int64`` (``<NA>`` where not measured),
+        ``delta_pct`` is ``Float64`` percent of ``a``. The total is not a row
+        (summing the column stays honest); it is :attr:`total`.
+        """
+        return show(self, "to_frame")
+
+    def phases_frame(self) -> "pd.DataFrame":
+        """Matched phases as rows: ``step``, ``phase``, ``occurrence``, ``a``, ``b``, ``delta``, ``delta_pct``
+        (peak totals)."""
+        return show(self, "phases_frame")
+
+    def to_text(self, *, max_phases: int = 20) -> str:
+        """What ``print(diff)`` shows: the categories, then at most ``max_phases`` matched phases."""
+        text: str = show(self, "to_text", max_phases=max_phases)
+        return text
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def _repr_html_(self) -> str:
+        html: str = show(self, "_repr_html_")
+        return html
+
+    def __repr__(self) -> str:
+        text: str = show(self, "__repr__")
+        return text
 
 
 def _tolerance(value: "int | float | str") -> float:

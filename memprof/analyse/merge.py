@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..errors import InvalidArgumentError, MergeError, is_interrupt
+from ..record.estimate import Estimate
 from ..record.files import load_trace
 from ..record.parts import RankInfo
 from ..record.trace import Trace, as_trace
+from ..record.views import show
 from ..vocabulary import Category
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["Merged", "merge"]
 
@@ -25,8 +30,9 @@ __all__ = ["Merged", "merge"]
 @dataclass(frozen=True)
 class Merged:
     """The ranks of one run. ``ranks`` maps each rank to its :class:`~memprof.record.trace.Trace`
-    (:class:`memprof.Merged`: to its Report); ``missing`` lists ranks of the world that were not given;
-    ``notes`` say what else to know. Plain data: :class:`memprof.Merged` adds its text, table and HTML."""
+    (:func:`memprof.merge`'s: to its :class:`~memprof.Report`); ``missing`` lists ranks of the world that were
+    not given; ``notes`` say what else to know. Its text, table and HTML are views registered by the facade
+    (:mod:`memprof.record.views`)."""
 
     ranks: "dict[int, Any]"
     world_size: int
@@ -74,6 +80,22 @@ class Merged:
             weight = [sizes.get(r, 1) for r in self.ranks]
             mean = sum(w * (t.peak.total or 0) for w, t in zip(weight, self.ranks.values())) / sum(weight)
         return max(known) - min(known), (max(known) / mean if mean else 1.0)
+
+    def to_frame(self) -> "pd.DataFrame":
+        """One row per rank: the peak total, the step and phase of the peak, and each category at the peak."""
+        return show(self, "to_frame")
+
+    def to_text(self) -> str:
+        """Each rank's peak, where it was and its largest categories, and the spread: what ``print()`` shows."""
+        text: str = show(self, "to_text")
+        return text
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def _repr_html_(self) -> str:
+        html: str = show(self, "_repr_html_")
+        return html
 
 
 def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"], *, mixed: bool = False) -> Merged:
@@ -213,7 +235,7 @@ def _expand(items: "list[Any]") -> "tuple[list[Any], list[Any]]":
     classes: list[Any] = []
     for item in items:
         held = getattr(item, "ranks", None)
-        if type(item).__name__ != "Estimate" or not isinstance(held, tuple):
+        if not isinstance(item, Estimate) or not isinstance(held, tuple):
             out.append(item)
             continue
         if not held:  # one simulated rank: itself alone, as a measured rank is
@@ -239,7 +261,7 @@ _TAKES = "merge() takes a list of reports or paths of saved traces (Traces too),
 
 def _items(reports: Any) -> list[Any]:
     """The ranks' reports as a list: one report, one path or anything that is not a list is refused."""
-    if type(reports).__name__ == "Estimate" and bool(getattr(reports, "ranks", ())):
+    if isinstance(reports, Estimate) and bool(reports.ranks):
         return [reports]  # a pipeline's estimate: every rank class it simulated
     if isinstance(reports, (str, bytes, os.PathLike, Trace, dict)) or hasattr(reports, "trace"):
         raise InvalidArgumentError(f"{_TAKES}; got one {type(reports).__name__}: put it in a list")

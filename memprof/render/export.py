@@ -16,6 +16,7 @@ from ..record.files import write_bytes_atomic, write_json_atomic, write_text_ato
 from ..record.trace import as_trace
 
 if TYPE_CHECKING:
+    from ..analyse.reconciler import Reconciliation
     from ..record.trace import Trace
 
 __all__ = ["export_chrome_trace", "export_memory_viz", "export_html", "html_page"]
@@ -50,15 +51,17 @@ def export_memory_viz(trace: "Trace", path: "str | os.PathLike[str]") -> None:
     write_bytes_atomic(path, pickle.dumps(snap, protocol=4))
 
 
-def html_page(trace: "Trace") -> str:
+def html_page(trace: "Trace", reconciliation: "Reconciliation | str | None" = None) -> str:
     """The report as one self-contained HTML document (no script, no network): peak composition,
-    timeline, phases, modules, reconciliation; an OOM dump leads with what was live then."""
+    timeline, phases, modules, ``reconciliation`` (see :func:`memprof.render.page.report_page`); an OOM dump
+    leads with what was live then."""
     from .page import report_page
 
     # An OOM dump taken before any phase closed still holds what was live: a page worth writing.
-    return report_page(_measured(trace, "an HTML report", live_is_enough=True))
+    return report_page(_measured(trace, "an HTML report", live_is_enough=True), reconciliation)
 
 
-def export_html(trace: "Trace", path: "str | os.PathLike[str]") -> None:
+def export_html(trace: "Trace", path: "str | os.PathLike[str]",
+                reconciliation: "Reconciliation | str | None" = None) -> None:
     """Write :func:`html_page` to ``path``."""
-    write_text_atomic(path, html_page(trace))
+    write_text_atomic(path, html_page(trace, reconciliation))

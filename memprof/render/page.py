@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import MemprofError, is_interrupt
 from ..record.trace import as_trace
 from .html import _e, reconciliation_html, report_html
 
 if TYPE_CHECKING:
+    from ..analyse.reconciler import Reconciliation
     from ..record.trace import Trace
 
 __all__ = ["report_page"]
@@ -39,10 +39,11 @@ footer { margin-top: 24px; font-size: 11px; opacity: 0.7; }
 """
 
 
-def report_page(trace: "Trace") -> str:
+def report_page(trace: "Trace", reconciliation: "Reconciliation | str | None" = None) -> str:
     """The whole HTML document (a str; :meth:`memprof.Report.to_html` returns it, ``export_html`` writes it).
-    Its body is exactly what a notebook shows for the report (``Report._repr_html_``), then the
-    reconciliation."""
+    Its body is exactly what a notebook shows for the report (``Report._repr_html_``), then ``reconciliation``:
+    the run's :class:`~memprof.analyse.reconciler.Reconciliation`, or why there is none (a str), which the
+    facade computes (:func:`memprof.report.reports.page_reconciliation`); None leaves it out."""
     t = as_trace(trace)
     parts = ['<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -50,18 +51,15 @@ def report_page(trace: "Trace") -> str:
              f"<style>{_CSS}</style></head><body>",
              "<h1>memprof report</h1>"]
     parts.append(report_html(t))
-    parts.append(_reconciliation(t))
+    parts.append(_reconciliation(reconciliation))
     parts.append(f"<footer>memprof {_e(t.memprof_version)} · torch {_e(t.torch_version)} · "
                  f"trace schema {t.schema_version}</footer></body></html>\n")
     return "".join(parts)
 
 
-def _reconciliation(t: "Trace") -> str:
-    from ..analyse.reconciler import reconcile
-
-    try:
-        return reconciliation_html(reconcile(t))
-    except MemprofError as exc:  # e.g. a run whose precision or optimizer the formulas do not know
-        if is_interrupt(exc):
-            raise  # a signal handler's exception (errors.is_interrupt) is the user's
-        return f"<p>No reconciliation for this run: {_e(exc)}</p>"
+def _reconciliation(rec: "Reconciliation | str | None") -> str:
+    if rec is None:
+        return ""
+    if isinstance(rec, str):  # e.g. a run whose precision or optimizer the formulas do not know
+        return f"<p>No reconciliation for this run: {_e(rec)}</p>"
+    return reconciliation_html(rec)

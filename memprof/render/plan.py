@@ -12,8 +12,8 @@ from .common import NOT_MEASURED
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..simulate.plan import PlanGrid, PlanRow
-    from ..simulate.whatif import WhatIf
+    from ..record.estimate import WhatIf
+    from ..record.plans import PlanGrid, PlanRow
 
 __all__ = ["estimate_data", "plan_rows", "plan_data", "plan_text", "plan_frame", "plan_page", "what_if_text"]
 

@@ -11,14 +11,13 @@ cannot move the cursor, reorder what is read or forge a line.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import is_interrupt
 from ..vocabulary import Category, TENSOR_CATEGORIES
 from ..record.trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, one_line
 from ..analyse.generation import generation_summary
-from ..analyse.reconciler.mixed_layers import TEXTBOOK_FORM, mixed_layer_gap
+from ..analyse.reconciler.mixed_layers import TEXTBOOK_FORM
 from .ranks import class_lines, rank_table_lines
 from .common import (NO_FORMULA, NOT_MEASURED, NO_ESTIMATE, clip_path, largest, module_columns, quiet, signed,
                      size)
@@ -28,10 +27,10 @@ if TYPE_CHECKING:
     from ..analyse.compare import Diff
     from ..analyse.generation import GenerationSummary
     from ..analyse.merge import Merged
-    from ..simulate.planner import BatchSizePlan
+    from ..record.plans import BatchSizePlan
     from ..analyse.reconciler import Reconciliation, Textbook
     from ..analyse.reconciler.mixed_layers import MixedLayerGap
-    from ..simulate.estimate import Estimate
+    from ..record.estimate import Estimate
     from ..record.trace import Trace
 
 __all__ = ["report_text", "oom_lines", "breakdown_lines", "reconciliation_text", "diff_text", "estimate_text",
@@ -68,16 +67,17 @@ def rank_line(d: "RankInfo") -> str:
     return line
 
 
-def report_text(trace: "Trace", *, top_modules: int = 8) -> str:
+def report_text(trace: "Trace", *, top_modules: int = 8, levers: "Sequence[str]" = ()) -> str:
     """The readable report that ``print(report)`` shows, at most about 80 lines for any run: the peak,
     the phases of the first steps, the peak's step and the last one, every step summarised per phase,
     the top modules and the notes (``report.phases()``, ``report.phase_stats()`` and
-    ``report.modules()`` hold the rest)."""
+    ``report.modules()`` hold the rest). ``levers``: an out-of-memory run's largest levers, listed under what
+    was live (the facade computes them, :func:`memprof.report.reports.levers`)."""
     t = as_trace(trace)
     lines: list[str] = []
     dev = t.device.name if t.device.type == "cuda" else t.device.type
     if t.oom is not None:  # an OOM dump: what was live then comes first
-        lines.extend(oom_lines(t))
+        lines.extend(oom_lines(t, levers))
         lines.append("")
     lines.append(f"memprof report: {t.num_steps} step(s), mode {t.mode}, device {dev}, torch {t.torch_version}")
     if t.schedule is not None:
@@ -177,8 +177,8 @@ def generation_rows(g: "GenerationSummary") -> list[tuple[str, str]]:
     return rows
 
 
-def oom_lines(t: "Trace") -> list[str]:
-    """What was live at the out-of-memory error, by category and module, and the largest levers."""
+def oom_lines(t: "Trace", levers: "Sequence[str]" = ()) -> list[str]:
+    """What was live at the out-of-memory error, by category and module, and the largest ``levers``."""
     oom = t.oom
     assert oom is not None
     lines = [f"OUT OF MEMORY: {_prose(oom.message)[:200]}"]
@@ -194,7 +194,6 @@ def oom_lines(t: "Trace") -> list[str]:
     if oom.snapshot:
         lines.append(f"  memory_viz snapshot: {one_line(oom.snapshot)}")
     lines.extend(_live_lines(t, "What was live at the OOM", top=5))
-    levers = _levers(t)
     if levers:
         lines.append("Largest levers:")
         lines.extend(f"  - {_prose(s)}" for s in levers[:4])
@@ -213,20 +212,6 @@ def _live_lines(t: "Trace", title: str, *, top: int) -> list[str]:
         for path, n in t.live_modules_at_error[:top]:
             lines.append(f"    {_clipped(path, 37):<38}{format_bytes(n):>12}")
     return lines
-
-
-def _levers(t: "Trace") -> list[str]:
-    from ..errors import MemprofError
-    from ..analyse.reconciler.advice import advice
-    from ..anatomy.params import infer_precision
-
-    measured = t.live_at_error if t.live_at_error is not None else t.peak
-    try:
-        return advice(t, measured, infer_precision(t), t.optimizer)
-    except MemprofError as failure:
-        if is_interrupt(failure):
-            raise  # a signal handler's exception (errors.is_interrupt) is the user's
-        return []
 
 
 #: Most characters of a note or an error message the report prints (a tensor printed into an exception
@@ -473,9 +458,11 @@ def _pct(p: "float | None", delta: "int | None") -> str:
     return "0.0%" if p == 0 else f"{p:+.1f}%"
 
 
-def estimate_text(est: "Estimate", formula: Breakdown, textbook: "Textbook") -> str:
-    """An estimate's peak beside the formula breakdown at it (``formula``) and the literature's figure
-    (``textbook``): what :class:`memprof.Estimate` prints."""
+def estimate_text(est: "Estimate", formula: Breakdown, textbook: "Textbook",
+                  mixed_layer: "MixedLayerGap | None" = None) -> str:
+    """An estimate's peak beside the formula breakdown at it (``formula``), the literature's figure
+    (``textbook``) and a layer under autocast against the textbook's (``mixed_layer``): what
+    :class:`memprof.Estimate` prints."""
     lines = [f"memprof estimate ({est.precision}, simulated for {est.device}): peak {size(est.peak_bytes)}",
              f"  {'category':<20}{'formula':>14}{'estimate':>14}"]
     estimated = est.peak
@@ -494,7 +481,7 @@ def estimate_text(est: "Estimate", formula: Breakdown, textbook: "Textbook") -> 
         lines.append(f"  {cat.value:<20}{size(f, NO_FORMULA):>14}{size(s, NO_ESTIMATE):>14}")
     lines.append(f"  {'total':<20}{size(formula.total, NO_FORMULA):>14}{size(estimated.total, NO_ESTIMATE):>14}")
     lines.extend(textbook_lines(textbook))
-    lines.extend(mixed_layer_lines(mixed_layer_gap(est.trace)))
+    lines.extend(mixed_layer_lines(mixed_layer))
     for note in est.notes:
         lines.append(f"  - {note}")
     return _text(lines)
@@ -559,7 +546,7 @@ def merged_text(merged: "Merged") -> str:
 
 
 def device_verdict(dm: Any) -> str:
-    """One line of a :class:`~memprof.simulate.device_memory.DeviceMemory`: the device-level peak, and against
+    """One line of a :class:`~memprof.record.device_memory.DeviceMemory`: the device-level peak, and against
     the GPU's capacity whether it fits."""
     head = (f"device peak {format_bytes(dm.device_peak)} = reserved {format_bytes(dm.peak_reserved)} "
             f"+ outside torch {format_bytes(dm.outside_bytes)}")
@@ -589,6 +576,6 @@ def device_measured_lines(dm: Any) -> list[str]:
 
 
 def device_memory_text(dm: Any) -> str:
-    """What a :class:`~memprof.report.estimates.DeviceMemory` prints: the verdict, the measured comparison and
+    """What a :class:`~memprof.record.device_memory.DeviceMemory` prints: the verdict, the measured comparison and
     every term with its source."""
     return "\n".join([device_verdict(dm)] + device_measured_lines(dm) + [f"  - {n}" for n in dm.notes()])

@@ -1,10 +1,11 @@
 """The facade, top floor: the only place that pairs results with their renderers.
 
-The floors below return plain data (a :class:`~memprof.record.trace.Trace`, a reconciliation, a diff, an
-estimate). :class:`Report` wraps a Trace, and each result class here is its data class's subclass; both add
-the views a user reads as one-line delegations to :mod:`memprof.render` and :mod:`memprof.analyse`
-(``print()``, ``_repr_html_``, ``to_frame()``, ``plot()``, ``report()`` ...), and each public function
-returns one of them:
+The floors below return records (a :class:`~memprof.record.trace.Trace`, a reconciliation, a diff, an
+estimate, a plan), each one frozen class. :class:`Report` wraps a Trace with its views; the other results are
+returned as they are, and the views a user reads of them (``print()``, ``_repr_html_``, ``to_frame()``,
+``plot()``, ``report()`` ...) are functions of the record that :mod:`.views` registers on its class
+(:mod:`memprof.record.views`), handing :mod:`memprof.render` what :mod:`memprof.analyse` computes. Each public
+function here returns one of them:
 
 * :mod:`.reports` -- :class:`Report` and :func:`load`;
 * :mod:`.comparison` -- :func:`diff` and :class:`Diff`;
@@ -24,6 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import views  # noqa: F401  (registers every torch-free record's views)
 from .comparison import Diff, diff
 from .ranks import Merged, merge
 from .reports import Report, load

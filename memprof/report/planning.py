@@ -1,77 +1,40 @@
 """Planning from a model's config: :func:`estimate_hf` (a training step), :func:`estimate_hf_generation` (a
-generation), :func:`plan` (a DataFrame) and :func:`plan_grid` (the :class:`Plan` with its text and page)."""
+generation), :func:`plan` (a DataFrame) and :func:`plan_grid` (the :class:`Plan`, a
+:class:`~memprof.record.plans.PlanGrid` record, whose text and page are the views :mod:`.views` registers)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..record.estimate import Estimate
+from ..record.plans import PlanGrid
 from ..simulate import hf
 from ..simulate import plan as planning
-from .device import on_device
-from .estimates import Estimate
-from .wrap import promote, same_as
+from .wrap import same_as
 
 if TYPE_CHECKING:
-    import os
-
     import pandas as pd
 
 __all__ = ["Plan", "estimate_hf", "estimate_hf_generation", "plan", "plan_grid"]
 
 
-class Plan(planning.PlanGrid):
-    __doc__ = planning.PlanGrid.__doc__
-
-    def to_text(self) -> str:
-        """The grid as a terminal table, the best configuration marked, then the notes: what ``print()`` shows."""
-        from ..render.plan import plan_text
-
-        return plan_text(self)
-
-    def __str__(self) -> str:
-        return self.to_text()
-
-    def to_frame(self) -> "pd.DataFrame":
-        """One row per configuration (``parallel``, ``precision``, ``checkpointing``, ``max_batch_size``,
-        ``peak_bytes``, ``device_peak``, ``dominant`` ...)."""
-        from ..render.plan import plan_frame
-
-        return plan_frame(self)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan as plain data, ready for ``json.dumps`` (``memprof plan --json`` prints its ``rows``)."""
-        from ..render.plan import plan_data
-
-        return plan_data(self)
-
-    def to_html(self) -> str:
-        """The grid as one standalone HTML page."""
-        from ..render.plan import plan_page
-
-        return plan_page(self)
-
-    def export_html(self, path: "str | os.PathLike[str]") -> None:
-        """Write :meth:`to_html` to ``path``, atomically."""
-        from ..record.files import write_text_atomic
-
-        write_text_atomic(path, self.to_html())
+#: The plan's record (:class:`memprof.record.plans.PlanGrid`), by the name the facade has always given it.
+Plan = PlanGrid
 
 
 @same_as(hf.estimate_hf)
 def estimate_hf(config: Any, **options: Any) -> Estimate:
-    data = hf.estimate_hf(config, **options)
-    return promote(Estimate, data, device_memory=on_device(data.device_memory))
+    return hf.estimate_hf(config, **options)
 
 
 @same_as(hf.estimate_hf_generation)
 def estimate_hf_generation(config: Any, **options: Any) -> Estimate:
-    data = hf.estimate_hf_generation(config, **options)
-    return promote(Estimate, data, device_memory=on_device(data.device_memory))
+    return hf.estimate_hf_generation(config, **options)
 
 
 @same_as(planning.plan_hf)
 def plan_grid(config: Any, **options: Any) -> Plan:
-    return promote(Plan, planning.plan_hf(config, **options))
+    return planning.plan_hf(config, **options)
 
 
 def plan(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,

@@ -1,12 +1,16 @@
-"""A run held against the formulas: :func:`reconcile` and the :class:`Reconciliation` it returns, with its
-table, text, HTML and waterfall."""
+"""A run held against the formulas: :func:`reconcile` and the :class:`Reconciliation` it returns, with the views
+registered on it here (its table, text, HTML and waterfall): here rather than in :mod:`.views`, since the
+analysis that makes it imports torch, and this module loads with it (``memprof.reconcile``,
+``Report.reconcile``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from ..analyse.reconciler import reconciliation
-from .wrap import promote, same_as
+from ..analyse.reconciler.reconciliation import Reconciliation
+from ..record.views import register
+from .wrap import same_as
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -14,36 +18,34 @@ if TYPE_CHECKING:
 __all__ = ["Reconciliation", "reconcile"]
 
 
-class Reconciliation(reconciliation.Reconciliation):
-    __doc__ = reconciliation.Reconciliation.__doc__
+def _frame(rec: Reconciliation) -> "pd.DataFrame":
+    from ..render.frames import reconciliation_frame
 
-    def to_frame(self) -> "pd.DataFrame":
-        """DataFrame indexed by category value (plus ``total``): formula, estimate, measured, gap, gap_pct."""
-        from ..render.frames import reconciliation_frame
+    return reconciliation_frame(rec)
 
-        return reconciliation_frame(self)
 
-    def to_text(self) -> str:
-        """The table, the causes of its gaps, the notes and the advice: what ``print(rec)`` shows."""
-        from ..render.text import reconciliation_text
+def _text(rec: Reconciliation) -> str:
+    from ..render.text import reconciliation_text
 
-        return reconciliation_text(self)
+    return reconciliation_text(rec)
 
-    def __str__(self) -> str:
-        return self.to_text()
 
-    def _repr_html_(self) -> str:
-        from ..render.html import reconciliation_html
+def _html(rec: Reconciliation) -> str:
+    from ..render.html import reconciliation_html
 
-        return reconciliation_html(self)
+    return reconciliation_html(rec)
 
-    def plot(self, ax: Any = None) -> Any:
-        """A waterfall from the formula total to the measured total through the named causes (matplotlib)."""
-        from ..render.plot import plot_reconciliation
 
-        return plot_reconciliation(self, ax=ax)
+def _plot(rec: Reconciliation, ax: Any = None) -> Any:
+    from ..render.plot import plot_reconciliation
+
+    return plot_reconciliation(rec, ax=ax)
+
+
+for _name, _view in (("to_frame", _frame), ("to_text", _text), ("_repr_html_", _html), ("plot", _plot)):
+    register(Reconciliation, _name, _view)
 
 
 @same_as(reconciliation.reconcile)
 def reconcile(trace: Any, **options: Any) -> Reconciliation:
-    return promote(Reconciliation, reconciliation.reconcile(trace, **options))
+    return reconciliation.reconcile(trace, **options)

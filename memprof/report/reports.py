@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from .reconciliation import Reconciliation
 
-__all__ = ["Report", "load"]
+__all__ = ["Report", "load", "levers", "page_reconciliation"]
 
 
 class Report:
@@ -175,15 +175,12 @@ class Report:
     def what_a_gpu_would_reserve(self, gpu: Any = None, *, alloc_conf: Any = None) -> Any:
         """What ``gpu`` (a name such as ``"a100-80gb"`` or a GpuSpec) would reserve for this run's allocation
         stream: the caching-allocator model's reserved bytes and the memory outside torch, the fit and the
-        headroom (a :class:`~memprof.report.device.DeviceMemory`; ``print()`` it). On a CUDA run it
+        headroom (a :class:`~memprof.record.device_memory.DeviceMemory`; ``print()`` it). On a CUDA run it
         also puts the model's reserved beside the measured one and splits NVML's outside-torch figure. Needs
         ``memprof.profile(..., record_allocations=True)``."""
         from ..simulate.device_memory import what_a_gpu_would_reserve
-        from .device import DeviceMemory
-        from .wrap import promote
 
-        return promote(DeviceMemory, what_a_gpu_would_reserve(self.trace, self.allocations, gpu=gpu,
-                                                             alloc_conf=alloc_conf))
+        return what_a_gpu_would_reserve(self.trace, self.allocations, gpu=gpu, alloc_conf=alloc_conf)
 
     def what_if(self, model: Any, optimizer: Any = None, **change: Any) -> Any:
         """This run with something changed (``checkpointing=True``, ``precision=``, ``parallel=``,
@@ -232,7 +229,7 @@ class Report:
         """Write :meth:`to_html` to ``path``, atomically."""
         from ..render.export import export_html
 
-        export_html(self.trace, path)
+        export_html(self.trace, path, page_reconciliation(self.trace))
 
     def attribute_snapshot(self, snapshot: Any) -> "pd.DataFrame":
         """A real CUDA memory snapshot's active blocks with memprof's category and module, one row each
@@ -248,7 +245,7 @@ class Report:
         what :meth:`export_html` writes."""
         from ..render.export import html_page
 
-        return html_page(self.trace)
+        return html_page(self.trace, page_reconciliation(self.trace))
 
     def to_dict(self) -> dict[str, Any]:
         """The trace as plain JSON-ready data."""
@@ -258,7 +255,8 @@ class Report:
         """The readable report that ``print(report)`` shows."""
         from ..render.text import report_text
 
-        return report_text(self.trace, top_modules=top_modules)
+        return report_text(self.trace, top_modules=top_modules,
+                           levers=levers(self.trace) if self.trace.oom is not None else ())
 
     def __str__(self) -> str:
         return self.to_text()
@@ -279,3 +277,33 @@ def load(path: "str | os.PathLike[str]") -> Report:
     from ..record.files import load_trace
 
     return Report(load_trace(path))
+
+
+def levers(trace: Trace) -> list[str]:
+    """The largest levers of a run that ended in an out-of-memory error (what its report lists under what was
+    live): the advice for what was live then, or at the peak; none where the advice cannot be given."""
+    from ..analyse.reconciler.advice import advice
+    from ..anatomy.params import infer_precision
+    from ..errors import MemprofError, is_interrupt
+
+    measured = trace.live_at_error if trace.live_at_error is not None else trace.peak
+    try:
+        return advice(trace, measured, infer_precision(trace), trace.optimizer)
+    except MemprofError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        return []
+
+
+def page_reconciliation(trace: Trace) -> Any:
+    """The reconciliation the HTML page shows (:func:`memprof.render.page.report_page`): the run's
+    :class:`~memprof.analyse.reconciler.Reconciliation`, or why the formulas give none (a str)."""
+    from ..analyse.reconciler import reconcile
+    from ..errors import MemprofError, is_interrupt
+
+    try:
+        return reconcile(trace)
+    except MemprofError as exc:  # e.g. a run whose precision or optimizer the formulas do not know
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        return str(exc)

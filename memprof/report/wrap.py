@@ -1,10 +1,9 @@
-"""How the facade wraps a floor's result: the same fields in the facade's class, and a public function
-that keeps the signature and the docstring of the one it wraps and leaves the process's random generators as
-it found them."""
+"""How the facade wraps a floor's public function: it keeps the signature and the docstring of the one it wraps
+and leaves the process's random generators as it found them. (The floor's result is returned as it is: a record,
+whose views :mod:`.views` registers.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, TypeVar
@@ -12,17 +11,9 @@ from typing import Any, Callable, TypeVar
 from ..errors import remember_signal_handlers
 from .random_state import random_state_kept
 
-__all__ = ["promote", "same_as"]
+__all__ = ["same_as"]
 
-T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def promote(cls: "type[T]", data: Any, **changes: Any) -> T:
-    """``data`` (a frozen dataclass of :mod:`memprof.analyse` or :mod:`memprof.simulate`) as ``cls``, its
-    facade subclass: the same field values (but ``changes``), and the renderers the facade adds."""
-    values = {f.name: getattr(data, f.name) for f in dataclasses.fields(data) if f.init}
-    return cls(**{**values, **changes})
 
 
 def same_as(wrapped: Callable[..., Any]) -> Callable[[F], F]:

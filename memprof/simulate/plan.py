@@ -19,11 +19,11 @@ fixed, and its figures the fullest stage's rank); any other way of placing a mod
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import InvalidArgumentError
+from ..record.plans import PlanGrid, PlanRow
 from .hf_pipeline import MICROBATCHES_PER_STAGE
 from .layouts import Layout, data_parallel_layouts
 
@@ -32,66 +32,6 @@ __all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid"
 #: The precisions a plan compares by default: bf16 weights and optimizer state, and fp32 master weights with
 #: the forward under bf16 autocast.
 PRECISIONS = ("bf16", "mixed")
-
-
-@dataclass(frozen=True)
-class PlanRow:
-    """One configuration of the grid and its answer.
-
-    ``max_batch_size`` is one rank's largest batch that fits (0 when not even one sample does). The figures
-    are the simulated step's at ``batch`` (``max_batch_size``, or 1 when nothing fits, to say by how much):
-    ``peak_bytes`` the tensors' peak, ``device_peak`` the device-level one, ``headroom`` the GPU's capacity
-    less it, ``dominant`` the largest category at the peak (allocator overhead and memory outside torch
-    included) with its bytes, and the peak's step and phase. ``simulations`` counts the simulated batches;
-    ``verified`` says the answer fits and the next batch does not, both simulated. For a pipeline layout the batch
-    is the micro-batch's size, the micro-batch count fixed (``microbatches``), and the figures are the worst
-    stage's rank (``worst_stage``).
-    """
-
-    layout: str
-    precision: str
-    checkpointing: bool
-    max_batch_size: int
-    batch: int
-    peak_bytes: int
-    device_peak: "int | None"
-    headroom: "int | None"
-    dominant: str
-    dominant_bytes: int
-    peak_step: "int | None"
-    peak_phase: "str | None"
-    breakdown: Mapping[str, "int | None"]
-    simulations: int
-    verified: bool
-    #: A pipeline layout's micro-batches per step: the row's batch is then one micro-batch's size (the rank's
-    #: step takes ``batch x microbatches`` sequences), None for the other layouts.
-    microbatches: "int | None" = None
-    #: A pipeline layout's stage whose rank the figures are (the one with the largest device-level peak).
-    worst_stage: "int | None" = None
-    #: A pipeline layout's stages (its pipeline degree), None for the other layouts.
-    stages: "int | None" = None
-
-
-@dataclass(frozen=True)
-class PlanGrid:
-    """The plan of one model on one GPU: a row per configuration, in the order searched, and what it assumed."""
-
-    rows: tuple[PlanRow, ...]
-    model: str
-    gpu: str
-    capacity: int
-    world_size: int
-    seq_len: "int | None"
-    seconds: float
-    notes: tuple[str, ...] = ()
-
-    def best(self) -> "PlanRow | None":
-        """The configuration with the largest batch (the fewest bytes at it breaking ties); None if none fits. A
-        pipeline row counts the sequences its rank's share of a step is, micro-batch x micro-batches / stages (the
-        pipeline's ``P`` ranks share each sequence), as a data-parallel row's batch is one rank's."""
-        fitting = [r for r in self.rows if r.max_batch_size > 0]
-        return max(fitting, key=lambda r: (r.max_batch_size * (r.microbatches or 1) / (r.stages or 1),
-                                           -(r.device_peak or r.peak_bytes)), default=None)
 
 
 def plan_grid(

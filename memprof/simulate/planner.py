@@ -18,10 +18,10 @@ predicts an out-of-memory error does not fit. Without one the tensors' peak is j
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import InvalidArgumentError, MemprofError, SimulationError, is_interrupt
+from ..record.plans import BatchSizePlan
 from ..units import format_bytes, parse_size
 
 if TYPE_CHECKING:
@@ -36,44 +36,6 @@ __all__ = ["BatchSizePlan", "max_batch_size", "max_generation_batch_size", "MAX_
 #: (2**63 bytes): far above any device's memory, 1 PiB keeps every probe well inside it. Above it torch's own
 #: errors ("Storage size calculation overflowed") would end the search.
 MAX_BUDGET = 2**50
-
-
-@dataclass(frozen=True)
-class BatchSizePlan:
-    """The answer of :func:`max_batch_size` (or :func:`max_generation_batch_size`) and how it was found.
-
-    ``batch_size`` is the largest multiple of ``multiple_of`` below which every batch fits (0 when not even
-    ``multiple_of`` samples do). ``budget`` is the budget given, or the GPU's capacity without one. ``limit`` is
-    what each batch's peak was judged against: the budget, no more than the GPU's capacity, and under a memory
-    fraction (``fraction``) no more than what the allocator may reserve (``allocator_limit``, torch's
-    ``allowed_memory_maximum``) plus the memory outside torch (``outside_bytes``). ``device_level`` says the peaks
-    are device-level (a GPU, ``gpu``, was given), else they are the tensors' peaks.
-
-    ``points`` are the simulated (batch size, peak) pairs, ``peak_bytes`` the one at the answer (None for 0); a
-    batch in ``out_of_memory`` is one whose replay predicts an out-of-memory error, its peak the one it needed.
-    ``verified`` says the answer fits and the next multiple does not, both simulated. ``fixed_bytes`` and
-    ``per_sample_bytes`` describe the judged peak near the answer, as the line through the two simulated batches
-    nearest it (``per_sample_bytes`` 0.0 when one batch was simulated); the search itself follows each phase
-    moment's own line, not this one. ``notes`` say what was judged and what the limit is made of. Plain data:
-    :class:`memprof.BatchSizePlan` adds its text.
-    """
-
-    batch_size: int
-    budget: int
-    fixed_bytes: int
-    per_sample_bytes: float
-    peak_bytes: "int | None"
-    points: tuple[tuple[int, int], ...]
-    verified: bool
-    multiple_of: int
-    limit: "int | None" = None
-    device_level: bool = False
-    gpu: "str | None" = None
-    fraction: "float | None" = None
-    allocator_limit: "int | None" = None
-    outside_bytes: "int | None" = None
-    out_of_memory: tuple[int, ...] = ()
-    notes: tuple[str, ...] = ()
 
 
 def max_batch_size(
@@ -282,7 +244,7 @@ def _answer(probe: "Probe", best: int, verified: bool, m: int, budget: int) -> B
 
 
 def _fraction(memory: Any) -> "float | None":
-    from .device_memory import fraction_in
+    from ..record.device_memory import fraction_in
 
     fraction = fraction_in(memory.alloc_conf) if memory is not None else None
     return fraction if fraction is not None and fraction < 1 else None

@@ -9,44 +9,17 @@ data-less copy: the user's model is not touched), a precision, a data-parallel l
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError
-from ..record.trace import Breakdown, Trace
+from ..record.estimate import WhatIf
+from ..record.trace import Trace
 from ..vocabulary import Category
-from .estimate import Estimate
 
 __all__ = ["WhatIf", "what_if"]
-
-
-@dataclass(frozen=True)
-class WhatIf(Estimate):
-    """The changed run's :class:`~memprof.simulate.estimate.Estimate`, and ``baseline``, the measured run's
-    breakdown at its peak: ``saving`` is, per category, the baseline's bytes less the changed run's at its
-    peak (None where either has no figure); ``saving_bytes`` the same for the tensors' peak. ``changes`` says
-    what was changed."""
-
-    baseline: "Breakdown | None" = None
-    baseline_peak_bytes: "int | None" = None
-    changes: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def saving(self) -> dict[str, "int | None"]:
-        if self.baseline is None:
-            return {c.value: None for c in Category}
-        out: dict[str, "int | None"] = {}
-        for c in Category:
-            old, new = self.baseline[c], self.peak[c]
-            out[c.value] = None if old is None or new is None else old - new
-        return out
-
-    @property
-    def saving_bytes(self) -> "int | None":
-        return None if self.baseline_peak_bytes is None else self.baseline_peak_bytes - self.peak_bytes
 
 
 def what_if(trace: Trace, model: nn.Module, optimizer: Any = None, *, inputs: Any, targets: Any = None,

@@ -9,12 +9,17 @@ import re
 
 import memprof
 from memprof.record.parts import DeviceInfo, OomRecord, RankInfo
-from memprof.record.trace import Sample
-from memprof.render.page import report_page
+from memprof.record.trace import Sample, as_trace
 from memprof.render.svg import MAX_DRAWN_BANDS
 from memprof.vocabulary import Phase
 
 from factories import bd, module, phase, trace
+
+
+def report_page(t) -> str:
+    """The standalone page as users get it, the reconciliation the facade computes included."""
+    return memprof.Report(as_trace(t)).to_html()
+
 
 # Every character of this escapes to 6 on the page (&quot;): the largest a text can grow.
 QUOTES = '"' * 50_000

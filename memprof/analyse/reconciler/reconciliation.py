@@ -7,8 +7,8 @@ simulated run of :func:`memprof.estimate`, when one is given) and what was
 *measured*. The gap (measured − formula) is split into causes (:mod:`.causes`),
 each with its bytes and one sentence; whatever no cause accounts for is shown
 as "unexplained". Nothing here reads hooks: a reconciliation is a pure function
-of a Trace, and plain data: :class:`memprof.Reconciliation` adds its text, HTML,
-table and waterfall (:mod:`memprof.render`).
+of a Trace, and plain data: its text, HTML, table and waterfall are
+:mod:`memprof.render`'s, registered as its views by the facade (:mod:`memprof.record.views`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ...anatomy.params import bytes_per_param_breakdown
 from ...vocabulary import Category
 from ...errors import InvalidArgumentError, NotMeasuredError
+from ...record.estimate import Estimate
 from ...record.trace import Breakdown, as_trace
+from ...record.views import show
 from .causes import causes
 from .context import Cause, Context
 from .sharding import zero_stage
@@ -31,7 +33,7 @@ from .mixed_layers import MixedLayerGap, mixed_layer_gap
 from .per_rank import RankTable, rank_table
 
 if TYPE_CHECKING:
-    from ...simulate.estimate import Estimate
+    import pandas as pd
 
 __all__ = ["Row", "Total", "Reconciliation", "reconcile"]
 
@@ -86,8 +88,8 @@ class Reconciliation:
     :attr:`explanations` adds one "unexplained" entry per category for what the
     causes leave; ``textbook`` the literature's figure for this run beside the
     formula column, with the causes of their difference. ``at`` is the moment compared (``"peak"``,
-    ``"steady"``, or a phase's moment in words), ``where`` that moment in the run's words. Plain data:
-    :class:`memprof.Reconciliation` prints it as a table and gives ``to_frame()``.
+    ``"steady"``, or a phase's moment in words), ``where`` that moment in the run's words. It prints as a
+    table and gives ``to_frame()``: views registered by the facade (:mod:`memprof.report.reconciliation`).
     """
 
     at: str
@@ -146,6 +148,26 @@ class Reconciliation:
         """Levers that shrink the largest categories, with predicted savings, and alignment warnings."""
         return list(self._advice)
 
+    def to_frame(self) -> "pd.DataFrame":
+        """DataFrame indexed by category value (plus ``total``): formula, estimate, measured, gap, gap_pct."""
+        return show(self, "to_frame")
+
+    def to_text(self) -> str:
+        """The table, the causes of its gaps, the notes and the advice: what ``print(rec)`` shows."""
+        text: str = show(self, "to_text")
+        return text
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def _repr_html_(self) -> str:
+        html: str = show(self, "_repr_html_")
+        return html
+
+    def plot(self, ax: Any = None) -> Any:
+        """A waterfall from the formula total to the measured total through the named causes (matplotlib)."""
+        return show(self, "plot", ax=ax)
+
 
 def reconcile(
     trace: Any,
@@ -171,13 +193,13 @@ def reconcile(
     the run: giving ``optimizer`` switches optimizer state to the textbook
     bytes/param instead of the prediction from the recorded optimizer.
     """
-    simulated = type(trace).__name__ == "Estimate"  # a simulated rank's per-rank table says "simulated"
+    simulated = isinstance(trace, Estimate)  # a simulated rank's per-rank table says "simulated"
     trace = as_trace(trace)
     at = parse_at(at)
     if optimizer is not None:
         # A name given by the user must exist (a misspelling would silently give a formula of 0 bytes).
         bytes_per_param_breakdown(precision or "fp32", optimizer)
-    if estimate is not None and type(estimate).__name__ != "Estimate":
+    if estimate is not None and not isinstance(estimate, Estimate):
         raise InvalidArgumentError(
             f"estimate must be what memprof.estimate(...) returns, got {type(estimate).__name__}; "
             "estimate the same step with memprof.estimate(model, optimizer, inputs=..., ...)")

@@ -1,0 +1,85 @@
+"""Results are records, views are renderers (issue 37 item 3): each result is one frozen class, its views are
+functions registered on it from above (memprof.record.views), renderers run no analysis, and the floors below
+recognise a record by its type, never by its name."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import memprof
+from memprof.errors import InvalidArgumentError, RegistryError
+from memprof.record import views
+from memprof.record.estimate import Estimate, WhatIf
+from memprof.render.plan import what_if_text
+
+from factories import full_trace
+
+RENDER = Path(memprof.__file__).parent / "render"
+#: The analyses a renderer used to run itself; the facade computes them and hands the renderer the result.
+ANALYSES = {"advice", "mixed_layer_gap", "formula_at", "textbook_at", "reconcile", "infer_precision"}
+
+
+def test_the_facade_defines_no_result_class_of_its_own():
+    # The facade once held a look-alike subclass of every result (filled by copying fields); the records are
+    # now the public classes, so the facade's own classes are the Report and the Profiler, and nothing else.
+    import memprof.report as facade
+
+    own = set()
+    for info in pkgutil.iter_modules(facade.__path__):
+        module = importlib.import_module(f"memprof.report.{info.name}")
+        own |= {name for name, cls in inspect.getmembers(module, inspect.isclass) if cls.__module__ == module.__name__}
+    assert own == {"Report", "Profiler"}
+
+
+def test_renderers_run_no_analysis():
+    called = []
+    for path in sorted(RENDER.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                called += [f"{path.name}: {a.name}" for a in node.names if a.name in ANALYSES]
+    assert called == []
+
+
+def test_a_class_named_estimate_is_not_taken_for_one():
+    class Estimate:  # a user's own class of that name: the reconciliation once took it for memprof's
+        trace = full_trace()
+        ranks = ()
+
+    with pytest.raises(InvalidArgumentError, match="estimate must be what memprof.estimate"):
+        memprof.reconcile(full_trace(), estimate=Estimate())
+
+
+def test_merge_takes_a_pipeline_estimate_by_type_not_by_name():
+    class Estimate:  # looks like a pipeline's estimate to a check by name: one rank class holding a trace
+        trace = full_trace()
+        ranks = (type("RankClass", (), {"trace": full_trace()})(),)
+
+    with pytest.raises(InvalidArgumentError, match="put it in a list"):
+        memprof.merge(Estimate())
+
+
+def test_a_view_not_registered_is_a_clear_error(monkeypatch):
+    est = Estimate(trace=full_trace(), precision="fp32", device="cpu")
+    monkeypatch.setattr(views, "_VIEWS", {})
+    with pytest.raises(RegistryError, match="Estimate has no view 'to_text' registered"):
+        str(est)
+
+
+def test_a_view_registered_twice_is_refused():
+    with pytest.raises(RegistryError, match="already registered"):
+        views.register(Estimate, "to_text", lambda est: "")
+
+
+def test_a_subclass_has_its_own_view_before_its_parents():
+    t = full_trace()
+    result = WhatIf(trace=t, precision="fp32", device="cpu", baseline=t.peak, baseline_peak_bytes=t.peak.total,
+                    changes=(("precision", "bf16"),))
+    assert str(result) == result.to_text() == what_if_text(result)
+    assert dataclasses.replace(result, notes=("x",)).to_text() == what_if_text(dataclasses.replace(result, notes=("x",)))
