@@ -126,25 +126,25 @@ def reduce_window(events: Iterable[Mapping[str, Any]], live: Live, known: Mappin
     # categories: a tensor became .grad), unless the window allocates at that address again.
     allocated_here = {ev["addr"] for ev in evs if ev.get("action") == ALLOC}
     for addr, block in blocks.items():
-        cat = known.get(addr)
-        if cat is not None and addr not in allocated_here:
-            block[1] = cat
+        given = known.get(addr)
+        if given is not None and addr not in allocated_here:
+            block[1] = given
     owners = _owners(evs, known)
     totals = live.totals()
     start = dict(totals)
     for addr, nbytes in (sizes or {}).items():
         if addr in allocated_here or addr not in known:
             continue
-        block = blocks.get(addr)
-        if block is None:
+        carried = blocks.get(addr)
+        if carried is None:
             cat = known[addr]
             blocks[addr] = [nbytes, cat]
             totals[cat] = totals.get(cat, 0) + nbytes
-        elif block[0] != nbytes:
+        elif carried[0] != nbytes:
             # The block carried here was freed and its address given to this storage by events the window does
             # not hold (a buffer that dropped them): the storage the hooks know replaces it.
-            totals[block[1]] += nbytes - block[0]
-            block[0] = nbytes
+            totals[carried[1]] += nbytes - carried[0]
+            carried[0] = nbytes
     total = sum(totals.values())
     peak_total, peak, peak_event, peak_time = total, dict(totals), -1, None
     allocs = frees = unmatched = 0
@@ -167,14 +167,14 @@ def reduce_window(events: Iterable[Mapping[str, Any]], live: Live, known: Mappin
             if total > peak_total:
                 peak_total, peak, peak_event, peak_time = total, dict(totals), i, ev.get("time_us")
         elif action in FREES:
-            block = blocks.pop(ev["addr"], None)
-            if block is None:
+            freed = blocks.pop(ev["addr"], None)
+            if freed is None:
                 if action == "free_requested" or not requested:
                     unmatched += 1
                 continue
             frees += 1
-            totals[block[1]] -= block[0]
-            total -= block[0]
+            totals[freed[1]] -= freed[0]
+            total -= freed[0]
     return Window(start=_breakdown(start), peak=_breakdown(peak), end=_breakdown(totals), peak_event=peak_event,
                   peak_time_us=peak_time, allocations=allocs, frees=frees, unmatched_frees=unmatched,
                   complete=complete)

@@ -16,7 +16,7 @@ logic is tested on CPU with a stand-in.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -40,7 +40,7 @@ class Backend(Protocol):
     def labels(self) -> bool:
         """Can entries carry a metadata string (:meth:`set_metadata`)?"""
 
-    def record(self, enabled: "str | None", **options: Any) -> None:
+    def record(self, enabled: 'Literal["state", "all"] | None', **options: Any) -> None:
         """``torch.cuda.memory._record_memory_history(enabled, **options)``."""
 
     def snapshot(self) -> dict[str, Any]:
@@ -63,7 +63,7 @@ class TorchBackend:
     def labels(self) -> bool:
         return torch_compat.set_cuda_metadata is not None and torch_compat.get_cuda_metadata is not None
 
-    def record(self, enabled: "str | None", **options: Any) -> None:
+    def record(self, enabled: 'Literal["state", "all"] | None', **options: Any) -> None:
         torch_compat.record_cuda_history(enabled, **options)
 
     def snapshot(self) -> dict[str, Any]:

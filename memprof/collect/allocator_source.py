@@ -22,7 +22,7 @@ from ..errors import InvalidArgumentError, is_interrupt
 from ..vocabulary import Phase
 from .allocation_events import Live, Window, reduce_window
 from .ledger import CATEGORY_OF_INDEX
-from .phases import window_breakdown
+from .phase_records import window_breakdown
 from .state import EXACT, LIGHT
 
 if TYPE_CHECKING:

@@ -79,6 +79,6 @@ def checked(model: Any, optimizer: Any, mode: Any, timeline: Any, operations: An
 def model_device(model: nn.Module) -> torch.device:
     for t in model.parameters():
         return t.device
-    for t in model.buffers():
-        return t.device
+    for b in model.buffers():
+        return b.device
     return torch.device("cpu")

@@ -117,7 +117,7 @@ class StepCarry:
         self.run = run
         self.storages = storages
         self.phases = phases
-        self.known: dict[int, tuple[weakref.ref, _Known]] = {}
+        self.known: dict[int, tuple[weakref.ref[object], _Known]] = {}
         self.never: set[int] = set()  # optimizers whose measured step nested another: always measured
         self.current: "_Step | None" = None
         self.closes = 0

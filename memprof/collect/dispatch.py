@@ -49,7 +49,7 @@ def _nothing() -> None:
     pass
 
 
-class DispatchMode(TorchDispatchMode):
+class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """Registers what every op makes; passes ops through once the profile has ended.
 
     Its handler is the one Python frame exact mode adds per op in the common case (a plain tensor made by an
@@ -59,10 +59,11 @@ class DispatchMode(TorchDispatchMode):
     """
 
     def __init__(self, tracker: "StorageTracker") -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
         self.tracker: "StorageTracker | None" = tracker
         self.home = threading.get_ident()  # the thread whose stack holds it
-        self.exits: list[weakref.finalize] = []  # armed while inert: see inert()
+        # Armed while inert: see inert().
+        self.exits: list[weakref.finalize[[weakref.ref[DispatchMode]], torch.Tensor]] = []
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -80,7 +81,8 @@ class DispatchMode(TorchDispatchMode):
         # instead (torch_compat.skip_dynamo: a flag the C frame evaluator reads, no call), where torch offers it.
         return not SKIPS_DYNAMO
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    # Any: torch passes an OpOverload and the op's own arguments, typed Any by TorchDispatchMode itself.
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         tracker = self.tracker
         if tracker is None:
             # The profile ended (in another thread, or beneath a mode that could not be moved).
@@ -186,7 +188,7 @@ def _leave_stack(ref: "weakref.ref[DispatchMode]") -> None:
     try:
         if not _on_top(mode):
             return  # inside another op's dispatch, or beneath a mode of the user's: a later output tries again
-        mode.__exit__(None, None, None)
+        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
     except Exception:  # a finaliser must not raise into the user's code; the next profile here pops it
         return
     _forget_orphan(mode)
@@ -262,7 +264,7 @@ class StorageTracker:
         mode = DispatchMode(self)
         if self.base_depth is None:  # the profile's start: whatever is on the stack was there before it
             self.base_depth = _dispatch_stack_len()
-            mode.__enter__()
+            mode.__enter__()  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
         else:  # a schedule's window: beneath the modes the user entered since (mode_stack.py says why)
             push_beneath(mode, self.base_depth)
         self.mode = mode
@@ -405,8 +407,11 @@ def autocast_dtype(device: torch.device) -> "torch.dtype | None":
 
 # ---------------------------------------------------------------------- tag rules: what some ops make
 
+#: A rule: the tracker, the op, its arguments and its output (the op's own values, untyped by torch).
+_Rule = Callable[["StorageTracker", Any, Any, Any], None]
 
-def _tag_outputs(indices: tuple[int, ...], tag: str):
+
+def _tag_outputs(indices: tuple[int, ...], tag: str) -> "_Rule":
     def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
         if isinstance(out, (tuple, list)):
             for i in indices:
@@ -431,7 +436,7 @@ def _tag_weight_cast(storages: StorageTracker, func: Any, args: Any, out: Any) -
             storages.tag(out, _TAG["autocast_weight_copy"])
 
 
-def _tag_fp32_under_autocast(index: "int | None"):
+def _tag_fp32_under_autocast(index: "int | None") -> "_Rule":
     def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
         if storages.autocast_dtype not in ("bfloat16", "float16"):
             return
@@ -474,7 +479,7 @@ def _flat_tensors(obj: Any, depth: int = 0) -> Any:
             yield from _flat_tensors(o, depth + 1)
 
 
-def _both(*rules: Any):
+def _both(*rules: "_Rule") -> "_Rule":
     def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
         for r in rules:
             r(storages, func, args, out)
@@ -566,7 +571,7 @@ def pop_orphan_modes() -> None:
     me = threading.get_ident()
     for entry in [e for e in _ORPHAN_MODES if e[0] == me]:
         if _on_top(entry[1]):
-            entry[1].__exit__(None, None, None)
+            entry[1].__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
             _forget_orphan(entry[1])
 
 

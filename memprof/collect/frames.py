@@ -24,6 +24,8 @@ from .state import EXACT
 from .torch_compat import COMPILER as _COMPILER, is_dynamo_compiling as _dynamo_compiling
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from .ledger import Ledger
     from .module_table import ModuleTable
     from .phases import PhaseTracker
@@ -47,7 +49,7 @@ class Frames:
         self.phases = phases
         self.timeline = timeline
         self.bw_frames: dict[int, "Frame"] = {}
-        self.tensor_hooks: dict[tuple[int, int], tuple[weakref.ref, Any]] = {}
+        self.tensor_hooks: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], RemovableHandle]] = {}
         #: Hooks on autograd nodes made for this step's backward (also by :mod:`.graph_saves`).
         self.node_hooks: list[Any] = []
 
@@ -184,7 +186,8 @@ class Frames:
         known = self.tensor_hooks.get(key)
         if known is not None and known[0]() is t:
             return
-        self.tensor_hooks[key] = (weakref.ref(t), t.register_hook(hook))
+        handle = t.register_hook(hook)  # type: ignore[no-untyped-call]  # torch's Tensor.register_hook is untyped
+        self.tensor_hooks[key] = (weakref.ref(t), handle)
 
     def prune_hooks(self) -> None:
         """At a step's end its backward has run: drop the node and non-leaf hooks made for it."""

@@ -22,6 +22,7 @@ from ..record.trace import (Breakdown, ModelFacts, ModuleRecord, OomRecord, Oper
 from .ledger import ACTIVATIONS, CATEGORY_OF_INDEX, INPUTS, TEMPORARIES, Ledger, breakdown, storage_of, tag_pairs
 from .module_table import attribute_tensors
 from ..vocabulary import Phase
+from .phase_records import finish
 from .phases import MAX_DECODE_PHASES
 from .state import EXACT, LIGHT
 
@@ -117,7 +118,7 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
     c.params.resync_storages()  # the parameters as they are at the end (settles what torch released)
     led = c.ledger
     light = run.mode == LIGHT
-    steps = c.phases.finish()
+    steps = finish(c.phases)
     device_now = c.probe.finish()
     end = breakdown(led.totals, light=light, where="end", device=device_now)
     start = breakdown(c.start_totals, light=light, where="start")
@@ -135,7 +136,7 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
     if peak_device is not None and not light:
         n = len(CATEGORY_OF_INDEX)
         peak = Breakdown(peak.counts[:n] + peak_device.counts[n:],
-                         sum(peak.counts[:n]) + sum(v or 0 for v in peak_device.counts[n:]))
+                         sum(v or 0 for v in peak.counts[:n]) + sum(v or 0 for v in peak_device.counts[n:]))
     src = c.allocator
     figures = src.figures(device_now, c.probe.global_peak()) if src is not None else None
     if figures is not None:  # source="allocator": the run's figures are its windows'
@@ -333,7 +334,7 @@ def module_records(c: "Collectors") -> tuple[ModuleRecord, ...]:
             path = parent_path(path)
             key = path or "<model>"
             if totals.get(key) is not None:
-                totals[key] = totals[key] + own[m.path]  # type: ignore[operator]
+                totals[key] = totals[key] + own[m.path]  # type: ignore[operator]  # not None: tested above
             if not path:
                 break
     first_inputs: dict[int, int] = {}

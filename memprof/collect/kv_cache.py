@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..anatomy.cache_config import cache_spec
-from ..record.cache import CacheMoment
+from ..record.cache import CacheMoment, frozen_spec
 from ..vocabulary import Phase
 from ..errors import MemprofError, is_interrupt
 from ..record.parts import GenerationFacts
@@ -97,7 +97,7 @@ class CacheTracker:
         self.let_go: "int | None" = None  # the ledger's event count when that cache object was let go
         phases.on_close.append(self.phase_closed)
 
-    def before_call(self, args: tuple, kwargs: dict) -> "Phase | None":
+    def before_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "Phase | None":
         """What this root call is (``Phase.PREFILL``, ``Phase.DECODE`` or ``None``); claims the cache handed in."""
         self.active, self.kind, self.prefill_serials, self.encoder_first = None, None, set(), False
         if torch.is_grad_enabled():
@@ -150,7 +150,7 @@ class CacheTracker:
             self._note_shapes(handed, kwargs)
         return self.kind
 
-    def layer_done(self, args: tuple, kwargs: dict) -> None:
+    def layer_done(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A module handed the running call's cache object returned: what it added there is the cache from
         now on, not at the end of the whole call (the prefill's peak is reached with half the layers filled)."""
         active = self.active
@@ -159,7 +159,7 @@ class CacheTracker:
         if any(v is active for v in kwargs.values()) or any(a is active for a in args):
             self._claim(active, named=True, retro=True)
 
-    def after_call(self, args: tuple, kwargs: dict, output: Any) -> None:
+    def after_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """Claim what a prefill or decode call added to the cache it was given (filled in place) or returned:
         under a cache's name, or, from a decode call, any container in its output (a tuple of key and value
         tensors; the logits are a plain tensor)."""
@@ -246,10 +246,11 @@ class CacheTracker:
         return GenerationFacts(layers=layers, kv_heads=kv_heads, head_dim=head_dim, sliding_window=window,
                                itemsize=itemsize, batch=self.batch,
                                tokens=tuple((s, p, o, n) for (s, p, o), n in self.tokens.items()),
-                               cache=self.spec, encoder_tokens=self.encoder_tokens, max_cache_len=self.max_cache_len,
+                               cache=frozen_spec(self.spec), encoder_tokens=self.encoder_tokens,
+                               max_cache_len=self.max_cache_len,
                                moments=tuple(self.moments.values()), encoder_prefills=tuple(self.encoder_prefills))
 
-    def _note_shapes(self, handed: Any, kwargs: dict) -> None:
+    def _note_shapes(self, handed: Any, kwargs: dict[str, Any]) -> None:
         """The encoder's tokens (an encoder-decoder call's ``encoder_outputs``) and the length a static cache
         was allocated at (its layers' ``max_cache_len``): what the formula needs beside the config."""
         enc = kwargs.get("encoder_outputs")
@@ -262,8 +263,8 @@ class CacheTracker:
         if isinstance(enc, torch.Tensor) and enc.dim() >= 2:
             self.encoder_tokens = int(enc.shape[1])
         inner = getattr(handed, "self_attention_cache", handed)  # an EncoderDecoderCache's decoder side
-        lengths = [getattr(layer, "max_cache_len", None) for layer in getattr(inner, "layers", None) or ()]
-        lengths = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool)]
+        found = [getattr(layer, "max_cache_len", None) for layer in getattr(inner, "layers", None) or ()]
+        lengths = [n for n in found if isinstance(n, int) and not isinstance(n, bool)]
         if lengths:
             self.max_cache_len = max(lengths)
 
@@ -272,8 +273,8 @@ class CacheTracker:
         how many of the storages the call put in the cache existed then (exact mode sees them being made)."""
         led = self.ledger
         tokens = (self.call_earlier, self.call_before, self.in_cache)
-        self.moments[(*key, "end")] = CacheMoment(*key, "end", *tokens)
-        peak = (*key, "peak")
+        self.moments[key + ("end",)] = CacheMoment(*key, "end", *tokens)
+        peak = key + ("peak",)
         if peak in self.moments and led.phase_peak_seq <= self.call_seq:
             return  # a folded decode phase whose peak an earlier call reached
         written, overlap = None, False
@@ -333,7 +334,7 @@ def watch_encoder(model: nn.Module, run: "Run", phases: "PhaseTracker", stack: "
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is not True:
         return
     try:
-        encoder = model.get_encoder()  # type: ignore[operator]
+        encoder = model.get_encoder()  # type: ignore[operator]  # a transformers model's; nn.Module's type lacks it
     # A model whose lookup fails has no encoder memprof can name: its phases stay as they were.
     except Exception as failure:
         if is_interrupt(failure):
@@ -353,7 +354,7 @@ def watch_encoder(model: nn.Module, run: "Run", phases: "PhaseTracker", stack: "
     stack.callback(encoder.register_forward_pre_hook(began, with_kwargs=True).remove)
 
 
-def _arguments(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     for i, a in enumerate(args):
         yield f"#{i}", a
     yield from kwargs.items()
@@ -395,7 +396,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
         stack.extend((c, depth + 1) for c in reversed(children))
 
 
-def _new_tokens(args: tuple, kwargs: dict) -> "tuple[int, int | None]":
+def _new_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> "tuple[int, int | None]":
     """Tokens (and batch) handed to a call: its ``input_ids`` or ``inputs_embeds`` (an encoder-decoder's
     ``decoder_`` ones first: the cache holds the decoder's tokens), else the second dimension of its first
     tensor argument of two or more (batch, tokens, ...)."""

@@ -149,6 +149,7 @@ def inner_tensors(t: Any) -> list[Any]:
     return out
 
 
+# Unparameterised base: the referent (a storage) is never read through this reference's type, only its callback.
 class Entry(weakref.ref):  # type: ignore[type-arg]
     """One live storage: its size, category, and where it came from; also the weak reference to the storage
     whose callback queues it when torch frees it (:meth:`Ledger.settle` then subtracts its bytes).
@@ -186,6 +187,7 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
     savers: "dict[int, int] | None"
 
 
+# Unparameterised base, as Entry's: only its callback matters.
 class Release(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to what memprof hands autograd for a saved slot (:class:`memprof.collect.saved.Saved`,
     a chained pack's result): when autograd lets it go, the ledger's queue receives this reference, and
@@ -378,14 +380,16 @@ class Ledger:
                     if self.stream is not None:
                         self.stream.append((self.seq, key, -1))
             else:
-                self.watched.discard(ref)
-                then = ref.then
+                # A Release: mypy narrows no test of __class__, and isinstance() would cost a call per event.
+                rel: Release = ref  # type: ignore[assignment]
+                self.watched.discard(rel)
+                then = rel.then
                 if then is not None:
-                    ref.then = None  # called once, whatever happens in it
-                    then(ref)
-                while ref.keys:
-                    entry = entries.get(ref.keys[0]) if self.unsaving else None
-                    ref.keys = ref.keys[1:]
+                    rel.then = None  # called once, whatever happens in it
+                    then(rel)
+                while rel.keys:
+                    entry = entries.get(rel.keys[0]) if self.unsaving else None
+                    rel.keys = rel.keys[1:]
                     if entry is not None and entry.cat == ACTIVATIONS:
                         entry.saved -= 1
                         if entry.saved == 0:
@@ -522,8 +526,8 @@ def breakdown(totals: list[int], *, light: bool, where: str, device: Any = None)
         if device is not None and where in ("peak", "end", "now") and device.allocated is not None:
             allocated = device.peak_allocated if where == "peak" else device.allocated
             known = sum(v for v in totals[:TEMPORARIES])
-            values[TEMPORARIES] = max(0, allocated - known)
-            total = known + values[TEMPORARIES]
+            rest = values[TEMPORARIES] = max(0, allocated - known)
+            total = known + rest
     else:
         total = sum(totals)
     overhead = outside = None

@@ -46,7 +46,8 @@ def mesh_layout(model: nn.Module, layout: "str | None") -> "MeshLayout | None":
             if placements is None:
                 key: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
             else:
-                mesh = p.device_mesh
+                # A DTensor (it has placements), which nn.Parameter's type does not say.
+                mesh = p.device_mesh  # type: ignore[attr-defined]
                 root = root if root is not None else _root(mesh)
                 names = _names(mesh, layout)
                 key = (tuple(n for n, pl in zip(names, placements) if cuts(pl)),
@@ -106,6 +107,7 @@ def _fsdp_policy(model: nn.Module, layout: MeshLayout) -> MeshLayout:
         for m in model.modules():
             if not is_fsdp2_module(m):
                 continue
+            # An FSDP2 module's (is_fsdp2_module), which nn.Module's type lacks.
             group = m._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
             if group is None:
                 continue

@@ -45,9 +45,9 @@ class ModuleTable:
     def __init__(self, model: nn.Module) -> None:
         self.root_ref = weakref.ref(model)
         self.info: list[ModuleInfo] = []
-        self.refs: list[weakref.ref] = []
+        self.refs: list[weakref.ref[nn.Module]] = []
         self.index: dict[int, int] = {}  # id(module) -> its row in the tables
-        self.params: list[list[weakref.ref]] = []  # each module's parameters (its own and its children's)
+        self.params: list[list[weakref.ref[nn.Parameter]]] = []  # each module's parameters (its own and its children's)
         # The tag a storage saved while this module is innermost gets when no op rule named it.
         self.saved_tag: list[int] = []
         self.brackets: set[int] = set()  # modules whose calls run compiled code memprof cannot see into
@@ -71,10 +71,12 @@ class ModuleTable:
         inside: list[str] = []  # path prefixes of compiled code
         rows: dict[str, int] = {}
         new: list[tuple[int, nn.Module, bool]] = []
+        mod: nn.Module  # torch's named_modules() is untyped
         for path, mod in model.named_modules():
             compiled_here = any(path == p or path.startswith(p + ".") for p in inside)
             known = self.index.get(id(mod))
-            if known is not None and self.refs[known]() is mod:
+            alive = self.refs[known]() if known is not None else None
+            if known is not None and alive is mod:
                 rows[path] = known
                 if not compiled_here and getattr(mod, "_compiled_call_impl", None) is not None:
                     inside.append(path)

@@ -68,8 +68,8 @@ class OptimizerTracker:
         self.while_paused: Callable[[], None] = _nothing
         self.given_ids = {id(o) for o in optimizers}
         self.given = [weakref.ref(o) for o in optimizers]
-        self.discovered: list[weakref.ref] = []
-        self.cache: dict[int, tuple[weakref.ref, bool]] = {}
+        self.discovered: list[weakref.ref[torch.optim.Optimizer]] = []
+        self.cache: dict[int, tuple[weakref.ref[torch.optim.Optimizer], bool]] = {}
         self.class_name: "str | None" = None
         self.implementation: "str | None" = None
         self.carry: "StepCarry | None" = None  # exact mode's carried optimizer steps (carry.py), where on

@@ -58,12 +58,12 @@ class ParamTracker:
         self.phases = phases
         self.stack = stack
         self.while_paused: "Callable[[], None] | None" = None
-        self.refs: list[weakref.ref] = []
+        self.refs: list[weakref.ref[nn.Parameter]] = []
         # id(parameter) -> its weak reference: an id is a parameter's only while that parameter lives.
-        self.by_id: dict[int, weakref.ref] = {}
+        self.by_id: dict[int, weakref.ref[nn.Parameter]] = {}
         self.storage_keys: list["int | None"] = []  # each parameter's storage as last seen
         self.moved_at: "int | None" = None  # the step parameters first moved to new storages
-        self.pending: list[weakref.ref] = []  # lazy parameters not materialised yet
+        self.pending: list[weakref.ref[nn.Parameter]] = []  # lazy parameters not materialised yet
         self.grad_keys: set[int] = set()  # shared with the phase tracker, which reads it (never rebound)
         self.changed = False  # a module of the model registered a parameter or submodule since the last sync
         self.invisible_forwards = 0  # gradients of the model from forwards no module hook saw
@@ -92,7 +92,8 @@ class ParamTracker:
         # (a new head, a materialised lazy parameter) was a temporary until now.
         self.storage_keys.append(self.weigh(p))
         if p.requires_grad:
-            self.stack.callback(p.register_post_accumulate_grad_hook(self.grad_hook).remove)
+            # torch's Tensor.register_post_accumulate_grad_hook is untyped.
+            self.stack.callback(p.register_post_accumulate_grad_hook(self.grad_hook).remove)  # type: ignore[no-untyped-call]
 
     def weigh(self, p: torch.Tensor) -> "int | None":
         """``p``'s storage is a weight from now on (also at the peaks of this phase, if it was made in it); its
@@ -131,7 +132,8 @@ class ParamTracker:
             if (st._cdata if st is not None else None) == keys[i]:
                 continue
             changed = True
-            old = led.entries.get(self.storage_keys[i]) if self.storage_keys[i] is not None else None
+            was = self.storage_keys[i]
+            old = led.entries.get(was) if was is not None else None
             self.storage_keys[i] = self.weigh(p)
             if old is not None and old.cat == WEIGHTS and old.key not in self.storage_keys:
                 led.move(old, TEMPORARIES)
@@ -289,4 +291,4 @@ class ParamTracker:
 
 def is_lazy(p: torch.Tensor) -> bool:
     """A parameter of a lazy module (nn.LazyLinear ...) before its first forward gives it a shape."""
-    return isinstance(p, nn.parameter.UninitializedTensorMixin)
+    return nn.parameter.is_lazy(p)

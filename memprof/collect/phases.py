@@ -18,21 +18,18 @@ and the others), so that this module imports none of them.
 from __future__ import annotations
 
 import dataclasses
-from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from . import marks
 from ..errors import is_interrupt
 from ..vocabulary import Phase
 from ..record.trace import PhaseRecord, StepRecord
-from .ledger import CATEGORY_OF_INDEX, breakdown, tag_pairs
+from .phase_records import Gate, WindowSource, close_phase, keep
 from .retention import Retention
-from .state import EXACT, LIGHT
+from .state import EXACT
 from .torch_compat import queue_backward_callback
 
 if TYPE_CHECKING:
-    from ..record.trace import Breakdown
-    from .allocation_events import Window
     from .device import DeviceProbe
     from .ledger import Ledger
     from .state import Run
@@ -48,35 +45,6 @@ Hooks = list[Callable[[], None]]
 
 def _never() -> bool:
     return False
-
-
-class Gate(Protocol):
-    """What a schedule decides about the steps (:class:`memprof.collect.windows.Windows`)."""
-
-    def records_now(self) -> bool:
-        """Is the step running now one the schedule records (not a warmup step)?"""
-
-    def step_closed(self, index: int) -> None:
-        """A watched step closed: the schedule may end a window or pause."""
-
-    def note_recorded(self, index: int) -> None:
-        """Step ``index`` is in the record."""
-
-    def forget(self, index: int) -> None:
-        """Step ``index`` was a warmup step: it leaves no trace in the record."""
-
-    def ended_while_paused(self) -> bool:
-        """Did a step end since the schedule paused (forgotten once asked)?"""
-
-
-class WindowSource(Protocol):
-    """Where the phases' figures come from instead of the ledger (:class:`.allocator_source.AllocatorSource`)."""
-
-    def close_window(self) -> "Window | None":
-        """The phase in progress closes: its window (None: one that leaves no record)."""
-
-    def peak_step(self) -> "int | None":
-        """The step that held the highest peak so far."""
 
 
 class PhaseTracker:
@@ -163,9 +131,9 @@ class PhaseTracker:
             self.pending_backward_end = False
             if not self.optimizer_seen and not self.explicit:
                 self.end_step()
-        self.close()
-        for hook in self.on_begin:
-            hook(phase)
+        close_phase(self)
+        for began in self.on_begin:
+            began(phase)
         run.phase = phase
         if phase is Phase.FORWARD:
             run.forward_seen = True
@@ -187,54 +155,18 @@ class PhaseTracker:
         """A merged decode phase's call ended: what it holds now is the phase's end, unless another call joins."""
         self.end_mark = marks.mark_end(self.ledger)
 
-    def close(self) -> None:
-        """Record the phase that is ending (an "other" phase in which nothing happened leaves none)."""
-        led, run = self.ledger, self.run
-        led.settle()  # what torch released before the boundary: the phase's end
-        if self.encoder_open:
-            _encoder_alone(self)
-        phase = run.phase
-        end = led.totals
-        ops = run.ops - self.phase_ops_start
-        window = self.window_source.close_window() if self.window_source is not None else False  # None: no record
-        if window is None or (window is False and phase is Phase.OTHER and ops == 0 and end == self.phase_start
-                              and led.phase_peak == self.phase_start):
-            return
-        occ = self.occurrence.get(phase, 0)
-        self.occurrence[phase] = occ + 1
-        if self.end_mark is not None and phase is Phase.DECODE:
-            end = self.end_mark  # a merged decode phase ends where its last call did
-        led.moments is None or marks.note_moment(led, run.step, marked=end is self.end_mark)  # a kept allocation stream
-        self.end_mark = None
-        self.closed[led.phase_serial] = len(self.step_phases)
-        device_now = self.probe.phase_ended()
-        light = self.before_close() or run.mode == LIGHT  # a carried optimizer step that raised: as in light mode
-        micros = self.timeline.micros
-        start, peak, last = _figures(window or None, (self.phase_start, led.phase_peak, end), light, device_now)
-        self.step_phases.append(PhaseRecord(
-            step=run.step, phase=phase, occurrence=occ, start=start, peak=peak, end=last,
-            ops=ops,
-            tags_peak=tag_pairs(led.phase_peak_tags),
-            tags_end=tag_pairs(led.tag_act),
-            start_us=micros(self.phase_start_ns),
-            peak_us=micros(led.phase_peak_ns),
-            end_us=micros(perf_counter_ns()),
-        ))
-        for hook in self.on_close:
-            hook(run.step, phase, occ)
-
     def end_step(self) -> None:
         run = self.run
         for hook in self.on_step_end:
             hook()
         run.forward_seen = False
-        self.close()
+        close_phase(self)
         closed = None
         gate = self.gate
         if self.step_phases:
             closed = run.step
             if gate is None or gate.records_now():
-                self.keep(StepRecord(run.step, tuple(self.step_phases)), selected=gate is not None)
+                keep(self, StepRecord(run.step, tuple(self.step_phases)), selected=gate is not None)
             else:
                 self.retention.steps_run += 1  # a warmup step: watched, counted, not kept
             run.step += 1
@@ -332,53 +264,6 @@ class PhaseTracker:
             if not self.run.paused:
                 self.end_step()
 
-    # -- the record ----------------------------------------------------------------
-
-    def keep(self, rec: StepRecord, *, selected: bool = False) -> None:
-        """A step ended: into the statistics, and into the detail while retention keeps it (or a schedule chose it)."""
-        src = self.window_source  # the allocator's windows know the peak; the ledger's is light mode's then
-        peak = (src.peak_step(),) if src is not None else self.where.get(self.ledger.peak_phase_serial)
-        dropped = self.retention.add(rec, peak_step=peak[0] if peak else None, selected=selected)
-        if dropped:
-            self.forget_steps(set(dropped))
-
-    def forget_steps(self, gone: "set[int]") -> None:
-        """These steps leave the record: their samples, and where their phases were (but the peak's)."""
-        self.timeline.forget_steps(gone)
-        peak_serial = self.ledger.peak_phase_serial
-        self.where = {serial: w for serial, w in self.where.items() if w[0] not in gone or serial == peak_serial}
-
-    def finish(self) -> list[StepRecord]:
-        """Close whatever is open; a trailing step holding only "other" joins the previous step."""
-        gate = self.gate
-        if gate is not None and self.run.paused:
-            # Nothing was watched since the pause: what the ledger saw then (frees) is no phase's.
-            self.step_phases = []
-            if gate.ended_while_paused():
-                self.retention.steps_run += 1
-            return self.retention.records()
-        self.close()
-        phases = self.step_phases
-        step = self.run.step
-        last = self.retention.kept.get(step - 1)
-        if phases:
-            tail = all(p.phase is Phase.OTHER for p in phases)
-            if tail and last is not None:
-                _join_last(self.retention, last, phases)
-            elif tail and step > 0 and gate is not None:
-                # The tail of a schedule's warmup step, closed early by end_step() (a callback at the step's
-                # end): forgotten with that step, never a step of its own that did not run.
-                gate.forget(step)
-            elif gate is None or gate.records_now():
-                self.keep(StepRecord(step, tuple(phases)), selected=gate is not None)
-                if gate is not None:
-                    gate.note_recorded(step)
-            else:
-                self.retention.steps_run += 1
-        self.step_phases = []
-        return self.retention.records()
-
-
 def begin_encoder(tracker: PhaseTracker) -> None:
     """An encoder-decoder model's encoder begins a call under no_grad, outside any call of the model: a
     generation's prefill begins here (``generate()`` runs the encoder once, then the decoder's first call fills
@@ -404,13 +289,6 @@ def _prefill_goes_on(tracker: PhaseTracker) -> None:
     tracker.run.scan_args = False
 
 
-def _encoder_alone(tracker: PhaseTracker) -> None:
-    """No decoder call followed the encoder: the phase it began was a forward of the encoder alone."""
-    tracker.encoder_open = False
-    tracker.run.phase = Phase.FORWARD
-    tracker.where[tracker.ledger.phase_serial] = (tracker.run.step, Phase.FORWARD)
-
-
 def relabel_closed(tracker: PhaseTracker, serial: int, phase: Phase) -> "tuple[int, str, int] | None":
     """A closed forward phase of this step (by its ledger serial) turns out to be ``phase`` (a prefill, once
     its cache came back); later forwards are renumbered. Returns its (step, phase, occurrence)."""
@@ -431,25 +309,3 @@ def relabel_closed(tracker: PhaseTracker, serial: int, phase: Phase) -> "tuple[i
     return (tracker.run.step, phase.value, occ)
 
 
-def _figures(window: "Window | None", totals: tuple[list[int], list[int], list[int]], light: bool,
-             device: Any) -> "tuple[Breakdown, Breakdown, Breakdown]":
-    """A phase's start, peak and end: the allocator's window (every tensor category measured), or the ledger's."""
-    if window is not None:
-        return (window_breakdown(window.start, "start", device), window_breakdown(window.peak, "peak", device),
-                window_breakdown(window.end, "end", device))
-    return (breakdown(totals[0], light=light, where="start", device=device),
-            breakdown(totals[1], light=light, where="peak", device=device),
-            breakdown(totals[2], light=light, where="end", device=device))
-
-
-def window_breakdown(bd: "Breakdown", where: str, device: Any) -> "Breakdown":
-    """A window's breakdown with the device's figures (allocator overhead, memory outside torch) added."""
-    return breakdown([bd[c.value] or 0 for c in CATEGORY_OF_INDEX], light=False, where=where, device=device)
-
-
-def _join_last(retention: Retention, last: StepRecord, phases: "list[PhaseRecord]") -> None:
-    """A trailing step holding only "other" phases: they join the last kept step, numbered after its own."""
-    extra = tuple(dataclasses.replace(p, step=last.index, occurrence=p.occurrence + sum(
-        1 for q in last.phases if q.phase is p.phase)) for p in phases)
-    retention.replace_last(StepRecord(last.index, last.phases + extra))
-    retention.add_phases(extra)

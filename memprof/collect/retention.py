@@ -14,7 +14,7 @@ from typing import Iterable
 
 from ..vocabulary import Phase
 from ..record.stats import STAT_KEYS, PhaseStats, Stat
-from ..record.trace import Breakdown, StepRecord
+from ..record.trace import Breakdown, PhaseRecord, StepRecord
 
 __all__ = ["Retention", "FIRST_STEPS", "MAX_SELECTED"]
 
@@ -155,7 +155,7 @@ class Retention:
             del self.kept[i]
         return dropped
 
-    def add_phases(self, phases: Iterable) -> None:
+    def add_phases(self, phases: Iterable[PhaseRecord]) -> None:
         stats = self._stats
         for p in phases:
             key = (p.phase, p.occurrence)

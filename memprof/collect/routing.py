@@ -35,7 +35,7 @@ _ARGMAX = (torch.argmax, torch.Tensor.argmax)
 ROUTER_FUNCTIONS = frozenset(_TOPK + _ARGMAX)
 
 
-def router_call(func: Any, args: tuple, kwargs: dict,
+def router_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                 out: Any) -> "tuple[torch.Tensor, torch.Tensor, int, bool] | None":
     """``(scores, indices, dim, keepdim)`` when ``func(*args, **kwargs) -> out`` chose indices from floating
     scores (a ``topk``, or an ``argmax`` along a dimension); None otherwise."""
@@ -76,7 +76,7 @@ class RoutingRecorder(TorchFunctionMode):
             self._note(func, tuple(args), kwargs, out)
         return out
 
-    def _note(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         call = router_call(func, args, kwargs, out)
         if call is None:
             return

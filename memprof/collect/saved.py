@@ -64,7 +64,7 @@ class Saved:
 
     tensor: torch.Tensor
     version: int
-    origin: "weakref.ref | None"
+    origin: "weakref.ref[torch.Tensor] | None"
 
 
 class SavedTracker:
@@ -142,13 +142,15 @@ class SavedTracker:
         # it starts the backward phase in light mode. (unpacking() inlined: it runs for every unpack.)
         if run.phase is not _BACKWARD and run.active and _graph_task_id() != -1:
             self.backward_started()
+        t: torch.Tensor  # what the pack kept (autograd hands back its result as it was made: untyped)
         kind = type(saved)
         if kind is tuple:
             t, version, origin = saved
         elif kind is Saved:
             t, version, origin = saved.tensor, saved.version, saved.origin
         else:
-            return saved  # packed while compiling: the tensor itself
+            t = saved  # packed while compiling: the tensor itself
+            return t
         if origin is not None:
             o = origin()
             if o is not None and o.is_leaf:  # detached in place since (is_leaf: grad_fn is None, read in C++)

@@ -33,7 +33,7 @@ does not.
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -134,6 +134,9 @@ class _Chain:
 
     def __init__(self, owner: Accountant, outer: tuple[Any, Any]) -> None:
         self.owner: "Accountant | None" = owner
+        # The user's pair: autograd hands its unpack what its pack made, and wants a tensor back.
+        self.outer_pack: Callable[[torch.Tensor], Any]
+        self.outer_unpack: Callable[[Any], torch.Tensor]
         self.outer_pack, self.outer_unpack = outer
 
     def pack(self, t: torch.Tensor) -> Any:

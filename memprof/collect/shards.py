@@ -76,6 +76,7 @@ def fsdp2_params(model: nn.Module) -> "dict[int, list[Any]] | None":
         if not is_fsdp2_module(m):
             continue
         try:
+            # An FSDP2 module's (is_fsdp2_module), which nn.Module's type lacks.
             group = m._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
             params = list(group.fsdp_params) if group is not None else []
             for fp in params:
@@ -245,7 +246,8 @@ class ResizeWatch:
             # Whether the class itself defined it (someone wrapped it before) or inherited torch's C method.
             cls._had_own = "resize_" in torch.UntypedStorage.__dict__
             cls._original, cls._wrapper = original, resize_
-            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+            # A wrapper in place of torch's C method, typed as a method of the storage class.
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]
         cls._active.append(self)
 
     def uninstall(self) -> None:
@@ -257,7 +259,7 @@ class ResizeWatch:
             return
         if torch.UntypedStorage.__dict__.get("resize_") is cls._wrapper:
             if cls._had_own:
-                torch.UntypedStorage.resize_ = cls._original  # type: ignore[method-assign]
+                torch.UntypedStorage.resize_ = cls._original  # type: ignore[method-assign]  # putting back what was there
             else:
                 del torch.UntypedStorage.resize_  # the class is as torch made it again
             cls._wrapper = None

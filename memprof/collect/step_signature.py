@@ -187,7 +187,7 @@ def _modes(own: Any) -> tuple[Any, ...]:
 
 
 def _autocast() -> tuple[Any, ...]:
-    out = []
+    out: list[tuple[str, "bool | None", "torch.dtype | None"]] = []
     for dev in ("cpu", "cuda"):
         try:
             enabled = torch.is_autocast_enabled(dev)

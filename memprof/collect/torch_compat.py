@@ -9,7 +9,7 @@ and each name with a fallback degrades to "not known" rather than failing the us
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -38,7 +38,7 @@ current_autograd_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_
 #: Run a function when the engine has finished the current backward (the hook torch's own DDP and FSDP use
 #: to finish their work): how the backward phase ends. Raises RuntimeError outside the engine.
 queue_backward_callback: Callable[[Callable[[], None]], None] = \
-    torch.autograd.Variable._execution_engine.queue_callback  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback
 
 # -- the saved-tensor hooks stack (torch/csrc/autograd/python_saved_variable_hooks.cpp) ---------------------
 
@@ -172,7 +172,7 @@ def cuda_memory_snapshot() -> Any:
 cuda_history_enabled: "Callable[[], bool] | None" = getattr(torch._C, "_cuda_isHistoryEnabled", None)
 
 
-def record_cuda_history(enabled: "str | None", **options: Any) -> None:
+def record_cuda_history(enabled: 'Literal["state", "all"] | None', **options: Any) -> None:
     """Start (``"all"``), restart or stop (None) the allocator's history
     (``torch.cuda.memory._record_memory_history``)."""
     torch.cuda.memory._record_memory_history(enabled, **options)

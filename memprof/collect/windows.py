@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from . import marks
+from .phase_records import forget_steps
 from .schedule import ACTIVE, WARMUP, Schedule
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ class Windows:
         """A warmup step closed: its peak, samples and phases leave no trace in the record."""
         if self.peak_before_warmup is not None:
             marks.restore_peak(self.ledger, self.peak_before_warmup)
-        self.phases.forget_steps({index})
+        forget_steps(self.phases, {index})
 
     def note_recorded(self, index: int) -> None:
         if self.plan(index) == ACTIVE:

@@ -164,7 +164,7 @@ def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Ru
         add_windows(c, schedule, ready)
     if record_routing:
         c.routing = RoutingRecorder(run, c.table)
-        c.routing.__enter__()
+        c.routing.__enter__()  # type: ignore[no-untyped-call]  # torch's TorchFunctionMode.__enter__ is untyped
         stack.callback(c.routing.__exit__, None, None, None)
     return c
 
@@ -247,8 +247,9 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
     pre, post = c.optimizers.pre_hook, c.optimizers.post_hook
     if "torch._dynamo" in sys.modules:
         # A compiled optimizer.step() calls the global step hooks from its compiled frame: run them
-        # eagerly, outside the graph, rather than have dynamo trace memprof's code into it.
-        pre, post = torch.compiler.disable(pre), torch.compiler.disable(post)
+        # eagerly, outside the graph, rather than have dynamo trace memprof's code into it (torch.compiler.disable
+        # is untyped).
+        pre, post = torch.compiler.disable(pre), torch.compiler.disable(post)  # type: ignore[no-untyped-call]
     stack.callback(_optim_mod.register_optimizer_step_pre_hook(pre).remove)
     stack.callback(_optim_mod.register_optimizer_step_post_hook(post).remove)
     # The model may gain parameters or submodules inside the block (a new head, lazy modules).
