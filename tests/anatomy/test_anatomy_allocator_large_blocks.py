@@ -279,6 +279,33 @@ def test_expandable_segments_map_20_mib_pages_for_gb_requests_of_changing_size()
     assert alloc.reserved == (11_280 - 4080) * MiB
 
 
+
+def test_the_loss_stream_with_expandable_segments_reserves_its_peak_in_20_mib_pages():
+    """The same three steps with expandable_segments:True (find_expandable_block, map_block; get_free_block's
+    best fit by the size a block can grow to): one segment, mapped in 20 MiB pages, every rest split.
+
+    Step 1: L (4008) maps 201 pages (4020 MiB), split 4008 + 12; F (8016): the free 12 MiB and the unmapped range
+    behind it, 8004 more -> pages 201-601 (8020 MiB), split 8016 + 16; S (8016): 16 + 8000 more, exactly 400
+    pages (8000 MiB), no rest; F freed; G1 takes F's 8016 MiB exactly; G2 maps 401 pages (8020 MiB) past S, split
+    8016 + 4. Mapped 4020 + 8020 + 8000 + 8020 = 28,060 MiB (the 28,056 of the segments above, rounded to the
+    page), 4 maps. Every block freed, the whole range is one free block.
+    Step 2 (3006 / 6012) is laid from address 0 in that block: L, F, S, G1 (in F's freed place), G2 after S;
+    G3 (3006): the free 7018 MiB tail could grow into the unmapped range, so best fit counts it as larger than
+    the 12,024 MiB freed by G1 and S, which serves; no page is mapped.
+    Step 3 (5010 / 10,020): L, F, S from address 0 leave a 3010 MiB tail; G1 takes F's place; G2 needs 7010 MiB
+    past the tail: pages 1403-1753 (7020 MiB). Reserved 28,060 + 7020 = 35,080 MiB: the peak allocated, 35,070,
+    rounded to the page, where one segment per size above reserved 58,116 MiB.
+    """
+    config = AllocatorConfig.parse("expandable_segments:True")
+    h200 = 141 * 10**9  # the address range, 9/8 of the device (158.6 GB), holds the whole stream in one segment
+    first = replay(loss_stream(STEPS[:1]), config, device_total=h200)
+    assert (first.peak_reserved, first.allocator.num_device_alloc) == (28_060 * MiB, 4)
+    two = replay(loss_stream(STEPS[:2]), config, device_total=h200)
+    assert (two.peak_reserved, two.allocator.num_device_alloc) == (28_060 * MiB, 4)
+    result = replay(loss_stream(), config, device_total=h200)
+    assert (result.peak_reserved, result.peak_allocated) == (35_080 * MiB, 35_070 * MiB)
+    assert result.allocator.num_device_alloc == 5 and len(result.allocator.segments()) == 1
+
 def test_oversize_stats_keep_their_peaks_and_max_split_size_as_torch_reports_them():
     """DeviceStats: oversize_allocations and oversize_segments are Stats (current and peak, increase_stat in
     alloc_found_block / alloc_block, decrease_stat in free / release_block, reset_peak_stat in resetPeakStats);
