@@ -60,7 +60,8 @@ def max_batch_size(
     ``make_batch(b)`` returns the model's inputs for batch size ``b``, or an ``(inputs, targets)`` pair used with
     ``loss_fn(output, targets)``; only shapes and dtypes matter: build them on the meta device (a batch of real
     tensors takes real memory, and the search may ask for large batches). ``budget`` is bytes or a size string
-    (``"24 GiB"``), one device's memory: at most :data:`MAX_BUDGET` (1 PiB). ``optimizer``, ``precision``,
+    (``"24 GiB"``), one device's memory: at most :data:`~memprof.simulate.planner.MAX_BUDGET`
+    (1 PiB). ``optimizer``, ``precision``,
     ``device``, ``attention``, ``world_size``, ``parallel``, ``gpu``, ``alloc_conf`` and the other keywords
     (``steps``, ``routing``, ``parallelize``, ``mesh``, ``rank``, ``pipeline``, ``extrapolate``, ``step_context``)
     are :func:`memprof.estimate`'s; with ``world_size`` the batch is one rank's and the budget one rank's device.
