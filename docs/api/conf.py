@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 import sys
+import types
+from typing import Any
+
+from sphinx.util.nodes import make_refnode
 
 # The package from this checkout, also when it is not installed.
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
@@ -50,10 +54,15 @@ html_theme = "alabaster"
 exclude_patterns = ["_build"]
 
 
-# A docstring may name an implementation that the reference does not document (a module of collect/ or simulate/,
-# a private helper) for readers of the source. Such a reference is let through only where the name exists in the
-# package, looked up as Python would from the docstring's module and class; a name that does not exist (a typo, a
-# renamed function) still fails the build.
+# A docstring may name an object by another spelling than the reference's (memprof.report.reports.Report for
+# memprof.Report, check_budget's BudgetResult from its own module), or an implementation the reference does not
+# document (a module of collect/ or simulate/, a private helper), for readers of the source. Each such name is
+# looked up as Python would, from the docstring's module and class: where it is an object the reference documents,
+# the reference links there; where it exists but is not documented, it is let through unlinked; a name that does
+# not exist (a typo, a renamed function) still fails the build.
+_MISSING = object()
+
+
 def _member(obj: object, name: str) -> object:
     """``getattr(obj, name)``, also for a dataclass field or an annotated attribute without a class-level value."""
     try:
@@ -64,7 +73,8 @@ def _member(obj: object, name: str) -> object:
         raise
 
 
-def _exists(dotted: str) -> bool:
+def _lookup(dotted: str) -> object:
+    """The object ``dotted`` names (the longest importable module, then attributes), or _MISSING."""
     import importlib
 
     parts = dotted.split(".")
@@ -77,14 +87,14 @@ def _exists(dotted: str) -> bool:
             for name in parts[cut:]:
                 obj = _member(obj, name)
         except AttributeError:
-            return False
-        return True
-    return False
+            return _MISSING
+        return obj
+    return _MISSING
 
 
-def _memprof_name(app: object, domain: object, node: dict) -> bool | None:
-    if getattr(domain, "name", None) != "py":
-        return None
+def _candidates(node: Any, guess: bool = True) -> list[str]:
+    """The dotted names a reference may mean, in the order Python's scoping would find them; ``guess``: also, for
+    a signature's annotation, the same name in every module of the package."""
     target = node.get("reftarget", "")
     module, cls = node.get("py:module") or "", node.get("py:class") or ""
     candidates = [target]
@@ -94,16 +104,11 @@ def _memprof_name(app: object, domain: object, node: dict) -> bool | None:
     if "docstring of " in source:
         scope = source.rpartition("docstring of ")[2].split(".")
         candidates += [".".join(scope[:cut] + [target]) for cut in range(len(scope), 0, -1)]
-    if module and cls and _exists(f"{module}.{cls}"):
-        # A class documented under another spelling (memprof.Trace): the modules its class and bases are written in.
-        import importlib
-
-        documented = importlib.import_module(module)
-        for part in cls.split("."):
-            documented = getattr(documented, part)
-        for c in getattr(documented, "__mro__", ()):
-            # its module's names, and a sibling module written relatively (:mod:`.mixed_layers`)
-            candidates += [f"{c.__module__}.{target}", f"{c.__module__.rpartition('.')[0]}.{target}"]
+    documented = _lookup(f"{module}.{cls}") if module and cls else _MISSING
+    for c in getattr(documented, "__mro__", ()):
+        # A class documented under another spelling (memprof.Trace): the names of the modules its class and bases
+        # are written in, and a sibling module written relatively (:mod:`.mixed_layers`).
+        candidates += [f"{c.__module__}.{target}", f"{c.__module__.rpartition('.')[0]}.{target}"]
     if module:
         candidates.append(f"{module}.{target}")
         if cls:
@@ -111,19 +116,49 @@ def _memprof_name(app: object, domain: object, node: dict) -> bool | None:
         package = module.rpartition(".")[0]
         if package:  # a sibling module written relatively (:mod:`.params` in a package's docstring)
             candidates.append(f"{package}.{target}")
-    if any(c.startswith("memprof") and _exists(c) for c in candidates):
-        return True  # exists: let it through unlinked
-    if not source and target.split(".")[0].isidentifier():
+    if guess and not source and target.split(".")[0].isidentifier():
         # A signature's annotation (autodoc_typehints = "description"), written in the module that defines the
-        # object, which may not be the one it is documented under: let through a name some module of the package
-        # defines, and no other.
+        # object, which may not be the one it is documented under: the names the package's modules define.
         import sys
 
-        modules = [m for n, m in list(sys.modules.items()) if n.startswith("memprof") and m is not None]
-        if any(_exists(f"{m.__name__}.{target}") for m in modules):
-            return True
+        candidates += [f"{n}.{target}" for n, m in sorted(sys.modules.items()) if n.startswith("memprof") and m]
+    return [c for c in candidates if c.startswith("memprof")]
+
+
+def _documented(env: Any) -> dict[int, str]:
+    """The classes, functions and modules the reference documents, by identity: their documented names."""
+    py = env.get_domain("py")
+    index: dict[int, str] = {}
+    for name, entry in py.objects.items():
+        if entry.objtype in ("class", "exception", "function", "method", "module") and not entry.aliased:
+            obj = _lookup(name)
+            if obj is not _MISSING and (callable(obj) or isinstance(obj, types.ModuleType)):
+                index.setdefault(id(obj), name)
+    return index
+
+
+def _link_by_identity(app: Any, env: Any, node: Any, contnode: Any) -> Any:
+    if node.get("refdomain") != "py":
+        return None
+    if not hasattr(env, "_memprof_documented"):
+        env._memprof_documented = _documented(env)
+    found = [obj for obj in map(_lookup, _candidates(node, guess=False)) if obj is not _MISSING][:1]
+    if not found:  # an annotation: linked only where every module's object of that name is the same documented one
+        found = [obj for obj in map(_lookup, _candidates(node)) if obj is not _MISSING]
+    names = {env._memprof_documented.get(id(obj)) for obj in found}
+    if len(names) != 1 or None in names:
+        return None
+    (name,) = names
+    entry = env.get_domain("py").objects[name]
+    return make_refnode(app.builder, node["refdoc"], entry.docname, entry.node_id, contnode, name)
+
+
+def _let_through_what_exists(app: Any, domain: Any, node: Any) -> "bool | None":
+    if getattr(domain, "name", None) == "py" and any(_lookup(c) is not _MISSING for c in _candidates(node)):
+        return True  # exists, undocumented: shown unlinked
     return None
 
 
-def setup(app: object) -> None:
-    app.connect("warn-missing-reference", _memprof_name)  # type: ignore[attr-defined]
+def setup(app: Any) -> None:
+    app.connect("missing-reference", _link_by_identity)
+    app.connect("warn-missing-reference", _let_through_what_exists)
