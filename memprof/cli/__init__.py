@@ -16,6 +16,8 @@ from ..errors import MemprofError, is_interrupt
 from .common import device as _device
 from .common import not_the_input as _not_the_input
 from .common import writable as _writable
+from .config import check_required as _check_required
+from .config import with_config as _with_config
 from .estimate import cmd_estimate as _cmd_estimate
 from .estimate import cmd_plan as _cmd_plan
 
@@ -192,7 +194,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --hf: transformers' activation checkpointing on every layer")
     est.add_argument("--json", action="store_true", help="print the result as JSON ('fits' is the verdict the exit "
                      "status gives)")
-    est.add_argument("--batch-size", type=int, required=True, help="batch size handed to the factory")
+    est.add_argument("--config", metavar="RUN.toml", help="a TOML or JSON file of the run's sections (model or hf, "
+                     "precision, [workload] or [generation], [target], [parallelism], [depth]: docs/cli.md); a flag "
+                     "given beside it overrides the file's value")
+    est.add_argument("--batch-size", type=int, help="batch size handed to the factory (required, here or in the "
+                     "--config file)")
     est.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default=None,
                      help="optimizer when the factory gives none (default adamw); a training step's only")
     est.add_argument("--device", default="cuda", help="device the figures are for (default cuda: 512-byte blocks)")
@@ -240,10 +246,15 @@ def _parser() -> argparse.ArgumentParser:
                                      "each data-parallel layout of --world-size ranks, precision and activation "
                                      "checkpointing setting, the largest batch per rank whose device-level peak "
                                      "fits --gpu, found and confirmed by simulation.")
-    pla.add_argument("--hf", metavar="PATH_OR_ID", required=True,
-                     help="a folder holding config.json, the file, or a cached hub id")
-    pla.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    pla.add_argument("--gpu", required=True, help="the CUDA GPU of every rank (e.g. h100-80gb)")
+    pla.add_argument("--config", metavar="RUN.toml", help="a TOML or JSON file of the run's sections (hf, precision, "
+                     "[workload] seq_len, optimizer, checkpointing, [target], [parallelism] world_size, parallel: "
+                     "docs/cli.md); a flag given beside it overrides the file's value")
+    pla.add_argument("--hf", metavar="PATH_OR_ID",
+                     help="a folder holding config.json, the file, or a cached hub id (required, here or in the "
+                          "--config file)")
+    pla.add_argument("--seq-len", type=int, help="tokens per sequence (required, here or in the --config file)")
+    pla.add_argument("--gpu", help="the CUDA GPU of every rank (e.g. h100-80gb; required, here or in the --config "
+                     "file)")
     pla.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
     pla.add_argument("--parallel", metavar="LIST", help="layouts to plan, comma-separated (default: every layout "
                      "for the world size: ddp,fsdp,zero1,zero2,zero3)")
@@ -270,12 +281,15 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     """Entry point of the ``memprof`` console script."""
     parser = _parser()
     args = parser.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "layers", "hidden", "heads", "vocab", "threads", "top",
-                 "world_size", "prompt_len", "new_tokens"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            getattr(args, "parser", parser).error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     try:
+        if getattr(args, "config", None) is not None:  # the file's values are the defaults the flags override
+            args = _with_config(parser, args, argv)
+        _check_required(args)
+        for name in ("steps", "batch_size", "seq_len", "layers", "hidden", "heads", "vocab", "threads", "top",
+                     "world_size", "prompt_len", "new_tokens"):
+            value = getattr(args, name, None)
+            if value is not None and value < 1:
+                getattr(args, "parser", parser).error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         return int(args.func(args))
     except BrokenPipeError as exc:
         # The reader went away (memprof report run.json | head): stop quietly, as a Unix tool killed by

@@ -131,7 +131,13 @@ def _estimate(args: argparse.Namespace, model: Any, optimizer: Any, inputs: Any,
 
     return memprof.estimate(model, optimizer, inputs=inputs, device=args.device, precision=args.precision,
                             attention=args.attention, gpu=args.gpu, alloc_conf=args.alloc_conf, rank=args.rank,
-                            extrapolate=args.extrapolate, **options)
+                            extrapolate=args.extrapolate, **options, **_from_file(args))
+
+
+def _from_file(args: argparse.Namespace) -> "dict[str, Any]":
+    """What a ``--config`` file gives that no flag takes (``steps``, a generation's sampling): the simulation's
+    keyword arguments of those names (:mod:`memprof.cli.config`)."""
+    return dict(getattr(args, "file_options", None) or {})
 
 
 def _simulated(source: str, run: Any) -> Any:
@@ -161,7 +167,7 @@ def _estimate_hf(args: argparse.Namespace, budget: "int | None") -> int:
                                               max_new_tokens=args.new_tokens, precision=args.precision,
                                               device=args.device, attention=args.attention, gpu=args.gpu,
                                               alloc_conf=args.alloc_conf, routing=args.routing,
-                                              names=("--prompt-len", "--new-tokens"))
+                                              names=("--prompt-len", "--new-tokens"), **_from_file(args))
         return _emit(est, args, budget)
     hf.check_sequence(config, args.seq_len, "--seq-len")  # before building: named as the command line names it
     parallelize = _load_factory(args.parallelize) if args.parallelize else None
@@ -173,7 +179,7 @@ def _estimate_hf(args: argparse.Namespace, budget: "int | None") -> int:
                                world_size=world_size, parallel=parallel, gpu=args.gpu, alloc_conf=args.alloc_conf,
                                routing=args.routing, parallelize=parallelize,
                                mesh=_mesh(args.mesh) if args.mesh else None, rank=args.rank,
-                               extrapolate=args.extrapolate, step_context=step_context)
+                               extrapolate=args.extrapolate, step_context=step_context, **_from_file(args))
     return _emit(est, args, budget)
 
 
@@ -249,7 +255,7 @@ def _estimate_generation(args: argparse.Namespace, spec: Any, budget: "int | Non
     est = memprof.estimate_generation(model, batch_size=args.batch_size, prompt_len=args.prompt_len,
                                       max_new_tokens=args.new_tokens, precision=args.precision, device=args.device,
                                       attention=args.attention, gpu=args.gpu, alloc_conf=args.alloc_conf,
-                                      routing=args.routing)
+                                      routing=args.routing, **_from_file(args))
     return _emit(est, args, budget)
 
 

@@ -111,6 +111,8 @@ VALUES = {
     "attention": ["math"],
     "layouts": ["fsdp,zero3"],
     "html": ["{tmp}/plan.html"],
+    "config": ["{tmp}/run.toml"],  # precision = "bf16", which no form's baseline gives
+    ("plan", "config"): ["{tmp}/plan.toml"],  # [target] attention = "math"
     ("plan", "hf"): ["{wider}"],
     ("plan", "seq_len"): ["16384"],
     ("plan", "gpu"): ["a100-40gb"],
@@ -186,6 +188,8 @@ def walk(tmp_path_factory):
         (tmp / name).mkdir()
         (tmp / name / "config.json").write_text(json.dumps(config))
         folders[name] = str(tmp / name)
+    (tmp / "run.toml").write_text('precision = "bf16"\n')
+    (tmp / "plan.toml").write_text('[target]\nattention = "math"\n')
     (tmp / "cli_walk_models.py").write_text(MODULE.format(config=folders["mixtral"], dense=folders["dense"]))
     mp = pytest.MonkeyPatch()
     mp.chdir(tmp)
