@@ -70,5 +70,22 @@ def estimate(model: nn.Module, optimizer: Any = None, **options: Unpack[Estimate
     simulated step, the optimizer step outside it. It is called with no argument when it takes none
     (``step_context=loss_parallel``), else with a :class:`~memprof.simulate.step.StepParts` holding the simulated
     ``model``, the ``mesh``, the step's ``inputs`` and ``targets`` and the ``optimizer``.
+
+    ``train_step=fn`` simulates your own training step instead of memprof's loop (:mod:`memprof.simulate.user_step`):
+    ``fn(model, optimizer, inputs)``, or ``fn(model, optimizer, inputs, targets)`` when ``targets`` is given, is
+    called once per simulated step on the data-less twins (``model`` after your ``parallelize`` function, the
+    optimizer rebuilt on it, ``inputs`` and ``targets`` as given, at the precision asked), as your loop calls it: it
+    runs forward, loss, backward and the optimizer step itself, with whatever it does besides (clipping, gradient
+    accumulation, a scheduler, loss scaling, an EMA copy, gradient hooks, ``zero_grad(set_to_none=False)``). What it
+    returns is held until the next call returns, as ``out = fn(...)`` in a loop holds it, the last until the loop
+    ends: return the logits and they are held through the next step's forward. State your loop keeps beside the step
+    (a scheduler, an EMA copy, hooks) is built by ``fn`` on the model and optimizer it is handed, at its first call.
+    A value it reads from a tensor outside the model's forward (``loss.item()``, a GradScaler's ``found_inf``) is
+    answered 0, which takes every optimizer step, and the notes say where; with ``precision="mixed"`` (or
+    ``"mixed-fp16"``) each call of the model runs under the target's autocast and the rest of ``fn`` as written.
+    ``loss_fn``, ``step_context`` and ``pipeline`` are memprof's loop's and are refused with it. An exception ``fn``
+    raises reaches you unchanged, but for ``RuntimeError`` and ``NotImplementedError`` (torch's, from an op that
+    shape-only tensors cannot run), which are explained as a :class:`~memprof.errors.SimulationError` chained to
+    them, as they are from the model.
     """
     return simulate(RunConfig.from_options(model, optimizer, **options))

@@ -58,13 +58,15 @@ def max_batch_size(
     """The largest batch size (a multiple of ``multiple_of``) whose simulated peak fits ``budget``.
 
     ``make_batch(b)`` returns the model's inputs for batch size ``b``, or an ``(inputs, targets)`` pair used with
-    ``loss_fn(output, targets)``; only shapes and dtypes matter: build them on the meta device (a batch of real
-    tensors takes real memory, and the search may ask for large batches). ``budget`` is bytes or a size string
+    ``loss_fn(output, targets)`` (or handed to ``train_step(model, optimizer, inputs, targets)``); only shapes and
+    dtypes matter: build them on the meta device (a batch of real tensors takes real memory, and the search may ask
+    for large batches). ``budget`` is bytes or a size string
     (``"24 GiB"``), one device's memory: at most :data:`~memprof.simulate.planner.MAX_BUDGET`
     (1 PiB). ``optimizer``, ``precision``,
     ``device``, ``attention``, ``world_size``, ``parallel``, ``gpu``, ``alloc_conf`` and the other keywords
-    (``steps``, ``routing``, ``parallelize``, ``mesh``, ``rank``, ``pipeline``, ``extrapolate``, ``step_context``)
-    are :func:`memprof.estimate`'s; with ``world_size`` the batch is one rank's and the budget one rank's device.
+    (``steps``, ``routing``, ``parallelize``, ``mesh``, ``rank``, ``pipeline``, ``extrapolate``, ``step_context``,
+    ``train_step``) are :func:`memprof.estimate`'s; with ``world_size`` the batch is one rank's and the budget one
+    rank's device.
 
     Without ``gpu`` the tensors' peak is judged against ``budget`` (``device="cuda"`` sizes blocks as the CUDA
     caching allocator does; its cache and the memory outside torch are not included: leave headroom for them). With
@@ -89,7 +91,7 @@ def max_batch_size(
 
     def batch(b: int) -> "tuple[Any, Any]":
         made = call_make_batch(make_batch, b)
-        if isinstance(made, tuple) and len(made) == 2 and loss_fn is not None:
+        if isinstance(made, tuple) and len(made) == 2 and (loss_fn is not None or options.get("train_step")):
             return made
         return made, None
 

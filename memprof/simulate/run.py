@@ -48,7 +48,10 @@ class Workload:
     positional arguments, a dict of keyword arguments); only shapes and dtypes matter. The loss is
     ``loss_fn(output, targets)`` (``loss_fn(output)`` without targets; the first output's sum without ``loss_fn``).
     ``step_context``: a function returning the context manager the loop enters around forward, loss and backward.
-    ``routing``: what a mixture-of-experts model's routers choose (:mod:`memprof.simulate.routing`)."""
+    ``routing``: what a mixture-of-experts model's routers choose (:mod:`memprof.simulate.routing`).
+    ``train_step``: the user's own step, ``train_step(model, optimizer, inputs[, targets])``, run in place of the
+    loop above (:mod:`memprof.simulate.user_step`); it builds its own loss, so ``loss_fn`` and ``step_context`` are
+    not taken with it."""
 
     model: "nn.Module"
     optimizer: Any = None
@@ -58,10 +61,19 @@ class Workload:
     steps: int = 2
     step_context: "Callable[..., Any] | None" = None
     routing: Any = None
+    train_step: "Callable[..., Any] | None" = None
 
     def __post_init__(self) -> None:
         from torch import nn
 
+        from .user_step import check_train_step
+
+        if check_train_step(self.train_step) is not None:
+            given = [name for name in ("loss_fn", "step_context") if getattr(self, name) is not None]
+            if given:
+                raise InvalidArgumentError(
+                    f"train_step= runs your own step, which computes its loss and enters its own contexts; "
+                    f"{' and '.join(n + '=' for n in given)} belong to memprof's loop: leave them out")
         if not isinstance(self.model, nn.Module):
             raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(self.model).__name__}")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -193,6 +205,10 @@ class RunConfig:
                 and self.parallelism.pipeline is not None:
             raise InvalidArgumentError("step_context wraps a training step's forward and backward, which under "
                                        "pipeline= torch's schedule runs; leave one of them out")
+        if isinstance(self.workload, Workload) and self.workload.train_step is not None \
+                and self.parallelism.pipeline is not None:
+            raise InvalidArgumentError("train_step= runs your step, but under pipeline= torch's schedule runs the "
+                                       "step (its forward, loss and backward per microbatch); leave one of them out")
 
     @classmethod
     def from_options(cls, model: "nn.Module", optimizer: Any = None, **options: Any) -> "RunConfig":
@@ -241,7 +257,7 @@ class RunConfig:
 
 # Each keyword of estimate() and its section (precision stands alone).
 _SECTIONS: "Mapping[str, tuple[str, ...]]" = {
-    "workload": ("inputs", "targets", "loss_fn", "steps", "step_context", "routing"),
+    "workload": ("inputs", "targets", "loss_fn", "steps", "step_context", "routing", "train_step"),
     "target": ("device", "gpu", "alloc_conf", "attention"),
     "parallelism": ("world_size", "parallel", "parallelize", "mesh", "pipeline", "rank"),
     "depth": ("extrapolate",),
@@ -255,7 +271,7 @@ GENERATION_OPTIONS: tuple[str, ...] = ("batch_size", "prompt_len", "max_new_toke
 #: Every keyword ``estimate(model, optimizer, **options)`` takes, in the order its docstring gives them.
 OPTIONS: tuple[str, ...] = ("inputs", "targets", "loss_fn", "precision", "device", "steps", "attention", "world_size",
                             "parallel", "routing", "gpu", "alloc_conf", "parallelize", "rank", "mesh", "pipeline",
-                            "extrapolate", "step_context")
+                            "extrapolate", "step_context", "train_step")
 
 
 class EstimateOptions(TypedDict, total=False):
@@ -280,6 +296,7 @@ class EstimateOptions(TypedDict, total=False):
     pipeline: Any
     extrapolate: "int | None"
     step_context: "Callable[..., Any] | None"
+    train_step: "Callable[..., Any] | None"
 
 
 class GenerationOptions(TypedDict, total=False):

@@ -31,6 +31,7 @@ from .ranks import RankLayout
 from .run import RunConfig
 from .step import ScalerSteps, TrainingStep, check_step_context
 from .twin import Twin, casting, converted, meta_optimizer
+from .user_step import UserStep
 
 if TYPE_CHECKING:
     from ..collect.simulated import SimulatedProfile
@@ -114,7 +115,9 @@ def target_twin(config: RunConfig, ranks: "ParallelRun | None") -> Prepared:
     step: Any = TrainingStep(twin.model, inputs, targets, w.loss_fn, optimizer, twin.autocast, twin.emulated, scaler,
                              context, ranks.mesh if ranks is not None else None,
                              ranks.inside_step if ranks is not None else None)
-    if ranks is not None and ranks.pipelined:
+    if w.train_step is not None:  # the user's own step in place of memprof's loop (run.py refuses it with pipeline=)
+        step = UserStep(w.train_step, twin.model, optimizer, inputs, targets, twin.autocast, twin.emulated)
+    elif ranks is not None and ranks.pipelined:
         step = ranks.step(w.loss_fn, optimizer, inputs, targets, twin.fake_mode)
     p = config.parallelism
     layout = RankLayout(twin.model, optimizer, p.world_size, p.parallel) if p.parallel is not None else None
@@ -154,13 +157,20 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
         stack.enter_context(twin.op_rules())  # beneath the profiler: it counts what the rules return
         if ranks is not None:
             stack.enter_context(ranks.rules())
+        step = prepared.step
+        user = isinstance(step, UserStep)
+        if user:  # beneath the profiler, as the value reads it answers are ops a real run's profiler sees
+            stack.enter_context(step.around(prof))
         stack.enter_context(prof)
+        if user:  # after the profiler: its hooks of each model call run inside the autocast region
+            stack.enter_context(step.model_autocast())
         layout = prepared.layout
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
             layout.attach(prof)
             stack.callback(layout.detach)
         stack.enter_context(twin.rules())
-        step = prepared.step
+        if user:
+            stack.enter_context(step.above())
         for i in range(steps):
             if bar is not None:
                 bar.step(f"step {i + 1} of {steps}")
@@ -172,7 +182,10 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
                 if is_interrupt(exc):
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 raise simulation_error(exc, i) from exc
-        step.loss = None  # the loop has ended: its last loss is released (inside the profiled run)
+        if user:
+            step.release()  # the loop has ended: the step's last result is released (inside the profiled run)
+        else:
+            step.loss = None  # the loop has ended: its last loss is released (inside the profiled run)
 
 
 def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
@@ -206,6 +219,8 @@ def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
 def _loop_notes(config: RunConfig, prepared: Prepared) -> list[str]:
     """What the notes say of the training loop the simulation ran."""
     w = config.workload
+    if isinstance(prepared.step, UserStep):
+        return prepared.step.notes()
     steps = w.steps
     out = [f"the training loop: {steps} step{'s' if steps > 1 else ''} of forward and loss, backward(), "
            f"{'optimizer.step(), zero_grad(), ' if prepared.optimizer is not None else ''}the loss held through the "

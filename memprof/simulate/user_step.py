@@ -1,0 +1,211 @@
+"""The user's own training step in a simulation (``estimate(..., train_step=fn)``).
+
+memprof's own loop (:class:`memprof.simulate.step.TrainingStep`) runs forward, loss, backward, step and
+``zero_grad()`` and keeps only the loss. A real loop does more, and what it does decides the peak as much as the
+model: it keeps the output across steps, clips, accumulates, scales the loss, keeps an EMA copy, hooks gradients,
+zeroes gradients in place, logs ``loss.item()``. :class:`UserStep` runs the user's function instead, on the
+shape-only twins, once per simulated step, as their loop calls it::
+
+    for batch in loader:
+        out = train_step(model, optimizer, batch)            # without targets=
+        out = train_step(model, optimizer, batch, targets)   # with targets=
+
+What the function returns is held until the next call returns (the ``out =`` of that loop), the last value until
+the loop ends. Under mixed precision each call of the model runs under the target's autocast.
+
+Shape-only tensors hold no values: a value the step reads outside the model's forward (``loss.item()``,
+``float(norm)``, a GradScaler's ``found_inf.item()``) is answered 0 by :class:`LoopValues`, and the notes say
+where. A value the model reads inside its forward is still refused, as without ``train_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import InvalidArgumentError, is_interrupt
+
+__all__ = ["UserStep", "LoopValues", "check_train_step"]
+
+_aten = torch.ops.aten
+#: The ops that hand a tensor's value to Python: ``item()``, ``float()``, ``int()`` (``_local_scalar_dense``),
+#: ``bool()`` (``is_nonzero``).
+_READS = {_aten._local_scalar_dense.default: "item()", _aten.is_nonzero.default: "bool()"}
+
+
+def check_train_step(fn: Any) -> Any:
+    """``fn`` if it can be called as a training step; None stays None."""
+    if fn is None:
+        return None
+    if not callable(fn) or isinstance(fn, (nn.Module, torch.optim.Optimizer)):
+        raise InvalidArgumentError(
+            f"train_step must be the function your loop calls once per step, train_step(model, optimizer, batch) "
+            f"(with targets=: train_step(model, optimizer, batch, targets)), got {type(fn).__name__}")
+    return fn
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+class LoopValues(TorchDispatchMode):
+    """Answers the values a training step reads from shape-only tensors outside the model's forward: 0 (``0.0``,
+    ``0``, ``False``), counted by call site for the notes. Entered beneath the collector, so that the collector sees
+    the read as in a real run. ``in_forward`` says whether the model's forward runs now (a read there is the
+    model's value-dependent code, refused as without a training step)."""
+
+    def __init__(self, in_forward: Callable[[], bool]) -> None:
+        super().__init__()
+        self.in_forward = in_forward
+        #: (what was read, where) -> how many times.
+        self.answered: dict[tuple[str, str], int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _READS:
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as failure:  # fake: data-dependent; meta: "cannot be called"
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
+            from .shadows import shape_only
+
+            t = args[0] if args else None
+            if not shape_only(t) or self.in_forward():
+                raise
+            key = (_READS[func], _call_site())
+            self.answered[key] = self.answered.get(key, 0) + 1
+            if func is _aten.is_nonzero.default or t.dtype == torch.bool:
+                return False
+            return 0.0 if (t.is_floating_point() or t.is_complex()) else 0
+
+    def notes(self) -> list[str]:
+        if not self.answered:
+            return []
+        reads = "; ".join(f"{what} x{n} at {where}" for (what, where), n in sorted(self.answered.items()))
+        return [f"the training step read values that shape-only tensors do not hold ({reads}): each was answered 0 "
+                "(0.0, 0, False), so code that branches on them took the branch 0 takes (a GradScaler's found_inf "
+                "of 0 takes every optimizer step, the most memory); what it logged is not the real value"]
+
+
+class DeviceQueries(TorchDispatchMode):
+    """Above the collector: a fake tensor's ``device`` asked from C++ (indexing it, ``x.to(...)`` in the step's own
+    code) is the op ``prim.device``, which the real tensor answers without an op. Answered here, it never reaches
+    the collector, whose op count would otherwise make an "other" phase of a step's code that touches no memory,
+    where the real run records none."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE and args:
+            fake = getattr(args[0], "fake_device", None)
+            if fake is not None:
+                return fake
+        return func(*args, **(kwargs or {}))
+
+
+_DEVICE = torch.ops.prim.device.default
+
+
+def _call_site() -> str:
+    """The innermost frame outside torch and memprof, as ``file:line``."""
+    for f in reversed(traceback.extract_stack()):
+        name = f.filename.replace("\\", "/")
+        if "/torch/" not in name and "/memprof/" not in name:
+            return f"{name.rsplit('/', 1)[-1]}:{f.lineno}"
+    return "torch"
+
+
+class UserStep:
+    """One simulated step: ``train_step(model, optimizer, inputs[, targets])``, its result held until the next
+    call returns. ``autocast`` (a CPU target's ``torch.autocast`` factory) or ``emulated`` (a
+    :class:`~memprof.simulate.autocast.CudaAutocast`) runs each call of the model under mixed precision."""
+
+    def __init__(self, fn: Callable[..., Any], model: nn.Module, optimizer: Any, inputs: Any, targets: Any,
+                 autocast: Any = None, emulated: Any = None) -> None:
+        self.fn, self.model, self.optimizer, self.inputs, self.targets = fn, model, optimizer, inputs, targets
+        self.autocast, self.emulated = autocast, emulated
+        #: What the last call returned, held as ``out = train_step(...)`` holds it (None before and after the loop).
+        self.kept: Any = None
+        self.calls = 0
+        self.values: "LoopValues | None" = None
+        self._regions: list[Any] = []  # the autocast contexts entered around the model's calls, innermost last
+
+    def run(self) -> None:
+        args = (self.model, self.optimizer, self.inputs) + ((self.targets,) if self.targets is not None else ())
+        # Rebinding after the call returns: the previous result lives through this call, as in a loop.
+        self.kept = self.fn(*args)
+        self.calls += 1
+
+    def release(self) -> None:
+        """The loop has ended: the last result is let go (inside the profiled run)."""
+        self.kept = None
+
+    @contextlib.contextmanager
+    def around(self, prof: Any) -> Iterator[None]:
+        """Entered beneath the collector: the value reads answered (:class:`LoopValues`)."""
+        self.values = LoopValues(lambda: prof.innermost_module() is not None)
+        with self.values:
+            yield
+
+    @contextlib.contextmanager
+    def model_autocast(self) -> Iterator[None]:
+        """Entered after the collector: under mixed precision, each call of the model under the target's autocast
+        (entered before the collector's own hooks of the call, left after them, as ``with torch.autocast(...):
+        out = model(x)`` around the call)."""
+        if self.autocast is None and self.emulated is None:
+            yield
+            return
+        pre = self.model.register_forward_pre_hook(self._enter, prepend=True)
+        post = self.model.register_forward_hook(self._exit, always_call=True)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()
+            while self._regions:  # a step that raised inside the model: its regions end with it
+                self._leave()
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self.emulated is not None:
+            if not self._regions:
+                self.emulated.begin_forward()
+            self._regions.append(None)
+        else:
+            region = self.autocast()
+            region.__enter__()
+            self._regions.append(region)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._regions:
+            self._leave()
+
+    def _leave(self) -> None:
+        region = self._regions.pop()
+        if region is not None:
+            region.__exit__(None, None, None)
+        elif not self._regions:
+            self.emulated.end_forward()
+
+    @contextlib.contextmanager
+    def above(self) -> Iterator[None]:
+        """Entered above the collector and the twin's rules: :class:`DeviceQueries`."""
+        with DeviceQueries():
+            yield
+
+    def notes(self) -> list[str]:
+        name = _name(self.fn)
+        call = f"{name}(model, optimizer, batch{', targets' if self.targets is not None else ''})"
+        out = [f"the training loop: your {call}, called {self.calls} time{'s' if self.calls != 1 else ''} on the "
+               "shape-only twins, what it returned held until the next call returned (as out = train_step(...) in a "
+               "loop holds it), the last until the loop ended"]
+        if self.autocast is not None or self.emulated is not None:
+            out.append("mixed precision with train_step: each call of the model ran under the target's autocast; "
+                       "what your step computes outside the model (its loss) ran as written")
+        if self.values is not None:
+            out.extend(self.values.notes())
+        return out
