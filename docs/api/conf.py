@@ -13,6 +13,7 @@ import sys
 import types
 from typing import Any
 
+from sphinx.util.inspect import stringify_signature as stringify
 from sphinx.util.nodes import make_refnode
 
 # The package from this checkout, also when it is not installed.
@@ -159,6 +160,33 @@ def _let_through_what_exists(app: Any, domain: Any, node: Any) -> "bool | None":
     return None
 
 
+def _public_signature(app: Any, what: str, name: str, obj: Any, options: Any, signature: "str | None",
+                      return_annotation: "str | None") -> "tuple[str, str | None] | None":
+    """The signature without its private keywords (``Profiler(..., _allow_meta=False)``: the simulation's seam,
+    not the user's): a parameter whose name starts with ``_`` is not part of the API."""
+    import inspect
+
+    if not signature or "_" not in signature:
+        return None
+    try:
+        sig = inspect.signature(obj.__init__ if what in ("class", "exception") else obj)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    if not any(p.name.startswith("_") for p in params):
+        return None
+    if what in ("class", "exception") and params and params[0].name == "self":
+        params = params[1:]
+    shown = sig.replace(parameters=[p for p in params if not p.name.startswith("_")],
+                        return_annotation=inspect.Signature.empty)
+    # autodoc's typehints recorded them already (its handler runs first): drop them from the description too.
+    recorded = app.env.temp_data.get("annotations", {}).get(name, {})
+    for private in [key for key in recorded if key.startswith("_")]:
+        del recorded[private]
+    return stringify(shown, show_annotation=False), return_annotation
+
+
 def setup(app: Any) -> None:
+    app.connect("autodoc-process-signature", _public_signature)
     app.connect("missing-reference", _link_by_identity)
     app.connect("warn-missing-reference", _let_through_what_exists)
