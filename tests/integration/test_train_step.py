@@ -307,9 +307,13 @@ def test_a_step_that_is_not_a_function_is_refused(bad):
         simulated(bad)
 
 
-def test_memprofs_own_loop_options_are_refused_with_a_train_step():
-    with pytest.raises(InvalidArgumentError, match="loss_fn= belong to memprof's loop"):
-        memprof.estimate(build(), adamw, inputs=IDS, targets=IDS, loss_fn=loss_fn, train_step=plain)
+@pytest.mark.parametrize("option", ["loss_fn", "step_context"])
+def test_memprofs_own_loop_options_are_refused_with_a_train_step(option):
+    from contextlib import nullcontext
+
+    given = {"loss_fn": loss_fn, "step_context": nullcontext}[option]
+    with pytest.raises(InvalidArgumentError, match=f"{option}= belong to memprof's loop"):
+        memprof.estimate(build(), adamw, inputs=IDS, targets=IDS, train_step=plain, **{option: given})
 
 
 def test_pipeline_refuses_a_train_step_and_says_why():
@@ -348,3 +352,28 @@ def test_a_stateful_step_reused_across_runs_counts_its_state_in_each():
     ema = phase_records(second.trace)[(1, "forward", 0)].start[C.TEMPORARIES] - \
         plain_run[(1, "forward", 0)].start[C.TEMPORARIES]
     assert ema == 14_432 * 4 == 57_728
+
+
+def test_the_step_is_handed_the_twins_and_the_inputs_as_given():
+    model = build()
+    batch = {"ids": IDS}
+    seen = []
+
+    class ById(torch.nn.Module):  # takes its batch as a keyword, as a dict of inputs is handed on
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return self.inner(ids)
+
+    def step(m, opt, inputs):  # no targets=: three arguments
+        seen.append((m, opt, inputs))
+        m(**inputs).sum().backward()
+
+    wrapped = ById(model)
+    memprof.estimate(wrapped, None, inputs=batch, train_step=step, steps=2)
+    (m0, opt0, x0), (m1, opt1, x1) = seen
+    assert m0 is m1 and m0 is not wrapped and opt0 is None  # one twin for the run, never the user's model
+    assert set(x0) == {"ids"} and x0["ids"] is not IDS and x0["ids"].shape == IDS.shape
+    assert all(p.grad is None for p in model.parameters())  # the user's model is untouched
