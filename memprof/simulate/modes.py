@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import held_signals
+
 __all__ = ["Rule", "Rules", "Next"]
 
 #: What a rule calls to hand a call on: ``next(func, args, kwargs)``.
@@ -76,13 +78,29 @@ class Rules(TorchFunctionMode):
     def caller(self) -> Any:
         return self._caller
 
+    def __enter__(self) -> "Rules":
+        held_signals.enter()  # a signal's exception inside torch's C++ would abort the process (held_signals.py)
+        try:
+            return super().__enter__()  # type: ignore[no-any-return]
+        except BaseException:
+            held_signals.leave()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            held_signals.leave()
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         outer = self._types, self._caller
         self._types, self._caller = types, sys._getframe(1)
+        held_signals.hold()
         try:
             return self._first(func, tuple(args), dict(kwargs or {}))
         finally:
             self._types, self._caller = outer
+            held_signals.release()
 
 
 def follow(mode: TorchFunctionMode, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:

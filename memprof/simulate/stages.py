@@ -26,6 +26,7 @@ from torch import nn
 
 from ..anatomy.params import infer_precision
 from ..errors import MemprofError, is_interrupt
+from . import held_signals
 from .failures import simulation_error
 from .ranks import RankLayout
 from .run import RunConfig
@@ -246,6 +247,9 @@ class NothingLeftBehind:
     def __enter__(self) -> "NothingLeftBehind":
         self.depths = (torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack())
         self.meta_tls = torch._C._meta_in_tls_dispatch_include()
+        # An interrupt inside a no_grad region's exit (the optimizer's step) leaves grad mode off.
+        self.grad = torch.is_grad_enabled()
+        self.signals = held_signals.entered()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -255,3 +259,5 @@ class NothingLeftBehind:
         while torch._C._len_torch_dispatch_stack() > dispatch:
             torch._C._pop_torch_dispatch_stack(None)
         torch._C._set_meta_in_tls_dispatch_include(self.meta_tls)
+        torch.set_grad_enabled(self.grad)
+        held_signals.leave_to(self.signals)  # the user's signal handlers, as they were

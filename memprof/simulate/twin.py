@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -235,10 +235,24 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
 
 
-@contextlib.contextmanager
-def _entered(*modes: Any) -> Iterator[None]:
-    """``modes`` entered in order (the first lowest on the dispatch stack), exited in reverse."""
-    with contextlib.ExitStack() as stack:
-        for m in modes:
-            stack.enter_context(m)
-        yield
+class _entered:
+    """``modes`` entered in order (the first lowest on the dispatch stack), exited in reverse.
+
+    A class, not a generator: a Ctrl-C landing in a generator-based context manager's entry left the generator
+    suspended, and the garbage collector later ran its exit, popping a mode stack the simulation's cleanup had
+    already emptied ("Exception ignored ... trying to pop from empty mode stack")."""
+
+    def __init__(self, *modes: Any) -> None:
+        self.modes = modes
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        try:
+            for m in self.modes:
+                self.stack.enter_context(m)
+        except BaseException:
+            self.stack.close()
+            raise
+
+    def __exit__(self, *exc: Any) -> "bool | None":
+        return self.stack.__exit__(*exc)
