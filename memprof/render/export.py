@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import NotMeasuredError
 from ..record.files import write_bytes_atomic, write_json_atomic, write_text_atomic
@@ -51,17 +51,18 @@ def export_memory_viz(trace: "Trace", path: "str | os.PathLike[str]") -> None:
     write_bytes_atomic(path, pickle.dumps(snap, protocol=4))
 
 
-def html_page(trace: "Trace", reconciliation: "Reconciliation | str | None" = None) -> str:
+def html_page(trace: "Trace", reconciliation: "Reconciliation | str | None" = None,
+              levers: "Sequence[str]" = ()) -> str:
     """The report as one self-contained HTML document (no script, no network): peak composition,
     timeline, phases, modules, ``reconciliation`` (see :func:`memprof.render.page.report_page`); an OOM dump
-    leads with what was live then."""
+    leads with what was live then and its ``levers``."""
     from .page import report_page
 
     # An OOM dump taken before any phase closed still holds what was live: a page worth writing.
-    return report_page(_measured(trace, "an HTML report", live_is_enough=True), reconciliation)
+    return report_page(_measured(trace, "an HTML report", live_is_enough=True), reconciliation, levers)
 
 
 def export_html(trace: "Trace", path: "str | os.PathLike[str]",
-                reconciliation: "Reconciliation | str | None" = None) -> None:
+                reconciliation: "Reconciliation | str | None" = None, levers: "Sequence[str]" = ()) -> None:
     """Write :func:`html_page` to ``path``."""
-    write_text_atomic(path, html_page(trace, reconciliation))
+    write_text_atomic(path, html_page(trace, reconciliation, levers))

@@ -256,7 +256,7 @@ def _generation_html(trace: "Trace") -> str:
             + _table([("generation", "left"), ("", "right")], [[_e(k), _e(v)] for k, v in generation_rows(g)]))
 
 
-def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -> str:
+def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40, levers: Sequence[str] = ()) -> str:
     """The report as a self-contained HTML fragment (what ``Report._repr_html_`` shows).
 
     Title line (steps, mode, device, torch), the peak breakdown with bars of
@@ -266,7 +266,8 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -
     ``top_modules`` modules by saved activations (leaves, plus each
     container's own ops, as :func:`memprof.render.plot.plot_modules` draws them) and
     the notes. Runs with more than ``max_phases`` phases show the first and
-    last ones.
+    last ones. ``levers``: an out-of-memory run's largest levers, listed under what was live (the facade
+    computes them, :func:`memprof.report.reports.levers`).
     """
     t = as_trace(trace)
     dev = t.device.name if t.device.type == "cuda" else t.device.type
@@ -276,7 +277,7 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40) -
         parts.append(f'<div style="{_H}">What was live at the out-of-memory error</div>'
                      f'<pre style="white-space:pre-wrap;font-size:12px;margin:2px 0 12px 0;padding:6px 10px;'
                      f'border-left:3px solid #C44E52;background:rgba(196,78,82,0.08)">'
-                     + "\n".join(_e(one_line(line)) for line in oom_lines(t)) + "</pre>")
+                     + "\n".join(_e(one_line(line)) for line in oom_lines(t, levers)) + "</pre>")
     parts.append(f'<div style="font-size:14px;font-weight:600;margin-bottom:4px">memprof report: '
                  f'{n} step{"s" if n != 1 else ""}, mode {_e(t.mode)}, device {_e(dev)}'
                  f'<span style="font-weight:400;{_MUTED}"> · torch {_e(t.torch_version)}</span></div>')

@@ -16,7 +16,7 @@ The worst trace tests/integration/test_page_bound.py builds makes under 1 MB.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from ..record.trace import as_trace
 from .html import _e, reconciliation_html, report_html
@@ -39,18 +39,20 @@ footer { margin-top: 24px; font-size: 11px; opacity: 0.7; }
 """
 
 
-def report_page(trace: "Trace", reconciliation: "Reconciliation | str | None" = None) -> str:
+def report_page(trace: "Trace", reconciliation: "Reconciliation | str | None" = None,
+                levers: "Sequence[str]" = ()) -> str:
     """The whole HTML document (a str; :meth:`memprof.Report.to_html` returns it, ``export_html`` writes it).
     Its body is exactly what a notebook shows for the report (``Report._repr_html_``), then ``reconciliation``:
     the run's :class:`~memprof.analyse.reconciler.Reconciliation`, or why there is none (a str), which the
-    facade computes (:func:`memprof.report.reports.page_reconciliation`); None leaves it out."""
+    facade computes (:func:`memprof.report.reports.page_reconciliation`); None leaves it out. ``levers``: an
+    out-of-memory run's (:func:`memprof.report.reports.levers`), listed under what was live."""
     t = as_trace(trace)
     parts = ['<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
              f"<title>memprof report ({_e(t.device.name or t.device.type)})</title>",
              f"<style>{_CSS}</style></head><body>",
              "<h1>memprof report</h1>"]
-    parts.append(report_html(t))
+    parts.append(report_html(t, levers=levers))
     parts.append(_reconciliation(reconciliation))
     parts.append(f"<footer>memprof {_e(t.memprof_version)} · torch {_e(t.torch_version)} · "
                  f"trace schema {t.schema_version}</footer></body></html>\n")

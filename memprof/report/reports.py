@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from .reconciliation import Reconciliation
 
-__all__ = ["Report", "load", "levers", "page_reconciliation"]
+__all__ = ["Report", "load", "levers", "oom_levers", "page_reconciliation"]
 
 
 class Report:
@@ -151,7 +151,7 @@ class Report:
     def _repr_html_(self) -> str:
         from ..render.html import report_html
 
-        return report_html(self.trace)
+        return report_html(self.trace, levers=oom_levers(self.trace))
 
     def plot(self, ax: Any = None) -> Any:
         """The memory timeline stacked by category, phases shaded, the peak marked (a matplotlib Figure).
@@ -229,7 +229,7 @@ class Report:
         """Write :meth:`to_html` to ``path``, atomically."""
         from ..render.export import export_html
 
-        export_html(self.trace, path, page_reconciliation(self.trace))
+        export_html(self.trace, path, page_reconciliation(self.trace), oom_levers(self.trace))
 
     def attribute_snapshot(self, snapshot: Any) -> "pd.DataFrame":
         """A real CUDA memory snapshot's active blocks with memprof's category and module, one row each
@@ -245,7 +245,7 @@ class Report:
         what :meth:`export_html` writes."""
         from ..render.export import html_page
 
-        return html_page(self.trace, page_reconciliation(self.trace))
+        return html_page(self.trace, page_reconciliation(self.trace), oom_levers(self.trace))
 
     def to_dict(self) -> dict[str, Any]:
         """The trace as plain JSON-ready data."""
@@ -255,8 +255,7 @@ class Report:
         """The readable report that ``print(report)`` shows."""
         from ..render.text import report_text
 
-        return report_text(self.trace, top_modules=top_modules,
-                           levers=levers(self.trace) if self.trace.oom is not None else ())
+        return report_text(self.trace, top_modules=top_modules, levers=oom_levers(self.trace))
 
     def __str__(self) -> str:
         return self.to_text()
@@ -293,6 +292,12 @@ def levers(trace: Trace) -> list[str]:
         if is_interrupt(failure):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return []
+
+
+def oom_levers(trace: Trace) -> list[str]:
+    """What a report's views list under what was live at an out-of-memory error: :func:`levers` of a run that
+    ended in one, none for another (whose views have no such section)."""
+    return levers(trace) if trace.oom is not None else []
 
 
 def page_reconciliation(trace: Trace) -> Any:

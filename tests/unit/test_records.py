@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import html
 import importlib
 import inspect
 import pkgutil
@@ -83,3 +84,20 @@ def test_a_subclass_has_its_own_view_before_its_parents():
                     changes=(("precision", "bf16"),))
     assert str(result) == result.to_text() == what_if_text(result)
     assert dataclasses.replace(result, notes=("x",)).to_text() == what_if_text(dataclasses.replace(result, notes=("x",)))
+
+
+def test_every_view_of_an_oom_report_lists_the_levers_the_facade_computed():
+    # The levers are an analysis (analyse.reconciler.advice): the facade computes them once and hands them to the
+    # text, the notebook view and the page alike, which all lead with what was live at the OOM.
+    from memprof.record.parts import OomRecord
+    from memprof.report.reports import levers
+
+    t = dataclasses.replace(full_trace(), oom=OomRecord("OutOfMemoryError: CUDA out of memory (simulated)"),
+                            live_at_error=full_trace().peak)
+    found = levers(t)
+    assert found  # the largest category at least
+    report = memprof.Report(t)
+    heads = [lever.split(":")[0] for lever in found[:4]]
+    assert "Largest levers:" in report.to_text() and all(head in report.to_text() for head in heads)
+    for markup in (report._repr_html_(), report.to_html()):
+        assert "Largest levers:" in markup and all(html.escape(head) in markup for head in heads)

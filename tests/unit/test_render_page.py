@@ -7,9 +7,15 @@ import re
 
 from memprof.record.trace import SCHEMA_VERSION
 from memprof.render.html import report_html
-from memprof.render.page import report_page
+from memprof.render.page import report_page as render_page
+from memprof.report.reports import page_reconciliation
 
 from factories import full_trace, trace
+
+
+def report_page(t) -> str:
+    """The page as the facade makes it: the renderer runs no analysis, and is handed the reconciliation."""
+    return render_page(t, page_reconciliation(t))
 
 
 def test_the_page_is_the_notebook_view_and_the_reconciliation_in_one_document():
