@@ -16,6 +16,7 @@ from ..record.files import write_bytes_atomic, write_json_atomic, write_text_ato
 from ..record.trace import as_trace
 
 if TYPE_CHECKING:
+    from ..analyse.generation import GenerationSummary
     from ..analyse.reconciler import Reconciliation
     from ..record.trace import Trace
 
@@ -52,17 +53,18 @@ def export_memory_viz(trace: "Trace", path: "str | os.PathLike[str]") -> None:
 
 
 def html_page(trace: "Trace", reconciliation: "Reconciliation | str | None" = None,
-              levers: "Sequence[str]" = ()) -> str:
+              levers: "Sequence[str]" = (), generation: "GenerationSummary | None" = None) -> str:
     """The report as one self-contained HTML document (no script, no network): peak composition,
     timeline, phases, modules, ``reconciliation`` (see :func:`memprof.render.page.report_page`); an OOM dump
-    leads with what was live then and its ``levers``."""
+    leads with what was live then and its ``levers``; a generation has its ``generation`` section."""
     from .page import report_page
 
     # An OOM dump taken before any phase closed still holds what was live: a page worth writing.
-    return report_page(_measured(trace, "an HTML report", live_is_enough=True), reconciliation, levers)
+    return report_page(_measured(trace, "an HTML report", live_is_enough=True), reconciliation, levers, generation)
 
 
 def export_html(trace: "Trace", path: "str | os.PathLike[str]",
-                reconciliation: "Reconciliation | str | None" = None, levers: "Sequence[str]" = ()) -> None:
+                reconciliation: "Reconciliation | str | None" = None, levers: "Sequence[str]" = (),
+                generation: "GenerationSummary | None" = None) -> None:
     """Write :func:`html_page` to ``path``."""
-    write_text_atomic(path, html_page(trace, reconciliation, levers))
+    write_text_atomic(path, html_page(trace, reconciliation, levers, generation))

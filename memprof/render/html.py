@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..vocabulary import Category, DEVICE_CATEGORIES
 from ..errors import InvalidArgumentError, is_interrupt
-from ..analyse.generation import generation_summary
 from ..record.trace import Breakdown, ModuleRecord, as_trace
 from ..units import format_bytes, one_line, printable
 from .common import (CATEGORY_COLORS, NO_ESTIMATE, NO_FORMULA, NOT_MEASURED, module_columns, own_rows, quiet, signed,
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from ..analyse.compare import Diff
+    from ..analyse.generation import GenerationSummary
     from ..analyse.merge import Merged
     from ..analyse.reconciler import Reconciliation
     from ..record.trace import Trace
@@ -246,17 +246,18 @@ def _modules_html(trace: "Trace", top: int) -> str:
     return _title(cols.title) + _table(headers, out)
 
 
-def _generation_html(trace: "Trace") -> str:
-    """The text report's "Generation" section (:func:`memprof.analyse.generation.generation_summary`, its lines
-    from :mod:`.text`): a heading and a table of its figures ("" for a run that did not decode with a cache)."""
-    g = generation_summary(trace)
+def _generation_html(g: "GenerationSummary | None") -> str:
+    """The text report's "Generation" section (a :func:`memprof.analyse.generation.generation_summary`, its
+    lines from :mod:`.text`): a heading and a table of its figures ("" for a run that did not decode with a
+    cache)."""
     if g is None:
         return ""
     return (f'<div style="{_H}">{_e(generation_head(g))}</div>'
             + _table([("generation", "left"), ("", "right")], [[_e(k), _e(v)] for k, v in generation_rows(g)]))
 
 
-def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40, levers: Sequence[str] = ()) -> str:
+def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40, levers: Sequence[str] = (),
+                generation: "GenerationSummary | None" = None) -> str:
     """The report as a self-contained HTML fragment (what ``Report._repr_html_`` shows).
 
     Title line (steps, mode, device, torch), the peak breakdown with bars of
@@ -266,8 +267,9 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40, l
     ``top_modules`` modules by saved activations (leaves, plus each
     container's own ops, as :func:`memprof.render.plot.plot_modules` draws them) and
     the notes. Runs with more than ``max_phases`` phases show the first and
-    last ones. ``levers``: an out-of-memory run's largest levers, listed under what was live (the facade
-    computes them, :func:`memprof.report.reports.levers`).
+    last ones. ``levers``: an out-of-memory run's largest levers, listed under what was live; ``generation``:
+    a generation's summary, its section (the facade computes both, :func:`memprof.report.reports.levers`,
+    :func:`memprof.analyse.generation.generation_summary`).
     """
     t = as_trace(trace)
     dev = t.device.name if t.device.type == "cuda" else t.device.type
@@ -296,7 +298,7 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40, l
         if t.live_modules_at_error:
             rows = [[_e(p, MAX_CELL), _e(format_bytes(b))] for p, b in t.live_modules_at_error[:8]]
             parts.append(_table([("created by module", "left"), ("still live", "right")], rows))
-    parts.append(_generation_html(t))
+    parts.append(_generation_html(generation))
     svg = timeline_svg(t)
     if svg:
         legend = " ".join(f'<span style="white-space:nowrap;margin-right:0.8em">{_swatch(c)}{_e(c.value)}</span>'

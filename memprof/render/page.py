@@ -22,6 +22,7 @@ from ..record.trace import as_trace
 from .html import _e, reconciliation_html, report_html
 
 if TYPE_CHECKING:
+    from ..analyse.generation import GenerationSummary
     from ..analyse.reconciler import Reconciliation
     from ..record.trace import Trace
 
@@ -40,19 +41,20 @@ footer { margin-top: 24px; font-size: 11px; opacity: 0.7; }
 
 
 def report_page(trace: "Trace", reconciliation: "Reconciliation | str | None" = None,
-                levers: "Sequence[str]" = ()) -> str:
+                levers: "Sequence[str]" = (), generation: "GenerationSummary | None" = None) -> str:
     """The whole HTML document (a str; :meth:`memprof.Report.to_html` returns it, ``export_html`` writes it).
     Its body is exactly what a notebook shows for the report (``Report._repr_html_``), then ``reconciliation``:
     the run's :class:`~memprof.analyse.reconciler.Reconciliation`, or why there is none (a str), which the
     facade computes (:func:`memprof.report.reports.page_reconciliation`); None leaves it out. ``levers``: an
-    out-of-memory run's (:func:`memprof.report.reports.levers`), listed under what was live."""
+    out-of-memory run's (:func:`memprof.report.reports.levers`), listed under what was live; ``generation``: a
+    generation's summary (:func:`memprof.analyse.generation.generation_summary`), its section."""
     t = as_trace(trace)
     parts = ['<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
              f"<title>memprof report ({_e(t.device.name or t.device.type)})</title>",
              f"<style>{_CSS}</style></head><body>",
              "<h1>memprof report</h1>"]
-    parts.append(report_html(t, levers=levers))
+    parts.append(report_html(t, levers=levers, generation=generation))
     parts.append(_reconciliation(reconciliation))
     parts.append(f"<footer>memprof {_e(t.memprof_version)} · torch {_e(t.torch_version)} · "
                  f"trace schema {t.schema_version}</footer></body></html>\n")

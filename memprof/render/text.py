@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..vocabulary import Category, TENSOR_CATEGORIES
 from ..record.trace import Breakdown, as_trace, parent_path
 from ..units import format_bytes, one_line
-from ..analyse.generation import generation_summary
 from ..analyse.reconciler.mixed_layers import TEXTBOOK_FORM
 from .ranks import class_lines, rank_table_lines
 from .common import (NO_FORMULA, NOT_MEASURED, NO_ESTIMATE, clip_path, largest, module_columns, quiet, signed,
@@ -67,12 +66,14 @@ def rank_line(d: "RankInfo") -> str:
     return line
 
 
-def report_text(trace: "Trace", *, top_modules: int = 8, levers: "Sequence[str]" = ()) -> str:
+def report_text(trace: "Trace", *, top_modules: int = 8, levers: "Sequence[str]" = (),
+                generation: "GenerationSummary | None" = None) -> str:
     """The readable report that ``print(report)`` shows, at most about 80 lines for any run: the peak,
     the phases of the first steps, the peak's step and the last one, every step summarised per phase,
     the top modules and the notes (``report.phases()``, ``report.phase_stats()`` and
     ``report.modules()`` hold the rest). ``levers``: an out-of-memory run's largest levers, listed under what
-    was live (the facade computes them, :func:`memprof.report.reports.levers`)."""
+    was live; ``generation``: a generation's summary, its section (the facade computes both,
+    :func:`memprof.report.reports.levers`, :func:`memprof.analyse.generation.generation_summary`)."""
     t = as_trace(trace)
     lines: list[str] = []
     dev = t.device.name if t.device.type == "cuda" else t.device.type
@@ -95,9 +96,9 @@ def report_text(trace: "Trace", *, top_modules: int = 8, levers: "Sequence[str]"
     if t.live_at_error is not None and t.oom is None:
         lines.append("")
         lines.extend(_live_lines(t, "Live when the error was raised", top=3))
-    if t.generation is not None:
+    if generation is not None:
         lines.append("")
-        lines.extend(generation_lines(t))
+        lines.extend(generation_lines(generation))
     shown = 0
     if t.steps:
         lines.append("")
@@ -144,12 +145,10 @@ def _module_lines(t: "Trace", top: int) -> list[str]:
     return lines
 
 
-def generation_lines(t: "Trace") -> list[str]:
-    """A generation in a few lines (:func:`memprof.analyse.generation.generation_summary`, which the HTML page
-    shows too): the prompt, the decode calls, the cache at the end and how it and the temporaries grew per
+def generation_lines(g: "GenerationSummary") -> list[str]:
+    """A generation in a few lines (its :func:`memprof.analyse.generation.generation_summary`, which the HTML
+    page shows too): the prompt, the decode calls, the cache at the end and how it and the temporaries grew per
     token."""
-    g = generation_summary(t)
-    assert g is not None
     return [generation_head(g)] + [f"  {name}: {value}" for name, value in generation_rows(g)]
 
 

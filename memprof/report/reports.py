@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..analyse.generation import generation_summary
 from ..errors import InvalidArgumentError
 from ..record.trace import Breakdown, Trace
 from ..units import format_bytes
@@ -151,7 +152,7 @@ class Report:
     def _repr_html_(self) -> str:
         from ..render.html import report_html
 
-        return report_html(self.trace, levers=oom_levers(self.trace))
+        return report_html(self.trace, levers=oom_levers(self.trace), generation=generation_summary(self.trace))
 
     def plot(self, ax: Any = None) -> Any:
         """The memory timeline stacked by category, phases shaded, the peak marked (a matplotlib Figure).
@@ -229,7 +230,8 @@ class Report:
         """Write :meth:`to_html` to ``path``, atomically."""
         from ..render.export import export_html
 
-        export_html(self.trace, path, page_reconciliation(self.trace), oom_levers(self.trace))
+        export_html(self.trace, path, page_reconciliation(self.trace), oom_levers(self.trace),
+                    generation_summary(self.trace))
 
     def attribute_snapshot(self, snapshot: Any) -> "pd.DataFrame":
         """A real CUDA memory snapshot's active blocks with memprof's category and module, one row each
@@ -245,7 +247,8 @@ class Report:
         what :meth:`export_html` writes."""
         from ..render.export import html_page
 
-        return html_page(self.trace, page_reconciliation(self.trace), oom_levers(self.trace))
+        return html_page(self.trace, page_reconciliation(self.trace), oom_levers(self.trace),
+                         generation_summary(self.trace))
 
     def to_dict(self) -> dict[str, Any]:
         """The trace as plain JSON-ready data."""
@@ -255,7 +258,8 @@ class Report:
         """The readable report that ``print(report)`` shows."""
         from ..render.text import report_text
 
-        return report_text(self.trace, top_modules=top_modules, levers=oom_levers(self.trace))
+        return report_text(self.trace, top_modules=top_modules, levers=oom_levers(self.trace),
+                           generation=generation_summary(self.trace))
 
     def __str__(self) -> str:
         return self.to_text()

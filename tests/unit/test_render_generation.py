@@ -9,10 +9,18 @@ import re
 import memprof
 from memprof.analyse.generation import generation_summary
 from memprof.record.parts import GenerationFacts
-from memprof.render.html import report_html
-from memprof.render.page import report_page
 
 from factories import bd, phase, trace
+
+
+def report_html(t) -> str:
+    """The notebook view as the facade makes it: the renderer is handed the generation's summary."""
+    return memprof.Report(t)._repr_html_()
+
+
+def report_page(t) -> str:
+    """The standalone page as the facade makes it."""
+    return memprof.Report(t).to_html()
 
 # One token of cache: 2 layers x K,V x batch 2 x 2 heads x 8 x 4 B = 512 B.
 TOKEN = 2 * 2 * 2 * 2 * 8 * 4
