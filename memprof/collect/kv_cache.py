@@ -25,6 +25,7 @@ from ..record.cache import CacheMoment, frozen_spec
 from ..vocabulary import Phase
 from ..errors import MemprofError, is_interrupt
 from ..record.parts import GenerationFacts
+from .hook_objects import hook_object
 from .ledger import KV_CACHE, TEMPORARIES
 from .phases import begin_encoder, relabel_closed
 from .state import EXACT
@@ -351,7 +352,7 @@ def watch_encoder(model: nn.Module, run: "Run", phases: "PhaseTracker", stack: "
             return
         begin_encoder(phases)
 
-    stack.callback(encoder.register_forward_pre_hook(began, with_kwargs=True).remove)
+    stack.callback(encoder.register_forward_pre_hook(hook_object(began), with_kwargs=True).remove)
 
 
 def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:

@@ -33,6 +33,7 @@ from ..units import format_bytes
 from . import timeline as _timeline
 from .ledger import BUFFERS, TAGS, Frame, storage_of
 from .frame_stack import pop_frame
+from .hook_objects import hook_object
 from .module_table import attribute_tensors, tensors_in_args, unique_params
 from .saved_hooks import under_checkpoint
 from .state import EXACT
@@ -118,12 +119,13 @@ class ModuleTracker:
             sharded = shards is not None and id(mod) in shards.groups
             # FSDP2 gathers a module's parameters in a pre-hook it puts first: memprof's goes before it, so
             # that the gathering belongs to the forward, and a second one after it finds what was gathered.
-            stack.callback(mod.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=sharded).remove)
+            stack.callback(mod.register_forward_pre_hook(hook_object(pre_hook), with_kwargs=True,
+                                                         prepend=sharded).remove)
             if sharded:
                 assert shards is not None
-                stack.callback(mod.register_forward_pre_hook(lambda m, _a: shards.unsharded(m)).remove)
-                stack.callback(mod.register_forward_hook(lambda m, _a, _o: shards.resharded(m)).remove)
-            stack.callback(mod.register_forward_hook(post_hook, with_kwargs=True, always_call=True).remove)
+                stack.callback(mod.register_forward_pre_hook(hook_object(lambda m, _a: shards.unsharded(m))).remove)
+                stack.callback(mod.register_forward_hook(hook_object(lambda m, _a, _o: shards.resharded(m))).remove)
+            stack.callback(mod.register_forward_hook(hook_object(post_hook), with_kwargs=True, always_call=True).remove)
         for p in unique_params(model):
             self.params.adopt(p)
 

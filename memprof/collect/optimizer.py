@@ -23,6 +23,7 @@ import torch
 from ..vocabulary import Phase
 from ..errors import InvalidArgumentError, error_text, is_interrupt
 from ..record.specs import OptimizerSpec, ParamSpec, plain_config
+from .hook_objects import hook_object
 from .ledger import ACTIVATIONS, INPUTS, OPTIMIZER_STATES, TEMPORARIES, known_as, plain_storage_keys
 from .module_table import class_names
 from .torch_compat import is_compiling as _is_compiling
@@ -92,7 +93,7 @@ class OptimizerTracker:
                 register = getattr(opt, "register_load_state_dict_post_hook", None)
                 if register is not None:
                     # State loaded inside the block (resuming from a checkpoint) is state before any step.
-                    stack.callback(register(self.loaded).remove)
+                    stack.callback(register(hook_object(self.loaded)).remove)
 
     def loaded(self, opt: torch.optim.Optimizer) -> None:
         if self.run.active:

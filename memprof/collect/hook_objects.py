@@ -1,0 +1,65 @@
+"""The hooks memprof puts on the user's modules and optimizers, as objects a copy or a pickle drops.
+
+A module keeps its hooks in its ``__dict__``, so ``copy.deepcopy(model)`` (an EMA copy, ``AveragedModel``) and
+``torch.save(model)`` take memprof's with it: a deep copy kept them on the copy after the profile ended (a
+plain function is copied as itself; a bound method deep-copied memprof's tracker with it), and pickling failed
+("Can't pickle local object '_post_hook.<locals>.post_hook'"), so a whole-model checkpoint saved inside a
+profile ended the run. Each hook is therefore an instance of a class made for it, whose ``__call__`` is the hook
+function itself (one Python call, as the function alone), and whose copy, deep copy and pickle are
+:data:`DROPPED`: a hook that does nothing and, the first time it runs, takes itself off the object it is on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["hook_object", "DROPPED"]
+
+
+class _Hook:
+    """The base of memprof's hook objects: what a copy or a pickle of one is."""
+
+    __slots__ = ()
+
+    def __copy__(self) -> "_Dropped":
+        return DROPPED
+
+    def __deepcopy__(self, memo: "dict[int, Any]") -> "_Dropped":
+        return DROPPED
+
+    def __reduce__(self) -> "tuple[Callable[[], _Dropped], tuple[()]]":
+        return _dropped, ()
+
+
+def hook_object(fn: Callable[..., Any]) -> _Hook:
+    """``fn`` as a hook object (see the module's docstring): called as ``fn`` is."""
+    cls = type("memprof_hook", (_Hook,), {"__slots__": (), "__call__": staticmethod(fn)})
+    return cls()  # type: ignore[no-any-return]
+
+
+class _Dropped:
+    """A copied or unpickled memprof hook: it does nothing, and takes itself off the module or optimizer that
+    calls it (with the flags torch keeps beside a hook under the same key)."""
+
+    __slots__ = ()
+
+    def __call__(self, owner: Any, *rest: Any) -> None:
+        state = getattr(owner, "__dict__", {})
+        keys = [k for d in list(state.values()) if isinstance(d, dict)
+                for k, v in list(d.items()) if v is self]
+        for d in list(state.values()):
+            if isinstance(d, dict):
+                for k in keys:
+                    d.pop(k, None)  # the hook, and its with_kwargs / always_call flags, by the handle's id
+        return None
+
+    def __reduce__(self) -> "tuple[Callable[[], _Dropped], tuple[()]]":
+        return _dropped, ()
+
+
+#: What a copy or a pickle of a memprof hook is.
+DROPPED = _Dropped()
+
+
+def _dropped() -> _Dropped:
+    return DROPPED
