@@ -25,7 +25,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import is_interrupt
-from ..record.trace import OPTIMIZER_STEP_KINDS as KINDS
+from .carry_spans import CARRIED, KINDS, MAX_SPANS, MEASURED, NOT_MEASURED, PARTLY, UNVERIFIED, StepSpans
 from .ledger import TEMPORARIES
 from .mode_stack import pop_from_beneath, push_beneath
 from .step_signature import state_signature, step_signature
@@ -42,14 +42,8 @@ if TYPE_CHECKING:
 __all__ = ["StepCarry", "RECHECK_EVERY", "MEASURED", "CARRIED", "PARTLY", "UNVERIFIED", "NOT_MEASURED", "KINDS",
            "MAX_SPANS"]
 
-#: What a step's optimizer phase was: measured op by op, carried from a measured step, carried and found
-#: changed afterwards (an upper bound), or cut short by an error while carried (temporaries not measured).
-#: "partly carried": a step with several optimizer phases, some measured and some carried.
-MEASURED, CARRIED, PARTLY, UNVERIFIED, NOT_MEASURED = KINDS
 #: Carried steps after which a step is measured again, as a check that the signature said all.
 RECHECK_EVERY = 50
-#: Spans of steps the record keeps at most (the first ones): a run that alternates forever stays bounded.
-MAX_SPANS = 10_000
 
 
 class _Ghost:
@@ -121,9 +115,8 @@ class StepCarry:
         self.never: set[int] = set()  # optimizers whose measured step nested another: always measured
         self.current: "_Step | None" = None
         self.closes = 0
-        #: [first step, last step, kind] in the order they ran.
-        self.spans: list[list[Any]] = []
-        self.truncated = False
+        #: What each step's optimizer phases were, as spans of steps.
+        self.spans = StepSpans()
         self.formula_checked: set[int] = set()
         self.unmeasured = False  # the open phase held a carried step that never returned
 
@@ -230,7 +223,7 @@ class StepCarry:
                      "optimizer phase's peak is an upper bound, and the next step was measured again")
         self._replay(known.peak + extra)
         run.ops += known.ops
-        self._span(run.step, CARRIED if unchanged else UNVERIFIED)
+        self.spans.add(run.step, CARRIED if unchanged else UNVERIFIED)
 
     def _replay(self, nbytes: int) -> None:
         """The measured step's temporaries, made and freed through the ledger's own calls: its phase peak (and the
@@ -244,7 +237,7 @@ class StepCarry:
 
     def _measured(self, opt: Any, step: _Step) -> None:
         led, run, phases = self.ledger, self.run, self.phases
-        self._span(run.step, MEASURED)
+        self.spans.add(run.step, MEASURED)
         if step.signature is None or step.nested:
             if step.nested:
                 self.never.add(id(opt))
@@ -316,66 +309,9 @@ class StepCarry:
         if opt is not None:
             self.known.pop(id(opt), None)
         self.unmeasured = True  # the open phase's record, when it closes
-        self._span(self.run.step, NOT_MEASURED)
+        self.spans.add(self.run.step, NOT_MEASURED)
         self.run.note(f"optimizer.step() at step {self.run.step} did not return (it raised, or the profile ended "
                       "inside it) while memprof carried its allocations from an earlier step: its optimizer "
                       "phase's temporaries are not measured, nor what it made in what was live at an error, and "
                       "ops run after it until memprof's next hook (a forward, a step) were not seen as they ran "
                       "(carry_optimizer_steps=False measures every step)")
-
-    # -- the record --------------------------------------------------------------------------------------
-
-    def _span(self, step: int, kind: str) -> None:
-        spans = self.spans
-        if spans and spans[-1][1] == step:
-            # Another optimizer phase of the same step: the step is what the two make together.
-            last = spans[-1]
-            merged = _mixed(last[2], kind)
-            if merged == last[2]:
-                return
-            if last[0] == step:
-                last[2] = merged
-            else:
-                last[1] = step - 1
-                spans.append([step, step, merged])
-            if len(spans) >= 2 and spans[-2][2] == merged and spans[-2][1] == step - 1:
-                spans[-2][1] = step
-                spans.pop()
-            return
-        if spans and spans[-1][2] == kind and spans[-1][1] == step - 1:
-            spans[-1][1] = step
-            return
-        if len(spans) >= MAX_SPANS:
-            self.truncated = True
-            return
-        spans.append([step, step, kind])
-
-    def record(self) -> tuple[tuple[int, int, str], ...]:
-        """The spans of steps by what their optimizer phases were, for the Trace."""
-        return tuple((a, b, k) for a, b, k in self.spans)
-
-    def notes(self) -> list[str]:
-        """The one note that says which steps' optimizer phases were carried (none when none was)."""
-        if not any(k != MEASURED for _, _, k in self.spans):
-            return []
-        said = []
-        for kind in KINDS:
-            runs = [f"{a}" if a == b else f"{a}-{b}" for a, b, k in self.spans if k == kind]
-            if runs:
-                where = " and ".join(runs) if len(runs) == 2 else ", ".join(runs)
-                said.append(f"{kind} at step{'s' if len(runs) > 1 or '-' in runs[0] else ''} {where}")
-        more = f" (the first {MAX_SPANS:,} stretches)" if self.truncated else ""
-        return [f"optimizer step {', '.join(said)}{more}: a carried step ran without memprof's dispatch mode and "
-                "its figures are those of the measured step of the same optimizer with the same settings, tensors "
-                "and state (carry_optimizer_steps=False measures every step)"]
-
-
-def _mixed(a: str, b: str) -> str:
-    """Two optimizer phases of one step: one measured and one carried make it partly carried; otherwise the
-    less certain of the two says what the step was."""
-    if a == b:
-        return a
-    if {a, b} == {CARRIED, MEASURED}:
-        return PARTLY
-    order = (CARRIED, MEASURED, PARTLY, UNVERIFIED, NOT_MEASURED)
-    return max(a, b, key=order.index)

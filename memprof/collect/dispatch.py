@@ -24,6 +24,7 @@ from ..errors import is_interrupt
 from ..vocabulary import Phase
 from .autocast_state import emulated_autocast_dtype
 from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, inner_tensors, is_wrapper, storage_of
+from .moves import move, set_tag
 from .mode_stack import pop_from_beneath, push_beneath
 from .torch_compat import FakeTensor as _FakeTensor
 from .torch_compat import KEEPS_COMPILE, SKIPS_DYNAMO, dispatch_mode_at, dispatch_stack_len as _dispatch_stack_len
@@ -350,7 +351,7 @@ class StorageTracker:
     def tag(self, t: torch.Tensor, tag: int) -> None:
         entry = self.entry_of(t)
         if entry is not None:
-            self.ledger.set_tag(entry, tag)
+            set_tag(self.ledger, entry, tag)
 
     def scan_inputs(self, args: Iterable[Any]) -> None:
         # Tensors that come from outside the profile (targets handed to the
@@ -382,7 +383,7 @@ class StorageTracker:
         if isinstance(objs, torch.Tensor):
             entry = self.add_tensor(objs, INPUTS)
             if entry is not None and entry.cat == TEMPORARIES and made_in_block_too:
-                self.ledger.move(entry, INPUTS)
+                move(self.ledger, entry, INPUTS)
         elif isinstance(objs, (list, tuple)):
             for o in objs:
                 self.mark_inputs(o, depth + 1, made_in_block_too=made_in_block_too)
@@ -464,7 +465,7 @@ def _communication(storages: StorageTracker, func: Any, args: Any, out: Any) -> 
         elif entry.cat in (TEMPORARIES, INPUTS):
             # Made for this collective (FSDP's staging buffers are filled before it runs): it was one at a
             # peak reached while it was being filled, too.
-            led.move(entry, COMMUNICATION, retro=True)
+            move(led, entry, COMMUNICATION, retro=True)
     after = storages.after_collective
     if after is not None:
         # FSDP2 stores a group's sharded gradients after its reduce-scatter; by the next collective they are there.

@@ -152,9 +152,9 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
                      "phase of their generation (its peak is theirs, its end the last one's)")
     if not steps:
         notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
-    carried = c.carry.record() if c.carry is not None else ()
+    carried = c.carry.spans.record() if c.carry is not None else ()
     if c.carry is not None:
-        notes.extend(c.carry.notes())
+        notes.extend(c.carry.spans.notes())
     micros = c.timeline.micros
     timeline = tuple(Sample(seq, step, phase, label, breakdown(list(totals), light=light, where="sample"),
                             micros(ns), event)
@@ -191,7 +191,7 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
         optimizer_implementation=c.optimizers.implementation,
         param_dtypes=c.param_dtypes,
         autocast_dtype=c.storages.autocast_dtype,
-        generation=c.kv.facts(),
+        generation=c.kv.formula.facts(),
         distributed=_rank(c),
         routing=c.routing.record() if c.routing is not None else None,
         optimizer_steps=carried,

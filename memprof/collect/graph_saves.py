@@ -19,6 +19,7 @@ import torch
 
 from ..errors import is_interrupt
 from .ledger import ACTIVATIONS, TAGS, TEMPORARIES, storage_of
+from .moves import move, set_tag
 from .saved_hooks import _Chain, is_checkpoint_pair, tensors_in
 from .torch_compat import current_autograd_node, graph_task_id as _graph_task_id
 from .torch_compat import top_saved_hooks as _top_saved_hooks
@@ -87,8 +88,8 @@ class GraphSaves:
         led.settle()
         for entry in list(led.entries.values()):
             if entry.created > start and entry.cat == TEMPORARIES:
-                led.move(entry, ACTIVATIONS)
-                led.set_tag(entry, _RECOMPUTED)
+                move(led, entry, ACTIVATIONS)
+                set_tag(led, entry, _RECOMPUTED)
                 entry.saved = -1  # held by checkpoint, released as backward unpacks it
 
     # -- what code outside the model saved ------------------------------------------------------
@@ -158,9 +159,9 @@ class GraphSaves:
                         entry = led.entries.get(st._cdata) if st is not None else None
                         if entry is not None and entry.cat in (TEMPORARIES, ACTIVATIONS) and entry.saved <= 0:
                             if entry.cat == TEMPORARIES:
-                                led.move(entry, ACTIVATIONS, retro=True)
+                                move(led, entry, ACTIVATIONS, retro=True)
                                 if entry.where < 0 and entry.tag != _TAG_WEIGHT_COPY:
-                                    led.set_tag(entry, _TAG_SAVED_OUTSIDE)
+                                    set_tag(led, entry, _TAG_SAVED_OUTSIDE)
                             entry.saved = -1  # held by the graph; released when its node has run
                             self.graph_saved[entry.key] = self.graph_saved.get(entry.key, 0) + 1
                             keys.append(entry.key)
@@ -184,7 +185,7 @@ class GraphSaves:
             self.graph_saved.pop(key, None)
             entry = led.entries.get(key)
             if entry is not None and entry.cat == ACTIVATIONS and entry.saved < 0:
-                led.move(entry, TEMPORARIES)  # someone else still holds it (the model's output, say)
+                move(led, entry, TEMPORARIES)  # someone else still holds it (the model's output, say)
 
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}

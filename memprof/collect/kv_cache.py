@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..anatomy.cache_config import cache_spec
-from ..record.cache import CacheMoment, frozen_spec
+from ..record.cache import CacheMoment
+from .cache_facts import CacheFacts, config_int, field as _field
 from ..vocabulary import Phase
-from ..errors import MemprofError, is_interrupt
-from ..record.parts import GenerationFacts
+from ..errors import is_interrupt
 from .hook_objects import hook_object
 from .ledger import KV_CACHE, TEMPORARIES
+from .moves import move
 from .phases import begin_encoder, relabel_closed
 from .state import EXACT
 from .torch_compat import is_dynamo_compiling
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .state import Run
     from .undo import UndoStack
 
-__all__ = ["CacheTracker", "watch_encoder"]
+__all__ = ["CacheTracker", "watch_encoder", "config_int"]
 
 #: transformers' names for the cache, in its models' arguments and outputs (``cache`` from version 5).
 CACHE_NAMES = ("past_key_values", "cache")
@@ -64,35 +64,21 @@ class CacheTracker:
         self.storages = storages
         self.phases = phases
         self.names: set[str] = set(CACHE_NAMES)  # where caches were seen: argument and output names
-        config = getattr(model, "config", None)
-        self.shape = _cache_shape(config)
-        try:
-            spec = cache_spec(config)
-        except MemprofError as failure:  # a config whose numbers make no cache (a head count of 0): no formula
-            if is_interrupt(failure):
-                raise  # a signal handler's exception (errors.is_interrupt) is the user's
-            spec = None
-        self.spec = spec.to_dict() if spec is not None else None
-        self.encoder_tokens: "int | None" = None
-        self.max_cache_len: "int | None" = None
+        #: What the cache formula needs, gathered as the calls run.
+        self.formula = CacheFacts(getattr(model, "config", None))
         # The running call: the ledger's event count and the cache's tokens when it began, and the tokens
         # when the call before it began (what a sliding-window layer holds depends on that call).
         self.call_seq = 0
         self.call_before = 0
         self.call_earlier = 0
-        self.moments: dict[tuple[int, str, int, str], CacheMoment] = {}
-        self.batch: "int | None" = None
-        self.itemsizes: set[int] = set()
         self.in_cache = 0  # tokens in the cache now
         self.incoming = 0  # tokens handed to the call running now
-        self.tokens: dict[tuple[int, str, int], int] = {}  # (step, phase, occurrence) -> tokens after it
         self.call_tokens: dict[int, int] = {}  # phase serial of an ordinary no-grad call -> its tokens
         # The cache object (not a tensor) the running root call was handed, filled as its layers run.
         self.active: Any = None
         self.kind: "Phase | None" = None  # what the running root call is: PREFILL, DECODE or None
         self.prefill_serials: set[int] = set()  # earlier calls found to have been prefills
         self.encoder_first = False  # the running call is a prefill that began with the encoder's forward
-        self.encoder_prefills: list[tuple[int, int]] = []  # (step, occurrence) of each such prefill
         self._last: "Callable[[], Any] | None" = None  # the cache object of the last prefill or decode call
         self.last_tokens = (0, 0, 0)  # that call's (earlier, before, after) tokens
         self.let_go: "int | None" = None  # the ledger's event count when that cache object was let go
@@ -144,11 +130,11 @@ class CacheTracker:
             self.in_cache = 0
             previous = 0
         if self.kind is not None:
-            self.batch = batch if batch is not None else self.batch
+            self.formula.batch = batch if batch is not None else self.formula.batch
             # Where the call began: for a prefill the encoder began, where the encoder began.
             start = self.phases.encoder_seq if self.encoder_first else self.ledger.seq
             self.call_seq, self.call_earlier, self.call_before = start, previous, self.in_cache
-            self._note_shapes(handed, kwargs)
+            self.formula.note_shapes(handed, kwargs)
         return self.kind
 
     def layer_done(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -189,9 +175,9 @@ class CacheTracker:
                     kept.append(item)
         self.in_cache += self.incoming
         key = (self.run.step, kind.value, phases.occurrence.get(kind, 0))
-        self.tokens[key] = self.in_cache
+        self.formula.tokens[key] = self.in_cache
         if self.encoder_first:
-            self.encoder_prefills.append((key[0], key[2]))
+            self.formula.encoder_prefills.append((key[0], key[2]))
             self.encoder_first = False
         self._note_moments(key, kept)
         self._last, self.let_go = None, None
@@ -217,7 +203,7 @@ class CacheTracker:
             return
         let_go, peak_seq = self.let_go, self.ledger.phase_peak_seq
         for moment, held in (("peak", let_go is None or let_go > peak_seq), ("end", self._last() is not None)):
-            self.moments[(step, phase.value, occurrence, moment)] = CacheMoment(
+            self.formula.moments[(step, phase.value, occurrence, moment)] = CacheMoment(
                 step, phase.value, occurrence, moment, *self.last_tokens, written=int(held))
 
     def relabel_prefills(self) -> None:
@@ -227,56 +213,21 @@ class CacheTracker:
         for serial in sorted(self.prefill_serials):
             key = relabel_closed(phases, serial, Phase.PREFILL)
             if key is not None:
-                self.tokens[key] = self.call_tokens.get(serial, 0)
+                self.formula.tokens[key] = self.call_tokens.get(serial, 0)
         self.prefill_serials = set()
 
     def add_tokens(self, n: int) -> None:
         """``n`` tokens joined the cache outside the model's forward (a simulation growing it directly)."""
         self.in_cache += n
 
-    def facts(self) -> "GenerationFacts | None":
-        if not self.tokens:
-            return None
-        layers, kv_heads, head_dim, window = self.shape
-        sizes = set(self.itemsizes)
-        state = (self.spec or {}).get("recurrent_itemsize")
-        if state is not None and len(sizes) == 2 and state in sizes:
-            sizes.discard(state)  # states the implementation keeps in a dtype of their own say nothing of the rest
-        # Keys and values of different dtypes (autocast) have no one element size: the formula then says so.
-        itemsize = next(iter(sizes)) if len(sizes) == 1 else None
-        return GenerationFacts(layers=layers, kv_heads=kv_heads, head_dim=head_dim, sliding_window=window,
-                               itemsize=itemsize, batch=self.batch,
-                               tokens=tuple((s, p, o, n) for (s, p, o), n in self.tokens.items()),
-                               cache=frozen_spec(self.spec), encoder_tokens=self.encoder_tokens,
-                               max_cache_len=self.max_cache_len,
-                               moments=tuple(self.moments.values()), encoder_prefills=tuple(self.encoder_prefills))
-
-    def _note_shapes(self, handed: Any, kwargs: dict[str, Any]) -> None:
-        """The encoder's tokens (an encoder-decoder call's ``encoder_outputs``) and the length a static cache
-        was allocated at (its layers' ``max_cache_len``): what the formula needs beside the config."""
-        enc = kwargs.get("encoder_outputs")
-        if isinstance(enc, (tuple, list)):  # the legacy tuple form: the last hidden state first
-            enc = enc[0] if enc else None
-        elif enc is not None:
-            enc = _field(enc, "last_hidden_state")
-        else:
-            enc = kwargs.get("encoder_hidden_states")
-        if isinstance(enc, torch.Tensor) and enc.dim() >= 2:
-            self.encoder_tokens = int(enc.shape[1])
-        inner = getattr(handed, "self_attention_cache", handed)  # an EncoderDecoderCache's decoder side
-        found = [getattr(layer, "max_cache_len", None) for layer in getattr(inner, "layers", None) or ()]
-        lengths = [n for n in found if isinstance(n, int) and not isinstance(n, bool)]
-        if lengths:
-            self.max_cache_len = max(lengths)
-
     def _note_moments(self, key: tuple[int, str, int], kept: list[Any]) -> None:
         """The cache at the end of the call that just ended, and at the phase's peak if the call reached it:
         how many of the storages the call put in the cache existed then (exact mode sees them being made)."""
         led = self.ledger
         tokens = (self.call_earlier, self.call_before, self.in_cache)
-        self.moments[key + ("end",)] = CacheMoment(*key, "end", *tokens)
+        self.formula.moments[key + ("end",)] = CacheMoment(*key, "end", *tokens)
         peak = key + ("peak",)
-        if peak in self.moments and led.phase_peak_seq <= self.call_seq:
+        if peak in self.formula.moments and led.phase_peak_seq <= self.call_seq:
             return  # a folded decode phase whose peak an earlier call reached
         written, overlap = None, False
         if self.run.mode == EXACT:
@@ -288,7 +239,7 @@ class CacheTracker:
                             and self.call_seq < entry.created <= led.phase_peak_seq:
                         made[entry.key] = entry.created
             written, overlap = len(made), led.phase_peak_seq in made.values()
-        self.moments[peak] = CacheMoment(*key, "peak", *tokens, written=written, overlap=overlap)
+        self.formula.moments[peak] = CacheMoment(*key, "peak", *tokens, written=written, overlap=overlap)
 
     def _claim(self, obj: Any, *, named: bool, retro: bool = False) -> "tuple[bool, set[int] | None]":
         """Count the floating tensors under ``obj`` as the cache: those made inside the model (or already the
@@ -310,7 +261,7 @@ class CacheTracker:
                     entry = storages.add_tensor(t, KV_CACHE)
                     if entry is not None:
                         claimed = True
-                        self.itemsizes.add(t.element_size())
+                        self.formula.itemsizes.add(t.element_size())
                 continue
             if entry.cat == KV_CACHE:
                 claimed = True
@@ -319,9 +270,9 @@ class CacheTracker:
                 # Made inside the model (or handed over under a cache's name), kept past the call.
                 if entry.module >= 0:
                     made_in = (made_in if made_in is not None else set()) | {entry.phase_serial}
-                led.move(entry, KV_CACHE, retro=retro)
+                move(led, entry, KV_CACHE, retro=retro)
                 claimed = True
-                self.itemsizes.add(t.element_size())
+                self.formula.itemsizes.add(t.element_size())
         return claimed, made_in
 
 
@@ -359,12 +310,6 @@ def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[
     for i, a in enumerate(args):
         yield f"#{i}", a
     yield from kwargs.items()
-
-
-def _field(output: Any, name: str) -> Any:
-    if isinstance(output, dict):  # transformers' ModelOutput is an OrderedDict
-        return output.get(name)
-    return getattr(output, name, None) if not isinstance(output, (torch.Tensor, tuple, list)) else None
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -408,43 +353,3 @@ def _new_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> "tuple[int, in
     if not isinstance(t, torch.Tensor) or t.dim() < 2:
         return 0, None
     return int(t.shape[1]), int(t.shape[0])
-
-
-def config_int(config: Any, *names: str) -> "int | None":
-    """The first of ``names`` a transformers-style config (its text part, for multimodal ones) has as an int."""
-    if config is None:
-        return None
-    get = getattr(config, "get_text_config", None)
-    if callable(get):
-        try:
-            config = get()
-        except Exception as failure:  # a config that cannot say: read it as it is
-            if is_interrupt(failure):
-                raise  # a signal handler's exception (errors.is_interrupt) is the user's
-            pass
-    for n in names:
-        v = getattr(config, n, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    return None
-
-
-def _cache_shape(config: Any) -> "tuple[int | None, int | None, int | None, int | None]":
-    """(layers, key/value heads, head dimension, sliding window) from a transformers-style config."""
-    if config is None:
-        return None, None, None, None
-
-    def first(*names: str) -> "int | None":
-        return config_int(config, *names)
-
-    layers = first("num_hidden_layers", "n_layer", "num_layers")
-    heads = first("num_attention_heads", "n_head", "num_heads")
-    kv_heads = first("num_key_value_heads", "num_kv_heads", "multi_query_group_num") or heads
-    if getattr(config, "multi_query", False) is True and not getattr(config, "new_decoder_architecture", False):
-        kv_heads = 1  # Falcon's multi-query attention: one key/value head whatever num_kv_heads says
-    head_dim = first("head_dim")
-    hidden = first("hidden_size", "n_embd", "d_model")
-    if head_dim is None and hidden is not None and heads:
-        head_dim = hidden // heads
-    window = first("sliding_window")
-    return layers, kv_heads, head_dim, window

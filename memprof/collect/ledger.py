@@ -406,41 +406,6 @@ class Ledger:
                                 tag_act[entry.where] -= entry.where_bytes
             released.popleft()
 
-    def move(self, entry: Entry, cat: int, *, retro: bool = False) -> None:
-        """Move a live storage to another category (the total does not change).
-
-        With ``retro=True`` a storage created in the current phase that only
-        now reveals what it was (optimizer state found after ``step()``, a
-        gradient stored by AccumulateGrad) is also moved in the phase and
-        global peak compositions, if it was alive at those peaks.
-        """
-        old = entry.cat
-        if old == cat:
-            return
-        n = entry.nbytes
-        self.totals[old] -= n
-        self.totals[cat] += n
-        entry.cat = cat
-        # When it became ``old`` and what it was before: at a peak before that, it was still that.
-        moved, before = entry.moved, entry.before
-        self.seq += 1  # an event of its own: a peak reached before it is told apart from one after it
-        entry.moved, entry.before = self.seq, old
-        if old == ACTIVATIONS or cat == ACTIVATIONS:
-            sign = -1 if old == ACTIVATIONS else 1
-            if entry.tag >= 0:
-                self.tag_act[entry.tag] += sign * entry.tag_bytes
-            if entry.where >= 0:
-                self.tag_act[entry.where] += sign * entry.where_bytes
-        if retro and entry.phase_serial == self.phase_serial:
-            if entry.created <= self.phase_peak_seq:
-                self.phase_peak[old if moved <= self.phase_peak_seq else before] -= n
-                self.phase_peak[cat] += n
-            if self.peak_phase_serial == self.phase_serial and entry.created <= self.peak_seq:
-                self.peak[old if moved <= self.peak_seq else before] -= n
-                self.peak[cat] += n
-            # The peaks now hold it as ``cat`` since its creation: a later move starts from there.
-            entry.moved, entry.before = 0, cat
-
     def resize(self, entry: Entry, nbytes: int) -> None:
         """A live storage changed size in place (``resize_``, an ``out=`` op growing its buffer)."""
         new = self.size_of(nbytes)
@@ -454,21 +419,6 @@ class Ledger:
         self.totals[entry.cat] += delta
         self.total += delta
         self.check_peak()
-
-    def set_tag(self, entry: Entry, tag: int, nbytes: "int | None" = None) -> None:
-        """Tag a storage (what it is, or where it was saved from: each kind has its own slot);
-        the tag counts ``nbytes`` (default: the storage's bytes)."""
-        n = entry.nbytes if nbytes is None else nbytes
-        if tag >= FIRST_WHERE_TAG:
-            old, old_n = entry.where, entry.where_bytes
-            entry.where, entry.where_bytes = tag, n
-        else:
-            old, old_n = entry.tag, entry.tag_bytes
-            entry.tag, entry.tag_bytes = tag, n
-        if entry.cat == ACTIVATIONS:
-            if old >= 0:
-                self.tag_act[old] -= old_n
-            self.tag_act[tag] += n
 
     def check_peak(self) -> None:
         total = self.total

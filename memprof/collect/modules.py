@@ -32,10 +32,12 @@ from ..vocabulary import Phase
 from ..units import format_bytes
 from . import timeline as _timeline
 from .ledger import BUFFERS, TAGS, Frame, storage_of
+from .moves import set_tag
 from .frame_stack import pop_frame
 from .hook_objects import hook_object
 from .module_table import attribute_tensors, tensors_in_args, unique_params
 from .saved_hooks import under_checkpoint
+from .saved_where import adopt_unseen
 from .state import EXACT
 from .torch_compat import COMPILER as _COMPILER, graph_task_id as _graph_task_id
 from .torch_compat import is_dynamo_compiling as _dynamo_compiling
@@ -167,14 +169,14 @@ class ModuleTracker:
         for t in tensors_in_args(args, kwargs):
             entry = self.storages.entry_of(t)
             if entry is not None:
-                self.ledger.set_tag(entry, _KEPT_BY_CHECKPOINT)
+                set_tag(self.ledger, entry, _KEPT_BY_CHECKPOINT)
 
     def children_skipped(self, index: int, unseen: int) -> None:
         """A call of a module with hooked children ran none of their hooks: compiled code ran it (a
         torch.compile wrapper of the model calls it from compiled code, which skips hooks added after
         compilation), or its forward called them through .forward(). What it saved out of dispatch's
         sight is an activation, not an input; its later calls are treated the same way."""
-        self.saved.adopt_unseen(self.table.unseen_saves[unseen:])
+        adopt_unseen(self.ledger, self.run, self.table, self.table.unseen_saves[unseen:])
         self.table.skipped(index)
 
     def unhookable(self, index: int, exc: Exception) -> None:

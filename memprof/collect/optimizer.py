@@ -25,6 +25,7 @@ from ..errors import InvalidArgumentError, error_text, is_interrupt
 from ..record.specs import OptimizerSpec, ParamSpec, plain_config
 from .hook_objects import hook_object
 from .ledger import ACTIVATIONS, INPUTS, OPTIMIZER_STATES, TEMPORARIES, known_as, plain_storage_keys
+from .moves import move
 from .module_table import class_names
 from .torch_compat import is_compiling as _is_compiling
 
@@ -233,7 +234,7 @@ class OptimizerTracker:
                 else:
                     continue
                 if entry is not None and entry.cat in (TEMPORARIES, INPUTS, ACTIVATIONS):
-                    led.move(entry, OPTIMIZER_STATES, retro=retro)
+                    move(led, entry, OPTIMIZER_STATES, retro=retro)
 
     def note(self, opt: torch.optim.Optimizer) -> None:
         """The first optimizer's class and implementation, for the report."""

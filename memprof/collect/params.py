@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import is_interrupt
 from ..vocabulary import Phase
 from .ledger import ACTIVATIONS, COMMUNICATION, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, known_as
+from .moves import move
 from .ledger import plain_storage_keys, storage_of
 from .torch_compat import COMPILER as _COMPILER, in_compiled_autograd, is_dynamo_compiling as _dynamo_compiling
 
@@ -102,7 +103,7 @@ class ParamTracker:
         if entry is None:
             return None
         if entry.cat != WEIGHTS:
-            self.ledger.move(entry, WEIGHTS, retro=True)
+            move(self.ledger, entry, WEIGHTS, retro=True)
         return entry.key
 
     def resync_storages(self) -> None:
@@ -136,7 +137,7 @@ class ParamTracker:
             old = led.entries.get(was) if was is not None else None
             self.storage_keys[i] = self.weigh(p)
             if old is not None and old.cat == WEIGHTS and old.key not in self.storage_keys:
-                led.move(old, TEMPORARIES)
+                move(led, old, TEMPORARIES)
         if changed and self.moved_at is None:
             self.moved_at = self.run.step
             self.run.changes.append(f"step {self.moved_at}: parameters moved to new storages (model.to(...), "
@@ -190,7 +191,7 @@ class ParamTracker:
         # A gradient that lives in a collective's buffer (DDP's gradient_as_bucket_view, FSDP's
         # reduce-scatter output) is a gradient.
         if entry is not None and entry.cat in _BECOME_GRADIENTS:
-            self.ledger.move(entry, GRADIENTS, retro=retro)
+            move(self.ledger, entry, GRADIENTS, retro=retro)
         if follow and entry is not None and entry.cat == GRADIENTS:
             self.grad_keys.add(entry.key)
 
@@ -262,7 +263,7 @@ class ParamTracker:
             self.grad_keys.discard(key)
             entry = led.entries.get(key)
             if entry is not None and entry.cat == GRADIENTS:
-                led.move(entry, TEMPORARIES)
+                move(led, entry, TEMPORARIES)
 
     def walk_grad_keys(self) -> set[int]:
         """The storage keys of the parameters' gradients, one by one (what :meth:`grad_storage_keys` cannot

@@ -23,9 +23,11 @@ import torch
 
 from ..errors import is_interrupt
 from ..vocabulary import Phase
-from .ledger import ACTIVATIONS, COMMUNICATION, INPUTS, TAGS, TEMPORARIES, Entry, storage_of
+from .ledger import ACTIVATIONS, COMMUNICATION, INPUTS, TEMPORARIES, storage_of
+from .moves import move
 from .ledger import Release as _Release
 from .saved_hooks import SavedHooks, modified_message
+from .saved_where import attribute, saved_by_rule_module
 from .state import EXACT
 from .torch_compat import NoPythonDispatch as _NoPythonDispatch
 from .torch_compat import dispatch_stack_len as _dispatch_stack_len, graph_task_id as _graph_task_id
@@ -42,15 +44,6 @@ __all__ = ["SavedTracker"]
 _FORWARD = Phase.FORWARD
 _BACKWARD = Phase.BACKWARD
 _PARAMETER = torch.nn.Parameter
-_RECOMPUTED = TAGS.index("recomputed_for_backward")
-_TAG = {name: i for i, name in enumerate(TAGS)}
-_TAG_SAVED_OUTSIDE = _TAG["saved_outside_modules"]
-_TAG_SAVED_TWICE = _TAG["saved_by_two_modules"]
-_TAG_WEIGHT_COPY = _TAG["autocast_weight_copy"]
-_TAG_SAVED_AS_VIEW = _TAG["saved_as_view_of_larger"]
-_TAG_SAVED_EXPANDED = _TAG["saved_as_expanded_view"]
-# "Where" tags that describe what the rule modules saving a storage count (or no tag yet).
-_WHERE_BY_RULES = (-1, _TAG_SAVED_TWICE, _TAG_SAVED_AS_VIEW, _TAG_SAVED_EXPANDED)
 
 
 class Saved:
@@ -207,21 +200,21 @@ class SavedTracker:
             made_here = not self.full or table.compiled_depth > 0
             entry = led.add(st, ACTIVATIONS if made_here else INPUTS)
             if entry.cat == ACTIVATIONS:
-                self.attribute(entry)
+                attribute(led, run, table, entry)
             elif run.calls:
                 table.unseen_saves.append(entry.key)  # an input, unless its call turns out compiled
         elif entry.cat == TEMPORARIES or entry.cat == COMMUNICATION:
             # A collective's output that the next layer saves (tensor parallelism's all-reduce) is an
             # activation from then on, as any op output autograd keeps.
-            led.move(entry, ACTIVATIONS)
-            self.attribute(entry)
+            move(led, entry, ACTIVATIONS)
+            attribute(led, run, table, entry)
         stack = run.calls
         if stack and run.phase is _FORWARD and table.saved_tag[stack[-1]] < 0:
             view = t.nbytes
             if entry.savers is None and view == entry.nbytes and entry.where < 0 and entry.cat == ACTIVATIONS:
                 entry.savers = {stack[-1]: view}  # the common case: first saved whole, by a rule module
             else:
-                self.saved_by_rule_module(entry, stack[-1], view)
+                saved_by_rule_module(led, entry, stack[-1], view, self.saved_inputs if self.capture.on else None)
         if entry.cat == ACTIVATIONS:
             if entry.saved < 0:
                 entry.saved = 0
@@ -244,87 +237,6 @@ class SavedTracker:
             self.run.note(f"autograd saved a {type(t).__name__} whose device or layout cannot be read "
                           f"({type(exc).__name__}): activations are not measured")
             return None
-
-    def saved_by_rule_module(self, entry: Entry, index: int, view_bytes: int) -> None:
-        """Account for what the per-module formula counts: each rule counts the tensor its module
-        saves (a view's bytes), once per module, whatever storage it shares."""
-        if entry.cat == INPUTS:
-            if self.capture.on:
-                # The model's inputs that a module with a rule saves: its rule counts them as activations.
-                key = (index, entry.key)
-                self.saved_inputs[key] = max(view_bytes, self.saved_inputs.get(key, 0))
-            return
-        if entry.cat != ACTIVATIONS:
-            return
-        savers = entry.savers
-        if savers is None:
-            savers = entry.savers = {}
-        elif savers.get(index, 0) >= view_bytes:
-            return
-        savers[index] = view_bytes
-        # What the rules of the modules that saved it count, against the storage memprof counts once.
-        covered = sum(savers.values())
-        where = entry.where
-        led = self.ledger
-        if covered > entry.nbytes:
-            # Rules count more than the storage holds: several modules saved it (ReLU's output, the next
-            # Linear's input; q, k and v projections of one tensor), or one saved an expanded view of it.
-            tag = _TAG_SAVED_TWICE if len(savers) > 1 else _TAG_SAVED_EXPANDED
-            led.set_tag(entry, tag, covered - entry.nbytes)
-        elif where in _WHERE_BY_RULES:
-            if covered < entry.nbytes:
-                # Rules count the views their modules saved (x[:, 0]); memprof, the whole storage.
-                led.set_tag(entry, _TAG_SAVED_AS_VIEW, entry.nbytes - covered)
-            elif where >= 0:
-                led.set_tag(entry, where, 0)
-        else:
-            # First saved where no rule sees it (container code, a module without a rule, outside the
-            # model): that cause names only what the rules of later savers do not count.
-            led.set_tag(entry, where, entry.nbytes - covered)
-
-    def attribute(self, entry: Entry) -> None:
-        """Where a new activation was saved from, for the per-module formula's causes and the module table.
-
-        An autocast weight copy has a cause of its own in every comparison, so it gets no "where"
-        that would name it twice.
-        """
-        where = entry.where < 0 and entry.tag != _TAG_WEIGHT_COPY
-        run = self.run
-        stack = run.calls
-        phase = run.phase
-        if not stack:
-            if where and phase is _FORWARD:
-                self.ledger.set_tag(entry, _TAG_SAVED_OUTSIDE)
-            return
-        if phase is not _FORWARD:
-            # Recomputation in backward (a reentrant checkpoint's block): not the module's forward saving,
-            # but what the recomputed block keeps for its part of backward.
-            if where:
-                self.ledger.set_tag(entry, _RECOMPUTED)
-            return
-        index = stack[-1]
-        table = self.table
-        if where:
-            tag = table.saved_tag[index]
-            if tag >= 0:
-                self.ledger.set_tag(entry, tag)
-        # ModuleTable.saved_in, written out: this runs for every new activation.
-        info = table.info[index]
-        if info.act_step != run.step:
-            info.act_step = run.step
-            info.act_bytes = 0
-        info.act_bytes += entry.nbytes
-
-    def adopt_unseen(self, keys: list[int]) -> None:
-        """Storages saved as inputs that turn out to come from compiled code: activations after all."""
-        led = self.ledger
-        for key in keys:
-            entry = led.entries.get(key)
-            if entry is not None and entry.cat == INPUTS:
-                led.move(entry, ACTIVATIONS, retro=True)
-                if entry.saved < 0:
-                    entry.saved = 0
-                self.attribute(entry)
 
     # -- the pushes, per module call ----------------------------------------------------------
 

@@ -18,6 +18,7 @@ import torch
 from . import marks
 from ..vocabulary import Category
 from .ledger import CATEGORY_OF_INDEX, Entry
+from .moves import move
 from .profiler import Profiler
 from .routing import innermost_module
 
@@ -119,7 +120,7 @@ class SimulatedProfile(Profiler):
 
     def _moved(self, entry: "Entry | None", category: Category) -> None:
         if entry is not None and entry.cat != _INDEX[category]:
-            self.ledger.move(entry, _INDEX[category], retro=True)
+            move(self.ledger, entry, _INDEX[category], retro=True)
 
     def _collectors(self) -> "Collectors":
         c = self.collectors

@@ -201,7 +201,7 @@ def test_a_training_forward_that_stores_into_its_input_keeps_no_cache():
 
 
 def test_falcon_multi_query_has_one_key_value_head_in_the_formula():
-    from memprof.collect.kv_cache import _cache_shape
+    from memprof.collect.cache_facts import _cache_shape
 
     cfg = transformers.FalconConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, vocab_size=64,
                                     multi_query=True, new_decoder_architecture=False)

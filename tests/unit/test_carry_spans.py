@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from memprof.collect.carry import CARRIED, MEASURED, NOT_MEASURED, PARTLY, StepCarry
+from memprof.collect.carry_spans import CARRIED, MEASURED, NOT_MEASURED, PARTLY, StepSpans
 
 
 def _spans(*phases):
-    carry = StepCarry.__new__(StepCarry)  # only the span bookkeeping: no ledger, run or trackers
-    carry.spans, carry.truncated = [], False
+    spans = StepSpans()  # the carry collector's span bookkeeping, alone
     for step, kind in phases:
-        carry._span(step, kind)
-    return carry
+        spans.add(step, kind)
+    return spans
 
 
 def test_one_optimizer_makes_one_span_per_run_of_a_kind():

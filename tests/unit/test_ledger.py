@@ -9,6 +9,7 @@ import torch
 from memprof import Category as C
 from memprof.collect import marks
 from memprof.collect.frame_stack import pop_frame, push_frame, push_frame_below, remove_frame
+from memprof.collect.moves import move, set_tag
 from memprof.collect.ledger import (ACTIVATIONS, GRADIENTS, TAGS, TEMPORARIES, WEIGHTS, Ledger, breakdown,
                                   storage_of, tag_pairs)
 
@@ -55,14 +56,14 @@ def test_moving_a_storage_keeps_the_total_and_retro_moves_fix_the_peaks():
     led.start_phase()
     g, sg = _storage(25)  # 100 bytes, made as a temporary, later found to be a gradient
     entry = led.add(sg, TEMPORARIES)
-    led.move(entry, GRADIENTS)
+    move(led, entry, GRADIENTS)
     assert (led.total, led.totals[GRADIENTS], led.totals[TEMPORARIES]) == (100, 100, 0)
     assert led.phase_peak[TEMPORARIES] == 100  # without retro the peak keeps what it was then
     led2 = Ledger()
     led2.start_phase()
     g2, sg2 = _storage(25)
     e2 = led2.add(sg2, TEMPORARIES)
-    led2.move(e2, GRADIENTS, retro=True)
+    move(led2, e2, GRADIENTS, retro=True)
     assert led2.phase_peak[GRADIENTS] == led2.peak[GRADIENTS] == 100
     assert led2.phase_peak[TEMPORARIES] == led2.peak[TEMPORARIES] == 0
 
@@ -73,7 +74,7 @@ def test_a_retro_move_leaves_earlier_phases_alone():
     keep, sk = _storage(100)  # 400 bytes: phase 1's peak
     e = led.add(sk, TEMPORARIES)
     led.start_phase()
-    led.move(e, GRADIENTS, retro=True)  # created in phase 1: phase 2 may not rewrite phase 1's peak
+    move(led, e, GRADIENTS, retro=True)  # created in phase 1: phase 2 may not rewrite phase 1's peak
     assert led.peak[TEMPORARIES] == 400 and led.peak[GRADIENTS] == 0
 
 
@@ -95,12 +96,12 @@ def test_tags_count_while_their_storage_is_an_activation():
     mask, sm = _storage(64, torch.bool)  # 64 bytes
     entry = led.add(sm, TEMPORARIES)
     tag = TAGS.index("dropout_mask")
-    led.set_tag(entry, tag)
+    set_tag(led, entry, tag)
     assert led.tag_act[tag] == 0  # a temporary's tag counts for nothing yet
-    led.move(entry, ACTIVATIONS)
+    move(led, entry, ACTIVATIONS)
     assert led.tag_act[tag] == 64
     where = TAGS.index("saved_by_two_modules")
-    led.set_tag(entry, where, 16)  # the other kind of tag: both count, each its own bytes
+    set_tag(led, entry, where, 16)  # the other kind of tag: both count, each its own bytes
     assert (led.tag_act[tag], led.tag_act[where]) == (64, 16)
     assert tag_pairs(led.tag_act) == (("dropout_mask", 64), ("saved_by_two_modules", 16))
     del mask, sm
@@ -128,7 +129,7 @@ def test_what_torch_releases_is_queued_by_c_code_and_applied_in_order_by_settle(
     # The stream holds the free before the new storage, in the order torch did them.
     assert [(n if n < 0 else "add") for _, _, n in led.stream] == [-1, "add"]
     # A saved slot released: the storage leaves activations when its last slot goes.
-    led.move(entry_b, ACTIVATIONS)
+    move(led, entry_b, ACTIVATIONS)
     entry_b.saved = 1
 
     class Holder:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from memprof.collect.ledger import COMMUNICATION, GRADIENTS, TEMPORARIES, Ledger
+from memprof.collect.moves import move
 
 
 def _storage(n: int):
@@ -22,8 +23,8 @@ def test_a_retro_move_then_another_keeps_the_peak_consistent():
     out = _storage(40)
     entry = led.add(out, TEMPORARIES)
     assert led.phase_peak[TEMPORARIES] == 140 and led.peak_total == 140
-    led.move(entry, COMMUNICATION, retro=True)
-    led.move(entry, GRADIENTS, retro=True)
+    move(led, entry, COMMUNICATION, retro=True)
+    move(led, entry, GRADIENTS, retro=True)
     assert (led.phase_peak[TEMPORARIES], led.phase_peak[COMMUNICATION], led.phase_peak[GRADIENTS]) == (100, 0, 40)
     assert led.peak[GRADIENTS] == 40 and min(led.peak) >= 0
     del keep
@@ -36,7 +37,7 @@ def test_a_move_after_the_peak_is_not_read_back_into_it():
     led.start_phase()
     a = _storage(64)
     entry = led.add(a, TEMPORARIES)  # the peak: 64 bytes of temporaries
-    led.move(entry, COMMUNICATION)  # after the peak
-    led.move(entry, GRADIENTS, retro=True)
+    move(led, entry, COMMUNICATION)  # after the peak
+    move(led, entry, GRADIENTS, retro=True)
     assert (led.phase_peak[TEMPORARIES], led.phase_peak[COMMUNICATION], led.phase_peak[GRADIENTS]) == (0, 0, 64)
     assert (led.totals[COMMUNICATION], led.totals[GRADIENTS]) == (0, 64)
