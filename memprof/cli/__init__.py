@@ -220,6 +220,11 @@ def _parser() -> argparse.ArgumentParser:
                           "called with no argument (torch's loss_parallel) or with the step's parts (.model, .mesh, "
                           ".inputs, .targets, .optimizer: context_parallel(step.mesh, buffers=[step.inputs], ...)); "
                           "the factory's 'step_context' key does the same")
+    est.add_argument("--train-step", metavar="MODULE:FUNCTION",
+                     help="your own training step, fn(model, optimizer, inputs[, targets]), simulated in place of "
+                          "memprof's loop (what it returns is held until its next call; the factory's 'loss_fn' is "
+                          "not used: your step computes its loss); a class is made once, with no argument; the "
+                          "factory's 'train_step' key does the same")
     est.add_argument("--routing", help="what MoE routers choose: balanced (default), worst or capacity=F; under expert "
                      "parallelism it also sizes the all-to-all's receive side (the factory's 'routing' key may give "
                      "a recorded routing)")

@@ -43,7 +43,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 #: A training step's options, refused with ``--generate``: a generation runs on one device, with no backward and no
 #: optimizer step.
 _TRAINING = ("--seq-len", "--checkpointing", "--optimizer", "--step-context", "--world-size", "--parallel",
-             "--parallelize", "--mesh", "--rank", "--extrapolate")
+             "--parallelize", "--mesh", "--rank", "--extrapolate", "--train-step")
 
 
 def _given(args: argparse.Namespace, flag: str) -> bool:
@@ -116,7 +116,9 @@ def _estimate_factory(args: argparse.Namespace, budget: "int | None") -> int:
                            "--parallelize MODULE:FUNCTION (or the factory's 'parallelize' key) with it")
     if world_size > 1 and parallel is None and parallelize is None and pipeline is None:
         check_parallel(world_size, None)  # says what is missing
-    options = dict(targets=spec.get("targets"), loss_fn=spec.get("loss_fn"), world_size=world_size,
+    train_step = _train_step(args) or spec.get("train_step")
+    options = dict(targets=spec.get("targets"), world_size=world_size, train_step=train_step,
+                   loss_fn=None if train_step is not None else spec.get("loss_fn"),
                    parallel=parallel, parallelize=parallelize, mesh=mesh, pipeline=pipeline,
                    step_context=step_context or spec.get("step_context"),
                    routing=args.routing if args.routing is not None else spec.get("routing"))
@@ -179,8 +181,23 @@ def _estimate_hf(args: argparse.Namespace, budget: "int | None") -> int:
                                world_size=world_size, parallel=parallel, gpu=args.gpu, alloc_conf=args.alloc_conf,
                                routing=args.routing, parallelize=parallelize,
                                mesh=_mesh(args.mesh) if args.mesh else None, rank=args.rank,
-                               extrapolate=args.extrapolate, step_context=step_context, **_from_file(args))
+                               extrapolate=args.extrapolate, step_context=step_context,
+                               **_with_train_step(args, _from_file(args)))
     return _emit(est, args, budget)
+
+
+def _train_step(args: argparse.Namespace) -> Any:
+    """The step ``--train-step`` names (a class made once, with no argument: a step that keeps state), or None."""
+    if not args.train_step:
+        return None
+    step = _load_factory(args.train_step)
+    return step() if isinstance(step, type) else step
+
+
+def _with_train_step(args: argparse.Namespace, options: "dict[str, Any]") -> "dict[str, Any]":
+    """``options`` with the step ``--train-step`` names (the flag over a run file's key)."""
+    step = _train_step(args)
+    return {**options, "train_step": step} if step is not None else options
 
 
 def _optimizer(name: str) -> Any:

@@ -293,7 +293,8 @@ def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = 
     None) says otherwise.
     ``precision`` defaults to the config's dtype; ``checkpointing`` enables transformers' activation
     checkpointing. Every other option (``attention``, ``world_size``, ``parallel``, ``gpu``, ``alloc_conf``,
-    ``routing``) is :func:`memprof.estimate`'s."""
+    ``routing``, ``train_step``: your step, handed the batch dict with its labels as ``inputs``) is
+    :func:`memprof.estimate`'s."""
     from .estimate import estimate
 
     config = load_config(config)
@@ -303,7 +304,9 @@ def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = 
     built = build_model(config, checkpointing=checkpointing)
     batch = token_batch(built, batch_size, seq_len)
     with _named(built):
-        est = estimate(built.model, optimizer, inputs=batch, loss_fn=hf_loss, precision=resolved, device=device,
+        # A train_step computes its own loss from the batch (labels inside): it takes the batch dict as inputs.
+        loss_fn = None if options.get("train_step") is not None else hf_loss
+        est = estimate(built.model, optimizer, inputs=batch, loss_fn=loss_fn, precision=resolved, device=device,
                        **options)
     said = [f"{built.architecture} built from its config on the meta device ({built.kind}; batch {batch_size} x "
             f"{seq_len} tokens{', activation checkpointing on every layer' if checkpointing else ''})"]

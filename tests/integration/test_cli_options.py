@@ -70,6 +70,15 @@ MODULE = textwrap.dedent('''
 
     def watch():
         return _nothing()
+
+
+    def step(model, optimizer, inputs):
+        # A loop that keeps the model's output to the next step (its logits): what memprof's own loop does not.
+        out = model(**inputs)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return out
 ''')
 
 GEN = {"generate": True, "prompt_len": "6", "new_tokens": "3"}
@@ -97,6 +106,7 @@ VALUES = {
     "parallel": ["zero3"],
     "parallelize": ["cli_walk_models:shard"],
     "step_context": ["cli_walk_models:watch"],
+    "train_step": ["cli_walk_models:step"],
     "routing": ["worst", "capacity=0.5"],
     "mesh": ["a=2,b=1"],  # two replicas of one shard each (HSDP): nothing sharded, unlike the default 1-D mesh
     "rank": ["1"],
@@ -154,7 +164,7 @@ INVALID = {
 }
 
 _TRAINING_ONLY = {"seq_len", "checkpointing", "optimizer", "step_context", "parallel", "world_size", "parallelize",
-                  "mesh", "rank", "extrapolate"}
+                  "mesh", "rank", "extrapolate", "train_step"}
 #: Options a form refuses, whatever their value: they do not apply to it.
 REFUSED = {
     "factory": {"hf", "seq_len", "checkpointing", "prompt_len", "new_tokens"},
