@@ -141,3 +141,31 @@ def test_plan_scale_quick(tmp_path):
     (row,) = data["plan_rows"]
     assert row["parallel"] == "fsdp" and row["max_batch_size"] >= 1 and row["verified"]
     assert data["estimate"]["breakdown"]["weights"] > 0
+
+
+def test_published_quick(tmp_path):
+    out_json, out_md = tmp_path / "pub.json", tmp_path / "pub.md"
+    _run([BENCH / "published.py", "--quick", "--json", out_json, "--markdown", out_md], timeout=400)
+    data = json.loads(out_json.read_text())
+    assert not data["failures"]
+    # The --quick rows, in the data file's order.
+    assert [r["id"] for r in data["results"]] == ["bert-l-fp32-b1-ga4", "bert-l-fp32-b1-ga4-gc", "bert-l-fp16-b1-ga4-gc"]
+    rows = {r["id"]: r for r in json.loads((BENCH / "published_rows.json").read_text())["rows"]}
+    for r in data["results"]:
+        # The published figure is the row's, in bytes: MiB from the source's nvidia-smi reading.
+        assert rows[r["id"]]["unit"] == "MiB" and r["published_bytes"] == rows[r["id"]]["published"] * 2**20
+        # nvidia-smi is compared with memprof's device peak: peak reserved + memory outside torch.
+        parts = r["memprof_parts"]
+        assert r["counter"] == "nvidia-smi" and r["memprof_bytes"] == parts["device_peak"]
+        assert parts["device_peak"] == parts["peak_reserved"] + parts["outside_torch"]
+        assert parts["peak_reserved"] >= parts["peak_allocated"] > 0
+        assert r["memprof_error_pct"] == round(100 * (r["memprof_bytes"] - r["published_bytes"])
+                                               / r["published_bytes"], 2)
+        # accelerate's "Training using Adam" is 4 x the fp32 model size for float32 and 2 x for float16 (its
+        # estimate_training_usage), the fp32 size being 4 B per parameter plus the buffers.
+        acc = r["others"]["accelerate"]["bytes"]
+        factor = 4 if r["id"].startswith("bert-l-fp32") else 2
+        assert acc % factor == 0 and acc // factor >= 4 * r["parameters"]
+    summary = data["summary"]["memprof"]
+    assert summary["rows"] == 3 and 0 <= summary["under_estimates"] <= 3
+    assert "| estimator | median abs. error |" in out_md.read_text()

@@ -1,0 +1,418 @@
+"""Published GPU memory measurements, reproduced as memprof CUDA-target estimates.
+
+Usage::
+
+    python benchmarks/published.py                      # every row of benchmarks/published_rows.json
+    python benchmarks/published.py --quick              # 3 rows, a smoke test (the smallest set-ups)
+    python benchmarks/published.py --rows bert-l-fp32-b4 --json out.json --markdown out.md
+
+Each row of ``published_rows.json`` is one figure a public source measured on a GPU, with its set-up (model
+dimensions, precision, optimizer, batch, sequence, checkpointing, layout and world size, the GPU), the counter it
+reported and the loop its authors ran. The script builds the model from the written dimensions on the meta device
+(no download), runs the authors' loop as ``memprof.estimate(..., train_step=fn, gpu=...)`` and reads memprof's
+figure for the SAME counter:
+
+- ``nvidia-smi`` (NVML used): ``est.device_memory.device_peak``, the peak reserved plus memprof's figure for the
+  memory outside torch (CUDA context, libraries). NVML's figure also holds other processes; the sources ran one.
+- ``reserved_bytes.all.peak`` (torch.cuda.max_memory_reserved): ``est.device_memory.peak_reserved``.
+- ``max_memory_allocated``: ``est.device_memory.peak_allocated``.
+
+Beside it, the estimators users would pick instead:
+
+- closed forms: bytes per parameter (``memprof.anatomy.bytes_per_param``: 16 fp32 AdamW, 18 mixed AdamW; ZeRO's
+  ``zero_model_states`` for sharded rows) plus Korthikanti et al. 2022's activations
+  (``memprof.anatomy.transformer_activations_total``);
+- DeepSpeed's model-state estimators (``deepspeed_zero2_estimate`` for one GPU, ``deepspeed_zero3_estimate`` for
+  sharded rows), as memprof.anatomy reproduces them;
+- accelerate's arithmetic: ``accelerate estimate-memory``'s "Training using Adam" column
+  (accelerate/commands/estimate.py, ``estimate_training_usage``): the model's fp32 size ``S`` (parameters and
+  buffers of the meta model) times 4 for float32 (model S, gradients S, optimizer 2S, step 4S: the max is 4S), and
+  2S for float16/bfloat16 (optimizer states 2S, the largest of model S, gradients 1.5S, step 2S); batch 1, one GPU,
+  no activations.
+
+Results: ``--json`` and ``--markdown`` (default ``benchmarks/results/published.{json,md}``): per row the published
+figure, memprof's, the error in %, the others'; then the median absolute error, the worst, the under-estimates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _machine import import_memprof  # noqa: E402
+
+ROWS = HERE / "published_rows.json"
+QUICK = ("bert-l-fp32-b1-ga4-gc", "bert-l-fp16-b1-ga4-gc", "bert-l-fp32-b1-ga4")
+UNITS = {"MiB": 2**20, "GiB": 2**30, "MB": 10**6, "GB": 10**9}
+
+
+# --------------------------------------------------------------------------- models from written dimensions
+
+
+def bert(dims: dict[str, Any]) -> Any:
+    """BertForSequenceClassification from the row's dimensions, on the meta device, eager attention (the only
+    attention BERT had in transformers 4.16, which the source ran)."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(hidden_size=dims["hidden_size"], num_hidden_layers=dims["num_hidden_layers"],
+                     num_attention_heads=dims["num_attention_heads"], intermediate_size=dims["intermediate_size"],
+                     vocab_size=dims["vocab_size"], max_position_embeddings=dims["max_position_embeddings"],
+                     type_vocab_size=dims["type_vocab_size"],
+                     hidden_act=dims["hidden_act"], hidden_dropout_prob=dims["hidden_dropout_prob"],
+                     attention_probs_dropout_prob=dims["attention_probs_dropout_prob"])
+    cfg.num_labels = dims["num_labels"]
+    cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        return BertForSequenceClassification(cfg)
+
+
+def llama(dims: dict[str, Any]) -> Any:
+    """torchtitan's Llama 3 (benchmarks/parallel_405b.py's build), with torchtitan's ``output(h).float()``."""
+    import torch
+    from parallel_405b import build
+
+    model = build(dict(vocab=dims["vocab_size"], dim=dims["hidden_size"], layers=dims["num_hidden_layers"],
+                       heads=dims["num_attention_heads"], kv_heads=dims["num_key_value_heads"],
+                       ffn=dims["intermediate_size"]))
+    inner = type(model).forward
+
+    def forward(self: Any, ids: torch.Tensor) -> torch.Tensor:
+        return inner(self, ids).float()  # torchtitan llama/model.py: output = self.output(h).float()
+
+    type(model).forward = forward
+    return model
+
+
+# --------------------------------------------------------------------------- the authors' loops
+
+
+class HFTrainer2022:
+    """One optimizer step of the HF Trainer of January 2022 (transformers 4.16, torch 1.10), as the source ran
+    it: ``grad_accum`` micro-batches of ``model(**inputs).loss / grad_accum`` backward (through a GradScaler with
+    fp16), then ``clip_grad_norm_(1.0)`` (torch 1.10's per-parameter norms: foreach=False), the optimizer step,
+    the scheduler, and ``model.zero_grad()`` (set_to_none=False on torch 1.10: the gradients stay allocated)."""
+
+    def __init__(self, grad_accum: int, fp16: bool) -> None:
+        self.grad_accum, self.fp16 = grad_accum, fp16
+        self.opt: Any = None
+
+    def __call__(self, model: Any, opt: Any, inputs: Any) -> Any:
+        import torch
+
+        if opt is not self.opt:  # a new twin: the Trainer builds its scaler and scheduler once
+            self.opt = opt
+            self.scaler = torch.amp.GradScaler("cuda") if self.fp16 else None
+            self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        for _ in range(self.grad_accum):
+            loss = model(**inputs).loss / self.grad_accum
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if self.scaler:
+            self.scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+        if self.scaler:
+            self.scaler.step(opt)
+            self.scaler.update()
+        else:
+            opt.step()
+        self.sched.step()
+        model.zero_grad(set_to_none=False)
+        return loss.detach()
+
+
+class Torchtitan2024:
+    """One step of torchtitan's train.py at 9dec370 (2024-12-26): zero_grad, forward, the loss on fp32 logits,
+    ``del pred`` before backward, ``clip_grad_norm_(1.0, foreach=True)``, the step, the scheduler."""
+
+    def __init__(self) -> None:
+        self.opt: Any = None
+
+    def __call__(self, model: Any, opt: Any, inputs: Any, targets: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        if opt is not self.opt:
+            self.opt = opt
+            self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        opt.zero_grad()
+        pred = model(inputs)
+        loss = F.cross_entropy(pred.flatten(0, 1).float(), targets.flatten(0, 1))
+        del pred  # torchtitan: "need to free to before bwd to avoid peaking memory"
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        self.sched.step()
+        return loss.detach()
+
+
+def torchtitan_parallelize(model: Any, mesh: Any) -> Any:
+    """torchtitan's parallelize_llama for 1D FSDP at 9dec370: selective op activation checkpointing on every block
+    (save the outputs of mm, the SDPA kernels, reduce_scatter and max, except every second mm), then fully_shard
+    each block and the root with param bf16 / reduce fp32."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops.aten.max.default}
+
+    def context() -> Any:
+        counts = {"forward": 0, "recompute": 0}
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            mode = "recompute" if ctx.is_recompute else "forward"
+            if func == torch.ops.aten.mm.default:
+                counts[mode] += 1
+            keep = func in save and not (func == torch.ops.aten.mm.default and counts[mode] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, context_fn=context, preserve_rng_state=False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    return fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+# --------------------------------------------------------------------------- one row
+
+
+def optimizer_factory(name: str) -> Callable[[Any], Any]:
+    import torch
+
+    if name == "adamw":  # adamw_hf / torchtitan's AdamW: the HF rows' per-parameter loop, torchtitan's foreach
+        return lambda ps: torch.optim.AdamW(ps, lr=5e-5)
+    if name == "adafactor":  # Trainer's optim="adafactor" (trainer.py, 4.16): no scaling, no relative step
+        from transformers.optimization import Adafactor
+        return lambda ps: Adafactor(ps, scale_parameter=False, relative_step=False, lr=5e-5)
+    raise ValueError(f"no optimizer {name!r}")
+
+
+def simulate(row: dict[str, Any], dims: dict[str, Any], extrapolate: "int | None") -> Any:
+    """The memprof estimate of the row's run (an ``Estimate``)."""
+    memprof = import_memprof()
+    import torch
+
+    if row["loop"] == "hf-trainer-2022":
+        model = bert(dims)
+        if row["checkpointing"]:
+            model.gradient_checkpointing_enable()
+        inputs = {"input_ids": torch.empty(row["batch"], row["seq"], dtype=torch.long, device="meta"),
+                  "labels": torch.empty(row["batch"], dtype=torch.long, device="meta")}
+        step = HFTrainer2022(row["grad_accum"], row["precision"] == "mixed-fp16")
+        opt = optimizer_factory(row["optimizer"])
+        if row["optimizer"] == "adamw":  # transformers.AdamW (adamw_hf): a Python loop over the parameters
+            opt = lambda ps: torch.optim.AdamW(ps, lr=5e-5, foreach=False)  # noqa: E731
+        return memprof.estimate(model, opt, inputs=inputs, train_step=step, gpu=row["gpu"],
+                                precision=row["precision"], extrapolate=extrapolate)
+    if row["loop"] == "torchtitan-2024-12":
+        ids = torch.empty(row["batch"], row["seq"], dtype=torch.long, device="meta")
+        return memprof.estimate(llama(dims), lambda ps: torch.optim.AdamW(ps, lr=3e-4, foreach=True), inputs=ids,
+                                targets=ids, train_step=Torchtitan2024(), gpu=row["gpu"],
+                                # flash: torch of 2024-12 ran flash attention (cuDNN's was deprioritized), and
+                                # torchtitan's save list names flash and efficient attention, not cuDNN's
+                                attention="flash",
+                                world_size=row["world_size"], mesh={"dp": row["world_size"]},
+                                parallelize=torchtitan_parallelize, extrapolate=extrapolate)
+    raise ValueError(f"no loop {row['loop']!r}")
+
+
+def memprof_counter(est: Any, counter: str) -> int:
+    """memprof's figure for the counter the source reported."""
+    dm = est.device_memory
+    if counter == "nvidia-smi":
+        return int(dm.device_peak)
+    if counter in ("reserved_bytes.all.peak", "max_memory_reserved"):
+        return int(dm.peak_reserved)
+    if counter == "max_memory_allocated":
+        return int(dm.peak_allocated)
+    raise ValueError(f"no counter {counter!r}")
+
+
+# --------------------------------------------------------------------------- the estimators users pick instead
+
+
+def closed_form(row: dict[str, Any], dims: dict[str, Any], n_params: int) -> int:
+    """Bytes per parameter (HF: 16 fp32 AdamW, 18 mixed; 8 fp32 Adafactor as memprof.anatomy counts it; ZeRO-3's
+    16Ψ/N_d for FSDP) plus Korthikanti et al. 2022's activations of every layer and the output (fp32 logits)."""
+    from memprof.anatomy import LayerShape, bytes_per_param, transformer_activations_total, zero_model_states
+
+    mixed = row["precision"] != "fp32"
+    if row["layout"] == "fsdp2":
+        states = zero_model_states(n_params, row["world_size"], 3)
+    else:
+        states = int(bytes_per_param("mixed" if mixed else "fp32", row["optimizer"]) * n_params)
+    shape = LayerShape(seq_len=row["seq"], batch=row["batch"], hidden=dims["hidden_size"],
+                       heads=dims["num_attention_heads"], ffn_hidden=dims["intermediate_size"],
+                       kv_heads=dims["num_key_value_heads"])
+    llama_like = row["loop"] == "torchtitan-2024-12"
+    recompute = {True: "full", False: None, "selective-op": "selective", "full": "full"}[row["checkpointing"]]
+    acts = transformer_activations_total(
+        shape, dims["num_hidden_layers"], dropout=not llama_like, attention="flash" if llama_like else "eager",
+        bytes_per_element=2 if mixed else 4, mlp="swiglu" if llama_like else "gelu", recompute=recompute,
+        # the logits term only where the model has an LM head (BERT's classifier has 2 outputs)
+        outside_layers=llama_like, vocab_size=dims["vocab_size"] if llama_like else None)
+    return states + acts
+
+
+def deepspeed_estimate(row: dict[str, Any], n_params: int, largest_layer: int) -> int:
+    """DeepSpeed's model-state estimator for the layout: ZeRO-2 on one GPU, ZeRO-3 for FSDP (8 GPUs a node)."""
+    from memprof.anatomy import deepspeed_zero2_estimate, deepspeed_zero3_estimate
+
+    if row["layout"] == "fsdp2":
+        nodes = max(1, row["world_size"] // 8)
+        return deepspeed_zero3_estimate(n_params, largest_layer, min(8, row["world_size"]), nodes,
+                                        offload_params=False, offload_optimizer=False, zero_init=True).per_gpu
+    return deepspeed_zero2_estimate(n_params, 1, 1, offload_optimizer=False).per_gpu
+
+
+def accelerate_estimate(row: dict[str, Any], model: Any) -> int:
+    """``accelerate estimate-memory``'s "Training using Adam" for the row's dtype, computed by accelerate's own
+    functions (accelerate/commands/estimate.py: calculate_maximum_sizes on the fp32 meta model, then
+    estimate_training_usage): 4 x the fp32 size for float32, 2 x for float16/bfloat16; batch 1, no activations."""
+    from accelerate.commands.estimate import estimate_training_usage
+    from accelerate.utils import calculate_maximum_sizes
+
+    total, _ = calculate_maximum_sizes(model.float())
+    dtype = "float32" if row["precision"] == "fp32" else ("float16" if "fp16" in row["precision"] else "bfloat16")
+    return int(max(estimate_training_usage(total, dtype).values()))
+
+
+def sizes(model: Any) -> tuple[int, int]:
+    """Parameters (tied ones once) and the largest layer's (DeepSpeed's largest_layer_params: one module's own)."""
+    seen = {id(p): p.numel() for p in model.parameters()}
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return sum(seen.values()), largest
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_row(row: dict[str, Any], data: dict[str, Any], extrapolate: "int | None") -> dict[str, Any]:
+    dims = data["models"][row["model"]]
+    published = round(row["published"] * UNITS[row["unit"]])
+    probe = bert(dims) if row["loop"] == "hf-trainer-2022" else llama(dims)
+    n_params, largest = sizes(probe)
+    t0 = time.perf_counter()
+    est = simulate(row, dims, extrapolate)
+    seconds = time.perf_counter() - t0
+    ours = memprof_counter(est, row["counter"])
+    dm = est.device_memory
+
+    def err(x: int) -> float:
+        return round(100.0 * (x - published) / published, 2)
+
+    others = {"closed_form": closed_form(row, dims, n_params),
+              "deepspeed": deepspeed_estimate(row, n_params, largest),
+              "accelerate": accelerate_estimate(row, probe)}
+    return {"id": row["id"], "source": row["source"], "section": row["section"], "counter": row["counter"],
+            "published_bytes": published, "memprof_bytes": ours, "memprof_error_pct": err(ours),
+            "memprof_parts": {"peak_allocated": int(dm.peak_allocated), "peak_reserved": int(dm.peak_reserved),
+                              "outside_torch": int(dm.outside_bytes), "device_peak": int(dm.device_peak),
+                              "peak_at": f"step {est.trace.peak_step} {est.trace.peak_phase.value}",
+                              "categories": {c.value: int(v) for c, v in est.peak.items() if v}},
+            "others": {k: {"bytes": int(v), "error_pct": err(int(v))} for k, v in others.items()},
+            "parameters": n_params, "seconds": round(seconds, 1), "notes": list(est.notes)}
+
+
+def summary(results: list[dict[str, Any]], key: Callable[[dict[str, Any]], float]) -> dict[str, Any]:
+    errors = [key(r) for r in results]
+    if not errors:
+        return {}
+    return {"median_abs_error_pct": round(statistics.median(abs(e) for e in errors), 2),
+            "worst_pct": max(errors, key=abs), "under_estimates": sum(e < 0 for e in errors),
+            "under_by_more_than_2pct": sum(e < -2 for e in errors), "rows": len(errors)}
+
+
+def other_error(name: str) -> Callable[[dict[str, Any]], float]:
+    """The error of the estimator ``name`` in a result row."""
+    return lambda r: float(r["others"][name]["error_pct"])
+
+
+def gib(b: int) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def markdown(out: dict[str, Any], data: dict[str, Any]) -> str:
+    lines = [f"Command: `{out['command']}`; {out['machine']}, {out['date']}.", "",
+             "Figures in GiB (2^30 B); error = (estimate - published) / published.", "",
+             "| row | source, section | counter | published | memprof | error | closed form | DeepSpeed | accelerate |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in out["results"]:
+        o = r["others"]
+        lines.append(f"| {r['id']} | {r['source']}, {r['section']} | {r['counter']} | {gib(r['published_bytes'])} | "
+                     f"{gib(r['memprof_bytes'])} | {r['memprof_error_pct']:+.1f} % | "
+                     + " | ".join(f"{gib(o[k]['bytes'])} ({o[k]['error_pct']:+.0f} %)"
+                                  for k in ("closed_form", "deepspeed", "accelerate")) + " |")
+    lines += ["", "| estimator | median abs. error | worst | under-estimates | under by more than 2 % |",
+              "| --- | ---: | ---: | ---: | ---: |"]
+    for name, s in out["summary"].items():
+        if s:
+            lines.append(f"| {name} | {s['median_abs_error_pct']:.1f} % | {s['worst_pct']:+.1f} % | "
+                         f"{s['under_estimates']} of {s['rows']} | {s['under_by_more_than_2pct']} |")
+    lines += ["", "Not reproduced (need code paths memprof does not simulate):", "",
+              "| row | source, section | published | reason |", "| --- | --- | ---: | --- |"]
+    for r in data["not_reproduced"]:
+        lines.append(f"| {r['id']} | {r['source']}, {r['section']} | {r['published']} {r['unit']} | {r['reason']} |")
+    lines += ["", "Sources:", ""] + [f"- {k}: {s['url']} ({s['title']}); counter: {s['counter']}"
+                                     for k, s in data["sources"].items()]
+    for r in out["failures"]:
+        lines.append(f"- FAILED {r['id']}: {r['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)} (a smoke test)")
+    ap.add_argument("--rows", help="comma-separated row ids")
+    ap.add_argument("--extrapolate", type=int, default=None,
+                    help="simulate this many layers (and the next two) and extend the line; memprof then gives no "
+                         "device figures, so the default simulates the whole model")
+    ap.add_argument("--json", default=str(HERE / "results" / "published.json"))
+    ap.add_argument("--markdown", default=str(HERE / "results" / "published.md"))
+    args = ap.parse_args(argv)
+    import_memprof()
+    data = json.loads(ROWS.read_text())
+    wanted = QUICK if args.quick else (args.rows.split(",") if args.rows else [r["id"] for r in data["rows"]])
+    rows = [r for r in data["rows"] if r["id"] in wanted]
+    if len(rows) != len(wanted):
+        raise SystemExit(f"unknown rows: {sorted(set(wanted) - {r['id'] for r in rows})}")
+    results, failures = [], []
+    for row in rows:
+        try:
+            results.append(run_row(row, data, args.extrapolate))
+            r = results[-1]
+            print(f"{row['id']}: published {gib(r['published_bytes'])} GiB, memprof {gib(r['memprof_bytes'])} GiB "
+                  f"({r['memprof_error_pct']:+.1f} %) in {r['seconds']} s", flush=True)
+        except Exception as exc:  # a row that fails is reported, the others still run
+            failures.append({"id": row["id"], "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            print(f"{row['id']}: FAILED {failures[-1]['error'][:300]}", flush=True)
+    import torch
+    import transformers
+
+    out = {"command": " ".join(["python", "benchmarks/published.py", *(argv or sys.argv[1:])]),
+           "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+                      f"transformers {transformers.__version__}, Python {platform.python_version()}",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results, "failures": failures,
+           "summary": {"memprof": summary(results, lambda r: r["memprof_error_pct"]),
+                       **{k: summary(results, other_error(k)) for k in ("closed_form", "deepspeed", "accelerate")}}}
+    pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    pathlib.Path(args.markdown).write_text(markdown(out, data))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
