@@ -16,6 +16,7 @@ from bisect import bisect_left, insort
 
 from ..errors import InvalidArgumentError, is_interrupt
 from .alloc_blocks import AddressSpace, Block, BlockPools
+from .alloc_fit import FitRules, get_free_block
 from .alloc_config import (
     K_LARGE_BUFFER,
     K_MIN_BLOCK_SIZE,
@@ -154,7 +155,8 @@ class CachingAllocator:
         self._plain_rounding = not any(d > 1 for d in config.roundup_power2_divisions)
         self._limit = config.max_split_size  # the config is frozen: its hot fields are read once
         self._expandable = config.expandable_segments
-        self._gc_on = False
+        self._fit = FitRules(config.max_split_size, config.max_non_split_rounding, config.expandable_segments,
+                             gc_on=False)
         self.set_memory_fraction(config.per_process_memory_fraction)
 
     # ----------------------------------------------------------------- public operations
@@ -172,7 +174,9 @@ class CachingAllocator:
             raise InvalidArgumentError("a memory fraction below 1 needs the device size: pass device_total= (or "
                                        "capacity=) to CachingAllocator")
         self._allowed_max = None if fraction >= 1 or total is None else int(fraction * total)  # truncated, as torch
-        self._gc_on = self._allowed_max is not None and self.config.garbage_collection_threshold > 0
+        # The garbage collector counts block ages only under a fraction (garbage_collection_threshold needs one).
+        gc_on = self._allowed_max is not None and self.config.garbage_collection_threshold > 0
+        self._fit = self._fit._replace(gc_on=gc_on)
 
     @property
     def allowed_memory_maximum(self) -> int | None:
@@ -197,7 +201,7 @@ class CachingAllocator:
         else:
             size = round_size(nbytes, self.config)
         small = size <= K_SMALL_SIZE
-        block = self._get_free_block(small, stream, size)
+        block = get_free_block(self.pools, small, stream, size, self._fit)
         if block is None:
             block = new_block(self, small, stream, size, nbytes)
         remaining = block.size - size
@@ -319,41 +323,3 @@ class CachingAllocator:
     def memory_stats(self) -> dict[str, int]:
         """The counters under ``torch.cuda.memory_stats()``'s key names (the ``all`` aggregate)."""
         return memory_stats(self)
-
-    # ----------------------------------------------------------------- get_free_block
-
-    def _get_free_block(self, small: bool, stream: int, size: int) -> Block | None:
-        """``get_free_block``: the smallest cached block of the pool and stream that fits, under the
-        ``max_split_size`` rules; it comes out of the free list."""
-        if self._gc_on:
-            self.pools.gc_calls[small] += 1  # block ages are counted only while collection is on
-        free = self.pools.free.get((small, stream))
-        if not free:
-            return None
-        i = bisect_left(free, (size,))
-        if i == len(free):
-            return None
-        if free[i][3].segment is not None:
-            if self._expandable:
-                # Best fit counts an expandable block with the unmapped space behind it, so it loses to any
-                # other block that fits with less.
-                def reach(b: Block) -> int:
-                    return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
-                while (free[i][3].segment is not None and i + 1 < len(free)
-                       and reach(free[i + 1][3]) < reach(free[i][3])):
-                    i += 1
-            else:  # expandable segments were turned off: only ordinary blocks may serve
-                i += 1
-                while i < len(free) and free[i][3].segment is not None:
-                    i += 1
-                if i == len(free):
-                    return None
-        block = free[i][3]
-        limit = self._limit
-        if limit is not None:
-            if size < limit <= block.size:
-                return None  # an oversize block never serves a smaller request
-            if size >= limit and block.size >= size + self.config.max_non_split_rounding:
-                return None  # nor a larger one it would waste max_non_split_rounding_mb or more of
-        del free[i]
-        return block
