@@ -146,6 +146,28 @@ def parse_budgets(total: "int | str | None" = None, **categories: "int | str") -
     return budgets
 
 
+def _measured(trace: Trace, budgets: "dict[str, int]", at: str) -> "dict[str, int]":
+    """The figure each budget judges (the session's highest total for ``total``, a category at the peak or the
+    end); BudgetNotMeasured naming the figures the run did not measure, and how to measure them."""
+    breakdown = trace.peak if at == "peak" else trace.end
+    measured = {name: trace.peak.total if name == TOTAL else breakdown[name] for name in budgets}
+    unmeasured = tuple(n for n, v in measured.items() if v is None)
+    if unmeasured:
+        what = ", ".join(_label(n, at) for n in unmeasured)
+        device_only = {c.value for c in DEVICE_CATEGORIES}
+        if all(n in device_only for n in unmeasured):
+            fix = "those figures exist only on an accelerator (CUDA); drop the budget where none is used"
+        else:
+            fix = "profile with mode='exact' (exact on any device) or drop that budget"
+        raise BudgetNotMeasured(
+            f"memory budget cannot be judged: {what} not measured in this run "
+            f"(mode {trace.mode}, device {trace.device.type}); "
+            f"a budget on an unmeasured figure never passes: {fix}",
+            unmeasured,
+        )
+    return {n: v for n, v in measured.items() if v is not None}
+
+
 def check_budget(report: Any, total: "int | str | None" = None, *, at: str = "peak",
                  **categories: "int | str") -> BudgetResult:
     """Judge ``report`` (a :class:`memprof.Report`) against memory budgets; raise if any is exceeded.
@@ -193,27 +215,7 @@ def check_budget(report: Any, total: "int | str | None" = None, *, at: str = "pe
             tuple(budgets),
         )
 
-    breakdown = trace.peak if at == "peak" else trace.end
-    measured: dict[str, "int | None"] = {}
-    for name in budgets:
-        measured[name] = trace.peak.total if name == TOTAL else breakdown[name]
-
-    unmeasured = tuple(n for n, v in measured.items() if v is None)
-    if unmeasured:
-        what = ", ".join(_label(n, at) for n in unmeasured)
-        device_only = {c.value for c in DEVICE_CATEGORIES}
-        if all(n in device_only for n in unmeasured):
-            fix = "those figures exist only on an accelerator (CUDA); drop the budget where none is used"
-        else:
-            fix = "profile with mode='exact' (exact on any device) or drop that budget"
-        raise BudgetNotMeasured(
-            f"memory budget cannot be judged: {what} not measured in this run "
-            f"(mode {trace.mode}, device {trace.device.type}); "
-            f"a budget on an unmeasured figure never passes: {fix}",
-            unmeasured,
-        )
-
-    judged = {n: Judged(budgets[n], int(measured[n])) for n in budgets}  # type: ignore[arg-type]
+    judged = {n: Judged(budgets[n], m) for n, m in _measured(trace, budgets, at).items()}
     over = {n: j for n, j in judged.items() if j.measured > j.budget}
     if over:
         lines = [f"memory budget exceeded ({len(over)} of {len(judged)} budget(s)):"]

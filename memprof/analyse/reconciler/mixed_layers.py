@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from ...anatomy.activations import transformer_layer_activations
 from ...anatomy.shapes import LayerShape
@@ -106,11 +106,29 @@ def _fused(trace: Trace) -> bool:
     return forward is not None and dict(forward.tags_end).get("attention_logsumexp", 0) > 0
 
 
-def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
-    """The first Llama-style layer of a run under autocast, held against ``34sbh + 5as²b``; None when the run
-    is not under autocast or no layer of that form is recognised."""
-    if trace.autocast_dtype is None:
-        return None
+class _Layer(NamedTuple):
+    """A Llama-style layer recognised in a run's module calls: its path, the calls inside it, its attention
+    projections (q, k, v ...), its MLP's two input projections, its fp32 norms, the rotary embedding's call,
+    and the dimensions b, s, h, a (heads), d (head dim) and f (the MLP's width)."""
+
+    path: str
+    inside: "list[Any]"
+    linears: "list[Any]"
+    attn: "list[Any]"
+    mlp: "list[Any]"
+    norms: "list[Any]"
+    rot: Any
+    b: int
+    s: int
+    h: int
+    a: int
+    d: int
+    f: int
+    q_out: int
+
+
+def _recognise(trace: Trace) -> "_Layer | None":
+    """The first Llama-style layer of the run whose inputs are fp32 (autocast above fp32 weights), or None."""
     calls = list(trace.module_calls)
     linears = [c for c in calls if _is(c, "Linear") and c.grad]
     groups = _groups(linears)
@@ -134,32 +152,20 @@ def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
     q_out = dict(attn[0].config).get("out_features")
     if not isinstance(q_out, int) or not d:
         return None
-    a, f = q_out // d, dict(mlp[0].config).get("out_features")
+    f = dict(mlp[0].config).get("out_features")
     if not isinstance(f, int):
         return None
-    r = trace.device.rounding or 1
-
-    def R(x: int) -> int:
-        return -(-x // r) * r
-
-    sbh, sb, as2b = s * b * h, s * b, a * s * s * b
-    textbook = transformer_layer_activations(LayerShape(s, b, h, a))
     layer_linears = [c for c in linears if c.path.startswith(layer + ".")]
-    copies = sum(R(2 * dict(c.config)["in_features"] * dict(c.config)["out_features"]) for c in layer_linears)
-    causes = [("autocast weight copies", copies,
-               "torch.autocast casts each fp32 weight to 16 bits per use and the matmul saves the cast for backward "
-               f"(2 B per parameter of the layer's {len(layer_linears)} linears)")]
-    causes.append(("fp32 norm inputs and outputs",
-                   sum(2 * R(4 * _numel(n.inputs[0].shape)) + R(4 * _numel(n.inputs[0].shape[:-1])) - 2 * sbh
-                       for n in norms),
-                   f"{len(norms)} RMSNorms upcast to float32 (transformers' LlamaRMSNorm): each saves its fp32 input, "
-                   "its fp32 normalised output and the rstd, where the textbook keeps a 16-bit input"))
-    extra = len(attn) - 1 + len(mlp) - 1
-    causes.append(("separate 16-bit casts of one input", extra * R(2 * sbh),
-                   f"{', '.join(c.path.rpartition('.')[2] for c in attn + mlp)} each cast their fp32 input to 16 "
-                   "bits and save the cast: autocast caches weight casts, not activation casts, so q/k/v keep 3 "
-                   "copies and gate/up 2 where the textbook counts one each"))
-    dropped = not any(_is(c, "Dropout") and dict(c.config).get("p") for c in inside)
+    return _Layer(layer, inside, layer_linears, attn, mlp, norms, rot, b, s, h, q_out // d, d, f, q_out)
+
+
+def _attention_causes(trace: Trace, L: _Layer, R: "Callable[[int], int]",
+                      dropped: bool) -> "list[tuple[str, int, str]]":
+    """What the layer's attention keeps beside the textbook's 5as²b: a fused kernel's logsumexp (and grouped
+    key/value heads), or the eager path's fp32 softmax (and no dropout mask)."""
+    s, b, h, a, d = L.s, L.b, L.h, L.a, L.d
+    sbh, as2b = s * b * h, a * s * s * b
+    causes = []
     if _fused(trace):
         # A fused kernel (flash: aten._scaled_dot_product_flash_attention) saves its output, which is o_proj's
         # input (the textbook's out_proj_input), a logsumexp and its philox seed and offset: no s x s tensor.
@@ -167,8 +173,8 @@ def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
                        "the fused attention kernel keeps no s×s scores, masks or probabilities (the textbook's "
                        "5as²b); it saves an fp32 logsumexp per head and position and its 8-byte philox seed and "
                        "offset"))
-        kv = dict(attn[1].config).get("out_features")
-        if isinstance(kv, int) and kv < q_out:
+        kv = dict(L.attn[1].config).get("out_features")
+        if isinstance(kv, int) and kv < L.q_out:
             # The kernel takes the key/value heads as they are (enable_gqa): K and V of kv_heads, not a heads.
             causes.append(("grouped-query attention", -2 * (2 * sbh - R(2 * s * b * kv)),
                            f"the fused kernel reads {kv // d} key/value heads as they are (enable_gqa), where the "
@@ -180,10 +186,46 @@ def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
         if dropped:
             causes.append(("no dropout: attention mask", -as2b,
                            "no attention dropout: the textbook's 1-byte mask of the probabilities is not kept"))
+    return causes
+
+
+def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
+    """The first Llama-style layer of a run under autocast, held against ``34sbh + 5as²b``; None when the run
+    is not under autocast or no layer of that form is recognised."""
+    if trace.autocast_dtype is None:
+        return None
+    L = _recognise(trace)
+    if L is None:
+        return None
+    s, b, h, a, f = L.s, L.b, L.h, L.a, L.f
+    r = trace.device.rounding or 1
+
+    def R(x: int) -> int:
+        return -(-x // r) * r
+
+    sbh, sb, as2b = s * b * h, s * b, a * s * s * b
+    textbook = transformer_layer_activations(LayerShape(s, b, h, a))
+    copies = sum(R(2 * dict(c.config)["in_features"] * dict(c.config)["out_features"]) for c in L.linears)
+    causes = [("autocast weight copies", copies,
+               "torch.autocast casts each fp32 weight to 16 bits per use and the matmul saves the cast for backward "
+               f"(2 B per parameter of the layer's {len(L.linears)} linears)")]
+    causes.append(("fp32 norm inputs and outputs",
+                   sum(2 * R(4 * _numel(n.inputs[0].shape)) + R(4 * _numel(n.inputs[0].shape[:-1])) - 2 * sbh
+                       for n in L.norms),
+                   f"{len(L.norms)} RMSNorms upcast to float32 (transformers' LlamaRMSNorm): each saves its fp32 "
+                   "input, its fp32 normalised output and the rstd, where the textbook keeps a 16-bit input"))
+    extra = len(L.attn) - 1 + len(L.mlp) - 1
+    causes.append(("separate 16-bit casts of one input", extra * R(2 * sbh),
+                   f"{', '.join(c.path.rpartition('.')[2] for c in L.attn + L.mlp)} each cast their fp32 input to 16 "
+                   "bits and save the cast: autocast caches weight casts, not activation casts, so q/k/v keep 3 "
+                   "copies and gate/up 2 where the textbook counts one each"))
+    dropped = not any(_is(c, "Dropout") and dict(c.config).get("p") for c in L.inside)
+    causes += _attention_causes(trace, L, R, dropped)
     if dropped:
         causes.append(("no dropout", -2 * sbh,
                        "no dropout: the textbook's 1-byte masks of the attention and MLP outputs (sbh each) are "
                        "not kept"))
+    rot = L.rot
     if rot is not None and rot.output is not None:
         causes.append(("rotary embeddings", 2 * R(4 * _numel(rot.output.shape)),
                        "q·cos and rotate_half(q)·sin save the fp32 cos and sin tables (the rotary factors of the "
@@ -195,6 +237,6 @@ def mixed_layer_gap(trace: Trace) -> "MixedLayerGap | None":
     if rounding:
         causes.append(("allocator rounding", rounding,
                        f"tensors the textbook counts as they are, each rounded up to {r} B by the allocator"))
-    measured = next((m.activations for m in trace.modules if m.path == layer), None)
-    return MixedLayerGap(layer, measured, int(Fraction(textbook)), tuple(c for c in causes if c[1]),
+    measured = next((m.activations for m in trace.modules if m.path == L.path), None)
+    return MixedLayerGap(L.path, measured, int(Fraction(textbook)), tuple(c for c in causes if c[1]),
                          (("s", s), ("b", b), ("h", h), ("a", a), ("F", f)))
