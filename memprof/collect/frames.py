@@ -87,7 +87,13 @@ class Frames:
     def enter_hook(self, index: int) -> Any:
         """The hook that opens module ``index``'s backward frame (its output's gradient arrived). It runs for
         every module call's backward: frame_stack.push_frame, ModuleTable.is_ancestor and Timeline.sample are
-        written out in it (each call would be a Python frame)."""
+        written out in it (each call would be a Python frame).
+
+        The module post-hook puts it on the output's node as a pre-hook where the output has a ``grad_fn``: a
+        pre-hook on the node fires when the engine runs it, once every gradient flowing into it is complete,
+        when a tensor hook on the output would, at a ninth of the cost (2 us against 19). They differ when
+        torch.autograd.grad stops at the output (the node never runs); then the module has no backward in that
+        pass. The node hooks are removed when the step ends (its backward has run) or with the profile."""
         run, led, table, timeline, bw_frames = self.run, self.ledger, self.table, self.timeline, self.bw_frames
         stack = led.frames
         path = table.info[index].path

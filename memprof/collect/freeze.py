@@ -10,7 +10,7 @@ the notes say why.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -119,42 +119,13 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
     led = c.ledger
     light = run.mode == LIGHT
     steps = finish(c.phases)
-    device_now = c.probe.finish()
-    end = breakdown(led.totals, light=light, where="end", device=device_now)
-    start = breakdown(c.start_totals, light=light, where="start")
-    peak_where = c.phases.where.get(led.peak_phase_serial)
-    peak_step = peak_where[0] if peak_where else None
-    if peak_step is not None and steps and peak_step > steps[-1].index:
-        peak_step = steps[-1].index
-    # The global peak's device figures are those of the phase that held it.
-    peak_device = None
-    for s in steps:
-        for p in s.phases:
-            if peak_where and s.index == peak_where[0] and p.phase is peak_where[1] and p.peak.total is not None:
-                peak_device = p.peak
-    peak = breakdown(led.peak, light=light, where="peak", device=c.probe.global_peak())
-    if peak_device is not None and not light:
-        n = len(CATEGORY_OF_INDEX)
-        peak = Breakdown(peak.counts[:n] + peak_device.counts[n:],
-                         sum(v or 0 for v in peak.counts[:n]) + sum(v or 0 for v in peak_device.counts[n:]))
-    src = c.allocator
-    figures = src.figures(device_now, c.probe.global_peak()) if src is not None else None
-    if figures is not None:  # source="allocator": the run's figures are its windows'
-        start, peak, end, peak_step, peak_name = figures
-        peak_where = (peak_step, Phase(peak_name))
+    start, peak, end, peak_step, peak_where = _run_figures(c, steps, c.probe.finish(), light)
     peak_module = None
     if not light and 0 <= led.peak_module < len(c.table.info):
         peak_module = c.table.path(led.peak_module)
     optimizers = c.optimizers.specs()  # before the notes are read: it notes an optimizer it cannot record
-    notes = list(run.notes) + c.probe.notes() + coverage_notes(c)
-    if c.phases.merged_decodes:
-        notes.append(f"{c.phases.merged_decodes} further decode calls joined the {MAX_DECODE_PHASES}th decode "
-                     "phase of their generation (its peak is theirs, its end the last one's)")
-    if not steps:
-        notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
+    notes = _notes(c, steps)
     carried = c.carry.spans.record() if c.carry is not None else ()
-    if c.carry is not None:
-        notes.extend(c.carry.spans.notes())
     micros = c.timeline.micros
     timeline = tuple(Sample(seq, step, phase, label, breakdown(list(totals), light=light, where="sample"),
                             micros(ns), event)
@@ -167,7 +138,6 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
         timeline = tuple(dataclasses.replace(x, breakdown=blank(x.breakdown, *missing)) for x in timeline)
         if live_at_error is not None:
             live_at_error = blank(live_at_error, *missing)
-
     operations = c.storages.operations
     return Trace(
         mode=EXACT if run.source == "allocator" else run.mode,
@@ -209,6 +179,51 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
         oom=at_error.oom,
         live_storages_at_error=at_error.live_storages,
     )
+
+#: A run's start, peak and end, the step that held the peak, and (step, phase) where it was.
+_RunFigures = tuple[Breakdown, Breakdown, Breakdown, "int | None", "tuple[int, Phase] | None"]
+
+
+def _run_figures(c: "Collectors", steps: "list[StepRecord]", device_now: Any, light: bool) -> _RunFigures:
+    """The run's start, peak and end, and the step and phase that held the peak: the ledger's (the device's
+    figures at the peak are those of the phase that held it), or the allocator's windows'."""
+    led = c.ledger
+    end = breakdown(led.totals, light=light, where="end", device=device_now)
+    start = breakdown(c.start_totals, light=light, where="start")
+    peak_where = c.phases.where.get(led.peak_phase_serial)
+    peak_step = peak_where[0] if peak_where else None
+    if peak_step is not None and steps and peak_step > steps[-1].index:
+        peak_step = steps[-1].index
+    peak_device = None
+    for s in steps:
+        for p in s.phases:
+            if peak_where and s.index == peak_where[0] and p.phase is peak_where[1] and p.peak.total is not None:
+                peak_device = p.peak
+    peak = breakdown(led.peak, light=light, where="peak", device=c.probe.global_peak())
+    if peak_device is not None and not light:
+        n = len(CATEGORY_OF_INDEX)
+        peak = Breakdown(peak.counts[:n] + peak_device.counts[n:],
+                         sum(v or 0 for v in peak.counts[:n]) + sum(v or 0 for v in peak_device.counts[n:]))
+    src = c.allocator
+    figures = src.figures(device_now, c.probe.global_peak()) if src is not None else None
+    if figures is not None:  # source="allocator": the run's figures are its windows'
+        start, peak, end, peak_step, peak_name = figures
+        peak_where = (peak_step, Phase(peak_name))
+    return start, peak, end, peak_step, peak_where
+
+
+def _notes(c: "Collectors", steps: "list[StepRecord]") -> list[str]:
+    """What the record says about itself: the run's notes, the device's, coverage, and the collectors'."""
+    notes = list(c.run.notes) + c.probe.notes() + coverage_notes(c)
+    if c.phases.merged_decodes:
+        notes.append(f"{c.phases.merged_decodes} further decode calls joined the {MAX_DECODE_PHASES}th decode "
+                     "phase of their generation (its peak is theirs, its end the last one's)")
+    if not steps:
+        notes.append("nothing ran inside the profile: no forward, backward or optimizer step was seen")
+    if c.carry is not None:
+        notes.extend(c.carry.spans.notes())
+    return notes
+
 
 
 def _rank(c: "Collectors") -> "RankInfo | None":

@@ -31,8 +31,9 @@ class _Hook:
         return _dropped, ()
 
 
-def hook_object(fn: Callable[..., Any]) -> _Hook:
-    """``fn`` as a hook object (see the module's docstring): called as ``fn`` is."""
+def hook_object(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a hook object (see the module's docstring): called as ``fn`` is (a :class:`_Hook`, typed as the
+    callable it is for torch's hook registrations)."""
     cls = type("memprof_hook", (_Hook,), {"__slots__": (), "__call__": staticmethod(fn)})
     return cls()  # type: ignore[no-any-return]
 

@@ -147,9 +147,10 @@ class CacheTracker:
             self._claim(active, named=True, retro=True)
 
     def after_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        """Claim what a prefill or decode call added to the cache it was given (filled in place) or returned:
-        under a cache's name, or, from a decode call, any container in its output (a tuple of key and value
-        tensors; the logits are a plain tensor)."""
+        """The model's root call returned. Claim what a prefill or decode call added to the cache it was given
+        (filled in place) or returned: under a cache's name, or, from a decode call, any container in its output
+        (a tuple of key and value tensors; the logits are a plain tensor). Then the call's prefill or decode
+        phase ends (:meth:`call_phase_ends`)."""
         phases = self.phases
         kind, handed, self.active = self.kind, self.active, None
         if kind is None:
@@ -157,6 +158,8 @@ class CacheTracker:
                 self.call_tokens[self.ledger.phase_serial] = self.incoming
                 while len(self.call_tokens) > 64:  # only the latest calls can still turn out to be prefills
                     del self.call_tokens[next(iter(self.call_tokens))]
+            if self.run.phase is Phase.PREFILL or self.run.phase is Phase.DECODE:
+                self.call_phase_ends()
             return
         kept: list[Any] = []  # what holds the cache now, for where the call had got at its peak
         for name, obj in _arguments(args, kwargs):
@@ -189,6 +192,18 @@ class CacheTracker:
                 if is_interrupt(failure):
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 self._last = None
+        if self.run.phase is Phase.PREFILL or self.run.phase is Phase.DECODE:
+            self.call_phase_ends()
+
+    def call_phase_ends(self) -> None:
+        """A prefill or decode call ended: a merged decode phase ends where its last call does; otherwise the
+        phase ends with the call, its end the cache as the call left it, and what the decoding loop does until
+        the next call (sampling, the growing ids) is "other"."""
+        phases = self.phases
+        if phases.merging():
+            phases.mark_end()
+        else:
+            phases.begin(Phase.OTHER)
 
     def _let_go(self, ref: Any) -> None:
         # Run when the ledger settles the queue, in order among the frees (not as a finaliser).

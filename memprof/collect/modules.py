@@ -133,7 +133,11 @@ class ModuleTracker:
 
     def forward_began(self, is_root: bool, grad: bool, args: Any, kwargs: Any) -> None:
         """An outermost call of the model: its phase (a forward; with a KV cache, a prefill or a decode), what
-        the model gained since the last, and what it was handed."""
+        the model gained since the last, and what it was handed.
+
+        A forward is a call of the root, or an outermost call of its submodules with autograd on
+        (model.encoder(x), then model.decoder(h); a ModuleDict's members). A submodule run under no_grad
+        outside the model's forward (a frozen encoder, a probe) is not one."""
         run, phases, kv = self.run, self.phases, self.kv
         # Inference with a KV cache: a phase per prefill and decode call (memprof.collect.kv_cache).
         kind = kv.before_call(args, kwargs) if is_root and not run.calls else None
@@ -165,7 +169,9 @@ class ModuleTracker:
     def kept_by_checkpoint(self, args: Any, kwargs: Any) -> None:
         """A module ran inside a checkpointed region: its inputs, if they outlive the forward, are what
         the region keeps instead of its saves (inside the region inputs are intermediates, freed after
-        the forward, so only the region's own inputs stay counted)."""
+        the forward, so only the region's own inputs stay counted). The post-hook tells: inside
+        torch.utils.checkpoint's region its own pair is on the stack (or beneath memprof's chain), and with
+        memprof's own pair on top, or none, it cannot be."""
         for t in tensors_in_args(args, kwargs):
             entry = self.storages.entry_of(t)
             if entry is not None:
@@ -178,6 +184,32 @@ class ModuleTracker:
         sight is an activation, not an input; its later calls are treated the same way."""
         adopt_unseen(self.ledger, self.run, self.table, self.table.unseen_saves[unseen:])
         self.table.skipped(index)
+
+    def foreign_call(self, index: int) -> None:
+        """A call in another thread than the profile's, without memprof's per-thread hooks: the call is seen,
+        what it does is not."""
+        self.run.foreign_threads.add(_get_ident())
+        self.table.info[index].calls += 1
+
+    def forward_after_unseen_backward(self) -> None:
+        """A forward outside autograd's engine while the backward phase is still open: that backward ended
+        where memprof could not queue its end (compiled autograd runs it as a graph, and nothing queued there
+        runs at its end), so it ends here, before this forward (a block recomputing in backward is inside the
+        engine)."""
+        self.phases.backward_done()
+
+    def compiled_call_ended(self, output: Any) -> None:
+        """The call that entered compiled code returned: in exact mode what it returns was allocated out of
+        dispatch's sight."""
+        self.table.compiled_depth -= 1
+        if self.run.mode == EXACT:
+            for t in tensors_in_args((output,), None):
+                self.storages.register_output(t)
+
+    def close_frames_from(self, frame: Frame) -> None:
+        """The call's forward frame closes with the frames left open inside it (backward frames)."""
+        for f in pop_frame(self.ledger, frame):
+            self.frames.close_frame(f)
 
     def unhookable(self, index: int, exc: Exception) -> None:
         """A call whose inputs or outputs memprof cannot read or hook for its backward frame (a subclass whose
@@ -232,49 +264,36 @@ class ModuleTracker:
 # plain-tensor arguments are written out here rather than called (each call is a Python frame, which costs
 # more than the few lines it saves), and the closures the backward frames hook on tensors are made once
 # per module, not per call. The methods they stand for (frame_stack.push_frame and pop_frame, Timeline.sample,
-# SavedTracker.cover and uncover, Frames.close_frame) still do the same for everyone else.
+# SavedTracker.cover and uncover, Frames.close_frame) still do the same for everyone else. What happens on a
+# rare path (a call in another thread, a backward that ended unseen, compiled code returning, frames left open
+# inside a call, a checkpointed region's inputs, the schedule's say at a forward) is a method of the tracker,
+# called only there.
 
 
 def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
     run, table, led, saved, frames = tracker.run, tracker.table, tracker.ledger, tracker.saved, tracker.frames
     calls, marks, stack, timeline = run.calls, tracker.marks, led.frames, tracker.timeline
-    tensor_hooks = frames.tensor_hooks
-    exit_hook: Any = None  # the hook closing this module's backward frames, made at the first call that needs it
-
+    tensor_hooks, info = frames.tensor_hooks, table.info[index]
+    path = info.path or "<model>"
+    exit_hook: Any = frames.exit_hook(index) if run.backward_frames else None  # made once: exact mode uses it
     def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-        nonlocal exit_hook
         at_forward = tracker.at_forward
-        if at_forward is not None and (is_root or not calls) and not (
-                _dynamo_compiling() or _COMPILER._is_compiling_flag) and (
-                run.active or run.paused) and _get_ident() == run.thread and (
-                run.phase is not _BACKWARD) and _graph_task_id() == -1:
-            # A schedule: a forward is where a step that ended closes, and memprof pauses or resumes.
-            if not at_forward():
-                return None
+        if at_forward is not None and (is_root or not calls) and not at_forward():
+            return None  # a schedule that does not record this forward (windows.Windows.at_forward)
         if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling(), one frame
             # Under dynamo's tracing (a model compiled inside the block) memprof's code must not
             # enter the graph: the compiled call is then measured from outside, as compiled code.
             return None
         if _get_ident() != run.thread and _graph_task_id() == -1:
-            # Another thread, without memprof's per-thread hooks: the call is seen, what it does is not.
-            run.foreign_threads.add(_get_ident())
-            table.info[index].calls += 1
+            tracker.foreign_call(index)
             return None
         if led.released:
             led.settle()  # what torch released since: the frames and samples read the totals
-        info = table.info[index]
         in_backward = run.phase is _BACKWARD
         if in_backward and (is_root or not calls) and _graph_task_id() == -1:
-            # A forward outside autograd's engine while the backward phase is still open: that backward ended
-            # where memprof could not queue its end (compiled autograd runs it as a graph, and nothing queued
-            # there runs at its end), so it ends here, before this forward (a block recomputing in backward is
-            # inside the engine).
-            tracker.phases.backward_done()
+            tracker.forward_after_unseen_backward()
             in_backward = False
         grad = _grad_enabled()
-        # A forward is a call of the root, or an outermost call of its submodules with autograd on
-        # (model.encoder(x), then model.decoder(h); a ModuleDict's members). A submodule run under
-        # no_grad outside the model's forward (a frozen encoder, a probe) is not one.
         if (is_root or not calls) and not in_backward:
             tracker.forward_began(is_root, grad, args, kwargs)
         info.calls += 1
@@ -292,9 +311,8 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
         calls.append(index)
         n = tracker.calls = tracker.calls + 1
         marks.append((index, n, len(table.unseen_saves)))
-        # frame_stack.push_frame, written out.
         total = led.total
-        frame = _new_object(Frame)
+        frame = _new_object(Frame)  # frame_stack.push_frame, written out
         frame.module, frame.entry, frame.max, frame.backward = index, total, total, False
         stack.append(frame)
         led.top = frame
@@ -303,13 +321,11 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
             samples = timeline.samples
             if len(samples) < _timeline._MAX_SAMPLES:  # Timeline.sample, written out
                 timeline.seq += 1
-                samples.append((timeline.seq, run.step, run.phase, info.path or "<model>", tuple(led.totals),
-                                _now(), "enter"))
+                samples.append((timeline.seq, run.step, run.phase, path, tuple(led.totals), _now(), "enter"))
             else:  # the cap, and its note
-                timeline.sample(info.path or "<model>", "enter")
+                timeline.sample(path, "enter")
         if run.backward_frames and grad and not in_backward:
-            # The common case, positional plain tensors, without walking nested containers.
-            plain = not kwargs
+            plain = not kwargs  # the common case, positional plain tensors, without walking nested containers
             if plain:
                 for a in args:
                     if type(a) is not _PLAIN:
@@ -320,10 +336,7 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                     if a.requires_grad:
                         # A tensor hook, not a pre-hook on a.grad_fn: torch.autograd.grad(out, [a])
                         # captures a's gradient without running a.grad_fn, and only tensor hooks fire then.
-                        if exit_hook is None:
-                            exit_hook = frames.exit_hook(index)
-                        # Frames.hook_tensor, written out: once per tensor and module.
-                        key = (id(a), index)
+                        key = (id(a), index)  # Frames.hook_tensor, written out: once per tensor and module
                         known = tensor_hooks.get(key)
                         if known is None or known[0]() is not a:
                             tensor_hooks[key] = (_weakref(a), a.register_hook(exit_hook))
@@ -332,18 +345,16 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 tracker.unhookable(index, exc)
         return None
-
     return pre_hook
 
 
 def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
-    run, table, phases, led, saved = tracker.run, tracker.table, tracker.phases, tracker.ledger, tracker.saved
+    run, table, led, saved = tracker.run, tracker.table, tracker.ledger, tracker.saved
     calls, marks, stack, frames, timeline = run.calls, tracker.marks, led.frames, tracker.frames, tracker.timeline
-    scoped = saved.scoped
-    enter_hook: Any = None  # the hook opening this module's backward frames, made at the first call that needs it
-
+    scoped, kv, info = saved.scoped, tracker.kv, table.info[index]
+    path = info.path or "<model>"
+    enter_hook: Any = frames.enter_hook(index) if run.backward_frames else None  # made once: exact mode uses it
     def post_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        nonlocal enter_hook
         if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag or (  # is_compiling(), one frame
                 _get_ident() != run.thread and _graph_task_id() == -1):
             return None
@@ -352,21 +363,12 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
         if scoped and scoped[-1] == index:  # this call pushed memprof's saved-tensor pair
             saved.uncover(index)
         if index in table.brackets and table.compiled_depth > 0:
-            table.compiled_depth -= 1
-            if run.mode == EXACT:
-                # What compiled code returns was allocated out of dispatch's sight.
-                for t in tensors_in_args((output,), None):
-                    tracker.storages.register_output(t)
-        # The call's forward frame closes (with any frame left open inside it).
-        if stack:
-            frame = stack[-1]
-            if frame.module != index:
-                pass
-            elif frame.backward:
-                for f in pop_frame(led, frame):
-                    frames.close_frame(f)
-            else:
-                # frame_stack.pop_frame and Frames.close_frame, written out for the common case: the frame on top.
+            tracker.compiled_call_ended(output)
+        frame = stack[-1] if stack else None  # the call's forward frame closes (with any left open inside it)
+        if frame is not None and frame.module == index:
+            if frame.backward:
+                tracker.close_frames_from(frame)
+            else:  # frame_stack.pop_frame and Frames.close_frame, written out for the common case: the frame on top
                 stack.pop()
                 high = frame.max
                 if stack:
@@ -378,69 +380,45 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                     led.top = None
                     led.module_of_new = -1
                 if run.mode == EXACT:  # op-level memory is not seen in light mode
-                    info = table.info[index]
-                    entry = frame.entry
+                    entry, total = frame.entry, led.total
                     rise = high - entry  # what the call added at its worst
-                    total = led.total
                     scratch = high - (total if total > entry else entry)  # needed but released by its end
-                    if scratch < 0:
-                        scratch = 0
                     peak, tmp = info.fwd_peak, info.fwd_tmp
                     info.fwd_peak = rise if peak is None or rise > peak else peak
-                    info.fwd_tmp = scratch if tmp is None or scratch > tmp else tmp
+                    if tmp is None or scratch > tmp:  # tmp is never below 0
+                        info.fwd_tmp = scratch if scratch > 0 else 0
         if calls and calls[-1] == index:
             calls.pop()
         if marks and marks[-1][0] == index:
             _index, count, unseen = marks.pop()
             if count == tracker.calls and index in table.parents and run.phase is _FORWARD:
                 tracker.children_skipped(index, unseen)
-        if not calls:
-            table.unseen_saves.clear()
         if is_root and tracker.params.pending:
             tracker.sync()  # lazy modules took their shapes in this forward
-        kv = tracker.kv
         if not is_root and kv.active is not None:
             kv.layer_done(args, kwargs)
-        if is_root and not calls:
-            kv.after_call(args, kwargs, output)
-            if run.phase is Phase.PREFILL or run.phase is Phase.DECODE:
-                if phases.merging():
-                    phases.mark_end()  # the merged phase ends where its last call does
-                else:
-                    # The call is over: its end is the cache as the call left it; what the decoding loop
-                    # does until the next call (sampling, the growing ids) is "other".
-                    phases.begin(Phase.OTHER)
-        capture = tracker.capture
-        if capture.on:
-            capture.call_ended(index, module, output, args, kwargs)
+        if not calls:
+            table.unseen_saves.clear()
+            if is_root:
+                kv.after_call(args, kwargs, output)  # and a prefill's or a decode's phase ends with its call
+        if tracker.capture.on:
+            tracker.capture.call_ended(index, module, output, args, kwargs)
         if run.phase is _FORWARD and run.mode == EXACT:
-            # Inside torch.utils.checkpoint's region its own pair is on the stack (or beneath memprof's chain):
-            # with memprof's own pair on top, or none, it cannot be.
             top = _top_saved_hooks(False)
             if top is not None and top[0] is not saved.hooks.own_pack and under_checkpoint():
                 tracker.kept_by_checkpoint(args, kwargs)
-        if run.phase is _BACKWARD:
-            return None  # a checkpointed module recomputing: no backward hooks for the recompute
-        if run.timeline:
+        if run.timeline and run.phase is not _BACKWARD:  # a checkpointed module recomputing: no exit either
             samples = timeline.samples
             if len(samples) < _timeline._MAX_SAMPLES:  # Timeline.sample, written out
                 timeline.seq += 1
-                samples.append((timeline.seq, run.step, run.phase, table.info[index].path or "<model>",
-                                tuple(led.totals), _now(), "exit"))
+                samples.append((timeline.seq, run.step, run.phase, path, tuple(led.totals), _now(), "exit"))
             else:  # the cap, and its note
-                timeline.sample(table.info[index].path or "<model>", "exit")
+                timeline.sample(path, "exit")
         if run.backward_frames and _grad_enabled() and run.phase is _FORWARD:
             try:
                 for t in (output,) if type(output) is _PLAIN else tensors_in_args((output,), None):
                     if t.requires_grad:
-                        if enter_hook is None:
-                            enter_hook = frames.enter_hook(index)
-                        if t.grad_fn is not None:
-                            # A pre-hook on the node fires when the engine runs it, once every gradient
-                            # flowing into it is complete: when a tensor hook on t would, at a ninth of
-                            # the cost (2 us against 19). They differ when torch.autograd.grad stops at t
-                            # (the node never runs); then the module has no backward in that pass.
-                            # Removed when the step ends (its backward has run) or with the profile.
+                        if t.grad_fn is not None:  # a pre-hook on the node: Frames.enter_hook says why
                             frames.node_hooks.append(t.grad_fn.register_prehook(enter_hook))
                         else:
                             frames.hook_tensor(t, index, enter_hook)
@@ -449,6 +427,4 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 tracker.unhookable(index, exc)
         return None
-
     return post_hook
-

@@ -12,9 +12,13 @@ flight and a step's optimizers have all stepped.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Callable
 
 from . import marks
+from ..vocabulary import Phase
+from .torch_compat import COMPILER as _COMPILER, graph_task_id as _graph_task_id
+from .torch_compat import is_dynamo_compiling as _dynamo_compiling
 from .phase_records import forget_steps
 from .schedule import ACTIVE, WARMUP, Schedule
 
@@ -24,6 +28,8 @@ if TYPE_CHECKING:
     from .state import Run
 
 __all__ = ["Windows"]
+
+_get_ident = threading.get_ident
 
 
 class Windows:
@@ -80,8 +86,14 @@ class Windows:
         return ended
 
     def at_forward(self) -> bool:
-        """A forward of the model begins (outside backward, in the profiling thread): close a step that
-        ended, pause or resume by the schedule. True when memprof records this forward."""
+        """An outermost call of the model begins (the module pre-hook asks): close a step that ended, pause or
+        resume by the schedule. True when memprof records this forward, and for a call that is no forward's
+        start here: under dynamo's tracing, outside the profile, in another thread, in backward or inside
+        autograd's engine (the module hooks deal with those)."""
+        run = self.run
+        if _dynamo_compiling() or _COMPILER._is_compiling_flag or not (run.active or run.paused) or (
+                _get_ident() != run.thread or run.phase is Phase.BACKWARD or _graph_task_id() != -1):
+            return True
         phases = self.phases
         if self.run.paused:
             if phases.explicit:  # only prof.step() blocks end steps
