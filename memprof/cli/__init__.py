@@ -137,7 +137,14 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memprof", description="Where does my PyTorch training memory go?")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _reading_commands(sub)
+    _estimate_command(sub)
+    _plan_command(sub)
+    return parser
 
+
+def _reading_commands(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``demo``, and the commands that read saved traces: ``report``, ``export``, ``diff``, ``merge``."""
     demo = sub.add_parser("demo", help="profile a small built-in GPT for a few steps and print the anatomy",
                           description="Train a small built-in GPT-style model on synthetic tokens with AdamW "
                                       "(CUDA when available, else CPU) and print the measured anatomy.")
@@ -182,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     mer.add_argument("--json", action="store_true", help="the merge as JSON (worst rank, spread, each rank's peak)")
     mer.set_defaults(func=_cmd_merge)
 
+
+def _estimate_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``estimate``: a training step or a generation simulated, from a factory, a config or a run file."""
     est = sub.add_parser("estimate", help="simulate a training step of a model from your factory (meta tensors)",
                          description="Call FACTORY(batch_size=N) from MODULE under torch.device('meta') and "
                                      "simulate two training steps without real memory. The factory returns a "
@@ -246,6 +256,9 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--new-tokens", type=int, help="with --generate: tokens to generate")
     est.set_defaults(func=_cmd_estimate, parser=est)
 
+
+def _plan_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``plan``: the largest batch per layout, precision and checkpointing, for a config on a GPU."""
     pla = sub.add_parser("plan", help="the largest batch that fits a GPU, per layout, precision and checkpointing",
                          description="For the model a transformers config describes, built on the meta device: for "
                                      "each data-parallel layout of --world-size ranks, precision and activation "
@@ -279,7 +292,6 @@ def _parser() -> argparse.ArgumentParser:
     pla.add_argument("--json", action="store_true", help="print the rows as JSON")
     pla.add_argument("--html", metavar="PATH", help="also write the grid as a standalone HTML page")
     pla.set_defaults(func=_cmd_plan, parser=pla)
-    return parser
 
 
 def main(argv: "Sequence[str] | None" = None) -> int:
