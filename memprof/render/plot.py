@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from ..analyse.reconciler import Reconciliation
-    from ..record.trace import Trace
+    from ..record.trace import Sample, Trace
 
 __all__ = [
     "plot_timeline",
@@ -121,7 +121,17 @@ def plot_timeline(trace: "Trace", ax: "Axes | None" = None) -> "Figure":
     for coll, cat in zip(stacks, measured):
         coll.set_gid(f"memprof-stack-{cat.value}")
 
-    # Phase bands: contiguous runs of samples in one (step, phase).
+    seen_phases = _phase_bands(ax, samples)
+    _step_marks(ax, samples)
+    _peak_line(ax, trace, top, scale)
+    ax.set_xlim(-0.5, len(samples) - 0.5)
+    _timeline_labels(ax, trace, unit, missing, partly, seen_phases)
+    return fig
+
+
+def _phase_bands(ax: "Axes", samples: "Sequence[Sample]") -> "list[Phase]":
+    """A band per contiguous run of samples in one (step, phase), with a ribbon naming the phase; the phases
+    drawn, in order."""
     runs: list[tuple[int, int, int, Phase]] = []
     for i, s in enumerate(samples):
         if runs and runs[-1][2] == s.step and runs[-1][3] is s.phase:
@@ -137,8 +147,11 @@ def plot_timeline(trace: "Trace", ax: "Axes | None" = None) -> "Figure":
                    linewidth=0, zorder=3)
         if phase not in seen_phases:
             seen_phases.append(phase)
+    return seen_phases
 
-    # Step boundaries: a thin line and a "step N" label, thinned so labels never collide.
+
+def _step_marks(ax: "Axes", samples: "Sequence[Sample]") -> None:
+    """A line at each step boundary and a "step N" label, thinned so labels never collide."""
     step_starts = [(i, s.step) for i, s in enumerate(samples) if i == 0 or samples[i - 1].step != s.step]
     min_gap = max(1.0, 0.07 * len(samples))
     last_label = None
@@ -152,6 +165,10 @@ def plot_timeline(trace: "Trace", ax: "Axes | None" = None) -> "Figure":
                         xytext=(3, 0), textcoords="offset points", fontsize=8, va="top", ha="left")
             last_label = i
 
+
+def _peak_line(ax: "Axes", trace: "Trace", top: float, scale: float) -> None:
+    """The session's peak total as a dashed line with its label, and the height of the axes above it."""
+    peak_total = trace.peak.total
     if peak_total is not None:
         y = peak_total / scale
         where = _where(trace)
@@ -164,8 +181,12 @@ def plot_timeline(trace: "Trace", ax: "Axes | None" = None) -> "Figure":
         ax.set_ylim(0, y * 1.15)
     else:
         ax.set_ylim(0, top / scale * 1.15)
-    ax.set_xlim(-0.5, len(samples) - 0.5)
 
+
+def _timeline_labels(ax: "Axes", trace: "Trace", unit: str, missing: "list[Category]", partly: "list[Category]",
+                     seen_phases: "list[Phase]") -> None:
+    """The axes' labels, the title (what was not measured), one legend and the grid."""
+    peak_total = trace.peak.total
     ax.set_xlabel("profiling events (module and phase boundaries)")
     ax.set_ylabel(f"memory ({unit})")
     n_steps = len(trace.steps)
@@ -192,7 +213,6 @@ def plot_timeline(trace: "Trace", ax: "Axes | None" = None) -> "Figure":
     ax.legend([h for h, _ in pairs], [t for _, t in pairs], loc="upper left", bbox_to_anchor=(1.01, 1.0),
               fontsize=8, frameon=False)
     ax.grid(axis="y", alpha=0.3, zorder=1)
-    return fig
 
 
 def plot_modules(trace: "Trace", top: int = 15, ax: "Axes | None" = None, *,
@@ -250,6 +270,19 @@ def plot_reconciliation(rec: "Reconciliation", ax: "Axes | None" = None) -> "Fig
     return plot_waterfall(steps, ax=ax)
 
 
+def _checked_steps(steps: Sequence[tuple[str, "int | None"]]) -> "list[tuple[str, int | None]]":
+    """``steps`` as a list, each a (label, bytes or None) pair, at least a start and an end; else one error."""
+    steps = list(steps)
+    if len(steps) < 2:
+        raise InvalidArgumentError(
+            "plot_waterfall needs at least a start and an end: [(label, bytes), ..., (label, bytes)]")
+    for item in steps:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and (item[1] is None or (isinstance(item[1], (int, float)) and not isinstance(item[1], bool)))):
+            raise InvalidArgumentError(f"each waterfall step is (label: str, bytes: int | None), got {item!r}")
+    return steps
+
+
 def plot_waterfall(steps: Sequence[tuple[str, "int | None"]], ax: "Axes | None" = None, *,
                    title: str = "From formula to measurement") -> "Figure":
     """A waterfall from a starting total through named deltas to an end total.
@@ -262,14 +295,7 @@ def plot_waterfall(steps: Sequence[tuple[str, "int | None"]], ax: "Axes | None" 
     "unexplained" bar so the chart never lies. A ``None`` delta is drawn as an
     empty slot labelled "not measured".
     """
-    steps = list(steps)
-    if len(steps) < 2:
-        raise InvalidArgumentError(
-            "plot_waterfall needs at least a start and an end: [(label, bytes), ..., (label, bytes)]")
-    for item in steps:
-        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
-                and (item[1] is None or (isinstance(item[1], (int, float)) and not isinstance(item[1], bool)))):
-            raise InvalidArgumentError(f"each waterfall step is (label: str, bytes: int | None), got {item!r}")
+    steps = _checked_steps(steps)
     (start_label, start), *middle, (end_label, end) = steps
     if start is None or end is None:
         raise InvalidArgumentError("the start and end of a waterfall must be measured byte counts, not None")
