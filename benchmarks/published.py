@@ -76,21 +76,102 @@ def bert(dims: dict[str, Any]) -> Any:
         return BertForSequenceClassification(cfg)
 
 
-def llama(dims: dict[str, Any]) -> Any:
-    """torchtitan's Llama 3 (benchmarks/parallel_405b.py's build), with torchtitan's ``output(h).float()``."""
+def llama(dims: dict[str, Any], seq: int = 8192) -> Any:
+    """torchtitan's Llama 3 at 9dec370 (torchtitan/models/llama/model.py, models/norms.py), written from its code:
+    RMSNorm over an fp32 copy, RoPE on complex64 views of q and k (freqs_cis a persistent complex64 buffer of
+    ``seq`` rows: train.py sets max_seq_len to the training seq_len), GQA by expand + reshape, SwiGLU, an untied
+    output returning bf16 logits under FSDP's mixed precision (the loss upcasts them)."""
     import torch
-    from parallel_405b import build
+    import torch.nn.functional as F
+    from torch import nn
 
-    model = build(dict(vocab=dims["vocab_size"], dim=dims["hidden_size"], layers=dims["num_hidden_layers"],
-                       heads=dims["num_attention_heads"], kv_heads=dims["num_key_value_heads"],
-                       ffn=dims["intermediate_size"]))
-    inner = type(model).forward
+    dim, heads, kv = dims["hidden_size"], dims["num_attention_heads"], dims["num_key_value_heads"]
+    hd = dim // heads
 
-    def forward(self: Any, ids: torch.Tensor) -> torch.Tensor:
-        return inner(self, ids).float()  # torchtitan llama/model.py: output = self.output(h).float()
+    class RMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.eps, self.weight = 1e-5, nn.Parameter(torch.ones(dim))
 
-    type(model).forward = forward
-    return model
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            f = x.float()
+            return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+    def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        f = freqs[: x.shape[1]].view(1, x.shape[1], 1, xc.shape[-1])
+        return torch.view_as_real(xc * f).flatten(3).type_as(x)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wq = nn.Linear(dim, heads * hd, bias=False)
+            self.wk = nn.Linear(dim, kv * hd, bias=False)
+            self.wv = nn.Linear(dim, kv * hd, bias=False)
+            self.wo = nn.Linear(heads * hd, dim, bias=False)
+
+        def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+            b, s, _ = x.shape
+            q = self.wq(x).view(b, s, -1, hd)
+            k = self.wk(x).view(b, s, -1, hd)
+            v = self.wv(x).view(b, s, -1, hd)
+            q, k = rope(q, freqs), rope(k, freqs)
+            rep = q.shape[2] // k.shape[2]
+            k, v = (t.unsqueeze(3).expand(b, s, t.shape[2], rep, hd).reshape(b, s, -1, hd) for t in (k, v))
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True)
+            return self.wo(y.transpose(1, 2).contiguous().view(b, s, -1))
+
+    class FeedForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Linear(dim, dims["intermediate_size"], bias=False)
+            self.w2 = nn.Linear(dims["intermediate_size"], dim, bias=False)
+            self.w3 = nn.Linear(dim, dims["intermediate_size"], bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_norm, self.attention = RMSNorm(), Attention()
+            self.ffn_norm, self.feed_forward = RMSNorm(), FeedForward()
+
+        def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+            h = x + self.attention(self.attention_norm(x), freqs)
+            return h + self.feed_forward(self.ffn_norm(h))
+
+    class Transformer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(dims["vocab_size"], dim)
+            self.register_buffer("freqs_cis", torch.empty(seq, hd // 2, dtype=torch.complex64), persistent=True)
+            self.layers = nn.ModuleList(Block() for _ in range(dims["num_hidden_layers"]))
+            self.norm = RMSNorm()
+            self.output = nn.Linear(dim, dims["vocab_size"], bias=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.tok_embeddings(ids)
+            for layer in self.layers:
+                h = layer(h, self.freqs_cis)
+            return self.output(self.norm(h))
+
+    with torch.device("meta"):
+        return Transformer()
+
+
+def hf_llama(dims: dict[str, Any]) -> Any:
+    """LlamaForCausalLM from the row's dimensions on the meta device (untied output, as TinyLlama's)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=dims["hidden_size"], num_hidden_layers=dims["num_hidden_layers"],
+                      num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
+                      intermediate_size=dims["intermediate_size"], vocab_size=dims["vocab_size"],
+                      max_position_embeddings=dims["max_position_embeddings"], tie_word_embeddings=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
 
 
 # --------------------------------------------------------------------------- the authors' loops
@@ -130,7 +211,8 @@ class HFTrainer2022:
 
 
 class Torchtitan2024:
-    """One step of torchtitan's train.py at 9dec370 (2024-12-26): zero_grad, forward, the loss on fp32 logits,
+    """One step of torchtitan's train.py at 9dec370 (2024-12-26): zero_grad, forward, the loss on logits upcast to
+    fp32 (its loss_fn: ``cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))``),
     ``del pred`` before backward, ``clip_grad_norm_(1.0, foreach=True)``, the step, the scheduler."""
 
     def __init__(self) -> None:
@@ -154,10 +236,45 @@ class Torchtitan2024:
         return loss.detach()
 
 
+class LitGPTFull:
+    """One optimizer step of litgpt's finetune/full.py on one device: ``grad_accum`` micro-batches of
+    ``logits = model(input_ids)``, ``chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:])`` (litgpt/utils.py:
+    128-row chunks, no upcast), ``fabric.backward(loss / grad_accum)``; then ``optimizer.step()``,
+    ``optimizer.zero_grad()``, ``scheduler.step()``. The loop's ``logits`` variable keeps the last logits alive
+    through the optimizer step and the next forward, until ``model(...)`` returns the next ones: held here too."""
+
+    def __init__(self, grad_accum: int) -> None:
+        self.grad_accum = grad_accum
+        self.opt: Any = None
+        self.logits: Any = None
+
+    def __call__(self, model: Any, opt: Any, inputs: Any, targets: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        if opt is not self.opt:
+            self.opt, self.logits = opt, None
+            self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        for _ in range(self.grad_accum):
+            self.logits = model(input_ids=inputs).logits  # the previous logits are freed only now
+            flat = self.logits[..., :-1, :].reshape(-1, self.logits.size(-1))
+            target = targets[..., 1:].reshape(-1)
+            chunks = [F.cross_entropy(lc, tc, ignore_index=-100, reduction="none")
+                      for lc, tc in zip(flat.split(128), target.split(128))]
+            loss = torch.cat(chunks).sum() / max(1, target.numel())  # litgpt: (targets != ignore).sum()
+            del flat, chunks
+            (loss / self.grad_accum).backward()
+        opt.step()
+        opt.zero_grad()
+        self.sched.step()
+        return None
+
+
 def torchtitan_parallelize(model: Any, mesh: Any) -> Any:
-    """torchtitan's parallelize_llama for 1D FSDP at 9dec370: selective op activation checkpointing on every block
-    (save the outputs of mm, the SDPA kernels, reduce_scatter and max, except every second mm), then fully_shard
-    each block and the root with param bf16 / reduce fp32."""
+    """torchtitan's parallelize_llama for 1D FSDP at 9dec370 (torchtitan/parallelisms/parallelize_llama.py):
+    selective op activation checkpointing on every block (save the outputs of mm, the SDPA kernels,
+    reduce_scatter, abs and max, except every second mm), then fully_shard each block (the last one not resharded
+    after forward) and the root, param bf16 / reduce fp32."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -165,7 +282,8 @@ def torchtitan_parallelize(model: Any, mesh: Any) -> Any:
 
     save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_efficient_attention.default,
             torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops.aten.max.default}
+            torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops.aten.abs.default,
+            torch.ops.aten.max.default}
 
     def context() -> Any:
         counts = {"forward": 0, "recompute": 0}
@@ -182,8 +300,8 @@ def torchtitan_parallelize(model: Any, mesh: Any) -> Any:
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block, context_fn=context, preserve_rng_state=False)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+    for i, block in enumerate(model.layers):  # the last block stays unsharded after forward (prefetched anyway)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
@@ -220,13 +338,19 @@ def simulate(row: dict[str, Any], dims: dict[str, Any], extrapolate: "int | None
                                 precision=row["precision"], extrapolate=extrapolate)
     if row["loop"] == "torchtitan-2024-12":
         ids = torch.empty(row["batch"], row["seq"], dtype=torch.long, device="meta")
-        return memprof.estimate(llama(dims), lambda ps: torch.optim.AdamW(ps, lr=3e-4, foreach=True), inputs=ids,
-                                targets=ids, train_step=Torchtitan2024(), gpu=row["gpu"],
+        return memprof.estimate(llama(dims, row["seq"]), lambda ps: torch.optim.AdamW(ps, lr=3e-4, foreach=True),
+                                inputs=ids, targets=ids, train_step=Torchtitan2024(), gpu=row["gpu"],
                                 # flash: torch of 2024-12 ran flash attention (cuDNN's was deprioritized), and
                                 # torchtitan's save list names flash and efficient attention, not cuDNN's
                                 attention="flash",
                                 world_size=row["world_size"], mesh={"dp": row["world_size"]},
                                 parallelize=torchtitan_parallelize, extrapolate=extrapolate)
+    if row["loop"] == "litgpt-full":
+        ids = torch.empty(row["batch"], row["seq"], dtype=torch.long, device="meta")
+        return memprof.estimate(hf_llama(dims), lambda ps: torch.optim.AdamW(ps, lr=2e-4, weight_decay=0.0,
+                                                                             betas=(0.9, 0.95)),
+                                inputs=ids, targets=ids, train_step=LitGPTFull(row["grad_accum"]), gpu=row["gpu"],
+                                precision="bf16", extrapolate=extrapolate)
     raise ValueError(f"no loop {row['loop']!r}")
 
 
@@ -253,12 +377,14 @@ def closed_form(row: dict[str, Any], dims: dict[str, Any], n_params: int) -> int
     mixed = row["precision"] != "fp32"
     if row["layout"] == "fsdp2":
         states = zero_model_states(n_params, row["world_size"], 3)
+    elif row["precision"] == "bf16":  # bf16 parameters, gradients and AdamW states: 2 + 2 + 4 (HF)
+        states = int(bytes_per_param("bf16", row["optimizer"]) * n_params)
     else:
         states = int(bytes_per_param("mixed" if mixed else "fp32", row["optimizer"]) * n_params)
     shape = LayerShape(seq_len=row["seq"], batch=row["batch"], hidden=dims["hidden_size"],
                        heads=dims["num_attention_heads"], ffn_hidden=dims["intermediate_size"],
                        kv_heads=dims["num_key_value_heads"])
-    llama_like = row["loop"] == "torchtitan-2024-12"
+    llama_like = row["loop"] != "hf-trainer-2022"
     recompute = {True: "full", False: None, "selective-op": "selective", "full": "full"}[row["checkpointing"]]
     acts = transformer_activations_total(
         shape, dims["num_hidden_layers"], dropout=not llama_like, attention="flash" if llama_like else "eager",
@@ -304,7 +430,7 @@ def sizes(model: Any) -> tuple[int, int]:
 def run_row(row: dict[str, Any], data: dict[str, Any], extrapolate: "int | None") -> dict[str, Any]:
     dims = data["models"][row["model"]]
     published = round(row["published"] * UNITS[row["unit"]])
-    probe = bert(dims) if row["loop"] == "hf-trainer-2022" else llama(dims)
+    probe = {"hf-trainer-2022": bert, "torchtitan-2024-12": llama, "litgpt-full": hf_llama}[row["loop"]](dims)
     n_params, largest = sizes(probe)
     t0 = time.perf_counter()
     est = simulate(row, dims, extrapolate)
