@@ -16,6 +16,7 @@ from ..errors import MemprofError, is_interrupt
 from .common import device as _device
 from .common import not_the_input as _not_the_input
 from .common import writable as _writable
+from ..simulate.loops import LOOPS
 from .config import check_required as _check_required
 from .config import with_config as _with_config
 from .estimate import cmd_estimate as _cmd_estimate
@@ -235,6 +236,11 @@ def _estimate_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
                           "memprof's loop (what it returns is held until its next call; the factory's 'loss_fn' is "
                           "not used: your step computes its loss); a class is made once, with no argument; the "
                           "factory's 'train_step' key does the same")
+    est.add_argument("--loop", choices=LOOPS, default=None,
+                     help="the training loop simulated, a framework's own step: hf-trainer (the default with --hf: "
+                          "transformers' Trainer.training_step as installed, max_grad_norm 1.0), accelerate, plain "
+                          "(memprof's own loop: the default with a factory), lightning or torchtitan (refused, "
+                          "saying why); not with --train-step")
     est.add_argument("--routing", help="what MoE routers choose: balanced (default), worst or capacity=F; under expert "
                      "parallelism it also sizes the all-to-all's receive side (the factory's 'routing' key may give "
                      "a recorded routing)")
@@ -289,6 +295,9 @@ def _plan_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
     pla.add_argument("--attention", choices=("auto", "flash", "efficient", "math"), default="auto",
                      help="attention kernel (default auto: the one torch's CUDA dispatcher picks)")
     pla.add_argument("--alloc-conf", metavar="CONF", help="PYTORCH_CUDA_ALLOC_CONF for the allocator model")
+    pla.add_argument("--loop", choices=LOOPS, default=None,
+                     help="the training loop simulated in every layout but a pipeline's (default hf-trainer: "
+                          "transformers' Trainer.training_step as installed; plain: memprof's own loop)")
     pla.add_argument("--json", action="store_true", help="print the rows as JSON")
     pla.add_argument("--html", metavar="PATH", help="also write the grid as a standalone HTML page")
     pla.set_defaults(func=_cmd_plan, parser=pla)

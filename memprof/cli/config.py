@@ -28,7 +28,8 @@ FLAG_ONLY = {
 
 #: What ``memprof plan`` takes from a file: a training step of a transformers config, the batch size searched.
 PLAN_KEYS = {("", "hf"), ("", "precision"), ("workload", "seq_len"), ("workload", "optimizer"),
-             ("workload", "checkpointing"), ("target", "gpu"), ("target", "attention"), ("target", "alloc_conf"),
+             ("workload", "checkpointing"), ("workload", "loop"), ("target", "gpu"), ("target", "attention"),
+             ("target", "alloc_conf"),
              ("parallelism", "world_size"), ("parallelism", "parallel")}
 
 #: The options a command needs, from the command line or the file: (dest, the flag, the file's key).

@@ -43,7 +43,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 #: A training step's options, refused with ``--generate``: a generation runs on one device, with no backward and no
 #: optimizer step.
 _TRAINING = ("--seq-len", "--checkpointing", "--optimizer", "--step-context", "--world-size", "--parallel",
-             "--parallelize", "--mesh", "--rank", "--extrapolate", "--train-step")
+             "--parallelize", "--mesh", "--rank", "--extrapolate", "--train-step", "--loop")
 
 
 def _given(args: argparse.Namespace, flag: str) -> bool:
@@ -70,6 +70,8 @@ def _refuse_misplaced(args: argparse.Namespace) -> None:
     for flag in (f for f in ("--mesh", "--rank") if args.hf is not None and not args.parallelize and _given(args, f)):
         raise MemprofError(f"{flag} goes with --parallelize MODULE:FUNCTION (the device mesh your function runs "
                            "on, and its rank to simulate; the --parallel layouts are simulated for rank 0)")
+    if args.loop is not None and args.train_step:
+        raise MemprofError(f"--loop {args.loop} and --train-step each name the step to simulate: give one of them")
     if args.hf is not None and not args.generate and args.seq_len is None:
         raise MemprofError("--hf needs --seq-len N (tokens per sequence)")
 
@@ -117,8 +119,10 @@ def _estimate_factory(args: argparse.Namespace, budget: "int | None") -> int:
     if world_size > 1 and parallel is None and parallelize is None and pipeline is None:
         check_parallel(world_size, None)  # says what is missing
     train_step = _train_step(args) or spec.get("train_step")
-    options = dict(targets=spec.get("targets"), world_size=world_size, train_step=train_step,
-                   loss_fn=None if train_step is not None else spec.get("loss_fn"),
+    # The factory's loss_fn is memprof's loop's (and a named loop's but the HF Trainer's, which computes its own).
+    loop = None if train_step is not None else args.loop
+    options = dict(targets=spec.get("targets"), world_size=world_size, train_step=train_step, loop=loop,
+                   loss_fn=None if train_step is not None or loop == "hf-trainer" else spec.get("loss_fn"),
                    parallel=parallel, parallelize=parallelize, mesh=mesh, pipeline=pipeline,
                    step_context=step_context or spec.get("step_context"),
                    routing=args.routing if args.routing is not None else spec.get("routing"))
@@ -182,7 +186,7 @@ def _estimate_hf(args: argparse.Namespace, budget: "int | None") -> int:
                                routing=args.routing, parallelize=parallelize,
                                mesh=_mesh(args.mesh) if args.mesh else None, rank=args.rank,
                                extrapolate=args.extrapolate, step_context=step_context,
-                               **_with_train_step(args, _from_file(args)))
+                               loop=args.loop or "hf-trainer", **_with_train_step(args, _from_file(args)))
     return _emit(est, args, budget)
 
 
@@ -242,7 +246,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         grid = plan_grid(config, seq_len=args.seq_len, gpu=args.gpu, world_size=args.world_size, layouts=layouts,
                          precisions=precisions, checkpointing=ckpt, optimizer=_optimizer(args.optimizer),
-                         alloc_conf=args.alloc_conf, attention=args.attention)
+                         alloc_conf=args.alloc_conf, attention=args.attention, loop=args.loop or "hf-trainer")
     except MemprofError as exc:  # the names --layouts gave are resolved once the model is built
         if args.layouts and str(exc).startswith("unknown layout"):
             raise MemprofError(f"--layouts: {exc}") from None

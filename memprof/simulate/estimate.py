@@ -87,5 +87,14 @@ def estimate(model: nn.Module, optimizer: Any = None, **options: Unpack[Estimate
     raises reaches you unchanged, but for ``RuntimeError`` and ``NotImplementedError`` (torch's, from an op that
     shape-only tensors cannot run), which are explained as a :class:`~memprof.errors.SimulationError` chained to
     them, as they are from the model.
+
+    ``loop`` names a framework's own training step to simulate in place of memprof's loop
+    (:mod:`memprof.simulate.loops`): ``"hf-trainer"`` (transformers' ``Trainer.training_step`` and ``compute_loss``
+    as installed, with its clipping at ``max_grad_norm=1.0``, ``model.zero_grad()`` and the loss it keeps for
+    logging; ``inputs`` the batch dict with its labels), ``"accelerate"`` (``Accelerator.backward`` and
+    ``clip_grad_norm_``, ``zero_grad()`` at the top of the step; ``loss_fn`` as above, else the model's own loss),
+    ``"plain"`` (memprof's loop, the default). ``"lightning"`` and ``"torchtitan"`` are refused, saying why. Another
+    accumulation or clipping: ``train_step=memprof.simulate.loops.loop_step("hf-trainer",
+    gradient_accumulation_steps=4)``.
     """
     return simulate(RunConfig.from_options(model, optimizer, **options))

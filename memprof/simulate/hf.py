@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import (ConfigNotFoundError, InvalidArgumentError, MemprofError, MissingExtraError, SimulationError,
                       UnknownNameError, is_interrupt)
+from .loops import transformers_version_note
 from .hf_limits import (check_counts_in_file, check_sequence, check_sizes, default_precision, dtype_note,
                         quantization_note, size_culprit)
 
@@ -286,11 +287,13 @@ def adamw(params: Any) -> Any:
 
 def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = adamw,
                 precision: "str | None" = None, checkpointing: bool = False, device: str = "cuda",
-                **options: Any) -> Any:
+                loop: "str | None" = "hf-trainer", **options: Any) -> Any:
     """:func:`memprof.estimate` of a training step of the model ``config`` describes (see
     :func:`~memprof.simulate.hf.load_config`), built on the meta device: ``batch_size`` sequences of ``seq_len``
     tokens, the loss transformers computes from the labels, AdamW unless ``optimizer`` (a factory of parameters, or
-    None) says otherwise.
+    None) says otherwise. ``loop`` is the training loop simulated (:mod:`memprof.simulate.loops`): by default the HF
+    Trainer's step of the installed transformers; ``"plain"`` is memprof's own loop (forward, the model's loss,
+    backward, step, ``zero_grad()``); a ``train_step`` given replaces it.
     ``precision`` defaults to the config's dtype; ``checkpointing`` enables transformers' activation
     checkpointing. Every other option (``attention``, ``world_size``, ``parallel``, ``gpu``, ``alloc_conf``,
     ``routing``, ``train_step``: your step, handed the batch dict with its labels as ``inputs``) is
@@ -304,12 +307,17 @@ def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = 
     built = build_model(config, checkpointing=checkpointing)
     batch = token_batch(built, batch_size, seq_len)
     with _named(built):
-        # A train_step computes its own loss from the batch (labels inside): it takes the batch dict as inputs.
-        loss_fn = None if options.get("train_step") is not None else hf_loss
+        # A train_step, or a named loop, computes its own loss from the batch (labels inside): it takes the batch
+        # dict as inputs; memprof's own loop takes transformers' loss from the output.
+        if options.get("train_step") is not None:
+            loop = None
+        loss_fn = hf_loss if loop in (None, "plain") and options.get("train_step") is None else None
         est = estimate(built.model, optimizer, inputs=batch, loss_fn=loss_fn, precision=resolved, device=device,
-                       **options)
+                       loop=loop, **options)
     said = [f"{built.architecture} built from its config on the meta device ({built.kind}; batch {batch_size} x "
             f"{seq_len} tokens{', activation checkpointing on every layer' if checkpointing else ''})"]
+    said.extend(loop_versions(loop) if options.get("train_step") is None else [])
+    said.extend(transformers_version_note(config))
     return _noted(est, said, config, precision, built)
 
 
@@ -343,7 +351,21 @@ def estimate_hf_generation(config: Any, *, batch_size: int, prompt_len: int, max
                                   max_new_tokens=max_new_tokens, precision=resolved, device=device, **options)
     said = [f"{built.architecture} built from its config on the meta device ({built.kind}, eval mode; batch "
             f"{batch_size}, prompt {prompt_len} tokens, {max_new_tokens} new)"]
+    said.extend(transformers_version_note(config))
     return _noted(est, said, config, precision, built)
+
+
+def loop_versions(loop: "str | None") -> "list[str]":
+    """The loop and the versions of transformers and torch simulated, in words (a named loop's note in the estimate
+    says more)."""
+    import torch
+
+    from .loops import check_loop
+
+    name = {None: "memprof's own (loop='plain')", "plain": "memprof's own (loop='plain')",
+            "hf-trainer": "the HF Trainer's step (loop='hf-trainer')"}.get(check_loop(loop), f"loop={loop!r}")
+    return [f"the training loop: {name}, simulated on transformers {_transformers().__version__} and torch "
+            f"{torch.__version__}"]
 
 
 def _noted(est: Any, said: "list[str]", config: Any, precision: "str | None", built: HfModel) -> Any:

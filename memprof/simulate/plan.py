@@ -50,11 +50,14 @@ def plan_grid(
     attention: str = "auto",
     max_batch: int = 4096,
     notes: Sequence[str] = (),
+    loop: "str | None" = None,
 ) -> PlanGrid:
     """The grid of ``layouts`` x ``precisions`` x ``checkpointing``: ``model_for(checkpointing)`` returns the
     model (built on the meta device) with activation checkpointing on or off, ``make_batch(b)`` its inputs
     for ``b`` samples (a dict, a tuple or a tensor as :func:`memprof.estimate` takes them; ``loss_fn`` as
-    there). Every configuration is judged at the device level against ``gpu``'s capacity."""
+    there). ``loop`` names the training loop simulated (:mod:`memprof.simulate.loops`; memprof's own by default) in
+    every layout but a pipeline's, whose step torch's schedule runs. Every configuration is judged at the device
+    level against ``gpu``'s capacity."""
     from .device_memory import check_target
     from .estimate import estimate
     from .plan_search import Probe, largest_batch
@@ -92,7 +95,8 @@ def plan_grid(
             # A layout that simulates a batch its own way (a pipeline's micro-batches), or estimate() with its options.
             run = (partial(layout.simulate, estimate, model, optimizer, make_batch, **common)
                    if layout.simulate is not None else
-                   partial(_simulate, estimate, model, optimizer, make_batch, **common, **dict(layout.options)))
+                   partial(_simulate, estimate, model, optimizer, make_batch, **_looped(common, loop),
+                           **dict(layout.options)))
             one = Probe(run, limit, max_batch, lambda b, label=label: bar.step(f"{label} batch {b}"))
             family = (ckpt, precision, layout.family or layout.name)
             shared, reference = slopes.get(family, (None, ""))
@@ -123,6 +127,14 @@ def plan_grid(
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
                     seq_len=seq_len, seconds=time.perf_counter() - start, notes=(*notes, *said, *skipped,
                                                                                  *_pipeline_notes(layouts)))
+
+
+def _looped(common: "dict[str, Any]", loop: "str | None") -> "dict[str, Any]":
+    """``common`` with the named ``loop``; the HF Trainer's computes its own loss (``Trainer.compute_loss``), so a
+    ``loss_fn`` meant for memprof's loop is left out for it."""
+    if loop in (None, "plain"):
+        return common
+    return {**common, "loop": loop, **({"loss_fn": None} if loop == "hf-trainer" else {})}
 
 
 def _simulate(estimate: Callable[..., Any], model: Any, optimizer: Any, make_batch: Callable[[int], Any], b: int,
@@ -188,12 +200,14 @@ def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, 
 def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
             layouts: "Sequence[Layout | str] | str | None" = None, precisions: Sequence[str] = PRECISIONS,
             checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
-            attention: str = "auto") -> PlanGrid:
+            attention: str = "auto", loop: "str | None" = "hf-trainer") -> PlanGrid:
     """:func:`plan_grid` for the model a transformers config describes (:func:`memprof.simulate.hf.load_config`),
     built on the meta device, ``seq_len`` tokens per sequence, AdamW unless ``optimizer`` (a factory of
     parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks, and
     takes Layouts, layout names and groups (``"dp"``, ``"tp"``, ``"pp"``, ``"all"``:
-    :func:`~memprof.simulate.layouts.choose_layouts`), e.g. ``"fsdp,tp8,fsdp4-tp2,pp2-fsdp4"``."""
+    :func:`~memprof.simulate.layouts.choose_layouts`), e.g. ``"fsdp,tp8,fsdp4-tp2,pp2-fsdp4"``. ``loop`` is the
+    training loop simulated (:mod:`memprof.simulate.loops`): the HF Trainer's step by default, ``"plain"`` for
+    memprof's own; a pipeline layout's rows run torch's schedule instead."""
     from . import hf
     from .layouts import choose_layouts
 
@@ -207,11 +221,13 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     token_batch(first, 1, seq_len)  # a bad seq_len fails before anything is simulated
     said = [f"{first.architecture} built from its config on the meta device ({first.kind}), {seq_len} tokens per "
             "sequence; the batch is one rank's",
-            "optimizer: " + ("torch.optim.AdamW with its defaults" if optimizer is None else "as given")]
+            "optimizer: " + ("torch.optim.AdamW with its defaults" if optimizer is None else "as given"),
+            *hf.loop_versions(loop), *hf.transformers_version_note(cfg)]
     if any(bool(c) for c in checkpointing):  # only when a row has it
         said.append("checkpointing: transformers' activation checkpointing on every layer (non-reentrant)")
     return plan_grid(model_for, lambda b: token_batch(first, b, seq_len), gpu=gpu,
                      optimizer=optimizer or hf.adamw, loss_fn=hf.hf_loss,
                      layouts=choose_layouts(first.model, world_size, "dp" if layouts is None else layouts),
                      precisions=precisions, checkpointing=checkpointing, model_name=first.architecture,
-                     seq_len=seq_len, alloc_conf=alloc_conf, attention=attention, notes=said + list(first.notes))
+                     seq_len=seq_len, alloc_conf=alloc_conf, attention=attention, notes=said + list(first.notes),
+                     loop=loop)

@@ -65,8 +65,8 @@ def max_batch_size(
     (1 PiB). ``optimizer``, ``precision``,
     ``device``, ``attention``, ``world_size``, ``parallel``, ``gpu``, ``alloc_conf`` and the other keywords
     (``steps``, ``routing``, ``parallelize``, ``mesh``, ``rank``, ``pipeline``, ``extrapolate``, ``step_context``,
-    ``train_step``) are :func:`memprof.estimate`'s; with ``world_size`` the batch is one rank's and the budget one
-    rank's device.
+    ``train_step``, ``loop``) are :func:`memprof.estimate`'s; with ``world_size`` the batch is one rank's and the
+    budget one rank's device.
 
     Without ``gpu`` the tensors' peak is judged against ``budget`` (``device="cuda"`` sizes blocks as the CUDA
     caching allocator does; its cache and the memory outside torch are not included: leave headroom for them). With
@@ -91,7 +91,8 @@ def max_batch_size(
 
     def batch(b: int) -> "tuple[Any, Any]":
         made = call_make_batch(make_batch, b)
-        if isinstance(made, tuple) and len(made) == 2 and (loss_fn is not None or options.get("train_step")):
+        stepped = options.get("train_step") or options.get("loop") not in (None, "plain")
+        if isinstance(made, tuple) and len(made) == 2 and (loss_fn is not None or stepped):
             return made
         return made, None
 

@@ -51,7 +51,8 @@ class Workload:
     ``routing``: what a mixture-of-experts model's routers choose (:mod:`memprof.simulate.routing`).
     ``train_step``: the user's own step, ``train_step(model, optimizer, inputs[, targets])``, run in place of the
     loop above (:mod:`memprof.simulate.user_step`); it builds its own loss, so ``loss_fn`` and ``step_context`` are
-    not taken with it."""
+    not taken with it. ``loop``: the name of the loop whose step this is (:mod:`memprof.simulate.loops`;
+    :meth:`RunConfig.from_options` builds its ``train_step``), None or ``"plain"`` for memprof's own."""
 
     model: "nn.Module"
     optimizer: Any = None
@@ -62,11 +63,15 @@ class Workload:
     step_context: "Callable[..., Any] | None" = None
     routing: Any = None
     train_step: "Callable[..., Any] | None" = None
+    loop: "str | None" = None
 
     def __post_init__(self) -> None:
         from torch import nn
 
+        from .loops import check_loop
         from .user_step import check_train_step
+
+        check_loop(self.loop)
 
         if check_train_step(self.train_step) is not None:
             given = [name for name in ("loss_fn", "step_context") if getattr(self, name) is not None]
@@ -222,6 +227,7 @@ class RunConfig:
                                        "arguments or a dict of keyword arguments)")
         given = {section: {name: options[name] for name in names if name in options}
                  for section, names in _SECTIONS.items()}
+        _named_loop(given["workload"], options.get("precision"))
         return cls(workload=Workload(model=model, optimizer=optimizer, **given["workload"]),
                    precision=options.get("precision"), target=Target(**given["target"]),
                    parallelism=Parallelism(**given["parallelism"]), depth=Depth(**given["depth"]))
@@ -255,9 +261,25 @@ class RunConfig:
         return dataclasses.replace(self, parallelism=dataclasses.replace(self.parallelism, **changes))
 
 
+def _named_loop(workload: "dict[str, Any]", precision: "str | None") -> None:
+    """A named ``loop`` becomes the ``train_step`` it is (:func:`memprof.simulate.loops.loop_step`), taking the
+    ``loss_fn`` given with it; refused beside a ``train_step`` of the user's."""
+    from .loops import check_loop, loop_step
+
+    loop = check_loop(workload.get("loop"))
+    if loop in (None, "plain"):
+        return
+    if workload.get("train_step") is not None:
+        raise InvalidArgumentError(f"loop={loop!r} and train_step= each name the step to simulate; give one of them")
+    if workload.get("step_context") is not None:
+        raise InvalidArgumentError(f"step_context= belongs to memprof's own loop; loop={loop!r} enters the "
+                                   "contexts its framework enters: leave it out, or give loop='plain' (--loop plain)")
+    workload["train_step"] = loop_step(loop, precision=precision, loss_fn=workload.pop("loss_fn", None))
+
+
 # Each keyword of estimate() and its section (precision stands alone).
 _SECTIONS: "Mapping[str, tuple[str, ...]]" = {
-    "workload": ("inputs", "targets", "loss_fn", "steps", "step_context", "routing", "train_step"),
+    "workload": ("inputs", "targets", "loss_fn", "steps", "step_context", "routing", "train_step", "loop"),
     "target": ("device", "gpu", "alloc_conf", "attention"),
     "parallelism": ("world_size", "parallel", "parallelize", "mesh", "pipeline", "rank"),
     "depth": ("extrapolate",),
@@ -271,7 +293,7 @@ GENERATION_OPTIONS: tuple[str, ...] = ("batch_size", "prompt_len", "max_new_toke
 #: Every keyword ``estimate(model, optimizer, **options)`` takes, in the order its docstring gives them.
 OPTIONS: tuple[str, ...] = ("inputs", "targets", "loss_fn", "precision", "device", "steps", "attention", "world_size",
                             "parallel", "routing", "gpu", "alloc_conf", "parallelize", "rank", "mesh", "pipeline",
-                            "extrapolate", "step_context", "train_step")
+                            "extrapolate", "step_context", "train_step", "loop")
 
 
 class EstimateOptions(TypedDict, total=False):
@@ -297,6 +319,7 @@ class EstimateOptions(TypedDict, total=False):
     extrapolate: "int | None"
     step_context: "Callable[..., Any] | None"
     train_step: "Callable[..., Any] | None"
+    loop: "str | None"
 
 
 class GenerationOptions(TypedDict, total=False):

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import InvalidArgumentError, is_interrupt
+from .loops import LOOPS
 from .run import PRECISIONS, Depth, Generation, Parallelism, Target, Workload
 
 __all__ = ["RunFile", "read_run_file", "SECTIONS", "TOP_KEYS", "NOT_IN_FILE", "BUILD_KEYS", "section_keys"]
@@ -148,7 +149,7 @@ def _mesh(value: Any) -> "dict[str, int]":
 _KINDS: "Mapping[str, Callable[[Any], Any]]" = {
     "batch_size": _count, "seq_len": _count, "checkpointing": _flag, "steps": _count,
     "optimizer": _choice("adamw", "adam", "sgd", "none"), "step_context": _function, "routing": _text,
-    "train_step": _function,
+    "train_step": _function, "loop": _choice(*LOOPS),
     "prompt_len": _count, "max_new_tokens": _count, "num_beams": _count, "do_sample": _flag,
     "temperature": _positive, "top_k": _index, "top_p": _fraction,
     "device": _text, "gpu": _text, "alloc_conf": _text, "attention": _choice("auto", "flash", "efficient", "math"),

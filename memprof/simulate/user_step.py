@@ -200,9 +200,11 @@ class UserStep:
     def notes(self) -> list[str]:
         name = _name(self.fn)
         call = f"{name}(model, optimizer, batch{', targets' if self.targets is not None else ''})"
-        out = [f"the training loop: your {call}, called {self.calls} time{'s' if self.calls != 1 else ''} on the "
-               "shape-only twins, what it returned held until the next call returned (as out = train_step(...) in a "
-               "loop holds it), the last until the loop ended"]
+        own = getattr(self.fn, "loop_notes", None)  # a named loop (memprof.simulate.loops) says what it ran
+        out = own(self.calls) if callable(own) else [
+            f"the training loop: your {call}, called {self.calls} time{'s' if self.calls != 1 else ''} on the "
+            "shape-only twins, what it returned held until the next call returned (as out = train_step(...) in a "
+            "loop holds it), the last until the loop ended"]
         if self.autocast is not None or self.emulated is not None:
             out.append("mixed precision with train_step: each call of the model ran under the target's autocast; "
                        "what your step computes outside the model (its loss) ran as written")

@@ -86,7 +86,10 @@ GEN = {"generate": True, "prompt_len": "6", "new_tokens": "3"}
 #: Each form: its command and its own arguments, by dest (True: a flag given; None: absent).
 FORMS = {
     "factory": ("estimate", {"factory": "cli_walk_models:build", "batch_size": "2", "device": "cpu", "json": True}),
-    "hf": ("estimate", {"hf": "{mixtral}", "seq_len": "8", "batch_size": "2", "device": "cpu", "json": True}),
+    # memprof's own loop, as the factory form's default: the two forms give the same figures (--hf's default loop is
+    # the HF Trainer's, probed through --loop).
+    "hf": ("estimate", {"hf": "{mixtral}", "seq_len": "8", "batch_size": "2", "device": "cpu", "json": True,
+                        "loop": "plain"}),
     "factory-generate": ("estimate", {"factory": "cli_walk_models:build", "batch_size": "2", "device": "cpu",
                                       "json": True, **GEN}),
     "hf-generate": ("estimate", {"hf": "{mixtral}", "batch_size": "2", "device": "cpu", "json": True, **GEN}),
@@ -107,6 +110,8 @@ VALUES = {
     "parallelize": ["cli_walk_models:shard"],
     "step_context": ["cli_walk_models:watch"],
     "train_step": ["cli_walk_models:step"],
+    "loop": ["hf-trainer", "accelerate", "lightning", "torchtitan"],  # plain is the baselines' loop
+    ("plan", "loop"): ["plain"],  # the plan's default is hf-trainer
     "routing": ["worst", "capacity=0.5"],
     "mesh": ["a=2,b=1"],  # two replicas of one shard each (HSDP): nothing sharded, unlike the default 1-D mesh
     "rank": ["1"],
@@ -140,6 +145,7 @@ COMPANIONS = {
     "parallel": {"world_size": "2", "parallel": "ddp"},
     "rank": {"world_size": "2", "parallelize": "cli_walk_models:shard"},
     "mesh": {"world_size": "2", "parallelize": "cli_walk_models:shard"},
+    "train_step": {"loop": None},  # each names the step: --loop and --train-step together are refused
     ("plan", "world_size"): {},
     ("plan", "attention"): {},
     ("plan", "alloc_conf"): {},
@@ -164,7 +170,7 @@ INVALID = {
 }
 
 _TRAINING_ONLY = {"seq_len", "checkpointing", "optimizer", "step_context", "parallel", "world_size", "parallelize",
-                  "mesh", "rank", "extrapolate", "train_step"}
+                  "mesh", "rank", "extrapolate", "train_step", "loop"}
 #: Options a form refuses, whatever their value: they do not apply to it.
 REFUSED = {
     "factory": {"hf", "seq_len", "checkpointing", "prompt_len", "new_tokens"},
@@ -256,7 +262,7 @@ def _probes(form: str, dest: str, action: argparse.Action) -> "list[tuple[dict, 
     for value in values:
         probe = {**given, dest: value}
         if dest == "generate" and value:  # a generation takes its own lengths, and no sequence length
-            probe.update(GEN, seq_len=None)
+            probe.update(GEN, seq_len=None, loop=None)  # --loop is a training step's
         elif dest == "generate":  # a training step: no generation's lengths; --hf's sequence length
             probe.update(prompt_len=None, new_tokens=None, seq_len="8" if "hf" in base else None)
         out.append((given, probe))

@@ -128,9 +128,9 @@ SAME_RUN = {
                                    "attention": "math"},
                         "depth": {"extrapolate": 1}}),
     "hf": (["estimate", "--hf", "mixtral", "--seq-len", "8", "--batch-size", "2", "--checkpointing", "--optimizer",
-            "adam", "--precision", "mixed-fp16", "--gpu", "h100-80gb", "--json"],
-           {"hf": "mixtral", "precision": "mixed-fp16",
-            "workload": {"batch_size": 2, "seq_len": 8, "checkpointing": True, "optimizer": "adam"},
+            "adam", "--precision", "mixed-fp16", "--gpu", "h100-80gb", "--loop", "plain", "--json"],
+           {"hf": "mixtral", "precision": "mixed-fp16",  # memprof's own loop: a named loop's fp16 is not simulated
+            "workload": {"batch_size": 2, "seq_len": 8, "checkpointing": True, "optimizer": "adam", "loop": "plain"},
             "target": {"gpu": "h100-80gb"}}),
     "hf-generation": (["estimate", "--hf", "mixtral", "--generate", "--batch-size", "2", "--prompt-len", "6",
                        "--new-tokens", "3", "--routing", "worst", "--device", "cpu", "--json"],

@@ -48,7 +48,8 @@ def test_llama3_8b_builds_on_meta_with_its_parameter_count(tmp_path):
 
 def test_estimate_hf_is_the_estimate_of_the_model_built_by_hand(tmp_path):
     folder = _folder(tmp_path, TINY)
-    est = memprof.estimate_hf(folder, seq_len=16, batch_size=2, precision="mixed", device="cpu")
+    est = memprof.estimate_hf(folder, seq_len=16, batch_size=2, precision="mixed", device="cpu",
+                              loop="plain")  # memprof's own loop, as by hand
     config = transformers.LlamaConfig(**{k: v for k, v in TINY.items() if k not in ("architectures", "model_type")})
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
