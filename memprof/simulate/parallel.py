@@ -127,16 +127,16 @@ class ParallelRun:
 
         if not dist.is_available():
             raise MemprofError("estimate(parallelize=...) needs torch.distributed, which this torch is built without")
-        if dist.is_initialized():
-            raise MemprofError(
-                "estimate(parallelize=...) runs the ranks on a fake process group of its own, but a process group is "
-                "already initialised in this process; call it before init_process_group (or after "
-                "destroy_process_group), or in a process of its own")
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
+        from .world_aside import world_aside
+
         stack = self._stack = contextlib.ExitStack()
         try:
+            # A job's own process group (a pre-flight check after init_process_group) is set aside, untouched,
+            # and put back after the rank, last.
+            stack.enter_context(world_aside())
             _clear_caches()  # a process group of the user's, destroyed before, may have left its groups' names there
             # init_process_group wraps sys.excepthook to prefix "[rank<r>]" to tracebacks
             # (torch/distributed/distributed_c10d.py) and nothing unwraps it: the user's own later errors would
