@@ -9,8 +9,9 @@ Usage::
 Each row of ``published_rows.json`` is one figure a public source measured on a GPU, with its set-up (model
 dimensions, precision, optimizer, batch, sequence, checkpointing, layout and world size, the GPU), the counter it
 reported and the loop its authors ran. The script builds the model from the written dimensions on the meta device
-(no download), runs the authors' loop as ``memprof.estimate(..., train_step=fn, gpu=...)`` and reads memprof's
-figure for the SAME counter:
+(no download), runs the authors' loop as ``memprof.estimate(..., train_step=fn, gpu=...)`` (the HF Trainer of
+January 2022, torchtitan's train.py and parallelize_llama of December 2024 on a fake process group, litgpt's
+finetune/full.py; each written from its source, below) and reads memprof's figure for the SAME counter:
 
 - ``nvidia-smi`` (NVML used): ``est.device_memory.device_peak``, the peak reserved plus memprof's figure for the
   memory outside torch (CUDA context, libraries). NVML's figure also holds other processes; the sources ran one.
@@ -31,7 +32,9 @@ Beside it, the estimators users would pick instead:
   no activations.
 
 Results: ``--json`` and ``--markdown`` (default ``benchmarks/results/published.{json,md}``): per row the published
-figure, memprof's, the error in %, the others'; then the median absolute error, the worst, the under-estimates.
+figure, memprof's, the error in %, the others'; then the median absolute error, the worst, the under-estimates;
+then the data file's ``not_reproduced`` rows (figures whose code paths memprof does not simulate) with the reason.
+The rows are simulated whole: ``--extrapolate`` gives no device figures, which every counter here needs.
 """
 
 from __future__ import annotations
@@ -76,17 +79,11 @@ def bert(dims: dict[str, Any]) -> Any:
         return BertForSequenceClassification(cfg)
 
 
-def llama(dims: dict[str, Any], seq: int = 8192) -> Any:
-    """torchtitan's Llama 3 at 9dec370 (torchtitan/models/llama/model.py, models/norms.py), written from its code:
-    RMSNorm over an fp32 copy, RoPE on complex64 views of q and k (freqs_cis a persistent complex64 buffer of
-    ``seq`` rows: train.py sets max_seq_len to the training seq_len), GQA by expand + reshape, SwiGLU, an untied
-    output returning bf16 logits under FSDP's mixed precision (the loss upcasts them)."""
+def _llama_norm_and_rope(dim: int) -> tuple[Any, Any]:
+    """torchtitan's RMSNorm (models/norms.py: normalised over an fp32 copy, cast back, times the weight) and its
+    apply_rotary_emb (models/llama/model.py: q or k viewed as complex64 pairs, times freqs_cis)."""
     import torch
-    import torch.nn.functional as F
     from torch import nn
-
-    dim, heads, kv = dims["hidden_size"], dims["num_attention_heads"], dims["num_key_value_heads"]
-    hd = dim // heads
 
     class RMSNorm(nn.Module):
         def __init__(self) -> None:
@@ -101,6 +98,22 @@ def llama(dims: dict[str, Any], seq: int = 8192) -> Any:
         xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
         f = freqs[: x.shape[1]].view(1, x.shape[1], 1, xc.shape[-1])
         return torch.view_as_real(xc * f).flatten(3).type_as(x)
+
+    return RMSNorm, rope
+
+
+def llama(dims: dict[str, Any], seq: int = 8192) -> Any:
+    """torchtitan's Llama 3 at 9dec370 (torchtitan/models/llama/model.py, models/norms.py), written from its code:
+    RMSNorm over an fp32 copy, RoPE on complex64 views of q and k (freqs_cis a persistent complex64 buffer of
+    ``seq`` rows: train.py sets max_seq_len to the training seq_len), GQA by expand + reshape, SwiGLU, an untied
+    output returning bf16 logits under FSDP's mixed precision (the loss upcasts them)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    dim, heads, kv = dims["hidden_size"], dims["num_attention_heads"], dims["num_key_value_heads"]
+    hd = dim // heads
+    RMSNorm, rope = _llama_norm_and_rope(dim)
 
     class Attention(nn.Module):
         def __init__(self) -> None:
