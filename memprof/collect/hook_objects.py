@@ -4,20 +4,24 @@ A module keeps its hooks in its ``__dict__``, so ``copy.deepcopy(model)`` (an EM
 ``torch.save(model)`` take memprof's with it: a deep copy kept them on the copy after the profile ended (a
 plain function is copied as itself; a bound method deep-copied memprof's tracker with it), and pickling failed
 ("Can't pickle local object '_post_hook.<locals>.post_hook'"), so a whole-model checkpoint saved inside a
-profile ended the run. Each hook is therefore an instance of a class made for it, whose ``__call__`` is the hook
-function itself (one Python call, as the function alone), and whose copy, deep copy and pickle are
-:data:`DROPPED`: a hook that does nothing and, the first time it runs, takes itself off the object it is on.
+profile ended the run. Each hook is therefore a ``functools.partial`` of the hook function (called by C: no Python
+frame beside the function's own, and torch.compile traces through a partial as through the function, where an
+object with a ``__call__`` of its own broke the graph), whose copy, deep copy and pickle are :data:`DROPPED`: a
+hook that does nothing and, the first time it runs, takes itself off the object it is on.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 __all__ = ["hook_object", "DROPPED"]
 
 
-class _Hook:
-    """The base of memprof's hook objects: what a copy or a pickle of one is."""
+class _Hook(functools.partial):  # type: ignore[type-arg]  # functools.partial's parameter is its result type
+    """A hook memprof put on a user's object: ``fn`` itself, called through ``functools.partial``'s C call (no
+    Python frame of its own, and a callable torch.compile traces through as it traces the function), whose copy,
+    deep copy and pickle is :data:`DROPPED`."""
 
     __slots__ = ()
 
@@ -32,10 +36,8 @@ class _Hook:
 
 
 def hook_object(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as a hook object (see the module's docstring): called as ``fn`` is (a :class:`_Hook`, typed as the
-    callable it is for torch's hook registrations)."""
-    cls = type("memprof_hook", (_Hook,), {"__slots__": (), "__call__": staticmethod(fn)})
-    return cls()  # type: ignore[no-any-return]
+    """``fn`` as a hook object (see the module's docstring): called as ``fn`` is."""
+    return _Hook(fn)
 
 
 class _Dropped:
