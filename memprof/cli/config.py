@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-from ..errors import InvalidArgumentError, MemprofError
+from ..errors import InvalidArgumentError, MemprofError, is_interrupt
 
 __all__ = ["with_config", "check_required", "FLAG_ONLY", "PLAN_KEYS"]
 
@@ -104,4 +104,6 @@ def _loaded(spec: str) -> Any:
     try:
         return load_factory(spec)
     except MemprofError as exc:
+        if is_interrupt(exc):
+            raise
         raise MemprofError(f"train_step: {exc}") from None

@@ -327,6 +327,8 @@ def _value(name: str, section: str, key: str, value: Any) -> Any:
     try:
         return _KINDS[key](value)
     except _Wrong as exc:
+        if is_interrupt(exc):
+            raise
         raise _error(name, section, key, f"must be {exc.expected}, not {_kind(value)} {_shown(value)}") from None
 
 
