@@ -264,7 +264,8 @@ def _probes(form: str, dest: str, action: argparse.Action) -> "list[tuple[dict, 
         if dest == "generate" and value:  # a generation takes its own lengths, and no sequence length
             probe.update(GEN, seq_len=None, loop=None)  # --loop is a training step's
         elif dest == "generate":  # a training step: no generation's lengths; --hf's sequence length
-            probe.update(prompt_len=None, new_tokens=None, seq_len="8" if "hf" in base else None)
+            probe.update(prompt_len=None, new_tokens=None, seq_len="8" if "hf" in base else None,
+                         loop="plain" if "hf" in base else None)  # the factory form's loop, to compare the two
         out.append((given, probe))
     return out
 
