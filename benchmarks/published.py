@@ -464,6 +464,7 @@ def run_row(row: dict[str, Any], data: dict[str, Any], extrapolate: "int | None"
                               "peak_at": f"step {est.trace.peak_step} {est.trace.peak_phase.value}",
                               "categories": {c.value: int(v) for c, v in est.peak.items() if v}},
             "others": {k: {"bytes": int(v), "error_pct": err(int(v))} for k, v in others.items()},
+            "same_code_paths": row["same_code_paths"], "code_paths": row["code_paths"],
             "parameters": n_params, "seconds": round(seconds, 1), "notes": list(est.notes)}
 
 
@@ -502,6 +503,8 @@ def markdown(out: dict[str, Any], data: dict[str, Any]) -> str:
         if s:
             lines.append(f"| {name} | {s['median_abs_error_pct']:.1f} % | {s['worst_pct']:+.1f} % | "
                          f"{s['under_estimates']} of {s['rows']} | {s['under_by_more_than_2pct']} |")
+    lines += ["", "Code paths (rows whose library code memprof does not run as the source ran it):", ""]
+    lines += [f"- {r['id']}: {r['code_paths']}" for r in out["results"] if not r["same_code_paths"]]
     lines += ["", "Not reproduced (need code paths memprof does not simulate):", "",
               "| row | source, section | published | reason |", "| --- | --- | ---: | --- |"]
     for r in data["not_reproduced"]:
@@ -547,6 +550,8 @@ def main(argv: "list[str] | None" = None) -> int:
                       f"transformers {transformers.__version__}, Python {platform.python_version()}",
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results, "failures": failures,
            "summary": {"memprof": summary(results, lambda r: r["memprof_error_pct"]),
+                       "memprof, rows on the source's code paths": summary(
+                           [r for r in results if r["same_code_paths"]], lambda r: r["memprof_error_pct"]),
                        **{k: summary(results, other_error(k)) for k in ("closed_form", "deepspeed", "accelerate")}}}
     pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     pathlib.Path(args.markdown).write_text(markdown(out, data))
