@@ -181,3 +181,39 @@ def test_max_batch_size_passes_the_loop_through():
     at_two = simulated(loop="hf-trainer").peak_bytes  # batch 2
     plan = memprof.max_batch_size(build(), adamw, make, at_two, device="cpu", loop="hf-trainer", multiple_of=1)
     assert plan.batch_size == 2  # batch 2's own peak is the budget: 2 fits, 3 does not
+
+
+def autocast_calls(model):
+    """Each call of ``model`` under CPU bf16 autocast, as accelerate's ``prepare_model`` wraps the forward under
+    mixed precision (and as the simulation runs each model call under the target's autocast)."""
+    regions = []
+
+    def enter(module, args):
+        region = torch.autocast("cpu", dtype=torch.bfloat16)
+        region.__enter__()
+        regions.append(region)
+
+    def leave(module, args, out):  # returns None: the output is left as it is
+        regions.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter, prepend=True)
+    model.register_forward_hook(leave, always_call=True)
+    return model
+
+
+@pytest.mark.parametrize("loop", ["hf-trainer", "accelerate"])
+def test_a_named_loop_under_mixed_precision_is_simulated_to_the_byte(loop):
+    # Each model call under bf16 autocast in both runs, and the step's fp32 copy of the half-precision outputs
+    # (accelerate's convert_to_fp32); here that copy is transient after the loss (compute_loss lets the outputs go),
+    # below every phase moment, so this checks the mixed path runs alike, not the copy's bytes.
+    model = autocast_calls(build())
+    opt = adamw(model.parameters())
+    step = loop_step(loop, precision="mixed")
+    with memprof.profile(model, opt) as prof:
+        out = None
+        for _ in range(2):
+            out = step(model, opt, BATCH)
+        del out
+    assert_equal_everywhere(simulated(loop=loop, precision="mixed"), prof.report())
+    with pytest.raises(InvalidArgumentError, match="mixed-fp16"):
+        simulated(loop=loop, precision="mixed-fp16")
