@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import TraceFormatError
 
-__all__ = ["count", "optional_count", "text", "optional_text", "corrupt", "fields", "pairs", "seq", "mapping",
+__all__ = ["count", "optional_count", "text", "optional_text", "corrupt", "pairs", "seq", "mapping",
            "flag", "member", "listed_once"]
 
 # The largest count a trace may hold: an int64 (8 EiB, or as many ops), as torch's sizes and the
@@ -99,33 +99,8 @@ def _shown(value: Any) -> str:
     return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
-def fields(cls: Any, data: Any, *, own: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The keyword arguments of a flat record's dataclass from a file, each checked against its annotation
-    (an int, a str, or either or None). Fields of any other type are named in ``own``: the caller checks
-    them; any other field is a mistake in memprof, raised as such, never let through unchecked."""
-    if not isinstance(data, Mapping):
-        raise corrupt(f"a {cls.__name__} must be a mapping, got {_shown(data)}")
-    out: dict[str, Any] = {}
-    for name, f in cls.__dataclass_fields__.items():
-        if name not in data:
-            continue
-        # Under ``from __future__ import annotations`` a quoted annotation keeps its quotes.
-        kind = str(f.type).replace('"', "").replace("'", "")
-        check = _CHECKS.get(kind)
-        if check is not None:
-            out[name] = check(data[name], f"{cls.__name__}.{name}")
-        elif name in own:
-            out[name] = data[name]
-        else:
-            raise RuntimeError(f"memprof cannot check {cls.__name__}.{name} ({kind}) read from a file")
-    return out
-
-
 def optional_text(value: Any, name: str) -> "str | None":
     return None if value is None else text(value, name)
-
-
-_CHECKS = {"int": count, "int | None": optional_count, "str": text, "str | None": optional_text}
 
 
 def pairs(items: Any, name: str = "tags") -> tuple[tuple[str, int], ...]:

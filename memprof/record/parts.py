@@ -11,7 +11,9 @@ from typing import Any, Iterator, Mapping
 from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
 from .cache import CacheMoment, frozen_spec, spec_data
 from .layout import MeshLayout
-from .checks import (corrupt, count, fields, listed_once, mapping, member, optional_count, optional_text, optional_time,
+from . import fields as fileform
+from .fields import form
+from .checks import (corrupt, count, listed_once, mapping, member, optional_count, optional_text, optional_time,
                      pairs, seq, text)
 from ..errors import TraceFormatError
 
@@ -201,28 +203,18 @@ class ModelFacts:
     #: with a saved-bytes rule saved in the first forward. Their rules count them as activations; the
     #: measurement counts them as inputs. ``None`` when no forward was seen.
     activation_inputs_saved: "int | None" = None
-    modules_without_rule: tuple[str, ...] = ()
+    modules_without_rule: tuple[str, ...] = field(default=(), metadata=form(label="a module type"))
     #: (module path, attribute, value) of Linear/Conv/Embedding dimensions, for the alignment advice.
-    dims: tuple[tuple[str, str, int], ...] = ()
+    dims: tuple[tuple[str, str, int], ...] = field(default=(), metadata=form(label="a dimension"))
     #: First dimension of the model's first input in the first forward.
     batch_size: "int | None" = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        out["modules_without_rule"] = list(self.modules_without_rule)
-        out["dims"] = [list(d) for d in self.dims]
-        return out
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelFacts":
-        kw = fields(cls, data, own=("modules_without_rule", "dims"))
-        if "modules_without_rule" in kw:
-            kw["modules_without_rule"] = tuple(text(n, "a module type")
-                                               for n in seq(kw["modules_without_rule"], "modules_without_rule"))
-        if "dims" in kw:
-            kw["dims"] = tuple((text(a, "a module path"), text(b, "a dimension"), count(c, "a dimension"))
-                               for a, b, c in (seq(d, "a dimension", 3) for d in seq(kw["dims"], "dims")))
-        return cls(**kw)
+        return fileform.read(cls, data, "a ModelFacts")
 
 
 @dataclass(frozen=True)
@@ -238,15 +230,11 @@ class OperationRecord:
     bytes_written: int
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "OperationRecord":
-        kw = fields(cls, data)
-        missing = set(cls.__dataclass_fields__) - set(kw)
-        if missing:
-            raise corrupt(f"an operation record lacks {sorted(missing)}")
-        return cls(**kw)
+        return fileform.read(cls, data, "an operation record")
 
 
 @dataclass(frozen=True)
@@ -320,11 +308,11 @@ class ModuleRecord:
     own_activations: "int | None" = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModuleRecord":
-        return cls(**fields(cls, data))
+        return fileform.read(cls, data, "a ModuleRecord")
 
 
 @dataclass(frozen=True)
@@ -379,23 +367,18 @@ class OomRecord:
     the memory_viz snapshot written beside the dump (CUDA with memory history recorded), if any.
     """
 
-    message: str
-    requested: "int | None" = None
-    device_free: "int | None" = None
-    device_total: "int | None" = None
-    snapshot: "str | None" = None
+    message: str = field(metadata=form(label="the OOM message"))
+    requested: "int | None" = field(default=None, metadata=form(label="requested"))
+    device_free: "int | None" = field(default=None, metadata=form(label="device_free"))
+    device_total: "int | None" = field(default=None, metadata=form(label="device_total"))
+    snapshot: "str | None" = field(default=None, metadata=form(label="the OOM snapshot"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"message": self.message, "requested": self.requested, "device_free": self.device_free,
-                "device_total": self.device_total, "snapshot": self.snapshot}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "OomRecord":
-        data = mapping(data, "the OOM record")
-        return cls(text(data["message"], "the OOM message"), optional_count(data.get("requested"), "requested"),
-                   optional_count(data.get("device_free"), "device_free"),
-                   optional_count(data.get("device_total"), "device_total"),
-                   optional_text(data.get("snapshot"), "the OOM snapshot"))
+        return fileform.read(cls, data, "the OOM record")
 
 
 @dataclass(frozen=True)
@@ -414,11 +397,11 @@ class DeviceInfo:
     nvml_used: "int | None" = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
-        return cls(**fields(cls, data))
+        return fileform.read(cls, data, "a DeviceInfo")
 
 
 @dataclass(frozen=True)
