@@ -5,10 +5,12 @@ its dimensions shard which parameters, and FSDP2's policy. A rank's per-degree f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .checks import corrupt, count, flag, mapping, optional_count, optional_text, seq, text
+from . import fields as fileform
+from .checks import corrupt
+from .fields import form
 
 __all__ = ["MeshLayout", "ParamGroup"]
 
@@ -20,23 +22,18 @@ class ParamGroup:
     whole on (sequence parallelism's norms on ``tp``, HSDP's replicas); ``elements`` their global element count,
     ``trainable`` those that require gradients, ``bytes`` their global bytes in the dtype they are stored in."""
 
-    sharded_by: tuple[str, ...]
-    replicated_over: tuple[str, ...]
-    elements: int
-    trainable: int
-    bytes: int
+    sharded_by: tuple[str, ...] = field(metadata=form(label="sharded_by"))
+    replicated_over: tuple[str, ...] = field(metadata=form(label="replicated_over"))
+    elements: int = field(metadata=form(label="a group's elements"))
+    trainable: int = field(metadata=form(label="a group's trainable"))
+    bytes: int = field(metadata=form(label="a group's bytes"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sharded_by": list(self.sharded_by), "replicated_over": list(self.replicated_over),
-                "elements": self.elements, "trainable": self.trainable, "bytes": self.bytes}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ParamGroup":
-        data = mapping(data, "a parameter group")
-        return cls(tuple(text(d, "a mesh dimension") for d in seq(data["sharded_by"], "sharded_by")),
-                   tuple(text(d, "a mesh dimension") for d in seq(data["replicated_over"], "replicated_over")),
-                   count(data["elements"], "a group's elements"), count(data["trainable"], "a group's trainable"),
-                   count(data["bytes"], "a group's bytes"))
+        return fileform.read(cls, data, "a parameter group")
 
 
 @dataclass(frozen=True)
@@ -49,35 +46,26 @@ class MeshLayout:
     offload, how many units there are and the bytes of the largest one gathered (every parameter of the unit,
     padded, in the gather's dtype)."""
 
-    mesh: tuple[tuple[str, int], ...]
-    groups: tuple[ParamGroup, ...]
-    param_dtype: "str | None" = None
-    reduce_dtype: "str | None" = None
-    offload: bool = False
-    units: "int | None" = None
-    largest_unit_bytes: "int | None" = None
+    mesh: tuple[tuple[str, int], ...] = field(metadata=form(label="a mesh dimension"))
+    groups: tuple[ParamGroup, ...] = field(metadata=form(label="the parameter groups"))
+    param_dtype: "str | None" = field(default=None, metadata=form(label="param_dtype"))
+    reduce_dtype: "str | None" = field(default=None, metadata=form(label="reduce_dtype"))
+    offload: bool = field(default=False, metadata=form(label="offload"))
+    units: "int | None" = field(default=None, metadata=form(label="units"))
+    largest_unit_bytes: "int | None" = field(default=None, metadata=form(label="largest_unit_bytes"))
 
     def degree(self, name: str) -> int:
         """The size of the mesh dimension ``name`` (1 when the mesh has none)."""
         return next((s for n, s in self.mesh if n == name), 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mesh": [[n, s] for n, s in self.mesh], "groups": [g.to_dict() for g in self.groups],
-                "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype, "offload": self.offload,
-                "units": self.units, "largest_unit_bytes": self.largest_unit_bytes}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "MeshLayout":
-        data = mapping(data, "the mesh layout")
-        dims = []
-        for item in seq(data["mesh"], "the mesh"):
-            name, size = seq(item, "a mesh dimension", 2)
-            size = count(size, "a mesh dimension's size")
+        """Read from a file: every mesh dimension at least 1 in size."""
+        layout = fileform.read(cls, data, "the mesh layout")
+        for _, size in layout.mesh:
             if size < 1:
                 raise corrupt(f"a mesh dimension's size must be at least 1, got {size}")
-            dims.append((text(name, "a mesh dimension's name"), size))
-        return cls(tuple(dims), tuple(ParamGroup.from_dict(g) for g in seq(data["groups"], "the parameter groups")),
-                   optional_text(data.get("param_dtype"), "param_dtype"),
-                   optional_text(data.get("reduce_dtype"), "reduce_dtype"), flag(data.get("offload", False), "offload"),
-                   optional_count(data.get("units"), "units"),
-                   optional_count(data.get("largest_unit_bytes"), "largest_unit_bytes"))
+        return layout
