@@ -340,14 +340,18 @@ the learning-rate scheduler's ``step()`` (a LambdaLR of Python floats), ``floati
         return step
 
     def loop_notes(self, calls: int) -> "list[str]":
+        import accelerate
         import torch
         import transformers
 
+        gas, steps = self.gradient_accumulation_steps, f"{calls} optimizer step{'s' if calls != 1 else ''}"
+        micro = f"{gas} micro-batch{'es' if gas != 1 else ''} per step"
         return [f"the training loop: the HF Trainer's (transformers {transformers.__version__}, torch "
-                f"{torch.__version__}), {calls} optimizer step{'s' if calls != 1 else ''}: Trainer.training_step "
-                f"and compute_loss as they are (the model's own loss from the labels), "
-                f"{self.gradient_accumulation_steps} micro-batch{'es' if self.gradient_accumulation_steps != 1 else ''}"
-                f" per step, Accelerator.backward, Trainer._clip_grad_norm (max_grad_norm={self.max_grad_norm}), "
-                "optimizer.step(), model.zero_grad() (set_to_none); loss.detach(), the summed loss and the gradient "
-                "norm held as the loop holds them; no scheduler, callbacks or logging (they hold no tensor)"] \
+                f"{torch.__version__}), {steps}: Trainer.training_step, compute_loss (the model's own loss from the "
+                "labels), _get_num_items_in_batch, _clip_grad_norm and _get_grad_norm of the installed "
+                "transformers/trainer.py as they are, on Accelerator.backward and clip_grad_norm_ of "
+                f"accelerate/accelerator.py ({accelerate.__version__}); Trainer._inner_training_loop followed: "
+                f"{micro}, clipping at max_grad_norm={self.max_grad_norm}, optimizer.step(), model.zero_grad() "
+                "(set_to_none); loss.detach(), the summed loss and the gradient norm held as the loop holds them; "
+                "TrainingArguments' defaults assumed, no scheduler, callbacks or logging (they hold no tensor)"] \
             + _mixed_note(self.mixed)
