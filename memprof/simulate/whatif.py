@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from typing_extensions import Unpack
+
 import torch
 from torch import nn
 
@@ -18,14 +20,20 @@ from ..errors import InvalidArgumentError
 from ..record.estimate import WhatIf
 from ..record.trace import Trace
 from ..vocabulary import Category
+from .run import EstimateOptions
 
-__all__ = ["WhatIf", "what_if"]
+__all__ = ["WhatIf", "WhatIfOptions", "what_if"]
+
+
+class WhatIfOptions(EstimateOptions, total=False):
+    """The changes :func:`what_if` takes beside :func:`memprof.estimate`'s keyword arguments."""
+
+    checkpointing: "bool | None"
+    batch_size: "int | None"
 
 
 def what_if(trace: Trace, model: nn.Module, optimizer: Any = None, *, inputs: Any, targets: Any = None,
-            loss_fn: Any = None, checkpointing: "bool | None" = None, precision: "str | None" = None,
-            parallel: "str | None" = None, world_size: "int | None" = None, batch_size: "int | None" = None,
-            device: Any = None, **options: Any) -> WhatIf:
+            loss_fn: Any = None, **changes: Unpack[WhatIfOptions]) -> WhatIf:
     """The run ``trace`` recorded, with one or more things changed, simulated (:func:`memprof.estimate`).
 
     ``model``, ``optimizer``, ``inputs``, ``targets`` and ``loss_fn`` are the run's, as it was profiled (the
@@ -39,6 +47,11 @@ def what_if(trace: Trace, model: nn.Module, optimizer: Any = None, *, inputs: An
     if not isinstance(model, nn.Module):
         raise InvalidArgumentError(f"what_if() needs the run's model (a torch.nn.Module), got {type(model).__name__}")
     from .estimate import estimate
+
+    options: "dict[str, Any]" = dict(changes)
+    checkpointing, batch_size = options.pop("checkpointing", None), options.pop("batch_size", None)
+    precision, parallel = options.pop("precision", None), options.pop("parallel", None)
+    world_size, device = options.pop("world_size", None), options.pop("device", None)
 
     changes = [(k, v) for k, v in (("checkpointing", checkpointing), ("precision", precision),
                                    ("parallel", parallel), ("world_size", world_size),
