@@ -91,7 +91,7 @@ def _imported(module: str, extra: str) -> Any:
     except ImportError as exc:
         if is_interrupt(exc):
             raise
-        raise MissingExtraError(f"loop={extra!r} needs {module}, which is not installed; pip install "
+        raise MissingExtraError(f"this loop calls {module}'s own code, and {module} is not installed; pip install "
                                 f"'torch-memprof[{extra}]' (or pip install {module})") from None
 
 

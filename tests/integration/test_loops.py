@@ -132,9 +132,13 @@ def test_a_loop_that_cannot_be_simulated_is_refused_saying_why(loop, error, word
 def test_a_missing_framework_names_the_extra(monkeypatch):
     import sys
 
+    models = [build(), build()]  # built first: transformers' model classes import accelerate themselves
+    assert transformers.Trainer is not None
     monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate raises ImportError
-    with pytest.raises(MissingExtraError, match=r"torch-memprof\[accelerate\]"):
-        simulated(loop="accelerate")
+    for loop, model in zip(("accelerate", "hf-trainer"), models):  # the Trainer's step runs on Accelerator.backward
+        with pytest.raises(MissingExtraError, match=r"accelerate is not installed; pip install "
+                                                    r"'torch-memprof\[accelerate\]'"):
+            memprof.estimate(model, adamw, inputs=BATCH, device="cpu", loop=loop)
 
 
 @pytest.mark.parametrize("given", [{"train_step": lambda m, o, x: None}, {"loss_fn": lambda out: out.loss},
