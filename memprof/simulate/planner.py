@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from typing_extensions import Unpack
+
 from ..errors import InvalidArgumentError, MemprofError, SimulationError, is_interrupt
 from ..record.plans import BatchSizePlan
 from ..units import format_bytes, parse_size
@@ -27,7 +29,7 @@ from ..units import format_bytes, parse_size
 if TYPE_CHECKING:
     from .estimate import Estimate
     from .plan_search import Probe
-    from .run import RunConfig
+    from .run import EstimateOptions, RunConfig
 
 __all__ = ["BatchSizePlan", "max_batch_size", "max_generation_batch_size", "MAX_BUDGET", "plan_limit"]
 
@@ -44,16 +46,8 @@ def max_batch_size(
     make_batch: Callable[[int], Any],
     budget: "int | str | None" = None,
     *,
-    loss_fn: "Callable[..., Any] | None" = None,
     multiple_of: int = 8,
-    precision: "str | None" = None,
-    device: "str | None" = None,
-    attention: str = "auto",
-    world_size: int = 1,
-    parallel: "str | None" = None,
-    gpu: Any = None,
-    alloc_conf: Any = None,
-    **options: Any,
+    **options: Unpack[EstimateOptions],
 ) -> BatchSizePlan:
     """The largest batch size (a multiple of ``multiple_of``) whose simulated peak fits ``budget``.
 
@@ -87,7 +81,9 @@ def max_batch_size(
         raise InvalidArgumentError(f"max_batch_size() makes each batch with make_batch(b); {' and '.join(given)}= "
                                    "cannot be given with it")
     multiple_of = _multiple(multiple_of)
-    budget_bytes, limit, spec = plan_limit(budget, gpu, device, alloc_conf)
+    loss_fn = options.get("loss_fn")
+    budget_bytes, limit, spec = plan_limit(budget, options.get("gpu"), options.get("device"),
+                                           options.get("alloc_conf"))
 
     def batch(b: int) -> "tuple[Any, Any]":
         made = call_make_batch(make_batch, b)
@@ -97,9 +93,7 @@ def max_batch_size(
         return made, None
 
     inputs, targets = batch(multiple_of)
-    config = RunConfig.from_options(model, optimizer, inputs=inputs, targets=targets, loss_fn=loss_fn,
-                                    precision=precision, device=device, attention=attention, world_size=world_size,
-                                    parallel=parallel, gpu=gpu, alloc_conf=alloc_conf, **options)
+    config = RunConfig.from_options(model, optimizer, **{**options, "inputs": inputs, "targets": targets})
     first: "dict[int, RunConfig]" = {multiple_of: config}
 
     def at(b: int) -> "Estimate":
