@@ -20,47 +20,60 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from ..errors import InvalidArgumentError
 from ..record.plans import PlanGrid, PlanRow
 from .hf_pipeline import MICROBATCHES_PER_STAGE
 from .layouts import Layout, data_parallel_layouts
 
-__all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "PRECISIONS"]
+__all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "Trained", "Labels",
+           "PRECISIONS"]
 
 #: The precisions a plan compares by default: bf16 weights and optimizer state, and fp32 master weights with
 #: the forward under bf16 autocast.
 PRECISIONS = ("bf16", "mixed")
 
 
-def plan_grid(
-    model_for: Callable[[bool], Any],
-    make_batch: Callable[[int], Any],
-    *,
-    gpu: Any,
-    optimizer: Any,
-    loss_fn: Any = None,
-    layouts: Sequence[Layout],
-    precisions: Sequence[str] = PRECISIONS,
-    checkpointing: Sequence[bool] = (False, True),
-    model_name: str = "model",
-    seq_len: "int | None" = None,
-    alloc_conf: Any = None,
-    attention: str = "auto",
-    max_batch: int = 4096,
-    notes: Sequence[str] = (),
-    loop: "str | None" = None,
-) -> PlanGrid:
-    """The grid of ``layouts`` x ``precisions`` x ``checkpointing``: ``model_for(checkpointing)`` returns the
-    model (built on the meta device) with activation checkpointing on or off, ``make_batch(b)`` its inputs
-    for ``b`` samples (a dict, a tuple or a tensor as :func:`memprof.estimate` takes them; ``loss_fn`` as
-    there). ``loop`` names the training loop simulated (:mod:`memprof.simulate.loops`; memprof's own by default) in
-    every layout but a pipeline's, whose step torch's schedule runs. Every configuration is judged at the device
-    level against ``gpu``'s capacity."""
+class Trained(NamedTuple):
+    """What every row of a plan trains: ``model_for(checkpointing)`` returns the model (built on the meta device)
+    with activation checkpointing on or off, ``make_batch(b)`` its inputs for ``b`` samples (a dict, a tuple or a
+    tensor as :func:`memprof.estimate` takes them), the optimizer and ``loss_fn`` as there, and ``loop`` the
+    training loop simulated (:mod:`memprof.simulate.loops`; memprof's own when None) in every layout but a
+    pipeline's, whose step torch's schedule runs."""
+
+    model_for: Callable[[bool], Any]
+    make_batch: Callable[[int], Any]
+    optimizer: Any
+    loss_fn: Any = None
+    loop: "str | None" = None
+
+
+class Labels(NamedTuple):
+    """What a plan says of its model: its name, the sequence length, and notes on how it was built."""
+
+    model_name: str = "model"
+    seq_len: "int | None" = None
+    notes: Sequence[str] = ()
+
+
+_SEARCH_NOTE = ("search: every row's answer was simulated and so was the batch above it (verified: it fits, the "
+                "next does not); the batches tried were predicted from each phase moment's tensor bytes as a line in "
+                "the batch (two simulated batches per precision, checkpointing and family of layouts) plus the "
+                "device bytes above the tensors the nearest simulated batch showed, and once a row had two simulated "
+                "batches whose allocation streams have one shape, by replaying the stream interpolated between them "
+                "through the allocator model; a prediction is never an answer. The answer is the edge below which "
+                "every batch fits: where memory is pressed (the allocator frees its cache and retries) a batch can "
+                "fail while a larger one fits, so the replays below the answer were read down to a batch that fits "
+                "without pressing memory")
+
+
+def plan_grid(trained: Trained, *, gpu: Any, layouts: Sequence[Layout], precisions: Sequence[str] = PRECISIONS,
+              checkpointing: Sequence[bool] = (False, True), alloc_conf: Any = None, attention: str = "auto",
+              max_batch: int = 4096, labels: "Labels | None" = None) -> PlanGrid:
+    """The grid of ``layouts`` x ``precisions`` x ``checkpointing`` of what ``trained`` says: each row the largest
+    batch judged at the device level against ``gpu``'s capacity, found and confirmed by simulation."""
     from .device_memory import check_target
-    from .estimate import estimate
-    from .plan_search import Probe, largest_batch
     from .progress import Progress
 
     spec, _ = check_target(gpu, None, alloc_conf)
@@ -69,9 +82,7 @@ def plan_grid(
                                    "largest batches that fit that device")
     if not layouts:
         raise InvalidArgumentError("a plan needs at least one layout")
-    limit = spec.allocatable_bytes
     start = time.perf_counter()
-    rows: list[PlanRow] = []
     configs = [(c, p, lay) for c in checkpointing for p in precisions for lay in layouts
                if lay.precisions is None or p in lay.precisions]
     if not configs:
@@ -81,52 +92,65 @@ def plan_grid(
                "pipeline's schedule runs no autocast, and its mixed precision is FSDP2's MixedPrecisionPolicy, "
                "which needs FSDP inside the stages" for lay in layouts if lay.precisions is not None
                for missing in [[p for p in precisions if p not in lay.precisions]] if missing]
-    models: dict[bool, Any] = {}
-    # Each moment's bytes per sample, by (checkpointing, precision, family), and the layout that measured them.
-    slopes: dict[tuple[bool, str, str], tuple[dict, str]] = {}
-    probes: dict[tuple[str, str, bool], Any] = {}
+    labels = labels if labels is not None else Labels()
+    grid = _Grid(trained, spec, alloc_conf, attention, max_batch)
     with Progress(None, "plan") as bar:
         for ckpt, precision, layout in configs:
-            if ckpt not in models:
-                models[ckpt] = model_for(ckpt)
-            model = models[ckpt]
-            label = f"{layout.name} {precision}{' ckpt' if ckpt else ''}"
-            common = dict(precision=precision, loss_fn=loss_fn, gpu=spec, alloc_conf=alloc_conf, attention=attention)
-            # A layout that simulates a batch its own way (a pipeline's micro-batches), or estimate() with its options.
-            run = (partial(layout.simulate, estimate, model, optimizer, make_batch, **common)
-                   if layout.simulate is not None else
-                   partial(_simulate, estimate, model, optimizer, make_batch, **_looped(common, loop),
-                           **dict(layout.options)))
-            one = Probe(run, limit, max_batch, lambda b, label=label: bar.step(f"{label} batch {b}"))
-            family = (ckpt, precision, layout.family or layout.name)
-            shared, reference = slopes.get(family, (None, ""))
-            predicted, overhead, at_batch = _sibling_start(probes, layout.name, reference, precision, ckpt)
-            # Where the family's first row fitted a few samples at most, this one starts at batch 1 (a row that
-            # does not fit one sample costs one simulation); else at 2, whose stream pairs with those above it.
-            measured_by = next((r for r in rows
-                                if (r.layout, r.precision, r.checkpointing) == (reference, precision, ckpt)), None)
-            base = 2 if measured_by is not None and measured_by.max_batch_size >= 3 else 1
-            best, verified, measured = largest_batch(one, shared, predicted, overhead, at_batch, base)
-            if measured is not None and family not in slopes:
-                slopes[family] = (measured, layout.name)
-            probes[(layout.name, precision, ckpt)] = one
-            at = best if best else 1
-            if at not in one.runs:  # nothing fits, and batch 1 was not simulated: it is, for the row's figures
-                one.judged(at)
-            rows.append(_row(layout.name, precision, ckpt, best, at, one.runs[at], len(one.runs), verified,
-                             layout.microbatches))
-    said = ("search: every row's answer was simulated and so was the batch above it (verified: it fits, the next "
-            "does not); the batches tried were predicted from each phase moment's tensor bytes as a line in the "
-            "batch (two simulated batches per precision, checkpointing and family of layouts) plus the device bytes "
-            "above the tensors the nearest simulated batch showed, and once a row had two simulated batches whose "
-            "allocation streams have one shape, by replaying the stream interpolated between them through the "
-            "allocator model; a prediction is never an answer. The answer is the edge below which every batch fits: "
-            "where memory is pressed (the allocator frees its cache and retries) a batch can fail while a larger one "
-            "fits, so the replays below the answer were read down to a batch that fits without pressing memory",)
-    return PlanGrid(rows=tuple(rows), model=model_name, gpu=spec.name, capacity=limit,
+            grid.row(ckpt, precision, layout, bar)
+    return PlanGrid(rows=tuple(grid.rows), model=labels.model_name, gpu=spec.name, capacity=spec.allocatable_bytes,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
-                    seq_len=seq_len, seconds=time.perf_counter() - start, notes=(*notes, *said, *skipped,
-                                                                                 *_pipeline_notes(layouts)))
+                    seq_len=labels.seq_len, seconds=time.perf_counter() - start,
+                    notes=(*labels.notes, _SEARCH_NOTE, *skipped, *_pipeline_notes(layouts)))
+
+
+class _Grid:
+    """A plan's rows as they are searched: the models by checkpointing, each (checkpointing, precision, family)'s
+    moments per sample and the layout that measured them, each row's probe."""
+
+    def __init__(self, trained: Trained, spec: Any, alloc_conf: Any, attention: str, max_batch: int) -> None:
+        self.trained, self.spec, self.alloc_conf, self.attention, self.max_batch = (trained, spec, alloc_conf,
+                                                                                    attention, max_batch)
+        self.rows: list[PlanRow] = []
+        self.models: dict[bool, Any] = {}
+        self.slopes: dict[tuple[bool, str, str], tuple[dict[Any, float], str]] = {}
+        self.probes: dict[tuple[str, str, bool], Any] = {}
+
+    def row(self, ckpt: bool, precision: str, layout: Layout, bar: Any) -> None:
+        """Search the row of ``layout`` in ``precision`` with checkpointing ``ckpt``, and keep it."""
+        from .estimate import estimate
+        from .plan_search import Probe, largest_batch
+
+        t = self.trained
+        if ckpt not in self.models:
+            self.models[ckpt] = t.model_for(ckpt)
+        model = self.models[ckpt]
+        label = f"{layout.name} {precision}{' ckpt' if ckpt else ''}"
+        common = dict(precision=precision, loss_fn=t.loss_fn, gpu=self.spec, alloc_conf=self.alloc_conf,
+                      attention=self.attention)
+        # A layout that simulates a batch its own way (a pipeline's micro-batches), or estimate() with its options.
+        run = (partial(layout.simulate, estimate, model, t.optimizer, t.make_batch, **common)
+               if layout.simulate is not None else
+               partial(_simulate, estimate, model, t.optimizer, t.make_batch, **_looped(common, t.loop),
+                       **dict(layout.options)))
+        one = Probe(run, self.spec.allocatable_bytes, self.max_batch,
+                    lambda b, label=label: bar.step(f"{label} batch {b}"))
+        family = (ckpt, precision, layout.family or layout.name)
+        shared, reference = self.slopes.get(family, (None, ""))
+        predicted, overhead, at_batch = _sibling_start(self.probes, layout.name, reference, precision, ckpt)
+        # Where the family's first row fitted a few samples at most, this one starts at batch 1 (a row that
+        # does not fit one sample costs one simulation); else at 2, whose stream pairs with those above it.
+        measured_by = next((r for r in self.rows
+                            if (r.layout, r.precision, r.checkpointing) == (reference, precision, ckpt)), None)
+        base = 2 if measured_by is not None and measured_by.max_batch_size >= 3 else 1
+        best, verified, measured = largest_batch(one, shared, predicted, overhead, at_batch, base)
+        if measured is not None and family not in self.slopes:
+            self.slopes[family] = (measured, layout.name)
+        self.probes[(layout.name, precision, ckpt)] = one
+        at = best if best else 1
+        if at not in one.runs:  # nothing fits, and batch 1 was not simulated: it is, for the row's figures
+            one.judged(at)
+        self.rows.append(_row(layout.name, precision, ckpt, best, at, one.runs[at], len(one.runs), verified,
+                              layout.microbatches))
 
 
 def _looped(common: "dict[str, Any]", loop: "str | None") -> "dict[str, Any]":
@@ -225,9 +249,8 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
             *hf.loop_versions(loop), *hf.transformers_version_note(cfg)]
     if any(bool(c) for c in checkpointing):  # only when a row has it
         said.append("checkpointing: transformers' activation checkpointing on every layer (non-reentrant)")
-    return plan_grid(model_for, lambda b: token_batch(first, b, seq_len), gpu=gpu,
-                     optimizer=optimizer or hf.adamw, loss_fn=hf.hf_loss,
+    trained = Trained(model_for, lambda b: token_batch(first, b, seq_len), optimizer or hf.adamw, hf.hf_loss, loop)
+    return plan_grid(trained, gpu=gpu,
                      layouts=choose_layouts(first.model, world_size, "dp" if layouts is None else layouts),
-                     precisions=precisions, checkpointing=checkpointing, model_name=first.architecture,
-                     seq_len=seq_len, alloc_conf=alloc_conf, attention=attention, notes=said + list(first.notes),
-                     loop=loop)
+                     precisions=precisions, checkpointing=checkpointing, alloc_conf=alloc_conf, attention=attention,
+                     labels=Labels(first.architecture, seq_len, said + list(first.notes)))
