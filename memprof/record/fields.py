@@ -59,6 +59,7 @@ class _Field(NamedTuple):
 
 
 _PLANS: dict[type, tuple[_Field, ...]] = {}
+_ABSENT = object()
 
 
 def _plan(cls: type) -> tuple[_Field, ...]:
@@ -78,9 +79,9 @@ def _plan(cls: type) -> tuple[_Field, ...]:
 def write(part: Any) -> dict[str, Any]:
     """The JSON dict of a frozen dataclass, from its fields."""
     out: dict[str, Any] = {}
-    for f in _plan(type(part)):
-        value = getattr(part, f.name)
-        out[f.key] = value if f.write is None else f.write(value)
+    for name, key, _, _, convert, _ in _PLANS.get(type(part)) or _plan(type(part)):
+        value = getattr(part, name)
+        out[key] = value if convert is None else convert(value)
     return out
 
 
@@ -89,11 +90,12 @@ def read(cls: "type[T]", data: Any, what: str) -> T:
     data = mapping(data, what)
     kw: dict[str, Any] = {}
     missing = []
-    for f in _plan(cls):
-        if f.key in data:
-            kw[f.name] = f.read(data[f.key], f.label)
-        elif f.required:
-            missing.append(f.key)
+    for name, key, label, check, _, required in _PLANS.get(cls) or _plan(cls):  # unpacked: the loader's hot loop
+        value = data.get(key, _ABSENT)
+        if value is not _ABSENT:
+            kw[name] = check(value, label)
+        elif required:
+            missing.append(key)
     if missing:
         raise corrupt(f"{what} lacks {sorted(missing)}")
     return cls(**kw)

@@ -23,6 +23,7 @@ __all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "
 
 _ALL = tuple(Category)
 _TENSOR = tuple(_ALL.index(c) for c in TENSOR_CATEGORIES)
+_NAMES = tuple(c.value for c in _ALL)  # read once: an enum's .value is a property, and files hold millions
 # A category's place in a breakdown, by member or by value (a str enum's member and its value are one key).
 _INDEX: dict[str, int] = {c: i for i, c in enumerate(_ALL)}  # by Category, which is a str, and by value
 
@@ -81,8 +82,10 @@ class Breakdown(Mapping[Category, "int | None"]):
         """Only the categories that were measured."""
         return {c: v for c, v in zip(_ALL, self.counts) if v is not None}
 
+    # Written by hand, not from its fields (record/fields.py): its file form is a mapping of each category's
+    # value to its bytes, not its ``counts`` tuple, and reading it checks the categories against the total.
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {c.value: v for c, v in zip(_ALL, self.counts)}
+        out: dict[str, Any] = dict(zip(_NAMES, self.counts))
         out["total"] = self.total
         return out
 
@@ -93,7 +96,7 @@ class Breakdown(Mapping[Category, "int | None"]):
         exceed it when some are not)."""
         if not isinstance(data, Mapping):
             raise corrupt(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
-        values = tuple(optional_count(data.get(c.value), c.value) for c in _ALL)
+        values = tuple(optional_count(data.get(name), name) for name in _NAMES)
         total = optional_count(data.get("total"), "total")
         if total is not None:
             known = sum(v for v in values if v is not None)
@@ -116,56 +119,32 @@ class PhaseRecord:
     ``peak`` is the composition at the moment the phase's total was highest.
     """
 
-    step: int
-    phase: Phase
-    occurrence: int
+    step: int = field(metadata=form(label="step"))
+    phase: Phase = field(metadata=form(label="a phase"))
+    occurrence: int = field(metadata=form(label="occurrence"))
     start: Breakdown
     peak: Breakdown
     end: Breakdown
-    ops: int = 0
+    ops: int = field(default=0, metadata=form(label="ops"))
     #: Bytes of named kinds of saved tensors (dropout masks, norm statistics, ...) at the peak and end.
-    tags_peak: tuple[tuple[str, int], ...] = ()
-    tags_end: tuple[tuple[str, int], ...] = ()
+    tags_peak: tuple[tuple[str, int], ...] = field(default=(), metadata=form(read=lambda v, _: pairs(v)))
+    tags_end: tuple[tuple[str, int], ...] = field(default=(), metadata=form(read=lambda v, _: pairs(v)))
     #: When the phase began, reached its peak and ended: microseconds since the profile started
     #: (schema 4; None in older files). The time axis of the Chrome/Perfetto and memory_viz exports.
     #: Not compared: two records of the same memory are equal however long they took.
-    start_us: "float | None" = field(default=None, compare=False)
-    peak_us: "float | None" = field(default=None, compare=False)
-    end_us: "float | None" = field(default=None, compare=False)
+    start_us: "float | None" = field(default=None, compare=False,
+                                     metadata=form(label="a phase's start_us", read=optional_time))
+    peak_us: "float | None" = field(default=None, compare=False,
+                                    metadata=form(label="a phase's peak_us", read=optional_time))
+    end_us: "float | None" = field(default=None, compare=False,
+                                   metadata=form(label="a phase's end_us", read=optional_time))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "phase": self.phase.value,
-            "occurrence": self.occurrence,
-            "start": self.start.to_dict(),
-            "peak": self.peak.to_dict(),
-            "end": self.end.to_dict(),
-            "ops": self.ops,
-            "tags_peak": [list(t) for t in self.tags_peak],
-            "tags_end": [list(t) for t in self.tags_end],
-            "start_us": self.start_us,
-            "peak_us": self.peak_us,
-            "end_us": self.end_us,
-        }
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PhaseRecord":
-        data = mapping(data, "a phase")
-        rec = cls(
-            step=count(data["step"], "step"),
-            phase=member(data["phase"], Phase, "a phase"),
-            occurrence=count(data["occurrence"], "occurrence"),
-            start=Breakdown.from_dict(data["start"]),
-            peak=Breakdown.from_dict(data["peak"]),
-            end=Breakdown.from_dict(data["end"]),
-            ops=count(data.get("ops", 0), "ops"),
-            tags_peak=pairs(data.get("tags_peak", ())),
-            tags_end=pairs(data.get("tags_end", ())),
-            start_us=optional_time(data.get("start_us"), "a phase's start_us"),
-            peak_us=optional_time(data.get("peak_us"), "a phase's peak_us"),
-            end_us=optional_time(data.get("end_us"), "a phase's end_us"),
-        )
+        rec = fileform.read(cls, data, "a phase")
         _peak_is_highest(rec.peak, (rec.start, rec.end), f"step {rec.step}'s {rec.phase.value} phase")
         return rec
 
@@ -324,31 +303,25 @@ class Sample:
     "" in files older than schema 4, which also have no ``time_us``.
     """
 
-    seq: int
-    step: int
-    phase: Phase
-    label: str
+    seq: int = field(metadata=form(label="a sample's seq"))
+    step: int = field(metadata=form(label="a sample's step"))
+    phase: Phase = field(metadata=form(label="a sample's phase"))
+    label: str = field(metadata=form(label="a sample's label"))
     breakdown: Breakdown
     #: Microseconds since the profile started (not compared, as a phase's times).
-    time_us: "float | None" = field(default=None, compare=False)
-    event: str = ""
+    time_us: "float | None" = field(default=None, compare=False,
+                                    metadata=form(label="a sample's time_us", read=optional_time))
+    # _event is defined below the class, beside SAMPLE_EVENTS: called through a lambda.
+    event: str = field(default="", metadata=form(label="a sample's event", read=lambda v, n: _event(v, n)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seq": self.seq, "step": self.step, "phase": self.phase.value, "label": self.label,
-                "breakdown": self.breakdown.to_dict(), "time_us": self.time_us, "event": self.event}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
         """Read from a file: a sample that marks a phase's beginning is labelled with that phase."""
-        data = mapping(data, "a timeline sample")
-        event = text(data.get("event", ""), "a sample's event")
-        if event not in SAMPLE_EVENTS:
-            raise corrupt(f"a sample's event must be one of {', '.join(map(repr, SAMPLE_EVENTS))}, got {event[:20]!r}")
-        sample = cls(count(data["seq"], "a sample's seq"), count(data["step"], "a sample's step"),
-                     member(data["phase"], Phase, "a sample's phase"), text(data["label"], "a sample's label"),
-                     Breakdown.from_dict(data["breakdown"]), optional_time(data.get("time_us"), "a sample's time_us"),
-                     event)
-        if event == "phase" and sample.label != sample.phase.value:
+        sample = fileform.read(cls, data, "a timeline sample")
+        if sample.event == "phase" and sample.label != sample.phase.value:
             raise corrupt(f"timeline sample {sample.seq} marks the beginning of {sample.phase.value} but is labelled "
                           f"{sample.label[:40]!r}")
         return sample
@@ -356,6 +329,13 @@ class Sample:
 
 #: What a timeline sample marks (see :class:`Sample`).
 SAMPLE_EVENTS = ("", "start", "phase", "enter", "exit")
+
+
+def _event(value: Any, name: str) -> str:
+    event = text(value, name)
+    if event not in SAMPLE_EVENTS:
+        raise corrupt(f"{name} must be one of {', '.join(map(repr, SAMPLE_EVENTS))}, got {event[:20]!r}")
+    return event
 
 
 @dataclass(frozen=True)
