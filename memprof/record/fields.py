@@ -34,19 +34,25 @@ Writer = Callable[[Any], Any]
 _KEY = "memprof.file"
 
 
+#: A field without a default that the file must hold; a field whose dataclass default stands when absent.
+_REQUIRED, _DEFAULT = object(), object()
+
+
 class _Form(NamedTuple):
     key: "str | None"
     label: "str | None"
     read: "Reader | None"
     write: "Writer | None"
+    absent: Any
 
 
 def form(*, key: "str | None" = None, label: "str | None" = None, read: "Reader | None" = None,
-         write: "Writer | None" = None) -> dict[str, Any]:
+         write: "Writer | None" = None, absent: Any = _REQUIRED) -> dict[str, Any]:
     """A field's metadata when its file form differs: ``key`` the name in the file (default: the field's),
     ``label`` its name in a refusal (default ``Class.field``), ``read(value, label)`` and ``write(value)``
-    its own conversion (default: from its annotation)."""
-    return {_KEY: _Form(key, label, read, write)}
+    its own conversion (default: from its annotation), ``absent`` the value of a required field that older
+    files leave out."""
+    return {_KEY: _Form(key, label, read, write, absent)}
 
 
 class _Field(NamedTuple):
@@ -55,7 +61,7 @@ class _Field(NamedTuple):
     label: str
     read: Reader
     write: "Writer | None"  # None: the value is its JSON form already
-    required: bool
+    absent: Any  # _REQUIRED, _DEFAULT (the dataclass's default) or the value an older file's absence gives
 
 
 _PLANS: dict[type, tuple[_Field, ...]] = {}
@@ -68,10 +74,12 @@ def _plan(cls: type) -> tuple[_Field, ...]:
         hints = typing.get_type_hints(cls)
         out = []
         for f in dataclasses.fields(cls):
-            own = f.metadata.get(_KEY) or _Form(None, None, None, None)
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            own = f.metadata.get(_KEY) or _Form(None, None, None, None, _REQUIRED)
+            absent = own.absent
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                absent = _DEFAULT
             out.append(_Field(f.name, own.key or f.name, own.label or f"{cls.__name__}.{f.name}",
-                              own.read or _reader(hints[f.name]), own.write or _writer(hints[f.name]), required))
+                              own.read or _reader(hints[f.name]), own.write or _writer(hints[f.name]), absent))
         plan = _PLANS[cls] = tuple(out)
     return plan
 
@@ -90,12 +98,14 @@ def read(cls: "type[T]", data: Any, what: str) -> T:
     data = mapping(data, what)
     kw: dict[str, Any] = {}
     missing = []
-    for name, key, label, check, _, required in _PLANS.get(cls) or _plan(cls):  # unpacked: the loader's hot loop
+    for name, key, label, check, _, absent in _PLANS.get(cls) or _plan(cls):  # unpacked: the loader's hot loop
         value = data.get(key, _ABSENT)
         if value is not _ABSENT:
             kw[name] = check(value, label)
-        elif required:
+        elif absent is _REQUIRED:
             missing.append(key)
+        elif absent is not _DEFAULT:
+            kw[name] = absent
     if missing:
         raise corrupt(f"{what} lacks {sorted(missing)}")
     return cls(**kw)

@@ -13,7 +13,7 @@ from .cache import CacheMoment, frozen_spec, spec_data
 from .layout import MeshLayout
 from . import fields as fileform
 from .fields import form
-from .checks import (corrupt, count, listed_once, mapping, member, optional_count, optional_text, optional_time,
+from .checks import (corrupt, count, listed_once, mapping, member, optional_count, optional_time,
                      pairs, seq, text)
 from ..errors import TraceFormatError
 
@@ -220,20 +220,19 @@ class OperationRecord:
 class StepRecord:
     """One optimizer step (or one ``prof.step()`` block) and its phases, in order."""
 
-    index: int
-    phases: tuple[PhaseRecord, ...]
+    index: int = field(metadata=form(label="a step's index"))
+    phases: tuple[PhaseRecord, ...] = field(metadata=form(label="a step's phases"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "phases": [p.to_dict() for p in self.phases]}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
         """Read from a file: at least one phase (a step is kept only once one was recorded), each its own, each
         (phase, occurrence) once, and each kind numbered 0, 1, 2 ... without a gap (the collector counts a
         step's phases of a kind from 0: a lone ``backward #3`` is no step that ran)."""
-        data = mapping(data, "a step")
-        index = count(data["index"], "a step's index")
-        phases = tuple(PhaseRecord.from_dict(p) for p in seq(data["phases"], "a step's phases"))
+        step = fileform.read(cls, data, "a step")
+        index, phases = step.index, step.phases
         if not phases:
             raise corrupt(f"step {index} holds no phase")
         seen: dict[Phase, set[int]] = {}
@@ -250,7 +249,7 @@ class StepRecord:
                 gap = min(set(range(len(numbers))) - numbers)
                 raise corrupt(f"step {index} holds {kind.value} #{max(numbers)} but no {kind.value} #{gap} (a step's "
                               "phases of one kind are numbered 0, 1, 2 ...)")
-        return cls(index, phases)
+        return step
 
 
 @dataclass(frozen=True)
@@ -389,55 +388,44 @@ class RankInfo:
     """The rank a run was in a torch.distributed job (schema 5): its rank, the world size, the backend and
     the parallel layout of the model (``ddp``, ``fsdp2``, ``fsdp1``, ``deepspeed``; None when unwrapped)."""
 
-    rank: int
-    world_size: int
-    backend: "str | None" = None
-    layout: "str | None" = None
+    rank: int = field(metadata=form(label="a rank"))
+    world_size: int = field(metadata=form(label="a world size"))
+    backend: "str | None" = field(default=None, metadata=form(label="backend"))
+    layout: "str | None" = field(default=None, metadata=form(label="layout"))
     #: DDP's gradient_as_bucket_view: the gradients are the buckets (no copy); None for other layouts.
-    bucket_view: "bool | None" = None
+    bucket_view: "bool | None" = field(default=None, metadata=form(label="bucket_view"))
     #: FSDP2: this rank's shards of every parameter, with the padding FSDP adds so that dim 0 divides by
     #: the world size; the bytes of that padding; and the parameters' full (unsharded) bytes in the dtype
     #: they are gathered in. None for other layouts.
-    sharded_bytes: "int | None" = None
-    padding_bytes: "int | None" = None
-    unsharded_bytes: "int | None" = None
+    sharded_bytes: "int | None" = field(default=None, metadata=form(label="sharded bytes"))
+    padding_bytes: "int | None" = field(default=None, metadata=form(label="padding bytes"))
+    unsharded_bytes: "int | None" = field(default=None, metadata=form(label="unsharded bytes"))
     #: FSDP2: the bytes an even split of its parameters would give each rank (no padding, no uneven rows).
-    even_bytes: "int | None" = None
+    even_bytes: "int | None" = field(default=None, metadata=form(label="even bytes"))
     #: The rank's share of the model's parameters (and of the trainable ones), in elements: each DTensor
     #: parameter counts its global size over the number of shards its placements make (FSDP, HSDP's shard
     #: dimension, tensor parallelism), any other parameter whole. None when no parameter is a DTensor.
-    params_per_rank: "int | None" = None
-    trainable_per_rank: "int | None" = None
+    params_per_rank: "int | None" = field(default=None, metadata=form(label="params per rank"))
+    trainable_per_rank: "int | None" = field(default=None, metadata=form(label="trainable per rank"))
     #: Into how many shards every parameter is cut, when that is the same for all (FSDP: the world size;
     #: HSDP: its shard dimension); None when it differs or no parameter is a DTensor.
-    shards: "int | None" = None
+    shards: "int | None" = field(default=None, metadata=form(label="shards"))
     #: The device mesh, the dimensions that cut each group of parameters and FSDP2's policy, read from the
     #: parameters at profile time; None when no parameter is a DTensor.
     layout_detail: "MeshLayout | None" = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        out["layout_detail"] = self.layout_detail.to_dict() if self.layout_detail is not None else None
-        return out
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RankInfo":
-        data = mapping(data, "the rank record")
-        view = data.get("bucket_view")
-        if view is not None and not isinstance(view, bool):
-            raise corrupt(f"bucket_view must be true, false or null, got {view!r}")
-        sizes = {k: optional_count(data.get(k), k.replace("_", " "))
-                 for k in ("sharded_bytes", "padding_bytes", "unsharded_bytes", "even_bytes", "params_per_rank",
-                           "trainable_per_rank", "shards")}
-        rank, world = count(data["rank"], "a rank"), count(data["world_size"], "a world size")
-        if not 1 <= world <= MAX_WORLD:
-            raise corrupt(f"a world size must be between 1 and {MAX_WORLD:,} ranks, got {world}")
-        if rank >= world:
-            raise corrupt(f"rank {rank} does not exist in a world of {world}")
-        detail = data.get("layout_detail")
-        return cls(rank=rank, world_size=world, backend=optional_text(data.get("backend"), "backend"),
-                   layout=optional_text(data.get("layout"), "layout"), bucket_view=view, **sizes,
-                   layout_detail=MeshLayout.from_dict(detail) if detail is not None else None)
+        """Read from a file: a world of 1 to :data:`MAX_WORLD` ranks, holding the rank."""
+        info = fileform.read(cls, data, "the rank record")
+        if not 1 <= info.world_size <= MAX_WORLD:
+            raise corrupt(f"a world size must be between 1 and {MAX_WORLD:,} ranks, got {info.world_size}")
+        if info.rank >= info.world_size:
+            raise corrupt(f"rank {info.rank} does not exist in a world of {info.world_size}")
+        return info
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,12 @@ routing: every allocation of an expert layer depends on how many tokens each exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .checks import corrupt, count, mapping, seq, text
+from . import fields as fileform
+from .checks import corrupt, count, seq, text
+from .fields import form
 
 __all__ = ["RouterCall", "RoutingRecord", "MAX_ROUTER_CALLS"]
 
@@ -35,6 +37,8 @@ class RouterCall:
     def rows(self) -> int:
         return sum(self.counts) // self.picks if self.picks else 0
 
+    # Written by hand, not from its fields (record/fields.py): a router call is a positional list in the file
+    # (a run keeps up to MAX_ROUTER_CALLS of them), and its counts are checked against its choices and picks.
     def to_list(self) -> list[Any]:
         return [self.module, self.choices, self.picks, list(self.counts)]
 
@@ -55,8 +59,10 @@ class RoutingRecord:
     """Every router call of a run, in the order they ran. ``truncated``: the run made more calls than
     :data:`MAX_ROUTER_CALLS`, and only the first are kept."""
 
-    calls: tuple[RouterCall, ...] = ()
-    truncated: bool = False
+    calls: tuple[RouterCall, ...] = field(default=(), metadata=form(
+        label="router calls", read=lambda v, n: tuple(RouterCall.from_list(c) for c in seq(v, n)),
+        write=lambda calls: [c.to_list() for c in calls]))
+    truncated: bool = field(default=False, metadata=form(label="the routing record's truncated"))
 
     def by_module(self) -> dict[str, list[tuple[int, ...]]]:
         """Each router module's calls, in order: its per-choice token counts."""
@@ -76,12 +82,8 @@ class RoutingRecord:
         return worst
 
     def to_dict(self) -> dict[str, Any]:
-        return {"calls": [c.to_list() for c in self.calls], "truncated": self.truncated}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RoutingRecord":
-        data = mapping(data, "the routing record")
-        truncated = data.get("truncated", False)
-        if not isinstance(truncated, bool):
-            raise corrupt(f"the routing record's truncated must be true or false, got {truncated!r}")
-        return cls(tuple(RouterCall.from_list(c) for c in seq(data.get("calls", ()), "router calls")), truncated)
+        return fileform.read(cls, data, "the routing record")

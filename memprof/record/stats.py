@@ -9,11 +9,13 @@ peak and at its end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
 from ..vocabulary import Category, Phase
-from .checks import corrupt, count, flag, member, optional_count
+from . import fields as fileform
+from .checks import corrupt, optional_count
+from .fields import form
 
 __all__ = ["Stat", "PhaseStats", "STAT_KEYS"]
 
@@ -38,12 +40,15 @@ class PhaseStats:
     were too varied to keep them all: the median is then that of an evenly thinned sample.
     """
 
-    phase: Phase
-    occurrence: int
-    count: int
-    peak: tuple[tuple[str, "Stat | None"], ...]
-    end: tuple[tuple[str, "Stat | None"], ...]
-    median_exact: bool = True
+    phase: Phase = field(metadata=form(label="a phase statistic's phase"))
+    occurrence: int = field(metadata=form(label="occurrence"))
+    count: int = field(metadata=form(label="a phase count"))
+    # A mapping of each series to [min, median, max] or null in the file, every series of STAT_KEYS in order.
+    peak: tuple[tuple[str, "Stat | None"], ...] = field(metadata=form(read=lambda v, _: _stats(v),
+                                                                       write=lambda v: _stats_dict(v)))
+    end: tuple[tuple[str, "Stat | None"], ...] = field(metadata=form(read=lambda v, _: _stats(v),
+                                                                      write=lambda v: _stats_dict(v)))
+    median_exact: bool = field(default=True, metadata=form(label="median_exact"))
 
     def at(self, moment: str, key: "Category | str") -> "Stat | None":
         """The Stat of ``key`` (a category or ``"total"``) at ``"peak"`` or ``"end"``."""
@@ -51,18 +56,15 @@ class PhaseStats:
         return dict(self.peak if moment == "peak" else self.end).get(name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase.value, "occurrence": self.occurrence, "count": self.count,
-                "peak": {k: list(v) if v is not None else None for k, v in self.peak},
-                "end": {k: list(v) if v is not None else None for k, v in self.end},
-                "median_exact": self.median_exact}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "PhaseStats":
-        if not isinstance(data, Mapping):
-            raise corrupt("a phase statistic must be a mapping")
-        return cls(member(data["phase"], Phase, "a phase statistic's phase"), count(data["occurrence"], "occurrence"),
-                   count(data["count"], "a phase count"), _stats(data["peak"]), _stats(data["end"]),
-                   flag(data.get("median_exact", True), "median_exact"))
+        return fileform.read(cls, data, "a phase statistic")
+
+
+def _stats_dict(series: tuple[tuple[str, "Stat | None"], ...]) -> dict[str, Any]:
+    return {k: list(v) if v is not None else None for k, v in series}
 
 
 def _stats(data: Any) -> tuple[tuple[str, "Stat | None"], ...]:
