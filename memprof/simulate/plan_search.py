@@ -23,7 +23,7 @@ to the simulated batches, and by bisection where those make no progress.
 from __future__ import annotations
 
 from array import array
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from .device_memory import replay_of
 
@@ -234,6 +234,77 @@ class Probe:
         return max(0, est.device_memory.device_peak - est.peak_bytes)
 
 
+class _Prediction(NamedTuple):
+    """A prediction of a configuration's moments at ``start_batch`` and of its device bytes above the tensors
+    (``overhead``), from a like configuration (None: none)."""
+
+    start: "Mapping[Any, int] | None"
+    overhead: int
+    start_batch: int
+
+
+def _opening(probe: Probe, shared: "Mapping[Any, float] | None", start: "Mapping[Any, int] | None",
+             base: int) -> "tuple[int, int | None, dict[Any, float] | None, Mapping[Any, int] | None]":
+    """The search's first simulations: batch ``base`` where a like configuration's slopes are shared (and its
+    moments are this one's), else batches 1 and 2. The bracket (lo, hi: the largest batch known to fit, 0 for none;
+    the smallest known not to), the slopes to predict with, and the start prediction if it still holds."""
+    ceiling = probe.max_batch
+    lo, hi = 0, None
+    slopes = dict(shared) if shared is not None else None
+    if start is not None and slopes is not None and start.keys() <= slopes.keys():
+        return lo, hi, slopes, start
+    if slopes is not None:
+        base = max(1, min(base, ceiling))
+        if probe.fits(base):
+            lo = base
+        else:
+            hi = base
+        if not probe.moments[base].keys() <= slopes.keys():
+            slopes = None
+    if slopes is None:  # lines of its own, through batches 1 and 2
+        for b in (1, 2):
+            if b > ceiling or (hi is not None and b >= hi):
+                break
+            if probe.fits(b):
+                lo = max(lo, b)
+            else:
+                hi = b
+                break
+    return lo, hi, slopes, None
+
+
+def _narrowed(probe: Probe, lo: int, hi: "int | None", ceiling: int, slopes: "Mapping[Any, float] | None",
+              prediction: _Prediction) -> "tuple[int, int | None]":
+    """Close the bracket to adjacent batches (or to the ceiling), each probe the batch the lines (or the replayed
+    streams) predict, bisecting where the lines keep missing on one side."""
+    same_side = 0  # probes in a row that moved the same end of the bracket: then bisect
+    last_side = None
+    while (hi is None or hi - lo > 1) and lo < ceiling:
+        top = ceiling if hi is None else hi - 1
+        guess = _predicted(probe, slopes or {}, lo, hi, probe.limit, top, prediction.start, prediction.overhead,
+                           prediction.start_batch)
+        replayed = _replayed_guess(probe, lo, top, guess)
+        if replayed is not None:
+            guess = replayed
+        if guess <= lo and same_side < 3:
+            # The lines say lo is the answer: simulate the batch above it, which confirms it or moves on by one
+            # (the allocator's segments put a device peak about a sample away from the lines). A leap here
+            # would cost a simulation more in that common case; only after three such steps up in a row does
+            # it leap.
+            guess = lo + 1
+        elif same_side >= 2:  # the lines keep missing on one side: bisect, or double while there is no ceiling
+            guess = (lo + hi) // 2 if hi is not None else min(top, 2 * lo)
+        guess = min(max(guess, lo + 1), top)
+        side = "lo" if probe.fits(guess) else "hi"
+        if side == "lo":
+            lo = guess
+        else:
+            hi = guess
+        same_side = same_side + 1 if side == last_side else 1
+        last_side = side
+    return lo, hi
+
+
 def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
                   start: "Mapping[Any, int] | None" = None, overhead: int = 0,
                   start_batch: int = 1, base: int = 1) -> "tuple[int, bool, dict | None]":
@@ -254,58 +325,15 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
     and ``shared`` the search simulates the batch they predict first, and batches 1 and 2 only if it comes to them.
     """
     ceiling = probe.max_batch  # (probe.limit is read where used: a memory fraction's cap lowers it at the first run)
-    lo, hi = 0, None  # the largest batch known to fit (0: none simulated yet), the smallest known not to
-    slopes = dict(shared) if shared is not None else None
-    if start is None or slopes is None or not start.keys() <= slopes.keys():
-        start = None
-        if slopes is not None:
-            base = max(1, min(base, ceiling))
-            if probe.fits(base):
-                lo = base
-            else:
-                hi = base
-            if not probe.moments[base].keys() <= slopes.keys():
-                slopes = None
-        if slopes is None:  # lines of its own, through batches 1 and 2
-            for b in (1, 2):
-                if b > ceiling or (hi is not None and b >= hi):
-                    break
-                if probe.fits(b):
-                    lo = max(lo, b)
-                else:
-                    hi = b
-                    break
-            if hi == 1:
-                return 0, True, None
+    lo, hi, slopes, start = _opening(probe, shared, start, base)
+    if hi == 1 and slopes is None:
+        return 0, True, None  # batch 1 does not fit: settled by one simulation
     measured = None
     if 1 in probe.runs and 2 in probe.runs:
         measured = Lines.through(1, probe.moments[1], 2, probe.moments[2]).slope
         slopes = measured
-    same_side = 0  # probes in a row that moved the same end of the bracket: then bisect
-    last_side = None
     while True:
-        while (hi is None or hi - lo > 1) and lo < ceiling:
-            top = ceiling if hi is None else hi - 1
-            guess = _predicted(probe, slopes or {}, lo, hi, probe.limit, top, start, overhead, start_batch)
-            replayed = _replayed_guess(probe, lo, top, guess)
-            if replayed is not None:
-                guess = replayed
-            if guess <= lo and same_side < 3:
-                # The lines say lo is the answer: simulate the batch above it, which confirms it or moves on by one
-                # (the allocator's segments put a device peak about a sample away from the lines). A leap here
-                # would cost a simulation more in that common case; only after three such steps up in a row does
-                # it leap.
-                guess = lo + 1
-            elif same_side >= 2:  # the lines keep missing on one side: bisect, or double while there is no ceiling
-                guess = (lo + hi) // 2 if hi is not None else min(top, 2 * lo)
-            guess = min(max(guess, lo + 1), top)
-            side = "lo" if probe.fits(guess) else "hi"
-            if side == "lo":
-                lo = guess
-            else:
-                hi = guess
-            same_side = same_side + 1 if side == last_side else 1
-            last_side = side
+        lo, hi = _narrowed(probe, lo, hi, ceiling, slopes, _Prediction(start, overhead, start_batch))
         # Fitting is not monotone in the batch where memory is pressed: the allocator frees its cache and retries,
         # and one batch can fail where the next fits. The answer is the edge below which every batch fits (a user
         # who takes fewer samples than the answer must not meet an out-of-memory error), so a batch below it that
@@ -319,7 +347,6 @@ def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
             break
         hi = gap
         lo = max((b for b in probe.runs if b < gap and probe.device[b] <= probe.limit), default=0)
-        same_side, last_side = 0, None
     verified = hi is not None and hi == lo + 1 and (lo == 0 or lo in probe.runs)
     probe.forget_streams()
     return lo, verified, measured
