@@ -50,7 +50,7 @@ from .profile_state import ProfileState
 from .saved_hooks import pop_orphans
 from .state import EXACT, LIGHT, Run
 from .undo import UndoStack
-from .wiring import Collectors, wire
+from .wiring import Collectors, Wiring, wire
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -308,11 +308,9 @@ class Profiler(ProfileState):
         assert stack is not None
         optimizers = [o for o in (r() for r in self._optimizer_refs) if o is not None]
         ready = self._window_ready if self._on_trace_ready is not None else None
-        self.collectors = wire(model, optimizers, self.run, self.ledger, self.probe, stack,
-                               mode_requested=self._mode_requested, operations=self._want_operations,
-                               fake_mode=self._fake_mode, schedule=self.schedule, ready=ready,
-                               record_routing=self._record_routing, allocator=self._allocator,
-                               carry=self._carry)
+        how = Wiring(self._mode_requested, self._want_operations, self._fake_mode, self.schedule, ready,
+                     record_routing=self._record_routing, allocator=self._allocator, carry=self._carry)
+        self.collectors = wire(model, optimizers, self.run, self.ledger, self.probe, stack, how)
         if self.oom_dump is not None:
             self.oom_dump.start(self.live_now)
             stack.callback(self.oom_dump.stop)

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from .state import Run
     from .undo import UndoStack
 
-__all__ = ["Collectors", "wire"]
+__all__ = ["Collectors", "Wiring", "wire"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,23 +146,36 @@ class Collectors:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class Wiring:
+    """How a profile measures, as its arguments decided: the mode asked for (``"auto"`` included), whether per-op
+    records are kept, a simulation's fake-tensor mode (its tensors are the run's), the schedule and ``ready`` (which
+    hands the run so far to ``on_trace_ready`` at the end of a window), whether routing is recorded, where exact
+    mode's events come from (``source=`` of profile()), and whether optimizer steps may be carried (:mod:`.carry`)
+    where nothing else needs every op."""
+
+    mode_requested: str
+    operations: bool
+    fake_mode: Any
+    schedule: "Schedule | None"
+    ready: "Callable[[], None] | None"
+    record_routing: bool = False
+    allocator: str = "dispatch"
+    carry: bool = True
+
+
 def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
-         probe: "DeviceProbe", stack: "UndoStack", *, mode_requested: str, operations: bool, fake_mode: Any,
-         schedule: "Schedule | None", ready: "Callable[[], None] | None", record_routing: bool = False,
-         allocator: str = "dispatch", carry: bool = True) -> Collectors:
-    """Build the collectors of a profile of ``model`` and install everything; ``ready`` hands the run so far
-    to ``on_trace_ready`` at the end of a schedule's window; ``allocator``: where exact mode's events come
-    from (``source=`` of profile()); ``carry``: optimizer steps may be carried (:mod:`.carry`) where nothing
-    else needs every op."""
+         probe: "DeviceProbe", stack: "UndoStack", how: Wiring) -> Collectors:
+    """Build the collectors of a profile of ``model`` and install everything, as ``how`` says."""
     from .allocator_source import attach
 
-    c = build(model, optimizers, run, ledger, probe, stack, fake_mode)
-    install(c, model, mode_requested=mode_requested, operations=operations, carry=carry)
+    c = build(model, optimizers, run, ledger, probe, stack, how.fake_mode)
+    install(c, model, mode_requested=how.mode_requested, operations=how.operations, carry=how.carry)
     # On CUDA: the allocator's events (source="allocator") and memprof's labels in its snapshot.
-    c.allocator = attach(run, ledger, c.phases, c.table, stack, allocator)
-    if schedule is not None:
-        add_windows(c, schedule, ready)
-    if record_routing:
+    c.allocator = attach(run, ledger, c.phases, c.table, stack, how.allocator)
+    if how.schedule is not None:
+        add_windows(c, how.schedule, how.ready)
+    if how.record_routing:
         c.routing = RoutingRecorder(run, c.table)
         c.routing.__enter__()  # type: ignore[no-untyped-call]  # torch's TorchFunctionMode.__enter__ is untyped
         stack.callback(c.routing.__exit__, None, None, None)
