@@ -10,12 +10,14 @@ these records, so a saved trace can be predicted again by a newer memprof.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import filterfalse
 from typing import Any, Mapping
 
 from ..errors import is_interrupt
-from .checks import corrupt, count, flag, mapping, seq, text
+from . import fields as fileform
+from .checks import corrupt, count, mapping, seq, text
+from .fields import form
 
 __all__ = ["TensorSpec", "NotDescribed", "ModuleCall", "ParamSpec", "OptimizerSpec", "plain_config", "itemsize"]
 
@@ -110,6 +112,8 @@ class TensorSpec:
     def nbytes(self) -> int:
         return self.numel * itemsize(self.dtype)
 
+    # Written by hand, not from its fields (record/fields.py): a positional [shape, dtype] pair in the file, and
+    # its shape is checked against its dtype (a tensor torch can hold).
     def to_dict(self) -> list[Any]:
         return [list(self.shape), self.dtype]
 
@@ -182,62 +186,46 @@ class ModuleCall:
     recorded the call (an input or a parameter needed a gradient).
     """
 
-    path: str
-    classes: tuple[str, ...]
-    config: tuple[tuple[str, Any], ...]
-    params: tuple[tuple[str, bool], ...]
-    inputs: tuple[TensorSpec, ...]
-    output: "TensorSpec | None"
-    grad: bool
-    leaf: bool
+    path: str = field(metadata=form(label="a module call's path"))
+    classes: tuple[str, ...] = field(metadata=form(label="a module call's classes"))
+    config: tuple[tuple[str, Any], ...] = field(metadata=form(read=lambda v, _: _config(v), absent=()))
+    params: tuple[tuple[str, bool], ...] = field(metadata=form(label="a parameter", absent=()))
+    inputs: tuple[TensorSpec, ...] = field(metadata=form(label="a module call's inputs", absent=()))
+    output: "TensorSpec | None" = field(metadata=form(absent=None))
+    grad: bool = field(metadata=form(label="a module call's grad", absent=False))
+    leaf: bool = field(metadata=form(label="a module call's leaf", absent=True))
     #: The call ran inside torch.utils.checkpoint (non-reentrant): it keeps nothing for backward in
     #: forward, and is recomputed in backward (schema 4; False in older files).
-    checkpointed: bool = False
+    checkpointed: bool = field(default=False, metadata=form(label="a module call's checkpointed"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "classes": list(self.classes), "config": [[k, v] for k, v in self.config],
-                "params": [list(p) for p in self.params], "inputs": [t.to_dict() for t in self.inputs],
-                "output": self.output.to_dict() if self.output is not None else None, "grad": self.grad,
-                "leaf": self.leaf, "checkpointed": self.checkpointed}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModuleCall":
-        data = mapping(data, "a module call")
-        return cls(
-            path=text(data["path"], "a module call's path"),
-            classes=tuple(text(c, "a class name") for c in seq(data["classes"], "a module call's classes")),
-            config=_config(data.get("config", ())),
-            params=tuple((text(n, "a parameter name"), flag(g, "requires_grad"))
-                         for n, g in (seq(p, "a parameter", 2) for p in seq(data.get("params", ()), "parameters"))),
-            inputs=tuple(TensorSpec.from_dict(t) for t in seq(data.get("inputs", ()), "a module call's inputs")),
-            output=TensorSpec.from_dict(data["output"]) if data.get("output") is not None else None,
-            grad=flag(data.get("grad", False), "a module call's grad"),
-            leaf=flag(data.get("leaf", True), "a module call's leaf"),
-            checkpointed=flag(data.get("checkpointed", False), "a module call's checkpointed"),
-        )
+        return fileform.read(cls, data, "a module call")
 
 
 @dataclass(frozen=True)
 class ParamSpec:
     """An optimizer's parameter as its formulas see it."""
 
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-    requires_grad: bool
+    shape: tuple[int, ...] = field(metadata=form(label="a dimension"))
+    dtype: str = field(metadata=form(read=lambda v, _: _dtype(v)))
+    device: str = field(metadata=form(label="a device"))
+    requires_grad: bool = field(metadata=form(label="requires_grad"))
     #: A plain tensor or Parameter (torch's foreach default treats subclasses apart).
-    plain: bool = True
+    plain: bool = field(default=True, metadata=form(label="plain"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype, "device": self.device,
-                "requires_grad": self.requires_grad, "plain": self.plain}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ParamSpec":
-        data = mapping(data, "an optimizer's parameter")
-        dtype = _dtype(data["dtype"])
-        return cls(_shape(data["shape"], dtype), dtype, text(data["device"], "a device"),
-                   flag(data["requires_grad"], "requires_grad"), flag(data.get("plain", True), "plain"))
+        """Read from a file: a shape torch can hold in its dtype."""
+        spec = fileform.read(cls, data, "an optimizer's parameter")
+        _shape(spec.shape, spec.dtype)
+        return spec
 
 
 @dataclass(frozen=True)
@@ -245,28 +233,35 @@ class OptimizerSpec:
     """An optimizer as its formulas see it: class, parameter groups (plain settings, which parameters,
     the implementation torch chose for the group) and parameters."""
 
-    classes: tuple[str, ...]
-    groups: tuple[tuple[tuple[tuple[str, Any], ...], tuple[int, ...], str], ...]
-    params: tuple[ParamSpec, ...]
+    classes: tuple[str, ...] = field(metadata=form(label="an optimizer's classes"))
+    # Each group is a mapping in the file: {"config": [[name, value] ...], "params": [index ...], "implementation"}.
+    groups: tuple[tuple[tuple[tuple[str, Any], ...], tuple[int, ...], str], ...] = field(
+        metadata=form(read=lambda v, _: _groups(v), write=lambda v: _groups_data(v)))
+    params: tuple[ParamSpec, ...] = field(metadata=form(label="an optimizer's parameters"))
     #: Plain attributes of ``optimizer.args`` (bitsandbytes keeps min_8bit_size there), if it has one.
-    args: tuple[tuple[str, Any], ...] = ()
+    args: tuple[tuple[str, Any], ...] = field(default=(), metadata=form(read=lambda v, _: _config(v)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"classes": list(self.classes),
-                "groups": [{"config": [[k, v] for k, v in cfg], "params": list(idx), "implementation": impl}
-                           for cfg, idx, impl in self.groups],
-                "params": [p.to_dict() for p in self.params], "args": [[k, v] for k, v in self.args]}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "OptimizerSpec":
-        data = mapping(data, "an optimizer")
-        params = tuple(ParamSpec.from_dict(p) for p in seq(data["params"], "an optimizer's parameters"))
-        groups = []
-        for g in seq(data["groups"], "an optimizer's groups"):
-            g = mapping(g, "a parameter group")
-            idx = tuple(count(i, "a parameter index") for i in seq(g["params"], "a group's parameters"))
-            if any(i >= len(params) for i in idx):
-                raise corrupt("an optimizer group names a parameter the record does not hold")
-            groups.append((_config(g.get("config", ())), idx, text(g["implementation"], "an implementation")))
-        return cls(tuple(text(c, "a class name") for c in seq(data["classes"], "an optimizer's classes")),
-                   tuple(groups), params, _config(data.get("args", ())))
+        """Read from a file: every group names parameters the record holds."""
+        spec = fileform.read(cls, data, "an optimizer")
+        if any(i >= len(spec.params) for _, idx, _ in spec.groups for i in idx):
+            raise corrupt("an optimizer group names a parameter the record does not hold")
+        return spec
+
+
+def _groups(items: Any) -> tuple[tuple[tuple[tuple[str, Any], ...], tuple[int, ...], str], ...]:
+    groups = []
+    for g in seq(items, "an optimizer's groups"):
+        g = mapping(g, "a parameter group")
+        idx = tuple(count(i, "a parameter index") for i in seq(g["params"], "a group's parameters"))
+        groups.append((_config(g.get("config", ())), idx, text(g["implementation"], "an implementation")))
+    return tuple(groups)
+
+
+def _groups_data(groups: tuple[tuple[tuple[tuple[str, Any], ...], tuple[int, ...], str], ...]) -> list[Any]:
+    return [{"config": [[k, v] for k, v in cfg], "params": list(idx), "implementation": impl}
+            for cfg, idx, impl in groups]
