@@ -13,7 +13,7 @@ from .cache import CacheMoment, frozen_spec, spec_data
 from .layout import MeshLayout
 from . import fields as fileform
 from .fields import form
-from .checks import (corrupt, count, listed_once, mapping, member, optional_count, optional_time,
+from .checks import (corrupt, count, listed_once, member, optional_count, optional_time,
                      pairs, seq, text)
 from ..errors import TraceFormatError
 
@@ -438,26 +438,31 @@ class GenerationFacts:
     cache after each prefill and decode phase, as ``(step, phase, occurrence, tokens)``.
     """
 
-    layers: "int | None" = None
-    kv_heads: "int | None" = None
-    head_dim: "int | None" = None
-    sliding_window: "int | None" = None
-    itemsize: "int | None" = None
-    batch: "int | None" = None
-    tokens: tuple[tuple[int, str, int, int], ...] = ()
+    layers: "int | None" = field(default=None, metadata=form(label="layers"))
+    kv_heads: "int | None" = field(default=None, metadata=form(label="kv_heads"))
+    head_dim: "int | None" = field(default=None, metadata=form(label="head_dim"))
+    sliding_window: "int | None" = field(default=None, metadata=form(label="sliding_window"))
+    itemsize: "int | None" = field(default=None, metadata=form(label="itemsize"))
+    batch: "int | None" = field(default=None, metadata=form(label="batch"))
+    tokens: tuple[tuple[int, str, int, int], ...] = field(default=(), metadata=form(read=lambda v, _: _tokens(v)))
     #: The model's cache per layer (``memprof.anatomy.CacheSpec.to_dict()``, from its config, kept as
     #: (name, value) pairs: ``dict(cache)``); None when memprof could not read one (older files: the
     #: fields above describe a uniform attention cache).
-    cache: "tuple[tuple[str, Any], ...] | None" = None
+    #: In the file: the spec's mapping, its tuples as lists.
+    cache: "tuple[tuple[str, Any], ...] | None" = field(default=None, metadata=form(
+        read=lambda v, _: frozen_spec(spec_data(v)),
+        write=lambda v: None if v is None else {k: list(x) if isinstance(x, tuple) else x for k, x in v}))
     #: The encoder's tokens of an encoder-decoder model; the length a static cache was allocated at.
-    encoder_tokens: "int | None" = None
-    max_cache_len: "int | None" = None
-    #: The cache at each prefill and decode phase's peak and end (older files: none).
-    moments: tuple[CacheMoment, ...] = ()
+    encoder_tokens: "int | None" = field(default=None, metadata=form(label="encoder_tokens"))
+    max_cache_len: "int | None" = field(default=None, metadata=form(label="max_cache_len"))
+    #: The cache at each prefill and decode phase's peak and end (older files: none), each a positional list.
+    moments: tuple[CacheMoment, ...] = field(default=(), metadata=form(
+        read=lambda v, _: tuple(CacheMoment.from_list(m) for m in seq(v, "moments")),
+        write=lambda v: [m.to_list() for m in v]))
     #: (step, occurrence) of each prefill that began with an encoder-decoder model's encoder (the encoder's
     #: output is made in it, so the prefill begins without it; older files: none, their prefills began at the
     #: decoder's call with the encoder's output already there).
-    encoder_prefills: tuple[tuple[int, int], ...] = ()
+    encoder_prefills: tuple[tuple[int, int], ...] = field(default=(), metadata=form(label="an encoder's prefill"))
 
     def tokens_at(self, step: int, phase: str, occurrence: int) -> "int | None":
         """Tokens in the cache at the end of that phase; after the last per-token decode phase, its count."""
@@ -475,35 +480,13 @@ class GenerationFacts:
         return next((m for m in self.moments if m.key() == (step, phase, occurrence, moment)), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": self.layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
-                "sliding_window": self.sliding_window, "itemsize": self.itemsize, "batch": self.batch,
-                "tokens": [list(t) for t in self.tokens],
-                "cache": None if self.cache is None else {k: list(v) if isinstance(v, tuple) else v
-                                                          for k, v in self.cache},
-                "encoder_tokens": self.encoder_tokens,
-                "max_cache_len": self.max_cache_len, "moments": [m.to_list() for m in self.moments],
-                "encoder_prefills": [list(k) for k in self.encoder_prefills]}
+        return fileform.write(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GenerationFacts":
         """Read from a file: each phase's token count, each moment and each encoder's prefill once, and every
         phase named as memprof names one (what they refer to is checked by the Trace that holds them)."""
-        data = mapping(data, "the generation record")
-        layers, kv_heads, head_dim, sliding_window, itemsize, batch = (
-            optional_count(data.get(k), k)
-            for k in ("layers", "kv_heads", "head_dim", "sliding_window", "itemsize", "batch"))
-        facts = cls(layers, kv_heads, head_dim, sliding_window, itemsize, batch,
-                    tokens=tuple((count(s, "a step"), member(p, Phase, "a token count's phase").value,
-                                  count(o, "an occurrence"), count(n, "a token count"))
-                                 for s, p, o, n in (seq(t, "a token count", 4)
-                                                    for t in seq(data.get("tokens", ()), "tokens"))),
-                    cache=frozen_spec(spec_data(data.get("cache"))),
-                    encoder_tokens=optional_count(data.get("encoder_tokens"), "encoder_tokens"),
-                    max_cache_len=optional_count(data.get("max_cache_len"), "max_cache_len"),
-                    moments=tuple(CacheMoment.from_list(m) for m in seq(data.get("moments", ()), "moments")),
-                    encoder_prefills=tuple((count(s, "a step"), count(o, "an occurrence")) for s, o in (
-                        seq(k, "an encoder's prefill", 2) for k in seq(data.get("encoder_prefills", ()),
-                                                                        "encoder_prefills"))))
+        facts = fileform.read(cls, data, "the generation record")
         for m in facts.moments:
             member(m.phase, Phase, "a cache moment's phase")
         listed_once((t[:3] for t in facts.tokens), "a phase's token count")
@@ -516,3 +499,10 @@ class GenerationFacts:
         yield from (t[:3] for t in self.tokens)
         yield from (m.key()[:3] for m in self.moments)
         yield from ((s, Phase.PREFILL.value, o) for s, o in self.encoder_prefills)
+
+
+def _tokens(items: Any) -> tuple[tuple[int, str, int, int], ...]:
+    """A generation's token counts from a file: (step, phase, occurrence, tokens), the phase as memprof names one."""
+    rows = (seq(t, "a token count", 4) for t in seq(items, "tokens"))
+    return tuple((count(s, "a step"), member(p, Phase, "a token count's phase").value, count(o, "an occurrence"),
+                  count(n, "a token count")) for s, p, o, n in rows)
