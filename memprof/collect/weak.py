@@ -1,4 +1,5 @@
-"""A set of objects held weakly, by identity, that runs no code when they die.
+"""A set of objects held weakly, by identity, that runs no code when they die (objects by name, held the same
+way, are record/device_memory.py's replays: the one other such structure).
 
 ``weakref.WeakSet`` removes a dead member from a callback, Python code run as a finaliser, where Python
 drops any exception raised, the one a signal handler raises there included (Ctrl-C, a preemption
@@ -11,7 +12,7 @@ from __future__ import annotations
 import weakref
 from typing import Generic, Iterator, TypeVar
 
-__all__ = ["WeakIdentitySet", "WeakValues"]
+__all__ = ["WeakIdentitySet"]
 
 T = TypeVar("T")
 
@@ -40,19 +41,3 @@ class WeakIdentitySet(Generic[T]):
 
     def __len__(self) -> int:
         return sum(1 for ref in list(self._refs.values()) if ref() is not None)
-
-
-class WeakValues(Generic[T]):
-    """Objects by name, held weakly (a ``weakref.WeakValueDictionary`` without its finaliser): a name whose
-    object died reads as absent, and is forgotten when the mapping is next changed."""
-
-    def __init__(self) -> None:
-        self._refs: dict[str, weakref.ref[T]] = {}
-
-    def __setitem__(self, name: str, obj: T) -> None:
-        self._refs = {key: ref for key, ref in self._refs.items() if ref() is not None}
-        self._refs[name] = weakref.ref(obj)
-
-    def get(self, name: str) -> "T | None":
-        ref = self._refs.get(name)
-        return ref() if ref is not None else None
