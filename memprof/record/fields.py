@@ -36,6 +36,8 @@ _KEY = "memprof.file"
 
 #: A field without a default that the file must hold; a field whose dataclass default stands when absent.
 _REQUIRED, _DEFAULT = object(), object()
+#: The writer of a field the part writes elsewhere itself (the Trace's schema version, first in its file).
+_UNWRITTEN: Writer = lambda value: None  # noqa: E731 - a sentinel that is a Writer
 
 
 class _Form(NamedTuple):
@@ -47,12 +49,12 @@ class _Form(NamedTuple):
 
 
 def form(*, key: "str | None" = None, label: "str | None" = None, read: "Reader | None" = None,
-         write: "Writer | None" = None, absent: Any = _REQUIRED) -> dict[str, Any]:
+         write: "Writer | None" = None, absent: Any = _REQUIRED, written: bool = True) -> dict[str, Any]:
     """A field's metadata when its file form differs: ``key`` the name in the file (default: the field's),
     ``label`` its name in a refusal (default ``Class.field``), ``read(value, label)`` and ``write(value)``
     its own conversion (default: from its annotation), ``absent`` the value of a required field that older
-    files leave out."""
-    return {_KEY: _Form(key, label, read, write, absent)}
+    files leave out; ``written=False``: :func:`write` leaves the field out (the part writes it itself)."""
+    return {_KEY: _Form(key, label, read, write if written else _UNWRITTEN, absent)}
 
 
 class _Field(NamedTuple):
@@ -88,8 +90,10 @@ def write(part: Any) -> dict[str, Any]:
     """The JSON dict of a frozen dataclass, from its fields."""
     out: dict[str, Any] = {}
     for name, key, _, _, convert, _ in _PLANS.get(type(part)) or _plan(type(part)):
-        value = getattr(part, name)
-        out[key] = value if convert is None else convert(value)
+        if convert is None:
+            out[key] = getattr(part, name)
+        elif convert is not _UNWRITTEN:
+            out[key] = convert(getattr(part, name))
     return out
 
 

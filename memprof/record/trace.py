@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, cast
 
 from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
+from . import fields as fileform
+from .fields import form
 from .checks import corrupt, count, listed_once, member, optional_count, optional_text, pairs, seq, text
 from ..errors import TraceFormatError, is_interrupt
 from .stats import PhaseStats
@@ -110,7 +112,7 @@ class Trace:
     #: carrying was off: light mode, ``carry_optimizer_steps=False`` and the options that measure every step,
     #: a simulation; or a file written before it).
     optimizer_steps: tuple[tuple[int, int, str], ...] = ()
-    schema_version: int = field(default=SCHEMA_VERSION)
+    schema_version: int = field(default=SCHEMA_VERSION, metadata=form(written=False))
 
     def __post_init__(self) -> None:
         if self.num_steps is None:
@@ -161,47 +163,12 @@ class Trace:
         return where
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": "memprof.trace",
-            "schema_version": self.schema_version,
-            "mode": self.mode,
-            "device": self.device.to_dict(),
-            "torch_version": self.torch_version,
-            "memprof_version": self.memprof_version,
-            "start": self.start.to_dict(),
-            "peak": self.peak.to_dict(),
-            "end": self.end.to_dict(),
-            "peak_step": self.peak_step,
-            "peak_phase": self.peak_phase.value if self.peak_phase is not None else None,
-            "peak_module": self.peak_module,
-            "steps": [s.to_dict() for s in self.steps],
-            "modules": [m.to_dict() for m in self.modules],
-            "timeline": [s.to_dict() for s in self.timeline],
-            "notes": list(self.notes),
-            "error": self.error,
-            "live_at_error": self.live_at_error.to_dict() if self.live_at_error is not None else None,
-            "live_modules_at_error": [list(x) for x in self.live_modules_at_error],
-            "optimizer": self.optimizer,
-            "optimizer_implementation": self.optimizer_implementation,
-            "param_dtypes": list(self.param_dtypes),
-            "autocast_dtype": self.autocast_dtype,
-            "peak_tags": [list(t) for t in self.peak_tags],
-            "facts": self.facts.to_dict(),
-            "operations": [o.to_dict() for o in self.operations] if self.operations is not None else None,
-            "module_calls": [c.to_dict() for c in self.module_calls],
-            "optimizers": [o.to_dict() for o in self.optimizers],
-            "num_steps": self.num_steps,
-            "phase_stats": [p.to_dict() for p in self.phase_stats],
-            "schedule": self.schedule,
-            "recorded_steps": [list(r) for r in self.recorded_steps],
-            "oom": self.oom.to_dict() if self.oom is not None else None,
-            "live_storages_at_error": [list(s) for s in self.live_storages_at_error],
-            "generation": self.generation.to_dict() if self.generation is not None else None,
-            "distributed": self.distributed.to_dict() if self.distributed is not None else None,
-            "routing": self.routing.to_dict() if self.routing is not None else None,
-            "optimizer_steps": [list(r) for r in self.optimizer_steps],
-        }
+        # The format's name and schema version first, then every field from its own (record/fields.py).
+        return {"format": "memprof.trace", "schema_version": self.schema_version, **fileform.write(self)}
 
+    # Read by hand, not from its fields: the format and schema version refused before anything else, the
+    # mode's older word, a peak step older files leave out, and the checks across parts (_consistent) that
+    # no field's annotation can say.
     @classmethod
     def from_dict(cls, data: Any) -> "Trace":
         if not isinstance(data, Mapping) or data.get("format") != "memprof.trace":
