@@ -78,6 +78,8 @@ def spec_data(data: Any) -> "dict[str, Any] | None":
         name = text(k, "a cache field")
         if isinstance(v, list):
             v = [text(x, f"a value of {name}") for x in v]
+        elif isinstance(v, str):
+            v = text(v, name)  # a lone surrogate replaced, as in every string a file gives
         elif isinstance(v, int) and not isinstance(v, bool):
             v = count(v, name)
         elif not (v is None or isinstance(v, (str, bool))):

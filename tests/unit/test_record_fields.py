@@ -92,3 +92,22 @@ def test_a_field_the_mechanism_cannot_check_is_a_mistake_in_memprof_not_let_thro
 
     with pytest.raises(RuntimeError, match="cannot check"):
         fileform.read(Loose, {"ratio": 0.5}, "a loose part")
+
+
+def test_a_string_in_a_generations_cache_spec_is_read_as_every_string_is():
+    # Found by tests/integration/test_loader_properties.py: a lone surrogate in a string field of the cache spec
+    # (not a list's item) was kept, and the trace then could not be printed or saved.
+    from memprof.record.parts import GenerationFacts
+
+    facts = GenerationFacts.from_dict({"cache": {"kind": "a\ud800", "layers": ["b\udfff"]}})
+    assert facts.cache == (("kind", "a\ufffd"), ("layers", ("b\ufffd",)))
+
+
+def test_a_field_left_unwritten_is_left_out_and_an_absent_value_stands_for_older_files():
+    @dataclass(frozen=True)
+    class Versioned:
+        size: int = field(metadata=form(absent=7))
+        version: int = field(default=3, metadata=form(written=False))
+
+    assert fileform.write(Versioned(1, 5)) == {"size": 1}
+    assert fileform.read(Versioned, {}, "a versioned part") == Versioned(7, 3)
