@@ -47,6 +47,8 @@ class CacheMoment:
     def key(self) -> tuple[int, str, int, str]:
         return (self.step, self.phase, self.occurrence, self.moment)
 
+    # Written by hand, not from its fields (record/fields.py): a positional list of 9 values in the file, its
+    # moment one of MOMENTS.
     def to_list(self) -> list[Any]:
         return [self.step, self.phase, self.occurrence, self.moment, self.earlier, self.before, self.after,
                 self.written, self.overlap]
