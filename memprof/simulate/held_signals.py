@@ -82,9 +82,19 @@ def leave() -> None:
     if _State.entered:
         return
     wrapped, _State.wrapped = _State.wrapped, {}
-    for s, (handler, wrapper) in wrapped.items():
-        if signal.getsignal(s) is wrapper:
-            signal.signal(s, handler)
+    _put_back(list(wrapped.items()))
+
+
+def _put_back(wrapped: "list[tuple[int, tuple[Handler, Handler]]]") -> None:
+    """Each handler back where its wrapper still is. ``signal.signal`` runs a pending signal's handler before it
+    changes one: an exception from there (a Ctrl-C) still lets every handler go back, then propagates."""
+    for i, (s, (handler, wrapper)) in enumerate(wrapped):
+        try:
+            if signal.getsignal(s) is wrapper:
+                signal.signal(s, handler)
+        except BaseException:
+            _put_back(wrapped[i:])  # this one again (it was not changed), and the rest
+            raise
 
 
 def entered() -> int:
