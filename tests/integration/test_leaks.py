@@ -82,6 +82,10 @@ def test_sessions_retain_no_more_python_memory_than_torch_itself():
     # (measured here: a do-nothing TorchDispatchMode retains about 1 KB a session, plain torch
     # about 0.4 KB), so memprof is judged against the same steps under a do-nothing mode.
     # Slack: 16 KiB over 50 sessions, below one retained ledger entry per session.
-    with_memprof = _heap_growth(_session)
-    null_mode = _heap_growth(_null_mode_session)
-    assert with_memprof < null_mode + 16 * 1024, (with_memprof, null_mode)
+    # Each measured twice, alternated, and the smaller kept: a one-off allocation (a cache another test of the
+    # worker left half filled) moved one measurement by about as much as the slack, in a full suite run.
+    with_memprof, null_mode = [], []
+    for _ in range(2):
+        with_memprof.append(_heap_growth(_session))
+        null_mode.append(_heap_growth(_null_mode_session))
+    assert min(with_memprof) < min(null_mode) + 16 * 1024, (with_memprof, null_mode)
