@@ -143,14 +143,21 @@ def test_a_handlers_exception_inside_memprofs_containment_reaches_the_user():
     # a note, and the step runs as without memprof). An exception a signal handler raises while memprof reads is
     # not one of those: it is the user's, wherever it lands. raise_signal runs the handler at once, inside the
     # shape memprof is reading.
+    def handler(signum, frame):
+        raise Preempted
+
+    _preempted_while_memprof_reads_a_shape(handler)
+
+
+def _preempted_while_memprof_reads_a_shape(handler) -> None:
+    """A profiled step whose input's ``shape`` raises SIGUSR1, handled by ``handler``: its Preempted reaches the
+    caller. raise_signal runs the handler at once, inside the shape memprof is reading."""
+
     class Shape(torch.Tensor):
         @property
         def shape(self):
             signal.raise_signal(signal.SIGUSR1)
             return super().shape
-
-    def handler(signum, frame):
-        raise Preempted
 
     model = nn.Linear(4, 4)
     x = torch.randn(2, 4).as_subclass(Shape)
@@ -269,25 +276,11 @@ def test_memprof_runs_no_python_finaliser():
 def test_a_handler_that_uninstalls_itself_before_raising_is_still_the_users():
     # "The second Ctrl-C kills": the handler puts the default back, then raises. When it fires, nothing installed
     # names it any more; memprof noted it when the profile started.
-    class Shape(torch.Tensor):
-        @property
-        def shape(self):
-            signal.raise_signal(signal.SIGUSR1)
-            return super().shape
-
     def once(signum, frame):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         raise Preempted
 
-    model = nn.Linear(4, 4)
-    x = torch.randn(2, 4).as_subclass(Shape)
-    previous = signal.signal(signal.SIGUSR1, once)
-    try:
-        with pytest.raises(Preempted):
-            with memprof.profile(model, mode="exact"):
-                model(x).sum().backward()
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+    _preempted_while_memprof_reads_a_shape(once)
 
 
 _INTERRUPTED_ESTIMATES = r'''
