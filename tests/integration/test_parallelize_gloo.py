@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import memprof
 
+from gloo_settled import settle_collectives
 from test_parallelize import IDS, assert_equal_everywhere, build, fsdp_bf16, loss_fn, simulated, tp_sp
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
@@ -31,40 +32,10 @@ def fsdp_tp_sp(model, mesh):
 LAYOUTS = {"fsdp_bf16": (fsdp_bf16, None), "fsdp_tp_sp": (fsdp_tp_sp, {"dp": 2, "tp": 2})}
 
 
-def _uses(tensor: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-
-
-def _let_go_by_gloo(collective):
-    """``collective`` (FSDP2's all-gather or reduce-scatter) completed and let go by gloo before its caller goes on,
-    as the simulation's fake process group completes each at once.
-
-    gloo's worker thread drops its references to a collective's tensors a moment after the collective completes;
-    where the caller has dropped its own first, the storage is freed on that thread at a time the machine's load
-    decides (ProcessGroupGloo's worker resets its work in progress after marking it complete), so a real rank's
-    backward peak may hold a collective's buffer or not (a full suite run once saw rank 0's backward peak differ
-    in gradients from its simulation; the test passed alone). Here each collective is waited for, and the caller
-    goes on once gloo holds none of its tensors; an asynchronous one returns a finished stand-in for the work, which FSDP2 does not
-    wait on (it waits only on a dist.Work)."""
-    import time
-
-    def call(output, input, *args, async_op=False, **kwargs):
-        before = (_uses(output), _uses(input))
-        work = collective(output, input, *args, async_op=True, **kwargs)
-        work.wait()
-        del work
-        while (_uses(output), _uses(input)) != before:
-            time.sleep(0)
-        return object() if async_op else None
-
-    return call
-
-
 def _worker(rank: int, world: int, name: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.all_gather_single = _let_go_by_gloo(dist.all_gather_single)
-    dist.reduce_scatter_single = _let_go_by_gloo(dist.reduce_scatter_single)
+    settle_collectives()
     fn, mesh = LAYOUTS[name]
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
     try:
