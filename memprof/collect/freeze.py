@@ -227,7 +227,10 @@ def _notes(c: "Collectors", steps: "list[StepRecord]") -> list[str]:
 
 
 def _rank(c: "Collectors") -> "RankInfo | None":
-    """The rank's record; with FSDP2, with the sharded and unsharded bytes its tracker measured at the end."""
+    """The rank's record; with FSDP2 or FSDP1, with the sharded and unsharded bytes its tracker measured at the
+    end."""
+    if c.flat is not None:
+        return c.flat.rank
     return c.shards.rank if c.shards is not None else c.rank
 
 

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import InvalidArgumentError, MemprofError, is_interrupt
+from ..errors import InvalidArgumentError, MemprofError, SimulationError, is_interrupt
 from ..vocabulary import Category
 
 _W, _O = Category.WEIGHTS, Category.OPTIMIZER_STATES
@@ -121,6 +121,7 @@ class ParallelRun:
         self.context_parallel = False
         # FSDP2's CPUOffloadPolicy: the offloaded parameters' padded shard bytes, and those of the trainable ones.
         self.offloaded: "tuple[int, int, int] | None" = None  # and the largest unit's
+        self.fsdp1_notes: list[str] = []  # what the simulation did to FSDP1's arguments
 
     def __enter__(self) -> "ParallelRun":
         import torch.distributed as dist
@@ -198,15 +199,18 @@ class ParallelRun:
         # Each of the (stage) twin's parameter names, and the model's name of the same parameter.
         own = {name: full.get(id(p), name) for name, p in twin.named_parameters(remove_duplicate=False)}
         if self.fn is not None:
-            if self.stages is not None:  # each stage of the rank on its own, as the user's script parallelises it
-                self.stages.modules = [self._apply(m) for m in self.stages.modules]
-                mods = self.stages.modules
-                twin = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
-            else:
-                twin = self._apply(twin)
-        with fake_mode:
-            twin.to_empty(device="cpu")
-        names = {own.get(n, n): p for n, p in twin.named_parameters(remove_duplicate=False)}
+            with fsdp1_in_fake_mode(fake_mode, self.fsdp1_notes):
+                if self.stages is not None:  # each stage of the rank on its own, as the user's script parallelises it
+                    self.stages.modules = [self._apply(m) for m in self.stages.modules]
+                    mods = self.stages.modules
+                    twin = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
+                else:
+                    twin = self._apply(twin)
+        if _has_meta(twin):  # FSDP1's units were made on fake CPU tensors already: their storages are its own
+            with fake_mode:
+                twin.to_empty(device="cpu")
+        # FSDP1 with use_orig_params=True names a parameter under its wrappers (clean_tensor_name drops them).
+        names = {_unwrapped(own.get(n, n)): p for n, p in twin.named_parameters(remove_duplicate=False)}
         mapping: dict[int, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if name in names:
@@ -265,6 +269,18 @@ class ParallelRun:
             raise InvalidArgumentError(f"parallelize must return the model (or None), got {type(out).__name__}")
         return out
 
+    def _fsdp1_note(self) -> list[str]:
+        if "FullyShardedDataParallel" not in self.layouts:
+            return []
+        return [*self.fsdp1_notes,
+                "FSDP1 (FullyShardedDataParallel): each unit was built on fake CPU tensors (materialised before FSDP1 "
+                "flattened them), its flat parameter sharded, gathered and reduce-scattered by FSDP1's own code; on "
+                "the CPU it runs in one stream, each all-gather finished before the unit's forward: on a GPU, FSDP1's "
+                "side streams let the next unit's all-gather overlap this unit's compute, at most two in flight with "
+                "limit_all_gathers=True (its rate limiter), and forward_prefetch / BACKWARD_PRE prefetch one unit "
+                "ahead, which this run does as FSDP1 does on the CPU; with limit_all_gathers=False a GPU may hold "
+                "more units gathered at once than this run shows"]
+
     def _formula_note(self) -> list[str]:
         d = _degrees(self.names, self.shape)
         if not self.names or (d["dp"], d["tp"], d["pp"], d["ep"]) == (1, 1, 1, 1):
@@ -311,7 +327,7 @@ class ParallelRun:
                        f"run by torch's {sched} schedule over {st.pipeline.microbatches} micro-batches; the stages' "
                        "shapes came from a meta forward of one micro-batch, and the schedule's warm-up was told they "
                        "are static")
-        out += self._formula_note()
+        out += self._formula_note() + self._fsdp1_note()
         if self.context_parallel:
             out.append("context parallelism: attention ran as torch's ring attention (its handler of the CUDA flash "
                        "attention op, on fake CPU tensors: a CPU has no kernel for it), so this is checked against no "
@@ -448,7 +464,10 @@ def _layouts(model: nn.Module) -> set[str]:
     """What the parallelized model is made of: ``fully_shard`` units, DTensor placements."""
     from torch.distributed.tensor import DTensor
 
-    out = {"fully_shard"} if any(type(m).__name__.startswith("FSDP") for m in model.modules()) else set()
+    kinds = {type(m).__name__ for m in model.modules()}
+    out = {"fully_shard"} if any(k.startswith("FSDP") for k in kinds) else set()
+    if "FullyShardedDataParallel" in kinds:
+        out.add("FullyShardedDataParallel")
     for p in model.parameters():
         if isinstance(p, DTensor):
             out.add("DTensor " + ", ".join(sorted({repr(pl) for pl in p.placements})))
@@ -505,3 +524,58 @@ def _clear_caches() -> None:
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return
     _clear_sharding_prop_cache()
+
+
+def _has_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter's name without FSDP1's and activation checkpointing's wrapper modules
+    (torch/distributed/fsdp/_common_utils.py, clean_tensor_name)."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+@contextlib.contextmanager
+def fsdp1_in_fake_mode(fake_mode: Any, notes: list[str]) -> Any:
+    """While the user's function runs, FSDP1 (``FullyShardedDataParallel``) builds its units on fake CPU tensors.
+
+    FSDP1 flattens a unit's parameters into one ``FlatParameter`` as it is constructed, and materialises a meta
+    module itself on its ``device_id`` with real tensors (torch/distributed/fsdp/_init_utils.py,
+    ``_materialize_meta_module``): on the meta twin that is the whole model's memory, for real. So its
+    constructor is wrapped for the block (restored after it, also when it raises): the module it is given is
+    materialised as fake CPU tensors first (``to_empty``, as the twin would be after the function), and FSDP1's
+    own constructor runs in the fake mode, on the CPU (``device_id`` is the simulation's device: the model is
+    simulated on fake CPU tensors whatever device the script names)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        yield
+        return
+    original = FullyShardedDataParallel.__init__
+
+    def init(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if getattr(kwargs.get("cpu_offload"), "offload_params", False):
+            raise SimulationError(
+                "FSDP1 with cpu_offload=CPUOffload(offload_params=True) cannot be simulated: FSDP1 pins the host "
+                "shards (pin_memory, torch/distributed/fsdp/_flat_param.py), which needs an accelerator and has no "
+                "fake-tensor kernel. Estimate without cpu_offload (the offloaded shards, their gradients and the "
+                "optimizer states then count on the device: an upper bound), or shard with FSDP2's fully_shard and "
+                "CPUOffloadPolicy(pin_memory=False), which memprof simulates with host and device memory apart")
+        device = kwargs.get("device_id")
+        if device is not None and torch.device(device).type != "cpu" and not notes:
+            notes.append(f"FSDP1's device_id={device!r} was the CPU: the units are simulated on fake CPU tensors")
+        if "device_id" in kwargs:
+            kwargs["device_id"] = torch.device("cpu")
+        with fake_mode:
+            if _has_meta(module):
+                module.to_empty(device="cpu")
+            original(self, module, *args, **kwargs)
+
+    FullyShardedDataParallel.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FullyShardedDataParallel.__init__ = original  # type: ignore[method-assign]
