@@ -536,6 +536,25 @@ def _unwrapped(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
+def _to_empty_keeping_ties(module: nn.Module) -> None:
+    """``module.to_empty(device="cpu")`` in the fake mode, its shared parameters shared still: ``nn.Module._apply``
+    gives each module a new Parameter of its own when the tensor's type changes (meta to fake), which would untie a
+    tied embedding and head, and FSDP1 would flatten it twice."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    shared: list[tuple[nn.Module, str, nn.Module, str]] = []
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                shared.append((m, name, *first[id(p)]))
+            else:
+                first[id(p)] = (m, name)
+    module.to_empty(device="cpu")
+    for m, name, owner, owner_name in shared:
+        m._parameters[name] = owner._parameters[owner_name]
+
+
 @contextlib.contextmanager
 def fsdp1_in_fake_mode(fake_mode: Any, notes: list[str]) -> Any:
     """While the user's function runs, FSDP1 (``FullyShardedDataParallel``) builds its units on fake CPU tensors.
@@ -571,7 +590,7 @@ def fsdp1_in_fake_mode(fake_mode: Any, notes: list[str]) -> Any:
             kwargs["device_id"] = torch.device("cpu")
         with fake_mode:
             if _has_meta(module):
-                module.to_empty(device="cpu")
+                _to_empty_keeping_ties(module)
             original(self, module, *args, **kwargs)
 
     FullyShardedDataParallel.__init__ = init  # type: ignore[method-assign]
