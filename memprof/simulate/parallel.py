@@ -45,8 +45,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import InvalidArgumentError, MemprofError, SimulationError, is_interrupt
+from ..errors import InvalidArgumentError, MemprofError, is_interrupt
 from ..vocabulary import Category
+from .fsdp1 import fsdp1_in_fake_mode, fsdp1_notes, has_meta, unwrapped
 
 _W, _O = Category.WEIGHTS, Category.OPTIMIZER_STATES
 
@@ -206,11 +207,11 @@ class ParallelRun:
                     twin = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
                 else:
                     twin = self._apply(twin)
-        if _has_meta(twin):  # FSDP1's units were made on fake CPU tensors already: their storages are its own
+        if has_meta(twin):  # FSDP1's units were made on fake CPU tensors already: their storages are its own
             with fake_mode:
                 twin.to_empty(device="cpu")
         # FSDP1 with use_orig_params=True names a parameter under its wrappers (clean_tensor_name drops them).
-        names = {_unwrapped(own.get(n, n)): p for n, p in twin.named_parameters(remove_duplicate=False)}
+        names = {unwrapped(own.get(n, n)): p for n, p in twin.named_parameters(remove_duplicate=False)}
         mapping: dict[int, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if name in names:
@@ -270,16 +271,7 @@ class ParallelRun:
         return out
 
     def _fsdp1_note(self) -> list[str]:
-        if "FullyShardedDataParallel" not in self.layouts:
-            return []
-        return [*self.fsdp1_notes,
-                "FSDP1 (FullyShardedDataParallel): each unit was built on fake CPU tensors (materialised before FSDP1 "
-                "flattened them), its flat parameter sharded, gathered and reduce-scattered by FSDP1's own code; on "
-                "the CPU it runs in one stream, each all-gather finished before the unit's forward: on a GPU, FSDP1's "
-                "side streams let the next unit's all-gather overlap this unit's compute, at most two in flight with "
-                "limit_all_gathers=True (its rate limiter), and forward_prefetch / BACKWARD_PRE prefetch one unit "
-                "ahead, which this run does as FSDP1 does on the CPU; with limit_all_gathers=False a GPU may hold "
-                "more units gathered at once than this run shows"]
+        return fsdp1_notes(self.fsdp1_notes) if "FullyShardedDataParallel" in self.layouts else []
 
     def _formula_note(self) -> list[str]:
         d = _degrees(self.names, self.shape)
@@ -525,76 +517,3 @@ def _clear_caches() -> None:
         return
     _clear_sharding_prop_cache()
 
-
-def _has_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
-
-
-def _unwrapped(name: str) -> str:
-    """A parameter's name without FSDP1's and activation checkpointing's wrapper modules
-    (torch/distributed/fsdp/_common_utils.py, clean_tensor_name)."""
-    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
-
-
-def _to_empty_keeping_ties(module: nn.Module) -> None:
-    """``module.to_empty(device="cpu")`` in the fake mode, its shared parameters shared still: ``nn.Module._apply``
-    gives each module a new Parameter of its own when the tensor's type changes (meta to fake), which would untie a
-    tied embedding and head, and FSDP1 would flatten it twice."""
-    first: dict[int, tuple[nn.Module, str]] = {}
-    shared: list[tuple[nn.Module, str, nn.Module, str]] = []
-    for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is None:
-                continue
-            if id(p) in first:
-                shared.append((m, name, *first[id(p)]))
-            else:
-                first[id(p)] = (m, name)
-    module.to_empty(device="cpu")
-    for m, name, owner, owner_name in shared:
-        m._parameters[name] = owner._parameters[owner_name]
-
-
-@contextlib.contextmanager
-def fsdp1_in_fake_mode(fake_mode: Any, notes: list[str]) -> Any:
-    """While the user's function runs, FSDP1 (``FullyShardedDataParallel``) builds its units on fake CPU tensors.
-
-    FSDP1 flattens a unit's parameters into one ``FlatParameter`` as it is constructed, and materialises a meta
-    module itself on its ``device_id`` with real tensors (torch/distributed/fsdp/_init_utils.py,
-    ``_materialize_meta_module``): on the meta twin that is the whole model's memory, for real. So its
-    constructor is wrapped for the block (restored after it, also when it raises): the module it is given is
-    materialised as fake CPU tensors first (``to_empty``, as the twin would be after the function), and FSDP1's
-    own constructor runs in the fake mode, on the CPU (``device_id`` is the simulation's device: the model is
-    simulated on fake CPU tensors whatever device the script names)."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError as failure:
-        if is_interrupt(failure):
-            raise  # a signal handler's exception (errors.is_interrupt) is the user's
-        yield
-        return
-    original = FullyShardedDataParallel.__init__
-
-    def init(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
-        if getattr(kwargs.get("cpu_offload"), "offload_params", False):
-            raise SimulationError(
-                "FSDP1 with cpu_offload=CPUOffload(offload_params=True) cannot be simulated: FSDP1 pins the host "
-                "shards (pin_memory, torch/distributed/fsdp/_flat_param.py), which needs an accelerator and has no "
-                "fake-tensor kernel. Estimate without cpu_offload (the offloaded shards, their gradients and the "
-                "optimizer states then count on the device: an upper bound), or shard with FSDP2's fully_shard and "
-                "CPUOffloadPolicy(pin_memory=False), which memprof simulates with host and device memory apart")
-        device = kwargs.get("device_id")
-        if device is not None and torch.device(device).type != "cpu" and not notes:
-            notes.append(f"FSDP1's device_id={device!r} was the CPU: the units are simulated on fake CPU tensors")
-        if "device_id" in kwargs:
-            kwargs["device_id"] = torch.device("cpu")
-        with fake_mode:
-            if _has_meta(module):
-                _to_empty_keeping_ties(module)
-            original(self, module, *args, **kwargs)
-
-    FullyShardedDataParallel.__init__ = init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        FullyShardedDataParallel.__init__ = original  # type: ignore[method-assign]

@@ -218,3 +218,62 @@ def test_a_script_naming_its_gpu_is_simulated_on_the_cpu():
     on_cpu = simulated("mlp", fsdp1("mlp"), 3, 2)
     assert on_gpu.peak_bytes == on_cpu.peak_bytes and on_gpu.trace.distributed == on_cpu.trace.distributed
     assert any("device_id=device(type='cuda', index=0) was the CPU" in n for n in on_gpu.notes)
+
+
+def test_parallel_fsdp1_is_fsdp1_itself():
+    from memprof.errors import InvalidArgumentError
+    from memprof.simulate.fsdp1 import fsdp1_parallelize
+
+    _b, _u, x, y, loss_fn = MODELS["transformer"]
+    est = memprof.estimate(_build("transformer"), lambda ps: torch.optim.AdamW(ps), inputs=x, targets=y,
+                           loss_fn=loss_fn, world_size=3, parallel="fsdp1")
+    # The same function on real tensors: each encoder layer a unit (the blocks the other layouts gather one at a
+    # time), the root for the tied embedding / head and the positions; FULL_SHARD, use_orig_params=True.
+    rep, model, _opt = measured("transformer", fsdp1_parallelize(), 3, 0)
+    assert [type(m._fsdp_wrapped_module).__name__ for m in model.modules() if type(m).__name__ ==
+            "FullyShardedDataParallel"] == ["TiedTransformer", "TransformerEncoderLayer", "TransformerEncoderLayer"]
+    assert_equal_everywhere(est, rep)
+    # 2,112 root and 2 x 12,704 layer parameters (test_hybrid_shard_over_a_two_dimensional_mesh), each unit padded
+    # to a multiple of 3 (2,112 and 12,705), fp32: rank 0 holds 704 + 2 x 4,235 elements.
+    d = est.trace.distributed
+    assert (d.layout, d.sharded_bytes, d.unsharded_bytes) == ("fsdp1", (704 + 2 * 4_235) * 4, (2_112 + 2 * 12_705) * 4)
+    with pytest.raises(InvalidArgumentError, match="both say how"):
+        memprof.estimate(_build("transformer"), inputs=x, world_size=3, parallel="fsdp1",
+                         parallelize=fsdp1("transformer"))
+
+
+def test_activation_checkpointing_inside_fsdp1_units():
+    # The published FSDP1 runs that were under-estimated checkpoint each block inside its FSDP1 unit, as
+    # accelerate and Lightning apply it (apply_activation_checkpointing after the wrapping).
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    wrap = fsdp1("transformer", use_orig_params=True)
+
+    def fn(model, mesh):
+        model = wrap(model, mesh)
+        apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                           checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda m: isinstance(m, nn.TransformerEncoderLayer))
+        return model
+
+    est = simulated("transformer", fn, 3, 2)
+    rep, model, _opt = measured("transformer", fn, 3, 2)
+    assert sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules()) == 2
+    assert_equal_everywhere(est, rep)
+    plain = simulated("transformer", wrap, 3, 2)
+    assert est.trace.peak[C.ACTIVATIONS] < plain.trace.peak[C.ACTIVATIONS]  # checkpointing did run
+
+
+def test_plans_take_fsdp1_by_name():
+    from memprof.simulate.layouts import choose_layouts
+
+    model = _build("transformer")
+    (lay,) = choose_layouts(model, 4, "fsdp1")
+    assert (lay.name, dict(lay.options), lay.family) == ("fsdp1", {"world_size": 4, "parallel": "fsdp1"},
+                                                         "data-parallel")
+    assert "fsdp1" not in [x.name for x in choose_layouts(model, 4, "dp")]  # the default set is unchanged
