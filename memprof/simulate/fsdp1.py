@@ -62,6 +62,19 @@ def fsdp1_notes(said: list[str]) -> list[str]:
             "own, as a CPU run of it measures"]
 
 
+def _off_cpu(device: Any) -> bool:
+    """Whether FSDP1's ``device_id`` names a device other than the CPU (an int is an accelerator's index, which
+    ``torch.device`` cannot even read on a machine without one)."""
+    if isinstance(device, int):
+        return True
+    try:
+        return torch.device(device).type != "cpu"
+    except (RuntimeError, TypeError, ValueError) as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        return True
+
+
 def has_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 
@@ -120,10 +133,19 @@ def fsdp1_in_fake_mode(fake_mode: Any, notes: list[str]) -> Any:
                 "optimizer states then count on the device: an upper bound), or shard with FSDP2's fully_shard and "
                 "CPUOffloadPolicy(pin_memory=False), which memprof simulates with host and device memory apart")
         device = kwargs.get("device_id")
-        if device is not None and torch.device(device).type != "cpu" and not notes:
-            notes.append(f"FSDP1's device_id={device!r} was the CPU: the units are simulated on fake CPU tensors")
+        moved = f"FSDP1's device_id={device!r} was the CPU: the units are simulated on fake CPU tensors"
+        if device is not None and _off_cpu(device) and moved not in notes:
+            notes.append(moved)
         if "device_id" in kwargs:
             kwargs["device_id"] = torch.device("cpu")
+        if kwargs.get("sync_module_states"):
+            # FSDP1 refuses it for CPU tensors (_check_module_states_for_sync_module_states); it broadcasts rank 0's
+            # states once, as the model is wrapped, before any training step.
+            kwargs["sync_module_states"] = False
+            said = ("FSDP1's sync_module_states=True was left out: it broadcasts rank 0's parameters and buffers once, "
+                    "when the model is wrapped, before the step simulated (and FSDP1 does it only for GPU tensors)")
+            if said not in notes:
+                notes.append(said)
         with fake_mode:
             if has_meta(module):
                 _to_empty_keeping_ties(module)
