@@ -107,6 +107,31 @@ class FlatShardTracker:
         self.rank = rank
         self.handles = [h for _, h in handles]  # FSDP1's own objects, dropped when the profile ends
         self.known: set[int] = set()  # id() of the handles whose storages are registered
+        # The parameters FSDP1 flattened, counted whole (a flat parameter's numel is this rank's shard).
+        self.elements = sum(sum(h.flat_param._numels) for h in self.handles)
+        self.trainable = sum(sum(h.flat_param._numels) for h in self.handles if h.flat_param.requires_grad)
+        self.flat_ids = {id(h.flat_param) for h in self.handles}
+        self.shapes: dict[int, tuple[int, ...]] = {}
+        for h in self.handles:
+            flat = h.flat_param
+            self.shapes[id(flat)] = (sum(flat._numels),)
+            # use_orig_params=True: the original parameters, views of the flat one
+            for p, shape in zip(getattr(flat, "_params", None) or (), flat._shapes):
+                self.shapes[id(p)] = tuple(shape)
+        self.flat_ids.update(self.shapes)
+
+    def whole_shapes(self) -> "dict[int, tuple[int, ...]]":
+        """By id, the shape of each parameter FSDP1 holds a shard of, whole: a flat parameter's, its parameters'
+        elements (``use_orig_params=False``); an original parameter's, its own (``use_orig_params=True``, where it
+        is a view of its part of the shard). Read when the profile began: valid after it closed."""
+        return self.shapes
+
+    def counts(self, params: "list[nn.Parameter]") -> "tuple[int, int]":
+        """The model's parameters and trainable ones, in elements, counted whole: FSDP1's flat parameters by the
+        parameters they hold, the others (modules FSDP1 ignores) as they are."""
+        rest = [p for p in params if id(p) not in self.flat_ids]
+        return (self.elements + sum(p.numel() for p in rest),
+                self.trainable + sum(p.numel() for p in rest if p.requires_grad))
 
     def start(self) -> None:
         """The storages of the units FSDP1 has initialised already (a model that ran before the profile)."""

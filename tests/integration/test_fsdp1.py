@@ -149,6 +149,21 @@ def test_a_measured_rank_counts_its_flat_shards_and_what_it_gathers():
     # AdamW's exp_avg and exp_avg_sq like each flat shard (2 x 9,232 B) and three 4-byte step counters.
     assert step.end[C.OPTIMIZER_STATES] == states == 2 * 9_232 + 3 * 4
 
+    # Reconciled against ZeRO-3 (Table I) at N = 3 over the model's 6,922 parameters, counted whole (a flat
+    # parameter's numel is the rank's shard).
+    rec = rep.reconcile(at=(1, "optimizer", "end"))
+    assert rep.trace.facts.num_params == 2_112 + 4_160 + 650 == 6_922
+    assert rec.row("weights").formula == round(6_922 * 4 / 3) == 9_229
+    causes = {(c.category.value, c.name): c.bytes for c in rec.explanations}
+    assert causes[("weights", "padding to the world size")] == 9_232 - 9_229
+    # AdamW: 8 B per parameter and 3 step counters of 4 B, a third each: (55,376 + 12) / 3 = 18,462.7 -> 18,463. The
+    # state is made like the padded flat shard: (9,232 - 9,229) / 4 x 8 = 6 B above an even share; the counters are
+    # whole on every rank (12 B where the formula has 4 B), less the formula's rounding up (1/3 B): 7 B.
+    assert rec.row("optimizer_states").formula == 18_463
+    assert causes[("optimizer_states", "uneven shards")] == 6
+    assert causes[("optimizer_states", "unsharded step counters")] == 18_476 - 18_463 - 6 == 7
+    assert [rec.unexplained(c) for c in ("weights", "gradients", "optimizer_states")] == [0, 0, 0]
+
 
 # Two models x two strategies, each at rank 0 and the last rank for the MLP (the one with padding); the
 # transformer's, slower, at one of them each (the other options below run it at the last rank).
