@@ -287,7 +287,11 @@ def _plan_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
                      "default; tp: every tensor-parallel layout the model's TP plan allows on --world-size ranks; pp: "
                      "every pipeline layout its pipeline plan allows, whose batch is the micro-batch's size; all)")
     pla.add_argument("--precision", metavar="LIST", default="bf16,mixed",
-                     help="precisions to plan, comma-separated (default bf16,mixed)")
+                     help="precisions to plan, comma-separated (default bf16,mixed): bf16, fp16, fp32 (parameters, "
+                          "gradients and optimizer states in that dtype); bf16-params (FSDP2's MixedPrecisionPolicy("
+                          "param_dtype=bf16, reduce_dtype=fp32) over fp32 shards: layouts with FSDP2 only); autocast "
+                          "(fp32 parameters, the forward under bf16 autocast); mixed-fp16; mixed is bf16-params on a "
+                          "layout with FSDP2 and autocast on the others, amp is autocast")
     pla.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",
                      help="activation checkpointing (default both)")
     pla.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw",

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 from ..errors import InvalidArgumentError
 from .hf_layouts import tp_degrees, tp_parallelize
 from .hf_pipeline import DEGREES, MICROBATCHES_PER_STAGE, PipelineSimulation, pp_degrees, pp_support
+from .plan_precision import POLICY, fsdp_parallelize
 
 __all__ = ["Layout", "data_parallel_layouts", "tp_layouts", "pp_layouts", "choose_layouts", "GROUPS"]
 
@@ -30,7 +31,11 @@ class Layout:
     ``simulate(estimate, model, optimizer, make_batch, b, precision=..., loss_fn=..., gpu=..., ...)`` (a
     pipeline's: its micro-batches, its loss, every stage's rank). ``microbatches`` is the number of micro-batches
     a row's batch is the size of (a pipeline's; None: the batch is the rank's whole batch). ``precisions`` are
-    the precisions the layout can be planned in (None: every one)."""
+    the precisions the layout can be planned in (None: every one). ``policy`` is what a ``bf16-params`` row of a
+    layout with FSDP2 runs (:mod:`memprof.simulate.plan_precision`): the options that give its ``fully_shard``
+    calls FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, in place of ``options`` (a layout
+    with ``simulate`` is handed the row's precision and applies the policy itself); None where the layout has no
+    FSDP2 to carry it, whose ``mixed`` rows are then autocast."""
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -38,17 +43,22 @@ class Layout:
     simulate: "Callable[..., Any] | None" = field(default=None, compare=False)
     microbatches: "int | None" = None
     precisions: "tuple[str, ...] | None" = None
+    policy: "Mapping[str, Any] | None" = None
 
 
 def data_parallel_layouts(world_size: int) -> list[Layout]:
     """The data-parallel layouts of ``world_size`` ranks (:data:`memprof.simulate.ranks.PARALLEL`), or one
-    device alone for a world size of 1."""
+    device alone for a world size of 1. ``fsdp``'s ``bf16-params`` rows run torch's own ``fully_shard`` with FSDP2's
+    policy on the same units (:func:`~memprof.simulate.plan_precision.fsdp_parallelize`): the policy's bf16 gathers
+    are FSDP2's code, not a model of it."""
     from .ranks import PARALLEL, check_parallel
 
     if world_size == 1:
         return [Layout("single", family="data-parallel")]
     check_parallel(world_size, "ddp")
-    return [Layout(name, {"world_size": world_size, "parallel": name}, "data-parallel") for name in PARALLEL]
+    return [Layout(name, {"world_size": world_size, "parallel": name}, "data-parallel",
+                   policy={"world_size": world_size, "parallelize": fsdp_parallelize()} if name == "fsdp" else None)
+            for name in PARALLEL]
 
 
 #: The groups ``layouts=`` (and ``memprof plan --layouts``) takes besides layout names.
@@ -65,8 +75,11 @@ def tp_layouts(model: Any, world_size: int) -> list[Any]:
             out.append(Layout(f"tp{t}", {"world_size": world_size, "mesh": {"tp": t},
                                          "parallelize": tp_parallelize()}))
         else:
-            out.append(Layout(f"fsdp{d}-tp{t}", {"world_size": world_size, "mesh": {"dp": d, "tp": t},
-                                                 "parallelize": tp_parallelize(fsdp=True)}))
+            mesh = {"dp": d, "tp": t}
+            out.append(Layout(f"fsdp{d}-tp{t}", {"world_size": world_size, "mesh": mesh,
+                                                 "parallelize": tp_parallelize(fsdp=True)},
+                              policy={"world_size": world_size, "mesh": mesh,
+                                      "parallelize": tp_parallelize(fsdp=True, mixed=True)}))
     return out
 
 
@@ -76,8 +89,8 @@ def pp_layouts(model: Any, world_size: int) -> list[Any]:
     TP plan allows a degree ``T`` of the ``W / P`` ranks (:func:`tp_degrees`), ``pp{P}-fsdp{D}-tp{T}`` and
     ``pp{P}-tp{T}`` (``P x D x T = W``). 1F1B over :data:`~memprof.simulate.hf_pipeline.MICROBATCHES_PER_STAGE` x
     ``P`` micro-batches, a row's batch the micro-batch's size. A layout without FSDP is planned in bf16, fp16 and
-    fp32 only: a plan's mixed precision under a pipeline is FSDP2's ``MixedPrecisionPolicy``, which needs FSDP
-    (the schedule runs no autocast)."""
+    fp32 only: a plan's mixed precision under a pipeline is FSDP2's ``MixedPrecisionPolicy`` (``bf16-params``),
+    which needs FSDP (the schedule runs no autocast)."""
     out, with_tp = [], []
     for p in pp_degrees(model, world_size):
         micro = MICROBATCHES_PER_STAGE * p
@@ -86,10 +99,11 @@ def pp_layouts(model: Any, world_size: int) -> list[Any]:
             d = world_size // (p * t)
             name = f"pp{p}" + (f"-fsdp{d}" if d > 1 else "") + (f"-tp{t}" if t > 1 else "")
             mesh = {"pp": p, **({"dp": d} if d > 1 else {}), **({"tp": t} if t > 1 else {})}
+            options = {"world_size": world_size, "mesh": mesh, "schedule": "1f1b"}
             (out if t == 1 else with_tp).append(Layout(
-                name, {"world_size": world_size, "mesh": mesh, "schedule": "1f1b"},
-                simulate=PipelineSimulation(world_size, p, micro, tp=t), microbatches=micro,
-                precisions=("bf16", "fp16", "fp32") if d == 1 else ("bf16", "fp16", "fp32", "mixed")))
+                name, options, simulate=PipelineSimulation(world_size, p, micro, tp=t), microbatches=micro,
+                precisions=("bf16", "fp16", "fp32") if d == 1 else ("bf16", "fp16", "fp32", POLICY),
+                policy=options if d > 1 else None))
     return out + with_tp
 
 
