@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import InvalidArgumentError
+from .hf_experts import ep_degrees, ep_fsdp, ep_support
 from .hf_layouts import tp_degrees, tp_parallelize
 from .hf_pipeline import DEGREES, MICROBATCHES_PER_STAGE, PipelineSimulation, pp_degrees, pp_support
 from .plan_precision import POLICY, fsdp_parallelize
 
-__all__ = ["Layout", "data_parallel_layouts", "tp_layouts", "pp_layouts", "choose_layouts", "GROUPS"]
+__all__ = ["Layout", "data_parallel_layouts", "tp_layouts", "pp_layouts", "ep_layouts", "choose_layouts", "GROUPS"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def data_parallel_layouts(world_size: int) -> list[Layout]:
 
 
 #: The groups ``layouts=`` (and ``memprof plan --layouts``) takes besides layout names.
-GROUPS = ("dp", "tp", "pp", "all")
+GROUPS = ("dp", "tp", "pp", "ep", "all")
 
 
 def tp_layouts(model: Any, world_size: int) -> list[Any]:
@@ -80,6 +81,20 @@ def tp_layouts(model: Any, world_size: int) -> list[Any]:
                                                  "parallelize": tp_parallelize(fsdp=True)},
                               policy={"world_size": world_size, "mesh": mesh,
                                       "parallelize": tp_parallelize(fsdp=True, mixed=True)}))
+    return out
+
+
+def ep_layouts(model: Any, world_size: int) -> list[Any]:
+    """The expert-parallel layouts of ``world_size`` ranks a mixture-of-experts model's own EP plan allows
+    (:func:`~memprof.simulate.hf_experts.ep_degrees`): ``fsdp-ep{E}``, its experts split ``E`` ways by expert and
+    FSDP2 over the ``W / E`` ranks holding the same experts, every other parameter FSDP2 over all ``W`` ranks
+    (:func:`~memprof.simulate.hf_experts.ep_fsdp`, torchtitan's layout); every rank its own batch, the routing
+    memprof's ``balanced`` assumption."""
+    out = []
+    for e in ep_degrees(model, world_size):
+        mesh = {"dp": world_size // e, "ep": e, "tp": 1}
+        out.append(Layout(f"fsdp-ep{e}", {"world_size": world_size, "mesh": mesh, "parallelize": ep_fsdp()},
+                          policy={"world_size": world_size, "mesh": mesh, "parallelize": ep_fsdp(mixed=True)}))
     return out
 
 
@@ -116,8 +131,9 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
     dp = data_parallel_layouts(world_size)
     tp = tp_layouts(model, world_size) if world_size > 1 else []
     pp = pp_layouts(model, world_size) if world_size > 1 else []
-    known = {lay.name: lay for lay in dp + tp + pp}
-    groups = {"dp": dp, "tp": tp, "pp": pp, "all": dp + tp + pp}
+    ep = ep_layouts(model, world_size) if world_size > 1 else []
+    known = {lay.name: lay for lay in dp + tp + ep + pp}
+    groups = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "all": dp + tp + ep + pp}
     out: list[Any] = []
     for item in items:
         if isinstance(item, Layout):
@@ -133,9 +149,11 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
             usable = [g for g in GROUPS if groups[g]]  # an empty group is no way out
             raise InvalidArgumentError(f"unknown layout {item!r} for {world_size} rank(s){why}; use "
                                        + ", ".join([*known, *usable]))
-        if isinstance(item, str) and item.lower() == "pp" and not pp:
-            raise InvalidArgumentError(f"no pipeline-parallel layout for {world_size} rank(s)"
-                                       f"{_missing(model, item, tp, pp, world_size)}; plan without --layouts pp")
+        if isinstance(item, str) and item.lower() in ("pp", "ep") and not groups[item.lower()]:
+            what = "pipeline" if item.lower() == "pp" else "expert"
+            raise InvalidArgumentError(f"no {what}-parallel layout for {world_size} rank(s)"
+                                       f"{_missing(model, item, tp, pp, world_size)}; plan without --layouts "
+                                       f"{item.lower()}")
         out.extend(lay for lay in chosen if lay.name not in {o.name for o in out})
     if not out:
         raise InvalidArgumentError("a plan needs at least one layout")
@@ -145,6 +163,8 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
 def _missing(model: Any, item: Any, tp: list, pp: list, world_size: int) -> str:
     """Why the layouts ``item`` asks for are not there, in parentheses (empty when that says nothing)."""
     name = str(item).lower()
+    if name == "ep" or name.startswith("fsdp-ep"):
+        return _missing_ep(model, name, world_size)
     if name.startswith("pp"):
         ok, why = pp_support(model)
         if not ok:
@@ -169,3 +189,15 @@ def _missing(model: Any, item: Any, tp: list, pp: list, world_size: int) -> str:
     return (" (no tensor-parallel layout: the model's heads, MLP width or vocabulary are not divisible, or it has no "
             "TP plan)")
 
+
+
+def _missing_ep(model: Any, name: str, world_size: int) -> str:
+    """Why the expert-parallel layouts ``name`` asks for are not there, in parentheses."""
+    ok, why = ep_support(model)
+    if not ok:
+        return f" (no expert-parallel layout: {why})"
+    if world_size == 1:
+        return " (expert parallelism needs two ranks or more)"
+    return (f" (expert-parallel layouts fsdp-ep{{E}} split every MoE layer's experts E ways: E must be above 1 and "
+            f"divide both the world size and the experts of each layer; {world_size} rank(s) allow "
+            f"{', '.join(map(str, ep_degrees(model, world_size))) or 'none'})")

@@ -95,7 +95,7 @@ def plan_grid(trained: Trained, *, gpu: Any, layouts: Sequence[Layout], precisio
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
                     seq_len=labels.seq_len, seconds=time.perf_counter() - start,
                     notes=(*labels.notes, precision_note([r.precision for r in grid.rows]), _SEARCH_NOTE, *skipped,
-                           *_pipeline_notes(layouts)))
+                           *_pipeline_notes(layouts), *_expert_notes(layouts)))
 
 
 def configurations(layouts: Sequence[Layout], precisions: Sequence[str],
@@ -237,6 +237,20 @@ def _pipeline_notes(layouts: Sequence[Layout]) -> list[str]:
             "(worst_stage: the largest device-level peak); FSDP2 inside the stages with reshard_after_forward=False "
             "(torchtitan's default under pipeline parallelism), mixed precision its "
             "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"]
+
+
+def _expert_notes(layouts: Sequence[Layout]) -> list[str]:
+    """What an expert-parallel row assumes, said once when the plan has one."""
+    if not any("ep" in (lay.options.get("mesh") or {}) for lay in layouts):
+        return []
+    return ["expert-parallel layouts (fsdp-ep{E}: the model's own expert-parallel plan, base_model_ep_plan, applied by "
+            "transformers' apply_expert_parallelism over E ranks; fully_shard of each MoE layer's experts over the "
+            "W / E ranks holding the same experts, of every decoder layer and the root over all W ranks, as "
+            "torchtitan lays out EP borrowed from FSDP): every rank takes its own batch; which experts the tokens "
+            "go to is data that shape-only tensors do not have, so the routing is memprof's balanced assumption "
+            "(each router call's top-k spread evenly over the experts, every EP rank routing alike, so each rank's "
+            "experts receive as many token rows as it sends); a skewed router holds more on its busiest rank "
+            "(memprof estimate --routing worst bounds it)"]
 
 
 def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, simulations: int,
