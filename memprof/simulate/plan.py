@@ -127,8 +127,11 @@ def _why_not(lay: Layout, precisions: Sequence[str]) -> str:
         return (f"{lay.name} is planned in {', '.join(lay.precisions or ())} only, not in {', '.join(precisions)}: "
                 "a pipeline's schedule runs no autocast, and its mixed precision is FSDP2's MixedPrecisionPolicy "
                 f"({POLICY}), which needs FSDP inside the stages")
-    return (f"{lay.name} is not planned in {', '.join(precisions)}: {POLICY} is FSDP2's MixedPrecisionPolicy, "
-            f"which needs fully_shard in the layout (its mixed row is {AUTOCAST})")
+    why = [f"{POLICY} is FSDP2's MixedPrecisionPolicy, which needs fully_shard in the layout (its mixed row is "
+           f"{AUTOCAST})"] if POLICY in precisions else []
+    if any(p != POLICY for p in precisions):  # a layout of the user's that limits its precisions
+        why.append(f"it is planned in {', '.join(lay.precisions or ())} only")
+    return f"{lay.name} is not planned in {', '.join(precisions)}: " + "; ".join(why)
 
 
 class _Grid:

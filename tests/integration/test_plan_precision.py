@@ -134,3 +134,13 @@ def test_the_8b_fsdp_plan_with_checkpointing_answers_in_the_policy(tmp_path, cap
     rows = json.loads(capsys.readouterr().out)
     assert [(r["parallel"], r["precision"], r["checkpointing"]) for r in rows] == [("fsdp", "bf16-params", True)]
     assert rows[0]["verified"] and rows[0]["max_batch_size"] >= 1
+
+
+def test_a_layout_limited_to_some_precisions_says_which():
+    from memprof.simulate.plan import Layout
+
+    mine = Layout("mine", {"world_size": 2, "parallel": "ddp"}, precisions=("bf16",))
+    configs, skipped = configurations([mine], ["bf16", "mixed-fp16", "bf16-params"], [False])
+    assert [(lay.name, p) for _, p, lay in configs] == [("mine", "bf16")]
+    assert skipped == ["mine is not planned in mixed-fp16, bf16-params: bf16-params is FSDP2's MixedPrecisionPolicy, "
+                       "which needs fully_shard in the layout (its mixed row is autocast); it is planned in bf16 only"]
