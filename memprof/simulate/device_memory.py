@@ -312,7 +312,7 @@ def _workspace_blocks(gpu: "GpuSpec | None", handles: int, environ: "Mapping[str
 def _place(trace: Trace, moments: Sequence[tuple[int, int, int, int]]) -> dict[tuple[int, int], tuple[int, int, int]]:
     """Each kept phase record (step index, position in the step) -> its (start, peak, end) seqs. The ledger
     noted one moment per phase closed, with the step it closed in; a trailing step of "other" phases that
-    joined the previous one (``PhaseTracker.finish``) continues it."""
+    joined the previous one (:func:`memprof.collect.phase_records.finish`) continues it."""
     by_step: dict[int, list[tuple[int, int, int]]] = {}
     for step, start, peak, end in moments:
         by_step.setdefault(step, []).append((start, peak, end))
