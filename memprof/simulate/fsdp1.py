@@ -52,14 +52,15 @@ def fsdp1_notes(said: list[str]) -> list[str]:
             "flattened them), its flat parameter sharded, gathered and reduce-scattered by FSDP1's own code, in the "
             "order FSDP1 runs on one stream: a unit's all-gather done before its forward, the next unit's prefetched "
             "as configured (forward_prefetch, backward_prefetch), what limit_all_gathers holds back held back",
-            "FSDP1 on a GPU, not modelled by the device figures: it allocates the all-gather outputs on its unshard "
-            "stream and the reduce-scatter buffers on its post-backward stream, whose caching-allocator pools the "
-            "default stream cannot reuse, and record_stream keeps a resharded unit's gathered parameter reserved "
-            "until the compute stream has used it (limit_all_gathers=True, FSDP1's rate limiter, lets at most two "
-            "such units be in flight; False lets the CPU run ahead without bound). The allocator replay puts every "
-            "block on one stream and frees it at once, so a GPU's reserved memory can be above the device peak (the "
-            "side streams' pools and the blocks record_stream holds are not in it); the tensors' peak is FSDP1's "
-            "own, as a CPU run of it measures"]
+            "FSDP1 on a GPU: its all-gather outputs are made on its unshard stream, the low-precision shards on its "
+            "pre-unshard stream and the reduce-scatter outputs (the sharded gradients) on its post-backward stream; "
+            "the allocator replay keeps each of those streams' blocks in a pool of its own, as the caching "
+            "allocator does (the streams FSDP1 enters are noted as the run makes them current). Not modelled: "
+            "record_stream keeps a resharded unit's gathered parameter from being reused until the compute stream "
+            "has used it, which on a GPU depends on how far the CPU runs ahead (limit_all_gathers=True, FSDP1's "
+            "rate limiter, lets at most two all-gathers be in flight; False lets it run ahead without bound); the "
+            "replay frees each block at once, so a GPU's reserved memory can be above the device peak by the "
+            "gathered units still in flight"]
 
 
 def _off_cpu(device: Any) -> bool:

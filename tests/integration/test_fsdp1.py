@@ -312,3 +312,21 @@ def test_a_training_scripts_own_arguments_are_taken():
     assert_equal_everywhere(est, rep)
     assert any(n.startswith("FSDP1's device_id=0 was the CPU") for n in est.notes)
     assert any(n.startswith("FSDP1's sync_module_states=True was left out") for n in est.notes)
+
+
+def test_the_device_replay_keeps_fsdp1s_side_streams_apart():
+    import dataclasses
+
+    from memprof.simulate.device_memory import replay_of
+
+    _b, _u, x, y, loss_fn = MODELS["transformer"]
+    native = torch.cpu.stream
+    est = memprof.estimate(_build("transformer"), lambda ps: torch.optim.AdamW(ps), inputs=x, targets=y,
+                           loss_fn=loss_fn, world_size=3, parallelize=fsdp1("transformer"), gpu="h100")
+    assert torch.cpu.stream is native
+    replay = replay_of(est.device_memory)
+    # FSDP1's unshard, pre-unshard and post-backward streams, entered through its device handle (torch.cpu).
+    assert len({stream for _seq, stream in replay.switches if stream}) == 3
+    one_pool = dataclasses.replace(replay, switches=())
+    assert replay.figures()[0] > one_pool.figures()[0]  # blocks cached per stream: more reserved than one pool
+    assert any("record_stream" in n and "limit_all_gathers" in n for n in est.notes)
