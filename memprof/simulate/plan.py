@@ -233,6 +233,7 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     training loop simulated (:mod:`memprof.simulate.loops`): the HF Trainer's step by default, ``"plain"`` for
     memprof's own; a pipeline layout's rows run torch's schedule instead."""
     from . import hf
+    from .loops import transformers_version_note
     from .layouts import choose_layouts
 
     cfg = hf.load_config(config)
@@ -246,7 +247,7 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     said = [f"{first.architecture} built from its config on the meta device ({first.kind}), {seq_len} tokens per "
             "sequence; the batch is one rank's",
             "optimizer: " + ("torch.optim.AdamW with its defaults" if optimizer is None else "as given"),
-            *hf.loop_versions(loop), *hf.transformers_version_note(cfg)]
+            *hf.loop_versions(loop), *transformers_version_note(cfg)]
     if any(bool(c) for c in checkpointing):  # only when a row has it
         said.append("checkpointing: transformers' activation checkpointing on every layer (non-reentrant)")
     trained = Trained(model_for, lambda b: token_batch(first, b, seq_len), optimizer or hf.adamw, hf.hf_loss, loop)
