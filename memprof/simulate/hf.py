@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..record.estimate import Estimate
 from ..errors import (ConfigNotFoundError, InvalidArgumentError, MemprofError, MissingExtraError, SimulationError,
@@ -390,7 +390,7 @@ class _named:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc is None or isinstance(exc, MemprofError) or not isinstance(exc, Exception) or not _in_model(tb):
             return False
         raise SimulationError(f"{self.built.architecture}, built from this config, raised {type(exc).__name__} in "

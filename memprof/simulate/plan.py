@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from ..errors import InvalidArgumentError
 from ..record.plans import PlanGrid, PlanRow
 from .hf_pipeline import MICROBATCHES_PER_STAGE
 from .layouts import Layout, data_parallel_layouts
+
+if TYPE_CHECKING:
+    from .plan_search import Probe
 
 __all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "Trained", "Labels",
            "PRECISIONS"]
@@ -113,7 +116,7 @@ class _Grid:
         self.rows: list[PlanRow] = []
         self.models: dict[bool, Any] = {}
         self.slopes: dict[tuple[bool, str, str], tuple[dict[Any, float], str]] = {}
-        self.probes: dict[tuple[str, str, bool], Any] = {}
+        self.probes: "dict[tuple[str, str, bool], Probe]" = {}
 
     def row(self, ckpt: bool, precision: str, layout: Layout, bar: Any) -> None:
         """Search the row of ``layout`` in ``precision`` with checkpointing ``ckpt``, and keep it."""
@@ -133,7 +136,7 @@ class _Grid:
                partial(_simulate, estimate, model, t.optimizer, t.make_batch, **_looped(common, t.loop),
                        **dict(layout.options)))
         one = Probe(run, self.spec.allocatable_bytes, self.max_batch,
-                    lambda b, label=label: bar.step(f"{label} batch {b}"))
+                    lambda b: bar.step(f"{label} batch {b}"))
         family = (ckpt, precision, layout.family or layout.name)
         shared, reference = self.slopes.get(family, (None, ""))
         predicted, overhead, at_batch = _sibling_start(self.probes, layout.name, reference, precision, ckpt)
@@ -167,8 +170,8 @@ def _simulate(estimate: Callable[..., Any], model: Any, optimizer: Any, make_bat
     return estimate(model, optimizer, inputs=make_batch(b), **options)
 
 
-def _sibling_start(probes: dict, layout: str, reference: str, precision: str,
-                   ckpt: bool) -> "tuple[dict | None, int, int]":
+def _sibling_start(probes: "dict[tuple[str, str, bool], Probe]", layout: str, reference: str, precision: str,
+                   ckpt: bool) -> "tuple[dict[Any, int] | None, int, int]":
     """A prediction of ``layout``'s moments at a small batch with checkpointing ``ckpt``, from simulations already
     run: its own at that batch with checkpointing the other way, plus what switching it changed in ``reference``
     (the layout that measured the slopes) at that batch, moment by moment. Checkpointing changes the activations
