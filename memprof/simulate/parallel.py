@@ -301,6 +301,10 @@ class ParallelRun:
             group = self.mesh["pp"].get_group() if len(self.shape) > 1 else None  # the pipeline's own ranks
             return self.stages.step(loss_fn, optimizer, inputs, targets, group)
 
+    def stage_modules(self) -> "list[nn.Module]":
+        """The stage modules this pipeline rank holds, in stage order (empty without ``pipeline=``)."""
+        return list(self.stages.modules) if self.stages is not None else []
+
     def rules(self) -> Any:
         """The dispatch rules the step runs under, beneath the profiler."""
         # TorchDispatchMode.__init__, which WaitIdentity keeps, is untyped.

@@ -211,10 +211,8 @@ class RunConfig(Generic[W]):
                                    "mixed-fp16 (amp is mixed)")
         from .step import check_step_context
 
-        if isinstance(self.workload, Workload) and check_step_context(self.workload.step_context) is not None \
-                and self.parallelism.pipeline is not None:
-            raise InvalidArgumentError("step_context wraps a training step's forward and backward, which under "
-                                       "pipeline= torch's schedule runs; leave one of them out")
+        if isinstance(self.workload, Workload):
+            check_step_context(self.workload.step_context)  # refused here, before anything runs
         if isinstance(self.workload, Workload) and self.workload.train_step is not None \
                 and self.parallelism.pipeline is not None:
             raise InvalidArgumentError("train_step= runs your step, but under pipeline= torch's schedule runs the "
