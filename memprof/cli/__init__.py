@@ -283,11 +283,17 @@ def _plan_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
     pla.add_argument("--parallel", metavar="LIST", help="layouts to plan, comma-separated (default: every layout "
                      "for the world size: ddp,fsdp,zero1,zero2,zero3)")
     pla.add_argument("--layouts", metavar="LIST", help="layouts to plan, comma-separated: names (ddp, fsdp, "
-                     "zero1-3, tp8, fsdp4-tp2, pp2-fsdp4, pp4 ...) and groups (dp: the data-parallel ones, the "
-                     "default; tp: every tensor-parallel layout the model's TP plan allows on --world-size ranks; pp: "
-                     "every pipeline layout its pipeline plan allows, whose batch is the micro-batch's size; all)")
+                     "zero1-3, tp8, fsdp4-tp2, pp2-fsdp4, pp4, fsdp-ep4 ...) and groups (dp: the data-parallel ones, "
+                     "the default; tp: every tensor-parallel layout the model's TP plan allows on --world-size ranks; "
+                     "pp: every pipeline layout its pipeline plan allows, whose batch is the micro-batch's size; ep: "
+                     "every expert-parallel layout a mixture-of-experts model's EP plan allows, routed by the balanced "
+                     "assumption; all)")
     pla.add_argument("--precision", metavar="LIST", default="bf16,mixed",
-                     help="precisions to plan, comma-separated (default bf16,mixed)")
+                     help="precisions to plan, comma-separated (default bf16,mixed): bf16, fp16, fp32 (parameters, "
+                          "gradients and optimizer states in that dtype); bf16-params (FSDP2's MixedPrecisionPolicy("
+                          "param_dtype=bf16, reduce_dtype=fp32) over fp32 shards: layouts with FSDP2 only); autocast "
+                          "(fp32 parameters, the forward under bf16 autocast); mixed-fp16; mixed is bf16-params on a "
+                          "layout with FSDP2 and autocast on the others, amp is autocast")
     pla.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",
                      help="activation checkpointing (default both)")
     pla.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw",
