@@ -220,8 +220,9 @@ def _estimate_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
                      help="attention kernel of a CUDA target (default auto: the one torch's CUDA dispatcher picks)")
     est.add_argument("--world-size", type=int, default=1,
                      help="ranks of a data-parallel job: the figures are one rank's, --batch-size its batch")
-    est.add_argument("--parallel", type=str.lower, choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None,
-                     help="how the ranks share the model (needed with --world-size above 1)")
+    est.add_argument("--parallel", type=str.lower, choices=("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3"),
+                     default=None, help="how the ranks share the model (needed with --world-size above 1; fsdp1 runs "
+                                        "FSDP1's own code on torch's fake process group)")
     est.add_argument("--parallelize", metavar="MODULE:FUNCTION",
                      help="your own fn(model, mesh) -> model (fully_shard, parallelize_module ...), run on a device "
                           "mesh of --world-size ranks on torch's fake process group; the factory's 'parallelize' "

@@ -53,6 +53,10 @@ def estimate(model: nn.Module, optimizer: Any = None, **options: Unpack[Estimate
     ``world_size`` and ``parallel`` (``"ddp"``, ``"fsdp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``) make
     the figures one rank's of a data-parallel job, in this one process: ``inputs`` is that rank's batch,
     and the model states and collective buffers are sharded as the layout does (:mod:`memprof.simulate.ranks`).
+    ``parallel="fsdp1"`` runs FSDP1 itself (``FullyShardedDataParallel``: flat parameters, each block of the
+    repeated stack a unit, ``FULL_SHARD``, ``use_orig_params=True``) on torch's fake process group
+    (:mod:`memprof.simulate.fsdp1`); to simulate FSDP1 as your script configures it, pass your own function as
+    ``parallelize``.
     ``routing`` is what a mixture-of-experts model's routers choose, which shape-only tensors cannot decide:
     ``"balanced"`` (default), ``"worst"``, ``"capacity=1.25"``, or a real run's routing (a report profiled
     with ``record_routing=True``, or per-call expert counts) replayed (:mod:`memprof.simulate.routing`).

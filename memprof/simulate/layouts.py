@@ -125,7 +125,8 @@ def pp_layouts(model: Any, world_size: int) -> list[Any]:
 
 def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any]:
     """The layouts ``wanted`` names: a comma-separated string or a list of layout names (``ddp``, ``fsdp``,
-    ``zero1``-``zero3``, ``tp8``, ``fsdp4-tp2``, ``pp2-fsdp4`` ...) and groups (``dp``: the data-parallel ones,
+    ``fsdp1`` (named only: not in the ``dp`` group), ``zero1``-``zero3``, ``tp8``, ``fsdp4-tp2``, ``pp2-fsdp4``
+    ...) and groups (``dp``: the data-parallel ones,
     ``tp``: every tensor-parallel one the model allows, ``pp``: every pipeline-parallel one, ``all``), or Layouts
     as they are."""
     items = [w.strip() for w in wanted.split(",")] if isinstance(wanted, str) else list(wanted)
@@ -133,7 +134,10 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
     tp = tp_layouts(model, world_size) if world_size > 1 else []
     pp = pp_layouts(model, world_size) if world_size > 1 else []
     ep = ep_layouts(model, world_size) if world_size > 1 else []
-    known = {lay.name: lay for lay in dp + tp + ep + pp}
+    # FSDP1, planned when named (FSDP1's own code on the fake process group: memprof.simulate.fsdp1).
+    fsdp1 = ([Layout("fsdp1", {"world_size": world_size, "parallel": "fsdp1"}, "data-parallel")]
+             if world_size > 1 else [])
+    known = {lay.name: lay for lay in dp + fsdp1 + tp + ep + pp}
     groups = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "all": dp + tp + ep + pp}
     out: list[Any] = []
     for item in items:
