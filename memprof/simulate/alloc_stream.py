@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Mapping, MutableSequence, Sequence
+from collections.abc import Hashable, Mapping, MutableSequence, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable
 
 from ..anatomy.alloc_audit import AuditedAllocator
 from ..anatomy.alloc_config import AllocatorConfig
@@ -94,7 +94,7 @@ def rank_step(stream: MutableSequence[tuple[int, int, int]], start_seq: int, res
     stream[begin:] = out
 
 
-def stream_problem(event: Any, live: "set | None" = None) -> "str | None":
+def stream_problem(event: Any, live: "set[Hashable] | None" = None) -> "str | None":
     """What is wrong with one event of a stream, None when nothing is; with ``live`` (the keys live before it,
     updated here) also a free of a key that is not live."""
     if not isinstance(event, (tuple, list)) or len(event) != 3:
@@ -126,7 +126,7 @@ def _bad_stream(stream: Sequence[Any], exc: BaseException) -> InvalidArgumentErr
     if not isinstance(stream, (list, tuple)) and not hasattr(stream, "__getitem__"):
         return InvalidArgumentError(f"an allocation stream is a sequence of (seq, key, bytes), got "
                                     f"{type(stream).__name__}")
-    live: set = set()
+    live: set[Hashable] = set()
     for index, event in enumerate(stream):
         problem = stream_problem(event, live)
         if problem is not None:
@@ -197,6 +197,8 @@ def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], c
     handles: dict[int, int] = {}
     pending = list(workspaces)
     oom = None
+    make: Callable[[int, int, int], int]
+    let_go: Callable[[int], None]
     if streams.switches or streams.held:
         placement = _Placement(allocator, streams)
         make, let_go = placement.make, placement.let_go
@@ -254,7 +256,7 @@ def check_stream(stream: Sequence[tuple[int, int, int]], rounding: int, expected
     storage made in such a span, never less. Raises ``AssertionError`` naming the first event that breaks it.
     A check for tests and ``MEMPROF_CHECK_REPLAY=1``; a replay never pays for it."""
     sizes: dict[Any, int] = {}
-    rescaled: set = set()  # live storages made in a scaled span
+    rescaled: set[Hashable] = set()  # live storages made in a scaled span
     total = 0
     wanted = sorted(expected)
     w = 0

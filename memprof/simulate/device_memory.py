@@ -233,11 +233,12 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
 
     def filled(b: Breakdown, seq: int) -> Breakdown:
         tensors = b.counts[:_N]
-        if any(v is None for v in tensors):
+        known = [v for v in tensors if v is not None]
+        if len(known) < len(tensors):
             return b
         reserved = at.get(max(seq, first), (0, 0))[1]
-        overhead = max(0, reserved - sum(tensors))
-        return Breakdown(tensors + (overhead, outside), sum(tensors) + overhead + outside)
+        overhead = max(0, reserved - sum(known))
+        return Breakdown(tensors + (overhead, outside), sum(known) + overhead + outside)
 
     steps = []
     for step in trace.steps:
@@ -318,12 +319,12 @@ def _place(trace: Trace, moments: Sequence[tuple[int, int, int, int]]) -> dict[t
     for step, start, peak, end in moments:
         by_step.setdefault(step, []).append((start, peak, end))
     out: dict[tuple[int, int], tuple[int, int, int]] = {}
-    for step in trace.steps:
-        mine = list(by_step.get(step.index, ()))
-        if len(mine) < len(step.phases):
-            mine += by_step.get(step.index + 1, [])[:len(step.phases) - len(mine)]
-        for i, seqs in enumerate(mine[:len(step.phases)]):
-            out[(step.index, i)] = seqs
+    for rec in trace.steps:
+        mine = list(by_step.get(rec.index, ()))
+        if len(mine) < len(rec.phases):
+            mine += by_step.get(rec.index + 1, [])[:len(rec.phases) - len(mine)]
+        for i, seqs in enumerate(mine[:len(rec.phases)]):
+            out[(rec.index, i)] = seqs
     return out
 
 
