@@ -27,12 +27,13 @@ import copy
 import dataclasses
 import numbers
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, is_interrupt
+from ..record.estimate import Estimate
 from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, Category
 
@@ -56,7 +57,7 @@ def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
 
 
 def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
-                 run: Callable[[nn.Module, Any], Any]) -> Any:
+                 run: Callable[[nn.Module, Any], Estimate]) -> Estimate:
     """The estimate of ``model`` from three simulations of it cut to ``k``, ``k + 1``, ``k + 2`` units of depth
     (``per_unit`` blocks each: the pipeline's stages per rank), or of the whole model when the figures are not
     affine. ``run(model, optimizer)`` simulates one model."""
@@ -84,8 +85,9 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
         note = (f"depth: {where} was simulated whole, since its figures were not affine in depth from {k} blocks "
                 f"per stage on ({reason})")
         return dataclasses.replace(est, notes=(*est.notes, note))
-    out = _affine(*ests, units - k - 2, strict=False)
-    device = ests[2].device_memory is not None
+    out: Estimate = _affine(ests[0], ests[1], ests[2], units - k - 2, strict=False)
+    memory = ests[2].device_memory
+    device = memory is not None
     note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every "
             f"{'tensor ' if device else ''}category at every phase's start, peak and end grew by the same bytes per "
             f"block, so the figures are extended to {units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x "
@@ -93,11 +95,11 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
             "model's")
     notes = [note]
     kept = ests[2].notes
-    if device:
+    if memory is not None:
         info = dataclasses.replace(out.trace.device, max_memory_allocated=None, memory_reserved=None)
         out = dataclasses.replace(out, device_memory=None, trace=dataclasses.replace(out.trace, device=info))
         # The cut model's replay and its terms describe a model that is not the one estimated.
-        replay = set(ests[2].device_memory.notes())
+        replay = set(memory.notes())
         kept = tuple(n for n in kept if n not in replay and not n.startswith("device memory"))
         notes.append("depth: no device-level figures (the allocator's cache, the memory outside torch, the device peak "
                      "and whether it fits): the allocator replay needs the whole model's allocation stream, and the "
@@ -116,7 +118,8 @@ def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Modul
     for b in model.buffers():
         memo.setdefault(id(b), torch.empty_like(b, device="meta"))
     clone = copy.deepcopy(model, memo)
-    stack = clone.get_submodule(name) if name else clone
+    # find_stack named a ModuleList or Sequential (both cut with del); nn.Module's type has no __delitem__.
+    stack = cast("nn.ModuleList | nn.Sequential", clone.get_submodule(name) if name else clone)
     del stack[n:]
     if not isinstance(optimizer, torch.optim.Optimizer):
         return clone, optimizer
@@ -125,10 +128,12 @@ def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Modul
     for g in optimizer.param_groups:
         params = [twins[id(p)] for p in g["params"] if id(p) in twins and id(twins[id(p)]) in kept]
         groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": params})
-    return clone, type(optimizer)([g for g in groups if g["params"]])
+    # The optimizer's own class, built as a user builds it: its constructor (not Optimizer's) gives the defaults.
+    rebuilt: Callable[..., torch.optim.Optimizer] = type(optimizer)
+    return clone, rebuilt([g for g in groups if g["params"]])
 
 
-def _not_affine(ests: list) -> "str | None":
+def _not_affine(ests: "list[Estimate]") -> "str | None":
     a, b, c = (e.trace for e in ests)
     if not (a.peak_step == b.peak_step == c.peak_step and a.peak_phase == b.peak_phase == c.peak_phase):
         return f"the peak moved: step {a.peak_step} {_v(a.peak_phase)}, then {b.peak_step} {_v(b.peak_phase)}, then " \
@@ -137,13 +142,13 @@ def _not_affine(ests: list) -> "str | None":
         _affine(a.steps, b.steps, c.steps, 1, strict=True)
         _affine(a.peak, b.peak, c.peak, 1, strict=True)
         ranks = [tuple(r.peak_bytes for r in e.ranks) for e in ests]
-        _affine(*ranks, 1, strict=True)
+        _affine(ranks[0], ranks[1], ranks[2], 1, strict=True)
     except _NotAffine as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return str(exc)
     if ests[2].ranks:  # the worst rank class must stay the worst at full depth
-        worst = [max(range(len(e.ranks)), key=lambda i, e=e: e.ranks[i].peak_bytes) for e in ests]
+        worst = [_worst_rank(e) for e in ests]
         if len(set(worst)) != 1:
             return "the worst pipeline rank changed with depth"
     return None
@@ -159,6 +164,12 @@ class _NotAffine(Exception):
 
 #: Where the device-level categories sit in a Breakdown's counts (not extended: see the module's docstring).
 _DEVICE = frozenset(tuple(Category).index(c) for c in DEVICE_CATEGORIES)
+
+
+def _worst_rank(est: Estimate) -> int:
+    """The index of ``est``'s rank class with the highest peak (the first of equals)."""
+    peaks = [r.peak_bytes for r in est.ranks]
+    return max(range(len(peaks)), key=peaks.__getitem__)
 
 
 def _affine(a: Any, b: Any, c: Any, more: int, strict: bool) -> Any:

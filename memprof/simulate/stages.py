@@ -29,7 +29,7 @@ from ..errors import MemprofError, is_interrupt
 from . import held_signals
 from .failures import simulation_error
 from .ranks import RankLayout
-from .run import RunConfig
+from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
 from .twin import Twin, casting, converted, meta_optimizer
 from .user_step import UserStep
@@ -54,7 +54,7 @@ class Prepared:
     layout: "RankLayout | None"
 
 
-def simulate(config: RunConfig) -> "Estimate":
+def simulate(config: "RunConfig[Workload]") -> "Estimate":
     """The estimate ``config`` describes: one rank, every pipeline rank class (the worst returned, all listed), and
     with ``extrapolate=`` the model cut to three depths and extended."""
     from .depth import extrapolated
@@ -62,7 +62,7 @@ def simulate(config: RunConfig) -> "Estimate":
 
     p = config.parallelism
 
-    def at_rank(cfg: RunConfig, r: "int | None") -> "Estimate":
+    def at_rank(cfg: "RunConfig[Workload]", r: "int | None") -> "Estimate":
         if not p.on_fake_ranks:
             return one_rank(cfg, None)
         w = cfg.workload
@@ -82,7 +82,7 @@ def simulate(config: RunConfig) -> "Estimate":
     return at_depth(p.rank)
 
 
-def one_rank(config: RunConfig, ranks: "ParallelRun | None") -> "Estimate":
+def one_rank(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> "Estimate":
     """Stages 1, 3 and 4 for one rank (``ranks``: the rank's fake process group, entered; None for a single
     process or a ``parallel=`` layout)."""
     with NothingLeftBehind():
@@ -91,7 +91,7 @@ def one_rank(config: RunConfig, ranks: "ParallelRun | None") -> "Estimate":
         return replayed(config, prepared, prof, ranks)
 
 
-def target_twin(config: RunConfig, ranks: "ParallelRun | None") -> Prepared:
+def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> Prepared:
     """Stage 1: the twin, its optimizer, the step's inputs and the step itself."""
     from .device_memory import check_target
 
@@ -129,7 +129,8 @@ def target_twin(config: RunConfig, ranks: "ParallelRun | None") -> Prepared:
     return Prepared(twin, optimizer, step, notes, gpu, layout)
 
 
-def profiled_steps(config: RunConfig, prepared: Prepared, ranks: "ParallelRun | None") -> "SimulatedProfile":
+def profiled_steps(config: "RunConfig[Workload]", prepared: Prepared,
+                   ranks: "ParallelRun | None") -> "SimulatedProfile":
     """Stage 3: the steps, under the collector, with the twin's rules above and beneath the ops and a ``parallel=``
     layout played on the run."""
     from ..collect.simulated import SimulatedProfile
@@ -193,7 +194,7 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
             step.loss = None  # the loop has ended: its last loss is released (inside the profiled run)
 
 
-def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
+def replayed(config: "RunConfig[Workload]", prepared: Prepared, prof: "SimulatedProfile",
              ranks: "ParallelRun | None") -> "Estimate":
     """Stage 4: the record of the run as the rank holds it, its notes, and for a CUDA target the device replay and
     the fit verdict."""
@@ -221,7 +222,7 @@ def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
     return est
 
 
-def _loop_notes(config: RunConfig, prepared: Prepared) -> list[str]:
+def _loop_notes(config: "RunConfig[Workload]", prepared: Prepared) -> list[str]:
     """What the notes say of the training loop the simulation ran."""
     w = config.workload
     if isinstance(prepared.step, UserStep):
