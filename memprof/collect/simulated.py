@@ -39,6 +39,10 @@ class RecordedStream:
     events: tuple[tuple[int, int, int], ...]
     moments: tuple[tuple[int, int, int, int], ...]
     peak_seq: int
+    #: The category each storage was made in, one per storage made, in order (empty: not known).
+    cats: tuple[int, ...] = ()
+    #: Each move of a live storage to another category, as (seq, key).
+    moves: tuple[tuple[int, int], ...] = ()
 
 
 class SimulatedProfile(Profiler):
@@ -59,7 +63,8 @@ class SimulatedProfile(Profiler):
     def recorded_stream(self) -> RecordedStream:
         """The allocation stream kept (``keep_stream=True``), for the device replay."""
         led = self.ledger
-        return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq)
+        return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq, tuple(led.stream_cats),
+                              tuple(led.stream_moves))
 
     # -- what a simulated layout plays on the run ------------------------------------------------------------
 

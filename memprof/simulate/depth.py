@@ -35,6 +35,7 @@ from torch import nn
 from ..errors import InvalidArgumentError, is_interrupt
 from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, Category
+from .depth_stream import corrected, extended_stream
 
 __all__ = ["find_stack", "extrapolated"]
 
@@ -56,10 +57,11 @@ def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
 
 
 def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
-                 run: Callable[[nn.Module, Any], Any]) -> Any:
+                 run: Callable[..., Any]) -> Any:
     """The estimate of ``model`` from three simulations of it cut to ``k``, ``k + 1``, ``k + 2`` units of depth
     (``per_unit`` blocks each: the pipeline's stages per rank), or of the whole model when the figures are not
-    affine. ``run(model, optimizer)`` simulates one model."""
+    affine. ``run(model, optimizer, kept=None)`` simulates one model; with ``kept`` (a list) a CUDA target's
+    replay is left to the caller: the run appends its recorded stream and the replay (``stages.one_rank``)."""
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), got {k!r}")
     found = find_stack(model)
@@ -76,34 +78,54 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
         note = (f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and {k + 2} blocks per stage, but "
                 f"it has {units}: it was simulated whole (give a smaller k to extrapolate)")
         return dataclasses.replace(est, notes=(*est.notes, note))
-    ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit)) for i in range(3)]
+    kept: list = []
+    ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
     reason = _not_affine(ests)
     where = f"{name or 'the model'} ({depth} x {kind})"
+    stream = None
+    if reason is None and kept:  # a CUDA target: the whole model's stream, for the replay
+        made = extended_stream([recorded for recorded, _replay in kept], units - k - 2,
+                               max(1, ests[2].trace.device.rounding or 1))
+        if isinstance(made, str):
+            reason = made
+        else:
+            stream, missed = made
     if reason is not None:
         est = run(model, optimizer)
         note = (f"depth: {where} was simulated whole, since its figures were not affine in depth from {k} blocks "
                 f"per stage on ({reason})")
         return dataclasses.replace(est, notes=(*est.notes, note))
     out = _affine(*ests, units - k - 2, strict=False)
-    device = ests[2].device_memory is not None
-    note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every "
-            f"{'tensor ' if device else ''}category at every phase's start, peak and end grew by the same bytes per "
-            f"block, so the figures are extended to {units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x "
-            f"(x({k + 2}) - x({k + 1})), exact while the peak stays where it is; the per-module tables are the cut "
-            "model's")
+    note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every category at "
+            "every phase's start, peak and end grew by the same bytes per block, so the figures are extended to "
+            f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
+            "the peak stays where it is; the per-module tables are the cut model's")
     notes = [note]
-    kept = ests[2].notes
-    if device:
-        info = dataclasses.replace(out.trace.device, max_memory_allocated=None, memory_reserved=None)
-        out = dataclasses.replace(out, device_memory=None, trace=dataclasses.replace(out.trace, device=info))
-        # The cut model's replay and its terms describe a model that is not the one estimated.
-        replay = set(ests[2].device_memory.notes())
-        kept = tuple(n for n in kept if n not in replay and not n.startswith("device memory"))
-        notes.append("depth: no device-level figures (the allocator's cache, the memory outside torch, the device peak "
-                     "and whether it fits): the allocator replay needs the whole model's allocation stream, and the "
-                     "cache, which moves in whole segments, is no line in depth; simulate without extrapolate= for "
-                     "them")
-    return dataclasses.replace(out, notes=(*kept, *notes))
+    if stream is not None:
+        notes.append("depth: the device-level figures are the allocator replay of the whole model's allocation "
+                     f"stream, the cuts' extended: each run of events a block added from {k} to {k + 1} blocks per "
+                     f"stage, added again, gave the stream of {k + 2} exactly, so it is added {units - k - 2} times "
+                     "more")
+        out = corrected(out, stream, missed)
+        if not isinstance(out, str):
+            out = _replayed(out, stream, kept[2][1])
+        if isinstance(out, str):
+            est = run(model, optimizer)
+            note = f"depth: {where} was simulated whole, since {out}"
+            return dataclasses.replace(est, notes=(*est.notes, note))
+    return dataclasses.replace(out, notes=(*out.notes, *notes))
+
+
+def _replayed(est: Any, stream: Any, replay: Callable[[Any, Any], Any]) -> Any:
+    """``est`` (extended) with the replay of the extended ``stream``, checked against its figures first: the
+    tensors' bytes the stream holds at every phase's start, peak and end must be the extended record's, else a
+    sentence saying where they are not."""
+    from .device_memory import stream_holds
+
+    wrong = stream_holds(est.trace, stream)
+    if wrong is not None:
+        return f"the extended allocation stream does not hold the extended figures ({wrong})"
+    return replay(est, stream)
 
 
 def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Module, Any]":
@@ -182,7 +204,8 @@ def _affine(a: Any, b: Any, c: Any, more: int, strict: bool) -> Any:
             raise _NotAffine(f"{a:,}, {b:,}, {c:,} bytes grow unevenly")
         return c
     if isinstance(c, tuple) and isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == len(c):
-        return tuple(_affine(x, y, z, more, strict) for x, y, z in zip(a, b, c))
+        out = tuple(_affine(x, y, z, more, strict) for x, y, z in zip(a, b, c))
+        return type(c)(*out) if hasattr(c, "_fields") else out  # a named tuple (a Stat) stays one
     if dataclasses.is_dataclass(c) and not isinstance(c, type) and type(a) is type(b) is type(c):
         changes = {}
         for f in dataclasses.fields(c):

@@ -62,12 +62,12 @@ def simulate(config: RunConfig) -> "Estimate":
 
     p = config.parallelism
 
-    def at_rank(cfg: RunConfig, r: "int | None") -> "Estimate":
+    def at_rank(cfg: RunConfig, r: "int | None", kept: "list | None" = None) -> "Estimate":
         if not p.on_fake_ranks:
-            return one_rank(cfg, None)
+            return one_rank(cfg, None, kept)
         w = cfg.workload
         with ParallelRun(p.parallelize, p.world_size, 0 if r is None else r, p.mesh, p.pipeline, w.inputs) as ranks:
-            return one_rank(cfg.with_parallelism(rank=r), ranks)
+            return one_rank(cfg.with_parallelism(rank=r), ranks, kept)
 
     def at_depth(r: "int | None") -> "Estimate":
         k = config.depth.extrapolate
@@ -75,20 +75,22 @@ def simulate(config: RunConfig) -> "Estimate":
             return at_rank(config, r)
         w = config.workload
         return extrapolated(w.model, w.optimizer, k, depth_unit(p.world_size, p.mesh, p.pipeline),
-                            lambda m, opt: at_rank(config.with_workload(model=m, optimizer=opt), r))
+                            lambda m, opt, kept=None: at_rank(config.with_workload(model=m, optimizer=opt), r, kept))
 
     if p.pipeline is not None and p.rank is None:
         return pipeline_ranks(p.world_size, p.mesh, p.pipeline, at_depth)
     return at_depth(p.rank)
 
 
-def one_rank(config: RunConfig, ranks: "ParallelRun | None") -> "Estimate":
+def one_rank(config: RunConfig, ranks: "ParallelRun | None", kept: "list | None" = None) -> "Estimate":
     """Stages 1, 3 and 4 for one rank (``ranks``: the rank's fake process group, entered; None for a single
-    process or a ``parallel=`` layout)."""
+    process or a ``parallel=`` layout). With ``kept`` (a list) a CUDA target's stream is not replayed: its
+    recorded stream and the replay to run on a stream like it are appended to ``kept`` instead
+    (:mod:`memprof.simulate.depth` extends the stream of a model cut short and replays that)."""
     with NothingLeftBehind():
         prepared = target_twin(config, ranks)
         prof = profiled_steps(config, prepared, ranks)
-        return replayed(config, prepared, prof, ranks)
+        return replayed(config, prepared, prof, ranks, kept)
 
 
 def target_twin(config: RunConfig, ranks: "ParallelRun | None") -> Prepared:
@@ -190,7 +192,7 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
 
 
 def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
-             ranks: "ParallelRun | None") -> "Estimate":
+             ranks: "ParallelRun | None", kept: "list | None" = None) -> "Estimate":
     """Stage 4: the record of the run as the rank holds it, its notes, and for a CUDA target the device replay and
     the fit verdict."""
     from .device_memory import on_device
@@ -211,10 +213,17 @@ def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
         notes.append(split[2])
     est = Estimate(trace=trace, precision=resolved, device=twin.target.type, notes=tuple(notes),
                    host_bytes=split[0] if split else None, device_peak_bytes=split[1] if split else None)
-    if twin.target.type == "cuda":
-        est = on_device(est, prof.recorded_stream(), gpu=prepared.gpu, alloc_conf=config.target.alloc_conf,
-                        world_size=config.parallelism.world_size, model=w.model)
-    return est
+    if twin.target.type != "cuda":
+        return est
+    gpu, conf, world = prepared.gpu, config.target.alloc_conf, config.parallelism.world_size
+
+    def replay(e: "Estimate", recorded: Any) -> "Estimate":
+        return on_device(e, recorded, gpu=gpu, alloc_conf=conf, world_size=world, model=w.model)
+
+    if kept is not None:
+        kept.append((prof.recorded_stream(), replay))
+        return est
+    return replay(est, prof.recorded_stream())
 
 
 def _loop_notes(config: RunConfig, prepared: Prepared) -> list[str]:
