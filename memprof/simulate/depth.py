@@ -56,12 +56,28 @@ def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
     return best
 
 
+#: The default (``extrapolate=None``): the stack cut to 2, 3 and 4 units of blocks, where it has this many units or
+#: more (below, three cuts cost about as much as the whole: the model is simulated whole).
+AUTO_K, AUTO_UNITS = 2, 16
+
+
 def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
-                 run: Callable[..., Any]) -> Any:
+                 run: Callable[..., Any], auto: bool = False) -> Any:
     """The estimate of ``model`` from three simulations of it cut to ``k``, ``k + 1``, ``k + 2`` units of depth
     (``per_unit`` blocks each: the pipeline's stages per rank), or of the whole model when the figures are not
     affine. ``run(model, optimizer, kept=None)`` simulates one model; with ``kept`` (a list) a CUDA target's
-    replay is left to the caller: the run appends its recorded stream and the replay (``stages.one_rank``)."""
+    replay is left to the caller: the run appends its recorded stream and the replay (``stages.one_rank``).
+
+    With ``auto`` (the default path, ``extrapolate=None``) a model with no repeated stack, or one of fewer than
+    :data:`AUTO_UNITS` units, is simulated whole, silently; a unit is one period of the stack's kinds of block (a
+    hybrid model's sliding-window and full-attention layers: :func:`_period`), and a cut that fails to simulate
+    is no error: the whole model is simulated instead (its own error is the one raised, if it has one)."""
+    if auto:
+        found = find_stack(model)
+        unit = per_unit * _period(model, found[0]) if found is not None else 0
+        if found is None or found[1] % unit or found[1] // unit < AUTO_UNITS:
+            return run(model, optimizer)
+        per_unit, k = unit, AUTO_K
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), got {k!r}")
     found = find_stack(model)
@@ -79,7 +95,15 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
                 f"it has {units}: it was simulated whole (give a smaller k to extrapolate)")
         return dataclasses.replace(est, notes=(*est.notes, note))
     kept: list = []
-    ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
+    try:
+        ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
+    except Exception as exc:
+        if not auto or is_interrupt(exc):
+            raise
+        est = run(model, optimizer)
+        return dataclasses.replace(est, notes=(*est.notes, f"depth: {name or 'the model'} ({depth} x {kind}) was "
+                                                           f"simulated whole, since a model cut short of it failed "
+                                                           f"({type(exc).__name__})"))
     reason = _not_affine(ests)
     where = f"{name or 'the model'} ({depth} x {kind})"
     stream = None
@@ -126,6 +150,21 @@ def _replayed(est: Any, stream: Any, replay: Callable[[Any, Any], Any]) -> Any:
     if wrong is not None:
         return f"the extended allocation stream does not hold the extended figures ({wrong})"
     return replay(est, stream)
+
+
+def _period(model: nn.Module, name: str) -> int:
+    """The blocks of one period of the stack's kinds: the shortest ``p`` such that block ``i`` is of the kind of
+    block ``i % p`` for every ``i`` (1 when they are all alike; the stack's length when no period repeats). A
+    block's kind is what its modules say of themselves in words and flags (``attention_type``, ``is_sliding``):
+    numbers, a layer's index among them, are no kind."""
+    blocks = list(model.get_submodule(name).children()) if name else list(model.children())
+    kinds = [tuple(sorted((f"{path}.{key}", value) for path, m in block.named_modules()
+                          for key, value in vars(m).items() if isinstance(value, (str, bool)) and key != "training"))
+             for block in blocks]
+    for p in range(1, len(kinds) + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
+            return p
+    return len(kinds)
 
 
 def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Module, Any]":

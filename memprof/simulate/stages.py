@@ -71,11 +71,12 @@ def simulate(config: RunConfig) -> "Estimate":
 
     def at_depth(r: "int | None") -> "Estimate":
         k = config.depth.extrapolate
-        if k is None:
+        if k is False:  # the whole model, asked for
             return at_rank(config, r)
         w = config.workload
         return extrapolated(w.model, w.optimizer, k, depth_unit(p.world_size, p.mesh, p.pipeline),
-                            lambda m, opt, kept=None: at_rank(config.with_workload(model=m, optimizer=opt), r, kept))
+                            lambda m, opt, kept=None: at_rank(config.with_workload(model=m, optimizer=opt), r, kept),
+                            auto=k is None)
 
     if p.pipeline is not None and p.rank is None:
         return pipeline_ranks(p.world_size, p.mesh, p.pipeline, at_depth)
