@@ -176,6 +176,8 @@ def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Modul
             twins[id(p)] = memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+    for block in list((model.get_submodule(name) if name else model).children())[n:]:
+        memo[id(block)] = None  # the blocks cut off are not copied (only to be deleted): a deep model's copy is slow
     clone = copy.deepcopy(model, memo)
     stack = clone.get_submodule(name) if name else clone
     del stack[n:]
