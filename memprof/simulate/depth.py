@@ -34,7 +34,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, is_interrupt
 from ..record.parts import Breakdown
-from ..vocabulary import DEVICE_CATEGORIES, Category
+from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
 from .depth_stream import corrected, extended_stream
 
 __all__ = ["find_stack", "extrapolated"]
@@ -125,19 +125,49 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
             f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
             "the peak stays where it is; the per-module tables are the cut model's")
     notes = [note]
-    if stream is not None:
+    if stream is None:
+        out, moved = _peak_moved(out)
+        notes.extend([moved] if moved else [])
+    else:
         notes.append("depth: the device-level figures are the allocator replay of the whole model's allocation "
                      f"stream, the cuts' extended: each run of events a block added from {k} to {k + 1} blocks per "
                      f"stage, added again, gave the stream of {k + 2} exactly, so it is added {units - k - 2} times "
                      "more")
         out = corrected(out, stream, missed)
         if not isinstance(out, str):
+            out, moved = _peak_moved(out)
+            notes.extend([moved] if moved else [])
             out = _replayed(out, stream, kept[2][1])
         if isinstance(out, str):
             est = run(model, optimizer)
             note = f"depth: {where} was simulated whole, since {out}"
             return dataclasses.replace(est, notes=(*est.notes, note))
     return dataclasses.replace(out, notes=(*out.notes, *notes))
+
+
+def _peak_moved(est: Any) -> "tuple[Any, str | None]":
+    """``est`` with its peak where the extended figures put it: the first phase record whose peak holds the most
+    tensor bytes, as the ledger keeps the first moment of the largest total. The cuts can have it elsewhere (their
+    optimizer step's, which the whole model's forward outgrows); then the run's peak is that record's (its
+    breakdown, step, phase and tags) and the module at the peak is not known: the cuts' is another moment's."""
+    trace = est.trace
+
+    def tensors(b: Breakdown) -> int:
+        return sum(v or 0 for v in b.counts[:len(TENSOR_CATEGORIES)])
+
+    best = None
+    for step in trace.steps:
+        for rec in step.phases:
+            if best is None or tensors(rec.peak) > tensors(best.peak):
+                best = rec
+    if best is None or (best.step, best.phase, best.peak) == (trace.peak_step, trace.peak_phase, trace.peak) \
+            or tensors(best.peak) <= tensors(trace.peak):
+        return est, None
+    note = (f"depth: at full depth the peak is step {best.step} {_v(best.phase)}'s, where the cuts had it at step "
+            f"{trace.peak_step} {_v(trace.peak_phase)}; the module at the peak is not known from the cuts")
+    moved = dataclasses.replace(trace, peak=best.peak, peak_step=best.step, peak_phase=best.phase,
+                                peak_tags=best.tags_peak, peak_module=None)
+    return dataclasses.replace(est, trace=moved), note
 
 
 def _replayed(est: Any, stream: Any, replay: Callable[[Any, Any], Any]) -> Any:

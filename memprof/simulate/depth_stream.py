@@ -482,18 +482,19 @@ def corrected(est: Any, recorded: Any, missed: "dict[int, dict[int, int]]") -> A
                                                                                                     st.occurrence)]
         if len(records) != st.count:  # steps the record keeps no detail of: their figures are not here
             return "the extended figures miss bytes in steps the record keeps no detail of"
-        stats.append(dataclasses.replace(st, peak=_restated(st.peak, [r.peak for r in records]),
-                                         end=_restated(st.end, [r.end for r in records])))
+        peak, end = _restated(st.peak, [r.peak for r in records]), _restated(st.end, [r.end for r in records])
+        if peak is None or end is None:
+            return "the per-phase statistics count figures the phases' records do not hold"
+        stats.append(dataclasses.replace(st, peak=peak, end=end))
     out = dataclasses.replace(trace, steps=tuple(steps), phase_stats=tuple(stats), start=fixed(trace.start, first),
                               peak=fixed(trace.peak, peak), end=fixed(trace.end, end))
-    if any((rec.peak.total or 0) > (out.peak.total or 0) for step in out.steps for rec in step.phases):
-        return "what the extended figures miss moves the peak"
     return dataclasses.replace(est, trace=out)
 
 
 def _restated(series: Any, parts: list) -> Any:
     """Each measured series of a phase's statistics made again from every step's breakdown ``parts``: smallest,
-    median (the lower, as :class:`memprof.collect.retention` takes it) and largest."""
+    median (the lower, as :class:`memprof.collect.retention` takes it) and largest; None where a breakdown does not
+    hold a figure its series counts."""
     from ..record.stats import STAT_KEYS, Stat
 
     out = []
@@ -502,6 +503,9 @@ def _restated(series: Any, parts: list) -> Any:
             out.append((key, stat))
             continue
         i = STAT_KEYS.index(key)
-        values = sorted(p.total if key == "total" else p.counts[i] for p in parts)
+        got = [p.total if key == "total" else p.counts[i] for p in parts]
+        if any(v is None for v in got):
+            return None
+        values = sorted(got)
         out.append((key, Stat(values[0], values[(len(values) + 1) // 2 - 1], values[-1])))
     return tuple(out)

@@ -17,7 +17,9 @@ depth and extended: :mod:`memprof.simulate.depth`), with no recursion through th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,13 +76,38 @@ def simulate(config: RunConfig) -> "Estimate":
         if k is False:  # the whole model, asked for
             return at_rank(config, r)
         w = config.workload
-        return extrapolated(w.model, w.optimizer, k, depth_unit(p.world_size, p.mesh, p.pipeline),
-                            lambda m, opt, kept=None: at_rank(config.with_workload(model=m, optimizer=opt), r, kept),
-                            auto=k is None)
+        run = _depth_key(config, r) if k is None else None
+        failed = _NOT_CUT.get(w.model)
+        if run is not None and failed is not None and run in failed:
+            est = at_rank(config, r)  # the default's cuts of this run did not check before: whole at once
+            return dataclasses.replace(est, notes=(*est.notes, "depth: simulated whole: the cuts of this model did "
+                                                               "not check for this run before (another batch)"))
+        est = extrapolated(w.model, w.optimizer, k, depth_unit(p.world_size, p.mesh, p.pipeline),
+                           lambda m, opt, kept=None: at_rank(config.with_workload(model=m, optimizer=opt), r, kept),
+                           auto=k is None)
+        if run is not None and any(n.startswith("depth:") and " was simulated whole, since " in n for n in est.notes):
+            _NOT_CUT.setdefault(w.model, set()).add(run)
+        return est
 
     if p.pipeline is not None and p.rank is None:
         return pipeline_ranks(p.world_size, p.mesh, p.pipeline, at_depth)
     return at_depth(p.rank)
+
+
+#: Per model, the runs (:func:`_depth_key`) whose cuts by the default did not check: a plan simulates one run at
+#: many batches, and a run whose stream does not repeat per block at one batch does not at the next. A model
+#: changed in place since is another run only where what the key holds changed; the cost of a stale entry is
+#: the whole model simulated, the figures the same.
+_NOT_CUT: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
+
+
+def _depth_key(config: RunConfig, rank: "int | None") -> tuple:
+    """What a run is, the batch aside, for :data:`_NOT_CUT`: every setting but the inputs, objects by identity."""
+    w, t, p = config.workload, config.target, config.parallelism
+    return (config.precision, str(t.device), str(t.gpu), str(t.alloc_conf), t.attention, p.world_size, p.parallel,
+            id(p.parallelize), repr(p.mesh), id(p.pipeline), rank, id(w.optimizer), id(w.loss_fn), w.steps,
+            id(w.step_context), repr(w.routing), id(w.train_step), w.loop,
+            tuple((n, tuple(q.shape), q.dtype, q.requires_grad) for n, q in w.model.named_parameters()))
 
 
 def one_rank(config: RunConfig, ranks: "ParallelRun | None", kept: "list | None" = None) -> "Estimate":

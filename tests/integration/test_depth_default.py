@@ -15,6 +15,7 @@ from torch import nn
 
 import memprof
 from memprof.simulate import depth
+from memprof.vocabulary import TENSOR_CATEGORIES
 
 transformers = pytest.importorskip("transformers")
 T = transformers
@@ -36,6 +37,10 @@ def _identical(fast, whole) -> None:
     assert (fast.trace.peak_step, fast.trace.peak_phase) == (whole.trace.peak_step, whole.trace.peak_phase)
     assert fast.trace.phase_stats == whole.trace.phase_stats
     assert fast.trace.facts.num_params == whole.trace.facts.num_params
+
+
+def _tensors(b) -> int:
+    return sum(b.counts[:len(TENSOR_CATEGORIES)])
 
 
 def _fast(est) -> bool:
@@ -136,6 +141,16 @@ def test_what_does_not_check_is_simulated_whole(monkeypatch):
     whole = memprof.estimate(model, inputs=x, device="cuda", gpu="h100-80gb", extrapolate=False)
     assert any(n.startswith("depth: the model (8 x _Growing) was simulated whole") for n in fast.notes), fast.notes
     _identical(fast, whole)
+    # The same run again (a plan's next batch): no cut is tried, the whole model is simulated at once.
+    cuts = []
+    real_cut = depth._cut
+    monkeypatch.setattr(depth, "_cut", lambda *a: cuts.append(a) or real_cut(*a))
+    again = memprof.estimate(model, inputs=torch.randn(8, 16), device="cuda", gpu="h100-80gb")
+    assert cuts == [] and any(n.startswith("depth: simulated whole: the cuts of this model did not check")
+                              for n in again.notes), again.notes
+    # Another run of it (another optimizer) tries its cuts.
+    memprof.estimate(model, torch.optim.SGD(model.parameters()), inputs=x, device="cuda", gpu="h100-80gb")
+    assert len(cuts) == 3
     # A model cut short that fails is no error of the default's: the whole model runs.
     counting = _Counting(_Plain)
     fast = memprof.estimate(counting, inputs=x, device="cuda", gpu="h100-80gb")
@@ -144,3 +159,26 @@ def test_what_does_not_check_is_simulated_whole(monkeypatch):
     # Asked for, a cut's failure is the error it is.
     with pytest.raises(Exception, match="this model has 8 blocks, not 3"):
         memprof.estimate(counting, inputs=x, device="cuda", gpu="h100-80gb", extrapolate=3)
+
+
+def test_the_peak_the_extended_figures_put_elsewhere_is_taken_there():
+    # Llama-3-70B under the HF Trainer's step: cut to 2, 3 and 4 layers its peak is step 1's optimizer step
+    # (1,137,264,758,272 B extended), which the whole model's step 1 forward outgrows (1,149,838,824,448 B: the
+    # 80 layers' activations against the optimizer's states of the 128,256-token embedding and head). The
+    # extended phase records are exact; the run's peak is the largest of them, the first such in time, as the
+    # ledger keeps it (benchmarks/depth_default.py --configs 70b checks it to the byte against the whole model).
+    # Here a small model's record, its peak pointed at a smaller phase's, as the cuts would point it.
+    cfg = T.LlamaConfig(**_SMALL, intermediate_size=64, num_hidden_layers=2)
+    whole = memprof.estimate_hf(cfg, seq_len=16, batch_size=2, precision="mixed", gpu="h100-80gb")
+    trace = whole.trace
+    smaller = next(r for r in trace.phases if _tensors(r.peak) < _tensors(trace.peak))
+    import dataclasses
+
+    pointed = dataclasses.replace(trace, peak=smaller.peak, peak_step=smaller.step, peak_phase=smaller.phase,
+                                  peak_tags=smaller.tags_peak)
+    moved, note = depth._peak_moved(dataclasses.replace(whole, trace=pointed))
+    assert (moved.trace.peak, moved.trace.peak_step, moved.trace.peak_phase, moved.trace.peak_tags) == \
+        (trace.peak, trace.peak_step, trace.peak_phase, trace.peak_tags)
+    assert moved.trace.peak_module is None
+    assert note.startswith(f"depth: at full depth the peak is step {trace.peak_step} {trace.peak_phase.value}'s")
+    assert depth._peak_moved(whole) == (whole, None)
