@@ -10,8 +10,9 @@ Each row of ``published_rows.json`` is one figure a public source measured on a 
 dimensions, precision, optimizer, batch, sequence, checkpointing, layout and world size, the GPU), the counter it
 reported and the loop its authors ran. The script builds the model from the written dimensions on the meta device
 (no download), runs the authors' loop as ``memprof.estimate(..., train_step=fn, gpu=...)`` (the HF Trainer of
-January 2022, torchtitan's train.py and parallelize_llama of December 2024 on a fake process group, litgpt's
-finetune/full.py; each written from its source, below) and reads memprof's figure for the SAME counter:
+January 2022 with torch 1.10's softmax, torchtitan's model, train.py and parallelize_llama of December 2024 on a
+fake process group, litgpt's GPT and finetune/full.py of March 2024; each written from its source, below) and
+reads memprof's figure for the SAME counter:
 
 - ``nvidia-smi`` (NVML used): ``est.device_memory.device_peak``, the peak reserved plus memprof's figure for the
   memory outside torch (CUDA context, libraries). NVML's figure also holds other processes; the sources ran one.
@@ -40,13 +41,14 @@ The rows are simulated whole: ``--extrapolate`` gives no device figures, which e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -174,20 +176,143 @@ def llama(dims: dict[str, Any], seq: int = 8192) -> Any:
         return Transformer()
 
 
-def hf_llama(dims: dict[str, Any]) -> Any:
-    """LlamaForCausalLM from the row's dimensions on the meta device (untied output, as TinyLlama's)."""
+def litgpt_gpt(dims: dict[str, Any]) -> Any:
+    """litgpt's GPT as its fine-tuning table ran it (litgpt/model.py at 4a9b7e62, 2024-03-14, the commit that
+    published the row), written from its code: one fused q/k/v projection viewed as query groups, k and v expanded
+    to every head and copied by ``reshape`` (its comment: "training: flash attention requires it"), RoPE applied
+    by ``apply_rope`` (halves rotated with ``cat``, ``x * cos + rotated * sin``, cast back) and ``cat`` with the
+    unroped rest, SDPA with ``is_causal``, the heads' output transposed and copied, RMSNorm over an fp32 copy cast
+    back before the weight, SwiGLU (``LLaMAMLP``), an untied head. cos and sin are fp32: finetune/full.py sets
+    ``model.max_seq_length`` after Fabric has cast the model to bf16, and that setter rebuilds them from
+    ``arange(...).float()``, so ``x * cos`` runs in fp32. They are made here at each forward (256 KiB at 512
+    tokens); the run kept them as buffers."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch.nn.functional as F
+    from torch import nn
 
-    cfg = LlamaConfig(hidden_size=dims["hidden_size"], num_hidden_layers=dims["num_hidden_layers"],
-                      num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
-                      intermediate_size=dims["intermediate_size"], vocab_size=dims["vocab_size"],
-                      max_position_embeddings=dims["max_position_embeddings"], tie_word_embeddings=False)
+    dim, heads, groups = dims["hidden_size"], dims["num_attention_heads"], dims["num_key_value_heads"]
+    hs, per_group = dim // heads, dims["num_attention_heads"] // dims["num_key_value_heads"]
+
+    class RMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.eps, self.weight = 1e-5, nn.Parameter(torch.ones(dim))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            f = x.float()
+            normed = f * torch.rsqrt(torch.mean(f * f, dim=-1, keepdim=True) + self.eps)
+            return normed.to(dtype=x.dtype) * self.weight
+
+    def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotated = torch.cat((-x[..., hs // 2:], x[..., : hs // 2]), dim=-1)
+        return ((x * cos) + (rotated * sin)).to(dtype=x.dtype)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.Linear(dim, (heads + 2 * groups) * hs, bias=False)
+            self.proj = nn.Linear(heads * hs, dim, bias=False)
+
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            qkv = self.attn(x).view(b, t, groups, per_group + 2, hs).permute(0, 2, 3, 1, 4)
+            q, k, v = qkv.split((per_group, 1, 1), dim=2)
+            k, v = (z.expand(b, groups, per_group, t, hs) for z in (k, v))
+            q, k, v = (z.reshape(b, -1, t, hs) for z in (q, k, v))
+            q = torch.cat((apply_rope(q, cos, sin), q[..., hs:]), dim=-1)
+            k = torch.cat((apply_rope(k, cos, sin), k[..., hs:]), dim=-1)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=1.0 / hs ** 0.5, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, t, heads * hs))
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc_1 = nn.Linear(dim, dims["intermediate_size"], bias=False)
+            self.fc_2 = nn.Linear(dim, dims["intermediate_size"], bias=False)
+            self.proj = nn.Linear(dims["intermediate_size"], dim, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(F.silu(self.fc_1(x)) * self.fc_2(x))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm_1, self.attn, self.norm_2, self.mlp = RMSNorm(), Attention(), RMSNorm(), MLP()
+
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            x = self.attn(self.norm_1(x), cos, sin) + x
+            return self.mlp(self.norm_2(x)) + x
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(dim, dims["vocab_size"], bias=False)
+            self.wte = nn.Embedding(dims["vocab_size"], dim)
+            self.h = nn.ModuleList(Block() for _ in range(dims["num_hidden_layers"]))
+            self.ln_f = RMSNorm()
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            t = idx.size(1)
+            theta = 1.0 / (10000 ** (torch.arange(0, hs, 2, device=idx.device).float() / hs))
+            angles = torch.outer(torch.arange(t, device=idx.device) / 1, theta).repeat(1, 2)
+            cos, sin = torch.cos(angles), torch.sin(angles)
+            x = self.wte(idx)
+            for block in self.h:
+                x = block(x, cos, sin)
+            return self.lm_head(self.ln_f(x))
+
     with torch.device("meta"):
-        return LlamaForCausalLM(cfg)
+        return GPT()
 
 
 # --------------------------------------------------------------------------- the authors' loops
+
+
+def torch110_softmax() -> Any:
+    """A context under which ``F.softmax`` keeps for backward what torch 1.10's autograd kept: its input as well as its
+    output. torch up to 1.10 generated ``SoftmaxBackward`` with ``self`` saved beside ``result`` although the kernel
+    reads only the output (pytorch/pytorch#49600); torch 1.11 saves the input's dtype instead (pytorch/pytorch#65242,
+    relanded as #66018, October 2021). Under CUDA autocast softmax runs in fp32 (autocast's fp32 list in both
+    versions), so the input kept is the fp32 copy autocast made. The BERT rows' run used torch 1.10: with this mode
+    their step keeps one more ``batch x heads x seq x seq`` tensor per layer (64 MiB in fp32 at batch 4, heads 16,
+    seq 512), as the run did."""
+    import torch
+    import torch.nn.functional as F
+
+    class SoftmaxKeepingInput(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, dim: int) -> Any:
+            # a half input is autocast's (the BERT rows' fp16 is amp): softmax ran on its fp32 copy
+            kept = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+            out = torch._softmax(kept, dim, False)
+            ctx.save_for_backward(kept, out)
+            ctx.dim, ctx.dtype = dim, x.dtype
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            _kept, out = ctx.saved_tensors
+            return torch._softmax_backward_data(grad, out, ctx.dim, out.dtype).to(ctx.dtype), None
+
+    @contextlib.contextmanager
+    def patched() -> Iterator[None]:
+        # F.softmax replaced for the step, not a TorchFunctionMode: the non-reentrant checkpoint's recomputation
+        # runs in backward, where a mode entered around the step is not on the stack, and it must keep what the
+        # forward kept
+        native = F.softmax
+
+        def softmax(x: Any, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> Any:
+            if dtype is None and dim is not None and torch.is_grad_enabled() and x.requires_grad:
+                return SoftmaxKeepingInput.apply(x, dim)
+            return native(x, dim, _stacklevel, dtype)
+
+        F.softmax = softmax
+        try:
+            yield
+        finally:
+            F.softmax = native
+
+    return patched()
 
 
 class HFTrainer2022:
@@ -207,9 +332,10 @@ class HFTrainer2022:
             self.opt = opt
             self.scaler = torch.amp.GradScaler("cuda") if self.fp16 else None
             self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        for _ in range(self.grad_accum):
-            loss = model(**inputs).loss / self.grad_accum
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        with torch110_softmax():  # the run's torch 1.10 kept softmax's input for backward (see there)
+            for _ in range(self.grad_accum):
+                loss = model(**inputs).loss / self.grad_accum
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
         if self.scaler:
             self.scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
@@ -269,7 +395,7 @@ class LitGPTFull:
             self.opt, self.logits = opt, None
             self.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         for _ in range(self.grad_accum):
-            self.logits = model(input_ids=inputs).logits  # the previous logits are freed only now
+            self.logits = model(inputs)  # the previous logits are freed only now
             flat = self.logits[..., :-1, :].reshape(-1, self.logits.size(-1))
             target = targets[..., 1:].reshape(-1)
             chunks = [F.cross_entropy(lc, tc, ignore_index=-100, reduction="none")
@@ -360,7 +486,7 @@ def simulate(row: dict[str, Any], dims: dict[str, Any], extrapolate: "int | None
                                 parallelize=torchtitan_parallelize, extrapolate=extrapolate)
     if row["loop"] == "litgpt-full":
         ids = torch.empty(row["batch"], row["seq"], dtype=torch.long, device="meta")
-        return memprof.estimate(hf_llama(dims), lambda ps: torch.optim.AdamW(ps, lr=2e-4, weight_decay=0.0,
+        return memprof.estimate(litgpt_gpt(dims), lambda ps: torch.optim.AdamW(ps, lr=2e-4, weight_decay=0.0,
                                                                              betas=(0.9, 0.95)),
                                 inputs=ids, targets=ids, train_step=LitGPTFull(row["grad_accum"]), gpu=row["gpu"],
                                 precision="bf16", extrapolate=extrapolate)
@@ -443,7 +569,7 @@ def sizes(model: Any) -> tuple[int, int]:
 def run_row(row: dict[str, Any], data: dict[str, Any], extrapolate: "int | None") -> dict[str, Any]:
     dims = data["models"][row["model"]]
     published = round(row["published"] * UNITS[row["unit"]])
-    probe = {"hf-trainer-2022": bert, "torchtitan-2024-12": llama, "litgpt-full": hf_llama}[row["loop"]](dims)
+    probe = {"hf-trainer-2022": bert, "torchtitan-2024-12": llama, "litgpt-full": litgpt_gpt}[row["loop"]](dims)
     n_params, largest = sizes(probe)
     t0 = time.perf_counter()
     est = simulate(row, dims, extrapolate)

@@ -132,15 +132,25 @@ class PeersLikeThisRank(TorchDispatchMode):
         name = str(func)
         if "all_to_all_single" in name or "alltoall_base_" in name:
             if "_c10d_functional" in name:
-                sent, filled, group = args[0], out, dist.group.WORLD
+                sent, filled, group = args[0], out, _group(args[3] if len(args) > 3 else None, named=True)
             else:
-                sent, filled, group = args[1], args[0], dist.group.WORLD
+                sent, filled, group = args[1], args[0], _group(args[2] if len(args) > 2 else None, named=False)
             if not sent.is_floating_point():
                 n, r = dist.get_world_size(group), dist.get_rank(group)
                 with torch._C._DisableTorchDispatch():
                     mine = sent.chunk(n)[r]
                     filled.copy_(torch.cat([mine] * n))
         return out
+
+
+def _group(handle, named: bool):
+    """The process group an all-to-all runs on (its EP group, a subgroup where EP is not every rank), from the op's
+    group name or its boxed process group; the world's where it says none."""
+    from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
+
+    if handle is None:
+        return dist.group.WORLD
+    return _resolve_process_group(handle) if named else ProcessGroup.unbox(handle)
 
 
 def gloo_rank(rank: int, world: int, port: int, folder: str) -> None:

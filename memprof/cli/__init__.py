@@ -220,8 +220,9 @@ def _estimate_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
                      help="attention kernel of a CUDA target (default auto: the one torch's CUDA dispatcher picks)")
     est.add_argument("--world-size", type=int, default=1,
                      help="ranks of a data-parallel job: the figures are one rank's, --batch-size its batch")
-    est.add_argument("--parallel", type=str.lower, choices=("ddp", "fsdp", "zero1", "zero2", "zero3"), default=None,
-                     help="how the ranks share the model (needed with --world-size above 1)")
+    est.add_argument("--parallel", type=str.lower, choices=("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3"),
+                     default=None, help="how the ranks share the model (needed with --world-size above 1; fsdp1 runs "
+                                        "FSDP1's own code on torch's fake process group)")
     est.add_argument("--parallelize", metavar="MODULE:FUNCTION",
                      help="your own fn(model, mesh) -> model (fully_shard, parallelize_module ...), run on a device "
                           "mesh of --world-size ranks on torch's fake process group; the factory's 'parallelize' "
@@ -283,11 +284,17 @@ def _plan_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
     pla.add_argument("--parallel", metavar="LIST", help="layouts to plan, comma-separated (default: every layout "
                      "for the world size: ddp,fsdp,zero1,zero2,zero3)")
     pla.add_argument("--layouts", metavar="LIST", help="layouts to plan, comma-separated: names (ddp, fsdp, "
-                     "zero1-3, tp8, fsdp4-tp2, pp2-fsdp4, pp4 ...) and groups (dp: the data-parallel ones, the "
-                     "default; tp: every tensor-parallel layout the model's TP plan allows on --world-size ranks; pp: "
-                     "every pipeline layout its pipeline plan allows, whose batch is the micro-batch's size; all)")
+                     "zero1-3, tp8, fsdp4-tp2, pp2-fsdp4, pp4, fsdp-ep4 ...) and groups (dp: the data-parallel ones, "
+                     "the default; tp: every tensor-parallel layout the model's TP plan allows on --world-size ranks; "
+                     "pp: every pipeline layout its pipeline plan allows, whose batch is the micro-batch's size; ep: "
+                     "every expert-parallel layout a mixture-of-experts model's EP plan allows, routed by the balanced "
+                     "assumption; all)")
     pla.add_argument("--precision", metavar="LIST", default="bf16,mixed",
-                     help="precisions to plan, comma-separated (default bf16,mixed)")
+                     help="precisions to plan, comma-separated (default bf16,mixed): bf16, fp16, fp32 (parameters, "
+                          "gradients and optimizer states in that dtype); bf16-params (FSDP2's MixedPrecisionPolicy("
+                          "param_dtype=bf16, reduce_dtype=fp32) over fp32 shards: layouts with FSDP2 only); autocast "
+                          "(fp32 parameters, the forward under bf16 autocast); mixed-fp16; mixed is bf16-params on a "
+                          "layout with FSDP2 and autocast on the others, amp is autocast")
     pla.add_argument("--checkpointing", choices=("off", "on", "both"), default="both",
                      help="activation checkpointing (default both)")
     pla.add_argument("--optimizer", choices=("adamw", "adam", "sgd"), default="adamw",

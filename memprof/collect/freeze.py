@@ -123,7 +123,9 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
     peak_module = None
     if not light and 0 <= led.peak_module < len(c.table.info):
         peak_module = c.table.path(led.peak_module)
-    optimizers = c.optimizers.specs()  # before the notes are read: it notes an optimizer it cannot record
+    # Before the notes are read: it notes an optimizer it cannot record. FSDP1's flat parameters are recorded by
+    # the parameters they hold, whole, as FSDP2's DTensors are (the formula is the model's, the rank's share after).
+    optimizers = c.optimizers.specs(c.flat.whole_shapes() if c.flat is not None else None)
     notes = _notes(c, steps)
     carried = c.carry.spans.record() if c.carry is not None else ()
     micros = c.timeline.micros
@@ -227,7 +229,10 @@ def _notes(c: "Collectors", steps: "list[StepRecord]") -> list[str]:
 
 
 def _rank(c: "Collectors") -> "RankInfo | None":
-    """The rank's record; with FSDP2, with the sharded and unsharded bytes its tracker measured at the end."""
+    """The rank's record; with FSDP2 or FSDP1, with the sharded and unsharded bytes its tracker measured at the
+    end."""
+    if c.flat is not None:
+        return c.flat.rank
     return c.shards.rank if c.shards is not None else c.rank
 
 
@@ -394,11 +399,14 @@ def model_facts(c: "Collectors") -> ModelFacts:
     root = next((call for index, call in calls if index == 0), None)
     if root is not None and root.inputs and root.inputs[0].shape:
         batch = root.inputs[0].shape[0]
+    num_params, num_trainable = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
+    if c.flat is not None:  # FSDP1's flat parameters hold this rank's shard: the model's counts are the whole
+        num_params, num_trainable = c.flat.counts(params)
     return ModelFacts(
         dims=tuple(dims),
         batch_size=batch,
-        num_params=sum(p.numel() for p in params),
-        num_trainable=sum(p.numel() for p in trainable),
+        num_params=num_params,
+        num_trainable=num_trainable,
         trainable_tensors=len(trainable),
         weight_bytes=weight_bytes,
         trainable_bytes=trainable_bytes,

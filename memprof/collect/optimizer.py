@@ -16,7 +16,7 @@ import operator
 import threading
 import weakref
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -252,12 +252,13 @@ class OptimizerTracker:
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self.implementation = None
 
-    def specs(self) -> tuple[OptimizerSpec, ...]:
-        """What the optimizer formulas need of each optimizer: class, groups, parameters."""
+    def specs(self, whole: "Mapping[int, tuple[int, ...]] | None" = None) -> tuple[OptimizerSpec, ...]:
+        """What the optimizer formulas need of each optimizer: class, groups, parameters (``whole``: the shape to
+        record for a parameter that holds a rank's shard, by id)."""
         out = []
         for opt in self.all():
             try:
-                out.append(optimizer_spec(opt))
+                out.append(optimizer_spec(opt, whole))
             except Exception as exc:  # an unusual optimizer must never break the measurement
                 if is_interrupt(exc):
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
@@ -266,8 +267,9 @@ class OptimizerTracker:
         return tuple(out)
 
 
-def optimizer_spec(opt: torch.optim.Optimizer) -> OptimizerSpec:
-    """What the optimizer formulas need of ``opt``: its classes, groups and parameters (facts, no formula)."""
+def optimizer_spec(opt: torch.optim.Optimizer, whole: "Mapping[int, tuple[int, ...]] | None" = None) -> OptimizerSpec:
+    """What the optimizer formulas need of ``opt``: its classes, groups and parameters (facts, no formula); a
+    parameter in ``whole`` (FSDP1's flat shards, by id) is recorded at the shape given there."""
     from ..anatomy.optimizers import param_group_implementations
 
     params: list[ParamSpec] = []
@@ -279,7 +281,9 @@ def optimizer_spec(opt: torch.optim.Optimizer) -> OptimizerSpec:
         for p in group["params"]:
             if id(p) not in index:
                 index[id(p)] = len(params)
-                params.append(ParamSpec(tuple(p.shape), str(p.dtype).replace("torch.", ""), p.device.type,
+                shape = whole.get(id(p)) if whole else None
+                shape = tuple(p.shape) if shape is None else shape
+                params.append(ParamSpec(shape, str(p.dtype).replace("torch.", ""), p.device.type,
                                         bool(p.requires_grad), type(p) in (torch.Tensor, torch.nn.Parameter)))
             rows.append(index[id(p)])
         groups.append((plain_config(group), tuple(rows), impl))

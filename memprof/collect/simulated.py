@@ -21,6 +21,7 @@ from .ledger import CATEGORY_OF_INDEX, Entry
 from .moves import move
 from .profiler import Profiler
 from .routing import innermost_module
+from .streams import StreamSwitches
 
 if TYPE_CHECKING:
     from .wiring import Collectors
@@ -34,11 +35,14 @@ _INDEX = {c: i for i, c in enumerate(CATEGORY_OF_INDEX)}
 class RecordedStream:
     """What the allocator replay takes from a simulated run: every storage made, resized and freed, in order,
     as ``(seq, key, bytes)`` (bytes ``-1`` for a free); each phase closed as ``(step, start seq, peak seq,
-    end seq)``; and where the ledger's global peak was."""
+    end seq)``; where the ledger's global peak was; and where the run switched CUDA streams, as ``(seq, stream)``
+    (:class:`~memprof.collect.streams.StreamSwitches`: a storage made with a larger seq, before the next switch, is
+    made on ``stream``; none: every storage on the current stream)."""
 
     events: tuple[tuple[int, int, int], ...]
     moments: tuple[tuple[int, int, int, int], ...]
     peak_seq: int
+    switches: tuple[tuple[int, int], ...] = ()
     #: The category each storage was made in, one per storage made, in order (empty: not known).
     cats: tuple[int, ...] = ()
     #: Each move of a live storage to another category, as (seq, key).
@@ -57,14 +61,25 @@ class SimulatedProfile(Profiler):
                  rounding: int, keep_stream: bool) -> None:
         super().__init__(model, optimizer, mode="exact", timeline=False, _allow_meta=True, _fake_mode=fake_mode,
                          _rounding=rounding)
+        self._switches: "StreamSwitches | None" = None
         if keep_stream:
             marks.record_stream(self.ledger)
+            self._switches = StreamSwitches(self.ledger)
+
+    def __enter__(self) -> "SimulatedProfile":
+        super().__enter__()
+        if self._switches is not None and self._stack is not None:
+            # after the profile's own hooks, on its undo stack: gone when the profile ends, whatever ends it
+            self._stack.callback(self._switches.uninstall)
+            self._switches.install()
+        return self
 
     def recorded_stream(self) -> RecordedStream:
         """The allocation stream kept (``keep_stream=True``), for the device replay."""
         led = self.ledger
-        return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq, tuple(led.stream_cats),
-                              tuple(led.stream_moves))
+        switches = tuple(self._switches.switches) if self._switches is not None else ()
+        return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq, switches,
+                              cats=tuple(led.stream_cats), moves=tuple(led.stream_moves))
 
     # -- what a simulated layout plays on the run ------------------------------------------------------------
 

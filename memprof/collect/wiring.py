@@ -39,6 +39,7 @@ from .phases import PhaseTracker
 from .ranks import rank_info
 from .routing import RoutingRecorder
 from .saved import SavedTracker
+from .flat_shards import FlatShardTracker, flat_sharding
 from .shards import ShardTracker, sharding
 from .state import EXACT, LIGHT
 from .timeline import Timeline
@@ -78,6 +79,8 @@ class Collectors:
     rank: "RankInfo | None"
     shards: "ShardTracker | None"
     modules: ModuleTracker
+    #: FSDP1's flat parameters (a model wrapped in FullyShardedDataParallel).
+    flat: "FlatShardTracker | None" = None
     schedule: "Schedule | None" = None
     windows: "Windows | None" = None
     #: With ``record_routing=True``: the router calls' per-expert counts.
@@ -215,11 +218,14 @@ def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "R
         # In the backward phase still: the reduce-scatter outputs were gradients at its peak.
         storages.after_collective = shards.new_grads
         phases.on_backward_end.append(shards.grads)
+    flat = flat_sharding(model, run, params, rank, stack) if rank is not None and rank.layout == "fsdp1" else None
+    if flat is not None:
+        storages.after_collective = flat.new_grads  # its reduce-scatter outputs were gradients at backward's peak
     phases.on_backward_end.append(params.walk_grads)
     phases.on_backward_start.append(params.backward_began)
     return Collectors(run=run, ledger=ledger, probe=probe, stack=stack, timeline=timeline, storages=storages,
                       phases=phases, params=params, optimizers=opts, table=table, capture=capture, frames=frames,
-                      saved=saved, graph=graph, kv=kv, rank=rank, shards=shards, modules=modules)
+                      saved=saved, graph=graph, kv=kv, rank=rank, shards=shards, modules=modules, flat=flat)
 
 
 def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations: bool, carry: bool = True) -> None:

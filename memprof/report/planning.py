@@ -45,7 +45,9 @@ def plan(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     """The largest batch per rank that fits ``gpu`` for each layout of ``world_size`` ranks (DDP, FSDP, ZeRO 1-3 by
     default; ``layouts="all"`` adds the tensor-parallel ones the model's own TP plan allows: ``tp8``, ``fsdp4-tp2``,
     and the pipeline ones its pipeline plan allows: ``pp2-fsdp4``, whose batch is the micro-batch's size),
-    precision (bf16, mixed) and activation checkpointing (off, on), for the model a transformers config
+    precision (bf16, and mixed: FSDP2's ``MixedPrecisionPolicy``, ``bf16-params``, on a layout with FSDP2,
+    bf16 autocast over fp32 parameters, ``autocast``, on the others: :mod:`memprof.simulate.plan_precision`) and
+    activation checkpointing (off, on), for the model a transformers config
     describes (a ``PretrainedConfig``, a folder holding ``config.json``, the file, or a cached hub id) with
     ``seq_len`` tokens per sequence: a DataFrame, a row per configuration, with the peak at that batch and the
     category that dominates it. :func:`plan_grid` takes the same arguments and returns the :class:`Plan` (its

@@ -8,7 +8,7 @@ ledger's event count, which the trace's moments name.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, MutableSequence, Sequence
 from fractions import Fraction
 from typing import Any
@@ -136,10 +136,13 @@ def _bad_stream(stream: Sequence[Any], exc: BaseException) -> InvalidArgumentErr
 def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], config: AllocatorConfig, *,
                   workspaces: Sequence[int] = (), workspace_seq: int = 0, capacity: "int | None" = None,
                   device_total: "int | None" = None, check: bool = False,
+                  switches: Sequence[tuple[int, int]] = (),
                   ) -> tuple[dict[int, tuple[int, int]], CachingAllocator, "str | None"]:
     """Replay a ledger's stream (a key made again while live is a resize: the new block is taken before the old
     one is freed, as ``resize_`` copies) through a fresh :class:`CachingAllocator`, allocating ``workspaces``
-    (kept to the end) as the run passes event ``workspace_seq``.
+    (kept to the end) as the run passes event ``workspace_seq``. ``switches`` (``(seq, stream)``, in seq order:
+    :class:`~memprof.collect.streams.StreamSwitches`) say on which stream each storage is made: the last switch
+    before its seq; none, stream 0 for all. A resize is made on the stream current then.
 
     Returns (allocated, reserved) after the last event at or before each of ``seqs``, the allocator at the
     end, and the message of a predicted out-of-memory error (the replay stops there; later moments read the
@@ -155,6 +158,12 @@ def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], c
     handles: dict[int, int] = {}
     pending = list(workspaces)
     oom = None
+    at_seqs = [seq for seq, _stream in switches]
+
+    def stream_at(seq: int) -> int:
+        i = bisect_left(at_seqs, seq)  # the switches noted before the storage was made (at a smaller seq)
+        return switches[i - 1][1] if i else 0
+
     try:
         try:
             if pending and workspace_seq <= 0:
@@ -175,7 +184,7 @@ def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], c
                     free(handles.pop(key))
                 else:
                     old = handles.get(key)
-                    handles[key] = malloc(nbytes, 0)
+                    handles[key] = malloc(nbytes, stream_at(seq) if switches else 0)
                     if old is not None:
                         free(old)
                 if pending and seq >= workspace_seq:

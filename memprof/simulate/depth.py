@@ -73,9 +73,8 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
     hybrid model's sliding-window and full-attention layers: :func:`_period`), and a cut that fails to simulate
     is no error: the whole model is simulated instead (its own error is the one raised, if it has one)."""
     if auto:
-        found = find_stack(model)
-        unit = per_unit * _period(model, found[0]) if found is not None else 0
-        if found is None or found[1] % unit or found[1] // unit < AUTO_UNITS:
+        unit = _auto_unit(model, per_unit)
+        if unit is None:
             return run(model, optimizer)
         per_unit, k = unit, AUTO_K
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
@@ -90,20 +89,17 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
     units = depth // per_unit
     k = int(k)
     if units <= k + 2:  # nothing left to extend: the whole model, and a note saying extrapolate= changed nothing
-        est = run(model, optimizer)
-        note = (f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and {k + 2} blocks per stage, but "
-                f"it has {units}: it was simulated whole (give a smaller k to extrapolate)")
-        return dataclasses.replace(est, notes=(*est.notes, note))
+        return _whole(run, model, optimizer, f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and "
+                      f"{k + 2} blocks per stage, but it has {units}: it was simulated whole (give a smaller k to "
+                      "extrapolate)")
     kept: list = []
     try:
         ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
     except Exception as exc:
         if not auto or is_interrupt(exc):
             raise
-        est = run(model, optimizer)
-        return dataclasses.replace(est, notes=(*est.notes, f"depth: {name or 'the model'} ({depth} x {kind}) was "
-                                                           f"simulated whole, since a model cut short of it failed "
-                                                           f"({type(exc).__name__})"))
+        return _whole(run, model, optimizer, f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, "
+                      f"since a model cut short of it failed ({type(exc).__name__})")
     reason = _not_affine(ests)
     where = f"{name or 'the model'} ({depth} x {kind})"
     stream = None
@@ -115,10 +111,8 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
         else:
             stream, missed = made
     if reason is not None:
-        est = run(model, optimizer)
-        note = (f"depth: {where} was simulated whole, since its figures were not affine in depth from {k} blocks "
-                f"per stage on ({reason})")
-        return dataclasses.replace(est, notes=(*est.notes, note))
+        return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since its figures were not affine "
+                      f"in depth from {k} blocks per stage on ({reason})")
     out = _affine(*ests, units - k - 2, strict=False)
     note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every category at "
             "every phase's start, peak and end grew by the same bytes per block, so the figures are extended to "
@@ -139,10 +133,24 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
             notes.extend([moved] if moved else [])
             out = _replayed(out, stream, kept[2][1])
         if isinstance(out, str):
-            est = run(model, optimizer)
-            note = f"depth: {where} was simulated whole, since {out}"
-            return dataclasses.replace(est, notes=(*est.notes, note))
+            return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {out}")
     return dataclasses.replace(out, notes=(*out.notes, *notes))
+
+
+def _auto_unit(model: nn.Module, per_unit: int) -> "int | None":
+    """The blocks of a unit of depth the default cuts by (the pipeline's stages per rank, times the stack's
+    period of kinds), or None where it simulates the whole model: no stack, or fewer than :data:`AUTO_UNITS`."""
+    found = find_stack(model)
+    if found is None:
+        return None
+    unit = per_unit * _period(model, found[0])
+    return None if found[1] % unit or found[1] // unit < AUTO_UNITS else unit
+
+
+def _whole(run: Callable[..., Any], model: nn.Module, optimizer: Any, note: str) -> Any:
+    """The whole model simulated, with ``note`` saying why."""
+    est = run(model, optimizer)
+    return dataclasses.replace(est, notes=(*est.notes, note))
 
 
 def _peak_moved(est: Any) -> "tuple[Any, str | None]":

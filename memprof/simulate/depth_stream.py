@@ -42,6 +42,8 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
     extended in a line miss (:func:`_decoded`): seq -> category -> bytes. A str where it cannot: why."""
     from ..collect.simulated import RecordedStream
 
+    if any(r.switches for r in cuts):
+        return "the run switches CUDA streams, which the extended stream does not place"
     try:
         a, b, c = (_tokens(r) for r in cuts)
         steps = [tuple(m[0] for m in r.moments) for r in cuts]

@@ -101,6 +101,9 @@ class Replay:
     workspaces: tuple[int, ...]
     capacity: "int | None"
     outside: int
+    #: Where the run switched streams, ``(seq, stream)`` (:func:`~memprof.simulate.alloc_stream.replay_stream`);
+    #: a stream predicted for another batch keeps the seqs, so the same switches place its storages.
+    switches: tuple[tuple[int, int], ...] = ()
 
     def stream(self) -> list[tuple[int, int, int]]:
         """The events as the ledger kept them: (seq, key, bytes), bytes -1 for a free."""
@@ -112,7 +115,7 @@ class Replay:
         message or None when it fits, and whether memory was pressed: the replay without a cap went beyond the
         device, so that torch had to free its cache and retry (or failed), see :func:`device_memory`."""
         replayed = _replayed(self.stream() if stream is None else stream, (), self.config, self.workspaces,
-                             self.first_seq, self.capacity, self.outside)
+                             self.first_seq, self.capacity, self.outside, switches=self.switches)
         return replayed.peak_reserved + self.outside, replayed.oom, replayed.pressed
 
 
@@ -145,7 +148,7 @@ def _uncapped(config: AllocatorConfig) -> AllocatorConfig:
 
 def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], config: AllocatorConfig,
               workspaces: Sequence[int], first: int, capacity: "int | None", outside: int,
-              check: bool = False) -> _Replayed:
+              check: bool = False, switches: Sequence[tuple[int, int]] = ()) -> _Replayed:
     """The replay of ``stream`` as a device would run it, at each of ``seqs``. First without any limit; where
     that replay does not fit ``capacity`` with ``outside``, or a memory fraction caps the allocator (torch's
     ``allowed_memory_maximum``, a fraction of ``capacity``), the verdict is that of a replay capped at what the
@@ -154,7 +157,7 @@ def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], confi
     collector freed blocks). Without ``capacity`` (no GPU) no fraction applies: there is no device to take it of."""
     seqs = list(seqs)
     at, allocator, _ = replay_stream(stream, seqs, _uncapped(config), workspaces=workspaces, workspace_seq=first,
-                                     check=check)
+                                     check=check, switches=switches)
     oom = None
     peak_reserved, peak_allocated, retries = allocator.peak_reserved, allocator.peak_allocated, 0
     over = capacity is not None and peak_reserved + outside > capacity
@@ -164,7 +167,8 @@ def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], confi
         assert capacity is not None
         room = max(1, capacity - outside)
         at_capped, capped, oom = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first,
-                                               capacity=room, device_total=capacity, check=check)
+                                               capacity=room, device_total=capacity, check=check,
+                                               switches=switches)
         pressed = (over or oom is not None or capped.num_alloc_retries > 0
                    or capped.peak_reserved != allocator.peak_reserved)
         if oom is None:
@@ -187,12 +191,15 @@ CHECK_ENV = "MEMPROF_CHECK_REPLAY"
 def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
                   moments: Sequence[tuple[int, int, int, int]], peak_seq: int, *, gpu: "GpuSpec | None" = None,
                   alloc_conf: Any = None, world_size: int = 1, convolutions: bool = False,
-                  environ: "Mapping[str, str] | None" = None) -> tuple[Trace, DeviceMemory]:
+                  environ: "Mapping[str, str] | None" = None,
+                  switches: Sequence[tuple[int, int]] = ()) -> tuple[Trace, DeviceMemory]:
     """``trace`` with ``allocator_overhead`` and ``outside_torch`` filled in at every recorded moment, and the
     run's :class:`DeviceMemory`. ``stream`` and ``moments`` are the ledger's (:meth:`Ledger.record_stream`),
     ``peak_seq`` where its global peak was. The replay starts where the run does, at its first phase
     (:func:`~memprof.simulate.alloc_stream.from_start`). With ``MEMPROF_CHECK_REPLAY=1`` in the environment the
-    stream is checked against the trace's figures and the allocator model audited after every event."""
+    stream is checked against the trace's figures and the allocator model audited after every event.
+    ``switches`` place each storage on the stream the run made it on (:func:`~memprof.simulate.alloc_stream.
+    replay_stream`)."""
     environ = os.environ if environ is None else environ
     config, text = resolve_conf(alloc_conf, environ)
     backward = any(p.phase is Phase.BACKWARD for s in trace.steps for p in s.phases)
@@ -211,11 +218,12 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
         _check_ledger(trace, stream, placed, first, peak_seq, end_seq)
     capacity = gpu.allocatable_bytes if gpu is not None else None
     at, allocator, peak_reserved, peak_allocated, retries, oom, _ = _replayed(stream, seqs, config, workspaces,
-                                                                              first, capacity, outside, checking)
+                                                                              first, capacity, outside, checking,
+                                                                              switches)
     # What the replay took, for replaying a stream predicted for another batch (replay_of), named by the record
     # so that its copies find it too.
     replay = Replay(array("q", [x for event in stream for x in event]), first, config, tuple(workspaces), capacity,
-                    outside)
+                    outside, tuple(switches))
     replay_id = uuid.uuid4().hex
     keep_replay(replay_id, replay)
     summary = DeviceMemory(gpu=gpu, alloc_conf=text, terms=tuple(terms), peak_allocated=peak_allocated,
@@ -328,7 +336,7 @@ def _workspace_blocks(gpu: "GpuSpec | None", handles: int, environ: "Mapping[str
 def _place(trace: Trace, moments: Sequence[tuple[int, int, int, int]]) -> dict[tuple[int, int], tuple[int, int, int]]:
     """Each kept phase record (step index, position in the step) -> its (start, peak, end) seqs. The ledger
     noted one moment per phase closed, with the step it closed in; a trailing step of "other" phases that
-    joined the previous one (``PhaseTracker.finish``) continues it."""
+    joined the previous one (:func:`memprof.collect.phase_records.finish`) continues it."""
     by_step: dict[int, list[tuple[int, int, int]]] = {}
     for step, start, peak, end in moments:
         by_step.setdefault(step, []).append((start, peak, end))
@@ -419,7 +427,8 @@ def on_device(est: Any, recorded: "RecordedStream", *, gpu: "GpuSpec | None", al
     rows and :class:`DeviceMemory`, from the stream its simulated profile ``recorded``."""
     trace, summary = device_memory(est.trace, recorded.events, recorded.moments, recorded.peak_seq, gpu=gpu,
                                    alloc_conf=alloc_conf, world_size=world_size,
-                                   convolutions=model is not None and uses_convolutions(model))
+                                   convolutions=model is not None and uses_convolutions(model),
+                                   switches=recorded.switches)
     notes = list(est.notes) + summary.notes()
     if world_size > 1:
         notes.append("device memory of a rank: the replay follows the rank's own allocations as simulated, from "

@@ -53,6 +53,10 @@ def estimate(model: nn.Module, optimizer: Any = None, **options: Unpack[Estimate
     ``world_size`` and ``parallel`` (``"ddp"``, ``"fsdp"``, ``"zero1"``, ``"zero2"``, ``"zero3"``) make
     the figures one rank's of a data-parallel job, in this one process: ``inputs`` is that rank's batch,
     and the model states and collective buffers are sharded as the layout does (:mod:`memprof.simulate.ranks`).
+    ``parallel="fsdp1"`` runs FSDP1 itself (``FullyShardedDataParallel``: flat parameters, each block of the
+    repeated stack a unit, ``FULL_SHARD``, ``use_orig_params=True``) on torch's fake process group
+    (:mod:`memprof.simulate.fsdp1`); to simulate FSDP1 as your script configures it, pass your own function as
+    ``parallelize``.
     ``routing`` is what a mixture-of-experts model's routers choose, which shape-only tensors cannot decide:
     ``"balanced"`` (default), ``"worst"``, ``"capacity=1.25"``, or a real run's routing (a report profiled
     with ``record_routing=True``, or per-call expert counts) replayed (:mod:`memprof.simulate.routing`).
@@ -70,9 +74,12 @@ def estimate(model: nn.Module, optimizer: Any = None, **options: Unpack[Estimate
     the whole model (its per-module tables then hold every block).
     ``step_context`` is a function returning the context manager your training loop enters around forward, loss
     and backward (``loss_parallel``, ``context_parallel(...)``, a profiler range): it is entered afresh at each
-    simulated step, the optimizer step outside it. It is called with no argument when it takes none
-    (``step_context=loss_parallel``), else with a :class:`~memprof.simulate.step.StepParts` holding the simulated
-    ``model``, the ``mesh``, the step's ``inputs`` and ``targets`` and the ``optimizer``.
+    simulated step, the optimizer step outside it; under ``pipeline=`` around each step of torch's schedule, as
+    torchtitan enters its train context around ``pp_schedule.step``. It is called with no argument when it takes
+    none (``step_context=loss_parallel``), else with a :class:`~memprof.simulate.step.StepParts` holding the
+    simulated ``model`` (a pipeline rank's stage module, or its stages in a ``ModuleList``), the ``mesh``, the
+    step's ``inputs`` and ``targets`` (a pipeline rank's: None where its stages do not take them) and the
+    ``optimizer``; a context manager class is such a function.
 
     ``train_step=fn`` simulates your own training step instead of memprof's loop (:mod:`memprof.simulate.user_step`):
     ``fn(model, optimizer, inputs)``, or ``fn(model, optimizer, inputs, targets)`` when ``targets`` is given, is

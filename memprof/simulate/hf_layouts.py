@@ -90,25 +90,21 @@ def apply_tp_plan(model: Any, tp_mesh: Any) -> None:
     parallelize_module(model, tp_mesh, styles)
 
 
-def tp_parallelize(fsdp: bool = False) -> Callable[[Any, Any], Any]:
+def tp_parallelize(fsdp: bool = False, mixed: bool = False) -> Callable[[Any, Any], Any]:
     """A ``parallelize(model, mesh)`` function for :func:`memprof.estimate`: the model's own TP plan over the
     mesh's ``tp`` dimension (the whole mesh when it has one dimension), then with ``fsdp`` ``fully_shard`` of each
-    decoder layer and of the root over its ``dp`` dimension."""
+    decoder layer and of the root over its ``dp`` dimension, with ``mixed`` under FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+    (:func:`memprof.simulate.plan_precision.fsdp_parallelize`)."""
+    from .plan_precision import fsdp_parallelize
+
+    shard = fsdp_parallelize(mixed, "dp") if fsdp else None
 
     def parallelize(model: Any, mesh: Any) -> Any:
         names = getattr(mesh, "mesh_dim_names", None) or ()
         apply_tp_plan(model, mesh["tp"] if "tp" in names else mesh)
-        if fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            from .depth import find_stack
-
-            found = find_stack(model)
-            if found is not None:
-                for layer in model.get_submodule(found[0]):
-                    fully_shard(layer, mesh=mesh["dp"])
-            fully_shard(model, mesh=mesh["dp"])
+        if shard is not None:
+            shard(model, mesh)
         return model
 
     return parallelize
-

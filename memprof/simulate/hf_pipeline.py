@@ -204,10 +204,10 @@ def pp_fsdp(mixed: bool, tp: bool = False, fsdp: bool = True) -> Callable[[Any, 
     reduce_dtype=fp32)`` that gives its mixed precision."""
 
     def parallelize(stage: Any, mesh: Any) -> Any:
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         from .hf_layouts import apply_tp_plan
+        from .plan_precision import policy
 
         if tp:
             apply_tp_plan(stage, mesh["tp"])
@@ -215,7 +215,7 @@ def pp_fsdp(mixed: bool, tp: bool = False, fsdp: bool = True) -> Callable[[Any, 
             return stage
         options: dict[str, Any] = {"mesh": mesh["dp"], "reshard_after_forward": False}
         if mixed:
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            options["mp_policy"] = policy()
         for layer in stage.layers:
             fully_shard(layer, **options)
         fully_shard(stage, **options)
@@ -240,12 +240,17 @@ class PipelineSimulation:
                  b: int, *, precision: str, **common: Any) -> Any:
         from .parallel import pipeline_ranks
         from .pipeline import Pipeline
+        from .plan_precision import POLICY, estimate_precision
 
         common.pop("loss_fn", None)  # the whole model's (output.loss): the last stage's loss is the model's own below
         batch = make_batch(b * self.microbatches)
         pipeline = Pipeline(split, self.schedule, self.microbatches)
-        fn = (None if self.dp == 1 and self.tp == 1 else
-              pp_fsdp(precision == "mixed", tp=self.tp > 1, fsdp=self.dp > 1))
+        # Mixed precision under the schedule is FSDP2's policy ("mixed", its older name here): fp32 parameters and
+        # no autocast anywhere, not even around a checkpointed region's recomputation in backward.
+        mixed = precision in ("mixed", POLICY)
+        if mixed:
+            precision = estimate_precision(POLICY)
+        fn = (None if self.dp == 1 and self.tp == 1 else pp_fsdp(mixed, tp=self.tp > 1, fsdp=self.dp > 1))
         loss = causal_lm_loss(model)
 
         def one(rank: int) -> Any:

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import InvalidArgumentError
+from .hf_experts import ep_degrees, ep_fsdp, ep_support
 from .hf_layouts import tp_degrees, tp_parallelize
 from .hf_pipeline import DEGREES, MICROBATCHES_PER_STAGE, PipelineSimulation, pp_degrees, pp_support
+from .plan_precision import POLICY, fsdp_parallelize
 
-__all__ = ["Layout", "data_parallel_layouts", "tp_layouts", "pp_layouts", "choose_layouts", "GROUPS"]
+__all__ = ["Layout", "data_parallel_layouts", "tp_layouts", "pp_layouts", "ep_layouts", "choose_layouts", "GROUPS"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,11 @@ class Layout:
     ``simulate(estimate, model, optimizer, make_batch, b, precision=..., loss_fn=..., gpu=..., ...)`` (a
     pipeline's: its micro-batches, its loss, every stage's rank). ``microbatches`` is the number of micro-batches
     a row's batch is the size of (a pipeline's; None: the batch is the rank's whole batch). ``precisions`` are
-    the precisions the layout can be planned in (None: every one)."""
+    the precisions the layout can be planned in (None: every one). ``policy`` is what a ``bf16-params`` row of a
+    layout with FSDP2 runs (:mod:`memprof.simulate.plan_precision`): the options that give its ``fully_shard``
+    calls FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, in place of ``options`` (a layout
+    with ``simulate`` is handed the row's precision and applies the policy itself); None where the layout has no
+    FSDP2 to carry it, whose ``mixed`` rows are then autocast."""
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -38,21 +44,26 @@ class Layout:
     simulate: "Callable[..., Any] | None" = field(default=None, compare=False)
     microbatches: "int | None" = None
     precisions: "tuple[str, ...] | None" = None
+    policy: "Mapping[str, Any] | None" = None
 
 
 def data_parallel_layouts(world_size: int) -> list[Layout]:
     """The data-parallel layouts of ``world_size`` ranks (:data:`memprof.simulate.ranks.PARALLEL`), or one
-    device alone for a world size of 1."""
+    device alone for a world size of 1. ``fsdp``'s ``bf16-params`` rows run torch's own ``fully_shard`` with FSDP2's
+    policy on the same units (:func:`~memprof.simulate.plan_precision.fsdp_parallelize`): the policy's bf16 gathers
+    are FSDP2's code, not a model of it."""
     from .ranks import PARALLEL, check_parallel
 
     if world_size == 1:
         return [Layout("single", family="data-parallel")]
     check_parallel(world_size, "ddp")
-    return [Layout(name, {"world_size": world_size, "parallel": name}, "data-parallel") for name in PARALLEL]
+    return [Layout(name, {"world_size": world_size, "parallel": name}, "data-parallel",
+                   policy={"world_size": world_size, "parallelize": fsdp_parallelize()} if name == "fsdp" else None)
+            for name in PARALLEL]
 
 
 #: The groups ``layouts=`` (and ``memprof plan --layouts``) takes besides layout names.
-GROUPS = ("dp", "tp", "pp", "all")
+GROUPS = ("dp", "tp", "pp", "ep", "all")
 
 
 def tp_layouts(model: Any, world_size: int) -> list[Any]:
@@ -65,8 +76,25 @@ def tp_layouts(model: Any, world_size: int) -> list[Any]:
             out.append(Layout(f"tp{t}", {"world_size": world_size, "mesh": {"tp": t},
                                          "parallelize": tp_parallelize()}))
         else:
-            out.append(Layout(f"fsdp{d}-tp{t}", {"world_size": world_size, "mesh": {"dp": d, "tp": t},
-                                                 "parallelize": tp_parallelize(fsdp=True)}))
+            mesh = {"dp": d, "tp": t}
+            out.append(Layout(f"fsdp{d}-tp{t}", {"world_size": world_size, "mesh": mesh,
+                                                 "parallelize": tp_parallelize(fsdp=True)},
+                              policy={"world_size": world_size, "mesh": mesh,
+                                      "parallelize": tp_parallelize(fsdp=True, mixed=True)}))
+    return out
+
+
+def ep_layouts(model: Any, world_size: int) -> list[Any]:
+    """The expert-parallel layouts of ``world_size`` ranks a mixture-of-experts model's own EP plan allows
+    (:func:`~memprof.simulate.hf_experts.ep_degrees`): ``fsdp-ep{E}``, its experts split ``E`` ways by expert and
+    FSDP2 over the ``W / E`` ranks holding the same experts, every other parameter FSDP2 over all ``W`` ranks
+    (:func:`~memprof.simulate.hf_experts.ep_fsdp`, torchtitan's layout); every rank its own batch, the routing
+    memprof's ``balanced`` assumption."""
+    out = []
+    for e in ep_degrees(model, world_size):
+        mesh = {"dp": world_size // e, "ep": e, "tp": 1}
+        out.append(Layout(f"fsdp-ep{e}", {"world_size": world_size, "mesh": mesh, "parallelize": ep_fsdp()},
+                          policy={"world_size": world_size, "mesh": mesh, "parallelize": ep_fsdp(mixed=True)}))
     return out
 
 
@@ -76,8 +104,8 @@ def pp_layouts(model: Any, world_size: int) -> list[Any]:
     TP plan allows a degree ``T`` of the ``W / P`` ranks (:func:`tp_degrees`), ``pp{P}-fsdp{D}-tp{T}`` and
     ``pp{P}-tp{T}`` (``P x D x T = W``). 1F1B over :data:`~memprof.simulate.hf_pipeline.MICROBATCHES_PER_STAGE` x
     ``P`` micro-batches, a row's batch the micro-batch's size. A layout without FSDP is planned in bf16, fp16 and
-    fp32 only: a plan's mixed precision under a pipeline is FSDP2's ``MixedPrecisionPolicy``, which needs FSDP
-    (the schedule runs no autocast)."""
+    fp32 only: a plan's mixed precision under a pipeline is FSDP2's ``MixedPrecisionPolicy`` (``bf16-params``),
+    which needs FSDP (the schedule runs no autocast)."""
     out, with_tp = [], []
     for p in pp_degrees(model, world_size):
         micro = MICROBATCHES_PER_STAGE * p
@@ -86,24 +114,30 @@ def pp_layouts(model: Any, world_size: int) -> list[Any]:
             d = world_size // (p * t)
             name = f"pp{p}" + (f"-fsdp{d}" if d > 1 else "") + (f"-tp{t}" if t > 1 else "")
             mesh = {"pp": p, **({"dp": d} if d > 1 else {}), **({"tp": t} if t > 1 else {})}
+            options = {"world_size": world_size, "mesh": mesh, "schedule": "1f1b"}
             (out if t == 1 else with_tp).append(Layout(
-                name, {"world_size": world_size, "mesh": mesh, "schedule": "1f1b"},
-                simulate=PipelineSimulation(world_size, p, micro, tp=t), microbatches=micro,
-                precisions=("bf16", "fp16", "fp32") if d == 1 else ("bf16", "fp16", "fp32", "mixed")))
+                name, options, simulate=PipelineSimulation(world_size, p, micro, tp=t), microbatches=micro,
+                precisions=("bf16", "fp16", "fp32") if d == 1 else ("bf16", "fp16", "fp32", POLICY),
+                policy=options if d > 1 else None))
     return out + with_tp
 
 
 def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any]:
     """The layouts ``wanted`` names: a comma-separated string or a list of layout names (``ddp``, ``fsdp``,
-    ``zero1``-``zero3``, ``tp8``, ``fsdp4-tp2``, ``pp2-fsdp4`` ...) and groups (``dp``: the data-parallel ones,
+    ``fsdp1`` (named only: not in the ``dp`` group), ``zero1``-``zero3``, ``tp8``, ``fsdp4-tp2``, ``pp2-fsdp4``
+    ...) and groups (``dp``: the data-parallel ones,
     ``tp``: every tensor-parallel one the model allows, ``pp``: every pipeline-parallel one, ``all``), or Layouts
     as they are."""
     items = [w.strip() for w in wanted.split(",")] if isinstance(wanted, str) else list(wanted)
     dp = data_parallel_layouts(world_size)
     tp = tp_layouts(model, world_size) if world_size > 1 else []
     pp = pp_layouts(model, world_size) if world_size > 1 else []
-    known = {lay.name: lay for lay in dp + tp + pp}
-    groups = {"dp": dp, "tp": tp, "pp": pp, "all": dp + tp + pp}
+    ep = ep_layouts(model, world_size) if world_size > 1 else []
+    # FSDP1, planned when named (FSDP1's own code on the fake process group: memprof.simulate.fsdp1).
+    fsdp1 = ([Layout("fsdp1", {"world_size": world_size, "parallel": "fsdp1"}, "data-parallel")]
+             if world_size > 1 else [])
+    known = {lay.name: lay for lay in dp + fsdp1 + tp + ep + pp}
+    groups = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "all": dp + tp + ep + pp}
     out: list[Any] = []
     for item in items:
         if isinstance(item, Layout):
@@ -119,9 +153,11 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
             usable = [g for g in GROUPS if groups[g]]  # an empty group is no way out
             raise InvalidArgumentError(f"unknown layout {item!r} for {world_size} rank(s){why}; use "
                                        + ", ".join([*known, *usable]))
-        if isinstance(item, str) and item.lower() == "pp" and not pp:
-            raise InvalidArgumentError(f"no pipeline-parallel layout for {world_size} rank(s)"
-                                       f"{_missing(model, item, tp, pp, world_size)}; plan without --layouts pp")
+        if isinstance(item, str) and item.lower() in ("pp", "ep") and not groups[item.lower()]:
+            what = "pipeline" if item.lower() == "pp" else "expert"
+            raise InvalidArgumentError(f"no {what}-parallel layout for {world_size} rank(s)"
+                                       f"{_missing(model, item, tp, pp, world_size)}; plan without --layouts "
+                                       f"{item.lower()}")
         out.extend(lay for lay in chosen if lay.name not in {o.name for o in out})
     if not out:
         raise InvalidArgumentError("a plan needs at least one layout")
@@ -131,6 +167,8 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
 def _missing(model: Any, item: Any, tp: list, pp: list, world_size: int) -> str:
     """Why the layouts ``item`` asks for are not there, in parentheses (empty when that says nothing)."""
     name = str(item).lower()
+    if name == "ep" or name.startswith("fsdp-ep"):
+        return _missing_ep(model, name, world_size)
     if name.startswith("pp"):
         ok, why = pp_support(model)
         if not ok:
@@ -155,3 +193,15 @@ def _missing(model: Any, item: Any, tp: list, pp: list, world_size: int) -> str:
     return (" (no tensor-parallel layout: the model's heads, MLP width or vocabulary are not divisible, or it has no "
             "TP plan)")
 
+
+
+def _missing_ep(model: Any, name: str, world_size: int) -> str:
+    """Why the expert-parallel layouts ``name`` asks for are not there, in parentheses."""
+    ok, why = ep_support(model)
+    if not ok:
+        return f" (no expert-parallel layout: {why})"
+    if world_size == 1:
+        return " (expert parallelism needs two ranks or more)"
+    return (f" (expert-parallel layouts fsdp-ep{{E}} split every MoE layer's experts E ways: E must be above 1 and "
+            f"divide both the world size and the experts of each layer; {world_size} rank(s) allow "
+            f"{', '.join(map(str, ep_degrees(model, world_size))) or 'none'})")

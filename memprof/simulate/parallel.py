@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import InvalidArgumentError, MemprofError, is_interrupt
 from ..vocabulary import Category
+from .fsdp1 import fsdp1_in_fake_mode, fsdp1_notes, has_meta, unwrapped
 
 _W, _O = Category.WEIGHTS, Category.OPTIMIZER_STATES
 
@@ -121,6 +122,7 @@ class ParallelRun:
         self.context_parallel = False
         # FSDP2's CPUOffloadPolicy: the offloaded parameters' padded shard bytes, and those of the trainable ones.
         self.offloaded: "tuple[int, int, int] | None" = None  # and the largest unit's
+        self.fsdp1_notes: list[str] = []  # what the simulation did to FSDP1's arguments
 
     def __enter__(self) -> "ParallelRun":
         import torch.distributed as dist
@@ -198,15 +200,18 @@ class ParallelRun:
         # Each of the (stage) twin's parameter names, and the model's name of the same parameter.
         own = {name: full.get(id(p), name) for name, p in twin.named_parameters(remove_duplicate=False)}
         if self.fn is not None:
-            if self.stages is not None:  # each stage of the rank on its own, as the user's script parallelises it
-                self.stages.modules = [self._apply(m) for m in self.stages.modules]
-                mods = self.stages.modules
-                twin = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
-            else:
-                twin = self._apply(twin)
-        with fake_mode:
-            twin.to_empty(device="cpu")
-        names = {own.get(n, n): p for n, p in twin.named_parameters(remove_duplicate=False)}
+            with fsdp1_in_fake_mode(fake_mode, self.fsdp1_notes):
+                if self.stages is not None:  # each stage of the rank on its own, as the user's script parallelises it
+                    self.stages.modules = [self._apply(m) for m in self.stages.modules]
+                    mods = self.stages.modules
+                    twin = mods[0] if len(mods) == 1 else nn.ModuleList(mods)
+                else:
+                    twin = self._apply(twin)
+        if has_meta(twin):  # FSDP1's units were made on fake CPU tensors already: their storages are its own
+            with fake_mode:
+                twin.to_empty(device="cpu")
+        # FSDP1 with use_orig_params=True names a parameter under its wrappers (clean_tensor_name drops them).
+        names = {unwrapped(own.get(n, n)): p for n, p in twin.named_parameters(remove_duplicate=False)}
         mapping: dict[int, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if name in names:
@@ -265,6 +270,9 @@ class ParallelRun:
             raise InvalidArgumentError(f"parallelize must return the model (or None), got {type(out).__name__}")
         return out
 
+    def _fsdp1_note(self) -> list[str]:
+        return fsdp1_notes(self.fsdp1_notes) if "FullyShardedDataParallel" in self.layouts else []
+
     def _formula_note(self) -> list[str]:
         d = _degrees(self.names, self.shape)
         if not self.names or (d["dp"], d["tp"], d["pp"], d["ep"]) == (1, 1, 1, 1):
@@ -296,6 +304,10 @@ class ParallelRun:
             group = self.mesh["pp"].get_group() if len(self.shape) > 1 else None  # the pipeline's own ranks
             return self.stages.step(loss_fn, optimizer, inputs, targets, group)
 
+    def stage_modules(self) -> "list[nn.Module]":
+        """The stage modules this pipeline rank holds, in stage order (empty without ``pipeline=``)."""
+        return list(self.stages.modules) if self.stages is not None else []
+
     def rules(self) -> Any:
         """The dispatch rules the step runs under, beneath the profiler."""
         return WaitIdentity() if _WAIT is not None else contextlib.nullcontext()
@@ -311,7 +323,7 @@ class ParallelRun:
                        f"run by torch's {sched} schedule over {st.pipeline.microbatches} micro-batches; the stages' "
                        "shapes came from a meta forward of one micro-batch, and the schedule's warm-up was told they "
                        "are static")
-        out += self._formula_note()
+        out += self._formula_note() + self._fsdp1_note()
         if self.context_parallel:
             out.append("context parallelism: attention ran as torch's ring attention (its handler of the CUDA flash "
                        "attention op, on fake CPU tensors: a CPU has no kernel for it), so this is checked against no "
@@ -448,7 +460,10 @@ def _layouts(model: nn.Module) -> set[str]:
     """What the parallelized model is made of: ``fully_shard`` units, DTensor placements."""
     from torch.distributed.tensor import DTensor
 
-    out = {"fully_shard"} if any(type(m).__name__.startswith("FSDP") for m in model.modules()) else set()
+    kinds = {type(m).__name__ for m in model.modules()}
+    out = {"fully_shard"} if any(k.startswith("FSDP") for k in kinds) else set()
+    if "FullyShardedDataParallel" in kinds:
+        out.add("FullyShardedDataParallel")
     for p in model.parameters():
         if isinstance(p, DTensor):
             out.add("DTensor " + ", ".join(sorted({repr(pl) for pl in p.placements})))
@@ -505,3 +520,4 @@ def _clear_caches() -> None:
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return
     _clear_sharding_prop_cache()
+

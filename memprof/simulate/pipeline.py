@@ -178,15 +178,29 @@ class StageSet:
 
 class PipelineStep:
     """One training step of a pipeline rank: the schedule's step (forwards, losses and backwards of every
-    micro-batch), the optimizer's step, zero_grad."""
+    micro-batch), inside the step's context when there is one (:meth:`enter_each_step`), then the optimizer's
+    step and zero_grad."""
 
     def __init__(self, schedule: Any, optimizer: Any, inputs: Any, targets: Any) -> None:
         self.schedule, self.optimizer, self.inputs, self.targets = schedule, optimizer, inputs, targets
+        self.context: Any = None
+        self.parts: Any = None
+
+    def enter_each_step(self, context: Any, parts: Any) -> None:
+        """Enter ``context(parts)`` (a checked ``step_context``, :func:`memprof.simulate.step.check_step_context`)
+        afresh around each schedule step, as torchtitan's pipeline step enters its train context
+        (``loss_parallel()``, ``context_parallel(...)``) around ``pp_schedule.step``; the optimizer step is
+        outside it."""
+        self.context, self.parts = context, parts
 
     def run(self) -> None:
         args = () if self.inputs is None else self.inputs if isinstance(self.inputs, tuple) else (self.inputs,)
         kwargs = {} if self.targets is None else {"target": self.targets, "losses": []}
-        self.schedule.step(*args, **kwargs)
+        if self.context is None:
+            self.schedule.step(*args, **kwargs)
+        else:
+            with self.context(self.parts):
+                self.schedule.step(*args, **kwargs)
         del kwargs  # the losses the schedule returned: a training loop lets them go before the optimizer step
         if self.optimizer is not None:
             self.optimizer.step()

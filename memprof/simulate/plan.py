@@ -26,12 +26,14 @@ from ..errors import InvalidArgumentError
 from ..record.plans import PlanGrid, PlanRow
 from .hf_pipeline import MICROBATCHES_PER_STAGE
 from .layouts import Layout, data_parallel_layouts
+from .plan_precision import AUTOCAST, POLICY, check_precisions, estimate_precision, precision_note, row_precision
 
 __all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "Trained", "Labels",
-           "PRECISIONS"]
+           "configurations", "PRECISIONS"]
 
-#: The precisions a plan compares by default: bf16 weights and optimizer state, and fp32 master weights with
-#: the forward under bf16 autocast.
+#: The precisions a plan compares by default: bf16 weights and optimizer state, and mixed precision as the
+#: layout's users run it: FSDP2's MixedPrecisionPolicy (``bf16-params``) on a layout with FSDP2, fp32 master
+#: weights with the forward under bf16 autocast (``autocast``) on the others (:mod:`.plan_precision`).
 PRECISIONS = ("bf16", "mixed")
 
 
@@ -83,15 +85,7 @@ def plan_grid(trained: Trained, *, gpu: Any, layouts: Sequence[Layout], precisio
     if not layouts:
         raise InvalidArgumentError("a plan needs at least one layout")
     start = time.perf_counter()
-    configs = [(c, p, lay) for c in checkpointing for p in precisions for lay in layouts
-               if lay.precisions is None or p in lay.precisions]
-    if not configs:
-        raise InvalidArgumentError(f"no layout asked for is planned in {', '.join(precisions)}: "
-                                   + "; ".join(f"{lay.name} in {', '.join(lay.precisions or ())}" for lay in layouts))
-    skipped = [f"{lay.name} is planned in {', '.join(lay.precisions)} only, not in {', '.join(missing)}: a "
-               "pipeline's schedule runs no autocast, and its mixed precision is FSDP2's MixedPrecisionPolicy, "
-               "which needs FSDP inside the stages" for lay in layouts if lay.precisions is not None
-               for missing in [[p for p in precisions if p not in lay.precisions]] if missing]
+    configs, skipped = configurations(layouts, precisions, checkpointing)
     labels = labels if labels is not None else Labels()
     grid = _Grid(trained, spec, alloc_conf, attention, max_batch)
     with Progress(None, "plan") as bar:
@@ -100,7 +94,44 @@ def plan_grid(trained: Trained, *, gpu: Any, layouts: Sequence[Layout], precisio
     return PlanGrid(rows=tuple(grid.rows), model=labels.model_name, gpu=spec.name, capacity=spec.allocatable_bytes,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
                     seq_len=labels.seq_len, seconds=time.perf_counter() - start,
-                    notes=(*labels.notes, _SEARCH_NOTE, *skipped, *_pipeline_notes(layouts)))
+                    notes=(*labels.notes, precision_note([r.precision for r in grid.rows]), _SEARCH_NOTE, *skipped,
+                           *_pipeline_notes(layouts), *_expert_notes(layouts)))
+
+
+def configurations(layouts: Sequence[Layout], precisions: Sequence[str],
+                    checkpointing: Sequence[bool]) -> "tuple[list[tuple[bool, str, Layout]], list[str]]":
+    """The grid's rows, (checkpointing, the row's precision, layout), each once, and a note for every layout a
+    precision asked for is not planned in, saying why. ``mixed`` is resolved per layout
+    (:func:`~memprof.simulate.plan_precision.row_precision`); an unknown precision is refused."""
+    precisions = check_precisions(precisions)
+    configs: list[tuple[bool, str, Layout]] = []
+    missing: dict[str, list[str]] = {}
+    for c in checkpointing:
+        for p in precisions:
+            for lay in layouts:
+                row = row_precision(p, lay.policy is not None, lay.precisions)
+                if row is None:
+                    if p not in missing.setdefault(lay.name, []):
+                        missing[lay.name].append(p)
+                elif (c, row, lay) not in configs:
+                    configs.append((c, row, lay))
+    if not configs:
+        raise InvalidArgumentError(f"no layout asked for is planned in {', '.join(precisions)}: "
+                                   + "; ".join(_why_not(lay, missing.get(lay.name, [])) for lay in layouts))
+    return configs, [_why_not(lay, missing[lay.name]) for lay in layouts if missing.get(lay.name)]
+
+
+def _why_not(lay: Layout, precisions: Sequence[str]) -> str:
+    """Why ``lay`` is not planned in ``precisions``."""
+    if lay.microbatches:
+        return (f"{lay.name} is planned in {', '.join(lay.precisions or ())} only, not in {', '.join(precisions)}: "
+                "a pipeline's schedule runs no autocast, and its mixed precision is FSDP2's MixedPrecisionPolicy "
+                f"({POLICY}), which needs FSDP inside the stages")
+    why = [f"{POLICY} is FSDP2's MixedPrecisionPolicy, which needs fully_shard in the layout (its mixed row is "
+           f"{AUTOCAST})"] if POLICY in precisions else []
+    if any(p != POLICY for p in precisions):  # a layout of the user's that limits its precisions
+        why.append(f"it is planned in {', '.join(lay.precisions or ())} only")
+    return f"{lay.name} is not planned in {', '.join(precisions)}: " + "; ".join(why)
 
 
 class _Grid:
@@ -127,11 +158,15 @@ class _Grid:
         label = f"{layout.name} {precision}{' ckpt' if ckpt else ''}"
         common = dict(precision=precision, loss_fn=t.loss_fn, gpu=self.spec, alloc_conf=self.alloc_conf,
                       attention=self.attention)
-        # A layout that simulates a batch its own way (a pipeline's micro-batches), or estimate() with its options.
-        run = (partial(layout.simulate, estimate, model, t.optimizer, t.make_batch, **common)
-               if layout.simulate is not None else
-               partial(_simulate, estimate, model, t.optimizer, t.make_batch, **_looped(common, t.loop),
-                       **dict(layout.options)))
+        # A layout that simulates a batch its own way (a pipeline's micro-batches) is handed the row's precision;
+        # estimate() gets its own word for it, and a bf16-params row the layout's fully_shard with FSDP2's policy.
+        if layout.simulate is not None:
+            run = partial(layout.simulate, estimate, model, t.optimizer, t.make_batch, **common)
+        else:
+            common["precision"] = estimate_precision(precision)
+            options = layout.policy if precision == POLICY and layout.policy is not None else layout.options
+            run = partial(_simulate, estimate, model, t.optimizer, t.make_batch, **_looped(common, t.loop),
+                          **dict(options))
         one = Probe(run, self.spec.allocatable_bytes, self.max_batch,
                     lambda b, label=label: bar.step(f"{label} batch {b}"))
         family = (ckpt, precision, layout.family or layout.name)
@@ -205,6 +240,20 @@ def _pipeline_notes(layouts: Sequence[Layout]) -> list[str]:
             "(worst_stage: the largest device-level peak); FSDP2 inside the stages with reshard_after_forward=False "
             "(torchtitan's default under pipeline parallelism), mixed precision its "
             "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"]
+
+
+def _expert_notes(layouts: Sequence[Layout]) -> list[str]:
+    """What an expert-parallel row assumes, said once when the plan has one."""
+    if not any("ep" in (lay.options.get("mesh") or {}) for lay in layouts):
+        return []
+    return ["expert-parallel layouts (fsdp-ep{E}: the model's own expert-parallel plan, base_model_ep_plan, applied by "
+            "transformers' apply_expert_parallelism over E ranks; fully_shard of each MoE layer's experts over the "
+            "W / E ranks holding the same experts, of every decoder layer and the root over all W ranks, as "
+            "torchtitan lays out EP borrowed from FSDP): every rank takes its own batch; which experts the tokens "
+            "go to is data that shape-only tensors do not have, so the routing is memprof's balanced assumption "
+            "(each router call's top-k spread evenly over the experts, every EP rank routing alike, so each rank's "
+            "experts receive as many token rows as it sends); a skewed router holds more on its busiest rank "
+            "(memprof estimate --routing worst bounds it)"]
 
 
 def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, simulations: int,

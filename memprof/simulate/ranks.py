@@ -46,10 +46,14 @@ from ..units import round_half_away
 if TYPE_CHECKING:
     from ..collect.simulated import SimulatedProfile
 
-__all__ = ["PARALLEL", "check_parallel", "LayoutPlan", "RankLayout"]
+__all__ = ["PARALLEL", "ON_FAKE_RANKS", "check_parallel", "LayoutPlan", "RankLayout", "unit_blocks"]
 
-#: The layouts ``estimate(parallel=...)`` simulates.
+#: The layouts ``estimate(parallel=...)`` simulates by playing their moves on the run (and a plan compares by
+#: default).
 PARALLEL = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+#: The layouts ``parallel=`` also takes that run torch's own code on the fake process group, as a parallelize
+#: function of memprof's (``fsdp1``: memprof.simulate.fsdp1.fsdp1_parallelize).
+ON_FAKE_RANKS = ("fsdp1",)
 
 O, T = Category.OPTIMIZER_STATES, Category.TEMPORARIES
 
@@ -71,11 +75,13 @@ def check_parallel(world_size: Any, parallel: Any, parallelize: bool = False) ->
         if world_size > 1:
             raise InvalidArgumentError(
                 f"world_size={world_size} needs parallel=: how the ranks share the model, one of "
-                + ", ".join(PARALLEL) + " (or parallelize=fn, your own function of the model and a device mesh)")
+                + ", ".join(PARALLEL + ON_FAKE_RANKS)
+                + " (or parallelize=fn, your own function of the model and a device mesh)")
         return world_size, None
     name = parallel.strip().lower() if isinstance(parallel, str) else parallel
-    if name not in PARALLEL:
-        raise UnknownNameError(f"unknown parallel layout {parallel!r}; use one of " + ", ".join(PARALLEL))
+    if name not in PARALLEL + ON_FAKE_RANKS:
+        raise UnknownNameError(f"unknown parallel layout {parallel!r}; use one of "
+                               + ", ".join(PARALLEL + ON_FAKE_RANKS))
     return world_size, name
 
 
@@ -515,6 +521,11 @@ def _flat_shares(members: "list[_Param]", n: int) -> "dict[_Param, int]":
     for info in members:
         groups.setdefault(info.ref.dtype, []).append(info)
     return {ps[0]: -(-sum(i.ref.numel() for i in ps) // n) * ps[0].ref.element_size() for ps in groups.values()}
+
+
+def unit_blocks(model: nn.Module) -> "list[tuple[nn.Module, int]]":
+    """The blocks FSDP is usually wrapped around, numbered from 1 (:func:`_units`)."""
+    return _units(model)[0]
 
 
 def _units(model: nn.Module) -> "tuple[list[tuple[nn.Module, int]], dict[int, int]]":

@@ -148,7 +148,8 @@ class Target:
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Parallelism:
     """Which rank of which job the figures are for: ``world_size`` ranks laid out by ``parallel`` (``"ddp"``,
-    ``"fsdp"``, ``"zero1"`` ... ``"zero3"``) or by the user's own ``parallelize(model, mesh)`` on a ``mesh``
+    ``"fsdp"``, ``"zero1"`` ... ``"zero3"``; ``"fsdp1"`` becomes ``parallelize``, FSDP1's own code, by
+    :func:`memprof.simulate.fsdp1.fsdp1_parallelize`) or by the user's own ``parallelize(model, mesh)`` on a ``mesh``
     (sizes, or ``{name: size}``), cut into a ``pipeline``'s stages; ``rank`` picks one (the worst pipeline rank
     without it)."""
 
@@ -164,6 +165,11 @@ class Parallelism:
 
         world_size, parallel = check_parallel(self.world_size, self.parallel,
                                               self.parallelize is not None or self.pipeline is not None)
+        if parallel == "fsdp1":  # FSDP1's own code on the fake process group, as a parallelize function of memprof's
+            from .fsdp1 import fsdp1_parallelize
+
+            object.__setattr__(self, "parallelize", fsdp1_parallelize())
+            parallel = None
         object.__setattr__(self, "world_size", world_size)
         object.__setattr__(self, "parallel", parallel)
         if self.rank not in (None, 0) and self.parallelize is None and self.pipeline is None:
@@ -210,10 +216,8 @@ class RunConfig:
                                    "mixed-fp16 (amp is mixed)")
         from .step import check_step_context
 
-        if isinstance(self.workload, Workload) and check_step_context(self.workload.step_context) is not None \
-                and self.parallelism.pipeline is not None:
-            raise InvalidArgumentError("step_context wraps a training step's forward and backward, which under "
-                                       "pipeline= torch's schedule runs; leave one of them out")
+        if isinstance(self.workload, Workload):
+            check_step_context(self.workload.step_context)  # refused here, before anything runs
         if isinstance(self.workload, Workload) and self.workload.train_step is not None \
                 and self.parallelism.pipeline is not None:
             raise InvalidArgumentError("train_step= runs your step, but under pipeline= torch's schedule runs the "

@@ -153,7 +153,8 @@ _KINDS: "Mapping[str, Callable[[Any], Any]]" = {
     "prompt_len": _count, "max_new_tokens": _count, "num_beams": _count, "do_sample": _flag,
     "temperature": _positive, "top_k": _index, "top_p": _fraction,
     "device": _text, "gpu": _text, "alloc_conf": _text, "attention": _choice("auto", "flash", "efficient", "math"),
-    "world_size": _count, "parallel": _choice("ddp", "fsdp", "zero1", "zero2", "zero3"), "parallelize": _function,
+    "world_size": _count, "parallel": _choice("ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3"),
+    "parallelize": _function,
     "mesh": _mesh, "rank": _index, "extrapolate": _count,
     "model": _function, "hf": _text, "precision": _choice(*PRECISIONS),
 }

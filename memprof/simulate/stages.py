@@ -32,7 +32,7 @@ from . import held_signals
 from .failures import simulation_error
 from .ranks import RankLayout
 from .run import RunConfig
-from .step import ScalerSteps, TrainingStep, check_step_context
+from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
 from .twin import Twin, casting, converted, meta_optimizer
 from .user_step import UserStep
 
@@ -150,6 +150,10 @@ def target_twin(config: RunConfig, ranks: "ParallelRun | None") -> Prepared:
         step = UserStep(w.train_step, twin.model, optimizer, inputs, targets, twin.autocast, twin.emulated)
     elif ranks is not None and ranks.pipelined:
         step = ranks.step(w.loss_fn, optimizer, inputs, targets, twin.fake_mode)
+        if context is not None:  # the rank's stage modules, its mesh and the inputs its first stage splits
+            stages = ranks.stage_modules()
+            step.enter_each_step(context, StepParts(stages[0] if len(stages) == 1 else nn.ModuleList(stages),
+                                                    ranks.mesh, step.inputs, step.targets, optimizer))
     p = config.parallelism
     layout = RankLayout(twin.model, optimizer, p.world_size, p.parallel) if p.parallel is not None else None
     return Prepared(twin, optimizer, step, notes, gpu, layout)

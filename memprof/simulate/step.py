@@ -35,7 +35,7 @@ def check_step_context(fn: Any) -> Any:
     ``torch.distributed.tensor.parallel.loss_parallel`` does, is called without); None stays None."""
     if fn is None:
         return None
-    if not callable(fn) or hasattr(fn, "__enter__"):
+    if not callable(fn) or (hasattr(fn, "__enter__") and not isinstance(fn, type)):  # a class is a function of it
         raise InvalidArgumentError(
             f"step_context must be a function returning a context manager (step_context=loss_parallel, or "
             f"lambda step: context_parallel(step.mesh, buffers=[step.inputs], buffer_seq_dims=[1])), got "

@@ -226,7 +226,7 @@ REFUSED = {
     "mesh-as-string": ("toml", 'model = "m:build"\n[parallelism]\nmesh = "dp=2"\n',
                        ["[parallelism] key 'mesh' must be a table of dimension names and sizes"]),
     "unknown-layout": ("toml", 'model = "m:build"\n[parallelism]\nparallel = "tp"\n',
-                       ['[parallelism] key \'parallel\' must be one of "ddp", "fsdp", "zero1", "zero2", "zero3"']),
+                       ['[parallelism] key \'parallel\' must be one of "ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3"']),
     "unknown-precision": ("json", '{"model": "m:build", "precision": "fp8"}',
                           ["key 'precision' must be one of \"fp32\", \"bf16\"", TOP_TAKES]),
     "factory-without-colon": ("toml", 'model = "m.build"\n',

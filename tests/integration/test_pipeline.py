@@ -5,6 +5,8 @@ byte; then every rank class listed and the worst one returned."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,8 +47,9 @@ def build() -> nn.Module:
     return Tiny(layers=4)
 
 
-def measured(schedule: str, k: int):
-    """Stage ``k`` of ``PP`` on real tensors, rank ``k`` on the fake process group."""
+def measured(schedule: str, k: int, context=contextlib.nullcontext):
+    """Stage ``k`` of ``PP`` on real tensors, rank ``k`` on the fake process group, each schedule step inside
+    ``context()`` (torchtitan's train context around ``pp_schedule.step``)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -61,7 +64,8 @@ def measured(schedule: str, k: int):
         opt = torch.optim.AdamW(stage_mod.parameters())
         with static_shapes(), memprof.profile(stage_mod, opt) as prof:  # no real peer to vote on the shapes
             for _ in range(2):
-                sched.step(IDS) if k == 0 else sched.step(target=IDS, losses=[])
+                with context():
+                    sched.step(IDS) if k == 0 else sched.step(target=IDS, losses=[])
                 opt.step()
                 opt.zero_grad()
         return prof.report()
@@ -69,15 +73,46 @@ def measured(schedule: str, k: int):
         dist.destroy_process_group()
 
 
-def simulated(schedule: str, rank=None, **kw):
+def simulated(schedule: str, rank=None, step_context=None, **kw):
     return memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS, loss_fn=loss_fn,
                             world_size=PP, rank=rank, pipeline=Pipeline(Stage, schedule=schedule, microbatches=MICRO,
-                                                                         **kw))
+                                                                         **kw), step_context=step_context)
 
 
 @pytest.mark.parametrize(("schedule", "k"), [("gpipe", 1), ("1f1b", 0)])  # the last stage's loss; the first's inputs
 def test_a_stage_is_simulated_to_the_byte(schedule, k):
     assert_equal_everywhere(simulated(schedule, rank=k), measured(schedule, k))
+
+
+class Holding:
+    """A train context that keeps a buffer of its own while the step runs (1,000 fp32: 4,000 B)."""
+
+    entered: list = []
+
+    def __init__(self, parts) -> None:  # a class is a step_context too: called with the step's parts
+        self.parts = parts
+
+    def __enter__(self):
+        Holding.entered.append(self.parts)
+        self.buffer = torch.empty(1000)
+        return self
+
+    def __exit__(self, *exc):
+        del self.buffer
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_step_context_wraps_each_schedule_step_as_measured(k):
+    Holding.entered.clear()
+    est = simulated("1f1b", rank=k, step_context=Holding)
+    # Entered once per step (2 steps), handed the rank's stage module, its inputs on the first stage only.
+    assert len(Holding.entered) == 2
+    parts = Holding.entered[0]
+    assert len(parts.model.layers) == 2 and (parts.model.emb is not None) == (k == 0)
+    assert (parts.inputs is not None) == (k == 0) and (parts.targets is not None) == (k == PP - 1)
+    assert_equal_everywhere(est, measured("1f1b", k, context=lambda: Holding(None)))
+    # The context's buffer is in the step's peak: 4,000 B more than without it (a multiple of nothing: CPU).
+    assert est.peak_bytes - simulated("1f1b", rank=k).peak_bytes == 4_000
 
 
 def test_every_rank_class_is_listed_and_the_worst_returned():

@@ -89,6 +89,8 @@ def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category,
     at_rest = trace.facts.weight_bytes  # every parameter as the rank keeps it between steps
     if pad and m[W] >= at_rest:
         out.append((W, "padding to the world size", pad,
+                    "FSDP1 pads each unit's flat parameter to a multiple of the number of shards; every rank stores "
+                    "ceil(elements / shards) of each" if dist.layout == "fsdp1" else
                     "FSDP pads each parameter's first dimension to a multiple of the number of shards; every rank "
                     "stores ceil(rows / shards) rows of each"))
     gathered = m[W] - at_rest
@@ -106,11 +108,15 @@ def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category,
                         "gradients of the gathered parameters, held until FSDP reduce-scatters them"))
     if ctx.both(O) and f[O] and m[O] and k is not None and dist.even_bytes is not None:
         # Optimizer state is made like its parameter's local shard (zeros_like): real rows, no padding. With
-        # rows that do not divide, lower ranks hold one row more of a parameter than higher ones.
-        own = dist.sharded_bytes - (dist.padding_bytes or 0)
+        # rows that do not divide, lower ranks hold one row more of a parameter than higher ones. FSDP1's
+        # parameter is the flat shard itself, padding included: its state is too.
+        flat = dist.layout == "fsdp1"
+        own = dist.sharded_bytes - (0 if flat else (dist.padding_bytes or 0))
         uneven = round_half_away(Fraction(own - dist.even_bytes, itemsize) * k)
         if uneven:
             out.append((O, "uneven shards", uneven,
+                        "FSDP1 makes the state like the rank's flat shard, padding included: every rank holds "
+                        "ceil(elements / shards) of each unit" if flat else
                         "this rank's real rows differ from an even share: the first ranks hold ceil(rows / shards) "
                         "rows of a parameter, the last ones fewer"))
         out += _step_counters(ctx, m[O] - f[O] - uneven)
