@@ -184,7 +184,11 @@ def _replayed(est: Any, stream: Any, replay: Callable[[Any, Any], Any]) -> Any:
     sentence saying where they are not."""
     from .device_memory import stream_holds
 
-    wrong = stream_holds(est.trace, stream)
+    trace = est.trace
+    if not any((rec.step, rec.phase, rec.peak) == (trace.peak_step, trace.peak_phase, trace.peak)
+               for rec in trace.phases):
+        return "no phase record holds the run's peak, where the replay would look for it"
+    wrong = stream_holds(trace, stream)
     if wrong is not None:
         return f"the extended allocation stream does not hold the extended figures ({wrong})"
     return replay(est, stream)

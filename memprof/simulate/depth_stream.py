@@ -6,16 +6,22 @@ itself regular, though: each block adds the same events, at the same places. So 
 figures, and replayed whole.
 
 A stream's events name storages by key, which no two runs share, so each is first written as a token that does
-not: a storage made (its bytes), or freed or resized, naming *which* live storage of its size by the smallest of
-three positions (from the newest, from the oldest, or from the one of that size freed last: a backward frees its
-block's activations newest first, a ``foreach`` step frees its outputs oldest first); and each phase's start, peak
-and end, and the ledger's peak, as a marker where it falls. A token stream names exactly one stream (keys aside),
-:func:`_decoded`. The tokens of the cut to ``k + 1`` blocks are those of ``k`` with runs of tokens inserted; they
-are found (:class:`difflib.SequenceMatcher`), and the check is that inserting each run once more where it was
-inserted gives the tokens of the cut to ``k + 2``, exactly. Then each run inserted ``more`` times again gives the
-tokens of the model at full depth, decoded into a stream whose events are numbered one by one, the moments
-placed at their markers. Where a check fails the reason is returned instead, and the caller simulates the whole
-model.
+not (:func:`_tokens`): a storage made (its bytes, the category the ledger made it in, whether it moved to another
+while it lived), or freed or resized, naming *which* live storage of its bytes by the nearest of five positions
+(:class:`_Classes`: from the newest or the oldest of those made in its epoch, the span between two markers; from the
+newest or the oldest of all; from the one freed last: a backward frees its block's activations newest first, a
+``foreach`` step frees its outputs oldest first); and each phase's start, peak and end as a marker where it falls.
+A token stream names exactly one stream (keys aside), :func:`_decoded`. The tokens of the
+cut to ``k + 1`` blocks are those of ``k`` with runs of tokens inserted and some numbers grown (a storage of one
+norm per parameter; a storage named from the end of a list that grows): they are found (:func:`_change`), and the
+check is that inserting each run once more where it was inserted, and growing each grown number once more, gives the
+tokens of the cut to ``k + 2``, exactly (:func:`_agreed`). Then each run inserted ``more`` times again gives the
+tokens of the model at full depth, decoded into a stream whose events are numbered one by one, the moments placed
+at their markers. Where a check fails the reason is returned instead, and the caller simulates the whole model.
+
+What the figures extended in a line miss, the stream shows: a storage whose bytes grow with the depth is rounded by
+the target's allocator (512 B), which no line follows; :func:`corrected` adds the difference to the category the
+storage was made in, at every moment it is live.
 """
 
 from __future__ import annotations
@@ -58,13 +64,19 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
             return "its allocation stream did not grow by the same events per block"
         predicted, change, _ = _apply(tokens, change, 1)
         whole, change, _ = _apply(predicted, change, more)
-        events, moments, peak, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding)
+        events, moments, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding)
     except _Stop as exc:
         return str(exc)
     except (KeyError, IndexError, ValueError) as exc:  # a token naming no live storage: not this stream's shape
         if is_interrupt(exc):
             raise
         return "its extended allocation stream frees a storage it never made"
+    # The ledger's own peak is where the replay looks only when no phase record holds the run's peak (depth.py
+    # checks one does): it is the moment of the largest cut's that it falls on, else none.
+    last = cuts[2]
+    at = next(((i, f) for i, m in enumerate(last.moments) for f, seq in enumerate(m[1:]) if seq == last.peak_seq),
+              None)
+    peak = moments[at[0]][at[1]] if at is not None else 0
     return RecordedStream(tuple(events), tuple((s, *m) for s, m in zip(steps[2], moments)), peak), missed
 
 
@@ -73,7 +85,7 @@ class _Change(NamedTuple):
     that grew (position in the next cut -> what each of its numbers grew by: bytes, position, new bytes)."""
 
     runs: list[tuple[int, int]]
-    grew: dict[int, tuple[int, int, int]]
+    grew: dict[int, tuple[Any, tuple[int, int, int]]]
 
 
 def _change(a: tuple[list, list], b: tuple[list, list]) -> _Change:
@@ -81,7 +93,7 @@ def _change(a: tuple[list, list], b: tuple[list, list]) -> _Change:
     to the parameters, a free naming its storage from an end of a list that grew). Each token of ``b`` is written
     in full (:func:`_full`), a grown free named the way that both cuts share and that moved least."""
     runs: list[tuple[int, int]] = []
-    grew: dict[int, tuple[int, int, int]] = {}
+    grew: dict[int, tuple[Any, tuple[int, int, int]]] = {}
     ops = difflib.SequenceMatcher(None, a[0], b[0], autojunk=False).get_opcodes()
     for op, i1, i2, j1, j2 in ops:
         if op == "equal":
@@ -143,7 +155,7 @@ def _apart(a: tuple[list, list], x: int, b: tuple[list, list], y: int) -> float:
     return far + (abs(tb[5] - ta[5]) if ta[0] == "r" else 0)
 
 
-def _grown(ta: tuple, oa: Any, tb: tuple, ob: Any) -> tuple[Any, ...]:
+def _grown(ta: tuple, oa: Any, tb: tuple, ob: Any) -> tuple[Any, tuple[int, int, int]]:
     """Token ``tb`` written the way it and ``ta`` share that moved least, and how much each number grew."""
     if ta[0] != tb[0] or ta[0] in ("m", "x"):
         raise _Stop("its allocation stream changed, not only grew, with a block more")
@@ -167,7 +179,7 @@ def _apply(tokens: list, change: _Change, times: int) -> tuple[list, _Change, li
     starts = {start: end for start, end in change.runs}
     out: list = []
     runs: list[tuple[int, int]] = []
-    grew: dict[int, tuple[int, int, int]] = {}
+    grew: dict[int, tuple[Any, tuple[int, int, int]]] = {}
     origin: list[int] = []
     i = 0
     while i < len(tokens):
@@ -237,8 +249,7 @@ def _tokens(recorded: Any) -> tuple[list, list]:
     """``recorded``'s events and moments as tokens (see the module's docstring), and beside each free or resize
     every way it could be written ((way, epochs ago) -> position). A storage made is written with its bytes, the
     category it was made in (-1: not known) and whether it moved to another while it lived."""
-    marks = sorted([(seq, (i, f)) for i, m in enumerate(recorded.moments) for f, seq in enumerate(m[1:])]
-                   + [(recorded.peak_seq, (-1, 0))])
+    marks = sorted((seq, (i, f)) for i, m in enumerate(recorded.moments) for f, seq in enumerate(m[1:]))
     made, cats = _made(recorded)
     live: dict[Any, tuple[int, int]] = {}  # key -> (bytes, the n-th of its bytes made)
     classes = _Classes()
@@ -302,9 +313,9 @@ _ORDER = {"T": 0, "B": 1, "t": 2, "b": 3, "d": 4}
 
 
 def _decoded(tokens: list, moments: int, grew: Any, more: int,
-             rounding: int) -> tuple[list[tuple[int, int, int]], list[list[int]], int, dict[int, dict[int, int]]]:
-    """The stream ``tokens`` name: its events numbered 1, 2, ... (keys too), each moment's (start, peak, end) seq
-    and the peak's: the seq of the last event before its marker. And what the figures extended in a line miss at
+             rounding: int) -> tuple[list[tuple[int, int, int]], list[list[int]], dict[int, dict[int, int]]]:
+    """The stream ``tokens`` name: its events numbered 1, 2, ... (keys too), and each moment's (start, peak, end)
+    seq: the seq of the last event before its marker. And what the figures extended in a line miss at
     each marker's seq, by category: a storage whose bytes grew by ``d`` per block (``grew``, by position) is
     ``rounding(x + more d)`` at full depth, where the line through the cuts' ``rounding(x - d)`` and
     ``rounding(x)`` says ``rounding(x) + more (rounding(x) - rounding(x - d))``. A storage that moved to another
@@ -313,7 +324,6 @@ def _decoded(tokens: list, moments: int, grew: Any, more: int,
     keys: dict[tuple[int, int], int] = {}
     events: list[tuple[int, int, int]] = []
     placed = [[0, 0, 0] for _ in range(moments)]
-    peak = 0
     fresh = 0
     missing: dict[int, tuple[int, int]] = {}  # key -> (category, bytes the line misses)
     missed: dict[int, dict[int, int]] = {}
@@ -321,10 +331,7 @@ def _decoded(tokens: list, moments: int, grew: Any, more: int,
         kind = token[0]
         if kind == "m":
             classes.epoch += 1
-            if token[1] < 0:
-                peak = len(events)
-            else:
-                placed[token[1]][token[2]] = len(events)
+            placed[token[1]][token[2]] = len(events)
             if missing:
                 at = missed.setdefault(len(events), {})
                 at.clear()
@@ -355,7 +362,7 @@ def _decoded(tokens: list, moments: int, grew: Any, more: int,
                     raise _Stop("a storage whose bytes grow with the blocks was resized")
                 keys[(token[5], classes.make(token[5]))] = key
                 events.append((seq, key, token[5]))
-    return events, placed, peak, missed
+    return events, placed, missed
 
 
 def _missed(size: int, grow: int, more: int, rounding: int) -> int:
