@@ -188,6 +188,10 @@ def measure(step: Callable[[], Any], model: Any, optimizer: Any, modes: tuple[st
         module_calls = c.entries["modules.py:pre_hook"]
         rows[mode] = {
             "calls_per_op": (c.total - bare.total) / ops,
+            # The same per step, and the times a step entered memprof's code from outside it (its hooks, the
+            # dispatch handler, a weak reference's callback): hook visits, each of which runs at least a frame.
+            "calls_per_step": c.total - bare.total,
+            "hook_visits_per_step": sum(c.entries.values()),
             "handler_calls_per_op": c.under[HANDLER] / ops,
             "saved_tensors": saves,
             "calls_per_saved_tensor": sum(c.under[e] for e in SAVED_ENTRIES) / saves if saves else 0.0,
@@ -218,14 +222,17 @@ def markdown(result: dict[str, Any], description: str) -> str:
     lines = [f"{description}: {result['ops_per_step']} ops per step, a bare step makes "
              f"{result['bare_calls']} Python calls.", "",
              "| variant | calls per op above bare | memprof's handler per op | per saved tensor | per module call |"
+             " calls per step above bare | hook visits per step |"
              + (" bytecodes per step above bare | of them in memprof |" if codes else ""),
-             "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if codes else "")]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if codes else "")]
     for name, row in result["modes"].items():
         if name == "null_dispatch":
-            lines.append(f"| do-nothing dispatch mode | {row['calls_per_op']:.2f} | | | |" + (" | |" if codes else ""))
+            lines.append(f"| do-nothing dispatch mode | {row['calls_per_op']:.2f} | | | | | |"
+                         + (" | |" if codes else ""))
         else:
             lines.append(f"| {name} | {row['calls_per_op']:.2f} | {row['handler_calls_per_op']:.2f} | "
-                         f"{row['calls_per_saved_tensor']:.2f} | {row['calls_per_module_call']:.2f} |"
+                         f"{row['calls_per_saved_tensor']:.2f} | {row['calls_per_module_call']:.2f} | "
+                         f"{row['calls_per_step']:,} | {row['hook_visits_per_step']:,} |"
                          + (f" {row['bytecodes_per_step']:,} | {row['memprof_bytecodes_per_step']:,} |"
                             if codes else ""))
     return "\n".join(lines) + "\n"

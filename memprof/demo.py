@@ -28,7 +28,8 @@ class CausalSelfAttention(nn.Module):
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = self.dropout(scores.masked_fill(mask, float("-inf")).softmax(dim=-1))
         out = (probs @ v).transpose(1, 2).reshape(b, s, h)
-        return self.dropout(self.proj(out))
+        y: torch.Tensor = self.dropout(self.proj(out))  # typed here: nn.Module.__call__ returns Any
+        return y
 
 
 class Block(nn.Module):
@@ -43,7 +44,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        y: torch.Tensor = x + self.mlp(self.ln2(x))  # typed here: nn.Module.__call__ returns Any
+        return y
 
 
 class TinyGPT(nn.Module):
@@ -64,7 +66,8 @@ class TinyGPT(nn.Module):
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits: torch.Tensor = self.head(self.ln_f(x))  # typed here: nn.Module.__call__ returns Any
+        return logits
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

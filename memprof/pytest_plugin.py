@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generator
 from urllib.parse import quote
 
 import pytest
@@ -46,13 +46,13 @@ MARKER = "memory_budget"
 DEFAULT_TOLERANCE = "5%"
 
 # What the fixture handed out or was given, in order: Profiler or Report objects.
-_ENTRIES = pytest.StashKey[list]()
+_ENTRIES: "pytest.StashKey[list[Profiler | Report]]" = pytest.StashKey()
 # The reports of a finished test (Profilers resolved to their Reports).
-_REPORTS = pytest.StashKey[list]()
+_REPORTS: "pytest.StashKey[list[Report]]" = pytest.StashKey()
 # Paths written by --memprof-save-dir in this session (for the summary line).
-_SAVED = pytest.StashKey[list]()
-# id() of each estimated report -> the device it was estimated for.
-_ESTIMATED = pytest.StashKey[dict]()
+_SAVED: "pytest.StashKey[list[str]]" = pytest.StashKey()
+# id() of each estimated report -> the device kind ("cuda", "cpu") it was estimated for.
+_ESTIMATED: "pytest.StashKey[dict[int, str]]" = pytest.StashKey()
 
 
 class BaselineMissingWarning(UserWarning):
@@ -133,11 +133,11 @@ def reports(item: pytest.Item) -> "list[Report]":
     For use in ``conftest.py`` hooks, e.g. ``pytest_runtest_makereport``.
     """
     if _REPORTS in item.stash:
-        return list(item.stash[_REPORTS])
+        return item.stash[_REPORTS].copy()
     return _resolve(item.stash.get(_ENTRIES, []))
 
 
-def _resolve(entries: list) -> "list[Report]":
+def _resolve(entries: "list[Profiler | Report]") -> "list[Report]":
     from .errors import ProfilerStateError
     from .report import Report
 
@@ -268,7 +268,7 @@ def memory_profile(request: pytest.FixtureRequest) -> MemoryProfileFixture:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item):
+def pytest_runtest_call(item: pytest.Item) -> "Generator[None, object, object]":
     try:
         result = yield
     except BaseException:
@@ -478,7 +478,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Under pytest-xdist each worker writes its own reports; it hands their paths to the controller.
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
-        workeroutput["memprof_saved"] = list(session.config.stash.get(_SAVED, []))
+        workeroutput["memprof_saved"] = session.config.stash.get(_SAVED, []).copy()
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -4,7 +4,7 @@ the moments a breakdown is read at (the ``at=`` of every API)."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import InvalidArgumentError, UnknownNameError, is_interrupt
 
@@ -64,7 +64,10 @@ class Phase(str, Enum):
         return _parse(cls, value, "phase")
 
 
-def _parse(cls: Any, value: Any, what: str) -> Any:
+_E = TypeVar("_E", bound=Enum)
+
+
+def _parse(cls: type[_E], value: object, what: str) -> _E:
     """The member of ``cls`` named by ``value`` (any case, spaces around ignored), or an error listing them."""
     if isinstance(value, cls):
         return value

@@ -13,7 +13,7 @@ from memprof import Category, Phase
 from memprof.record.stats import STAT_KEYS, PhaseStats, Stat
 from memprof.record.specs import ModuleCall, OptimizerSpec, ParamSpec, TensorSpec
 from memprof.record.trace import (Breakdown, DeviceInfo, ModelFacts, ModuleRecord, OperationRecord, PhaseRecord,
-                           Sample, StepRecord, Trace)
+                           Sample, StepRecord, Trace, steps_held)
 
 TENSOR = ("weights", "buffers", "gradients", "optimizer_states", "activations", "inputs", "temporaries")
 
@@ -83,7 +83,11 @@ def trace(*, phases: tuple[PhaseRecord, ...] = (), peak: "Breakdown | None" = No
         steps=recs, modules=modules,
     )
     values.update(fields)
-    return Trace(**values)
+    if "num_steps" in values:
+        return Trace(**values)
+    # Not given: as many as the trace holds and names, as the loader counts a file that does not say.
+    counted = Trace(**values, num_steps=0)
+    return dataclasses.replace(counted, num_steps=steps_held(counted))
 
 
 def linear_call(path: str, in_features: int, out_features: int, batch: int, *, dtype: str = "float32",

@@ -26,7 +26,6 @@ def phase_breakdown(trace: Trace, step: int, phase: "Phase | str", at: str = "pe
     if not isinstance(step, int) or isinstance(step, bool):
         raise InvalidArgumentError(f"step must be an int, got {type(step).__name__}")
     total = trace.num_steps
-    assert total is not None  # set by Trace itself when a file does not say
     if not -total <= step < total:
         raise InvalidArgumentError(f"step {step} is out of range: this run had {total} step(s)")
     index = step + total if step < 0 else step

@@ -69,7 +69,10 @@ def _check_lists(allocator: CachingAllocator, blocks: list[Block]) -> None:
 
 def _check_counters(allocator: CachingAllocator, blocks: list[Block]) -> None:
     mapped = sum(b.size for b in blocks if b.mapped)
-    live = [b for b in blocks if b.allocated]
+    waiting = {id(b) for b in allocator.awaiting.values()}  # freed, out of the cache until their events complete
+    if sum(b.size for b in allocator.awaiting.values()) != allocator.awaiting_bytes:
+        _fail(f"awaiting {allocator.awaiting_bytes} B is not the awaiting blocks' sum")
+    live = [b for b in blocks if b.allocated and id(b) not in waiting]
     if mapped != allocator.reserved:
         _fail(f"reserved {allocator.reserved} B is not the mapped blocks' {mapped} B")
     if sum(b.size for b in live) != allocator.allocated:
@@ -124,9 +127,13 @@ class AuditedAllocator(CachingAllocator):
         self.check()
         return handle
 
-    def free(self, handle: int) -> None:
-        super().free(handle)
+    def free(self, handle: int, *, awaiting: bool = False) -> None:
+        super().free(handle, awaiting=awaiting)
         self.live_rounded -= self._asked.pop(handle)
+        self.check()
+
+    def release_awaiting(self, handle: int) -> None:
+        super().release_awaiting(handle)
         self.check()
 
     def empty_cache(self) -> None:

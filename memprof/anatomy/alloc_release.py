@@ -11,6 +11,7 @@ from bisect import bisect_left
 from typing import Protocol
 
 from .alloc_blocks import Block
+from .alloc_events import synchronize_events
 from .alloc_expandable import ExpandableHost, release_expandable, unmap_block
 
 __all__ = ["ReleaseHost", "release_block", "release_available", "release_cached", "garbage_collect"]
@@ -22,6 +23,10 @@ class ReleaseHost(ExpandableHost, Protocol):
 
     segment_count: int
     oversize_segments: int
+    awaiting: dict[int, Block]
+    awaiting_bytes: int
+
+    def _cache(self, block: Block) -> None: ...
 
     @property
     def allowed_memory_maximum(self) -> int | None: ...
@@ -62,8 +67,10 @@ def release_available(host: ReleaseHost, small: bool, stream: int, size: int) ->
 
 
 def release_cached(host: ReleaseHost) -> None:
-    """``release_cached_blocks`` -> ``release_blocks`` of the large then the small pool: whole free
-    segments are freed; expandable blocks are unmapped, and their segment freed once fully unmapped."""
+    """``release_cached_blocks`` -> ``synchronize_and_free_events`` (the blocks awaiting other streams' events
+    join the cache first, :mod:`.alloc_events`), then ``release_blocks`` of the large then the small pool: whole
+    free segments are freed; expandable blocks are unmapped, and their segment freed once fully unmapped."""
+    synchronize_events(host)
     pools = host.pools
     for small in (False, True):
         to_unmap = []

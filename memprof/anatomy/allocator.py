@@ -26,6 +26,7 @@ from .alloc_config import (
     K_SMALL_SIZE,
     AllocatorConfig,
 )
+from .alloc_events import await_events, release_awaiting
 from .alloc_release import release_cached
 from .alloc_segments import allocation_size, new_block
 from .alloc_snapshot import SnapshotSegment, inactive_split_bytes, memory_stats, segments, snapshot
@@ -150,6 +151,9 @@ class CachingAllocator:
         self.oversize_allocations = self.oversize_segments = self.peak_oversize_allocations = 0
         self.peak_oversize_segments = 0
         self._live: dict[int, Block | None] = {}
+        #: Blocks freed while another stream still used them (:meth:`free` ``awaiting``), by handle.
+        self.awaiting: dict[int, Block] = {}
+        self.awaiting_bytes = self.peak_awaiting_active = 0
         self._next_handle = 0
         self._allowed_max: int | None = None
         self._plain_rounding = not any(d > 1 for d in config.roundup_power2_divisions)
@@ -227,6 +231,8 @@ class CachingAllocator:
         self.requested += nbytes
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
+        if self.awaiting_bytes and self.allocated + self.awaiting_bytes > self.peak_awaiting_active:
+            self.peak_awaiting_active = self.allocated + self.awaiting_bytes
         if self.requested > self.peak_requested:
             self.peak_requested = self.requested
         if limit is not None and size >= limit:  # alloc_found_block: increase_stat(oversize_allocations)
@@ -235,8 +241,12 @@ class CachingAllocator:
         self._live[self._next_handle] = block
         return self._next_handle
 
-    def free(self, handle: int) -> None:
-        """``free_locked`` then ``free_block``: the block merges with free neighbours and stays cached."""
+    def free(self, handle: int, *, awaiting: bool = False) -> None:
+        """``free_locked`` then ``free_block``: the block merges with free neighbours and stays cached. With
+        ``awaiting`` the block was used on another stream (``record_stream``): ``free`` takes its bytes out of
+        allocated now, but ``insert_events`` keeps it out of the cache, and out of its neighbours' merges, until
+        the events complete: :meth:`release_awaiting` (``process_events``), or any release of the cache
+        (:func:`~memprof.anatomy.alloc_events.synchronize_events`)."""
         try:
             block = self._live.pop(handle)
         except (KeyError, TypeError) as failure:
@@ -246,14 +256,24 @@ class CachingAllocator:
                                        "malloc)") from None
         if block is None:
             return
-        block.allocated = False
         size = block.size
         self.allocated -= size
         self.requested -= block.requested
         if self._limit is not None and size >= self._limit:
             self.oversize_allocations -= 1
-        # free_block: merge with free neighbours of the segment (try_merge_blocks), then back to the free
-        # list (insert_into_blocks). Written out here, the hottest path of a replay.
+        if awaiting:
+            await_events(self, handle, block)
+        else:
+            self._cache(block)
+
+    def release_awaiting(self, handle: int) -> None:
+        """The events of a block freed ``awaiting`` (:meth:`free`) completed: it joins the cache."""
+        release_awaiting(self, handle)
+
+    def _cache(self, block: Block) -> None:
+        """``free_block``: merge with free neighbours of the segment (``try_merge_blocks``), then back to the free
+        list (``insert_into_blocks``). Written out here, the hottest path of a replay."""
+        block.allocated = False
         pools = self.pools
         frees = pools.free
         prev = block.prev
@@ -287,32 +307,34 @@ class CachingAllocator:
     def reset_peak_stats(self) -> None:
         """``resetPeakStats``: every peak restarts at the current value (the oversize counters' too)."""
         self.peak_allocated, self.peak_reserved, self.peak_requested = self.allocated, self.reserved, self.requested
+        self.peak_awaiting_active = self.allocated + self.awaiting_bytes
         self.peak_oversize_allocations, self.peak_oversize_segments = self.oversize_allocations, self.oversize_segments
 
     @property
     def active(self) -> int:
-        """``active_bytes``: allocated blocks plus freed ones still awaiting other streams' events; the model
-        has no ``record_stream`` events, so it equals ``allocated``."""
-        return self.allocated
+        """``active_bytes``: allocated blocks plus freed ones still awaiting other streams' events."""
+        return self.allocated + self.awaiting_bytes
 
     @property
     def peak_active(self) -> int:
-        return self.peak_allocated
+        # awaiting bytes were allocated bytes just before: the active peak is the allocated one's, or higher
+        # where a block was still awaiting its events when another was made
+        return max(self.peak_allocated, self.peak_awaiting_active)
 
     # ----------------------------------------------------------------- views (alloc_snapshot)
 
     def blocks(self) -> list[Block]:
         """Every block: the free ones, the unmapped pieces of expandable segments, then the allocated ones."""
-        return self.pools.all_blocks(self._live.values())
+        return self.pools.all_blocks([*self._live.values(), *self.awaiting.values()])
 
     def segments(self) -> list[tuple[int, list[tuple[int, bool]]]]:
         """``[(segment_bytes, [(block_bytes, allocated), ...]), ...]`` in address order (segments in the
         order they were made, blocks in address order within each)."""
-        return segments(self.pools, self._live.values())
+        return segments(self.pools, [*self._live.values(), *self.awaiting.values()])
 
     def snapshot(self) -> list[SnapshotSegment]:
         """The segments as ``torch.cuda.memory_snapshot()`` lists them (addresses are the model's own)."""
-        return snapshot(self.pools, self._live.values())
+        return snapshot(self.pools, [*self._live.values(), *self.awaiting.values()])
 
     @property
     def inactive_split_bytes(self) -> int:

@@ -59,7 +59,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         with memprof.profile(model, optimizer, mode=args.mode) as prof:
             for x, y in batches:
                 loss = TinyGPT.loss(model(x), y)
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is untyped
                 optimizer.step()
                 optimizer.zero_grad()
     except (RuntimeError, MemoryError) as exc:  # an out-of-memory above all: a smaller demo fits

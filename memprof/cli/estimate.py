@@ -165,6 +165,7 @@ def _estimate_hf(args: argparse.Namespace, budget: "int | None") -> int:
     describes, built on the meta device; every option of the factory form reaches it."""
     from ..report import planning
     from ..simulate import hf
+    from ..simulate.hf_limits import check_sequence
     from ..simulate.ranks import check_parallel
 
     config = hf.load_config(args.hf)
@@ -175,7 +176,7 @@ def _estimate_hf(args: argparse.Namespace, budget: "int | None") -> int:
                                               alloc_conf=args.alloc_conf, routing=args.routing,
                                               names=("--prompt-len", "--new-tokens"), **_from_file(args))
         return _emit(est, args, budget)
-    hf.check_sequence(config, args.seq_len, "--seq-len")  # before building: named as the command line names it
+    check_sequence(config, args.seq_len, "--seq-len")  # before building: named as the command line names it
     parallelize = _load_factory(args.parallelize) if args.parallelize else None
     step_context = _load_factory(args.step_context) if args.step_context else None
     world_size, parallel = check_parallel(args.world_size, args.parallel, parallelize is not None)
@@ -240,9 +241,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
     ckpt = {"off": (False,), "on": (True,), "both": (False, True)}[args.checkpointing]
     from ..simulate import hf
+    from ..simulate.hf_limits import check_sequence
 
     config = hf.load_config(args.hf)
-    hf.check_sequence(config, args.seq_len, "--seq-len")  # named as the command line names it
+    check_sequence(config, args.seq_len, "--seq-len")  # named as the command line names it
     try:
         grid = plan_grid(config, seq_len=args.seq_len, gpu=args.gpu, world_size=args.world_size, layouts=layouts,
                          precisions=precisions, checkpointing=ckpt, optimizer=_optimizer(args.optimizer),

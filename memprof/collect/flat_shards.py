@@ -106,6 +106,14 @@ class FlatShardTracker:
         self.params = params
         self.rank = rank
         self.handles = [h for _, h in handles]  # FSDP1's own objects, dropped when the profile ends
+        # FSDP1 marks a unit's gathered flat parameter as used on the compute stream before it frees it
+        # (_free_unsharded_flat_param: record_stream), and with limit_all_gathers its rate limiter lets two such
+        # frees be in flight before the next all-gather waits for the oldest (_runtime_utils.py, _unshard);
+        # without it the CPU may run ahead of every unit.
+        self.limit = 2 if all(getattr(m, "limit_all_gathers", True) for m, _ in handles) else max(2, len(handles))
+        #: Storage key of each gathered flat parameter -> how many of its frees may await events at once
+        #: (:class:`memprof.collect.streams.StreamUse`'s ``held``).
+        self.gathered: dict[int, int] = {}
         self.known: set[int] = set()  # id() of the handles whose storages are registered
         # The parameters FSDP1 flattened, counted whole (a flat parameter's numel is this rank's shard).
         self.elements = sum(sum(h.flat_param._numels) for h in self.handles)
@@ -153,6 +161,7 @@ class FlatShardTracker:
                 continue
             if cat == WEIGHTS:
                 self.params.weigh(t)
+                self.gathered[t.untyped_storage()._cdata] = self.limit
             else:
                 entry = self.params.storages.add_tensor(t, cat)
                 if entry is not None and entry.cat != cat:

@@ -166,8 +166,26 @@ class ParamTracker:
         if run.phase is not _BACKWARD:
             self.phases.backward_started()
         g = param.grad
-        if g is not None:
-            self.add_grad(g, retro=True)
+        if g is None:
+            return
+        if type(g) is _PLAIN and g.layout is _STRIDED and (g.is_cpu if run.on_cpu else g.device == run.device):
+            # add_grad() written out for a plain gradient on the profiled device: one frame less for each
+            # parameter in every backward.
+            try:
+                st = g.untyped_storage()
+            except (RuntimeError, NotImplementedError) as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
+                return
+            entry = led.entries.get(st._cdata)
+            if entry is None:
+                entry = led.add(st, GRADIENTS)
+            elif entry.cat in _BECOME_GRADIENTS:
+                move(led, entry, GRADIENTS, retro=True)
+            if entry.cat == GRADIENTS:
+                self.grad_keys.add(entry.key)
+            return
+        self.add_grad(g, retro=True)
 
     def add_grad(self, g: torch.Tensor, *, retro: bool, follow: bool = True) -> None:
         """``g`` is a gradient now. ``follow``: it is a followed parameter's ``.grad``, an ordinary
@@ -256,7 +274,7 @@ class ParamTracker:
         if not self.grad_keys:
             return
         keys = self.grad_storage_keys()
-        current = set(keys) if keys is not None else self.walk_grad_keys()
+        current = set(keys) if keys is not None else walk_grad_keys(self.refs)
         led = self.ledger
         led.settle()
         for key in self.grad_keys - current:  # the set difference in C: most steps nothing is stale
@@ -265,29 +283,30 @@ class ParamTracker:
             if entry is not None and entry.cat == GRADIENTS:
                 move(led, entry, TEMPORARIES)
 
-    def walk_grad_keys(self) -> set[int]:
-        """The storage keys of the parameters' gradients, one by one (what :meth:`grad_storage_keys` cannot
-        answer: a dead parameter, a subclass, a sparse gradient)."""
-        current: set[int] = set()
-        for ref in self.refs:
-            p = ref()
-            g = p.grad if p is not None else None
-            if g is None:
-                continue
-            if type(g) is _PLAIN and g.layout is _STRIDED:  # storage_of() inlined: every parameter, every step
-                try:
-                    current.add(g.untyped_storage()._cdata)
-                except (RuntimeError, NotImplementedError) as failure:
-                    if is_interrupt(failure):
-                        raise  # a signal handler's exception (errors.is_interrupt) is the user's
-                    pass
-                continue
-            parts = (g._values(), g._indices()) if g.is_sparse else (g,)
-            for part in parts:
-                st = storage_of(part)
-                if st is not None:
-                    current.add(st._cdata)
-        return current
+
+def walk_grad_keys(refs: "list[weakref.ref[nn.Parameter]]") -> set[int]:
+    """The storage keys of the gradients of the parameters ``refs`` refers to, one by one (what
+    :meth:`ParamTracker.grad_storage_keys` cannot answer: a dead parameter, a subclass, a sparse gradient)."""
+    current: set[int] = set()
+    for ref in refs:
+        p = ref()
+        g = p.grad if p is not None else None
+        if g is None:
+            continue
+        if type(g) is _PLAIN and g.layout is _STRIDED:  # storage_of() inlined: every parameter, every step
+            try:
+                current.add(g.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError) as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
+                pass
+            continue
+        parts = (g._values(), g._indices()) if g.is_sparse else (g,)
+        for part in parts:
+            st = storage_of(part)
+            if st is not None:
+                current.add(st._cdata)
+    return current
 
 
 def is_lazy(p: torch.Tensor) -> bool:

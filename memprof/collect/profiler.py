@@ -28,7 +28,9 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+
+from typing_extensions import Self
 
 import torch
 from torch import nn
@@ -56,6 +58,10 @@ if TYPE_CHECKING:
     from .schedule import Schedule
 
 __all__ = ["Profiler", "profile"]
+
+#: The profiler's own class, a facade's subclass included: what its ``on_trace_ready`` is handed (mypy types
+#: ``self`` as Self only in a method whose signature names Self, which a callback's runner does not).
+_P = TypeVar("_P", bound="Profiler")
 
 _get_ident = threading.get_ident
 
@@ -161,7 +167,7 @@ class Profiler(ProfileState):
         timeline: bool = True,
         operations: bool = False,
         schedule: "Schedule | None" = None,
-        on_trace_ready: "Callable[[Profiler], Any] | None" = None,
+        on_trace_ready: "Callable[[Self], Any] | None" = None,
         oom_dump: "str | os.PathLike[str] | None" = None,
         record_routing: bool = False,
         record_allocations: bool = False,
@@ -177,7 +183,9 @@ class Profiler(ProfileState):
             if not isinstance(value, bool):
                 raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
         self._record_routing, self._carry = record_routing, carry_optimizer_steps and oom_dump is None
-        self.schedule, self._on_trace_ready = schedule, on_trace_ready
+        # Called with this profiler: a facade's subclass hands its callback an instance of itself.
+        self._on_trace_ready: "Callable[[Self], Any] | None" = on_trace_ready
+        self.schedule = schedule
         self._mode_requested = mode
         mode, self._allocator = resolved_mode(mode, device, source, schedule)
         self.device, self._want_operations = device, bool(operations)
@@ -204,7 +212,7 @@ class Profiler(ProfileState):
         self.oom_dump = OomDump(checked_folder(oom_dump), device) if oom_dump is not None else None
 
     # ------------------------------------------------------------------ public
-    def start(self) -> "Profiler":
+    def start(self) -> Self:
         """Begin profiling: install every hook (what entering ``with prof:`` does). Pair it with
         :meth:`stop`, for callbacks and loops that cannot hold a ``with`` block."""
         return self.__enter__()
@@ -265,7 +273,7 @@ class Profiler(ProfileState):
             assert self.collectors is not None
             self.collectors.storages.mark_inputs(objs)
 
-    def __enter__(self) -> "Profiler":
+    def __enter__(self) -> Self:
         remember_signal_handlers()  # one that uninstalls itself before it raises is still the user's
         if self._state != "new":
             raise ProfilerStateError(
@@ -315,7 +323,7 @@ class Profiler(ProfileState):
             self.oom_dump.start(self.live_now)
             stack.callback(self.oom_dump.stop)
 
-    def _window_ready(self) -> None:
+    def _window_ready(self: _P) -> None:
         """A schedule's window ended: on_trace_ready reads the run so far through this profiler."""
         assert self._on_trace_ready is not None
         self._in_callback = True

@@ -23,8 +23,9 @@ import torch
 
 from ..errors import is_interrupt
 from ..vocabulary import Phase
-from .ledger import ACTIVATIONS, COMMUNICATION, INPUTS, TEMPORARIES, storage_of
-from .moves import move
+from .ledger import ACTIVATIONS, BUFFERS, COMMUNICATION, GRADIENTS, INPUTS, KV_CACHE, OPTIMIZER_STATES
+from .ledger import TEMPORARIES, WEIGHTS, storage_of
+from .moves import move, set_tag
 from .ledger import Release as _Release
 from .saved_hooks import SavedHooks, modified_message
 from .saved_where import attribute, saved_by_rule_module
@@ -44,6 +45,8 @@ __all__ = ["SavedTracker"]
 _FORWARD = Phase.FORWARD
 _BACKWARD = Phase.BACKWARD
 _PARAMETER = torch.nn.Parameter
+# Categories whose storages a save leaves as they are (account_storage() neither moves nor counts them).
+_PASSIVE = frozenset((WEIGHTS, BUFFERS, GRADIENTS, OPTIMIZER_STATES, KV_CACHE))
 
 
 class Saved:
@@ -84,33 +87,70 @@ class SavedTracker:
     # -- memprof's own pair ---------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Any:
-        """memprof's own pack (no user pair beneath): runs for every tensor autograd saves, so its common
-        cases make no other Python frame than :meth:`account`.
-
-        An activation (a counted storage) is handed to autograd as a :class:`Saved`, which tells the ledger
-        when autograd lets it go; anything else as a tuple ``(tensor, version, origin)``, which needs no
-        wrapper object. ``tensor`` is a detached alias of anything with a ``grad_fn`` (returning ``t`` itself
-        would close the cycle output -> grad_fn -> saved output, keeping a dropped graph alive), and ``t``
-        itself otherwise (weights, inputs, masks: no cycle; torch too keeps a leaf itself,
-        torch/csrc/autograd/saved_variable.cpp). ``origin`` is ``t`` weakly, when it had a ``grad_fn``: torch
-        refuses to use a saved tensor that was detached in place since, and so must memprof.
-        """
+        """memprof's own pack (no user pair beneath), for every tensor autograd saves. A counted activation is
+        handed to autograd as a :class:`Saved`, which tells the ledger when autograd lets it go; anything else
+        as a tuple ``(tensor, version, origin)``. ``tensor`` is a detached alias of anything with a ``grad_fn``
+        (``t`` itself would close the cycle output -> grad_fn -> saved output, keeping a dropped graph alive),
+        ``t`` itself otherwise (torch too keeps a leaf itself, torch/csrc/autograd/saved_variable.cpp).
+        ``origin`` is ``t`` weakly when it had a ``grad_fn``: torch refuses a saved tensor detached in place
+        since, and so must memprof."""
         if _COMPILER._is_compiling_flag:
             # dynamo compiling through autograd: its fake tensors are not memory. (The flag itself, read as
             # is_compiling() reads it: autograd's C++ calls this hook, dynamo never inlines it.)
             return t
-        key = self.account(t)
+        # account() written out for a plain tensor on the profiled device. Its common cases make at most one
+        # other frame (tests/integration/test_overhead_counts.py): a storage that is a weight, a gradient, a
+        # buffer or a state (nothing to do), and light mode's new activation saved in a module's forward (the
+        # ledger's add, then account_storage()'s and attribute()'s work for it, written out).
+        key = None
+        run = self.run
+        if not run.active:
+            pass
+        elif ((type(t) is torch.Tensor or type(t) is _PARAMETER) and t.layout is torch.strided
+                and (t.is_cpu if self.on_cpu else t.device == self.device)):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError) as failure:
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
+                st = None
+            led = self.ledger
+            if led.released:
+                led.settle()  # what torch let go of first: a freed storage may have had this address
+            entry = led.entries.get(st._cdata) if st is not None else None
+            stack = run.calls
+            if entry is not None and entry.cat in _PASSIVE:
+                pass  # account_storage() would leave it as it is: not an activation, not an input
+            elif self.full or entry is not None or st is None or not stack or run.phase is not _FORWARD:
+                key = self.account_storage(t, st) if st is not None else None
+            else:
+                entry = led.add(st, ACTIVATIONS)
+                key, index, table = entry.key, stack[-1], self.table
+                tag = table.saved_tag[index]
+                if tag >= 0:
+                    # attribute(): saved in a container's own code or a module without a rule. (A new entry has
+                    # no tag of either kind yet: the autocast weight copy's is set by exact mode's ops only.)
+                    set_tag(led, entry, tag)
+                elif t.nbytes == entry.nbytes:
+                    entry.savers = {index: entry.nbytes}  # saved whole by a rule module (as account_storage())
+                else:
+                    saved_by_rule_module(led, entry, index, t.nbytes, self.saved_inputs if self.capture.on else None)
+                info = table.info[index]  # ModuleTable.saved_in, as attribute() writes it out
+                if info.act_step != run.step:
+                    info.act_step, info.act_bytes = run.step, 0
+                info.act_bytes += entry.nbytes
+                entry.saved = 1
+        else:
+            key = self.account(t)
         # is_leaf is "grad_fn is None" read in C++ (torch/csrc/autograd/python_variable.cpp), without making
         # the Python object of the node that t.grad_fn would.
         if t.is_leaf:
-            # No grad_fn, so no cycle to break (and nothing to detach in place): t itself.
-            d, origin = t, None
+            d, origin = t, None  # no grad_fn, so no cycle to break (and nothing to detach in place)
         else:
             origin = weakref.ref(t)
             # In exact mode this detach would go through memprof's own dispatch mode, which does nothing with it
-            # but costs the Python dispatch round trip (a saved tensor or more per op). When that mode is the only
-            # one and ``t`` a plain tensor, no Python code wants to see it; a subclass or another mode still gets
-            # its detach.
+            # but costs the Python dispatch round trip. When that mode is the only one and ``t`` a plain tensor,
+            # no Python code wants to see it; a subclass or another mode still gets its detach.
             if self.full and type(t) is torch.Tensor and _dispatch_stack_len() == 1:
                 with _NoPythonDispatch():
                     d = t.detach()
@@ -120,8 +160,7 @@ class SavedTracker:
             return (d, t._version, origin)
         saved = Saved.__new__(Saved)  # no __init__: one frame less per save
         saved.tensor, saved.version, saved.origin = d, t._version, origin
-        # Ledger.watch() inlined: this runs for every saved activation.
-        led = self.ledger
+        led = self.ledger  # Ledger.watch() written out
         ref = _Release(saved, led.queue_release)
         ref.keys, ref.then = (key,), None
         led.watched.add(ref)
@@ -191,6 +230,13 @@ class SavedTracker:
         led = self.ledger
         if led.released:
             led.settle()  # what torch let go of first: a freed storage may have had this address
+        return self.account_storage(t, st)
+
+    def account_storage(self, t: torch.Tensor, st: Any) -> "int | None":
+        """:meth:`account` for ``t`` whose counted storage is ``st``, the ledger settled: returns the storage's
+        key when that is a counted activation."""
+        run = self.run
+        led = self.ledger
         table = self.table
         entry = led.entries.get(st._cdata)
         if entry is None:

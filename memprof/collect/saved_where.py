@@ -4,7 +4,8 @@ bytes each module's forward saved for the module table.
 A storage autograd saves is tagged once with where it was first saved (outside the model, in a container's own
 code, in a module without a saved-bytes rule), and again as rule modules save it, by what their rules count
 against the storage memprof counts once: more (two modules saved it, an expanded view), or less (a view of a
-larger storage). :meth:`.saved.SavedTracker.account` calls these for each new activation.
+larger storage). :meth:`.saved.SavedTracker.account_storage` calls these for each new activation (and
+:meth:`.saved.SavedTracker.pack` writes out their common case for light mode's new activation).
 """
 
 from __future__ import annotations

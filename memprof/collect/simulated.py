@@ -21,7 +21,7 @@ from .ledger import CATEGORY_OF_INDEX, Entry
 from .moves import move
 from .profiler import Profiler
 from .routing import innermost_module
-from .streams import StreamSwitches
+from .streams import ONE_STREAM, StreamSwitches, StreamUse
 
 if TYPE_CHECKING:
     from .wiring import Collectors
@@ -35,14 +35,13 @@ _INDEX = {c: i for i, c in enumerate(CATEGORY_OF_INDEX)}
 class RecordedStream:
     """What the allocator replay takes from a simulated run: every storage made, resized and freed, in order,
     as ``(seq, key, bytes)`` (bytes ``-1`` for a free); each phase closed as ``(step, start seq, peak seq,
-    end seq)``; where the ledger's global peak was; and where the run switched CUDA streams, as ``(seq, stream)``
-    (:class:`~memprof.collect.streams.StreamSwitches`: a storage made with a larger seq, before the next switch, is
-    made on ``stream``; none: every storage on the current stream)."""
+    end seq)``; where the ledger's global peak was; and how its storages use CUDA streams
+    (:class:`~memprof.collect.streams.StreamUse`)."""
 
     events: tuple[tuple[int, int, int], ...]
     moments: tuple[tuple[int, int, int, int], ...]
     peak_seq: int
-    switches: tuple[tuple[int, int], ...] = ()
+    streams: StreamUse = ONE_STREAM
     #: The category each storage was made in, one per storage made, in order (empty: not known).
     cats: tuple[int, ...] = ()
     #: Each move of a live storage to another category, as (seq, key).
@@ -78,8 +77,11 @@ class SimulatedProfile(Profiler):
         """The allocation stream kept (``keep_stream=True``), for the device replay."""
         led = self.ledger
         switches = tuple(self._switches.switches) if self._switches is not None else ()
-        return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq, switches,
-                              cats=tuple(led.stream_cats), moves=tuple(led.stream_moves))
+        flat = self.collectors.flat if self.collectors is not None else None
+        held = tuple(flat.gathered.items()) if flat is not None else ()
+        return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq,
+                              StreamUse(switches, held), cats=tuple(led.stream_cats),
+                              moves=tuple(led.stream_moves))
 
     # -- what a simulated layout plays on the run ------------------------------------------------------------
 

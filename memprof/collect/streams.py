@@ -18,6 +18,7 @@ Stream 0 is the device's current stream; side streams are numbered in the order 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -25,7 +26,25 @@ import torch
 if TYPE_CHECKING:
     from .ledger import Ledger
 
-__all__ = ["StreamSwitches"]
+__all__ = ["ONE_STREAM", "StreamSwitches", "StreamUse"]
+
+
+@dataclass(frozen=True)
+class StreamUse:
+    """How a run's storages meet the allocator's per-stream rules, for its replay. ``switches``: ``(seq, stream)``
+    in seq order, where the run made ``stream`` current (:class:`StreamSwitches`); a storage made with a larger
+    seq, before the next switch, is made on it; none: every storage on the current stream. ``held``:
+    ``(key, limit)`` for storages a library uses on another stream than their own (``record_stream``): each time
+    one is freed (or resized to nothing), its block waits for that stream's events out of the cache
+    (:mod:`memprof.anatomy.alloc_events`), and the oldest waiting block is released when a held storage is made
+    while ``limit`` wait (the library's rate limiter: FSDP1 lets ``limit_all_gathers`` keep two frees in flight)."""
+
+    switches: tuple[tuple[int, int], ...] = ()
+    held: tuple[tuple[int, int], ...] = ()
+
+
+#: One stream for every storage, none held: a run that switched no stream.
+ONE_STREAM = StreamUse()
 
 
 class StreamSwitches:

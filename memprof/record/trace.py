@@ -8,6 +8,7 @@ exactly, which is how reports are saved, loaded and diffed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, cast
 
@@ -37,6 +38,7 @@ __all__ = [
     "Trace",
     "as_trace",
     "parent_path",
+    "steps_held",
 ]
 
 #: Version of the JSON layout written by :meth:`Trace.to_dict`. Readers refuse newer versions.
@@ -88,8 +90,9 @@ class Trace:
     module_calls: tuple[ModuleCall, ...] = ()
     #: The optimizers that stepped the model, for the optimizer formulas (schema 2 and later).
     optimizers: tuple[OptimizerSpec, ...] = ()
-    #: Steps the run had; ``steps`` holds those kept in full (schema 3 and later; older files kept all).
-    num_steps: "int | None" = None
+    #: Steps the run had; ``steps`` holds those kept in full (schema 3 and later; older files kept all, and the
+    #: loader counts them: :func:`steps_held`). Keyword-only and required: whoever builds a trace knows it.
+    num_steps: int = field(kw_only=True)
     #: Every recorded step's phases summarised per (phase, occurrence), kept in full or not (schema 3).
     phase_stats: tuple[PhaseStats, ...] = ()
     #: The schedule that chose the steps to record (``memprof.schedule(...)`` in words), if one did.
@@ -113,15 +116,6 @@ class Trace:
     #: a simulation; or a file written before it).
     optimizer_steps: tuple[tuple[int, int, str], ...] = ()
     schema_version: int = field(default=SCHEMA_VERSION, metadata=form(written=False))
-
-    def __post_init__(self) -> None:
-        if self.num_steps is None:
-            # A file that does not say (schema 1 and 2 kept every step): as many steps as it holds, and at least up
-            # to the last step it names (a kept step, a sample, the peak ...) and as many as its statistics count,
-            # so that re-saving it states a count its own parts agree with.
-            named = [step + ran for _, step, ran in _steps_named(self)]
-            most = max((p.count for p in self.phase_stats), default=0)
-            object.__setattr__(self, "num_steps", max([len(self.steps), most, *named]))
 
     @property
     def phases(self) -> tuple[PhaseRecord, ...]:
@@ -188,6 +182,7 @@ class Trace:
                 f"({SCHEMA_VERSION}); upgrade torch-memprof to read it"
             )
         try:
+            stated_steps = optional_count(data.get("num_steps"), "num_steps")
             trace = cls(
                 mode=_mode(data["mode"]),
                 device=DeviceInfo.from_dict(data["device"]),
@@ -217,7 +212,7 @@ class Trace:
                 if data.get("operations") is not None else None,
                 module_calls=tuple(ModuleCall.from_dict(c) for c in _list(data, "module_calls")),
                 optimizers=tuple(OptimizerSpec.from_dict(o) for o in _list(data, "optimizers")),
-                num_steps=optional_count(data.get("num_steps"), "num_steps"),
+                num_steps=0 if stated_steps is None else stated_steps,  # counted below when the file does not say
                 phase_stats=_phase_stats(data),
                 schedule=optional_text(data.get("schedule"), "schedule"),
                 recorded_steps=tuple(_span(a, b) for a, b in _rows(data, "recorded_steps", 2)),
@@ -232,13 +227,15 @@ class Trace:
                 optimizer_steps=_optimizer_steps(data),
                 schema_version=version,
             )
+            if stated_steps is None:
+                trace = dataclasses.replace(trace, num_steps=steps_held(trace))
         except TraceFormatError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if is_interrupt(exc):
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             raise corrupt(repr(exc)) from None
-        _consistent(trace, stated_steps=data.get("num_steps") is not None)
+        _consistent(trace, stated_steps=stated_steps is not None)
         return trace
 
 
@@ -345,7 +342,7 @@ def _phase_stats(data: Mapping[str, Any]) -> tuple[PhaseStats, ...]:
 def _consistent(t: "Trace", *, stated_steps: bool) -> None:
     """What ties a trace's parts together: each list in its order, each cross-reference to something the trace
     holds. Where the file says how many steps ran (schema 3 and later), everything numbered by step is among them."""
-    if stated_steps and t.num_steps is not None:
+    if stated_steps:
         _among_steps_run(t, t.num_steps)
     if t.peak.total is not None:
         higher = [b.total for b in (t.start, t.end) if b.total is not None and b.total > t.peak.total]
@@ -365,6 +362,15 @@ def _consistent(t: "Trace", *, stated_steps: bool) -> None:
                               f"{key[0]} does not hold")
     if t.operations is not None:
         listed_once(((o.phase, o.cls, o.op) for o in t.operations), "an operation")
+
+
+def steps_held(t: "Trace") -> int:
+    """The steps a trace that does not say how many ran must have had (schema 1 and 2 files kept every step): as
+    many as it holds, and at least up to the last step it names (a kept step, a sample, the peak ...) and as many
+    as its statistics count, so that re-saving it states a count its own parts agree with."""
+    named = [step + ran for _, step, ran in _steps_named(t)]
+    most = max((p.count for p in t.phase_stats), default=0)
+    return max([len(t.steps), most, *named])
 
 
 def _steps_named(t: "Trace") -> "list[tuple[str, int, int]]":

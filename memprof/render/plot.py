@@ -3,8 +3,8 @@
 matplotlib is optional (``pip install 'torch-memprof[plot]'``) and is imported
 inside each function, never at import time; without it the functions raise
 :class:`MissingExtraError`. Every function returns the
-:class:`matplotlib.figure.Figure` it drew on and never calls ``plt.show()`` or
-changes matplotlib's global settings.
+:class:`matplotlib.figure.Figure` it drew on (the ``SubFigure``, for an ``ax`` drawn
+in one) and never calls ``plt.show()`` or changes matplotlib's global settings.
 
 The colors of categories and phases are :mod:`.common`'s, so that a category
 has the same color in every figure and in the HTML report.
@@ -22,7 +22,7 @@ from .common import CATEGORY_COLORS, PHASE_COLORS, WATERFALL_COLORS, clip_path, 
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure, SubFigure
 
     from ..analyse.reconciler import Reconciliation
     from ..record.trace import Sample, Trace
@@ -53,7 +53,9 @@ def _pyplot() -> Any:
     return Figure
 
 
-def _new_axes(ax: "Axes | None", size: tuple[float, float]) -> "tuple[Figure, Axes]":
+def _new_axes(ax: "Axes | None", size: tuple[float, float]) -> "tuple[Figure | SubFigure, Axes]":
+    """The figure to draw on and its axes: ``ax``'s own (a subfigure's, where the user drew ``ax`` in one), or
+    a new figure's."""
     Figure = _pyplot()
     if ax is not None:
         return ax.figure, ax
@@ -81,7 +83,7 @@ def _where(trace: "Trace") -> str:
     return ", ".join(parts)
 
 
-def plot_timeline(trace: "Trace", ax: "Axes | None" = None) -> "Figure":
+def plot_timeline(trace: "Trace", ax: "Axes | None" = None) -> "Figure | SubFigure":
     """The memory timeline, stacked by category, with phases shaded and the peak marked.
 
     One x position per timeline sample (samples are taken at module and phase
@@ -216,7 +218,7 @@ def _timeline_labels(ax: "Axes", trace: "Trace", unit: str, missing: "list[Categ
 
 
 def plot_modules(trace: "Trace", top: int = 15, ax: "Axes | None" = None, *,
-                 include_own: bool = True) -> "Figure":
+                 include_own: bool = True) -> "Figure | SubFigure":
     """Horizontal bars per module: saved activations, parameters and (where measured) peak forward.
 
     Rows are leaf modules and, with ``include_own``, the own share of each
@@ -260,7 +262,7 @@ def plot_modules(trace: "Trace", top: int = 15, ax: "Axes | None" = None, *,
     return fig
 
 
-def plot_reconciliation(rec: "Reconciliation", ax: "Axes | None" = None) -> "Figure":
+def plot_reconciliation(rec: "Reconciliation", ax: "Axes | None" = None) -> "Figure | SubFigure":
     """A waterfall from the formula total to the measured total through the named causes (and what they
     leave unexplained)."""
     total = rec.total
@@ -284,7 +286,7 @@ def _checked_steps(steps: Sequence[tuple[str, "int | None"]]) -> "list[tuple[str
 
 
 def plot_waterfall(steps: Sequence[tuple[str, "int | None"]], ax: "Axes | None" = None, *,
-                   title: str = "From formula to measurement") -> "Figure":
+                   title: str = "From formula to measurement") -> "Figure | SubFigure":
     """A waterfall from a starting total through named deltas to an end total.
 
     ``steps`` is a list of ``(label, bytes)``: the first item is the starting

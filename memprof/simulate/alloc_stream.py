@@ -9,13 +9,15 @@ ledger's event count, which the trace's moments name.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Mapping, MutableSequence, Sequence
+from collections import deque
+from collections.abc import Hashable, Mapping, MutableSequence, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable
 
 from ..anatomy.alloc_audit import AuditedAllocator
 from ..anatomy.alloc_config import AllocatorConfig
 from ..anatomy.allocator import CachingAllocator
+from ..collect.streams import ONE_STREAM, StreamUse
 from ..errors import InvalidArgumentError, SimulatedOutOfMemoryError, is_interrupt
 
 __all__ = ["FREE", "from_start", "rank_step", "replay_stream", "stream_problem", "check_stream"]
@@ -92,7 +94,7 @@ def rank_step(stream: MutableSequence[tuple[int, int, int]], start_seq: int, res
     stream[begin:] = out
 
 
-def stream_problem(event: Any, live: "set | None" = None) -> "str | None":
+def stream_problem(event: Any, live: "set[Hashable] | None" = None) -> "str | None":
     """What is wrong with one event of a stream, None when nothing is; with ``live`` (the keys live before it,
     updated here) also a free of a key that is not live."""
     if not isinstance(event, (tuple, list)) or len(event) != 3:
@@ -124,7 +126,7 @@ def _bad_stream(stream: Sequence[Any], exc: BaseException) -> InvalidArgumentErr
     if not isinstance(stream, (list, tuple)) and not hasattr(stream, "__getitem__"):
         return InvalidArgumentError(f"an allocation stream is a sequence of (seq, key, bytes), got "
                                     f"{type(stream).__name__}")
-    live: set = set()
+    live: set[Hashable] = set()
     for index, event in enumerate(stream):
         problem = stream_problem(event, live)
         if problem is not None:
@@ -133,16 +135,53 @@ def _bad_stream(stream: Sequence[Any], exc: BaseException) -> InvalidArgumentErr
     return InvalidArgumentError(f"the allocation stream could not be replayed: {exc}")
 
 
+class _Placement:
+    """Where a replay makes each storage and how its block goes back, by the run's :class:`StreamUse`: on the
+    stream of the last switch before the storage's seq; a held storage's block, let go, waits for its events
+    (``free(awaiting=True)``), and a held storage made while ``limit`` blocks wait releases the oldest first (the
+    library's rate limiter waited for their events before it gathered again)."""
+
+    def __init__(self, allocator: CachingAllocator, streams: StreamUse) -> None:
+        self.allocator = allocator
+        self.switches = streams.switches
+        self.at_seqs = [seq for seq, _stream in streams.switches]
+        self.held = dict(streams.held)
+        self.waiting: deque[int] = deque()  # handles of held blocks awaiting their events, the oldest first
+        self.made_held: dict[int, int] = {}  # handle -> bytes, for held storages' blocks
+
+    def make(self, seq: int, key: int, nbytes: int) -> int:
+        i = bisect_left(self.at_seqs, seq)  # the switches noted before the storage was made (at a smaller seq)
+        stream = self.switches[i - 1][1] if i else 0
+        limit = self.held.get(key)
+        if limit is None:
+            return self.allocator.malloc(nbytes, stream)
+        if nbytes > 0:
+            while len(self.waiting) >= limit:
+                self.allocator.release_awaiting(self.waiting.popleft())
+        handle = self.allocator.malloc(nbytes, stream)
+        self.made_held[handle] = nbytes
+        return handle
+
+    def let_go(self, handle: int) -> None:
+        if self.made_held.pop(handle, 0) > 0:
+            self.allocator.free(handle, awaiting=True)
+            self.waiting.append(handle)
+        else:
+            self.allocator.free(handle)
+
+
 def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], config: AllocatorConfig, *,
                   workspaces: Sequence[int] = (), workspace_seq: int = 0, capacity: "int | None" = None,
                   device_total: "int | None" = None, check: bool = False,
-                  switches: Sequence[tuple[int, int]] = (),
+                  streams: StreamUse = ONE_STREAM,
                   ) -> tuple[dict[int, tuple[int, int]], CachingAllocator, "str | None"]:
     """Replay a ledger's stream (a key made again while live is a resize: the new block is taken before the old
     one is freed, as ``resize_`` copies) through a fresh :class:`CachingAllocator`, allocating ``workspaces``
-    (kept to the end) as the run passes event ``workspace_seq``. ``switches`` (``(seq, stream)``, in seq order:
-    :class:`~memprof.collect.streams.StreamSwitches`) say on which stream each storage is made: the last switch
-    before its seq; none, stream 0 for all. A resize is made on the stream current then.
+    (kept to the end) as the run passes event ``workspace_seq``. ``streams``
+    (:class:`~memprof.collect.streams.StreamUse`): its switches say on which stream each storage is made (that of
+    the last switch before its seq; none, stream 0 for all; a resize is made on the stream current then); a held
+    storage's block, when freed or resized, waits for its events (``free(awaiting=True)``) until a held storage is
+    made while ``limit`` blocks wait, which releases the oldest first.
 
     Returns (allocated, reserved) after the last event at or before each of ``seqs``, the allocator at the
     end, and the message of a predicted out-of-memory error (the replay stops there; later moments read the
@@ -158,12 +197,13 @@ def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], c
     handles: dict[int, int] = {}
     pending = list(workspaces)
     oom = None
-    at_seqs = [seq for seq, _stream in switches]
-
-    def stream_at(seq: int) -> int:
-        i = bisect_left(at_seqs, seq)  # the switches noted before the storage was made (at a smaller seq)
-        return switches[i - 1][1] if i else 0
-
+    make: Callable[[int, int, int], int]
+    let_go: Callable[[int], None]
+    if streams.switches or streams.held:
+        placement = _Placement(allocator, streams)
+        make, let_go = placement.make, placement.let_go
+    else:  # one stream, nothing held: the replay's hot loop as plain as it can be
+        make, let_go = (lambda _seq, _key, nbytes: malloc(nbytes, 0)), free
     try:
         try:
             if pending and workspace_seq <= 0:
@@ -181,12 +221,12 @@ def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], c
                 if nbytes < 0:
                     if nbytes != FREE:
                         raise ValueError(nbytes)
-                    free(handles.pop(key))
+                    let_go(handles.pop(key))
                 else:
                     old = handles.get(key)
-                    handles[key] = malloc(nbytes, stream_at(seq) if switches else 0)
+                    handles[key] = make(seq, key, nbytes)
                     if old is not None:
-                        free(old)
+                        let_go(old)
                 if pending and seq >= workspace_seq:
                     for size in pending:
                         malloc(size, 0)
@@ -216,7 +256,7 @@ def check_stream(stream: Sequence[tuple[int, int, int]], rounding: int, expected
     storage made in such a span, never less. Raises ``AssertionError`` naming the first event that breaks it.
     A check for tests and ``MEMPROF_CHECK_REPLAY=1``; a replay never pays for it."""
     sizes: dict[Any, int] = {}
-    rescaled: set = set()  # live storages made in a scaled span
+    rescaled: set[Hashable] = set()  # live storages made in a scaled span
     total = 0
     wanted = sorted(expected)
     w = 0

@@ -24,7 +24,7 @@ except the recomputation of checkpointed regions, which runs under the policy wi
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -72,7 +72,7 @@ def _name(func: Any) -> str:
     return _ALIASES.get(name, name)
 
 
-def _eligible(t: Any) -> bool:
+def _eligible(t: object) -> TypeGuard[torch.Tensor]:
     # autocast_mode.h is_eligible: a defined floating tensor other than float64.
     return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
 
@@ -119,7 +119,7 @@ class CudaAutocast(Rule):
 
     # ------------------------------------------------------------------ the policy
 
-    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
         if func in _BACKWARD:
             # Backward runs outside autocast, but torch.utils.checkpoint re-enters it to recompute a region
             # (with a cache of its own): the policy applies to what backward runs in Python, uncached.
@@ -171,7 +171,7 @@ class CudaAutocast(Rule):
             return cast
         return t.to(dtype)
 
-    def _cast_all(self, args: Any, kwargs: dict, dtype: torch.dtype) -> tuple[Any, dict]:
+    def _cast_all(self, args: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
         # Last argument first, as torch's build evaluates the casts of a C++ argument pack (GCC: right to
         # left); the order only decides which copy is allocated first.
         new_kwargs = {k: self._cast(kwargs[k], dtype) for k in reversed(kwargs)}
@@ -186,12 +186,14 @@ class CudaAutocast(Rule):
         if target.is_floating_point() or label_smoothing > 0.0:
             # Probability targets and label smoothing add reductions of their own: run whole, inputs in fp32.
             self.composites["cross_entropy (probability targets or label smoothing)"] += 1
-            return torch._C._nn.cross_entropy_loss(self._cast(input, torch.float32), target, weight, reduction,
-                                                   ignore_index, label_smoothing)
+            # reduction: the at::Reduction int torch.nn.functional passes too; torch's stub says str.
+            return torch._C._nn.cross_entropy_loss(self._cast(input, torch.float32), target, weight,
+                                                   reduction, ignore_index, label_smoothing)  # type: ignore[arg-type]
         class_dim = 0 if input.dim() == 1 else 1
         logp = torch.log_softmax(input, class_dim, dtype=input.dtype)
+        # reduction: the at::Reduction int torch.nn.functional passes too; torch's stub says str.
         return torch._C._nn.nll_loss_nd(self._cast(logp, torch.float32), target,
-                                        self._cast(weight, torch.float32), reduction, ignore_index)
+                                        self._cast(weight, torch.float32), reduction, ignore_index)  # type: ignore[arg-type]
 
     def notes(self) -> list[str]:
         out = [f"mixed precision on a CUDA target: the forward ran under CUDA's autocast policy in "
@@ -203,7 +205,7 @@ class CudaAutocast(Rule):
         return out
 
 
-def _half_to_float(name: str, x: torch.Tensor, args: Any, kwargs: dict) -> torch.Tensor:
+def _half_to_float(name: str, x: torch.Tensor, args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if dim is None:  # F.softmax's implicit dim (deprecated): 0 for 0-, 1- and 3-D inputs, else 1
         dim = 0 if x.dim() in (0, 1, 3) else 1
@@ -211,7 +213,7 @@ def _half_to_float(name: str, x: torch.Tensor, args: Any, kwargs: dict) -> torch
     return op(x, dim, True)
 
 
-def _widest(args: Any, kwargs: dict) -> "torch.dtype | None":
+def _widest(args: Any, kwargs: dict[str, Any]) -> "torch.dtype | None":
     dtypes = [t.dtype for t in (*args, *kwargs.values()) if _eligible(t)]
     if not dtypes:
         return None

@@ -39,7 +39,7 @@ class Greedy:
     def start(self, loop: Loop) -> None:
         loop.unfinished = torch.ones(loop.rows, dtype=torch.long, device=loop.device)
 
-    def choose(self, loop: Loop, output: list) -> None:
+    def choose(self, loop: Loop, output: list[Any]) -> None:
         """Choose from ``output[0]``, the forward's output; clear ``output`` where transformers drops it."""
         loop.logits = None
         loop.logits = output[0].logits[:, -1].to(copy=True, dtype=torch.float32)
@@ -75,7 +75,7 @@ class Sampling(Greedy):
         self.scores: "torch.Tensor | None" = None
         self.probs: "torch.Tensor | None" = None
 
-    def choose(self, loop: Loop, output: list) -> None:
+    def choose(self, loop: Loop, output: list[Any]) -> None:
         # _sample's locals: each name is rebound in turn, so the previous step's tensor lives until then.
         loop.logits = output[0].logits[:, -1].to(copy=True, dtype=torch.float32)
         scores = loop.logits
@@ -115,7 +115,8 @@ class Beams:
                 raise InvalidArgumentError(
                     f"num_beams > 1 runs transformers' own beam-search steps, and this transformers has no "
                     f"GenerationMixin.{name}; upgrade transformers (5.0 or later), or estimate with num_beams=1")
-        from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+        from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria, StoppingCriteria,
+                                                               StoppingCriteriaList)
 
         self.model = model
         self.cur_len = self.prompt_len = loop.ids.shape[1]
@@ -136,7 +137,7 @@ class Beams:
                                           device=device)
         s["indices"] = s["running_indices"].detach().clone()
         s["flat"] = loop.ids
-        criteria = [MaxLengthCriteria(max_length=self.max_length)]
+        criteria: list[StoppingCriteria] = [MaxLengthCriteria(max_length=self.max_length)]
         if self.eos:
             criteria.append(EosTokenCriteria(eos_token_id=torch.tensor(self.eos, device=device)))
         self.criteria = StoppingCriteriaList(criteria)
@@ -146,9 +147,10 @@ class Beams:
         s = self.state
         if self.cur_len > self.prompt_len:
             s["flat"] = self.model._flatten_beam_dim(s["running"][:, :, :self.cur_len])
-        return s["flat"]
+        flat: torch.Tensor = s["flat"]
+        return flat
 
-    def choose(self, loop: Loop, output: list) -> None:
+    def choose(self, loop: Loop, output: list[Any]) -> None:
         # Each of _beam_search's locals is a key of the state, rebound where the loop rebinds it: the previous
         # step's tensors live until then, through the next forward too.
         m, s, b, nb = self.model, self.state, loop.batch, self.num_beams

@@ -35,10 +35,10 @@ _SUM, _MAX = 0, 2
 #: A rule: the op's arguments and its fake outputs -> for each output, the storage bytes it has on a real
 #: CPU (an int, never less than the fake storage's), a tensor to return in its place (where the CPU kernel
 #: returns another shape or layout), or ``None``: as the fake kernel made it.
-Rule = Callable[[tuple, dict, tuple], tuple]
+Rule = Callable[[tuple[Any, ...], dict[str, Any], tuple[Any, ...]], tuple[Any, ...]]
 
 
-def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any) -> Any:
     return args[i] if len(args) > i else kwargs.get(name, default)
 
 
@@ -52,12 +52,13 @@ def _reduced_loss(reduction_at: int, input_dtype: bool = False) -> Rule:
     target, or with ``input_dtype`` in the input's (``soft_margin_loss`` and ``binary_cross_entropy`` make
     it ``like`` the input; for a bf16 input and an fp32 target the meta kernel promotes)."""
 
-    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    def rule(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
         out = outs[0]
         dtype = args[0].dtype if input_dtype else out.dtype
         if _arg(args, kwargs, reduction_at, "reduction", _MEAN) == _NONE:
             return (None,) if dtype == out.dtype else (torch.empty_like(out, dtype=dtype),)
-        nbytes = max(torch.broadcast_shapes(args[0].shape, args[1].shape).numel(), 1) * dtype.itemsize
+        # (torch.broadcast_shapes is untyped)
+        nbytes = max(torch.broadcast_shapes(args[0].shape, args[1].shape).numel(), 1) * dtype.itemsize  # type: ignore[no-untyped-call]
         if dtype == out.dtype:
             return (nbytes,)
         loss = torch.empty_like(out, dtype=dtype)
@@ -73,7 +74,7 @@ def _in_dtype_of(at: int, output: int = 0) -> Rule:
     one: ``huber_loss`` (its reduced result too), ``normal(mean, std)``, and the losses' backwards, whose
     input gradient the CPU returns in the input's dtype and the meta kernel in fp32 (autograd then casts)."""
 
-    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    def rule(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
         got, like = outs[output], args[at]
         fixed: list[Any] = [None] * len(outs)
         if isinstance(got, torch.Tensor) and got.dtype != like.dtype:
@@ -83,7 +84,7 @@ def _in_dtype_of(at: int, output: int = 0) -> Rule:
     return rule
 
 
-def _keeps_input_storage(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+def _keeps_input_storage(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
     """``im2col`` and ``col2im`` (``F.unfold``, ``F.fold`` and their backwards): the CPU kernel makes its
     output with ``empty_like(input)`` and resizes it to the output shape, which grows the storage but
     never shrinks it."""
@@ -106,7 +107,7 @@ def _embedding_bag(forward_only: bool) -> Rule:
 
     The index dtype is that of ``indices`` and ``offsets`` promoted together."""
 
-    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    def rule(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
         weight, indices, offsets = args[0], args[1], args[2]
         mode = _arg(args, kwargs, 4, "mode", _SUM)
         per_sample = _arg(args, kwargs, 6, "per_sample_weights", None)
@@ -126,7 +127,7 @@ def _embedding_bag(forward_only: bool) -> Rule:
     return rule
 
 
-def _sparse_mm_reduce(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+def _sparse_mm_reduce(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
     """``_sparse_mm_reduce_impl`` (``torch.sparse.mm(a, b, reduce)``): for ``amax`` and ``amin``, when a
     gradient will be asked for, the CPU kernel returns the int64 arg indices at the output's shape, where
     the meta kernel returns them empty."""
@@ -137,7 +138,7 @@ def _sparse_mm_reduce(args: tuple, kwargs: dict, outs: tuple) -> tuple:
     return (None, outs[0].numel() * torch.int64.itemsize)
 
 
-def _max_unpool2d(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+def _max_unpool2d(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
     """``max_unpool2d``: the CPU kernel lays its output out in the input's memory format (channels-last in,
     channels-last out), the meta kernel always contiguously; a later ``reshape`` or ``contiguous`` then
     copies in one and not in the other."""
@@ -160,7 +161,7 @@ def _mixed_norm(params_at: tuple[int, ...]) -> Rule:
     model that keeps its norms in fp32 hands them all) the CPU kernel keeps the statistics it returns
     (mean and inverse deviation) in fp32, where the meta kernel keeps them in the input's dtype."""
 
-    def rule(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+    def rule(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
         if args[0].dtype not in _LOW or not any(isinstance(args[i], torch.Tensor) and args[i].dtype == torch.float32
                                                 for i in params_at if i < len(args)):
             return (None,) * len(outs)
@@ -170,7 +171,7 @@ def _mixed_norm(params_at: tuple[int, ...]) -> Rule:
     return rule
 
 
-def _layer_norm_backward(args: tuple, kwargs: dict, outs: tuple) -> tuple:
+def _layer_norm_backward(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
     """``native_layer_norm_backward``: the CPU kernel returns the weight's and the bias's gradients in their
     dtypes; with a 16-bit input, fp32 parameters and no rows the meta kernel returns them in the input's
     dtype, and autograd then adds a cast."""
@@ -219,13 +220,13 @@ MIXED_OPINFOS = ("nn.functional.batch_norm", "nn.functional.group_norm", "nn.fun
                  "nn.functional.mse_loss", "nn.functional.soft_margin_loss", "nn.functional.huber_loss")
 
 
-class CpuKernels(TorchDispatchMode):
+class CpuKernels(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """Give the outputs of the ops in :data:`RULES` the storage a CPU kernel gives them. Entered beneath
     memprof's profiler (so the profiler counts the corrected storage) and above the fake-tensor mode;
     :attr:`used` counts the ops it corrected, :attr:`bytes` the bytes it added (or took off) for each."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
         self.used: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
 
@@ -237,7 +238,7 @@ class CpuKernels(TorchDispatchMode):
             return out
         return self._apply(func, rule, tuple(args), kwargs, out)
 
-    def _apply(self, func: Any, rule: Rule, args: tuple, kwargs: dict, out: Any) -> Any:
+    def _apply(self, func: Any, rule: Rule, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         outs = out if isinstance(out, tuple) else (out,)
         if any(t is not None and not isinstance(t, FakeTensor) for t in outs):
             return out  # only data-less tensors are changed: a real tensor's storage would really grow

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -79,7 +79,8 @@ class Decoding:
         if self.encoder_decoder:
             assert self.source is not None
             with self._forward():
-                self.encoder_outputs = self.model.get_encoder()(**self.source, return_dict=True)
+                # (get_encoder is a transformers model's; nn.Module's type lacks it)
+                self.encoder_outputs = self.model.get_encoder()(**self.source, return_dict=True)  # type: ignore[operator]
             self.ids = torch.full((self.batch, 1), decoder_start(self.model), dtype=torch.long, device=self.device)
         if self.beams > 1:  # _expand_inputs_for_generation: every input repeated per beam
             assert self.ids is not None
@@ -190,7 +191,7 @@ def encoder_inputs(model: nn.Module, batch: int, tokens: int, device: torch.devi
     """An encoder-decoder model's encoder input for ``batch`` sequences of ``tokens``: token ids, or for a speech
     encoder (``input_features``) mel features, whose length is the encoder's fixed window."""
     name = getattr(model, "main_input_name", "input_ids")
-    config = model.config
+    config: Any = model.config  # a transformers model's, of its own class
     if name == "input_ids":
         return {"input_ids": torch.zeros((batch, tokens), dtype=torch.long, device=device)}
     if name == "input_features":
@@ -216,7 +217,7 @@ def empty_cache(model: nn.Module) -> Any:
     cls = getattr(module, "DynamicCache", None) if type(model).__module__.startswith("transformers.") else None
     if cls is None:
         return None
-    config = model.config
+    config: Any = model.config  # a transformers model's, of its own class
     text = getattr(config, "get_text_config", None)
     if callable(text):
         try:
@@ -226,7 +227,7 @@ def empty_cache(model: nn.Module) -> Any:
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             config = text()
     try:
-        make = lambda: cls(config=config)  # noqa: E731
+        make: Callable[[], Any] = lambda: cls(config=config)  # noqa: E731
         make()
     except TypeError as failure:  # versions whose DynamicCache takes no config
         if is_interrupt(failure):

@@ -27,12 +27,13 @@ import copy
 import dataclasses
 import numbers
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, is_interrupt
+from ..record.estimate import Estimate
 from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
 from .depth_stream import corrected, extended_stream
@@ -62,7 +63,7 @@ AUTO_K, AUTO_UNITS = 2, 16
 
 
 def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
-                 run: Callable[..., Any], auto: bool = False) -> Any:
+                 run: Callable[..., Estimate], auto: bool = False) -> Estimate:
     """The estimate of ``model`` from three simulations of it cut to ``k``, ``k + 1``, ``k + 2`` units of depth
     (``per_unit`` blocks each: the pipeline's stages per rank), or of the whole model when the figures are not
     affine. ``run(model, optimizer, kept=None)`` simulates one model; with ``kept`` (a list) a CUDA target's
@@ -92,7 +93,7 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
         return _whole(run, model, optimizer, f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and "
                       f"{k + 2} blocks per stage, but it has {units}: it was simulated whole (give a smaller k to "
                       "extrapolate)")
-    kept: list = []
+    kept: list[Any] = []
     try:
         ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
     except Exception as exc:
@@ -113,7 +114,7 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
     if reason is not None:
         return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since its figures were not affine "
                       f"in depth from {k} blocks per stage on ({reason})")
-    out = _affine(*ests, units - k - 2, strict=False)
+    out: Estimate = _affine(ests[0], ests[1], ests[2], units - k - 2, strict=False)
     note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every category at "
             "every phase's start, peak and end grew by the same bytes per block, so the figures are extended to "
             f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
@@ -147,7 +148,7 @@ def _auto_unit(model: nn.Module, per_unit: int) -> "int | None":
     return None if found[1] % unit or found[1] // unit < AUTO_UNITS else unit
 
 
-def _whole(run: Callable[..., Any], model: nn.Module, optimizer: Any, note: str) -> Any:
+def _whole(run: Callable[..., Estimate], model: nn.Module, optimizer: Any, note: str) -> Estimate:
     """The whole model simulated, with ``note`` saying why."""
     est = run(model, optimizer)
     return dataclasses.replace(est, notes=(*est.notes, note))
@@ -221,7 +222,8 @@ def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Modul
     for block in list((model.get_submodule(name) if name else model).children())[n:]:
         memo[id(block)] = None  # the blocks cut off are not copied (only to be deleted): a deep model's copy is slow
     clone = copy.deepcopy(model, memo)
-    stack = clone.get_submodule(name) if name else clone
+    # find_stack named a ModuleList or Sequential (both cut with del); nn.Module's type has no __delitem__.
+    stack = cast("nn.ModuleList | nn.Sequential", clone.get_submodule(name) if name else clone)
     del stack[n:]
     if not isinstance(optimizer, torch.optim.Optimizer):
         return clone, optimizer
@@ -230,10 +232,12 @@ def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Modul
     for g in optimizer.param_groups:
         params = [twins[id(p)] for p in g["params"] if id(p) in twins and id(twins[id(p)]) in kept]
         groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": params})
-    return clone, type(optimizer)([g for g in groups if g["params"]])
+    # The optimizer's own class, built as a user builds it: its constructor (not Optimizer's) gives the defaults.
+    rebuilt: Callable[..., torch.optim.Optimizer] = type(optimizer)
+    return clone, rebuilt([g for g in groups if g["params"]])
 
 
-def _not_affine(ests: list) -> "str | None":
+def _not_affine(ests: "list[Estimate]") -> "str | None":
     a, b, c = (e.trace for e in ests)
     if not (a.peak_step == b.peak_step == c.peak_step and a.peak_phase == b.peak_phase == c.peak_phase):
         return f"the peak moved: step {a.peak_step} {_v(a.peak_phase)}, then {b.peak_step} {_v(b.peak_phase)}, then " \
@@ -242,13 +246,13 @@ def _not_affine(ests: list) -> "str | None":
         _affine(a.steps, b.steps, c.steps, 1, strict=True)
         _affine(a.peak, b.peak, c.peak, 1, strict=True)
         ranks = [tuple(r.peak_bytes for r in e.ranks) for e in ests]
-        _affine(*ranks, 1, strict=True)
+        _affine(ranks[0], ranks[1], ranks[2], 1, strict=True)
     except _NotAffine as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return str(exc)
     if ests[2].ranks:  # the worst rank class must stay the worst at full depth
-        worst = [max(range(len(e.ranks)), key=lambda i, e=e: e.ranks[i].peak_bytes) for e in ests]
+        worst = [_worst_rank(e) for e in ests]
         if len(set(worst)) != 1:
             return "the worst pipeline rank changed with depth"
     return None
@@ -264,6 +268,12 @@ class _NotAffine(Exception):
 
 #: Where the device-level categories sit in a Breakdown's counts (not extended: see the module's docstring).
 _DEVICE = frozenset(tuple(Category).index(c) for c in DEVICE_CATEGORIES)
+
+
+def _worst_rank(est: Estimate) -> int:
+    """The index of ``est``'s rank class with the highest peak (the first of equals)."""
+    peaks = [r.peak_bytes for r in est.ranks]
+    return max(range(len(peaks)), key=peaks.__getitem__)
 
 
 def _affine(a: Any, b: Any, c: Any, more: int, strict: bool) -> Any:

@@ -48,8 +48,8 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
     extended in a line miss (:func:`_decoded`): seq -> category -> bytes. A str where it cannot: why."""
     from ..collect.simulated import RecordedStream
 
-    if any(r.switches for r in cuts):
-        return "the run switches CUDA streams, which the extended stream does not place"
+    if any(r.streams.switches or r.streams.held for r in cuts):
+        return "the run uses other CUDA streams than the current one, which the extended stream does not place"
     try:
         a, b, c = (_tokens(r) for r in cuts)
         steps = [tuple(m[0] for m in r.moments) for r in cuts]
@@ -77,7 +77,7 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
     at = next(((i, f) for i, m in enumerate(last.moments) for f, seq in enumerate(m[1:]) if seq == last.peak_seq),
               None)
     peak = moments[at[0]][at[1]] if at is not None else 0
-    return RecordedStream(tuple(events), tuple((s, *m) for s, m in zip(steps[2], moments)), peak), missed
+    return RecordedStream(tuple(events), tuple[Any, ...]((s, *m) for s, m in zip(steps[2], moments)), peak), missed
 
 
 class _Change(NamedTuple):
@@ -88,7 +88,7 @@ class _Change(NamedTuple):
     grew: dict[int, tuple[Any, tuple[int, int, int]]]
 
 
-def _change(a: tuple[list, list], b: tuple[list, list]) -> _Change:
+def _change(a: tuple[list[Any], list[Any]], b: tuple[list[Any], list[Any]]) -> _Change:
     """How ``b``'s tokens are ``a``'s with runs inserted and some numbers grown (a storage of bytes in proportion
     to the parameters, a free naming its storage from an end of a list that grew). Each token of ``b`` is written
     in full (:func:`_full`), a grown free named the way that both cuts share and that moved least."""
@@ -115,7 +115,8 @@ def _change(a: tuple[list, list], b: tuple[list, list]) -> _Change:
     return _Change(runs, grew)
 
 
-def _paired(a: tuple[list, list], b: tuple[list, list], i1: int, i2: int, j1: int, j2: int) -> list[tuple[int, int]]:
+def _paired(a: tuple[list[Any], list[Any]], b: tuple[list[Any], list[Any]], i1: int, i2: int, j1: int,
+            j2: int) -> list[tuple[int, int]]:
     """Each token of ``a[i1:i2]`` paired, in order, with one of ``b[j1:j2]`` (the others inserted), the pairs that
     differ least in their numbers (a storage whose bytes grow with the parameters among others of one size)."""
     n, m = i2 - i1, j2 - j1
@@ -140,22 +141,22 @@ def _paired(a: tuple[list, list], b: tuple[list, list], i1: int, i2: int, j1: in
     return pairs[::-1]
 
 
-def _apart(a: tuple[list, list], x: int, b: tuple[list, list], y: int) -> float:
+def _apart(a: tuple[list[Any], list[Any]], x: int, b: tuple[list[Any], list[Any]], y: int) -> float:
     """How far token ``x`` of ``a`` is from token ``y`` of ``b`` in its numbers (infinite: another kind)."""
     ta, tb = a[0][x], b[0][y]
     if ta[0] != tb[0] or ta[0] in ("m", "x"):
         return float("inf")
     far = abs(tb[1] - ta[1])
     if ta[0] == "a":
-        return far if ta[2:] == tb[2:] else float("inf")
+        return float(far) if ta[2:] == tb[2:] else float("inf")
     common = a[1][x].keys() & b[1][y].keys()
     if not common:
         return float("inf")
     far += min(abs(b[1][y][w] - a[1][x][w]) for w in common)
-    return far + (abs(tb[5] - ta[5]) if ta[0] == "r" else 0)
+    return float(far + (abs(tb[5] - ta[5]) if ta[0] == "r" else 0))
 
 
-def _grown(ta: tuple, oa: Any, tb: tuple, ob: Any) -> tuple[Any, tuple[int, int, int]]:
+def _grown(ta: tuple[Any, ...], oa: Any, tb: tuple[Any, ...], ob: Any) -> tuple[Any, tuple[int, int, int]]:
     """Token ``tb`` written the way it and ``ta`` share that moved least, and how much each number grew."""
     if ta[0] != tb[0] or ta[0] in ("m", "x"):
         raise _Stop("its allocation stream changed, not only grew, with a block more")
@@ -172,12 +173,12 @@ def _grown(ta: tuple, oa: Any, tb: tuple, ob: Any) -> tuple[Any, tuple[int, int,
     return (full, grown)
 
 
-def _apply(tokens: list, change: _Change, times: int) -> tuple[list, _Change, list[int]]:
+def _apply(tokens: list[Any], change: _Change, times: int) -> tuple[list[Any], _Change, list[int]]:
     """``tokens`` with ``change`` made ``times`` more times: each run inserted again after itself, each grown
     token's numbers grown again; the change as it stands in the result (its runs the last copy); and where in
     ``tokens`` each token of the result came from."""
     starts = {start: end for start, end in change.runs}
-    out: list = []
+    out: list[Any] = []
     runs: list[tuple[int, int]] = []
     grew: dict[int, tuple[Any, tuple[int, int, int]]] = {}
     origin: list[int] = []
@@ -206,13 +207,13 @@ def _apply(tokens: list, change: _Change, times: int) -> tuple[list, _Change, li
     return out, _Change(runs, grew), origin
 
 
-def _agreed(b: tuple[list, list], c: tuple[list, list], predicted: list, origin: list[int],
-            change: _Change) -> "list | None":
+def _agreed(b: tuple[list[Any], list[Any]], c: tuple[list[Any], list[Any]], predicted: list[Any], origin: list[int],
+            change: _Change) -> "list[Any] | None":
     """``b``'s tokens, each free or resize that did not grow written the way that names its storage alike
     wherever the change puts a copy of it in ``c`` (a block's own storages, which each copy of a run names,
     move in the lists of their bytes from copy to copy, so the nearest way in one cut need not be the one that
     holds); None where a token has no such way, or the prediction differs from ``c`` otherwise."""
-    allowed: dict[int, set] = {}
+    allowed: dict[int, set[Any]] = {}
     for p, q in enumerate(origin):
         token, want = predicted[p], c[0][p]
         if q in change.grew or token[0] not in ("f", "r"):
@@ -234,7 +235,7 @@ def _agreed(b: tuple[list, list], c: tuple[list, list], predicted: list, origin:
     return tokens
 
 
-def _same(predicted: tuple, token: tuple, options: Any) -> bool:
+def _same(predicted: tuple[Any, ...], token: tuple[Any, ...], options: Any) -> bool:
     """Does ``predicted`` name what ``token`` (with the ways it could be written, ``options``) does?"""
     if predicted == token:
         return True
@@ -242,10 +243,10 @@ def _same(predicted: tuple, token: tuple, options: Any) -> bool:
         return False
     if predicted[0] == "r" and predicted[5] != token[5]:
         return False
-    return options.get((predicted[2], predicted[3])) == predicted[4]
+    return bool(options.get((predicted[2], predicted[3])) == predicted[4])
 
 
-def _tokens(recorded: Any) -> tuple[list, list]:
+def _tokens(recorded: Any) -> tuple[list[Any], list[Any]]:
     """``recorded``'s events and moments as tokens (see the module's docstring), and beside each free or resize
     every way it could be written ((way, epochs ago) -> position). A storage made is written with its bytes, the
     category it was made in (-1: not known) and whether it moved to another while it lived."""
@@ -253,8 +254,8 @@ def _tokens(recorded: Any) -> tuple[list, list]:
     made, cats = _made(recorded)
     live: dict[Any, tuple[int, int]] = {}  # key -> (bytes, the n-th of its bytes made)
     classes = _Classes()
-    out: list = []
-    options: list = []
+    out: list[Any] = []
+    options: list[Any] = []
     at = 0
     for index, (seq, key, nbytes) in enumerate(recorded.events):
         while at < len(marks) and marks[at][0] < seq:
@@ -312,7 +313,7 @@ def _made(recorded: Any) -> tuple[set[int], dict[int, int]]:
 _ORDER = {"T": 0, "B": 1, "t": 2, "b": 3, "d": 4}
 
 
-def _decoded(tokens: list, moments: int, grew: Any, more: int,
+def _decoded(tokens: list[Any], moments: int, grew: Any, more: int,
              rounding: int) -> tuple[list[tuple[int, int, int]], list[list[int]], dict[int, dict[int, int]]]:
     """The stream ``tokens`` name: its events numbered 1, 2, ... (keys too), and each moment's (start, peak, end)
     seq: the seq of the last event before its marker. And what the figures extended in a line miss at
@@ -500,13 +501,13 @@ def corrected(est: Any, recorded: Any, missed: "dict[int, dict[int, int]]") -> A
     return dataclasses.replace(est, trace=out)
 
 
-def _restated(series: Any, parts: list) -> Any:
+def _restated(series: Any, parts: list[Any]) -> Any:
     """Each measured series of a phase's statistics made again from every step's breakdown ``parts``: smallest,
     median (the lower, as :class:`memprof.collect.retention` takes it) and largest; None where a breakdown does not
     hold a figure its series counts."""
     from ..record.stats import STAT_KEYS, Stat
 
-    out = []
+    out: "list[tuple[str, Stat | None]]" = []
     for key, stat in series:
         if stat is None:
             out.append((key, stat))

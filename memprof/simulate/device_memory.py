@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..anatomy.alloc_config import AllocatorConfig
 from ..anatomy.allocator import CachingAllocator
 from ..anatomy.gpus import GpuSpec, gpu as gpu_by_name
+from ..collect.streams import ONE_STREAM, StreamUse
 from ..anatomy.outside import (OutsideTerm, cublas_workspace_bytes, cublas_workspaces, cublaslt_workspace_bytes,
                                 cuda_context, cudnn_workspace, nccl_communicator)
 from ..errors import InvalidArgumentError, is_interrupt
@@ -101,9 +102,9 @@ class Replay:
     workspaces: tuple[int, ...]
     capacity: "int | None"
     outside: int
-    #: Where the run switched streams, ``(seq, stream)`` (:func:`~memprof.simulate.alloc_stream.replay_stream`);
-    #: a stream predicted for another batch keeps the seqs, so the same switches place its storages.
-    switches: tuple[tuple[int, int], ...] = ()
+    #: How the run's storages use streams (:func:`~memprof.simulate.alloc_stream.replay_stream`); a stream predicted
+    #: for another batch keeps the seqs and keys, so the same use places its storages.
+    streams: StreamUse = ONE_STREAM
 
     def stream(self) -> list[tuple[int, int, int]]:
         """The events as the ledger kept them: (seq, key, bytes), bytes -1 for a free."""
@@ -115,7 +116,7 @@ class Replay:
         message or None when it fits, and whether memory was pressed: the replay without a cap went beyond the
         device, so that torch had to free its cache and retry (or failed), see :func:`device_memory`."""
         replayed = _replayed(self.stream() if stream is None else stream, (), self.config, self.workspaces,
-                             self.first_seq, self.capacity, self.outside, switches=self.switches)
+                             self.first_seq, self.capacity, self.outside, streams=self.streams)
         return replayed.peak_reserved + self.outside, replayed.oom, replayed.pressed
 
 
@@ -148,7 +149,7 @@ def _uncapped(config: AllocatorConfig) -> AllocatorConfig:
 
 def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], config: AllocatorConfig,
               workspaces: Sequence[int], first: int, capacity: "int | None", outside: int,
-              check: bool = False, switches: Sequence[tuple[int, int]] = ()) -> _Replayed:
+              check: bool = False, streams: StreamUse = ONE_STREAM) -> _Replayed:
     """The replay of ``stream`` as a device would run it, at each of ``seqs``. First without any limit; where
     that replay does not fit ``capacity`` with ``outside``, or a memory fraction caps the allocator (torch's
     ``allowed_memory_maximum``, a fraction of ``capacity``), the verdict is that of a replay capped at what the
@@ -157,7 +158,7 @@ def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], confi
     collector freed blocks). Without ``capacity`` (no GPU) no fraction applies: there is no device to take it of."""
     seqs = list(seqs)
     at, allocator, _ = replay_stream(stream, seqs, _uncapped(config), workspaces=workspaces, workspace_seq=first,
-                                     check=check, switches=switches)
+                                     check=check, streams=streams)
     oom = None
     peak_reserved, peak_allocated, retries = allocator.peak_reserved, allocator.peak_allocated, 0
     over = capacity is not None and peak_reserved + outside > capacity
@@ -168,7 +169,7 @@ def _replayed(stream: Sequence[tuple[int, int, int]], seqs: Iterable[int], confi
         room = max(1, capacity - outside)
         at_capped, capped, oom = replay_stream(stream, seqs, config, workspaces=workspaces, workspace_seq=first,
                                                capacity=room, device_total=capacity, check=check,
-                                               switches=switches)
+                                               streams=streams)
         pressed = (over or oom is not None or capped.num_alloc_retries > 0
                    or capped.peak_reserved != allocator.peak_reserved)
         if oom is None:
@@ -192,14 +193,14 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
                   moments: Sequence[tuple[int, int, int, int]], peak_seq: int, *, gpu: "GpuSpec | None" = None,
                   alloc_conf: Any = None, world_size: int = 1, convolutions: bool = False,
                   environ: "Mapping[str, str] | None" = None,
-                  switches: Sequence[tuple[int, int]] = ()) -> tuple[Trace, DeviceMemory]:
+                  streams: StreamUse = ONE_STREAM) -> tuple[Trace, DeviceMemory]:
     """``trace`` with ``allocator_overhead`` and ``outside_torch`` filled in at every recorded moment, and the
     run's :class:`DeviceMemory`. ``stream`` and ``moments`` are the ledger's (:meth:`Ledger.record_stream`),
     ``peak_seq`` where its global peak was. The replay starts where the run does, at its first phase
     (:func:`~memprof.simulate.alloc_stream.from_start`). With ``MEMPROF_CHECK_REPLAY=1`` in the environment the
     stream is checked against the trace's figures and the allocator model audited after every event.
-    ``switches`` place each storage on the stream the run made it on (:func:`~memprof.simulate.alloc_stream.
-    replay_stream`)."""
+    ``streams`` places each storage on the stream the run made it on and holds the blocks a library uses on another
+    stream (:func:`~memprof.simulate.alloc_stream.replay_stream`)."""
     environ = os.environ if environ is None else environ
     config, text = resolve_conf(alloc_conf, environ)
     backward = any(p.phase is Phase.BACKWARD for s in trace.steps for p in s.phases)
@@ -219,11 +220,11 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
     capacity = gpu.allocatable_bytes if gpu is not None else None
     at, allocator, peak_reserved, peak_allocated, retries, oom, _ = _replayed(stream, seqs, config, workspaces,
                                                                               first, capacity, outside, checking,
-                                                                              switches)
+                                                                              streams)
     # What the replay took, for replaying a stream predicted for another batch (replay_of), named by the record
     # so that its copies find it too.
     replay = Replay(array("q", [x for event in stream for x in event]), first, config, tuple(workspaces), capacity,
-                    outside, tuple(switches))
+                    outside, streams)
     replay_id = uuid.uuid4().hex
     keep_replay(replay_id, replay)
     summary = DeviceMemory(gpu=gpu, alloc_conf=text, terms=tuple(terms), peak_allocated=peak_allocated,
@@ -232,11 +233,12 @@ def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
 
     def filled(b: Breakdown, seq: int) -> Breakdown:
         tensors = b.counts[:_N]
-        if any(v is None for v in tensors):
+        known = [v for v in tensors if v is not None]
+        if len(known) < len(tensors):
             return b
         reserved = at.get(max(seq, first), (0, 0))[1]
-        overhead = max(0, reserved - sum(tensors))
-        return Breakdown(tensors + (overhead, outside), sum(tensors) + overhead + outside)
+        overhead = max(0, reserved - sum(known))
+        return Breakdown(tensors + (overhead, outside), sum(known) + overhead + outside)
 
     steps = []
     for step in trace.steps:
@@ -341,12 +343,12 @@ def _place(trace: Trace, moments: Sequence[tuple[int, int, int, int]]) -> dict[t
     for step, start, peak, end in moments:
         by_step.setdefault(step, []).append((start, peak, end))
     out: dict[tuple[int, int], tuple[int, int, int]] = {}
-    for step in trace.steps:
-        mine = list(by_step.get(step.index, ()))
-        if len(mine) < len(step.phases):
-            mine += by_step.get(step.index + 1, [])[:len(step.phases) - len(mine)]
-        for i, seqs in enumerate(mine[:len(step.phases)]):
-            out[(step.index, i)] = seqs
+    for rec in trace.steps:
+        mine = list(by_step.get(rec.index, ()))
+        if len(mine) < len(rec.phases):
+            mine += by_step.get(rec.index + 1, [])[:len(rec.phases) - len(mine)]
+        for i, seqs in enumerate(mine[:len(rec.phases)]):
+            out[(rec.index, i)] = seqs
     return out
 
 
@@ -428,7 +430,7 @@ def on_device(est: Any, recorded: "RecordedStream", *, gpu: "GpuSpec | None", al
     trace, summary = device_memory(est.trace, recorded.events, recorded.moments, recorded.peak_seq, gpu=gpu,
                                    alloc_conf=alloc_conf, world_size=world_size,
                                    convolutions=model is not None and uses_convolutions(model),
-                                   switches=recorded.switches)
+                                   streams=recorded.streams)
     notes = list(est.notes) + summary.notes()
     if world_size > 1:
         notes.append("device memory of a rank: the replay follows the rank's own allocations as simulated, from "

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+from torch._ops import OpOverload
 
 from ..errors import is_interrupt
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["CountsExchange", "EXCHANGE_OPS"]
 
 
-def _ops() -> "tuple[frozenset, Any, Any]":
+def _ops() -> "tuple[frozenset[OpOverload], OpOverload | None, OpOverload | None]":
     try:
         functional = torch.ops._c10d_functional.all_to_all_single.default
         inplace = torch.ops.c10d.alltoall_base_.default
@@ -77,7 +78,7 @@ class CountsExchange:
         ins = list(in_splits) if in_splits else ([rows // size] * size if size and rows % size == 0 else None)
         if ins is None or sum(ins) != rows or len(ins) != size:
             return None
-        chunks = list(values.split(ins))
+        chunks = list(values.split(ins))  # type: ignore[no-untyped-call]  # torch's Tensor.split is untyped
         recorded = self._recorded(values, size, rank, ins) if self.ranks else None
         if recorded is not None:
             self.calls.append((size, rank, tuple(int(c.sum()) for c in recorded)))
@@ -114,9 +115,9 @@ class CountsExchange:
         if not torch.equal(sent[rank], values):
             self.mismatched += 1
             return None
-        return [v.split(ins)[rank] for v in sent]
+        return [v.split(ins)[rank] for v in sent]  # type: ignore[no-untyped-call]  # Tensor.split is untyped
 
-    def answer(self, func: Any, args: tuple, kwargs: dict, store: Any) -> Any:
+    def answer(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], store: Any) -> Any:
         """Run the exchange ``func(*args, **kwargs)`` as the shape-only op, and give the tensor it fills the
         received counts as its shadow where its input has one. Returns the op's output."""
         if func is _FUNCTIONAL:
@@ -165,7 +166,7 @@ class CountsExchange:
                 "receive buffers are counted as communication, as every collective's are"]
 
 
-def _arg(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
+def _arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
     for i, a in enumerate(func._schema.arguments):
         if a.name == name:
             return args[i] if i < len(args) else kwargs.get(name, a.default_value)

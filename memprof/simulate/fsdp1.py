@@ -55,12 +55,14 @@ def fsdp1_notes(said: list[str]) -> list[str]:
             "FSDP1 on a GPU: its all-gather outputs are made on its unshard stream, the low-precision shards on its "
             "pre-unshard stream and the reduce-scatter outputs (the sharded gradients) on its post-backward stream; "
             "the allocator replay keeps each of those streams' blocks in a pool of its own, as the caching "
-            "allocator does (the streams FSDP1 enters are noted as the run makes them current). Not modelled: "
-            "record_stream keeps a resharded unit's gathered parameter from being reused until the compute stream "
-            "has used it, which on a GPU depends on how far the CPU runs ahead (limit_all_gathers=True, FSDP1's "
-            "rate limiter, lets at most two all-gathers be in flight; False lets it run ahead without bound); the "
-            "replay frees each block at once, so a GPU's reserved memory can be above the device peak by the "
-            "gathered units still in flight"]
+            "allocator does (the streams FSDP1 enters are noted as the run makes them current). A resharded unit's "
+            "gathered parameter is marked used on the compute stream (record_stream) before FSDP1 frees it, so its "
+            "block stays out of the cache until the GPU has used it: the replay holds each such block until the "
+            "rate limiter would have waited for it (limit_all_gathers=True: two frees in flight, the oldest waited "
+            "for before the next all-gather), the most the CPU can run ahead; with limit_all_gathers=False, until "
+            "every unit has been gathered again (an upper bound: the CPU may run that far ahead). The other blocks "
+            "FSDP1 marks so (the low-precision shards, gradients on their way to the reduce-scatter) are freed at "
+            "once"]
 
 
 def _off_cpu(device: Any) -> bool:

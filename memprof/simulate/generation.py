@@ -66,7 +66,7 @@ def estimate_generation(model: nn.Module, **options: Unpack[GenerationOptions]) 
     return simulate_generation(RunConfig.for_generation(model, **options))
 
 
-def simulate_generation(config: RunConfig) -> Estimate:
+def simulate_generation(config: "RunConfig[Generation]") -> Estimate:
     """The estimate of the generation ``config`` describes (its workload a :class:`~memprof.simulate.run.
     Generation`): the twin, the prompt, the profiled prefill and decode calls, the device replay."""
     with NothingLeftBehind():
@@ -87,11 +87,10 @@ class _Prepared:
     notes: list[str]
 
 
-def _prepared(config: RunConfig) -> _Prepared:
+def _prepared(config: "RunConfig[Generation]") -> _Prepared:
     from .device_memory import check_target
 
     g, t = config.workload, config.target
-    assert isinstance(g, Generation)
     model = g.model
     if not callable(getattr(model, "generate", None)) or not callable(
             getattr(model, "prepare_inputs_for_generation", None)):
@@ -161,11 +160,11 @@ def _decoded(prepared: _Prepared) -> "SimulatedProfile":
     return prof
 
 
-def _generation_estimate(config: RunConfig, prepared: _Prepared, prof: "SimulatedProfile") -> Estimate:
+def _generation_estimate(config: "RunConfig[Generation]", prepared: _Prepared,
+                         prof: "SimulatedProfile") -> Estimate:
     from .device_memory import on_device
 
     g, setup, notes = config.workload, prepared.twin, prepared.notes
-    assert isinstance(g, Generation)
     notes.extend(_generation_notes(g.model, prepared.loop, prepared.encoder_decoder))
     notes.extend(setup.rule_notes())
     resolved = config.precision or infer_precision(prof.trace)

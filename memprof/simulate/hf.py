@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from ..record.estimate import Estimate
 from ..errors import (ConfigNotFoundError, InvalidArgumentError, MemprofError, MissingExtraError, SimulationError,
                       UnknownNameError, is_interrupt)
 from .loops import transformers_version_note
@@ -287,7 +288,7 @@ def adamw(params: Any) -> Any:
 
 def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = adamw,
                 precision: "str | None" = None, checkpointing: bool = False, device: str = "cuda",
-                loop: "str | None" = "hf-trainer", **options: Any) -> Any:
+                loop: "str | None" = "hf-trainer", **options: Any) -> Estimate:
     """:func:`memprof.estimate` of a training step of the model ``config`` describes (see
     :func:`~memprof.simulate.hf.load_config`), built on the meta device: ``batch_size`` sequences of ``seq_len``
     tokens, the loss transformers computes from the labels, AdamW unless ``optimizer`` (a factory of parameters, or
@@ -323,7 +324,7 @@ def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = 
 
 def estimate_hf_generation(config: Any, *, batch_size: int, prompt_len: int, max_new_tokens: int,
                            precision: "str | None" = None, device: str = "cuda",
-                           names: "tuple[str, str]" = ("prompt_len", "max_new_tokens"), **options: Any) -> Any:
+                           names: "tuple[str, str]" = ("prompt_len", "max_new_tokens"), **options: Any) -> Estimate:
     """:func:`memprof.estimate_generation` of the model ``config`` describes, built on the meta device in eval
     mode: ``batch_size`` prompts of ``prompt_len`` tokens, then ``max_new_tokens`` generated. ``precision``
     defaults to the config's dtype; every other option is :func:`memprof.estimate_generation`'s. A causal LM's
@@ -368,7 +369,7 @@ def loop_versions(loop: "str | None") -> "list[str]":
             f"{torch.__version__}"]
 
 
-def _noted(est: Any, said: "list[str]", config: Any, precision: "str | None", built: HfModel) -> Any:
+def _noted(est: Estimate, said: "list[str]", config: Any, precision: "str | None", built: HfModel) -> Estimate:
     """``est`` with what building it from the config assumed ahead of its own notes."""
     import dataclasses
 
@@ -389,7 +390,7 @@ class _named:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc is None or isinstance(exc, MemprofError) or not isinstance(exc, Exception) or not _in_model(tb):
             return False
         raise SimulationError(f"{self.built.architecture}, built from this config, raised {type(exc).__name__} in "

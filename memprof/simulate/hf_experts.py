@@ -67,8 +67,9 @@ def ep_degrees(model: Any, world_size: int) -> list[int]:
     experts on each rank)."""
     if not ep_support(model)[0]:
         return []
-    counts = {_experts_count(model.get_submodule(n)) for n in _experts_modules(model)}
-    if None in counts or not counts:
+    found = {_experts_count(model.get_submodule(n)) for n in _experts_modules(model)}
+    counts = {c for c in found if c is not None}
+    if len(counts) < len(found) or not counts:  # a layer whose experts cannot be counted, or none
         return []
     return [e for e in range(2, world_size + 1) if world_size % e == 0 and all(c % e == 0 for c in counts)]
 

@@ -65,9 +65,10 @@ def tp_degrees(model: Any, world_size: int) -> list[int]:
     sizes = [getattr(config, n, None) for n in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
                                                 "vocab_size")]
     sizes = [s if s is not None else sizes[0] for s in sizes]  # no key/value heads named: as many as the heads
-    if any(not isinstance(s, int) for s in sizes):
+    known = [s for s in sizes if isinstance(s, int)]
+    if len(known) < len(sizes):
         return []
-    return [t for t in range(2, world_size + 1) if world_size % t == 0 and all(s % t == 0 for s in sizes)]
+    return [t for t in range(2, world_size + 1) if world_size % t == 0 and all(s % t == 0 for s in known)]
 
 
 def _modules_for(model: Any, pattern: str) -> list[str]:

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import InvalidArgumentError, is_interrupt
 
@@ -55,7 +55,7 @@ MOST = {**dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "num_deco
         **dict.fromkeys(_EXPERTS, (65_536, "experts (its MoE rules count every expert's tokens)"))}
 
 
-def _int(value: Any) -> bool:
+def _int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -64,7 +64,8 @@ def pp_support(model: Any) -> "tuple[bool, str]":
         if not entry or list(entry[0])[:1] != inputs:
             return False, (f"the pipeline plan of {name} does not name {prefix}.{part} taking {inputs[0]} "
                            f"({', '.join(plan)}), which memprof's pipeline cut follows")
-    if not isinstance(getattr(base, "layers", None), nn.ModuleList) or len(base.layers) < 1:
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) < 1:
         return False, f"{name}'s {prefix}.layers is not a list of decoder layers"
     if not isinstance(getattr(base, "norm", None), nn.Module) or not isinstance(getattr(base, "embed_tokens", None),
                                                                                nn.Module):
@@ -109,6 +110,9 @@ class HfStage(nn.Module):
     model (the causal LM on the last stage) holding the stage's modules; called with the token ids (stage 0) or
     the previous stage's hidden states, it returns its hidden states, or on the last stage the logits."""
 
+    #: The model's TP plan in the stage's module names (:func:`_stage_tp_plan`), set by :func:`split`.
+    tp_plan: "dict[str, str]"
+
     def __init__(self, body: nn.Module, index: int, stages: int) -> None:
         super().__init__()
         self.body, self.index, self.stages = body, index, stages
@@ -116,8 +120,10 @@ class HfStage(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         """The stage's decoder layers."""
-        base = self.body.base_model if self.index == self.stages - 1 else self.body
-        return base.layers
+        # Any: a transformers model's base_model and layers are its own class's attributes, not nn.Module's.
+        body: Any = self.body
+        layers: nn.ModuleList = (body.base_model if self.index == self.stages - 1 else body).layers
+        return layers
 
     def forward(self, x: Any) -> Any:
         feed = {"input_ids": x} if self.index == 0 else {"inputs_embeds": x}
@@ -261,7 +267,7 @@ class PipelineSimulation:
         return pipeline_ranks(self.world_size, self.mesh, pipeline, one, key=device_key)
 
 
-def device_key(est: Any) -> tuple:
+def device_key(est: Any) -> tuple[bool, int, int]:
     """How a plan ranks a stage's estimate: a predicted out-of-memory error first, then the device-level peak, then
     the tensors' peak."""
     memory = est.device_memory

@@ -22,7 +22,7 @@ torch would find no kernel.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +82,7 @@ class CudaKernels(Rule):
         self.passed_over: Counter[str] = Counter()
         self.orders: set[tuple[str, ...]] = set()
 
-    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
         if func is _SDPA:
             return self._attention(*args, **kwargs)
         if func is F.dropout:
@@ -132,7 +132,7 @@ class CudaKernels(Rule):
         return out
 
     def _refuse(self, choice: sdpa.Choice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
-                gqa: bool) -> None:
+                gqa: bool) -> NoReturn:
         from ..errors import InvalidArgumentError
 
         why = "; ".join(f"{_NAMES[b]}: {r.name} ({r.says})" for b, r in choice.passed_over) or "every backend disabled"
@@ -161,8 +161,8 @@ class CudaKernels(Rule):
             pad = 8 - head % 8
             query, key, value = (F.pad(t, (0, pad)) for t in (query, key, value))
             self.used["flash head dim padded to a multiple of 8"] += 1
-        out = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                                 scale=scale)[0]
+        out: torch.Tensor = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p,
+                                                                               is_causal, False, scale=scale)[0]
         return out[..., :head] if out.shape[-1] != head else out
 
     def _efficient(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
@@ -171,15 +171,17 @@ class CudaKernels(Rule):
         bias = _additive(attn_mask, query.dtype)
         if bias is not None:
             bias = _preprocess_mask(bias, query, key)
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
+        out: torch.Tensor = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, _logsumexp(query, key, value), dropout_p, is_causal, scale=scale)[0]
+        return out
 
     def _cudnn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
                is_causal: bool, scale: "float | None") -> torch.Tensor:
         self.used["cuDNN"] += 1
-        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        out: torch.Tensor = torch.ops.aten._scaled_dot_product_cudnn_attention(
             query, key, value, _additive(attn_mask, query.dtype), _logsumexp(query, key, value), dropout_p,
             is_causal, False, scale=scale)[0]
+        return out
 
     def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
         if not training or p == 0.0:
@@ -265,7 +267,7 @@ class ValueDependentCode(Rule):
         self.assumed: set[str] = set()
         self._kinds: dict[Any, int] = {}  # code object -> _USER, _SKIPPED, _VALUE_DEPENDENT or _MEMPROF
 
-    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
         if func is torch.Tensor.__bool__ and args and _shape_only(args[0]):
             caller = self._user_frame(self.caller())
             module = caller.f_globals.get("__name__", "") if caller is not None else ""
@@ -319,7 +321,8 @@ class ValueDependentCode(Rule):
             if frame is None:
                 return None
             if self._kind(frame) == _VALUE_DEPENDENT:
-                return frame.f_globals.get("__name__", "")
+                module: str = frame.f_globals.get("__name__", "")
+                return module
             frame = frame.f_back
         return None
 
@@ -355,7 +358,7 @@ class CustomOps(Rule):
         self.calls: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
 
-    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
         out = next(func, args, kwargs)
         if isinstance(func, torch._ops.OpOverload):
             name = func._schema.name

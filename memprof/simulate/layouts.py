@@ -106,7 +106,8 @@ def pp_layouts(model: Any, world_size: int) -> list[Any]:
     ``P`` micro-batches, a row's batch the micro-batch's size. A layout without FSDP is planned in bf16, fp16 and
     fp32 only: a plan's mixed precision under a pipeline is FSDP2's ``MixedPrecisionPolicy`` (``bf16-params``),
     which needs FSDP (the schedule runs no autocast)."""
-    out, with_tp = [], []
+    out: list[Layout] = []
+    with_tp: list[Layout] = []
     for p in pp_degrees(model, world_size):
         micro = MICROBATCHES_PER_STAGE * p
         # Tensor parallelism inside the stages where the model's TP plan allows it, after the layouts without.
@@ -164,7 +165,7 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
     return out
 
 
-def _missing(model: Any, item: Any, tp: list, pp: list, world_size: int) -> str:
+def _missing(model: Any, item: Any, tp: list[Layout], pp: list[Layout], world_size: int) -> str:
     """Why the layouts ``item`` asks for are not there, in parentheses (empty when that says nothing)."""
     name = str(item).lower()
     if name == "ep" or name.startswith("fsdp-ep"):

@@ -273,7 +273,8 @@ def trainer_shell(model: Any, optimizer: Any, device: "torch.device", gradient_a
     else:
         accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD
                       for p in inspect.signature(model.forward).parameters.values())
-    shifts = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss and \
+    loss_type: Any = getattr(model, "loss_type", None)  # a transformers model's (None: no loss type named)
+    shifts = LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and \
         not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     shell.__dict__.update(args=args, model=model, model_wrapped=model, optimizer=optimizer,
                           accelerator=accelerator_shell(1), state=types.SimpleNamespace(global_step=0),

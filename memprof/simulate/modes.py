@@ -23,7 +23,7 @@ from . import held_signals
 __all__ = ["Rule", "Rules", "Next"]
 
 #: What a rule calls to hand a call on: ``next(func, args, kwargs)``.
-Next = Callable[[Any, tuple, dict], Any]
+Next = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
 # Python modules whose functions are compositions of other torch functions.
 _COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
@@ -40,7 +40,7 @@ class Rule(TorchFunctionMode):
     #: called the torch function; None alone.
     chain: "Rules | None" = None
 
-    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
         return next(func, args, kwargs)
 
     def caller(self) -> Any:
@@ -72,7 +72,7 @@ class Rules(TorchFunctionMode):
             link = functools.partial(rule.handle, next=link)
         self._first = link
 
-    def _follow(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return follow(self, func, self._types, args, kwargs)
 
     def caller(self) -> Any:
@@ -81,14 +81,14 @@ class Rules(TorchFunctionMode):
     def __enter__(self) -> "Rules":
         held_signals.enter()  # a signal's exception inside torch's C++ would abort the process (held_signals.py)
         try:
-            return super().__enter__()  # type: ignore[no-any-return]
+            return super().__enter__()  # type: ignore[no-untyped-call, no-any-return]  # TorchFunctionMode's is untyped
         except BaseException:
             held_signals.leave()
             raise
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            super().__exit__(*exc)
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]  # TorchFunctionMode.__exit__ is untyped
         finally:
             held_signals.leave()
 
@@ -103,7 +103,7 @@ class Rules(TorchFunctionMode):
             held_signals.release()
 
 
-def follow(mode: TorchFunctionMode, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+def follow(mode: TorchFunctionMode, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call ``func`` from ``mode``'s handler. A Python composite of ``torch.nn.functional`` runs with
     ``mode`` still on for the functions it calls, as a dispatch key would see them, and so does backward,
     for the recomputation of checkpointed regions. (Tensor methods written in Python call back into the

@@ -39,15 +39,19 @@ import inspect
 import math
 import numbers
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import InvalidArgumentError, MemprofError, is_interrupt
-from ..vocabulary import Category
+from ..vocabulary import Category, Phase
 from .fsdp1 import fsdp1_in_fake_mode, fsdp1_notes, has_meta, unwrapped
+
+if TYPE_CHECKING:
+    from ..record.estimate import Estimate
+    from .pipeline import Pipeline
 
 _W, _O = Category.WEIGHTS, Category.OPTIMIZER_STATES
 
@@ -74,7 +78,7 @@ def check_mesh(mesh: Any, world_size: int) -> "tuple[tuple[int, ...], tuple[str,
     return tuple(int(s) for s in sizes), names
 
 
-class WaitIdentity(TorchDispatchMode):
+class WaitIdentity(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """``_c10d_functional.wait_tensor`` returns its input, as in eager (its meta kernel allocates a copy)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -99,7 +103,7 @@ class ParallelRun:
         if fn is not None and not callable(fn):
             raise InvalidArgumentError(f"parallelize must be a function fn(model, mesh) -> model, got "
                                        f"{type(fn).__name__}")
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= int(rank) < world_size:
             raise InvalidArgumentError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         self.fn, self.n, self.rank = fn, world_size, int(rank)
         self.arity = _arity(fn) if fn is not None else 0  # how many arguments fn is called with
@@ -181,7 +185,8 @@ class ParallelRun:
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             pass
 
-    def parallelize(self, model: nn.Module, meta_twin: Callable[[nn.Module], "tuple[nn.Module, dict]"],
+    def parallelize(self, model: nn.Module,
+                    meta_twin: Callable[[nn.Module], "tuple[nn.Module, dict[int, torch.Tensor]]"],
                     fake_mode: Any) -> "tuple[nn.Module, dict[int, torch.Tensor]]":
         """``fn`` on a meta twin of ``model``, outside the fake mode; the twin then materialised as fake CPU
         tensors. Returns it and, for each of ``model``'s parameters, the twin's parameter of the same name."""
@@ -310,7 +315,8 @@ class ParallelRun:
 
     def rules(self) -> Any:
         """The dispatch rules the step runs under, beneath the profiler."""
-        return WaitIdentity() if _WAIT is not None else contextlib.nullcontext()
+        # TorchDispatchMode.__init__, which WaitIdentity keeps, is untyped.
+        return WaitIdentity() if _WAIT is not None else contextlib.nullcontext()  # type: ignore[no-untyped-call]
 
     def notes(self) -> list[str]:
         mesh = " x ".join(f"{n}={s}" if self.names else str(s) for n, s in zip(self.names or self.shape, self.shape))
@@ -345,7 +351,7 @@ def coordinates(rank: int, shape: "tuple[int, ...]") -> "tuple[int, ...]":
     return tuple(reversed(out))
 
 
-def depth_unit(world_size: int, mesh: Any, pipeline: Any) -> int:
+def depth_unit(world_size: int, mesh: Any, pipeline: "Pipeline | None") -> int:
     """Blocks of the repeated stack per unit of depth: one per stage, ``pp * stages_per_rank`` of them."""
     if pipeline is None:
         return 1
@@ -355,8 +361,8 @@ def depth_unit(world_size: int, mesh: Any, pipeline: Any) -> int:
     return shape[names.index("pp")] * pipeline.stages_per_rank
 
 
-def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int], Any],
-                   key: "Callable[[Any], Any] | None" = None) -> Any:
+def pipeline_ranks(world_size: int, mesh: Any, pipeline: "Pipeline", one: "Callable[[int], Estimate]",
+                   key: "Callable[[Estimate], Any] | None" = None) -> "Estimate":
     """Every pipeline rank class simulated (one per ``pp`` coordinate, its representative the rank with 0 on every
     other dimension: they hold the same shards), and the worst one's estimate, listing them all. The worst is the
     one with the largest tensors' peak, or the largest ``key(estimate)`` (a plan's: the device-level peak)."""
@@ -371,10 +377,11 @@ def pipeline_ranks(world_size: int, mesh: Any, pipeline: Any, one: Callable[[int
         members = tuple(r for r in range(world_size) if coordinates(r, shape)[d] == p)
         est = one(members[0])
         stages = tuple(p + i * shape[d] for i in range(pipeline.stages_per_rank))
-        classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step,
-                                 est.trace.peak_phase.value, est.trace))
+        phase = cast(Phase, est.trace.peak_phase)  # a simulated step's peak is always in one of its phases
+        classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step, phase.value,
+                                 est.trace))
         results.append(est)
-    measure = key or (lambda e: e.peak_bytes)
+    measure: "Callable[[Estimate], Any]" = key or (lambda e: e.peak_bytes)
     worst = max(range(len(results)), key=lambda i: measure(results[i]))
     table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "
                       f"{c.peak_phase} (ranks {_ranges(c.ranks)})" for c in classes)
@@ -489,11 +496,11 @@ def _side_fake_mode_for_sharding_propagation() -> Any:
     if original is None:
         yield
         return
-    _sharding_prop.detect_fake_mode = lambda *a, **k: side  # type: ignore[attr-defined]
+    _sharding_prop.detect_fake_mode = lambda *a, **k: side
     try:
         yield
     finally:
-        _sharding_prop.detect_fake_mode = original  # type: ignore[attr-defined]
+        _sharding_prop.detect_fake_mode = original
 
 
 def _custom_handlers() -> Any:
@@ -519,5 +526,5 @@ def _clear_caches() -> None:
         if is_interrupt(failure):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return
-    _clear_sharding_prop_cache()
+    _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]  # torch's is untyped
 

@@ -85,7 +85,7 @@ class RankClass:
     representative: int
     stages: tuple[int, ...]
     peak_bytes: int
-    peak_step: int
+    peak_step: "int | None"
     peak_phase: str
     #: The representative's simulated Trace (what ``memprof.merge(estimate)`` lays side by side).
     trace: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -228,14 +228,15 @@ def static_shapes() -> Any:
         for st in stages:
             st._inference_mode = InferenceMode.STATIC
 
-    cls._warmup_p2p = _warmup_p2p
+    # Swapped on the class for the block and put back (the method's type is torch's; mypy refuses the assignment).
+    cls._warmup_p2p = _warmup_p2p  # type: ignore[method-assign]
     try:
         yield
     finally:
-        cls._warmup_p2p = original
+        cls._warmup_p2p = original  # type: ignore[method-assign]
 
 
-def _microbatch(inputs: Any, n: int) -> tuple:
+def _microbatch(inputs: Any, n: int) -> tuple[torch.Tensor, ...]:
     """One micro-batch of ``inputs`` on meta: dim 0 divided by ``n`` (as the schedule splits it)."""
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     out = []

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from ..errors import InvalidArgumentError
 from ..record.plans import PlanGrid, PlanRow
 from .hf_pipeline import MICROBATCHES_PER_STAGE
 from .layouts import Layout, data_parallel_layouts
 from .plan_precision import AUTOCAST, POLICY, check_precisions, estimate_precision, precision_note, row_precision
+
+if TYPE_CHECKING:
+    from .plan_search import Probe
 
 __all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "Trained", "Labels",
            "configurations", "PRECISIONS"]
@@ -144,7 +147,7 @@ class _Grid:
         self.rows: list[PlanRow] = []
         self.models: dict[bool, Any] = {}
         self.slopes: dict[tuple[bool, str, str], tuple[dict[Any, float], str]] = {}
-        self.probes: dict[tuple[str, str, bool], Any] = {}
+        self.probes: "dict[tuple[str, str, bool], Probe]" = {}
 
     def row(self, ckpt: bool, precision: str, layout: Layout, bar: Any) -> None:
         """Search the row of ``layout`` in ``precision`` with checkpointing ``ckpt``, and keep it."""
@@ -168,7 +171,7 @@ class _Grid:
             run = partial(_simulate, estimate, model, t.optimizer, t.make_batch, **_looped(common, t.loop),
                           **dict(options))
         one = Probe(run, self.spec.allocatable_bytes, self.max_batch,
-                    lambda b, label=label: bar.step(f"{label} batch {b}"))
+                    lambda b: bar.step(f"{label} batch {b}"))
         family = (ckpt, precision, layout.family or layout.name)
         shared, reference = self.slopes.get(family, (None, ""))
         predicted, overhead, at_batch = _sibling_start(self.probes, layout.name, reference, precision, ckpt)
@@ -202,8 +205,8 @@ def _simulate(estimate: Callable[..., Any], model: Any, optimizer: Any, make_bat
     return estimate(model, optimizer, inputs=make_batch(b), **options)
 
 
-def _sibling_start(probes: dict, layout: str, reference: str, precision: str,
-                   ckpt: bool) -> "tuple[dict | None, int, int]":
+def _sibling_start(probes: "dict[tuple[str, str, bool], Probe]", layout: str, reference: str, precision: str,
+                   ckpt: bool) -> "tuple[dict[Any, int] | None, int, int]":
     """A prediction of ``layout``'s moments at a small batch with checkpointing ``ckpt``, from simulations already
     run: its own at that batch with checkpointing the other way, plus what switching it changed in ``reference``
     (the layout that measured the slopes) at that batch, moment by moment. Checkpointing changes the activations
@@ -282,6 +285,7 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     training loop simulated (:mod:`memprof.simulate.loops`): the HF Trainer's step by default, ``"plain"`` for
     memprof's own; a pipeline layout's rows run torch's schedule instead."""
     from . import hf
+    from .loops import transformers_version_note
     from .layouts import choose_layouts
 
     cfg = hf.load_config(config)
@@ -295,7 +299,7 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     said = [f"{first.architecture} built from its config on the meta device ({first.kind}), {seq_len} tokens per "
             "sequence; the batch is one rank's",
             "optimizer: " + ("torch.optim.AdamW with its defaults" if optimizer is None else "as given"),
-            *hf.loop_versions(loop), *hf.transformers_version_note(cfg)]
+            *hf.loop_versions(loop), *transformers_version_note(cfg)]
     if any(bool(c) for c in checkpointing):  # only when a row has it
         said.append("checkpointing: transformers' activation checkpointing on every layer (non-reentrant)")
     trained = Trained(model_for, lambda b: token_batch(first, b, seq_len), optimizer or hf.adamw, hf.hf_loss, loop)

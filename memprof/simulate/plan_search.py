@@ -25,6 +25,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
+from ..record.estimate import Estimate
 from .device_memory import replay_of
 
 __all__ = ["moments", "Lines", "Probe", "largest_batch", "stream_shape", "stream_between"]
@@ -42,7 +43,7 @@ def moments(trace: Any) -> dict[tuple[Any, ...], int]:
         key = (rec.step, getattr(rec.phase, "value", rec.phase), rec.occurrence)
         for which in ("start", "peak", "end"):
             part = getattr(rec, which)
-            out[(*key, which)] = sum(part[c] or 0 for c in TENSOR_CATEGORIES)
+            out[key + (which,)] = sum(part[c] or 0 for c in TENSOR_CATEGORIES)
     return out
 
 
@@ -124,11 +125,11 @@ class Probe:
     first simulation tells (it does not depend on the batch). Without it (a budget and no GPU) the tensors' peak is
     judged, and no stream is replayed."""
 
-    def __init__(self, simulate: Callable[[int], Any], limit: int, max_batch: int,
+    def __init__(self, simulate: "Callable[[int], Estimate]", limit: int, max_batch: int,
                  step: Callable[[int], None] = lambda b: None, device_level: bool = True) -> None:
         self.simulate, self.limit, self.max_batch, self.step = simulate, limit, max_batch, step
         self.device_level = device_level
-        self.runs: dict[int, Any] = {}
+        self.runs: "dict[int, Estimate]" = {}
         self.moments: dict[int, dict[tuple[Any, ...], int]] = {}
         self.device: dict[int, int] = {}
         #: Per simulated batch: the peak judged as simulated (an out-of-memory batch's the peak its replay needed
@@ -195,9 +196,9 @@ class Probe:
         if pair is None:
             return None
         b1, b2 = pair
-        replay = replay_of(self.runs[b1].device_memory)
-        sizes2 = self._shape(b2)[1]  # type: ignore[index]
-        device_peak, oom, pressed = replay.figures(stream_between(b1, replay.stream(), sizes2, b2, b))
+        replay, shape2 = replay_of(self.runs[b1].device_memory), self._shape(b2)
+        assert replay is not None and shape2 is not None  # _pair chose two batches whose replays it shaped
+        device_peak, oom, pressed = replay.figures(stream_between(b1, replay.stream(), shape2[1], b2, b))
         self.pressed[b] = pressed
         return self._verdict(device_peak, oom)
 
@@ -307,7 +308,7 @@ def _narrowed(probe: Probe, lo: int, hi: "int | None", ceiling: int, slopes: "Ma
 
 def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
                   start: "Mapping[Any, int] | None" = None, overhead: int = 0,
-                  start_batch: int = 1, base: int = 1) -> "tuple[int, bool, dict | None]":
+                  start_batch: int = 1, base: int = 1) -> "tuple[int, bool, dict[Any, float] | None]":
     """The edge below which every batch fits ``probe.limit`` (the largest batch that fits, where fitting is
     monotone in the batch), whether it is confirmed (it fits and the next does not, both simulated; or batch 1
     does not fit), and the per-moment slopes this configuration measured (None when it measured none), for the

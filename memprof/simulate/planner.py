@@ -29,7 +29,7 @@ from ..units import format_bytes, parse_size
 if TYPE_CHECKING:
     from .estimate import Estimate
     from .plan_search import Probe
-    from .run import EstimateOptions, RunConfig
+    from .run import EstimateOptions, RunConfig, Workload
 
 __all__ = ["BatchSizePlan", "max_batch_size", "max_generation_batch_size", "MAX_BUDGET", "plan_limit"]
 
@@ -94,7 +94,7 @@ def max_batch_size(
 
     inputs, targets = batch(multiple_of)
     config = RunConfig.from_options(model, optimizer, **{**options, "inputs": inputs, "targets": targets})
-    first: "dict[int, RunConfig]" = {multiple_of: config}
+    first: "dict[int, RunConfig[Workload]]" = {multiple_of: config}
 
     def at(b: int) -> "Estimate":
         if b in first:
@@ -258,10 +258,11 @@ def _with_notes(plan: BatchSizePlan, probe: "Probe") -> BatchSizePlan:
         said = [f"judged: each batch's device-level peak (the caching allocator's reserved bytes, as the replay of "
                 f"its allocation stream gives them, plus the memory outside torch) against {limit} B; a batch whose "
                 "replay predicts an out-of-memory error does not fit"]
-        if plan.allocator_limit is not None:
+        memory = first.device_memory  # (not None where a fraction capped the allocator: its replay said so)
+        if plan.allocator_limit is not None and memory is not None:
             outside = plan.outside_bytes or 0
             said.append(f"per_process_memory_fraction {plan.fraction}: the allocator may reserve at most "
-                        f"{plan.allocator_limit} B, int({plan.fraction} x {first.device_memory.capacity} B) of "
+                        f"{plan.allocator_limit} B, int({plan.fraction} x {memory.capacity} B) of "
                         f"{plan.gpu} (torch's allowed_memory_maximum); the {outside} B outside torch (the CUDA "
                         f"context and libraries) are beyond its reach, so a batch's device peak must stay within "
                         f"{plan.allocator_limit} + {outside} = {plan.allocator_limit + outside} B")

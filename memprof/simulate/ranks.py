@@ -62,7 +62,8 @@ def check_parallel(world_size: Any, parallel: Any, parallelize: bool = False) ->
     """The world size and layout of an estimate, checked: a positive int, and one of :data:`PARALLEL`
     (needed as soon as there is more than one rank, unless the user's own ``parallelize`` function says how the
     ranks share the model, which excludes a layout)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or not 1 <= world_size <= MAX_WORLD:
+    if (isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral)
+            or not 1 <= int(world_size) <= MAX_WORLD):
         raise InvalidArgumentError(f"world_size must be a positive int (the number of ranks, at most {MAX_WORLD:,}), "
                                    f"got {world_size!r}")
     world_size = int(world_size)
@@ -283,7 +284,8 @@ class RankLayout:
         if self.stage >= 2:
             for info in self.by_id.values():
                 if info.ref.requires_grad:
-                    self.handles.append(info.ref.register_post_accumulate_grad_hook(self._grad_done))
+                    # torch's Tensor.register_post_accumulate_grad_hook is untyped.
+                    self.handles.append(info.ref.register_post_accumulate_grad_hook(self._grad_done))  # type: ignore[no-untyped-call]
         if self.optimizer is not None and self.stage >= 1:
             self.handles.append(self.optimizer.register_step_post_hook(_StateShards(self).stepped))
 
@@ -374,8 +376,9 @@ class RankLayout:
                 # No gradient of its own tells when its backward is over: FSDP2 learns it from the gradient of
                 # its inputs, and reshards then.
                 for t in tensors_in_args(args, None):
-                    if t.requires_grad:
-                        t.register_hook(lambda _g: self._reduce_scatter(unit) if unit not in self.reduced else None)
+                    if t.requires_grad:  # (torch's Tensor.register_hook is untyped)
+                        t.register_hook(  # type: ignore[no-untyped-call]
+                            lambda _g: self._reduce_scatter(unit) if unit not in self.reduced else None)
         return hook
 
     def _post_forward(self, unit: int) -> Any:
@@ -389,7 +392,7 @@ class RankLayout:
             # Backward gathers the unit again when the gradient of its output arrives.
             for t in tensors_in_args(output, None):
                 if t.requires_grad:
-                    t.register_hook(self._backward_pre(unit))
+                    t.register_hook(self._backward_pre(unit))  # type: ignore[no-untyped-call]  # torch's is untyped
         return hook
 
     def _backward_pre(self, unit: int) -> Any:
@@ -429,19 +432,19 @@ class RankLayout:
         self.pending.pop(unit, None)
         self.reduced.add(unit)
         self._reshard(unit)  # FSDP2 reshards a unit's parameters before reducing its gradients
-        params = [i for i in self.units.get(unit, []) if i.ref.requires_grad and i.ref.grad is not None]
+        params = [(i, g) for i in self.units.get(unit, []) if i.ref.requires_grad and (g := i.ref.grad) is not None]
         if params:
             # FSDP2 keeps one reduce-scatter input (reduce_scatter_max_input_buffers = 1): the last is freed first.
             self.kept.pop("reduce_scatter", None)
-            self.kept["reduce_scatter"] = self._buffer(sum(i.full for i in params))  # the full gradients copied in
+            self.kept["reduce_scatter"] = self._buffer(sum(i.full for i, _ in params))  # the full gradients copied in
             # The output (the rank's shards) is made, then the full gradients go. foreach_reduce means to free them
             # first, and does on some models; on others (a root-only embedding over 7 ranks) they outlive the
             # output's allocation. Counting both for that moment errs high by the shards, never low.
             assert self.profile is not None
-            for info in params:
-                self.profile.grow(info.ref.grad, info.grad_shard)
-            for info in params:
-                self._resize(info.ref.grad, info.grad_shard)
+            for info, grad in params:
+                self.profile.grow(grad, info.grad_shard)
+            for info, grad in params:
+                self._resize(grad, info.grad_shard)
 
     def _backward_done(self) -> None:
         self.flushing = False

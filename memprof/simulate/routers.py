@@ -39,7 +39,7 @@ class Router(Rule):
         self.where: Callable[[], "str | None"] = lambda: None
         self.modules: Counter[str] = Counter()
 
-    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
         out = next(func, args, kwargs)
         if func not in ROUTER_FUNCTIONS:
             return out
@@ -73,7 +73,7 @@ class OneHot(Rule):
         self.target, self.store = target, store
         self.calls = 0
 
-    def handle(self, func: Any, args: tuple, kwargs: dict, next: Next) -> Any:
+    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
         if func is not F.one_hot or not args or not shape_only(args[0]):
             return next(func, args, kwargs)
         x = args[0]

@@ -220,7 +220,7 @@ def _record(value: Any) -> "RoutingRecord | None":
         return value
     trace = getattr(value, "trace", value)
     if hasattr(trace, "routing") and hasattr(trace, "phases"):
-        record = trace.routing
+        record: "RoutingRecord | None" = trace.routing
         if record is None:
             raise InvalidArgumentError("a report given as a rank's routing has no routing record; profile every rank "
                                        "with memprof.profile(..., record_routing=True)")

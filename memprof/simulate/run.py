@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, TypedDict, TypeVar
 
 from ..errors import InvalidArgumentError, UnknownNameError
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["RunConfig", "Workload", "Generation", "Target", "Parallelism", "Depth", "EstimateOptions",
-           "GenerationOptions", "PRECISIONS", "OPTIONS", "GENERATION_OPTIONS"]
+           "EstimateSettings", "GenerationOptions", "PRECISIONS", "OPTIONS", "GENERATION_OPTIONS"]
 
 #: The precisions a simulation takes: the parameters' dtype (bf16, fp16, fp32), or fp32 parameters with the
 #: forward under autocast (mixed = amp: bf16; mixed-fp16: fp16, with a GradScaler); None keeps the model's dtypes.
@@ -199,12 +199,17 @@ class Depth:
                                        f"whole model) or None (memprof chooses), got {k!r}")
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class RunConfig:
-    """A simulated run, whole: its sections (this module's docstring). Frozen; :meth:`replace` gives a changed
-    copy (another batch, another model cut to a depth)."""
+#: A run's workload section: a training step's (:class:`Workload`) or a generation's (:class:`Generation`).
+W = TypeVar("W", bound=Workload | Generation)
 
-    workload: "Workload | Generation"
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RunConfig(Generic[W]):
+    """A simulated run, whole: its sections (this module's docstring). Frozen; :meth:`replace` gives a changed
+    copy (another batch, another model cut to a depth). ``RunConfig[Workload]`` is a training step's (what the
+    stages of :mod:`memprof.simulate.stages` run), ``RunConfig[Generation]`` a generation's."""
+
+    workload: W
     precision: "str | None" = None
     target: Target = field(default_factory=Target)
     parallelism: Parallelism = field(default_factory=Parallelism)
@@ -224,7 +229,7 @@ class RunConfig:
                                        "step (its forward, loss and backward per microbatch); leave one of them out")
 
     @classmethod
-    def from_options(cls, model: "nn.Module", optimizer: Any = None, **options: Any) -> "RunConfig":
+    def from_options(cls, model: "nn.Module", optimizer: Any = None, **options: Any) -> "RunConfig[Workload]":
         """The configuration ``estimate(model, optimizer, **options)`` describes: each keyword to its section."""
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
@@ -236,12 +241,12 @@ class RunConfig:
         given = {section: {name: options[name] for name in names if name in options}
                  for section, names in _SECTIONS.items()}
         _named_loop(given["workload"], options.get("precision"))
-        return cls(workload=Workload(model=model, optimizer=optimizer, **given["workload"]),
+        return RunConfig(workload=Workload(model=model, optimizer=optimizer, **given["workload"]),
                    precision=options.get("precision"), target=Target(**given["target"]),
                    parallelism=Parallelism(**given["parallelism"]), depth=Depth(**given["depth"]))
 
     @classmethod
-    def for_generation(cls, model: "nn.Module", **options: Any) -> "RunConfig":
+    def for_generation(cls, model: "nn.Module", **options: Any) -> "RunConfig[Generation]":
         """The configuration ``estimate_generation(model, **options)`` describes."""
         unknown = sorted(set(options) - set(GENERATION_OPTIONS))
         if unknown:
@@ -253,18 +258,18 @@ class RunConfig:
         target = {name: options[name] for name in _SECTIONS["target"] if name in options}
         generation = {name: options[name] for name in GENERATION_OPTIONS
                       if name in options and name not in target and name != "precision"}
-        return cls(workload=Generation(model=model, **generation), precision=options.get("precision"),
+        return RunConfig(workload=Generation(model=model, **generation), precision=options.get("precision"),
                    target=Target(**target))
 
-    def replace(self, **sections: Any) -> "RunConfig":
+    def replace(self, **sections: Any) -> "RunConfig[W]":
         """A copy with whole sections replaced (``config.replace(workload=...)``)."""
         return dataclasses.replace(self, **sections)
 
-    def with_workload(self, **changes: Any) -> "RunConfig":
+    def with_workload(self, **changes: Any) -> "RunConfig[W]":
         """A copy whose workload has ``changes`` (another model and optimizer, another batch)."""
         return dataclasses.replace(self, workload=dataclasses.replace(self.workload, **changes))
 
-    def with_parallelism(self, **changes: Any) -> "RunConfig":
+    def with_parallelism(self, **changes: Any) -> "RunConfig[W]":
         """A copy whose parallelism has ``changes`` (one rank of a pipeline)."""
         return dataclasses.replace(self, parallelism=dataclasses.replace(self.parallelism, **changes))
 
@@ -304,13 +309,11 @@ OPTIONS: tuple[str, ...] = ("inputs", "targets", "loss_fn", "precision", "device
                             "extrapolate", "step_context", "train_step", "loop")
 
 
-class EstimateOptions(TypedDict, total=False):
-    """The keyword arguments of :func:`memprof.estimate` (each described there), typed: what
-    :meth:`RunConfig.from_options` maps to the sections."""
+class EstimateSettings(TypedDict, total=False):
+    """The keyword arguments of :func:`memprof.estimate` beside what the step runs on (inputs, targets and
+    ``loss_fn``, :class:`EstimateOptions`): what :func:`memprof.simulate.whatif.what_if`, which takes those as the
+    profiled run's, passes on."""
 
-    inputs: Any
-    targets: Any
-    loss_fn: "Callable[..., Any] | None"
     precision: "str | None"
     device: Any
     steps: int
@@ -328,6 +331,15 @@ class EstimateOptions(TypedDict, total=False):
     step_context: "Callable[..., Any] | None"
     train_step: "Callable[..., Any] | None"
     loop: "str | None"
+
+
+class EstimateOptions(EstimateSettings, total=False):
+    """The keyword arguments of :func:`memprof.estimate` (each described there), typed: what
+    :meth:`RunConfig.from_options` maps to the sections."""
+
+    inputs: Any
+    targets: Any
+    loss_fn: "Callable[..., Any] | None"
 
 
 class GenerationOptions(TypedDict, total=False):

@@ -100,7 +100,7 @@ class Device:
     capability: tuple[int, int] = ASSUMED_CAPABILITY
     cudnn: int = CUDNN_VERSION
     cuda: int = CUDA_MAJOR
-    enabled: frozenset = frozenset({FLASH, EFFICIENT, CUDNN, MATH})
+    enabled: frozenset[str] = frozenset({FLASH, EFFICIENT, CUDNN, MATH})
     #: The order set with sdpa_kernel(..., set_priority=True); None: torch's default, which the device reorders.
     order: "tuple[str, ...] | None" = None
     deterministic: bool = False
@@ -112,7 +112,7 @@ def device(capability: "tuple[int, int] | None", forced: "str | None" = None) ->
     """The :class:`Device` for a GPU of ``capability`` (None: :data:`ASSUMED_CAPABILITY`), with the switches torch
     reads at run time as this process has them; ``forced`` enables that backend alone, as
     ``sdpa_kernel([backend])`` does."""
-    cuda = torch.backends.cuda
+    cuda: Any = torch.backends.cuda  # Any: its switches (flash_sdp_enabled() ...) are untyped in torch's source
     enabled = {b for b, on in ((FLASH, cuda.flash_sdp_enabled()), (EFFICIENT, cuda.mem_efficient_sdp_enabled()),
                                (CUDNN, cuda.cudnn_sdp_enabled()), (MATH, cuda.math_sdp_enabled())) if on}
     order = tuple(_BACKENDS[i] for i in torch._C._get_sdp_priority_order() if i in _BACKENDS)
@@ -200,7 +200,7 @@ def _enabled(backend: str, name: str) -> Callable[[Call, Device], bool]:
     return check_runtime_disabled
 
 
-def _dtypes(c: Call, allowed: tuple) -> bool:
+def _dtypes(c: Call, allowed: tuple[torch.dtype, ...]) -> bool:
     """``check_tensor_dtype``: q, k and v of one dtype, among ``allowed``."""
     return c.q.dtype == c.k.dtype == c.v.dtype and c.q.dtype in allowed
 

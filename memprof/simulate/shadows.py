@@ -20,7 +20,7 @@ alive past its real lifetime and move the peaks the simulation measures.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, TypeGuard
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -55,7 +55,17 @@ _WORDS = {_aten._local_scalar_dense.default: "item()", _aten.is_nonzero.default:
 _PRUNE_EVERY = 1024  # slow-path ops between sweeps of storages that died
 
 
-def shape_only(t: Any) -> bool:
+class _StorageRef(Protocol):
+    """A weak reference to a storage: has the storage died?"""
+
+    def expired(self) -> bool: ...
+
+
+#: torch's StorageWeakRef, whose source has no annotations, typed here once.
+_storage_ref: Callable[[torch.UntypedStorage], _StorageRef] = StorageWeakRef
+
+
+def shape_only(t: object) -> TypeGuard[torch.Tensor]:
     """A tensor without data: a fake tensor or a meta tensor."""
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -66,8 +76,8 @@ class ShadowStore:
     """Real CPU values for shape-only storages, keyed by storage and held only while the storage lives."""
 
     def __init__(self) -> None:
-        self.shadows: dict[int, tuple[StorageWeakRef, torch.UntypedStorage]] = {}
-        self.lazy: dict[int, tuple[StorageWeakRef, Callable[[], torch.Tensor]]] = {}
+        self.shadows: dict[int, tuple[_StorageRef, torch.UntypedStorage]] = {}
+        self.lazy: dict[int, tuple[_StorageRef, Callable[[], torch.Tensor]]] = {}
         #: True once a router call was answered: from then on factories are noted (a dense model never is).
         self.routed = False
 
@@ -94,7 +104,7 @@ class ShadowStore:
         """Give shape-only ``fake`` the values ``real`` (a real CPU tensor of its shape)."""
         st = fake.untyped_storage()
         with _no_dispatch():
-            storage = torch.UntypedStorage(st.nbytes())
+            storage = torch.UntypedStorage(st.nbytes())  # type: ignore[no-untyped-call]  # its __init__ is untyped
             view = torch.empty(0, dtype=fake.dtype).set_(storage, fake.storage_offset(), fake.shape, fake.stride())
             try:
                 view.copy_(real)
@@ -102,7 +112,7 @@ class ShadowStore:
                 if is_interrupt(failure):
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 return
-        self.shadows[st._cdata] = (StorageWeakRef(st), storage)
+        self.shadows[st._cdata] = (_storage_ref(st), storage)
 
     def drop(self, fake: torch.Tensor) -> None:
         """``fake`` was written with values the simulation does not have."""
@@ -110,7 +120,7 @@ class ShadowStore:
         self.lazy.pop(key, None)
         self.shadows.pop(key, None)
 
-    def note_factory(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def note_factory(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Remember how to make the values of factory output ``out``, without holding any shape-only tensor."""
         if not shape_only(out):
             return
@@ -123,9 +133,10 @@ class ShadowStore:
         def thunk() -> torch.Tensor:
             a, k = pytree.tree_map(lambda x: x.real() if isinstance(x, _Layout) else x, kept,
                                    is_leaf=lambda x: isinstance(x, _Layout))
-            return func(*a, **k, device="cpu") if _takes_device(func) else func(*a, **k)
+            made: torch.Tensor = func(*a, **k, device="cpu") if _takes_device(func) else func(*a, **k)
+            return made
 
-        self.lazy[out.untyped_storage()._cdata] = (StorageWeakRef(out.untyped_storage()), thunk)
+        self.lazy[out.untyped_storage()._cdata] = (_storage_ref(out.untyped_storage()), thunk)
 
     def prune(self) -> None:
         self.shadows = {k: v for k, v in self.shadows.items() if not v[0].expired()}
@@ -135,7 +146,7 @@ class ShadowStore:
 class _Layout:
     __slots__ = ("shape", "stride", "dtype")
 
-    def __init__(self, shape: tuple, stride: tuple, dtype: torch.dtype) -> None:
+    def __init__(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> None:
         self.shape, self.stride, self.dtype = shape, stride, dtype
 
     def real(self) -> torch.Tensor:
@@ -146,7 +157,7 @@ def _takes_device(func: Any) -> bool:
     return any(a.name == "device" for a in func._schema.arguments)
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place (its schema's mutable arguments)."""
     out: list[torch.Tensor] = []
     for i, a in enumerate(func._schema.arguments):
@@ -156,12 +167,12 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
-class ValueShadows(TorchDispatchMode):
+class ValueShadows(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """The dispatch mode of a simulation: the target's ``_grouped_mm`` (:mod:`memprof.simulate.grouped_mm`),
     and value shadows (the module's docstring). ``target`` is the device type the figures are for."""
 
     def __init__(self, target: str) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
         self.target = target
         self.store = ShadowStore()
         self.grouped_mm = 0  # _grouped_mm calls simulated
@@ -185,7 +196,7 @@ class ValueShadows(TorchDispatchMode):
             return func(*args, **kwargs)
         return self._shadowed(func, tuple(args), kwargs)
 
-    def _shadowed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _shadowed(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         store = self.store
         self._slow += 1
         if self._slow % _PRUNE_EVERY == 0:

@@ -31,7 +31,7 @@ from ..errors import MemprofError, is_interrupt
 from . import held_signals
 from .failures import simulation_error
 from .ranks import RankLayout
-from .run import RunConfig
+from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
 from .twin import Twin, casting, converted, meta_optimizer
 from .user_step import UserStep
@@ -56,7 +56,7 @@ class Prepared:
     layout: "RankLayout | None"
 
 
-def simulate(config: RunConfig) -> "Estimate":
+def simulate(config: "RunConfig[Workload]") -> "Estimate":
     """The estimate ``config`` describes: one rank, every pipeline rank class (the worst returned, all listed), and
     with ``extrapolate=`` the model cut to three depths and extended."""
     from .depth import extrapolated
@@ -64,7 +64,7 @@ def simulate(config: RunConfig) -> "Estimate":
 
     p = config.parallelism
 
-    def at_rank(cfg: RunConfig, r: "int | None", kept: "list | None" = None) -> "Estimate":
+    def at_rank(cfg: "RunConfig[Workload]", r: "int | None", kept: "list[Any] | None" = None) -> "Estimate":
         if not p.on_fake_ranks:
             return one_rank(cfg, None, kept)
         w = cfg.workload
@@ -98,19 +98,19 @@ def simulate(config: RunConfig) -> "Estimate":
 #: many batches, and a run whose stream does not repeat per block at one batch does not at the next. A model
 #: changed in place since is another run only where what the key holds changed; the cost of a stale entry is
 #: the whole model simulated, the figures the same.
-_NOT_CUT: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
+_NOT_CUT: "weakref.WeakKeyDictionary[nn.Module, set[Any]]" = weakref.WeakKeyDictionary()
 
 
-def _depth_key(config: RunConfig, rank: "int | None") -> tuple:
+def _depth_key(config: "RunConfig[Workload]", rank: "int | None") -> tuple[Any, ...]:
     """What a run is, the batch aside, for :data:`_NOT_CUT`: every setting but the inputs, objects by identity."""
     w, t, p = config.workload, config.target, config.parallelism
     return (config.precision, str(t.device), str(t.gpu), str(t.alloc_conf), t.attention, p.world_size, p.parallel,
             id(p.parallelize), repr(p.mesh), id(p.pipeline), rank, id(w.optimizer), id(w.loss_fn), w.steps,
             id(w.step_context), repr(w.routing), id(w.train_step), w.loop,
-            tuple((n, tuple(q.shape), q.dtype, q.requires_grad) for n, q in w.model.named_parameters()))
+            tuple((n, tuple[Any, ...](q.shape), q.dtype, q.requires_grad) for n, q in w.model.named_parameters()))
 
 
-def one_rank(config: RunConfig, ranks: "ParallelRun | None", kept: "list | None" = None) -> "Estimate":
+def one_rank(config: "RunConfig[Workload]", ranks: "ParallelRun | None", kept: "list[Any] | None" = None) -> "Estimate":
     """Stages 1, 3 and 4 for one rank (``ranks``: the rank's fake process group, entered; None for a single
     process or a ``parallel=`` layout). With ``kept`` (a list) a CUDA target's stream is not replayed: its
     recorded stream and the replay to run on a stream like it are appended to ``kept`` instead
@@ -121,7 +121,7 @@ def one_rank(config: RunConfig, ranks: "ParallelRun | None", kept: "list | None"
         return replayed(config, prepared, prof, ranks, kept)
 
 
-def target_twin(config: RunConfig, ranks: "ParallelRun | None") -> Prepared:
+def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> Prepared:
     """Stage 1: the twin, its optimizer, the step's inputs and the step itself."""
     from .device_memory import check_target
 
@@ -159,7 +159,8 @@ def target_twin(config: RunConfig, ranks: "ParallelRun | None") -> Prepared:
     return Prepared(twin, optimizer, step, notes, gpu, layout)
 
 
-def profiled_steps(config: RunConfig, prepared: Prepared, ranks: "ParallelRun | None") -> "SimulatedProfile":
+def profiled_steps(config: "RunConfig[Workload]", prepared: Prepared,
+                   ranks: "ParallelRun | None") -> "SimulatedProfile":
     """Stage 3: the steps, under the collector, with the twin's rules above and beneath the ops and a ``parallel=``
     layout played on the run."""
     from ..collect.simulated import SimulatedProfile
@@ -223,8 +224,8 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
             step.loss = None  # the loop has ended: its last loss is released (inside the profiled run)
 
 
-def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
-             ranks: "ParallelRun | None", kept: "list | None" = None) -> "Estimate":
+def replayed(config: "RunConfig[Workload]", prepared: Prepared, prof: "SimulatedProfile",
+             ranks: "ParallelRun | None", kept: "list[Any] | None" = None) -> "Estimate":
     """Stage 4: the record of the run as the rank holds it, its notes, and for a CUDA target the device replay and
     the fit verdict."""
     from .device_memory import on_device
@@ -250,7 +251,8 @@ def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
     gpu, conf, world = prepared.gpu, config.target.alloc_conf, config.parallelism.world_size
 
     def replay(e: "Estimate", recorded: Any) -> "Estimate":
-        return on_device(e, recorded, gpu=gpu, alloc_conf=conf, world_size=world, model=w.model)
+        out: Estimate = on_device(e, recorded, gpu=gpu, alloc_conf=conf, world_size=world, model=w.model)
+        return out
 
     if kept is not None:
         kept.append((prof.recorded_stream(), replay))
@@ -258,7 +260,7 @@ def replayed(config: RunConfig, prepared: Prepared, prof: "SimulatedProfile",
     return replay(est, prof.recorded_stream())
 
 
-def _loop_notes(config: RunConfig, prepared: Prepared) -> list[str]:
+def _loop_notes(config: "RunConfig[Workload]", prepared: Prepared) -> list[str]:
     """What the notes say of the training loop the simulation ran."""
     w = config.workload
     if isinstance(prepared.step, UserStep):

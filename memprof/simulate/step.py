@@ -71,7 +71,8 @@ def _call(model: nn.Module, inputs: Any) -> Any:
 
 def _loss(out: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
     if loss_fn is not None:
-        return loss_fn(out, targets) if targets is not None else loss_fn(out)
+        loss: torch.Tensor = loss_fn(out, targets) if targets is not None else loss_fn(out)  # the user's function
+        return loss
     first = out
     while isinstance(first, (tuple, list)) and first:
         first = first[0]
@@ -138,7 +139,7 @@ class TrainingStep:
             raise InvalidArgumentError(f"the loss must be a scalar tensor to call backward() on, got {shape}; "
                                        "reduce it in loss_fn (for example .mean())")
         self.loss = loss  # the previous step's loss is released here, as a loop's rebinding of the name releases it
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()  # type: ignore[no-untyped-call]  # Tensor's is untyped
         del loss  # self.loss holds it through the optimizer step
 
 

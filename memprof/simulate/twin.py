@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -34,11 +34,15 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+#: How a data-less twin of a tensor is made (on meta, or fake on the CPU).
+Maker = Callable[[torch.Tensor], torch.Tensor]
+
+
 def _meta_maker(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta")
 
 
-def casting(make: Any, dtype: torch.dtype) -> Any:
+def casting(make: Maker, dtype: torch.dtype) -> Maker:
     """``make``, with floating tensors made in ``dtype`` (same shape and strides)."""
     def cast(t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point() and t.dtype != dtype:
@@ -47,7 +51,7 @@ def casting(make: Any, dtype: torch.dtype) -> Any:
     return cast
 
 
-def _fake_maker(mode: Any) -> Any:
+def _fake_maker(mode: Any) -> Maker:
     def make(t: torch.Tensor) -> torch.Tensor:
         with mode:
             # Same shape, dtype and strides as the original, on the CPU, with no data.
@@ -55,7 +59,7 @@ def _fake_maker(mode: Any) -> Any:
     return make
 
 
-def _shadow_copy(model: nn.Module, make: Any) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+def _shadow_copy(model: nn.Module, make: Maker) -> tuple[nn.Module, dict[int, torch.Tensor]]:
     # deepcopy with a memo that maps every parameter and buffer to a data-less
     # twin (meta or fake): structure and tying are kept, no data is copied.
     memo: dict[int, Any] = {}
@@ -95,8 +99,10 @@ def meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, tor
                 hyper["fused"] = None
                 notes.append("fused optimizer simulated unfused: its real step keeps no temporaries")
             groups.append({**hyper, "params": params})
+        # The optimizer's own class, built as a user builds it: its constructor (not Optimizer's) gives the defaults.
+        rebuilt: Callable[..., torch.optim.Optimizer] = type(optimizer)
         try:
-            return type(optimizer)(groups)
+            return rebuilt(groups)
         except Exception as exc:
             if is_interrupt(exc):
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
@@ -114,7 +120,7 @@ def meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, tor
     )
 
 
-def converted(obj: Any, make: Any, seen: dict[int, torch.Tensor]) -> Any:
+def converted(obj: Any, make: Maker, seen: dict[int, torch.Tensor]) -> Any:
     if obj is None:
         return None
     if isinstance(obj, torch.Tensor):

@@ -53,14 +53,14 @@ def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-class LoopValues(TorchDispatchMode):
+class LoopValues(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """Answers the values a training step reads from shape-only tensors outside the model's forward: 0 (``0.0``,
     ``0``, ``False``), counted by call site for the notes. Entered beneath the collector, so that the collector sees
     the read as in a real run. ``in_forward`` says whether the model's forward runs now (a read there is the
     model's value-dependent code, refused as without a training step)."""
 
     def __init__(self, in_forward: Callable[[], bool]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
         self.in_forward = in_forward
         #: (what was read, where) -> how many times.
         self.answered: dict[tuple[str, str], int] = {}
@@ -94,7 +94,7 @@ class LoopValues(TorchDispatchMode):
                 "of 0 takes every optimizer step, the most memory); what it logged is not the real value"]
 
 
-class DeviceQueries(TorchDispatchMode):
+class DeviceQueries(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """Above the collector: a fake tensor's ``device`` asked from C++ (indexing it, ``x.to(...)`` in the step's own
     code) is the op ``prim.device``, which the real tensor answers without an op. Answered here, it never reaches
     the collector, whose op count would otherwise make an "other" phase of a step's code that touches no memory,
@@ -194,7 +194,7 @@ class UserStep:
     @contextlib.contextmanager
     def above(self) -> Iterator[None]:
         """Entered above the collector and the twin's rules: :class:`DeviceQueries`."""
-        with DeviceQueries():
+        with DeviceQueries():  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__, which it keeps, is untyped
             yield
 
     def notes(self) -> list[str]:

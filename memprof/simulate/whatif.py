@@ -9,7 +9,7 @@ data-less copy: the user's model is not touched), a precision, a data-parallel l
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 from typing_extensions import Unpack
 
@@ -20,12 +20,12 @@ from ..errors import InvalidArgumentError
 from ..record.estimate import WhatIf
 from ..record.trace import Trace
 from ..vocabulary import Category
-from .run import EstimateOptions
+from .run import EstimateSettings
 
 __all__ = ["WhatIf", "WhatIfOptions", "what_if"]
 
 
-class WhatIfOptions(EstimateOptions, total=False):
+class WhatIfOptions(EstimateSettings, total=False):
     """The changes :func:`what_if` takes beside :func:`memprof.estimate`'s keyword arguments."""
 
     checkpointing: "bool | None"
@@ -53,10 +53,10 @@ def what_if(trace: Trace, model: nn.Module, optimizer: Any = None, *, inputs: An
     precision, parallel = options.pop("precision", None), options.pop("parallel", None)
     world_size, device = options.pop("world_size", None), options.pop("device", None)
 
-    changes = [(k, v) for k, v in (("checkpointing", checkpointing), ("precision", precision),
+    changed = [(k, v) for k, v in (("checkpointing", checkpointing), ("precision", precision),
                                    ("parallel", parallel), ("world_size", world_size),
                                    ("batch_size", batch_size)) if v is not None]
-    if not changes:
+    if not changed:
         raise InvalidArgumentError("what_if() needs a change: checkpointing=, precision=, parallel=, world_size= or "
                                    "batch_size=")
     run = trace.distributed
@@ -78,7 +78,7 @@ def what_if(trace: Trace, model: nn.Module, optimizer: Any = None, *, inputs: An
     base_bytes = None if any(base[c] is None for c in _TENSORS) else sum(base[c] or 0 for c in _TENSORS)
     return WhatIf(trace=est.trace, precision=est.precision, device=est.device, notes=est.notes,
                   device_memory=est.device_memory, baseline=base, baseline_peak_bytes=base_bytes,
-                  changes=tuple(changes))
+                  changes=tuple(changed))
 
 
 _TENSORS = tuple(c for c in Category if c not in (Category.ALLOCATOR_OVERHEAD, Category.OUTSIDE_TORCH))
@@ -107,7 +107,9 @@ def _rebuilt(optimizer: torch.optim.Optimizer, model: nn.Module, clone: nn.Modul
     twin = {id(p): q for p, q in zip(model.parameters(), clone.parameters())}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [twin[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
-    return type(optimizer)(groups)
+    # The optimizer's own class, built as a user builds it: its constructor (not Optimizer's) gives the defaults.
+    rebuilt: Callable[..., torch.optim.Optimizer] = type(optimizer)
+    return rebuilt(groups)
 
 
 def _resized(inputs: Any, targets: Any, batch_size: int) -> tuple[Any, Any]:

@@ -317,6 +317,7 @@ def test_a_training_scripts_own_arguments_are_taken():
 def test_the_device_replay_keeps_fsdp1s_side_streams_apart():
     import dataclasses
 
+    from memprof.collect.streams import StreamUse
     from memprof.simulate.device_memory import replay_of
 
     _b, _u, x, y, loss_fn = MODELS["transformer"]
@@ -326,7 +327,42 @@ def test_the_device_replay_keeps_fsdp1s_side_streams_apart():
     assert torch.cpu.stream is native
     replay = replay_of(est.device_memory)
     # FSDP1's unshard, pre-unshard and post-backward streams, entered through its device handle (torch.cpu).
-    assert len({stream for _seq, stream in replay.switches if stream}) == 3
-    one_pool = dataclasses.replace(replay, switches=())
+    assert len({stream for _seq, stream in replay.streams.switches if stream}) == 3
+    one_pool = dataclasses.replace(replay, streams=StreamUse(held=replay.streams.held))
     assert replay.figures()[0] > one_pool.figures()[0]  # blocks cached per stream: more reserved than one pool
+    # Each unit's gathered flat parameter (3 units: two blocks and the root) is held after its free, two in flight
+    # (limit_all_gathers=True, FSDP1's default), and holding them reserves no less than freeing them at once.
+    assert sorted(limit for _key, limit in replay.streams.held) == [2, 2, 2]
+    freed_at_once = dataclasses.replace(replay, streams=StreamUse(switches=replay.streams.switches))
+    assert replay.figures()[0] >= freed_at_once.figures()[0]
     assert any("record_stream" in n and "limit_all_gathers" in n for n in est.notes)
+
+
+def test_gathered_units_wait_for_their_events_on_the_device():
+    # Three FSDP1 units of one 2048 x 2048 fp32 Linear each (16 MiB + 8 KiB of bias, gathered whole on each of 2
+    # ranks): each gather is a large block of its own segment. Held after their frees (record_stream, two in flight
+    # under limit_all_gathers), a forward's second gather cannot reuse the first's block: the replay reserves more
+    # than with every gathered block freed at once.
+    import dataclasses
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from memprof.collect.streams import StreamUse
+    from memprof.simulate.device_memory import replay_of
+
+    def units(model, mesh):
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_mesh=mesh,
+                                        device_id=torch.device("cpu"))
+
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(3)))
+    x = torch.empty(4, 2048, device="meta")
+    est = memprof.estimate(model, lambda ps: torch.optim.SGD(ps, lr=0.1), inputs=x, world_size=2,
+                           parallelize=units, gpu="h100")
+    replay = replay_of(est.device_memory)
+    assert len(replay.streams.held) == 3
+    freed_at_once = dataclasses.replace(replay, streams=StreamUse(switches=replay.streams.switches))
+    held, at_once = replay.figures()[0], freed_at_once.figures()[0]
+    assert held - at_once >= 16 * 2**20  # at least one more unit's gathered block
+    assert held - replay.outside == est.device_memory.peak_reserved

@@ -14,6 +14,7 @@ import torch
 
 import memprof
 from memprof.anatomy.alloc_config import AllocatorConfig
+from memprof.collect.streams import StreamUse
 from memprof.simulate.alloc_stream import FREE, replay_stream
 from memprof.simulate.device_memory import replay_of
 
@@ -29,8 +30,8 @@ def test_a_block_freed_on_a_side_stream_is_not_taken_by_the_current_stream():
     # segment of its own: 20 + 20 = 40 MiB reserved.
     stream = [(1, 100, 20 * MiB), (2, 100, FREE), (3, 200, 20 * MiB)]
     one_pool = replay_stream(stream, [3], AllocatorConfig())[1]
-    switches = [(0, 1), (1, 0)]  # stream 1 current before seq 1 was made, stream 0 again before seq 2
-    two_pools = replay_stream(stream, [3], AllocatorConfig(), switches=switches)[1]
+    switches = ((0, 1), (1, 0))  # stream 1 current before seq 1 was made, stream 0 again before seq 2
+    two_pools = replay_stream(stream, [3], AllocatorConfig(), streams=StreamUse(switches=switches))[1]
     assert (one_pool.peak_reserved, two_pools.peak_reserved) == (20 * MiB, 40 * MiB)
     assert one_pool.peak_allocated == two_pools.peak_allocated == 20 * MiB
 
@@ -43,9 +44,9 @@ def test_a_switch_places_only_storages_made_after_it():
     # 2 x 12 = 24 MiB. A switch applied to the storage made at its own seq would put seq 4 (or 8) on stream 1, and
     # one of the later requests would find no block of its stream: 36 MiB.
     stream = [(4, 1, 12 * MiB), (5, 2, 12 * MiB), (6, 1, FREE), (7, 2, FREE), (8, 3, 12 * MiB), (9, 4, 12 * MiB)]
-    alloc = replay_stream(stream, [9], AllocatorConfig(), switches=[(4, 1), (5, 0), (8, 1)])[1]
+    alloc = replay_stream(stream, [9], AllocatorConfig(), streams=StreamUse(switches=((4, 1), (5, 0), (8, 1))))[1]
     assert alloc.peak_reserved == 24 * MiB
-    moved = replay_stream(stream, [9], AllocatorConfig(), switches=[(3, 1), (5, 0), (8, 1)])[1]
+    moved = replay_stream(stream, [9], AllocatorConfig(), streams=StreamUse(switches=((3, 1), (5, 0), (8, 1))))[1]
     assert moved.peak_reserved == 36 * MiB  # seq 4 now made after the switch to stream 1
 
 
@@ -64,9 +65,9 @@ def test_an_fsdp2_rank_replays_its_collectives_on_their_streams_and_reserves_mor
     assert torch.cpu.stream is native  # the noting context is gone after the estimate
     replay = replay_of(est.device_memory)
     assert replay is not None
-    sides = {stream for _seq, stream in replay.switches if stream}
+    sides = {stream for _seq, stream in replay.streams.switches if stream}
     assert len(sides) >= 2  # the all-gather copy-in stream and the reduce-scatter stream at least
-    one_pool = dataclasses.replace(replay, switches=())
+    one_pool = dataclasses.replace(replay, streams=StreamUse())
     with_streams, without = replay.figures()[0], one_pool.figures()[0]
     # The same storages at the same moments: allocated is the same; reserved only grows with more pools.
     assert with_streams > without
@@ -84,3 +85,19 @@ def test_the_noting_context_is_gone_when_the_step_raises():
         memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS, train_step=failing,
                          world_size=2, rank=0, parallelize=_fsdp, gpu="h100")
     assert torch.cpu.stream is native
+
+
+def test_held_storages_wait_for_their_events_as_a_rate_limiter_allows():
+    # FSDP1's gathered flat parameters, three units of 20 MiB gathered (resized up) and freed (resized to 0) in
+    # turn. Each free waits for its events; the limiter (2) lets two wait, and a gather while two wait releases the
+    # oldest first. Gather A; free A (A waits); gather B: a new segment (A is not reusable), free B (A, B wait);
+    # gather C: two wait, A released first and reused: reserved 40 MiB. Unheld, every gather reuses one block:
+    # 20 MiB. Unlimited (the CPU ahead of every unit), all three wait: 60 MiB.
+    stream = [(1, 10, 20 * MiB), (2, 10, 0), (3, 11, 20 * MiB), (4, 11, 0), (5, 12, 20 * MiB), (6, 12, 0)]
+    held = StreamUse(held=((10, 2), (11, 2), (12, 2)))
+    assert replay_stream(stream, [6], AllocatorConfig())[1].peak_reserved == 20 * MiB
+    limited = replay_stream(stream, [6], AllocatorConfig(), streams=held)[1]
+    assert (limited.peak_reserved, limited.peak_allocated) == (40 * MiB, 20 * MiB)
+    assert limited.peak_active == 40 * MiB  # A awaiting while B was made
+    unlimited = StreamUse(held=((10, 3), (11, 3), (12, 3)))
+    assert replay_stream(stream, [6], AllocatorConfig(), streams=unlimited)[1].peak_reserved == 60 * MiB

@@ -61,6 +61,31 @@ def test_load_refuses_foreign_json_shapes(tmp_path):
             memprof.load(p)
 
 
+def test_a_trace_is_built_with_the_count_of_its_steps():
+    # Trace.num_steps is an int, never None to be filled in later: whoever builds a trace says how many steps ran
+    # (the collector its count, the loader what a file says or, for schema 1 and 2 files, what it holds and names).
+    t = full_trace()
+    given = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name != "num_steps"}
+    with pytest.raises(TypeError, match="num_steps"):
+        Trace(**given)
+    assert Trace(**given, num_steps=t.num_steps) == t
+
+
+def test_a_file_that_does_not_say_how_many_steps_ran_counts_those_it_holds_and_names():
+    # A schema 2 file wrote no num_steps: the loader counts them. This one holds step 0 in full, its peak and its
+    # last sample are in step 0, and its forward statistics count 5 phases (one a step at most): max(1, 0, 0, 5).
+    data = full_trace().to_dict()
+    data["schema_version"] = 2
+    del data["num_steps"]
+    assert [s["index"] for s in data["steps"]] == [0] and data["peak_step"] == 0
+    assert data["timeline"][-1]["step"] == 0 and [p["count"] for p in data["phase_stats"]] == [5]
+    loaded = Trace.from_dict(data)
+    assert loaded.num_steps == 5 and type(loaded.num_steps) is int
+    # Without the statistics, the step held is all it has: one step ran.
+    data["phase_stats"] = []
+    assert Trace.from_dict(data).num_steps == 1
+
+
 def test_a_schema_1_file_written_by_memprof_0_1_still_loads_and_reconciles():
     # Written by the previous version (schema 1: formula results stored in the facts) for
     # Linear(16, 32) + ReLU + Linear(32, 4), 676 fp32 parameters, AdamW, two steps.

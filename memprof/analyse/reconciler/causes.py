@@ -40,10 +40,11 @@ NO_PERSISTENT_COPY = ("no persistent 16-bit copy",
 
 
 def no_persistent_16bit_copy(ctx: Context) -> list[Cause]:
-    m, f = ctx.measured, ctx.formula
+    w = ctx.pair(W)
     # HF's "mixed precision" keeps a 16-bit copy of every weight; torch.autocast does not.
-    if ctx.precision == "mixed" and ctx.both(W) and m[W] < f[W]:
-        return [Cause(W, NO_PERSISTENT_COPY[0], -min(f[W] - m[W], 2 * ctx.trace.facts.num_params),
+    if ctx.precision == "mixed" and w is not None and w[0] < w[1]:
+        mw, fw = w
+        return [Cause(W, NO_PERSISTENT_COPY[0], -min(fw - mw, 2 * ctx.trace.facts.num_params),
                       NO_PERSISTENT_COPY[1])]
     return []
 
@@ -66,33 +67,35 @@ def sharded_rank(ctx: Context) -> list[Cause]:
 
 
 def gradients_missing(ctx: Context) -> list[Cause]:
-    m, f = ctx.measured, ctx.formula
-    if not (ctx.both(G) and m[G] < f[G]):
+    g = ctx.pair(G)
+    if g is None or not g[0] < g[1]:
         return []
-    if m[G] == 0 and ctx.phase in (Phase.FORWARD, Phase.OTHER):
-        return [Cause(G, "gradients not allocated", -f[G],
+    mg, fg = g
+    if mg == 0 and ctx.phase in (Phase.FORWARD, Phase.OTHER):
+        return [Cause(G, "gradients not allocated", -fg,
                       "zero_grad(set_to_none=True) freed the gradients and backward had not produced them "
                       "yet at this moment")]
     if ctx.phase is Phase.BACKWARD:
-        what = "none of the gradients" if m[G] == 0 else "only part of the gradients"
-        return [Cause(G, "backward in progress", m[G] - f[G],
+        what = "none of the gradients" if mg == 0 else "only part of the gradients"
+        return [Cause(G, "backward in progress", mg - fg,
                       f"backward had produced {what} when the peak occurred (zero_grad(set_to_none=True) "
                       "frees them every step)")]
     return []
 
 
 def lazy_optimizer_state(ctx: Context) -> list[Cause]:
-    m, f = ctx.measured, ctx.formula
-    if not (ctx.both(O) and m[O] < f[O]):
+    o = ctx.pair(O)
+    if o is None or not o[0] < o[1]:
         return []
+    mo, fo = o
     first_opt = next((p for p in ctx.trace.phases if p.phase is Phase.OPTIMIZER), None)
     before_first = first_opt is None or (ctx.rec is not None and (ctx.rec.step, _order(ctx.rec)) <
                                          (first_opt.step, _order(first_opt)))
-    if m[O] == 0 and before_first:
-        return [Cause(O, "state created lazily", -f[O],
+    if mo == 0 and before_first:
+        return [Cause(O, "state created lazily", -fo,
                       "torch optimizers create their state inside the first step(); this moment came before it")]
     if ctx.phase is Phase.OPTIMIZER and ctx.rec is not None and ctx.rec.step == (first_opt.step if first_opt else -1):
-        return [Cause(O, "state created lazily", m[O] - f[O],
+        return [Cause(O, "state created lazily", mo - fo,
                       "the first step() was still creating the state at this moment")]
     return []
 
@@ -105,8 +108,9 @@ def released_by_backward(ctx: Context) -> list[Cause]:
     m = ctx.measured
     # What checkpointed regions saved when backward recomputed them is new, not the forward's: apart.
     now = (m[A] or 0) - ctx.tags.get("recomputed_for_backward", 0)
-    if fwd is not None and ctx.both(A) and now < fwd.end[A]:
-        return [Cause(A, "released by backward", now - fwd.end[A],
+    saved = fwd.end[A] if fwd is not None else None
+    if saved is not None and ctx.both(A) and now < saved:
+        return [Cause(A, "released by backward", now - saved,
                       "backward frees each saved tensor once its node has run; at this moment it had "
                       "released this much of what the forward saved")]
     return []
@@ -251,10 +255,10 @@ def saved_outside_the_model(ctx: Context) -> list[Cause]:
 
 
 def for_loop_step_bound(ctx: Context) -> list[Cause]:
-    m, f = ctx.measured, ctx.formula
-    if (ctx.phase is Phase.OPTIMIZER and ctx.both(T) and m[T] < f[T]
+    t = ctx.pair(T)
+    if (ctx.phase is Phase.OPTIMIZER and t is not None and t[0] < t[1]
             and ctx.trace.optimizer_implementation == "for-loop"):
-        return [Cause(T, "for-loop step is below its bound", m[T] - f[T],
+        return [Cause(T, "for-loop step is below its bound", t[0] - t[1],
                       "the for-loop step's formula is an upper bound (a few times the largest parameter); "
                       "this step needed less")]
     return []
@@ -290,9 +294,9 @@ _NO_FORMULA = {
 def no_formula(ctx: Context) -> list[Cause]:
     """Tensor categories without a formula at this moment count in the total's gap as measured."""
     inference = ctx.phase in (Phase.PREFILL, Phase.DECODE)
-    return [Cause(cat, "no formula", ctx.measured[cat], (_DECODING if inference and cat is T else _NO_FORMULA.get(
+    return [Cause(cat, "no formula", measured, (_DECODING if inference and cat is T else _NO_FORMULA.get(
         cat, "the textbook has no formula for this category: measured, not predicted")))
-        for cat in TENSOR_CATEGORIES if ctx.formula[cat] is None and ctx.measured[cat]]
+        for cat in TENSOR_CATEGORIES if ctx.formula[cat] is None and (measured := ctx.measured[cat])]
 
 
 _DECODING = ("the call's logits (batch x vocabulary per position it keeps) and scratch; a cache that grows by "

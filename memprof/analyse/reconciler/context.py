@@ -68,6 +68,12 @@ class Context:
     def both(self, cat: Category) -> bool:
         return self.measured[cat] is not None and self.formula[cat] is not None
 
+    def pair(self, cat: Category) -> "tuple[int, int] | None":
+        """``cat``'s measured and formula bytes, or None where either is not known (where :meth:`both` is
+        False): what a cause compares, typed as known."""
+        m, f = self.measured[cat], self.formula[cat]
+        return None if m is None or f is None else (m, f)
+
 
 def forward_before(trace: Trace, rec: PhaseRecord) -> "PhaseRecord | None":
     """The forward that a backward record follows: the last forward of its step before it

@@ -10,7 +10,7 @@ the recorded first forward (:mod:`memprof.anatomy.predict`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, cast
+from typing import Any, Mapping
 
 from ...anatomy.activations import transformer_layer_activations
 from ...anatomy.shapes import LayerShape, Parallelism
@@ -217,7 +217,7 @@ def moment_of(trace: Trace, at: Any) -> tuple[Breakdown, "PhaseRecord | None", s
     rec: PhaseRecord | None
     if isinstance(at, tuple):
         step, phase, moment, occurrence = at
-        total = cast(int, trace.num_steps)  # None only until Trace.__post_init__ counts the steps
+        total = trace.num_steps
         if not -total <= step < total:
             raise InvalidArgumentError(f"step {step} is out of range: this run had {total} step(s)")
         index = step + total if step < 0 else step

@@ -66,8 +66,9 @@ def rank_shares(dist: "RankInfo | None", facts: "ModelFacts | None" = None) -> "
 def shard_formula(values: dict[Category, int | None], dist: "RankInfo", facts: "ModelFacts | None" = None) -> None:
     """The rank's part (:func:`rank_shares`) of what its layout shards, in place."""
     for cat, share in rank_shares(dist, facts).items():
-        if values.get(cat) is not None:
-            values[cat] = round_half_away(values[cat] * share)
+        value = values.get(cat)
+        if value is not None:
+            values[cat] = round_half_away(value * share)
 
 
 def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category, str, int, str]]":
@@ -78,35 +79,39 @@ def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category,
     if dist is None or len(trace.param_dtypes) != 1 or (dist.params_per_rank is None and not zero_stage(dist)):
         return []
     itemsize = _ITEMSIZE.get(trace.param_dtypes[0])
-    m, f = ctx.measured, ctx.formula
-    if itemsize is None or not ctx.both(W):
+    w, g, o = ctx.pair(W), ctx.pair(G), ctx.pair(O)
+    if itemsize is None or w is None:
         return []
+    mw = w[0]
+    # The optimizer state where both sides hold some (a formula or measurement of 0 names no cause).
+    state = o if o is not None and o[1] and o[0] else None
     out: list[tuple[Category, str, int, str]] = []
     if dist.sharded_bytes is None:  # sharded by placements (tensor parallelism) or a ZeRO stage: no padding
-        return out + _step_counters(ctx, m[O] - f[O] if ctx.both(O) and f[O] and m[O] else 0)
+        return out + _step_counters(ctx, state[0] - state[1] if state is not None else 0)
     # FSDP stores every parameter padded to a multiple of the shard count: what it holds beyond an even split.
     pad = max(0, dist.sharded_bytes - (dist.even_bytes if dist.even_bytes is not None else dist.sharded_bytes))
     at_rest = trace.facts.weight_bytes  # every parameter as the rank keeps it between steps
-    if pad and m[W] >= at_rest:
+    if pad and mw >= at_rest:
         out.append((W, "padding to the world size", pad,
                     "FSDP1 pads each unit's flat parameter to a multiple of the number of shards; every rank stores "
                     "ceil(elements / shards) of each" if dist.layout == "fsdp1" else
                     "FSDP pads each parameter's first dimension to a multiple of the number of shards; every rank "
                     "stores ceil(rows / shards) rows of each"))
-    gathered = m[W] - at_rest
+    gathered = mw - at_rest
     if gathered > 0:
         out.append((W, "unsharded parameters", gathered,
                     "full parameters all-gathered for the module(s) running at this moment; FSDP frees them "
                     "after the module's forward (reshard_after_forward) and gathers them again in backward"))
-    if ctx.both(G) and f[G] is not None and m[G] > f[G]:
-        gpad = min(m[G] - f[G], pad)  # the reduce-scatter's padded shards, at most the parameters' padding
+    if g is not None and g[0] > g[1]:
+        mg, fg = g
+        gpad = min(mg - fg, pad)  # the reduce-scatter's padded shards, at most the parameters' padding
         if ctx.phase in (Phase.OPTIMIZER, Phase.OTHER) and gpad:
             out.append((G, "padding to the world size", gpad,
                         "the reduce-scatter gives every rank a padded shard of each gradient"))
-        elif ctx.phase is Phase.BACKWARD and m[G] - f[G] - gpad > 0:
-            out.append((G, "unsharded gradients", m[G] - f[G] - gpad,
+        elif ctx.phase is Phase.BACKWARD and mg - fg - gpad > 0:
+            out.append((G, "unsharded gradients", mg - fg - gpad,
                         "gradients of the gathered parameters, held until FSDP reduce-scatters them"))
-    if ctx.both(O) and f[O] and m[O] and k is not None and dist.even_bytes is not None:
+    if state is not None and k is not None and dist.even_bytes is not None:
         # Optimizer state is made like its parameter's local shard (zeros_like): real rows, no padding. With
         # rows that do not divide, lower ranks hold one row more of a parameter than higher ones. FSDP1's
         # parameter is the flat shard itself, padding included: its state is too.
@@ -119,7 +124,7 @@ def sharding_gaps(ctx: "Context", k: "Fraction | None") -> "list[tuple[Category,
                         "ceil(elements / shards) of each unit" if flat else
                         "this rank's real rows differ from an even share: the first ranks hold ceil(rows / shards) "
                         "rows of a parameter, the last ones fewer"))
-        out += _step_counters(ctx, m[O] - f[O] - uneven)
+        out += _step_counters(ctx, state[0] - state[1] - uneven)
     return out
 
 
