@@ -66,6 +66,8 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
         whole, change, _ = _apply(predicted, change, more)
         events, moments, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding)
     except _Stop as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return str(exc)
     except (KeyError, IndexError, ValueError) as exc:  # a token naming no live storage: not this stream's shape
         if is_interrupt(exc):

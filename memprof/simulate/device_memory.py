@@ -322,6 +322,8 @@ def stream_holds(trace: Trace, recorded: Any) -> "str | None":
     try:
         _check_ledger(trace, from_start(recorded.events, first), placed, first, peak, end)
     except AssertionError as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return str(exc)
     return None
 

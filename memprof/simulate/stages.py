@@ -77,8 +77,8 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
             return at_rank(config, r)
         w = config.workload
         run = _depth_key(config, r) if k is None else None
-        failed = _NOT_CUT.get(w.model)
-        if run is not None and failed is not None and run in failed:
+        failed = _not_cut(w.model)
+        if run is not None and run in failed:
             est = at_rank(config, r)  # the default's cuts of this run did not check before: whole at once
             return dataclasses.replace(est, notes=(*est.notes, "depth: simulated whole: the cuts of this model did "
                                                                "not check for this run before (another batch)"))
@@ -86,7 +86,7 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
                            lambda m, opt, kept=None: at_rank(config.with_workload(model=m, optimizer=opt), r, kept),
                            auto=k is None)
         if run is not None and any(n.startswith("depth:") and " was simulated whole, since " in n for n in est.notes):
-            _NOT_CUT.setdefault(w.model, set()).add(run)
+            _remember_not_cut(w.model, run)
         return est
 
     if p.pipeline is not None and p.rank is None:
@@ -98,7 +98,23 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
 #: many batches, and a run whose stream does not repeat per block at one batch does not at the next. A model
 #: changed in place since is another run only where what the key holds changed; the cost of a stale entry is
 #: the whole model simulated, the figures the same.
-_NOT_CUT: "weakref.WeakKeyDictionary[nn.Module, set[Any]]" = weakref.WeakKeyDictionary()
+#: Kept by id with a plain weak reference (no callback, so no Python finaliser of memprof's runs when a model
+#: dies: a WeakKeyDictionary's would), entries of dead models dropped when another is added.
+_NOT_CUT: "dict[int, tuple[weakref.ref[nn.Module], set[Any]]]" = {}
+
+
+def _not_cut(model: nn.Module) -> "set[Any]":
+    entry = _NOT_CUT.get(id(model))
+    return entry[1] if entry is not None and entry[0]() is model else set()
+
+
+def _remember_not_cut(model: nn.Module, run: Any) -> None:
+    for key in [k for k, (ref, _runs) in _NOT_CUT.items() if ref() is None]:
+        del _NOT_CUT[key]
+    entry = _NOT_CUT.get(id(model))
+    if entry is None or entry[0]() is not model:
+        entry = _NOT_CUT[id(model)] = (weakref.ref(model), set())
+    entry[1].add(run)
 
 
 def _depth_key(config: "RunConfig[Workload]", rank: "int | None") -> tuple[Any, ...]:
