@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .checks import corrupt, count, text
-from .jsonform import JSON, Setting
+from .aliases import JSON, Setting
 
 __all__ = ["CacheMoment", "MOMENTS", "spec_data", "frozen_spec"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..errors import is_interrupt
 from .trace import Breakdown
-from .jsonform import Above
+from .aliases import Above
 from .views import show
 
 __all__ = ["DeviceMemory", "fraction_in", "keep_replay"]

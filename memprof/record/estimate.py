@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..vocabulary import TENSOR_CATEGORIES, Category
 from .trace import Breakdown, Trace
-from .jsonform import Above, Setting
+from .aliases import Above, Setting
 from .views import show
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ import types
 import typing
 from typing import Any, Callable, NamedTuple, Protocol, TypeVar
 
-from .jsonform import JSON, JSONObject
+from .aliases import JSON, JSONObject
 from .checks import corrupt, count, flag, mapping, member, optional_count, optional_text, seq, text
 
 __all__ = ["form", "read", "write"]

@@ -28,7 +28,7 @@ import stat
 import tempfile
 from typing import TYPE_CHECKING, NamedTuple
 
-from .jsonform import JSON, JSONObject
+from .aliases import JSON, JSONObject
 from ..errors import InvalidArgumentError, MemprofError, TraceFormatError, TraceNotFoundError, is_interrupt
 
 if TYPE_CHECKING:

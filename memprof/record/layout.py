@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from . import fields as fileform
 from .checks import corrupt
-from .jsonform import JSONObject
+from .aliases import JSONObject
 from .fields import form
 
 __all__ = ["MeshLayout", "ParamGroup"]

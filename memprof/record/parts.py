@@ -10,7 +10,7 @@ from typing import Iterator, Mapping
 
 from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
 from .cache import CacheMoment, frozen_spec, spec_data
-from .jsonform import JSONObject, Setting
+from .aliases import JSONObject, Setting
 from .layout import MeshLayout
 from . import fields as fileform
 from .fields import form

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from .views import show
-from .jsonform import JSONObject
+from .aliases import JSONObject
 
 if TYPE_CHECKING:
     import os

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from . import fields as fileform
 from .checks import corrupt, count, seq, text
-from .jsonform import JSON, JSONObject
+from .aliases import JSON, JSONObject
 from .fields import form
 
 __all__ = ["RouterCall", "RoutingRecord", "MAX_ROUTER_CALLS"]

@@ -17,7 +17,7 @@ from typing import Mapping
 from ..errors import is_interrupt
 from . import fields as fileform
 from .checks import corrupt, count, mapping, seq, text
-from .jsonform import JSON, JSONObject, Setting, UserObject
+from .aliases import JSON, JSONObject, Setting, UserObject
 from .fields import form
 
 __all__ = ["TensorSpec", "NotDescribed", "ModuleCall", "ParamSpec", "OptimizerSpec", "plain_config", "itemsize"]

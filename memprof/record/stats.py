@@ -15,7 +15,7 @@ from typing import Mapping, NamedTuple
 from ..vocabulary import Category, Phase
 from . import fields as fileform
 from .checks import corrupt, optional_count
-from .jsonform import JSONObject
+from .aliases import JSONObject
 from .fields import form
 
 __all__ = ["Stat", "PhaseStats", "STAT_KEYS"]

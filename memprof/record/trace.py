@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar, cas
 from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
 from . import fields as fileform
 from .fields import form
-from .jsonform import JSONObject
+from .aliases import JSONObject
 from .checks import corrupt, count, listed_once, member, optional_count, optional_text, pairs, seq, text
 from ..errors import TraceFormatError, is_interrupt
 from .stats import PhaseStats

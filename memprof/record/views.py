@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import RegistryError
-from .jsonform import Above
+from .aliases import Above
 
 __all__ = ["register", "show", "registered"]
 

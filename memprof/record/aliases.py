@@ -1,10 +1,12 @@
-"""The types of JSON values, as a trace file holds them and as record parts write them.
+"""The type aliases of memprof's torch-free layers: JSON values, as a trace file holds them and as record parts
+write them, and the few values that are truly of any type.
 
 ``JSON`` is any value :func:`json.loads` can return; a record part's ``to_dict`` gives a ``JSONObject``.
 A value read from a file is typed ``object`` until a check in :mod:`.checks` has narrowed it: the file may hold
 anything, and only the checks decide what it is.
 
-The three ``Any`` aliases below are the only ``Any`` of the record layer, each for its reason: a plain setting
+The three ``Any`` aliases below are the only ``Any`` of the torch-free layers (record, analyse, render,
+report), each for its reason: a plain setting
 (``Setting``), an object of a layer above (``Above``) and a user's object (``UserObject``).
 """
 
@@ -23,8 +25,9 @@ JSONObject = dict[str, JSON]
 #: Union either where a field holds it: fields.py would read the union as a field's form to write.
 Setting = Any
 
-#: An object of a class from a layer above record (anatomy, simulate, analyse, report), which record cannot import
-#: (imports run one way, tests/unit/test_layout.py): the docstring where it is used names its class.
+#: An object of a class from a layer above the module that takes it (a GpuSpec that record holds, a Report that
+#: analyse is given), which that module cannot import (imports run one way, tests/unit/test_layout.py): the
+#: docstring where it is used names its class.
 Above = Any
 
 #: A user's object of any type (a tensor of any subclass, a module's attribute), read by duck typing: record
