@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["JSON", "JSONObject", "Setting", "Above", "UserObject"]
+__all__ = ["JSON", "JSONObject", "Setting", "Above", "UserObject", "Drawing"]
 
 JSON = dict[str, "JSON"] | list["JSON"] | str | int | float | bool | None
 JSONObject = dict[str, JSON]
@@ -33,3 +33,7 @@ Above = Any
 #: A user's object of any type (a tensor of any subclass, a module's attribute), read by duck typing: record
 #: imports no torch, and what it reads of the object is checked where it is read.
 UserObject = Any
+
+#: A matplotlib Axes or Figure: matplotlib is an optional import, which mypy is not given (pyproject.toml's
+#: ignore_missing_imports), so its classes are Any to it whatever they are named here.
+Drawing = Any

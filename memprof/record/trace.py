@@ -9,8 +9,9 @@ exactly, which is how reports are saved, loaded and diffed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar, cast
+from typing import Protocol, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar, cast
 
 from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
 from . import fields as fileform
@@ -520,6 +521,25 @@ def _peak_step(data: Mapping[str, object]) -> "int | None":
 def parent_path(path: str) -> str:
     """The path of a module's parent in the model's tree ("" for the root's children and the root)."""
     return path.rpartition(".")[0]
+
+
+class HoldsTrace(Protocol):
+    """Anything holding a Trace as ``.trace``: a :class:`~memprof.Report` (a layer above record), an Estimate."""
+
+    @property
+    def trace(self) -> Trace: ...
+
+
+class HoldsPeak(Protocol):
+    """Anything with a peak breakdown: a Trace, a :class:`~memprof.Report` (a layer above record), an Estimate."""
+
+    @property
+    def peak(self) -> Breakdown: ...
+
+
+#: What the public functions that read a run take: a Trace, a Report (anything holding a Trace as ``.trace``) or
+#: the path of a saved trace.
+TraceSource = Trace | HoldsTrace | str | os.PathLike[str]
 
 
 def as_trace(obj: object) -> Trace:
