@@ -30,7 +30,7 @@ __all__ = ["Merged", "merge"]
 H = TypeVar("H", bound=Hashable)
 
 
-class _RankClass(Protocol):
+class RankClassLike(Protocol):
     """A class of simulated ranks: a :class:`memprof.simulate.pipeline.RankClass`, named by what it has."""
 
     @property
@@ -63,7 +63,7 @@ class Merged:
     #: Simulated ranks: the classes of ranks that hold the same memory
     #: (:class:`memprof.simulate.pipeline.RankClass`: its ranks, the one simulated, its pipeline stages and peak);
     #: ``ranks`` then holds each class's simulated rank. Empty for measured ranks, each of which is its own.
-    classes: "tuple[_RankClass, ...]" = ()
+    classes: "tuple[RankClassLike, ...]" = ()
 
     @property
     def simulated(self) -> bool:
@@ -250,11 +250,11 @@ def _listed(labels: "dict[int, str]", ranks: "list[int]") -> str:
     return ", ".join(labels[r] for r in ranks[:4]) + more + " are"
 
 
-def _expand(items: "list[object]") -> "tuple[list[object], list[_RankClass]]":
+def _expand(items: "list[object]") -> "tuple[list[object], list[RankClassLike]]":
     """Estimates of a pipeline (``.ranks``: every rank class, each with its simulated Trace) in place of the
     classes' traces; a plain estimate of one rank stands for that rank alone (a class of one)."""
     out: list[object] = []
-    classes: list[_RankClass] = []
+    classes: list[RankClassLike] = []
     for item in items:
         held = getattr(item, "ranks", None)
         if not isinstance(item, Estimate) or not isinstance(held, tuple):

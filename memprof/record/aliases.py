@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["JSON", "JSONObject", "Setting", "Above", "UserObject", "Drawing"]
+__all__ = ["JSON", "JSONObject", "Setting", "Above", "UserObject", "Drawing", "Cell"]
 
 JSON = dict[str, "JSON"] | list["JSON"] | str | int | float | bool | None
 JSONObject = dict[str, JSON]
@@ -37,3 +37,7 @@ UserObject = Any
 #: A matplotlib Axes or Figure: matplotlib is an optional import, which mypy is not given (pyproject.toml's
 #: ignore_missing_imports), so its classes are Any to it whatever they are named here.
 Drawing = Any
+
+#: A cell of a pandas DataFrame (a number, a string, NaN, pandas' NA ...): pandas is an optional import, which mypy
+#: is not given either.
+Cell = Any

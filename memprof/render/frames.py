@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..vocabulary import PHASE_MOMENTS, Category, parse_moment
 from ..errors import InvalidArgumentError, NotMeasuredError
+from ..record.aliases import UserObject
 from ..record.trace import as_trace
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ def merged_frame(merged: "Merged") -> "pd.DataFrame":
     return pd.DataFrame(rows).set_index("rank")
 
 
-def snapshot_frame(trace: "Trace", snapshot: Any) -> "pd.DataFrame":
+def snapshot_frame(trace: "Trace", snapshot: UserObject) -> "pd.DataFrame":
     """A real CUDA memory snapshot's active blocks with memprof's category and module, one row each
     (``address``, ``size``, ``requested_size``, ``category``, ``module``, ``device``): see
     :func:`memprof.render.memory_viz.attribute_snapshot`. ``snapshot``: the dict or its pickle's path."""
