@@ -13,7 +13,11 @@ from .random_state import random_state_kept
 
 __all__ = ["same_as"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., Any])  # Any: the decorated function's own return, whatever it is
+
+#: An argument a public function passes on unchanged to the function that does the work (``same_as``'s
+#: ``wrapped``), which checks it and whose signature ``help()`` shows: the wrapper neither reads nor narrows it.
+Forwarded = Any
 
 
 def same_as(wrapped: Callable[..., Any]) -> Callable[[F], F]:
