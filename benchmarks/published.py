@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/published.py                      # every row of benchmarks/published_rows.json
     python benchmarks/published.py --quick              # 3 rows, a smoke test (the smallest set-ups)
+    python benchmarks/published.py --quick --layers 2   # the same rows' code paths on 2-layer models (the suite's)
     python benchmarks/published.py --rows bert-l-fp32-b4 --json out.json --markdown out.md
 
 Each row of ``published_rows.json`` is one figure a public source measured on a GPU, with its set-up (model
@@ -617,6 +618,9 @@ def markdown(out: dict[str, Any], data: dict[str, Any]) -> str:
              "Figures in GiB (2^30 B); error = (estimate - published) / published.", "",
              "| row | source, section | counter | published | memprof | error | closed form | DeepSpeed | accelerate |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    if out["layers_override"] is not None:
+        lines[1:1] = ["", f"**Smoke run: every model cut to {out['layers_override']} layers (`--layers`); the errors "
+                      "below are not the published rows' errors.**"]
     for r in out["results"]:
         o = r["others"]
         lines.append(f"| {r['id']} | {r['source']}, {r['section']} | {r['counter']} | {gib(r['published_bytes'])} | "
@@ -649,11 +653,19 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--extrapolate", type=int, default=None,
                     help="simulate this many layers (and the next two) and extend the line; memprof then gives no "
                          "device figures, so the default simulates the whole model")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="build every model with this many layers instead of its own: the same code paths in a "
+                         "fraction of the time, for smoke runs (the figures then say nothing about the published "
+                         "ones, and the output says so)")
     ap.add_argument("--json", default=str(HERE / "results" / "published.json"))
     ap.add_argument("--markdown", default=str(HERE / "results" / "published.md"))
     args = ap.parse_args(argv)
     import_memprof()
     data = json.loads(ROWS.read_text())
+    if args.layers is not None:
+        if args.layers < 1:
+            raise SystemExit("--layers: give 1 or more")
+        data["models"] = {k: {**dims, "num_hidden_layers": args.layers} for k, dims in data["models"].items()}
     wanted = QUICK if args.quick else (args.rows.split(",") if args.rows else [r["id"] for r in data["rows"]])
     rows = [r for r in data["rows"] if r["id"] in wanted]
     if len(rows) != len(wanted):
@@ -675,6 +687,8 @@ def main(argv: "list[str] | None" = None) -> int:
            "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
                       f"transformers {transformers.__version__}, Python {platform.python_version()}",
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results, "failures": failures,
+           # Models cut to this many layers (a smoke run): the errors are not the published rows' errors.
+           "layers_override": args.layers,
            "summary": {"memprof": summary(results, lambda r: r["memprof_error_pct"]),
                        "memprof, rows on the source's code paths": summary(
                            [r for r in results if r["same_code_paths"]], lambda r: r["memprof_error_pct"]),

@@ -23,3 +23,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _names_dist(args) -> bool:
+    return any(a == "-d" or a.startswith("--dist") for a in args)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n`` without a ``--dist`` of the user's, work stealing instead of xdist's default "load".
+
+    "load" hands out the first quarter of the tests one by one, alternating workers, so the tests of one module
+    land on both and each worker builds that module's shared fixtures; and it cannot take back a batch already
+    sent, so one worker can sit idle while the other ends a long test queue. Work stealing gives each worker a
+    contiguous half (a module's fixtures are built once) and lets an idle worker take half of what the other still
+    has queued.
+    """
+    if config.getvalue("dist") != "load" or _names_dist(config.invocation_params.args):
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)

@@ -277,6 +277,10 @@ class Ledger:
         # closed, (step, start seq, peak seq, end seq). None: nothing is kept, nothing is paid per event.
         self.stream: "list[tuple[int, int, int]] | None" = None
         self.moments: "list[tuple[int, int, int, int]] | None" = None
+        # Beside the stream: the category each storage was made in (one per storage made, in order), and each move
+        # of a live storage to another category as (seq, key) (memprof.simulate.depth_stream reads them).
+        self.stream_cats: list[int] = []
+        self.stream_moves: list[tuple[int, int]] = []
         self.phase_start_seq = self.mark_seq = 0
 
     # -- sizes ---------------------------------------------------------------
@@ -334,6 +338,7 @@ class Ledger:
                 self.peak_module = self.phase_peak_module
         if self.stream is not None:  # kept only when asked (an allocator replay): one attribute read otherwise
             self.stream.append((seq, key, raw))
+            self.stream_cats.append(cat)
         if peaked:
             self.phase_peak_ns = perf_counter_ns()
         return entry
@@ -399,6 +404,8 @@ class Ledger:
                             totals[TEMPORARIES] += n
                             entry.cat = TEMPORARIES
                             self.seq += 1
+                            if self.stream is not None:
+                                self.stream_moves.append((self.seq, entry.key))
                             entry.moved, entry.before = self.seq, ACTIVATIONS
                             if entry.tag >= 0:
                                 tag_act[entry.tag] -= entry.tag_bytes

@@ -32,6 +32,8 @@ def move(ledger: Ledger, entry: Entry, cat: int, *, retro: bool = False) -> None
     # When it became ``old`` and what it was before: at a peak before that, it was still that.
     moved, before = entry.moved, entry.before
     ledger.seq += 1  # an event of its own: a peak reached before it is told apart from one after it
+    if ledger.stream is not None:
+        ledger.stream_moves.append((ledger.seq, entry.key))
     entry.moved, entry.before = ledger.seq, old
     if old == ACTIVATIONS or cat == ACTIVATIONS:
         sign = -1 if old == ACTIVATIONS else 1

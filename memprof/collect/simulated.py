@@ -42,6 +42,10 @@ class RecordedStream:
     moments: tuple[tuple[int, int, int, int], ...]
     peak_seq: int
     streams: StreamUse = ONE_STREAM
+    #: The category each storage was made in, one per storage made, in order (empty: not known).
+    cats: tuple[int, ...] = ()
+    #: Each move of a live storage to another category, as (seq, key).
+    moves: tuple[tuple[int, int], ...] = ()
 
 
 class SimulatedProfile(Profiler):
@@ -76,7 +80,8 @@ class SimulatedProfile(Profiler):
         flat = self.collectors.flat if self.collectors is not None else None
         held = tuple(flat.gathered.items()) if flat is not None else ()
         return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq,
-                              StreamUse(switches, held))
+                              StreamUse(switches, held), cats=tuple(led.stream_cats),
+                              moves=tuple(led.stream_moves))
 
     # -- what a simulated layout plays on the run ------------------------------------------------------------
 

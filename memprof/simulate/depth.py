@@ -35,7 +35,8 @@ from torch import nn
 from ..errors import InvalidArgumentError, is_interrupt
 from ..record.estimate import Estimate
 from ..record.parts import Breakdown
-from ..vocabulary import DEVICE_CATEGORIES, Category
+from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
+from .depth_stream import corrected, extended_stream
 
 __all__ = ["find_stack", "extrapolated"]
 
@@ -56,11 +57,27 @@ def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
     return best
 
 
+#: The default (``extrapolate=None``): the stack cut to 2, 3 and 4 units of blocks, where it has this many units or
+#: more (below, three cuts cost about as much as the whole: the model is simulated whole).
+AUTO_K, AUTO_UNITS = 2, 16
+
+
 def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
-                 run: Callable[[nn.Module, Any], Estimate]) -> Estimate:
+                 run: Callable[..., Estimate], auto: bool = False) -> Estimate:
     """The estimate of ``model`` from three simulations of it cut to ``k``, ``k + 1``, ``k + 2`` units of depth
     (``per_unit`` blocks each: the pipeline's stages per rank), or of the whole model when the figures are not
-    affine. ``run(model, optimizer)`` simulates one model."""
+    affine. ``run(model, optimizer, kept=None)`` simulates one model; with ``kept`` (a list) a CUDA target's
+    replay is left to the caller: the run appends its recorded stream and the replay (``stages.one_rank``).
+
+    With ``auto`` (the default path, ``extrapolate=None``) a model with no repeated stack, or one of fewer than
+    :data:`AUTO_UNITS` units, is simulated whole, silently; a unit is one period of the stack's kinds of block (a
+    hybrid model's sliding-window and full-attention layers: :func:`_period`), and a cut that fails to simulate
+    is no error: the whole model is simulated instead (its own error is the one raised, if it has one)."""
+    if auto:
+        unit = _auto_unit(model, per_unit)
+        if unit is None:
+            return run(model, optimizer)
+        per_unit, k = unit, AUTO_K
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), got {k!r}")
     found = find_stack(model)
@@ -73,39 +90,139 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
     units = depth // per_unit
     k = int(k)
     if units <= k + 2:  # nothing left to extend: the whole model, and a note saying extrapolate= changed nothing
-        est = run(model, optimizer)
-        note = (f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and {k + 2} blocks per stage, but "
-                f"it has {units}: it was simulated whole (give a smaller k to extrapolate)")
-        return dataclasses.replace(est, notes=(*est.notes, note))
-    ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit)) for i in range(3)]
-    reason = _not_affine(ests)
+        return _whole(run, model, optimizer, f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and "
+                      f"{k + 2} blocks per stage, but it has {units}: it was simulated whole (give a smaller k to "
+                      "extrapolate)")
+    kept: list[Any] = []
+    try:
+        ests, k, reason = _cuts(model, optimizer, name, k, per_unit, units, run, kept, auto)
+    except Exception as exc:
+        if not auto or is_interrupt(exc):
+            raise
+        return _whole(run, model, optimizer, f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, "
+                      f"since a model cut short of it failed ({type(exc).__name__})")
     where = f"{name or 'the model'} ({depth} x {kind})"
+    stream = None
+    if reason is None and kept:  # a CUDA target: the whole model's stream, for the replay
+        made = extended_stream([recorded for recorded, _replay in kept], units - k - 2,
+                               max(1, ests[2].trace.device.rounding or 1))
+        if isinstance(made, str):
+            reason = made
+        else:
+            stream, missed = made
     if reason is not None:
-        est = run(model, optimizer)
-        note = (f"depth: {where} was simulated whole, since its figures were not affine in depth from {k} blocks "
-                f"per stage on ({reason})")
-        return dataclasses.replace(est, notes=(*est.notes, note))
+        return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since its figures were not affine "
+                      f"in depth from {k} blocks per stage on ({reason})")
     out: Estimate = _affine(ests[0], ests[1], ests[2], units - k - 2, strict=False)
-    memory = ests[2].device_memory
-    device = memory is not None
-    note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every "
-            f"{'tensor ' if device else ''}category at every phase's start, peak and end grew by the same bytes per "
-            f"block, so the figures are extended to {units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x "
-            f"(x({k + 2}) - x({k + 1})), exact while the peak stays where it is; the per-module tables are the cut "
-            "model's")
+    note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every category at "
+            "every phase's start, peak and end grew by the same bytes per block, so the figures are extended to "
+            f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
+            "the peak stays where it is; the per-module tables are the cut model's")
     notes = [note]
-    kept = ests[2].notes
-    if memory is not None:
-        info = dataclasses.replace(out.trace.device, max_memory_allocated=None, memory_reserved=None)
-        out = dataclasses.replace(out, device_memory=None, trace=dataclasses.replace(out.trace, device=info))
-        # The cut model's replay and its terms describe a model that is not the one estimated.
-        replay = set(memory.notes())
-        kept = tuple(n for n in kept if n not in replay and not n.startswith("device memory"))
-        notes.append("depth: no device-level figures (the allocator's cache, the memory outside torch, the device peak "
-                     "and whether it fits): the allocator replay needs the whole model's allocation stream, and the "
-                     "cache, which moves in whole segments, is no line in depth; simulate without extrapolate= for "
-                     "them")
-    return dataclasses.replace(out, notes=(*kept, *notes))
+    if stream is None:
+        out, moved = _peak_moved(out)
+        notes.extend([moved] if moved else [])
+    else:
+        notes.append("depth: the device-level figures are the allocator replay of the whole model's allocation "
+                     f"stream, the cuts' extended: each run of events a block added from {k} to {k + 1} blocks per "
+                     f"stage, added again, gave the stream of {k + 2} exactly, so it is added {units - k - 2} times "
+                     "more")
+        out = corrected(out, stream, missed)
+        if not isinstance(out, str):
+            out, moved = _peak_moved(out)
+            notes.extend([moved] if moved else [])
+            out = _replayed(out, stream, kept[2][1])
+        if isinstance(out, str):
+            return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {out}")
+    return dataclasses.replace(out, notes=(*out.notes, *notes))
+
+
+def _cuts(model: nn.Module, optimizer: Any, name: str, k: int, per_unit: int, units: int,
+          run: Callable[..., Estimate], kept: list[Any], auto: bool) -> tuple[list[Estimate], int, "str | None"]:
+    """The three cuts simulated, the ``k`` they start at and why their figures are not affine (None: they are).
+    With ``auto``, where the peak moved between them, the two larger and the next, twice at most: the peak settles
+    as blocks are added (a checkpointed Llama-3-8B's moves from the backward of 2 layers to the forward of 3 and
+    more). ``kept`` holds the three cuts' streams."""
+    ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
+    reason = _not_affine(ests)
+    while auto and reason is not None and reason.startswith("the peak moved") and k < AUTO_K + 2 and units > k + 3:
+        ests = [*ests[1:], run(*_cut(model, optimizer, name, (k + 3) * per_unit), kept)]
+        del kept[:-3]
+        k += 1
+        reason = _not_affine(ests)
+    return ests, k, reason
+
+
+def _auto_unit(model: nn.Module, per_unit: int) -> "int | None":
+    """The blocks of a unit of depth the default cuts by (the pipeline's stages per rank, times the stack's
+    period of kinds), or None where it simulates the whole model: no stack, or fewer than :data:`AUTO_UNITS`."""
+    found = find_stack(model)
+    if found is None:
+        return None
+    unit = per_unit * _period(model, found[0])
+    return None if found[1] % unit or found[1] // unit < AUTO_UNITS else unit
+
+
+def _whole(run: Callable[..., Estimate], model: nn.Module, optimizer: Any, note: str) -> Estimate:
+    """The whole model simulated, with ``note`` saying why."""
+    est = run(model, optimizer)
+    return dataclasses.replace(est, notes=(*est.notes, note))
+
+
+def _peak_moved(est: Any) -> "tuple[Any, str | None]":
+    """``est`` with its peak where the extended figures put it: the first phase record whose peak holds the most
+    tensor bytes, as the ledger keeps the first moment of the largest total. The cuts can have it elsewhere (their
+    optimizer step's, which the whole model's forward outgrows); then the run's peak is that record's (its
+    breakdown, step, phase and tags) and the module at the peak is not known: the cuts' is another moment's."""
+    trace = est.trace
+
+    def tensors(b: Breakdown) -> int:
+        return sum(v or 0 for v in b.counts[:len(TENSOR_CATEGORIES)])
+
+    best = None
+    for step in trace.steps:
+        for rec in step.phases:
+            if best is None or tensors(rec.peak) > tensors(best.peak):
+                best = rec
+    if best is None or (best.step, best.phase, best.peak) == (trace.peak_step, trace.peak_phase, trace.peak) \
+            or tensors(best.peak) <= tensors(trace.peak):
+        return est, None
+    note = (f"depth: at full depth the peak is step {best.step} {_v(best.phase)}'s, where the cuts had it at step "
+            f"{trace.peak_step} {_v(trace.peak_phase)}; the module at the peak is not known from the cuts")
+    moved = dataclasses.replace(trace, peak=best.peak, peak_step=best.step, peak_phase=best.phase,
+                                peak_tags=best.tags_peak, peak_module=None)
+    return dataclasses.replace(est, trace=moved), note
+
+
+def _replayed(est: Any, stream: Any, replay: Callable[[Any, Any], Any]) -> Any:
+    """``est`` (extended) with the replay of the extended ``stream``, checked against its figures first: the
+    tensors' bytes the stream holds at every phase's start, peak and end must be the extended record's, else a
+    sentence saying where they are not."""
+    from .device_memory import stream_holds
+
+    trace = est.trace
+    if not any((rec.step, rec.phase, rec.peak) == (trace.peak_step, trace.peak_phase, trace.peak)
+               for rec in trace.phases):
+        return "no phase record holds the run's peak, where the replay would look for it"
+    wrong = stream_holds(trace, stream)
+    if wrong is not None:
+        return f"the extended allocation stream does not hold the extended figures ({wrong})"
+    return replay(est, stream)
+
+
+def _period(model: nn.Module, name: str) -> int:
+    """The blocks of one period of the stack's kinds: the shortest ``p`` such that block ``i`` is of the kind of
+    block ``i % p`` for every ``i`` (1 when they are all alike; the stack's length when no period repeats). A
+    block's kind is what its modules say of themselves in words and flags (``attention_type``, ``is_sliding``):
+    numbers, a layer's index among them, are no kind."""
+    blocks = list(model.get_submodule(name).children()) if name else list(model.children())
+    kinds = [tuple(sorted((f"{path}.{key}", value) for path, m in block.named_modules()
+                          for key, value in vars(m).items() if isinstance(value, (str, bool)) and key != "training"))
+             for block in blocks]
+    for p in range(1, len(kinds) + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
+            return p
+    return len(kinds)
 
 
 def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Module, Any]":
@@ -117,6 +234,8 @@ def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Modul
             twins[id(p)] = memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+    for block in list((model.get_submodule(name) if name else model).children())[n:]:
+        memo[id(block)] = None  # the blocks cut off are not copied (only to be deleted): a deep model's copy is slow
     clone = copy.deepcopy(model, memo)
     # find_stack named a ModuleList or Sequential (both cut with del); nn.Module's type has no __delitem__.
     stack = cast("nn.ModuleList | nn.Sequential", clone.get_submodule(name) if name else clone)
@@ -193,7 +312,8 @@ def _affine(a: Any, b: Any, c: Any, more: int, strict: bool) -> Any:
             raise _NotAffine(f"{a:,}, {b:,}, {c:,} bytes grow unevenly")
         return c
     if isinstance(c, tuple) and isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == len(c):
-        return tuple(_affine(x, y, z, more, strict) for x, y, z in zip(a, b, c))
+        out = tuple(_affine(x, y, z, more, strict) for x, y, z in zip(a, b, c))
+        return type(c)(*out) if hasattr(c, "_fields") else out  # a named tuple (a Stat) stays one
     if dataclasses.is_dataclass(c) and not isinstance(c, type) and type(a) is type(b) is type(c):
         changes = {}
         for f in dataclasses.fields(c):

@@ -302,6 +302,30 @@ def _check_ledger(trace: Trace, stream: Sequence[tuple[int, int, int]],
     check_stream(stream, max(1, trace.device.rounding or 1), expected, ceiling, scaled)
 
 
+def moments_of(trace: Trace, recorded: Any) -> tuple[dict[tuple[int, int], tuple[int, int, int]], int, int, int]:
+    """Where ``trace``'s moments are in ``recorded`` (a :class:`~memprof.collect.simulated.RecordedStream`): each
+    phase record's (start, peak, end) seqs by (step index, position in the step), and the seqs of the run's start,
+    its peak and its end, as :func:`device_memory` places them."""
+    first = recorded.moments[0][1] if recorded.moments else 0
+    placed = _place(trace, recorded.moments)
+    events = recorded.events
+    end = max(events[-1][0], first) if events else first
+    return placed, first, _peak_seq(trace, placed, recorded.peak_seq), end
+
+
+def stream_holds(trace: Trace, recorded: Any) -> "str | None":
+    """Does ``recorded`` (a :class:`~memprof.collect.simulated.RecordedStream`) hold ``trace``'s tensors, to the
+    byte, at every phase's start, peak and end from the run's start (:func:`_check_ledger`)? None if it does, else
+    where it does not. A stream memprof made rather than recorded (:mod:`memprof.simulate.depth_stream`) is replayed
+    only where it does."""
+    placed, first, peak, end = moments_of(trace, recorded)
+    try:
+        _check_ledger(trace, from_start(recorded.events, first), placed, first, peak, end)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
 def _workspace_blocks(gpu: "GpuSpec | None", handles: int, environ: "Mapping[str, str] | None") -> list[int]:
     """The allocator blocks of the cuBLAS workspaces: per handle, cuBLAS's and (when not shared) cuBLASLt's
     (``getCurrentCUDABlasHandle`` and ``getCUDABlasLtWorkspace`` take them from the caching allocator)."""

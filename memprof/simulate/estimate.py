@@ -68,7 +68,10 @@ def estimate(model: nn.Module, optimizer: Any = None, **options: Unpack[Estimate
     (:mod:`memprof.simulate.pipeline`); without ``rank=`` every stage is simulated and the worst rank returned,
     with all of them in ``ranks``. ``extrapolate=k`` simulates the repeated stack of blocks cut to ``k``, ``k + 1``
     and ``k + 2`` blocks (per pipeline stage) and extends the figures to the model's depth when they grow by the
-    same bytes per block, as they do once the peak stays put (:mod:`memprof.simulate.depth`).
+    same bytes per block, as they do once the peak stays put, and a CUDA target's allocation stream with them
+    (:mod:`memprof.simulate.depth`); by default (None) a stack of 16 blocks or more per stage is simulated so
+    with ``k`` 2, to the same figures as the whole model's, or whole where the checks say no; ``False`` simulates
+    the whole model (its per-module tables then hold every block).
     ``step_context`` is a function returning the context manager your training loop enters around forward, loss
     and backward (``loss_parallel``, ``context_parallel(...)``, a profiler range): it is entered afresh at each
     simulated step, the optimizer step outside it; under ``pipeline=`` around each step of torch's schedule, as

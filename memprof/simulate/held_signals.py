@@ -75,14 +75,20 @@ def enter() -> None:
 
 
 def leave() -> None:
-    """A simulation's function mode is left: the last puts every handler back where its wrapper still is."""
+    """A simulation's function mode is left: the last puts every handler back where its wrapper still is.
+
+    The last one puts the handlers back first and only then forgets them and the count: a signal's exception
+    landing anywhere in it (Python runs a handler as a function is called) leaves the state saying what is still
+    to do, and :func:`leave_to` does it (putting back is idempotent). Forgetting first, as this did, left the
+    wrappers installed for good when a Ctrl-C landed in between."""
     if not _main() or _State.entered == 0:
         return
-    _State.entered -= 1
-    if _State.entered:
+    if _State.entered > 1:
+        _State.entered -= 1
         return
-    wrapped, _State.wrapped = _State.wrapped, {}
-    _put_back(list(wrapped.items()))
+    _put_back(list(_State.wrapped.items()))
+    _State.wrapped = {}
+    _State.entered = 0
 
 
 def _put_back(wrapped: "list[tuple[int, tuple[Handler, Handler]]]") -> None:
@@ -121,6 +127,8 @@ def release() -> None:
     """A torch function call ends; at the outermost, each signal noted meanwhile is raised again, once."""
     _State.depth -= 1
     if _State.depth == 0 and _State.pending and _main():
-        pending, _State.pending = dict.fromkeys(_State.pending), []
-        for s in pending:
-            signal.raise_signal(s)
+        # One at a time, each forgotten as it is raised: a handler that raises leaves the others noted for the
+        # next release, where raising them all from a copy would drop them
+        _State.pending = list(dict.fromkeys(_State.pending))
+        while _State.pending:
+            signal.raise_signal(_State.pending.pop(0))

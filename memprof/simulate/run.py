@@ -185,14 +185,18 @@ class Parallelism:
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Depth:
     """``extrapolate=k``: simulate the repeated stack of blocks cut to ``k``, ``k + 1`` and ``k + 2`` blocks (per
-    pipeline stage) and extend the figures to the model's depth (:mod:`memprof.simulate.depth`)."""
+    pipeline stage) and extend the figures to the model's depth (:mod:`memprof.simulate.depth`). None (the
+    default): the same with ``k`` 2 where the stack is deep enough to gain by it, checked, else the whole model;
+    False: the whole model."""
 
-    extrapolate: "int | None" = None
+    extrapolate: "int | bool | None" = None
 
     def __post_init__(self) -> None:
         k = self.extrapolate
-        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
-            raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), got {k!r}")
+        if k is not None and k is not False and (isinstance(k, bool) or not isinstance(k, numbers.Integral)
+                                                 or k < 1):
+            raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), False (the "
+                                       f"whole model) or None (memprof chooses), got {k!r}")
 
 
 #: A run's workload section: a training step's (:class:`Workload`) or a generation's (:class:`Generation`).
@@ -323,7 +327,7 @@ class EstimateSettings(TypedDict, total=False):
     rank: "int | None"
     mesh: Any
     pipeline: Any
-    extrapolate: "int | None"
+    extrapolate: "int | bool | None"
     step_context: "Callable[..., Any] | None"
     train_step: "Callable[..., Any] | None"
     loop: "str | None"

@@ -17,7 +17,9 @@ depth and extended: :mod:`memprof.simulate.depth`), with no recursion through th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,33 +64,61 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
 
     p = config.parallelism
 
-    def at_rank(cfg: "RunConfig[Workload]", r: "int | None") -> "Estimate":
+    def at_rank(cfg: "RunConfig[Workload]", r: "int | None", kept: "list[Any] | None" = None) -> "Estimate":
         if not p.on_fake_ranks:
-            return one_rank(cfg, None)
+            return one_rank(cfg, None, kept)
         w = cfg.workload
         with ParallelRun(p.parallelize, p.world_size, 0 if r is None else r, p.mesh, p.pipeline, w.inputs) as ranks:
-            return one_rank(cfg.with_parallelism(rank=r), ranks)
+            return one_rank(cfg.with_parallelism(rank=r), ranks, kept)
 
     def at_depth(r: "int | None") -> "Estimate":
         k = config.depth.extrapolate
-        if k is None:
+        if k is False:  # the whole model, asked for
             return at_rank(config, r)
         w = config.workload
-        return extrapolated(w.model, w.optimizer, k, depth_unit(p.world_size, p.mesh, p.pipeline),
-                            lambda m, opt: at_rank(config.with_workload(model=m, optimizer=opt), r))
+        run = _depth_key(config, r) if k is None else None
+        failed = _NOT_CUT.get(w.model)
+        if run is not None and failed is not None and run in failed:
+            est = at_rank(config, r)  # the default's cuts of this run did not check before: whole at once
+            return dataclasses.replace(est, notes=(*est.notes, "depth: simulated whole: the cuts of this model did "
+                                                               "not check for this run before (another batch)"))
+        est = extrapolated(w.model, w.optimizer, k, depth_unit(p.world_size, p.mesh, p.pipeline),
+                           lambda m, opt, kept=None: at_rank(config.with_workload(model=m, optimizer=opt), r, kept),
+                           auto=k is None)
+        if run is not None and any(n.startswith("depth:") and " was simulated whole, since " in n for n in est.notes):
+            _NOT_CUT.setdefault(w.model, set()).add(run)
+        return est
 
     if p.pipeline is not None and p.rank is None:
         return pipeline_ranks(p.world_size, p.mesh, p.pipeline, at_depth)
     return at_depth(p.rank)
 
 
-def one_rank(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> "Estimate":
+#: Per model, the runs (:func:`_depth_key`) whose cuts by the default did not check: a plan simulates one run at
+#: many batches, and a run whose stream does not repeat per block at one batch does not at the next. A model
+#: changed in place since is another run only where what the key holds changed; the cost of a stale entry is
+#: the whole model simulated, the figures the same.
+_NOT_CUT: "weakref.WeakKeyDictionary[nn.Module, set[Any]]" = weakref.WeakKeyDictionary()
+
+
+def _depth_key(config: "RunConfig[Workload]", rank: "int | None") -> tuple[Any, ...]:
+    """What a run is, the batch aside, for :data:`_NOT_CUT`: every setting but the inputs, objects by identity."""
+    w, t, p = config.workload, config.target, config.parallelism
+    return (config.precision, str(t.device), str(t.gpu), str(t.alloc_conf), t.attention, p.world_size, p.parallel,
+            id(p.parallelize), repr(p.mesh), id(p.pipeline), rank, id(w.optimizer), id(w.loss_fn), w.steps,
+            id(w.step_context), repr(w.routing), id(w.train_step), w.loop,
+            tuple((n, tuple[Any, ...](q.shape), q.dtype, q.requires_grad) for n, q in w.model.named_parameters()))
+
+
+def one_rank(config: "RunConfig[Workload]", ranks: "ParallelRun | None", kept: "list[Any] | None" = None) -> "Estimate":
     """Stages 1, 3 and 4 for one rank (``ranks``: the rank's fake process group, entered; None for a single
-    process or a ``parallel=`` layout)."""
+    process or a ``parallel=`` layout). With ``kept`` (a list) a CUDA target's stream is not replayed: its
+    recorded stream and the replay to run on a stream like it are appended to ``kept`` instead
+    (:mod:`memprof.simulate.depth` extends the stream of a model cut short and replays that)."""
     with NothingLeftBehind():
         prepared = target_twin(config, ranks)
         prof = profiled_steps(config, prepared, ranks)
-        return replayed(config, prepared, prof, ranks)
+        return replayed(config, prepared, prof, ranks, kept)
 
 
 def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> Prepared:
@@ -195,7 +225,7 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
 
 
 def replayed(config: "RunConfig[Workload]", prepared: Prepared, prof: "SimulatedProfile",
-             ranks: "ParallelRun | None") -> "Estimate":
+             ranks: "ParallelRun | None", kept: "list[Any] | None" = None) -> "Estimate":
     """Stage 4: the record of the run as the rank holds it, its notes, and for a CUDA target the device replay and
     the fit verdict."""
     from .device_memory import on_device
@@ -216,10 +246,18 @@ def replayed(config: "RunConfig[Workload]", prepared: Prepared, prof: "Simulated
         notes.append(split[2])
     est = Estimate(trace=trace, precision=resolved, device=twin.target.type, notes=tuple(notes),
                    host_bytes=split[0] if split else None, device_peak_bytes=split[1] if split else None)
-    if twin.target.type == "cuda":
-        est = on_device(est, prof.recorded_stream(), gpu=prepared.gpu, alloc_conf=config.target.alloc_conf,
-                        world_size=config.parallelism.world_size, model=w.model)
-    return est
+    if twin.target.type != "cuda":
+        return est
+    gpu, conf, world = prepared.gpu, config.target.alloc_conf, config.parallelism.world_size
+
+    def replay(e: "Estimate", recorded: Any) -> "Estimate":
+        out: Estimate = on_device(e, recorded, gpu=gpu, alloc_conf=conf, world_size=world, model=w.model)
+        return out
+
+    if kept is not None:
+        kept.append((prof.recorded_stream(), replay))
+        return est
+    return replay(est, prof.recorded_stream())
 
 
 def _loop_notes(config: "RunConfig[Workload]", prepared: Prepared) -> list[str]:

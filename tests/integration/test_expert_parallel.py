@@ -104,3 +104,30 @@ def test_every_rank_s_routing_records_are_checked():
         torch.nn.Linear(2, 2)(torch.ones(1, 2))
     with pytest.raises(InvalidArgumentError, match="record_routing=True"):
         simulated(2, 0, "funcol", routing=[prof.report(), prof.report()])
+
+
+@pytest.mark.parametrize(("world", "rank"), [(2, 0), (4, 1)])
+def test_the_balanced_assumption_is_within_one_percent_of_a_rank_routing_for_real(world, rank):
+    # The rank routes its own batch with its own router (no BalancedTopk), its peers' counts as its own: the
+    # experts' inputs vary with the routing, the model states do not. Measured here: +0.67 % (EP 2, rank 0) and
+    # -0.23 % (EP 4, rank 1) against the balanced estimate; the notes name the assumption.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        model = expert_parallel(build("funcol"), init_device_mesh("cpu", (world,)))
+        opt = torch.optim.AdamW(model.parameters())
+        with memprof.profile(model, opt) as prof, PeersLikeThisRank():
+            for _ in range(2):
+                loss = loss_fn(model(IDS), IDS)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            del loss
+        real = prof.report().peak.total
+    finally:
+        dist.destroy_process_group()
+    est = simulated(world, rank, "funcol")
+    assert abs(est.peak_bytes - real) <= real // 100
+    assert any("balanced" in n for n in est.notes)

@@ -26,6 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_each_gloo_rank_equals_its_simulation_with_every_rank_s_recorded_routing(tmp_path):
     import torch.multiprocessing as mp
 

@@ -116,6 +116,7 @@ def _phase(rep, step, phase):
     return next(p for p in rep.trace.phases if p.step == step and p.phase.value == phase)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard_after_forward", "kept_unsharded"])
 def test_each_rank_counts_its_shards_and_what_it_gathers(ranks, reshard):
     out, facts = ranks
@@ -152,6 +153,7 @@ def test_each_rank_counts_its_shards_and_what_it_gathers(ranks, reshard):
         assert f["hooks"][0] == f["hooks"][1] and not f["resize_patched"]
 
 
+@pytest.mark.slow
 def test_merged_and_reconciled_per_rank(ranks):
     out, facts = ranks
     merged = memprof.merge([out / f"reshard1-rank{r}.json" for r in range(WORLD)])
@@ -204,6 +206,7 @@ def _against(est, rep) -> None:
                                                                     md.unsharded_bytes)
 
 
+@pytest.mark.slow
 def test_the_estimate_of_two_ranks_matches_rank_zero_measured(ranks):
     out, _facts = ranks
     _against(_estimate(2), memprof.load(out / "reshard1-rank0.json"))

@@ -63,6 +63,7 @@ def _run(tmp_path, name: str, world: int) -> "list[memprof.Report]":
     return [memprof.load(tmp_path / f"rank{r}.json") for r in range(world)]
 
 
+@pytest.mark.slow
 def test_fsdp2_bf16_on_two_gloo_processes_is_its_simulation(tmp_path):
     reports = _run(tmp_path, "fsdp_bf16", 2)
     for rank, rep in enumerate(reports):

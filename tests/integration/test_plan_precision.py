@@ -125,17 +125,6 @@ def test_cli_precision_spellings(tmp_path, capsys):
     assert "unknown precision 'banana'" in err and "bf16-params" in err and "autocast" in err
 
 
-@pytest.mark.slow  # two or three simulations of FSDP2 on Llama-3-8B: about 100 s on two cores
-def test_the_8b_fsdp_plan_with_checkpointing_answers_in_the_policy(tmp_path, capsys):
-    # The issue's run: Llama-3-8B, 4,096 tokens, eight H100s, checkpointing, the default precisions' mixed half.
-    folder = _folder(tmp_path, LLAMA3_8B)
-    assert main(["plan", "--hf", str(folder), "--seq-len", "4096", "--gpu", "h100-80gb", "--world-size", "8",
-                 "--layouts", "fsdp", "--precision", "mixed", "--checkpointing", "on", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [(r["parallel"], r["precision"], r["checkpointing"]) for r in rows] == [("fsdp", "bf16-params", True)]
-    assert rows[0]["verified"] and rows[0]["max_batch_size"] >= 1
-
-
 def test_a_layout_limited_to_some_precisions_says_which():
     from memprof.simulate.plan import Layout
 

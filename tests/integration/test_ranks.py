@@ -145,6 +145,7 @@ def _rank_worker(rank, world, store, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_of_ddp_merge(tmp_path):
     import torch.multiprocessing as mp
 

@@ -60,6 +60,13 @@ def _storm(mode: "str | None", interrupts: int) -> tuple[int, int, int]:
     # AdamW's state exists before the storm: an interrupt inside its lazy creation would leave a half-made
     # state that fails the next step, with or without memprof.
     _step(model, opt, x, y)
+    if mode is not None:
+        # memprof's modules are imported before the storm too: the first profile imports them, and under pytest
+        # each is compiled then (assertion rewriting), where CPython's constant folder drops any exception but
+        # KeyboardInterrupt that a handler raises inside it (Python/ast_opt.c, make_const clears the error): a
+        # lost interrupt that is CPython's, seen once in a few runs under load (docs/reliability.md, known limits).
+        with memprof.profile(model, opt, mode=mode):
+            _step(model, opt, x, y)
     # Other tests of this worker leave finalisers behind (a property-testing library's gc callback, torch's
     # weak storage references of an earlier simulation), where an interrupt is swallowed with or without
     # memprof: collected and frozen before the storm, and gc callbacks put aside, so that only this storm's
@@ -324,11 +331,11 @@ def test_ctrl_c_during_an_estimate_never_aborts_the_process(tmp_path):
 
     script = tmp_path / "interrupted_estimates.py"
     script.write_text(_INTERRUPTED_ESTIMATES)
-    for seed in (1, 2):
-        done = subprocess.run([sys.executable, str(script), str(seed), "150"], capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        # Each Ctrl-C lands in an estimate or in the sleep after it and comes back as KeyboardInterrupt, but for a
-        # rare one (about 1 in 200, not yet explained: docs/reliability.md, known limits) that never arrives.
-        assert done.stdout.split()[-2] == "interrupted", done.stdout[-500:]
-        assert int(done.stdout.split()[-1]) >= 148, done.stdout[-500:]
+    # 300 interrupts in one process (they were two processes of 150, seeds 1 and 2: the second process's start
+    # bought no interrupt more).
+    done = subprocess.run([sys.executable, str(script), "1", "300"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # Each Ctrl-C lands in an estimate or in the sleep after it and comes back as KeyboardInterrupt, but for a
+    # rare one (about 1 in 200, not yet explained: docs/reliability.md, known limits) that never arrives.
+    assert done.stdout.split()[-2] == "interrupted", done.stdout[-500:]
+    assert int(done.stdout.split()[-1]) >= 296, done.stdout[-500:]

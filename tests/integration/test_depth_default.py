@@ -1,0 +1,212 @@
+"""The default fast path of ``estimate`` (``extrapolate=None``): a deep stack of blocks is simulated cut to 2, 3 and
+4 units and extended, its allocation stream with it, to figures identical to the whole model's, to the byte: every
+category (the allocator's overhead and the memory outside torch included) at every phase's start, peak and end,
+the run's start, peak and end, the per-phase statistics and the device replay's own figures. Checked on a dense
+decoder under the HF Trainer's step (whose gradient clipping stacks one norm per parameter: a storage whose bytes
+grow with the depth, which the allocator's 512-byte rounding takes out of any line), a mixture-of-experts decoder,
+and one whose layers alternate sliding-window and full attention around experts; and where the checks say no, or a
+model cut short cannot run, the whole model is simulated instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof.simulate import depth
+from memprof.vocabulary import TENSOR_CATEGORIES
+
+transformers = pytest.importorskip("transformers")
+T = transformers
+
+_SMALL = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _identical(fast, whole) -> None:
+    """Every figure of the two estimates, to the byte (the per-module tables aside: the cut model's)."""
+    assert fast.device_memory == whole.device_memory
+    assert (fast.device_peak, fast.fits, fast.peak_bytes) == (whole.device_peak, whole.fits, whole.peak_bytes)
+    assert fast.trace.device == whole.trace.device
+    assert [(p.step, p.phase, p.occurrence) for p in fast.trace.phases] == \
+        [(p.step, p.phase, p.occurrence) for p in whole.trace.phases]
+    for a, b in zip(fast.trace.phases, whole.trace.phases):
+        assert (a.start, a.peak, a.end) == (b.start, b.peak, b.end), (a.step, a.phase)
+    assert (fast.trace.start, fast.trace.peak, fast.trace.end) == (whole.trace.start, whole.trace.peak,
+                                                                  whole.trace.end)
+    assert (fast.trace.peak_step, fast.trace.peak_phase) == (whole.trace.peak_step, whole.trace.peak_phase)
+    assert fast.trace.phase_stats == whole.trace.phase_stats
+    assert fast.trace.facts.num_params == whole.trace.facts.num_params
+
+
+def _tensors(b) -> int:
+    return sum(b.counts[:len(TENSOR_CATEGORIES)])
+
+
+def _fast(est) -> bool:
+    return any(n.startswith("depth: simulated with") for n in est.notes) and \
+        any(n.startswith("depth: the device-level figures are the allocator replay") for n in est.notes)
+
+
+@pytest.fixture
+def shallow(monkeypatch):
+    # The default's threshold is 16 units; these small models have 6 to 8, so that the three architectures run in
+    # seconds. The path is the default's all the same (extrapolate=None); test_llama_at_the_threshold runs it as is.
+    monkeypatch.setattr(depth, "AUTO_UNITS", 6)
+
+
+def test_llama_under_the_hf_trainer_with_clipping():
+    # 16 layers: the default's own threshold. The clipping's stack of norms is 4 B per parameter tensor, 9 per layer
+    # and 3 besides. Cut to 2, 3 and 4 layers it holds 4 x 21, 4 x 30 and 4 x 39 B, rounded to 512, 512 and 512 B:
+    # a line of slope 0, where the whole model's 4 x 147 = 588 B round to 1,024 B: the figures' line misses 512 B
+    # (Llama-3-8B's 291 tensors, 1,164 B -> 1,536 B, miss 1,024 B). The stream knows each storage's bytes and the
+    # category it was made in (temporaries, never moved): what the line misses is added there, at every moment the
+    # stack is live.
+    cfg = T.LlamaConfig(**_SMALL, intermediate_size=64, num_hidden_layers=depth.AUTO_UNITS)
+    kw = dict(seq_len=16, batch_size=2, precision="mixed", gpu="h100-80gb")
+    fast = memprof.estimate_hf(cfg, **kw)
+    whole = memprof.estimate_hf(cfg, extrapolate=False, **kw)
+    assert _fast(fast), fast.notes
+    assert not any(n.startswith("depth:") for n in whole.notes)
+    _identical(fast, whole)
+    # The fast path's per-module table is the cut model's (4 of the 16 layers), which its note says.
+    assert any("the per-module tables are the cut model's" in n for n in fast.notes)
+    # One layer fewer than the threshold: the whole model, with no note.
+    shallower = T.LlamaConfig(**_SMALL, intermediate_size=64, num_hidden_layers=depth.AUTO_UNITS - 1)
+    assert not any(n.startswith("depth:") for n in memprof.estimate_hf(shallower, **kw).notes)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_mixture_of_experts_and_alternating_attention(shallow, name):
+    # gpt-oss's layers alternate sliding-window and full attention: a unit of depth is one of each (the stack's
+    # period of kinds, 2), so the cuts hold 4, 6 and 8 of its 12 layers; Mixtral's unit is one layer (8 of them).
+    if name == "gpt_oss":
+        cfg = T.GptOssConfig(**_SMALL, num_hidden_layers=12, intermediate_size=32, num_local_experts=4,
+                             num_experts_per_tok=2, head_dim=8, layer_types=["sliding_attention", "full_attention"] * 6,
+                             sliding_window=4)
+    else:
+        cfg = T.MixtralConfig(**_SMALL, num_hidden_layers=8, intermediate_size=64, num_local_experts=4,
+                              num_experts_per_tok=2)
+    kw = dict(seq_len=64, batch_size=4, precision="bf16", gpu="h100-80gb")  # activations over the states from 2 on
+    fast = memprof.estimate_hf(cfg, **kw)
+    whole = memprof.estimate_hf(cfg, extrapolate=False, **kw)
+    assert _fast(fast), fast.notes
+    if name == "gpt_oss":
+        assert any("cut to 2, 3 and 4 blocks per stage" in n and "(12 x GptOssDecoderLayer)" in n for n in fast.notes)
+    _identical(fast, whole)
+
+
+class _Growing(nn.Module):
+    """Block ``i`` makes a temporary of ``i + 1`` KiB: the same class, unlike bytes per block."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.i = i
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(256 * (self.i + 1) * self.i, device=x.device)  # 0, 1, 2, ... KiB per block, and more
+        return self.lin(x) + scratch.sum()
+
+
+class _Counting(nn.Module):
+    """Refuses to run short of its 8 blocks (a model that reads its own depth)."""
+
+    def __init__(self, block: type, n: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(block(i) for i in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.layers) != 8:
+            raise RuntimeError(f"this model has 8 blocks, not {len(self.layers)}")
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Plain(nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+def test_what_does_not_check_is_simulated_whole(monkeypatch):
+    monkeypatch.setattr(depth, "AUTO_UNITS", 6)
+    x = torch.randn(4, 16)
+    model = nn.Sequential(*(_Growing(i) for i in range(8)))
+    fast = memprof.estimate(model, inputs=x, device="cuda", gpu="h100-80gb")
+    whole = memprof.estimate(model, inputs=x, device="cuda", gpu="h100-80gb", extrapolate=False)
+    assert any(n.startswith("depth: the model (8 x _Growing) was simulated whole") for n in fast.notes), fast.notes
+    _identical(fast, whole)
+    # The same run again (a plan's next batch): no cut is tried, the whole model is simulated at once.
+    cuts = []
+    real_cut = depth._cut
+    monkeypatch.setattr(depth, "_cut", lambda *a: cuts.append(a) or real_cut(*a))
+    again = memprof.estimate(model, inputs=torch.randn(8, 16), device="cuda", gpu="h100-80gb")
+    assert cuts == [] and any(n.startswith("depth: simulated whole: the cuts of this model did not check")
+                              for n in again.notes), again.notes
+    # Another run of it (another optimizer) tries its cuts.
+    memprof.estimate(model, torch.optim.SGD(model.parameters()), inputs=x, device="cuda", gpu="h100-80gb")
+    assert len(cuts) >= 3  # 3, and one more where the peak moved between them
+    # A model cut short that fails is no error of the default's: the whole model runs.
+    counting = _Counting(_Plain)
+    fast = memprof.estimate(counting, inputs=x, device="cuda", gpu="h100-80gb")
+    assert any("a model cut short of it failed (SimulationError)" in n for n in fast.notes), fast.notes
+    _identical(fast, memprof.estimate(counting, inputs=x, device="cuda", gpu="h100-80gb", extrapolate=False))
+    # Asked for, a cut's failure is the error it is.
+    with pytest.raises(Exception, match="this model has 8 blocks, not 3"):
+        memprof.estimate(counting, inputs=x, device="cuda", gpu="h100-80gb", extrapolate=3)
+
+
+def test_the_peak_the_extended_figures_put_elsewhere_is_taken_there():
+    # Llama-3-70B under the HF Trainer's step: cut to 2, 3 and 4 layers its peak is step 1's optimizer step
+    # (1,137,264,758,272 B extended), which the whole model's step 1 forward outgrows (1,149,838,824,448 B: the
+    # 80 layers' activations against the optimizer's states of the 128,256-token embedding and head). The
+    # extended phase records are exact; the run's peak is the largest of them, the first such in time, as the
+    # ledger keeps it (benchmarks/depth_default.py --configs 70b checks it to the byte against the whole model).
+    # Here a small model's record, its peak pointed at a smaller phase's, as the cuts would point it.
+    cfg = T.LlamaConfig(**_SMALL, intermediate_size=64, num_hidden_layers=2)
+    whole = memprof.estimate_hf(cfg, seq_len=16, batch_size=2, precision="mixed", gpu="h100-80gb")
+    trace = whole.trace
+    smaller = next(r for r in trace.phases if _tensors(r.peak) < _tensors(trace.peak))
+    import dataclasses
+
+    pointed = dataclasses.replace(trace, peak=smaller.peak, peak_step=smaller.step, peak_phase=smaller.phase,
+                                  peak_tags=smaller.tags_peak)
+    moved, note = depth._peak_moved(dataclasses.replace(whole, trace=pointed))
+    assert (moved.trace.peak, moved.trace.peak_step, moved.trace.peak_phase, moved.trace.peak_tags) == \
+        (trace.peak, trace.peak_step, trace.peak_phase, trace.peak_tags)
+    assert moved.trace.peak_module is None
+    assert note.startswith(f"depth: at full depth the peak is step {trace.peak_step} {trace.peak_phase.value}'s")
+    assert depth._peak_moved(whole) == (whole, None)
+
+
+def test_llama3_8b_on_a_rank_of_eight_under_fsdp():
+    # Llama-3-8B's shapes on the meta device (no download), one rank of 8 under FSDP, the HF Trainer's step in
+    # mixed precision, seq 4096: the default path, against the whole model. A rank's record takes its peak from
+    # its phases (LayoutPlan.finish), and the ledger's own peak, elsewhere, moved between the cuts (2 layers: the
+    # optimizer step's peak; 3: another moment): it is no moment of the stream's tokens, only where the replay
+    # looks when no phase holds the run's peak (here one does).
+    cfg = T.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                        tie_word_embeddings=False)
+    kw = dict(seq_len=4096, batch_size=1, precision="mixed", gpu="h100-80gb", world_size=8, parallel="fsdp")
+    fast = memprof.estimate_hf(cfg, **kw)
+    assert _fast(fast), fast.notes
+    _identical(fast, memprof.estimate_hf(cfg, extrapolate=False, **kw))
+
+
+def test_a_peak_that_settles_as_blocks_are_added(shallow):
+    # A small Mixtral at 16 tokens holds its peak in the optimizer step at 2 layers and in the backward from 3 on
+    # (a checkpointed Llama-3-8B: backward at 2, forward from 3): the default drops the cut to 2 and simulates 5,
+    # and extends from 3, 4 and 5, to the whole model's figures.
+    cfg = T.MixtralConfig(**_SMALL, num_hidden_layers=8, intermediate_size=64, num_local_experts=4,
+                          num_experts_per_tok=2)
+    kw = dict(seq_len=16, batch_size=2, precision="bf16", gpu="h100-80gb")
+    fast = memprof.estimate_hf(cfg, **kw)
+    assert _fast(fast), fast.notes
+    assert any("cut to 3, 4 and 5 blocks per stage" in n for n in fast.notes)
+    _identical(fast, memprof.estimate_hf(cfg, extrapolate=False, **kw))

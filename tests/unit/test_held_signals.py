@@ -1,0 +1,78 @@
+"""Signals held during a simulation (memprof/simulate/held_signals.py): the handlers the user installed are back
+when the simulation ends, also when a signal's exception lands inside memprof's own putting back."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from memprof.simulate import held_signals
+
+
+class Preempted(Exception):
+    pass
+
+
+def _handler(signum, frame):
+    raise Preempted
+
+
+@pytest.fixture
+def user_handler():
+    previous = signal.signal(signal.SIGUSR1, _handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_the_users_handler_is_back_after_the_last_mode_is_left(user_handler):
+    held_signals.enter()
+    assert signal.getsignal(signal.SIGUSR1) is not _handler  # wrapped while a simulation runs
+    held_signals.enter()
+    held_signals.leave()
+    assert signal.getsignal(signal.SIGUSR1) is not _handler  # one mode is still entered
+    held_signals.leave()
+    assert signal.getsignal(signal.SIGUSR1) is _handler and held_signals.entered() == 0
+
+
+def test_an_interrupt_landing_as_the_handlers_are_put_back_leaves_them_to_leave_to(user_handler, monkeypatch):
+    # A Ctrl-C lands as leave() calls its putting back (Python runs a handler when a function is called): the
+    # exception propagates, and the simulation's cleanup, leave_to(0), must still put the user's handler back.
+    native = held_signals._put_back
+    calls = []
+
+    def interrupted(wrapped):
+        calls.append(len(wrapped))
+        if len(calls) == 1:
+            raise Preempted  # before anything was put back
+        native(wrapped)
+
+    monkeypatch.setattr(held_signals, "_put_back", interrupted)
+    held_signals.enter()
+    with pytest.raises(Preempted):
+        held_signals.leave()
+    held_signals.leave_to(0)
+    assert signal.getsignal(signal.SIGUSR1) is _handler and held_signals.entered() == 0
+    assert calls[1] == calls[0] >= 1  # the second attempt was given every wrapped handler again
+
+
+def test_signals_noted_during_a_call_are_each_raised_once_after_it_even_when_one_raises(monkeypatch):
+    raised = []
+
+    def fake_raise(signum):
+        raised.append(signum)
+        if signum == signal.SIGUSR1:
+            raise Preempted
+
+    monkeypatch.setattr(signal, "raise_signal", fake_raise)
+    monkeypatch.setattr(held_signals._State, "pending", [])
+    held_signals.hold()
+    held_signals._State.pending += [signal.SIGUSR1, signal.SIGUSR2, signal.SIGUSR1]
+    with pytest.raises(Preempted):
+        held_signals.release()
+    assert raised == [signal.SIGUSR1] and held_signals._State.pending == [signal.SIGUSR2]  # kept, not dropped
+    held_signals.hold()
+    held_signals.release()
+    assert raised == [signal.SIGUSR1, signal.SIGUSR2] and held_signals._State.pending == []
