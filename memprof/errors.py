@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 import signal
-from typing import Any, Mapping
+import types
+from typing import Mapping, Protocol
 
 __all__ = [
     "MemprofError",
@@ -122,6 +123,32 @@ class MissingExtraError(MemprofError, ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
 
+class _Overrun(Protocol):
+    """A budget and the figure that exceeded it: a :class:`~memprof.analyse.budget.Judged`, which this module,
+    below analyse (imports run one way), names by what it has."""
+
+    @property
+    def budget(self) -> int: ...
+    @property
+    def measured(self) -> int: ...
+    @property
+    def headroom(self) -> int: ...
+
+
+class _Growth(Protocol):
+    """A figure that grew: a :class:`~memprof.analyse.budget.Growth`, named by what it has (as :class:`_Overrun`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def baseline(self) -> int: ...
+    @property
+    def measured(self) -> int: ...
+    @property
+    def delta(self) -> int: ...
+    def describe(self) -> str: ...
+
+
 class MemoryBudgetExceeded(MemprofError, AssertionError):
     """A measured figure is above its budget (:func:`memprof.check_budget`, the ``memory_budget`` marker).
 
@@ -130,9 +157,9 @@ class MemoryBudgetExceeded(MemprofError, AssertionError):
     exceeded budget, keyed by name (``"total"`` or a category value).
     """
 
-    def __init__(self, message: str, overruns: "Mapping[str, Any] | None" = None) -> None:
+    def __init__(self, message: str, overruns: "Mapping[str, _Overrun] | None" = None) -> None:
         super().__init__(message)
-        self.overruns: dict[str, Any] = dict(overruns or {})
+        self.overruns: dict[str, _Overrun] = dict(overruns or {})
 
 
 class BudgetNotMeasured(NotMeasuredError):
@@ -152,7 +179,7 @@ class MemoryGrewError(MemprofError, AssertionError):
     ``growths`` holds one :class:`~memprof.analyse.budget.Growth` per figure that grew too much.
     """
 
-    def __init__(self, message: str, growths: "tuple[Any, ...]" = ()) -> None:
+    def __init__(self, message: str, growths: "tuple[_Growth, ...]" = ()) -> None:
         super().__init__(message)
         self.growths = tuple(growths)
 
@@ -220,10 +247,10 @@ def is_interrupt(exc: BaseException) -> bool:
 
 #: The code objects of every Python signal handler memprof has seen installed (a handler may uninstall itself
 #: before it raises). Only grows by the user's distinct handler functions.
-_SEEN_HANDLERS: "set[Any]" = set()
+_SEEN_HANDLERS: "set[types.CodeType]" = set()
 
 
-def remember_signal_handlers() -> "set[Any]":
+def remember_signal_handlers() -> "set[types.CodeType]":
     """Note the Python signal handlers installed now (memprof's entry points call this: a profile's start, every
     public function, the command line), so that :func:`is_interrupt` knows them even once they are gone; every
     handler's code object seen so far."""
@@ -231,10 +258,10 @@ def remember_signal_handlers() -> "set[Any]":
     return _SEEN_HANDLERS
 
 
-def _handler_codes() -> "set[Any]":
+def _handler_codes() -> "set[types.CodeType]":
     """The code objects of the Python functions installed as signal handlers (a bound method's function, a
     partial's, a callable object's ``__call__``)."""
-    codes = set()
+    codes: "set[types.CodeType]" = set()
     for signum in signal.valid_signals():
         try:
             handler = signal.getsignal(signum)

@@ -4,7 +4,7 @@ the moments a breakdown is read at (the ``at=`` of every API)."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from .errors import InvalidArgumentError, UnknownNameError, is_interrupt
 
@@ -113,7 +113,7 @@ BUDGET_MOMENTS = (PEAK, END)
 RECONCILE_MOMENTS = (PEAK, STEADY)
 
 
-def parse_moment(value: Any, allowed: tuple[str, ...], name: str = "at") -> str:
+def parse_moment(value: object, allowed: tuple[str, ...], name: str = "at") -> str:
     """``value`` if it is one of ``allowed`` moments; else an InvalidArgumentError that lists them."""
     if isinstance(value, str) and value.strip().lower() in allowed:
         return value.strip().lower()

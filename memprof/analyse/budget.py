@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Iterator, Mapping, NamedTuple
 
 from ..errors import is_interrupt
 from ..vocabulary import BUDGET_MOMENTS, DEVICE_CATEGORIES, Category
 from ..errors import (BudgetNotMeasured, InvalidArgumentError, MemoryBudgetExceeded, MemoryGrewError,
                       SizeParseError, UnknownNameError)
-from ..record.trace import Trace
+from ..record.trace import HoldsPeak, Trace
 from ..units import format_bytes, parse_size, printable
 
 if TYPE_CHECKING:
     from ..record.trace import Breakdown
+    from .merge import Merged
 
 __all__ = [
     "check_budget",
@@ -106,7 +107,7 @@ class Growth(NamedTuple):
         return f"{self.name}: {_exact(self.baseline)} -> {_exact(self.measured)}, +{_exact(self.delta)} ({pct})"
 
 
-def _budget_bytes(name: str, value: Any) -> int:
+def _budget_bytes(name: str, value: "int | float | str") -> int:
     """parse_size, with the budget's name in the error message."""
     try:
         return parse_size(value)
@@ -168,7 +169,7 @@ def _measured(trace: Trace, budgets: "dict[str, int]", at: str) -> "dict[str, in
     return {n: v for n, v in measured.items() if v is not None}
 
 
-def check_budget(report: Any, total: "int | str | None" = None, *, at: str = "peak",
+def check_budget(report: object, total: "int | str | None" = None, *, at: str = "peak",
                  **categories: "int | str") -> BudgetResult:
     """Judge ``report`` (a :class:`memprof.Report`) against memory budgets; raise if any is exceeded.
 
@@ -306,7 +307,7 @@ def parse_tolerance(value: "str | float | int | Fraction") -> Fraction:
     return frac
 
 
-def compare_to_baseline(report: Any, baseline: Any, tolerance: "str | float | Fraction" = "5%",
+def compare_to_baseline(report: HoldsPeak, baseline: HoldsPeak, tolerance: "str | float | Fraction" = "5%",
                         *, raise_on_growth: bool = False) -> tuple[Growth, ...]:
     """The peak figures of ``report`` that grew beyond ``tolerance`` over ``baseline`` (Reports or Traces).
 
@@ -342,7 +343,8 @@ def _pct(frac: Fraction) -> str:
     return f"{value:g}%"
 
 
-def _check_ranks(merged: Any, total: Any, at: str, categories: dict[str, int | str]) -> BudgetResult:
+def _check_ranks(merged: "Merged", total: "int | str | None", at: str,
+                 categories: dict[str, int | str]) -> BudgetResult:
     """Each rank against the budgets: one error naming every rank over them, or the worst rank's result."""
     results: dict[int, BudgetResult] = {}
     failed: list[tuple[int, MemoryBudgetExceeded]] = []

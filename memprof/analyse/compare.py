@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..vocabulary import PHASE_MOMENTS, Category, Phase, parse_moment
 from ..errors import InvalidArgumentError, is_interrupt
-from ..record.trace import Breakdown, Trace, as_trace
+from ..record.parts import PhaseRecord
+from ..record.trace import Breakdown, Trace, TraceSource, as_trace
 from ..record.views import show
 from ..units import parse_size
 
@@ -162,7 +163,7 @@ def _tolerance(value: "int | float | str") -> float:
     return float(value)
 
 
-def _as_trace(obj: Any, name: str) -> Trace:
+def _as_trace(obj: object, name: str) -> Trace:
     if isinstance(obj, (str, os.PathLike)):
         from ..record.files import load_trace
 
@@ -181,7 +182,7 @@ def _pick(trace: Trace, at: str) -> Breakdown:
     return {"peak": trace.peak, "start": trace.start, "end": trace.end}[at]
 
 
-def diff(a: "Trace | Any | str | os.PathLike[str]", b: "Trace | Any | str | os.PathLike[str]", *,
+def diff(a: TraceSource, b: TraceSource, *,
          at: str = "peak", labels: "tuple[str, str]" = ("a", "b")) -> Diff:
     """Compare run ``b`` against run ``a`` (deltas are ``b - a``).
 
@@ -199,7 +200,7 @@ def diff(a: "Trace | Any | str | os.PathLike[str]", b: "Trace | Any | str | os.P
     cats = tuple(CategoryDelta(c, ba[c], bb[c], *_delta(ba[c], bb[c])) for c in Category)
     total = CategoryDelta(None, ba.total, bb.total, *_delta(ba.total, bb.total))
 
-    def keyed(t: Trace) -> dict[tuple[int, Phase, int], Any]:
+    def keyed(t: Trace) -> dict[tuple[int, Phase, int], PhaseRecord]:
         return {(p.step, p.phase, p.occurrence): p for p in t.phases}
 
     pa, pb = keyed(ta), keyed(tb)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Protocol, TypeVar, cast
 
 from ..errors import InvalidArgumentError, MergeError, is_interrupt
 from ..record.estimate import Estimate
 from ..record.files import load_trace
 from ..record.parts import RankInfo
-from ..record.trace import Trace, as_trace
+from ..record.aliases import JSONObject
+from ..record.trace import HoldsPeak, Trace, TraceSource, as_trace
 from ..record.views import show
 from ..vocabulary import Category
 
@@ -25,6 +26,27 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["Merged", "merge"]
+
+H = TypeVar("H", bound=Hashable)
+
+
+class RankClassLike(Protocol):
+    """A class of simulated ranks: a :class:`memprof.simulate.pipeline.RankClass`, named by what it has."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def representative(self) -> int: ...
+    @property
+    def stages(self) -> tuple[int, ...]: ...
+    @property
+    def peak_bytes(self) -> int: ...
+    @property
+    def peak_step(self) -> "int | None": ...
+    @property
+    def peak_phase(self) -> str: ...
+    @property
+    def trace(self) -> "Trace | None": ...
 
 
 @dataclass(frozen=True)
@@ -34,14 +56,14 @@ class Merged:
     not given; ``notes`` say what else to know. Its text, table and HTML are views registered by the facade
     (:mod:`memprof.record.views`)."""
 
-    ranks: "dict[int, Any]"
+    ranks: "dict[int, HoldsPeak]"  # each rank's Trace, or its Report (a layer above)
     world_size: int
     missing: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
     #: Simulated ranks: the classes of ranks that hold the same memory
     #: (:class:`memprof.simulate.pipeline.RankClass`: its ranks, the one simulated, its pipeline stages and peak);
     #: ``ranks`` then holds each class's simulated rank. Empty for measured ranks, each of which is its own.
-    classes: "tuple[Any, ...]" = ()
+    classes: "tuple[RankClassLike, ...]" = ()
 
     @property
     def simulated(self) -> bool:
@@ -49,7 +71,7 @@ class Merged:
         than measured? (Both, only where ``merge(..., mixed=True)`` asked for it: the notes say which.)"""
         return any(_simulated(as_trace(t).distributed) for t in self.ranks.values())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """The merge as plain JSON data: the world, the worst rank, the spread, each rank's peak and composition
         there (``null`` where not measured), the rank classes and the notes."""
         spread = self.spread
@@ -98,7 +120,7 @@ class Merged:
         return html
 
 
-def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"], *, mixed: bool = False) -> Merged:
+def merge(reports: "Iterable[TraceSource] | Estimate", *, mixed: bool = False) -> Merged:
     """Put the reports of the ranks of one run side by side.
 
     ``reports`` is a list (any iterable) of :class:`~memprof.Report` objects (anything holding a Trace as
@@ -158,7 +180,7 @@ def merge(reports: Iterable["Trace | Any | str | os.PathLike[str]"], *, mixed: b
                   classes=tuple(sorted(classes, key=lambda c: c.representative)))
 
 
-def _simulated(info: Any) -> bool:
+def _simulated(info: "RankInfo | None") -> bool:
     """A simulated rank's record: torch's fake process group ran it (``"fake"``), or memprof's own layout
     simulation (no backend at all: a measured rank always records its process group's)."""
     return info is not None and (info.backend is None or info.backend == "fake")
@@ -192,11 +214,11 @@ def _one_run(infos: "dict[int, RankInfo]", files: "dict[int, str]", mixed: bool)
     return world, notes
 
 
-def _mesh(info: Any) -> "tuple[tuple[str, int], ...] | None":
+def _mesh(info: RankInfo) -> "tuple[tuple[str, int], ...] | None":
     return info.layout_detail.mesh if info.layout_detail is not None else None
 
 
-def _layout_words(key: Any) -> str:
+def _layout_words(key: "tuple[str | None, str | None, tuple[tuple[str, int], ...] | None]") -> str:
     """(layout, backend, mesh) in words: ``fsdp2 over nccl on mesh dp_shard=4``, ``ddp over gloo``."""
     layout, backend, mesh = key
     words = [str(layout or "unwrapped")] + ([f"over {backend}"] if backend is not None else [])
@@ -207,9 +229,9 @@ def _mesh_words(mesh: "tuple[tuple[str, int], ...] | None") -> str:
     return "on mesh " + " x ".join(f"{n}={s}" for n, s in mesh) if mesh else "on no device mesh"
 
 
-def _same(labels: "dict[int, str]", values: "dict[int, Any]", what: str, words: Any) -> None:
+def _same(labels: "dict[int, str]", values: "dict[int, H]", what: str, words: "Callable[[H], str]") -> None:
     """Refuse ranks whose ``values`` differ, naming each value and the ranks that hold it."""
-    held: dict[Any, list[int]] = {}
+    held: dict[H, list[int]] = {}
     for r in sorted(values):
         held.setdefault(values[r], []).append(r)
     if len(held) > 1:
@@ -228,11 +250,11 @@ def _listed(labels: "dict[int, str]", ranks: "list[int]") -> str:
     return ", ".join(labels[r] for r in ranks[:4]) + more + " are"
 
 
-def _expand(items: "list[Any]") -> "tuple[list[Any], list[Any]]":
+def _expand(items: "list[object]") -> "tuple[list[object], list[RankClassLike]]":
     """Estimates of a pipeline (``.ranks``: every rank class, each with its simulated Trace) in place of the
     classes' traces; a plain estimate of one rank stands for that rank alone (a class of one)."""
-    out: list[Any] = []
-    classes: list[Any] = []
+    out: list[object] = []
+    classes: list[RankClassLike] = []
     for item in items:
         held = getattr(item, "ranks", None)
         if not isinstance(item, Estimate) or not isinstance(held, tuple):
@@ -250,7 +272,7 @@ def _expand(items: "list[Any]") -> "tuple[list[Any], list[Any]]":
     return out, classes
 
 
-def _rank_dict(t: Trace) -> dict[str, Any]:
+def _rank_dict(t: Trace) -> JSONObject:
     return {"peak": t.peak.total, "peak_step": t.peak_step,
             "peak_phase": t.peak_phase.value if t.peak_phase is not None else None,
             "at_peak": {c.value: t.peak[c] for c in Category}}
@@ -259,21 +281,21 @@ def _rank_dict(t: Trace) -> dict[str, Any]:
 _TAKES = "merge() takes a list of reports or paths of saved traces (Traces too), one per rank"
 
 
-def _items(reports: Any) -> list[Any]:
+def _items(reports: object) -> list[object]:
     """The ranks' reports as a list: one report, one path or anything that is not a list is refused."""
     if isinstance(reports, Estimate) and bool(reports.ranks):
         return [reports]  # a pipeline's estimate: every rank class it simulated
     if isinstance(reports, (str, bytes, os.PathLike, Trace, dict)) or hasattr(reports, "trace"):
         raise InvalidArgumentError(f"{_TAKES}; got one {type(reports).__name__}: put it in a list")
     try:
-        return list(reports)
+        return list(cast("Iterable[object]", reports))  # no iterable: its TypeError, caught below
     except TypeError as failure:
         if is_interrupt(failure):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(f"{_TAKES}, got {type(reports).__name__}") from None
 
 
-def _trace(item: Any) -> Trace:
+def _trace(item: object) -> Trace:
     if isinstance(item, (str, os.PathLike)):
         return load_trace(item)
     try:

@@ -9,9 +9,10 @@ its peak (a count, never their bytes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 from .checks import corrupt, count, text
+from .aliases import JSON, Setting
 
 __all__ = ["CacheMoment", "MOMENTS", "spec_data", "frozen_spec"]
 
@@ -49,12 +50,12 @@ class CacheMoment:
 
     # Written by hand, not from its fields (record/fields.py): a positional list of 9 values in the file, its
     # moment one of MOMENTS.
-    def to_list(self) -> list[Any]:
+    def to_list(self) -> list[JSON]:
         return [self.step, self.phase, self.occurrence, self.moment, self.earlier, self.before, self.after,
                 self.written, self.overlap]
 
     @classmethod
-    def from_list(cls, data: Any) -> "CacheMoment":
+    def from_list(cls, data: object) -> "CacheMoment":
         if not isinstance(data, (list, tuple)) or len(data) != 9:
             raise corrupt(f"a cache moment must be a list of 9 values, got {str(data)[:40]}")
         step, phase, occurrence, moment, earlier, before, after, written, overlap = data
@@ -68,14 +69,14 @@ class CacheMoment:
                    overlap=overlap)
 
 
-def spec_data(data: Any) -> "dict[str, Any] | None":
+def spec_data(data: object) -> "dict[str, Setting] | None":
     """A cache spec read from a file (``memprof.anatomy.CacheSpec.to_dict()``): a mapping of names to ints,
     strings, booleans, None or lists of strings, checked here; the formulas check the values' sense."""
     if data is None:
         return None
     if not isinstance(data, Mapping):
         raise corrupt(f"a generation's cache must be a mapping, got {type(data).__name__}")
-    out: dict[str, Any] = {}
+    out: dict[str, Setting] = {}
     for k, v in data.items():
         name = text(k, "a cache field")
         if isinstance(v, list):
@@ -90,7 +91,7 @@ def spec_data(data: Any) -> "dict[str, Any] | None":
     return out
 
 
-def frozen_spec(data: "Mapping[str, Any] | None") -> "tuple[tuple[str, Any], ...] | None":
+def frozen_spec(data: "Mapping[str, Setting] | None") -> "tuple[tuple[str, Setting], ...] | None":
     """A cache spec as the frozen record keeps it: (name, value) pairs, lists as tuples."""
     if data is None:
         return None

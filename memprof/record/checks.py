@@ -7,7 +7,8 @@ crafted or truncated file never reaches arithmetic or display downstream.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from enum import Enum
+from typing import Hashable, Iterable, Mapping, Sequence, TypeVar
 
 from ..errors import TraceFormatError
 
@@ -20,13 +21,13 @@ __all__ = ["count", "optional_count", "text", "optional_text", "corrupt", "pairs
 _MAX_COUNT = 2**63 - 1
 
 
-def optional_count(value: Any, name: str) -> "int | None":
+def optional_count(value: object, name: str) -> "int | None":
     if value is None:
         return None
     return count(value, name)
 
 
-def count(value: Any, name: str) -> int:
+def count(value: object, name: str) -> int:
     """A non-negative int from a file (bytes, an index, a count); anything else is a TraceFormatError."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise corrupt(f"{name} must be an int, got {_shown(value)}")
@@ -35,7 +36,7 @@ def count(value: Any, name: str) -> int:
     return value
 
 
-def optional_time(value: Any, name: str) -> "float | None":
+def optional_time(value: object, name: str) -> "float | None":
     """Microseconds since a profile started (schema 4), or None (older files, or not recorded)."""
     if value is None:
         return None
@@ -49,14 +50,17 @@ def optional_time(value: Any, name: str) -> "float | None":
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def text(value: Any, name: str) -> str:
+def text(value: object, name: str) -> str:
     """A string from a file, with any lone surrogate replaced by U+FFFD (the replacement character)."""
     if not isinstance(value, str):
         raise corrupt(f"{name} must be a string, got {_shown(value)}")
     return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
 
 
-def member(value: Any, kind: Any, name: str) -> Any:
+E = TypeVar("E", bound=Enum)
+
+
+def member(value: object, kind: "type[E]", name: str) -> E:
     """The member of the enum ``kind`` (Phase, Category) whose value a file gives, exactly as memprof
     writes it: " Forward" is no phase a file holds."""
     for m in kind:
@@ -65,7 +69,7 @@ def member(value: Any, kind: Any, name: str) -> Any:
     raise corrupt(f"{name} must be one of {', '.join(m.value for m in kind)}, got {_shown(value)}")
 
 
-def seq(value: Any, name: str, length: "int | None" = None) -> Sequence[Any]:
+def seq(value: object, name: str, length: "int | None" = None) -> Sequence[object]:
     """A JSON array from a file (of exactly ``length`` items, if given). A string is refused too:
     iterated or unpacked, ``"abc"`` would pass for three items."""
     if not isinstance(value, (list, tuple)):
@@ -75,14 +79,14 @@ def seq(value: Any, name: str, length: "int | None" = None) -> Sequence[Any]:
     return value
 
 
-def mapping(value: Any, name: str) -> Mapping[str, Any]:
+def mapping(value: object, name: str) -> Mapping[str, object]:
     """A JSON object from a file."""
     if not isinstance(value, Mapping):
         raise corrupt(f"{name} must be a mapping, got {_shown(value)}")
     return value
 
 
-def flag(value: Any, name: str) -> bool:
+def flag(value: object, name: str) -> bool:
     """A JSON true or false from a file (a string such as "no" would otherwise read as True)."""
     if not isinstance(value, bool):
         raise corrupt(f"{name} must be true or false, got {_shown(value)}")
@@ -94,16 +98,16 @@ def corrupt(problem: str) -> TraceFormatError:
     return TraceFormatError(f"corrupt memprof trace: {problem}; re-create it with report.save(path)")
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     shown = repr(value)
     return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
-def optional_text(value: Any, name: str) -> "str | None":
+def optional_text(value: object, name: str) -> "str | None":
     return None if value is None else text(value, name)
 
 
-def pairs(items: Any, name: str = "tags") -> tuple[tuple[str, int], ...]:
+def pairs(items: object, name: str = "tags") -> tuple[tuple[str, int], ...]:
     """(name, bytes) pairs, such as the tags' live bytes: each name once."""
     out = tuple((text(a, "a tag name"), count(b, "a tag's bytes"))
                 for a, b in (seq(item, f"an entry of {name}", 2) for item in seq(items, name)))
@@ -111,11 +115,11 @@ def pairs(items: Any, name: str = "tags") -> tuple[tuple[str, int], ...]:
     return out
 
 
-def listed_once(keys: Iterable[Any], what: str) -> None:
+def listed_once(keys: Iterable[Hashable], what: str) -> None:
     """Refuse a key that a list from a file gives twice (a module's path, a tag's name): two records of one
     thing, whose figures would be counted twice or one of them silently dropped downstream. ``what`` names
     the key ("a module")."""
-    seen: set[Any] = set()
+    seen: set[Hashable] = set()
     for key in keys:
         if key in seen:
             raise corrupt(f"{what} is listed twice: {_shown(key)}")

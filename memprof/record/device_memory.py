@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..errors import is_interrupt
 from .trace import Breakdown
+from .aliases import Above
 from .views import show
 
 __all__ = ["DeviceMemory", "fraction_in", "keep_replay"]
@@ -22,13 +22,13 @@ class _Kept:
     :meth:`put`."""
 
     def __init__(self) -> None:
-        self._refs: "dict[str, weakref.ref[Any]]" = {}
+        self._refs: "dict[str, weakref.ref[object]]" = {}
 
-    def put(self, name: str, obj: Any) -> None:
+    def put(self, name: str, obj: object) -> None:
         self._refs = {key: ref for key, ref in self._refs.items() if ref() is not None}
         self._refs[name] = weakref.ref(obj)
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str) -> object:
         ref = self._refs.get(name)
         return ref() if ref is not None else None
 
@@ -37,7 +37,7 @@ class _Kept:
 _KEPT = _Kept()
 
 
-def keep_replay(replay_id: str, replay: Any) -> None:
+def keep_replay(replay_id: str, replay: object) -> None:
     """Name ``replay`` (:class:`memprof.simulate.device_memory.Replay`) ``replay_id``: every :class:`DeviceMemory`
     made with that ``replay_id`` holds it, so that it lives as long as one of them does."""
     _KEPT.put(replay_id, replay)
@@ -56,10 +56,10 @@ class DeviceMemory:
     """
 
     #: The GPU (a :class:`memprof.anatomy.gpus.GpuSpec`), None without one.
-    gpu: Any
+    gpu: Above
     alloc_conf: str
     #: Each a :class:`memprof.anatomy.outside.OutsideTerm` (name, bytes, through_allocator, assumption, source).
-    terms: tuple[Any, ...]
+    terms: tuple[Above, ...]
     peak_allocated: int
     peak_reserved: int
     outside_bytes: int

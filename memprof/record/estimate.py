@@ -6,10 +6,11 @@ and Report are views registered from above (:mod:`.views`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..vocabulary import TENSOR_CATEGORIES, Category
 from .trace import Breakdown, Trace
+from .aliases import Above, Setting
 from .views import show
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class Estimate:
     device_peak_bytes: "int | None" = None
     #: With ``pipeline=`` and no ``rank=``: every rank class simulated (:class:`memprof.simulate.pipeline.RankClass`);
     #: the estimate itself is the worst one's.
-    ranks: tuple[Any, ...] = ()
+    ranks: tuple[Above, ...] = ()
 
     @property
     def peak(self) -> Breakdown:
@@ -84,13 +85,13 @@ class Estimate:
         return formula
 
     @property
-    def textbook(self) -> Any:
+    def textbook(self) -> Above:
         """The :class:`~memprof.analyse.reconciler.Textbook` at the simulated peak: the literature's model
         states for this configuration (HF's 18 B/param for mixed-precision AdamW) beside :attr:`formula`,
         and the named causes of their difference in bytes."""
         return show(self, "textbook")
 
-    def report(self) -> Any:
+    def report(self) -> Above:
         """The :class:`~memprof.Report` of the simulated run."""
         return show(self, "report")
 
@@ -113,7 +114,7 @@ class WhatIf(Estimate):
 
     baseline: "Breakdown | None" = None
     baseline_peak_bytes: "int | None" = None
-    changes: tuple[tuple[str, Any], ...] = ()
+    changes: tuple[tuple[str, Setting], ...] = ()
 
     @property
     def saving(self) -> dict[str, "int | None"]:

@@ -21,15 +21,26 @@ import dataclasses
 import enum
 import types
 import typing
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, NamedTuple, Protocol, TypeVar
 
+from .aliases import JSON, JSONObject
 from .checks import corrupt, count, flag, mapping, member, optional_count, optional_text, seq, text
 
 __all__ = ["form", "read", "write"]
 
 T = TypeVar("T")
-Reader = Callable[[Any, str], Any]
-Writer = Callable[[Any], Any]
+#: A field's check of its value from a file, and its label: the value the part holds.
+Reader = Callable[[object, str], object]
+#: A field's JSON form of its value. Any: the value of the one field the writer is built for, whose type only its
+#: annotation says (a plan holds the writers of every field of every part).
+Writer = Callable[[Any], JSON]
+
+
+class _ReadsItself(Protocol):
+    """A nested record part: it reads its own file form."""
+
+    @classmethod
+    def from_dict(cls, data: object) -> object: ...
 
 _KEY = "memprof.file"
 
@@ -45,11 +56,11 @@ class _Form(NamedTuple):
     label: "str | None"
     read: "Reader | None"
     write: "Writer | None"
-    absent: Any
+    absent: object
 
 
 def form(*, key: "str | None" = None, label: "str | None" = None, read: "Reader | None" = None,
-         write: "Writer | None" = None, absent: Any = _REQUIRED, written: bool = True) -> dict[str, Any]:
+         write: "Writer | None" = None, absent: object = _REQUIRED, written: bool = True) -> dict[str, object]:
     """A field's metadata when its file form differs: ``key`` the name in the file (default: the field's),
     ``label`` its name in a refusal (default ``Class.field``), ``read(value, label)`` and ``write(value)``
     its own conversion (default: from its annotation), ``absent`` the value of a required field that older
@@ -63,7 +74,7 @@ class _Field(NamedTuple):
     label: str
     read: Reader
     write: "Writer | None"  # None: the value is its JSON form already
-    absent: Any  # _REQUIRED, _DEFAULT (the dataclass's default) or the value an older file's absence gives
+    absent: object  # _REQUIRED, _DEFAULT (the dataclass's default) or the value an older file's absence gives
 
 
 _PLANS: dict[type, tuple[_Field, ...]] = {}
@@ -86,9 +97,9 @@ def _plan(cls: type) -> tuple[_Field, ...]:
     return plan
 
 
-def write(part: Any) -> dict[str, Any]:
+def write(part: object) -> JSONObject:
     """The JSON dict of a frozen dataclass, from its fields."""
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     for name, key, _, _, convert, _ in _PLANS.get(type(part)) or _plan(type(part)):
         if convert is None:
             out[key] = getattr(part, name)
@@ -97,10 +108,10 @@ def write(part: Any) -> dict[str, Any]:
     return out
 
 
-def read(cls: "type[T]", data: Any, what: str) -> T:
+def read(cls: "type[T]", data: object, what: str) -> T:
     """A ``cls`` from its JSON dict, every value checked; ``what`` names the part in a refusal ("a module")."""
     data = mapping(data, what)
-    kw: dict[str, Any] = {}
+    kw: dict[str, object] = {}
     missing = []
     for name, key, label, check, _, absent in _PLANS.get(cls) or _plan(cls):  # unpacked: the loader's hot loop
         value = data.get(key, _ABSENT)
@@ -119,9 +130,10 @@ def _optional(inner: Reader) -> Reader:
     return lambda value, name: None if value is None else inner(value, name)
 
 
-def _reader(tp: Any) -> Reader:
+def _reader(tp: object) -> Reader:
     """The check of a value from a file for annotation ``tp``."""
-    simple = {int: count, str: text, bool: flag, int | None: optional_count, str | None: optional_text}
+    simple: dict[object, Reader] = {int: count, str: text, bool: flag, int | None: optional_count,
+                                    str | None: optional_text}
     if tp in simple:
         return simple[tp]
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -136,13 +148,14 @@ def _reader(tp: Any) -> Reader:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return lambda value, name: member(value, tp, name)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        nested = typing.cast(Any, tp).from_dict  # every record part has one; a nested part reads itself
+        # Every record part has a from_dict; a nested part reads itself.
+        nested = typing.cast("type[_ReadsItself]", tp).from_dict
         return lambda value, name: nested(value)
     # float, Any, a mapping ...: the field must declare its own reader; a mistake in memprof, never let through
     raise RuntimeError(f"memprof cannot check a {tp} read from a file; declare the field's form(read=...)")
 
 
-def _writer(tp: Any) -> "Writer | None":
+def _writer(tp: object) -> "Writer | None":
     """The JSON form of a value of annotation ``tp``; None where the value is its own JSON form."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):

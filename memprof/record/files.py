@@ -26,8 +26,9 @@ import re
 import secrets
 import stat
 import tempfile
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from .aliases import JSON, JSONObject
 from ..errors import InvalidArgumentError, MemprofError, TraceFormatError, TraceNotFoundError, is_interrupt
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ __all__ = ["write_text_atomic", "write_bytes_atomic", "write_json_atomic", "chec
            "read_bytes", "read_json", "load_trace", "max_file_bytes", "MAX_FILE_BYTES", "LIMIT_ENV"]
 
 
-def _path(path: Any, what: str) -> str:
+def _path(path: object, what: str) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgumentError(f"{what} needs a file path (a str or pathlib.Path), got {type(path).__name__}")
     name = os.fspath(path)
@@ -62,7 +63,7 @@ def write_text_atomic(path: "str | os.PathLike[str]", text: str) -> None:
     write_bytes_atomic(path, data)
 
 
-def write_json_atomic(path: "str | os.PathLike[str]", value: Any, *, indent: "int | None" = None) -> None:
+def write_json_atomic(path: "str | os.PathLike[str]", value: JSON, *, indent: "int | None" = None) -> None:
     """Write ``value`` as JSON with :func:`write_text_atomic`: UTF-8 itself rather than ``\\u`` escapes, so
     that a lone surrogate in a string reaches the file as U+FFFD, never as an escape that a strict
     reader refuses. ``indent=None`` writes it compact (the C encoder, several times faster)."""
@@ -120,7 +121,7 @@ class _Target(NamedTuple):
     old: "os.stat_result | None" = None
 
 
-def _target(path: Any) -> _Target:
+def _target(path: object) -> _Target:
     name = _path(path, "saving")
     if _folder_name(name):
         raise InvalidArgumentError(_names_a_folder(name, name))
@@ -492,7 +493,7 @@ def _read_at_most(fd: int, most: int) -> bytes:
     return b"".join(parts)
 
 
-def read_json(path: "str | os.PathLike[str]") -> Any:
+def read_json(path: "str | os.PathLike[str]") -> JSON:
     """The JSON value in ``path``, read by :func:`read_bytes`. A missing file raises :class:`TraceNotFoundError`
     (a ``FileNotFoundError`` too); any other failure to read it as JSON raises :class:`TraceFormatError`, an object
     that gives one key twice included (JSON allows it and Python's reader keeps the last silently: a file that
@@ -503,7 +504,8 @@ def read_json(path: "str | os.PathLike[str]") -> Any:
     try:
         text = data.decode("utf-8")
         del data  # parsed from the text alone: the file's bytes need not stay in memory beside it
-        return json.loads(text, object_pairs_hook=_once_each)
+        value: JSON = json.loads(text, object_pairs_hook=_once_each)
+        return value
     except (ValueError, RecursionError, MemoryError) as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
@@ -518,7 +520,7 @@ class _Repeated(ValueError):
         self.key = key
 
 
-def _once_each(pairs: "list[tuple[str, Any]]") -> "dict[str, Any]":
+def _once_each(pairs: "list[tuple[str, JSON]]") -> JSONObject:
     """A JSON object as a dict, refusing a key it gives twice (the reader's ``object_pairs_hook``)."""
     out = dict(pairs)
     if len(out) != len(pairs):

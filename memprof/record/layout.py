@@ -6,10 +6,10 @@ its dimensions shard which parameters, and FSDP2's policy. A rank's per-degree f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
 
 from . import fields as fileform
 from .checks import corrupt
+from .aliases import JSONObject
 from .fields import form
 
 __all__ = ["MeshLayout", "ParamGroup"]
@@ -28,11 +28,11 @@ class ParamGroup:
     trainable: int = field(metadata=form(label="a group's trainable"))
     bytes: int = field(metadata=form(label="a group's bytes"))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ParamGroup":
+    def from_dict(cls, data: object) -> "ParamGroup":
         return fileform.read(cls, data, "a parameter group")
 
 
@@ -58,11 +58,11 @@ class MeshLayout:
         """The size of the mesh dimension ``name`` (1 when the mesh has none)."""
         return next((s for n, s in self.mesh if n == name), 1)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MeshLayout":
+    def from_dict(cls, data: object) -> "MeshLayout":
         """Read from a file: every mesh dimension at least 1 in size."""
         layout = fileform.read(cls, data, "the mesh layout")
         for _, size in layout.mesh:

@@ -6,10 +6,11 @@ Trace (and re-exports them: import them from there).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
 from .cache import CacheMoment, frozen_spec, spec_data
+from .aliases import JSONObject, Setting
 from .layout import MeshLayout
 from . import fields as fileform
 from .fields import form
@@ -84,13 +85,13 @@ class Breakdown(Mapping[Category, "int | None"]):
 
     # Written by hand, not from its fields (record/fields.py): its file form is a mapping of each category's
     # value to its bytes, not its ``counts`` tuple, and reading it checks the categories against the total.
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(zip(_NAMES, self.counts))
+    def to_dict(self) -> JSONObject:
+        out: JSONObject = dict(zip(_NAMES, self.counts))
         out["total"] = self.total
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Breakdown":
+    def from_dict(cls, data: object) -> "Breakdown":
         """Read from a file: bytes per category and the total, which must agree as a measurement does
         (the measured categories sum to the total when every tensor category is measured, and never
         exceed it when some are not)."""
@@ -139,11 +140,11 @@ class PhaseRecord:
     end_us: "float | None" = field(default=None, compare=False,
                                    metadata=form(label="a phase's end_us", read=optional_time))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PhaseRecord":
+    def from_dict(cls, data: object) -> "PhaseRecord":
         rec = fileform.read(cls, data, "a phase")
         _peak_is_highest(rec.peak, (rec.start, rec.end), f"step {rec.step}'s {rec.phase.value} phase")
         return rec
@@ -188,11 +189,11 @@ class ModelFacts:
     #: First dimension of the model's first input in the first forward.
     batch_size: "int | None" = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModelFacts":
+    def from_dict(cls, data: object) -> "ModelFacts":
         return fileform.read(cls, data, "a ModelFacts")
 
 
@@ -208,11 +209,11 @@ class OperationRecord:
     bytes_read: int
     bytes_written: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "OperationRecord":
+    def from_dict(cls, data: object) -> "OperationRecord":
         return fileform.read(cls, data, "an operation record")
 
 
@@ -223,11 +224,11 @@ class StepRecord:
     index: int = field(metadata=form(label="a step's index"))
     phases: tuple[PhaseRecord, ...] = field(metadata=form(label="a step's phases"))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "StepRecord":
+    def from_dict(cls, data: object) -> "StepRecord":
         """Read from a file: at least one phase (a step is kept only once one was recorded), each its own, each
         (phase, occurrence) once, and each kind numbered 0, 1, 2 ... without a gap (the collector counts a
         step's phases of a kind from 0: a lone ``backward #3`` is no step that ran)."""
@@ -285,11 +286,11 @@ class ModuleRecord:
     #: Saved bytes attributed to this module itself, not its children (last step that ran it).
     own_activations: "int | None" = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModuleRecord":
+    def from_dict(cls, data: object) -> "ModuleRecord":
         return fileform.read(cls, data, "a ModuleRecord")
 
 
@@ -313,11 +314,11 @@ class Sample:
     # _event is defined below the class, beside SAMPLE_EVENTS: called through a lambda.
     event: str = field(default="", metadata=form(label="a sample's event", read=lambda v, n: _event(v, n)))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Sample":
+    def from_dict(cls, data: object) -> "Sample":
         """Read from a file: a sample that marks a phase's beginning is labelled with that phase."""
         sample = fileform.read(cls, data, "a timeline sample")
         if sample.event == "phase" and sample.label != sample.phase.value:
@@ -330,7 +331,7 @@ class Sample:
 SAMPLE_EVENTS = ("", "start", "phase", "enter", "exit")
 
 
-def _event(value: Any, name: str) -> str:
+def _event(value: object, name: str) -> str:
     event = text(value, name)
     if event not in SAMPLE_EVENTS:
         raise corrupt(f"{name} must be one of {', '.join(map(repr, SAMPLE_EVENTS))}, got {event[:20]!r}")
@@ -352,11 +353,11 @@ class OomRecord:
     device_total: "int | None" = field(default=None, metadata=form(label="device_total"))
     snapshot: "str | None" = field(default=None, metadata=form(label="the OOM snapshot"))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "OomRecord":
+    def from_dict(cls, data: object) -> "OomRecord":
         return fileform.read(cls, data, "the OOM record")
 
 
@@ -375,11 +376,11 @@ class DeviceInfo:
     memory_reserved: "int | None" = None
     nvml_used: "int | None" = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceInfo":
+    def from_dict(cls, data: object) -> "DeviceInfo":
         return fileform.read(cls, data, "a DeviceInfo")
 
 
@@ -414,11 +415,11 @@ class RankInfo:
     #: parameters at profile time; None when no parameter is a DTensor.
     layout_detail: "MeshLayout | None" = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RankInfo":
+    def from_dict(cls, data: object) -> "RankInfo":
         """Read from a file: a world of 1 to :data:`MAX_WORLD` ranks, holding the rank."""
         info = fileform.read(cls, data, "the rank record")
         if not 1 <= info.world_size <= MAX_WORLD:
@@ -449,7 +450,7 @@ class GenerationFacts:
     #: (name, value) pairs: ``dict(cache)``); None when memprof could not read one (older files: the
     #: fields above describe a uniform attention cache).
     #: In the file: the spec's mapping, its tuples as lists.
-    cache: "tuple[tuple[str, Any], ...] | None" = field(default=None, metadata=form(
+    cache: "tuple[tuple[str, Setting], ...] | None" = field(default=None, metadata=form(
         read=lambda v, _: frozen_spec(spec_data(v)),
         write=lambda v: None if v is None else {k: list(x) if isinstance(x, tuple) else x for k, x in v}))
     #: The encoder's tokens of an encoder-decoder model; the length a static cache was allocated at.
@@ -479,11 +480,11 @@ class GenerationFacts:
         """The cache's record at the ``"peak"`` or ``"end"`` of that phase, if the run made one."""
         return next((m for m in self.moments if m.key() == (step, phase, occurrence, moment)), None)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "GenerationFacts":
+    def from_dict(cls, data: object) -> "GenerationFacts":
         """Read from a file: each phase's token count, each moment and each encoder's prefill once, and every
         phase named as memprof names one (what they refer to is checked by the Trace that holds them)."""
         facts = fileform.read(cls, data, "the generation record")
@@ -501,7 +502,7 @@ class GenerationFacts:
         yield from ((s, Phase.PREFILL.value, o) for s, o in self.encoder_prefills)
 
 
-def _tokens(items: Any) -> tuple[tuple[int, str, int, int], ...]:
+def _tokens(items: object) -> tuple[tuple[int, str, int, int], ...]:
     """A generation's token counts from a file: (step, phase, occurrence, tokens), the phase as memprof names one."""
     rows = (seq(t, "a token count", 4) for t in seq(items, "tokens"))
     return tuple((count(s, "a step"), member(p, Phase, "a token count's phase").value, count(o, "an occurrence"),

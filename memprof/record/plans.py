@@ -6,9 +6,10 @@ views registered from above (:mod:`.views`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from .views import show
+from .aliases import JSONObject
 
 if TYPE_CHECKING:
     import os
@@ -135,9 +136,9 @@ class PlanGrid:
         ``peak_bytes``, ``device_peak``, ``dominant`` ...)."""
         return show(self, "to_frame")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """The plan as plain data, ready for ``json.dumps`` (``memprof plan --json`` prints its ``rows``)."""
-        data: dict[str, Any] = show(self, "to_dict")
+        data: JSONObject = show(self, "to_dict")
         return data
 
     def to_html(self) -> str:

@@ -10,10 +10,10 @@ routing: every allocation of an expert layer depends on how many tokens each exp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
 
 from . import fields as fileform
 from .checks import corrupt, count, seq, text
+from .aliases import JSON, JSONObject
 from .fields import form
 
 __all__ = ["RouterCall", "RoutingRecord", "MAX_ROUTER_CALLS"]
@@ -39,11 +39,11 @@ class RouterCall:
 
     # Written by hand, not from its fields (record/fields.py): a router call is a positional list in the file
     # (a run keeps up to MAX_ROUTER_CALLS of them), and its counts are checked against its choices and picks.
-    def to_list(self) -> list[Any]:
+    def to_list(self) -> list[JSON]:
         return [self.module, self.choices, self.picks, list(self.counts)]
 
     @classmethod
-    def from_list(cls, data: Any) -> "RouterCall":
+    def from_list(cls, data: object) -> "RouterCall":
         module, choices, picks, counts = seq(data, "a router call", 4)
         call = cls(text(module, "a router call's module"), count(choices, "a router call's choices"),
                    count(picks, "a router call's picks"),
@@ -81,9 +81,9 @@ class RoutingRecord:
                 worst = max(worst, max(c.counts) * c.choices / total)
         return worst
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RoutingRecord":
+    def from_dict(cls, data: object) -> "RoutingRecord":
         return fileform.read(cls, data, "the routing record")

@@ -12,11 +12,12 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 from itertools import filterfalse
-from typing import Any, Mapping
+from typing import Mapping
 
 from ..errors import is_interrupt
 from . import fields as fileform
 from .checks import corrupt, count, mapping, seq, text
+from .aliases import JSON, JSONObject, Setting, UserObject
 from .fields import form
 
 __all__ = ["TensorSpec", "NotDescribed", "ModuleCall", "ParamSpec", "OptimizerSpec", "plain_config", "itemsize"]
@@ -33,7 +34,7 @@ _ITEMSIZE = {
 _TORCH_MAX_BYTES = 2**63 - 1
 
 
-def _dtype(value: Any) -> str:
+def _dtype(value: object) -> str:
     """A dtype's name from a file: one this table or torch knows (formulas make meta tensors of it)."""
     name = text(value, "a dtype")
     if name not in _ITEMSIZE:
@@ -44,7 +45,7 @@ def _dtype(value: Any) -> str:
     return name
 
 
-def _shape(value: Any, dtype: str) -> tuple[int, ...]:
+def _shape(value: object, dtype: str) -> tuple[int, ...]:
     """A tensor's shape from a file: one torch can hold, as the formulas make a meta tensor of it."""
     shape = tuple(count(n, "a dimension") for n in seq(value, "a shape"))
     size = itemsize(dtype)
@@ -77,7 +78,7 @@ class TensorSpec:
     dtype: str
 
     @classmethod
-    def of(cls, t: Any) -> "TensorSpec":
+    def of(cls, t: UserObject) -> "TensorSpec":
         """The spec of tensor ``t``; :class:`NotDescribed`, saying why, for a tensor that a shape and a dtype do
         not size: a layout other than strided (sparse, jagged nested), a size that is no number (a nested
         tensor's ragged dimension), or a shape or dtype that cannot be read (a subclass whose ``shape``
@@ -114,11 +115,11 @@ class TensorSpec:
 
     # Written by hand, not from its fields (record/fields.py): a positional [shape, dtype] pair in the file, and
     # its shape is checked against its dtype (a tensor torch can hold).
-    def to_dict(self) -> list[Any]:
+    def to_dict(self) -> list[JSON]:
         return [list(self.shape), self.dtype]
 
     @classmethod
-    def from_dict(cls, data: Any) -> "TensorSpec":
+    def from_dict(cls, data: object) -> "TensorSpec":
         shape, dtype = seq(data, "a tensor's shape and dtype", 2)
         dtype = _dtype(dtype)
         return cls(_shape(shape, dtype), dtype)
@@ -130,11 +131,11 @@ _PLAIN = (bool, int, float, str, type(None))
 _PRIVATE = operator.methodcaller("startswith", "_")
 
 
-def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+def plain_config(attrs: Mapping[str, UserObject]) -> tuple[tuple[str, Setting], ...]:
     """A module's or an optimizer group's configuration: its public attributes whose values are plain
     (numbers, strings, None, and tuples of those), sorted by name. Tensors, submodules and callables
     are left out; a tensor-valued setting is recorded as a float with its key prefixed ``"tensor:"``."""
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[str, Setting]] = []
     try:
         # The private names (most of a module's attributes: _parameters, _forward_hooks ...) left out in C.
         names = list(filterfalse(_PRIVATE, attrs))
@@ -155,7 +156,7 @@ def plain_config(attrs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(out))
 
 
-def _config(items: Any) -> tuple[tuple[str, Any], ...]:
+def _config(items: object) -> tuple[tuple[str, Setting], ...]:
     """Plain settings from a file: (name, value) pairs whose values are numbers, strings, null or lists
     of them (strings read as :func:`~memprof.record.checks.text` reads them)."""
     out = []
@@ -169,7 +170,7 @@ def _config(items: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def _setting(key: str, value: Any) -> Any:
+def _setting(key: str, value: object) -> Setting:
     if not isinstance(value, _PLAIN):
         raise corrupt(f"setting {key[:40]!r} must be a number, string, null or a list of them")
     return text(value, f"setting {key[:40]!r}") if isinstance(value, str) else value
@@ -188,7 +189,7 @@ class ModuleCall:
 
     path: str = field(metadata=form(label="a module call's path"))
     classes: tuple[str, ...] = field(metadata=form(label="a module call's classes"))
-    config: tuple[tuple[str, Any], ...] = field(metadata=form(read=lambda v, _: _config(v), absent=()))
+    config: tuple[tuple[str, Setting], ...] = field(metadata=form(read=lambda v, _: _config(v), absent=()))
     params: tuple[tuple[str, bool], ...] = field(metadata=form(label="a parameter", absent=()))
     inputs: tuple[TensorSpec, ...] = field(metadata=form(label="a module call's inputs", absent=()))
     output: "TensorSpec | None" = field(metadata=form(absent=None))
@@ -198,11 +199,11 @@ class ModuleCall:
     #: forward, and is recomputed in backward (schema 4; False in older files).
     checkpointed: bool = field(default=False, metadata=form(label="a module call's checkpointed"))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModuleCall":
+    def from_dict(cls, data: object) -> "ModuleCall":
         return fileform.read(cls, data, "a module call")
 
 
@@ -217,11 +218,11 @@ class ParamSpec:
     #: A plain tensor or Parameter (torch's foreach default treats subclasses apart).
     plain: bool = field(default=True, metadata=form(label="plain"))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ParamSpec":
+    def from_dict(cls, data: object) -> "ParamSpec":
         """Read from a file: a shape torch can hold in its dtype."""
         spec = fileform.read(cls, data, "an optimizer's parameter")
         _shape(spec.shape, spec.dtype)
@@ -235,17 +236,17 @@ class OptimizerSpec:
 
     classes: tuple[str, ...] = field(metadata=form(label="an optimizer's classes"))
     # Each group is a mapping in the file: {"config": [[name, value] ...], "params": [index ...], "implementation"}.
-    groups: tuple[tuple[tuple[tuple[str, Any], ...], tuple[int, ...], str], ...] = field(
+    groups: tuple[tuple[tuple[tuple[str, Setting], ...], tuple[int, ...], str], ...] = field(
         metadata=form(read=lambda v, _: _groups(v), write=lambda v: _groups_data(v)))
     params: tuple[ParamSpec, ...] = field(metadata=form(label="an optimizer's parameters"))
     #: Plain attributes of ``optimizer.args`` (bitsandbytes keeps min_8bit_size there), if it has one.
-    args: tuple[tuple[str, Any], ...] = field(default=(), metadata=form(read=lambda v, _: _config(v)))
+    args: tuple[tuple[str, Setting], ...] = field(default=(), metadata=form(read=lambda v, _: _config(v)))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "OptimizerSpec":
+    def from_dict(cls, data: object) -> "OptimizerSpec":
         """Read from a file: every group names parameters the record holds."""
         spec = fileform.read(cls, data, "an optimizer")
         if any(i >= len(spec.params) for _, idx, _ in spec.groups for i in idx):
@@ -253,7 +254,7 @@ class OptimizerSpec:
         return spec
 
 
-def _groups(items: Any) -> tuple[tuple[tuple[tuple[str, Any], ...], tuple[int, ...], str], ...]:
+def _groups(items: object) -> tuple[tuple[tuple[tuple[str, Setting], ...], tuple[int, ...], str], ...]:
     groups = []
     for g in seq(items, "an optimizer's groups"):
         g = mapping(g, "a parameter group")
@@ -262,6 +263,6 @@ def _groups(items: Any) -> tuple[tuple[tuple[tuple[str, Any], ...], tuple[int, .
     return tuple(groups)
 
 
-def _groups_data(groups: tuple[tuple[tuple[tuple[str, Any], ...], tuple[int, ...], str], ...]) -> list[Any]:
+def _groups_data(groups: tuple[tuple[tuple[tuple[str, Setting], ...], tuple[int, ...], str], ...]) -> list[JSON]:
     return [{"config": [[k, v] for k, v in cfg], "params": list(idx), "implementation": impl}
             for cfg, idx, impl in groups]

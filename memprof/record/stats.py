@@ -10,11 +10,12 @@ peak and at its end.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Mapping, NamedTuple
 
 from ..vocabulary import Category, Phase
 from . import fields as fileform
 from .checks import corrupt, optional_count
+from .aliases import JSONObject
 from .fields import form
 
 __all__ = ["Stat", "PhaseStats", "STAT_KEYS"]
@@ -55,19 +56,19 @@ class PhaseStats:
         name = key.value if isinstance(key, Category) else str(key)
         return dict(self.peak if moment == "peak" else self.end).get(name)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return fileform.write(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PhaseStats":
+    def from_dict(cls, data: object) -> "PhaseStats":
         return fileform.read(cls, data, "a phase statistic")
 
 
-def _stats_dict(series: tuple[tuple[str, "Stat | None"], ...]) -> dict[str, Any]:
+def _stats_dict(series: tuple[tuple[str, "Stat | None"], ...]) -> JSONObject:
     return {k: list(v) if v is not None else None for k, v in series}
 
 
-def _stats(data: Any) -> tuple[tuple[str, "Stat | None"], ...]:
+def _stats(data: object) -> tuple[tuple[str, "Stat | None"], ...]:
     if not isinstance(data, Mapping):
         raise corrupt("phase statistics must map categories to [min, median, max]")
     out: list[tuple[str, Stat | None]] = []

@@ -9,12 +9,14 @@ exactly, which is how reports are saved, loaded and diffed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, cast
+from typing import Protocol, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar, cast
 
 from ..vocabulary import TENSOR_CATEGORIES, Category, Phase
 from . import fields as fileform
 from .fields import form
+from .aliases import JSONObject
 from .checks import corrupt, count, listed_once, member, optional_count, optional_text, pairs, seq, text
 from ..errors import TraceFormatError, is_interrupt
 from .stats import PhaseStats
@@ -156,7 +158,7 @@ class Trace:
             where.append(f"in {self.peak_module}" + (f" ({kind})" if kind else ""))
         return where
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         # The format's name and schema version first, then every field from its own (record/fields.py).
         return {"format": "memprof.trace", "schema_version": self.schema_version, **fileform.write(self)}
 
@@ -164,7 +166,7 @@ class Trace:
     # mode's older word, a peak step older files leave out, and the checks across parts (_consistent) that
     # no field's annotation can say.
     @classmethod
-    def from_dict(cls, data: Any) -> "Trace":
+    def from_dict(cls, data: object) -> "Trace":
         if not isinstance(data, Mapping) or data.get("format") != "memprof.trace":
             raise TraceFormatError(
                 "this is not a memprof trace (no 'format': 'memprof.trace' key); "
@@ -239,39 +241,42 @@ class Trace:
         return trace
 
 
-def _mode(value: Any) -> str:
+def _mode(value: object) -> str:
     if value == "full":
         return "exact"  # the word files written before the mode's rename use (any schema version)
-    if value not in ("exact", "light"):
-        raise corrupt(f"mode must be 'exact' or 'light', got {text(value, 'mode')[:20]!r}")
-    return cast(str, value)
+    if value == "exact" or value == "light":
+        return "exact" if value == "exact" else "light"
+    raise corrupt(f"mode must be 'exact' or 'light', got {text(value, 'mode')[:20]!r}")
 
 
-def _optional(data: Mapping[str, Any], key: str, read: Any) -> Any:
+R = TypeVar("R")
+
+
+def _optional(data: Mapping[str, object], key: str, read: "Callable[[object], R]") -> "R | None":
     """An optional part of a trace: absent or null is None; anything else is read, so a 0, "" or [] in
     its place is refused rather than taken for "none"."""
     value = data.get(key)
     return None if value is None else read(value)
 
 
-def _list(data: Mapping[str, Any], key: str) -> Any:
+def _list(data: Mapping[str, object], key: str) -> Sequence[object]:
     """An optional list of a trace (absent in older files: empty)."""
     return seq(data.get(key, ()), key)
 
 
-def _rows(data: Mapping[str, Any], key: str, width: int) -> Any:
+def _rows(data: Mapping[str, object], key: str, width: int) -> Iterator[Sequence[object]]:
     """An optional list of fixed-width rows, each checked to be a list of ``width`` values."""
     return (seq(row, f"an entry of {key}", width) for row in _list(data, key))
 
 
-def _span(first: Any, last: Any) -> tuple[int, int]:
+def _span(first: object, last: object) -> tuple[int, int]:
     a, b = count(first, "a recorded step"), count(last, "a recorded step")
     if a > b:
         raise corrupt(f"a stretch of recorded steps ends ({b}) before it starts ({a})")
     return a, b
 
 
-def _optimizer_steps(data: Mapping[str, Any]) -> tuple[tuple[int, int, str], ...]:
+def _optimizer_steps(data: Mapping[str, object]) -> tuple[tuple[int, int, str], ...]:
     """The spans of optimizer steps by kind, each in order after the one before (absent before schema 7)."""
     out: list[tuple[int, int, str]] = []
     for a, b, kind in _rows(data, "optimizer_steps", 3):
@@ -285,7 +290,7 @@ def _optimizer_steps(data: Mapping[str, Any]) -> tuple[tuple[int, int, str], ...
     return tuple(out)
 
 
-def _steps(items: Any) -> tuple[StepRecord, ...]:
+def _steps(items: object) -> tuple[StepRecord, ...]:
     """The steps kept in full, in the order they ran (each index once), their phases in time order."""
     steps = tuple(StepRecord.from_dict(s) for s in seq(items, "steps"))
     for a, b in zip(steps, steps[1:]):
@@ -317,14 +322,14 @@ def _in_time_order(steps: tuple[StepRecord, ...]) -> None:
                 ended = max([*times, ended] if ended is not None else times)
 
 
-def _modules(items: Any) -> tuple[ModuleRecord, ...]:
+def _modules(items: object) -> tuple[ModuleRecord, ...]:
     """The module table: one record per module, by its path."""
     modules = tuple(ModuleRecord.from_dict(m) for m in seq(items, "modules"))
     listed_once((m.path for m in modules), "a module")
     return modules
 
 
-def _live_modules(data: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+def _live_modules(data: Mapping[str, object]) -> tuple[tuple[str, int], ...]:
     """What each module's calls left live at the error: each module once."""
     rows = tuple((text(a, "a module path"), count(b, "a module's bytes"))
                  for a, b in _rows(data, "live_modules_at_error", 2))
@@ -332,7 +337,7 @@ def _live_modules(data: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
     return rows
 
 
-def _phase_stats(data: Mapping[str, Any]) -> tuple[PhaseStats, ...]:
+def _phase_stats(data: Mapping[str, object]) -> tuple[PhaseStats, ...]:
     """The per-phase statistics: one per kind of phase (phase, occurrence)."""
     stats = tuple(PhaseStats.from_dict(p) for p in _list(data, "phase_stats"))
     listed_once((f"{p.phase.value} #{p.occurrence}" for p in stats), "a phase's statistics")
@@ -503,11 +508,13 @@ def _stats_numbered(stats: tuple[PhaseStats, ...]) -> None:
                               f"{before or 0} {p.phase.value} #{p.occurrence - 1}")
 
 
-def _peak_step(data: Mapping[str, Any]) -> "int | None":
+def _peak_step(data: Mapping[str, object]) -> "int | None":
     step = optional_count(data.get("peak_step"), "peak_step")
-    indices: list[Any] = [s.get("index") for s in data.get("steps", ()) if isinstance(s, Mapping)]
-    if step is not None and indices and all(isinstance(i, int) for i in indices) and step > max(indices):
-        raise corrupt(f"peak_step {step} is after the last step recorded ({max(indices)})")
+    # Iterated as it stands: a "steps" that is no list is refused by _steps, or its TypeError here becomes corrupt.
+    indices = [s.get("index") for s in cast("Iterable[object]", data.get("steps", ())) if isinstance(s, Mapping)]
+    ints = [i for i in indices if isinstance(i, int)]
+    if step is not None and indices and len(ints) == len(indices) and step > max(ints):
+        raise corrupt(f"peak_step {step} is after the last step recorded ({max(ints)})")
     return step
 
 
@@ -516,7 +523,26 @@ def parent_path(path: str) -> str:
     return path.rpartition(".")[0]
 
 
-def as_trace(obj: Any) -> Trace:
+class HoldsTrace(Protocol):
+    """Anything holding a Trace as ``.trace``: a :class:`~memprof.Report` (a layer above record), an Estimate."""
+
+    @property
+    def trace(self) -> Trace: ...
+
+
+class HoldsPeak(Protocol):
+    """Anything with a peak breakdown: a Trace, a :class:`~memprof.Report` (a layer above record), an Estimate."""
+
+    @property
+    def peak(self) -> Breakdown: ...
+
+
+#: What the public functions that read a run take: a Trace, a Report (anything holding a Trace as ``.trace``) or
+#: the path of a saved trace.
+TraceSource = Trace | HoldsTrace | str | os.PathLike[str]
+
+
+def as_trace(obj: object) -> Trace:
     """The Trace of a Report, or the Trace itself; anything else is refused with a clear error."""
     from ..errors import InvalidArgumentError
 

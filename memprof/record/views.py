@@ -12,17 +12,18 @@ class exists twice.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from ..errors import RegistryError
+from .aliases import Above
 
 __all__ = ["register", "show", "registered"]
 
 #: (record class, view name) -> the function that takes the record (and the view's arguments).
-_VIEWS: "dict[tuple[type, str], Callable[..., Any]]" = {}
+_VIEWS: "dict[tuple[type, str], Callable[..., Above]]" = {}
 
 
-def register(cls: type, name: str, view: "Callable[..., Any]") -> None:
+def register(cls: type, name: str, view: "Callable[..., Above]") -> None:
     """Make ``view(record, *args, **kwargs)`` the view ``name`` of every ``cls`` record. Registering one view
     twice for one class raises :class:`~memprof.errors.RegistryError`, as every registry of memprof does."""
     key = (cls, name)
@@ -37,7 +38,7 @@ def registered(cls: type, name: str) -> bool:
     return any((klass, name) in _VIEWS for klass in cls.__mro__)
 
 
-def show(record: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+def show(record: object, name: str, *args: object, **kwargs: object) -> Above:
     """The view ``name`` of ``record``, with ``args`` and ``kwargs``: the first one registered along its class's
     MRO. Raises :class:`~memprof.errors.RegistryError` naming the module to import where none is."""
     for klass in type(record).__mro__:

@@ -6,7 +6,7 @@ Renderers take a Trace (or anything holding one as ``.trace``, through ``as_trac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict
 
 from ..vocabulary import Category, Phase
 from ..record.trace import Breakdown, parent_path
@@ -130,7 +130,23 @@ def module_columns(trace: "Trace") -> ModuleColumns:
     return ModuleColumns(False, False, "Top modules by peak forward (no backward ran: nothing was saved for one)")
 
 
-def own_rows(trace: "Trace", include_own: bool) -> list[dict[str, Any]]:
+class OwnRow(TypedDict):
+    """A row of :func:`own_rows`: a leaf module, or a container's own ops (``own``), and its bytes."""
+
+    path: str
+    type: str
+    own: bool
+    label: str
+    activations: "int | None"
+    parameters: "int | None"
+    peak_forward: "int | None"
+
+
+#: The byte columns of an :class:`OwnRow`.
+OwnFigure = Literal["activations", "parameters", "peak_forward"]
+
+
+def own_rows(trace: "Trace", include_own: bool) -> list[OwnRow]:
     """Leaf modules, plus the part of each container that its own ops hold.
 
     A container's figures include its children's, so showing both would count
@@ -148,7 +164,7 @@ def own_rows(trace: "Trace", include_own: bool) -> list[dict[str, Any]]:
             parent = parent_path(parent) or "<model>"
         if parent in children:
             children[parent].append(path)
-    rows = []
+    rows: list[OwnRow] = []
     for path, m in mods.items():
         kids = children.get(path, [])
         if not kids:

@@ -6,10 +6,11 @@ Byte columns are nullable ``Int64``: a figure that was not measured is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..vocabulary import PHASE_MOMENTS, Category, parse_moment
 from ..errors import InvalidArgumentError, NotMeasuredError
+from ..record.aliases import UserObject
 from ..record.trace import as_trace
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def phases_frame(trace: "Trace") -> "pd.DataFrame":
 
     rows = []
     for rec in as_trace(trace).phases:
-        row: dict[str, Any] = {"step": rec.step, "phase": rec.phase.value, "occurrence": rec.occurrence,
+        row: dict[str, object] = {"step": rec.step, "phase": rec.phase.value, "occurrence": rec.occurrence,
                                "start": rec.start.total, "peak": rec.peak.total, "end": rec.end.total,
                                "ops": rec.ops}
         for cat in Category:
@@ -176,14 +177,14 @@ def merged_frame(merged: "Merged") -> "pd.DataFrame":
     rows = []
     for rank in sorted(merged.ranks):
         t = as_trace(merged.ranks[rank])
-        row: dict[str, Any] = {"rank": rank, "peak": t.peak.total, "peak_step": t.peak_step,
+        row: dict[str, object] = {"rank": rank, "peak": t.peak.total, "peak_step": t.peak_step,
                                "peak_phase": t.peak_phase.value if t.peak_phase is not None else None}
         row.update({c.value: t.peak[c] for c in Category})
         rows.append(row)
     return pd.DataFrame(rows).set_index("rank")
 
 
-def snapshot_frame(trace: "Trace", snapshot: Any) -> "pd.DataFrame":
+def snapshot_frame(trace: "Trace", snapshot: UserObject) -> "pd.DataFrame":
     """A real CUDA memory snapshot's active blocks with memprof's category and module, one row each
     (``address``, ``size``, ``requested_size``, ``category``, ``module``, ``device``): see
     :func:`memprof.render.memory_viz.attribute_snapshot`. ``snapshot``: the dict or its pickle's path."""

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import html
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ..vocabulary import Category, DEVICE_CATEGORIES
 from ..errors import InvalidArgumentError, is_interrupt
+from ..record.aliases import Cell
 from ..record.trace import Breakdown, ModuleRecord, as_trace
 from ..units import format_bytes, one_line, printable
-from .common import (CATEGORY_COLORS, NO_ESTIMATE, NO_FORMULA, NOT_MEASURED, module_columns, own_rows, quiet, signed,
-                     size)
+from .common import (CATEGORY_COLORS, NO_ESTIMATE, NO_FORMULA, NOT_MEASURED, OwnFigure, OwnRow, module_columns,
+                     own_rows, quiet, signed, size)
 from .svg import timeline_svg
 from .ranks import ranks_text
 from .text import generation_head, generation_rows, oom_lines, rank_line
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
 
     from ..analyse.compare import Diff
     from ..analyse.generation import GenerationSummary
-    from ..analyse.merge import Merged
+    from ..analyse.merge import Merged, RankClassLike
+    from ..analyse.reconciler.per_rank import RankTable
+    from ..record.parts import PhaseRecord
     from ..analyse.reconciler import Reconciliation
     from ..record.trace import Trace
 
@@ -72,7 +75,7 @@ MAX_CELL = 500
 MAX_NOTES_TEXT = 20_000
 
 
-def _e(value: Any, limit: int = MAX_TEXT) -> str:
+def _e(value: object, limit: int = MAX_TEXT) -> str:
     """Text for the page: bounded (at most ``limit`` characters, see :data:`MAX_TEXT`), with control characters
     (a NUL in an exception message), bidirectional overrides and lone surrogates shown as escapes, as in the
     text report. An escape is at most 6 characters of the page per character of the text (``&quot;``,
@@ -183,12 +186,12 @@ def _phases_html(trace: "Trace", max_phases: int) -> str:
     if not recs:
         return ""
     highest = max((r.peak.total or 0) for r in recs) or max(sum(r.peak.measured().values()) for r in recs) or 1
-    shown: list[Any] = recs
+    shown: "list[PhaseRecord | None]" = list(recs)
     hidden = 0
     if len(recs) > max_phases:
         half = max(1, max_phases // 2)
         hidden = len(recs) - 2 * half
-        shown = recs[:half] + [None] + recs[-half:]
+        shown = [*recs[:half], None, *recs[-half:]]
     rows, bold = [], set()
     peak = trace.peak_record()
     for rec in shown:
@@ -212,7 +215,7 @@ def _phases_html(trace: "Trace", max_phases: int) -> str:
     return _table(headers, rows, bold_rows=bold)
 
 
-def _module_rows(trace: "Trace", top: int, by: str) -> list[tuple[str, ModuleRecord | None, dict[str, Any]]]:
+def _module_rows(trace: "Trace", top: int, by: OwnFigure) -> list[tuple[str, ModuleRecord | None, OwnRow]]:
     mods = {m.path: m for m in trace.modules}
     rows = []
     for r in own_rows(trace, include_own=True):  # the same rows the module plot draws
@@ -318,7 +321,7 @@ def report_html(trace: "Trace", *, top_modules: int = 8, max_phases: int = 40, l
     return "".join(parts)
 
 
-def _cell(col: str, value: Any) -> str:
+def _cell(col: str, value: Cell) -> str:
     missing = value is None
     if not missing:
         try:
@@ -340,7 +343,7 @@ def _cell(col: str, value: Any) -> str:
     return _e(value)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     try:
         import numpy as np
 
@@ -351,7 +354,7 @@ def _is_int(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Cell) -> bool:
     try:
         f = float(value)
     except (TypeError, ValueError) as failure:
@@ -382,7 +385,7 @@ def frame_html(df: "pd.DataFrame", *, max_rows: int = 60) -> str:
         numeric = pd.api.types.is_numeric_dtype(df[col])
         headers.append((_e(col), "right" if numeric else "left"))
     n = len(df)
-    positions: list[Any] = list(range(n))
+    positions: "list[int | None]" = list(range(n))
     if n > max_rows:
         half = max(1, max_rows // 2)
         positions = list(range(half)) + [None] + list(range(n - half, n))
@@ -419,7 +422,7 @@ def reconciliation_html(rec: "Reconciliation") -> str:
             + "</div>")
 
 
-def _rank_table(table: Any) -> str:
+def _rank_table(table: "RankTable | None") -> str:
     """A rank's per-degree formula (:class:`memprof.analyse.reconciler.per_rank.RankTable`): bytes first, then the
     formula and the named parts of each gap."""
     if table is None:
@@ -471,7 +474,7 @@ def merged_html(merged: "Merged") -> str:
     return head + frame_html(merged_frame(merged)) + _classes(getattr(merged, "classes", ()), merged.worst) + notes
 
 
-def _classes(classes: Any, worst: int) -> str:
+def _classes(classes: "tuple[RankClassLike, ...]", worst: int) -> str:
     """Simulated rank classes: the ranks each stands for, the one simulated (* the worst), stages, peak, where."""
     if not classes:
         return ""

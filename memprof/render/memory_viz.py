@@ -23,6 +23,7 @@ import bisect
 from typing import TYPE_CHECKING, Any
 
 from ..errors import is_interrupt
+from ..record.aliases import UserObject
 from ..record.trace import as_trace
 from .curve import curve
 
@@ -148,7 +149,7 @@ def _event(action: str, addr: int, size: int, frames: Any, time_us: float) -> di
 UNSEEN = "not seen by memprof"
 
 
-def attribute_snapshot(trace: "Trace", snapshot: Any) -> list[dict[str, Any]]:
+def attribute_snapshot(trace: "Trace", snapshot: UserObject) -> list[dict[str, Any]]:
     """The active blocks of a real ``torch.cuda.memory._snapshot()`` with memprof's category and module.
 
     The snapshot must be taken while the storages memprof recorded were live: the one written beside an
@@ -192,7 +193,7 @@ def attribute_snapshot(trace: "Trace", snapshot: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def read_snapshot(snapshot: Any) -> Any:
+def read_snapshot(snapshot: UserObject) -> UserObject:
     """``snapshot`` itself, or the snapshot pickled at that path (``str`` or ``os.PathLike``): what
     :func:`attribute_snapshot` takes. A path that holds no pickle is an InvalidArgumentError naming the file."""
     import os

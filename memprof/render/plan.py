@@ -4,15 +4,16 @@ and a standalone HTML page."""
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..units import format_bytes
+from ..record.aliases import JSON, JSONObject
 from .common import NOT_MEASURED
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..record.estimate import WhatIf
+    from ..record.estimate import Estimate, WhatIf
     from ..record.plans import PlanGrid, PlanRow
 
 __all__ = ["estimate_data", "plan_rows", "plan_data", "plan_text", "plan_frame", "plan_page", "what_if_text"]
@@ -23,7 +24,7 @@ COLUMNS = ("parallel", "precision", "checkpointing", "max_batch_size", "batch", 
            "microbatches", "stages", "worst_stage")
 
 
-def estimate_data(est: Any) -> dict[str, Any]:
+def estimate_data(est: "Estimate") -> JSONObject:
     """An estimate as plain data (``memprof estimate --json``): the tensors' peak, the bytes of every category at
     the peak (None where not measured), the peak's step and phase, the precision and device, the notes, and with a
     GPU the device-level peak, whether it fits and the headroom."""
@@ -47,7 +48,7 @@ def estimate_data(est: Any) -> dict[str, Any]:
     }
 
 
-def _row_data(row: "PlanRow") -> dict[str, Any]:
+def _row_data(row: "PlanRow") -> JSONObject:
     return {"parallel": row.layout, "precision": row.precision, "checkpointing": row.checkpointing,
             "max_batch_size": row.max_batch_size, "batch": row.batch, "peak_bytes": row.peak_bytes,
             "device_peak": row.device_peak, "headroom": row.headroom, "dominant": row.dominant,
@@ -56,7 +57,7 @@ def _row_data(row: "PlanRow") -> dict[str, Any]:
             "stages": row.stages, "worst_stage": row.worst_stage, "breakdown": dict(row.breakdown)}
 
 
-def plan_rows(grid: "PlanGrid") -> list[dict[str, Any]]:
+def plan_rows(grid: "PlanGrid") -> list[JSON]:
     """One dict per configuration (:data:`COLUMNS`, plus ``breakdown``: bytes per category at the peak). A
     pipeline row's ``max_batch_size`` and ``batch`` are one micro-batch's sequences, ``microbatches`` of them per
     step over ``stages`` pipeline stages, and its figures the rank of stage ``worst_stage``; the three are None for
@@ -64,7 +65,7 @@ def plan_rows(grid: "PlanGrid") -> list[dict[str, Any]]:
     return [_row_data(r) for r in grid.rows]
 
 
-def plan_data(grid: "PlanGrid") -> dict[str, Any]:
+def plan_data(grid: "PlanGrid") -> JSONObject:
     """The whole plan as plain data: what was planned, its rows, the best row's index and the notes."""
     best = grid.best()
     return {"model": grid.model, "gpu": grid.gpu, "capacity": grid.capacity, "world_size": grid.world_size,

@@ -12,13 +12,14 @@ has the same color in every figure and in the HTML report.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..vocabulary import Category, Phase
 from ..errors import InvalidArgumentError, MissingExtraError, NotMeasuredError, is_interrupt
+from ..record.aliases import Drawing
 from ..record.trace import as_trace
 from ..units import format_bytes, one_line
-from .common import CATEGORY_COLORS, PHASE_COLORS, WATERFALL_COLORS, clip_path, own_rows, quiet
+from .common import CATEGORY_COLORS, PHASE_COLORS, WATERFALL_COLORS, clip_path, own_rows, OwnFigure, quiet
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -38,7 +39,7 @@ __all__ = [
 _UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
-def _pyplot() -> Any:
+def _pyplot() -> Drawing:
     """matplotlib's figure machinery, or a MissingExtraError naming the extra."""
     try:
         import matplotlib  # noqa: F401
@@ -234,8 +235,9 @@ def plot_modules(trace: "Trace", top: int = 15, ax: "Axes | None" = None, *,
         raise NotMeasuredError("this trace has no module records; profile a model with at least one forward")
     rows.sort(key=lambda r: (-(r["activations"] or 0), -(r["parameters"] or 0), r["label"]))
     rows = rows[:top]
-    series = [("activations", "saved activations", CATEGORY_COLORS[Category.ACTIVATIONS]),
-              ("parameters", "parameters", CATEGORY_COLORS[Category.WEIGHTS])]
+    series: "list[tuple[OwnFigure, str, str]]" = [
+        ("activations", "saved activations", CATEGORY_COLORS[Category.ACTIVATIONS]),
+        ("parameters", "parameters", CATEGORY_COLORS[Category.WEIGHTS])]
     if any(r["peak_forward"] is not None for r in rows):
         series.append(("peak_forward", "peak forward (rise during the call)", CATEGORY_COLORS[Category.TEMPORARIES]))
 
@@ -246,7 +248,7 @@ def plot_modules(trace: "Trace", top: int = 15, ax: "Axes | None" = None, *,
     for j, (key, label, color) in enumerate(series):
         ys = [i + (j - (len(series) - 1) / 2) * height for i in range(len(rows))]
         # A figure that was not measured gets no bar (not a zero-length one labelled 0).
-        pts = [(y, r[key] / scale) for y, r in zip(ys, rows) if r[key] is not None]
+        pts = [(y, v / scale) for y, v in zip(ys, (r[key] for r in rows)) if v is not None]
         ax.barh([p[0] for p in pts], [p[1] for p in pts], height=height, color=color, label=label,
                 gid=f"memprof-modules-{key}")
     ax.set_yticks(range(len(rows)))

@@ -3,12 +3,13 @@ of merged simulated ranks, as text (:mod:`.html` renders the same as HTML). Data
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..units import format_bytes, one_line
 from .common import signed
 
 if TYPE_CHECKING:
+    from ..analyse.merge import RankClassLike
     from ..analyse.reconciler.per_rank import RankTable
 
 __all__ = ["rank_table_lines", "class_lines", "ranks_text"]
@@ -43,7 +44,7 @@ def rank_table_lines(table: "RankTable | None") -> list[str]:
     return lines
 
 
-def class_lines(classes: "tuple[Any, ...]", worst: int) -> list[str]:
+def class_lines(classes: "tuple[RankClassLike, ...]", worst: int) -> list[str]:
     """Rank classes of simulated ranks (ranks that hold the same memory): their members, the rank simulated,
     pipeline stages, peak and where."""
     if not classes:

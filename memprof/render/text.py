@@ -11,7 +11,7 @@ cannot move the cursor, reorder what is read or forge a line.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..vocabulary import Category, TENSOR_CATEGORIES
 from ..record.trace import Breakdown, as_trace, parent_path
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ..record.plans import BatchSizePlan
     from ..analyse.reconciler import Reconciliation, Textbook
     from ..analyse.reconciler.mixed_layers import MixedLayerGap
+    from ..record.device_memory import DeviceMemory
     from ..record.estimate import Estimate
     from ..record.trace import Trace
 
@@ -544,7 +545,7 @@ def merged_text(merged: "Merged") -> str:
     return _text(lines)
 
 
-def device_verdict(dm: Any) -> str:
+def device_verdict(dm: DeviceMemory) -> str:
     """One line of a :class:`~memprof.record.device_memory.DeviceMemory`: the device-level peak, and against
     the GPU's capacity whether it fits."""
     head = (f"device peak {format_bytes(dm.device_peak)} = reserved {format_bytes(dm.peak_reserved)} "
@@ -555,11 +556,12 @@ def device_verdict(dm: Any) -> str:
     if dm.fits:
         return f"{head}: fits {name} ({format_bytes(dm.capacity)}), headroom {format_bytes(dm.headroom)}"
     why = f"; {dm.oom}" if dm.oom else ""
-    short = format_bytes(-dm.headroom) if dm.headroom < 0 else "a block"  # fits in bytes, not in segments
+    # A negative headroom: short by bytes; else it fits in bytes, not in segments.
+    short = format_bytes(-dm.headroom) if dm.headroom is not None and dm.headroom < 0 else "a block"
     return f"{head}: does NOT fit {name} ({format_bytes(dm.capacity)}), short by {short}{why}"
 
 
-def device_measured_lines(dm: Any) -> list[str]:
+def device_measured_lines(dm: DeviceMemory) -> list[str]:
     """A measured CUDA run's replay: the model's reserved bytes beside the allocator's measured ones, and the
     split of NVML's outside-torch figure (nothing for a CPU run)."""
     out = []
@@ -574,7 +576,7 @@ def device_measured_lines(dm: Any) -> list[str]:
     return out
 
 
-def device_memory_text(dm: Any) -> str:
+def device_memory_text(dm: DeviceMemory) -> str:
     """What a :class:`~memprof.record.device_memory.DeviceMemory` prints: the verdict, the measured comparison and
     every term with its source."""
     return "\n".join([device_verdict(dm)] + device_measured_lines(dm) + [f"  - {n}" for n in dm.notes()])

@@ -52,7 +52,7 @@ LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> Any:  # Any: each lazy name is of its own type (a function, a class)
     module = LAZY.get(name)
     if module is None:
         # A submodule spelled from the package (memprof.report.planning.plan_grid, as the docs spell it) loads

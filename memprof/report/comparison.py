@@ -3,16 +3,14 @@ whose text, tables and HTML are the views :mod:`.views` registers)."""
 
 from __future__ import annotations
 
-import os
-from typing import Any
 
 from ..analyse import compare
 from ..analyse.compare import Diff
-from .wrap import same_as
+from .wrap import same_as, Forwarded
 
 __all__ = ["Diff", "diff"]
 
 
 @same_as(compare.diff)
-def diff(a: "Any | str | os.PathLike[str]", b: "Any | str | os.PathLike[str]", **options: Any) -> Diff:
+def diff(a: Forwarded, b: Forwarded, **options: Forwarded) -> Diff:
     return compare.diff(a, b, **options)

@@ -4,13 +4,13 @@ generation), :func:`plan` (a DataFrame) and :func:`plan_grid` (the :class:`Plan`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..record.estimate import Estimate
 from ..record.plans import PlanGrid
 from ..simulate import hf
 from ..simulate import plan as planning
-from .wrap import same_as
+from .wrap import same_as, Forwarded
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -23,24 +23,24 @@ Plan = PlanGrid
 
 
 @same_as(hf.estimate_hf)
-def estimate_hf(config: Any, **options: Any) -> Estimate:
+def estimate_hf(config: Forwarded, **options: Forwarded) -> Estimate:
     return hf.estimate_hf(config, **options)
 
 
 @same_as(hf.estimate_hf_generation)
-def estimate_hf_generation(config: Any, **options: Any) -> Estimate:
+def estimate_hf_generation(config: Forwarded, **options: Forwarded) -> Estimate:
     return hf.estimate_hf_generation(config, **options)
 
 
 @same_as(planning.plan_hf)
-def plan_grid(config: Any, **options: Any) -> Plan:
+def plan_grid(config: Forwarded, **options: Forwarded) -> Plan:
     return planning.plan_hf(config, **options)
 
 
-def plan(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
+def plan(config: Forwarded, *, seq_len: int, gpu: Forwarded, world_size: int = 1,
          layouts: "Sequence[planning.Layout | str] | str | None" = None,
          precisions: Sequence[str] = planning.PRECISIONS,
-         checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
+         checkpointing: Sequence[bool] = (False, True), optimizer: Forwarded = None, alloc_conf: Forwarded = None,
          attention: str = "auto") -> "pd.DataFrame":
     """The largest batch per rank that fits ``gpu`` for each layout of ``world_size`` ranks (DDP, FSDP, ZeRO 1-3 by
     default; ``layouts="all"`` adds the tensor-parallel ones the model's own TP plan allows: ``tp8``, ``fsdp4-tp2``,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from ..collect import profiler
 from .reports import Report
-from .wrap import same_as
+from .wrap import same_as, Forwarded
 
 __all__ = ["Profiler", "profile"]
 
@@ -24,5 +23,5 @@ class Profiler(profiler.Profiler):
 
 
 @same_as(profiler.profile)
-def profile(model: Any, optimizer: Any = None, **options: Any) -> Profiler:
+def profile(model: Forwarded, optimizer: Forwarded = None, **options: Forwarded) -> Profiler:
     return Profiler(model, optimizer, **options)

@@ -19,6 +19,10 @@ from typing import Any, Iterator
 
 __all__ = ["random_state_kept"]
 
+#: A generator's state, given back as it was read: Python's (a tuple), numpy's and torch's, those two reached
+#: through sys.modules (a module there is any module to mypy), so Any whatever it is named here.
+Generators = Any
+
 
 @contextlib.contextmanager
 def random_state_kept() -> Iterator[None]:
@@ -34,8 +38,8 @@ def random_state_kept() -> Iterator[None]:
         _restore(saved)
 
 
-def _states() -> "dict[str, Any]":
-    out: dict[str, Any] = {"python": random.getstate()}
+def _states() -> "dict[str, Generators]":
+    out: dict[str, Generators] = {"python": random.getstate()}
     np = sys.modules.get("numpy")
     if np is not None:
         out["numpy"] = np.random.get_state()
@@ -47,7 +51,7 @@ def _states() -> "dict[str, Any]":
     return out
 
 
-def _restore(saved: "dict[str, Any]") -> None:
+def _restore(saved: "dict[str, Generators]") -> None:
     random.setstate(saved["python"])
     if "numpy" in saved:
         sys.modules["numpy"].random.set_state(saved["numpy"])

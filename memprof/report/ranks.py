@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any, Iterable
+from typing import Iterable
 
 from ..analyse import merge as merging
 from ..analyse.merge import Merged
+from ..record.estimate import Estimate
+from ..record.trace import TraceSource, as_trace
 from .reports import Report
 from .wrap import same_as
 
@@ -17,6 +18,6 @@ __all__ = ["Merged", "merge"]
 
 
 @same_as(merging.merge)
-def merge(reports: "Iterable[Any | str | os.PathLike[str]]", *, mixed: bool = False) -> Merged:
+def merge(reports: "Iterable[TraceSource] | Estimate", *, mixed: bool = False) -> Merged:
     data = merging.merge(reports, mixed=mixed)
-    return dataclasses.replace(data, ranks={rank: Report(trace) for rank, trace in data.ranks.items()})
+    return dataclasses.replace(data, ranks={rank: Report(as_trace(trace)) for rank, trace in data.ranks.items()})

@@ -5,12 +5,13 @@ analysis that makes it imports torch, and this module loads with it (``memprof.r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..analyse.reconciler import reconciliation
 from ..analyse.reconciler.reconciliation import Reconciliation
+from ..record.aliases import Drawing
 from ..record.views import register
-from .wrap import same_as
+from .wrap import same_as, Forwarded
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -36,7 +37,7 @@ def _html(rec: Reconciliation) -> str:
     return reconciliation_html(rec)
 
 
-def _plot(rec: Reconciliation, ax: Any = None) -> Any:
+def _plot(rec: Reconciliation, ax: "Drawing | None" = None) -> Drawing:
     from ..render.plot import plot_reconciliation
 
     return plot_reconciliation(rec, ax=ax)
@@ -47,5 +48,5 @@ for _name, _view in (("to_frame", _frame), ("to_text", _text), ("_repr_html_", _
 
 
 @same_as(reconciliation.reconcile)
-def reconcile(trace: Any, **options: Any) -> Reconciliation:
+def reconcile(trace: Forwarded, **options: Forwarded) -> Reconciliation:
     return reconciliation.reconcile(trace, **options)

@@ -9,16 +9,23 @@ the one that measured it. Its text, tables, HTML and figures are
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..analyse.generation import generation_summary
 from ..errors import InvalidArgumentError
-from ..record.trace import Breakdown, Trace
+from ..record.aliases import Drawing, JSONObject, UserObject
+from ..record.trace import Breakdown, Trace, TraceSource
 from ..units import format_bytes
 from ..vocabulary import Phase
 from .comparison import Diff, diff
+from .wrap import Forwarded
 
 if TYPE_CHECKING:
+    from typing import Mapping
+
+    from ..record.device_memory import DeviceMemory
+    from ..record.estimate import Estimate, WhatIf
+    from ..simulate.device_memory import AllocationStream
     import pandas as pd
 
     from .reconciliation import Reconciliation
@@ -41,7 +48,7 @@ class Report:
             )
         self.trace = trace
         #: The run's allocation stream when it was profiled with ``record_allocations=True`` (not saved).
-        self.allocations: Any = None
+        self.allocations: "AllocationStream | None" = None
 
     # -- breakdowns -------------------------------------------------------------
 
@@ -154,7 +161,7 @@ class Report:
 
         return report_html(self.trace, levers=oom_levers(self.trace), generation=generation_summary(self.trace))
 
-    def plot(self, ax: Any = None) -> Any:
+    def plot(self, ax: "Drawing | None" = None) -> Drawing:
         """The memory timeline stacked by category, phases shaded, the peak marked (a matplotlib Figure).
 
         Needs the ``plot`` extra (``pip install 'torch-memprof[plot]'``).
@@ -163,17 +170,17 @@ class Report:
 
         return plot_timeline(self.trace, ax=ax)
 
-    def plot_modules(self, top: int = 15, ax: Any = None) -> Any:
+    def plot_modules(self, top: int = 15, ax: "Drawing | None" = None) -> Drawing:
         """Saved activations and parameters of the top modules (a matplotlib Figure)."""
         from ..render.plot import plot_modules
 
         return plot_modules(self.trace, top=top, ax=ax)
 
-    def diff(self, other: Any, *, at: str = "peak", labels: "tuple[str, str]" = ("a", "b")) -> Diff:
+    def diff(self, other: TraceSource, *, at: str = "peak", labels: "tuple[str, str]" = ("a", "b")) -> Diff:
         """What grew and shrank from this run to ``other``: see :func:`memprof.diff`."""
         return diff(self, other, at=at, labels=labels)
 
-    def what_a_gpu_would_reserve(self, gpu: Any = None, *, alloc_conf: Any = None) -> Any:
+    def what_a_gpu_would_reserve(self, gpu: Forwarded = None, *, alloc_conf: Forwarded = None) -> "DeviceMemory":
         """What ``gpu`` (a name such as ``"a100-80gb"`` or a GpuSpec) would reserve for this run's allocation
         stream: the caching-allocator model's reserved bytes and the memory outside torch, the fit and the
         headroom (a :class:`~memprof.record.device_memory.DeviceMemory`; ``print()`` it). On a CUDA run it
@@ -183,7 +190,7 @@ class Report:
 
         return what_a_gpu_would_reserve(self.trace, self.allocations, gpu=gpu, alloc_conf=alloc_conf)
 
-    def what_if(self, model: Any, optimizer: Any = None, **change: Any) -> Any:
+    def what_if(self, model: Forwarded, optimizer: Forwarded = None, **change: Forwarded) -> "WhatIf":
         """This run with something changed (``checkpointing=True``, ``precision=``, ``parallel=``,
         ``world_size=``, ``batch_size=``), simulated: an Estimate of the changed run whose ``saving`` is, per
         category, this run's bytes at its peak less the changed run's. The trace does not hold the model's
@@ -193,8 +200,9 @@ class Report:
 
         return what_if(self.trace, model, optimizer, **change)
 
-    def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: Any = "peak",
-                  estimate: Any = None, transformer: Any = None) -> "Reconciliation":
+    def reconcile(self, precision: "str | None" = None, optimizer: "str | None" = None, *, at: object = "peak",
+                  estimate: "Estimate | None" = None, transformer: "Mapping[str, UserObject] | None" = None
+                  ) -> "Reconciliation":
         """Hold this run against the formulas (and an estimate): see :func:`memprof.reconcile`."""
         from .reconciliation import reconcile
 
@@ -233,7 +241,7 @@ class Report:
         export_html(self.trace, path, page_reconciliation(self.trace), oom_levers(self.trace),
                     generation_summary(self.trace))
 
-    def attribute_snapshot(self, snapshot: Any) -> "pd.DataFrame":
+    def attribute_snapshot(self, snapshot: UserObject) -> "pd.DataFrame":
         """A real CUDA memory snapshot's active blocks with memprof's category and module, one row each
         (address, size, requested_size, category, module, device). ``snapshot``: the dict of
         ``torch.cuda.memory._snapshot()`` or its pickle's path, taken while this run's storages were
@@ -250,7 +258,7 @@ class Report:
         return html_page(self.trace, page_reconciliation(self.trace), oom_levers(self.trace),
                          generation_summary(self.trace))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """The trace as plain JSON-ready data."""
         return self.trace.to_dict()
 
@@ -304,7 +312,7 @@ def oom_levers(trace: Trace) -> list[str]:
     return levers(trace) if trace.oom is not None else []
 
 
-def page_reconciliation(trace: Trace) -> Any:
+def page_reconciliation(trace: Trace) -> "Reconciliation | str":
     """The reconciliation the HTML page shows (:func:`memprof.render.page.report_page`): the run's
     :class:`~memprof.analyse.reconciler.Reconciliation`, or why the formulas give none (a str)."""
     from ..analyse.reconciler import reconcile

@@ -11,13 +11,14 @@ with the analysis that makes it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
 
 from ..analyse.compare import Diff
 from ..analyse.merge import Merged
 from ..record.device_memory import DeviceMemory
 from ..record.estimate import Estimate, WhatIf
 from ..record.plans import BatchSizePlan, PlanGrid
+from ..record.aliases import Above, JSONObject
 from ..record.views import register
 from ..render.common import signed
 from .reports import Report
@@ -92,7 +93,7 @@ def _grid_frame(grid: PlanGrid) -> "pd.DataFrame":
     return plan_frame(grid)
 
 
-def _grid_data(grid: PlanGrid) -> dict[str, Any]:
+def _grid_data(grid: PlanGrid) -> JSONObject:
     from ..render.plan import plan_data
 
     return plan_data(grid)
@@ -152,7 +153,7 @@ def _merged_html(m: Merged) -> str:
     return merged_html(m)
 
 
-_VIEWS: "tuple[tuple[type, str, Any], ...]" = (
+_VIEWS: "tuple[tuple[type, str, Callable[..., Above]], ...]" = (
     (Estimate, "formula", _formula),
     (Estimate, "textbook", _textbook),
     (Estimate, "report", _report),

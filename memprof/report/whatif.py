@@ -3,17 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from ..record.estimate import WhatIf
 from ..simulate import whatif
-from .wrap import same_as
+from .wrap import same_as, Forwarded
 
 __all__ = ["WhatIf", "what_if"]
 
 
 @same_as(whatif.what_if)
-def what_if(trace: Any, model: Any, optimizer: Any = None, **options: Any) -> WhatIf:
+def what_if(trace: Forwarded, model: Forwarded, optimizer: Forwarded = None, **options: Forwarded) -> WhatIf:
     from ..record.trace import as_trace
 
     return whatif.what_if(as_trace(trace), model, optimizer, **options)

@@ -13,10 +13,14 @@ from .random_state import random_state_kept
 
 __all__ = ["same_as"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
+
+#: An argument a public function passes on unchanged to the function that does the work (``same_as``'s
+#: ``wrapped``), which checks it and whose signature ``help()`` shows: the wrapper neither reads nor narrows it.
+Forwarded = Any
 
 
-def same_as(wrapped: Callable[..., Any]) -> Callable[[F], F]:
+def same_as(wrapped: Callable[..., object]) -> Callable[[F], F]:
     """The public function ``func`` reads as ``wrapped``, which does the work: its signature (with
     ``func``'s return annotation) and its docstring, so that ``help()`` documents it once. Every call of it
     leaves the process's random generators as it found them (:mod:`.random_state`): this is the one seam every
@@ -26,7 +30,7 @@ def same_as(wrapped: Callable[..., Any]) -> Callable[[F], F]:
         returns = inspect.signature(func).return_annotation
 
         @functools.wraps(func)
-        def public(*args: Any, **kwargs: Any) -> Any:
+        def public(*args: Forwarded, **kwargs: Forwarded) -> object:
             remember_signal_handlers()  # one that uninstalls itself before it raises is still told apart
             with random_state_kept():
                 return func(*args, **kwargs)

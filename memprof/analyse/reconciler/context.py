@@ -7,8 +7,9 @@ Its own module so that the formula, the causes and the sharding rules import it 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
+from ...record.aliases import UserObject
 from ...record.trace import Breakdown, PhaseRecord, Trace
 from ...units import format_bytes
 from ...vocabulary import Category, Phase
@@ -44,7 +45,7 @@ class Context:
     formula: Breakdown
     precision: str
     optimizer: "str | None"
-    transformer: "Mapping[str, Any] | None"
+    transformer: "Mapping[str, UserObject] | None"
     activations: "ActivationPrediction"
 
     @property

@@ -10,11 +10,12 @@ the recorded first forward (:mod:`memprof.anatomy.predict`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 from ...anatomy.activations import transformer_layer_activations
 from ...anatomy.shapes import LayerShape, Parallelism
-from ...anatomy.params import bytes_per_param_breakdown, infer_precision
+from ...record.aliases import UserObject
+from ...anatomy.params import BytesPerParam, bytes_per_param_breakdown, infer_precision
 from ...anatomy.predict import ActivationPrediction, OptimizerPrediction, predict_activations, predict_optimizers
 from ...vocabulary import PHASE_MOMENTS, RECONCILE_MOMENTS, Category, Phase, parse_moment
 from .cache_formula import cache_formula
@@ -51,7 +52,7 @@ def predictions(trace: Trace) -> tuple[ActivationPrediction, OptimizerPrediction
 
 
 def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer: "str | None" = None,
-                      moment: "PhaseRecord | None" = None, transformer: "Mapping[str, Any] | None" = None,
+                      moment: "PhaseRecord | None" = None, transformer: "Mapping[str, UserObject] | None" = None,
                       at_peak: bool = True) -> Breakdown:
     """The textbook breakdown for the run's model and optimizer.
 
@@ -129,7 +130,7 @@ def formula_breakdown(trace: Trace, *, precision: "str | None" = None, optimizer
 
 
 def _inference(values: dict[Category, int | None], trace: Trace, moment: PhaseRecord, precision: str,
-               bpp_inference: Any, which: str = "end") -> None:
+               bpp_inference: BytesPerParam, which: str = "end") -> None:
     """A run that decoded with a KV cache: inference bytes/param (HF: mixed 6, fp32 4, bf16 2), nothing for
     gradients, optimizer or saved activations (no graph is built), and the cache's formula at ``which``
     moment of the phase (:mod:`.cache_formula`: per layer, as the implementation keeps it)."""
@@ -154,7 +155,7 @@ def _decoding(trace: Trace, moment: PhaseRecord) -> bool:
 PhaseMoment = tuple[int, Phase, str, int]
 
 
-def parse_at(at: Any) -> "str | PhaseMoment":
+def parse_at(at: object) -> "str | PhaseMoment":
     """``"peak"``, ``"steady"``, or a phase's moment ``(step, phase, "start"|"peak"|"end"[, occurrence])``,
     the vocabulary of :meth:`memprof.Report.breakdown` (a negative step counts from the end)."""
     if isinstance(at, tuple):
@@ -177,8 +178,8 @@ def parse_at(at: Any) -> "str | PhaseMoment":
         f"for example at=(1, 'forward', 'end'); got {at!r}")
 
 
-def formula_at(trace: Trace, at: Any = "peak", *, precision: "str | None" = None, optimizer: "str | None" = None,
-               transformer: "Mapping[str, Any] | None" = None) -> Breakdown:
+def formula_at(trace: Trace, at: object = "peak", *, precision: "str | None" = None, optimizer: "str | None" = None,
+               transformer: "Mapping[str, UserObject] | None" = None) -> Breakdown:
     """The textbook breakdown for the moment ``at`` of a run (``"peak"``, ``"steady"`` or a phase's
     moment, see :func:`parse_at`): the one formula every view of that moment shows (a
     reconciliation, an estimate's table, the CLI's estimate).
@@ -207,7 +208,7 @@ def formula_at(trace: Trace, at: Any = "peak", *, precision: "str | None" = None
     return formula
 
 
-def moment_of(trace: Trace, at: Any) -> tuple[Breakdown, "PhaseRecord | None", str, dict[str, int]]:
+def moment_of(trace: Trace, at: "str | PhaseMoment") -> tuple[Breakdown, "PhaseRecord | None", str, dict[str, int]]:
     """The measured breakdown at a reconciliation moment, the phase record it belongs to, the moment
     in words and the tags' live bytes then.
 

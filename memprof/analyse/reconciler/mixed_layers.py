@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 from ...anatomy.activations import transformer_layer_activations
 from ...anatomy.shapes import LayerShape
@@ -91,9 +91,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _groups(linears: list[ModuleCall]) -> dict[tuple[str, Any], list[ModuleCall]]:
+def _groups(linears: list[ModuleCall]) -> dict[tuple[str, tuple[tuple[int, ...], str]], list[ModuleCall]]:
     """Linears of one parent on one input (same shape and dtype): one tensor handed to each."""
-    out: dict[tuple[str, Any], list[ModuleCall]] = {}
+    out: dict[tuple[str, tuple[tuple[int, ...], str]], list[ModuleCall]] = {}
     for c in linears:
         if c.inputs:
             out.setdefault((parent_path(c.path), (c.inputs[0].shape, c.inputs[0].dtype)), []).append(c)
@@ -112,12 +112,12 @@ class _Layer(NamedTuple):
     and the dimensions b, s, h, a (heads), d (head dim) and f (the MLP's width)."""
 
     path: str
-    inside: "list[Any]"
-    linears: "list[Any]"
-    attn: "list[Any]"
-    mlp: "list[Any]"
-    norms: "list[Any]"
-    rot: Any
+    inside: "list[ModuleCall]"
+    linears: "list[ModuleCall]"
+    attn: "list[ModuleCall]"
+    mlp: "list[ModuleCall]"
+    norms: "list[ModuleCall]"
+    rot: "ModuleCall | None"
     b: int
     s: int
     h: int

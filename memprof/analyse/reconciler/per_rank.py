@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from ...errors import is_interrupt
 from ...units import format_bytes, round_half_away
 from ...vocabulary import Category, Phase
 
 if TYPE_CHECKING:
+    from ...record.aliases import UserObject
     from ...record.layout import MeshLayout
     from ...record.trace import Breakdown, PhaseRecord, Trace
     from .context import Cause
@@ -82,7 +83,7 @@ class RankTable:
 
 def rank_table(trace: "Trace", measured: "Breakdown", rec: "PhaseRecord | None", moment: str,
                formula: "Breakdown", causes: "tuple[Cause, ...]",
-               transformer: "Mapping[str, Any] | None" = None, simulated: bool = False) -> "RankTable | None":
+               transformer: "Mapping[str, UserObject] | None" = None, simulated: bool = False) -> "RankTable | None":
     """The per-rank table of a distributed run whose parameters are DTensors (or a DDP rank); None otherwise.
     ``moment`` is ``"peak"``, ``"start"`` or ``"end"`` of ``rec``'s phase; ``formula`` and ``causes`` are the
     reconciliation's (the optimizer's bytes per element and the optimizer's named parts come from there);
@@ -214,7 +215,7 @@ def _optimizer(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown", f: "Bre
 
 
 def _activations(trace: "Trace", lay: "MeshLayout | None", m: "Breakdown",
-                 transformer: "Mapping[str, Any] | None") -> RankRow:
+                 transformer: "Mapping[str, UserObject] | None") -> RankRow:
     if not transformer:
         return RankRow(A, "not modelled per rank without the transformer's shape: give reconcile(transformer="
                           "{seq_len, batch, hidden, heads, layers}) for Korthikanti et al.'s per-layer terms", None,

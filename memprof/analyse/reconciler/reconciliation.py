@@ -14,13 +14,14 @@ of a Trace, and plain data: its text, HTML, table and waterfall are
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from ...anatomy.params import bytes_per_param_breakdown
 from ...vocabulary import Category
 from ...errors import InvalidArgumentError, NotMeasuredError
 from ...record.estimate import Estimate
-from ...record.trace import Breakdown, as_trace
+from ...record.aliases import Drawing, UserObject
+from ...record.trace import Breakdown, HoldsTrace, Trace, as_trace
 from ...record.views import show
 from .causes import causes
 from .context import Cause, Context
@@ -164,19 +165,19 @@ class Reconciliation:
         html: str = show(self, "_repr_html_")
         return html
 
-    def plot(self, ax: Any = None) -> Any:
+    def plot(self, ax: "Drawing | None" = None) -> Drawing:
         """A waterfall from the formula total to the measured total through the named causes (matplotlib)."""
         return show(self, "plot", ax=ax)
 
 
 def reconcile(
-    trace: Any,
+    trace: "Trace | HoldsTrace",
     *,
     precision: "str | None" = None,
     optimizer: "str | None" = None,
-    at: Any = "peak",
+    at: object = "peak",
     estimate: "Estimate | None" = None,
-    transformer: "Mapping[str, Any] | None" = None,
+    transformer: "Mapping[str, UserObject] | None" = None,
 ) -> Reconciliation:
     """Reconcile a measured run (a Trace or Report) with the formulas and, optionally, an estimate.
 

@@ -14,11 +14,12 @@ formulas for one category.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 from ...anatomy.params import BytesPerParam, bytes_per_param_breakdown, infer_precision, textbook_regime
 from ...vocabulary import Category, Phase
 from ...errors import UnknownNameError, is_interrupt
+from ...record.aliases import UserObject
 from ...record.trace import Breakdown, Trace
 from ...units import format_bytes
 from .causes import NO_PERSISTENT_COPY
@@ -100,8 +101,8 @@ class Textbook:
         return _model_states(self.formula)
 
 
-def textbook_at(trace: Trace, at: Any = "peak", *, precision: "str | None" = None, optimizer: "str | None" = None,
-                transformer: "Mapping[str, Any] | None" = None) -> Textbook:
+def textbook_at(trace: Trace, at: object = "peak", *, precision: "str | None" = None, optimizer: "str | None" = None,
+                transformer: "Mapping[str, UserObject] | None" = None) -> Textbook:
     """The textbook beside the formula at the moment ``at`` (as :func:`.formula.formula_at` takes it).
 
     ``precision`` is the run's regime (inferred from the run when ``None``, as the formula infers it);
