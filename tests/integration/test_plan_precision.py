@@ -11,7 +11,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from memprof.anatomy.gpus import GpuSpec  # noqa: E402
 from memprof.cli import main  # noqa: E402
 from memprof.errors import InvalidArgumentError, UnknownNameError  # noqa: E402
 from memprof.report.planning import plan_grid  # noqa: E402
@@ -19,23 +18,8 @@ from memprof.simulate import hf  # noqa: E402
 from memprof.simulate.layouts import choose_layouts  # noqa: E402
 from memprof.simulate.plan import configurations  # noqa: E402
 
-TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-            max_position_embeddings=256)
-WIDE = {**TINY, "hidden_size": 256, "intermediate_size": 512, "vocab_size": 16000}
-SMALL_GPU = GpuSpec("small", capacity_bytes=900 * 2**20, compute_capability=(9, 0), context_bytes=0)
-# Llama-3-8B's shape (meta-llama/Meta-Llama-3-8B config.json), as test_plan_hf writes it: no download.
-LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                 tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                 torch_dtype="bfloat16")
-
-
-def _folder(tmp_path, config, name="model"):
-    folder = tmp_path / name
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+from test_plan_hf import LLAMA3_8B, _folder  # noqa: E402  # Llama-3-8B's shape, written there: no download
+from test_plan_layouts import SMALL_GPU, WIDE  # noqa: E402
 
 
 def _names(model, world, layouts, precisions=("bf16", "mixed"), checkpointing=(False,)):
