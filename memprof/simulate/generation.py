@@ -37,6 +37,7 @@ from .stages import NothingLeftBehind
 from .twin import Twin as _Target
 
 if TYPE_CHECKING:
+    from ..anatomy.gpus import GpuSpec
     from ..collect.simulated import SimulatedProfile
 
 __all__ = ["estimate_generation", "simulate_generation"]
@@ -81,7 +82,7 @@ class _Prepared:
 
     twin: _Target
     loop: Decoding
-    gpu: Any
+    gpu: "GpuSpec | None"
     decodes: int
     encoder_decoder: bool
     notes: list[str]
