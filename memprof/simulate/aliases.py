@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OpValue", "UserValue", "Library", "HfModule", "Option", "FileValue"]
+__all__ = ["OpValue", "UserValue", "Library", "HfModule", "HfConfig", "Option", "FileValue", "HfCache"]
 
 # --- aliases of the run's description, the kernels, the loops and the pipeline (anysa) ---
 
@@ -40,6 +40,12 @@ Library = Any
 #: checked where they are read (memprof.simulate.hf_pipeline.pp_support).
 HfModule = Any
 
+#: A transformers config (a ``PretrainedConfig`` of the model's type) as transformers gives it: its own
+#: ``AutoConfig.from_pretrained`` returns Any, and a config's fields are its model type's (``num_hidden_layers``,
+#: ``layer_types``, ``rope_scaling``), which ``PretrainedConfig`` types Any too; memprof checks each where it reads
+#: it (memprof.simulate.hf_limits). A function that only takes a config takes a ``PretrainedConfig``.
+HfConfig = Any
+
 #: A keyword argument of ``estimate()`` or ``estimate_generation()`` as the user gave it, handed on to the section
 #: of :class:`~memprof.simulate.run.RunConfig` that takes it (``RunConfig.from_options``): the section's field
 #: says its type, and the section checks it as it is made, with an error naming the keyword.
@@ -51,3 +57,9 @@ Option = Any
 FileValue = Any
 
 # --- aliases of the ranks, the allocator stream and the twin (anysb) ---
+
+#: A transformers cache as a model keeps it across decoding calls (``DynamicCache``, ``EncoderDecoderCache``, or
+#: whatever a model returns as ``past_key_values``), read by the attributes its version has (``layers``,
+#: ``update``, ``reorder_cache``, ``self_attention_cache``): transformers is not given to mypy (pyproject.toml's
+#: ignore_missing_imports), and the attributes are checked where they are read (memprof.simulate.decoding).
+HfCache = Any
