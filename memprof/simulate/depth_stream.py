@@ -20,7 +20,8 @@ tokens of the model at full depth, decoded into a stream whose events are number
 at their markers. A switch of the current CUDA stream (FSDP2's copy-in and reduce-scatter streams:
 :class:`~memprof.collect.streams.StreamUse`) is a marker too, so each block's run carries its own switches and the
 whole model's stream places every storage on the stream the whole model's run made it on; storages a library holds
-for another stream (``record_stream``, FSDP1) are not placed, and such a run is simulated whole. Where a check fails the reason is returned instead, and the caller simulates the whole model.
+for another stream (``record_stream``, FSDP1) are not placed, and such a run is simulated whole. Where a check
+fails the reason is returned instead, and the caller simulates the whole model.
 
 What the figures extended in a line miss, the stream shows: a storage whose bytes grow with the depth is rounded by
 the target's allocator (512 B), which no line follows; :func:`corrected` adds the difference to the category the
@@ -337,11 +338,12 @@ def _decoded(tokens: list[Any], moments: int, grew: Any, more: int, rounding: in
              ) -> tuple[list[tuple[int, int, int]], list[list[int]], list[tuple[int, int]], dict[int, dict[int, int]]]:
     """The stream ``tokens`` name: its events numbered 1, 2, ... (keys too), each moment's (start, peak, end)
     seq: the seq of the last event before its marker, and each switch of the current stream as ``(seq, stream)``,
-    the seq of the last event before it (:class:`~memprof.collect.streams.StreamUse`). And what the figures extended in a line miss at
-    each marker's seq, by category: a storage whose bytes grew by ``d`` per block (``grew``, by position) is
-    ``rounding(x + more d)`` at full depth, where the line through the cuts' ``rounding(x - d)`` and
-    ``rounding(x)`` says ``rounding(x) + more (rounding(x) - rounding(x - d))``. A storage that moved to another
-    category while it lived, or whose category is not known, stops it where it misses anything."""
+    the seq of the last event before it (:class:`~memprof.collect.streams.StreamUse`). And what the figures
+    extended in a line miss at each marker's seq, by category: a storage whose bytes grew by ``d`` per block
+    (``grew``, by position) is ``rounding(x + more d)`` at full depth, where the line through the cuts'
+    ``rounding(x - d)`` and ``rounding(x)`` says ``rounding(x) + more (rounding(x) - rounding(x - d))``. A storage
+    that moved to another category while it lived, or whose category is not known, stops it where it misses
+    anything."""
     classes = _Classes()
     keys: dict[tuple[int, int], int] = {}
     events: list[tuple[int, int, int]] = []
