@@ -481,6 +481,7 @@ def corrected(est: Any, recorded: Any, missed: "dict[int, dict[int, int]]") -> A
     import dataclasses
 
     from ..record.parts import Breakdown
+    from ..record.stats import series_from
     from .device_memory import moments_of
 
     if not missed:
@@ -519,30 +520,11 @@ def corrected(est: Any, recorded: Any, missed: "dict[int, dict[int, int]]") -> A
                                                                                                     st.occurrence)]
         if len(records) != st.count:  # steps the record keeps no detail of: their figures are not here
             return "the extended figures miss bytes in steps the record keeps no detail of"
-        peak, end = _restated(st.peak, [r.peak for r in records]), _restated(st.end, [r.end for r in records])
-        if peak is None or end is None:
+        at_peak, at_end = (series_from(st.peak, [r.peak for r in records]),
+                           series_from(st.end, [r.end for r in records]))
+        if at_peak is None or at_end is None:
             return "the per-phase statistics count figures the phases' records do not hold"
-        stats.append(dataclasses.replace(st, peak=peak, end=end))
+        stats.append(dataclasses.replace(st, peak=at_peak, end=at_end))
     out = dataclasses.replace(trace, steps=tuple(steps), phase_stats=tuple(stats), start=fixed(trace.start, first),
                               peak=fixed(trace.peak, peak), end=fixed(trace.end, end))
     return dataclasses.replace(est, trace=out)
-
-
-def _restated(series: Any, parts: list[Any]) -> Any:
-    """Each measured series of a phase's statistics made again from every step's breakdown ``parts``: smallest,
-    median (the lower, as :class:`memprof.collect.retention` takes it) and largest; None where a breakdown does not
-    hold a figure its series counts."""
-    from ..record.stats import STAT_KEYS, Stat
-
-    out: "list[tuple[str, Stat | None]]" = []
-    for key, stat in series:
-        if stat is None:
-            out.append((key, stat))
-            continue
-        i = STAT_KEYS.index(key)
-        got = [p.total if key == "total" else p.counts[i] for p in parts]
-        if any(v is None for v in got):
-            return None
-        values = sorted(got)
-        out.append((key, Stat(values[0], values[(len(values) + 1) // 2 - 1], values[-1])))
-    return tuple(out)

@@ -244,3 +244,4 @@ def test_an_fsdp2_rank_on_a_gpu_keeps_its_side_streams_in_the_extended_stream(sh
     placed = _streams_of_storages(ours)
     assert placed == _streams_of_storages(theirs)
     assert len(set(placed) - {0}) >= 2  # the copy-in and reduce-scatter streams at least
+
