@@ -36,9 +36,14 @@ from typing import Any, NamedTuple, Sequence
 
 from ..errors import is_interrupt
 
-__all__ = ["extended_stream", "corrected"]
+__all__ = ["extended_stream", "corrected", "HELD"]
 
 _FREE = -1
+
+
+#: Why a run's stream is not extended whatever its cuts: storages held for another stream.
+HELD = ("the run holds storages a library uses on another CUDA stream (record_stream), which the extended stream "
+        "does not place")
 
 
 class _Stop(Exception):
@@ -54,8 +59,7 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
     from ..collect.streams import StreamUse
 
     if any(r.streams.held for r in cuts):
-        return ("the run holds storages a library uses on another CUDA stream (record_stream), which the extended "
-                "stream does not place")
+        return HELD
     try:
         a, b, c = (_tokens(r) for r in cuts)
         steps = [tuple(m[0] for m in r.moments) for r in cuts]
