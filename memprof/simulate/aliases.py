@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OpValue", "UserValue", "Library", "HfModule", "Option", "FileValue"]
+__all__ = ["OpValue", "UserValue", "Library", "HfModule", "HfConfig", "Option", "FileValue"]
 
 # --- aliases of the run's description, the kernels, the loops and the pipeline (anysa) ---
 
@@ -39,6 +39,12 @@ Library = Any
 #: own class's, not ``PreTrainedModel``'s or ``nn.Module``'s (whose ``__getattr__`` says tensor or module), and are
 #: checked where they are read (memprof.simulate.hf_pipeline.pp_support).
 HfModule = Any
+
+#: A transformers config (a ``PretrainedConfig`` of the model's type) as transformers gives it: its own
+#: ``AutoConfig.from_pretrained`` returns Any, and a config's fields are its model type's (``num_hidden_layers``,
+#: ``layer_types``, ``rope_scaling``), which ``PretrainedConfig`` types Any too; memprof checks each where it reads
+#: it (memprof.simulate.hf_limits). A function that only takes a config takes a ``PretrainedConfig``.
+HfConfig = Any
 
 #: A keyword argument of ``estimate()`` or ``estimate_generation()`` as the user gave it, handed on to the section
 #: of :class:`~memprof.simulate.run.RunConfig` that takes it (``RunConfig.from_options``): the section's field
