@@ -316,9 +316,10 @@ class ParallelRun:
         return self.stages is not None
 
     def step(self, loss_fn: "Callable[..., torch.Tensor] | None", optimizer: "torch.optim.Optimizer | None",
-             inputs: "UserValue", targets: "UserValue", fake_mode: "FakeTensorMode") -> "PipelineStep":
+             inputs: "UserValue", targets: "UserValue", fake_mode: "FakeTensorMode | None") -> "PipelineStep":
         """The pipeline rank's training step (the schedule's), built in the fake mode before the profile."""
-        assert self.stages is not None and self.mesh is not None, "a pipeline rank's step, inside the run"
+        # Inside the run, a pipeline rank's: its stages, mesh and fake mode exist.
+        assert self.stages is not None and self.mesh is not None and fake_mode is not None
         with fake_mode:
             group = self.mesh["pp"].get_group() if len(self.shape) > 1 else None  # the pipeline's own ranks
             return self.stages.step(loss_fn, optimizer, inputs, targets, group)
