@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from fractions import Fraction
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, TypedDict
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -37,7 +37,8 @@ from torch import nn
 from ..vocabulary import Category, Phase
 from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
 from ..record.layout import MeshLayout, ParamGroup
-from ..record.parts import MAX_WORLD, Breakdown, RankInfo
+from ..record.parts import MAX_WORLD, Breakdown, RankInfo, StepRecord
+from ..record.stats import PhaseStats, Stat, series_from
 from ..anatomy.zero import STAGES
 from ..collect.module_table import tensors_in_args
 from ..collect.torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
@@ -45,7 +46,6 @@ from ..units import round_half_away
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
-
     from ..collect.simulated import SimulatedProfile
     from ..record.trace import Trace
 
@@ -155,16 +155,14 @@ class LayoutPlan:
             phases = []
             for rec in step.phases:
                 if self.parallel in ("zero1", "zero2"):  # DeepSpeed's buckets: not estimated, not 0
-                    rec = dataclasses.replace(rec, start=_without_communication(rec.start),
-                                              peak=_without_communication(rec.peak),
-                                              end=_without_communication(rec.end))
+                    start, peak, end = (_without_communication(b) for b in (rec.start, rec.peak, rec.end))
+                    rec = dataclasses.replace(rec, start=start, peak=peak, end=end)
                 if rec.phase is Phase.OPTIMIZER and self.stage >= 1 and share is not None:
                     v = {c: rec.peak[c] for c in Category}
-                    states, states_end, temporaries = v[O], rec.end[O], v[T]
                     # The state made inside the step was the whole model's until the step's end resized it.
-                    if states is not None and states_end is not None:
+                    if (states := v[O]) is not None and (states_end := rec.end[O]) is not None:
                         v[O] = min(states, states_end)
-                    if temporaries is not None:
+                    if (temporaries := v[T]) is not None:
                         # The step's own temporaries are the rank's share; what was held when it began (the
                         # loop's loss) is held whole.
                         held = min(rec.start[T] or 0, temporaries)
@@ -181,7 +179,9 @@ class LayoutPlan:
             facts = dataclasses.replace(facts, weight_bytes=sum(i.shard for i in self.by_id.values()),
                                         trainable_bytes=sum(i.shard for i in self.by_id.values()
                                                             if i.ref.requires_grad))
-        out = dataclasses.replace(trace, steps=tuple(steps), distributed=self.rank_info(), facts=facts)
+        out = dataclasses.replace(trace, steps=tuple(steps), distributed=self.rank_info(), facts=facts,
+                                  phase_stats=_rank_stats(trace.phase_stats, steps,
+                                                          self.parallel in ("zero1", "zero2")))
         if best is not None:
             out = dataclasses.replace(out, peak=best[1], peak_step=best[2], peak_phase=best[3])
         return out
@@ -238,21 +238,6 @@ class LayoutPlan:
 
 
 
-class _Kept(TypedDict, total=False):
-    """The collective buffers a layout keeps alive, as FSDP2 (or DDP) keeps them: DDP's gradient buckets, the last
-    all-gather and reduce-scatter buffers, and a prefetched unit's all-gather (the unit, its buffer)."""
-
-    buckets: torch.Tensor
-    all_gather: torch.Tensor
-    reduce_scatter: torch.Tensor
-    prefetch: tuple[int, torch.Tensor]
-
-
-#: The buffers a backward's end frees.
-_FREED_AFTER_BACKWARD: "tuple[Literal['reduce_scatter', 'all_gather', 'prefetch'], ...]" = (
-    "reduce_scatter", "all_gather", "prefetch")
-
-
 class RankLayout:
     """Plays one layout's memory moves on a simulated run, for rank 0 of ``world_size``, on the ledger of the
     profile it is attached to (:meth:`attach`)."""
@@ -269,7 +254,9 @@ class RankLayout:
         self.handles: list[RemovableHandle] = []
         self.gathered: set[int] = set()
         self.pending: dict[int, set[int]] = {}  # unit -> ids of its trainable parameters without a gradient yet
-        self.kept: _Kept = {}  # the last all-gather and reduce-scatter buffers, as FSDP2 keeps them
+        # The last all-gather and reduce-scatter buffers, as FSDP2 keeps them, DDP's buckets, and a unit's all-gather
+        # gathered ahead ("prefetch": the unit, its buffer).
+        self.kept: dict[str, "torch.Tensor | tuple[int, torch.Tensor]"] = {}
         self.flushing = False
         self.reduced: set[int] = set()
         self.order: list[int] = []  # the units in the order the last forward gathered them
@@ -475,7 +462,7 @@ class RankLayout:
             self._reduce_scatter(unit)
         for unit in list(self.gathered):
             self._reshard(unit)
-        for kind in _FREED_AFTER_BACKWARD:
+        for kind in ("reduce_scatter", "all_gather", "prefetch"):
             self.kept.pop(kind, None)
 
 
@@ -486,8 +473,7 @@ class _StateShards:
     def __init__(self, layout: "RankLayout") -> None:
         self.layout = layout
 
-    def stepped(self, optimizer: torch.optim.Optimizer, _args: tuple[object, ...], _kwargs: dict[str, object]
-                ) -> None:
+    def stepped(self, optimizer: torch.optim.Optimizer, *_args_kwargs: object) -> None:
         # The state was made like the whole parameters: the rank keeps its shard of each (scalars stay whole).
         # The state the first step made was a temporary at the step's peak at its whole size: it leaves the
         # temporaries at that size before it shrinks (the profiler's own post-hook, which would move it later,
@@ -532,6 +518,30 @@ class _StateShards:
     def _state_numel(self, state: "Mapping[torch.Tensor, dict[str, object]]", key: str, dtype: torch.dtype) -> int:
         return sum(t.numel() for info in self.layout.by_id.values() for k, t in (state.get(info.ref) or {}).items()
                    if k == key and isinstance(t, torch.Tensor) and t.dtype == dtype)
+
+
+def _rank_stats(stats: Sequence[PhaseStats], steps: Sequence[StepRecord], buckets: bool) -> tuple[PhaseStats, ...]:
+    """The per-phase statistics of the rank's records (:meth:`LayoutPlan.finish` changed them): each phase's made
+    again from its records where the run kept every step's, and with ``buckets`` (ZeRO-1/2: DeepSpeed's buckets,
+    not estimated) communication not measured, as in the records."""
+    out = []
+    for st in stats:
+        if buckets:
+            st = dataclasses.replace(st, peak=_series_without_communication(st.peak),
+                                     end=_series_without_communication(st.end))
+        records = [rec for step in steps for rec in step.phases if (rec.phase, rec.occurrence) == (st.phase,
+                                                                                                    st.occurrence)]
+        if len(records) == st.count:
+            peak, end = series_from(st.peak, [r.peak for r in records]), series_from(st.end, [r.end for r in records])
+            if peak is not None and end is not None:
+                st = dataclasses.replace(st, peak=peak, end=end)
+        out.append(st)
+    return tuple(out)
+
+
+def _series_without_communication(series: "tuple[tuple[str, Stat | None], ...]"
+                                  ) -> "tuple[tuple[str, Stat | None], ...]":
+    return tuple((key, None if key == Category.COMMUNICATION.value else stat) for key, stat in series)
 
 
 def _without_communication(b: Breakdown) -> Breakdown:
