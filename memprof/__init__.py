@@ -30,7 +30,12 @@ if TYPE_CHECKING:
     from .report.reconciliation import Reconciliation, reconcile
 
 
-def __getattr__(name: str) -> Any:
+#: What ``memprof.<name>`` is for a name loaded on first use (a function, a class or a module of the facade): the
+#: names a type checker should know are imported under TYPE_CHECKING above, so this types only what it does not.
+_Lazy = Any
+
+
+def __getattr__(name: str) -> _Lazy:
     import importlib
 
     from . import report
