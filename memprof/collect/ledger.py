@@ -280,7 +280,7 @@ class Ledger:
         # Beside the stream: the category each storage was made in (one per storage made, in order), and each move
         # of a live storage to another category as (seq, key) (memprof.simulate.depth_stream reads them).
         self.stream_cats: list[int] = []
-        self.stream_moves: list[tuple[int, int]] = []
+        self.stream_moves: list[tuple[int, int, int]] = []  # (seq, key, the category it moved to)
         self.phase_start_seq = self.mark_seq = 0
 
     # -- sizes ---------------------------------------------------------------
@@ -405,7 +405,7 @@ class Ledger:
                             entry.cat = TEMPORARIES
                             self.seq += 1
                             if self.stream is not None:
-                                self.stream_moves.append((self.seq, entry.key))
+                                self.stream_moves.append((self.seq, entry.key, TEMPORARIES))
                             entry.moved, entry.before = self.seq, ACTIVATIONS
                             if entry.tag >= 0:
                                 tag_act[entry.tag] -= entry.tag_bytes

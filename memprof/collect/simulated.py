@@ -44,8 +44,8 @@ class RecordedStream:
     streams: StreamUse = ONE_STREAM
     #: The category each storage was made in, one per storage made, in order (empty: not known).
     cats: tuple[int, ...] = ()
-    #: Each move of a live storage to another category, as (seq, key).
-    moves: tuple[tuple[int, int], ...] = ()
+    #: Each move of a live storage to another category, as (seq, key, the category it moved to).
+    moves: tuple[tuple[int, int, int], ...] = ()
 
 
 class SimulatedProfile(Profiler):
