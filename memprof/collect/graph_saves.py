@@ -25,6 +25,8 @@ from .torch_compat import current_autograd_node, graph_task_id as _graph_task_id
 from .torch_compat import top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
+    from torch.autograd.graph import Node
+
     from .ledger import Ledger
     from .saved import SavedTracker
     from .state import Run
@@ -114,7 +116,7 @@ class GraphSaves:
         led.settle()
         found: list[int] = []
         seen: set[int] = set()
-        todo = [node]
+        todo: "list[Node | None]" = [node]
         saved = self.saved
         names_of = _SAVED_NAMES
         # Once per backward, over every node of the graph: the per-node work is inlined and the next nodes

@@ -1,0 +1,40 @@
+"""The type aliases of memprof's collectors: an op as dispatch hands it over, and the few values that are truly of
+any type.
+
+Where torch or the user hands over a value that memprof only passes on, compares or checks with ``isinstance``,
+the collectors type it ``object``. The ``Any`` aliases below are the only ``Any`` of collect, cli, integrations
+and the pytest plugin, each for its one reason; a value of one of them is read only where its docstring or a
+comment says what it is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, TypeAlias
+
+if TYPE_CHECKING:
+    import torch
+    from torch._ops import OpOverload
+
+__all__ = ["Op", "PackHook", "UnpackHook", "SavedPair", "SavedForm", "Block"]
+
+#: An op as ``__torch_dispatch__`` receives it (an ``OpOverload``), with its arguments and result left open: a
+#: mode only calls it, reads its schema and names, and passes its values on.
+Op: TypeAlias = "OpOverload[..., object]"
+
+#: The pack function of a saved-tensor hook pair: autograd keeps what it returns, whatever it is, and hands it to
+#: the pair's unpack, which must give a tensor back (torch.autograd.graph.saved_tensors_hooks).
+PackHook: TypeAlias = "Callable[[torch.Tensor], object]"
+UnpackHook: TypeAlias = "Callable[[object], torch.Tensor]"
+#: A pair as the saved-tensor hooks stack holds it, (pack, unpack).
+SavedPair: TypeAlias = "tuple[PackHook, UnpackHook]"
+
+#: What memprof's own pack made of a saved tensor, handed back to its unpack: a tuple (tensor, version, origin),
+#: a :class:`memprof.collect.saved.Saved`, or the tensor itself. Any: torch types an unpack hook's argument so
+#: (``torch._C._autograd._push_saved_tensors_default_hooks``), and the unpack tells the three forms apart by one
+#: ``type()`` identity, by which mypy does not narrow; the per-save path takes no ``cast``.
+SavedForm = Any
+
+#: An allocation carried between the allocator's windows, ``[bytes counted, category value]`` (its address the
+#: key): a two-item list written in place, and read by position. Any: a list's items have one type, so the
+#: bytes and the category cannot each have their own; a tuple could not be written in place.
+Block = list[Any]
