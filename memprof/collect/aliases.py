@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
     from torch._ops import OpOverload
 
-__all__ = ["Op", "PackHook", "UnpackHook", "SavedPair", "SavedForm", "Block"]
+__all__ = ["Op", "PackHook", "UnpackHook", "SavedPair", "SavedForm", "Row"]
 
 #: An op as ``__torch_dispatch__`` receives it (an ``OpOverload``), with its arguments and result left open: a
 #: mode only calls it, reads its schema and names, and passes its values on.
@@ -34,7 +34,8 @@ SavedPair: TypeAlias = "tuple[PackHook, UnpackHook]"
 #: ``type()`` identity, by which mypy does not narrow; the per-save path takes no ``cast``.
 SavedForm = Any
 
-#: An allocation carried between the allocator's windows, ``[bytes counted, category value]`` (its address the
-#: key): a two-item list written in place, and read by position. Any: a list's items have one type, so the
-#: bytes and the category cannot each have their own; a tuple could not be written in place.
-Block = list[Any]
+#: A small record kept as a list, so that it is written in place, and read by position: an allocation carried
+#: between the allocator's windows, ``[bytes counted, category value]`` (allocation_events.Live), or a span of
+#: steps, ``[first step, last step, kind]`` (carry_spans.StepSpans). Any: a list's items have one type, so the
+#: numbers and the name cannot each have their own; a tuple could not be written in place.
+Row = list[Any]

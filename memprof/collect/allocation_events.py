@@ -40,7 +40,7 @@ from ..vocabulary import Category, TENSOR_CATEGORIES
 
 if TYPE_CHECKING:
     from ..record.aliases import JSON
-    from .aliases import Block
+    from .aliases import Row
 
 __all__ = ["ALLOC", "FREES", "TraceEntry", "Live", "Window", "reduce_window", "from_profiler", "split_at"]
 
@@ -75,7 +75,7 @@ class Live:
     """What is allocated between windows: address -> [bytes counted, category]. Carried from one window to the
     next (the allocations of the weights, made before the first window, are put here at the start)."""
 
-    blocks: "dict[int, Block]" = dataclasses.field(default_factory=dict)
+    blocks: "dict[int, Row]" = dataclasses.field(default_factory=dict)
 
     def totals(self) -> dict[str, int]:
         """Bytes by category now."""

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..record.parts import StepRecord
     from ..record.trace import Breakdown
 
-    from .aliases import Block
+    from .aliases import Row
     from .allocation_events import TraceEntry
     from .allocator_history import AllocatorHistory
     from .device import DeviceReading
@@ -79,9 +79,9 @@ def resolved_mode(mode: str, device: "torch.device", source: object, schedule: o
     return mode, source
 
 
-def known_addresses(ledger: "Ledger") -> "dict[int, Block]":
+def known_addresses(ledger: "Ledger") -> "dict[int, Row]":
     """The data address of every storage the ledger holds live: [bytes counted, category value]."""
-    out: "dict[int, Block]" = {}
+    out: "dict[int, Row]" = {}
     ledger.settle()
     for entry in list(ledger.entries.values()):
         storage = entry()
