@@ -15,7 +15,12 @@ if TYPE_CHECKING:
     import torch
     from torch._ops import OpOverload
 
-__all__ = ["Op", "PackHook", "UnpackHook", "SavedPair", "SavedForm", "Row"]
+__all__ = ["Args", "Kwargs", "Op", "PackHook", "UnpackHook", "SavedPair", "SavedForm", "OpValue", "Row", "ParamGroup"]
+
+#: The positional and keyword arguments of a call of the user's (a module's forward, an optimizer's step, an op),
+#: which memprof passes on or searches for tensors.
+Args: TypeAlias = tuple[object, ...]
+Kwargs: TypeAlias = dict[str, object]
 
 #: An op as ``__torch_dispatch__`` receives it (an ``OpOverload``), with its arguments and result left open: a
 #: mode only calls it, reads its schema and names, and passes its values on.
@@ -34,8 +39,18 @@ SavedPair: TypeAlias = "tuple[PackHook, UnpackHook]"
 #: ``type()`` identity, by which mypy does not narrow; the per-save path takes no ``cast``.
 SavedForm = Any
 
+#: An argument or result of a torch function, read where the function fixes its type (a ``topk``'s first argument
+#: and its indices are tensors, its ``dim`` an int). Any: torch types them so (``__torch_function__``'s
+#: parameters), and a mode's path takes no check or ``cast`` (a Python call per op).
+OpValue = Any
+
 #: A small record kept as a list, so that it is written in place, and read by position: an allocation carried
 #: between the allocator's windows, ``[bytes counted, category value]`` (allocation_events.Live), or a span of
 #: steps, ``[first step, last step, kind]`` (carry_spans.StepSpans). Any: a list's items have one type, so the
 #: numbers and the name cannot each have their own; a tuple could not be written in place.
 Row = list[Any]
+
+#: An optimizer's parameter group, as torch types it (``torch.optim.Optimizer.param_groups``: a list of
+#: ``dict[str, Any]``): its ``"params"`` a list of tensors, each setting of the type its name gives (``lr`` a
+#: float, ``betas`` a pair ...). Any: torch's own type.
+ParamGroup = dict[str, Any]
