@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ..record.aliases import JSON
     from .aliases import Row
 
-__all__ = ["ALLOC", "FREES", "TraceEntry", "Live", "Window", "reduce_window", "from_profiler", "split_at"]
+__all__ = ["ALLOC", "FREES", "TraceEntry", "Snapshot", "Live", "Window", "reduce_window", "from_profiler", "split_at"]
 
 
 class TraceEntry(TypedDict, total=False):
@@ -59,6 +59,12 @@ class TraceEntry(TypedDict, total=False):
     frames: list[JSON]
     compile_context: str
     user_metadata: str
+
+
+class Snapshot(TypedDict, total=False):
+    """What memprof reads of ``torch.cuda.memory._snapshot()`` (torch's own ``Snapshot``): each device's history."""
+
+    device_traces: list[list[TraceEntry]]
 
 
 ALLOC = "alloc"

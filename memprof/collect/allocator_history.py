@@ -16,7 +16,7 @@ logic is tested on CPU with a stand-in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
@@ -24,21 +24,15 @@ from ..errors import InvalidArgumentError
 from . import torch_compat
 
 if TYPE_CHECKING:
-    from .allocation_events import TraceEntry
+    from .allocation_events import Snapshot, TraceEntry
 
-__all__ = ["Snapshot", "Backend", "TorchBackend", "AllocatorHistory", "MAX_ENTRIES", "SOURCES", "checked_source",
+__all__ = ["Backend", "TorchBackend", "AllocatorHistory", "MAX_ENTRIES", "SOURCES", "checked_source",
            "backend_for"]
 
 #: The entries memprof's own recording keeps per window (a phase); a phase with more is marked incomplete.
 MAX_ENTRIES = 200_000
 #: Where exact mode's allocation events come from.
 SOURCES = ("dispatch", "allocator")
-
-
-class Snapshot(TypedDict, total=False):
-    """What memprof reads of ``torch.cuda.memory._snapshot()`` (torch's own ``Snapshot``): each device's history."""
-
-    device_traces: "list[list[TraceEntry]]"
 
 
 class Backend(Protocol):

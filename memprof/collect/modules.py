@@ -59,6 +59,10 @@ if TYPE_CHECKING:
     from .timeline import Timeline
     from .undo import UndoStack
 
+    #: memprof's forward pre-hook and hook of a module (registered with_kwargs).
+    _PreHook = Callable[[nn.Module, Args, Kwargs], None]
+    _PostHook = Callable[[nn.Module, Args, Kwargs, object], None]
+
 __all__ = ["ModuleTracker"]
 
 _get_ident = threading.get_ident
@@ -271,8 +275,7 @@ class ModuleTracker:
 # called only there.
 
 
-def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool
-              ) -> "Callable[[nn.Module, Args, Kwargs], None]":
+def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PreHook":
     run, table, led, saved, frames = tracker.run, tracker.table, tracker.ledger, tracker.saved, tracker.frames
     calls, marks, stack, timeline = run.calls, tracker.marks, led.frames, tracker.timeline
     tensor_hooks, info = frames.tensor_hooks, table.info[index]
@@ -354,8 +357,7 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool
     return pre_hook
 
 
-def _post_hook(tracker: ModuleTracker, index: int, is_root: bool
-               ) -> "Callable[[nn.Module, Args, Kwargs, object], None]":
+def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PostHook":
     run, table, led, saved = tracker.run, tracker.table, tracker.ledger, tracker.saved
     calls, marks, stack, frames, timeline = run.calls, tracker.marks, led.frames, tracker.frames, tracker.timeline
     scoped, kv, info = saved.scoped, tracker.kv, table.info[index]

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from torch.autograd.graph import Node
 
     from .aliases import PackHook, SavedPair, UnpackHook
-    from .allocator_history import Snapshot
+    from .allocation_events import Snapshot
 
 __all__ = [
     "graph_task_id", "dispatch_stack_len", "dispatch_mode_at", "push_dispatch_mode", "pop_dispatch_mode",
