@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     import torch
     from torch._ops import OpOverload
 
-__all__ = ["Args", "Kwargs", "Op", "PackHook", "UnpackHook", "SavedPair", "SavedForm", "OpValue", "Row", "ParamGroup"]
+__all__ = ["Args", "Kwargs", "Op", "PackHook", "UnpackHook", "SavedPair", "SavedForm", "OpValue", "Row", "ParamGroup",
+           "FrameworkObject"]
 
 #: The positional and keyword arguments of a call of the user's (a module's forward, an optimizer's step, an op),
 #: which memprof passes on or searches for tensors.
@@ -54,3 +55,9 @@ Row = list[Any]
 #: ``dict[str, Any]``): its ``"params"`` a list of tensors, each setting of the type its name gives (``lr`` a
 #: float, ``betas`` a pair ...). Any: torch's own type.
 ParamGroup = dict[str, Any]
+
+#: An object a training framework hands memprof's callbacks: transformers' TrainingArguments, TrainerState and
+#: TrainerControl, Lightning's Trainer, and the model and optimizer they train. Any: mypy is not given lightning
+#: or transformers (pyproject.toml's ignore_missing_imports), so their classes are Any to it whatever they are
+#: named here; memprof reads what it needs by name with a default, and profile() checks the model and optimizers.
+FrameworkObject = Any
