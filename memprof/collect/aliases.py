@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
     from torch._ops import OpOverload
 
-__all__ = ["Args", "Kwargs", "Op", "PackHook", "UnpackHook", "SavedPair", "SavedForm", "OpValue", "Row", "ParamGroup",
+__all__ = ["Args", "Kwargs", "Op", "PackHook", "UnpackHook", "SavedPair", "SavedForm", "OpValue", "Row",
            "FrameworkObject"]
 
 #: The positional and keyword arguments of a call of the user's (a module's forward, an optimizer's step, an op),
@@ -50,11 +50,6 @@ OpValue = Any
 #: steps, ``[first step, last step, kind]`` (carry_spans.StepSpans). Any: a list's items have one type, so the
 #: numbers and the name cannot each have their own; a tuple could not be written in place.
 Row = list[Any]
-
-#: An optimizer's parameter group, as torch types it (``torch.optim.Optimizer.param_groups``: a list of
-#: ``dict[str, Any]``): its ``"params"`` a list of tensors, each setting of the type its name gives (``lr`` a
-#: float, ``betas`` a pair ...). Any: torch's own type.
-ParamGroup = dict[str, Any]
 
 #: An object a training framework hands memprof's callbacks: transformers' TrainingArguments, TrainerState and
 #: TrainerControl, Lightning's Trainer, and the model and optimizer they train. Any: mypy is not given lightning

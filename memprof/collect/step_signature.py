@@ -29,7 +29,8 @@ from .ledger import STORAGE_KEY, UNTYPED_STORAGE
 from .torch_compat import dispatch_mode_at, dispatch_stack_len
 
 if TYPE_CHECKING:
-    from .aliases import Kwargs, ParamGroup
+    from ..anatomy.optimizers import ParamGroup
+    from .aliases import Kwargs
     from .dispatch import DispatchMode
 
 #: What a signature is: plain values, compared with == (never read back).
