@@ -254,7 +254,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         grid = plan_grid(config, seq_len=args.seq_len, gpu=args.gpu, world_size=args.world_size, layouts=layouts,
                          precisions=precisions, checkpointing=ckpt, optimizer=_optimizer(args.optimizer),
-                         alloc_conf=args.alloc_conf, attention=args.attention, loop=args.loop or "hf-trainer")
+                         alloc_conf=args.alloc_conf, attention=args.attention, loop=args.loop or "hf-trainer",
+                         processes=args.processes)
     except MemprofError as exc:  # the names --layouts gave are resolved once the model is built
         if args.layouts and str(exc).startswith("unknown layout"):
             raise MemprofError(f"--layouts: {exc}") from None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from ..vocabulary import Category, Phase
 from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
 from ..record.layout import MeshLayout, ParamGroup
 from ..record.parts import MAX_WORLD, Breakdown, RankInfo
+from ..record.stats import PhaseStats, Stat, series_from
 from ..anatomy.zero import STAGES
 from ..collect.module_table import tensors_in_args
 from ..collect.torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
@@ -176,7 +177,9 @@ class LayoutPlan:
             facts = dataclasses.replace(facts, weight_bytes=sum(i.shard for i in self.by_id.values()),
                                         trainable_bytes=sum(i.shard for i in self.by_id.values()
                                                             if i.ref.requires_grad))
-        out = dataclasses.replace(trace, steps=tuple(steps), distributed=self.rank_info(), facts=facts)
+        out = dataclasses.replace(trace, steps=tuple(steps), distributed=self.rank_info(), facts=facts,
+                                  phase_stats=_rank_stats(trace.phase_stats, steps,
+                                                          self.parallel in ("zero1", "zero2")))
         if best is not None:
             out = dataclasses.replace(out, peak=best[1], peak_step=best[2], peak_phase=best[3])
         return out
@@ -511,6 +514,30 @@ class _StateShards:
     def _state_numel(self, state: Any, key: str, dtype: torch.dtype) -> int:
         return sum(t.numel() for info in self.layout.by_id.values() for k, t in (state.get(info.ref) or {}).items()
                    if k == key and isinstance(t, torch.Tensor) and t.dtype == dtype)
+
+
+def _rank_stats(stats: Sequence[PhaseStats], steps: Sequence[Any], buckets: bool) -> tuple[PhaseStats, ...]:
+    """The per-phase statistics of the rank's records (:meth:`LayoutPlan.finish` changed them): each phase's made
+    again from its records where the run kept every step's, and with ``buckets`` (ZeRO-1/2: DeepSpeed's buckets,
+    not estimated) communication not measured, as in the records."""
+    out = []
+    for st in stats:
+        if buckets:
+            st = dataclasses.replace(st, peak=_series_without_communication(st.peak),
+                                     end=_series_without_communication(st.end))
+        records = [rec for step in steps for rec in step.phases if (rec.phase, rec.occurrence) == (st.phase,
+                                                                                                    st.occurrence)]
+        if len(records) == st.count:
+            peak, end = series_from(st.peak, [r.peak for r in records]), series_from(st.end, [r.end for r in records])
+            if peak is not None and end is not None:
+                st = dataclasses.replace(st, peak=peak, end=end)
+        out.append(st)
+    return tuple(out)
+
+
+def _series_without_communication(series: "tuple[tuple[str, Stat | None], ...]"
+                                  ) -> "tuple[tuple[str, Stat | None], ...]":
+    return tuple((key, None if key == Category.COMMUNICATION.value else stat) for key, stat in series)
 
 
 def _without_communication(b: Breakdown) -> Breakdown:
