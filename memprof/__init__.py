@@ -10,7 +10,7 @@ pytest plugin costs nothing in projects that do not use it. The errors are
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .version import __version__
 
@@ -23,6 +23,7 @@ from .units import format_bytes, parse_size
 from .vocabulary import Category, Phase
 
 if TYPE_CHECKING:
+    from .record.aliases import LazyName
     from .report.estimates import (BatchSizePlan, Estimate, Pipeline, estimate, estimate_generation, max_batch_size,
                                    max_generation_batch_size)
     from .report.planning import estimate_hf, plan
@@ -30,12 +31,7 @@ if TYPE_CHECKING:
     from .report.reconciliation import Reconciliation, reconcile
 
 
-#: What ``memprof.<name>`` is for a name loaded on first use (a function, a class or a module of the facade): the
-#: names a type checker should know are imported under TYPE_CHECKING above, so this types only what it does not.
-_Lazy = Any
-
-
-def __getattr__(name: str) -> _Lazy:
+def __getattr__(name: str) -> "LazyName":
     import importlib
 
     from . import report
