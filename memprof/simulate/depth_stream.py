@@ -61,7 +61,8 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
     if any(r.streams.held for r in cuts):
         return HELD
     try:
-        a, b, c = (_tokens(r) for r in cuts)
+        moved = _MovedCategories(cuts[2].moves)
+        a, b, c = _tokens(cuts[0]), _tokens(cuts[1]), _tokens(cuts[2], moved)
         steps = [tuple(m[0] for m in r.moments) for r in cuts]
         if not steps[0] == steps[1] == steps[2]:
             return "its phases differ between the cuts"
@@ -72,9 +73,11 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
         tokens = _agreed(b, c, predicted, origin, change)
         if tokens is None:
             return "its allocation stream did not grow by the same events per block"
-        predicted, change, _ = _apply(tokens, change, 1)
-        whole, change, _ = _apply(predicted, change, more)
-        events, moments, switches, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding)
+        predicted, change, _ = _apply(tokens, change, 1)  # the cut to k + 2's tokens, position by position
+        whole, change, origin = _apply(predicted, change, more)
+        at_moments = {p: moved.at_moments[q] for p, q in enumerate(origin) if q in moved.at_moments}
+        events, moments, switches, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding,
+                                                     at_moments)
     except _Stop as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
@@ -259,7 +262,7 @@ def _same(predicted: tuple[Any, ...], token: tuple[Any, ...], options: Any) -> b
     return bool(options.get((predicted[2], predicted[3])) == predicted[4])
 
 
-def _tokens(recorded: Any) -> tuple[list[Any], list[Any]]:
+def _tokens(recorded: Any, moved: "_MovedCategories | None" = None) -> tuple[list[Any], list[Any]]:
     """``recorded``'s events and moments as tokens (see the module's docstring), and beside each free or resize
     every way it could be written ((way, epochs ago) -> position). A storage made is written with its bytes, the
     category it was made in (-1: not known) and whether it moved to another while it lived."""
@@ -275,7 +278,7 @@ def _tokens(recorded: Any) -> tuple[list[Any], list[Any]]:
     at = 0
     for index, (seq, key, nbytes) in enumerate(recorded.events):
         while at < len(marks) and marks[at][0] < seq:
-            out.append(_marker(marks[at], classes))
+            out.append(_marker(marks[at], classes, moved))
             options.append(None)
             at += 1
         if nbytes == _FREE and key not in live:
@@ -287,28 +290,60 @@ def _tokens(recorded: Any) -> tuple[list[Any], list[Any]]:
             (way, ago), value = min(ways.items(), key=lambda kv: (abs(kv[1]), _ORDER[kv[0][0]]))
             if nbytes == _FREE:
                 out.append(("f", size, way, ago, value))
+                if moved is not None:
+                    moved.tracked.pop(key, None)
             else:
                 out.append(("r", size, way, ago, value, nbytes))
                 live[key] = (nbytes, classes.make(nbytes))
             options.append(ways)
         else:
             live[key] = (nbytes, classes.make(nbytes))
+            if moved is not None and index in made:
+                moved.made(key, len(out), cats.get(index, -1))
             out.append(("a", nbytes, cats.get(index, -1), index in made))
             options.append(None)
     for mark in marks[at:]:
-        out.append(_marker(mark, classes))
+        out.append(_marker(mark, classes, moved))
         options.append(None)
     return out, options
 
 
-def _marker(mark: tuple[int, int, int, int], classes: "_Classes") -> tuple[Any, ...]:
+def _marker(mark: tuple[int, int, int, int], classes: "_Classes", moved: "_MovedCategories | None") -> tuple[Any, ...]:
     """The token of a moment, ``("m", moment, which)``, which starts an epoch, or of a switch of the current stream
     to another, ``("s", stream)``: the storages made after it are made on that stream (their allocator's pool)."""
-    _seq, kind, a, b = mark
+    seq, kind, a, b = mark
     if kind == 1:
         return ("s", a)
     classes.epoch += 1
+    if moved is not None:
+        moved.marker(seq, a, b)
     return ("m", a, b)
+
+
+class _MovedCategories:
+    """The category of each storage that moves to another while it lives, at every moment of its life, by the
+    position of the token that made it (:attr:`at_moments`: position -> (moment, which) -> category). What the
+    figures' line misses of such a storage, where its bytes grow with the blocks, goes to the category it is in at
+    each moment (the clipping's stack of norms, made a temporary, then a collective's input under FSDP2)."""
+
+    def __init__(self, moves: "Sequence[tuple[int, int, int]]") -> None:
+        self.moves = sorted(moves)
+        self.next = 0
+        self.tracked: dict[int, list[int]] = {}  # key -> [position, its category now]
+        self.at_moments: dict[int, dict[tuple[int, int], int]] = {}
+
+    def made(self, key: int, position: int, category: int) -> None:
+        self.tracked[key] = [position, category]
+        self.at_moments[position] = {}
+
+    def marker(self, seq: int, moment: int, which: int) -> None:
+        while self.next < len(self.moves) and self.moves[self.next][0] <= seq:  # the moves before the moment
+            _seq, key, category = self.moves[self.next]
+            if key in self.tracked:
+                self.tracked[key][1] = category
+            self.next += 1
+        for position, category in self.tracked.values():
+            self.at_moments[position][(moment, which)] = category
 
 
 def _made(recorded: Any) -> tuple[set[int], dict[int, int]]:
@@ -338,15 +373,17 @@ def _made(recorded: Any) -> tuple[set[int], dict[int, int]]:
 _ORDER = {"T": 0, "B": 1, "t": 2, "b": 3, "d": 4}
 
 
-def _decoded(tokens: list[Any], moments: int, grew: Any, more: int, rounding: int
+def _decoded(tokens: list[Any], moments: int, grew: Any, more: int, rounding: int,
+             at_moments: "dict[int, dict[tuple[int, int], int]]",
              ) -> tuple[list[tuple[int, int, int]], list[list[int]], list[tuple[int, int]], dict[int, dict[int, int]]]:
     """The stream ``tokens`` name: its events numbered 1, 2, ... (keys too), each moment's (start, peak, end)
     seq: the seq of the last event before its marker, and each switch of the current stream as ``(seq, stream)``,
     the seq of the last event before it (:class:`~memprof.collect.streams.StreamUse`). And what the figures
     extended in a line miss at each marker's seq, by category: a storage whose bytes grew by ``d`` per block
     (``grew``, by position) is ``rounding(x + more d)`` at full depth, where the line through the cuts'
-    ``rounding(x - d)`` and ``rounding(x)`` says ``rounding(x) + more (rounding(x) - rounding(x - d))``. A storage
-    that moved to another category while it lived, or whose category is not known, stops it where it misses
+    ``rounding(x - d)`` and ``rounding(x)`` says ``rounding(x) + more (rounding(x) - rounding(x - d))``, in the
+    category it is in at each moment (``at_moments``: by the position of the token that made a storage that moved,
+    (moment, which) -> category). A storage whose category is not known at a moment stops it where it misses
     anything."""
     classes = _Classes()
     keys: dict[tuple[int, int], int] = {}
@@ -354,7 +391,7 @@ def _decoded(tokens: list[Any], moments: int, grew: Any, more: int, rounding: in
     placed = [[0, 0, 0] for _ in range(moments)]
     switches: list[tuple[int, int]] = []
     fresh = 0
-    missing: dict[int, tuple[int, int]] = {}  # key -> (category, bytes the line misses)
+    missing: dict[int, tuple[int | dict[tuple[int, int], int], int]] = {}  # key -> (category, bytes the line misses)
     missed: dict[int, dict[int, int]] = {}
     for position, token in enumerate(tokens):
         kind = token[0]
@@ -367,7 +404,10 @@ def _decoded(tokens: list[Any], moments: int, grew: Any, more: int, rounding: in
             if missing:
                 at = missed.setdefault(len(events), {})
                 at.clear()
-                for cat, nbytes in missing.values():
+                for where, nbytes in missing.values():
+                    cat = where if isinstance(where, int) else where.get((token[1], token[2]), -1)
+                    if cat < 0:
+                        raise _Stop("a storage whose bytes grow with the blocks has no category known at a moment")
                     at[cat] = at.get(cat, 0) + nbytes
             continue
         fresh += 1
@@ -378,9 +418,9 @@ def _decoded(tokens: list[Any], moments: int, grew: Any, more: int, rounding: in
             if position in grew:
                 miss = _missed(token[1], grew[position][1][0], more, rounding)
                 if miss:
-                    if token[2] < 0 or token[3]:
-                        raise _Stop("a storage whose bytes grow with the blocks changed category, or has none known")
-                    missing[fresh] = (token[2], miss)
+                    if token[2] < 0 or (token[3] and position not in at_moments):
+                        raise _Stop("a storage whose bytes grow with the blocks has no category known")
+                    missing[fresh] = (at_moments[position] if token[3] else token[2], miss)
         elif kind == "x":
             events.append((seq, fresh, _FREE))
         else:

@@ -102,12 +102,12 @@ def plan_grid(trained: Trained, *, gpu: Any, layouts: Sequence[Layout], precisio
                 grid.row(ckpt, precision, layout, bar)
         return grid.rows
 
-    rows = searched(configs, search, processes)
+    rows, forked = searched(configs, search, processes)
     return PlanGrid(rows=tuple(rows), model=labels.model_name, gpu=spec.name, capacity=spec.allocatable_bytes,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
                     seq_len=labels.seq_len, seconds=time.perf_counter() - start,
                     notes=(*labels.notes, precision_note([r.precision for r in rows]), _SEARCH_NOTE, *skipped,
-                           *_pipeline_notes(layouts), *_expert_notes(layouts)))
+                           *_pipeline_notes(layouts), *_expert_notes(layouts), *_process_notes(forked)))
 
 
 def configurations(layouts: Sequence[Layout], precisions: Sequence[str],
@@ -238,6 +238,15 @@ def _sibling_start(probes: "dict[tuple[str, str, bool], Probe]", layout: str, re
     fitted = [b_ for b_ in ref_here.runs if ref_here.fits(b_)]
     overhead = ref_here.overhead(max(fitted)) if fitted else 0
     return {m: a[m] + b[m] - c[m] for m in a}, overhead, at
+
+
+def _process_notes(processes: int) -> list[str]:
+    """How the rows were searched, said where more than one process did."""
+    if processes <= 1:
+        return []
+    return [f"search: the rows were searched by {processes} processes forked from this one, each group of rows that "
+            "share no simulation (a precision and family of layouts) by one; the answers are those one process "
+            "gives (processes=1, --processes 1)"]
 
 
 def _pipeline_notes(layouts: Sequence[Layout]) -> list[str]:

@@ -54,14 +54,14 @@ def processes_for(processes: "int | None", groups: int) -> int:
     return max(1, min(groups, processes if processes is not None else cores))
 
 
-def searched(configs: Sequence[Config], search: Search, processes: "int | None") -> "list[PlanRow]":
-    """The rows ``search`` gives for ``configs``, in their order: in one call here, or each group of
-    :func:`groups_of` by a forked process, ``processes`` of them at most (:func:`processes_for`), the groups dealt
-    out in turn."""
+def searched(configs: Sequence[Config], search: Search, processes: "int | None") -> "tuple[list[PlanRow], int]":
+    """The rows ``search`` gives for ``configs``, in their order, and how many processes searched them: in one call
+    here, or each group of :func:`groups_of` by a forked process, ``processes`` of them at most
+    (:func:`processes_for`), the groups dealt out in turn."""
     groups = groups_of(configs)
     n = processes_for(processes, len(groups))
     if n <= 1:
-        return search(configs)
+        return search(configs), 1
     shares = [[i for g in groups[w::n] for i in g] for w in range(n)]
     ctx = multiprocessing.get_context("fork")
     started: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
@@ -76,7 +76,7 @@ def searched(configs: Sequence[Config], search: Search, processes: "int | None")
         for share, (running, receive) in zip(shares, started):
             rows = _received(receive, running)
             found.update(zip(share, rows))
-        return [found[i] for i in range(len(configs))]
+        return [found[i] for i in range(len(configs))], n
     finally:
         for running, receive in started:  # after an error or an interrupt here, no search goes on behind it
             if running.is_alive():
@@ -108,7 +108,9 @@ def _received(receive: "Connection", worker: multiprocessing.process.BaseProcess
     """What ``worker`` sent: its rows; an exception it raised is raised here."""
     try:
         kind, value = receive.recv()
-    except EOFError:
+    except EOFError as exc:
+        if is_interrupt(exc):
+            raise
         worker.join()
         raise MemprofError(f"a process searching a plan's rows ended without an answer (exit code "
                            f"{worker.exitcode}); pass processes=1 (--processes 1) to search every row in this "

@@ -280,3 +280,19 @@ def test_a_stream_the_first_cuts_do_not_align_settles_with_more_blocks(shallow, 
     assert _fast(fast)
     monkeypatch.setattr(depth, "extended_stream", real)
     _identical(fast, memprof.estimate_hf(cfg, extrapolate=False, **kw))
+
+
+def test_a_growing_storage_that_moves_category_under_fsdp2():
+    # Under FSDP2 the HF Trainer's clipping stacks one norm per parameter (4 B x 147 tensors here, 16 layers: 588 B,
+    # 1,024 B on the device, where the line through the cuts' 512, 512, 512 B says 512) and the stack, made a
+    # temporary, then goes into the all-reduce of the total norm: it moves category while it lives. What the line
+    # misses goes to the category it is in at each moment (the ledger records where each storage moved to); before,
+    # such a storage stopped the fast path and the whole model was simulated (Llama-3-8B's bf16-params rows).
+    from memprof.simulate.plan_precision import fsdp_parallelize
+
+    cfg = T.LlamaConfig(**_SMALL, intermediate_size=64, num_hidden_layers=depth.AUTO_UNITS)
+    kw = dict(seq_len=16, batch_size=2, precision="fp32", gpu="h100-80gb", world_size=4,
+              parallelize=fsdp_parallelize())
+    fast, whole = memprof.estimate_hf(cfg, **kw), memprof.estimate_hf(cfg, extrapolate=False, **kw)
+    assert _fast(fast), fast.notes
+    _identical(fast, whole)

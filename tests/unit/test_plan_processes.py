@@ -27,11 +27,13 @@ def _label(config) -> str:
 
 
 def test_rows_come_back_in_the_grids_order_from_forked_processes():
-    rows = searched(CONFIGS, lambda configs: [_label(c) for c in configs], processes=2)
+    rows, n = searched(CONFIGS, lambda configs: [_label(c) for c in configs], processes=2)
+    assert n == 2
     assert [r.rsplit(" in ", 1)[0] for r in rows] == [_label(c).rsplit(" in ", 1)[0] for c in CONFIGS]
     pids = {r.rsplit(" in ", 1)[1] for r in rows}
     assert len(pids) == 2 and str(os.getpid()) not in pids  # two forked processes searched, not this one
-    here = searched(CONFIGS, lambda configs: [_label(c) for c in configs], processes=1)
+    here, n = searched(CONFIGS, lambda configs: [_label(c) for c in configs], processes=1)
+    assert n == 1
     assert {r.rsplit(" in ", 1)[1] for r in here} == {str(os.getpid())}
 
 
