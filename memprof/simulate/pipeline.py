@@ -34,6 +34,7 @@ from torch import nn
 from ..errors import InvalidArgumentError, MemprofError, UnknownNameError, is_interrupt
 
 if TYPE_CHECKING:
+    import torch.distributed.pipelining.schedules
     from torch.distributed import ProcessGroup
     from torch.distributed.pipelining.schedules import _PipelineSchedule
     from torch.distributed.pipelining.stage import PipelineStage
@@ -58,7 +59,8 @@ class Pipeline:
     0); ``stages_per_rank`` is more than 1 for interleaved schedules (rank ``p`` holds stages ``p, p + pp, ...``)."""
 
     split: Callable[[nn.Module, int, int], nn.Module]
-    schedule: "str | type[_PipelineSchedule]" = "1f1b"
+    # Spelled from torch's root, so the API reference files it with torch's names (it is imported for typing only).
+    schedule: "str | type[torch.distributed.pipelining.schedules._PipelineSchedule]" = "1f1b"
     microbatches: int = 8
     stages_per_rank: int = 1
 
@@ -72,7 +74,7 @@ class Pipeline:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise InvalidArgumentError(f"Pipeline({name}=...) must be a positive int, got {v!r}")
 
-    def schedule_class(self) -> "type[_PipelineSchedule]":
+    def schedule_class(self) -> "type[torch.distributed.pipelining.schedules._PipelineSchedule]":
         if not isinstance(self.schedule, str):
             return self.schedule
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
