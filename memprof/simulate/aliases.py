@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OpValue", "UserValue", "Library", "HfModule", "HfConfig", "Option", "FileValue", "HfCache"]
+__all__ = ["OpValue", "UserValue", "Library", "HfModule", "HfConfig", "Option", "FileValue", "HfCache", "Figure",
+           "ByKind"]
 
 # --- aliases of the run's description, the kernels, the loops and the pipeline (anysa) ---
 
@@ -63,3 +64,17 @@ FileValue = Any
 #: ``update``, ``reorder_cache``, ``self_attention_cache``): transformers is not given to mypy (pyproject.toml's
 #: ignore_missing_imports), and the attributes are checked where they are read (memprof.simulate.decoding).
 HfCache = Any
+
+# --- aliases of the plan and the depth modules (anysc) ---
+
+#: A figure of an estimate that the depth extension walks (memprof.simulate.depth._affine): the Estimate itself, its
+#: Trace, a phase record, a Breakdown, a named tuple of stats, a tuple of them, a count, None. The walk reads each by
+#: its kind (isinstance, dataclass fields) and gives back one of the same kind, which is the caller's: a union would
+#: make every caller narrow what it handed in.
+Figure = Any
+
+#: An item of a token of an allocation stream (memprof.simulate.depth_stream), or the ways beside a token: what it
+#: is (a size, a way's letter, a count, a flag, a dict of ways, None) is said by the token's kind, its first item,
+#: and the code reads it by position only where that kind is known; mypy cannot narrow a tuple by an item's value,
+#: and a union per position would take a check per use on a path that runs per event.
+ByKind = Any

@@ -28,7 +28,7 @@ import dataclasses
 import numbers
 from functools import partial
 from collections import Counter
-from typing import Any, Callable, cast
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 from torch import nn
@@ -39,7 +39,18 @@ from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
 from .depth_stream import HELD, corrected, extended_stream
 
-__all__ = ["find_stack", "extrapolated"]
+if TYPE_CHECKING:
+    from ..collect.simulated import RecordedStream
+    from ..record.parts import PhaseRecord
+    from .aliases import Figure
+    from .run import OptimizerArg
+
+__all__ = ["find_stack", "extrapolated", "Replay", "Kept"]
+
+#: The device replay of a run, to run on a stream like the one it recorded (``stages.replayed``).
+Replay = Callable[[Estimate, "RecordedStream"], Estimate]
+#: What each cut's run leaves for :func:`extrapolated` on a CUDA target: its recorded stream and its replay.
+Kept = list[tuple["RecordedStream", Replay]]
 
 
 def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
@@ -63,7 +74,7 @@ def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
 AUTO_K, AUTO_UNITS = 2, 16
 
 
-def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
+def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_unit: int,
                  run: Callable[..., Estimate], auto: bool = False) -> Estimate:
     """The estimate of ``model`` from three simulations of it cut to ``k``, ``k + 1``, ``k + 2`` units of depth
     (``per_unit`` blocks each: the pipeline's stages per rank), or of the whole model when the figures are not
@@ -94,7 +105,7 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
         return _whole(run, model, optimizer, f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and "
                       f"{k + 2} blocks per stage, but it has {units}: it was simulated whole (give a smaller k to "
                       "extrapolate)")
-    kept: list[Any] = []
+    kept: Kept = []
     cut = partial(_cuts, model, optimizer, name, per_unit=per_unit, units=units, run=run, kept=kept, auto=auto)
     try:
         ests, k, reason = cut(k)
@@ -132,18 +143,19 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
                      f"stream, the cuts' extended: each run of events a block added from {k} to {k + 1} blocks per "
                      f"stage, added again, gave the stream of {k + 2} exactly, so it is added {units - k - 2} times "
                      "more")
-        out = corrected(out, stream, missed)
-        if not isinstance(out, str):
-            out, moved = _peak_moved(out)
+        made = corrected(out, stream, missed)  # an Estimate, or a str saying why the stream does not hold
+        if not isinstance(made, str):
+            made, moved = _peak_moved(made)
             notes.extend([moved] if moved else [])
-            out = _replayed(out, stream, kept[2][1])
-        if isinstance(out, str):
-            return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {out}")
+            made = _replayed(made, stream, kept[2][1])
+        if isinstance(made, str):
+            return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {made}")
+        out = made
     return dataclasses.replace(out, notes=(*out.notes, *notes))
 
 
-def _stream(ests: "list[Estimate]", kept: list[Any], units: int, k: int, reason: "str | None"
-            ) -> "tuple[Any, Any, str | None]":
+def _stream(ests: "list[Estimate]", kept: Kept, units: int, k: int, reason: "str | None"
+            ) -> "tuple[RecordedStream | None, dict[int, dict[int, int]] | None, str | None]":
     """For a CUDA target whose cuts' figures are affine (``reason`` None), the whole model's stream extended from
     the cuts' (:func:`extended_stream`) and what the figures' line missed; else (None, None, the reason)."""
     if reason is not None or not kept:
@@ -155,8 +167,8 @@ def _stream(ests: "list[Estimate]", kept: list[Any], units: int, k: int, reason:
     return made[0], made[1], None
 
 
-def _cuts(model: nn.Module, optimizer: Any, name: str, k: int, ests: "list[Estimate] | None" = None, *,
-          per_unit: int, units: int, run: Callable[..., Estimate], kept: list[Any],
+def _cuts(model: nn.Module, optimizer: "OptimizerArg", name: str, k: int, ests: "list[Estimate] | None" = None, *,
+          per_unit: int, units: int, run: Callable[..., Estimate], kept: Kept,
           auto: bool) -> tuple[list[Estimate], int, "str | None"]:
     """The three cuts simulated, the ``k`` they start at and why their figures are not affine (None: they are).
     With ``auto``, where the peak moved between them, the two larger and the next, twice at most: the peak settles
@@ -190,13 +202,13 @@ def _auto_unit(model: nn.Module, per_unit: int) -> "int | None":
     return None if found[1] % unit or found[1] // unit < AUTO_UNITS else unit
 
 
-def _whole(run: Callable[..., Estimate], model: nn.Module, optimizer: Any, note: str) -> Estimate:
+def _whole(run: Callable[..., Estimate], model: nn.Module, optimizer: "OptimizerArg", note: str) -> Estimate:
     """The whole model simulated, with ``note`` saying why."""
     est = run(model, optimizer)
     return dataclasses.replace(est, notes=(*est.notes, note))
 
 
-def _peak_moved(est: Any) -> "tuple[Any, str | None]":
+def _peak_moved(est: Estimate) -> "tuple[Estimate, str | None]":
     """``est`` with its peak where the extended figures put it: the first phase record whose peak holds the most
     tensor bytes, as the ledger keeps the first moment of the largest total. The cuts can have it elsewhere (their
     optimizer step's, which the whole model's forward outgrows); then the run's peak is that record's (its
@@ -206,7 +218,7 @@ def _peak_moved(est: Any) -> "tuple[Any, str | None]":
     def tensors(b: Breakdown) -> int:
         return sum(v or 0 for v in b.counts[:len(TENSOR_CATEGORIES)])
 
-    best = None
+    best: "PhaseRecord | None" = None
     for step in trace.steps:
         for rec in step.phases:
             if best is None or tensors(rec.peak) > tensors(best.peak):
@@ -221,7 +233,7 @@ def _peak_moved(est: Any) -> "tuple[Any, str | None]":
     return dataclasses.replace(est, trace=moved), note
 
 
-def _replayed(est: Any, stream: Any, replay: Callable[[Any, Any], Any]) -> Any:
+def _replayed(est: Estimate, stream: "RecordedStream", replay: Replay) -> "Estimate | str":
     """``est`` (extended) with the replay of the extended ``stream``, checked against its figures first: the
     tensors' bytes the stream holds at every phase's start, peak and end must be the extended record's, else a
     sentence saying where they are not."""
@@ -252,9 +264,9 @@ def _period(model: nn.Module, name: str) -> int:
     return len(kinds)
 
 
-def _cut(model: nn.Module, optimizer: Any, name: str, n: int) -> "tuple[nn.Module, Any]":
+def _cut(model: nn.Module, optimizer: "OptimizerArg", name: str, n: int) -> "tuple[nn.Module, OptimizerArg]":
     """A meta copy of ``model`` with its stack cut to ``n`` blocks, and the optimizer on it."""
-    memo: dict[int, Any] = {}
+    memo: dict[int, object] = {}
     twins: dict[int, nn.Parameter] = {}
     for p in model.parameters():
         if id(p) not in memo:
@@ -300,7 +312,7 @@ def _not_affine(ests: "list[Estimate]") -> "str | None":
     return None
 
 
-def _v(phase: Any) -> str:
+def _v(phase: object) -> str:
     return getattr(phase, "value", str(phase))
 
 
@@ -318,7 +330,7 @@ def _worst_rank(est: Estimate) -> int:
     return max(range(len(peaks)), key=peaks.__getitem__)
 
 
-def _affine(a: Any, b: Any, c: Any, more: int, strict: bool) -> Any:
+def _affine(a: "Figure", b: "Figure", c: "Figure", more: int, strict: bool) -> "Figure":
     """``c`` extended by ``more`` steps of its difference from ``b``, wherever ``b - a == c - b``; elsewhere (with
     ``strict`` False) ``c`` as it is. Breakdowns are always strict in their tensor categories; their device-level
     figures (the allocator replay's) are not measured at full depth."""

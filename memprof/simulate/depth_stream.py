@@ -32,13 +32,27 @@ from __future__ import annotations
 
 import difflib
 from bisect import bisect_left
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ..errors import is_interrupt
+
+if TYPE_CHECKING:
+    from ..collect.simulated import RecordedStream
+    from .aliases import ByKind
+    from .estimated import Estimate
 
 __all__ = ["extended_stream", "corrected", "HELD"]
 
 _FREE = -1
+
+#: A token of a stream (see the module's docstring): its kind first ("a", "f", "r", "x", "m", "s"), then its numbers.
+Token = tuple["ByKind", ...]
+#: Every way a free or a resize could name its storage: (way, epochs ago) -> position.
+Ways = dict[tuple[str, int], int]
+#: A stream's tokens, and beside each the ways it could be written (its Ways; None for a kind that names no storage).
+Tokens = tuple[list[Token], list["ByKind"]]
+#: A token grown from one cut to the next: written in full, and what its bytes, position and new bytes grew by.
+Grown = tuple[Token, tuple[int, int, int]]
 
 
 #: Why a run's stream is not extended whatever its cuts: storages held for another stream.
@@ -50,7 +64,8 @@ class _Stop(Exception):
     """A stream that the tokens cannot extend (the reason is the message)."""
 
 
-def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
+def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
+                    ) -> "tuple[RecordedStream, dict[int, dict[int, int]]] | str":
     """The :class:`~memprof.collect.simulated.RecordedStream` of the model at full depth from the three cuts'
     (``k``, ``k + 1`` and ``k + 2`` blocks): the change from the cut to ``k`` to that to ``k + 1`` made once more
     must give the cut to ``k + 2``, exactly; it is then made ``more`` times more. With it, what the figures
@@ -92,7 +107,7 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
     at = next(((i, f) for i, m in enumerate(last.moments) for f, seq in enumerate(m[1:]) if seq == last.peak_seq),
               None)
     peak = moments[at[0]][at[1]] if at is not None else 0
-    return RecordedStream(tuple(events), tuple[Any, ...]((s, *m) for s, m in zip(steps[2], moments)), peak,
+    return RecordedStream(tuple(events), tuple((s, m[0], m[1], m[2]) for s, m in zip(steps[2], moments)), peak,
                           StreamUse(switches=tuple(switches))), missed
 
 
@@ -101,15 +116,15 @@ class _Change(NamedTuple):
     that grew (position in the next cut -> what each of its numbers grew by: bytes, position, new bytes)."""
 
     runs: list[tuple[int, int]]
-    grew: dict[int, tuple[Any, tuple[int, int, int]]]
+    grew: dict[int, Grown]
 
 
-def _change(a: tuple[list[Any], list[Any]], b: tuple[list[Any], list[Any]]) -> _Change:
+def _change(a: Tokens, b: Tokens) -> _Change:
     """How ``b``'s tokens are ``a``'s with runs inserted and some numbers grown (a storage of bytes in proportion
     to the parameters, a free naming its storage from an end of a list that grew). Each token of ``b`` is written
     in full (:func:`_full`), a grown free named the way that both cuts share and that moved least."""
     runs: list[tuple[int, int]] = []
-    grew: dict[int, tuple[Any, tuple[int, int, int]]] = {}
+    grew: dict[int, Grown] = {}
     ops = difflib.SequenceMatcher(None, a[0], b[0], autojunk=False).get_opcodes()
     for op, i1, i2, j1, j2 in ops:
         if op == "equal":
@@ -131,8 +146,7 @@ def _change(a: tuple[list[Any], list[Any]], b: tuple[list[Any], list[Any]]) -> _
     return _Change(runs, grew)
 
 
-def _paired(a: tuple[list[Any], list[Any]], b: tuple[list[Any], list[Any]], i1: int, i2: int, j1: int,
-            j2: int) -> list[tuple[int, int]]:
+def _paired(a: Tokens, b: Tokens, i1: int, i2: int, j1: int, j2: int) -> list[tuple[int, int]]:
     """Each token of ``a[i1:i2]`` paired, in order, with one of ``b[j1:j2]`` (the others inserted), the pairs that
     differ least in their numbers (a storage whose bytes grow with the parameters among others of one size)."""
     n, m = i2 - i1, j2 - j1
@@ -157,7 +171,7 @@ def _paired(a: tuple[list[Any], list[Any]], b: tuple[list[Any], list[Any]], i1: 
     return pairs[::-1]
 
 
-def _apart(a: tuple[list[Any], list[Any]], x: int, b: tuple[list[Any], list[Any]], y: int) -> float:
+def _apart(a: Tokens, x: int, b: Tokens, y: int) -> float:
     """How far token ``x`` of ``a`` is from token ``y`` of ``b`` in its numbers (infinite: another kind)."""
     ta, tb = a[0][x], b[0][y]
     if ta[0] != tb[0] or ta[0] in ("m", "s", "x"):
@@ -172,7 +186,7 @@ def _apart(a: tuple[list[Any], list[Any]], x: int, b: tuple[list[Any], list[Any]
     return float(far + (abs(tb[5] - ta[5]) if ta[0] == "r" else 0))
 
 
-def _grown(ta: tuple[Any, ...], oa: Any, tb: tuple[Any, ...], ob: Any) -> tuple[Any, tuple[int, int, int]]:
+def _grown(ta: Token, oa: Ways, tb: Token, ob: Ways) -> Grown:
     """Token ``tb`` written the way it and ``ta`` share that moved least, and how much each number grew."""
     if ta[0] != tb[0] or ta[0] in ("m", "s", "x"):
         raise _Stop("its allocation stream changed, not only grew, with a block more")
@@ -189,14 +203,14 @@ def _grown(ta: tuple[Any, ...], oa: Any, tb: tuple[Any, ...], ob: Any) -> tuple[
     return (full, grown)
 
 
-def _apply(tokens: list[Any], change: _Change, times: int) -> tuple[list[Any], _Change, list[int]]:
+def _apply(tokens: list[Token], change: _Change, times: int) -> tuple[list[Token], _Change, list[int]]:
     """``tokens`` with ``change`` made ``times`` more times: each run inserted again after itself, each grown
     token's numbers grown again; the change as it stands in the result (its runs the last copy); and where in
     ``tokens`` each token of the result came from."""
     starts = {start: end for start, end in change.runs}
-    out: list[Any] = []
+    out: list[Token] = []
     runs: list[tuple[int, int]] = []
-    grew: dict[int, tuple[Any, tuple[int, int, int]]] = {}
+    grew: dict[int, Grown] = {}
     origin: list[int] = []
     i = 0
     while i < len(tokens):
@@ -223,13 +237,13 @@ def _apply(tokens: list[Any], change: _Change, times: int) -> tuple[list[Any], _
     return out, _Change(runs, grew), origin
 
 
-def _agreed(b: tuple[list[Any], list[Any]], c: tuple[list[Any], list[Any]], predicted: list[Any], origin: list[int],
-            change: _Change) -> "list[Any] | None":
+def _agreed(b: Tokens, c: Tokens, predicted: list[Token], origin: list[int], change: _Change
+            ) -> "list[Token] | None":
     """``b``'s tokens, each free or resize that did not grow written the way that names its storage alike
     wherever the change puts a copy of it in ``c`` (a block's own storages, which each copy of a run names,
     move in the lists of their bytes from copy to copy, so the nearest way in one cut need not be the one that
     holds); None where a token has no such way, or the prediction differs from ``c`` otherwise."""
-    allowed: dict[int, set[Any]] = {}
+    allowed: dict[int, set[tuple[str, int]]] = {}
     for p, q in enumerate(origin):
         token, want = predicted[p], c[0][p]
         if q in change.grew or token[0] not in ("f", "r"):
@@ -251,7 +265,7 @@ def _agreed(b: tuple[list[Any], list[Any]], c: tuple[list[Any], list[Any]], pred
     return tokens
 
 
-def _same(predicted: tuple[Any, ...], token: tuple[Any, ...], options: Any) -> bool:
+def _same(predicted: Token, token: Token, options: "ByKind") -> bool:
     """Does ``predicted`` name what ``token`` (with the ways it could be written, ``options``) does?"""
     if predicted == token:
         return True
@@ -262,7 +276,7 @@ def _same(predicted: tuple[Any, ...], token: tuple[Any, ...], options: Any) -> b
     return bool(options.get((predicted[2], predicted[3])) == predicted[4])
 
 
-def _tokens(recorded: Any, moved: "_MovedCategories | None" = None) -> tuple[list[Any], list[Any]]:
+def _tokens(recorded: "RecordedStream", moved: "_MovedCategories | None" = None) -> Tokens:
     """``recorded``'s events and moments as tokens (see the module's docstring), and beside each free or resize
     every way it could be written ((way, epochs ago) -> position). A storage made is written with its bytes, the
     category it was made in (-1: not known) and whether it moved to another while it lived."""
@@ -271,10 +285,10 @@ def _tokens(recorded: Any, moved: "_MovedCategories | None" = None) -> tuple[lis
     marks = sorted([(seq, 0, i, f) for i, m in enumerate(recorded.moments) for f, seq in enumerate(m[1:])]
                    + [(seq, 1, stream, 0) for seq, stream in recorded.streams.switches])
     made, cats = _made(recorded)
-    live: dict[Any, tuple[int, int]] = {}  # key -> (bytes, the n-th of its bytes made)
+    live: dict[int, tuple[int, int]] = {}  # key -> (bytes, the n-th of its bytes made)
     classes = _Classes()
-    out: list[Any] = []
-    options: list[Any] = []
+    out: list[Token] = []
+    options: "list[Ways | None]" = []
     at = 0
     for index, (seq, key, nbytes) in enumerate(recorded.events):
         while at < len(marks) and marks[at][0] < seq:
@@ -308,7 +322,7 @@ def _tokens(recorded: Any, moved: "_MovedCategories | None" = None) -> tuple[lis
     return out, options
 
 
-def _marker(mark: tuple[int, int, int, int], classes: "_Classes", moved: "_MovedCategories | None") -> tuple[Any, ...]:
+def _marker(mark: tuple[int, int, int, int], classes: "_Classes", moved: "_MovedCategories | None") -> Token:
     """The token of a moment, ``("m", moment, which)``, which starts an epoch, or of a switch of the current stream
     to another, ``("s", stream)``: the storages made after it are made on that stream (their allocator's pool)."""
     seq, kind, a, b = mark
@@ -346,11 +360,11 @@ class _MovedCategories:
             self.at_moments[position][(moment, which)] = category
 
 
-def _made(recorded: Any) -> tuple[set[int], dict[int, int]]:
+def _made(recorded: "RecordedStream") -> tuple[set[int], dict[int, int]]:
     """Of the events of ``recorded`` that make a storage: those whose storage moved to another category while it
     lived, and each one's category when made (none where the stream and the categories do not pair up)."""
     moves = sorted(recorded.moves)
-    live: dict[Any, int] = {}
+    live: dict[int, int] = {}
     moved: set[int] = set()
     made: list[int] = []
     at = 0
@@ -373,7 +387,7 @@ def _made(recorded: Any) -> tuple[set[int], dict[int, int]]:
 _ORDER = {"T": 0, "B": 1, "t": 2, "b": 3, "d": 4}
 
 
-def _decoded(tokens: list[Any], moments: int, grew: Any, more: int, rounding: int,
+def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: int, rounding: int,
              at_moments: "dict[int, dict[tuple[int, int], int]]",
              ) -> tuple[list[tuple[int, int, int]], list[list[int]], list[tuple[int, int]], dict[int, dict[int, int]]]:
     """The stream ``tokens`` name: its events numbered 1, 2, ... (keys too), each moment's (start, peak, end)
@@ -518,10 +532,12 @@ class _Classes:
         del span[bisect_left(span, n)]
 
 
-def corrected(est: Any, recorded: Any, missed: "dict[int, dict[int, int]]") -> Any:
+def corrected(est: "Estimate", recorded: "RecordedStream", missed: "dict[int, dict[int, int]] | None"
+              ) -> "Estimate | str":
     """``est`` (its figures extended in a line) with what the line missed (:func:`extended_stream`) added where
     ``recorded`` places each moment: every phase record's start, peak and end, the run's, and the per-phase
-    statistics (which shift alike only where every step missed alike: else a str saying so)."""
+    statistics (which shift alike only where every step missed alike: else a str saying so). Nothing missed (none,
+    or None: no stream was extended) leaves ``est`` as it is."""
     import dataclasses
 
     from ..record.parts import Breakdown

@@ -17,19 +17,17 @@ and tensors are never modified.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 from typing_extensions import Unpack
 
 from .estimated import Estimate
-from .run import EstimateOptions, RunConfig
+from .run import EstimateOptions, OptimizerArg, RunConfig
 from .stages import simulate
 
 __all__ = ["Estimate", "estimate", "simulate"]
 
 
-def estimate(model: nn.Module, optimizer: Any = None, **options: Unpack[EstimateOptions]) -> Estimate:
+def estimate(model: nn.Module, optimizer: OptimizerArg = None, **options: Unpack[EstimateOptions]) -> Estimate:
     """Simulate ``steps`` training steps of ``model`` on meta tensors and return an :class:`Estimate`.
 
     ``optimizer`` is an optimizer built on ``model`` (its class and parameter

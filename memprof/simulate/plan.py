@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ..errors import InvalidArgumentError
 from ..record.plans import PlanGrid, PlanRow
@@ -30,7 +30,17 @@ from .plan_precision import AUTOCAST, POLICY, check_precisions, estimate_precisi
 from .plan_processes import searched
 
 if TYPE_CHECKING:
-    from .plan_search import Probe
+    import torch
+    from torch import nn
+
+    from ..anatomy.alloc_config import AllocatorConfig
+    from ..anatomy.gpus import GpuSpec
+    from .aliases import HfModule, Option, UserValue
+    from .estimated import Estimate
+    from .hf import ConfigSource
+    from .plan_search import Moment, Probe
+    from .progress import Progress
+    from .run import OptimizerArg
 
 __all__ = ["Layout", "PlanRow", "PlanGrid", "data_parallel_layouts", "plan_grid", "plan_hf", "Trained", "Labels",
            "configurations", "PRECISIONS"]
@@ -48,10 +58,10 @@ class Trained(NamedTuple):
     training loop simulated (:mod:`memprof.simulate.loops`; memprof's own when None) in every layout but a
     pipeline's, whose step torch's schedule runs."""
 
-    model_for: Callable[[bool], Any]
-    make_batch: Callable[[int], Any]
-    optimizer: Any
-    loss_fn: Any = None
+    model_for: "Callable[[bool], nn.Module]"
+    make_batch: "Callable[[int], UserValue]"
+    optimizer: "OptimizerArg"
+    loss_fn: "Callable[..., torch.Tensor] | None" = None
     loop: "str | None" = None
 
 
@@ -74,9 +84,10 @@ _SEARCH_NOTE = ("search: every row's answer was simulated and so was the batch a
                 "without pressing memory")
 
 
-def plan_grid(trained: Trained, *, gpu: Any, layouts: Sequence[Layout], precisions: Sequence[str] = PRECISIONS,
-              checkpointing: Sequence[bool] = (False, True), alloc_conf: Any = None, attention: str = "auto",
-              max_batch: int = 4096, labels: "Labels | None" = None, processes: "int | None" = None) -> PlanGrid:
+def plan_grid(trained: Trained, *, gpu: "str | GpuSpec | None", layouts: Sequence[Layout],
+              precisions: Sequence[str] = PRECISIONS, checkpointing: Sequence[bool] = (False, True),
+              alloc_conf: "str | AllocatorConfig | None" = None, attention: str = "auto", max_batch: int = 4096,
+              labels: "Labels | None" = None, processes: "int | None" = None) -> PlanGrid:
     """The grid of ``layouts`` x ``precisions`` x ``checkpointing`` of what ``trained`` says: each row the largest
     batch judged at the device level against ``gpu``'s capacity, found and confirmed by simulation.
 
@@ -150,15 +161,16 @@ class _Grid:
     """A plan's rows as they are searched: the models by checkpointing, each (checkpointing, precision, family)'s
     moments per sample and the layout that measured them, each row's probe."""
 
-    def __init__(self, trained: Trained, spec: Any, alloc_conf: Any, attention: str, max_batch: int) -> None:
+    def __init__(self, trained: Trained, spec: "GpuSpec", alloc_conf: "str | AllocatorConfig | None", attention: str,
+                 max_batch: int) -> None:
         self.trained, self.spec, self.alloc_conf, self.attention, self.max_batch = (trained, spec, alloc_conf,
                                                                                     attention, max_batch)
         self.rows: list[PlanRow] = []
-        self.models: dict[bool, Any] = {}
-        self.slopes: dict[tuple[bool, str, str], tuple[dict[Any, float], str]] = {}
+        self.models: "dict[bool, nn.Module]" = {}
+        self.slopes: "dict[tuple[bool, str, str], tuple[dict[Moment, float], str]]" = {}
         self.probes: "dict[tuple[str, str, bool], Probe]" = {}
 
-    def row(self, ckpt: bool, precision: str, layout: Layout, bar: Any) -> None:
+    def row(self, ckpt: bool, precision: str, layout: Layout, bar: "Progress") -> None:
         """Search the row of ``layout`` in ``precision`` with checkpointing ``ckpt``, and keep it."""
         from .estimate import estimate
         from .plan_search import Probe, largest_batch
@@ -200,7 +212,7 @@ class _Grid:
                               layout.microbatches))
 
 
-def _looped(common: "dict[str, Any]", loop: "str | None") -> "dict[str, Any]":
+def _looped(common: "dict[str, Option]", loop: "str | None") -> "dict[str, Option]":
     """``common`` with the named ``loop``; the HF Trainer's computes its own loss (``Trainer.compute_loss``), so a
     ``loss_fn`` meant for memprof's loop is left out for it."""
     if loop in (None, "plain"):
@@ -208,14 +220,14 @@ def _looped(common: "dict[str, Any]", loop: "str | None") -> "dict[str, Any]":
     return {**common, "loop": loop, **({"loss_fn": None} if loop == "hf-trainer" else {})}
 
 
-def _simulate(estimate: Callable[..., Any], model: Any, optimizer: Any, make_batch: Callable[[int], Any], b: int,
-              **options: Any) -> Any:
+def _simulate(estimate: "Callable[..., Estimate]", model: "nn.Module", optimizer: "OptimizerArg",
+              make_batch: "Callable[[int], UserValue]", b: int, **options: "Option") -> "Estimate":
     """``estimate`` of ``model`` on the batch of ``b`` samples, with ``options`` (the layout's and the plan's)."""
     return estimate(model, optimizer, inputs=make_batch(b), **options)
 
 
 def _sibling_start(probes: "dict[tuple[str, str, bool], Probe]", layout: str, reference: str, precision: str,
-                   ckpt: bool) -> "tuple[dict[Any, int] | None, int, int]":
+                   ckpt: bool) -> "tuple[dict[Moment, int] | None, int, int]":
     """A prediction of ``layout``'s moments at a small batch with checkpointing ``ckpt``, from simulations already
     run: its own at that batch with checkpointing the other way, plus what switching it changed in ``reference``
     (the layout that measured the slopes) at that batch, moment by moment. Checkpointing changes the activations
@@ -277,7 +289,7 @@ def _expert_notes(layouts: Sequence[Layout]) -> list[str]:
             "(memprof estimate --routing worst bounds it)"]
 
 
-def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, simulations: int,
+def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: "Estimate", simulations: int,
          verified: bool, microbatches: "int | None" = None) -> PlanRow:
     peak = est.trace.peak
     values = {c.value: peak[c] for c in peak}
@@ -291,10 +303,11 @@ def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, 
                    stages=len(est.ranks) or None)
 
 
-def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
+def plan_hf(config: "ConfigSource", *, seq_len: int, gpu: "str | GpuSpec | None", world_size: int = 1,
             layouts: "Sequence[Layout | str] | str | None" = None, precisions: Sequence[str] = PRECISIONS,
-            checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
-            attention: str = "auto", loop: "str | None" = "hf-trainer", processes: "int | None" = None) -> PlanGrid:
+            checkpointing: Sequence[bool] = (False, True), optimizer: "OptimizerArg" = None,
+            alloc_conf: "str | AllocatorConfig | None" = None, attention: str = "auto",
+            loop: "str | None" = "hf-trainer", processes: "int | None" = None) -> PlanGrid:
     """:func:`plan_grid` for the model a transformers config describes (:func:`memprof.simulate.hf.load_config`),
     built on the meta device, ``seq_len`` tokens per sequence, AdamW unless ``optimizer`` (a factory of
     parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks, and
@@ -311,7 +324,7 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     first = hf.build_model(cfg)
     token_batch = hf.token_batch
 
-    def model_for(ckpt: bool) -> Any:
+    def model_for(ckpt: bool) -> "HfModule":
         return first.model if not ckpt else hf.build_model(cfg, checkpointing=True).model
 
     token_batch(first, 1, seq_len)  # a bad seq_len fails before anything is simulated

@@ -19,9 +19,14 @@ is modelled on the side.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Iterable, TypedDict, cast
 
 from ..errors import UnknownNameError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["POLICY", "AUTOCAST", "MEANINGS", "policy", "fsdp_parallelize", "row_precision", "estimate_precision",
            "check_precisions", "precision_note"]
@@ -47,7 +52,7 @@ MEANINGS = {
 ALIASES = {"mixed": f"{POLICY} on a layout with FSDP2, {AUTOCAST} on the others", "amp": AUTOCAST}
 
 
-def check_precisions(precisions: Any) -> list[str]:
+def check_precisions(precisions: "str | Iterable[str]") -> list[str]:
     """``precisions`` as a list of names a plan takes, refusing an unknown one before anything is simulated."""
     names = [precisions] if isinstance(precisions, str) else list(precisions)
     for name in names:
@@ -84,7 +89,7 @@ def precision_note(rows: "list[str]") -> str:
     return "precisions: " + "; ".join(f"{name}: {MEANINGS.get(name, name)}" for name in seen)
 
 
-def policy() -> Any:
+def policy() -> "MixedPrecisionPolicy":
     """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, torchtitan's default."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -92,24 +97,33 @@ def policy() -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def fsdp_parallelize(mixed: bool = True, dim: "str | None" = None) -> Callable[[Any, Any], Any]:
+class _ShardOptions(TypedDict, total=False):
+    """The keywords :func:`fsdp_parallelize` hands ``fully_shard``."""
+
+    mesh: "DeviceMesh"
+    mp_policy: "MixedPrecisionPolicy"
+
+
+def fsdp_parallelize(mixed: bool = True, dim: "str | None" = None
+                     ) -> "Callable[[nn.Module, DeviceMesh], nn.Module]":
     """A ``parallelize(model, mesh)`` function for :func:`memprof.estimate`: ``fully_shard`` of every block of the
     model's repeated stack (:func:`memprof.simulate.depth.find_stack`: a transformer's decoder layers), then of the
     root, over the mesh (its ``dim`` dimension when given), with :func:`policy` when ``mixed``; FSDP2's defaults
     otherwise (``reshard_after_forward=True``; the root keeps its parameters gathered from its forward to its
     backward). The units are those of the plan's ``fsdp`` layout."""
 
-    def parallelize(model: Any, mesh: Any) -> Any:
+    def parallelize(model: "nn.Module", mesh: "DeviceMesh") -> "nn.Module":
         from torch.distributed.fsdp import fully_shard
 
         from .depth import find_stack
 
-        options: dict[str, Any] = {"mesh": mesh if dim is None else mesh[dim]}
+        options: _ShardOptions = {"mesh": mesh if dim is None else mesh[dim]}
         if mixed:
             options["mp_policy"] = policy()
         found = find_stack(model)
         if found is not None:
-            for block in model.get_submodule(found[0]):
+            stack = cast("nn.ModuleList | nn.Sequential", model.get_submodule(found[0]))  # find_stack's kinds
+            for block in stack:
                 fully_shard(block, **options)
         fully_shard(model, **options)
         return model

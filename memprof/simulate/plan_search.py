@@ -23,22 +23,30 @@ to the simulated batches, and by bisection where those make no progress.
 from __future__ import annotations
 
 from array import array
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 from ..record.estimate import Estimate
 from .device_memory import replay_of
 
-__all__ = ["moments", "Lines", "Probe", "largest_batch", "stream_shape", "stream_between"]
+if TYPE_CHECKING:
+    from ..record.trace import Trace
+
+__all__ = ["Moment", "moments", "Lines", "Probe", "largest_batch", "stream_shape", "stream_between"]
 
 
-def moments(trace: Any) -> dict[tuple[Any, ...], int]:
+#: A moment of a simulated step whose tensor bytes a plan follows across batches: (step, the phase's value, its
+#: occurrence in the step, "start" | "peak" | "end"), as :func:`moments` keys them.
+Moment = tuple[int, str, int, str]
+
+
+def moments(trace: "Trace") -> dict[Moment, int]:
     """Every phase record's start, peak and end tensors' bytes, keyed by (step, phase, occurrence, which).
 
     The tensor categories only: a simulation for a GPU also writes the allocator's overhead and the memory outside
     torch into its records, which move in whole segments and are not lines in the batch."""
     from ..vocabulary import TENSOR_CATEGORIES
 
-    out: dict[tuple[Any, ...], int] = {}
+    out: dict[Moment, int] = {}
     for rec in trace.phases:
         key = (rec.step, getattr(rec.phase, "value", rec.phase), rec.occurrence)
         for which in ("start", "peak", "end"):
@@ -51,11 +59,11 @@ class Lines:
     """Each moment's total as ``at[m] + slope[m] * (b - base)``; the predicted tensors' peak at ``b`` is the largest
     (a moment with no known slope counts as flat)."""
 
-    def __init__(self, base: int, at: Mapping[Any, int], slope: Mapping[Any, float]) -> None:
+    def __init__(self, base: int, at: Mapping[Moment, int], slope: Mapping[Moment, float]) -> None:
         self.base, self.at, self.slope = base, dict(at), dict(slope)
 
     @classmethod
-    def through(cls, b1: int, m1: Mapping[Any, int], b2: int, m2: Mapping[Any, int]) -> "Lines":
+    def through(cls, b1: int, m1: Mapping[Moment, int], b2: int, m2: Mapping[Moment, int]) -> "Lines":
         """The lines through two simulated batches of one configuration (their moments)."""
         common = m1.keys() & m2.keys()
         return cls(b1, {k: m1[k] for k in common}, {k: (m2[k] - m1[k]) / (b2 - b1) for k in common})
@@ -130,7 +138,7 @@ class Probe:
         self.simulate, self.limit, self.max_batch, self.step = simulate, limit, max_batch, step
         self.device_level = device_level
         self.runs: "dict[int, Estimate]" = {}
-        self.moments: dict[int, dict[tuple[Any, ...], int]] = {}
+        self.moments: dict[int, dict[Moment, int]] = {}
         self.device: dict[int, int] = {}
         #: Per simulated batch: the peak judged as simulated (an out-of-memory batch's the peak its replay needed
         #: without the device's limit), and whether its replay predicted an out-of-memory error.
@@ -239,13 +247,13 @@ class _Prediction(NamedTuple):
     """A prediction of a configuration's moments at ``start_batch`` and of its device bytes above the tensors
     (``overhead``), from a like configuration (None: none)."""
 
-    start: "Mapping[Any, int] | None"
+    start: "Mapping[Moment, int] | None"
     overhead: int
     start_batch: int
 
 
-def _opening(probe: Probe, shared: "Mapping[Any, float] | None", start: "Mapping[Any, int] | None",
-             base: int) -> "tuple[int, int | None, dict[Any, float] | None, Mapping[Any, int] | None]":
+def _opening(probe: Probe, shared: "Mapping[Moment, float] | None", start: "Mapping[Moment, int] | None",
+             base: int) -> "tuple[int, int | None, dict[Moment, float] | None, Mapping[Moment, int] | None]":
     """The search's first simulations: batch ``base`` where a like configuration's slopes are shared (and its
     moments are this one's), else batches 1 and 2. The bracket (lo, hi: the largest batch known to fit, 0 for none;
     the smallest known not to), the slopes to predict with, and the start prediction if it still holds."""
@@ -274,7 +282,7 @@ def _opening(probe: Probe, shared: "Mapping[Any, float] | None", start: "Mapping
     return lo, hi, slopes, None
 
 
-def _narrowed(probe: Probe, lo: int, hi: "int | None", ceiling: int, slopes: "Mapping[Any, float] | None",
+def _narrowed(probe: Probe, lo: int, hi: "int | None", ceiling: int, slopes: "Mapping[Moment, float] | None",
               prediction: _Prediction) -> "tuple[int, int | None]":
     """Close the bracket to adjacent batches (or to the ceiling), each probe the batch the lines (or the replayed
     streams) predict, bisecting where the lines keep missing on one side."""
@@ -306,9 +314,9 @@ def _narrowed(probe: Probe, lo: int, hi: "int | None", ceiling: int, slopes: "Ma
     return lo, hi
 
 
-def largest_batch(probe: Probe, shared: "Mapping[Any, float] | None" = None,
-                  start: "Mapping[Any, int] | None" = None, overhead: int = 0,
-                  start_batch: int = 1, base: int = 1) -> "tuple[int, bool, dict[Any, float] | None]":
+def largest_batch(probe: Probe, shared: "Mapping[Moment, float] | None" = None,
+                  start: "Mapping[Moment, int] | None" = None, overhead: int = 0,
+                  start_batch: int = 1, base: int = 1) -> "tuple[int, bool, dict[Moment, float] | None]":
     """The edge below which every batch fits ``probe.limit`` (the largest batch that fits, where fitting is
     monotone in the batch), whether it is confirmed (it fits and the next does not, both simulated; or batch 1
     does not fit), and the per-moment slopes this configuration measured (None when it measured none), for the
@@ -412,8 +420,8 @@ def _replayed_guess(probe: Probe, lo: int, top: int, near: int) -> "int | None":
     return fit
 
 
-def _predicted(probe: Probe, slopes: Mapping[Any, float], lo: int, hi: "int | None", limit: int, top: int,
-               start: "Mapping[Any, int] | None", overhead: int, start_batch: int = 1) -> int:
+def _predicted(probe: Probe, slopes: Mapping[Moment, float], lo: int, hi: "int | None", limit: int, top: int,
+               start: "Mapping[Moment, int] | None", overhead: int, start_batch: int = 1) -> int:
     """The largest batch the moments' lines put within ``limit`` after the device overhead: through the two
     simulated batches nearest the bracket when there are two, else through the one with ``slopes``, else from
     ``start`` (the moments predicted at ``start_batch``) with ``slopes`` and ``overhead``."""

@@ -18,7 +18,7 @@ predicts an out-of-memory error does not fit. Without one the tensors' peak is j
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from typing_extensions import Unpack
 
@@ -27,9 +27,16 @@ from ..record.plans import BatchSizePlan
 from ..units import format_bytes, parse_size
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ..anatomy.alloc_config import AllocatorConfig
+    from ..anatomy.gpus import GpuSpec
+    from ..record.device_memory import DeviceMemory
+    from .aliases import Option, UserValue
     from .estimate import Estimate
     from .plan_search import Probe
-    from .run import EstimateOptions, RunConfig, Workload
+    from .run import EstimateOptions, OptimizerArg, RunConfig, Workload
 
 __all__ = ["BatchSizePlan", "max_batch_size", "max_generation_batch_size", "MAX_BUDGET", "plan_limit"]
 
@@ -41,9 +48,9 @@ MAX_BUDGET = 2**50
 
 
 def max_batch_size(
-    model: Any,
-    optimizer: Any,
-    make_batch: Callable[[int], Any],
+    model: "nn.Module",
+    optimizer: "OptimizerArg",
+    make_batch: "Callable[[int], UserValue]",
     budget: "int | str | None" = None,
     *,
     multiple_of: int = 8,
@@ -85,7 +92,7 @@ def max_batch_size(
     budget_bytes, limit, spec = plan_limit(budget, options.get("gpu"), options.get("device"),
                                            options.get("alloc_conf"))
 
-    def batch(b: int) -> "tuple[Any, Any]":
+    def batch(b: int) -> "tuple[UserValue, UserValue]":
         made = call_make_batch(make_batch, b)
         stepped = options.get("train_step") or options.get("loop") not in (None, "plain")
         if isinstance(made, tuple) and len(made) == 2 and (loss_fn is not None or stepped):
@@ -106,7 +113,7 @@ def max_batch_size(
 
 
 def max_generation_batch_size(
-    model: Any,
+    model: "nn.Module",
     budget: "int | str | None" = None,
     *,
     prompt_len: int,
@@ -115,9 +122,9 @@ def max_generation_batch_size(
     device: "str | None" = None,
     multiple_of: int = 1,
     attention: str = "auto",
-    gpu: Any = None,
-    alloc_conf: Any = None,
-    **options: Any,
+    gpu: "str | GpuSpec | None" = None,
+    alloc_conf: "str | AllocatorConfig | None" = None,
+    **options: "Option",
 ) -> BatchSizePlan:
     """The largest number of sequences (a multiple of ``multiple_of``) that generate ``max_new_tokens`` tokens
     after a ``prompt_len``-token prompt within ``budget``, by :func:`memprof.estimate_generation`: the KV cache
@@ -144,13 +151,14 @@ def max_generation_batch_size(
     return _plan("max_generation_batch_size", at, budget_bytes, limit, multiple_of, spec is not None)
 
 
-def _multiple(multiple_of: Any) -> int:
+def _multiple(multiple_of: object) -> int:
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise InvalidArgumentError(f"multiple_of must be a positive int, got {multiple_of!r}")
     return multiple_of
 
 
-def plan_limit(budget: "int | str | None", gpu: Any, device: Any, alloc_conf: Any) -> "tuple[int, int, Any]":
+def plan_limit(budget: "int | str | None", gpu: "str | GpuSpec | None", device: "str | torch.device | None",
+               alloc_conf: "str | AllocatorConfig | None") -> "tuple[int, int, GpuSpec | None]":
     """The budget (given, else the GPU's capacity), the bytes a plan judges each batch against before the
     simulations say more (the budget, no more than the GPU's capacity: a memory fraction's cap lowers it once the
     first simulation tells the memory outside torch, :class:`~memprof.simulate.plan_search.Probe`), and the GPU's
@@ -177,7 +185,7 @@ def _budget(budget: "int | str") -> int:
     return limit
 
 
-def call_make_batch(make_batch: Callable[[int], Any], b: int) -> Any:
+def call_make_batch(make_batch: "Callable[[int], UserValue]", b: int) -> "UserValue":
     """``make_batch(b)``; where it fails, one error naming it, the batch size and the fix (torch's own, such as
     "can't allocate" for a real batch, is chained as its cause)."""
     try:
@@ -241,7 +249,7 @@ def _answer(probe: "Probe", best: int, verified: bool, m: int, budget: int) -> B
     return _with_notes(plan, probe)
 
 
-def _fraction(memory: Any) -> "float | None":
+def _fraction(memory: "DeviceMemory | None") -> "float | None":
     from ..record.device_memory import fraction_in
 
     fraction = fraction_in(memory.alloc_conf) if memory is not None else None

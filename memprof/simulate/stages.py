@@ -37,7 +37,9 @@ from .twin import Twin, casting, converted, meta_optimizer
 from .user_step import UserStep
 
 if TYPE_CHECKING:
-    from ..collect.simulated import SimulatedProfile
+    from ..anatomy.gpus import GpuSpec
+    from ..collect.simulated import RecordedStream, SimulatedProfile
+    from .depth import Kept
     from .estimated import Estimate
     from .parallel import ParallelRun
 
@@ -52,7 +54,7 @@ class Prepared:
     optimizer: "torch.optim.Optimizer | None"
     step: Any
     notes: list[str]
-    gpu: Any
+    gpu: "GpuSpec | None"
     layout: "RankLayout | None"
 
 
@@ -64,7 +66,7 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
 
     p = config.parallelism
 
-    def at_rank(cfg: "RunConfig[Workload]", r: "int | None", kept: "list[Any] | None" = None) -> "Estimate":
+    def at_rank(cfg: "RunConfig[Workload]", r: "int | None", kept: "Kept | None" = None) -> "Estimate":
         if not p.on_fake_ranks:
             return one_rank(cfg, None, kept)
         w = cfg.workload
@@ -94,21 +96,24 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
     return at_depth(p.rank)
 
 
+#: What a run is, the batch aside (:func:`_depth_key`): its settings, and its objects by identity.
+RunKey = tuple[object, ...]
+
 #: Per model, the runs (:func:`_depth_key`) whose cuts by the default did not check: a plan simulates one run at
 #: many batches, and a run whose stream does not repeat per block at one batch does not at the next. A model
 #: changed in place since is another run only where what the key holds changed; the cost of a stale entry is
 #: the whole model simulated, the figures the same.
 #: Kept by id with a plain weak reference (no callback, so no Python finaliser of memprof's runs when a model
 #: dies: a WeakKeyDictionary's would), entries of dead models dropped when another is added.
-_NOT_CUT: "dict[int, tuple[weakref.ref[nn.Module], set[Any]]]" = {}
+_NOT_CUT: "dict[int, tuple[weakref.ref[nn.Module], set[RunKey]]]" = {}
 
 
-def _not_cut(model: nn.Module) -> "set[Any]":
+def _not_cut(model: nn.Module) -> "set[RunKey]":
     entry = _NOT_CUT.get(id(model))
     return entry[1] if entry is not None and entry[0]() is model else set()
 
 
-def _remember_not_cut(model: nn.Module, run: Any) -> None:
+def _remember_not_cut(model: nn.Module, run: "RunKey") -> None:
     for key in [k for k, (ref, _runs) in _NOT_CUT.items() if ref() is None]:
         del _NOT_CUT[key]
     entry = _NOT_CUT.get(id(model))
@@ -117,16 +122,16 @@ def _remember_not_cut(model: nn.Module, run: Any) -> None:
     entry[1].add(run)
 
 
-def _depth_key(config: "RunConfig[Workload]", rank: "int | None") -> tuple[Any, ...]:
+def _depth_key(config: "RunConfig[Workload]", rank: "int | None") -> "RunKey":
     """What a run is, the batch aside, for :data:`_NOT_CUT`: every setting but the inputs, objects by identity."""
     w, t, p = config.workload, config.target, config.parallelism
     return (config.precision, str(t.device), str(t.gpu), str(t.alloc_conf), t.attention, p.world_size, p.parallel,
             id(p.parallelize), repr(p.mesh), id(p.pipeline), rank, id(w.optimizer), id(w.loss_fn), w.steps,
             id(w.step_context), repr(w.routing), id(w.train_step), w.loop,
-            tuple((n, tuple[Any, ...](q.shape), q.dtype, q.requires_grad) for n, q in w.model.named_parameters()))
+            tuple((n, tuple[int, ...](q.shape), q.dtype, q.requires_grad) for n, q in w.model.named_parameters()))
 
 
-def one_rank(config: "RunConfig[Workload]", ranks: "ParallelRun | None", kept: "list[Any] | None" = None) -> "Estimate":
+def one_rank(config: "RunConfig[Workload]", ranks: "ParallelRun | None", kept: "Kept | None" = None) -> "Estimate":
     """Stages 1, 3 and 4 for one rank (``ranks``: the rank's fake process group, entered; None for a single
     process or a ``parallel=`` layout). With ``kept`` (a list) a CUDA target's stream is not replayed: its
     recorded stream and the replay to run on a stream like it are appended to ``kept`` instead
@@ -241,7 +246,7 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
 
 
 def replayed(config: "RunConfig[Workload]", prepared: Prepared, prof: "SimulatedProfile",
-             ranks: "ParallelRun | None", kept: "list[Any] | None" = None) -> "Estimate":
+             ranks: "ParallelRun | None", kept: "Kept | None" = None) -> "Estimate":
     """Stage 4: the record of the run as the rank holds it, its notes, and for a CUDA target the device replay and
     the fit verdict."""
     from .device_memory import on_device
@@ -266,7 +271,7 @@ def replayed(config: "RunConfig[Workload]", prepared: Prepared, prof: "Simulated
         return est
     gpu, conf, world = prepared.gpu, config.target.alloc_conf, config.parallelism.world_size
 
-    def replay(e: "Estimate", recorded: Any) -> "Estimate":
+    def replay(e: "Estimate", recorded: "RecordedStream") -> "Estimate":
         out: Estimate = on_device(e, recorded, gpu=gpu, alloc_conf=conf, world_size=world, model=w.model)
         return out
 
@@ -311,7 +316,7 @@ class NothingLeftBehind:
         self.signals = held_signals.entered()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         dispatch, function = self.depths
         while torch._C._len_torch_function_stack() > function:
             torch._C._pop_torch_function_stack()
