@@ -59,7 +59,7 @@ class SimulatedProfile(Profiler):
     below are what a simulated layout plays on the run while it is recorded (:attr:`recording`)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | None", *,
-                 fake_mode: "FakeTensorMode", rounding: int, keep_stream: bool) -> None:
+                 fake_mode: "FakeTensorMode | None", rounding: int, keep_stream: bool) -> None:
         super().__init__(model, optimizer, mode="exact", timeline=False, _allow_meta=True, _fake_mode=fake_mode,
                          _rounding=rounding)
         self._switches: "StreamSwitches | None" = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OpValue", "UserValue", "Library", "HfModule", "HfConfig", "Option", "FileValue"]
+__all__ = ["OpValue", "UserValue", "Library", "HfModule", "HfConfig", "Option", "FileValue", "HfCache"]
 
 # --- aliases of the run's description, the kernels, the loops and the pipeline (anysa) ---
 
@@ -55,3 +55,11 @@ Option = Any
 #: an int, ``gpu`` a str, ``mesh`` a dict of sizes), and its reader (the command line's ``--config``) reads it by
 #: its key; a union would make each reader narrow what the key already says.
 FileValue = Any
+
+# --- aliases of the ranks, the allocator stream and the twin (anysb) ---
+
+#: A transformers cache as a model keeps it across decoding calls (``DynamicCache``, ``EncoderDecoderCache``, or
+#: whatever a model returns as ``past_key_values``), read by the attributes its version has (``layers``,
+#: ``update``, ``reorder_cache``, ``self_attention_cache``): transformers is not given to mypy (pyproject.toml's
+#: ignore_missing_imports), and the attributes are checked where they are read (memprof.simulate.decoding).
+HfCache = Any
