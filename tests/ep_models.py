@@ -159,8 +159,10 @@ def gloo_rank(rank: int, world: int, port: int, folder: str) -> None:
     import os
 
     import memprof
+    from gloo_settled import settle_collectives
     from torch.distributed.device_mesh import init_device_mesh
 
+    settle_collectives()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
