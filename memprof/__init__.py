@@ -10,7 +10,7 @@ pytest plugin costs nothing in projects that do not use it. The errors are
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .version import __version__
 
@@ -23,6 +23,7 @@ from .units import format_bytes, parse_size
 from .vocabulary import Category, Phase
 
 if TYPE_CHECKING:
+    from .record.aliases import LazyName
     from .report.estimates import (BatchSizePlan, Estimate, Pipeline, estimate, estimate_generation, max_batch_size,
                                    max_generation_batch_size)
     from .report.planning import estimate_hf, plan
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .report.reconciliation import Reconciliation, reconcile
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> "LazyName":
     import importlib
 
     from . import report

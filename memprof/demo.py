@@ -28,7 +28,7 @@ class CausalSelfAttention(nn.Module):
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = self.dropout(scores.masked_fill(mask, float("-inf")).softmax(dim=-1))
         out = (probs @ v).transpose(1, 2).reshape(b, s, h)
-        y: torch.Tensor = self.dropout(self.proj(out))  # typed here: nn.Module.__call__ returns Any
+        y: torch.Tensor = self.dropout(self.proj(out))  # typed: nn.Module.__call__ returns an untyped value
         return y
 
 
@@ -44,7 +44,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        y: torch.Tensor = x + self.mlp(self.ln2(x))  # typed here: nn.Module.__call__ returns Any
+        y: torch.Tensor = x + self.mlp(self.ln2(x))  # typed: nn.Module.__call__ returns an untyped value
         return y
 
 
@@ -66,7 +66,7 @@ class TinyGPT(nn.Module):
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
             x = block(x)
-        logits: torch.Tensor = self.head(self.ln_f(x))  # typed here: nn.Module.__call__ returns Any
+        logits: torch.Tensor = self.head(self.ln_f(x))  # typed: nn.Module.__call__ returns an untyped value
         return logits
 
     @staticmethod

@@ -29,13 +29,14 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Generator
+from typing import TYPE_CHECKING, Generator, Protocol
 from urllib.parse import quote
 
 import pytest
 
 
 if TYPE_CHECKING:
+    from .record.aliases import Forwarded
     from .report import Report
     from .report.estimates import Estimate
     from .report.profiling import Profiler
@@ -73,7 +74,7 @@ class MemoryProfileFixture:
     def __init__(self, item: pytest.Item) -> None:
         self._item = item
 
-    def __call__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> "Profiler":
+    def __call__(self, model: object, optimizer: object = None, **kwargs: object) -> "Profiler":
         from .report.profiling import profile
 
         prof = profile(model, optimizer, **kwargs)
@@ -93,7 +94,7 @@ class MemoryProfileFixture:
         self._item.stash.setdefault(_ENTRIES, []).append(report)
         return report
 
-    def estimate(self, model: Any, optimizer: Any = None, **kwargs: Any) -> "Estimate":
+    def estimate(self, model: object, optimizer: object = None, **kwargs: object) -> "Estimate":
         """Estimate the step with :func:`memprof.estimate` (same arguments) and keep its record with this
         test's reports. The device is the marker's ``estimate=`` (``"cuda"`` by default): a CPU-only CI
         then guards a GPU budget (``@pytest.mark.memory_budget(total="70 GiB", estimate="cuda")``).
@@ -324,9 +325,10 @@ def _collect_and_save(item: pytest.Item) -> "tuple[list[Report], list[str]]":
     return reports_, unsaved
 
 
-def _marker_budgets(item: pytest.Item) -> "dict[str, Any] | None":
-    """The test's budgets, the closest marker winning per name; None when unmarked."""
-    merged: dict[str, Any] = {}
+def _marker_budgets(item: pytest.Item) -> "dict[str, Forwarded] | None":
+    """The test's budgets, the closest marker winning per name; None when unmarked. (Checked where they are passed
+    on: parse_budgets.)"""
+    merged: "dict[str, Forwarded]" = {}
     found = False
     for mark in item.iter_markers(MARKER):
         found = True
@@ -481,14 +483,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         workeroutput["memprof_saved"] = session.config.stash.get(_SAVED, []).copy()
 
 
+class _WorkerNode(Protocol):
+    """What this plugin reads of pytest-xdist's ``WorkerController`` (xdist is optional, so not imported): the
+    controller's config (and ``workeroutput``, read by name: a worker that crashed has none)."""
+
+    config: pytest.Config
+
+
 @pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: Any) -> None:
+def pytest_testnodedown(node: _WorkerNode, error: object) -> None:
     """pytest-xdist: a worker finished; add the reports it wrote to the controller's summary."""
     saved = getattr(node, "workeroutput", {}).get("memprof_saved", [])
     node.config.stash.setdefault(_SAVED, []).extend(saved)
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     saved = config.stash.get(_SAVED, [])
     if saved:
         folder = config.getoption("memprof_save_dir", None)

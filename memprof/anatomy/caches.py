@@ -31,10 +31,11 @@ moment inside it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 from ..errors import InvalidArgumentError
 from ..units import as_count
+from ..record.aliases import Setting
 
 __all__ = ["CacheSpec", "Slot", "LAYER_KINDS", "call_slots", "cache_bytes", "bytes_at", "sliding_kept_tokens",
            "latent_attention_dims"]
@@ -98,9 +99,9 @@ class CacheSpec:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "CacheSpec":
+    def from_dict(cls, data: Mapping[str, Setting]) -> "CacheSpec":
         """The spec :meth:`to_dict` wrote (keys it does not know are left out: a newer writer's extras)."""
-        # Any: a trace file's values, checked by type (int, str, bool, None, list of str) by
+        # Setting: a trace file's values, checked by type (int, str, bool, None, list of str) by
         # memprof.record.cache.spec_data but not field by field; __post_init__ and the formulas check their sense.
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         return cls(**known)

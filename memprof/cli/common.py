@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import MemprofError, is_interrupt
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["load_factory", "mesh", "writable", "device", "not_the_input"]
 
@@ -18,7 +21,7 @@ def not_the_input(path: str, source: str) -> None:
         raise MemprofError(f"{path} is the trace being read; write the output to another file")
 
 
-def load_factory(spec: str) -> Any:
+def load_factory(spec: str) -> Callable[..., object]:
     import importlib
 
     module_name, sep, attr = spec.partition(":")
@@ -33,7 +36,7 @@ def load_factory(spec: str) -> Any:
         raise MemprofError(f"cannot import module {module_name!r}: {exc}") from None
     finally:
         sys.path.pop(0)
-    factory = getattr(module, attr, None)
+    factory: object = getattr(module, attr, None)
     if not callable(factory):
         raise MemprofError(f"{module_name} has no callable {attr!r}")
     return factory
@@ -57,7 +60,7 @@ def writable(path: str) -> None:
     check_writable(path)
 
 
-def device(spec: str) -> Any:
+def device(spec: str) -> "torch.device":
     import torch
 
     try:

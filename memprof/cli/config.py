@@ -6,7 +6,7 @@ beside ``--config`` overrides it (argparse takes a default only where the flag i
 from __future__ import annotations
 
 import argparse
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 from ..errors import InvalidArgumentError, MemprofError, is_interrupt
 
@@ -24,6 +24,7 @@ FLAG_ONLY = {
     "generate": "a [generation] section in place of [workload] says it",
     "html": "where a plan's page is written, not part of the run",
     "layouts": "the layouts a plan compares (a grid, not one run); [parallelism] parallel names one",
+    "processes": "how many processes search a plan's rows (the answers are the same), not what runs",
 }
 
 #: What ``memprof plan`` takes from a file: a training step of a transformers config, the batch size searched.
@@ -46,8 +47,8 @@ def with_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
     run = read_run_file(args.config)
     sub: argparse.ArgumentParser = args.parser
     dests = {action.dest for action in sub._actions}
-    defaults: dict[str, Any] = {}
-    rest: dict[str, Any] = {}
+    defaults: dict[str, object] = {}
+    rest: dict[str, object] = {}
     chosen = getattr(args, "factory", None) is not None or args.hf is not None  # the command line says which model
     for (section, key), value in run.given().items():
         if args.command == "plan":
@@ -75,14 +76,14 @@ def check_required(args: argparse.Namespace) -> None:
             args.parser.error(f"the following arguments are required: {flag}{where}")
 
 
-def _as_flag(dest: str, value: Any) -> Any:
+def _as_flag(dest: str, value: object) -> object:
     """A file's value as the option's own parsing gives it: a mesh as ``pp=2,dp=4``."""
-    if dest == "mesh":
+    if dest == "mesh" and isinstance(value, dict):  # (the run file's reader made it a dict of sizes)
         return ",".join(f"{name}={size}" for name, size in value.items())
     return value
 
 
-def _plan_default(path: str, section: str, key: str, value: Any) -> "dict[str, Any]":
+def _plan_default(path: str, section: str, key: str, value: object) -> "dict[str, object]":
     where = f"[{section}] {key}" if section else key
     if (section, key) not in PLAN_KEYS:
         raise InvalidArgumentError(
@@ -98,7 +99,7 @@ def _plan_default(path: str, section: str, key: str, value: Any) -> "dict[str, A
     return {key: value}
 
 
-def _loaded(spec: str) -> Any:
+def _loaded(spec: str) -> Callable[..., object]:
     from .common import load_factory
 
     try:

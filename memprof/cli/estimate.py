@@ -5,13 +5,18 @@ give."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..errors import MemprofError, is_interrupt
 from .common import device as _device
 from .common import load_factory as _load_factory
 from .common import mesh as _mesh
 from .common import writable as _writable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..record.estimate import Estimate
 
 __all__ = ["cmd_estimate", "cmd_plan"]
 
@@ -131,7 +136,8 @@ def _estimate_factory(args: argparse.Namespace, budget: "int | None") -> int:
     return _emit(est, args, budget)
 
 
-def _estimate(args: argparse.Namespace, model: Any, optimizer: Any, inputs: Any, **options: Any) -> Any:
+def _estimate(args: argparse.Namespace, model: object, optimizer: object, inputs: object, **options: object
+              ) -> "Estimate":
     """:func:`memprof.estimate` with the options both forms take from the command line."""
     import memprof
 
@@ -140,13 +146,13 @@ def _estimate(args: argparse.Namespace, model: Any, optimizer: Any, inputs: Any,
                             extrapolate=args.extrapolate, **options, **_from_file(args))
 
 
-def _from_file(args: argparse.Namespace) -> "dict[str, Any]":
+def _from_file(args: argparse.Namespace) -> "dict[str, object]":
     """What a ``--config`` file gives that no flag takes (``steps``, a generation's sampling): the simulation's
     keyword arguments of those names (:mod:`memprof.cli.config`)."""
     return dict(getattr(args, "file_options", None) or {})
 
 
-def _simulated(source: str, run: Any) -> Any:
+def _simulated(source: str, run: "Callable[[], Estimate]") -> "Estimate":
     """``run()``, where anything but memprof's own refusal is one error naming what the factory returned."""
     try:
         return run()
@@ -191,7 +197,7 @@ def _estimate_hf(args: argparse.Namespace, budget: "int | None") -> int:
     return _emit(est, args, budget)
 
 
-def _train_step(args: argparse.Namespace) -> Any:
+def _train_step(args: argparse.Namespace) -> object:
     """The step ``--train-step`` names (a class made once, with no argument: a step that keeps state), or None."""
     if not args.train_step:
         return None
@@ -199,13 +205,13 @@ def _train_step(args: argparse.Namespace) -> Any:
     return step() if isinstance(step, type) else step
 
 
-def _with_train_step(args: argparse.Namespace, options: "dict[str, Any]") -> "dict[str, Any]":
+def _with_train_step(args: argparse.Namespace, options: "dict[str, object]") -> "dict[str, object]":
     """``options`` with the step ``--train-step`` names (the flag over a run file's key)."""
     step = _train_step(args)
     return {**options, "train_step": step} if step is not None else options
 
 
-def _optimizer(name: str) -> Any:
+def _optimizer(name: str) -> "Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None":
     """The optimizer factory ``--optimizer`` names (None for ``none``)."""
     import torch
 
@@ -223,7 +229,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.html is not None:
         _writable(args.html)
     check_target(args.gpu, None, args.alloc_conf)
-    layouts: Any = None
+    layouts: object = None
     if args.layouts and args.parallel:
         raise MemprofError("give --layouts or --parallel, not both (--layouts takes every name --parallel takes)")
     if args.layouts:
@@ -248,7 +254,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         grid = plan_grid(config, seq_len=args.seq_len, gpu=args.gpu, world_size=args.world_size, layouts=layouts,
                          precisions=precisions, checkpointing=ckpt, optimizer=_optimizer(args.optimizer),
-                         alloc_conf=args.alloc_conf, attention=args.attention, loop=args.loop or "hf-trainer")
+                         alloc_conf=args.alloc_conf, attention=args.attention, loop=args.loop or "hf-trainer",
+                         processes=args.processes)
     except MemprofError as exc:  # the names --layouts gave are resolved once the model is built
         if args.layouts and str(exc).startswith("unknown layout"):
             raise MemprofError(f"--layouts: {exc}") from None
@@ -266,7 +273,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _estimate_generation(args: argparse.Namespace, spec: Any, budget: "int | None") -> int:
+def _estimate_generation(args: argparse.Namespace, spec: object, budget: "int | None") -> int:
     """``memprof estimate MODULE:FACTORY --generate``: prefill and decoding of the factory's model."""
     import torch
 
@@ -282,7 +289,7 @@ def _estimate_generation(args: argparse.Namespace, spec: Any, budget: "int | Non
     return _emit(est, args, budget)
 
 
-def _judged(est: Any, budget: "int | None") -> "tuple[bool | None, int, int | None, str, str]":
+def _judged(est: "Estimate", budget: "int | None") -> "tuple[bool | None, int, int | None, str, str]":
     """What ``memprof estimate`` judges, one way for its text, its JSON and its exit status: (fits, the peak
     judged, the limit, the limit in words, why it does not fit beyond the figures). With ``--gpu`` the device-level
     peak (tensors, the allocator's cache, memory outside torch) against the GPU's memory or ``--budget``, whichever
@@ -304,7 +311,7 @@ def _judged(est: Any, budget: "int | None") -> "tuple[bool | None, int, int | No
     return None, est.peak_bytes, None, "", ""
 
 
-def _emit(est: Any, args: argparse.Namespace, budget: "int | None") -> int:
+def _emit(est: "Estimate", args: argparse.Namespace, budget: "int | None") -> int:
     """Print the estimate (its table, or with ``--json`` its data with ``fits`` and ``headroom`` as judged here)
     and return the exit status: 1 exactly when what :func:`_judged` judges does not fit."""
     fits, peak, limit, where, why = _judged(est, budget)
@@ -323,7 +330,8 @@ def _emit(est: Any, args: argparse.Namespace, budget: "int | None") -> int:
     if limit is not None:
         from ..units import format_bytes
 
-        device = getattr(est, "device_memory", None) is not None and est.device_memory.capacity is not None
+        memory = getattr(est, "device_memory", None)
+        device = memory is not None and memory.capacity is not None
         print(f"\nbatch size {args.batch_size}: {'device' if device else 'estimated'} peak {format_bytes(peak)} "
               f"{'fits' if fits else 'does NOT fit'} in {where}"
               + (f", headroom {format_bytes(limit - peak)}" if device else "") + why)

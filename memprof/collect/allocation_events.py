@@ -32,13 +32,40 @@ Nothing here imports torch: it is unit-tested on hand-made event lists, and runs
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Literal, Mapping, TypedDict
 
 from ..errors import UnknownNameError
 from ..record.trace import Breakdown
 from ..vocabulary import Category, TENSOR_CATEGORIES
 
-__all__ = ["ALLOC", "FREES", "Live", "Window", "reduce_window", "from_profiler", "split_at"]
+if TYPE_CHECKING:
+    from ..record.aliases import JSON
+    from .aliases import Row
+
+__all__ = ["ALLOC", "FREES", "TraceEntry", "Snapshot", "Live", "Window", "reduce_window", "from_profiler", "split_at"]
+
+
+class TraceEntry(TypedDict, total=False):
+    """An entry of the allocator's history (``torch.cuda.memory._snapshot()["device_traces"][device]``, torch's own
+    ``TraceEntry``), or one :func:`from_profiler` makes of a profiler's memory event: the keys memprof writes or
+    reads. ``addr`` and ``action`` are in every entry; the others in those of an allocation or a free."""
+
+    action: str
+    addr: int
+    size: int
+    stream: int
+    time_us: int
+    time_ns: int  # the profiler's events only: its clock is finer
+    frames: list[JSON]
+    compile_context: str
+    user_metadata: str
+
+
+class Snapshot(TypedDict, total=False):
+    """What memprof reads of ``torch.cuda.memory._snapshot()`` (torch's own ``Snapshot``): each device's history."""
+
+    device_traces: list[list[TraceEntry]]
+
 
 ALLOC = "alloc"
 #: The actions that end an allocation. The caching allocator records ``free_requested`` when the tensor's
@@ -54,7 +81,7 @@ class Live:
     """What is allocated between windows: address -> [bytes counted, category]. Carried from one window to the
     next (the allocations of the weights, made before the first window, are put here at the start)."""
 
-    blocks: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    blocks: "dict[int, Row]" = dataclasses.field(default_factory=dict)
 
     def totals(self) -> dict[str, int]:
         """Bytes by category now."""
@@ -95,7 +122,7 @@ def _breakdown(totals: Mapping[str, int]) -> Breakdown:
     return Breakdown.from_mapping({c.value: totals.get(c.value, 0) for c in TENSOR_CATEGORIES})
 
 
-def _owners(events: "list[Mapping[str, Any]]", known: Mapping[int, str]) -> dict[int, int]:
+def _owners(events: "list[TraceEntry]", known: Mapping[int, str]) -> dict[int, int]:
     """For each known address, the index of the allocation the hooks' category applies to: the last one
     made there in the window (still live at its end, or the last to have lived there)."""
     owner: dict[int, int] = {}
@@ -107,7 +134,7 @@ def _owners(events: "list[Mapping[str, Any]]", known: Mapping[int, str]) -> dict
     return owner
 
 
-def reduce_window(events: Iterable[Mapping[str, Any]], live: Live, known: Mapping[int, str], *,
+def reduce_window(events: Iterable[TraceEntry], live: Live, known: Mapping[int, str], *,
                   rounding: int = 1, complete: bool = True, sizes: "Mapping[int, int] | None" = None) -> Window:
     """Replay ``events`` (one window, in order) over ``live`` (updated in place to the window's end) and return
     the window's record.
@@ -180,10 +207,10 @@ def reduce_window(events: Iterable[Mapping[str, Any]], live: Live, known: Mappin
                   complete=complete)
 
 
-def from_profiler(events: Iterable[tuple[int, int, int]]) -> list[dict[str, Any]]:
+def from_profiler(events: Iterable[tuple[int, int, int]]) -> list[TraceEntry]:
     """``(time_ns, addr, signed bytes)`` per profiler memory event, as the allocator's trace entries: a
     positive size is an allocation, a negative one a free (of the block allocated at that address)."""
-    out: list[dict[str, Any]] = []
+    out: list[TraceEntry] = []
     for time_ns, addr, nbytes in events:
         action = ALLOC if nbytes > 0 else "free_completed"
         # time_ns kept beside time_us: the profiler's clock is finer, and phase markers fall between events.
@@ -192,12 +219,12 @@ def from_profiler(events: Iterable[tuple[int, int, int]]) -> list[dict[str, Any]
     return out
 
 
-def split_at(events: "list[Mapping[str, Any]]", boundaries: "list[int]", key: str = "time_us"
-             ) -> "list[list[Mapping[str, Any]]]":
+def split_at(events: "list[TraceEntry]", boundaries: "list[int]", key: 'Literal["time_us", "time_ns"]' = "time_us"
+             ) -> "list[list[TraceEntry]]":
     """``events`` (ordered by ``key``: ``"time_us"``, or ``"time_ns"`` for the profiler's) cut at each boundary
     time (same unit, ascending): len(boundaries) + 1 windows, an event at a boundary's very time falling in the
     later window."""
-    windows: list[list[Mapping[str, Any]]] = [[] for _ in range(len(boundaries) + 1)]
+    windows: list[list[TraceEntry]] = [[] for _ in range(len(boundaries) + 1)]
     j = 0
     for ev in events:
         t = ev.get(key, 0)

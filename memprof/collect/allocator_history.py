@@ -16,14 +16,18 @@ logic is tested on CPU with a stand-in.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
 from ..errors import InvalidArgumentError
 from . import torch_compat
 
-__all__ = ["Backend", "TorchBackend", "AllocatorHistory", "MAX_ENTRIES", "SOURCES", "checked_source", "backend_for"]
+if TYPE_CHECKING:
+    from .allocation_events import Snapshot, TraceEntry
+
+__all__ = ["Backend", "TorchBackend", "AllocatorHistory", "MAX_ENTRIES", "SOURCES", "checked_source",
+           "backend_for"]
 
 #: The entries memprof's own recording keeps per window (a phase); a phase with more is marked incomplete.
 MAX_ENTRIES = 200_000
@@ -40,10 +44,10 @@ class Backend(Protocol):
     def labels(self) -> bool:
         """Can entries carry a metadata string (:meth:`set_metadata`)?"""
 
-    def record(self, enabled: 'Literal["state", "all"] | None', **options: Any) -> None:
+    def record(self, enabled: 'Literal["state", "all"] | None', **options: object) -> None:
         """``torch.cuda.memory._record_memory_history(enabled, **options)``."""
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         """``torch.cuda.memory._snapshot()``."""
 
     def get_metadata(self) -> str:
@@ -63,11 +67,11 @@ class TorchBackend:
     def labels(self) -> bool:
         return torch_compat.set_cuda_metadata is not None and torch_compat.get_cuda_metadata is not None
 
-    def record(self, enabled: 'Literal["state", "all"] | None', **options: Any) -> None:
+    def record(self, enabled: 'Literal["state", "all"] | None', **options: object) -> None:
         torch_compat.record_cuda_history(enabled, **options)
 
-    def snapshot(self) -> dict[str, Any]:
-        return dict(torch_compat.cuda_memory_snapshot())
+    def snapshot(self) -> Snapshot:
+        return torch_compat.cuda_memory_snapshot().copy()
 
     def get_metadata(self) -> str:
         get = torch_compat.get_cuda_metadata
@@ -86,7 +90,7 @@ def backend_for(device: torch.device) -> "Backend | None":
     return TorchBackend()
 
 
-def checked_source(source: Any, device: torch.device, mode: str, backend: "Backend | None") -> str:
+def checked_source(source: object, device: torch.device, mode: str, backend: "Backend | None") -> str:
     """``source=`` of profile(), checked: the allocator's events exist only on CUDA (``backend``: the device's
     allocator history, None without one), for exact mode."""
     if not isinstance(source, str) or source not in SOURCES:
@@ -104,7 +108,11 @@ def checked_source(source: Any, device: torch.device, mode: str, backend: "Backe
     return source
 
 
-def _key(entry: Any) -> tuple[Any, ...]:
+#: What tells an entry from the others: its action, address, size and time.
+_Key = tuple["str | None", "int | None", "int | None", "int | None"]
+
+
+def _key(entry: "TraceEntry") -> _Key:
     return (entry.get("action"), entry.get("addr"), entry.get("size"), entry.get("time_us"))
 
 
@@ -118,9 +126,9 @@ class AllocatorHistory:
         #: The recording was the user's (kept untouched), or memprof's (stopped at the end).
         self.users = False
         self.started = False
-        self._last: "tuple[Any, ...] | None" = None  # the last entry read from a user's recording
+        self._last: "_Key | None" = None  # the last entry read from a user's recording
 
-    def _options(self) -> dict[str, Any]:
+    def _options(self) -> dict[str, object]:
         # No stack traces: they cost kilobytes per entry and a Python frame walk per allocation.
         return {"context": None, "stacks": "python", "max_entries": self.max_entries, "clear_history": True}
 
@@ -134,11 +142,11 @@ class AllocatorHistory:
             self.backend.record("all", **self._options())
         self.started = True
 
-    def _entries(self) -> list[Any]:
+    def _entries(self) -> "list[TraceEntry]":
         traces = self.backend.snapshot().get("device_traces") or []
         return list(traces[self.index]) if self.index < len(traces) else []
 
-    def drain(self) -> tuple[list[Any], bool]:
+    def drain(self) -> "tuple[list[TraceEntry], bool]":
         """The entries recorded since the last drain (or the start), in order, and whether they are all there
         (False when the buffer may have dropped some)."""
         entries = self._entries()

@@ -16,7 +16,7 @@ no hook claims (workspaces taken inside an op among them, which a dispatch mode 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError, is_interrupt
 from ..vocabulary import Phase
@@ -28,9 +28,13 @@ from .state import EXACT, LIGHT
 if TYPE_CHECKING:
     import torch
 
+    from ..record.parts import StepRecord
     from ..record.trace import Breakdown
 
+    from .aliases import Row
+    from .allocation_events import TraceEntry
     from .allocator_history import AllocatorHistory
+    from .device import DeviceReading
     from .ledger import Ledger
     from .module_table import ModuleTable
     from .phases import PhaseTracker
@@ -58,7 +62,7 @@ class AllocatorPhase:
     window: Window
 
 
-def resolved_mode(mode: str, device: "torch.device", source: Any, schedule: Any = None) -> tuple[str, str]:
+def resolved_mode(mode: str, device: "torch.device", source: object, schedule: object = None) -> tuple[str, str]:
     """profile()'s ``mode`` with ``"auto"`` decided, and its ``source`` checked. With the allocator's events the
     hooks run as light mode's (no dispatch mode): the run's mode is light, the record's exact."""
     from . import allocator_history
@@ -75,9 +79,9 @@ def resolved_mode(mode: str, device: "torch.device", source: Any, schedule: Any 
     return mode, source
 
 
-def known_addresses(ledger: "Ledger") -> dict[int, list[Any]]:
+def known_addresses(ledger: "Ledger") -> "dict[int, Row]":
     """The data address of every storage the ledger holds live: [bytes counted, category value]."""
-    out: dict[int, list[Any]] = {}
+    out: "dict[int, Row]" = {}
     ledger.settle()
     for entry in list(ledger.entries.values()):
         storage = entry()
@@ -104,14 +108,14 @@ class AllocatorSource:
         self.live = Live()
         self.records: list[AllocatorPhase] = []
         self.incomplete = 0
-        self.pending: list[Any] = []  # drained when the recording stopped, for the last window
+        self.pending: "list[TraceEntry]" = []  # drained when the recording stopped, for the last window
         self.pending_complete = True
         #: The highest peak of the run: (its total, the breakdown, step, phase value).
         self.top: "tuple[int, Breakdown, int, str] | None" = None
         self.first: "Breakdown | None" = None
         #: The steps the record keeps in full (the phase tracker's retention): the windows of the others are dropped
         #: once there are more than ``bound``.
-        self.kept: "dict[int, Any] | None" = None
+        self.kept: "dict[int, StepRecord] | None" = None
         self.bound = 256
 
     def start(self) -> None:
@@ -119,7 +123,7 @@ class AllocatorSource:
         self.live = Live(known_addresses(self.ledger))
         self.history.start()
 
-    def _events(self) -> tuple[list[Any], bool]:
+    def _events(self) -> "tuple[list[TraceEntry], bool]":
         events, complete = self.pending, self.pending_complete
         self.pending, self.pending_complete = [], True
         if self.history.started:
@@ -170,7 +174,8 @@ class AllocatorSource:
                 f"source='allocator': {self.incomplete} phase(s) had more allocator events than the history "
                 "keeps: their records are incomplete (complete=False), not a measurement")
 
-    def figures(self, device_end: Any, device_peak: Any) -> "tuple[Breakdown, Breakdown, Breakdown, int, str] | None":
+    def figures(self, device_end: "DeviceReading | None", device_peak: "DeviceReading | None"
+                ) -> "tuple[Breakdown, Breakdown, Breakdown, int, str] | None":
         """The run's start, peak and end as the windows give them (with the device's figures at the peak and
         the end), and the peak's step and phase value; None when no window was kept."""
         if self.top is None or self.first is None:

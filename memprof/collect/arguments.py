@@ -4,8 +4,6 @@ each refusal is a MemprofError that names the fix.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -18,8 +16,8 @@ __all__ = ["checked"]
 _MODES = (EXACT, LIGHT, "auto")
 
 
-def checked(model: Any, optimizer: Any, mode: Any, timeline: Any, operations: Any, schedule: Any,
-             on_trace_ready: Any, allow_meta: bool) -> "tuple[list[torch.optim.Optimizer], torch.device]":
+def checked(model: object, optimizer: object, mode: object, timeline: object, operations: object, schedule: object,
+             on_trace_ready: object, allow_meta: bool) -> "tuple[list[torch.optim.Optimizer], torch.device]":
     """What profile() was given, checked: the optimizers (unwrapped) and the model's device, or a
     MemprofError that names the fix."""
     if not isinstance(model, nn.Module):

@@ -6,7 +6,7 @@ and which tensors are the cache, and writes here what it learns."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,13 +15,16 @@ from ..errors import MemprofError, is_interrupt
 from ..record.cache import CacheMoment, frozen_spec
 from ..record.parts import GenerationFacts
 
+if TYPE_CHECKING:
+    from .aliases import Kwargs
+
 __all__ = ["CacheFacts", "config_int", "field"]
 
 
 class CacheFacts:
     """The facts of one profile's generations (see the module's docstring)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: object) -> None:
         self.shape = _cache_shape(config)
         try:
             spec = cache_spec(config)
@@ -56,7 +59,7 @@ class CacheFacts:
                                max_cache_len=self.max_cache_len,
                                moments=tuple(self.moments.values()), encoder_prefills=tuple(self.encoder_prefills))
 
-    def note_shapes(self, handed: Any, kwargs: dict[str, Any]) -> None:
+    def note_shapes(self, handed: object, kwargs: "Kwargs") -> None:
         """The encoder's tokens (an encoder-decoder call's ``encoder_outputs``) and the length a static cache
         was allocated at (its layers' ``max_cache_len``): what the formula needs beside the config."""
         enc = kwargs.get("encoder_outputs")
@@ -75,14 +78,14 @@ class CacheFacts:
             self.max_cache_len = max(lengths)
 
 
-def field(output: Any, name: str) -> Any:
+def field(output: object, name: str) -> object:
     """``output``'s field ``name`` (a mapping's key or an object's attribute; None for tensors and sequences)."""
     if isinstance(output, dict):  # transformers' ModelOutput is an OrderedDict
         return output.get(name)
     return getattr(output, name, None) if not isinstance(output, (torch.Tensor, tuple, list)) else None
 
 
-def config_int(config: Any, *names: str) -> "int | None":
+def config_int(config: object, *names: str) -> "int | None":
     """The first of ``names`` a transformers-style config (its text part, for multimodal ones) has as an int."""
     if config is None:
         return None
@@ -101,7 +104,7 @@ def config_int(config: Any, *names: str) -> "int | None":
     return None
 
 
-def _cache_shape(config: Any) -> "tuple[int | None, int | None, int | None, int | None]":
+def _cache_shape(config: object) -> "tuple[int | None, int | None, int | None, int | None]":
     """(layers, key/value heads, head dimension, sliding window) from a transformers-style config."""
     if config is None:
         return None, None, None, None

@@ -12,7 +12,7 @@ than predicted from the calls before it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from .module_table import class_names, tensors_in_args
 from .saved_hooks import under_checkpoint
 
 if TYPE_CHECKING:
+    from .aliases import Args, Kwargs
     from .module_table import ModuleTable
     from .state import Run
 
@@ -57,7 +58,7 @@ class Capture:
             self.on = True
             self.pending = {}
 
-    def call_began(self, index: int, args: Any, kwargs: Any) -> None:
+    def call_began(self, index: int, args: "Args", kwargs: "Kwargs") -> None:
         """Module ``index`` is called (in forward, while capturing): its inputs."""
         try:
             self.pending[index] = tuple(TensorSpec.of(t) for t in tensors_in_args(args, kwargs)
@@ -67,7 +68,7 @@ class Capture:
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self.give_up(index, "took", exc)
 
-    def call_ended(self, index: int, module: nn.Module, output: Any, args: Any, kwargs: Any) -> None:
+    def call_ended(self, index: int, module: nn.Module, output: object, args: "Args", kwargs: "Kwargs") -> None:
         """Module ``index`` returned: its call's record, if its start was captured."""
         inputs = self.pending.pop(index, None) if self.on else None
         if inputs is None:
@@ -88,8 +89,8 @@ class Capture:
             return
         self.module_calls.append((index, call))
 
-    def _call(self, index: int, module: nn.Module, inputs: tuple[TensorSpec, ...], outs: list[TensorSpec], args: Any,
-              kwargs: Any) -> ModuleCall:
+    def _call(self, index: int, module: nn.Module, inputs: tuple[TensorSpec, ...], outs: list[TensorSpec],
+              args: "Args", kwargs: "Kwargs") -> ModuleCall:
         own = list(module.named_parameters(recurse=False))
         grad = any(t.requires_grad for t in tensors_in_args(args, kwargs)) or any(p.requires_grad for _n, p in own)
         return ModuleCall(

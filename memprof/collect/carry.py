@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import is_interrupt
 from .carry_spans import CARRIED, KINDS, MAX_SPANS, MEASURED, NOT_MEASURED, PARTLY, UNVERIFIED, StepSpans
@@ -34,10 +34,12 @@ from .torch_compat import dispatch_mode_at, dispatch_stack_len
 if TYPE_CHECKING:
     import torch
 
+    from .aliases import Args, Kwargs
     from .dispatch import StorageTracker
     from .ledger import Ledger
     from .phases import PhaseTracker
     from .state import Run
+    from .step_signature import Signature
 
 __all__ = ["StepCarry", "RECHECK_EVERY", "MEASURED", "CARRIED", "PARTLY", "UNVERIFIED", "NOT_MEASURED", "KINDS",
            "MAX_SPANS"]
@@ -66,7 +68,7 @@ class _Known:
 
     __slots__ = ("signature", "peak", "ops", "step", "carried")
 
-    def __init__(self, signature: Any, peak: int, ops: int, step: int) -> None:
+    def __init__(self, signature: "Signature", peak: int, ops: int, step: int) -> None:
         self.signature = signature
         self.peak = peak  # the temporaries' highest level above the phase's start
         self.ops = ops
@@ -80,8 +82,8 @@ class _Step:
     __slots__ = ("opt", "kind", "signature", "known", "totals", "entries", "closes", "depth", "nested", "ops",
                  "state", "recheck")
 
-    def __init__(self, opt: Any, kind: str, signature: Any, known: "_Known | None", totals: list[int],
-                 entries: int, closes: int, ops: int) -> None:
+    def __init__(self, opt: "torch.optim.Optimizer", kind: str, signature: "Signature | None", known: "_Known | None",
+                 totals: list[int], entries: int, closes: int, ops: int) -> None:
         self.opt = weakref.ref(opt)
         self.kind = kind
         self.signature = signature
@@ -92,7 +94,7 @@ class _Step:
         self.depth: "int | None" = None  # where memprof's mode was on the stack, while it is off for a carried step
         self.nested = False
         self.ops = ops
-        self.state: Any = None
+        self.state: object = None  # the state part of the signature: compared with ==
         self.recheck: "_Known | None" = None  # measured again to check the step it would have been carried from
 
 
@@ -122,7 +124,7 @@ class StepCarry:
 
     # -- a step begins ---------------------------------------------------------------------------------
 
-    def step_begins(self, opt: "torch.optim.Optimizer", args: Any, kwargs: Any, *, fresh: bool,
+    def step_begins(self, opt: "torch.optim.Optimizer", args: "Args", kwargs: "Kwargs", *, fresh: bool,
                     closure: bool) -> None:
         """``opt.step(*args[1:], **kwargs)`` began (its optimizer phase began here when ``fresh``): measure it, or
         carry it. ``args[0]`` is the optimizer itself, as torch hands the step's arguments to its hooks."""
@@ -198,7 +200,7 @@ class StepCarry:
         else:
             self._measured(opt, step)
 
-    def _carried(self, opt: Any, step: _Step, collect_state: Callable[..., None]) -> None:
+    def _carried(self, opt: "torch.optim.Optimizer", step: _Step, collect_state: Callable[..., None]) -> None:
         led, run = self.ledger, self.run
         known = step.known
         assert known is not None
@@ -235,7 +237,7 @@ class StepCarry:
         del ghost  # freed: the ledger's weak reference queues it, as for a storage torch frees
         self.ledger.settle()
 
-    def _measured(self, opt: Any, step: _Step) -> None:
+    def _measured(self, opt: "torch.optim.Optimizer", step: _Step) -> None:
         led, run, phases = self.ledger, self.run, self.phases
         self.spans.add(run.step, MEASURED)
         if step.signature is None or step.nested:
@@ -264,7 +266,7 @@ class StepCarry:
         self.known[id(opt)] = (weakref.ref(opt), _Known(step.signature, rise, run.ops - step.ops, run.step))
         self._check_formula(opt, rise)
 
-    def _check_formula(self, opt: Any, measured: int) -> None:
+    def _check_formula(self, opt: "torch.optim.Optimizer", measured: int) -> None:
         """The step's temporaries against the formula of anatomy/optimizers.py, once per optimizer: a note where
         they differ (foreach and fused are exact there; a for-loop's is an upper bound)."""
         if id(opt) in self.formula_checked:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..record.trace import OPTIMIZER_STEP_KINDS as KINDS
+
+if TYPE_CHECKING:
+    from .aliases import Row
 
 __all__ = ["StepSpans", "MEASURED", "CARRIED", "PARTLY", "UNVERIFIED", "NOT_MEASURED", "KINDS", "MAX_SPANS"]
 
@@ -22,7 +25,7 @@ class StepSpans:
     ran; consecutive steps of one kind make one span, and a step of several phases is what they make together."""
 
     def __init__(self) -> None:
-        self.spans: list[list[Any]] = []
+        self.spans: "list[Row]" = []
         self.truncated = False  # MAX_SPANS were kept: later steps are not
 
     def add(self, step: int, kind: str) -> None:

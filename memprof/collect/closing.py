@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import MemprofWarning, ProfilerStateError, error_text, is_interrupt
 from .oom import is_oom, oom_record
@@ -25,7 +25,7 @@ from .undo import Failure, Failures, attempt, undo
 if TYPE_CHECKING:
     from ..record.trace import Trace
     from .ledger import Ledger
-    from .oom import OomDump
+    from .oom import LiveAtError, OomDump
     from .state import Run
     from .undo import UndoStack
     from .wiring import Collectors
@@ -48,7 +48,7 @@ class Closing:
 
     def __init__(self, run: "Run", ledger: "Ledger", stack: "UndoStack | None", release: Callable[[], None],
                  collectors: "Collectors | None", oom_dump: "OomDump | None",
-                 live_now: "Callable[[], Any] | None" = None) -> None:
+                 live_now: "Callable[[], LiveAtError | None] | None" = None) -> None:
         self.run = run
         self.ledger = ledger
         self.stack = stack
@@ -147,7 +147,7 @@ class Closing:
         self.at_error.oom = dump.record(exc) if dump is not None else oom_record(exc, self.run.device)
 
     def write_oom_dump(self) -> None:
-        assert self.oom_dump is not None
+        assert self.oom_dump is not None and self.trace is not None  # called only then (finish)
         self.oom_dump_path = self.oom_dump.write(self.trace)
 
     # -- removing everything ------------------------------------------------------------------------

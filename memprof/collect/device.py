@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from ..errors import is_interrupt
@@ -42,7 +40,7 @@ class DeviceProbe:
         self.rounding = CUDA_BLOCK if self.is_cuda else 1
         self._light = False
         self._notes: list[str] = []
-        self._nvml_handle: Any = None
+        self._nvml_handle: object = None  # pynvml's handle of the device, handed back to it
         self._nvml_tried = False
         self._global_peak = DeviceReading()
         self._max_allocated_seen = 0

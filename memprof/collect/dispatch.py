@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,8 +32,12 @@ from .torch_compat import skip_dynamo
 from .torch_compat import graph_task_id as _graph_task_id, top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .aliases import Op
     from .graph_saves import GraphSaves
     from .ledger import Entry, Ledger
+    from .operations import OperationLog
     from .state import Run
 
 __all__ = ["DispatchMode", "StorageTracker", "KEEPS_COMPILE", "pop_orphan_modes"]
@@ -68,7 +72,7 @@ class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        # Any other dispatch mode makes torch.compile run the model eagerly, and the code
+        # Every other dispatch mode makes torch.compile run the model eagerly, and the code
         # object stays eager for the rest of the process (torch/_dynamo/convert_frame.py skips
         # frames while a mode without this flag is on the stack). With it, compiled code stays
         # compiled and this mode sees the ops the compiled artifact dispatches at run time.
@@ -82,8 +86,10 @@ class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         # instead (torch_compat.skip_dynamo: a flag the C frame evaluator reads, no call), where torch offers it.
         return not SKIPS_DYNAMO
 
-    # Any: torch passes an OpOverload and the op's own arguments, typed Any by TorchDispatchMode itself.
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    # TorchDispatchMode leaves these untyped: torch passes an OpOverload, the types of the tensors among the
+    # arguments, and the op's own arguments, which this handler passes on.
+    def __torch_dispatch__(self, func: "Op", types: "tuple[type, ...]", args: "tuple[object, ...]" = (),
+                           kwargs: "dict[str, object] | None" = None) -> object:
         tracker = self.tracker
         if tracker is None:
             # The profile ended (in another thread, or beneath a mode that could not be moved).
@@ -162,7 +168,7 @@ class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             rule(tracker, func, args, out)
         return out
 
-    def inert(self, func: Any, args: Any, kwargs: Any) -> Any:
+    def inert(self, func: "Op", args: "tuple[object, ...]", kwargs: "dict[str, object]") -> object:
         """Pass an op through, and arrange for this mode to leave its thread's stack.
 
         It cannot leave from here: while a mode handles an op torch has taken it off the stack, and
@@ -199,7 +205,7 @@ def _leave_stack(ref: "weakref.ref[DispatchMode]") -> None:
 _NEW_OUTPUTS, _ALIASES, _WRITES_OUT, _RESIZES, _NOT_WORK, _VIEW = 0, 1, 2, 3, 4, 5
 
 
-def _op(name: str, overload: str = "default") -> Any:
+def _op(name: str, overload: str = "default") -> "Op | None":
     # Ops differ between torch versions; a missing one simply gets no rule.
     packet = getattr(_aten, name, None)
     return getattr(packet, overload, None) if packet is not None else None
@@ -239,11 +245,11 @@ class StorageTracker:
         self.backward_started: Callable[[], None] = _nothing
         self.graph: "GraphSaves | None" = None
         self.after_collective: "Callable[[], None] | None" = None
-        self.operations: Any = None  # an OperationLog with operations=True
+        self.operations: "OperationLog | None" = None  # with operations=True
         self.autocast_dtype: "str | None" = None
         self.mode: "DispatchMode | None" = None
         self.base_depth: "int | None" = None  # the dispatch stack's depth when the profile began
-        self.fake_mode: Any = None  # a simulation's fake-tensor mode: its tensors are the ones counted
+        self.fake_mode: "FakeTensorMode | None" = None  # a simulation's: its tensors are the ones counted
 
     # -- the dispatch mode -----------------------------------------------------
 
@@ -332,7 +338,7 @@ class StorageTracker:
         elif entry.nbytes != led.size_of(st.nbytes()):
             led.resize(entry, st.nbytes())
 
-    def register_unseen(self, kwargs: Any) -> None:
+    def register_unseen(self, kwargs: "dict[str, object]") -> None:
         # out= tensors are keyword-only in the schemas of .out overloads.
         for value in kwargs.values():
             for t in (value,) if isinstance(value, torch.Tensor) else value if isinstance(value, (tuple, list)) else ():
@@ -353,7 +359,7 @@ class StorageTracker:
         if entry is not None:
             set_tag(self.ledger, entry, tag)
 
-    def scan_inputs(self, args: Iterable[Any]) -> None:
+    def scan_inputs(self, args: Iterable[object]) -> None:
         # Tensors that come from outside the profile (targets handed to the
         # loss, masks) are inputs; known storages are skipped in O(1).
         led = self.ledger
@@ -373,7 +379,7 @@ class StorageTracker:
                 if st._cdata not in entries and a.device == self.device:
                     self.ledger.add(st, INPUTS)
 
-    def mark_inputs(self, objs: Any, depth: int = 0, *, made_in_block_too: bool = True) -> None:
+    def mark_inputs(self, objs: object, depth: int = 0, *, made_in_block_too: bool = True) -> None:
         # Tensors handed to the model's forward are its inputs: unknown ones (made before the
         # profile), and temporaries made in the block (the batch built inside it). Handed to a
         # submodule called directly (made_in_block_too=False), only the unknown ones are: a
@@ -409,11 +415,11 @@ def autocast_dtype(device: torch.device) -> "torch.dtype | None":
 # ---------------------------------------------------------------------- tag rules: what some ops make
 
 #: A rule: the tracker, the op, its arguments and its output (the op's own values, untyped by torch).
-_Rule = Callable[["StorageTracker", Any, Any, Any], None]
+_Rule = Callable[["StorageTracker", "Op", "tuple[object, ...]", object], None]
 
 
 def _tag_outputs(indices: tuple[int, ...], tag: str) -> "_Rule":
-    def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+    def rule(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
         if isinstance(out, (tuple, list)):
             for i in indices:
                 if i < len(out) and isinstance(out[i], torch.Tensor):
@@ -421,7 +427,7 @@ def _tag_outputs(indices: tuple[int, ...], tag: str) -> "_Rule":
     return rule
 
 
-def _tag_dropout_inplace(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+def _tag_dropout_inplace(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
     # F.dropout's CPU path: empty_like -> bernoulli_ -> div_ -> mul; the mask is bernoulli_'s target.
     if args and isinstance(args[0], torch.Tensor):
         size = args[0].element_size()
@@ -429,7 +435,7 @@ def _tag_dropout_inplace(storages: StorageTracker, func: Any, args: Any, out: An
                                     else "dropout_mask"])
 
 
-def _tag_weight_cast(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+def _tag_weight_cast(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
     # autocast casts an fp32 parameter to 16 bits with _to_copy.
     if isinstance(out, torch.Tensor) and out.dtype in _LOW_PRECISION and args and isinstance(args[0], torch.Tensor):
         entry = storages.entry_of(args[0])
@@ -438,7 +444,7 @@ def _tag_weight_cast(storages: StorageTracker, func: Any, args: Any, out: Any) -
 
 
 def _tag_fp32_under_autocast(index: "int | None") -> "_Rule":
-    def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+    def rule(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
         if storages.autocast_dtype not in ("bfloat16", "float16"):
             return
         t = out[index] if index is not None and isinstance(out, (tuple, list)) else out
@@ -452,7 +458,7 @@ def _tag_fp32_under_autocast(index: "int | None") -> "_Rule":
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 
 
-def _communication(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+def _communication(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
     # What a collective is handed and gives back is a communication buffer, unless it is a model state
     # (gradient_as_bucket_view makes the gradients the buckets; FSDP reduce-scatters into gradients).
     led = storages.ledger
@@ -472,7 +478,7 @@ def _communication(storages: StorageTracker, func: Any, args: Any, out: Any) -> 
         after()
 
 
-def _flat_tensors(obj: Any, depth: int = 0) -> Any:
+def _flat_tensors(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)) and depth < 3:
@@ -481,7 +487,7 @@ def _flat_tensors(obj: Any, depth: int = 0) -> Any:
 
 
 def _both(*rules: "_Rule") -> "_Rule":
-    def rule(storages: StorageTracker, func: Any, args: Any, out: Any) -> None:
+    def rule(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
         for r in rules:
             r(storages, func, args, out)
     return rule
@@ -489,7 +495,7 @@ def _both(*rules: "_Rule") -> "_Rule":
 
 _NORM = _tag_outputs((1, 2), "norm_statistics")
 _LSE = _tag_outputs((1,), "attention_logsumexp")
-_TAG_RULES: dict[Any, Any] = {
+_TAG_RULES: "dict[Op, _Rule]" = {
     k: v for k, v in {
         _op("_to_copy"): _tag_weight_cast,
         _op("native_dropout"): _tag_outputs((1,), "dropout_mask"),
@@ -511,18 +517,19 @@ _TAG_RULES: dict[Any, Any] = {
 }
 
 # id(op) -> (kind, tag rule or None, op). The op itself is kept so that its id stays its own.
-_OP_INFO: dict[int, tuple[int, Any, Any]] = {}
+_OP_INFO: "dict[int, tuple[int, _Rule | None, Op]]" = {}
 
 
-def _op_info(func: Any) -> tuple[int, Any, Any]:
+def _op_info(func: "Op") -> "tuple[int, _Rule | None, Op]":
     if func.namespace == "profiler":  # record_function markers are not work
         kind = _NOT_WORK
     else:
         try:
             returns = func._schema.returns
             # Views and in-place ops return storages they were given: no new memory.
-            aliases = bool(returns) and all(r.alias_info is not None for r in returns)
-            writes = aliases and any(r.alias_info.is_write for r in returns)
+            infos = [r.alias_info for r in returns]
+            aliases = bool(infos) and all(a is not None for a in infos)
+            writes = aliases and any(a is not None and a.is_write for a in infos)
         except Exception as failure:
             if is_interrupt(failure):
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's

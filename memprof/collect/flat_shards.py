@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -41,6 +41,8 @@ from .ledger import COMMUNICATION, WEIGHTS
 from .moves import move
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
     from ..record.parts import RankInfo
     from .params import ParamTracker
     from .state import Run
@@ -76,7 +78,7 @@ def flat_sharding(model: nn.Module, run: "Run", params: "ParamTracker", rank: "R
     return tracker
 
 
-def flat_handles(model: nn.Module) -> "list[tuple[nn.Module, Any]] | None":
+def flat_handles(model: nn.Module) -> "list[tuple[nn.Module, FlatParamHandle]] | None":
     """Every FSDP1 unit of ``model`` and its ``FlatParamHandle`` (a unit without parameters has none, and is
     left out); None when FSDP1's internals cannot be read (a torch whose FSDP1 differs)."""
     out = []
@@ -84,7 +86,8 @@ def flat_handles(model: nn.Module) -> "list[tuple[nn.Module, Any]] | None":
         if type(m).__name__ != "FullyShardedDataParallel":
             continue
         try:
-            handle: Any = m._handle  # FSDP1's FlatParamHandle, which nn.Module's type lacks
+            # FSDP1's FlatParamHandle, which nn.Module's type lacks (its __getattr__ says a tensor or a module).
+            handle: "FlatParamHandle | None" = m._handle  # type: ignore[assignment]
             if handle is not None:
                 flat = handle.flat_param
                 flat._numels, flat._shard_param_infos, handle.world_size, handle.uses_sharded_strategy  # noqa: B018
@@ -100,7 +103,7 @@ class FlatShardTracker:
     """FSDP1's flat parameters of one profiled model. ``rank`` is the rank's record, with the sharded and
     unsharded bytes once the profile has closed (:meth:`close`)."""
 
-    def __init__(self, run: "Run", params: "ParamTracker", handles: "list[tuple[nn.Module, Any]]",
+    def __init__(self, run: "Run", params: "ParamTracker", handles: "list[tuple[nn.Module, FlatParamHandle]]",
                  rank: "RankInfo") -> None:
         self.run = run
         self.params = params
@@ -146,7 +149,7 @@ class FlatShardTracker:
         for handle in self.handles:
             self.register(handle)
 
-    def register(self, handle: Any) -> None:
+    def register(self, handle: "FlatParamHandle") -> None:
         """A unit's gathered storages, registered under what they hold (0 bytes while resharded: the ledger
         follows their resizes from then on; made in this phase, they held it at its peaks too)."""
         if id(handle) in self.known or not self.run.active:
@@ -200,7 +203,8 @@ class FlatShardTracker:
                 unsharded += local.numel() * size
                 even += whole * size
                 continue
-            real = sum(info.numel_in_shard for info in flat._shard_param_infos if info.in_shard)
+            # (numel_in_shard is None only outside the shard: torch types it for both.)
+            real = sum(info.numel_in_shard or 0 for info in flat._shard_param_infos if info.in_shard)
             padding += (local.numel() - real) * size
             even += Fraction(whole * size, handle.world_size)
             gathered = getattr(flat, "_full_param_padded", None)
@@ -210,6 +214,6 @@ class FlatShardTracker:
 
 
 
-def _weigh(tracker: FlatShardTracker, handle: Any, _module: nn.Module, _args: Any) -> None:
+def _weigh(tracker: FlatShardTracker, handle: "FlatParamHandle", _module: nn.Module, _args: object) -> None:
     """A forward pre-hook of the module an FSDP1 unit wraps: the unit's storages, registered once they exist."""
     tracker.register(handle)

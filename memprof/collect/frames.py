@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -51,7 +51,7 @@ class Frames:
         self.bw_frames: dict[int, "Frame"] = {}
         self.tensor_hooks: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], RemovableHandle]] = {}
         #: Hooks on autograd nodes made for this step's backward (also by :mod:`.graph_saves`).
-        self.node_hooks: list[Any] = []
+        self.node_hooks: "list[RemovableHandle]" = []
 
     # -- closing a frame ---------------------------------------------------------------------
 
@@ -84,7 +84,7 @@ class Frames:
 
     # -- backward frames -----------------------------------------------------------------------
 
-    def enter_hook(self, index: int) -> Any:
+    def enter_hook(self, index: int) -> Callable[[object], None]:
         """The hook that opens module ``index``'s backward frame (its output's gradient arrived). It runs for
         every module call's backward: frame_stack.push_frame, ModuleTable.is_ancestor and Timeline.sample are
         written out in it (each call would be a Python frame).
@@ -98,7 +98,7 @@ class Frames:
         stack = led.frames
         path = table.info[index].path
 
-        def enter(_grad: Any) -> None:
+        def enter(_grad: object) -> None:
             if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling()
                 return
             if led.released:
@@ -132,7 +132,7 @@ class Frames:
 
         return enter
 
-    def exit_hook(self, index: int) -> Any:
+    def exit_hook(self, index: int) -> Callable[[object], None]:
         """The hook that closes module ``index``'s backward frame (its inputs' gradients are computed), with
         frame_stack.remove_frame (for the frame on top), Frames.close_frame and Timeline.sample written out."""
         run, led, timeline, bw_frames = self.run, self.ledger, self.timeline, self.bw_frames
@@ -140,7 +140,7 @@ class Frames:
         info = self.table.info[index]
         path = info.path
 
-        def exit_(_grads: Any) -> None:
+        def exit_(_grads: object) -> None:
             if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling()
                 return
             frame = bw_frames.pop(index, None)
@@ -185,7 +185,7 @@ class Frames:
 
     # -- the hooks' lifetime -------------------------------------------------------------------
 
-    def hook_tensor(self, t: torch.Tensor, index: int, hook: Any) -> None:
+    def hook_tensor(self, t: torch.Tensor, index: int, hook: Callable[[object], None]) -> None:
         """A tensor hook for module ``index``, once per tensor (a parameter handed to a submodule
         every forward keeps one hook, not one per call); every one is removed with the profile."""
         key = (id(t), index)

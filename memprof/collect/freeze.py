@@ -10,7 +10,7 @@ the notes say why.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from .state import EXACT, LIGHT
 
 if TYPE_CHECKING:
     from ..record.parts import RankInfo
+    from .device import DeviceReading
     from .wiring import Collectors
 
 __all__ = ["AtError", "breakdown", "blank", "blank_step", "build_trace", "latest_recorded", "unmeasured",
@@ -186,7 +187,8 @@ def build_trace(c: "Collectors", at_error: "AtError | None" = None) -> Trace:
 _RunFigures = tuple[Breakdown, Breakdown, Breakdown, "int | None", "tuple[int, Phase] | None"]
 
 
-def _run_figures(c: "Collectors", steps: "list[StepRecord]", device_now: Any, light: bool) -> _RunFigures:
+def _run_figures(c: "Collectors", steps: "list[StepRecord]", device_now: "DeviceReading | None", light: bool
+                 ) -> _RunFigures:
     """The run's start, peak and end, and the step and phase that held the peak: the ledger's (the device's
     figures at the peak are those of the phase that held it), or the allocator's windows'."""
     led = c.ledger

@@ -13,7 +13,7 @@ alive when it leaves is what checkpoint keeps for this backward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -25,6 +25,9 @@ from .torch_compat import current_autograd_node, graph_task_id as _graph_task_id
 from .torch_compat import top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
+    from torch.autograd.graph import Node
+    from torch.utils.hooks import RemovableHandle
+
     from .ledger import Ledger
     from .saved import SavedTracker
     from .state import Run
@@ -46,7 +49,8 @@ class GraphSaves:
     with the profile.
     """
 
-    def __init__(self, ledger: "Ledger", run: "Run", saved: "SavedTracker", node_hooks: list[Any]) -> None:
+    def __init__(self, ledger: "Ledger", run: "Run", saved: "SavedTracker", node_hooks: "list[RemovableHandle]"
+                 ) -> None:
         self.ledger = ledger
         self.run = run
         self.saved = saved
@@ -114,7 +118,7 @@ class GraphSaves:
         led.settle()
         found: list[int] = []
         seen: set[int] = set()
-        todo = [node]
+        todo: "list[Node | None]" = [node]
         saved = self.saved
         names_of = _SAVED_NAMES
         # Once per backward, over every node of the graph: the per-node work is inlined and the next nodes
@@ -199,7 +203,7 @@ def _saved_names(cls: type) -> tuple[str, ...]:
     return names
 
 
-def _released(graph: GraphSaves, keys: tuple[int, ...]) -> Any:
-    def hook(_grad_inputs: Any, _grad_outputs: Any) -> None:
+def _released(graph: GraphSaves, keys: tuple[int, ...]) -> Callable[[object, object], None]:
+    def hook(_grad_inputs: object, _grad_outputs: object) -> None:
         graph.graph_released(keys)
     return hook

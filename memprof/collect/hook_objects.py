@@ -13,7 +13,7 @@ hook that does nothing and, the first time it runs, takes itself off the object 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 __all__ = ["hook_object", "DROPPED"]
 
@@ -28,14 +28,14 @@ class _Hook(functools.partial):  # type: ignore[type-arg]  # functools.partial's
     def __copy__(self) -> "_Dropped":
         return DROPPED
 
-    def __deepcopy__(self, memo: "dict[int, Any]") -> "_Dropped":
+    def __deepcopy__(self, memo: "dict[int, object]") -> "_Dropped":
         return DROPPED
 
     def __reduce__(self) -> "tuple[Callable[[], _Dropped], tuple[()]]":
         return _dropped, ()
 
 
-def hook_object(fn: Callable[..., Any]) -> Callable[..., Any]:
+def hook_object(fn: Callable[..., object]) -> Callable[..., object]:
     """``fn`` as a hook object (see the module's docstring): called as ``fn`` is."""
     return _Hook(fn)
 
@@ -46,7 +46,7 @@ class _Dropped:
 
     __slots__ = ()
 
-    def __call__(self, owner: Any, *rest: Any) -> None:
+    def __call__(self, owner: object, *rest: object) -> None:
         state = getattr(owner, "__dict__", {})
         keys = [k for d in list(state.values()) if isinstance(d, dict)
                 for k, v in list(d.items()) if v is self]

@@ -15,7 +15,7 @@ mode storages made by ops are not seen: tensors under a cache's name are counted
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
@@ -33,7 +33,8 @@ from .torch_compat import is_dynamo_compiling
 
 if TYPE_CHECKING:
     from .dispatch import StorageTracker
-    from .ledger import Ledger
+    from .aliases import Args, Kwargs
+    from .ledger import Ledger, Release
     from .phases import PhaseTracker
     from .state import Run
     from .undo import UndoStack
@@ -75,22 +76,22 @@ class CacheTracker:
         self.incoming = 0  # tokens handed to the call running now
         self.call_tokens: dict[int, int] = {}  # phase serial of an ordinary no-grad call -> its tokens
         # The cache object (not a tensor) the running root call was handed, filled as its layers run.
-        self.active: Any = None
+        self.active: object = None
         self.kind: "Phase | None" = None  # what the running root call is: PREFILL, DECODE or None
         self.prefill_serials: set[int] = set()  # earlier calls found to have been prefills
         self.encoder_first = False  # the running call is a prefill that began with the encoder's forward
-        self._last: "Callable[[], Any] | None" = None  # the cache object of the last prefill or decode call
+        self._last: "Release | None" = None  # the cache object of the last prefill or decode call
         self.last_tokens = (0, 0, 0)  # that call's (earlier, before, after) tokens
         self.let_go: "int | None" = None  # the ledger's event count when that cache object was let go
         phases.on_close.append(self.phase_closed)
 
-    def before_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "Phase | None":
+    def before_call(self, args: "Args", kwargs: "Kwargs") -> "Phase | None":
         """What this root call is (``Phase.PREFILL``, ``Phase.DECODE`` or ``None``); claims the cache handed in."""
         self.active, self.kind, self.prefill_serials, self.encoder_first = None, None, set(), False
         if torch.is_grad_enabled():
             return None
         self.incoming, batch = _new_tokens(args, kwargs)
-        handed: Any = None
+        handed: object = None
         for name, obj in _arguments(args, kwargs):
             if name in self.names and obj is not None and not isinstance(obj, (torch.Tensor, tuple, list, dict)):
                 handed = obj
@@ -137,7 +138,7 @@ class CacheTracker:
             self.formula.note_shapes(handed, kwargs)
         return self.kind
 
-    def layer_done(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def layer_done(self, args: "Args", kwargs: "Kwargs") -> None:
         """A module handed the running call's cache object returned: what it added there is the cache from
         now on, not at the end of the whole call (the prefill's peak is reached with half the layers filled)."""
         active = self.active
@@ -146,7 +147,7 @@ class CacheTracker:
         if any(v is active for v in kwargs.values()) or any(a is active for a in args):
             self._claim(active, named=True, retro=True)
 
-    def after_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def after_call(self, args: "Args", kwargs: "Kwargs", output: object) -> None:
         """The model's root call returned. Claim what a prefill or decode call added to the cache it was given
         (filled in place) or returned: under a cache's name, or, from a decode call, any container in its output
         (a tuple of key and value tensors; the logits are a plain tensor). Then the call's prefill or decode
@@ -161,7 +162,7 @@ class CacheTracker:
             if self.run.phase is Phase.PREFILL or self.run.phase is Phase.DECODE:
                 self.call_phase_ends()
             return
-        kept: list[Any] = []  # what holds the cache now, for where the call had got at its peak
+        kept: list[object] = []  # what holds the cache now, for where the call had got at its peak
         for name, obj in _arguments(args, kwargs):
             if not isinstance(obj, torch.Tensor):
                 if self._claim(obj, named=name in self.names, retro=True)[0]:
@@ -205,7 +206,7 @@ class CacheTracker:
         else:
             phases.begin(Phase.OTHER)
 
-    def _let_go(self, ref: Any) -> None:
+    def _let_go(self, ref: "Release") -> None:
         # Run when the ledger settles the queue, in order among the frees (not as a finaliser).
         if ref is self._last:  # the cache object of the last call was let go (generate() returned): when
             self.let_go = self.ledger.seq
@@ -235,7 +236,7 @@ class CacheTracker:
         """``n`` tokens joined the cache outside the model's forward (a simulation growing it directly)."""
         self.in_cache += n
 
-    def _note_moments(self, key: tuple[int, str, int], kept: list[Any]) -> None:
+    def _note_moments(self, key: tuple[int, str, int], kept: list[object]) -> None:
         """The cache at the end of the call that just ended, and at the phase's peak if the call reached it:
         how many of the storages the call put in the cache existed then (exact mode sees them being made)."""
         led = self.ledger
@@ -256,7 +257,7 @@ class CacheTracker:
             written, overlap = len(made), led.phase_peak_seq in made.values()
         self.formula.moments[peak] = CacheMoment(*key, "peak", *tokens, written=written, overlap=overlap)
 
-    def _claim(self, obj: Any, *, named: bool, retro: bool = False) -> "tuple[bool, set[int] | None]":
+    def _claim(self, obj: object, *, named: bool, retro: bool = False) -> "tuple[bool, set[int] | None]":
         """Count the floating tensors under ``obj`` as the cache: those made inside the model (or already the
         cache), and with ``named`` any tensor there. Returns whether any was claimed, and the phase serials of
         the calls that made those that come back (``None`` when none does). With ``retro`` (claims as a call
@@ -310,7 +311,7 @@ def watch_encoder(model: nn.Module, run: "Run", phases: "PhaseTracker", stack: "
     if not isinstance(encoder, nn.Module) or encoder is model or not any(m is encoder for m in model.modules()):
         return
 
-    def began(_module: nn.Module, _args: Any, _kwargs: Any) -> None:
+    def began(_module: nn.Module, _args: object, _kwargs: object) -> None:
         # Compiled code is measured from outside (as memprof's module hooks do); only the outermost call counts,
         # which memprof's hook has just put on the call stack.
         if is_dynamo_compiling() or not run.active or len(run.calls) != 1 or torch.is_grad_enabled() \
@@ -321,13 +322,13 @@ def watch_encoder(model: nn.Module, run: "Run", phases: "PhaseTracker", stack: "
     stack.callback(encoder.register_forward_pre_hook(hook_object(began), with_kwargs=True).remove)
 
 
-def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+def _arguments(args: "Args", kwargs: "Kwargs") -> Iterator[tuple[str, object]]:
     for i, a in enumerate(args):
         yield f"#{i}", a
     yield from kwargs.items()
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def _tensors(obj: object) -> Iterator[torch.Tensor]:
     """The tensors reachable from ``obj`` through sequences, mappings and plain objects' attributes."""
     seen: set[int] = set()
     stack = [(obj, 0)]
@@ -357,7 +358,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
         stack.extend((c, depth + 1) for c in reversed(children))
 
 
-def _new_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> "tuple[int, int | None]":
+def _new_tokens(args: "Args", kwargs: "Kwargs") -> "tuple[int, int | None]":
     """Tokens (and batch) handed to a call: its ``input_ids`` or ``inputs_embeds`` (an encoder-decoder's
     ``decoder_`` ones first: the cache holds the decoder's tokens), else the second dimension of its first
     tensor argument of two or more (batch, tokens, ...)."""

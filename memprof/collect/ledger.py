@@ -25,13 +25,16 @@ import operator
 import weakref
 from collections import deque
 from time import perf_counter_ns
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 
 from ..errors import is_interrupt
 from ..vocabulary import Category, TENSOR_CATEGORIES
 from ..record.trace import Breakdown
+
+if TYPE_CHECKING:
+    from .device import DeviceReading
 
 # Index of each tensor category in the running totals.
 WEIGHTS, BUFFERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, INPUTS, KV_CACHE, COMMUNICATION, TEMPORARIES = range(9)
@@ -70,7 +73,16 @@ assert tuple(c.value for c in CATEGORY_OF_INDEX) == (
 )
 
 
-def storage_of(t: Any) -> Any:
+class Storage(Protocol):
+    """What the ledger reads of a storage it registers (:meth:`Ledger.add`, which also takes a weak reference to
+    it): a tensor's ``UntypedStorage``, or the stand-in a carried step registers for its peak (collect/carry.py)."""
+
+    _cdata: int  # the address of its StorageImpl: the ledger's key, unique while it lives
+
+    def nbytes(self) -> int: ...
+
+
+def storage_of(t: torch.Tensor) -> "torch.UntypedStorage | None":
     """The untyped storage under tensor ``t``, or None where there is none to count (sparse and
     nested layouts, tensor subclasses without storage, functorch wrappers). A wrapper subclass
     (DTensor, FSDP's and quantisation libraries' tensors) has a storage of its own that holds no data
@@ -95,7 +107,7 @@ STORAGE_KEY = operator.attrgetter("_cdata")  # a storage's key in the ledger
 _CAT = operator.attrgetter("cat")
 
 
-def plain_storage_keys(tensors: "list[Any]") -> "list[int] | None":
+def plain_storage_keys(tensors: "Sequence[torch.Tensor | None]") -> "list[int] | None":
     """The storage keys of ``tensors`` in order, when every one is a plain tensor (or a Parameter of that
     exact type) with a storage; None when any is not (None, a subclass, a sparse tensor). Devices are not
     looked at: the key of a storage on another device is not in the ledger (:func:`known_as`)."""
@@ -132,16 +144,18 @@ def is_wrapper(klass: type) -> bool:
     return known
 
 
-def inner_tensors(t: Any) -> list[Any]:
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors a wrapper subclass holds (recursively), the largest first; [] when unreadable."""
     try:
-        names, _ = t.__tensor_flatten__()
+        # Read by name: torch.Tensor does not declare the method every wrapper subclass has (is_wrapper).
+        flattened: tuple[list[str], object] = getattr(t, "__tensor_flatten__")()  # noqa: B009
+        names, _ = flattened
         inner = [getattr(t, name) for name in names]
     except Exception as failure:  # a subclass that cannot flatten now: nothing memprof can count
         if is_interrupt(failure):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return []
-    out: list[Any] = []
+    out: list[torch.Tensor] = []
     for x in inner:
         if isinstance(x, torch.Tensor):
             out.extend(inner_tensors(x) if type(x) is not torch.Tensor and is_wrapper(type(x)) else [x])
@@ -280,7 +294,7 @@ class Ledger:
         # Beside the stream: the category each storage was made in (one per storage made, in order), and each move
         # of a live storage to another category as (seq, key) (memprof.simulate.depth_stream reads them).
         self.stream_cats: list[int] = []
-        self.stream_moves: list[tuple[int, int]] = []
+        self.stream_moves: list[tuple[int, int, int]] = []  # (seq, key, the category it moved to)
         self.phase_start_seq = self.mark_seq = 0
 
     # -- sizes ---------------------------------------------------------------
@@ -293,7 +307,7 @@ class Ledger:
 
     # -- events --------------------------------------------------------------
 
-    def add(self, storage: Any, cat: int) -> Entry:
+    def add(self, storage: Storage, cat: int) -> Entry:
         """Register a storage (if new) under ``cat``; return its entry."""
         if self.released:
             self.settle()  # a storage freed and not yet applied may have had this address
@@ -343,7 +357,7 @@ class Ledger:
             self.phase_peak_ns = perf_counter_ns()
         return entry
 
-    def watch(self, holder: Any, keys: "tuple[int, ...]",
+    def watch(self, holder: object, keys: "tuple[int, ...]",
               then: "Callable[[Release], None] | None" = None) -> Release:
         """When ``holder`` dies (autograd lets it go), release one saved slot of each storage in ``keys``, and
         call ``then`` with the reference returned, when the queue is settled (not as a finaliser)."""
@@ -405,7 +419,7 @@ class Ledger:
                             entry.cat = TEMPORARIES
                             self.seq += 1
                             if self.stream is not None:
-                                self.stream_moves.append((self.seq, entry.key))
+                                self.stream_moves.append((self.seq, entry.key, TEMPORARIES))
                             entry.moved, entry.before = self.seq, ACTIVATIONS
                             if entry.tag >= 0:
                                 tag_act[entry.tag] -= entry.tag_bytes
@@ -472,7 +486,7 @@ class Ledger:
         self.top = None
 
 
-def breakdown(totals: list[int], *, light: bool, where: str, device: Any = None) -> Breakdown:
+def breakdown(totals: list[int], *, light: bool, where: str, device: "DeviceReading | None" = None) -> Breakdown:
     """The ledger's totals as a Breakdown, with what the device reported (``where``: start, peak,
     end, now or sample). In light mode temporaries come from the allocator, where there is one."""
     values: list["int | None"] = list(totals)
@@ -480,8 +494,10 @@ def breakdown(totals: list[int], *, light: bool, where: str, device: Any = None)
     if light:
         values[TEMPORARIES] = None
         total = None
+        allocated = None
         if device is not None and where in ("peak", "end", "now") and device.allocated is not None:
             allocated = device.peak_allocated if where == "peak" else device.allocated
+        if allocated is not None:
             known = sum(v for v in totals[:TEMPORARIES])
             rest = values[TEMPORARIES] = max(0, allocated - known)
             total = known + rest

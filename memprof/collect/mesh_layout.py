@@ -8,7 +8,7 @@ left out (``None``), never guessed.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,10 +16,14 @@ from torch import nn
 from ..errors import is_interrupt
 from ..record.layout import MeshLayout, ParamGroup
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement
+
 __all__ = ["mesh_layout", "is_fsdp2_module", "cuts"]
 
 
-def cuts(placement: Any) -> bool:
+def cuts(placement: "Placement") -> bool:
     """Does a DTensor placement cut the tensor along its mesh dimension? ``Shard``, and ``_StridedShard``, which
     FSDP2 puts on its dimension over a tensor-parallel shard of the same tensor dimension and whose
     ``is_shard()`` is False (``torch/distributed/tensor/placement_types.py``, ``_is_shard_like``)."""
@@ -35,7 +39,7 @@ def is_fsdp2_module(m: nn.Module) -> bool:
 def mesh_layout(model: nn.Module, layout: "str | None") -> "MeshLayout | None":
     """``model``'s layout, or None when none of its parameters is a DTensor (or their meshes cannot be read)."""
     groups: dict[tuple[tuple[str, ...], tuple[str, ...]], list[int]] = {}
-    root: Any = None
+    root: "DeviceMesh | None" = None
     seen: set[int] = set()
     try:
         for p in model.parameters():
@@ -67,17 +71,18 @@ def mesh_layout(model: nn.Module, layout: "str | None") -> "MeshLayout | None":
     return _fsdp_policy(model, out) if layout == "fsdp2" else out
 
 
-def _root(mesh: Any) -> Any:
+def _root(mesh: "DeviceMesh") -> "DeviceMesh":
     get = getattr(mesh, "_get_root_mesh", None)
     try:
-        return get() if get is not None else mesh
+        root: "DeviceMesh" = get() if get is not None else mesh
+        return root
     except Exception as failure:
         if is_interrupt(failure):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return mesh
 
 
-def _names(mesh: Any, layout: "str | None") -> tuple[str, ...]:
+def _names(mesh: "DeviceMesh", layout: "str | None") -> tuple[str, ...]:
     """The mesh's dimension names; an unnamed one by its role (FSDP2 builds unnamed meshes of its own, and a
     one-dimensional mesh under parameters no data-parallel wrapper holds is tensor parallelism's)."""
     names = getattr(mesh, "mesh_dim_names", None)
@@ -135,5 +140,5 @@ def _one(dtypes: set[str]) -> "str | None":
     return next(iter(dtypes)) or None if len(dtypes) == 1 else None
 
 
-def _dtype(d: Any) -> str:
+def _dtype(d: "torch.dtype | None") -> str:
     return "" if d is None else str(d).replace("torch.", "")

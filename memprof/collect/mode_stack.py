@@ -16,7 +16,7 @@ moved: with one of those above, this returns False and the caller falls back.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import is_interrupt
 from .torch_compat import MODE_FLAGS_CURRENT as _CURRENT
@@ -24,22 +24,25 @@ from .torch_compat import MODE_FLAGS_SAVED as _SAVED
 from .torch_compat import dispatch_mode_at, dispatch_stack_len, pop_dispatch_mode, push_dispatch_mode
 from .torch_compat import python_dispatch as _pd
 
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
 __all__ = ["push_beneath", "pop_from_beneath"]
 
 
-def _stack() -> list[Any]:
+def _stack() -> "list[TorchDispatchMode]":
     return [dispatch_mode_at(i) for i in range(dispatch_stack_len())]
 
 
-def _plain(mode: Any) -> bool:
+def _plain(mode: "TorchDispatchMode") -> bool:
     return getattr(mode, "_mode_key", None) is None and getattr(mode, "_dispatch_key", None) is None
 
 
-def _current() -> tuple[Any, ...]:
+def _current() -> tuple[object, ...]:
     return tuple(getattr(_pd, name, None) for name in _CURRENT)
 
 
-def _restore(values: tuple[Any, ...]) -> None:
+def _restore(values: tuple[object, ...]) -> None:
     for name, value in zip(_CURRENT, values):
         if hasattr(_pd, name):
             setattr(_pd, name, value)
@@ -48,7 +51,7 @@ def _restore(values: tuple[Any, ...]) -> None:
         setter(values[2])
 
 
-def _saved(mode: Any) -> "list[Any] | None":
+def _saved(mode: "TorchDispatchMode") -> "list[object] | None":
     try:
         return [getattr(mode, name)[-1] for name in _SAVED]
     except (AttributeError, IndexError) as failure:  # an older torch, or a mode entered without torch's __enter__
@@ -57,7 +60,7 @@ def _saved(mode: Any) -> "list[Any] | None":
         return None
 
 
-def _set_saved(mode: Any, values: "list[Any] | None") -> None:
+def _set_saved(mode: "TorchDispatchMode", values: "list[object] | None") -> None:
     if values is None:
         return
     try:
@@ -69,27 +72,27 @@ def _set_saved(mode: Any, values: "list[Any] | None") -> None:
         pass
 
 
-def _lift(count: int) -> list[Any]:
+def _lift(count: int) -> "list[TorchDispatchMode]":
     return [pop_dispatch_mode(None) for _ in range(count)]  # top first
 
 
-def _put_back(lifted: list[Any]) -> None:
+def _put_back(lifted: "list[TorchDispatchMode]") -> None:
     for mode in reversed(lifted):
         push_dispatch_mode(mode)
 
 
-def push_beneath(mode: Any, depth: int) -> None:
+def push_beneath(mode: "TorchDispatchMode", depth: int) -> None:
     """Enter ``mode`` at position ``depth`` of this thread's stack, beneath the modes above it (on top
     when there are none, or when one of them cannot be moved)."""
     stack = _stack()
     above = stack[depth:] if 0 <= depth < len(stack) else []
     if not above or not all(_plain(m) for m in above):
-        mode.__enter__()
+        mode.__enter__()  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
         return
     before = _current()
     lifted = _lift(len(above))
     bottom = _saved(lifted[-1])
-    mode.__enter__()
+    mode.__enter__()  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
     # As if entered before them: it restores what the lowest of them had saved, and they saved "a
     # (non-infra) mode is in"; whether a mode ignores compile internals is unchanged by memprof's.
     _set_saved(mode, bottom)
@@ -101,7 +104,7 @@ def push_beneath(mode: Any, depth: int) -> None:
     _restore(before)
 
 
-def pop_from_beneath(mode: Any) -> bool:
+def pop_from_beneath(mode: "TorchDispatchMode") -> bool:
     """Exit ``mode`` from wherever it is in this thread's stack; False when it is not there, or when a
     mode above it cannot be moved."""
     stack = _stack()
@@ -110,14 +113,14 @@ def pop_from_beneath(mode: Any) -> bool:
         return False
     above = stack[where + 1:]
     if not above:
-        mode.__exit__(None, None, None)
+        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
         return True
     if not all(_plain(m) for m in above):
         return False
     before = _current()
     lifted = _lift(len(above))
     ours = _saved(mode)
-    mode.__exit__(None, None, None)
+    mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
     _set_saved(lifted[-1], ours)  # the lowest of them now restores what memprof's mode would have
     _put_back(lifted)
     _restore(before)

@@ -8,7 +8,7 @@ module saved what; the record (:mod:`.freeze`) turns it into the per-module rows
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -160,7 +160,7 @@ def is_compile_wrapper(mod: nn.Module) -> bool:
     return type(mod).__name__ == "OptimizedModule" and isinstance(getattr(mod, "_orig_mod", None), nn.Module)
 
 
-def unique_params(model: nn.Module) -> Any:
+def unique_params(model: nn.Module) -> Iterator[nn.Parameter]:
     seen: set[int] = set()
     for p in model.parameters():
         if id(p) not in seen:
@@ -173,7 +173,7 @@ def attribute_tensors(mod: nn.Module) -> list[torch.Tensor]:
     return [v for v in vars(mod).values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)]
 
 
-def tensors_in_args(args: Any, kwargs: Any) -> list[torch.Tensor]:
+def tensors_in_args(args: object, kwargs: object) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     _collect_tensors(args, out, 0)
     if kwargs:
@@ -181,7 +181,7 @@ def tensors_in_args(args: Any, kwargs: Any) -> list[torch.Tensor]:
     return out
 
 
-def _collect_tensors(obj: Any, out: list[torch.Tensor], depth: int) -> None:
+def _collect_tensors(obj: object, out: list[torch.Tensor], depth: int) -> None:
     # A module-level function, not a nested closure: a recursive closure is a
     # reference cycle that would keep the user's tensors alive until gc runs.
     if isinstance(obj, torch.Tensor):

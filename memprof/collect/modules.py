@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from .torch_compat import is_dynamo_compiling as _dynamo_compiling
 from .torch_compat import top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
+    from .aliases import Args, Kwargs
     from .capture import Capture
     from .dispatch import StorageTracker
     from .frames import Frames
@@ -57,6 +58,10 @@ if TYPE_CHECKING:
     from .state import Run
     from .timeline import Timeline
     from .undo import UndoStack
+
+    #: memprof's forward pre-hook and hook of a module (registered with_kwargs).
+    _PreHook = Callable[[nn.Module, Args, Kwargs], None]
+    _PostHook = Callable[[nn.Module, Args, Kwargs, object], None]
 
 __all__ = ["ModuleTracker"]
 
@@ -131,7 +136,7 @@ class ModuleTracker:
         for p in unique_params(model):
             self.params.adopt(p)
 
-    def forward_began(self, is_root: bool, grad: bool, args: Any, kwargs: Any) -> None:
+    def forward_began(self, is_root: bool, grad: bool, args: "Args", kwargs: "Kwargs") -> None:
         """An outermost call of the model: its phase (a forward; with a KV cache, a prefill or a decode), what
         the model gained since the last, and what it was handed.
 
@@ -166,7 +171,7 @@ class ModuleTracker:
                      "holds is not counted among inputs")
         storages.note_autocast()
 
-    def kept_by_checkpoint(self, args: Any, kwargs: Any) -> None:
+    def kept_by_checkpoint(self, args: "Args", kwargs: "Kwargs") -> None:
         """A module ran inside a checkpointed region: its inputs, if they outlive the forward, are what
         the region keeps instead of its saves (inside the region inputs are intermediates, freed after
         the forward, so only the region's own inputs stay counted). The post-hook tells: inside
@@ -198,7 +203,7 @@ class ModuleTracker:
         engine)."""
         self.phases.backward_done()
 
-    def compiled_call_ended(self, output: Any) -> None:
+    def compiled_call_ended(self, output: object) -> None:
         """The call that entered compiled code returned: in exact mode what it returns was allocated out of
         dispatch's sight."""
         self.table.compiled_depth -= 1
@@ -219,7 +224,7 @@ class ModuleTracker:
 
     # -- a model that changes ------------------------------------------------------------------
 
-    def registration_hook(self, module: nn.Module, name: str, value: Any) -> None:
+    def registration_hook(self, module: nn.Module, name: str, value: object) -> None:
         # Global: fires for every module in the process. Only the model's matter; what changed
         # is adopted at the next point where the model is not running (a forward's start, a step).
         if self.run.active and id(module) in self.table.index and value is not None:
@@ -270,13 +275,13 @@ class ModuleTracker:
 # called only there.
 
 
-def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
+def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PreHook":
     run, table, led, saved, frames = tracker.run, tracker.table, tracker.ledger, tracker.saved, tracker.frames
     calls, marks, stack, timeline = run.calls, tracker.marks, led.frames, tracker.timeline
     tensor_hooks, info = frames.tensor_hooks, table.info[index]
     path = info.path or "<model>"
-    exit_hook: Any = frames.exit_hook(index) if run.backward_frames else None  # made once: exact mode uses it
-    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+    exit_hook = frames.exit_hook(index) if run.backward_frames else None  # made once: exact mode uses it
+    def pre_hook(module: nn.Module, args: "Args", kwargs: "Kwargs") -> None:
         at_forward = tracker.at_forward
         if at_forward is not None and (is_root or not calls) and not at_forward():
             return None  # a schedule that does not record this forward (windows.Windows.at_forward)
@@ -332,14 +337,18 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                         plain = False
                         break
             try:
-                for a in args if plain else tensors_in_args(args, kwargs):
+                # Plain: every argument is a tensor (its type() above), which mypy cannot follow.
+                inputs: "Sequence[torch.Tensor]" = args if plain else tensors_in_args(  # type: ignore[assignment]
+                    args, kwargs)
+                for a in inputs:
                     if a.requires_grad:
                         # A tensor hook, not a pre-hook on a.grad_fn: torch.autograd.grad(out, [a])
                         # captures a's gradient without running a.grad_fn, and only tensor hooks fire then.
                         key = (id(a), index)  # Frames.hook_tensor, written out: once per tensor and module
                         known = tensor_hooks.get(key)
                         if known is None or known[0]() is not a:
-                            tensor_hooks[key] = (_weakref(a), a.register_hook(exit_hook))
+                            # (torch's Tensor.register_hook is untyped.)
+                            tensor_hooks[key] = (_weakref(a), a.register_hook(exit_hook))  # type: ignore[no-untyped-call]
             except Exception as exc:  # an input that cannot be read or hooked: the step runs as without memprof
                 if is_interrupt(exc):
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
@@ -348,13 +357,13 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
     return pre_hook
 
 
-def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
+def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PostHook":
     run, table, led, saved = tracker.run, tracker.table, tracker.ledger, tracker.saved
     calls, marks, stack, frames, timeline = run.calls, tracker.marks, led.frames, tracker.frames, tracker.timeline
     scoped, kv, info = saved.scoped, tracker.kv, table.info[index]
     path = info.path or "<model>"
-    enter_hook: Any = frames.enter_hook(index) if run.backward_frames else None  # made once: exact mode uses it
-    def post_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    enter_hook = frames.enter_hook(index) if run.backward_frames else None  # made once: exact mode uses it
+    def post_hook(module: nn.Module, args: "Args", kwargs: "Kwargs", output: object) -> None:
         if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag or (  # is_compiling(), one frame
                 _get_ident() != run.thread and _graph_task_id() == -1):
             return None
@@ -414,7 +423,7 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> Any:
                 samples.append((timeline.seq, run.step, run.phase, path, tuple(led.totals), _now(), "exit"))
             else:  # the cap, and its note
                 timeline.sample(path, "exit")
-        if run.backward_frames and _grad_enabled() and run.phase is _FORWARD:
+        if enter_hook is not None and run.backward_frames and _grad_enabled() and run.phase is _FORWARD:
             try:
                 for t in (output,) if type(output) is _PLAIN else tensors_in_args((output,), None):
                     if t.requires_grad:

@@ -33,7 +33,7 @@ def move(ledger: Ledger, entry: Entry, cat: int, *, retro: bool = False) -> None
     moved, before = entry.moved, entry.before
     ledger.seq += 1  # an event of its own: a peak reached before it is told apart from one after it
     if ledger.stream is not None:
-        ledger.stream_moves.append((ledger.seq, entry.key))
+        ledger.stream_moves.append((ledger.seq, entry.key, cat))
     entry.moved, entry.before = ledger.seq, old
     if old == ACTIVATIONS or cat == ACTIVATIONS:
         sign = -1 if old == ACTIVATIONS else 1

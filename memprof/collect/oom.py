@@ -23,12 +23,21 @@ import datetime
 import os
 import re
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import InvalidArgumentError, MemprofWarning, error_text, is_interrupt
 from ..record.files import make_writable_folder
 from ..record.trace import OomRecord
 from .weak import WeakIdentitySet
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..record.trace import Breakdown, Trace
+
+#: What was live at an error (``Profiler.live_now``): by category, by creating module (name, bytes), and storage by
+#: storage (address, bytes, category, module).
+LiveAtError = tuple["Breakdown", tuple[tuple[str, int], ...], tuple[tuple[int, int, str, str], ...]]
 
 __all__ = ["OomDump", "is_oom", "checked_folder", "oom_record", "error_text"]
 
@@ -61,7 +70,7 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
-def checked_folder(folder: Any, argument: str = "oom_dump") -> str:
+def checked_folder(folder: object, argument: str = "oom_dump") -> str:
     """``folder`` as a path memprof can write files into (created if missing), or a clear error now;
     ``argument`` is the name the error gives it (the integrations' ``save_dir`` is checked here too)."""
     if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
@@ -88,17 +97,17 @@ class OomDump:
     stays reachable from here after it.
     """
 
-    def __init__(self, folder: str, device: Any) -> None:
+    def __init__(self, folder: str, device: "torch.device") -> None:
         self.folder = folder
         self.device = device
-        self._live_now: "Callable[[], Any] | None" = None
+        self._live_now: "Callable[[], LiveAtError | None] | None" = None
         # The latest OOM the CUDA allocator reported: (device, requested, device free), what was live then
         # (Profiler.live_now) and the snapshot written. An OOM the user caught is replaced by the next.
         self.observed: "tuple[int, int, int] | None" = None
-        self.live: Any = None
+        self.live: "LiveAtError | None" = None
         self.snapshot: "str | None" = None
 
-    def start(self, live_now: "Callable[[], Any]") -> None:
+    def start(self, live_now: "Callable[[], LiveAtError | None]") -> None:
         if self.device.type == "cuda":
             _attach_observer()
             _WATCHING.add(self)
@@ -154,7 +163,7 @@ class OomDump:
         """The record of ``exc``, with what the CUDA observer saw of it."""
         return oom_record(exc, self.device, self.observed, self.snapshot)
 
-    def write(self, trace: Any) -> "str | None":
+    def write(self, trace: "Trace") -> "str | None":
         """Write the dump; a failure is a warning, never an exception."""
         try:
             from ..record.files import write_json_atomic
@@ -181,7 +190,7 @@ def _warn(message: str) -> None:
         pass
 
 
-def oom_record(exc: BaseException, device: Any, observed: "tuple[int, int, int] | None" = None,
+def oom_record(exc: BaseException, device: "torch.device", observed: "tuple[int, int, int] | None" = None,
                snapshot: "str | None" = None) -> OomRecord:
     """What an out-of-memory error says of itself: its message (:func:`error_text`, first line), the
     request (exact from the CUDA observer's ``(device, requested, free)``, or from the CPU allocator's

@@ -13,11 +13,14 @@ size; an in-place result counts as written).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import is_interrupt
+
+if TYPE_CHECKING:
+    from .aliases import Kwargs, Op
 
 __all__ = ["CONTRACTION", "NORMALIZATION", "ELEMENTWISE", "OTHER", "classify", "OperationLog"]
 
@@ -43,10 +46,10 @@ _NORMALIZATIONS = {
 }
 _SUFFIXES = ("_backward_data", "_backward_input", "_backward_weight", "_backward")
 
-_CLASS_CACHE: dict[Any, str] = {}
+_CLASS_CACHE: "dict[Op, str]" = {}
 
 
-def classify(func: Any) -> str:
+def classify(func: "Op") -> str:
     """The Ivanov class of an aten op (cached per op)."""
     cls = _CLASS_CACHE.get(func)
     if cls is not None:
@@ -72,7 +75,7 @@ def classify(func: Any) -> str:
     return cls
 
 
-def _nbytes(obj: Any) -> int:
+def _nbytes(obj: object) -> int:
     if isinstance(obj, torch.Tensor):
         try:
             return obj.numel() * obj.element_size()
@@ -99,7 +102,8 @@ class OperationLog:
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self._flops = {}
 
-    def record(self, phase: str, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+    def record(self, phase: str, func: "Op", args: "tuple[object, ...]", kwargs: "Kwargs | None", out: object
+               ) -> None:
         cls = classify(func)
         packet = getattr(func, "overloadpacket", func)
         flops = 0

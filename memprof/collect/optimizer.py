@@ -16,7 +16,7 @@ import operator
 import threading
 import weakref
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ from .module_table import class_names
 from .torch_compat import is_compiling as _is_compiling
 
 if TYPE_CHECKING:
+    from .aliases import Args, Kwargs
     from .carry import StepCarry
     from .dispatch import StorageTracker
     from .ledger import Ledger
@@ -115,7 +116,7 @@ class OptimizerTracker:
 
     # -- torch's global step hooks ----------------------------------------------------------
 
-    def pre_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+    def pre_hook(self, opt: torch.optim.Optimizer, args: "Args", kwargs: "Kwargs") -> "tuple[Args, Kwargs] | None":
         run = self.run
         if _is_compiling():
             return None
@@ -157,7 +158,7 @@ class OptimizerTracker:
                     f"step {self.run.step}: {type(opt).__name__} not passed to profile() stepped the "
                     "model's parameters (its state is measured from its first step)")
 
-    def _wrapped(self, args: Any, kwargs: Any) -> Any:
+    def _wrapped(self, args: "Args", kwargs: "Kwargs") -> "tuple[Args, Kwargs] | None":
         """``step(closure)`` runs forward and backward inside the step (Lightning's automatic optimisation,
         LBFGS): the optimizer phase begins when the closure returns. The wrapper returns what the closure
         returns; the step computes exactly as without it. None when there is no closure."""
@@ -169,10 +170,10 @@ class OptimizerTracker:
         kwargs["closure"] = self._after(closure)
         return tuple(args[:1]), kwargs
 
-    def _after(self, closure: Any) -> Any:
+    def _after(self, closure: Callable[[], object]) -> Callable[[], object]:
         run, params, phases = self.run, self.params, self.phases
 
-        def closure_then_step() -> Any:
+        def closure_then_step() -> object:
             result = closure()
             if run.active and not _is_compiling():
                 params.walk_grads()
@@ -182,7 +183,7 @@ class OptimizerTracker:
 
         return closure_then_step
 
-    def post_hook(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def post_hook(self, opt: torch.optim.Optimizer, args: "Args", kwargs: "Kwargs") -> None:
         if not self.run.active:
             if self.run.paused and not _is_compiling() and self.is_ours(opt):
                 self.phases.optimizer_seen = True
@@ -292,7 +293,7 @@ def optimizer_spec(opt: torch.optim.Optimizer, whole: "Mapping[int, tuple[int, .
                          plain_config(vars(args)) if args is not None and hasattr(args, "__dict__") else ())
 
 
-def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+def as_optimizers(optimizer: object) -> list[torch.optim.Optimizer]:
     """What profile() was given as optimizer(s), unwrapped; a clear error for anything else."""
     if optimizer is None:
         return []
@@ -309,7 +310,7 @@ def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return out
 
 
-def unwrap_optimizer(opt: Any) -> "torch.optim.Optimizer | None":
+def unwrap_optimizer(opt: object) -> "torch.optim.Optimizer | None":
     """The torch optimizer a wrapper drives: accelerate's AcceleratedOptimizer and DeepSpeed's wrap
     it as ``.optimizer``, Lightning's LightningOptimizer as ``._optimizer``. torch's step hooks fire
     for the optimizer whose step() runs, the innermost one, so that is the one memprof must follow."""

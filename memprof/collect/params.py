@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -73,7 +73,7 @@ class ParamTracker:
     def live(self) -> list[nn.Parameter]:
         return [p for p in (r() for r in self.refs) if p is not None]
 
-    def holds(self, p: Any) -> bool:
+    def holds(self, p: object) -> bool:
         """Is ``p`` one of the model's parameters memprof follows?"""
         ref = self.by_id.get(id(p))
         return ref is not None and ref() is p

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Callable, Literal, Protocol
 
 from . import marks
 from ..vocabulary import Phase
@@ -23,7 +23,7 @@ from .state import LIGHT
 if TYPE_CHECKING:
     from ..record.trace import Breakdown
     from .allocation_events import Window
-    from .device import DeviceProbe
+    from .device import DeviceProbe, DeviceReading
     from .ledger import Ledger
     from .state import Run
     from .timeline import Timeline
@@ -180,7 +180,7 @@ def _encoder_alone(tracker: PhaseBook) -> None:
 
 
 def _figures(window: "Window | None", totals: tuple[list[int], list[int], list[int]], light: bool,
-             device: Any) -> "tuple[Breakdown, Breakdown, Breakdown]":
+             device: "DeviceReading | None") -> "tuple[Breakdown, Breakdown, Breakdown]":
     """A phase's start, peak and end: the allocator's window (every tensor category measured), or the ledger's."""
     if window is not None:
         return (window_breakdown(window.start, "start", device), window_breakdown(window.peak, "peak", device),
@@ -190,7 +190,7 @@ def _figures(window: "Window | None", totals: tuple[list[int], list[int], list[i
             breakdown(totals[2], light=light, where="end", device=device))
 
 
-def window_breakdown(bd: "Breakdown", where: str, device: Any) -> "Breakdown":
+def window_breakdown(bd: "Breakdown", where: str, device: "DeviceReading | None") -> "Breakdown":
     """A window's breakdown with the device's figures (allocator overhead, memory outside torch) added."""
     return breakdown([bd[c.value] or 0 for c in CATEGORY_OF_INDEX], light=False, where=where, device=device)
 

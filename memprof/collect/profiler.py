@@ -28,7 +28,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 from typing_extensions import Self
 
@@ -55,6 +55,10 @@ from .undo import UndoStack
 from .wiring import Collectors, Wiring, wire
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from .schedule import Schedule
 
 __all__ = ["Profiler", "profile"]
@@ -94,7 +98,7 @@ def profile(
     timeline: bool = True,
     operations: bool = False,
     schedule: "Schedule | None" = None,
-    on_trace_ready: "Callable[[Profiler], Any] | None" = None,
+    on_trace_ready: "Callable[[Profiler], object] | None" = None,
     oom_dump: "str | os.PathLike[str] | None" = None,
     record_routing: bool = False,
     record_allocations: bool = False,
@@ -167,7 +171,7 @@ class Profiler(ProfileState):
         timeline: bool = True,
         operations: bool = False,
         schedule: "Schedule | None" = None,
-        on_trace_ready: "Callable[[Self], Any] | None" = None,
+        on_trace_ready: "Callable[[Self], object] | None" = None,
         oom_dump: "str | os.PathLike[str] | None" = None,
         record_routing: bool = False,
         record_allocations: bool = False,
@@ -175,7 +179,7 @@ class Profiler(ProfileState):
         carry_optimizer_steps: bool = True,
         _allow_meta: bool = False,
         _rounding: "int | None" = None,
-        _fake_mode: Any = None,
+        _fake_mode: "FakeTensorMode | None" = None,
     ) -> None:
         optimizers, device = checked(model, optimizer, mode, timeline, operations, schedule, on_trace_ready,
                                       _allow_meta)
@@ -184,7 +188,7 @@ class Profiler(ProfileState):
                 raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
         self._record_routing, self._carry = record_routing, carry_optimizer_steps and oom_dump is None
         # Called with this profiler: a facade's subclass hands its callback an instance of itself.
-        self._on_trace_ready: "Callable[[Self], Any] | None" = on_trace_ready
+        self._on_trace_ready: "Callable[[Self], object] | None" = on_trace_ready
         self.schedule = schedule
         self._mode_requested = mode
         mode, self._allocator = resolved_mode(mode, device, source, schedule)
@@ -264,7 +268,7 @@ class Profiler(ProfileState):
         assert self.collectors is not None  # built when the profile started
         self.collectors.phases.close_pending_step()
 
-    def mark_inputs(self, *objs: Any) -> None:
+    def mark_inputs(self, *objs: object) -> None:
         """The tensors in ``objs`` (in lists, tuples, dicts too) are inputs: the batch a framework hands a model
         whose call memprof does not see (Lightning's ``training_step``). Paused by a schedule: nothing."""
         if self._state != "active":
@@ -332,7 +336,8 @@ class Profiler(ProfileState):
         finally:
             self._in_callback = False
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: "type[BaseException] | None", exc: "BaseException | None",
+                 tb: "TracebackType | None") -> None:
         """Record ``exc``, remove everything, freeze the record (:mod:`.closing` says what it raises:
         never over ``exc``, the body's exception, which propagates unchanged)."""
         if self._state != "active":

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Any
-
 from torch import nn
 
 from ..errors import is_interrupt
@@ -72,14 +70,14 @@ def _shares(model: nn.Module) -> "tuple[int, int, int | None] | None":
     return round_half_away(total), round_half_away(trainable), counts.pop() if len(counts) == 1 else None
 
 
-def shards_of(p: Any) -> int:
+def shards_of(p: object) -> int:
     """Into how many pieces a DTensor's placements cut it (1 for a plain tensor, or a replicated one)."""
     placements = getattr(p, "placements", None)
     if placements is None:
         return 1
     n = 1
     try:
-        mesh = p.device_mesh
+        mesh = p.device_mesh  # type: ignore[attr-defined]  # a DTensor's (it has placements), which object lacks
         for dim, placement in enumerate(placements):
             if cuts(placement):
                 n *= mesh.size(dim)

@@ -16,7 +16,7 @@ device at every router call, so recording slows a run; it is off by default.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from ..record.routing import MAX_ROUTER_CALLS, RouterCall, RoutingRecord
 
 if TYPE_CHECKING:
+    from .aliases import Kwargs, OpValue
     from .module_table import ModuleTable
     from .state import Run
 
@@ -35,8 +36,8 @@ _ARGMAX = (torch.argmax, torch.Tensor.argmax)
 ROUTER_FUNCTIONS = frozenset(_TOPK + _ARGMAX)
 
 
-def router_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                out: Any) -> "tuple[torch.Tensor, torch.Tensor, int, bool] | None":
+def router_call(func: Callable[..., object], args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
+                out: "OpValue") -> "tuple[torch.Tensor, torch.Tensor, int, bool] | None":
     """``(scores, indices, dim, keepdim)`` when ``func(*args, **kwargs) -> out`` chose indices from floating
     scores (a ``topk``, or an ``argmax`` along a dimension); None otherwise."""
     if func in _TOPK:
@@ -69,14 +70,17 @@ class RoutingRecorder(TorchFunctionMode):
         self.calls: list[RouterCall] = []
         self.truncated = False
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    # TorchFunctionMode leaves these untyped: the torch function, the types of the tensors among its arguments, and
+    # its arguments, which this handler passes on.
+    def __torch_function__(self, func: Callable[..., object], types: "tuple[type, ...]",
+                           args: "tuple[object, ...]" = (), kwargs: "Kwargs | None" = None) -> object:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func in ROUTER_FUNCTIONS and self.run.active:
             self._note(func, tuple(args), kwargs, out)
         return out
 
-    def _note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    def _note(self, func: Callable[..., object], args: "tuple[object, ...]", kwargs: "Kwargs", out: object) -> None:
         call = router_call(func, args, kwargs, out)
         if call is None:
             return

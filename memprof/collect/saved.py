@@ -17,7 +17,7 @@ recomputed in backward) is found apart, by :mod:`.graph_saves`.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -35,6 +35,7 @@ from .torch_compat import dispatch_stack_len as _dispatch_stack_len, graph_task_
 from .torch_compat import COMPILER as _COMPILER, top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
+    from .aliases import SavedForm
     from .capture import Capture
     from .ledger import Ledger
     from .module_table import ModuleTable
@@ -86,7 +87,7 @@ class SavedTracker:
 
     # -- memprof's own pair ---------------------------------------------------------
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> object:
         """memprof's own pack (no user pair beneath), for every tensor autograd saves. A counted activation is
         handed to autograd as a :class:`Saved`, which tells the ledger when autograd lets it go; anything else
         as a tuple ``(tensor, version, origin)``. ``tensor`` is a detached alias of anything with a ``grad_fn``
@@ -166,7 +167,7 @@ class SavedTracker:
         led.watched.add(ref)
         return saved
 
-    def unpack(self, saved: Any) -> torch.Tensor:
+    def unpack(self, saved: "SavedForm") -> torch.Tensor:
         """memprof's own unpack, with torch's in-place modification check (torch skips its own for tensors
         saved through hooks: torch/csrc/autograd/saved_variable.cpp)."""
         run = self.run
@@ -194,7 +195,7 @@ class SavedTracker:
             raise RuntimeError(modified_message(t, version))
         return t
 
-    def watch(self, holder: Any, keys: tuple[int, ...]) -> None:
+    def watch(self, holder: object, keys: tuple[int, ...]) -> None:
         self.ledger.watch(holder, keys)
 
     def unpacking(self) -> None:
@@ -212,6 +213,7 @@ class SavedTracker:
         run = self.run
         if not run.active:
             return None
+        st: "torch.UntypedStorage | None"  # (an annotation only: no work at run time)
         if type(t) is torch.Tensor or type(t) is _PARAMETER:  # storage_of() inlined: this runs for every save
             # (A Parameter whose type is exactly nn.Parameter holds plain data: a parameter of a tensor subclass
             # has that subclass's type, torch/nn/parameter.py.)
@@ -232,7 +234,7 @@ class SavedTracker:
             led.settle()  # what torch let go of first: a freed storage may have had this address
         return self.account_storage(t, st)
 
-    def account_storage(self, t: torch.Tensor, st: Any) -> "int | None":
+    def account_storage(self, t: torch.Tensor, st: "torch.UntypedStorage") -> "int | None":
         """:meth:`account` for ``t`` whose counted storage is ``st``, the ledger settled: returns the storage's
         key when that is a counted activation."""
         run = self.run
@@ -268,7 +270,7 @@ class SavedTracker:
             return entry.key
         return None
 
-    def subclass_storage(self, t: torch.Tensor) -> Any:
+    def subclass_storage(self, t: torch.Tensor) -> "torch.UntypedStorage | None":
         """The counted storage of a saved tensor of a subclass, or None: off the profiled device, of another
         layout, or one whose own code raises when read (a note says its bytes are not counted, and the step runs
         as without memprof)."""

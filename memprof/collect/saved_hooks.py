@@ -33,7 +33,7 @@ does not.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -42,6 +42,9 @@ from .torch_compat import current_autograd_node, is_compiling as _is_compiling, 
 from .torch_compat import push_saved_hooks as _push, saved_hooks_disabled_message as _disabled_message
 from .torch_compat import top_saved_hooks as _top
 
+if TYPE_CHECKING:
+    from .aliases import PackHook, SavedPair, UnpackHook
+
 __all__ = ["Accountant", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pair", "under_checkpoint",
            "modified_message"]
 
@@ -49,16 +52,16 @@ __all__ = ["Accountant", "Packed", "SavedHooks", "tensors_in", "is_checkpoint_pa
 class Accountant(Protocol):
     """What memprof's pairs hand each saved tensor to (:class:`memprof.collect.saved.SavedTracker`)."""
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> object:
         """memprof's own pack, with no pair of the user's beneath it."""
 
-    def unpack(self, saved: Any) -> torch.Tensor:
+    def unpack(self, saved: object) -> torch.Tensor:
         """memprof's own unpack."""
 
     def account(self, t: torch.Tensor) -> "int | None":
         """A tensor autograd now holds: its storage's key when it is a counted activation."""
 
-    def watch(self, holder: Any, keys: tuple[int, ...]) -> None:
+    def watch(self, holder: object, keys: tuple[int, ...]) -> None:
         """When autograd lets ``holder`` go, release one slot of each counted storage in ``keys``."""
 
     def unpacking(self) -> None:
@@ -71,7 +74,7 @@ class Packed:
 
     __slots__ = ("packed", "__weakref__")
 
-    def __init__(self, packed: Any) -> None:
+    def __init__(self, packed: object) -> None:
         self.packed = packed
 
 
@@ -89,7 +92,7 @@ def modified_message(t: torch.Tensor, expected: int) -> str:
     )
 
 
-def tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
+def tensors_in(obj: object, out: list[torch.Tensor], depth: int = 0) -> None:
     """Tensors an outer pack's result holds: itself, in tuples, lists, dicts or object attributes."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -108,7 +111,7 @@ def tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
                 tensors_in(x, out, depth + 1)
 
 
-def is_checkpoint_pair(pair: Any) -> bool:
+def is_checkpoint_pair(pair: "SavedPair | None") -> bool:
     """Is this torch.utils.checkpoint's own pair (it keeps nothing in forward; recomputes in backward)?"""
     return pair is not None and getattr(pair[0], "__module__", None) == "torch.utils.checkpoint"
 
@@ -132,14 +135,14 @@ class _Chain:
 
     __slots__ = ("owner", "outer_pack", "outer_unpack")
 
-    def __init__(self, owner: Accountant, outer: tuple[Any, Any]) -> None:
+    def __init__(self, owner: Accountant, outer: "SavedPair") -> None:
         self.owner: "Accountant | None" = owner
         # The user's pair: autograd hands its unpack what its pack made, and wants a tensor back.
-        self.outer_pack: Callable[[torch.Tensor], Any]
-        self.outer_unpack: Callable[[Any], torch.Tensor]
+        self.outer_pack: "PackHook"
+        self.outer_unpack: "UnpackHook"
         self.outer_pack, self.outer_unpack = outer
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> object:
         packed = self.outer_pack(t)
         owner = self.owner
         if owner is None or _is_compiling():
@@ -152,7 +155,7 @@ class _Chain:
             owner.watch(held, keys)
         return held
 
-    def unpack(self, saved: Any) -> torch.Tensor:
+    def unpack(self, saved: object) -> torch.Tensor:
         owner = self.owner
         if owner is not None:
             owner.unpacking()
@@ -168,12 +171,12 @@ class SavedHooks:
         self.own_pack = owner.pack  # bound once: the identity that says "ours" on the stack
         self.own_unpack = owner.unpack
         # What memprof pushed and has not popped yet: (pack function, chain or None).
-        self.pushed: list[tuple[Any, "_Chain | None"]] = []
+        self.pushed: "list[tuple[PackHook, _Chain | None]]" = []
         # Packs of outer pairs memprof chained to (for the report's notes).
         self.chained_to: set[str] = set()
         self.in_transform = 0
 
-    def is_ours(self, pair: Any) -> bool:
+    def is_ours(self, pair: "SavedPair | None") -> bool:
         if pair is None:
             return False
         pack = pair[0]
@@ -233,12 +236,12 @@ class SavedHooks:
         return clean
 
     @staticmethod
-    def _on_top(pack: Any) -> bool:
+    def _on_top(pack: "PackHook") -> bool:
         top = _top(False)
         return top is not None and top[0] is pack
 
 
-def _name_of(pack: Any) -> str:
+def _name_of(pack: "PackHook") -> str:
     """The user's pack function's name, for a note; its type's name when reading it fails (a callable
     object's ``__qualname__`` is the user's code, and this runs inside the model's forward)."""
     try:
@@ -252,7 +255,7 @@ def _name_of(pack: Any) -> str:
 
 # Pushes that could not be popped when their profile ended: (thread id, pack function).
 # The next profile started in that thread pops those that are on top of its stack.
-_ORPHANS: list[tuple[int, Any]] = []
+_ORPHANS: "list[tuple[int, PackHook]]" = []
 
 
 def pop_orphans() -> None:

@@ -10,8 +10,6 @@ steps memprof's dispatch mode is not installed and its hooks return at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 from ..errors import InvalidArgumentError
 
 __all__ = ["Schedule", "schedule", "SKIP", "WAIT", "WARMUP", "ACTIVE", "DONE"]
@@ -90,6 +88,6 @@ def schedule(*, wait: int = 0, warmup: int = 0, active: int = 1, repeat: int = 0
     return Schedule(wait, warmup, active, repeat, skip_first)  # checked in Schedule.__post_init__
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 30 else text[:27] + "..."

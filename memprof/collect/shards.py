@@ -23,7 +23,7 @@ import dataclasses
 import math
 import weakref
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -33,6 +33,8 @@ from ..units import round_half_away
 from .ranks import is_fsdp2_module, shards_of
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
     from ..record.parts import RankInfo
     from .ledger import Ledger
     from .params import ParamTracker
@@ -68,10 +70,10 @@ def sharding(model: nn.Module, rank: "RankInfo | None", ledger: "Ledger", run: "
     return tracker
 
 
-def fsdp2_params(model: nn.Module) -> "dict[int, list[Any]] | None":
+def fsdp2_params(model: nn.Module) -> "dict[int, list[FSDPParam]] | None":
     """id(module) -> the FSDPParams of each ``fully_shard``-ed module of ``model``; None when FSDP2's
     internals cannot be read (a torch whose FSDP2 differs)."""
-    groups: dict[int, list[Any]] = {}
+    groups: "dict[int, list[FSDPParam]]" = {}
     for m in model.modules():
         if not is_fsdp2_module(m):
             continue
@@ -93,7 +95,7 @@ class ShardTracker:
     """FSDP2's parameters of one profiled model. ``rank`` is the rank's record, with the sharded and
     unsharded bytes once the profile has closed."""
 
-    def __init__(self, run: "Run", params: "ParamTracker", stack: "UndoStack", groups: dict[int, list[Any]],
+    def __init__(self, run: "Run", params: "ParamTracker", stack: "UndoStack", groups: "dict[int, list[FSDPParam]]",
                  rank: "RankInfo") -> None:
         self.run = run
         self.params = params
@@ -107,7 +109,7 @@ class ShardTracker:
         # pass after each collective then registers only what changed since (a sharded gradient is a DTensor,
         # whose registration unwraps it: done for every parameter after every collective, it cost a 405B
         # pipeline simulation most of its time).
-        self.stored: dict[int, tuple[Any, Any]] = {}
+        self.stored: "dict[int, tuple[_Ref, _Ref]]" = {}
 
     def close(self) -> None:
         sharded, unsharded, padding, even = self.sizes()
@@ -159,7 +161,7 @@ class ShardTracker:
             if isinstance(kept, torch.Tensor):
                 self.params.weigh(kept)
 
-    def _weigh(self, fp: Any) -> None:
+    def _weigh(self, fp: "FSDPParam") -> None:
         tensors = (list(getattr(fp, "all_gather_outputs", ()) or ())
                    + list(getattr(fp, "_unsharded_inner_tensors", ()) or ()))
         param = getattr(fp, "_unsharded_param", None)
@@ -201,13 +203,21 @@ class ShardTracker:
             stored[i] = (_ref(g), _ref(acc))
 
 
-def _ref(t: Any) -> Any:
+#: A weak reference to a gradient, or a stand-in that gives None.
+_Ref = Callable[[], "torch.Tensor | None"]
+
+
+def _ref(t: "torch.Tensor | None") -> _Ref:
     """A weak reference to ``t`` (never keeping a gradient alive), or a callable giving None."""
     return weakref.ref(t) if t is not None else _none
 
 
 def _none() -> None:
     return None
+
+
+#: ``UntypedStorage.resize_``, torch's or memprof's wrapper of it.
+_Resize = Callable[[torch.UntypedStorage, int], object]
 
 
 class ResizeWatch:
@@ -217,12 +227,12 @@ class ResizeWatch:
     by the last, so profiles that end in any order leave torch's method as it was."""
 
     _active: "list[ResizeWatch]" = []
-    _original: Any = None
-    _wrapper: Any = None
+    _original: "_Resize | None" = None
+    _wrapper: "_Resize | None" = None
     _had_own = False
 
     def __init__(self, ledger: "Ledger") -> None:
-        self.ledger: Any = ledger
+        self.ledger: "Ledger | None" = ledger
 
     def install(self) -> None:
         cls = ResizeWatch
@@ -230,7 +240,7 @@ class ResizeWatch:
             original = torch.UntypedStorage.resize_
             active = cls._active
 
-            def resize_(storage: Any, size: int) -> Any:
+            def resize_(storage: torch.UntypedStorage, size: int) -> object:
                 out = original(storage, size)
                 for watch in active:
                     led = watch.ledger
@@ -259,7 +269,7 @@ class ResizeWatch:
             return
         if torch.UntypedStorage.__dict__.get("resize_") is cls._wrapper:
             if cls._had_own:
-                torch.UntypedStorage.resize_ = cls._original  # type: ignore[method-assign]  # putting back what was there
+                torch.UntypedStorage.resize_ = cls._original  # type: ignore[method-assign, assignment]  # putting back what was there
             else:
                 del torch.UntypedStorage.resize_  # the class is as torch made it again
             cls._wrapper = None

@@ -11,7 +11,7 @@ model, the allocation stream the device replay needs. Everything it does to the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +24,8 @@ from .routing import innermost_module
 from .streams import ONE_STREAM, StreamSwitches, StreamUse
 
 if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from .wiring import Collectors
 
 __all__ = ["RecordedStream", "SimulatedProfile"]
@@ -44,8 +46,8 @@ class RecordedStream:
     streams: StreamUse = ONE_STREAM
     #: The category each storage was made in, one per storage made, in order (empty: not known).
     cats: tuple[int, ...] = ()
-    #: Each move of a live storage to another category, as (seq, key).
-    moves: tuple[tuple[int, int], ...] = ()
+    #: Each move of a live storage to another category, as (seq, key, the category it moved to).
+    moves: tuple[tuple[int, int, int], ...] = ()
 
 
 class SimulatedProfile(Profiler):
@@ -56,8 +58,8 @@ class SimulatedProfile(Profiler):
     Enter it around the simulated steps as any profile; :attr:`trace` is the record afterwards. The methods
     below are what a simulated layout plays on the run while it is recorded (:attr:`recording`)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | None", *, fake_mode: Any,
-                 rounding: int, keep_stream: bool) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | None", *,
+                 fake_mode: "FakeTensorMode | None", rounding: int, keep_stream: bool) -> None:
         super().__init__(model, optimizer, mode="exact", timeline=False, _allow_meta=True, _fake_mode=fake_mode,
                          _rounding=rounding)
         self._switches: "StreamSwitches | None" = None

@@ -13,7 +13,7 @@ puts back the string that was there before when the profile ends, also when the 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 from torch.nn.modules import module as _module_mod
@@ -85,14 +85,14 @@ class SnapshotLabels:
             return None
         return row
 
-    def entered(self, module: nn.Module, _args: Any) -> None:
+    def entered(self, module: nn.Module, _args: object) -> None:
         row = self._watched(module)
         if row is None or not self.run.active:
             return
         self.calls.append(row)
         self.show()
 
-    def left(self, module: nn.Module, _args: Any, _out: Any) -> None:
+    def left(self, module: nn.Module, _args: object, _out: object) -> None:
         row = self._watched(module)
         if row is None or not self.calls or self.calls[-1] != row:
             return

@@ -20,13 +20,21 @@ from __future__ import annotations
 
 import operator
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import is_interrupt
 from .ledger import STORAGE_KEY, UNTYPED_STORAGE
 from .torch_compat import dispatch_mode_at, dispatch_stack_len
+
+if TYPE_CHECKING:
+    from ..anatomy.optimizers import ParamGroup
+    from .aliases import Kwargs
+    from .dispatch import DispatchMode
+
+#: What a signature is: plain values, compared with == (never read back).
+Signature = tuple[object, ...]
 
 __all__ = ["step_signature", "state_signature", "NUMERIC_ONLY", "ZERO_OR_NOT"]
 
@@ -53,7 +61,7 @@ _DEVICE = operator.attrgetter("device")
 _NBYTES = operator.methodcaller("nbytes")
 
 
-def _tensor(t: torch.Tensor) -> "tuple[Any, ...] | None":
+def _tensor(t: torch.Tensor) -> "Signature | None":
     """A tensor's metadata (no values); None for a subclass or a non-strided layout."""
     if type(t) is not _PLAIN and type(t) is not _PARAMETER or t.layout is not _STRIDED:
         return None
@@ -63,7 +71,7 @@ def _tensor(t: torch.Tensor) -> "tuple[Any, ...] | None":
 _NEVER = object()
 
 
-def _setting(key: str, value: Any) -> Any:
+def _setting(key: str, value: object) -> object:
     """One setting as the signature compares it; ``_NEVER`` for a tensor the signature cannot hold."""
     if isinstance(value, torch.Tensor):
         meta = _tensor(value)
@@ -88,7 +96,7 @@ def _setting(key: str, value: Any) -> Any:
     return (type(value).__qualname__, id(value))
 
 
-def _settings(group: dict[str, Any]) -> "tuple[Any, ...] | None":
+def _settings(group: "ParamGroup") -> "Signature | None":
     out = []
     # Runs for every group at every step: plain settings (flags, None, a float lr) without a call each.
     for key in sorted(group):
@@ -108,7 +116,7 @@ def _settings(group: dict[str, Any]) -> "tuple[Any, ...] | None":
     return tuple(out)
 
 
-def state_signature(opt: torch.optim.Optimizer) -> "tuple[Any, ...] | None":
+def state_signature(opt: torch.optim.Optimizer) -> "Signature | None":
     """Every state tensor's key, metadata and storage (and the type of every other state value), by
     parameter identity; None when one is a tensor subclass or not strided. Compared after a carried step:
     a state tensor replaced or resized is a change the carried step did not make."""
@@ -129,12 +137,12 @@ def state_signature(opt: torch.optim.Optimizer) -> "tuple[Any, ...] | None":
         return ("columns", tuple(map(id, states)), tuple(map(len, rows)), tuple(_chain(rows)),
                 tuple(map(_SHAPE, values)), tuple(map(_DTYPE, values)), tuple(map(_DEVICE, values)),
                 tuple(map(STORAGE_KEY, storages)), tuple(map(_NBYTES, storages)))
-    out = []
+    out: list[object] = []
     for param, state in opt.state.items():
         if not isinstance(state, dict):
             out.append((id(param), type(state).__qualname__))
             continue
-        row: list[Any] = [id(param)]
+        row: list[object] = [id(param)]
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 if type(value) is not _PLAIN or value.layout is not _STRIDED:
@@ -149,7 +157,7 @@ def state_signature(opt: torch.optim.Optimizer) -> "tuple[Any, ...] | None":
     return tuple(out)
 
 
-def _params(group: dict[str, Any], shared: dict[int, int]) -> "tuple[Any, ...] | None":
+def _params(group: "ParamGroup", shared: dict[int, int]) -> "Signature | None":
     out = []
     # Every parameter at every step: _tensor() inlined.
     for p in group["params"]:
@@ -157,7 +165,7 @@ def _params(group: dict[str, Any], shared: dict[int, int]) -> "tuple[Any, ...] |
             return None
         g = p.grad
         if g is None:
-            grad: Any = None
+            grad: object = None
         else:
             if type(g) is not _PLAIN or g.layout is not _STRIDED:
                 return None
@@ -169,7 +177,7 @@ def _params(group: dict[str, Any], shared: dict[int, int]) -> "tuple[Any, ...] |
     return tuple(out)
 
 
-def _modes(own: Any) -> tuple[Any, ...]:
+def _modes(own: "DispatchMode | None") -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The dispatch and function modes on the stack (by identity), memprof's own dispatch mode (``own``) left
     out: a mode of the user's may change what the step's ops allocate."""
     dispatch = []
@@ -186,7 +194,7 @@ def _modes(own: Any) -> tuple[Any, ...]:
     return tuple(dispatch), tuple(functions)
 
 
-def _autocast() -> tuple[Any, ...]:
+def _autocast() -> tuple[tuple[str, "bool | None", "torch.dtype | None"], ...]:
     out: list[tuple[str, "bool | None", "torch.dtype | None"]] = []
     for dev in ("cpu", "cuda"):
         try:
@@ -199,10 +207,11 @@ def _autocast() -> tuple[Any, ...]:
     return tuple(out)
 
 
-def step_signature(opt: torch.optim.Optimizer, kwargs: Any, own_mode: Any) -> "tuple[Any, ...] | None":
+def step_signature(opt: torch.optim.Optimizer, kwargs: "Kwargs | None", own_mode: "DispatchMode | None"
+                   ) -> "Signature | None":
     """All that decides ``opt.step(**kwargs)``'s allocations now (the module docstring lists it); None when
     the step must be measured whatever happened before (a tensor subclass, a non-strided tensor)."""
-    groups: list[Any] = []
+    groups: list[object] = []
     shared: dict[int, int] = {}
     for group in opt.param_groups:
         settings = _settings(group)
@@ -215,8 +224,9 @@ def step_signature(opt: torch.optim.Optimizer, kwargs: Any, own_mode: Any) -> "t
     if state is None or defaults is None:
         return None
     step_kwargs = []
-    for key in sorted(kwargs or {}):
-        value = _setting(key, kwargs[key])
+    given = kwargs or {}
+    for key in sorted(given):
+        value = _setting(key, given[key])
         if value is _NEVER:
             return None
         step_kwargs.append((key, value))

@@ -19,11 +19,13 @@ Stream 0 is the device's current stream; side streams are numbered in the order 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, ContextManager, Protocol
 
 import torch
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from .ledger import Ledger
 
 __all__ = ["ONE_STREAM", "StreamSwitches", "StreamUse"]
@@ -47,6 +49,12 @@ class StreamUse:
 ONE_STREAM = StreamUse()
 
 
+class _StreamCall(Protocol):
+    """``torch.cpu.stream``: the context that makes ``stream`` current (called by keyword too)."""
+
+    def __call__(self, stream: "torch.cpu.Stream") -> ContextManager[object]: ...
+
+
 class StreamSwitches:
     """Notes where a simulated run switches streams: :attr:`switches` is a list of ``(seq, stream)``, the
     ledger's event count when ``stream`` became current (storages made with a larger seq are made on it)."""
@@ -54,10 +62,10 @@ class StreamSwitches:
     def __init__(self, ledger: "Ledger") -> None:
         self.ledger = ledger
         self.switches: list[tuple[int, int]] = []
-        self._ids: dict[int, tuple[int, Any]] = {}  # id(stream object) -> (its number, the object kept alive)
+        self._ids: dict[int, tuple[int, object]] = {}  # id(stream object) -> (its number, the object kept alive)
         self._current = [0]
-        self._native: "Callable[..., Any] | None" = None
-        self._default: Any = None
+        self._native: "_StreamCall | None" = None
+        self._default: "torch.cpu.Stream | None" = None
 
     def install(self) -> None:
         """Put the noting context in ``torch.cpu.stream``'s place, until :meth:`uninstall`."""
@@ -70,7 +78,7 @@ class StreamSwitches:
             torch.cpu.stream = self._native
         self._native = None
 
-    def _number(self, stream: Any) -> int:
+    def _number(self, stream: object) -> int:
         if stream is None or stream is self._default:
             return 0
         known = self._ids.get(id(stream))
@@ -82,26 +90,27 @@ class StreamSwitches:
         if number != (self.switches[-1][1] if self.switches else 0):
             self.switches.append((self.ledger.seq, number))
 
-    def _stream(self, stream: Any) -> "_Current":
+    def _stream(self, stream: "torch.cpu.Stream") -> "_Current":
         return _Current(self, self._number(stream), self._native(stream) if self._native is not None else None)
 
 
 class _Current:
     """``with torch.cpu.stream(s):`` while switches are noted: torch's own context, entered and left inside."""
 
-    def __init__(self, owner: StreamSwitches, number: int, native: Any) -> None:
+    def __init__(self, owner: StreamSwitches, number: int, native: "ContextManager[object] | None") -> None:
         self.owner, self.number, self.native = owner, number, native
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> object:
         entered = self.native.__enter__() if self.native is not None else None
         owner = self.owner
         owner._switch(self.number)
         owner._current.append(self.number)
         return entered
 
-    def __exit__(self, *exc: Any) -> Any:
+    def __exit__(self, kind: "type[BaseException] | None", exc: "BaseException | None",
+                 tb: "TracebackType | None") -> "bool | None":
         owner = self.owner
         if len(owner._current) > 1:
             owner._current.pop()
         owner._switch(owner._current[-1])
-        return self.native.__exit__(*exc) if self.native is not None else None
+        return self.native.__exit__(kind, exc, tb) if self.native is not None else None

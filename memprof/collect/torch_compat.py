@@ -9,7 +9,8 @@ and each name with a fallback degrades to "not known" rather than failing the us
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Literal
+from types import CodeType
+from typing import TYPE_CHECKING, Callable, ContextManager, Literal, Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -17,6 +18,12 @@ from torch.utils import _python_dispatch as python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import is_interrupt
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
+
+    from .aliases import PackHook, SavedPair, UnpackHook
+    from .allocation_events import Snapshot
 
 __all__ = [
     "graph_task_id", "dispatch_stack_len", "dispatch_mode_at", "push_dispatch_mode", "pop_dispatch_mode",
@@ -34,7 +41,7 @@ __all__ = [
 graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 #: The autograd node the engine is running now (None outside backward): where backward's walk of the graph
 #: starts, and the node named in torch's "modified by an inplace operation" error.
-current_autograd_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+current_autograd_node: "Callable[[], Node | None]" = getattr(torch._C, "_current_autograd_node", lambda: None)
 #: Run a function when the engine has finished the current backward (the hook torch's own DDP and FSDP use
 #: to finish their work): how the backward phase ends. Raises RuntimeError outside the engine.
 queue_backward_callback: Callable[[Callable[[], None]], None] = \
@@ -44,11 +51,11 @@ queue_backward_callback: Callable[[Callable[[], None]], None] = \
 
 #: The innermost (pack, unpack) pair on this thread's stack, or None: which pair autograd calls now. Without
 #: it, memprof cannot tell and treats the stack as empty.
-top_saved_hooks: Callable[[bool], Any] = getattr(
+top_saved_hooks: "Callable[[bool], SavedPair | None]" = getattr(
     torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _ignore: None)
 #: Push and pop a pair, as ``torch.autograd.graph.saved_tensors_hooks`` does on entry and exit: memprof pushes
 #: its pair per module call and must pop exactly its own.
-push_saved_hooks: Callable[[Any, Any], None] = torch._C._autograd._push_saved_tensors_default_hooks
+push_saved_hooks: "Callable[[PackHook, UnpackHook], None]" = torch._C._autograd._push_saved_tensors_default_hooks
 pop_saved_hooks: Callable[[], None] = torch._C._autograd._pop_saved_tensors_default_hooks
 #: Not None while saved-tensor hooks are disabled (inside torch.func transforms), where a push would raise.
 saved_hooks_disabled_message: Callable[[], "str | None"] = getattr(
@@ -60,14 +67,15 @@ saved_hooks_disabled_message: Callable[[], "str | None"] = getattr(
 #: memprof's mode back, and whether memprof's mode is the only one (then its own detaches skip Python).
 dispatch_stack_len: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: -1)
 #: The mode at a position of the stack (0: the bottom), to find memprof's own among the user's.
-dispatch_mode_at: Callable[[int], Any] = torch._C._get_dispatch_stack_at
+dispatch_mode_at: Callable[[int], TorchDispatchMode] = torch._C._get_dispatch_stack_at
 #: Take the top mode off the stack and put one back, without its __enter__/__exit__: how memprof's mode is
 #: moved beneath modes the user entered after it (memprof.collect.mode_stack).
-pop_dispatch_mode: Callable[[Any], Any] = torch._C._pop_torch_dispatch_stack
-push_dispatch_mode: Callable[[Any], None] = torch._C._push_on_torch_dispatch_stack
+pop_dispatch_mode: Callable[[None], TorchDispatchMode] = torch._C._pop_torch_dispatch_stack
+push_dispatch_mode: Callable[[TorchDispatchMode], None] = torch._C._push_on_torch_dispatch_stack
 #: A context in which ops skip Python dispatch modes: memprof's own detach of a saved tensor, when memprof's
 #: mode is the only one, need not go through it (no fallback changes nothing but the cost).
-NoPythonDispatch: Any = getattr(torch._C, "_DisableTorchDispatch", contextlib.nullcontext)
+NoPythonDispatch: Callable[[], ContextManager[object]] = getattr(torch._C, "_DisableTorchDispatch",
+                                                                  contextlib.nullcontext)
 #: The "a mode is in" flags torch keeps in torch/utils/_python_dispatch.py: each mode saves them on entry
 #: (``MODE_FLAGS_SAVED``, lists on the mode) and restores them on exit (``MODE_FLAGS_CURRENT``, module globals).
 #: Moving a mode under others must swap what each restores (memprof.collect.mode_stack); a missing one is skipped.
@@ -85,6 +93,13 @@ KEEPS_COMPILE = hasattr(TorchDispatchMode, "ignore_compile_internals")
 is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
+class CompilingFlag(Protocol):
+    """What :data:`COMPILER` is read for: torch.compiler's module flag, or the property below."""
+
+    @property
+    def _is_compiling_flag(self) -> bool: ...
+
+
 class _CallsIsCompiling:
     @property
     def _is_compiling_flag(self) -> bool:
@@ -97,7 +112,7 @@ class _CallsIsCompiling:
 #: Code that dynamo may inline (module, gradient and optimizer hooks) must not read the flag first: dynamo would
 #: guard on it. There ``is_compiling()``, which dynamo folds to True, or the one-frame form below. Where torch has
 #: no such flag, a property that calls ``is_compiling()``.
-COMPILER: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CallsIsCompiling()
+COMPILER: CompilingFlag = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CallsIsCompiling()
 
 #: ``is_dynamo_compiling() or COMPILER._is_compiling_flag`` answers as ``is_compiling()`` does, in one Python frame
 #: instead of two (``is_compiling`` calls ``torch.jit.is_scripting``), for the hooks that run at every module call
@@ -109,7 +124,7 @@ COMPILER: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") 
 is_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", is_compiling)
 
 
-def _code_skipper() -> "Callable[[Any], None] | None":
+def _code_skipper() -> "Callable[[CodeType], None] | None":
     try:
         from torch._C._dynamo import eval_frame as _eval_frame
 
@@ -120,7 +135,7 @@ def _code_skipper() -> "Callable[[Any], None] | None":
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return None
 
-    def skip(code: Any) -> None:
+    def skip(code: CodeType) -> None:
         mark(code, strategy)
 
     return skip
@@ -131,7 +146,7 @@ _skip_code = _code_skipper()
 SKIPS_DYNAMO = _skip_code is not None
 
 
-def skip_dynamo(code: Any) -> None:
+def skip_dynamo(code: CodeType) -> None:
     """Keep dynamo out of a code object and of everything it calls, as ``torch._dynamo.disable(recursive=True)``
     does, with no wrapper frame: a per-code execution strategy that the C frame evaluator reads
     (``set_code_exec_strategy``, the mechanism of ``torch._dynamo.eval_frame.skip_code``; skipped for the
@@ -162,9 +177,10 @@ attach_cuda_oom_observer: "Callable[[Callable[[int, int, int, int], None]], None
     torch._C, "_cuda_attach_out_of_memory_observer", None)
 
 
-def cuda_memory_snapshot() -> Any:
+def cuda_memory_snapshot() -> "Snapshot":
     """The allocator's state in memory_viz's format (``torch.cuda.memory._snapshot``), written beside an OOM dump."""
-    return torch.cuda.memory._snapshot()
+    snapshot: "Snapshot" = torch.cuda.memory._snapshot()  # torch leaves it untyped
+    return snapshot
 
 
 #: Whether the allocator records its history now (``_record_memory_history`` was called, by the user or by
@@ -172,7 +188,7 @@ def cuda_memory_snapshot() -> Any:
 cuda_history_enabled: "Callable[[], bool] | None" = getattr(torch._C, "_cuda_isHistoryEnabled", None)
 
 
-def record_cuda_history(enabled: 'Literal["state", "all"] | None', **options: Any) -> None:
+def record_cuda_history(enabled: 'Literal["state", "all"] | None', **options: object) -> None:
     """Start (``"all"``), restart or stop (None) the allocator's history
     (``torch.cuda.memory._record_memory_history``)."""
     torch.cuda.memory._record_memory_history(enabled, **options)

@@ -13,7 +13,7 @@ Formatting the user's exception runs the user's ``__str__``, which may raise too
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 __all__ = ["UndoStack", "Failure", "Failures", "attempt", "undo"]
 
@@ -35,9 +35,9 @@ class UndoStack:
     raise. ``callback(fn, *args)`` registers a step, as ``contextlib.ExitStack.callback`` does."""
 
     def __init__(self) -> None:
-        self._steps: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+        self._steps: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] = []
 
-    def callback(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+    def callback(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> Callable[..., object]:
         self._steps.append((fn, args, kwargs))
         return fn
 
@@ -51,7 +51,7 @@ class UndoStack:
         return failures
 
 
-def undo(failures: Failures, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+def undo(failures: Failures, what: str, fn: Callable[..., object], *args: object, **kwargs: object) -> None:
     """Run the undo step ``fn(*args, **kwargs)``, and once more if it raises (an interrupt cut it short,
     or it failed on something passing); a failure is recorded in ``failures``, done if the second run
     succeeded."""
@@ -61,7 +61,7 @@ def undo(failures: Failures, what: str, fn: Callable[..., Any], *args: Any, **kw
         failures.append(Failure(what, again or first, again is None))
 
 
-def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> "BaseException | None":
+def _run(fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> "BaseException | None":
     try:
         fn(*args, **kwargs)
     except BaseException as exc:  # a second Ctrl-C included: the next step must run
@@ -69,7 +69,7 @@ def _run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return None
 
 
-def attempt(failures: Failures, what: str, fn: Callable[..., Any], *args: Any) -> bool:
+def attempt(failures: Failures, what: str, fn: Callable[..., object], *args: object) -> bool:
     """Run ``fn(*args)``; if it raises (anything, ``KeyboardInterrupt`` included) record it in ``failures``
     and return False."""
     try:
@@ -80,7 +80,7 @@ def attempt(failures: Failures, what: str, fn: Callable[..., Any], *args: Any) -
     return True
 
 
-def _name(fn: Callable[..., Any]) -> str:
+def _name(fn: Callable[..., object]) -> str:
     owner = getattr(fn, "__self__", None)
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return f"{type(owner).__name__}.{name}" if owner is not None else name

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.optim.optimizer as _optim_mod
@@ -46,6 +46,8 @@ from .timeline import Timeline
 from .windows import Windows
 
 if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     from ..record.parts import RankInfo
     from .allocator_source import AllocatorSource
     from .device import DeviceProbe
@@ -159,7 +161,7 @@ class Wiring:
 
     mode_requested: str
     operations: bool
-    fake_mode: Any
+    fake_mode: "FakeTensorMode | None"
     schedule: "Schedule | None"
     ready: "Callable[[], None] | None"
     record_routing: bool = False
@@ -186,7 +188,7 @@ def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Ru
 
 
 def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
-          probe: "DeviceProbe", stack: "UndoStack", fake_mode: Any) -> Collectors:
+          probe: "DeviceProbe", stack: "UndoStack", fake_mode: "FakeTensorMode | None") -> Collectors:
     """The collectors, each with its collaborators, and the slots through which lower ones call higher ones."""
     timeline = Timeline(ledger, run)
     storages = StorageTracker(ledger, run)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import is_interrupt
 
 if TYPE_CHECKING:
+    from ..collect.aliases import FrameworkObject
     from ..report.profiling import Profiler
     from ..report import Report
     from ..collect.schedule import Schedule
@@ -46,7 +47,7 @@ def step_metrics(step: "StepRecord | None") -> dict[str, int]:
     return out
 
 
-def require(module: str, extra: str, minimum: "tuple[int, ...]", installed: Any) -> None:
+def require(module: str, extra: str, minimum: "tuple[int, ...]", installed: object) -> None:
     """Refuse a framework version older than the integration supports, naming the fix."""
     from ..errors import InvalidArgumentError
 
@@ -90,7 +91,7 @@ class Session:
         self._logged: "int | None" = None
         self._rank = 0
 
-    def begin(self, model: Any, optimizers: Any, rank: int) -> None:
+    def begin(self, model: "FrameworkObject", optimizers: "FrameworkObject", rank: int) -> None:
         """Start profiling ``model`` (what the framework trains) and its ``optimizers``."""
         from ..report.profiling import Profiler
         from ..collect.oom import checked_folder

@@ -16,7 +16,7 @@ Trainer's loggers at the step's global step.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import MissingExtraError, is_interrupt
 from . import Session, require, warn
@@ -32,6 +32,9 @@ except ImportError as failure:  # pragma: no cover - the extra is missing
     ) from None
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from ..collect.aliases import FrameworkObject
     from ..collect.schedule import Schedule
 
 __all__ = ["MemprofCallback"]
@@ -53,10 +56,11 @@ class MemprofCallback(Session, Callback):
         Session.__init__(self, mode=mode, schedule=schedule, save_dir=save_dir, timeline=timeline,
                          oom_dump=oom_dump)
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_start(self, trainer: "FrameworkObject", pl_module: "nn.Module") -> None:
         self.begin(pl_module, list(trainer.optimizers), int(getattr(trainer, "global_rank", 0) or 0))
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: "FrameworkObject", pl_module: "nn.Module", batch: object,
+                             batch_idx: int) -> None:
         prof = self.profiler
         if prof is None or not prof.running:
             return
@@ -70,7 +74,8 @@ class MemprofCallback(Session, Callback):
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             self.give_up(exc)
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: "FrameworkObject", pl_module: "nn.Module", outputs: object, batch: object,
+                           batch_idx: int) -> None:
         # Closes the step if its optimizer stepped in this batch (not mid-accumulation).
         metrics = self.step_ended()
         if not metrics:
@@ -84,9 +89,9 @@ class MemprofCallback(Session, Callback):
                 warn(f"memprof could not log its metrics to {type(logger).__name__} ({type(exc).__name__}: {exc}); "
                      "training goes on")
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_end(self, trainer: "FrameworkObject", pl_module: "nn.Module") -> None:
         self.stop()
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def on_exception(self, trainer: "FrameworkObject", pl_module: "nn.Module", exception: BaseException) -> None:
         self.stop(exception)  # every hook is removed; the report holds what was measured until then
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +33,9 @@ except ImportError as failure:  # pragma: no cover - the extra is missing
         "pip install 'torch-memprof[transformers]'") from None
 
 if TYPE_CHECKING:
+    from types import FrameType
+
+    from ..collect.aliases import FrameworkObject
     from ..collect.schedule import Schedule
 
 __all__ = ["MemprofCallback"]
@@ -60,27 +63,29 @@ class MemprofCallback(Session, TrainerCallback):
 
     # -- the Trainer's events -------------------------------------------------------------
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(self, args: "FrameworkObject", state: "FrameworkObject", control: "FrameworkObject",
+                       model: "FrameworkObject" = None, optimizer: "FrameworkObject" = None, **kwargs: object) -> None:
         caller = sys._getframe(1)
         self._log_first(caller)
         # A second train() on the same callback: the first profile ends here.
         self.begin(_called_model(caller, model), optimizer, int(getattr(args, "process_index", 0) or 0))
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(self, args: "FrameworkObject", state: "FrameworkObject", control: "FrameworkObject",
+                    **kwargs: object) -> None:
         # Every optimizer of this step has stepped: its record closes now. Only a step recorded since the
         # last one logged has metrics (a schedule leaves the others out).
         self._metrics = self.step_ended()
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: "dict[str, Any] | None" = None,
-               **kwargs: Any) -> None:
+    def on_log(self, args: "FrameworkObject", state: "FrameworkObject", control: "FrameworkObject",
+               logs: "dict[str, object] | None" = None, **kwargs: object) -> None:
         if logs is not None and self._metrics and "loss" in logs:
             logs.update(self._metrics)  # a training log line: this step's memory beside its loss
             history = getattr(state, "log_history", None)
             if history and history[-1].get("step") == state.global_step and "loss" in history[-1]:
                 history[-1].update(self._metrics)  # and in trainer.state.log_history (trainer_state.json)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(self, args: "FrameworkObject", state: "FrameworkObject", control: "FrameworkObject",
+                     **kwargs: object) -> None:
         self.stop()
 
     # -- ending -------------------------------------------------------------------------
@@ -91,7 +96,7 @@ class MemprofCallback(Session, TrainerCallback):
         which records the exception (and writes the OOM dump with ``oom_dump=``)."""
         Session.stop(self, error)
 
-    def _log_first(self, frame: Any) -> None:
+    def _log_first(self, frame: "FrameType | None") -> None:
         """Run this callback's ``on_log`` before the reporting callbacks', which read the same ``logs``:
         the Trainer calls callbacks in the order they were added, and user callbacks come last."""
         handler = frame.f_locals.get("self") if frame is not None else None
@@ -101,7 +106,7 @@ class MemprofCallback(Session, TrainerCallback):
             callbacks.insert(0, self)
 
 
-def _called_model(frame: Any, model: Any) -> Any:
+def _called_model(frame: "FrameType | None", model: "FrameworkObject") -> "FrameworkObject":
     """The module the Trainer's loop calls: ``trainer.model_wrapped``, what accelerate's ``prepare`` returned
     (the ``torch.compile`` wrapper with ``torch_compile=True``, DDP across processes), of the Trainer whose
     ``train()`` runs this event; ``model`` (the Trainer's own, which callbacks are handed) where there is

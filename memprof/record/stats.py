@@ -10,7 +10,7 @@ peak and at its end.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, NamedTuple
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from ..vocabulary import Category, Phase
 from . import fields as fileform
@@ -18,7 +18,10 @@ from .checks import corrupt, optional_count
 from .aliases import JSONObject
 from .fields import form
 
-__all__ = ["Stat", "PhaseStats", "STAT_KEYS"]
+if TYPE_CHECKING:
+    from .parts import Breakdown
+
+__all__ = ["Stat", "PhaseStats", "STAT_KEYS", "series_from"]
 
 #: The series a PhaseStats holds at each moment: the categories' values, then "total".
 STAT_KEYS: tuple[str, ...] = tuple(c.value for c in Category) + ("total",)
@@ -83,4 +86,24 @@ def _stats(data: object) -> tuple[tuple[str, "Stat | None"], ...]:
         if lo is None or mid is None or hi is None or not lo <= mid <= hi:
             raise corrupt(f"the statistic of {key} must be ordered [min, median, max]")
         out.append((key, Stat(lo, mid, hi)))
+    return tuple(out)
+
+
+def series_from(series: tuple[tuple[str, "Stat | None"], ...], parts: "Sequence[Breakdown]"
+                ) -> "tuple[tuple[str, Stat | None], ...] | None":
+    """Each measured series of ``series`` (one moment of a :class:`PhaseStats`) made again from every step's
+    breakdown at that moment, ``parts``: smallest, median (the lower, as the collector keeps it) and largest; a
+    series not measured stays so. None where a breakdown does not hold a figure its series counts: the statistics
+    and the records then disagree on what was measured."""
+    out: "list[tuple[str, Stat | None]]" = []
+    for key, stat in series:
+        if stat is None:
+            out.append((key, stat))
+            continue
+        i = STAT_KEYS.index(key)
+        got = [p.total if key == "total" else p.counts[i] for p in parts]
+        values = sorted(v for v in got if v is not None)
+        if len(values) != len(got) or not values:
+            return None
+        out.append((key, Stat(values[0], values[(len(values) + 1) // 2 - 1], values[-1])))
     return tuple(out)

@@ -17,7 +17,7 @@ https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Sequence
 
 from ..vocabulary import Category
 from ..record.trace import Breakdown, as_trace
@@ -25,7 +25,9 @@ from ..units import format_bytes
 from .curve import curve, phase_times
 
 if TYPE_CHECKING:
+    from ..record.aliases import JSON, JSONObject
     from ..record.trace import Trace
+    from .curve import Point
 
 __all__ = ["chrome_trace", "TRACKS", "BACKWARD_TID"]
 
@@ -36,24 +38,25 @@ TRACKS = {1: "steps", 2: "phases", 3: "modules (forward)", 5: "modules (overlapp
 BACKWARD_TID = 10
 
 
-def _composition(bd: Breakdown) -> dict[str, Any]:
-    out: dict[str, Any] = {c.value: v for c, v in bd.measured().items()}
+def _composition(bd: Breakdown) -> "JSONObject":
+    out: "JSONObject" = {c.value: v for c, v in bd.measured().items()}
     out["total"] = bd.total
     out["readable"] = ", ".join(f"{c.value} {format_bytes(v)}" for c, v in bd.measured().items() if v)
     return out
 
 
-def chrome_trace(trace: "Trace") -> dict[str, Any]:
-    """The run as a Trace Event Format document (a dict ready for ``json.dump``)."""
+def chrome_trace(trace: "Trace") -> "JSONObject":
+    """The run as a Trace Event Format document (a dict ready for ``json.dump``): JSON objects throughout, each
+    event of the keys its phase (``ph``) takes."""
     t = as_trace(trace)
     cv = curve(t)
-    events: list[dict[str, Any]] = [
+    events: "list[JSON]" = [
         {"ph": "M", "pid": _PID, "name": "process_name",
          "args": {"name": f"memprof: {t.device.name or t.device.type} ({t.mode} mode)"}},
     ]
     modules = _modules(cv.points)
     tracks = dict(TRACKS)
-    for tid in sorted({e["tid"] for e in modules if e["tid"] >= BACKWARD_TID}):
+    for tid in sorted({n for e in modules if isinstance(n := e["tid"], int) and n >= BACKWARD_TID}):
         tracks[tid] = f"modules (backward, depth {tid - BACKWARD_TID})"
     events += [{"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": name}}
                for tid, name in tracks.items()]
@@ -67,7 +70,7 @@ def chrome_trace(trace: "Trace") -> dict[str, Any]:
         events.append({"ph": "i", "s": "g", "pid": _PID, "tid": 2, "ts": last, "name": "error",
                        "args": {"error": t.error}})
     measured = {c.value for c in Category if t.peak[c] is not None}
-    other: dict[str, Any] = {
+    other: "JSONObject" = {
         "memprof_version": t.memprof_version,
         "torch_version": t.torch_version,
         "mode": t.mode,
@@ -85,8 +88,8 @@ def chrome_trace(trace: "Trace") -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
-def _counters(points: Any) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _counters(points: "Sequence[Point]") -> "list[JSONObject]":
+    out: "list[JSONObject]" = []
     last: dict[str, "int | None"] = {}
     for pt in points:
         values = {c.value: v for c, v in pt.breakdown.measured().items()}
@@ -99,8 +102,8 @@ def _counters(points: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _steps_and_phases(t: "Trace") -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _steps_and_phases(t: "Trace") -> "list[JSONObject]":
+    out: "list[JSONObject]" = []
     spans: dict[int, list[float]] = {}
     times = phase_times(t)
     for p, start, peak, end in times:
@@ -130,7 +133,7 @@ def _depth(path: str) -> int:
     return 0 if path == "<model>" else path.count(".") + 1
 
 
-def _modules(points: Any) -> list[dict[str, Any]]:
+def _modules(points: "Sequence[Point]") -> "list[JSONObject]":
     """Module calls from the timeline's enter/exit samples.
 
     Forward calls nest, so they share one track (a call that would cross its parent's end goes to
@@ -155,7 +158,7 @@ def _modules(points: Any) -> list[dict[str, Any]]:
             open_calls.setdefault(key, []).append(pt.time_us)
         elif pt.kind == "exit" and open_calls.get(key):
             spans.append((open_calls[key].pop(), pt.time_us, pt.module, pt.phase.value, pt.step, True))
-    out: list[dict[str, Any]] = []
+    out: "list[JSONObject]" = []
     forward: list[float] = []
     for start, end, module, phase, step, closed in sorted(spans, key=lambda s: (s[0], -(s[1] - s[0]))):
         if phase == "backward":
@@ -168,7 +171,7 @@ def _modules(points: Any) -> list[dict[str, Any]]:
                 tid = 5  # crosses its enclosing call's end: a track of its own
             else:
                 forward.append(end)
-        args: dict[str, Any] = {"step": step, "phase": phase}
+        args: "JSONObject" = {"step": step, "phase": phase}
         if not closed:
             args["end"] = "not recorded: drawn to the end of the phase"
         out.append({"ph": "X", "pid": _PID, "tid": tid, "ts": start, "dur": max(end - start, 0.0),

@@ -20,7 +20,7 @@ size of the run's peak, not of everything ever allocated.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from ..errors import is_interrupt
 from ..record.aliases import UserObject
@@ -28,9 +28,67 @@ from ..record.trace import as_trace
 from .curve import curve
 
 if TYPE_CHECKING:
+    from ..record.aliases import JSONObject
     from ..record.trace import Trace
 
-__all__ = ["memory_viz_snapshot", "attribute_snapshot", "read_snapshot", "UNSEEN"]
+__all__ = ["memory_viz_snapshot", "attribute_snapshot", "read_snapshot", "UNSEEN", "MemoryVizSnapshot",
+           "AttributedBlock"]
+
+
+# The snapshot's parts, as torch.cuda.memory._snapshot() gives them (its docstring's Snapshot, Segment, Block,
+# TraceEntry and Frame): the keys memory_viz reads.
+class Frame(TypedDict):
+    filename: str
+    line: int
+    name: str
+
+
+class Block(TypedDict):
+    address: int
+    size: int
+    requested_size: int
+    state: str
+    frames: list[Frame]
+
+
+class Segment(TypedDict):
+    device: int
+    address: int
+    total_size: int
+    stream: int
+    segment_type: str
+    allocated_size: int
+    active_size: int
+    requested_size: int
+    blocks: list[Block]
+
+
+class TraceEntry(TypedDict):
+    action: str
+    addr: int
+    size: int
+    stream: int
+    frames: list[Frame]
+    time_us: int
+
+
+class MemoryVizSnapshot(TypedDict):
+    """The snapshot memory_viz opens, with memprof's note of what its blocks are."""
+
+    segments: list[Segment]
+    device_traces: list[list[TraceEntry]]
+    memprof: JSONObject
+
+
+class AttributedBlock(TypedDict):
+    """An active block of a real snapshot, with memprof's category and module (:func:`attribute_snapshot`)."""
+
+    address: int
+    size: int
+    requested_size: int
+    category: str
+    module: "str | None"
+    device: "int | None"
 
 #: Where synthetic addresses start (any nonzero base; the viewers print addresses in hex).
 _BASE = 0x7F0000000000
@@ -68,7 +126,7 @@ class _Space:
             self.free[i - 1][1] += self.free.pop(i)[1]
 
 
-def _frames(category: str, module: "str | None", phase: str, step: int) -> list[dict[str, Any]]:
+def _frames(category: str, module: "str | None", phase: str, step: int) -> list[Frame]:
     return [
         {"filename": "memprof", "line": 0, "name": f"category: {category}"},
         {"filename": "memprof", "line": 0, "name": f"module: {module or '(no module running)'}"},
@@ -76,13 +134,13 @@ def _frames(category: str, module: "str | None", phase: str, step: int) -> list[
     ]
 
 
-def memory_viz_snapshot(trace: "Trace") -> dict[str, Any]:
+def memory_viz_snapshot(trace: "Trace") -> MemoryVizSnapshot:
     """The snapshot dict (pickle it, or use :meth:`memprof.Report.export_memory_viz`)."""
     t = as_trace(trace)
     cv = curve(t)
     device = (t.device.index or 0) if t.device.type == "cuda" else 0
-    events: list[dict[str, Any]] = []
-    live: dict[str, list[list[Any]]] = {}  # category -> blocks [addr, size, frames], oldest first
+    events: list[TraceEntry] = []
+    live: dict[str, list[tuple[int, int, list[Frame]]]] = {}  # category -> blocks (addr, size, frames), oldest first
     level: dict[str, int] = {}
     space = _Space()
     stack: list[str] = []  # the modules running, innermost last
@@ -100,7 +158,7 @@ def memory_viz_snapshot(trace: "Trace") -> dict[str, Any]:
             delta = value - level.get(name, 0)
             level[name] = value
             blocks = live.setdefault(name, [])
-            frames = None
+            frames: "list[Frame] | None" = None
             while delta < 0 and blocks:
                 addr, size, frames = blocks.pop()
                 events.append(_event("free_requested", addr, size, frames, pt.time_us))
@@ -113,9 +171,9 @@ def memory_viz_snapshot(trace: "Trace") -> dict[str, Any]:
             if delta > 0:
                 frames = frames or _frames(name, where, pt.phase.value, pt.step)
                 addr = space.take(delta)
-                blocks.append([addr, delta, frames])
+                blocks.append((addr, delta, frames))
                 events.append(_event("alloc", addr, delta, frames, pt.time_us))
-    segment_blocks: list[dict[str, Any]] = []
+    segment_blocks: list[Block] = []
     cursor = _BASE
     for addr, size, frames in sorted(b for blocks in live.values() for b in blocks):
         if addr > cursor:
@@ -127,20 +185,20 @@ def memory_viz_snapshot(trace: "Trace") -> dict[str, Any]:
     if space.end > cursor:
         segment_blocks.append({"address": cursor, "size": space.end - cursor, "requested_size": 0,
                                "state": "inactive", "frames": []})
-    segments = []
+    segments: list[Segment] = []
     if segment_blocks:
         allocated = sum(b[1] for bl in live.values() for b in bl)
         segments.append({"device": device, "address": _BASE, "total_size": space.end - _BASE, "stream": 0,
                          "segment_type": "large", "allocated_size": allocated, "active_size": allocated,
                          "requested_size": allocated, "blocks": segment_blocks})
-    traces: list[list[dict[str, Any]]] = [[] for _ in range(device + 1)]
+    traces: list[list[TraceEntry]] = [[] for _ in range(device + 1)]
     traces[device] = events
     return {"segments": segments, "device_traces": traces, "memprof": {
         "what": "blocks are memprof categories' growth between recorded moments, not single tensors",
         "memprof_version": t.memprof_version, "timed": cv.timed}}
 
 
-def _event(action: str, addr: int, size: int, frames: Any, time_us: float) -> dict[str, Any]:
+def _event(action: str, addr: int, size: int, frames: list[Frame], time_us: float) -> TraceEntry:
     return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": frames,
             "time_us": int(time_us)}
 
@@ -149,7 +207,7 @@ def _event(action: str, addr: int, size: int, frames: Any, time_us: float) -> di
 UNSEEN = "not seen by memprof"
 
 
-def attribute_snapshot(trace: "Trace", snapshot: UserObject) -> list[dict[str, Any]]:
+def attribute_snapshot(trace: "Trace", snapshot: UserObject) -> list[AttributedBlock]:
     """The active blocks of a real ``torch.cuda.memory._snapshot()`` with memprof's category and module.
 
     The snapshot must be taken while the storages memprof recorded were live: the one written beside an
@@ -170,7 +228,7 @@ def attribute_snapshot(trace: "Trace", snapshot: UserObject) -> list[dict[str, A
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list):
         raise bad
     known = {ptr: (nbytes, cat, module) for ptr, nbytes, cat, module in t.live_storages_at_error}
-    rows = []
+    rows: list[AttributedBlock] = []
     for seg in snapshot["segments"]:
         if not isinstance(seg, dict) or not isinstance(seg.get("blocks", []), list):
             raise bad
@@ -178,6 +236,8 @@ def attribute_snapshot(trace: "Trace", snapshot: UserObject) -> list[dict[str, A
         for block in seg.get("blocks", ()):
             if not isinstance(block, dict):
                 raise bad
+            here: UserObject  # the snapshot's values, ints (checked below)
+            size: UserObject
             here, size = block.get("address", addr), block.get("size", 0)
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in (here, size)):
                 raise bad
@@ -187,9 +247,11 @@ def attribute_snapshot(trace: "Trace", snapshot: UserObject) -> list[dict[str, A
             cat, module = UNSEEN, None
             if here in known:
                 _, cat, module = known[here]
-            rows.append({"address": here, "size": size,
-                         "requested_size": block.get("requested_size", block.get("size", 0)),
-                         "category": cat, "module": module or None, "device": seg.get("device")})
+            # As the snapshot gives them: torch's, ints (the device's index).
+            requested: UserObject = block.get("requested_size", block.get("size", 0))
+            device: UserObject = seg.get("device")
+            rows.append({"address": here, "size": size, "requested_size": requested, "category": cat,
+                         "module": module or None, "device": device})
     return rows
 
 

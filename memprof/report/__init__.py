@@ -23,12 +23,15 @@ The last four import torch, so they load on first use: importing memprof stays f
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 from . import views  # noqa: F401  (registers every torch-free record's views)
 from .comparison import Diff, diff
 from .ranks import Merged, merge
 from .reports import Report, load
+
+if TYPE_CHECKING:
+    from ..record.aliases import LazyName
 
 __all__ = ["Report", "load", "Diff", "diff", "Merged", "merge", "Reconciliation", "reconcile", "Estimate",
            "BatchSizePlan", "estimate", "estimate_generation", "max_batch_size", "max_generation_batch_size",
@@ -52,7 +55,7 @@ LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:  # Any: each lazy name is of its own type (a function, a class)
+def __getattr__(name: str) -> "LazyName":
     module = LAZY.get(name)
     if module is None:
         # A submodule spelled from the package (memprof.report.planning.plan_grid, as the docs spell it) loads

@@ -41,7 +41,7 @@ def plan(config: Forwarded, *, seq_len: int, gpu: Forwarded, world_size: int = 1
          layouts: "Sequence[planning.Layout | str] | str | None" = None,
          precisions: Sequence[str] = planning.PRECISIONS,
          checkpointing: Sequence[bool] = (False, True), optimizer: Forwarded = None, alloc_conf: Forwarded = None,
-         attention: str = "auto") -> "pd.DataFrame":
+         attention: str = "auto", processes: "int | None" = None) -> "pd.DataFrame":
     """The largest batch per rank that fits ``gpu`` for each layout of ``world_size`` ranks (DDP, FSDP, ZeRO 1-3 by
     default; ``layouts="all"`` adds the tensor-parallel ones the model's own TP plan allows: ``tp8``, ``fsdp4-tp2``,
     and the pipeline ones its pipeline plan allows: ``pp2-fsdp4``, whose batch is the micro-batch's size),
@@ -50,8 +50,9 @@ def plan(config: Forwarded, *, seq_len: int, gpu: Forwarded, world_size: int = 1
     activation checkpointing (off, on), for the model a transformers config
     describes (a ``PretrainedConfig``, a folder holding ``config.json``, the file, or a cached hub id) with
     ``seq_len`` tokens per sequence: a DataFrame, a row per configuration, with the peak at that batch and the
-    category that dominates it. :func:`plan_grid` takes the same arguments and returns the :class:`Plan` (its
-    text, HTML page and notes)."""
+    category that dominates it. ``processes``: how many processes search the rows (default one per core, at most
+    one per group of rows that share no simulation; the answers are the same). :func:`plan_grid` takes the same
+    arguments and returns the :class:`Plan` (its text, HTML page and notes)."""
     return plan_grid(config, seq_len=seq_len, gpu=gpu, world_size=world_size, layouts=layouts,
                      precisions=precisions, checkpointing=checkpointing, optimizer=optimizer, alloc_conf=alloc_conf,
-                     attention=attention).to_frame()
+                     attention=attention, processes=processes).to_frame()

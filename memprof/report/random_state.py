@@ -15,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from ..record.aliases import Generators
 
 __all__ = ["random_state_kept"]
-
-#: A generator's state, given back as it was read: Python's (a tuple), numpy's and torch's, those two reached
-#: through sys.modules (a module there is any module to mypy), so Any whatever it is named here.
-Generators = Any
 
 
 @contextlib.contextmanager

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from ..errors import remember_signal_handlers
+from ..record.aliases import Forwarded
 from .random_state import random_state_kept
 
-__all__ = ["same_as"]
+__all__ = ["same_as", "Forwarded"]
 
 F = TypeVar("F", bound=Callable[..., object])
-
-#: An argument a public function passes on unchanged to the function that does the work (``same_as``'s
-#: ``wrapped``), which checks it and whose signature ``help()`` shows: the wrapper neither reads nor narrows it.
-Forwarded = Any
 
 
 def same_as(wrapped: Callable[..., object]) -> Callable[[F], F]:

@@ -12,7 +12,7 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Hashable, Mapping, MutableSequence, Sequence
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Callable
 
 from ..anatomy.alloc_audit import AuditedAllocator
 from ..anatomy.alloc_config import AllocatorConfig
@@ -33,7 +33,7 @@ def from_start(stream: Sequence[tuple[int, int, int]], first: int) -> list[tuple
     What a stream holds before its run starts is the profile's set-up, which the run's figures leave out: a
     simulated rank registers the whole model and then shards it (the ledger restarts its peak there), so a
     replay of the set-up would allocate the whole model on one rank, which no rank does."""
-    live: dict[Any, tuple[int, int]] = {}
+    live: dict[int, tuple[int, int]] = {}
     try:
         cut = len(stream)
         for index, (seq, key, nbytes) in enumerate(stream):
@@ -72,7 +72,7 @@ def rank_step(stream: MutableSequence[tuple[int, int, int]], start_seq: int, res
             live.discard(key)
         else:
             live.add(key)
-    made: dict[Any, bool] = {}  # storages the step made and still holds -> whether they are state
+    made: dict[int, bool] = {}  # storages the step made and still holds -> whether they are state
     out = []
     for seq, key, nbytes in stream[begin:resized_from]:
         if nbytes == FREE:
@@ -94,7 +94,7 @@ def rank_step(stream: MutableSequence[tuple[int, int, int]], start_seq: int, res
     stream[begin:] = out
 
 
-def stream_problem(event: Any, live: "set[Hashable] | None" = None) -> "str | None":
+def stream_problem(event: object, live: "set[Hashable] | None" = None) -> "str | None":
     """What is wrong with one event of a stream, None when nothing is; with ``live`` (the keys live before it,
     updated here) also a free of a key that is not live."""
     if not isinstance(event, (tuple, list)) or len(event) != 3:
@@ -122,7 +122,7 @@ def stream_problem(event: Any, live: "set[Hashable] | None" = None) -> "str | No
     return None
 
 
-def _bad_stream(stream: Sequence[Any], exc: BaseException) -> InvalidArgumentError:
+def _bad_stream(stream: Sequence[object], exc: BaseException) -> InvalidArgumentError:
     if not isinstance(stream, (list, tuple)) and not hasattr(stream, "__getitem__"):
         return InvalidArgumentError(f"an allocation stream is a sequence of (seq, key, bytes), got "
                                     f"{type(stream).__name__}")
@@ -255,7 +255,7 @@ def check_stream(stream: Sequence[tuple[int, int, int]], rounding: int, expected
     storage's share rounded up: there the stream may hold more, by less than ``rounding`` + 1 bytes for each live
     storage made in such a span, never less. Raises ``AssertionError`` naming the first event that breaks it.
     A check for tests and ``MEMPROF_CHECK_REPLAY=1``; a replay never pays for it."""
-    sizes: dict[Any, int] = {}
+    sizes: dict[int, int] = {}
     rescaled: set[Hashable] = set()  # live storages made in a scaled span
     total = 0
     wanted = sorted(expected)

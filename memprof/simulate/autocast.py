@@ -24,7 +24,8 @@ except the recomputation of checkpointed regions, which runs under the policy wi
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, TypeGuard
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Callable, TypeGuard
 
 import torch
 
@@ -32,7 +33,15 @@ import torch
 from ..collect.autocast_state import emulated_autocast_dtype, set_emulated_autocast_dtype
 from .modes import Next, Rule
 
-__all__ = ["CudaAutocast", "emulated_autocast_dtype", "LOWER_PRECISION", "FP32", "FP32_SET_OPT_DTYPE", "PROMOTE"]
+if TYPE_CHECKING:
+    from .aliases import OpValue
+
+__all__ = ["CudaAutocast", "AutocastFactory", "emulated_autocast_dtype", "LOWER_PRECISION", "FP32",
+           "FP32_SET_OPT_DTYPE", "PROMOTE"]
+
+#: A CPU target's mixed precision: makes the ``torch.autocast("cpu", dtype=...)`` region a step enters around each
+#: forward (a fresh one per entry, as ``with torch.autocast(...):`` makes).
+AutocastFactory = Callable[[], AbstractContextManager[object]]
 
 # aten/src/ATen/autocast_mode.h (torch 2.13): ops that run in the 16-bit dtype.
 LOWER_PRECISION = frozenset({
@@ -67,7 +76,7 @@ PROMOTE = frozenset({
 _BACKWARD = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 _ALIASES = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow"}
 
-def _name(func: Any) -> str:
+def _name(func: Callable[..., OpValue]) -> str:
     name = getattr(func, "__name__", "")
     return _ALIASES.get(name, name)
 
@@ -119,7 +128,8 @@ class CudaAutocast(Rule):
 
     # ------------------------------------------------------------------ the policy
 
-    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
+    def handle(self, func: Callable[..., OpValue], args: tuple[OpValue, ...], kwargs: dict[str, OpValue],
+               next: Next) -> OpValue:
         if func in _BACKWARD:
             # Backward runs outside autocast, but torch.utils.checkpoint re-enters it to recompute a region
             # (with a cache of its own): the policy applies to what backward runs in Python, uncached.
@@ -156,7 +166,7 @@ class CudaAutocast(Rule):
             func = torch.norm
         return next(func, args, kwargs)
 
-    def _cast(self, t: Any, dtype: torch.dtype) -> Any:
+    def _cast(self, t: OpValue, dtype: torch.dtype) -> OpValue:
         if isinstance(t, (list, tuple)):
             return type(t)(self._cast(x, dtype) for x in t)
         if not _eligible(t) or t.dtype == dtype:
@@ -171,15 +181,16 @@ class CudaAutocast(Rule):
             return cast
         return t.to(dtype)
 
-    def _cast_all(self, args: Any, kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
+    def _cast_all(self, args: tuple[OpValue, ...], kwargs: dict[str, OpValue], dtype: torch.dtype
+                  ) -> tuple[tuple[OpValue, ...], dict[str, OpValue]]:
         # Last argument first, as torch's build evaluates the casts of a C++ argument pack (GCC: right to
         # left); the order only decides which copy is allocated first.
         new_kwargs = {k: self._cast(kwargs[k], dtype) for k in reversed(kwargs)}
         new_args = tuple(reversed([self._cast(a, dtype) for a in reversed(args)]))
         return new_args, {k: new_kwargs[k] for k in kwargs}
 
-    def _cross_entropy(self, input: torch.Tensor, target: torch.Tensor, weight: Any = None, reduction: int = 1,
-                       ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+    def _cross_entropy(self, input: torch.Tensor, target: torch.Tensor, weight: "torch.Tensor | None" = None,
+                       reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
         # cross_entropy_loss is a C++ composite that autocast does not list; it runs
         # log_softmax(input, class_dim, input.dtype), whose explicit dtype autocast leaves alone, then
         # nll_loss, which autocast runs in fp32 (aten/src/ATen/native/LossNLL.cpp).
@@ -205,7 +216,7 @@ class CudaAutocast(Rule):
         return out
 
 
-def _half_to_float(name: str, x: torch.Tensor, args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+def _half_to_float(name: str, x: torch.Tensor, args: tuple[OpValue, ...], kwargs: dict[str, OpValue]) -> torch.Tensor:
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if dim is None:  # F.softmax's implicit dim (deprecated): 0 for 0-, 1- and 3-D inputs, else 1
         dim = 0 if x.dim() in (0, 1, 3) else 1
@@ -213,7 +224,7 @@ def _half_to_float(name: str, x: torch.Tensor, args: Any, kwargs: dict[str, Any]
     return op(x, dim, True)
 
 
-def _widest(args: Any, kwargs: dict[str, Any]) -> "torch.dtype | None":
+def _widest(args: tuple[OpValue, ...], kwargs: dict[str, OpValue]) -> "torch.dtype | None":
     dtypes = [t.dtype for t in (*args, *kwargs.values()) if _eligible(t)]
     if not dtypes:
         return None

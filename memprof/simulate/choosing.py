@@ -20,14 +20,32 @@ stop early at an end-of-sequence token), which is the longest, largest generatio
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from ..errors import InvalidArgumentError
 
-#: The decoding loop a chooser serves (a :class:`memprof.simulate.decoding.Decoding`, which imports this module).
-Loop = Any
+if TYPE_CHECKING:
+    from .aliases import HfCache, HfModule, UserValue
+
+#: A logits processor of transformers' (a warper): ``processor(input_ids, scores)`` gives the processed scores.
+Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Loop(Protocol):
+    """The decoding loop a chooser serves (a :class:`memprof.simulate.decoding.Decoding`, which imports this
+    module): what a chooser reads of it, and the tensors it keeps there as ``generate()``'s locals."""
+
+    model: HfModule
+    batch: int
+    rows: int
+    device: torch.device
+    cache: HfCache
+    ids: "torch.Tensor | None"
+    logits: "torch.Tensor | None"
+    next_tokens: "torch.Tensor | None"
+    unfinished: "torch.Tensor | None"
 
 __all__ = ["Greedy", "Sampling", "Beams", "warpers"]
 
@@ -39,8 +57,9 @@ class Greedy:
     def start(self, loop: Loop) -> None:
         loop.unfinished = torch.ones(loop.rows, dtype=torch.long, device=loop.device)
 
-    def choose(self, loop: Loop, output: list[Any]) -> None:
+    def choose(self, loop: Loop, output: list[UserValue]) -> None:
         """Choose from ``output[0]``, the forward's output; clear ``output`` where transformers drops it."""
+        assert loop.ids is not None and loop.unfinished is not None  # the prompt's, and start()'s
         loop.logits = None
         loop.logits = output[0].logits[:, -1].to(copy=True, dtype=torch.float32)
         loop.next_tokens = torch.argmax(loop.logits, dim=-1)  # a local of the loop: alive until the next step's
@@ -53,11 +72,11 @@ class Greedy:
         pass
 
 
-def warpers(temperature: float, top_k: "int | None", top_p: float, keep: int = 1) -> list[Any]:
+def warpers(temperature: float, top_k: "int | None", top_p: float, keep: int = 1) -> list[Processor]:
     """transformers' logits warpers for sampling, in the order ``generate()`` applies them."""
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    out: list[Any] = []
+    out: list[Processor] = []
     if temperature != 1.0:
         out.append(TemperatureLogitsWarper(temperature))
     if top_k:
@@ -75,8 +94,9 @@ class Sampling(Greedy):
         self.scores: "torch.Tensor | None" = None
         self.probs: "torch.Tensor | None" = None
 
-    def choose(self, loop: Loop, output: list[Any]) -> None:
+    def choose(self, loop: Loop, output: list[UserValue]) -> None:
         # _sample's locals: each name is rebound in turn, so the previous step's tensor lives until then.
+        assert loop.ids is not None and loop.unfinished is not None  # the prompt's, and start()'s
         loop.logits = output[0].logits[:, -1].to(copy=True, dtype=torch.float32)
         scores = loop.logits
         for p in self.processors:
@@ -97,13 +117,13 @@ class Beams:
 
     def __init__(self, num_beams: int, max_length: int, eos: "list[int]",
                  sample: "tuple[float, int | None, float] | None" = None, length_penalty: float = 1.0,
-                 early_stopping: Any = False) -> None:
+                 early_stopping: "bool | str" = False) -> None:
         self.num_beams, self.max_length, self.eos, self.sample = num_beams, max_length, eos, sample
         self.length_penalty, self.early_stopping = length_penalty, early_stopping
         self.keep = max(2, 1 + len(eos)) * num_beams
         # Beam sampling keeps a non-eos token beside the eos ones (generate()'s min_tokens_to_keep).
         self.processors = warpers(*sample, keep=len(eos) + 1) if sample is not None else []
-        self.state: dict[str, Any] = {}
+        self.state: dict[str, torch.Tensor] = {}  # _beam_search's locals, by name
 
     def start(self, loop: Loop) -> None:
         """What ``_beam_search`` makes before the prefill (the ids already expanded to batch x beams)."""
@@ -119,6 +139,7 @@ class Beams:
                                                                StoppingCriteriaList)
 
         self.model = model
+        assert loop.ids is not None  # the prompt's, expanded to batch x beams
         self.cur_len = self.prompt_len = loop.ids.shape[1]
         s = self.state
         s["top_mask"] = torch.cat((torch.ones((nb,), dtype=torch.bool),
@@ -150,7 +171,7 @@ class Beams:
         flat: torch.Tensor = s["flat"]
         return flat
 
-    def choose(self, loop: Loop, output: list[Any]) -> None:
+    def choose(self, loop: Loop, output: list[UserValue]) -> None:
         # Each of _beam_search's locals is a key of the state, rebound where the loop rebinds it: the previous
         # step's tensors live until then, through the next forward too.
         m, s, b, nb = self.model, self.state, loop.batch, self.num_beams

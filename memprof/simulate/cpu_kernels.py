@@ -18,11 +18,14 @@ sweep checks each rule against the real kernel. None depends on tensor values: e
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from .aliases import OpValue
 
 __all__ = ["CpuKernels", "RULES", "SWEPT_OPINFOS", "MIXED_OPINFOS"]
 
@@ -32,13 +35,19 @@ _NONE, _MEAN = 0, 1
 # EmbeddingBag modes (aten/src/ATen/native/EmbeddingBag.cpp): 0 sum, 1 mean, 2 max.
 _SUM, _MAX = 0, 2
 
+#: What a rule gives for one output: its storage bytes on a real CPU, a tensor to return in its place, or None.
+Storage = int | torch.Tensor | None
+#: An op's positional and keyword arguments and its outputs, as the dispatch mode receives them.
+Args = tuple["OpValue", ...]
+Kwargs = dict[str, "OpValue"]
+
 #: A rule: the op's arguments and its fake outputs -> for each output, the storage bytes it has on a real
 #: CPU (an int, never less than the fake storage's), a tensor to return in its place (where the CPU kernel
 #: returns another shape or layout), or ``None``: as the fake kernel made it.
-Rule = Callable[[tuple[Any, ...], dict[str, Any], tuple[Any, ...]], tuple[Any, ...]]
+Rule = Callable[[Args, Kwargs, Args], tuple[Storage, ...]]
 
 
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any) -> Any:
+def _arg(args: Args, kwargs: Kwargs, i: int, name: str, default: "OpValue") -> "OpValue":
     return args[i] if len(args) > i else kwargs.get(name, default)
 
 
@@ -52,7 +61,7 @@ def _reduced_loss(reduction_at: int, input_dtype: bool = False) -> Rule:
     target, or with ``input_dtype`` in the input's (``soft_margin_loss`` and ``binary_cross_entropy`` make
     it ``like`` the input; for a bf16 input and an fp32 target the meta kernel promotes)."""
 
-    def rule(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def rule(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
         out = outs[0]
         dtype = args[0].dtype if input_dtype else out.dtype
         if _arg(args, kwargs, reduction_at, "reduction", _MEAN) == _NONE:
@@ -74,9 +83,9 @@ def _in_dtype_of(at: int, output: int = 0) -> Rule:
     one: ``huber_loss`` (its reduced result too), ``normal(mean, std)``, and the losses' backwards, whose
     input gradient the CPU returns in the input's dtype and the meta kernel in fp32 (autograd then casts)."""
 
-    def rule(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def rule(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
         got, like = outs[output], args[at]
-        fixed: list[Any] = [None] * len(outs)
+        fixed: list[Storage] = [None] * len(outs)
         if isinstance(got, torch.Tensor) and got.dtype != like.dtype:
             fixed[output] = torch.empty_like(got, dtype=like.dtype)
         return tuple(fixed)
@@ -84,7 +93,7 @@ def _in_dtype_of(at: int, output: int = 0) -> Rule:
     return rule
 
 
-def _keeps_input_storage(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
+def _keeps_input_storage(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
     """``im2col`` and ``col2im`` (``F.unfold``, ``F.fold`` and their backwards): the CPU kernel makes its
     output with ``empty_like(input)`` and resizes it to the output shape, which grows the storage but
     never shrinks it."""
@@ -107,7 +116,7 @@ def _embedding_bag(forward_only: bool) -> Rule:
 
     The index dtype is that of ``indices`` and ``offsets`` promoted together."""
 
-    def rule(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def rule(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
         weight, indices, offsets = args[0], args[1], args[2]
         mode = _arg(args, kwargs, 4, "mode", _SUM)
         per_sample = _arg(args, kwargs, 6, "per_sample_weights", None)
@@ -127,7 +136,7 @@ def _embedding_bag(forward_only: bool) -> Rule:
     return rule
 
 
-def _sparse_mm_reduce(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
+def _sparse_mm_reduce(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
     """``_sparse_mm_reduce_impl`` (``torch.sparse.mm(a, b, reduce)``): for ``amax`` and ``amin``, when a
     gradient will be asked for, the CPU kernel returns the int64 arg indices at the output's shape, where
     the meta kernel returns them empty."""
@@ -138,7 +147,7 @@ def _sparse_mm_reduce(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple
     return (None, outs[0].numel() * torch.int64.itemsize)
 
 
-def _max_unpool2d(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
+def _max_unpool2d(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
     """``max_unpool2d``: the CPU kernel lays its output out in the input's memory format (channels-last in,
     channels-last out), the meta kernel always contiguously; a later ``reshape`` or ``contiguous`` then
     copies in one and not in the other."""
@@ -161,7 +170,7 @@ def _mixed_norm(params_at: tuple[int, ...]) -> Rule:
     model that keeps its norms in fp32 hands them all) the CPU kernel keeps the statistics it returns
     (mean and inverse deviation) in fp32, where the meta kernel keeps them in the input's dtype."""
 
-    def rule(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
+    def rule(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
         if args[0].dtype not in _LOW or not any(isinstance(args[i], torch.Tensor) and args[i].dtype == torch.float32
                                                 for i in params_at if i < len(args)):
             return (None,) * len(outs)
@@ -171,7 +180,7 @@ def _mixed_norm(params_at: tuple[int, ...]) -> Rule:
     return rule
 
 
-def _layer_norm_backward(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tuple[Any, ...]) -> tuple[Any, ...]:
+def _layer_norm_backward(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
     """``native_layer_norm_backward``: the CPU kernel returns the weight's and the bias's gradients in their
     dtypes; with a 16-bit input, fp32 parameters and no rows the meta kernel returns them in the input's
     dtype, and autograd then adds a cast."""
@@ -181,7 +190,7 @@ def _layer_norm_backward(args: tuple[Any, ...], kwargs: dict[str, Any], outs: tu
 
 
 #: aten op -> its rule. Found by ``benchmarks/cpu_kernel_sweep.py``; docs/accuracy.md has the table.
-RULES: dict[Any, Rule] = {
+RULES: dict[torch._ops.OpOverload, Rule] = {
     _aten.mse_loss.default: _reduced_loss(2),  # (self, target, reduction)
     _aten.smooth_l1_loss.default: _reduced_loss(2),  # (self, target, reduction, beta)
     _aten.soft_margin_loss.default: _reduced_loss(2, input_dtype=True),  # (self, target, reduction)
@@ -230,7 +239,8 @@ class CpuKernels(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         self.used: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: Args = (),
+                           kwargs: "Kwargs | None" = None) -> "OpValue":
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         rule = RULES.get(func)
@@ -238,7 +248,7 @@ class CpuKernels(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
             return out
         return self._apply(func, rule, tuple(args), kwargs, out)
 
-    def _apply(self, func: Any, rule: Rule, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    def _apply(self, func: torch._ops.OpOverload, rule: Rule, args: Args, kwargs: Kwargs, out: "OpValue") -> "OpValue":
         outs = out if isinstance(out, tuple) else (out,)
         if any(t is not None and not isinstance(t, FakeTensor) for t in outs):
             return out  # only data-less tensors are changed: a real tensor's storage would really grow

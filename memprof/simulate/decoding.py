@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, is_interrupt
 from .choosing import Greedy
+
+if TYPE_CHECKING:
+    from .aliases import HfCache, HfConfig, UserValue
+    from .autocast import AutocastFactory, CudaAutocast
+    from .choosing import Beams
 
 __all__ = ["Decoding", "empty_cache", "encoder_inputs"]
 
@@ -31,11 +36,11 @@ class Decoding:
     (:class:`~memprof.simulate.choosing.Greedy` by default). ``autocast``: a factory of the autocast context
     each forward runs in; ``emulated``: the CUDA autocast rule whose forward window each forward opens."""
 
-    def __init__(self, model: nn.Module, batch: int, device: torch.device, *, chooser: Any = None,
-                 autocast: Any = None, emulated: Any = None) -> None:
+    def __init__(self, model: nn.Module, batch: int, device: torch.device, *, chooser: "Greedy | Beams | None" = None,
+                 autocast: "AutocastFactory | None" = None, emulated: "CudaAutocast | None" = None) -> None:
         self.model, self.batch, self.device = model, batch, device
         self.autocast, self.emulated = autocast, emulated
-        self.chooser = chooser if chooser is not None else Greedy()
+        self.chooser: "Greedy | Beams" = chooser if chooser is not None else Greedy()
         self.beams = getattr(self.chooser, "num_beams", 1)
         self.rows = batch * self.beams  # the sequences each forward runs
         self.encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
@@ -45,7 +50,7 @@ class Decoding:
         self.cache_name = "cache" if "cache" in params else "past_key_values"
         self.positions = "position_ids" in params and not self.encoder_decoder
         # generate() hands the prefill an empty cache to fill.
-        self.cache: Any = empty_cache(model)
+        self.cache: HfCache = empty_cache(model)
         self.mask: "torch.Tensor | None" = None
         self.position: "torch.Tensor | None" = None
         # What generate() keeps between calls: every token so far, the last logits in fp32, the sequences still
@@ -55,7 +60,7 @@ class Decoding:
         self.next_tokens: "torch.Tensor | None" = None
         self.unfinished: "torch.Tensor | None" = None
         self.source: "dict[str, torch.Tensor] | None" = None
-        self.encoder_outputs: Any = None
+        self.encoder_outputs: UserValue = None  # the encoder's output, as the model returns it
         self.started = False
 
     def prompt(self, tokens: int) -> None:
@@ -92,7 +97,7 @@ class Decoding:
         self.chooser.start(self)
 
     @contextlib.contextmanager
-    def _forward(self) -> Any:
+    def _forward(self) -> Iterator[None]:
         if self.emulated is not None:
             self.emulated.begin_forward()
         try:
@@ -109,7 +114,7 @@ class Decoding:
         assert source is not None
         ids = source[:, -tokens:].clone(memory_format=torch.contiguous_format)
         del source
-        kwargs: dict[str, Any] = {"use_cache": True, "return_dict": True}
+        kwargs: dict[str, object] = {"use_cache": True, "return_dict": True}
         if self.encoder_decoder:
             kwargs.update(decoder_input_ids=ids, encoder_outputs=self.encoder_outputs)
         else:
@@ -191,7 +196,7 @@ def encoder_inputs(model: nn.Module, batch: int, tokens: int, device: torch.devi
     """An encoder-decoder model's encoder input for ``batch`` sequences of ``tokens``: token ids, or for a speech
     encoder (``input_features``) mel features, whose length is the encoder's fixed window."""
     name = getattr(model, "main_input_name", "input_ids")
-    config: Any = model.config  # a transformers model's, of its own class
+    config: HfConfig = model.config  # a transformers model's, of its own class
     if name == "input_ids":
         return {"input_ids": torch.zeros((batch, tokens), dtype=torch.long, device=device)}
     if name == "input_features":
@@ -208,7 +213,7 @@ def encoder_inputs(model: nn.Module, batch: int, tokens: int, device: torch.devi
         "of mel features (input_features)")
 
 
-def empty_cache(model: nn.Module) -> Any:
+def empty_cache(model: nn.Module) -> HfCache:
     """transformers' empty cache for ``model`` as generate() makes it (an EncoderDecoderCache of two
     DynamicCaches for an encoder-decoder model); None for other models (their first call makes one)."""
     import sys
@@ -217,7 +222,7 @@ def empty_cache(model: nn.Module) -> Any:
     cls = getattr(module, "DynamicCache", None) if type(model).__module__.startswith("transformers.") else None
     if cls is None:
         return None
-    config: Any = model.config  # a transformers model's, of its own class
+    config: HfConfig = model.config  # a transformers model's, of its own class
     text = getattr(config, "get_text_config", None)
     if callable(text):
         try:
@@ -227,7 +232,7 @@ def empty_cache(model: nn.Module) -> Any:
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             config = text()
     try:
-        make: Callable[[], Any] = lambda: cls(config=config)  # noqa: E731
+        make: Callable[[], HfCache] = lambda: cls(config=config)  # noqa: E731
         make()
     except TypeError as failure:  # versions whose DynamicCache takes no config
         if is_interrupt(failure):

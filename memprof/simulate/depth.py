@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import numbers
+from functools import partial
 from collections import Counter
 from typing import Any, Callable, cast
 
@@ -36,7 +37,7 @@ from ..errors import InvalidArgumentError, is_interrupt
 from ..record.estimate import Estimate
 from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
-from .depth_stream import corrected, extended_stream
+from .depth_stream import HELD, corrected, extended_stream
 
 __all__ = ["find_stack", "extrapolated"]
 
@@ -94,22 +95,25 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
                       f"{k + 2} blocks per stage, but it has {units}: it was simulated whole (give a smaller k to "
                       "extrapolate)")
     kept: list[Any] = []
+    cut = partial(_cuts, model, optimizer, name, per_unit=per_unit, units=units, run=run, kept=kept, auto=auto)
     try:
-        ests, k, reason = _cuts(model, optimizer, name, k, per_unit, units, run, kept, auto)
+        ests, k, reason = cut(k)
+        stream, missed, reason = _stream(ests, kept, units, k, reason)
+        # Figures or a stream that the first cuts do not make regular settle with more blocks, as the peak does
+        # (the blocks next to the embeddings or the head behave apart while there are few others: FSDP's
+        # prefetching; the backward's first block frees the logits' gradient where the others free the previous
+        # block's gathered parameters, and with one other block the tokens' alignment took the wrong one): the two
+        # larger cuts and the next, within the same bound.
+        while (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
+               and units > k + 3):
+            ests, k, reason = cut(k, ests)
+            stream, missed, reason = _stream(ests, kept, units, k, reason)
     except Exception as exc:
         if not auto or is_interrupt(exc):
             raise
         return _whole(run, model, optimizer, f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, "
                       f"since a model cut short of it failed ({type(exc).__name__})")
     where = f"{name or 'the model'} ({depth} x {kind})"
-    stream = None
-    if reason is None and kept:  # a CUDA target: the whole model's stream, for the replay
-        made = extended_stream([recorded for recorded, _replay in kept], units - k - 2,
-                               max(1, ests[2].trace.device.rounding or 1))
-        if isinstance(made, str):
-            reason = made
-        else:
-            stream, missed = made
     if reason is not None:
         return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since its figures were not affine "
                       f"in depth from {k} blocks per stage on ({reason})")
@@ -137,18 +141,40 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
     return dataclasses.replace(out, notes=(*out.notes, *notes))
 
 
-def _cuts(model: nn.Module, optimizer: Any, name: str, k: int, per_unit: int, units: int,
-          run: Callable[..., Estimate], kept: list[Any], auto: bool) -> tuple[list[Estimate], int, "str | None"]:
+def _stream(ests: "list[Estimate]", kept: list[Any], units: int, k: int, reason: "str | None"
+            ) -> "tuple[Any, Any, str | None]":
+    """For a CUDA target whose cuts' figures are affine (``reason`` None), the whole model's stream extended from
+    the cuts' (:func:`extended_stream`) and what the figures' line missed; else (None, None, the reason)."""
+    if reason is not None or not kept:
+        return None, None, reason
+    made = extended_stream([recorded for recorded, _replay in kept], units - k - 2,
+                           max(1, ests[2].trace.device.rounding or 1))
+    if isinstance(made, str):
+        return None, None, made
+    return made[0], made[1], None
+
+
+def _cuts(model: nn.Module, optimizer: Any, name: str, k: int, ests: "list[Estimate] | None" = None, *,
+          per_unit: int, units: int, run: Callable[..., Estimate], kept: list[Any],
+          auto: bool) -> tuple[list[Estimate], int, "str | None"]:
     """The three cuts simulated, the ``k`` they start at and why their figures are not affine (None: they are).
     With ``auto``, where the peak moved between them, the two larger and the next, twice at most: the peak settles
     as blocks are added (a checkpointed Llama-3-8B's moves from the backward of 2 layers to the forward of 3 and
-    more). ``kept`` holds the three cuts' streams."""
-    ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
-    reason = _not_affine(ests)
-    while auto and reason is not None and reason.startswith("the peak moved") and k < AUTO_K + 2 and units > k + 3:
+    more). ``kept`` holds the three cuts' streams. Given ``ests`` (the cuts from ``k``), the two larger and the
+    next are taken first."""
+
+    def one_more(ests: "list[Estimate]", k: int) -> "tuple[list[Estimate], int]":
         ests = [*ests[1:], run(*_cut(model, optimizer, name, (k + 3) * per_unit), kept)]
         del kept[:-3]
-        k += 1
+        return ests, k + 1
+
+    if ests is None:
+        ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
+    else:
+        ests, k = one_more(ests, k)
+    reason = _not_affine(ests)
+    while auto and reason is not None and reason.startswith("the peak moved") and k < AUTO_K + 2 and units > k + 3:
+        ests, k = one_more(ests, k)
         reason = _not_affine(ests)
     return ests, k, reason
 

@@ -17,7 +17,11 @@ norm per parameter; a storage named from the end of a list that grows): they are
 check is that inserting each run once more where it was inserted, and growing each grown number once more, gives the
 tokens of the cut to ``k + 2``, exactly (:func:`_agreed`). Then each run inserted ``more`` times again gives the
 tokens of the model at full depth, decoded into a stream whose events are numbered one by one, the moments placed
-at their markers. Where a check fails the reason is returned instead, and the caller simulates the whole model.
+at their markers. A switch of the current CUDA stream (FSDP2's copy-in and reduce-scatter streams:
+:class:`~memprof.collect.streams.StreamUse`) is a marker too, so each block's run carries its own switches and the
+whole model's stream places every storage on the stream the whole model's run made it on; storages a library holds
+for another stream (``record_stream``, FSDP1) are not placed, and such a run is simulated whole. Where a check
+fails the reason is returned instead, and the caller simulates the whole model.
 
 What the figures extended in a line miss, the stream shows: a storage whose bytes grow with the depth is rounded by
 the target's allocator (512 B), which no line follows; :func:`corrected` adds the difference to the category the
@@ -32,9 +36,14 @@ from typing import Any, NamedTuple, Sequence
 
 from ..errors import is_interrupt
 
-__all__ = ["extended_stream", "corrected"]
+__all__ = ["extended_stream", "corrected", "HELD"]
 
 _FREE = -1
+
+
+#: Why a run's stream is not extended whatever its cuts: storages held for another stream.
+HELD = ("the run holds storages a library uses on another CUDA stream (record_stream), which the extended stream "
+        "does not place")
 
 
 class _Stop(Exception):
@@ -47,11 +56,13 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
     must give the cut to ``k + 2``, exactly; it is then made ``more`` times more. With it, what the figures
     extended in a line miss (:func:`_decoded`): seq -> category -> bytes. A str where it cannot: why."""
     from ..collect.simulated import RecordedStream
+    from ..collect.streams import StreamUse
 
-    if any(r.streams.switches or r.streams.held for r in cuts):
-        return "the run uses other CUDA streams than the current one, which the extended stream does not place"
+    if any(r.streams.held for r in cuts):
+        return HELD
     try:
-        a, b, c = (_tokens(r) for r in cuts)
+        moved = _MovedCategories(cuts[2].moves)
+        a, b, c = _tokens(cuts[0]), _tokens(cuts[1]), _tokens(cuts[2], moved)
         steps = [tuple(m[0] for m in r.moments) for r in cuts]
         if not steps[0] == steps[1] == steps[2]:
             return "its phases differ between the cuts"
@@ -62,9 +73,11 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
         tokens = _agreed(b, c, predicted, origin, change)
         if tokens is None:
             return "its allocation stream did not grow by the same events per block"
-        predicted, change, _ = _apply(tokens, change, 1)
-        whole, change, _ = _apply(predicted, change, more)
-        events, moments, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding)
+        predicted, change, _ = _apply(tokens, change, 1)  # the cut to k + 2's tokens, position by position
+        whole, change, origin = _apply(predicted, change, more)
+        at_moments = {p: moved.at_moments[q] for p, q in enumerate(origin) if q in moved.at_moments}
+        events, moments, switches, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding,
+                                                     at_moments)
     except _Stop as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
@@ -79,7 +92,8 @@ def extended_stream(cuts: Sequence[Any], more: int, rounding: int) -> Any:
     at = next(((i, f) for i, m in enumerate(last.moments) for f, seq in enumerate(m[1:]) if seq == last.peak_seq),
               None)
     peak = moments[at[0]][at[1]] if at is not None else 0
-    return RecordedStream(tuple(events), tuple[Any, ...]((s, *m) for s, m in zip(steps[2], moments)), peak), missed
+    return RecordedStream(tuple(events), tuple[Any, ...]((s, *m) for s, m in zip(steps[2], moments)), peak,
+                          StreamUse(switches=tuple(switches))), missed
 
 
 class _Change(NamedTuple):
@@ -146,7 +160,7 @@ def _paired(a: tuple[list[Any], list[Any]], b: tuple[list[Any], list[Any]], i1: 
 def _apart(a: tuple[list[Any], list[Any]], x: int, b: tuple[list[Any], list[Any]], y: int) -> float:
     """How far token ``x`` of ``a`` is from token ``y`` of ``b`` in its numbers (infinite: another kind)."""
     ta, tb = a[0][x], b[0][y]
-    if ta[0] != tb[0] or ta[0] in ("m", "x"):
+    if ta[0] != tb[0] or ta[0] in ("m", "s", "x"):
         return float("inf")
     far = abs(tb[1] - ta[1])
     if ta[0] == "a":
@@ -160,7 +174,7 @@ def _apart(a: tuple[list[Any], list[Any]], x: int, b: tuple[list[Any], list[Any]
 
 def _grown(ta: tuple[Any, ...], oa: Any, tb: tuple[Any, ...], ob: Any) -> tuple[Any, tuple[int, int, int]]:
     """Token ``tb`` written the way it and ``ta`` share that moved least, and how much each number grew."""
-    if ta[0] != tb[0] or ta[0] in ("m", "x"):
+    if ta[0] != tb[0] or ta[0] in ("m", "s", "x"):
         raise _Stop("its allocation stream changed, not only grew, with a block more")
     if ta[0] == "a":
         if ta[2:] != tb[2:]:
@@ -248,11 +262,14 @@ def _same(predicted: tuple[Any, ...], token: tuple[Any, ...], options: Any) -> b
     return bool(options.get((predicted[2], predicted[3])) == predicted[4])
 
 
-def _tokens(recorded: Any) -> tuple[list[Any], list[Any]]:
+def _tokens(recorded: Any, moved: "_MovedCategories | None" = None) -> tuple[list[Any], list[Any]]:
     """``recorded``'s events and moments as tokens (see the module's docstring), and beside each free or resize
     every way it could be written ((way, epochs ago) -> position). A storage made is written with its bytes, the
     category it was made in (-1: not known) and whether it moved to another while it lived."""
-    marks = sorted((seq, (i, f)) for i, m in enumerate(recorded.moments) for f, seq in enumerate(m[1:]))
+    # The moments, and each switch of the current stream, where they fall between two events: (seq, 0, moment,
+    # which of its three) and (seq, 1, stream, 0), a moment first where both fall at one seq.
+    marks = sorted([(seq, 0, i, f) for i, m in enumerate(recorded.moments) for f, seq in enumerate(m[1:])]
+                   + [(seq, 1, stream, 0) for seq, stream in recorded.streams.switches])
     made, cats = _made(recorded)
     live: dict[Any, tuple[int, int]] = {}  # key -> (bytes, the n-th of its bytes made)
     classes = _Classes()
@@ -261,9 +278,8 @@ def _tokens(recorded: Any) -> tuple[list[Any], list[Any]]:
     at = 0
     for index, (seq, key, nbytes) in enumerate(recorded.events):
         while at < len(marks) and marks[at][0] < seq:
-            out.append(("m", *marks[at][1]))
+            out.append(_marker(marks[at], classes, moved))
             options.append(None)
-            classes.epoch += 1
             at += 1
         if nbytes == _FREE and key not in live:
             out.append(("x",))  # a storage the stream never made
@@ -274,18 +290,60 @@ def _tokens(recorded: Any) -> tuple[list[Any], list[Any]]:
             (way, ago), value = min(ways.items(), key=lambda kv: (abs(kv[1]), _ORDER[kv[0][0]]))
             if nbytes == _FREE:
                 out.append(("f", size, way, ago, value))
+                if moved is not None:
+                    moved.tracked.pop(key, None)
             else:
                 out.append(("r", size, way, ago, value, nbytes))
                 live[key] = (nbytes, classes.make(nbytes))
             options.append(ways)
         else:
             live[key] = (nbytes, classes.make(nbytes))
+            if moved is not None and index in made:
+                moved.made(key, len(out), cats.get(index, -1))
             out.append(("a", nbytes, cats.get(index, -1), index in made))
             options.append(None)
-    for _seq, mark in marks[at:]:
-        out.append(("m", *mark))
+    for mark in marks[at:]:
+        out.append(_marker(mark, classes, moved))
         options.append(None)
     return out, options
+
+
+def _marker(mark: tuple[int, int, int, int], classes: "_Classes", moved: "_MovedCategories | None") -> tuple[Any, ...]:
+    """The token of a moment, ``("m", moment, which)``, which starts an epoch, or of a switch of the current stream
+    to another, ``("s", stream)``: the storages made after it are made on that stream (their allocator's pool)."""
+    seq, kind, a, b = mark
+    if kind == 1:
+        return ("s", a)
+    classes.epoch += 1
+    if moved is not None:
+        moved.marker(seq, a, b)
+    return ("m", a, b)
+
+
+class _MovedCategories:
+    """The category of each storage that moves to another while it lives, at every moment of its life, by the
+    position of the token that made it (:attr:`at_moments`: position -> (moment, which) -> category). What the
+    figures' line misses of such a storage, where its bytes grow with the blocks, goes to the category it is in at
+    each moment (the clipping's stack of norms, made a temporary, then a collective's input under FSDP2)."""
+
+    def __init__(self, moves: "Sequence[tuple[int, int, int]]") -> None:
+        self.moves = sorted(moves)
+        self.next = 0
+        self.tracked: dict[int, list[int]] = {}  # key -> [position, its category now]
+        self.at_moments: dict[int, dict[tuple[int, int], int]] = {}
+
+    def made(self, key: int, position: int, category: int) -> None:
+        self.tracked[key] = [position, category]
+        self.at_moments[position] = {}
+
+    def marker(self, seq: int, moment: int, which: int) -> None:
+        while self.next < len(self.moves) and self.moves[self.next][0] <= seq:  # the moves before the moment
+            _seq, key, category = self.moves[self.next]
+            if key in self.tracked:
+                self.tracked[key][1] = category
+            self.next += 1
+        for position, category in self.tracked.values():
+            self.at_moments[position][(moment, which)] = category
 
 
 def _made(recorded: Any) -> tuple[set[int], dict[int, int]]:
@@ -315,30 +373,41 @@ def _made(recorded: Any) -> tuple[set[int], dict[int, int]]:
 _ORDER = {"T": 0, "B": 1, "t": 2, "b": 3, "d": 4}
 
 
-def _decoded(tokens: list[Any], moments: int, grew: Any, more: int,
-             rounding: int) -> tuple[list[tuple[int, int, int]], list[list[int]], dict[int, dict[int, int]]]:
-    """The stream ``tokens`` name: its events numbered 1, 2, ... (keys too), and each moment's (start, peak, end)
-    seq: the seq of the last event before its marker. And what the figures extended in a line miss at
-    each marker's seq, by category: a storage whose bytes grew by ``d`` per block (``grew``, by position) is
-    ``rounding(x + more d)`` at full depth, where the line through the cuts' ``rounding(x - d)`` and
-    ``rounding(x)`` says ``rounding(x) + more (rounding(x) - rounding(x - d))``. A storage that moved to another
-    category while it lived, or whose category is not known, stops it where it misses anything."""
+def _decoded(tokens: list[Any], moments: int, grew: Any, more: int, rounding: int,
+             at_moments: "dict[int, dict[tuple[int, int], int]]",
+             ) -> tuple[list[tuple[int, int, int]], list[list[int]], list[tuple[int, int]], dict[int, dict[int, int]]]:
+    """The stream ``tokens`` name: its events numbered 1, 2, ... (keys too), each moment's (start, peak, end)
+    seq: the seq of the last event before its marker, and each switch of the current stream as ``(seq, stream)``,
+    the seq of the last event before it (:class:`~memprof.collect.streams.StreamUse`). And what the figures
+    extended in a line miss at each marker's seq, by category: a storage whose bytes grew by ``d`` per block
+    (``grew``, by position) is ``rounding(x + more d)`` at full depth, where the line through the cuts'
+    ``rounding(x - d)`` and ``rounding(x)`` says ``rounding(x) + more (rounding(x) - rounding(x - d))``, in the
+    category it is in at each moment (``at_moments``: by the position of the token that made a storage that moved,
+    (moment, which) -> category). A storage whose category is not known at a moment stops it where it misses
+    anything."""
     classes = _Classes()
     keys: dict[tuple[int, int], int] = {}
     events: list[tuple[int, int, int]] = []
     placed = [[0, 0, 0] for _ in range(moments)]
+    switches: list[tuple[int, int]] = []
     fresh = 0
-    missing: dict[int, tuple[int, int]] = {}  # key -> (category, bytes the line misses)
+    missing: dict[int, tuple[int | dict[tuple[int, int], int], int]] = {}  # key -> (category, bytes the line misses)
     missed: dict[int, dict[int, int]] = {}
     for position, token in enumerate(tokens):
         kind = token[0]
+        if kind == "s":
+            switches.append((len(events), token[1]))
+            continue
         if kind == "m":
             classes.epoch += 1
             placed[token[1]][token[2]] = len(events)
             if missing:
                 at = missed.setdefault(len(events), {})
                 at.clear()
-                for cat, nbytes in missing.values():
+                for where, nbytes in missing.values():
+                    cat = where if isinstance(where, int) else where.get((token[1], token[2]), -1)
+                    if cat < 0:
+                        raise _Stop("a storage whose bytes grow with the blocks has no category known at a moment")
                     at[cat] = at.get(cat, 0) + nbytes
             continue
         fresh += 1
@@ -349,9 +418,9 @@ def _decoded(tokens: list[Any], moments: int, grew: Any, more: int,
             if position in grew:
                 miss = _missed(token[1], grew[position][1][0], more, rounding)
                 if miss:
-                    if token[2] < 0 or token[3]:
-                        raise _Stop("a storage whose bytes grow with the blocks changed category, or has none known")
-                    missing[fresh] = (token[2], miss)
+                    if token[2] < 0 or (token[3] and position not in at_moments):
+                        raise _Stop("a storage whose bytes grow with the blocks has no category known")
+                    missing[fresh] = (at_moments[position] if token[3] else token[2], miss)
         elif kind == "x":
             events.append((seq, fresh, _FREE))
         else:
@@ -365,7 +434,7 @@ def _decoded(tokens: list[Any], moments: int, grew: Any, more: int,
                     raise _Stop("a storage whose bytes grow with the blocks was resized")
                 keys[(token[5], classes.make(token[5]))] = key
                 events.append((seq, key, token[5]))
-    return events, placed, missed
+    return events, placed, switches, missed
 
 
 def _missed(size: int, grow: int, more: int, rounding: int) -> int:
@@ -456,6 +525,7 @@ def corrected(est: Any, recorded: Any, missed: "dict[int, dict[int, int]]") -> A
     import dataclasses
 
     from ..record.parts import Breakdown
+    from ..record.stats import series_from
     from .device_memory import moments_of
 
     if not missed:
@@ -494,30 +564,11 @@ def corrected(est: Any, recorded: Any, missed: "dict[int, dict[int, int]]") -> A
                                                                                                     st.occurrence)]
         if len(records) != st.count:  # steps the record keeps no detail of: their figures are not here
             return "the extended figures miss bytes in steps the record keeps no detail of"
-        peak, end = _restated(st.peak, [r.peak for r in records]), _restated(st.end, [r.end for r in records])
-        if peak is None or end is None:
+        at_peak, at_end = (series_from(st.peak, [r.peak for r in records]),
+                           series_from(st.end, [r.end for r in records]))
+        if at_peak is None or at_end is None:
             return "the per-phase statistics count figures the phases' records do not hold"
-        stats.append(dataclasses.replace(st, peak=peak, end=end))
+        stats.append(dataclasses.replace(st, peak=at_peak, end=at_end))
     out = dataclasses.replace(trace, steps=tuple(steps), phase_stats=tuple(stats), start=fixed(trace.start, first),
                               peak=fixed(trace.peak, peak), end=fixed(trace.end, end))
     return dataclasses.replace(est, trace=out)
-
-
-def _restated(series: Any, parts: list[Any]) -> Any:
-    """Each measured series of a phase's statistics made again from every step's breakdown ``parts``: smallest,
-    median (the lower, as :class:`memprof.collect.retention` takes it) and largest; None where a breakdown does not
-    hold a figure its series counts."""
-    from ..record.stats import STAT_KEYS, Stat
-
-    out: "list[tuple[str, Stat | None]]" = []
-    for key, stat in series:
-        if stat is None:
-            out.append((key, stat))
-            continue
-        i = STAT_KEYS.index(key)
-        got = [p.total if key == "total" else p.counts[i] for p in parts]
-        if any(v is None for v in got):
-            return None
-        values = sorted(got)
-        out.append((key, Stat(values[0], values[(len(values) + 1) // 2 - 1], values[-1])))
-    return tuple(out)

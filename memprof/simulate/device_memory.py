@@ -19,7 +19,7 @@ import uuid
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..anatomy.alloc_config import AllocatorConfig
 from ..anatomy.allocator import CachingAllocator
@@ -34,7 +34,12 @@ from ..vocabulary import TENSOR_CATEGORIES, Phase
 from .alloc_stream import check_stream, from_start, replay_stream
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ..collect.ledger import Ledger
     from ..collect.simulated import RecordedStream
+    from ..record.estimate import Estimate
 
 __all__ = ["DeviceMemory", "Replay", "replay_of", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms",
            "replay_stream", "STREAM_UNKNOWN_GPU_CC"]
@@ -45,7 +50,7 @@ STREAM_UNKNOWN_GPU_CC = (9, 0)
 _N = len(TENSOR_CATEGORIES)
 
 
-def resolve_gpu(gpu: Any) -> "GpuSpec | None":
+def resolve_gpu(gpu: object) -> "GpuSpec | None":
     """``gpu=`` as given: None, a name (:func:`memprof.anatomy.gpus.gpu`, unknown names list the known ones)
     or a :class:`GpuSpec`."""
     if gpu is None or isinstance(gpu, GpuSpec):
@@ -55,7 +60,7 @@ def resolve_gpu(gpu: Any) -> "GpuSpec | None":
     return gpu_by_name(gpu)
 
 
-def resolve_conf(alloc_conf: Any, environ: "Mapping[str, str] | None" = None) -> tuple[AllocatorConfig, str]:
+def resolve_conf(alloc_conf: object, environ: "Mapping[str, str] | None" = None) -> tuple[AllocatorConfig, str]:
     """The allocator config and its text: ``alloc_conf`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string or an
     :class:`AllocatorConfig`), or when None the environment's, as torch reads it at start-up."""
     environ = os.environ if environ is None else environ
@@ -120,11 +125,12 @@ class Replay:
         return replayed.peak_reserved + self.outside, replayed.oom, replayed.pressed
 
 
-def replay_of(memory: Any) -> "Replay | None":
+def replay_of(memory: "DeviceMemory | None") -> "Replay | None":
     """The :class:`Replay` a simulation's :class:`DeviceMemory` came from (the record as ``memprof.estimate``
     returns it, or any copy of it), None for a measured run's figures. Kept beside the record rather than in it:
     a stream is no figure of the run, and the record stays plain data (``dataclasses.asdict``, JSON)."""
-    return getattr(memory, "_replay", None)
+    replay: "Replay | None" = getattr(memory, "_replay", None)  # a Replay kept by keep_replay, or none
+    return replay
 
 
 class _Replayed(NamedTuple):
@@ -191,7 +197,7 @@ CHECK_ENV = "MEMPROF_CHECK_REPLAY"
 
 def device_memory(trace: Trace, stream: Sequence[tuple[int, int, int]],
                   moments: Sequence[tuple[int, int, int, int]], peak_seq: int, *, gpu: "GpuSpec | None" = None,
-                  alloc_conf: Any = None, world_size: int = 1, convolutions: bool = False,
+                  alloc_conf: "str | AllocatorConfig | None" = None, world_size: int = 1, convolutions: bool = False,
                   environ: "Mapping[str, str] | None" = None,
                   streams: StreamUse = ONE_STREAM) -> tuple[Trace, DeviceMemory]:
     """``trace`` with ``allocator_overhead`` and ``outside_torch`` filled in at every recorded moment, and the
@@ -302,7 +308,8 @@ def _check_ledger(trace: Trace, stream: Sequence[tuple[int, int, int]],
     check_stream(stream, max(1, trace.device.rounding or 1), expected, ceiling, scaled)
 
 
-def moments_of(trace: Trace, recorded: Any) -> tuple[dict[tuple[int, int], tuple[int, int, int]], int, int, int]:
+def moments_of(trace: Trace, recorded: RecordedStream
+               ) -> tuple[dict[tuple[int, int], tuple[int, int, int]], int, int, int]:
     """Where ``trace``'s moments are in ``recorded`` (a :class:`~memprof.collect.simulated.RecordedStream`): each
     phase record's (start, peak, end) seqs by (step index, position in the step), and the seqs of the run's start,
     its peak and its end, as :func:`device_memory` places them."""
@@ -313,7 +320,7 @@ def moments_of(trace: Trace, recorded: Any) -> tuple[dict[tuple[int, int], tuple
     return placed, first, _peak_seq(trace, placed, recorded.peak_seq), end
 
 
-def stream_holds(trace: Trace, recorded: Any) -> "str | None":
+def stream_holds(trace: Trace, recorded: RecordedStream) -> "str | None":
     """Does ``recorded`` (a :class:`~memprof.collect.simulated.RecordedStream`) hold ``trace``'s tensors, to the
     byte, at every phase's start, peak and end from the run's start (:func:`_check_ledger`)? None if it does, else
     where it does not. A stream memprof made rather than recorded (:mod:`memprof.simulate.depth_stream`) is replayed
@@ -354,7 +361,7 @@ def _place(trace: Trace, moments: Sequence[tuple[int, int, int, int]]) -> dict[t
     return out
 
 
-def uses_convolutions(model: Any) -> bool:
+def uses_convolutions(model: nn.Module) -> bool:
     """Does ``model`` hold a convolution (cuDNN runs it on CUDA)?"""
     return any(type(m).__name__.startswith(("Conv", "LazyConv")) for m in model.modules())
 
@@ -370,14 +377,15 @@ class AllocationStream:
     peak_seq: int
 
     @classmethod
-    def of(cls, ledger: Any) -> "AllocationStream | None":
+    def of(cls, ledger: Ledger) -> "AllocationStream | None":
         if ledger.stream is None:
             return None
         return cls(tuple(ledger.stream), tuple(ledger.moments or ()), ledger.peak_seq)
 
 
-def what_a_gpu_would_reserve(trace: Trace, allocations: "AllocationStream | None", *, gpu: Any = None,
-                             alloc_conf: Any = None) -> DeviceMemory:
+def what_a_gpu_would_reserve(trace: Trace, allocations: "AllocationStream | None", *,
+                             gpu: "str | GpuSpec | None" = None,
+                             alloc_conf: "str | AllocatorConfig | None" = None) -> DeviceMemory:
     """The device-level figures of a measured run's allocation stream on ``gpu`` (on a CUDA run, by default its
     own GPU when memprof knows its name), with the measured reserved and outside-torch bytes beside them."""
     from ..errors import NotMeasuredError
@@ -406,7 +414,8 @@ def what_a_gpu_would_reserve(trace: Trace, allocations: "AllocationStream | None
                                measured_outside=measured_outside)
 
 
-def check_target(gpu: Any, device: Any, alloc_conf: Any) -> tuple["GpuSpec | None", Any]:
+def check_target(gpu: "str | GpuSpec | None", device: "str | torch.device | None",
+                 alloc_conf: "str | AllocatorConfig | None") -> tuple["GpuSpec | None", "str | torch.device | None"]:
     """``gpu=``, ``device=`` and ``alloc_conf=`` of an estimate, checked before anything runs: the GPU's spec
     and the device to simulate (a GPU means ``"cuda"``)."""
     spec = resolve_gpu(gpu)
@@ -425,8 +434,9 @@ def check_target(gpu: Any, device: Any, alloc_conf: Any) -> tuple["GpuSpec | Non
     return spec, device
 
 
-def on_device(est: Any, recorded: "RecordedStream", *, gpu: "GpuSpec | None", alloc_conf: Any, world_size: int = 1,
-              model: Any = None) -> Any:
+def on_device(est: Estimate, recorded: "RecordedStream", *, gpu: "GpuSpec | None",
+              alloc_conf: "str | AllocatorConfig | None", world_size: int = 1,
+              model: "nn.Module | None" = None) -> Estimate:
     """The estimate ``est`` (a frozen dataclass with ``trace``, ``notes`` and ``device_memory``) with its device
     rows and :class:`DeviceMemory`, from the stream its simulated profile ``recorded``."""
     trace, summary = device_memory(est.trace, recorded.events, recorded.moments, recorded.peak_seq, gpu=gpu,

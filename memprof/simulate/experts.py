@@ -30,7 +30,7 @@ The exchange itself runs as the shape-only op: its buffers are counted where eve
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 from torch._ops import OpOverload
@@ -38,7 +38,11 @@ from torch._ops import OpOverload
 from ..errors import is_interrupt
 
 if TYPE_CHECKING:
+    from torch._C._distributed_c10d import ProcessGroup
+    from torch.distributed.distributed_c10d import GroupName
+
     from ..record.routing import RoutingRecord
+    from .aliases import OpValue
 
 __all__ = ["CountsExchange", "EXCHANGE_OPS"]
 
@@ -58,6 +62,17 @@ def _ops() -> "tuple[frozenset[OpOverload], OpOverload | None, OpOverload | None
 EXCHANGE_OPS, _FUNCTIONAL, _INPLACE = _ops()
 
 
+class _Shadows(Protocol):
+    """The value shadows an exchange reads and fills (:class:`memprof.simulate.shadows.ShadowStore`, which imports
+    this module)."""
+
+    def get(self, t: torch.Tensor, make_lazy: bool = False) -> "torch.Tensor | None": ...
+
+    def put(self, fake: torch.Tensor, real: torch.Tensor) -> None: ...
+
+    def drop(self, fake: torch.Tensor) -> None: ...
+
+
 class CountsExchange:
     """Received counts of an all-to-all of routing-derived values (the module's docstring), under ``policy``
     (a :class:`~memprof.simulate.routing.Routing`'s: ``"balanced"``, ``"worst"``, ``"capacity"``, ``"replay"``)."""
@@ -70,7 +85,8 @@ class CountsExchange:
         self.calls: list[tuple[int, int, tuple[int, ...]]] = []
         self.mismatched = 0  # exchanges whose own counts were not this rank's recorded ones: answered alike
 
-    def received(self, values: torch.Tensor, group: Any, in_splits: Any, out_splits: Any) -> "torch.Tensor | None":
+    def received(self, values: torch.Tensor, group: ProcessGroup, in_splits: "Sequence[int] | None",
+                 out_splits: "Sequence[int] | None") -> "torch.Tensor | None":
         """The counts this rank receives for ``values`` (a real tensor: what it sends), or None where the splits
         do not allow an answer (the exchange then runs without one, and a later ``tolist()`` says so)."""
         size, rank = group.size(), group.rank()
@@ -117,7 +133,8 @@ class CountsExchange:
             return None
         return [v.split(ins)[rank] for v in sent]  # type: ignore[no-untyped-call]  # Tensor.split is untyped
 
-    def answer(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], store: Any) -> Any:
+    def answer(self, func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpValue], store: _Shadows
+               ) -> OpValue:
         """Run the exchange ``func(*args, **kwargs)`` as the shape-only op, and give the tensor it fills the
         received counts as its shadow where its input has one. Returns the op's output."""
         if func is _FUNCTIONAL:
@@ -166,14 +183,14 @@ class CountsExchange:
                 "receive buffers are counted as communication, as every collective's are"]
 
 
-def _arg(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+def _arg(func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpValue], name: str) -> OpValue:
     for i, a in enumerate(func._schema.arguments):
         if a.name == name:
             return args[i] if i < len(args) else kwargs.get(name, a.default_value)
     return None
 
 
-def _unboxed(group: Any) -> Any:
+def _unboxed(group: "ProcessGroup | torch.ScriptObject") -> "ProcessGroup | None":
     """The ``ProcessGroup`` a c10d op is handed as a script object."""
     try:
         from torch._C._distributed_c10d import ProcessGroup
@@ -185,7 +202,7 @@ def _unboxed(group: Any) -> Any:
         return None
 
 
-def _group(name: Any) -> Any:
+def _group(name: GroupName) -> "ProcessGroup | None":
     try:
         from torch._C._distributed_c10d import _resolve_process_group
 

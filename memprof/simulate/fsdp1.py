@@ -12,24 +12,31 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import SimulationError, is_interrupt
 
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from .aliases import UserValue
+
 __all__ = ["fsdp1_in_fake_mode", "fsdp1_notes", "fsdp1_parallelize", "has_meta", "unwrapped"]
 
 
-def fsdp1_parallelize() -> Callable[[nn.Module, Any], nn.Module]:
+def fsdp1_parallelize() -> "Callable[[nn.Module, DeviceMesh], nn.Module]":
     """The function ``estimate(parallel="fsdp1")`` runs: FSDP1 over the whole mesh, as accelerate's and Lightning's
     FSDP1 configurations wrap a transformer: each block of the repeated stack a unit (the blocks the other
     data-parallel layouts gather one at a time, memprof.simulate.ranks), the root for the rest, ``FULL_SHARD``,
     ``use_orig_params=True`` (both their defaults), ``limit_all_gathers=True`` and backward prefetching
     (``BACKWARD_PRE``), FSDP1's own defaults."""
 
-    def parallelize(model: nn.Module, mesh: Any) -> nn.Module:
+    def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
         from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
@@ -65,7 +72,7 @@ def fsdp1_notes(said: list[str]) -> list[str]:
             "once"]
 
 
-def _off_cpu(device: Any) -> bool:
+def _off_cpu(device: "int | str | torch.device") -> bool:
     """Whether FSDP1's ``device_id`` names a device other than the CPU (an int is an accelerator's index, which
     ``torch.device`` cannot even read on a machine without one)."""
     if isinstance(device, int):
@@ -108,7 +115,7 @@ def _to_empty_keeping_ties(module: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def fsdp1_in_fake_mode(fake_mode: Any, notes: list[str]) -> Any:
+def fsdp1_in_fake_mode(fake_mode: FakeTensorMode, notes: list[str]) -> Iterator[None]:
     """While the user's function runs, FSDP1 (``FullyShardedDataParallel``) builds its units on fake CPU tensors.
 
     FSDP1 flattens a unit's parameters into one ``FlatParameter`` as it is constructed, and materialises a meta
@@ -127,7 +134,7 @@ def fsdp1_in_fake_mode(fake_mode: Any, notes: list[str]) -> Any:
         return
     original = FullyShardedDataParallel.__init__
 
-    def init(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def init(self: FullyShardedDataParallel, module: nn.Module, *args: UserValue, **kwargs: UserValue) -> None:
         if getattr(kwargs.get("cpu_offload"), "offload_params", False):
             raise SimulationError(
                 "FSDP1 with cpu_offload=CPUOffload(offload_params=True) cannot be simulated: FSDP1 pins the host "

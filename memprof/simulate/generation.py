@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from .stages import NothingLeftBehind
 from .twin import Twin as _Target
 
 if TYPE_CHECKING:
+    from ..anatomy.gpus import GpuSpec
     from ..collect.simulated import SimulatedProfile
 
 __all__ = ["estimate_generation", "simulate_generation"]
@@ -81,7 +82,7 @@ class _Prepared:
 
     twin: _Target
     loop: Decoding
-    gpu: Any
+    gpu: "GpuSpec | None"
     decodes: int
     encoder_decoder: bool
     notes: list[str]
@@ -180,7 +181,7 @@ _Loop = Decoding
 
 
 def choosing(model: nn.Module, *, num_beams: int = 1, do_sample: bool = False, temperature: float = 1.0,
-             top_k: "int | None" = 50, top_p: float = 1.0, max_length: int = 0) -> Any:
+             top_k: "int | None" = 50, top_p: float = 1.0, max_length: int = 0) -> "Greedy | Beams":
     """The chooser of next tokens ``generate()`` would run with these arguments (:mod:`.choosing`; the
     arguments as :class:`~memprof.simulate.run.Generation` checks them)."""
     sample = (float(temperature), top_k, float(top_p)) if do_sample else None
@@ -191,7 +192,12 @@ def choosing(model: nn.Module, *, num_beams: int = 1, do_sample: bool = False, t
     return Sampling(*sample) if sample is not None else Greedy()
 
 
-def _generation_value(model: nn.Module, name: str, default: Any) -> Any:
+_T = TypeVar("_T")
+
+
+def _generation_value(model: nn.Module, name: str, default: _T) -> _T:
+    """The model's generation config's ``name`` (of ``default``'s type, as transformers' ``GenerationConfig``
+    declares it), or ``default`` where it gives none."""
     value = getattr(getattr(model, "generation_config", None), name, None)
     return default if value is None else value
 
@@ -269,7 +275,7 @@ def _check_positions(model: nn.Module, prompt_len: int, max_new_tokens: int, enc
             f"decoder has positions for {decoder}; shorten the generation")
 
 
-def _positions(config: Any) -> "int | None":
+def _positions(config: object) -> "int | None":
     from ..collect.kv_cache import config_int
 
     limit = config_int(config, "max_position_embeddings", "n_positions", "max_sequence_length")

@@ -13,8 +13,6 @@ checks (``_grouped_mm_validate_inputs`` and the stride checks of the same file) 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 __all__ = ["grouped_mm_output"]
@@ -36,8 +34,8 @@ def _check_strides(m: torch.Tensor, name: str) -> None:
         raise RuntimeError("strides should be multiple of 16 bytes")
 
 
-def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Any = None, bias: Any = None,
-                      out_dtype: Any = None) -> torch.Tensor:
+def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: "torch.Tensor | None" = None,
+                      bias: "torch.Tensor | None" = None, out_dtype: "torch.dtype | None" = None) -> torch.Tensor:
     """The output ``torch._grouped_mm(mat_a, mat_b, offs, bias, out_dtype)`` allocates, on ``mat_a``'s device
     (made by whatever mode is beneath the caller: fake or meta), after the kernel's checks; raises the
     kernel's error where it would."""
@@ -60,8 +58,11 @@ def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Any = None
     dtype = out_dtype or mat_a.dtype
     if dtype != mat_a.dtype:
         raise RuntimeError("Grouped gemm output dtype must match `mat_a` dtype")
-    if a2:
-        size = [offs.size(0), mat_a.size(0), mat_b.size(1)] if b2 else [mat_a.size(0), mat_b.size(-1)]
+    if a2 and b2:
+        assert offs is not None  # checked above: a 2-d matrix comes with offsets
+        size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif a2:
+        size = [mat_a.size(0), mat_b.size(-1)]
     else:
         size = [mat_a.size(1), mat_b.size(1)] if b2 else [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
     align = 16 // dtype.itemsize

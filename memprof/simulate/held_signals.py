@@ -22,7 +22,7 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
-from typing import Any, Callable
+from typing import Callable
 
 __all__ = ["enter", "leave", "entered", "leave_to", "hold", "release"]
 
@@ -32,7 +32,7 @@ _NOT_HELD = {getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGFPE", "
                                                 "SIGSYS", "SIGKILL", "SIGSTOP") if hasattr(signal, name)}
 _HELD = tuple(sorted(s for s in signal.valid_signals() if s not in _NOT_HELD))
 
-Handler = Callable[[int, "FrameType | None"], Any]
+Handler = Callable[[int, "FrameType | None"], object]
 
 
 class _State:
@@ -50,7 +50,7 @@ def _main() -> bool:
 
 
 def _wrapper(handler: Handler) -> Handler:
-    def held(signum: int, frame: "FrameType | None") -> Any:
+    def held(signum: int, frame: "FrameType | None") -> object:
         if _State.depth:
             _State.pending.append(signum)
             return None

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Iterable, Literal, Union
 
 from ..record.estimate import Estimate
 from ..errors import (ConfigNotFoundError, InvalidArgumentError, MemprofError, MissingExtraError, SimulationError,
@@ -20,6 +21,13 @@ from .loops import transformers_version_note
 from .hf_limits import (check_counts_in_file, check_sequence, check_sizes, default_precision, dtype_note,
                         quantization_note, size_culprit)
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+    from .aliases import HfConfig, HfModule, Option, UserValue
+    from .run import OptimizerArg
+
 __all__ = ["HfModel", "load_config", "build_model", "token_batch", "estimate_hf", "estimate_hf_generation",
            "check_counts", "KINDS"]
 
@@ -27,8 +35,12 @@ __all__ = ["HfModel", "load_config", "build_model", "token_batch", "estimate_hf"
 KINDS = {"ForCausalLM": "causal-lm", "ForConditionalGeneration": "seq2seq", "ForSeq2SeqLM": "seq2seq",
          "ForSequenceClassification": "sequence-classification"}
 
+#: What a config is given as: a transformers config already, a folder holding a ``config.json``, that file, or a
+#: hub id (:func:`load_config`).
+ConfigSource = Union["HfConfig", str, "os.PathLike[str]"]
 
-def _transformers() -> Any:
+
+def _transformers() -> types.ModuleType:
     try:
         import transformers
     except ImportError as exc:
@@ -39,7 +51,7 @@ def _transformers() -> Any:
     return transformers
 
 
-def load_config(source: Any) -> Any:
+def load_config(source: ConfigSource) -> "HfConfig":
     """A ``PretrainedConfig`` from ``source``: a config already, a folder with a ``config.json``, that file,
     or a hub id (read from transformers' cache, or downloaded when the network allows)."""
     transformers = _transformers()
@@ -146,13 +158,13 @@ class HfModel:
     """A model built from a config on the meta device: the module, its kind (one of :data:`KINDS`' values),
     its class name and the notes on what was assumed in building it."""
 
-    model: Any
+    model: "HfModule"
     kind: str
     architecture: str
     notes: tuple[str, ...] = ()
 
 
-def build_model(config: Any, *, checkpointing: bool = False) -> HfModel:
+def build_model(config: ConfigSource, *, checkpointing: bool = False) -> HfModel:
     """The class ``config.architectures`` names, built on the meta device in fp32 (``precision`` casts it later),
     in training mode; with ``checkpointing`` transformers' activation checkpointing enabled on every layer
     (non-reentrant, transformers' default)."""
@@ -207,7 +219,7 @@ def build_model(config: Any, *, checkpointing: bool = False) -> HfModel:
     return HfModel(model, kind, name, tuple(notes))
 
 
-def _kind_of(name: str, transformers: Any) -> "str | None":
+def _kind_of(name: str, transformers: types.ModuleType) -> "str | None":
     """What memprof feeds the class ``name``: the kind of transformers' auto mapping that lists it (so that
     ``GPT2LMHeadModel`` is a causal LM, and so is Gemma-3's ``ForConditionalGeneration``), else by the suffix of
     its name (:data:`KINDS`)."""
@@ -222,7 +234,7 @@ def _kind_of(name: str, transformers: Any) -> "str | None":
     return next((k for suffix, k in KINDS.items() if name.endswith(suffix)), None)
 
 
-def enable_checkpointing(model: Any) -> None:
+def enable_checkpointing(model: "HfModule") -> None:
     """Transformers' activation checkpointing on ``model`` (non-reentrant), through the method this version
     has (``activation_checkpointing_enable`` replaced ``gradient_checkpointing_enable``)."""
     kwargs = {"use_reentrant": False}
@@ -235,7 +247,7 @@ def enable_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _default_architecture(config: Any, transformers: Any) -> str:
+def _default_architecture(config: "PretrainedConfig", transformers: types.ModuleType) -> str:
     mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     name = mapping.get(getattr(config, "model_type", ""))
     if not name:
@@ -244,7 +256,7 @@ def _default_architecture(config: Any, transformers: Any) -> str:
     return str(name)
 
 
-def token_batch(built: HfModel, batch_size: int, seq_len: int) -> dict[str, Any]:
+def token_batch(built: HfModel, batch_size: int, seq_len: int) -> "dict[str, torch.Tensor]":
     """Token ids and labels of a training batch for ``built`` on the meta device: ``input_ids`` and ``labels``
     (the same ids: a causal LM shifts them itself) for a causal LM; also ``decoder_input_ids`` of ``seq_len``
     for a seq2seq model; one class label per sequence for a classifier. A ``seq_len`` beyond what the model takes
@@ -261,34 +273,35 @@ def token_batch(built: HfModel, batch_size: int, seq_len: int) -> dict[str, Any]
     return {"input_ids": ids, "labels": ids}
 
 
-def check_counts(**counts: Any) -> None:
+def check_counts(**counts: object) -> None:
     """Each of ``counts`` (``seq_len=16``) is a positive int, or one error naming it."""
     for what, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
 
 
-def hf_loss(output: Any) -> Any:
+def hf_loss(output: "UserValue") -> "torch.Tensor":
     """The loss transformers computes from the labels (``output.loss``)."""
-    return output.loss
+    loss: torch.Tensor = output.loss
+    return loss
 
 
-def precision_of(config: Any, precision: "str | None") -> str:
+def precision_of(config: "PretrainedConfig", precision: "str | None") -> str:
     """``precision``, or by default the config's dtype (bf16, fp16; fp32 otherwise: the dtype the model is built
     in, which :func:`memprof.simulate.hf_limits.dtype_note` says in words)."""
     return precision if precision is not None else default_precision(config)
 
 
-def adamw(params: Any) -> Any:
+def adamw(params: "Iterable[torch.Tensor]") -> "torch.optim.Optimizer":
     """torch's AdamW with its defaults (foreach on CUDA), the optimizer a plan assumes unless told."""
     import torch
 
     return torch.optim.AdamW(params)
 
 
-def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = adamw,
+def estimate_hf(config: ConfigSource, *, seq_len: int, batch_size: int, optimizer: "OptimizerArg" = adamw,
                 precision: "str | None" = None, checkpointing: bool = False, device: str = "cuda",
-                loop: "str | None" = "hf-trainer", **options: Any) -> Estimate:
+                loop: "str | None" = "hf-trainer", **options: "Option") -> Estimate:
     """:func:`memprof.estimate` of a training step of the model ``config`` describes (see
     :func:`~memprof.simulate.hf.load_config`), built on the meta device: ``batch_size`` sequences of ``seq_len``
     tokens, the loss transformers computes from the labels, AdamW unless ``optimizer`` (a factory of parameters, or
@@ -322,9 +335,10 @@ def estimate_hf(config: Any, *, seq_len: int, batch_size: int, optimizer: Any = 
     return _noted(est, said, config, precision, built)
 
 
-def estimate_hf_generation(config: Any, *, batch_size: int, prompt_len: int, max_new_tokens: int,
+def estimate_hf_generation(config: ConfigSource, *, batch_size: int, prompt_len: int, max_new_tokens: int,
                            precision: "str | None" = None, device: str = "cuda",
-                           names: "tuple[str, str]" = ("prompt_len", "max_new_tokens"), **options: Any) -> Estimate:
+                           names: "tuple[str, str]" = ("prompt_len", "max_new_tokens"),
+                           **options: "Option") -> Estimate:
     """:func:`memprof.estimate_generation` of the model ``config`` describes, built on the meta device in eval
     mode: ``batch_size`` prompts of ``prompt_len`` tokens, then ``max_new_tokens`` generated. ``precision``
     defaults to the config's dtype; every other option is :func:`memprof.estimate_generation`'s. A causal LM's
@@ -369,7 +383,8 @@ def loop_versions(loop: "str | None") -> "list[str]":
             f"{torch.__version__}"]
 
 
-def _noted(est: Estimate, said: "list[str]", config: Any, precision: "str | None", built: HfModel) -> Estimate:
+def _noted(est: Estimate, said: "list[str]", config: "PretrainedConfig", precision: "str | None",
+           built: HfModel) -> Estimate:
     """``est`` with what building it from the config assumed ahead of its own notes."""
     import dataclasses
 
@@ -390,7 +405,8 @@ class _named:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> Literal[False]:
+    def __exit__(self, kind: "type[BaseException] | None", exc: "BaseException | None",
+                 tb: "types.TracebackType | None") -> Literal[False]:
         if exc is None or isinstance(exc, MemprofError) or not isinstance(exc, Exception) or not _in_model(tb):
             return False
         raise SimulationError(f"{self.built.architecture}, built from this config, raised {type(exc).__name__} in "
@@ -398,7 +414,7 @@ class _named:
                               "runs: fix config.json") from exc
 
 
-def _in_model(tb: Any) -> bool:
+def _in_model(tb: "types.TracebackType | None") -> bool:
     """Whether a traceback passes through the code of a transformers model (``transformers/models/``)."""
     while tb is not None:
         if f"{os.sep}transformers{os.sep}models{os.sep}" in tb.tb_frame.f_code.co_filename:

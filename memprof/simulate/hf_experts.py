@@ -20,14 +20,26 @@ assumption (``balanced``: every router call's top-k spread evenly over the exper
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, TypedDict
 
 from ..errors import InvalidArgumentError, is_interrupt
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from .aliases import HfModule
+
+    class _Sharding(TypedDict, total=False):
+        """The keyword arguments of ``fully_shard`` given to every unit."""
+
+        mp_policy: MixedPrecisionPolicy
 
 __all__ = ["ep_plan", "ep_support", "ep_degrees", "ep_fsdp"]
 
 
-def ep_support(model: Any) -> "tuple[bool, str]":
+def ep_support(model: nn.Module) -> "tuple[bool, str]":
     """Whether the plan can split ``model``'s experts, and why not."""
     name = type(model).__name__
     plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
@@ -44,7 +56,7 @@ def ep_support(model: Any) -> "tuple[bool, str]":
     return True, ""
 
 
-def ep_plan(model: Any) -> "dict[str, str]":
+def ep_plan(model: HfModule) -> "dict[str, str]":
     """``model``'s expert-parallel plan with its wildcards expanded, in the model's own names (the base model's
     prefix added): a parameter or module name -> its style."""
     plan = getattr(model.config, "base_model_ep_plan", None) or {}
@@ -57,12 +69,12 @@ def ep_plan(model: Any) -> "dict[str, str]":
     return out
 
 
-def _experts_modules(model: Any) -> list[str]:
+def _experts_modules(model: nn.Module) -> list[str]:
     """The experts modules the plan dispatches to (style ``ep_dispatch_experts``)."""
     return [n for n, style in ep_plan(model).items() if style == "ep_dispatch_experts"]
 
 
-def ep_degrees(model: Any, world_size: int) -> list[int]:
+def ep_degrees(model: nn.Module, world_size: int) -> list[int]:
     """The expert-parallel degrees above 1 that divide ``world_size`` and every MoE layer's experts (whole
     experts on each rank)."""
     if not ep_support(model)[0]:
@@ -74,7 +86,7 @@ def ep_degrees(model: Any, world_size: int) -> list[int]:
     return [e for e in range(2, world_size + 1) if world_size % e == 0 and all(c % e == 0 for c in counts)]
 
 
-def _experts_count(module: Any) -> "int | None":
+def _experts_count(module: nn.Module) -> "int | None":
     count = getattr(module, "num_experts", None)
     if isinstance(count, int):
         return count
@@ -82,14 +94,14 @@ def _experts_count(module: Any) -> "int | None":
     return int(first.shape[0]) if first is not None and first.dim() >= 1 else None
 
 
-def ep_fsdp(mixed: bool = False) -> Callable[[Any, Any], Any]:
+def ep_fsdp(mixed: bool = False) -> "Callable[[nn.Module, DeviceMesh], nn.Module]":
     """A ``parallelize(model, mesh)`` function for :func:`memprof.estimate` on a mesh ``{"dp": D, "ep": EP,
     "tp": 1}``: the model's own expert-parallel plan over ``ep`` (the size-1 ``tp`` is transformers' group of
     ranks holding the same batch: none here), then ``fully_shard`` of each experts module over ``dp`` and of every
     decoder layer and the root over all the ranks (the module's docstring), with ``mixed`` under FSDP2's
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``."""
 
-    def parallelize(model: Any, mesh: Any) -> Any:
+    def parallelize(model: HfModule, mesh: DeviceMesh) -> HfModule:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
         from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -101,7 +113,7 @@ def ep_fsdp(mixed: bool = False) -> Callable[[Any, Any], Any]:
         if not plan:
             raise InvalidArgumentError(f"{type(model).__name__} has no expert-parallel plan memprof can apply")
         apply_expert_parallelism(model, mesh["ep"], mesh["tp"], plan)
-        options: dict[str, Any] = {"mp_policy": policy()} if mixed else {}
+        options: _Sharding = {"mp_policy": policy()} if mixed else {}
         # Every rank, one dimension: the dense parameters' FSDP group (torchtitan flattens its mesh's dims for it).
         every = DeviceMesh(mesh.device_type, mesh.mesh.flatten(), mesh_dim_names=("fsdp",))
         for name in _experts_modules(model):

@@ -17,9 +17,14 @@ and the root over the mesh's ``dp`` dimension with ``fully_shard`` on top (2-D: 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["tp_plan", "tp_parallelize", "apply_tp_plan", "tp_degrees", "STYLES"]
 
@@ -28,7 +33,7 @@ STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise
           "embedding_rowwise")
 
 
-def _style(name: str) -> Any:
+def _style(name: str) -> ParallelStyle:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -45,7 +50,7 @@ def _style(name: str) -> Any:
                                + ", ".join(STYLES))
 
 
-def tp_plan(model: Any) -> "dict[str, str] | None":
+def tp_plan(model: nn.Module) -> "dict[str, str] | None":
     """The model's tensor-parallel plan (module pattern -> style name), or None when it has none or names a
     style memprof does not map."""
     plan = getattr(model, "tp_plan", None)
@@ -56,7 +61,7 @@ def tp_plan(model: Any) -> "dict[str, str] | None":
     return dict(plan)
 
 
-def tp_degrees(model: Any, world_size: int) -> list[int]:
+def tp_degrees(model: nn.Module, world_size: int) -> list[int]:
     """The tensor-parallel degrees above 1 that divide ``world_size`` and the model: its attention heads and
     key/value heads (a column split of q, k, v gives each rank whole heads), its MLP width and vocabulary."""
     config = getattr(model, "config", None)
@@ -71,13 +76,13 @@ def tp_degrees(model: Any, world_size: int) -> list[int]:
     return [t for t in range(2, world_size + 1) if world_size % t == 0 and all(s % t == 0 for s in known)]
 
 
-def _modules_for(model: Any, pattern: str) -> list[str]:
+def _modules_for(model: nn.Module, pattern: str) -> list[str]:
     """The module names ``pattern`` (a ``*`` standing for one dotted component) names in ``model``."""
     regex = re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
     return [name for name, _ in model.named_modules() if name and regex.match(name)]
 
 
-def apply_tp_plan(model: Any, tp_mesh: Any) -> None:
+def apply_tp_plan(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """``model``'s own TP plan (its ``tp_plan``) applied over ``tp_mesh`` with torch's styles."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -91,7 +96,7 @@ def apply_tp_plan(model: Any, tp_mesh: Any) -> None:
     parallelize_module(model, tp_mesh, styles)
 
 
-def tp_parallelize(fsdp: bool = False, mixed: bool = False) -> Callable[[Any, Any], Any]:
+def tp_parallelize(fsdp: bool = False, mixed: bool = False) -> "Callable[[nn.Module, DeviceMesh], nn.Module]":
     """A ``parallelize(model, mesh)`` function for :func:`memprof.estimate`: the model's own TP plan over the
     mesh's ``tp`` dimension (the whole mesh when it has one dimension), then with ``fsdp`` ``fully_shard`` of each
     decoder layer and of the root over its ``dp`` dimension, with ``mixed`` under FSDP2's
@@ -101,7 +106,7 @@ def tp_parallelize(fsdp: bool = False, mixed: bool = False) -> Callable[[Any, An
 
     shard = fsdp_parallelize(mixed, "dp") if fsdp else None
 
-    def parallelize(model: Any, mesh: Any) -> Any:
+    def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         names = getattr(mesh, "mesh_dim_names", None) or ()
         apply_tp_plan(model, mesh["tp"] if "tp" in names else mesh)
         if shard is not None:

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 from ..errors import InvalidArgumentError, is_interrupt
 
@@ -59,12 +59,12 @@ def _int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _spelled(config: Any, name: str) -> str:
+def _spelled(config: object, name: str) -> str:
     """``name`` as the config's own file spells it (its ``attribute_map``: GPT-2's ``hidden_size`` is ``n_embd``)."""
     return str((getattr(config, "attribute_map", None) or {}).get(name, name))
 
 
-def _fields(config: Any, prefix: str = "") -> "list[tuple[str, str, Any]]":
+def _fields(config: object, prefix: str = "") -> "list[tuple[str, str, object]]":
     """(canonical name, name as written with its sub-config's prefix, value) of the size fields of ``config`` and of
     its sub-configs (``text_config``, ``vision_config`` ...)."""
     out = []
@@ -85,7 +85,7 @@ def _fields(config: Any, prefix: str = "") -> "list[tuple[str, str, Any]]":
     return out
 
 
-def check_sizes(config: Any) -> None:
+def check_sizes(config: object) -> None:
     """Refuse a config whose sizes cannot make a model: a size of :data:`POSITIVE` below 1, a count of
     :data:`NON_NEGATIVE` below 0 (each of them where the config gives one per layer), a non-integer where an int
     belongs, more layers or experts than :data:`MOST` allows, or more experts per token than experts."""
@@ -97,13 +97,14 @@ def check_sizes(config: Any) -> None:
         low = 1 if name in POSITIVE else 0
         # A size per layer (a list, as some configs give intermediate_size) holds each layer's to the same rule.
         values = list(value) if isinstance(value, (list, tuple)) else [value]
-        if not values or any(not _int(v) or v < low for v in values):
+        sizes = [v for v in values if _int(v)]
+        if not values or len(sizes) != len(values) or any(v < low for v in sizes):
             kind = "a positive int" if low == 1 else "an int of 0 or more"
             raise InvalidArgumentError(f"the config's {spelled} is {value!r}; it must be {kind} (a size of the "
                                        f"model): fix {spelled} in config.json")
         most, what = MOST.get(name, (None, ""))
-        if most is not None and max(values) > most:
-            raise InvalidArgumentError(f"the config's {spelled} is {max(values):,}; memprof refuses more than {most:,} "
+        if most is not None and max(sizes) > most:
+            raise InvalidArgumentError(f"the config's {spelled} is {max(sizes):,}; memprof refuses more than {most:,} "
                                        f"{what} (the largest models have a few hundred): fix {spelled} in config.json")
     k = getattr(config, "num_experts_per_tok", None)
     for name in _EXPERTS:
@@ -130,7 +131,7 @@ def check_counts_in_file(raw: object, prefix: str = "") -> None:
                                        "config.json")
 
 
-def size_culprit(config: Any, message: str) -> "str | None":
+def size_culprit(config: object, message: str) -> "str | None":
     """The config's size field a torch error's message names by value (``Storage size calculation overflowed with
     sizes=[4611686018427387904, 64]``: the field holding 4611686018427387904), else its largest size: the words
     that say which field to fix."""
@@ -146,7 +147,7 @@ def size_culprit(config: Any, message: str) -> "str | None":
     return f"{spelled} = {value:,}"
 
 
-def _text_config(config: Any) -> Any:
+def _text_config(config: object) -> object:
     """The config that holds a multimodal model's language sizes (its ``text_config``), or the config itself."""
     get = getattr(config, "get_text_config", None)
     try:
@@ -157,7 +158,7 @@ def _text_config(config: Any) -> Any:
         return config
 
 
-def _rope_reach(config: Any, declared: int) -> "tuple[int | None, str]":
+def _rope_reach(config: object, declared: int) -> "tuple[int | None, str]":
     """How far rope scaling extends ``declared`` positions: ``factor x original_max_position_embeddings`` where the
     config gives both (YaRN, llama3, linear with its original length), no bound for dynamic NTK scaling (it
     rescales for any length), else ``declared`` (transformers asks a config whose scaling extends the context to
@@ -182,7 +183,7 @@ def _rope_reach(config: Any, declared: int) -> "tuple[int | None, str]":
     return reach, why
 
 
-def sequence_limit(config: Any) -> "tuple[int, str] | None":
+def sequence_limit(config: object) -> "tuple[int, str] | None":
     """The most tokens a sequence of the model ``config`` describes may hold and where that figure comes from, or
     None when the config declares no bound (T5's relative positions, BLOOM's ALiBi, Mamba, dynamic rope scaling)."""
     text = _text_config(config)
@@ -196,7 +197,7 @@ def sequence_limit(config: Any) -> "tuple[int, str] | None":
     return None
 
 
-def check_sequence(config: Any, tokens: int, what: str = "seq_len") -> None:
+def check_sequence(config: object, tokens: int, what: str = "seq_len") -> None:
     """Refuse ``tokens`` per sequence beyond :func:`sequence_limit`, naming ``what`` (the argument that set it)."""
     limit = sequence_limit(config)
     if limit is None or tokens <= limit[0]:
@@ -213,18 +214,18 @@ _PRECISIONS = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "half": "f
                "float32": "fp32", "float": "fp32", "fp32": "fp32"}
 
 
-def config_dtype(config: Any) -> "str | None":
+def config_dtype(config: object) -> "str | None":
     """The dtype the config was saved in (``dtype``, formerly ``torch_dtype``) without torch's prefix, or None."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def default_precision(config: Any) -> str:
+def default_precision(config: object) -> str:
     """The precision a config's own dtype names (bf16, fp16), fp32 for any other dtype or none."""
     return _PRECISIONS.get(config_dtype(config) or "float32", "fp32")
 
 
-def dtype_note(config: Any) -> str:
+def dtype_note(config: object) -> str:
     """The note that says which precision the config's dtype gave, and the dtype actually simulated."""
     dtype = config_dtype(config)
     precision = default_precision(config)
@@ -238,7 +239,7 @@ def dtype_note(config: Any) -> str:
             f"in {dtype} (give precision= for another)")
 
 
-def quantization_note(config: Any) -> "str | None":
+def quantization_note(config: object) -> "str | None":
     """What a config's ``quantization_config`` means for an estimate: it is not applied (``from_pretrained``'s
     quantizer replaces the layers; a model built from the config has full-width ones)."""
     quant = getattr(config, "quantization_config", None)

@@ -24,11 +24,21 @@ logits and the labels, as the whole model computes it from ``labels=``.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, TypedDict, TypeVar
 
 from torch import nn
 
 from ..errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import PretrainedConfig
+
+    from ..record.estimate import Estimate
+    from .aliases import HfModule, Option
+    from .run import OptimizerArg
 
 __all__ = ["pp_support", "split", "HfStage", "causal_lm_loss", "stage_layers", "pp_degrees", "pp_fsdp",
            "PipelineSimulation", "DEGREES", "MICROBATCHES_PER_STAGE"]
@@ -43,8 +53,10 @@ MICROBATCHES_PER_STAGE = 2
 #: What the plan names, by module: the base model's embedding, layers and norm, and the causal LM's head.
 _BASE = {"embed_tokens": ["input_ids"], "layers": ["hidden_states"], "norm": ["hidden_states"]}
 
+_M = TypeVar("_M", bound=nn.Module)
 
-def pp_support(model: Any) -> "tuple[bool, str]":
+
+def pp_support(model: "HfModule") -> "tuple[bool, str]":
     """Whether :func:`split` can cut ``model``, and why not: a transformers causal LM whose pipeline plan names the
     base model's ``embed_tokens``, ``layers`` (a ModuleList) and ``norm`` and the head ``lm_head`` returning
     logits, as the decoder models of transformers do."""
@@ -84,7 +96,7 @@ def stage_layers(num_layers: int, k: int, n: int) -> range:
     return range(per * k, per * (k + 1))
 
 
-def _shallow(module: Any) -> Any:
+def _shallow(module: _M) -> _M:
     """A copy of ``module`` sharing its submodules, parameters and buffers, with containers of its own (its
     children, parameters, buffers, hooks and the set of non-persistent buffers), so that replacing a child or
     adding a hook leaves ``module`` as it was."""
@@ -95,7 +107,7 @@ def _shallow(module: Any) -> Any:
     return out
 
 
-def _stage_config(config: Any, layers: range) -> Any:
+def _stage_config(config: "PretrainedConfig", layers: range) -> "PretrainedConfig":
     """The config the stage's base model reads in its forward: the stage's layer count and layer types."""
     out = copy.deepcopy(config)
     types = getattr(config, "layer_types", None)
@@ -120,21 +132,22 @@ class HfStage(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         """The stage's decoder layers."""
-        # Any: a transformers model's base_model and layers are its own class's attributes, not nn.Module's.
-        body: Any = self.body
+        # A transformers model's base_model and layers are its own class's attributes, not nn.Module's.
+        body: HfModule = self.body
         layers: nn.ModuleList = (body.base_model if self.index == self.stages - 1 else body).layers
         return layers
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: "torch.Tensor") -> "torch.Tensor":
         feed = {"input_ids": x} if self.index == 0 else {"inputs_embeds": x}
         out = self.body(**feed, use_cache=False)
-        return out.logits if self.index == self.stages - 1 else out.last_hidden_state
+        handed: torch.Tensor = out.logits if self.index == self.stages - 1 else out.last_hidden_state
+        return handed
 
     def extra_repr(self) -> str:
         return f"stage {self.index} of {self.stages}"
 
 
-def split(model: Any, k: int, n: int) -> Any:
+def split(model: "HfModule", k: int, n: int) -> "HfStage":
     """Stage ``k`` of ``n`` of the transformers causal LM ``model`` (``Pipeline(split=split)``): the first with the
     embedding, every stage its share of the decoder layers, the last with the final norm and the head, returning
     the logits. The stage shares ``model``'s modules; ``model`` itself is left as it was."""
@@ -163,7 +176,7 @@ def split(model: Any, k: int, n: int) -> Any:
     return stage
 
 
-def _stage_tp_plan(model: Any, last: bool) -> "dict[str, str]":
+def _stage_tp_plan(model: "HfModule", last: bool) -> "dict[str, str]":
     """``model``'s TP plan in the stage's module names: the base model's entries under ``body.`` (``body.model.``
     on the last stage, whose body is the causal LM), the causal LM's own (``lm_head``) on the last stage only."""
     plan = getattr(model, "tp_plan", None)
@@ -179,19 +192,20 @@ def _stage_tp_plan(model: Any, last: bool) -> "dict[str, str]":
     return out
 
 
-def causal_lm_loss(model: Any) -> Callable[[Any, Any], Any]:
+def causal_lm_loss(model: "HfModule") -> "Callable[[torch.Tensor, torch.Tensor], torch.Tensor]":
     """The loss ``model`` computes from ``labels=`` (its ``loss_function``: transformers' ``ForCausalLMLoss``,
     the labels shifted by one, cross-entropy in fp32), as ``loss_fn(logits, labels)`` for the pipeline's last
     stage."""
     function, vocab = model.loss_function, model.config.vocab_size
 
-    def loss(logits: Any, labels: Any) -> Any:
-        return function(logits=logits, labels=labels, vocab_size=vocab)
+    def loss(logits: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+        value: torch.Tensor = function(logits=logits, labels=labels, vocab_size=vocab)
+        return value
 
     return loss
 
 
-def pp_degrees(model: Any, world_size: int) -> list[int]:
+def pp_degrees(model: "HfModule", world_size: int) -> list[int]:
     """The pipeline degrees of :data:`DEGREES` that divide ``world_size`` and ``model``'s decoder layers (the
     even cut), none when :func:`pp_support` says the model cannot be cut."""
     if not pp_support(model)[0]:
@@ -200,7 +214,7 @@ def pp_degrees(model: Any, world_size: int) -> list[int]:
     return [p for p in DEGREES if p <= world_size and world_size % p == 0 and layers % p == 0]
 
 
-def pp_fsdp(mixed: bool, tp: bool = False, fsdp: bool = True) -> Callable[[Any, Any], Any]:
+def pp_fsdp(mixed: bool, tp: bool = False, fsdp: bool = True) -> "Callable[[HfStage, DeviceMesh], HfStage]":
     """A ``parallelize(stage, mesh)`` function: with ``tp`` the model's own TP plan over the mesh's ``tp``
     dimension first (:func:`memprof.simulate.hf_layouts.apply_tp_plan`, in the stage's module names), then with
     ``fsdp`` FSDP2 over its ``dp`` dimension inside each stage, as torchtitan applies it under pipeline
@@ -209,7 +223,7 @@ def pp_fsdp(mixed: bool, tp: bool = False, fsdp: bool = True) -> Callable[[Any, 
     all-gather per micro-batch) and, for ``mixed``, the ``MixedPrecisionPolicy(param_dtype=bf16,
     reduce_dtype=fp32)`` that gives its mixed precision."""
 
-    def parallelize(stage: Any, mesh: Any) -> Any:
+    def parallelize(stage: HfStage, mesh: "DeviceMesh") -> HfStage:
         from torch.distributed.fsdp import fully_shard
 
         from .hf_layouts import apply_tp_plan
@@ -219,7 +233,7 @@ def pp_fsdp(mixed: bool, tp: bool = False, fsdp: bool = True) -> Callable[[Any, 
             apply_tp_plan(stage, mesh["tp"])
         if not fsdp:
             return stage
-        options: dict[str, Any] = {"mesh": mesh["dp"], "reshard_after_forward": False}
+        options: _ShardOptions = {"mesh": mesh["dp"], "reshard_after_forward": False}
         if mixed:
             options["mp_policy"] = policy()
         for layer in stage.layers:
@@ -228,6 +242,14 @@ def pp_fsdp(mixed: bool, tp: bool = False, fsdp: bool = True) -> Callable[[Any, 
         return stage
 
     return parallelize
+
+
+class _ShardOptions(TypedDict, total=False):
+    """The keyword arguments :func:`pp_fsdp` hands ``fully_shard``."""
+
+    mesh: "DeviceMesh"
+    reshard_after_forward: bool
+    mp_policy: "MixedPrecisionPolicy"
 
 
 class PipelineSimulation:
@@ -242,8 +264,9 @@ class PipelineSimulation:
         self.dp = world_size // (pp * tp)
         self.mesh = {"pp": pp, **({"dp": self.dp} if self.dp > 1 else {}), **({"tp": tp} if tp > 1 else {})}
 
-    def __call__(self, estimate: Callable[..., Any], model: Any, optimizer: Any, make_batch: Callable[[int], Any],
-                 b: int, *, precision: str, **common: Any) -> Any:
+    def __call__(self, estimate: "Callable[..., Estimate]", model: "HfModule", optimizer: "OptimizerArg",
+                 make_batch: "Callable[[int], dict[str, torch.Tensor]]", b: int, *, precision: str,
+                 **common: "Option") -> "Estimate":
         from .parallel import pipeline_ranks
         from .pipeline import Pipeline
         from .plan_precision import POLICY, estimate_precision
@@ -259,7 +282,7 @@ class PipelineSimulation:
         fn = (None if self.dp == 1 and self.tp == 1 else pp_fsdp(mixed, tp=self.tp > 1, fsdp=self.dp > 1))
         loss = causal_lm_loss(model)
 
-        def one(rank: int) -> Any:
+        def one(rank: int) -> "Estimate":
             return estimate(model, optimizer, inputs=batch["input_ids"], targets=batch["labels"], loss_fn=loss,
                             precision=precision, world_size=self.world_size, mesh=self.mesh, parallelize=fn,
                             pipeline=pipeline, rank=rank, **common)
@@ -267,7 +290,7 @@ class PipelineSimulation:
         return pipeline_ranks(self.world_size, self.mesh, pipeline, one, key=device_key)
 
 
-def device_key(est: Any) -> tuple[bool, int, int]:
+def device_key(est: "Estimate") -> tuple[bool, int, int]:
     """How a plan ranks a stage's estimate: a predicted out-of-memory error first, then the device-level peak, then
     the tensors' peak."""
     memory = est.device_memory

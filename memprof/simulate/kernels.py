@@ -22,7 +22,8 @@ torch would find no kernel.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, NoReturn
+import types
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,9 @@ import torch.nn.functional as F
 from ..errors import is_interrupt
 from . import sdpa_rules as sdpa
 from .modes import Next, Rule
+
+if TYPE_CHECKING:
+    from .aliases import OpValue
 
 __all__ = ["CudaKernels", "ATTENTION_KERNELS", "ValueDependentCode", "VALUE_DEPENDENT_CODE", "CustomOps"]
 
@@ -39,17 +43,19 @@ _SDPA = getattr(torch._C._nn, "scaled_dot_product_attention", F.scaled_dot_produ
 
 #: What ``estimate(..., attention=)`` accepts.
 ATTENTION_KERNELS = ("auto", "flash", "efficient", "cudnn", "math")
+#: An attention mask (boolean, or a bias added to the scores), or none.
+_Mask = torch.Tensor | None
 # How the notes name each backend.
 _NAMES = {sdpa.FLASH: "flash", sdpa.EFFICIENT: "memory-efficient", sdpa.CUDNN: "cuDNN", sdpa.MATH: "math"}
 
 
-def _describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> str:
+def _describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: _Mask, gqa: bool) -> str:
     return (f"query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)} "
             f"{str(q.dtype).replace('torch.', '')}, mask {'given' if mask is not None else 'none'}"
             f"{', grouped-query' if gqa else ''}")
 
 
-def _additive(mask: Any, dtype: torch.dtype) -> Any:
+def _additive(mask: _Mask, dtype: torch.dtype) -> _Mask:
     """``convert_boolean_attn_mask`` (attention.cpp): a boolean mask as a bias of ``dtype``, -inf where False."""
     if mask is None or mask.dtype != torch.bool:
         return mask
@@ -82,14 +88,15 @@ class CudaKernels(Rule):
         self.passed_over: Counter[str] = Counter()
         self.orders: set[tuple[str, ...]] = set()
 
-    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
+    def handle(self, func: Callable[..., OpValue], args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
+               next: Next) -> "OpValue":
         if func is _SDPA:
             return self._attention(*args, **kwargs)
         if func is F.dropout:
             return self._dropout(*args, **kwargs)
         return next(func, args, kwargs)
 
-    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: _Mask = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: "float | None" = None,
                    enable_gqa: bool = False) -> torch.Tensor:
         extra = {"enable_gqa": True} if enable_gqa else {}  # a keyword torch 2.5 added
@@ -131,7 +138,7 @@ class CudaKernels(Rule):
                                     f"{shape} {query.dtype}", _describe(query, key, value, attn_mask, enable_gqa))
         return out
 
-    def _refuse(self, choice: sdpa.Choice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+    def _refuse(self, choice: sdpa.Choice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: _Mask,
                 gqa: bool) -> NoReturn:
         from ..errors import InvalidArgumentError
 
@@ -149,7 +156,7 @@ class CudaKernels(Rule):
             f"torch's {_NAMES[backend]} kernel, and {what}. Please report it; attention='math' goes around it "
             "(an over-estimate: the math kernel keeps the scores)")
 
-    def _flash(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
+    def _flash(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: _Mask, dropout_p: float,
                is_causal: bool, scale: "float | None") -> torch.Tensor:
         self.used["flash"] += 1
         head = query.shape[-1]
@@ -165,7 +172,7 @@ class CudaKernels(Rule):
                                                                                is_causal, False, scale=scale)[0]
         return out[..., :head] if out.shape[-1] != head else out
 
-    def _efficient(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
+    def _efficient(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: _Mask,
                    dropout_p: float, is_causal: bool, scale: "float | None") -> torch.Tensor:
         self.used["memory-efficient"] += 1
         bias = _additive(attn_mask, query.dtype)
@@ -175,7 +182,7 @@ class CudaKernels(Rule):
             query, key, value, bias, _logsumexp(query, key, value), dropout_p, is_causal, scale=scale)[0]
         return out
 
-    def _cudnn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, dropout_p: float,
+    def _cudnn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: _Mask, dropout_p: float,
                is_causal: bool, scale: "float | None") -> torch.Tensor:
         self.used["cuDNN"] += 1
         out: torch.Tensor = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -183,12 +190,14 @@ class CudaKernels(Rule):
             is_causal, False, scale=scale)[0]
         return out
 
-    def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+    def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+                 ) -> torch.Tensor:
         if not training or p == 0.0:
             return input
         if inplace:  # dropout_ on CUDA keeps a mask in the input's dtype, as the shape-only path does
             return F.dropout(input, p, training, inplace)
         self.used["dropout, 1-byte masks"] += 1
+        out: torch.Tensor
         out, _ = torch.ops.aten.native_dropout(input, p, True)
         return out
 
@@ -232,7 +241,7 @@ VALUE_DEPENDENT_CODE = ("transformers.masking_utils", "transformers.modeling_att
 _USER, _SKIPPED, _VALUE_DEPENDENT, _MEMPROF = 0, 1, 2, 3
 
 
-def _kind(frame: Any) -> int:
+def _kind(frame: types.FrameType) -> int:
     """Whether a frame's code is memprof's own, torch's (both skipped by the walk up to the library code above),
     in :data:`VALUE_DEPENDENT_CODE`, or anyone else's."""
     module = frame.f_globals.get("__name__", "")
@@ -243,13 +252,13 @@ def _kind(frame: Any) -> int:
     return _VALUE_DEPENDENT if module.startswith(VALUE_DEPENDENT_CODE) else _USER
 
 
-def _output_bytes(out: Any) -> int:
+def _output_bytes(out: "OpValue") -> int:
     """Bytes of the dense tensors an op returned (one, or a tuple or list of them)."""
     return sum(t.numel() * t.element_size() for t in (out if isinstance(out, (tuple, list)) else (out,))
                if isinstance(t, torch.Tensor) and t.layout == torch.strided)
 
 
-def _shape_only(t: Any) -> bool:
+def _shape_only(t: object) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, torch.Tensor) and (t.is_meta or isinstance(t, FakeTensor))
@@ -265,9 +274,10 @@ class ValueDependentCode(Rule):
         self.calls = 0
         self.where: set[str] = set()
         self.assumed: set[str] = set()
-        self._kinds: dict[Any, int] = {}  # code object -> _USER, _SKIPPED, _VALUE_DEPENDENT or _MEMPROF
+        self._kinds: dict[types.CodeType, int] = {}  # code object -> _USER, _SKIPPED, _VALUE_DEPENDENT or _MEMPROF
 
-    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
+    def handle(self, func: Callable[..., OpValue], args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
+               next: Next) -> "OpValue":
         if func is torch.Tensor.__bool__ and args and _shape_only(args[0]):
             caller = self._user_frame(self.caller())
             module = caller.f_globals.get("__name__", "") if caller is not None else ""
@@ -284,7 +294,7 @@ class ValueDependentCode(Rule):
             self.bytes += _output_bytes(out)
         return out
 
-    def _kind(self, frame: Any) -> int:
+    def _kind(self, frame: types.FrameType) -> int:
         """A frame's kind (:func:`_kind`), by its code object: it depends on the code alone (the module it was
         defined in), so it is worked out once per code, and a walk is a dictionary lookup per frame rather than a
         string test."""
@@ -293,7 +303,7 @@ class ValueDependentCode(Rule):
             kind = self._kinds[frame.f_code] = _kind(frame)
         return kind
 
-    def _user_frame(self, frame: Any) -> Any:
+    def _user_frame(self, frame: "types.FrameType | None") -> "types.FrameType | None":
         """The first frame from ``frame`` up outside memprof's and torch's own code (other modes on the stack call
         in between), or None within 32 frames."""
         kinds = self._kinds
@@ -308,7 +318,7 @@ class ValueDependentCode(Rule):
             frame = frame.f_back
         return None
 
-    def _value_dependent(self, caller: Any) -> "str | None":
+    def _value_dependent(self, caller: "types.FrameType | None") -> "str | None":
         """The module of :data:`VALUE_DEPENDENT_CODE` among the first frame outside memprof and torch above
         ``caller`` (the frame that called the torch function) and the three above that (the helpers call torch
         directly, or through a helper of their own), or None."""
@@ -358,7 +368,8 @@ class CustomOps(Rule):
         self.calls: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
 
-    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
+    def handle(self, func: Callable[..., OpValue], args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
+               next: Next) -> "OpValue":
         out = next(func, args, kwargs)
         if isinstance(func, torch._ops.OpOverload):
             name = func._schema.name

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from ..errors import InvalidArgumentError
 from .hf_experts import ep_degrees, ep_fsdp, ep_support
 from .hf_layouts import tp_degrees, tp_parallelize
 from .hf_pipeline import DEGREES, MICROBATCHES_PER_STAGE, PipelineSimulation, pp_degrees, pp_support
 from .plan_precision import POLICY, fsdp_parallelize
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..record.estimate import Estimate
+    from .aliases import HfModule, Option
 
 __all__ = ["Layout", "data_parallel_layouts", "tp_layouts", "pp_layouts", "ep_layouts", "choose_layouts", "GROUPS"]
 
@@ -39,12 +45,12 @@ class Layout:
     FSDP2 to carry it, whose ``mixed`` rows are then autocast."""
 
     name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: "Mapping[str, Option]" = field(default_factory=dict)
     family: str = ""
-    simulate: "Callable[..., Any] | None" = field(default=None, compare=False)
+    simulate: "Callable[..., Estimate] | None" = field(default=None, compare=False)
     microbatches: "int | None" = None
     precisions: "tuple[str, ...] | None" = None
-    policy: "Mapping[str, Any] | None" = None
+    policy: "Mapping[str, Option] | None" = None
 
 
 def data_parallel_layouts(world_size: int) -> list[Layout]:
@@ -66,7 +72,7 @@ def data_parallel_layouts(world_size: int) -> list[Layout]:
 GROUPS = ("dp", "tp", "pp", "ep", "all")
 
 
-def tp_layouts(model: Any, world_size: int) -> list[Any]:
+def tp_layouts(model: nn.Module, world_size: int) -> list[Layout]:
     """The tensor-parallel layouts of ``world_size`` ranks the model allows (:func:`tp_degrees`): ``tp{W}`` over
     every rank, and ``fsdp{D}-tp{T}`` (FSDP over ``D`` groups of ``T`` TP ranks, ``D x T = W``)."""
     out = []
@@ -84,7 +90,7 @@ def tp_layouts(model: Any, world_size: int) -> list[Any]:
     return out
 
 
-def ep_layouts(model: Any, world_size: int) -> list[Any]:
+def ep_layouts(model: nn.Module, world_size: int) -> list[Layout]:
     """The expert-parallel layouts of ``world_size`` ranks a mixture-of-experts model's own EP plan allows
     (:func:`~memprof.simulate.hf_experts.ep_degrees`): ``fsdp-ep{E}``, its experts split ``E`` ways by expert and
     FSDP2 over the ``W / E`` ranks holding the same experts, every other parameter FSDP2 over all ``W`` ranks
@@ -98,7 +104,7 @@ def ep_layouts(model: Any, world_size: int) -> list[Any]:
     return out
 
 
-def pp_layouts(model: Any, world_size: int) -> list[Any]:
+def pp_layouts(model: nn.Module, world_size: int) -> list[Layout]:
     """The pipeline-parallel layouts of ``world_size`` ranks the model allows (:func:`pp_degrees`): ``pp{P}-fsdp{D}``
     (``P`` stages, FSDP2 over ``D`` ranks inside each, ``P x D = W``), or ``pp{W}`` alone; then, where the model's
     TP plan allows a degree ``T`` of the ``W / P`` ranks (:func:`tp_degrees`), ``pp{P}-fsdp{D}-tp{T}`` and
@@ -123,7 +129,7 @@ def pp_layouts(model: Any, world_size: int) -> list[Any]:
     return out + with_tp
 
 
-def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any]:
+def choose_layouts(model: nn.Module, world_size: int, wanted: "str | Iterable[str | Layout]") -> list[Layout]:
     """The layouts ``wanted`` names: a comma-separated string or a list of layout names (``ddp``, ``fsdp``,
     ``fsdp1`` (named only: not in the ``dp`` group), ``zero1``-``zero3``, ``tp8``, ``fsdp4-tp2``, ``pp2-fsdp4``
     ...) and groups (``dp``: the data-parallel ones,
@@ -139,7 +145,7 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
              if world_size > 1 else [])
     known = {lay.name: lay for lay in dp + fsdp1 + tp + ep + pp}
     groups = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "all": dp + tp + ep + pp}
-    out: list[Any] = []
+    out: list[Layout] = []
     for item in items:
         if isinstance(item, Layout):
             chosen = [item]
@@ -165,7 +171,7 @@ def choose_layouts(model: Any, world_size: int, wanted: "str | Any") -> list[Any
     return out
 
 
-def _missing(model: Any, item: Any, tp: list[Layout], pp: list[Layout], world_size: int) -> str:
+def _missing(model: HfModule, item: object, tp: list[Layout], pp: list[Layout], world_size: int) -> str:
     """Why the layouts ``item`` asks for are not there, in parentheses (empty when that says nothing)."""
     name = str(item).lower()
     if name == "ep" or name.startswith("fsdp-ep"):
@@ -196,7 +202,7 @@ def _missing(model: Any, item: Any, tp: list[Layout], pp: list[Layout], world_si
 
 
 
-def _missing_ep(model: Any, name: str, world_size: int) -> str:
+def _missing_ep(model: nn.Module, name: str, world_size: int) -> str:
     """Why the expert-parallel layouts ``name`` asks for are not there, in parentheses."""
     ok, why = ep_support(model)
     if not ok:

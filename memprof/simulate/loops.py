@@ -22,12 +22,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import InvalidArgumentError, MissingExtraError, UnknownNameError, is_interrupt
 
 if TYPE_CHECKING:  # the command line reads LOOPS without importing torch
     import torch
+    from torch import nn
+
+    from .aliases import Library, UserValue
 
 __all__ = ["LOOPS", "check_loop", "loop_step", "HfTrainerStep", "AccelerateStep", "transformers_version_note"]
 
@@ -35,7 +38,7 @@ __all__ = ["LOOPS", "check_loop", "loop_step", "HfTrainerStep", "AccelerateStep"
 LOOPS = ("plain", "hf-trainer", "accelerate", "lightning", "torchtitan")
 
 
-def check_loop(loop: Any) -> "str | None":
+def check_loop(loop: object) -> "str | None":
     """``loop`` if it names a loop (None stays None), else one error listing them."""
     if loop is None:
         return None
@@ -44,8 +47,9 @@ def check_loop(loop: Any) -> "str | None":
     return loop
 
 
-def loop_step(loop: "str | None", *, precision: "str | None" = None, loss_fn: Any = None,
-              gradient_accumulation_steps: int = 1, max_grad_norm: float = 1.0) -> "Callable[..., Any] | None":
+def loop_step(loop: "str | None", *, precision: "str | None" = None,
+              loss_fn: "Callable[..., torch.Tensor] | None" = None, gradient_accumulation_steps: int = 1,
+              max_grad_norm: float = 1.0) -> "Callable[..., object] | None":
     """The training step of the loop ``loop`` names (None for ``"plain"``: memprof's own loop runs), configured
     as the framework's defaults are: ``max_grad_norm`` 1.0 (``TrainingArguments.max_grad_norm``),
     ``gradient_accumulation_steps`` 1. A framework that is not installed is a :class:`MissingExtraError` naming the
@@ -83,7 +87,7 @@ def loop_step(loop: "str | None", *, precision: "str | None" = None, loss_fn: An
                             "train_step=fn")
 
 
-def _imported(module: str, extra: str) -> Any:
+def _imported(module: str, extra: str) -> types.ModuleType:
     import importlib
 
     try:
@@ -95,7 +99,7 @@ def _imported(module: str, extra: str) -> Any:
                                 f"'torch-memprof[{extra}]' (or pip install {module})") from None
 
 
-def _borrowed(cls: type, names: "tuple[str, ...]", version: str) -> "dict[str, Any]":
+def _borrowed(cls: type, names: "tuple[str, ...]", version: str) -> "dict[str, Callable[..., object]]":
     """The functions ``names`` of ``cls``, as they are in the installed version (to be called on a small object),
     or one error naming what this version lacks."""
     missing = [name for name in names if not callable(getattr(cls, name, None))]
@@ -105,7 +109,7 @@ def _borrowed(cls: type, names: "tuple[str, ...]", version: str) -> "dict[str, A
     return {name: getattr(cls, name) for name in names}
 
 
-def _device_of(inputs: Any) -> "torch.device":
+def _device_of(inputs: "UserValue") -> "torch.device":
     import torch
 
     found = [t for t in (inputs.values() if isinstance(inputs, dict) else
@@ -115,7 +119,7 @@ def _device_of(inputs: Any) -> "torch.device":
 
 # ------------------------------------------------------------------------------------------------------ accelerate
 
-def accelerator_shell(gradient_accumulation_steps: int = 1) -> Any:
+def accelerator_shell(gradient_accumulation_steps: int = 1) -> "Library":
     """An object of a class whose ``backward``, ``clip_grad_norm_``, ``unscale_gradients``,
     ``_clip_grad_norm_dtensor_aware`` and ``unwrap_model`` are ``accelerate.Accelerator``'s own, holding what they
     read for one process without DeepSpeed, FSDP, XLA or a GradScaler (``DistributedType.NO``)."""
@@ -130,7 +134,7 @@ def accelerator_shell(gradient_accumulation_steps: int = 1) -> Any:
     return shell
 
 
-def fp32_outputs(model: Any) -> None:
+def fp32_outputs(model: "nn.Module") -> None:
     """Under mixed precision accelerate's ``prepare_model`` wraps the forward in ``convert_outputs_to_fp32``: the
     model's half-precision outputs (its logits) come back as fp32 copies. Done here as a forward hook, after the
     autocast region of the call ends, as accelerate's wrapper sits outside its autocast."""
@@ -146,10 +150,10 @@ class _Loop:
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
     mixed: bool = False
-    loss_fn: Any = None
-    optimizer: Any = dataclasses.field(default=None, repr=False)
+    loss_fn: "Callable[..., torch.Tensor] | None" = None
+    optimizer: "torch.optim.Optimizer | None" = dataclasses.field(default=None, repr=False)
 
-    def _started(self, model: Any, optimizer: Any, inputs: Any) -> bool:
+    def _started(self, model: "nn.Module", optimizer: "torch.optim.Optimizer | None", inputs: "UserValue") -> bool:
         """Whether this call starts a new run (a new optimizer); the loop's state is made afresh for it."""
         if optimizer is self.optimizer and optimizer is not None:
             return False
@@ -158,7 +162,7 @@ class _Loop:
             fp32_outputs(model)
         return True
 
-    def _loss(self, model: Any, inputs: Any, targets: Any) -> Any:
+    def _loss(self, model: "nn.Module", inputs: "UserValue", targets: "UserValue") -> "torch.Tensor":
         if isinstance(inputs, dict):
             outputs = model(**inputs)
         elif isinstance(inputs, tuple):
@@ -167,7 +171,7 @@ class _Loop:
             outputs = model(inputs)
         if self.loss_fn is not None:
             return self.loss_fn(outputs, targets) if targets is not None else self.loss_fn(outputs)
-        loss = outputs["loss"] if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+        loss: "torch.Tensor | None" = outputs["loss"] if isinstance(outputs, dict) else getattr(outputs, "loss", None)
         if loss is None:
             raise InvalidArgumentError("the loop takes the model's own loss (outputs.loss, from labels in the batch "
                                        "dict); this model returned none: give loss_fn=")
@@ -188,9 +192,10 @@ class AccelerateStep(_Loop):
     ``backward`` and ``clip_grad_norm_`` are accelerate's own (:func:`accelerator_shell`); ``zero_grad()`` is the
     optimizer's (``AcceleratedOptimizer.zero_grad`` hands on to it with torch's default, ``set_to_none=True``)."""
 
-    def __call__(self, model: Any, optimizer: Any, inputs: Any, targets: Any = None) -> Any:
+    def __call__(self, model: "nn.Module", optimizer: "torch.optim.Optimizer | None", inputs: "UserValue",
+                 targets: "UserValue" = None) -> "torch.Tensor | None":
         if self._started(model, optimizer, inputs):
-            self.accelerator = accelerator_shell(self.gradient_accumulation_steps)
+            self.accelerator: "Library" = accelerator_shell(self.gradient_accumulation_steps)
         if optimizer is not None:
             optimizer.zero_grad()
         loss = None
@@ -220,7 +225,7 @@ def _mixed_note(mixed: bool) -> "list[str]":
             "accelerate's convert_outputs_to_fp32 does)"] if mixed else []
 
 
-def transformers_version_note(config: Any) -> "list[str]":
+def transformers_version_note(config: object) -> "list[str]":
     """A note when ``config`` was written by a transformers whose major or minor version differs from the installed
     one (whose code paths the simulation runs)."""
     written = getattr(config, "transformers_version", None)
@@ -248,8 +253,8 @@ _TRAINER_FUNCTIONS = ("training_step", "compute_loss", "compute_loss_context_man
                       "_has_mixed_mesh_grads", "_mixed_mesh_grad_norm", "_get_grad_norm")
 
 
-def trainer_shell(model: Any, optimizer: Any, device: "torch.device", gradient_accumulation_steps: int,
-                  max_grad_norm: float) -> Any:
+def trainer_shell(model: "nn.Module", optimizer: "torch.optim.Optimizer | None", device: "torch.device",
+                  gradient_accumulation_steps: int, max_grad_norm: float) -> "Library":
     """An object of a class whose methods :data:`_TRAINER_FUNCTIONS` are ``transformers.Trainer``'s own, holding the
     attributes they read as ``Trainer.__init__`` sets them for ``model`` on one process: ``args`` the
     ``TrainingArguments`` dataclass's defaults (read from its fields, not constructed: constructing it sets up
@@ -273,9 +278,10 @@ def trainer_shell(model: Any, optimizer: Any, device: "torch.device", gradient_a
     else:
         accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD
                       for p in inspect.signature(model.forward).parameters.values())
-    loss_type: Any = getattr(model, "loss_type", None)  # a transformers model's (None: no loss type named)
-    shifts = LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and \
-        not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    loss_type: "str | None" = getattr(model, "loss_type", None)  # a transformers model's (None: no loss type named)
+    # (transformers types the mapping's keys str; a model that names no loss type looks up None, as Trainer does)
+    shifts = (LOSS_MAPPING.get(loss_type) is ForCausalLMLoss  # type: ignore[arg-type]
+              and not getattr(getattr(model, "config", None), "is_encoder_decoder", False))
     shell.__dict__.update(args=args, model=model, model_wrapped=model, optimizer=optimizer,
                           accelerator=accelerator_shell(1), state=types.SimpleNamespace(global_step=0),
                           label_smoother=None, compute_loss_func=None, model_accepts_loss_kwargs=accepts,
@@ -307,7 +313,8 @@ the loop's locals hold them, until the next step replaces them. Left out, becaus
 the learning-rate scheduler's ``step()`` (a LambdaLR of Python floats), ``floating_point_ops``, the token count
 (``include_num_input_tokens_seen`` is "no" by default) and logging (every ``logging_steps``, 500 by default)."""
 
-    def __call__(self, model: Any, optimizer: Any, inputs: Any, targets: Any = None) -> Any:
+    def __call__(self, model: "nn.Module", optimizer: "torch.optim.Optimizer | None", inputs: "UserValue",
+                 targets: "UserValue" = None) -> "torch.Tensor | None":
         import torch
 
         if not isinstance(inputs, dict) or targets is not None:
@@ -315,16 +322,16 @@ the learning-rate scheduler's ``step()`` (a LambdaLR of Python floats), ``floati
                                        "keyword arguments with its labels (input_ids, labels), and no targets=")
         device = _device_of(inputs)
         if self._started(model, optimizer, inputs):
-            self.trainer = trainer_shell(model, optimizer, device, self.gradient_accumulation_steps,
+            self.trainer: "Library" = trainer_shell(model, optimizer, device, self.gradient_accumulation_steps,
                                          self.max_grad_norm)
             self.tr_loss = torch.tensor(0.0, device=device)
             model.zero_grad()
-            self.grad_norm: Any = None
-            self.num_items: Any = None
+            self.grad_norm: object = None  # held as the loop's local holds it
+            self.num_items: object = None
         trainer, gas = self.trainer, self.gradient_accumulation_steps
         batches = [inputs] * gas
         self.num_items = trainer._get_num_items_in_batch(batches, device)
-        step: Any = None
+        step: "torch.Tensor | None" = None
         for batch in batches:
             step = trainer.training_step(model, batch, self.num_items)
             if torch.isnan(step) or torch.isinf(step):  # args.logging_nan_inf_filter (True by default)

@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from . import held_signals
 
+if TYPE_CHECKING:
+    from .aliases import OpValue
+
 __all__ = ["Rule", "Rules", "Next"]
 
-#: What a rule calls to hand a call on: ``next(func, args, kwargs)``.
-Next = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+#: What a rule calls to hand a call on: ``next(func, args, kwargs)``, with the torch function (any callable torch
+#: hands a function mode: a function of torch, a tensor method, a property's getter) and its arguments.
+Next = Callable[[Callable[..., "OpValue"], "tuple[OpValue, ...]", "dict[str, OpValue]"], "OpValue"]
 
 # Python modules whose functions are compositions of other torch functions.
 _COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
@@ -40,14 +45,16 @@ class Rule(TorchFunctionMode):
     #: called the torch function; None alone.
     chain: "Rules | None" = None
 
-    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
+    def handle(self, func: Callable[..., OpValue], args: tuple[OpValue, ...], kwargs: dict[str, OpValue],
+               next: Next) -> OpValue:
         return next(func, args, kwargs)
 
-    def caller(self) -> Any:
+    def caller(self) -> "FrameType | None":
         """The frame that called the torch function being handled (or, alone, the handler's caller's)."""
         return self.chain.caller() if self.chain is not None else sys._getframe(2)
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Callable[..., OpValue], types: tuple[type, ...],
+                           args: tuple[OpValue, ...] = (), kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
         return self.handle(func, tuple(args), dict(kwargs or {}),
                            lambda f, a, k: follow(self, f, types, a, k))
 
@@ -64,18 +71,18 @@ class Rules(TorchFunctionMode):
     def __init__(self, *rules: Rule) -> None:
         super().__init__()
         self.rules = rules
-        self._types: Any = ()
-        self._caller: Any = None
+        self._types: tuple[type, ...] = ()
+        self._caller: "FrameType | None" = None
         link: Next = self._follow
         for rule in reversed(rules):
             rule.chain = self
             link = functools.partial(rule.handle, next=link)
         self._first = link
 
-    def _follow(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _follow(self, func: Callable[..., OpValue], args: tuple[OpValue, ...], kwargs: dict[str, OpValue]) -> OpValue:
         return follow(self, func, self._types, args, kwargs)
 
-    def caller(self) -> Any:
+    def caller(self) -> "FrameType | None":
         return self._caller
 
     def __enter__(self) -> "Rules":
@@ -86,13 +93,14 @@ class Rules(TorchFunctionMode):
             held_signals.leave()
             raise
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         try:
             _pop_through(self)
         finally:
             held_signals.leave()
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Callable[..., OpValue], types: tuple[type, ...],
+                           args: tuple[OpValue, ...] = (), kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
         outer = self._types, self._caller
         self._types, self._caller = types, sys._getframe(1)
         held_signals.hold()
@@ -117,7 +125,8 @@ def _pop_through(mode: TorchFunctionMode) -> None:
             return
 
 
-def follow(mode: TorchFunctionMode, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def follow(mode: TorchFunctionMode, func: Callable[..., OpValue], types: tuple[type, ...], args: tuple[OpValue, ...],
+           kwargs: dict[str, OpValue]) -> OpValue:
     """Call ``func`` from ``mode``'s handler. A Python composite of ``torch.nn.functional`` runs with
     ``mode`` still on for the functions it calls, as a dispatch key would see them, and so does backward,
     for the recomputation of checkpointed regions. (Tensor methods written in Python call back into the

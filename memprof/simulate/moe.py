@@ -19,13 +19,16 @@ A dense model never makes a router call inside its forward: then none of this ch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import is_interrupt
 from .experts import CountsExchange
 from .routers import OneHot, Router
 from .routing import Routing, routing_of
 from .shadows import ValueShadows
+
+if TYPE_CHECKING:
+    from ..collect.simulated import SimulatedProfile
 
 __all__ = ["MoeRules"]
 
@@ -34,7 +37,7 @@ class MoeRules:
     """What a simulation for device type ``target`` needs to run MoE layers under ``routing`` (anything
     ``routing=`` accepts; None: balanced)."""
 
-    def __init__(self, target: str, routing: Any = None) -> None:
+    def __init__(self, target: str, routing: object = None) -> None:
         self.routing: Routing = routing_of("balanced" if routing is None else routing)
         if self.routing.ranks:  # every rank's record: this rank replays its own
             self.routing = self.routing.of_rank(_current_rank())
@@ -46,12 +49,12 @@ class MoeRules:
         self.router = Router(self.plan, self.shadows.store)
         self.one_hot = OneHot(target, self.shadows.store)
 
-    def attach(self, prof: Any) -> None:
+    def attach(self, prof: SimulatedProfile) -> None:
         """Router calls count inside the forward of ``prof``'s model (a :class:`~memprof.collect.simulated.
         SimulatedProfile`, which says where)."""
         self.router.where = prof.innermost_module
 
-    def pause(self) -> Any:
+    def pause(self) -> _Paused:
         """A context in which router calls are not answered (a decoding loop's own ``topk``)."""
         return _Paused(self.router)
 
@@ -110,12 +113,12 @@ def _current_rank() -> int:
 class _Paused:
     def __init__(self, router: Router) -> None:
         self.router = router
-        self.saved: Any = None
+        self.saved: "Callable[[], str | None]" = router.where  # read again as the pause begins
 
     def __enter__(self) -> None:
         self.saved = self.router.where
         self.router.where = lambda: None
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.router.where = self.saved
 

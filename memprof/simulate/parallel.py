@@ -39,7 +39,7 @@ import inspect
 import math
 import numbers
 import sys
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, cast
 
 import torch
 from torch import nn
@@ -50,15 +50,25 @@ from ..vocabulary import Category, Phase
 from .fsdp1 import fsdp1_in_fake_mode, fsdp1_notes, has_meta, unwrapped
 
 if TYPE_CHECKING:
+    from _typeshed import SupportsRichComparison
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+
     from ..record.estimate import Estimate
-    from .pipeline import Pipeline
+    from ..record.trace import Trace
+    from .aliases import OpValue, UserValue
+    from .pipeline import Pipeline, PipelineStep, StageSet
+    from .run import MeshSizes
 
 _W, _O = Category.WEIGHTS, Category.OPTIMIZER_STATES
 
 __all__ = ["ParallelRun", "WaitIdentity", "check_mesh"]
 
+#: DTensor's table of ops it hands to handlers of its own (context parallelism adds one for attention).
+_Handlers = dict[torch._ops.OpOverload, Callable[..., object]]
 
-def check_mesh(mesh: Any, world_size: int) -> "tuple[tuple[int, ...], tuple[str, ...] | None]":
+
+def check_mesh(mesh: "MeshSizes | None", world_size: int) -> "tuple[tuple[int, ...], tuple[str, ...] | None]":
     """The mesh's shape and dimension names: ``None`` (one dimension of ``world_size``), a tuple of sizes, or a
     dict ``{name: size}`` in mesh order; the sizes multiply to ``world_size``."""
     if mesh is None:
@@ -81,14 +91,15 @@ def check_mesh(mesh: Any, world_size: int) -> "tuple[tuple[int, ...], tuple[str,
 class WaitIdentity(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
     """``_c10d_functional.wait_tensor`` returns its input, as in eager (its meta kernel allocates a copy)."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: "tuple[OpValue, ...]" = (),
+                           kwargs: "dict[str, OpValue] | None" = None) -> "OpValue":
         if func is _WAIT:
             return args[0]
         return func(*args, **(kwargs or {}))
 
 
 try:
-    _WAIT: Any = torch.ops._c10d_functional.wait_tensor.default
+    _WAIT: "torch._ops.OpOverload | None" = torch.ops._c10d_functional.wait_tensor.default
 except (AttributeError, RuntimeError) as failure:  # a torch built without distributed
     if is_interrupt(failure):
         raise  # a signal handler's exception (errors.is_interrupt) is the user's
@@ -98,8 +109,8 @@ except (AttributeError, RuntimeError) as failure:  # a torch built without distr
 class ParallelRun:
     """One rank of ``fn`` on torch's fake process group: a context around the whole simulation."""
 
-    def __init__(self, fn: "Callable[..., Any] | None", world_size: int, rank: Any, mesh: Any, pipeline: Any = None,
-                 inputs: Any = None) -> None:
+    def __init__(self, fn: "Callable[..., object] | None", world_size: int, rank: object, mesh: "MeshSizes | None",
+                 pipeline: "Pipeline | None" = None, inputs: "UserValue" = None) -> None:
         if fn is not None and not callable(fn):
             raise InvalidArgumentError(f"parallelize must be a function fn(model, mesh) -> model, got "
                                        f"{type(fn).__name__}")
@@ -111,7 +122,7 @@ class ParallelRun:
             mesh = {"pp": world_size}
         self.shape, self.names = check_mesh(mesh, world_size)
         self.pipeline, self.inputs = pipeline, inputs
-        self.stages: Any = None
+        self.stages: "StageSet | None" = None
         if pipeline is not None:
             from .pipeline import StageSet
 
@@ -120,7 +131,7 @@ class ParallelRun:
                                            f"got {mesh!r}")
             d = self.names.index("pp")
             self.stages = StageSet(pipeline, self.shape[d], coordinates(self.rank, self.shape)[d])
-        self.mesh: Any = None
+        self.mesh: "DeviceMesh | None" = None
         self._stack: "contextlib.ExitStack | None" = None
         self.layouts: list[str] = []
         self.context_parallel = False
@@ -163,13 +174,13 @@ class ParallelRun:
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.mesh = None
         if self._stack is not None:
             self._stack.close()
             self._stack = None
 
-    def _restore_handlers(self, before: Any) -> None:
+    def _restore_handlers(self, before: "_Handlers | None") -> None:
         """Context parallelism's dispatcher, which the user's function may switch on for the process
         (``_enable_context_parallel_dispatcher``), is switched off again after the rank."""
         if before is None or _custom_handlers() is before:
@@ -187,7 +198,7 @@ class ParallelRun:
 
     def parallelize(self, model: nn.Module,
                     meta_twin: Callable[[nn.Module], "tuple[nn.Module, dict[int, torch.Tensor]]"],
-                    fake_mode: Any) -> "tuple[nn.Module, dict[int, torch.Tensor]]":
+                    fake_mode: "FakeTensorMode") -> "tuple[nn.Module, dict[int, torch.Tensor]]":
         """``fn`` on a meta twin of ``model``, outside the fake mode; the twin then materialised as fake CPU
         tensors. Returns it and, for each of ``model``'s parameters, the twin's parameter of the same name."""
         twin, _ = meta_twin(model)
@@ -195,7 +206,8 @@ class ParallelRun:
         if self.stages is not None:  # this rank's pipeline stage(s), cut from the twin
             prepared = None
             if self.fn is not None:
-                def prepared(k: int) -> "tuple[nn.Module, Any]":
+                def prepared(k: int) -> "tuple[nn.Module, FakeTensorMode]":
+                    assert self.stages is not None  # (for mypy: this runs inside the branch above)
                     mod = self.stages._split(meta_twin(model)[0], k)
                     mod = self._apply(mod)
                     with fake_mode:
@@ -231,7 +243,7 @@ class ParallelRun:
         block only."""
         self.context_parallel = self.context_parallel or _context_parallel_on()
 
-    def host_split(self, trace: Any) -> "tuple[int, int, str] | None":
+    def host_split(self, trace: "Trace") -> "tuple[int, int, str] | None":
         """Under ``CPUOffloadPolicy``: the rank's host bytes, its device peak, and a note saying how they were
         split. The simulation runs on the CPU, where FSDP2's host/device copies are no-ops
         (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``), so the trace holds both together."""
@@ -303,8 +315,11 @@ class ParallelRun:
     def pipelined(self) -> bool:
         return self.stages is not None
 
-    def step(self, loss_fn: Any, optimizer: Any, inputs: Any, targets: Any, fake_mode: Any) -> Any:
+    def step(self, loss_fn: "Callable[..., torch.Tensor] | None", optimizer: "torch.optim.Optimizer | None",
+             inputs: "UserValue", targets: "UserValue", fake_mode: "FakeTensorMode | None") -> "PipelineStep":
         """The pipeline rank's training step (the schedule's), built in the fake mode before the profile."""
+        # Inside the run, a pipeline rank's: its stages, mesh and fake mode exist.
+        assert self.stages is not None and self.mesh is not None and fake_mode is not None
         with fake_mode:
             group = self.mesh["pp"].get_group() if len(self.shape) > 1 else None  # the pipeline's own ranks
             return self.stages.step(loss_fn, optimizer, inputs, targets, group)
@@ -313,7 +328,7 @@ class ParallelRun:
         """The stage modules this pipeline rank holds, in stage order (empty without ``pipeline=``)."""
         return list(self.stages.modules) if self.stages is not None else []
 
-    def rules(self) -> Any:
+    def rules(self) -> ContextManager[object]:
         """The dispatch rules the step runs under, beneath the profiler."""
         # TorchDispatchMode.__init__, which WaitIdentity keeps, is untyped.
         return WaitIdentity() if _WAIT is not None else contextlib.nullcontext()  # type: ignore[no-untyped-call]
@@ -351,7 +366,7 @@ def coordinates(rank: int, shape: "tuple[int, ...]") -> "tuple[int, ...]":
     return tuple(reversed(out))
 
 
-def depth_unit(world_size: int, mesh: Any, pipeline: "Pipeline | None") -> int:
+def depth_unit(world_size: int, mesh: "MeshSizes | None", pipeline: "Pipeline | None") -> int:
     """Blocks of the repeated stack per unit of depth: one per stage, ``pp * stages_per_rank`` of them."""
     if pipeline is None:
         return 1
@@ -361,8 +376,8 @@ def depth_unit(world_size: int, mesh: Any, pipeline: "Pipeline | None") -> int:
     return shape[names.index("pp")] * pipeline.stages_per_rank
 
 
-def pipeline_ranks(world_size: int, mesh: Any, pipeline: "Pipeline", one: "Callable[[int], Estimate]",
-                   key: "Callable[[Estimate], Any] | None" = None) -> "Estimate":
+def pipeline_ranks(world_size: int, mesh: "MeshSizes | None", pipeline: "Pipeline", one: "Callable[[int], Estimate]",
+                   key: "Callable[[Estimate], SupportsRichComparison] | None" = None) -> "Estimate":
     """Every pipeline rank class simulated (one per ``pp`` coordinate, its representative the rank with 0 on every
     other dimension: they hold the same shards), and the worst one's estimate, listing them all. The worst is the
     one with the largest tensors' peak, or the largest ``key(estimate)`` (a plan's: the device-level peak)."""
@@ -381,7 +396,7 @@ def pipeline_ranks(world_size: int, mesh: Any, pipeline: "Pipeline", one: "Calla
         classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step, phase.value,
                                  est.trace))
         results.append(est)
-    measure: "Callable[[Estimate], Any]" = key or (lambda e: e.peak_bytes)
+    measure: "Callable[[Estimate], SupportsRichComparison]" = key or (lambda e: e.peak_bytes)
     worst = max(range(len(results)), key=lambda i: measure(results[i]))
     table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "
                       f"{c.peak_phase} (ranks {_ranges(c.ranks)})" for c in classes)
@@ -433,7 +448,7 @@ def _degrees(names: "tuple[str, ...] | None", shape: "tuple[int, ...]") -> "dict
     return out
 
 
-def _arity(fn: Callable[..., Any]) -> int:
+def _arity(fn: Callable[..., object]) -> int:
     """How memprof calls the user's parallelize function: 2 for ``fn(model, mesh)``, 1 for ``fn(model)``; an
     InvalidArgumentError naming the function and its parameters when neither call would bind, before anything
     runs (rather than torch's TypeError from the middle of the simulation)."""
@@ -457,7 +472,7 @@ def _arity(fn: Callable[..., Any]) -> int:
         "defaults), and return the model, or None when it parallelises the model in place")
 
 
-def _named(fn: Callable[..., Any]) -> str:
+def _named(fn: Callable[..., object]) -> str:
     """The user's function as an error names it: its qualified name where it has one."""
     name = getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", None)
     return str(name) if name else repr(fn)[:80]
@@ -478,7 +493,7 @@ def _layouts(model: nn.Module) -> set[str]:
 
 
 @contextlib.contextmanager
-def _side_fake_mode_for_sharding_propagation() -> Any:
+def _side_fake_mode_for_sharding_propagation() -> Iterator[None]:
     """DTensor's sharding propagation takes ``detect_fake_mode() or FakeTensorMode()``; during the simulation it
     gets a mode of its own, so its global-shape tensors are told apart from the rank's (no hook exists for it:
     the module's name is rebound for the block and restored after it, also when the block raises)."""
@@ -503,7 +518,7 @@ def _side_fake_mode_for_sharding_propagation() -> Any:
         _sharding_prop.detect_fake_mode = original
 
 
-def _custom_handlers() -> Any:
+def _custom_handlers() -> "_Handlers | None":
     try:
         from torch.distributed.tensor import DTensor
 

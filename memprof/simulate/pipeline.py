@@ -26,12 +26,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import numbers
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError, MemprofError, UnknownNameError, is_interrupt
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    from ..record.trace import Trace
+    from .aliases import UserValue
+    from .step import StepParts
 
 __all__ = ["Pipeline", "RankClass", "SCHEDULES", "StageSet", "PipelineStep"]
 
@@ -49,7 +58,7 @@ class Pipeline:
     0); ``stages_per_rank`` is more than 1 for interleaved schedules (rank ``p`` holds stages ``p, p + pp, ...``)."""
 
     split: Callable[[nn.Module, int, int], nn.Module]
-    schedule: Any = "1f1b"
+    schedule: "str | type[_PipelineSchedule]" = "1f1b"
     microbatches: int = 8
     stages_per_rank: int = 1
 
@@ -63,13 +72,14 @@ class Pipeline:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise InvalidArgumentError(f"Pipeline({name}=...) must be a positive int, got {v!r}")
 
-    def schedule_class(self) -> Any:
+    def schedule_class(self) -> "type[_PipelineSchedule]":
         if not isinstance(self.schedule, str):
             return self.schedule
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-                "interleaved1f1b": ScheduleInterleaved1F1B}[self.schedule.replace("_", "").lower()]
+        classes: "dict[str, type[_PipelineSchedule]]" = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                                                         "interleaved1f1b": ScheduleInterleaved1F1B}
+        return classes[self.schedule.replace("_", "").lower()]
 
     def multi(self) -> bool:
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
@@ -88,7 +98,7 @@ class RankClass:
     peak_step: "int | None"
     peak_phase: str
     #: The representative's simulated Trace (what ``memprof.merge(estimate)`` lays side by side).
-    trace: Any = dataclasses.field(default=None, compare=False, repr=False)
+    trace: "Trace | None" = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class StageSet:
@@ -99,11 +109,11 @@ class StageSet:
         self.pipeline, self.pp, self.index = pipeline, pp, index
         self.num_stages = pp * pipeline.stages_per_rank
         self.stage_ids = tuple(index + i * pp for i in range(pipeline.stages_per_rank))
-        self.shapes: dict[int, tuple[Any, Any]] = {}
+        self.shapes: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self.modules: list[nn.Module] = []
 
-    def cut(self, twin: nn.Module, inputs: Any, prepared: "Callable[[int], tuple[nn.Module, Any]] | None" = None
-            ) -> nn.Module:
+    def cut(self, twin: nn.Module, inputs: "UserValue",
+            prepared: "Callable[[int], tuple[nn.Module, ContextManager[object]]] | None" = None) -> nn.Module:
         """The rank's stage modules (one module, or a ModuleList of them), after working out every stage's input
         and output on one micro-batch: on meta, or, when the user's parallelize function changes what a stage
         hands on (sequence parallelism: a local shard of the sequence), through ``prepared(k)``, which gives stage
@@ -151,7 +161,8 @@ class StageSet:
             raise InvalidArgumentError(f"Pipeline.split returned {type(m).__name__} for stage {k}, not a module")
         return m
 
-    def step(self, loss_fn: Any, optimizer: Any, inputs: Any, targets: Any, group: Any = None) -> "PipelineStep":
+    def step(self, loss_fn: "Callable[..., torch.Tensor] | None", optimizer: "torch.optim.Optimizer | None",
+             inputs: "UserValue", targets: "UserValue", group: "ProcessGroup | None" = None) -> "PipelineStep":
         """Built inside the fake mode: the stages (with fake CPU examples of their inputs and outputs) and the
         schedule."""
         from torch.distributed.pipelining import PipelineStage
@@ -162,7 +173,7 @@ class StageSet:
             stages.append(PipelineStage(mod, k, self.num_stages, torch.device("cpu"),
                                         input_args=tuple(_example(t, grad=k > 0) for t in ins),
                                         output_args=tuple(_example(t, grad=True) for t in outs), group=group))
-        cls = self.pipeline.schedule_class()
+        cls: "Callable[..., _PipelineSchedule]" = self.pipeline.schedule_class()
         if loss_fn is None:
             loss = lambda out, _t: out.sum()  # noqa: E731 - as estimate() without loss_fn
         elif targets is None:
@@ -181,12 +192,13 @@ class PipelineStep:
     micro-batch), inside the step's context when there is one (:meth:`enter_each_step`), then the optimizer's
     step and zero_grad."""
 
-    def __init__(self, schedule: Any, optimizer: Any, inputs: Any, targets: Any) -> None:
+    def __init__(self, schedule: "_PipelineSchedule", optimizer: "torch.optim.Optimizer | None", inputs: "UserValue",
+                 targets: "UserValue") -> None:
         self.schedule, self.optimizer, self.inputs, self.targets = schedule, optimizer, inputs, targets
-        self.context: Any = None
-        self.parts: Any = None
+        self.context: "Callable[..., ContextManager[object]] | None" = None
+        self.parts: "StepParts | None" = None
 
-    def enter_each_step(self, context: Any, parts: Any) -> None:
+    def enter_each_step(self, context: "Callable[..., ContextManager[object]]", parts: "StepParts") -> None:
         """Enter ``context(parts)`` (a checked ``step_context``, :func:`memprof.simulate.step.check_step_context`)
         afresh around each schedule step, as torchtitan's pipeline step enters its train context
         (``loss_parallel()``, ``context_parallel(...)``) around ``pp_schedule.step``; the optimizer step is
@@ -208,7 +220,7 @@ class PipelineStep:
 
 
 @contextlib.contextmanager
-def static_shapes() -> Any:
+def static_shapes() -> Iterator[None]:
     """The schedule's warm-up vote, answered: static shapes (every stage's were given)."""
     try:
         from torch.distributed.pipelining import schedules
@@ -224,19 +236,21 @@ def static_shapes() -> Any:
         yield
         return
 
-    def _warmup_p2p(self: Any, stages: Any, *args: Any, **kwargs: Any) -> None:
+    def _warmup_p2p(self: "_PipelineSchedule", stages: "Iterable[PipelineStage]", *args: object,
+                    **kwargs: object) -> None:
         for st in stages:
             st._inference_mode = InferenceMode.STATIC
 
-    # Swapped on the class for the block and put back (the method's type is torch's; mypy refuses the assignment).
-    cls._warmup_p2p = _warmup_p2p  # type: ignore[method-assign]
+    # Swapped on the class for the block and put back (the method's type is torch's; mypy refuses the assignment,
+    # and a replacement that takes the stages the schedule has, PipelineStage, where torch's takes their base class).
+    cls._warmup_p2p = _warmup_p2p  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
         cls._warmup_p2p = original  # type: ignore[method-assign]
 
 
-def _microbatch(inputs: Any, n: int) -> tuple[torch.Tensor, ...]:
+def _microbatch(inputs: "UserValue", n: int) -> tuple[torch.Tensor, ...]:
     """One micro-batch of ``inputs`` on meta: dim 0 divided by ``n`` (as the schedule splits it)."""
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     out = []
@@ -250,12 +264,12 @@ def _microbatch(inputs: Any, n: int) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def _local(t: Any) -> Any:
+def _local(t: torch.Tensor) -> torch.Tensor:
     """What a stage hands on, as the next stage receives it: a DTensor's local shard."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 
 
-def _example(t: Any, grad: bool) -> torch.Tensor:
+def _example(t: torch.Tensor, grad: bool) -> torch.Tensor:
     ex = torch.empty(t.shape, dtype=t.dtype, device="cpu")
     return ex.requires_grad_(True) if grad and ex.is_floating_point() else ex

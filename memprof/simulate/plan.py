@@ -27,6 +27,7 @@ from ..record.plans import PlanGrid, PlanRow
 from .hf_pipeline import MICROBATCHES_PER_STAGE
 from .layouts import Layout, data_parallel_layouts
 from .plan_precision import AUTOCAST, POLICY, check_precisions, estimate_precision, precision_note, row_precision
+from .plan_processes import searched
 
 if TYPE_CHECKING:
     from .plan_search import Probe
@@ -75,9 +76,12 @@ _SEARCH_NOTE = ("search: every row's answer was simulated and so was the batch a
 
 def plan_grid(trained: Trained, *, gpu: Any, layouts: Sequence[Layout], precisions: Sequence[str] = PRECISIONS,
               checkpointing: Sequence[bool] = (False, True), alloc_conf: Any = None, attention: str = "auto",
-              max_batch: int = 4096, labels: "Labels | None" = None) -> PlanGrid:
+              max_batch: int = 4096, labels: "Labels | None" = None, processes: "int | None" = None) -> PlanGrid:
     """The grid of ``layouts`` x ``precisions`` x ``checkpointing`` of what ``trained`` says: each row the largest
-    batch judged at the device level against ``gpu``'s capacity, found and confirmed by simulation."""
+    batch judged at the device level against ``gpu``'s capacity, found and confirmed by simulation.
+
+    ``processes``: how many processes search the rows (:mod:`.plan_processes`); None, one per core this process
+    may run on, at most one per group of rows that share no simulation; 1 searches every row here."""
     from .device_memory import check_target
     from .progress import Progress
 
@@ -90,15 +94,20 @@ def plan_grid(trained: Trained, *, gpu: Any, layouts: Sequence[Layout], precisio
     start = time.perf_counter()
     configs, skipped = configurations(layouts, precisions, checkpointing)
     labels = labels if labels is not None else Labels()
-    grid = _Grid(trained, spec, alloc_conf, attention, max_batch)
-    with Progress(None, "plan") as bar:
-        for ckpt, precision, layout in configs:
-            grid.row(ckpt, precision, layout, bar)
-    return PlanGrid(rows=tuple(grid.rows), model=labels.model_name, gpu=spec.name, capacity=spec.allocatable_bytes,
+
+    def search(rows: "Sequence[tuple[bool, str, Layout]]") -> list[PlanRow]:
+        grid = _Grid(trained, spec, alloc_conf, attention, max_batch)
+        with Progress(None, "plan") as bar:
+            for ckpt, precision, layout in rows:
+                grid.row(ckpt, precision, layout, bar)
+        return grid.rows
+
+    rows, forked = searched(configs, search, processes)
+    return PlanGrid(rows=tuple(rows), model=labels.model_name, gpu=spec.name, capacity=spec.allocatable_bytes,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
                     seq_len=labels.seq_len, seconds=time.perf_counter() - start,
-                    notes=(*labels.notes, precision_note([r.precision for r in grid.rows]), _SEARCH_NOTE, *skipped,
-                           *_pipeline_notes(layouts), *_expert_notes(layouts)))
+                    notes=(*labels.notes, precision_note([r.precision for r in rows]), _SEARCH_NOTE, *skipped,
+                           *_pipeline_notes(layouts), *_expert_notes(layouts), *_process_notes(forked)))
 
 
 def configurations(layouts: Sequence[Layout], precisions: Sequence[str],
@@ -231,6 +240,15 @@ def _sibling_start(probes: "dict[tuple[str, str, bool], Probe]", layout: str, re
     return {m: a[m] + b[m] - c[m] for m in a}, overhead, at
 
 
+def _process_notes(processes: int) -> list[str]:
+    """How the rows were searched, said where more than one process did."""
+    if processes <= 1:
+        return []
+    return [f"search: the rows were searched by {processes} processes forked from this one, each group of rows that "
+            "share no simulation (a precision and family of layouts) by one; the answers are those one process "
+            "gives (processes=1, --processes 1)"]
+
+
 def _pipeline_notes(layouts: Sequence[Layout]) -> list[str]:
     """What a pipeline row's batch is, said once when the plan has one."""
     if not any(lay.microbatches for lay in layouts):
@@ -276,14 +294,15 @@ def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: Any, 
 def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
             layouts: "Sequence[Layout | str] | str | None" = None, precisions: Sequence[str] = PRECISIONS,
             checkpointing: Sequence[bool] = (False, True), optimizer: Any = None, alloc_conf: Any = None,
-            attention: str = "auto", loop: "str | None" = "hf-trainer") -> PlanGrid:
+            attention: str = "auto", loop: "str | None" = "hf-trainer", processes: "int | None" = None) -> PlanGrid:
     """:func:`plan_grid` for the model a transformers config describes (:func:`memprof.simulate.hf.load_config`),
     built on the meta device, ``seq_len`` tokens per sequence, AdamW unless ``optimizer`` (a factory of
     parameters) says otherwise; ``layouts`` defaults to the data-parallel layouts of ``world_size`` ranks, and
     takes Layouts, layout names and groups (``"dp"``, ``"tp"``, ``"pp"``, ``"all"``:
     :func:`~memprof.simulate.layouts.choose_layouts`), e.g. ``"fsdp,tp8,fsdp4-tp2,pp2-fsdp4"``. ``loop`` is the
     training loop simulated (:mod:`memprof.simulate.loops`): the HF Trainer's step by default, ``"plain"`` for
-    memprof's own; a pipeline layout's rows run torch's schedule instead."""
+    memprof's own; a pipeline layout's rows run torch's schedule instead. ``processes``: as :func:`plan_grid`
+    takes it (the rows' groups in forked processes, one per core by default)."""
     from . import hf
     from .loops import transformers_version_note
     from .layouts import choose_layouts
@@ -306,4 +325,4 @@ def plan_hf(config: Any, *, seq_len: int, gpu: Any, world_size: int = 1,
     return plan_grid(trained, gpu=gpu,
                      layouts=choose_layouts(first.model, world_size, "dp" if layouts is None else layouts),
                      precisions=precisions, checkpointing=checkpointing, alloc_conf=alloc_conf, attention=attention,
-                     labels=Labels(first.architecture, seq_len, said + list(first.notes)))
+                     labels=Labels(first.architecture, seq_len, said + list(first.notes)), processes=processes)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import is_interrupt
+
+if TYPE_CHECKING:
+    from .aliases import Library
 
 __all__ = ["Progress", "wanted"]
 
@@ -41,7 +44,7 @@ class Progress:
     context manager; :meth:`step` advances it, with a note on the current step."""
 
     def __init__(self, total: "int | None", what: str) -> None:
-        self._bar: Any = None
+        self._bar: "Library | None" = None  # a tqdm bar (tqdm: an optional import, without types)
         if not wanted():
             return
         try:
@@ -61,7 +64,7 @@ class Progress:
     def __enter__(self) -> "Progress":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -37,14 +37,17 @@ from torch import nn
 from ..vocabulary import Category, Phase
 from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
 from ..record.layout import MeshLayout, ParamGroup
-from ..record.parts import MAX_WORLD, Breakdown, RankInfo
+from ..record.parts import MAX_WORLD, Breakdown, RankInfo, StepRecord
+from ..record.stats import PhaseStats, Stat, series_from
 from ..anatomy.zero import STAGES
 from ..collect.module_table import tensors_in_args
 from ..collect.torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
 from ..units import round_half_away
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
     from ..collect.simulated import SimulatedProfile
+    from ..record.trace import Trace
 
 __all__ = ["PARALLEL", "ON_FAKE_RANKS", "check_parallel", "LayoutPlan", "RankLayout", "unit_blocks"]
 
@@ -58,7 +61,7 @@ ON_FAKE_RANKS = ("fsdp1",)
 O, T = Category.OPTIMIZER_STATES, Category.TEMPORARIES
 
 
-def check_parallel(world_size: Any, parallel: Any, parallelize: bool = False) -> "tuple[int, str | None]":
+def check_parallel(world_size: object, parallel: object, parallelize: bool = False) -> "tuple[int, str | None]":
     """The world size and layout of an estimate, checked: a positive int, and one of :data:`PARALLEL`
     (needed as soon as there is more than one rank, unless the user's own ``parallelize`` function says how the
     ranks share the model, which excludes a layout)."""
@@ -143,7 +146,7 @@ class LayoutPlan:
 
     # -- after the run --------------------------------------------------------------------------
 
-    def finish(self, trace: Any) -> Any:
+    def finish(self, trace: Trace) -> Trace:
         """The optimizer steps' peaks on the rank's shards, the peak again, and the rank's record."""
         share = self._state_share(trace.optimizer_implementation == "for-loop")
         steps = []
@@ -152,18 +155,18 @@ class LayoutPlan:
             phases = []
             for rec in step.phases:
                 if self.parallel in ("zero1", "zero2"):  # DeepSpeed's buckets: not estimated, not 0
-                    rec = dataclasses.replace(rec, **{w: _without_communication(getattr(rec, w))
-                                                      for w in ("start", "peak", "end")})
+                    start, peak, end = (_without_communication(b) for b in (rec.start, rec.peak, rec.end))
+                    rec = dataclasses.replace(rec, start=start, peak=peak, end=end)
                 if rec.phase is Phase.OPTIMIZER and self.stage >= 1 and share is not None:
                     v = {c: rec.peak[c] for c in Category}
                     # The state made inside the step was the whole model's until the step's end resized it.
-                    if v[O] is not None and rec.end[O] is not None:
-                        v[O] = min(v[O], rec.end[O])
-                    if v[T] is not None:
+                    if (states := v[O]) is not None and (states_end := rec.end[O]) is not None:
+                        v[O] = min(states, states_end)
+                    if (temporaries := v[T]) is not None:
                         # The step's own temporaries are the rank's share; what was held when it began (the
                         # loop's loss) is held whole.
-                        held = min(rec.start[T] or 0, v[T])
-                        v[T] = held + int((v[T] - held) * share)
+                        held = min(rec.start[T] or 0, temporaries)
+                        v[T] = held + int((temporaries - held) * share)
                     rec = dataclasses.replace(rec, peak=Breakdown.from_mapping(v))
                 phases.append(rec)
                 total = rec.peak.total or 0
@@ -176,7 +179,9 @@ class LayoutPlan:
             facts = dataclasses.replace(facts, weight_bytes=sum(i.shard for i in self.by_id.values()),
                                         trainable_bytes=sum(i.shard for i in self.by_id.values()
                                                             if i.ref.requires_grad))
-        out = dataclasses.replace(trace, steps=tuple(steps), distributed=self.rank_info(), facts=facts)
+        out = dataclasses.replace(trace, steps=tuple(steps), distributed=self.rank_info(), facts=facts,
+                                  phase_stats=_rank_stats(trace.phase_stats, steps,
+                                                          self.parallel in ("zero1", "zero2")))
         if best is not None:
             out = dataclasses.replace(out, peak=best[1], peak_step=best[2], peak_phase=best[3])
         return out
@@ -246,10 +251,12 @@ class RankLayout:
         self.optimizer = optimizer
         self.model = model
         self.profile: "SimulatedProfile | None" = None
-        self.handles: list[Any] = []
+        self.handles: list[RemovableHandle] = []
         self.gathered: set[int] = set()
         self.pending: dict[int, set[int]] = {}  # unit -> ids of its trainable parameters without a gradient yet
-        self.kept: dict[str, Any] = {}  # the last all-gather and reduce-scatter buffers, as FSDP2 keeps them
+        # The last all-gather and reduce-scatter buffers, as FSDP2 keeps them, DDP's buckets, and a unit's all-gather
+        # gathered ahead ("prefetch": the unit, its buffer).
+        self.kept: dict[str, "torch.Tensor | tuple[int, torch.Tensor]"] = {}
         self.flushing = False
         self.reduced: set[int] = set()
         self.order: list[int] = []  # the units in the order the last forward gathered them
@@ -296,7 +303,7 @@ class RankLayout:
         self.kept = {}
         self.profile = None
 
-    def finish(self, trace: Any) -> Any:
+    def finish(self, trace: Trace) -> Trace:
         """The rank's record of ``trace`` (:meth:`LayoutPlan.finish`)."""
         return self.plan.finish(trace)
 
@@ -365,10 +372,10 @@ class RankLayout:
         for info in self.units.get(unit, []):
             self._resize(info.ref, info.shard)
 
-    def _pre_forward(self, unit: int) -> Any:
+    def _pre_forward(self, unit: int) -> Callable[[nn.Module, tuple[object, ...]], None]:
         frozen = unit != 0 and not any(i.ref.requires_grad for i in self.units.get(unit, []))
 
-        def hook(_module: nn.Module, args: Any) -> None:
+        def hook(_module: nn.Module, args: tuple[object, ...]) -> None:
             if not self._running():
                 return
             self._gather(unit)
@@ -381,8 +388,8 @@ class RankLayout:
                             lambda _g: self._reduce_scatter(unit) if unit not in self.reduced else None)
         return hook
 
-    def _post_forward(self, unit: int) -> Any:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+    def _post_forward(self, unit: int) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+        def hook(_module: nn.Module, _args: tuple[object, ...], output: object) -> None:
             if not self._running():
                 return
             if unit != 0 and _graph_task_id() == -1:  # a recomputation in backward keeps them for backward
@@ -395,8 +402,8 @@ class RankLayout:
                     t.register_hook(self._backward_pre(unit))  # type: ignore[no-untyped-call]  # torch's is untyped
         return hook
 
-    def _backward_pre(self, unit: int) -> Any:
-        def hook(_grad: Any) -> None:
+    def _backward_pre(self, unit: int) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
             if not self._running():
                 return
             if not self.flushing:
@@ -466,7 +473,7 @@ class _StateShards:
     def __init__(self, layout: "RankLayout") -> None:
         self.layout = layout
 
-    def stepped(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def stepped(self, optimizer: torch.optim.Optimizer, *_args_kwargs: object) -> None:
         # The state was made like the whole parameters: the rank keeps its shard of each (scalars stay whole).
         # The state the first step made was a temporary at the step's peak at its whole size: it leaves the
         # temporaries at that size before it shrinks (the profiler's own post-hook, which would move it later,
@@ -479,7 +486,7 @@ class _StateShards:
                 for t in per_param.values():
                     if isinstance(t, torch.Tensor):
                         c.claim(t, Category.OPTIMIZER_STATES)
-        first: dict[Any, bool] = {}
+        first: dict[tuple[str, torch.dtype], bool] = {}
         sizes: list[tuple[torch.Tensor, int]] = []
         for info in lay.by_id.values():
             for key, t in (state.get(info.ref) or {}).items():
@@ -508,9 +515,33 @@ class _StateShards:
             share = lay.plan._state_share(set(param_group_implementations(optimizer)) == {"for-loop"})
             rank_step(events, phase_start, mark, share, rounding)
 
-    def _state_numel(self, state: Any, key: str, dtype: torch.dtype) -> int:
+    def _state_numel(self, state: "Mapping[torch.Tensor, dict[str, object]]", key: str, dtype: torch.dtype) -> int:
         return sum(t.numel() for info in self.layout.by_id.values() for k, t in (state.get(info.ref) or {}).items()
                    if k == key and isinstance(t, torch.Tensor) and t.dtype == dtype)
+
+
+def _rank_stats(stats: Sequence[PhaseStats], steps: Sequence[StepRecord], buckets: bool) -> tuple[PhaseStats, ...]:
+    """The per-phase statistics of the rank's records (:meth:`LayoutPlan.finish` changed them): each phase's made
+    again from its records where the run kept every step's, and with ``buckets`` (ZeRO-1/2: DeepSpeed's buckets,
+    not estimated) communication not measured, as in the records."""
+    out = []
+    for st in stats:
+        if buckets:
+            st = dataclasses.replace(st, peak=_series_without_communication(st.peak),
+                                     end=_series_without_communication(st.end))
+        records = [rec for step in steps for rec in step.phases if (rec.phase, rec.occurrence) == (st.phase,
+                                                                                                    st.occurrence)]
+        if len(records) == st.count:
+            peak, end = series_from(st.peak, [r.peak for r in records]), series_from(st.end, [r.end for r in records])
+            if peak is not None and end is not None:
+                st = dataclasses.replace(st, peak=peak, end=end)
+        out.append(st)
+    return tuple(out)
+
+
+def _series_without_communication(series: "tuple[tuple[str, Stat | None], ...]"
+                                  ) -> "tuple[tuple[str, Stat | None], ...]":
+    return tuple((key, None if key == Category.COMMUNICATION.value else stat) for key, stat in series)
 
 
 def _without_communication(b: Breakdown) -> Breakdown:

@@ -17,7 +17,7 @@ differ: in DeepSeek-V3's prefill the one-hot of 257 classes can be the step's pe
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from ..collect.routing import ROUTER_FUNCTIONS, innermost_module, router_call
 from .modes import Next, Rule
 from .routing import RoutingPlan
 from .shadows import ShadowStore, shape_only
+
+if TYPE_CHECKING:
+    from .aliases import OpValue
 
 __all__ = ["Router", "OneHot", "innermost_module"]
 
@@ -39,7 +42,8 @@ class Router(Rule):
         self.where: Callable[[], "str | None"] = lambda: None
         self.modules: Counter[str] = Counter()
 
-    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
+    def handle(self, func: Callable[..., OpValue], args: tuple[OpValue, ...], kwargs: dict[str, OpValue],
+               next: Next) -> OpValue:
         out = next(func, args, kwargs)
         if func not in ROUTER_FUNCTIONS:
             return out
@@ -73,7 +77,8 @@ class OneHot(Rule):
         self.target, self.store = target, store
         self.calls = 0
 
-    def handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], next: Next) -> Any:
+    def handle(self, func: Callable[..., OpValue], args: tuple[OpValue, ...], kwargs: dict[str, OpValue],
+               next: Next) -> OpValue:
         if func is not F.one_hot or not args or not shape_only(args[0]):
             return next(func, args, kwargs)
         x = args[0]

@@ -24,7 +24,7 @@ twice.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -162,7 +162,7 @@ def indices_from_counts(counts: "Sequence[int]", rows: int, k: int) -> torch.Ten
     return slots.reshape(k, rows).t().contiguous()
 
 
-def routing_of(value: Any) -> Routing:
+def routing_of(value: object) -> Routing:
     """The :class:`Routing` that ``routing=`` names (see the module's docstring)."""
     if isinstance(value, Routing):
         return value
@@ -205,7 +205,7 @@ def routing_of(value: Any) -> Routing:
                                f"record_routing=True, or per-call expert counts; got {type(value).__name__}")
 
 
-def _counts_list(value: Any, name: str) -> list[tuple[int, ...]]:
+def _counts_list(value: object, name: str) -> list[tuple[int, ...]]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(c, (list, tuple)) for c in value):
         raise InvalidArgumentError(f"{name} must be a list of router calls, each a list of per-expert token counts")
     for c in value:
@@ -214,7 +214,7 @@ def _counts_list(value: Any, name: str) -> list[tuple[int, ...]]:
     return [tuple(c) for c in value]
 
 
-def _record(value: Any) -> "RoutingRecord | None":
+def _record(value: object) -> "RoutingRecord | None":
     """The routing record a report, a trace or a record holds (None for anything else: counts given by hand)."""
     if isinstance(value, RoutingRecord):
         return value

@@ -26,12 +26,19 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Callable, ContextManager, Generic, Mapping, TypedDict, TypeVar, Union
 
 from ..errors import InvalidArgumentError, UnknownNameError
+# At run time too: typing.get_type_hints resolves the keyword TypedDicts below in this module (without torch).
+from .aliases import Option, UserValue
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
+
+    from ..anatomy.alloc_config import AllocatorConfig
+    from ..anatomy.gpus import GpuSpec
+    from .pipeline import Pipeline
 
 __all__ = ["RunConfig", "Workload", "Generation", "Target", "Parallelism", "Depth", "EstimateOptions",
            "EstimateSettings", "GenerationOptions", "PRECISIONS", "OPTIONS", "GENERATION_OPTIONS"]
@@ -39,6 +46,15 @@ __all__ = ["RunConfig", "Workload", "Generation", "Target", "Parallelism", "Dept
 #: The precisions a simulation takes: the parameters' dtype (bf16, fp16, fp32), or fp32 parameters with the
 #: forward under autocast (mixed = amp: bf16; mixed-fp16: fp16, with a GradScaler); None keeps the model's dtypes.
 PRECISIONS = ("fp32", "bf16", "fp16", "mixed", "amp", "mixed-fp16")
+
+#: What ``estimate()``'s optimizer is: an optimizer built on the model (rebuilt on its twin), a factory called with
+#: the twin's parameters (what it returns is checked to be an optimizer), or None.
+OptimizerArg = Union["torch.optim.Optimizer", Callable[..., object], None]
+#: A ``step_context``: a function returning the context manager the loop enters (called with the step's
+#: :class:`~memprof.simulate.step.StepParts`, or with nothing where it takes no argument).
+StepContext = Callable[..., ContextManager[object]]
+#: A mesh as ``estimate(mesh=)`` takes it: its sizes in order, or ``{name: size}`` in mesh order.
+MeshSizes = tuple[int, ...] | list[int] | dict[str, int]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -55,14 +71,14 @@ class Workload:
     :meth:`RunConfig.from_options` builds its ``train_step``), None or ``"plain"`` for memprof's own."""
 
     model: "nn.Module"
-    optimizer: Any = None
-    inputs: Any
-    targets: Any = None
-    loss_fn: "Callable[..., Any] | None" = None
+    optimizer: OptimizerArg = None
+    inputs: "UserValue"
+    targets: "UserValue" = None
+    loss_fn: "Callable[..., torch.Tensor] | None" = None
     steps: int = 2
-    step_context: "Callable[..., Any] | None" = None
-    routing: Any = None
-    train_step: "Callable[..., Any] | None" = None
+    step_context: "StepContext | None" = None
+    routing: object = None
+    train_step: "Callable[..., object] | None" = None
     loop: "str | None" = None
 
     def __post_init__(self) -> None:
@@ -109,7 +125,7 @@ class Generation:
     temperature: float = 1.0
     top_k: "int | None" = 50
     top_p: float = 1.0
-    routing: Any = None
+    routing: object = None
 
     def __post_init__(self) -> None:
         from torch import nn
@@ -139,9 +155,9 @@ class Target:
     and the fit verdict), ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF``'s text or an AllocatorConfig) and
     ``attention`` (a CUDA target's attention kernel: ``"auto"`` is the one torch would pick)."""
 
-    device: Any = None
-    gpu: Any = None
-    alloc_conf: Any = None
+    device: "str | torch.device | None" = None
+    gpu: "str | GpuSpec | None" = None
+    alloc_conf: "str | AllocatorConfig | None" = None
     attention: str = "auto"
 
 
@@ -155,9 +171,9 @@ class Parallelism:
 
     world_size: int = 1
     parallel: "str | None" = None
-    parallelize: "Callable[..., Any] | None" = None
-    mesh: Any = None
-    pipeline: Any = None
+    parallelize: "Callable[..., object] | None" = None
+    mesh: "MeshSizes | None" = None
+    pipeline: "Pipeline | None" = None
     rank: "int | None" = None
 
     def __post_init__(self) -> None:
@@ -229,7 +245,8 @@ class RunConfig(Generic[W]):
                                        "step (its forward, loss and backward per microbatch); leave one of them out")
 
     @classmethod
-    def from_options(cls, model: "nn.Module", optimizer: Any = None, **options: Any) -> "RunConfig[Workload]":
+    def from_options(cls, model: "nn.Module", optimizer: OptimizerArg = None, **options: "Option"
+                     ) -> "RunConfig[Workload]":
         """The configuration ``estimate(model, optimizer, **options)`` describes: each keyword to its section."""
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
@@ -246,7 +263,7 @@ class RunConfig(Generic[W]):
                    parallelism=Parallelism(**given["parallelism"]), depth=Depth(**given["depth"]))
 
     @classmethod
-    def for_generation(cls, model: "nn.Module", **options: Any) -> "RunConfig[Generation]":
+    def for_generation(cls, model: "nn.Module", **options: "Option") -> "RunConfig[Generation]":
         """The configuration ``estimate_generation(model, **options)`` describes."""
         unknown = sorted(set(options) - set(GENERATION_OPTIONS))
         if unknown:
@@ -261,20 +278,20 @@ class RunConfig(Generic[W]):
         return RunConfig(workload=Generation(model=model, **generation), precision=options.get("precision"),
                    target=Target(**target))
 
-    def replace(self, **sections: Any) -> "RunConfig[W]":
+    def replace(self, **sections: "Option") -> "RunConfig[W]":
         """A copy with whole sections replaced (``config.replace(workload=...)``)."""
         return dataclasses.replace(self, **sections)
 
-    def with_workload(self, **changes: Any) -> "RunConfig[W]":
+    def with_workload(self, **changes: "Option") -> "RunConfig[W]":
         """A copy whose workload has ``changes`` (another model and optimizer, another batch)."""
         return dataclasses.replace(self, workload=dataclasses.replace(self.workload, **changes))
 
-    def with_parallelism(self, **changes: Any) -> "RunConfig[W]":
+    def with_parallelism(self, **changes: "Option") -> "RunConfig[W]":
         """A copy whose parallelism has ``changes`` (one rank of a pipeline)."""
         return dataclasses.replace(self, parallelism=dataclasses.replace(self.parallelism, **changes))
 
 
-def _named_loop(workload: "dict[str, Any]", precision: "str | None") -> None:
+def _named_loop(workload: "dict[str, Option]", precision: "str | None") -> None:
     """A named ``loop`` becomes the ``train_step`` it is (:func:`memprof.simulate.loops.loop_step`), taking the
     ``loss_fn`` given with it; refused beside a ``train_step`` of the user's."""
     from .loops import check_loop, loop_step
@@ -312,24 +329,29 @@ OPTIONS: tuple[str, ...] = ("inputs", "targets", "loss_fn", "precision", "device
 class EstimateSettings(TypedDict, total=False):
     """The keyword arguments of :func:`memprof.estimate` beside what the step runs on (inputs, targets and
     ``loss_fn``, :class:`EstimateOptions`): what :func:`memprof.simulate.whatif.what_if`, which takes those as the
-    profiled run's, passes on."""
+    profiled run's, passes on.
+
+    A field whose type is a class of torch's or of :mod:`memprof.anatomy` (``device``, ``gpu``, ``alloc_conf``,
+    ``pipeline``, ``loss_fn``) is an ``Option``, typed by the section that takes it (:class:`Target`,
+    :class:`Parallelism`, :class:`Workload`): ``typing.get_type_hints`` resolves these TypedDicts in this module,
+    which imports no torch (the command line reads it)."""
 
     precision: "str | None"
-    device: Any
+    device: "Option"
     steps: int
     attention: str
     world_size: int
     parallel: "str | None"
-    routing: Any
-    gpu: Any
-    alloc_conf: Any
-    parallelize: "Callable[..., Any] | None"
+    routing: object
+    gpu: "Option"
+    alloc_conf: "Option"
+    parallelize: "Callable[..., object] | None"
     rank: "int | None"
-    mesh: Any
-    pipeline: Any
+    mesh: "MeshSizes | None"
+    pipeline: "Option"
     extrapolate: "int | bool | None"
-    step_context: "Callable[..., Any] | None"
-    train_step: "Callable[..., Any] | None"
+    step_context: "StepContext | None"
+    train_step: "Callable[..., object] | None"
     loop: "str | None"
 
 
@@ -337,9 +359,9 @@ class EstimateOptions(EstimateSettings, total=False):
     """The keyword arguments of :func:`memprof.estimate` (each described there), typed: what
     :meth:`RunConfig.from_options` maps to the sections."""
 
-    inputs: Any
-    targets: Any
-    loss_fn: "Callable[..., Any] | None"
+    inputs: "UserValue"
+    targets: "UserValue"
+    loss_fn: "Option"
 
 
 class GenerationOptions(TypedDict, total=False):
@@ -349,13 +371,13 @@ class GenerationOptions(TypedDict, total=False):
     prompt_len: int
     max_new_tokens: int
     precision: "str | None"
-    device: Any
+    device: "Option"
     attention: str
-    routing: Any
+    routing: object
     num_beams: int
     do_sample: bool
     temperature: float
     top_k: "int | None"
     top_p: float
-    gpu: Any
-    alloc_conf: Any
+    gpu: "Option"
+    alloc_conf: "Option"

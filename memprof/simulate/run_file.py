@@ -39,11 +39,14 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, TypeGuard
 
 from ..errors import InvalidArgumentError, is_interrupt
 from .loops import LOOPS
 from .run import PRECISIONS, Depth, Generation, Parallelism, Target, Workload
+
+if TYPE_CHECKING:
+    from .aliases import FileValue
 
 __all__ = ["RunFile", "read_run_file", "SECTIONS", "TOP_KEYS", "NOT_IN_FILE", "BUILD_KEYS", "section_keys"]
 
@@ -78,62 +81,62 @@ class _Wrong(Exception):
         self.expected = expected
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _count(value: Any) -> int:
+def _count(value: object) -> int:
     if not _is_int(value) or value < 1:
         raise _Wrong("a whole number of at least 1")
     return int(value)
 
 
-def _index(value: Any) -> int:
+def _index(value: object) -> int:
     if not _is_int(value) or value < 0:
         raise _Wrong("a whole number of at least 0")
     return int(value)
 
 
-def _flag(value: Any) -> bool:
+def _flag(value: object) -> bool:
     if not isinstance(value, bool):
         raise _Wrong("true or false")
     return value
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise _Wrong("a string")
     return value
 
 
-def _function(value: Any) -> str:
+def _function(value: object) -> str:
     module, sep, name = value.partition(":") if isinstance(value, str) else ("", "", "")
     if not sep or not module.strip() or not name.strip():
         raise _Wrong("a function named \"module:function\" (for example \"mypkg.parallel:shard\")")
     return str(value)
 
 
-def _choice(*names: str) -> "Callable[[Any], str]":
-    def check(value: Any) -> str:
+def _choice(*names: str) -> "Callable[[object], str]":
+    def check(value: object) -> str:
         if not isinstance(value, str) or value.strip().lower() not in names:
             raise _Wrong("one of " + ", ".join(f'"{n}"' for n in names))
         return value.strip().lower()
     return check
 
 
-def _positive(value: Any) -> float:
+def _positive(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise _Wrong("a number above 0")
     return value
 
 
-def _fraction(value: Any) -> float:
+def _fraction(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise _Wrong("a number in (0, 1]")
     return value
 
 
-def _mesh(value: Any) -> "dict[str, int]":
+def _mesh(value: object) -> "dict[str, int]":
     """The mesh's dimensions, ``{name: size}`` in order (a TOML table ``mesh = {pp = 2, dp = 4}``)."""
     expected = "a table of dimension names and sizes, such as {dp = 4, tp = 2}"
     if not isinstance(value, dict) or not value:
@@ -146,7 +149,7 @@ def _mesh(value: Any) -> "dict[str, int]":
 
 # What each key takes, by its name in its section (a name is one thing wherever it appears). The meaning (a GPU's
 # name, a routing's spelling, a conf's text) is checked where it is used, as the keyword arguments' are.
-_KINDS: "Mapping[str, Callable[[Any], Any]]" = {
+_KINDS: "Mapping[str, Callable[[object], FileValue]]" = {
     "batch_size": _count, "seq_len": _count, "checkpointing": _flag, "steps": _count,
     "optimizer": _choice("adamw", "adam", "sgd", "none"), "step_context": _function, "routing": _text,
     "train_step": _function, "loop": _choice(*LOOPS),
@@ -177,16 +180,16 @@ class RunFile:
     model: "str | None"
     hf: "str | None"
     precision: "str | None"
-    sections: "Mapping[str, Mapping[str, Any]]"
+    sections: "Mapping[str, Mapping[str, FileValue]]"
 
     @property
     def generates(self) -> bool:
         """The file describes a generation (a ``[generation]`` section), not a training step."""
         return "generation" in self.sections
 
-    def given(self) -> "dict[tuple[str, str], Any]":
+    def given(self) -> "dict[tuple[str, str], FileValue]":
         """Every value the file gives, by (section, key); the top-level keys' section is ``""``."""
-        out: dict[tuple[str, str], Any] = {("", key): getattr(self, key) for key in TOP_KEYS
+        out: dict[tuple[str, str], FileValue] = {("", key): getattr(self, key) for key in TOP_KEYS
                                            if getattr(self, key) is not None}
         for section, values in self.sections.items():
             out.update(((section, key), value) for key, value in values.items())
@@ -213,7 +216,7 @@ def read_run_file(path: "str | os.PathLike[str]") -> RunFile:
     return _checked(name, raw)
 
 
-def _parse_toml(name: str, text: str) -> Any:
+def _parse_toml(name: str, text: str) -> object:
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - Python 3.10 reads TOML with tomli, tomllib's original
@@ -249,11 +252,11 @@ def _toml_twice(text: str) -> "tuple[str, str] | None":
     return None
 
 
-class _Pairs(list[tuple[str, Any]]):
+class _Pairs(list[tuple[str, object]]):
     """A JSON object's (key, value) pairs, as written: a key given twice stays visible until it is checked."""
 
 
-def _parse_json(name: str, text: str) -> Any:
+def _parse_json(name: str, text: str) -> object:
     try:
         return json.loads(text, object_pairs_hook=_Pairs)
     except (ValueError, RecursionError) as exc:
@@ -262,11 +265,11 @@ def _parse_json(name: str, text: str) -> Any:
         raise InvalidArgumentError(f"{name} is not valid JSON ({exc}); fix that line") from None
 
 
-def _table(name: str, section: str, value: Any) -> "dict[str, Any]":
+def _table(name: str, section: str, value: object) -> "dict[str, object]":
     """A table of the file (the top level, a section) as a dict of its values as parsed, a key given twice
     refused (JSON allows it and keeps the last silently)."""
     if isinstance(value, _Pairs):
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for key, item in value:
             if key in out:
                 raise _error(name, section, key, "is given twice; give each section and key once")
@@ -279,10 +282,10 @@ def _table(name: str, section: str, value: Any) -> "dict[str, Any]":
     raise _error(name, section, "", f"must be a table of keys, not {_kind(value)}")
 
 
-def _plain(name: str, section: str, key: str, value: Any) -> Any:
+def _plain(name: str, section: str, key: str, value: object) -> object:
     """A value with JSON's objects inside it as dicts (a mesh's table), a key given twice refused."""
     if isinstance(value, _Pairs):
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for inner, item in value:
             if inner in out:
                 raise _error(name, section, key, f"gives {inner!r} twice; give each key once")
@@ -293,11 +296,11 @@ def _plain(name: str, section: str, key: str, value: Any) -> Any:
     return value
 
 
-def _checked(name: str, raw: Any) -> RunFile:
+def _checked(name: str, raw: object) -> RunFile:
     """The file's values checked: known sections and keys, each value of its kind, one model."""
     top = _table(name, "", raw)
-    sections: dict[str, dict[str, Any]] = {}
-    values: dict[str, Any] = {}
+    sections: dict[str, dict[str, FileValue]] = {}
+    values: dict[str, FileValue] = {}
     for key, value in top.items():
         if key in SECTIONS:
             table = _table(name, key, value)
@@ -319,7 +322,7 @@ def _checked(name: str, raw: Any) -> RunFile:
                    sections=sections)
 
 
-def _value(name: str, section: str, key: str, value: Any) -> Any:
+def _value(name: str, section: str, key: str, value: object) -> "FileValue":
     accepted = section_keys(section) if section else TOP_KEYS
     if key not in accepted:
         why = NOT_IN_FILE.get(section, {}).get(key)
@@ -349,11 +352,11 @@ def _error(name: str, section: str, key: str, problem: str) -> InvalidArgumentEr
     return InvalidArgumentError(f"{name}: {where} {problem}; {takes}")
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "a table", _Pairs: "a table", type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     text = repr(value) if not isinstance(value, (dict, _Pairs, list)) else ""
     return text if len(text) <= 40 else text[:37] + "..."

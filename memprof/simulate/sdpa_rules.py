@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -86,7 +86,7 @@ class Call:
     requires_grad: bool = False
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout: float, is_causal: bool,
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object, dropout: float, is_causal: bool,
            enable_gqa: bool) -> "Call":
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         return cls(Facts.of(q), Facts.of(k), Facts.of(v), Facts.of(mask) if isinstance(mask, torch.Tensor) else None,
@@ -112,9 +112,11 @@ def device(capability: "tuple[int, int] | None", forced: "str | None" = None) ->
     """The :class:`Device` for a GPU of ``capability`` (None: :data:`ASSUMED_CAPABILITY`), with the switches torch
     reads at run time as this process has them; ``forced`` enables that backend alone, as
     ``sdpa_kernel([backend])`` does."""
-    cuda: Any = torch.backends.cuda  # Any: its switches (flash_sdp_enabled() ...) are untyped in torch's source
-    enabled = {b for b, on in ((FLASH, cuda.flash_sdp_enabled()), (EFFICIENT, cuda.mem_efficient_sdp_enabled()),
-                               (CUDNN, cuda.cudnn_sdp_enabled()), (MATH, cuda.math_sdp_enabled())) if on}
+    cuda = torch.backends.cuda  # its switches (flash_sdp_enabled() ...) are untyped in torch's source
+    enabled = {b for b, on in ((FLASH, cuda.flash_sdp_enabled()),  # type: ignore[no-untyped-call]
+                               (EFFICIENT, cuda.mem_efficient_sdp_enabled()),  # type: ignore[no-untyped-call]
+                               (CUDNN, cuda.cudnn_sdp_enabled()),  # type: ignore[no-untyped-call]
+                               (MATH, cuda.math_sdp_enabled())) if on}  # type: ignore[no-untyped-call]
     order = tuple(_BACKENDS[i] for i in torch._C._get_sdp_priority_order() if i in _BACKENDS)
     return Device(
         capability=capability or ASSUMED_CAPABILITY,

@@ -20,7 +20,7 @@ alive past its real lifetime and move the peaks the simulation measures.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, TypeGuard
+from typing import TYPE_CHECKING, Callable, Protocol, TypeGuard
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -30,6 +30,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import is_interrupt
 from .experts import EXCHANGE_OPS
 from .grouped_mm import grouped_mm_output
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+
+    from .aliases import OpValue
+    from .experts import CountsExchange
 
 __all__ = ["ShadowStore", "ValueShadows", "shape_only"]
 
@@ -120,12 +126,13 @@ class ShadowStore:
         self.lazy.pop(key, None)
         self.shadows.pop(key, None)
 
-    def note_factory(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    def note_factory(self, func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpValue], out: OpValue
+                     ) -> None:
         """Remember how to make the values of factory output ``out``, without holding any shape-only tensor."""
         if not shape_only(out):
             return
         # *_like / new_* take a tensor for its layout only: keep the layout and rebuild a real empty of it.
-        def layout(a: Any) -> Any:
+        def layout(a: object) -> object:
             return _Layout(tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor) else a
 
         kept = pytree.tree_map(layout, (tuple(args), {k: v for k, v in kwargs.items() if k != "device"}))
@@ -153,11 +160,11 @@ class _Layout:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
 
 
-def _takes_device(func: Any) -> bool:
+def _takes_device(func: OpOverload) -> bool:
     return any(a.name == "device" for a in func._schema.arguments)
 
 
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+def _written(func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpValue]) -> list[torch.Tensor]:
     """The tensors ``func`` writes in place (its schema's mutable arguments)."""
     out: list[torch.Tensor] = []
     for i, a in enumerate(func._schema.arguments):
@@ -179,9 +186,10 @@ class ValueShadows(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         self.answered: dict[str, int] = {}  # value-dependent ops answered from shadows, by name
         self._slow = 0
         #: Answers an expert-parallel all-to-all of counts (:mod:`memprof.simulate.experts`); None: run as is.
-        self.exchange: Any = None
+        self.exchange: "CountsExchange | None" = None
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
+                           kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
         kwargs = kwargs or {}
         if func is _aten._grouped_mm.default:
             self.grouped_mm += 1
@@ -196,7 +204,7 @@ class ValueShadows(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
             return func(*args, **kwargs)
         return self._shadowed(func, tuple(args), kwargs)
 
-    def _shadowed(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _shadowed(self, func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpValue]) -> OpValue:
         store = self.store
         self._slow += 1
         if self._slow % _PRUNE_EVERY == 0:

@@ -5,7 +5,7 @@ loop that logs it holds it."""
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -13,7 +13,16 @@ from torch import nn
 from ..errors import InvalidArgumentError, is_interrupt
 
 if TYPE_CHECKING:
-    from .autocast import CudaAutocast
+    from contextlib import AbstractContextManager
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .aliases import UserValue
+    from .autocast import AutocastFactory, CudaAutocast
+
+    #: A ``step_context`` as :func:`check_step_context` gives it: the context around one step's forward, loss and
+    #: backward, made from the step's parts.
+    StepContext = Callable[["StepParts"], AbstractContextManager[object]]
 
 __all__ = ["TrainingStep", "ScalerSteps", "StepParts", "check_step_context"]
 
@@ -26,11 +35,12 @@ class StepParts:
 
     __slots__ = ("model", "mesh", "inputs", "targets", "optimizer")
 
-    def __init__(self, model: nn.Module, mesh: Any, inputs: Any, targets: Any, optimizer: Any) -> None:
+    def __init__(self, model: nn.Module, mesh: "DeviceMesh | None", inputs: UserValue, targets: UserValue,
+                 optimizer: "torch.optim.Optimizer | None") -> None:
         self.model, self.mesh, self.inputs, self.targets, self.optimizer = model, mesh, inputs, targets, optimizer
 
 
-def check_step_context(fn: Any) -> Any:
+def check_step_context(fn: object) -> "StepContext | None":
     """``fn`` as a function of a :class:`StepParts` returning a context manager (one that takes no argument, as
     ``torch.distributed.tensor.parallel.loss_parallel`` does, is called without); None stays None."""
     if fn is None:
@@ -52,8 +62,8 @@ def check_step_context(fn: Any) -> Any:
         params = [None]  # type: ignore[list-item]
     takes_parts = bool(params)
 
-    def context(parts: StepParts) -> Any:
-        made = fn(parts) if takes_parts else fn()
+    def context(parts: StepParts) -> AbstractContextManager[object]:
+        made: object = fn(parts) if takes_parts else fn()
         if not (hasattr(made, "__enter__") and hasattr(made, "__exit__")):
             raise InvalidArgumentError(f"step_context returned {type(made).__name__}, not a context manager; "
                                        "return the context (loss_parallel()), not what entering it gives")
@@ -61,7 +71,7 @@ def check_step_context(fn: Any) -> Any:
     return context
 
 
-def _call(model: nn.Module, inputs: Any) -> Any:
+def _call(model: nn.Module, inputs: UserValue) -> object:
     if isinstance(inputs, dict):
         return model(**inputs)
     if isinstance(inputs, tuple):
@@ -69,10 +79,11 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def _loss(out: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
+def _loss(out: object, targets: UserValue, loss_fn: "Callable[..., object] | None") -> object:
+    """The step's loss: ``loss_fn``'s result (the user's function's, checked by the caller), or the sum of the
+    model's first output tensor."""
     if loss_fn is not None:
-        loss: torch.Tensor = loss_fn(out, targets) if targets is not None else loss_fn(out)  # the user's function
-        return loss
+        return loss_fn(out, targets) if targets is not None else loss_fn(out)
     first = out
     while isinstance(first, (tuple, list)) and first:
         first = first[0]
@@ -96,9 +107,11 @@ class TrainingStep:
     #: The current step's loss, bound until the next step's replaces it (None before the first and after the last).
     loss: "torch.Tensor | None" = None
 
-    def __init__(self, model: nn.Module, inputs: Any, targets: Any, loss_fn: Any, optimizer: Any, autocast: Any,
-                 emulated: "CudaAutocast | None", scaler: "ScalerSteps | None", context: Any = None,
-                 mesh: Any = None, inside: Any = None) -> None:
+    def __init__(self, model: nn.Module, inputs: UserValue, targets: UserValue,
+                 loss_fn: "Callable[..., object] | None", optimizer: "torch.optim.Optimizer | None",
+                 autocast: "AutocastFactory | None", emulated: "CudaAutocast | None", scaler: "ScalerSteps | None",
+                 context: "StepContext | None" = None, mesh: "DeviceMesh | None" = None,
+                 inside: "Callable[[], None] | None" = None) -> None:
         self.model, self.inputs, self.targets, self.loss_fn = model, inputs, targets, loss_fn
         self.optimizer, self.autocast, self.emulated, self.scaler = optimizer, autocast, emulated, scaler
         #: A function of :class:`StepParts` making the context around forward, loss and backward (``step_context``).

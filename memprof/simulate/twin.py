@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -20,6 +21,16 @@ from torch import nn
 from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
 from .autocast import CudaAutocast
 from .modes import Rules
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..anatomy.gpus import GpuSpec
+    from .aliases import UserValue
+    from .autocast import AutocastFactory
+    from .parallel import ParallelRun
 
 __all__ = ["Twin", "PRECISION_DTYPES", "MIXED", "meta_optimizer", "converted", "casting"]
 
@@ -51,7 +62,7 @@ def casting(make: Maker, dtype: torch.dtype) -> Maker:
     return cast
 
 
-def _fake_maker(mode: Any) -> Maker:
+def _fake_maker(mode: FakeTensorMode) -> Maker:
     def make(t: torch.Tensor) -> torch.Tensor:
         with mode:
             # Same shape, dtype and strides as the original, on the CPU, with no data.
@@ -62,7 +73,7 @@ def _fake_maker(mode: Any) -> Maker:
 def _shadow_copy(model: nn.Module, make: Maker) -> tuple[nn.Module, dict[int, torch.Tensor]]:
     # deepcopy with a memo that maps every parameter and buffer to a data-less
     # twin (meta or fake): structure and tying are kept, no data is copied.
-    memo: dict[int, Any] = {}
+    memo: dict[int, object] = {}
     mapping: dict[int, torch.Tensor] = {}
     for p in model.parameters():
         if id(p) not in memo:
@@ -84,7 +95,7 @@ def _shadow_copy(model: nn.Module, make: Maker) -> tuple[nn.Module, dict[int, to
     return clone, mapping
 
 
-def meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
+def meta_optimizer(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
                     notes: list[str]) -> "torch.optim.Optimizer | None":
     if optimizer is None:
         return None
@@ -120,7 +131,9 @@ def meta_optimizer(optimizer: Any, meta_model: nn.Module, mapping: dict[int, tor
     )
 
 
-def converted(obj: Any, make: Maker, seen: dict[int, torch.Tensor]) -> Any:
+def converted(obj: UserValue, make: Maker, seen: dict[int, torch.Tensor]) -> UserValue:
+    """``obj`` with each tensor in its tuples, lists and dicts replaced by its data-less twin (one per tensor,
+    through ``seen``); other values as they are."""
     if obj is None:
         return None
     if isinstance(obj, torch.Tensor):
@@ -143,8 +156,9 @@ class Twin:
     :mod:`memprof.simulate.kernels` / :mod:`memprof.simulate.autocast`. Shared by :func:`estimate` and
     :func:`memprof.estimate_generation`."""
 
-    def __init__(self, model: nn.Module, precision: "str | None", device: Any, attention: str,
-                 routing: Any = None, run: Any = None, gpu: Any = None) -> None:
+    def __init__(self, model: nn.Module, precision: "str | None", device: "str | torch.device | None",
+                 attention: str, routing: object = None, run: "ParallelRun | None" = None,
+                 gpu: "GpuSpec | None" = None) -> None:
         if precision is not None and precision not in PRECISION_DTYPES and precision not in MIXED:
             raise UnknownNameError(f"unknown precision {precision!r}; use one of: fp32, bf16, fp16, mixed, mixed-fp16 "
                                    "(amp is mixed)")
@@ -178,7 +192,7 @@ class Twin:
                                               for m in model.modules()) else None
         notes: list[str] = []
 
-        fake_mode: Any = None
+        fake_mode: "FakeTensorMode | None" = None
         if target.type == "cpu" or run is not None:
             # Fake CPU tensors: shapes only, like meta, but kernels are chosen as on the CPU
             # (fused attention, dropout), so the simulation matches a real CPU run op for op.
@@ -192,10 +206,11 @@ class Twin:
         cast = PRECISION_DTYPES[precision] if precision in ("bf16", "fp16") else None
         if run is not None:  # the user's parallelize function on a meta twin, then fake CPU tensors
             meta = _meta_maker if cast is None else casting(_meta_maker, cast)
+            assert fake_mode is not None  # made above for every run
             meta_model, mapping = run.parallelize(model, lambda m: _shadow_copy(m, meta), fake_mode)
         else:
             meta_model, mapping = _shadow_copy(model, shadow if cast is None else casting(shadow, cast))
-        autocast: Any = None
+        autocast: "AutocastFactory | None" = None
         emulated: "CudaAutocast | None" = None
         low = MIXED.get(precision or "")
         if low is not None and target.type == "cpu":
@@ -217,7 +232,7 @@ class Twin:
 
         self.moe = MoeRules(target.type, routing)
 
-    def op_rules(self) -> Any:
+    def op_rules(self) -> _entered:
         """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels` on a CPU target, value shadows and
         ``_grouped_mm`` on every target: :mod:`memprof.simulate.moe`), dispatch modes to enter after the
         fake-tensor mode and before the profiler."""
@@ -248,7 +263,7 @@ class _entered:
     suspended, and the garbage collector later ran its exit, popping a mode stack the simulation's cleanup had
     already emptied ("Exception ignored ... trying to pop from empty mode stack")."""
 
-    def __init__(self, *modes: Any) -> None:
+    def __init__(self, *modes: AbstractContextManager[object]) -> None:
         self.modes = modes
         self.stack = contextlib.ExitStack()
 
@@ -260,5 +275,6 @@ class _entered:
             self.stack.close()
             raise
 
-    def __exit__(self, *exc: Any) -> "bool | None":
-        return self.stack.__exit__(*exc)
+    def __exit__(self, kind: "type[BaseException] | None", exc: "BaseException | None",
+                 tb: "TracebackType | None") -> "bool | None":
+        return self.stack.__exit__(kind, exc, tb)

@@ -22,13 +22,22 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import InvalidArgumentError, is_interrupt
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from torch._ops import OpOverload
+
+    from ..collect.simulated import SimulatedProfile
+    from .aliases import OpValue, UserValue
+    from .autocast import AutocastFactory, CudaAutocast
 
 __all__ = ["UserStep", "LoopValues", "check_train_step"]
 
@@ -38,7 +47,7 @@ _aten = torch.ops.aten
 _READS = {_aten._local_scalar_dense.default: "item()", _aten.is_nonzero.default: "bool()"}
 
 
-def check_train_step(fn: Any) -> Any:
+def check_train_step(fn: object) -> "Callable[..., object] | None":
     """``fn`` if it can be called as a training step; None stays None."""
     if fn is None:
         return None
@@ -49,7 +58,7 @@ def check_train_step(fn: Any) -> Any:
     return fn
 
 
-def _name(fn: Any) -> str:
+def _name(fn: object) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
@@ -65,7 +74,8 @@ class LoopValues(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
         #: (what was read, where) -> how many times.
         self.answered: dict[tuple[str, str], int] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
+                           kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
         kwargs = kwargs or {}
         if func not in _READS:
             return func(*args, **kwargs)
@@ -100,7 +110,8 @@ class DeviceQueries(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torc
     the collector, whose op count would otherwise make an "other" phase of a step's code that touches no memory,
     where the real run records none."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
+                           kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
         if func is _DEVICE and args:
             fake = getattr(args[0], "fake_device", None)
             if fake is not None:
@@ -125,15 +136,17 @@ class UserStep:
     call returns. ``autocast`` (a CPU target's ``torch.autocast`` factory) or ``emulated`` (a
     :class:`~memprof.simulate.autocast.CudaAutocast`) runs each call of the model under mixed precision."""
 
-    def __init__(self, fn: Callable[..., Any], model: nn.Module, optimizer: Any, inputs: Any, targets: Any,
-                 autocast: Any = None, emulated: Any = None) -> None:
+    def __init__(self, fn: Callable[..., object], model: nn.Module, optimizer: "torch.optim.Optimizer | None",
+                 inputs: UserValue, targets: UserValue, autocast: "AutocastFactory | None" = None,
+                 emulated: "CudaAutocast | None" = None) -> None:
         self.fn, self.model, self.optimizer, self.inputs, self.targets = fn, model, optimizer, inputs, targets
         self.autocast, self.emulated = autocast, emulated
         #: What the last call returned, held as ``out = train_step(...)`` holds it (None before and after the loop).
-        self.kept: Any = None
+        self.kept: object = None
         self.calls = 0
         self.values: "LoopValues | None" = None
-        self._regions: list[Any] = []  # the autocast contexts entered around the model's calls, innermost last
+        # The autocast contexts entered around the model's calls, innermost last (None: the emulated autocast's).
+        self._regions: "list[AbstractContextManager[object] | None]" = []
 
     def run(self) -> None:
         args = (self.model, self.optimizer, self.inputs) + ((self.targets,) if self.targets is not None else ())
@@ -146,7 +159,7 @@ class UserStep:
         self.kept = None
 
     @contextlib.contextmanager
-    def around(self, prof: Any) -> Iterator[None]:
+    def around(self, prof: SimulatedProfile) -> Iterator[None]:
         """Entered beneath the collector: the value reads answered (:class:`LoopValues`)."""
         self.values = LoopValues(lambda: prof.innermost_module() is not None)
         with self.values:
@@ -170,17 +183,18 @@ class UserStep:
             while self._regions:  # a step that raised inside the model: its regions end with it
                 self._leave()
 
-    def _enter(self, module: nn.Module, args: Any) -> None:
+    def _enter(self, module: nn.Module, args: tuple[UserValue, ...]) -> None:
         if self.emulated is not None:
             if not self._regions:
                 self.emulated.begin_forward()
             self._regions.append(None)
         else:
+            assert self.autocast is not None  # model_autocast() hooks the model only with one of the two
             region = self.autocast()
             region.__enter__()
             self._regions.append(region)
 
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit(self, module: nn.Module, args: tuple[UserValue, ...], output: UserValue) -> None:
         if self._regions:
             self._leave()
 
@@ -189,6 +203,7 @@ class UserStep:
         if region is not None:
             region.__exit__(None, None, None)
         elif not self._regions:
+            assert self.emulated is not None  # a None region is the emulated autocast's (_enter)
             self.emulated.end_forward()
 
     @contextlib.contextmanager

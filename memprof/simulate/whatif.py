@@ -9,7 +9,7 @@ data-less copy: the user's model is not touched), a precision, a data-parallel l
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from typing_extensions import Unpack
 
@@ -22,6 +22,9 @@ from ..record.trace import Trace
 from ..vocabulary import Category
 from .run import EstimateSettings
 
+if TYPE_CHECKING:
+    from .aliases import Option, UserValue
+
 __all__ = ["WhatIf", "WhatIfOptions", "what_if"]
 
 
@@ -32,8 +35,10 @@ class WhatIfOptions(EstimateSettings, total=False):
     batch_size: "int | None"
 
 
-def what_if(trace: Trace, model: nn.Module, optimizer: Any = None, *, inputs: Any, targets: Any = None,
-            loss_fn: Any = None, **changes: Unpack[WhatIfOptions]) -> WhatIf:
+def what_if(trace: Trace, model: nn.Module,
+            optimizer: "torch.optim.Optimizer | Callable[..., object] | None" = None, *, inputs: UserValue,
+            targets: UserValue = None, loss_fn: "Callable[..., torch.Tensor] | None" = None,
+            **changes: Unpack[WhatIfOptions]) -> WhatIf:
     """The run ``trace`` recorded, with one or more things changed, simulated (:func:`memprof.estimate`).
 
     ``model``, ``optimizer``, ``inputs``, ``targets`` and ``loss_fn`` are the run's, as it was profiled (the
@@ -48,7 +53,7 @@ def what_if(trace: Trace, model: nn.Module, optimizer: Any = None, *, inputs: An
         raise InvalidArgumentError(f"what_if() needs the run's model (a torch.nn.Module), got {type(model).__name__}")
     from .estimate import estimate
 
-    options: "dict[str, Any]" = dict(changes)
+    options: "dict[str, Option]" = dict(changes)
     checkpointing, batch_size = options.pop("checkpointing", None), options.pop("batch_size", None)
     precision, parallel = options.pop("precision", None), options.pop("parallel", None)
     world_size, device = options.pop("world_size", None), options.pop("device", None)
@@ -92,7 +97,7 @@ def _checkpointed(model: nn.Module) -> nn.Module:
         raise InvalidArgumentError(f"checkpointing=True enables transformers' activation checkpointing, and "
                                    f"{type(model).__name__} is not a transformers model: wrap its blocks in "
                                    "torch.utils.checkpoint.checkpoint yourself and pass that model")
-    memo: dict[int, Any] = {}
+    memo: dict[int, object] = {}
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in memo:
             twin = torch.empty_like(t, device="meta")
@@ -112,7 +117,7 @@ def _rebuilt(optimizer: torch.optim.Optimizer, model: nn.Module, clone: nn.Modul
     return rebuilt(groups)
 
 
-def _resized(inputs: Any, targets: Any, batch_size: int) -> tuple[Any, Any]:
+def _resized(inputs: UserValue, targets: UserValue, batch_size: int) -> tuple[UserValue, UserValue]:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     first = _first_tensor(inputs)
@@ -122,7 +127,7 @@ def _resized(inputs: Any, targets: Any, batch_size: int) -> tuple[Any, Any]:
     old = first.shape[0]
     made: dict[int, torch.Tensor] = {}  # one resized tensor per tensor: labels may be the inputs themselves
 
-    def resize(obj: Any) -> Any:
+    def resize(obj: UserValue) -> UserValue:
         if isinstance(obj, torch.Tensor):
             if obj.dim() and obj.shape[0] == old:
                 if id(obj) not in made:
@@ -138,7 +143,7 @@ def _resized(inputs: Any, targets: Any, batch_size: int) -> tuple[Any, Any]:
     return resize(inputs), resize(targets)
 
 
-def _first_tensor(obj: Any) -> "torch.Tensor | None":
+def _first_tensor(obj: object) -> "torch.Tensor | None":
     if isinstance(obj, torch.Tensor):
         return obj
     values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()

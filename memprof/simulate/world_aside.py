@@ -13,7 +13,7 @@ every group). No collective runs on the user's groups, and none of them is destr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
 __all__ = ["world_aside"]
 
@@ -32,7 +32,7 @@ def world_aside() -> Iterator[None]:
         return
     from torch.distributed import distributed_c10d as c10d
 
-    saved: dict[str, Any] = {name: getattr(c10d, name) for name in (*_STATE, "_world", "_group_count")}
+    saved: dict[str, object] = {name: getattr(c10d, name) for name in (*_STATE, "_world", "_group_count")}
     default = c10d._world.default_pg
     try:
         for name in _STATE:

@@ -142,6 +142,7 @@ VALUES = {
     ("plan", "precision"): ["mixed"],
     ("plan", "parallel"): ["fsdp,zero3"],
     ("plan", "optimizer"): ["sgd"],
+    ("plan", "processes"): ["2"],
 }
 
 #: What an option needs beside it, given to both runs: (form, dest), (command, dest) or dest -> arguments by dest.
@@ -163,6 +164,8 @@ COMPANIONS = {
     ("plan", "parallel"): {"world_size": "2", "parallel": "ddp"},
     ("plan", "layouts"): {"world_size": "2", "layouts": "ddp"},
     ("plan", "html"): {"json": None},  # the text says where the page went
+    # Two groups of rows (two precisions), searched here, then by two processes: the text's notes say which.
+    ("plan", "processes"): {"json": None, "precision": "bf16,fp32", "processes": "1"},
 }
 
 #: Values that must be refused, naming the option (and, for a misspelled name, the accepted spellings).

@@ -95,6 +95,31 @@ def test_deepspeed_buckets_are_not_estimated_rather_than_zero():
     est = _estimate(2, "zero2")
     assert est.peak[C.COMMUNICATION] is None
     assert any("reduce_bucket_size" in n for n in est.notes)
+    # The per-phase statistics say so too: "not measured" is never 0.
+    for st in est.trace.phase_stats:
+        assert st.at("peak", C.COMMUNICATION) is None and st.at("end", C.COMMUNICATION) is None
+
+
+@pytest.mark.parametrize("parallel", ["zero1", "zero2", "zero3", "fsdp", "ddp"])
+def test_a_ranks_phase_statistics_are_its_records(parallel):
+    # LayoutPlan.finish rewrites a rank's records (its optimizer step on the rank's shards, ZeRO-1/2's buckets not
+    # estimated); the per-phase statistics are made from the same records: each series' smallest, (lower) median
+    # and largest over the run's steps of that phase, every step kept here.
+    from memprof.record.stats import STAT_KEYS, Stat
+
+    est = _estimate(4, parallel, steps=3)
+    assert est.trace.phase_stats
+    for st in est.trace.phase_stats:
+        records = [r for r in est.trace.phases if (r.phase, r.occurrence) == (st.phase, st.occurrence)]
+        assert len(records) == st.count  # every step's record kept (a phase such as "other" need not be in each)
+        for moment in ("peak", "end"):
+            for i, key in enumerate(STAT_KEYS):
+                got = [getattr(r, moment).total if key == "total" else getattr(r, moment).counts[i]
+                       for r in records]
+                values = sorted(v for v in got if v is not None)
+                n = len(values)
+                expected = None if None in got else Stat(values[0], values[(n + 1) // 2 - 1], values[-1])
+                assert st.at(moment, key) == expected, (st.phase, moment, key)
 
 
 def test_bad_world_sizes_and_layouts_are_refused():

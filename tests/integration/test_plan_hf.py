@@ -152,8 +152,22 @@ def small_plan(tmp_path_factory):
     # Expandable segments: on a device this small the default allocator's segment sizes (2 and 20 MiB) decide
     # the fit within a sample, and FSDP's gathers can fragment it more than DDP's whole parameters do (7 samples
     # against 8 with this model, checkpointing on); the layouts' own bytes are what the consistency is about.
+    # Two processes, one per layout (the two share no simulation): test_rows_searched_in_processes_are_the_same
+    # holds them to one process's.
     return folder, plan_grid(folder, seq_len=64, gpu=SMALL_GPU, layouts=layouts, precisions=["bf16"],
-                             alloc_conf="expandable_segments:True")
+                             alloc_conf="expandable_segments:True", processes=2)
+
+
+def test_rows_searched_in_processes_are_the_same(small_plan):
+    # Every row the same, field by field (its simulations, its breakdown at the answer, its verification), in the
+    # same order, whether each group of rows ran in a forked process or all in this one.
+    folder, grid = small_plan
+    layouts = [Layout("ddp", {"world_size": 2, "parallel": "ddp"}), Layout("fsdp", {"world_size": 2, "parallel": "fsdp"})]
+    here = plan_grid(folder, seq_len=64, gpu=SMALL_GPU, layouts=layouts, precisions=["bf16"],
+                     alloc_conf="expandable_segments:True", processes=1)
+    assert here.rows == grid.rows
+    assert [(r.layout, r.checkpointing) for r in grid.rows] == [("ddp", False), ("fsdp", False), ("ddp", True),
+                                                               ("fsdp", True)]
 
 
 def test_plan_rows_are_confirmed_and_consistent(small_plan):

@@ -1,0 +1,64 @@
+"""A plan's rows searched in forked processes (memprof.simulate.plan_processes): the groups that share no simulation,
+the rows back in the grid's order, and what a process raised raised here as it was."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from memprof.errors import InvalidArgumentError, MemprofError, UnknownNameError
+from memprof.simulate.layouts import Layout
+from memprof.simulate.plan_processes import groups_of, processes_for, searched
+
+DDP, FSDP = Layout("ddp", family="data-parallel"), Layout("fsdp", family="data-parallel")
+TP = Layout("tp2")  # a family of its own
+CONFIGS = [(ckpt, p, lay) for ckpt in (False, True) for p in ("bf16", "autocast") for lay in (DDP, FSDP, TP)]
+
+
+def test_groups_are_a_precision_and_a_family_each_in_the_grids_order():
+    # 12 rows: 2 precisions x 2 families (data-parallel: ddp and fsdp; tp2 alone), each group's rows in order.
+    assert groups_of(CONFIGS) == [[0, 1, 6, 7], [2, 8], [3, 4, 9, 10], [5, 11]]
+
+
+def _label(config) -> str:
+    ckpt, precision, layout = config
+    return f"{layout.name} {precision}{' ckpt' if ckpt else ''} in {os.getpid()}"
+
+
+def test_rows_come_back_in_the_grids_order_from_forked_processes():
+    rows, n = searched(CONFIGS, lambda configs: [_label(c) for c in configs], processes=2)
+    assert n == 2
+    assert [r.rsplit(" in ", 1)[0] for r in rows] == [_label(c).rsplit(" in ", 1)[0] for c in CONFIGS]
+    pids = {r.rsplit(" in ", 1)[1] for r in rows}
+    assert len(pids) == 2 and str(os.getpid()) not in pids  # two forked processes searched, not this one
+    here, n = searched(CONFIGS, lambda configs: [_label(c) for c in configs], processes=1)
+    assert n == 1
+    assert {r.rsplit(" in ", 1)[1] for r in here} == {str(os.getpid())}
+
+
+def test_what_a_process_raised_is_raised_here():
+    def failing(configs):
+        if any(lay is TP for _c, _p, lay in configs):
+            raise UnknownNameError("no such layout: tp2")
+        return [_label(c) for c in configs]
+
+    with pytest.raises(UnknownNameError, match="no such layout: tp2"):
+        searched(CONFIGS, failing, processes=2)
+
+
+def test_a_process_that_ends_without_an_answer_is_named_with_the_fix():
+    def dying(configs):
+        os._exit(3)
+
+    with pytest.raises(MemprofError, match=r"exit code 3\); pass processes=1"):
+        searched(CONFIGS, dying, processes=2)
+
+
+def test_the_number_of_processes():
+    assert processes_for(8, 3) == 3  # never more than the groups
+    assert processes_for(1, 4) == 1
+    assert 1 <= processes_for(None, 4) <= 4
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(InvalidArgumentError, match="processes must be a positive int"):
+            processes_for(bad, 2)
