@@ -103,9 +103,10 @@ def extrapolated(model: nn.Module, optimizer: Any, k: Any, per_unit: int,
         # (the blocks next to the embeddings or the head behave apart while there are few others: FSDP's
         # prefetching; the backward's first block frees the logits' gradient where the others free the previous
         # block's gathered parameters, and with one other block the tokens' alignment took the wrong one): the two
-        # larger cuts and the next, within the same bound.
-        while (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
-               and units > k + 3):
+        # larger cuts and the next, once (one that needed it settled there; one that does not settle, a pipeline
+        # stage's stream under 1F1B, costs one cut more before the whole model), within the same bound.
+        if (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
+                and units > k + 3):
             ests, k, reason = cut(k, ests)
             stream, missed, reason = _stream(ests, kept, units, k, reason)
     except Exception as exc:

@@ -9,8 +9,9 @@ answers, in the same order.
 The processes are forked from this one, which has built the model and the layouts, so nothing is sent to them;
 what comes back is each group's rows (records) or the exception its search raised, re-raised here as it was. Each
 runs torch on one thread, as torch's DataLoader workers do: GNU OpenMP, which torch's CPU kernels use, is not safe
-to use in a child forked after the parent used it. Where fork is not available (Windows, macOS's default), or one
-process is asked for, every row is searched here.
+to use in a child forked after the parent used it. Off Linux (no fork on Windows; on macOS a forked child of a
+process that loaded the system's frameworks can crash), or where one process is asked for, every row is searched
+here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..errors import InvalidArgumentError, MemprofError, is_interrupt
@@ -45,11 +47,11 @@ def groups_of(configs: Sequence[Config]) -> list[list[int]]:
 
 def processes_for(processes: "int | None", groups: int) -> int:
     """How many processes search ``groups`` groups: ``processes`` (at least 1) or, for None, one per core this
-    process may run on; never more than the groups, and 1 where fork is not available."""
+    process may run on; never more than the groups, and 1 off Linux."""
     if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
         raise InvalidArgumentError(f"processes must be a positive int (or None: one per core), got {processes!r}")
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return 1
+    if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
+        return 1  # macOS offers fork, but a forked child of a process that loaded its system frameworks can crash
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(groups, processes if processes is not None else cores))
 
