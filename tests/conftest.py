@@ -6,8 +6,27 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     # Several workers on the machine's few cores: with torch's default of one intra-op thread per core each,
     # they oversubscribe the cores and spin against each other (the suite ran 16 % longer so). One thread
-    # each. Processes the tests start (gloo ranks, scripts) keep torch's default.
+    # each.
     torch.set_num_threads(1)
+    # The processes the tests start (scripts, CLI runs, gloo ranks) too, unless the user's environment says how
+    # many: with two OpenMP threads on two cores that the workers keep busy, every op of theirs waited on a
+    # thread the scheduler had not run (a 29,184-parameter GPT's step took 0.92 s with two threads, 2 ms with
+    # one: benchmarks/overhead.py --quick ran 35 s instead of a few). The in-process tests already run so.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not os.environ.get("MEMPROF_TEST_PLAN_FORKS"):
+        # A plan's default (processes=None) forks one searching process per core: under two workers that already
+        # keep both cores busy they only add forks and searches each fork redoes without the parent's caches. The
+        # default's rows here are searched in the worker; the tests that pass processes= (test_plan_hf's
+        # small_plan, test_cli_options' --processes, tests/unit/test_plan_processes.py) fork as asked.
+        # MEMPROF_TEST_PLAN_FORKS=1 leaves the default as it is.
+        from memprof.simulate import plan as _plan
+
+        _searched = _plan.searched
+
+        def _searched_here_by_default(configs, search, processes):
+            return _searched(configs, search, 1 if processes is None else processes)
+
+        _plan.searched = _searched_here_by_default
 
 
 @pytest.fixture(autouse=True)

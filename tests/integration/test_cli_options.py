@@ -24,10 +24,13 @@ transformers = pytest.importorskip("transformers")
 
 from memprof import cli  # noqa: E402
 
-# A Mixtral small enough to simulate in well under a second (its routers make --routing observable).
+# A Mixtral small enough to simulate in well under a second (its routers make --routing observable). One block: the
+# walk runs about 150 simulations of it, and a second block doubled their cost without reaching another code path;
+# the one option that needs a repeated stack of blocks (--extrapolate) is probed on the two-block MIXTRAL2.
 MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=16, intermediate_size=32,
-               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
                max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2)
+MIXTRAL2 = {**MIXTRAL, "num_hidden_layers": 2}
 DENSE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=16, intermediate_size=32,
              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
              max_position_embeddings=32)
@@ -47,6 +50,11 @@ MODULE = textwrap.dedent('''
 
     def build(batch_size):
         built = hf.build_model(hf.load_config(CONFIG))
+        return {{"model": built.model, "inputs": hf.token_batch(built, batch_size, 8), "loss_fn": hf.hf_loss}}
+
+
+    def build_two(batch_size):
+        built = hf.build_model(hf.load_config({two!r}))
         return {{"model": built.model, "inputs": hf.token_batch(built, batch_size, 8), "loss_fn": hf.hf_loss}}
 
 
@@ -137,7 +145,7 @@ VALUES = {
     ("plan", "processes"): ["2"],
 }
 
-#: What an option needs beside it, given to both runs: (command, dest) or dest -> arguments by dest.
+#: What an option needs beside it, given to both runs: (form, dest), (command, dest) or dest -> arguments by dest.
 COMPANIONS = {
     "attention": {"device": "cuda"},
     "alloc_conf": {"device": "cuda"},
@@ -147,6 +155,9 @@ COMPANIONS = {
     "rank": {"world_size": "2", "parallelize": "cli_walk_models:shard"},
     "mesh": {"world_size": "2", "parallelize": "cli_walk_models:shard"},
     "train_step": {"loop": None},  # each names the step: --loop and --train-step together are refused
+    # Two blocks to cut (MIXTRAL has one, which --extrapolate refuses): each form's own way to name MIXTRAL2.
+    ("factory", "extrapolate"): {"factory": "cli_walk_models:build_two"},
+    ("hf", "extrapolate"): {"hf": "{mixtral2}"},
     ("plan", "world_size"): {},
     ("plan", "attention"): {},
     ("plan", "alloc_conf"): {},
@@ -202,14 +213,15 @@ def _name(action: argparse.Action) -> str:
 def walk(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("walk")
     folders = {}
-    for name, config in (("mixtral", MIXTRAL), ("dense", DENSE), ("planned", PLANNED),
+    for name, config in (("mixtral", MIXTRAL), ("mixtral2", MIXTRAL2), ("dense", DENSE), ("planned", PLANNED),
                          ("wider", {**PLANNED, "intermediate_size": 512})):
         (tmp / name).mkdir()
         (tmp / name / "config.json").write_text(json.dumps(config))
         folders[name] = str(tmp / name)
     (tmp / "run.toml").write_text('precision = "bf16"\n')
     (tmp / "plan.toml").write_text('[target]\nattention = "math"\n')
-    (tmp / "cli_walk_models.py").write_text(MODULE.format(config=folders["mixtral"], dense=folders["dense"]))
+    (tmp / "cli_walk_models.py").write_text(MODULE.format(config=folders["mixtral"], two=folders["mixtral2"],
+                                                                dense=folders["dense"]))
     mp = pytest.MonkeyPatch()
     mp.chdir(tmp)
     yield Walk({**folders, "tmp": str(tmp)})
@@ -252,7 +264,8 @@ def _probes(form: str, dest: str, action: argparse.Action) -> "list[tuple[dict, 
     """(the baseline's arguments, the probe's) for each value ``dest`` is tried with in ``form``."""
     command, base = FORMS[form]
     # A form that refuses the option is tried with it alone: what it needs beside it may be refused first.
-    needs = {} if dest in REFUSED[form] else COMPANIONS.get((command, dest), COMPANIONS.get(dest, {}))
+    needs = {} if dest in REFUSED[form] else COMPANIONS.get((form, dest), COMPANIONS.get((command, dest),
+                                                                                      COMPANIONS.get(dest, {})))
     given = {**base, **needs}
     if isinstance(action, argparse._StoreTrueAction):
         values: list = [None if given.get(dest) else True]
@@ -313,7 +326,8 @@ INVALID_CASES = [(form, dest, value) for form, (command, _) in FORMS.items() if 
 def test_a_bad_value_is_refused_naming_the_option(walk, form, dest, value):
     command, base = FORMS[form]
     action = _actions(command)[dest]
-    outcome = walk.run(command, {**base, **COMPANIONS.get((command, dest), COMPANIONS.get(dest, {})), dest: value})
+    needs = COMPANIONS.get((form, dest), COMPANIONS.get((command, dest), COMPANIONS.get(dest, {})))
+    outcome = walk.run(command, {**base, **needs, dest: value})
     assert _refused(outcome, action), outcome
 
 
