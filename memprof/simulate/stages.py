@@ -21,7 +21,7 @@ import dataclasses
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from .depth import Kept
     from .estimated import Estimate
     from .parallel import ParallelRun
+    from .pipeline import PipelineStep
 
 __all__ = ["simulate", "target_twin", "profiled_steps", "replayed", "Prepared"]
 
@@ -52,7 +53,7 @@ class Prepared:
 
     twin: Twin
     optimizer: "torch.optim.Optimizer | None"
-    step: Any
+    step: "TrainingStep | UserStep | PipelineStep"
     notes: list[str]
     gpu: "GpuSpec | None"
     layout: "RankLayout | None"
@@ -164,9 +165,10 @@ def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> P
                      f"runs its math path (saves the s x s scores), where a {twin.target.type} device may not")
     scaler = ScalerSteps() if config.precision == "mixed-fp16" else None
     context = check_step_context(w.step_context)
-    step: Any = TrainingStep(twin.model, inputs, targets, w.loss_fn, optimizer, twin.autocast, twin.emulated, scaler,
-                             context, ranks.mesh if ranks is not None else None,
-                             ranks.inside_step if ranks is not None else None)
+    step: "TrainingStep | UserStep | PipelineStep"
+    step = TrainingStep(twin.model, inputs, targets, w.loss_fn, optimizer, twin.autocast, twin.emulated, scaler,
+                        context, ranks.mesh if ranks is not None else None,
+                        ranks.inside_step if ranks is not None else None)
     if w.train_step is not None:  # the user's own step in place of memprof's loop (run.py refuses it with pipeline=)
         step = UserStep(w.train_step, twin.model, optimizer, inputs, targets, twin.autocast, twin.emulated)
     elif ranks is not None and ranks.pipelined:
@@ -215,19 +217,19 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
         if ranks is not None:
             stack.enter_context(ranks.rules())
         step = prepared.step
-        user = isinstance(step, UserStep)
-        if user:  # beneath the profiler, as the value reads it answers are ops a real run's profiler sees
-            stack.enter_context(step.around(prof))
+        user = step if isinstance(step, UserStep) else None
+        if user is not None:  # beneath the profiler, as the value reads it answers are ops a real run's profiler sees
+            stack.enter_context(user.around(prof))
         stack.enter_context(prof)
-        if user:  # after the profiler: its hooks of each model call run inside the autocast region
-            stack.enter_context(step.model_autocast())
+        if user is not None:  # after the profiler: its hooks of each model call run inside the autocast region
+            stack.enter_context(user.model_autocast())
         layout = prepared.layout
         if layout is not None:  # one rank's shards and buffers, played on the run as it goes
             layout.attach(prof)
             stack.callback(layout.detach)
         stack.enter_context(twin.rules())
-        if user:
-            stack.enter_context(step.above())
+        if user is not None:
+            stack.enter_context(user.above())
         for i in range(steps):
             if bar is not None:
                 bar.step(f"step {i + 1} of {steps}")
@@ -239,9 +241,9 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
                 if is_interrupt(exc):
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 raise simulation_error(exc, i) from exc
-        if user:
+        if isinstance(step, UserStep):
             step.release()  # the loop has ended: the step's last result is released (inside the profiled run)
-        else:
+        elif isinstance(step, TrainingStep):
             step.loss = None  # the loop has ended: its last loss is released (inside the profiled run)
 
 
