@@ -30,6 +30,7 @@ from ..anatomy.params import infer_precision
 from ..errors import MemprofError, is_interrupt
 from . import held_signals
 from .failures import simulation_error
+from .meta_kernels import MetaKernelCache
 from .ranks import RankLayout
 from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
@@ -213,6 +214,8 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
         bar = stack.enter_context(Progress(steps, "estimate")) if big else None
         if twin.fake_mode is not None:
             stack.enter_context(twin.fake_mode)
+        else:  # meta tensors: beneath every mode, the kernels' answers kept (memprof.simulate.meta_kernels)
+            stack.enter_context(MetaKernelCache())
         stack.enter_context(twin.op_rules())  # beneath the profiler: it counts what the rules return
         if ranks is not None:
             stack.enter_context(ranks.rules())
