@@ -31,7 +31,7 @@ __all__ = [
     "current_autograd_node", "queue_backward_callback", "NoPythonDispatch", "is_compiling", "FakeTensor",
     "KEEPS_COMPILE", "python_dispatch", "MODE_FLAGS_SAVED", "MODE_FLAGS_CURRENT", "attach_cuda_oom_observer",
     "cuda_memory_snapshot", "SKIPS_DYNAMO", "skip_dynamo", "COMPILER", "cuda_history_enabled", "record_cuda_history",
-    "set_cuda_metadata", "get_cuda_metadata", "in_compiled_autograd",
+    "set_cuda_metadata", "get_cuda_metadata", "in_compiled_autograd", "UnwrappedMode",
 ]
 
 # -- autograd's engine ------------------------------------------------------------------------------------
@@ -153,6 +153,23 @@ def skip_dynamo(code: CodeType) -> None:
     frame and recursively). It needs no import of ``torch._dynamo``. Nothing where torch lacks it."""
     if _skip_code is not None:
         _skip_code(code)
+
+
+class UnwrappedMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
+    """A dispatch mode whose handler dynamo skips by a flag on its code (:func:`skip_dynamo`) rather than by the
+    wrapper torch puts around every subclass's handler (``TorchDispatchMode.__init_subclass__``: four Python frames
+    per op per mode, as many as a short handler's own), where torch offers the flag; wrapped as torch wraps it
+    elsewhere. For the simulation's modes, each of which sees every simulated op."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return not SKIPS_DYNAMO
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
+        handler = cls.__dict__.get("__torch_dispatch__")
+        if SKIPS_DYNAMO and handler is not None and not isinstance(handler, classmethod):
+            skip_dynamo(handler.__code__)
 
 
 def in_compiled_autograd() -> bool:

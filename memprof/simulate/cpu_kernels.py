@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..collect.torch_compat import UnwrappedMode
 
 if TYPE_CHECKING:
     from .aliases import OpValue
@@ -229,7 +230,7 @@ MIXED_OPINFOS = ("nn.functional.batch_norm", "nn.functional.group_norm", "nn.fun
                  "nn.functional.mse_loss", "nn.functional.soft_margin_loss", "nn.functional.huber_loss")
 
 
-class CpuKernels(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
+class CpuKernels(UnwrappedMode):
     """Give the outputs of the ops in :data:`RULES` the storage a CPU kernel gives them. Entered beneath
     memprof's profiler (so the profiler counts the corrected storage) and above the fake-tensor mode;
     :attr:`used` counts the ops it corrected, :attr:`bytes` the bytes it added (or took off) for each."""

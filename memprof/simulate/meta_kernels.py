@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..collect.torch_compat import UnwrappedMode
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -50,7 +51,7 @@ _ANSWERS: "dict[tuple[object, ...], _Answer]" = {}
 _KINDS: "dict[OpOverload, str]" = {}
 
 
-class MetaKernelCache(TorchDispatchMode):
+class MetaKernelCache(UnwrappedMode):
     """Beneath every other mode of a simulation on meta tensors: each op the module docstring names, asked
     again with the same metadata, is answered with new tensors of the metadata its kernel gave."""
 

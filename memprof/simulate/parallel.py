@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, cast
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..collect.torch_compat import UnwrappedMode
 
 from ..errors import InvalidArgumentError, MemprofError, is_interrupt
 from ..vocabulary import Category, Phase
@@ -88,7 +89,7 @@ def check_mesh(mesh: "MeshSizes | None", world_size: int) -> "tuple[tuple[int, .
     return tuple(int(s) for s in sizes), names
 
 
-class WaitIdentity(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
+class WaitIdentity(UnwrappedMode):
     """``_c10d_functional.wait_tensor`` returns its input, as in eager (its meta kernel allocates a copy)."""
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: "tuple[OpValue, ...]" = (),

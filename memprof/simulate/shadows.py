@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Callable, Protocol, TypeGuard
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..collect.torch_compat import UnwrappedMode
 
 from ..errors import is_interrupt
 from .experts import EXCHANGE_OPS
@@ -174,7 +175,7 @@ def _written(func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpVa
     return out
 
 
-class ValueShadows(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
+class ValueShadows(UnwrappedMode):
     """The dispatch mode of a simulation: the target's ``_grouped_mm`` (:mod:`memprof.simulate.grouped_mm`),
     and value shadows (the module's docstring). ``target`` is the device type the figures are for."""
 

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..collect.torch_compat import UnwrappedMode
 
 from ..errors import InvalidArgumentError, is_interrupt
 
@@ -62,7 +63,7 @@ def _name(fn: object) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-class LoopValues(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
+class LoopValues(UnwrappedMode):
     """Answers the values a training step reads from shape-only tensors outside the model's forward: 0 (``0.0``,
     ``0``, ``False``), counted by call site for the notes. Entered beneath the collector, so that the collector sees
     the read as in a real run. ``in_forward`` says whether the model's forward runs now (a read there is the
@@ -104,7 +105,7 @@ class LoopValues(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's
                 "of 0 takes every optimizer step, the most memory); what it logged is not the real value"]
 
 
-class DeviceQueries(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
+class DeviceQueries(UnwrappedMode):
     """Above the collector: a fake tensor's ``device`` asked from C++ (indexing it, ``x.to(...)`` in the step's own
     code) is the op ``prim.device``, which the real tensor answers without an op. Answered here, it never reaches
     the collector, whose op count would otherwise make an "other" phase of a step's code that touches no memory,
