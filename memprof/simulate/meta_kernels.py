@@ -3,9 +3,10 @@
 A simulation for a GPU target runs on meta tensors, whose kernels compute only the outputs' sizes, strides and
 dtypes; many of them are torch's Python references (``torch/_refs``: broadcasting and type promotion for every
 ``mul``, ``add``, ``pow``), about 250 us a call on this machine, a third of a Llama step's simulation. Their answer
-depends on nothing but the op and its arguments' metadata, and a step, its cuts and a plan's batches ask the same
-questions again and again. :class:`MetaKernelCache`, a dispatch mode beneath every other mode of the simulation,
-answers a question it has seen with new tensors of the metadata the kernel gave, without running it.
+depends on nothing but the op, its arguments' metadata and the process's default dtype (an integer tensor promoted
+to a float), and a step, its cuts and a plan's batches ask the same questions again and again.
+:class:`MetaKernelCache`, a dispatch mode beneath every other mode of the simulation, answers a question it has
+seen with new tensors of the metadata the kernel gave, without running it.
 
 Which ops it answers is read from the op's schema, once per op: one that returns new tensors only (no view, no
 ``out=``), or one that writes into ``self`` alone and returns it (``mul_``, ``addcdiv_``: on meta tensors the kernel
@@ -107,8 +108,11 @@ def _kind(func: "OpOverload") -> str:
 
 def _key(func: "OpOverload", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]"
          ) -> "tuple[object, ...] | None":
-    """The call's key: the op and its arguments' metadata; None where an argument is not described exactly."""
-    parts: "list[object]" = [func]
+    """The call's key: the op, the process's default dtype and its arguments' metadata; None where an argument is
+    not described exactly."""
+    # The default dtype too: a kernel promoting an integer tensor to a float (``i / i``, ``i * 0.5``, ``sigmoid``)
+    # gives the default dtype, which ``torch.set_default_dtype`` may change between two calls.
+    parts: "list[object]" = [func, torch.get_default_dtype()]
     if not _described(args, parts):
         return None
     if kwargs:
@@ -140,12 +144,12 @@ def _described(values: "tuple[OpValue, ...] | list[OpValue]", parts: "list[objec
 def _answer(kind: str, out: "OpValue", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
             key: "tuple[object, ...]") -> _Answer:
     """What to keep of the kernel's ``out``: the outputs' metadata where new tensors reproduce it; _SELF for an
-    in-place op that returned its ``self`` unchanged (its metadata as ``key`` holds it); _UNKEPT otherwise."""
+    in-place op that returned its ``self`` unchanged (its metadata as ``key[2]`` holds it); _UNKEPT otherwise."""
     if kind is _INPLACE:
         if not args:
             return _UNKEPT  # self given by name: no key holds it first
         self = args[0]
-        unchanged = out is self and key[1] == (self.dtype, tuple(self.shape), self.stride(), self.storage_offset())
+        unchanged = out is self and key[2] == (self.dtype, tuple(self.shape), self.stride(), self.storage_offset())
         return _SELF if unchanged else _UNKEPT
     many = type(out) is tuple
     outs = list(out) if many else [out]

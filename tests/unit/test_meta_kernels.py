@@ -131,3 +131,25 @@ def test_an_answer_new_tensors_cannot_reproduce_runs_its_kernel_every_time():
     # 4 B x (6 + 2) = 32 B of storage, the output at offset 2, both times.
     assert _meta(first) == _meta(second) == ((6,), (1,), torch.float32, 2, 32)
     assert calls[str(op)] == 2
+
+
+@pytest.mark.parametrize("op", [
+    lambda i: i / i,  # true division of integers: the default dtype
+    lambda i: i * 0.5,  # an integer tensor and a float: the default dtype
+    lambda i: torch.sigmoid(i),  # a float function of an integer tensor: the default dtype
+])
+def test_the_key_holds_the_default_dtype_that_promotes_integers(op):
+    # A kernel with a tensor argument may still read the process's default dtype (an integer tensor promoted to a
+    # float): an answer kept under float32 must not be given once the default is float64.
+    i = torch.empty(4, dtype=torch.int64, device="meta")
+    before = torch.get_default_dtype()
+    try:
+        with MetaKernelCache():
+            as_f32 = op(i)
+            torch.set_default_dtype(torch.float64)
+            as_f64 = op(i)
+    finally:
+        torch.set_default_dtype(before)
+    # 4 elements x 4 B under float32, x 8 B under float64.
+    assert (as_f32.dtype, as_f32.untyped_storage().nbytes()) == (torch.float32, 16)
+    assert (as_f64.dtype, as_f64.untyped_storage().nbytes()) == (torch.float64, 32)
