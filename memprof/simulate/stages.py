@@ -29,6 +29,7 @@ from torch import nn
 from ..anatomy.params import infer_precision
 from ..errors import MemprofError, is_interrupt
 from . import held_signals
+from .abandoned import finish_abandoned
 from .failures import simulation_error
 from .meta_kernels import MetaKernelCache
 from .ranks import RankLayout
@@ -38,6 +39,8 @@ from .twin import Twin, casting, converted, meta_optimizer
 from .user_step import UserStep
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from ..anatomy.gpus import GpuSpec
     from ..collect.simulated import RecordedStream, SimulatedProfile
     from .depth import Kept
@@ -310,8 +313,11 @@ def _loop_notes(config: "RunConfig[Workload]", prepared: Prepared) -> list[str]:
 class NothingLeftBehind:
     """Around one simulated rank: whatever ends it (a failure, the user's Ctrl-C landing between a mode's entry and
     the registration of its exit, where Python's ``with`` cannot cover it), the thread's dispatch and function
-    mode stacks are as they were, and torch's thread-local switch for fake kernels too. An interrupted
-    simulation must not leave a fake-tensor mode on, under which the user's later code would run."""
+    mode stacks are as they were, and torch's thread-local dispatch keys (the fake kernels' switch among them) too.
+    An interrupted simulation must not leave a fake-tensor mode on, under which the user's later code would run,
+    nor autograd excluded: a context manager of torch's that the interrupt abandoned is finished first
+    (:mod:`memprof.simulate.abandoned`), since finished later, when the traceback dies, it put back a dispatch key
+    set from inside an op's dispatch."""
 
     def __enter__(self) -> "NothingLeftBehind":
         self.depths = (torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack())
@@ -319,14 +325,26 @@ class NothingLeftBehind:
         # An interrupt inside a no_grad region's exit (the optimizer's step) leaves grad mode off.
         self.grad = torch.is_grad_enabled()
         self.signals = held_signals.entered()
+        # The thread's included and excluded dispatch keys, put back whole at the exit (an uninterrupted simulation
+        # leaves them as they were, so this changes nothing then).
+        self.keys = torch._C._PreserveDispatchKeyGuard()
+        self.keys.__enter__()  # type: ignore[no-untyped-call]  # torch._C declares it untyped
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, exc: object, tb: "TracebackType | None") -> None:
+        try:
+            if tb is not None:
+                finish_abandoned(tb)
+        finally:
+            self._put_back()
+
+    def _put_back(self) -> None:
         dispatch, function = self.depths
         while torch._C._len_torch_function_stack() > function:
             torch._C._pop_torch_function_stack()
         while torch._C._len_torch_dispatch_stack() > dispatch:
             torch._C._pop_torch_dispatch_stack(None)
+        self.keys.__exit__(None, None, None)
         torch._C._set_meta_in_tls_dispatch_include(self.meta_tls)
         torch.set_grad_enabled(self.grad)
         held_signals.leave_to(self.signals)  # the user's signal handlers, as they were
