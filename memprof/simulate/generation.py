@@ -32,7 +32,6 @@ from .choosing import Beams, Greedy, Sampling
 from .decoding import Decoding, decoder_start
 from .estimate import Estimate
 from .failures import simulation_error as _simulation_error
-from .meta_kernels import MetaKernelCache
 from .run import Generation, GenerationOptions, RunConfig
 from .stages import NothingLeftBehind
 from .twin import Twin as _Target
@@ -128,10 +127,7 @@ def _decoded(prepared: _Prepared) -> "SimulatedProfile":
     where = "prefill"
     try:
         with contextlib.ExitStack() as stack:
-            if setup.fake_mode is not None:
-                stack.enter_context(setup.fake_mode)
-            else:  # meta tensors: beneath every mode, the kernels' answers kept (memprof.simulate.meta_kernels)
-                stack.enter_context(MetaKernelCache())
+            stack.enter_context(setup.beneath())
             stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
             stack.enter_context(prof)
             stack.enter_context(setup.rules())

@@ -31,7 +31,6 @@ from ..errors import MemprofError, is_interrupt
 from . import held_signals
 from .abandoned import finish_abandoned
 from .failures import simulation_error
-from .meta_kernels import MetaKernelCache
 from .ranks import RankLayout
 from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
@@ -215,10 +214,7 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
     twin = prepared.twin
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(Progress(steps, "estimate")) if big else None
-        if twin.fake_mode is not None:
-            stack.enter_context(twin.fake_mode)
-        else:  # meta tensors: beneath every mode, the kernels' answers kept (memprof.simulate.meta_kernels)
-            stack.enter_context(MetaKernelCache())
+        stack.enter_context(twin.beneath())
         stack.enter_context(twin.op_rules())  # beneath the profiler: it counts what the rules return
         if ranks is not None:
             stack.enter_context(ranks.rules())
@@ -321,12 +317,12 @@ class NothingLeftBehind:
 
     def __enter__(self) -> "NothingLeftBehind":
         self.depths = (torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack())
-        self.meta_tls = torch._C._meta_in_tls_dispatch_include()
         # An interrupt inside a no_grad region's exit (the optimizer's step) leaves grad mode off.
         self.grad = torch.is_grad_enabled()
         self.signals = held_signals.entered()
-        # The thread's included and excluded dispatch keys, put back whole at the exit (an uninterrupted simulation
-        # leaves them as they were, so this changes nothing then).
+        # The thread's included and excluded dispatch keys, put back whole at the exit (the fake kernels' switch,
+        # Meta in the included set, among them; an uninterrupted simulation leaves them as they were, so this
+        # changes nothing then).
         self.keys = torch._C._PreserveDispatchKeyGuard()
         self.keys.__enter__()  # type: ignore[no-untyped-call]  # torch._C declares it untyped
         return self
@@ -345,6 +341,5 @@ class NothingLeftBehind:
         while torch._C._len_torch_dispatch_stack() > dispatch:
             torch._C._pop_torch_dispatch_stack(None)
         self.keys.__exit__(None, None, None)
-        torch._C._set_meta_in_tls_dispatch_include(self.meta_tls)
         torch.set_grad_enabled(self.grad)
         held_signals.leave_to(self.signals)  # the user's signal handlers, as they were

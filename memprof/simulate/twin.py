@@ -25,6 +25,8 @@ from .modes import Rules
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..anatomy.gpus import GpuSpec
@@ -231,6 +233,15 @@ class Twin:
         from .moe import MoeRules
 
         self.moe = MoeRules(target.type, routing)
+
+    def beneath(self) -> "TorchDispatchMode":
+        """The dispatch mode to enter beneath every other of a simulated run: the fake-tensor mode, or on meta
+        tensors the meta kernels' answers kept (:mod:`memprof.simulate.meta_kernels`)."""
+        if self.fake_mode is not None:
+            return self.fake_mode
+        from .meta_kernels import MetaKernelCache
+
+        return MetaKernelCache()
 
     def op_rules(self) -> _entered:
         """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels` on a CPU target, value shadows and
