@@ -18,7 +18,6 @@ import weakref
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import is_interrupt
 from ..vocabulary import Phase
@@ -27,7 +26,7 @@ from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, inner_ten
 from .moves import move, set_tag
 from .mode_stack import pop_from_beneath, push_beneath
 from .torch_compat import FakeTensor as _FakeTensor
-from .torch_compat import KEEPS_COMPILE, SKIPS_DYNAMO, dispatch_mode_at, dispatch_stack_len as _dispatch_stack_len
+from .torch_compat import KEEPS_COMPILE, UnwrappedMode, dispatch_mode_at, dispatch_stack_len as _dispatch_stack_len
 from .torch_compat import skip_dynamo
 from .torch_compat import graph_task_id as _graph_task_id, top_saved_hooks as _top_saved_hooks
 
@@ -54,7 +53,7 @@ def _nothing() -> None:
     pass
 
 
-class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is untyped
+class DispatchMode(UnwrappedMode):
     """Registers what every op makes; passes ops through once the profile has ended.
 
     Its handler is the one Python frame exact mode adds per op in the common case (a plain tensor made by an
@@ -77,14 +76,6 @@ class DispatchMode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch
         # frames while a mode without this flag is on the stack). With it, compiled code stays
         # compiled and this mode sees the ops the compiled artifact dispatches at run time.
         return True
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's handler in torch._disable_dynamo (TorchDispatchMode.__init_subclass__,
-        # torch/utils/_python_dispatch.py) so that dynamo never traces into it: four Python frames per op,
-        # as many as the rest of this handler. The handler's code object is marked skipped for dynamo
-        # instead (torch_compat.skip_dynamo: a flag the C frame evaluator reads, no call), where torch offers it.
-        return not SKIPS_DYNAMO
 
     # TorchDispatchMode leaves these untyped: torch passes an OpOverload, the types of the tensors among the
     # arguments, and the op's own arguments, which this handler passes on.
