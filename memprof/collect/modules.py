@@ -44,6 +44,7 @@ from .torch_compat import is_dynamo_compiling as _dynamo_compiling
 from .torch_compat import top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
+    from .engine_watch import EngineWatch
     from .aliases import Args, Kwargs
     from .capture import Capture
     from .dispatch import StorageTracker
@@ -102,6 +103,9 @@ class ModuleTracker:
         self.stack = stack
         self.at_forward: "Callable[[], bool] | None" = None
         self.calls = 0  # module forward calls seen
+        #: Light mode's hooks on its forward outputs' autograd nodes (engine_watch's docstring says why); None
+        #: in exact mode.
+        self.engine_watch: "EngineWatch | None" = None
         self.marks: list[tuple[int, int, int]] = []  # per open call: module, calls and unseen saves at entry
 
     # -- the hooks -----------------------------------------------------------------------------
@@ -408,6 +412,9 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PostHook"
             kv.layer_done(args, kwargs)
         if not calls:
             table.unseen_saves.clear()
+            watch = tracker.engine_watch  # light mode: its queued gradients need a hook inside each backward
+            if watch is not None and run.phase is _FORWARD and _grad_enabled():
+                watch.hook_output(output)
             if is_root:
                 kv.after_call(args, kwargs, output)  # and a prefill's or a decode's phase ends with its call
         if tracker.capture.on:

@@ -1,0 +1,79 @@
+"""Light mode's one hook inside each backward that its queued gradients need.
+
+Light mode's gradient hook is the ledger queue's own ``append`` (:attr:`memprof.collect.params.ParamTracker.hook`):
+autograd queues each parameter whose gradient it stored, and the next ``Ledger.settle`` hands it to
+``ParamTracker.grad_hook``. The backward phase must still begin and end inside autograd's engine, where a
+gradient hook called by autograd began it (``PhaseTracker.backward_started`` queues the engine callback that
+ends it). Usually backward's first unpack of a tensor memprof packed does that, and settles the gradients
+queued before it, each at its own place. A backward may unpack nothing of memprof's, or only after gradients
+arrived (``x + bias`` saves nothing): so each outermost forward call hooks the autograd node of its output,
+and when the engine reaches it, an engine callback settles the queue at backward's end if no unpack did; a
+gradient queued first then starts the backward at its own place, still inside the engine, and ends it there.
+
+The node hooks go on :attr:`memprof.collect.frames.Frames.node_hooks`: removed at the step's end and with
+the profile.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import is_interrupt
+from ..vocabulary import Phase
+from .module_table import tensors_in_args
+from .torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from .ledger import Ledger
+    from .phases import PhaseTracker
+    from .state import Run
+
+__all__ = ["EngineWatch"]
+
+_PLAIN = torch.Tensor
+
+
+class EngineWatch:
+    """Hooks the autograd nodes of light mode's forward outputs so that every backward runs memprof's code
+    inside the engine (see the module's docstring)."""
+
+    def __init__(self, ledger: "Ledger", run: "Run", phases: "PhaseTracker",
+                 node_hooks: "list[RemovableHandle]") -> None:
+        self.ledger = ledger
+        self.run = run
+        self.phases = phases
+        self.node_hooks = node_hooks
+        self.queued_task = -1  # the graph task whose end is already watched
+
+    def hook_output(self, output: object) -> None:
+        """An outermost forward call returned ``output`` (grad mode on): hook its tensors' autograd nodes."""
+        try:
+            for t in (output,) if type(output) is _PLAIN else tensors_in_args((output,), None):
+                node = t.grad_fn
+                if node is not None:
+                    self.node_hooks.append(node.register_prehook(self.entered))
+        except Exception as exc:  # an output that cannot be read or hooked: the unpacks still begin backward
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
+
+    def entered(self, _grad_outputs: object) -> None:
+        """The engine reached a forward's output: watch this backward's end (once per graph task)."""
+        run = self.run
+        if not run.active or run.phase is Phase.BACKWARD:
+            return
+        task = _graph_task_id()
+        if task == -1 or task == self.queued_task:
+            return
+        self.queued_task = task
+        queue_backward_callback(self.left)
+
+    def left(self) -> None:
+        """The engine's end, before memprof's end-of-backward callback: if no unpack began the backward, the
+        gradients queued in it do, each at its own place (the backward's end callback is queued from here)."""
+        run = self.run
+        if run.active and run.phase is not Phase.BACKWARD and self.ledger.released:
+            self.ledger.settle()
