@@ -50,7 +50,10 @@ class EngineWatch:
         self.queued_task = -1  # the graph task whose end is already watched
 
     def hook_output(self, output: object) -> None:
-        """An outermost forward call returned ``output`` (grad mode on): hook its tensors' autograd nodes."""
+        """An outermost call of the model returned ``output``: in a forward with grad mode on, hook its tensors'
+        autograd nodes."""
+        if self.run.phase is not Phase.FORWARD or not torch.is_grad_enabled():
+            return  # a checkpointed region recomputed in backward, an evaluation: no backward of it to watch
         try:
             for t in (output,) if type(output) is _PLAIN else tensors_in_args((output,), None):
                 node = t.grad_fn

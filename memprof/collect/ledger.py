@@ -257,13 +257,8 @@ class Ledger:
         # slots let go), in the order it happened. queue_release is every weak reference's callback.
         self.released: "deque[Entry | Release | torch.Tensor]" = deque()
         self.queue_release = self.released.append
-        # Light mode registers queue_release itself as every parameter's post-accumulate-grad hook: autograd
-        # appends the parameter (a tensor, neither an Entry nor a Release) in order among the releases, with no
-        # Python frame, and settle() hands it to grad_arrived at its place in the queue.
-        self.grad_arrived: "Callable[[torch.Tensor], None] | None" = None
-        # settle() is running: a settle() called from within an event's own handling (a gradient that starts
-        # the backward phase, a Release's ``then``) is a no-op, as everything queued before that event is applied.
-        self.settling = False
+        self.grad_arrived: "Callable[[torch.Tensor], None] | None" = None  # takes parameters queued (light mode)
+        self.settling = False  # settle() runs: a call from within an event's handling is a no-op (see there)
         # The Release references not yet queued: held here so that they are reachable when what they refer
         # to dies in a reference cycle (the collector calls back only weak references that are reachable).
         self.watched: "set[Release]" = set()
@@ -374,21 +369,20 @@ class Ledger:
         return ref
 
     def settle(self) -> None:
-        """Apply what torch released since the last call, in the order it released it (see the module's
-        docstring). Callers on hot paths test ``released`` first. A storage freed leaves the totals; a saved
-        slot released gives its storage back to temporaries when it was the last (whoever still holds the
-        storage holds an ordinary tensor). Both are written out here: one frame per batch, not per event.
-
-        A signal's handler runs where a call returns, at a loop's end or a function's start. So each event is
-        applied with no call between its first change and its last, and leaves the queue only once applied: an
-        exception a handler raises here (it reaches the user, who may catch it and train on) leaves every event
-        applied whole or not at all, and the next settling finishes the queue."""
+        """Apply what torch released since the last call, in order (see the module's docstring); hot paths test
+        ``released`` first. A freed storage leaves the totals; a saved slot released gives its storage back to
+        temporaries when it was the last; a queued parameter's gradient goes to ``grad_arrived``. Written out:
+        one frame per batch. A signal's handler runs where a call returns, so each event is applied with no call
+        between its first change and its last and leaves the queue only once applied: an exception a handler
+        raises here (the user may catch it and train on) leaves every event applied whole or not at all, and the
+        next settling finishes the queue. A call from within an event's handling (a queued gradient beginning
+        the backward phase) returns at once: the queue before that event is applied, the rest comes after."""
         released = self.released
         if self.closed:
             released.clear()
             return
         if self.settling:
-            return  # from within an event's handling: the queue before it is applied, the rest comes after it
+            return
         self.settling = True
         try:  # the loop is written here, not in a helper: one frame per batch
             entries, totals, tag_act = self.entries, self.totals, self.tag_act
@@ -435,12 +429,8 @@ class Ledger:
                                     tag_act[entry.tag] -= entry.tag_bytes
                                 if entry.where >= 0:
                                     tag_act[entry.where] -= entry.where_bytes
-                else:
-                    # A parameter autograd accumulated a gradient into (light mode's post-accumulate-grad hook is
-                    # this queue's append): the gradient enters the ledger here, in order among the releases.
-                    arrived = self.grad_arrived
-                    if arrived is not None:
-                        arrived(ref)  # type: ignore[arg-type]
+                elif self.grad_arrived is not None:  # a parameter with a new gradient (light mode's gradient hook)
+                    self.grad_arrived(ref)  # type: ignore[arg-type]
                 released.popleft()
         finally:
             self.settling = False

@@ -364,8 +364,7 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PreHook":
 def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PostHook":
     run, table, led, saved = tracker.run, tracker.table, tracker.ledger, tracker.saved
     calls, marks, stack, frames, timeline = run.calls, tracker.marks, led.frames, tracker.frames, tracker.timeline
-    scoped, kv, info = saved.scoped, tracker.kv, table.info[index]
-    path = info.path or "<model>"
+    scoped, kv, info, path = saved.scoped, tracker.kv, table.info[index], table.info[index].path or "<model>"
     enter_hook = frames.enter_hook(index) if run.backward_frames else None  # made once: exact mode uses it
     def post_hook(module: nn.Module, args: "Args", kwargs: "Kwargs", output: object) -> None:
         if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag or (  # is_compiling(), one frame
@@ -390,8 +389,7 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PostHook"
                     if high > parent.max:
                         parent.max = high
                 else:
-                    led.top = None
-                    led.module_of_new = -1
+                    led.top, led.module_of_new = None, -1
                 if run.mode == EXACT:  # op-level memory is not seen in light mode
                     entry, total = frame.entry, led.total
                     rise = high - entry  # what the call added at its worst
@@ -412,9 +410,8 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PostHook"
             kv.layer_done(args, kwargs)
         if not calls:
             table.unseen_saves.clear()
-            watch = tracker.engine_watch  # light mode: its queued gradients need a hook inside each backward
-            if watch is not None and run.phase is _FORWARD and _grad_enabled():
-                watch.hook_output(output)
+            if tracker.engine_watch is not None:  # light mode: its queued gradients need a hook in each backward
+                tracker.engine_watch.hook_output(output)
             if is_root:
                 kv.after_call(args, kwargs, output)  # and a prefill's or a decode's phase ends with its call
         if tracker.capture.on:
