@@ -23,7 +23,7 @@ import torch
 from ..errors import is_interrupt
 from ..vocabulary import Phase
 from .module_table import tensors_in_args
-from .torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
+from .torch_compat import graph_task_id as _graph_task_id, is_compiling as _is_compiling, queue_backward_callback
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -66,8 +66,8 @@ class EngineWatch:
     def entered(self, _grad_outputs: object) -> None:
         """The engine reached a forward's output: watch this backward's end (once per graph task)."""
         run = self.run
-        if not run.active or run.phase is Phase.BACKWARD:
-            return
+        if not run.active or run.phase is Phase.BACKWARD or _is_compiling():
+            return  # (compiled autograd traces node hooks into its graph, where memprof's code must not enter)
         task = _graph_task_id()
         if task == -1 or task == self.queued_task:
             return
