@@ -11,11 +11,14 @@ and when the engine reaches it, an engine callback settles the queue at backward
 gradient queued first then starts the backward at its own place, still inside the engine, and ends it there.
 
 The node hooks go on :attr:`memprof.collect.frames.Frames.node_hooks`: removed at the step's end and with
-the profile.
+the profile. At each forward's end it also checks that no hook was registered after memprof's queued one on a
+parameter (:meth:`EngineWatch.check_hook_order`): such a hook runs before the queue is settled.
 """
 
 from __future__ import annotations
 
+import operator
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,12 +32,16 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
     from .ledger import Ledger
+    from .params import ParamTracker
     from .phases import PhaseTracker
     from .state import Run
 
 __all__ = ["EngineWatch"]
 
 _PLAIN = torch.Tensor
+_POST_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+_FIRST = operator.itemgetter(0)
+_DEREF = weakref.ref.__call__
 
 
 class EngineWatch:
@@ -42,8 +49,10 @@ class EngineWatch:
     inside the engine (see the module's docstring)."""
 
     def __init__(self, ledger: "Ledger", run: "Run", phases: "PhaseTracker",
-                 node_hooks: "list[RemovableHandle]") -> None:
+                 node_hooks: "list[RemovableHandle]", params: "ParamTracker") -> None:
         self.ledger = ledger
+        self.params = params
+        self.queued_hooks = -1  # the post-accumulate-grad hooks on params.queued's parameters when last counted
         self.run = run
         self.phases = phases
         self.node_hooks = node_hooks
@@ -54,6 +63,7 @@ class EngineWatch:
         autograd nodes."""
         if self.run.phase is not Phase.FORWARD or not torch.is_grad_enabled():
             return  # a checkpointed region recomputed in backward, an evaluation: no backward of it to watch
+        self.check_hook_order()
         try:
             for t in (output,) if type(output) is _PLAIN else tensors_in_args((output,), None):
                 node = t.grad_fn
@@ -62,6 +72,26 @@ class EngineWatch:
         except Exception as exc:  # an output that cannot be read or hooked: the unpacks still begin backward
             if is_interrupt(exc):
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
+
+    def check_hook_order(self) -> None:
+        """A parameter on which a hook was registered after memprof's queued one (an optimizer stepped in
+        backward that sets ``.grad`` to None) gets grad_hook itself, called by autograd at the same place among
+        its hooks, in place of the queue's append: the later hook may change ``.grad`` before the queue is
+        settled. Counted without a Python frame; looked at only when the count of those hooks changed."""
+        queued = self.params.queued
+        try:
+            total = sum(map(len, map(_POST_HOOKS, map(_DEREF, map(_FIRST, queued)))))
+        except (AttributeError, TypeError):  # a parameter gone, or its hooks cleared
+            total = -2
+        if total == self.queued_hooks:
+            return
+        self.queued_hooks = total
+        mine, direct = self.ledger.queue_release, self.params.grad_hook
+        for ref, handle in queued:
+            p = ref()
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None) if p is not None else None
+            if hooks and hooks.get(handle.id) is mine and next(reversed(hooks)) != handle.id:
+                hooks[handle.id] = direct  # memprof's own entry, replaced where it is: the order stays
 
     def entered(self, _grad_outputs: object) -> None:
         """The engine reached a forward's output: watch this backward's end (once per graph task)."""

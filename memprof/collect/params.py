@@ -28,6 +28,8 @@ from .ledger import plain_storage_keys, storage_of
 from .torch_compat import COMPILER as _COMPILER, in_compiled_autograd, is_dynamo_compiling as _dynamo_compiling
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from .dispatch import StorageTracker
     from .ledger import Ledger
     from .phases import PhaseTracker
@@ -70,14 +72,13 @@ class ParamTracker:
         self.changed = False  # a module of the model registered a parameter or submodule since the last sync
         self.invisible_forwards = 0  # gradients of the model from forwards no module hook saw
         self.compiled_backwards = 0  # backwards compiled autograd ran: their gradients no gradient hook announced
-        # The post-accumulate-grad hook. Light mode's is the ledger queue's own append (a C function: no hook
-        # visit of memprof's per parameter and backward): the parameter waits in the queue, in order among the
-        # releases, and the next settle() hands it to grad_hook, which then sees the ledger as it was when autograd
-        # stored the gradient. Exact mode keeps grad_hook itself (its backward has a handler call per op anyway).
+        # The post-accumulate-grad hook. Light mode's is the ledger queue's own C append (no hook visit per
+        # parameter and backward): settle() hands the parameter to grad_hook at its place among the releases, the
+        # ledger as it was when autograd stored the gradient (engine_watch.py). Exact mode's is grad_hook itself.
         self.hook: "Callable[[torch.Tensor], None]" = self.grad_hook
         if run.mode != EXACT:
-            self.hook = ledger.queue_release
-            ledger.grad_arrived = self.grad_hook
+            self.hook, ledger.grad_arrived = ledger.queue_release, self.grad_hook
+        self.queued: "list[tuple[weakref.ref[nn.Parameter], RemovableHandle]]" = []  # light mode's hooks
 
     def live(self) -> list[nn.Parameter]:
         return [p for p in (r() for r in self.refs) if p is not None]
@@ -103,7 +104,10 @@ class ParamTracker:
         self.storage_keys.append(self.weigh(p))
         if p.requires_grad:
             # torch's Tensor.register_post_accumulate_grad_hook is untyped.
-            self.stack.callback(p.register_post_accumulate_grad_hook(self.hook).remove)  # type: ignore[no-untyped-call]
+            handle = p.register_post_accumulate_grad_hook(self.hook)  # type: ignore[no-untyped-call]
+            self.stack.callback(handle.remove)
+            if self.hook is self.ledger.queue_release:
+                self.queued.append((ref, handle))
 
     def weigh(self, p: torch.Tensor) -> "int | None":
         """``p``'s storage is a weight from now on (also at the peaks of this phase, if it was made in it); its

@@ -227,7 +227,7 @@ def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "R
     phases.on_backward_end.append(params.walk_grads)
     phases.on_backward_start.append(params.backward_began)
     if ledger.grad_arrived is not None:  # light mode's gradients are queued: a hook inside each backward
-        modules.engine_watch = EngineWatch(ledger, run, phases, frames.node_hooks)
+        modules.engine_watch = EngineWatch(ledger, run, phases, frames.node_hooks, params)
     return Collectors(run=run, ledger=ledger, probe=probe, stack=stack, timeline=timeline, storages=storages,
                       phases=phases, params=params, optimizers=opts, table=table, capture=capture, frames=frames,
                       saved=saved, graph=graph, kv=kv, rank=rank, shards=shards, modules=modules, flat=flat)

@@ -126,3 +126,32 @@ def test_a_paused_schedule_drains_the_queue(monkeypatch):
             opt.step()
             opt.zero_grad()
     assert 0 < most <= n_params
+
+
+def _hooked_in_the_block():
+    # An optimizer stepped in backward, registered inside the block (after memprof's hook): each parameter's own
+    # post-accumulate-grad hook sets its gradient to None once made.
+    model, batch, loss = make("mlp")
+    with memprof.profile(model, mode="light") as prof:
+        handles = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+                   for p in model.parameters()]
+        for _ in range(3):
+            loss(model(batch[0]), batch[1]).backward()
+        for h in handles:
+            h.remove()
+    return prof.trace, model
+
+
+def test_a_hook_registered_after_memprofs_does_not_hide_the_gradient(monkeypatch):
+    # The queue's append runs first, but the parameter is settled only later: by then the user's hook, which torch
+    # runs after memprof's, set .grad to None. memprof's entry becomes grad_hook itself, at the same place, when
+    # the forward ends: the gradient is registered before the user's hook frees it, as with the hook called by
+    # autograd. Each gradient is made and freed in turn; the largest the backward holds at once is the largest
+    # parameter's gradient (the MLP's biggest weight, counted each storage once by unique_bytes).
+    queued, model = _hooked_in_the_block()
+    monkeypatch.setattr(params_module.ParamTracker, "__init__", _hook_called_by_autograd)
+    direct, _ = _hooked_in_the_block()
+    assert queued == direct
+    largest = max(unique_bytes([p]) for p in model.parameters())
+    for rec in (p for p in queued.phases if p.phase.value == "backward"):
+        assert rec.peak[C.GRADIENTS] >= largest > 0

@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # saved tensor 4.66 -> 3.99 in exact mode and 5.00 -> 3.25 in light mode, light mode's step 1,176 -> 940
 # calls above a bare one. Then light mode's gradient hook became the ledger queue's own C append, the gradient
 # settled in the queue's order by the next settling hook, with one node hook per forward output to keep the
-# backward's start and end inside the engine: light mode's step 940 -> 870 calls and 331 -> 281 hook visits.)
+# backward's start and end inside the engine: light mode's step 940 -> 871 calls and 331 -> 281 hook visits.)
 BUDGET = {
     "exact": {"calls_per_op": 4.6, "calls_per_saved_tensor": 4.6, "calls_per_module_call": 17.0},
     "light": {"calls_per_op": 0.95, "calls_per_saved_tensor": 4.2, "calls_per_module_call": 6.4},
