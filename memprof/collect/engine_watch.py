@@ -81,7 +81,9 @@ class EngineWatch:
         queued = self.params.queued
         try:
             total = sum(map(len, map(_POST_HOOKS, map(_DEREF, map(_FIRST, queued)))))
-        except (AttributeError, TypeError):  # a parameter gone, or its hooks cleared
+        except (AttributeError, TypeError) as failure:  # a parameter gone, or its hooks cleared
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             total = -2
         if total == self.queued_hooks:
             return
