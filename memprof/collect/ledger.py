@@ -255,8 +255,10 @@ class Ledger:
         self.entries: dict[int, Entry] = {}
         # What torch released and the ledger has not applied yet (Entry: a storage freed; Release: saved
         # slots let go), in the order it happened. queue_release is every weak reference's callback.
-        self.released: "deque[Entry | Release]" = deque()
+        self.released: "deque[Entry | Release | torch.Tensor]" = deque()
         self.queue_release = self.released.append
+        self.grad_arrived: "Callable[[torch.Tensor], None] | None" = None  # takes parameters queued (light mode)
+        self.settling = False  # settle() runs: a call from within an event's handling is a no-op (see there)
         # The Release references not yet queued: held here so that they are reachable when what they refer
         # to dies in a reference cycle (the collector calls back only weak references that are reachable).
         self.watched: "set[Release]" = set()
@@ -309,7 +311,7 @@ class Ledger:
 
     def add(self, storage: Storage, cat: int) -> Entry:
         """Register a storage (if new) under ``cat``; return its entry."""
-        if self.released:
+        if self.released and not self.settling:  # (settling: called from within settle(), the queue before applied)
             self.settle()  # a storage freed and not yet applied may have had this address
         key = storage._cdata
         entry = self.entries.get(key)
@@ -367,65 +369,71 @@ class Ledger:
         return ref
 
     def settle(self) -> None:
-        """Apply what torch released since the last call, in the order it released it (see the module's
-        docstring). Callers on hot paths test ``released`` first. A storage freed leaves the totals; a saved
-        slot released gives its storage back to temporaries when it was the last (whoever still holds the
-        storage holds an ordinary tensor). Both are written out here: one frame per batch, not per event.
-
-        A signal's handler runs where a call returns, at a loop's end or a function's start. So each event is
-        applied with no call between its first change and its last, and leaves the queue only once applied: an
-        exception a handler raises here (it reaches the user, who may catch it and train on) leaves every event
-        applied whole or not at all, and the next settling finishes the queue."""
+        """Apply what torch released since the last call, in order (see the module's docstring); hot paths test
+        ``released`` first. A freed storage leaves the totals; a saved slot released gives its storage back to
+        temporaries when it was the last; a queued parameter's gradient goes to ``grad_arrived``. Written out:
+        one frame per batch. A signal's handler runs where a call returns, so each event is applied with no call
+        between its first change and its last and leaves the queue only once applied: an exception a handler
+        raises here (the user may catch it and train on) leaves every event applied whole or not at all, and the
+        next settling finishes the queue. A call from within an event's handling (a queued gradient beginning
+        the backward phase) returns at once: the queue before that event is applied, the rest comes after."""
         released = self.released
         if self.closed:
             released.clear()
             return
-        entries, totals, tag_act = self.entries, self.totals, self.tag_act
-        while released:
-            ref = released[0]
-            if ref.__class__ is Entry:
-                key = ref.key
-                if entries.get(key) is ref:  # else forgotten already: closed, applied, or another storage's address
-                    n, cat = ref.nbytes, ref.cat
-                    self.seq += 1
-                    del entries[key]
-                    totals[cat] -= n
-                    self.total -= n
-                    if cat == ACTIVATIONS:
-                        if ref.tag >= 0:
-                            tag_act[ref.tag] -= ref.tag_bytes
-                        if ref.where >= 0:
-                            tag_act[ref.where] -= ref.where_bytes
-                    if self.stream is not None:
-                        self.stream.append((self.seq, key, -1))
-            else:
-                # A Release: mypy narrows no test of __class__, and isinstance() would cost a call per event.
-                rel: Release = ref  # type: ignore[assignment]
-                self.watched.discard(rel)
-                then = rel.then
-                if then is not None:
-                    rel.then = None  # called once, whatever happens in it
-                    then(rel)
-                while rel.keys:
-                    entry = entries.get(rel.keys[0]) if self.unsaving else None
-                    rel.keys = rel.keys[1:]
-                    if entry is not None and entry.cat == ACTIVATIONS:
-                        entry.saved -= 1
-                        if entry.saved == 0:
-                            # move(entry, TEMPORARIES) written out: no call while the slot is half released.
-                            n = entry.nbytes
-                            totals[ACTIVATIONS] -= n
-                            totals[TEMPORARIES] += n
-                            entry.cat = TEMPORARIES
-                            self.seq += 1
-                            if self.stream is not None:
-                                self.stream_moves.append((self.seq, entry.key, TEMPORARIES))
-                            entry.moved, entry.before = self.seq, ACTIVATIONS
-                            if entry.tag >= 0:
-                                tag_act[entry.tag] -= entry.tag_bytes
-                            if entry.where >= 0:
-                                tag_act[entry.where] -= entry.where_bytes
-            released.popleft()
+        if self.settling:
+            return
+        self.settling = True
+        try:  # the loop is written here, not in a helper: one frame per batch
+            entries, totals, tag_act = self.entries, self.totals, self.tag_act
+            while released:
+                ref = released[0]
+                if ref.__class__ is Entry:
+                    key = ref.key
+                    if entries.get(key) is ref:  # else forgotten already: closed, applied, or another storage's address
+                        n, cat = ref.nbytes, ref.cat
+                        self.seq += 1
+                        del entries[key]
+                        totals[cat] -= n
+                        self.total -= n
+                        if cat == ACTIVATIONS:
+                            if ref.tag >= 0:
+                                tag_act[ref.tag] -= ref.tag_bytes
+                            if ref.where >= 0:
+                                tag_act[ref.where] -= ref.where_bytes
+                        if self.stream is not None:
+                            self.stream.append((self.seq, key, -1))
+                elif ref.__class__ is Release:  # (a test of __class__: isinstance() would cost a call per event)
+                    rel: Release = ref
+                    self.watched.discard(rel)
+                    then = rel.then
+                    if then is not None:
+                        rel.then = None  # called once, whatever happens in it
+                        then(rel)
+                    while rel.keys:
+                        entry = entries.get(rel.keys[0]) if self.unsaving else None
+                        rel.keys = rel.keys[1:]
+                        if entry is not None and entry.cat == ACTIVATIONS:
+                            entry.saved -= 1
+                            if entry.saved == 0:
+                                # move(entry, TEMPORARIES) written out: no call while the slot is half released.
+                                n = entry.nbytes
+                                totals[ACTIVATIONS] -= n
+                                totals[TEMPORARIES] += n
+                                entry.cat = TEMPORARIES
+                                self.seq += 1
+                                if self.stream is not None:
+                                    self.stream_moves.append((self.seq, entry.key, TEMPORARIES))
+                                entry.moved, entry.before = self.seq, ACTIVATIONS
+                                if entry.tag >= 0:
+                                    tag_act[entry.tag] -= entry.tag_bytes
+                                if entry.where >= 0:
+                                    tag_act[entry.where] -= entry.where_bytes
+                elif self.grad_arrived is not None:  # a parameter with a new gradient (light mode's gradient hook)
+                    self.grad_arrived(ref)  # type: ignore[arg-type]
+                released.popleft()
+        finally:
+            self.settling = False
 
     def resize(self, entry: Entry, nbytes: int) -> None:
         """A live storage changed size in place (``resize_``, an ``out=`` op growing its buffer)."""

@@ -44,6 +44,7 @@ from .torch_compat import is_dynamo_compiling as _dynamo_compiling
 from .torch_compat import top_saved_hooks as _top_saved_hooks
 
 if TYPE_CHECKING:
+    from .engine_watch import EngineWatch
     from .aliases import Args, Kwargs
     from .capture import Capture
     from .dispatch import StorageTracker
@@ -102,6 +103,9 @@ class ModuleTracker:
         self.stack = stack
         self.at_forward: "Callable[[], bool] | None" = None
         self.calls = 0  # module forward calls seen
+        #: Light mode's hooks on its forward outputs' autograd nodes (engine_watch's docstring says why); None
+        #: in exact mode.
+        self.engine_watch: "EngineWatch | None" = None
         self.marks: list[tuple[int, int, int]] = []  # per open call: module, calls and unseen saves at entry
 
     # -- the hooks -----------------------------------------------------------------------------
@@ -360,8 +364,7 @@ def _pre_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PreHook":
 def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PostHook":
     run, table, led, saved = tracker.run, tracker.table, tracker.ledger, tracker.saved
     calls, marks, stack, frames, timeline = run.calls, tracker.marks, led.frames, tracker.frames, tracker.timeline
-    scoped, kv, info = saved.scoped, tracker.kv, table.info[index]
-    path = info.path or "<model>"
+    scoped, kv, info, path = saved.scoped, tracker.kv, table.info[index], table.info[index].path or "<model>"
     enter_hook = frames.enter_hook(index) if run.backward_frames else None  # made once: exact mode uses it
     def post_hook(module: nn.Module, args: "Args", kwargs: "Kwargs", output: object) -> None:
         if not run.active or _dynamo_compiling() or _COMPILER._is_compiling_flag or (  # is_compiling(), one frame
@@ -386,8 +389,7 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PostHook"
                     if high > parent.max:
                         parent.max = high
                 else:
-                    led.top = None
-                    led.module_of_new = -1
+                    led.top, led.module_of_new = None, -1
                 if run.mode == EXACT:  # op-level memory is not seen in light mode
                     entry, total = frame.entry, led.total
                     rise = high - entry  # what the call added at its worst
@@ -408,6 +410,8 @@ def _post_hook(tracker: ModuleTracker, index: int, is_root: bool) -> "_PostHook"
             kv.layer_done(args, kwargs)
         if not calls:
             table.unseen_saves.clear()
+            if tracker.engine_watch is not None:  # light mode: its queued gradients need a hook in each backward
+                tracker.engine_watch.hook_output(output)
             if is_root:
                 kv.after_call(args, kwargs, output)  # and a prefill's or a decode's phase ends with its call
         if tracker.capture.on:

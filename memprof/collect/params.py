@@ -23,10 +23,13 @@ from ..errors import is_interrupt
 from ..vocabulary import Phase
 from .ledger import ACTIVATIONS, COMMUNICATION, GRADIENTS, INPUTS, TEMPORARIES, WEIGHTS, known_as
 from .moves import move
+from .state import EXACT
 from .ledger import plain_storage_keys, storage_of
 from .torch_compat import COMPILER as _COMPILER, in_compiled_autograd, is_dynamo_compiling as _dynamo_compiling
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from .dispatch import StorageTracker
     from .ledger import Ledger
     from .phases import PhaseTracker
@@ -69,6 +72,13 @@ class ParamTracker:
         self.changed = False  # a module of the model registered a parameter or submodule since the last sync
         self.invisible_forwards = 0  # gradients of the model from forwards no module hook saw
         self.compiled_backwards = 0  # backwards compiled autograd ran: their gradients no gradient hook announced
+        # The post-accumulate-grad hook. Light mode's is the ledger queue's own C append (no hook visit per
+        # parameter and backward): settle() hands the parameter to grad_hook at its place among the releases, the
+        # ledger as it was when autograd stored the gradient (engine_watch.py). Exact mode's is grad_hook itself.
+        self.hook: "Callable[[torch.Tensor], None]" = self.grad_hook
+        if run.mode != EXACT:
+            self.hook, ledger.grad_arrived = ledger.queue_release, self.grad_hook
+        self.queued: "list[tuple[weakref.ref[nn.Parameter], RemovableHandle]]" = []  # light mode's hooks
 
     def live(self) -> list[nn.Parameter]:
         return [p for p in (r() for r in self.refs) if p is not None]
@@ -94,7 +104,10 @@ class ParamTracker:
         self.storage_keys.append(self.weigh(p))
         if p.requires_grad:
             # torch's Tensor.register_post_accumulate_grad_hook is untyped.
-            self.stack.callback(p.register_post_accumulate_grad_hook(self.grad_hook).remove)  # type: ignore[no-untyped-call]
+            handle = p.register_post_accumulate_grad_hook(self.hook)  # type: ignore[no-untyped-call]
+            self.stack.callback(handle.remove)
+            if self.hook is self.ledger.queue_release:
+                self.queued.append((ref, handle))
 
     def weigh(self, p: torch.Tensor) -> "int | None":
         """``p``'s storage is a weight from now on (also at the peaks of this phase, if it was made in it); its
@@ -147,22 +160,27 @@ class ParamTracker:
     # -- gradients ------------------------------------------------------------------------
 
     def grad_hook(self, param: torch.Tensor) -> None:
+        """Autograd stored ``param``'s gradient: called by autograd (exact mode), or by the ledger's settle() at
+        the parameter's place in its queue (light mode, :attr:`hook`), the queue before it applied."""
         run = self.run
         if not run.active:
             if run.paused and self.while_paused is not None:
                 self.while_paused()
             return
-        if _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling(), in one frame
-            return
+        led = self.ledger
+        if not led.settling:
+            # Called by autograd. Under dynamo's tracing memprof's code must not enter the graph; and what torch
+            # released first is applied: a gradient's storage may have the address of one freed since.
+            if _dynamo_compiling() or _COMPILER._is_compiling_flag:  # is_compiling(), in one frame
+                return
+            if led.released:
+                led.settle()
         if not run.forward_seen and not run.foreign_threads:
             # A gradient of the model from a forward memprof's module hooks never saw: a torch.compile
             # wrapper of this model ran (its hooks are inside compiled code), or the forward ran
             # before the profile. What that forward saved was never seen. (A forward in another thread
             # was seen, from outside: its own note says why what it saved is not measured.)
             self.invisible_forwards += 1
-        led = self.ledger
-        if led.released:
-            led.settle()  # a gradient's storage may have the address of one freed since
         if run.phase is not _BACKWARD:
             self.phases.backward_started()
         g = param.grad

@@ -217,7 +217,12 @@ class PhaseTracker:
             self.end_step()  # no forward to wait for: the model's forward runs unseen
 
     def backward_started(self) -> None:
-        if self.run.phase is Phase.BACKWARD:
+        run = self.run
+        if run.phase is not Phase.BACKWARD and self.ledger.released and run.mode != EXACT:
+            # Light mode's gradients wait in the ledger's queue (ParamTracker.hook): one that autograd stored
+            # before this call starts the backward at its own place in the queue, as its hook would have.
+            self.ledger.settle()
+        if run.phase is Phase.BACKWARD:
             return
         for hook in self.on_backward_start:  # while the forward's record is still open
             hook()

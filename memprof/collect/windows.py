@@ -81,6 +81,7 @@ class Windows:
 
     def ended_while_paused(self) -> bool:
         """Did a step end since the pause (forgotten once asked)? Read when the profile ends paused."""
+        self.ledger.settle()  # light mode's gradient hook is the ledger queue's append: its paused visits wait there
         ended = self.step_ended or self.backward_ended
         self.step_ended = self.backward_ended = False
         return ended
@@ -96,6 +97,10 @@ class Windows:
             return True
         phases = self.phases
         if self.run.paused:
+            if self.ledger.released:
+                # Light mode's gradient hook is the ledger queue's append (ParamTracker.hook): a backward that ran
+                # while paused says so here, and the queue does not grow from step to step while paused.
+                self.ledger.settle()
             if phases.explicit:  # only prof.step() blocks end steps
                 ended = self.blocks_ended
             else:

@@ -26,6 +26,7 @@ from ..errors import InvalidArgumentError
 from .capture import Capture
 from .carry import StepCarry
 from .dispatch import KEEPS_COMPILE, StorageTracker
+from .engine_watch import EngineWatch
 from .frames import Frames
 from .graph_saves import GraphSaves
 from .kv_cache import CacheTracker, watch_encoder
@@ -225,6 +226,8 @@ def build(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "R
         storages.after_collective = flat.new_grads  # its reduce-scatter outputs were gradients at backward's peak
     phases.on_backward_end.append(params.walk_grads)
     phases.on_backward_start.append(params.backward_began)
+    if ledger.grad_arrived is not None:  # light mode's gradients are queued: a hook inside each backward
+        modules.engine_watch = EngineWatch(ledger, run, phases, frames.node_hooks, params)
     return Collectors(run=run, ledger=ledger, probe=probe, stack=stack, timeline=timeline, storages=storages,
                       phases=phases, params=params, optimizers=opts, table=table, capture=capture, frames=frames,
                       saved=saved, graph=graph, kv=kv, rank=rank, shards=shards, modules=modules, flat=flat)
