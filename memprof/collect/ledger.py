@@ -258,7 +258,8 @@ class Ledger:
         self.released: "deque[Entry | Release | torch.Tensor]" = deque()
         self.queue_release = self.released.append
         self.grad_arrived: "Callable[[torch.Tensor], None] | None" = None  # takes parameters queued (light mode)
-        self.settling = False  # settle() runs: a call from within an event's handling is a no-op (see there)
+        self.settling = False  # settle() hands a queued gradient to grad_arrived (see there)
+        self._aside: "deque[Entry | Release | torch.Tensor]" = deque()  # the queue shown meanwhile: empty
         # The Release references not yet queued: held here so that they are reachable when what they refer
         # to dies in a reference cycle (the collector calls back only weak references that are reachable).
         self.watched: "set[Release]" = set()
@@ -311,7 +312,7 @@ class Ledger:
 
     def add(self, storage: Storage, cat: int) -> Entry:
         """Register a storage (if new) under ``cat``; return its entry."""
-        if self.released and not self.settling:  # (settling: called from within settle(), the queue before applied)
+        if self.released:
             self.settle()  # a storage freed and not yet applied may have had this address
         key = storage._cdata
         entry = self.entries.get(key)
@@ -375,65 +376,67 @@ class Ledger:
         one frame per batch. A signal's handler runs where a call returns, so each event is applied with no call
         between its first change and its last and leaves the queue only once applied: an exception a handler
         raises here (the user may catch it and train on) leaves every event applied whole or not at all, and the
-        next settling finishes the queue. A call from within an event's handling (a queued gradient beginning
-        the backward phase) returns at once: the queue before that event is applied, the rest comes after."""
+        next settling finishes the queue. A call from within a queued gradient's handling (it begins the backward
+        phase) finds the queue empty: the queue before that event is applied, the rest comes after."""
         released = self.released
         if self.closed:
             released.clear()
             return
-        if self.settling:
-            return
-        self.settling = True
-        try:  # the loop is written here, not in a helper: one frame per batch
-            entries, totals, tag_act = self.entries, self.totals, self.tag_act
-            while released:
-                ref = released[0]
-                if ref.__class__ is Entry:
-                    key = ref.key
-                    if entries.get(key) is ref:  # else forgotten already: closed, applied, or another storage's address
-                        n, cat = ref.nbytes, ref.cat
-                        self.seq += 1
-                        del entries[key]
-                        totals[cat] -= n
-                        self.total -= n
-                        if cat == ACTIVATIONS:
-                            if ref.tag >= 0:
-                                tag_act[ref.tag] -= ref.tag_bytes
-                            if ref.where >= 0:
-                                tag_act[ref.where] -= ref.where_bytes
-                        if self.stream is not None:
-                            self.stream.append((self.seq, key, -1))
-                elif ref.__class__ is Release:  # (a test of __class__: isinstance() would cost a call per event)
-                    rel: Release = ref
-                    self.watched.discard(rel)
-                    then = rel.then
-                    if then is not None:
-                        rel.then = None  # called once, whatever happens in it
-                        then(rel)
-                    while rel.keys:
-                        entry = entries.get(rel.keys[0]) if self.unsaving else None
-                        rel.keys = rel.keys[1:]
-                        if entry is not None and entry.cat == ACTIVATIONS:
-                            entry.saved -= 1
-                            if entry.saved == 0:
-                                # move(entry, TEMPORARIES) written out: no call while the slot is half released.
-                                n = entry.nbytes
-                                totals[ACTIVATIONS] -= n
-                                totals[TEMPORARIES] += n
-                                entry.cat = TEMPORARIES
-                                self.seq += 1
-                                if self.stream is not None:
-                                    self.stream_moves.append((self.seq, entry.key, TEMPORARIES))
-                                entry.moved, entry.before = self.seq, ACTIVATIONS
-                                if entry.tag >= 0:
-                                    tag_act[entry.tag] -= entry.tag_bytes
-                                if entry.where >= 0:
-                                    tag_act[entry.where] -= entry.where_bytes
-                elif self.grad_arrived is not None:  # a parameter with a new gradient (light mode's gradient hook)
+        # The loop is written here, not in a helper: one frame per batch.
+        entries, totals, tag_act = self.entries, self.totals, self.tag_act
+        while released:
+            ref = released[0]
+            if ref.__class__ is Entry:
+                key = ref.key
+                if entries.get(key) is ref:  # else forgotten already: closed, applied, or another storage's address
+                    n, cat = ref.nbytes, ref.cat
+                    self.seq += 1
+                    del entries[key]
+                    totals[cat] -= n
+                    self.total -= n
+                    if cat == ACTIVATIONS:
+                        if ref.tag >= 0:
+                            tag_act[ref.tag] -= ref.tag_bytes
+                        if ref.where >= 0:
+                            tag_act[ref.where] -= ref.where_bytes
+                    if self.stream is not None:
+                        self.stream.append((self.seq, key, -1))
+            elif ref.__class__ is Release:  # (a test of __class__: isinstance() would cost a call per event)
+                rel: Release = ref
+                self.watched.discard(rel)
+                then = rel.then
+                if then is not None:
+                    rel.then = None  # called once, whatever happens in it
+                    then(rel)
+                while rel.keys:
+                    entry = entries.get(rel.keys[0]) if self.unsaving else None
+                    rel.keys = rel.keys[1:]
+                    if entry is not None and entry.cat == ACTIVATIONS:
+                        entry.saved -= 1
+                        if entry.saved == 0:
+                            # move(entry, TEMPORARIES) written out: no call while the slot is half released.
+                            n = entry.nbytes
+                            totals[ACTIVATIONS] -= n
+                            totals[TEMPORARIES] += n
+                            entry.cat = TEMPORARIES
+                            self.seq += 1
+                            if self.stream is not None:
+                                self.stream_moves.append((self.seq, entry.key, TEMPORARIES))
+                            entry.moved, entry.before = self.seq, ACTIVATIONS
+                            if entry.tag >= 0:
+                                tag_act[entry.tag] -= entry.tag_bytes
+                            if entry.where >= 0:
+                                tag_act[entry.where] -= entry.where_bytes
+            elif self.grad_arrived is not None:  # a parameter with a new gradient (light mode's gradient hook)
+                # Its handling may settle (a gradient begins the backward phase: a boundary settles): the queue
+                # after this event must wait until it is applied, so the ledger shows an empty one meanwhile (torch
+                # still appends to this one through queue_release). No test on the frees' and releases' path.
+                self.settling, self.released = True, self._aside
+                try:
                     self.grad_arrived(ref)  # type: ignore[arg-type]
-                released.popleft()
-        finally:
-            self.settling = False
+                finally:
+                    self.settling, self.released = False, released
+            released.popleft()
 
     def resize(self, entry: Entry, nbytes: int) -> None:
         """A live storage changed size in place (``resize_``, an ``out=`` op growing its buffer)."""
