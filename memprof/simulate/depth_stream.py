@@ -6,16 +6,21 @@ itself regular, though: each block adds the same events, at the same places. So 
 figures, and replayed whole.
 
 A stream's events name storages by key, which no two runs share, so each is first written as a token that does
-not (:func:`_tokens`): a storage made (its bytes, the category the ledger made it in, whether it moved to another
-while it lived), or freed or resized, naming *which* live storage of its bytes by the nearest of five positions
-(:class:`_Classes`: from the newest or the oldest of those made in its epoch, the span between two markers; from the
-newest or the oldest of all; from the one freed last: a backward frees its block's activations newest first, a
-``foreach`` step frees its outputs oldest first); and each phase's start, peak and end as a marker where it falls.
+not (:func:`~memprof.simulate.stream_tokens.tokens_of`): a storage made (its bytes, the category the ledger made
+it in, whether it moved to another while it lived), or freed or resized, naming *which* live storage of its bytes
+by the nearest of five positions (:class:`~memprof.simulate.stream_tokens.Classes`: from the newest or the oldest
+of those made in its epoch, the span between two markers; from the newest or the oldest of all; from the one freed
+last: a backward frees its block's activations newest first, a ``foreach`` step frees its outputs oldest first);
+and each phase's start, peak and end as a marker where it falls.
 A token stream names exactly one stream (keys aside), :func:`_decoded`. The tokens of the
 cut to ``k + 1`` blocks are those of ``k`` with runs of tokens inserted and some numbers grown (a storage of one
 norm per parameter; a storage named from the end of a list that grows): they are found (:func:`_change`), and the
 check is that inserting each run once more where it was inserted, and growing each grown number once more, gives the
-tokens of the cut to ``k + 2``, exactly (:func:`_agreed`). Then each run inserted ``more`` times again gives the
+tokens of the cut to ``k + 2``, exactly (:func:`_agreed`). A free in a run may name its storage by a position
+that grows in every copy of the run each time one more is inserted (under a pipeline schedule a block's backward
+frees what its micro-batch's forward made, after the later blocks' storages of every micro-batch in flight): the
+growth is measured from ``k`` to ``k + 1`` on a copy of the run the cut kept, and must hold in every copy in the cut
+to ``k + 2`` (:func:`_per_copy`). Then each run inserted ``more`` times again gives the
 tokens of the model at full depth, decoded into a stream whose events are numbered one by one, the moments placed
 at their markers. A switch of the current CUDA stream (FSDP2's copy-in and reduce-scatter streams:
 :class:`~memprof.collect.streams.StreamUse`) is a marker too, so each block's run carries its own switches and the
@@ -31,10 +36,10 @@ storage was made in, at every moment it is live.
 from __future__ import annotations
 
 import difflib
-from bisect import bisect_left
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ..errors import is_interrupt
+from .stream_tokens import FREE, ORDER, Classes, MovedCategories, Token, Tokens, Ways, tokens_of
 
 if TYPE_CHECKING:
     from ..collect.simulated import RecordedStream
@@ -43,14 +48,6 @@ if TYPE_CHECKING:
 
 __all__ = ["extended_stream", "corrected", "HELD"]
 
-_FREE = -1
-
-#: A token of a stream (see the module's docstring): its kind first ("a", "f", "r", "x", "m", "s"), then its numbers.
-Token = tuple["ByKind", ...]
-#: Every way a free or a resize could name its storage: (way, epochs ago) -> position.
-Ways = dict[tuple[str, int], int]
-#: A stream's tokens, and beside each the ways it could be written (its Ways; None for a kind that names no storage).
-Tokens = tuple[list[Token], list["ByKind"]]
 #: A token grown from one cut to the next: written in full, and what its bytes, position and new bytes grew by.
 Grown = tuple[Token, tuple[int, int, int]]
 
@@ -76,8 +73,8 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
     if any(r.streams.held for r in cuts):
         return HELD
     try:
-        moved = _MovedCategories(cuts[2].moves)
-        a, b, c = _tokens(cuts[0]), _tokens(cuts[1]), _tokens(cuts[2], moved)
+        moved = MovedCategories(cuts[2].moves)
+        a, b, c = tokens_of(cuts[0]), tokens_of(cuts[1]), tokens_of(cuts[2], moved)
         steps = [tuple(m[0] for m in r.moments) for r in cuts]
         if not steps[0] == steps[1] == steps[2]:
             return "its phases differ between the cuts"
@@ -85,10 +82,12 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
         predicted, _, origin = _apply(b[0], change, 1)
         if len(predicted) != len(c[0]):
             return "its allocation stream did not grow by the same events per block"
-        tokens = _agreed(b, c, predicted, origin, change)
-        if tokens is None:
+        agreed = _agreed(a, b, c, predicted, origin, change)
+        if agreed is None:
             return "its allocation stream did not grow by the same events per block"
-        predicted, change, _ = _apply(tokens, change, 1)  # the cut to k + 2's tokens, position by position
+        tokens, per_copy = agreed
+        # The cut to k + 2's tokens, position by position.
+        predicted, change, _ = _apply(tokens, change._replace(per_copy=per_copy), 1)
         whole, change, origin = _apply(predicted, change, more)
         at_moments = {p: moved.at_moments[q] for p, q in enumerate(origin) if q in moved.at_moments}
         events, moments, switches, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding,
@@ -113,10 +112,17 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
 
 class _Change(NamedTuple):
     """From one cut to the next: the runs of tokens inserted (``[start, end)`` in the next cut), and the tokens
-    that grew (position in the next cut -> what each of its numbers grew by: bytes, position, new bytes)."""
+    that grew (position in the next cut -> what each of its numbers grew by: bytes, position, new bytes). Also
+    where each token of the next cut that was not inserted stood in the first (``aligned``), and the tokens of the
+    runs whose position grows in every copy of the run each time one more is inserted (``per_copy``: position in a
+    run -> by how much): under a pipeline schedule a block's backward frees what an earlier micro-batch's forward
+    made, named from the newest of its size, after the live storages of every later block of the micro-batches in
+    flight, whose number grows with the blocks in every copy at once."""
 
     runs: list[tuple[int, int]]
     grew: dict[int, Grown]
+    aligned: "dict[int, int] | None" = None
+    per_copy: "dict[int, int] | None" = None
 
 
 def _change(a: Tokens, b: Tokens) -> _Change:
@@ -125,9 +131,11 @@ def _change(a: Tokens, b: Tokens) -> _Change:
     in full (:func:`_full`), a grown free named the way that both cuts share and that moved least."""
     runs: list[tuple[int, int]] = []
     grew: dict[int, Grown] = {}
+    aligned: dict[int, int] = {}
     ops = difflib.SequenceMatcher(None, a[0], b[0], autojunk=False).get_opcodes()
     for op, i1, i2, j1, j2 in ops:
         if op == "equal":
+            aligned.update(zip(range(j1, j2), range(i1, i2)))
             continue
         if op == "insert":
             runs.append((j1, j2))
@@ -140,10 +148,11 @@ def _change(a: Tokens, b: Tokens) -> _Change:
             if yx > y:
                 runs.append((y, yx))
             grew[yx] = _grown(a[0][x], a[1][x], b[0][yx], b[1][yx])
+            aligned[yx] = x
             y = yx + 1
         if j2 > y:
             runs.append((y, j2))
-    return _Change(runs, grew)
+    return _Change(runs, grew, aligned)
 
 
 def _paired(a: Tokens, b: Tokens, i1: int, i2: int, j1: int, j2: int) -> list[tuple[int, int]]:
@@ -208,15 +217,25 @@ def _apply(tokens: list[Token], change: _Change, times: int) -> tuple[list[Token
     token's numbers grown again; the change as it stands in the result (its runs the last copy); and where in
     ``tokens`` each token of the result came from."""
     starts = {start: end for start, end in change.runs}
+    per_copy = change.per_copy or {}
     out: list[Token] = []
     runs: list[tuple[int, int]] = []
     grew: dict[int, Grown] = {}
+    copies: dict[int, int] = {}
     origin: list[int] = []
     i = 0
     while i < len(tokens):
         end = starts.get(i)
         if end is not None:
-            out.extend(tokens[i:end] * (times + 1))
+            run = [_moved(t, times * per_copy[q]) if q in per_copy else t for q, t in enumerate(tokens[i:end], i)]
+            for copy in range(times + 1):
+                for q, token in enumerate(run, i):
+                    if q in per_copy:  # grows again with each later insertion: in the run, or as a grown token
+                        if copy == times:
+                            copies[len(out)] = per_copy[q]
+                        else:
+                            grew[len(out)] = (token, (0, per_copy[q], 0))
+                    out.append(token)
             origin.extend(list(range(i, end)) * (times + 1))
             runs.append((len(out) - (end - i), len(out)))
             i = end
@@ -234,16 +253,26 @@ def _apply(tokens: list[Token], change: _Change, times: int) -> tuple[list[Token
             grew[len(out)] = (token, (size, value, new))
             out.append(token)
         i += 1
-    return out, _Change(runs, grew), origin
+    return out, _Change(runs, grew, None, copies), origin
 
 
-def _agreed(b: Tokens, c: Tokens, predicted: list[Token], origin: list[int], change: _Change
-            ) -> "list[Token] | None":
+def _moved(token: Token, by: int) -> Token:
+    """A free or resize ``token`` naming its storage ``by`` positions further along its way."""
+    return (*token[:4], token[4] + by, *token[5:])
+
+
+def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: list[int], change: _Change
+            ) -> "tuple[list[Token], dict[int, int]] | None":
     """``b``'s tokens, each free or resize that did not grow written the way that names its storage alike
     wherever the change puts a copy of it in ``c`` (a block's own storages, which each copy of a run names,
     move in the lists of their bytes from copy to copy, so the nearest way in one cut need not be the one that
-    holds); None where a token has no such way, or the prediction differs from ``c`` otherwise."""
-    allowed: dict[int, set[tuple[str, int]]] = {}
+    holds); None where a token has no such way, or the prediction differs from ``c`` otherwise. Failing that, a
+    token of a run may name its storage the same way in every copy by a position that grew from ``a`` to ``b``
+    by what it grows again in every copy in ``c`` (:func:`_per_copy`); those positions and growths are returned
+    beside the tokens."""
+    allowed: dict[int, set[tuple[tuple[str, int], int]]] = {}
+    growths: "dict[int, set[tuple[tuple[str, int], int]]]" = {}
+    kept: "dict[tuple[int, int], int | None]" = {}
     for p, q in enumerate(origin):
         token, want = predicted[p], c[0][p]
         if q in change.grew or token[0] not in ("f", "r"):
@@ -253,16 +282,70 @@ def _agreed(b: Tokens, c: Tokens, predicted: list[Token], origin: list[int], cha
         if want[0] != token[0] or want[1] != token[1] or (token[0] == "r" and want[5] != token[5]):
             return None
         theirs, ours = c[1][p], b[1][q]
-        fits = {w for w, v in ours.items() if theirs.get(w) == v}
+        if q not in growths:
+            growths[q] = _per_copy(a, b, q, change, kept)
+        fits = {(w, 0) for w, v in ours.items() if theirs.get(w) == v}
+        fits |= {(w, g) for w, g in growths[q] if theirs.get(w) == ours[w] + g}
         allowed[q] = allowed[q] & fits if q in allowed else fits
     tokens = list(b[0])
+    per_copy: dict[int, int] = {}
     for q, fits in allowed.items():
         if not fits:
             return None
-        way, ago = min(fits, key=lambda w: (abs(b[1][q][w]), _ORDER[w[0]]))
+        (way, ago), g = min(fits, key=lambda f: (f[1] != 0, abs(b[1][q][f[0]]), ORDER[f[0][0]]))
         t = tokens[q]
         tokens[q] = (t[0], t[1], way, ago, b[1][q][(way, ago)], *t[5:])
-    return tokens
+        if g:
+            per_copy[q] = g
+    return tokens, per_copy
+
+
+def _per_copy(a: Tokens, b: Tokens, q: int, change: _Change, kept: "dict[tuple[int, int], int | None]"
+              ) -> "set[tuple[tuple[str, int], int]]":
+    """How far each way of token ``q`` of ``b``, in a run, moved from ``a`` to ``b``, as measured on a copy of the
+    run that ``b`` kept from ``a``, at the same place in it: its value in ``b`` against the value of the token of
+    ``a`` it stood for. The copies looked at: the one just before and just after the run, where the token there is
+    the same free or resize, and the nearest copy of the whole run (:func:`_kept_copy`; ``kept`` holds each run's,
+    found once). Each (way, growth) measured, any of which the caller may check against the next cut."""
+    run = next(((s, e) for s, e in change.runs if s <= q < e), None)
+    if run is None or change.aligned is None:
+        return set()
+    n = run[1] - run[0]
+    if run not in kept:
+        kept[run] = _kept_copy(b[0], run, change)
+    copy = kept[run]
+    places = [q - n, q + n] + ([copy + q - run[0]] if copy is not None else [])
+    out: set[tuple[tuple[str, int], int]] = set()
+    for at in places:
+        x = change.aligned.get(at)
+        if x is None or _shape(b[0][at]) != _shape(b[0][q]) or _shape(a[0][x]) != _shape(b[0][q]):
+            continue
+        theirs, ours = a[1][x], b[1][at]
+        out.update({(w, ours[w] - theirs[w]) for w in ours.keys() & theirs.keys() & b[1][q].keys()
+                    if ours[w] != theirs[w]})
+    return out
+
+
+def _kept_copy(tokens: list[Token], run: tuple[int, int], change: _Change) -> "int | None":
+    """Where the nearest other copy of ``run`` starts in ``tokens`` (the same tokens, frees and resizes by their
+    kind and bytes alone), every token of it one the cut before had (aligned: not inserted); None if there is
+    none."""
+    assert change.aligned is not None
+    s, e = run
+    n = e - s
+    shape = [_shape(t) for t in tokens[s:e]]
+    for d in range(n, len(tokens)):
+        for j in (s - d, s + d):
+            if (0 <= j and j + n <= len(tokens) and _shape(tokens[j]) == shape[0]
+                    and all(j + o in change.aligned for o in range(n))
+                    and [_shape(t) for t in tokens[j:j + n]] == shape):
+                return j
+    return None
+
+
+def _shape(token: Token) -> Token:
+    """A token without the way a free or resize names its storage by."""
+    return token[:2] if token[0] == "f" else (token[0], token[1], token[5]) if token[0] == "r" else token
 
 
 def _same(predicted: Token, token: Token, options: "ByKind") -> bool:
@@ -275,116 +358,6 @@ def _same(predicted: Token, token: Token, options: "ByKind") -> bool:
         return False
     return bool(options.get((predicted[2], predicted[3])) == predicted[4])
 
-
-def _tokens(recorded: "RecordedStream", moved: "_MovedCategories | None" = None) -> Tokens:
-    """``recorded``'s events and moments as tokens (see the module's docstring), and beside each free or resize
-    every way it could be written ((way, epochs ago) -> position). A storage made is written with its bytes, the
-    category it was made in (-1: not known) and whether it moved to another while it lived."""
-    # The moments, and each switch of the current stream, where they fall between two events: (seq, 0, moment,
-    # which of its three) and (seq, 1, stream, 0), a moment first where both fall at one seq.
-    marks = sorted([(seq, 0, i, f) for i, m in enumerate(recorded.moments) for f, seq in enumerate(m[1:])]
-                   + [(seq, 1, stream, 0) for seq, stream in recorded.streams.switches])
-    made, cats = _made(recorded)
-    live: dict[int, tuple[int, int]] = {}  # key -> (bytes, the n-th of its bytes made)
-    classes = _Classes()
-    out: list[Token] = []
-    options: "list[Ways | None]" = []
-    at = 0
-    for index, (seq, key, nbytes) in enumerate(recorded.events):
-        while at < len(marks) and marks[at][0] < seq:
-            out.append(_marker(marks[at], classes, moved))
-            options.append(None)
-            at += 1
-        if nbytes == _FREE and key not in live:
-            out.append(("x",))  # a storage the stream never made
-            options.append(None)
-        elif nbytes == _FREE or key in live:
-            size, n = live.pop(key)
-            ways = classes.take(size, n, nbytes == _FREE)
-            (way, ago), value = min(ways.items(), key=lambda kv: (abs(kv[1]), _ORDER[kv[0][0]]))
-            if nbytes == _FREE:
-                out.append(("f", size, way, ago, value))
-                if moved is not None:
-                    moved.tracked.pop(key, None)
-            else:
-                out.append(("r", size, way, ago, value, nbytes))
-                live[key] = (nbytes, classes.make(nbytes))
-            options.append(ways)
-        else:
-            live[key] = (nbytes, classes.make(nbytes))
-            if moved is not None and index in made:
-                moved.made(key, len(out), cats.get(index, -1))
-            out.append(("a", nbytes, cats.get(index, -1), index in made))
-            options.append(None)
-    for mark in marks[at:]:
-        out.append(_marker(mark, classes, moved))
-        options.append(None)
-    return out, options
-
-
-def _marker(mark: tuple[int, int, int, int], classes: "_Classes", moved: "_MovedCategories | None") -> Token:
-    """The token of a moment, ``("m", moment, which)``, which starts an epoch, or of a switch of the current stream
-    to another, ``("s", stream)``: the storages made after it are made on that stream (their allocator's pool)."""
-    seq, kind, a, b = mark
-    if kind == 1:
-        return ("s", a)
-    classes.epoch += 1
-    if moved is not None:
-        moved.marker(seq, a, b)
-    return ("m", a, b)
-
-
-class _MovedCategories:
-    """The category of each storage that moves to another while it lives, at every moment of its life, by the
-    position of the token that made it (:attr:`at_moments`: position -> (moment, which) -> category). What the
-    figures' line misses of such a storage, where its bytes grow with the blocks, goes to the category it is in at
-    each moment (the clipping's stack of norms, made a temporary, then a collective's input under FSDP2)."""
-
-    def __init__(self, moves: "Sequence[tuple[int, int, int]]") -> None:
-        self.moves = sorted(moves)
-        self.next = 0
-        self.tracked: dict[int, list[int]] = {}  # key -> [position, its category now]
-        self.at_moments: dict[int, dict[tuple[int, int], int]] = {}
-
-    def made(self, key: int, position: int, category: int) -> None:
-        self.tracked[key] = [position, category]
-        self.at_moments[position] = {}
-
-    def marker(self, seq: int, moment: int, which: int) -> None:
-        while self.next < len(self.moves) and self.moves[self.next][0] <= seq:  # the moves before the moment
-            _seq, key, category = self.moves[self.next]
-            if key in self.tracked:
-                self.tracked[key][1] = category
-            self.next += 1
-        for position, category in self.tracked.values():
-            self.at_moments[position][(moment, which)] = category
-
-
-def _made(recorded: "RecordedStream") -> tuple[set[int], dict[int, int]]:
-    """Of the events of ``recorded`` that make a storage: those whose storage moved to another category while it
-    lived, and each one's category when made (none where the stream and the categories do not pair up)."""
-    moves = sorted(recorded.moves)
-    live: dict[int, int] = {}
-    moved: set[int] = set()
-    made: list[int] = []
-    at = 0
-    for index, (seq, key, nbytes) in enumerate(recorded.events):
-        while at < len(moves) and moves[at][0] < seq:
-            where = live.get(moves[at][1])
-            if where is not None:
-                moved.add(where)
-            at += 1
-        if nbytes == _FREE:
-            live.pop(key, None)
-        elif key not in live:
-            live[key] = index
-            made.append(index)
-    cats = dict(zip(made, recorded.cats)) if len(made) == len(recorded.cats) else {}
-    return moved, cats
-
-
-#: Which way names a storage when two are as near: the ends of its epoch's list first.
-_ORDER = {"T": 0, "B": 1, "t": 2, "b": 3, "d": 4}
 
 
 def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: int, rounding: int,
@@ -399,7 +372,7 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
     category it is in at each moment (``at_moments``: by the position of the token that made a storage that moved,
     (moment, which) -> category). A storage whose category is not known at a moment stops it where it misses
     anything."""
-    classes = _Classes()
+    classes = Classes()
     keys: dict[tuple[int, int], int] = {}
     events: list[tuple[int, int, int]] = []
     placed = [[0, 0, 0] for _ in range(moments)]
@@ -436,13 +409,13 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
                         raise _Stop("a storage whose bytes grow with the blocks has no category known")
                     missing[fresh] = (at_moments[position] if token[3] else token[2], miss)
         elif kind == "x":
-            events.append((seq, fresh, _FREE))
+            events.append((seq, fresh, FREE))
         else:
             size = token[1]
             key = keys.pop((size, classes.find(size, token[2], token[4], token[3], kind == "f")))
             if kind == "f":
                 missing.pop(key, None)
-                events.append((seq, key, _FREE))
+                events.append((seq, key, FREE))
             else:
                 if key in missing or (position in grew and _missed(token[5], grew[position][1][2], more, rounding)):
                     raise _Stop("a storage whose bytes grow with the blocks was resized")
@@ -459,77 +432,6 @@ def _missed(size: int, grow: int, more: int, rounding: int) -> int:
 
     now, before = size - more * grow, size - (more + 1) * grow
     return r(size) - r(now) - more * (r(now) - r(before))
-
-
-class _Classes:
-    """The live storages of each size, by the order they were made in (the n-th of that size), both all of them and
-    those made in each span between two markers (an *epoch*: a phase's start, peak or end is the same moment at
-    any depth), and the one of each size freed last: how a free names the storage it frees without its key. Of the
-    five ways to name it the nearest is taken: from the newest or the oldest of its size made in its epoch (which a
-    block more moves only where the storage is in the middle of the blocks), from the newest or the oldest of its
-    size, or from the one freed last."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-        self.live: dict[int, list[int]] = {}
-        self.spans: dict[tuple[int, int], list[int]] = {}
-        self.made_in: dict[tuple[int, int], int] = {}
-        self.made: dict[int, int] = {}
-        self.last: dict[int, int] = {}
-
-    def make(self, size: int) -> int:
-        n = self.made.get(size, 0)
-        self.made[size] = n + 1
-        self.live.setdefault(size, []).append(n)
-        self.spans.setdefault((size, self.epoch), []).append(n)
-        self.made_in[(size, n)] = self.epoch
-        return n
-
-    def take(self, size: int, n: int, free: bool) -> dict[tuple[str, int], int]:
-        """Storage ``n`` of ``size`` leaves the class: every way to name it, (way, epochs ago) -> position."""
-        live = self.live[size]
-        i = bisect_left(live, n)
-        epoch = self.made_in[(size, n)]
-        span = self.spans[(size, epoch)]
-        j = bisect_left(span, n)
-        ago = self.epoch - epoch
-        ways = {("T", ago): len(span) - 1 - j, ("B", ago): j, ("t", 0): len(live) - 1 - i, ("b", 0): i}
-        last = self.last.get(size)
-        if last is not None:
-            ways[("d", 0)] = n - last
-        self._remove(size, n)
-        if free:
-            self.last[size] = n
-        return ways
-
-    def find(self, size: int, way: str, value: int, ago: int, free: bool) -> int:
-        """The storage of ``size`` that ``way``, ``value`` and ``ago`` name (:meth:`take` undone); it leaves the
-        class."""
-        if way in ("T", "B"):
-            live = self.spans[(size, self.epoch - ago)]
-            i = len(live) - 1 - value if way == "T" else value
-        elif way == "d":
-            live = self.live[size]
-            n = self.last[size] + value
-            i = bisect_left(live, n)
-            if i == len(live) or live[i] != n:
-                raise KeyError(n)
-        else:
-            live = self.live[size]
-            i = len(live) - 1 - value if way == "t" else value
-        if not 0 <= i < len(live):
-            raise IndexError(i)
-        n = live[i]
-        self._remove(size, n)
-        if free:
-            self.last[size] = n
-        return n
-
-    def _remove(self, size: int, n: int) -> None:
-        live = self.live[size]
-        del live[bisect_left(live, n)]
-        span = self.spans[(size, self.made_in.pop((size, n)))]
-        del span[bisect_left(span, n)]
 
 
 def corrected(est: "Estimate", recorded: "RecordedStream", missed: "dict[int, dict[int, int]] | None"
