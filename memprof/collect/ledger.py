@@ -241,6 +241,10 @@ def new_frame(module: int, entry: int, backward: bool) -> Frame:
 
 _new_object = object.__new__
 
+#: The queue a ledger shows while a queued gradient is handled (Ledger.settle): empty. Shared: nothing appends to a
+#: ledger's queue but through its own queue_release, bound to the real one.
+_NONE_NOW: "deque[Entry | Release | torch.Tensor]" = deque()
+
 
 class Ledger:
     """Running accounting of live storages by category.
@@ -259,7 +263,6 @@ class Ledger:
         self.queue_release = self.released.append
         self.grad_arrived: "Callable[[torch.Tensor], None] | None" = None  # takes parameters queued (light mode)
         self.settling = False  # settle() hands a queued gradient to grad_arrived (see there)
-        self._aside: "deque[Entry | Release | torch.Tensor]" = deque()  # the queue shown meanwhile: empty
         # The Release references not yet queued: held here so that they are reachable when what they refer
         # to dies in a reference cycle (the collector calls back only weak references that are reachable).
         self.watched: "set[Release]" = set()
@@ -428,10 +431,8 @@ class Ledger:
                             if entry.where >= 0:
                                 tag_act[entry.where] -= entry.where_bytes
             elif self.grad_arrived is not None:  # a parameter with a new gradient (light mode's gradient hook)
-                # Its handling may settle (a gradient begins the backward phase: a boundary settles): the queue
-                # after this event must wait until it is applied, so the ledger shows an empty one meanwhile (torch
-                # still appends to this one through queue_release). No test on the frees' and releases' path.
-                self.settling, self.released = True, self._aside
+                # Its handling may settle (it begins the backward): an empty queue is shown meanwhile, the rest waits
+                self.settling, self.released = True, _NONE_NOW
                 try:
                     self.grad_arrived(ref)  # type: ignore[arg-type]
                 finally:
