@@ -114,15 +114,16 @@ class _Change(NamedTuple):
     """From one cut to the next: the runs of tokens inserted (``[start, end)`` in the next cut), and the tokens
     that grew (position in the next cut -> what each of its numbers grew by: bytes, position, new bytes). Also
     where each token of the next cut that was not inserted stood in the first (``aligned``), and the tokens of the
-    runs whose position grows in every copy of the run each time one more is inserted (``per_copy``: position in a
-    run -> by how much): under a pipeline schedule a block's backward frees what an earlier micro-batch's forward
-    made, named from the newest of its size, after the live storages of every later block of the micro-batches in
-    flight, whose number grows with the blocks in every copy at once."""
+    runs whose position grows (``per_copy``: position in a run -> (growth, step)): by ``growth`` in every copy of
+    the run each time one more is inserted (under a pipeline schedule a block's backward frees what an earlier
+    micro-batch's forward made, named from the newest of its size, after the live storages of every later block
+    of the micro-batches in flight, whose number grows with the blocks in every copy at once), or by ``step`` from
+    each copy to the next (FSDP2 resizes the parameters it gathered to 0 in order of a list each copy shortens)."""
 
     runs: list[tuple[int, int]]
     grew: dict[int, Grown]
     aligned: "dict[int, int] | None" = None
-    per_copy: "dict[int, int] | None" = None
+    per_copy: "dict[int, tuple[int, int]] | None" = None
 
 
 def _change(a: Tokens, b: Tokens) -> _Change:
@@ -221,20 +222,21 @@ def _apply(tokens: list[Token], change: _Change, times: int) -> tuple[list[Token
     out: list[Token] = []
     runs: list[tuple[int, int]] = []
     grew: dict[int, Grown] = {}
-    copies: dict[int, int] = {}
+    copies: dict[int, tuple[int, int]] = {}
     origin: list[int] = []
     i = 0
     while i < len(tokens):
         end = starts.get(i)
         if end is not None:
-            run = [_moved(t, times * per_copy[q]) if q in per_copy else t for q, t in enumerate(tokens[i:end], i)]
             for copy in range(times + 1):
-                for q, token in enumerate(run, i):
-                    if q in per_copy:  # grows again with each later insertion: in the run, or as a grown token
+                for q, token in enumerate(tokens[i:end], i):
+                    if q in per_copy:  # grown: in the run for the next insertion, or as a grown token
+                        growth, step = per_copy[q]
+                        token = _moved(token, times * growth + copy * step)
                         if copy == times:
-                            copies[len(out)] = per_copy[q]
-                        else:
-                            grew[len(out)] = (token, (0, per_copy[q], 0))
+                            copies[len(out)] = (growth, step)
+                        elif growth:
+                            grew[len(out)] = (token, (0, growth, 0))
                     out.append(token)
             origin.extend(list(range(i, end)) * (times + 1))
             runs.append((len(out) - (end - i), len(out)))
@@ -262,17 +264,20 @@ def _moved(token: Token, by: int) -> Token:
 
 
 def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: list[int], change: _Change
-            ) -> "tuple[list[Token], dict[int, int]] | None":
+            ) -> "tuple[list[Token], dict[int, tuple[int, int]]] | None":
     """``b``'s tokens, each free or resize that did not grow written the way that names its storage alike
     wherever the change puts a copy of it in ``c`` (a block's own storages, which each copy of a run names,
     move in the lists of their bytes from copy to copy, so the nearest way in one cut need not be the one that
     holds); None where a token has no such way, or the prediction differs from ``c`` otherwise. Failing that, a
-    token of a run may name its storage the same way in every copy by a position that grew from ``a`` to ``b``
-    by what it grows again in every copy in ``c`` (:func:`_per_copy`); those positions and growths are returned
-    beside the tokens."""
-    allowed: dict[int, set[tuple[tuple[str, int], int]]] = {}
-    growths: "dict[int, set[tuple[tuple[str, int], int]]]" = {}
+    token of a run may name its storage the same way in every copy by a position that grows: in every copy by what
+    it grew from ``a`` to ``b`` (:func:`_per_copy`), or from each copy to the next by what it moved from the copy
+    ``b`` has just before the run (:func:`_per_step`), as every copy in ``c`` must show; those positions and
+    growths are returned beside the tokens."""
+    Fit = tuple[tuple[str, int], int, int]
+    allowed: dict[int, set[Fit]] = {}
+    grows: dict[int, tuple[set[tuple[tuple[str, int], int]], set[tuple[tuple[str, int], int]]]] = {}
     kept: "dict[tuple[int, int], int | None]" = {}
+    seen: dict[int, int] = {}  # q -> copies of it met so far in c
     for p, q in enumerate(origin):
         token, want = predicted[p], c[0][p]
         if q in change.grew or token[0] not in ("f", "r"):
@@ -282,22 +287,37 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
         if want[0] != token[0] or want[1] != token[1] or (token[0] == "r" and want[5] != token[5]):
             return None
         theirs, ours = c[1][p], b[1][q]
-        if q not in growths:
-            growths[q] = _per_copy(a, b, q, change, kept)
-        fits = {(w, 0) for w, v in ours.items() if theirs.get(w) == v}
-        fits |= {(w, g) for w, g in growths[q] if theirs.get(w) == ours[w] + g}
+        if q not in grows:
+            grows[q] = (_per_copy(a, b, q, change, kept), _per_step(b, q, change))
+        j = seen[q] = seen.get(q, -1) + 1
+        fits: set[Fit] = {(w, 0, 0) for w, v in ours.items() if theirs.get(w) == v}
+        fits |= {(w, g, 0) for w, g in grows[q][0] if theirs.get(w) == ours[w] + g}
+        fits |= {(w, 0, h) for w, h in grows[q][1] if theirs.get(w) == ours[w] + j * h}
         allowed[q] = allowed[q] & fits if q in allowed else fits
     tokens = list(b[0])
-    per_copy: dict[int, int] = {}
+    per_copy: dict[int, tuple[int, int]] = {}
     for q, fits in allowed.items():
         if not fits:
             return None
-        (way, ago), g = min(fits, key=lambda f: (f[1] != 0, abs(b[1][q][f[0]]), ORDER[f[0][0]]))
+        (way, ago), g, h = min(fits, key=lambda f: (f[1] != 0 or f[2] != 0, abs(b[1][q][f[0]]), ORDER[f[0][0]]))
         t = tokens[q]
         tokens[q] = (t[0], t[1], way, ago, b[1][q][(way, ago)], *t[5:])
-        if g:
-            per_copy[q] = g
+        if g or h:
+            per_copy[q] = (g, h)
     return tokens, per_copy
+
+
+def _per_step(b: Tokens, q: int, change: _Change) -> "set[tuple[tuple[str, int], int]]":
+    """How far each way of token ``q`` of ``b``, in a run, is from the same token of the copy of the run just before
+    it (the same free or resize there): each (way, step), which each copy in the next cut must move on by."""
+    run = next(((s, e) for s, e in change.runs if s <= q < e), None)
+    if run is None:
+        return set()
+    at = q - (run[1] - run[0])
+    if at < 0 or _shape(b[0][at]) != _shape(b[0][q]):
+        return set()
+    theirs, ours = b[1][at], b[1][q]
+    return {(w, ours[w] - theirs[w]) for w in ours.keys() & theirs.keys() if ours[w] != theirs[w]}
 
 
 def _per_copy(a: Tokens, b: Tokens, q: int, change: _Change, kept: "dict[tuple[int, int], int | None]"

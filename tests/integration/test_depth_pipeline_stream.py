@@ -62,3 +62,27 @@ def test_a_1f1b_stage_is_cut_and_extended_to_the_whole_stage(shallow, rank):
     assert any(n.startswith("depth: the device-level figures are the allocator replay") for n in notes), notes
     assert not any("simulated whole" in n for n in notes), notes
     _identical(fast, whole)
+
+
+def test_a_pipeline_stage_under_fsdp2_and_tp_is_cut_and_extended(shallow):
+    # Each stage parallelised inside by tensor and sequence parallelism, then FSDP2 with bf16 gathers: FSDP2 resizes
+    # the parameters it gathered to 0 after each block, named from the oldest of their bytes in the newest copy of
+    # a run and from the newest in the older ones, each copy one step further along (depth_stream._per_step).
+    from test_parallelize import Tiny, loss_fn
+    from test_pipeline import IDS, MICRO, Stage
+    from test_pipeline_fsdp_tp import MESH, WORLD, stage_fn
+
+    def estimate(**kw):
+        torch.manual_seed(0)
+        return memprof.estimate(Tiny(layers=16), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS,
+                                loss_fn=loss_fn, world_size=WORLD, mesh=MESH, parallelize=stage_fn, gpu="h100-80gb",
+                                pipeline=memprof.Pipeline(Stage, schedule="1f1b", microbatches=MICRO), **kw)
+
+    fast, whole = estimate(), estimate(extrapolate=False)
+    assert [c.stages for c in fast.ranks] == [c.stages for c in whole.ranks] == [(0,), (1,)]
+    for a, b in zip(fast.ranks, whole.ranks):
+        assert (a.peak_bytes, a.peak_step, a.peak_phase) == (b.peak_bytes, b.peak_step, b.peak_phase)
+    notes = [n for n in fast.notes if n.startswith("depth:")]
+    assert any(n.startswith("depth: the device-level figures are the allocator replay") for n in notes), notes
+    assert not any("simulated whole" in n for n in notes), notes
+    _identical(fast, whole)
