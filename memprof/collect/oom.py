@@ -26,6 +26,7 @@ import warnings
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import InvalidArgumentError, MemprofWarning, error_text, is_interrupt
+from ..record.checks import MAX_COUNT
 from ..record.files import make_writable_folder
 from ..record.trace import OomRecord
 from .weak import WeakIdentitySet
@@ -45,7 +46,6 @@ __all__ = ["OomDump", "is_oom", "checked_folder", "oom_record", "error_text"]
 # ASCII digits only (``\d`` takes any script's), and no more than a count of bytes can have: a message
 # quoting a longer number is not the allocator's, and int() refuses numbers of over 4,300 digits.
 _CPU_REQUEST = re.compile(r"tried to allocate ([0-9]{1,20}) bytes")
-_MAX_REQUEST = 2**64  # the most bytes a trace may hold (memprof.record.checks)
 # Longest exception text a record keeps: a message of megabytes would be most of the dump.
 _WATCHING: "WeakIdentitySet[OomDump]" = WeakIdentitySet()
 _OBSERVER_ATTACHED = False
@@ -201,8 +201,8 @@ def oom_record(exc: BaseException, device: "torch.device", observed: "tuple[int,
     else:
         found = _CPU_REQUEST.search(error_text(exc))
         requested = int(found.group(1)) if found else None
-        if requested is not None and requested > _MAX_REQUEST:
-            requested = None  # no allocator was asked for more than 16 EiB: not a figure to record
+        if requested is not None and requested > MAX_COUNT:
+            requested = None  # more than a trace may hold (no allocator was asked for 8 EiB): not a figure to record
     if device.type == "cuda":
         try:
             import torch

@@ -12,13 +12,13 @@ from typing import Hashable, Iterable, Mapping, Sequence, TypeVar
 
 from ..errors import TraceFormatError
 
-__all__ = ["count", "optional_count", "text", "optional_text", "corrupt", "pairs", "seq", "mapping",
+__all__ = ["MAX_COUNT", "count", "optional_count", "text", "optional_text", "corrupt", "pairs", "seq", "mapping",
            "flag", "member", "listed_once"]
 
 # The largest count a trace may hold: an int64 (8 EiB, or as many ops), as torch's sizes and the
 # DataFrames' Int64 columns are. A real run is far below it; a crafted 2**64 or 10**400 would otherwise
 # load and break arithmetic, frames and display downstream.
-_MAX_COUNT = 2**63 - 1
+MAX_COUNT = 2**63 - 1
 
 
 def optional_count(value: object, name: str) -> "int | None":
@@ -31,7 +31,7 @@ def count(value: object, name: str) -> int:
     """A non-negative int from a file (bytes, an index, a count); anything else is a TraceFormatError."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise corrupt(f"{name} must be an int, got {_shown(value)}")
-    if not 0 <= value <= _MAX_COUNT:
+    if not 0 <= value <= MAX_COUNT:
         raise corrupt(f"{name} must be between 0 and 2**63 - 1, got {_shown(value)}")
     return value
 
