@@ -238,15 +238,25 @@ def _logsumexp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 VALUE_DEPENDENT_CODE = ("transformers.masking_utils", "transformers.modeling_attn_mask_utils")
 
 
-_USER, _SKIPPED, _VALUE_DEPENDENT, _MEMPROF = 0, 1, 2, 3
+_USER, _SKIPPED, _VALUE_DEPENDENT, _MEMPROF, _DRIVER = 0, 1, 2, 3, 4
+
+#: memprof's modules that run a simulated step (the estimate, its stages, the step and the loops that call the
+#: model, the loss, backward and the optimizer). Below such a frame on the stack is the model's code; above it only
+#: the estimate's caller, never library code building a mask: a walk up from a torch function that reaches one
+#: (the optimizer's ops, backward's) ends there, as it would have ended anyway with nothing found, but without
+#: climbing through the rest of the estimate (half the watcher's time before; every frame it skipped was one of
+#: these or torch's). The rules' own frames (modes, kernels, routers, autocast, moe), which sit between a torch
+#: composite and the library code that called it, are not among them.
+_DRIVERS = ("memprof.simulate.step", "memprof.simulate.stages", "memprof.simulate.estimate",
+            "memprof.simulate.loops", "memprof.simulate.user_step", "memprof.simulate.depth", "memprof.report.")
 
 
 def _kind(frame: types.FrameType) -> int:
-    """Whether a frame's code is memprof's own, torch's (both skipped by the walk up to the library code above),
-    in :data:`VALUE_DEPENDENT_CODE`, or anyone else's."""
+    """Whether a frame's code is memprof's own (one that runs the step: a driver), torch's (both skipped by the walk
+    up to the library code above), in :data:`VALUE_DEPENDENT_CODE`, or anyone else's."""
     module = frame.f_globals.get("__name__", "")
     if module.startswith("memprof."):
-        return _MEMPROF
+        return _DRIVER if module.startswith(_DRIVERS) else _MEMPROF
     if module.startswith("torch."):
         return _SKIPPED
     return _VALUE_DEPENDENT if module.startswith(VALUE_DEPENDENT_CODE) else _USER
@@ -274,7 +284,7 @@ class ValueDependentCode(Rule):
         self.calls = 0
         self.where: set[str] = set()
         self.assumed: set[str] = set()
-        self._kinds: dict[types.CodeType, int] = {}  # code object -> _USER, _SKIPPED, _VALUE_DEPENDENT or _MEMPROF
+        self._kinds: dict[types.CodeType, int] = {}  # code object -> _USER, _SKIPPED, _VALUE_DEPENDENT, ...
 
     def handle(self, func: Callable[..., OpValue], args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
                next: Next) -> "OpValue":
@@ -305,7 +315,8 @@ class ValueDependentCode(Rule):
 
     def _user_frame(self, frame: "types.FrameType | None") -> "types.FrameType | None":
         """The first frame from ``frame`` up outside memprof's and torch's own code (other modes on the stack call
-        in between), or None within 32 frames."""
+        in between), or None within 32 frames or where a frame of memprof's that runs the step comes first
+        (:data:`_DRIVERS`)."""
         kinds = self._kinds
         for _ in range(32):
             if frame is None:
@@ -314,7 +325,7 @@ class ValueDependentCode(Rule):
             if kind is None:
                 kind = kinds[frame.f_code] = _kind(frame)
             if kind != _SKIPPED and kind != _MEMPROF:
-                return frame
+                return frame if kind != _DRIVER else None
             frame = frame.f_back
         return None
 
@@ -322,7 +333,7 @@ class ValueDependentCode(Rule):
         """The module of :data:`VALUE_DEPENDENT_CODE` among the first frame outside memprof and torch above
         ``caller`` (the frame that called the torch function) and the three above that (the helpers call torch
         directly, or through a helper of their own), or None."""
-        if caller is None or self._kind(caller) == _MEMPROF:
+        if caller is None or self._kind(caller) >= _MEMPROF:
             # memprof's own bookkeeping (a storage looked up, a saved tensor detached) is no library code's doing,
             # whatever runs above it; and it is most of the calls a simulation's rules see.
             return None

@@ -4,6 +4,7 @@ over from another call."""
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -34,3 +35,28 @@ def test_each_call_is_judged_by_its_own_callers():
                 assert vdc.bytes - before == (4_000_000 if who == "mask" else 0), (order, who)
         assert vdc.calls == order.count("mask")
         assert vdc.where == {"transformers.masking_utils_probe"}
+
+
+# A module named as one of memprof's step runners (kernels._DRIVERS matches by prefix), and one named as torch's.
+_DRIVER = types.ModuleType("memprof.simulate.step_probe")
+exec("def run(fn, *args):\n    return fn(*args)\n", _DRIVER.__dict__)
+_TORCH = types.ModuleType("torch.optim_probe")
+exec("def step(lin, x):\n    return lin(x)\n", _TORCH.__dict__)
+
+
+def test_a_walk_ends_at_the_frame_that_runs_the_step_and_sees_all_below_it():
+    lin = nn.Linear(1000, 1000, device="meta")
+    x = torch.empty(1000, 1000, device="meta")
+    vdc = ValueDependentCode()
+    with Rules(vdc):
+        # The mask helper runs below the step runner: found before the walk reaches it (4,000,000 B, as above).
+        _DRIVER.run(_MASKS.mask_helper, lin, x)
+        assert (vdc.bytes, vdc.calls) == (4_000_000, 1)
+        # Torch's code called by the step runner (an optimizer's op): nothing of the library's, and the walk stops
+        # at the runner instead of climbing through the estimate and its caller.
+        _DRIVER.run(_TORCH.step, lin, x)
+        assert (vdc.bytes, vdc.calls) == (4_000_000, 1)
+    frames = []
+    _DRIVER.run(lambda: frames.append(sys._getframe(1)))  # the runner's own frame, called from this test
+    # Before, the walk went on past the runner to this test's frame (a user frame: anyone else's code).
+    assert vdc._user_frame(frames[0]) is None
