@@ -275,9 +275,7 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
     growths are returned beside the tokens."""
     Fit = tuple[tuple[str, int], int, int]
     allowed: dict[int, set[Fit]] = {}
-    grows: dict[int, tuple[set[tuple[tuple[str, int], int]], set[tuple[tuple[str, int], int]]]] = {}
-    kept: "dict[tuple[int, int], int | None]" = {}
-    seen: dict[int, int] = {}  # q -> copies of it met so far in c
+    copies: dict[int, list[int]] = {}  # q -> where its copies stand in c, in order
     for p, q in enumerate(origin):
         token, want = predicted[p], c[0][p]
         if q in change.grew or token[0] not in ("f", "r"):
@@ -287,13 +285,17 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
         if want[0] != token[0] or want[1] != token[1] or (token[0] == "r" and want[5] != token[5]):
             return None
         theirs, ours = c[1][p], b[1][q]
-        if q not in grows:
-            grows[q] = (_per_copy(a, b, q, change, kept), _per_step(b, q, change))
-        j = seen[q] = seen.get(q, -1) + 1
         fits: set[Fit] = {(w, 0, 0) for w, v in ours.items() if theirs.get(w) == v}
-        fits |= {(w, g, 0) for w, g in grows[q][0] if theirs.get(w) == ours[w] + g}
-        fits |= {(w, 0, h) for w, h in grows[q][1] if theirs.get(w) == ours[w] + j * h}
         allowed[q] = allowed[q] & fits if q in allowed else fits
+        copies.setdefault(q, []).append(p)
+    kept: "dict[tuple[int, int], int | None]" = {}
+    for q in [q for q, fits in allowed.items() if not fits]:  # no way holds still: one that grows, if any
+        ours, grown, stepped = b[1][q], _per_copy(a, b, q, change, kept), _per_step(b, q, change)
+        fits = {(w, g, 0) for w, g in grown} | {(w, 0, h) for w, h in stepped}
+        for j, p in enumerate(copies[q]):
+            theirs = c[1][p]
+            fits = {(w, g, h) for w, g, h in fits if theirs.get(w) == ours[w] + g + j * h}
+        allowed[q] = fits
     tokens = list(b[0])
     per_copy: dict[int, tuple[int, int]] = {}
     for q, fits in allowed.items():
