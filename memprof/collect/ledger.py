@@ -246,7 +246,59 @@ _new_object = object.__new__
 _NONE_NOW: "deque[Entry | Release | torch.Tensor]" = deque()
 
 
-class Ledger:
+class Peaks:
+    """The highest the ledger's totals reached, in the phase under way and in the run: the bytes, the categories and
+    tags then, the event (``seq``) and the module on top at that moment; ``phase_serial`` counts the phases begun.
+    :class:`Ledger` is one: it keeps the totals these follow (``add()`` writes :meth:`check_peak` out, on its hot
+    path)."""
+
+    # The totals followed, which the ledger keeps.
+    totals: list[int]
+    total: int
+    tag_act: list[int]
+    seq: int
+    top: "Frame | None"
+
+    def __init__(self) -> None:
+        self.phase_serial = 0
+        self.phase_peak_total = 0
+        self.phase_peak = [0] * N_CATS
+        self.phase_peak_tags = [0] * N_TAGS
+        self.phase_peak_seq = 0
+        self.phase_peak_module = -1
+        self.phase_peak_ns = perf_counter_ns()  # when the phase's peak was reached (exports' time axis)
+        self.peak_total = 0
+        self.peak = [0] * N_CATS
+        self.peak_tags = [0] * N_TAGS
+        self.peak_seq = 0
+        self.peak_phase_serial = 0
+        self.peak_module = -1
+
+    def check_peak(self) -> None:
+        """The totals went up (a storage resized, moved or made outside ``add()``): the module frame on top, the
+        phase and the run keep their highest."""
+        total = self.total
+        top = self.top
+        if top is not None and total > top.max:
+            top.max = total
+        if total > self.phase_peak_total:
+            # Slices, not copy() calls: no call while the peak is half recorded (see add()).
+            self.phase_peak_total = total
+            self.phase_peak = self.totals[:]
+            self.phase_peak_tags = self.tag_act[:]
+            self.phase_peak_seq = self.seq
+            self.phase_peak_module = top.module if top is not None else -1
+            if total > self.peak_total:
+                self.peak_total = total
+                self.peak = self.phase_peak[:]
+                self.peak_tags = self.phase_peak_tags
+                self.peak_seq = self.seq
+                self.peak_phase_serial = self.phase_serial
+                self.peak_module = self.phase_peak_module
+            self.phase_peak_ns = perf_counter_ns()
+
+
+class Ledger(Peaks):
     """Running accounting of live storages by category.
 
     ``rounding`` is the allocator's granularity (512 on CUDA, 1 on CPU): a
@@ -255,6 +307,7 @@ class Ledger:
     """
 
     def __init__(self, rounding: int = 1) -> None:
+        super().__init__()
         self.rounding = rounding
         self.entries: dict[int, Entry] = {}
         # What torch released and the ledger has not applied yet (Entry: a storage freed; Release: saved
@@ -273,21 +326,6 @@ class Ledger:
         self.seq = 0
         self.closed = False
         self.tag_act = [0] * N_TAGS
-        self.phase_peak_tags = [0] * N_TAGS
-        self.peak_tags = [0] * N_TAGS
-        # Phase peak.
-        self.phase_serial = 0
-        self.phase_peak_total = 0
-        self.phase_peak = [0] * N_CATS
-        self.phase_peak_seq = 0
-        self.phase_peak_module = -1
-        self.phase_peak_ns = perf_counter_ns()  # when the phase's peak was reached (exports' time axis)
-        # Global peak.
-        self.peak_total = 0
-        self.peak = [0] * N_CATS
-        self.peak_seq = 0
-        self.peak_phase_serial = 0
-        self.peak_module = -1
         # Module frames (innermost last).
         self.frames: list[Frame] = []
         self.top: "Frame | None" = None
@@ -453,27 +491,6 @@ class Ledger:
         self.total += delta
         self.check_peak()
 
-    def check_peak(self) -> None:
-        total = self.total
-        top = self.top
-        if top is not None and total > top.max:
-            top.max = total
-        if total > self.phase_peak_total:
-            # Slices, not copy() calls: no call while the peak is half recorded (see add()).
-            self.phase_peak_total = total
-            self.phase_peak = self.totals[:]
-            self.phase_peak_tags = self.tag_act[:]
-            self.phase_peak_seq = self.seq
-            self.phase_peak_module = top.module if top is not None else -1
-            if total > self.peak_total:
-                self.peak_total = total
-                self.peak = self.phase_peak[:]
-                self.peak_tags = self.phase_peak_tags
-                self.peak_seq = self.seq
-                self.peak_phase_serial = self.phase_serial
-                self.peak_module = self.phase_peak_module
-            self.phase_peak_ns = perf_counter_ns()
-
     # -- phases ----------------------------------------------------------------
 
     def start_phase(self) -> None:
@@ -481,7 +498,7 @@ class Ledger:
         self.settle()  # what torch released before the boundary belongs to the phase that ends
         self.phase_serial += 1
         self.phase_start_seq = self.seq
-        self.phase_peak_total = self.total
+        self.phase_peak_total = self.total  # the phase's peak starts again here (Peaks), written out: no call
         self.phase_peak = self.totals.copy()
         self.phase_peak_tags = self.tag_act.copy()
         self.phase_peak_seq = self.seq
