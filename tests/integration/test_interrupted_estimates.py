@@ -19,6 +19,7 @@ from types import CodeType, FrameType
 from typing import Callable
 
 import torch
+from torch.utils import _python_dispatch as _pd
 
 import memprof
 from memprof.simulate.stages import NothingLeftBehind
@@ -35,7 +36,11 @@ def _thread_state() -> tuple[object, ...]:
             torch._C._meta_in_tls_dispatch_include(), str(torch._C._get_torch_function_state()),
             torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
             torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack(),
-            torch._C._autograd._top_saved_tensors_default_hooks(False), signal.getsignal(signal.SIGINT))
+            torch._C._autograd._top_saved_tensors_default_hooks(False), signal.getsignal(signal.SIGINT),
+            # torch's Python-level "a dispatch mode is in" flags (process-wide: read by torch.compile, FakeTensor),
+            # which a mode's __exit__ puts back and a raw pop of the stack does not.
+            _pd._is_in_torch_dispatch_mode, _pd._is_in_non_infra_torch_dispatch_mode,
+            _pd._is_in_any_mode_without_ignore_compile_internals)
 
 
 def _calls(run: Callable[[], object]) -> list[tuple[CodeType, CodeType, int]]:
