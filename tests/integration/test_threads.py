@@ -197,6 +197,12 @@ def test_stop_given_no_exception_ends_the_profile_then_refuses_it():
     model, x, prof, raised = _started_elsewhere_ended_here(lambda p: p.stop("boom"))
     assert len(raised) == 1 and isinstance(raised[0], InvalidArgumentError) and not prof.running
     assert isinstance(raised[0].__cause__, ProfilerStateError)
+    # What that end could not take off this thread (its inert dispatch mode, its saved-tensor hooks: both per
+    # thread) goes at the next profile's start here, and nothing is left for the code after it.
+    with memprof.profile(model):
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    assert hook_registry(model, tensors=[x]) == before
 
 
 def _mlp():
