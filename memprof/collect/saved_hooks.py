@@ -233,6 +233,10 @@ class SavedHooks:
                 if (self.thread, pack) not in _ORPHANS:
                     _ORPHANS.append((self.thread, pack))
             self.pushed.pop()
+        # A push a signal handler's exception cut off before it was recorded (between _push and the append in
+        # cover()) is ours all the same: popped while it is on top, as the recorded ones are.
+        while here and self.is_ours(_top(False)):
+            _pop()
         return clean
 
     @staticmethod
