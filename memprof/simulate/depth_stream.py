@@ -20,7 +20,9 @@ tokens of the cut to ``k + 2``, exactly (:func:`_agreed`). A free in a run may n
 that grows in every copy of the run each time one more is inserted (under a pipeline schedule a block's backward
 frees what its micro-batch's forward made, after the later blocks' storages of every micro-batch in flight): the
 growth is measured from ``k`` to ``k + 1`` on a copy of the run the cut kept, and must hold in every copy in the cut
-to ``k + 2`` (:func:`_per_copy`). Then each run inserted ``more`` times again gives the
+to ``k + 2`` (:func:`_per_copy`); or one that moves by a step from each copy to the next (FSDP2 resizing what it
+gathered to 0), measured on the copy just before the run and held in every copy of the cut to ``k + 2``
+(:func:`_per_step`). Then each run inserted ``more`` times again gives the
 tokens of the model at full depth, decoded into a stream whose events are numbered one by one, the moments placed
 at their markers. A switch of the current CUDA stream (FSDP2's copy-in and reduce-scatter streams:
 :class:`~memprof.collect.streams.StreamUse`) is a marker too, so each block's run carries its own switches and the
@@ -290,7 +292,10 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
         copies.setdefault(q, []).append(p)
     kept: "dict[tuple[int, int], int | None]" = {}
     for q in [q for q, fits in allowed.items() if not fits]:  # no way holds still: one that grows, if any
-        ours, grown, stepped = b[1][q], _per_copy(a, b, q, change, kept), _per_step(b, q, change)
+        run = next(((s, e) for s, e in change.runs if s <= q < e), None)
+        if run is None:  # a token no block inserted: nothing grows it per copy
+            return None
+        ours, grown, stepped = b[1][q], _per_copy(a, b, q, run, change, kept), _per_step(b, q, run)
         fits = {(w, g, 0) for w, g in grown} | {(w, 0, h) for w, h in stepped}
         for j, p in enumerate(copies[q]):
             theirs = c[1][p]
@@ -309,12 +314,9 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
     return tokens, per_copy
 
 
-def _per_step(b: Tokens, q: int, change: _Change) -> "set[tuple[tuple[str, int], int]]":
-    """How far each way of token ``q`` of ``b``, in a run, is from the same token of the copy of the run just before
-    it (the same free or resize there): each (way, step), which each copy in the next cut must move on by."""
-    run = next(((s, e) for s, e in change.runs if s <= q < e), None)
-    if run is None:
-        return set()
+def _per_step(b: Tokens, q: int, run: tuple[int, int]) -> "set[tuple[tuple[str, int], int]]":
+    """How far each way of token ``q`` of ``b``, in ``run``, is from the same token of the copy of the run just
+    before it (the same free or resize there): each (way, step), which each copy in the next cut must move on by."""
     at = q - (run[1] - run[0])
     if at < 0 or _shape(b[0][at]) != _shape(b[0][q]):
         return set()
@@ -322,15 +324,14 @@ def _per_step(b: Tokens, q: int, change: _Change) -> "set[tuple[tuple[str, int],
     return {(w, ours[w] - theirs[w]) for w in ours.keys() & theirs.keys() if ours[w] != theirs[w]}
 
 
-def _per_copy(a: Tokens, b: Tokens, q: int, change: _Change, kept: "dict[tuple[int, int], int | None]"
-              ) -> "set[tuple[tuple[str, int], int]]":
-    """How far each way of token ``q`` of ``b``, in a run, moved from ``a`` to ``b``, as measured on a copy of the
+def _per_copy(a: Tokens, b: Tokens, q: int, run: tuple[int, int], change: _Change,
+              kept: "dict[tuple[int, int], int | None]") -> "set[tuple[tuple[str, int], int]]":
+    """How far each way of token ``q`` of ``b``, in ``run``, moved from ``a`` to ``b``, as measured on a copy of the
     run that ``b`` kept from ``a``, at the same place in it: its value in ``b`` against the value of the token of
     ``a`` it stood for. The copies looked at: the one just before and just after the run, where the token there is
     the same free or resize, and the nearest copy of the whole run (:func:`_kept_copy`; ``kept`` holds each run's,
     found once). Each (way, growth) measured, any of which the caller may check against the next cut."""
-    run = next(((s, e) for s, e in change.runs if s <= q < e), None)
-    if run is None or change.aligned is None:
+    if change.aligned is None:
         return set()
     n = run[1] - run[0]
     if run not in kept:
@@ -356,7 +357,7 @@ def _kept_copy(tokens: list[Token], run: tuple[int, int], change: _Change) -> "i
     s, e = run
     n = e - s
     shape = [_shape(t) for t in tokens[s:e]]
-    for d in range(n, len(tokens)):
+    for d in range(n, max(s, len(tokens) - e) + 1):  # outwards, until both ends are passed
         for j in (s - d, s + d):
             if (0 <= j and j + n <= len(tokens) and _shape(tokens[j]) == shape[0]
                     and all(j + o in change.aligned for o in range(n))
