@@ -27,7 +27,7 @@ from .torch_compat import python_dispatch as _pd
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["push_beneath", "pop_from_beneath"]
+__all__ = ["push_beneath", "pop_from_beneath", "mode_flags", "restore_mode_flags"]
 
 
 def _stack() -> "list[TorchDispatchMode]":
@@ -38,11 +38,14 @@ def _plain(mode: "TorchDispatchMode") -> bool:
     return getattr(mode, "_mode_key", None) is None and getattr(mode, "_dispatch_key", None) is None
 
 
-def _current() -> tuple[object, ...]:
+def mode_flags() -> tuple[object, ...]:
+    """torch's "is a mode in" flags as they are now, for :func:`restore_mode_flags`."""
     return tuple(getattr(_pd, name, None) for name in _CURRENT)
 
 
-def _restore(values: tuple[object, ...]) -> None:
+def restore_mode_flags(values: tuple[object, ...]) -> None:
+    """Put torch's "is a mode in" flags back to ``values`` (:func:`mode_flags`): what the exits of modes taken off
+    the stack without them (a raw pop) would have put back."""
     for name, value in zip(_CURRENT, values):
         if hasattr(_pd, name):
             setattr(_pd, name, value)
@@ -89,7 +92,7 @@ def push_beneath(mode: "TorchDispatchMode", depth: int) -> None:
     if not above or not all(_plain(m) for m in above):
         mode.__enter__()  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
         return
-    before = _current()
+    before = mode_flags()
     lifted = _lift(len(above))
     bottom = _saved(lifted[-1])
     mode.__enter__()  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
@@ -101,7 +104,7 @@ def push_beneath(mode: "TorchDispatchMode", depth: int) -> None:
         if saved is not None:
             _set_saved(m, [True, True, saved[2]])
     _put_back(lifted)
-    _restore(before)
+    restore_mode_flags(before)
 
 
 def pop_from_beneath(mode: "TorchDispatchMode") -> bool:
@@ -117,11 +120,11 @@ def pop_from_beneath(mode: "TorchDispatchMode") -> bool:
         return True
     if not all(_plain(m) for m in above):
         return False
-    before = _current()
+    before = mode_flags()
     lifted = _lift(len(above))
     ours = _saved(mode)
     mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
     _set_saved(lifted[-1], ours)  # the lowest of them now restores what memprof's mode would have
     _put_back(lifted)
-    _restore(before)
+    restore_mode_flags(before)
     return True

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..anatomy.params import infer_precision
+from ..collect.mode_stack import mode_flags, restore_mode_flags
 from ..errors import MemprofError, is_interrupt
 from . import held_signals
 from .abandoned import finish_abandoned
@@ -317,6 +318,7 @@ class NothingLeftBehind:
 
     def __enter__(self) -> "NothingLeftBehind":
         self.depths = (torch._C._len_torch_dispatch_stack(), torch._C._len_torch_function_stack())
+        self.flags = mode_flags()  # torch's process-wide "a dispatch mode is in" flags, which a mode's exit puts back
         # An interrupt inside a no_grad region's exit (the optimizer's step) leaves grad mode off.
         self.grad = torch.is_grad_enabled()
         self.signals = held_signals.entered()
@@ -338,8 +340,10 @@ class NothingLeftBehind:
         dispatch, function = self.depths
         while torch._C._len_torch_function_stack() > function:
             torch._C._pop_torch_function_stack()
-        while torch._C._len_torch_dispatch_stack() > dispatch:
-            torch._C._pop_torch_dispatch_stack(None)
+        if torch._C._len_torch_dispatch_stack() > dispatch:
+            while torch._C._len_torch_dispatch_stack() > dispatch:
+                torch._C._pop_torch_dispatch_stack(None)
+            restore_mode_flags(self.flags)  # as the popped modes' exits would have
         self.keys.__exit__(None, None, None)
         torch.set_grad_enabled(self.grad)
         held_signals.leave_to(self.signals)  # the user's signal handlers, as they were

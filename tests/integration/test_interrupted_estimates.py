@@ -139,3 +139,22 @@ def test_a_context_manager_an_interrupt_abandoned_is_finished_before_the_thread_
     assert not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradCPU)
     a = torch.ones(2, requires_grad=True)
     assert (a * 2).requires_grad
+
+
+def test_a_mode_an_interrupt_left_entered_is_taken_off_with_torchs_flags_put_back():
+    # The interrupt lands after a dispatch mode's entry and before its `with` registered the exit: the cleanup
+    # takes the mode off the stack, and torch's process-wide "a dispatch mode is in" flags, which that mode's
+    # exit would have put back, are put back too (torch.compile and FakeTensor read them).
+    before = _thread_state()
+
+    class Entered(_pd.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with NothingLeftBehind():
+            Entered().__enter__()
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert _thread_state() == before
