@@ -340,10 +340,11 @@ class NothingLeftBehind:
         dispatch, function = self.depths
         while torch._C._len_torch_function_stack() > function:
             torch._C._pop_torch_function_stack()
-        if torch._C._len_torch_dispatch_stack() > dispatch:
-            while torch._C._len_torch_dispatch_stack() > dispatch:
-                torch._C._pop_torch_dispatch_stack(None)
-            restore_mode_flags(self.flags)  # as the popped modes' exits would have
+        while torch._C._len_torch_dispatch_stack() > dispatch:
+            torch._C._pop_torch_dispatch_stack(None)
+        # As the popped modes' exits would have, or one an interrupt cut short between its pop and its flags: with
+        # the stack as it was, so are they (unchanged where the run was not cut short).
+        restore_mode_flags(self.flags)
         self.keys.__exit__(None, None, None)
         torch.set_grad_enabled(self.grad)
         held_signals.leave_to(self.signals)  # the user's signal handlers, as they were

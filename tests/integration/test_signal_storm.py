@@ -23,6 +23,7 @@ from torch import nn
 
 import memprof
 from memprof.collect.dispatch import DispatchMode, pop_orphan_modes
+from memprof.collect.mode_stack import mode_flags, restore_mode_flags
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
 
@@ -73,6 +74,7 @@ def _storm(mode: "str | None", interrupts: int) -> tuple[int, int, int]:
     # objects finalise during it.
     grad_enabled = torch.is_grad_enabled()
     depth = torch._C._len_torch_dispatch_stack()
+    flags = mode_flags()
     gc.collect()
     gc.freeze()
     foreign_callbacks = gc.callbacks[:]
@@ -119,6 +121,10 @@ def _storm(mode: "str | None", interrupts: int) -> tuple[int, int, int]:
     while torch._C._len_torch_dispatch_stack() > depth and isinstance(_top_mode(), DispatchMode):
         _top_mode().__exit__(None, None, None)
     assert torch._C._len_torch_dispatch_stack() == depth
+    # An interrupt inside torch's own TorchDispatchMode.__exit__ (its flags and its pop are separate statements)
+    # can leave those flags wrong whoever's mode it was: put back as they were before the storm, so that no later
+    # test of this worker starts with them up (test_long_runs checks them).
+    restore_mode_flags(flags)
     # Nor a saved-tensor pair of memprof's (one pushed, and the interrupt landing before memprof recorded the
     # push: test_an_interrupt_right_after_a_saved_hooks_push_leaves_no_pair_of_memprofs_behind).
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
