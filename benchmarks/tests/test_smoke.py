@@ -1,7 +1,8 @@
 """The benchmark scripts run end to end with tiny sizes and write their outputs.
 
 Each runs as a subprocess, as a user runs it (``python benchmarks/<script>.py``),
-with the --quick sizes; together they take about half a minute on 2 CPU cores.
+with the --quick sizes; together they take about a minute on 2 CPU cores, which is why they run apart from the
+test suite: ``python -m pytest -q -n auto benchmarks/tests`` (CI runs both).
 """
 
 import json
