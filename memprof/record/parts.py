@@ -5,6 +5,7 @@ Trace (and re-exports them: import them from there).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
@@ -14,7 +15,7 @@ from .aliases import JSONObject, Setting
 from .layout import MeshLayout
 from . import fields as fileform
 from .fields import form
-from .checks import (corrupt, count, listed_once, member, optional_count, optional_time,
+from .checks import (MAX_COUNT, corrupt, count, listed_once, member, optional_count, optional_time,
                      pairs, seq, text)
 from ..errors import TraceFormatError
 
@@ -24,9 +25,22 @@ __all__ = ["Breakdown", "PhaseRecord", "StepRecord", "ModuleRecord", "Sample", "
 
 _ALL = tuple(Category)
 _TENSOR = tuple(_ALL.index(c) for c in TENSOR_CATEGORIES)
+_tensors = operator.itemgetter(*_TENSOR)  # a breakdown's tensor categories' counts, as a tuple
 _NAMES = tuple(c.value for c in _ALL)  # read once: an enum's .value is a property, and files hold millions
 # A category's place in a breakdown, by member or by value (a str enum's member and its value are one key).
 _INDEX: dict[str, int] = {c: i for i, c in enumerate(_ALL)}  # by Category, which is a str, and by value
+#: What a file's count may be: an int (never a bool, a subclass) or None (not measured).
+_COUNT_TYPES = frozenset({int, type(None)})
+
+
+def _plain_counts(values: "tuple[object, ...]", total: object) -> bool:
+    """Is each of ``values`` and ``total`` None or an int within :data:`~memprof.record.checks.MAX_COUNT`? The
+    same rule as :func:`~memprof.record.checks.optional_count`, in a few C calls: a trace file holds hundreds of
+    thousands of breakdowns, and checking each count by a Python call took most of loading one."""
+    if not _COUNT_TYPES.issuperset(map(type, values)) or type(total) not in _COUNT_TYPES:
+        return False
+    known = [v for v in (*values, total) if isinstance(v, int)]  # ints, every one not None: the types are checked
+    return not known or (min(known) >= 0 and max(known) <= MAX_COUNT)
 
 #: The most ranks a job may have, in a record or an estimate: larger worlds than any job runs, so a
 #: typo (or a crafted file) more likely than a plan; what is sized per rank stays bounded.
@@ -95,13 +109,16 @@ class Breakdown(Mapping[Category, "int | None"]):
         """Read from a file: bytes per category and the total, which must agree as a measurement does
         (the measured categories sum to the total when every tensor category is measured, and never
         exceed it when some are not)."""
-        if not isinstance(data, Mapping):
+        if type(data) is not dict and not isinstance(data, Mapping):  # a file's are dicts: typing's check is slow
             raise corrupt(f"a breakdown must be a mapping of category to bytes, got {type(data).__name__}")
-        values = tuple(optional_count(data.get(name), name) for name in _NAMES)
-        total = optional_count(data.get("total"), "total")
+        values = tuple(map(data.get, _NAMES))
+        total = data.get("total")
+        if not _plain_counts(values, total):  # the check that names the field and the fix, only where one fails
+            values = tuple(optional_count(v, name) for v, name in zip(values, _NAMES))
+            total = optional_count(total, "total")
         if total is not None:
-            known = sum(v for v in values if v is not None)
-            complete = all(values[i] is not None for i in _TENSOR)
+            known = sum(filter(None, values))  # None and 0 add nothing
+            complete = None not in _tensors(values)
             if known > total or complete and known != total:
                 raise corrupt(f"a breakdown's categories sum to {known} bytes but its total is {total}")
         return cls(values, total)

@@ -214,11 +214,13 @@ class Report:
     def save(self, path: "str | os.PathLike[str]") -> None:
         """Write the trace as JSON (with its schema version); :func:`memprof.load` reads it back.
 
-        Written atomically: a failed write leaves an existing file at ``path`` as it was.
+        Written atomically: a failed write leaves an existing file at ``path`` as it was, and compact: an indented
+        file is written by json's Python encoder, which took 5.9 s for a trace of 20,000 steps where the C encoder
+        takes about one (``python -m json.tool`` indents a copy to read).
         """
         from ..record.files import write_json_atomic
 
-        write_json_atomic(path, self.trace.to_dict(), indent=1)
+        write_json_atomic(path, self.trace.to_dict())
 
     def export_chrome_trace(self, path: "str | os.PathLike[str]") -> None:
         """Write a Chrome trace (JSON) to open in ui.perfetto.dev or chrome://tracing: a counter track per

@@ -53,6 +53,21 @@ def test_load_refuses_non_integer_bytes(tmp_path):
         str(rep)  # if load accepted it, rendering must not crash with a TypeError either
 
 
+@pytest.mark.parametrize("field", ["weights", "total"])
+@pytest.mark.parametrize("value, message", [
+    (True, "must be an int, got True"), (1.0, "must be an int, got 1.0"), ("5", "must be an int, got '5'"),
+    (-1, "must be between 0 and 2\\*\\*63 - 1, got -1"),
+    (2**63, "must be between 0 and 2\\*\\*63 - 1, got 9223372036854775808")])
+def test_a_breakdown_s_bad_count_is_refused_naming_its_field(tmp_path, field, value, message):
+    # Breakdowns are read by a check in a few C calls; the one that fails is named as by the count-by-count check.
+    data = _saved_trace(tmp_path)
+    data["peak"][field] = value
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(data))
+    with pytest.raises(TraceFormatError, match=f"{field} {message}"):
+        memprof.load(p)
+
+
 def test_load_refuses_foreign_json_shapes(tmp_path):
     p = tmp_path / "t.json"
     for raw in (b"", b"[1, 2]", b"null", b'"memprof.trace"', b"\xff\xfe\x00"):
