@@ -80,14 +80,10 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
         steps = [tuple(m[0] for m in r.moments) for r in cuts]
         if not steps[0] == steps[1] == steps[2]:
             return "its phases differ between the cuts"
-        change = _change(a, b)
-        predicted, _, origin = _apply(b[0], change, 1)
-        if len(predicted) != len(c[0]):
-            return "its allocation stream did not grow by the same events per block"
-        agreed = _agreed(a, b, c, predicted, origin, change)
-        if agreed is None:
-            return "its allocation stream did not grow by the same events per block"
-        tokens, per_copy = agreed
+        agreed = _aligned(a, b, c)
+        if isinstance(agreed, str):
+            return agreed
+        change, tokens, per_copy = agreed
         # The cut to k + 2's tokens, position by position.
         predicted, change, _ = _apply(tokens, change._replace(per_copy=per_copy), 1)
         whole, change, origin = _apply(predicted, change, more)
@@ -112,6 +108,35 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
                           StreamUse(switches=tuple(switches))), missed
 
 
+#: Why the cuts' streams do not extend where no run of events repeats as a block is added.
+UNEVEN = "its allocation stream did not grow by the same events per block"
+
+
+def _aligned(a: Tokens, b: Tokens, c: Tokens) -> "tuple[_Change, list[Token], dict[int, tuple[int, int]]] | str":
+    """The change from ``a`` to ``b`` that, made once more, gives ``c`` (:func:`_agreed`'s tokens and growths
+    beside it), or why there is none. The tokens are aligned in full first; failing that, by their shapes alone (a
+    free or resize without the way it names its storage): where a block's backward frees a storage of the block
+    before it (a 1F1B stage's first micro-batch), the run a block adds holds the previous block's free, and
+    aligned in full the free falls apart from the run, one copy from where the next cut puts it. The reason
+    given is the first alignment's."""
+    reason: "str | None" = None
+    for by_shape in (False, True):
+        try:
+            change = _change(a, b, by_shape)
+        except _Stop as exc:
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
+            reason = reason or str(exc)
+            continue
+        predicted, _, origin = _apply(b[0], change, 1)
+        agreed = _agreed(a, b, c, predicted, origin, change) if len(predicted) == len(c[0]) else None
+        if agreed is not None:
+            return change, *agreed
+        reason = reason or UNEVEN
+    assert reason is not None
+    return reason
+
+
 class _Change(NamedTuple):
     """From one cut to the next: the runs of tokens inserted (``[start, end)`` in the next cut), and the tokens
     that grew (position in the next cut -> what each of its numbers grew by: bytes, position, new bytes). Also
@@ -128,17 +153,25 @@ class _Change(NamedTuple):
     per_copy: "dict[int, tuple[int, int]] | None" = None
 
 
-def _change(a: Tokens, b: Tokens) -> _Change:
+def _change(a: Tokens, b: Tokens, by_shape: bool = False) -> _Change:
     """How ``b``'s tokens are ``a``'s with runs inserted and some numbers grown (a storage of bytes in proportion
     to the parameters, a free naming its storage from an end of a list that grew). Each token of ``b`` is written
-    in full (:func:`_full`), a grown free named the way that both cuts share and that moved least."""
+    in full (:func:`_full`), a grown free named the way that both cuts share and that moved least. ``by_shape``:
+    the tokens are aligned by their shapes alone (:func:`_shape`), and a free or resize aligned with one that names
+    its storage otherwise grew as where aligned in full."""
     runs: list[tuple[int, int]] = []
     grew: dict[int, Grown] = {}
     aligned: dict[int, int] = {}
-    ops = difflib.SequenceMatcher(None, a[0], b[0], autojunk=False).get_opcodes()
+    seq_a, seq_b = ([_shape(t) for t in a[0]], [_shape(t) for t in b[0]]) if by_shape else (a[0], b[0])
+    ops = difflib.SequenceMatcher(None, seq_a, seq_b, autojunk=False).get_opcodes()
     for op, i1, i2, j1, j2 in ops:
         if op == "equal":
             aligned.update(zip(range(j1, j2), range(i1, i2)))
+            for x, y in zip(range(i1, i2), range(j1, j2)) if by_shape else ():
+                if a[0][x] != b[0][y]:
+                    full, by = _grown(a[0][x], a[1][x], b[0][y], b[1][y])
+                    if any(by):  # else a way stood still, which _agreed finds
+                        grew[y] = (full, by)
             continue
         if op == "insert":
             runs.append((j1, j2))
@@ -337,7 +370,7 @@ def _per_copy(a: Tokens, b: Tokens, q: int, run: tuple[int, int], change: _Chang
     if run not in kept:
         kept[run] = _kept_copy(b[0], run, change)
     copy = kept[run]
-    places = [q - n, q + n] + ([copy + q - run[0]] if copy is not None else [])
+    places = {q - n, q + n, *_beside(b[0], q, run)} | ({copy + q - run[0]} if copy is not None else set())
     out: set[tuple[tuple[str, int], int]] = set()
     for at in places:
         x = change.aligned.get(at)
@@ -346,6 +379,21 @@ def _per_copy(a: Tokens, b: Tokens, q: int, run: tuple[int, int], change: _Chang
         theirs, ours = a[1][x], b[1][at]
         out.update({(w, ours[w] - theirs[w]) for w in ours.keys() & theirs.keys() & b[1][q].keys()
                     if ours[w] != theirs[w]})
+    return out
+
+
+def _beside(tokens: list[Token], q: int, run: tuple[int, int]) -> list[int]:
+    """Where token ``q`` of ``run`` stands in the copies of the run just before and after it, counted without
+    markers: a phase's moment (its peak) falls in one copy of a block's run, not in the others."""
+    n = sum(1 for t in tokens[run[0]:run[1]] if t[0] != "m")
+    out = []
+    for step in (-1, 1):
+        at, left = q, n
+        while left and 0 <= at + step < len(tokens):
+            at += step
+            left -= tokens[at][0] != "m"
+        if not left and tokens[at][0] != "m":
+            out.append(at)
     return out
 
 
