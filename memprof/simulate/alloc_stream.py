@@ -247,16 +247,19 @@ def replay_stream(stream: Sequence[tuple[int, int, int]], seqs: Sequence[int], c
 
 
 def check_stream(stream: Sequence[tuple[int, int, int]], rounding: int, expected: Mapping[int, int],
-                 ceiling: int, scaled: Sequence[tuple[int, int]] = ()) -> None:
+                 ceiling: int, scaled: Sequence[tuple[int, int]] = (),
+                 phases: Sequence[tuple[int, int, int]] = ()) -> None:
     """The stream is the ledger's own: its live bytes (each size rounded up to ``rounding``, as the ledger
     counts them) are, after the last event at or before each seq of ``expected``, the figure there, and never
-    above the figures' peak ``ceiling``. In the ``scaled`` spans of seqs (start, end] (a simulated rank's
+    above the figures' peak ``ceiling``, nor, inside each of ``phases`` (start, end, its peak: seqs (start, end]),
+    above that phase's peak. In the ``scaled`` spans of seqs (start, end] (a simulated rank's
     optimizer steps, :func:`rank_step`) the figures took the rank's share of a sum where the stream took each
     storage's share rounded up: there the stream may hold more, by less than ``rounding`` + 1 bytes for each live
     storage made in such a span, never less. Raises ``AssertionError`` naming the first event that breaks it.
     A check for tests and ``MEMPROF_CHECK_REPLAY=1``; a replay never pays for it."""
     sizes: dict[int, int] = {}
     rescaled: set[Hashable] = set()  # live storages made in a scaled span
+    spans, p = sorted(phases, key=lambda s: (s[1], s[0])), 0  # by their ends: the first not yet ended is at p
     total = 0
     wanted = sorted(expected)
     w = 0
@@ -283,7 +286,16 @@ def check_stream(stream: Sequence[tuple[int, int, int]], rounding: int, expected
             total += sizes[key]
             if inside(seq):
                 rescaled.add(key)
-        if total > ceiling + len(rescaled) * (rounding + 1):
+        loose = len(rescaled) * (rounding + 1)
+        if total > ceiling + loose:
             raise AssertionError(f"event {index} (seq {seq}): the stream holds {total} B live, above the figures' "
                                  f"peak of {ceiling} B: the replay runs events the run's figures do not count")
+        while p < len(spans) and spans[p][1] < seq:
+            p += 1
+        for start, end, top in spans[p:]:
+            if start >= seq:
+                break
+            if seq <= end and total > top + loose:
+                raise AssertionError(f"event {index} (seq {seq}): the stream holds {total} B live, above the peak "
+                                     f"of {top} B of the phase it falls in: that phase's peak is another moment")
     compare(float("inf"))  # type: ignore[arg-type]

@@ -290,12 +290,15 @@ def _check_ledger(trace: Trace, stream: Sequence[tuple[int, int, int]],
         if seq >= first and all(v is not None for v in tensors):
             expected[seq] = sum(tensors)  # type: ignore[arg-type]
 
+    phases: list[tuple[int, int, int]] = []  # each phase's span of seqs and its peak's tensors
     for step in trace.steps:
         for i, rec in enumerate(step.phases):
             where = placed.get((step.index, i))
             if where is not None:
                 for b, seq in zip((rec.start, rec.peak, rec.end), where):
                     note(b, seq)
+                if where[0] >= first and None not in rec.peak.counts[:_N]:
+                    phases.append((where[0], where[2], sum(v or 0 for v in rec.peak.counts[:_N])))
     note(trace.start, first)
     note(trace.peak, peak_seq)
     note(trace.end, end_seq)
@@ -305,7 +308,7 @@ def _check_ledger(trace: Trace, stream: Sequence[tuple[int, int, int]],
     ranked = trace.distributed is not None and trace.distributed.layout in ("fsdp", "zero1", "zero2", "zero3")
     scaled = [(where[0], where[2]) for step in trace.steps for i, rec in enumerate(step.phases)
               if ranked and rec.phase is Phase.OPTIMIZER and (where := placed.get((step.index, i))) is not None]
-    check_stream(stream, max(1, trace.device.rounding or 1), expected, ceiling, scaled)
+    check_stream(stream, max(1, trace.device.rounding or 1), expected, ceiling, scaled, phases)
 
 
 def moments_of(trace: Trace, recorded: RecordedStream
