@@ -163,7 +163,9 @@ def _change(a: Tokens, b: Tokens, by_shape: bool = False) -> _Change:
     grew: dict[int, Grown] = {}
     aligned: dict[int, int] = {}
     seq_a, seq_b = ([_shape(t) for t in a[0]], [_shape(t) for t in b[0]]) if by_shape else (a[0], b[0])
-    ops = difflib.SequenceMatcher(None, seq_a, seq_b, autojunk=False).get_opcodes()
+    ops: "Sequence[Opcode]" = difflib.SequenceMatcher(None, seq_a, seq_b, autojunk=False).get_opcodes()
+    if by_shape:
+        ops = _slid(ops, a[0], b[0], seq_b)
     for op, i1, i2, j1, j2 in ops:
         if op == "equal":
             aligned.update(zip(range(j1, j2), range(i1, i2)))
@@ -189,6 +191,42 @@ def _change(a: Tokens, b: Tokens, by_shape: bool = False) -> _Change:
         if j2 > y:
             runs.append((y, j2))
     return _Change(runs, grew, aligned)
+
+
+Opcode = tuple[str, int, int, int, int]
+
+
+def _slid(ops: "Sequence[Opcode]", a: list[Token], b: list[Token], shapes: "list[Token]") -> "list[Opcode]":
+    """``ops`` (difflib's, of the shapes) with each run inserted between two equal stretches slid along them to
+    where the most tokens aligned are the same in full. Where a block's run repeats, inserting it at any copy gives
+    the same shapes, and difflib takes the first place that matches; in full, the first copy of a run can differ
+    from the rest (the first block frees what the others do not), and a run inserted before it made that copy the
+    one each block adds."""
+    tags = [op[0] for op in ops]
+    out = [list(op[1:]) for op in ops]  # i1, i2, j1, j2 of each
+    for k in range(1, len(out) - 1):
+        if tags[k] != "insert" or tags[k - 1] != "equal" or tags[k + 1] != "equal":
+            continue
+        before, op, after = out[k - 1], out[k], out[k + 1]
+        i, _, j1, j2 = op
+        best, score = 0, 0
+        moved, t = 0, 0  # along: b[j1 + t] takes a[i + t] from b[j2 + t]
+        while j2 + t < after[3] and shapes[j1 + t] == shapes[j2 + t]:
+            moved += (a[i + t] != b[j1 + t]) - (a[i + t] != b[j2 + t])
+            t += 1
+            best, score = (t, moved) if moved < score else (best, score)
+        moved, t = 0, 0  # back: b[j2 - 1 - t] takes a[i - 1 - t] from b[j1 - 1 - t]
+        while j1 - 1 - t >= before[2] and shapes[j1 - 1 - t] == shapes[j2 - 1 - t]:
+            moved += (a[i - 1 - t] != b[j2 - 1 - t]) - (a[i - 1 - t] != b[j1 - 1 - t])
+            t += 1
+            best, score = (-t, moved) if moved < score else (best, score)
+        if best:
+            before[1] += best
+            before[3] += best
+            op[:] = [i + best, i + best, j1 + best, j2 + best]
+            after[0] += best
+            after[2] += best
+    return [(tag, o[0], o[1], o[2], o[3]) for tag, o in zip(tags, out) if o[1] > o[0] or o[3] > o[2]]
 
 
 def _paired(a: Tokens, b: Tokens, i1: int, i2: int, j1: int, j2: int) -> list[tuple[int, int]]:
@@ -330,6 +368,10 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
             return None
         ours, grown, stepped = b[1][q], _per_copy(a, b, q, run, change, kept), _per_step(b, q, run)
         fits = {(w, g, 0) for w, g in grown} | {(w, 0, h) for w, h in stepped}
+        # Both at once: where a backward visits the blocks from the last, the copy a block adds comes before those
+        # it repeats; each copy kept moves by g (measured on one) and the new one sits h before the one after it,
+        # so, in the order of the stream, the first copy moved by g - h (from the oldest of a list: g = 0).
+        fits |= {(w, g - h, h) for w, h in stepped for g in {0, *(g for v, g in grown if v == w)}}
         for j, p in enumerate(copies[q]):
             theirs = c[1][p]
             fits = {(w, g, h) for w, g, h in fits if theirs.get(w) == ours[w] + g + j * h}
@@ -339,7 +381,12 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
     for q, fits in allowed.items():
         if not fits:
             return None
-        (way, ago), g, h = min(fits, key=lambda f: (f[1] != 0 or f[2] != 0, abs(b[1][q][f[0]]), ORDER[f[0][0]]))
+        # A way that stands still, then one that grows alike in every copy (checked in each), then one that steps
+        # from copy to copy (with two copies in the next cut, checked in one): a free's position from the newest
+        # that grew in every copy and its distance from the last free that stepped in the one checked did not in
+        # a third copy.
+        (way, ago), g, h = min(fits, key=lambda f: (f[1] != 0 or f[2] != 0, f[2] != 0, abs(b[1][q][f[0]]),
+                                                    ORDER[f[0][0]]))
         t = tokens[q]
         tokens[q] = (t[0], t[1], way, ago, b[1][q][(way, ago)], *t[5:])
         if g or h:
@@ -350,11 +397,15 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
 def _per_step(b: Tokens, q: int, run: tuple[int, int]) -> "set[tuple[tuple[str, int], int]]":
     """How far each way of token ``q`` of ``b``, in ``run``, is from the same token of the copy of the run just
     before it (the same free or resize there): each (way, step), which each copy in the next cut must move on by."""
-    at = q - (run[1] - run[0])
-    if at < 0 or _shape(b[0][at]) != _shape(b[0][q]):
-        return set()
-    theirs, ours = b[1][at], b[1][q]
-    return {(w, ours[w] - theirs[w]) for w in ours.keys() & theirs.keys() if ours[w] != theirs[w]}
+    out: set[tuple[tuple[str, int], int]] = set()
+    ours, n = b[1][q], run[1] - run[0]
+    for at in {q - n, q + n, *_beside(b[0], q, run)}:
+        if not 0 <= at < len(b[0]) or _shape(b[0][at]) != _shape(b[0][q]):
+            continue
+        theirs, later = b[1][at], at > q  # the step is from a copy to the one after it
+        out.update((w, (theirs[w] - ours[w]) if later else (ours[w] - theirs[w]))
+                   for w in ours.keys() & theirs.keys() if ours[w] != theirs[w])
+    return out
 
 
 def _per_copy(a: Tokens, b: Tokens, q: int, run: tuple[int, int], change: _Change,

@@ -80,3 +80,48 @@ def test_a_pipeline_stage_under_fsdp2_and_tp_is_cut_and_extended(shallow, micro)
     assert any(n.startswith("depth: the device-level figures are the allocator replay") for n in notes), notes
     assert not any("simulated whole" in n for n in notes), notes
     _identical(fast, whole)
+
+
+def _llama_stages(tmp_path, seq, schedule, extrapolate=None):
+    """Rank 0 of a 16-layer Llama built from its config, in bf16 on 8 ranks: 2 pipeline stages, FSDP2 over the 4
+    ranks of each (the plan's pp2-fsdp4 layout, memprof.simulate.hf_pipeline.pp_fsdp), over 4 micro-batches of one
+    sequence of ``seq`` tokens."""
+    import json
+
+    from memprof.simulate import hf
+    from memprof.simulate.hf_pipeline import pp_fsdp
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
+        num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        tie_word_embeddings=False, max_position_embeddings=256)))
+    built = hf.build_model(hf.load_config(tmp_path))
+    ids = torch.zeros(4, seq, dtype=torch.long, device="meta")
+    kw = {} if extrapolate is None else dict(extrapolate=extrapolate)
+    return memprof.estimate(built.model, hf.adamw, inputs=ids, targets=ids, loss_fn=causal_lm_loss(built.model),
+                            precision="bf16", world_size=8, mesh={"pp": 2, "dp": 4}, parallelize=pp_fsdp(False),
+                            pipeline=memprof.Pipeline(split, schedule, 4), rank=0, gpu="h100-80gb", **kw)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_first_stage_of_fsdp2_stages_is_cut_and_extended(shallow, tmp_path, schedule):
+    # The first stage holds several micro-batches' activations: aligned by shape, the run a block adds falls on the
+    # stage's first block in the forward, which frees what the others do not, unless slid to where the tokens
+    # agree in full (depth_stream._slid); in the backward, which visits the blocks from the last, the copy a block
+    # adds comes before those it repeats: each copy kept moves in one list, the new one a step from the next
+    # (depth_stream._agreed's g - h). Before, that stage was simulated whole.
+    fast, whole = _llama_stages(tmp_path, 16, schedule), _llama_stages(tmp_path, 16, schedule, extrapolate=False)
+    notes = [n for n in fast.notes if n.startswith("depth:")]
+    assert any(n.startswith("depth: the device-level figures are the allocator replay") for n in notes), notes
+    assert not any("simulated whole" in n for n in notes), notes
+    _identical(fast, whole)
+
+
+def test_a_phase_whose_peak_moves_at_full_depth_is_simulated_whole(shallow, tmp_path):
+    # Sequences of 8 tokens: the cuts (2, 3 and 4 blocks) grow alike, but at 8 blocks the forward's peak is
+    # another moment, whose tensors the cuts' line does not reach: extended, the forward's records fell 68,608 B
+    # short (activations 165,888 B, not 378,880). The extended stream now holds every phase to its peak: an event
+    # above it sends the stage to a whole simulation.
+    fast, whole = _llama_stages(tmp_path, 8, "1f1b"), _llama_stages(tmp_path, 8, "1f1b", extrapolate=False)
+    assert any("that phase's peak is another moment" in n for n in fast.notes), fast.notes
+    _identical(fast, whole)
