@@ -22,7 +22,12 @@ frees what its micro-batch's forward made, after the later blocks' storages of e
 growth is measured from ``k`` to ``k + 1`` on a copy of the run the cut kept, and must hold in every copy in the cut
 to ``k + 2`` (:func:`_per_copy`); or one that moves by a step from each copy to the next (FSDP2 resizing what it
 gathered to 0), measured on the copy just before the run and held in every copy of the cut to ``k + 2``
-(:func:`_per_step`). Then each run inserted ``more`` times again gives the
+(:func:`_per_step`; also on the copy after the run, and with a growth beside it: a backward visits the blocks
+from the last, so the copy a block adds comes before those it repeats). Where the tokens aligned in full give no
+change that the next cut confirms, they are aligned by their shapes alone (:func:`_aligned`: a first pipeline
+stage's backward frees a storage of the block before it after its own events, which full alignment splits from
+the run), each run slid to where the most tokens agree in full (:func:`_slid`). Then each run inserted ``more``
+times again gives the
 tokens of the model at full depth, decoded into a stream whose events are numbered one by one, the moments placed
 at their markers. A switch of the current CUDA stream (FSDP2's copy-in and reduce-scatter streams:
 :class:`~memprof.collect.streams.StreamUse`) is a marker too, so each block's run carries its own switches and the
@@ -395,8 +400,9 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
 
 
 def _per_step(b: Tokens, q: int, run: tuple[int, int]) -> "set[tuple[tuple[str, int], int]]":
-    """How far each way of token ``q`` of ``b``, in ``run``, is from the same token of the copy of the run just
-    before it (the same free or resize there): each (way, step), which each copy in the next cut must move on by."""
+    """How far each way of token ``q`` of ``b``, in ``run``, is from the same token of the copies of the run just
+    before and after it (the same free or resize there; also counted without markers, :func:`_beside`), as the
+    step from a copy to the one after it: each (way, step), which each copy in the next cut must move on by."""
     out: set[tuple[tuple[str, int], int]] = set()
     ours, n = b[1][q], run[1] - run[0]
     for at in {q - n, q + n, *_beside(b[0], q, run)}:
