@@ -12,24 +12,24 @@ by the nearest of five positions (:class:`~memprof.simulate.stream_tokens.Classe
 of those made in its epoch, the span between two markers; from the newest or the oldest of all; from the one freed
 last: a backward frees its block's activations newest first, a ``foreach`` step frees its outputs oldest first);
 and each phase's start, peak and end as a marker where it falls.
-A token stream names exactly one stream (keys aside), :func:`_decoded`. The tokens of the
-cut to ``k + 1`` blocks are those of ``k`` with runs of tokens inserted and some numbers grown (a storage of one
-norm per parameter; a storage named from the end of a list that grows): they are found (:func:`_change`), and the
-check is that inserting each run once more where it was inserted, and growing each grown number once more, gives the
-tokens of the cut to ``k + 2``, exactly (:func:`_agreed`). A free in a run may name its storage by a position
-that grows in every copy of the run each time one more is inserted (under a pipeline schedule a block's backward
-frees what its micro-batch's forward made, after the later blocks' storages of every micro-batch in flight): the
-growth is measured from ``k`` to ``k + 1`` on a copy of the run the cut kept, and must hold in every copy in the cut
-to ``k + 2`` (:func:`_per_copy`); or one that moves by a step from each copy to the next (FSDP2 resizing what it
-gathered to 0), measured on the copy just before the run and held in every copy of the cut to ``k + 2``
-(:func:`_per_step`; also on the copy after the run, and with a growth beside it: a backward visits the blocks
+A token stream names exactly one stream (keys aside), :func:`_decoded`. The tokens of the cut to ``k + 1`` blocks
+are those of ``k`` with runs of tokens inserted and some numbers grown (a storage of one norm per parameter; a
+storage named from the end of a list that grows): they are found (:func:`~memprof.simulate.stream_change.change`),
+and the check is that inserting each run once more where it was inserted, and growing each grown number once more,
+gives the tokens of the cut to ``k + 2``, exactly (:func:`_agreed`). A free in a run may name its storage by a
+position that grows in every copy of the run each time one more is inserted (under a pipeline schedule a block's
+backward frees what its micro-batch's forward made, after the later blocks' storages of every micro-batch in
+flight): the growth is measured from ``k`` to ``k + 1`` on a copy of the run the cut kept, and must hold in every
+copy in the cut to ``k + 2`` (:func:`_per_copy`); or one that moves by a step from each copy to the next (FSDP2
+resizing what it gathered to 0), measured on the copy just before the run and held in every copy of the cut to
+``k + 2`` (:func:`_per_step`; also on the copy after the run, and with a growth beside it: a backward visits the blocks
 from the last, so the copy a block adds comes before those it repeats). Where the tokens aligned in full give no
 change that the next cut confirms, they are aligned by their shapes alone (:func:`_aligned`: a first pipeline
-stage's backward frees a storage of the block before it after its own events, which full alignment splits from
-the run), each run slid to where the most tokens agree in full (:func:`_slid`). Then each run inserted ``more``
-times again gives the
-tokens of the model at full depth, decoded into a stream whose events are numbered one by one, the moments placed
-at their markers. A switch of the current CUDA stream (FSDP2's copy-in and reduce-scatter streams:
+stage's backward frees a storage of the block before it after its own events, which full alignment splits from the
+run), each run slid to where the most tokens agree in full (:mod:`memprof.simulate.stream_change`). Then each run
+inserted ``more`` times again gives the tokens of the model at full depth, decoded into a stream whose events are
+numbered one by one, the moments placed at their markers. A switch of the current CUDA stream (FSDP2's copy-in and
+reduce-scatter streams:
 :class:`~memprof.collect.streams.StreamUse`) is a marker too, so each block's run carries its own switches and the
 whole model's stream places every storage on the stream the whole model's run made it on; storages a library holds
 for another stream (``record_stream``, FSDP1) are not placed, and such a run is simulated whole. Where a check
@@ -42,11 +42,14 @@ storage was made in, at every moment it is live.
 
 from __future__ import annotations
 
-import difflib
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import is_interrupt
-from .stream_tokens import FREE, ORDER, Classes, MovedCategories, Token, Tokens, Ways, tokens_of
+from .stream_change import Change, Grown, Stop
+from .stream_change import apply as _apply
+from .stream_change import change as _change
+from .stream_change import shape as _shape
+from .stream_tokens import FREE, ORDER, Classes, MovedCategories, Token, Tokens, tokens_of
 
 if TYPE_CHECKING:
     from ..collect.simulated import RecordedStream
@@ -55,17 +58,10 @@ if TYPE_CHECKING:
 
 __all__ = ["extended_stream", "corrected", "HELD"]
 
-#: A token grown from one cut to the next: written in full, and what its bytes, position and new bytes grew by.
-Grown = tuple[Token, tuple[int, int, int]]
-
 
 #: Why a run's stream is not extended whatever its cuts: storages held for another stream.
 HELD = ("the run holds storages a library uses on another CUDA stream (record_stream), which the extended stream "
         "does not place")
-
-
-class _Stop(Exception):
-    """A stream that the tokens cannot extend (the reason is the message)."""
 
 
 def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
@@ -95,7 +91,7 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
         at_moments = {p: moved.at_moments[q] for p, q in enumerate(origin) if q in moved.at_moments}
         events, moments, switches, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding,
                                                      at_moments)
-    except _Stop as exc:
+    except Stop as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return str(exc)
@@ -117,7 +113,7 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
 UNEVEN = "its allocation stream did not grow by the same events per block"
 
 
-def _aligned(a: Tokens, b: Tokens, c: Tokens) -> "tuple[_Change, list[Token], dict[int, tuple[int, int]]] | str":
+def _aligned(a: Tokens, b: Tokens, c: Tokens) -> "tuple[Change, list[Token], dict[int, tuple[int, int]]] | str":
     """The change from ``a`` to ``b`` that, made once more, gives ``c`` (:func:`_agreed`'s tokens and growths
     beside it), or why there is none. The tokens are aligned in full first; failing that, by their shapes alone (a
     free or resize without the way it names its storage): where a block's backward frees a storage of the block
@@ -128,7 +124,7 @@ def _aligned(a: Tokens, b: Tokens, c: Tokens) -> "tuple[_Change, list[Token], di
     for by_shape in (False, True):
         try:
             change = _change(a, b, by_shape)
-        except _Stop as exc:
+        except Stop as exc:
             if is_interrupt(exc):
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             reason = reason or str(exc)
@@ -142,206 +138,7 @@ def _aligned(a: Tokens, b: Tokens, c: Tokens) -> "tuple[_Change, list[Token], di
     return reason
 
 
-class _Change(NamedTuple):
-    """From one cut to the next: the runs of tokens inserted (``[start, end)`` in the next cut), and the tokens
-    that grew (position in the next cut -> what each of its numbers grew by: bytes, position, new bytes). Also
-    where each token of the next cut that was not inserted stood in the first (``aligned``), and the tokens of the
-    runs whose position grows (``per_copy``: position in a run -> (growth, step)): by ``growth`` in every copy of
-    the run each time one more is inserted (under a pipeline schedule a block's backward frees what an earlier
-    micro-batch's forward made, named from the newest of its size, after the live storages of every later block
-    of the micro-batches in flight, whose number grows with the blocks in every copy at once), or by ``step`` from
-    each copy to the next (FSDP2 resizes the parameters it gathered to 0 in order of a list each copy shortens)."""
-
-    runs: list[tuple[int, int]]
-    grew: dict[int, Grown]
-    aligned: "dict[int, int] | None" = None
-    per_copy: "dict[int, tuple[int, int]] | None" = None
-
-
-def _change(a: Tokens, b: Tokens, by_shape: bool = False) -> _Change:
-    """How ``b``'s tokens are ``a``'s with runs inserted and some numbers grown (a storage of bytes in proportion
-    to the parameters, a free naming its storage from an end of a list that grew). Each token of ``b`` is written
-    in full (:func:`_full`), a grown free named the way that both cuts share and that moved least. ``by_shape``:
-    the tokens are aligned by their shapes alone (:func:`_shape`), and a free or resize aligned with one that names
-    its storage otherwise grew as where aligned in full."""
-    runs: list[tuple[int, int]] = []
-    grew: dict[int, Grown] = {}
-    aligned: dict[int, int] = {}
-    seq_a, seq_b = ([_shape(t) for t in a[0]], [_shape(t) for t in b[0]]) if by_shape else (a[0], b[0])
-    ops: "Sequence[Opcode]" = difflib.SequenceMatcher(None, seq_a, seq_b, autojunk=False).get_opcodes()
-    if by_shape:
-        ops = _slid(ops, a[0], b[0], seq_b)
-    for op, i1, i2, j1, j2 in ops:
-        if op == "equal":
-            aligned.update(zip(range(j1, j2), range(i1, i2)))
-            for x, y in zip(range(i1, i2), range(j1, j2)) if by_shape else ():
-                if a[0][x] != b[0][y]:
-                    full, by = _grown(a[0][x], a[1][x], b[0][y], b[1][y])
-                    if any(by):  # else a way stood still, which _agreed finds
-                        grew[y] = (full, by)
-            continue
-        if op == "insert":
-            runs.append((j1, j2))
-            continue
-        if op == "delete":
-            raise _Stop("its allocation stream lost events with a block more")
-        pairs = _paired(a, b, i1, i2, j1, j2)
-        y = j1
-        for x, yx in pairs:
-            if yx > y:
-                runs.append((y, yx))
-            grew[yx] = _grown(a[0][x], a[1][x], b[0][yx], b[1][yx])
-            aligned[yx] = x
-            y = yx + 1
-        if j2 > y:
-            runs.append((y, j2))
-    return _Change(runs, grew, aligned)
-
-
-Opcode = tuple[str, int, int, int, int]
-
-
-def _slid(ops: "Sequence[Opcode]", a: list[Token], b: list[Token], shapes: "list[Token]") -> "list[Opcode]":
-    """``ops`` (difflib's, of the shapes) with each run inserted between two equal stretches slid along them to
-    where the most tokens aligned are the same in full. Where a block's run repeats, inserting it at any copy gives
-    the same shapes, and difflib takes the first place that matches; in full, the first copy of a run can differ
-    from the rest (the first block frees what the others do not), and a run inserted before it made that copy the
-    one each block adds."""
-    tags = [op[0] for op in ops]
-    out = [list(op[1:]) for op in ops]  # i1, i2, j1, j2 of each
-    for k in range(1, len(out) - 1):
-        if tags[k] != "insert" or tags[k - 1] != "equal" or tags[k + 1] != "equal":
-            continue
-        before, op, after = out[k - 1], out[k], out[k + 1]
-        i, _, j1, j2 = op
-        best, score = 0, 0
-        moved, t = 0, 0  # along: b[j1 + t] takes a[i + t] from b[j2 + t]
-        while j2 + t < after[3] and shapes[j1 + t] == shapes[j2 + t]:
-            moved += (a[i + t] != b[j1 + t]) - (a[i + t] != b[j2 + t])
-            t += 1
-            best, score = (t, moved) if moved < score else (best, score)
-        moved, t = 0, 0  # back: b[j2 - 1 - t] takes a[i - 1 - t] from b[j1 - 1 - t]
-        while j1 - 1 - t >= before[2] and shapes[j1 - 1 - t] == shapes[j2 - 1 - t]:
-            moved += (a[i - 1 - t] != b[j2 - 1 - t]) - (a[i - 1 - t] != b[j1 - 1 - t])
-            t += 1
-            best, score = (-t, moved) if moved < score else (best, score)
-        if best:
-            before[1] += best
-            before[3] += best
-            op[:] = [i + best, i + best, j1 + best, j2 + best]
-            after[0] += best
-            after[2] += best
-    return [(tag, o[0], o[1], o[2], o[3]) for tag, o in zip(tags, out) if o[1] > o[0] or o[3] > o[2]]
-
-
-def _paired(a: Tokens, b: Tokens, i1: int, i2: int, j1: int, j2: int) -> list[tuple[int, int]]:
-    """Each token of ``a[i1:i2]`` paired, in order, with one of ``b[j1:j2]`` (the others inserted), the pairs that
-    differ least in their numbers (a storage whose bytes grow with the parameters among others of one size)."""
-    n, m = i2 - i1, j2 - j1
-    if n > m or n * m > 250_000:
-        raise _Stop("its allocation stream changed, not only grew, with a block more")
-    inf = float("inf")
-    cost = [[inf] * (m + 1) for _ in range(n + 1)]
-    cost[0] = [0.0] * (m + 1)
-    for x in range(1, n + 1):
-        row, above = cost[x], cost[x - 1]
-        for y in range(x, m + 1):
-            row[y] = min(row[y - 1], above[y - 1] + _apart(a, i1 + x - 1, b, j1 + y - 1))
-    if cost[n][m] == inf:
-        raise _Stop("its allocation stream changed, not only grew, with a block more")
-    pairs, x, y = [], n, m
-    while x:
-        if cost[x][y] == cost[x][y - 1] and y > x:
-            y -= 1
-        else:
-            pairs.append((i1 + x - 1, j1 + y - 1))
-            x, y = x - 1, y - 1
-    return pairs[::-1]
-
-
-def _apart(a: Tokens, x: int, b: Tokens, y: int) -> float:
-    """How far token ``x`` of ``a`` is from token ``y`` of ``b`` in its numbers (infinite: another kind)."""
-    ta, tb = a[0][x], b[0][y]
-    if ta[0] != tb[0] or ta[0] in ("m", "s", "x"):
-        return float("inf")
-    far = abs(tb[1] - ta[1])
-    if ta[0] == "a":
-        return float(far) if ta[2:] == tb[2:] else float("inf")
-    common = a[1][x].keys() & b[1][y].keys()
-    if not common:
-        return float("inf")
-    far += min(abs(b[1][y][w] - a[1][x][w]) for w in common)
-    return float(far + (abs(tb[5] - ta[5]) if ta[0] == "r" else 0))
-
-
-def _grown(ta: Token, oa: Ways, tb: Token, ob: Ways) -> Grown:
-    """Token ``tb`` written the way it and ``ta`` share that moved least, and how much each number grew."""
-    if ta[0] != tb[0] or ta[0] in ("m", "s", "x"):
-        raise _Stop("its allocation stream changed, not only grew, with a block more")
-    if ta[0] == "a":
-        if ta[2:] != tb[2:]:
-            raise _Stop("its allocation stream changed, not only grew, with a block more")
-        return (tb, (tb[1] - ta[1], 0, 0))
-    ways = [(abs(ob[w] - oa[w]), abs(ob[w]), w) for w in oa.keys() & ob.keys()]
-    if not ways:
-        raise _Stop("its allocation stream frees a storage no way named alike in both cuts")
-    _, _, (way, ago) = min(ways)
-    full = (tb[0], tb[1], way, ago, ob[(way, ago)], *tb[5:])
-    grown = (tb[1] - ta[1], ob[(way, ago)] - oa[(way, ago)], (tb[5] - ta[5]) if tb[0] == "r" else 0)
-    return (full, grown)
-
-
-def _apply(tokens: list[Token], change: _Change, times: int) -> tuple[list[Token], _Change, list[int]]:
-    """``tokens`` with ``change`` made ``times`` more times: each run inserted again after itself, each grown
-    token's numbers grown again; the change as it stands in the result (its runs the last copy); and where in
-    ``tokens`` each token of the result came from."""
-    starts = {start: end for start, end in change.runs}
-    per_copy = change.per_copy or {}
-    out: list[Token] = []
-    runs: list[tuple[int, int]] = []
-    grew: dict[int, Grown] = {}
-    copies: dict[int, tuple[int, int]] = {}
-    origin: list[int] = []
-    i = 0
-    while i < len(tokens):
-        end = starts.get(i)
-        if end is not None:
-            for copy in range(times + 1):
-                for q, token in enumerate(tokens[i:end], i):
-                    if q in per_copy:  # grown: in the run for the next insertion, or as a grown token
-                        growth, step = per_copy[q]
-                        token = _moved(token, times * growth + copy * step)
-                        if copy == times:
-                            copies[len(out)] = (growth, step)
-                        elif growth:
-                            grew[len(out)] = (token, (0, growth, 0))
-                    out.append(token)
-            origin.extend(list(range(i, end)) * (times + 1))
-            runs.append((len(out) - (end - i), len(out)))
-            i = end
-            continue
-        grown = change.grew.get(i)
-        origin.append(i)
-        if grown is None:
-            out.append(tokens[i])
-        else:
-            full, (size, value, new) = grown
-            token = (full[0], full[1] + times * size, *full[2:4], full[4] + times * value, *full[5:]) \
-                if full[0] != "a" else ("a", full[1] + times * size, *full[2:])
-            if full[0] == "r":
-                token = (*token[:5], full[5] + times * new)
-            grew[len(out)] = (token, (size, value, new))
-            out.append(token)
-        i += 1
-    return out, _Change(runs, grew, None, copies), origin
-
-
-def _moved(token: Token, by: int) -> Token:
-    """A free or resize ``token`` naming its storage ``by`` positions further along its way."""
-    return (*token[:4], token[4] + by, *token[5:])
-
-
-def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: list[int], change: _Change
+def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: list[int], change: Change
             ) -> "tuple[list[Token], dict[int, tuple[int, int]]] | None":
     """``b``'s tokens, each free or resize that did not grow written the way that names its storage alike
     wherever the change puts a copy of it in ``c`` (a block's own storages, which each copy of a run names,
@@ -414,7 +211,7 @@ def _per_step(b: Tokens, q: int, run: tuple[int, int]) -> "set[tuple[tuple[str, 
     return out
 
 
-def _per_copy(a: Tokens, b: Tokens, q: int, run: tuple[int, int], change: _Change,
+def _per_copy(a: Tokens, b: Tokens, q: int, run: tuple[int, int], change: Change,
               kept: "dict[tuple[int, int], int | None]") -> "set[tuple[tuple[str, int], int]]":
     """How far each way of token ``q`` of ``b``, in ``run``, moved from ``a`` to ``b``, as measured on a copy of the
     run that ``b`` kept from ``a``, at the same place in it: its value in ``b`` against the value of the token of
@@ -454,26 +251,21 @@ def _beside(tokens: list[Token], q: int, run: tuple[int, int]) -> list[int]:
     return out
 
 
-def _kept_copy(tokens: list[Token], run: tuple[int, int], change: _Change) -> "int | None":
+def _kept_copy(tokens: list[Token], run: tuple[int, int], change: Change) -> "int | None":
     """Where the nearest other copy of ``run`` starts in ``tokens`` (the same tokens, frees and resizes by their
     kind and bytes alone), every token of it one the cut before had (aligned: not inserted); None if there is
     none."""
     assert change.aligned is not None
     s, e = run
     n = e - s
-    shape = [_shape(t) for t in tokens[s:e]]
+    shapes = [_shape(t) for t in tokens[s:e]]
     for d in range(n, max(s, len(tokens) - e) + 1):  # outwards, until both ends are passed
         for j in (s - d, s + d):
-            if (0 <= j and j + n <= len(tokens) and _shape(tokens[j]) == shape[0]
+            if (0 <= j and j + n <= len(tokens) and _shape(tokens[j]) == shapes[0]
                     and all(j + o in change.aligned for o in range(n))
-                    and [_shape(t) for t in tokens[j:j + n]] == shape):
+                    and [_shape(t) for t in tokens[j:j + n]] == shapes):
                 return j
     return None
-
-
-def _shape(token: Token) -> Token:
-    """A token without the way a free or resize names its storage by."""
-    return token[:2] if token[0] == "f" else (token[0], token[1], token[5]) if token[0] == "r" else token
 
 
 def _same(predicted: Token, token: Token, options: "ByKind") -> bool:
@@ -522,7 +314,7 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
                 for where, nbytes in missing.values():
                     cat = where if isinstance(where, int) else where.get((token[1], token[2]), -1)
                     if cat < 0:
-                        raise _Stop("a storage whose bytes grow with the blocks has no category known at a moment")
+                        raise Stop("a storage whose bytes grow with the blocks has no category known at a moment")
                     at[cat] = at.get(cat, 0) + nbytes
             continue
         fresh += 1
@@ -534,7 +326,7 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
                 miss = _missed(token[1], grew[position][1][0], more, rounding)
                 if miss:
                     if token[2] < 0 or (token[3] and position not in at_moments):
-                        raise _Stop("a storage whose bytes grow with the blocks has no category known")
+                        raise Stop("a storage whose bytes grow with the blocks has no category known")
                     missing[fresh] = (at_moments[position] if token[3] else token[2], miss)
         elif kind == "x":
             events.append((seq, fresh, FREE))
@@ -546,7 +338,7 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
                 events.append((seq, key, FREE))
             else:
                 if key in missing or (position in grew and _missed(token[5], grew[position][1][2], more, rounding)):
-                    raise _Stop("a storage whose bytes grow with the blocks was resized")
+                    raise Stop("a storage whose bytes grow with the blocks was resized")
                 keys[(token[5], classes.make(token[5]))] = key
                 events.append((seq, key, token[5]))
     return events, placed, switches, missed
