@@ -182,8 +182,16 @@ class StageSet:
             loss = lambda out, _t: loss_fn(out)  # noqa: E731
         else:
             loss = loss_fn
-        sched = cls(stages if self.pipeline.multi() else stages[0], n_microbatches=self.pipeline.microbatches,
-                    loss_fn=loss)
+        try:
+            sched = cls(stages if self.pipeline.multi() else stages[0], n_microbatches=self.pipeline.microbatches,
+                        loss_fn=loss)
+        except ValueError as exc:  # the schedule checks its arguments as it is built (1F1B: micro-batches >= stages)
+            if is_interrupt(exc):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
+            raise InvalidArgumentError(
+                f"torch's {cls.__name__} refuses Pipeline(microbatches={self.pipeline.microbatches}) over "
+                f"{self.num_stages} pipeline stages: {exc} Give a number of micro-batches it accepts (the batch's "
+                "first dimension must divide into it), or another schedule") from None
         return PipelineStep(sched, optimizer, inputs if 0 in self.stage_ids else None,
                             (targets if targets is not None else inputs) if self.num_stages - 1 in self.stage_ids
                             else None)

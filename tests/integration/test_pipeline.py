@@ -129,3 +129,14 @@ def test_every_rank_class_is_listed_and_the_worst_returned():
 def test_interleaved_ranks_hold_two_stages():
     est = simulated("interleaved1f1b", stages_per_rank=2)
     assert [c.stages for c in est.ranks] == [(0, 2), (1, 3)]
+
+
+def test_a_schedule_that_refuses_its_micro_batches_is_a_memprof_error():
+    # torch's 1F1B needs at least as many micro-batches as stages; 1 over 2 stages was its ValueError, raised from
+    # torch/distributed/pipelining/schedules.py through the simulation (found by a review trying 2 over 4 stages).
+    from memprof.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"Schedule1F1B refuses Pipeline\(microbatches=1\) over 2 "
+                       r"pipeline stages: Number of microbatches \(1\) must be greater .* Give a number of"):
+        memprof.estimate(Tiny(), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS, loss_fn=loss_fn,
+                         world_size=PP, rank=0, pipeline=Pipeline(Stage, schedule="1f1b", microbatches=1))
