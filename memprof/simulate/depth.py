@@ -133,7 +133,9 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every category at "
             "every phase's start, peak and end grew by the same bytes per block, so the figures are extended to "
             f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
-            "the peak stays where it is; the per-module tables are the cut model's")
+            "the peak stays where it is; the per-module tables are the cut model's, and so are the formula column "
+            f"and the textbook line, which read the run's modules and optimizer ({k + 2} blocks per stage, not "
+            f"{units})")
     notes = [note]
     if stream is None:
         out, moved = _peak_moved(out)

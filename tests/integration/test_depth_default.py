@@ -71,6 +71,9 @@ def test_llama_under_the_hf_trainer_with_clipping():
     _identical(fast, whole)
     # The fast path's per-module table is the cut model's (4 of the 16 layers), which its note says.
     assert any("the per-module tables are the cut model's" in n for n in fast.notes)
+    # The formula column and the textbook line read the run's modules and optimizer: the cut's, and said so (this
+    # stop's review found them printed as the whole model's: optimizer states 428,444 B against 1,022,652 B).
+    assert any("so are the formula column and the textbook line" in n for n in fast.notes)
     # One layer fewer than the threshold: the whole model, with no note.
     shallower = T.LlamaConfig(**_SMALL, intermediate_size=64, num_hidden_layers=depth.AUTO_UNITS - 1)
     assert not any(n.startswith("depth:") for n in memprof.estimate_hf(shallower, **kw).notes)
