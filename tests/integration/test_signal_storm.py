@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _pop_mode
 
 import memprof
 from memprof.collect.dispatch import DispatchMode, pop_orphan_modes
@@ -126,7 +127,7 @@ def _storm(mode: "str | None", interrupts: int) -> tuple[int, int, int]:
         if getattr(_top_mode(), "old_dispatch_mode_flags", None):
             _top_mode().__exit__(None, None, None)
         else:
-            torch._C._pop_torch_dispatch_stack()
+            _pop_mode()  # torch.utils._python_dispatch._pop_mode: the stack's top, as the exit would
     assert torch._C._len_torch_dispatch_stack() == depth
     # An interrupt inside torch's own TorchDispatchMode.__exit__ (its flags and its pop are separate statements)
     # can leave those flags wrong whoever's mode it was: put back as they were before the storm, so that no later
