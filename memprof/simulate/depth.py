@@ -130,13 +130,7 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
         return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since its figures were not affine "
                       f"in depth from {k} blocks per stage on ({reason})")
     out: Estimate = _affine(ests[0], ests[1], ests[2], units - k - 2, strict=False)
-    note = (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every category at "
-            "every phase's start, peak and end grew by the same bytes per block, so the figures are extended to "
-            f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
-            "the peak stays where it is; the per-module tables are the cut model's, and so are the formula column "
-            f"and the textbook line, which read the run's modules and optimizer ({k + 2} blocks per stage, not "
-            f"{units})")
-    notes = [note]
+    notes = [_extended_note(where, k, units)]
     if stream is None:
         out, moved = _peak_moved(out)
         notes.extend([moved] if moved else [])
@@ -154,11 +148,20 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
             return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {made}")
         out = made
     out, inside = _peak_in_a_block(out, kind)
-    notes.extend([inside] if inside else [])
     remade = _stats_of_records(out)
     if isinstance(remade, str):
         return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {remade}")
-    return dataclasses.replace(remade, notes=(*remade.notes, *notes))
+    return dataclasses.replace(remade, notes=(*remade.notes, *notes, *([inside] if inside else [])))
+
+
+def _extended_note(where: str, k: int, units: int) -> str:
+    """The note of an estimate extended from the cuts to ``k``, ``k + 1`` and ``k + 2`` blocks per stage."""
+    return (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every category at "
+            "every phase's start, peak and end grew by the same bytes per block, so the figures are extended to "
+            f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
+            "the peak stays where it is; the per-module tables are the cut model's, and so are the formula column "
+            f"and the textbook line, which read the run's modules and optimizer ({k + 2} blocks per stage, not "
+            f"{units})")
 
 
 def _tensors_total(b: Breakdown) -> Breakdown:
