@@ -139,11 +139,9 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
                      f"stream, the cuts' extended: each run of events a block added from {k} to {k + 1} blocks per "
                      f"stage, added again, gave the stream of {k + 2} exactly, so it is added {units - k - 2} times "
                      "more")
-        made = corrected(out, stream, missed)  # an Estimate, or a str saying why the stream does not hold
-        if not isinstance(made, str):
-            made, moved = _peak_moved(made)
-            notes.extend([moved] if moved else [])
-            made = _replayed(made, stream, kept[2][1])
+        fixed, moved = _peak_moved(corrected(out, stream, missed))
+        notes.extend([moved] if moved else [])
+        made = _replayed(fixed, stream, kept[2][1])  # an Estimate, or a str saying why the stream does not hold
         if isinstance(made, str):
             return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {made}")
         out = made

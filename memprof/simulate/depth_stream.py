@@ -355,15 +355,14 @@ def _missed(size: int, grow: int, more: int, rounding: int) -> int:
 
 
 def corrected(est: "Estimate", recorded: "RecordedStream", missed: "dict[int, dict[int, int]] | None"
-              ) -> "Estimate | str":
+              ) -> "Estimate":
     """``est`` (its figures extended in a line) with what the line missed (:func:`extended_stream`) added where
-    ``recorded`` places each moment: every phase record's start, peak and end, the run's, and the per-phase
-    statistics (which shift alike only where every step missed alike: else a str saying so). Nothing missed (none,
-    or None: no stream was extended) leaves ``est`` as it is."""
+    ``recorded`` places each moment: every phase record's start, peak and end, and the run's. The per-phase
+    statistics are the caller's to make again from the records (``depth._stats_of_records``). Nothing missed
+    (none, or None: no stream was extended) leaves ``est`` as it is."""
     import dataclasses
 
     from ..record.parts import Breakdown
-    from ..record.stats import series_from
     from .device_memory import moments_of
 
     if not missed:
@@ -380,33 +379,14 @@ def corrected(est: "Estimate", recorded: "RecordedStream", missed: "dict[int, di
             counts[cat] = (counts[cat] or 0) + nbytes
         return Breakdown(tuple(counts), None if b.total is None else b.total + sum(miss.values()))
 
-    steps, shifted = [], set()
+    steps = []
     for step in trace.steps:
         phases = []
         for i, rec in enumerate(step.phases):
             where = placed.get((step.index, i))
-            if where is None:
-                phases.append(rec)
-                continue
-            if any(missed.get(seq) for seq in where):
-                shifted.add((rec.phase, rec.occurrence))
-            phases.append(dataclasses.replace(rec, start=fixed(rec.start, where[0]), peak=fixed(rec.peak, where[1]),
-                                              end=fixed(rec.end, where[2])))
+            phases.append(rec if where is None else dataclasses.replace(
+                rec, start=fixed(rec.start, where[0]), peak=fixed(rec.peak, where[1]), end=fixed(rec.end, where[2])))
         steps.append(dataclasses.replace(step, phases=tuple(phases)))
-    stats = []
-    for st in trace.phase_stats:
-        if (st.phase, st.occurrence) not in shifted:
-            stats.append(st)
-            continue
-        records = [rec for step in steps for rec in step.phases if (rec.phase, rec.occurrence) == (st.phase,
-                                                                                                    st.occurrence)]
-        if len(records) != st.count:  # steps the record keeps no detail of: their figures are not here
-            return "the extended figures miss bytes in steps the record keeps no detail of"
-        at_peak, at_end = (series_from(st.peak, [r.peak for r in records]),
-                           series_from(st.end, [r.end for r in records]))
-        if at_peak is None or at_end is None:
-            return "the per-phase statistics count figures the phases' records do not hold"
-        stats.append(dataclasses.replace(st, peak=at_peak, end=at_end))
-    out = dataclasses.replace(trace, steps=tuple(steps), phase_stats=tuple(stats), start=fixed(trace.start, first),
-                              peak=fixed(trace.peak, peak), end=fixed(trace.end, end))
+    out = dataclasses.replace(trace, steps=tuple(steps), start=fixed(trace.start, first), peak=fixed(trace.peak, peak),
+                              end=fixed(trace.end, end))
     return dataclasses.replace(est, trace=out)

@@ -285,10 +285,13 @@ def _check_ledger(trace: Trace, stream: Sequence[tuple[int, int, int]],
     are the trace's tensors there, and at no event above the trace's peak (``AssertionError`` otherwise)."""
     expected: dict[int, int] = {}
 
+    def tensors(b: Breakdown) -> "int | None":
+        counts = b.counts[:_N]
+        return None if None in counts else sum(v or 0 for v in counts)
+
     def note(b: Breakdown, seq: int) -> None:
-        tensors = b.counts[:_N]
-        if seq >= first and all(v is not None for v in tensors):
-            expected[seq] = sum(tensors)  # type: ignore[arg-type]
+        if seq >= first and (held := tensors(b)) is not None:
+            expected[seq] = held
 
     phases: list[tuple[int, int, int]] = []  # each phase's span of seqs and its peak's tensors
     for step in trace.steps:
@@ -297,8 +300,8 @@ def _check_ledger(trace: Trace, stream: Sequence[tuple[int, int, int]],
             if where is not None:
                 for b, seq in zip((rec.start, rec.peak, rec.end), where):
                     note(b, seq)
-                if where[0] >= first and None not in rec.peak.counts[:_N]:
-                    phases.append((where[0], where[2], sum(v or 0 for v in rec.peak.counts[:_N])))
+                if where[0] >= first and (top := tensors(rec.peak)) is not None:
+                    phases.append((where[0], where[2], top))
     note(trace.start, first)
     note(trace.peak, peak_seq)
     note(trace.end, end_seq)
