@@ -168,7 +168,9 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
         run = next(((s, e) for s, e in change.runs if s <= q < e), None)
         if run is None:  # a token no block inserted: nothing grows it per copy
             return None
-        ours, grown, stepped = b[1][q], _per_copy(a, b, q, run, change, kept), _per_step(b, q, run)
+        # The same token in the copies of the run on either side, by position and counted without markers.
+        beside = {q - (run[1] - run[0]), q + (run[1] - run[0]), *_beside(b[0], q, run)}
+        ours, grown, stepped = b[1][q], _per_copy(a, b, q, run, change, kept, beside), _per_step(b, q, beside)
         fits = {(w, g, 0) for w, g in grown} | {(w, 0, h) for w, h in stepped}
         # Both at once: where a backward visits the blocks from the last, the copy a block adds comes before those
         # it repeats; each copy kept moves by g (measured on one) and the new one sits h before the one after it,
@@ -196,13 +198,13 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
     return tokens, per_copy
 
 
-def _per_step(b: Tokens, q: int, run: tuple[int, int]) -> "set[tuple[tuple[str, int], int]]":
-    """How far each way of token ``q`` of ``b``, in ``run``, is from the same token of the copies of the run just
-    before and after it (the same free or resize there; also counted without markers, :func:`_beside`), as the
-    step from a copy to the one after it: each (way, step), which each copy in the next cut must move on by."""
+def _per_step(b: Tokens, q: int, beside: "set[int]") -> "set[tuple[tuple[str, int], int]]":
+    """How far each way of token ``q`` of ``b`` is from the same token of the copies of its run just before and
+    after it (at ``beside``, where the token there is the same free or resize), as the step from a copy to the one
+    after it: each (way, step), which each copy in the next cut must move on by."""
     out: set[tuple[tuple[str, int], int]] = set()
-    ours, n = b[1][q], run[1] - run[0]
-    for at in {q - n, q + n, *_beside(b[0], q, run)}:
+    ours = b[1][q]
+    for at in beside:
         if not 0 <= at < len(b[0]) or _shape(b[0][at]) != _shape(b[0][q]):
             continue
         theirs, later = b[1][at], at > q  # the step is from a copy to the one after it
@@ -212,19 +214,19 @@ def _per_step(b: Tokens, q: int, run: tuple[int, int]) -> "set[tuple[tuple[str, 
 
 
 def _per_copy(a: Tokens, b: Tokens, q: int, run: tuple[int, int], change: Change,
-              kept: "dict[tuple[int, int], int | None]") -> "set[tuple[tuple[str, int], int]]":
+              kept: "dict[tuple[int, int], int | None]", beside: "set[int]") -> "set[tuple[tuple[str, int], int]]":
     """How far each way of token ``q`` of ``b``, in ``run``, moved from ``a`` to ``b``, as measured on a copy of the
     run that ``b`` kept from ``a``, at the same place in it: its value in ``b`` against the value of the token of
-    ``a`` it stood for. The copies looked at: the one just before and just after the run, where the token there is
-    the same free or resize, and the nearest copy of the whole run (:func:`_kept_copy`; ``kept`` holds each run's,
-    found once). Each (way, growth) measured, any of which the caller may check against the next cut."""
+    ``a`` it stood for. The copies looked at: those just before and just after the run (``beside``), where the
+    token there is the same free or resize, and the nearest copy of the whole run (:func:`_kept_copy`; ``kept``
+    holds each run's, found once). Each (way, growth) measured, any of which the caller may check against the next
+    cut."""
     if change.aligned is None:
         return set()
-    n = run[1] - run[0]
     if run not in kept:
         kept[run] = _kept_copy(b[0], run, change)
     copy = kept[run]
-    places = {q - n, q + n, *_beside(b[0], q, run)} | ({copy + q - run[0]} if copy is not None else set())
+    places = beside | ({copy + q - run[0]} if copy is not None else set())
     out: set[tuple[tuple[str, int], int]] = set()
     for at in places:
         x = change.aligned.get(at)
