@@ -45,7 +45,7 @@ class Change(NamedTuple):
 def change(a: Tokens, b: Tokens, by_shape: bool = False) -> Change:
     """How ``b``'s tokens are ``a``'s with runs inserted and some numbers grown (a storage of bytes in proportion
     to the parameters, a free naming its storage from an end of a list that grew). Each token of ``b`` is written
-    in full (a token), a grown free named the way that both cuts share and that moved least. ``by_shape``:
+    in full, a grown free named the way that both cuts share and that moved least. ``by_shape``:
     the tokens are aligned by their shapes alone (:func:`shape`), and a free or resize aligned with one that names
     its storage otherwise grew as where aligned in full."""
     runs: list[tuple[int, int]] = []
