@@ -78,8 +78,11 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
                  run: Callable[..., Estimate], auto: bool = False) -> Estimate:
     """The estimate of ``model`` from three simulations of it cut to ``k``, ``k + 1``, ``k + 2`` units of depth
     (``per_unit`` blocks each: the pipeline's stages per rank), or of the whole model when the figures are not
-    affine. ``run(model, optimizer, kept=None)`` simulates one model; with ``kept`` (a list) a CUDA target's
-    replay is left to the caller: the run appends its recorded stream and the replay (``stages.one_rank``).
+    affine. ``run(model, optimizer, kept=None)`` simulates one model; with ``kept`` (a list) its replay is left to
+    the caller: the run appends its recorded stream and the replay (``stages.one_rank``; on a target other than
+    CUDA one that adds nothing). The cuts' streams are extended whatever the target: on every target the extended
+    stream must hold the extended figures and no moment of a phase above its peak (a peak that moves within a phase
+    at full depth, which the cuts' line does not see), else the whole model is simulated.
 
     With ``auto`` (the default path, ``extrapolate=None``) a model with no repeated stack, or one of fewer than
     :data:`AUTO_UNITS` units, is simulated whole, silently; a unit is one period of the stack's kinds of block (a
@@ -109,7 +112,7 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     cut = partial(_cuts, model, optimizer, name, per_unit=per_unit, units=units, run=run, kept=kept, auto=auto)
     try:
         ests, k, reason = cut(k)
-        stream, missed, reason = _stream(ests, kept, units, k, reason)
+        stream, missed, reason, unchecked = _stream(ests, kept, units, k, reason)
         # Figures or a stream that the first cuts do not make regular settle with more blocks, as the peak does
         # (the blocks next to the embeddings or the head behave apart while there are few others: FSDP's
         # prefetching; the backward's first block frees the logits' gradient where the others free the previous
@@ -119,7 +122,7 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
         if (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
                 and units > k + 3):
             ests, k, reason = cut(k, ests)
-            stream, missed, reason = _stream(ests, kept, units, k, reason)
+            stream, missed, reason, unchecked = _stream(ests, kept, units, k, reason)
     except Exception as exc:
         if not auto or is_interrupt(exc):
             raise
@@ -134,11 +137,12 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     if stream is None:
         out, moved = _peak_moved(out)
         notes.extend([moved] if moved else [])
+        if unchecked is not None:
+            notes.append("depth: no moment of the whole model's phases is checked against the extended figures: the "
+                         f"cuts' allocation streams do not extend ({unchecked}); the figures extended in a line are "
+                         "exact while each phase's peak stays at the moment the cuts have it")
     else:
-        notes.append("depth: the device-level figures are the allocator replay of the whole model's allocation "
-                     f"stream, the cuts' extended: each run of events a block added from {k} to {k + 1} blocks per "
-                     f"stage, added again, gave the stream of {k + 2} exactly, so it is added {units - k - 2} times "
-                     "more")
+        notes.append(_stream_note(ests[2].device == "cuda", k, units))
         fixed, moved = _peak_moved(corrected(out, stream, missed))
         notes.extend([moved] if moved else [])
         made = _replayed(fixed, stream, kept[2][1])  # an Estimate, or a str saying why the stream does not hold
@@ -160,6 +164,17 @@ def _extended_note(where: str, k: int, units: int) -> str:
             "the peak stays where it is; the per-module tables are the cut model's, and so are the formula column "
             f"and the textbook line, which read the run's modules and optimizer ({k + 2} blocks per stage, not "
             f"{units})")
+
+
+def _stream_note(cuda: bool, k: int, units: int) -> str:
+    """What the extended allocation stream gave an estimate: a CUDA target's device-level figures; any target's
+    check that no moment of a phase holds more than the phase's extended peak."""
+    how = (f"the cuts' extended: each run of events a block added from {k} to {k + 1} blocks per stage, added again, "
+           f"gave the stream of {k + 2} exactly, so it is added {units - k - 2} times more")
+    if cuda:
+        return f"depth: the device-level figures are the allocator replay of the whole model's allocation stream, {how}"
+    return (f"depth: the whole model's allocation stream, {how}, holds the extended figures at every phase's start, "
+            "peak and end, and no moment of a phase above its peak")
 
 
 def _tensors_total(b: Breakdown) -> Breakdown:
@@ -208,16 +223,18 @@ def _peak_in_a_block(est: Estimate, kind: str) -> "tuple[Estimate, str | None]":
 
 
 def _stream(ests: "list[Estimate]", kept: Kept, units: int, k: int, reason: "str | None"
-            ) -> "tuple[RecordedStream | None, dict[int, dict[int, int]] | None, str | None]":
-    """For a CUDA target whose cuts' figures are affine (``reason`` None), the whole model's stream extended from
-    the cuts' (:func:`extended_stream`) and what the figures' line missed; else (None, None, the reason)."""
+            ) -> "tuple[RecordedStream | None, dict[int, dict[int, int]] | None, str | None, str | None]":
+    """Where the cuts' figures are affine (``reason`` None), the whole model's stream extended from the cuts'
+    (:func:`extended_stream`) and what the figures' line missed; else (None, None, the reason, None). A target
+    with no replay (not CUDA) needs the stream only to check the figures: where it does not extend, the figures'
+    line stands, and why the stream did not is last (None, None, None, why)."""
     if reason is not None or not kept:
-        return None, None, reason
+        return None, None, reason, None
     made = extended_stream([recorded for recorded, _replay in kept], units - k - 2,
                            max(1, ests[2].trace.device.rounding or 1))
     if isinstance(made, str):
-        return None, None, made
-    return made[0], made[1], None
+        return (None, None, made, None) if ests[2].device == "cuda" else (None, None, None, made)
+    return made[0], made[1], None, None
 
 
 def _cuts(model: nn.Module, optimizer: "OptimizerArg", name: str, k: int, ests: "list[Estimate] | None" = None, *,

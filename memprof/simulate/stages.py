@@ -140,10 +140,11 @@ def one_rank(config: "RunConfig[Workload]", ranks: "ParallelRun | None", kept: "
     """Stages 1, 3 and 4 for one rank (``ranks``: the rank's fake process group, entered; None for a single
     process or a ``parallel=`` layout). With ``kept`` (a list) a CUDA target's stream is not replayed: its
     recorded stream and the replay to run on a stream like it are appended to ``kept`` instead
-    (:mod:`memprof.simulate.depth` extends the stream of a model cut short and replays that)."""
+    (:mod:`memprof.simulate.depth` extends the stream of a model cut short and replays that); any other target's
+    stream is appended too, with a replay that adds nothing (depth checks the extended figures against it)."""
     with NothingLeftBehind():
         prepared = target_twin(config, ranks)
-        prof = profiled_steps(config, prepared, ranks)
+        prof = profiled_steps(config, prepared, ranks, keep_stream=kept is not None)
         return replayed(config, prepared, prof, ranks, kept)
 
 
@@ -186,16 +187,17 @@ def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> P
     return Prepared(twin, optimizer, step, notes, gpu, layout)
 
 
-def profiled_steps(config: "RunConfig[Workload]", prepared: Prepared,
-                   ranks: "ParallelRun | None") -> "SimulatedProfile":
+def profiled_steps(config: "RunConfig[Workload]", prepared: Prepared, ranks: "ParallelRun | None",
+                   keep_stream: bool = False) -> "SimulatedProfile":
     """Stage 3: the steps, under the collector, with the twin's rules above and beneath the ops and a ``parallel=``
-    layout played on the run."""
+    layout played on the run. The allocation stream is kept for a CUDA target (its replay) and where
+    ``keep_stream`` asks (a model cut short, whose stream :mod:`memprof.simulate.depth` extends and checks)."""
     from ..collect.simulated import SimulatedProfile
 
     twin, steps = prepared.twin, config.workload.steps
     cuda = twin.target.type == "cuda"  # the allocator's 512-byte blocks, and the stream for its replay
     prof = SimulatedProfile(twin.model, prepared.optimizer, fake_mode=twin.fake_mode, rounding=512 if cuda else 1,
-                            keep_stream=cuda)
+                            keep_stream=cuda or keep_stream)
     twin.moe.attach(prof)
     # A very large model takes seconds per simulated step: worth a bar in a terminal.
     big = sum(p.numel() for p in config.workload.model.parameters()) >= 1_000_000_000
@@ -273,6 +275,8 @@ def replayed(config: "RunConfig[Workload]", prepared: Prepared, prof: "Simulated
     est = Estimate(trace=trace, precision=resolved, device=twin.target.type, notes=tuple(notes),
                    host_bytes=split[0] if split else None, device_peak_bytes=split[1] if split else None)
     if twin.target.type != "cuda":
+        if kept is not None:  # no replay: the stream only checks the figures extended in depth
+            kept.append((prof.recorded_stream(), _unchanged))
         return est
     gpu, conf, world = prepared.gpu, config.target.alloc_conf, config.parallelism.world_size
 
@@ -284,6 +288,11 @@ def replayed(config: "RunConfig[Workload]", prepared: Prepared, prof: "Simulated
         kept.append((prof.recorded_stream(), replay))
         return est
     return replay(est, prof.recorded_stream())
+
+
+def _unchanged(est: "Estimate", recorded: "RecordedStream") -> "Estimate":
+    """A target with no allocator replay: the estimate as it is."""
+    return est
 
 
 def _loop_notes(config: "RunConfig[Workload]", prepared: Prepared) -> list[str]:

@@ -39,6 +39,12 @@ def test_eight_blocks_from_three_four_and_five():
     # Parameter counts grow by a block's 4,128 parameters (32 + 32*64 + 64*32) each: extended too.
     assert cut.trace.facts.num_params == whole.trace.facts.num_params == 96 * 32 * 2 + 32 + 8 * 4_128 == 39_200
     assert any(n.startswith("depth: simulated with layers (8 x Block) cut to 3, 4 and 5") for n in cut.notes)
+    # A CPU target has no replay, but its cuts' streams are extended all the same and checked against the figures
+    # (a phase's peak that moves at full depth: test_depth_pipeline_stream.py).
+    assert any(n.startswith("depth: the whole model's allocation stream, the cuts' extended") and
+               n.endswith("holds the extended figures at every phase's start, peak and end, and no moment of a "
+                          "phase above its peak") for n in cut.notes), cut.notes
+    assert cut.device_memory is None and whole.device_memory is None
 
 
 def test_the_stack_and_the_refusals():

@@ -83,7 +83,7 @@ def test_a_pipeline_stage_under_fsdp2_and_tp_is_cut_and_extended(shallow, micro)
 
 
 def _llama_stages(tmp_path, seq, schedule, extrapolate=None, batch=4, layers=16, arch=("LlamaForCausalLM", "llama"),
-                  **extra):
+                  gpu="h100-80gb", **extra):
     """Rank 0 of a 16-layer Llama built from its config, in bf16 on 8 ranks: 2 pipeline stages, FSDP2 over the 4
     ranks of each (the plan's pp2-fsdp4 layout, memprof.simulate.hf_pipeline.pp_fsdp), over 4 micro-batches of one
     sequence of ``seq`` tokens."""
@@ -101,7 +101,7 @@ def _llama_stages(tmp_path, seq, schedule, extrapolate=None, batch=4, layers=16,
     kw = {} if extrapolate is None else dict(extrapolate=extrapolate)
     return memprof.estimate(built.model, hf.adamw, inputs=ids, targets=ids, loss_fn=causal_lm_loss(built.model),
                             precision="bf16", world_size=8, mesh={"pp": 2, "dp": 4}, parallelize=pp_fsdp(False),
-                            pipeline=memprof.Pipeline(split, schedule, 4), rank=0, gpu="h100-80gb", **kw)
+                            pipeline=memprof.Pipeline(split, schedule, 4), rank=0, gpu=gpu, **kw)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -123,12 +123,16 @@ def test_the_first_stage_of_fsdp2_stages_is_cut_and_extended(shallow, tmp_path, 
     assert any(n.startswith("depth: the module at the peak is not known from the cuts") for n in notes), notes
 
 
-def test_a_phase_whose_peak_moves_at_full_depth_is_simulated_whole(shallow, tmp_path):
+@pytest.mark.parametrize("gpu", ["h100-80gb", None])
+def test_a_phase_whose_peak_moves_at_full_depth_is_simulated_whole(shallow, tmp_path, gpu):
     # Sequences of 8 tokens: the cuts (2, 3 and 4 blocks) grow alike, but at 8 blocks the forward's peak is
     # another moment, whose tensors the cuts' line does not reach: extended, the forward's records fell 68,608 B
-    # short (activations 165,888 B, not 378,880). The extended stream now holds every phase to its peak: an event
-    # above it sends the stage to a whole simulation.
-    fast, whole = _llama_stages(tmp_path, 8, "1f1b"), _llama_stages(tmp_path, 8, "1f1b", extrapolate=False)
+    # short on the GPU target (activations 165,888 B, not 378,880), 43,840 B on the CPU (each forward's peak
+    # 1,081,440 B and 1,394,052 B, not 1,125,280 and 1,437,892). The extended stream holds every phase to its
+    # peak, an event above it sending the stage to a whole simulation: on every target, since a CPU target's cuts
+    # keep their streams too (before, only a CUDA target's did, for its replay, and the CPU's figures fell short).
+    fast = _llama_stages(tmp_path, 8, "1f1b", gpu=gpu)
+    whole = _llama_stages(tmp_path, 8, "1f1b", extrapolate=False, gpu=gpu)
     assert any("that phase's peak is another moment" in n for n in fast.notes), fast.notes
     _identical(fast, whole)
 
