@@ -339,6 +339,8 @@ class Ledger(Peaks):
         # of a live storage to another category as (seq, key) (memprof.simulate.depth_stream reads them).
         self.stream_cats: list[int] = []
         self.stream_moves: list[tuple[int, int, int]] = []  # (seq, key, the category it moved to)
+        # The seqs of the moves that also moved the storage in its phase's peak (moves.move's retro).
+        self.stream_retro: list[int] = []
         self.phase_start_seq = self.mark_seq = 0
 
     # -- sizes ---------------------------------------------------------------

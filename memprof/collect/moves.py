@@ -34,6 +34,8 @@ def move(ledger: Ledger, entry: Entry, cat: int, *, retro: bool = False) -> None
     ledger.seq += 1  # an event of its own: a peak reached before it is told apart from one after it
     if ledger.stream is not None:
         ledger.stream_moves.append((ledger.seq, entry.key, cat))
+        if retro and entry.phase_serial == ledger.phase_serial:
+            ledger.stream_retro.append(ledger.seq)
     entry.moved, entry.before = ledger.seq, old
     if old == ACTIVATIONS or cat == ACTIVATIONS:
         sign = -1 if old == ACTIVATIONS else 1

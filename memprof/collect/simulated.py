@@ -48,6 +48,9 @@ class RecordedStream:
     cats: tuple[int, ...] = ()
     #: Each move of a live storage to another category, as (seq, key, the category it moved to).
     moves: tuple[tuple[int, int, int], ...] = ()
+    #: The seqs of the moves that also moved the storage in the peak of the phase it was made in, where it was live
+    #: then (a storage that only later shows what it was: a gradient, an optimizer state, a saved activation).
+    retro: tuple[int, ...] = ()
 
 
 class SimulatedProfile(Profiler):
@@ -83,7 +86,7 @@ class SimulatedProfile(Profiler):
         held = tuple(flat.gathered.items()) if flat is not None else ()
         return RecordedStream(tuple(led.stream or ()), tuple(led.moments or ()), led.peak_seq,
                               StreamUse(switches, held), cats=tuple(led.stream_cats),
-                              moves=tuple(led.stream_moves))
+                              moves=tuple(led.stream_moves), retro=tuple(led.stream_retro))
 
     # -- what a simulated layout plays on the run ------------------------------------------------------------
 

@@ -37,7 +37,8 @@ from ..errors import InvalidArgumentError, is_interrupt
 from ..record.estimate import Estimate
 from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
-from .depth_stream import HELD, corrected, extended_stream
+from .depth_stream import HELD, Extension, corrected, extended_stream
+from .stream_peaks import phase_peaks
 
 if TYPE_CHECKING:
     from ..collect.simulated import RecordedStream
@@ -112,7 +113,7 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     cut = partial(_cuts, model, optimizer, name, per_unit=per_unit, units=units, run=run, kept=kept, auto=auto)
     try:
         ests, k, reason = cut(k)
-        stream, missed, reason, unchecked = _stream(ests, kept, units, k, reason)
+        stream, extension, reason, unchecked = _stream(ests, kept, units, k, reason)
         # Figures or a stream that the first cuts do not make regular settle with more blocks, as the peak does
         # (the blocks next to the embeddings or the head behave apart while there are few others: FSDP's
         # prefetching; the backward's first block frees the logits' gradient where the others free the previous
@@ -122,7 +123,7 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
         if (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
                 and units > k + 3):
             ests, k, reason = cut(k, ests)
-            stream, missed, reason, unchecked = _stream(ests, kept, units, k, reason)
+            stream, extension, reason, unchecked = _stream(ests, kept, units, k, reason)
     except Exception as exc:
         if not auto or is_interrupt(exc):
             raise
@@ -143,7 +144,13 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
                          "exact while each phase's peak stays at the moment the cuts have it")
     else:
         notes.append(_stream_note(ests[2].device == "cuda", k, units))
-        fixed, moved = _peak_moved(corrected(out, stream, missed))
+        assert extension is not None
+        peaks = phase_peaks(corrected(out, stream, extension.missed), stream, extension)
+        if isinstance(peaks, str):
+            return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {peaks}")
+        fixed, stream, moved_peaks = peaks
+        notes.extend(moved_peaks)
+        fixed, moved = _peak_moved(fixed)
         notes.extend([moved] if moved else [])
         made = _replayed(fixed, stream, kept[2][1])  # an Estimate, or a str saying why the stream does not hold
         if isinstance(made, str):
@@ -223,9 +230,9 @@ def _peak_in_a_block(est: Estimate, kind: str) -> "tuple[Estimate, str | None]":
 
 
 def _stream(ests: "list[Estimate]", kept: Kept, units: int, k: int, reason: "str | None"
-            ) -> "tuple[RecordedStream | None, dict[int, dict[int, int]] | None, str | None, str | None]":
+            ) -> "tuple[RecordedStream | None, Extension | None, str | None, str | None]":
     """Where the cuts' figures are affine (``reason`` None), the whole model's stream extended from the cuts'
-    (:func:`extended_stream`) and what the figures' line missed; else (None, None, the reason, None). A target
+    (:func:`extended_stream`) and what it holds beside its events; else (None, None, the reason, None). A target
     with no replay (not CUDA) needs the stream only to check the figures: where it does not extend, the figures'
     line stands, and why the stream did not is last (None, None, None, why)."""
     if reason is not None or not kept:

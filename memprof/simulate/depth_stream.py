@@ -42,7 +42,7 @@ storage was made in, at every moment it is live.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from ..errors import is_interrupt
 from .stream_change import Change, Grown, Stop
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from .aliases import ByKind
     from .estimated import Estimate
 
-__all__ = ["extended_stream", "corrected", "HELD"]
+__all__ = ["extended_stream", "corrected", "HELD", "Side", "Extension"]
 
 
 #: Why a run's stream is not extended whatever its cuts: storages held for another stream.
@@ -65,11 +65,13 @@ HELD = ("the run holds storages a library uses on another CUDA stream (record_st
 
 
 def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
-                    ) -> "tuple[RecordedStream, dict[int, dict[int, int]]] | str":
+                    ) -> "tuple[RecordedStream, Extension] | str":
     """The :class:`~memprof.collect.simulated.RecordedStream` of the model at full depth from the three cuts'
     (``k``, ``k + 1`` and ``k + 2`` blocks): the change from the cut to ``k`` to that to ``k + 1`` made once more
     must give the cut to ``k + 2``, exactly; it is then made ``more`` times more. With it, what the figures
-    extended in a line miss (:func:`_decoded`): seq -> category -> bytes. A str where it cannot: why."""
+    extended in a line miss, the category each of its storages was made in, and its moves of a storage to another
+    category and its moments in the order they fall between its events (:class:`Extension`), which
+    :mod:`memprof.simulate.stream_peaks` reads the composition of any moment off. A str where it cannot: why."""
     from ..collect.simulated import RecordedStream
     from ..collect.streams import StreamUse
 
@@ -89,8 +91,8 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
         predicted, change, _ = _apply(tokens, change._replace(per_copy=per_copy), 1)
         whole, change, origin = _apply(predicted, change, more)
         at_moments = {p: moved.at_moments[q] for p, q in enumerate(origin) if q in moved.at_moments}
-        events, moments, switches, missed = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding,
-                                                     at_moments)
+        events, moments, switches, missed, cats, side = _decoded(whole, len(cuts[2].moments), change.grew, more,
+                                                                 rounding, at_moments)
     except Stop as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
@@ -106,7 +108,7 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
               None)
     peak = moments[at[0]][at[1]] if at is not None else 0
     return RecordedStream(tuple(events), tuple((s, m[0], m[1], m[2]) for s, m in zip(steps[2], moments)), peak,
-                          StreamUse(switches=tuple(switches))), missed
+                          StreamUse(switches=tuple(switches))), Extension(missed, cats, side)
 
 
 #: Why the cuts' streams do not extend where no run of events repeats as a block is added.
@@ -157,7 +159,7 @@ def _agreed(a: Tokens, b: Tokens, c: Tokens, predicted: list[Token], origin: lis
             if not _same(token, want, c[1][p]):
                 return None
             continue
-        if want[0] != token[0] or want[1] != token[1] or (token[0] == "r" and want[5] != token[5]):
+        if want[0] != token[0] or want[1] != token[1] or (token[0] == "r" and want[5:] != token[5:]):
             return None
         theirs, ours = c[1][p], b[1][q]
         fits: set[Fit] = {(w, 0, 0) for w, v in ours.items() if theirs.get(w) == v}
@@ -276,18 +278,48 @@ def _same(predicted: Token, token: Token, options: "ByKind") -> bool:
         return True
     if predicted[0] != token[0] or predicted[0] not in ("f", "r") or predicted[1] != token[1]:
         return False
-    if predicted[0] == "r" and predicted[5] != token[5]:
+    if predicted[0] == "r" and predicted[5:] != token[5:]:
         return False
     return bool(options.get((predicted[2], predicted[3])) == predicted[4])
 
 
 
+#: A move, ``("v", seq, key, category, retroactive)`` (1: it also moved the storage in its phase's peak), or a
+#: moment, ``("m", seq, moment, which of its three, 0)``, of a decoded stream, at the seq of the event before it.
+Side = tuple[str, int, int, int, int]
+
+
+class Extension(NamedTuple):
+    """What a stream extended to full depth holds beside its events (:func:`extended_stream`)."""
+
+    #: What the figures extended in a line miss: seq -> category -> bytes.
+    missed: dict[int, dict[int, int]]
+    #: The category each storage was made in (-1: not known), one per storage made, in order.
+    cats: list[int]
+    #: Its moves of a storage to another category and its moments, in order (:data:`Side`).
+    side: list[Side]
+
+
+class Decoded(NamedTuple):
+    """A token stream decoded (:func:`_decoded`)."""
+
+    events: list[tuple[int, int, int]]
+    moments: list[list[int]]
+    switches: list[tuple[int, int]]
+    missed: dict[int, dict[int, int]]
+    #: The category each storage was made in (-1: not known), one per storage made, in order.
+    cats: list[int]
+    #: The moves and the moments in the order they fall between the events (both placed at the seq of the event
+    #: before them, which cannot tell them apart where they share it).
+    side: "list[Side]"
+
+
 def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: int, rounding: int,
-             at_moments: "dict[int, dict[tuple[int, int], int]]",
-             ) -> tuple[list[tuple[int, int, int]], list[list[int]], list[tuple[int, int]], dict[int, dict[int, int]]]:
+             at_moments: "dict[int, dict[tuple[int, int], int]]") -> Decoded:
     """The stream ``tokens`` name: its events numbered 1, 2, ... (keys too), each moment's (start, peak, end)
     seq: the seq of the last event before its marker, and each switch of the current stream as ``(seq, stream)``,
-    the seq of the last event before it (:class:`~memprof.collect.streams.StreamUse`). And what the figures
+    the seq of the last event before it (:class:`~memprof.collect.streams.StreamUse`); the category each storage
+    was made in and each move of a storage to another, as the ledger records them. And what the figures
     extended in a line miss at each marker's seq, by category: a storage whose bytes grew by ``d`` per block
     (``grew``, by position) is ``rounding(x + more d)`` at full depth, where the line through the cuts'
     ``rounding(x - d)`` and ``rounding(x)`` says ``rounding(x) + more (rounding(x) - rounding(x - d))``, in the
@@ -302,6 +334,8 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
     fresh = 0
     missing: dict[int, tuple[int | dict[tuple[int, int], int], int]] = {}  # key -> (category, bytes the line misses)
     missed: dict[int, dict[int, int]] = {}
+    cats: list[int] = []
+    side: list[Side] = []
     for position, token in enumerate(tokens):
         kind = token[0]
         if kind == "s":
@@ -310,6 +344,7 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
         if kind == "m":
             classes.epoch += 1
             placed[token[1]][token[2]] = len(events)
+            side.append(("m", len(events), token[1], token[2], 0))
             if missing:
                 at = missed.setdefault(len(events), {})
                 at.clear()
@@ -319,11 +354,18 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
                         raise Stop("a storage whose bytes grow with the blocks has no category known at a moment")
                     at[cat] = at.get(cat, 0) + nbytes
             continue
+        if kind == "r" and len(token) > 6:  # a move to another category: no event, the storage re-made in its class
+            size = token[1]
+            key = keys.pop((size, classes.find(size, token[2], token[4], token[3], False)))
+            keys[(size, classes.make(size))] = key
+            side.append(("v", len(events), key, token[6], token[7]))
+            continue
         fresh += 1
         seq = len(events) + 1
         if kind == "a":
             keys[(token[1], classes.make(token[1]))] = fresh
             events.append((seq, fresh, token[1]))
+            cats.append(token[2])
             if position in grew:
                 miss = _missed(token[1], grew[position][1][0], more, rounding)
                 if miss:
@@ -343,7 +385,7 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
                     raise Stop("a storage whose bytes grow with the blocks was resized")
                 keys[(token[5], classes.make(token[5]))] = key
                 events.append((seq, key, token[5]))
-    return events, placed, switches, missed
+    return Decoded(events, placed, switches, missed, cats, side)
 
 
 def _missed(size: int, grow: int, more: int, rounding: int) -> int:

@@ -152,7 +152,7 @@ def apart(a: Tokens, x: int, b: Tokens, y: int) -> float:
     if ta[0] == "a":
         return float(far) if ta[2:] == tb[2:] else float("inf")
     common = a[1][x].keys() & b[1][y].keys()
-    if not common:
+    if not common or ta[6:] != tb[6:]:  # a move pairs only with a move to the same category
         return float("inf")
     far += min(abs(b[1][y][w] - a[1][x][w]) for w in common)
     return float(far + (abs(tb[5] - ta[5]) if ta[0] == "r" else 0))
@@ -166,6 +166,8 @@ def grown(ta: Token, oa: Ways, tb: Token, ob: Ways) -> Grown:
         if ta[2:] != tb[2:]:
             raise Stop("its allocation stream changed, not only grew, with a block more")
         return (tb, (tb[1] - ta[1], 0, 0))
+    if ta[6:] != tb[6:]:
+        raise Stop("its allocation stream changed, not only grew, with a block more")
     ways = [(abs(ob[w] - oa[w]), abs(ob[w]), w) for w in oa.keys() & ob.keys()]
     if not ways:
         raise Stop("its allocation stream frees a storage no way named alike in both cuts")
@@ -213,7 +215,7 @@ def apply(tokens: list[Token], change: Change, times: int) -> tuple[list[Token],
             token = (full[0], full[1] + times * size, *full[2:4], full[4] + times * value, *full[5:]) \
                 if full[0] != "a" else ("a", full[1] + times * size, *full[2:])
             if full[0] == "r":
-                token = (*token[:5], full[5] + times * new)
+                token = (*token[:5], full[5] + times * new, *full[6:])
             grew[len(out)] = (token, (size, value, new))
             out.append(token)
         i += 1
@@ -226,5 +228,5 @@ def moved(token: Token, by: int) -> Token:
 
 
 def shape(token: Token) -> Token:
-    """A token without the way a free or resize names its storage by."""
-    return token[:2] if token[0] == "f" else (token[0], token[1], token[5]) if token[0] == "r" else token
+    """A token without the way a free or resize names its storage by (a move keeps its category)."""
+    return token[:2] if token[0] == "f" else (token[0], token[1], *token[5:]) if token[0] == "r" else token

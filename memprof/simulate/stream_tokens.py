@@ -23,7 +23,9 @@ __all__ = ["FREE", "ORDER", "Token", "Ways", "Tokens", "tokens_of", "marker", "M
 
 FREE = -1
 
-#: A token of a stream (see the module's docstring): its kind first ("a", "f", "r", "x", "m", "s"), then its numbers.
+#: A token of a stream (see the module's docstring): its kind first ("a", "f", "r", "x", "m", "s"), then its numbers;
+#: a storage's move to another category is a resize to its own bytes with the category and whether the move was
+#: retroactive in its phase's peak (1 or 0) last (8 items).
 Token = tuple["ByKind", ...]
 #: Every way a free or a resize could name its storage: (way, epochs ago) -> position.
 Ways = dict[tuple[str, int], int]
@@ -38,19 +40,34 @@ def tokens_of(recorded: "RecordedStream", moved: "MovedCategories | None" = None
     every way it could be written ((way, epochs ago) -> position). A storage made is written with its bytes, the
     category it was made in (-1: not known) and whether it moved to another while it lived."""
     # The moments, and each switch of the current stream, where they fall between two events: (seq, 0, moment,
-    # which of its three) and (seq, 1, stream, 0), a moment first where both fall at one seq.
+    # which of its three) and (seq, 1, stream, 0), a moment first where both fall at one seq; each move of a live
+    # storage to another category, (seq, -1, key, category), before both (a moment's record counts the storage in
+    # the category it moved to).
     marks = sorted([(seq, 0, i, f) for i, m in enumerate(recorded.moments) for f, seq in enumerate(m[1:])]
-                   + [(seq, 1, stream, 0) for seq, stream in recorded.streams.switches])
+                   + [(seq, 1, stream, 0) for seq, stream in recorded.streams.switches]
+                   + [(seq, -1, key, cat) for seq, key, cat in recorded.moves])
+    retro = set(recorded.retro)
     made, cats = made_categories(recorded)
     live: dict[int, tuple[int, int]] = {}  # key -> (bytes, the n-th of its bytes made)
     classes = Classes()
     out: list[Token] = []
     options: "list[Ways | None]" = []
     at = 0
+    def side(mark: tuple[int, int, int, int]) -> None:
+        if mark[1] >= 0:
+            out.append(marker(mark, classes, moved))
+            options.append(None)
+        elif mark[2] in live:  # a move: the storage re-made in its class, as a resize to its own bytes
+            size, n = live[mark[2]]
+            ways = classes.take(size, n, False)
+            (way, ago), value = min(ways.items(), key=lambda kv: (abs(kv[1]), ORDER[kv[0][0]]))
+            out.append(("r", size, way, ago, value, size, mark[3], int(mark[0] in retro)))
+            live[mark[2]] = (size, classes.make(size))
+            options.append(ways)
+
     for index, (seq, key, nbytes) in enumerate(recorded.events):
         while at < len(marks) and marks[at][0] < seq:
-            out.append(marker(marks[at], classes, moved))
-            options.append(None)
+            side(marks[at])
             at += 1
         if nbytes == FREE and key not in live:
             out.append(("x",))  # a storage the stream never made
@@ -74,8 +91,7 @@ def tokens_of(recorded: "RecordedStream", moved: "MovedCategories | None" = None
             out.append(("a", nbytes, cats.get(index, -1), index in made))
             options.append(None)
     for mark in marks[at:]:
-        out.append(marker(mark, classes, moved))
-        options.append(None)
+        side(mark)
     return out, options
 
 

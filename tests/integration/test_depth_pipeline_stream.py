@@ -124,16 +124,21 @@ def test_the_first_stage_of_fsdp2_stages_is_cut_and_extended(shallow, tmp_path, 
 
 
 @pytest.mark.parametrize("gpu", ["h100-80gb", None])
-def test_a_phase_whose_peak_moves_at_full_depth_is_simulated_whole(shallow, tmp_path, gpu):
-    # Sequences of 8 tokens: the cuts (2, 3 and 4 blocks) grow alike, but at 8 blocks the forward's peak is
-    # another moment, whose tensors the cuts' line does not reach: extended, the forward's records fell 68,608 B
-    # short on the GPU target (activations 165,888 B, not 378,880), 43,840 B on the CPU (each forward's peak
-    # 1,081,440 B and 1,394,052 B, not 1,125,280 and 1,437,892). The extended stream holds every phase to its
-    # peak, an event above it sending the stage to a whole simulation: on every target, since a CPU target's cuts
-    # keep their streams too (before, only a CUDA target's did, for its replay, and the CPU's figures fell short).
+def test_a_phase_whose_peak_moves_at_full_depth_takes_it_from_the_extended_stream(shallow, tmp_path, gpu):
+    # Sequences of 8 tokens: the cuts (2, 3 and 4 blocks) grow alike, but at 8 blocks each step's first forward
+    # peaks at another moment, whose tensors the cuts' line does not reach: extended in a line, its records fell
+    # 68,608 B short on the GPU target (activations 165,888 B, not 378,880), 43,840 B on the CPU (1,081,440 B and
+    # 1,394,052 B, not 1,125,280 and 1,437,892), unchecked there (only a CUDA target's cuts kept their streams).
+    # The extended stream holds every event, each storage's category and every move of one to another
+    # (memprof.simulate.stream_peaks): each phase's peak is the first moment of its largest total there, with the
+    # composition the ledger keeps (the retroactive moves of the phase's storages applied), checked at every
+    # phase's start, peak and end against its record. Before, the stage was simulated whole on the GPU target.
     fast = _llama_stages(tmp_path, 8, "1f1b", gpu=gpu)
     whole = _llama_stages(tmp_path, 8, "1f1b", extrapolate=False, gpu=gpu)
-    assert any("that phase's peak is another moment" in n for n in fast.notes), fast.notes
+    moved = [n for n in fast.notes if n.startswith("depth: at full depth step ")]
+    assert [n.split("'s peak")[0] for n in moved] == ["depth: at full depth step 0 forward",
+                                                      "depth: at full depth step 1 forward"], fast.notes
+    assert not any("simulated whole" in n for n in fast.notes), fast.notes
     _identical(fast, whole)
 
 
