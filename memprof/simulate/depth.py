@@ -38,7 +38,7 @@ from ..record.estimate import Estimate
 from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
 from .depth_stream import HELD, Extension, corrected, extended_stream
-from .stream_peaks import phase_peaks
+from .stream_peaks import peaks_move, phase_peaks
 
 if TYPE_CHECKING:
     from ..collect.simulated import RecordedStream
@@ -145,11 +145,13 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     else:
         notes.append(_stream_note(ests[2].device == "cuda", k, units))
         assert extension is not None
-        peaks = phase_peaks(corrected(out, stream, extension.missed), stream, extension)
-        if isinstance(peaks, str):
-            return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {peaks}")
-        fixed, stream, moved_peaks = peaks
-        notes.extend(moved_peaks)
+        fixed = corrected(out, stream, extension.missed)
+        if peaks_move(fixed, stream):  # a phase's peak is another moment at full depth: its composition is needed
+            peaks = _moved_peaks(out, kept, units, k)
+            if isinstance(peaks, str):
+                return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {peaks}")
+            fixed, stream, moved_peaks = peaks
+            notes.extend(moved_peaks)
         fixed, moved = _peak_moved(fixed)
         notes.extend([moved] if moved else [])
         made = _replayed(fixed, stream, kept[2][1])  # an Estimate, or a str saying why the stream does not hold
@@ -171,6 +173,19 @@ def _extended_note(where: str, k: int, units: int) -> str:
             "the peak stays where it is; the per-module tables are the cut model's, and so are the formula column "
             f"and the textbook line, which read the run's modules and optimizer ({k + 2} blocks per stage, not "
             f"{units})")
+
+
+def _moved_peaks(out: Estimate, kept: Kept, units: int, k: int
+                 ) -> "tuple[Estimate, RecordedStream, list[str]] | str":
+    """``out`` (extended in a line) corrected by the cuts' streams extended again with their moves, each phase's peak
+    where the whole model's stream has it (:func:`phase_peaks`), the stream, and the notes; or why not."""
+    made = extended_stream([recorded for recorded, _replay in kept], units - k - 2,
+                           max(1, out.trace.device.rounding or 1), moves=True)
+    if isinstance(made, str):
+        return (f"a phase's peak is another moment at full depth, and with the moves of its storages between "
+                f"categories the cuts' streams do not extend ({made})")
+    stream, extension = made
+    return phase_peaks(corrected(out, stream, extension.missed), stream, extension)
 
 
 def _stream_note(cuda: bool, k: int, units: int) -> str:

@@ -64,14 +64,15 @@ HELD = ("the run holds storages a library uses on another CUDA stream (record_st
         "does not place")
 
 
-def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
+def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int, moves: bool = False
                     ) -> "tuple[RecordedStream, Extension] | str":
     """The :class:`~memprof.collect.simulated.RecordedStream` of the model at full depth from the three cuts'
     (``k``, ``k + 1`` and ``k + 2`` blocks): the change from the cut to ``k`` to that to ``k + 1`` made once more
     must give the cut to ``k + 2``, exactly; it is then made ``more`` times more. With it, what the figures
     extended in a line miss, the category each of its storages was made in, and its moves of a storage to another
-    category and its moments in the order they fall between its events (:class:`Extension`), which
-    :mod:`memprof.simulate.stream_peaks` reads the composition of any moment off. A str where it cannot: why."""
+    category (with ``moves``; else none) and its moments in the order they fall between its events
+    (:class:`Extension`), which :mod:`memprof.simulate.stream_peaks` reads the composition of any moment off. A str
+    where it cannot: why."""
     from ..collect.simulated import RecordedStream
     from ..collect.streams import StreamUse
 
@@ -79,7 +80,7 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int
         return HELD
     try:
         moved = MovedCategories(cuts[2].moves)
-        a, b, c = tokens_of(cuts[0]), tokens_of(cuts[1]), tokens_of(cuts[2], moved)
+        a, b, c = tokens_of(cuts[0], None, moves), tokens_of(cuts[1], None, moves), tokens_of(cuts[2], moved, moves)
         steps = [tuple(m[0] for m in r.moments) for r in cuts]
         if not steps[0] == steps[1] == steps[2]:
             return "its phases differ between the cuts"

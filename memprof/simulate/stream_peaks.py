@@ -26,9 +26,10 @@ from .device_memory import moments_of
 if TYPE_CHECKING:
     from ..collect.simulated import RecordedStream
     from ..record.estimate import Estimate
+    from ..record.parts import PhaseRecord
     from .depth_stream import Extension
 
-__all__ = ["phase_peaks"]
+__all__ = ["phase_peaks", "peaks_move"]
 
 _N = len(TENSOR_CATEGORIES)
 #: Where a phase record is in a stream: the seqs of its start, its peak and its end (its span is (start, end]).
@@ -46,16 +47,9 @@ def phase_peaks(est: "Estimate", recorded: "RecordedStream", extension: "Extensi
     its record's. The optimizer steps of a simulated rank under ZeRO or FSDP, whose stream takes each storage's
     share rounded up where the figures take a share of the sum (:func:`~memprof.simulate.device_memory._check_ledger`),
     are left as they are."""
-    trace = est.trace
-    placed, first, _peak, _end = moments_of(trace, recorded)
-    ranked = trace.distributed is not None and trace.distributed.layout in ("fsdp", "zero1", "zero2", "zero3")
-    records = {(s.index, i): rec for s in trace.steps for i, rec in enumerate(s.phases)}
-    spans = {where: key for key, where in placed.items() if where[0] >= first
-             and not (ranked and records[key].phase is Phase.OPTIMIZER)}
-    walk = _Walk(recorded, extension, max(1, trace.device.rounding or 1))
+    placed, records, spans = _spans(est, recorded)
+    walk = _Walk(recorded, extension, max(1, est.trace.device.rounding or 1))
     tops = walk.highest(list(spans))
-    if isinstance(tops, str):
-        return tops
     wanted = {span: {span[1], *([tops[span][0]] if tops[span][1] > _tensors(records[key].peak) else [])}
               for span, key in spans.items()}
     found = walk.compositions(wanted)
@@ -92,6 +86,28 @@ def phase_peaks(est: "Estimate", recorded: "RecordedStream", extension: "Extensi
     return _with_peaks(est, moved), _stream_with_peaks(recorded, placed, moved), notes
 
 
+def peaks_move(est: "Estimate", recorded: "RecordedStream") -> bool:
+    """Does a moment of a phase in ``recorded`` (``est``'s extended stream) hold more tensor bytes than the phase's
+    record's peak? Only then does :func:`phase_peaks` need the stream's moves (a costlier extension)."""
+    _placed, records, spans = _spans(est, recorded)
+    walk = _Walk(recorded, None, max(1, est.trace.device.rounding or 1))
+    tops = walk.highest(list(spans))
+    return any(tops[span][1] > _tensors(records[key].peak) for span, key in spans.items())
+
+
+def _spans(est: "Estimate", recorded: "RecordedStream"
+           ) -> "tuple[dict[tuple[int, int], Span], dict[tuple[int, int], PhaseRecord], dict[Span, tuple[int, int]]]":
+    """Where each phase record is in ``recorded``, the records by (step index, position), and the spans whose
+    peaks the stream can tell: from the run's start, a simulated ZeRO or FSDP rank's optimizer steps aside."""
+    trace = est.trace
+    placed, first, _peak, _end = moments_of(trace, recorded)
+    ranked = trace.distributed is not None and trace.distributed.layout in ("fsdp", "zero1", "zero2", "zero3")
+    records = {(s.index, i): rec for s in trace.steps for i, rec in enumerate(s.phases)}
+    spans = {where: key for key, where in placed.items() if where[0] >= first
+             and not (ranked and records[key].phase is Phase.OPTIMIZER)}
+    return placed, records, spans
+
+
 def _tensors(b: Breakdown) -> int:
     return sum(v or 0 for v in b.counts[:_N])
 
@@ -99,13 +115,14 @@ def _tensors(b: Breakdown) -> int:
 class _Walk:
     """Walks of an extended stream, its events with its moves and moments between them in order."""
 
-    def __init__(self, recorded: "RecordedStream", extension: "Extension", rounding: int) -> None:
-        self.events, self.cats, self.side, self.rounding = recorded.events, extension.cats, extension.side, rounding
+    def __init__(self, recorded: "RecordedStream", extension: "Extension | None", rounding: int) -> None:
+        self.events, self.rounding = recorded.events, rounding
+        self.cats, self.side = (extension.cats, extension.side) if extension is not None else ([], [])
 
     def _size(self, nbytes: int) -> int:
         return -(-nbytes // self.rounding) * self.rounding if self.rounding > 1 else nbytes
 
-    def highest(self, spans: "list[Span]") -> "dict[Span, tuple[int, int]] | str":
+    def highest(self, spans: "list[Span]") -> "dict[Span, tuple[int, int]]":
         """Each span's first event of its largest total over (start, end], as (seq, total); (peak seq, -1) for a
         span with no event."""
         sizes: dict[int, int] = {}

@@ -35,17 +35,20 @@ Tokens = tuple[list[Token], list["ByKind"]]
 #: Which way names a storage when two are as near: the ends of its epoch's list first.
 ORDER = {"T": 0, "B": 1, "t": 2, "b": 3, "d": 4}
 
-def tokens_of(recorded: "RecordedStream", moved: "MovedCategories | None" = None) -> Tokens:
+def tokens_of(recorded: "RecordedStream", moved: "MovedCategories | None" = None, moves: bool = False) -> Tokens:
     """``recorded``'s events and moments as tokens (see the module's docstring), and beside each free or resize
     every way it could be written ((way, epochs ago) -> position). A storage made is written with its bytes, the
-    category it was made in (-1: not known) and whether it moved to another while it lived."""
+    category it was made in (-1: not known) and whether it moved to another while it lived. With ``moves``, each
+    move of a storage to another category is a token too (a resize to its own bytes, with the category), so that
+    the composition of every moment of a stream extended from them is known (:mod:`memprof.simulate.stream_peaks`);
+    they cost the extension time, and only a phase whose peak moves with depth needs them."""
     # The moments, and each switch of the current stream, where they fall between two events: (seq, 0, moment,
     # which of its three) and (seq, 1, stream, 0), a moment first where both fall at one seq; each move of a live
     # storage to another category, (seq, -1, key, category), before both (a moment's record counts the storage in
     # the category it moved to).
     marks = sorted([(seq, 0, i, f) for i, m in enumerate(recorded.moments) for f, seq in enumerate(m[1:])]
                    + [(seq, 1, stream, 0) for seq, stream in recorded.streams.switches]
-                   + [(seq, -1, key, cat) for seq, key, cat in recorded.moves])
+                   + [(seq, -1, key, cat) for seq, key, cat in (recorded.moves if moves else ())])
     retro = set(recorded.retro)
     made, cats = made_categories(recorded)
     live: dict[int, tuple[int, int]] = {}  # key -> (bytes, the n-th of its bytes made)
