@@ -284,7 +284,6 @@ def _same(predicted: Token, token: Token, options: "ByKind") -> bool:
     return bool(options.get((predicted[2], predicted[3])) == predicted[4])
 
 
-
 #: A move, ``("v", seq, key, category, retroactive)`` (1: it also moved the storage in its phase's peak), or a
 #: moment, ``("m", seq, moment, which of its three, 0)``, of a decoded stream, at the seq of the event before it.
 Side = tuple[str, int, int, int, int]

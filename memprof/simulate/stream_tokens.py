@@ -6,7 +6,9 @@ A storage made is written with its bytes, the category the ledger made it in and
 it lived; a free or a resize names *which* live storage of its bytes by the nearest of five positions
 (:class:`Classes`: from the newest or the oldest of those made in its epoch, the span between two markers; from the
 newest or the oldest of all; from the one freed last), every other way beside it; each phase's start, peak and end
-is a marker where it falls, and so is each switch of the current CUDA stream.
+is a marker where it falls, and so is each switch of the current CUDA stream. Asked for, each move of a live storage
+to another category is a token too, written as a resize to its own bytes with the category it moved to and whether
+the ledger applied the move to its phase's peak (``memprof.collect.moves``' ``retro``).
 """
 
 from __future__ import annotations
