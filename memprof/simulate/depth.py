@@ -138,26 +138,14 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     if stream is None:
         out, moved = _peak_moved(out)
         notes.extend([moved] if moved else [])
-        if unchecked is not None:
-            notes.append("depth: no moment of the whole model's phases is checked against the extended figures: the "
-                         f"cuts' allocation streams do not extend ({unchecked}); the figures extended in a line are "
-                         "exact while each phase's peak stays at the moment the cuts have it")
+        notes.extend([_unchecked_note(unchecked)] if unchecked is not None else [])
     else:
-        notes.append(_stream_note(ests[2].device == "cuda", k, units))
         assert extension is not None
-        fixed = corrected(out, stream, extension.missed)
-        if peaks_move(fixed, stream):  # a phase's peak is another moment at full depth: its composition is needed
-            peaks = _moved_peaks(out, kept, units, k)
-            if isinstance(peaks, str):
-                return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {peaks}")
-            fixed, stream, moved_peaks = peaks
-            notes.extend(moved_peaks)
-        fixed, moved = _peak_moved(fixed)
-        notes.extend([moved] if moved else [])
-        made = _replayed(fixed, stream, kept[2][1])  # an Estimate, or a str saying why the stream does not hold
+        made = _on_stream(out, stream, extension, kept, units, k)
         if isinstance(made, str):
             return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {made}")
-        out = made
+        out, on_stream = made
+        notes.extend(on_stream)
     out, inside = _peak_in_a_block(out, kind)
     remade = _stats_of_records(out)
     if isinstance(remade, str):
@@ -173,6 +161,33 @@ def _extended_note(where: str, k: int, units: int) -> str:
             "the peak stays where it is; the per-module tables are the cut model's, and so are the formula column "
             f"and the textbook line, which read the run's modules and optimizer ({k + 2} blocks per stage, not "
             f"{units})")
+
+
+def _on_stream(out: Estimate, stream: "RecordedStream", extension: Extension, kept: Kept, units: int, k: int
+               ) -> "tuple[Estimate, list[str]] | str":
+    """``out`` (extended in a line) held to the whole model's ``stream`` extended from the cuts': corrected where
+    the line missed bytes, each phase's peak where the stream has it, and replayed (``kept[2]``'s replay, which on a
+    target other than CUDA adds nothing); with the notes. A str saying why not: the caller simulates the whole
+    model."""
+    notes = [_stream_note(out.device == "cuda", k, units)]
+    fixed = corrected(out, stream, extension.missed)
+    if peaks_move(fixed, stream):  # a phase's peak is another moment at full depth: its composition is needed
+        peaks = _moved_peaks(out, kept, units, k)
+        if isinstance(peaks, str):
+            return peaks
+        fixed, stream, moved_peaks = peaks
+        notes.extend(moved_peaks)
+    fixed, moved = _peak_moved(fixed)
+    notes.extend([moved] if moved else [])
+    made = _replayed(fixed, stream, kept[2][1])  # an Estimate, or a str saying why the stream does not hold
+    return made if isinstance(made, str) else (made, notes)
+
+
+def _unchecked_note(why: str) -> str:
+    """The note of a target with no replay whose cuts' streams did not extend: the figures' line, unchecked."""
+    return ("depth: no moment of the whole model's phases is checked against the extended figures: the cuts' "
+            f"allocation streams do not extend ({why}); the figures extended in a line are exact while each phase's "
+            "peak stays at the moment the cuts have it")
 
 
 def _moved_peaks(out: Estimate, kept: Kept, units: int, k: int
