@@ -113,7 +113,7 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     cut = partial(_cuts, model, optimizer, name, per_unit=per_unit, units=units, run=run, kept=kept, auto=auto)
     try:
         ests, k, reason = cut(k)
-        stream, extension, reason, unchecked = _stream(ests, kept, units, k, reason)
+        stream, extension, reason = _stream(ests, kept, units, k, reason)
         # Figures or a stream that the first cuts do not make regular settle with more blocks, as the peak does
         # (the blocks next to the embeddings or the head behave apart while there are few others: FSDP's
         # prefetching; the backward's first block frees the logits' gradient where the others free the previous
@@ -123,7 +123,7 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
         if (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
                 and units > k + 3):
             ests, k, reason = cut(k, ests)
-            stream, extension, reason, unchecked = _stream(ests, kept, units, k, reason)
+            stream, extension, reason = _stream(ests, kept, units, k, reason)
     except Exception as exc:
         if not auto or is_interrupt(exc):
             raise
@@ -138,7 +138,6 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     if stream is None:
         out, moved = _peak_moved(out)
         notes.extend([moved] if moved else [])
-        notes.extend([_unchecked_note(unchecked)] if unchecked is not None else [])
     else:
         assert extension is not None
         made = _on_stream(out, stream, extension, kept, units, k)
@@ -181,13 +180,6 @@ def _on_stream(out: Estimate, stream: "RecordedStream", extension: Extension, ke
     notes.extend([moved] if moved else [])
     made = _replayed(fixed, stream, kept[2][1])  # an Estimate, or a str saying why the stream does not hold
     return made if isinstance(made, str) else (made, notes)
-
-
-def _unchecked_note(why: str) -> str:
-    """The note of a target with no replay whose cuts' streams did not extend: the figures' line, unchecked."""
-    return ("depth: no moment of the whole model's phases is checked against the extended figures: the cuts' "
-            f"allocation streams do not extend ({why}); the figures extended in a line are exact while each phase's "
-            "peak stays at the moment the cuts have it")
 
 
 def _moved_peaks(out: Estimate, kept: Kept, units: int, k: int
@@ -260,18 +252,18 @@ def _peak_in_a_block(est: Estimate, kind: str) -> "tuple[Estimate, str | None]":
 
 
 def _stream(ests: "list[Estimate]", kept: Kept, units: int, k: int, reason: "str | None"
-            ) -> "tuple[RecordedStream | None, Extension | None, str | None, str | None]":
+            ) -> "tuple[RecordedStream | None, Extension | None, str | None]":
     """Where the cuts' figures are affine (``reason`` None), the whole model's stream extended from the cuts'
-    (:func:`extended_stream`) and what it holds beside its events; else (None, None, the reason, None). A target
-    with no replay (not CUDA) needs the stream only to check the figures: where it does not extend, the figures'
-    line stands, and why the stream did not is last (None, None, None, why)."""
+    (:func:`extended_stream`) and what it holds beside its events; else (None, None, the reason). On every target:
+    one with no replay (not CUDA) needs the stream to check the figures, and a line it cannot check can miss a
+    phase's peak (a CPU target's first pipeline stage over short sequences: each forward's peak record short)."""
     if reason is not None or not kept:
-        return None, None, reason, None
+        return None, None, reason
     made = extended_stream([recorded for recorded, _replay in kept], units - k - 2,
                            max(1, ests[2].trace.device.rounding or 1))
     if isinstance(made, str):
-        return (None, None, made, None) if ests[2].device == "cuda" else (None, None, None, made)
-    return made[0], made[1], None, None
+        return None, None, made
+    return made[0], made[1], None
 
 
 def _cuts(model: nn.Module, optimizer: "OptimizerArg", name: str, k: int, ests: "list[Estimate] | None" = None, *,

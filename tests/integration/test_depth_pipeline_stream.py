@@ -83,7 +83,7 @@ def test_a_pipeline_stage_under_fsdp2_and_tp_is_cut_and_extended(shallow, micro)
 
 
 def _llama_stages(tmp_path, seq, schedule, extrapolate=None, batch=4, layers=16, arch=("LlamaForCausalLM", "llama"),
-                  gpu="h100-80gb", **extra):
+                  gpu="h100-80gb", micro=4, **extra):
     """Rank 0 of a 16-layer Llama built from its config, in bf16 on 8 ranks: 2 pipeline stages, FSDP2 over the 4
     ranks of each (the plan's pp2-fsdp4 layout, memprof.simulate.hf_pipeline.pp_fsdp), over 4 micro-batches of one
     sequence of ``seq`` tokens."""
@@ -101,7 +101,7 @@ def _llama_stages(tmp_path, seq, schedule, extrapolate=None, batch=4, layers=16,
     kw = {} if extrapolate is None else dict(extrapolate=extrapolate)
     return memprof.estimate(built.model, hf.adamw, inputs=ids, targets=ids, loss_fn=causal_lm_loss(built.model),
                             precision="bf16", world_size=8, mesh={"pp": 2, "dp": 4}, parallelize=pp_fsdp(False),
-                            pipeline=memprof.Pipeline(split, schedule, 4), rank=0, gpu=gpu, **kw)
+                            pipeline=memprof.Pipeline(split, schedule, micro), rank=0, gpu=gpu, **kw)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -139,6 +139,19 @@ def test_a_phase_whose_peak_moves_at_full_depth_takes_it_from_the_extended_strea
     assert [n.split("'s peak")[0] for n in moved] == ["depth: at full depth step 0 forward",
                                                       "depth: at full depth step 1 forward"], fast.notes
     assert not any("simulated whole" in n for n in fast.notes), fast.notes
+    _identical(fast, whole)
+
+
+def test_a_cpu_stage_whose_stream_does_not_extend_is_simulated_whole(shallow, tmp_path):
+    # A 16-layer Qwen3's first stage, 2 micro-batches of 1 sequence of 8 tokens, on the CPU: the cuts' streams do
+    # not extend ("lost events with a block more"). The line through the cuts' figures stood there, with a note
+    # that nothing was checked, and step 0's forward peak record fell 86,912 B short (activations 179,712 B where
+    # the whole stage's are 410,624 B; found by this change's review). Unchecked, a line can miss a phase's peak:
+    # the next cuts are tried, then the whole stage, as on a CUDA target.
+    kw = dict(batch=2, micro=2, arch=("Qwen3ForCausalLM", "qwen3"), head_dim=16, gpu=None)
+    fast = _llama_stages(tmp_path, 8, "1f1b", **kw)
+    whole = _llama_stages(tmp_path, 8, "1f1b", extrapolate=False, **kw)
+    assert any("was simulated whole" in n for n in fast.notes), fast.notes
     _identical(fast, whole)
 
 
