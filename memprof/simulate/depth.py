@@ -15,10 +15,12 @@ A CUDA target's device-level figures are not lines in depth: the caching allocat
 segments (2 MiB and 20 MiB, ``c10/cuda/CUDACachingAllocator.cpp``), so the three replays can grow by uneven bytes
 per block while every tensor category grows evenly, and no rule read off three cuts bounds the whole model's
 replay from above (the reserved peak of a stack of 21 MLP blocks of width 512 came out 1.9 % under the whole
-model's when extended by the larger of its growths per block). So the check covers the tensor categories, and an
-extrapolated estimate has no device-level figures: ``device_memory`` (and with it ``device_peak`` and ``fits``)
-is None, the records' ``allocator_overhead`` and ``outside_torch`` are not measured, and a note says to simulate
-without ``extrapolate=`` for them (the whole model's allocation stream is what the replay needs).
+model's when extended by the larger of its growths per block). So the check covers the tensor categories, and the
+device-level figures are the replay of the whole model's allocation stream, itself extended from the cuts'
+(:mod:`memprof.simulate.depth_stream`). On every target the extended stream checks the extended figures: at every
+phase's start, peak and end, and no moment of a phase above its peak (where one is, at full depth that phase peaks
+at another moment than the cuts', and its record is taken from the stream: :mod:`memprof.simulate.stream_peaks`).
+Where the stream does not extend or does not hold, the whole model is simulated.
 """
 
 from __future__ import annotations
