@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ..collect.ledger import Ledger
     from ..collect.simulated import RecordedStream
     from ..record.estimate import Estimate
+    from ..record.parts import PhaseRecord
 
 __all__ = ["DeviceMemory", "Replay", "replay_of", "device_memory", "resolve_gpu", "resolve_conf", "outside_terms",
            "replay_stream", "STREAM_UNKNOWN_GPU_CC"]
@@ -306,12 +307,16 @@ def _check_ledger(trace: Trace, stream: Sequence[tuple[int, int, int]],
     note(trace.peak, peak_seq)
     note(trace.end, end_seq)
     ceiling = sum(v for v in trace.peak.counts[:_N] if v is not None)
-    # A simulated rank's optimizer steps, which its stream and its figures each take the rank's share of
-    # (memprof.simulate.alloc_stream.rank_step, LayoutPlan.finish).
-    ranked = trace.distributed is not None and trace.distributed.layout in ("fsdp", "zero1", "zero2", "zero3")
     scaled = [(where[0], where[2]) for step in trace.steps for i, rec in enumerate(step.phases)
-              if ranked and rec.phase is Phase.OPTIMIZER and (where := placed.get((step.index, i))) is not None]
+              if scaled_step(trace, rec) and (where := placed.get((step.index, i))) is not None]
     check_stream(stream, max(1, trace.device.rounding or 1), expected, ceiling, scaled, phases)
+
+
+def scaled_step(trace: Trace, rec: "PhaseRecord") -> bool:
+    """Is ``rec`` an optimizer step of a simulated ZeRO or FSDP rank, which its stream and its figures each take the
+    rank's share of, differently (:func:`memprof.simulate.alloc_stream.rank_step`, ``LayoutPlan.finish``)?"""
+    return (rec.phase is Phase.OPTIMIZER and trace.distributed is not None
+            and trace.distributed.layout in ("fsdp", "zero1", "zero2", "zero3"))
 
 
 def moments_of(trace: Trace, recorded: RecordedStream

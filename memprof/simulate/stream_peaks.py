@@ -19,9 +19,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Mapping
 
 from ..record.parts import Breakdown
-from ..vocabulary import TENSOR_CATEGORIES, Phase
+from ..vocabulary import TENSOR_CATEGORIES
 from .alloc_stream import FREE
-from .device_memory import moments_of
+from .device_memory import moments_of, scaled_step
 
 if TYPE_CHECKING:
     from ..collect.simulated import RecordedStream
@@ -45,8 +45,8 @@ def phase_peaks(est: "Estimate", recorded: "RecordedStream", extension: "Extensi
     moment moves with it; a note for each. A str saying why not where such a moment's composition is not known (a
     storage made in no known category), or where the stream's composition at a phase's start, peak or end is not
     its record's. The optimizer steps of a simulated rank under ZeRO or FSDP, whose stream takes each storage's
-    share rounded up where the figures take a share of the sum (:func:`~memprof.simulate.device_memory._check_ledger`),
-    are left as they are."""
+    share rounded up where the figures take a share of the sum
+    (:func:`~memprof.simulate.device_memory.scaled_step`), are left as they are."""
     placed, records, spans = _spans(est, recorded)
     walk = _Walk(recorded, extension, max(1, est.trace.device.rounding or 1))
     tops = walk.highest(list(spans))
@@ -101,10 +101,8 @@ def _spans(est: "Estimate", recorded: "RecordedStream"
     peaks the stream can tell: from the run's start, a simulated ZeRO or FSDP rank's optimizer steps aside."""
     trace = est.trace
     placed, first, _peak, _end = moments_of(trace, recorded)
-    ranked = trace.distributed is not None and trace.distributed.layout in ("fsdp", "zero1", "zero2", "zero3")
     records = {(s.index, i): rec for s in trace.steps for i, rec in enumerate(s.phases)}
-    spans = {where: key for key, where in placed.items() if where[0] >= first
-             and not (ranked and records[key].phase is Phase.OPTIMIZER)}
+    spans = {where: key for key, where in placed.items() if where[0] >= first and not scaled_step(trace, records[key])}
     return placed, records, spans
 
 

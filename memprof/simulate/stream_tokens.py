@@ -58,6 +58,7 @@ def tokens_of(recorded: "RecordedStream", moved: "MovedCategories | None" = None
     out: list[Token] = []
     options: "list[Ways | None]" = []
     at = 0
+
     def side(mark: tuple[int, int, int, int]) -> None:
         if mark[1] >= 0:
             out.append(marker(mark, classes, moved))

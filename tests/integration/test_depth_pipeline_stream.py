@@ -84,9 +84,10 @@ def test_a_pipeline_stage_under_fsdp2_and_tp_is_cut_and_extended(shallow, micro)
 
 def _llama_stages(tmp_path, seq, schedule, extrapolate=None, batch=4, layers=16, arch=("LlamaForCausalLM", "llama"),
                   gpu="h100-80gb", micro=4, **extra):
-    """Rank 0 of a 16-layer Llama built from its config, in bf16 on 8 ranks: 2 pipeline stages, FSDP2 over the 4
-    ranks of each (the plan's pp2-fsdp4 layout, memprof.simulate.hf_pipeline.pp_fsdp), over 4 micro-batches of one
-    sequence of ``seq`` tokens."""
+    """Rank 0 of a model built from its config (by default a 16-layer Llama), in bf16 on 8 ranks: 2 pipeline stages,
+    FSDP2 over the 4 ranks of each (the plan's pp2-fsdp4 layout, memprof.simulate.hf_pipeline.pp_fsdp), a batch of
+    ``batch`` sequences of ``seq`` tokens over ``micro`` micro-batches (by default 4 of one sequence each), on the
+    ``gpu`` target (None: the CPU)."""
     import json
 
     from memprof.simulate import hf
