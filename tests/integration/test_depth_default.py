@@ -187,21 +187,6 @@ def test_the_peak_the_extended_figures_put_elsewhere_is_taken_there():
     assert depth._peak_moved(whole) == (whole, None)
 
 
-def test_llama3_8b_on_a_rank_of_eight_under_fsdp():
-    # Llama-3-8B's shapes on the meta device (no download), one rank of 8 under FSDP, the HF Trainer's step in
-    # mixed precision, seq 4096: the default path, against the whole model. A rank's record takes its peak from
-    # its phases (LayoutPlan.finish), and the ledger's own peak, elsewhere, moved between the cuts (2 layers: the
-    # optimizer step's peak; 3: another moment): it is no moment of the stream's tokens, only where the replay
-    # looks when no phase holds the run's peak (here one does).
-    cfg = T.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                        tie_word_embeddings=False)
-    kw = dict(seq_len=4096, batch_size=1, precision="mixed", gpu="h100-80gb", world_size=8, parallel="fsdp")
-    fast = memprof.estimate_hf(cfg, **kw)
-    assert _fast(fast), fast.notes
-    _identical(fast, memprof.estimate_hf(cfg, extrapolate=False, **kw))
-
-
 def test_a_peak_that_settles_as_blocks_are_added(shallow):
     # A small Mixtral at 16 tokens holds its peak in the optimizer step at 2 layers and in the backward from 3 on
     # (a checkpointed Llama-3-8B: backward at 2, forward from 3): the default drops the cut to 2 and simulates 5,

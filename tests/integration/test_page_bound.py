@@ -89,14 +89,3 @@ def test_the_page_does_not_grow_with_the_trace(worst_page):
     # Ten times the steps, notes, modules and samples: the same page but for the counts' digits.
     small, large = _size(_worst(2_000, overlap=True, modules=200)), len(worst_page.encode("utf-8"))
     assert abs(large - small) < 2_000, (small, large)
-
-
-def test_the_worst_file_the_loader_accepts_makes_a_bounded_page(tmp_path):
-    # Phases one after another (the loader refuses overlapping ones), texts of 2,100 characters to keep the file
-    # small: every text still cut.
-    t = _worst(20_000, overlap=False, text='"' * 2_100, notes=200, modules=200)
-    path = tmp_path / "t.json"
-    memprof.Report(t).save(path)
-    loaded = memprof.load(path).trace
-    assert len(loaded.steps) == 20_000 and len(loaded.notes) == 200
-    assert _size(loaded) < LIMIT

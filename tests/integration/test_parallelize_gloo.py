@@ -73,14 +73,3 @@ def test_fsdp2_bf16_on_two_gloo_processes_is_its_simulation(tmp_path):
         assert est.trace.distributed.layout_detail == rep.trace.distributed.layout_detail
     merged = memprof.merge(reports)
     assert merged.worst in (0, 1) and not merged.simulated
-
-
-@pytest.mark.slow
-def test_fsdp_tp_sp_on_four_gloo_processes_is_its_simulation(tmp_path):
-    reports = _run(tmp_path, "fsdp_tp_sp", 4)
-    for rank in (0, 3):  # the corners of the mesh: (dp 0, tp 0) and (dp 1, tp 1); all four are one class here
-        est = memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps), inputs=IDS, targets=IDS, loss_fn=loss_fn,
-                               world_size=4, rank=rank, mesh={"dp": 2, "tp": 2}, parallelize=fsdp_tp_sp)
-        assert_equal_everywhere(est, reports[rank])
-    peaks = {rep.peak.total for rep in reports}
-    assert len(peaks) == 1  # every dimension divides evenly: the four ranks hold the same memory
