@@ -7,8 +7,10 @@ optimizer (class, groups, parameter shapes, the implementation torch chose).
 The rules and formulas of :mod:`.activations` and :mod:`.optimizers` read
 stand-ins built from those records: a module whose attributes are its
 recorded configuration, an optimizer whose parameters are meta tensors of the
-recorded shapes. Traces of schema 1 carried the collector's own results;
-those are returned as they were recorded.
+recorded shapes. Where the trace's facts hold a formula (traces of schema 1
+carried the collector's own results; an estimate extended in depth carries its
+cuts' formulas extended, its records being the cut model's:
+:class:`~memprof.record.parts.ModelFacts`), that is the formula.
 """
 
 from __future__ import annotations
@@ -53,10 +55,22 @@ class OptimizerPrediction:
 
 
 def predict_activations(trace: "Trace") -> ActivationPrediction:
-    """Sum the saved-bytes rules of the leaf module calls of the trace's first grad-enabled forward."""
+    """Sum the saved-bytes rules of the leaf module calls of the trace's first grad-enabled forward; where the
+    trace's facts hold the sums (:class:`~memprof.record.parts.ModelFacts`), those, with the calls' rule names."""
+    facts = trace.facts
     if not trace.module_calls:
-        facts = trace.facts
-        return ActivationPrediction(facts.activation_formula, facts.modules_without_rule)
+        return ActivationPrediction(facts.activation_formula, facts.modules_without_rule, (),
+                                    facts.activation_checkpointed_formula or 0)
+    computed = _from_calls(trace)
+    if facts.activation_formula is None:
+        return computed
+    # An estimate extended in depth: its calls are the cut model's, the sums the whole model's.
+    return ActivationPrediction(facts.activation_formula, computed.modules_without_rule, computed.failed_rules,
+                                facts.activation_checkpointed_formula or 0)
+
+
+def _from_calls(trace: "Trace") -> ActivationPrediction:
+    """The saved-bytes rules of the recorded calls, summed."""
     device = "cuda" if trace.device.type == "cuda" else "cpu"
     own = {m.path: m.own_activations for m in trace.modules}
     total = checkpointed = 0
@@ -86,9 +100,11 @@ def predict_activations(trace: "Trace") -> ActivationPrediction:
 
 
 def predict_optimizers(trace: "Trace") -> OptimizerPrediction:
-    """The formulas of the optimizers that stepped the model: states summed, transients the largest."""
-    if not trace.optimizers:
-        facts = trace.facts
+    """The formulas of the optimizers that stepped the model: states summed, transients the largest; where the
+    trace's facts hold them (:class:`~memprof.record.parts.ModelFacts`), those."""
+    facts = trace.facts
+    if not trace.optimizers or facts.optimizer_state_formula is not None \
+            or facts.optimizer_transient_formula is not None:
         return OptimizerPrediction(facts.optimizer_state_formula, facts.optimizer_transient_formula)
     states: list["int | None"] = []
     transients: list["int | None"] = []

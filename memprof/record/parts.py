@@ -180,11 +180,14 @@ def _peak_is_highest(peak: Breakdown, others: tuple[Breakdown, ...], where: str)
 class ModelFacts:
     """What the reconciler needs to know about the model, measured on the live objects at exit.
 
-    Counts are of unique parameters (tied weights once). The ``*_formula``
-    fields and ``modules_without_rule`` are read from traces of schema 1 only,
-    where the collector computed formulas; newer traces record what a formula
-    needs (:attr:`Trace.module_calls`, :attr:`Trace.optimizers`) and
-    :mod:`memprof.anatomy.predict` computes them downstream.
+    Counts are of unique parameters (tied weights once). A trace records what a
+    formula needs (:attr:`Trace.module_calls`, :attr:`Trace.optimizers`) and
+    :mod:`memprof.anatomy.predict` computes the formulas downstream; the
+    ``*_formula`` fields hold them where that record is not the run's: traces of
+    schema 1, where the collector computed them (with ``modules_without_rule``),
+    and an estimate extended in depth, whose module calls and optimizers are the
+    cut model's (:mod:`memprof.simulate.depth` extends the cuts' formulas in a
+    line). Where set, they are the formulas.
     """
 
     num_params: int = 0
@@ -196,6 +199,9 @@ class ModelFacts:
     optimizer_state_formula: "int | None" = None
     optimizer_transient_formula: "int | None" = None
     activation_formula: "int | None" = None
+    #: Of ``activation_formula``, what modules under torch.utils.checkpoint would save (set with it by an
+    #: estimate extended in depth; schema 1 traces have none).
+    activation_checkpointed_formula: "int | None" = None
     #: Bytes of the model's inputs (storages made before the profile: the batch, token ids) that modules
     #: with a saved-bytes rule saved in the first forward. Their rules count them as activations; the
     #: measurement counts them as inputs. ``None`` when no forward was seen.

@@ -8,8 +8,9 @@ that every category of every phase record grew by the same bytes from ``k`` to `
 ``k + 2``, and extends that line to the model's depth: ``x(L) = x(k + 2) + (L - k - 2) * (x(k + 2) - x(k + 1))``,
 exact when the check holds. When it does not (the peak moves between phases as blocks are added: below about
 3 blocks a large head's gradients can hold it), the whole model is simulated instead and the notes say why.
-Other figures that grow by the same bytes per block (parameter counts) are extended the same way; per-module
-tables stay the cut model's.
+Other figures that grow by the same bytes per block (parameter counts, and the formulas the reconciliation holds
+the figures against: the per-module rules' activations, the optimizer's states and temporaries) are extended the
+same way; per-module tables stay the cut model's.
 
 A CUDA target's device-level figures are not lines in depth: the caching allocator's cache moves in whole
 segments (2 MiB and 20 MiB, ``c10/cuda/CUDACachingAllocator.cpp``), so the three replays can grow by uneven bytes
@@ -151,7 +152,9 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     remade = _stats_of_records(out)
     if isinstance(remade, str):
         return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {remade}")
-    return dataclasses.replace(remade, notes=(*remade.notes, *notes, *([inside] if inside else [])))
+    remade, formulas = _formulas(remade, ests, units - k - 2)
+    return dataclasses.replace(remade, notes=(*remade.notes, *notes, *([inside] if inside else []),
+                                              *([formulas] if formulas else [])))
 
 
 def _extended_note(where: str, k: int, units: int) -> str:
@@ -159,8 +162,8 @@ def _extended_note(where: str, k: int, units: int) -> str:
     return (f"depth: simulated with {where} cut to {k}, {k + 1} and {k + 2} blocks per stage; every category at "
             "every phase's start, peak and end grew by the same bytes per block, so the figures are extended to "
             f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
-            "the peak stays where it is; the per-module tables are the cut model's, and so are the formula column "
-            f"and the textbook line, which read the run's modules and optimizer ({k + 2} blocks per stage, not "
+            "the peak stays where it is; so are the formulas (the per-module rules' activations, the optimizer's "
+            f"states and temporaries); the per-module tables are the cut model's ({k + 2} blocks per stage, not "
             f"{units})")
 
 
@@ -206,6 +209,49 @@ def _stream_note(cuda: bool, k: int, units: int) -> str:
         return f"depth: the device-level figures are the allocator replay of the whole model's allocation stream, {how}"
     return (f"depth: the whole model's allocation stream, {how}, holds the extended figures at every phase's start, "
             "peak and end, and no moment of a phase above its peak")
+
+
+def _formulas(est: Estimate, ests: "list[Estimate]", more: int) -> "tuple[Estimate, str | None]":
+    """``est`` with the formulas the reconciliation holds it against extended from the cuts' (``ests``) by ``more``
+    blocks per stage: the per-module rules' activations (and the checkpointed part of them), the optimizer's
+    states and step temporaries. They are computed from the trace's module calls and optimizers, which are the
+    cut model's, so a 16-layer Llama's default estimate held its 5-block cut's (activations 345,728 B where the
+    whole model's rules give 1,069,440 B). Each grows by the same bytes per block, as the figures do; one that
+    does not is no formula at full depth (a note says so), never the cut model's. One that no cut has (an
+    optimizer memprof has no formula for) stays none."""
+    from ..anatomy.predict import predict_activations, predict_optimizers
+
+    # A CUDA target's cuts are traced on the CPU device record until the replay names the GPU (kept for the
+    # caller's replay): their rules are read as on the device the estimate is for, as the whole model's are.
+    traces = [dataclasses.replace(e.trace, device=est.trace.device) for e in ests]
+    acts = [predict_activations(t) for t in traces]
+    opts = [predict_optimizers(t) for t in traces]
+    lost: list[str] = []
+
+    def line(values: "list[int | None]", what: str) -> "int | None":
+        a, b, c = values
+        if a is None and b is None and c is None:
+            return None  # no formula in any cut: none at full depth either
+        if a is None or b is None or c is None or b - a != c - b:
+            lost.append(what)
+            return None
+        return c + more * (c - b)
+
+    saved = line([p.saved_bytes for p in acts], "the per-module rules' activations")
+    checkpointed = line([p.checkpointed_bytes for p in acts], "their checkpointed part")
+    state = line([p.state_bytes for p in opts], "the optimizer's states")
+    transient = line([p.transient_bytes for p in opts], "the optimizer's step temporaries")
+    trace = est.trace
+    if saved is None or checkpointed is None:  # the calls would give the cut model's sums
+        trace = dataclasses.replace(trace, module_calls=())
+        saved = checkpointed = None
+    if any(w.startswith("the optimizer's") for w in lost):  # its records would give the cut model's
+        trace = dataclasses.replace(trace, optimizers=())
+    facts = dataclasses.replace(trace.facts, activation_formula=saved, activation_checkpointed_formula=checkpointed,
+                                optimizer_state_formula=state, optimizer_transient_formula=transient)
+    note = (f"depth: no formula for {', '.join(lost)} at full depth, since the cuts' did not grow by the same "
+            "bytes per block" if lost else None)
+    return dataclasses.replace(est, trace=dataclasses.replace(trace, facts=facts)), note
 
 
 def _tensors_total(b: Breakdown) -> Breakdown:

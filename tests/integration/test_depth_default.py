@@ -37,6 +37,9 @@ def _identical(fast, whole) -> None:
     assert (fast.trace.peak_step, fast.trace.peak_phase) == (whole.trace.peak_step, whole.trace.peak_phase)
     assert fast.trace.phase_stats == whole.trace.phase_stats
     assert fast.trace.facts.num_params == whole.trace.facts.num_params
+    # What the reconciliation holds the figures against: the formulas, which read the cut model's records and are
+    # extended from the cuts' (depth._formulas), and the literature's line beside them.
+    assert (fast.formula, fast.textbook) == (whole.formula, whole.textbook)
 
 
 def _tensors(b) -> int:
@@ -71,9 +74,11 @@ def test_llama_under_the_hf_trainer_with_clipping():
     _identical(fast, whole)
     # The fast path's per-module table is the cut model's (4 of the 16 layers), which its note says.
     assert any("the per-module tables are the cut model's" in n for n in fast.notes)
-    # The formula column and the textbook line read the run's modules and optimizer: the cut's, and said so (this
-    # stop's review found them printed as the whole model's: optimizer states 428,444 B against 1,022,652 B).
-    assert any("so are the formula column and the textbook line" in n for n in fast.notes)
+    # The formula column and the textbook line read the run's module calls and optimizer, the cut model's: they
+    # showed its optimizer states (428,444 B against the whole model's 1,022,652 B), said in a note. The cuts'
+    # formulas are extended as the figures are (_identical holds them to the whole model's), and the note says so.
+    assert any("so are the formulas (the per-module rules' activations, the optimizer's states and temporaries)" in n
+               for n in fast.notes)
     # One layer fewer than the threshold: the whole model, with no note.
     shallower = T.LlamaConfig(**_SMALL, intermediate_size=64, num_hidden_layers=depth.AUTO_UNITS - 1)
     assert not any(n.startswith("depth:") for n in memprof.estimate_hf(shallower, **kw).notes)
