@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..vocabulary import TENSOR_CATEGORIES, Category
+from ..vocabulary import Category
 from .trace import Breakdown, Trace
 from .aliases import Above, Setting
 from .views import show
@@ -69,7 +69,7 @@ class Estimate:
     def peak_bytes(self) -> int:
         """Simulated peak of tensor bytes (rounded as the target device's allocator rounds); the device's own
         figure, cache and outside torch included, is :attr:`device_peak`."""
-        return sum(v or 0 for v in self.trace.peak.counts[:len(TENSOR_CATEGORIES)])
+        return self.trace.peak.tensor_bytes
 
     # -- views (registered by memprof.report.views) ----------------------------------------------------------
 

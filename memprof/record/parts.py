@@ -93,6 +93,12 @@ class Breakdown(Mapping[Category, "int | None"]):
     def __len__(self) -> int:
         return len(_ALL)
 
+    @property
+    def tensor_bytes(self) -> int:
+        """The bytes of the tensor categories (the device-level ones left out), one not measured counted as 0:
+        what a simulated peak is (:attr:`memprof.Estimate.peak_bytes`) and what a phase's moments compare."""
+        return sum(v or 0 for v in _tensors(self.counts))
+
     def measured(self) -> dict[Category, int]:
         """Only the categories that were measured."""
         return {c: v for c, v in zip(_ALL, self.counts) if v is not None}

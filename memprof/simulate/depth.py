@@ -362,16 +362,13 @@ def _peak_moved(est: Estimate) -> "tuple[Estimate, str | None]":
     breakdown, step, phase and tags) and the module at the peak is not known: the cuts' is another moment's."""
     trace = est.trace
 
-    def tensors(b: Breakdown) -> int:
-        return sum(v or 0 for v in b.counts[:len(TENSOR_CATEGORIES)])
-
     best: "PhaseRecord | None" = None
     for step in trace.steps:
         for rec in step.phases:
-            if best is None or tensors(rec.peak) > tensors(best.peak):
+            if best is None or rec.peak.tensor_bytes > best.peak.tensor_bytes:
                 best = rec
     if best is None or (best.step, best.phase, best.peak) == (trace.peak_step, trace.peak_phase, trace.peak) \
-            or tensors(best.peak) <= tensors(trace.peak):
+            or best.peak.tensor_bytes <= trace.peak.tensor_bytes:
         return est, None
     note = (f"depth: at full depth the peak is step {best.step} {_v(best.phase)}'s, where the cuts had it at step "
             f"{trace.peak_step} {_v(trace.peak_phase)}; the module at the peak is not known from the cuts")

@@ -50,7 +50,7 @@ def phase_peaks(est: "Estimate", recorded: "RecordedStream", extension: "Extensi
     placed, records, spans = _spans(est, recorded)
     walk = _Walk(recorded, extension, max(1, est.trace.device.rounding or 1))
     tops = walk.highest(list(spans))
-    wanted = {span: {span[1], *([tops[span][0]] if tops[span][1] > _tensors(records[key].peak) else [])}
+    wanted = {span: {span[1], *([tops[span][0]] if tops[span][1] > records[key].peak.tensor_bytes else [])}
               for span, key in spans.items()}
     found = walk.compositions(wanted)
     if isinstance(found, str):
@@ -67,7 +67,7 @@ def phase_peaks(est: "Estimate", recorded: "RecordedStream", extension: "Extensi
                 return (f"the extended stream's storages by category at seq {seq} (step {rec.step} "
                         f"{rec.phase.value}) are not its record's")
         seq, total = tops[span]
-        if total <= _tensors(rec.peak):
+        if total <= rec.peak.tensor_bytes:
             continue
         counts = at_peaks.get((span, seq))
         if counts is None:
@@ -75,11 +75,12 @@ def phase_peaks(est: "Estimate", recorded: "RecordedStream", extension: "Extensi
                     f"(seq {seq}), where a live storage's category is not known")
         # The record's total (None where it is not known) moves by the tensors' bytes; the device's terms are the
         # replay's to fill on a CUDA target.
+        before = rec.peak.tensor_bytes
         moved[key] = (seq, Breakdown((*counts, *rec.peak.counts[_N:]),
-                                     None if rec.peak.total is None else rec.peak.total + total - _tensors(rec.peak)))
+                                     None if rec.peak.total is None else rec.peak.total + total - before))
         notes.append(f"depth: at full depth step {rec.step} {rec.phase.value}'s peak is another moment than the "
                      f"cuts' (the extended stream's event {seq}: {total:,} B of tensors, where the cuts' moment "
-                     f"holds {_tensors(rec.peak):,} B); its composition is the stream's, the tags of the saved "
+                     f"holds {before:,} B); its composition is the stream's, the tags of the saved "
                      "tensors at it are not known")
     if not moved:
         return est, recorded, []
@@ -92,7 +93,7 @@ def peaks_move(est: "Estimate", recorded: "RecordedStream") -> bool:
     _placed, records, spans = _spans(est, recorded)
     walk = _Walk(recorded, None, max(1, est.trace.device.rounding or 1))
     tops = walk.highest(list(spans))
-    return any(tops[span][1] > _tensors(records[key].peak) for span, key in spans.items())
+    return any(tops[span][1] > records[key].peak.tensor_bytes for span, key in spans.items())
 
 
 def _spans(est: "Estimate", recorded: "RecordedStream"
@@ -104,10 +105,6 @@ def _spans(est: "Estimate", recorded: "RecordedStream"
     records = {(s.index, i): rec for s in trace.steps for i, rec in enumerate(s.phases)}
     spans = {where: key for key, where in placed.items() if where[0] >= first and not scaled_step(trace, records[key])}
     return placed, records, spans
-
-
-def _tensors(b: Breakdown) -> int:
-    return sum(v or 0 for v in b.counts[:_N])
 
 
 class _Walk:
