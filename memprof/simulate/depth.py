@@ -108,6 +108,11 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
         raise InvalidArgumentError(f"{name} has {depth} blocks, which the pipeline's {per_unit} stages do not divide")
     units = depth // per_unit
     k = int(k)
+    unlike = _unlike(model, name)
+    if unlike is not None:
+        return _whole(run, model, optimizer, f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, "
+                      f"since its blocks are not alike ({unlike}): the cuts keep the first blocks, and a line "
+                      "through them stands for the others only where each is like them")
     if units <= k + 2:  # nothing left to extend: the whole model, and a note saying extrapolate= changed nothing
         return _whole(run, model, optimizer, f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and "
                       f"{k + 2} blocks per stage, but it has {units}: it was simulated whole (give a smaller k to "
@@ -406,6 +411,43 @@ def _period(model: nn.Module, name: str) -> int:
         if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
             return p
     return len(kinds)
+
+
+def _unlike(model: nn.Module, name: str) -> "str | None":
+    """Where the blocks of the stack ``name`` are not alike, which two differ and in what; None where block ``i``
+    is like block ``i % p`` for every ``i`` (``p`` the stack's period of kinds, :func:`_period`). The cuts hold
+    the first blocks, and each block added stands for every later one: a later block that differs (its layers
+    frozen, a hook of its own, another dtype, dropout off) is not in the line. Alike is: the same modules (paths,
+    classes, training flags, hook counts, words and flags, and whether a float setting is 0, as a drop path's
+    rate), the same parameters (shapes, dtypes, requires_grad) and buffers."""
+    blocks = list(model.get_submodule(name).children()) if name else list(model.children())
+    p = _period(model, name)
+    signatures = [_signature(b) for b in blocks[:p]]
+    for i in range(p, len(blocks)):
+        mine, theirs = _signature(blocks[i]), signatures[i % p]
+        if mine != theirs:
+            at = next((j for j, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+            said = [f"{which} has {sig[at]}" if at < len(sig) else f"{which} has nothing more"
+                    for which, sig in ((f"block {i}", mine), (f"block {i % p}", theirs))]
+            return ", ".join(said)
+    return None
+
+
+def _signature(block: nn.Module) -> "list[str]":
+    """What a block is, for :func:`_unlike`, in words."""
+    out = []
+    for path, m in block.named_modules():
+        hooks = [len(getattr(m, h, None) or ()) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                         "_backward_pre_hooks")]
+        settings = sorted(f"{key}={value!r}" if not isinstance(value, float) else f"{key}{'=' if value == 0 else '!='}0"
+                          for key, value in vars(m).items()
+                          if isinstance(value, (str, bool, float)) and not key.startswith("_"))
+        out.append(f"module {path or '(the block)'} {type(m).__qualname__} training={m.training} hooks={hooks} "
+                   f"{' '.join(settings)}".rstrip())
+    out += [f"parameter {n} {tuple(t.shape)} {t.dtype} requires_grad={t.requires_grad}"
+            for n, t in block.named_parameters()]
+    out += [f"buffer {n} {tuple(t.shape)} {t.dtype}" for n, t in block.named_buffers()]
+    return out
 
 
 def _cut(model: nn.Module, optimizer: "OptimizerArg", name: str, n: int) -> "tuple[nn.Module, OptimizerArg]":

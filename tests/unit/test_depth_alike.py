@@ -1,0 +1,50 @@
+"""The depth fast path's precondition: every block of the stack is like the cuts' (memprof.simulate.depth._unlike)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from memprof.simulate.depth import _unlike
+
+
+class Block(nn.Module):
+    def __init__(self, p: float = 0.0, kind: str = "full") -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(4, 4)
+        self.drop = nn.Dropout(p)
+
+
+def _stack(*blocks: nn.Module) -> nn.Module:
+    model = nn.Module()
+    model.layers = nn.ModuleList(blocks)
+    return model
+
+
+def test_blocks_alike_and_a_period_of_kinds_pass():
+    assert _unlike(_stack(*(Block() for _ in range(6))), "layers") is None
+    assert _unlike(_stack(*(Block(kind=k) for k in ["sliding", "full"] * 3)), "layers") is None
+
+
+def test_a_frozen_block_is_named_with_what_differs():
+    model = _stack(*(Block() for _ in range(6)))
+    model.layers[5].fc.weight.requires_grad_(False)
+    said = _unlike(model, "layers")
+    assert said is not None and said.startswith("block 5 has parameter fc.weight (4, 4) torch.float32 "
+                                                "requires_grad=False, block 0 has parameter fc.weight")
+
+
+def test_a_hook_of_one_block_and_a_dropout_that_turns_on_differ():
+    model = _stack(*(Block() for _ in range(6)))
+    model.layers[3].register_forward_hook(lambda m, i, o: None)
+    assert "block 3 has module (the block) Block training=True hooks=[1, 0, 0, 0]" in (_unlike(model, "layers") or "")
+    # A drop path's rate growing with depth: 0 saves no mask, any other rate does; the rate itself is no kind.
+    model = _stack(*(Block(p=0.1 * i) for i in range(6)))
+    assert (_unlike(model, "layers") or "").startswith("block 1 has module drop Dropout")
+    assert _unlike(_stack(*(Block(p=0.1 + 0.1 * i) for i in range(6))), "layers") is None
+
+
+def test_a_block_in_eval_mode_differs():
+    model = _stack(*(Block() for _ in range(6)))
+    model.layers[4].eval()
+    assert (_unlike(model, "layers") or "").startswith("block 4 has module (the block) Block training=False")
