@@ -418,8 +418,8 @@ def _unlike(model: nn.Module, name: str) -> "str | None":
     is like block ``i % p`` for every ``i`` (``p`` the stack's period of kinds, :func:`_period`). The cuts hold
     the first blocks, and each block added stands for every later one: a later block that differs (its layers
     frozen, a hook of its own, another dtype, dropout off) is not in the line. Alike is: the same modules (paths,
-    classes, training flags, hook counts, words and flags, and whether a float setting is 0, as a drop path's
-    rate), the same parameters (shapes, dtypes, requires_grad) and buffers."""
+    classes, training flags, hook counts and settings, :func:`_setting`), the same parameters (shapes, dtypes,
+    requires_grad) and buffers."""
     blocks = list(model.get_submodule(name).children()) if name else list(model.children())
     p = _period(model, name)
     signatures = [_signature(b) for b in blocks[:p]]
@@ -439,15 +439,25 @@ def _signature(block: nn.Module) -> "list[str]":
     for path, m in block.named_modules():
         hooks = [len(getattr(m, h, None) or ()) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
                                                          "_backward_pre_hooks")]
-        settings = sorted(f"{key}={value!r}" if not isinstance(value, float) else f"{key}{'=' if value == 0 else '!='}0"
-                          for key, value in vars(m).items()
-                          if isinstance(value, (str, bool, float)) and not key.startswith("_"))
+        settings = sorted(_setting(key, value) for key, value in vars(m).items()
+                          if isinstance(value, (str, bool, float, int, type(None))) and not key.startswith("_"))
         out.append(f"module {path or '(the block)'} {type(m).__qualname__} training={m.training} hooks={hooks} "
                    f"{' '.join(settings)}".rstrip())
     out += [f"parameter {n} {tuple(t.shape)} {t.dtype} requires_grad={t.requires_grad}"
             for n, t in block.named_parameters()]
     out += [f"buffer {n} {tuple(t.shape)} {t.dtype}" for n, t in block.named_buffers()]
     return out
+
+
+def _setting(key: str, value: "str | bool | float | int | None") -> str:
+    """A module's setting as :func:`_signature` compares it: words and flags as they are; a float by whether it is
+    0 (a dropout's rate: a mask or none); an int or None by whether it is set (a layer's index differs between
+    blocks and changes no memory; a sliding window given to some layers and not to others does)."""
+    if isinstance(value, (str, bool)):
+        return f"{key}={value!r}"
+    if isinstance(value, float):
+        return f"{key}{'=' if value == 0 else '!='}0"
+    return f"{key} {'unset' if value is None else 'set'}"
 
 
 def _cut(model: nn.Module, optimizer: "OptimizerArg", name: str, n: int) -> "tuple[nn.Module, OptimizerArg]":

@@ -48,3 +48,15 @@ def test_a_block_in_eval_mode_differs():
     model = _stack(*(Block() for _ in range(6)))
     model.layers[4].eval()
     assert (_unlike(model, "layers") or "").startswith("block 4 has module (the block) Block training=False")
+
+
+def test_a_setting_given_to_some_blocks_only_differs_and_an_index_does_not():
+    # A sliding window on the later layers only (Qwen2's max_window_layers): set or not is what matters; a layer's
+    # own index, set on every block, is no difference.
+    blocks = [Block() for _ in range(6)]
+    for i, b in enumerate(blocks):
+        b.layer_idx, b.window = i, (None if i < 4 else 4096)
+    assert (_unlike(_stack(*blocks), "layers") or "").startswith("block 4 has module (the block) Block")
+    for b in blocks:
+        b.window = 4096
+    assert _unlike(_stack(*blocks), "layers") is None
