@@ -46,6 +46,7 @@ __all__ = [
     "param_group_implementations",
     "predict_optimizer_state_bytes",
     "predict_optimizer_step_transient_bytes",
+    "step_transient_bytes_by_group",
 ]
 
 Implementation = Literal["foreach", "for-loop", "fused"]
@@ -252,18 +253,30 @@ def predict_optimizer_step_transient_bytes(
     when the next is built); for-loop is an upper bound (a small multiple of the
     largest parameter); fused is 0. ``None`` if there is no formula.
     """
+    by_group = step_transient_bytes_by_group(optimizer, params_with_grad)
+    return None if by_group is None else max(by_group, default=0)
+
+
+def step_transient_bytes_by_group(
+    optimizer: OptimizerLike, params_with_grad: Iterable[torch.Tensor] | None = None
+) -> list[int] | None:
+    """What :func:`predict_optimizer_step_transient_bytes` takes the maximum of: each parameter group's bytes
+    (0 for a group with no parameter to step), in the optimizer's order; ``None`` if there is no formula. A
+    model extended in depth (:mod:`memprof.simulate.depth`) extends each group's in a line, then takes the
+    maximum: the largest group at a few blocks need not be the largest at full depth."""
     formula = optimizer_formula(optimizer)
     if formula is None or formula.transient_bytes is None:
         return None
     wanted = _grad_set(params_with_grad)
-    peak = 0
+    out = []
     for group in optimizer.param_groups:
         params = _group_params(group, wanted)
         if not params:
+            out.append(0)
             continue
         impl = _resolve(optimizer, group, formula.foreach_none, params)
         value = formula.transient_bytes(optimizer, group, params, impl)
         if value is None:
             return None
-        peak = max(peak, value)
-    return peak
+        out.append(value)
+    return out

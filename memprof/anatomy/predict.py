@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from ..errors import is_interrupt
 from .activations import TensorMeta, rule_for_classes
-from .optimizers import ParamGroup, predict_optimizer_state_bytes, predict_optimizer_step_transient_bytes
+from .optimizers import ParamGroup, predict_optimizer_state_bytes, step_transient_bytes_by_group
 
 if TYPE_CHECKING:
     from ..record.specs import ModuleCall, OptimizerSpec, TensorSpec
@@ -52,6 +52,9 @@ class OptimizerPrediction:
     transient_bytes: "int | None"
     #: Formulas that raised, as "Optimizer: error".
     failed: tuple[str, ...] = ()
+    #: Each parameter group's step temporaries, every optimizer's groups in order (``transient_bytes`` is their
+    #: maximum); empty where the transients are not known per group (a formula missing, a trace's facts).
+    transient_by_group: tuple[int, ...] = ()
 
 
 def predict_activations(trace: "Trace") -> ActivationPrediction:
@@ -107,24 +110,25 @@ def predict_optimizers(trace: "Trace") -> OptimizerPrediction:
             or facts.optimizer_transient_formula is not None:
         return OptimizerPrediction(facts.optimizer_state_formula, facts.optimizer_transient_formula)
     states: list["int | None"] = []
-    transients: list["int | None"] = []
+    groups: "list[int] | None" = []
     failed = []
     for spec in trace.optimizers:
         view = OptimizerView(spec)
         try:
             states.append(predict_optimizer_state_bytes(view))
-            transients.append(predict_optimizer_step_transient_bytes(view))
+            mine = step_transient_bytes_by_group(view)
         except Exception as exc:  # a formula must never break a reconciliation
             if is_interrupt(exc):
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
             failed.append(f"{spec.classes[0] if spec.classes else '?'}: {exc!r}")
             states.append(None)
-            transients.append(None)
+            mine = None
+        groups = None if groups is None or mine is None else [*groups, *mine]
     known_states = [v for v in states if v is not None]
-    known_transients = [v for v in transients if v is not None]
     state = None if len(known_states) < len(states) else sum(known_states)
-    transient = None if len(known_transients) < len(transients) else max(known_transients)
-    return OptimizerPrediction(state, transient, tuple(failed))
+    if groups is None:
+        return OptimizerPrediction(state, None, tuple(failed))
+    return OptimizerPrediction(state, max(groups, default=0), tuple(failed), tuple(groups))
 
 
 def _meta(spec: "TensorSpec") -> TensorMeta:

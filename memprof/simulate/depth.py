@@ -30,7 +30,6 @@ import copy
 import dataclasses
 import numbers
 from functools import partial
-from collections import Counter
 from typing import TYPE_CHECKING, Callable, cast
 
 import torch
@@ -40,6 +39,9 @@ from ..errors import InvalidArgumentError, is_interrupt
 from ..record.estimate import Estimate
 from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
+from .depth_blocks import find_stack, period
+from .depth_blocks import unlike as unlike_blocks
+from .depth_formulas import extended_formulas
 from .depth_stream import HELD, Extension, corrected, extended_stream
 from .stream_peaks import peaks_move, phase_peaks
 
@@ -57,20 +59,6 @@ Replay = Callable[[Estimate, "RecordedStream"], Estimate]
 Kept = list[tuple["RecordedStream", Replay]]
 
 
-def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
-    """The repeated stack: the name of the ``ModuleList``/``Sequential`` with the most children of one class (two
-    or more), its length, and that class's name."""
-    best: "tuple[str, int, str] | None" = None
-    for name, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
-            continue
-        kinds = Counter(type(c) for c in m.children())
-        if not kinds:
-            continue
-        cls, n = kinds.most_common(1)[0]
-        if n >= 2 and n == len(m) and (best is None or n > best[1]):
-            best = (name, n, cls.__name__)
-    return best
 
 
 #: The default (``extrapolate=None``): the stack cut to 2, 3 and 4 units of blocks, where it has this many units or
@@ -90,33 +78,20 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
 
     With ``auto`` (the default path, ``extrapolate=None``) a model with no repeated stack, or one of fewer than
     :data:`AUTO_UNITS` units, is simulated whole, silently; a unit is one period of the stack's kinds of block (a
-    hybrid model's sliding-window and full-attention layers: :func:`_period`), and a cut that fails to simulate
-    is no error: the whole model is simulated instead (its own error is the one raised, if it has one)."""
+    hybrid model's sliding-window and full-attention layers: :func:`memprof.simulate.depth_blocks.period`), and a
+    cut that fails to simulate is no error: the whole model is simulated instead (its own error is the one raised,
+    if it has one). A stack whose blocks are not alike (:func:`memprof.simulate.depth_blocks.unlike`) is simulated
+    whole, with a note, on either path."""
     if auto:
         unit = _auto_unit(model, per_unit)
         if unit is None:
             return run(model, optimizer)
         per_unit, k = unit, AUTO_K
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), got {k!r}")
-    found = find_stack(model)
-    if found is None:
-        raise InvalidArgumentError("extrapolate= needs a repeated stack of blocks (a ModuleList or Sequential of "
-                                   f"one class) in {type(model).__name__}, and found none")
-    name, depth, kind = found
-    if depth % per_unit:
-        raise InvalidArgumentError(f"{name} has {depth} blocks, which the pipeline's {per_unit} stages do not divide")
-    units = depth // per_unit
-    k = int(k)
-    unlike = _unlike(model, name)
-    if unlike is not None:
-        return _whole(run, model, optimizer, f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, "
-                      f"since its blocks are not alike ({unlike}): the cuts keep the first blocks, and a line "
-                      "through them stands for the others only where each is like them")
-    if units <= k + 2:  # nothing left to extend: the whole model, and a note saying extrapolate= changed nothing
-        return _whole(run, model, optimizer, f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and "
-                      f"{k + 2} blocks per stage, but it has {units}: it was simulated whole (give a smaller k to "
-                      "extrapolate)")
+    name, depth, kind = _stack(model, k, per_unit)
+    units, k = depth // per_unit, int(cast(int, k))
+    whole = _why_whole(model, name, depth, kind, units, k)
+    if whole is not None:
+        return _whole(run, model, optimizer, whole)
     kept: Kept = []
     cut = partial(_cuts, model, optimizer, name, per_unit=per_unit, units=units, run=run, kept=kept, auto=auto)
     try:
@@ -157,9 +132,38 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     remade = _stats_of_records(out)
     if isinstance(remade, str):
         return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {remade}")
-    remade, formulas = _formulas(remade, ests, units - k - 2)
+    remade, formulas = extended_formulas(remade, ests, units - k - 2)
     return dataclasses.replace(remade, notes=(*remade.notes, *notes, *([inside] if inside else []),
                                               *([formulas] if formulas else [])))
+
+
+def _stack(model: nn.Module, k: object, per_unit: int) -> "tuple[str, int, str]":
+    """The model's repeated stack (:func:`find_stack`), once ``k`` and the stack are checked: a refusal names
+    what ``extrapolate=`` needs."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), got {k!r}")
+    found = find_stack(model)
+    if found is None:
+        raise InvalidArgumentError("extrapolate= needs a repeated stack of blocks (a ModuleList or Sequential of "
+                                   f"one class) in {type(model).__name__}, and found none")
+    name, depth, _kind = found
+    if depth % per_unit:
+        raise InvalidArgumentError(f"{name} has {depth} blocks, which the pipeline's {per_unit} stages do not divide")
+    return found
+
+
+def _why_whole(model: nn.Module, name: str, depth: int, kind: str, units: int, k: int) -> "str | None":
+    """The note of a model the cuts cannot stand for, simulated whole before any cut: blocks not alike, or no
+    block left to extend by; None where the cuts can."""
+    unlike = unlike_blocks(model, name)
+    if unlike is not None:
+        return (f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, since its blocks are not alike "
+                f"({unlike}): the cuts keep the first blocks, and a line through them stands for the others only "
+                "where each is like them")
+    if units <= k + 2:  # nothing left to extend: the whole model, and a note saying extrapolate= changed nothing
+        return (f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and {k + 2} blocks per stage, "
+                f"but it has {units}: it was simulated whole (give a smaller k to extrapolate)")
+    return None
 
 
 def _extended_note(where: str, k: int, units: int) -> str:
@@ -214,49 +218,6 @@ def _stream_note(cuda: bool, k: int, units: int) -> str:
         return f"depth: the device-level figures are the allocator replay of the whole model's allocation stream, {how}"
     return (f"depth: the whole model's allocation stream, {how}, holds the extended figures at every phase's start, "
             "peak and end, and no moment of a phase above its peak")
-
-
-def _formulas(est: Estimate, ests: "list[Estimate]", more: int) -> "tuple[Estimate, str | None]":
-    """``est`` with the formulas the reconciliation holds it against extended from the cuts' (``ests``) by ``more``
-    blocks per stage: the per-module rules' activations (and the checkpointed part of them), the optimizer's
-    states and step temporaries. They are computed from the trace's module calls and optimizers, which are the
-    cut model's, so a 16-layer Llama's default estimate held its 5-block cut's (activations 345,728 B where the
-    whole model's rules give 1,069,440 B). Each grows by the same bytes per block, as the figures do; one that
-    does not is no formula at full depth (a note says so), never the cut model's. One that no cut has (an
-    optimizer memprof has no formula for) stays none."""
-    from ..anatomy.predict import predict_activations, predict_optimizers
-
-    # A CUDA target's cuts are traced on the CPU device record until the replay names the GPU (kept for the
-    # caller's replay): their rules are read as on the device the estimate is for, as the whole model's are.
-    traces = [dataclasses.replace(e.trace, device=est.trace.device) for e in ests]
-    acts = [predict_activations(t) for t in traces]
-    opts = [predict_optimizers(t) for t in traces]
-    lost: list[str] = []
-
-    def line(values: "list[int | None]", what: str) -> "int | None":
-        a, b, c = values
-        if a is None and b is None and c is None:
-            return None  # no formula in any cut: none at full depth either
-        if a is None or b is None or c is None or b - a != c - b:
-            lost.append(what)
-            return None
-        return c + more * (c - b)
-
-    saved = line([p.saved_bytes for p in acts], "the per-module rules' activations")
-    checkpointed = line([p.checkpointed_bytes for p in acts], "their checkpointed part")
-    state = line([p.state_bytes for p in opts], "the optimizer's states")
-    transient = line([p.transient_bytes for p in opts], "the optimizer's step temporaries")
-    trace = est.trace
-    if saved is None or checkpointed is None:  # the calls would give the cut model's sums
-        trace = dataclasses.replace(trace, module_calls=())
-        saved = checkpointed = None
-    if any(w.startswith("the optimizer's") for w in lost):  # its records would give the cut model's
-        trace = dataclasses.replace(trace, optimizers=())
-    facts = dataclasses.replace(trace.facts, activation_formula=saved, activation_checkpointed_formula=checkpointed,
-                                optimizer_state_formula=state, optimizer_transient_formula=transient)
-    note = (f"depth: no formula for {', '.join(lost)} at full depth, since the cuts' did not grow by the same "
-            "bytes per block" if lost else None)
-    return dataclasses.replace(est, trace=dataclasses.replace(trace, facts=facts)), note
 
 
 def _tensors_total(b: Breakdown) -> Breakdown:
@@ -350,7 +311,7 @@ def _auto_unit(model: nn.Module, per_unit: int) -> "int | None":
     found = find_stack(model)
     if found is None:
         return None
-    unit = per_unit * _period(model, found[0])
+    unit = per_unit * period(model, found[0])
     return None if found[1] % unit or found[1] // unit < AUTO_UNITS else unit
 
 
@@ -396,68 +357,6 @@ def _replayed(est: Estimate, stream: "RecordedStream", replay: Replay) -> "Estim
     if wrong is not None:
         return f"the extended allocation stream does not hold the extended figures ({wrong})"
     return replay(est, stream)
-
-
-def _period(model: nn.Module, name: str) -> int:
-    """The blocks of one period of the stack's kinds: the shortest ``p`` such that block ``i`` is of the kind of
-    block ``i % p`` for every ``i`` (1 when they are all alike; the stack's length when no period repeats). A
-    block's kind is what its modules say of themselves in words and flags (``attention_type``, ``is_sliding``):
-    numbers, a layer's index among them, are no kind."""
-    blocks = list(model.get_submodule(name).children()) if name else list(model.children())
-    kinds = [tuple(sorted((f"{path}.{key}", value) for path, m in block.named_modules()
-                          for key, value in vars(m).items() if isinstance(value, (str, bool)) and key != "training"))
-             for block in blocks]
-    for p in range(1, len(kinds) + 1):
-        if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
-            return p
-    return len(kinds)
-
-
-def _unlike(model: nn.Module, name: str) -> "str | None":
-    """Where the blocks of the stack ``name`` are not alike, which two differ and in what; None where block ``i``
-    is like block ``i % p`` for every ``i`` (``p`` the stack's period of kinds, :func:`_period`). The cuts hold
-    the first blocks, and each block added stands for every later one: a later block that differs (its layers
-    frozen, a hook of its own, another dtype, dropout off) is not in the line. Alike is: the same modules (paths,
-    classes, training flags, hook counts and settings, :func:`_setting`), the same parameters (shapes, dtypes,
-    requires_grad) and buffers."""
-    blocks = list(model.get_submodule(name).children()) if name else list(model.children())
-    p = _period(model, name)
-    signatures = [_signature(b) for b in blocks[:p]]
-    for i in range(p, len(blocks)):
-        mine, theirs = _signature(blocks[i]), signatures[i % p]
-        if mine != theirs:
-            at = next((j for j, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
-            said = [f"{which} has {sig[at]}" if at < len(sig) else f"{which} has nothing more"
-                    for which, sig in ((f"block {i}", mine), (f"block {i % p}", theirs))]
-            return ", ".join(said)
-    return None
-
-
-def _signature(block: nn.Module) -> "list[str]":
-    """What a block is, for :func:`_unlike`, in words."""
-    out = []
-    for path, m in block.named_modules():
-        hooks = [len(getattr(m, h, None) or ()) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                                         "_backward_pre_hooks")]
-        settings = sorted(_setting(key, value) for key, value in vars(m).items()
-                          if isinstance(value, (str, bool, float, int, type(None))) and not key.startswith("_"))
-        out.append(f"module {path or '(the block)'} {type(m).__qualname__} training={m.training} hooks={hooks} "
-                   f"{' '.join(settings)}".rstrip())
-    out += [f"parameter {n} {tuple(t.shape)} {t.dtype} requires_grad={t.requires_grad}"
-            for n, t in block.named_parameters()]
-    out += [f"buffer {n} {tuple(t.shape)} {t.dtype}" for n, t in block.named_buffers()]
-    return out
-
-
-def _setting(key: str, value: "str | bool | float | int | None") -> str:
-    """A module's setting as :func:`_signature` compares it: words and flags as they are; a float by whether it is
-    0 (a dropout's rate: a mask or none); an int or None by whether it is set (a layer's index differs between
-    blocks and changes no memory; a sliding window given to some layers and not to others does)."""
-    if isinstance(value, (str, bool)):
-        return f"{key}={value!r}"
-    if isinstance(value, float):
-        return f"{key}{'=' if value == 0 else '!='}0"
-    return f"{key} {'unset' if value is None else 'set'}"
 
 
 def _cut(model: nn.Module, optimizer: "OptimizerArg", name: str, n: int) -> "tuple[nn.Module, OptimizerArg]":

@@ -1,10 +1,10 @@
-"""The depth fast path's precondition: every block of the stack is like the cuts' (memprof.simulate.depth._unlike)."""
+"""The depth fast path's precondition: every block of the stack is like the cuts' (memprof.simulate.depth_blocks.unlike)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from memprof.simulate.depth import _unlike
+from memprof.simulate.depth_blocks import unlike as _unlike
 
 
 class Block(nn.Module):

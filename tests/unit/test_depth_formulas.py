@@ -7,7 +7,7 @@ import dataclasses
 
 from memprof.anatomy.predict import predict_activations, predict_optimizers
 from memprof.record.estimate import Estimate
-from memprof.simulate.depth import _formulas
+from memprof.simulate.depth_formulas import extended_formulas as _formulas
 
 from factories import adamw_spec, facts, linear_call, trace
 
