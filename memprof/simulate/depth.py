@@ -173,7 +173,8 @@ def _extended_note(where: str, k: int, units: int) -> str:
             f"{units} per stage: x({units}) = x({k + 2}) + {units - k - 2} x (x({k + 2}) - x({k + 1})), exact while "
             "the peak stays where it is; so are the formulas (the per-module rules' activations, the optimizer's "
             f"states and temporaries); the per-module tables are the cut model's ({k + 2} blocks per stage, not "
-            f"{units})")
+            f"{units}), and so is what is read off them or counts the calls: the advice on checkpointing the "
+            "blocks, the notes that count kernels, router calls or units gathered")
 
 
 def _on_stream(out: Estimate, stream: "RecordedStream", extension: Extension, kept: Kept, units: int, k: int

@@ -72,8 +72,10 @@ def test_llama_under_the_hf_trainer_with_clipping():
     assert _fast(fast), fast.notes
     assert not any(n.startswith("depth:") for n in whole.notes)
     _identical(fast, whole)
-    # The fast path's per-module table is the cut model's (4 of the 16 layers), which its note says.
-    assert any("the per-module tables are the cut model's" in n for n in fast.notes)
+    # The fast path's per-module table is the cut model's (4 of the 16 layers), which its note says, and so is what
+    # is read off it (the advice on checkpointing "the 4 blocks", found by this stop's review).
+    assert any("the per-module tables are the cut model's" in n and "the advice on checkpointing the blocks" in n
+               for n in fast.notes)
     # The formula column and the textbook line read the run's module calls and optimizer, the cut model's: they
     # showed its optimizer states (428,444 B against the whole model's 1,022,652 B), said in a note. The cuts'
     # formulas are extended as the figures are (_identical holds them to the whole model's), and the note says so.
