@@ -85,7 +85,12 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     if auto:
         unit = _auto_unit(model, per_unit)
         if unit is None:
-            return run(model, optimizer)
+            found = find_stack(model)  # deep enough, but its blocks repeat no period: the reason in a note
+            deep = found is not None and found[1] // per_unit >= AUTO_UNITS
+            unlike = unlike_blocks(model, found[0]) if found is not None and deep else None
+            if found is None or unlike is None:
+                return run(model, optimizer)
+            return _whole(run, model, optimizer, _unlike_note(found, unlike))
         per_unit, k = unit, AUTO_K
     name, depth, kind = _stack(model, k, per_unit)
     units, k = depth // per_unit, int(cast(int, k))
@@ -157,13 +162,19 @@ def _why_whole(model: nn.Module, name: str, depth: int, kind: str, units: int, k
     block left to extend by; None where the cuts can."""
     unlike = unlike_blocks(model, name)
     if unlike is not None:
-        return (f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, since its blocks are not alike "
-                f"({unlike}): the cuts keep the first blocks, and a line through them stands for the others only "
-                "where each is like them")
+        return _unlike_note((name, depth, kind), unlike)
     if units <= k + 2:  # nothing left to extend: the whole model, and a note saying extrapolate= changed nothing
         return (f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and {k + 2} blocks per stage, "
                 f"but it has {units}: it was simulated whole (give a smaller k to extrapolate)")
     return None
+
+
+def _unlike_note(found: "tuple[str, int, str]", unlike: str) -> str:
+    """The note of a stack whose blocks are not alike (:func:`memprof.simulate.depth_blocks.unlike`)."""
+    name, depth, kind = found
+    return (f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, since its blocks are not alike "
+            f"({unlike}): the cuts keep the first blocks, and a line through them stands for the others only where "
+            "each is like them")
 
 
 def _extended_note(where: str, k: int, units: int) -> str:

@@ -4,11 +4,16 @@ layers) and whether every block is like the cuts' (:func:`unlike`), which the cu
 
 from __future__ import annotations
 
+import enum
+import functools
+import types
 from collections import Counter
 
+import torch
 from torch import nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
-__all__ = ["find_stack", "period", "unlike"]
+__all__ = ["find_stack", "period", "unlike", "signatures"]
 
 
 def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
@@ -28,62 +33,137 @@ def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
 
 
 def period(model: nn.Module, name: str) -> int:
-    """The blocks of one period of the stack's kinds: the shortest ``p`` such that block ``i`` is of the kind of
-    block ``i % p`` for every ``i`` (1 when they are all alike; the stack's length when no period repeats). A
-    block's kind is what its modules say of themselves in words and flags (``attention_type``, ``is_sliding``):
-    numbers, a layer's index among them, are no kind."""
-    blocks = list(model.get_submodule(name).children()) if name else list(model.children())
-    kinds = [tuple(sorted((f"{path}.{key}", value) for path, m in block.named_modules()
-                          for key, value in vars(m).items() if isinstance(value, (str, bool)) and key != "training"))
-             for block in blocks]
-    for p in range(1, len(kinds) + 1):
-        if all(kinds[i] == kinds[i % p] for i in range(len(kinds))):
-            return p
-    return len(kinds)
+    """The blocks of one period of the stack: the shortest ``p`` dividing its length such that block ``i`` is like
+    block ``i % p`` for every ``i`` (:func:`signatures`; 1 when they are all alike, the stack's length when no
+    period repeats): a
+    hybrid's sliding-window and full-attention layers, told apart by a word, a flag or a window set on some only,
+    or by a module some blocks lack (Llama 4's layers without RoPE have no q/k norm)."""
+    return _period(signatures(_blocks(model, name)))
 
 
 def unlike(model: nn.Module, name: str) -> "str | None":
-    """Where the blocks of the stack ``name`` are not alike, which two differ and in what; None where block ``i``
-    is like block ``i % p`` for every ``i`` (``p`` the stack's period of kinds, :func:`period`). The cuts hold
-    the first blocks, and each block added stands for every later one: a later block that differs (its layers
-    frozen, a hook of its own, another dtype, dropout off) is not in the line. Alike is: the same modules (paths,
-    classes, training flags, hook counts and settings, :func:`_setting`), the same parameters (shapes, dtypes,
-    requires_grad) and buffers."""
-    blocks = list(model.get_submodule(name).children()) if name else list(model.children())
-    p = period(model, name)
-    signatures = [_signature(b) for b in blocks[:p]]
-    for i in range(p, len(blocks)):
-        mine, theirs = _signature(blocks[i]), signatures[i % p]
-        if mine != theirs:
-            at = next((j for j, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
-            said = [f"{which} has {sig[at]}" if at < len(sig) else f"{which} has nothing more"
-                    for which, sig in ((f"block {i}", mine), (f"block {i % p}", theirs))]
-            return ", ".join(said)
-    return None
+    """Where the blocks of the stack ``name`` repeat no period (:func:`period`), which two differ and in what; None
+    where they do. The cuts hold the first blocks, and each unit added stands for every later one: a later block
+    unlike the earlier ones (its layers frozen, a hook of its own, another dtype, dropout off, its parameters
+    shared with another block) is not in the line. The two named are the first that differ in a period of their
+    words and flags alone (the period a hybrid stack was built with)."""
+    blocks = _blocks(model, name)
+    shared = _shared(blocks)
+    if shared is not None:
+        return shared
+    sigs = signatures(blocks)
+    if _period(sigs) < len(sigs):
+        return None
+    kinds = [[line for line in sig if line.startswith("module ")] for sig in sigs]
+    q = _period([[" ".join(w for w in line.split() if "=" in w and not w.startswith(("training=", "hooks=")))
+                  for line in kind] for kind in kinds])
+    q = 1 if q == len(sigs) else q
+    i = next((i for i in range(q, len(sigs)) if sigs[i] != sigs[i % q]), 1)
+    mine, theirs = sigs[i], sigs[i % q]
+    at = next((j for j, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+    said = [f"{which} has {sig[at]}" if at < len(sig) else f"{which} has nothing more"
+            for which, sig in ((f"block {i}", mine), (f"block {i % q}", theirs))]
+    return ", ".join(said)
 
 
-def _signature(block: nn.Module) -> "list[str]":
-    """What a block is, for :func:`unlike`, in words."""
+def signatures(blocks: "list[nn.Module]") -> "list[list[str]]":
+    """What each block is, in words, for :func:`period` and :func:`unlike`: its modules (paths, classes, training
+    flags, hook counts, settings), its parameters (shapes, dtypes, requires_grad) and buffers. A setting is
+    compared as it is (a word, a flag, a dtype, a member of an enum, a tuple, a function by its name), a float by
+    whether it is 0 (a dropout's rate: a mask or none), an int by its value unless it is each block's own index
+    (``layer_idx``: it grows by 1 a block), None as unset."""
+    raw = [_raw(b) for b in blocks]
+    indices = _indices(raw)
     out = []
-    for path, m in block.named_modules():
-        hooks = [len(getattr(m, h, None) or ()) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                                                         "_backward_pre_hooks")]
-        settings = sorted(_setting(key, value) for key, value in vars(m).items()
-                          if isinstance(value, (str, bool, float, int, type(None))) and not key.startswith("_"))
-        out.append(f"module {path or '(the block)'} {type(m).__qualname__} training={m.training} hooks={hooks} "
-                   f"{' '.join(settings)}".rstrip())
-    out += [f"parameter {n} {tuple(t.shape)} {t.dtype} requires_grad={t.requires_grad}"
-            for n, t in block.named_parameters()]
-    out += [f"buffer {n} {tuple(t.shape)} {t.dtype}" for n, t in block.named_buffers()]
+    for i, block in enumerate(raw):
+        sig = []
+        for path, cls, training, hooks, settings in block:
+            words = sorted(f"{k} index" if (path, k) in indices else _setting(k, v) for k, v in settings)
+            sig.append(f"module {path or '(the block)'} {cls} training={training} hooks={hooks} "
+                       f"{' '.join(words)}".rstrip())
+        sig += _tensors(blocks[i])
+        out.append(sig)
     return out
 
 
-def _setting(key: str, value: "str | bool | float | int | None") -> str:
-    """A module's setting as :func:`_signature` compares it: words and flags as they are; a float by whether it is
-    0 (a dropout's rate: a mask or none); an int or None by whether it is set (a layer's index differs between
-    blocks and changes no memory; a sliding window given to some layers and not to others does)."""
-    if isinstance(value, (str, bool)):
+def _blocks(model: nn.Module, name: str) -> "list[nn.Module]":
+    return list(model.get_submodule(name).children()) if name else list(model.children())
+
+
+def _period(sigs: "list[list[str]]") -> int:
+    """The shortest ``p`` dividing the stack that it repeats (a period that does not divide it, 5 in 6 blocks, is
+    one block unlike the others)."""
+    n = len(sigs)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(sigs[i] == sigs[i % p] for i in range(n)))
+
+
+_Raw = list[tuple[str, str, bool, list[int], list[tuple[str, object]]]]
+
+
+def _raw(block: nn.Module) -> _Raw:
+    """Each module of ``block``: path, class, training flag, hook counts, and its plain settings."""
+    out: _Raw = []
+    for path, m in block.named_modules():
+        hooks = [len(getattr(m, h, None) or ()) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                         "_backward_pre_hooks")]
+        settings = [(k, v) for k, v in vars(m).items() if not k.startswith("_") and _plain(v)]
+        out.append((path, type(m).__qualname__, m.training, hooks, settings))
+    return out
+
+
+def _plain(value: object) -> bool:
+    """A setting :func:`_setting` can compare: a scalar, a dtype, an enum member, a tuple of those, a function."""
+    if isinstance(value, (str, bool, float, int, type(None), torch.dtype, enum.Enum)):
+        return True
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (types.FunctionType, types.BuiltinFunctionType, functools.partial))
+
+
+def _indices(raw: "list[_Raw]") -> "set[tuple[str, str]]":
+    """The (module path, setting) pairs that are each block's own index: an int that grows by 1 a block."""
+    values: dict[tuple[str, str], list[object]] = {}
+    for block in raw:
+        for path, _cls, _training, _hooks, settings in block:
+            for k, v in settings:
+                values.setdefault((path, k), []).append(v)
+    out = set()
+    for key, vs in values.items():
+        ints = [v for v in vs if type(v) is int]
+        if len(ints) == len(raw) > 1 and all(b - a == 1 for a, b in zip(ints, ints[1:])):
+            out.add(key)
+    return out
+
+
+def _setting(key: str, value: object) -> str:
+    if isinstance(value, (str, bool, int, torch.dtype, enum.Enum, tuple)):
         return f"{key}={value!r}"
     if isinstance(value, float):
         return f"{key}{'=' if value == 0 else '!='}0"
-    return f"{key} {'unset' if value is None else 'set'}"
+    if value is None:
+        return f"{key} unset"
+    return f"{key}={getattr(value, '__qualname__', None) or getattr(getattr(value, 'func', None), '__qualname__', '?')}"
+
+
+def _tensors(block: nn.Module) -> "list[str]":
+    """A block's parameters and buffers, in words (a lazy module's not yet made: uninitialised)."""
+    out = []
+    for n, t in block.named_parameters():
+        shape = "uninitialised" if isinstance(t, UninitializedParameter) else tuple(t.shape)
+        out.append(f"parameter {n} {shape} {t.dtype} requires_grad={t.requires_grad}")
+    for n, b in block.named_buffers():
+        held = "uninitialised" if isinstance(b, UninitializedBuffer) else tuple(b.shape)
+        out.append(f"buffer {n} {held} {b.dtype}")
+    return out
+
+
+def _shared(blocks: "list[nn.Module]") -> "str | None":
+    """Which two blocks share a parameter (a cut holds the first of them, the line counts it once per block),
+    None where none does."""
+    owner: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for n, t in block.named_parameters():
+            j = owner.setdefault(id(t), i)
+            if j != i:
+                return f"block {i} shares its parameter {n} with block {j}"
+    return None

@@ -97,6 +97,13 @@ class Workload:
                     f"{' and '.join(n + '=' for n in given)} belong to memprof's loop: leave them out")
         if not isinstance(self.model, nn.Module):
             raise InvalidArgumentError(f"estimate() needs a torch.nn.Module, got {type(self.model).__name__}")
+        from torch.nn.parameter import UninitializedParameter
+
+        lazy = next((n for n, p in self.model.named_parameters() if isinstance(p, UninitializedParameter)), None)
+        if lazy is not None:  # a lazy module's parameters have no shape until a forward makes them
+            raise InvalidArgumentError(f"the model's parameter {lazy} is not initialised yet (a lazy module, such as "
+                                       "nn.LazyLinear): run one forward on a batch first, so that its shapes are "
+                                       "known, then estimate")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise InvalidArgumentError(f"steps must be a positive int, got {self.steps!r}")
         if self.loss_fn is not None and not callable(self.loss_fn):

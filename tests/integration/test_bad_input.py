@@ -395,3 +395,14 @@ def test_a_failed_estimate_says_only_memprofs_error_not_torchs_warnings():
         with pytest.raises(memprof.errors.SimulationError, match="reads tensor values"):
             memprof.estimate(ReadsAValue(), torch.optim.AdamW, inputs=torch.randn(4, 8))
     assert [str(w.message) for w in caught if "data pointer" in str(w.message)] == []
+
+
+def test_a_lazy_modules_parameters_not_yet_made_are_refused_naming_the_fix():
+    # nn.LazyLinear has no weight shape until a forward: torch's own errors came from deep inside the estimate
+    # (an uninitialised parameter's shape read by the depth fast path's run key, or detached by the twin).
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(memprof.errors.InvalidArgumentError, match=r"parameter 0\.weight is not initialised yet .*"
+                       r"run one forward on a batch first"):
+        memprof.estimate(model, None, inputs=torch.zeros(2, 8))
+    model(torch.zeros(2, 8))  # made: the estimate runs
+    assert memprof.estimate(model, None, inputs=torch.zeros(2, 8)).peak_bytes > 0

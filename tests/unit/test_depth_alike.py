@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from memprof.simulate.depth_blocks import unlike as _unlike
@@ -60,3 +61,49 @@ def test_a_setting_given_to_some_blocks_only_differs_and_an_index_does_not():
     for b in blocks:
         b.window = 4096
     assert _unlike(_stack(*blocks), "layers") is None
+
+
+class Windowed(Block):
+    """Cohere2's layers: every fourth one has no sliding window (None), the others 4096; nothing else tells them."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.layer_idx, self.window = i, None if i % 4 == 3 else 4096
+
+
+class NoRope(Block):
+    """Llama 4's layers: every fourth one lacks the q/k norm the others hold."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        if i % 4 != 3:
+            self.qk_norm = nn.LayerNorm(4, elementwise_affine=False)
+
+
+def test_a_period_told_by_a_window_or_a_module_some_blocks_lack():
+    from memprof.simulate.depth_blocks import period
+
+    for cls in (Windowed, NoRope):
+        model = _stack(*(cls(i) for i in range(8)))
+        assert (period(model, "layers"), _unlike(model, "layers")) == (4, None)
+
+
+def test_an_int_that_is_no_index_a_dtype_and_shared_parameters_differ():
+    blocks = [Block() for _ in range(6)]
+    for i, b in enumerate(blocks):
+        b.repeats = 1 if i < 4 else 8  # an int that is not the block's index: its value counts
+    assert (_unlike(_stack(*blocks), "layers") or "").startswith("block 4 has module (the block) Block")
+    blocks = [Block() for _ in range(6)]
+    blocks[5].compute = torch.float64
+    blocks[0].compute = blocks[1].compute = blocks[2].compute = blocks[3].compute = blocks[4].compute = torch.float32
+    assert "compute=torch.float64" in (_unlike(_stack(*blocks), "layers") or "")
+    blocks = [Block() for _ in range(6)]
+    blocks[4].fc.weight = blocks[0].fc.weight  # tied across blocks: the cut holds block 0's, the line counts 4's
+    assert _unlike(_stack(*blocks), "layers") == "block 4 shares its parameter fc.weight with block 0"
+
+
+def test_a_period_that_does_not_divide_the_stack_is_no_period():
+    # One block unlike five: "period 5" in 6 blocks would call them alike.
+    model = _stack(*(Block() for _ in range(6)))
+    model.layers[4].fc.weight.requires_grad_(False)
+    assert (_unlike(model, "layers") or "").startswith("block 4 has parameter fc.weight")
