@@ -48,7 +48,7 @@ def unlike(model: nn.Module, name: str) -> "str | None":
     shared with another block) is not in the line. The two named are the first that differ in a period of their
     words and flags alone (the period a hybrid stack was built with)."""
     blocks = _blocks(model, name)
-    shared = _shared(blocks)
+    shared = _shared(blocks) or _global_hooks()
     if shared is not None:
         return shared
     sigs = signatures(blocks)
@@ -155,6 +155,19 @@ def _tensors(block: nn.Module) -> "list[str]":
         held = "uninitialised" if isinstance(b, UninitializedBuffer) else tuple(b.shape)
         out.append(f"buffer {n} {held} {b.dtype}")
     return out
+
+
+def _global_hooks() -> "str | None":
+    """Hooks registered for every module (``torch.nn.modules.module.register_module_forward_hook`` ...), which
+    can act on some blocks and not others (a feature tap from layer 6 on) where no block's description shows it;
+    None where there are none."""
+    from torch.nn.modules import module as torch_module
+
+    kinds = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks")
+    held = [k.strip("_") for k in kinds if getattr(torch_module, k, None)]
+    return f"hooks for every module are registered ({', '.join(held)}), which may act on some blocks only" \
+        if held else None
 
 
 def _shared(blocks: "list[nn.Module]") -> "str | None":
