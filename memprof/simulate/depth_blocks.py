@@ -35,9 +35,8 @@ def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
 def period(model: nn.Module, name: str) -> int:
     """The blocks of one period of the stack: the shortest ``p`` dividing its length such that block ``i`` is like
     block ``i % p`` for every ``i`` (:func:`signatures`; 1 when they are all alike, the stack's length when no
-    period repeats): a
-    hybrid's sliding-window and full-attention layers, told apart by a word, a flag or a window set on some only,
-    or by a module some blocks lack (Llama 4's layers without RoPE have no q/k norm)."""
+    period repeats): a hybrid's sliding-window and full-attention layers, told apart by a word, a flag or a window
+    set on some only, or by a module some blocks lack (Llama 4's layers without RoPE have no q/k norm)."""
     return _period(signatures(_blocks(model, name)))
 
 
@@ -136,6 +135,7 @@ def _indices(raw: "list[_Raw]") -> "set[tuple[str, str]]":
 
 
 def _setting(key: str, value: object) -> str:
+    """A plain setting (:func:`_plain`) in words, as :func:`signatures` compares it."""
     if isinstance(value, (str, bool, int, torch.dtype, enum.Enum, tuple)):
         return f"{key}={value!r}"
     if isinstance(value, float):
