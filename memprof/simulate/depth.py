@@ -39,8 +39,7 @@ from ..errors import InvalidArgumentError, is_interrupt
 from ..record.estimate import Estimate
 from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
-from .depth_blocks import find_stack, period
-from .depth_blocks import unlike as unlike_blocks
+from .depth_blocks import alike, find_stack
 from .depth_formulas import extended_formulas
 from .depth_stream import HELD, Extension, corrected, extended_stream
 from .stream_peaks import peaks_move, phase_peaks
@@ -58,8 +57,9 @@ Replay = Callable[[Estimate, "RecordedStream"], Estimate]
 #: What each cut's run leaves for :func:`extrapolated` on a CUDA target: its recorded stream and its replay.
 Kept = list[tuple["RecordedStream", Replay]]
 
-
-
+#: What the note of a stack whose blocks are not alike says (``stages`` remembers no such refusal: it is seen
+#: again at each call).
+NOT_ALIKE = "since its blocks are not alike"
 
 #: The default (``extrapolate=None``): the stack cut to 2, 3 and 4 units of blocks, where it has this many units or
 #: more (below, three cuts cost about as much as the whole: the model is simulated whole).
@@ -80,21 +80,25 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     :data:`AUTO_UNITS` units, is simulated whole, silently; a unit is one period of the stack's kinds of block (a
     hybrid model's sliding-window and full-attention layers: :func:`memprof.simulate.depth_blocks.period`), and a
     cut that fails to simulate is no error: the whole model is simulated instead (its own error is the one raised,
-    if it has one). A stack whose blocks are not alike (:func:`memprof.simulate.depth_blocks.unlike`) is simulated
+    if it has one). A stack whose blocks are not alike (:func:`memprof.simulate.depth_blocks.alike`) is simulated
     whole, with a note, on either path."""
+    found = find_stack(model)
+    unlike: "str | None" = None
     if auto:
-        unit = _auto_unit(model, per_unit)
-        if unit is None:
-            found = find_stack(model)  # deep enough, but its blocks repeat no period: the reason in a note
-            deep = found is not None and found[1] // per_unit >= AUTO_UNITS
-            unlike = unlike_blocks(model, found[0]) if found is not None and deep else None
-            if found is None or unlike is None:
+        if found is None:
+            return run(model, optimizer)
+        p, unlike = alike(model, found[0])
+        unit = per_unit * p
+        if found[1] % unit or found[1] // unit < AUTO_UNITS:
+            if unlike is None or found[1] // per_unit < AUTO_UNITS:
                 return run(model, optimizer)
-            return _whole(run, model, optimizer, _unlike_note(found, unlike))
+            return _whole(run, model, optimizer, _unlike_note(found, unlike))  # deep enough, but unlike
         per_unit, k = unit, AUTO_K
-    name, depth, kind = _stack(model, k, per_unit)
+    elif found is not None:
+        unlike = alike(model, found[0])[1]
+    name, depth, kind = _stack(model, found, k, per_unit)
     units, k = depth // per_unit, int(cast(int, k))
-    whole = _why_whole(model, name, depth, kind, units, k)
+    whole = _why_whole(name, depth, kind, units, k, unlike)
     if whole is not None:
         return _whole(run, model, optimizer, whole)
     kept: Kept = []
@@ -142,12 +146,12 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
                                               *([formulas] if formulas else [])))
 
 
-def _stack(model: nn.Module, k: object, per_unit: int) -> "tuple[str, int, str]":
-    """The model's repeated stack (:func:`find_stack`), once ``k`` and the stack are checked: a refusal names
-    what ``extrapolate=`` needs."""
+def _stack(model: nn.Module, found: "tuple[str, int, str] | None", k: object, per_unit: int
+           ) -> "tuple[str, int, str]":
+    """The model's repeated stack (``found``: :func:`find_stack`'s), once ``k`` and the stack are checked: a
+    refusal names what ``extrapolate=`` needs."""
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise InvalidArgumentError(f"extrapolate must be a positive int (blocks per stage to simulate), got {k!r}")
-    found = find_stack(model)
     if found is None:
         raise InvalidArgumentError("extrapolate= needs a repeated stack of blocks (a ModuleList or Sequential of "
                                    f"one class) in {type(model).__name__}, and found none")
@@ -157,10 +161,10 @@ def _stack(model: nn.Module, k: object, per_unit: int) -> "tuple[str, int, str]"
     return found
 
 
-def _why_whole(model: nn.Module, name: str, depth: int, kind: str, units: int, k: int) -> "str | None":
-    """The note of a model the cuts cannot stand for, simulated whole before any cut: blocks not alike, or no
-    block left to extend by; None where the cuts can."""
-    unlike = unlike_blocks(model, name)
+def _why_whole(name: str, depth: int, kind: str, units: int, k: int, unlike: "str | None") -> "str | None":
+    """The note of a model the cuts cannot stand for, simulated whole before any cut: blocks not alike (``unlike``
+    says why, :func:`memprof.simulate.depth_blocks.alike`), or no block left to extend by; None where the cuts
+    can."""
     if unlike is not None:
         return _unlike_note((name, depth, kind), unlike)
     if units <= k + 2:  # nothing left to extend: the whole model, and a note saying extrapolate= changed nothing
@@ -170,9 +174,9 @@ def _why_whole(model: nn.Module, name: str, depth: int, kind: str, units: int, k
 
 
 def _unlike_note(found: "tuple[str, int, str]", unlike: str) -> str:
-    """The note of a stack whose blocks are not alike (:func:`memprof.simulate.depth_blocks.unlike`)."""
+    """The note of a stack whose blocks are not alike (:func:`memprof.simulate.depth_blocks.alike`)."""
     name, depth, kind = found
-    return (f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, since its blocks are not alike "
+    return (f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, {NOT_ALIKE} "
             f"({unlike}): the cuts keep the first blocks, and a line through them stands for the others only where "
             "each is like them")
 
@@ -315,16 +319,6 @@ def _cuts(model: nn.Module, optimizer: "OptimizerArg", name: str, k: int, ests: 
         ests, k = one_more(ests, k)
         reason = _not_affine(ests)
     return ests, k, reason
-
-
-def _auto_unit(model: nn.Module, per_unit: int) -> "int | None":
-    """The blocks of a unit of depth the default cuts by (the pipeline's stages per rank, times the stack's
-    period of kinds), or None where it simulates the whole model: no stack, or fewer than :data:`AUTO_UNITS`."""
-    found = find_stack(model)
-    if found is None:
-        return None
-    unit = per_unit * period(model, found[0])
-    return None if found[1] % unit or found[1] // unit < AUTO_UNITS else unit
 
 
 def _whole(run: Callable[..., Estimate], model: nn.Module, optimizer: "OptimizerArg", note: str) -> Estimate:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
-__all__ = ["find_stack", "period", "unlike", "signatures"]
+__all__ = ["find_stack", "period", "unlike", "alike", "signatures"]
 
 
 def find_stack(model: nn.Module) -> "tuple[str, int, str] | None":
@@ -37,22 +37,30 @@ def period(model: nn.Module, name: str) -> int:
     block ``i % p`` for every ``i`` (:func:`signatures`; 1 when they are all alike, the stack's length when no
     period repeats): a hybrid's sliding-window and full-attention layers, told apart by a word, a flag or a window
     set on some only, or by a module some blocks lack (Llama 4's layers without RoPE have no q/k norm)."""
-    return _period(signatures(_blocks(model, name)))
+    return alike(model, name)[0]
 
 
 def unlike(model: nn.Module, name: str) -> "str | None":
-    """Where the blocks of the stack ``name`` repeat no period (:func:`period`), which two differ and in what; None
-    where they do. The cuts hold the first blocks, and each unit added stands for every later one: a later block
-    unlike the earlier ones (its layers frozen, a hook of its own, another dtype, dropout off, its parameters
-    shared with another block) is not in the line. The two named are the first that differ in a period of their
-    words and flags alone (the period a hybrid stack was built with)."""
+    """Where the blocks of the stack ``name`` are not alike, which two differ and in what (:func:`alike`); None
+    where they are."""
+    return alike(model, name)[1]
+
+
+def alike(model: nn.Module, name: str) -> "tuple[int, str | None]":
+    """The stack's :func:`period`, and where its blocks are not alike, why; both read off one description of the
+    blocks (:func:`signatures`), which a caller that needs both asks for once. The blocks are not alike where
+    they repeat no period, share a parameter, or hooks are registered for every module. The cuts hold the first
+    blocks, and each unit added stands for every later one: a later block unlike the earlier ones (its layers
+    frozen, a hook of its own, another dtype, dropout off) is not in the line. The two named are the first that
+    differ in a period of their words and flags alone (the period a hybrid stack was built with)."""
     blocks = _blocks(model, name)
+    sigs = signatures(blocks)
+    p = _period(sigs)
     shared = _shared(blocks) or _global_hooks()
     if shared is not None:
-        return shared
-    sigs = signatures(blocks)
-    if _period(sigs) < len(sigs):
-        return None
+        return p, shared
+    if p < len(sigs):
+        return p, None
     kinds = [[line for line in sig if line.startswith("module ")] for sig in sigs]
     q = _period([[" ".join(w for w in line.split() if "=" in w and not w.startswith(("training=", "hooks=")))
                   for line in kind] for kind in kinds])
@@ -62,11 +70,11 @@ def unlike(model: nn.Module, name: str) -> "str | None":
     at = next((j for j, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
     said = [f"{which} has {sig[at]}" if at < len(sig) else f"{which} has nothing more"
             for which, sig in ((f"block {i}", mine), (f"block {i % q}", theirs))]
-    return ", ".join(said)
+    return p, ", ".join(said)
 
 
 def signatures(blocks: "list[nn.Module]") -> "list[list[str]]":
-    """What each block is, in words, for :func:`period` and :func:`unlike`: its modules (paths, classes, training
+    """What each block is, in words, for :func:`alike`: its modules (paths, classes, training
     flags, hook counts, settings), its parameters (shapes, dtypes, requires_grad) and buffers. A setting is
     compared as it is (a word, a flag, a dtype, a member of an enum, a tuple, a function by its name), a float by
     whether it is 0 (a dropout's rate: a mask or none), an int by its value unless it is each block's own index

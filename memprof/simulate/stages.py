@@ -66,7 +66,7 @@ class Prepared:
 def simulate(config: "RunConfig[Workload]") -> "Estimate":
     """The estimate ``config`` describes: one rank, every pipeline rank class (the worst returned, all listed), and
     with ``extrapolate=`` the model cut to three depths and extended."""
-    from .depth import extrapolated
+    from .depth import NOT_ALIKE, extrapolated
     from .parallel import ParallelRun, depth_unit, pipeline_ranks
 
     p = config.parallelism
@@ -95,7 +95,7 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
         # Blocks not alike are seen again at each call (a hook removed, train() called again: the run's key does
         # not hold those), so only what the cuts found is remembered.
         if run is not None and any(n.startswith("depth:") and " was simulated whole, since " in n
-                                   and "since its blocks are not alike" not in n for n in est.notes):
+                                   and NOT_ALIKE not in n for n in est.notes):
             _remember_not_cut(w.model, run)
         return est
 
