@@ -200,6 +200,8 @@ def _on_stream(out: Estimate, stream: "RecordedStream", extension: Extension, ke
     model."""
     notes = [_stream_note(out.device == "cuda", k, units)]
     fixed = corrected(out, stream, extension.missed)
+    if isinstance(fixed, str):
+        return fixed
     if peaks_move(fixed, stream):  # a phase's peak is another moment at full depth: its composition is needed
         peaks = _moved_peaks(out, kept, units, k)
         if isinstance(peaks, str):
@@ -222,7 +224,8 @@ def _moved_peaks(out: Estimate, kept: Kept, units: int, k: int
         return (f"a phase's peak is another moment at full depth, and with the moves of its storages between "
                 f"categories the cuts' streams do not extend ({made})")
     stream, extension = made
-    return phase_peaks(corrected(out, stream, extension.missed), stream, extension)
+    fixed = corrected(out, stream, extension.missed)
+    return fixed if isinstance(fixed, str) else phase_peaks(fixed, stream, extension)
 
 
 def _stream_note(cuda: bool, k: int, units: int) -> str:
@@ -237,10 +240,12 @@ def _stream_note(cuda: bool, k: int, units: int) -> str:
 
 
 def _tensors_total(b: Breakdown) -> Breakdown:
-    """``b`` with the total of its tensor categories as its total: what the per-phase statistics' total series
-    counts, as the ledger keeps it (a phase record's total also holds the device-level figures the replay added)."""
-    tensors = b.counts[:len(TENSOR_CATEGORIES)]
-    return Breakdown(b.counts, None if None in tensors else sum(v or 0 for v in tensors))
+    """``b`` with the total of its measured tensor categories as its total: what the per-phase statistics' total
+    series counts, as the ledger keeps it (a phase record's total also holds the device-level figures the replay
+    added). A category not measured (a ZeRO-1/2 or DDP rank's communication: its buckets are not estimated) is not
+    in it, as :meth:`Breakdown.from_mapping` sums; None where no tensor category is measured."""
+    measured = [v for v in b.counts[:len(TENSOR_CATEGORIES)] if v is not None]
+    return Breakdown(b.counts, sum(measured) if measured else None)
 
 
 def _stats_of_records(est: Estimate) -> "Estimate | str":

@@ -399,15 +399,19 @@ def _missed(size: int, grow: int, more: int, rounding: int) -> int:
 
 
 def corrected(est: "Estimate", recorded: "RecordedStream", missed: "dict[int, dict[int, int]] | None"
-              ) -> "Estimate":
+              ) -> "Estimate | str":
     """``est`` (its figures extended in a line) with what the line missed (:func:`extended_stream`) added where
     ``recorded`` places each moment: every phase record's start, peak and end, and the run's. The per-phase
     statistics are the caller's to make again from the records (``depth._stats_of_records``). Nothing missed
-    (none, or None: no stream was extended) leaves ``est`` as it is."""
+    (none, or None: no stream was extended) leaves ``est`` as it is. A str where bytes were missed at the peak of a
+    simulated ZeRO or FSDP rank's optimizer step (:func:`~memprof.simulate.device_memory.scaled_step`): that peak
+    is no moment of the stream but the rank's share of the replica's (``LayoutPlan.finish``), whose categories the
+    stream's do not give (a ZeRO-1 rank's flat share of the states, one storage rounded to the allocator's 512 B,
+    went to the temporaries there)."""
     import dataclasses
 
     from ..record.parts import Breakdown
-    from .device_memory import moments_of
+    from .device_memory import moments_of, scaled_step
 
     if not missed:
         return est
@@ -428,6 +432,9 @@ def corrected(est: "Estimate", recorded: "RecordedStream", missed: "dict[int, di
         phases = []
         for i, rec in enumerate(step.phases):
             where = placed.get((step.index, i))
+            if where is not None and scaled_step(trace, rec) and any(missed.get(where[1], {}).values()):
+                return (f"the line through the cuts missed bytes at step {step.index} {rec.phase.value}'s peak, which "
+                        "is the rank's share of the replica's step, not a moment of the stream")
             phases.append(rec if where is None else dataclasses.replace(
                 rec, start=fixed(rec.start, where[0]), peak=fixed(rec.peak, where[1]), end=fixed(rec.end, where[2])))
         steps.append(dataclasses.replace(step, phases=tuple(phases)))
