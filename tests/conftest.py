@@ -14,19 +14,20 @@ if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WO
     # one: benchmarks/overhead.py --quick ran 35 s instead of a few). The in-process tests already run so.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not os.environ.get("MEMPROF_TEST_PLAN_FORKS"):
-        # A plan's default (processes=None) forks one searching process per core: under two workers that already
-        # keep both cores busy they only add forks and searches each fork redoes without the parent's caches. The
-        # default's rows here are searched in the worker; the tests that pass processes= (test_plan_hf's
-        # small_plan, test_cli_options' --processes, tests/unit/test_plan_processes.py) fork as asked.
+        # A plan's default (processes=None) forks one searching process per core, and so does an estimate of a
+        # pipeline for its rank classes: under two workers that already keep both cores busy they only add forks
+        # and work each fork redoes without the parent's caches. By default here everything runs in the worker;
+        # the tests that pass processes= (test_plan_hf's small_plan, test_cli_options' --processes,
+        # tests/unit/test_plan_processes.py, tests/integration/test_pipeline_processes.py) fork as asked.
         # MEMPROF_TEST_PLAN_FORKS=1 leaves the default as it is.
-        from memprof.simulate import plan as _plan
+        from memprof.simulate import forked as _forked
 
-        _searched = _plan.searched
+        _processes_for = _forked.processes_for
 
-        def _searched_here_by_default(configs, search, processes):
-            return _searched(configs, search, 1 if processes is None else processes)
+        def _here_by_default(processes, parts):
+            return _processes_for(1 if processes is None else processes, parts)
 
-        _plan.searched = _searched_here_by_default
+        _forked.processes_for = _here_by_default
 
 
 @pytest.fixture(autouse=True)

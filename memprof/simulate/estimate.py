@@ -69,7 +69,9 @@ def estimate(model: nn.Module, optimizer: OptimizerArg = None, **options: Unpack
     same bytes per block, as they do once the peak stays put, and a CUDA target's allocation stream with them
     (:mod:`memprof.simulate.depth`); by default (None) a stack of 16 blocks or more per stage is simulated so
     with ``k`` 2, to the same figures as the whole model's, or whole where the checks say no; ``False`` simulates
-    the whole model (its per-module tables then hold every block).
+    the whole model (its per-module tables then hold every block). ``processes`` is how many processes a
+    pipeline's rank classes are simulated in, each forked from this one (:mod:`memprof.simulate.forked`): None
+    (the default) one per core, 1 every class in this process; the figures are the same either way.
     ``step_context`` is a function returning the context manager your training loop enters around forward, loss
     and backward (``loss_parallel``, ``context_parallel(...)``, a profiler range): it is entered afresh at each
     simulated step, the optimizer step outside it; under ``pipeline=`` around each step of torch's schedule, as

@@ -378,20 +378,24 @@ def depth_unit(world_size: int, mesh: "MeshSizes | None", pipeline: "Pipeline | 
 
 
 def pipeline_ranks(world_size: int, mesh: "MeshSizes | None", pipeline: "Pipeline", one: "Callable[[int], Estimate]",
-                   key: "Callable[[Estimate], SupportsRichComparison] | None" = None) -> "Estimate":
+                   key: "Callable[[Estimate], SupportsRichComparison] | None" = None,
+                   many: "Callable[[list[int]], list[Estimate]] | None" = None) -> "Estimate":
     """Every pipeline rank class simulated (one per ``pp`` coordinate, its representative the rank with 0 on every
     other dimension: they hold the same shards), and the worst one's estimate, listing them all. The worst is the
-    one with the largest tensors' peak, or the largest ``key(estimate)`` (a plan's: the device-level peak)."""
+    one with the largest tensors' peak, or the largest ``key(estimate)`` (a plan's: the device-level peak).
+    ``many`` simulates the representatives given, in their order, where ``one`` each in turn would (in forked
+    processes: :func:`memprof.simulate.stages.simulate`)."""
     from .pipeline import RankClass
 
     shape, names = check_mesh(mesh if mesh is not None else {"pp": world_size}, world_size)
     if not names or "pp" not in names:
         raise InvalidArgumentError(f"a pipeline needs a mesh dimension named 'pp'; got {mesh!r}")
     d = names.index("pp")
+    every = [tuple(r for r in range(world_size) if coordinates(r, shape)[d] == p) for p in range(shape[d])]
+    representatives = [members[0] for members in every]
+    estimates = many(representatives) if many is not None else [one(r) for r in representatives]
     classes, results = [], []
-    for p in range(shape[d]):
-        members = tuple(r for r in range(world_size) if coordinates(r, shape)[d] == p)
-        est = one(members[0])
+    for p, (members, est) in enumerate(zip(every, estimates)):
         stages = tuple(p + i * shape[d] for i in range(pipeline.stages_per_rank))
         phase = cast(Phase, est.trace.peak_phase)  # a simulated step's peak is always in one of its phases
         classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step, phase.value,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Generic, Mapping, Ty
 from ..errors import InvalidArgumentError, UnknownNameError
 # At run time too: typing.get_type_hints resolves the keyword TypedDicts below in this module (without torch).
 from .aliases import Option, UserValue
+from .forked import processes_for
 
 if TYPE_CHECKING:
     import torch
@@ -237,8 +238,12 @@ class RunConfig(Generic[W]):
     target: Target = field(default_factory=Target)
     parallelism: Parallelism = field(default_factory=Parallelism)
     depth: Depth = field(default_factory=Depth)
+    #: How many processes a pipeline's rank classes are simulated in (:mod:`memprof.simulate.forked`): None, one per
+    #: core; 1, all in this one. It says how memprof works, not what runs: the figures are the same.
+    processes: "int | None" = None
 
     def __post_init__(self) -> None:
+        processes_for(self.processes, 1)  # a bad count is refused here, before anything runs
         if self.precision is not None and self.precision not in PRECISIONS:
             raise UnknownNameError(f"unknown precision {self.precision!r}; use one of: fp32, bf16, fp16, mixed, "
                                    "mixed-fp16 (amp is mixed)")
@@ -267,7 +272,8 @@ class RunConfig(Generic[W]):
         _named_loop(given["workload"], options.get("precision"))
         return RunConfig(workload=Workload(model=model, optimizer=optimizer, **given["workload"]),
                    precision=options.get("precision"), target=Target(**given["target"]),
-                   parallelism=Parallelism(**given["parallelism"]), depth=Depth(**given["depth"]))
+                   parallelism=Parallelism(**given["parallelism"]), depth=Depth(**given["depth"]),
+                   processes=options.get("processes"))
 
     @classmethod
     def for_generation(cls, model: "nn.Module", **options: "Option") -> "RunConfig[Generation]":
@@ -330,7 +336,7 @@ GENERATION_OPTIONS: tuple[str, ...] = ("batch_size", "prompt_len", "max_new_toke
 #: Every keyword ``estimate(model, optimizer, **options)`` takes, in the order its docstring gives them.
 OPTIONS: tuple[str, ...] = ("inputs", "targets", "loss_fn", "precision", "device", "steps", "attention", "world_size",
                             "parallel", "routing", "gpu", "alloc_conf", "parallelize", "rank", "mesh", "pipeline",
-                            "extrapolate", "step_context", "train_step", "loop")
+                            "extrapolate", "processes", "step_context", "train_step", "loop")
 
 
 class EstimateSettings(TypedDict, total=False):
@@ -357,6 +363,7 @@ class EstimateSettings(TypedDict, total=False):
     mesh: "MeshSizes | None"
     pipeline: "Option"
     extrapolate: "int | bool | None"
+    processes: "int | None"
     step_context: "StepContext | None"
     train_step: "Callable[..., object] | None"
     loop: "str | None"

@@ -40,6 +40,7 @@ from .user_step import UserStep
 
 if TYPE_CHECKING:
     from types import TracebackType
+    from typing import Callable
 
     from ..anatomy.gpus import GpuSpec
     from ..collect.simulated import RecordedStream, SimulatedProfile
@@ -100,8 +101,33 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
         return est
 
     if p.pipeline is not None and p.rank is None:
-        return pipeline_ranks(p.world_size, p.mesh, p.pipeline, at_depth)
+        return pipeline_ranks(p.world_size, p.mesh, p.pipeline, at_depth,
+                              many=lambda ranks: in_processes(at_depth, config.workload.model, ranks, config.processes))
     return at_depth(p.rank)
+
+
+def in_processes(one: "Callable[[int], Estimate]", model: nn.Module, ranks: "list[int]", processes: "int | None"
+                 ) -> "list[Estimate]":
+    """``one(r)`` for each of ``ranks`` (a pipeline's rank classes: independent simulations), each in a process
+    forked from this one where ``processes`` and the cores allow (:mod:`memprof.simulate.forked`), with a note
+    saying so; what a forked simulation learnt of ``model``'s cuts (:data:`_NOT_CUT`) is learnt here too."""
+    from .forked import forked, processes_for
+
+    n = processes_for(processes, len(ranks))
+    if n <= 1:
+        return [one(r) for r in ranks]
+
+    def reporting(r: int) -> "Callable[[], tuple[Estimate, frozenset[RunKey]]]":
+        return lambda: (one(r), frozenset(_not_cut(model)))
+
+    note = (f"pipeline: the {len(ranks)} rank classes were simulated by {n} processes forked from this one "
+            "(processes=1 keeps them in this one); the figures are the same")
+    out = []
+    for est, runs in forked([reporting(r) for r in ranks], n, "a pipeline's rank classes"):
+        for run in runs:
+            _remember_not_cut(model, run)
+        out.append(dataclasses.replace(est, notes=(*est.notes, note)))
+    return out
 
 
 #: What a run is, the batch aside (:func:`_depth_key`): its settings, and its objects by identity.

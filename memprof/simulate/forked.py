@@ -1,0 +1,110 @@
+"""Independent simulations run in processes forked from this one, each answer sent back as a record.
+
+A plan's groups of rows (:mod:`memprof.simulate.plan_processes`) and a pipeline's rank classes
+(:func:`memprof.simulate.stages.simulate`) share nothing while they are simulated: each can run in a process of its
+own, with the answers one process gives, in the same order. The processes are forked from this one, which has
+built the model, so nothing is sent to them; what comes back is each part's result (records, which pickle) or the
+exception it raised, re-raised here as it was. Each runs torch on one thread, as torch's DataLoader workers do: GNU
+OpenMP, which torch's CPU kernels use, is not safe to use in a child forked after the parent used it. Off Linux
+(no fork on Windows; on macOS a forked child of a process that loaded the system's frameworks can crash), where one
+process is asked for, or inside a process this module forked (its parts are already spread over the cores), every
+part runs here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import sys
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar, cast
+
+from ..errors import InvalidArgumentError, MemprofError, is_interrupt
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+__all__ = ["forked", "processes_for"]
+
+T = TypeVar("T")
+
+#: Set in a process this module forked: a part that would fork again runs in it instead.
+_IN_CHILD = False
+
+
+def processes_for(processes: "int | None", parts: int) -> int:
+    """How many processes run ``parts`` independent parts: ``processes`` (at least 1) or, for None, one per core
+    this process may run on; never more than the parts, and 1 off Linux or inside a forked part."""
+    if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
+        raise InvalidArgumentError(f"processes must be a positive int (or None: one per core), got {processes!r}")
+    if _IN_CHILD or not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
+        return 1  # macOS offers fork, but a forked child of a process that loaded its system frameworks can crash
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(parts, processes if processes is not None else cores))
+
+
+def forked(calls: "Sequence[Callable[[], T]]", n: int, what: str) -> "list[T]":
+    """Each of ``calls``' results, in their order: here for ``n`` <= 1, else by ``n`` forked processes, the calls
+    dealt out in turn (process ``w`` runs calls ``w``, ``w + n``, ...). ``what`` names the parts in the error of a
+    process that ended without an answer. An exception a call raised is raised here; the processes still running
+    then (or after an interrupt here) are ended, so no simulation goes on behind it."""
+    if n <= 1:
+        return [call() for call in calls]
+    shares = [list(range(w, len(calls), n)) for w in range(n)]
+    ctx = multiprocessing.get_context("fork")
+    started: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+    try:
+        for share in shares:
+            receive, send = ctx.Pipe(duplex=False)
+            worker = ctx.Process(target=_work, args=([calls[i] for i in share], send), daemon=True)
+            worker.start()
+            send.close()
+            started.append((worker, receive))
+        found: dict[int, T] = {}
+        for share, (running, receive) in zip(shares, started):
+            found.update(zip(share, cast("list[T]", _received(receive, running, what))))
+        return [found[i] for i in range(len(calls))]
+    finally:
+        for running, receive in started:
+            if running.is_alive():
+                running.terminate()
+            running.join()
+            receive.close()
+
+
+def _work(calls: "Sequence[Callable[[], object]]", send: "Connection") -> None:
+    """A forked process's part: its calls' results, or the exception one raised, sent back."""
+    import torch
+
+    global _IN_CHILD
+    _IN_CHILD = True
+    torch.set_num_threads(1)
+    try:
+        message: tuple[str, object] = ("results", [call() for call in calls])
+    except BaseException as exc:  # sent to the parent, which raises it: nothing is swallowed
+        message = ("raised", exc)
+    try:
+        send.send(message)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an exception that does not pickle
+        if is_interrupt(exc):
+            raise
+        send.send(("raised", MemprofError(f"a simulation failed in a process of its own: {message[1]!r}")))
+    finally:
+        send.close()
+
+
+def _received(receive: "Connection", worker: multiprocessing.process.BaseProcess, what: str) -> list[object]:
+    """What ``worker`` sent: its results; an exception it raised is raised here."""
+    try:
+        kind, value = receive.recv()
+    except EOFError as exc:
+        if is_interrupt(exc):
+            raise
+        worker.join()
+        raise MemprofError(f"a process simulating {what} ended without an answer (exit code {worker.exitcode}); "
+                           "pass processes=1 (--processes 1) to simulate them all in this process") from None
+    if kind == "raised":
+        assert isinstance(value, BaseException)
+        raise value
+    assert isinstance(value, list)
+    return value
