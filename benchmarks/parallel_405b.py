@@ -21,13 +21,16 @@ schedule over 2 micro-batches of 1 x 8,192 tokens. AdamW, for-each.
 ``estimate(..., extrapolate=3)`` simulates each stage with 3, 4 and 5 layers, checks that every category of every
 phase grew by the same bytes per layer, and extends the line to 63 layers per stage; both pipeline rank classes
 are simulated and the worst is returned. What is timed: the whole ``memprof.estimate`` call, wall and CPU
-(``time.process_time``: on a shared machine the wall time includes waiting for a core).
+(``time.process_time`` plus the CPU of the processes the call forked and waited for, which simulate the pipeline
+rank classes side by side where there are cores: ``estimate(..., processes=1)`` keeps them in this one; on a shared
+machine the wall time includes waiting for a core).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from typing import Any
@@ -159,6 +162,12 @@ def parallelize(model: Any, mesh: Any) -> Any:
     return model
 
 
+def _cpu() -> float:
+    """This process's CPU seconds and its waited-for children's (the forked rank classes')."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def run(cfg: dict[str, int], mesh: dict[str, int], seq: int, micro: int, k: "int | None") -> dict[str, Any]:
     memprof = import_memprof()
     import torch
@@ -172,11 +181,11 @@ def run(cfg: dict[str, int], mesh: dict[str, int], seq: int, micro: int, k: "int
         world *= size
     ids = torch.empty(micro, seq, dtype=torch.long, device="meta")
     pipeline = memprof.Pipeline(split, schedule="1f1b", microbatches=micro) if "pp" in mesh else None
-    t, cpu = time.perf_counter(), time.process_time()
+    t, cpu = time.perf_counter(), _cpu()
     est = memprof.estimate(build(cfg), lambda ps: torch.optim.AdamW(ps, foreach=True), inputs=ids, targets=ids,
                            loss_fn=loss_fn, world_size=world, mesh=mesh, parallelize=parallelize, device="cuda",
                            pipeline=pipeline, extrapolate=k)
-    seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+    seconds, cpu = time.perf_counter() - t, _cpu() - cpu
     G = 2**30
     out = {"seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "world_size": world, "mesh": mesh,
            "peak_gib": round(est.peak_bytes / G, 3),
