@@ -69,9 +69,8 @@ def estimate(model: nn.Module, optimizer: OptimizerArg = None, **options: Unpack
     same bytes per block, as they do once the peak stays put, and a CUDA target's allocation stream with them
     (:mod:`memprof.simulate.depth`); by default (None) a stack of 16 blocks or more per stage is simulated so
     with ``k`` 2, to the same figures as the whole model's, or whole where the checks say no; ``False`` simulates
-    the whole model (its per-module tables then hold every block). ``processes`` is how many processes a
-    pipeline's rank classes are simulated in, each forked from this one (:mod:`memprof.simulate.forked`): None
-    (the default) one per core, 1 every class in this process; the figures are the same either way.
+    the whole model (its per-module tables then hold every block). ``processes``: how many processes, forked
+    from this one, simulate a pipeline's rank classes (None: one per core; 1: all here), to the same figures.
     ``step_context`` is a function returning the context manager your training loop enters around forward, loss
     and backward (``loss_parallel``, ``context_parallel(...)``, a profiler range): it is entered afresh at each
     simulated step, the optimizer step outside it; under ``pipeline=`` around each step of torch's schedule, as
@@ -94,9 +93,8 @@ def estimate(model: nn.Module, optimizer: OptimizerArg = None, **options: Unpack
     answered 0, which takes every optimizer step, and the notes say where; with ``precision="mixed"`` (or
     ``"mixed-fp16"``) each call of the model runs under the target's autocast and the rest of ``fn`` as written.
     ``loss_fn``, ``step_context`` and ``pipeline`` are memprof's loop's and are refused with it. An exception ``fn``
-    raises reaches you unchanged, but for ``RuntimeError`` and ``NotImplementedError`` (torch's, from an op that
-    shape-only tensors cannot run), which are explained as a :class:`~memprof.errors.SimulationError` chained to
-    them, as they are from the model.
+    raises reaches you unchanged, but torch's ``RuntimeError`` and ``NotImplementedError`` (an op shape-only tensors
+    cannot run), explained as a :class:`~memprof.errors.SimulationError` chained to them, as from the model.
 
     ``loop`` names a framework's own training step to simulate in place of memprof's loop
     (:mod:`memprof.simulate.loops`): ``"hf-trainer"`` (transformers' ``Trainer.training_step`` and ``compute_loss``
