@@ -14,8 +14,8 @@ if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WO
     # one: benchmarks/overhead.py --quick ran 35 s instead of a few). The in-process tests already run so.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not os.environ.get("MEMPROF_TEST_PLAN_FORKS"):
-        # A plan's default (processes=None) forks one searching process per core, and so does an estimate of a
-        # pipeline for its rank classes: under two workers that already keep both cores busy they only add forks
+        # A plan's default (processes=None) forks a searching process per group of rows, and an estimate of a
+        # pipeline one per rank class: under two workers that already keep both cores busy they only add forks
         # and work each fork redoes without the parent's caches. By default here everything runs in the worker;
         # the tests that pass processes= (test_plan_hf's small_plan, test_cli_options' --processes,
         # tests/unit/test_plan_processes.py, tests/integration/test_pipeline_processes.py) fork as asked.
@@ -27,6 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and int(os.environ.get("PYTEST_XDIST_WO
         def _here_by_default(processes, parts):
             return _processes_for(1 if processes is None else processes, parts)
 
+        _here_by_default.__wrapped__ = _processes_for  # the rule itself, for tests/unit/test_plan_processes.py
         _forked.processes_for = _here_by_default
 
 

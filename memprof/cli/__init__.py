@@ -306,8 +306,8 @@ def _plan_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") ->
                      help="the training loop simulated in every layout but a pipeline's (default hf-trainer: "
                           "transformers' Trainer.training_step as installed; plain: memprof's own loop)")
     pla.add_argument("--processes", type=int, default=None, metavar="N",
-                     help="processes searching the rows (default: one per core, at most one per group of rows that "
-                          "share no simulation: a precision and family of layouts; 1: every row in this process)")
+                     help="processes searching the rows (default: one per group of rows that share no simulation, a "
+                          "precision and family of layouts, at most twice the cores; 1: every row in this process)")
     pla.add_argument("--json", action="store_true", help="print the rows as JSON")
     pla.add_argument("--html", metavar="PATH", help="also write the grid as a standalone HTML page")
     pla.set_defaults(func=_cmd_plan, parser=pla)

@@ -50,8 +50,8 @@ def plan(config: Forwarded, *, seq_len: int, gpu: Forwarded, world_size: int = 1
     activation checkpointing (off, on), for the model a transformers config
     describes (a ``PretrainedConfig``, a folder holding ``config.json``, the file, or a cached hub id) with
     ``seq_len`` tokens per sequence: a DataFrame, a row per configuration, with the peak at that batch and the
-    category that dominates it. ``processes``: how many processes search the rows (default one per core, at most
-    one per group of rows that share no simulation; the answers are the same). :func:`plan_grid` takes the same
+    category that dominates it. ``processes``: how many processes search the rows (default one per group of rows
+    that share no simulation, at most twice the cores; the answers are the same). :func:`plan_grid` takes the same
     arguments and returns the :class:`Plan` (its text, HTML page and notes)."""
     return plan_grid(config, seq_len=seq_len, gpu=gpu, world_size=world_size, layouts=layouts,
                      precisions=precisions, checkpointing=checkpointing, optimizer=optimizer, alloc_conf=alloc_conf,

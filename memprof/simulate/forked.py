@@ -4,11 +4,12 @@ A plan's groups of rows (:mod:`memprof.simulate.plan_processes`) and a pipeline'
 (:func:`memprof.simulate.stages.simulate`) share nothing while they are simulated: each can run in a process of its
 own, with the answers one process gives, in the same order. The processes are forked from this one, which has
 built the model, so nothing is sent to them; what comes back is each part's result (records, which pickle) or the
-exception it raised, re-raised here as it was. Each runs torch on one thread, as torch's DataLoader workers do: GNU
-OpenMP, which torch's CPU kernels use, is not safe to use in a child forked after the parent used it. Off Linux
-(no fork on Windows; on macOS a forked child of a process that loaded the system's frameworks can crash), where one
-process is asked for, or inside a process this module forked (its parts are already spread over the cores), every
-part runs here.
+exception it raised, re-raised here as it was, and the warnings it issued, issued here (each at its own place in
+the code, with its module's registry: the caller's filters decide, and show a warning once, not once per process).
+Each runs torch on one thread, as torch's DataLoader workers do: GNU OpenMP, which torch's CPU kernels use, is not
+safe to use in a child forked after the parent used it. Off Linux (no fork on Windows; on macOS a forked child of a
+process that loaded the system's frameworks can crash), where one process is asked for, or inside a process this
+module forked (its parts are already spread over the cores), every part runs here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import multiprocessing
 import os
 import pickle
 import sys
+import warnings
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar, cast
 
 from ..errors import InvalidArgumentError, MemprofError, is_interrupt
@@ -31,16 +33,25 @@ T = TypeVar("T")
 #: Set in a process this module forked: a part that would fork again runs in it instead.
 _IN_CHILD = False
 
+#: A warning a forked process issued: its category, its text, and where (file and line).
+Warned = tuple[type[Warning], str, str, int]
+
 
 def processes_for(processes: "int | None", parts: int) -> int:
-    """How many processes run ``parts`` independent parts: ``processes`` (at least 1) or, for None, one per core
-    this process may run on; never more than the parts, and 1 off Linux or inside a forked part."""
+    """How many processes run ``parts`` independent parts: ``processes`` (at least 1) or, for None, one per part,
+    at most twice the cores this process may run on; never more than the parts, and 1 off Linux or inside a forked
+    part. One per part, not per core: the parts are whole searches of unequal cost (a plan's group of FSDP2 rows
+    with its policy simulates 3 to 4 times slower than a group of ZeRO rows), and dealt to one process per core
+    the cores wait on the process dealt the costlier pair (the 20-row Llama-3-8B plan's three groups, 24, 24 and
+    21 s of CPU, took 48 s on two cores so); with a process each the system keeps every core busy to the end.
+    Twice the cores at most keeps the copies of the model's simulation state in memory bounded."""
     if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
-        raise InvalidArgumentError(f"processes must be a positive int (or None: one per core), got {processes!r}")
+        raise InvalidArgumentError(f"processes must be a positive int (or None: one per part, at most twice the "
+                                   f"cores), got {processes!r}")
     if _IN_CHILD or not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
         return 1  # macOS offers fork, but a forked child of a process that loaded its system frameworks can crash
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(parts, processes if processes is not None else cores))
+    return max(1, min(parts, processes if processes is not None else 2 * cores))
 
 
 def forked(calls: "Sequence[Callable[[], T]]", n: int, what: str) -> "list[T]":
@@ -65,11 +76,27 @@ def forked(calls: "Sequence[Callable[[], T]]", n: int, what: str) -> "list[T]":
             found.update(zip(share, cast("list[T]", _received(receive, running, what))))
         return [found[i] for i in range(len(calls))]
     finally:
-        for running, receive in started:
-            if running.is_alive():
-                running.terminate()
+        _ended(started)
+
+
+def _ended(started: "list[tuple[multiprocessing.process.BaseProcess, Connection]]") -> None:
+    """Every process of ``started`` ended and reaped, its pipe closed. One still running (an exception or an
+    interrupt here) is asked to end (SIGTERM), then killed after :data:`_GRACE` seconds: a simulation holds signals
+    until the op under way returns (:mod:`memprof.simulate.held_signals`), which for a deep model's backward takes
+    minutes, and the caller's Ctrl-C must not wait on it."""
+    for running, _receive in started:
+        if running.is_alive():
+            running.terminate()
+    for running, receive in started:
+        running.join(_GRACE)
+        if running.is_alive():
+            running.kill()
             running.join()
-            receive.close()
+        receive.close()
+
+
+#: Seconds a process asked to end (SIGTERM) has before it is killed.
+_GRACE = 2.0
 
 
 def _work(calls: "Sequence[Callable[[], object]]", send: "Connection") -> None:
@@ -79,30 +106,63 @@ def _work(calls: "Sequence[Callable[[], object]]", send: "Connection") -> None:
     global _IN_CHILD
     _IN_CHILD = True
     torch.set_num_threads(1)
+    with warnings.catch_warnings(record=True) as caught:  # the filters stay the parent's: they decide what is caught
+        try:
+            message: tuple[str, object] = ("results", [call() for call in calls])
+        except BaseException as exc:  # sent to the parent, which raises it: nothing is swallowed
+            message = ("raised", exc)
+    warned = [(_picklable(w.category), str(w.message), w.filename, w.lineno) for w in caught]
     try:
-        message: tuple[str, object] = ("results", [call() for call in calls])
-    except BaseException as exc:  # sent to the parent, which raises it: nothing is swallowed
-        message = ("raised", exc)
-    try:
-        send.send(message)
+        send.send((*message, warned))
     except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an exception that does not pickle
         if is_interrupt(exc):
             raise
-        send.send(("raised", MemprofError(f"a simulation failed in a process of its own: {message[1]!r}")))
+        send.send(("raised", MemprofError(f"a simulation failed in a process of its own: {message[1]!r}"), warned))
     finally:
         send.close()
+
+
+def _picklable(category: type[Warning]) -> type[Warning]:
+    """``category``, or the nearest of its bases that pickles (a class made inside a function does not)."""
+    for cls in category.__mro__:
+        if issubclass(cls, Warning):
+            try:
+                pickle.dumps(cls)
+                return cls
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                if is_interrupt(exc):
+                    raise
+    return UserWarning
+
+
+def _warn_here(warned: "list[Warned]") -> None:
+    """Issue here what a forked process issued, each where it was issued: with the registry of the module that
+    holds that file, as Python's own ``warn`` would, so a warning the filters show once is shown once."""
+    files = {getattr(m, "__file__", None): m for m in list(sys.modules.values())} if warned else {}
+    for category, text, filename, lineno in warned:
+        module = files.get(filename)
+        registry: "dict[str | tuple[str, type[Warning], int], int]" = (
+            vars(module).setdefault("__warningregistry__", {}) if module is not None
+            else _REGISTRIES.setdefault(filename, {}))
+        warnings.warn_explicit(text, category, filename, lineno,
+                               module=module.__name__ if module is not None else None, registry=registry)
+
+
+#: Where a warning was issued from a file no module holds: the registry that shows it once.
+_REGISTRIES: "dict[str, dict[str | tuple[str, type[Warning], int], int]]" = {}
 
 
 def _received(receive: "Connection", worker: multiprocessing.process.BaseProcess, what: str) -> list[object]:
     """What ``worker`` sent: its results; an exception it raised is raised here."""
     try:
-        kind, value = receive.recv()
+        kind, value, warned = receive.recv()
     except EOFError as exc:
         if is_interrupt(exc):
             raise
         worker.join()
         raise MemprofError(f"a process simulating {what} ended without an answer (exit code {worker.exitcode}); "
                            "pass processes=1 (--processes 1) to simulate them all in this process") from None
+    _warn_here(warned)
     if kind == "raised":
         assert isinstance(value, BaseException)
         raise value

@@ -91,8 +91,8 @@ def plan_grid(trained: Trained, *, gpu: "str | GpuSpec | None", layouts: Sequenc
     """The grid of ``layouts`` x ``precisions`` x ``checkpointing`` of what ``trained`` says: each row the largest
     batch judged at the device level against ``gpu``'s capacity, found and confirmed by simulation.
 
-    ``processes``: how many processes search the rows (:mod:`.plan_processes`); None, one per core this process
-    may run on, at most one per group of rows that share no simulation; 1 searches every row here."""
+    ``processes``: how many processes search the rows (:mod:`.plan_processes`); None, one per group of rows that
+    share no simulation, at most twice the cores this process may run on; 1 searches every row here."""
     from .device_memory import check_target
     from .progress import Progress
 
@@ -315,7 +315,7 @@ def plan_hf(config: "ConfigSource", *, seq_len: int, gpu: "str | GpuSpec | None"
     :func:`~memprof.simulate.layouts.choose_layouts`), e.g. ``"fsdp,tp8,fsdp4-tp2,pp2-fsdp4"``. ``loop`` is the
     training loop simulated (:mod:`memprof.simulate.loops`): the HF Trainer's step by default, ``"plain"`` for
     memprof's own; a pipeline layout's rows run torch's schedule instead. ``processes``: as :func:`plan_grid`
-    takes it (the rows' groups in forked processes, one per core by default)."""
+    takes it (the rows' groups in forked processes, one each by default, at most twice the cores)."""
     from . import hf
     from .loops import transformers_version_note
     from .layouts import choose_layouts

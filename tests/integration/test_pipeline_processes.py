@@ -5,6 +5,8 @@ of the model's cuts learnt here too."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,3 +74,27 @@ def test_what_a_forked_simulation_learnt_of_the_cuts_is_learnt_here():
     got = stages.in_processes(one, model, [0, 1], processes=2)
     assert [e.trace.distributed.rank for e in got] == [0, 1]
     assert {("run", 0), ("run", 1)} <= stages._not_cut(model)
+
+
+class Warning_(Stage):
+    def forward(self, x):
+        # Every forward of every class, cut and step; issued from this line (stacklevel 1), which the test reads.
+        warnings.warn("a stage's forward warns", UserWarning, stacklevel=1)
+        return super().forward(x)
+
+
+def test_a_warning_the_forked_simulations_issue_reaches_the_callers_filters_once():
+    # Each forked process issued its warnings to its own stderr, past the caller's filters and catch_warnings, and
+    # each in its own copy of the registry: the FSDP2 warning of a view returned by a sharded module was printed
+    # once per rank class. They are issued here again, at the place each was issued, with that module's registry.
+    def caught(processes):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("default")
+            simulated(Warning_, processes=processes)
+        return [w for w in got if "warns" in str(w.message)]
+
+    forked = caught(2)
+    assert [(str(w.message), w.filename) for w in forked] == [("a stage's forward warns", __file__)]
+    # One process shows it as often or more: the simulation's own use of the filters (a catch_warnings around a
+    # step) starts the default filter's count again.
+    assert len(caught(1)) >= 1

@@ -4,6 +4,7 @@ the rows back in the grid's order, and what a process raised raised here as it w
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -62,3 +63,42 @@ def test_the_number_of_processes():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(InvalidArgumentError, match="processes must be a positive int"):
             processes_for(bad, 2)
+
+
+def test_by_default_a_process_per_part_at_most_twice_the_cores(monkeypatch):
+    from memprof.simulate import forked
+
+    rule = getattr(forked.processes_for, "__wrapped__", forked.processes_for)  # the suite's workers fork none
+    if not sys.platform.startswith("linux"):
+        assert rule(None, 3) == 1
+        return
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # two cores
+    # Parts of unequal cost (a plan's groups) each in a process of their own: the system balances the cores.
+    assert [rule(None, parts) for parts in (1, 2, 3, 4, 5, 9)] == [1, 2, 3, 4, 4, 4]
+    assert rule(3, 5) == 3  # as asked, never more than the parts
+    monkeypatch.setattr(forked, "_IN_CHILD", True)  # a forked part forks no further
+    assert rule(None, 4) == 1 and rule(3, 4) == 1
+
+
+def test_a_process_still_running_when_another_raised_is_ended_even_if_it_holds_sigterm():
+    # A simulation holds signals until the op under way returns (memprof.simulate.held_signals): a deep model's
+    # backward can keep a forked process deaf to SIGTERM for minutes. When another part raised (or the caller was
+    # interrupted), the caller must not wait on it: it is killed after a grace period.
+    import signal
+    import time
+
+    from memprof.simulate import forked
+
+    def deaf():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(120)
+        return "never"
+
+    def failing():
+        time.sleep(0.5)  # the other process is deaf by now
+        raise ValueError("the first part failed")
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="the first part failed"):
+        forked.forked([failing, deaf], 2, "two parts")
+    assert time.monotonic() - start < 30  # the grace period (2 s), not the deaf part's 120 s
