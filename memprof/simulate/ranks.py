@@ -29,16 +29,15 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from fractions import Fraction
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from torch import nn
 
-from ..vocabulary import Category, Phase
+from ..vocabulary import Category
 from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
 from ..record.layout import MeshLayout, ParamGroup
-from ..record.parts import MAX_WORLD, Breakdown, RankInfo, StepRecord
-from ..record.stats import PhaseStats, Stat, series_from
+from ..record.parts import MAX_WORLD, RankInfo
 from ..anatomy.zero import STAGES
 from ..collect.module_table import tensors_in_args
 from ..collect.torch_compat import graph_task_id as _graph_task_id, queue_backward_callback
@@ -57,8 +56,6 @@ PARALLEL = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 #: The layouts ``parallel=`` also takes that run torch's own code on the fake process group, as a parallelize
 #: function of memprof's (``fsdp1``: memprof.simulate.fsdp1.fsdp1_parallelize).
 ON_FAKE_RANKS = ("fsdp1",)
-
-O, T = Category.OPTIMIZER_STATES, Category.TEMPORARIES
 
 
 def check_parallel(world_size: object, parallel: object, parallelize: bool = False) -> "tuple[int, str | None]":
@@ -147,44 +144,19 @@ class LayoutPlan:
     # -- after the run --------------------------------------------------------------------------
 
     def finish(self, trace: Trace) -> Trace:
-        """The optimizer steps' peaks on the rank's shards, the peak again, and the rank's record."""
+        """The rank's record of the replica's ``trace`` (:func:`memprof.simulate.rank_records.rank_records`), its
+        rank information, and its weights at rest."""
+        from .rank_records import rank_records
+
         share = self._state_share(trace.optimizer_implementation == "for-loop")
-        steps = []
-        best: "tuple[int, Breakdown, int, Phase] | None" = None
-        for step in trace.steps:
-            phases = []
-            for rec in step.phases:
-                if self.parallel in ("zero1", "zero2"):  # DeepSpeed's buckets: not estimated, not 0
-                    start, peak, end = (_without_communication(b) for b in (rec.start, rec.peak, rec.end))
-                    rec = dataclasses.replace(rec, start=start, peak=peak, end=end)
-                if rec.phase is Phase.OPTIMIZER and self.stage >= 1 and share is not None:
-                    v = {c: rec.peak[c] for c in Category}
-                    # The state made inside the step was the whole model's until the step's end resized it.
-                    if (states := v[O]) is not None and (states_end := rec.end[O]) is not None:
-                        v[O] = min(states, states_end)
-                    if (temporaries := v[T]) is not None:
-                        # The step's own temporaries are the rank's share; what was held when it began (the
-                        # loop's loss) is held whole.
-                        held = min(rec.start[T] or 0, temporaries)
-                        v[T] = held + int((temporaries - held) * share)
-                    rec = dataclasses.replace(rec, peak=Breakdown.from_mapping(v))
-                phases.append(rec)
-                total = rec.peak.total or 0
-                if best is None or total > best[0]:
-                    best = (total, rec.peak, step.index, rec.phase)
-            steps.append(dataclasses.replace(step, phases=tuple(phases)))
+        out = rank_records(trace, share if self.stage >= 1 else None, buckets=self.parallel in ("zero1", "zero2"))
         # Between steps the rank keeps its shards: what its reconciliation takes for the parameters at rest.
         facts = trace.facts
         if self.stage >= 3:
             facts = dataclasses.replace(facts, weight_bytes=sum(i.shard for i in self.by_id.values()),
                                         trainable_bytes=sum(i.shard for i in self.by_id.values()
                                                             if i.ref.requires_grad))
-        out = dataclasses.replace(trace, steps=tuple(steps), distributed=self.rank_info(), facts=facts,
-                                  phase_stats=_rank_stats(trace.phase_stats, steps,
-                                                          self.parallel in ("zero1", "zero2")))
-        if best is not None:
-            out = dataclasses.replace(out, peak=best[1], peak_step=best[2], peak_phase=best[3])
-        return out
+        return dataclasses.replace(out, distributed=self.rank_info(), facts=facts)
 
     def _state_share(self, one_at_a_time: bool) -> "Fraction | None":
         """The rank's part of the optimizer step's temporaries. A for-each step's are all the parameters' at once:
@@ -518,34 +490,6 @@ class _StateShards:
     def _state_numel(self, state: "Mapping[torch.Tensor, dict[str, object]]", key: str, dtype: torch.dtype) -> int:
         return sum(t.numel() for info in self.layout.by_id.values() for k, t in (state.get(info.ref) or {}).items()
                    if k == key and isinstance(t, torch.Tensor) and t.dtype == dtype)
-
-
-def _rank_stats(stats: Sequence[PhaseStats], steps: Sequence[StepRecord], buckets: bool) -> tuple[PhaseStats, ...]:
-    """The per-phase statistics of the rank's records (:meth:`LayoutPlan.finish` changed them): each phase's made
-    again from its records where the run kept every step's, and with ``buckets`` (ZeRO-1/2: DeepSpeed's buckets,
-    not estimated) communication not measured, as in the records."""
-    out = []
-    for st in stats:
-        if buckets:
-            st = dataclasses.replace(st, peak=_series_without_communication(st.peak),
-                                     end=_series_without_communication(st.end))
-        records = [rec for step in steps for rec in step.phases if (rec.phase, rec.occurrence) == (st.phase,
-                                                                                                    st.occurrence)]
-        if len(records) == st.count:
-            peak, end = series_from(st.peak, [r.peak for r in records]), series_from(st.end, [r.end for r in records])
-            if peak is not None and end is not None:
-                st = dataclasses.replace(st, peak=peak, end=end)
-        out.append(st)
-    return tuple(out)
-
-
-def _series_without_communication(series: "tuple[tuple[str, Stat | None], ...]"
-                                  ) -> "tuple[tuple[str, Stat | None], ...]":
-    return tuple((key, None if key == Category.COMMUNICATION.value else stat) for key, stat in series)
-
-
-def _without_communication(b: Breakdown) -> Breakdown:
-    return Breakdown.from_mapping({**{c: b[c] for c in Category}, Category.COMMUNICATION: None})
 
 
 def _flat_shares(members: "list[_Param]", n: int) -> "dict[_Param, int]":

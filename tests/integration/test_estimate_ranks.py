@@ -194,3 +194,23 @@ def test_units_are_the_outermost_repeated_blocks():
     est = memprof.estimate(flat, torch.optim.AdamW(flat.parameters()), inputs=torch.randint(0, 100, (2, 5)),
                            world_size=4, parallel="fsdp")
     assert any("3 block(s) (_Block)" in n for n in est.notes)
+
+
+@pytest.mark.parametrize("parallel", ["zero1", "zero2", "zero3", "fsdp"])
+def test_the_tags_at_a_ranks_peak_are_its_peak_records(parallel):
+    # The replica's peak is its first optimizer step (every state whole); LayoutPlan.finish puts the rank's peak
+    # where the rank's figures have it, a forward under autocast here, and kept the replica's tags: a ZeRO-2 rank's
+    # textbook line said no autocast cast of a weight was live at a peak that holds 3 MiB of them (found by a
+    # review, this GPT-NeoX on 3 ranks). The tags are the peak record's now, and the module at a peak that moved
+    # is not named.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTNeoXConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                     num_attention_heads=4, vocab_size=64, max_position_embeddings=64)
+    est = memprof.estimate_hf(cfg, seq_len=16, batch_size=2, precision="mixed", world_size=3, parallel=parallel,
+                              gpu="h100-80gb", extrapolate=False)
+    rec = next(r for r in est.trace.phases
+               if (r.step, r.phase, r.peak) == (est.trace.peak_step, est.trace.peak_phase, est.trace.peak))
+    assert dict(est.trace.peak_tags) == dict(rec.tags_peak)
+    casts = dict(rec.tags_peak).get("autocast_weight_copy", 0)
+    sentence = next(c.sentence for c in est.textbook.causes if c.name == "no persistent 16-bit copy")
+    assert ("of such casts are live" in sentence) == bool(casts)
