@@ -76,7 +76,11 @@ def phase_peaks(est: "Estimate", recorded: "RecordedStream", extension: "Extensi
         # The record's total (None where it is not known) moves by the tensors' bytes; the device's terms are the
         # replay's to fill on a CUDA target.
         before = rec.peak.tensor_bytes
-        moved[key] = (seq, Breakdown((*counts, *rec.peak.counts[_N:]),
+        # A category the record does not measure stays unmeasured (a ZeRO-1/2 rank's communication: the stream's
+        # 0 there is no measurement, and with it every tensor category measured the replay would add its device
+        # terms to a record that has none).
+        kept = tuple(None if had is None else v for v, had in zip(counts, rec.peak.counts[:_N]))
+        moved[key] = (seq, Breakdown((*kept, *rec.peak.counts[_N:]),
                                      None if rec.peak.total is None else rec.peak.total + total - before))
         notes.append(f"depth: at full depth step {rec.step} {rec.phase.value}'s peak is another moment than the "
                      f"cuts' (the extended stream's event {seq}: {total:,} B of tensors, where the cuts' moment "
