@@ -4,9 +4,9 @@ A plan's groups of rows (:mod:`memprof.simulate.plan_processes`) and a pipeline'
 (:func:`memprof.simulate.stages.simulate`) share nothing while they are simulated: each can run in a process of its
 own, with the answers one process gives, in the same order. The processes are forked from this one, which has
 built the model, so nothing is sent to them; what comes back is each part's result (records, which pickle) or the
-exception it raised, re-raised here as it was, and the warnings it issued, issued here (each at its own place in
-the code, with its module's registry: the caller's filters decide, and show a warning once, not once per process).
-Each runs torch on one thread, as torch's DataLoader workers do: GNU OpenMP, which torch's CPU kernels use, is not
+exception it raised, raised here from the traceback it had there, and the warnings it issued, issued here
+(:mod:`memprof.simulate.forked_answers`). The signal handlers the caller installed are not run in them. Each runs
+torch on one thread, as torch's DataLoader workers do: GNU OpenMP, which torch's CPU kernels use, is not
 safe to use in a child forked after the parent used it. Off Linux (no fork on Windows; on macOS a forked child of a
 process that loaded the system's frameworks can crash), where one process is asked for, or inside a process this
 module forked (its parts are already spread over the cores), every part runs here.
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
+import signal
 import sys
-import warnings
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar, cast
 
 from ..errors import InvalidArgumentError, MemprofError, is_interrupt
+from .forked_answers import answer, delivered
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -33,8 +34,6 @@ T = TypeVar("T")
 #: Set in a process this module forked: a part that would fork again runs in it instead.
 _IN_CHILD = False
 
-#: A warning a forked process issued: its category, its text, and where (file and line).
-Warned = tuple[type[Warning], str, str, int]
 
 
 def processes_for(processes: "int | None", parts: int) -> int:
@@ -72,8 +71,11 @@ def forked(calls: "Sequence[Callable[[], T]]", n: int, what: str) -> "list[T]":
             send.close()
             started.append((worker, receive))
         found: dict[int, T] = {}
-        for share, (running, receive) in zip(shares, started):
-            found.update(zip(share, cast("list[T]", _received(receive, running, what))))
+        waiting = {receive: (share, running) for share, (running, receive) in zip(shares, started)}
+        while waiting:  # each answer as it comes: a part that failed is raised at once, not after the others
+            for ready in wait(list(waiting)):
+                share, running = waiting.pop(cast("Connection", ready))
+                found.update(zip(share, cast("list[T]", _received(cast("Connection", ready), running, what))))
         return [found[i] for i in range(len(calls))]
     finally:
         _ended(started)
@@ -100,71 +102,41 @@ _GRACE = 2.0
 
 
 def _work(calls: "Sequence[Callable[[], object]]", send: "Connection") -> None:
-    """A forked process's part: its calls' results, or the exception one raised, sent back."""
+    """A forked process's part: its calls' answer (:func:`memprof.simulate.forked_answers.answer`), sent back."""
     import torch
 
     global _IN_CHILD
     _IN_CHILD = True
+    _own_signals()
     torch.set_num_threads(1)
-    with warnings.catch_warnings(record=True) as caught:  # the filters stay the parent's: they decide what is caught
-        try:
-            message: tuple[str, object] = ("results", [call() for call in calls])
-        except BaseException as exc:  # sent to the parent, which raises it: nothing is swallowed
-            message = ("raised", exc)
-    warned = [(_picklable(w.category), str(w.message), w.filename, w.lineno) for w in caught]
     try:
-        send.send((*message, warned))
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an exception that does not pickle
-        if is_interrupt(exc):
-            raise
-        send.send(("raised", MemprofError(f"a simulation failed in a process of its own: {message[1]!r}"), warned))
+        send.send(answer(calls))
     finally:
         send.close()
 
 
-def _picklable(category: type[Warning]) -> type[Warning]:
-    """``category``, or the nearest of its bases that pickles (a class made inside a function does not)."""
-    for cls in category.__mro__:
-        if issubclass(cls, Warning):
-            try:
-                pickle.dumps(cls)
-                return cls
-            except (pickle.PicklingError, TypeError, AttributeError) as exc:
-                if is_interrupt(exc):
-                    raise
-    return UserWarning
-
-
-def _warn_here(warned: "list[Warned]") -> None:
-    """Issue here what a forked process issued, each where it was issued: with the registry of the module that
-    holds that file, as Python's own ``warn`` would, so a warning the filters show once is shown once."""
-    files = {getattr(m, "__file__", None): m for m in list(sys.modules.values())} if warned else {}
-    for category, text, filename, lineno in warned:
-        module = files.get(filename)
-        registry: "dict[str | tuple[str, type[Warning], int], int]" = (
-            vars(module).setdefault("__warningregistry__", {}) if module is not None
-            else _REGISTRIES.setdefault(filename, {}))
-        warnings.warn_explicit(text, category, filename, lineno,
-                               module=module.__name__ if module is not None else None, registry=registry)
-
-
-#: Where a warning was issued from a file no module holds: the registry that shows it once.
-_REGISTRIES: "dict[str, dict[str | tuple[str, type[Warning], int], int]]" = {}
+def _own_signals() -> None:
+    """The signal handlers the caller installed are the caller's: a preemption handler that saves a checkpoint
+    must not run in a process the user does not know of, nor keep it from ending when it is asked to. Each is
+    Python's default again here (Ctrl-C raises KeyboardInterrupt, SIGTERM ends the process)."""
+    for s in signal.valid_signals():
+        try:
+            handler = signal.getsignal(s)
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+        except (OSError, ValueError, RuntimeError) as exc:  # a signal no handler may take
+            if is_interrupt(exc):
+                raise
 
 
 def _received(receive: "Connection", worker: multiprocessing.process.BaseProcess, what: str) -> list[object]:
     """What ``worker`` sent: its results; an exception it raised is raised here."""
     try:
-        kind, value, warned = receive.recv()
+        got = receive.recv()
     except EOFError as exc:
         if is_interrupt(exc):
             raise
         worker.join()
         raise MemprofError(f"a process simulating {what} ended without an answer (exit code {worker.exitcode}); "
                            "pass processes=1 (--processes 1) to simulate them all in this process") from None
-    _warn_here(warned)
-    if kind == "raised":
-        assert isinstance(value, BaseException)
-        raise value
-    assert isinstance(value, list)
-    return value
+    return delivered(got)

@@ -256,11 +256,11 @@ def test_every_containment_lets_a_handlers_exception_through():
     # Those that keep the exception for the profile's closing, which raises the user's interruptions
     # (closing.py and undo.py: errors.is_interrupt decides there), the one finaliser (below), and a forked process
     # (a plan's groups of rows, a pipeline's rank classes), which sends whatever its simulation raised to the
-    # parent, where it is raised (forked.py).
+    # parent, where it is raised (forked_answers.py).
     assert found == {"collect/undo.py": ["_run: except BaseException", "attempt: except BaseException"],
                      "collect/closing.py": ["close: except BaseException"],
                      "collect/dispatch.py": ["_leave_stack: except Exception"],
-                     "simulate/forked.py": ["_work: except BaseException"]}
+                     "simulate/forked_answers.py": ["answer: except BaseException"]}
 
 
 def _finalisers(tree: ast.AST) -> list[str]:

@@ -102,3 +102,67 @@ def test_a_process_still_running_when_another_raised_is_ended_even_if_it_holds_s
     with pytest.raises(ValueError, match="the first part failed"):
         forked.forked([failing, deaf], 2, "two parts")
     assert time.monotonic() - start < 30  # the grace period (2 s), not the deaf part's 120 s
+
+
+class TwoArgError(Exception):
+    """An exception whose ``__init__`` takes other arguments than its message: pickled, it cannot be made again."""
+
+    def __init__(self, stage, why):
+        super().__init__(f"stage {stage}: {why}")
+
+
+def _raise_chained():
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        raise RuntimeError("the part failed") from exc
+
+
+def _parts(failing):
+    return [lambda: "fine", failing]
+
+
+def test_an_exception_from_a_process_is_raised_from_its_traceback_there():
+    from memprof.simulate import forked
+    from memprof.simulate.forked_answers import ForkedTraceback
+
+    with pytest.raises(RuntimeError, match="the part failed") as got:
+        forked.forked(_parts(_raise_chained), 2, "two parts")
+    # Pickled, an exception keeps neither its traceback nor its causes: they come as its cause, as printed there.
+    cause = got.value.__cause__
+    assert isinstance(cause, ForkedTraceback)
+    assert "_raise_chained" in str(cause) and "KeyError: 'missing'" in str(cause)
+
+
+def test_an_exception_that_cannot_come_back_is_a_memprof_error_naming_it():
+    from memprof.simulate import forked
+
+    class Local(Exception):  # made inside a function: it does not pickle
+        pass
+
+    def local():
+        raise Local("made here")
+
+    def two_args():
+        raise TwoArgError(1, "no head")
+
+    for failing, name in ((local, "Local: made here"), (two_args, "TwoArgError: stage 1: no head")):
+        with pytest.raises(MemprofError, match=f"raised {name}, which cannot be sent back") as got:
+            forked.forked(_parts(failing), 2, "two parts")
+        assert "processes=1" in str(got.value) and failing.__name__ in str(got.value.__cause__)
+
+
+def test_the_callers_signal_handlers_do_not_run_in_the_processes():
+    # A preemption handler (save a checkpoint on SIGTERM) must not run in a process the user does not know of, nor
+    # keep it from ending when it is asked to.
+    import signal
+
+    from memprof.simulate import forked
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: print("saving a checkpoint"))
+    try:
+        got = forked.forked([lambda: (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))] * 2, 2,
+                            "two parts")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert got == [(signal.SIG_DFL, signal.default_int_handler)] * 2
