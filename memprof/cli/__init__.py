@@ -250,6 +250,10 @@ def _estimate_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
                      help="the rank to simulate (default 0; with a pipeline, every stage and the worst)")
     est.add_argument("--extrapolate", type=int, default=None, metavar="K",
                      help="simulate the repeated blocks cut to K, K+1, K+2 (per stage) and extend to the full depth")
+    est.add_argument("--processes", type=int, default=None, metavar="N",
+                     help="processes simulating a pipeline's rank classes (a factory's 'pipeline' key), each forked "
+                          "from this one (default: one per class, at most twice the cores; 1: all in this process); "
+                          "the figures are the same")
     est.add_argument("--budget", help="exit 1 if the estimated peak exceeds this size (e.g. '80 GiB'); with --gpu "
                      "the device-level peak is judged against it")
     est.add_argument("--gpu", help="the CUDA GPU the figures are for (e.g. h100-80gb): the device-level peak "

@@ -24,7 +24,8 @@ FLAG_ONLY = {
     "generate": "a [generation] section in place of [workload] says it",
     "html": "where a plan's page is written, not part of the run",
     "layouts": "the layouts a plan compares (a grid, not one run); [parallelism] parallel names one",
-    "processes": "how many processes search a plan's rows (the answers are the same), not what runs",
+    "processes": "how many processes search a plan's rows or simulate a pipeline's rank classes (the figures are the "
+                 "same), not what runs",
 }
 
 #: What ``memprof plan`` takes from a file: a training step of a transformers config, the batch size searched.

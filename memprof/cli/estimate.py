@@ -48,12 +48,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 #: A training step's options, refused with ``--generate``: a generation runs on one device, with no backward and no
 #: optimizer step.
 _TRAINING = ("--seq-len", "--checkpointing", "--optimizer", "--step-context", "--world-size", "--parallel",
-             "--parallelize", "--mesh", "--rank", "--extrapolate", "--train-step", "--loop")
+             "--parallelize", "--mesh", "--rank", "--extrapolate", "--train-step", "--loop", "--processes")
 
 
 def _given(args: argparse.Namespace, flag: str) -> bool:
     value = getattr(args, flag[2:].replace("-", "_"))
     return value is not None and value is not False and not (flag == "--world-size" and value == 1)
+
+
+#: Why ``--processes`` goes with a pipeline only.
+_PROCESSES = "--processes says how many processes simulate a pipeline's rank classes (a factory's 'pipeline' key)"
 
 
 def _refuse_misplaced(args: argparse.Namespace) -> None:
@@ -75,6 +79,9 @@ def _refuse_misplaced(args: argparse.Namespace) -> None:
     for flag in (f for f in ("--mesh", "--rank") if args.hf is not None and not args.parallelize and _given(args, f)):
         raise MemprofError(f"{flag} goes with --parallelize MODULE:FUNCTION (the device mesh your function runs "
                            "on, and its rank to simulate; the --parallel layouts are simulated for rank 0)")
+    if args.hf is not None and _given(args, "--processes"):
+        raise MemprofError(f"{_PROCESSES}; --hf simulates no pipeline (memprof plan --processes searches a plan's "
+                           "rows)")
     if args.loop is not None and args.train_step:
         raise MemprofError(f"--loop {args.loop} and --train-step each name the step to simulate: give one of them")
     if args.hf is not None and not args.generate and args.seq_len is None:
@@ -123,12 +130,14 @@ def _estimate_factory(args: argparse.Namespace, budget: "int | None") -> int:
                            "--parallelize MODULE:FUNCTION (or the factory's 'parallelize' key) with it")
     if world_size > 1 and parallel is None and parallelize is None and pipeline is None:
         check_parallel(world_size, None)  # says what is missing
+    if args.processes is not None and pipeline is None:
+        raise MemprofError(f"{_PROCESSES}; {args.factory} gives none")
     train_step = _train_step(args) or spec.get("train_step")
     # The factory's loss_fn is memprof's loop's (and a named loop's but the HF Trainer's, which computes its own).
     loop = None if train_step is not None else args.loop
     options = dict(targets=spec.get("targets"), world_size=world_size, train_step=train_step, loop=loop,
                    loss_fn=None if train_step is not None or loop == "hf-trainer" else spec.get("loss_fn"),
-                   parallel=parallel, parallelize=parallelize, mesh=mesh, pipeline=pipeline,
+                   parallel=parallel, parallelize=parallelize, mesh=mesh, pipeline=pipeline, processes=args.processes,
                    step_context=step_context or spec.get("step_context"),
                    routing=args.routing if args.routing is not None else spec.get("routing"))
     optimizer = spec.get("optimizer") or _optimizer(args.optimizer or "adamw")

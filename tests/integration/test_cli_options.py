@@ -58,6 +58,17 @@ MODULE = textwrap.dedent('''
         return {{"model": built.model, "inputs": hf.token_batch(built, batch_size, 8), "loss_fn": hf.hf_loss}}
 
 
+    def build_pipeline(batch_size):
+        # Two stages of the dense Llama over 2 ranks, 2 micro-batches: rank classes to simulate side by side.
+        from memprof import Pipeline
+        from memprof.simulate.hf_pipeline import causal_lm_loss, split
+
+        built = hf.build_model(hf.load_config({dense!r}))
+        ids = hf.token_batch(built, batch_size, 8)["input_ids"]
+        return {{"model": built.model, "inputs": ids, "targets": ids, "loss_fn": causal_lm_loss(built.model),
+                 "pipeline": Pipeline(split, schedule="1f1b", microbatches=2)}}
+
+
     def build_dense(batch_size):
         built = hf.build_model(hf.load_config({dense!r}))
         return {{"model": built.model, "inputs": hf.token_batch(built, batch_size, 8), "loss_fn": hf.hf_loss}}
@@ -143,6 +154,9 @@ VALUES = {
     ("plan", "parallel"): ["fsdp,zero3"],
     ("plan", "optimizer"): ["sgd"],
     ("plan", "processes"): ["2"],
+    # Forked or not, the figures are the same; the notes say which (the suite's workers fork none by default, a
+    # plain run does: one of the two values changes the notes either way).
+    ("estimate", "processes"): ["1", "2"],
 }
 
 #: What an option needs beside it, given to both runs: (form, dest), (command, dest) or dest -> arguments by dest.
@@ -166,6 +180,7 @@ COMPANIONS = {
     ("plan", "html"): {"json": None},  # the text says where the page went
     # Two groups of rows (two precisions), searched here, then by two processes: the text's notes say which.
     ("plan", "processes"): {"json": None, "precision": "bf16,fp32", "processes": "1"},
+    ("factory", "processes"): {"factory": "cli_walk_models:build_pipeline", "world_size": "2"},
 }
 
 #: Values that must be refused, naming the option (and, for a misspelled name, the accepted spellings).
@@ -184,11 +199,11 @@ INVALID = {
 }
 
 _TRAINING_ONLY = {"seq_len", "checkpointing", "optimizer", "step_context", "parallel", "world_size", "parallelize",
-                  "mesh", "rank", "extrapolate", "train_step", "loop"}
+                  "mesh", "rank", "extrapolate", "train_step", "loop", "processes"}
 #: Options a form refuses, whatever their value: they do not apply to it.
 REFUSED = {
     "factory": {"hf", "seq_len", "checkpointing", "prompt_len", "new_tokens"},
-    "hf": {"factory", "prompt_len", "new_tokens"},
+    "hf": {"factory", "prompt_len", "new_tokens", "processes"},
     "factory-generate": {"hf"} | _TRAINING_ONLY,
     "hf-generate": {"factory"} | _TRAINING_ONLY,
     "plan": set(),
