@@ -70,7 +70,8 @@ def estimate(model: nn.Module, optimizer: OptimizerArg = None, **options: Unpack
     (:mod:`memprof.simulate.depth`); by default (None) a stack of 16 blocks or more per stage is simulated so
     with ``k`` 2, to the same figures as the whole model's, or whole where the checks say no; ``False`` simulates
     the whole model (its per-module tables then hold every block). ``processes``: how many processes, forked
-    from this one, simulate a pipeline's rank classes (None: one each, at most twice the cores; 1: all here).
+    from this one, simulate a pipeline's rank classes without ``rank=`` (None: one each, at most twice the cores;
+    1: all here; else unused).
     ``step_context`` is a function returning the context manager your training loop enters around forward, loss
     and backward (``loss_parallel``, ``context_parallel(...)``, a profiler range): it is entered afresh at each
     simulated step, the optimizer step outside it; under ``pipeline=`` around each step of torch's schedule, as

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from .parallel import ParallelRun
     from .pipeline import PipelineStep
 
-__all__ = ["simulate", "target_twin", "profiled_steps", "replayed", "Prepared"]
+__all__ = ["simulate", "in_processes", "target_twin", "profiled_steps", "replayed", "Prepared"]
 
 
 @dataclass
