@@ -242,7 +242,7 @@ def _stream_note(cuda: bool, k: int, units: int) -> str:
 def _tensors_total(b: Breakdown) -> Breakdown:
     """``b`` with the total of its measured tensor categories as its total: what the per-phase statistics' total
     series counts, as the ledger keeps it (a phase record's total also holds the device-level figures the replay
-    added). A category not measured (a ZeRO-1/2 or DDP rank's communication: its buckets are not estimated) is not
+    added). A category not measured (a ZeRO-1/2 rank's communication: DeepSpeed's buckets are not estimated) is not
     in it, as :meth:`Breakdown.from_mapping` sums; None where no tensor category is measured."""
     measured = [v for v in b.counts[:len(TENSOR_CATEGORIES)] if v is not None]
     return Breakdown(b.counts, sum(measured) if measured else None)

@@ -35,7 +35,6 @@ T = TypeVar("T")
 _IN_CHILD = False
 
 
-
 def processes_for(processes: "int | None", parts: int) -> int:
     """How many processes run ``parts`` independent parts: ``processes`` (at least 1) or, for None, one per part,
     at most twice the cores this process may run on; never more than the parts, and 1 off Linux or inside a forked
@@ -110,7 +109,7 @@ def _work(calls: "Sequence[Callable[[], object]]", send: "Connection") -> None:
     _own_signals()
     torch.set_num_threads(1)
     try:
-        send.send(answer(calls))
+        send.send_bytes(answer(calls))
     finally:
         send.close()
 
@@ -132,7 +131,7 @@ def _own_signals() -> None:
 def _received(receive: "Connection", worker: multiprocessing.process.BaseProcess, what: str) -> list[object]:
     """What ``worker`` sent: its results; an exception it raised is raised here."""
     try:
-        got = receive.recv()
+        got = receive.recv_bytes()
     except EOFError as exc:
         if is_interrupt(exc):
             raise

@@ -24,8 +24,8 @@ __all__ = ["ForkedTraceback", "Answer", "answer", "delivered"]
 
 #: A warning a forked process issued: its category, its text, and where (file and line).
 Warned = tuple[type[Warning], str, str, int]
-#: What a forked process sends: "results" and the list, or "raised", the exception and its traceback there; and
-#: the warnings it issued.
+#: What a forked process sends, pickled: "results" and the list, or "raised", the exception and its traceback there;
+#: and the warnings it issued.
 Answer = tuple[str, object, "str | None", list[Warned]]
 
 _FIX = "pass processes=1 (--processes 1) to run every part in this process"
@@ -39,9 +39,10 @@ class ForkedTraceback(Exception):
         return "\n\n" + str(self.args[0]) if self.args else ""
 
 
-def answer(calls: "Sequence[Callable[[], object]]") -> Answer:
+def answer(calls: "Sequence[Callable[[], object]]") -> bytes:
     """In a forked process: the results of ``calls``, or the exception one raised and its traceback, and the
-    warnings they issued; each part checked to come back (pickled and unpickled), else an error saying so."""
+    warnings they issued, pickled (once: an estimate's records are hundreds of kilobytes) and checked to unpickle,
+    else an error saying what could not come back."""
     with warnings.catch_warnings(record=True) as caught:  # the filters stay the parent's: they decide what is caught
         value: object
         tb: "str | None"
@@ -51,21 +52,25 @@ def answer(calls: "Sequence[Callable[[], object]]") -> Answer:
             kind, value, tb = "raised", exc, "".join(traceback.format_exception(exc))
     warned = [(_picklable(w.category), str(w.message), w.filename, w.lineno) for w in caught]
     try:
-        pickle.loads(pickle.dumps(value))  # what cannot make the way back is said here, not failed on there
+        packed = pickle.dumps((kind, value, tb, warned))
+        pickle.loads(packed)  # what cannot make the way back is said here, not failed on there
+        return packed
     except Exception as failure:
         if is_interrupt(failure):
             raise
         why = f"{type(failure).__name__}: {failure}"
-        if kind == "results":
-            return "raised", MemprofError(f"the results of a part run in a process of its own could not be sent "
-                                          f"back ({why}); {_FIX}"), None, warned
-        return "raised", MemprofError(f"a part run in a process of its own raised {type(value).__name__}: {value}, "
-                                      f"which cannot be sent back to be raised as it is ({why}); {_FIX}"), tb, warned
-    return kind, value, tb, warned
+    if kind == "results":
+        error = MemprofError(f"the results of a part run in a process of its own could not be sent back ({why}); "
+                             f"{_FIX}")
+        return pickle.dumps(("raised", error, None, warned))
+    error = MemprofError(f"a part run in a process of its own raised {type(value).__name__}: {value}, which cannot "
+                         f"be sent back to be raised as it is ({why}); {_FIX}")
+    return pickle.dumps(("raised", error, tb, warned))
 
 
-def delivered(got: Answer) -> list[object]:
+def delivered(packed: bytes) -> list[object]:
     """In the caller: the warnings issued again, then the results, or the exception raised from its traceback."""
+    got: Answer = pickle.loads(packed)
     kind, value, tb, warned = got
     _warn_here(warned)
     if kind == "raised":

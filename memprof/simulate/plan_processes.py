@@ -9,6 +9,7 @@ the same simulations, the same answers, in the same order.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import forked as _forked
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from ..record.plans import PlanRow
     from .layouts import Layout
 
-__all__ = ["searched", "groups_of", "processes_for"]
+__all__ = ["searched", "groups_of"]
 
 Config = tuple[bool, str, "Layout"]
 Search = Callable[[Sequence[Config]], "list[PlanRow]"]
@@ -32,24 +33,15 @@ def groups_of(configs: Sequence[Config]) -> list[list[int]]:
     return list(groups.values())
 
 
-def processes_for(processes: "int | None", groups: int) -> int:
-    """How many processes search ``groups`` groups (:func:`memprof.simulate.forked.processes_for`)."""
-    return _forked.processes_for(processes, groups)
-
-
 def searched(configs: Sequence[Config], search: Search, processes: "int | None") -> "tuple[list[PlanRow], int]":
     """The rows ``search`` gives for ``configs``, in their order, and how many processes searched them: in one call
     here, or each group of :func:`groups_of` by a forked process, ``processes`` of them at most
-    (:func:`processes_for`), the groups dealt out in turn."""
+    (:func:`memprof.simulate.forked.processes_for`), the groups dealt out in turn."""
     groups = groups_of(configs)
-    n = processes_for(processes, len(groups))
+    n = _forked.processes_for(processes, len(groups))
     if n <= 1:
         return search(configs), 1
     shares = [[i for g in groups[w::n] for i in g] for w in range(n)]
-    parts = _forked.forked([_part(search, [configs[i] for i in share]) for share in shares], n, "a plan's rows")
+    parts = _forked.forked([partial(search, [configs[i] for i in share]) for share in shares], n, "a plan's rows")
     found = {i: row for share, rows in zip(shares, parts) for i, row in zip(share, rows)}
     return [found[i] for i in range(len(configs))], n
-
-
-def _part(search: Search, configs: "list[Config]") -> "Callable[[], list[PlanRow]]":
-    return lambda: search(configs)

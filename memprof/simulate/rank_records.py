@@ -31,7 +31,7 @@ def rank_records(trace: "Trace", share: "Fraction | None", buckets: bool) -> "Tr
     layout shards no state), communication not measured with ``buckets``, the run's peak again (its record's
     tags; no module where it moved to another phase) and the per-phase statistics of the records."""
     steps = []
-    best: "tuple[int, PhaseRecord, int] | None" = None
+    best: "PhaseRecord | None" = None
     for step in trace.steps:
         phases = []
         for rec in step.phases:
@@ -41,20 +41,18 @@ def rank_records(trace: "Trace", share: "Fraction | None", buckets: bool) -> "Tr
             if rec.phase is Phase.OPTIMIZER and share is not None:
                 rec = dataclasses.replace(rec, peak=_step_peak(rec, share))
             phases.append(rec)
-            total = rec.peak.total or 0
-            if best is None or total > best[0]:
-                best = (total, rec, step.index)
+            if best is None or (rec.peak.total or 0) > (best.peak.total or 0):
+                best = rec
         steps.append(dataclasses.replace(step, phases=tuple(phases)))
     out = dataclasses.replace(trace, steps=tuple(steps), phase_stats=_rank_stats(trace.phase_stats, steps, buckets))
     if best is None:
         return out
-    _total, rec, index = best
     # The tags live at the run's peak are its record's: the replica's were another moment's where the rank's peak
     # is another phase's (the replica's optimizer step holds every state whole), and said no autocast cast was live
     # at a ZeRO-2 rank's forward peak that holds 3 MiB of them. The module at such a peak is not known.
-    moved = (index, rec.phase) != (trace.peak_step, trace.peak_phase)
-    return dataclasses.replace(out, peak=rec.peak, peak_step=index, peak_phase=rec.phase, peak_tags=rec.tags_peak,
-                               peak_module=None if moved else out.peak_module)
+    moved = (best.step, best.phase) != (trace.peak_step, trace.peak_phase)
+    return dataclasses.replace(out, peak=best.peak, peak_step=best.step, peak_phase=best.phase,
+                               peak_tags=best.tags_peak, peak_module=None if moved else out.peak_module)
 
 
 def _step_peak(rec: "PhaseRecord", share: "Fraction") -> Breakdown:

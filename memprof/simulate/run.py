@@ -239,7 +239,8 @@ class RunConfig(Generic[W]):
     parallelism: Parallelism = field(default_factory=Parallelism)
     depth: Depth = field(default_factory=Depth)
     #: How many processes a pipeline's rank classes are simulated in (:mod:`memprof.simulate.forked`): None, one per
-    #: core; 1, all in this one. It says how memprof works, not what runs: the figures are the same.
+    #: class, at most twice the cores; 1, all in this one. It says how memprof works, not what runs: the figures
+    #: are the same.
     processes: "int | None" = None
 
     def __post_init__(self) -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from memprof.errors import InvalidArgumentError, MemprofError, UnknownNameError
 from memprof.simulate.layouts import Layout
-from memprof.simulate.plan_processes import groups_of, processes_for, searched
+from memprof.simulate.forked import processes_for
+from memprof.simulate.plan_processes import groups_of, searched
 
 DDP, FSDP = Layout("ddp", family="data-parallel"), Layout("fsdp", family="data-parallel")
 TP = Layout("tp2")  # a family of its own
