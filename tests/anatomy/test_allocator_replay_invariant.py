@@ -10,7 +10,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memprof.anatomy.alloc_audit import AuditedAllocator, audit
@@ -30,6 +30,13 @@ WORKSPACES = [32 * MiB, 4 * MiB]
 def _rounded(n: int) -> int:
     """torch's round_size for the configs above (no roundup_power2_divisions): 512-byte steps, at least 512."""
     return 0 if n == 0 else max(512, -(-n // 512) * 512)
+
+
+def _unsplit_bound(conf: AllocatorConfig, blocks: list[int]) -> int:
+    """What torch may leave unsplit in the large pool's blocks of these (rounded) sizes: under 1 MiB in a block
+    split at kSmallSize, up to max_non_split_rounding (at least a new segment's 2 MiB) in an oversize one."""
+    oversize = max(conf.max_non_split_rounding, 2 * MiB)
+    return sum(oversize if n >= conf.split_limit else MiB for n in blocks if n > MiB)
 
 
 sizes = st.one_of(st.integers(0, 4096), st.integers(4097, 2 * MiB), st.integers(2 * MiB, 96 * MiB),
@@ -55,6 +62,9 @@ def _stream(ops_: list) -> list[tuple[int, int, int]]:
 
 
 @settings(max_examples=80, deadline=None)
+# Three oversize blocks on new segments: each keeps up to 2 MiB of its segment's rounding unsplit (6 MiB in all).
+@example(config="max_split_size_mb:64", capacity=None, first=0,
+         ops_=[("make", 0, 3_084_910_593), ("make", 1, 3_084_910_593), ("make", 2, 75_497_473)])
 @given(config=st.sampled_from(CONFIGS), ops_=ops, capacity=st.sampled_from([None, 8 * GiB, 20 * GiB]),
        first=st.integers(0, 10))
 def test_allocated_is_the_live_storages_rounded_plus_workspaces_and_what_torch_leaves_unsplit(config, ops_, capacity,
@@ -92,9 +102,11 @@ def test_allocated_is_the_live_storages_rounded_plus_workspaces_and_what_torch_l
         allocated, reserved = at[seq]
         expected = sum(live.values()) + (sum(WORKSPACES) if first <= seq or first == 0 else 0)
         unsplit = allocated - expected
-        # At most 1 MiB per live block in the large pool (torch splits a rest above kSmallSize), nothing elsewhere.
-        large = sum(1 for v in live.values() if v > MiB) + len(WORKSPACES)
-        assert 0 <= unsplit <= (0 if conf.expandable_segments else large * MiB)
+        # At most 1 MiB per live block in the large pool (torch splits a rest above kSmallSize), nothing elsewhere;
+        # a block of max_split_size or more is never split (CUDACachingAllocator.cpp's shouldSplit): a new
+        # segment's 2 MiB rounding, or a cached block up to max_non_split_rounding larger (get_free_block).
+        bound = _unsplit_bound(conf, [*live.values(), *WORKSPACES])
+        assert 0 <= unsplit <= (0 if conf.expandable_segments else bound)
         assert allocated <= reserved
         if cap is not None:
             assert reserved <= cap  # torch's allowed_memory_maximum, checked before every new segment
