@@ -18,6 +18,18 @@ is kept only where new tensors made from it are what the kernel made: each outpu
 (none shared with an input or another output), at offset 0, whose storage has the bytes ``empty_strided`` gives;
 an in-place op's output the very ``self`` it was given, unchanged. Everything above the mode (memprof's ledger, the
 rules, autograd) sees what the kernel would have returned: fresh storages of the same bytes.
+
+A simulation for a CPU target, or of a ``parallelize=`` function, runs on fake CPU tensors instead
+(``torch._subclasses.fake_tensor``), whose mode runs the same meta kernels and keeps their answers itself, but asks
+its cache by a key that describes every tensor argument in full (``FakeTensorMode._cache_key``: about 85 us a call
+answered, seven times this mode's). Given that fake mode, this mode sits just above it and answers the same
+questions for its fake tensors (each described with its device as well; one holding a constant value, or another
+mode's, is not described), with new fake tensors of the device and metadata the fake mode gave, on meta storages
+of the same bytes. Only aten's and prims' ops are answered there: another namespace's op may act on the side (a
+collective), which the fake mode's own cache does not answer either. A view is answered there too (``view``, ``t``,
+``detach``: half of a step's fake calls): a new fake tensor on the storage of the argument the schema says it
+views, at the sizes, strides and offset the kernel gave it, where the kernel's output was such a view (on meta
+tensors a view's own kernel costs what answering it would).
 """
 
 from __future__ import annotations
@@ -25,64 +37,117 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..collect.torch_compat import UnwrappedMode
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .aliases import OpValue
 
 __all__ = ["MetaKernelCache"]
 
-#: An output's metadata as the kernel gave it: sizes, strides, dtype.
-_Made = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
-#: A kept answer: the outputs' metadata and whether they came as a tuple; or _SELF (an in-place op's self).
-_Answer: TypeAlias = "tuple[tuple[_Made, ...], bool] | str"
+#: An output's metadata as the kernel gave it: sizes, strides, dtype, and a fake tensor's device (None: meta).
+_Made = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, "torch.device | None"]
+
+
+class _ViewOf:
+    """A kept answer of a view op on fake tensors: a view of argument ``index``'s storage of this metadata."""
+
+    __slots__ = ("index", "size", "stride", "offset", "dtype", "device")
+
+    def __init__(self, index: int, view: torch.Tensor) -> None:
+        self.index, self.size, self.stride, self.offset = index, tuple(view.shape), view.stride(), view.storage_offset()
+        self.dtype, self.device = view.dtype, view.device
+
+
+#: A kept answer: the outputs' metadata and whether they came as a tuple; a view's; or _SELF (an in-place op's self).
+_Answer: TypeAlias = "tuple[tuple[_Made, ...], bool] | _ViewOf | str"
 
 _FRESH, _INPLACE, _NEVER = "fresh", "in-place", "never"
 _SELF = "self"
 _UNKEPT = "unkept"  # a key whose answer new tensors cannot reproduce: its kernel runs every time
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _REFUSED_TAGS = ("dynamic_output_shape", "data_dependent_output", "inplace_view", "nondeterministic_bitwise")
+#: The namespaces whose ops are answered on fake tensors (the fake mode's own cache answers no other either).
+_FAKE_NAMESPACES = ("aten", "prims")
 #: The answers kept in this process, shared by every simulation (a key holds no tensor, only metadata). Bounded:
 #: a run that asks more distinct questions starts it again.
 _LIMIT = 1 << 16
 _ANSWERS: "dict[tuple[object, ...], _Answer]" = {}
+#: As _ANSWERS, for fake tensors (apart: a call whose tensor arguments are all None has one key in both).
+_FAKE_ANSWERS: "dict[tuple[object, ...], _Answer]" = {}
 _KINDS: "dict[OpOverload, str]" = {}
+#: As _KINDS for fake tensors, where a view of argument i is answered too (i); another namespace's op never.
+_FAKE_KINDS: "dict[OpOverload, str | int]" = {}
 
 
 class MetaKernelCache(UnwrappedMode):
-    """Beneath every other mode of a simulation on meta tensors: each op the module docstring names, asked
-    again with the same metadata, is answered with new tensors of the metadata its kernel gave."""
+    """Beneath every other mode of a simulation on meta tensors, or just above ``fake_mode`` in one on its fake
+    tensors: each op the module docstring names, asked again with the same metadata, is answered with new tensors
+    of the metadata its kernel gave."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake_mode: "FakeTensorMode | None" = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
+        self.fake_mode = fake_mode
 
     def __torch_dispatch__(self, func: "OpOverload", types: object, args: "tuple[OpValue, ...]" = (),
                            kwargs: "dict[str, OpValue] | None" = None) -> "OpValue":
         kwargs = kwargs or {}
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = _KINDS[func] = _kind(func)
+        mode = self.fake_mode
+        kind: "str | int | None"
+        if mode is None:
+            kind = _KINDS.get(func)
+            if kind is None:
+                kind = _KINDS[func] = _kind(func)
+        else:
+            kind = _FAKE_KINDS.get(func)
+            if kind is None:
+                kind = _FAKE_KINDS[func] = _fake_kind(func)
         if kind is _NEVER:
             return func(*args, **kwargs)
-        key = _key(func, args, kwargs)
+        key = _key(func, args, kwargs, mode)
         if key is None:
             return func(*args, **kwargs)
-        answer = _ANSWERS.get(key)
+        answers = _ANSWERS if mode is None else _FAKE_ANSWERS
+        answer = answers.get(key)
         if answer is _SELF:
             return args[0]
+        if type(answer) is _ViewOf:
+            assert mode is not None  # views are answered on fake tensors only
+            return FakeTensor(mode, _meta_view(answer, args[answer.index]), answer.device)
         if isinstance(answer, tuple):
             made, many = answer
-            outs = [torch.empty_strided(size, stride, dtype=dtype, device="meta") for size, stride, dtype in made]
+            if mode is None:
+                outs = [torch.empty_strided(size, stride, dtype=dtype, device="meta")
+                        for size, stride, dtype, _ in made]
+            else:
+                outs = [FakeTensor(mode, _meta_empty(size, stride, dtype), device)
+                        for size, stride, dtype, device in made]
             return tuple(outs) if many else outs[0]
         out = func(*args, **kwargs)
         if answer is None:
-            if len(_ANSWERS) >= _LIMIT:
-                _ANSWERS.clear()
-            _ANSWERS[key] = _answer(kind, out, args, kwargs, key)
+            if len(answers) >= _LIMIT:
+                answers.clear()
+            answers[key] = _answer(kind, out, args, kwargs, key, mode)
         return out
+
+
+def _meta_view(view: _ViewOf, base: "OpValue") -> torch.Tensor:
+    """A meta tensor on ``base``'s storage (a fake tensor's is a meta storage) at ``view``'s metadata."""
+    assert isinstance(base, torch.Tensor)  # the key described it as a fake tensor
+    with torch._C._DisableTorchDispatch():
+        out = torch.empty((0,), dtype=view.dtype, device="meta")
+        out.set_(base.untyped_storage(), view.offset, view.size, view.stride)
+    return out
+
+
+def _meta_empty(size: "tuple[int, ...]", stride: "tuple[int, ...]", dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of this metadata, made beneath every dispatch mode (a fake mode would make it a fake one)."""
+    with torch._C._DisableTorchDispatch():
+        return torch.empty_strided(size, stride, dtype=dtype, device="meta")
 
 
 def _kind(func: "OpOverload") -> str:
@@ -106,57 +171,97 @@ def _kind(func: "OpOverload") -> str:
     return _NEVER
 
 
-def _key(func: "OpOverload", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]"
-         ) -> "tuple[object, ...] | None":
-    """The call's key: the op, the process's default dtype and its arguments' metadata; None where an argument is
-    not described exactly."""
+def _fake_kind(func: "OpOverload") -> "str | int":
+    """:func:`_kind` for fake tensors, where a view of one argument (the index of the one it views) is kept too;
+    another namespace than aten's and prims' never."""
+    if func.namespace not in _FAKE_NAMESPACES:
+        return _NEVER
+    kind = _kind(func)
+    if kind is not _NEVER or not func.is_view:
+        return kind
+    schema = func._schema
+    if any(getattr(torch.Tag, t, None) in func.tags for t in _REFUSED_TAGS) or len(schema.returns) != 1:
+        return _NEVER
+    returned = schema.returns[0].alias_info
+    if returned is None or returned.is_write or str(schema.returns[0].type) != "Tensor":
+        return _NEVER
+    viewed = [i for i, a in enumerate(schema.arguments)
+              if a.alias_info is not None and a.alias_info.before_set == returned.before_set]
+    if len(viewed) != 1 or str(schema.arguments[viewed[0]].type) != "Tensor" or schema.arguments[viewed[0]].kwarg_only:
+        return _NEVER
+    return viewed[0]
+
+
+def _key(func: "OpOverload", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
+         mode: "FakeTensorMode | None" = None) -> "tuple[object, ...] | None":
+    """The call's key: the op, the process's default dtype and its arguments' metadata (of meta tensors, or of
+    ``mode``'s fake tensors); None where an argument is not described exactly."""
     # The default dtype too: a kernel promoting an integer tensor to a float (``i / i``, ``i * 0.5``, ``sigmoid``)
     # gives the default dtype, which ``torch.set_default_dtype`` may change between two calls.
     parts: "list[object]" = [func, torch.get_default_dtype()]
-    if not _described(args, parts):
+    if not _described(args, parts, mode):
         return None
     if kwargs:
         for name in sorted(kwargs):
             parts.append(name)
-            if not _described((kwargs[name],), parts):
+            if not _described((kwargs[name],), parts, mode):
                 return None
     return tuple(parts)
 
 
-def _described(values: "tuple[OpValue, ...] | list[OpValue]", parts: "list[object]") -> bool:
+def _described(values: "tuple[OpValue, ...] | list[OpValue]", parts: "list[object]",
+               mode: "FakeTensorMode | None") -> bool:
     for v in values:
         t = type(v)
         if t is torch.Tensor:
-            if not v.is_meta or v.dtype.is_complex:
+            if mode is not None or not v.is_meta or v.dtype.is_complex:
                 return False
             parts.append((v.dtype, tuple(v.shape), v.stride(), v.storage_offset()))
+        elif t is FakeTensor:
+            # A fake tensor holding a constant is computed on its value by the fake mode: never answered here.
+            if v.fake_mode is not mode or v.constant is not None or v.dtype.is_complex:
+                return False
+            parts.append((v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.device))
         elif t in _SCALARS:
             parts.append((t, v))  # the type too: 1 and 1.0 promote a tensor to different dtypes
         elif t is list or t is tuple:
             parts.append((t, len(v)))
-            if not _described(v, parts):
+            if not _described(v, parts, mode):
                 return False
         else:
             return False  # a symbolic size, a subclass, an object the key cannot hold
     return True
 
 
-def _answer(kind: str, out: "OpValue", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
-            key: "tuple[object, ...]") -> _Answer:
+def _answer(kind: "str | int", out: "OpValue", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
+            key: "tuple[object, ...]", mode: "FakeTensorMode | None") -> _Answer:
     """What to keep of the kernel's ``out``: the outputs' metadata where new tensors reproduce it; _SELF for an
     in-place op that returned its ``self`` unchanged (its metadata as ``key[2]`` holds it); _UNKEPT otherwise."""
+    if type(kind) is int:  # a view of args[kind], given by position
+        base = args[kind] if kind < len(args) else None
+        if (type(out) is FakeTensor and out.fake_mode is mode and out.constant is None and not out.requires_grad
+                and type(base) is FakeTensor and out.untyped_storage()._cdata == base.untyped_storage()._cdata):
+            return _ViewOf(kind, out)
+        return _UNKEPT
     if kind is _INPLACE:
         if not args:
             return _UNKEPT  # self given by name: no key holds it first
         self = args[0]
-        unchanged = out is self and key[2] == (self.dtype, tuple(self.shape), self.stride(), self.storage_offset())
+        held = key[2]
+        unchanged = out is self and isinstance(held, tuple) and held[:4] == (
+            self.dtype, tuple(self.shape), self.stride(), self.storage_offset())
         return _SELF if unchanged else _UNKEPT
     many = type(out) is tuple
     outs = list(out) if many else [out]
     seen = set(_storages(args, kwargs))
     made: "list[_Made]" = []
     for o in outs:
-        if type(o) is not torch.Tensor or not o.is_meta or o.storage_offset() != 0:
+        if mode is None:
+            if type(o) is not torch.Tensor or not o.is_meta:
+                return _UNKEPT
+        elif type(o) is not FakeTensor or o.fake_mode is not mode or o.constant is not None or o.requires_grad:
+            return _UNKEPT
+        if o.storage_offset() != 0:
             return _UNKEPT
         storage = o.untyped_storage()
         ident: int = storage._cdata
@@ -164,10 +269,9 @@ def _answer(kind: str, out: "OpValue", args: "tuple[OpValue, ...]", kwargs: "dic
             return _UNKEPT  # shares a storage with an input or another output: not a fresh tensor
         seen.add(ident)
         size, stride = tuple(o.shape), o.stride()
-        if torch.empty_strided(size, stride, dtype=o.dtype, device="meta").untyped_storage().nbytes() \
-                != storage.nbytes():
+        if _meta_empty(size, stride, o.dtype).untyped_storage().nbytes() != storage.nbytes():
             return _UNKEPT
-        made.append((size, stride, o.dtype))
+        made.append((size, stride, o.dtype, None if mode is None else o.device))
     return tuple(made), many
 
 
@@ -177,7 +281,7 @@ def _storages(args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]") -> "lis
     stack: "list[OpValue]" = [*args, *kwargs.values()]
     while stack:
         v = stack.pop()
-        if type(v) is torch.Tensor:
+        if type(v) is torch.Tensor or type(v) is FakeTensor:
             found.append(v.untyped_storage()._cdata)
         elif type(v) in (list, tuple):
             stack.extend(v)

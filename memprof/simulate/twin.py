@@ -25,7 +25,6 @@ from .modes import Rules
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -234,14 +233,17 @@ class Twin:
 
         self.moe = MoeRules(target.type, routing)
 
-    def beneath(self) -> "TorchDispatchMode":
-        """The dispatch mode to enter beneath every other of a simulated run: the fake-tensor mode, or on meta
-        tensors the meta kernels' answers kept (:mod:`memprof.simulate.meta_kernels`)."""
-        if self.fake_mode is not None:
-            return self.fake_mode
+    def beneath(self) -> "AbstractContextManager[object]":
+        """The dispatch modes to enter beneath every other of a simulated run: the meta kernels' answers kept
+        (:mod:`memprof.simulate.meta_kernels`), over the fake-tensor mode where the run has one."""
         from .meta_kernels import MetaKernelCache
 
-        return MetaKernelCache()
+        mode = self.fake_mode
+        if mode is None:
+            return MetaKernelCache()
+        if mode.shape_env is not None or getattr(mode, "propagate_real_tensors", False):
+            return mode  # its answers depend on more than the arguments' metadata: none is kept
+        return _entered(mode, MetaKernelCache(mode))
 
     def op_rules(self) -> _entered:
         """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels` on a CPU target, value shadows and

@@ -1,0 +1,135 @@
+"""The meta kernels' answers kept for fake tensors (memprof.simulate.meta_kernels given a fake mode): a call asked
+again on the mode's fake tensors gets new fake tensors of exactly the device and metadata the fake mode gave, on
+storages of the same bytes, and a view a new fake tensor on the storage of the argument it views, without the
+kernel; a fake tensor holding a constant, another mode's, a real tensor and another namespace's op reach the fake
+mode every time."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memprof.simulate import meta_kernels
+from memprof.simulate.meta_kernels import MetaKernelCache
+
+
+class _Kernels(TorchDispatchMode):
+    """Between the cache and the fake mode: counts the calls that reach the fake mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_answers(monkeypatch):
+    monkeypatch.setattr(meta_kernels, "_FAKE_ANSWERS", {})
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (type(t), tuple(t.shape), t.stride(), t.dtype, t.device, t.storage_offset(), t.untyped_storage().nbytes())
+
+
+def _as_list(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _tensors(mode):
+    with mode:
+        return (torch.empty(4, 3), torch.empty(3), torch.empty(4, 3, dtype=torch.int64),
+                torch.empty(2, 4, 3).transpose(0, 1))
+
+
+FRESH = {
+    "broadcast mul": lambda a, b, i, s: a * b,
+    "int tensor times a float": lambda a, b, i, s: i * 3.0,
+    "sum over a dim": lambda a, b, i, s: a.sum(dim=1, keepdim=True),
+    "cat of a list": lambda a, b, i, s: torch.cat([a, a], dim=0),
+    "mm": lambda a, b, i, s: a @ a.t(),
+    "contiguous of a strided tensor": lambda a, b, i, s: s.contiguous(),
+    "log_softmax": lambda a, b, i, s: torch.log_softmax(a, dim=-1),
+    "to bf16": lambda a, b, i, s: a.to(torch.bfloat16),
+    "var_mean (a tuple)": lambda a, b, i, s: torch.var_mean(a, dim=0),
+}
+VIEWS = {
+    "view": lambda a, b, i, s: a.view(12),
+    "t": lambda a, b, i, s: a.t(),
+    "detach": lambda a, b, i, s: a.detach(),
+    "slice at an offset": lambda a, b, i, s: a[1:3],
+    "select of a strided tensor": lambda a, b, i, s: s[1],
+    "expand": lambda a, b, i, s: b.expand(4, 3),
+    "unsqueeze": lambda a, b, i, s: a.unsqueeze(0),
+    "as_strided": lambda a, b, i, s: a.as_strided((2, 2), (3, 1), 4),
+    "view as another dtype": lambda a, b, i, s: a.view(torch.int32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRESH) + sorted(VIEWS))
+def test_an_answer_asked_again_is_the_fake_modes_without_the_kernel(name):
+    fn = {**FRESH, **VIEWS}[name]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = _tensors(mode)
+    with mode:
+        expected = _as_list(fn(*args))  # the fake mode alone
+    kernels = _Kernels()
+    with mode, kernels, MetaKernelCache(mode):
+        first, second = _as_list(fn(*args)), _as_list(fn(*args))
+    assert [_meta(t) for t in first] == [_meta(t) for t in second] == [_meta(t) for t in expected]
+    assert all(t.fake_mode is mode for t in second)
+    bases = {t.untyped_storage()._cdata for t in args}
+    if name in VIEWS:  # each a view of the tensor it viewed, as the fake mode's is
+        for got, want in zip(second, expected):
+            assert got.untyped_storage()._cdata == want.untyped_storage()._cdata
+            assert got.untyped_storage()._cdata in bases
+    else:  # each output a new storage of its own
+        assert all(x.untyped_storage()._cdata != y.untyped_storage()._cdata for x, y in zip(first, second))
+        assert {t.untyped_storage()._cdata for t in second} & bases == set()
+    # The op answered reached the fake mode once, for the first call (a view reached through another op, the
+    # second call's too: mm's t(), contiguous's copy).
+    assert any(n == 1 for n in kernels.calls.values()), kernels.calls
+
+
+def test_a_view_answered_writes_into_its_base():
+    # The fake tensors carry no values, but the version counter an in-place op bumps is the base's as well.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    a, *_ = _tensors(mode)
+    with mode, MetaKernelCache(mode):
+        a.view(12)
+        v = a.view(12)
+        before = a._version
+        v.add_(1)
+    assert a._version == before + 1
+
+
+def test_constants_other_modes_real_tensors_and_other_namespaces_reach_the_fake_mode_every_time():
+    mode, other = FakeTensorMode(allow_non_fake_inputs=True), FakeTensorMode(allow_non_fake_inputs=True)
+    lib = torch.library.Library("memprof_fake_kernels_test", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: torch.empty_like(x), "Meta")
+    lib.impl("twice", lambda x: x * 2, "CPU")
+    op = torch.ops.memprof_fake_kernels_test.twice.default
+    with mode:
+        constant = torch.tensor(2.0)  # the fake mode keeps its value
+        a = torch.empty(3)
+    with other:
+        foreign = torch.empty(3)
+    real = torch.ones(3)
+    kernels = _Kernels()
+    with mode, kernels, MetaKernelCache(mode):
+        for _ in range(2):
+            doubled = constant * 3
+            foreign + 1
+            a + real
+            op(a)
+    assert doubled.constant is not None and doubled.constant.item() == 6.0  # computed on the value
+    assert kernels.calls["aten.mul.Tensor"] == 2
+    assert kernels.calls["aten.add.Tensor"] == 4
+    assert kernels.calls[str(op)] == 2
