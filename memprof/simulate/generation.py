@@ -35,6 +35,7 @@ from .failures import simulation_error as _simulation_error
 from .run import Generation, GenerationOptions, RunConfig
 from .stages import NothingLeftBehind
 from .twin import Twin as _Target
+from .user_step import DeviceQueries
 
 if TYPE_CHECKING:
     from ..anatomy.gpus import GpuSpec
@@ -131,6 +132,7 @@ def _decoded(prepared: _Prepared) -> "SimulatedProfile":
             stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
             stack.enter_context(prof)
             stack.enter_context(setup.rules())
+            stack.enter_context(DeviceQueries())  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__
             stack.enter_context(torch.no_grad())
             loop.prefill()
             ran = decodes if not jump else 2
