@@ -37,7 +37,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import (_DISPATCH_HANDLE_DIRECTLY, _DISPATCH_META_HANDLERS, FakeTensor,
+                                           _check_for_subclass)
+from torch.utils._pytree import tree_flatten
 
 from ..collect.torch_compat import UnwrappedMode
 
@@ -71,6 +73,8 @@ _SELF = "self"
 _UNKEPT = "unkept"  # a key whose answer new tensors cannot reproduce: its kernel runs every time
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _REFUSED_TAGS = ("dynamic_output_shape", "data_dependent_output", "inplace_view", "nondeterministic_bitwise")
+#: The ops the fake mode answers before it looks at its arguments' types (``FakeTensorMode.dispatch``).
+_FAKE_HANDLED = frozenset([*_DISPATCH_META_HANDLERS, *_DISPATCH_HANDLE_DIRECTLY])
 #: The namespaces whose ops are answered on fake tensors (the fake mode's own cache answers no other either).
 _FAKE_NAMESPACES = ("aten", "prims")
 #: The answers kept in this process, shared by every simulation (a key holds no tensor, only metadata). Bounded:
@@ -110,6 +114,10 @@ class MetaKernelCache(UnwrappedMode):
             return func(*args, **kwargs)
         key = _key(func, args, kwargs, mode)
         if key is None:
+            if mode is not None and func not in _FAKE_HANDLED and _subclassed(args, kwargs):
+                # The fake mode's answer to a call on another tensor subclass (DTensor), which then handles it; the
+                # fake mode gives it after its cache's key has failed on the subclass, for every DTensor op.
+                return NotImplemented
             return func(*args, **kwargs)
         answers = _ANSWERS if mode is None else _FAKE_ANSWERS
         answer = answers.get(key)
@@ -133,6 +141,13 @@ class MetaKernelCache(UnwrappedMode):
                 answers.clear()
             answers[key] = _answer(kind, out, args, kwargs, key, mode)
         return out
+
+
+def _subclassed(args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]") -> bool:
+    """Is a tensor among the arguments of a subclass the fake mode does not handle, so that it answers NotImplemented
+    (``fake_tensor._check_for_subclass``)?"""
+    flat, _spec = tree_flatten((args, kwargs))
+    return _check_for_subclass(flat)
 
 
 def _meta_view(view: _ViewOf, base: "OpValue") -> torch.Tensor:

@@ -1,14 +1,21 @@
 """An estimate on fake tensors (a CPU target; a ``parallelize=`` function, here FSDP2 with its mixed-precision
 policy, on a GPU target) is the same to the byte whether the meta kernels' answers are kept for its fake tensors
-(memprof.simulate.meta_kernels) or the fake mode answers every call."""
+(memprof.simulate.meta_kernels) or the fake mode answers every call; a call on a DTensor is handed to DTensor as
+the fake mode hands it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memprof
 from memprof.simulate import meta_kernels
+from memprof.simulate.meta_kernels import MetaKernelCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,3 +56,45 @@ def test_an_estimate_on_fake_tensors_is_the_same_with_the_answers_kept(case, mon
     assert answered > 100  # the first estimate did keep answers (fresh outputs, in-place ops and views)
     _identical(kept, plain)
     assert kept.notes == plain.notes
+
+
+class _Between(TorchDispatchMode):
+    """Between the cache and the fake mode: the calls that reach the fake mode with a DTensor among their arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtensor_calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs or {}))[0]):
+            self.dtensor_calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_dtensor_call_is_handed_to_dtensor_by_the_cache_as_the_fake_mode_hands_it(fake_world_of_two):
+    # The fake mode answers a call on a DTensor NotImplemented (DTensor's own handler then runs it on the local fake
+    # tensors), after its cache's key failed on it; the kept answers' mode answers it so before the fake mode is
+    # asked. The results are the fake mode's.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        local = torch.empty(4, 3)
+    d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    ops = (lambda: d * 2, lambda: d.t(), lambda: (d + d).sum(dim=1))
+
+    def run(cached: bool):
+        between = _Between()
+        with mode, between, (MetaKernelCache(mode) if cached else contextlib.nullcontext()):
+            outs = [op() for op in ops for _ in range(2)]
+        return [(o.placements, tuple(o.shape), o.to_local().shape, o.to_local().stride(), o.dtype) for o in outs], \
+            between.dtensor_calls
+
+    plain, asked_plain = run(False)
+    kept, asked_kept = run(True)
+    assert kept == plain
+    assert asked_plain > 0 and asked_kept == 0
