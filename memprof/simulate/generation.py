@@ -132,7 +132,8 @@ def _decoded(prepared: _Prepared) -> "SimulatedProfile":
             stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
             stack.enter_context(prof)
             stack.enter_context(setup.rules())
-            stack.enter_context(DeviceQueries())  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__
+            if setup.fake_mode is not None:  # a plain meta tensor's device asks no op
+                stack.enter_context(DeviceQueries())  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__
             stack.enter_context(torch.no_grad())
             loop.prefill()
             ran = decodes if not jump else 2
