@@ -254,8 +254,10 @@ def _answer(kind: "str | int", out: "OpValue", args: "tuple[OpValue, ...]", kwar
     in-place op that returned its ``self`` unchanged (its metadata as ``key[2]`` holds it); _UNKEPT otherwise."""
     if type(kind) is int:  # a view of args[kind], given by position
         base = args[kind] if kind < len(args) else None
+        # A new tensor on the base's storage; not the base itself, whose identity a new tensor would lose.
         if (type(out) is FakeTensor and out.fake_mode is mode and out.constant is None and not out.requires_grad
-                and type(base) is FakeTensor and out.untyped_storage()._cdata == base.untyped_storage()._cdata):
+                and type(base) is FakeTensor and out is not base
+                and out.untyped_storage()._cdata == base.untyped_storage()._cdata):
             return _ViewOf(kind, out)
         return _UNKEPT
     if kind is _INPLACE:
