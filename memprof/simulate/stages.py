@@ -262,7 +262,7 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
             layout.attach(prof)
             stack.callback(layout.detach)
         stack.enter_context(twin.rules())
-        if twin.fake_mode is not None or user is not None:  # a plain meta tensor's device asks no op
+        if twin.fake_mode is not None:  # a plain meta tensor's device asks no op: no mode for every op to pass
             # Above the collector and the rules. (TorchDispatchMode.__init__, which it keeps, is untyped.)
             stack.enter_context(DeviceQueries())  # type: ignore[no-untyped-call]
         for i in range(steps):
