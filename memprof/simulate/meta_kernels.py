@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
     from .aliases import OpValue
 
-__all__ = ["MetaKernelCache"]
+__all__ = ["MetaKernelCache", "answerable"]
 
 #: An output's metadata as the kernel gave it: sizes, strides, dtype, and a fake tensor's device (None: meta).
 _Made = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, "torch.device | None"]
@@ -95,6 +95,11 @@ class MetaKernelCache(UnwrappedMode):
 
     def __init__(self, fake_mode: "FakeTensorMode | None" = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
+        if fake_mode is not None and not answerable(fake_mode):
+            from ..errors import InvalidArgumentError
+
+            raise InvalidArgumentError("a fake mode with a shape environment or real tensors gives answers that "
+                                       "depend on more than the arguments' metadata: enter it without MetaKernelCache")
         self.fake_mode = fake_mode
 
     def __torch_dispatch__(self, func: "OpOverload", types: object, args: "tuple[OpValue, ...]" = (),
@@ -159,6 +164,12 @@ def _meta_view(view: _ViewOf, base: "OpValue") -> torch.Tensor:
     return out
 
 
+def answerable(fake_mode: "FakeTensorMode") -> bool:
+    """Can ``fake_mode``'s answers be kept: no shape environment (symbolic sizes) and no real tensors beside the
+    fake ones, so that an answer depends on the op and its arguments' metadata alone?"""
+    return fake_mode.shape_env is None and not getattr(fake_mode, "propagate_real_tensors", False)
+
+
 def _meta_empty(size: "tuple[int, ...]", stride: "tuple[int, ...]", dtype: torch.dtype) -> torch.Tensor:
     """A meta tensor of this metadata, made beneath every dispatch mode (a fake mode would make it a fake one)."""
     with torch._C._DisableTorchDispatch():
@@ -221,6 +232,10 @@ def _key(func: "OpOverload", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpV
             parts.append(name)
             if not _described((kwargs[name],), parts, mode):
                 return None
+    if mode is not None:
+        # As the fake mode keys its own answers: a tensor made in inference mode is an inference tensor, and the
+        # default device is read by some kernels. (After the arguments: key[2] is the first one's description.)
+        parts.append((torch.is_inference_mode_enabled(), torch._C._get_default_device()))
     return tuple(parts)
 
 
@@ -228,15 +243,17 @@ def _described(values: "tuple[OpValue, ...] | list[OpValue]", parts: "list[objec
                mode: "FakeTensorMode | None") -> bool:
     for v in values:
         t = type(v)
+        # Strided tensors only (a sparse one has no strides or storage), with no negation bit (a view keeps it,
+        # which no key here holds; a complex dtype is refused for its conjugation bit).
         if t is torch.Tensor:
-            if mode is not None or not v.is_meta or v.dtype.is_complex:
+            if mode is not None or not v.is_meta or not _plain(v):
                 return False
             parts.append((v.dtype, tuple(v.shape), v.stride(), v.storage_offset()))
         elif t is FakeTensor:
             # A fake tensor holding a constant is computed on its value by the fake mode: never answered here.
-            if v.fake_mode is not mode or v.constant is not None or v.dtype.is_complex:
+            if v.fake_mode is not mode or v.constant is not None or not _plain(v):
                 return False
-            parts.append((v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.device))
+            parts.append((v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.device, v.is_inference()))
         elif t in _SCALARS:
             parts.append((t, v))  # the type too: 1 and 1.0 promote a tensor to different dtypes
         elif t is list or t is tuple:
@@ -248,15 +265,24 @@ def _described(values: "tuple[OpValue, ...] | list[OpValue]", parts: "list[objec
     return True
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Is ``t`` strided, real and without a negation bit: described in full by its dtype, sizes, strides and
+    offset?"""
+    return t.layout is torch.strided and not t.dtype.is_complex and not t.is_neg()
+
+
 def _answer(kind: "str | int", out: "OpValue", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
             key: "tuple[object, ...]", mode: "FakeTensorMode | None") -> _Answer:
     """What to keep of the kernel's ``out``: the outputs' metadata where new tensors reproduce it; _SELF for an
     in-place op that returned its ``self`` unchanged (its metadata as ``key[2]`` holds it); _UNKEPT otherwise."""
     if type(kind) is int:  # a view of args[kind], given by position
         base = args[kind] if kind < len(args) else None
-        # A new tensor on the base's storage; not the base itself, whose identity a new tensor would lose.
+        # A new tensor on the base's storage; not the base itself, whose identity a new tensor would lose. Not in
+        # inference mode or of an inference tensor: whether a view is an inference tensor follows its base, and a
+        # tensor made for it follows the mode.
         if (type(out) is FakeTensor and out.fake_mode is mode and out.constant is None and not out.requires_grad
-                and type(base) is FakeTensor and out is not base
+                and type(base) is FakeTensor and out is not base and _plain(out)
+                and not torch.is_inference_mode_enabled() and not base.is_inference()
                 and out.untyped_storage()._cdata == base.untyped_storage()._cdata):
             return _ViewOf(kind, out)
         return _UNKEPT
@@ -278,7 +304,7 @@ def _answer(kind: "str | int", out: "OpValue", args: "tuple[OpValue, ...]", kwar
                 return _UNKEPT
         elif type(o) is not FakeTensor or o.fake_mode is not mode or o.constant is not None or o.requires_grad:
             return _UNKEPT
-        if o.storage_offset() != 0:
+        if not _plain(o) or o.storage_offset() != 0:
             return _UNKEPT
         storage = o.untyped_storage()
         ident: int = storage._cdata

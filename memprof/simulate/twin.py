@@ -236,12 +236,12 @@ class Twin:
     def beneath(self) -> "AbstractContextManager[object]":
         """The dispatch modes to enter beneath every other of a simulated run: the meta kernels' answers kept
         (:mod:`memprof.simulate.meta_kernels`), over the fake-tensor mode where the run has one."""
-        from .meta_kernels import MetaKernelCache
+        from .meta_kernels import MetaKernelCache, answerable
 
         mode = self.fake_mode
         if mode is None:
             return MetaKernelCache()
-        if mode.shape_env is not None or getattr(mode, "propagate_real_tensors", False):
+        if not answerable(mode):
             return mode  # its answers depend on more than the arguments' metadata: none is kept
         return _entered(mode, MetaKernelCache(mode))
 

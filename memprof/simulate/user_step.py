@@ -106,11 +106,12 @@ class LoopValues(UnwrappedMode):
 
 
 class DeviceQueries(UnwrappedMode):
-    """Above every other mode of a simulated run: a fake tensor's ``device`` asked from C++ (by autograd for every
-    gradient, by DTensor, indexing it, ``x.to(...)`` in a step's own code) is the op ``prim.device``, which the real
-    tensor answers without an op. Answered here, it never reaches the collector, whose op count would otherwise make
-    an "other" phase of a user's step's code that touches no memory, where the real run records none; nor the
-    modes beneath, each a Python call per query (77,000 queries in a 405B pipeline stage's cuts)."""
+    """Above every other mode of a simulated run on fake tensors: a fake tensor's ``device`` asked from C++ (by
+    autograd for every gradient, by DTensor, indexing it, ``x.to(...)`` in a step's own code) is the op
+    ``prim.device``, which the real tensor answers without an op. Answered here, it never reaches the collector,
+    whose op count would otherwise make an "other" phase of a user's step's code that touches no memory, where the
+    real run records none; nor the modes beneath, each a Python call per query (77,000 queries in a 405B pipeline
+    stage's cuts). A plain meta tensor answers its device in C++: on meta tensors the mode is not entered."""
 
     def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
                            kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
