@@ -29,7 +29,9 @@ of the same bytes. Only aten's and prims' ops are answered there: another namesp
 collective), which the fake mode's own cache does not answer either. A view is answered there too (``view``, ``t``,
 ``detach``: half of a step's fake calls): a new fake tensor on the storage of the argument the schema says it
 views, at the sizes, strides and offset the kernel gave it, where the kernel's output was such a view (on meta
-tensors a view's own kernel costs what answering it would).
+tensors a view's own kernel costs what answering it would); so is an op whose output the fake mode put on an
+argument's storage though its schema names no alias (``_unsafe_view``, which the fake mode's own cache never
+answers).
 """
 
 from __future__ import annotations
@@ -279,16 +281,7 @@ def _answer(kind: "str | int", out: "OpValue", args: "tuple[OpValue, ...]", kwar
     """What to keep of the kernel's ``out``: the outputs' metadata where new tensors reproduce it; _SELF for an
     in-place op that returned its ``self`` unchanged (its metadata as ``key[2]`` holds it); _UNKEPT otherwise."""
     if type(kind) is int:  # a view of args[kind], given by position
-        base = args[kind] if kind < len(args) else None
-        # A new tensor on the base's storage; not the base itself, whose identity a new tensor would lose. Not in
-        # inference mode or of an inference tensor: whether a view is an inference tensor follows its base, and a
-        # tensor made for it follows the mode.
-        if (type(out) is FakeTensor and out.fake_mode is mode and out.constant is None and not out.requires_grad
-                and type(base) is FakeTensor and out is not base and _plain(out)
-                and not torch.is_inference_mode_enabled() and not base.is_inference()
-                and out.untyped_storage()._cdata == base.untyped_storage()._cdata):
-            return _ViewOf(kind, out)
-        return _UNKEPT
+        return _view_of(kind, out, args, mode)
     if kind is _INPLACE:
         if not args:
             return _UNKEPT  # self given by name: no key holds it first
@@ -298,6 +291,13 @@ def _answer(kind: "str | int", out: "OpValue", args: "tuple[OpValue, ...]", kwar
             self.dtype, tuple(self.shape), self.stride(), self.storage_offset())
         return _SELF if unchanged else _UNKEPT
     many = type(out) is tuple
+    if mode is not None and not many and type(out) is FakeTensor and _plain(out):
+        # An op whose schema says nothing of aliasing but whose output is on an argument's storage
+        # (``_unsafe_view``, the reshape of a matmul's output): kept as that argument's view.
+        shared = [i for i, a in enumerate(args) if type(a) is FakeTensor
+                  and a.untyped_storage()._cdata == out.untyped_storage()._cdata]
+        if len(shared) == 1:
+            return _view_of(shared[0], out, args, mode)
     outs = list(out) if many else [out]
     seen = set(_storages(args, kwargs))
     made: "list[_Made]" = []
@@ -319,6 +319,19 @@ def _answer(kind: "str | int", out: "OpValue", args: "tuple[OpValue, ...]", kwar
             return _UNKEPT
         made.append((size, stride, o.dtype, None if mode is None else o.device))
     return tuple(made), many
+
+
+def _view_of(index: int, out: "OpValue", args: "tuple[OpValue, ...]", mode: "FakeTensorMode | None") -> _Answer:
+    """``out`` kept as a view of ``args[index]``: a new tensor on that argument's storage; not the argument itself,
+    whose identity a new tensor would lose. Not in inference mode or of an inference tensor: whether a view is an
+    inference tensor follows its base, and a tensor made for it follows the mode."""
+    base = args[index] if index < len(args) else None
+    if (type(out) is FakeTensor and out.fake_mode is mode and out.constant is None and not out.requires_grad
+            and type(base) is FakeTensor and out is not base and _plain(out)
+            and not torch.is_inference_mode_enabled() and not base.is_inference()
+            and out.untyped_storage()._cdata == base.untyped_storage()._cdata):
+        return _ViewOf(index, out)
+    return _UNKEPT
 
 
 def _storages(args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]") -> "list[int]":
