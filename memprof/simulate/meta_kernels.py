@@ -12,8 +12,9 @@ Which ops it answers is read from the op's schema, once per op: one that returns
 ``out=``), or one that writes into ``self`` alone and returns it (``mul_``, ``addcdiv_``: on meta tensors the kernel
 only checks the arguments). An op with no tensor argument (a factory, whose dtype may be the process's default), a
 data-dependent or dynamic output shape, a view's metadata change, is passed to its kernel every time, as is a call
-with an argument the key cannot describe exactly (a tensor subclass, a tensor not on the meta device, a complex
-tensor, a symbolic size, an object other than a number, string, dtype, device, layout or memory format). An answer
+with an argument the key cannot describe exactly (a tensor subclass, a tensor not on the meta device, a complex,
+sparse or negated tensor, a symbolic size, an object other than a number, string, dtype, device, layout or memory
+format). An answer
 is kept only where new tensors made from it are what the kernel made: each output a tensor of its own storage
 (none shared with an input or another output), at offset 0, whose storage has the bytes ``empty_strided`` gives;
 an in-place op's output the very ``self`` it was given, unchanged. Everything above the mode (memprof's ledger, the
