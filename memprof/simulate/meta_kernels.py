@@ -250,7 +250,8 @@ def _described(values: "tuple[OpValue, ...] | list[OpValue]", parts: "list[objec
         # Strided tensors only (a sparse one has no strides or storage), with no negation bit (a view keeps it,
         # which no key here holds; a complex dtype is refused for its conjugation bit).
         if t is torch.Tensor:
-            if mode is not None or not v.is_meta or not _plain(v):
+            if (mode is not None or not v.is_meta or v.layout is not _STRIDED or v.dtype.is_complex
+                    or v.is_neg()):
                 return False
             parts.append((v.dtype, tuple(v.shape), v.stride(), v.storage_offset()))
         elif t is FakeTensor:
