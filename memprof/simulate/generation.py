@@ -35,7 +35,6 @@ from .failures import simulation_error as _simulation_error
 from .run import Generation, GenerationOptions, RunConfig
 from .stages import NothingLeftBehind
 from .twin import Twin as _Target
-from .user_step import DeviceQueries
 
 if TYPE_CHECKING:
     from ..anatomy.gpus import GpuSpec
@@ -132,8 +131,7 @@ def _decoded(prepared: _Prepared) -> "SimulatedProfile":
             stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
             stack.enter_context(prof)
             stack.enter_context(setup.rules())
-            if setup.fake_mode is not None:  # a plain meta tensor's device asks no op
-                stack.enter_context(DeviceQueries())  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__
+            stack.enter_context(setup.above())
             stack.enter_context(torch.no_grad())
             loop.prefill()
             ran = decodes if not jump else 2

@@ -36,7 +36,7 @@ from .ranks import RankLayout
 from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
 from .twin import Twin, casting, converted, meta_optimizer
-from .user_step import DeviceQueries, UserStep
+from .user_step import UserStep
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -262,9 +262,7 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
             layout.attach(prof)
             stack.callback(layout.detach)
         stack.enter_context(twin.rules())
-        if twin.fake_mode is not None:  # a plain meta tensor's device asks no op: no mode for every op to pass
-            # Above the collector and the rules. (TorchDispatchMode.__init__, which it keeps, is untyped.)
-            stack.enter_context(DeviceQueries())  # type: ignore[no-untyped-call]
+        stack.enter_context(twin.above())
         for i in range(steps):
             if bar is not None:
                 bar.step(f"step {i + 1} of {steps}")

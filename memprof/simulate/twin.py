@@ -25,7 +25,6 @@ from .modes import Rules
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..anatomy.gpus import GpuSpec
@@ -244,6 +243,16 @@ class Twin:
         if not answerable(mode):
             return mode  # its answers depend on more than the arguments' metadata: none is kept
         return _entered(mode, MetaKernelCache(mode))
+
+    def above(self) -> "AbstractContextManager[object]":
+        """The dispatch mode to enter above every other of a simulated run (the collector, the rules): a fake
+        tensor's device asked from C++ answered there (:class:`~memprof.simulate.user_step.DeviceQueries`);
+        nothing on meta tensors, whose device asks no op."""
+        if self.fake_mode is None:
+            return contextlib.nullcontext()
+        from .user_step import DeviceQueries
+
+        return DeviceQueries()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__, which it keeps
 
     def op_rules(self) -> _entered:
         """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels` on a CPU target, value shadows and
