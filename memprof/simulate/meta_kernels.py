@@ -73,7 +73,6 @@ _Answer: TypeAlias = "tuple[tuple[_Made, ...], bool] | _ViewOf | str"
 
 _FRESH, _INPLACE, _NEVER = "fresh", "in-place", "never"
 _SELF = "self"
-_STRIDED = torch.strided
 _UNKEPT = "unkept"  # a key whose answer new tensors cannot reproduce: its kernel runs every time
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _REFUSED_TAGS = ("dynamic_output_shape", "data_dependent_output", "inplace_view", "nondeterministic_bitwise")
@@ -250,15 +249,12 @@ def _described(values: "tuple[OpValue, ...] | list[OpValue]", parts: "list[objec
         # Strided tensors only (a sparse one has no strides or storage), with no negation bit (a view keeps it,
         # which no key here holds; a complex dtype is refused for its conjugation bit).
         if t is torch.Tensor:
-            if (mode is not None or not v.is_meta or v.layout is not _STRIDED or v.dtype.is_complex
-                    or v.is_neg()):
+            if mode is not None or not v.is_meta or not _plain(v):
                 return False
             parts.append((v.dtype, tuple(v.shape), v.stride(), v.storage_offset()))
         elif t is FakeTensor:
             # A fake tensor holding a constant is computed on its value by the fake mode: never answered here.
-            # (_plain written out: this runs for every tensor argument of every call.)
-            if (v.fake_mode is not mode or v.constant is not None or v.layout is not _STRIDED
-                    or v.dtype.is_complex or v.is_neg()):
+            if v.fake_mode is not mode or v.constant is not None or not _plain(v):
                 return False
             parts.append((v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.device, v.is_inference()))
         elif t in _SCALARS:
@@ -275,7 +271,7 @@ def _described(values: "tuple[OpValue, ...] | list[OpValue]", parts: "list[objec
 def _plain(t: torch.Tensor) -> bool:
     """Is ``t`` strided, real and without a negation bit: described in full by its dtype, sizes, strides and
     offset?"""
-    return t.layout is _STRIDED and not t.dtype.is_complex and not t.is_neg()
+    return t.layout is torch.strided and not t.dtype.is_complex and not t.is_neg()
 
 
 def _answer(kind: "str | int", out: "OpValue", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
