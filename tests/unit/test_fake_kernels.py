@@ -6,28 +6,16 @@ mode every time."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memprof.simulate import meta_kernels
 from memprof.simulate.meta_kernels import MetaKernelCache
 
-
-class _Kernels(TorchDispatchMode):
-    """Between the cache and the fake mode: counts the calls that reach the fake mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+from test_meta_kernels import _Kernels  # between the cache and the fake mode: what reaches it
 
 
 @pytest.fixture(autouse=True)
