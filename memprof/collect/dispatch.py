@@ -24,7 +24,7 @@ from ..vocabulary import Phase
 from .autocast_state import emulated_autocast_dtype
 from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, inner_tensors, is_wrapper, storage_of
 from .moves import move, set_tag
-from .mode_stack import pop_from_beneath, push_beneath
+from .mode_stack import exit_mode, pop_from_beneath, push_beneath
 from .torch_compat import FakeTensor as _FakeTensor
 from .torch_compat import KEEPS_COMPILE, UnwrappedMode, dispatch_mode_at, dispatch_stack_len as _dispatch_stack_len
 from .torch_compat import skip_dynamo
@@ -186,7 +186,7 @@ def _leave_stack(ref: "weakref.ref[DispatchMode]") -> None:
     try:
         if not _on_top(mode):
             return  # inside another op's dispatch, or beneath a mode of the user's: a later output tries again
-        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
+        exit_mode(mode)
     except Exception:  # a finaliser must not raise into the user's code; the next profile here pops it
         return
     _forget_orphan(mode)
@@ -570,7 +570,7 @@ def pop_orphan_modes() -> None:
     me = threading.get_ident()
     for entry in [e for e in _ORPHAN_MODES if e[0] == me]:
         if _on_top(entry[1]):
-            entry[1].__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
+            exit_mode(entry[1])
             _forget_orphan(entry[1])
 
 

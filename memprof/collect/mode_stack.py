@@ -27,7 +27,7 @@ from .torch_compat import python_dispatch as _pd
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["push_beneath", "pop_from_beneath", "mode_flags", "restore_mode_flags"]
+__all__ = ["push_beneath", "pop_from_beneath", "exit_mode", "mode_flags", "restore_mode_flags"]
 
 
 def _stack() -> "list[TorchDispatchMode]":
@@ -116,15 +116,43 @@ def pop_from_beneath(mode: "TorchDispatchMode") -> bool:
         return False
     above = stack[where + 1:]
     if not above:
-        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
+        exit_mode(mode)
         return True
     if not all(_plain(m) for m in above):
         return False
     before = mode_flags()
     lifted = _lift(len(above))
     ours = _saved(mode)
-    mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
+    try:
+        exit_mode(mode)
+    except BaseException:
+        _put_back(lifted)  # the modes above as they were: running this again finds the same stack
+        raise
     _set_saved(lifted[-1], ours)  # the lowest of them now restores what memprof's mode would have
     _put_back(lifted)
     restore_mode_flags(before)
     return True
+
+
+def exit_mode(mode: "TorchDispatchMode") -> None:
+    """``mode.__exit__``, safe to run again when cut short.
+
+    torch's exit pops the flags the mode saved on entry into torch's globals, and only then pops the mode off the
+    stack (``TorchDispatchMode.__exit__``, torch/utils/_python_dispatch.py). A Ctrl-C in between left the lists
+    popped and the mode on the stack; the exit run again (an undo step's retry) raised IndexError on an empty list,
+    and the mode stayed. Cut short with the mode still on the stack, what the exit popped is put back, and torch's
+    flags too, so that running it again runs the whole exit."""
+    saved = _saved(mode)
+    lengths = [len(getattr(mode, name, ())) for name in _SAVED]
+    flags = mode_flags()
+    depth = dispatch_stack_len()
+    try:
+        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped
+    except BaseException:
+        if dispatch_stack_len() == depth and saved is not None:  # its pop never ran: as before the exit
+            for name, value, length in zip(_SAVED, saved, lengths):
+                kept = getattr(mode, name)
+                if len(kept) < length:
+                    kept.append(value)
+            restore_mode_flags(flags)
+        raise

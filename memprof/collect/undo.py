@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from ..errors import is_interrupt
+
 __all__ = ["UndoStack", "Failure", "Failures", "attempt", "undo"]
 
 
@@ -58,6 +60,10 @@ def undo(failures: Failures, what: str, fn: Callable[..., object], *args: object
     first = _run(fn, args, kwargs)
     if first is not None:
         again = _run(fn, args, kwargs)
+        if again is not None and is_interrupt(first) and not is_interrupt(again):
+            # The user's interruption is raised whatever the retry's own failure was: that one, which replaced
+            # it here, lost a Ctrl-C that cut torch's mode exit short. Both are recorded.
+            failures.append(Failure(what, first))
         failures.append(Failure(what, again or first, again is None))
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torch.optim.optimizer as optim_mod
 from torch import nn
 from torch.nn.modules import module as module_mod
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 import memprof
@@ -390,6 +391,66 @@ def test_an_interrupt_while_closing_is_raised_after_everything_is_removed(monkey
     model.zero_grad(set_to_none=True)
     assert hook_registry(model, tensors=[x]) == before
     assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+
+
+def _thread_modes():
+    """This thread's dispatch modes and torch's "a dispatch mode is in" flags."""
+    from memprof.collect.mode_stack import mode_flags
+
+    stack = [torch._C._get_dispatch_stack_at(i) for i in range(torch._C._len_torch_dispatch_stack())]
+    return stack, mode_flags()
+
+
+class _UsersMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("users_mode_open", [False, True], ids=["on top", "beneath a mode of the user's"])
+def test_an_interrupt_inside_torchs_exit_of_memprofs_mode_is_raised_and_the_mode_leaves(monkeypatch, users_mode_open):
+    # torch's TorchDispatchMode.__exit__ pops the flags the mode saved, then calls this setter, then pops the mode
+    # off the stack: a Ctrl-C landing on the setter's call cut the exit between the two. Run again, torch's exit
+    # raised IndexError on the emptied lists, which replaced the Ctrl-C, and the mode stayed on the stack. Beneath
+    # a mode the user entered in the block and left open, that mode, lifted to reach memprof's, was lost too.
+    from torch.utils import _python_dispatch as pd
+
+    model, x = MLP(), torch.randn(4, 32)
+    before, modes = hook_registry(model, tensors=[x]), _thread_modes()
+    users = _UsersMode()
+    armed = _arm_at_exit(monkeypatch)
+    fired = _patch(monkeypatch, pd, "set_is_in_mode_without_ignore_compile_internals", KeyboardInterrupt, 1, armed)
+    with pytest.raises(KeyboardInterrupt):
+        with memprof.profile(model) as prof:
+            model(x).sum().backward()
+            if users_mode_open:
+                users.__enter__()
+    assert fired == [1]
+    if users_mode_open:
+        assert _thread_modes()[0] == modes[0] + [users]  # memprof's mode taken from beneath it, the user's kept
+        users.__exit__(None, None, None)
+    assert _thread_modes() == modes  # memprof's mode off the stack, torch's flags as before the block
+    model.zero_grad(set_to_none=True)
+    assert hook_registry(model, tensors=[x]) == before
+    assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
+
+
+def test_an_interrupted_undo_step_whose_retry_fails_keeps_the_interrupt_beside_the_failure():
+    # The retry's own failure used to be all that was recorded: the closing, which raises the first interrupt it
+    # finds, then warned of the failure and raised nothing.
+    from memprof.collect.undo import Failure, undo
+
+    raised = []
+
+    def step():
+        raised.append(KeyboardInterrupt("the user's") if not raised else Injected("the retry's"))
+        raise raised[-1]
+
+    failures = []
+    undo(failures, "removing it", step)
+    assert failures == [Failure("removing it", raised[0]), Failure("removing it", raised[1])]
+    failures = []
+    undo(failures, "removing it", lambda: (_ for _ in ()).throw(Injected("always")))
+    assert [type(f.exc) for f in failures] == [Injected]  # a plain failure twice: recorded once, as before
 
 
 @pytest.mark.parametrize("step", UNDO_STEPS + RECORD_STEPS, ids=lambda s: f"{getattr(s[0], '__name__', s[0])}.{s[1]}")
