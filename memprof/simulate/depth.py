@@ -26,7 +26,6 @@ Where the stream does not extend or does not hold, the whole model is simulated.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import numbers
 from functools import partial
@@ -42,6 +41,7 @@ from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
 from .depth_blocks import alike, find_stack
 from .depth_formulas import extended_formulas
 from .depth_stream import HELD, Extension, corrected, extended_stream
+from .held_signals import deepcopy_held
 from .stream_peaks import peaks_move, phase_peaks
 
 if TYPE_CHECKING:
@@ -381,7 +381,7 @@ def _cut(model: nn.Module, optimizer: "OptimizerArg", name: str, n: int) -> "tup
         memo.setdefault(id(b), torch.empty_like(b, device="meta"))
     for block in list((model.get_submodule(name) if name else model).children())[n:]:
         memo[id(block)] = None  # the blocks cut off are not copied (only to be deleted): a deep model's copy is slow
-    clone = copy.deepcopy(model, memo)
+    clone = deepcopy_held(model, memo)  # a Ctrl-C in it could be dropped (held_signals)
     # find_stack named a ModuleList or Sequential (both cut with del); nn.Module's type has no __delitem__.
     stack = cast("nn.ModuleList | nn.Sequential", clone.get_submodule(name) if name else clone)
     del stack[n:]

@@ -11,7 +11,6 @@ user's model, optimizer and tensors are never modified.
 from __future__ import annotations
 
 import contextlib
-import copy
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable
 
@@ -20,6 +19,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
 from .autocast import CudaAutocast
+from .held_signals import deepcopy_held
 from .modes import Rules
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def _shadow_copy(model: nn.Module, make: Maker) -> tuple[nn.Module, dict[int, to
         if id(b) not in memo:
             memo[id(b)] = make(b)
     try:
-        clone = copy.deepcopy(model, memo)
+        clone = deepcopy_held(model, memo)  # a Ctrl-C in it could be dropped (held_signals)
     except Exception as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's

@@ -8,7 +8,6 @@ data-less copy: the user's model is not touched), a precision, a data-parallel l
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Callable
 
 from typing_extensions import Unpack
@@ -20,6 +19,7 @@ from ..errors import InvalidArgumentError
 from ..record.estimate import WhatIf
 from ..record.trace import Trace
 from ..vocabulary import Category
+from .held_signals import deepcopy_held
 from .run import EstimateSettings
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def _checkpointed(model: nn.Module) -> nn.Module:
         if id(t) not in memo:
             twin = torch.empty_like(t, device="meta")
             memo[id(t)] = nn.Parameter(twin, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else twin
-    clone = copy.deepcopy(model, memo)
+    clone = deepcopy_held(model, memo)  # a Ctrl-C in it could be dropped (held_signals)
     enable_checkpointing(clone)
     return clone
 

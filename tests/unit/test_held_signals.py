@@ -76,3 +76,44 @@ def test_signals_noted_during_a_call_are_each_raised_once_after_it_even_when_one
     held_signals.hold()
     held_signals.release()
     assert raised == [signal.SIGUSR1, signal.SIGUSR2] and held_signals._State.pending == []
+
+
+class _SwallowsInCopy:
+    """Its copy runs the handler where an exception is dropped, as CPython's ``copyreg._slotnames`` does at the line
+    that caches its answer (``try: ... except: pass``), which a deep copy runs for every OrderedDict and set."""
+
+    copies = 0
+
+    def __deepcopy__(self, memo):
+        try:
+            signal.raise_signal(signal.SIGUSR1)
+        except:  # noqa: E722  # as copyreg's
+            pass
+        _SwallowsInCopy.copies += 1
+        return _SwallowsInCopy()
+
+
+def test_a_signal_during_a_held_deep_copy_is_handled_when_the_copy_ends(user_handler):
+    import copy
+
+    with pytest.raises(Preempted):
+        held_signals.deepcopy_held([_SwallowsInCopy()], {})
+    assert _SwallowsInCopy.copies == 1  # the copy ran to its end, then the handler
+    assert signal.getsignal(signal.SIGUSR1) is _handler and held_signals.entered() == 0
+    assert held_signals._State.depth == 0 and held_signals._State.pending == []
+    copy.deepcopy([_SwallowsInCopy()])  # unheld, the same copy drops the handler's exception: nothing raised
+    assert _SwallowsInCopy.copies == 2
+
+
+def test_a_held_deep_copy_inside_a_held_call_leaves_the_signal_to_that_call(user_handler):
+    # A copy made while a simulated torch call runs: its signals stay noted until that outermost call ends.
+    held_signals.enter()
+    try:
+        held_signals.hold()
+        held_signals.deepcopy_held([_SwallowsInCopy()], {})
+        assert held_signals._State.pending == [signal.SIGUSR1] and held_signals.entered() == 1
+        with pytest.raises(Preempted):
+            held_signals.release()
+    finally:
+        held_signals.leave_to(0)
+    assert signal.getsignal(signal.SIGUSR1) is _handler and held_signals._State.depth == 0

@@ -14,7 +14,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "memprof"
 # The floors, bottom to top: a module may import modules of its own floor or of a floor below, never
 # one above. (docs/architecture.md draws the same order.)
 FLOORS: tuple[tuple[str, ...], ...] = (
-    ("memprof.vocabulary", "memprof.units", "memprof.errors", "memprof.version"),
+    ("memprof.vocabulary", "memprof.units", "memprof.errors", "memprof.swallowed", "memprof.version"),
     ("memprof.record",),
     ("memprof.anatomy",),
     ("memprof.collect",),
