@@ -123,14 +123,17 @@ def pop_from_beneath(mode: "TorchDispatchMode") -> bool:
     before = mode_flags()
     lifted = _lift(len(above))
     ours = _saved(mode)
+    depth = dispatch_stack_len()
     try:
         exit_mode(mode)
-    except BaseException:
-        _put_back(lifted)  # the modes above as they were: running this again finds the same stack
-        raise
-    _set_saved(lifted[-1], ours)  # the lowest of them now restores what memprof's mode would have
-    _put_back(lifted)
-    restore_mode_flags(before)
+    finally:
+        # Also when the exit raised (an interrupt): the modes above back as they were, and torch's flags. Only if
+        # the mode left (an interrupt after torch's pop) does the lowest of them now restore what memprof's would
+        # have; cut short before it, the stack is as it was and running this again finds it so.
+        if dispatch_stack_len() < depth:
+            _set_saved(lifted[-1], ours)
+        _put_back(lifted)
+        restore_mode_flags(before)
     return True
 
 

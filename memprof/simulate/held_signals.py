@@ -98,6 +98,20 @@ def leave() -> None:
     _put_back(list(_State.wrapped.items()))
     _State.wrapped = {}
     _State.entered = 0
+    if _State.depth == 0 and _State.pending:
+        _raise_left()
+
+
+def _raise_left() -> None:
+    """Signals still noted once the last mode is left: a release raises them one at a time, and stops at the
+    first whose handler raises. Each left is raised now, once, its handler the user's again (so that none is
+    raised in a later, unrelated simulation, as one was); the first exception propagates after all ran."""
+    while _State.pending:
+        try:
+            signal.raise_signal(_State.pending.pop(0))
+        except BaseException:
+            _raise_left()  # the others still, then this one's exception
+            raise
 
 
 def _put_back(wrapped: "list[tuple[int, tuple[Handler, Handler]]]") -> None:
@@ -120,6 +134,8 @@ def entered() -> int:
 def leave_to(count: int) -> None:
     """Leave simulation modes until ``count`` are entered (an interrupt landed between a mode's entry and the
     registration of its exit), and no torch function call is held (one cut short never released)."""
+    if not _main():
+        return  # nothing was entered from here (enter and leave do nothing outside the main thread)
     while _State.entered > count:
         leave()
     if count == 0 and _State.depth:
@@ -136,22 +152,27 @@ def release() -> None:
     """A torch function call ends; at the outermost, each signal noted meanwhile is raised again, once."""
     _State.depth -= 1
     if _State.depth == 0 and (_State.pending or KEPT) and _main():
-        raise_kept()  # an interrupt a finaliser swallowed outside any call (memprof/swallowed.py)
         # One at a time, each forgotten as it is raised: a handler that raises leaves the others noted for the
         # next release, where raising them all from a copy would drop them
         _State.pending = list(dict.fromkeys(_State.pending))
         while _State.pending:
             signal.raise_signal(_State.pending.pop(0))
+        raise_kept()  # an interrupt a finaliser swallowed outside any torch call (memprof/swallowed.py)
 
 
 def deepcopy_held(value: T, memo: "dict[int, object]") -> T:
     """``copy.deepcopy(value, memo)`` (a model's copy onto shape-only twins) with signals held until it returns.
 
-    CPython's ``copyreg._slotnames``, which a deep copy runs for every ``OrderedDict`` and ``set`` in it (a built-in
-    type cannot keep its answer, so it is asked again each time), caches that answer inside ``try: ... except:
-    pass``: a handler's exception landing on that line is dropped there, and the estimate went on as if
-    uninterrupted (about 1 Ctrl-C in 1,500 at random instants of repeated estimates). Held here, a signal is
-    handled when the copy ends. The count of entered modes and of held calls is put back whatever lands where."""
+    CPython's ``copyreg._slotnames``, which a deep copy runs for every object of a built-in type it reduces
+    (``OrderedDict``, ``set``, ``deque`` ...: such a type cannot keep its answer, so it is asked again each time),
+    caches that answer inside ``try: ... except: pass``: a handler's exception landing on that line is dropped
+    there, and the estimate went on as if uninterrupted (about 1 Ctrl-C in 1,500 at random instants of repeated
+    estimates). Held here, a signal is handled when the copy ends: the copy is of the model's modules, its
+    parameters and buffers already twins in ``memo``, but a ``__deepcopy__`` of the user's that blocks keeps a
+    Ctrl-C waiting, and one that handles a signal of its own (a timeout) sees it only after the copy. The count of
+    entered modes and of held calls is put back whatever lands where."""
+    if not _main():
+        return copy.deepcopy(value, memo)  # no handler runs here, and the held state is the main thread's
     count, depth = entered(), _State.depth
     try:
         enter()

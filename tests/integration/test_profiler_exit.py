@@ -434,6 +434,35 @@ def test_an_interrupt_inside_torchs_exit_of_memprofs_mode_is_raised_and_the_mode
     assert prof.report().breakdown(0, "forward", "end")[C.WEIGHTS] == weight_bytes(model)
 
 
+def test_an_interrupt_right_after_torch_popped_memprofs_mode_leaves_the_users_mode_and_flags_as_they_were(
+        monkeypatch):
+    # Python checks for signals as the C call that pops the stack returns: the exit is done, and what follows it in
+    # pop_from_beneath (the user's mode back on the stack, torch's flags) must still happen.
+    from torch.utils import _python_dispatch as pd
+
+    from memprof.collect.mode_stack import mode_flags, pop_from_beneath
+
+    ours, users = _UsersMode(), _UsersMode()
+    ours.__enter__()
+    users.__enter__()
+    flags = mode_flags()
+    native = pd._pop_mode
+
+    def pop_then_interrupted(key=None):
+        native(key)
+        monkeypatch.setattr(pd, "_pop_mode", native)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pd, "_pop_mode", pop_then_interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pop_from_beneath(ours)
+        assert _thread_modes() == ([users], flags)
+    finally:
+        users.__exit__(None, None, None)
+    assert _thread_modes() == ([], (False, False, False))
+
+
 def test_an_interrupted_undo_step_whose_retry_fails_keeps_the_interrupt_beside_the_failure():
     # The retry's own failure used to be all that was recorded: the closing, which raises the first interrupt it
     # finds, then warned of the failure and raised nothing.

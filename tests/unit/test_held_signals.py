@@ -117,3 +117,40 @@ def test_a_held_deep_copy_inside_a_held_call_leaves_the_signal_to_that_call(user
     finally:
         held_signals.leave_to(0)
     assert signal.getsignal(signal.SIGUSR1) is _handler and held_signals._State.depth == 0
+
+
+def test_signals_a_raising_handler_left_noted_run_when_the_last_mode_is_left(user_handler):
+    # The release stops at the first handler that raises; what is left noted used to wait for the first torch call
+    # of a later, unrelated simulation, and interrupt it.
+    ran = []
+    previous = signal.signal(signal.SIGUSR2, lambda s, f: ran.append(s))
+    try:
+        held_signals.enter()
+        held_signals.hold()
+        held_signals._State.pending += [signal.SIGUSR1, signal.SIGUSR2]
+        with pytest.raises(Preempted):
+            held_signals.release()
+        assert held_signals._State.pending == [signal.SIGUSR2]
+        held_signals.leave()
+        assert held_signals._State.pending == [] and ran == [signal.SIGUSR2]
+        assert signal.getsignal(signal.SIGUSR1) is _handler
+    finally:
+        held_signals.leave_to(0)
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_held_copy_in_another_thread_leaves_the_main_threads_state_alone(user_handler):
+    import threading
+
+    held_signals.enter()
+    held_signals.hold()
+    try:
+        done = []
+        worker = threading.Thread(target=lambda: done.append(held_signals.deepcopy_held([1, {2}], {})), daemon=True)
+        worker.start()
+        worker.join(5)
+        assert done == [[1, {2}]] and not worker.is_alive()
+        assert held_signals._State.depth == 1 and held_signals.entered() == 1
+        held_signals.release()
+    finally:
+        held_signals.leave_to(0)

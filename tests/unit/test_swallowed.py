@@ -109,6 +109,15 @@ def test_a_keyboard_interrupt_raised_inside_a_finaliser_comes_out_of_the_estimat
     assert unraisables == [] and swallowed.KEPT == []
 
 
+def test_what_no_signal_handler_raises_goes_to_the_installed_hook(unraisables):
+    # asyncio's CancelledError and GeneratorExit are not Exceptions, yet no handler raises them: a finaliser's own.
+    import asyncio
+
+    cancelled, closing = asyncio.CancelledError(), GeneratorExit()
+    est = _estimate(DropsInForward(lambda: (_Raising(cancelled), _Raising(closing))))
+    assert est.peak.total > 0 and {id(e) for e in unraisables} == {id(cancelled), id(closing)} and len(unraisables) == 2
+
+
 def test_a_finalisers_own_failure_goes_to_the_installed_hook_and_the_estimate_goes_on(unraisables):
     failure = ValueError("a finaliser's bug")
     model = DropsInForward(lambda: _Raising(failure))
@@ -188,6 +197,54 @@ def test_an_interrupt_between_the_hooks_installing_and_putting_back_leaves_no_ca
     with pytest.raises(KeyboardInterrupt):
         swallowed.guarded(_drops(KeyboardInterrupt()))
     assert sys.unraisablehook is before
+
+
+def test_a_hook_installed_during_a_call_that_hands_on_reaches_the_original_once(unraisables):
+    # A library initialised during a call installs a hook that hands on to the one it found: memprof's. The next
+    # call installs memprof's over it; forwarding went round between the two until Python's recursion limit.
+    handed = []
+
+    def install_theirs():
+        found = sys.unraisablehook
+
+        def theirs(u):
+            handed.append(u.exc_value)
+            found(u)
+
+        sys.unraisablehook = theirs
+
+    swallowed.guarded(install_theirs)
+    for call in (lambda: None, lambda: _Raising(ValueError("inside a call"))):
+        swallowed.guarded(call)
+    failure = ValueError("after both calls")
+    _Raising(failure)
+    assert [str(e) for e in handed] == ["inside a call", "after both calls"]
+    assert [str(e) for e in unraisables] == ["inside a call", "after both calls"]  # the original's, once each
+
+
+def test_a_hook_a_nested_call_finds_is_not_what_the_outer_call_puts_back(unraisables):
+    before = sys.unraisablehook
+
+    def temporary(u):
+        return None
+
+    def outer():
+        mine = sys.unraisablehook
+        sys.unraisablehook = temporary  # the user's code swaps the hook around a nested memprof call
+        try:
+            swallowed.guarded(lambda: None)
+        finally:
+            sys.unraisablehook = mine
+
+    swallowed.guarded(outer)
+    assert sys.unraisablehook is before
+
+
+def test_an_interrupt_a_call_left_kept_is_not_raised_by_the_next_call(unraisables):
+    # A second Ctrl-C landing as a call puts the hook back leaves the first kept: the next call is not its place.
+    swallowed.KEPT.append(KeyboardInterrupt("left by an earlier call"))
+    assert swallowed.guarded(lambda: 7) == 7
+    assert swallowed.KEPT == []
 
 
 def test_another_thread_changes_nothing(unraisables):
