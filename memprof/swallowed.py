@@ -16,20 +16,23 @@ is kept in :data:`KEPT` instead of printed, and raised again at the next place t
 outermost simulated torch call (:func:`memprof.simulate.held_signals.release`) or else the end of the public call.
 Every other unraisable goes to the hook that was installed, unchanged. Only the outermost call installs the hook
 and puts back the one it found, unless something else replaced it meanwhile (left as it is, as signal handlers
-are); a hook installed meanwhile that hands on to the one it found reaches :func:`_keep`, which hands on in turn.
+are); a hook installed meanwhile that hands on to the one it found reaches :class:`_Keeper`, which hands on in turn.
 
 No count of running calls is kept: an interrupt can land at any bytecode, this module's own included, and one
 landing between a count's update and the hook's made every later call leave the hook out (5 Ctrl-Cs of 600 lost
 after one such). Whether a call runs is read from the stack instead (a frame of :func:`guarded`); one landing
-between the hook's installing and its putting back at worst leaves :func:`_keep` installed, which outside a call
+between the hook's installing and its putting back at worst leaves :class:`_Keeper` installed, which outside a call
 hands every unraisable on as before, until the next call puts the hook back. A kept interrupt is forgotten when
 the next outermost call begins.
 
 What this cannot reach: a finaliser that runs outside a memprof call (the collector freeing a simulation's garbage
-during the user's own code later) swallows a Ctrl-C as it would any library's; a second Ctrl-C landing inside
-:func:`_keep` while it keeps the first is dropped by Python (the first is kept); a ``KeyboardInterrupt`` a
-finaliser raises itself, or a handler function it calls directly, is taken for a signal's; and a profile
-(:func:`memprof.profile`) around the user's loop is not a call of this kind (the loop is the user's).
+during the user's own code later) swallows a Ctrl-C as it would any library's; a second Ctrl-C landing inside a
+keeper while it handles an unraisable is dropped by Python (the unraisable in hand is raised, whatever it was); a
+``KeyboardInterrupt`` or ``SystemExit`` a finaliser raises itself, or an exception from a handler function it calls
+directly, is taken for a signal's; a library that installs its own hook whenever the installed one is not its own,
+from code a memprof call runs (a forward), installs it again in every call, over that call's keeper, so an
+unraisable passes each copy (as it would under any tool that swaps the hook for a while, pytest's included); and a
+profile (:func:`memprof.profile`) around the user's loop is not a call of this kind (the loop is the user's).
 """
 
 from __future__ import annotations
@@ -50,33 +53,31 @@ Hook = Callable[["sys.UnraisableHookArgs"], object]
 KEPT: "list[BaseException]" = []
 
 
-class _State:
-    """The hooks :func:`_keep` was installed over, oldest first, and how deep :func:`_keep` is in forwarding one
-    unraisable. A hook installed during a call that hands on to the hook it found (the usual pattern) hands on to
-    :func:`_keep`; the next call installs :func:`_keep` over it, so :func:`_keep` is reached again while forwarding,
-    and then forwards to the hook before that one, never round again."""
+class _Keeper:
+    """``sys.unraisablehook`` while a public call runs: an interrupt the main thread's finaliser swallowed during a
+    call is kept, anything else goes to the hook this one was installed over (``previous``), and only to it.
 
-    previous: "list[Hook]" = []
-    forwarding = 0
+    One keeper per installation, holding its own ``previous``: a hook installed during a call that hands on to the
+    one it found hands on to this keeper, and the next call's keeper is installed over that hook, so an unraisable
+    passes each hook of the chain once, in order, with no count shared between threads or calls. Outside a call a
+    keeper only hands on."""
 
+    __slots__ = ("previous",)
 
-def _keep(unraisable: "sys.UnraisableHookArgs") -> None:
-    """Installed as ``sys.unraisablehook`` while a public call runs: an interrupt the main thread swallowed in a
-    call is kept, anything else goes to the hook that was there."""
-    exc = unraisable.exc_value
-    if exc is not None and _main() and not _State.forwarding:
-        KEPT.append(exc)  # first: a second Ctrl-C landing in what follows cannot lose this one
-        if _signalled(exc) and _calls() > 0:
-            return
-        if KEPT and KEPT[-1] is exc:
-            KEPT.pop()
-    previous, depth = _State.previous, _State.forwarding
-    hook = previous[-1 - depth] if depth < len(previous) else sys.__unraisablehook__
-    try:
-        _State.forwarding = depth + 1  # inside: whatever lands where, the count is back after
-        hook(unraisable)
-    finally:
-        _State.forwarding = depth
+    def __init__(self, previous: Hook) -> None:
+        self.previous = previous
+
+    def __call__(self, unraisable: "sys.UnraisableHookArgs") -> None:
+        exc = unraisable.exc_value
+        if exc is not None and _main():
+            if any(kept is exc for kept in KEPT):
+                return  # an older keeper further down the chain: kept already
+            KEPT.append(exc)  # first: a second Ctrl-C landing in what follows cannot lose this one
+            if _signalled(exc) and _calls() > 0:
+                return
+            if KEPT and KEPT[-1] is exc:
+                KEPT.pop()
+        self.previous(unraisable)
 
 
 def _signalled(exc: BaseException) -> bool:
@@ -100,17 +101,15 @@ def raise_kept() -> None:
 
 def guarded(call: Callable[[], T]) -> T:
     """``call()``, a public memprof function's work: interrupts finalisers swallow meanwhile are raised again, at
-    the latest when it returns. Only the outermost call installs the hook and puts back the one it found; other
-    threads change nothing (signal handlers run in the main thread only)."""
+    the latest when it returns. Only the outermost call installs a keeper and puts back the hook it was installed
+    over; other threads change nothing (signal handlers run in the main thread only)."""
     if not _main():
         return call()
     try:
         if _calls() == 1:
             KEPT.clear()  # one a second Ctrl-C left behind in an earlier call is not this call's
-            hook = sys.unraisablehook
-            if hook is not _keep:
-                _State.previous.append(hook)
-                sys.unraisablehook = _keep
+            if not isinstance(sys.unraisablehook, _Keeper):  # one left installed by an interrupted call: reused
+                sys.unraisablehook = _Keeper(sys.unraisablehook)
         result = call()
     except BaseException as propagating:
         _put_back()
@@ -124,10 +123,11 @@ def guarded(call: Callable[[], T]) -> T:
 
 
 def _put_back() -> None:
-    """One call ends: at the outermost, the hook that was installed is back, unless another replaced
-    :func:`_keep` meanwhile (left as it is; it may hand on to :func:`_keep`, which then hands on as before)."""
-    if _calls() == 1 and sys.unraisablehook is _keep and _State.previous:
-        sys.unraisablehook = _State.previous.pop()
+    """One call ends: at the outermost, the hook its keeper was installed over is back, in one store, unless
+    another hook replaced the keeper meanwhile (left as it is; it may hand on to the keeper, which hands on)."""
+    hook = sys.unraisablehook
+    if isinstance(hook, _Keeper) and _calls() == 1:
+        sys.unraisablehook = hook.previous
 
 
 def _calls() -> int:

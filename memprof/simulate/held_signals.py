@@ -105,7 +105,8 @@ def leave() -> None:
 def _raise_left() -> None:
     """Signals still noted once the last mode is left: a release raises them one at a time, and stops at the
     first whose handler raises. Each left is raised now, once, its handler the user's again (so that none is
-    raised in a later, unrelated simulation, as one was); the first exception propagates after all ran."""
+    raised in a later, unrelated simulation, as one was). Each handler runs, and the last one's exception
+    propagates with the one before as its context, as two signals tripped together come out of CPython."""
     while _State.pending:
         try:
             signal.raise_signal(_State.pending.pop(0))

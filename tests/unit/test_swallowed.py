@@ -247,6 +247,50 @@ def test_an_interrupt_a_call_left_kept_is_not_raised_by_the_next_call(unraisable
     assert swallowed.KEPT == []
 
 
+def test_an_unraisable_raised_while_the_users_hook_runs_reaches_the_users_hook(monkeypatch):
+    seen = []
+
+    def users(u):
+        seen.append(str(u.exc_value))
+        if len(seen) == 1:
+            _Raising(ValueError("inner, while the user's hook runs"))
+
+    def call():
+        _Raising(ValueError("outer"))  # dropped at once, inside the call
+
+    monkeypatch.setattr(sys, "unraisablehook", users)
+    swallowed.guarded(call)
+    assert seen == ["outer", "inner, while the user's hook runs"]  # as without memprof
+
+
+def test_a_thread_handing_an_unraisable_on_leaves_the_main_threads_interrupts_kept(monkeypatch):
+    # One count of "forwarding" shared by every thread made the main thread's swallowed Ctrl-C go unkept while a
+    # worker's unraisable was in the user's hook, and could stay set for good.
+    import threading
+
+    entered, leave, seen = threading.Event(), threading.Event(), []
+
+    def slow(u):
+        seen.append(str(u.exc_value))
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            leave.wait(5)
+
+    monkeypatch.setattr(sys, "unraisablehook", slow)
+
+    def call():
+        worker = threading.Thread(target=lambda: _Raising(ValueError("the worker's")), daemon=True)
+        worker.start()
+        assert entered.wait(5)
+        _Raising(KeyboardInterrupt())  # the main thread's, while the worker's is in the user's hook
+        leave.set()
+        worker.join(5)
+
+    with pytest.raises(KeyboardInterrupt):
+        swallowed.guarded(call)
+    assert seen == ["the worker's"] and sys.unraisablehook is slow
+
+
 def test_another_thread_changes_nothing(unraisables):
     before = sys.unraisablehook
     hooks = []
