@@ -25,6 +25,7 @@ from torch.utils import _python_dispatch as _pd
 import memprof
 from memprof.simulate.stages import NothingLeftBehind
 from tests.models import MLP
+from tests.signals import Preempted, SwallowsInCopy, preempted, preemption_handler
 
 
 def _estimate(model: torch.nn.Module, x: torch.Tensor) -> memprof.Estimate:
@@ -165,33 +166,12 @@ def test_a_mode_an_interrupt_left_entered_is_taken_off_with_torchs_flags_put_bac
     assert _thread_state() == before
 
 
-class _Preempted(Exception):
-    pass
-
-
-class _SwallowsInCopy:
-    """A module attribute whose deep copy runs the signal's handler inside ``try: ... except: pass``, as CPython's
-    ``copyreg._slotnames`` does for every OrderedDict and set a model's copy meets."""
-
-    def __deepcopy__(self, memo):
-        try:
-            signal.raise_signal(signal.SIGUSR1)
-        except:  # noqa: E722  # as copyreg's
-            pass
-        return _SwallowsInCopy()
-
-
-def _preempted(signum, frame):
-    raise _Preempted
-
-
 def test_a_signal_while_the_estimate_copies_the_model_comes_out_of_it():
+    # The model holds an attribute whose deep copy drops the handler's exception, as copyreg does for every
+    # OrderedDict and set a model's copy meets.
     model, x = MLP(), torch.randn(4, 32)
-    model.kept = _SwallowsInCopy()
-    previous = signal.signal(signal.SIGUSR1, _preempted)
-    try:
-        with pytest.raises(_Preempted):  # not dropped inside the copy: raised as the copy ends
+    model.kept = SwallowsInCopy()
+    with preemption_handler():
+        with pytest.raises(Preempted):  # not dropped inside the copy: raised as the copy ends
             _estimate(model, x)
-        assert signal.getsignal(signal.SIGUSR1) is _preempted
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+        assert signal.getsignal(signal.SIGUSR1) is preempted

@@ -8,33 +8,23 @@ import signal
 import pytest
 
 from memprof.simulate import held_signals
-
-
-class Preempted(Exception):
-    pass
-
-
-def _handler(signum, frame):
-    raise Preempted
+from tests.signals import Preempted, SwallowsInCopy, preempted, preemption_handler
 
 
 @pytest.fixture
 def user_handler():
-    previous = signal.signal(signal.SIGUSR1, _handler)
-    try:
+    with preemption_handler():
         yield
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_the_users_handler_is_back_after_the_last_mode_is_left(user_handler):
     held_signals.enter()
-    assert signal.getsignal(signal.SIGUSR1) is not _handler  # wrapped while a simulation runs
+    assert signal.getsignal(signal.SIGUSR1) is not preempted  # wrapped while a simulation runs
     held_signals.enter()
     held_signals.leave()
-    assert signal.getsignal(signal.SIGUSR1) is not _handler  # one mode is still entered
+    assert signal.getsignal(signal.SIGUSR1) is not preempted  # one mode is still entered
     held_signals.leave()
-    assert signal.getsignal(signal.SIGUSR1) is _handler and held_signals.entered() == 0
+    assert signal.getsignal(signal.SIGUSR1) is preempted and held_signals.entered() == 0
 
 
 def test_an_interrupt_landing_as_the_handlers_are_put_back_leaves_them_to_leave_to(user_handler, monkeypatch):
@@ -54,7 +44,7 @@ def test_an_interrupt_landing_as_the_handlers_are_put_back_leaves_them_to_leave_
     with pytest.raises(Preempted):
         held_signals.leave()
     held_signals.leave_to(0)
-    assert signal.getsignal(signal.SIGUSR1) is _handler and held_signals.entered() == 0
+    assert signal.getsignal(signal.SIGUSR1) is preempted and held_signals.entered() == 0
     assert calls[1] == calls[0] >= 1  # the second attempt was given every wrapped handler again
 
 
@@ -78,31 +68,17 @@ def test_signals_noted_during_a_call_are_each_raised_once_after_it_even_when_one
     assert raised == [signal.SIGUSR1, signal.SIGUSR2] and held_signals._State.pending == []
 
 
-class _SwallowsInCopy:
-    """Its copy runs the handler where an exception is dropped, as CPython's ``copyreg._slotnames`` does at the line
-    that caches its answer (``try: ... except: pass``), which a deep copy runs for every OrderedDict and set."""
-
-    copies = 0
-
-    def __deepcopy__(self, memo):
-        try:
-            signal.raise_signal(signal.SIGUSR1)
-        except:  # noqa: E722  # as copyreg's
-            pass
-        _SwallowsInCopy.copies += 1
-        return _SwallowsInCopy()
-
-
 def test_a_signal_during_a_held_deep_copy_is_handled_when_the_copy_ends(user_handler):
     import copy
 
+    before = SwallowsInCopy.copies  # (other tests copy it too)
     with pytest.raises(Preempted):
-        held_signals.deepcopy_held([_SwallowsInCopy()], {})
-    assert _SwallowsInCopy.copies == 1  # the copy ran to its end, then the handler
-    assert signal.getsignal(signal.SIGUSR1) is _handler and held_signals.entered() == 0
+        held_signals.deepcopy_held([SwallowsInCopy()], {})
+    assert SwallowsInCopy.copies == before + 1  # the copy ran to its end, then the handler
+    assert signal.getsignal(signal.SIGUSR1) is preempted and held_signals.entered() == 0
     assert held_signals._State.depth == 0 and held_signals._State.pending == []
-    copy.deepcopy([_SwallowsInCopy()])  # unheld, the same copy drops the handler's exception: nothing raised
-    assert _SwallowsInCopy.copies == 2
+    copy.deepcopy([SwallowsInCopy()])  # unheld, the same copy drops the handler's exception: nothing raised
+    assert SwallowsInCopy.copies == before + 2
 
 
 def test_a_held_deep_copy_inside_a_held_call_leaves_the_signal_to_that_call(user_handler):
@@ -110,16 +86,16 @@ def test_a_held_deep_copy_inside_a_held_call_leaves_the_signal_to_that_call(user
     held_signals.enter()
     try:
         held_signals.hold()
-        held_signals.deepcopy_held([_SwallowsInCopy()], {})
+        held_signals.deepcopy_held([SwallowsInCopy()], {})
         assert held_signals._State.pending == [signal.SIGUSR1] and held_signals.entered() == 1
         with pytest.raises(Preempted):
             held_signals.release()
     finally:
         held_signals.leave_to(0)
-    assert signal.getsignal(signal.SIGUSR1) is _handler and held_signals._State.depth == 0
+    assert signal.getsignal(signal.SIGUSR1) is preempted and held_signals._State.depth == 0
 
 
-def test_signals_a_raising_handler_left_noted_run_when_the_last_mode_is_left(user_handler):
+def test_signals_a_raisingpreempted_left_noted_run_when_the_last_mode_is_left(user_handler):
     # The release stops at the first handler that raises; what is left noted used to wait for the first torch call
     # of a later, unrelated simulation, and interrupt it.
     ran = []
@@ -133,7 +109,7 @@ def test_signals_a_raising_handler_left_noted_run_when_the_last_mode_is_left(use
         assert held_signals._State.pending == [signal.SIGUSR2]
         held_signals.leave()
         assert held_signals._State.pending == [] and ran == [signal.SIGUSR2]
-        assert signal.getsignal(signal.SIGUSR1) is _handler
+        assert signal.getsignal(signal.SIGUSR1) is preempted
     finally:
         held_signals.leave_to(0)
         signal.signal(signal.SIGUSR2, previous)

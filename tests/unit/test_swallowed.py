@@ -14,14 +14,8 @@ from torch import nn
 
 import memprof
 from memprof import swallowed
-
-
-class Preempted(Exception):
-    pass
-
-
-def _preempted(signum, frame):
-    raise Preempted
+from tests import signals
+from tests.signals import Preempted, preempted
 
 
 class _Signalled:
@@ -79,11 +73,8 @@ def unraisables(monkeypatch):
 
 @pytest.fixture
 def preemption_handler():
-    previous = signal.signal(signal.SIGUSR1, _preempted)
-    try:
+    with signals.preemption_handler():
         yield
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
 
 
 def _estimate(model):
@@ -99,7 +90,7 @@ def test_a_preemption_handlers_exception_inside_a_finaliser_comes_out_of_the_est
     assert REACHED == []  # raised at the end of the next torch call (b's linear), not at the estimate's end
     assert unraisables == []  # kept, not printed
     assert sys.unraisablehook is before and swallowed.KEPT == []
-    assert signal.getsignal(signal.SIGUSR1) is _preempted
+    assert signal.getsignal(signal.SIGUSR1) is preempted
 
 
 def test_a_keyboard_interrupt_raised_inside_a_finaliser_comes_out_of_the_estimate(unraisables):
