@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from types import FrameType
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -35,6 +35,24 @@ _COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
 # Calls during which the rules must stay on: backward recomputes checkpointed regions, which must run their
 # forward as the first pass ran it (torch.utils.checkpoint checks what they save).
 _FOLLOWED = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+
+# What a tensor is, read through a property's getter or a method that runs no op and returns no tensor: no rule
+# answers or counts these (none makes or casts a tensor), and they were 40 % of the calls a simulation's mode saw.
+_GETTERS = ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad_fn", "_version",
+            "output_nr", "names", "itemsize", "nbytes", "is_meta", "is_cpu", "is_cuda", "is_sparse", "is_quantized",
+            "is_nested", "is_mkldnn")
+_METHODS = ("dim", "size", "stride", "numel", "element_size", "storage_offset", "is_floating_point", "is_complex",
+            "is_contiguous", "untyped_storage", "get_device", "_is_view", "is_inference")
+# A tensor's gradient, data and base read or set: no op runs either (``.T``, ``.real`` and the like run one).
+_KEPT_TENSORS = ("grad", "data", "_base")
+_METADATA = frozenset([getattr(torch._C.TensorBase, n).__get__ for n in _GETTERS + _KEPT_TENSORS
+                       if hasattr(torch._C.TensorBase, n)]
+                      + [getattr(torch._C.TensorBase, n).__set__ for n in ("grad", "data")]
+                      + [getattr(torch._C.TensorBase, n) for n in _METHODS if hasattr(torch._C.TensorBase, n)])
+# memprof's own bookkeeping, which runs inside the simulated step (the ledger, the dispatch mode's handler and its
+# redispatch of each op, the hooks on modules, saved tensors, gradients and the optimizer): the rules are about
+# the model's calls, and these were a third of the calls the mode saw.
+_BOOKKEEPING = ("memprof.collect.", "memprof.record.")
 
 
 class Rule(TorchFunctionMode):
@@ -73,6 +91,7 @@ class Rules(TorchFunctionMode):
         self.rules = rules
         self._types: tuple[type, ...] = ()
         self._caller: "FrameType | None" = None
+        self._own: dict[CodeType, bool] = {}  # per code object: is it memprof's bookkeeping (_BOOKKEEPING)?
         link: Next = self._follow
         for rule in reversed(rules):
             rule.chain = self
@@ -101,8 +120,19 @@ class Rules(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., OpValue], types: tuple[type, ...],
                            args: tuple[OpValue, ...] = (), kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
+        caller = sys._getframe(1)
+        own = self._own.get(caller.f_code)
+        if own is None:
+            own = self._own[caller.f_code] = caller.f_globals.get("__name__", "").startswith(_BOOKKEEPING)
+        if own or func in _METADATA:
+            # No rule applies (_METADATA, _BOOKKEEPING): called as the chain's end calls it, past the rules.
+            held_signals.hold()
+            try:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            finally:
+                held_signals.release()
         outer = self._types, self._caller
-        self._types, self._caller = types, sys._getframe(1)
+        self._types, self._caller = types, caller
         held_signals.hold()
         try:
             return self._first(func, tuple(args), dict(kwargs or {}))
