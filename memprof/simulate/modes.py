@@ -17,6 +17,7 @@ from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from torch._ops import OpOverload
 from torch.overrides import TorchFunctionMode
 
 from . import held_signals
@@ -49,6 +50,11 @@ _METADATA = frozenset([getattr(torch._C.TensorBase, n).__get__ for n in _GETTERS
                        if hasattr(torch._C.TensorBase, n)]
                       + [getattr(torch._C.TensorBase, n).__set__ for n in ("grad", "data")]
                       + [getattr(torch._C.TensorBase, n) for n in _METHODS if hasattr(torch._C.TensorBase, n)])
+# torch's own ops called as ops (``torch.ops.aten.mm.default(...)``: a dispatch mode handing an op on, a fake or
+# meta kernel, a decomposition): the rules are about the functions above them, and see a custom op's (kernels.py's
+# namespaces).
+_OWN_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d",
+                             "profiler", "higher_order", "fsdp", "_dtensor"})
 # memprof's own bookkeeping, which runs inside the simulated step (the ledger, the dispatch mode's handler and its
 # redispatch of each op, the hooks on modules, saved tensors, gradients and the optimizer): the rules are about
 # the model's calls, and these were a third of the calls the mode saw.
@@ -92,6 +98,8 @@ class Rules(TorchFunctionMode):
         self._types: tuple[type, ...] = ()
         self._caller: "FrameType | None" = None
         self._own: dict[CodeType, bool] = {}  # per code object: is it memprof's bookkeeping (_BOOKKEEPING)?
+        # Per op, by id (OpOverload.__hash__ is a Python method): the op, and whether it is torch's own.
+        self._ops: dict[int, tuple[object, bool]] = {}
         link: Next = self._follow
         for rule in reversed(rules):
             rule.chain = self
@@ -124,8 +132,13 @@ class Rules(TorchFunctionMode):
         own = self._own.get(caller.f_code)
         if own is None:
             own = self._own[caller.f_code] = caller.f_globals.get("__name__", "").startswith(_BOOKKEEPING)
+        if not own and type(func) is OpOverload:
+            known = self._ops.get(id(func))
+            if known is None or known[0] is not func:
+                known = self._ops[id(func)] = (func, func.namespace in _OWN_NAMESPACES)
+            own = known[1]
         if own or func in _METADATA:
-            # No rule applies (_METADATA, _BOOKKEEPING): called as the chain's end calls it, past the rules.
+            # No rule applies (_METADATA, _OWN_NAMESPACES, _BOOKKEEPING): called as the chain's end calls it.
             held_signals.hold()
             try:
                 return func(*args, **kwargs) if kwargs else func(*args)

@@ -16,6 +16,16 @@ _LEDGER = types.ModuleType("memprof.collect.ledger_probe")
 exec("def keys(t):\n    return t.untyped_storage(), t.detach(), t * 2\n", _LEDGER.__dict__)
 
 
+@torch.library.custom_op("memprof_tests::pass_through_probe", mutates_args=())
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_probe.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 class _Seen(Rule):
     def __init__(self) -> None:
         super().__init__()
@@ -35,7 +45,10 @@ def test_metadata_and_bookkeeping_go_past_the_rules_and_the_models_calls_do_not(
         shape, dtype, grad, size = y.shape, y.dtype, lin.weight.grad, y.size()
         _LEDGER.keys(y)
         z = y.t()  # an op through a property's cousin (a method that runs one): seen
-    assert seen.funcs == [torch.nn.functional.linear, torch.Tensor.t]
+        torch.ops.aten.mul.Tensor(y, y)  # torch's own op called as an op (as a dispatch mode hands it on): not seen
+        torch.ops.memprof_tests.pass_through_probe.default(y)  # a custom op: seen (the custom ops' watcher counts it)
+    assert seen.funcs == [torch.nn.functional.linear, torch.Tensor.t,
+                          torch.ops.memprof_tests.pass_through_probe.default]
     # What went past still ran: the answers are torch's own.
     assert (shape, dtype, grad, size, z.shape) == ((2, 4), torch.float32, None, (2, 4), (4, 2))
 
