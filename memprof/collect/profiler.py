@@ -162,6 +162,10 @@ class Profiler(ProfileState):
     it, :attr:`trace` is the frozen record and :meth:`report` its views.
     """
 
+    #: A simulation's profile (:class:`~memprof.collect.simulated.SimulatedProfile`) says so: its collector's mode
+    #: runs beneath the simulation's function mode.
+    _simulated = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -321,7 +325,8 @@ class Profiler(ProfileState):
         optimizers = [o for o in (r() for r in self._optimizer_refs) if o is not None]
         ready = self._window_ready if self._on_trace_ready is not None else None
         how = Wiring(self._mode_requested, self._want_operations, self._fake_mode, self.schedule, ready,
-                     record_routing=self._record_routing, allocator=self._allocator, carry=self._carry)
+                     record_routing=self._record_routing, allocator=self._allocator, carry=self._carry,
+                     simulated=self._simulated)
         self.collectors = wire(model, optimizers, self.run, self.ledger, self.probe, stack, how)
         if self.oom_dump is not None:
             self.oom_dump.start(self.live_now)

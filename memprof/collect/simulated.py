@@ -61,6 +61,8 @@ class SimulatedProfile(Profiler):
     Enter it around the simulated steps as any profile; :attr:`trace` is the record afterwards. The methods
     below are what a simulated layout plays on the run while it is recorded (:attr:`recording`)."""
 
+    _simulated = True
+
     def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | None", *,
                  fake_mode: "FakeTensorMode | None", rounding: int, keep_stream: bool) -> None:
         super().__init__(model, optimizer, mode="exact", timeline=False, _allow_meta=True, _fake_mode=fake_mode,

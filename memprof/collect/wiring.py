@@ -25,7 +25,7 @@ from . import marks
 from ..errors import InvalidArgumentError
 from .capture import Capture
 from .carry import StepCarry
-from .dispatch import KEEPS_COMPILE, StorageTracker
+from .dispatch import KEEPS_COMPILE, SimulatedDispatchMode, StorageTracker
 from .engine_watch import EngineWatch
 from .frames import Frames
 from .graph_saves import GraphSaves
@@ -157,8 +157,9 @@ class Wiring:
     """How a profile measures, as its arguments decided: the mode asked for (``"auto"`` included), whether per-op
     records are kept, a simulation's fake-tensor mode (its tensors are the run's), the schedule and ``ready`` (which
     hands the run so far to ``on_trace_ready`` at the end of a window), whether routing is recorded, where exact
-    mode's events come from (``source=`` of profile()), and whether optimizer steps may be carried (:mod:`.carry`)
-    where nothing else needs every op."""
+    mode's events come from (``source=`` of profile()), whether optimizer steps may be carried (:mod:`.carry`)
+    where nothing else needs every op, and whether the profile is a simulation's (its collector's mode then runs
+    beneath the simulation's function mode: :class:`~memprof.collect.dispatch.SimulatedDispatchMode`)."""
 
     mode_requested: str
     operations: bool
@@ -168,6 +169,7 @@ class Wiring:
     record_routing: bool = False
     allocator: str = "dispatch"
     carry: bool = True
+    simulated: bool = False
 
 
 def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
@@ -176,6 +178,8 @@ def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Ru
     from .allocator_source import attach
 
     c = build(model, optimizers, run, ledger, probe, stack, how.fake_mode)
+    if how.simulated:
+        c.storages.mode_class = SimulatedDispatchMode
     install(c, model, mode_requested=how.mode_requested, operations=how.operations, carry=how.carry)
     # On CUDA: the allocator's events (source="allocator") and memprof's labels in its snapshot.
     c.allocator = attach(run, ledger, c.phases, c.table, stack, how.allocator)
