@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..errors import is_interrupt
 from . import sdpa_rules as sdpa
-from .modes import Next, Rule
+from .modes import TORCH_NAMESPACES, Next, Rule
 
 if TYPE_CHECKING:
     from .aliases import OpValue
@@ -363,12 +363,6 @@ class ValueDependentCode(Rule):
                 f"simulation does not have): up to that much of the simulated figures may not exist on the device"]
 
 
-# Namespaces of torch's own ops, whose meta kernels are torch's statement of what the device allocates (fsdp:
-# FSDP2's copy-in and copy-out ops, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
-_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d",
-                               "profiler", "higher_order", "fsdp", "_dtensor"})
-
-
 class CustomOps(Rule):
     """Count the ops from outside torch (``torch.library`` custom ops, extension kernels) a simulation ran:
     they run through the fake kernel their author registered, which gives the outputs' shapes but not
@@ -388,7 +382,7 @@ class CustomOps(Rule):
             name = func._qualified_op_name
         else:
             return out
-        if name.split("::")[0] not in _TORCH_NAMESPACES:
+        if name.split("::")[0] not in TORCH_NAMESPACES:
             self.calls[name] += 1
             self.bytes[name] += _output_bytes(out)
         return out

@@ -12,6 +12,7 @@ in order, each handing the call on to the next.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Callable
@@ -25,7 +26,7 @@ from . import held_signals
 if TYPE_CHECKING:
     from .aliases import OpValue
 
-__all__ = ["Rule", "Rules", "Next"]
+__all__ = ["Rule", "Rules", "Next", "TORCH_NAMESPACES"]
 
 #: What a rule calls to hand a call on: ``next(func, args, kwargs)``, with the torch function (any callable torch
 #: hands a function mode: a function of torch, a tensor method, a property's getter) and its arguments.
@@ -38,7 +39,8 @@ _COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
 _FOLLOWED = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 
 # What a tensor is, read through a property's getter or a method that runs no op and returns no tensor: no rule
-# answers or counts these (none makes or casts a tensor), and they were 40 % of the calls a simulation's mode saw.
+# answers them (none makes or casts a tensor), and they were 40 % of the calls a simulation's mode saw. (The watcher
+# of value-dependent code counted them among the "ops" its note names; they build nothing, and it no longer does.)
 _GETTERS = ("shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad_fn", "_version",
             "output_nr", "names", "itemsize", "nbytes", "is_meta", "is_cpu", "is_cuda", "is_sparse", "is_quantized",
             "is_nested", "is_mkldnn")
@@ -50,15 +52,26 @@ _METADATA = frozenset([getattr(torch._C.TensorBase, n).__get__ for n in _GETTERS
                        if hasattr(torch._C.TensorBase, n)]
                       + [getattr(torch._C.TensorBase, n).__set__ for n in ("grad", "data")]
                       + [getattr(torch._C.TensorBase, n) for n in _METHODS if hasattr(torch._C.TensorBase, n)])
-# torch's own ops called as ops (``torch.ops.aten.mm.default(...)``: a dispatch mode handing an op on, a fake or
-# meta kernel, a decomposition): the rules are about the functions above them, and see a custom op's (kernels.py's
-# namespaces).
-_OWN_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d",
-                             "profiler", "higher_order", "fsdp", "_dtensor"})
+#: Namespaces of torch's own ops, whose meta kernels are torch's statement of what the device allocates (fsdp:
+#: FSDP2's copy-in and copy-out ops, torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). Called as ops
+#: (``torch.ops.aten.mm.default(...)``: a dispatch mode handing an op on, a fake or meta kernel, a decomposition)
+#: they go past the rules, which are about the functions above them; another namespace's op is a custom op, which
+#: the custom-op watcher counts (:class:`memprof.simulate.kernels.CustomOps`).
+TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "_c10d_functional", "_c10d_functional_autograd", "c10d",
+                              "profiler", "higher_order", "fsdp", "_dtensor"})
 # memprof's own bookkeeping, which runs inside the simulated step (the ledger, the dispatch mode's handler and its
 # redispatch of each op, the hooks on modules, saved tensors, gradients and the optimizer): the rules are about
-# the model's calls, and these were a third of the calls the mode saw.
+# the model's calls, and these were a third of the calls the mode saw. Known by the module's name and its file, in
+# memprof's own folders: a user's module named under memprof's package is still the model's code.
 _BOOKKEEPING = ("memprof.collect.", "memprof.record.")
+_BOOKKEEPING_FILES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), folder, "")
+                           for folder in ("collect", "record"))
+
+
+def _bookkeeping(frame: FrameType) -> bool:
+    """Whether ``frame`` runs memprof's bookkeeping (:data:`_BOOKKEEPING`, from :data:`_BOOKKEEPING_FILES`)."""
+    return (frame.f_globals.get("__name__", "").startswith(_BOOKKEEPING)
+            and os.path.abspath(frame.f_code.co_filename).startswith(_BOOKKEEPING_FILES))
 
 
 class Rule(TorchFunctionMode):
@@ -131,14 +144,14 @@ class Rules(TorchFunctionMode):
         caller = sys._getframe(1)
         own = self._own.get(caller.f_code)
         if own is None:
-            own = self._own[caller.f_code] = caller.f_globals.get("__name__", "").startswith(_BOOKKEEPING)
+            own = self._own[caller.f_code] = _bookkeeping(caller)
         if not own and type(func) is OpOverload:
             known = self._ops.get(id(func))
             if known is None or known[0] is not func:
-                known = self._ops[id(func)] = (func, func.namespace in _OWN_NAMESPACES)
+                known = self._ops[id(func)] = (func, func.namespace in TORCH_NAMESPACES)
             own = known[1]
         if own or func in _METADATA:
-            # No rule applies (_METADATA, _OWN_NAMESPACES, _BOOKKEEPING): called as the chain's end calls it.
+            # No rule applies (_METADATA, TORCH_NAMESPACES, _BOOKKEEPING): called as the chain's end calls it.
             held_signals.hold()
             try:
                 return func(*args, **kwargs) if kwargs else func(*args)

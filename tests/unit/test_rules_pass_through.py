@@ -9,11 +9,12 @@ import types
 import torch
 from torch import nn
 
+from memprof.collect.ledger import plain_storage_keys, storage_of
 from memprof.simulate.modes import Rule, Rules
 
-# A module named as memprof's collector (modes._BOOKKEEPING matches by prefix).
-_LEDGER = types.ModuleType("memprof.collect.ledger_probe")
-exec("def keys(t):\n    return t.untyped_storage(), t.detach(), t * 2\n", _LEDGER.__dict__)
+# A user's module named as memprof's collector, its code not in memprof's folders: the model's code still.
+_NAMED = types.ModuleType("memprof.collect.user_probe")
+exec("def twice(t):\n    return t * 2\n", _NAMED.__dict__)
 
 
 @torch.library.custom_op("memprof_tests::pass_through_probe", mutates_args=())
@@ -43,11 +44,12 @@ def test_metadata_and_bookkeeping_go_past_the_rules_and_the_models_calls_do_not(
     with Rules(seen):
         y = lin(x)
         shape, dtype, grad, size = y.shape, y.dtype, lin.weight.grad, y.size()
-        _LEDGER.keys(y)
+        storage_of(y), plain_storage_keys([y])  # the collector's ledger looking up y's storage: not seen
+        _NAMED.twice(y)  # seen (Tensor.mul)
         z = y.t()  # an op through a property's cousin (a method that runs one): seen
         torch.ops.aten.mul.Tensor(y, y)  # torch's own op called as an op (as a dispatch mode hands it on): not seen
         torch.ops.memprof_tests.pass_through_probe.default(y)  # a custom op: seen (the custom ops' watcher counts it)
-    assert seen.funcs == [torch.nn.functional.linear, torch.Tensor.t,
+    assert seen.funcs == [torch.nn.functional.linear, torch.Tensor.mul, torch.Tensor.t,
                           torch.ops.memprof_tests.pass_through_probe.default]
     # What went past still ran: the answers are torch's own.
     assert (shape, dtype, grad, size, z.shape) == ((2, 4), torch.float32, None, (2, 4), (4, 2))
