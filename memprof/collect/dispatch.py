@@ -178,6 +178,10 @@ class DispatchMode(UnwrappedMode):
         return out
 
 
+# Off: torch function handling, for subclasses and modes alike (a C++ guard, torch/csrc/utils/disable_torch_function.cpp).
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+
+
 class SimulatedDispatchMode(DispatchMode):
     """The collector's mode in a simulation: its handler, and every op beneath it, runs with torch function handling
     off. A simulation's function mode (``memprof.simulate.modes.Rules``) is about the model's own calls; an op's
@@ -189,9 +193,6 @@ class SimulatedDispatchMode(DispatchMode):
                            kwargs: "dict[str, object] | None" = None) -> object:
         with _NO_TORCH_FUNCTION():
             return DispatchMode.__torch_dispatch__(self, func, types, args, kwargs)
-
-
-_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 
 
 def _leave_stack(ref: "weakref.ref[DispatchMode]") -> None:

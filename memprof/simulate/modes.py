@@ -7,6 +7,10 @@ other: re-entering a mode so that it sees the calls inside a Python composite
 (``F.multi_head_attention_forward``) or inside backward (checkpoint recomputation) skips every mode
 beneath it for that call. So each rule is a :class:`Rule`, and :class:`Rules` runs them as one mode,
 in order, each handing the call on to the next.
+
+The rules are about the model's calls. A tensor's metadata read, memprof's own bookkeeping and torch's own ops
+called as ops go past them (:data:`TORCH_NAMESPACES` and the lists below), and in a simulation nothing beneath the
+collector's dispatch handler reaches the mode at all (``memprof.collect.dispatch.SimulatedDispatchMode``).
 """
 
 from __future__ import annotations
