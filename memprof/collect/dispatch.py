@@ -178,7 +178,7 @@ class DispatchMode(UnwrappedMode):
         return out
 
 
-# Off: torch function handling, for subclasses and modes alike (a C++ guard, torch/csrc/utils/disable_torch_function.cpp).
+# Off: torch function handling, for subclasses and modes alike (torch/csrc/utils/disable_torch_function.cpp).
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 
 
