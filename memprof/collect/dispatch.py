@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .operations import OperationLog
     from .state import Run
 
-__all__ = ["DispatchMode", "SimulatedDispatchMode", "StorageTracker", "KEEPS_COMPILE", "pop_orphan_modes"]
+__all__ = ["DispatchMode", "StorageTracker", "KEEPS_COMPILE", "pop_orphan_modes"]
 
 _aten = torch.ops.aten
 _PLAIN = torch.Tensor
@@ -178,23 +178,6 @@ class DispatchMode(UnwrappedMode):
         return out
 
 
-# Off: torch function handling, for subclasses and modes alike (torch/csrc/utils/disable_torch_function.cpp).
-_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
-
-
-class SimulatedDispatchMode(DispatchMode):
-    """The collector's mode in a simulation: its handler, and every op beneath it, runs with torch function handling
-    off. A simulation's function mode (``memprof.simulate.modes.Rules``) is about the model's own calls; an op's
-    bookkeeping (its storages looked up, its outputs' metadata read) and its redispatch through the simulation's
-    lower modes and kernels would each reach that mode, about six calls per op, only to be handed on. A real
-    profile's mode stays as it is: it has no such mode above it, and exact mode's calls per op are pinned."""
-
-    def __torch_dispatch__(self, func: "Op", types: "tuple[type, ...]", args: "tuple[object, ...]" = (),
-                           kwargs: "dict[str, object] | None" = None) -> object:
-        with _NO_TORCH_FUNCTION():
-            return DispatchMode.__torch_dispatch__(self, func, types, args, kwargs)
-
-
 def _leave_stack(ref: "weakref.ref[DispatchMode]") -> None:
     """An inert mode's armed output was released: leave the stack if the mode is on top of it here."""
     mode = ref()
@@ -258,7 +241,7 @@ class StorageTracker:
         self.mode: "DispatchMode | None" = None
         self.base_depth: "int | None" = None  # the dispatch stack's depth when the profile began
         self.fake_mode: "FakeTensorMode | None" = None  # a simulation's: its tensors are the ones counted
-        self.mode_class: type[DispatchMode] = DispatchMode  # a simulation's: SimulatedDispatchMode
+        self.mode_class: type[DispatchMode] = DispatchMode  # a simulation's: collect.simulated.SimulatedDispatchMode
 
     # -- the dispatch mode -----------------------------------------------------
 

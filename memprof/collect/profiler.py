@@ -43,7 +43,7 @@ from .allocator_source import resolved_mode
 from .arguments import checked
 from .closing import Closing
 from .device import DeviceProbe
-from .dispatch import pop_orphan_modes
+from .dispatch import DispatchMode, pop_orphan_modes
 from .freeze import live_modules, live_storages
 from .ledger import Ledger, breakdown
 from . import slots
@@ -162,9 +162,9 @@ class Profiler(ProfileState):
     it, :attr:`trace` is the frozen record and :meth:`report` its views.
     """
 
-    #: A simulation's profile (:class:`~memprof.collect.simulated.SimulatedProfile`) says so: its collector's mode
-    #: runs beneath the simulation's function mode.
-    _simulated = False
+    #: The collector's dispatch mode; a simulation's profile (:class:`~memprof.collect.simulated.SimulatedProfile`)
+    #: has its own, beneath the simulation's function mode.
+    _dispatch_mode: "type[DispatchMode]" = DispatchMode
 
     def __init__(
         self,
@@ -326,7 +326,7 @@ class Profiler(ProfileState):
         ready = self._window_ready if self._on_trace_ready is not None else None
         how = Wiring(self._mode_requested, self._want_operations, self._fake_mode, self.schedule, ready,
                      record_routing=self._record_routing, allocator=self._allocator, carry=self._carry,
-                     simulated=self._simulated)
+                     dispatch_mode=self._dispatch_mode)
         self.collectors = wire(model, optimizers, self.run, self.ledger, self.probe, stack, how)
         if self.oom_dump is not None:
             self.oom_dump.start(self.live_now)

@@ -17,6 +17,7 @@ import torch
 
 from . import marks
 from ..vocabulary import Category
+from .dispatch import DispatchMode
 from .ledger import CATEGORY_OF_INDEX, Entry
 from .moves import move
 from .profiler import Profiler
@@ -24,11 +25,12 @@ from .routing import innermost_module
 from .streams import ONE_STREAM, StreamSwitches, StreamUse
 
 if TYPE_CHECKING:
+    from torch._ops import OpOverload
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .wiring import Collectors
 
-__all__ = ["RecordedStream", "SimulatedProfile"]
+__all__ = ["RecordedStream", "SimulatedProfile", "SimulatedDispatchMode"]
 
 _INDEX = {c: i for i, c in enumerate(CATEGORY_OF_INDEX)}
 
@@ -53,6 +55,23 @@ class RecordedStream:
     retro: tuple[int, ...] = ()
 
 
+# Off: torch function handling, for subclasses and modes alike (torch/csrc/utils/disable_torch_function.cpp).
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+
+
+class SimulatedDispatchMode(DispatchMode):
+    """The collector's mode in a simulation: its handler, and every op beneath it, runs with torch function handling
+    off. A simulation's function mode (``memprof.simulate.modes.Rules``) is about the model's own calls; an op's
+    bookkeeping (its storages looked up, its outputs' metadata read) and its redispatch through the simulation's
+    lower modes and kernels would each reach that mode, about six calls per op, only to be handed on. A real
+    profile's mode stays as it is: it has no such mode above it, and exact mode's calls per op are pinned."""
+
+    def __torch_dispatch__(self, func: "OpOverload", types: "tuple[type, ...]", args: "tuple[object, ...]" = (),
+                           kwargs: "dict[str, object] | None" = None) -> object:
+        with _NO_TORCH_FUNCTION():
+            return DispatchMode.__torch_dispatch__(self, func, types, args, kwargs)
+
+
 class SimulatedProfile(Profiler):
     """An exact-mode profile of a shape-only twin (``model``, ``optimizer``): ``fake_mode`` is the simulation's
     fake-tensor mode (its tensors are the run's; None on meta tensors), ``rounding`` the target allocator's
@@ -61,7 +80,7 @@ class SimulatedProfile(Profiler):
     Enter it around the simulated steps as any profile; :attr:`trace` is the record afterwards. The methods
     below are what a simulated layout plays on the run while it is recorded (:attr:`recording`)."""
 
-    _simulated = True
+    _dispatch_mode = SimulatedDispatchMode
 
     def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | None", *,
                  fake_mode: "FakeTensorMode | None", rounding: int, keep_stream: bool) -> None:

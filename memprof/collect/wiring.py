@@ -25,7 +25,7 @@ from . import marks
 from ..errors import InvalidArgumentError
 from .capture import Capture
 from .carry import StepCarry
-from .dispatch import KEEPS_COMPILE, SimulatedDispatchMode, StorageTracker
+from .dispatch import KEEPS_COMPILE, DispatchMode, StorageTracker
 from .engine_watch import EngineWatch
 from .frames import Frames
 from .graph_saves import GraphSaves
@@ -158,8 +158,8 @@ class Wiring:
     records are kept, a simulation's fake-tensor mode (its tensors are the run's), the schedule and ``ready`` (which
     hands the run so far to ``on_trace_ready`` at the end of a window), whether routing is recorded, where exact
     mode's events come from (``source=`` of profile()), whether optimizer steps may be carried (:mod:`.carry`)
-    where nothing else needs every op, and whether the profile is a simulation's (its collector's mode then runs
-    beneath the simulation's function mode: :class:`~memprof.collect.dispatch.SimulatedDispatchMode`)."""
+    where nothing else needs every op, and the collector's dispatch mode (a simulation's runs beneath the
+    simulation's function mode: :class:`~memprof.collect.simulated.SimulatedDispatchMode`)."""
 
     mode_requested: str
     operations: bool
@@ -169,7 +169,7 @@ class Wiring:
     record_routing: bool = False
     allocator: str = "dispatch"
     carry: bool = True
-    simulated: bool = False
+    dispatch_mode: "type[DispatchMode]" = DispatchMode
 
 
 def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
@@ -178,8 +178,7 @@ def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Ru
     from .allocator_source import attach
 
     c = build(model, optimizers, run, ledger, probe, stack, how.fake_mode)
-    if how.simulated:
-        c.storages.mode_class = SimulatedDispatchMode
+    c.storages.mode_class = how.dispatch_mode
     install(c, model, mode_requested=how.mode_requested, operations=how.operations, carry=how.carry)
     # On CUDA: the allocator's events (source="allocator") and memprof's labels in its snapshot.
     c.allocator = attach(run, ledger, c.phases, c.table, stack, how.allocator)

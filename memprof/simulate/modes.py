@@ -10,7 +10,7 @@ in order, each handing the call on to the next.
 
 The rules are about the model's calls. A tensor's metadata read, memprof's own bookkeeping and torch's own ops
 called as ops go past them (:data:`TORCH_NAMESPACES` and the lists below), and in a simulation nothing beneath the
-collector's dispatch handler reaches the mode at all (``memprof.collect.dispatch.SimulatedDispatchMode``).
+collector's dispatch handler reaches the mode at all (``memprof.collect.simulated.SimulatedDispatchMode``).
 """
 
 from __future__ import annotations
