@@ -241,7 +241,9 @@ class StorageTracker:
         self.mode: "DispatchMode | None" = None
         self.base_depth: "int | None" = None  # the dispatch stack's depth when the profile began
         self.fake_mode: "FakeTensorMode | None" = None  # a simulation's: its tensors are the ones counted
-        self.mode_class: type[DispatchMode] = DispatchMode  # a simulation's: collect.simulated.SimulatedDispatchMode
+        # The mode install() makes: None, this module's DispatchMode (read when it runs); a simulation's is
+        # collect.simulated.SimulatedDispatchMode.
+        self.mode_class: "type[DispatchMode] | None" = None
 
     # -- the dispatch mode -----------------------------------------------------
 
@@ -250,7 +252,8 @@ class StorageTracker:
         # the ledger's settling of what torch released run wherever an op runs, also inside a compiled frame
         # whose graph broke at an op, where dynamo looks at every new Python frame.
         skip_dynamo(DispatchMode.__torch_dispatch__.__code__)
-        skip_dynamo(self.mode_class.__torch_dispatch__.__code__)
+        made = DispatchMode if self.mode_class is None else self.mode_class
+        skip_dynamo(made.__torch_dispatch__.__code__)
         ledger = type(self.ledger)
         for method in (ledger.settle,):
             skip_dynamo(method.__code__)
@@ -261,7 +264,7 @@ class StorageTracker:
             mode.tracker = self
             self.mode = mode
             return
-        mode = self.mode_class(self)
+        mode = made(self)
         if self.base_depth is None:  # the profile's start: whatever is on the stack was there before it
             self.base_depth = _dispatch_stack_len()
             mode.__enter__()  # type: ignore[no-untyped-call]  # TorchDispatchMode's is untyped

@@ -43,7 +43,7 @@ from .allocator_source import resolved_mode
 from .arguments import checked
 from .closing import Closing
 from .device import DeviceProbe
-from .dispatch import DispatchMode, pop_orphan_modes
+from .dispatch import pop_orphan_modes
 from .freeze import live_modules, live_storages
 from .ledger import Ledger, breakdown
 from . import slots
@@ -55,6 +55,7 @@ from .undo import UndoStack
 from .wiring import Collectors, Wiring, wire
 
 if TYPE_CHECKING:
+    from .dispatch import DispatchMode
     from types import TracebackType
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -162,9 +163,9 @@ class Profiler(ProfileState):
     it, :attr:`trace` is the frozen record and :meth:`report` its views.
     """
 
-    #: The collector's dispatch mode; a simulation's profile (:class:`~memprof.collect.simulated.SimulatedProfile`)
-    #: has its own, beneath the simulation's function mode.
-    _dispatch_mode: "type[DispatchMode]" = DispatchMode
+    #: The collector's dispatch mode where not its own (None): a simulation's profile
+    #: (:class:`~memprof.collect.simulated.SimulatedProfile`) has one for beneath the simulation's function mode.
+    _dispatch_mode: "type[DispatchMode] | None" = None
 
     def __init__(
         self,

@@ -158,8 +158,8 @@ class Wiring:
     records are kept, a simulation's fake-tensor mode (its tensors are the run's), the schedule and ``ready`` (which
     hands the run so far to ``on_trace_ready`` at the end of a window), whether routing is recorded, where exact
     mode's events come from (``source=`` of profile()), whether optimizer steps may be carried (:mod:`.carry`)
-    where nothing else needs every op, and the collector's dispatch mode (a simulation's runs beneath the
-    simulation's function mode: :class:`~memprof.collect.simulated.SimulatedDispatchMode`)."""
+    where nothing else needs every op, and the collector's dispatch mode where not its own (a simulation's, which runs
+    beneath the simulation's function mode: :class:`~memprof.collect.simulated.SimulatedDispatchMode`)."""
 
     mode_requested: str
     operations: bool
@@ -169,7 +169,7 @@ class Wiring:
     record_routing: bool = False
     allocator: str = "dispatch"
     carry: bool = True
-    dispatch_mode: "type[DispatchMode]" = DispatchMode
+    dispatch_mode: "type[DispatchMode] | None" = None
 
 
 def wire(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], run: "Run", ledger: "Ledger",
