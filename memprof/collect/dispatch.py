@@ -251,9 +251,9 @@ class StorageTracker:
         # Again at every install: a flag on the code objects, which nothing else should clear. The handler and
         # the ledger's settling of what torch released run wherever an op runs, also inside a compiled frame
         # whose graph broke at an op, where dynamo looks at every new Python frame.
-        skip_dynamo(DispatchMode.__torch_dispatch__.__code__)
         made = DispatchMode if self.mode_class is None else self.mode_class
-        skip_dynamo(made.__torch_dispatch__.__code__)
+        for mode_class in {DispatchMode, made}:  # a subclass's handler runs DispatchMode's
+            skip_dynamo(mode_class.__torch_dispatch__.__code__)
         ledger = type(self.ledger)
         for method in (ledger.settle,):
             skip_dynamo(method.__code__)

@@ -55,11 +55,11 @@ from .undo import UndoStack
 from .wiring import Collectors, Wiring, wire
 
 if TYPE_CHECKING:
-    from .dispatch import DispatchMode
     from types import TracebackType
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from .dispatch import DispatchMode
     from .schedule import Schedule
 
 __all__ = ["Profiler", "profile"]
