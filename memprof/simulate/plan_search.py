@@ -16,8 +16,9 @@ resized and freed in the same order), every event's bytes are a line in the batc
 not simulated is interpolated event by event (:func:`stream_between`) and replayed through the allocator model
 (:meth:`memprof.simulate.device_memory.Replay.figures`), which predicts the device-level peak segments included,
 at a few per cent of a simulation's cost. Before that, the predictions add the overhead the nearest simulated batch
-showed. Where a prediction is wrong the simulations say so and the search goes on, by the lines and streams refitted
-to the simulated batches, and by bisection where those make no progress.
+that did not run out of memory showed (:meth:`Probe.overhead`). Where a prediction is wrong the simulations say so
+and the search goes on, by the lines and streams refitted to the simulated batches, and by bisection where those
+make no progress.
 """
 
 from __future__ import annotations
@@ -232,15 +233,24 @@ class Probe:
         self.shapes.clear()
         self.predictions.clear()
 
-    def overhead(self, b: int) -> int:
-        """The device-level bytes above the tensors' peak at the simulated batch nearest ``b`` (the allocator's
-        cache and rounding, the memory outside torch); a batch the replay ran out of memory at counts its
-        capacity-capped peak, so the figure is a lower bound there."""
-        near = min(self.runs, key=lambda s: (abs(s - b), -s))
-        est = self.runs[near]
-        if not self.device_level or est.device_memory is None:
+    def overhead(self, b: int, fallback: "int | None" = None) -> int:
+        """The device-level bytes above the tensors' peak (the allocator's cache and rounding, the memory outside
+        torch) at the simulated batch nearest ``b`` whose replay did not run out of memory; where every simulated
+        batch did, ``fallback`` when given, else the nearest one's.
+
+        A batch that runs out of memory is not a guide to one that fits: its figure is the replay without the
+        device's limit (:func:`memprof.simulate.device_memory.device_memory`), in which the allocator never frees
+        its cache to retry, so its segments hold more above the tensors than a batch at the limit's do (on
+        Llama-3-8B under ZeRO-3 with checkpointing, 21.9 GiB at a batch that did not fit against 6.2 GiB at the
+        largest that did). Predicting from it puts the next guess too low, which costs a simulation more."""
+        if not self.device_level:
             return 0
-        return max(0, est.device_memory.device_peak - est.peak_bytes)
+        fitted = [s for s in self.runs if not self.oom[s]]
+        if not fitted and fallback is not None:
+            return fallback
+        near = min(fitted or self.runs, key=lambda s: (abs(s - b), -s))
+        memory = self.runs[near].device_memory
+        return 0 if memory is None else max(0, memory.device_peak - self.runs[near].peak_bytes)
 
 
 class _Prediction(NamedTuple):
@@ -288,6 +298,7 @@ def _narrowed(probe: Probe, lo: int, hi: "int | None", ceiling: int, slopes: "Ma
     streams) predict, bisecting where the lines keep missing on one side."""
     same_side = 0  # probes in a row that moved the same end of the bracket: then bisect
     last_side = None
+    replaying = False
     while (hi is None or hi - lo > 1) and lo < ceiling:
         top = ceiling if hi is None else hi - 1
         guess = _predicted(probe, slopes or {}, lo, hi, probe.limit, top, prediction.start, prediction.overhead,
@@ -295,6 +306,10 @@ def _narrowed(probe: Probe, lo: int, hi: "int | None", ceiling: int, slopes: "Ma
         replayed = _replayed_guess(probe, lo, top, guess)
         if replayed is not None:
             guess = replayed
+            if not replaying:
+                # The replayed streams are a new predictor, not the lines that missed: the misses before them do
+                # not count towards a bisection (it would throw away the first guess of the better predictor).
+                replaying, same_side = True, 0
         if guess <= lo and same_side < 3:
             # The lines say lo is the answer: simulate the batch above it, which confirms it or moves on by one
             # (the allocator's segments put a device peak about a sample away from the lines). A leap here
@@ -435,9 +450,10 @@ def _predicted(probe: Probe, slopes: Mapping[Moment, float], lo: int, hi: "int |
         lines = Lines(simulated[0], probe.moments[simulated[0]], slopes)
     else:
         return Lines(start_batch, start or {}, slopes).largest(limit - overhead, top)
-    guess = lines.largest(limit - probe.overhead(lo), top)
+    fallback = overhead if start is not None else None  # a like configuration's, where it predicted the start
+    guess = lines.largest(limit - probe.overhead(lo, fallback), top)
     if guess > lo:  # the overhead grows with the segments: take the one simulated nearest the guess
-        guess = lines.largest(limit - probe.overhead(guess), top)
+        guess = lines.largest(limit - probe.overhead(guess, fallback), top)
     if hi is not None and guess >= hi:
         guess = hi - 1
     return guess

@@ -355,3 +355,49 @@ def test_a_wrong_prediction_below_the_answer_does_not_hide_a_band_above_it():
     probe._predict = predict
     assert largest_batch(probe)[:2] == (13, True)
     assert calls.index(20) < calls.index(6) < calls.index(14)  # 20 first, then the wrong gap, then the band
+
+
+def test_a_batch_out_of_memory_does_not_set_the_overhead_of_the_next_guess():
+    # The device holds 5 GiB above the tensors at every batch that fits; a batch that runs out of memory reports
+    # the replay without the device's limit, whose allocator never freed its cache: 20 GiB above its tensors. The
+    # truth: 20 + 7 x 7 + 5 = 74 GiB fits, 8 samples (20 + 56 + 5 = 81 GiB) do not.
+    simulate, calls = _step(20 * GiB, 7 * GiB, 30 * GiB, overhead=lambda b, peak: 20 * GiB if peak + 5 * GiB > LIMIT
+                            else 5 * GiB)
+
+    def replayed(b):
+        est = simulate(b)
+        if est.device_memory.device_peak > LIMIT:
+            est.device_memory.oom = "out of memory"
+        return est
+
+    slopes = {(1, phase, 0, w): per for phase, per in (("forward", 7 * GiB), ("optimizer", 0))
+              for w in ("start", "peak", "end")}
+    # A start predicted from a like configuration: 12 GiB forward at batch 1 (its states 15 GiB under this one's),
+    # 30 GiB optimizer, the like configuration's 5 GiB above the tensors: 1 + (80 - 5 - 12) // 7 = 10 samples.
+    start = {(1, phase, 0, w): at for phase, at in (("forward", 12 * GiB), ("optimizer", 30 * GiB))
+             for w in ("start", "peak", "end")}
+    probe = Probe(replayed, LIMIT, 4096)
+    assert largest_batch(probe, slopes, start, 5 * GiB)[:2] == (7, True)
+    # 10 runs out of memory (20 + 70 = 90 GiB of tensors). The guess after it takes the like configuration's 5 GiB
+    # above the tensors, not 10's 20 GiB: 20 + 7 b + 5 <= 80 gives 7, confirmed by 8. With 10's 20 GiB the guess
+    # would be 5 (20 + 35 + 20 = 75), and the search would climb from there, a simulation more.
+    assert calls == [10, 7, 8]
+    # The overhead read for a guess is the nearest batch's that fitted, whatever batch is nearer.
+    assert probe.overhead(9) == probe.overhead(1) == 5 * GiB
+    only_over = Probe(replayed, LIMIT, 4096)
+    only_over.judged(10)
+    assert only_over.overhead(9, fallback=3 * GiB) == 3 * GiB and only_over.overhead(9) == 20 * GiB
+
+
+def test_the_replayed_streams_first_guess_is_not_bisected_away():
+    # 20 GiB of states and 2 GiB a sample, in 8 GiB segments: 30 samples fit (80 GiB), 31 do not (82 GiB, 88 in
+    # segments). A start from a like configuration whose slope is 3 GiB a sample guesses 1 + 78 // 3 = 27 (it
+    # fits); its lines, too steep, put the answer at 27, so the search steps up by one to 28 (it fits too): two
+    # probes in a row that moved the same end. Batches 27 and 28 now have streams of one shape, whose replay
+    # predicts 30: that guess is the replayed streams' first, not a third miss of the lines, so it is simulated
+    # as it is (a doubling to 56 here would cost a simulation more), and 31 confirms it.
+    simulate, calls = _streamed(20 * GiB, 2 * GiB)
+    slopes = {(1, "forward", 0, w): 3 * GiB for w in ("start", "peak", "end")}
+    start = {(1, "forward", 0, w): 2 * GiB for w in ("start", "peak", "end")}
+    assert largest_batch(Probe(simulate, LIMIT, 4096), slopes, start, 0)[:2] == (30, True)
+    assert calls == [27, 28, 30, 31]
