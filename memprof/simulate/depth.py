@@ -319,11 +319,46 @@ def _cuts(model: nn.Module, optimizer: "OptimizerArg", name: str, k: int, ests: 
         ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
     else:
         ests, k = one_more(ests, k)
-    reason = _not_affine(ests)
+    ests, reason = _one_record(ests)
     while auto and reason is not None and reason.startswith("the peak moved") and k < AUTO_K + 2 and units > k + 3:
         ests, k = one_more(ests, k)
-        reason = _not_affine(ests)
+        ests, reason = _one_record(ests)
     return ests, k, reason
+
+
+def _one_record(ests: "list[Estimate]") -> "tuple[list[Estimate], str | None]":
+    """The cuts and why their figures are not affine (None: they are), where the peak moved between them taken
+    at the phase record where the largest cut has it (:func:`_at_record`) when every record is affine: each
+    record's figures then extend in a line of their own, exact at full depth, and the whole model's peak is the
+    largest of them (:func:`_peak_moved`, and the stream's check of every moment). A peak that moves between
+    records is two lines crossing (the optimizer step's, flat in depth at a small batch, against a checkpointed
+    forward's: Llama-3-8B's moves from a forward of 4 layers to the optimizer step of 5 and 6 under ZeRO-1 at one
+    sample), which three cuts see whole where the lines of their records hold."""
+    reason = _not_affine(ests)
+    if reason is None or not reason.startswith("the peak moved"):
+        return ests, reason
+    moved = [_at_record(e, ests[2]) for e in ests]
+    if any(e is None for e in moved):
+        return ests, reason
+    settled = cast("list[Estimate]", moved)
+    return (settled, None) if _not_affine(settled) is None else (ests, reason)
+
+
+def _at_record(est: Estimate, largest: Estimate) -> "Estimate | None":
+    """``est`` with its peak taken at the phase record where ``largest`` (a cut with more blocks) has its peak: the
+    record's peak, step, phase and tags, the module at it not known; None where the two runs' records do not
+    correspond one to one (the steps' phases differ)."""
+    records, theirs = est.trace.phases, largest.trace.phases
+    at = largest.trace.peak_record()
+    if at is None or len(records) != len(theirs) or any(
+            (r.step, r.phase, r.occurrence) != (t.step, t.phase, t.occurrence) for r, t in zip(records, theirs)):
+        return None
+    rec = records[theirs.index(at)]
+    if (rec.step, rec.phase, rec.peak) == (est.trace.peak_step, est.trace.peak_phase, est.trace.peak):
+        return est
+    trace = dataclasses.replace(est.trace, peak=rec.peak, peak_step=rec.step, peak_phase=rec.phase,
+                                peak_tags=rec.tags_peak, peak_module=None)
+    return dataclasses.replace(est, trace=trace)
 
 
 def _whole(run: Callable[..., Estimate], model: nn.Module, optimizer: "OptimizerArg", note: str) -> Estimate:

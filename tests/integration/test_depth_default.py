@@ -245,17 +245,28 @@ def _fast_cpu(est) -> bool:
     return any(n.startswith("depth: simulated with") for n in est.notes)
 
 
-def test_a_peak_that_settles_as_blocks_are_added(shallow):
+def test_a_peak_that_moves_between_the_cuts_is_extended_record_by_record(shallow, monkeypatch):
     # A small Mixtral at 16 tokens holds its peak in the optimizer step at 2 layers and in the backward from 3 on
-    # (a checkpointed Llama-3-8B: backward at 2, forward from 3): the default drops the cut to 2 and simulates 5,
-    # and extends from 3, 4 and 5, to the whole model's figures.
+    # (a checkpointed Llama-3-8B under ZeRO-1 at one sample: a forward of 4 layers, the optimizer step of 5 and 6):
+    # two records' lines crossing. Every record's figures are affine in the three cuts, so each extends in its own
+    # line, exact, and the whole model's peak is the largest of them: the cuts of 2, 3 and 4 layers are enough
+    # (before, the default dropped the cut to 2 and simulated 5, and 6 where the peak moved again, then the whole).
     cfg = T.MixtralConfig(**_SMALL, num_hidden_layers=8, intermediate_size=64, num_local_experts=4,
                           num_experts_per_tok=2)
     kw = dict(seq_len=16, batch_size=2, precision="bf16", gpu="h100-80gb")
+    cuts = []
+    real_cut = depth._cut
+    monkeypatch.setattr(depth, "_cut", lambda *a: cuts.append(a[-1]) or real_cut(*a))
     fast = memprof.estimate_hf(cfg, **kw)
     assert _fast(fast), fast.notes
-    assert any("cut to 3, 4 and 5 blocks per stage" in n for n in fast.notes)
+    assert any("cut to 2, 3 and 4 blocks per stage" in n for n in fast.notes) and cuts == [2, 3, 4]
     _identical(fast, memprof.estimate_hf(cfg, extrapolate=False, **kw))
+    # The cuts as simulated: the peak in another record at 2 layers than at 3 and 4.
+    ests = [memprof.estimate_hf(T.MixtralConfig(**_SMALL, num_hidden_layers=n, intermediate_size=64,
+                                                num_local_experts=4, num_experts_per_tok=2), extrapolate=False, **kw)
+            for n in (2, 3, 4)]
+    places = [(e.trace.peak_step, e.trace.peak_phase) for e in ests]
+    assert places[0] != places[1] == places[2], places
 
 
 def _streams_of_storages(replay) -> list[int]:
