@@ -129,6 +129,8 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     notes = [_extended_note(where, k, units)]
     if stream is None:
         out, moved = _peak_moved(out)
+        if moved and out.device_peak_bytes is not None:
+            return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {_OFFLOAD_MOVED}")
         notes.extend([moved] if moved else [])
     else:
         assert extension is not None
@@ -142,8 +144,24 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     if isinstance(remade, str):
         return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since {remade}")
     remade, formulas = extended_formulas(remade, ests, units - k - 2)
-    return dataclasses.replace(remade, notes=(*remade.notes, *notes, *([inside] if inside else []),
+    return dataclasses.replace(remade, notes=(*_offload_notes(remade), *notes, *([inside] if inside else []),
                                               *([formulas] if formulas else [])))
+
+
+def _offload_notes(est: Estimate) -> "list[str]":
+    """``est``'s notes, CPUOffloadPolicy's split (:meth:`memprof.simulate.parallel.ParallelRun.host_split`) said with
+    the figures extended to full depth: the largest cut's note gave that cut's host memory and device peak."""
+    if est.host_bytes is None or est.device_peak_bytes is None:
+        return list(est.notes)
+    said = (f"CPUOffloadPolicy: host memory {est.host_bytes:,} B and device peak {est.device_peak_bytes:,} B, "
+            "extended in depth from the cuts' split, each a line in the blocks: on the host the offloaded parameters' "
+            "padded shards, their sharded gradients (copied to the host after each reduce-scatter) and the optimizer "
+            "states (the step runs on the CPU); on the device the trace's peak less the shards and optimizer states "
+            "in it, plus the largest unit's shards, which FSDP2 copies to the device before its all-gather (the "
+            "sharded gradients present at the peak are left on the device side, so that figure errs high, never "
+            "low). The trace's categories hold host and device together (the simulation runs on the CPU, where "
+            "FSDP2's copies between them do nothing)")
+    return [said if n.startswith("CPUOffloadPolicy: host memory ") else n for n in est.notes]
 
 
 def _stack(model: nn.Module, found: "tuple[str, int, str] | None", k: object, per_unit: int
@@ -209,6 +227,8 @@ def _on_stream(out: Estimate, stream: "RecordedStream", extension: Extension, ke
         fixed, stream, moved_peaks = peaks
         notes.extend(moved_peaks)
     fixed, moved = _peak_moved(fixed)
+    if moved and fixed.device_peak_bytes is not None:
+        return _OFFLOAD_MOVED
     notes.extend([moved] if moved else [])
     made = _replayed(fixed, stream, kept[2][1])  # an Estimate, or a str saying why the stream does not hold
     return made if isinstance(made, str) else (made, notes)
@@ -305,10 +325,10 @@ def _cuts(model: nn.Module, optimizer: "OptimizerArg", name: str, k: int, ests: 
           per_unit: int, units: int, run: Callable[..., Estimate], kept: Kept,
           auto: bool) -> tuple[list[Estimate], int, "str | None"]:
     """The three cuts simulated, the ``k`` they start at and why their figures are not affine (None: they are).
-    With ``auto``, where the peak moved between them, the two larger and the next, twice at most: the peak settles
-    as blocks are added (a checkpointed Llama-3-8B's moves from the backward of 2 layers to the forward of 3 and
-    more). ``kept`` holds the three cuts' streams. Given ``ests`` (the cuts from ``k``), the two larger and the
-    next are taken first."""
+    Where the peak moved between them and every record is affine, the cuts are taken at one record
+    (:func:`_one_record`); with ``auto``, where the peak moved and a record is not affine, the two larger and the
+    next, twice at most: the figures settle as blocks are added. ``kept`` holds the three cuts' streams. Given
+    ``ests`` (the cuts from ``k``), the two larger and the next are taken first."""
 
     def one_more(ests: "list[Estimate]", k: int) -> "tuple[list[Estimate], int]":
         ests = [*ests[1:], run(*_cut(model, optimizer, name, (k + 3) * per_unit), kept)]
@@ -347,7 +367,10 @@ def _one_record(ests: "list[Estimate]") -> "tuple[list[Estimate], str | None]":
 def _at_record(est: Estimate, largest: Estimate) -> "Estimate | None":
     """``est`` with its peak taken at the phase record where ``largest`` (a cut with more blocks) has its peak: the
     record's peak, step, phase and tags, the module at it not known; None where the two runs' records do not
-    correspond one to one (the steps' phases differ)."""
+    correspond one to one (the steps' phases differ), or where ``est`` holds a figure read off its own peak
+    (CPUOffloadPolicy's device peak)."""
+    if est.device_peak_bytes is not None:
+        return None  # read off the cut's own peak (CPUOffloadPolicy's split), which a record's figures do not give
     records, theirs = est.trace.phases, largest.trace.phases
     at = largest.trace.peak_record()
     if at is None or len(records) != len(theirs) or any(
@@ -367,6 +390,11 @@ def _whole(run: Callable[..., Estimate], model: nn.Module, optimizer: "Optimizer
     return dataclasses.replace(est, notes=(*est.notes, note))
 
 
+#: Why a run under CPUOffloadPolicy whose peak is another moment at full depth is simulated whole.
+_OFFLOAD_MOVED = ("its device peak under CPUOffloadPolicy is read off the peak's composition, and at full depth the "
+                  "peak is another moment than the cuts'")
+
+
 def _peak_moved(est: Estimate) -> "tuple[Estimate, str | None]":
     """``est`` with its peak where the extended figures put it: the first phase record whose peak holds the most
     tensor bytes, as the ledger keeps the first moment of the largest total. The cuts can have it elsewhere (their
@@ -379,11 +407,16 @@ def _peak_moved(est: Estimate) -> "tuple[Estimate, str | None]":
         for rec in step.phases:
             if best is None or rec.peak.tensor_bytes > best.peak.tensor_bytes:
                 best = rec
+    # A record as large as the peak's and earlier holds it: the ledger keeps the first moment of the largest total.
     if best is None or (best.step, best.phase, best.peak) == (trace.peak_step, trace.peak_phase, trace.peak) \
-            or best.peak.tensor_bytes <= trace.peak.tensor_bytes:
+            or best.peak.tensor_bytes < trace.peak.tensor_bytes:
         return est, None
-    note = (f"depth: at full depth the peak is step {best.step} {_v(best.phase)}'s, where the cuts had it at step "
-            f"{trace.peak_step} {_v(trace.peak_phase)}; the module at the peak is not known from the cuts")
+    if (best.step, best.phase) == (trace.peak_step, trace.peak_phase):
+        note = (f"depth: at full depth the peak is another moment of step {best.step} {_v(best.phase)} than the "
+                "cuts' (the extended stream's); the module at the peak is not known from the cuts")
+    else:
+        note = (f"depth: at full depth the peak is step {best.step} {_v(best.phase)}'s, where the cuts had it at "
+                f"step {trace.peak_step} {_v(trace.peak_phase)}; the module at the peak is not known from the cuts")
     moved = dataclasses.replace(trace, peak=best.peak, peak_step=best.step, peak_phase=best.phase,
                                 peak_tags=best.tags_peak, peak_module=None)
     return dataclasses.replace(est, trace=moved), note
@@ -442,6 +475,10 @@ def _not_affine(ests: "list[Estimate]") -> "str | None":
         _affine(a.peak, b.peak, c.peak, 1, strict=True)
         ranks = [tuple(r.peak_bytes for r in e.ranks) for e in ests]
         _affine(ranks[0], ranks[1], ranks[2], 1, strict=True)
+        # Under CPUOffloadPolicy the device peak is read off each cut's peak (ParallelRun.host_split): extended in a
+        # line only where it is one, never kept at the largest cut's by the figures' lenient extension.
+        offload = [e.device_peak_bytes for e in ests]
+        _affine(offload[0], offload[1], offload[2], 1, strict=True)
     except _NotAffine as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's

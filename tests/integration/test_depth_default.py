@@ -269,6 +269,56 @@ def test_a_peak_that_moves_between_the_cuts_is_extended_record_by_record(shallow
     assert places[0] != places[1] == places[2], places
 
 
+def _offloaded(model, mesh):
+    """FSDP2 with CPUOffloadPolicy on every decoder layer and the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    policy = CPUOffloadPolicy(pin_memory=False)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    return fully_shard(model, mesh=mesh, offload_policy=policy)
+
+
+def test_cpu_offloads_device_peak_is_the_whole_models_where_the_peak_moves_between_the_cuts(shallow):
+    # Under CPUOffloadPolicy the device peak is read off each cut's peak (ParallelRun.host_split), outside the
+    # trace. Here the peak is step 1's forward at 2 layers and its backward at 3 and 4 (found by this change's
+    # review): taken at the backward's record, the 2-layer cut's device figure was still its forward's, the three
+    # were no line, and the lenient extension kept the 4-layer cut's: 37,120 B under the whole model's. A figure
+    # read off a cut's own peak is never re-based, and extends only in a line (else more cuts, then the whole).
+    cfg = T.LlamaConfig(**{**_SMALL, "vocab_size": 8000}, intermediate_size=64, num_hidden_layers=8)
+    kw = dict(seq_len=8, batch_size=1, precision="bf16", device="cpu", world_size=2, checkpointing=True,
+              parallelize=_offloaded)
+    fast, whole = memprof.estimate_hf(cfg, **kw), memprof.estimate_hf(cfg, extrapolate=False, **kw)
+    assert (fast.device_peak_bytes, fast.host_bytes) == (whole.device_peak_bytes, whole.host_bytes)
+    assert any(n.startswith("depth: simulated with") for n in fast.notes), fast.notes
+    # The split's note gives the figures at full depth, not the largest cut's.
+    said = [n for n in fast.notes if n.startswith("CPUOffloadPolicy: host memory ")]
+    assert len(said) == 1 and f"host memory {whole.host_bytes:,} B and device peak {whole.device_peak_bytes:,} B" \
+        in said[0], said
+
+
+def test_a_record_as_large_as_the_peaks_and_earlier_holds_it():
+    # At full depth two records can hold the same peak to the byte (a 26-layer Llama's step 1 forward and backward,
+    # found by this change's review): the whole model's peak is the first moment of the largest total, the earlier
+    # record's; the extended run kept the later one, where its cuts had it. Here a small model's record, an earlier
+    # phase made to hold the peak's bytes.
+    import dataclasses
+
+    cfg = T.LlamaConfig(**_SMALL, intermediate_size=64, num_hidden_layers=2)
+    whole = memprof.estimate_hf(cfg, seq_len=16, batch_size=2, precision="mixed", gpu="h100-80gb")
+    trace = whole.trace
+    at = trace.phases.index(trace.peak_record())
+    assert at > 0
+    phases = list(trace.phases)
+    phases[0] = dataclasses.replace(phases[0], peak=trace.peak, tags_peak=())
+    steps = tuple(dataclasses.replace(s, phases=tuple(p for p in phases if p.step == s.index)) for s in trace.steps)
+    tied = dataclasses.replace(whole, trace=dataclasses.replace(trace, steps=steps))
+    moved, note = depth._peak_moved(tied)
+    first = tied.trace.phases[0]
+    assert (moved.trace.peak_step, moved.trace.peak_phase, moved.trace.peak_tags) == (first.step, first.phase, ())
+    assert note is not None and moved.trace.peak_module is None
+
+
 def _streams_of_storages(replay) -> list[int]:
     """The stream each storage of a replay's stream is made on, in the order made (the switches' rule:
     :class:`memprof.collect.streams.StreamUse`)."""
