@@ -149,19 +149,14 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
 
 
 def _offload_notes(est: Estimate) -> "list[str]":
-    """``est``'s notes, CPUOffloadPolicy's split (:meth:`memprof.simulate.parallel.ParallelRun.host_split`) said with
-    the figures extended to full depth: the largest cut's note gave that cut's host memory and device peak."""
+    """``est``'s notes, CPUOffloadPolicy's split (:func:`memprof.simulate.parallel.offload_note`) said with the
+    figures extended to full depth: the largest cut's note gave that cut's host memory and device peak."""
+    from .parallel import OFFLOAD_NOTE, offload_note
+
     if est.host_bytes is None or est.device_peak_bytes is None:
         return list(est.notes)
-    said = (f"CPUOffloadPolicy: host memory {est.host_bytes:,} B and device peak {est.device_peak_bytes:,} B, "
-            "extended in depth from the cuts' split, each a line in the blocks: on the host the offloaded parameters' "
-            "padded shards, their sharded gradients (copied to the host after each reduce-scatter) and the optimizer "
-            "states (the step runs on the CPU); on the device the trace's peak less the shards and optimizer states "
-            "in it, plus the largest unit's shards, which FSDP2 copies to the device before its all-gather (the "
-            "sharded gradients present at the peak are left on the device side, so that figure errs high, never "
-            "low). The trace's categories hold host and device together (the simulation runs on the CPU, where "
-            "FSDP2's copies between them do nothing)")
-    return [said if n.startswith("CPUOffloadPolicy: host memory ") else n for n in est.notes]
+    said = offload_note(est.host_bytes, est.device_peak_bytes, None)
+    return [said if n.startswith(OFFLOAD_NOTE) else n for n in est.notes]
 
 
 def _stack(model: nn.Module, found: "tuple[str, int, str] | None", k: object, per_unit: int

@@ -257,14 +257,7 @@ class ParallelRun:
         # On a device FSDP2 copies a unit's shards host-to-device before its all-gather (all_gather_inputs,
         # sharded_param_data.to(device)), alive until the copy-in: the largest unit's, added.
         device = (peak.total or 0) - min(peak[_W] or 0, shards) - (peak[_O] or 0) + unit
-        note = (f"CPUOffloadPolicy: host memory {host:,} B = the offloaded parameters' padded shards ({shards:,} B), "
-                f"their sharded gradients ({trainable:,} B, copied to the host after each reduce-scatter) and the "
-                f"optimizer states ({states:,} B; the step runs on the CPU). Device peak {device:,} B = the trace's "
-                f"peak less the shards and optimizer states in it, plus the largest unit's shards ({unit:,} B), which "
-                "FSDP2 copies to the device before its all-gather; the sharded gradients present at the peak are left "
-                "on the device side, so that figure errs high, never low. The trace's categories hold host and device "
-                "together (the simulation runs on the CPU, where FSDP2's copies between them do nothing)")
-        return host, device, note
+        return host, device, offload_note(host, device, (shards, trainable, states, unit))
 
     def _apply(self, module: nn.Module) -> nn.Module:
         assert self.fn is not None
@@ -365,6 +358,32 @@ def coordinates(rank: int, shape: "tuple[int, ...]") -> "tuple[int, ...]":
         rank, c = divmod(rank, size)
         out.append(c)
     return tuple(reversed(out))
+
+
+#: How the note of CPUOffloadPolicy's split begins (:func:`offload_note`).
+OFFLOAD_NOTE = "CPUOffloadPolicy: host memory "
+
+
+def offload_note(host: int, device: int, parts: "tuple[int, int, int, int] | None") -> str:
+    """What :meth:`ParallelRun.host_split` says of CPUOffloadPolicy's split: ``host`` and ``device`` bytes, and their
+    ``parts`` (the offloaded parameters' padded shards, their sharded gradients, the optimizer states, the largest
+    unit's shards) where one run gave them; None: the figures extended in depth from the cuts' (each part a line in
+    the blocks, :mod:`memprof.simulate.depth`)."""
+    if parts is None:
+        head = (f"{OFFLOAD_NOTE}{host:,} B and device peak {device:,} B, extended in depth from the cuts' split, "
+                "each a line in the blocks: on the host")
+        device_is = "; on the device"
+        shards = grads = states = unit = ""
+    else:
+        head, device_is = f"{OFFLOAD_NOTE}{host:,} B =", f". Device peak {device:,} B ="
+        shards, grads, states, unit = f" ({parts[0]:,} B)", f"{parts[1]:,} B, ", f"{parts[2]:,} B; ", \
+            f" ({parts[3]:,} B)"
+    return (f"{head} the offloaded parameters' padded shards{shards}, their sharded gradients ({grads}copied to the "
+            f"host after each reduce-scatter) and the optimizer states ({states}the step runs on the CPU){device_is} "
+            f"the trace's peak less the shards and optimizer states in it, plus the largest unit's shards{unit}, "
+            "which FSDP2 copies to the device before its all-gather; the sharded gradients present at the peak are "
+            "left on the device side, so that figure errs high, never low. The trace's categories hold host and "
+            "device together (the simulation runs on the CPU, where FSDP2's copies between them do nothing)")
 
 
 def depth_unit(world_size: int, mesh: "MeshSizes | None", pipeline: "Pipeline | None") -> int:
