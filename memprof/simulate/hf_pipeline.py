@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .run import OptimizerArg
 
 __all__ = ["pp_support", "split", "HfStage", "causal_lm_loss", "stage_layers", "pp_degrees", "pp_fsdp",
-           "PipelineSimulation", "DEGREES", "MICROBATCHES_PER_STAGE"]
+           "PipelineSimulation", "StageSearch", "DEGREES", "MICROBATCHES_PER_STAGE"]
 
 #: The pipeline degrees a plan tries (those that divide the world size and the decoder layers).
 DEGREES = (2, 4)
@@ -266,10 +266,13 @@ class PipelineSimulation:
 
     def __call__(self, estimate: "Callable[..., Estimate]", model: "HfModule", optimizer: "OptimizerArg",
                  make_batch: "Callable[[int], dict[str, torch.Tensor]]", b: int, *, precision: str,
-                 **common: "Option") -> "Estimate":
-        from .parallel import pipeline_ranks
+                 over: "StageSearch | None" = None, **common: "Option") -> "Estimate":
+        """The estimate at ``b`` sequences a micro-batch; with ``over`` (a plan's search of one row) the stages are
+        simulated worst first and only until one does not fit (:func:`memprof.simulate.rank_classes.
+        pipeline_ranks`)."""
         from .pipeline import Pipeline
         from .plan_precision import POLICY, estimate_precision
+        from .rank_classes import pipeline_ranks
 
         common.pop("loss_fn", None)  # the whole model's (output.loss): the last stage's loss is the model's own below
         batch = make_batch(b * self.microbatches)
@@ -287,7 +290,43 @@ class PipelineSimulation:
                             precision=precision, world_size=self.world_size, mesh=self.mesh, parallelize=fn,
                             pipeline=pipeline, rank=rank, **common)
 
-        return pipeline_ranks(self.world_size, self.mesh, pipeline, one, key=device_key)
+        if over is not None:
+            over.at(b)
+        est = pipeline_ranks(self.world_size, self.mesh, pipeline, one, key=device_key, over=over)
+        if over is not None:
+            over.saw(b, est)
+        return est
+
+
+class StageSearch:
+    """How a plan's search of one row asks for a pipeline's stages (:class:`PipelineSimulation`'s ``over``): at
+    each batch the stage that was the worst at the nearest batch simulated goes first (the first stage, holding
+    the most micro-batches in flight, or the last, holding the logits), and once one does not fit ``limit`` the
+    batch does not fit, so the others are not simulated. A row's batch that fits has every stage simulated; the
+    search asks nothing else of one that does not. Batch 1 has every stage simulated all the same: a row that fits
+    nothing shows its figures, the worst stage's. Per row, so that its order follows that row's batches alone,
+    whichever process searches it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.first = 0
+        self._batch = 1
+        self._worst: dict[int, int] = {}  # batch -> the pp coordinate of its worst stage simulated
+
+    def at(self, b: int) -> None:
+        """Set :attr:`first` for batch ``b``, about to be simulated."""
+        near = min(self._worst, key=lambda s: (abs(s - b), -s), default=None)
+        self.first, self._batch = (0 if near is None else self._worst[near]), b
+
+    def exceeds(self, est: "Estimate") -> bool:
+        """Is ``est`` over what fits the device (a predicted out-of-memory error, or a device-level peak, the
+        tensors' peak without a device replay, above the limit), at a batch other than 1?"""
+        oom, device_peak, _ = device_key(est)
+        return self._batch != 1 and (oom or device_peak > self.limit)
+
+    def saw(self, b: int, est: "Estimate") -> None:
+        """Keep which stage was the worst at ``b``."""
+        self._worst[b] = next(c.stages[0] for c in est.ranks if c.trace is est.trace)
 
 
 def device_key(est: "Estimate") -> tuple[bool, int, int]:

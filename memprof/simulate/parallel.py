@@ -39,7 +39,7 @@ import inspect
 import math
 import numbers
 import sys
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, cast
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -47,15 +47,13 @@ from torch import nn
 from ..collect.torch_compat import UnwrappedMode
 
 from ..errors import InvalidArgumentError, MemprofError, is_interrupt
-from ..vocabulary import Category, Phase
+from ..vocabulary import Category
 from .fsdp1 import fsdp1_in_fake_mode, fsdp1_notes, has_meta, unwrapped
 
 if TYPE_CHECKING:
-    from _typeshed import SupportsRichComparison
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..record.estimate import Estimate
     from ..record.trace import Trace
     from .aliases import OpValue, UserValue
     from .pipeline import Pipeline, PipelineStep, StageSet
@@ -394,51 +392,6 @@ def depth_unit(world_size: int, mesh: "MeshSizes | None", pipeline: "Pipeline | 
     if not names or "pp" not in names:
         raise InvalidArgumentError(f"a pipeline needs a mesh dimension named 'pp'; got {mesh!r}")
     return shape[names.index("pp")] * pipeline.stages_per_rank
-
-
-def pipeline_ranks(world_size: int, mesh: "MeshSizes | None", pipeline: "Pipeline", one: "Callable[[int], Estimate]",
-                   key: "Callable[[Estimate], SupportsRichComparison] | None" = None,
-                   many: "Callable[[list[int]], list[Estimate]] | None" = None) -> "Estimate":
-    """Every pipeline rank class simulated (one per ``pp`` coordinate, its representative the rank with 0 on every
-    other dimension: they hold the same shards), and the worst one's estimate, listing them all. The worst is the
-    one with the largest tensors' peak, or the largest ``key(estimate)`` (a plan's: the device-level peak).
-    ``many`` simulates the representatives given, in their order, where ``one`` each in turn would (in forked
-    processes: :func:`memprof.simulate.stages.simulate`)."""
-    from .pipeline import RankClass
-
-    shape, names = check_mesh(mesh if mesh is not None else {"pp": world_size}, world_size)
-    if not names or "pp" not in names:
-        raise InvalidArgumentError(f"a pipeline needs a mesh dimension named 'pp'; got {mesh!r}")
-    d = names.index("pp")
-    every = [tuple(r for r in range(world_size) if coordinates(r, shape)[d] == p) for p in range(shape[d])]
-    representatives = [members[0] for members in every]
-    estimates = many(representatives) if many is not None else [one(r) for r in representatives]
-    classes, results = [], []
-    for p, (members, est) in enumerate(zip(every, estimates)):
-        stages = tuple(p + i * shape[d] for i in range(pipeline.stages_per_rank))
-        phase = cast(Phase, est.trace.peak_phase)  # a simulated step's peak is always in one of its phases
-        classes.append(RankClass(members, members[0], stages, est.peak_bytes, est.trace.peak_step, phase.value,
-                                 est.trace))
-        results.append(est)
-    measure: "Callable[[Estimate], SupportsRichComparison]" = key or (lambda e: e.peak_bytes)
-    worst = max(range(len(results)), key=lambda i: measure(results[i]))
-    table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "
-                      f"{c.peak_phase} (ranks {_ranges(c.ranks)})" for c in classes)
-    import dataclasses
-
-    est = results[worst]
-    peaks = [c.peak_bytes for c in classes]
-    spread = (f"spread {max(peaks) - min(peaks):,} B (max / mean {max(peaks) * len(peaks) / sum(peaks):.3f})"
-              if sum(peaks) else "")
-    note = (f"the worst rank is {classes[worst].representative} (stage(s) "
-            f"{','.join(map(str, classes[worst].stages))}), {spread}; every pipeline rank class: {table}")
-    return dataclasses.replace(est, notes=(*est.notes, note), ranks=tuple(classes))
-
-
-def _ranges(ranks: "tuple[int, ...]") -> str:
-    if len(ranks) <= 3:
-        return ", ".join(map(str, ranks))
-    return f"{ranks[0]}, {ranks[1]}, ... {ranks[-1]}: {len(ranks)}"
 
 
 def _offloaded(model: nn.Module) -> "tuple[int, int, int] | None":

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 from ..errors import InvalidArgumentError
 from ..record.plans import PlanGrid, PlanRow
-from .hf_pipeline import MICROBATCHES_PER_STAGE
+from .hf_pipeline import MICROBATCHES_PER_STAGE, PipelineSimulation, StageSearch
 from .layouts import Layout, data_parallel_layouts
 from .plan_precision import AUTOCAST, POLICY, check_precisions, estimate_precision, precision_note, row_precision
 from .plan_processes import searched
@@ -185,7 +185,9 @@ class _Grid:
         # A layout that simulates a batch its own way (a pipeline's micro-batches) is handed the row's precision;
         # estimate() gets its own word for it, and a bf16-params row the layout's fully_shard with FSDP2's policy.
         if layout.simulate is not None:
-            run = partial(layout.simulate, estimate, model, t.optimizer, t.make_batch, **common)
+            over = ({"over": StageSearch(self.spec.allocatable_bytes)}  # a batch's stages until one does not fit
+                    if isinstance(layout.simulate, PipelineSimulation) else {})
+            run = partial(layout.simulate, estimate, model, t.optimizer, t.make_batch, **common, **over)
         else:
             common["precision"] = estimate_precision(precision)
             options = layout.policy if precision == POLICY and layout.policy is not None else layout.options

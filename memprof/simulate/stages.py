@@ -68,7 +68,8 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
     """The estimate ``config`` describes: one rank, every pipeline rank class (the worst returned, all listed), and
     with ``extrapolate=`` the model cut to three depths and extended."""
     from .depth import NOT_ALIKE, extrapolated
-    from .parallel import ParallelRun, depth_unit, pipeline_ranks
+    from .parallel import ParallelRun, depth_unit
+    from .rank_classes import pipeline_ranks
 
     p = config.parallelism
 

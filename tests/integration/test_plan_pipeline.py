@@ -18,6 +18,7 @@ from memprof.cli import main  # noqa: E402
 from memprof.errors import InvalidArgumentError  # noqa: E402
 from memprof.render.plan import plan_page, plan_rows, plan_text  # noqa: E402
 from memprof.report.planning import plan_grid  # noqa: E402
+from memprof.simulate import estimate as estimate_module  # noqa: E402
 from memprof.simulate import hf  # noqa: E402
 from memprof.simulate.hf_pipeline import causal_lm_loss, pp_fsdp, pp_support, split  # noqa: E402
 from memprof.simulate.layouts import choose_layouts  # noqa: E402
@@ -131,8 +132,23 @@ def test_a_model_without_a_pipeline_plan_has_no_pp_layouts(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def pp_plan(tmp_path_factory):
     folder = _folder(tmp_path_factory.mktemp("pp"), WIDE)
-    return folder, plan_grid(folder, seq_len=SEQ, gpu=GPU, world_size=4, layouts="pp2-fsdp2", precisions=["bf16"],
-                             checkpointing=[False], alloc_conf="expandable_segments:True")
+    with pytest.MonkeyPatch.context() as patch:  # each stage's estimate the search asks for: (micro-batch, rank)
+        asked.clear()
+        patch.setattr(estimate_module, "estimate", _counted(estimate_module.estimate))
+        return folder, plan_grid(folder, seq_len=SEQ, gpu=GPU, world_size=4, layouts="pp2-fsdp2",
+                                 precisions=["bf16"], checkpointing=[False], alloc_conf="expandable_segments:True")
+
+
+asked: "list[tuple[int, int, bool]]" = []
+
+
+def _counted(estimate):
+    def counted(*args, **kwargs):
+        est = estimate(*args, **kwargs)
+        asked.append((kwargs["inputs"].shape[0] // 4, kwargs["rank"], est.fits))
+        return est
+
+    return counted
 
 
 def _direct(folder, b, rank):
@@ -169,6 +185,22 @@ def test_a_pipeline_row_is_the_estimate_of_its_worst_stage(pp_plan):
     #   shards: half of it, 5,276,928 B, plus the 5 norms' 256 B shards rounded up to 512 B: + 5 x 256 B
     #   10,553,856 + 5,276,928 + 1,280 = 15,832,064 B
     assert row.breakdown["weights"] == 15_832_064
+
+
+def test_a_batch_one_stage_cannot_fit_does_not_simulate_the_others(pp_plan):
+    # The search asks of a batch only whether it fits: once the stage that was the worst at the nearest batch
+    # (stage 1, rank 2) does not, no other is simulated. A batch that fits has every stage simulated, and so has
+    # batch 1 (a row that fits nothing shows it).
+    _, plan = pp_plan
+    (row,) = plan.rows
+    batches = sorted({b for b, _, _ in asked})
+    assert len(batches) == row.simulations and {1, row.max_batch_size, row.max_batch_size + 1} <= set(batches)
+    for b in batches:
+        ranks = [(r, fits) for b_, r, fits in asked if b_ == b]
+        if b == 1 or all(fits for _, fits in ranks):
+            assert sorted(r for r, _ in ranks) == [0, 2], (b, ranks)
+        else:
+            assert ranks == [(2, False)], (b, ranks)
 
 
 def test_pipeline_rows_render_their_micro_batches(pp_plan):
