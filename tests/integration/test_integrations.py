@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import glob
 import os
 import warnings
@@ -222,34 +223,48 @@ def test_the_trainer_with_torch_compile_profiles_the_compiled_model_it_calls(tmp
 # ---------------------------------------------------------------------- Lightning
 
 
-L = pytest.importorskip("lightning.pytorch")
+def _lightning():
+    """Lightning, imported by the tests that use it: at module level every test process imported it while
+    collecting, and a machine without it skipped the whole module, the other frameworks' tests too."""
+    return pytest.importorskip("lightning.pytorch")
 
 
-class _Regression(L.LightningModule):
-    def __init__(self, manual=False, fail_at=None, error=None):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-        self.automatic_optimization = not manual
-        self.fail_at = fail_at
-        self.error = error or RuntimeError("boom")
+@functools.cache
+def _regression_type():
+    L = _lightning()
 
-    def training_step(self, batch, batch_idx):
-        if batch_idx == self.fail_at:
-            raise self.error
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
-        if not self.automatic_optimization:
-            opt = self.optimizers()
-            opt.zero_grad()
-            self.manual_backward(loss)
-            opt.step()
-        return loss
+    class Regression(L.LightningModule):
+        def __init__(self, manual=False, fail_at=None, error=None):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+            self.automatic_optimization = not manual
+            self.fail_at = fail_at
+            self.error = error or RuntimeError("boom")
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        def training_step(self, batch, batch_idx):
+            if batch_idx == self.fail_at:
+                raise self.error
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            if not self.automatic_optimization:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Regression
+
+
+def _Regression(**kwargs):
+    return _regression_type()(**kwargs)
 
 
 def _fit(tmp_path, module, callbacks, accumulate=1, steps=4, data=None):
+    L = _lightning()
     from lightning.pytorch.loggers import CSVLogger
 
     torch.manual_seed(0)
@@ -359,7 +374,7 @@ def test_lightning_logs_only_what_the_report_measured_and_the_batch_as_inputs(tm
 
     batches = []
 
-    class Batches(L.Callback):
+    class Batches(_lightning().Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             batches.append(_storage_bytes(batch))
 
