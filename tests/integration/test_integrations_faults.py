@@ -15,7 +15,7 @@ import memprof
 from memprof.errors import InvalidArgumentError, MemprofWarning
 
 from helpers import hook_registry
-from test_integrations import L, _fit, _hf_train, _Regression
+from test_integrations import _fit, _hf_train, _lightning, _Regression
 
 
 def _disk_full(monkeypatch):
@@ -123,6 +123,7 @@ def test_a_report_that_cannot_be_built_is_a_warning_not_the_end_of_training(tmp_
 
 
 def test_lightning_trains_on_when_its_save_folder_is_removed_mid_run(tmp_path):
+    L = _lightning()
     from memprof.integrations.lightning import MemprofCallback
 
     class RemoveFolder(L.Callback):
@@ -219,6 +220,7 @@ def test_an_error_of_memprofs_own_in_a_lightning_step_ends_the_profile_not_train
 
 
 def test_a_logger_that_refuses_memprofs_metrics_ends_nothing(tmp_path):
+    L = _lightning()
     from lightning.pytorch.loggers import CSVLogger
 
     from memprof.integrations.lightning import MemprofCallback
