@@ -326,7 +326,9 @@ class StageSearch:
 
     def saw(self, b: int, est: "Estimate") -> None:
         """Keep which stage was the worst at ``b``."""
-        self._worst[b] = next(c.stages[0] for c in est.ranks if c.trace is est.trace)
+        from .rank_classes import worst_stage
+
+        self._worst[b] = worst_stage(est) or 0  # a pipeline's estimate always names its worst stage
 
 
 def device_key(est: "Estimate") -> tuple[bool, int, int]:

@@ -293,6 +293,8 @@ def _expert_notes(layouts: Sequence[Layout]) -> list[str]:
 
 def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: "Estimate", simulations: int,
          verified: bool, microbatches: "int | None" = None) -> PlanRow:
+    from .rank_classes import worst_stage
+
     peak = est.trace.peak
     values = {c.value: peak[c] for c in peak}
     dominant = max((c for c in values if values[c] is not None), key=lambda c: values[c] or 0)
@@ -300,8 +302,7 @@ def _row(layout: str, precision: str, ckpt: bool, best: int, at: int, est: "Esti
                    peak_bytes=est.peak_bytes, device_peak=est.device_peak, headroom=est.headroom,
                    dominant=dominant, dominant_bytes=values[dominant] or 0, peak_step=est.trace.peak_step,
                    peak_phase=est.trace.peak_phase_label(), breakdown=values, simulations=simulations,
-                   verified=verified, microbatches=microbatches,
-                   worst_stage=next((c.stages[0] for c in est.ranks if c.trace is est.trace), None),
+                   verified=verified, microbatches=microbatches, worst_stage=worst_stage(est),
                    stages=len(est.ranks) or None)
 
 

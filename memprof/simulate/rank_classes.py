@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .pipeline import Pipeline
     from .run import MeshSizes
 
-__all__ = ["pipeline_ranks", "Over"]
+__all__ = ["pipeline_ranks", "worst_stage", "Over"]
 
 
 class Over(Protocol):
@@ -75,18 +75,24 @@ def pipeline_ranks(world_size: int, mesh: "MeshSizes | None", pipeline: "Pipelin
     worst = max(range(len(results)), key=lambda i: measure(results[i]))
     table = "; ".join(f"stage(s) {','.join(map(str, c.stages))}: {c.peak_bytes:,} B at step {c.peak_step} "
                       f"{c.peak_phase} (ranks {_ranges(c.ranks)})" for c in classes)
-    est = results[worst]
-    peaks = [c.peak_bytes for c in classes]
-    spread = (f"spread {max(peaks) - min(peaks):,} B (max / mean {max(peaks) * len(peaks) / sum(peaks):.3f})"
-              if sum(peaks) else "")
-    note = (f"the worst rank is {classes[worst].representative} (stage(s) "
-            f"{','.join(map(str, classes[worst].stages))}), {spread}; every pipeline rank class: {table}")
+    est, at = results[worst], ",".join(map(str, classes[worst].stages))
     if skipped:
-        note = (f"the worst rank simulated is {classes[worst].representative} (stage(s) "
-                f"{','.join(map(str, classes[worst].stages))}); the pipeline rank classes simulated: {table}; "
-                f"stage(s) {', '.join(','.join(map(str, st)) for st in skipped)} not simulated: the batch does not fit "
-                f"the device once stage(s) {','.join(map(str, classes[worst].stages))} does not (a plan's search)")
+        note = (f"the worst rank simulated is {classes[worst].representative} (stage(s) {at}); the pipeline rank "
+                f"classes simulated: {table}; stage(s) {', '.join(','.join(map(str, st)) for st in skipped)} not "
+                f"simulated: the batch does not fit the device once stage(s) {at} does not (a plan's search)")
+    else:
+        peaks = [c.peak_bytes for c in classes]
+        spread = (f"spread {max(peaks) - min(peaks):,} B (max / mean {max(peaks) * len(peaks) / sum(peaks):.3f})"
+                  if sum(peaks) else "")
+        note = (f"the worst rank is {classes[worst].representative} (stage(s) {at}), {spread}; every pipeline rank "
+                f"class: {table}")
     return dataclasses.replace(est, notes=(*est.notes, note), ranks=tuple(classes))
+
+
+def worst_stage(est: "Estimate") -> "int | None":
+    """The first pipeline stage of the rank class whose estimate ``est`` is (:func:`pipeline_ranks` returns the
+    worst one's); None for an estimate of no pipeline."""
+    return next((c.stages[0] for c in est.ranks if c.trace is est.trace), None)
 
 
 def _ranges(ranks: "tuple[int, ...]") -> str:
