@@ -40,7 +40,7 @@ from ..record.parts import Breakdown
 from ..vocabulary import DEVICE_CATEGORIES, TENSOR_CATEGORIES, Category
 from .depth_blocks import alike, find_stack
 from .depth_formulas import extended_formulas
-from .depth_stream import HELD, Extension, corrected, extended_stream
+from .depth_stream import HELD, Extension, bent, corrected, extended_stream
 from .held_signals import deepcopy_held
 from .stream_peaks import peaks_move, phase_peaks
 
@@ -334,22 +334,29 @@ def _cuts(model: nn.Module, optimizer: "OptimizerArg", name: str, k: int, ests: 
         ests = [run(*_cut(model, optimizer, name, (k + i) * per_unit), kept) for i in range(3)]
     else:
         ests, k = one_more(ests, k)
-    ests, reason = _one_record(ests)
+    ests, reason = _one_record(ests, kept)
     while auto and reason is not None and reason.startswith("the peak moved") and k < AUTO_K + 2 and units > k + 3:
         ests, k = one_more(ests, k)
-        ests, reason = _one_record(ests)
+        ests, reason = _one_record(ests, kept)
     return ests, k, reason
 
 
-def _one_record(ests: "list[Estimate]") -> "tuple[list[Estimate], str | None]":
-    """The cuts and why their figures are not affine (None: they are), where the peak moved between them taken
-    at the phase record where the largest cut has it (:func:`_at_record`) when every record is affine: each
-    record's figures then extend in a line of their own, exact at full depth, and the whole model's peak is the
-    largest of them (:func:`_peak_moved`, and the stream's check of every moment). A peak that moves between
-    records is two lines crossing (the optimizer step's, flat in depth at a small batch, against a checkpointed
-    forward's: Llama-3-8B's moves from a forward of 4 layers to the optimizer step of 5 and 6 under ZeRO-1 at one
-    sample), which three cuts see whole where the lines of their records hold."""
+def _one_record(ests: "list[Estimate]", kept: Kept) -> "tuple[list[Estimate], str | None]":
+    """The cuts and why their figures are not affine (None: they are), the cut to ``k``'s figures straightened
+    where the allocator's rounding of a storage that grows with the blocks bends them (:func:`_straightened`), and
+    where the peak moved between them taken at the phase record where the largest cut has it
+    (:func:`_at_record`) when every record is affine: each record's figures then extend in a line of their own,
+    exact at full depth, and the whole model's peak is the largest of them (:func:`_peak_moved`, and the stream's
+    check of every moment). A peak that moves between records is two lines crossing (the optimizer step's, flat
+    in depth at a small batch, against a checkpointed forward's: Llama-3-8B's moves from a forward of 4 layers to
+    the optimizer step of 5 and 6 under ZeRO-1 at one sample), which three cuts see whole where the lines of their
+    records hold."""
     reason = _not_affine(ests)
+    if reason is not None:
+        straight = _straightened(ests, kept)
+        again = None if straight is None else _not_affine(straight)
+        if straight is not None and (again is None or again.startswith("the peak moved")):
+            ests, reason = straight, again
     if reason is None or not reason.startswith("the peak moved"):
         return ests, reason
     moved = [_at_record(e, ests[2]) for e in ests]
@@ -357,6 +364,24 @@ def _one_record(ests: "list[Estimate]") -> "tuple[list[Estimate], str | None]":
         return ests, reason
     settled = cast("list[Estimate]", moved)
     return (settled, None) if _not_affine(settled) is None else (ests, reason)
+
+
+def _straightened(ests: "list[Estimate]", kept: Kept) -> "list[Estimate] | None":
+    """The cuts with the cut to ``k``'s figures less what the allocator's rounding of the storages that grow with
+    the blocks bends them from the line through the two larger cuts (:func:`~memprof.simulate.depth_stream.bent`):
+    a flat buffer of ``d`` bytes a block, not a multiple of 512 (a rank's ZeRO shard of a model with biases, a
+    bucket of every gradient), is rounded to ``rounding(x + n d)``, no line in ``n``, so the three cuts' figures are
+    not one though every other storage's are. What the line misses at full depth the extended stream adds
+    (:func:`~memprof.simulate.depth_stream.corrected`). None where nothing bends them, or the streams do not say."""
+    rounding = max(1, ests[2].trace.device.rounding or 1)
+    if rounding == 1 or len(kept) != 3:
+        return None
+    made = bent([recorded for recorded, _replay in kept], rounding)
+    if isinstance(made, str) or not any(n for by in made[1].values() for n in by.values()):
+        return None
+    stream, missed = made
+    fixed = corrected(ests[0], stream, {seq: {cat: -n for cat, n in by.items()} for seq, by in missed.items()})
+    return None if isinstance(fixed, str) else [fixed, ests[1], ests[2]]
 
 
 def _at_record(est: Estimate, largest: Estimate) -> "Estimate | None":

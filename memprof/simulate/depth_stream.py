@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from .aliases import ByKind
     from .estimated import Estimate
 
-__all__ = ["extended_stream", "corrected", "HELD", "Side", "Extension"]
+__all__ = ["extended_stream", "bent", "corrected", "HELD", "Side", "Extension"]
 
 
 #: Why a run's stream is not extended whatever its cuts: storages held for another stream.
@@ -73,16 +73,12 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int, 
     category (with ``moves``; else none) and its moments in the order they fall between its events
     (:class:`Extension`), which :mod:`memprof.simulate.stream_peaks` reads the composition of any moment off. A str
     where it cannot: why."""
-    from ..collect.simulated import RecordedStream
-    from ..collect.streams import StreamUse
-
     if any(r.streams.held for r in cuts):
         return HELD
     try:
         moved = MovedCategories(cuts[2].moves)
         a, b, c = tokens_of(cuts[0], None, moves), tokens_of(cuts[1], None, moves), tokens_of(cuts[2], moved, moves)
-        steps = [tuple(m[0] for m in r.moments) for r in cuts]
-        if not steps[0] == steps[1] == steps[2]:
+        if not _same_steps(cuts):
             return "its phases differ between the cuts"
         agreed = _aligned(a, b, c)
         if isinstance(agreed, str):
@@ -92,8 +88,7 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int, 
         predicted, change, _ = _apply(tokens, change._replace(per_copy=per_copy), 1)
         whole, change, origin = _apply(predicted, change, more)
         at_moments = {p: moved.at_moments[q] for p, q in enumerate(origin) if q in moved.at_moments}
-        events, moments, switches, missed, cats, side = _decoded(whole, len(cuts[2].moments), change.grew, more,
-                                                                 rounding, at_moments)
+        decoded = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding, at_moments)
     except Stop as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
@@ -102,14 +97,68 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int, 
         if is_interrupt(exc):
             raise
         return "its extended allocation stream frees a storage it never made"
-    # The ledger's own peak is where the replay looks only when no phase record holds the run's peak (depth.py
-    # checks one does): it is the moment of the largest cut's that it falls on, else none.
-    last = cuts[2]
-    at = next(((i, f) for i, m in enumerate(last.moments) for f, seq in enumerate(m[1:]) if seq == last.peak_seq),
+    return _recorded(cuts[2], decoded), Extension(decoded.missed, decoded.cats, decoded.side)
+
+
+def bent(cuts: "Sequence[RecordedStream]", rounding: int) -> "tuple[RecordedStream, dict[int, dict[int, int]]] | str":
+    """The cut to ``k`` blocks' own stream (``cuts[0]``, its events numbered as :func:`_decoded` numbers them) and,
+    at each of its moments, what the line through the cuts to ``k + 1`` and ``k + 2`` misses of its figures, by
+    category: the allocator rounds a storage whose bytes grow with the blocks (a flat buffer of every parameter's
+    gradient or optimizer state, or a rank's flat shard of them: ``d`` bytes a block, not a multiple of 512) to
+    ``rounding(x + n d)``, which is no line in ``n``, while every other storage's bytes are. The line through the
+    two larger cuts extended back by two blocks, plus what this gives, is the cut to ``k``'s figures exactly where
+    the cuts' figures are affine but for the rounding: subtracted from the cut's figures, the three cuts are
+    checked as a line (``depth``), and what the line misses at full depth is :class:`Extension`'s ``missed``. The
+    change from ``k`` to ``k + 1`` is the one :func:`extended_stream` finds; a str where there is none, or where the
+    decoding stops (:func:`_decoded`)."""
+    if any(r.streams.held for r in cuts):
+        return HELD
+    try:
+        moved = MovedCategories(cuts[0].moves)
+        a, b, c = tokens_of(cuts[0], moved, False), tokens_of(cuts[1]), tokens_of(cuts[2])
+        if not _same_steps(cuts):
+            return "its phases differ between the cuts"
+        agreed = _aligned(a, b, c)
+        if isinstance(agreed, str):
+            return agreed
+        change = agreed[0]
+        if change.aligned is None:
+            return UNEVEN
+        # The grown tokens of the cut to k + 1, where they stand in the cut to k: each bytes-grown storage there
+        # is x - d of the next cut's x, and the line extended back by two blocks reads it at k.
+        grew = {change.aligned[y]: g for y, g in change.grew.items() if y in change.aligned}
+        decoded = _decoded(a[0], len(cuts[0].moments), grew, -2, rounding, moved.at_moments)
+    except Stop as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        return str(exc)
+    except (KeyError, IndexError, ValueError) as exc:  # a token naming no live storage: not this stream's shape
+        if is_interrupt(exc):
+            raise
+        return "its allocation stream frees a storage it never made"
+    return _recorded(cuts[0], decoded), decoded.missed
+
+
+def _same_steps(cuts: "Sequence[RecordedStream]") -> bool:
+    """Do the cuts' moments close the same steps' phases, in the same order?"""
+    steps = [tuple(m[0] for m in r.moments) for r in cuts]
+    return all(s == steps[0] for s in steps)
+
+
+def _recorded(like: "RecordedStream", decoded: "Decoded") -> "RecordedStream":
+    """The :class:`~memprof.collect.simulated.RecordedStream` of the ``decoded`` tokens of a stream with ``like``'s
+    moments (the largest cut's, for the whole model's stream), its events numbered one by one. The ledger's own peak
+    is where the replay looks only when no phase record holds the run's peak (depth.py checks one does): it is the
+    moment of ``like``'s that it falls on, else none."""
+    from ..collect.simulated import RecordedStream
+    from ..collect.streams import StreamUse
+
+    at = next(((i, f) for i, m in enumerate(like.moments) for f, seq in enumerate(m[1:]) if seq == like.peak_seq),
               None)
-    peak = moments[at[0]][at[1]] if at is not None else 0
-    return RecordedStream(tuple(events), tuple((s, m[0], m[1], m[2]) for s, m in zip(steps[2], moments)), peak,
-                          StreamUse(switches=tuple(switches))), Extension(missed, cats, side)
+    peak = decoded.moments[at[0]][at[1]] if at is not None else 0
+    return RecordedStream(tuple(decoded.events),
+                          tuple((m[0], d[0], d[1], d[2]) for m, d in zip(like.moments, decoded.moments)), peak,
+                          StreamUse(switches=tuple(decoded.switches)))
 
 
 #: Why the cuts' streams do not extend where no run of events repeats as a block is added.
@@ -336,6 +385,7 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
     missed: dict[int, dict[int, int]] = {}
     cats: list[int] = []
     side: list[Side] = []
+    made: "dict[int, int | dict[tuple[int, int], int] | None]" = {}  # key -> its category (None: not known)
     for position, token in enumerate(tokens):
         kind = token[0]
         if kind == "s":
@@ -366,12 +416,10 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
             keys[(token[1], classes.make(token[1]))] = fresh
             events.append((seq, fresh, token[1]))
             cats.append(token[2])
+            where = (at_moments.get(position) if token[3] else token[2])
+            made[fresh] = where
             if position in grew:
-                miss = _missed(token[1], grew[position][1][0], more, rounding)
-                if miss:
-                    if token[2] < 0 or (token[3] and position not in at_moments):
-                        raise Stop("a storage whose bytes grow with the blocks has no category known")
-                    missing[fresh] = (at_moments[position] if token[3] else token[2], miss)
+                _miss(missing, fresh, where, _missed(token[1], grew[position][1][0], more, rounding))
         elif kind == "x":
             events.append((seq, fresh, FREE))
         else:
@@ -381,11 +429,25 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
                 missing.pop(key, None)
                 events.append((seq, key, FREE))
             else:
-                if key in missing or (position in grew and _missed(token[5], grew[position][1][2], more, rounding)):
-                    raise Stop("a storage whose bytes grow with the blocks was resized")
+                # Resized (a ZeRO rank's state made whole in the step, then cut to its flat shard; FSDP2's gathered
+                # parameters resized to 0): what the line misses is the new bytes' (none where they do not grow).
+                missing.pop(key, None)
+                if position in grew:
+                    _miss(missing, key, made.get(key), _missed(token[5], grew[position][1][2], more, rounding))
                 keys[(token[5], classes.make(token[5]))] = key
                 events.append((seq, key, token[5]))
     return Decoded(events, placed, switches, missed, cats, side)
+
+
+def _miss(missing: "dict[int, tuple[int | dict[tuple[int, int], int], int]]", key: int,
+          where: "int | dict[tuple[int, int], int] | None", nbytes: int) -> None:
+    """Note that the line misses ``nbytes`` of storage ``key``, in the category ``where`` it was made in (by
+    moment where it moves between categories: :class:`~memprof.simulate.stream_tokens.MovedCategories`)."""
+    if not nbytes:
+        return
+    if where is None or (isinstance(where, int) and where < 0):
+        raise Stop("a storage whose bytes grow with the blocks has no category known")
+    missing[key] = (where, nbytes)
 
 
 def _missed(size: int, grow: int, more: int, rounding: int) -> int:
