@@ -416,10 +416,11 @@ def _decoded(tokens: list[Token], moments: int, grew: dict[int, Grown], more: in
             keys[(token[1], classes.make(token[1]))] = fresh
             events.append((seq, fresh, token[1]))
             cats.append(token[2])
-            where = (at_moments.get(position) if token[3] else token[2])
-            made[fresh] = where
+            category: "int | dict[tuple[int, int], int] | None" = (at_moments.get(position) if token[3]
+                                                                    else int(token[2]))
+            made[fresh] = category
             if position in grew:
-                _miss(missing, fresh, where, _missed(token[1], grew[position][1][0], more, rounding))
+                _miss(missing, fresh, category, _missed(token[1], grew[position][1][0], more, rounding))
         elif kind == "x":
             events.append((seq, fresh, FREE))
         else:
