@@ -5,7 +5,17 @@ from __future__ import annotations
 
 from ..errors import SimulationError
 
-__all__ = ["simulation_error"]
+__all__ = ["simulation_error", "KernelRefusal"]
+
+
+class KernelRefusal(RuntimeError):
+    """What a device kernel refuses, raised by memprof's rule that runs its checks on shape-only tensors (the
+    grouped GEMM's, :mod:`memprof.simulate.grouped_mm`): a run on the device fails the same way, so the failure
+    is the run's, not memprof's. ``fix`` says what the kernel accepts."""
+
+    def __init__(self, message: str, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix
 
 
 def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
@@ -38,6 +48,11 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
         fix = ("the model must run on shape-only tensors (meta or fake): the same call with real tensors of these "
                "shapes is the way to check it")
     what = f"training step {step}" if isinstance(step, int) else step
+    if isinstance(exc, KernelRefusal):  # the device's own kernel refuses the same arguments: not memprof's defect
+        where = _model_frame(exc)
+        return SimulationError(f"the simulated {what} failed: {first}{f' (at {where})' if where else ''}, which the "
+                               "device's kernel refuses as well: a run on the device fails here too. "
+                               f"{exc.fix}".rstrip())
     rule = _rule_frame(exc)
     if rule:  # memprof's own rule made the failing call: the model is not to blame
         return SimulationError(f"the simulated {what} failed inside memprof's own simulation rule {rule}, not in the "

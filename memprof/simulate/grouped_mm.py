@@ -8,16 +8,28 @@ more and pad always: the CPU kernel (a loop of ``mm_out`` per group) and CUDA's 
 bfloat16 and float16, and both make their output with ``create_grouped_gemm_output_tensor``, whose rows
 are padded to 16 bytes on builds other than ROCm (``aten/src/ATen/native/GroupedMMUtils.h``): a 12 x 6
 float32 output has strides (8, 1) and a 376-byte storage, not 288. :func:`grouped_mm_output` applies those
-checks (``_grouped_mm_validate_inputs`` and the stride checks of the same file) and makes that output.
+checks (``_grouped_mm_validate_inputs`` and the stride checks of the same file) and makes that output; what they
+refuse is a :class:`~memprof.simulate.failures.KernelRefusal`, since a run on the device fails the same way.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .failures import KernelRefusal
+
 __all__ = ["grouped_mm_output"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: What the kernels' stride check accepts, said to a user whose model they refuse.
+_ALIGN = ("Each matrix's leading stride must be a multiple of 16 bytes (8 bf16 or fp16 elements, 4 float32): sizes "
+          "such as the hidden size and the experts' intermediate size a multiple of 8, or, for a transformers model, "
+          "its per-expert loop (the config's experts_implementation=\"eager\").")
+
+
+def _refused(message: str, fix: str = "") -> KernelRefusal:
+    """The kernels' refusal, ``message`` as torch words it, named by its op."""
+    return KernelRefusal(f"torch._grouped_mm: {message}", fix)
 
 
 def _check_strides(m: torch.Tensor, name: str) -> None:
@@ -29,35 +41,36 @@ def _check_strides(m: torch.Tensor, name: str) -> None:
     elif st[end] == 1 and st[end - 1] >= max(1, sz[end]):
         lead = st[end - 1]
     else:
-        raise RuntimeError(f"Invalid strides/sizes, got {list(st)} for strides and {list(sz)} for sizes of {name}")
+        raise _refused(f"Invalid strides/sizes, got {list(st)} for strides and {list(sz)} for sizes of {name}")
     if lead % align:
-        raise RuntimeError("strides should be multiple of 16 bytes")
+        raise _refused(f"strides should be multiple of 16 bytes ({name}'s leading stride is "
+                            f"{lead} elements of {m.element_size()} B)", fix=_ALIGN)
 
 
 def grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: "torch.Tensor | None" = None,
                       bias: "torch.Tensor | None" = None, out_dtype: "torch.dtype | None" = None) -> torch.Tensor:
     """The output ``torch._grouped_mm(mat_a, mat_b, offs, bias, out_dtype)`` allocates, on ``mat_a``'s device
     (made by whatever mode is beneath the caller: fake or meta), after the kernel's checks; raises the
-    kernel's error where it would."""
+    kernel's error where it would (a :class:`~memprof.simulate.failures.KernelRefusal`)."""
     for name, m in (("mat_a", mat_a), ("mat_b", mat_b)):
         if m.dtype not in _DTYPES:
-            raise RuntimeError(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {m.dtype}")
+            raise _refused(f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {m.dtype}")
         if m.dim() not in (2, 3):
-            raise RuntimeError(f"{name} has to be 2 or 3d")
+            raise _refused(f"{name} has to be 2 or 3d")
     a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
     if (not a2 or not b2) and mat_a.size(-1) != mat_b.size(-2):
-        raise RuntimeError("contraction dimension of mat_a and mat_b must match")
+        raise _refused("contraction dimension of mat_a and mat_b must match")
     _check_strides(mat_a, "mat_a")
     _check_strides(mat_b, "mat_b")
     if (offs is not None) != (a2 or b2):
-        raise RuntimeError("Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d")
+        raise _refused("Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d")
     if offs is not None and (offs.dim() != 1 or offs.dtype != torch.int32):
-        raise RuntimeError("offs has to be 1D int32")
+        raise _refused("offs has to be 1D int32")
     if bias is not None:
-        raise RuntimeError("Bias not supported yet")
+        raise _refused("Bias not supported yet")
     dtype = out_dtype or mat_a.dtype
     if dtype != mat_a.dtype:
-        raise RuntimeError("Grouped gemm output dtype must match `mat_a` dtype")
+        raise _refused("Grouped gemm output dtype must match `mat_a` dtype")
     if a2 and b2:
         assert offs is not None  # checked above: a 2-d matrix comes with offsets
         size = [offs.size(0), mat_a.size(0), mat_b.size(1)]

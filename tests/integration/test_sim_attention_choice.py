@@ -168,6 +168,12 @@ def test_the_simulation_error_blames_memprofs_rule_only_where_the_rule_made_the_
     # A rule's dispatch frame hands the model's own call on: the failure is the model's call.
     passed = _simulation_error(_raised_in("/x/memprof/simulate/shadows.py", "__torch_dispatch__"), 0)
     assert "memprof's own" not in str(passed) and "must run on shape-only tensors" in str(passed)
+    # A rule that runs a device kernel's own checks (the grouped GEMM's) refuses what the device refuses.
+    from memprof.simulate.failures import KernelRefusal
+
+    refused = KernelRefusal("torch._grouped_mm: strides should be multiple of 16 bytes", fix="Sizes a multiple of 8.")
+    said = str(_simulation_error(refused, 0))
+    assert "memprof's own" not in said and "a run on the device fails here too. Sizes a multiple of 8." in said
 
 
 def test_the_memory_efficient_kernel_keeps_its_mask_padded_to_16_columns():

@@ -126,3 +126,24 @@ def test_a_cuda_target_runs_every_experts_implementation():
         est = memprof.estimate(build("mixtral", impl), lambda ps: torch.optim.AdamW(ps),
                                inputs=dict(input_ids=IDS, labels=IDS), loss_fn=lambda o: o.loss, device="cuda", steps=1)
         assert est.peak_bytes % 512 == 0 and any(n.startswith("MoE routing assumed: balanced") for n in est.notes)
+
+
+def test_experts_the_grouped_gemm_refuses_fail_as_on_the_device_not_as_memprofs_defect():
+    # A Mixtral whose experts' intermediate size is 52 (104 B rows in bf16, not a multiple of 16 B): the grouped
+    # GEMM's kernels refuse its matrices, on this machine's CPU as on a GPU (the same check, GroupedMMUtils.h). The
+    # estimate said the failure was memprof's own defect; it is the run's, with what the kernel accepts.
+    transformers = pytest.importorskip("transformers")
+    a = torch.zeros(12, 52, dtype=torch.bfloat16)
+    b = torch.zeros(4, 52, 40, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="strides should be multiple of 16 bytes"):  # the real kernel, here
+        torch._grouped_mm(a, b, torch.tensor([3, 6, 9, 12], dtype=torch.int32))
+    sizes = dict(vocab_size=64, hidden_size=40, intermediate_size=52, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    kw = dict(seq_len=12, batch_size=2, precision="bf16", gpu="h100-80gb")
+    with pytest.raises(SimulationError) as info:
+        memprof.estimate_hf(transformers.MixtralConfig(**sizes), **kw)
+    said = str(info.value)
+    assert "strides should be multiple of 16 bytes" in said and "a run on the device fails here too" in said, said
+    assert "memprof's defect" not in said and 'experts_implementation="eager"' in said, said
+    # What it advises runs: the per-expert loop multiplies each expert's rows apart.
+    assert memprof.estimate_hf(transformers.MixtralConfig(**sizes, experts_implementation="eager"), **kw).fits
