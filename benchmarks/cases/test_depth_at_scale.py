@@ -56,3 +56,15 @@ def test_llama3_8b_on_a_rank_of_eight_under_fsdp():
     fast = memprof.estimate_hf(cfg, **kw)
     assert _fast(fast), fast.notes
     _identical(fast, memprof.estimate_hf(cfg, extrapolate=False, **kw))
+
+
+def test_gpt2_xl_on_a_rank_of_eight_under_fsdp_settles_from_four_blocks():
+    # GPT-2 XL's shapes (n_embd 1600, 48 layers, vocab 50257), one FSDP rank of 8, mixed precision, seq 512, on an
+    # A100: each backward peaks at its end (the gradients, the logits' temporaries) with 2 and 3 blocks, at its
+    # start (the activations) from 4 on; cut to 4, 5 and 6 blocks the figures are a line, to the whole model's.
+    cfg = T.GPT2Config(n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024)
+    kw = dict(seq_len=512, batch_size=1, precision="mixed", gpu="a100-80gb", world_size=8, parallel="fsdp")
+    fast = memprof.estimate_hf(cfg, **kw)
+    assert any(n.startswith("depth: simulated with transformer.h (48 x GPT2Block) cut to 4, 5 and 6")
+               for n in fast.notes), fast.notes
+    _identical(fast, memprof.estimate_hf(cfg, extrapolate=False, **kw))

@@ -110,12 +110,18 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
         # (the blocks next to the embeddings or the head behave apart while there are few others: FSDP's
         # prefetching; the backward's first block frees the logits' gradient where the others free the previous
         # block's gathered parameters, and with one other block the tokens' alignment took the wrong one): the two
-        # larger cuts and the next, once (one that needed it settled there; one that does not settle, a pipeline
-        # stage's stream under 1F1B, costs one cut more before the whole model), within the same bound.
-        if (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
-                and units > k + 3):
-            ests, k, reason = cut(k, ests)
-            stream, extension, reason = _stream(ests, kept, units, k, reason)
+        # larger cuts and the next, within the same bound. Once for a stream (one that needed it settled there; one
+        # that does not settle, a pipeline stage's stream under 1F1B, costs one cut more before the whole model);
+        # twice for figures, whose phase's peak can move within the phase twice: GPT-2 XL on an FSDP rank peaks in
+        # backward at its end (the gradients, the logits' temporaries) with 2 and 3 blocks, at its start (the
+        # activations) from 4 on.
+        figures = reason
+        tries = 0
+        while (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
+               and units > k + 3 and (tries == 0 or figures is not None)):
+            ests, k, figures = cut(k, ests)
+            stream, extension, reason = _stream(ests, kept, units, k, figures)
+            tries += 1
     except Exception as exc:
         if not auto or is_interrupt(exc):
             raise
