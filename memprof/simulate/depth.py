@@ -67,7 +67,8 @@ AUTO_K, AUTO_UNITS = 2, 16
 
 
 def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_unit: int,
-                 run: Callable[..., Estimate], auto: bool = False) -> Estimate:
+                 run: Callable[..., Estimate], auto: bool = False,
+                 uneven: "Callable[[list[nn.Module]], str | None] | None" = None) -> Estimate:
     """The estimate of ``model`` from three simulations of it cut to ``k``, ``k + 1``, ``k + 2`` units of depth
     (``per_unit`` blocks each: the pipeline's stages per rank), or of the whole model when the figures are not
     affine. ``run(model, optimizer, kept=None)`` simulates one model; with ``kept`` (a list) its replay is left to
@@ -81,7 +82,8 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     hybrid model's sliding-window and full-attention layers: :func:`memprof.simulate.depth_blocks.period`), and a
     cut that fails to simulate is no error: the whole model is simulated instead (its own error is the one raised,
     if it has one). A stack whose blocks are not alike (:func:`memprof.simulate.depth_blocks.alike`) is simulated
-    whole, with a note, on either path."""
+    whole, with a note, on either path, and so is one that ``uneven`` (given the stack's first unit of blocks) says
+    is no line in depth for the run (a ZeRO rank's flat shard: :func:`memprof.simulate.ranks.uneven_shard`)."""
     found = find_stack(model)
     unlike: "str | None" = None
     if auto:
@@ -99,6 +101,10 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
     name, depth, kind = _stack(model, found, k, per_unit)
     units, k = depth // per_unit, int(cast(int, k))
     whole = _why_whole(name, depth, kind, units, k, unlike)
+    if whole is None and uneven is not None:
+        why = uneven(list((model.get_submodule(name) if name else model).children())[:per_unit])
+        where = f"{name or 'the model'} ({depth} x {kind})"
+        whole = None if why is None else f"depth: {where} was simulated whole, since {why}"
     if whole is not None:
         return _whole(run, model, optimizer, whole)
     kept: Kept = []

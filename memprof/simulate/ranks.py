@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from ..collect.simulated import SimulatedProfile
     from ..record.trace import Trace
 
-__all__ = ["PARALLEL", "ON_FAKE_RANKS", "check_parallel", "LayoutPlan", "RankLayout", "unit_blocks"]
+__all__ = ["PARALLEL", "ON_FAKE_RANKS", "check_parallel", "LayoutPlan", "RankLayout", "unit_blocks", "uneven_shard"]
 
 #: The layouts ``estimate(parallel=...)`` simulates by playing their moves on the run (and a plan compares by
 #: default).
@@ -490,6 +490,31 @@ class _StateShards:
     def _state_numel(self, state: "Mapping[torch.Tensor, dict[str, object]]", key: str, dtype: torch.dtype) -> int:
         return sum(t.numel() for info in self.layout.by_id.values() for k, t in (state.get(info.ref) or {}).items()
                    if k == key and isinstance(t, torch.Tensor) and t.dtype == dtype)
+
+
+def uneven_shard(blocks: "list[nn.Module]", world_size: int, parallel: "str | None") -> "str | None":
+    """Why a ZeRO rank's flat shards are no line in the depth of a stack whose unit is ``blocks``, or None. A rank
+    holds ceil(elements / N) of each flat buffer (:func:`_flat_shares`); where a unit adds ``e`` elements that
+    ``N`` does not divide, that is no line in the units, though three cuts can fall on one by chance (a block of
+    4,531 elements on 7 ranks: 1,438, 2,085, 2,732 elements at 2, 3, 4 blocks, a line of 647, which says 10,496 at
+    16 where the shard holds 10,500). Checked for the parameters' and the trainable parameters' elements, by
+    dtype and in all (the twin may cast them to one dtype)."""
+    if parallel not in ("zero1", "zero2", "zero3"):
+        return None
+    params = list({id(p): p for b in blocks for p in b.parameters()}.values())
+    counts: dict[str, int] = {}
+    for trainable in (False, True):
+        for p in params:
+            if trainable and not p.requires_grad:
+                continue
+            for key in (str(p.dtype), "all"):
+                label = f"{'trainable ' if trainable else ''}{key}"
+                counts[label] = counts.get(label, 0) + p.numel()
+    bad = next(((label, e) for label, e in counts.items() if e % world_size), None)
+    if bad is None:
+        return None
+    return (f"a {parallel} rank holds ceil(elements / {world_size}) of each flat buffer, and a block of the stack adds "
+            f"{bad[1]:,} elements ({bad[0]}), which {world_size} ranks do not divide: the shard is no line in depth")
 
 
 def _flat_shares(members: "list[_Param]", n: int) -> "dict[_Param, int]":

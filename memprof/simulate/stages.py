@@ -32,7 +32,7 @@ from ..errors import MemprofError, is_interrupt
 from . import held_signals
 from .abandoned import finish_abandoned
 from .failures import simulation_error
-from .ranks import RankLayout
+from .ranks import RankLayout, uneven_shard
 from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
 from .twin import Twin, casting, converted, meta_optimizer
@@ -93,7 +93,7 @@ def simulate(config: "RunConfig[Workload]") -> "Estimate":
                                                                "not check for this run before (another batch)"))
         est = extrapolated(w.model, w.optimizer, k, depth_unit(p.world_size, p.mesh, p.pipeline),
                            lambda m, opt, kept=None: at_rank(config.with_workload(model=m, optimizer=opt), r, kept),
-                           auto=k is None)
+                           auto=k is None, uneven=lambda blocks: uneven_shard(blocks, p.world_size, p.parallel))
         # Blocks not alike are seen again at each call (a hook removed, train() called again: the run's key does
         # not hold those), so only what the cuts found is remembered.
         if run is not None and any(n.startswith("depth:") and " was simulated whole, since " in n

@@ -78,3 +78,4 @@ def test_a_resized_storage_whose_bytes_grow_is_missed_at_its_new_bytes():
     # Each moment's seq is the last event's before it: the first moment's start and peak after the storages are
     # made (seqs 1 and 2), its end and the second's start after the resize (3), its end after the free (4, none).
     assert decoded.missed == {1: {2: 512}, 2: {2: 512}, 3: {2: -512}}
+
