@@ -100,35 +100,45 @@ def meta_optimizer(optimizer: object, meta_model: nn.Module, mapping: dict[int, 
     if optimizer is None:
         return None
     if isinstance(optimizer, torch.optim.Optimizer):
-        groups = []
-        for g in optimizer.param_groups:
-            params = [mapping[id(p)] for p in g["params"] if id(p) in mapping]
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            if hyper.get("fused"):
-                # Fused kernels do not run on meta tensors; their step keeps no temporaries (measured with torch 2.13,
-                # see docs/anatomy.md#measured-optimizer-state-and-step-transients).
-                hyper["fused"] = None
-                notes.append("fused optimizer simulated unfused: its real step keeps no temporaries")
-            groups.append({**hyper, "params": params})
-        # The optimizer's own class, built as a user builds it: its constructor (not Optimizer's) gives the defaults.
-        rebuilt: Callable[..., torch.optim.Optimizer] = type(optimizer)
-        try:
-            return rebuilt(groups)
-        except Exception as exc:
-            if is_interrupt(exc):
-                raise  # a signal handler's exception (errors.is_interrupt) is the user's
-            notes.append(f"{type(optimizer).__name__} could not be rebuilt on meta tensors ({exc}); "
-                         "optimizer state is from the formula only")
-            return None
+        groups = [{**g, "params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]}
+                  for g in optimizer.param_groups]
+        return _rebuilt(optimizer, groups, notes)
     if callable(optimizer):
         opt = optimizer(meta_model.parameters())
         if not isinstance(opt, torch.optim.Optimizer):
             raise InvalidArgumentError("the optimizer factory must return a torch.optim.Optimizer")
-        return opt
+        # A factory's fused optimizer (lambda ps: AdamW(ps, fused=True)) is rebuilt unfused as an instance is: torch
+        # refuses a fused step on meta tensors.
+        return _rebuilt(opt, [dict(g) for g in opt.param_groups], notes) if _fused(opt.param_groups) else opt
     raise InvalidArgumentError(
         "optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; "
         f"got {type(optimizer).__name__}"
     )
+
+
+def _fused(groups: "list[dict[str, object]]") -> bool:
+    return any(g.get("fused") for g in groups)
+
+
+def _rebuilt(optimizer: torch.optim.Optimizer, groups: "list[dict[str, object]]", notes: list[str]
+             ) -> "torch.optim.Optimizer | None":
+    """``optimizer``'s class built on ``groups`` (the meta model's parameters), unfused: fused kernels do not run on
+    meta tensors, and their step keeps no temporaries (measured with torch 2.13, see
+    docs/anatomy.md#measured-optimizer-state-and-step-transients), so the unfused step's are an upper bound. None,
+    with a note, where the class cannot be built so."""
+    if _fused(groups):
+        groups = [{**g, "fused": None} for g in groups]
+        notes.append("fused optimizer simulated unfused: its real step keeps no temporaries")
+    # The optimizer's own class, built as a user builds it: its constructor (not Optimizer's) gives the defaults.
+    rebuilt: Callable[..., torch.optim.Optimizer] = type(optimizer)
+    try:
+        return rebuilt(groups)
+    except Exception as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        notes.append(f"{type(optimizer).__name__} could not be rebuilt on meta tensors ({exc}); "
+                     "optimizer state is from the formula only")
+        return None
 
 
 def converted(obj: UserValue, make: Maker, seen: dict[int, torch.Tensor]) -> UserValue:
