@@ -100,34 +100,14 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
         unlike = alike(model, found[0])[1]
     name, depth, kind = _stack(model, found, k, per_unit)
     units, k = depth // per_unit, int(cast(int, k))
-    whole = _why_whole(name, depth, kind, units, k, unlike)
-    if whole is None and uneven is not None:
-        why = uneven(list((model.get_submodule(name) if name else model).children())[:per_unit])
-        where = f"{name or 'the model'} ({depth} x {kind})"
-        whole = None if why is None else f"depth: {where} was simulated whole, since {why}"
+    why = None if uneven is None else uneven(list((model.get_submodule(name) if name else model).children())[:per_unit])
+    whole = _why_whole(name, depth, kind, units, k, unlike, why)
     if whole is not None:
         return _whole(run, model, optimizer, whole)
     kept: Kept = []
     cut = partial(_cuts, model, optimizer, name, per_unit=per_unit, units=units, run=run, kept=kept, auto=auto)
     try:
-        ests, k, reason = cut(k)
-        stream, extension, reason = _stream(ests, kept, units, k, reason)
-        # Figures or a stream that the first cuts do not make regular settle with more blocks, as the peak does
-        # (the blocks next to the embeddings or the head behave apart while there are few others: FSDP's
-        # prefetching; the backward's first block frees the logits' gradient where the others free the previous
-        # block's gathered parameters, and with one other block the tokens' alignment took the wrong one): the two
-        # larger cuts and the next, within the same bound. Once for a stream (one that needed it settled there; one
-        # that does not settle, a pipeline stage's stream under 1F1B, costs one cut more before the whole model);
-        # twice for figures, whose phase's peak can move within the phase twice: GPT-2 XL on an FSDP rank peaks in
-        # backward at its end (the gradients, the logits' temporaries) with 2 and 3 blocks, at its start (the
-        # activations) from 4 on.
-        figures = reason
-        tries = 0
-        while (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
-               and units > k + 3 and (tries == 0 or figures is not None)):
-            ests, k, figures = cut(k, ests)
-            stream, extension, reason = _stream(ests, kept, units, k, figures)
-            tries += 1
+        ests, k, stream, extension, reason = _settled(cut, kept, units, k, auto)
     except Exception as exc:
         if not auto or is_interrupt(exc):
             raise
@@ -186,12 +166,15 @@ def _stack(model: nn.Module, found: "tuple[str, int, str] | None", k: object, pe
     return found
 
 
-def _why_whole(name: str, depth: int, kind: str, units: int, k: int, unlike: "str | None") -> "str | None":
+def _why_whole(name: str, depth: int, kind: str, units: int, k: int, unlike: "str | None",
+               uneven: "str | None") -> "str | None":
     """The note of a model the cuts cannot stand for, simulated whole before any cut: blocks not alike (``unlike``
-    says why, :func:`memprof.simulate.depth_blocks.alike`), or no block left to extend by; None where the cuts
-    can."""
+    says why, :func:`memprof.simulate.depth_blocks.alike`), figures of the run that are no line in depth
+    (``uneven`` says why), or no block left to extend by; None where the cuts can."""
     if unlike is not None:
         return _unlike_note((name, depth, kind), unlike)
+    if uneven is not None:
+        return f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, since {uneven}"
     if units <= k + 2:  # nothing left to extend: the whole model, and a note saying extrapolate= changed nothing
         return (f"depth: extrapolate={k} cuts {name or 'the model'} to {k}, {k + 1} and {k + 2} blocks per stage, "
                 f"but it has {units}: it was simulated whole (give a smaller k to extrapolate)")
@@ -326,6 +309,30 @@ def _stream(ests: "list[Estimate]", kept: Kept, units: int, k: int, reason: "str
     if isinstance(made, str):
         return None, None, made
     return made[0], made[1], None
+
+
+def _settled(cut: "Callable[..., tuple[list[Estimate], int, str | None]]", kept: Kept, units: int, k: int,
+             auto: bool) -> "tuple[list[Estimate], int, RecordedStream | None, Extension | None, str | None]":
+    """The cuts from ``k`` (:func:`_cuts`), the whole model's stream extended from theirs and why not (None: both
+    hold), taken again with more blocks where the first do not settle (with ``auto``)."""
+    ests, k, reason = cut(k)
+    stream, extension, reason = _stream(ests, kept, units, k, reason)
+    # Figures or a stream that the first cuts do not make regular settle with more blocks, as the peak does (the
+    # blocks next to the embeddings or the head behave apart while there are few others: FSDP's prefetching; the
+    # backward's first block frees the logits' gradient where the others free the previous block's gathered
+    # parameters, and with one other block the tokens' alignment took the wrong one): the two larger cuts and the
+    # next, within the same bound. Once for a stream (one that needed it settled there; one that does not settle, a
+    # pipeline stage's stream under 1F1B, costs one cut more before the whole model); twice for figures, whose
+    # phase's peak can move within the phase twice: GPT-2 XL on an FSDP rank peaks in backward at its end (the
+    # gradients, the logits' temporaries) with 2 and 3 blocks, at its start (the activations) from 4 on.
+    figures = reason
+    tries = 0
+    while (auto and reason is not None and stream is None and reason != HELD and k < AUTO_K + 2
+           and units > k + 3 and (tries == 0 or figures is not None)):
+        ests, k, figures = cut(k, ests)
+        stream, extension, reason = _stream(ests, kept, units, k, figures)
+        tries += 1
+    return ests, k, stream, extension, reason
 
 
 def _cuts(model: nn.Module, optimizer: "OptimizerArg", name: str, k: int, ests: "list[Estimate] | None" = None, *,
