@@ -107,9 +107,12 @@ def meta_optimizer(optimizer: object, meta_model: nn.Module, mapping: dict[int, 
         opt = optimizer(meta_model.parameters())
         if not isinstance(opt, torch.optim.Optimizer):
             raise InvalidArgumentError("the optimizer factory must return a torch.optim.Optimizer")
-        # A factory's fused optimizer (lambda ps: AdamW(ps, fused=True)) is rebuilt unfused as an instance is: torch
-        # refuses a fused step on meta tensors.
-        return _rebuilt(opt, [dict(g) for g in opt.param_groups], notes) if _fused(opt.param_groups) else opt
+        # A factory's fused torch optimizer (lambda ps: AdamW(ps, fused=True)) is rebuilt unfused as an instance is:
+        # torch refuses a fused step on meta tensors. A class of the user's own is left as built: its constructor may
+        # need more than its groups, and its step is its own.
+        if _fused(opt.param_groups) and type(opt).__module__.startswith("torch.optim"):
+            return _rebuilt(opt, [dict(g) for g in opt.param_groups], notes)
+        return opt
     raise InvalidArgumentError(
         "optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; "
         f"got {type(optimizer).__name__}"
