@@ -73,30 +73,20 @@ def extended_stream(cuts: "Sequence[RecordedStream]", more: int, rounding: int, 
     category (with ``moves``; else none) and its moments in the order they fall between its events
     (:class:`Extension`), which :mod:`memprof.simulate.stream_peaks` reads the composition of any moment off. A str
     where it cannot: why."""
-    if any(r.streams.held for r in cuts):
-        return HELD
     try:
-        moved = MovedCategories(cuts[2].moves)
-        a, b, c = tokens_of(cuts[0], None, moves), tokens_of(cuts[1], None, moves), tokens_of(cuts[2], moved, moves)
-        if not _same_steps(cuts):
-            return "its phases differ between the cuts"
-        agreed = _aligned(a, b, c)
-        if isinstance(agreed, str):
-            return agreed
-        change, tokens, per_copy = agreed
+        found = _aligned_cuts(cuts, 2, moves)
+        if isinstance(found, str):
+            return found
+        moved, _tokens, (change, tokens, per_copy) = found
         # The cut to k + 2's tokens, position by position.
         predicted, change, _ = _apply(tokens, change._replace(per_copy=per_copy), 1)
         whole, change, origin = _apply(predicted, change, more)
         at_moments = {p: moved.at_moments[q] for p, q in enumerate(origin) if q in moved.at_moments}
         decoded = _decoded(whole, len(cuts[2].moments), change.grew, more, rounding, at_moments)
-    except Stop as exc:
+    except (Stop, KeyError, IndexError, ValueError) as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
-        return str(exc)
-    except (KeyError, IndexError, ValueError) as exc:  # a token naming no live storage: not this stream's shape
-        if is_interrupt(exc):
-            raise
-        return "its extended allocation stream frees a storage it never made"
+        return _stopped(exc, "its extended allocation stream")
     return _recorded(cuts[2], decoded), Extension(decoded.missed, decoded.cats, decoded.side)
 
 
@@ -111,38 +101,50 @@ def bent(cuts: "Sequence[RecordedStream]", rounding: int) -> "tuple[RecordedStre
     checked as a line (``depth``), and what the line misses at full depth is :class:`Extension`'s ``missed``. The
     change from ``k`` to ``k + 1`` is the one :func:`extended_stream` finds; a str where there is none, or where the
     decoding stops (:func:`_decoded`)."""
-    if any(r.streams.held for r in cuts):
-        return HELD
     try:
-        moved = MovedCategories(cuts[0].moves)
-        a, b, c = tokens_of(cuts[0], moved, False), tokens_of(cuts[1]), tokens_of(cuts[2])
-        if not _same_steps(cuts):
-            return "its phases differ between the cuts"
-        agreed = _aligned(a, b, c)
-        if isinstance(agreed, str):
-            return agreed
-        change = agreed[0]
+        found = _aligned_cuts(cuts, 0, False)
+        if isinstance(found, str):
+            return found
+        moved, tokens, (change, _tokens, _per_copy) = found
         if change.aligned is None:
             return UNEVEN
         # The grown tokens of the cut to k + 1, where they stand in the cut to k: each bytes-grown storage there
         # is x - d of the next cut's x, and the line extended back by two blocks reads it at k.
         grew = {change.aligned[y]: g for y, g in change.grew.items() if y in change.aligned}
-        decoded = _decoded(a[0], len(cuts[0].moments), grew, -2, rounding, moved.at_moments)
-    except Stop as exc:
+        decoded = _decoded(tokens[0][0], len(cuts[0].moments), grew, -2, rounding, moved.at_moments)
+    except (Stop, KeyError, IndexError, ValueError) as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
-        return str(exc)
-    except (KeyError, IndexError, ValueError) as exc:  # a token naming no live storage: not this stream's shape
-        if is_interrupt(exc):
-            raise
-        return "its allocation stream frees a storage it never made"
+        return _stopped(exc, "its allocation stream")
     return _recorded(cuts[0], decoded), decoded.missed
 
 
-def _same_steps(cuts: "Sequence[RecordedStream]") -> bool:
-    """Do the cuts' moments close the same steps' phases, in the same order?"""
+#: A change from one cut to the next that holds in the third (:func:`_aligned`): the change, the middle cut's tokens
+#: written as every copy names its storages, and the positions that grow in every copy.
+Agreed = tuple[Change, list[Token], dict[int, tuple[int, int]]]
+
+
+def _aligned_cuts(cuts: "Sequence[RecordedStream]", tracked: int, moves: bool
+                  ) -> "tuple[MovedCategories, list[Tokens], Agreed] | str":
+    """The three cuts' tokens (with ``moves``, their moves between categories too; the categories of cut
+    ``tracked``'s storages at its moments kept by the :class:`MovedCategories` returned) and the change from the
+    first to the second that, made once more, gives the third (:func:`_aligned`); or why there is none: storages
+    held for another stream, phases that differ between the cuts, no such change."""
+    if any(r.streams.held for r in cuts):
+        return HELD
+    moved = MovedCategories(cuts[tracked].moves)
+    tokens = [tokens_of(r, moved if i == tracked else None, moves) for i, r in enumerate(cuts)]
     steps = [tuple(m[0] for m in r.moments) for r in cuts]
-    return all(s == steps[0] for s in steps)
+    if any(s != steps[0] for s in steps):
+        return "its phases differ between the cuts"
+    agreed = _aligned(tokens[0], tokens[1], tokens[2])
+    return agreed if isinstance(agreed, str) else (moved, tokens, agreed)
+
+
+def _stopped(exc: Exception, what: str) -> str:
+    """Why ``what`` (a stream being decoded) did not decode: a :class:`Stop`'s reason, or a token naming no live
+    storage (a ``KeyError``, ``IndexError`` or ``ValueError``): not this stream's shape."""
+    return str(exc) if isinstance(exc, Stop) else f"{what} frees a storage it never made"
 
 
 def _recorded(like: "RecordedStream", decoded: "Decoded") -> "RecordedStream":
@@ -165,7 +167,7 @@ def _recorded(like: "RecordedStream", decoded: "Decoded") -> "RecordedStream":
 UNEVEN = "its allocation stream did not grow by the same events per block"
 
 
-def _aligned(a: Tokens, b: Tokens, c: Tokens) -> "tuple[Change, list[Token], dict[int, tuple[int, int]]] | str":
+def _aligned(a: Tokens, b: Tokens, c: Tokens) -> "Agreed | str":
     """The change from ``a`` to ``b`` that, made once more, gives ``c`` (:func:`_agreed`'s tokens and growths
     beside it), or why there is none. The tokens are aligned in full first; failing that, by their shapes alone (a
     free or resize without the way it names its storage): where a block's backward frees a storage of the block
