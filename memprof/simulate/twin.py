@@ -130,7 +130,9 @@ def _rebuilt(optimizer: torch.optim.Optimizer, groups: "list[dict[str, object]]"
     docs/anatomy.md#measured-optimizer-state-and-step-transients), so the unfused step's are an upper bound. None,
     with a note, where the class cannot be built so."""
     if _fused(groups):
-        groups = [{**g, "fused": None} for g in groups]
+        # Only the fused groups: a group's fused=False with foreach unset runs torch's for-loop step, where None
+        # would let torch choose foreach.
+        groups = [{**g, "fused": None} if g.get("fused") else g for g in groups]
         notes.append("fused optimizer simulated unfused: its real step keeps no temporaries")
     # The optimizer's own class, built as a user builds it: its constructor (not Optimizer's) gives the defaults.
     rebuilt: Callable[..., torch.optim.Optimizer] = type(optimizer)
