@@ -45,6 +45,7 @@ from torch._subclasses.fake_tensor import (_DISPATCH_HANDLE_DIRECTLY, _DISPATCH_
 from torch.utils._pytree import tree_flatten
 
 from ..collect.torch_compat import UnwrappedMode
+from .fake_made import FakeMaker
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -104,6 +105,7 @@ class MetaKernelCache(UnwrappedMode):
             raise InvalidArgumentError("a fake mode with a shape environment or real tensors gives answers that "
                                        "depend on more than the arguments' metadata: enter it without MetaKernelCache")
         self.fake_mode = fake_mode
+        self._fake = None if fake_mode is None else FakeMaker(fake_mode)
 
     def __torch_dispatch__(self, func: "OpOverload", types: object, args: "tuple[OpValue, ...]" = (),
                            kwargs: "dict[str, OpValue] | None" = None) -> "OpValue":
@@ -132,16 +134,17 @@ class MetaKernelCache(UnwrappedMode):
         if answer is _SELF:
             return args[0]
         if type(answer) is _ViewOf:
-            assert mode is not None  # views are answered on fake tensors only
-            return FakeTensor(mode, _meta_view(answer, args[answer.index]), answer.device)
+            assert self._fake is not None  # views are answered on fake tensors only
+            return self._fake(_meta_view(answer, args[answer.index]), answer.device)
         if isinstance(answer, tuple):
             made, many = answer
             if mode is None:
                 outs = [torch.empty_strided(size, stride, dtype=dtype, device="meta")
                         for size, stride, dtype, _ in made]
             else:
-                outs = [FakeTensor(mode, _meta_empty(size, stride, dtype), device)
-                        for size, stride, dtype, device in made]
+                fake = self._fake
+                assert fake is not None  # made with the mode
+                outs = [fake(_meta_empty(size, stride, dtype), device) for size, stride, dtype, device in made]
             return tuple(outs) if many else outs[0]
         out = func(*args, **kwargs)
         if answer is None:
