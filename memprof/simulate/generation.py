@@ -32,6 +32,7 @@ from .choosing import Beams, Greedy, Sampling
 from .decoding import Decoding, decoder_start
 from .estimate import Estimate
 from .failures import simulation_error as _simulation_error
+from .frozen_heap import frozen
 from .run import Generation, GenerationOptions, RunConfig
 from .stages import NothingLeftBehind
 from .twin import Twin as _Target
@@ -69,8 +70,9 @@ def estimate_generation(model: nn.Module, **options: Unpack[GenerationOptions]) 
 
 def simulate_generation(config: "RunConfig[Generation]") -> Estimate:
     """The estimate of the generation ``config`` describes (its workload a :class:`~memprof.simulate.run.
-    Generation`): the twin, the prompt, the profiled prefill and decode calls, the device replay."""
-    with NothingLeftBehind():
+    Generation`): the twin, the prompt, the profiled prefill and decode calls, the device replay (the heap there
+    before kept out of the garbage collector's full passes: :mod:`memprof.simulate.frozen_heap`)."""
+    with frozen(), NothingLeftBehind():
         prepared = _prepared(config)
         prof = _decoded(prepared)
         return _generation_estimate(config, prepared, prof)

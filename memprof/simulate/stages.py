@@ -32,6 +32,7 @@ from ..errors import MemprofError, is_interrupt
 from . import held_signals
 from .abandoned import finish_abandoned
 from .failures import simulation_error
+from .frozen_heap import frozen
 from .ranks import RankLayout, uneven_shard
 from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
@@ -66,7 +67,13 @@ class Prepared:
 
 def simulate(config: "RunConfig[Workload]") -> "Estimate":
     """The estimate ``config`` describes: one rank, every pipeline rank class (the worst returned, all listed), and
-    with ``extrapolate=`` the model cut to three depths and extended."""
+    with ``extrapolate=`` the model cut to three depths and extended; the heap there before kept out of the garbage
+    collector's full passes meanwhile (:mod:`memprof.simulate.frozen_heap`)."""
+    with frozen():
+        return _simulated(config)
+
+
+def _simulated(config: "RunConfig[Workload]") -> "Estimate":
     from .depth import NOT_ALIKE, extrapolated
     from .parallel import ParallelRun, depth_unit
     from .rank_classes import pipeline_ranks

@@ -89,3 +89,17 @@ def test_sessions_retain_no_more_python_memory_than_torch_itself():
         with_memprof.append(_heap_growth(_session))
         null_mode.append(_heap_growth(_null_mode_session))
     assert min(with_memprof) < min(null_mode) + 16 * 1024, (with_memprof, null_mode)
+
+
+def test_an_estimate_freezes_the_heap_while_it_simulates_and_unfreezes_it_after():
+    # memprof.simulate.frozen_heap: the collector's full passes walk what the simulation made, not the process
+    seen = []
+
+    class Seen(torch.nn.Linear):
+        def forward(self, x):
+            seen.append(gc.get_freeze_count())
+            return super().forward(x)
+
+    est = memprof.estimate(Seen(8, 4), lambda ps: torch.optim.SGD(ps, lr=0.1), inputs=torch.randn(2, 8))
+    assert est.peak_bytes > 0 and seen and all(n > 0 for n in seen), seen
+    assert gc.get_freeze_count() == 0
