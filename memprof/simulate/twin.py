@@ -100,6 +100,7 @@ def meta_optimizer(optimizer: object, meta_model: nn.Module, mapping: dict[int, 
     if optimizer is None:
         return None
     if isinstance(optimizer, torch.optim.Optimizer):
+        _refuse_capturable(optimizer)
         groups = [{**g, "params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]}
                   for g in optimizer.param_groups]
         return _rebuilt(optimizer, groups, notes)
@@ -107,6 +108,7 @@ def meta_optimizer(optimizer: object, meta_model: nn.Module, mapping: dict[int, 
         opt = optimizer(meta_model.parameters())
         if not isinstance(opt, torch.optim.Optimizer):
             raise InvalidArgumentError("the optimizer factory must return a torch.optim.Optimizer")
+        _refuse_capturable(opt)
         # A factory's fused torch optimizer (lambda ps: AdamW(ps, fused=True)) is rebuilt unfused as an instance is:
         # torch refuses a fused step on meta tensors. A class of the user's own is left as built: its constructor may
         # need more than its groups, and its step is its own.
@@ -117,6 +119,21 @@ def meta_optimizer(optimizer: object, meta_model: nn.Module, mapping: dict[int, 
         "optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; "
         f"got {type(optimizer).__name__}"
     )
+
+
+def _refuse_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """A torch optimizer built ``capturable=True`` is refused, saying why and what to estimate instead: its step
+    asserts that every parameter is on a device CUDA graphs capture (``torch/optim/adam.py`` and the others), which
+    the simulation's shape-only tensors are not, and its step counters on the device are not simulated."""
+    if not type(optimizer).__module__.startswith("torch.optim"):
+        return  # a class of the user's own: its step is its own
+    if any(g.get("capturable") for g in optimizer.param_groups):
+        raise InvalidArgumentError(
+            f"{type(optimizer).__name__}(capturable=True) cannot be simulated: its step asserts every parameter is on "
+            "a device CUDA graphs capture, which shape-only tensors are not (a run on the CPU fails the same "
+            "assertion). Estimate with capturable=False: the same states, where a CUDA run with capturable=True holds "
+            "one more 512-byte block per parameter tensor (its step counter, kept on the device) and small "
+            "temporaries of its step")
 
 
 def _fused(groups: "list[dict[str, object]]") -> bool:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import memprof
-from memprof.errors import SimulationError
+from memprof.errors import InvalidArgumentError, SimulationError
 
 
 @torch.library.custom_op("memprof_tests::double", mutates_args=())
@@ -120,3 +120,21 @@ def test_a_factorys_own_optimizer_class_with_fused_in_its_defaults_runs_as_built
     plain = memprof.estimate(model, lambda ps: Momentum(ps, 0.1, fused=False), **kw)
     assert fused.trace.peak == plain.trace.peak
     assert not any("could not be rebuilt" in n or "simulated unfused" in n for n in fused.notes), fused.notes
+
+
+@pytest.mark.parametrize("gpu", [None, "h100-80gb"])
+def test_a_capturable_optimizer_is_refused_with_what_to_estimate_instead(gpu):
+    # Its step asserts every parameter is on a device CUDA graphs capture: the simulation's shape-only tensors are
+    # not, and the estimate ended in torch's bare AssertionError, from the instance and the factory alike (found by
+    # a review). A real run on the CPU fails the same assertion (below), so the refusal says so.
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    for optimizer in (lambda ps: torch.optim.AdamW(ps, capturable=True),
+                      lambda ps: torch.optim.Adam(ps, fused=True, capturable=True),
+                      torch.optim.RMSprop(model.parameters(), capturable=True)):
+        refused = r"\(capturable=True\) cannot be simulated.*Estimate with capturable=False"
+        with pytest.raises(InvalidArgumentError, match=refused):
+            memprof.estimate(model, optimizer, inputs=torch.randn(2, 16), gpu=gpu)
+    real = torch.optim.AdamW(model.parameters(), capturable=True)
+    model(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(AssertionError, match="capturable=True"):
+        real.step()
