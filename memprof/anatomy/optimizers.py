@@ -71,12 +71,21 @@ def _foreach_devices() -> list[str]:
     return ["cuda", "xpu", "mtia", torch._C._get_privateuse1_backend_name()]
 
 
-def _default_foreach(params: Sequence[torch.Tensor], differentiable: bool) -> bool:
-    """torch/optim/optimizer.py ``_default_to_fused_or_foreach(params, differentiable, use_fused=False)``."""
+def _default_foreach(params: Sequence[torch.Tensor], differentiable: bool, device: "str | None" = None) -> bool:
+    """torch/optim/optimizer.py ``_default_to_fused_or_foreach(params, differentiable, use_fused=False)``; with
+    ``device``, for the parameters held on that device type (a simulation's shape-only twins of them)."""
     if differentiable:
         return False
     devices = _foreach_devices()
-    return all(type(p) in (torch.Tensor, torch.nn.Parameter) and p.device.type in devices for p in params)
+    return all(type(p) in _foreach_types() and (device or p.device.type) in devices for p in params)
+
+
+def _foreach_types() -> tuple[type, ...]:
+    # torch/utils/_foreach_utils.py::_foreach_supported_types, which torch.distributed.tensor extends with DTensor
+    # when it is imported (a parameter's type: Parameter passes as Tensor does)
+    from torch.utils._foreach_utils import _foreach_supported_types
+
+    return (torch.nn.Parameter, *_foreach_supported_types)
 
 
 # --------------------------------------------------------------------------- the formula record
@@ -171,17 +180,20 @@ def _grad_set(params_with_grad: Iterable[torch.Tensor] | None) -> set[int] | Non
 
 
 def param_group_implementations(optimizer: OptimizerLike,
-                                params_with_grad: Iterable[torch.Tensor] | None = None) -> list[str]:
-    """The implementation (``"foreach"``, ``"for-loop"``, ``"fused"``) each parameter group will use."""
+                                params_with_grad: Iterable[torch.Tensor] | None = None,
+                                device: "str | None" = None) -> list[str]:
+    """The implementation (``"foreach"``, ``"for-loop"``, ``"fused"``) each parameter group will use; with
+    ``device`` (a device type), where its parameters are on that device whatever theirs is now."""
     formula = optimizer_formula(optimizer)
     none_rule = formula.foreach_none if formula is not None else "default"
     wanted = _grad_set(params_with_grad)
     return [
-        _resolve(optimizer, group, none_rule, _group_params(group, wanted)) for group in optimizer.param_groups
+        _resolve(optimizer, group, none_rule, _group_params(group, wanted), device) for group in optimizer.param_groups
     ]
 
 
-def _resolve(optimizer: OptimizerLike, group: ParamGroup, none_rule: str, params: Sequence[torch.Tensor]) -> str:
+def _resolve(optimizer: OptimizerLike, group: ParamGroup, none_rule: str, params: Sequence[torch.Tensor],
+             device: "str | None" = None) -> str:
     recorded = group.get("memprof_implementation")
     if recorded is not None:
         return str(recorded)  # a recorded group: torch decided when the run happened
@@ -195,7 +207,7 @@ def _resolve(optimizer: OptimizerLike, group: ParamGroup, none_rule: str, params
             # adam.py/sgd.py/adagrad.py apply the default only ``if fused is None and foreach is None``;
             # an explicit fused=False leaves foreach False, i.e. the for-loop.
             return "for-loop"
-        foreach = _default_foreach(params, bool(group.get("differentiable", False)))
+        foreach = _default_foreach(params, bool(group.get("differentiable", False)), device)
         if foreach and isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable", False):
             foreach = False  # adam.py: no foreach with a Tensor lr unless capturable
     return "foreach" if foreach else "for-loop"

@@ -96,7 +96,17 @@ def _shadow_copy(model: nn.Module, make: Maker) -> tuple[nn.Module, dict[int, to
 
 
 def meta_optimizer(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
-                    notes: list[str]) -> "torch.optim.Optimizer | None":
+                    notes: list[str], target: "torch.device | None" = None) -> "torch.optim.Optimizer | None":
+    """The optimizer rebuilt (or built, from a factory) on the twin's parameters, stepping as it steps on
+    ``target`` (:func:`_stepping_as_on`)."""
+    opt = _built(optimizer, meta_model, mapping, notes)
+    if opt is not None and target is not None:
+        _stepping_as_on(opt, target, notes)
+    return opt
+
+
+def _built(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
+           notes: list[str]) -> "torch.optim.Optimizer | None":
     if optimizer is None:
         return None
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -136,6 +146,37 @@ def _refuse_capturable(optimizer: torch.optim.Optimizer) -> None:
             "temporaries of its step")
 
 
+#: torch's optimizers whose foreach step runs on shape-only tensors (tests/integration/test_sim_foreach.py runs
+#: each); ASGD's reads its step counters' values (``_multi_tensor_asgd``'s ``_get_value(step)``).
+_FOREACH_SIMULATED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
+                      torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, torch.optim.Adadelta, torch.optim.Rprop)
+
+
+def _stepping_as_on(optimizer: torch.optim.Optimizer, target: torch.device, notes: list[str]) -> None:
+    """Each parameter group left to torch's choice (``foreach=None``) given the implementation torch chooses for
+    parameters on ``target``: on CUDA the foreach step (``_default_to_fused_or_foreach``, torch/optim/optimizer.py),
+    whose temporaries are a list of every parameter's, where the twin's meta or fake CPU parameters would choose the
+    for-loop, one parameter's at a time (an AdamW step on CUDA holds a square root of every state at once)."""
+    from ..anatomy.optimizers import param_group_implementations
+
+    if not isinstance(optimizer, torch.optim.Optimizer) or not any(
+            "foreach" in g and g["foreach"] is None for g in optimizer.param_groups):
+        return
+    chosen = param_group_implementations(optimizer, device=target.type)
+    if "foreach" not in chosen:
+        return
+    if not isinstance(optimizer, _FOREACH_SIMULATED):
+        notes.append(f"{type(optimizer).__name__}'s step on {target.type} is torch's foreach implementation, which "
+                     "reads values shape-only tensors do not hold: simulated with its for-loop, whose temporaries "
+                     "are one parameter's at a time where the foreach step's are a list of every parameter's")
+        return
+    for group, implementation in zip(optimizer.param_groups, chosen):
+        if implementation == "foreach" and "foreach" in group and group["foreach"] is None:
+            group["foreach"] = True
+    notes.append(f"optimizer step: {type(optimizer).__name__}'s foreach implementation, as torch chooses it for "
+                 f"parameters on {target.type} (foreach=None)")
+
+
 def _fused(groups: "list[dict[str, object]]") -> bool:
     return any(g.get("fused") for g in groups)
 
@@ -149,7 +190,9 @@ def _rebuilt(optimizer: torch.optim.Optimizer, groups: "list[dict[str, object]]"
     if _fused(groups):
         # Only the fused groups: a group's fused=False with foreach unset runs torch's for-loop step, where None
         # would let torch choose foreach.
-        groups = [{**g, "fused": None} if g.get("fused") else g for g in groups]
+        # foreach=False: the for-loop step, whose temporaries (one parameter's at a time) are the least that bound
+        # the fused step's on any target (foreach's are a list of every parameter's).
+        groups = [{**g, "fused": None, "foreach": False} if g.get("fused") else g for g in groups]
         notes.append("fused optimizer simulated unfused: its real step keeps no temporaries")
     # The optimizer's own class, built as a user builds it: its constructor (not Optimizer's) gives the defaults.
     rebuilt: Callable[..., torch.optim.Optimizer] = type(optimizer)
