@@ -277,15 +277,15 @@ def install(c: Collectors, model: nn.Module, *, mode_requested: str, operations:
         # eagerly, outside the graph, rather than have dynamo trace memprof's code into it (torch.compiler.disable
         # is untyped).
         pre, post = torch.compiler.disable(pre), torch.compiler.disable(post)  # type: ignore[no-untyped-call]
-    stack.callback(_optim_mod.register_optimizer_step_pre_hook(pre).remove)
-    stack.callback(_optim_mod.register_optimizer_step_post_hook(post).remove)
+    _global_hook(stack, _optim_mod, "register_optimizer_step_pre_hook", "_global_optimizer_pre_hooks", pre)
+    _global_hook(stack, _optim_mod, "register_optimizer_step_post_hook", "_global_optimizer_post_hooks", post)
     # The model may gain parameters or submodules inside the block (a new head, lazy modules).
     from torch.nn.modules import module as _module_mod
 
-    for name in ("register_module_parameter_registration_hook", "register_module_module_registration_hook"):
-        register = getattr(_module_mod, name, None)
-        if register is not None:
-            stack.callback(register(c.modules.registration_hook).remove)
+    for name, registry in (("register_module_parameter_registration_hook", "_global_parameter_registration_hooks"),
+                           ("register_module_module_registration_hook", "_global_module_registration_hooks")):
+        if getattr(_module_mod, name, None) is not None:
+            _global_hook(stack, _module_mod, name, registry, c.modules.registration_hook)
     if operations and run.mode != EXACT:
         run.notes.append("operations=True needs mode='exact' (it sees ops through the dispatch mode)")
     if run.mode == EXACT:
@@ -335,3 +335,23 @@ def add_windows(c: Collectors, schedule: "Schedule", ready: "Callable[[], None] 
     c.optimizers.while_paused = windows.optimizer_stepped_while_paused
     c.modules.at_forward = windows.at_forward
     windows.start()
+
+
+def _global_hook(stack: "UndoStack", module: object, register: str, registry: str, hook: Callable[..., object]) -> None:
+    """``hook`` registered with torch's global ``module.register(hook)``, its removal on ``stack`` first: a signal
+    handler's exception (Ctrl-C) landing after the registration returned and before its handle reached the stack
+    left the hook installed for the rest of the process (a suite's storm of interrupts found it). The removal
+    takes out of torch's ``module.registry`` (an ordered dict of handle ids, torch/optim/optimizer.py,
+    torch/nn/modules/module.py) every entry that is ``hook``; a torch without that dict gets the handle's removal
+    after the registration, as before."""
+    hooks = getattr(module, registry, None)
+    if not isinstance(hooks, dict):
+        stack.callback(getattr(module, register)(hook).remove)
+        return
+    stack.callback(_drop, hooks, hook)
+    getattr(module, register)(hook)
+
+
+def _drop(hooks: "dict[int, object]", hook: object) -> None:
+    for key in [k for k, v in hooks.items() if v is hook]:
+        del hooks[key]

@@ -630,3 +630,29 @@ def test_keyboard_interrupt_also_unwinds():
             raise KeyboardInterrupt
     assert hooks_left(model) == []
     assert prof.trace.error == "KeyboardInterrupt: "
+
+
+@pytest.mark.parametrize("module, register", [
+    (optim_mod, "register_optimizer_step_pre_hook"), (optim_mod, "register_optimizer_step_post_hook"),
+    (module_mod, "register_module_parameter_registration_hook"),
+    (module_mod, "register_module_module_registration_hook")])
+@pytest.mark.parametrize("mode", ["exact", "light"])
+def test_an_interrupt_right_after_a_global_hook_is_registered_leaves_no_hook(monkeypatch, module, register, mode):
+    # A Ctrl-C that lands after torch's global registration returned and before memprof had its handle: the hook
+    # stayed for the rest of the process, and every later profile of the worker counted a second optimizer hook
+    # (found once in a full suite run, after the signal storm). The removal is on the undo stack first now.
+    real = getattr(module, register)
+
+    def interrupted(hook):
+        real(hook)
+        raise KeyboardInterrupt  # as a signal handler's exception, at the first bytecode after the return
+
+    monkeypatch.setattr(module, register, interrupted)
+    before = {name: dict(getattr(module, name)) for name in dir(module) if name.startswith("_global_")
+              and isinstance(getattr(module, name), dict)}
+    model = nn.Linear(4, 4)
+    with pytest.raises(KeyboardInterrupt):
+        with memprof.profile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode=mode):
+            model(torch.randn(2, 4)).sum().backward()
+    assert hooks_left(model) == []
+    assert {name: dict(getattr(module, name)) for name in before} == before
