@@ -76,8 +76,8 @@ def _default_foreach(params: Sequence[torch.Tensor], differentiable: bool, devic
     ``device``, for the parameters held on that device type (a simulation's shape-only twins of them)."""
     if differentiable:
         return False
-    devices = _foreach_devices()
-    return all(type(p) in _foreach_types() and (device or p.device.type) in devices for p in params)
+    devices, types = _foreach_devices(), _foreach_types()
+    return all(type(p) in types and (device or p.device.type) in devices for p in params)
 
 
 def _foreach_types() -> tuple[type, ...]:

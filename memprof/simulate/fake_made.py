@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-__all__ = ["FakeMaker"]
+__all__ = ["FakeMaker", "meta_empty"]
 
 _MAKE = torch.Tensor._make_subclass
 
@@ -62,16 +62,18 @@ class FakeMaker:
         is what it makes; None where not."""
         if FakeTensorConfig.debug:
             return None  # each tensor keeps its own traceback
-        with torch._C._DisableTorchDispatch():
-            twin = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device="meta")
-        reference = FakeTensor(self.mode, twin, device)
+        reference = FakeTensor(self.mode, meta_empty(tuple(meta.shape), meta.stride(), meta.dtype), device)
         attributes = dict(reference.__dict__)
         if any(isinstance(v, torch.Tensor) for v in attributes.values()):
             return None  # a tensor of its own per fake tensor: not shared
-        with torch._C._DisableTorchDispatch():
-            other = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device="meta")
-        made = self._made(other, device, attributes)
+        made = self._made(meta_empty(tuple(meta.shape), meta.stride(), meta.dtype), device, attributes)
         same = (type(made) is type(reference) and made.__dict__ == reference.__dict__
                 and made.device == reference.device and made.requires_grad == reference.requires_grad
                 and torch._C._dispatch_keys(made) == torch._C._dispatch_keys(reference))
         return attributes if same else None
+
+
+def meta_empty(size: "tuple[int, ...]", stride: "tuple[int, ...]", dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of this metadata, made beneath every dispatch mode (a fake mode would make it a fake one)."""
+    with torch._C._DisableTorchDispatch():
+        return torch.empty_strided(size, stride, dtype=dtype, device="meta")

@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import (_DISPATCH_HANDLE_DIRECTLY, _DISPATCH_
 from torch.utils._pytree import tree_flatten
 
 from ..collect.torch_compat import UnwrappedMode
-from .fake_made import FakeMaker
+from .fake_made import FakeMaker, meta_empty
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -144,7 +144,7 @@ class MetaKernelCache(UnwrappedMode):
             else:
                 fake = self._fake
                 assert fake is not None  # made with the mode
-                outs = [fake(_meta_empty(size, stride, dtype), device) for size, stride, dtype, device in made]
+                outs = [fake(meta_empty(size, stride, dtype), device) for size, stride, dtype, device in made]
             return tuple(outs) if many else outs[0]
         out = func(*args, **kwargs)
         if answer is None:
@@ -174,12 +174,6 @@ def answerable(fake_mode: "FakeTensorMode") -> bool:
     """Can ``fake_mode``'s answers be kept: no shape environment (symbolic sizes) and no real tensors beside the
     fake ones, so that an answer depends on the op and its arguments' metadata alone?"""
     return fake_mode.shape_env is None and not getattr(fake_mode, "propagate_real_tensors", False)
-
-
-def _meta_empty(size: "tuple[int, ...]", stride: "tuple[int, ...]", dtype: torch.dtype) -> torch.Tensor:
-    """A meta tensor of this metadata, made beneath every dispatch mode (a fake mode would make it a fake one)."""
-    with torch._C._DisableTorchDispatch():
-        return torch.empty_strided(size, stride, dtype=dtype, device="meta")
 
 
 def _kind(func: "OpOverload") -> str:
@@ -316,7 +310,7 @@ def _answer(kind: "str | int", out: "OpValue", args: "tuple[OpValue, ...]", kwar
             return _UNKEPT  # shares a storage with an input or another output: not a fresh tensor
         seen.add(ident)
         size, stride = tuple(o.shape), o.stride()
-        if _meta_empty(size, stride, o.dtype).untyped_storage().nbytes() != storage.nbytes():
+        if meta_empty(size, stride, o.dtype).untyped_storage().nbytes() != storage.nbytes():
             return _UNKEPT
         made.append((size, stride, o.dtype, None if mode is None else o.device))
     return tuple(made), many

@@ -159,20 +159,17 @@ def _stepping_as_on(optimizer: torch.optim.Optimizer, target: torch.device, note
     for-loop, one parameter's at a time (an AdamW step on CUDA holds a square root of every state at once)."""
     from ..anatomy.optimizers import param_group_implementations
 
-    if not isinstance(optimizer, torch.optim.Optimizer) or not any(
-            "foreach" in g and g["foreach"] is None for g in optimizer.param_groups):
-        return
     chosen = param_group_implementations(optimizer, device=target.type)
-    if "foreach" not in chosen:
+    left = [g for g, how in zip(optimizer.param_groups, chosen) if how == "foreach" and g.get("foreach", False) is None]
+    if not left:
         return
     if not isinstance(optimizer, _FOREACH_SIMULATED):
         notes.append(f"{type(optimizer).__name__}'s step on {target.type} is torch's foreach implementation, which "
                      "reads values shape-only tensors do not hold: simulated with its for-loop, whose temporaries "
                      "are one parameter's at a time where the foreach step's are a list of every parameter's")
         return
-    for group, implementation in zip(optimizer.param_groups, chosen):
-        if implementation == "foreach" and "foreach" in group and group["foreach"] is None:
-            group["foreach"] = True
+    for group in left:
+        group["foreach"] = True
     notes.append(f"optimizer step: {type(optimizer).__name__}'s foreach implementation, as torch chooses it for "
                  f"parameters on {target.type} (foreach=None)")
 
