@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
 from .autocast import CudaAutocast
 from .held_signals import deepcopy_held
-from .modes import Rules
+from .modes import Rule, Rules
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -336,7 +336,15 @@ class Twin:
         # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors; the router
         # sees the scores as the model made them.
         return Rules(*(r for r in (self.emulated, self.kernels, self.watched, self.custom, self.moe.router,
-                                   self.moe.one_hot) if r is not None))
+                                   self.moe.one_hot, self._foreach()) if r is not None))
+
+    def _foreach(self) -> "Rule | None":
+        """The DTensor foreach rule (:mod:`memprof.simulate.dtensor_foreach`), where the twin holds DTensors."""
+        from torch.distributed.tensor import DTensor
+
+        from .dtensor_foreach import DTensorForeach
+
+        return DTensorForeach() if any(isinstance(p, DTensor) for p in self.model.parameters()) else None
 
     def rule_notes(self) -> list[str]:
         out = []
