@@ -5,7 +5,7 @@ the batch (weights, gradients, optimizer states, FSDP's gathered units, DDP's bu
 (activations, inputs, the temporaries of a batch's ops). So each *moment* of the step (the start, peak and end of
 every phase of every step) holds a total that is a line in the batch. The tensors' peak is the largest of those
 moments, not one line: at small batches the optimizer step's moment (flat in the batch) can hold the peak while the
-forward's or backward's (steep) takes over at larger ones, which a line through the peaks at batches 1 and 2 misses.
+forward's or backward's (steep) takes over at larger ones, which a line through the peaks at two batches misses.
 :class:`Lines` keeps every moment's line and predicts the peak at any batch as the largest of them.
 
 The answer is never a prediction: :func:`largest_batch` simulates the batch it settles on and the one above, and
@@ -32,7 +32,7 @@ from .device_memory import replay_of
 if TYPE_CHECKING:
     from ..record.trace import Trace
 
-__all__ = ["Moment", "moments", "Lines", "Probe", "largest_batch", "stream_shape", "stream_between"]
+__all__ = ["Moment", "moments", "per_sample", "Lines", "Probe", "largest_batch", "stream_shape", "stream_between"]
 
 
 #: A moment of a simulated step whose tensor bytes a plan follows across batches: (step, the phase's value, its
@@ -262,16 +262,40 @@ class _Prediction(NamedTuple):
     start_batch: int
 
 
+def per_sample(trace: "Trace", batch: int) -> dict[Moment, float]:
+    """A first guess at each moment's slope (bytes per sample) from one simulated batch of ``batch`` samples: the
+    moment's bytes that grow with the batch over its samples. Those are the activations and the inputs, and the
+    temporaries outside the optimizer step (the batch's ops'; the step's are the parameters'); the model states
+    and the collectives' buffers count as flat. A guess, never an answer: a moment that holds more that is flat
+    (a position table among the activations) or more that grows (sequence-parallel buffers) puts the first
+    guessed batch off by some samples, which the simulations that confirm it correct, by the lines through two
+    simulated batches from then on."""
+    from ..vocabulary import Category, Phase
+
+    grows = (Category.ACTIVATIONS, Category.INPUTS)
+    out: dict[Moment, float] = {}
+    for rec in trace.phases:
+        phase = getattr(rec.phase, "value", rec.phase)
+        key = (rec.step, phase, rec.occurrence)
+        cats = grows if phase == Phase.OPTIMIZER.value else (*grows, Category.TEMPORARIES)
+        for which in ("start", "peak", "end"):
+            part = getattr(rec, which)
+            out[key + (which,)] = sum(part[c] or 0 for c in cats) / batch
+    return out
+
+
 def _opening(probe: Probe, shared: "Mapping[Moment, float] | None", start: "Mapping[Moment, int] | None",
-             base: int) -> "tuple[int, int | None, dict[Moment, float] | None, Mapping[Moment, int] | None]":
+             base: int) -> "tuple[int, int | None, dict[Moment, float] | None, Mapping[Moment, int] | None, bool]":
     """The search's first simulations: batch ``base`` where a like configuration's slopes are shared (and its
-    moments are this one's), else batches 1 and 2. The bracket (lo, hi: the largest batch known to fit, 0 for none;
-    the smallest known not to), the slopes to predict with, and the start prediction if it still holds."""
+    moments are this one's), else batch 1, its slopes guessed from what grows with the batch (:func:`per_sample`)
+    until a second batch is simulated. The bracket (lo, hi: the largest batch known to fit, 0 for none; the
+    smallest known not to), the slopes to predict with, the start prediction if it still holds, and whether the
+    configuration measures lines of its own (not a like configuration's)."""
     ceiling = probe.max_batch
     lo, hi = 0, None
     slopes = dict(shared) if shared is not None else None
     if start is not None and slopes is not None and start.keys() <= slopes.keys():
-        return lo, hi, slopes, start
+        return lo, hi, slopes, start, False
     if slopes is not None:
         base = max(1, min(base, ceiling))
         if probe.fits(base):
@@ -280,16 +304,19 @@ def _opening(probe: Probe, shared: "Mapping[Moment, float] | None", start: "Mapp
             hi = base
         if not probe.moments[base].keys() <= slopes.keys():
             slopes = None
-    if slopes is None:  # lines of its own, through batches 1 and 2
-        for b in (1, 2):
-            if b > ceiling or (hi is not None and b >= hi):
-                break
-            if probe.fits(b):
-                lo = max(lo, b)
+    if slopes is None:  # lines of its own, from batch 1 (and ``base`` where it was simulated)
+        if ceiling >= 1 and (hi is None or hi > 1):
+            if probe.fits(1):
+                lo = max(lo, 1)
             else:
-                hi = b
-                break
-    return lo, hi, slopes, None
+                hi = 1
+        if hi != 1 and list(probe.runs) == [1]:
+            # A second batch would measure the lines; a guess of them from the first (the batch its answer
+            # predicts, and the one above it, are simulated next either way) saves that simulation when it is
+            # right, and where it is off those two measure the lines.
+            slopes = per_sample(probe.runs[1].trace, 1)
+        return lo, hi, slopes, None, True
+    return lo, hi, slopes, None, False
 
 
 def _narrowed(probe: Probe, lo: int, hi: "int | None", ceiling: int, slopes: "Mapping[Moment, float] | None",
@@ -299,7 +326,12 @@ def _narrowed(probe: Probe, lo: int, hi: "int | None", ceiling: int, slopes: "Ma
     same_side = 0  # probes in a row that moved the same end of the bracket: then bisect
     last_side = None
     replaying = False
+    measured = len(probe.runs) >= 2
     while (hi is None or hi - lo > 1) and lo < ceiling:
+        if not measured and len(probe.runs) >= 2:
+            # Lines through two simulated batches replace one batch's guess of them (per_sample): the guess's
+            # misses do not count towards a bisection either.
+            measured, same_side = True, 0
         top = ceiling if hi is None else hi - 1
         guess = _predicted(probe, slopes or {}, lo, hi, probe.limit, top, prediction.start, prediction.overhead,
                            prediction.start_batch)
@@ -340,22 +372,22 @@ def largest_batch(probe: Probe, shared: "Mapping[Moment, float] | None" = None,
     ``shared`` is the per-moment slope (bytes per sample) a configuration of the same precision and checkpointing
     measured: the layouts share how activations grow and differ in the model states, which are flat in the batch.
     With it the search starts from batch ``base``; without it (or when this configuration's moments are not the
-    same ones) batches 1 and 2 are simulated. Batch 1 settles a row that does not fit one sample in one simulation;
-    batch 2 pairs with the batches above it, where batch 1's stream may not: a model's code can take another path
-    at one sample (transformers' Llama makes and frees a 4-byte scalar twice a step from two samples on, not at
-    one), and then batch 1's stream has no partner of its shape to predict the device peak with
-    (:meth:`Probe.predicted`). ``start`` is a prediction of this
-    configuration's moments at ``start_batch`` (and ``overhead`` of its device bytes above the tensors): with it
-    and ``shared`` the search simulates the batch they predict first, and batches 1 and 2 only if it comes to them.
+    same ones) from batch 1, whose slopes it guesses from what grows with the batch (:func:`per_sample`): the
+    batch they predict and the one above it are simulated next, which confirm the answer where the guess was
+    right and measure the lines where it was not (a second batch simulated only to measure them would cost one
+    simulation more in the first case and save none in the second). The measured slopes returned are the lines
+    through its two smallest simulated batches. Batch 1 settles a row that does not fit one sample in one
+    simulation; ``base`` 2 pairs with the batches above it, where batch 1's stream may not: a model's code can
+    take another path at one sample (transformers' Llama makes and frees a 4-byte scalar twice a step from two
+    samples on, not at one), and then batch 1's stream has no partner of its shape to predict the device peak
+    with (:meth:`Probe.predicted`). ``start`` is a prediction of this configuration's moments at ``start_batch``
+    (and ``overhead`` of its device bytes above the tensors): with it and ``shared`` the search simulates the
+    batch they predict first, and batches 1 and 2 only if it comes to them.
     """
     ceiling = probe.max_batch  # (probe.limit is read where used: a memory fraction's cap lowers it at the first run)
-    lo, hi, slopes, start = _opening(probe, shared, start, base)
+    lo, hi, slopes, start, own = _opening(probe, shared, start, base)
     if hi == 1 and slopes is None:
         return 0, True, None  # batch 1 does not fit: settled by one simulation
-    measured = None
-    if 1 in probe.runs and 2 in probe.runs:
-        measured = Lines.through(1, probe.moments[1], 2, probe.moments[2]).slope
-        slopes = measured
     while True:
         lo, hi = _narrowed(probe, lo, hi, ceiling, slopes, _Prediction(start, overhead, start_batch))
         # Fitting is not monotone in the batch where memory is pressed: the allocator frees its cache and retries,
@@ -373,6 +405,10 @@ def largest_batch(probe: Probe, shared: "Mapping[Moment, float] | None" = None,
         lo = max((b for b in probe.runs if b < gap and probe.device[b] <= probe.limit), default=0)
     verified = hi is not None and hi == lo + 1 and (lo == 0 or lo in probe.runs)
     probe.forget_streams()
+    measured = None
+    if own and len(probe.runs) >= 2:  # the lines through its two smallest simulated batches
+        b1, b2 = sorted(probe.runs)[:2]
+        measured = Lines.through(b1, probe.moments[b1], b2, probe.moments[b2]).slope
     return lo, verified, measured
 
 

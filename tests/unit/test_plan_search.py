@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from memprof.record.parts import Breakdown
-from memprof.simulate.plan_search import Lines, Probe, largest_batch, moments, stream_between, stream_shape
+from memprof.simulate.plan_search import (Lines, Probe, largest_batch, moments, per_sample, stream_between,
+                                         stream_shape)
 
 GiB = 2**30
 LIMIT = 80 * GiB
@@ -401,3 +402,58 @@ def test_the_replayed_streams_first_guess_is_not_bisected_away():
     start = {(1, "forward", 0, w): 2 * GiB for w in ("start", "peak", "end")}
     assert largest_batch(Probe(simulate, LIMIT, 4096), slopes, start, 0)[:2] == (30, True)
     assert calls == [27, 28, 30, 31]
+
+
+def _by_category(weights: int, per_sample: int, flat_activations: int = 0, step_temporaries: int = 0,
+                 sample_temporaries: int = 0):
+    """A simulate(b) whose records hold their bytes by category: ``weights`` (flat), activations of
+    ``flat_activations + per_sample * b`` and forward temporaries of ``sample_temporaries * b`` in the forward, and
+    the optimizer step's ``step_temporaries`` (flat) beside the weights."""
+    calls: list[int] = []
+
+    def simulate(b: int):
+        calls.append(b)
+        fwd = Breakdown.from_mapping({"weights": weights, "activations": flat_activations + per_sample * b,
+                                      "temporaries": sample_temporaries * b})
+        opt = Breakdown.from_mapping({"weights": weights, "temporaries": step_temporaries})
+        trace = SimpleNamespace(phases=tuple(SimpleNamespace(step=1, phase=phase, occurrence=0, start=part,
+                                                             peak=part, end=part)
+                                             for phase, part in (("forward", fwd), ("optimizer", opt))))
+        peak = max(fwd.total, opt.total)
+        return SimpleNamespace(trace=trace, peak_bytes=peak,
+                               device_memory=SimpleNamespace(oom=None, device_peak=peak))
+
+    return simulate, calls
+
+
+def test_per_sample_counts_what_grows_with_the_batch():
+    simulate, _ = _by_category(10 * GiB, 3 * GiB, step_temporaries=5 * GiB, sample_temporaries=GiB)
+    slopes = per_sample(simulate(2).trace, 2)
+    # The forward: (2 x 3 GiB of activations + 2 x 1 GiB of temporaries) / 2 samples; the weights are flat. The
+    # optimizer step: its 5 GiB of temporaries are the parameters', flat.
+    assert slopes[(1, "forward", 0, "peak")] == 4 * GiB
+    assert slopes[(1, "optimizer", 0, "peak")] == 0
+
+
+def test_one_batch_guesses_the_lines_and_a_right_guess_costs_three_simulations():
+    # 20 GiB of weights, 7 GiB a sample: (80 - 20) // 7 = 8. Batch 1 guesses 7 GiB a sample, which is right: the
+    # answer and the one above are simulated next, and nothing else (batches 1 and 2 first cost four).
+    simulate, calls = _by_category(20 * GiB, 7 * GiB, step_temporaries=30 * GiB)
+    best, verified, slopes = largest_batch(Probe(simulate, LIMIT, 4096))
+    assert calls == [1, 8, 9]
+    assert (best, verified) == (_truth(simulate, LIMIT), True) == (8, True)
+    # What the like configurations are given is measured, through two simulated batches (1 and 8), not guessed.
+    assert slopes is not None and slopes[(1, "forward", 0, "peak")] == 7 * GiB
+
+
+@pytest.mark.parametrize("flat, grows", [(12, 0), (0, 3)], ids=["a flat table among the activations",
+                                                                  "temporaries that grow"])
+def test_a_wrong_guess_is_corrected_by_the_simulations_that_confirm_it(flat, grows):
+    # A position table of 12 GiB counted with the activations (the guess takes 7 + 12 GiB a sample: too few
+    # samples), or forward temporaries of 3 GiB a sample on top of the weights' step (the guess is right there):
+    # each search ends on the truth, confirmed on both sides, in four simulations at most.
+    simulate, calls = _by_category(20 * GiB, 7 * GiB, flat_activations=flat * GiB, sample_temporaries=grows * GiB)
+    best, verified, _ = largest_batch(Probe(simulate, LIMIT, 4096))
+    assert (best, verified) == (_truth(_by_category(20 * GiB, 7 * GiB, flat_activations=flat * GiB,
+                                                    sample_temporaries=grows * GiB)[0], LIMIT), True)
+    assert calls[0] == 1 and len(set(calls)) <= 4 and {best, best + 1} <= set(calls)
