@@ -130,10 +130,12 @@ def test_on_real_dtensors_the_rule_gives_dtensors_values_and_placements(mesh, co
         want, want_sq = torch._foreach_add(a2, b2, alpha=0.5), torch._foreach_sqrt(torch._foreach_abs(b2))
         torch._foreach_addcmul_(a2, b2, b2, value=2.0)
         assert back is a  # in place: the list changed, handed back as torch hands it back
+        with DTensorForeach():
+            assert torch._foreach_mul_(self=b, scalar=1.0) is b  # also where the list is given by keyword
         for got, ref in ((out, want), (a, a2), (sq, want_sq)):
             assert all(type(t) is DTensor and t.placements == r.placements and t.shape == r.shape
                        and t.dtype == r.dtype and torch.equal(t.to_local(), r.to_local()) for t, r in zip(got, ref))
-    assert sum(counted) >= 8  # 2 placements x (2 + 3 + 1 + 1) lists of DTensors unwrapped
+    assert sum(counted) >= 8  # 2 placements x (2 + 3 + 1 + 1 + 1) lists of DTensors unwrapped
 
 
 def test_a_promoted_output_is_placed_with_its_own_dtype(mesh, counted):
@@ -149,7 +151,7 @@ def test_a_promoted_output_is_placed_with_its_own_dtype(mesh, counted):
 
 
 @pytest.mark.parametrize("case", ["partial", "lone tensor", "placed apart", "a reduction", "plain tensors",
-                                  "grad"])
+                                  "grad", "an overload DTensor refuses", "strided globals"])
 def test_what_the_rule_cannot_answer_alike_goes_to_dtensor(mesh, counted, case):
     from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -170,6 +172,39 @@ def test_what_the_rule_cannot_answer_alike_goes_to_dtensor(mesh, counted, case):
             torch._foreach_norm(a)
         elif case == "plain tensors":
             torch._foreach_add_([t.to_local() for t in a], 1.0)
+        elif case == "an overload DTensor refuses":
+            # DTensor registers no strategy for _foreach_maximum_.Scalar: a real run fails, and so must the rule.
+            with pytest.raises(NotImplementedError, match="sharding strategy"):
+                torch._foreach_maximum_(a, -1.0)
+        elif case == "strided globals":
+            # An expanded global (stride 0): DTensor works out the output's strides afresh (4, 1), which copying
+            # the input's spec would not.
+            wide = [DTensor.from_local(torch.randn(1, 4).expand(3, 4), mesh, [Shard(0)], run_check=False)
+                    for _ in range(2)]
+            out = torch._foreach_neg(wide)
+            assert [t.stride() for t in out] == [(4, 1)] * 2
         else:
             torch._foreach_mul([t.detach().requires_grad_() for t in a], 2.0)
     assert counted == []  # no list unwrapped: each passed on to DTensor as given
+
+
+def test_a_shard_order_other_than_the_default_goes_to_dtensor(counted):
+    # Shard(0) twice on a 2 x 2 mesh, the second mesh dimension sharding first: DTensor redistributes the
+    # operands (to Replicate, Shard(0)), which the local op alone would not.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        grid = init_device_mesh("cpu", (2, 2))
+        order = (ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),)
+        spec = DTensorSpec(grid, (Shard(0), Shard(0)), tensor_meta=TensorMeta(torch.Size([8, 6]), (6, 1),
+                                                                              torch.float32), shard_order=order)
+        a, b = ([DTensor(torch.rand(2, 6), spec, requires_grad=False) for _ in range(2)] for _ in range(2))
+        with DTensorForeach():
+            out = torch._foreach_add(a, b)
+        assert counted == [] and [t.to_local().shape for t in out] == [torch.Size([4, 6])] * 2
+    finally:
+        dist.destroy_process_group()
