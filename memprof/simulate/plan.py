@@ -234,18 +234,20 @@ def _sibling_start(probes: "dict[tuple[str, str, bool], Probe]", layout: str, re
     run: its own at that batch with checkpointing the other way, plus what switching it changed in ``reference``
     (the layout that measured the slopes) at that batch, moment by moment. Checkpointing changes the activations
     and recomputation, which every layout of a family shares, and not the model states, which is where the layouts
-    differ. The batch is the smallest that all three simulated (batch 2, where rows start, or 1). None (and 0, 1)
-    when there is none."""
+    differ. The batch is the smallest of 1 and 2 that ``layout``'s own row simulated (2 where rows start, or 1),
+    the reference's moments there as simulated or on its lines (it simulated batch 1 and the batches its search
+    took next: :meth:`~memprof.simulate.plan_search.Probe.moments_at`). None (and 0, 1) when there is none."""
     own = probes.get((layout, precision, not ckpt))
     ref_here, ref_there = probes.get((reference, precision, ckpt)), probes.get((reference, precision, not ckpt))
     if own is None or ref_here is None or ref_there is None or layout == reference:
         return None, 0, 1
-    common = [b for b in (1, 2) if all(b in p.moments for p in (own, ref_here, ref_there))]
-    if not common:
+    common = [b for b in (1, 2) if b in own.moments]
+    found = [(b, ref_here.moments_at(b), ref_there.moments_at(b)) for b in common[:1]]
+    if not found or found[0][1] is None or found[0][2] is None:
         return None, 0, 1
-    at = common[0]
-    a, b, c = own.moments[at], ref_here.moments[at], ref_there.moments[at]
-    if not a.keys() == b.keys() == c.keys():
+    at, b, c = found[0]
+    a = own.moments[at]
+    if b is None or c is None or not a.keys() == b.keys() == c.keys():
         return None, 0, 1
     # The reference's device bytes above its tensors at the largest batch it fitted: at small batches a flat
     # moment (the optimizer step's) can hold the device peak and inflate them; near the answer the batch's own do.

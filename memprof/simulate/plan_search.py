@@ -181,6 +181,17 @@ class Probe:
     def fits(self, b: int) -> bool:
         return self.judged(b) <= self.limit
 
+    def moments_at(self, b: int) -> "dict[Moment, int] | None":
+        """The moments at batch ``b``: as simulated, else on the lines through the two simulated batches nearest it
+        (a prediction, for a like configuration's start); None with fewer than two."""
+        if b in self.moments:
+            return self.moments[b]
+        near = sorted(sorted(self.runs, key=lambda s: (abs(s - b), -s))[:2])
+        if len(near) < 2:
+            return None
+        lines = Lines.through(near[0], self.moments[near[0]], near[1], self.moments[near[1]])
+        return {m: round(v + lines.slope[m] * (b - near[0])) for m, v in lines.at.items()}
+
     def _shape(self, b: int) -> "tuple[array[int], array[int]] | None":
         if b not in self.shapes:
             # A plan of the tensors' peak replays nothing: a device replay's figures are not what it judges.

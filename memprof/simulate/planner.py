@@ -215,10 +215,12 @@ def _plan(label: str, at: Callable[[int], "Estimate"], budget: int, limit: int, 
     def unit(k: int) -> "Estimate":
         est = at(k * multiple_of)
         tensors[k] = est.peak_bytes
-        if k == 2 and 1 in tensors and tensors[2] <= tensors[1]:
-            raise InvalidArgumentError(
-                f"peak memory does not grow with the batch size here ({format_bytes(tensors[1])} at "
-                f"{multiple_of} samples, {format_bytes(tensors[2])} at {2 * multiple_of}); check make_batch(b)")
+        if len(tensors) == 2:  # the search's first two batches, whichever it took (batch 1 and its guess)
+            (k1, t1), (k2, t2) = sorted(tensors.items())
+            if t2 <= t1:
+                raise InvalidArgumentError(
+                    f"peak memory does not grow with the batch size here ({format_bytes(t1)} at "
+                    f"{k1 * multiple_of} samples, {format_bytes(t2)} at {k2 * multiple_of}); check make_batch(b)")
         return est
 
     with Progress(None, label) as bar:

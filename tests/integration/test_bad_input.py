@@ -334,6 +334,22 @@ def test_a_budget_beyond_what_the_planner_can_search_is_refused_before_simulatin
     assert memprof.simulate.planner.MAX_BUDGET == limit
 
 
+def test_a_make_batch_that_ignores_its_batch_size_is_refused_after_two_simulations():
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    calls = []
+
+    def batch(b):  # the user's bug: always 4 samples
+        calls.append(b)
+        return torch.randn(4, 64, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
+
+    # The search simulates one multiple of 8 samples, then the batch its guessed lines predict; the peak did not
+    # grow between them.
+    with pytest.raises(InvalidArgumentError, match=r"peak memory does not grow with the batch size here \(.* at 8 "
+                                                   r"samples, .* at \d+\); check make_batch\(b\)"):
+        memprof.max_batch_size(model, None, batch, "1 GiB", loss_fn=nn.functional.cross_entropy)
+    assert len(calls) == 2 and calls[0] == 8 < calls[1]
+
+
 def test_profile_options_must_be_booleans():
     for option in ("timeline", "operations"):
         with pytest.raises(InvalidArgumentError, match=f"{option} must be True or False"):

@@ -457,3 +457,27 @@ def test_a_wrong_guess_is_corrected_by_the_simulations_that_confirm_it(flat, gro
     assert (best, verified) == (_truth(_by_category(20 * GiB, 7 * GiB, flat_activations=flat * GiB,
                                                     sample_temporaries=grows * GiB)[0], LIMIT), True)
     assert calls[0] == 1 and len(set(calls)) <= 4 and {best, best + 1} <= set(calls)
+
+
+def test_a_like_row_starts_from_the_reference_rows_lines_where_they_did_not_simulate_its_batch():
+    # The reference layout (20 GiB of states) without and with checkpointing (7 and 3 GiB a sample) simulated
+    # batch 1 and the batches its guess took (8 and 9; 20 and 21), not batch 2; the like layout without
+    # checkpointing (12 GiB of states) started at batch 2. Its checkpointed row's start at batch 2: its own 12 + 14
+    # GiB, plus what checkpointing changed in the reference at 2 samples, read off the reference's lines
+    # (20 + 2 x 3) - (20 + 2 x 7) = -8 GiB: 18 GiB in the forward.
+    from memprof.simulate.plan import _sibling_start
+
+    probes = {}
+    for layout, states, ckpt, per in (("ref", 20, False, 7), ("ref", 20, True, 3), ("own", 12, False, 7)):
+        simulate, _ = _by_category(states * GiB, per * GiB)
+        probe = Probe(simulate, LIMIT, 4096)
+        if layout == "own":
+            probe.judged(2)
+        else:
+            largest_batch(probe)
+            assert 2 not in probe.runs
+        probes[(layout, "bf16", ckpt)] = probe
+    start, _overhead, at = _sibling_start(probes, "own", "ref", "bf16", True)
+    assert at == 2 and start is not None
+    assert start[(1, "forward", 0, "peak")] == (12 + 14 + (20 + 6) - (20 + 14)) * GiB == 18 * GiB
+    assert start[(1, "optimizer", 0, "peak")] == 12 * GiB  # the weights alone, flat
