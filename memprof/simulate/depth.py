@@ -106,13 +106,18 @@ def extrapolated(model: nn.Module, optimizer: "OptimizerArg", k: object, per_uni
         return _whole(run, model, optimizer, whole)
     kept: Kept = []
     cut = partial(_cuts, model, optimizer, name, per_unit=per_unit, units=units, run=run, kept=kept, auto=auto)
+    failed = None
     try:
         ests, k, stream, extension, reason = _settled(cut, kept, units, k, auto)
     except Exception as exc:
         if not auto or is_interrupt(exc):
             raise
+        failed = type(exc).__name__
+    if failed is not None:
+        # Outside the handler: where the whole model fails too (an input no depth runs), its error is the one the
+        # user sees, not chained to the cut's copy of it.
         return _whole(run, model, optimizer, f"depth: {name or 'the model'} ({depth} x {kind}) was simulated whole, "
-                      f"since a model cut short of it failed ({type(exc).__name__})")
+                      f"since a model cut short of it failed ({failed})")
     where = f"{name or 'the model'} ({depth} x {kind})"
     if reason is not None:
         return _whole(run, model, optimizer, f"depth: {where} was simulated whole, since its figures were not affine "

@@ -190,3 +190,15 @@ def deep_stage_statistics(tmp_path, layers, batch, micro):
     whole = _llama_stages(tmp_path, 8, "1f1b", extrapolate=False, **kw)
     assert not any("simulated whole" in n for n in fast.notes), fast.notes
     _identical(fast, whole)
+
+
+def test_an_input_no_depth_runs_raises_its_error_once(shallow, tmp_path):
+    # 2 sequences cannot be cut into 4 micro-batches at any depth: the first cut fails, the whole stage is
+    # simulated (a cut's failure is no error on the default path) and fails the same way. The user sees that error
+    # alone; it was raised inside the handler of the cut's, and the traceback showed both ("During handling of the
+    # above exception, another exception occurred").
+    from memprof.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"must divide into Pipeline\(microbatches=4\)") as info:
+        _llama_stages(tmp_path, 16, "1f1b", batch=2, micro=4)
+    assert info.value.__context__ is None and info.value.__cause__ is None
