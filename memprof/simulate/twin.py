@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, UnknownNameError, is_interrupt
 from .autocast import CudaAutocast
+from .fused_counters import counters_on_device
 from .held_signals import deepcopy_held
 from .modes import Rule, Rules
 
@@ -99,21 +100,21 @@ def meta_optimizer(optimizer: object, meta_model: nn.Module, mapping: dict[int, 
                     notes: list[str], target: "torch.device | None" = None) -> "torch.optim.Optimizer | None":
     """The optimizer rebuilt (or built, from a factory) on the twin's parameters, stepping as it steps on
     ``target`` (:func:`_stepping_as_on`)."""
-    opt = _built(optimizer, meta_model, mapping, notes)
+    opt = _built(optimizer, meta_model, mapping, notes, target)
     if opt is not None and target is not None:
         _stepping_as_on(opt, target, notes)
     return opt
 
 
 def _built(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
-           notes: list[str]) -> "torch.optim.Optimizer | None":
+           notes: list[str], target: "torch.device | None") -> "torch.optim.Optimizer | None":
     if optimizer is None:
         return None
     if isinstance(optimizer, torch.optim.Optimizer):
         _refuse_capturable(optimizer)
         groups = [{**g, "params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]}
                   for g in optimizer.param_groups]
-        return _rebuilt(optimizer, groups, notes)
+        return _rebuilt(optimizer, groups, notes, target)
     if callable(optimizer):
         opt = optimizer(meta_model.parameters())
         if not isinstance(opt, torch.optim.Optimizer):
@@ -123,7 +124,7 @@ def _built(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Te
         # torch refuses a fused step on meta tensors. A class of the user's own is left as built: its constructor may
         # need more than its groups, and its step is its own.
         if _fused(opt.param_groups) and type(opt).__module__.startswith("torch.optim"):
-            return _rebuilt(opt, [dict(g) for g in opt.param_groups], notes)
+            return _rebuilt(opt, [dict(g) for g in opt.param_groups], notes, target)
         return opt
     raise InvalidArgumentError(
         "optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; "
@@ -178,13 +179,15 @@ def _fused(groups: "list[dict[str, object]]") -> bool:
     return any(g.get("fused") for g in groups)
 
 
-def _rebuilt(optimizer: torch.optim.Optimizer, groups: "list[dict[str, object]]", notes: list[str]
-             ) -> "torch.optim.Optimizer | None":
+def _rebuilt(optimizer: torch.optim.Optimizer, groups: "list[dict[str, object]]", notes: list[str],
+             target: "torch.device | None") -> "torch.optim.Optimizer | None":
     """``optimizer``'s class built on ``groups`` (the meta model's parameters), unfused: fused kernels do not run on
     meta tensors, and their step keeps no temporaries (measured with torch 2.13, see
-    docs/anatomy.md#measured-optimizer-state-and-step-transients), so the unfused step's are an upper bound. None,
-    with a note, where the class cannot be built so."""
-    if _fused(groups):
+    docs/anatomy.md#measured-optimizer-state-and-step-transients), so the unfused step's are an upper bound; on a
+    CUDA ``target`` the fused step's counters on the device are made beside the unfused step's on the host
+    (:mod:`memprof.simulate.fused_counters`). None, with a note, where the class cannot be built so."""
+    fused = [i for i, g in enumerate(groups) if g.get("fused")]
+    if fused:
         # Only the fused groups: a group's fused=False with foreach unset runs torch's for-loop step, where None
         # would let torch choose foreach.
         # foreach=False: the for-loop step, whose temporaries (one parameter's at a time) are the least that bound
@@ -194,13 +197,17 @@ def _rebuilt(optimizer: torch.optim.Optimizer, groups: "list[dict[str, object]]"
     # The optimizer's own class, built as a user builds it: its constructor (not Optimizer's) gives the defaults.
     rebuilt: Callable[..., torch.optim.Optimizer] = type(optimizer)
     try:
-        return rebuilt(groups)
+        opt = rebuilt(groups)
     except Exception as exc:
         if is_interrupt(exc):
             raise  # a signal handler's exception (errors.is_interrupt) is the user's
         notes.append(f"{type(optimizer).__name__} could not be rebuilt on meta tensors ({exc}); "
                      "optimizer state is from the formula only")
         return None
+    if target is not None and target.type == "cuda" and counters_on_device(opt, fused):
+        notes.append("fused optimizer: its step counters are on the device, as the fused step keeps them (the "
+                     "unfused step's on the host beside them)")
+    return opt
 
 
 def converted(obj: UserValue, make: Maker, seen: dict[int, torch.Tensor]) -> UserValue:
