@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.optim.optimizer as _optimizer_module
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection
@@ -33,12 +34,9 @@ def counters_on_device(optimizer: torch.optim.Optimizer, fused: "Collection[int]
     if original is None or not fused:
         return False
     groups = [optimizer.param_groups[i] for i in fused]
-    try:
-        from torch.optim.optimizer import _get_scalar_dtype
-
-        dtype = _get_scalar_dtype(is_fused=True)  # type: ignore[no-untyped-call]  # torch's, untyped
-    except ImportError:  # another torch: the fused step's counters are fp32 since torch 2.1
-        dtype = torch.float32
+    # torch's dtype for a fused step's counter (fp32 since torch 2.1), read where that torch names it.
+    scalar_dtype = getattr(_optimizer_module, "_get_scalar_dtype", None)
+    dtype = torch.float32 if scalar_dtype is None else scalar_dtype(is_fused=True)
 
     def init_group(group: "dict[str, object]", *args: object, **kwargs: object) -> object:
         out = original(group, *args, **kwargs)
