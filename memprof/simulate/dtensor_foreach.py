@@ -1,19 +1,19 @@
-"""A pointwise ``torch._foreach_*`` op over DTensor lists run on their local shards, as DTensor runs it, without
-its per-call sharding propagation.
+"""A pointwise ``torch._foreach_*`` op over DTensor lists run on their local shards, as DTensor runs it, without its
+per-call sharding propagation.
 
 An optimizer's foreach step over an FSDP2 or TP rank's parameters calls a dozen ``torch._foreach_*`` ops a step,
 each on lists of DTensors. DTensor answers each from its sharding propagation, whose cache is keyed by every
 element's metadata: a list of another length (each cut of a deep model's stack: :mod:`memprof.simulate.depth`) or
 another first step misses it, and the propagation of a foreach op works out a strategy per element (torch's
-``single_dim_strategy.expanded_foreach_strategy``), which took a fifth of a pipeline stage's simulation. Where every
-element's DTensors share one spec with no ``Partial`` placement, a pointwise op's strategy is that spec for the
-inputs and the outputs, nothing is redistributed, and the local op is the one DTensor runs on the local shards
-(``torch/distributed/tensor/_dispatch.py``: ``OpDispatcher`` runs ``op_call`` on the local tensors and wraps the
-outputs in the output spec); the same allocations, in the same order. Only an overload DTensor registers a strategy
-for is taken (its registries read, the overload resolved from the arguments as the dispatcher resolves it): one it
-refuses (``_foreach_maximum.Scalar``) must fail as a real run fails. Anything else (a reduction such as
-``_foreach_norm``, a lone tensor argument, lists laid out apart, a shard order other than the default, an
-out-of-place op over strided globals, whose output strides DTensor works out afresh) goes to DTensor as before.
+``single_dim_strategy.expanded_foreach_strategy``): 0.54 s of a 3.8 s pipeline stage estimate went to AdamW's step.
+Where every element's DTensors share one spec with no ``Partial`` placement, a pointwise op's strategy is that spec
+for the inputs and the outputs, nothing is redistributed, and the local op is the one DTensor runs on the local
+shards (``torch/distributed/tensor/_dispatch.py``: ``OpDispatcher`` runs ``op_call`` on the local tensors and wraps
+the outputs in the output spec); the same allocations, in the same order. Only an overload DTensor registers a
+strategy for is taken (its registries read, the overload resolved from the arguments as the dispatcher resolves it):
+one it refuses (``_foreach_maximum.Scalar``) must fail as a real run fails. Anything else (a reduction such as
+``_foreach_norm``, a lone tensor argument, lists laid out apart, a shard order other than the default, an out-of-
+place op over strided globals, whose output strides DTensor works out afresh) goes to DTensor as before.
 """
 
 from __future__ import annotations
