@@ -12,8 +12,8 @@ shards (``torch/distributed/tensor/_dispatch.py``: ``OpDispatcher`` runs ``op_ca
 the outputs in the output spec); the same allocations, in the same order. Only an overload DTensor registers a
 strategy for is taken (its registries read, the overload resolved from the arguments as the dispatcher resolves it):
 one it refuses (``_foreach_maximum.Scalar``) must fail as a real run fails. Anything else (a reduction such as
-``_foreach_norm``, a lone tensor argument, lists laid out apart, a shard order other than the default, an out-of-
-place op over strided globals, whose output strides DTensor works out afresh) goes to DTensor as before.
+``_foreach_norm``, a lone tensor argument, lists laid out apart, a shard order other than the default, an
+out-of-place op over strided globals, whose output strides DTensor works out afresh) goes to DTensor as before.
 """
 
 from __future__ import annotations
