@@ -18,9 +18,8 @@ out-of-place op over strided globals, whose output strides DTensor works out afr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 

@@ -241,12 +241,10 @@ def _sibling_start(probes: "dict[tuple[str, str, bool], Probe]", layout: str, re
     ref_here, ref_there = probes.get((reference, precision, ckpt)), probes.get((reference, precision, not ckpt))
     if own is None or ref_here is None or ref_there is None or layout == reference:
         return None, 0, 1
-    common = [b for b in (1, 2) if b in own.moments]
-    found = [(b, ref_here.moments_at(b), ref_there.moments_at(b)) for b in common[:1]]
-    if not found or found[0][1] is None or found[0][2] is None:
+    at = next((b for b in (1, 2) if b in own.moments), None)
+    if at is None:
         return None, 0, 1
-    at, b, c = found[0]
-    a = own.moments[at]
+    a, b, c = own.moments[at], ref_here.moments_at(at), ref_there.moments_at(at)
     if b is None or c is None or not a.keys() == b.keys() == c.keys():
         return None, 0, 1
     # The reference's device bytes above its tensors at the largest batch it fitted: at small batches a flat

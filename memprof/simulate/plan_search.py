@@ -31,6 +31,7 @@ from .device_memory import replay_of
 
 if TYPE_CHECKING:
     from ..record.trace import Trace
+    from ..vocabulary import Category
 
 __all__ = ["Moment", "moments", "per_sample", "Lines", "Probe", "largest_batch", "stream_shape", "stream_between"]
 
@@ -47,12 +48,19 @@ def moments(trace: "Trace") -> dict[Moment, int]:
     torch into its records, which move in whole segments and are not lines in the batch."""
     from ..vocabulary import TENSOR_CATEGORIES
 
+    return _totals(trace, lambda phase: TENSOR_CATEGORIES)
+
+
+def _totals(trace: "Trace", categories: "Callable[[str], Sequence[Category]]") -> dict[Moment, int]:
+    """Every phase record's start, peak and end bytes of the categories ``categories(phase)`` names (the phase's
+    value), keyed as :func:`moments` keys them."""
     out: dict[Moment, int] = {}
     for rec in trace.phases:
-        key = (rec.step, getattr(rec.phase, "value", rec.phase), rec.occurrence)
+        phase = getattr(rec.phase, "value", rec.phase)
+        key, cats = (rec.step, phase, rec.occurrence), categories(phase)
         for which in ("start", "peak", "end"):
             part = getattr(rec, which)
-            out[key + (which,)] = sum(part[c] or 0 for c in TENSOR_CATEGORIES)
+            out[key + (which,)] = sum(part[c] or 0 for c in cats)
     return out
 
 
@@ -284,15 +292,8 @@ def per_sample(trace: "Trace", batch: int) -> dict[Moment, float]:
     from ..vocabulary import Category, Phase
 
     grows = (Category.ACTIVATIONS, Category.INPUTS)
-    out: dict[Moment, float] = {}
-    for rec in trace.phases:
-        phase = getattr(rec.phase, "value", rec.phase)
-        key = (rec.step, phase, rec.occurrence)
-        cats = grows if phase == Phase.OPTIMIZER.value else (*grows, Category.TEMPORARIES)
-        for which in ("start", "peak", "end"):
-            part = getattr(rec, which)
-            out[key + (which,)] = sum(part[c] or 0 for c in cats) / batch
-    return out
+    growing = _totals(trace, lambda phase: grows if phase == Phase.OPTIMIZER.value else (*grows, Category.TEMPORARIES))
+    return {m: v / batch for m, v in growing.items()}
 
 
 def _opening(probe: Probe, shared: "Mapping[Moment, float] | None", start: "Mapping[Moment, int] | None",

@@ -17,6 +17,7 @@ from memprof.simulate.twin import Twin
 
 from phases import assert_equal_everywhere
 from test_depth_default import _identical
+import test_parallelize
 from test_parallelize import IDS, build, fsdp_bf16, loss_fn, tp_sp
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
@@ -72,23 +73,7 @@ def test_a_foreach_step_on_dtensors_is_dtensors_own_to_the_byte(fn, mesh, counte
 def test_a_foreach_step_on_dtensors_is_the_real_runs(counted):
     # Real tensors, rank 1 of 2 on the fake process group, AdamW's foreach step asked for on the CPU: DTensor's
     # own dispatch ran it, the profile measured it.
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
-        model = fsdp_bf16(build(), init_device_mesh("cpu", (2,)))
-        opt = torch.optim.AdamW(model.parameters(), foreach=True)
-        with memprof.profile(model, opt) as prof:
-            for _ in range(2):
-                loss = loss_fn(model(IDS), IDS)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            del loss
-        measured = prof.report()
-    finally:
-        dist.destroy_process_group()
+    measured, _model, _opt = test_parallelize.measured(fsdp_bf16, rank=1, foreach=True)
     assert not counted  # the rule is the simulation's alone
     est = _estimate(fsdp_bf16, None, options={"foreach": True})
     assert sum(counted) > 0

@@ -88,10 +88,10 @@ def tp_sp(model, mesh):
     return model
 
 
-def measured(fn, world: int = 2, rank: int = 0, mesh: "dict[str, int] | None" = None):
+def measured(fn, world: int = 2, rank: int = 0, mesh: "dict[str, int] | None" = None, **options):
     """The same function on real tensors, rank ``rank`` of ``world`` on the fake process group (on a mesh of one
     dimension, or of ``mesh``'s named ones), the estimate's loop: forward, loss, backward, step, zero_grad, twice,
-    on one batch."""
+    on one batch; AdamW with ``options``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -100,7 +100,7 @@ def measured(fn, world: int = 2, rank: int = 0, mesh: "dict[str, int] | None" = 
         device_mesh = (init_device_mesh("cpu", (world,)) if mesh is None
                        else init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh)))
         model = fn(build(), device_mesh)
-        opt = torch.optim.AdamW(model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), **options)
         with memprof.profile(model, opt) as prof:
             for _ in range(2):  # the loss held through the step and released when the loop ends, as the estimate's loop holds it
                 loss = loss_fn(model(IDS), IDS)
