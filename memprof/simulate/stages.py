@@ -193,7 +193,7 @@ def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> P
     gpu, device = check_target(t.gpu, t.device, t.alloc_conf)
     twin = Twin(w.model, config.precision, device, t.attention, w.routing, ranks, gpu=gpu)
     notes = twin.notes
-    optimizer = meta_optimizer(w.optimizer, twin.model, twin.mapping, notes, twin.target)
+    optimizer = meta_optimizer(w.optimizer, twin.model, twin.mapping, notes, twin.target, twin.fake_mode)
     seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
     # Floating inputs and targets in the same dtype, as a run at that precision feeds them (integer token ids
     # and class labels stay as they are).

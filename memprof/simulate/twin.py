@@ -97,13 +97,35 @@ def _shadow_copy(model: nn.Module, make: Maker) -> tuple[nn.Module, dict[int, to
 
 
 def meta_optimizer(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
-                    notes: list[str], target: "torch.device | None" = None) -> "torch.optim.Optimizer | None":
+                    notes: list[str], target: "torch.device | None" = None,
+                    fake_mode: "FakeTensorMode | None" = None) -> "torch.optim.Optimizer | None":
     """The optimizer rebuilt (or built, from a factory) on the twin's parameters, stepping as it steps on
-    ``target`` (:func:`_stepping_as_on`)."""
+    ``target`` (:func:`_stepping_as_on`), its constructor's scalars lifted into ``fake_mode`` (:func:`_lifted`)."""
     opt = _built(optimizer, meta_model, mapping, notes, target)
     if opt is not None and target is not None:
         _stepping_as_on(opt, target, notes)
+    if opt is not None and fake_mode is not None:
+        _lifted(opt, fake_mode)
     return opt
+
+
+def _lifted(optimizer: torch.optim.Optimizer, fake_mode: "FakeTensorMode") -> None:
+    """Each real scalar in ``optimizer``'s state (made by its constructor: Adagrad's step counters,
+    ``torch.tensor(0.0)`` in its ``__init__``, torch/optim/adagrad.py) made again as the fake tensor a step makes
+    of the same call: the fake mode lifts a real scalar into a fake tensor that keeps its value
+    (``aten.lift_fresh_copy``, ``FakeTensor.constant``), as Adam's counter made in its first step is. Left real,
+    the mode fakes it without its value at its first op, and the step's ``_get_value(step)`` (``.item()``) fails
+    where a real run reads the count."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for state in optimizer.state.values():
+        if not isinstance(state, dict):
+            continue  # a class of the user's own keeps what it likes: its step is its own
+        for key, value in list(state.items()):
+            if (type(value) is torch.Tensor and value.numel() == 1 and value.device.type == "cpu"
+                    and not isinstance(value, FakeTensor)):
+                with fake_mode:
+                    state[key] = torch.ops.aten.lift_fresh_copy.default(value)
 
 
 def _built(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
