@@ -27,8 +27,11 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
     import traceback
 
     frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
-    if any("/torch/optim/" in f for f in frames) and ("item()" in low or "data-dependent" in low
-                                                      or "cannot be called on meta tensors" in low):
+    # A value read from a shape-only tensor: a meta tensor's .item() says so, a fake tensor's raises
+    # DataDependentOutputException naming only the op (aten._local_scalar_dense).
+    reads = ("item()" in low or "data-dependent" in low or "datadependent" in type(exc).__name__.lower()
+             or "cannot be called on meta tensors" in low)
+    if any("/torch/optim/" in f for f in frames) and reads:
         fix = ("the optimizer's step reads tensor values (torch's own code does for this optimizer), which "
                "shape-only tensors do not have; simulate without it (optimizer=None) and add its state from the "
                "formula, or with an optimizer that does not")
@@ -40,8 +43,7 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
         fix = ("context parallelism's ring attention has handlers for the CUDA attention kernels only (torch's "
                "_context_parallel/_attention.py): estimate for device='cuda', whose attention the simulation runs as "
                "the flash or efficient kernel")
-    elif "item()" in low or "data-dependent" in low or "datadependent" in type(exc).__name__.lower() or \
-            "cannot be called on meta tensors" in low:
+    elif reads:
         fix = ("the model reads tensor values (.item(), .tolist(), a tensor in an if), which shape-only tensors do "
                "not have; pass such values as Python numbers, or keep that code out of the training step")
     else:

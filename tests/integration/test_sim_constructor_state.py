@@ -51,3 +51,15 @@ def test_adagrad_on_the_cpu_in_memprofs_own_loop_steps():
     # memprof's own loop (no train_step): the case the user met first.
     est = memprof.estimate(build(), torch.optim.Adagrad, inputs=IDS, targets=IDS, loss_fn=loss_fn)
     assert est.peak_bytes > 0 and any(p.phase.value == "optimizer" for p in est.trace.phases)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.ASGD, torch.optim.Adafactor])
+@pytest.mark.parametrize("gpu", [None, "h100-80gb"])
+def test_an_optimizer_whose_step_reads_values_is_named_not_the_model(optimizer, gpu):
+    # ASGD reads its counters (made on the parameter's device), Adafactor a parameter's norm: on the CPU target the
+    # fake tensor's DataDependentOutputException names only the op, and the error blamed the model's code.
+    from memprof.errors import SimulationError
+
+    with pytest.raises(SimulationError, match=r"The optimizer's step reads tensor values") as info:
+        memprof.estimate(build(), optimizer, inputs=IDS, targets=IDS, loss_fn=loss_fn, gpu=gpu)
+    assert "the model reads" not in str(info.value)
