@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .autocast import AutocastFactory
     from .parallel import ParallelRun
 
-__all__ = ["Twin", "PRECISION_DTYPES", "MIXED", "meta_optimizer", "converted", "casting"]
+__all__ = ["Twin", "PRECISION_DTYPES", "MIXED", "meta_optimizer", "converted", "casting", "refuse_closure_step"]
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Mixed precision: fp32 parameters, the forward under autocast in this dtype ("amp": the older word).
@@ -152,6 +152,24 @@ def _built(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Te
         "optimizer must be a torch.optim.Optimizer, a factory taking parameters, or None; "
         f"got {type(optimizer).__name__}"
     )
+
+
+def refuse_closure_step(optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer whose ``step`` must be given a closure (torch's LBFGS: it evaluates the model several times a
+    step) refused for memprof's own loop, which calls ``step()`` as a training loop for any other optimizer does:
+    the fix is the user's own step, which calls ``step(closure)`` as their loop does."""
+    import inspect
+
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step with no signature Python can read (a C function): nothing to check
+        return
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise InvalidArgumentError(
+            f"{type(optimizer).__name__}.step() takes a closure that evaluates the model (it may run forward and "
+            "backward several times a step), which memprof's own loop does not have: give train_step=fn, where "
+            "fn(model, optimizer, inputs, targets) calls optimizer.step(closure) as your loop does "
+            "(memprof estimate --train-step module:fn)")
 
 
 def _refuse_capturable(optimizer: torch.optim.Optimizer) -> None:

@@ -63,3 +63,26 @@ def test_an_optimizer_whose_step_reads_values_is_named_not_the_model(optimizer, 
     with pytest.raises(SimulationError, match=r"The optimizer's step reads tensor values") as info:
         memprof.estimate(build(), optimizer, inputs=IDS, targets=IDS, loss_fn=loss_fn, gpu=gpu)
     assert "the model reads" not in str(info.value)
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_for_memprofs_loop_and_runs_in_the_users():
+    # LBFGS.step(closure) evaluates the model itself; memprof's own loop calls step() and torch raised its TypeError
+    # ("missing 1 required positional argument: 'closure'") from inside the simulated step.
+    from memprof.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"LBFGS.step\(\) takes a closure .* give train_step=fn"):
+        memprof.estimate(build(), torch.optim.LBFGS, inputs=IDS, targets=IDS, loss_fn=loss_fn)
+
+    def step(model, opt, x, y):
+        def closure():
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            return loss
+
+        return opt.step(closure)
+
+    est = memprof.estimate(build(), torch.optim.LBFGS, inputs=IDS, targets=IDS, train_step=step)
+    assert any(p.phase.value == "optimizer" for p in est.trace.phases)
+    # LBFGS reads the loss and the gradients' values; the notes say they were answered 0.
+    assert any("answered 0" in n for n in est.notes), est.notes
