@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import SimulationError
 
-__all__ = ["simulation_error", "KernelRefusal"]
+__all__ = ["simulation_error", "KernelRefusal", "read_by_optimizer"]
 
 
 class KernelRefusal(RuntimeError):
@@ -24,14 +24,11 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
     text = str(exc).strip()
     first = (text.splitlines()[0] if text else type(exc).__name__).rstrip(".")
     low = text.lower()
-    import traceback
-
-    frames = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
     # A value read from a shape-only tensor: a meta tensor's .item() says so, a fake tensor's raises
     # DataDependentOutputException naming only the op (aten._local_scalar_dense).
     reads = ("item()" in low or "data-dependent" in low or "datadependent" in type(exc).__name__.lower()
              or "cannot be called on meta tensors" in low)
-    if any("/torch/optim/" in f for f in frames) and reads:
+    if reads and _optimizers_read(exc):
         fix = ("the optimizer's step reads tensor values (torch's own code does for this optimizer), which "
                "shape-only tensors do not have; simulate without it (optimizer=None) and add its state from the "
                "formula, or with an optimizer that does not")
@@ -85,6 +82,27 @@ def _rule_frame(exc: BaseException) -> str:
             return f"memprof.simulate.{module}.{f.name} (line {f.lineno})"
         return ""
     return ""
+
+
+def _optimizers_read(exc: BaseException) -> bool:
+    """Whether the failure is a read of the optimizer step's own code (:func:`read_by_optimizer`)."""
+    import traceback
+
+    return read_by_optimizer([f.filename for f in traceback.extract_tb(exc.__traceback__)])
+
+
+def read_by_optimizer(files: "list[str]") -> bool:
+    """Whether, in a stack of source files (innermost last), the innermost frame that is torch.optim's code or
+    outside torch and memprof is torch.optim's: a value read by the optimizer step's own code (Adagrad's
+    ``_get_value(step)``), not by the model called from inside it (a closure's forward under ``step(closure)``,
+    ``AveragedModel``'s wrapped model)."""
+    for name in reversed(files):
+        name = name.replace("\\", "/")
+        if "/torch/optim/" in name:
+            return True
+        if "/torch/" not in name and "/memprof/" not in name:
+            return False
+    return False
 
 
 def _model_frame(exc: BaseException) -> str:

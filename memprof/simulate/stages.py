@@ -36,7 +36,8 @@ from .frozen_heap import frozen
 from .ranks import RankLayout, uneven_shard
 from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
-from .twin import Twin, casting, converted, meta_optimizer, refuse_closure_step
+from .twin import (Twin, casting, converted, meta_optimizer, refuse_closure_step,
+                   refuse_value_driven_step)
 from .user_step import UserStep
 
 if TYPE_CHECKING:
@@ -196,6 +197,7 @@ def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> P
     optimizer = meta_optimizer(w.optimizer, twin.model, twin.mapping, notes, twin.target, twin.fake_mode)
     if w.train_step is None and optimizer is not None:
         refuse_closure_step(optimizer)
+    refuse_value_driven_step(optimizer)
     seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
     # Floating inputs and targets in the same dtype, as a run at that precision feeds them (integer token ids
     # and class labels stay as they are).

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from .autocast import AutocastFactory
     from .parallel import ParallelRun
 
-__all__ = ["Twin", "PRECISION_DTYPES", "MIXED", "meta_optimizer", "converted", "casting", "refuse_closure_step"]
+__all__ = ["Twin", "PRECISION_DTYPES", "MIXED", "meta_optimizer", "converted", "casting", "refuse_closure_step",
+           "refuse_value_driven_step"]
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Mixed precision: fp32 parameters, the forward under autocast in this dtype ("amp": the older word).
@@ -115,17 +116,23 @@ def _lifted(optimizer: torch.optim.Optimizer, fake_mode: "FakeTensorMode") -> No
     of the same call: the fake mode lifts a real scalar into a fake tensor that keeps its value
     (``aten.lift_fresh_copy``, ``FakeTensor.constant``), as Adam's counter made in its first step is. Left real,
     the mode fakes it without its value at its first op, and the step's ``_get_value(step)`` (``.item()``) fails
-    where a real run reads the count."""
+    where a real run reads the count. Only the states of the twin's own (fake) parameters: an optimizer built on the
+    user's parameters (a factory that returns the user's own optimizer) is the user's, refused later and never
+    changed. A scalar several states share stays one tensor."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    for state in optimizer.state.values():
-        if not isinstance(state, dict):
-            continue  # a class of the user's own keeps what it likes: its step is its own
+    lifted: dict[int, torch.Tensor] = {}
+    for param, state in optimizer.state.items():
+        if not isinstance(param, FakeTensor) or not isinstance(state, dict):
+            continue  # the user's parameter, or a class of the user's own keeping what it likes: not ours to change
         for key, value in list(state.items()):
             if (type(value) is torch.Tensor and value.numel() == 1 and value.device.type == "cpu"
                     and not isinstance(value, FakeTensor)):
-                with fake_mode:
-                    state[key] = torch.ops.aten.lift_fresh_copy.default(value)
+                made = lifted.get(id(value))
+                if made is None:
+                    with fake_mode:
+                        made = lifted[id(value)] = torch.ops.aten.lift_fresh_copy.default(value)
+                state[key] = made
 
 
 def _built(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
@@ -155,21 +162,35 @@ def _built(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Te
 
 
 def refuse_closure_step(optimizer: torch.optim.Optimizer) -> None:
-    """An optimizer whose ``step`` must be given a closure (torch's LBFGS: it evaluates the model several times a
-    step) refused for memprof's own loop, which calls ``step()`` as a training loop for any other optimizer does:
-    the fix is the user's own step, which calls ``step(closure)`` as their loop does."""
+    """An optimizer whose ``step`` cannot be called without arguments (one that must be given a closure that
+    evaluates the model) refused for memprof's own loop, which calls ``step()`` as a training loop does for any
+    other optimizer: the fix is the user's own step, which calls ``step(closure)`` as their loop does. torch's
+    LBFGS is refused in any loop (:func:`refuse_value_driven_step`)."""
     import inspect
 
+    refuse_value_driven_step(optimizer)
     try:
-        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    except (TypeError, ValueError):  # a step with no signature Python can read (a C function): nothing to check
-        return
-    if closure is not None and closure.default is inspect.Parameter.empty:
+        inspect.signature(optimizer.step).bind()
+    except TypeError:
         raise InvalidArgumentError(
-            f"{type(optimizer).__name__}.step() takes a closure that evaluates the model (it may run forward and "
-            "backward several times a step), which memprof's own loop does not have: give train_step=fn, where "
-            "fn(model, optimizer, inputs, targets) calls optimizer.step(closure) as your loop does "
-            "(memprof estimate --train-step module:fn)")
+            f"{type(optimizer).__name__}.step() needs an argument (a closure that evaluates the model), which "
+            "memprof's own loop does not give: give train_step=fn, where fn(model, optimizer, batch) (with "
+            "targets=: fn(model, optimizer, batch, targets)) calls optimizer.step(closure) as your loop does "
+            "(memprof estimate --train-step module:fn)") from None
+    except ValueError:  # a step with no signature Python can read (a C function): nothing to check
+        return
+
+
+def refuse_value_driven_step(optimizer: "torch.optim.Optimizer | None") -> None:
+    """torch's LBFGS refused, in memprof's loop and the user's: its step evaluates the model as many times as its
+    line search and stopping tests decide from the loss's and the gradients' values, and keeps a history of
+    directions whose length follows them (torch/optim/lbfgs.py). Shape-only tensors hold no values: answered 0
+    they stop it after one evaluation, and a 2-step estimate came out 4.9 times under the real run's peak."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise InvalidArgumentError(
+            "LBFGS cannot be simulated: how many times its step evaluates the model and how much history it keeps "
+            "follow the loss's and the gradients' values, which shape-only tensors do not hold; measure a real "
+            "step with memprof.profile(model, optimizer) instead")
 
 
 def _refuse_capturable(optimizer: torch.optim.Optimizer) -> None:

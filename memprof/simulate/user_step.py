@@ -15,7 +15,8 @@ the loop ends. Under mixed precision each call of the model runs under the targe
 
 Shape-only tensors hold no values: a value the step reads outside the model's forward (``loss.item()``,
 ``float(norm)``, a GradScaler's ``found_inf.item()``) is answered 0 by :class:`LoopValues`, and the notes say
-where. A value the model reads inside its forward is still refused, as without ``train_step``.
+where. A value the model reads inside its forward, or torch.optim's step reads, is still refused, as without
+``train_step``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class LoopValues(UnwrappedMode):
     """Answers the values a training step reads from shape-only tensors outside the model's forward: 0 (``0.0``,
     ``0``, ``False``), counted by call site for the notes. Entered beneath the collector, so that the collector sees
     the read as in a real run. ``in_forward`` says whether the model's forward runs now (a read there is the
-    model's value-dependent code, refused as without a training step)."""
+    model's value-dependent code, refused as without a training step); a read by torch.optim's step code is refused
+    too (:func:`memprof.simulate.failures.read_by_optimizer`): what the optimizer does next follows the value."""
 
     def __init__(self, in_forward: Callable[[], bool]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
@@ -85,10 +87,14 @@ class LoopValues(UnwrappedMode):
         except (RuntimeError, NotImplementedError) as failure:  # fake: data-dependent; meta: "cannot be called"
             if is_interrupt(failure):
                 raise  # a signal handler's exception (errors.is_interrupt) is the user's
+            from .failures import read_by_optimizer
             from .shadows import shape_only
 
             t = args[0] if args else None
-            if not shape_only(t) or self.in_forward():
+            if not shape_only(t) or self.in_forward() or read_by_optimizer(
+                    [f.filename for f in traceback.extract_stack()]):
+                # The model's value-dependent code, or the optimizer step's own (ASGD's counters, Adafactor's
+                # parameter norms): what they do next follows the value, which an answer of 0 would make up.
                 raise
             key = (_READS[func], _call_site())
             self.answered[key] = self.answered.get(key, 0) + 1
