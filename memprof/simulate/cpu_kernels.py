@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["CpuKernels", "RULES", "SWEPT_OPINFOS", "MIXED_OPINFOS"]
 
 _aten = torch.ops.aten
+_CLONE = _aten.clone.default
 # at::Reduction (aten/src/ATen/core/Reduction.h): 0 none, 1 mean, 2 sum.
 _NONE, _MEAN = 0, 1
 # EmbeddingBag modes (aten/src/ATen/native/EmbeddingBag.cpp): 0 sum, 1 mean, 2 max.
@@ -243,11 +244,29 @@ class CpuKernels(UnwrappedMode):
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: Args = (),
                            kwargs: "Kwargs | None" = None) -> "OpValue":
         kwargs = kwargs or {}
+        if func is _CLONE and args and isinstance(args[0], FakeTensor) and args[0].is_sparse:
+            return self._sparse_clone(args[0])
         out = func(*args, **kwargs)
         rule = RULES.get(func)
         if rule is None:
             return out
         return self._apply(func, rule, tuple(args), kwargs, out)
+
+    def _sparse_clone(self, t: torch.Tensor) -> torch.Tensor:
+        """A sparse COO tensor's clone as the CPU makes it: its indices and values copied. The fake kernel's
+        (``constructors`` on the meta device) has no element: a sparse gradient, which autograd's
+        AccumulateGrad clones when references to its parts other than its own are held (every fake tensor's
+        Python object is one: torch/csrc/autograd/functions/accumulate_grad.h), held nothing, where the real
+        run's holds its indices and values (an embedding's: 8 B per looked-up index and a row of values each).
+        A real run that keeps the gradient it was given (its shallow-copy path) holds no copy beside it while
+        AccumulateGrad runs: the simulation's copy is the larger of the two, never under."""
+        made: torch.Tensor = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default(
+            t.sparse_dim(), t.dense_dim(), list(t.shape), t._indices().clone(), t._values().clone(), dtype=t.dtype,
+            layout=torch.sparse_coo, device=t.device, is_coalesced=t.is_coalesced())
+        self.used["clone (sparse)"] += 1
+        self.bytes["clone (sparse)"] += (t._indices().untyped_storage().nbytes()
+                                         + t._values().untyped_storage().nbytes())
+        return made
 
     def _apply(self, func: torch._ops.OpOverload, rule: Rule, args: Args, kwargs: Kwargs, out: "OpValue") -> "OpValue":
         outs = out if isinstance(out, tuple) else (out,)
