@@ -32,6 +32,11 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
         fix = ("the optimizer's step reads tensor values (torch's own code does for this optimizer), which "
                "shape-only tensors do not have; simulate without it (optimizer=None) and add its state from the "
                "formula, or with an optimizer that does not")
+    elif ("no fake impl" in low or "fake impl" in low and "register" in low or (
+            isinstance(exc, NotImplementedError) and "meta" in low)) and _optimizers_read(exc):
+        fix = ("an op of the optimizer's step (torch's own code for this optimizer and these gradients) has no "
+               "fake (meta) kernel, so it cannot run on shape-only tensors; simulate without it (optimizer=None) "
+               "and add its state from the formula, or with an optimizer that does not")
     elif "no fake impl" in low or "fake impl" in low and "register" in low or (
             isinstance(exc, NotImplementedError) and "meta" in low):
         fix = ("an op of the model has no fake (meta) kernel, so it cannot run on shape-only tensors; register one "
@@ -85,7 +90,8 @@ def _rule_frame(exc: BaseException) -> str:
 
 
 def _optimizers_read(exc: BaseException) -> bool:
-    """Whether the failure is a read of the optimizer step's own code (:func:`read_by_optimizer`)."""
+    """Whether the failure is in the optimizer step's own code (:func:`read_by_optimizer`): a value it read, or
+    an op it called."""
     import traceback
 
     return read_by_optimizer([f.filename for f in traceback.extract_tb(exc.__traceback__)])

@@ -59,3 +59,14 @@ def test_a_sparse_embedding_gradient_is_the_real_runs(make):
     backward = next(p for p in est.trace.phases if p.step == 0 and p.phase.value == "backward")
     assert backward.end[memprof.Category.GRADIENTS] == (96 * 32 + 96) * 4 + 16 * 8 + 16 * 32 * 4
     assert any("clone (sparse)" in n for n in est.notes), est.notes
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_an_optimizer_op_without_a_meta_kernel_is_named_the_optimizers():
+    # Adagrad's sparse step calls sparse_mask, which has no kernel for sparse meta tensors (the GPU target's): the
+    # error said an op of the model had none, and to register a fake kernel for it.
+    from memprof.errors import SimulationError
+
+    with pytest.raises(SimulationError, match=r"sparse_mask.*An op of the optimizer's step") as info:
+        memprof.estimate(_built(), torch.optim.Adagrad, inputs=IDS, targets=IDS, loss_fn=loss_fn, gpu="h100-80gb")
+    assert "of the model" not in str(info.value)
