@@ -60,6 +60,8 @@ KNOWN_VALUES = frozenset({
 })
 #: How the notes name the value-dependent ops a Python user wrote.
 _WORDS = {_aten._local_scalar_dense.default: "item()", _aten.is_nonzero.default: "bool()"}
+#: The reads :attr:`ValueShadows.reads` answers where they fail.
+_ANSWERED_READS = frozenset(_WORDS)
 _PRUNE_EVERY = 1024  # slow-path ops between sweeps of storages that died
 
 
@@ -195,6 +197,9 @@ class ValueShadows(UnwrappedMode):
         self._slow = 0
         #: Answers an expert-parallel all-to-all of counts (:mod:`memprof.simulate.experts`); None: run as is.
         self.exchange: "CountsExchange | None" = None
+        #: Answers a value read (``item()``, ``bool()``) that failed, or raises its failure again
+        #: (:meth:`memprof.simulate.user_step.LoopValues.answer`, memprof's loop's optimizer step); None: none.
+        self.reads: "Callable[[OpOverload, tuple[OpValue, ...], BaseException], OpValue] | None" = None
 
     def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
                            kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
@@ -208,6 +213,11 @@ class ValueShadows(UnwrappedMode):
             if store.routed:
                 store.note_factory(func, tuple(args), kwargs, out)
             return out
+        if self.reads is not None and func in _ANSWERED_READS:
+            try:
+                return func(*args, **kwargs) if not store.shadows else self._shadowed(func, tuple(args), kwargs)
+            except (RuntimeError, NotImplementedError) as failure:  # fake: data-dependent; meta: "cannot be called"
+                return self.reads(func, tuple(args), failure)
         if not store.shadows:
             return func(*args, **kwargs)
         return self._shadowed(func, tuple(args), kwargs)

@@ -38,7 +38,7 @@ from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
 from .twin import (Twin, casting, converted, meta_optimizer, refuse_closure_step,
                    refuse_value_driven_step)
-from .user_step import UserStep
+from .user_step import LoopValues, UserStep
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -266,6 +266,12 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
         user = step if isinstance(step, UserStep) else None
         if user is not None:  # beneath the profiler, as the value reads it answers are ops a real run's profiler sees
             stack.enter_context(user.around(prof))
+        elif isinstance(step, TrainingStep) and prepared.optimizer is not None:
+            # memprof's loop: the optimizer step's own reads answered (ASGD's counters, Adafactor's norms), as they
+            # are in the user's step, anything else still refused; by the value shadows' mode, which is beneath the
+            # profiler already (a mode of its own would cost every op a Python call).
+            step.values = LoopValues(lambda: prof.innermost_module() is not None, optimizer_only=True)
+            twin.moe.shadows.reads = step.values.answer
         stack.enter_context(prof)
         if user is not None:  # after the profiler: its hooks of each model call run inside the autocast region
             stack.enter_context(user.model_autocast())
@@ -340,6 +346,8 @@ def _loop_notes(config: "RunConfig[Workload]", prepared: Prepared) -> list[str]:
     w = config.workload
     if isinstance(prepared.step, UserStep):
         return prepared.step.notes()
+    values = prepared.step.values if isinstance(prepared.step, TrainingStep) else None
+    answered = values.notes() if values is not None else []
     steps = w.steps
     out = [f"the training loop: {steps} step{'s' if steps > 1 else ''} of forward and loss, backward(), "
            f"{'optimizer.step(), zero_grad(), ' if prepared.optimizer is not None else ''}the loss held through the "
@@ -353,7 +361,7 @@ def _loop_notes(config: "RunConfig[Workload]", prepared: Prepared) -> list[str]:
         out.append("mixed-fp16: a GradScaler scaled the loss and unscaled the gradients in place before each "
                    "optimizer step (its scale, growth tracker and inf flag are 4-byte tensors); steps it would skip on "
                    "overflow are taken")
-    return out
+    return out + answered
 
 
 class NothingLeftBehind:

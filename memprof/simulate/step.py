@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from .aliases import UserValue
     from .autocast import AutocastFactory, CudaAutocast
+    from .user_step import LoopValues
 
     #: A ``step_context`` as :func:`check_step_context` gives it: the context around one step's forward, loss and
     #: backward, made from the step's parts.
@@ -106,6 +107,8 @@ class TrainingStep:
 
     #: The current step's loss, bound until the next step's replaces it (None before the first and after the last).
     loss: "torch.Tensor | None" = None
+    #: The optimizer step's value reads answered (entered by the run around the steps), for the notes.
+    values: "LoopValues | None" = None
 
     def __init__(self, model: nn.Module, inputs: UserValue, targets: UserValue,
                  loss_fn: "Callable[..., object] | None", optimizer: "torch.optim.Optimizer | None",

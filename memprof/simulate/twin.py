@@ -209,9 +209,11 @@ def _refuse_capturable(optimizer: torch.optim.Optimizer) -> None:
 
 
 #: torch's optimizers whose foreach step runs on shape-only tensors (tests/integration/test_sim_foreach.py runs
-#: each); ASGD's reads its step counters' values (``_multi_tensor_asgd``'s ``_get_value(step)``).
+#: each); ASGD's reads its step counters' values (``_multi_tensor_asgd``'s ``_get_value(step)``), answered 0 in the
+#: simulation (:class:`memprof.simulate.user_step.LoopValues`) as the for-loop's are.
 _FOREACH_SIMULATED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
-                      torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, torch.optim.Adadelta, torch.optim.Rprop)
+                      torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax, torch.optim.Adadelta, torch.optim.Rprop,
+                      torch.optim.ASGD)
 
 
 def _stepping_as_on(optimizer: torch.optim.Optimizer, target: torch.device, notes: list[str]) -> None:

@@ -15,8 +15,7 @@ the loop ends. Under mixed precision each call of the model runs under the targe
 
 Shape-only tensors hold no values: a value the step reads outside the model's forward (``loss.item()``,
 ``float(norm)``, a GradScaler's ``found_inf.item()``) is answered 0 by :class:`LoopValues`, and the notes say
-where. A value the model reads inside its forward, or torch.optim's step reads, is still refused, as without
-``train_step``.
+where. A value the model reads inside its forward is still refused, as without ``train_step``.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ __all__ = ["UserStep", "LoopValues", "check_train_step"]
 _aten = torch.ops.aten
 #: The ops that hand a tensor's value to Python: ``item()``, ``float()``, ``int()`` (``_local_scalar_dense``),
 #: ``bool()`` (``is_nonzero``).
-_READS = {_aten._local_scalar_dense.default: "item()", _aten.is_nonzero.default: "bool()"}
+READS = {_aten._local_scalar_dense.default: "item()", _aten.is_nonzero.default: "bool()"}
 
 
 def check_train_step(fn: object) -> "Callable[..., object] | None":
@@ -68,47 +67,67 @@ class LoopValues(UnwrappedMode):
     """Answers the values a training step reads from shape-only tensors outside the model's forward: 0 (``0.0``,
     ``0``, ``False``), counted by call site for the notes. Entered beneath the collector, so that the collector sees
     the read as in a real run. ``in_forward`` says whether the model's forward runs now (a read there is the
-    model's value-dependent code, refused as without a training step); a read by torch.optim's step code is refused
-    too (:func:`memprof.simulate.failures.read_by_optimizer`): what the optimizer does next follows the value."""
+    model's value-dependent code, refused as without a training step). With ``optimizer_only`` (memprof's own loop)
+    only the reads of torch.optim's own code are answered (:func:`memprof.simulate.failures.read_by_optimizer`:
+    ASGD's step counters, Adafactor's parameter norms, a tensor learning rate), which decide scalars of the step,
+    not what it allocates; LBFGS, whose evaluations and history follow the values, is refused before."""
 
-    def __init__(self, in_forward: Callable[[], bool]) -> None:
+    def __init__(self, in_forward: Callable[[], bool], optimizer_only: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
         self.in_forward = in_forward
+        #: Only reads of torch.optim's own code are answered (memprof's own loop, whose other code reads nothing).
+        self.optimizer_only = optimizer_only
         #: (what was read, where) -> how many times.
         self.answered: dict[tuple[str, str], int] = {}
 
     def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
                            kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
         kwargs = kwargs or {}
-        if func not in _READS:
+        if func not in READS:
             return func(*args, **kwargs)
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as failure:  # fake: data-dependent; meta: "cannot be called"
-            if is_interrupt(failure):
-                raise  # a signal handler's exception (errors.is_interrupt) is the user's
-            from .failures import read_by_optimizer
-            from .shadows import shape_only
+            return self.answer(func, args, failure)
 
-            t = args[0] if args else None
-            if not shape_only(t) or self.in_forward() or read_by_optimizer(
-                    [f.filename for f in traceback.extract_stack()]):
-                # The model's value-dependent code, or the optimizer step's own (ASGD's counters, Adafactor's
-                # parameter norms): what they do next follows the value, which an answer of 0 would make up.
-                raise
-            key = (_READS[func], _call_site())
-            self.answered[key] = self.answered.get(key, 0) + 1
-            if func is _aten.is_nonzero.default or t.dtype == torch.bool:
-                return False
-            return 0.0 if (t.is_floating_point() or t.is_complex()) else 0
+    def answer(self, func: OpOverload, args: tuple[OpValue, ...], failure: BaseException) -> OpValue:
+        """The answer to read ``func`` (one of :data:`READS`) of ``args``, which failed with ``failure``: 0, or
+        ``failure`` raised again where the read is not one this mode answers."""
+        if is_interrupt(failure):
+            raise failure  # a signal handler's exception (errors.is_interrupt) is the user's
+        from .failures import read_by_optimizer
+        from .shadows import shape_only
+
+        t = args[0] if args else None
+        if not shape_only(t) or self.in_forward():
+            raise failure
+        stack = traceback.extract_stack()
+        if self.optimizer_only and not read_by_optimizer([f.filename for f in stack]):
+            raise failure
+        key = (READS[func], _call_site(stack))
+        self.answered[key] = self.answered.get(key, 0) + 1
+        if func is _aten.is_nonzero.default or t.dtype == torch.bool:
+            return False
+        return 0.0 if (t.is_floating_point() or t.is_complex()) else 0
 
     def notes(self) -> list[str]:
-        if not self.answered:
-            return []
-        reads = "; ".join(f"{what} x{n} at {where}" for (what, where), n in sorted(self.answered.items()))
-        return [f"the training step read values that shape-only tensors do not hold ({reads}): each was answered 0 "
-                "(0.0, 0, False), so code that branches on them took the branch 0 takes (a GradScaler's found_inf "
-                "of 0 takes every optimizer step, the most memory); what it logged is not the real value"]
+        def said(optimizer: bool) -> str:
+            return "; ".join(f"{what} x{n} at {where}" for (what, where), n in sorted(self.answered.items())
+                             if where.startswith("torch/optim/") == optimizer)
+
+        out = []
+        own = said(True)
+        if own:
+            out.append(f"the optimizer's step read values that shape-only tensors do not hold ({own}): each was "
+                       "answered 0 (0.0, 0, False); they set scalars of its update (step counts, a learning rate, a "
+                       "norm), and where its code branches on one it took the branch 0 takes")
+        loop = said(False)
+        if loop:
+            out.append(f"the training step read values that shape-only tensors do not hold ({loop}): each was "
+                       "answered 0 (0.0, 0, False), so code that branches on them took the branch 0 takes (a "
+                       "GradScaler's found_inf of 0 takes every optimizer step, the most memory); what it logged is "
+                       "not the real value")
+        return out
 
 
 class DeviceQueries(UnwrappedMode):
@@ -131,10 +150,13 @@ class DeviceQueries(UnwrappedMode):
 _DEVICE = torch.ops.prim.device.default
 
 
-def _call_site() -> str:
-    """The innermost frame outside torch and memprof, as ``file:line``."""
-    for f in reversed(traceback.extract_stack()):
+def _call_site(stack: "traceback.StackSummary") -> str:
+    """The innermost frame of ``stack`` outside torch and memprof, or torch.optim's where that comes first (an
+    optimizer's own read: ASGD's counters), as ``file:line``."""
+    for f in reversed(stack):
         name = f.filename.replace("\\", "/")
+        if "/torch/optim/" in name:
+            return "torch/optim/" + name.rsplit("/torch/optim/", 1)[-1] + f":{f.lineno}"
         if "/torch/" not in name and "/memprof/" not in name:
             return f"{name.rsplit('/', 1)[-1]}:{f.lineno}"
     return "torch"

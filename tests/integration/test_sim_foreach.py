@@ -54,7 +54,7 @@ def test_a_cpu_target_keeps_the_cpus_own_choice_and_the_for_loop_where_foreach_d
     cpu = memprof.estimate(model, lambda ps: torch.optim.AdamW(ps), **kw)
     assert cpu.trace.peak == memprof.estimate(model, lambda ps: torch.optim.AdamW(ps, foreach=False), **kw).trace.peak
     assert not any("foreach" in n for n in cpu.notes), cpu.notes
-    # An optimizer whose foreach step reads values shape-only tensors do not hold (ASGD's) keeps the for-loop, with
+    # An optimizer whose foreach step does not simulate (none of torch's now: made so here) keeps the for-loop, with
     # a note saying what that leaves out.
     monkeypatch.setattr(twin_module, "_FOREACH_SIMULATED", (torch.optim.SGD,))
     kw = dict(kw, gpu="h100-80gb")
@@ -74,3 +74,16 @@ def test_an_fsdp2_rank_on_cuda_steps_its_dtensor_shards_with_foreach():
     steps = [[p.peak for p in _phases(e, "optimizer")] for e in (default, foreach, loop)]
     assert steps[0] == steps[1] != steps[2]
     assert any("AdamW's foreach implementation" in n for n in default.notes), default.notes
+
+
+def test_asgd_on_cuda_steps_with_foreach_as_torch_chooses():
+    # ASGD's foreach step reads its counters (answered 0, as its for-loop's are): it was kept on the for-loop, one
+    # parameter's temporaries at a time where torch's CUDA step holds a list of every parameter's (17,408 B under
+    # here).
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    kw = dict(inputs=torch.randn(4, 64), gpu="h100-80gb")
+    default = memprof.estimate(model, torch.optim.ASGD, **kw)
+    foreach = memprof.estimate(model, lambda ps: torch.optim.ASGD(ps, foreach=True), **kw)
+    loop = memprof.estimate(model, lambda ps: torch.optim.ASGD(ps, foreach=False), **kw)
+    assert default.trace.peak == foreach.trace.peak and default.peak_bytes == foreach.peak_bytes > loop.peak_bytes
+    assert any("ASGD's foreach implementation, as torch chooses it" in n for n in default.notes), default.notes
