@@ -32,6 +32,8 @@ __all__ = ["CpuKernels", "RULES", "SWEPT_OPINFOS", "MIXED_OPINFOS"]
 
 _aten = torch.ops.aten
 _CLONE = _aten.clone.default
+_COALESCE = _aten._coalesce.default
+_SPARSE_MASK = _aten.sparse_mask.default
 # at::Reduction (aten/src/ATen/core/Reduction.h): 0 none, 1 mean, 2 sum.
 _NONE, _MEAN = 0, 1
 # EmbeddingBag modes (aten/src/ATen/native/EmbeddingBag.cpp): 0 sum, 1 mean, 2 max.
@@ -246,11 +248,48 @@ class CpuKernels(UnwrappedMode):
         kwargs = kwargs or {}
         if func is _CLONE and args and isinstance(args[0], FakeTensor) and args[0].is_sparse:
             return self._sparse_clone(args[0])
+        if func is _COALESCE and args and isinstance(args[0], FakeTensor):
+            return self._coalesced(args[0])
+        if func is _SPARSE_MASK and len(args) == 2 and isinstance(args[1], FakeTensor) and args[1].is_sparse:
+            return self._masked(args[0], args[1])
         out = func(*args, **kwargs)
         rule = RULES.get(func)
         if rule is None:
             return out
         return self._apply(func, rule, tuple(args), kwargs, out)
+
+    def _masked(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``t.sparse_mask(mask)`` as the CPU makes it: ``t``'s values at ``mask``'s indices, in new indices and
+        values, one per index of ``mask`` (the fake kernel's had none)."""
+        nnz, sparse = mask._nnz(), mask.sparse_dim()
+        indices = mask._indices().new_empty((sparse, nnz))
+        values = t.new_empty((nnz, *t.shape[sparse:]))
+        return self._made("sparse_mask", mask, indices, values, mask.is_coalesced())
+
+    def _made(self, name: str, like: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+              coalesced: bool) -> torch.Tensor:
+        """A sparse COO tensor of ``like``'s size on ``indices`` and ``values``, counted for the notes."""
+        made: torch.Tensor = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default(
+            like.sparse_dim(), values.dim() - 1, list(like.shape), indices, values, dtype=values.dtype,
+            layout=torch.sparse_coo, device=values.device, is_coalesced=coalesced)
+        self.used[name] += 1
+        self.bytes[name] += indices.untyped_storage().nbytes() + values.untyped_storage().nbytes()
+        return made
+
+    def _coalesced(self, t: torch.Tensor) -> torch.Tensor:
+        """A sparse COO tensor coalesced with every index it holds kept: the CPU kernel keeps one per distinct
+        index, which shape-only tensors cannot count, so the most it can keep (the indices given, at most one per
+        position of the sparse dimensions) stands for it; the fake kernel's kept none. An embedding's sparse
+        gradient coalesced by Adagrad's or SparseAdam's step holds a row per looked-up index: exact where the
+        looked-up rows are distinct, over where some repeat."""
+        sparse, dense = t.sparse_dim(), t.dense_dim()
+        positions = 1
+        for n in t.shape[:sparse]:
+            positions *= n
+        nnz = min(t._nnz(), positions)
+        indices = t._indices().new_empty((sparse, nnz))
+        values = t._values().new_empty((nnz, *t.shape[sparse:sparse + dense]))
+        return self._made("_coalesce (every index kept)", t, indices, values, True)
 
     def _sparse_clone(self, t: torch.Tensor) -> torch.Tensor:
         """A sparse COO tensor's clone as the CPU makes it: its indices and values copied. The fake kernel's
@@ -260,13 +299,7 @@ class CpuKernels(UnwrappedMode):
         run's holds its indices and values (an embedding's: 8 B per looked-up index and a row of values each).
         A real run that keeps the gradient it was given (its shallow-copy path) holds no copy beside it while
         AccumulateGrad runs: the simulation's copy is the larger of the two, never under."""
-        made: torch.Tensor = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default(
-            t.sparse_dim(), t.dense_dim(), list(t.shape), t._indices().clone(), t._values().clone(), dtype=t.dtype,
-            layout=torch.sparse_coo, device=t.device, is_coalesced=t.is_coalesced())
-        self.used["clone (sparse)"] += 1
-        self.bytes["clone (sparse)"] += (t._indices().untyped_storage().nbytes()
-                                         + t._values().untyped_storage().nbytes())
-        return made
+        return self._made("clone (sparse)", t, t._indices().clone(), t._values().clone(), t.is_coalesced())
 
     def _apply(self, func: torch._ops.OpOverload, rule: Rule, args: Args, kwargs: Kwargs, out: "OpValue") -> "OpValue":
         outs = out if isinstance(out, tuple) else (out,)
@@ -300,5 +333,8 @@ class CpuKernels(UnwrappedMode):
             return f" ({'+' if n > 0 else '-'}{format_bytes(abs(n))})" if n else " (laid out as the CPU lays it out)"
 
         parts = ", ".join(f"{name} x{n}{change(name)}" for name, n in sorted(self.used.items()))
+        bound = ("; a sparse tensor coalesced kept every index it was given, which is exact where they are distinct "
+                 "and over where some repeat (a real run keeps one per distinct index: the values decide, which "
+                 "shape-only tensors do not hold)") if self.used["_coalesce (every index kept)"] else ""
         return [f"CPU kernels whose outputs keep another storage than their shape's fake one, simulated as the "
-                f"CPU runs them: {parts}"]
+                f"CPU runs them: {parts}{bound}"]
