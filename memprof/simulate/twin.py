@@ -85,6 +85,13 @@ def _shadow_copy(model: nn.Module, make: Maker) -> tuple[nn.Module, dict[int, to
     for b in model.buffers():
         if id(b) not in memo:
             memo[id(b)] = make(b)
+    for module in model.modules():
+        for value in vars(module).values():
+            # A tensor an autograd graph made, kept as a plain attribute (the deprecated nn.utils.weight_norm's
+            # weight, recomputed by its pre-hook at every call): deepcopy refuses it ("Only Tensors created
+            # explicitly by the user support the deepcopy protocol"); its data-less twin stands for it.
+            if isinstance(value, torch.Tensor) and not value.is_leaf and id(value) not in memo:
+                memo[id(value)] = make(value.detach())
     try:
         clone = deepcopy_held(model, memo)  # a Ctrl-C in it could be dropped (held_signals)
     except Exception as exc:

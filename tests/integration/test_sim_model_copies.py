@@ -1,0 +1,66 @@
+"""The model an estimate copies onto shape-only twins (``memprof.simulate.twin._shadow_copy``): a tensor an
+autograd graph made, kept as a plain attribute, gets a data-less twin too.
+
+The deprecated ``nn.utils.weight_norm`` keeps its ``weight`` as such a tensor (recomputed from ``weight_g`` and
+``weight_v`` by a pre-hook at every call), which ``copy.deepcopy`` refuses ("Only Tensors created explicitly by the
+user support the deepcopy protocol"): the estimate was refused, advising to build the model on the meta device,
+which failed the same way (a sweep's finding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from test_train_step import assert_same_run
+
+
+def _built(device="cpu"):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return nn.Sequential(nn.utils.weight_norm(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _step(model, opt, x, y):
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated")
+def test_the_deprecated_weight_norm_is_the_real_run():
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    model = _built()
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.profile(model, opt) as prof:
+        out = None
+        for _ in range(2):
+            out = _step(model, opt, x, y)
+        del out
+    est = memprof.estimate(_built(), torch.optim.AdamW, inputs=x, targets=y, train_step=_step, steps=2)
+    assert_same_run(est, prof.report())
+    # Built on the meta device, as the refusal advised: it simulates too, with the same figures.
+    meta = memprof.estimate(_built("meta"), torch.optim.AdamW, inputs=x, targets=y, train_step=_step, steps=2)
+    assert meta.trace.phases == est.trace.phases
+
+
+def test_an_op_whose_output_shape_follows_values_is_named_so():
+    # F.ctc_loss in the step: DynamicOutputShapeException, which the error called "the model must run on
+    # shape-only tensors", and whose fix (the same call on real tensors) runs.
+    from memprof.errors import SimulationError
+
+    def step(model, opt, x, y):
+        log_probs = model(x).log_softmax(-1).transpose(0, 1)  # (time, batch, classes)
+        loss = nn.functional.ctc_loss(log_probs, y, torch.full((2,), 6), torch.full((2,), 3))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model = nn.Linear(8, 5)
+    with pytest.raises(SimulationError, match=r"output shape depends on tensor values"):
+        memprof.estimate(model, torch.optim.SGD, inputs=torch.randn(2, 6, 8), targets=torch.randint(1, 5, (2, 3)),
+                         train_step=step)
