@@ -217,6 +217,8 @@ class ValueShadows(UnwrappedMode):
             try:
                 return func(*args, **kwargs) if not store.shadows else self._shadowed(func, tuple(args), kwargs)
             except (RuntimeError, NotImplementedError) as failure:  # fake: data-dependent; meta: "cannot be called"
+                if is_interrupt(failure):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 return self.reads(func, tuple(args), failure)
         if not store.shadows:
             return func(*args, **kwargs)

@@ -178,13 +178,17 @@ def refuse_closure_step(optimizer: torch.optim.Optimizer) -> None:
     refuse_value_driven_step(optimizer)
     try:
         inspect.signature(optimizer.step).bind()
-    except TypeError:
+    except TypeError as failure:
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         raise InvalidArgumentError(
             f"{type(optimizer).__name__}.step() needs an argument (a closure that evaluates the model), which "
             "memprof's own loop does not give: give train_step=fn, where fn(model, optimizer, batch) (with "
             "targets=: fn(model, optimizer, batch, targets)) calls optimizer.step(closure) as your loop does "
             "(memprof estimate --train-step module:fn)") from None
-    except ValueError:  # a step with no signature Python can read (a C function): nothing to check
+    except ValueError as failure:  # a step with no signature Python can read (a C function): nothing to check
+        if is_interrupt(failure):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
         return
 
 

@@ -88,13 +88,13 @@ class LoopValues(UnwrappedMode):
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as failure:  # fake: data-dependent; meta: "cannot be called"
+            if is_interrupt(failure):
+                raise  # a signal handler's exception (errors.is_interrupt) is the user's
             return self.answer(func, args, failure)
 
     def answer(self, func: OpOverload, args: tuple[OpValue, ...], failure: BaseException) -> OpValue:
         """The answer to read ``func`` (one of :data:`READS`) of ``args``, which failed with ``failure``: 0, or
         ``failure`` raised again where the read is not one this mode answers."""
-        if is_interrupt(failure):
-            raise failure  # a signal handler's exception (errors.is_interrupt) is the user's
         from .failures import read_by_optimizer
         from .shadows import shape_only
 
