@@ -129,17 +129,37 @@ def _lifted(optimizer: torch.optim.Optimizer, fake_mode: "FakeTensorMode") -> No
     from torch._subclasses.fake_tensor import FakeTensor
 
     lifted: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        # A hyperparameter given as a tensor (momentum=torch.tensor(0.9), a tensor lr): torch.optim branches on
+        # its value (`if momentum != 0` makes the momentum buffer), which a faked copy would not hold.
+        if not all(isinstance(p, FakeTensor) for p in group["params"]):
+            continue
+        for key, value in list(group.items()):
+            if key != "params" and _real_scalar(value):
+                group[key] = _lift(value, lifted, fake_mode)
     for param, state in optimizer.state.items():
         if not isinstance(param, FakeTensor) or not isinstance(state, dict):
             continue  # the user's parameter, or a class of the user's own keeping what it likes: not ours to change
         for key, value in list(state.items()):
-            if (type(value) is torch.Tensor and value.numel() == 1 and value.device.type == "cpu"
-                    and not isinstance(value, FakeTensor)):
-                made = lifted.get(id(value))
-                if made is None:
-                    with fake_mode:
-                        made = lifted[id(value)] = torch.ops.aten.lift_fresh_copy.default(value)
-                state[key] = made
+            if _real_scalar(value):
+                state[key] = _lift(value, lifted, fake_mode)
+
+
+def _real_scalar(value: object) -> bool:
+    """A real (not fake) one-element CPU tensor: what the fake mode lifts with its value."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return (type(value) is torch.Tensor and value.numel() == 1 and value.device.type == "cpu"
+            and not isinstance(value, FakeTensor))
+
+
+def _lift(value: torch.Tensor, lifted: dict[int, torch.Tensor], fake_mode: "FakeTensorMode") -> torch.Tensor:
+    """``value`` lifted into ``fake_mode`` keeping its value, once per tensor (``lifted``, by id)."""
+    made = lifted.get(id(value))
+    if made is None:
+        with fake_mode:
+            made = lifted[id(value)] = torch.ops.aten.lift_fresh_copy.default(value)
+    return made
 
 
 def _built(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Tensor],
