@@ -86,11 +86,19 @@ def _shadow_copy(model: nn.Module, make: Maker) -> tuple[nn.Module, dict[int, to
         if id(b) not in memo:
             memo[id(b)] = make(b)
     for module in model.modules():
-        for value in vars(module).values():
+        for name, value in vars(module).items():
             # A tensor an autograd graph made, kept as a plain attribute (the deprecated nn.utils.weight_norm's
             # weight, recomputed by its pre-hook at every call): deepcopy refuses it ("Only Tensors created
-            # explicitly by the user support the deepcopy protocol"); its data-less twin stands for it.
+            # explicitly by the user support the deepcopy protocol"); its data-less twin stands for it where a
+            # forward pre-hook can make it again. One the forward uses as it is would carry its parameters'
+            # gradients through a graph the twin does not have: refused, not simulated without them.
             if isinstance(value, torch.Tensor) and not value.is_leaf and id(value) not in memo:
+                if not module._forward_pre_hooks:
+                    raise InvalidArgumentError(
+                        f"{type(module).__name__}.{name} is a tensor an autograd graph made (from parameters, at "
+                        "construction) and the module keeps it as a plain attribute, which no forward pre-hook "
+                        "makes again: its data-less copy would have no graph to its parameters, whose gradients "
+                        "the estimate would lose; compute it in forward (or in a forward pre-hook) instead")
                 memo[id(value)] = make(value.detach())
     try:
         clone = deepcopy_held(model, memo)  # a Ctrl-C in it could be dropped (held_signals)

@@ -64,3 +64,22 @@ def test_an_op_whose_output_shape_follows_values_is_named_so():
     with pytest.raises(SimulationError, match=r"output shape depends on tensor values"):
         memprof.estimate(model, torch.optim.SGD, inputs=torch.randn(2, 6, 8), targets=torch.randint(1, 5, (2, 3)),
                          train_step=step)
+
+
+def test_a_graph_made_attribute_no_hook_makes_again_is_refused():
+    # Used by the forward as it is, its copy without a graph would take its parameter's gradient away (a review
+    # found the estimate failing with "element 0 of tensors does not require grad ... the same call with real
+    # tensors ... is the way to check it", which a real step passes).
+    from memprof.errors import InvalidArgumentError
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.randn(8, 4))
+            self.w = self.p * 2
+
+        def forward(self, x):
+            return x @ self.w
+
+    with pytest.raises(InvalidArgumentError, match=r"Scaled\.w is a tensor an autograd graph made"):
+        memprof.estimate(Scaled(), torch.optim.SGD, inputs=torch.randn(2, 8), steps=1)
