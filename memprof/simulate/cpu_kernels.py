@@ -34,6 +34,7 @@ _aten = torch.ops.aten
 _CLONE = _aten.clone.default
 _COALESCE = _aten._coalesce.default
 _SPARSE_MASK = _aten.sparse_mask.default
+_BAG_BACKWARD = _aten._embedding_bag_backward.default
 # at::Reduction (aten/src/ATen/core/Reduction.h): 0 none, 1 mean, 2 sum.
 _NONE, _MEAN = 0, 1
 # EmbeddingBag modes (aten/src/ATen/native/EmbeddingBag.cpp): 0 sum, 1 mean, 2 max.
@@ -252,11 +253,22 @@ class CpuKernels(UnwrappedMode):
             return self._coalesced(args[0])
         if func is _SPARSE_MASK and len(args) == 2 and isinstance(args[1], FakeTensor) and args[1].is_sparse:
             return self._masked(args[0], args[1])
+        if func is _BAG_BACKWARD and _arg(args, kwargs, 9, "sparse", False) and isinstance(args[0], FakeTensor):
+            return self._bag_gradient(args[0], args[1], int(_arg(args, kwargs, 6, "num_weights", 0)))
         out = func(*args, **kwargs)
         rule = RULES.get(func)
         if rule is None:
             return out
         return self._apply(func, rule, tuple(args), kwargs, out)
+
+    def _bag_gradient(self, grad: torch.Tensor, indices: torch.Tensor, num_weights: int) -> torch.Tensor:
+        """``EmbeddingBag(sparse=True)``'s weight gradient as the CPU makes it (``_embedding_bag_sparse_backward``:
+        a row of ``grad``'s width per index, uncoalesced, aten/src/ATen/native/EmbeddingBag.cpp); the fake
+        kernel's had none. An index equal to ``padding_idx`` is dropped by the real kernel, which the values
+        decide: every index is kept here, over where some are padding."""
+        nnz = indices.numel()
+        return self._made("_embedding_bag_backward (sparse)", [num_weights, grad.shape[-1]],
+                          indices.new_empty((1, nnz)), grad.new_empty((nnz, grad.shape[-1])), False)
 
     def _masked(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``t.sparse_mask(mask)`` as the CPU makes it: ``t``'s values at ``mask``'s indices, in new indices and
@@ -264,13 +276,14 @@ class CpuKernels(UnwrappedMode):
         nnz, sparse = mask._nnz(), mask.sparse_dim()
         indices = mask._indices().new_empty((sparse, nnz))
         values = t.new_empty((nnz, *t.shape[sparse:]))
-        return self._made("sparse_mask", mask, indices, values, mask.is_coalesced())
+        return self._made("sparse_mask", list(mask.shape), indices, values, mask.is_coalesced())
 
-    def _made(self, name: str, like: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+    def _made(self, name: str, size: "list[int]", indices: torch.Tensor, values: torch.Tensor,
               coalesced: bool) -> torch.Tensor:
-        """A sparse COO tensor of ``like``'s size on ``indices`` and ``values``, counted for the notes."""
+        """A sparse COO tensor of ``size`` on ``indices`` (its sparse dimensions' rows) and ``values``, counted for
+        the notes."""
         made: torch.Tensor = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default(
-            like.sparse_dim(), values.dim() - 1, list(like.shape), indices, values, dtype=values.dtype,
+            indices.shape[0], values.dim() - 1, size, indices, values, dtype=values.dtype,
             layout=torch.sparse_coo, device=values.device, is_coalesced=coalesced)
         self.used[name] += 1
         self.bytes[name] += indices.untyped_storage().nbytes() + values.untyped_storage().nbytes()
@@ -289,7 +302,7 @@ class CpuKernels(UnwrappedMode):
         nnz = min(t._nnz(), positions)
         indices = t._indices().new_empty((sparse, nnz))
         values = t._values().new_empty((nnz, *t.shape[sparse:sparse + dense]))
-        return self._made("_coalesce (every index kept)", t, indices, values, True)
+        return self._made("_coalesce (every index kept)", list(t.shape), indices, values, True)
 
     def _sparse_clone(self, t: torch.Tensor) -> torch.Tensor:
         """A sparse COO tensor's clone as the CPU makes it: its indices and values copied. The fake kernel's
@@ -299,7 +312,8 @@ class CpuKernels(UnwrappedMode):
         run's holds its indices and values (an embedding's: 8 B per looked-up index and a row of values each).
         A real run that keeps the gradient it was given (its shallow-copy path) holds no copy beside it while
         AccumulateGrad runs: the simulation's copy is the larger of the two, never under."""
-        return self._made("clone (sparse)", t, t._indices().clone(), t._values().clone(), t.is_coalesced())
+        return self._made("clone (sparse)", list(t.shape), t._indices().clone(), t._values().clone(),
+                          t.is_coalesced())
 
     def _apply(self, func: torch._ops.OpOverload, rule: Rule, args: Args, kwargs: Kwargs, out: "OpValue") -> "OpValue":
         outs = out if isinstance(out, tuple) else (out,)
