@@ -195,9 +195,9 @@ def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> P
     twin = Twin(w.model, config.precision, device, t.attention, w.routing, ranks, gpu=gpu)
     notes = twin.notes
     optimizer = meta_optimizer(w.optimizer, twin.model, twin.mapping, notes, twin.target, twin.fake_mode)
+    refuse_value_driven_step(optimizer)  # first: LBFGS needs a closure too, and is refused in either loop
     if w.train_step is None and optimizer is not None:
         refuse_closure_step(optimizer)
-    refuse_value_driven_step(optimizer)
     seen: dict[int, torch.Tensor] = {}  # one twin per tensor: inputs and targets may share one
     # Floating inputs and targets in the same dtype, as a run at that precision feeds them (integer token ids
     # and class labels stay as they are).

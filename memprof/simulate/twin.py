@@ -200,10 +200,9 @@ def refuse_closure_step(optimizer: torch.optim.Optimizer) -> None:
     """An optimizer whose ``step`` cannot be called without arguments (one that must be given a closure that
     evaluates the model) refused for memprof's own loop, which calls ``step()`` as a training loop does for any
     other optimizer: the fix is the user's own step, which calls ``step(closure)`` as their loop does. torch's
-    LBFGS is refused in any loop (:func:`refuse_value_driven_step`)."""
+    LBFGS is refused in any loop, before this (:func:`refuse_value_driven_step`)."""
     import inspect
 
-    refuse_value_driven_step(optimizer)
     try:
         inspect.signature(optimizer.step).bind()
     except TypeError as failure:

@@ -14,15 +14,7 @@ import pytest
 import torch
 
 import memprof
-from test_train_step import IDS, assert_same_run, build, loss_fn
-
-
-def plain(model, opt, x, y):
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+from test_train_step import IDS, assert_never_under, assert_same_run, build, loss_fn, measured, plain
 
 
 @pytest.mark.parametrize("options", [{}, {"foreach": True}, {"weight_decay": 0.1, "lr_decay": 0.01}],
@@ -31,15 +23,8 @@ def test_adagrad_on_the_cpu_is_the_real_run(options):
     def adagrad(params):
         return torch.optim.Adagrad(params, **options)
 
-    model = build()
-    opt = adagrad(model.parameters())
-    with memprof.profile(model, opt) as prof:
-        out = None
-        for _ in range(2):
-            out = plain(model, opt, IDS, IDS)
-        del out
     est = memprof.estimate(build(), adagrad, inputs=IDS, targets=IDS, train_step=plain, steps=2)
-    assert_same_run(est, prof.report())
+    assert_same_run(est, measured(plain, make=adagrad))
     # The states at the first step's start: a sum per parameter and a 4-byte step counter per parameter, made by
     # the constructor (Tiny's parameters, every storage counted once).
     params = list(build().parameters())
@@ -54,17 +39,6 @@ def test_adagrad_on_the_cpu_in_memprofs_own_loop_steps():
     assert est.peak_bytes > 0 and any(p.phase.value == "optimizer" for p in est.trace.phases)
 
 
-def _real(make, step=plain, steps=2):
-    model = build()
-    opt = make(model.parameters())
-    with memprof.profile(model, opt) as prof:
-        out = None
-        for _ in range(steps):
-            out = step(model, opt, IDS, IDS)
-        del out
-    return prof.report()
-
-
 @pytest.mark.parametrize("make", [
     lambda ps: torch.optim.ASGD(ps, foreach=True),
     lambda ps: torch.optim.Adafactor(ps),
@@ -76,7 +50,7 @@ def test_an_optimizer_step_that_reads_its_scalars_is_the_real_run(make):
     # allocations the real run's to the byte. memprof's own loop refused them (DataDependentOutputException,
     # blaming the model on the CPU target); under train_step= they were answered as the loop's own reads are.
     est = memprof.estimate(build(), make, inputs=IDS, targets=IDS, train_step=plain, steps=2)
-    assert_same_run(est, _real(make))
+    assert_same_run(est, measured(plain, make=make))
     own = memprof.estimate(build(), make, inputs=IDS, targets=IDS, loss_fn=loss_fn)
     answered = [n for n in own.notes if n.startswith("the optimizer's step read values that shape-only tensors do "
                                                      "not hold (") and "at torch/optim/" in n]
@@ -89,12 +63,8 @@ def test_asgds_loop_step_takes_the_branch_a_zero_count_takes_and_is_never_under(
     # whose temporaries the real run's first steps (mu = 1: a copy) do not make. Over, never under.
     make = lambda ps: torch.optim.ASGD(ps, foreach=False)  # noqa: E731
     est = memprof.estimate(build(), make, inputs=IDS, targets=IDS, train_step=plain, steps=2)
-    real = _real(make)
-    pairs = list(zip(est.trace.phases, real.trace.phases))
-    assert [(a.step, a.phase) for a, _ in pairs] == [(b.step, b.phase) for _, b in pairs]
-    for a, b in pairs:
-        for at in ("start", "peak", "end"):
-            assert getattr(a, at).total >= getattr(b, at).total, (a.step, a.phase, at)
+    real = measured(plain, make=make)
+    assert_never_under(est, real)
     assert est.trace.peak.total >= real.trace.peak.total
 
 
@@ -112,7 +82,7 @@ def test_a_plateau_scheduler_reading_the_loss_in_the_users_step_is_the_real_run(
         return opt
 
     est = memprof.estimate(build(), make, inputs=IDS, targets=IDS, train_step=step, steps=2)
-    assert_same_run(est, _real(make, step))
+    assert_same_run(est, measured(step, make=make))
 
 
 class _Reads(torch.nn.Module):
@@ -204,15 +174,8 @@ class _Shared(torch.optim.Optimizer):
 
 
 def test_a_scalar_states_share_stays_one_tensor():
-    model = build()
-    opt = _Shared(model.parameters())
-    with memprof.profile(model, opt) as prof:
-        out = None
-        for _ in range(2):
-            out = plain(model, opt, IDS, IDS)
-        del out
     est = memprof.estimate(build(), _Shared, inputs=IDS, targets=IDS, train_step=plain, steps=2)
-    assert_same_run(est, prof.report())
+    assert_same_run(est, measured(plain, make=_Shared))
     # One 4-byte counter, whatever the number of parameters sharing it.
     assert est.trace.phases[0].start[memprof.Category.OPTIMIZER_STATES] == 4
 
@@ -231,7 +194,7 @@ def test_a_hyperparameter_given_as_a_tensor_keeps_its_value(tensor, number):
     # temporary): faked without its value, the read was answered 0 and the estimate came out under by the whole
     # momentum buffer (a review's finding). Lifted with its value, as a constructor's counters are.
     est = memprof.estimate(build(), tensor, inputs=IDS, targets=IDS, train_step=plain, steps=2)
-    assert_same_run(est, _real(tensor))
+    assert_same_run(est, measured(plain, make=tensor))
     # memprof's own loop: the states the number makes (the momentum buffer), at every moment. (The tensor's own
     # comparisons make a few bytes of temporaries the number's do not: the real run's too, as above.)
     S = memprof.Category.OPTIMIZER_STATES

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import memprof
-from test_train_step import assert_same_run
+from test_train_step import assert_same_run, measured
 
 
 def _built(device="cpu"):
@@ -33,15 +33,9 @@ def _step(model, opt, x, y):
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated")
 def test_the_deprecated_weight_norm_is_the_real_run():
     x, y = torch.randn(4, 8), torch.randn(4, 4)
-    model = _built()
-    opt = torch.optim.AdamW(model.parameters())
-    with memprof.profile(model, opt) as prof:
-        out = None
-        for _ in range(2):
-            out = _step(model, opt, x, y)
-        del out
+    real = measured(_step, model=_built(), make=torch.optim.AdamW, batch=(x, y))
     est = memprof.estimate(_built(), torch.optim.AdamW, inputs=x, targets=y, train_step=_step, steps=2)
-    assert_same_run(est, prof.report())
+    assert_same_run(est, real)
     # Built on the meta device, as the refusal advised: it simulates too, with the same figures.
     meta = memprof.estimate(_built("meta"), torch.optim.AdamW, inputs=x, targets=y, train_step=_step, steps=2)
     assert meta.trace.phases == est.trace.phases

@@ -25,15 +25,16 @@ def adamw(params):
     return torch.optim.AdamW(params, foreach=True)
 
 
-def measured(step, steps: int = 2, model=None):
-    """``step`` run for real as a loop runs it: ``out = step(model, opt, IDS, IDS)``, the result held until the
-    next call returns, the last let go when the loop ends (inside the block, as the estimate's loop ends)."""
+def measured(step, steps: int = 2, model=None, make=adamw, batch=(IDS, IDS)):
+    """``step`` run for real as a loop runs it: ``out = step(model, opt, *batch)``, the result held until the
+    next call returns, the last let go when the loop ends (inside the block, as the estimate's loop ends).
+    ``make``: the optimizer's factory."""
     model = build() if model is None else model
-    opt = adamw(model.parameters())
+    opt = make(model.parameters())
     with memprof.profile(model, opt) as prof:
         out = None
         for _ in range(steps):
-            out = step(model, opt, IDS, IDS)
+            out = step(model, opt, *batch)
         del out
     return prof.report()
 
@@ -48,6 +49,16 @@ def assert_same_run(est, rep) -> None:
     assert [(p.step, p.phase, p.occurrence, p.start, p.peak, p.end) for p in est.trace.phases] == \
         [(p.step, p.phase, p.occurrence, p.start, p.peak, p.end) for p in rep.trace.phases]
     assert_equal_everywhere(est, rep)
+
+
+def assert_never_under(est, rep) -> None:
+    """The same phases, in the same order, each at least the measured run's at its start, peak and end (where the
+    simulation takes an upper bound: a branch 0 takes, every index a coalesce is given)."""
+    pairs = list(zip(est.trace.phases, rep.trace.phases))
+    assert [(a.step, a.phase) for a, _ in pairs] == [(b.step, b.phase) for _, b in pairs]
+    for a, b in pairs:
+        for at in ("start", "peak", "end"):
+            assert getattr(a, at).total >= getattr(b, at).total, (a.step, a.phase, at)
 
 
 # ---------------------------------------------------------------------------------------------- the loop features
