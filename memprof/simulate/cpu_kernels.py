@@ -17,13 +17,12 @@ sweep checks each rule against the real kernel. None depends on tensor values: e
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..collect.torch_compat import UnwrappedMode
+from .sparse_kernels import NOT_SPARSE, SPARSE_OPS, SparseKernels
 
 if TYPE_CHECKING:
     from .aliases import OpValue
@@ -31,10 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["CpuKernels", "RULES", "SWEPT_OPINFOS", "MIXED_OPINFOS"]
 
 _aten = torch.ops.aten
-_CLONE = _aten.clone.default
-_COALESCE = _aten._coalesce.default
-_SPARSE_MASK = _aten.sparse_mask.default
-_BAG_BACKWARD = _aten._embedding_bag_backward.default
 # at::Reduction (aten/src/ATen/core/Reduction.h): 0 none, 1 mean, 2 sum.
 _NONE, _MEAN = 0, 1
 # EmbeddingBag modes (aten/src/ATen/native/EmbeddingBag.cpp): 0 sum, 1 mean, 2 max.
@@ -234,86 +229,28 @@ MIXED_OPINFOS = ("nn.functional.batch_norm", "nn.functional.group_norm", "nn.fun
                  "nn.functional.mse_loss", "nn.functional.soft_margin_loss", "nn.functional.huber_loss")
 
 
-class CpuKernels(UnwrappedMode):
-    """Give the outputs of the ops in :data:`RULES` the storage a CPU kernel gives them. Entered beneath
-    memprof's profiler (so the profiler counts the corrected storage) and above the fake-tensor mode;
-    :attr:`used` counts the ops it corrected, :attr:`bytes` the bytes it added (or took off) for each."""
+class CpuKernels(SparseKernels):
+    """Give the outputs of the ops in :data:`RULES` the storage a CPU kernel gives them, and sparse tensors the
+    elements the CPU's sparse kernels give them (:class:`~memprof.simulate.sparse_kernels.SparseKernels`, every
+    rule). Entered beneath memprof's profiler (so the profiler counts the corrected storage) and above the
+    fake-tensor mode; :attr:`used` counts the ops it corrected, :attr:`bytes` the bytes it added (or took off)
+    for each."""
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
-        self.used: Counter[str] = Counter()
-        self.bytes: Counter[str] = Counter()
+        super().__init__(cpu=True)
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: Args = (),
                            kwargs: "Kwargs | None" = None) -> "OpValue":
         kwargs = kwargs or {}
-        if func is _CLONE and args and isinstance(args[0], FakeTensor) and args[0].is_sparse:
-            return self._sparse_clone(args[0])
-        if func is _COALESCE and args and isinstance(args[0], FakeTensor):
-            return self._coalesced(args[0])
-        if func is _SPARSE_MASK and len(args) == 2 and isinstance(args[1], FakeTensor) and args[1].is_sparse:
-            return self._masked(args[0], args[1])
-        if func is _BAG_BACKWARD and _arg(args, kwargs, 9, "sparse", False) and isinstance(args[0], FakeTensor):
-            return self._bag_gradient(args[0], args[1], int(_arg(args, kwargs, 6, "num_weights", 0)))
+        if func in SPARSE_OPS:
+            answer = self.sparse(func, args, kwargs)
+            if answer is not NOT_SPARSE:
+                return answer
         out = func(*args, **kwargs)
         rule = RULES.get(func)
         if rule is None:
             return out
         return self._apply(func, rule, tuple(args), kwargs, out)
-
-    def _bag_gradient(self, grad: torch.Tensor, indices: torch.Tensor, num_weights: int) -> torch.Tensor:
-        """``EmbeddingBag(sparse=True)``'s weight gradient as the CPU makes it (``_embedding_bag_sparse_backward``:
-        a row of ``grad``'s width per index, uncoalesced, aten/src/ATen/native/EmbeddingBag.cpp); the fake
-        kernel's had none. An index equal to ``padding_idx`` is dropped by the real kernel, which the values
-        decide: every index is kept here, over where some are padding."""
-        nnz = indices.numel()
-        return self._made("_embedding_bag_backward (sparse)", [num_weights, grad.shape[-1]],
-                          indices.new_empty((1, nnz)), grad.new_empty((nnz, grad.shape[-1])), False)
-
-    def _masked(self, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``t.sparse_mask(mask)`` as the CPU makes it: ``t``'s values at ``mask``'s indices, in new indices and
-        values, one per index of ``mask`` (the fake kernel's had none)."""
-        nnz, sparse = mask._nnz(), mask.sparse_dim()
-        indices = mask._indices().new_empty((sparse, nnz))
-        values = t.new_empty((nnz, *t.shape[sparse:]))
-        return self._made("sparse_mask", list(mask.shape), indices, values, mask.is_coalesced())
-
-    def _made(self, name: str, size: "list[int]", indices: torch.Tensor, values: torch.Tensor,
-              coalesced: bool) -> torch.Tensor:
-        """A sparse COO tensor of ``size`` on ``indices`` (its sparse dimensions' rows) and ``values``, counted for
-        the notes."""
-        made: torch.Tensor = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default(
-            indices.shape[0], values.dim() - 1, size, indices, values, dtype=values.dtype,
-            layout=torch.sparse_coo, device=values.device, is_coalesced=coalesced)
-        self.used[name] += 1
-        self.bytes[name] += indices.untyped_storage().nbytes() + values.untyped_storage().nbytes()
-        return made
-
-    def _coalesced(self, t: torch.Tensor) -> torch.Tensor:
-        """A sparse COO tensor coalesced with every index it holds kept: the CPU kernel keeps one per distinct
-        index, which shape-only tensors cannot count, so the most it can keep (the indices given, at most one per
-        position of the sparse dimensions) stands for it; the fake kernel's kept none. An embedding's sparse
-        gradient coalesced by Adagrad's or SparseAdam's step holds a row per looked-up index: exact where the
-        looked-up rows are distinct, over where some repeat."""
-        sparse, dense = t.sparse_dim(), t.dense_dim()
-        positions = 1
-        for n in t.shape[:sparse]:
-            positions *= n
-        nnz = min(t._nnz(), positions)
-        indices = t._indices().new_empty((sparse, nnz))
-        values = t._values().new_empty((nnz, *t.shape[sparse:sparse + dense]))
-        return self._made("_coalesce (every index kept)", list(t.shape), indices, values, True)
-
-    def _sparse_clone(self, t: torch.Tensor) -> torch.Tensor:
-        """A sparse COO tensor's clone as the CPU makes it: its indices and values copied. The fake kernel's
-        (``constructors`` on the meta device) has no element: a sparse gradient, which autograd's
-        AccumulateGrad clones when references to its parts other than its own are held (every fake tensor's
-        Python object is one: torch/csrc/autograd/functions/accumulate_grad.h), held nothing, where the real
-        run's holds its indices and values (an embedding's: 8 B per looked-up index and a row of values each).
-        A real run that keeps the gradient it was given (its shallow-copy path) holds no copy beside it while
-        AccumulateGrad runs: the simulation's copy is the larger of the two, never under."""
-        return self._made("clone (sparse)", list(t.shape), t._indices().clone(), t._values().clone(),
-                          t.is_coalesced())
 
     def _apply(self, func: torch._ops.OpOverload, rule: Rule, args: Args, kwargs: Kwargs, out: "OpValue") -> "OpValue":
         outs = out if isinstance(out, tuple) else (out,)
@@ -347,8 +284,5 @@ class CpuKernels(UnwrappedMode):
             return f" ({'+' if n > 0 else '-'}{format_bytes(abs(n))})" if n else " (laid out as the CPU lays it out)"
 
         parts = ", ".join(f"{name} x{n}{change(name)}" for name, n in sorted(self.used.items()))
-        bound = ("; a sparse tensor coalesced kept every index it was given, which is exact where they are distinct "
-                 "and over where some repeat (a real run keeps one per distinct index: the values decide, which "
-                 "shape-only tensors do not hold)") if self.used["_coalesce (every index kept)"] else ""
         return [f"CPU kernels whose outputs keep another storage than their shape's fake one, simulated as the "
-                f"CPU runs them: {parts}{bound}"]
+                f"CPU runs them: {parts}{self.sparse_notes()}"]

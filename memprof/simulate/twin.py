@@ -363,9 +363,12 @@ class Twin:
         kernels = CudaKernels(attention, gpu.compute_capability if gpu is not None else None) \
             if target.type == "cuda" else None
         from .cpu_kernels import CpuKernels
+        from .sparse_kernels import SparseKernels, in_model
 
-        # The CPU's kernels where their outputs keep another storage than the fake kernels give them.
+        # The CPU's kernels where their outputs keep another storage than the fake kernels give them; on another
+        # target, ATen's device-independent sparse code, where the model makes sparse gradients.
         cpu_kernels = CpuKernels() if target.type == "cpu" else None
+        sparse_kernels = SparseKernels() if cpu_kernels is None and in_model(model) else None
         custom = CustomOps()
         # Only models built from transformers can reach its mask helpers: no cost for the others.
         watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
@@ -407,7 +410,7 @@ class Twin:
         self.target, self.notes, self.model, self.mapping = target, notes, meta_model, mapping
         self.fake_mode, self.autocast, self.emulated = fake_mode, autocast, emulated
         self.kernels, self.watched, self.custom, self.shadow, self.cast = kernels, watched, custom, shadow, cast
-        self.cpu_kernels = cpu_kernels
+        self.cpu_kernels, self.sparse_kernels = cpu_kernels, sparse_kernels
         from .moe import MoeRules
 
         self.moe = MoeRules(target.type, routing)
@@ -435,10 +438,11 @@ class Twin:
         return DeviceQueries()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__, which it keeps
 
     def op_rules(self) -> _entered:
-        """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels` on a CPU target, value shadows and
+        """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels` on a CPU target,
+        :mod:`memprof.simulate.sparse_kernels` on another where the model makes sparse gradients, value shadows and
         ``_grouped_mm`` on every target: :mod:`memprof.simulate.moe`), dispatch modes to enter after the
         fake-tensor mode and before the profiler."""
-        return _entered(*(m for m in (self.cpu_kernels, self.moe.shadows) if m is not None))
+        return _entered(*(m for m in (self.cpu_kernels, self.sparse_kernels, self.moe.shadows) if m is not None))
 
     def rules(self) -> Rules:
         # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors; the router
@@ -456,7 +460,7 @@ class Twin:
 
     def rule_notes(self) -> list[str]:
         out = []
-        for rule in (self.kernels, self.cpu_kernels, self.watched, self.custom, self.emulated):
+        for rule in (self.kernels, self.cpu_kernels, self.sparse_kernels, self.watched, self.custom, self.emulated):
             if rule is not None:
                 out.extend(rule.notes())
         return out + self.moe.notes()

@@ -49,11 +49,13 @@ def test_a_sparse_embedding_gradient_is_the_real_runs(make):
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_an_optimizer_op_without_a_meta_kernel_is_named_the_optimizers():
-    # Adagrad's sparse step calls sparse_mask, which has no kernel for sparse meta tensors (the GPU target's): the
-    # error said an op of the model had none, and to register a fake kernel for it.
+    # Adagrad's sparse step coalesces the gradient and calls sparse_mask, neither of which has a kernel for sparse
+    # meta tensors (the GPU target's): the error said an op of the model had none, and to register a fake kernel
+    # for it.
     from memprof.errors import SimulationError
 
-    with pytest.raises(SimulationError, match=r"sparse_mask.*An op of the optimizer's step") as info:
+    # (Its first such op: the gradient's coalesce, now that the gradient holds elements; sparse_mask after it.)
+    with pytest.raises(SimulationError, match=r"_coalesce.*An op of the optimizer's step") as info:
         memprof.estimate(_built(), torch.optim.Adagrad, inputs=IDS, targets=IDS, loss_fn=loss_fn, gpu="h100-80gb")
     assert "of the model" not in str(info.value)
 
@@ -122,3 +124,63 @@ def test_an_embedding_bags_sparse_gradient_with_adagrad():
             assert_same_run(est, real)
         else:
             assert_never_under(est, real)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
+def test_sgd_momentum_over_a_sparse_gradient_keeps_the_room_of_both_operands(nesterov):
+    # SGD's momentum buffer over a sparse gradient: buf.mul_(m).add_(grad) (and with nesterov grad.add(buf), a new
+    # sparse tensor). The CPU's sparse add makes indices and values with room for both operands' elements and keeps
+    # that room when equal indices merge (add_out_sparse_cpu); the fake kernel kept the buffer's own, or none for a
+    # new sum, and the estimate was under from the second step (2,176 B of optimizer states: 16 indices x 8 B and
+    # 16 rows x 32 x 4 B). Each step here looks up 16 rows no step before it did: nothing merges, and the run is
+    # the real one to the byte. The same rows every step: the real buffer's room stays at 32 elements, the
+    # simulation's grows by 16 a step (nothing merges there), over from the third step, never under.
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=nesterov)  # noqa: E731
+    calls = []
+
+    def step(model, opt, x, y):
+        ids = x + 16 * len(calls)  # rows 0-15, 16-31, 32-47: distinct from every earlier step's
+        calls.append(1)
+        loss = loss_fn(model(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.arange(16).view(2, 8)
+    real = measured(step, steps=3, model=_built(), make=make, batch=(x, IDS))
+    calls.clear()
+    est = memprof.estimate(_built(), make, inputs=x, targets=IDS, train_step=step, steps=3)
+    assert_same_run(est, real)
+    states = [p.end[memprof.Category.OPTIMIZER_STATES] for p in est.trace.phases if p.phase.value == "optimizer"]
+    # The head's dense buffer (96 x 32 + 96 fp32: 12,672 B) and the embedding's: 16, 32, then 48 elements of an
+    # 8-byte index and a 128-byte row (2,176 B per 16).
+    assert states == [12_672 + 2_176 * k for k in (1, 2, 3)], states
+    assert any("a sum of sparse tensors merged no equal indices" in n for n in est.notes), est.notes
+
+    real = measured(plain, steps=3, model=_built(), make=make)
+    est = memprof.estimate(_built(), make, inputs=IDS, targets=IDS, train_step=plain, steps=3)
+    assert_never_under(est, real)
+    over = [a.end[memprof.Category.OPTIMIZER_STATES] - b.end[memprof.Category.OPTIMIZER_STATES]
+            for a, b in zip(est.trace.phases, real.trace.phases) if a.phase.value == "optimizer"]
+    assert over == [0, 0, 2_176], over  # the third step's 16 elements more than the real room of 32
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_a_sparse_gradient_on_a_cuda_target_holds_its_elements_and_its_step_is_refused():
+    # The sparse gradient's clone (AccumulateGrad's, device-independent ATen code) had no element on meta tensors
+    # either: a CUDA target's estimate held the embedding's gradient as nothing, and SGD's step over that empty
+    # gradient ran, silently under. The clone now holds its indices and values on every target; the step's
+    # dense += sparse has no meta kernel (CUDA's kernel is not simulated), and is refused with the optimizer named.
+    from memprof.errors import SimulationError
+
+    est = memprof.estimate(_built(), None, inputs=IDS, targets=IDS, loss_fn=loss_fn, gpu="h100-80gb")
+    backward = next(p for p in est.trace.phases if p.step == 0 and p.phase.value == "backward")
+    # The head's dense gradients (96 x 32 fp32 and 96 fp32), the embedding's 16 indices (int64) and 16 rows of 32
+    # fp32, each in the CUDA caching allocator's 512-byte blocks: 12,288 + 512 (384) + 512 (128) + 2,048.
+    assert backward.end[memprof.Category.GRADIENTS] == 96 * 32 * 4 + 512 + 512 + 16 * 32 * 4
+    assert any("clone (sparse)" in n for n in est.notes), est.notes
+    with pytest.raises(SimulationError, match="An op of the optimizer's step"):
+        memprof.estimate(_built(), lambda ps: torch.optim.SGD(ps, lr=0.1), inputs=IDS, targets=IDS, loss_fn=loss_fn,
+                         gpu="h100-80gb")
