@@ -32,14 +32,7 @@ def checked(model: object, optimizer: object, mode: object, timeline: object, op
                                "mode='exact', or one of: exact, light, auto")
     if not isinstance(mode, str) or mode not in _MODES:
         raise UnknownNameError(f"unknown mode {mode!r}; use one of: exact, light, auto")
-    model_params = {id(p) for p in model.parameters()}
-    for opt in optimizers:
-        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in model_params]
-        if foreign:
-            raise InvalidArgumentError(
-                f"{type(opt).__name__} holds {len(foreign)} parameter(s) that are not the model's; "
-                "pass the optimizer built from model.parameters(), or profile the module that owns them"
-            )
+    refuse_foreign_parameters(optimizers, model, "profile")
     if getattr(model, "_compiled_call_impl", None) is not None:
         # nn.Module.compile() compiles the module's own __call__, hooks included: memprof's hooks
         # would be traced into the graph (splitting it) or, added after compilation, never run.
@@ -80,3 +73,17 @@ def model_device(model: nn.Module) -> torch.device:
     for b in model.buffers():
         return b.device
     return torch.device("cpu")
+
+
+def refuse_foreign_parameters(optimizers: "list[torch.optim.Optimizer]", model: nn.Module, verb: str) -> None:
+    """An InvalidArgumentError where an optimizer holds a parameter that is not ``model``'s (one built over another
+    model, a stale copy's, a loss module's): its step and state would be missed. ``verb``: what the user asked
+    for (``"profile"``, ``"estimate"``), named in the fix."""
+    model_params = {id(p) for p in model.parameters()}
+    for opt in optimizers:
+        foreign = [p for g in opt.param_groups for p in g["params"] if id(p) not in model_params]
+        if foreign:
+            raise InvalidArgumentError(
+                f"{type(opt).__name__} holds {len(foreign)} parameter(s) that are not the model's; "
+                f"pass the optimizer built from model.parameters(), or {verb} the module that owns them"
+            )

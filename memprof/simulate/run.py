@@ -83,6 +83,7 @@ class Workload:
     loop: "str | None" = None
 
     def __post_init__(self) -> None:
+        import torch
         from torch import nn
 
         from .loops import check_loop
@@ -107,6 +108,12 @@ class Workload:
                                        "known, then estimate")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise InvalidArgumentError(f"steps must be a positive int, got {self.steps!r}")
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            from ..collect.arguments import refuse_foreign_parameters
+
+            # The twin's optimizer is rebuilt on the model's parameters only: another model's would be dropped,
+            # and their state and step with them (the estimate was under by them, where profile() refused).
+            refuse_foreign_parameters([self.optimizer], self.model, "estimate")
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise InvalidArgumentError(f"loss_fn must be a function of the model's output (and targets), got "
                                        f"{type(self.loss_fn).__name__}")

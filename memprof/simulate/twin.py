@@ -178,7 +178,12 @@ def _built(optimizer: object, meta_model: nn.Module, mapping: dict[int, torch.Te
         _refuse_capturable(optimizer)
         groups = [{**g, "params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]}
                   for g in optimizer.param_groups]
-        return _rebuilt(optimizer, groups, notes, target)
+        opt = _rebuilt(optimizer, groups, notes, target)
+        if opt is not None and optimizer.state:
+            from .warm_state import carry_state
+
+            carry_state(optimizer, opt, mapping, notes)
+        return opt
     if callable(optimizer):
         opt = optimizer(meta_model.parameters())
         if not isinstance(opt, torch.optim.Optimizer):

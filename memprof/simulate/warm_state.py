@@ -1,0 +1,82 @@
+"""An optimizer that already holds state, carried into the simulation as it holds it.
+
+An optimizer given as an instance is rebuilt on the twin's parameters (:func:`memprof.simulate.twin.meta_optimizer`),
+and a rebuilt optimizer holds no state. One that has stepped already (a warm-up step before the estimate, a
+checkpoint's ``load_state_dict``) holds its moments or momentum buffers from the start of the run it is about to
+take: the estimate was under by all of them until its first optimizer step (an AdamW over a 2-layer model: 198,756
+B of states missing at step 0's forward, backward and the phases between), and with ``steps=1`` and SGD's momentum
+under at its peak. Each state of a parameter the twin holds is made again on its twin: a tensor as a shape-only
+tensor of its shape, strides and dtype on the twin parameter's device (fake or meta), a one-element CPU tensor (a
+step counter, whose value the step reads) as a real copy with its value (lifted into the fake mode with it, as a
+constructor's counters are: ``twin._lifted``), anything else as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..units import format_bytes
+
+__all__ = ["carry_state"]
+
+
+def carry_state(user: torch.optim.Optimizer, twin: torch.optim.Optimizer, mapping: "dict[int, torch.Tensor]",
+                notes: list[str]) -> None:
+    """Give ``twin`` (rebuilt from ``user`` on the twin's parameters; ``mapping``: the user's parameter's id -> its
+    twin) the state ``user`` holds, with a note. A parameter the twin does not hold (another pipeline stage's) is
+    not the run's; a state that cannot be made again (a sparse tensor, a sharded twin parameter, a state that is not
+    a dict) is left out, and the note names it."""
+    carried, nbytes = 0, 0
+    left: list[str] = []
+    for param, state in user.state.items():
+        twin_param = mapping.get(id(param)) if isinstance(param, torch.Tensor) else None
+        if twin_param is None:
+            continue
+        if not isinstance(state, dict):
+            left.append(f"a state of type {type(state).__name__}")
+            continue
+        made: "dict[object, object] | None" = {}
+        tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+        for key, value in state.items():
+            copy = _twin_of(value, twin_param) if isinstance(value, torch.Tensor) else value
+            if copy is None:
+                left.append(f"{key!s} ({_kind(value, twin_param)})")
+                made = None  # all of a parameter's state, or none: a step finding half of it would fail
+                break
+            made[key] = copy  # type: ignore[index]  # not None until the break above
+        if made:
+            twin.state[twin_param] = made
+            carried += len(tensors)
+            nbytes += sum(v.untyped_storage().nbytes() for v in tensors)
+    if carried:
+        notes.append(f"the optimizer held state before the estimate (a step taken, a checkpoint loaded): its "
+                     f"{carried} state tensor(s), {format_bytes(nbytes)}, were carried into the simulation as it "
+                     f"holds them, from the first step on")
+    if left:
+        notes.append(f"the optimizer's state could not be carried for {len(left)} parameter(s) ({', '.join(left[:3])}"
+                     f"{', ...' if len(left) > 3 else ''}): the simulation makes it at its first step, under until "
+                     f"then by what it holds")
+
+
+def _twin_of(value: torch.Tensor, twin_param: torch.Tensor) -> "torch.Tensor | None":
+    """``value``'s twin beside ``twin_param``, or None where it cannot be made."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if value.layout is not torch.strided or type(value) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    if value.numel() == 1 and value.device.type == "cpu":
+        return value.detach().clone()  # a counter: its value is read by the step
+    if isinstance(twin_param, FakeTensor):
+        with twin_param.fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=twin_param.device)
+    if type(twin_param) in (torch.Tensor, torch.nn.Parameter) and twin_param.is_meta:
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return None
+
+
+def _kind(value: torch.Tensor, twin_param: torch.Tensor) -> str:
+    if value.layout is not torch.strided:
+        return f"a {value.layout} tensor"
+    if type(value) not in (torch.Tensor, torch.nn.Parameter):
+        return f"a {type(value).__name__}"
+    return f"its parameter's twin is a {type(twin_param).__name__}"
