@@ -38,7 +38,7 @@ def carry_state(user: torch.optim.Optimizer, twin: torch.optim.Optimizer, mappin
         made: "dict[object, object] | None" = {}
         tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
         for key, value in state.items():
-            copy = _twin_of(value, twin_param) if isinstance(value, torch.Tensor) else value
+            copy = _twin_of(value, param, twin_param) if isinstance(value, torch.Tensor) else value
             if copy is None:
                 left.append(f"{key!s} ({_kind(value, twin_param)})")
                 made = None  # all of a parameter's state, or none: a step finding half of it would fail
@@ -51,26 +51,32 @@ def carry_state(user: torch.optim.Optimizer, twin: torch.optim.Optimizer, mappin
     if carried:
         notes.append(f"the optimizer held state before the estimate (a step taken, a checkpoint loaded): its "
                      f"{carried} state tensor(s), {format_bytes(nbytes)}, were carried into the simulation as it "
-                     f"holds them, from the first step on")
+                     f"holds them (a floating state in its parameter's dtype cast with it by precision=), from "
+                     f"the first step on")
     if left:
         notes.append(f"the optimizer's state could not be carried for {len(left)} parameter(s) ({', '.join(left[:3])}"
                      f"{', ...' if len(left) > 3 else ''}): the simulation makes it at its first step, under until "
                      f"then by what it holds")
 
 
-def _twin_of(value: torch.Tensor, twin_param: torch.Tensor) -> "torch.Tensor | None":
-    """``value``'s twin beside ``twin_param``, or None where it cannot be made."""
+def _twin_of(value: torch.Tensor, param: torch.Tensor, twin_param: torch.Tensor) -> "torch.Tensor | None":
+    """``value`` (a state of the user's ``param``) made again beside ``twin_param``, or None where it cannot be.
+    A floating state in its parameter's dtype follows the parameter where ``precision=`` casts it: torch makes an
+    optimizer's states like their parameters, and a bf16 run's optimizer holds bf16 moments."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     if value.layout is not torch.strided or type(value) not in (torch.Tensor, torch.nn.Parameter):
         return None
     if value.numel() == 1 and value.device.type == "cpu":
-        return value.detach().clone()  # a counter: its value is read by the step
+        # A counter, whose value the step reads (a scalar parameter's moment too, kept in its dtype: a few bytes
+        # over where precision= casts its parameter, never under).
+        return value.detach().clone()
+    dtype = twin_param.dtype if value.is_floating_point() and value.dtype == param.dtype else value.dtype
     if isinstance(twin_param, FakeTensor):
         with twin_param.fake_mode:
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=twin_param.device)
+            return torch.empty_strided(value.shape, value.stride(), dtype=dtype, device=twin_param.device)
     if type(twin_param) in (torch.Tensor, torch.nn.Parameter) and twin_param.is_meta:
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return torch.empty_strided(value.shape, value.stride(), dtype=dtype, device="meta")
     return None
 
 
