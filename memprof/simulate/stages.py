@@ -36,7 +36,7 @@ from .frozen_heap import frozen
 from .ranks import RankLayout, uneven_shard
 from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
-from .twin import (Twin, casting, converted, meta_optimizer, refuse_closure_step,
+from .twin import (Twin, casting, converted, meta_optimizer, whole_storages, refuse_closure_step,
                    refuse_value_driven_step)
 from .user_step import LoopValues, UserStep
 
@@ -202,6 +202,8 @@ def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> P
     # Floating inputs and targets in the same dtype, as a run at that precision feeds them (integer token ids
     # and class labels stay as they are).
     make = twin.shadow if twin.cast is None else casting(twin.shadow, twin.cast)
+    if twin.target.type == "cpu":  # the user's own tensors are the run's; on another device a copy of them is
+        make = whole_storages(make)
     inputs, targets = converted(w.inputs, make, seen), converted(w.targets, make, seen)
     if twin.target.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in w.model.modules()):
         notes.append("LSTM/GRU/RNN: on a real CPU, oneDNN's RNN kernel also keeps a workspace for backward that "

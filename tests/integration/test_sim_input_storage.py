@@ -1,0 +1,41 @@
+"""Inputs that are views of a larger storage (a batch sliced from a dataset held as one tensor).
+
+The real run holds the whole storage, which memprof counts as inputs; the estimate made a twin of the view's
+extent only and was under by the rest (5,952 B for 2 rows of a 64 x 12 int64 tensor: a new user's sweep). On the
+CPU target the twin is now the same view of a twin of the whole storage, one per storage; on a CUDA target the
+batch reaches the device as a copy of the view, as a real run copies it."""
+
+from __future__ import annotations
+
+import torch
+
+import memprof
+from memprof import Category as C
+from test_parallelize import build, loss_fn
+from test_train_step import assert_same_run, measured, plain
+
+DATA = torch.randint(0, 96, (64, 8), generator=torch.Generator().manual_seed(0))  # 64 x 8 int64: 4,096 B
+
+
+def test_a_batch_sliced_from_a_dataset_holds_the_whole_storage_as_the_real_run():
+    ids, targets = DATA[:2], DATA[2:4]  # two views of one storage
+    real = measured(plain, model=build(), batch=(ids, targets))
+    est = memprof.estimate(build(), lambda ps: torch.optim.AdamW(ps, foreach=True), inputs=ids, targets=targets,
+                           train_step=plain)
+    assert_same_run(est, real)
+    # The dataset's storage once (64 x 8 x 8 B), not the two views' 2 x 128 B.
+    assert est.trace.phases[0].peak[C.INPUTS] == real.trace.phases[0].peak[C.INPUTS] == 64 * 8 * 8
+
+
+def test_a_strided_view_keeps_its_layout_on_its_storage():
+    # Every other row from the 10th: an offset and a stride over the same storage.
+    ids = DATA[10::2][:2]
+    est = memprof.estimate(build(), None, inputs=ids, targets=DATA[:2], loss_fn=loss_fn)
+    assert est.trace.phases[0].peak[C.INPUTS] == 64 * 8 * 8
+
+
+def test_on_a_cuda_target_the_batch_is_a_copy_of_the_view():
+    ids = DATA[:2]
+    est = memprof.estimate(build(), None, inputs=ids, targets=ids, loss_fn=loss_fn, gpu="h100-80gb")
+    # 2 x 8 int64 (128 B) in one 512-byte block of the caching allocator.
+    assert est.trace.phases[0].peak[C.INPUTS] == 512
