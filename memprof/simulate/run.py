@@ -87,11 +87,14 @@ class Workload:
         from torch import nn
 
         from .loops import check_loop
-        from .user_step import check_train_step
+        from .user_step import check_arity, check_train_step
 
         check_loop(self.loop)
 
-        if check_train_step(self.train_step) is not None:
+        step = check_train_step(self.train_step)
+        if step is not None and self.loop in (None, "plain"):  # a named loop's step is memprof's own
+            check_arity(step, self.targets is not None)
+        if step is not None:
             given = [name for name in ("loss_fn", "step_context") if getattr(self, name) is not None]
             if given:
                 raise InvalidArgumentError(

@@ -40,12 +40,33 @@ if TYPE_CHECKING:
     from .aliases import OpValue, UserValue
     from .autocast import AutocastFactory, CudaAutocast
 
-__all__ = ["UserStep", "LoopValues", "check_train_step"]
+__all__ = ["UserStep", "LoopValues", "check_train_step", "check_arity", "LOOP_READS"]
 
 _aten = torch.ops.aten
 #: The ops that hand a tensor's value to Python: ``item()``, ``float()``, ``int()`` (``_local_scalar_dense``),
 #: ``bool()`` (``is_nonzero``).
 READS = {_aten._local_scalar_dense.default: "item()", _aten.is_nonzero.default: "bool()"}
+
+
+#: The reads one place of a step's code may have answered in one step. Each is answered 0 (False), so a loop that
+#: stops on a value (``generate()``'s stop test, ``while not done.item()``) never stops on shape-only tensors: the
+#: estimate ran for as long as it was let (2,161 decoding steps a minute for a step whose real loop made 4, a new
+#: user's sweep). A real step that reads one place more often than this is refused with it.
+LOOP_READS = 256
+
+
+def _endless(key: "tuple[str, str]", failure: BaseException) -> Exception:
+    from ..errors import SimulationError
+
+    what, where = key
+    error = SimulationError(
+        f"the training step read a value ({what}) at {where} more than {LOOP_READS:,} times in one simulated step: "
+        f"shape-only tensors hold no values, each read is answered 0 (False), and a loop that stops on a value "
+        f"(model.generate()'s stop test, a while loop on a tensor) never stops; simulate the step with the "
+        f"sequences it makes given at their final length (generate's part: memprof.estimate_generation), or "
+        f"profile the real run (memprof.profile)")
+    error.__cause__ = failure
+    return error
 
 
 def check_train_step(fn: object) -> "Callable[..., object] | None":
@@ -56,7 +77,40 @@ def check_train_step(fn: object) -> "Callable[..., object] | None":
         raise InvalidArgumentError(
             f"train_step must be the function your loop calls once per step, train_step(model, optimizer, batch) "
             f"(with targets=: train_step(model, optimizer, batch, targets)), got {type(fn).__name__}")
+    import inspect
+
+    if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        # Called, it returns a generator or a coroutine and runs none of its body: the estimate held nothing.
+        raise InvalidArgumentError(
+            f"train_step {_name(fn)} is a {'coroutine' if inspect.iscoroutinefunction(fn) else 'generator'} "
+            f"function, whose call runs none of its body; pass a plain function that runs the whole step")
     return fn
+
+
+def check_arity(fn: "Callable[..., object]", with_targets: bool) -> None:
+    """An InvalidArgumentError where ``fn`` cannot be called as the loop calls it, ``fn(model, optimizer, batch)``
+    or, with ``targets=``, ``fn(model, optimizer, batch, targets)``: torch's own TypeError came out of the
+    simulated step before, naming neither the step nor the fix. A callable whose signature Python cannot read is
+    left to its call."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError) as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        return
+    names = ("model", "optimizer", "batch") + (("targets",) if with_targets else ())
+    try:
+        signature.bind(*names)
+    except TypeError as exc:
+        if is_interrupt(exc):
+            raise  # a signal handler's exception (errors.is_interrupt) is the user's
+        called = f"train_step({', '.join(names)})"
+        other = ("leave out targets= and take the targets from the batch" if with_targets
+                 else "give targets= for a step that takes them")
+        raise InvalidArgumentError(f"{_name(fn)}{signature} cannot be called as the loop calls it, {called} "
+                                   f"({exc}); take {len(names)} arguments, or {other}") from None
 
 
 def _name(fn: object) -> str:
@@ -79,6 +133,12 @@ class LoopValues(UnwrappedMode):
         self.optimizer_only = optimizer_only
         #: (what was read, where) -> how many times.
         self.answered: dict[tuple[str, str], int] = {}
+        #: The same, in the step that runs now (:meth:`new_step`): a loop that stops on a value never stops here.
+        self.this_step: dict[tuple[str, str], int] = {}
+
+    def new_step(self) -> None:
+        """A simulated step begins: its reads are counted afresh against :data:`LOOP_READS`."""
+        self.this_step.clear()
 
     def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
                            kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
@@ -106,6 +166,9 @@ class LoopValues(UnwrappedMode):
             raise failure
         key = (READS[func], _call_site(stack))
         self.answered[key] = self.answered.get(key, 0) + 1
+        n = self.this_step[key] = self.this_step.get(key, 0) + 1
+        if n > LOOP_READS:
+            raise _endless(key, failure)
         if func is _aten.is_nonzero.default or t.dtype == torch.bool:
             return False
         return 0.0 if (t.is_floating_point() or t.is_complex()) else 0
@@ -181,6 +244,8 @@ class UserStep:
 
     def run(self) -> None:
         args = (self.model, self.optimizer, self.inputs) + ((self.targets,) if self.targets is not None else ())
+        if self.values is not None:
+            self.values.new_step()
         # Rebinding after the call returns: the previous result lives through this call, as in a loop.
         self.kept = self.fn(*args)
         self.calls += 1

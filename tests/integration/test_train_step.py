@@ -224,6 +224,47 @@ def test_item_is_answered_and_the_notes_say_where():
     assert "item() x2 at test_train_step.py:" in note
 
 
+def test_a_loop_that_stops_on_a_value_is_refused_where_it_would_never_stop():
+    # A step whose loop stops on a value (model.generate()'s stop test in an RL step, a while loop on a tensor):
+    # every read is answered 0 (False), so the loop never stopped and the estimate never returned (a new user's
+    # sweep). The real step below stops after 3 rounds; the simulation is refused at the limit, naming the place.
+    from memprof.simulate.user_step import LOOP_READS
+
+    rounds = []
+
+    def step(model, opt, x, y):
+        done = torch.zeros(())
+        while not bool(done):
+            rounds.append(1)
+            done = x.float().mean() * 0 + (len(rounds) % 3 == 0)  # a tensor whose value decides
+        return plain(model, opt, x, y)
+
+    measured(step, steps=1)
+    assert len(rounds) == 3
+    rounds.clear()
+    with pytest.raises(memprof.errors.SimulationError,
+                       match=rf"read a value \(item\(\)\) at test_train_step.py:\d+ more than {LOOP_READS} times"):
+        simulated(step, steps=1)
+    assert len(rounds) == LOOP_READS  # stopped at the limit (the read before each round), not let run
+
+
+def test_a_step_that_cannot_be_called_as_the_loop_calls_it_is_refused_naming_the_call():
+    # A three-argument step given targets=: torch's own TypeError came out of the simulated step (a new user's
+    # sweep); a generator function ran none of its body, and the estimate held nothing, silently.
+    def three(model, opt, x):
+        return plain(model, opt, x, x)
+
+    with pytest.raises(InvalidArgumentError, match=r"three\(model, opt, x\) cannot be called as the loop calls "
+                                                   r"it, train_step\(model, optimizer, batch, targets\)"):
+        simulated(three)
+
+    def generating(model, opt, x, y):
+        yield plain(model, opt, x, y)
+
+    with pytest.raises(InvalidArgumentError, match="generating is a generator function"):
+        simulated(generating)
+
+
 def test_a_value_the_model_reads_in_its_forward_is_still_refused():
     class Reads(torch.nn.Module):
         def __init__(self) -> None:
