@@ -77,3 +77,31 @@ def test_a_graph_made_attribute_no_hook_makes_again_is_refused():
 
     with pytest.raises(InvalidArgumentError, match=r"Scaled\.w is a tensor an autograd graph made"):
         memprof.estimate(Scaled(), torch.optim.SGD, inputs=torch.randn(2, 8), steps=1)
+
+
+class _CastsItsRouter(nn.Module):
+    """A forward that casts a submodule to its own dtype at every call, as transformers' SwitchTransformers router
+    does (``self.classifier = self.classifier.to(self.dtype)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.router = self.router.to(torch.float32)
+        return self.head(self.router(x))
+
+
+def test_a_forward_that_casts_a_submodule_to_its_own_dtype_is_the_real_run():
+    # torch swaps the parameters of a module of fake tensors at every .to(), and the fake mode's weak references to
+    # them refuse a swap: the estimate failed ("_apply(): Couldn't swap Linear.weight", a new user's sweep) where the
+    # real run's .to() leaves its tensors as they are. The twin's modules now leave them too.
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    torch.manual_seed(0)
+    real = measured(_step, model=_CastsItsRouter(), make=torch.optim.AdamW, batch=(x, y))
+    torch.manual_seed(0)
+    model = _CastsItsRouter()
+    est = memprof.estimate(model, torch.optim.AdamW, inputs=x, targets=y, train_step=_step, steps=2)
+    assert_same_run(est, real)
+    assert "_apply" not in vars(model.router)  # the user's modules are not the twin's
