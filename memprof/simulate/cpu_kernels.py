@@ -189,6 +189,25 @@ def _layer_norm_backward(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storag
                  and g.dtype != p.dtype else None for g, p in zip(outs, params))
 
 
+def _contiguous_first(rule: Rule) -> Rule:
+    """``rule``, with the first output laid out contiguously where the fake one is not: the CPU's layer norm
+    kernels make their input contiguous and write the output (forward) or the input's gradient (backward) into a
+    contiguous tensor (``layer_norm_cpu``, ``layer_norm_backward_cpu``, aten/src/ATen/native/layer_norm.cpp), where
+    the meta kernels keep a non-contiguous input's layout. A later ``reshape`` then copies in the simulation only:
+    Swin's backward, whose layer norms meet transposed tensors, was 8,192 B over in temporaries (a new user's
+    sweep). Same bytes, another layout."""
+
+    def laid_out(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
+        out = rule(args, kwargs, outs)
+        first = outs[0] if outs else None
+        if not isinstance(first, torch.Tensor) or first.is_contiguous():
+            return out
+        made = out[0] if isinstance(out[0], torch.Tensor) else first
+        return (torch.empty_like(made, memory_format=torch.contiguous_format), *out[1:])
+
+    return laid_out
+
+
 #: aten op -> its rule. Found by ``benchmarks/cpu_kernel_sweep.py``; docs/accuracy.md has the table.
 RULES: dict[torch._ops.OpOverload, Rule] = {
     _aten.mse_loss.default: _reduced_loss(2),  # (self, target, reduction)
@@ -213,10 +232,11 @@ RULES: dict[torch._ops.OpOverload, Rule] = {
     _aten._native_batch_norm_legit.default: _mixed_norm((1, 2, 3, 4)),
     _aten._native_batch_norm_legit.no_stats: _mixed_norm((1, 2)),
     _aten._batch_norm_with_update.default: _mixed_norm((1, 2, 3, 4)),
-    _aten.native_layer_norm.default: _mixed_norm((2, 3)),  # (input, normalized_shape, weight, bias, eps)
+    _aten.native_layer_norm.default: _contiguous_first(_mixed_norm((2, 3))),  # (input, normalized_shape, weight, bias,
+    # eps)
     _aten.native_group_norm.default: _mixed_norm((1, 2)),  # (input, weight, bias, N, C, HxW, group, eps)
     _aten.native_group_norm_backward.default: _in_dtype_of(1),  # (grad_out, input, mean, rstd, weight, ...)
-    _aten.native_layer_norm_backward.default: _layer_norm_backward,
+    _aten.native_layer_norm_backward.default: _contiguous_first(_layer_norm_backward),
 }
 
 #: The OpInfos of torch's operator database that reach the ops in :data:`RULES`, in their own dtypes and with

@@ -87,6 +87,40 @@ def test_a_pre_ln_stack_with_mse_loss_equals_a_real_cpu_run_at_every_phase_momen
     assert any("aten.mse_loss x2 (+256.0 KiB)" in n for n in est.notes), est.notes  # 2 * (131,072 - 4) B
 
 
+@pytest.mark.parametrize("precision", [None, "mixed"])
+def test_a_layer_norm_of_a_transposed_input_is_laid_out_as_the_cpu_lays_it_out(precision):
+    # The CPU's layer norm kernels write the output and the input's gradient contiguously, the meta kernels in the
+    # input's layout. Swin's layer norms meet transposed tensors (its patch embedding's flatten(2).transpose(1, 2)):
+    # the reshape on the gradient's way back copied in the simulation only, 8,192 B over in temporaries at the
+    # backward peak (a new user's sweep). Its window attention (window_size=4 of an 8 x 8 map) is the same on both
+    # sides.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1], num_heads=[2],
+                                     window_size=4, num_labels=10)
+    pixels, labels = torch.randn(2, 3, 32, 32), torch.tensor([1, 7])
+
+    def step(model, opt, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "mixed"):
+            loss = F.cross_entropy(model(pixel_values=x).logits.float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def build():
+        torch.manual_seed(0)
+        return transformers.SwinForImageClassification(config).train()
+
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with memprof.profile(model, opt) as prof:
+        out = step(model, opt, pixels, labels)
+        del out
+    est = memprof.estimate(build(), lambda ps: torch.optim.SGD(ps, lr=0.01), inputs=pixels, targets=labels,
+                           train_step=step, steps=1)
+    assert _moments(est.trace) == _moments(prof.report().trace)
+
+
 def test_a_cnn_under_cpu_autocast_equals_a_real_run_at_every_phase_moment():
     # Under CPU autocast a convolution returns bf16, and BatchNorm meets it with fp32 parameters.
     def build():
