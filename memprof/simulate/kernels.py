@@ -360,7 +360,9 @@ class ValueDependentCode(Rule):
         return out + [f"{', '.join(sorted(self.where))} built {format_bytes(self.bytes)} of tensors in "
                 f"{self.calls} op(s) "
                 "on shape-only tensors; a real run may skip some of them (it checks the mask's values, which a "
-                f"simulation does not have): up to that much of the simulated figures may not exist on the device"]
+                "simulation does not have): the simulated figures may be over by up to that much, and where a "
+                "phase keeps the mask's attention (its backward, a checkpointed layer's recomputation) by what the "
+                "attention keeps of an explicit mask, which a real run's causal kernel does not"]
 
 
 class CustomOps(Rule):
