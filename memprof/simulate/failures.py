@@ -42,9 +42,11 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
         fix = ("an op of the model has no fake (meta) kernel, so it cannot run on shape-only tensors; register one "
                "with torch.library.register_fake, returning empty tensors of the output shapes")
     elif "dynamicoutputshape" in type(exc).__name__.lower():
-        fix = ("the op's output shape depends on tensor values (CTC's alignment, packed sequences' lengths), which "
-               "shape-only tensors do not hold, so no simulation can size it; estimate a step without that op (for "
-               "a loss, a loss_fn with the same output) and add what it allocates")
+        fix = ("the op's output shape depends on tensor values (indexing with a boolean mask, x[mask], or its "
+               "gradient; nonzero; CTC's alignment; packed sequences' lengths), which shape-only tensors do not "
+               "hold, so no simulation can size it; estimate a step without that op and add what it allocates (a "
+               "model's training-time masking or dropping by chance, such as wav2vec2's SpecAugment "
+               "mask_time_prob or layerdrop, set to 0 in its config; for a loss, a loss_fn with the same output)")
     elif "sharding strategy" in low and "_for_cpu" in low:
         fix = ("context parallelism's ring attention has handlers for the CUDA attention kernels only (torch's "
                "_context_parallel/_attention.py): estimate for device='cuda', whose attention the simulation runs as "

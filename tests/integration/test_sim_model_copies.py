@@ -105,3 +105,29 @@ def test_a_forward_that_casts_a_submodule_to_its_own_dtype_is_the_real_run():
     est = memprof.estimate(model, torch.optim.AdamW, inputs=x, targets=y, train_step=_step, steps=2)
     assert_same_run(est, real)
     assert "_apply" not in vars(model.router)  # the user's modules are not the twin's
+
+
+class _MasksByChance(nn.Module):
+    """A training-time masking by chance, as wav2vec2's SpecAugment does it: the masked steps replaced by a learned
+    embedding through a boolean mask (``hidden[mask] = embedding``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Parameter(torch.zeros(8))
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = x.clone()
+        x[torch.rand(x.shape[:2]) < 0.5] = self.embed
+        return self.lin(x)
+
+
+def test_a_boolean_mask_in_the_model_is_named_with_the_configs_way_out():
+    # The gradient of a boolean-mask assignment runs nonzero in backward: the error blamed "CTC's alignment, packed
+    # sequences' lengths" and advised a loss_fn (a new user's sweep, wav2vec2 and HuBERT in training mode). It now
+    # names boolean-mask indexing and the config's training-time masking as the way out.
+    from memprof.errors import SimulationError
+
+    with pytest.raises(SimulationError, match=r"indexing with a boolean mask.*mask_time_prob or layerdrop"):
+        memprof.estimate(_MasksByChance(), torch.optim.SGD, inputs=torch.randn(2, 6, 8),
+                         targets=torch.randn(2, 6, 4), loss_fn=nn.functional.mse_loss)
