@@ -79,12 +79,14 @@ def _apply_unless_unchanged(module: nn.Module, fn: "Callable[[torch.Tensor], tor
     parameter of a module of fake tensors (``swap_tensors``, torch/nn/modules/module.py), and the fake mode keeps
     weak references to them, which a swap refuses: a forward that casts a submodule to its own dtype (transformers'
     SwitchTransformers router, ``self.classifier.to(self.dtype)``) failed on the twin ("Couldn't swap"), where
-    a real run's ``_apply`` leaves its tensors as they are. A conversion that changes one goes to torch's."""
+    a real run's ``_apply`` leaves its tensors as they are. A conversion that changes one goes to the class's
+    ``_apply`` (the test stops at the first tensor it changes: one converted copy, let go at once)."""
     tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
     with torch.no_grad():
         if all(fn(t) is t for t in tensors):
             return module
-    applied: nn.Module = nn.Module._apply(module, fn, recurse)  # type: ignore[no-untyped-call]  # torch's, untyped
+    # The class's own (RNNBase's flattens its weights again after a conversion), which recurses into the children.
+    applied: nn.Module = type(module)._apply(module, fn, recurse)  # type: ignore[no-untyped-call]  # torch's, untyped
     return applied
 
 
