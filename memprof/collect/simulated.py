@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import marks
-from ..vocabulary import Category
+from ..vocabulary import Category, Phase
 from .dispatch import DispatchMode
 from .ledger import CATEGORY_OF_INDEX, Entry
 from .moves import move
@@ -150,6 +150,11 @@ class SimulatedProfile(Profiler):
     def add_tokens(self, n: int) -> None:
         """``n`` tokens joined the cache outside the model's forward (a decoding loop that grows it directly)."""
         self._collectors().kv.add_tokens(n)
+
+    def backwards(self) -> int:
+        """How many backward passes the step that runs now has begun (0 outside the block)."""
+        c = self.collectors
+        return c.phases.occurrence.get(Phase.BACKWARD, 0) if c is not None else 0
 
     def innermost_module(self) -> "str | None":
         """The path of the innermost module whose forward runs now; None outside the model or the block."""

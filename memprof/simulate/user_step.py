@@ -48,10 +48,12 @@ _aten = torch.ops.aten
 READS = {_aten._local_scalar_dense.default: "item()", _aten.is_nonzero.default: "bool()"}
 
 
-#: The reads one place of a step's code may have answered in one step. Each is answered 0 (False), so a loop that
-#: stops on a value (``generate()``'s stop test, ``while not done.item()``) never stops on shape-only tensors: the
-#: estimate ran for as long as it was let (2,161 decoding steps a minute for a step whose real loop made 4, a new
-#: user's sweep). A real step that reads one place more often than this is refused with it.
+#: The reads one place of a step's code may have answered in one step with no backward pass between them. Each is
+#: answered 0 (False), so a loop that stops on a value (``generate()``'s stop test, ``while not done.item()``) never
+#: stops on shape-only tensors: the estimate ran for as long as it was let (2,161 decoding steps a minute for a step
+#: whose real loop made 4, a new user's sweep). A loop with a backward in each round (accumulation logging each
+#: micro-batch's ``loss.item()``) progresses, and is counted afresh after each; a real step that reads one place
+#: more often than this without one is refused with it.
 LOOP_READS = 256
 
 
@@ -60,7 +62,8 @@ def _endless(key: "tuple[str, str]", failure: BaseException) -> Exception:
 
     what, where = key
     error = SimulationError(
-        f"the training step read a value ({what}) at {where} more than {LOOP_READS:,} times in one simulated step: "
+        f"the training step read a value ({what}) at {where} more than {LOOP_READS:,} times in one simulated step "
+        f"with no backward pass between them: "
         f"shape-only tensors hold no values, each read is answered 0 (False), and a loop that stops on a value "
         f"(model.generate()'s stop test, a while loop on a tensor) never stops; simulate the step with the "
         f"sequences it makes given at their final length (generate's part: memprof.estimate_generation), or "
@@ -126,19 +129,25 @@ class LoopValues(UnwrappedMode):
     ASGD's step counters, Adafactor's parameter norms, a tensor learning rate), which decide scalars of the step,
     not what it allocates; LBFGS, whose evaluations and history follow the values, is refused before."""
 
-    def __init__(self, in_forward: Callable[[], bool], optimizer_only: bool = False) -> None:
+    def __init__(self, in_forward: Callable[[], bool], optimizer_only: bool = False,
+                 backwards: Callable[[], int] = lambda: 0) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
         self.in_forward = in_forward
+        #: How many backward passes the step has begun: reads with one between them are a loop that progresses.
+        self.backwards = backwards
+        self._backwards = 0
         #: Only reads of torch.optim's own code are answered (memprof's own loop, whose other code reads nothing).
         self.optimizer_only = optimizer_only
         #: (what was read, where) -> how many times.
         self.answered: dict[tuple[str, str], int] = {}
-        #: The same, in the step that runs now (:meth:`new_step`): a loop that stops on a value never stops here.
+        #: The same, in the step that runs now (:meth:`new_step`) since its last backward: a loop that stops on a
+        #: value never stops here.
         self.this_step: dict[tuple[str, str], int] = {}
 
     def new_step(self) -> None:
         """A simulated step begins: its reads are counted afresh against :data:`LOOP_READS`."""
         self.this_step.clear()
+        self._backwards = 0
 
     def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
                            kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
@@ -166,6 +175,12 @@ class LoopValues(UnwrappedMode):
             raise failure
         key = (READS[func], _call_site(stack))
         self.answered[key] = self.answered.get(key, 0) + 1
+        backwards = self.backwards()
+        if backwards != self._backwards:
+            # A backward since the last read: an accumulation loop logging each micro-batch's loss, not one that
+            # waits on a value.
+            self._backwards = backwards
+            self.this_step.clear()
         n = self.this_step[key] = self.this_step.get(key, 0) + 1
         if n > LOOP_READS:
             raise _endless(key, failure)
@@ -257,7 +272,7 @@ class UserStep:
     @contextlib.contextmanager
     def around(self, prof: SimulatedProfile) -> Iterator[None]:
         """Entered beneath the collector: the value reads answered (:class:`LoopValues`)."""
-        self.values = LoopValues(lambda: prof.innermost_module() is not None)
+        self.values = LoopValues(lambda: prof.innermost_module() is not None, backwards=prof.backwards)
         with self.values:
             yield
 

@@ -248,6 +248,32 @@ def test_a_loop_that_stops_on_a_value_is_refused_where_it_would_never_stop():
     assert len(rounds) == LOOP_READS  # stopped at the limit (the read before each round), not let run
 
 
+def test_an_accumulation_loop_logging_each_micro_batch_is_not_taken_for_an_endless_one():
+    # More micro-batches than LOOP_READS, each logging its loss.item() after its backward: the loop progresses, and
+    # the count starts again after each backward (a review refused 300 micro-batches, which the real run ran).
+    from memprof.simulate.user_step import LOOP_READS
+
+    micro = LOOP_READS + 44
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+
+    def step(model, opt, x, y):
+        total = 0.0
+        for _ in range(micro):
+            loss = ((model(x) - y) ** 2).mean() / micro
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        return total
+
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    torch.manual_seed(0)
+    real = measured(step, steps=1, model=torch.nn.Linear(4, 4), make=make, batch=(x, y))
+    torch.manual_seed(0)
+    est = memprof.estimate(torch.nn.Linear(4, 4), make, inputs=x, targets=y, train_step=step, steps=1)
+    assert_same_run(est, real)
+
+
 def test_a_step_that_cannot_be_called_as_the_loop_calls_it_is_refused_naming_the_call():
     # A three-argument step given targets=: torch's own TypeError came out of the simulated step (a new user's
     # sweep); a generator function ran none of its body, and the estimate held nothing, silently.
