@@ -19,6 +19,10 @@ from ..units import format_bytes
 
 __all__ = ["carry_state"]
 
+#: The one-element states torch.optim's steps read the values of (Adam's and its kin's counters, ASGD's averaging
+#: scalars).
+_COUNTERS = frozenset({"step", "eta", "mu"})
+
 
 def carry_state(user: torch.optim.Optimizer, twin: torch.optim.Optimizer, mapping: "dict[int, torch.Tensor]",
                 notes: list[str]) -> None:
@@ -38,7 +42,7 @@ def carry_state(user: torch.optim.Optimizer, twin: torch.optim.Optimizer, mappin
         made: "dict[object, object] | None" = {}
         tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
         for key, value in state.items():
-            copy = _twin_of(value, param, twin_param) if isinstance(value, torch.Tensor) else value
+            copy = _twin_of(key, value, param, twin_param) if isinstance(value, torch.Tensor) else value
             if copy is None:
                 left.append(f"{key!s} ({_kind(value, twin_param)})")
                 made = None  # all of a parameter's state, or none: a step finding half of it would fail
@@ -59,7 +63,17 @@ def carry_state(user: torch.optim.Optimizer, twin: torch.optim.Optimizer, mappin
                      f"then by what it holds")
 
 
-def _twin_of(value: torch.Tensor, param: torch.Tensor, twin_param: torch.Tensor) -> "torch.Tensor | None":
+def _counter(key: object, value: torch.Tensor, param: torch.Tensor) -> bool:
+    """A one-element CPU state whose value the step reads: torch.optim's ``step`` counters and ASGD's ``eta`` and
+    ``mu``, or one unlike its parameter. A one-element parameter's moments are like it (its shape and dtype): they
+    are made on the target like any moment, cast with their parameter (a review found them left on the host for a
+    CUDA target, 1,024 B under, and in fp32 beside a bf16 parameter, which the step refused)."""
+    if value.numel() != 1 or value.device.type != "cpu":
+        return False
+    return key in _COUNTERS or value.shape != param.shape or value.dtype != param.dtype
+
+
+def _twin_of(key: object, value: torch.Tensor, param: torch.Tensor, twin_param: torch.Tensor) -> "torch.Tensor | None":
     """``value`` (a state of the user's ``param``) made again beside ``twin_param``, or None where it cannot be.
     A floating state in its parameter's dtype follows the parameter where ``precision=`` casts it: torch makes an
     optimizer's states like their parameters, and a bf16 run's optimizer holds bf16 moments."""
@@ -67,10 +81,8 @@ def _twin_of(value: torch.Tensor, param: torch.Tensor, twin_param: torch.Tensor)
 
     if value.layout is not torch.strided or type(value) not in (torch.Tensor, torch.nn.Parameter):
         return None
-    if value.numel() == 1 and value.device.type == "cpu":
-        # A counter, whose value the step reads (a scalar parameter's moment too, kept in its dtype: a few bytes
-        # over where precision= casts its parameter, never under).
-        return value.detach().clone()
+    if _counter(key, value, param):
+        return value.detach().clone()  # its value is read by the step
     dtype = twin_param.dtype if value.is_floating_point() and value.dtype == param.dtype else value.dtype
     if isinstance(twin_param, FakeTensor):
         with twin_param.fake_mode:

@@ -86,3 +86,51 @@ def test_an_optimizer_of_another_models_parameters_is_refused():
     with pytest.raises(InvalidArgumentError, match=r"AdamW holds 9 parameter\(s\) that are not the model's.*"
                                                    r"or estimate the module that owns them"):
         memprof.estimate(model, stale, inputs=IDS, targets=IDS, loss_fn=loss_fn)
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer and a one-element parameter (a learned temperature, CLIP's logit scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+        self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_one_element_parameters_moments_are_moments_not_counters():
+    # A one-element parameter's Adam moments are one-element CPU tensors, as its step counter is: they were kept on
+    # the host for a CUDA target (1,024 B under: two 512-byte blocks) and in fp32 beside a bf16 parameter, which the
+    # step refused (a review). They are made as moments; the counters keep their values.
+    def step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.randn(8, 32)
+    torch.manual_seed(0)
+    model = _Scaled()
+    opt = torch.optim.Adam(model.parameters())
+    cold = memprof.estimate(model, lambda ps: torch.optim.Adam(ps), inputs=x, train_step=step, gpu="h100-80gb")
+    step(model, opt, x)
+    warm = memprof.estimate(model, opt, inputs=x, train_step=step, gpu="h100-80gb")
+    # After the estimate's own steps both hold every state: the moments in blocks on the device, counters on the host.
+    assert warm.trace.phases[-1].end[C.OPTIMIZER_STATES] == cold.trace.phases[-1].end[C.OPTIMIZER_STATES] == \
+        2 * (-(-32 * 32 * 4 // 512) * 512 + 512 + 512)
+    est = memprof.estimate(model, opt, inputs=x, train_step=step, precision="bf16")
+    assert est.trace.phases[0].start[C.OPTIMIZER_STATES] == 2 * (32 * 32 + 32 + 1) * 2 + 3 * 4  # bf16 moments
+    est = memprof.estimate(model, opt, inputs=x, train_step=step, steps=2)  # first: the real run steps opt
+    assert_same_run(est, _measured_with(model, opt, step, x))
+
+
+def _measured_with(model, opt, step, x, steps=2):
+    with memprof.profile(model, opt) as prof:
+        out = None
+        for _ in range(steps):
+            out = step(model, opt, x)
+        del out
+    return prof.report()
