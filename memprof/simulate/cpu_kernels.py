@@ -269,6 +269,8 @@ class CpuKernels(SparseKernels):
         out = func(*args, **kwargs)
         rule = RULES.get(func)
         if rule is None:
+            if type(out) is FakeTensor and out.layout is torch.sparse_coo:
+                return self.kept_elements(out, args)
             return out
         return self._apply(func, rule, tuple(args), kwargs, out)
 

@@ -102,6 +102,24 @@ class SparseKernels(UnwrappedMode):
             return self._sparse_sum(func(*args, **kwargs), args[0], args[1], _SPARSE_SUMS[func])
         return NOT_SPARSE
 
+    def kept_elements(self, out: "OpValue", args: _Args) -> "OpValue":
+        """``out``, an op's sparse COO output, or, where it holds no element though a sparse argument of its shape
+        holds some, a sparse tensor of that argument's element count: the CPU's elementwise kernels over a sparse
+        tensor (``neg``, ``mul`` and ``div`` by a scalar: ``mul_out_sparse_zerodim``, SparseTensorMath.cpp) copy
+        its indices and make values for each, where the fake kernels made none (SGD's ``maximize`` negates a sparse
+        gradient, ``p.grad = p.grad * 0.5`` scales it: both were under by the gradient, a review's finding).
+        Kernels that coalesce first keep one element per distinct index: as many as the argument's stand for them,
+        over where indices repeat."""
+        if not isinstance(out, FakeTensor) or out.layout is not torch.sparse_coo or out._nnz():
+            return out
+        source = next((a for a in args if isinstance(a, FakeTensor) and a.layout is torch.sparse_coo
+                       and a.shape == out.shape and a._nnz()), None)
+        if source is None:
+            return out
+        nnz, sparse = source._nnz(), out.sparse_dim()
+        return self._made("elementwise (sparse)", list(out.shape), source._indices().new_empty((sparse, nnz)),
+                          out._values().new_empty((nnz, *out.shape[sparse:])), source.is_coalesced())
+
     def _sparse_sum(self, out: "OpValue", t: torch.Tensor, s: torch.Tensor, inplace: bool) -> "OpValue":
         """``t + s`` (or ``t - s``) of two sparse COO tensors as the CPU makes it (``add_out_sparse_cpu``,
         aten/src/ATen/native/sparse/SparseTensorMath.cpp): new indices and values with room for both operands'
@@ -192,6 +210,9 @@ class SparseKernels(UnwrappedMode):
             out += ("; a sparse tensor coalesced kept every index it was given, which is exact where they are "
                     "distinct and over where some repeat (a real run keeps one per distinct index: the values "
                     "decide, which shape-only tensors do not hold)")
+        if self.used["elementwise (sparse)"]:
+            out += ("; an elementwise op's sparse result kept all of its argument's elements (exact for negation and "
+                    "scaling; a kernel that coalesces first keeps one per distinct index, over where they repeat)")
         if self.used["add (sparse)"]:
             out += ("; a sum of sparse tensors merged no equal indices (a real run merges them and keeps the room: "
                     "exact where they are distinct, over where some are equal, the values decide)")

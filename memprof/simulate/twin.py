@@ -53,12 +53,26 @@ Maker = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _meta_maker(t: torch.Tensor) -> torch.Tensor:
+    if t.layout is torch.sparse_coo:
+        return _sparse_twin(t, _meta_maker)
     return torch.empty_like(t, device="meta")
+
+
+def _sparse_twin(t: torch.Tensor, make: Maker) -> torch.Tensor:
+    """A sparse COO tensor's twin: its indices' and values' twins (``make``), as many elements as it holds. A
+    strided twin of its shape held none (a sparse buffer of 320 B counted as 4 B, a review's finding)."""
+    indices, values = make(t._indices()), make(t._values())
+    twin: torch.Tensor = torch.ops.aten._sparse_coo_tensor_with_dims_and_tensors.default(
+        t.sparse_dim(), t.dense_dim(), list(t.shape), indices, values, dtype=values.dtype, layout=torch.sparse_coo,
+        device=values.device, is_coalesced=t.is_coalesced())
+    return twin
 
 
 def casting(make: Maker, dtype: torch.dtype) -> Maker:
     """``make``, with floating tensors made in ``dtype`` (same shape and strides)."""
     def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.layout is torch.sparse_coo:
+            return _sparse_twin(t, cast)  # its values cast, its indices as they are
         if t.is_floating_point() and t.dtype != dtype:
             t = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
         return make(t)
@@ -67,6 +81,8 @@ def casting(make: Maker, dtype: torch.dtype) -> Maker:
 
 def _fake_maker(mode: FakeTensorMode) -> Maker:
     def make(t: torch.Tensor) -> torch.Tensor:
+        if t.layout is torch.sparse_coo:
+            return _sparse_twin(t, make)
         with mode:
             # Same shape, dtype and strides as the original, on the CPU, with no data.
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")

@@ -184,3 +184,57 @@ def test_a_sparse_gradient_on_a_cuda_target_holds_its_elements_and_its_step_is_r
     with pytest.raises(SimulationError, match="An op of the optimizer's step"):
         memprof.estimate(_built(), lambda ps: torch.optim.SGD(ps, lr=0.1), inputs=IDS, targets=IDS, loss_fn=loss_fn,
                          gpu="h100-80gb")
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+@pytest.mark.parametrize("how", ["maximize", "scaled"])
+def test_a_sparse_gradient_negated_or_scaled_keeps_its_elements(how):
+    # SGD's maximize negates the gradient (-grad), a step may scale it (p.grad = p.grad * 0.5): the fake kernels of
+    # a sparse tensor's elementwise ops made no elements, and the momentum buffer cloned from the result held none:
+    # 2,176 B under from step 0's optimizer step (a review's finding). The CPU's keep every element.
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, maximize=how == "maximize")  # noqa: E731
+
+    def step(model, opt, x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if how == "scaled":
+            for p in model.parameters():
+                p.grad = p.grad * 0.5
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.arange(16).view(2, 8)
+    real = measured(step, model=_built(), make=make, batch=(x, IDS))
+    est = memprof.estimate(_built(), make, inputs=x, targets=IDS, train_step=step)
+    assert_same_run(est, real)
+    assert any("an elementwise op's sparse result kept all of its argument's elements" in n for n in est.notes)
+
+
+class _SparseAdjacency(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.register_buffer("adj", torch.eye(16).to_sparse())  # 2 x 16 int64 indices, 16 fp32 values: 320 B
+
+    def forward(self, x):
+        return torch.sparse.mm(self.adj, self.lin(x)).sum()
+
+
+def test_a_sparse_buffer_holds_its_elements():
+    # The twin of a sparse buffer was a strided tensor of its shape's, holding 4 B where the buffer holds 320 B, and
+    # sparse.mm over it made other activations and temporaries (a review's finding).
+    def step(model, opt, x):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.randn(16, 32)
+    torch.manual_seed(0)
+    real = measured(step, model=_SparseAdjacency(), make=torch.optim.Adam, batch=(x,))
+    torch.manual_seed(0)
+    est = memprof.estimate(_SparseAdjacency(), torch.optim.Adam, inputs=x, train_step=step)
+    assert_same_run(est, real)
+    assert est.trace.phases[0].start[memprof.Category.BUFFERS] == 2 * 16 * 8 + 16 * 4
