@@ -11,7 +11,6 @@ user's model, optimizer and tensors are never modified.
 from __future__ import annotations
 
 import contextlib
-import types
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable
 
@@ -87,30 +86,6 @@ def _fake_maker(mode: FakeTensorMode) -> Maker:
             # Same shape, dtype and strides as the original, on the CPU, with no data.
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
     return make
-
-
-def _apply_unless_unchanged(module: nn.Module, fn: "Callable[[torch.Tensor], torch.Tensor]",
-                            recurse: bool = True) -> nn.Module:
-    """``nn.Module._apply`` for a module of a fake twin, where ``fn`` changes no tensor: nothing. torch swaps every
-    parameter of a module of fake tensors (``swap_tensors``, torch/nn/modules/module.py), and the fake mode keeps
-    weak references to them, which a swap refuses: a forward that casts a submodule to its own dtype (transformers'
-    SwitchTransformers router, ``self.classifier.to(self.dtype)``) failed on the twin ("Couldn't swap"), where
-    a real run's ``_apply`` leaves its tensors as they are. A conversion that changes one goes to the class's
-    ``_apply`` (the test stops at the first tensor it changes: one converted copy, let go at once)."""
-    tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
-    with torch.no_grad():
-        if all(fn(t) is t for t in tensors):
-            return module
-    # The class's own (RNNBase's flattens its weights again after a conversion), which recurses into the children.
-    applied: nn.Module = type(module)._apply(module, fn, recurse)  # type: ignore[no-untyped-call]  # torch's, untyped
-    return applied
-
-
-def _unchanged_kept(model: nn.Module) -> None:
-    """Each module of the fake twin ``model`` applies a conversion as :func:`_apply_unless_unchanged` does (an
-    attribute of the twin's own modules: torch's class is not changed)."""
-    for module in model.modules():
-        module._apply = types.MethodType(_apply_unless_unchanged, module)  # type: ignore[method-assign]
 
 
 def _shadow_copy(model: nn.Module, make: Maker) -> tuple[nn.Module, dict[int, torch.Tensor]]:
@@ -462,7 +437,9 @@ class Twin:
         else:
             meta_model, mapping = _shadow_copy(model, shadow if cast is None else casting(shadow, cast))
             if fake_mode is not None:
-                _unchanged_kept(meta_model)
+                from .conversions import convert_as_real_modules
+
+                convert_as_real_modules(meta_model)
         autocast: "AutocastFactory | None" = None
         emulated: "CudaAutocast | None" = None
         low = MIXED.get(precision or "")

@@ -131,3 +131,33 @@ def test_a_boolean_mask_in_the_model_is_named_with_the_configs_way_out():
     with pytest.raises(SimulationError, match=r"indexing with a boolean mask.*mask_time_prob or layerdrop"):
         memprof.estimate(_MasksByChance(), torch.optim.SGD, inputs=torch.randn(2, 6, 8),
                          targets=torch.randn(2, 6, 4), loss_fn=nn.functional.mse_loss)
+
+
+class _CastsToBf16(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        self.b.to(torch.bfloat16)  # a conversion that changes the submodule (fp32 the first time)
+        return self.b(self.a(x).bfloat16())
+
+
+def test_a_forward_that_casts_a_submodule_to_another_dtype_is_the_real_run():
+    # Its parameters' data set to the converted tensors, as a real module's _apply sets them: the swap torch makes
+    # for fake parameters failed ("Couldn't swap", a review's finding).
+    def step(model, opt, x):
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.randn(8, 16)
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    torch.manual_seed(0)
+    real = measured(step, model=_CastsToBf16(), make=make, batch=(x,))
+    torch.manual_seed(0)
+    est = memprof.estimate(_CastsToBf16(), make, inputs=x, train_step=step)
+    assert_same_run(est, real)
