@@ -7,6 +7,7 @@ batch reaches the device as a copy of the view, as a real run copies it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import memprof
@@ -39,3 +40,37 @@ def test_on_a_cuda_target_the_batch_is_a_copy_of_the_view():
     est = memprof.estimate(build(), None, inputs=ids, targets=ids, loss_fn=loss_fn, gpu="h100-80gb")
     # 2 x 8 int64 (128 B) in one 512-byte block of the caching allocator.
     assert est.trace.phases[0].peak[C.INPUTS] == 512
+
+
+class _Lin(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _square_step(model, opt, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["requires_grad", "bytes"])
+def test_an_input_that_asks_its_gradient_or_views_a_byte_buffer_is_the_real_runs(kind):
+    # An input with requires_grad holds its gradient after backward (its twin held none: 1,024 B under); a float view
+    # of a 1,027-byte buffer holds the whole buffer (the view alone was made, 3 B under). Both a review's findings.
+    if kind == "requires_grad":
+        x = torch.randn(8, 32).requires_grad_()
+    else:
+        x = torch.zeros(8 * 32 * 4 + 3, dtype=torch.uint8)[:-3].view(torch.float32).view(8, 32)
+    make = torch.optim.Adam
+    torch.manual_seed(0)
+    real = measured(_square_step, model=_Lin(), make=make, batch=(x,))
+    x.grad = None
+    torch.manual_seed(0)
+    est = memprof.estimate(_Lin(), make, inputs=x, train_step=_square_step)
+    assert_same_run(est, real)
