@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from ..anatomy.gpus import GpuSpec
     from .aliases import UserValue
     from .autocast import AutocastFactory
+    from .cpu_kernels import CpuKernels
     from .parallel import ParallelRun
+    from .sparse_kernels import SparseKernels
 
 __all__ = ["Twin", "PRECISION_DTYPES", "MIXED", "meta_optimizer", "converted", "casting", "refuse_closure_step",
            "refuse_value_driven_step"]
@@ -414,13 +416,7 @@ class Twin:
         # The GPU's compute capability decides which attention kernels it can run (memprof.simulate.sdpa_rules).
         kernels = CudaKernels(attention, gpu.compute_capability if gpu is not None else None) \
             if target.type == "cuda" else None
-        from .cpu_kernels import CpuKernels
-        from .sparse_kernels import SparseKernels, in_model
-
-        # The CPU's kernels where their outputs keep another storage than the fake kernels give them; on another
-        # target, ATen's device-independent sparse code, where the model makes sparse gradients.
-        cpu_kernels = CpuKernels() if target.type == "cpu" else None
-        sparse_kernels = SparseKernels() if cpu_kernels is None and in_model(model) else None
+        cpu_kernels, sparse_kernels = _storage_rules(model, target)
         custom = CustomOps()
         # Only models built from transformers can reach its mask helpers: no cost for the others.
         watched = ValueDependentCode() if any(type(m).__module__.startswith("transformers.")
@@ -524,6 +520,18 @@ class Twin:
 
 def _short(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _storage_rules(model: nn.Module, target: torch.device) -> "tuple[CpuKernels | None, SparseKernels | None]":
+    """The rules of what the target's kernels give their outputs: the CPU's where they keep another storage than
+    the fake kernels give them; on another target, ATen's device-independent sparse code, where the model makes
+    sparse gradients (a mode costs a Python call per op: none for the others)."""
+    from .cpu_kernels import CpuKernels
+    from .sparse_kernels import SparseKernels, in_model
+
+    if target.type == "cpu":
+        return CpuKernels(), None
+    return None, SparseKernels() if in_model(model) else None
 
 
 class _entered:
