@@ -22,14 +22,16 @@ def _apply_as_real(module: nn.Module, fn: "Callable[[torch.Tensor], torch.Tensor
     """``nn.Module._apply`` for a module of a fake twin, as a real module's runs: a forward that casts a submodule
     (transformers' SwitchTransformers router, ``self.classifier.to(self.dtype)``; ``self.b.half()``) failed on the
     twin ("Couldn't swap", a new user's sweep and a review), where a real module's ``_apply`` leaves what it does
-    not change as it is and sets the rest's data (``param.data =``). So does this one; a class with an ``_apply``
-    of its own (RNNBase flattens its weights after) gets it where a tensor changes. The test for a change stops at
-    the first one: one converted copy, let go at once."""
+    not change as it is and sets the rest's data (``param.data =``). So does this one. A class with an ``_apply`` of
+    its own gets it where a tensor changes, but an RNN, whose own flattens its weights after torch's: that is done
+    here once the data is set (torch's would swap). The test for a change stops at the first one: one converted
+    copy, let go at once."""
     tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
     with torch.no_grad():
         if all(fn(t) is t for t in tensors):
             return module
-    if type(module)._apply is not nn.Module._apply:
+    own = type(module)._apply is not nn.Module._apply
+    if own and not isinstance(module, nn.RNNBase):
         applied: nn.Module = type(module)._apply(module, fn, recurse)  # type: ignore[no-untyped-call]  # untyped
         return applied
     if recurse:
@@ -49,6 +51,8 @@ def _apply_as_real(module: nn.Module, fn: "Callable[[torch.Tensor], torch.Tensor
         for key, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[key] = fn(buffer)
+    if own:  # an RNN: what its own _apply does after torch's (torch/nn/modules/rnn.py), whose swap fails here
+        module._init_flat_weights()  # type: ignore[operator]  # RNNBase's, untyped
     return module
 
 

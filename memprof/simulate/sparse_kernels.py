@@ -112,11 +112,26 @@ class SparseKernels(UnwrappedMode):
         over where indices repeat."""
         if not isinstance(out, FakeTensor) or out.layout is not torch.sparse_coo or out._nnz():
             return out
+        sparse = out.sparse_dim()
         source = next((a for a in args if isinstance(a, FakeTensor) and a.layout is torch.sparse_coo
                        and a.shape == out.shape and a._nnz()), None)
         if source is None:
-            return out
-        nnz, sparse = source._nnz(), out.sparse_dim()
+            dense = next((a for a in args if isinstance(a, FakeTensor) and a.layout is torch.strided
+                          and a.shape == out.shape and a.numel()), None)
+            if dense is None:
+                return out
+            # A dense tensor made sparse (to_sparse): one element per nonzero position, which the values decide.
+            # Every position stands for them: never under, over by the zeros (a review found a gradient rebuilt
+            # with to_dense().to_sparse() held nothing, 20,480 B under). Marked uncoalesced, which a real one is
+            # not: the fake kernels of a dense += a coalesced sparse tensor read its data (SGD's step raised), and
+            # a later coalesce() then copies, over too.
+            positions = 1
+            for n in out.shape[:sparse]:
+                positions *= n
+            return self._made("to_sparse (every position kept)", list(out.shape),
+                              torch.empty((sparse, positions), dtype=torch.int64, device=dense.device),
+                              out._values().new_empty((positions, *out.shape[sparse:])), False)
+        nnz = source._nnz()
         return self._made("elementwise (sparse)", list(out.shape), source._indices().new_empty((sparse, nnz)),
                           out._values().new_empty((nnz, *out.shape[sparse:])), source.is_coalesced())
 
@@ -213,6 +228,9 @@ class SparseKernels(UnwrappedMode):
         if self.used["elementwise (sparse)"]:
             out += ("; an elementwise op's sparse result kept all of its argument's elements (exact for negation and "
                     "scaling; a kernel that coalesces first keeps one per distinct index, over where they repeat)")
+        if self.used["to_sparse (every position kept)"]:
+            out += ("; a dense tensor made sparse kept every position (a real run keeps its nonzero ones: the values "
+                    "decide, over by the zeros)")
         if self.used["add (sparse)"]:
             out += ("; a sum of sparse tensors merged no equal indices (a real run merges them and keeps the room: "
                     "exact where they are distinct, over where some are equal, the values decide)")

@@ -238,3 +238,27 @@ def test_a_sparse_buffer_holds_its_elements():
     est = memprof.estimate(_SparseAdjacency(), torch.optim.Adam, inputs=x, train_step=step)
     assert_same_run(est, real)
     assert est.trace.phases[0].start[memprof.Category.BUFFERS] == 2 * 16 * 8 + 16 * 4
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_a_dense_tensor_made_sparse_keeps_every_position_never_under():
+    # to_sparse()'s element count is the tensor's nonzero positions, which the values decide; its fake kernel made
+    # none, and a gradient rebuilt with to_dense().to_sparse() held nothing (20,480 B under, a review's finding).
+    # Every position stands for them now: over by the zeros, never under.
+    def step(model, opt, x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        model.emb.weight.grad = model.emb.weight.grad.to_dense().to_sparse()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    x = torch.arange(16).view(2, 8)
+    real = measured(step, model=_built(), make=make, batch=(x, IDS))
+    est = memprof.estimate(_built(), make, inputs=x, targets=IDS, train_step=step)
+    assert_never_under(est, real)
+    # The embedding's 96 x 32 positions: 2 x 3,072 int64 indices and 3,072 fp32 values, and the head's gradients.
+    other = next(p for p in est.trace.phases if p.step == 0 and p.phase.value == "other")
+    assert other.end[memprof.Category.GRADIENTS] == (96 * 32 + 96) * 4 + 2 * 3_072 * 8 + 3_072 * 4
+    assert any("a dense tensor made sparse kept every position" in n for n in est.notes), est.notes
