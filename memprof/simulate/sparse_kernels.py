@@ -100,7 +100,22 @@ class SparseKernels(UnwrappedMode):
             return self._masked(args[0], args[1])
         if func in _SPARSE_SUMS and len(args) >= 2 and _sparse(args[0]) and _sparse(args[1]):
             return self._sparse_sum(func(*args, **kwargs), args[0], args[1], _SPARSE_SUMS[func])
+        if (func in _SPARSE_SUMS and len(args) >= 2 and _shape_only(args[0]) and args[0].layout is torch.strided
+                and _sparse(args[1]) and args[1].is_coalesced()):
+            return self._dense_plus_sparse(args[0], args[1], _SPARSE_SUMS[func])
         return NOT_SPARSE
+
+    def _dense_plus_sparse(self, dense: torch.Tensor, sparse: torch.Tensor, inplace: bool) -> torch.Tensor:
+        """``dense + sparse`` (or ``-``) with a coalesced sparse tensor, as the CPU makes it
+        (``add_out_dense_sparse_cpu``): into ``dense`` itself, or into a new tensor of ``dense``'s shape in the
+        promoted dtype. The fake kernel takes the CPU's coalesced path, which reads the values, and raised ("its data
+        is not allocated yet"): SGD's step over a coalesced sparse gradient failed to simulate (a review's finding).
+        A shape mismatch is left to the kernel's own check."""
+        if dense.shape != sparse.shape:
+            return dense.add_(sparse) if inplace else torch.add(dense, sparse)  # the kernel's error
+        if inplace:
+            return dense
+        return torch.empty(dense.shape, dtype=torch.result_type(dense, sparse), device=dense.device)
 
     def kept_elements(self, out: "OpValue", args: _Args) -> "OpValue":
         """``out``, an op's sparse COO output, or, where it holds no element though a sparse argument of its shape
@@ -122,15 +137,13 @@ class SparseKernels(UnwrappedMode):
                 return out
             # A dense tensor made sparse (to_sparse): one element per nonzero position, which the values decide.
             # Every position stands for them: never under, over by the zeros (a review found a gradient rebuilt
-            # with to_dense().to_sparse() held nothing, 20,480 B under). Marked uncoalesced, which a real one is
-            # not: the fake kernels of a dense += a coalesced sparse tensor read its data (SGD's step raised), and
-            # a later coalesce() then copies, over too.
+            # with to_dense().to_sparse() held nothing, 20,480 B under). Coalesced, as the CPU's is.
             positions = 1
             for n in out.shape[:sparse]:
                 positions *= n
             return self._made("to_sparse (every position kept)", list(out.shape),
                               torch.empty((sparse, positions), dtype=torch.int64, device=dense.device),
-                              out._values().new_empty((positions, *out.shape[sparse:])), False)
+                              out._values().new_empty((positions, *out.shape[sparse:])), True)
         nnz = source._nnz()
         return self._made("elementwise (sparse)", list(out.shape), source._indices().new_empty((sparse, nnz)),
                           out._values().new_empty((nnz, *out.shape[sparse:])), source.is_coalesced())

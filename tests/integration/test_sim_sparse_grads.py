@@ -262,3 +262,23 @@ def test_a_dense_tensor_made_sparse_keeps_every_position_never_under():
     other = next(p for p in est.trace.phases if p.step == 0 and p.phase.value == "other")
     assert other.end[memprof.Category.GRADIENTS] == (96 * 32 + 96) * 4 + 2 * 3_072 * 8 + 3_072 * 4
     assert any("a dense tensor made sparse kept every position" in n for n in est.notes), est.notes
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_coalesced_sparse_gradient_steps_as_the_real_run(momentum):
+    # A step that coalesces its sparse gradient: the fake kernel of the parameter's += coalesced sparse gradient
+    # reads the values, and the simulation failed (a review's finding). Distinct rows: the real run's to the byte.
+    def step(model, opt, x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        model.emb.weight.grad = model.emb.weight.grad.coalesce()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=momentum)  # noqa: E731
+    x = torch.arange(16).view(2, 8)
+    real = measured(step, model=_built(), make=make, batch=(x, IDS))
+    est = memprof.estimate(_built(), make, inputs=x, targets=IDS, train_step=step)
+    assert_same_run(est, real)
