@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .sparse_kernels import NOT_SPARSE, SPARSE_OPS, SparseKernels
+from .sparse_kernels import NOT_SPARSE, SPARSE_OPS, Args, Kwargs, SparseKernels, arg
 
 if TYPE_CHECKING:
     from .aliases import OpValue
@@ -37,18 +37,11 @@ _SUM, _MAX = 0, 2
 
 #: What a rule gives for one output: its storage bytes on a real CPU, a tensor to return in its place, or None.
 Storage = int | torch.Tensor | None
-#: An op's positional and keyword arguments and its outputs, as the dispatch mode receives them.
-Args = tuple["OpValue", ...]
-Kwargs = dict[str, "OpValue"]
 
 #: A rule: the op's arguments and its fake outputs -> for each output, the storage bytes it has on a real
 #: CPU (an int, never less than the fake storage's), a tensor to return in its place (where the CPU kernel
 #: returns another shape or layout), or ``None``: as the fake kernel made it.
 Rule = Callable[[Args, Kwargs, Args], tuple[Storage, ...]]
-
-
-def _arg(args: Args, kwargs: Kwargs, i: int, name: str, default: "OpValue") -> "OpValue":
-    return args[i] if len(args) > i else kwargs.get(name, default)
 
 
 def _reduced_loss(reduction_at: int, input_dtype: bool = False) -> Rule:
@@ -64,7 +57,7 @@ def _reduced_loss(reduction_at: int, input_dtype: bool = False) -> Rule:
     def rule(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
         out = outs[0]
         dtype = args[0].dtype if input_dtype else out.dtype
-        if _arg(args, kwargs, reduction_at, "reduction", _MEAN) == _NONE:
+        if arg(args, kwargs, reduction_at, "reduction", _MEAN) == _NONE:
             return (None,) if dtype == out.dtype else (torch.empty_like(out, dtype=dtype),)
         # (torch.broadcast_shapes is untyped)
         nbytes = max(torch.broadcast_shapes(args[0].shape, args[1].shape).numel(), 1) * dtype.itemsize  # type: ignore[no-untyped-call]
@@ -118,10 +111,10 @@ def _embedding_bag(forward_only: bool) -> Rule:
 
     def rule(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
         weight, indices, offsets = args[0], args[1], args[2]
-        mode = _arg(args, kwargs, 4, "mode", _SUM)
-        per_sample = _arg(args, kwargs, 6, "per_sample_weights", None)
-        last = _arg(args, kwargs, 7, "include_last_offset", False)
-        padding_idx = _arg(args, kwargs, 8, "padding_idx", -1)
+        mode = arg(args, kwargs, 4, "mode", _SUM)
+        per_sample = arg(args, kwargs, 6, "per_sample_weights", None)
+        last = arg(args, kwargs, 7, "include_last_offset", False)
+        padding_idx = arg(args, kwargs, 8, "padding_idx", -1)
         item = torch.promote_types(indices.dtype, offsets.dtype).itemsize
         fast = (weight.dtype in (torch.float32, torch.float16, torch.bfloat16) and weight.stride(1) == 1
                 and outs[0].stride(1) == 1 and padding_idx < 0
@@ -140,7 +133,7 @@ def _sparse_mm_reduce(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, 
     """``_sparse_mm_reduce_impl`` (``torch.sparse.mm(a, b, reduce)``): for ``amax`` and ``amin``, when a
     gradient will be asked for, the CPU kernel returns the int64 arg indices at the output's shape, where
     the meta kernel returns them empty."""
-    reduce = _arg(args, kwargs, 2, "reduce", "sum")
+    reduce = arg(args, kwargs, 2, "reduce", "sum")
     if reduce not in ("amax", "amin") or not (torch.is_grad_enabled() and (args[0].requires_grad
                                                                           or args[1].requires_grad)):
         return (None, None)

@@ -28,7 +28,7 @@ from ..collect.torch_compat import UnwrappedMode
 if TYPE_CHECKING:
     from .aliases import OpValue
 
-__all__ = ["SparseKernels", "SPARSE_OPS", "NOT_SPARSE", "in_model"]
+__all__ = ["SparseKernels", "SPARSE_OPS", "NOT_SPARSE", "in_model", "Args", "Kwargs", "arg"]
 
 _aten = torch.ops.aten
 _CLONE = _aten.clone.default
@@ -43,8 +43,9 @@ SPARSE_OPS = frozenset({_CLONE, _COALESCE, _SPARSE_MASK, _BAG_BACKWARD, *_SPARSE
 #: What :meth:`SparseKernels.sparse` gives for a call no rule answers.
 NOT_SPARSE = object()
 
-_Args = tuple["OpValue", ...]
-_Kwargs = dict[str, "OpValue"]
+#: An op's positional and keyword arguments (and its outputs), as a dispatch mode receives them.
+Args = tuple["OpValue", ...]
+Kwargs = dict[str, "OpValue"]
 
 
 def _shape_only(t: object) -> bool:
@@ -56,7 +57,8 @@ def _sparse(t: object) -> bool:
     return isinstance(t, torch.Tensor) and _shape_only(t) and t.is_sparse
 
 
-def _arg(args: _Args, kwargs: _Kwargs, i: int, name: str, default: "OpValue") -> "OpValue":
+def arg(args: Args, kwargs: Kwargs, i: int, name: str, default: "OpValue") -> "OpValue":
+    """An op's argument ``name``, given at position ``i`` or by name (``default`` where not given)."""
     return args[i] if len(args) > i else kwargs.get(name, default)
 
 
@@ -77,8 +79,8 @@ class SparseKernels(UnwrappedMode):
         self.used: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: _Args = (),
-                           kwargs: "_Kwargs | None" = None) -> "OpValue":
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: Args = (),
+                           kwargs: "Kwargs | None" = None) -> "OpValue":
         kwargs = kwargs or {}
         if func in SPARSE_OPS:
             answer = self.sparse(func, args, kwargs)
@@ -86,12 +88,12 @@ class SparseKernels(UnwrappedMode):
                 return answer
         return func(*args, **kwargs)
 
-    def sparse(self, func: torch._ops.OpOverload, args: _Args, kwargs: _Kwargs) -> "OpValue":
+    def sparse(self, func: torch._ops.OpOverload, args: Args, kwargs: Kwargs) -> "OpValue":
         """The answer of a rule to this call of an op of :data:`SPARSE_OPS`, or :data:`NOT_SPARSE`."""
         if func is _CLONE and args and _sparse(args[0]):
             return self._sparse_clone(args[0])
-        if func is _BAG_BACKWARD and _arg(args, kwargs, 9, "sparse", False) and _shape_only(args[0]):
-            return self._bag_gradient(args[0], args[1], int(_arg(args, kwargs, 6, "num_weights", 0)))
+        if func is _BAG_BACKWARD and arg(args, kwargs, 9, "sparse", False) and _shape_only(args[0]):
+            return self._bag_gradient(args[0], args[1], int(arg(args, kwargs, 6, "num_weights", 0)))
         if not self.cpu:
             return NOT_SPARSE
         if func is _COALESCE and args and _shape_only(args[0]):
@@ -101,7 +103,7 @@ class SparseKernels(UnwrappedMode):
         if func in _SPARSE_SUMS and len(args) >= 2 and _sparse(args[0]) and _sparse(args[1]):
             return self._sparse_sum(func(*args, **kwargs), args[0], args[1], _SPARSE_SUMS[func])
         if (func in _SPARSE_SUMS and len(args) >= 2 and _shape_only(args[0]) and args[0].layout is torch.strided
-                and _sparse(args[1]) and args[1].is_coalesced()):
+                and _sparse(args[1]) and args[1].is_coalesced() and args[0].shape == args[1].shape):
             return self._dense_plus_sparse(args[0], args[1], _SPARSE_SUMS[func])
         return NOT_SPARSE
 
@@ -110,14 +112,12 @@ class SparseKernels(UnwrappedMode):
         (``add_out_dense_sparse_cpu``): into ``dense`` itself, or into a new tensor of ``dense``'s shape in the
         promoted dtype. The fake kernel takes the CPU's coalesced path, which reads the values, and raised ("its data
         is not allocated yet"): SGD's step over a coalesced sparse gradient failed to simulate (a review's finding).
-        A shape mismatch is left to the kernel's own check."""
-        if dense.shape != sparse.shape:
-            return dense.add_(sparse) if inplace else torch.add(dense, sparse)  # the kernel's error
+        (Shapes that differ never come here: the kernel's own check refuses them.)"""
         if inplace:
             return dense
         return torch.empty(dense.shape, dtype=torch.result_type(dense, sparse), device=dense.device)
 
-    def kept_elements(self, out: "OpValue", args: _Args) -> "OpValue":
+    def kept_elements(self, out: "OpValue", args: Args) -> "OpValue":
         """``out``, an op's sparse COO output, or, where it holds no element though a sparse argument of its shape
         holds some, a sparse tensor of that argument's element count: the CPU's elementwise kernels over a sparse
         tensor (``neg``, ``mul`` and ``div`` by a scalar: ``mul_out_sparse_zerodim``, SparseTensorMath.cpp) copy

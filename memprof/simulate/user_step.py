@@ -21,6 +21,7 @@ where. A value the model reads inside its forward is still refused, as without `
 from __future__ import annotations
 
 import contextlib
+import inspect
 import traceback
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -80,8 +81,6 @@ def check_train_step(fn: object) -> "Callable[..., object] | None":
         raise InvalidArgumentError(
             f"train_step must be the function your loop calls once per step, train_step(model, optimizer, batch) "
             f"(with targets=: train_step(model, optimizer, batch, targets)), got {type(fn).__name__}")
-    import inspect
-
     if inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
         # Called, it returns a generator or a coroutine and runs none of its body: the estimate held nothing.
         raise InvalidArgumentError(
@@ -95,8 +94,6 @@ def check_arity(fn: "Callable[..., object]", with_targets: bool) -> None:
     or, with ``targets=``, ``fn(model, optimizer, batch, targets)``: torch's own TypeError came out of the
     simulated step before, naming neither the step nor the fix. A callable whose signature Python cannot read is
     left to its call."""
-    import inspect
-
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError) as exc:

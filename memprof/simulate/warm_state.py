@@ -39,19 +39,19 @@ def carry_state(user: torch.optim.Optimizer, twin: torch.optim.Optimizer, mappin
         if not isinstance(state, dict):
             left.append(f"a state of type {type(state).__name__}")
             continue
-        made: "dict[object, object] | None" = {}
-        tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+        made: dict[object, object] = {}
         for key, value in state.items():
             copy = _twin_of(key, value, param, twin_param) if isinstance(value, torch.Tensor) else value
             if copy is None:
                 left.append(f"{key!s} ({_kind(value, twin_param)})")
-                made = None  # all of a parameter's state, or none: a step finding half of it would fail
-                break
-            made[key] = copy  # type: ignore[index]  # not None until the break above
-        if made:
-            twin.state[twin_param] = made
-            carried += len(tensors)
-            nbytes += sum(v.untyped_storage().nbytes() for v in tensors)
+                break  # all of a parameter's state, or none: a step finding half of it would fail
+            made[key] = copy
+        else:
+            if made:
+                twin.state[twin_param] = made
+                tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+                carried += len(tensors)
+                nbytes += sum(v.untyped_storage().nbytes() for v in tensors)
     if carried:
         notes.append(f"the optimizer held state before the estimate (a step taken, a checkpoint loaded): its "
                      f"{carried} state tensor(s), {format_bytes(nbytes)}, were carried into the simulation as it "
