@@ -51,7 +51,7 @@ class _Lin(torch.nn.Module):
         return self.lin(x)
 
 
-def _square_step(model, opt, x):
+def square_step(model, opt, x):
     loss = model(x).square().mean()
     loss.backward()
     opt.step()
@@ -69,8 +69,8 @@ def test_an_input_that_asks_its_gradient_or_views_a_byte_buffer_is_the_real_runs
         x = torch.zeros(8 * 32 * 4 + 3, dtype=torch.uint8)[:-3].view(torch.float32).view(8, 32)
     make = torch.optim.Adam
     torch.manual_seed(0)
-    real = measured(_square_step, model=_Lin(), make=make, batch=(x,))
+    real = measured(square_step, model=_Lin(), make=make, batch=(x,))
     x.grad = None
     torch.manual_seed(0)
-    est = memprof.estimate(_Lin(), make, inputs=x, train_step=_square_step)
+    est = memprof.estimate(_Lin(), make, inputs=x, train_step=square_step)
     assert_same_run(est, real)

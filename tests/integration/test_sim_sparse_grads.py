@@ -33,6 +33,27 @@ def _built():
     return SparseTiny()
 
 
+def _rewriting(rewrite):
+    """The plain step with ``rewrite(model)`` between backward and the optimizer's step: a gradient changed there."""
+    def step(model, opt, x, y):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        rewrite(model)
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def _own_loss_step(model, opt, x):
+    """A step whose model returns its loss."""
+    loss = model(x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 @pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1), lambda ps: torch.optim.Adagrad(ps)],
                          ids=["sgd", "adagrad"])
@@ -107,14 +128,7 @@ def test_an_embedding_bags_sparse_gradient_with_adagrad():
     # estimate came out 31,132 B under (a review's finding). Distinct indices: the real run's to the byte.
     # Repeated: over (the coalesce keeps every index).
     make = lambda ps: torch.optim.Adagrad(ps)  # noqa: E731
-
-    def step(model, opt, x):
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = _own_loss_step
     for x, exact in ((torch.arange(32).view(4, 8), True), (torch.zeros(4, 8, dtype=torch.long), False)):
         torch.manual_seed(0)
         real = measured(step, model=_Bag(), make=make, batch=(x,))
@@ -194,16 +208,12 @@ def test_a_sparse_gradient_negated_or_scaled_keeps_its_elements(how):
     # 2,176 B under from step 0's optimizer step (a review's finding). The CPU's keep every element.
     make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, maximize=how == "maximize")  # noqa: E731
 
-    def step(model, opt, x, y):
-        loss = loss_fn(model(x), y)
-        loss.backward()
+    def halved(model):
         if how == "scaled":
             for p in model.parameters():
                 p.grad = p.grad * 0.5
-        opt.step()
-        opt.zero_grad()
-        return loss
 
+    step = _rewriting(halved)
     x = torch.arange(16).view(2, 8)
     real = measured(step, model=_built(), make=make, batch=(x, IDS))
     est = memprof.estimate(_built(), make, inputs=x, targets=IDS, train_step=step)
@@ -224,18 +234,11 @@ class _SparseAdjacency(nn.Module):
 def test_a_sparse_buffer_holds_its_elements():
     # The twin of a sparse buffer was a strided tensor of its shape's, holding 4 B where the buffer holds 320 B, and
     # sparse.mm over it made other activations and temporaries (a review's finding).
-    def step(model, opt, x):
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     x = torch.randn(16, 32)
     torch.manual_seed(0)
-    real = measured(step, model=_SparseAdjacency(), make=torch.optim.Adam, batch=(x,))
+    real = measured(_own_loss_step, model=_SparseAdjacency(), make=torch.optim.Adam, batch=(x,))
     torch.manual_seed(0)
-    est = memprof.estimate(_SparseAdjacency(), torch.optim.Adam, inputs=x, train_step=step)
+    est = memprof.estimate(_SparseAdjacency(), torch.optim.Adam, inputs=x, train_step=_own_loss_step)
     assert_same_run(est, real)
     assert est.trace.phases[0].start[memprof.Category.BUFFERS] == 2 * 16 * 8 + 16 * 4
 
@@ -245,14 +248,10 @@ def test_a_dense_tensor_made_sparse_keeps_every_position_never_under():
     # to_sparse()'s element count is the tensor's nonzero positions, which the values decide; its fake kernel made
     # none, and a gradient rebuilt with to_dense().to_sparse() held nothing (20,480 B under, a review's finding).
     # Every position stands for them now: over by the zeros, never under.
-    def step(model, opt, x, y):
-        loss = loss_fn(model(x), y)
-        loss.backward()
+    def rebuilt(model):
         model.emb.weight.grad = model.emb.weight.grad.to_dense().to_sparse()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
+    step = _rewriting(rebuilt)
     make = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     x = torch.arange(16).view(2, 8)
     real = measured(step, model=_built(), make=make, batch=(x, IDS))
@@ -269,14 +268,10 @@ def test_a_dense_tensor_made_sparse_keeps_every_position_never_under():
 def test_a_coalesced_sparse_gradient_steps_as_the_real_run(momentum):
     # A step that coalesces its sparse gradient: the fake kernel of the parameter's += coalesced sparse gradient
     # reads the values, and the simulation failed (a review's finding). Distinct rows: the real run's to the byte.
-    def step(model, opt, x, y):
-        loss = loss_fn(model(x), y)
-        loss.backward()
+    def coalesced(model):
         model.emb.weight.grad = model.emb.weight.grad.coalesce()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
+    step = _rewriting(coalesced)
     make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=momentum)  # noqa: E731
     x = torch.arange(16).view(2, 8)
     real = measured(step, model=_built(), make=make, batch=(x, IDS))

@@ -15,7 +15,8 @@ import memprof
 from memprof import Category as C
 from memprof.errors import InvalidArgumentError
 from test_parallelize import IDS, build, loss_fn
-from test_train_step import assert_same_run, plain
+from test_sim_input_storage import square_step
+from test_train_step import assert_same_run, measured, plain
 
 
 def _warm(make):
@@ -24,15 +25,6 @@ def _warm(make):
     opt = make(model.parameters())
     plain(model, opt, IDS, IDS)
     return model, opt
-
-
-def _measured(model, opt, steps):
-    with memprof.profile(model, opt) as prof:
-        out = None
-        for _ in range(steps):
-            out = plain(model, opt, IDS, IDS)
-        del out
-    return prof.report()
 
 
 def _state_bytes(opt) -> int:
@@ -49,7 +41,7 @@ def test_a_warm_optimizer_is_the_real_runs_from_the_first_phase(make, steps):
     model, opt = _warm(make)
     # The estimate first: it reads the model and the optimizer, and changes neither.
     est = memprof.estimate(model, opt, inputs=IDS, targets=IDS, train_step=plain, steps=steps)
-    real = _measured(model, opt, steps)
+    real = measured(plain, steps, model=model, make=opt)
     assert_same_run(est, real)
     # The states held from the start: AdamW's two moments per parameter and a step counter each (4 B), SGD's
     # momentum buffer per parameter.
@@ -104,33 +96,17 @@ def test_a_one_element_parameters_moments_are_moments_not_counters():
     # A one-element parameter's Adam moments are one-element CPU tensors, as its step counter is: they were kept on
     # the host for a CUDA target (1,024 B under: two 512-byte blocks) and in fp32 beside a bf16 parameter, which the
     # step refused (a review). They are made as moments; the counters keep their values.
-    def step(model, opt, x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     x = torch.randn(8, 32)
     torch.manual_seed(0)
     model = _Scaled()
     opt = torch.optim.Adam(model.parameters())
-    cold = memprof.estimate(model, lambda ps: torch.optim.Adam(ps), inputs=x, train_step=step, gpu="h100-80gb")
-    step(model, opt, x)
-    warm = memprof.estimate(model, opt, inputs=x, train_step=step, gpu="h100-80gb")
+    cold = memprof.estimate(model, lambda ps: torch.optim.Adam(ps), inputs=x, train_step=square_step, gpu="h100-80gb")
+    square_step(model, opt, x)
+    warm = memprof.estimate(model, opt, inputs=x, train_step=square_step, gpu="h100-80gb")
     # After the estimate's own steps both hold every state: the moments in blocks on the device, counters on the host.
     assert warm.trace.phases[-1].end[C.OPTIMIZER_STATES] == cold.trace.phases[-1].end[C.OPTIMIZER_STATES] == \
         2 * (-(-32 * 32 * 4 // 512) * 512 + 512 + 512)
-    est = memprof.estimate(model, opt, inputs=x, train_step=step, precision="bf16")
+    est = memprof.estimate(model, opt, inputs=x, train_step=square_step, precision="bf16")
     assert est.trace.phases[0].start[C.OPTIMIZER_STATES] == 2 * (32 * 32 + 32 + 1) * 2 + 3 * 4  # bf16 moments
-    est = memprof.estimate(model, opt, inputs=x, train_step=step, steps=2)  # first: the real run steps opt
-    assert_same_run(est, _measured_with(model, opt, step, x))
-
-
-def _measured_with(model, opt, step, x, steps=2):
-    with memprof.profile(model, opt) as prof:
-        out = None
-        for _ in range(steps):
-            out = step(model, opt, x)
-        del out
-    return prof.report()
+    est = memprof.estimate(model, opt, inputs=x, train_step=square_step, steps=2)  # first: the real run steps opt
+    assert_same_run(est, measured(square_step, model=model, make=opt, batch=(x,)))

@@ -28,9 +28,9 @@ def adamw(params):
 def measured(step, steps: int = 2, model=None, make=adamw, batch=(IDS, IDS)):
     """``step`` run for real as a loop runs it: ``out = step(model, opt, *batch)``, the result held until the
     next call returns, the last let go when the loop ends (inside the block, as the estimate's loop ends).
-    ``make``: the optimizer's factory."""
+    ``make``: the optimizer's factory, or an optimizer already built on ``model`` (one that has stepped)."""
     model = build() if model is None else model
-    opt = make(model.parameters())
+    opt = make if isinstance(make, torch.optim.Optimizer) else make(model.parameters())
     with memprof.profile(model, opt) as prof:
         out = None
         for _ in range(steps):
