@@ -153,18 +153,17 @@ def _group(handle, named: bool):
     return _resolve_process_group(handle) if named else ProcessGroup.unbox(handle)
 
 
-def gloo_rank(rank: int, world: int, port: int, folder: str) -> None:
+def gloo_rank(rank: int, world: int, folder: str) -> None:
     """One rank of a real expert-parallel run over gloo: its own batch, its real routing recorded
     (``record_routing=True``), the estimate's loop, the report saved as ``rank<r>.json`` in ``folder``."""
     import os
 
     import memprof
-    from gloo_settled import settle_collectives
+    from gloo_settled import join_gloo, settle_collectives
     from torch.distributed.device_mesh import init_device_mesh
 
     settle_collectives()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, os.path.join(folder, "store"))
     try:
         model = expert_parallel(build(), init_device_mesh("cpu", (world,)))
         opt = torch.optim.AdamW(model.parameters())

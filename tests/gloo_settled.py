@@ -17,6 +17,7 @@ storage, so the settling watches the tensors' use counts, not their storages'.""
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any, Callable
 
@@ -30,6 +31,20 @@ def _uses(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
+#: How long a collective's tensors may stay held after it completed before settling gives up (a hang is worse than
+#: a failure that says what held on).
+LET_GO_WITHIN_S = 60.0
+
+
+def _wait_until(settled: Callable[[], bool], held: Callable[[], str]) -> None:
+    """Returns once ``settled()``; raises, saying ``held()``, after :data:`LET_GO_WITHIN_S` seconds."""
+    deadline = time.monotonic() + LET_GO_WITHIN_S
+    while not settled():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a collective completed, but {held()} {LET_GO_WITHIN_S:.0f} s later")
+        time.sleep(0)
+
+
 def let_go_by_gloo(collective: Callable[..., Any]) -> Callable[..., Any]:
     """``collective`` (an all-gather or reduce-scatter into one output) waited for, returning once gloo holds none
     of its tensors; an asynchronous call returns a finished stand-in for the work, which FSDP2 does not wait on (it
@@ -40,16 +55,12 @@ def let_go_by_gloo(collective: Callable[..., Any]) -> Callable[..., Any]:
         work = collective(output, input, *args, async_op=True, **kwargs)
         work.wait()
         del work
-        while (_uses(output), _uses(input)) != before:
-            time.sleep(0)
+        _wait_until(lambda: (_uses(output), _uses(input)) == before,
+                    lambda: f"{collective.__name__}'s storages still held: {(_uses(output), _uses(input))} "
+                            f"(before it: {before})")
         return object() if async_op else None
 
     return call
-
-
-#: How long a collective's tensors may stay held after it completed before settling gives up (a hang is worse than
-#: a failure that says what held on).
-LET_GO_WITHIN_S = 60.0
 
 
 class LetGoByGloo(TorchDispatchMode):
@@ -74,13 +85,9 @@ class LetGoByGloo(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 torch.ops._c10d_functional.wait_tensor(t)
-        deadline = time.monotonic() + LET_GO_WITHIN_S
-        while [t._use_count() for t in inputs] != before or any(t._use_count() != 1 for t in fresh):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{func} completed, but its tensors were still held {LET_GO_WITHIN_S:.0f} s "
-                                   f"later: inputs {[t._use_count() for t in inputs]} (before it: {before}), "
-                                   f"outputs {[t._use_count() for t in fresh]} (1 each once let go)")
-            time.sleep(0)
+        _wait_until(lambda: [t._use_count() for t in inputs] == before and all(t._use_count() == 1 for t in fresh),
+                    lambda: f"{func}'s tensors were still held: inputs {[t._use_count() for t in inputs]} (before it: "
+                            f"{before}), outputs {[t._use_count() for t in fresh]} (1 each once let go)")
         return out
 
 
@@ -91,3 +98,18 @@ def settle_collectives() -> None:
     dist.all_gather_single = let_go_by_gloo(dist.all_gather_single)
     dist.reduce_scatter_single = let_go_by_gloo(dist.reduce_scatter_single)
     LetGoByGloo().__enter__()
+
+
+#: How long a rank waits on its peers (the store's rendezvous, each collective) before it raises. torch's default is
+#: 30 minutes: a rank whose peer died or never joined would hold the suite that long, and CI's whole run is bounded.
+#: Five minutes is many times the slowest rank's step under a loaded machine.
+RANK_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def join_gloo(rank: int, world: int, store: str) -> None:
+    """This spawned process joins a gloo group of ``world`` ranks as ``rank``, through the file ``store`` (a path
+    in the test's own temporary folder). A file, not a TCP port: a port picked free and closed before rank 0 binds
+    it can be taken meanwhile by another test's ranks on the other xdist worker, whose rendezvous the ranks would
+    then join."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=RANK_TIMEOUT)

@@ -61,7 +61,8 @@ def test_ctrl_c_during_an_estimate_never_aborts_the_process(tmp_path):
     script.write_text(_INTERRUPTED_ESTIMATES)
     # 300 interrupts in one process (they were two processes of 150, seeds 1 and 2: the second process's start
     # bought no interrupt more).
-    done = subprocess.run([sys.executable, str(script), "1", "300"], capture_output=True, text=True, timeout=600)
+    # Ended at 500 s, before pytest-timeout's 600 s ends the test: the failure then shows the script's output.
+    done = subprocess.run([sys.executable, str(script), "1", "300"], capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stderr[-2000:]
     # Each Ctrl-C lands in an estimate or in the sleep after it and comes back as KeyboardInterrupt, those landing
     # in a finaliser the collector runs during the estimate too (about 1 in 200 was lost there: memprof/swallowed.py)

@@ -209,7 +209,7 @@ def test_a_closed_pipe_ends_the_command_quietly(saved, tmp_path):
     path = tmp_path / "run.json"
     saved.save(path)
     proc = subprocess.run(f"{sys.executable} -m memprof report {path} | head -1", shell=True,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=300)
     assert proc.stdout.startswith("memprof report:")
     assert proc.stderr == ""
 

@@ -29,7 +29,7 @@ def test_errors_are_one_line_with_exit_code_1(capsys, tmp_path):
 
 def test_usage_errors_exit_2():
     proc = subprocess.run([sys.executable, "-m", "memprof", "demo", "--steps", "0"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "--steps must be at least 1" in proc.stderr
     assert "Traceback" not in proc.stderr

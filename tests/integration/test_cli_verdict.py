@@ -98,6 +98,6 @@ def test_the_names_docs_cli_spells_are_reachable_from_import_memprof():
                 failed.append(name)
         print(failed)
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]", (done.stdout, done.stderr[-3000:])

@@ -5,8 +5,6 @@ and the end of every phase of both steps, to the byte."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,17 +18,11 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not built in")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_each_gloo_rank_equals_its_simulation_with_every_rank_s_recorded_routing(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(gloo_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(gloo_rank, args=(2, str(tmp_path)), nprocs=2)
     reports = [memprof.load(tmp_path / f"rank{r}.json") for r in range(2)]
     # Real routing: the two ranks' batches route differently, so each rank's receive side differs.
     assert reports[0].trace.routing.calls != reports[1].trace.routing.calls

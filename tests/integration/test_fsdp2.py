@@ -12,7 +12,7 @@ from torch import nn
 
 import memprof
 from memprof import Category as C
-from gloo_settled import settle_collectives
+from gloo_settled import join_gloo, settle_collectives
 
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
@@ -57,7 +57,7 @@ def _hooks(model: nn.Module) -> list[int]:
 
 def _worker(rank: int, store: str, out: str) -> None:
     settle_collectives()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    join_gloo(rank, WORLD, store)
     try:
         facts = {}
         for reshard in (True, False):

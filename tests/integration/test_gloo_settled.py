@@ -6,8 +6,6 @@ call returns (nothing has waited for it), and its tensors are held past it."""
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import weakref
 
@@ -17,12 +15,6 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not built in")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Seen:
@@ -50,14 +42,13 @@ def _watching(seen: _Seen):
     return Watch()
 
 
-def _rank(rank: int, port: int) -> None:
+def _rank(rank: int, store: str) -> None:
     import torch.distributed._functional_collectives as funcol
 
-    from gloo_settled import settle_collectives
+    from gloo_settled import join_gloo, settle_collectives
 
     settle_collectives()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, 2, store)
     try:
         seen, freed_on = _Seen(), []
         torch.manual_seed(0)
@@ -83,7 +74,7 @@ def _rank(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_a_functional_collective_on_gloo_returns_with_gloo_holding_none_of_its_tensors():
+def test_a_functional_collective_on_gloo_returns_with_gloo_holding_none_of_its_tensors(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(_free_port(),), nprocs=2)
+    mp.spawn(_rank, args=(str(tmp_path / "store"),), nprocs=2)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import memprof
 
-from gloo_settled import settle_collectives
+from gloo_settled import join_gloo, settle_collectives
 from test_parallelize import IDS, assert_equal_everywhere, build, fsdp_bf16, loss_fn, simulated, tp_sp
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, name: str, out: str) -> None:
 
     settle_collectives()
     fn, mesh = LAYOUTS[name]
-    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
+    join_gloo(rank, world, f"{out}/store")
     try:
         device_mesh = (init_device_mesh("cpu", (world,)) if mesh is None
                        else init_device_mesh("cpu", tuple(mesh.values()), mesh_dim_names=tuple(mesh)))

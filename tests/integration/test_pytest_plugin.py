@@ -477,7 +477,8 @@ def test_the_plugin_module_imports_neither_torch_nor_memprof_at_load():
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "memprof", "pandas")))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=300).stdout
     assert out.strip() == "[]"
 
 

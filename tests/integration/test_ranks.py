@@ -136,7 +136,9 @@ def test_ddp_buckets_are_communication_unless_they_are_the_gradients(gloo_world_
 
 
 def _rank_worker(rank, world, store, out):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from gloo_settled import join_gloo
+
+    join_gloo(rank, world, store)
     try:
         rep, _model, _buckets = _ddp_step(False)
         rep.save(f"{out}/memprof-rank{rank}.json")

@@ -246,5 +246,5 @@ def test_no_package_imports_another_packages_private_names():
 def test_importing_memprof_imports_no_torch():
     code = "import sys, memprof, memprof.record.trace, memprof.report; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=PACKAGE.parent)
+                         cwd=PACKAGE.parent, timeout=300)
     assert out.stdout.strip() == "False"
