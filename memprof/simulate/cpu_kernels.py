@@ -12,7 +12,8 @@ Which ops: ``benchmarks/cpu_kernel_sweep.py`` runs every sample of torch's opera
 (``op_db``) on real and on fake CPU tensors, without gradients and forward and backward with them, and
 compares the storage of every output; the ops in :data:`RULES` are the ones that differ (torch 2.13):
 in bytes, or in layout where the layout makes a later op copy on one side only (``max_unpool2d``). The
-sweep checks each rule against the real kernel. None depends on tensor values: each is exact.
+sweep checks each rule against the real kernel. One more has no sample there: ``nn.LSTM``'s oneDNN
+kernel, whose workspace :mod:`memprof.simulate.onednn_rnn` sizes. None depends on tensor values: each is exact.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .onednn_rnn import lstm_workspace_bytes
 from .sparse_kernels import NOT_SPARSE, SPARSE_OPS, Args, Kwargs, SparseKernels, arg
 
 if TYPE_CHECKING:
@@ -153,6 +155,33 @@ def _max_unpool2d(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]
     return (torch.empty_like(outs[0], memory_format=fmt),)
 
 
+#: ``mkldnn_rnn_layer``'s ``mode`` for an LSTM (ideep's ``rnn_kind::LSTM``), the only kind torch sends it.
+_LSTM = 2
+
+
+def _lstm_workspace(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
+    """``mkldnn_rnn_layer`` (``nn.LSTM`` on a CPU): with grad mode on, the CPU kernel returns the workspace oneDNN's
+    training primitive asks for (:mod:`memprof.simulate.onednn_rnn`), which the meta kernel returns empty; without
+    it, none. (input, w0, w1, w2, w3, hx, cx, reverse, batch_sizes, mode, hidden_size, ...): the input is already
+    (steps, batch, features)."""
+    if not torch.is_grad_enabled() or arg(args, kwargs, 9, "mode", _LSTM) != _LSTM:
+        return (None,) * len(outs)
+    steps, batch, features = args[0].shape
+    cell = args[6] if isinstance(args[6], torch.Tensor) else args[0]
+    return (None, None, None, lstm_workspace_bytes(steps, batch, features, arg(args, kwargs, 10, "hidden_size", 0),
+                                                   args[0].dtype, cell.dtype))
+
+
+def _lstm_backward(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
+    """``mkldnn_rnn_layer_backward``: the CPU kernel returns the two bias gradients (``bias_ih``'s and
+    ``bias_hh``'s, equal: oneDNN has one bias) as two tensors, the second a clone of the first; the meta kernel
+    returns one tensor twice, so that a storage autograd hands to both parameters was counted once."""
+    fixed: list[Storage] = [None] * len(outs)
+    if len(outs) > 4 and isinstance(outs[4], torch.Tensor) and outs[4] is outs[3]:
+        fixed[4] = torch.empty_like(outs[4])
+    return tuple(fixed)
+
+
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -201,7 +230,7 @@ def _contiguous_first(rule: Rule) -> Rule:
     return laid_out
 
 
-#: aten op -> its rule. Found by ``benchmarks/cpu_kernel_sweep.py``; docs/accuracy.md has the table.
+#: aten op -> its rule. Found by ``benchmarks/cpu_kernel_sweep.py`` (but the LSTM's); docs/accuracy.md has the table.
 RULES: dict[torch._ops.OpOverload, Rule] = {
     _aten.mse_loss.default: _reduced_loss(2),  # (self, target, reduction)
     _aten.smooth_l1_loss.default: _reduced_loss(2),  # (self, target, reduction, beta)
@@ -230,6 +259,9 @@ RULES: dict[torch._ops.OpOverload, Rule] = {
     _aten.native_group_norm.default: _mixed_norm((1, 2)),  # (input, weight, bias, N, C, HxW, group, eps)
     _aten.native_group_norm_backward.default: _in_dtype_of(1),  # (grad_out, input, mean, rstd, weight, ...)
     _aten.native_layer_norm_backward.default: _contiguous_first(_layer_norm_backward),
+    # Not in op_db's samples: tests/integration/test_sim_lstm.py holds them to real runs.
+    _aten.mkldnn_rnn_layer.default: _lstm_workspace,
+    _aten.mkldnn_rnn_layer_backward.default: _lstm_backward,
 }
 
 #: The OpInfos of torch's operator database that reach the ops in :data:`RULES`, in their own dtypes and with
@@ -278,7 +310,9 @@ class CpuKernels(SparseKernels):
             have = t.untyped_storage().nbytes()
             if isinstance(real, torch.Tensor):
                 fixed[i] = real
-                added += real.untyped_storage().nbytes() - have
+                # In place of an output still returned elsewhere (the LSTM's second bias gradient), all of it is new.
+                kept = any(o is t for j, o in enumerate(fixed) if j != i)
+                added += real.untyped_storage().nbytes() - (0 if kept else have)
             elif real > have:
                 t.untyped_storage().resize_(real)  # the same tensor, on the storage the CPU kernel leaves
                 added += real - have

@@ -205,9 +205,11 @@ def target_twin(config: "RunConfig[Workload]", ranks: "ParallelRun | None") -> P
     if twin.target.type == "cpu":  # the user's own tensors are the run's; on another device a copy of them is
         make = whole_storages(make)
     inputs, targets = converted(w.inputs, make, seen), converted(w.targets, make, seen)
-    if twin.target.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in w.model.modules()):
-        notes.append("LSTM/GRU/RNN: on a real CPU, oneDNN's RNN kernel also keeps a workspace for backward that "
-                     "the shape-only kernels do not; their saved activations are underestimated")
+    if twin.target.type == "cuda" and any(isinstance(m, nn.RNNBase) for m in w.model.modules()):
+        notes.append("LSTM/GRU/RNN: on a GPU torch runs cuDNN's fused RNN kernel, whose reserve space for backward "
+                     "(cudnnGetRNNTrainingReserveSize) depends on the cuDNN version and torch's meta kernel leaves "
+                     "empty; the simulation runs torch's per-step cell path instead, so these layers' activations "
+                     "are that path's, not cuDNN's (not checked on a GPU)")
     if twin.target.type not in ("cpu", "cuda"):
         notes.append("fused attention kernels are chosen per device: on meta tensors scaled_dot_product_attention "
                      f"runs its math path (saves the s x s scores), where a {twin.target.type} device may not")
