@@ -12,7 +12,8 @@ by how many tokens it got. :class:`MoeRules` makes all three run on shape-only t
   :class:`~memprof.simulate.routers.Router`), and the values that follow from them carried beside the
   data-less tensors (:mod:`memprof.simulate.shadows`), so the loop's ``nonzero``, ``item()`` and
   ``tolist()`` get answers;
-* ``one_hot`` as the target's kernel runs it (:class:`~memprof.simulate.routers.OneHot`).
+* ``one_hot`` as the target's kernel runs it, and a routed scalar formatted as a real one
+  (:class:`~memprof.simulate.routers.RoutedValues`).
 
 A dense model never makes a router call inside its forward: then none of this changes anything.
 """
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import is_interrupt
 from .experts import CountsExchange
-from .routers import OneHot, Router
+from .routers import RoutedValues, Router
 from .routing import Routing, routing_of
 from .shadows import ValueShadows
 
@@ -47,7 +48,7 @@ class MoeRules:
         self.exchange = self.shadows.exchange = CountsExchange(self.routing.policy, self.routing.ranks)
         self.plan = self.routing.plan()
         self.router = Router(self.plan, self.shadows.store)
-        self.one_hot = OneHot(target, self.shadows.store)
+        self.values = RoutedValues(target, self.shadows.store)
 
     def attach(self, prof: SimulatedProfile) -> None:
         """Router calls count inside the forward of ``prof``'s model (a :class:`~memprof.collect.simulated.

@@ -1,4 +1,4 @@
-"""The rules of a mixture-of-experts simulation above the ops: router calls and ``one_hot``.
+"""The rules of a mixture-of-experts simulation above the ops: router calls, ``one_hot`` and routed values formatted.
 
 :class:`Router` answers every router call inside the model's forward (``topk`` or ``argmax`` over floating
 scores without values) with indices from the routing assumption (:mod:`memprof.simulate.routing`), kept as
@@ -11,7 +11,10 @@ a metric in the loss function) are no routing and keep no values.
 CPU, ``aminmax`` of the classes (two 8-byte tensors) for its checks, then ``zeros`` and ``scatter_``; on
 CUDA, ``zeros`` and ``scatter_`` only. On fake and meta tensors torch runs a decomposition instead
 (``torch/_decomp/decompositions.py``, ``one_hot``: an ``arange``, an ``eq`` and a cast), whose temporaries
-differ: in DeepSeek-V3's prefill the one-hot of 257 classes can be the step's peak.
+differ: in DeepSeek-V3's prefill the one-hot of 257 classes can be the step's peak. It also formats a routed
+0-dim tensor as a real one formats (``Tensor.__format__``, torch/_tensor.py: its value's format), where a fake
+tensor formats as its repr: SwitchTransformers picks each expert module by name, ``self[f"expert_{expert_idx[0]}"]``,
+and the lookup failed with a KeyError.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from .shadows import ShadowStore, shape_only
 if TYPE_CHECKING:
     from .aliases import OpValue
 
-__all__ = ["Router", "OneHot", "innermost_module"]
+__all__ = ["Router", "RoutedValues", "innermost_module"]
+
+_FORMAT = torch.Tensor.__format__
 
 class Router(Rule):
     """Router calls answered from a :class:`~memprof.simulate.routing.RoutingPlan`. ``where`` gives the
@@ -68,9 +73,10 @@ class Router(Rule):
         return out
 
 
-class OneHot(Rule):
-    """``F.one_hot`` on shape-only tensors as the target's kernel runs it (the module's docstring).
-    ``target`` is ``"cpu"`` or another device type (the CUDA kernel's path)."""
+class RoutedValues(Rule):
+    """What code does with the routed values of shape-only tensors (the module's docstring): ``F.one_hot`` as the
+    target's kernel runs it (``target`` is ``"cpu"`` or another device type, the CUDA kernel's path), and
+    ``format()`` of a routed 0-dim tensor. One rule for both: the rule chain costs a frame per torch call."""
 
     def __init__(self, target: str, store: ShadowStore) -> None:
         super().__init__()
@@ -79,6 +85,8 @@ class OneHot(Rule):
 
     def handle(self, func: Callable[..., OpValue], args: tuple[OpValue, ...], kwargs: dict[str, OpValue],
                next: Next) -> OpValue:
+        if func is _FORMAT:
+            return self._formatted(args, kwargs, next)
         if func is not F.one_hot or not args or not shape_only(args[0]):
             return next(func, args, kwargs)
         x = args[0]
@@ -105,6 +113,17 @@ class OneHot(Rule):
         out = torch.zeros((*x.shape, classes), dtype=torch.long, device=x.device)
         out.scatter_(-1, x.unsqueeze(-1), 1)
         return out
+
+    def _formatted(self, args: tuple[OpValue, ...], kwargs: dict[str, OpValue], next: Next) -> OpValue:
+        """A routed 0-dim tensor formatted as torch formats a real one: ``item().__format__(spec)``."""
+        t = args[0]
+        values = self.store.get(t) if shape_only(t) and t.dim() == 0 else None
+        if values is None:
+            return next(_FORMAT, args, kwargs)
+        spec = args[1] if len(args) > 1 else kwargs.get("format_spec", "")
+        with torch._C._DisableTorchDispatch():  # a real tensor: the simulation's modes must not see its item()
+            value = values.item()
+        return format(value, str(spec))
 
     def notes(self) -> list[str]:
         return []

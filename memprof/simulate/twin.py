@@ -500,7 +500,7 @@ class Twin:
         # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors; the router
         # sees the scores as the model made them.
         return Rules(*(r for r in (self.emulated, self.kernels, self.watched, self.custom, self.moe.router,
-                                   self.moe.one_hot, self._foreach()) if r is not None))
+                                   self.moe.values, self._foreach()) if r is not None))
 
     def _foreach(self) -> "Rule | None":
         """The DTensor foreach rule (:mod:`memprof.simulate.dtensor_foreach`), where the twin holds DTensors."""

@@ -147,3 +147,32 @@ def test_experts_the_grouped_gemm_refuses_fail_as_on_the_device_not_as_memprofs_
     assert "memprof's defect" not in said and 'experts_implementation="eager"' in said, said
     # What it advises runs: the per-expert loop multiplies each expert's rows apart.
     assert memprof.estimate_hf(transformers.MixtralConfig(**sizes, experts_implementation="eager"), **kw).fits
+
+
+def test_experts_picked_by_a_formatted_routed_index_replay_to_the_byte():
+    # SwitchTransformers picks each expert module by name, self[f"expert_{expert_idx[0]}"]: a routed 0-dim tensor
+    # formatted into a string. A fake tensor formatted as its repr and the lookup raised KeyError; a routed one now
+    # formats as a real tensor does, its value's format (memprof/simulate/routers.py, RoutedValues).
+    T = pytest.importorskip("transformers")
+    cfg = T.SwitchTransformersConfig(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                     num_heads=4, num_experts=4, expert_capacity=8, encoder_sparse_step=1,
+                                     decoder_sparse_step=1)
+    inputs = dict(input_ids=IDS, decoder_input_ids=IDS)
+
+    def loss_fn(out, target):
+        return out.logits.float().pow(2).mean()
+
+    torch.manual_seed(0)
+    model = T.SwitchTransformersForConditionalGeneration(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.profile(model, opt, record_routing=True) as prof:
+        loss = loss_fn(model(**inputs), IDS)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        del loss
+    real = prof.report()
+    est = memprof.estimate(model, torch.optim.AdamW, inputs=inputs, targets=IDS, loss_fn=loss_fn, steps=1,
+                           routing=real)
+    assert moments(est.trace) == moments(real.trace)
+    assert any("item() x" in n for n in est.notes if n.startswith("MoE routing assumed: replayed"))
