@@ -33,6 +33,7 @@ from .decoding import Decoding, decoder_start
 from .estimate import Estimate
 from .failures import simulation_error as _simulation_error
 from .frozen_heap import frozen
+from .kept_caches import caches_left_real
 from .run import Generation, GenerationOptions, RunConfig
 from .stages import NothingLeftBehind
 from .twin import Twin as _Target
@@ -72,7 +73,7 @@ def simulate_generation(config: "RunConfig[Generation]") -> Estimate:
     """The estimate of the generation ``config`` describes (its workload a :class:`~memprof.simulate.run.
     Generation`): the twin, the prompt, the profiled prefill and decode calls, the device replay (the heap there
     before kept out of the garbage collector's full passes: :mod:`memprof.simulate.frozen_heap`)."""
-    with frozen(), NothingLeftBehind():
+    with caches_left_real(config.workload.model), frozen(), NothingLeftBehind():
         prepared = _prepared(config)
         prof = _decoded(prepared)
         return _generation_estimate(config, prepared, prof)

@@ -33,6 +33,7 @@ from . import held_signals
 from .abandoned import finish_abandoned
 from .failures import simulation_error
 from .frozen_heap import frozen
+from .kept_caches import caches_left_real
 from .ranks import RankLayout, uneven_shard
 from .run import RunConfig, Workload
 from .step import ScalerSteps, StepParts, TrainingStep, check_step_context
@@ -69,8 +70,10 @@ class Prepared:
 def simulate(config: "RunConfig[Workload]") -> "Estimate":
     """The estimate ``config`` describes: one rank, every pipeline rank class (the worst returned, all listed), and
     with ``extrapolate=`` the model cut to three depths and extended; the heap there before kept out of the garbage
-    collector's full passes meanwhile (:mod:`memprof.simulate.frozen_heap`)."""
-    with frozen():
+    collector's full passes meanwhile (:mod:`memprof.simulate.frozen_heap`), and the model code's ``functools``
+    caches it filled emptied after (:mod:`memprof.simulate.kept_caches`)."""
+    w = config.workload
+    with caches_left_real(w.model, w.loss_fn, w.train_step), frozen():
         return _simulated(config)
 
 

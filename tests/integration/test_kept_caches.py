@@ -1,0 +1,103 @@
+"""A simulation leaves no fake tensor in the model code's ``functools`` caches (memprof/simulate/kept_caches.py):
+the user's training after an estimate is the training without one, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof.simulate import kept_caches
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32)
+
+
+class _Positional(nn.Module):
+    """Adds a position ramp kept in a process-wide cache, as models cache their position tables."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x + _positions(x.shape[-1]))
+
+
+def _train(model: nn.Module, x: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+    opt = torch.optim.AdamW(model.parameters())
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss.item(), [p.detach().clone() for p in model.parameters()]
+
+
+def _same_training(model: nn.Module, x: torch.Tensor) -> None:
+    """Training ``model`` after an estimate of it equals training a copy made before."""
+    untouched = copy.deepcopy(model)
+    memprof.estimate(model, torch.optim.AdamW, inputs=x, loss_fn=lambda out: out.pow(2).mean(), steps=1)
+    loss, params = _train(model, x)
+    loss0, params0 = _train(untouched, x)
+    assert loss == loss0
+    assert all(torch.equal(a, b) for a, b in zip(params, params0))
+
+
+def test_a_cache_a_simulation_filled_is_emptied_and_training_after_it_is_unchanged():
+    _positions.cache_clear()
+    torch.manual_seed(0)
+    model, x = _Positional(), torch.randn(4, 8)
+    memprof.estimate(model, torch.optim.AdamW, inputs=x, loss_fn=lambda out: out.pow(2).mean(), steps=1)
+    assert _positions.cache_info().currsize == 0  # the fake ramp the simulation cached is gone
+    assert type(_positions(8)) is torch.Tensor
+    _same_training(model, x)
+
+
+def test_a_cache_the_simulation_only_read_is_left_as_it_was():
+    _positions.cache_clear()
+    kept = _positions(8)  # filled by the user's real code first
+    torch.manual_seed(0)
+    memprof.estimate(_Positional(), torch.optim.AdamW, inputs=torch.randn(4, 8),
+                     loss_fn=lambda out: out.pow(2).mean(), steps=1)
+    assert _positions.cache_info().currsize == 1 and _positions(8) is kept  # a hit adds nothing: not emptied
+
+
+def test_beits_relative_position_index_cache_holds_no_fake_tensor_after_an_estimate():
+    # transformers' compile_compatible_method_lru_cache keys BEiT's relative position index by the module: the
+    # estimate's fake index was read by the next real forward (a FakeTensor loss, half the parameters not stepped).
+    T = pytest.importorskip("transformers")
+    cfg = T.BeitConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                       image_size=32, patch_size=8, use_relative_position_bias=True, num_labels=5)
+    torch.manual_seed(0)
+    model = T.BeitForImageClassification(cfg)
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.beit = model
+
+        def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+            return self.beit(pixel_values=pixels).logits
+
+    _same_training(Logits(), torch.randn(2, 3, 32, 32))
+
+
+def test_the_caches_are_found_in_the_models_classes_and_modules_and_the_step_functions_modules():
+    # The static method's cache kept in transformers' decorator closure (BEiT's), a module-level cached function of
+    # the model's module (_positions), and nothing of torch's; found without walking the heap.
+    T = pytest.importorskip("transformers")
+    from transformers.models.beit.modeling_beit import BeitRelativePositionBias
+
+    cfg = T.BeitConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=32,
+                       patch_size=8, use_relative_position_bias=True, num_labels=5)
+    found = [c for c, _ in kept_caches._caches(T.BeitForImageClassification(cfg), ()).values()]
+    index = list(kept_caches._cached(vars(BeitRelativePositionBias)["generate_relative_position_index"]))
+    assert len(index) == 1 and index[0] in found
+    assert _positions in [c for c, _ in kept_caches._caches(_Positional(), ()).values()]
+    assert _positions in [c for c, _ in kept_caches._caches(nn.Linear(2, 2), (_train,)).values()]  # via _train's module
+    assert not any(c.__module__.startswith("torch") for c in found)
