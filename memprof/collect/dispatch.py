@@ -384,8 +384,13 @@ class StorageTracker:
             return
         if isinstance(objs, torch.Tensor):
             entry = self.add_tensor(objs, INPUTS)
-            if entry is not None and entry.cat == TEMPORARIES and made_in_block_too:
-                move(self.ledger, entry, INPUTS)
+            if made_in_block_too:
+                if entry is not None and entry.cat == TEMPORARIES:
+                    move(self.ledger, entry, INPUTS)
+                if objs.requires_grad and objs.is_leaf and objs.grad is not None:
+                    # Its gradient from before the profile, which backward accumulates into: live as a fresh one
+                    # backward would make (a temporary), never seen made (its 20,480 B were left out).
+                    self.add_tensor(objs.grad, TEMPORARIES)
         elif isinstance(objs, (list, tuple)):
             for o in objs:
                 self.mark_inputs(o, depth + 1, made_in_block_too=made_in_block_too)

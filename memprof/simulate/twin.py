@@ -373,6 +373,7 @@ def converted(obj: UserValue, make: Maker, seen: dict[int, torch.Tensor]) -> Use
                 # An input the user asks the gradient of holds it after backward, as the real one does (its twin
                 # held none: a review found the estimate 1,024 B under from the first backward).
                 made.requires_grad_(True)
+            _carry_grad(obj, made, make, seen)
         return seen[id(obj)]
     if isinstance(obj, tuple):
         return tuple(converted(o, make, seen) for o in obj)
@@ -382,6 +383,18 @@ def converted(obj: UserValue, make: Maker, seen: dict[int, torch.Tensor]) -> Use
         return {k: converted(v, make, seen) for k, v in obj.items()}
     return obj
 
+
+def _carry_grad(obj: torch.Tensor, made: torch.Tensor, make: Maker, seen: dict[int, torch.Tensor]) -> None:
+    """An input whose gradient the user's process already holds (a warm-up step outside the run): its twin holds
+    that gradient's twin, into which backward accumulates as it does into the real one, live from the start (a
+    fresh one made by the first backward was 20,480 B over the real run there, a new user's sweep)."""
+    grad = obj.grad if obj.is_leaf and obj.requires_grad else None
+    if grad is None or not made.is_leaf or not made.requires_grad:
+        return
+    twin = converted(grad, make, seen)
+    if isinstance(twin, torch.Tensor) and (twin.shape, twin.dtype, twin.device) == (made.shape, made.dtype,
+                                                                                  made.device):
+        made.grad = twin  # (else, a gradient autograd would refuse: the first backward makes a fresh one)
 
 
 class Twin:

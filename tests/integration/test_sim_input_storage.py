@@ -74,3 +74,36 @@ def test_an_input_that_asks_its_gradient_or_views_a_byte_buffer_is_the_real_runs
     torch.manual_seed(0)
     est = memprof.estimate(_Lin(), make, inputs=x, train_step=square_step)
     assert_same_run(est, real)
+
+
+def test_an_inputs_gradient_from_before_the_run_is_counted_from_its_start_and_simulated_so():
+    # A warm-up step outside the profile left x.grad: backward accumulates into it in place, so the profile never saw
+    # it made and left its bytes out; the estimate made a fresh one in its first backward, 20,480 B over.
+    from phases import assert_equal_everywhere
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    x, y = torch.randn(8, 20, 32, requires_grad=True), torch.randint(0, 10, (8, 20))
+
+    def loss(out, target):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, 10), target.reshape(-1))
+
+    def run(batch):
+        opt = torch.optim.AdamW(model.parameters())
+        with memprof.profile(model, opt) as prof:
+            for _ in range(2):
+                step_loss = loss(model(batch), y)
+                step_loss.backward()
+                opt.step()
+                opt.zero_grad()
+            del step_loss
+        return prof.report()
+
+    fresh = run(x.detach().clone().requires_grad_())  # no gradient before the run
+    loss(model(x), y).backward()
+    model.zero_grad()  # the parameters' gradients gone; the input's stays
+    real = run(x)
+    # x.grad, 8 x 20 x 32 fp32 = 20,480 B, a temporary from the first forward on: one more than the fresh run holds.
+    assert real.trace.phases[0].end[C.TEMPORARIES] == fresh.trace.phases[0].end[C.TEMPORARIES] + 8 * 20 * 32 * 4
+    est = memprof.estimate(model, torch.optim.AdamW, inputs=x, targets=y, loss_fn=loss, steps=2)
+    assert_equal_everywhere(est, real)
