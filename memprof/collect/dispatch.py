@@ -387,9 +387,11 @@ class StorageTracker:
             if made_in_block_too:
                 if entry is not None and entry.cat == TEMPORARIES:
                     move(self.ledger, entry, INPUTS)
-                if objs.requires_grad and objs.is_leaf and objs.grad is not None:
+                if ((type(objs) is _PLAIN or type(objs) is _FakeTensor) and objs.requires_grad and objs.is_leaf
+                        and objs.grad is not None):
                     # Its gradient from before the profile, which backward accumulates into: live as a fresh one
-                    # backward would make (a temporary), never seen made (its 20,480 B were left out).
+                    # backward would make (a temporary), never seen made (its 20,480 B were left out). Plain and
+                    # the simulation's tensors only: a subclass's attributes may raise (test_undescribable_inputs).
                     self.add_tensor(objs.grad, TEMPORARIES)
         elif isinstance(objs, (list, tuple)):
             for o in objs:

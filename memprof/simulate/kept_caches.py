@@ -29,9 +29,14 @@ from typing import Any, Callable, Iterable, Iterator
 
 from torch import nn
 
+from ..errors import is_interrupt
+
 __all__ = ["caches_left_real"]
 
 _LRU: type = functools._lru_cache_wrapper
+#: A ``functools`` cache (``functools._lru_cache_wrapper``), whose type is not public: its ``cache_info()`` and
+#: ``cache_clear()`` are called as on any object.
+Cache = Any
 #: The top-level packages whose classes and modules are not searched (the module docstring says why).
 _LEFT = frozenset({"torch", "memprof", *sys.stdlib_module_names})
 _state = threading.local()
@@ -41,7 +46,7 @@ def _package(name: object) -> str:
     return str(name or "").partition(".")[0]
 
 
-def _cached(value: object) -> Iterator[Any]:
+def _cached(value: object) -> Iterator[Cache]:
     """The caches ``value`` is or keeps: a cached function, a static or class method's, or one in a decorator's
     closure (a function whose closure holds the cached function)."""
     if isinstance(value, (staticmethod, classmethod)):
@@ -52,15 +57,17 @@ def _cached(value: object) -> Iterator[Any]:
         for cell in value.__closure__ or ():
             try:
                 held = cell.cell_contents
-            except ValueError:  # an empty cell (a name the closure has not bound yet)
+            except ValueError as empty:  # an empty cell (a name the closure has not bound yet)
+                if is_interrupt(empty):
+                    raise  # a signal handler's exception (errors.is_interrupt) is the user's
                 continue
             if type(held) is _LRU:
                 yield held
 
 
-def _caches(model: nn.Module, functions: Iterable[object]) -> "dict[int, tuple[Any, int]]":
+def _caches(model: nn.Module, functions: Iterable[object]) -> "dict[int, tuple[Cache, int]]":
     """The caches the model's code reaches (the module docstring), by id: each, and its misses so far."""
-    found: dict[int, tuple[Any, int]] = {}
+    found: dict[int, tuple[Cache, int]] = {}
     classes: set[type] = set()
     modules = {getattr(f, "__module__", None) for f in functions}
 
@@ -89,7 +96,7 @@ def caches_left_real(model: nn.Module, *functions: "Callable[..., object] | None
     if getattr(_state, "depth", 0):
         yield
         return
-    before: dict[int, tuple[Any, int]] = {}
+    before: dict[int, tuple[Cache, int]] = {}
     _state.depth = 1
     try:
         before = _caches(model, functions)
