@@ -60,7 +60,8 @@ class Greedy:
     def choose(self, loop: Loop, output: list[UserValue]) -> None:
         """Choose from ``output[0]``, the forward's output; clear ``output`` where transformers drops it."""
         assert loop.ids is not None and loop.unfinished is not None  # the prompt's, and start()'s
-        loop.logits = None
+        # Rebound as _sample rebinds next_token_logits: the previous call's copy is alive while the new one is made
+        # (freed first, the estimate was one fp32 row of logits under, B x vocab x 4 B; a new user's sweep).
         loop.logits = output[0].logits[:, -1].to(copy=True, dtype=torch.float32)
         loop.next_tokens = torch.argmax(loop.logits, dim=-1)  # a local of the loop: alive until the next step's
         loop.ids = torch.cat([loop.ids, loop.next_tokens[:, None]], dim=-1)
