@@ -43,6 +43,8 @@ __all__ = ["DispatchMode", "StorageTracker", "KEEPS_COMPILE", "pop_orphan_modes"
 
 _aten = torch.ops.aten
 _PLAIN = torch.Tensor
+#: The input types whose gradient an input's first call reads (mark_inputs): none of their attributes raise.
+_GRAD_READ = frozenset({torch.Tensor, torch.nn.Parameter, _FakeTensor})
 _DETACH = _aten.detach.default
 _BACKWARD = Phase.BACKWARD
 _TAG = {name: i for i, name in enumerate(TAGS)}
@@ -387,11 +389,12 @@ class StorageTracker:
             if made_in_block_too:
                 if entry is not None and entry.cat == TEMPORARIES:
                     move(self.ledger, entry, INPUTS)
-                if ((type(objs) is _PLAIN or type(objs) is _FakeTensor) and objs.requires_grad and objs.is_leaf
+                if (type(objs) in _GRAD_READ and objs.requires_grad and objs.is_leaf
                         and objs.grad is not None):
                     # Its gradient from before the profile, which backward accumulates into: live as a fresh one
                     # backward would make (a temporary), never seen made (its 20,480 B were left out). Plain and
-                    # the simulation's tensors only: a subclass's attributes may raise (test_undescribable_inputs).
+                    # the simulation's tensors and parameters only: a subclass's attributes may raise
+                    # (test_undescribable_inputs).
                     self.add_tensor(objs.grad, TEMPORARIES)
         elif isinstance(objs, (list, tuple)):
             for o in objs:

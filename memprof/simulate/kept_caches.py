@@ -1,32 +1,40 @@
-"""The ``functools`` caches of the model's code that a simulation filled, emptied when it ends.
+"""The shape-only tensors a simulation left in the model code's ``functools`` caches, taken out when it ends.
 
 A model's code may keep what it computes in a process-wide ``functools.lru_cache``: transformers' BEiT (and
 DINOv3-ViT, DETR, SAM2 ...) caches the relative position index of a window size in a static method
-(``compile_compatible_method_lru_cache``, transformers/pytorch_utils.py), and models cache position tables by
-length in module-level functions. Called inside a simulation, such a function made and cached a fake tensor: the
-user's next real forward read it and computed on fake tensors without an error (a FakeTensor loss; an optimizer step
-that left half the parameters as they were), until ``loss.item()`` raised from deep inside torch.
+(``compile_compatible_method_lru_cache``, transformers/pytorch_utils.py), and models cache position tables or random
+features by shape in helper functions. Called inside a simulation, such a function made and cached a fake tensor:
+the user's next real call with that key read it and computed on fake tensors without an error (a FakeTensor loss; an
+optimizer step that left half the parameters as they were), until ``loss.item()`` raised from deep inside torch.
 
-:func:`caches_left_real` finds the caches the model's code can reach without walking the heap: in the class body of
-every class of the model's modules (methods, static and class methods, and the cache a decorator keeps in its
-closure, as transformers' does) and in the globals of the Python modules that define those classes and the step's own
-functions (the loss function, a ``train_step``), where a model module's cached helpers are, its own or imported.
-Classes and modules of torch, memprof and the standard library are left out: torch's caches keep what ops answer from
-metadata, alike for a fake tensor. It notes each cache's misses (each miss adds an entry) when the outermost
-simulation of a thread starts; when it ends, however it ends, it empties each one that gained an entry. An emptied
-cache is filled again by the next real call, as in a new process: nothing the user computes changes, only that first
-call's time. A cache only a deeper helper reaches (a function the model's modules do not name) is not found.
+:func:`caches_left_real` finds, without walking the heap, the caches the model's code reaches: in the class bodies of
+the model's module classes (methods, static and class methods, a decorator's closure, as transformers' keeps it), in
+each module's own attributes (a cache, or a helper object holding one, set on the instance), and in the Python modules
+that define those classes and the step's own functions (the loss function, a ``train_step``): their functions and
+caches, the classes they define or import (a helper class's cached static method), ``functools.partial`` objects,
+and, one level down, the modules they import under a name (``from . import helpers as H``) or import functions from
+(a helper that calls a cached function of its own module). Classes and modules of
+torch, memprof and the standard library are left out: torch's caches keep what ops answer from metadata, alike for a
+fake tensor. It notes each cache's misses (each miss adds an entry) when the outermost simulation of a thread starts;
+when it ends, however it ends, each cache that gained an entry and now holds a shape-only tensor (a fake tensor, or
+one on the meta device) among its results loses it: an unbounded cache (``functools.cache``) the entries that hold
+one, the user's own entries kept; a bounded one (``lru_cache(maxsize=...)``), whose entries ``functools`` offers no
+way to take out one by one, is emptied whole, and refills at its next real calls. A cache that gained only real
+entries is left as it is: emptying it could change what the user's code computes next (a cache of random features
+drawn again). A cache only a deeper helper reaches (a function the model's modules do not name) is not found.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import sys
 import threading
 import types
 from typing import Any, Callable, Iterable, Iterator
 
+import torch
 from torch import nn
 
 from ..errors import is_interrupt
@@ -34,12 +42,16 @@ from ..errors import is_interrupt
 __all__ = ["caches_left_real"]
 
 _LRU: type = functools._lru_cache_wrapper
-#: A ``functools`` cache (``functools._lru_cache_wrapper``), whose type is not public: its ``cache_info()`` and
-#: ``cache_clear()`` are called as on any object.
+#: A ``functools`` cache (``functools._lru_cache_wrapper``), whose type is not public: its ``cache_info()``,
+#: ``cache_parameters()`` and ``cache_clear()`` are called as on any object.
 Cache = Any
 #: The top-level packages whose classes and modules are not searched (the module docstring says why).
 _LEFT = frozenset({"torch", "memprof", *sys.stdlib_module_names})
 _state = threading.local()
+#: The types of values that may hold a cache (:func:`_cached`), beside a cache itself.
+_HOLDERS = frozenset({staticmethod, classmethod, functools.partial, types.FunctionType})
+#: The types of a module's attributes that are no helper object to search (its dicts of parameters and hooks ...).
+_PLAIN_VALUES = frozenset({dict, list, tuple, set, str, int, float, bool, type(None)})
 
 
 def _package(name: object) -> str:
@@ -47,10 +59,12 @@ def _package(name: object) -> str:
 
 
 def _cached(value: object) -> Iterator[Cache]:
-    """The caches ``value`` is or keeps: a cached function, a static or class method's, or one in a decorator's
-    closure (a function whose closure holds the cached function)."""
+    """The caches ``value`` is or keeps: a cached function, a static or class method's, a partial's, or one in a
+    function's closure (a decorator's: the function closes over the cached one)."""
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
+    if isinstance(value, functools.partial):
+        value = value.func
     if type(value) is _LRU:
         yield value
     elif isinstance(value, types.FunctionType):
@@ -65,34 +79,98 @@ def _cached(value: object) -> Iterator[Cache]:
                 yield held
 
 
+class _Finder:
+    """The search of the module docstring: every cache found, with its misses when found."""
+
+    def __init__(self) -> None:
+        self.found: dict[int, tuple[Cache, int]] = {}
+        self.classes: set[type] = set()
+        self.modules: dict[str, int] = {}  # each Python module searched, and the least depth it was searched at
+        self.objects: set[int] = set()  # helper objects searched (a config every module holds: once)
+
+    def note(self, values: Iterable[object]) -> None:
+        for value in values:
+            kind = type(value)
+            if kind is _LRU or kind in _HOLDERS:  # (tested first: most values of a class or module are neither)
+                for cache in _cached(value):
+                    self.found[id(cache)] = (cache, cache.cache_info().misses)
+
+    def a_class(self, cls: type) -> None:
+        if cls not in self.classes and _package(cls.__module__) not in _LEFT:
+            self.classes.add(cls)
+            self.note(list(vars(cls).values()))
+
+    def a_module(self, name: object, depth: int = 0) -> None:
+        """The Python module ``name``'s functions and caches, its classes', and (at ``depth`` 0) the modules it
+        imports under a name, searched the same way."""
+        if _package(name) in _LEFT or self.modules.get(str(name), depth + 1) <= depth:
+            return  # (searched at this depth or a lesser one: a module named first one level down is searched again)
+        self.modules[str(name)] = depth
+        python_module = sys.modules.get(str(name))
+        if python_module is None:
+            return
+        values = list(vars(python_module).values())
+        self.note(values)
+        for value in values:
+            if isinstance(value, type):
+                self.a_class(value)
+            elif isinstance(value, types.ModuleType) and depth == 0:
+                self.a_module(value.__name__, depth + 1)
+            elif isinstance(value, types.FunctionType) and depth == 0 and value.__module__ != name:
+                self.a_module(value.__module__, depth + 1)  # an imported helper's own module, whose caches it calls
+
+    def an_instance(self, module: nn.Module) -> None:
+        """The caches a module holds as attributes, or its plain helper objects hold."""
+        values = list(vars(module).values())
+        self.note(values)
+        for value in values:
+            if (type(value) not in _PLAIN_VALUES and id(value) not in self.objects and hasattr(value, "__dict__")
+                    and not isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType))):
+                self.objects.add(id(value))
+                self.a_class(type(value))
+                self.note(list(vars(value).values()))
+
+
 def _caches(model: nn.Module, functions: Iterable[object]) -> "dict[int, tuple[Cache, int]]":
     """The caches the model's code reaches (the module docstring), by id: each, and its misses so far."""
-    found: dict[int, tuple[Cache, int]] = {}
-    classes: set[type] = set()
-    modules = {getattr(f, "__module__", None) for f in functions}
-
-    def note(values: Iterable[object]) -> None:
-        for value in values:
-            for cache in _cached(value):
-                found[id(cache)] = (cache, cache.cache_info().misses)
-
+    finder = _Finder()
     for module in model.modules():
+        finder.an_instance(module)
         for cls in type(module).__mro__:
-            if cls not in classes and _package(cls.__module__) not in _LEFT:
-                classes.add(cls)
-                modules.add(cls.__module__)
-                note(vars(cls).values())
-    for name in modules:
-        python_module = sys.modules.get(str(name)) if _package(name) not in _LEFT else None
-        if python_module is not None:
-            note(list(vars(python_module).values()))
-    return found
+            finder.a_class(cls)
+    for name in {cls.__module__ for cls in finder.classes} | {getattr(f, "__module__", None) for f in functions}:
+        finder.a_module(name)
+    return finder.found
+
+
+def _shape_only(value: object, depth: int = 0) -> bool:
+    """Is ``value`` a tensor without data (fake, or on the meta device), or does a tuple, list or dict hold one?"""
+    if isinstance(value, torch.Tensor):
+        return isinstance(value, torch._subclasses.fake_tensor.FakeTensor) or value.is_meta
+    if depth < 2 and isinstance(value, (tuple, list)):
+        return any(_shape_only(v, depth + 1) for v in value)
+    if depth < 2 and isinstance(value, dict):
+        return any(_shape_only(v, depth + 1) for v in value.values())
+    return False
+
+
+def _take_out_shape_only(cache: Cache) -> None:
+    """``cache`` without its entries whose result holds a shape-only tensor (the module docstring)."""
+    # The cache's own dict and its bounded list's keys and results are what the collector sees it hold.
+    held = [r for r in gc.get_referents(cache) if r is not getattr(cache, "__dict__", None)]
+    if cache.cache_parameters().get("maxsize") is None:
+        for table in (r for r in held if type(r) is dict):
+            for key in [k for k, v in table.items() if _shape_only(v)]:
+                del table[key]  # (an unbounded cache is a plain dict of results: nothing else refers to the key)
+    elif any(_shape_only(r) for r in held):
+        cache.cache_clear()
 
 
 @contextlib.contextmanager
 def caches_left_real(model: nn.Module, *functions: "Callable[..., object] | None") -> Iterator[None]:
-    """The block, with the caches of ``model``'s code (and of ``functions``' modules) it filled emptied after it (the
-    module docstring); a block inside another of the same thread does nothing of its own."""
+    """The block, with the shape-only tensors it left in the caches of ``model``'s code (and of ``functions``'
+    modules) taken out after it (the module docstring); a block inside another of the same thread does nothing of
+    its own."""
     if getattr(_state, "depth", 0):
         yield
         return
@@ -105,4 +183,4 @@ def caches_left_real(model: nn.Module, *functions: "Callable[..., object] | None
         _state.depth = 0
         for cache, misses in before.values():
             if cache.cache_info().misses > misses:
-                cache.cache_clear()
+                _take_out_shape_only(cache)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..collect.routing import ROUTER_FUNCTIONS, innermost_module, router_call
+from ..errors import SimulationError
 from .modes import Next, Rule
 from .routing import RoutingPlan
 from .shadows import ShadowStore, shape_only
@@ -118,9 +119,15 @@ class RoutedValues(Rule):
         """A routed 0-dim tensor formatted as torch formats a real one: ``item().__format__(spec)``."""
         t = args[0]
         values = self.store.get(t) if shape_only(t) and t.dim() == 0 else None
-        if values is None:
-            return next(_FORMAT, args, kwargs)
         spec = args[1] if len(args) > 1 else kwargs.get("format_spec", "")
+        if values is None:
+            if spec and shape_only(t) and t.dim() == 0:
+                # A real 0-dim tensor formats its value, which a shape-only one does not have: where the format asks
+                # for a number (f"{loss:.3f}"), torch's own TypeError came out of the model's code.
+                raise SimulationError(f"the model formats a tensor's value into a string (format spec {spec!r}), "
+                                      "which shape-only tensors do not have; keep that formatting (a log line) out "
+                                      "of the training step, or format a Python number")
+            return next(_FORMAT, args, kwargs)
         with torch._C._DisableTorchDispatch():  # a real tensor: the simulation's modes must not see its item()
             value = values.item()
         return format(value, str(spec))

@@ -422,3 +422,24 @@ def test_a_lazy_modules_parameters_not_yet_made_are_refused_naming_the_fix():
         memprof.estimate(model, None, inputs=torch.zeros(2, 8))
     model(torch.zeros(2, 8))  # made: the estimate runs
     assert memprof.estimate(model, None, inputs=torch.zeros(2, 8)).peak_bytes > 0
+
+
+def test_a_model_that_formats_a_tensors_value_is_refused_by_a_simulation_error():
+    # A real 0-dim tensor formats its value (f"{loss:.3f}"); a shape-only one has none, and torch's TypeError
+    # ("unsupported format string passed to FakeTensor.__format__") came out of the model's code. Formatting without
+    # a spec (a debug line, f"{t}") still formats the tensor as before.
+    class Logs(nn.Module):
+        def __init__(self, spec):
+            super().__init__()
+            self.lin, self.spec = nn.Linear(8, 8), spec
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.line = format(y.mean(), self.spec)
+            return y
+
+    with pytest.raises(memprof.errors.SimulationError, match=r"formats a tensor's value into a string \(format "
+                                                             r"spec '\.3f'\)"):
+        memprof.estimate(Logs(".3f"), None, inputs=torch.randn(4, 8), loss_fn=lambda out: out.sum(), steps=1)
+    plain = Logs("")
+    memprof.estimate(plain, None, inputs=torch.randn(4, 8), loss_fn=lambda out: out.sum(), steps=1)

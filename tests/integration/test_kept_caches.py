@@ -13,6 +13,10 @@ from torch import nn
 import memprof
 from memprof.simulate import kept_caches
 
+import cached_helpers
+import cached_helpers as helpers_alias
+from cached_helpers import Rope, deeper, random_features
+
 
 @functools.lru_cache(maxsize=8)
 def _positions(n: int) -> torch.Tensor:
@@ -101,3 +105,50 @@ def test_the_caches_are_found_in_the_models_classes_and_modules_and_the_step_fun
     assert _positions in [c for c, _ in kept_caches._caches(_Positional(), ()).values()]
     assert _positions in [c for c, _ in kept_caches._caches(nn.Linear(2, 2), (_train,)).values()]  # via _train's module
     assert not any(c.__module__.startswith("torch") for c in found)
+
+
+class _Reaching(nn.Module):
+    """Adds what ``extra(n)`` returns, a cached helper's table reached in the way ``how`` names."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.proj = how, nn.Linear(8, 8)
+        if how == "instance":
+            self.table = functools.lru_cache(maxsize=None)(lambda n: torch.arange(n, dtype=torch.float32) * 2)
+        if how == "partial":
+            self.table = functools.partial(cached_helpers.table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, how = x.shape[-1], self.how
+        extra = (helpers_alias.table(n) if how == "module_alias" else deeper(n) if how == "behind_a_helper"
+                 else Rope.freqs(n) if how == "helper_class" else self.table(n))
+        return self.proj(x + extra)
+
+
+@pytest.mark.parametrize("how", ["module_alias", "behind_a_helper", "helper_class", "instance", "partial"])
+def test_caches_reached_through_aliases_helpers_classes_and_attributes_hold_no_fake_tensor_after(how):
+    for cache in (cached_helpers.table, cached_helpers._deep, Rope.freqs):
+        cache.cache_clear()
+    torch.manual_seed(0)
+    _same_training(_Reaching(how), torch.randn(4, 8))
+
+
+class _RandomFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x + random_features(x.shape[0], 8))
+
+
+def test_the_users_own_entries_of_a_cache_the_simulation_added_to_are_kept():
+    # Features drawn once per shape: emptied, the cache would draw the user's again and change their training. Only
+    # the simulation's (fake) entry leaves an unbounded cache.
+    random_features.cache_clear()
+    torch.manual_seed(0)
+    model = _RandomFeatures()
+    kept = random_features(4, 8)  # the user's real entry, for their batch of 4, drawn first
+    memprof.estimate(model, torch.optim.AdamW, inputs=torch.randn(64, 8), loss_fn=lambda out: out.pow(2).mean(),
+                     steps=1)  # "would a batch of 64 fit?": a fake entry for (64, 8), taken out after
+    assert random_features(4, 8) is kept and random_features.cache_info().currsize == 1
