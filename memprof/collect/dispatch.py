@@ -8,23 +8,24 @@ storages they were given), ``out=`` ops register a buffer memprof never saw
 (allocated inside compiled code), and ``lift_fresh`` (how ``torch.tensor``
 hands a C++-built tensor to dispatch) counts as a new storage. A few ops carry
 a tag rule that names what they produced (dropout masks, norm statistics,
-autocast weight copies ...) for the reconciler's causes.
+autocast weight copies ...) for the reconciler's causes: :mod:`.op_tags`.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
 from ..errors import is_interrupt
 from ..vocabulary import Phase
-from .autocast_state import emulated_autocast_dtype
-from .ledger import COMMUNICATION, INPUTS, TAGS, TEMPORARIES, WEIGHTS, inner_tensors, is_wrapper, storage_of
+from .ledger import INPUTS, TEMPORARIES, inner_tensors, is_wrapper, storage_of
 from .moves import move, set_tag
 from .mode_stack import exit_mode, pop_from_beneath, push_beneath
+from .op_tags import COLLECTIVE_NAMESPACES, TAG_RULES, TagRule, autocast_dtype, op_named as _op
+from .op_tags import communication as _communication
 from .torch_compat import FakeTensor as _FakeTensor
 from .torch_compat import KEEPS_COMPILE, UnwrappedMode, dispatch_mode_at, dispatch_stack_len as _dispatch_stack_len
 from .torch_compat import skip_dynamo
@@ -47,8 +48,6 @@ _PLAIN = torch.Tensor
 _GRAD_READ = frozenset({torch.Tensor, torch.nn.Parameter, _FakeTensor})
 _DETACH = _aten.detach.default
 _BACKWARD = Phase.BACKWARD
-_TAG = {name: i for i, name in enumerate(TAGS)}
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _nothing() -> None:
@@ -196,12 +195,6 @@ def _leave_stack(ref: "weakref.ref[DispatchMode]") -> None:
 
 # What an op's outputs are, decided once per op from its schema.
 _NEW_OUTPUTS, _ALIASES, _WRITES_OUT, _RESIZES, _NOT_WORK, _VIEW = 0, 1, 2, 3, 4, 5
-
-
-def _op(name: str, overload: str = "default") -> "Op | None":
-    # Ops differ between torch versions; a missing one simply gets no rule.
-    packet = getattr(_aten, name, None)
-    return getattr(packet, overload, None) if packet is not None else None
 
 
 # Ops whose schema says "returns an alias of the input" but which hand out a storage made outside
@@ -409,124 +402,11 @@ class StorageTracker:
             self.autocast_dtype = str(dtype).replace("torch.", "") if dtype is not None else None
 
 
-def autocast_dtype(device: torch.device) -> "torch.dtype | None":
-    """The dtype autocast casts to for ops on ``device`` now, or ``None`` outside autocast; a simulation's
-    emulated CUDA autocast (memprof.collect.autocast_state) counts too."""
-    dev = device.type if device.type in ("cpu", "cuda") else None
-    if dev is not None and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return emulated_autocast_dtype()
-
-
-# ---------------------------------------------------------------------- tag rules: what some ops make
-
-#: A rule: the tracker, the op, its arguments and its output (the op's own values, untyped by torch).
-_Rule = Callable[["StorageTracker", "Op", "tuple[object, ...]", object], None]
-
-
-def _tag_outputs(indices: tuple[int, ...], tag: str) -> "_Rule":
-    def rule(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
-        if isinstance(out, (tuple, list)):
-            for i in indices:
-                if i < len(out) and isinstance(out[i], torch.Tensor):
-                    storages.tag(out[i], _TAG[tag])
-    return rule
-
-
-def _tag_dropout_inplace(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
-    # F.dropout's CPU path: empty_like -> bernoulli_ -> div_ -> mul; the mask is bernoulli_'s target.
-    if args and isinstance(args[0], torch.Tensor):
-        size = args[0].element_size()
-        storages.tag(args[0], _TAG["dropout_mask_4byte" if size >= 4 else "dropout_mask_2byte" if size == 2
-                                    else "dropout_mask"])
-
-
-def _tag_weight_cast(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
-    # autocast casts an fp32 parameter to 16 bits with _to_copy.
-    if isinstance(out, torch.Tensor) and out.dtype in _LOW_PRECISION and args and isinstance(args[0], torch.Tensor):
-        entry = storages.entry_of(args[0])
-        if entry is not None and entry.cat == WEIGHTS:
-            storages.tag(out, _TAG["autocast_weight_copy"])
-
-
-def _tag_fp32_under_autocast(index: "int | None") -> "_Rule":
-    def rule(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
-        if storages.autocast_dtype not in ("bfloat16", "float16"):
-            return
-        t = out[index] if index is not None and isinstance(out, (tuple, list)) else out
-        if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and autocast_dtype(storages.device) is not None:
-            storages.tag(t, _TAG["autocast_fp32_output"])
-    return rule
-
-
-# torch.distributed's collectives (c10d: DDP's allreduce of its buckets, FSDP's all-gather and reduce-scatter;
-# _c10d_functional: the traceable collectives torch.compile and DTensor use).
-_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})
-
-
-def _communication(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
-    # What a collective is handed and gives back is a communication buffer, unless it is a model state
-    # (gradient_as_bucket_view makes the gradients the buckets; FSDP reduce-scatters into gradients).
-    led = storages.ledger
-    # In-place collectives (c10d: DDP's allreduce_ of its buckets) work in the buffers they are handed;
-    # functional ones (_c10d_functional) return new buffers and only read their inputs.
-    for t in _flat_tensors(out if func.namespace == "_c10d_functional" else (args, out)):
-        entry = storages.entry_of(t)
-        if entry is None:
-            storages.add_tensor(t, COMMUNICATION)
-        elif entry.cat in (TEMPORARIES, INPUTS):
-            # Made for this collective (FSDP's staging buffers are filled before it runs): it was one at a
-            # peak reached while it was being filled, too.
-            move(led, entry, COMMUNICATION, retro=True)
-    after = storages.after_collective
-    if after is not None:
-        # FSDP2 stores a group's sharded gradients after its reduce-scatter; by the next collective they are there.
-        after()
-
-
-def _flat_tensors(obj: object, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)) and depth < 3:
-        for o in obj:
-            yield from _flat_tensors(o, depth + 1)
-
-
-def _both(*rules: "_Rule") -> "_Rule":
-    def rule(storages: StorageTracker, func: "Op", args: "tuple[object, ...]", out: object) -> None:
-        for r in rules:
-            r(storages, func, args, out)
-    return rule
-
-
-_NORM = _tag_outputs((1, 2), "norm_statistics")
-_LSE = _tag_outputs((1,), "attention_logsumexp")
-_TAG_RULES: "dict[Op, _Rule]" = {
-    k: v for k, v in {
-        _op("_to_copy"): _tag_weight_cast,
-        _op("native_dropout"): _tag_outputs((1,), "dropout_mask"),
-        _op("bernoulli_", "float"): _tag_dropout_inplace,
-        _op("bernoulli_", "Tensor"): _tag_dropout_inplace,
-        _op("native_layer_norm"): _both(_NORM, _tag_fp32_under_autocast(0)),
-        _op("native_batch_norm"): _NORM,
-        _op("_native_batch_norm_legit"): _NORM,
-        _op("_native_batch_norm_legit", "no_stats"): _NORM,
-        _op("native_group_norm"): _NORM,
-        _op("_fused_rms_norm"): _tag_outputs((1,), "norm_statistics"),
-        _op("_scaled_dot_product_flash_attention_for_cpu"): _LSE,
-        _op("_scaled_dot_product_flash_attention"): _LSE,
-        _op("_scaled_dot_product_efficient_attention"): _LSE,
-        _op("_scaled_dot_product_cudnn_attention"): _LSE,
-        _op("_softmax"): _tag_fp32_under_autocast(None),
-        _op("_log_softmax"): _tag_fp32_under_autocast(None),
-    }.items() if k is not None
-}
-
 # id(op) -> (kind, tag rule or None, op). The op itself is kept so that its id stays its own.
-_OP_INFO: "dict[int, tuple[int, _Rule | None, Op]]" = {}
+_OP_INFO: "dict[int, tuple[int, TagRule | None, Op]]" = {}
 
 
-def _op_info(func: "Op") -> "tuple[int, _Rule | None, Op]":
+def _op_info(func: "Op") -> "tuple[int, TagRule | None, Op]":
     if func.namespace == "profiler":  # record_function markers are not work
         kind = _NOT_WORK
     else:
@@ -548,8 +428,8 @@ def _op_info(func: "Op") -> "tuple[int, _Rule | None, Op]":
             kind = _NEW_OUTPUTS
         elif func in _RESIZE_OPS:
             kind = _RESIZES
-    rule = _TAG_RULES.get(func)
-    if func.namespace in _COLLECTIVE_NAMESPACES:
+    rule = TAG_RULES.get(func)
+    if func.namespace in COLLECTIVE_NAMESPACES:
         rule = _communication
     info = (kind, rule, func)
     _OP_INFO[id(func)] = info
