@@ -52,6 +52,8 @@ _state = threading.local()
 _HOLDERS = frozenset({staticmethod, classmethod, functools.partial, types.FunctionType})
 #: The types of a module's attributes that are no helper object to search (its dicts of parameters and hooks ...).
 _PLAIN_VALUES = frozenset({dict, list, tuple, set, str, int, float, bool, type(None)})
+#: ... and of those subclassed (a module's OrderedDicts of parameters and hooks, torch.Size).
+_NOT_HELPERS = (dict, list, tuple, set, frozenset, str, bytes, int, float, nn.Module, torch.Tensor)
 
 
 def _package(name: object) -> str:
@@ -89,54 +91,100 @@ class _Finder:
         self.objects: set[int] = set()  # helper objects searched (a config every module holds: once)
 
     def note(self, values: Iterable[object]) -> None:
-        for value in values:
-            kind = type(value)
-            if kind is _LRU or kind in _HOLDERS:  # (tested first: most values of a class or module are neither)
-                for cache in _cached(value):
-                    self.found[id(cache)] = (cache, cache.cache_info().misses)
+        for cache in _caches_in(values):
+            self.found[id(cache)] = (cache, cache.cache_info().misses)
 
     def a_class(self, cls: type) -> None:
         if cls not in self.classes and _package(cls.__module__) not in _LEFT:
             self.classes.add(cls)
-            self.note(list(vars(cls).values()))
+            for cache in _class_caches(cls):
+                self.found[id(cache)] = (cache, cache.cache_info().misses)
 
     def a_module(self, name: object, depth: int = 0) -> None:
         """The Python module ``name``'s functions and caches, its classes', and (at ``depth`` 0) the modules it
-        imports under a name, searched the same way."""
+        imports under a name or imports functions from, searched the same way."""
         if _package(name) in _LEFT or self.modules.get(str(name), depth + 1) <= depth:
             return  # (searched at this depth or a lesser one: a module named first one level down is searched again)
         self.modules[str(name)] = depth
-        python_module = sys.modules.get(str(name))
-        if python_module is None:
+        parts = _module_parts(str(name))
+        if parts is None:
             return
-        values = list(vars(python_module).values())
-        self.note(values)
-        for value in values:
-            if isinstance(value, type):
-                self.a_class(value)
-            elif isinstance(value, types.ModuleType) and depth == 0:
-                self.a_module(value.__name__, depth + 1)
-            elif isinstance(value, types.FunctionType) and depth == 0 and value.__module__ != name:
-                self.a_module(value.__module__, depth + 1)  # an imported helper's own module, whose caches it calls
+        caches, classes, further = parts
+        for cache in caches:
+            self.found[id(cache)] = (cache, cache.cache_info().misses)
+        for cls in classes:
+            self.a_class(cls)
+        if depth == 0:
+            for other in further:
+                self.a_module(other, depth + 1)
 
     def an_instance(self, module: nn.Module) -> None:
         """The caches a module holds as attributes, or its plain helper objects hold."""
-        values = list(vars(module).values())
-        self.note(values)
-        for value in values:
-            if (type(value) not in _PLAIN_VALUES and id(value) not in self.objects and hasattr(value, "__dict__")
-                    and not isinstance(value, (nn.Module, torch.Tensor, type, types.ModuleType))):
+        for value in vars(module).values():
+            kind = type(value)
+            if kind in _PLAIN_VALUES or isinstance(value, _NOT_HELPERS):
+                continue  # (most of a module's attributes: its dicts of parameters and hooks, flags, submodules)
+            if kind is _LRU or kind in _HOLDERS:
+                self.note((value,))
+            elif id(value) not in self.objects and hasattr(value, "__dict__") and not isinstance(value, (
+                    type, types.ModuleType)):
                 self.objects.add(id(value))
-                self.a_class(type(value))
+                self.a_class(kind)
                 self.note(list(vars(value).values()))
+
+
+def _caches_in(values: Iterable[object]) -> list[Cache]:
+    return [cache for value in values if type(value) is _LRU or type(value) in _HOLDERS for cache in _cached(value)]
+
+
+#: What a class body and a Python module hold, kept between simulations (a plan's, a test suite's) by the class and
+#: by the module's name, each with the size of its namespace then: searched again when the namespace has grown (a
+#: lazy import), forgotten all at once past :data:`_KEPT`.
+_CLASSES: "dict[type, tuple[int, list[Cache]]]" = {}
+_MODULES: "dict[str, tuple[tuple[int, int], tuple[list[Cache], list[type], list[str]]]]" = {}
+_KEPT = 4096
+
+
+def _class_caches(cls: type) -> list[Cache]:
+    size = len(vars(cls))
+    kept = _CLASSES.get(cls)
+    if kept is None or kept[0] != size:
+        if len(_CLASSES) > _KEPT:
+            _CLASSES.clear()
+        kept = _CLASSES[cls] = (size, _caches_in(list(vars(cls).values())))
+    return kept[1]
+
+
+def _module_parts(name: str) -> "tuple[list[Cache], list[type], list[str]] | None":
+    """The caches of module ``name``'s namespace, its classes, and the modules it names (imported under a name, or
+    the homes of the functions it imports); None where no such module is loaded."""
+    python_module = sys.modules.get(name)
+    if python_module is None:
+        return None
+    namespace = vars(python_module)
+    key = (id(python_module), len(namespace))
+    kept = _MODULES.get(name)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    values = list(namespace.values())
+    further = [v.__name__ for v in values if isinstance(v, types.ModuleType)]
+    further += sorted({v.__module__ for v in values if isinstance(v, types.FunctionType) and v.__module__ != name})
+    parts = (_caches_in(values), [v for v in values if isinstance(v, type)], further)
+    if len(_MODULES) > _KEPT:
+        _MODULES.clear()
+    _MODULES[name] = (key, parts)
+    return parts
 
 
 def _caches(model: nn.Module, functions: Iterable[object]) -> "dict[int, tuple[Cache, int]]":
     """The caches the model's code reaches (the module docstring), by id: each, and its misses so far."""
     finder = _Finder()
+    kinds: set[type] = set()
     for module in model.modules():
         finder.an_instance(module)
-        for cls in type(module).__mro__:
+        kinds.add(type(module))
+    for kind in kinds:
+        for cls in kind.__mro__:
             finder.a_class(cls)
     for name in {cls.__module__ for cls in finder.classes} | {getattr(f, "__module__", None) for f in functions}:
         finder.a_module(name)
