@@ -136,3 +136,15 @@ def test_greedy_keeps_the_last_calls_logits_copy_while_the_next_one_is_made():
         between = [p.peak[C.TEMPORARIES] for p in trace.phases if p.phase.value == "other" and p.occurrence >= 2]
         # The model's fp32 output, the previous copy and the new one: three rows, and generate()'s few bytes more.
         assert len(between) == 3 and all(3 * row <= t < 3 * row + 1024 for t in between), between
+
+
+def test_logits_processors_a_generation_config_asks_for_are_named_as_not_simulated():
+    # generate() adds a processor for each (a repetition penalty clones the scores); the simulation runs none.
+    model = _llama()
+    est = memprof.estimate_generation(model, batch_size=2, prompt_len=4, max_new_tokens=3, device="cpu")
+    assert not any("generation config sets" in n for n in est.notes)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.min_new_tokens = 2
+    est = memprof.estimate_generation(model, batch_size=2, prompt_len=4, max_new_tokens=3, device="cpu")
+    assert any(n.startswith("the model's generation config sets repetition_penalty=1.3, min_new_tokens=2: generate() "
+                            "runs a logits processor") for n in est.notes), est.notes
