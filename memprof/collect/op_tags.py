@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from .aliases import Op
     from .ledger import Entry, Ledger
 
+__all__ = ["TAG_RULES", "TagRule", "COLLECTIVE_NAMESPACES", "autocast_dtype", "communication", "op_named"]
+
 
 class StorageTracker(Protocol):
     """What the rules read and call of :class:`memprof.collect.dispatch.StorageTracker` (named here, not imported:
@@ -33,7 +35,6 @@ class StorageTracker(Protocol):
 
     def add_tensor(self, t: torch.Tensor, cat: int) -> "Entry | None": ...
 
-__all__ = ["TAG_RULES", "TagRule", "COLLECTIVE_NAMESPACES", "autocast_dtype", "communication", "op_named"]
 
 _aten = torch.ops.aten
 _TAG = {name: i for i, name in enumerate(TAGS)}

@@ -160,31 +160,6 @@ def _made(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
     return (None,) * len(outs)
 
 
-def _in_input_format(rule: Rule, input_at: int) -> Rule:
-    """``rule``, with the first output laid out in the memory format torch suggests for argument ``input_at``: the
-    CPU's batch norm kernels make their output (forward) and the input's gradient (backward) with
-    ``empty_like(input, input.suggest_memory_format())`` (``batch_norm_cpu``, ``batch_norm_backward_cpu``,
-    aten/src/ATen/native/Normalization.cpp), contiguous unless the input is channels-last, where the meta kernels keep
-    a transposed input's strides. PatchTST normalises ``x.transpose(1, 2)`` with a BatchNorm1d and transposes back:
-    on the CPU the result is then not contiguous, and each Linear after it copies its input and saves the copy, which
-    the simulation did not (3.8 % low; 19 % for three Linears after one such norm, a new user's sweep). Same bytes,
-    another layout."""
-    from torch._prims_common import suggest_memory_format
-
-    def laid_out(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
-        out = rule(args, kwargs, outs)
-        first = outs[0] if outs else None
-        if not isinstance(first, torch.Tensor) or not isinstance(args[input_at], torch.Tensor):
-            return out
-        fmt = suggest_memory_format(args[input_at])
-        made = out[0] if isinstance(out[0], torch.Tensor) else first
-        if made.is_contiguous(memory_format=fmt):
-            return out
-        return (torch.empty_like(made, memory_format=fmt), *out[1:])
-
-    return laid_out
-
-
 #: ``mkldnn_rnn_layer``'s ``mode`` for an LSTM (ideep's ``rnn_kind::LSTM``), the only kind torch sends it.
 _LSTM = 2
 
@@ -241,23 +216,51 @@ def _layer_norm_backward(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storag
                  and g.dtype != p.dtype else None for g, p in zip(outs, params))
 
 
+def _first_laid_out(rule: Rule, format_of: "Callable[[Args], torch.memory_format | None]") -> Rule:
+    """``rule``, with the first output laid out in the memory format ``format_of(args)`` names (None: as made)
+    where the output is not laid out so already. Same bytes, another layout."""
+
+    def laid_out(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
+        out = rule(args, kwargs, outs)
+        first = outs[0] if outs else None
+        if not isinstance(first, torch.Tensor):
+            return out
+        fmt = format_of(args)
+        if fmt is None:
+            return out
+        made = out[0] if isinstance(out[0], torch.Tensor) else first
+        if made.is_contiguous(memory_format=fmt):
+            return out
+        return (torch.empty_like(made, memory_format=fmt), *out[1:])
+
+    return laid_out
+
+
 def _contiguous_first(rule: Rule) -> Rule:
     """``rule``, with the first output laid out contiguously where the fake one is not: the CPU's layer norm
     kernels make their input contiguous and write the output (forward) or the input's gradient (backward) into a
     contiguous tensor (``layer_norm_cpu``, ``layer_norm_backward_cpu``, aten/src/ATen/native/layer_norm.cpp), where
     the meta kernels keep a non-contiguous input's layout. A later ``reshape`` then copies in the simulation only:
     Swin's backward, whose layer norms meet transposed tensors, was 8,192 B over in temporaries (a new user's
-    sweep). Same bytes, another layout."""
+    sweep)."""
+    return _first_laid_out(rule, lambda args: torch.contiguous_format)
 
-    def laid_out(args: Args, kwargs: Kwargs, outs: Args) -> tuple[Storage, ...]:
-        out = rule(args, kwargs, outs)
-        first = outs[0] if outs else None
-        if not isinstance(first, torch.Tensor) or first.is_contiguous():
-            return out
-        made = out[0] if isinstance(out[0], torch.Tensor) else first
-        return (torch.empty_like(made, memory_format=torch.contiguous_format), *out[1:])
 
-    return laid_out
+def _in_input_format(rule: Rule, input_at: int) -> Rule:
+    """``rule``, with the first output laid out in the memory format torch suggests for argument ``input_at``: the
+    CPU's batch norm kernels make their output (forward) and the input's gradient (backward) with
+    ``empty_like(input, input.suggest_memory_format())`` (``batch_norm_cpu``, ``batch_norm_backward_cpu``,
+    aten/src/ATen/native/Normalization.cpp), contiguous unless the input is channels-last, where the meta kernels keep
+    a transposed input's strides. PatchTST normalises ``x.transpose(1, 2)`` with a BatchNorm1d and transposes back:
+    on the CPU the result is then not contiguous, and each Linear after it copies its input and saves the copy, which
+    the simulation did not (3.8 % low; 19 % for three Linears after one such norm, a new user's sweep)."""
+    from torch._prims_common import suggest_memory_format
+
+    def suggested(args: Args) -> "torch.memory_format | None":
+        given = args[input_at]
+        return suggest_memory_format(given) if isinstance(given, torch.Tensor) else None
+
+    return _first_laid_out(rule, suggested)
 
 
 #: aten op -> its rule. Found by ``benchmarks/cpu_kernel_sweep.py`` (but the LSTM's); docs/accuracy.md has the table.

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import is_interrupt
+from .shadows import shape_only
 
 __all__ = ["caches_left_real"]
 
@@ -50,9 +51,8 @@ _LEFT = frozenset({"torch", "memprof", *sys.stdlib_module_names})
 _state = threading.local()
 #: The types of values that may hold a cache (:func:`_cached`), beside a cache itself.
 _HOLDERS = frozenset({staticmethod, classmethod, functools.partial, types.FunctionType})
-#: The types of a module's attributes that are no helper object to search (its dicts of parameters and hooks ...).
-_PLAIN_VALUES = frozenset({dict, list, tuple, set, str, int, float, bool, type(None)})
-#: ... and of those subclassed (a module's OrderedDicts of parameters and hooks, torch.Size).
+#: The types of a module's attributes that are no helper object to search (its OrderedDicts of parameters and hooks,
+#: flags, sizes, submodules, tensors).
 _NOT_HELPERS = (dict, list, tuple, set, frozenset, str, bytes, int, float, nn.Module, torch.Tensor)
 
 
@@ -91,14 +91,16 @@ class _Finder:
         self.objects: set[int] = set()  # helper objects searched (a config every module holds: once)
 
     def note(self, values: Iterable[object]) -> None:
-        for cache in _caches_in(values):
+        self.add(_caches_in(values))
+
+    def add(self, caches: Iterable[Cache]) -> None:
+        for cache in caches:
             self.found[id(cache)] = (cache, cache.cache_info().misses)
 
     def a_class(self, cls: type) -> None:
         if cls not in self.classes and _package(cls.__module__) not in _LEFT:
             self.classes.add(cls)
-            for cache in _class_caches(cls):
-                self.found[id(cache)] = (cache, cache.cache_info().misses)
+            self.add(_class_caches(cls))
 
     def a_module(self, name: object, depth: int = 0) -> None:
         """The Python module ``name``'s functions and caches, its classes', and (at ``depth`` 0) the modules it
@@ -110,8 +112,7 @@ class _Finder:
         if parts is None:
             return
         caches, classes, further = parts
-        for cache in caches:
-            self.found[id(cache)] = (cache, cache.cache_info().misses)
+        self.add(caches)
         for cls in classes:
             self.a_class(cls)
         if depth == 0:
@@ -122,7 +123,7 @@ class _Finder:
         """The caches a module holds as attributes, or its plain helper objects hold."""
         for value in vars(module).values():
             kind = type(value)
-            if kind in _PLAIN_VALUES or isinstance(value, _NOT_HELPERS):
+            if isinstance(value, _NOT_HELPERS):
                 continue  # (most of a module's attributes: its dicts of parameters and hooks, flags, submodules)
             if kind is _LRU or kind in _HOLDERS:
                 self.note((value,))
@@ -194,7 +195,7 @@ def _caches(model: nn.Module, functions: Iterable[object]) -> "dict[int, tuple[C
 def _shape_only(value: object, depth: int = 0) -> bool:
     """Is ``value`` a tensor without data (fake, or on the meta device), or does a tuple, list or dict hold one?"""
     if isinstance(value, torch.Tensor):
-        return isinstance(value, torch._subclasses.fake_tensor.FakeTensor) or value.is_meta
+        return shape_only(value)
     if depth < 2 and isinstance(value, (tuple, list)):
         return any(_shape_only(v, depth + 1) for v in value)
     if depth < 2 and isinstance(value, dict):
