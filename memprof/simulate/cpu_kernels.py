@@ -28,6 +28,7 @@ from .sparse_kernels import NOT_SPARSE, SPARSE_OPS, Args, Kwargs, SparseKernels,
 
 if TYPE_CHECKING:
     from .aliases import OpValue
+    from .op_chain import OpNext
 
 __all__ = ["CpuKernels", "RULES", "SWEPT_OPINFOS", "MIXED_OPINFOS"]
 
@@ -320,20 +321,18 @@ class CpuKernels(SparseKernels):
     def __init__(self) -> None:
         super().__init__(cpu=True)
 
-    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: Args = (),
-                           kwargs: "Kwargs | None" = None) -> "OpValue":
-        kwargs = kwargs or {}
+    def handle(self, func: torch._ops.OpOverload, args: Args, kwargs: Kwargs, next: "OpNext") -> "OpValue":
         if func in SPARSE_OPS:
-            answer = self.sparse(func, args, kwargs)
+            answer = self.sparse(func, args, kwargs, next)
             if answer is not NOT_SPARSE:
                 return answer
-        out = func(*args, **kwargs)
+        out = next(func, args, kwargs)
         rule = RULES.get(func)
         if rule is None:
             if type(out) is FakeTensor and out.layout is torch.sparse_coo:
                 return self.kept_elements(out, args)
             return out
-        return self._apply(func, rule, tuple(args), kwargs, out)
+        return self._apply(func, rule, args, kwargs, out)
 
     def _apply(self, func: torch._ops.OpOverload, rule: Rule, args: Args, kwargs: Kwargs, out: "OpValue") -> "OpValue":
         outs = out if isinstance(out, tuple) else (out,)

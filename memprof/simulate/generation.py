@@ -131,10 +131,8 @@ def _decoded(prepared: _Prepared) -> "SimulatedProfile":
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(setup.beneath())
-            stack.enter_context(setup.op_rules())  # beneath the profiler: it counts what the rules return
             stack.enter_context(prof)
             stack.enter_context(setup.rules())
-            stack.enter_context(setup.above())
             stack.enter_context(torch.no_grad())
             loop.prefill()
             ran = decodes if not jump else 2

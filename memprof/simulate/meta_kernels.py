@@ -5,8 +5,9 @@ dtypes; many of them are torch's Python references (``torch/_refs``: broadcastin
 ``mul``, ``add``, ``pow``), about 250 us a call on this machine, a third of a Llama step's simulation. Their answer
 depends on nothing but the op, its arguments' metadata and the process's default dtype (an integer tensor promoted
 to a float), and a step, its cuts and a plan's batches ask the same questions again and again.
-:class:`MetaKernelCache`, a dispatch mode beneath every other mode of the simulation, answers a question it has
-seen with new tensors of the metadata the kernel gave, without running it.
+:class:`MetaKernelCache`, the last of the simulation's rules beneath the collector
+(:mod:`memprof.simulate.op_chain`: one dispatch mode for them all), answers a question it has seen with new tensors
+of the metadata the kernel gave, without running it.
 
 Which ops it answers is read from the op's schema, once per op: one that returns new tensors only (no view, no
 ``out=``), or one that writes into ``self`` alone and returns it (``mul_``, ``addcdiv_``: on meta tensors the kernel
@@ -17,13 +18,13 @@ sparse or negated tensor, a symbolic size, an object other than a number, string
 format). An answer
 is kept only where new tensors made from it are what the kernel made: each output a tensor of its own storage
 (none shared with an input or another output), at offset 0, whose storage has the bytes ``empty_strided`` gives;
-an in-place op's output the very ``self`` it was given, unchanged. Everything above the mode (memprof's ledger, the
+an in-place op's output the very ``self`` it was given, unchanged. Everything above the rule (memprof's ledger, the
 rules, autograd) sees what the kernel would have returned: fresh storages of the same bytes.
 
 A simulation for a CPU target, or of a ``parallelize=`` function, runs on fake CPU tensors instead
 (``torch._subclasses.fake_tensor``), whose mode runs the same meta kernels and keeps their answers itself, but asks
 its cache by a key that describes every tensor argument in full (``FakeTensorMode._cache_key``: about 85 us a call
-answered, seven times this mode's). Given that fake mode, this mode sits just above it and answers the same
+answered, seven times this mode's). Given that fake mode, this rule sits just above it and answers the same
 questions for its fake tensors (each described with its device as well; one holding a constant value, or another
 mode's, is not described), with new fake tensors of the device and metadata the fake mode gave, on meta storages
 of the same bytes. Only aten's and prims' ops are answered there: another namespace's op may act on the side (a
@@ -44,14 +45,15 @@ from torch._subclasses.fake_tensor import (_DISPATCH_HANDLE_DIRECTLY, _DISPATCH_
                                            _check_for_subclass)
 from torch.utils._pytree import tree_flatten
 
-from ..collect.torch_compat import UnwrappedMode
 from .fake_made import FakeMaker, meta_empty
+from .op_chain import OpRule
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .aliases import OpValue
+    from .op_chain import OpNext
 
 __all__ = ["MetaKernelCache", "answerable"]
 
@@ -92,10 +94,10 @@ _KINDS: "dict[OpOverload, str]" = {}
 _FAKE_KINDS: "dict[OpOverload, str | int]" = {}
 
 
-class MetaKernelCache(UnwrappedMode):
-    """Beneath every other mode of a simulation on meta tensors, or just above ``fake_mode`` in one on its fake
-    tensors: each op the module docstring names, asked again with the same metadata, is answered with new tensors
-    of the metadata its kernel gave."""
+class MetaKernelCache(OpRule):
+    """The last rule of a simulation's op chain: beneath every other on meta tensors, just above ``fake_mode`` on its
+    fake tensors (alone, a dispatch mode entered there). Each op the module docstring names, asked again with the
+    same metadata, is answered with new tensors of the metadata its kernel gave."""
 
     def __init__(self, fake_mode: "FakeTensorMode | None" = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
@@ -107,9 +109,8 @@ class MetaKernelCache(UnwrappedMode):
         self.fake_mode = fake_mode
         self._fake = None if fake_mode is None else FakeMaker(fake_mode)
 
-    def __torch_dispatch__(self, func: "OpOverload", types: object, args: "tuple[OpValue, ...]" = (),
-                           kwargs: "dict[str, OpValue] | None" = None) -> "OpValue":
-        kwargs = kwargs or {}
+    def handle(self, func: "OpOverload", args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
+               next: "OpNext") -> "OpValue":
         mode = self.fake_mode
         kind: "str | int | None"
         if mode is None:
@@ -121,14 +122,16 @@ class MetaKernelCache(UnwrappedMode):
             if kind is None:
                 kind = _FAKE_KINDS[func] = _fake_kind(func)
         if kind is _NEVER:
-            return func(*args, **kwargs)
+            return next(func, args, kwargs)
         key = _key(func, args, kwargs, mode)
         if key is None:
             if mode is not None and func not in _FAKE_HANDLED and _subclassed(args, kwargs):
                 # The fake mode's answer to a call on another tensor subclass (DTensor), which then handles it; the
-                # fake mode gives it after its cache's key has failed on the subclass, for every DTensor op.
+                # fake mode gives it after its cache's key has failed on the subclass, for every DTensor op. (The
+                # rules before this one in a chain hand it back untouched: the subclass's own ops on its local
+                # tensors come through the whole chain, as do those of a subclass the collector hands on.)
                 return NotImplemented
-            return func(*args, **kwargs)
+            return next(func, args, kwargs)
         answers = _ANSWERS if mode is None else _FAKE_ANSWERS
         answer = answers.get(key)
         if answer is _SELF:
@@ -146,7 +149,7 @@ class MetaKernelCache(UnwrappedMode):
                 assert fake is not None  # made with the mode
                 outs = [fake(meta_empty(size, stride, dtype), device) for size, stride, dtype, device in made]
             return tuple(outs) if many else outs[0]
-        out = func(*args, **kwargs)
+        out = next(func, args, kwargs)
         if answer is None:
             if len(answers) >= _LIMIT:
                 answers.clear()

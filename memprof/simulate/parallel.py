@@ -39,16 +39,15 @@ import inspect
 import math
 import numbers
 import sys
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
 
-from ..collect.torch_compat import UnwrappedMode
-
 from ..errors import InvalidArgumentError, MemprofError, is_interrupt
 from ..vocabulary import Category
 from .fsdp1 import fsdp1_in_fake_mode, fsdp1_notes, has_meta, unwrapped
+from .op_chain import OpRule
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -56,6 +55,7 @@ if TYPE_CHECKING:
 
     from ..record.trace import Trace
     from .aliases import OpValue, UserValue
+    from .op_chain import OpNext
     from .pipeline import Pipeline, PipelineStep, StageSet
     from .run import MeshSizes
 
@@ -87,14 +87,14 @@ def check_mesh(mesh: "MeshSizes | None", world_size: int) -> "tuple[tuple[int, .
     return tuple(int(s) for s in sizes), names
 
 
-class WaitIdentity(UnwrappedMode):
+class WaitIdentity(OpRule):
     """``_c10d_functional.wait_tensor`` returns its input, as in eager (its meta kernel allocates a copy)."""
 
-    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: "tuple[OpValue, ...]" = (),
-                           kwargs: "dict[str, OpValue] | None" = None) -> "OpValue":
+    def handle(self, func: torch._ops.OpOverload, args: "tuple[OpValue, ...]", kwargs: "dict[str, OpValue]",
+               next: "OpNext") -> "OpValue":
         if func is _WAIT:
             return args[0]
-        return func(*args, **(kwargs or {}))
+        return next(func, args, kwargs)
 
 
 try:
@@ -320,10 +320,11 @@ class ParallelRun:
         """The stage modules this pipeline rank holds, in stage order (empty without ``pipeline=``)."""
         return list(self.stages.modules) if self.stages is not None else []
 
-    def rules(self) -> ContextManager[object]:
-        """The dispatch rules the step runs under, beneath the profiler."""
+    def rules(self) -> "list[OpRule]":
+        """The rules the step's ops run under, beneath the profiler: links of the simulation's
+        :class:`~memprof.simulate.op_chain.OpChain`, the first outermost."""
         # TorchDispatchMode.__init__, which WaitIdentity keeps, is untyped.
-        return WaitIdentity() if _WAIT is not None else contextlib.nullcontext()  # type: ignore[no-untyped-call]
+        return [WaitIdentity()] if _WAIT is not None else []  # type: ignore[no-untyped-call]
 
     def notes(self) -> list[str]:
         mesh = " x ".join(f"{n}={s}" if self.names else str(s) for n, s in zip(self.names or self.shape, self.shape))

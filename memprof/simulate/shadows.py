@@ -27,16 +27,17 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from ..collect.module_table import tensors_in_args
-from ..collect.torch_compat import UnwrappedMode
 
 from ..errors import is_interrupt
 from .experts import EXCHANGE_OPS
 from .grouped_mm import grouped_mm_output
+from .op_chain import OpRule
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
 
     from .aliases import OpValue
+    from .op_chain import OpNext
     from .experts import CountsExchange
 
 __all__ = ["ShadowStore", "ValueShadows", "shape_only"]
@@ -184,9 +185,10 @@ def _written(func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpVa
 _WRITES: "dict[OpOverload, tuple[tuple[int, str], ...]]" = {}
 
 
-class ValueShadows(UnwrappedMode):
-    """The dispatch mode of a simulation: the target's ``_grouped_mm`` (:mod:`memprof.simulate.grouped_mm`),
-    and value shadows (the module's docstring). ``target`` is the device type the figures are for."""
+class ValueShadows(OpRule):
+    """A rule of a simulation's ops (:class:`~memprof.simulate.op_chain.OpRule`): the target's ``_grouped_mm``
+    (:mod:`memprof.simulate.grouped_mm`), and value shadows (the module's docstring). ``target`` is the device type
+    the figures are for."""
 
     def __init__(self, target: str) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
@@ -201,41 +203,42 @@ class ValueShadows(UnwrappedMode):
         #: (:meth:`memprof.simulate.user_step.LoopValues.answer`, memprof's loop's optimizer step); None: none.
         self.reads: "Callable[[OpOverload, tuple[OpValue, ...], BaseException], OpValue] | None" = None
 
-    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
-                           kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
-        kwargs = kwargs or {}
+    def handle(self, func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpValue],
+               next: OpNext) -> OpValue:
         if func is _aten._grouped_mm.default:
             self.grouped_mm += 1
             return grouped_mm_output(*args, **kwargs)
         store = self.store
         if func in KNOWN_VALUES:
-            out = func(*args, **kwargs)
-            if store.routed:
-                store.note_factory(func, tuple(args), kwargs, out)
+            out = next(func, args, kwargs)
+            if store.routed and out is not NotImplemented:  # (a subclass's call, handed back: op_chain.OpChain)
+                store.note_factory(func, args, kwargs, out)
             return out
         if self.reads is not None and func in _ANSWERED_READS:
             try:
-                return func(*args, **kwargs) if not store.shadows else self._shadowed(func, tuple(args), kwargs)
+                return next(func, args, kwargs) if not store.shadows else self._shadowed(func, args, kwargs, next)
             except (RuntimeError, NotImplementedError) as failure:  # fake: data-dependent; meta: "cannot be called"
                 if is_interrupt(failure):
                     raise  # a signal handler's exception (errors.is_interrupt) is the user's
-                return self.reads(func, tuple(args), failure)
+                return self.reads(func, args, failure)
         if not store.shadows:
-            return func(*args, **kwargs)
-        return self._shadowed(func, tuple(args), kwargs)
+            return next(func, args, kwargs)
+        return self._shadowed(func, args, kwargs, next)
 
-    def _shadowed(self, func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpValue]) -> OpValue:
+    def _shadowed(self, func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpValue],
+                  next: OpNext) -> OpValue:
         store = self.store
         self._slow += 1
         if self._slow % _PRUNE_EVERY == 0:
             store.prune()
         if self.exchange is not None and func in EXCHANGE_OPS:
             # Received values come from the other ranks, not from these inputs: the routing assumption says them.
+            # (A collective: no rule beneath this one is about it, so the exchange calls it itself.)
             return self.exchange.answer(func, args, kwargs, store)
         tensors = tensors_in_args(args, kwargs)  # pytree's leaves that are tensors, at a tenth of its cost per op
         values = [store.get(t) if shape_only(t) else None for t in tensors]
         if not any(v is not None for v in values):
-            out = func(*args, **kwargs)
+            out = next(func, args, kwargs)
             if store.lazy:
                 for t in _written(func, args, kwargs):  # a factory's output written with unknown values
                     store.lazy.pop(t.untyped_storage()._cdata, None)
@@ -244,7 +247,7 @@ class ValueShadows(UnwrappedMode):
         values = [v if v is not None or not shape_only(t) else store.get(t, make_lazy=True)
                   for t, v in zip(tensors, values)]
         if not all(v is not None for v in values):
-            out = func(*args, **kwargs)
+            out = next(func, args, kwargs)
             for t in _written(func, args, kwargs):  # written with values the simulation does not have
                 store.drop(t)
             return out
@@ -260,7 +263,7 @@ class ValueShadows(UnwrappedMode):
             # ints, transformers' CUDA path). Values are lost there, never the shape-only op.
             if func in VALUE_DEPENDENT:
                 raise
-            out = func(*args, **kwargs)
+            out = next(func, args, kwargs)
             for t in _written(func, args, kwargs):
                 store.drop(t)
             return out
@@ -273,7 +276,7 @@ class ValueShadows(UnwrappedMode):
             shaped = pytree.tree_map_only(torch.Tensor, lambda r: torch.empty_strided(
                 r.shape, r.stride(), dtype=r.dtype, device=device), real_out)
         else:
-            shaped = func(*args, **kwargs)
+            shaped = next(func, args, kwargs)
         for f, r in zip(pytree.tree_leaves(shaped), pytree.tree_leaves(real_out)):
             if shape_only(f) and isinstance(r, torch.Tensor) and store.get(f) is None:
                 store.put(f, r)

@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..collect.torch_compat import UnwrappedMode
+from .op_chain import OpRule
+
 
 if TYPE_CHECKING:
     from .aliases import OpValue
+    from .op_chain import OpNext
 
 __all__ = ["SparseKernels", "SPARSE_OPS", "NOT_SPARSE", "in_model", "Args", "Kwargs", "arg"]
 
@@ -69,7 +71,7 @@ def in_model(model: torch.nn.Module) -> bool:
     return any(isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse for m in model.modules())
 
 
-class SparseKernels(UnwrappedMode):
+class SparseKernels(OpRule):
     """Sparse outputs with the elements the real kernels give them (the module docstring); ``cpu``: the CPU's own
     kernels' rules too. :attr:`used` counts the ops answered, :attr:`bytes` the bytes of what they made."""
 
@@ -79,16 +81,14 @@ class SparseKernels(UnwrappedMode):
         self.used: Counter[str] = Counter()
         self.bytes: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: Args = (),
-                           kwargs: "Kwargs | None" = None) -> "OpValue":
-        kwargs = kwargs or {}
+    def handle(self, func: torch._ops.OpOverload, args: Args, kwargs: Kwargs, next: "OpNext") -> "OpValue":
         if func in SPARSE_OPS:
-            answer = self.sparse(func, args, kwargs)
+            answer = self.sparse(func, args, kwargs, next)
             if answer is not NOT_SPARSE:
                 return answer
-        return func(*args, **kwargs)
+        return next(func, args, kwargs)
 
-    def sparse(self, func: torch._ops.OpOverload, args: Args, kwargs: Kwargs) -> "OpValue":
+    def sparse(self, func: torch._ops.OpOverload, args: Args, kwargs: Kwargs, next: "OpNext") -> "OpValue":
         """The answer of a rule to this call of an op of :data:`SPARSE_OPS`, or :data:`NOT_SPARSE`."""
         if func is _CLONE and args and _sparse(args[0]):
             return self._sparse_clone(args[0])
@@ -101,7 +101,7 @@ class SparseKernels(UnwrappedMode):
         if func is _SPARSE_MASK and len(args) == 2 and _sparse(args[1]):
             return self._masked(args[0], args[1])
         if func in _SPARSE_SUMS and len(args) >= 2 and _sparse(args[0]) and _sparse(args[1]):
-            return self._sparse_sum(func(*args, **kwargs), args[0], args[1], _SPARSE_SUMS[func])
+            return self._sparse_sum(next(func, args, kwargs), args[0], args[1], _SPARSE_SUMS[func])
         if (func in _SPARSE_SUMS and len(args) >= 2 and _shape_only(args[0]) and args[0].layout is torch.strided
                 and _sparse(args[1]) and args[1].is_coalesced() and args[0].shape == args[1].shape):
             return self._dense_plus_sparse(args[0], args[1], _SPARSE_SUMS[func])

@@ -265,17 +265,15 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
     twin = prepared.twin
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(Progress(steps, "estimate")) if big else None
-        stack.enter_context(twin.beneath())
-        stack.enter_context(twin.op_rules())  # beneath the profiler: it counts what the rules return
-        if ranks is not None:
-            stack.enter_context(ranks.rules())
+        # beneath the profiler: it counts what the rules return
+        stack.enter_context(twin.beneath(*(ranks.rules() if ranks is not None else ())))
         step = prepared.step
         user = step if isinstance(step, UserStep) else None
         if user is not None:  # beneath the profiler, as the value reads it answers are ops a real run's profiler sees
             stack.enter_context(user.around(prof))
         elif isinstance(step, TrainingStep) and prepared.optimizer is not None:
             # memprof's loop: the optimizer step's own reads answered (ASGD's counters, Adafactor's norms), as they
-            # are in the user's step, anything else still refused; by the value shadows' mode, which is beneath the
+            # are in the user's step, anything else still refused; by the value shadows' rule, which is beneath the
             # profiler already (a mode of its own would cost every op a Python call).
             step.values = LoopValues(lambda: prof.innermost_module() is not None, optimizer_only=True)
             twin.moe.shadows.reads = step.values.answer
@@ -287,7 +285,6 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
             layout.attach(prof)
             stack.callback(layout.detach)
         stack.enter_context(twin.rules())
-        stack.enter_context(twin.above())
         for i in range(steps):
             if bar is not None:
                 bar.step(f"step {i + 1} of {steps}")

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .aliases import UserValue
     from .autocast import AutocastFactory
     from .cpu_kernels import CpuKernels
+    from .op_chain import OpRule
     from .parallel import ParallelRun
     from .sparse_kernels import SparseKernels
 
@@ -480,34 +481,25 @@ class Twin:
 
         self.moe = MoeRules(target.type, routing)
 
-    def beneath(self) -> "AbstractContextManager[object]":
-        """The dispatch modes to enter beneath every other of a simulated run: the meta kernels' answers kept
-        (:mod:`memprof.simulate.meta_kernels`), over the fake-tensor mode where the run has one."""
+    def beneath(self, *outer: "OpRule") -> _entered:
+        """What a simulated run enters beneath the collector, the rules in one dispatch mode
+        (:mod:`memprof.simulate.op_chain`), the first applied first: ``outer`` (a parallel run's), value shadows
+        and ``_grouped_mm`` on every target (:mod:`memprof.simulate.moe`), the storage the CPU's kernels give their
+        outputs on a CPU target (:mod:`memprof.simulate.cpu_kernels`) or the sparse kernels' on another where the
+        model makes sparse gradients (:mod:`memprof.simulate.sparse_kernels`), and the meta kernels' answers kept
+        (:mod:`memprof.simulate.meta_kernels`); over the fake-tensor mode where the run has one. The collector
+        counts what the rules return."""
         from .meta_kernels import MetaKernelCache, answerable
+        from .op_chain import OpChain
 
         mode = self.fake_mode
+        rules = [*outer, *(r for r in (self.moe.shadows, self.cpu_kernels, self.sparse_kernels) if r is not None)]
         if mode is None:
-            return MetaKernelCache()
-        if not answerable(mode):
-            return mode  # its answers depend on more than the arguments' metadata: none is kept
-        return _entered(mode, MetaKernelCache(mode))
-
-    def above(self) -> "AbstractContextManager[object]":
-        """The dispatch mode to enter above every other of a simulated run (the collector, the rules): a fake
-        tensor's device asked from C++ answered there (:class:`~memprof.simulate.user_step.DeviceQueries`);
-        nothing on meta tensors, whose device asks no op."""
-        if self.fake_mode is None:
-            return contextlib.nullcontext()
-        from .user_step import DeviceQueries
-
-        return DeviceQueries()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__, which it keeps
-
-    def op_rules(self) -> _entered:
-        """The rules applied to aten ops (:mod:`memprof.simulate.cpu_kernels` on a CPU target,
-        :mod:`memprof.simulate.sparse_kernels` on another where the model makes sparse gradients, value shadows and
-        ``_grouped_mm`` on every target: :mod:`memprof.simulate.moe`), dispatch modes to enter after the
-        fake-tensor mode and before the profiler."""
-        return _entered(*(m for m in (self.cpu_kernels, self.sparse_kernels, self.moe.shadows) if m is not None))
+            rules.append(MetaKernelCache())
+        elif answerable(mode):  # else its answers depend on more than the arguments' metadata: none is kept
+            rules.append(MetaKernelCache(mode))
+        chain = OpChain(*rules)
+        return _entered(mode, chain) if mode is not None else _entered(chain)
 
     def rules(self) -> Rules:
         # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors; the router

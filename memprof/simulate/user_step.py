@@ -205,26 +205,6 @@ class LoopValues(UnwrappedMode):
         return out
 
 
-class DeviceQueries(UnwrappedMode):
-    """Above every other mode of a simulated run on fake tensors: a fake tensor's ``device`` asked from C++ (by
-    autograd for every gradient, by DTensor, indexing it, ``x.to(...)`` in a step's own code) is the op
-    ``prim.device``, which the real tensor answers without an op. Answered here, it never reaches the collector,
-    whose op count would otherwise make an "other" phase of a user's step's code that touches no memory, where the
-    real run records none; nor the modes beneath, each a Python call per query (77,000 queries in a 405B pipeline
-    stage's cuts). A plain meta tensor answers its device in C++: on meta tensors the mode is not entered."""
-
-    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
-                           kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
-        if func is _DEVICE and args:
-            fake = getattr(args[0], "fake_device", None)
-            if fake is not None:
-                return fake
-        return func(*args, **(kwargs or {}))
-
-
-_DEVICE = torch.ops.prim.device.default
-
-
 def _call_site(stack: "traceback.StackSummary") -> str:
     """The innermost frame of ``stack`` outside torch and memprof, or torch.optim's where that comes first (an
     optimizer's own read: ASGD's counters), as ``file:line``."""

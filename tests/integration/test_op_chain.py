@@ -1,0 +1,111 @@
+"""The simulation's rules beneath the collector run as one dispatch mode (memprof.simulate.op_chain): each op crosses
+torch's Python dispatch once for all of them, the rules apply in their order, a rule that answers an op itself ends
+it there, and a call a rule hands back NotImplemented (a DTensor's) comes out as the fake mode alone gives it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+import memprof
+from memprof.simulate.cpu_kernels import CpuKernels
+from memprof.simulate.meta_kernels import MetaKernelCache
+from memprof.simulate.op_chain import OpChain, OpRule
+
+_ADD = torch.ops.aten.add.Tensor
+
+
+class _Seen(OpRule):
+    """Records each op it is handed, under its name, into a list shared by the chain."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]], answer: object = None) -> None:
+        super().__init__()
+        self.name, self.log, self.answer = name, log, answer
+
+    def handle(self, func, args, kwargs, next):
+        self.log.append((self.name, str(func.overloadpacket)))
+        if self.answer is not None and func is _ADD:
+            return self.answer(*args)
+        return next(func, args, kwargs)
+
+
+class _Modes(TorchDispatchMode):
+    """Counts the Python dispatch handlers an op crosses beneath it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_rules_apply_in_order_in_one_crossing_as_the_modes_they_were():
+    log: list[tuple[str, str]] = []
+    x = torch.arange(6.0).view(2, 3)
+    beneath = _Modes()
+    with beneath, OpChain(_Seen("outer", log), _Seen("inner", log)):
+        y = (x + 1).sum()
+    assert y.item() == 21.0  # 0+1 + ... + 5+1
+    assert log == [("outer", "aten.add"), ("inner", "aten.add"), ("outer", "aten.sum"), ("inner", "aten.sum")]
+    assert beneath.calls == 2  # each op reached the mode beneath the chain once, from the last rule
+
+    # The same rules entered as modes of their own, the outer one last (on top): the same order.
+    stacked: list[tuple[str, str]] = []
+    with _Seen("inner", stacked), _Seen("outer", stacked):
+        z = (x + 1).sum()
+    assert z.item() == 21.0
+    assert stacked == log
+
+
+def test_a_rule_that_answers_an_op_ends_it_there():
+    log: list[tuple[str, str]] = []
+    x = torch.ones(3)
+    with OpChain(_Seen("outer", log), _Seen("answers", log, answer=lambda a, b: torch.zeros(7)),
+                 _Seen("inner", log)):
+        y = x + x
+    assert tuple(y.shape) == (7,)
+    assert ("inner", "aten.add") not in log and ("answers", "aten.add") in log
+
+
+def test_a_dtensor_call_handed_back_by_the_kept_answers_is_the_fake_modes(fake_world_of_two):
+    # The kept answers hand a DTensor's call back NotImplemented before the fake mode is asked (as the fake mode would
+    # answer it); the CPU kernels' rule before it in the chain hands that back too, and DTensor's own handler runs
+    # the call on the local fake tensors, through the chain again. The results are the fake mode's alone.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        local = torch.empty(4, 3)
+    d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    ops = (lambda: d * 2, lambda: d.t(), lambda: (d + d).sum(dim=1), lambda: torch.nn.functional.layer_norm(d, (3,)))
+
+    def run(chain: bool):
+        with mode, (OpChain(CpuKernels(), MetaKernelCache(mode)) if chain else _Modes()):
+            outs = [op() for op in ops for _ in range(2)]
+        return [(o.placements, tuple(o.shape), o.to_local().shape, o.to_local().stride(), o.dtype) for o in outs]
+
+    assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("target", [dict(device="cpu"), dict(gpu="h100-80gb")])
+def test_a_simulated_op_crosses_the_collector_one_mode_of_rules_and_the_fake_mode(target):
+    seen: list[list[str]] = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            seen.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+            return self.lin(x)
+
+    memprof.estimate(Probe(), torch.optim.SGD, inputs=torch.zeros(2, 4), **target)
+    fake = ["FakeTensorMode"] if "device" in target else []  # a GPU target runs on meta tensors: no fake mode
+    assert seen and all(s == [*fake, "OpChain", "SimulatedDispatchMode"] for s in seen), seen
