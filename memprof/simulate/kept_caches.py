@@ -169,7 +169,9 @@ def _module_parts(name: str) -> "tuple[list[Cache], list[type], list[str]] | Non
         return kept[1]
     values = list(namespace.values())
     further = [v.__name__ for v in values if isinstance(v, types.ModuleType)]
-    further += sorted({v.__module__ for v in values if isinstance(v, types.FunctionType) and v.__module__ != name})
+    # (A function's __module__ is whatever its globals' __name__ was, None where they had none: exec'd code.)
+    further += sorted({v.__module__ for v in values if isinstance(v, types.FunctionType)
+                       and isinstance(v.__module__, str) and v.__module__ != name})
     parts = (_caches_in(values), [v for v in values if isinstance(v, type)], further)
     if len(_MODULES) > _KEPT:
         _MODULES.clear()
