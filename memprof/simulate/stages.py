@@ -269,12 +269,13 @@ def _run_steps(prof: "SimulatedProfile", prepared: Prepared, ranks: "ParallelRun
         stack.enter_context(twin.beneath(*(ranks.rules() if ranks is not None else ())))
         step = prepared.step
         user = step if isinstance(step, UserStep) else None
-        if user is not None:  # beneath the profiler, as the value reads it answers are ops a real run's profiler sees
-            stack.enter_context(user.around(prof))
+        # The step's value reads answered beneath the profiler, as they are ops a real run's profiler sees, by the value
+        # shadows' rule (a mode of its own would cost every op a Python call): the user's step's reads outside the
+        # model; in memprof's loop the optimizer step's own (ASGD's counters, Adafactor's norms), anything else
+        # still refused.
+        if user is not None:
+            twin.moe.shadows.reads = user.answering(prof).answer
         elif isinstance(step, TrainingStep) and prepared.optimizer is not None:
-            # memprof's loop: the optimizer step's own reads answered (ASGD's counters, Adafactor's norms), as they
-            # are in the user's step, anything else still refused; by the value shadows' rule, which is beneath the
-            # profiler already (a mode of its own would cost every op a Python call).
             step.values = LoopValues(lambda: prof.innermost_module() is not None, optimizer_only=True)
             twin.moe.shadows.reads = step.values.answer
         stack.enter_context(prof)

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
-from ..collect.torch_compat import UnwrappedMode
 
 from ..errors import InvalidArgumentError, is_interrupt
 
@@ -117,10 +116,11 @@ def _name(fn: object) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-class LoopValues(UnwrappedMode):
+class LoopValues:
     """Answers the values a training step reads from shape-only tensors outside the model's forward: 0 (``0.0``,
-    ``0``, ``False``), counted by call site for the notes. Entered beneath the collector, so that the collector sees
-    the read as in a real run. ``in_forward`` says whether the model's forward runs now (a read there is the
+    ``0``, ``False``), counted by call site for the notes. Asked by the value shadows' rule beneath the collector
+    (:attr:`memprof.simulate.shadows.ValueShadows.reads`) where a read fails, so that the collector sees the read as
+    in a real run. ``in_forward`` says whether the model's forward runs now (a read there is the
     model's value-dependent code, refused as without a training step). With ``optimizer_only`` (memprof's own loop)
     only the reads of torch.optim's own code are answered (:func:`memprof.simulate.failures.read_by_optimizer`:
     ASGD's step counters, Adafactor's parameter norms, a tensor learning rate), which decide scalars of the step,
@@ -128,7 +128,6 @@ class LoopValues(UnwrappedMode):
 
     def __init__(self, in_forward: Callable[[], bool], optimizer_only: bool = False,
                  backwards: Callable[[], int] = lambda: 0) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
         self.in_forward = in_forward
         #: How many backward passes the step has begun: reads with one between them are a loop that progresses.
         self.backwards = backwards
@@ -145,18 +144,6 @@ class LoopValues(UnwrappedMode):
         """A simulated step begins: its reads are counted afresh against :data:`LOOP_READS`."""
         self.this_step.clear()
         self._backwards = 0
-
-    def __torch_dispatch__(self, func: OpOverload, types: tuple[type, ...], args: tuple[OpValue, ...] = (),
-                           kwargs: "dict[str, OpValue] | None" = None) -> OpValue:
-        kwargs = kwargs or {}
-        if func not in READS:
-            return func(*args, **kwargs)
-        try:
-            return func(*args, **kwargs)
-        except (RuntimeError, NotImplementedError) as failure:  # fake: data-dependent; meta: "cannot be called"
-            if is_interrupt(failure):
-                raise  # a signal handler's exception (errors.is_interrupt) is the user's
-            return self.answer(func, args, failure)
 
     def answer(self, func: OpOverload, args: tuple[OpValue, ...], failure: BaseException) -> OpValue:
         """The answer to read ``func`` (one of :data:`READS`) of ``args``, which failed with ``failure``: 0, or
@@ -246,12 +233,11 @@ class UserStep:
         """The loop has ended: the last result is let go (inside the profiled run)."""
         self.kept = None
 
-    @contextlib.contextmanager
-    def around(self, prof: SimulatedProfile) -> Iterator[None]:
-        """Entered beneath the collector: the value reads answered (:class:`LoopValues`)."""
+    def answering(self, prof: SimulatedProfile) -> LoopValues:
+        """What answers the step's value reads (:class:`LoopValues`), kept for the notes; the simulation hands it to
+        the value shadows' rule beneath the collector."""
         self.values = LoopValues(lambda: prof.innermost_module() is not None, backwards=prof.backwards)
-        with self.values:
-            yield
+        return self.values
 
     @contextlib.contextmanager
     def model_autocast(self) -> Iterator[None]:

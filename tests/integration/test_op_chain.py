@@ -93,7 +93,17 @@ def test_a_dtensor_call_handed_back_by_the_kept_answers_is_the_fake_modes(fake_w
     assert run(True) == run(False)
 
 
-@pytest.mark.parametrize("target", [dict(device="cpu"), dict(gpu="h100-80gb")])
+def _users_step(model, optimizer, x):
+    # A loop of the user's, which reads a value outside the model: answered by the value shadows' rule, in the chain.
+    loss = model(x).sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+@pytest.mark.parametrize("target", [dict(device="cpu"), dict(gpu="h100-80gb"), dict(device="cpu", train_step=_users_step)],
+                         ids=["cpu", "gpu", "users-step"])
 def test_a_simulated_op_crosses_the_collector_one_mode_of_rules_and_the_fake_mode(target):
     seen: list[list[str]] = []
 
