@@ -103,7 +103,7 @@ def _users_step(model, optimizer, x):
 
 
 @pytest.mark.parametrize("target", [dict(device="cpu"), dict(gpu="h100-80gb"), dict(device="cpu", train_step=_users_step)],
-                         ids=["cpu", "gpu", "users-step"])
+                         ids=["cpu-target", "h100-target", "users-step"])
 def test_a_simulated_op_crosses_the_collector_one_mode_of_rules_and_the_fake_mode(target):
     seen: list[list[str]] = []
 
