@@ -24,29 +24,32 @@ LIMIT = 24
 
 # Models whose positions are a learned table (or, GPT-J, a fixed sinusoidal one): the forward looks a position up,
 # so one past the table raises. Built tiny, with LIMIT positions.
+# Each model class by name, read from transformers when its test runs: importing six modeling modules at collection
+# cost each of the suite's workers 1.7 s, most of them for tests the other worker runs.
 LEARNED = {
-    "gpt2": (T.GPT2LMHeadModel, lambda: T.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=LIMIT,
+    "gpt2": ("GPT2LMHeadModel", lambda: T.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=LIMIT,
                                                      bos_token_id=0, eos_token_id=0)),
-    "opt": (T.OPTForCausalLM, lambda: T.OPTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
+    "opt": ("OPTForCausalLM", lambda: T.OPTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
                                                   vocab_size=64, max_position_embeddings=LIMIT, word_embed_proj_dim=16)),
-    "gpt_neo": (T.GPTNeoForCausalLM, lambda: T.GPTNeoConfig(hidden_size=16, num_layers=1, num_heads=2, vocab_size=64,
+    "gpt_neo": ("GPTNeoForCausalLM", lambda: T.GPTNeoConfig(hidden_size=16, num_layers=1, num_heads=2, vocab_size=64,
                                                             max_position_embeddings=LIMIT, bos_token_id=0,
                                                             eos_token_id=0, attention_types=[[["global"], 1]])),
-    "bart": (T.BartForConditionalGeneration, lambda: T.BartConfig(
+    "bart": ("BartForConditionalGeneration", lambda: T.BartConfig(
         d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
         encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=64, max_position_embeddings=LIMIT)),
-    "bert": (T.BertForSequenceClassification, lambda: T.BertConfig(
+    "bert": ("BertForSequenceClassification", lambda: T.BertConfig(
         hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=64,
         max_position_embeddings=LIMIT, num_labels=2)),
-    "gptj": (T.GPTJForCausalLM, lambda: T.GPTJConfig(n_embd=16, n_layer=1, n_head=2, rotary_dim=4, vocab_size=64,
+    "gptj": ("GPTJForCausalLM", lambda: T.GPTJConfig(n_embd=16, n_layer=1, n_head=2, rotary_dim=4, vocab_size=64,
                                                      n_positions=LIMIT, bos_token_id=0, eos_token_id=0)),
 }
 
 
 def _config(name):
-    cls, make = LEARNED[name]
+    cls_name, make = LEARNED[name]
+    cls = getattr(T, cls_name)
     config = make()
-    config.architectures = [cls.__name__]
+    config.architectures = [cls_name]
     return cls, config
 
 
