@@ -200,7 +200,8 @@ class ValueShadows(OpRule):
         #: Answers an expert-parallel all-to-all of counts (:mod:`memprof.simulate.experts`); None: run as is.
         self.exchange: "CountsExchange | None" = None
         #: Answers a value read (``item()``, ``bool()``) that failed, or raises its failure again
-        #: (:meth:`memprof.simulate.user_step.LoopValues.answer`, memprof's loop's optimizer step); None: none.
+        #: (:meth:`memprof.simulate.user_step.LoopValues.answer`: a user's step's reads outside the model, memprof's
+        #: loop's optimizer step's); None: none.
         self.reads: "Callable[[OpOverload, tuple[OpValue, ...], BaseException], OpValue] | None" = None
 
     def handle(self, func: OpOverload, args: tuple[OpValue, ...], kwargs: dict[str, OpValue],
