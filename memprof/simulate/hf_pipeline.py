@@ -26,12 +26,12 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Callable, TypedDict, TypeVar
 
+import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import PretrainedConfig
@@ -195,10 +195,18 @@ def _stage_tp_plan(model: "HfModule", last: bool) -> "dict[str, str]":
 def causal_lm_loss(model: "HfModule") -> "Callable[[torch.Tensor, torch.Tensor], torch.Tensor]":
     """The loss ``model`` computes from ``labels=`` (its ``loss_function``: transformers' ``ForCausalLMLoss``,
     the labels shifted by one, cross-entropy in fp32), as ``loss_fn(logits, labels)`` for the pipeline's last
-    stage."""
+    stage. Handed the whole model's output instead (an estimate of the model without ``pipeline=``), it takes the
+    output's ``logits``, as the model itself does."""
     function, vocab = model.loss_function, model.config.vocab_size
 
     def loss(logits: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+        if not isinstance(logits, torch.Tensor):
+            found = getattr(logits, "logits", None)
+            if not isinstance(found, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"causal_lm_loss(model) takes the logits (a tensor) or a model output holding them, got "
+                    f"{type(logits).__name__}; give loss_fn a function of what the model (or the last stage) returns")
+            logits = found
         value: torch.Tensor = function(logits=logits, labels=labels, vocab_size=vocab)
         return value
 

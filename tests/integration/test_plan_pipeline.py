@@ -256,3 +256,21 @@ def test_a_model_whose_layers_need_more_than_the_hidden_states_is_refused_with_t
     with pytest.raises(InvalidArgumentError, match="pipeline stage 0 of 2 could not run on the inputs"):
         layout.simulate(estimate, built.model, hf.adamw, lambda n: hf.token_batch(built, n, 16), 1, precision="bf16",
                         gpu="h100-80gb", loss_fn=hf.hf_loss)
+
+
+def test_the_pipelines_loss_takes_a_whole_models_output_and_refuses_anything_else():
+    # causal_lm_loss(model) is the last stage's loss of logits; handed the whole model's output (an estimate of the
+    # model without pipeline=, as docs/distributed.md's readers try first) it raised AttributeError from inside
+    # transformers ("'CausalLMOutputWithPast' object has no attribute 'float'"). It takes the output's logits now:
+    # the same figures as a loss that reads them itself.
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    loss = causal_lm_loss(model)
+    given = memprof.estimate(model, torch.optim.AdamW, inputs=ids, targets=ids, loss_fn=loss)
+    read = memprof.estimate(model, torch.optim.AdamW, inputs=ids, targets=ids,
+                            loss_fn=lambda out, labels: loss(out.logits, labels))
+    assert given.peak_bytes == read.peak_bytes and dict(given.trace.peak) == dict(read.trace.peak)
+    with pytest.raises(InvalidArgumentError, match=r"causal_lm_loss\(model\) takes the logits .* got dict"):
+        loss({"hidden": ids}, ids)
