@@ -57,7 +57,16 @@ class RecordedStream:
 
 # Off: torch function handling, for subclasses and modes alike (torch/csrc/utils/disable_torch_function.cpp).
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
-_DEVICE = torch.ops.prim.device.default
+#: A tensor's device asked from C++ as an op (a fake tensor's: a real one answers without an op).
+PRIM_DEVICE = torch.ops.prim.device.default
+
+
+def fake_device(args: "tuple[object, ...]") -> "torch.device | None":
+    """The answer to :data:`PRIM_DEVICE` called with ``args`` where it asks a fake tensor (its ``fake_device``),
+    which a simulation's modes give without handing the call on; None otherwise. (The callers test ``func is
+    PRIM_DEVICE`` themselves: a call for every other op would cost each op a Python frame.)"""
+    device: "torch.device | None" = getattr(args[0], "fake_device", None) if args else None
+    return device
 
 
 class SimulatedDispatchMode(DispatchMode):
@@ -75,10 +84,10 @@ class SimulatedDispatchMode(DispatchMode):
 
     def __torch_dispatch__(self, func: "OpOverload", types: "tuple[type, ...]", args: "tuple[object, ...]" = (),
                            kwargs: "dict[str, object] | None" = None) -> object:
-        if func is _DEVICE and args:
-            fake = getattr(args[0], "fake_device", None)
-            if fake is not None:
-                return fake
+        if func is PRIM_DEVICE:
+            device = fake_device(args)
+            if device is not None:
+                return device
         with _NO_TORCH_FUNCTION():
             return DispatchMode.__torch_dispatch__(self, func, types, args, kwargs)
 

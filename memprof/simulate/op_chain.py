@@ -24,8 +24,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Callable
 
-import torch
-
+from ..collect.simulated import PRIM_DEVICE, fake_device
 from ..collect.torch_compat import UnwrappedMode
 
 if TYPE_CHECKING:
@@ -65,7 +64,6 @@ class OpChain(UnwrappedMode):
 
     def __init__(self, *rules: OpRule) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
-        self.rules = rules
         link: OpNext = call
         for rule in reversed(rules):
             link = functools.partial(rule.handle, next=link)
@@ -73,13 +71,10 @@ class OpChain(UnwrappedMode):
 
     def __torch_dispatch__(self, func: "OpOverload", types: object, args: "tuple[OpValue, ...]" = (),
                            kwargs: "dict[str, OpValue] | None" = None) -> "OpValue":
-        if func is _DEVICE and args:
-            # A fake tensor's device asked from C++ beneath the collector (its handler reads each output's is_cpu):
-            # no rule is about it, and the fake mode answers it from the same field.
-            fake = getattr(args[0], "fake_device", None)
-            if fake is not None:
-                return fake
+        # A fake tensor's device asked from C++ beneath the collector (its handler reads each output's is_cpu): no
+        # rule is about it, and the fake mode answers it from the same field.
+        if func is PRIM_DEVICE:
+            device = fake_device(args)
+            if device is not None:
+                return device
         return self._first(func, args, kwargs or {})
-
-
-_DEVICE = torch.ops.prim.device.default

@@ -25,7 +25,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .op_chain import OpRule
 
-
 if TYPE_CHECKING:
     from .aliases import OpValue
     from .op_chain import OpNext

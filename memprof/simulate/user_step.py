@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
-
 from ..errors import InvalidArgumentError, is_interrupt
 
 if TYPE_CHECKING:

@@ -76,28 +76,34 @@ class _Between(TorchDispatchMode):
 def test_a_dtensor_call_is_handed_to_dtensor_by_the_cache_as_the_fake_mode_hands_it(fake_world_of_two):
     # The fake mode answers a call on a DTensor NotImplemented (DTensor's own handler then runs it on the local fake
     # tensors), after its cache's key failed on it; the kept answers' mode answers it so before the fake mode is
-    # asked. The results are the fake mode's.
+    # asked. The results are the fake mode's. So too as the last rule of a simulation's op chain
+    # (memprof.simulate.op_chain): the CPU kernels' rule before it hands the NotImplemented back untouched, and
+    # DTensor's own handler runs the call on the local fake tensors through the whole chain again.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
+
+    from memprof.simulate.cpu_kernels import CpuKernels
+    from memprof.simulate.op_chain import OpChain
 
     mesh = init_device_mesh("cpu", (2,))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         local = torch.empty(4, 3)
     d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
-    ops = (lambda: d * 2, lambda: d.t(), lambda: (d + d).sum(dim=1))
+    ops = (lambda: d * 2, lambda: d.t(), lambda: (d + d).sum(dim=1), lambda: torch.nn.functional.layer_norm(d, (3,)))
 
-    def run(cached: bool):
+    def run(beneath):
         between = _Between()
-        with mode, between, (MetaKernelCache(mode) if cached else contextlib.nullcontext()):
+        with mode, between, (beneath or contextlib.nullcontext()):
             outs = [op() for op in ops for _ in range(2)]
         return [(o.placements, tuple(o.shape), o.to_local().shape, o.to_local().stride(), o.dtype) for o in outs], \
             between.dtensor_calls
 
-    plain, asked_plain = run(False)
-    kept, asked_kept = run(True)
-    assert kept == plain
-    assert asked_plain > 0 and asked_kept == 0
+    plain, asked_plain = run(None)
+    kept, asked_kept = run(MetaKernelCache(mode))
+    chained, asked_chained = run(OpChain(CpuKernels(), MetaKernelCache(mode)))
+    assert kept == plain and chained == plain
+    assert asked_plain > 0 and asked_kept == 0 and asked_chained == 0
 
 
 class _SparseEmbedding(torch.nn.Module):

@@ -1,17 +1,14 @@
 """The simulation's rules beneath the collector run as one dispatch mode (memprof.simulate.op_chain): each op crosses
 torch's Python dispatch once for all of them, the rules apply in their order, a rule that answers an op itself ends
-it there, and a call a rule hands back NotImplemented (a DTensor's) comes out as the fake mode alone gives it."""
+it there (a call a rule hands back NotImplemented, a DTensor's, is in test_fake_kernels_estimates.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import memprof
-from memprof.simulate.cpu_kernels import CpuKernels
-from memprof.simulate.meta_kernels import MetaKernelCache
 from memprof.simulate.op_chain import OpChain, OpRule
 
 _ADD = torch.ops.aten.add.Tensor
@@ -69,28 +66,6 @@ def test_a_rule_that_answers_an_op_ends_it_there():
         y = x + x
     assert tuple(y.shape) == (7,)
     assert ("inner", "aten.add") not in log and ("answers", "aten.add") in log
-
-
-def test_a_dtensor_call_handed_back_by_the_kept_answers_is_the_fake_modes(fake_world_of_two):
-    # The kept answers hand a DTensor's call back NotImplemented before the fake mode is asked (as the fake mode would
-    # answer it); the CPU kernels' rule before it in the chain hands that back too, and DTensor's own handler runs
-    # the call on the local fake tensors, through the chain again. The results are the fake mode's alone.
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = init_device_mesh("cpu", (2,))
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        local = torch.empty(4, 3)
-    d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
-    ops = (lambda: d * 2, lambda: d.t(), lambda: (d + d).sum(dim=1), lambda: torch.nn.functional.layer_norm(d, (3,)))
-
-    def run(chain: bool):
-        with mode, (OpChain(CpuKernels(), MetaKernelCache(mode)) if chain else _Modes()):
-            outs = [op() for op in ops for _ in range(2)]
-        return [(o.placements, tuple(o.shape), o.to_local().shape, o.to_local().stride(), o.dtype) for o in outs]
-
-    assert run(True) == run(False)
 
 
 def _users_step(model, optimizer, x):
