@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/light_mode_parts.py                  # the benchmark GPT of overhead.py, 20 rounds, ~2 minutes
     python benchmarks/light_mode_parts.py --quick          # a smoke test in seconds
     python benchmarks/light_mode_parts.py --json out.json --markdown out.md
+    python benchmarks/light_mode_parts.py --instructions   # also machine instructions per step (valgrind, ~5 min)
 
 What is timed
 -------------
@@ -18,6 +19,22 @@ work. Rounds run every variant in an order that alternates (forward, then revers
 after a warm-up, and each variant's figure is the median over rounds of its time over the bare step's of the
 same round (paired), in wall time and in this process's CPU time (``time.process_time``: both of torch's
 threads, less sensitive to other processes).
+
+Two variants frame the others: ``bare_control``, the bare step timed again (an A/A control: how far it strays
+from 1.000x is the run's resolution), and ``all_mechanisms``, the three mechanisms together as light mode uses
+them (the pair pushed in the outermost module call's pre-hook and popped in its post-hook, a pre- and a
+post-hook with keyword arguments on every module, the gradient hook a list's ``append``, as light mode's queue
+is). ``all_mechanisms`` is light mode's floor: what any collector built on these hooks pays before it records
+anything.
+
+Instructions (``--instructions``, needs Debian's ``valgrind``): a wall-clock ratio resolves about 0.01 of a step
+in 20 rounds; the machine instructions a step executes do not move with the load. Each variant runs in a child
+process under ``valgrind --tool=callgrind`` on the same GPT at width 32, sequence 16, batch 2 (the same ops,
+saves and module calls per step as the full size), counting is switched on only around ``--count-steps``
+steady steps (``callgrind_control``), and the figure is the instructions per step above the bare step. It
+includes what the bytecode counts of ``overhead_counts.py --bytecodes`` cannot see: torch calling Python for
+every saved tensor's pack and unpack and taking the GIL back for each in backward, and the objects made and
+freed.
 """
 
 from __future__ import annotations
@@ -26,7 +43,10 @@ import argparse
 import contextlib
 import datetime
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -82,16 +102,52 @@ def _grad_hooks(model: torch.nn.Module) -> Callable[[], Any]:
     return hooks
 
 
-def measure(rounds: int, steps: int, quick: bool) -> dict[str, Any]:
-    wl = build_workload("gpt", torch.device("cpu"), quick)
-    variants: dict[str, Callable[[], Any]] = {
+def _all_mechanisms(model: torch.nn.Module) -> Callable[[], Any]:
+    """Light mode's three mechanisms together, as it uses them, with nothing in them (the module's docstring)."""
+    @contextlib.contextmanager
+    def hooks() -> Any:
+        pair = torch.autograd.graph.saved_tensors_hooks(lambda t: (t if t.is_leaf else t.detach(), t._version),
+                                                        lambda p: p[0])
+        queue: list[torch.Tensor] = []
+
+        def pre(m: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if m is model:
+                pair.__enter__()
+
+        def post(m: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+            if m is model:
+                pair.__exit__(None, None, None)
+
+        handles = []
+        for m in model.modules():
+            handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+        handles += [p.register_post_accumulate_grad_hook(queue.append) for p in model.parameters() if p.requires_grad]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            queue.clear()
+    return hooks
+
+
+def variants_for(wl: Any) -> dict[str, Callable[[], Any]]:
+    return {
         "bare": contextlib.nullcontext,
+        "bare_control": contextlib.nullcontext,
         "saved_tensor_hooks_identity": _saved_identity,
         "saved_tensor_hooks_detached": _saved_detached,
         "module_forward_hooks": _module_hooks,
         "grad_hooks": _grad_hooks(wl.model),
+        "all_mechanisms": _all_mechanisms(wl.model),
         "memprof_light": lambda: memprof.profile(wl.model, wl.optimizer, mode="light"),
     }
+
+
+def measure(rounds: int, steps: int, quick: bool) -> dict[str, Any]:
+    wl = build_workload("gpt", torch.device("cpu"), quick)
+    variants = variants_for(wl)
     for _ in range(2):  # optimizer state made, one-off imports done, every variant once
         for make in variants.values():
             with make():
@@ -118,6 +174,49 @@ def measure(rounds: int, steps: int, quick: bool) -> dict[str, Any]:
     return out
 
 
+def count_one(variant: str, steps: int) -> None:
+    """The child of ``--instructions``: ``steps`` steady steps of ``variant`` with callgrind counting only them."""
+    from overhead_breakdown import build
+
+    torch.set_num_threads(1)  # one thread: no spinning worker, so the count is the same run after run
+    wl = build(32, 16, 2)
+    make = variants_for(wl)[variant]
+    for _ in range(2):
+        wl.step()
+    with make():
+        for _ in range(3):  # the profile's first steps (its capture) are not the steady cost
+            wl.step()
+        pid = str(os.getpid())
+        subprocess.run(["callgrind_control", "--instr=on", pid], check=True, stdout=subprocess.DEVNULL)
+        for _ in range(steps):
+            wl.step()
+        subprocess.run(["callgrind_control", "--dump", pid], check=True, stdout=subprocess.DEVNULL)
+
+
+def instructions(steps: int, out_dir: str) -> dict[str, int]:
+    """Machine instructions per steady step of each variant (small GPT, one thread), each in a child under callgrind."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("--instructions needs valgrind (Debian: apt-get install valgrind)")
+    os.makedirs(out_dir, exist_ok=True)
+    found: dict[str, int] = {}
+    for variant in variants_for(build_workload("gpt", torch.device("cpu"), True)):
+        if variant == "bare_control":
+            continue  # the count is the same run after run: no control needed
+        base = os.path.join(out_dir, f"callgrind.{variant}")
+        for old in [f for f in os.listdir(out_dir) if f.startswith(os.path.basename(base))]:
+            os.remove(os.path.join(out_dir, old))
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={base}",
+                        sys.executable, __file__, "--count", variant, "--count-steps", str(steps)],
+                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(base + ".1") as f:  # the dump after the counted steps
+            match = re.search(r"^totals: (\d+)", f.read(), re.MULTILINE)
+        if match is None:
+            raise SystemExit(f"no totals in {base}.1")
+        found[variant] = int(match.group(1)) // steps
+    return found
+
+
 def markdown(res: dict[str, Any]) -> str:
     lines = [f"{res['command']} ({res['date']}; {res['cpu']}, torch {res['torch']}, load average "
              f"{res['load'][0]:.2f} -> {res['load_after'][0]:.2f}; {res['rounds']} rounds x {res['steps']} steps)",
@@ -126,6 +225,16 @@ def markdown(res: dict[str, Any]) -> str:
     for v, f in res["variants"].items():
         lines.append(f"| {v} | {f['wall_ms']:.1f} | {f['wall_ratio']:.3f}x | {f['wall_ratio_best']:.3f}x | "
                      f"{f['cpu_ratio']:.3f}x |")
+    counts = res.get("instructions")
+    if counts:
+        bare = counts["bare"]
+        light = counts["memprof_light"] - bare
+        lines += ["", f"Machine instructions per steady step, GPT at width 32, sequence 16, batch 2, one thread "
+                  f"(callgrind, {res['count_steps']} steps counted):", "",
+                  "| variant | instructions per step | above bare | share of light mode's |",
+                  "| --- | ---: | ---: | ---: |"]
+        for v, n in counts.items():
+            lines.append(f"| {v} | {n:,} | {n - bare:,} | {(n - bare) / light:.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -134,9 +243,16 @@ def main(argv: "list[str] | None" = None) -> None:
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 20; quick 2)")
     ap.add_argument("--steps", type=int, default=None, help="steps per variant and round (default 3; quick 1)")
     ap.add_argument("--quick", action="store_true", help="a tiny model, a smoke test")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count machine instructions per step under valgrind (see the module's docstring)")
+    ap.add_argument("--count-steps", type=int, default=5, help="steps counted per variant with --instructions")
+    ap.add_argument("--count", help=argparse.SUPPRESS)  # the child of --instructions
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args(argv)
+    if args.count:
+        count_one(args.count, args.count_steps)
+        return
     rounds = args.rounds or (2 if args.quick else 20)
     steps = args.steps or (1 if args.quick else 3)
     load = os.getloadavg()
@@ -144,6 +260,9 @@ def main(argv: "list[str] | None" = None) -> None:
     res.update(command=command_line(__file__, argv), date=datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%d %H:%M UTC"), cpu=cpu_model(), torch=torch.__version__, load=load, load_after=os.getloadavg(),
         rounds=rounds, steps=steps)
+    if args.instructions:
+        res["instructions"] = instructions(args.count_steps, os.path.join(_HERE, "..", "build", "callgrind"))
+        res["count_steps"] = args.count_steps
     text = markdown(res)
     print(text)
     write_results(args.json, res, args.markdown, text)

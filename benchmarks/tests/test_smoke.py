@@ -101,8 +101,9 @@ def test_light_mode_parts_quick(tmp_path):
     out_json, out_md = tmp_path / "parts.json", tmp_path / "parts.md"
     _run([BENCH / "light_mode_parts.py", "--quick", "--json", out_json, "--markdown", out_md])
     data = json.loads(out_json.read_text())
-    assert set(data["variants"]) == {"bare", "saved_tensor_hooks_identity", "saved_tensor_hooks_detached",
-                                     "module_forward_hooks", "grad_hooks", "memprof_light"}
+    assert set(data["variants"]) == {"bare", "bare_control", "saved_tensor_hooks_identity",
+                                     "saved_tensor_hooks_detached", "module_forward_hooks", "grad_hooks",
+                                     "all_mechanisms", "memprof_light"}
     assert data["variants"]["bare"]["wall_ratio"] == 1.0 and data["variants"]["bare"]["cpu_ratio"] == 1.0
     assert all(v["wall_ms"] > 0 and v["cpu_ms"] > 0 for v in data["variants"].values())
     assert "| memprof_light |" in out_md.read_text()
@@ -174,3 +175,32 @@ def test_published_quick(tmp_path):
     summary = data["summary"]["memprof"]
     assert summary["rows"] == 3 and 0 <= summary["under_estimates"] <= 3
     assert "| estimator | median abs. error |" in out_md.read_text()
+
+
+def test_all_mechanisms_is_light_modes_floor_and_leaves_nothing_behind():
+    # light_mode_parts' "all_mechanisms" stands for what light mode installs, with nothing in it: the saved-tensor
+    # pair only inside the model's call (the loss outside it saves through no pair), hooks on every module and
+    # parameter, all gone after.
+    sys.path.insert(0, str(BENCH))
+    import light_mode_parts
+    from overhead import build_workload
+
+    wl = build_workload("gpt", torch.device("cpu"), True)
+    inp, target = wl.batch
+    with light_mode_parts._all_mechanisms(wl.model)():
+        logits = wl.model(inp)
+        loss = wl.loss_fn(logits, target)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # popped at the model's end
+        # The loss's own node saved outside the model's call: no pair packed it.
+        assert all(getattr(loss.grad_fn, name).unpack_hook is None
+                   for name in dir(loss.grad_fn) if name.startswith("_raw_saved_")
+                   and getattr(loss.grad_fn, name) is not None)
+        # The head's matrix multiply saved inside it: the pair packed its input.
+        node = logits.grad_fn
+        while not any(n.startswith("_raw_saved_") for n in dir(node)):
+            node = node.next_functions[0][0]
+        raw = [getattr(node, n) for n in dir(node) if n.startswith("_raw_saved_")]
+        assert any(r is not None and not isinstance(r, (list, tuple)) and r.unpack_hook is not None for r in raw)
+        loss.backward()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in wl.model.modules())
+    assert all(not p._post_accumulate_grad_hooks for p in wl.model.parameters())
