@@ -94,3 +94,42 @@ def test_a_simulated_op_crosses_the_collector_one_mode_of_rules_and_the_fake_mod
     memprof.estimate(Probe(), torch.optim.SGD, inputs=torch.zeros(2, 4), **target)
     fake = ["FakeTensorMode"] if "device" in target else []  # a GPU target runs on meta tensors: no fake mode
     assert seen and all(s == [*fake, "OpChain", "SimulatedDispatchMode"] for s in seen), seen
+
+
+def test_a_dtensors_device_queries_are_answered_and_never_counted_as_ops(monkeypatch):
+    # DTensor's handler asks its local fake tensor's device (prim.device) after the collector handed the wrapper's
+    # op back: the collector's mode answers it, as a real tensor answers without an op. Before it did, each query
+    # reached the collector's handler and counted as an op of the phase (a tensor-parallel forward of 20 ops read
+    # 24), which a real run of the same rank never counts.
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from memprof.collect import simulated
+    from memprof.collect.dispatch import DispatchMode
+
+    asked, counted = [], []
+    handler, answered = DispatchMode.__torch_dispatch__, simulated.SimulatedDispatchMode.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        counted.append(func)
+        return handler(self, func, types, args, kwargs)
+
+    def answering(self, func, types, args=(), kwargs=None):
+        asked.append(func)
+        return answered(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(DispatchMode, "__torch_dispatch__", counting)
+    monkeypatch.setattr(simulated.SimulatedDispatchMode, "__torch_dispatch__", answering)
+
+    def tp(model, mesh):
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    est = memprof.estimate(model, torch.optim.SGD, inputs=torch.randn(8, 16), targets=torch.randint(0, 4, (8,)),
+                           loss_fn=torch.nn.functional.cross_entropy, world_size=2, rank=0, parallelize=tp,
+                           device="cpu")
+    assert asked.count(simulated.PRIM_DEVICE) > 0  # DTensor did ask: the check below is not vacuous
+    assert simulated.PRIM_DEVICE not in counted
+    ops = {p.phase.value: p.ops for p in est.trace.steps[0].phases if p.ops}
+    assert ops.get("forward", 0) > 0 and ops.get("backward", 0) > 0  # the step's own ops were counted
