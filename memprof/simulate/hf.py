@@ -177,8 +177,8 @@ def build_model(config: ConfigSource, *, checkpointing: bool = False) -> HfModel
     notes: list[str] = []
     names = list(getattr(config, "architectures", None) or [])
     if not names:
-        name = _default_architecture(config, transformers)
-        notes.append(f"the config names no architectures: built {name}, the causal LM of its model_type")
+        name, what = _default_architecture(config, transformers)
+        notes.append(f"the config names no architectures: built {name}, the {what} of its model_type")
         names = [name]
     name = names[0]
     kind = _kind_of(name, transformers)
@@ -247,13 +247,24 @@ def enable_checkpointing(model: "HfModule") -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _default_architecture(config: "PretrainedConfig", transformers: types.ModuleType) -> str:
-    mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    name = mapping.get(getattr(config, "model_type", ""))
-    if not name:
-        raise UnknownNameError(f"the config names no architectures and model_type {config.model_type!r} has no "
-                               "causal LM in transformers; set \"architectures\" in config.json")
-    return str(name)
+def _default_architecture(config: "PretrainedConfig", transformers: types.ModuleType) -> tuple[str, str]:
+    """The class to build for a config that names none, and what it is in words: the model_type's
+    sequence-to-sequence LM for an encoder-decoder config (``is_encoder_decoder``: Pegasus, mBART, T5, whose
+    decoder alone is also a causal LM of transformers' but half the model trained), else its causal LM."""
+    auto = transformers.models.auto.modeling_auto
+    seq2seq = "sequence-to-sequence LM (an encoder-decoder config)"
+    tables = [(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "causal LM"),
+              (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, seq2seq)]
+    if getattr(config, "is_encoder_decoder", False):
+        tables.reverse()
+    model_type = getattr(config, "model_type", "")
+    for mapping, what in tables:
+        name = mapping.get(model_type)
+        if name:
+            return str(name), what
+    raise UnknownNameError(f"the config names no architectures and model_type {model_type!r} has no causal or "
+                           "sequence-to-sequence LM in transformers; set \"architectures\" in config.json to the "
+                           "class to build")
 
 
 def token_batch(built: HfModel, batch_size: int, seq_len: int) -> "dict[str, torch.Tensor]":

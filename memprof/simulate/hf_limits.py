@@ -68,7 +68,12 @@ def _fields(config: object, prefix: str = "") -> "list[tuple[str, str, object]]"
     """(canonical name, name as written with its sub-config's prefix, value) of the size fields of ``config`` and of
     its sub-configs (``text_config``, ``vision_config`` ...)."""
     out = []
+    stored = vars(config)
     for name in POSITIVE + NON_NEGATIVE:
+        if _spelled(config, name) not in stored and isinstance(getattr(type(config), name, None), property):
+            # What the config's class computes rather than the file gives (XLNet's max_position_embeddings
+            # answers -1, "no limit", and cannot be set): nothing config.json could fix; sequence_limit reads it.
+            continue
         try:
             value = getattr(config, name, None)
         except Exception as exc:  # a property of the config that cannot answer: not a size this check can read

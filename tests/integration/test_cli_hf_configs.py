@@ -228,3 +228,58 @@ def test_a_quantization_config_is_said_not_applied(tmp_path):
     est = hf.estimate_hf(_folder(tmp_path, quantized), seq_len=8, batch_size=1, device="cpu")
     assert est.precision == "fp16"
     assert any("quantization_config (bitsandbytes, load_in_8bit) was not applied" in n for n in est.notes)
+
+
+@pytest.mark.parametrize("model_type, built, fields", [
+    ("pegasus", "PegasusForConditionalGeneration", dict(d_model=32, encoder_layers=1, decoder_layers=1,
+                                                         encoder_attention_heads=2, decoder_attention_heads=2,
+                                                         encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64)),
+    ("t5", "T5ForConditionalGeneration", dict(d_model=32, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1,
+                                              num_heads=2, vocab_size=64)),
+    ("gpt2", "GPT2LMHeadModel", dict(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=64)),
+])
+def test_a_config_naming_no_architectures_builds_the_whole_model_it_describes(model_type, built, fields):
+    # Pegasus and mBART also have a decoder-only causal LM in transformers: built for an encoder-decoder config, it
+    # left the encoder out (58 % of a small Pegasus's parameters), under what the user trains. T5 has none, and
+    # was refused. An encoder-decoder config builds its sequence-to-sequence LM; any other its causal LM.
+    from transformers import AutoConfig
+
+    from memprof.simulate.hf import build_model
+
+    config = AutoConfig.for_model(model_type, **fields)
+    assert not getattr(config, "architectures", None)
+    made = build_model(config)
+    assert type(made.model).__name__ == built
+    assert made.kind == ("seq2seq" if config.is_encoder_decoder else "causal-lm")
+    assert any(built in note for note in made.notes)
+    # Every parameter of the model the config describes is there: the encoder's too.
+    whole = {n for n, _ in made.model.named_parameters()}
+    assert (not config.is_encoder_decoder) or any("encoder" in n.split(".") for n in whole)
+
+
+def test_a_config_with_no_lm_of_its_type_names_the_fix():
+    from transformers import AutoConfig
+
+    from memprof.errors import UnknownNameError
+    from memprof.simulate.hf import build_model
+
+    with pytest.raises(UnknownNameError, match="no causal or sequence-to-sequence LM.*set \"architectures\""):
+        build_model(AutoConfig.for_model("distilbert", dim=32, n_layers=1, n_heads=2, hidden_dim=64, vocab_size=64))
+
+
+def test_a_size_the_config_class_computes_is_not_refused_as_the_files():
+    # XLNet's config answers max_position_embeddings -1 ("no limit") from a property that cannot be set: refusing it
+    # told the user to fix a field config.json does not have. A size the file gives is still checked.
+    from transformers import AutoConfig
+
+    from memprof.errors import InvalidArgumentError
+    from memprof.simulate.hf import build_model
+    from memprof.simulate.hf_limits import sequence_limit
+
+    config = AutoConfig.for_model("xlnet", d_model=32, n_layer=1, n_head=2, d_inner=64, vocab_size=64)
+    assert config.max_position_embeddings == -1 and "max_position_embeddings" not in vars(config)
+    assert type(build_model(config).model).__name__ == "XLNetLMHeadModel"
+    assert sequence_limit(config) is None  # no bound declared: any seq_len
+    config.n_layer = 0
+    with pytest.raises(InvalidArgumentError, match="n_layer is 0"):
+        build_model(config)
