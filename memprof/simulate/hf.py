@@ -62,6 +62,8 @@ def load_config(source: ConfigSource) -> "HfConfig":
                                    f"got {type(source).__name__}")
     path = os.fspath(source)
     _read_bounded(path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        path = os.path.join(path, "config.json")  # a file on this machine: its errors are the file's, not the hub's
     if os.path.isfile(path):
         try:
             return transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) if
@@ -77,7 +79,7 @@ def load_config(source: ConfigSource) -> "HfConfig":
                 raise
             _check_file(path)
             raise InvalidArgumentError(f"transformers refuses the config in {path} ({_last(exc)}); fix it") from None
-    if (os.path.isabs(path) or path.startswith(".")) and not os.path.exists(path):
+    if not os.path.exists(path) and _looks_local(path):
         raise ConfigNotFoundError(f"no such file or folder: {path}; give a folder holding config.json, the file, or "
                                   "a hub id")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -98,6 +100,16 @@ def load_config(source: ConfigSource) -> "HfConfig":
         _check_file(path)
         raise InvalidArgumentError(f"transformers refuses the config in {path} ({_last(exc)}); fix config.json") \
             from None
+
+
+def _looks_local(path: str) -> bool:
+    """Is ``path``, which does not exist, meant as a file or folder here rather than a hub id? A hub id is
+    ``name`` or ``owner/name``; a path that starts at the root or a dot, has more parts, or whose first part is a
+    folder here (``configs/llama`` beside a ``configs`` folder) is a local one mistyped, not worth transformers'
+    retries of the hub (about 25 s without a network)."""
+    parts = path.replace(os.sep, "/").split("/")
+    return (os.path.isabs(path) or path.startswith(".") or len(parts) > 2
+            or (len(parts) == 2 and os.path.isdir(parts[0])))
 
 
 def _check_file(path: str) -> None:

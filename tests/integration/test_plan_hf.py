@@ -4,6 +4,7 @@ and the what-if of a measured run confirmed by running the changed configuration
 
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -93,6 +94,20 @@ def test_errors_name_the_fix(tmp_path, monkeypatch):
         hf.load_config(tmp_path)
     with pytest.raises(ConfigNotFoundError, match="no such file or folder"):
         hf.load_config(tmp_path / "missing")
+    # A relative path mistyped beside the folder it names (configs/lama for configs/llama) is a local path, not a hub
+    # id: refused at once, where transformers retried the hub for about 25 s without a network.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    started = time.perf_counter()
+    with pytest.raises(ConfigNotFoundError, match="no such file or folder: configs/lama"):
+        hf.load_config("configs/lama")
+    with pytest.raises(ConfigNotFoundError, match="no such file or folder"):
+        hf.load_config("a/b/c")  # no hub id has three parts
+    assert time.perf_counter() - started < 5
+    # A folder whose config.json transformers cannot read names the file, not the hub's cache.
+    unknown = _folder(tmp_path, {**TINY, "model_type": "llamaXX"}, "unknown-type")
+    with pytest.raises(ConfigNotFoundError, match="cannot read .*unknown-type.*config.json as a transformers config"):
+        hf.load_config(unknown)
     with pytest.raises(UnknownNameError, match="set \"architectures\" in config.json"):
         hf.build_model(_folder(tmp_path, {**TINY, "architectures": ["NoSuchForCausalLM"]}))
     # Phi-3's default pad id (32000) beyond a small vocabulary: named, not torch's bare AssertionError.
