@@ -79,7 +79,8 @@ def _size(n: "int | None") -> str:
 
 
 def _cells(row: "PlanRow", pipelined: bool = False) -> list[str]:
-    fits = str(row.max_batch_size) if row.max_batch_size else "none"
+    # "+": the answer fits, but the batch above it was not simulated (the search's ceiling): it may be larger.
+    fits = (f"{row.max_batch_size}{'' if row.verified else '+'}") if row.max_batch_size else "none"
     at = "" if row.max_batch_size else " (at batch 1)"
     cells = [row.layout, row.precision, "on" if row.checkpointing else "off", fits,
              _size(row.device_peak) + at, _size(row.peak_bytes), _size(row.headroom),
@@ -105,10 +106,11 @@ def _headers(grid: "PlanGrid") -> "tuple[list[str], bool]":
 
 def _best_line(best: "PlanRow") -> str:
     what = f"{best.layout}, {best.precision}, checkpointing {'on' if best.checkpointing else 'off'}"
+    least = "" if best.verified else "at least "
     if best.microbatches is not None:
-        return (f"* the largest batch: {what}: {best.max_batch_size} per micro-batch x {best.microbatches} "
+        return (f"* the largest batch: {what}: {least}{best.max_batch_size} per micro-batch x {best.microbatches} "
                 f"micro-batches per pipeline rank (stage {best.worst_stage}'s rank the fullest)")
-    return f"* the largest batch: {what}: {best.max_batch_size} per rank"
+    return f"* the largest batch: {what}: {least}{best.max_batch_size} per rank"
 
 
 def plan_text(grid: "PlanGrid") -> str:
@@ -130,7 +132,8 @@ def plan_text(grid: "PlanGrid") -> str:
     else:
         lines.append(_best_line(best))
     if not all(r.verified for r in grid.rows):
-        lines.append("some answers are not confirmed by a simulation above them (the search stopped at its ceiling)")
+        lines.append("+ an answer the batch above it was not simulated for (the search stopped at its ceiling, "
+                     "max_batch): that batch fits, and a larger one may too")
     lines.extend(f"  - {note}" for note in grid.notes)
     return "\n".join(lines)
 

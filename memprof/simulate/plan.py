@@ -73,15 +73,15 @@ class Labels(NamedTuple):
     notes: Sequence[str] = ()
 
 
-_SEARCH_NOTE = ("search: every row's answer was simulated and so was the batch above it (verified: it fits, the "
-                "next does not); the batches tried were predicted from each phase moment's tensor bytes as a line in "
-                "the batch (two simulated batches per precision, checkpointing and family of layouts) plus the "
-                "device bytes above the tensors the nearest simulated batch that fitted showed, and once a row had "
-                "two simulated batches whose allocation streams have one shape, by replaying the stream interpolated "
-                "between them through the allocator model; a prediction is never an answer. The answer is the edge "
-                "below which every batch fits: where memory is pressed (the allocator frees its cache and retries) a "
-                "batch can fail while a larger one fits, so the replays below the answer were read down to a batch "
-                "that fits without pressing memory")
+_SEARCH_NOTE = ("search: every row's answer was simulated, and so was the batch above it unless the search stopped at"
+                " its ceiling (verified: it fits, the next does not); the batches tried were predicted from each "
+                "phase moment's tensor bytes as a line in the batch (two simulated batches per precision, "
+                "checkpointing and family of layouts) plus the device bytes above the tensors the nearest simulated "
+                "batch that fitted showed, and once a row had two simulated batches whose allocation streams have one"
+                " shape, by replaying the stream interpolated between them through the allocator model; a prediction "
+                "is never an answer. The answer is the edge below which every batch fits: where memory is pressed "
+                "(the allocator frees its cache and retries) a batch can fail while a larger one fits, so the replays"
+                " below the answer were read down to a batch that fits without pressing memory")
 
 
 def plan_grid(trained: Trained, *, gpu: "str | GpuSpec | None", layouts: Sequence[Layout],
