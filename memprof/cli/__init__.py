@@ -213,9 +213,10 @@ def _estimate_command(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     est.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default=None,
                      help="optimizer when the factory gives none (default adamw); a training step's only")
     est.add_argument("--device", default="cuda", help="device the figures are for (default cuda: 512-byte blocks)")
-    est.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed", "mixed-fp16"), default=None,
+    est.add_argument("--precision", choices=("fp32", "bf16", "fp16", "mixed", "amp", "mixed-fp16"), default=None,
                      help="cast the parameters (fp32, bf16, fp16), or keep them fp32 and run the forward under "
-                          "autocast (mixed: bf16; mixed-fp16: fp16 with a GradScaler); default: as built")
+                          "autocast (mixed, or amp as plan and the run file also say it: bf16; mixed-fp16: fp16 with "
+                          "a GradScaler); default: as built")
     est.add_argument("--attention", choices=("auto", "flash", "efficient", "math"), default="auto",
                      help="attention kernel of a CUDA target (default auto: the one torch's CUDA dispatcher picks)")
     est.add_argument("--world-size", type=int, default=1,

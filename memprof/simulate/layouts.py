@@ -195,11 +195,14 @@ def _missing(model: HfModule, item: object, tp: list[Layout], pp: list[Layout], 
             return (f" (no pipeline-parallel layout: no pipeline degree of {degrees} divides both the world size and "
                     f"the model's {layers} decoder layers)")
         return ""
+    degree = re.search(r"tp(\d+)", name)
+    if degree is not None and int(degree.group(1)) > 1 and world_size % int(degree.group(1)):
+        return (f" (a tensor-parallel layout splits each layer over its degree of ranks, which must divide the world "
+                f"size: {degree.group(1)} does not divide {world_size} rank(s))")
     if tp or world_size == 1:
         return ""
     return (" (no tensor-parallel layout: the model's heads, MLP width or vocabulary are not divisible, or it has no "
             "TP plan)")
-
 
 
 def _missing_ep(model: nn.Module, name: str, world_size: int) -> str:

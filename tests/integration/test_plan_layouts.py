@@ -87,6 +87,11 @@ def test_tp_layouts_divide_the_model(tmp_path):
     assert tp_degrees(built.model, 3) == []
     with pytest.raises(InvalidArgumentError, match="no tensor-parallel layout"):
         choose_layouts(built.model, 3, "tp3")
+    # A degree that does not divide the ranks is named as the reason, not the model's sizes (8 divides them all).
+    with pytest.raises(InvalidArgumentError, match="8 does not divide 3 rank"):
+        choose_layouts(built.model, 3, "tp8")
+    with pytest.raises(InvalidArgumentError, match="4 does not divide 6 rank"):
+        choose_layouts(built.model, 6, "fsdp2-tp4")
 
 
 def test_a_tp_row_holds_the_ranks_local_shards(tmp_path):
