@@ -370,3 +370,16 @@ def test_both_forms_give_the_same_figures_for_every_option(walk, mode):
                 assert {k: fd[k] for k in SAME} == {k: hd[k] for k in SAME}, (dest, fprobe)
                 compared += 1
     assert compared >= 10  # the walk compared most options, not none
+
+
+def test_amp_is_mixed_on_the_command_line_as_everywhere(walk):
+    # "amp", the older word for mixed precision that plan, the run file and the API take, was refused by estimate's
+    # --precision: it gives the same figures as mixed.
+    base = {**FORMS["hf"][1], "json": True}
+    amp = walk.run("estimate", {**base, "precision": "amp"})
+    mixed = walk.run("estimate", {**base, "precision": "mixed"})
+    assert amp[0] == mixed[0] == 0, (amp[2], mixed[2])
+    figures = [{k: v for k, v in json.loads(r[1]).items() if k in ("peak_bytes", "breakdown")} for r in (amp, mixed)]
+    assert figures[0] == figures[1] and figures[0]["peak_bytes"] > 0
+    as_built = walk.run("estimate", base)  # fp32: neither word was ignored
+    assert json.loads(as_built[1])["breakdown"] != figures[0]["breakdown"]
