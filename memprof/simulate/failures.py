@@ -3,9 +3,48 @@ tensors cannot run, or one of memprof's own rules (then memprof is to blame, nev
 
 from __future__ import annotations
 
+import logging
+import threading
+from types import TracebackType
+
 from ..errors import SimulationError
 
-__all__ = ["simulation_error", "KernelRefusal", "read_by_optimizer"]
+__all__ = ["simulation_error", "KernelRefusal", "read_by_optimizer", "QuietMetaFailures"]
+
+
+class _MetaFailure(logging.Filter):
+    """Drops fake tensors' log of a meta kernel that raised (torch/_subclasses/fake_tensor.py logs the traceback,
+    then raises it on): the exception goes on to the user as one line (:func:`simulation_error`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+_FILTER = _MetaFailure()
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+_users = 0
+_lock = threading.Lock()
+
+
+class QuietMetaFailures:
+    """While a simulation runs on fake tensors: a meta kernel that raises does not print torch's traceback above
+    memprof's one-line error (docs/cli.md: errors are one line). Only that record is dropped, from that logger,
+    and only while some simulation runs (nested or in threads: the filter goes when the last one ends)."""
+
+    def __enter__(self) -> None:
+        global _users
+        with _lock:
+            _users += 1
+            _FAKE_LOG.addFilter(_FILTER)
+
+    def __exit__(self, kind: "type[BaseException] | None", exc: "BaseException | None",
+                 tb: "TracebackType | None") -> None:
+        global _users
+        with _lock:
+            _users -= 1
+            if _users <= 0:
+                _users = 0
+                _FAKE_LOG.removeFilter(_FILTER)
 
 
 class KernelRefusal(RuntimeError):

@@ -489,6 +489,7 @@ class Twin:
         model makes sparse gradients (:mod:`memprof.simulate.sparse_kernels`), and the meta kernels' answers kept
         (:mod:`memprof.simulate.meta_kernels`); over the fake-tensor mode where the run has one. The collector
         counts what the rules return."""
+        from .failures import QuietMetaFailures
         from .meta_kernels import MetaKernelCache, answerable
         from .op_chain import OpChain
 
@@ -499,7 +500,7 @@ class Twin:
         elif answerable(mode):  # else its answers depend on more than the arguments' metadata: none is kept
             rules.append(MetaKernelCache(mode))
         chain = OpChain(*rules)
-        return _entered(mode, chain) if mode is not None else _entered(chain)
+        return _entered(QuietMetaFailures(), mode, chain) if mode is not None else _entered(chain)
 
     def rules(self) -> Rules:
         # One mode, in this order: autocast's casts happen before the kernel choice sees the tensors; the router

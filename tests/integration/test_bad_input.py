@@ -443,3 +443,33 @@ def test_a_model_that_formats_a_tensors_value_is_refused_by_a_simulation_error()
         memprof.estimate(Logs(".3f"), None, inputs=torch.randn(4, 8), loss_fn=lambda out: out.sum(), steps=1)
     plain = Logs("")
     memprof.estimate(plain, None, inputs=torch.randn(4, 8), loss_fn=lambda out: out.sum(), steps=1)
+
+
+def test_a_shape_error_on_fake_tensors_is_one_line_with_no_torchs_traceback_logged(caplog):
+    # torch's fake tensors log the traceback of a meta kernel that raises before raising it on: printed above
+    # memprof's one-line error, it was the traceback docs/cli.md says the user never gets. Dropped while the
+    # simulation runs, that record only; the filter goes with the simulation.
+    import logging
+
+    class Mismatched(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x) @ torch.ones(4, 2)  # 3 columns against 4 rows: the meta kernel raises
+
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    filters = list(fake_log.filters)
+    with caplog.at_level(logging.DEBUG, logger="torch._subclasses.fake_tensor"):
+        with pytest.raises(memprof.errors.SimulationError, match="simulated training step 0 failed"):
+            memprof.estimate(Mismatched(), torch.optim.SGD, inputs=torch.zeros(2, 4), device="cpu")
+    assert not [r for r in caplog.records if "failed while attempting to run meta" in r.getMessage()]
+    assert fake_log.filters == filters
+    # Outside a simulation torch logs it as it always did.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with caplog.at_level(logging.DEBUG, logger="torch._subclasses.fake_tensor"), FakeTensorMode():
+        with pytest.raises(RuntimeError):
+            torch.zeros(2, 3) @ torch.ones(4, 2)
+    assert [r for r in caplog.records if "failed while attempting to run meta" in r.getMessage()]
