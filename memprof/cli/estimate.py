@@ -5,6 +5,7 @@ give."""
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..errors import MemprofError, is_interrupt
@@ -228,7 +229,10 @@ def _optimizer(name: str) -> "Callable[[Iterable[torch.nn.Parameter]], torch.opt
         return None
     cls = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[name]
     kwargs = {"lr": 0.1, "momentum": 0.9} if cls == "SGD" else {}
-    return lambda ps: getattr(torch.optim, cls)(ps, **kwargs)
+    # A partial of the class, which a plan's notes can name (a lambda read "as given").
+    factory: "Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]" = functools.partial(
+        getattr(torch.optim, cls), **kwargs)
+    return factory
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

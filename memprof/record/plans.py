@@ -100,6 +100,10 @@ class PlanRow:
     worst_stage: "int | None" = None
     #: A pipeline layout's stages (its pipeline degree), None for the other layouts.
     stages: "int | None" = None
+    #: Why the configuration could not be simulated (the error, one line), None for a row with an answer. A failed
+    #: row has no figures: ``max_batch_size`` and the byte figures are 0 there, and the renderers show the reason
+    #: in their place (its JSON gives None); the plan's other rows stand.
+    failed: "str | None" = None
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,7 @@ class PlanGrid:
         """The configuration with the largest batch (the fewest bytes at it breaking ties); None if none fits. A
         pipeline row counts the sequences its rank's share of a step is, micro-batch x micro-batches / stages (the
         pipeline's ``P`` ranks share each sequence), as a data-parallel row's batch is one rank's."""
-        fitting = [r for r in self.rows if r.max_batch_size > 0]
+        fitting = [r for r in self.rows if r.max_batch_size > 0 and r.failed is None]
         return max(fitting, key=lambda r: (r.max_batch_size * (r.microbatches or 1) / (r.stages or 1),
                                            -(r.device_peak or r.peak_bytes)), default=None)
 

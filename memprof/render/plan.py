@@ -21,7 +21,7 @@ __all__ = ["estimate_data", "plan_rows", "plan_data", "plan_text", "plan_frame",
 #: The columns of a plan's rows, in order (``plan_rows``, ``plan_frame``, the JSON of ``memprof plan``).
 COLUMNS = ("parallel", "precision", "checkpointing", "max_batch_size", "batch", "peak_bytes", "device_peak",
            "headroom", "dominant", "dominant_bytes", "peak_step", "peak_phase", "simulations", "verified",
-           "microbatches", "stages", "worst_stage")
+           "microbatches", "stages", "worst_stage", "failed")
 
 
 def estimate_data(est: "Estimate") -> JSONObject:
@@ -49,12 +49,16 @@ def estimate_data(est: "Estimate") -> JSONObject:
 
 
 def _row_data(row: "PlanRow") -> JSONObject:
+    if row.failed is not None:  # no figures: None where an answered row has them, and why
+        return {**dict.fromkeys(COLUMNS), "parallel": row.layout, "precision": row.precision,
+                "checkpointing": row.checkpointing, "microbatches": row.microbatches, "breakdown": None,
+                "failed": row.failed}
     return {"parallel": row.layout, "precision": row.precision, "checkpointing": row.checkpointing,
             "max_batch_size": row.max_batch_size, "batch": row.batch, "peak_bytes": row.peak_bytes,
             "device_peak": row.device_peak, "headroom": row.headroom, "dominant": row.dominant,
             "dominant_bytes": row.dominant_bytes, "peak_step": row.peak_step, "peak_phase": row.peak_phase,
             "simulations": row.simulations, "verified": row.verified, "microbatches": row.microbatches,
-            "stages": row.stages, "worst_stage": row.worst_stage, "breakdown": dict(row.breakdown)}
+            "stages": row.stages, "worst_stage": row.worst_stage, "breakdown": dict(row.breakdown), "failed": None}
 
 
 def plan_rows(grid: "PlanGrid") -> list[JSON]:
@@ -79,6 +83,9 @@ def _size(n: "int | None") -> str:
 
 
 def _cells(row: "PlanRow", pipelined: bool = False) -> list[str]:
+    if row.failed is not None:  # the reason stands in the figures' place (in full in the lines under the table)
+        return [row.layout, row.precision, "on" if row.checkpointing else "off", "failed"] + [""] * (
+            len(_HEADERS) - 4 + (len(_PIPELINE_HEADERS) if pipelined else 0))
     # "+": the answer fits, but the batch above it was not simulated (the search's ceiling): it may be larger.
     fits = (f"{row.max_batch_size}{'' if row.verified else '+'}") if row.max_batch_size else "none"
     at = "" if row.max_batch_size else " (at batch 1)"
@@ -131,7 +138,11 @@ def plan_text(grid: "PlanGrid") -> str:
         lines.append("no configuration fits one sample per rank: more ranks, a shorter sequence or a larger GPU")
     else:
         lines.append(_best_line(best))
-    if not all(r.verified for r in grid.rows):
+    for r in grid.rows:
+        if r.failed is not None:
+            lines.append(f"failed: {r.layout} {r.precision} checkpointing {'on' if r.checkpointing else 'off'}: "
+                         f"{r.failed}")
+    if not all(r.verified for r in grid.rows if r.failed is None):
         lines.append("+ an answer the batch above it was not simulated for (the search stopped at its ceiling, "
                      "max_batch): that batch fits, and a larger one may too")
     lines.extend(f"  - {note}" for note in grid.notes)
@@ -143,7 +154,8 @@ def plan_frame(grid: "PlanGrid") -> "pd.DataFrame":
     import pandas as pd
 
     frame = pd.DataFrame([[_row_data(r)[c] for c in COLUMNS] for r in grid.rows], columns=list(COLUMNS))
-    for col in ("device_peak", "headroom", "peak_step", "microbatches", "stages", "worst_stage"):
+    for col in ("max_batch_size", "batch", "peak_bytes", "device_peak", "headroom", "dominant_bytes", "peak_step",
+                "simulations", "microbatches", "stages", "worst_stage"):
         frame[col] = frame[col].astype("Int64")
     return frame
 
@@ -170,10 +182,13 @@ def plan_page(grid: "PlanGrid") -> str:
     body = []
     for row in grid.rows:
         cls = "best" if row is best else ("none" if not row.max_batch_size else "")
+        title = f' title="{e(row.failed)}"' if row.failed is not None else ""
         cells = "".join(f'<td class="n">{e(c)}</td>' if i in _RIGHT else f"<td>{e(c)}</td>"
                         for i, c in enumerate(_cells(row, pipelined)))
-        body.append(f'<tr class="{cls}">{cells}</tr>')
-    notes = "".join(f"<li>{e(n)}</li>" for n in grid.notes)
+        body.append(f'<tr class="{cls}"{title}>{cells}</tr>')
+    failed = [f"failed: {r.layout} {r.precision} checkpointing {'on' if r.checkpointing else 'off'}: {r.failed}"
+              for r in grid.rows if r.failed is not None]
+    notes = "".join(f"<li>{e(n)}</li>" for n in (*failed, *grid.notes))
     title = f"memprof plan: {grid.model} on {grid.world_size} x {grid.gpu}"
     seq = f", {grid.seq_len} tokens per sequence" if grid.seq_len else ""
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

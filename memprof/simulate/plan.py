@@ -22,7 +22,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, SimulationError, is_interrupt
 from ..record.plans import PlanGrid, PlanRow
 from .hf_pipeline import MICROBATCHES_PER_STAGE, PipelineSimulation, StageSearch
 from .layouts import Layout, data_parallel_layouts
@@ -114,6 +114,9 @@ def plan_grid(trained: Trained, *, gpu: "str | GpuSpec | None", layouts: Sequenc
         return grid.rows
 
     rows, forked = searched(configs, search, processes)
+    if all(r.failed for r in rows):
+        raise SimulationError(f"no configuration of the plan could be simulated; {rows[0].layout} "
+                              f"{rows[0].precision}: {rows[0].failed}")
     return PlanGrid(rows=tuple(rows), model=labels.model_name, gpu=spec.name, capacity=spec.allocatable_bytes,
                     world_size=max((int(lay.options.get("world_size", 1)) for lay in layouts), default=1),
                     seq_len=labels.seq_len, seconds=time.perf_counter() - start,
@@ -171,7 +174,20 @@ class _Grid:
         self.probes: "dict[tuple[str, str, bool], Probe]" = {}
 
     def row(self, ckpt: bool, precision: str, layout: Layout, bar: "Progress") -> None:
-        """Search the row of ``layout`` in ``precision`` with checkpointing ``ckpt``, and keep it."""
+        """Search the row of ``layout`` in ``precision`` with checkpointing ``ckpt``, and keep it; a configuration
+        whose simulation fails (the model's code or an op on shape-only tensors, a pipeline stage that cannot run
+        its cut) is kept as a failed row saying why, and the plan goes on with the others."""
+        try:
+            self._search(ckpt, precision, layout, bar)
+        except (SimulationError, InvalidArgumentError) as exc:
+            if is_interrupt(exc):
+                raise
+            text = str(exc).strip()
+            why = text.splitlines()[0] if text else type(exc).__name__
+            self.rows.append(PlanRow(layout.name, precision, ckpt, 0, 0, 0, None, None, "", 0, None, None, {}, 0,
+                                     False, layout.microbatches, failed=why))
+
+    def _search(self, ckpt: bool, precision: str, layout: Layout, bar: "Progress") -> None:
         from .estimate import estimate
         from .plan_search import Probe, largest_batch
 
@@ -254,6 +270,21 @@ def _sibling_start(probes: "dict[tuple[str, str, bool], Probe]", layout: str, re
     return {m: a[m] + b[m] - c[m] for m in a}, overhead, at
 
 
+def optimizer_words(optimizer: "OptimizerArg") -> str:
+    """The optimizer a plan's rows step, in words: None is torch's AdamW with its defaults; a class, or a partial of
+    one (``--optimizer sgd``), by its name and the arguments given; another factory by its own name."""
+    if optimizer is None:
+        return "torch.optim.AdamW with its defaults"
+    func, given = (optimizer.func, optimizer.keywords) if isinstance(optimizer, partial) else (optimizer, {})
+    name = getattr(func, "__qualname__", None) or type(func).__name__
+    if isinstance(func, type):
+        module = getattr(func, "__module__", "") or ""
+        where = "torch.optim" if module.startswith("torch.optim") else module
+        args = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        return f"{where}.{name}" + (f" with {args}" if args else " with its defaults")
+    return f"as given ({name})"
+
+
 def _process_notes(processes: int) -> list[str]:
     """How the rows were searched, said where more than one process did."""
     if processes <= 1:
@@ -333,7 +364,7 @@ def plan_hf(config: "ConfigSource", *, seq_len: int, gpu: "str | GpuSpec | None"
     token_batch(first, 1, seq_len)  # a bad seq_len fails before anything is simulated
     said = [f"{first.architecture} built from its config on the meta device ({first.kind}), {seq_len} tokens per "
             "sequence; the batch is one rank's",
-            "optimizer: " + ("torch.optim.AdamW with its defaults" if optimizer is None else "as given"),
+            "optimizer: " + optimizer_words(None if optimizer is hf.adamw else optimizer),
             *hf.loop_versions(loop), *transformers_version_note(cfg)]
     if any(bool(c) for c in checkpointing):  # only when a row has it
         said.append("checkpointing: transformers' activation checkpointing on every layer (non-reentrant)")

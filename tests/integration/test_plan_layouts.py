@@ -132,3 +132,39 @@ def test_a_tp_plan_that_names_no_module_is_refused(tmp_path):
         tp_parallelize()(model, None)
     model._tp_plan = {"model.layers.*.mlp.gate_proj": "packed_colwise"}  # a style memprof does not map
     assert tp_degrees(model, 2) == []
+
+
+def test_a_row_that_cannot_be_simulated_is_kept_saying_why_and_the_others_stand(tmp_path, monkeypatch, capsys):
+    # One layout whose simulation fails (a pipeline stage that cannot run its cut, an op shape-only tensors cannot
+    # run) used to end the whole plan with its error; it is a row saying why, and the plan answers the rest.
+    from memprof.errors import SimulationError
+    from memprof.render.plan import plan_data, plan_page, plan_text
+    from memprof.simulate import plan as plan_module
+
+    search = plan_module._Grid._search
+
+    def failing_fsdp(self, ckpt, precision, layout, bar):
+        if layout.name == "fsdp":
+            raise SimulationError("the simulated training step 0 failed: RuntimeError: a shape\nsecond line")
+        return search(self, ckpt, precision, layout, bar)
+
+    monkeypatch.setattr(plan_module._Grid, "_search", failing_fsdp)
+    folder = _folder(tmp_path, TINY)
+    plan = plan_grid(folder, seq_len=32, gpu=SMALL_GPU, world_size=2, layouts="ddp,fsdp", precisions=["bf16"],
+                     checkpointing=[False], processes=1)
+    rows = {r.layout: r for r in plan.rows}
+    assert rows["fsdp"].failed == "the simulated training step 0 failed: RuntimeError: a shape"
+    assert rows["ddp"].failed is None and rows["ddp"].max_batch_size >= 1 and plan.best() is rows["ddp"]
+    text = plan_text(plan)
+    assert "failed: fsdp bf16 checkpointing off: the simulated training step 0 failed" in text
+    data = plan_data(plan)
+    failed = next(r for r in data["rows"] if r["parallel"] == "fsdp")
+    assert failed["failed"].startswith("the simulated") and failed["max_batch_size"] is None
+    assert failed["peak_bytes"] is None and failed["breakdown"] is None  # not measured is never 0
+    frame = plan.to_frame()
+    assert frame["failed"].isna().tolist() == [True, False] and frame["failed"][1] == failed["failed"]
+    assert "failed: fsdp bf16" in plan_page(plan)
+    # Every row failing is the plan's failure, naming the first.
+    with pytest.raises(SimulationError, match="no configuration of the plan could be simulated; fsdp bf16: the"):
+        plan_grid(folder, seq_len=32, gpu=SMALL_GPU, world_size=2, layouts="fsdp", precisions=["bf16"],
+                  checkpointing=[False], processes=1)
