@@ -168,3 +168,25 @@ def test_a_row_that_cannot_be_simulated_is_kept_saying_why_and_the_others_stand(
     with pytest.raises(SimulationError, match="no configuration of the plan could be simulated; fsdp bf16: the"):
         plan_grid(folder, seq_len=32, gpu=SMALL_GPU, world_size=2, layouts="fsdp", precisions=["bf16"],
                   checkpointing=[False], processes=1)
+
+
+def test_a_plans_optimizer_is_named():
+    # The command line's --optimizer (always given, adamw by default) read "optimizer: as given".
+    import functools
+
+    import torch
+
+    from memprof.cli.estimate import _optimizer
+    from memprof.simulate import hf
+    from memprof.simulate.plan import optimizer_words
+
+    assert optimizer_words(_optimizer("adamw")) == "torch.optim.AdamW with its defaults"
+    assert optimizer_words(_optimizer("sgd")) == "torch.optim.SGD with lr=0.1, momentum=0.9"
+    assert optimizer_words(None) == optimizer_words(functools.partial(torch.optim.AdamW))
+    assert optimizer_words(hf.adamw) == "as given (adamw)"  # plan_hf says it is AdamW's defaults itself
+
+    def make(params):
+        return torch.optim.Adam(params)
+
+    assert optimizer_words(make) == "as given (test_a_plans_optimizer_is_named.<locals>.make)"
+    assert isinstance(_optimizer("adam")([torch.nn.Parameter(torch.zeros(1))]), torch.optim.Adam)

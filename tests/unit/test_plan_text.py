@@ -27,24 +27,3 @@ def test_a_plan_whose_answers_are_all_confirmed_prints_no_mark():
     assert "37+" not in text and "at least" not in text and "not simulated for" not in text
     assert "* the largest batch: ddp, bf16, checkpointing on: 37 per rank" in text
 
-
-def test_a_plans_optimizer_is_named():
-    # The command line's --optimizer (always given, adamw by default) read "optimizer: as given".
-    import functools
-
-    import torch
-
-    from memprof.cli.estimate import _optimizer
-    from memprof.simulate import hf
-    from memprof.simulate.plan import optimizer_words
-
-    assert optimizer_words(_optimizer("adamw")) == "torch.optim.AdamW with its defaults"
-    assert optimizer_words(_optimizer("sgd")) == "torch.optim.SGD with lr=0.1, momentum=0.9"
-    assert optimizer_words(None) == optimizer_words(functools.partial(torch.optim.AdamW))
-    assert optimizer_words(hf.adamw) == "as given (adamw)"  # plan_hf says it is AdamW's defaults itself
-
-    def make(params):
-        return torch.optim.Adam(params)
-
-    assert optimizer_words(make) == "as given (test_a_plans_optimizer_is_named.<locals>.make)"
-    assert isinstance(_optimizer("adam")([torch.nn.Parameter(torch.zeros(1))]), torch.optim.Adam)
