@@ -90,6 +90,11 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
         fix = ("context parallelism's ring attention has handlers for the CUDA attention kernels only (torch's "
                "_context_parallel/_attention.py): estimate for device='cuda', whose attention the simulation runs as "
                "the flash or efficient kernel")
+    elif "unsupported scalartype" in low and "autocast" in _failing_line(exc):
+        fix = ("the model asks torch's autocast about its tensors' device type (torch.get_autocast_dtype or "
+               "torch.autocast of x.device.type, as Nemotron's layer norm does), which is 'meta' in a simulation for "
+               "a CUDA target and which torch does not answer; on a GPU it asks about 'cuda'. Estimate this "
+               "precision with device='cpu' (fake CPU tensors, whose autocast torch answers), or in bf16")
     elif reads:
         fix = ("the model reads tensor values (.item(), .tolist(), a tensor in an if), which shape-only tensors do "
                "not have; pass such values as Python numbers, or keep that code out of the training step")
@@ -116,6 +121,16 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
 _RULE_MODULES = ("kernels", "sdpa_rules", "autocast", "cpu_kernels", "moe", "routers", "grouped_mm", "experts",
                  "shadows")
 _PASSING_ON = frozenset({"__torch_dispatch__", "__torch_function__", "handle"})
+
+
+def _failing_line(exc: BaseException) -> str:
+    """The source line of the innermost frame outside torch where ``exc`` was raised ("" when there is none)."""
+    import traceback
+
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "/torch/" not in f.filename.replace("\\", "/"):
+            return f.line or ""
+    return ""
 
 
 def _rule_frame(exc: BaseException) -> str:

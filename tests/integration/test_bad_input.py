@@ -473,3 +473,24 @@ def test_a_shape_error_on_fake_tensors_is_one_line_with_no_torchs_traceback_logg
         with pytest.raises(RuntimeError):
             torch.zeros(2, 3) @ torch.ones(4, 2)
     assert [r for r in caplog.records if "failed while attempting to run meta" in r.getMessage()]
+
+
+def test_a_model_that_asks_autocast_about_its_device_is_told_why_a_cuda_target_cannot_answer():
+    # Nemotron's layer norm asks torch.get_autocast_dtype(x.device.type) when autocast is on: in a simulation for a
+    # CUDA target that is 'meta', which torch does not answer ("unsupported scalarType"); the error said the model
+    # must run on shape-only tensors, as if the model were at fault. It says why, and what runs instead.
+    class AsksAutocast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if torch.is_autocast_enabled():
+                x = x.to(torch.get_autocast_dtype(x.device.type))
+            return self.lin(x)
+
+    with pytest.raises(memprof.errors.SimulationError, match=r"asks torch's autocast about its tensors' device type"
+                       r".*device='cpu'"):
+        memprof.estimate(AsksAutocast(), torch.optim.SGD, inputs=torch.zeros(2, 4), precision="mixed", device="cuda")
+    est = memprof.estimate(AsksAutocast(), torch.optim.SGD, inputs=torch.zeros(2, 4), precision="mixed", device="cpu")
+    assert est.peak_bytes > 0
