@@ -120,6 +120,12 @@ def _best_line(best: "PlanRow") -> str:
     return f"* the largest batch: {what}: {least}{best.max_batch_size} per rank"
 
 
+def _failures(grid: "PlanGrid") -> list[str]:
+    """A line per row that could not be simulated, saying why (under the text table, in the page's notes)."""
+    return [f"failed: {r.layout} {r.precision} checkpointing {'on' if r.checkpointing else 'off'}: {r.failed}"
+            for r in grid.rows if r.failed is not None]
+
+
 def plan_text(grid: "PlanGrid") -> str:
     """The grid as a table for a terminal: a line per configuration, the best one marked with ``*``."""
     seq = f", {grid.seq_len} tokens per sequence" if grid.seq_len else ""
@@ -138,10 +144,7 @@ def plan_text(grid: "PlanGrid") -> str:
         lines.append("no configuration fits one sample per rank: more ranks, a shorter sequence or a larger GPU")
     else:
         lines.append(_best_line(best))
-    for r in grid.rows:
-        if r.failed is not None:
-            lines.append(f"failed: {r.layout} {r.precision} checkpointing {'on' if r.checkpointing else 'off'}: "
-                         f"{r.failed}")
+    lines.extend(_failures(grid))
     if not all(r.verified for r in grid.rows if r.failed is None):
         lines.append("+ an answer the batch above it was not simulated for (the search stopped at its ceiling, "
                      "max_batch): that batch fits, and a larger one may too")
@@ -186,9 +189,7 @@ def plan_page(grid: "PlanGrid") -> str:
         cells = "".join(f'<td class="n">{e(c)}</td>' if i in _RIGHT else f"<td>{e(c)}</td>"
                         for i, c in enumerate(_cells(row, pipelined)))
         body.append(f'<tr class="{cls}"{title}>{cells}</tr>')
-    failed = [f"failed: {r.layout} {r.precision} checkpointing {'on' if r.checkpointing else 'off'}: {r.failed}"
-              for r in grid.rows if r.failed is not None]
-    notes = "".join(f"<li>{e(n)}</li>" for n in (*failed, *grid.notes))
+    notes = "".join(f"<li>{e(n)}</li>" for n in (*_failures(grid), *grid.notes))
     title = f"memprof plan: {grid.model} on {grid.world_size} x {grid.gpu}"
     seq = f", {grid.seq_len} tokens per sequence" if grid.seq_len else ""
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

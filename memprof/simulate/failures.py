@@ -6,8 +6,12 @@ from __future__ import annotations
 import logging
 import threading
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from ..errors import SimulationError
+
+if TYPE_CHECKING:
+    import traceback
 
 __all__ = ["simulation_error", "KernelRefusal", "read_by_optimizer", "QuietMetaFailures"]
 
@@ -90,7 +94,7 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
         fix = ("context parallelism's ring attention has handlers for the CUDA attention kernels only (torch's "
                "_context_parallel/_attention.py): estimate for device='cuda', whose attention the simulation runs as "
                "the flash or efficient kernel")
-    elif "unsupported scalartype" in low and "autocast" in _failing_line(exc):
+    elif "unsupported scalartype" in low and "autocast" in _model_source(exc):
         fix = ("the model asks torch's autocast about its tensors' device type (torch.get_autocast_dtype or "
                "torch.autocast of x.device.type, as Nemotron's layer norm does), which is 'meta' in a simulation for "
                "a CUDA target and which torch does not answer; on a GPU it asks about 'cuda'. Estimate this "
@@ -121,16 +125,6 @@ def simulation_error(exc: BaseException, step: "int | str") -> SimulationError:
 _RULE_MODULES = ("kernels", "sdpa_rules", "autocast", "cpu_kernels", "moe", "routers", "grouped_mm", "experts",
                  "shadows")
 _PASSING_ON = frozenset({"__torch_dispatch__", "__torch_function__", "handle"})
-
-
-def _failing_line(exc: BaseException) -> str:
-    """The source line of the innermost frame outside torch where ``exc`` was raised ("" when there is none)."""
-    import traceback
-
-    for f in reversed(traceback.extract_tb(exc.__traceback__)):
-        if "/torch/" not in f.filename.replace("\\", "/"):
-            return f.line or ""
-    return ""
 
 
 def _rule_frame(exc: BaseException) -> str:
@@ -171,15 +165,27 @@ def read_by_optimizer(files: "list[str]") -> bool:
     return False
 
 
-def _model_frame(exc: BaseException) -> str:
-    """The innermost frame of the failure outside torch and memprof (the model's line), as ``file:line``."""
+def _model_line(exc: BaseException) -> "traceback.FrameSummary | None":
+    """The innermost frame of the failure outside torch and memprof: the model's line."""
     import traceback
 
     for f in reversed(traceback.extract_tb(exc.__traceback__)):
         name = f.filename.replace("\\", "/")
         if "/torch/" not in name and "/memprof/" not in name:
-            parts = name.split("/site-packages/")
-            return f"{parts[-1]}:{f.lineno}"
-    return ""
+            return f
+    return None
 
 
+def _model_frame(exc: BaseException) -> str:
+    """The model's line (:func:`_model_line`) as ``file:line``, its path from site-packages on."""
+    f = _model_line(exc)
+    if f is None:
+        return ""
+    name = f.filename.replace("\\", "/")
+    return f"{name.split('/site-packages/')[-1]}:{f.lineno}"
+
+
+def _model_source(exc: BaseException) -> str:
+    """The source text of the model's line (:func:`_model_line`), "" where there is none."""
+    f = _model_line(exc)
+    return (f.line or "") if f is not None else ""

@@ -184,8 +184,10 @@ class _Grid:
                 raise
             text = str(exc).strip()
             why = text.splitlines()[0] if text else type(exc).__name__
-            self.rows.append(PlanRow(layout.name, precision, ckpt, 0, 0, 0, None, None, "", 0, None, None, {}, 0,
-                                     False, layout.microbatches, failed=why))
+            self.rows.append(PlanRow(layout=layout.name, precision=precision, checkpointing=ckpt, max_batch_size=0,
+                                     batch=0, peak_bytes=0, device_peak=None, headroom=None, dominant="",
+                                     dominant_bytes=0, peak_step=None, peak_phase=None, breakdown={}, simulations=0,
+                                     verified=False, microbatches=layout.microbatches, failed=why))
 
     def _search(self, ckpt: bool, precision: str, layout: Layout, bar: "Progress") -> None:
         from .estimate import estimate
